@@ -1,0 +1,27 @@
+# stoker developer entry points. Each target does its own set-up.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo demo-quick test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints-dev.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/stoker demo --json demo-out/demo.json --plot demo-out/demo.png
+
+demo-quick: venv
+	$(BIN)/stoker demo --quick --json demo-out/demo-quick.json --plot demo-out/demo-quick.png
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache
