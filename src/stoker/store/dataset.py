@@ -1,0 +1,237 @@
+"""`open_dataset`: a map-style dataset over a packed store, read through the node cache.
+
+A sample costs one lookup in the in-memory index and one ranged read: from a
+cached block on local disk when present, else one ranged GET of its block from
+the origin (the block is verified and admitted to the cache), else, when the
+cache would not admit the block, a ranged GET of just the sample.
+
+Blocks are runs of consecutive samples of one shard, about ``block_bytes`` long
+and cut at sample boundaries, so every block can be checked against the index's
+per-sample xxh3-64 checksums when it is filled and every sample when it is read.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ..cache import DiskCache
+from ..storage import Origin
+from .index import INDEX_NAME, DatasetIndex, read_index
+
+DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_CACHE_BYTES = 8 << 30
+
+
+class ChecksumError(IOError):
+    """A sample's bytes from the origin do not match the index (names key, shard and URL)."""
+
+
+def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
+    """Cut each shard's samples into blocks of about ``block_bytes`` (at least one sample each).
+
+    Returns a dict of arrays: ``sample_block`` int32 (N,) block of each sample;
+    ``shard`` int32 (B,); ``start``/``end`` int64 (B,), the block's shard bytes
+    [start, end); ``order`` int64 (N,), sample ids sorted by (shard, offset);
+    ``first``/``count`` int64 (B,), the block's samples are order[first:first+count].
+    """
+    n = len(index)
+    order = np.lexsort((index.offset, index.shard)).astype(np.int64)
+    sample_block = np.empty(n, dtype=np.int32)
+    shard, start, end, first = [], [], [], []
+    cur_shard, cur_start = -1, 0
+    for pos, i in enumerate(order):
+        s, off = int(index.shard[i]), int(index.offset[i])
+        e = off + int(index.length[i])
+        if s != cur_shard or e - cur_start > block_bytes:
+            shard.append(s)
+            start.append(off)
+            end.append(e)
+            first.append(pos)
+            cur_shard, cur_start = s, off
+        else:
+            end[-1] = e
+        sample_block[i] = len(shard) - 1
+    first_a = np.asarray(first, np.int64)
+    count = np.diff(np.append(first_a, n))
+    return {"sample_block": sample_block, "shard": np.asarray(shard, np.int32),
+            "start": np.asarray(start, np.int64), "end": np.asarray(end, np.int64),
+            "order": order, "first": first_a, "count": count}
+
+
+@dataclass
+class ReadStats:
+    """Per-process sample read counters."""
+
+    samples: int = 0
+    cache_hits: int = 0
+    direct_reads: int = 0    # samples read from the origin without a block fill
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Dataset:
+    """Map-style dataset of a packed store: ``ds[i] -> (payload bytes, label int)``.
+
+    ``len(ds)`` samples; ``ds.key(i)`` the sample key; ``ds.labels`` int64 (N,).
+    Picklable (worker processes get the in-memory index, not a re-download).
+    Reads raise :class:`ChecksumError` when origin bytes do not match the index
+    and :class:`stoker.storage.OriginError` when the origin fails after retries.
+    """
+
+    def __init__(self, url: str, index: DatasetIndex, origin: Origin, cache: DiskCache | None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES):
+        self.url = url
+        self.index = index
+        self.origin = origin
+        self.cache = cache
+        self.block_bytes = int(block_bytes)
+        blocks = plan_blocks(index, self.block_bytes)
+        self.sample_block = blocks["sample_block"]
+        self.block_shard, self.block_start, self.block_end = blocks["shard"], blocks["start"], blocks["end"]
+        self._block_order, self._block_first, self._block_count = blocks["order"], blocks["first"], blocks["count"]
+        self.read_stats = ReadStats()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["read_stats"] = ReadStats()
+        return state
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> tuple[bytes, int]:
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples in {self.url}")
+        i %= len(self)
+        return self.read(i), int(self.index.labels[i])
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.index.labels
+
+    @property
+    def version(self) -> str:
+        return self.index.version
+
+    def key(self, i: int) -> str:
+        return self.index.key(i)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_shard)
+
+    def block_name(self, b: int) -> str:
+        return f"{int(self.block_shard[b]):06d}-{int(self.block_start[b])}-{int(self.block_end[b])}"
+
+    def block_bytes_of(self, b) -> np.ndarray:
+        return self.block_end[b] - self.block_start[b]
+
+    # -- reads ------------------------------------------------------------
+    def _check(self, i: int, data) -> bool:
+        return xxhash.xxh3_64_intdigest(data) == int(self.index.checksum[i])
+
+    def _bad(self, i: int, what: str) -> ChecksumError:
+        shard = self.index.shard_name(self.index.shard[i])
+        return ChecksumError(f"sample {self.key(i)!r} in shard {shard!r} of {self.url}: {what} "
+                             "(the dataset changed under its index? re-pack or run `stoker verify`)")
+
+    def read(self, i: int) -> bytes:
+        """Payload bytes of sample ``i``, verified against its checksum."""
+        self.read_stats.samples += 1
+        cache = self.cache
+        if cache is not None:
+            b = int(self.sample_block[i])
+            name = self.block_name(b)
+            rel = int(self.index.offset[i] - self.block_start[b])
+            n = int(self.index.length[i])
+            data = cache.read(self.version, name, rel, n)
+            if data is not None:
+                if self._check(i, data):
+                    cache.stats.hits += 1
+                    self.read_stats.cache_hits += 1
+                    return data
+                cache.stats.corrupt += 1
+                cache.remove(self.version, name)
+            cache.stats.misses += 1
+            block = self.fill_block(b, blocking=True)
+            if block is not None:
+                return block[rel:rel + n]
+        return self._read_direct(i)
+
+    def _read_direct(self, i: int) -> bytes:
+        self.read_stats.direct_reads += 1
+        shard = self.index.shard_name(self.index.shard[i])
+        off = int(self.index.offset[i])
+        data = self.origin.read_range(shard, off, off + int(self.index.length[i]))
+        if not self._check(i, data):
+            raise self._bad(i, "checksum mismatch on read from the origin")
+        return data
+
+    def fill_block(self, b: int, blocking: bool = True) -> bytes | None:
+        """Fetch block ``b`` from the origin into the cache (single flight across processes).
+
+        Returns the block bytes, or None when the cache would not admit it (the caller
+        then reads just the sample) or, with ``blocking=False``, when another process
+        is filling it. Every sample in the block is verified before it is admitted.
+        """
+        cache = self.cache
+        name = self.block_name(b)
+        size = int(self.block_end[b] - self.block_start[b])
+        if not cache.would_admit(size):
+            return None
+        with cache.fetch_lock(self.version, name, blocking=blocking) as held:
+            if not held:
+                return None
+            path = cache.path(self.version, name)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    data = f.read()
+                if len(data) == size:
+                    return data
+            shard = self.index.shard_name(self.block_shard[b])
+            start = int(self.block_start[b])
+            data = self.origin.read_range(shard, start, int(self.block_end[b]))
+            first, count = int(self._block_first[b]), int(self._block_count[b])
+            for i in self._block_order[first:first + count]:
+                off = int(self.index.offset[i]) - start
+                if not self._check(i, memoryview(data)[off:off + int(self.index.length[i])]):
+                    raise self._bad(int(i), "checksum mismatch in a block read from the origin")
+            cache.put(self.version, name, data)
+            return data
+
+
+def default_cache_dir() -> str:
+    """``$STOKER_CACHE_DIR`` or ``~/.cache/stoker``."""
+    return os.environ.get("STOKER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "stoker")
+
+
+def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None = None, *,
+                 storage_options: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 cache_policy: str = "noevict", cache: bool = True) -> Dataset:
+    """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
+
+    ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
+    ``cache_bytes``: its byte budget (default 8 GiB); ``cache=False`` reads every
+    sample straight from the origin. ``block_bytes``: cache unit (default 1 MiB).
+    ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...).
+    Raises FileNotFoundError when ``url`` holds no index (e.g. an interrupted pack)
+    and :class:`stoker.store.index.IndexError_` when the index is unreadable.
+    """
+    origin = Origin(url, storage_options or {})
+    try:
+        data = origin.read(INDEX_NAME)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{origin.full_url(INDEX_NAME)} not found: {url} is not a packed "
+                                "stoker dataset (or its pack did not finish; run `stoker pack` again)") from None
+    index = read_index(data, origin.full_url(INDEX_NAME))
+    disk = None
+    if cache:
+        disk = DiskCache(cache_dir or default_cache_dir(),
+                         DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, cache_policy)
+        disk.recover()
+    return Dataset(url, index, origin, disk, block_bytes)
