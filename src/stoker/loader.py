@@ -1,0 +1,358 @@
+"""The loader: epoch plans, worker pool, prefetch, batches, and the statistics every benchmark reads.
+
+Data flow (one direction): the epoch's permutation -> this rank's plan -> batches
+dispatched to decode workers (each writes into a shared-memory slot) -> batches
+yielded in plan order as ``(images uint8 [N,3,S,S], labels int64 [N])`` torch
+tensors. A prefetch process fills the node cache ahead of the workers in the
+order the plan will need the blocks.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .order import permutation, rank_plan
+from .prefetch import N_COUNTERS, block_schedule, prefetch_main
+from .ring import SlotRing
+from .workers import BatchDecoder, counters, worker_main
+
+log = logging.getLogger(__name__)
+
+TRANSFORMS = ("train", "eval")
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or died; the message names the worker and the sample key."""
+
+
+@dataclass
+class EpochStats:
+    """What one epoch of one rank did. Times in seconds, bytes in bytes.
+
+    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
+    ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
+    (for world_size 1: every sample exactly once).
+    """
+
+    epoch: int
+    samples: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    wait_s: float = 0.0
+    stall_fraction: float = 0.0
+    samples_per_s: float = 0.0
+    origin_bytes: int = 0
+    origin_requests: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_hit_ratio: float = 0.0
+    prefetch_fills: int = 0
+    evictions: int = 0
+    corrupt_blocks: int = 0
+    skipped: int = 0
+    skipped_keys: list = field(default_factory=list)
+    exactly_once: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Loader:
+    """Batches of decoded, augmented images from a :class:`stoker.store.dataset.Dataset`.
+
+    Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
+    tensor (N,), N = ``batch_size`` except maybe the last batch. Each ``iter()`` runs
+    one epoch (``self.epoch``) and then advances ``self.epoch`` by one.
+
+    Order: the permutation named ``order`` of (``seed``, epoch) (identity if
+    ``shuffle=False``), split over ``world_size`` ranks with equal counts
+    (``even="pad"`` or ``"drop"``, see :func:`stoker.order.rank_plan`).
+    ``transform``: ``"train"`` (RandomResizedCrop(S) + flip, per-sample RNG from
+    (seed, epoch, sample id)) or ``"eval"`` (resize 256 + center crop S).
+    ``num_workers`` decode processes (0 = decode in this process).
+    ``on_error``: ``"raise"`` (a sample no decoder reads raises WorkerError naming
+    its key) or ``"skip"`` (logged, counted in stats, batch is shorter).
+    ``prefetch_batches`` batches in flight; ``prefetch_bytes`` how far the block
+    prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs.
+    ``timeout_s``: longest wait for one batch before WorkerError (never a hang).
+    ``start_method``: multiprocessing start method (default ``fork`` where available, as
+    torch's DataLoader; each child re-creates its storage clients, so no connection or
+    event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard).
+    The images of a batch live in shared memory; the slot is reused only after
+    every reference to the batch tensor is dropped.
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
+                 rank: int = 0, world_size: int = 1, num_workers: int = 2, transform: str = "train",
+                 image_size: int = 224, on_error: str = "raise", even: str = "pad", drop_last: bool = False,
+                 prefetch_batches: int | None = None, prefetch_bytes: int = 512 << 20,
+                 fetch_concurrency: int = 16, timeout_s: float = 120.0, exif_orientation: bool = False,
+                 order: str = "pcg64", start_method: str | None = None):
+        if transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
+        self.rank, self.world_size, self.even, self.drop_last = rank, world_size, even, drop_last
+        self.num_workers = int(num_workers)
+        self.prefetch_batches = prefetch_batches or max(2, 2 * self.num_workers)
+        self.prefetch_bytes, self.fetch_concurrency = int(prefetch_bytes), int(fetch_concurrency)
+        self.timeout_s = timeout_s
+        self.order = order if shuffle else "sequential"
+        self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
+                    "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size}
+        self.stats: EpochStats | None = None
+        self.history: list[EpochStats] = []
+        self._started = False
+        self._run = 0
+        self._workers: list = []
+        self._ring: SlotRing | None = None
+        rank_plan(np.zeros(0, np.int64), rank, world_size, even)  # validates rank/world/even
+
+    # -- plan -------------------------------------------------------------
+    def plan(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's sample ids for ``epoch`` (default: the next epoch), in order."""
+        e = self.epoch if epoch is None else epoch
+        perm = permutation(len(self.dataset), self.seed, e, self.order)
+        ids = rank_plan(perm, self.rank, self.world_size, self.even)
+        if self.drop_last:
+            ids = ids[: len(ids) // self.batch_size * self.batch_size]
+        return ids
+
+    def __len__(self) -> int:
+        return -(-len(self.plan()) // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    # -- processes --------------------------------------------------------
+    def _start(self) -> None:
+        if self._started:
+            return
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
+        self._ctx = ctx
+        self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2)
+        if self.num_workers > 0:
+            self._tasks = ctx.Queue()
+            self._results = ctx.Queue()
+            self._current = ctx.Array("q", [-1] * self.num_workers, lock=False)
+            for wid in range(self.num_workers):
+                p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
+                                args=(wid, self.dataset, self.cfg, self._tasks, self._results,
+                                      _SharedSlot(self._current, wid)), daemon=True)
+                p.start()
+                self._workers.append(p)
+        else:
+            self._decoder = BatchDecoder(self.dataset, self.cfg)
+        self._prefetcher = None
+        if self.dataset.cache is not None and self.num_workers > 0:
+            self._pf_cmds = ctx.Queue()
+            self._pf_pos = ctx.Value("q", 0, lock=False)
+            self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+            self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
+                                           args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_counters,
+                                                 self.fetch_concurrency, self.prefetch_bytes), daemon=True)
+            self._prefetcher.start()
+        self._worker_counters: dict[int, dict] = {}
+        self._started = True
+
+    def close(self) -> None:
+        """Stop workers and the prefetcher, unlink shared memory. Idempotent."""
+        if not self._started:
+            return
+        self._started = False
+        for _ in self._workers:
+            try:
+                self._tasks.put(None)
+            except (OSError, ValueError):
+                pass
+        if self._prefetcher is not None:
+            try:
+                self._pf_cmds.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._workers + ([self._prefetcher] if self._prefetcher else []):
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        self._workers = []
+        if self._ring is not None:
+            self._ring.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- counters ---------------------------------------------------------
+    def _totals(self) -> dict:
+        tot: dict[str, int] = {}
+        sources = list(self._worker_counters.values()) if self.num_workers > 0 else [counters(self.dataset)]
+        for c in sources:
+            for k, v in c.items():
+                tot[k] = tot.get(k, 0) + v
+        if self._prefetcher is not None:
+            pc = list(self._pf_counters)
+            tot["origin_bytes"] = tot.get("origin_bytes", 0) + pc[0]
+            tot["origin_requests"] = tot.get("origin_requests", 0) + pc[1]
+            tot["prefetch_fills"] = pc[2]
+        return tot
+
+    # -- iteration --------------------------------------------------------
+    def __iter__(self):
+        self._start()
+        self._run += 1
+        return self._epoch(self._run, self.epoch)
+
+    def _epoch(self, run: int, epoch: int):
+        from .torch import as_tensors
+        t_start = time.perf_counter()
+        stats = EpochStats(epoch=epoch)
+        ids = self.plan(epoch)
+        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        before = self._totals()
+        delivered = np.zeros(len(self.dataset), dtype=np.int64)
+        if self._prefetcher is not None:
+            blocks, first = block_schedule(self.dataset, ids)
+            self._pf_pos.value = 0
+            self._pf_cmds.put((run, blocks, first))
+        wait_s = 0.0
+        t_resume = time.perf_counter()
+        try:
+            if self.num_workers == 0:
+                for seq, bids in enumerate(batches):
+                    slot = self._ring.acquire()
+                    n, skipped, skipped_keys = self._decoder.run(epoch, bids, *self._ring.views(slot))
+                    imgs, labels = self._ring.batch(slot, n)
+                    self._account(stats, bids, skipped, skipped_keys, delivered)
+                    out = as_tensors(imgs, labels)
+                    del imgs
+                    wait_s += time.perf_counter() - t_resume
+                    yield out
+                    t_resume = time.perf_counter()
+            else:
+                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box := [0.0])
+                wait_s = wait_box[0]
+        finally:
+            stats.seconds = time.perf_counter() - t_start
+            stats.wait_s = wait_s
+            after = self._totals()
+            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            stats.origin_bytes = d.get("origin_bytes", 0)
+            stats.origin_requests = d.get("origin_requests", 0)
+            stats.cache_hits = d.get("cache_hits", 0)
+            stats.cache_misses = d.get("cache_misses", 0)
+            stats.prefetch_fills = d.get("prefetch_fills", 0)
+            stats.evictions = d.get("cache_evictions", 0)
+            stats.corrupt_blocks = d.get("cache_corrupt", 0)
+            reads = stats.cache_hits + stats.cache_misses
+            stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
+            stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
+            stats.samples_per_s = stats.samples / stats.seconds if stats.seconds else 0.0
+            expected = np.bincount(ids, minlength=len(self.dataset)) if len(ids) else delivered * 0
+            stats.exactly_once = bool(np.array_equal(delivered, expected))
+            self.stats = stats
+            self.history.append(stats)
+            if stats.batches == len(batches):
+                self.epoch = epoch + 1
+
+    def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:
+        if skipped:
+            keep = np.asarray([i for i in bids if i not in set(skipped)], dtype=np.int64)
+            stats.skipped += len(skipped)
+            stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
+        else:
+            keep = bids
+        np.add.at(delivered, keep, 1)
+        stats.samples += len(keep)
+        stats.batches += 1
+
+    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box):
+        from .torch import as_tensors
+        pending: dict[int, tuple] = {}
+        inflight: dict[int, tuple] = {}
+        next_dispatch = 0
+        for seq in range(len(batches)):
+            while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
+                slot = self._ring.acquire()
+                bids = batches[next_dispatch]
+                self._tasks.put((run, next_dispatch, epoch, slot, self._ring.paths[slot], bids))
+                inflight[next_dispatch] = (slot, bids)
+                next_dispatch += 1
+                if self._prefetcher is not None:
+                    self._pf_pos.value = next_dispatch * self.batch_size
+            deadline = time.monotonic() + self.timeout_s
+            while seq not in pending:
+                try:
+                    msg = self._results.get(timeout=0.25)
+                except queue.Empty:
+                    self._check_workers(inflight)
+                    if time.monotonic() > deadline:
+                        raise WorkerError(f"no batch from the workers for {self.timeout_s:.0f} s "
+                                          f"(batch {seq} of epoch {epoch})") from None
+                    continue
+                kind, wid, mrun = msg[0], msg[1], msg[2]
+                self._worker_counters[wid] = msg[8]
+                if mrun != run:  # a reply to an abandoned epoch: just free its slot
+                    self._ring.release(msg[4])
+                    continue
+                if kind == "error":
+                    _, _, _, mseq, slot, key, err, tb, _ = msg
+                    raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
+                pending[msg[3]] = msg
+            _, wid, _, _, slot, n, skipped, skipped_keys, _ = pending.pop(seq)
+            bids = inflight.pop(seq)[1]
+            imgs, labels = self._ring.batch(slot, n)
+            self._account(stats, bids, skipped, skipped_keys, delivered)
+            out = as_tensors(imgs, labels)
+            del imgs
+            wait_box[0] += time.perf_counter() - t_resume
+            yield out
+            t_resume = time.perf_counter()
+
+    def _check_workers(self, inflight) -> None:
+        for wid, p in enumerate(self._workers):
+            if p.exitcode is not None:
+                sid = int(self._current[wid])
+                key = self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
+                raise WorkerError(f"worker {wid} (pid {p.pid}) died with exit code {p.exitcode}"
+                                  + (f" while reading/decoding sample {key!r}" if key else ""))
+        if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
+            raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
+                              f"{self._prefetcher.exitcode}")
+
+
+class _SharedSlot:
+    """One cell of a shared int64 array, with a ``.value`` like mp.Value (picklable to workers)."""
+
+    def __init__(self, arr, i: int):
+        self.arr, self.i = arr, i
+
+    @property
+    def value(self) -> int:
+        return self.arr[self.i]
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self.arr[self.i] = v

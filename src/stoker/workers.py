@@ -1,0 +1,108 @@
+"""Decode worker processes: read a batch's samples, decode, augment, write into a slot.
+
+Each worker owns a copy of the dataset (the in-memory index travels with it; no
+re-download) and opens the node cache by path. A task is one batch:
+``(run, seq, slot path, sample ids)``; the reply is small (no pixel data): the
+count written, ids skipped by ``on_error="skip"`` and the process's counters.
+The sample id being decoded is published in a shared array so the loader can
+name it if the worker dies.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def counters(ds) -> dict:
+    """The process's origin/cache/read counters as one flat dict of ints."""
+    out = {f"origin_{k}": v for k, v in ds.origin.counters.snapshot().items()}
+    if ds.cache is not None:
+        out.update({f"cache_{k}": v for k, v in ds.cache.stats.snapshot().items()})
+    out.update({f"read_{k}": v for k, v in ds.read_stats.snapshot().items()})
+    return out
+
+
+def fresh_copy(obj):
+    """A copy through pickling: drops storage clients, event loops and counters that a
+    forked child inherited from its parent (each class's __getstate__ says what)."""
+    import pickle
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class BatchDecoder:
+    """Decode+augment a list of sample ids into (images, labels) arrays; used by workers
+    and by the loader itself when ``num_workers == 0``."""
+
+    def __init__(self, ds, cfg: dict):
+        from .decode import decode_transform  # noqa: F401 - import cost paid once per worker
+        self.ds, self.cfg = ds, cfg
+        self._decode_transform = decode_transform
+
+    def run(self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None):
+        """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys)."""
+        from .decode import DecodeError
+        from .order import sample_seed
+        cfg, ds = self.cfg, self.ds
+        mode, seed, size = cfg["transform"], cfg["seed"], cfg["image_size"]
+        skip = cfg["on_error"] == "skip"
+        j, skipped, skipped_keys = 0, [], []
+        for sid in ids:
+            sid = int(sid)
+            if current is not None:
+                current.value = sid
+            data = ds.read(sid)
+            rng = np.random.default_rng(sample_seed(seed, epoch, sid)) if mode == "train" else None
+            try:
+                self._decode_transform(data, ds.key(sid), mode, rng, size=size, out=images[j],
+                                       exif_orientation=cfg["exif_orientation"])
+            except DecodeError as exc:
+                if not skip:
+                    raise
+                log.warning("skipping sample: %s", exc)
+                skipped.append(sid)
+                skipped_keys.append(ds.key(sid))
+                continue
+            labels[j] = ds.index.labels[sid]
+            j += 1
+        return j, skipped, skipped_keys
+
+
+def worker_main(wid: int, ds, cfg: dict, tasks, results, current) -> None:
+    """Worker loop: take tasks until ``None``; post ('ok'|'error', ...) replies."""
+    from .ring import map_slot
+    ds = fresh_copy(ds)
+    try:
+        import cv2
+        cv2.setNumThreads(1)
+    except ImportError:  # pragma: no cover
+        pass
+    dec = BatchDecoder(ds, cfg)
+    maps: dict[str, tuple] = {}
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        run, seq, epoch, slot, path, ids = task
+        try:
+            if path not in maps:
+                maps[path] = map_slot(path, cfg["batch_size"], cfg["image_size"])
+            _, images, labels = maps[path]
+            n, skipped, skipped_keys = dec.run(epoch, ids, images, labels, current)
+            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds)))
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
+            sid = int(current.value)
+            key = ds.key(sid) if 0 <= sid < len(ds) else None
+            results.put(("error", wid, run, seq, slot, key, f"{type(exc).__name__}: {exc}",
+                         traceback.format_exc(), counters(ds)))
+        finally:
+            current.value = -1
+    for mm, _, _ in maps.values():
+        try:
+            mm.close()
+        except BufferError:  # pragma: no cover
+            pass
