@@ -1,0 +1,243 @@
+"""Image decode: a libjpeg-turbo fast path for JPEG, Pillow for everything else.
+
+The contract is the *reference* decode that ``torchvision.datasets.ImageFolder`` users get:
+``PIL.Image.open(f).convert("RGB")`` as an ``(H, W, 3)`` uint8 array.  The fast path
+(simplejpeg, i.e. libjpeg-turbo with the accurate integer IDCT and fancy upsampling, the same
+settings Pillow uses) agrees with it to within IDCT rounding (max abs diff <= 2 per channel,
+0 on every ordinary test file).  Whenever the fast path cannot promise that, the sample goes to
+Pillow instead:
+
+* libjpeg *warnings* (corrupt EXIF, stray bytes before a marker, premature end of data) are
+  errors in simplejpeg's ``strict=True`` mode, so such files are re-decoded by Pillow, which
+  decides whether they are readable (a truncated file is refused, never padded);
+* CMYK / YCCK (Adobe) JPEGs go to Pillow so the colour conversion is Pillow's own;
+* anything that is not a JPEG (sniffed from the bytes, never from the file name).
+
+Every failure becomes a :class:`DecodeError` that names the sample key and the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+from collections import Counter
+
+import numpy as np
+import simplejpeg
+from PIL import Image, ImageFile, ImageOps
+
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "DecodeError",
+    "ImageTooLarge",
+    "decode_image",
+    "decode_stats",
+]
+
+#: Largest image (width * height, in pixels) decoded by default.  This is Pillow's own
+#: decompression-bomb threshold, ``PIL.Image.MAX_IMAGE_PIXELS`` = int(1024 * 1024 * 1024 // 4 // 3)
+#: = 89,478,485 (about 0.25 GiB of 24-bit RGB), above which Pillow warns.
+DEFAULT_MAX_PIXELS = 89_478_485
+
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_CMYK_SPACES = frozenset({"CMYK", "YCCK"})
+
+# How many samples each path decoded in this process (tests and benchmarks read it).
+_stats: Counter[str] = Counter()
+# Guards the temporary override of Pillow's process-global LOAD_TRUNCATED_IMAGES flag.
+_truncation_lock = threading.Lock()
+
+
+class DecodeError(ValueError):
+    """A sample's bytes could not be decoded to an RGB image.
+
+    Attributes:
+        key: the sample key (str) the bytes belong to.
+        reason: human-readable cause (str).
+    """
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = reason
+        super().__init__(f"cannot decode sample {key!r}: {reason}")
+
+    def __reduce__(self):  # keep key/reason when pickled across worker processes
+        return (type(self), (self.key, self.reason))
+
+
+class ImageTooLarge(DecodeError):
+    """The image header declares more pixels (width * height) than ``max_pixels``."""
+
+
+def decode_stats() -> dict[str, int]:
+    """Counts of samples decoded per path in this process.
+
+    Returns:
+        dict with keys ``"fast"`` (libjpeg-turbo), ``"fallback"`` (Pillow, after the fast
+        path refused a JPEG), ``"pillow"`` (non-JPEG bytes, Pillow directly) and ``"error"``.
+    """
+    return {k: _stats[k] for k in ("fast", "fallback", "pillow", "error")}
+
+
+def _orient_array(arr: np.ndarray, orientation: int) -> np.ndarray:
+    """Apply EXIF orientation 1..8 to an (H, W, C) array the way ``ImageOps.exif_transpose`` does."""
+    if orientation == 2:  # FLIP_LEFT_RIGHT
+        arr = arr[:, ::-1]
+    elif orientation == 3:  # ROTATE_180
+        arr = arr[::-1, ::-1]
+    elif orientation == 4:  # FLIP_TOP_BOTTOM
+        arr = arr[::-1]
+    elif orientation == 5:  # TRANSPOSE (main diagonal)
+        arr = arr.transpose(1, 0, 2)
+    elif orientation == 6:  # ROTATE_270 (90 degrees clockwise)
+        arr = np.rot90(arr, -1)
+    elif orientation == 7:  # TRANSVERSE (anti-diagonal)
+        arr = arr.transpose(1, 0, 2)[::-1, ::-1]
+    elif orientation == 8:  # ROTATE_90 (90 degrees counter-clockwise)
+        arr = np.rot90(arr, 1)
+    else:
+        return arr
+    return np.ascontiguousarray(arr)
+
+
+def _exif_orientation(data, key: str) -> int:
+    """Orientation tag (1..8; 1 when absent) exactly as Pillow reads it (EXIF, then XMP)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:  # lazy: parses the headers only
+            value = im.getexif().get(0x0112, 1)
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many types
+        raise DecodeError(key, f"unreadable EXIF orientation: {type(exc).__name__}: {exc}") from exc
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _check_pixels(key: str, width: int, height: int, max_pixels: int) -> None:
+    if width <= 0 or height <= 0:
+        raise DecodeError(key, f"header declares an empty image ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageTooLarge(
+            key, f"header declares {width}x{height} = {width * height} pixels > max_pixels={max_pixels}"
+        )
+
+
+def _as_rgb_array(im: Image.Image) -> np.ndarray:
+    arr = np.asarray(im)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"Pillow produced an array of shape {arr.shape} dtype {arr.dtype}")
+    if not (arr.flags.c_contiguous and arr.flags.writeable):
+        arr = np.array(arr, order="C")
+    return arr
+
+
+def _pillow_decode(data, key: str, exif_orientation: bool, max_pixels: int) -> np.ndarray:
+    """Decode with Pillow (the reference). Raises DecodeError / ImageTooLarge."""
+    try:
+        with warnings.catch_warnings():
+            # Our own max_pixels check below replaces Pillow's bomb *warning*; Pillow's bomb
+            # *error* (above 2 * Image.MAX_IMAGE_PIXELS) still applies and is mapped below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLarge(key, f"Pillow decompression-bomb limit: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - UnidentifiedImageError, SyntaxError, struct.error...
+        raise DecodeError(key, f"not a readable image: {type(exc).__name__}: {exc}") from exc
+    try:
+        width, height = im.size
+        _check_pixels(key, width, height, max_pixels)
+        with _truncation_lock:
+            # Never silently pad a truncated file, even if someone set the global flag.
+            saved = ImageFile.LOAD_TRUNCATED_IMAGES
+            ImageFile.LOAD_TRUNCATED_IMAGES = False
+            try:
+                im.load()
+            finally:
+                ImageFile.LOAD_TRUNCATED_IMAGES = saved
+        if exif_orientation:
+            im = ImageOps.exif_transpose(im)
+        return _as_rgb_array(im.convert("RGB"))
+    except DecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise DecodeError(key, f"corrupt or truncated image: {type(exc).__name__}: {exc}") from exc
+    finally:
+        im.close()
+
+
+def _fast_jpeg(data, key: str, max_pixels: int) -> np.ndarray | None:
+    """libjpeg-turbo decode; ``None`` when the file must go to Pillow instead.
+
+    Raises ImageTooLarge from the header alone, before any pixel buffer is allocated.
+    """
+    try:
+        height, width, colorspace, _sub = simplejpeg.decode_jpeg_header(data, strict=True)
+    except ValueError:
+        return None  # libjpeg warned or failed on the headers: let Pillow judge
+    _check_pixels(key, width, height, max_pixels)
+    if colorspace in _CMYK_SPACES:
+        return None  # Pillow's CMYK -> RGB conversion is the reference
+    try:
+        arr = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=False, fastupsample=False, strict=True)
+    except ValueError:
+        return None  # any libjpeg warning (corrupt data, premature end): Pillow decides
+    if arr.shape != (height, width, 3) or arr.dtype != np.uint8:
+        return None
+    return arr
+
+
+def decode_image(
+    data: bytes | bytearray | memoryview,
+    key: str,
+    *,
+    exif_orientation: bool = False,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> np.ndarray:
+    """Decode encoded image bytes to an RGB array.
+
+    JPEGs (recognised by their ``FF D8 FF`` magic, never by the file name) go through
+    libjpeg-turbo; files it only warns about, CMYK/YCCK JPEGs and every other format go through
+    Pillow (``Image.open(...).convert("RGB")``, the reference).  The result matches the reference
+    within 2 per channel.
+
+    EXIF orientation policy: by default the orientation tag is **ignored**, exactly as
+    ``torchvision.datasets.ImageFolder`` (Pillow ``open().convert("RGB")``) does.  With
+    ``exif_orientation=True`` the tag is applied with ``PIL.ImageOps.exif_transpose`` semantics
+    (tag 0x0112 from EXIF, else XMP ``tiff:Orientation``); a rotated result has H and W swapped.
+
+    Args:
+        data: the encoded file (bytes-like).
+        key: the sample key, used only in error messages.
+        exif_orientation: apply the EXIF orientation tag (default: ignore it).
+        max_pixels: refuse images whose header declares more than this many pixels
+            (width * height), before any pixel buffer is allocated.
+
+    Returns:
+        ``(H, W, 3)`` uint8 RGB array, C-contiguous and writable.
+
+    Raises:
+        ImageTooLarge: the header declares more than ``max_pixels`` pixels (or Pillow's own
+            decompression-bomb limit, ``2 * PIL.Image.MAX_IMAGE_PIXELS``, trips on the Pillow path).
+        DecodeError: empty, unrecognised, corrupt or truncated data (message names ``key``).
+    """
+    if len(data) == 0:
+        _stats["error"] += 1
+        raise DecodeError(key, "empty data (0 bytes)")
+    try:
+        if bytes(data[:3]) == _JPEG_MAGIC:
+            arr = _fast_jpeg(data, key, max_pixels)
+            if arr is not None:
+                _stats["fast"] += 1
+                if exif_orientation:
+                    arr = _orient_array(arr, _exif_orientation(data, key))
+                return arr
+            path = "fallback"
+        else:
+            path = "pillow"
+        arr = _pillow_decode(data, key, exif_orientation, max_pixels)
+    except DecodeError:
+        _stats["error"] += 1
+        raise
+    _stats[path] += 1
+    return arr
