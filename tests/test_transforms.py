@@ -201,12 +201,16 @@ def test_eval_geometry_exact():
 
 
 def test_eval_resize_long_side_rule():
-    # 500x375 -> shorter side 256, longer int(256 * 500 / 375) = 341 (torchvision truncates)
-    img = np.zeros((375, 500, 3), np.uint8)
-    img[:, 340:] = 255  # a vertical edge: its position after the resize reveals the scale
-    ours = eval_transform(img)
-    ref = pillow_eval_transform(Image.fromarray(img))
-    assert _stats(ours, ref)[0] < 1.0
+    # 375x502 -> shorter side 256, longer int(256 * 502 / 375) = int(342.69) = 342 (torchvision
+    # truncates; rounding would give 343 and shift the centre crop by a pixel)
+    x = np.arange(502)
+    row = (127.5 + 120 * np.sin(2 * np.pi * x / 9.0)).astype(np.uint8)
+    img = np.ascontiguousarray(np.broadcast_to(row[None, :, None], (375, 502, 3)))
+    expected = Image.fromarray(img).resize((342, 256), Image.Resampling.BILINEAR)
+    left = int(round((342 - 224) / 2.0))
+    expected = np.asarray(expected)[16:240, left:left + 224].transpose(2, 0, 1)
+    assert _stats(eval_transform(img), np.ascontiguousarray(expected))[0] < 2.0
+    assert _stats(pillow_eval_transform(Image.fromarray(img)), np.ascontiguousarray(expected))[0] == 0
     with pytest.raises(ValueError):
         eval_transform(img, size=300, resize=256)
 
