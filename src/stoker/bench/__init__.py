@@ -1,0 +1,1 @@
+"""Benchmarks, demo helpers and emulated remote origins."""

@@ -1,0 +1,46 @@
+"""Shared pytest fixtures: a local emulated S3 origin, the shared cases, sample images."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def s3_origin():
+    """A running :class:`stoker.bench.origin.LocalS3Origin` (2 ms latency, 1000 MB/s cap)."""
+    from stoker.bench.origin import LocalS3Origin
+
+    origin = LocalS3Origin(latency_ms=2, bandwidth_MBps=1000).start()
+    try:
+        yield origin
+    finally:
+        origin.stop()
+
+
+@pytest.fixture(scope="session")
+def cases_dir() -> Path:
+    """The shared test cases: ``$STOKER_CASES`` or ``<repo>/../shared/cases``.
+
+    Missing: fails under CI (``$CI`` set), skips otherwise.
+    """
+    path = Path(os.environ.get("STOKER_CASES") or REPO_ROOT.parent / "shared" / "cases")
+    if not path.is_dir():
+        message = f"shared cases directory not found: {path} (set STOKER_CASES)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_tree(tmp_path_factory) -> Path:
+    """Root of a small ImageNet-style tree (120 images, 4 classes, seed 0): ``root/train/...``."""
+    from stoker.sample_data import make_sample_data
+
+    root = tmp_path_factory.mktemp("sample-data")
+    make_sample_data(str(root), images=120, classes=4, seed=0)
+    return root
