@@ -44,3 +44,22 @@ def sample_tree(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sample-data")
     make_sample_data(str(root), images=120, classes=4, seed=0)
     return root
+
+
+@pytest.fixture(scope="session")
+def packed_local(sample_tree, tmp_path_factory) -> str:
+    """The sample tree packed into a local dataset with ~1 MiB shards (several shards)."""
+    from stoker.store.pack import pack
+
+    dst = tmp_path_factory.mktemp("packed") / "train"
+    pack(str(sample_tree / "train"), str(dst), shard_bytes=1 << 20, progress=False)
+    return str(dst)
+
+
+def make_image_folder(root: Path, files: dict[str, bytes]) -> Path:
+    """Write ``{relative path: bytes}`` under ``root`` and return it."""
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return root

@@ -148,10 +148,11 @@ class Loader:
             self._tasks = ctx.Queue()
             self._results = ctx.Queue()
             self._current = ctx.Array("q", [-1] * self.num_workers, lock=False)
+            self._stop = ctx.Event()
             for wid in range(self.num_workers):
                 p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
                                 args=(wid, self.dataset, self.cfg, self._tasks, self._results,
-                                      _SharedSlot(self._current, wid)), daemon=True)
+                                      _SharedSlot(self._current, wid), self._stop), daemon=True)
                 p.start()
                 self._workers.append(p)
         else:
@@ -173,6 +174,8 @@ class Loader:
         if not self._started:
             return
         self._started = False
+        if self._workers:
+            self._stop.set()  # workers drop queued tasks instead of finishing them
         for _ in self._workers:
             try:
                 self._tasks.put(None)
@@ -183,7 +186,7 @@ class Loader:
                 self._pf_cmds.put(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 3
         for p in self._workers + ([self._prefetcher] if self._prefetcher else []):
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():

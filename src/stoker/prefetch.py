@@ -12,6 +12,7 @@ the workers then read those samples on demand.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # Shared counters: [origin bytes, origin requests, blocks filled, blocks already cached, errors, refused]
 N_COUNTERS = 6
+#: Consecutive failed fills after which prefetching stops for the epoch.
+MAX_FAILURES = 3
 
 
 def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +70,8 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
             _, blocks, first_need = cmd
             sizes = (ds.block_end[blocks] - ds.block_start[blocks]).astype(np.int64)
             cum = np.concatenate([[0], np.cumsum(sizes)])
-            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "inflight": set()}
+            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "inflight": set(),
+                   "failures": 0}
         if job is None:
             continue
         inflight = job["inflight"]
@@ -79,7 +83,14 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
             except Exception as exc:  # noqa: BLE001 - the reader will retry and report
                 log.warning("prefetch failed: %s", exc)
                 counters[4] += 1
+                job["failures"] += 1
+                if job["failures"] >= MAX_FAILURES:
+                    # The origin is failing: stop adding load; the workers' own reads
+                    # retry and report the error to the training process.
+                    log.warning("prefetch stopped for this epoch after %d failures", job["failures"])
+                    job["next"] = len(job["blocks"])
                 continue
+            job["failures"] = 0
             with lock:
                 if status == "filled":
                     counters[2] += 1
@@ -109,4 +120,5 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
             wait(inflight, timeout=0.02, return_when=FIRST_COMPLETED)
         elif not progressed:
             time.sleep(0.005)
-    pool.shutdown(wait=True, cancel_futures=True)
+    pool.shutdown(wait=False, cancel_futures=True)
+    os._exit(0)  # do not wait for fills in flight: each is atomic (temporary file + rename)

@@ -23,6 +23,10 @@ DEFAULT_ATTEMPTS = 4
 DEFAULT_BACKOFF_S = 0.1
 
 
+#: Errors that another attempt cannot fix (a missing object, a denied request, a bug).
+_NOT_RETRIED = (FileNotFoundError, PermissionError, TypeError, AttributeError, NameError)
+
+
 class OriginError(IOError):
     """A read or write against the origin failed after all retries.
 
@@ -39,11 +43,10 @@ class OriginError(IOError):
 def _s3_defaults(storage_options: dict) -> dict:
     """Bound s3fs's own retries and timeouts so that our retry loop stays in charge."""
     opts = dict(storage_options)
-    opts.setdefault("retries", 1)
     cfg = dict(opts.get("config_kwargs") or {})
     cfg.setdefault("connect_timeout", 10)
     cfg.setdefault("read_timeout", 60)
-    cfg.setdefault("retries", {"max_attempts": 1})
+    cfg.setdefault("retries", {"total_max_attempts": 1})
     opts["config_kwargs"] = cfg
     return opts
 
@@ -54,7 +57,12 @@ def url_to_fs(url: str, storage_options: dict | None = None):
     proto = url.split("://", 1)[0] if "://" in url else "file"
     if proto in ("s3", "s3a"):
         opts = _s3_defaults(opts)
-    return fsspec.core.url_to_fs(url, **opts)
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+    if proto in ("s3", "s3a"):
+        # s3fs retries throttling errors itself (5 tries, growing back-off) inside each of
+        # our attempts; one retry loop, ours, keeps the total wait bounded and visible.
+        fs.retries = 1
+    return fs, path
 
 
 def join(url: str, *parts: str) -> str:
@@ -129,7 +137,7 @@ class Origin:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except FileNotFoundError:
+            except _NOT_RETRIED:
                 raise
             except Exception as exc:  # noqa: BLE001 - storage backends raise many types
                 last = exc

@@ -72,8 +72,8 @@ class BatchDecoder:
         return j, skipped, skipped_keys
 
 
-def worker_main(wid: int, ds, cfg: dict, tasks, results, current) -> None:
-    """Worker loop: take tasks until ``None``; post ('ok'|'error', ...) replies."""
+def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
+    """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
     from .ring import map_slot
     ds = fresh_copy(ds)
     try:
@@ -85,7 +85,7 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current) -> None:
     maps: dict[str, tuple] = {}
     while True:
         task = tasks.get()
-        if task is None:
+        if task is None or stop.is_set():
             break
         run, seq, epoch, slot, path, ids = task
         try:

@@ -69,7 +69,7 @@ def plan_shards(files: list[SourceFile], shard_bytes: int) -> list[list[SourceFi
 def _plan_hash(members: list[SourceFile]) -> str:
     h = xxhash.xxh3_64()
     for f in members:
-        h.update(f"{f.rel}\0{f.size}\0{f.key}\0{f.label}\n".encode())
+        h.update(f"{f.rel}\0{f.size}\0{f.stamp}\0{f.key}\0{f.label}\n".encode())
     return h.hexdigest()
 
 
@@ -107,7 +107,7 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
         manifest_rel = f"{name}.json"
         phash = _plan_hash(members)
         try:
-            if dest.exists(manifest_rel):
+            if not overwrite and dest.exists(manifest_rel):
                 man = json.loads(dest.read(manifest_rel))
                 if man.get("plan") == phash and dest.exists(name) and dest.size(name) == man["bytes"]:
                     bar.update(sum(f.size for f in members))

@@ -21,6 +21,7 @@ class SourceFile:
     label: int
     class_name: str
     ext: str
+    stamp: str = ""  # modification stamp from the listing (mtime, ETag): detects rewrites on resume
 
 
 @dataclass
@@ -55,18 +56,20 @@ def list_image_folder(origin) -> Listing:
         if len(parts) < 2 or ext.lower() not in IMG_EXTENSIONS:
             skipped.append(rel)
             continue
-        entries.append((parts[0], rel, stem, ext, int(info.get("size") or 0)))
+        stamp = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+        entries.append((parts[0], rel, stem, ext, int(info.get("size") or 0), stamp))
     classes = sorted({e[0] for e in entries})
     if not classes:
         raise ValueError(f"source {origin.url}: no ImageFolder class directory with images "
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
     label_of = {c: i for i, c in enumerate(classes)}
     files, seen = [], {}
-    for cls, rel, stem, ext, size in entries:
+    for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
             raise ValueError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
         seen[stem] = rel
-        files.append(SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext))
+        files.append(SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext,
+                                stamp=stamp))
     if skipped:
         log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url,
                     len(skipped), skipped[0])

@@ -1,0 +1,141 @@
+"""Node cache: budget never exceeded, left-over fills and corrupt blocks found, single flight."""
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from stoker.cache import DiskCache
+from stoker.store.dataset import open_dataset
+
+
+def _usage_on_disk(root, with_tmp=True):
+    """Bytes of block files (and in-progress fills) under a cache root, bookkeeping files excluded."""
+    total = 0
+    for entry in os.scandir(root):
+        if entry.is_dir() and not entry.name.startswith("."):
+            for f in os.scandir(entry.path):
+                if with_tmp or not f.name.startswith(".tmp-"):
+                    total += f.stat().st_size
+    return total
+
+
+@pytest.mark.parametrize("policy", ["noevict", "lru"])
+def test_budget_never_exceeded(tmp_path, policy):
+    cap = 10_000
+    c = DiskCache(str(tmp_path), cap, policy)
+    rng = np.random.default_rng(0)
+    admitted = 0
+    for i in range(200):
+        ok = c.put("v1", f"b{i}", bytes(int(rng.integers(1, 3000))))
+        admitted += ok
+        assert _usage_on_disk(tmp_path) <= cap
+        assert c.used_bytes() <= cap
+        assert c.used_bytes() == _usage_on_disk(tmp_path)
+    if policy == "noevict":
+        assert c.stats.refused > 0 and c.stats.evictions == 0
+    else:
+        assert c.stats.evictions > 0 and c.stats.refused == 0
+    assert not c.put("v1", "huge", bytes(cap + 1))  # larger than the whole budget: refused
+
+
+def _hammer(root, cap, seed):
+    c = DiskCache(root, cap, "lru")
+    rng = np.random.default_rng(seed)
+    for i in range(150):
+        c.put("v", f"s{seed}-{i}", bytes(int(rng.integers(100, 2500))))
+        assert c.used_bytes() <= cap
+
+
+def test_budget_holds_with_concurrent_processes(tmp_path):
+    cap = 20_000
+    procs = [mp.get_context("fork").Process(target=_hammer, args=(str(tmp_path), cap, s)) for s in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    c = DiskCache(str(tmp_path), cap, "lru")
+    assert _usage_on_disk(tmp_path) <= cap
+    assert c.recover()["used"] == _usage_on_disk(tmp_path)
+
+
+def test_leftover_temporary_fill_is_cleaned(tmp_path, packed_local):
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    ds.read(0)
+    ns = tmp_path / ds.version
+    # A fill left by a process that died (pid that cannot exist) plus one by a live process.
+    dead = ns / ".tmp-999999999-deadbeef"
+    dead.write_bytes(b"x" * 5000)
+    live = ns / f".tmp-{os.getpid()}-cafe0000"
+    live.write_bytes(b"y" * 100)
+    ds2 = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)  # open runs recover()
+    assert not dead.exists() and live.exists()
+    assert ds2.cache.used_bytes() == _usage_on_disk(tmp_path)
+    live.unlink()
+
+
+def test_corrupt_cached_block_is_detected_and_refetched(tmp_path, packed_local):
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20, block_bytes=128 << 10)
+    good = ds.read(5)
+    b = int(ds.sample_block[5])
+    path = ds.cache.path(ds.version, ds.block_name(b))
+    raw = bytearray(open(path, "rb").read())
+    off = int(ds.index.offset[5] - ds.block_start[b])
+    raw[off + 100] ^= 0xFF  # flip one byte inside sample 5
+    open(path, "wb").write(bytes(raw))
+    before = ds.origin.counters.requests
+    assert ds.read(5) == good
+    assert ds.cache.stats.corrupt == 1
+    assert ds.origin.counters.requests == before + 1  # refetched once
+    assert ds.read(5) == good and ds.origin.counters.requests == before + 1  # then a clean hit
+
+
+def test_truncated_cached_block_is_refetched(tmp_path, packed_local):
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    good = ds.read(3)
+    path = ds.cache.path(ds.version, ds.block_name(int(ds.sample_block[3])))
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    assert ds.read(3) == good
+
+
+def _read_all(url, cache_dir, out):
+    ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=64 << 20, block_bytes=256 << 10)
+    start = ds.origin.counters.requests  # the index read
+    for i in range(len(ds)):
+        ds.read(i)
+    out.put(ds.origin.counters.requests - start)
+
+
+def test_single_flight_across_processes(tmp_path, packed_local):
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    probe = open_dataset(packed_local, cache=False, block_bytes=256 << 10)
+    procs = [ctx.Process(target=_read_all, args=(packed_local, str(tmp_path), q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    total = sum(q.get(timeout=5) for _ in procs)
+    # Each block is fetched from the origin exactly once across the three readers.
+    probe2 = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20, block_bytes=256 << 10)
+    assert total == probe2.num_blocks == probe.num_blocks
+
+
+def test_stale_version_never_served(tmp_path, sample_tree):
+    """A dataset re-packed at the same URL gets a new version, so old cache entries are not used."""
+    from stoker.store.pack import pack
+    src = tmp_path / "src"
+    os.system(f"cp -r {sample_tree / 'train'} {src}")
+    dst = tmp_path / "d"
+    pack(str(src), str(dst), progress=False)
+    ds1 = open_dataset(str(dst), cache_dir=str(tmp_path / "c"), cache_bytes=64 << 20)
+    first_key = ds1.key(0)
+    ds1.read(0)
+    victim = src / f"{first_key}.JPEG"
+    victim.write_bytes(victim.read_bytes()[:-10] + b"0123456789")
+    pack(str(src), str(dst), progress=False, overwrite=True)
+    ds2 = open_dataset(str(dst), cache_dir=str(tmp_path / "c"), cache_bytes=64 << 20)
+    assert ds2.version != ds1.version
+    assert ds2.read(0) == victim.read_bytes()

@@ -1,0 +1,55 @@
+"""Epoch order: registered permutations are permutations; ranks get equal counts, every sample once."""
+import numpy as np
+import pytest
+
+from stoker.order import PERMUTATIONS, permutation, rank_plan
+
+
+@pytest.mark.parametrize("name", sorted(PERMUTATIONS))
+@pytest.mark.parametrize("n", [0, 1, 7, 1000])
+def test_registered_orders_are_permutations(name, n):
+    for seed in (0, 1):
+        for epoch in (0, 3):
+            p = permutation(n, seed, epoch, name)
+            assert p.dtype == np.int64
+            assert np.array_equal(np.sort(p), np.arange(n))
+
+
+def test_permutation_is_pure_and_varies():
+    a = permutation(500, 7, 2)
+    assert np.array_equal(a, permutation(500, 7, 2))
+    assert not np.array_equal(a, permutation(500, 7, 3))
+    assert not np.array_equal(a, permutation(500, 8, 2))
+
+
+@pytest.mark.parametrize("n,world", [(100, 1), (100, 4), (101, 4), (7, 3), (1000, 8), (5, 8)])
+@pytest.mark.parametrize("seed,epoch", [(0, 0), (3, 5)])
+def test_rank_split_pad(n, world, seed, epoch):
+    perm = permutation(n, seed, epoch)
+    plans = [rank_plan(perm, r, world, "pad") for r in range(world)]
+    counts = {len(p) for p in plans}
+    assert counts == {-(-n // world)}  # equal per rank, by construction
+    allids = np.concatenate(plans)
+    assert set(allids.tolist()) == set(range(n))  # every sample at least once
+    dup = len(allids) - n
+    assert 0 <= dup < world  # only the pad repeats
+    if n % world == 0:
+        assert len(np.unique(allids)) == len(allids)  # exactly once
+
+
+@pytest.mark.parametrize("n,world", [(100, 4), (101, 4), (7, 3)])
+def test_rank_split_drop(n, world):
+    perm = permutation(n, 0, 1)
+    plans = [rank_plan(perm, r, world, "drop") for r in range(world)]
+    assert {len(p) for p in plans} == {n // world}
+    allids = np.concatenate(plans)
+    assert len(np.unique(allids)) == len(allids)  # never twice
+
+
+def test_rank_split_errors():
+    with pytest.raises(ValueError):
+        rank_plan(np.arange(4), 4, 4)
+    with pytest.raises(ValueError):
+        rank_plan(np.arange(4), 0, 2, "bogus")
+    with pytest.raises(KeyError):
+        permutation(3, 0, 0, "nope")
