@@ -146,3 +146,80 @@ def test_start_failure_and_stop():
     assert origin.pid is None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_connections_are_reused(s3_origin, blob):
+    """waitress keeps connections alive, so s3fs (aiohttp) reuses them through the proxy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, data = blob
+    fs = _fs(s3_origin.storage_options())
+    fs.cat_file(path, start=0, end=1)
+    before = s3_origin.stats()
+    offsets = [(i * 65_537) % (SIZE - 4096) for i in range(200)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda o: fs.cat_file(path, start=o, end=o + 4096), offsets))
+    assert all(g == data[o:o + 4096] for g, o in zip(got, offsets))
+    after = s3_origin.stats()
+    requests = after["proxy_requests"] - before["proxy_requests"]
+    connections = after["proxy_connections"] - before["proxy_connections"]
+    assert requests >= 200
+    assert connections <= 20, (connections, requests)
+
+
+def test_latency_is_per_request_on_a_persistent_connection():
+    with LocalS3Origin(latency_ms=50, bandwidth_MBps=0) as origin:
+        path = f"{origin.bucket}/small.bin"
+        _fs(origin.storage_options(throttled=False)).pipe_file(path, b"z" * 1000)
+        fs = _fs(origin.storage_options())
+        fs.cat_file(path, start=0, end=10)  # connect
+        before = origin.stats()
+        t0 = time.perf_counter()
+        for i in range(20):
+            assert fs.cat_file(path, start=i, end=i + 10) == b"z" * 10
+        elapsed = time.perf_counter() - t0
+        after = origin.stats()
+        assert after["proxy_connections"] == before["proxy_connections"]  # one connection
+        assert after["proxy_requests"] - before["proxy_requests"] == 20
+        assert 1.0 <= elapsed < 3.0, elapsed  # 20 x 50 ms, once each
+
+        # A large upload arrives in many TCP reads but is one request: latency once.
+        body = os.urandom(8 * 1000 * 1000)
+        client = _client(origin)
+        before = origin.stats()
+        client.put_object(Bucket=origin.bucket, Key="up.bin", Body=body)
+        after = origin.stats()
+        assert after["proxy_requests"] - before["proxy_requests"] == 1
+        assert after["proxy_bytes_up"] - before["proxy_bytes_up"] > len(body)
+        got = client.get_object(Bucket=origin.bucket, Key="up.bin")["Body"].read()
+        assert got == body
+
+
+def _feed_in_pieces(stream: bytes, cut: int) -> list[int]:
+    from stoker.bench.origin_server import _RequestFramer
+
+    framer, starts = _RequestFramer(), []
+    for i in range(0, len(stream), cut):
+        starts += [i + s for s in framer.feed(stream[i:i + cut])]
+    assert not framer.lost
+    return starts
+
+
+def test_request_framer_finds_request_boundaries():
+    get = b"GET /b/k HTTP/1.1\r\nHost: x\r\nRange: bytes=0-9\r\n\r\n"
+    put = b"PUT /b/k HTTP/1.1\r\nHost: x\r\ncontent-length: 11\r\n\r\nhello\r\n\r\nxx"
+    chunked = (b"PUT /b/c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5;ext=1\r\nhello\r\n3\r\n\r\n\n\r\n0\r\nx-trailer: 1\r\n\r\n")
+    stream = get + put + chunked + get
+    expected = [0, len(get), len(get + put), len(get + put + chunked)]
+    for cut in (1, 2, 3, 7, 64, len(stream)):
+        assert _feed_in_pieces(stream, cut) == expected, cut
+
+
+def test_request_framer_gives_up_on_garbage():
+    from stoker.bench.origin_server import _RequestFramer
+
+    framer = _RequestFramer()
+    assert framer.feed(b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n") == [0]
+    assert framer.lost
+    assert framer.feed(b"GET / HTTP/1.1\r\n\r\n") == []
