@@ -47,16 +47,20 @@ def test_shards_are_gnu_tar_readable(packed_local, sample_tree, tmp_path):
     ds = open_dataset(packed_local, cache=False)
     shard = os.path.join(packed_local, ds.index.shards[0]["name"])
     listing = subprocess.run(["tar", "-tf", shard], capture_output=True, text=True, check=True).stdout.split()
-    n0 = ds.index.shards[0]["samples"]
-    assert listing == [f"{ds.key(i)}.JPEG" for i in range(n0)]
+    in_shard = np.flatnonzero(ds.index.shard == 0)
+    in_shard = in_shard[np.argsort(ds.index.offset[in_shard])]  # tar order
+    assert listing == [f"{ds.key(i)}.JPEG" for i in in_shard]
     out = tmp_path / "x"
     out.mkdir()
     subprocess.run(["tar", "-xf", shard, "-C", str(out)], check=True)
-    for i in range(n0):
+    for i in in_shard:
         assert (out / f"{ds.key(i)}.JPEG").read_bytes() == _source_bytes(sample_tree, ds, i)
     with tarfile.open(shard) as tf:  # and Python's reader agrees on payload offsets
-        for i, m in enumerate(tf.getmembers()):
+        for i, m in zip(in_shard, tf.getmembers()):
             assert m.offset_data == ds.index.offset[i]
+    # samples are placed in shuffled order (classes mixed within a shard), ids in key order
+    assert [ds.key(i) for i in range(len(ds))] == sorted(ds.key(i) for i in range(len(ds)))
+    assert len({ds.key(i).split("/")[0] for i in in_shard[:12]}) > 1
 
 
 def test_round_trip_through_s3(s3_origin, sample_tree, tmp_path):

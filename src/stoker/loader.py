@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,9 @@ class EpochStats:
 
     ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
-    (for world_size 1: every sample exactly once).
+    (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
+    epoch by the training process (``main``), the decode ``workers`` and the
+    ``prefetch`` process (Linux /proc; empty elsewhere).
     """
 
     epoch: int
@@ -57,6 +60,7 @@ class EpochStats:
     skipped: int = 0
     skipped_keys: list = field(default_factory=list)
     exactly_once: bool = False
+    cpu_s: dict = field(default_factory=dict)   # CPU seconds this epoch: main, workers, prefetch
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,7 +75,10 @@ class Loader:
 
     Order: the permutation named ``order`` of (``seed``, epoch) (identity if
     ``shuffle=False``), split over ``world_size`` ranks with equal counts
-    (``even="pad"`` or ``"drop"``, see :func:`stoker.order.rank_plan`).
+    (``even="pad"`` or ``"drop"``, see :func:`stoker.order.rank_plan`). The default,
+    ``"blockwise"``, shuffles the cache blocks and the samples inside windows of
+    ``order_window`` blocks (quasi-random, streams well from a cold origin);
+    ``"uniform"`` is a uniform permutation (see :mod:`stoker.order`).
     ``transform``: ``"train"`` (RandomResizedCrop(S) + flip, per-sample RNG from
     (seed, epoch, sample id)) or ``"eval"`` (resize 256 + center crop S).
     ``num_workers`` decode processes (0 = decode in this process).
@@ -91,8 +98,8 @@ class Loader:
                  rank: int = 0, world_size: int = 1, num_workers: int = 2, transform: str = "train",
                  image_size: int = 224, on_error: str = "raise", even: str = "pad", drop_last: bool = False,
                  prefetch_batches: int | None = None, prefetch_bytes: int = 512 << 20,
-                 fetch_concurrency: int = 16, timeout_s: float = 120.0, exif_orientation: bool = False,
-                 order: str = "pcg64", start_method: str | None = None):
+                 fetch_concurrency: int = 8, timeout_s: float = 120.0, exif_orientation: bool = False,
+                 order: str = "blockwise", order_window: int = 16, start_method: str | None = None):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
@@ -108,6 +115,7 @@ class Loader:
         self.prefetch_bytes, self.fetch_concurrency = int(prefetch_bytes), int(fetch_concurrency)
         self.timeout_s = timeout_s
         self.order = order if shuffle else "sequential"
+        self.order_window = int(order_window)
         self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
                     "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size}
@@ -123,7 +131,8 @@ class Loader:
     def plan(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample ids for ``epoch`` (default: the next epoch), in order."""
         e = self.epoch if epoch is None else epoch
-        perm = permutation(len(self.dataset), self.seed, e, self.order)
+        perm = permutation(len(self.dataset), self.seed, e, self.order, groups=self.dataset.sample_block,
+                           window=self.order_window)
         ids = rank_plan(perm, self.rank, self.world_size, self.even)
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
@@ -139,6 +148,9 @@ class Loader:
     def _start(self) -> None:
         if self._started:
             return
+        from . import decode  # noqa: F401 - imported once here, inherited by forked workers
+        from . import torch as _torch_adapter  # pay torch's import before the first batch
+        _torch_adapter.load()
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
@@ -209,6 +221,14 @@ class Loader:
             pass
 
     # -- counters ---------------------------------------------------------
+    def _cpu(self) -> dict:
+        out = {"main": _process_cpu_s(None)}
+        if self._workers:
+            out["workers"] = sum(_process_cpu_s(p.pid) for p in self._workers)
+        if self._prefetcher is not None:
+            out["prefetch"] = _process_cpu_s(self._prefetcher.pid)
+        return out
+
     def _totals(self) -> dict:
         tot: dict[str, int] = {}
         sources = list(self._worker_counters.values()) if self.num_workers > 0 else [counters(self.dataset)]
@@ -235,6 +255,7 @@ class Loader:
         ids = self.plan(epoch)
         batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         before = self._totals()
+        cpu_before = self._cpu()
         delivered = np.zeros(len(self.dataset), dtype=np.int64)
         if self._prefetcher is not None:
             blocks, first = block_schedule(self.dataset, ids)
@@ -260,6 +281,7 @@ class Loader:
         finally:
             stats.seconds = time.perf_counter() - t_start
             stats.wait_s = wait_s
+            stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
             after = self._totals()
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             stats.origin_bytes = d.get("origin_bytes", 0)
@@ -344,6 +366,18 @@ class Loader:
         if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
             raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
                               f"{self._prefetcher.exitcode}")
+
+
+def _process_cpu_s(pid: int | None) -> float:
+    """User+system CPU seconds of a process (None = this one); 0.0 where /proc is missing."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class _SharedSlot:

@@ -41,14 +41,9 @@ def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fill(ds, b: int) -> str:
-    name = ds.block_name(b)
-    if ds.cache.contains(ds.version, name):
+    if ds.cache.contains(ds.version, ds.block_name(b)):
         return "cached"
-    size = int(ds.block_end[b] - ds.block_start[b])
-    if not ds.cache.would_admit(size):
-        return "refused"
-    data = ds.fill_block(b, blocking=False)
-    return "filled" if data is not None else "busy"
+    return ds.fill_block(b, blocking=False, want_data=False)
 
 
 def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_bytes: int) -> None:
@@ -56,6 +51,7 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
     ``position``: shared int64, plan position dispatched by the loader; ``counters``: shared int64 array."""
     from .workers import fresh_copy
     ds = fresh_copy(ds)
+    ds.origin.warm()
     pool = ThreadPoolExecutor(concurrency)
     lock = threading.Lock()
     job = None

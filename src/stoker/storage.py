@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import fsspec
+import fsspec.asyn
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,16 @@ class Origin:
     def root(self) -> str:
         self.fs  # noqa: B018 - initialises _root
         return self._root
+
+    def warm(self) -> None:
+        """Build the storage client now (for S3, botocore loads its service model: ~0.2 s),
+        so the first read of a new process does not pay for it. Makes no request."""
+        fs = self.fs
+        if hasattr(fs, "set_session") and getattr(fs, "loop", None) is not None:  # s3fs
+            try:
+                fsspec.asyn.sync(fs.loop, fs.set_session)
+            except Exception as exc:  # noqa: BLE001 - the first real read will report it
+                log.debug("warm-up of %s failed: %s", self.url, exc)
 
     def path(self, rel: str) -> str:
         return join(self.root, rel) if rel else self.root

@@ -12,3 +12,8 @@ def as_tensors(images: np.ndarray, labels: np.ndarray):
     """
     import torch
     return torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def load() -> None:
+    """Import torch now (about a second, once per process), not inside the first batch."""
+    import torch  # noqa: F401

@@ -76,6 +76,7 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
     from .ring import map_slot
     ds = fresh_copy(ds)
+    ds.origin.warm()
     try:
         import cv2
         cv2.setNumThreads(1)

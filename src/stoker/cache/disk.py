@@ -2,8 +2,8 @@
 
 Layout under ``root``::
 
-    .lock            flock'd while the budget is read or changed
-    .usage           JSON {"used": bytes}: committed plus reserved block bytes
+    .lock            flock'd while the budget is read or changed; its first 8 bytes hold
+                     the bytes in use (committed plus reserved), little-endian int64
     .locks/NN        256 striped fetch locks (single flight: one process fetches a block)
     <namespace>/<block name>            committed blocks (namespace = dataset content version)
     <namespace>/.tmp-<pid>-<rand>       fills in progress
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
+import struct
 import os
 import time
 import uuid
@@ -92,11 +92,15 @@ class DiskCache:
         self.policy = policy
         self.lock_timeout_s = lock_timeout_s
         self.stats = CacheStats()
+        self._lock_fd = None
+        self._made: set[str] = set()
         os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["stats"] = CacheStats()
+        state["_lock_fd"] = None
+        state["_made"] = set()
         return state
 
     # -- paths and locks -------------------------------------------------
@@ -108,8 +112,10 @@ class DiskCache:
         fd = os.open(os.path.join(self.root, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            self._lock_fd = fd
             yield
         finally:
+            self._lock_fd = None
             os.close(fd)  # closing releases the flock
 
     @contextmanager
@@ -147,17 +153,16 @@ class DiskCache:
 
     # -- usage accounting --------------------------------------------------
     def _read_used(self) -> int:
-        try:
-            with open(os.path.join(self.root, ".usage")) as f:
-                return int(json.load(f)["used"])
-        except (OSError, ValueError, KeyError):
-            return self._scan_used()
+        """Bytes in use; caller holds the budget lock. A new or damaged counter is recounted."""
+        raw = os.pread(self._lock_fd, 8, 0)
+        if len(raw) != 8:
+            used = self._scan_used()
+            self._write_used(used)
+            return used
+        return struct.unpack("<q", raw)[0]
 
     def _write_used(self, used: int) -> None:
-        tmp = os.path.join(self.root, f".usage.{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump({"used": int(used)}, f)
-        os.replace(tmp, os.path.join(self.root, ".usage"))
+        os.pwrite(self._lock_fd, struct.pack("<q", max(0, int(used))), 0)
 
     def _entries(self):
         """Yield (path, size, mtime, is_tmp) for every block file and temporary fill."""
@@ -259,7 +264,9 @@ class DiskCache:
                     return False
                 used = self._evict_lru(used, used + n - self.capacity_bytes)
             self._write_used(used + n)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        if namespace not in self._made:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            self._made.add(namespace)
         tmp = os.path.join(os.path.dirname(final), f"{_TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(tmp, "wb") as f:

@@ -172,23 +172,27 @@ class Dataset:
             raise self._bad(i, "checksum mismatch on read from the origin")
         return data
 
-    def fill_block(self, b: int, blocking: bool = True) -> bytes | None:
+    def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
         """Fetch block ``b`` from the origin into the cache (single flight across processes).
 
         Returns the block bytes, or None when the cache would not admit it (the caller
         then reads just the sample) or, with ``blocking=False``, when another process
         is filling it. Every sample in the block is verified before it is admitted.
+        With ``want_data=False`` (prefetch) returns a status instead: "filled",
+        "cached", "refused" or "busy".
         """
         cache = self.cache
         name = self.block_name(b)
         size = int(self.block_end[b] - self.block_start[b])
         if not cache.would_admit(size):
-            return None
+            return None if want_data else "refused"
         with cache.fetch_lock(self.version, name, blocking=blocking) as held:
             if not held:
-                return None
+                return None if want_data else "busy"
             path = cache.path(self.version, name)
             if os.path.exists(path):
+                if not want_data:
+                    return "cached"
                 with open(path, "rb") as f:
                     data = f.read()
                 if len(data) == size:
@@ -201,7 +205,9 @@ class Dataset:
                 off = int(self.index.offset[i]) - start
                 if not self._check(i, memoryview(data)[off:off + int(self.index.length[i])]):
                     raise self._bad(int(i), "checksum mismatch in a block read from the origin")
-            cache.put(self.version, name, data)
+            admitted = cache.put(self.version, name, data)
+            if not want_data:
+                return "filled" if admitted else "refused"
             return data
 
 

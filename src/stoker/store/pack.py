@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 from tqdm import tqdm
 
@@ -79,11 +80,14 @@ def _shard_name(i: int) -> str:
 
 def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
          src_options: dict | None = None, dst_options: dict | None = None,
-         read_workers: int = 16, progress: bool = True) -> PackResult:
+         read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0) -> PackResult:
     """Pack the ImageFolder tree at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
 
     ``shard_bytes``: target shard size in bytes (default 64 MiB). ``read_workers``:
-    concurrent source reads. Raises :class:`DatasetExistsError` if ``dst`` already
+    concurrent source reads. ``shuffle_seed``: samples are placed in the shards in
+    a random order from this seed (None = sorted), so that any run of a shard mixes
+    classes (what a windowed/quasi-random read order needs); sample ids stay in
+    sorted key order either way. Raises :class:`DatasetExistsError` if ``dst`` already
     holds an index and ``overwrite`` is false; FileNotFoundError/ValueError from the
     source listing; :class:`stoker.storage.OriginError` on storage failures.
     """
@@ -96,7 +100,11 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
                                      "dataset (pass --overwrite to replace it)")
         dest.fs.rm(dest.path(INDEX_NAME))
     listing = list_image_folder(source)
-    plan = plan_shards(listing.files, shard_bytes)
+    placed = listing.files
+    if shuffle_seed is not None:
+        perm = np.random.Generator(np.random.PCG64(int(shuffle_seed))).permutation(len(placed))
+        placed = [placed[i] for i in perm]
+    plan = plan_shards(placed, shard_bytes)
     total = sum(f.size for f in listing.files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"pack {len(plan)} shards",
                disable=not progress, mininterval=0.5)
@@ -136,17 +144,16 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
         pool.shutdown()
         bar.close()
 
-    keys, labels, cnames, shard_ids, offsets, lengths, checks, shard_table = [], [], [], [], [], [], [], []
+    shard_table, where = [], {}
     for i, (members, (man, _)) in enumerate(zip(plan, results)):
         shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(members)})
-        for f, (off, n, ck) in zip(members, man["entries"]):
-            keys.append(f.key)
-            labels.append(f.label)
-            cnames.append(f.class_name)
-            shard_ids.append(i)
-            offsets.append(off)
-            lengths.append(n)
-            checks.append(ck)
+        for f, entry in zip(members, man["entries"]):
+            where[f.key] = (i, *entry)
+    files = listing.files  # sample ids in sorted key order
+    keys = [f.key for f in files]
+    labels = [f.label for f in files]
+    cnames = [f.class_name for f in files]
+    shard_ids, offsets, lengths, checks = zip(*(where[k] for k in keys)) if keys else ((), (), (), ())
     table, version = build_table(keys, labels, cnames, shard_ids, offsets, lengths, checks,
                                  shard_table, listing.classes)
     dest.write_atomic(INDEX_NAME, table_to_bytes(table))
