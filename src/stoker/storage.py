@@ -41,6 +41,28 @@ class OriginError(IOError):
         self.url, self.start, self.end, self.attempts = url, start, end, attempts
 
 
+def _forget_inherited_sessions() -> None:
+    """In a forked child, detach the finalizers of s3fs sessions inherited from the parent.
+
+    Each s3fs instance registers ``weakref.finalize(self, close_session, loop, client)``.
+    In a child those belong to the parent's event loop; when fsspec drops its inherited
+    instance cache they are collected, and closing them from the child's loop fails with
+    "attached to a different loop" noise (or worse, touches the parent's sockets). The
+    parent still owns and closes them.
+    """
+    import weakref
+    try:
+        for fin, info in list(weakref.finalize._registry.items()):  # noqa: SLF001
+            if getattr(info.func, "__name__", "") == "close_session":
+                fin.detach()
+    except Exception:  # noqa: BLE001 - best effort; CPython internals
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_sessions)
+
+
 def _s3_defaults(storage_options: dict) -> dict:
     """Bound s3fs's own retries and timeouts so that our retry loop stays in charge."""
     opts = dict(storage_options)
