@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", help="write a PNG plot here")
     s.add_argument("--strict", action="store_true", help="exit 1 if a done-criterion is missed")
     s.set_defaults(fn=cmd_demo)
+
+    from .store import verify
+    verify.add_parsers(sub)
     return p
 
 

@@ -1,0 +1,166 @@
+"""`stoker verify` and the open-time shard check: is the data at the origin what the index says?
+
+Two levels:
+
+- :func:`check_shards` (cheap, at every open): one listing of the shard directory;
+  every shard must exist with the size the index recorded (and the same ETag or
+  modification stamp where the index recorded one). A dataset whose shards were
+  rewritten under an unchanged index is reported by shard name before any sample
+  is served.
+- :func:`verify` (full): reads every shard once, sequentially, and checks every
+  sample's bytes against its xxh3-64 checksum; lists each bad sample by key and
+  shard.
+"""
+from __future__ import annotations
+
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+from tqdm import tqdm
+
+from ..storage import Origin, OriginError
+from .index import INDEX_NAME, SHARD_DIR, DatasetIndex, read_index
+
+
+class DatasetChangedError(IOError):
+    """Shards at the origin differ from what the index recorded (message names each shard)."""
+
+
+def _stamp(info: dict) -> str | None:
+    for k in ("ETag", "etag"):
+        if info.get(k):
+            return str(info[k]).strip('"')
+    return None
+
+
+def check_shards(origin: Origin, index: DatasetIndex) -> None:
+    """Raise :class:`DatasetChangedError` if a shard is missing, has another size, or
+    (where the index recorded one) another ETag. One listing request per shard directory."""
+    dirs = sorted({posixpath.dirname(s["name"]) or "." for s in index.shards})
+    listing = {}
+    for d in dirs:
+        rel = "" if d == "." else d
+        try:
+            entries = origin._retry(origin.full_url(rel), lambda: origin.fs.ls(origin.path(rel), detail=True))
+        except FileNotFoundError:
+            entries = []
+        for e in entries:
+            name = e["name"].rstrip("/")
+            listing[posixpath.join(rel, posixpath.basename(name)) if rel else posixpath.basename(name)] = e
+    problems = []
+    for s in index.shards:
+        info = listing.get(s["name"])
+        if info is None:
+            problems.append(f"{s['name']}: missing")
+            continue
+        size = int(info.get("size") or 0)
+        if size != int(s["bytes"]):
+            problems.append(f"{s['name']}: {size} bytes at the origin, the index says {s['bytes']}")
+            continue
+        want, got = s.get("etag"), _stamp(info)
+        if want and got and want != got:
+            problems.append(f"{s['name']}: ETag {got} at the origin, the index says {want}")
+    if problems:
+        raise DatasetChangedError(f"{origin.url}: the shards changed under the index "
+                                  f"(re-pack, or run `stoker verify`): " + "; ".join(problems[:20])
+                                  + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`: counts and every problem found (key, shard, reason)."""
+
+    url: str
+    samples: int = 0
+    shards: int = 0
+    bytes_read: int = 0
+    bad_samples: list = field(default_factory=list)   # [{"key", "shard", "reason"}]
+    bad_shards: list = field(default_factory=list)    # [{"shard", "reason"}]
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_samples and not self.bad_shards
+
+    def as_dict(self) -> dict:
+        return {"url": self.url, "ok": self.ok, "samples": self.samples, "shards": self.shards,
+                "bytes_read": self.bytes_read, "bad_samples": self.bad_samples, "bad_shards": self.bad_shards}
+
+
+def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarray, bar) -> tuple[list, list, int]:
+    name = index.shard_name(s)
+    bad_samples, bad_shards = [], []
+    try:
+        data = origin.read(name)
+    except FileNotFoundError:
+        return [], [{"shard": name, "reason": "missing"}], 0
+    except OriginError as exc:
+        return [], [{"shard": name, "reason": str(exc)}], 0
+    view = memoryview(data)
+    want = int(index.shards[s]["bytes"])
+    if len(data) != want:
+        bad_shards.append({"shard": name, "reason": f"{len(data)} bytes, the index says {want}"})
+    for i in members:
+        off, n = int(index.offset[i]), int(index.length[i])
+        if off + n > len(data):
+            bad_samples.append({"key": index.key(i), "shard": name, "reason": "beyond the end of the shard"})
+        elif xxhash.xxh3_64_intdigest(view[off:off + n]) != int(index.checksum[i]):
+            bad_samples.append({"key": index.key(i), "shard": name,
+                                "reason": f"checksum mismatch at bytes {off}-{off + n}"})
+    bar.update(1)
+    return bad_samples, bad_shards, len(data)
+
+
+def verify(url: str, storage_options: dict | None = None, workers: int = 4, progress: bool = True) -> VerifyReport:
+    """Check every shard and sample of the dataset at ``url`` against its index.
+
+    Reads each shard once (``workers`` shards in parallel). Returns a
+    :class:`VerifyReport`; raises FileNotFoundError when ``url`` holds no index.
+    """
+    origin = Origin(url, storage_options or {})
+    try:
+        raw = origin.read(INDEX_NAME)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{origin.full_url(INDEX_NAME)} not found: {url} is not a packed stoker dataset") from None
+    index = read_index(raw, origin.full_url(INDEX_NAME))
+    report = VerifyReport(url=url, samples=len(index), shards=len(index.shards))
+    order = np.argsort(index.shard, kind="stable")
+    bounds = np.searchsorted(index.shard[order], np.arange(len(index.shards) + 1))
+    with tqdm(total=len(index.shards), unit="shard", desc="verify", disable=not progress) as bar, \
+            ThreadPoolExecutor(max(1, workers)) as pool:
+        futs = [pool.submit(_verify_shard, origin, index, s, order[bounds[s]:bounds[s + 1]], bar)
+                for s in range(len(index.shards))]
+        for f in futs:
+            samples, shards, n = f.result()
+            report.bad_samples.extend(samples)
+            report.bad_shards.extend(shards)
+            report.bytes_read += n
+    return report
+
+
+def add_parsers(sub) -> None:
+    """Register ``stoker verify URL`` on an argparse subparsers object."""
+    p = sub.add_parser("verify", help="check every shard and sample against the index; exit 1 if anything is wrong")
+    p.add_argument("url")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=_cmd_verify)
+
+
+def _cmd_verify(a) -> int:
+    import json
+    r = verify(a.url, json.loads(a.storage_options or "{}"), a.workers, progress=not a.no_progress)
+    if a.json:
+        print(json.dumps(r.as_dict(), indent=2))
+    else:
+        print(f"{r.url}: {r.samples} samples in {r.shards} shards, {r.bytes_read} bytes read: "
+              + ("OK" if r.ok else f"{len(r.bad_samples)} bad samples, {len(r.bad_shards)} bad shards"))
+        for b in r.bad_shards:
+            print(f"  shard {b['shard']}: {b['reason']}")
+        for b in r.bad_samples:
+            print(f"  sample {b['key']!r} in {b['shard']}: {b['reason']}")
+    return 0 if r.ok else 1

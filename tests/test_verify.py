@@ -1,0 +1,58 @@
+"""`stoker verify` and the open-time shard check."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from stoker.store.dataset import open_dataset
+from stoker.store.verify import DatasetChangedError, check_shards, verify
+
+
+@pytest.fixture
+def packed_copy(packed_local, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(packed_local, dst)
+    return dst
+
+
+def test_clean_dataset_verifies(packed_copy):
+    r = verify(str(packed_copy), progress=False)
+    assert r.ok and r.samples == 120 and r.bytes_read > 0
+    ds = open_dataset(str(packed_copy), cache=False)
+    check_shards(ds.origin, ds.index)  # no exception
+
+
+def test_one_flipped_byte_is_found_and_named(packed_copy):
+    ds = open_dataset(str(packed_copy), cache=False)
+    i = 37
+    shard = packed_copy / ds.index.shard_name(ds.index.shard[i])
+    raw = bytearray(shard.read_bytes())
+    raw[int(ds.index.offset[i]) + 10] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    r = verify(str(packed_copy), progress=False)
+    assert not r.ok
+    assert [b["key"] for b in r.bad_samples] == [ds.key(i)]
+    assert r.bad_samples[0]["shard"] == ds.index.shard_name(ds.index.shard[i])
+    out = subprocess.run([sys.executable, "-m", "stoker.cli", "verify", "--no-progress", str(packed_copy)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and ds.key(i) in out.stdout
+
+
+def test_truncated_and_missing_shards(packed_copy):
+    ds = open_dataset(str(packed_copy), cache=False)
+    s0 = packed_copy / ds.index.shard_name(0)
+    s1 = packed_copy / ds.index.shard_name(1)
+    with open(s0, "r+b") as f:
+        f.truncate(os.path.getsize(s0) // 2)
+    s1.unlink()
+    with pytest.raises(DatasetChangedError, match=r"shard-000000.tar: \d+ bytes at the origin.*shard-000001.tar: missing"):
+        check_shards(ds.origin, ds.index)
+    r = verify(str(packed_copy), progress=False)
+    assert {b["shard"] for b in r.bad_shards} == {ds.index.shard_name(0), ds.index.shard_name(1)}
+    assert r.bad_samples  # samples past the cut are named
+    zero = packed_copy / ds.index.shard_name(2)
+    zero.write_bytes(b"")
+    with pytest.raises(DatasetChangedError, match="shard-000002.tar: 0 bytes"):
+        check_shards(ds.origin, ds.index)
