@@ -123,6 +123,8 @@ class Loader:
         self.history: list[EpochStats] = []
         self._started = False
         self._run = 0
+        self._resume_batch = 0
+        self._position = (self.epoch, 0)
         self._workers: list = []
         self._ring: SlotRing | None = None
         rank_plan(np.zeros(0, np.int64), rank, world_size, even)  # validates rank/world/even
@@ -142,7 +144,10 @@ class Loader:
         return -(-len(self.plan()) // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at ``epoch``, batch 0."""
         self.epoch = int(epoch)
+        self._resume_batch = 0
+        self._position = (self.epoch, 0)
 
     # -- processes --------------------------------------------------------
     def _start(self) -> None:
@@ -246,14 +251,52 @@ class Loader:
     def __iter__(self):
         self._start()
         self._run += 1
-        return self._epoch(self._run, self.epoch)
+        start, self._resume_batch = self._resume_batch, 0
+        return self._epoch(self._run, self.epoch, start)
 
-    def _epoch(self, run: int, epoch: int):
+    # -- resume (torchdata StatefulDataLoader convention) ---------------------
+    def state_dict(self) -> dict:
+        """Where the stream stands: the epoch and the batches of it already yielded.
+
+        Everything else is a pure function of the configuration (order of (seed, epoch,
+        rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
+        with the same arguments in a new process and given this state yields the rest of
+        the stream batch for batch. Plain ints and strings (JSON-serialisable).
+        """
+        return {"epoch": self._position[0], "batches_done": self._position[1], "seed": self.seed,
+                "order": self.order, "order_window": self.order_window, "rank": self.rank,
+                "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
+                "drop_last": self.drop_last, "transform": self.cfg["transform"],
+                "dataset_version": self.dataset.version, "num_samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
+        ``batches_done`` batches (or starts the next epoch if that one was finished).
+
+        Raises ValueError when the state belongs to another dataset version or to a
+        different order, batch size, rank split or transform (the rest of the stream
+        would not be the same).
+        """
+        mine = self.state_dict()
+        for k in ("seed", "order", "order_window", "rank", "world_size", "batch_size", "even",
+                  "drop_last", "transform", "dataset_version", "num_samples"):
+            if k in state and state[k] != mine[k]:
+                raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {mine[k]!r}")
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        nb = -(-len(self.plan(epoch)) // self.batch_size)
+        if not 0 <= done <= nb:
+            raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
+        if done == nb:
+            epoch, done = epoch + 1, 0
+        self.epoch, self._resume_batch, self._position = epoch, done, (epoch, done)
+
+    def _epoch(self, run: int, epoch: int, start: int = 0):
         from .torch import as_tensors
         t_start = time.perf_counter()
         stats = EpochStats(epoch=epoch)
-        ids = self.plan(epoch)
+        ids = self.plan(epoch)[start * self.batch_size:]
         batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        self._position = (epoch, start)
         before = self._totals()
         cpu_before = self._cpu()
         delivered = np.zeros(len(self.dataset), dtype=np.int64)
@@ -273,6 +316,7 @@ class Loader:
                     out = as_tensors(imgs, labels)
                     del imgs
                     wait_s += time.perf_counter() - t_resume
+                    self._position = (epoch, start + seq + 1)
                     yield out
                     t_resume = time.perf_counter()
             else:
@@ -301,6 +345,7 @@ class Loader:
             self.history.append(stats)
             if stats.batches == len(batches):
                 self.epoch = epoch + 1
+                self._position = (epoch + 1, 0)
 
     def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:
         if skipped:
@@ -353,6 +398,7 @@ class Loader:
             out = as_tensors(imgs, labels)
             del imgs
             wait_box[0] += time.perf_counter() - t_resume
+            self._position = (epoch, self._position[1] + 1)
             yield out
             t_resume = time.perf_counter()
 
