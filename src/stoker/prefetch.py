@@ -12,7 +12,6 @@ the workers then read those samples on demand.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -116,5 +115,7 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
             wait(inflight, timeout=0.02, return_when=FIRST_COMPLETED)
         elif not progressed:
             time.sleep(0.005)
-    pool.shutdown(wait=False, cancel_futures=True)
-    os._exit(0)  # do not wait for fills in flight: each is atomic (temporary file + rename)
+    # Queued fills are dropped; fills in flight finish (each is one ranged GET). The loader
+    # kills this process if that takes too long; a fill cut short leaves only a temporary
+    # file, which the next open of the cache removes (DiskCache.recover).
+    pool.shutdown(wait=True, cancel_futures=True)

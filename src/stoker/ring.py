@@ -40,6 +40,37 @@ def map_slot(path: str, batch_size: int, size: int) -> tuple[mmap.mmap, np.ndarr
     return mm, images, labels
 
 
+def remove_orphans(base: str | None = None) -> int:
+    """Unlink slot files left by loaders that died (SIGKILL skips cleanup). Returns the count.
+
+    Slot files are named ``stoker-<pid>-<id>-<n>``; a file whose pid is not alive is an orphan.
+    """
+    base = base or SHM_DIR or os.environ.get("TMPDIR", "/tmp")
+    removed = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[0] != "stoker" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(base, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class SlotRing:
     """The loader's side of the slots: create, hand out, take back, unlink.
 
@@ -49,6 +80,7 @@ class SlotRing:
     """
 
     def __init__(self, batch_size: int, size: int, initial: int):
+        remove_orphans()
         self.batch_size, self.size = batch_size, size
         self.prefix = f"stoker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.paths: list[str] = []

@@ -1,0 +1,65 @@
+"""A loader killed with SIGKILL leaves nothing that blocks (or leaks into) the next run; jobs share one cache."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from stoker import Loader, open_dataset
+from stoker.ring import SHM_DIR
+
+CHILD = """
+import sys, time
+from stoker import Loader, open_dataset
+ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20, block_bytes=64 << 10)
+loader = Loader(ds, 8, num_workers=2, transform="eval")
+for i, _ in enumerate(loader):
+    if i == 2:
+        print("running", flush=True)
+        time.sleep(60)
+"""
+
+
+def test_sigkilled_loader_leaves_nothing_blocking(packed_local, tmp_path):
+    cache = str(tmp_path / "cache")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, packed_local, cache], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout.readline().strip() == "running"
+    shm = SHM_DIR or "/tmp"
+    mine = glob.glob(os.path.join(shm, f"stoker-{proc.pid}-*"))
+    assert mine  # its batch slots exist while it runs
+    os.killpg(proc.pid, signal.SIGKILL)  # the loader, its workers and its prefetcher
+    proc.wait(10)
+    time.sleep(0.2)
+    ds = open_dataset(packed_local, cache_dir=cache, cache_bytes=64 << 20, block_bytes=64 << 10)
+    with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=30) as loader:
+        assert sum(len(y) for _, y in loader) == len(ds)
+        assert loader.stats.exactly_once
+        # the dead loader's shared-memory slots were found and removed
+        assert glob.glob(os.path.join(shm, f"stoker-{proc.pid}-*")) == []
+    assert not [p for p in glob.glob(os.path.join(cache, "*", ".tmp-*"))]
+    assert ds.cache.used_bytes() <= 64 << 20
+
+
+JOB = """
+import sys
+from stoker import Loader, open_dataset
+ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20, block_bytes=64 << 10)
+with Loader(ds, 8, num_workers=2, transform="eval", seed=int(sys.argv[3])) as loader:
+    for _ in loader:
+        pass
+    st = loader.stats
+print(st.origin_requests, st.samples, st.exactly_once)
+"""
+
+
+def test_two_concurrent_jobs_read_each_block_once(packed_local, tmp_path):
+    cache = str(tmp_path / "cache")
+    jobs = [subprocess.Popen([sys.executable, "-c", JOB, packed_local, cache, str(seed)], stdout=subprocess.PIPE,
+                             text=True) for seed in (1, 2)]
+    outs = [j.communicate(timeout=120)[0].split() for j in jobs]
+    assert all(j.returncode == 0 for j in jobs)
+    ds = open_dataset(packed_local, cache=False, block_bytes=64 << 10)
+    assert sum(int(o[0]) for o in outs) == ds.num_blocks  # every block fetched once across both jobs
+    assert all(o[1] == str(len(ds)) and o[2] == "True" for o in outs)
