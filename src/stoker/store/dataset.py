@@ -6,7 +6,8 @@ the origin (the block is verified and admitted to the cache), else, when the
 cache would not admit the block, a ranged GET of just the sample.
 
 Blocks are runs of consecutive samples of one shard, about ``block_bytes`` long
-and cut at sample boundaries, so every block can be checked against the index's
+and cut at sample boundaries (a sample's whole range, primary payload and named
+fields, lies in one block), so every block can be checked against the index's
 per-sample xxh3-64 checksums when it is filled and every sample when it is read.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ class ChecksumError(IOError):
 def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
     """Cut each shard's samples into blocks of about ``block_bytes`` (at least one sample each).
 
-    Returns a dict of arrays: ``sample_block`` int32 (N,) block of each sample;
+    A sample's range is ``[offset, span_end)`` (primary payload and its named fields),
+    never split between blocks. Offsets are int64 throughout (shards past 8 GiB). Returns a dict of arrays: ``sample_block`` int32 (N,) block of each sample;
     ``shard`` int32 (B,); ``start``/``end`` int64 (B,), the block's shard bytes
     [start, end); ``order`` int64 (N,), sample ids sorted by (shard, offset);
     ``first``/``count`` int64 (B,), the block's samples are order[first:first+count].
@@ -42,9 +44,9 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
     sample_block = np.empty(n, dtype=np.int32)
     shard, start, end, first = [], [], [], []
     cur_shard, cur_start = -1, 0
-    for pos, i in enumerate(order):
-        s, off = int(index.shard[i]), int(index.offset[i])
-        e = off + int(index.length[i])
+    shards, offs, ends = index.shard[order].tolist(), index.offset[order].tolist(), index.span_end[order].tolist()
+    for pos, i in enumerate(order.tolist()):
+        s, off, e = shards[pos], offs[pos], ends[pos]
         if s != cur_shard or e - cur_start > block_bytes:
             shard.append(s)
             start.append(off)
@@ -52,7 +54,7 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
             first.append(pos)
             cur_shard, cur_start = s, off
         else:
-            end[-1] = e
+            end[-1] = max(end[-1], e)
         sample_block[i] = len(shard) - 1
     first_a = np.asarray(first, np.int64)
     count = np.diff(np.append(first_a, n))
@@ -163,6 +165,54 @@ class Dataset:
                 return block[rel:rel + n]
         return self._read_direct(i)
 
+    def read_fields(self, i: int) -> dict[str, bytes]:
+        """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
+
+        Each member is verified against its own checksum (:class:`ChecksumError`
+        names the key and field). One ranged read of the sample's range (or one
+        cached block). A format 1 index names the primary payload "".
+        """
+        i = int(i)
+        self.read_stats.samples += 1
+        table = self.index.member_table(i)
+        start, stop = int(self.index.offset[i]), int(self.index.span_end[i])
+        data = None
+        cache = self.cache
+        if cache is not None:
+            b = int(self.sample_block[i])
+            name = self.block_name(b)
+            rel = start - int(self.block_start[b])
+            data = cache.read(self.version, name, rel, stop - start)
+            if data is not None and self._bad_member(i, table, data, start) is not None:
+                cache.stats.corrupt += 1
+                cache.remove(self.version, name)
+                data = None
+            if data is not None:
+                cache.stats.hits += 1
+                self.read_stats.cache_hits += 1
+            else:
+                cache.stats.misses += 1
+                block = self.fill_block(b, blocking=True)
+                if block is not None:
+                    data = memoryview(block)[rel:rel + stop - start]
+        if data is None:
+            self.read_stats.direct_reads += 1
+            shard = self.index.shard_name(self.index.shard[i])
+            data = self.origin.read_range(shard, start, stop)
+            bad = self._bad_member(i, table, data, start)
+            if bad is not None:
+                raise self._bad(i, f"checksum mismatch in field {bad!r} on read from the origin")
+        view = memoryview(data)
+        return {name: bytes(view[off - start:off - start + n]) for name, off, n, _ in table}
+
+    def _bad_member(self, i: int, table, data, base: int) -> str | None:
+        """Name of the first member of sample ``i`` whose bytes in ``data`` (at shard offset ``base``) are wrong."""
+        view = memoryview(data)
+        for name, off, n, ck in table:
+            if xxhash.xxh3_64_intdigest(view[off - base:off - base + n]) != ck or off - base + n > len(view):
+                return name
+        return None
+
     def _read_direct(self, i: int) -> bytes:
         self.read_stats.direct_reads += 1
         shard = self.index.shard_name(self.index.shard[i])
@@ -201,10 +251,15 @@ class Dataset:
             start = int(self.block_start[b])
             data = self.origin.read_range(shard, start, int(self.block_end[b]))
             first, count = int(self._block_first[b]), int(self._block_count[b])
+            members = self.index.members
             for i in self._block_order[first:first + count]:
                 off = int(self.index.offset[i]) - start
                 if not self._check(i, memoryview(data)[off:off + int(self.index.length[i])]):
                     raise self._bad(int(i), "checksum mismatch in a block read from the origin")
+                if members is not None and members.start[i + 1] > members.start[i]:
+                    bad = self._bad_member(int(i), self.index.member_table(int(i))[1:], data, start)
+                    if bad is not None:
+                        raise self._bad(int(i), f"checksum mismatch in field {bad!r} in a block read from the origin")
             admitted = cache.put(self.version, name, data)
             if not want_data:
                 return "filled" if admitted else "refused"

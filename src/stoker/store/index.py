@@ -3,18 +3,27 @@
 Schema (one row per sample, 64-bit offsets throughout; DLFS keeps the same facts
 in memory so that a sample costs one ranged read):
 
-=========== ========= ==============================================
-column      type      meaning
-=========== ========= ==============================================
-sample_id   int64     0..N-1, the id the loader's permutations use
-key         string    sample key (ImageFolder: ``class/stem``)
-label       int64     class index (ImageFolder: sorted class names)
-class_name  string    class name (dictionary encoded)
-shard       int32     index into the shard table (file metadata)
-offset      int64     payload byte offset inside the shard
-length      int64     payload length in bytes
-checksum    uint64    xxh3-64 of the payload
-=========== ========= ==============================================
+=========== ============================ ==========================================
+column      type                         meaning
+=========== ============================ ==========================================
+sample_id   int64                        0..N-1, the id the loader's permutations use
+key         string                       sample key (ImageFolder: ``class/stem``)
+label       int64                        class index (-1: unlabelled)
+class_name  dictionary<string>           class name ("" when unlabelled)
+shard       int32                        index into the shard table (file metadata)
+offset      int64                        primary payload byte offset inside the shard
+length      int64                        primary payload length in bytes
+checksum    uint64                       xxh3-64 of the primary payload
+field       dictionary<string>           primary payload's field name (``jpg``, ``png``,
+                                         ``JPEG``, ``ten``): its tar member is ``<key>.<field>``
+fields      list<struct<name string,     the sample's other members (WebDataset fields such
+            offset int64, length int64,  as ``cls``, ``json``), each byte-exact with its own
+            checksum uint64>>            xxh3-64; null when the sample has only its primary
+=========== ============================ ==========================================
+
+A sample's members lie contiguously in its shard, primary first: its bytes are
+the one range ``[offset, span_end)`` where ``span_end`` is the end of its last
+member. Format 1 indexes (no ``field``/``fields`` columns) are still read.
 
 The Parquet file's key-value metadata ``stoker`` holds JSON: format version,
 the shard table (name, bytes, samples), the class names and the content
@@ -24,16 +33,22 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dc_field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
 INDEX_NAME = "index.parquet"
 SHARD_DIR = "shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Index formats this code reads (1: no named fields).
+READABLE_FORMATS = (1, 2)
+
+MEMBER_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()),
+                         ("length", pa.int64()), ("checksum", pa.uint64())])
 
 SCHEMA = pa.schema([
     ("sample_id", pa.int64()),
@@ -44,11 +59,29 @@ SCHEMA = pa.schema([
     ("offset", pa.int64()),
     ("length", pa.int64()),
     ("checksum", pa.uint64()),
+    ("field", pa.dictionary(pa.int32(), pa.string())),
+    ("fields", pa.list_(MEMBER_TYPE)),
 ])
 
 
 class IndexError_(ValueError):
     """The index is missing, unreadable or inconsistent (message names the URL)."""
+
+
+@dataclass
+class Members:
+    """The named fields of all samples, flattened (no Python object per sample).
+
+    Sample ``i``'s fields are rows ``start[i]:start[i+1]``. Shapes: ``start`` int64
+    (N+1,); ``name`` int32 (M,) codes into :attr:`DatasetIndex.names`; ``offset``,
+    ``length`` int64 (M,) bytes in the sample's shard; ``checksum`` uint64 (M,) xxh3-64.
+    """
+
+    start: np.ndarray
+    name: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    checksum: np.ndarray
 
 
 @dataclass
@@ -60,6 +93,10 @@ class DatasetIndex:
     string array (compact: one buffer of UTF-8 bytes plus int32 offsets).
     ``shards`` is a list of dicts {name, bytes, samples}; ``classes`` the class names
     in label order; ``version`` the content version (hex str).
+    ``field`` int32 (N,) codes into ``names`` for the primary payload's field name
+    (None for a format 1 index, whose field names were not recorded); ``members`` the
+    other named fields (None when no sample has any). ``span_end`` int64 (N,): end of
+    each sample's last member (``offset + length`` when it has no fields).
     """
 
     keys: pa.Array
@@ -71,6 +108,14 @@ class DatasetIndex:
     shards: list
     classes: list
     version: str
+    field: np.ndarray | None = None
+    names: list = dc_field(default_factory=list)
+    members: Members | None = None
+    span_end: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.span_end is None:
+            self.span_end = _span_end(self.offset, self.length, self.members)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -80,15 +125,40 @@ class DatasetIndex:
 
     @property
     def total_bytes(self) -> int:
-        """Payload bytes of all samples."""
-        return int(self.length.sum())
+        """Payload bytes of all samples (primary payloads plus named fields)."""
+        extra = int(self.members.length.sum()) if self.members is not None else 0
+        return int(self.length.sum()) + extra
 
     def shard_name(self, shard: int) -> str:
         return self.shards[int(shard)]["name"]
 
+    def field_name(self, i: int) -> str:
+        """The primary payload's field name of sample ``i`` ("" for a format 1 index)."""
+        return "" if self.field is None else self.names[int(self.field[int(i)])]
 
-def content_version(keys: pa.Array, labels, shard, offset, length, checksum, shards) -> str:
-    """xxh3-128 hex digest over the index content (keys, columns and shard table)."""
+    def member_table(self, i: int) -> list[tuple[str, int, int, int]]:
+        """All members of sample ``i``, primary first: ``[(name, offset, length, checksum)]``."""
+        i = int(i)
+        out = [(self.field_name(i), int(self.offset[i]), int(self.length[i]), int(self.checksum[i]))]
+        m = self.members
+        if m is not None:
+            for j in range(int(m.start[i]), int(m.start[i + 1])):
+                out.append((self.names[int(m.name[j])], int(m.offset[j]), int(m.length[j]),
+                            int(m.checksum[j])))
+        return out
+
+
+def _span_end(offset: np.ndarray, length: np.ndarray, members: Members | None) -> np.ndarray:
+    end = offset + length
+    if members is not None and len(members.offset):
+        owner = np.repeat(np.arange(len(offset)), np.diff(members.start))
+        np.maximum.at(end, owner, members.offset + members.length)
+    return end
+
+
+def content_version(keys: pa.Array, labels, shard, offset, length, checksum, shards,
+                    extra: tuple = ()) -> str:
+    """xxh3-128 hex digest over the index content (keys, columns, shard table, ``extra`` bytes)."""
     h = xxhash.xxh3_128()
     keys = keys.cast(pa.string()) if keys.type != pa.string() else keys
     for buf in keys.buffers():
@@ -97,13 +167,21 @@ def content_version(keys: pa.Array, labels, shard, offset, length, checksum, sha
     for arr, dt in ((labels, np.int64), (shard, np.int32), (offset, np.int64),
                     (length, np.int64), (checksum, np.uint64)):
         h.update(np.ascontiguousarray(arr, dtype=dt).tobytes())
+    for chunk in extra:
+        h.update(chunk)
     h.update(json.dumps([[s["name"], int(s["bytes"])] for s in shards]).encode())
     return h.hexdigest()
 
 
 def build_table(keys: list[str], labels, class_names: list[str], shard, offset, length, checksum,
-                shards: list, classes: list) -> tuple[pa.Table, str]:
-    """Assemble the index table and its metadata. Returns (table, version)."""
+                shards: list, classes: list, field: list[str] | None = None,
+                fields: list | None = None) -> tuple[pa.Table, str]:
+    """Assemble the index table and its metadata. Returns (table, version).
+
+    ``field``: primary field name per sample (default ""); ``fields``: per sample
+    None or a list of ``(name, offset, length, checksum)`` for its other members,
+    each at a shard offset after the primary payload.
+    """
     n = len(keys)
     key_arr = pa.array(keys, type=pa.string())
     labels = np.asarray(labels, dtype=np.int64)
@@ -111,7 +189,14 @@ def build_table(keys: list[str], labels, class_names: list[str], shard, offset, 
     offset = np.asarray(offset, dtype=np.int64)
     length = np.asarray(length, dtype=np.int64)
     checksum = np.asarray(checksum, dtype=np.uint64)
-    version = content_version(key_arr, labels, shard, offset, length, checksum, shards)
+    field_arr = pa.array(list(field) if field is not None else [""] * n, type=pa.string())
+    rows = list(fields) if fields is not None else [None] * n
+    fields_arr = pa.array([None if not r else [{"name": a, "offset": b, "length": c, "checksum": d}
+                                               for a, b, c, d in r] for r in rows],
+                          type=pa.list_(MEMBER_TYPE))
+    extra = [json.dumps([field_arr.to_pylist(), fields_arr.to_pylist()]).encode()] \
+        if (field is not None or fields is not None) else []
+    version = content_version(key_arr, labels, shard, offset, length, checksum, shards, tuple(extra))
     meta = {"format": FORMAT_VERSION, "version": version, "shards": shards, "classes": classes}
     table = pa.table({
         "sample_id": pa.array(np.arange(n, dtype=np.int64)),
@@ -122,6 +207,8 @@ def build_table(keys: list[str], labels, class_names: list[str], shard, offset, 
         "offset": pa.array(offset),
         "length": pa.array(length),
         "checksum": pa.array(checksum),
+        "field": field_arr.dictionary_encode(),
+        "fields": fields_arr,
     }, schema=SCHEMA.with_metadata({"stoker": json.dumps(meta)}))
     return table, version
 
@@ -132,19 +219,55 @@ def table_to_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list, Members | None]:
+    """Decode the ``field``/``fields`` columns into codes, a name table and flat :class:`Members`."""
+    prim = pc.cast(table.column("field"), pa.string()).combine_chunks().dictionary_encode()
+    names = [str(s) for s in prim.dictionary.to_pylist()]
+    codes = prim.indices.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    col = table.column("fields").combine_chunks()
+    counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not counts.sum():
+        return codes, names, None
+    flat = col.flatten()
+    fnames = flat.field("name")
+    lookup = {s: i for i, s in enumerate(names)}
+    for s in pc.unique(fnames).to_pylist():
+        if s not in lookup:
+            lookup[s] = len(names)
+            names.append(s)
+    name_codes = pc.index_in(fnames, value_set=pa.array(names, type=pa.string()))
+    members = Members(
+        start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        name=name_codes.to_numpy(zero_copy_only=False).astype(np.int32),
+        offset=flat.field("offset").to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+        length=flat.field("length").to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+        checksum=flat.field("checksum").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False))
+    return codes, names, members
+
+
 def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
-    """Parse index bytes into a :class:`DatasetIndex`. Raises :class:`IndexError_` naming ``url``."""
+    """Parse index bytes into a :class:`DatasetIndex`. Raises :class:`IndexError_` naming ``url``.
+
+    Reads format 2 (named fields) and format 1 (primary payload only) indexes.
+    """
     try:
         table = pq.read_table(io.BytesIO(data))
         meta = json.loads(table.schema.metadata[b"stoker"])
     except Exception as exc:  # noqa: BLE001
         raise IndexError_(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
-    if meta.get("format") != FORMAT_VERSION:
-        raise IndexError_(f"{url}: unsupported index format {meta.get('format')!r}")
+    if meta.get("format") not in READABLE_FORMATS:
+        raise IndexError_(f"{url}: unsupported index format {meta.get('format')!r} "
+                          f"(this stoker reads formats {READABLE_FORMATS})")
     ids = table.column("sample_id").to_numpy()
     if not np.array_equal(ids, np.arange(len(ids))):
         raise IndexError_(f"{url}: sample_id column is not 0..N-1")
     keys = table.column("key").combine_chunks()
+    field, names, members = None, [], None
+    if meta["format"] >= 2:
+        try:
+            field, names, members = _read_fields(table, len(ids))
+        except (KeyError, pa.ArrowException) as exc:
+            raise IndexError_(f"{url}: bad field/fields columns ({exc})") from exc
     idx = DatasetIndex(
         keys=keys,
         labels=table.column("label").to_numpy().astype(np.int64, copy=False),
@@ -153,13 +276,29 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
         length=table.column("length").to_numpy().astype(np.int64, copy=False),
         checksum=table.column("checksum").to_numpy().astype(np.uint64, copy=False),
         shards=meta["shards"], classes=meta["classes"], version=meta["version"],
+        field=field, names=names, members=members,
     )
-    if len(idx) and (idx.shard.min() < 0 or idx.shard.max() >= len(idx.shards)):
-        raise IndexError_(f"{url}: shard column refers to a shard outside the shard table")
-    ends = idx.offset + idx.length
-    sizes = np.array([s["bytes"] for s in idx.shards], dtype=np.int64)
-    if len(idx) and np.any(ends > sizes[idx.shard]):
-        bad = int(np.argmax(ends > sizes[idx.shard]))
-        raise IndexError_(f"{url}: sample {idx.key(bad)!r} extends past the end of shard "
-                          f"{idx.shard_name(idx.shard[bad])!r}")
+    validate(idx, url)
     return idx
+
+
+def validate(idx: DatasetIndex, url: str = "<index>") -> None:
+    """Check shard ids and that every member lies inside its shard, after its primary payload.
+
+    Raises :class:`IndexError_` naming the first bad sample.
+    """
+    if not len(idx):
+        return
+    if idx.shard.min() < 0 or idx.shard.max() >= len(idx.shards):
+        raise IndexError_(f"{url}: shard column refers to a shard outside the shard table")
+    sizes = np.array([s["bytes"] for s in idx.shards], dtype=np.int64)
+    bad = (idx.offset < 0) | (idx.length < 0) | (idx.span_end > sizes[idx.shard])
+    m = idx.members
+    if m is not None and len(m.offset):
+        owner = np.repeat(np.arange(len(idx)), np.diff(m.start))
+        mbad = (m.offset < idx.offset[owner] + idx.length[owner]) | (m.length < 0)
+        bad[owner[mbad]] = True
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise IndexError_(f"{url}: sample {idx.key(i)!r} extends past the end of shard "
+                          f"{idx.shard_name(idx.shard[i])!r} or its members are out of order")

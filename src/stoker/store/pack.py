@@ -1,11 +1,21 @@
-"""`stoker pack`: an ImageFolder tree at any fsspec URL into tar shards plus a Parquet index.
+"""`stoker pack`: a source at any fsspec URL into tar shards plus a Parquet index.
 
-The pack is planned up front (sorted files, greedy shards of about ``shard_bytes``),
-so every run over the same source makes the same shards. Each shard is written
+Sources (chosen by :func:`.sources.detect_source`, or ``source=``): ImageFolder
+trees, WebDataset shards (:mod:`.wds`), CSV/Parquet file lists (:mod:`.filelist`).
+
+ImageFolder packs are planned up front (sorted files, greedy shards of about
+``shard_bytes``) from the listing's file sizes. Streamed sources (WebDataset,
+file lists) are cut into shards as samples arrive, by their actual sizes. Either
+way every run over the same source makes the same shards. Each shard is written
 whole (atomically), followed by a small manifest ``shards/<name>.json`` with its
-entries and the plan's hash. The index is written last, atomically: a pack that is
-interrupted leaves no index, so it is never opened as a dataset, and running it
-again reuses every shard whose manifest matches the plan and finishes the job.
+members and the plan's hash. The index is written last, atomically: a pack that
+is interrupted leaves no index, so it is never opened as a dataset, and running
+it again reuses every shard whose manifest matches (ImageFolder: without reading
+its files again; streamed sources are read again but matching shards are not
+rewritten) and finishes the job.
+
+A sample's members are written contiguously, primary payload first, as tar
+members ``<key>.<field>``; sample ids are in sorted key order for every source.
 """
 from __future__ import annotations
 
@@ -20,13 +30,17 @@ import xxhash
 from tqdm import tqdm
 
 from ..storage import Origin
+from .filelist import iter_file_list, read_file_list
 from .index import INDEX_NAME, SHARD_DIR, build_table, table_to_bytes
 from .shards import build_shard, estimate_member_bytes, member_name
-from .sources import SourceFile, list_image_folder
+from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
+from .wds import expand_urls, iter_samples
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 64 << 20
+#: Version of the shard manifest layout, part of every plan hash.
+MANIFEST_FORMAT = 2
 
 
 class DatasetExistsError(FileExistsError):
@@ -47,6 +61,7 @@ class PackResult:
     skipped_files: int
     seconds: float
     version: str
+    source: str = "imagefolder"
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -56,7 +71,7 @@ def plan_shards(files: list[SourceFile], shard_bytes: int) -> list[list[SourceFi
     """Greedy split of the sorted files into shards of about ``shard_bytes`` (at least one sample each)."""
     shards, cur, cur_bytes = [], [], 0
     for f in files:
-        est = estimate_member_bytes(f.key, f.ext, f.size)
+        est = estimate_member_bytes(f.key, f.field, f.size)
         if cur and cur_bytes + est > shard_bytes:
             shards.append(cur)
             cur, cur_bytes = [], 0
@@ -68,9 +83,18 @@ def plan_shards(files: list[SourceFile], shard_bytes: int) -> list[list[SourceFi
 
 
 def _plan_hash(members: list[SourceFile]) -> str:
-    h = xxhash.xxh3_64()
+    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}\n".encode())
     for f in members:
-        h.update(f"{f.rel}\0{f.size}\0{f.stamp}\0{f.key}\0{f.label}\n".encode())
+        h.update(f"{f.rel}\0{f.size}\0{f.stamp}\0{f.key}\0{f.label}\0{f.field}\n".encode())
+    return h.hexdigest()
+
+
+def _stream_hash(samples: list[StreamSample]) -> str:
+    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}-stream\n".encode())
+    for s in samples:
+        for field, data in s.members:
+            h.update(f"{s.key}\0{field}\0{len(data)}\n".encode())
+            h.update(data)
     return h.hexdigest()
 
 
@@ -78,27 +102,97 @@ def _shard_name(i: int) -> str:
     return f"{SHARD_DIR}/shard-{i:06d}.tar"
 
 
+def _reusable(dest: Origin, name: str, phash: str, overwrite: bool) -> dict | None:
+    """The manifest of shard ``name`` if it was written by the same plan and is whole, else None."""
+    manifest_rel = f"{name}.json"
+    try:
+        if not overwrite and dest.exists(manifest_rel):
+            man = json.loads(dest.read(manifest_rel))
+            if man.get("plan") == phash and dest.exists(name) and dest.size(name) == man["bytes"]:
+                return man
+    except (ValueError, KeyError, OSError) as exc:
+        log.warning("ignoring unreadable manifest %s: %s", dest.full_url(manifest_rel), exc)
+    return None
+
+
+def _write_shard(dest: Origin, name: str, phash: str, samples: list[tuple[str, list]]) -> dict:
+    """Build and write one shard of ``samples`` = ``[(key, [(field, bytes), ...])]`` and its manifest."""
+    flat = [(member_name(key, field), data) for key, members in samples for field, data in members]
+    data, entries = build_shard(flat)
+    dest.write_atomic(name, data)
+    it = iter(entries)
+    rows = [[key, [[field, *next(it)] for field, _ in members]] for key, members in samples]
+    man = {"name": name, "bytes": len(data), "plan": phash, "format": MANIFEST_FORMAT, "samples": rows}
+    dest.write_atomic(f"{name}.json", json.dumps(man).encode())
+    return man
+
+
 def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
          src_options: dict | None = None, dst_options: dict | None = None,
-         read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0) -> PackResult:
-    """Pack the ImageFolder tree at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
+         read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0,
+         source: str | None = None) -> PackResult:
+    """Pack the source at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
 
+    ``source``: "imagefolder", "webdataset" or "filelist"; default: chosen by what
+    ``src`` is (:func:`stoker.store.sources.detect_source`: tar archive names, brace
+    lists, globs, prefixes or a directory of archives -> webdataset; ``.csv``/
+    ``.parquet`` -> filelist; otherwise an ImageFolder tree).
     ``shard_bytes``: target shard size in bytes (default 64 MiB). ``read_workers``:
-    concurrent source reads. ``shuffle_seed``: samples are placed in the shards in
-    a random order from this seed (None = sorted), so that any run of a shard mixes
-    classes (what a windowed/quasi-random read order needs); sample ids stay in
-    sorted key order either way. Raises :class:`DatasetExistsError` if ``dst`` already
-    holds an index and ``overwrite`` is false; FileNotFoundError/ValueError from the
-    source listing; :class:`stoker.storage.OriginError` on storage failures.
+    concurrent source reads. ``shuffle_seed``: ImageFolder and file-list samples are
+    placed in the shards in a random order from this seed (None = source order), so
+    that any run of a shard mixes classes; WebDataset samples keep their archive
+    order (archives are streams; WebDataset shards are normally shuffled when made).
+    Sample ids are in sorted key order either way.
+
+    Every member is stored byte-exact (no decode): images, and non-image payloads
+    as raw bytes. Keys are UTF-8 strings: a file or tar member whose name is not
+    valid UTF-8 is refused with a ValueError naming it (keys are never rewritten).
+    Long (> 100 byte) and Unicode names are written with pax headers.
+
+    Raises :class:`DatasetExistsError` if ``dst`` already holds an index and
+    ``overwrite`` is false; FileNotFoundError/ValueError from the source listing
+    (missing source, duplicate keys, non-UTF-8 names); tarfile.TarError for an
+    unreadable source archive; :class:`stoker.storage.OriginError` on storage failures.
     """
     t0 = time.perf_counter()
-    source = Origin(src, src_options or {})
+    source_origin = Origin(src, src_options or {})
     dest = Origin(dst, dst_options or {})
+    kind = detect_source(source_origin, source)
     if dest.exists(INDEX_NAME):
         if not overwrite:
             raise DatasetExistsError(f"{dest.full_url(INDEX_NAME)} exists: {dst} already holds a "
                                      "dataset (pass --overwrite to replace it)")
         dest.fs.rm(dest.path(INDEX_NAME))
+    if kind == "imagefolder":
+        done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
+                                  shuffle_seed)
+    else:
+        done = _pack_stream(kind, src, source_origin, dest, shard_bytes, overwrite, read_workers,
+                            progress, shuffle_seed, src_options)
+    shard_table, rows, labels, class_names, classes, reused, skipped = done
+    order = sorted(range(len(rows)), key=lambda j: rows[j][0])
+    keys = [rows[j][0] for j in order]
+    prim = [rows[j][2][0] for j in order]
+    table, version = build_table(
+        keys, [labels[j] for j in order], [class_names[j] for j in order],
+        [rows[j][1] for j in order], [p[1] for p in prim], [p[2] for p in prim], [p[3] for p in prim],
+        shard_table, classes, field=[p[0] for p in prim],
+        fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order])
+    dest.write_atomic(INDEX_NAME, table_to_bytes(table))
+    payload = sum(m[2] for r in rows for m in r[2])
+    return PackResult(url=dst, samples=len(keys), classes=len(classes), shards=len(shard_table),
+                      payload_bytes=int(payload), shard_bytes=sum(s["bytes"] for s in shard_table),
+                      reused_shards=reused, skipped_files=skipped, seconds=time.perf_counter() - t0,
+                      version=version, source=kind)
+
+
+def _rows_of(shard: int, man: dict) -> list:
+    """``[(key, shard, [[field, offset, length, checksum], ...])]`` of one shard manifest."""
+    return [(key, shard, members) for key, members in man["samples"]]
+
+
+def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
+                       shuffle_seed):
     listing = list_image_folder(source)
     placed = listing.files
     if shuffle_seed is not None:
@@ -112,29 +206,18 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
 
     def do_shard(i: int, members: list[SourceFile]):
         name = _shard_name(i)
-        manifest_rel = f"{name}.json"
         phash = _plan_hash(members)
-        try:
-            if not overwrite and dest.exists(manifest_rel):
-                man = json.loads(dest.read(manifest_rel))
-                if man.get("plan") == phash and dest.exists(name) and dest.size(name) == man["bytes"]:
-                    bar.update(sum(f.size for f in members))
-                    return man, True
-        except (ValueError, KeyError, OSError) as exc:
-            log.warning("ignoring unreadable manifest %s: %s", dest.full_url(manifest_rel), exc)
+        man = _reusable(dest, name, phash, overwrite)
+        if man is not None:
+            bar.update(sum(f.size for f in members))
+            return man, True
 
         def read_member(f: SourceFile):
             data = source.read(f.rel)
             bar.update(f.size)
-            return member_name(f.key, f.ext), data
+            return f.key, [(f.field, data)]
 
-        payloads = list(pool.map(read_member, members))
-        data, entries = build_shard(payloads)
-        dest.write_atomic(name, data)
-        man = {"name": name, "bytes": len(data), "plan": phash,
-               "entries": [[off, n, ck] for off, n, ck in entries]}
-        dest.write_atomic(manifest_rel, json.dumps(man).encode())
-        return man, False
+        return _write_shard(dest, name, phash, list(pool.map(read_member, members))), False
 
     try:
         # Two shards in flight: one being read while the previous is uploaded.
@@ -143,22 +226,72 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     finally:
         pool.shutdown()
         bar.close()
-
-    shard_table, where = [], {}
+    info = {f.key: f for f in listing.files}
+    shard_table, rows = [], []
     for i, (members, (man, _)) in enumerate(zip(plan, results)):
         shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(members)})
-        for f, entry in zip(members, man["entries"]):
-            where[f.key] = (i, *entry)
-    files = listing.files  # sample ids in sorted key order
-    keys = [f.key for f in files]
-    labels = [f.label for f in files]
-    cnames = [f.class_name for f in files]
-    shard_ids, offsets, lengths, checks = zip(*(where[k] for k in keys)) if keys else ((), (), (), ())
-    table, version = build_table(keys, labels, cnames, shard_ids, offsets, lengths, checks,
-                                 shard_table, listing.classes)
-    dest.write_atomic(INDEX_NAME, table_to_bytes(table))
-    return PackResult(url=dst, samples=len(keys), classes=len(listing.classes), shards=len(plan),
-                      payload_bytes=int(sum(lengths)), shard_bytes=sum(s["bytes"] for s in shard_table),
-                      reused_shards=sum(1 for _, reused in results if reused),
-                      skipped_files=len(listing.skipped), seconds=time.perf_counter() - t0,
-                      version=version)
+        rows += _rows_of(i, man)
+    labels = [info[r[0]].label for r in rows]
+    cnames = [info[r[0]].class_name for r in rows]
+    reused = sum(1 for _, r in results if r)
+    return shard_table, rows, labels, cnames, listing.classes, reused, len(listing.skipped)
+
+
+def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
+                 shuffle_seed, src_options):
+    skipped: list = []
+    if kind == "webdataset":
+        samples = iter_samples(expand_urls(src, src_options), src_options, skipped)
+        total = None
+    else:
+        fl = read_file_list(source)
+        order = np.arange(len(fl))
+        if shuffle_seed is not None:
+            order = np.random.Generator(np.random.PCG64(int(shuffle_seed))).permutation(len(fl))
+        samples = iter_file_list(fl, order, src_options, read_workers)
+        total = len(fl)
+    bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
+    shard_table, rows, raw_labels, seen = [], [], [], {}
+    reused = 0
+    pending = None
+
+    def finish(fut) -> None:
+        nonlocal reused
+        i, man, was_reused = fut.result()
+        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"])})
+        rows.extend(_rows_of(i, man))
+        reused += was_reused
+
+    def do_shard(i: int, batch: list[StreamSample]):
+        name, phash = _shard_name(i), _stream_hash(batch)
+        man = _reusable(dest, name, phash, overwrite)
+        if man is not None:
+            return i, man, True
+        return i, _write_shard(dest, name, phash, [(s.key, s.members) for s in batch]), False
+
+    with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read
+        batch, est = [], 0
+        for s in samples:
+            if s.key in seen:
+                raise ValueError(f"source {src}: duplicate key {s.key!r} in {seen[s.key]} and {s.where}")
+            seen[s.key] = s.where
+            raw_labels.append(s.label)
+            size = sum(estimate_member_bytes(s.key, f, len(d)) for f, d in s.members)
+            if batch and est + size > shard_bytes:
+                if pending is not None:
+                    finish(pending)
+                pending = writer.submit(do_shard, len(shard_table), batch)
+                batch, est = [], 0
+            batch.append(s)
+            est += size
+            bar.update(1)
+        if pending is not None:
+            finish(pending)
+            pending = None
+        if batch:
+            finish(writer.submit(do_shard, len(shard_table), batch))
+    bar.close()
+    if not rows:
+        raise ValueError(f"source {src}: no samples found ({kind})")
+    labels, cnames, classes = resolve_labels(raw_labels)
+    return shard_table, rows, labels, cnames, classes, reused, len(skipped)

@@ -17,14 +17,14 @@ TAR_BLOCK = 512
 MEMBER_OVERHEAD = 2 * TAR_BLOCK
 
 
-def member_name(key: str, ext: str) -> str:
-    """Tar member name for a sample: ``<key><ext>`` (WebDataset convention: key, dot, field)."""
-    return f"{key}{ext}"
+def member_name(key: str, field: str) -> str:
+    """Tar member name of one field of a sample: ``<key>.<field>`` (WebDataset convention)."""
+    return f"{key}.{field}"
 
 
-def estimate_member_bytes(key: str, ext: str, size: int) -> int:
-    """Upper-bound estimate of the bytes a member takes in a shard."""
-    name = member_name(key, ext)
+def estimate_member_bytes(key: str, field: str, size: int) -> int:
+    """Upper-bound estimate of the bytes a member takes in a shard (``size``: payload bytes)."""
+    name = member_name(key, field)
     pax = 3 * TAR_BLOCK if len(name.encode()) > 100 else 0
     return MEMBER_OVERHEAD + pax + -(-size // TAR_BLOCK) * TAR_BLOCK
 
@@ -32,7 +32,8 @@ def estimate_member_bytes(key: str, ext: str, size: int) -> int:
 def build_shard(members: list[tuple[str, bytes]]) -> tuple[bytes, list[tuple[int, int, int]]]:
     """Build one tar shard in memory.
 
-    ``members``: list of (member name, payload bytes). Returns ``(shard bytes,
+    ``members``: list of (member name, payload bytes); a sample's members are given
+    consecutively (primary first), so its bytes form one contiguous range. Returns ``(shard bytes,
     entries)`` with one ``(payload offset, payload length, xxh3-64 checksum)`` per
     member, in order. Offsets are 64-bit byte offsets into the shard.
     """

@@ -1,4 +1,22 @@
-"""Sources that `stoker pack` reads: an ImageFolder tree at any fsspec URL."""
+"""Sources that `stoker pack` reads, at any fsspec URL, and the rule that picks one.
+
+* ``imagefolder``: ``root/<class>/**/<name>.<ext>`` (torchvision's ImageFolder).
+* ``webdataset``: tar shards (``.tar``, ``.tgz``, ``.tar.gz``), see :mod:`.wds`.
+* ``filelist``: a CSV or Parquet file with columns ``path`` and ``label``, see :mod:`.filelist`.
+
+:func:`detect_source` chooses by what SRC is (first rule that matches):
+
+1. SRC names tar archives: it ends in ``.tar``/``.tgz``/``.tar.gz`` (a file, a
+   ``{a,b}``/``{000..009}`` brace list or a glob) -> ``webdataset``;
+2. SRC ends in ``.csv``, ``.parquet`` or ``.pq`` -> ``filelist``;
+3. SRC is a directory whose top level holds tar archives and no sub-directory
+   -> ``webdataset``; a path that does not exist but is the prefix of tar
+   archives (``s3://b/train-`` for ``train-000.tar``...) -> ``webdataset``;
+4. anything else -> ``imagefolder``.
+
+Keys are stored as UTF-8 strings. A source file or tar member whose name is not
+valid UTF-8 is refused with a ValueError naming it (keys are never altered).
+"""
 from __future__ import annotations
 
 import logging
@@ -9,11 +27,19 @@ log = logging.getLogger(__name__)
 
 #: File extensions ImageFolder accepts (torchvision's list), matched case-insensitively.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+#: Archive suffixes read as WebDataset shards.
+TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+LIST_SUFFIXES = (".csv", ".parquet", ".pq")
+SOURCES = ("imagefolder", "webdataset", "filelist")
 
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One sample's source file. ``rel`` is relative to the source root, '/'-separated."""
+    """One sample's source file. ``rel`` is relative to the source root, '/'-separated.
+
+    ``ext`` is the file's extension with its dot (``.JPEG``); the sample's primary
+    field name is ``ext`` without the dot (:attr:`field`).
+    """
 
     rel: str
     size: int
@@ -23,12 +49,95 @@ class SourceFile:
     ext: str
     stamp: str = ""  # modification stamp from the listing (mtime, ETag): detects rewrites on resume
 
+    @property
+    def field(self) -> str:
+        return self.ext[1:] if self.ext.startswith(".") else self.ext
+
 
 @dataclass
 class Listing:
     files: list[SourceFile]
     classes: list[str]
     skipped: list[str]
+
+
+def check_utf8(name: str, where: str) -> str:
+    """Return ``name`` if it encodes as UTF-8, else raise ValueError naming ``where``.
+
+    Names that were not valid UTF-8 on disk or in a tar header arrive as str with
+    surrogate escapes (Python's ``surrogateescape``); they are refused, not rewritten.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = name.encode("utf-8", "surrogateescape")
+        raise ValueError(f"{where}: name {raw!r} is not valid UTF-8; stoker keys are UTF-8 "
+                         "strings (rename the file or member)") from None
+    return name
+
+
+def is_tar_name(path: str) -> bool:
+    return path.lower().endswith(TAR_SUFFIXES)
+
+
+def detect_source(origin, source: str | None = None) -> str:
+    """The source kind of ``origin`` (a storage.Origin): the rule in this module's docstring.
+
+    ``source`` overrides it ("imagefolder", "webdataset" or "filelist"). Raises
+    ValueError for an unknown ``source``.
+    """
+    if source is not None:
+        if source not in SOURCES:
+            raise ValueError(f"unknown source {source!r}: expected one of {SOURCES}")
+        return source
+    url = origin.url.rstrip("/")
+    low = url.lower()
+    if is_tar_name(low):
+        return "webdataset"
+    if low.endswith(LIST_SUFFIXES):
+        return "filelist"
+    fs, root = origin.fs, origin.root.rstrip("/")
+    try:
+        if fs.isdir(root):
+            top = fs.ls(root, detail=True)
+            tars = [e for e in top if e.get("type") == "file" and is_tar_name(e["name"])]
+            dirs = [e for e in top if e.get("type") == "directory"]
+            return "webdataset" if tars and not dirs else "imagefolder"
+        if not fs.exists(root) and any(is_tar_name(p) for p in fs.glob(root + "*")):
+            return "webdataset"
+    except OSError as exc:
+        log.debug("source detection of %s: %s", url, exc)
+    return "imagefolder"
+
+
+def resolve_labels(raw: list) -> tuple[list[int], list[str], list[str]]:
+    """Turn raw labels (int, str or None per sample) into ``(labels, class_names, classes)``.
+
+    None -> label -1, class name "". If every other label is an integer (or a string
+    of one), labels are those integers and ``classes`` is ``["0", ..., str(max)]``;
+    otherwise labels are class names, numbered in sorted order.
+    """
+    def as_int(v):
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, int):
+            return v
+        try:
+            return int(str(v).strip())
+        except ValueError:
+            return None
+
+    present = [v for v in raw if v is not None]
+    ints = [as_int(v) for v in present]
+    if all(x is not None for x in ints):
+        top = max(ints, default=-1)
+        classes = [str(i) for i in range(top + 1)]
+        labels = [-1 if v is None else as_int(v) for v in raw]
+        return labels, ["" if x < 0 else str(x) for x in labels], classes
+    classes = sorted({str(v) for v in present})
+    num = {c: i for i, c in enumerate(classes)}
+    labels = [-1 if v is None else num[str(v)] for v in raw]
+    return labels, ["" if v is None else str(v) for v in raw], classes
 
 
 def list_image_folder(origin) -> Listing:
@@ -38,8 +147,9 @@ def list_image_folder(origin) -> Listing:
     sorted by path; the key is ``<class>/<path-without-extension>``. Files that are
     not images by extension, or that lie directly under the root, are skipped and
     listed in ``Listing.skipped``. Raises FileNotFoundError when the root is missing
-    and ValueError when it holds no class directory with an image, or when two
-    files map to the same key (e.g. ``a.jpg`` and ``a.png``).
+    and ValueError when it holds no class directory with an image, when two
+    files map to the same key (e.g. ``a.jpg`` and ``a.png``), or when a file's
+    path is not valid UTF-8.
     """
     fs, root = origin.fs, origin.root.rstrip("/")
     if not fs.exists(root):
@@ -56,6 +166,7 @@ def list_image_folder(origin) -> Listing:
         if len(parts) < 2 or ext.lower() not in IMG_EXTENSIONS:
             skipped.append(rel)
             continue
+        check_utf8(rel, f"source {origin.url}")
         stamp = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
         entries.append((parts[0], rel, stem, ext, int(info.get("size") or 0), stamp))
     classes = sorted({e[0] for e in entries})
@@ -74,3 +185,22 @@ def list_image_folder(origin) -> Listing:
         log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url,
                     len(skipped), skipped[0])
     return Listing(files=files, classes=classes, skipped=skipped)
+
+
+@dataclass
+class StreamSample:
+    """One sample read from a streamed source (WebDataset shards, file lists).
+
+    ``members``: ``[(field, payload bytes)]``, primary payload first, the rest in
+    source order; ``label``: int, class-name str or None (see :func:`resolve_labels`);
+    ``where``: the archive or file it came from (for error messages).
+    """
+
+    key: str
+    label: object
+    members: list
+    where: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(d) for _, d in self.members)
