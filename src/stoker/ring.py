@@ -17,6 +17,8 @@ from collections import deque
 
 import numpy as np
 
+from .procs import pid_alive
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
@@ -55,13 +57,7 @@ def remove_orphans(base: str | None = None) -> int:
         parts = name.split("-")
         if len(parts) != 4 or parts[0] != "stoker" or not parts[1].isdigit():
             continue
-        pid = int(parts[1])
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if pid_alive(int(parts[1])):
             continue
         try:
             os.unlink(os.path.join(base, name))

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from ..procs import pid_alive
+
 POLICIES = ("noevict", "lru")
 _STRIPES = 256
 _TMP = ".tmp-"
@@ -60,16 +62,6 @@ class CacheStats:
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskCache:
@@ -199,7 +191,7 @@ class DiskCache:
                     pid = int(os.path.basename(path)[len(_TMP):].split("-")[0])
                 except ValueError:
                     pid = -1
-                if pid <= 0 or not _pid_alive(pid):
+                if not pid_alive(pid):
                     try:
                         os.unlink(path)
                         removed += 1
