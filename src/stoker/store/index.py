@@ -194,9 +194,8 @@ def build_table(keys: list[str], labels, class_names: list[str], shard, offset, 
     fields_arr = pa.array([None if not r else [{"name": a, "offset": b, "length": c, "checksum": d}
                                                for a, b, c, d in r] for r in rows],
                           type=pa.list_(MEMBER_TYPE))
-    extra = [json.dumps([field_arr.to_pylist(), fields_arr.to_pylist()]).encode()] \
-        if (field is not None or fields is not None) else []
-    version = content_version(key_arr, labels, shard, offset, length, checksum, shards, tuple(extra))
+    version = content_version(key_arr, labels, shard, offset, length, checksum, shards,
+                              tuple(_fields_digest_chunks(field_arr, fields_arr)))
     meta = {"format": FORMAT_VERSION, "version": version, "shards": shards, "classes": classes}
     table = pa.table({
         "sample_id": pa.array(np.arange(n, dtype=np.int64)),
@@ -211,6 +210,26 @@ def build_table(keys: list[str], labels, class_names: list[str], shard, offset, 
         "fields": fields_arr,
     }, schema=SCHEMA.with_metadata({"stoker": json.dumps(meta)}))
     return table, version
+
+
+def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array):
+    """Deterministic byte chunks over the ``field`` and ``fields`` columns (for the content version)."""
+    def strings(arr):
+        arr = pc.fill_null(arr.cast(pa.string()), "")
+        if not len(arr):
+            return
+        offs = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr) + 1]
+        yield (offs - offs[0]).tobytes()
+        yield bytes(memoryview(arr.buffers()[2] or b"")[offs[0]:offs[-1]])
+
+    yield from strings(field_arr)
+    counts = pc.fill_null(pc.list_value_length(fields_arr), 0).to_numpy(zero_copy_only=False)
+    yield np.asarray(counts, dtype=np.int64).tobytes()
+    flat = fields_arr.flatten()
+    if len(flat):
+        yield from strings(flat.field("name"))
+        for name, dt in (("offset", np.int64), ("length", np.int64), ("checksum", np.uint64)):
+            yield np.asarray(flat.field(name).to_numpy(zero_copy_only=False), dtype=dt).tobytes()
 
 
 def table_to_bytes(table: pa.Table) -> bytes:
