@@ -54,7 +54,10 @@ class EpochStats:
     cache_hits: int = 0
     cache_misses: int = 0
     cache_hit_ratio: float = 0.0
-    prefetch_fills: int = 0
+    prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
+    prefetch_staged: int = 0       # blocks it fetched just in time into staging (not admitted)
+    staged_hits: int = 0           # samples read from staged blocks
+    direct_reads: int = 0          # samples read from the origin one by one (nothing ahead of them)
     evictions: int = 0
     corrupt_blocks: int = 0
     skipped: int = 0
@@ -161,6 +164,10 @@ class Loader:
             ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
         self._ctx = ctx
         self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2)
+        if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
+            from .cache import StagingArea
+            self.dataset.staging = StagingArea.create(self.dataset.cache.root)
+            self._own_staging = True
         if self.num_workers > 0:
             self._tasks = ctx.Queue()
             self._results = ctx.Queue()
@@ -178,9 +185,11 @@ class Loader:
         if self.dataset.cache is not None and self.num_workers > 0:
             self._pf_cmds = ctx.Queue()
             self._pf_pos = ctx.Value("q", 0, lock=False)
+            self._pf_done = ctx.Value("q", 0, lock=False)
             self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
             self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
-                                           args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_counters,
+                                           args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
+                                                 self._pf_counters,
                                                  self.fetch_concurrency, self.prefetch_bytes), daemon=True)
             self._prefetcher.start()
         self._worker_counters: dict[int, dict] = {}
@@ -212,6 +221,10 @@ class Loader:
         self._workers = []
         if self._ring is not None:
             self._ring.close()
+        if getattr(self, "_own_staging", False):
+            self.dataset.staging.clear()
+            self.dataset.staging = None
+            self._own_staging = False
 
     def __enter__(self):
         return self
@@ -245,6 +258,7 @@ class Loader:
             tot["origin_bytes"] = tot.get("origin_bytes", 0) + pc[0]
             tot["origin_requests"] = tot.get("origin_requests", 0) + pc[1]
             tot["prefetch_fills"] = pc[2]
+            tot["prefetch_staged"] = pc[5]
         return tot
 
     # -- iteration --------------------------------------------------------
@@ -301,9 +315,9 @@ class Loader:
         cpu_before = self._cpu()
         delivered = np.zeros(len(self.dataset), dtype=np.int64)
         if self._prefetcher is not None:
-            blocks, first = block_schedule(self.dataset, ids)
             self._pf_pos.value = 0
-            self._pf_cmds.put((run, blocks, first))
+            self._pf_done.value = 0
+            self._pf_cmds.put((run, *block_schedule(self.dataset, ids)))
         wait_s = 0.0
         t_resume = time.perf_counter()
         try:
@@ -333,6 +347,9 @@ class Loader:
             stats.cache_hits = d.get("cache_hits", 0)
             stats.cache_misses = d.get("cache_misses", 0)
             stats.prefetch_fills = d.get("prefetch_fills", 0)
+            stats.prefetch_staged = d.get("prefetch_staged", 0)
+            stats.staged_hits = d.get("read_staged_hits", 0)
+            stats.direct_reads = d.get("read_direct_reads", 0)
             stats.evictions = d.get("cache_evictions", 0)
             stats.corrupt_blocks = d.get("cache_corrupt", 0)
             reads = stats.cache_hits + stats.cache_misses
@@ -399,6 +416,8 @@ class Loader:
             del imgs
             wait_box[0] += time.perf_counter() - t_resume
             self._position = (epoch, self._position[1] + 1)
+            if self._prefetcher is not None:
+                self._pf_done.value = (seq + 1) * self.batch_size
             yield out
             t_resume = time.perf_counter()
 

@@ -21,39 +21,56 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-# Shared counters: [origin bytes, origin requests, blocks filled, blocks already cached, errors, refused]
+# Shared counters: [origin bytes, origin requests, blocks filled, blocks already cached, errors,
+#                   blocks staged (not admitted to the cache)]
 N_COUNTERS = 6
 #: Consecutive failed fills after which prefetching stops for the epoch.
 MAX_FAILURES = 3
 
 
-def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _drop_staged(ds, staged: dict, done_pos: int | None) -> None:
+    """Delete staged blocks whose last use is before ``done_pos`` (all of them if None)."""
+    for b in [b for b, last in staged.items() if done_pos is None or last < done_pos]:
+        ds.staging.remove(ds.version, ds.block_name(b))
+        del staged[b]
+
+
+def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Blocks needed by ``plan`` (sample ids in consumption order) in first-need order.
 
-    Returns (blocks int64 (K,), first_need int64 (K,)): the distinct blocks and the
-    plan position at which each is first needed, ascending.
+    Returns (blocks int64 (K,), first_need int64 (K,), last_need int64 (K,)): the distinct
+    blocks, ascending by the plan position at which each is first needed, and the
+    position of each block's last use.
     """
     blocks = ds.sample_block[plan]
     uniq, first = np.unique(blocks, return_index=True)
+    _, rev = np.unique(blocks[::-1], return_index=True)
+    last = len(blocks) - 1 - rev
     order = np.argsort(first, kind="stable")
-    return uniq[order].astype(np.int64), first[order].astype(np.int64)
+    return uniq[order].astype(np.int64), first[order].astype(np.int64), last[order].astype(np.int64)
 
 
 def _fill(ds, b: int) -> str:
     if ds.cache.contains(ds.version, ds.block_name(b)):
         return "cached"
-    return ds.fill_block(b, blocking=False, want_data=False)
+    status = ds.fill_block(b, blocking=False, want_data=False)
+    if status == "refused" and ds.staging is not None:
+        return ds.stage_block(b)
+    return status
 
 
-def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_bytes: int) -> None:
-    """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need) or None to stop;
-    ``position``: shared int64, plan position dispatched by the loader; ``counters``: shared int64 array."""
+def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahead_bytes: int) -> None:
+    """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need) or
+    None to stop; ``position``: shared int64, plan position dispatched to the workers;
+    ``done``: shared int64, plan position already delivered (staged blocks whose last use
+    is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS)."""
     from .workers import fresh_copy
     ds = fresh_copy(ds)
     ds.origin.warm()
     pool = ThreadPoolExecutor(concurrency)
     lock = threading.Lock()
     job = None
+    staged: dict[int, int] = {}  # staged block -> plan position of its last use
     while True:
         try:
             cmd = commands.get(timeout=0.05) if job is None else commands.get_nowait()
@@ -62,17 +79,19 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
         if cmd is None:
             break
         if cmd is not ...:
-            _, blocks, first_need = cmd
+            _, blocks, first_need, last_need = cmd
+            _drop_staged(ds, staged, None)
             sizes = (ds.block_end[blocks] - ds.block_start[blocks]).astype(np.int64)
             cum = np.concatenate([[0], np.cumsum(sizes)])
-            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "inflight": set(),
-                   "failures": 0}
+            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "inflight": {},
+                   "failures": 0, "last": dict(zip(blocks.tolist(), last_need.tolist()))}
         if job is None:
             continue
         inflight = job["inflight"]
-        done = {f for f in inflight if f.done()}
-        for f in done:
-            inflight.discard(f)
+        _drop_staged(ds, staged, int(done.value))
+        finished = [f for f in inflight if f.done()]
+        for f in finished:
+            b = inflight.pop(f)
             try:
                 status = f.result()
             except Exception as exc:  # noqa: BLE001 - the reader will retry and report
@@ -91,9 +110,12 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
                     counters[2] += 1
                 elif status == "cached":
                     counters[3] += 1
-                elif status == "refused":
+                elif status == "refused":  # no staging area: nothing later would be admitted either
                     counters[5] += 1
-                    job["next"] = len(job["blocks"])  # nothing later would be admitted either
+                    job["next"] = len(job["blocks"])
+                elif status == "staged":
+                    counters[5] += 1
+                    staged[b] = job["last"][b]
             counters[0] = ds.origin.counters.bytes
             counters[1] = ds.origin.counters.requests
         j = job["next"]
@@ -107,7 +129,8 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
         while j < len(job["blocks"]) and len(inflight) < concurrency:
             if job["cum"][j] - job["cum"][min(consumed, j)] > ahead_bytes:
                 break
-            inflight.add(pool.submit(_fill, ds, int(job["blocks"][j])))
+            b = int(job["blocks"][j])
+            inflight[pool.submit(_fill, ds, b)] = b
             j += 1
             progressed = True
         job["next"] = j
@@ -119,3 +142,5 @@ def prefetch_main(ds, commands, position, counters, concurrency: int, ahead_byte
     # kills this process if that takes too long; a fill cut short leaves only a temporary
     # file, which the next open of the cache removes (DiskCache.recover).
     pool.shutdown(wait=True, cancel_futures=True)
+    if ds.staging is not None:
+        ds.staging.clear()

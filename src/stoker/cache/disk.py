@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import struct
 import os
+import shutil
+import struct
 import time
 import uuid
 from contextlib import contextmanager
@@ -199,6 +200,12 @@ class DiskCache:
                         pass
             used = self._scan_used()
             self._write_used(used)
+        staging = os.path.join(self.root, ".staging")
+        if os.path.isdir(staging):
+            for d in os.listdir(staging):
+                pid = d.split("-")[0]
+                if pid.isdigit() and not pid_alive(int(pid)):
+                    shutil.rmtree(os.path.join(staging, d), ignore_errors=True)
         return {"removed_tmp": removed, "used": used}
 
     # -- reads ------------------------------------------------------------
