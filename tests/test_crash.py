@@ -63,3 +63,33 @@ def test_two_concurrent_jobs_read_each_block_once(packed_local, tmp_path):
     ds = open_dataset(packed_local, cache=False, block_bytes=64 << 10)
     assert sum(int(o[0]) for o in outs) == ds.num_blocks  # every block fetched once across both jobs
     assert all(o[1] == str(len(ds)) and o[2] == "True" for o in outs)
+
+
+ORPHAN = """
+import sys, time
+from stoker import Loader, open_dataset
+ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20)
+loader = Loader(ds, 8, num_workers=2, transform="eval")
+it = iter(loader)
+next(it)
+print(" ".join(str(p.pid) for p in loader._workers + [loader._prefetcher]), flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid):
+    from stoker.procs import pid_alive
+    return pid_alive(pid)
+
+
+def test_workers_exit_when_the_training_process_is_killed(packed_local, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN, packed_local, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    children = [int(p) for p in proc.stdout.readline().split()]
+    assert len(children) == 3 and all(_alive(p) for p in children)
+    proc.send_signal(signal.SIGKILL)  # only the training process
+    proc.wait(10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in children):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in children)

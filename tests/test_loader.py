@@ -159,3 +159,26 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, sampl
         assert ds.origin.counters.retries >= 2
     finally:
         s3_origin.clear_faults()
+
+
+def test_an_epoch_cut_short_is_not_replayed(packed_local):
+    ds = open_dataset(packed_local, cache=False)
+    loader = Loader(ds, 16, num_workers=0, transform="eval", seed=2)
+    firsts = []
+    for _ in range(3):
+        for x, _ in loader:
+            firsts.append(x.clone())
+            break
+    assert [s.epoch for s in loader.history] == [0, 1, 2] and loader.epoch == 3
+    assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
+    assert not loader.history[0].exactly_once  # honest: the epoch was cut short
+    loader.set_epoch(0)
+    assert torch.equal(next(iter(loader))[0], firsts[0])
+
+
+def test_bad_arguments_are_refused(packed_local):
+    ds = open_dataset(packed_local, cache=False)
+    for kwargs in ({"image_size": 0}, {"order": "bogus"}, {"transform": "x"}, {"on_error": "ignore"},
+                   {"num_workers": -1}, {"rank": 3, "world_size": 2}):
+        with pytest.raises(ValueError):
+            Loader(ds, 8, **kwargs)

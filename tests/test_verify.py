@@ -56,3 +56,21 @@ def test_truncated_and_missing_shards(packed_copy):
     zero.write_bytes(b"")
     with pytest.raises(DatasetChangedError, match="shard-000002.tar: 0 bytes"):
         check_shards(ds.origin, ds.index)
+
+
+def test_flipped_byte_in_a_named_field_is_found(tmp_path, cases_dir):
+    from stoker.store.pack import pack
+    dst = tmp_path / "wds"
+    pack(str(cases_dir / "webdataset" / "sample.tgz"), str(dst), progress=False)
+    ds = open_dataset(str(dst), cache=False)
+    i = 5
+    table = ds.index.member_table(i)
+    cls = [m for m in table if m[0] == "cls"]
+    assert cls, table
+    _, off, n, _ = cls[0]
+    shard = dst / ds.index.shard_name(ds.index.shard[i])
+    raw = bytearray(shard.read_bytes())
+    raw[off] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    r = verify(str(dst), progress=False)
+    assert [b["key"] for b in r.bad_samples] == [ds.key(i)] and "field 'cls'" in r.bad_samples[0]["reason"]

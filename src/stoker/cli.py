@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -25,29 +26,20 @@ def _opts(text: str | None) -> dict:
 def cmd_sample_data(a) -> int:
     from .sample_data import make_sample_data
     print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
+    print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
+          file=sys.stderr)
     return 0
 
 
 def cmd_pack(a) -> int:
-    from .store.pack import DatasetExistsError, pack
-    try:
-        r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
-                 src_options=_opts(a.src_options), dst_options=_opts(a.dst_options),
-                 read_workers=a.read_workers, progress=not a.no_progress)
-    except DatasetExistsError as exc:
-        print(f"stoker pack: {exc}", file=sys.stderr)
-        return 2
+    from .store.pack import pack
+    if a.shard_size < 1:
+        raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
+    r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
+             src_options=_opts(a.src_options), dst_options=_opts(a.dst_options),
+             read_workers=a.read_workers, progress=not a.no_progress,
+             shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source)
     print(json.dumps(r.as_dict(), indent=2))
-    return 0
-
-
-def cmd_stat(a) -> int:
-    from .store.dataset import open_dataset
-    ds = open_dataset(a.url, storage_options=_opts(a.storage_options), cache=False)
-    idx = ds.index
-    print(json.dumps({"url": a.url, "samples": len(idx), "bytes": idx.total_bytes, "shards": len(idx.shards),
-                      "shard_bytes": sum(s["bytes"] for s in idx.shards), "classes": len(idx.classes),
-                      "version": idx.version}, indent=2))
     return 0
 
 
@@ -74,21 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_sample_data)
 
-    s = sub.add_parser("pack", help="pack an ImageFolder tree into tar shards + a Parquet index")
-    s.add_argument("src", help="fsspec URL of the ImageFolder root (<root>/<class>/<file>)")
+    s = sub.add_parser("pack", help="pack an ImageFolder tree, WebDataset shards or a file list "
+                                    "into tar shards + a Parquet index")
+    s.add_argument("src", help="fsspec URL: an ImageFolder root (<root>/<class>/<file>), WebDataset "
+                               ".tar/.tgz shards (file, directory, glob or {a..b} list), or a CSV/Parquet "
+                               "file list (columns path, label[, key])")
     s.add_argument("dst", help="fsspec URL of the packed dataset")
     s.add_argument("--shard-size", type=_size, default=64 << 20, help="target shard size (default 64MiB)")
     s.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     s.add_argument("--read-workers", type=int, default=16)
     s.add_argument("--src-options", help="fsspec storage options for SRC, as JSON")
     s.add_argument("--dst-options", help="fsspec storage options for DST, as JSON")
+    s.add_argument("--source", choices=["imagefolder", "webdataset", "filelist"],
+                   help="kind of source (default: detected from SRC)")
+    s.add_argument("--shuffle-seed", type=int, default=0,
+                   help="seed of the random placement of samples in shards (default 0)")
+    s.add_argument("--no-shuffle", action="store_true", help="place samples in sorted order")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_pack)
-
-    s = sub.add_parser("stat", help="summary of a packed dataset")
-    s.add_argument("url")
-    s.add_argument("--storage-options", help="fsspec storage options as JSON")
-    s.set_defaults(fn=cmd_stat)
 
     s = sub.add_parser("demo", help="end-to-end demo and benchmark against the standard recipe")
     s.add_argument("--quick", action="store_true", help="smaller run (under 5 minutes on 2 cores)")
@@ -111,16 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="exit 1 if a done-criterion is missed")
     s.set_defaults(fn=cmd_demo)
 
-    from .store import verify
+    from .store import directory, verify
+    directory.add_parsers(sub)
     verify.add_parsers(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; expected failures (bad input, storage errors) print one line, exit 2."""
+    import tarfile
+
+    from .storage import OriginError
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except BrokenPipeError:  # e.g. `stoker ls URL | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, IOError) as exc:
+        if args.verbose:
+            raise
+        print(f"stoker {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ class Loader:
 
     Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
     tensor (N,), N = ``batch_size`` except maybe the last batch. Each ``iter()`` runs
-    one epoch (``self.epoch``) and then advances ``self.epoch`` by one.
+    one epoch (``self.epoch``) and advances ``self.epoch`` by one when it starts, so an
+    epoch cut short by ``break`` is not replayed (use :meth:`set_epoch` to choose one).
 
     Order: the permutation named ``order`` of (``seed``, epoch) (identity if
     ``shuffle=False``), split over ``world_size`` ranks with equal counts
@@ -109,6 +110,13 @@ class Loader:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if image_size < 1:
+            raise ValueError(f"image_size must be >= 1, got {image_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        from .order import PERMUTATIONS
+        if shuffle and order not in PERMUTATIONS:
+            raise ValueError(f"unknown order {order!r}; registered: {sorted(PERMUTATIONS)}")
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
@@ -266,7 +274,9 @@ class Loader:
         self._start()
         self._run += 1
         start, self._resume_batch = self._resume_batch, 0
-        return self._epoch(self._run, self.epoch, start)
+        epoch = self.epoch
+        self.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
+        return self._epoch(self._run, epoch, start)
 
     # -- resume (torchdata StatefulDataLoader convention) ---------------------
     def state_dict(self) -> dict:
@@ -361,7 +371,6 @@ class Loader:
             self.stats = stats
             self.history.append(stats)
             if stats.batches == len(batches):
-                self.epoch = epoch + 1
                 self._position = (epoch + 1, 0)
 
     def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:

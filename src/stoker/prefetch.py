@@ -12,6 +12,7 @@ the workers then read those samples on demand.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -64,7 +65,10 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     None to stop; ``position``: shared int64, plan position dispatched to the workers;
     ``done``: shared int64, plan position already delivered (staged blocks whose last use
     is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS)."""
+    from .procs import exit_with_parent, parent_gone
     from .workers import fresh_copy
+    parent = os.getppid()
+    exit_with_parent()
     ds = fresh_copy(ds)
     ds.origin.warm()
     pool = ThreadPoolExecutor(concurrency)
@@ -76,7 +80,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             cmd = commands.get(timeout=0.05) if job is None else commands.get_nowait()
         except queue.Empty:
             cmd = ...
-        if cmd is None:
+        if cmd is None or (cmd is ... and parent_gone(parent)):
             break
         if cmd is not ...:
             _, blocks, first_need, last_need = cmd

@@ -21,3 +21,22 @@ def pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def exit_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux prctl
+    PR_SET_PDEATHSIG). Workers call it first thing, so a training process killed with
+    SIGKILL does not leave its workers running. No-op where unsupported; the workers
+    also poll :func:`parent_gone`."""
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def parent_gone(parent_pid: int) -> bool:
+    """True once the process that started us has exited (we were re-parented)."""
+    return os.getppid() != parent_pid

@@ -41,6 +41,9 @@ class OriginError(IOError):
         self.url, self.start, self.end, self.attempts = url, start, end, attempts
 
 
+_INHERITED: list = []
+
+
 def _forget_inherited_sessions() -> None:
     """In a forked child, detach the finalizers of s3fs sessions inherited from the parent.
 
@@ -54,6 +57,9 @@ def _forget_inherited_sessions() -> None:
     try:
         for fin, info in list(weakref.finalize._registry.items()):  # noqa: SLF001
             if getattr(info.func, "__name__", "") == "close_session":
+                owner = info.weakref()
+                if owner is not None:
+                    _INHERITED.append(owner)  # never collected here: no "unclosed session" noise
                 fin.detach()
     except Exception:  # noqa: BLE001 - best effort; CPython internals
         pass

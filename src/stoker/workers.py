@@ -74,7 +74,12 @@ class BatchDecoder:
 
 def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
+    import queue as _queue
+
+    from .procs import exit_with_parent, parent_gone
     from .ring import map_slot
+    parent = os.getppid()
+    exit_with_parent()
     ds = fresh_copy(ds)
     ds.origin.warm()
     try:
@@ -85,7 +90,12 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     dec = BatchDecoder(ds, cfg)
     maps: dict[str, tuple] = {}
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except _queue.Empty:
+            if parent_gone(parent):
+                break
+            continue
         if task is None or stop.is_set():
             break
         run, seq, epoch, slot, path, ids = task

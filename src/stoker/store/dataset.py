@@ -297,13 +297,16 @@ def default_cache_dir() -> str:
 
 def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None = None, *,
                  storage_options: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 cache_policy: str = "noevict", cache: bool = True) -> Dataset:
+                 cache_policy: str = "noevict", cache: bool = True, check: bool = True) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
     ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
     ``cache_bytes``: its byte budget (default 8 GiB); ``cache=False`` reads every
     sample straight from the origin. ``block_bytes``: cache unit (default 1 MiB).
     ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...).
+    ``check``: list the shards once and compare sizes (and ETags where recorded) with
+    the index, so shards rewritten under an unchanged index are reported by name
+    (:class:`stoker.store.verify.DatasetChangedError`) before any sample is served.
     Raises FileNotFoundError when ``url`` holds no index (e.g. an interrupted pack)
     and :class:`stoker.store.index.IndexError_` when the index is unreadable.
     """
@@ -314,6 +317,9 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
         raise FileNotFoundError(f"{origin.full_url(INDEX_NAME)} not found: {url} is not a packed "
                                 "stoker dataset (or its pack did not finish; run `stoker pack` again)") from None
     index = read_index(data, origin.full_url(INDEX_NAME))
+    if check:
+        from .verify import check_shards
+        check_shards(origin, index)
     disk = None
     if cache:
         disk = DiskCache(cache_dir or default_cache_dir(),

@@ -574,7 +574,7 @@ def stat(directory: SampleDirectory, url: str | None = None) -> list[str]:
 
 def _open_directory(a) -> SampleDirectory:
     from .dataset import open_dataset
-    ds = open_dataset(a.url, cache=False, storage_options=json.loads(a.storage_options or "{}"))
+    ds = open_dataset(a.url, cache=False, check=False, storage_options=json.loads(a.storage_options or "{}"))
     return SampleDirectory(ds.index)
 
 

@@ -20,6 +20,7 @@ members ``<key>.<field>``; sample ids are in sorted key order for every source.
 from __future__ import annotations
 
 import json
+import posixpath
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from ..procs import pid_alive
 from ..storage import Origin
 from .filelist import iter_file_list, read_file_list
 from .index import INDEX_NAME, SHARD_DIR, build_table, table_to_bytes
@@ -179,11 +181,36 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
         shard_table, classes, field=[p[0] for p in prim],
         fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order])
     dest.write_atomic(INDEX_NAME, table_to_bytes(table))
+    _remove_stale_shards(dest, {s["name"] for s in shard_table})
     payload = sum(m[2] for r in rows for m in r[2])
     return PackResult(url=dst, samples=len(keys), classes=len(classes), shards=len(shard_table),
                       payload_bytes=int(payload), shard_bytes=sum(s["bytes"] for s in shard_table),
                       reused_shards=reused, skipped_files=skipped, seconds=time.perf_counter() - t0,
                       version=version, source=kind)
+
+
+def _remove_stale_shards(dest: Origin, keep: set) -> None:
+    """After the index is written: delete shards and manifests of an earlier pack that the
+    new index does not use (an --overwrite with fewer shards), and temporary files of
+    writers that died (a pack killed mid-write)."""
+    try:
+        names = dest.fs.ls(dest.path(SHARD_DIR), detail=False)
+    except FileNotFoundError:
+        return
+    for full in names:
+        base = posixpath.basename(full.rstrip("/"))
+        rel = f"{SHARD_DIR}/{base}"
+        shard = rel[:-5] if rel.endswith(".json") else rel
+        if shard in keep:
+            continue
+        if ".tmp-" in base:
+            pid = base.split(".tmp-", 1)[1].split("-")[0]
+            if pid.isdigit() and pid_alive(int(pid)):
+                continue
+        try:
+            dest.fs.rm(full)
+        except FileNotFoundError:
+            pass
 
 
 def _rows_of(shard: int, man: dict) -> list:

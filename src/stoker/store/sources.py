@@ -173,6 +173,9 @@ def list_image_folder(origin) -> Listing:
     if not classes:
         raise ValueError(f"source {origin.url}: no ImageFolder class directory with images "
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
+    if len(classes) == 1 and all(e[1].count("/") >= 2 for e in entries):
+        log.warning("%s: one class directory %r holding sub-directories; did you mean to pack %s/%s "
+                    "(its sub-directories as the classes)?", origin.url, classes[0], origin.url, classes[0])
     label_of = {c: i for i, c in enumerate(classes)}
     files, seen = [], {}
     for cls, rel, stem, ext, size, stamp in entries:

@@ -102,13 +102,20 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
     want = int(index.shards[s]["bytes"])
     if len(data) != want:
         bad_shards.append({"shard": name, "reason": f"{len(data)} bytes, the index says {want}"})
+    has_fields = index.members is not None
     for i in members:
-        off, n = int(index.offset[i]), int(index.length[i])
-        if off + n > len(data):
-            bad_samples.append({"key": index.key(i), "shard": name, "reason": "beyond the end of the shard"})
-        elif xxhash.xxh3_64_intdigest(view[off:off + n]) != int(index.checksum[i]):
-            bad_samples.append({"key": index.key(i), "shard": name,
-                                "reason": f"checksum mismatch at bytes {off}-{off + n}"})
+        table = (index.member_table(int(i)) if has_fields
+                 else [("", int(index.offset[i]), int(index.length[i]), int(index.checksum[i]))])
+        for field_name, off, n, ck in table:
+            what = f" field {field_name!r}" if field_name and len(table) > 1 else ""
+            if off + n > len(data):
+                bad_samples.append({"key": index.key(i), "shard": name,
+                                    "reason": f"{what.strip() + ': ' if what else ''}beyond the end of the shard"})
+                break
+            if xxhash.xxh3_64_intdigest(view[off:off + n]) != int(ck):
+                bad_samples.append({"key": index.key(i), "shard": name,
+                                    "reason": f"checksum mismatch{what} at bytes {off}-{off + n}"})
+                break
     bar.update(1)
     return bad_samples, bad_shards, len(data)
 
