@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--policies", default="noevict,lru")
     ap.add_argument("--consumer-rate", type=float, default=800.0)
     ap.add_argument("--block-size", type=int, default=1 << 20)
+    ap.add_argument("--staging-bytes", type=int, default=16 << 20,
+                    help="loader staging budget (kept small here so it cannot hold D - C)")
     ap.add_argument("--json")
     a = ap.parse_args()
 
@@ -52,7 +54,7 @@ def main() -> None:
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 ds = open_dataset(origin.url("packed"), cache_dir=cache_dir, cache_bytes=C, cache_policy=policy,
                                   storage_options=opts, block_bytes=a.block_size)
-                with Loader(ds, 64, num_workers=2, seed=0) as loader:
+                with Loader(ds, 64, num_workers=2, seed=0, staging_bytes=a.staging_bytes) as loader:
                     for epoch in range(a.epochs):
                         m = measure(loader, a.consumer_rate)
                         st = loader.stats
@@ -60,14 +62,16 @@ def main() -> None:
                                "floor_bytes": max(0, D - C), "epoch": epoch, "origin_bytes": st.origin_bytes,
                                "origin_requests": st.origin_requests, "hit_ratio": st.cache_hit_ratio,
                                "stall_fraction": m.stall_fraction, "samples_per_s": m.samples_per_s,
-                               "exactly_once": st.exactly_once, "evictions": st.evictions}
+                               "exactly_once": st.exactly_once, "evictions": st.evictions,
+                               "staged_hits": st.staged_hits, "direct_reads": st.direct_reads}
                         rows.append(row)
                         print(f"{policy:8} C={frac:4.2f}D epoch {epoch}: origin {st.origin_bytes / 1e6:7.1f} MB "
                               f"(floor {max(0, D - C) / 1e6:6.1f}) hit {st.cache_hit_ratio:.2f} "
                               f"stall {m.stall_fraction:.3f} {m.samples_per_s:6.0f}/s", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"consumer_rate": a.consumer_rate, "origin": {"latency_ms": 20, "bandwidth_MBps": 100},
+            json.dump({"consumer_rate": a.consumer_rate, "staging_bytes": a.staging_bytes,
+                       "origin": {"latency_ms": 20, "bandwidth_MBps": 100},
                        "cores": os.cpu_count(), "rows": rows}, f, indent=2)
 
 

@@ -83,7 +83,7 @@ def test_cache_smaller_than_dataset(packed_local, tmp_path):
     budget = 300 << 10
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=budget, block_bytes=64 << 10)
     assert ds.index.total_bytes > 4 * budget
-    with Loader(ds, 16, num_workers=2, transform="eval") as loader:
+    with Loader(ds, 16, num_workers=2, transform="eval", staging_bytes=256 << 10) as loader:
         for _ in range(2):
             assert sum(len(y) for _, y in loader) == len(ds)
             assert loader.stats.exactly_once

@@ -89,7 +89,12 @@ class Loader:
     ``on_error``: ``"raise"`` (a sample no decoder reads raises WorkerError naming
     its key) or ``"skip"`` (logged, counted in stats, batch is shorter).
     ``prefetch_batches`` batches in flight; ``prefetch_bytes`` how far the block
-    prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs.
+    prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs;
+    ``staging_bytes`` the most it holds in blocks fetched just in time that the cache
+    did not admit (:mod:`stoker.cache.staging`).
+    ``prefetch_next_epoch``: when the last batches of an epoch are in flight, start the
+    first batches of the next epoch, so the pipeline never drains at the boundary (their
+    work is counted in the epoch that started them).
     ``timeout_s``: longest wait for one batch before WorkerError (never a hang).
     ``start_method``: multiprocessing start method (default ``fork`` where available, as
     torch's DataLoader; each child re-creates its storage clients, so no connection or
@@ -102,8 +107,10 @@ class Loader:
                  rank: int = 0, world_size: int = 1, num_workers: int = 2, transform: str = "train",
                  image_size: int = 224, on_error: str = "raise", even: str = "pad", drop_last: bool = False,
                  prefetch_batches: int | None = None, prefetch_bytes: int = 512 << 20,
+                 staging_bytes: int = 64 << 20,
                  fetch_concurrency: int = 8, timeout_s: float = 120.0, exif_orientation: bool = False,
-                 order: str = "blockwise", order_window: int = 16, start_method: str | None = None):
+                 order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
+                 prefetch_next_epoch: bool = True):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
@@ -124,6 +131,7 @@ class Loader:
         self.num_workers = int(num_workers)
         self.prefetch_batches = prefetch_batches or max(2, 2 * self.num_workers)
         self.prefetch_bytes, self.fetch_concurrency = int(prefetch_bytes), int(fetch_concurrency)
+        self.staging_bytes = int(staging_bytes)
         self.timeout_s = timeout_s
         self.order = order if shuffle else "sequential"
         self.order_window = int(order_window)
@@ -134,6 +142,8 @@ class Loader:
         self.history: list[EpochStats] = []
         self._started = False
         self._run = 0
+        self._pre = None
+        self.prefetch_next_epoch = prefetch_next_epoch
         self._resume_batch = 0
         self._position = (self.epoch, 0)
         self._workers: list = []
@@ -159,6 +169,7 @@ class Loader:
         self.epoch = int(epoch)
         self._resume_batch = 0
         self._position = (self.epoch, 0)
+        self._pre = None
 
     # -- processes --------------------------------------------------------
     def _start(self) -> None:
@@ -198,7 +209,8 @@ class Loader:
             self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
                                            args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
                                                  self._pf_counters,
-                                                 self.fetch_concurrency, self.prefetch_bytes), daemon=True)
+                                                 self.fetch_concurrency, self.prefetch_bytes, self.staging_bytes),
+                                           daemon=True)
             self._prefetcher.start()
         self._worker_counters: dict[int, dict] = {}
         self._started = True
@@ -313,18 +325,23 @@ class Loader:
         if done == nb:
             epoch, done = epoch + 1, 0
         self.epoch, self._resume_batch, self._position = epoch, done, (epoch, done)
+        self._pre = None
 
     def _epoch(self, run: int, epoch: int, start: int = 0):
         from .torch import as_tensors
         t_start = time.perf_counter()
         stats = EpochStats(epoch=epoch)
-        ids = self.plan(epoch)[start * self.batch_size:]
-        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
+        if carry is not None:
+            run, ids, batches = carry["run"], carry["ids"], carry["batches"]
+        else:
+            ids = self.plan(epoch)[start * self.batch_size:]
+            batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         self._position = (epoch, start)
         before = self._totals()
         cpu_before = self._cpu()
         delivered = np.zeros(len(self.dataset), dtype=np.int64)
-        if self._prefetcher is not None:
+        if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
             self._pf_pos.value = 0
             self._pf_done.value = 0
             self._pf_cmds.put((run, *block_schedule(self.dataset, ids)))
@@ -344,7 +361,8 @@ class Loader:
                     yield out
                     t_resume = time.perf_counter()
             else:
-                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box := [0.0])
+                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box := [0.0],
+                                          carry)
                 wait_s = wait_box[0]
         finally:
             stats.seconds = time.perf_counter() - t_start
@@ -384,20 +402,51 @@ class Loader:
         stats.samples += len(keep)
         stats.batches += 1
 
-    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box):
+    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict) -> None:
+        slot = self._ring.acquire()
+        self._tasks.put((run, seq, epoch, slot, self._ring.paths[slot], bids))
+        inflight[seq] = (slot, bids)
+
+    def _predispatch(self, epoch: int) -> None:
+        """Start the first batches of the next epoch while this one drains (its plan is a pure
+        function of the epoch), so the pipeline does not run dry at the epoch boundary. Kept
+        in ``self._pre`` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
+        otherwise dropped (its replies are recognised by their run id)."""
+        self._run += 1
+        ids = self.plan(epoch)
+        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        pre = {"run": self._run, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
+               "pending": {}, "next": 0}
+        while pre["next"] < min(len(batches), self.prefetch_batches):
+            self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"])
+            pre["next"] += 1
+        self._pre = pre
+        if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
+            self._pf_pos.value = pre["next"] * self.batch_size
+            self._pf_done.value = 0
+            self._pf_cmds.put((pre["run"], *block_schedule(self.dataset, ids)))
+
+    def _take_pre(self, epoch: int, start: int):
+        """The pre-dispatched next epoch, if it is the one starting now; else drop it."""
+        pre, self._pre = self._pre, None
+        if pre is not None and pre["epoch"] == epoch and start == 0:
+            return pre
+        return None
+
+    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None):
         from .torch import as_tensors
-        pending: dict[int, tuple] = {}
-        inflight: dict[int, tuple] = {}
-        next_dispatch = 0
+        pending: dict[int, tuple] = carry["pending"] if carry else {}
+        inflight: dict[int, tuple] = carry["inflight"] if carry else {}
+        next_dispatch = carry["next"] if carry else 0
         for seq in range(len(batches)):
             while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                slot = self._ring.acquire()
-                bids = batches[next_dispatch]
-                self._tasks.put((run, next_dispatch, epoch, slot, self._ring.paths[slot], bids))
-                inflight[next_dispatch] = (slot, bids)
+                self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight)
                 next_dispatch += 1
-                if self._prefetcher is not None:
+                if self._prefetcher is not None and self._pre is None:
                     self._pf_pos.value = next_dispatch * self.batch_size
+            if (next_dispatch == len(batches) and self._pre is None and self._resume_batch == 0
+                    and self.epoch == epoch + 1 and self.prefetch_next_epoch):
+                self._predispatch(epoch + 1)
             deadline = time.monotonic() + self.timeout_s
             while seq not in pending:
                 try:
@@ -410,8 +459,11 @@ class Loader:
                     continue
                 kind, wid, mrun = msg[0], msg[1], msg[2]
                 self._worker_counters[wid] = msg[8]
-                if mrun != run:  # a reply to an abandoned epoch: just free its slot
-                    self._ring.release(msg[4])
+                if mrun != run:
+                    if self._pre is not None and mrun == self._pre["run"]:
+                        self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
+                    else:  # a reply to an abandoned epoch: just free its slot
+                        self._ring.release(msg[4])
                     continue
                 if kind == "error":
                     _, _, _, mseq, slot, key, err, tb, _ = msg
@@ -425,7 +477,7 @@ class Loader:
             del imgs
             wait_box[0] += time.perf_counter() - t_resume
             self._position = (epoch, self._position[1] + 1)
-            if self._prefetcher is not None:
+            if self._prefetcher is not None and self._pre is None:  # positions in this epoch's plan
                 self._pf_done.value = (seq + 1) * self.batch_size
             yield out
             t_resume = time.perf_counter()

@@ -60,11 +60,13 @@ def _fill(ds, b: int) -> str:
     return status
 
 
-def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahead_bytes: int) -> None:
+def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahead_bytes: int,
+                  staging_bytes: int = 64 << 20) -> None:
     """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need) or
     None to stop; ``position``: shared int64, plan position dispatched to the workers;
     ``done``: shared int64, plan position already delivered (staged blocks whose last use
-    is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS)."""
+    is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS).
+    ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged."""
     from .procs import exit_with_parent, parent_gone
     from .workers import fresh_copy
     parent = os.getppid()
@@ -75,6 +77,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     lock = threading.Lock()
     job = None
     staged: dict[int, int] = {}  # staged block -> plan position of its last use
+    sizes_of = (ds.block_end - ds.block_start).astype(np.int64)
     while True:
         try:
             cmd = commands.get(timeout=0.05) if job is None else commands.get_nowait()
@@ -84,7 +87,10 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             break
         if cmd is not ...:
             _, blocks, first_need, last_need = cmd
-            _drop_staged(ds, staged, None)
+            # Blocks staged for the previous plan may still be read by its last batches; they
+            # go once the new plan's first batch is delivered (done > 0), unless re-staged.
+            for b in staged:
+                staged[b] = 0
             sizes = (ds.block_end[blocks] - ds.block_start[blocks]).astype(np.int64)
             cum = np.concatenate([[0], np.cumsum(sizes)])
             job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "inflight": {},
@@ -130,9 +136,16 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
         pos = int(position.value)
         consumed = int(np.searchsorted(job["first"], pos, side="left"))
         progressed = False
+        staged_now = sum(sizes_of[b] for b in staged) if ds.staging is not None else 0
         while j < len(job["blocks"]) and len(inflight) < concurrency:
             if job["cum"][j] - job["cum"][min(consumed, j)] > ahead_bytes:
                 break
+            if ds.staging is not None and not ds.cache.contains(ds.version, ds.block_name(int(job["blocks"][j]))):
+                # may end up staged: keep staged bytes plus such fills in flight within budget
+                need = int(sizes_of[int(job["blocks"][j])])
+                pending_bytes = sum(sizes_of[b] for b in inflight.values())
+                if staged_now + pending_bytes + need > staging_bytes and (staged or inflight):
+                    break
             b = int(job["blocks"][j])
             inflight[pool.submit(_fill, ds, b)] = b
             j += 1
