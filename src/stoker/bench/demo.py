@@ -123,7 +123,8 @@ def run_demo(cfg: DemoConfig) -> dict:
             after = origin.stats()
             report["runs"].append(_run("baseline", 0, rate, m, after.get("bytes_served", 0) - before.get("bytes_served", 0),
                                        None, None))
-            _log(f"baseline rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, stall {m.stall_fraction:.2f}")
+            _log(f"baseline rate={rate:.0f}: {m.samples_per_s:.0f} samples/s"
+                 + (f", stall {m.stall_fraction:.2f}" if rate else ""))
 
         # stoker: cold epoch then warm epochs, a fresh cache per consumer setting.
         for rate in rates:
@@ -140,7 +141,7 @@ def run_demo(cfg: DemoConfig) -> dict:
                     report["runs"].append(_run("stoker", epoch, rate, m, st.origin_bytes, st.cache_hit_ratio,
                                                st.exactly_once, origin_requests=st.origin_requests, cpu_s=cpu))
                     _log(f"stoker epoch {epoch} rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, "
-                         f"stall {m.stall_fraction:.2f}, origin {st.origin_bytes / 1e6:.1f} MB, "
+                         + (f"stall {m.stall_fraction:.2f}, " if rate else "") + f"origin {st.origin_bytes / 1e6:.1f} MB, "
                          f"hit ratio {st.cache_hit_ratio:.2f}, exactly_once {st.exactly_once}")
             shutil.rmtree(cache_dir, ignore_errors=True)
     report["checks"] = check_done(report)

@@ -49,8 +49,9 @@ def print_table(report: dict) -> None:
     for r in report["runs"]:
         hr = "" if r["cache_hit_ratio"] is None else f"{r['cache_hit_ratio']:.2f}"
         eo = "" if r["exactly_once"] is None else str(r["exactly_once"])
+        stall = "-" if r["consumer_rate"] == 0 else f"{r['stall_fraction']:.2f}"  # no consumer: all wait
         print(f"{r['loader']:9} {r['epoch']:>5} {r['consumer_rate']:>9.0f} {r['samples']:>8} "
-              f"{r['samples_per_s']:>10.0f} {r['stall_fraction']:>6.2f} {r['origin_bytes'] / 1e6:>10.1f} "
+              f"{r['samples_per_s']:>10.0f} {stall:>6} {r['origin_bytes'] / 1e6:>10.1f} "
               f"{hr:>9} {eo:>12}")
     print()
     for name, c in report.get("checks", {}).items():

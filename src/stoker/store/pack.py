@@ -156,6 +156,8 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     (missing source, duplicate keys, non-UTF-8 names); tarfile.TarError for an
     unreadable source archive; :class:`stoker.storage.OriginError` on storage failures.
     """
+    if shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
     t0 = time.perf_counter()
     source_origin = Origin(src, src_options or {})
     dest = Origin(dst, dst_options or {})
