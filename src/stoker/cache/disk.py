@@ -31,17 +31,17 @@ import os
 import shutil
 import struct
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import xxhash
 
 from ..procs import pid_alive
+from .files import TMP_MARK, read_at, write_whole
 
 POLICIES = ("noevict", "lru")
 _STRIPES = 256
-_TMP = ".tmp-"
+_TMP = TMP_MARK
 
 
 class CacheLockTimeout(TimeoutError):
@@ -211,16 +211,9 @@ class DiskCache:
     # -- reads ------------------------------------------------------------
     def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
         """Bytes ``[offset, offset+length)`` of a cached block, or None if it is not cached."""
-        try:
-            fd = os.open(self.path(namespace, name), os.O_RDONLY)
-        except FileNotFoundError:
+        data = read_at(self.path(namespace, name), offset, length, touch=self.policy == "lru")
+        if data is None:
             return None
-        try:
-            data = os.pread(fd, length, offset)
-            if self.policy == "lru":
-                os.utime(fd)
-        finally:
-            os.close(fd)
         if len(data) != length:  # a short block file is damaged: treat as missing
             self.remove(namespace, name)
             self.stats.corrupt += 1
@@ -266,14 +259,9 @@ class DiskCache:
         if namespace not in self._made:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             self._made.add(namespace)
-        tmp = os.path.join(os.path.dirname(final), f"{_TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, final)
+            write_whole(final, data)
         except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
             with self._budget_lock():
                 self._write_used(max(0, self._read_used() - n))
             raise

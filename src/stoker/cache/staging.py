@@ -16,6 +16,8 @@ import os
 import shutil
 import uuid
 
+from .files import read_at, write_whole
+
 
 class StagingArea:
     """One loader's staged blocks under ``root`` (a directory it owns). Picklable."""
@@ -35,25 +37,15 @@ class StagingArea:
         """Write a block (temporary file + rename: readers see all of it or nothing)."""
         final = self.path(namespace, name)
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
+        write_whole(final, data)
 
     def contains(self, namespace: str, name: str) -> bool:
         return os.path.exists(self.path(namespace, name))
 
     def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
         """Bytes ``[offset, offset+length)`` of a staged block, or None."""
-        try:
-            fd = os.open(self.path(namespace, name), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            data = os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-        return data if len(data) == length else None
+        data = read_at(self.path(namespace, name), offset, length)
+        return data if data is not None and len(data) == length else None
 
     def remove(self, namespace: str, name: str) -> int:
         """Delete a staged block; returns the bytes freed (0 if it was not there)."""
