@@ -270,8 +270,12 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
     Reads format 2 (named fields) and format 1 (primary payload only) indexes.
     """
     try:
-        table = pq.read_table(io.BytesIO(data))
-        meta = json.loads(table.schema.metadata[b"stoker"])
+        pf = pq.ParquetFile(io.BytesIO(data))
+        # Only the columns kept in memory (class_name is in the metadata as the class list),
+        # decoded one column at a time: the allocator then keeps far less decode scratch.
+        wanted = [c for c in pf.schema_arrow.names if c != "class_name"]
+        table = pf.read(columns=wanted, use_threads=False)
+        meta = json.loads(pf.schema_arrow.metadata[b"stoker"])
     except Exception as exc:  # noqa: BLE001
         raise IndexError_(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
     if meta.get("format") not in READABLE_FORMATS:
