@@ -74,3 +74,22 @@ def test_flipped_byte_in_a_named_field_is_found(tmp_path, cases_dir):
     shard.write_bytes(bytes(raw))
     r = verify(str(dst), progress=False)
     assert [b["key"] for b in r.bad_samples] == [ds.key(i)] and "field 'cls'" in r.bad_samples[0]["reason"]
+
+
+def test_same_size_rewrite_of_a_shard_on_s3_is_detected_at_open(s3_origin, sample_tree):
+    from stoker.bench.origin import upload_tree
+    from stoker.store.pack import pack
+    from stoker.storage import url_to_fs
+    opts = s3_origin.storage_options()
+    upload_tree(str(sample_tree / "train"), s3_origin.url("etag/raw"), opts)
+    url = s3_origin.url("etag/packed")
+    pack(s3_origin.url("etag/raw"), url, src_options=opts, dst_options=opts, progress=False)
+    ds = open_dataset(url, cache=False, storage_options=opts)
+    assert all(s.get("etag") for s in ds.index.shards)  # recorded at pack time
+    fs, root = url_to_fs(url, opts)
+    path = f"{root}/{ds.index.shard_name(0)}"
+    raw = bytearray(fs.cat_file(path))
+    raw[int(ds.index.offset[0]) + 3] ^= 0xFF  # same size, different content
+    fs.pipe_file(path, bytes(raw))
+    with pytest.raises(DatasetChangedError, match="shard-000000.tar: ETag"):
+        open_dataset(url, cache=False, storage_options=opts)

@@ -125,8 +125,22 @@ def _write_shard(dest: Origin, name: str, phash: str, samples: list[tuple[str, l
     it = iter(entries)
     rows = [[key, [[field, *next(it)] for field, _ in members]] for key, members in samples]
     man = {"name": name, "bytes": len(data), "plan": phash, "format": MANIFEST_FORMAT, "samples": rows}
+    etag = _etag(dest, name)
+    if etag:
+        man["etag"] = etag
     dest.write_atomic(f"{name}.json", json.dumps(man).encode())
     return man
+
+
+def _etag(dest: Origin, name: str) -> str | None:
+    """The object store's ETag of a shard just written (None on filesystems without one), so
+    that opening the dataset can tell a same-size rewrite of the shard (verify.check_shards)."""
+    try:
+        info = dest.fs.info(dest.path(name))
+    except (OSError, ValueError):
+        return None
+    tag = info.get("ETag") or info.get("etag")
+    return str(tag).strip('"') if tag else None
 
 
 def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
@@ -258,7 +272,8 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
     info = {f.key: f for f in listing.files}
     shard_table, rows = [], []
     for i, (members, (man, _)) in enumerate(zip(plan, results)):
-        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(members)})
+        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(members),
+                            **({"etag": man["etag"]} if man.get("etag") else {})})
         rows += _rows_of(i, man)
     labels = [info[r[0]].label for r in rows]
     cnames = [info[r[0]].class_name for r in rows]
@@ -287,7 +302,8 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
     def finish(fut) -> None:
         nonlocal reused
         i, man, was_reused = fut.result()
-        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"])})
+        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"]),
+                            **({"etag": man["etag"]} if man.get("etag") else {})})
         rows.extend(_rows_of(i, man))
         reused += was_reused
 
