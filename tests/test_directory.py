@@ -305,7 +305,7 @@ def test_cli_parsers_open_the_dataset_and_print(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("a\t") and out[1].startswith("... more")
     a = p.parse_args(["ls", str(tmp_path), "c9"])
-    assert a.fn(a) == 1
+    assert a.fn(a) == 2
     assert "c9" in capsys.readouterr().err
     a = p.parse_args(["stat", str(tmp_path)])
     assert a.fn(a) == 0

@@ -93,3 +93,18 @@ def test_same_size_rewrite_of_a_shard_on_s3_is_detected_at_open(s3_origin, sampl
     fs.pipe_file(path, bytes(raw))
     with pytest.raises(DatasetChangedError, match="shard-000000.tar: ETag"):
         open_dataset(url, cache=False, storage_options=opts)
+
+
+def test_damaged_tar_header_is_found(packed_copy):
+    """stoker reads by offset and would not notice, but tar and WebDataset readers would."""
+    ds = open_dataset(str(packed_copy), cache=False)
+    in0 = [i for i in range(len(ds)) if ds.index.shard[i] == 0]
+    i = sorted(in0, key=lambda j: ds.index.offset[j])[1]  # the second member of shard 0
+    shard = packed_copy / ds.index.shard_name(0)
+    raw = bytearray(shard.read_bytes())
+    raw[int(ds.index.offset[i]) - 512 + 10] ^= 0x01  # a byte of its header's name field
+    shard.write_bytes(bytes(raw))
+    r = verify(str(packed_copy), progress=False)
+    assert not r.ok
+    assert ds.key(i) in [b["key"] for b in r.bad_samples]
+    assert "tar framing" in r.bad_samples[0]["reason"]

@@ -87,7 +87,8 @@ class Loader:
     (seed, epoch, sample id)) or ``"eval"`` (resize 256 + center crop S).
     ``num_workers`` decode processes (0 = decode in this process).
     ``on_error``: ``"raise"`` (a sample no decoder reads raises WorkerError naming
-    its key) or ``"skip"`` (logged, counted in stats, batch is shorter).
+    its key) or ``"skip"`` (logged, counted in stats, batch is shorter; a batch whose
+    samples were all skipped is not yielded).
     ``prefetch_batches`` batches in flight; ``prefetch_bytes`` how far the block
     prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs;
     ``staging_bytes`` the most it holds in blocks fetched just in time that the cache
@@ -352,8 +353,12 @@ class Loader:
                 for seq, bids in enumerate(batches):
                     slot = self._ring.acquire()
                     n, skipped, skipped_keys = self._decoder.run(epoch, bids, *self._ring.views(slot))
-                    imgs, labels = self._ring.batch(slot, n)
                     self._account(stats, bids, skipped, skipped_keys, delivered)
+                    if n == 0:  # every sample of the batch was skipped: yield nothing for it
+                        self._ring.release(slot)
+                        self._position = (epoch, start + seq + 1)
+                        continue
+                    imgs, labels = self._ring.batch(slot, n)
                     out = as_tensors(imgs, labels)
                     del imgs
                     wait_s += time.perf_counter() - t_resume
@@ -471,8 +476,12 @@ class Loader:
                 pending[msg[3]] = msg
             _, wid, _, _, slot, n, skipped, skipped_keys, _ = pending.pop(seq)
             bids = inflight.pop(seq)[1]
-            imgs, labels = self._ring.batch(slot, n)
             self._account(stats, bids, skipped, skipped_keys, delivered)
+            if n == 0:  # every sample of the batch was skipped: yield nothing for it
+                self._ring.release(slot)
+                self._position = (epoch, self._position[1] + 1)
+                continue
+            imgs, labels = self._ring.batch(slot, n)
             out = as_tensors(imgs, labels)
             del imgs
             wait_box[0] += time.perf_counter() - t_resume

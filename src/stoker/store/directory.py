@@ -500,7 +500,7 @@ class SampleDirectory:
         directory_bytes}``: counts are ints, bytes in bytes, version the index's content
         version (hex str)."""
         idx = self.index
-        return {"samples": len(self), "payload_bytes": int(idx.length.sum()),
+        return {"samples": len(self), "payload_bytes": idx.total_bytes,
                 "shards": len(idx.shards), "shard_bytes": int(sum(int(s["bytes"]) for s in idx.shards)),
                 "classes": len(idx.classes), "version": idx.version,
                 "keys_sorted": self.keys_sorted, "directory_bytes": self.nbytes}
@@ -584,7 +584,7 @@ def _cmd_ls(a) -> int:
         lines = ls(d, a.prefix or "", None if a.limit <= 0 else a.limit)
     except KeyError as exc:
         print(f"stoker ls: {exc.args[0]}", file=sys.stderr)
-        return 1
+        return 2
     for line in lines:
         print(line)
     return 0

@@ -89,6 +89,21 @@ class VerifyReport:
                 "bytes_read": self.bytes_read, "bad_samples": self.bad_samples, "bad_shards": self.bad_shards}
 
 
+def _tar_members(data: bytes) -> dict:
+    """``{payload offset: (member name, size)}`` of the members a tar reader finds in ``data``
+    (it stops at the first damaged header, as readers do)."""
+    import io
+    import tarfile
+    out = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+            for m in tf:
+                out[m.offset_data] = (m.name, m.size)
+    except tarfile.TarError:
+        pass
+    return out
+
+
 def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarray, bar) -> tuple[list, list, int]:
     name = index.shard_name(s)
     bad_samples, bad_shards = [], []
@@ -99,6 +114,7 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
     except OriginError as exc:
         return [], [{"shard": name, "reason": str(exc)}], 0
     view = memoryview(data)
+    headers = _tar_members(data)  # payload offset -> (member name, size), as a tar reader sees it
     want = int(index.shards[s]["bytes"])
     if len(data) != want:
         bad_shards.append({"shard": name, "reason": f"{len(data)} bytes, the index says {want}"})
@@ -108,6 +124,14 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
                  else [("", int(index.offset[i]), int(index.length[i]), int(index.checksum[i]))])
         for field_name, off, n, ck in table:
             what = f" field {field_name!r}" if field_name and len(table) > 1 else ""
+            seen = headers.get(off)
+            expect = f"{index.key(i)}.{field_name}" if field_name else None
+            if seen is None or seen[1] != n or (expect is not None and seen[0] != expect):
+                got = "no tar header" if seen is None else f"tar header {seen[0]!r}, {seen[1]} bytes"
+                bad_samples.append({"key": index.key(i), "shard": name,
+                                    "reason": f"tar framing{what}: {got} at payload offset {off} "
+                                              f"(GNU tar and WebDataset readers would not see it)"})
+                break
             if off + n > len(data):
                 bad_samples.append({"key": index.key(i), "shard": name,
                                     "reason": f"{what.strip() + ': ' if what else ''}beyond the end of the shard"})
