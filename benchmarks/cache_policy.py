@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--staging-bytes", type=int, default=16 << 20,
                     help="loader staging budget (kept small here so it cannot hold D - C)")
+    ap.add_argument("--cache-aware-window", type=int, default=0,
+                    help="also run the default policy with the cache-aware order, this window (samples)")
     ap.add_argument("--json")
     a = ap.parse_args()
 
@@ -49,25 +51,31 @@ def main() -> None:
         D = probe.index.total_bytes
         for frac in [float(f) for f in a.fractions.split(",")]:
             C = int(frac * D)
-            for policy in a.policies.split(","):
+            runs = [(p, 0) for p in a.policies.split(",")]
+            if a.cache_aware_window:
+                runs.append(("noevict", a.cache_aware_window))
+            for policy, caw in runs:
                 cache_dir = os.path.join(work, "cache")
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 ds = open_dataset(origin.url("packed"), cache_dir=cache_dir, cache_bytes=C, cache_policy=policy,
                                   storage_options=opts, block_bytes=a.block_size)
-                with Loader(ds, 64, num_workers=2, seed=0, staging_bytes=a.staging_bytes) as loader:
+                with Loader(ds, 64, num_workers=2, seed=0, staging_bytes=a.staging_bytes,
+                            cache_aware_window=caw) as loader:
                     for epoch in range(a.epochs):
                         m = measure(loader, a.consumer_rate)
                         st = loader.stats
-                        row = {"policy": policy, "budget_fraction": frac, "cache_bytes": C, "dataset_bytes": D,
+                        row = {"policy": policy, "cache_aware_window": caw,
+                               "order_displacement": st.order_displacement, "budget_fraction": frac, "cache_bytes": C, "dataset_bytes": D,
                                "floor_bytes": max(0, D - C), "epoch": epoch, "origin_bytes": st.origin_bytes,
                                "origin_requests": st.origin_requests, "hit_ratio": st.cache_hit_ratio,
                                "stall_fraction": m.stall_fraction, "samples_per_s": m.samples_per_s,
                                "exactly_once": st.exactly_once, "evictions": st.evictions,
                                "staged_hits": st.staged_hits, "direct_reads": st.direct_reads}
                         rows.append(row)
-                        print(f"{policy:8} C={frac:4.2f}D epoch {epoch}: origin {st.origin_bytes / 1e6:7.1f} MB "
+                        print(f"{policy + ('+ca' if caw else ''):10} C={frac:4.2f}D epoch {epoch}: origin {st.origin_bytes / 1e6:7.1f} MB "
                               f"(floor {max(0, D - C) / 1e6:6.1f}) hit {st.cache_hit_ratio:.2f} "
-                              f"stall {m.stall_fraction:.3f} {m.samples_per_s:6.0f}/s", flush=True)
+                              f"stall {m.stall_fraction:.3f} {m.samples_per_s:6.0f}/s"
+                              + (f" displacement {st.order_displacement:.1f}" if caw else ""), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"consumer_rate": a.consumer_rate, "staging_bytes": a.staging_bytes,

@@ -66,3 +66,24 @@ def test_rank_split_errors():
         rank_plan(np.arange(4), 0, 2, "bogus")
     with pytest.raises(KeyError):
         permutation(3, 0, 0, "nope")
+
+
+@pytest.mark.parametrize("window", [1, 4, 50])
+def test_cache_aware_order_serves_hits_first_within_windows(window):
+    from stoker.order import cache_aware, mean_displacement
+    plan = permutation(200, 3, 0)
+    hit = np.random.default_rng(1).random(200) < 0.4
+    out = cache_aware(plan, hit, window)
+    assert sorted(out.tolist()) == sorted(plan.tolist())  # a permutation of the plan
+    pos = {int(s): i for i, s in enumerate(plan)}
+    hit_of = {int(s): bool(h) for s, h in zip(plan, hit)}
+    for start in range(0, 200, window):
+        chunk = out[start:start + window].tolist()
+        flags = [hit_of[s] for s in chunk]
+        assert flags == sorted(flags, reverse=True)  # hits, then misses
+        assert set(chunk) == set(plan[start:start + window].tolist())  # nothing leaves its window
+        hits = [s for s in chunk if hit_of[s]]
+        assert hits == sorted(hits, key=pos.get)  # stable
+    d = mean_displacement(plan, out)
+    assert (d == 0.0) == (window == 1)
+    assert d < window

@@ -64,6 +64,7 @@ class EpochStats:
     skipped_keys: list = field(default_factory=list)
     exactly_once: bool = False
     cpu_s: dict = field(default_factory=dict)   # CPU seconds this epoch: main, workers, prefetch
+    order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +94,11 @@ class Loader:
     prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs;
     ``staging_bytes`` the most it holds in blocks fetched just in time that the cache
     did not admit (:mod:`stoker.cache.staging`).
+    ``cache_aware_window``: if > 0, within each window of that many samples the samples
+    whose blocks are cached when the epoch starts come first and the misses follow
+    (:func:`stoker.order.cache_aware`; off by default). Every sample still comes exactly
+    once; ``stats.order_displacement`` reports the mean move in positions. The cache state
+    used is kept in ``state_dict()``, so resume stays batch-for-batch identical.
     ``prefetch_next_epoch``: when the last batches of an epoch are in flight, start the
     first batches of the next epoch, so the pipeline never drains at the boundary (their
     work is counted in the epoch that started them).
@@ -111,7 +117,7 @@ class Loader:
                  staging_bytes: int = 64 << 20,
                  fetch_concurrency: int = 8, timeout_s: float = 120.0, exif_orientation: bool = False,
                  order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
-                 prefetch_next_epoch: bool = True):
+                 prefetch_next_epoch: bool = True, cache_aware_window: int = 0):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
@@ -145,6 +151,8 @@ class Loader:
         self._run = 0
         self._pre = None
         self.prefetch_next_epoch = prefetch_next_epoch
+        self.cache_aware_window = int(cache_aware_window)
+        self._hit_maps: dict[int, np.ndarray] = {}  # epoch -> cached-block bitmap used for its order
         self._resume_batch = 0
         self._position = (self.epoch, 0)
         self._workers: list = []
@@ -161,6 +169,23 @@ class Loader:
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
         return ids
+
+    def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, float]:
+        """The order actually served in ``epoch``: :meth:`plan`, made cache-aware if asked.
+        Returns (sample ids, mean displacement from the plain plan)."""
+        ids = self.plan(epoch)
+        if self.cache_aware_window <= 0 or self.dataset.cache is None:
+            return ids, 0.0
+        from .order import cache_aware, mean_displacement
+        cached = self._hit_maps.get(epoch)
+        if cached is None:
+            ds = self.dataset
+            cached = np.fromiter((ds.cache.contains(ds.version, ds.block_name(b)) for b in range(ds.num_blocks)),
+                                 dtype=bool, count=ds.num_blocks)
+            self._hit_maps = {e: m for e, m in self._hit_maps.items() if e >= epoch - 1}
+            self._hit_maps[epoch] = cached
+        out = cache_aware(ids, cached[self.dataset.sample_block[ids]], self.cache_aware_window)
+        return out, (mean_displacement(ids, out) if self.world_size == 1 else float("nan"))
 
     def __len__(self) -> int:
         return -(-len(self.plan()) // self.batch_size)
@@ -304,7 +329,9 @@ class Loader:
                 "order": self.order, "order_window": self.order_window, "rank": self.rank,
                 "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
                 "drop_last": self.drop_last, "transform": self.cfg["transform"],
-                "dataset_version": self.dataset.version, "num_samples": len(self.dataset)}
+                "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
+                "cache_aware_window": self.cache_aware_window,
+                "cached_blocks": _pack_bits(self._hit_maps.get(self._position[0]))}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
@@ -316,13 +343,16 @@ class Loader:
         """
         mine = self.state_dict()
         for k in ("seed", "order", "order_window", "rank", "world_size", "batch_size", "even",
-                  "drop_last", "transform", "dataset_version", "num_samples"):
+                  "drop_last", "transform", "dataset_version", "num_samples", "cache_aware_window"):
             if k in state and state[k] != mine[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {mine[k]!r}")
         epoch, done = int(state["epoch"]), int(state["batches_done"])
         nb = -(-len(self.plan(epoch)) // self.batch_size)
         if not 0 <= done <= nb:
             raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
+        bits = _unpack_bits(state.get("cached_blocks"), self.dataset.num_blocks)
+        if bits is not None and done < nb:
+            self._hit_maps[epoch] = bits  # the same cache-aware order as the saved run
         if done == nb:
             epoch, done = epoch + 1, 0
         self.epoch, self._resume_batch, self._position = epoch, done, (epoch, done)
@@ -336,8 +366,11 @@ class Loader:
         if carry is not None:
             run, ids, batches = carry["run"], carry["ids"], carry["batches"]
         else:
-            ids = self.plan(epoch)[start * self.batch_size:]
+            ids, stats.order_displacement = self._epoch_plan(epoch)
+            ids = ids[start * self.batch_size:]
             batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        if carry is not None:
+            stats.order_displacement = carry["displacement"]
         self._position = (epoch, start)
         before = self._totals()
         cpu_before = self._cpu()
@@ -418,10 +451,10 @@ class Loader:
         in ``self._pre`` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
         otherwise dropped (its replies are recognised by their run id)."""
         self._run += 1
-        ids = self.plan(epoch)
+        ids, displacement = self._epoch_plan(epoch)
         batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         pre = {"run": self._run, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
-               "pending": {}, "next": 0}
+               "pending": {}, "next": 0, "displacement": displacement}
         while pre["next"] < min(len(batches), self.prefetch_batches):
             self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"])
             pre["next"] += 1
@@ -501,6 +534,18 @@ class Loader:
         if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
             raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
                               f"{self._prefetcher.exitcode}")
+
+
+def _pack_bits(bits: np.ndarray | None) -> str | None:
+    import base64
+    return None if bits is None else base64.b64encode(np.packbits(bits).tobytes()).decode()
+
+
+def _unpack_bits(text: str | None, n: int) -> np.ndarray | None:
+    import base64
+    if not text:
+        return None
+    return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)
 
 
 def _process_cpu_s(pid: int | None) -> float:

@@ -124,3 +124,32 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> np.random.SeedSequence
     """Seed for one sample's augmentation: pure in (seed, epoch, sample id), so the
     pixels of a sample do not depend on which worker decodes it or on resume."""
     return np.random.SeedSequence([int(seed), int(epoch), int(sample_id), 0xA06])
+
+
+def cache_aware(plan: np.ndarray, hit: np.ndarray, window: int) -> np.ndarray:
+    """Serve cached samples first within each window of ``window`` plan positions.
+
+    ``plan``: sample ids in order (K,); ``hit``: bool (K,), whether each position's sample is
+    cached now. Within every window the hits keep their relative order and come first, the
+    misses follow in their relative order, so each miss gets up to a window more time to be
+    prefetched (Quiver's substitutable hits, FAST'20). The result is a permutation of ``plan``
+    (every sample exactly as often as in the plan) and no sample moves more than ``window - 1``
+    positions. Raises ValueError for ``window < 1`` or mismatched lengths.
+    """
+    if window < 1:
+        raise ValueError("window must be >= 1")
+    if len(hit) != len(plan):
+        raise ValueError("hit and plan differ in length")
+    pos = np.arange(len(plan))
+    key = (pos // window) * 2 + (~np.asarray(hit, dtype=bool)).astype(np.int64)
+    return plan[np.argsort(key, kind="stable")]
+
+
+def mean_displacement(plan: np.ndarray, reordered: np.ndarray) -> float:
+    """Mean |new position - old position| over samples (plan positions); 0.0 for the same order.
+    Assumes each sample id appears once in ``plan``."""
+    if len(plan) == 0:
+        return 0.0
+    where = np.empty(int(plan.max()) + 1, dtype=np.int64)
+    where[plan] = np.arange(len(plan))
+    return float(np.mean(np.abs(where[reordered] - np.arange(len(plan)))))
