@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 
 from stoker.store import directory as dirmod
-from stoker.store.directory import SampleDirectory, hash_keys, ls, stat
+from stoker.store.directory import SampleDirectory, hash_keys
+from stoker.store.listing import ls, stat
 from stoker.store.index import IndexError_, build_table, read_index, table_to_bytes
 
 TRICKY = [
@@ -124,8 +125,10 @@ def test_ids_of_names_the_first_missing_keys_and_counts_the_rest(tricky):
 def test_hash_collisions_are_resolved_by_the_key_bytes(monkeypatch):
     # Force every key to the same hash: lookups must still find the right ids.
     idx, keys = make_index([f"c/{i}" for i in range(50)])
-    monkeypatch.setattr(dirmod, "hash_keys", lambda offsets, data: np.zeros(len(offsets) - 1, np.uint64))
-    monkeypatch.setattr(dirmod, "_hash_one", lambda kb: 0)
+    from stoker.store import keyhash
+    for mod in (dirmod, keyhash):
+        monkeypatch.setattr(mod, "hash_keys", lambda offsets, data: np.zeros(len(offsets) - 1, np.uint64))
+        monkeypatch.setattr(mod, "_hash_one", lambda kb: 0)
     d = SampleDirectory(idx)
     assert [d.id_of(k) for k in keys] == list(range(50))
     assert d.ids_of(keys[::-1]).tolist() == list(range(50))[::-1]
@@ -295,7 +298,8 @@ def test_cli_parsers_open_the_dataset_and_print(tmp_path, capsys):
     (tmp_path / INDEX_NAME).write_bytes(table_to_bytes(t))
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
-    dirmod.add_parsers(sub)
+    from stoker.store import listing
+    listing.add_parsers(sub)
     a = p.parse_args(["ls", str(tmp_path)])
     assert a.fn(a) == 0
     out = capsys.readouterr().out.splitlines()

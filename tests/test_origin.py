@@ -196,7 +196,7 @@ def test_latency_is_per_request_on_a_persistent_connection():
 
 
 def _feed_in_pieces(stream: bytes, cut: int) -> list[int]:
-    from stoker.bench.origin_server import _RequestFramer
+    from stoker.bench.throttle import _RequestFramer
 
     framer, starts = _RequestFramer(), []
     for i in range(0, len(stream), cut):
@@ -217,7 +217,7 @@ def test_request_framer_finds_request_boundaries():
 
 
 def test_request_framer_gives_up_on_garbage():
-    from stoker.bench.origin_server import _RequestFramer
+    from stoker.bench.throttle import _RequestFramer
 
     framer = _RequestFramer()
     assert framer.feed(b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n") == [0]

@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="exit 1 if a done-criterion is missed")
     s.set_defaults(fn=cmd_demo)
 
-    from .store import directory, verify
-    directory.add_parsers(sub)
+    from .store import listing, verify
+    listing.add_parsers(sub)
     verify.add_parsers(sub)
     return p
 

@@ -5,7 +5,7 @@ in :mod:`stoker.bench.origin_server`) so that it never competes with the caller 
 GIL. Inside that process, moto's WSGI application (plus a fast path for ranged GETs,
 fault injection and counters) is served by waitress with HTTP/1.1 keep-alive, behind an
 asyncio TCP proxy that adds ``latency_ms`` once per HTTP request (also on reused
-connections) and caps aggregate bandwidth; see :class:`stoker.bench.origin_server._Proxy`
+connections) and caps aggregate bandwidth; see :class:`stoker.bench.throttle._Proxy`
 for the exact model.
 
 :class:`LocalS3Origin` starts and stops that process from Python.
