@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="exit 1 if a done-criterion is missed")
     s.set_defaults(fn=cmd_demo)
 
+    b = sub.add_parser("bench", help="benchmarks")
+    bench_sub = b.add_subparsers(dest="bench", required=True)
+    from .bench import decode_bench
+    decode_bench.add_parser(bench_sub)
+
     from .store import listing, verify
     listing.add_parsers(sub)
     verify.add_parsers(sub)

@@ -1,0 +1,112 @@
+"""`stoker bench decode`: decode + RandomResizedCrop + flip per core (stoker, Pillow, DALI-CPU)
+and the full loader with 1 and 2 workers (issue 5's benchmark).
+
+Everything reads the demo's real photos from memory or local disk (warm page cache), so the
+numbers are decode-bound: per_core = single-process samples/s; loader efficiency =
+samples_per_s / (workers x stoker per_core); trainer_cpu_per_batch_s = CPU seconds the
+training process spent per batch. DALI runs in its own virtual environment, made on first use
+(``nvidia-dali-cuda130`` from PyPI, ~0.7 GB); if it cannot be installed or run, the reason is
+recorded under ``skipped``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _dali_rate(jpeg_dir: str, venv: str, seconds: float) -> tuple[float | None, str | None]:
+    py = os.path.join(venv, "bin", "python")
+    try:
+        if not os.path.exists(py):
+            subprocess.run([sys.executable, "-m", "venv", venv], check=True, capture_output=True, timeout=300)
+            subprocess.run([py, "-m", "pip", "install", "-q", "nvidia-dali-cuda130", "numpy"], check=True,
+                           capture_output=True, text=True, timeout=1200)
+        script = os.path.join(os.path.dirname(__file__), "dali_cpu.py")
+        out = subprocess.run([py, script, jpeg_dir, str(seconds)], check=True, capture_output=True, text=True,
+                             timeout=600)
+        return json.loads(out.stdout.strip().splitlines()[-1])["samples_per_cpu_s"], None
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or exc.stdout or "")
+        tail = tail if isinstance(tail, str) else tail.decode(errors="replace")
+        return None, f"{' '.join(map(str, exc.cmd[:4]))} failed: {tail.strip().splitlines()[-1] if tail.strip() else exc}"
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def run(images: int = 1500, seconds: float = 3.0, workers=(1, 2), batch_size: int = 64, epochs: int = 2,
+        dali: bool = True, dali_venv: str | None = None, workdir: str | None = None) -> dict:
+    """Run the benchmark; returns {per_core: {stoker, pillow, dali}, loader: [...], skipped: [...], machine}."""
+    from ..decode.calibrate import measure_decode_rate
+    from ..loader import Loader
+    from ..sample_data import make_sample_data
+    from ..store.dataset import open_dataset
+    from ..store.pack import pack
+
+    work = workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-decode")
+    data = os.path.join(work, "data")
+    make_sample_data(data, images=images, classes=10, seed=0)
+    train = os.path.join(data, "train")
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(train) for f in fs if f.endswith(".JPEG"))
+    payloads = [open(f, "rb").read() for f in files[:320]]
+    report = {"machine": {"cores": os.cpu_count()}, "dataset": {"images": len(files)},
+              "transform": "RandomResizedCrop(224, 0.08-1, 3/4-4/3) + horizontal flip", "per_core": {},
+              "loader": [], "skipped": []}
+    report["per_core"]["stoker"] = measure_decode_rate(payloads, "train", min_seconds=seconds)
+    report["per_core"]["pillow"] = measure_decode_rate(payloads, "train", min_seconds=seconds, recipe="pillow")
+    report["per_core"]["dali"] = None
+    if dali:
+        rate, why = _dali_rate(train, dali_venv or os.path.join(work, "dali-venv"), seconds)
+        report["per_core"]["dali"] = rate
+        if why:
+            report["skipped"].append({"loader": "dali", "reason": why})
+    else:
+        report["skipped"].append({"loader": "dali", "reason": "--no-dali"})
+    packed = os.path.join(work, "packed")
+    if not os.path.exists(os.path.join(packed, "index.parquet")):
+        pack(train, packed, progress=False)
+    per_core = report["per_core"]["stoker"]
+    for w in workers:
+        ds = open_dataset(packed, cache_dir=os.path.join(work, "cache"), cache_bytes=4 << 30)
+        with Loader(ds, batch_size, num_workers=w, seed=0) as loader:
+            for _ in range(epochs):  # the first epoch warms the cache and the workers
+                t = time.perf_counter()
+                n = sum(len(y) for _, y in loader)
+                dt = time.perf_counter() - t
+            st = loader.stats
+        sps = n / dt
+        report["loader"].append({"workers": w, "samples_per_s": sps, "efficiency": sps / (w * per_core),
+                                 "trainer_cpu_per_batch_s": st.cpu_s.get("main", 0.0) / max(1, st.batches),
+                                 "trainer_cpu_fraction": st.cpu_s.get("main", 0.0) / dt})
+    return report
+
+
+def add_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("decode", help="decode+augment per core (stoker, Pillow, DALI-CPU) and loader efficiency")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--seconds", type=float, default=3.0, help="per single-process measurement")
+    p.add_argument("--no-dali", action="store_true", help="skip DALI (recorded as skipped)")
+    p.add_argument("--dali-venv", help="virtual environment for DALI (made on first use)")
+    p.set_defaults(fn=_cmd)
+
+
+def _cmd(a) -> int:
+    r = run(images=a.images, seconds=a.seconds, dali=not a.no_dali, dali_venv=a.dali_venv)
+    pc = r["per_core"]
+    print(f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, "
+          f"DALI-CPU {pc['dali']:.0f}" if pc["dali"] else
+          f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, DALI-CPU skipped")
+    for row in r["loader"]:
+        print(f"loader, {row['workers']} worker(s): {row['samples_per_s']:.0f} samples/s, efficiency "
+              f"{row['efficiency']:.2f}, trainer CPU {row['trainer_cpu_per_batch_s'] * 1e3:.2f} ms/batch "
+              f"({100 * row['trainer_cpu_fraction']:.1f}% of a core)")
+    for s in r["skipped"]:
+        print(f"skipped {s['loader']}: {s['reason']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0

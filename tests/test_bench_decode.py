@@ -1,0 +1,12 @@
+"""`stoker bench decode` at a tiny size: the report has issue 5's fields and a skipped peer is recorded."""
+from stoker.bench.decode_bench import run
+
+
+def test_decode_bench_report(tmp_path):
+    r = run(images=48, seconds=0.3, workers=(1,), batch_size=16, epochs=2, dali=False, workdir=str(tmp_path))
+    assert r["per_core"]["stoker"] > 0 and r["per_core"]["pillow"] > 0 and r["per_core"]["dali"] is None
+    assert r["skipped"] == [{"loader": "dali", "reason": "--no-dali"}]
+    (row,) = r["loader"]
+    assert row["workers"] == 1 and row["samples_per_s"] > 0
+    assert abs(row["efficiency"] - row["samples_per_s"] / r["per_core"]["stoker"]) < 1e-9
+    assert 0 <= row["trainer_cpu_per_batch_s"] < 1.0
