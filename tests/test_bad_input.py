@@ -1,7 +1,6 @@
 """Bad input through pack and the loader: named errors, nothing lost or silently changed, no hangs."""
 import io
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -365,12 +365,11 @@ class Loader:
         carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
         if carry is not None:
             run, ids, batches = carry["run"], carry["ids"], carry["batches"]
+            stats.order_displacement = carry["displacement"]
         else:
             ids, stats.order_displacement = self._epoch_plan(epoch)
             ids = ids[start * self.batch_size:]
             batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        if carry is not None:
-            stats.order_displacement = carry["displacement"]
         self._position = (epoch, start)
         before = self._totals()
         cpu_before = self._cpu()
@@ -379,7 +378,7 @@ class Loader:
             self._pf_pos.value = 0
             self._pf_done.value = 0
             self._pf_cmds.put((run, *block_schedule(self.dataset, ids)))
-        wait_s = 0.0
+        wait_box = [0.0]  # seconds blocked in next(), also when the epoch is cut short
         t_resume = time.perf_counter()
         try:
             if self.num_workers == 0:
@@ -394,17 +393,15 @@ class Loader:
                     imgs, labels = self._ring.batch(slot, n)
                     out = as_tensors(imgs, labels)
                     del imgs
-                    wait_s += time.perf_counter() - t_resume
+                    wait_box[0] += time.perf_counter() - t_resume
                     self._position = (epoch, start + seq + 1)
                     yield out
                     t_resume = time.perf_counter()
             else:
-                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box := [0.0],
-                                          carry)
-                wait_s = wait_box[0]
+                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry)
         finally:
             stats.seconds = time.perf_counter() - t_start
-            stats.wait_s = wait_s
+            stats.wait_s = wait_s = wait_box[0]
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
             after = self._totals()
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}

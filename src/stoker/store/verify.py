@@ -22,7 +22,7 @@ import xxhash
 from tqdm import tqdm
 
 from ..storage import Origin, OriginError
-from .index import INDEX_NAME, SHARD_DIR, DatasetIndex, read_index
+from .index import INDEX_NAME, DatasetIndex, read_index
 
 
 class DatasetChangedError(IOError):
