@@ -30,3 +30,19 @@ def test_demo_report(tmp_path):
     assert len(base) == 2 and all(r["samples"] >= 32 and r["origin_bytes"] > 0 for r in base)
     assert report["checks"]["warm_origin_bytes"]["ok"] and report["checks"]["exactly_once"]["ok"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_command_line(tmp_path):
+    """The `stoker demo` entry point (what `make demo` runs), at a tiny size, with --strict off."""
+    import subprocess
+    import sys
+    out = tmp_path / "d.json"
+    res = subprocess.run([sys.executable, "-m", "stoker.cli", "demo", "--images", "48", "--classes", "3",
+                          "--epochs", "2", "--baseline-samples", "16", "--batch-size", "16", "--consumer-rate", "0",
+                          "--latency-ms", "1", "--bandwidth-mbps", "500", "--workdir", str(tmp_path / "w"),
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {r["consumer_rate"] for r in data["runs"]} == {0.0}
+    assert [r["epoch"] for r in data["runs"] if r["loader"] == "stoker"] == [0, 1]
+    assert "exactly_once" in res.stdout and "warm_vs_baseline" in res.stdout
