@@ -139,3 +139,25 @@ def test_stale_version_never_served(tmp_path, sample_tree):
     ds2 = open_dataset(str(dst), cache_dir=str(tmp_path / "c"), cache_bytes=64 << 20)
     assert ds2.version != ds1.version
     assert ds2.read(0) == victim.read_bytes()
+
+
+def test_memory_tier_over_disk_tier(tmp_path, packed_local):
+    from stoker import Loader
+    mem_dir, disk_dir = tmp_path / "shm", tmp_path / "disk"
+    probe = open_dataset(packed_local, cache=False, block_bytes=128 << 10)
+    D = int((probe.block_end - probe.block_start).sum())
+    mem, disk = D // 3, D // 3
+    ds = open_dataset(packed_local, cache_dir=str(disk_dir), cache_bytes=disk, memory_bytes=mem,
+                      memory_dir=str(mem_dir), block_bytes=128 << 10)
+    with Loader(ds, 16, num_workers=2, transform="eval", staging_bytes=128 << 10) as loader:
+        for _ in range(3):
+            assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
+            assert _usage_on_disk(mem_dir) <= mem and _usage_on_disk(disk_dir) <= disk  # each budget holds
+        st = loader.stats
+    assert _usage_on_disk(mem_dir) > mem // 2 and _usage_on_disk(disk_dir) > disk // 2  # memory first, then disk
+    assert st.memory_hits > 0 and 0 < st.cache_hits - st.memory_hits  # hits from both tiers
+    assert st.origin_bytes > 0  # about D - (mem + disk) per epoch from the origin
+    # a re-open finds both tiers' contents and budgets
+    again = open_dataset(packed_local, cache_dir=str(disk_dir), cache_bytes=disk, memory_bytes=mem,
+                         memory_dir=str(mem_dir), block_bytes=128 << 10)
+    assert again.cache.used_bytes() == _usage_on_disk(mem_dir) + _usage_on_disk(disk_dir)

@@ -57,6 +57,7 @@ class EpochStats:
     prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
     prefetch_staged: int = 0       # blocks it fetched just in time into staging (not admitted)
     staged_hits: int = 0           # samples read from staged blocks
+    memory_hits: int = 0           # cache hits served by the shared-memory tier (when there is one)
     direct_reads: int = 0          # samples read from the origin one by one (nothing ahead of them)
     evictions: int = 0
     corrupt_blocks: int = 0
@@ -408,6 +409,7 @@ class Loader:
             stats.origin_bytes = d.get("origin_bytes", 0)
             stats.origin_requests = d.get("origin_requests", 0)
             stats.cache_hits = d.get("cache_hits", 0)
+            stats.memory_hits = d.get("cache_memory_hits", 0)
             stats.cache_misses = d.get("cache_misses", 0)
             stats.prefetch_fills = d.get("prefetch_fills", 0)
             stats.prefetch_staged = d.get("prefetch_staged", 0)

@@ -275,13 +275,11 @@ class Dataset:
         with cache.fetch_lock(self.version, name, blocking=blocking) as held:
             if not held:
                 return None if want_data else "busy"
-            path = cache.path(self.version, name)
-            if os.path.exists(path):
+            if cache.contains(self.version, name):
                 if not want_data:
                     return "cached"
-                with open(path, "rb") as f:
-                    data = f.read()
-                if len(data) == size:
+                data = cache.read(self.version, name, 0, size)
+                if data is not None:
                     return data
             data = self._fetch_block(b)
             admitted = cache.put(self.version, name, data)
@@ -297,13 +295,17 @@ def default_cache_dir() -> str:
 
 def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None = None, *,
                  storage_options: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 cache_policy: str = "noevict", cache: bool = True, check: bool = True) -> Dataset:
+                 cache_policy: str = "noevict", cache: bool = True, check: bool = True,
+                 memory_bytes: int = 0, memory_dir: str | None = None) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
     ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
     ``cache_bytes``: its byte budget (default 8 GiB); ``cache=False`` reads every
     sample straight from the origin. ``block_bytes``: cache unit (default 1 MiB).
     ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...).
+    ``memory_bytes``: budget of a shared-memory tier above the disk tier (0 = none; blocks
+    go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
+    (default: under /dev/shm, one per cache directory).
     ``check``: list the shards once and compare sizes (and ETags where recorded) with
     the index, so shards rewritten under an unchanged index are reported by name
     (:class:`stoker.store.verify.DatasetChangedError`) before any sample is served.
@@ -324,5 +326,9 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
     if cache:
         disk = DiskCache(cache_dir or default_cache_dir(),
                          DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, cache_policy)
+        if memory_bytes > 0:
+            from ..cache import TieredCache, default_memory_root
+            disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy),
+                               disk)
         disk.recover()
     return Dataset(url, index, origin, disk, block_bytes)

@@ -1,0 +1,116 @@
+"""Two cache tiers on one node: shared memory over local disk, each with its own byte budget.
+
+The memory tier is a :class:`DiskCache` rooted in ``/dev/shm`` (RAM, shared by every process
+of the node, gone at reboot); the disk tier is a :class:`DiskCache` on local disk. A block lives
+in one tier: fills go to the memory tier while it admits them, then to the disk tier (Alluxio's
+MEM over SSD; with the no-eviction policy the first blocks of the first epoch take the memory).
+Reads look in memory, then on disk; hits are counted per tier. Both budgets are enforced on
+every write by the tiers themselves. Single-flight locks live in the disk tier, so there is one
+lock per block for both tiers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .disk import CacheStats, DiskCache
+
+
+def default_memory_root(disk_root: str) -> str:
+    """``/dev/shm/stoker-cache-<hash of the disk root>``: one memory tier per disk cache."""
+    import xxhash
+    tag = xxhash.xxh3_64_hexdigest(os.path.abspath(disk_root).encode())[:12]
+    return os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"stoker-cache-{tag}")
+
+
+@dataclass
+class TieredStats(CacheStats):
+    """Cache counters plus hits per tier (samples)."""
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+
+    def snapshot(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "tiers"}
+        for tier in getattr(self, "tiers", ()):  # evictions and damage happen inside the tiers
+            for k in ("evictions", "evicted_bytes", "corrupt"):
+                out[k] += getattr(tier.stats, k)
+        return out
+
+
+class TieredCache:
+    """The cache interface of :class:`DiskCache` over a memory tier and a disk tier.
+
+    ``memory``/``disk``: the two :class:`DiskCache` tiers (same policy). Picklable.
+    """
+
+    def __init__(self, memory: DiskCache, disk: DiskCache):
+        self.memory, self.disk = memory, disk
+        self.stats = self._new_stats()
+
+    def _new_stats(self) -> TieredStats:
+        st = TieredStats()
+        st.tiers = (self.memory, self.disk)
+        return st
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["stats"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.stats = self._new_stats()
+
+    @property
+    def root(self) -> str:
+        return self.disk.root
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.memory.capacity_bytes + self.disk.capacity_bytes
+
+    @property
+    def policy(self) -> str:
+        return self.disk.policy
+
+    def fetch_lock(self, namespace: str, name: str, blocking: bool = True):
+        return self.disk.fetch_lock(namespace, name, blocking)
+
+    def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
+        data = self.memory.read(namespace, name, offset, length)
+        if data is not None:
+            self.stats.memory_hits += 1
+            return data
+        data = self.disk.read(namespace, name, offset, length)
+        if data is not None:
+            self.stats.disk_hits += 1
+        return data
+
+    def contains(self, namespace: str, name: str) -> bool:
+        return self.memory.contains(namespace, name) or self.disk.contains(namespace, name)
+
+    def would_admit(self, nbytes: int) -> bool:
+        return self.memory.would_admit(nbytes) or self.disk.would_admit(nbytes)
+
+    def put(self, namespace: str, name: str, data) -> bool:
+        """Admit into the memory tier if it has room, else into the disk tier."""
+        ok = self.memory.put(namespace, name, data) or self.disk.put(namespace, name, data)
+        if ok:
+            self.stats.fills += 1
+            self.stats.fill_bytes += len(data)
+        else:
+            self.stats.refused += 1
+        return ok
+
+    def remove(self, namespace: str, name: str) -> None:
+        self.memory.remove(namespace, name)
+        self.disk.remove(namespace, name)
+
+    def used_bytes(self) -> int:
+        return self.memory.used_bytes() + self.disk.used_bytes()
+
+    def recover(self) -> dict:
+        m, d = self.memory.recover(), self.disk.recover()
+        return {"removed_tmp": m["removed_tmp"] + d["removed_tmp"], "used": m["used"] + d["used"],
+                "memory_used": m["used"], "disk_used": d["used"]}
