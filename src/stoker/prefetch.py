@@ -5,16 +5,17 @@ block b is first needed at position ``first_need[b]`` of the rank's sample plan.
 The prefetcher fills blocks in first-need order (the order that makes the
 longest prefix of the epoch servable soonest), with ``concurrency`` ranged GETs
 in flight, staying at most ``ahead_bytes`` ahead of the position the loader has
-dispatched to its workers. A block the cache would not admit ends prefetching for
-the epoch (under the no-eviction policy nothing later would be admitted either);
-the workers then read those samples on demand.
+dispatched to its workers. A block the cache does not admit is fetched into the
+loader's staging area instead (bounded by ``staging_bytes``, deleted after its last
+use); without a staging area such a block ends prefetching for the epoch (under the
+no-eviction policy nothing later would be admitted either) and the workers read those
+samples on demand.
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -74,7 +75,6 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     ds = fresh_copy(ds)
     ds.origin.warm()
     pool = ThreadPoolExecutor(concurrency)
-    lock = threading.Lock()
     job = None
     staged: dict[int, int] = {}  # staged block -> plan position of its last use
     sizes_of = (ds.block_end - ds.block_start).astype(np.int64)
@@ -91,9 +91,10 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             # go once the new plan's first batch is delivered (done > 0), unless re-staged.
             for b in staged:
                 staged[b] = 0
-            sizes = (ds.block_end[blocks] - ds.block_start[blocks]).astype(np.int64)
-            cum = np.concatenate([[0], np.cumsum(sizes)])
-            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "inflight": {},
+            cum = np.concatenate([[0], np.cumsum(sizes_of[blocks])])
+            # fills still in flight for the previous plan stay tracked (their staged blocks too)
+            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0,
+                   "inflight": job["inflight"] if job else {},
                    "failures": 0, "last": dict(zip(blocks.tolist(), last_need.tolist()))}
         if job is None:
             continue
@@ -115,17 +116,15 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                     job["next"] = len(job["blocks"])
                 continue
             job["failures"] = 0
-            with lock:
-                if status == "filled":
-                    counters[2] += 1
-                elif status == "cached":
-                    counters[3] += 1
-                elif status == "refused":  # no staging area: nothing later would be admitted either
-                    counters[5] += 1
-                    job["next"] = len(job["blocks"])
-                elif status == "staged":
-                    counters[5] += 1
-                    staged[b] = job["last"][b]
+            if status == "filled":
+                counters[2] += 1
+            elif status == "cached":
+                counters[3] += 1
+            elif status == "refused":  # no staging area: nothing later would be admitted either
+                job["next"] = len(job["blocks"])
+            elif status == "staged":
+                counters[5] += 1
+                staged[b] = job["last"].get(b, 0)  # 0: a block of the previous plan
             counters[0] = ds.origin.counters.bytes
             counters[1] = ds.origin.counters.requests
         j = job["next"]
@@ -140,13 +139,12 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
         while j < len(job["blocks"]) and len(inflight) < concurrency:
             if job["cum"][j] - job["cum"][min(consumed, j)] > ahead_bytes:
                 break
-            if ds.staging is not None and not ds.cache.contains(ds.version, ds.block_name(int(job["blocks"][j]))):
-                # may end up staged: keep staged bytes plus such fills in flight within budget
-                need = int(sizes_of[int(job["blocks"][j])])
-                pending_bytes = sum(sizes_of[b] for b in inflight.values())
-                if staged_now + pending_bytes + need > staging_bytes and (staged or inflight):
-                    break
             b = int(job["blocks"][j])
+            if ds.staging is not None and not ds.cache.contains(ds.version, ds.block_name(b)):
+                # may end up staged: keep staged bytes plus such fills in flight within budget
+                pending_bytes = sum(sizes_of[f_b] for f_b in inflight.values())
+                if staged_now + pending_bytes + sizes_of[b] > staging_bytes and (staged or inflight):
+                    break
             inflight[pool.submit(_fill, ds, b)] = b
             j += 1
             progressed = True
