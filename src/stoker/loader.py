@@ -430,7 +430,13 @@ class Loader:
 
     def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:
         if skipped:
-            keep = np.asarray([i for i in bids if i not in set(skipped)], dtype=np.int64)
+            left, keep = list(skipped), []
+            for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)
+                if i in left:
+                    left.remove(i)
+                else:
+                    keep.append(i)
+            keep = np.asarray(keep, dtype=np.int64)
             stats.skipped += len(skipped)
             stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
         else:
@@ -489,7 +495,7 @@ class Loader:
                 try:
                     msg = self._results.get(timeout=0.25)
                 except queue.Empty:
-                    self._check_workers(inflight)
+                    self._check_workers()
                     if time.monotonic() > deadline:
                         raise WorkerError(f"no batch from the workers for {self.timeout_s:.0f} s "
                                           f"(batch {seq} of epoch {epoch})") from None
@@ -502,11 +508,12 @@ class Loader:
                     else:  # a reply to an abandoned epoch: just free its slot
                         self._ring.release(msg[4])
                     continue
-                if kind == "error":
-                    _, _, _, mseq, slot, key, err, tb, _ = msg
-                    raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
-                pending[msg[3]] = msg
-            _, wid, _, _, slot, n, skipped, skipped_keys, _ = pending.pop(seq)
+                pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
+            msg = pending.pop(seq)
+            if msg[0] == "error":
+                _, wid, _, mseq, slot, key, err, tb, _ = msg
+                raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
+            _, wid, _, _, slot, n, skipped, skipped_keys, _ = msg
             bids = inflight.pop(seq)[1]
             self._account(stats, bids, skipped, skipped_keys, delivered)
             if n == 0:  # every sample of the batch was skipped: yield nothing for it
@@ -523,7 +530,7 @@ class Loader:
             yield out
             t_resume = time.perf_counter()
 
-    def _check_workers(self, inflight) -> None:
+    def _check_workers(self) -> None:
         for wid, p in enumerate(self._workers):
             if p.exitcode is not None:
                 sid = int(self._current[wid])
