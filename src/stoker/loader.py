@@ -56,6 +56,7 @@ class EpochStats:
     cache_hit_ratio: float = 0.0
     prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
     prefetch_staged: int = 0       # blocks it fetched just in time into staging (not admitted)
+    prefetch_depth_bytes: float = 0.0  # mean bytes fetched and ready ahead of the consumer
     staged_hits: int = 0           # samples read from staged blocks
     memory_hits: int = 0           # cache hits served by the shared-memory tier (when there is one)
     direct_reads: int = 0          # samples read from the origin one by one (nothing ahead of them)
@@ -294,18 +295,22 @@ class Loader:
             out["prefetch"] = _process_cpu_s(self._prefetcher.pid)
         return out
 
-    def _totals(self) -> dict:
+    def _totals(self, pf_counters=None) -> dict:
+        """Counters summed over the workers and the prefetcher (``pf_counters``: a snapshot of
+        the prefetcher's counters to use instead of their current values)."""
         tot: dict[str, int] = {}
         sources = list(self._worker_counters.values()) if self.num_workers > 0 else [counters(self.dataset)]
         for c in sources:
             for k, v in c.items():
                 tot[k] = tot.get(k, 0) + v
         if self._prefetcher is not None:
-            pc = list(self._pf_counters)
+            pc = list(self._pf_counters) if pf_counters is None else pf_counters
             tot["origin_bytes"] = tot.get("origin_bytes", 0) + pc[0]
             tot["origin_requests"] = tot.get("origin_requests", 0) + pc[1]
             tot["prefetch_fills"] = pc[2]
             tot["prefetch_staged"] = pc[5]
+            tot["prefetch_depth_sum"] = pc[6]
+            tot["prefetch_depth_n"] = pc[7]
         return tot
 
     # -- iteration --------------------------------------------------------
@@ -372,7 +377,8 @@ class Loader:
             ids = ids[start * self.batch_size:]
             batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         self._position = (epoch, start)
-        before = self._totals()
+        # prefetch work for this epoch done while the previous one drained counts here
+        before = self._totals(carry.get("pf_boundary") if carry is not None else None)
         cpu_before = self._cpu()
         delivered = np.zeros(len(self.dataset), dtype=np.int64)
         if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
@@ -404,7 +410,8 @@ class Loader:
             stats.seconds = time.perf_counter() - t_start
             stats.wait_s = wait_s = wait_box[0]
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
-            after = self._totals()
+            pre = self._pre if self._pre is not None and self._pre["epoch"] != epoch else None
+            after = self._totals(pre.get("pf_boundary") if pre is not None else None)
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             stats.origin_bytes = d.get("origin_bytes", 0)
             stats.origin_requests = d.get("origin_requests", 0)
@@ -413,6 +420,8 @@ class Loader:
             stats.cache_misses = d.get("cache_misses", 0)
             stats.prefetch_fills = d.get("prefetch_fills", 0)
             stats.prefetch_staged = d.get("prefetch_staged", 0)
+            n_depth = d.get("prefetch_depth_n", 0)
+            stats.prefetch_depth_bytes = d.get("prefetch_depth_sum", 0) / n_depth if n_depth else 0.0
             stats.staged_hits = d.get("read_staged_hits", 0)
             stats.direct_reads = d.get("read_direct_reads", 0)
             stats.evictions = d.get("cache_evictions", 0)
@@ -427,6 +436,20 @@ class Loader:
             self.history.append(stats)
             if stats.batches == len(batches):
                 self._position = (epoch + 1, 0)
+                self._report_epoch(stats)
+
+    def _report_epoch(self, stats: EpochStats) -> None:
+        """Tell the node cache's policy how fast this job reads its dataset: the time to
+        read the whole dataset at this rank's pace (seconds), so the rates of a job's ranks
+        on one node add up to the job's rate (:mod:`stoker.cache.policy`)."""
+        cache = getattr(self.dataset, "cache", None)
+        if cache is None or not stats.samples or not stats.seconds or not hasattr(cache, "register"):
+            return
+        try:
+            cache.register(self.dataset.version, self.dataset.index.total_bytes,
+                           stats.seconds * len(self.dataset) / stats.samples)
+        except OSError as exc:  # the policy's bookkeeping must never stop training
+            log.warning("could not update the cache policy's job record: %s", exc)
 
     def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:
         if skipped:
@@ -465,6 +488,7 @@ class Loader:
             pre["next"] += 1
         self._pre = pre
         if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
+            pre["pf_boundary"] = list(self._pf_counters)  # its work from here on is the next epoch's
             self._pf_pos.value = pre["next"] * self.batch_size
             self._pf_done.value = 0
             self._pf_cmds.put((pre["run"], *block_schedule(self.dataset, ids)))

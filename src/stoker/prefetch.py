@@ -24,8 +24,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # Shared counters: [origin bytes, origin requests, blocks filled, blocks already cached, errors,
-#                   blocks staged (not admitted to the cache)]
-N_COUNTERS = 6
+#                   blocks staged (not admitted to the cache), prefetch depth samples (bytes
+#                   completed ahead of the consumer, summed), number of depth samples]
+N_COUNTERS = 8
 #: Consecutive failed fills after which prefetching stops for the epoch.
 MAX_FAILURES = 3
 
@@ -128,12 +129,18 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             counters[0] = ds.origin.counters.bytes
             counters[1] = ds.origin.counters.requests
         j = job["next"]
+        pos = int(position.value)
+        consumed = int(np.searchsorted(job["first"], pos, side="left"))
+        if pos != job.get("depth_pos"):
+            # prefetch depth: bytes of blocks issued and finished ahead of the consumer
+            pending = sum(sizes_of[f_b] for f_b in inflight.values())
+            counters[6] += max(0, int(job["cum"][j] - job["cum"][min(consumed, j)]) - int(pending))
+            counters[7] += 1
+            job["depth_pos"] = pos
         if j >= len(job["blocks"]):
             if not inflight:
                 job = None
             continue
-        pos = int(position.value)
-        consumed = int(np.searchsorted(job["first"], pos, side="left"))
         progressed = False
         staged_now = sum(sizes_of[b] for b in staged) if ds.staging is not None else 0
         while j < len(job["blocks"]) and len(inflight) < concurrency:

@@ -18,6 +18,11 @@ from the files on disk.
 
 Policies (selectable; issue 4 compares them):
 
+- ``future`` (the default): never evicts a dataset's blocks for the same dataset's blocks
+  (so one dataset sits on the D - C floor, like ``noevict``), and splits the budget between
+  the datasets of the jobs alive on the node by what each cached byte saves per second
+  (:mod:`stoker.cache.policy`): a fill that finds the budget full evicts blocks of datasets
+  holding more than their share (oldest first), never of datasets within it.
 - ``noevict``: admit until the budget is full, then admit nothing more (CoorDL's
   MinIO: with epoch-random access this reads the minimum D - C bytes per epoch).
 - ``lru``: evict the least recently used blocks (mtime, touched on every hit) to
@@ -38,8 +43,9 @@ import xxhash
 
 from ..procs import pid_alive
 from .files import TMP_MARK, read_at, write_whole
+from .policy import JobRegistry, share_budget
 
-POLICIES = ("noevict", "lru")
+POLICIES = ("future", "noevict", "lru")
 _STRIPES = 256
 _TMP = TMP_MARK
 
@@ -74,7 +80,7 @@ class DiskCache:
     Raises ValueError for a bad policy or a negative budget.
     """
 
-    def __init__(self, root: str, capacity_bytes: int, policy: str = "noevict",
+    def __init__(self, root: str, capacity_bytes: int, policy: str = "future",
                  lock_timeout_s: float = 120.0):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {POLICIES}")
@@ -87,13 +93,17 @@ class DiskCache:
         self.stats = CacheStats()
         self._lock_fd = None
         self._made: set[str] = set()
+        self._quota_memo: tuple[float, dict] | None = None
+        self.jobs = JobRegistry(self.root)
         os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
+        os.makedirs(os.path.join(self.root, ".usage"), exist_ok=True)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["stats"] = CacheStats()
         state["_lock_fd"] = None
         state["_made"] = set()
+        state["_quota_memo"] = None
         return state
 
     # -- paths and locks -------------------------------------------------
@@ -157,6 +167,38 @@ class DiskCache:
     def _write_used(self, used: int) -> None:
         os.pwrite(self._lock_fd, struct.pack("<q", max(0, int(used))), 0)
 
+    # Bytes per namespace (dataset content version) in .usage/<namespace>, 8 bytes each,
+    # changed only under the budget lock together with the total.
+    def _ns_read(self, namespace: str) -> int:
+        try:
+            with open(os.path.join(self.root, ".usage", namespace), "rb") as f:
+                raw = f.read(8)
+        except FileNotFoundError:
+            return 0
+        return struct.unpack("<q", raw)[0] if len(raw) == 8 else 0
+
+    def _ns_write(self, namespace: str, used: int) -> None:
+        fd = os.open(os.path.join(self.root, ".usage", namespace), os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.pwrite(fd, struct.pack("<q", max(0, int(used))), 0)
+        finally:
+            os.close(fd)
+
+    def _charge(self, namespace: str, delta: int, used: int | None = None) -> int:
+        """Add ``delta`` bytes to the total and to ``namespace``; caller holds the budget lock.
+        Returns the new total."""
+        used = (self._read_used() if used is None else used) + delta
+        self._write_used(used)
+        self._ns_write(namespace, self._ns_read(namespace) + delta)
+        return used
+
+    def namespace_usage(self) -> dict[str, int]:
+        """{namespace: bytes committed or reserved} for every namespace with a counter."""
+        out = {}
+        for ns in os.listdir(os.path.join(self.root, ".usage")):
+            out[ns] = self._ns_read(ns)
+        return out
+
     def _entries(self):
         """Yield (path, size, mtime, is_tmp) for every block file and temporary fill."""
         for ns in os.scandir(self.root):
@@ -170,7 +212,14 @@ class DiskCache:
                 yield e.path, st.st_size, st.st_mtime, e.name.startswith(_TMP)
 
     def _scan_used(self) -> int:
-        return sum(size for _, size, _, _ in self._entries())
+        """Recount usage from the files on disk (total and per namespace); caller holds the lock."""
+        per: dict[str, int] = {}
+        for path, size, _, _ in self._entries():
+            ns = os.path.basename(os.path.dirname(path))
+            per[ns] = per.get(ns, 0) + size
+        for ns in set(per) | set(os.listdir(os.path.join(self.root, ".usage"))):
+            self._ns_write(ns, per.get(ns, 0))
+        return sum(per.values())
 
     def used_bytes(self) -> int:
         """Bytes committed or reserved in the cache (all processes)."""
@@ -200,6 +249,7 @@ class DiskCache:
                         pass
             used = self._scan_used()
             self._write_used(used)
+        self.jobs.remove_dead()
         staging = os.path.join(self.root, ".staging")
         if os.path.isdir(staging):
             for d in os.listdir(staging):
@@ -223,39 +273,82 @@ class DiskCache:
     def contains(self, namespace: str, name: str) -> bool:
         return os.path.exists(self.path(namespace, name))
 
+    # -- the policy --------------------------------------------------------
+    def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None) -> None:
+        """Announce this process's job on ``namespace`` (its size in bytes and, once known,
+        its epoch time in seconds) to the ``future`` policy's budget split."""
+        self.jobs.register(namespace, dataset_bytes, epoch_s)
+        self._quota_memo = None
+
+    def quotas(self) -> dict[str, int]:
+        """{namespace: bytes of the budget it should hold} for datasets of live jobs
+        (:func:`stoker.cache.policy.share_budget`); memoised for a second."""
+        now = time.monotonic()
+        if self._quota_memo is None or now - self._quota_memo[0] > 1.0:
+            self._quota_memo = (now, share_budget(self.capacity_bytes, self.jobs.live()))
+        return self._quota_memo[1]
+
+    def _room(self, namespace: str, n: int, used: int, evict: bool) -> int | None:
+        """Bytes in use once there is room for ``n`` more bytes of ``namespace``, or None if
+        the policy refuses the fill. With ``evict=False`` nothing is deleted (a dry run).
+        Caller holds the budget lock."""
+        cap = self.capacity_bytes
+        if n > cap:
+            return None
+        if used + n <= cap:
+            return used
+        if self.policy == "noevict":
+            return None
+        if self.policy == "lru":
+            return self._evict(used, used + n - cap) if evict else used
+        quotas = self.quotas()
+        if namespace not in quotas or self._ns_read(namespace) + n > quotas[namespace]:
+            return None  # an unannounced reader, or a dataset at its share: no-eviction
+        over = {ns: u - quotas.get(ns, 0) for ns, u in self.namespace_usage().items()
+                if ns != namespace and u > quotas.get(ns, 0)}
+        need = used + n - cap
+        if sum(over.values()) < need:
+            return None
+        if evict:
+            for ns in sorted(over, key=over.get, reverse=True):
+                if need <= 0:
+                    break
+                freed = used - self._evict(used, min(over[ns], need), namespace=ns)
+                used -= freed
+                need -= freed
+            if need > 0:
+                return None
+        return used
+
     # -- writes -----------------------------------------------------------
-    def would_admit(self, nbytes: int) -> bool:
-        """Whether a fill of ``nbytes`` can be admitted now (cheap check, no reservation)."""
+    def would_admit(self, nbytes: int, namespace: str = "") -> bool:
+        """Whether a fill of ``nbytes`` for ``namespace`` would be admitted now (a dry run:
+        no reservation, nothing evicted)."""
         if nbytes > self.capacity_bytes:
             return False
         if self.policy == "lru":
             return True
         with self._budget_lock():
-            return self._read_used() + nbytes <= self.capacity_bytes
+            return self._room(namespace, nbytes, self._read_used(), evict=False) is not None
 
     def put(self, namespace: str, name: str, data: bytes) -> bool:
         """Admit a block: reserve its bytes, write a temporary file, rename it into place.
 
         Returns True if the block is now cached, False if the policy refused it.
-        Under ``lru`` older blocks are evicted to make room. Usage never exceeds
-        ``capacity_bytes``. OSError (e.g. a full disk) releases the reservation and
-        is re-raised.
+        Under ``lru`` older blocks are evicted to make room; under ``future`` blocks of
+        datasets over their share. Usage never exceeds ``capacity_bytes``. OSError
+        (e.g. a full disk) releases the reservation and is re-raised.
         """
         n = len(data)
         final = self.path(namespace, name)
         with self._budget_lock():
             if os.path.exists(final):
                 return True
-            used = self._read_used()
-            if n > self.capacity_bytes:
+            used = self._room(namespace, n, self._read_used(), evict=True)
+            if used is None:
                 self.stats.refused += 1
                 return False
-            if used + n > self.capacity_bytes:
-                if self.policy != "lru":
-                    self.stats.refused += 1
-                    return False
-                used = self._evict_lru(used, used + n - self.capacity_bytes)
-            self._write_used(used + n)
+            self._charge(namespace, n, used)
         if namespace not in self._made:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             self._made.add(namespace)
@@ -263,15 +356,21 @@ class DiskCache:
             write_whole(final, data)
         except BaseException:
             with self._budget_lock():
-                self._write_used(max(0, self._read_used() - n))
+                self._charge(namespace, -n)
             raise
         self.stats.fills += 1
         self.stats.fill_bytes += n
         return True
 
-    def _evict_lru(self, used: int, need: int) -> int:
-        """Delete least recently used blocks until ``need`` bytes are freed. Caller holds the budget lock."""
-        victims = sorted((e for e in self._entries() if not e[3]), key=lambda e: e[2])
+    def _evict(self, used: int, need: int, namespace: str | None = None) -> int:
+        """Delete the oldest blocks (by mtime: least recently used under ``lru``, which
+        touches on every hit; first filled otherwise), of ``namespace`` or of any, until
+        ``need`` bytes are freed. Returns the bytes in use after. Caller holds the lock."""
+        if namespace is None:
+            entries = self._entries()
+        else:
+            entries = (e for e in self._entries_of(namespace))
+        victims = sorted((e for e in entries if not e[3]), key=lambda e: e[2])
         for path, size, _, _ in victims:
             if need <= 0:
                 break
@@ -279,11 +378,23 @@ class DiskCache:
                 os.unlink(path)
             except FileNotFoundError:
                 continue
-            used -= size
+            used = self._charge(os.path.basename(os.path.dirname(path)), -size, used)
             need -= size
             self.stats.evictions += 1
             self.stats.evicted_bytes += size
         return used
+
+    def _entries_of(self, namespace: str):
+        try:
+            it = list(os.scandir(os.path.join(self.root, namespace)))
+        except FileNotFoundError:
+            return
+        for e in it:
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue
+            yield e.path, st.st_size, st.st_mtime, e.name.startswith(_TMP)
 
     def remove(self, namespace: str, name: str) -> None:
         """Drop one block (e.g. after a checksum failure) and return its bytes to the budget."""
@@ -294,4 +405,4 @@ class DiskCache:
                 os.unlink(path)
             except FileNotFoundError:
                 return
-            self._write_used(max(0, self._read_used() - size))
+            self._charge(namespace, -size)

@@ -90,8 +90,13 @@ class TieredCache:
     def contains(self, namespace: str, name: str) -> bool:
         return self.memory.contains(namespace, name) or self.disk.contains(namespace, name)
 
-    def would_admit(self, nbytes: int) -> bool:
-        return self.memory.would_admit(nbytes) or self.disk.would_admit(nbytes)
+    def would_admit(self, nbytes: int, namespace: str = "") -> bool:
+        return self.memory.would_admit(nbytes, namespace) or self.disk.would_admit(nbytes, namespace)
+
+    def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None) -> None:
+        """Announce this job to both tiers' budget split (see :meth:`DiskCache.register`)."""
+        self.memory.register(namespace, dataset_bytes, epoch_s)
+        self.disk.register(namespace, dataset_bytes, epoch_s)
 
     def put(self, namespace: str, name: str, data) -> bool:
         """Admit into the memory tier if it has room, else into the disk tier."""

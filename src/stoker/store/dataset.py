@@ -169,7 +169,7 @@ class Dataset:
             cache.stats.misses += 1
             if self.staging is not None:
                 data = self._staged(name, rel, stop - start, valid)
-                if data is None and not cache.would_admit(int(self.block_end[b] - self.block_start[b])):
+                if data is None and not cache.would_admit(int(self.block_end[b] - self.block_start[b]), self.version):
                     # Not admitted: the prefetcher may be staging it right now; wait for that fill.
                     with cache.fetch_lock(self.version, name, blocking=True):
                         data = self._staged(name, rel, stop - start, valid)
@@ -270,7 +270,7 @@ class Dataset:
         cache = self.cache
         name = self.block_name(b)
         size = int(self.block_end[b] - self.block_start[b])
-        if not cache.would_admit(size):
+        if not cache.would_admit(size, self.version):
             return None if want_data else "refused"
         with cache.fetch_lock(self.version, name, blocking=blocking) as held:
             if not held:
@@ -295,7 +295,7 @@ def default_cache_dir() -> str:
 
 def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None = None, *,
                  storage_options: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 cache_policy: str = "noevict", cache: bool = True, check: bool = True,
+                 cache_policy: str = "future", cache: bool = True, check: bool = True,
                  memory_bytes: int = 0, memory_dir: str | None = None) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
@@ -303,6 +303,10 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
     ``cache_bytes``: its byte budget (default 8 GiB); ``cache=False`` reads every
     sample straight from the origin. ``block_bytes``: cache unit (default 1 MiB).
     ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...).
+    ``cache_policy``: "future" (default: no eviction within a dataset, the node's budget
+    split between the datasets of live jobs by epoch rate; :mod:`stoker.cache.policy`),
+    "noevict" or "lru". The process registers its job with the cache (dataset bytes; the
+    Loader adds its epoch time).
     ``memory_bytes``: budget of a shared-memory tier above the disk tier (0 = none; blocks
     go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
     (default: under /dev/shm, one per cache directory).
@@ -331,4 +335,7 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
             disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy),
                                disk)
         disk.recover()
-    return Dataset(url, index, origin, disk, block_bytes)
+    ds = Dataset(url, index, origin, disk, block_bytes)
+    if disk is not None:
+        disk.register(ds.version, index.total_bytes)
+    return ds

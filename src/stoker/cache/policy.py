@@ -1,0 +1,147 @@
+"""The future-aware cache policy: which datasets get how much of one node's budget.
+
+Why there is little else to decide (issue 4): when every sample is read exactly once per
+epoch, every hit of an epoch is a block held across the previous epoch boundary, so a cache of
+C bytes saves at most C origin bytes per epoch and no policy reads fewer than D - C. A cache
+that never evicts a dataset's blocks for the same dataset's other blocks (CoorDL's MinIO,
+Mohan et al., VLDB'21) sits on that floor; LRU evicts blocks just before their reuse and thrashes.
+The future (NoPFS, Dryden et al., SC'21: the access stream is a pure function of the seed)
+settles what the floor leaves open:
+
+- **The split of one budget between datasets.** Every cached byte of dataset d saves one
+  origin byte per epoch of every job reading d, i.e. ``rate_d`` bytes/s, where ``rate_d`` is
+  the sum of those jobs' epochs per second. Maximising the bytes saved per second is a
+  fractional knapsack: give budget to datasets in decreasing ``rate_d``, each up to its size.
+  Datasets with equal rates (within 10 %) are equivalent for origin bytes; they share their
+  part in proportion to size, so each sees the same hit ratio (and the same stall).
+  A dataset with no live job has no future reads: its blocks make room for those that do.
+- **When each miss must arrive**: the prefetcher fetches blocks in order of first need
+  (:mod:`stoker.prefetch`), so misses arrive just ahead of the consumer.
+
+Jobs announce themselves in ``<cache root>/.jobs/<pid>-<namespace>.json`` ({"namespace",
+"pid", "dataset_bytes", "epoch_s"}); entries of dead processes are ignored and removed by
+:meth:`stoker.cache.DiskCache.recover`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..procs import pid_alive
+
+#: Relative difference under which two datasets' epoch rates count as equal.
+RATE_TIE = 0.10
+
+
+def share_budget(capacity_bytes: int, datasets: dict[str, tuple[int, float | None]]) -> dict[str, int]:
+    """Split ``capacity_bytes`` between datasets to minimise origin bytes per second.
+
+    ``datasets``: {namespace: (dataset bytes, epochs per second summed over its jobs, or
+    None when no job has finished an epoch yet)}. Unknown rates count as the mean of the
+    known ones (1.0 when none is known). Returns {namespace: quota bytes}; quotas sum to at
+    most ``capacity_bytes`` and no quota exceeds its dataset's size. Fractional knapsack in
+    decreasing rate; ties (within :data:`RATE_TIE`) split in proportion to dataset size.
+    """
+    known = [r for _, r in datasets.values() if r]
+    fill = sum(known) / len(known) if known else 1.0
+    items = sorted(((r or fill, ns, max(0, int(d))) for ns, (d, r) in datasets.items()), reverse=True)
+    quotas: dict[str, int] = {}
+    left = max(0, int(capacity_bytes))
+    i = 0
+    while i < len(items):
+        j = i + 1
+        while j < len(items) and items[j][0] >= items[i][0] * (1 - RATE_TIE):
+            j += 1
+        group = items[i:j]
+        want = sum(d for _, _, d in group)
+        if want <= left:
+            for _, ns, d in group:
+                quotas[ns] = d
+            left -= want
+        else:
+            for _, ns, d in group:
+                quotas[ns] = d * left // want if want else 0
+            left = 0
+        i = j
+    return quotas
+
+
+class JobRegistry:
+    """The jobs reading through one node cache: ``<root>/.jobs/<pid>-<namespace>.json``.
+
+    Each process that opens a dataset through the cache registers (namespace = the
+    dataset's content version, ``dataset_bytes``) and reports its epoch time after each
+    epoch; :meth:`live` gives {namespace: (dataset bytes, epochs per second or None)}
+    over processes that are alive.
+    """
+
+    def __init__(self, root: str):
+        self.dir = os.path.join(root, ".jobs")
+
+    def _path(self, pid: int, namespace: str) -> str:
+        return os.path.join(self.dir, f"{pid}-{namespace}.json")
+
+    def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None,
+                 pid: int | None = None) -> None:
+        """Announce (or update) this process's job on ``namespace``; ``epoch_s`` in seconds."""
+        os.makedirs(self.dir, exist_ok=True)
+        pid = os.getpid() if pid is None else pid
+        rec = {"namespace": namespace, "pid": pid, "dataset_bytes": int(dataset_bytes),
+               "epoch_s": float(epoch_s) if epoch_s else None}
+        tmp = self._path(pid, namespace) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, self._path(pid, namespace))
+
+    def unregister(self, namespace: str, pid: int | None = None) -> None:
+        try:
+            os.unlink(self._path(os.getpid() if pid is None else pid, namespace))
+        except FileNotFoundError:
+            pass
+
+    def records(self) -> list[dict]:
+        """Records of live processes (dead ones are skipped, not removed)."""
+        out = []
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return out
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.dir, name)) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and pid_alive(int(rec.get("pid", -1))):
+                out.append(rec)
+        return out
+
+    def live(self) -> dict[str, tuple[int, float | None]]:
+        """{namespace: (dataset bytes, summed epochs per second or None if none known)}."""
+        out: dict[str, tuple[int, float | None]] = {}
+        for rec in self.records():
+            ns = rec["namespace"]
+            d, rate = out.get(ns, (0, None))
+            r = 1.0 / rec["epoch_s"] if rec.get("epoch_s") else None
+            out[ns] = (max(d, int(rec["dataset_bytes"])),
+                       (rate or 0.0) + r if r is not None else rate)
+        return out
+
+    def remove_dead(self) -> int:
+        """Delete records of dead processes; returns how many."""
+        removed = 0
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            pid = name.split("-", 1)[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
