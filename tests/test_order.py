@@ -87,3 +87,24 @@ def test_cache_aware_order_serves_hits_first_within_windows(window):
     d = mean_displacement(plan, out)
     assert (d == 0.0) == (window == 1)
     assert d < window
+
+
+def test_sample_stream_covers_each_epoch_once_across_ranks_and_works_as_a_torch_sampler():
+    import torch
+    from stoker.order import SampleStream
+    n, world = 103, 4
+    streams = [SampleStream(n, seed=9, order="uniform", rank=r, world_size=world, even="drop") for r in range(world)]
+    for epoch in range(2):
+        parts = [list(s) for s in streams]
+        assert {len(p) for p in parts} == {n // world}
+        flat = sorted(i for p in parts for i in p)
+        assert len(set(flat)) == len(flat) and set(flat) <= set(range(n))
+        assert all(s.epoch == epoch + 1 for s in streams)
+    assert list(streams[0]) != parts[0]  # a new permutation each epoch
+    dl = torch.utils.data.DataLoader(list(range(n)), batch_size=10, sampler=SampleStream(n, seed=1, order="uniform"))
+    assert sorted(int(v) for b in dl for v in b) == list(range(n))
+    with pytest.raises(ValueError):
+        SampleStream(n, rank=4, world_size=4)
+    s = SampleStream(n, seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        s.load_state_dict({**s.state_dict(), "seed": 2})

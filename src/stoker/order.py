@@ -153,3 +153,65 @@ def mean_displacement(plan: np.ndarray, reordered: np.ndarray) -> float:
     where = np.empty(int(plan.max()) + 1, dtype=np.int64)
     where[plan] = np.arange(len(plan))
     return float(np.mean(np.abs(where[reordered] - np.arange(len(plan)))))
+
+
+class SampleStream:
+    """This rank's sample ids, epoch after epoch: a resumable sampler.
+
+    Iterating yields int sample ids of epoch ``epoch`` from position ``position`` to the
+    end of the epoch, then advances to the next epoch (like the Loader, each ``iter()`` is
+    one epoch). The order is ``permutation(num_samples, seed, epoch, order, groups)`` split
+    by :func:`rank_plan`, so the whole stream is a pure function of the constructor
+    arguments and :meth:`state_dict`. Usable as a ``torch.utils.data.Sampler`` for another
+    loader (``sampler=SampleStream(...)``) with stoker's order and resume.
+    ``groups``: int array (num_samples,), the dataset's block of each sample (needed by
+    the ``blockwise`` order; :attr:`stoker.store.dataset.Dataset.sample_block`).
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0, *, order: str = "blockwise", groups=None,
+                 window: int = DEFAULT_WINDOW_BLOCKS, rank: int = 0, world_size: int = 1,
+                 even: str = "pad", epoch: int = 0):
+        if order not in PERMUTATIONS:
+            raise KeyError(f"unknown permutation {order!r}; registered: {sorted(PERMUTATIONS)}")
+        self.num_samples, self.seed, self.order = int(num_samples), int(seed), order
+        self.groups, self.window = groups, int(window)
+        self.rank, self.world_size, self.even = int(rank), int(world_size), even
+        self.epoch, self.position = int(epoch), 0
+        rank_plan(np.arange(1), 0, 1, even)  # validates ``even``
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+
+    def plan(self, epoch: int) -> np.ndarray:
+        """This rank's ids of ``epoch`` in order (int64)."""
+        perm = permutation(self.num_samples, self.seed, epoch, self.order, groups=self.groups, window=self.window)
+        return rank_plan(perm, self.rank, self.world_size, self.even)
+
+    def __len__(self) -> int:
+        return len(self.plan(self.epoch)) - self.position
+
+    def __iter__(self):
+        ids = self.plan(self.epoch)
+        while self.position < len(ids):
+            i = int(ids[self.position])
+            self.position += 1
+            yield i
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """{"epoch", "position", and the configuration}: plain ints and strings."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "order": self.order,
+                "window": self.window, "rank": self.rank, "world_size": self.world_size, "even": self.even,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`. ValueError if the state belongs to another
+        configuration (the rest of the stream would differ) or its position is out of range."""
+        mine = self.state_dict()
+        for k in ("seed", "order", "window", "rank", "world_size", "even", "num_samples"):
+            if k in state and state[k] != mine[k]:
+                raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this stream has {mine[k]!r}")
+        epoch, pos = int(state["epoch"]), int(state["position"])
+        n = len(self.plan(epoch))
+        if not 0 <= pos <= n:
+            raise ValueError(f"cannot resume: position {pos} outside 0..{n} for epoch {epoch}")
+        self.epoch, self.position = (epoch + 1, 0) if pos == n else (epoch, pos)
