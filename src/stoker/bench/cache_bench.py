@@ -24,14 +24,14 @@ import time
 POLICY_NAMES = ("future", "lru", "noevict")
 
 
-def _job(url, opts, cache_dir, cache_bytes, epochs, rate, seed, out):
+def _job(url, opts, cache_dir, cache_bytes, staging_bytes, epochs, rate, seed, out):
     """One training job (its own process): a Loader over the shared node cache."""
     from ..loader import Loader
     from ..store.dataset import open_dataset
     from .harness import measure
     ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=opts)
     rows = []
-    with Loader(ds, 64, num_workers=1, seed=seed) as loader:
+    with Loader(ds, 64, num_workers=1, seed=seed, staging_bytes=staging_bytes) as loader:
         for _ in range(epochs):
             m = measure(loader, rate)
             st = loader.stats
@@ -57,7 +57,9 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
     """Run the benchmark; returns the report (see the module docstring). ``consumer_rate``:
     samples/s of the emulated accelerator (default: the 2x-headroom rule above).
     ``staging_bytes``: the Loader's staging budget (blocks fetched just in time that the
-    cache does not admit; a few of them may still be there when the next epoch starts)."""
+    cache does not admit). Staged blocks still there when the next epoch needs them are hits
+    across the boundary too, so below C = D the staging area counts in the budget: the cache
+    gets C - S and the staging area S = min(staging_bytes, C / 4); the node holds C in all."""
     from ..loader import Loader
     from ..sample_data import make_sample_data
     from ..store.dataset import open_dataset
@@ -91,13 +93,16 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
         cache_dir = os.path.join(work, "cache")
         for frac in fractions:
             C = int(frac * D)
+            S = staging_bytes if C >= D else min(staging_bytes, C // 4)
             for policy in policies:
                 shutil.rmtree(cache_dir, ignore_errors=True)
-                ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=C, cache_policy=policy, storage_options=opts)
-                with Loader(ds, batch_size, num_workers=workers, seed=0, staging_bytes=staging_bytes) as loader:
+                ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=C - S if C < D else C,
+                                  cache_policy=policy, storage_options=opts)
+                with Loader(ds, batch_size, num_workers=workers, seed=0, staging_bytes=S) as loader:
                     for _ in range(epochs):
                         m = measure(loader, rate)
                         row = _row(policy, frac, C, D, loader.stats, m)
+                        row["staging_bytes"] = S
                         report["runs"].append(row)
                         log(f"{policy:8} C={frac:4.2f}D epoch {row['epoch']}: origin {row['origin_bytes'] / 1e6:7.1f} MB"
                             f" (floor {row['floor_bytes'] / 1e6:6.1f}) hit {row['hit_ratio']:.2f}"
@@ -107,9 +112,11 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
         for frac in two_jobs_fractions:
             shutil.rmtree(cache_dir, ignore_errors=True)
             C = int(frac * D)
+            S = staging_bytes if C >= D else min(staging_bytes, C // 8)  # two staging areas
             before = origin.stats()["bytes_served"]
             q = ctx.Queue()
-            procs = [ctx.Process(target=_job, args=(url, opts, cache_dir, C, epochs, rate, seed, q))
+            procs = [ctx.Process(target=_job, args=(url, opts, cache_dir, C - 2 * S if C < D else C, S, epochs,
+                                                    rate, seed, q))
                      for seed in (1, 2)]
             for p in procs:
                 p.start()
@@ -117,7 +124,8 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
             for p in procs:
                 p.join(60)
             total = origin.stats()["bytes_served"] - before
-            report["two_jobs"].append({"cache_fraction": frac, "cache_bytes": C, "dataset_bytes": D, "epochs": epochs,
+            report["two_jobs"].append({"cache_fraction": frac, "cache_bytes": C, "staging_bytes_per_job": S,
+                                       "dataset_bytes": D, "epochs": epochs,
                                        "origin_bytes_total": total, "jobs": per_job})
             log(f"two jobs, C={frac:4.2f}D, {epochs} epochs each: origin {total / 1e6:.1f} MB in all "
                 f"(dataset {D / 1e6:.1f} MB)")
