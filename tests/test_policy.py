@@ -128,3 +128,21 @@ def test_bench_cache_tiny(tmp_path):
     assert D <= two["origin_bytes_total"] < 1.1 * D + (1 << 20)  # one fill of every block, plus the index
     assert all(row["exactly_once"] for job in two["jobs"] for row in job)
     assert {s["policy"] for s in summary(r)} == {"future", "lru"}
+
+
+def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use(tmp_path, other_process):
+    from stoker.cli import main
+    c = DiskCache(str(tmp_path), 10_000, "future")
+    c.jobs.register("aa", 6_000, epoch_s=10.0, pid=other_process)
+    _fill(c, "aa", 3, 1000)
+    _fill(c, "bb", 2, 1000)  # no live job on bb
+    from stoker.cache.status import clear, status
+    st = status(str(tmp_path), 4_000)
+    assert st["namespaces"] == {"aa": 3000, "bb": 2000} and st["used_bytes"] == 5000
+    assert st["quotas"] == {"aa": 4000} and [j["pid"] for j in st["jobs"]] == [other_process]
+    assert main(["cache", "status", str(tmp_path), "--budget", "4000"]) == 0
+    with pytest.raises(RuntimeError, match=f"pid {other_process}"):
+        clear(str(tmp_path))
+    assert main(["cache", "clear", str(tmp_path)]) == 2  # one-line error, exit 2
+    assert clear(str(tmp_path), "bb") == 2000
+    assert status(str(tmp_path))["namespaces"] == {"aa": 3000, "bb": 0}

@@ -112,9 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     decode_bench.add_parser(bench_sub)
     cache_bench.add_parser(bench_sub)
 
+    from .cache import status as cache_status
     from .store import listing, verify
     listing.add_parsers(sub)
     verify.add_parsers(sub)
+    cache_status.add_parsers(sub)
     return p
 
 
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; expected failures (bad input, storage errors) print one line, exit 2."""
     import tarfile
 
+    from .cache.status import CacheInUseError
     from .storage import OriginError
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, IOError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, IOError, CacheInUseError) as exc:
         if args.verbose:
             raise
         print(f"stoker {args.cmd}: {exc}", file=sys.stderr)
