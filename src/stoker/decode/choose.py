@@ -17,8 +17,9 @@ shorter side, decoded pixels.  For each candidate, on a small seeded sample of t
 Per core with ``W`` workers (DESIGN.md's decode bound vs storage bound):
 ``r_raw = min(decode_raw, storage_raw / W)`` and
 ``r_f = 1 / (fit / min(decode_f, storage_f / W) + (1 - fit) / r_raw)``.
-The best form wins if it beats raw by ``min_gain`` (default 10%: a derived form loses some
-detail, so a tie goes to raw).  Steady-state epochs are modelled; the first epoch also pays
+The choice is the most faithful form whose modelled rate is within a factor ``min_gain``
+(default 1.1) of the fastest: raw first, then uncapped decoded pixels (exact), then larger caps
+before smaller (a capped form loses some detail, so a near-tie goes to the more faithful form).  Steady-state epochs are modelled; the first epoch also pays
 ``fill_s_per_sample`` to write the entries (reported, not part of the choice).
 """
 from __future__ import annotations
@@ -192,6 +193,12 @@ def measure_forms(payloads: list[bytes], candidates=DEFAULT_CANDIDATES, *, mode:
     return {"samples": len(items), "mode": mode, "size": size, "forms": forms}
 
 
+def _fidelity_rank(name: str) -> tuple:
+    form = parse_form(name)
+    exact = form.kind == "raw" or (form.kind == "rgb" and not form.side)
+    return (not exact, form.kind != "raw", -(form.side or 1 << 30), form.kind == "jpeg")
+
+
 def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=DEFAULT_CANDIDATES,
                 mode: str = "train", size: int = 224, samples: int = 48, min_seconds: float = 0.25,
                 min_gain: float = 1.10, seed: int = 0) -> dict:
@@ -204,7 +211,7 @@ def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=
         root: the derived store's directory (the storage probe runs there).
         candidates, mode, size, min_seconds, seed: see :func:`measure_forms`.
         samples: how many samples to measure on.
-        min_gain: a derived form must beat raw's modelled rate by this factor.
+        min_gain: a less faithful form must beat every more faithful one by this factor.
 
     Returns:
         ``{"choice": form name, "rate_per_core": samples/s, "raw_source": "cache"|"origin",
@@ -231,7 +238,6 @@ def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=
     raw["storage_per_core"] = raw_bps / raw["bytes_per_sample"] / w
     raw["fit"] = 1.0
     r_raw = raw["rate_per_core"] = min(raw["decode_per_core"], raw["storage_per_core"])
-    best, best_rate = "raw", r_raw
     for name, row in forms.items():
         if name == "raw":
             continue
@@ -239,8 +245,11 @@ def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=
         row["storage_per_core"] = row["storage_Bps"] / row["bytes_per_sample"] / w
         r_f = min(row["decode_per_core"], row["storage_per_core"])
         row["rate_per_core"] = 1.0 / (row["fit"] / r_f + (1.0 - row["fit"]) / r_raw)
-        if row["rate_per_core"] > best_rate and row["rate_per_core"] >= min_gain * r_raw:
-            best, best_rate = name, row["rate_per_core"]
+    top = max(row["rate_per_core"] for row in forms.values())
+    # The most faithful form within a factor min_gain of the fastest: raw, then uncapped pixels
+    # (exact), then larger caps before smaller, decoded pixels before a re-encoded JPEG.
+    best = min((k for k, v in forms.items() if v["rate_per_core"] * min_gain >= top), key=_fidelity_rank)
+    best_rate = forms[best]["rate_per_core"]
     report = {"choice": best, "rate_per_core": best_rate, "raw_source": raw_source, "raw_read_Bps": raw_read_bps,
               "workers": w, "samples": rep["samples"], "min_gain": min_gain, "forms": forms}
     log.info("cache_form=auto chose %s (%.0f samples/s per core modelled; raw %.0f): %s", best, best_rate, r_raw,
