@@ -67,6 +67,8 @@ class EpochStats:
     exactly_once: bool = False
     cpu_s: dict = field(default_factory=dict)   # CPU seconds this epoch: main, workers, prefetch
     order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
+    derived_hits: int = 0          # samples decoded from their derived form (cache_form)
+    derived_fills: int = 0         # derived entries written this epoch
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +110,14 @@ class Loader:
     ``start_method``: multiprocessing start method (default ``fork`` where available, as
     torch's DataLoader; each child re-creates its storage clients, so no connection or
     event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard).
+    ``cache_form``: keep each sample's cheaper derived form in a node-local store of
+    ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
+    second epoch (:mod:`stoker.decode.derived`): ``"jpeg"`` (re-encoded, shorter side capped
+    at 320 px for 224), ``"jpeg256"``, ``"rgb256"``, ``"rgb"`` (decoded pixels), or ``"auto"``
+    (measured choice, :mod:`stoker.decode.choose`; ``self.cache_form_report`` holds the rates).
+    ``device``: ``None``/``"cpu"`` yield the shared-memory tensors; ``"cuda"`` copies each
+    batch through pinned memory on a side stream (:mod:`stoker.transfer`; RuntimeError at
+    construction when CUDA is not available).
     The images of a batch live in shared memory; the slot is reused only after
     every reference to the batch tensor is dropped.
     """
@@ -119,7 +129,9 @@ class Loader:
                  staging_bytes: int = 64 << 20,
                  fetch_concurrency: int = 8, timeout_s: float = 120.0, exif_orientation: bool = False,
                  order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
-                 prefetch_next_epoch: bool = True, cache_aware_window: int = 0):
+                 prefetch_next_epoch: bool = True, cache_aware_window: int = 0,
+                 cache_form: str | None = None, cache_form_bytes: int = 16 << 30, cache_form_dir: str | None = None,
+                 device: str | None = None):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
@@ -130,6 +142,12 @@ class Loader:
             raise ValueError(f"image_size must be >= 1, got {image_size}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if cache_form not in (None, "auto"):
+            from .decode.forms import parse_form
+            parse_form(cache_form, image_size)  # ValueError now, not in a worker
+        if device not in (None, "cpu"):
+            from .transfer import check_device
+            check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
         from .order import PERMUTATIONS
         if shuffle and order not in PERMUTATIONS:
             raise ValueError(f"unknown order {order!r}; registered: {sorted(PERMUTATIONS)}")
@@ -147,6 +165,10 @@ class Loader:
         self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
                     "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size}
+        self.cache_form, self.cache_form_bytes, self.cache_form_dir = cache_form, int(cache_form_bytes), cache_form_dir
+        self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
+        self.device = device
+        self._transfer = None
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
         self._started = False
@@ -206,6 +228,16 @@ class Loader:
         from . import decode  # noqa: F401 - imported once here, inherited by forked workers
         from . import torch as _torch_adapter  # pay torch's import before the first batch
         _torch_adapter.load()
+        if self.device not in (None, "cpu"):
+            from .transfer import DeviceTransfer
+            self._transfer = DeviceTransfer(self.device)
+        if self.cache_form not in (None, "raw") and "derived" not in self.cfg:
+            from .decode.derived import setup
+            self.cfg["derived"], self.cache_form_report = setup(
+                self.dataset, self.cache_form, capacity_bytes=self.cache_form_bytes, root=self.cache_form_dir,
+                workers=self.num_workers, mode=self.cfg["transform"], size=self.cfg["image_size"],
+                exif_orientation=self.cfg["exif_orientation"])
+            log.info("derived-sample cache: %s", self.cache_form_report)
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
@@ -299,7 +331,8 @@ class Loader:
         """Counters summed over the workers and the prefetcher (``pf_counters``: a snapshot of
         the prefetcher's counters to use instead of their current values)."""
         tot: dict[str, int] = {}
-        sources = list(self._worker_counters.values()) if self.num_workers > 0 else [counters(self.dataset)]
+        sources = (list(self._worker_counters.values()) if self.num_workers > 0
+                   else [counters(self.dataset, self.cfg.get("derived"))])
         for c in sources:
             for k, v in c.items():
                 tot[k] = tot.get(k, 0) + v
@@ -365,7 +398,6 @@ class Loader:
         self._pre = None
 
     def _epoch(self, run: int, epoch: int, start: int = 0):
-        from .torch import as_tensors
         t_start = time.perf_counter()
         stats = EpochStats(epoch=epoch)
         carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
@@ -398,7 +430,7 @@ class Loader:
                         self._position = (epoch, start + seq + 1)
                         continue
                     imgs, labels = self._ring.batch(slot, n)
-                    out = as_tensors(imgs, labels)
+                    out = self._as_batch(imgs, labels)
                     del imgs
                     wait_box[0] += time.perf_counter() - t_resume
                     self._position = (epoch, start + seq + 1)
@@ -426,6 +458,7 @@ class Loader:
             stats.direct_reads = d.get("read_direct_reads", 0)
             stats.evictions = d.get("cache_evictions", 0)
             stats.corrupt_blocks = d.get("cache_corrupt", 0)
+            stats.derived_hits, stats.derived_fills = d.get("derived_hits", 0), d.get("derived_fills", 0)
             reads = stats.cache_hits + stats.cache_misses
             stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
             stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
@@ -450,6 +483,12 @@ class Loader:
                            stats.seconds * len(self.dataset) / stats.samples)
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)
+
+    def _as_batch(self, imgs, labels):
+        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.transfer`."""
+        from .torch import as_tensors
+        out = as_tensors(imgs, labels)
+        return out if self._transfer is None else self._transfer(*out)
 
     def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:
         if skipped:
@@ -501,7 +540,6 @@ class Loader:
         return None
 
     def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None):
-        from .torch import as_tensors
         pending: dict[int, tuple] = carry["pending"] if carry else {}
         inflight: dict[int, tuple] = carry["inflight"] if carry else {}
         next_dispatch = carry["next"] if carry else 0
@@ -545,7 +583,7 @@ class Loader:
                 self._position = (epoch, self._position[1] + 1)
                 continue
             imgs, labels = self._ring.batch(slot, n)
-            out = as_tensors(imgs, labels)
+            out = self._as_batch(imgs, labels)
             del imgs
             wait_box[0] += time.perf_counter() - t_resume
             self._position = (epoch, self._position[1] + 1)

@@ -18,12 +18,14 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def counters(ds) -> dict:
-    """The process's origin/cache/read counters as one flat dict of ints."""
+def counters(ds, derived=None) -> dict:
+    """The process's origin/cache/read (and derived-cache) counters as one flat dict of ints."""
     out = {f"origin_{k}": v for k, v in ds.origin.counters.snapshot().items()}
     if ds.cache is not None:
         out.update({f"cache_{k}": v for k, v in ds.cache.stats.snapshot().items()})
     out.update({f"read_{k}": v for k, v in ds.read_stats.snapshot().items()})
+    if derived is not None:
+        out.update(derived.counters())
     return out
 
 
@@ -42,6 +44,26 @@ class BatchDecoder:
         from .decode import decode_transform  # noqa: F401 - import cost paid once per worker
         self.ds, self.cfg = ds, cfg
         self._decode_transform = decode_transform
+        self.derived = cfg.get("derived")  # a DerivedCache (see stoker.decode.derived) or None
+
+    def _one(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
+        """Decode+transform sample ``sid`` into ``out``: from its derived entry when there is one,
+        else from the raw bytes (writing the derived entry as a side effect)."""
+        der = self.derived
+        if der is None:
+            self._decode_transform(self.ds.read(sid), key, mode, rng, size=size, out=out,
+                                   exif_orientation=self.cfg["exif_orientation"])
+            return
+        from .decode import decode_image
+        from .decode.derived import SAME, transform_image
+        got = der.get(sid, key)
+        if got is not None and got[0] != SAME:
+            transform_image(got[2], got[1], mode, rng, size, out)
+            return
+        img = decode_image(self.ds.read(sid), key, exif_orientation=self.cfg["exif_orientation"])
+        transform_image(img, img.shape[:2], mode, rng, size, out)
+        if got is None:
+            der.put(sid, key, img)
 
     def run(self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None):
         """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys)."""
@@ -55,11 +77,9 @@ class BatchDecoder:
             sid = int(sid)
             if current is not None:
                 current.value = sid
-            data = ds.read(sid)
             rng = np.random.default_rng(sample_seed(seed, epoch, sid)) if mode == "train" else None
             try:
-                self._decode_transform(data, ds.key(sid), mode, rng, size=size, out=images[j],
-                                       exif_orientation=cfg["exif_orientation"])
+                self._one(sid, ds.key(sid), mode, rng, size, images[j])
             except DecodeError as exc:
                 if not skip:
                     raise
@@ -104,12 +124,12 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
                 maps[path] = map_slot(path, cfg["batch_size"], cfg["image_size"])
             _, images, labels = maps[path]
             n, skipped, skipped_keys = dec.run(epoch, ids, images, labels, current)
-            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds)))
+            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, dec.derived)))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
             key = ds.key(sid) if 0 <= sid < len(ds) else None
             results.put(("error", wid, run, seq, slot, key, f"{type(exc).__name__}: {exc}",
-                         traceback.format_exc(), counters(ds)))
+                         traceback.format_exc(), counters(ds, dec.derived)))
         finally:
             current.value = -1
     for mm, _, _ in maps.values():

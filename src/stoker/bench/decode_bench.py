@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,8 @@ def _dali_rate(jpeg_dir: str, venv: str, seconds: float) -> tuple[float | None, 
 
 def run(images: int = 1500, seconds: float = 3.0, workers=(1, 2), batch_size: int = 64, epochs: int = 2,
         dali: bool = True, dali_venv: str | None = None, workdir: str | None = None) -> dict:
-    """Run the benchmark; returns {per_core: {stoker, pillow, dali}, loader: [...], skipped: [...], machine}."""
+    """Run the benchmark; returns {per_core: {stoker, pillow, dali}, loader: [...], cache_forms: {forms, auto,
+    loader}, skipped: [...], machine} (cache_forms: see :func:`_cache_forms`)."""
     from ..decode.calibrate import measure_decode_rate
     from ..loader import Loader
     from ..sample_data import make_sample_data
@@ -81,7 +83,38 @@ def run(images: int = 1500, seconds: float = 3.0, workers=(1, 2), batch_size: in
         report["loader"].append({"workers": w, "samples_per_s": sps, "efficiency": sps / (w * per_core),
                                  "trainer_cpu_per_batch_s": st.cpu_s.get("main", 0.0) / max(1, st.batches),
                                  "trainer_cpu_fraction": st.cpu_s.get("main", 0.0) / dt})
+    report["cache_forms"] = _cache_forms(payloads, packed, work, seconds, batch_size, epochs)
     return report
+
+
+def _cache_forms(payloads, packed, work, seconds, batch_size, epochs) -> dict:
+    """Derived-sample forms (Cachew): per form bytes/sample, per-core rate, fill cost and pixel
+    difference from the full-size path; the ``auto`` choice for 2 workers; the loader (2 workers,
+    warm) with the best derived form."""
+    from ..decode.choose import DEFAULT_CANDIDATES, choose_form, measure_forms
+    from ..loader import Loader
+    from ..store.dataset import open_dataset
+    root = os.path.join(work, "derived")
+    cands = DEFAULT_CANDIDATES + ("rgb",)
+    out = measure_forms(payloads, cands, min_seconds=max(0.2, seconds / 2), probe_root=root)
+    ds = open_dataset(packed, cache_dir=os.path.join(work, "cache"), cache_bytes=4 << 30)
+    auto = choose_form(ds, workers=2, capacity_bytes=4 << 30, root=root, candidates=cands,
+                       min_seconds=max(0.2, seconds / 4))
+    out["auto"] = {k: v for k, v in auto.items() if k != "forms"}
+    out["auto"]["modelled"] = {k: {m: v[m] for m in ("decode_per_core", "storage_per_core", "fit", "rate_per_core")}
+                               for k, v in auto["forms"].items()}
+    best = max((k for k in out["forms"] if k != "raw"), key=lambda k: out["forms"][k]["decode_per_core"])
+    form = auto["choice"] if auto["choice"] != "raw" else best
+    shutil.rmtree(os.path.join(root), ignore_errors=True)
+    with Loader(ds, batch_size, num_workers=2, seed=0, cache_form=form, cache_form_dir=root) as loader:
+        for _ in range(max(3, epochs)):  # epoch 0 fills the derived store (and starts epoch 1)
+            t = time.perf_counter()
+            n = sum(len(y) for _, y in loader)
+            dt = time.perf_counter() - t
+        hits = loader.stats.derived_hits
+    out["loader"] = {"form": form, "workers": 2, "samples_per_s": n / dt, "derived_hits": hits,
+                     "efficiency_vs_raw_decode": n / dt / (2 * out["forms"]["raw"]["decode_per_core"])}
+    return out
 
 
 def add_parser(bench_sub) -> None:
@@ -104,6 +137,14 @@ def _cmd(a) -> int:
         print(f"loader, {row['workers']} worker(s): {row['samples_per_s']:.0f} samples/s, efficiency "
               f"{row['efficiency']:.2f}, trainer CPU {row['trainer_cpu_per_batch_s'] * 1e3:.2f} ms/batch "
               f"({100 * row['trainer_cpu_fraction']:.1f}% of a core)")
+    cf = r["cache_forms"]
+    for name, row in cf["forms"].items():
+        extra = (f", fill {row['fill_s_per_sample'] * 1e3:.1f} ms, pixel diff vs full mean {row['pixel_mad']:.2f} "
+                 f"p99 {row['pixel_p99']:.0f}" if name != "raw" else "")
+        print(f"form {name}: {row['bytes_per_sample'] / 1e3:.1f} kB/sample, {row['decode_per_core']:.0f} samples/s "
+              f"per core{extra}")
+    print(f"cache_form=auto (2 workers): {cf['auto']['choice']}; loader with {cf['loader']['form']}, 2 workers, warm: "
+          f"{cf['loader']['samples_per_s']:.0f} samples/s")
     for s in r["skipped"]:
         print(f"skipped {s['loader']}: {s['reason']}")
     if a.json:

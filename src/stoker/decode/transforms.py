@@ -290,3 +290,110 @@ def decode_transform(
     if mode == "train":
         return train_transform(img, rng, size, out)
     return eval_transform(img, size, eval_resize_for(size) if resize is None else resize, out)
+
+
+# -- transforms of a reduced copy, in the original image's coordinates ------------------------
+# A derived (reduced) copy of an image keeps the original's size in its header.  The crop box is
+# drawn on the *original* size with the same RNG draws as :func:`train_transform`, so the same
+# region of the same picture is taken; only the source it is resampled from has fewer pixels.
+
+
+def resize_box_aa(img: np.ndarray, y0: float, x0: float, hf: float, wf: float,
+                  out_h: int, out_w: int) -> np.ndarray:
+    """Resample the real-valued box ``[y0, y0+hf) x [x0, x0+wf)`` of ``img`` to ``(out_h, out_w)``.
+
+    Same filter as :func:`resize_bilinear_aa` (Gaussian pre-blur on downscaled axes, then
+    bilinear with pixel-centre alignment ``src = x0 + (dst + 0.5) * wf / out_w - 0.5``), but the
+    box may start and end between pixels.  Only pixels inside the box (rounded outwards) are read,
+    as when a crop is resized.  Bilinear weights are quantised to 1/32 pixel (OpenCV's
+    ``warpAffine``), against 1/2048 in ``cv2.resize``: results differ from
+    :func:`resize_bilinear_aa` on an integer box by at most a few levels, mostly 0.
+
+    Args:
+        img: ``(H, W, 3)`` uint8.
+        y0, x0, hf, wf: box in pixels of ``img`` (``hf, wf > 0``; inside the image).
+        out_h, out_w: output size in pixels.
+
+    Returns:
+        New ``(out_h, out_w, 3)`` uint8 array.
+    """
+    H, W = img.shape[:2]
+    ys, xs = max(0, int(math.floor(y0 + 1e-6))), max(0, int(math.floor(x0 + 1e-6)))
+    ye = min(H, max(ys + 1, int(math.ceil(y0 + hf - 1e-6))))
+    xe = min(W, max(xs + 1, int(math.ceil(x0 + wf - 1e-6))))
+    region = img[ys:ye, xs:xe]
+    sx, sy = wf / out_w, hf / out_h
+    if (xs, ys) == (x0, y0) and (xe - xs, ye - ys) == (wf, hf):
+        return resize_bilinear_aa(region, out_w, out_h)  # an integer box: the exact path
+    kx, ky = _gauss_kernel(sx), _gauss_kernel(sy)
+    if kx is not None or ky is not None:
+        region = cv2.sepFilter2D(np.ascontiguousarray(region), -1, _IDENTITY if kx is None else kx,
+                                 _IDENTITY if ky is None else ky, borderType=cv2.BORDER_REPLICATE)
+    m = np.array([[sx, 0.0, x0 - xs + 0.5 * sx - 0.5], [0.0, sy, y0 - ys + 0.5 * sy - 0.5]], np.float64)
+    res = cv2.warpAffine(np.ascontiguousarray(region), m, (out_w, out_h),
+                         flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE)
+    if res.shape != (out_h, out_w, 3):
+        raise RuntimeError(f"cv2.warpAffine returned shape {res.shape}, expected {(out_h, out_w, 3)}")
+    return res
+
+
+def train_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], rng: np.random.Generator,
+                            size: int = 224, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`train_transform` of the original image, computed from a reduced copy ``img``.
+
+    The crop box is drawn for the original size ``orig_hw`` (identical RNG draws and order as
+    :func:`train_transform`), scaled to ``img``'s pixels and resampled with
+    :func:`resize_box_aa`. When ``img`` has the original size this *is* :func:`train_transform`.
+
+    Args:
+        img: ``(h, w, 3)`` uint8, a resized copy of an ``orig_hw = (H, W)`` image.
+        orig_hw: the original (height, width) in pixels.
+        rng, size, out: as :func:`train_transform`.
+
+    Returns:
+        ``(3, size, size)`` uint8 CHW.
+    """
+    _check_img(img)
+    H, W = int(orig_hw[0]), int(orig_hw[1])
+    if img.shape[:2] == (H, W):
+        return train_transform(img, rng, size, out)
+    out = _out_buffer(out, size)
+    top, left, h, w = random_resized_crop_params(H, W, rng)
+    flip = bool(rng.random() < 0.5)
+    fy, fx = img.shape[0] / H, img.shape[1] / W
+    res = resize_box_aa(img, top * fy, left * fx, h * fy, w * fx, size, size)
+    _hwc_to_chw(res, out, flip)
+    return out
+
+
+def eval_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], size: int = 224,
+                           resize: int = 256, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`eval_transform` of the original image, computed from a reduced copy ``img``.
+
+    ``Resize(resize)`` + ``CenterCrop(size)`` of the original is the box of side
+    ``size * H / new_h`` at offset ``top * H / new_h`` (and likewise in x) of the original,
+    resampled to ``size``; it is scaled to ``img``'s pixels and resampled with
+    :func:`resize_box_aa`.  (Resampling the box straight from the source, instead of resizing
+    the whole image first, is one resampling instead of two; on an integer box it is the same.)
+
+    Args:
+        img: ``(h, w, 3)`` uint8 reduced copy of an ``orig_hw`` image.
+        orig_hw, size, resize, out: as :func:`eval_transform`.
+
+    Returns:
+        ``(3, size, size)`` uint8 CHW.
+    """
+    _check_img(img)
+    H, W = int(orig_hw[0]), int(orig_hw[1])
+    if img.shape[:2] == (H, W):
+        return eval_transform(img, size, resize, out)
+    if size > resize:
+        raise ValueError(f"crop size {size} larger than resize {resize} (padding is not supported)")
+    out = _out_buffer(out, size)
+    new_h, new_w = _resized_hw(H, W, resize)
+    top = int(round((new_h - size) / 2.0))
+    left = int(round((new_w - size) / 2.0))
+    fy, fx = img.shape[0] / new_h, img.shape[1] / new_w
+    res = resize_box_aa(img, top * fy, left * fx, size * fy, size * fx, size, size)
+    _hwc_to_chw(res, out, False)
+    return out
