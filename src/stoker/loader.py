@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
 import time
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .order import permutation, rank_plan
+from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from .order import pack_bitmap, permutation, rank_plan, unpack_bitmap
+from .procs import SharedCell
 from .prefetch import N_COUNTERS, block_schedule, prefetch_main
 from .ring import SlotRing
 from .workers import BatchDecoder, counters, worker_main
@@ -29,49 +29,6 @@ TRANSFORMS = ("train", "eval")
 
 class WorkerError(RuntimeError):
     """A worker failed or died; the message names the worker and the sample key."""
-
-
-@dataclass
-class EpochStats:
-    """What one epoch of one rank did. Times in seconds, bytes in bytes.
-
-    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
-    ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
-    (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
-    epoch by the training process (``main``), the decode ``workers`` and the
-    ``prefetch`` process (Linux /proc; empty elsewhere).
-    """
-
-    epoch: int
-    samples: int = 0
-    batches: int = 0
-    seconds: float = 0.0
-    wait_s: float = 0.0
-    stall_fraction: float = 0.0
-    samples_per_s: float = 0.0
-    origin_bytes: int = 0
-    origin_requests: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    cache_hit_ratio: float = 0.0
-    prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
-    prefetch_staged: int = 0       # blocks it fetched just in time into staging (not admitted)
-    prefetch_depth_bytes: float = 0.0  # mean bytes fetched and ready ahead of the consumer
-    staged_hits: int = 0           # samples read from staged blocks
-    memory_hits: int = 0           # cache hits served by the shared-memory tier (when there is one)
-    direct_reads: int = 0          # samples read from the origin one by one (nothing ahead of them)
-    evictions: int = 0
-    corrupt_blocks: int = 0
-    skipped: int = 0
-    skipped_keys: list = field(default_factory=list)
-    exactly_once: bool = False
-    cpu_s: dict = field(default_factory=dict)   # CPU seconds this epoch: main, workers, prefetch
-    order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
-    derived_hits: int = 0          # samples decoded from their derived form (cache_form)
-    derived_fills: int = 0         # derived entries written this epoch
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class Loader:
@@ -203,9 +160,7 @@ class Loader:
         from .order import cache_aware, mean_displacement
         cached = self._hit_maps.get(epoch)
         if cached is None:
-            ds = self.dataset
-            cached = np.fromiter((ds.cache.contains(ds.version, ds.block_name(b)) for b in range(ds.num_blocks)),
-                                 dtype=bool, count=ds.num_blocks)
+            cached = self.dataset.cached_blocks()
             self._hit_maps = {e: m for e, m in self._hit_maps.items() if e >= epoch - 1}
             self._hit_maps[epoch] = cached
         out = cache_aware(ids, cached[self.dataset.sample_block[ids]], self.cache_aware_window)
@@ -255,7 +210,7 @@ class Loader:
             for wid in range(self.num_workers):
                 p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
                                 args=(wid, self.dataset, self.cfg, self._tasks, self._results,
-                                      _SharedSlot(self._current, wid), self._stop), daemon=True)
+                                      SharedCell(self._current, wid), self._stop), daemon=True)
                 p.start()
                 self._workers.append(p)
         else:
@@ -320,11 +275,11 @@ class Loader:
 
     # -- counters ---------------------------------------------------------
     def _cpu(self) -> dict:
-        out = {"main": _process_cpu_s(None)}
+        out = {"main": process_cpu_s(None)}
         if self._workers:
-            out["workers"] = sum(_process_cpu_s(p.pid) for p in self._workers)
+            out["workers"] = sum(process_cpu_s(p.pid) for p in self._workers)
         if self._prefetcher is not None:
-            out["prefetch"] = _process_cpu_s(self._prefetcher.pid)
+            out["prefetch"] = process_cpu_s(self._prefetcher.pid)
         return out
 
     def _totals(self, pf_counters=None) -> dict:
@@ -370,7 +325,7 @@ class Loader:
                 "drop_last": self.drop_last, "transform": self.cfg["transform"],
                 "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
                 "cache_aware_window": self.cache_aware_window,
-                "cached_blocks": _pack_bits(self._hit_maps.get(self._position[0]))}
+                "cached_blocks": pack_bitmap(self._hit_maps.get(self._position[0]))}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
@@ -389,7 +344,7 @@ class Loader:
         nb = -(-len(self.plan(epoch)) // self.batch_size)
         if not 0 <= done <= nb:
             raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
-        bits = _unpack_bits(state.get("cached_blocks"), self.dataset.num_blocks)
+        bits = unpack_bitmap(state.get("cached_blocks"), self.dataset.num_blocks)
         if bits is not None and done < nb:
             self._hit_maps[epoch] = bits  # the same cache-aware order as the saved run
         if done == nb:
@@ -424,7 +379,7 @@ class Loader:
                 for seq, bids in enumerate(batches):
                     slot = self._ring.acquire()
                     n, skipped, skipped_keys = self._decoder.run(epoch, bids, *self._ring.views(slot))
-                    self._account(stats, bids, skipped, skipped_keys, delivered)
+                    account(stats, bids, skipped, skipped_keys, delivered)
                     if n == 0:  # every sample of the batch was skipped: yield nothing for it
                         self._ring.release(slot)
                         self._position = (epoch, start + seq + 1)
@@ -440,31 +395,11 @@ class Loader:
                 yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry)
         finally:
             stats.seconds = time.perf_counter() - t_start
-            stats.wait_s = wait_s = wait_box[0]
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
             pre = self._pre if self._pre is not None and self._pre["epoch"] != epoch else None
             after = self._totals(pre.get("pf_boundary") if pre is not None else None)
-            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            stats.origin_bytes = d.get("origin_bytes", 0)
-            stats.origin_requests = d.get("origin_requests", 0)
-            stats.cache_hits = d.get("cache_hits", 0)
-            stats.memory_hits = d.get("cache_memory_hits", 0)
-            stats.cache_misses = d.get("cache_misses", 0)
-            stats.prefetch_fills = d.get("prefetch_fills", 0)
-            stats.prefetch_staged = d.get("prefetch_staged", 0)
-            n_depth = d.get("prefetch_depth_n", 0)
-            stats.prefetch_depth_bytes = d.get("prefetch_depth_sum", 0) / n_depth if n_depth else 0.0
-            stats.staged_hits = d.get("read_staged_hits", 0)
-            stats.direct_reads = d.get("read_direct_reads", 0)
-            stats.evictions = d.get("cache_evictions", 0)
-            stats.corrupt_blocks = d.get("cache_corrupt", 0)
-            stats.derived_hits, stats.derived_fills = d.get("derived_hits", 0), d.get("derived_fills", 0)
-            reads = stats.cache_hits + stats.cache_misses
-            stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
-            stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
-            stats.samples_per_s = stats.samples / stats.seconds if stats.seconds else 0.0
-            expected = np.bincount(ids, minlength=len(self.dataset)) if len(ids) else delivered * 0
-            stats.exactly_once = bool(np.array_equal(delivered, expected))
+            fill_from_counters(stats, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wait_box[0], ids,
+                               delivered, len(self.dataset))
             self.stats = stats
             self.history.append(stats)
             if stats.batches == len(batches):
@@ -489,23 +424,6 @@ class Loader:
         from .torch import as_tensors
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
-
-    def _account(self, stats, bids, skipped, skipped_keys, delivered) -> None:
-        if skipped:
-            left, keep = list(skipped), []
-            for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)
-                if i in left:
-                    left.remove(i)
-                else:
-                    keep.append(i)
-            keep = np.asarray(keep, dtype=np.int64)
-            stats.skipped += len(skipped)
-            stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
-        else:
-            keep = bids
-        np.add.at(delivered, keep, 1)
-        stats.samples += len(keep)
-        stats.batches += 1
 
     def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict) -> None:
         slot = self._ring.acquire()
@@ -577,7 +495,7 @@ class Loader:
                 raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
             _, wid, _, _, slot, n, skipped, skipped_keys, _ = msg
             bids = inflight.pop(seq)[1]
-            self._account(stats, bids, skipped, skipped_keys, delivered)
+            account(stats, bids, skipped, skipped_keys, delivered)
             if n == 0:  # every sample of the batch was skipped: yield nothing for it
                 self._ring.release(slot)
                 self._position = (epoch, self._position[1] + 1)
@@ -602,42 +520,3 @@ class Loader:
         if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
             raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
                               f"{self._prefetcher.exitcode}")
-
-
-def _pack_bits(bits: np.ndarray | None) -> str | None:
-    import base64
-    return None if bits is None else base64.b64encode(np.packbits(bits).tobytes()).decode()
-
-
-def _unpack_bits(text: str | None, n: int) -> np.ndarray | None:
-    import base64
-    if not text:
-        return None
-    return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)
-
-
-def _process_cpu_s(pid: int | None) -> float:
-    """User+system CPU seconds of a process (None = this one); 0.0 where /proc is missing."""
-    if pid is None:
-        return time.process_time()
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-class _SharedSlot:
-    """One cell of a shared int64 array, with a ``.value`` like mp.Value (picklable to workers)."""
-
-    def __init__(self, arr, i: int):
-        self.arr, self.i = arr, i
-
-    @property
-    def value(self) -> int:
-        return self.arr[self.i]
-
-    @value.setter
-    def value(self, v: int) -> None:
-        self.arr[self.i] = v

@@ -40,3 +40,18 @@ def exit_with_parent() -> None:
 def parent_gone(parent_pid: int) -> bool:
     """True once the process that started us has exited (we were re-parented)."""
     return os.getppid() != parent_pid
+
+
+class SharedCell:
+    """One cell of a shared int64 array, with a ``.value`` like mp.Value (picklable to workers)."""
+
+    def __init__(self, arr, i: int):
+        self.arr, self.i = arr, i
+
+    @property
+    def value(self) -> int:
+        return self.arr[self.i]
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self.arr[self.i] = v

@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ..loader import _process_cpu_s
+from ..epoch_stats import process_cpu_s
 from .harness import measure
 
 QUICK = {"images": 1500, "classes": 10, "baseline_samples": 384}
@@ -134,10 +134,10 @@ def run_demo(cfg: DemoConfig) -> dict:
                               storage_options=opts, block_bytes=cfg.block_bytes)
             with Loader(ds, cfg.batch_size, num_workers=cfg.workers, seed=cfg.seed, transform="train") as loader:
                 for epoch in range(cfg.epochs):
-                    origin_cpu = _process_cpu_s(origin.pid)
+                    origin_cpu = process_cpu_s(origin.pid)
                     m = measure(loader, rate)
                     st = loader.stats
-                    cpu = dict(st.cpu_s, origin_emulator=round(_process_cpu_s(origin.pid) - origin_cpu, 3))
+                    cpu = dict(st.cpu_s, origin_emulator=round(process_cpu_s(origin.pid) - origin_cpu, 3))
                     report["runs"].append(_run("stoker", epoch, rate, m, st.origin_bytes, st.cache_hit_ratio,
                                                st.exactly_once, origin_requests=st.origin_requests, cpu_s=cpu))
                     _log(f"stoker epoch {epoch} rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, "

@@ -245,6 +245,13 @@ class Dataset:
                     raise self._bad(int(i), f"checksum mismatch in field {bad!r} in a block read from the origin")
         return data
 
+    def cached_blocks(self) -> np.ndarray:
+        """bool (num_blocks,): which blocks the node cache holds now (False without a cache)."""
+        if self.cache is None:
+            return np.zeros(self.num_blocks, dtype=bool)
+        return np.fromiter((self.cache.contains(self.version, self.block_name(b)) for b in range(self.num_blocks)),
+                           dtype=bool, count=self.num_blocks)
+
     def stage_block(self, b: int) -> str:
         """Fetch block ``b`` into the staging area (prefetch of a block the cache does not
         admit). Returns "staged", "cached" or "busy" (another process is fetching it)."""

@@ -1,0 +1,115 @@
+"""Per-epoch statistics of the loader: what one epoch of one rank did, from the counters of
+its processes (workers, prefetcher) and its own clock."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class EpochStats:
+    """What one epoch of one rank did. Times in seconds, bytes in bytes.
+
+    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
+    ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
+    (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
+    epoch by the training process (``main``), the decode ``workers`` and the
+    ``prefetch`` process (Linux /proc; empty elsewhere).
+    """
+
+    epoch: int
+    samples: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    wait_s: float = 0.0
+    stall_fraction: float = 0.0
+    samples_per_s: float = 0.0
+    origin_bytes: int = 0
+    origin_requests: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_hit_ratio: float = 0.0
+    prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
+    prefetch_staged: int = 0       # blocks it fetched just in time into staging (not admitted)
+    prefetch_depth_bytes: float = 0.0  # mean bytes fetched and ready ahead of the consumer
+    staged_hits: int = 0           # samples read from staged blocks
+    memory_hits: int = 0           # cache hits served by the shared-memory tier (when there is one)
+    direct_reads: int = 0          # samples read from the origin one by one (nothing ahead of them)
+    evictions: int = 0
+    corrupt_blocks: int = 0
+    skipped: int = 0
+    skipped_keys: list = field(default_factory=list)
+    exactly_once: bool = False
+    cpu_s: dict = field(default_factory=dict)   # CPU seconds this epoch: main, workers, prefetch
+    order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
+    derived_hits: int = 0          # samples decoded from their derived form (cache_form)
+    derived_fills: int = 0         # derived entries written this epoch
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+
+def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: np.ndarray) -> None:
+    """Count one delivered batch: ``bids`` its planned sample ids, ``skipped`` the ids a
+    worker skipped (``on_error="skip"``) with their keys; ``delivered`` (int64 per sample id)
+    is incremented for each sample actually delivered."""
+    if skipped:
+        left, keep = list(skipped), []
+        for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)
+            if i in left:
+                left.remove(i)
+            else:
+                keep.append(i)
+        keep = np.asarray(keep, dtype=np.int64)
+        stats.skipped += len(skipped)
+        stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
+    else:
+        keep = bids
+    np.add.at(delivered, keep, 1)
+    stats.samples += len(keep)
+    stats.batches += 1
+
+
+def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarray, delivered: np.ndarray,
+                       num_samples: int) -> None:
+    """Set the counter-derived fields of ``stats`` from ``d`` (the epoch's change of the
+    summed process counters: origin_*, cache_*, read_*, prefetch_*, derived_*), the
+    seconds blocked in ``next()`` and the plan ``ids`` against the ``delivered`` counts.
+    ``stats.seconds`` must be set already."""
+    stats.wait_s = wait_s
+    stats.origin_bytes = d.get("origin_bytes", 0)
+    stats.origin_requests = d.get("origin_requests", 0)
+    stats.cache_hits = d.get("cache_hits", 0)
+    stats.memory_hits = d.get("cache_memory_hits", 0)
+    stats.cache_misses = d.get("cache_misses", 0)
+    stats.prefetch_fills = d.get("prefetch_fills", 0)
+    stats.prefetch_staged = d.get("prefetch_staged", 0)
+    n_depth = d.get("prefetch_depth_n", 0)
+    stats.prefetch_depth_bytes = d.get("prefetch_depth_sum", 0) / n_depth if n_depth else 0.0
+    stats.staged_hits = d.get("read_staged_hits", 0)
+    stats.direct_reads = d.get("read_direct_reads", 0)
+    stats.evictions = d.get("cache_evictions", 0)
+    stats.corrupt_blocks = d.get("cache_corrupt", 0)
+    stats.derived_hits, stats.derived_fills = d.get("derived_hits", 0), d.get("derived_fills", 0)
+    reads = stats.cache_hits + stats.cache_misses
+    stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
+    stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
+    stats.samples_per_s = stats.samples / stats.seconds if stats.seconds else 0.0
+    expected = np.bincount(ids, minlength=num_samples) if len(ids) else delivered * 0
+    stats.exactly_once = bool(np.array_equal(delivered, expected))
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """User+system CPU seconds of a process (None = this one); 0.0 where /proc is missing."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
