@@ -162,3 +162,22 @@ def test_memory_tier_over_disk_tier(tmp_path, packed_local):
     again = open_dataset(packed_local, cache_dir=str(disk_dir), cache_bytes=disk, memory_bytes=mem,
                          memory_dir=str(mem_dir), block_bytes=128 << 10)
     assert again.cache.used_bytes() == _usage_on_disk(mem_dir) + _usage_on_disk(disk_dir)
+
+
+def test_two_writers_of_one_block_count_it_once(tmp_path):
+    """Puts of the same name racing outside the fetch lock: the block is counted once."""
+    import threading
+    c = DiskCache(str(tmp_path), 1 << 20, "noevict")
+    barrier = threading.Barrier(4)
+
+    def put():
+        barrier.wait()
+        assert DiskCache(str(tmp_path), 1 << 20, "noevict").put("v", "same", bytes(5000))
+
+    ts = [threading.Thread(target=put) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert c.used_bytes() == 5000 == _usage_on_disk(tmp_path)
+    assert c.namespace_usage() == {"v": 5000}

@@ -353,11 +353,15 @@ class DiskCache:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             self._made.add(namespace)
         try:
-            write_whole(final, data)
+            written = write_whole(final, data, replace=False)
         except BaseException:
             with self._budget_lock():
                 self._charge(namespace, -n)
             raise
+        if not written:  # another process put the same block meanwhile: its bytes are counted once
+            with self._budget_lock():
+                self._charge(namespace, -n)
+            return True
         self.stats.fills += 1
         self.stats.fill_bytes += n
         return True

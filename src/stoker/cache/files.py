@@ -7,14 +7,25 @@ import uuid
 TMP_MARK = ".tmp-"
 
 
-def write_whole(final: str, data) -> None:
+def write_whole(final: str, data, replace: bool = True) -> bool:
     """Write ``data`` to a temporary sibling ``<dir>/.tmp-<pid>-<rand>`` and rename it to ``final``,
-    so readers see the whole block or nothing. The temporary file is removed on any error."""
+    so readers see the whole block or nothing. The temporary file is removed on any error.
+    With ``replace=False`` an existing ``final`` is kept (hard link, no clobber) and False is
+    returned, so two writers of one name cannot both count it. True when ``final`` was written."""
     tmp = os.path.join(os.path.dirname(final), f"{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-        os.replace(tmp, final)
+        if replace:
+            os.replace(tmp, final)
+            return True
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
