@@ -1,0 +1,79 @@
+"""Placement of a dataset's cache blocks on node caches: weighted rendezvous hashing.
+
+Rendezvous (highest random weight, HRW) hashing (Thaler & Ravishankar, "Using name-based
+mappings to increase hit rates", IEEE/ACM ToN 1998): every (key, node) pair gets a
+pseudo-random score and a key goes to the node with the highest score. Removing a node
+moves only the keys it owned; adding one takes only the keys it now wins. Weighted by each
+node's cache budget with the logarithmic method (Schindelhauer & Schomaker, "Weighted
+distributed hash tables", SPAA 2005; J. Resch, "New hashing algorithms for data storage"):
+``score = w / -ln(h)`` with ``h`` uniform in (0, 1) from the hash, so node i wins a key with
+probability ``w_i / sum(w)`` exactly. The cluster then holds the sum of the budgets, one copy
+of each block (CoorDL's partitioned cache), not one copy per node.
+
+The placement unit is the cache block (about 1 MiB of whole samples of one shard, see
+:func:`stoker.store.dataset.plan_blocks`), keyed by the dataset's content version and the
+block name, so a re-packed dataset is placed afresh. Pure functions, no Ray.
+"""
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+_U53 = float(1 << 53)
+
+
+def _unit(keys: list[str], node: str) -> np.ndarray:
+    """Uniform (0, 1) float64 per key for ``node`` from xxh3-64 of ``node \\0 key`` (top 53 bits)."""
+    seed = xxhash.xxh3_64_intdigest(node.encode())
+    h = np.fromiter((xxhash.xxh3_64_intdigest(k.encode(), seed=seed) >> 11 for k in keys),
+                    dtype=np.float64, count=len(keys))
+    return (h + 0.5) / _U53
+
+
+def hrw_scores(keys: list[str], nodes: list[str], weights) -> np.ndarray:
+    """Weighted rendezvous scores, float64 (len(keys), len(nodes)): ``w / -ln(h(key, node))``.
+
+    ``weights``: positive numbers (e.g. cache budgets in bytes), one per node; a node with
+    weight 0 never wins. Raises ValueError for mismatched lengths or negative weights.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if len(w) != len(nodes):
+        raise ValueError(f"{len(nodes)} nodes but {len(w)} weights")
+    if (w < 0).any():
+        raise ValueError("weights must be >= 0")
+    out = np.empty((len(keys), len(nodes)), dtype=np.float64)
+    for j, node in enumerate(nodes):
+        out[:, j] = w[j] / -np.log(_unit(keys, node))
+    return out
+
+
+def owners(keys: list[str], nodes: list[str], weights) -> np.ndarray:
+    """Index into ``nodes`` of the owner of each key, int64 (len(keys),).
+
+    Deterministic: a pure function of the keys, the node names and the weights, whatever
+    the order of ``nodes`` (ties, which have probability ~0, go to the smaller node name).
+    Raises ValueError when there are no nodes or every weight is 0.
+    """
+    if not nodes:
+        raise ValueError("no nodes to place blocks on")
+    if not np.any(np.asarray(weights, dtype=np.float64) > 0):
+        raise ValueError("every node weight is 0")
+    order = np.argsort(np.asarray(nodes, dtype=object), kind="stable")  # tie-break by name
+    scores = hrw_scores(keys, [nodes[i] for i in order], np.asarray(weights, dtype=np.float64)[order])
+    return order[np.argmax(scores, axis=1)].astype(np.int64)
+
+
+def block_keys(ds) -> list[str]:
+    """Placement keys of a :class:`stoker.store.dataset.Dataset`'s blocks: ``version/block name``."""
+    return [f"{ds.version}/{ds.block_name(b)}" for b in range(ds.num_blocks)]
+
+
+def place_dataset(ds, nodes: list[str], weights) -> np.ndarray:
+    """Owner node index of each block of ``ds``, int64 (ds.num_blocks,). See :func:`owners`."""
+    return owners(block_keys(ds), nodes, weights)
+
+
+def bytes_per_node(ds, owner: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Bytes of ``ds`` each node owns under ``owner`` (int64 (num_nodes,))."""
+    return np.bincount(owner, weights=ds.block_bytes_of(np.arange(ds.num_blocks)),
+                       minlength=num_nodes).astype(np.int64)

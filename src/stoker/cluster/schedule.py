@@ -1,0 +1,99 @@
+"""Co-located scheduling (TDCS): training workers on the nodes that hold their data, and each
+rank given the samples cached on its node as far as exactly-once and equal counts allow.
+
+Pure functions (no Ray), so every rank computes the same assignment from the same inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..order import rank_plan
+
+
+def choose_nodes(nodes: list[str], cached_bytes, budgets, num_workers: int,
+                 slots=None) -> list[str]:
+    """The node of each of ``num_workers`` ranks, co-located with the data.
+
+    Ranks go one at a time to the node with the most cached bytes of the dataset per rank
+    already placed there (``cached / (placed + 1)``), so a node holding twice the bytes gets
+    about twice the ranks; ties go to the larger cache budget, then the smaller node id. A
+    dataset cached nowhere yet thus spreads its ranks over the nodes by budget, and its cache
+    then goes to those nodes. ``slots``: most ranks per node (None = no limit).
+    Raises ValueError when the slots cannot hold ``num_workers`` ranks.
+    """
+    cached = np.asarray(cached_bytes, dtype=np.float64)
+    budget = np.asarray(budgets, dtype=np.float64)
+    free = np.full(len(nodes), np.inf) if slots is None else np.asarray(slots, dtype=np.float64).copy()
+    if free.sum() < num_workers:
+        raise ValueError(f"{num_workers} workers do not fit in {int(free.sum())} slots on {len(nodes)} nodes")
+    placed = np.zeros(len(nodes))
+    base = cached if cached.sum() > 0 else budget
+    out = []
+    for _ in range(num_workers):
+        score = np.where(free > placed, base / (placed + 1), -np.inf)
+        cand = [i for i in range(len(nodes)) if score[i] == score.max()]
+        i = min(cand, key=lambda j: (-budget[j], nodes[j]))
+        placed[i] += 1
+        out.append(nodes[i])
+    return out
+
+
+def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, even: str = "pad") -> list:
+    """Every rank's sample ids for one epoch, preferring samples cached on the rank's node.
+
+    ``perm``: the epoch's permutation, int64 (N,); ``sample_node``: the node (any hashable
+    label, e.g. a node index; -1 = nowhere) caching each sample, array (N,); ``rank_node``: the
+    node of each rank. The positions of the epoch are first made even exactly as
+    :func:`stoker.order.rank_plan` does (``pad`` repeats the first ``ceil(N/W)*W - N``
+    positions, ``drop`` leaves out the last ``N mod W``), so every rank gets the same count q
+    and every sample is served exactly once across ranks (N divisible by W) or as
+    ``rank_plan`` would. Then each node's positions are dealt round-robin to that node's ranks
+    up to q each; the positions left (nodes without ranks, overflow) fill the ranks that
+    still have room, in permutation order. Each rank's ids keep the permutation's order, so a
+    blockwise order stays blockwise per rank. Returns a list of W int64 arrays.
+    """
+    w = len(rank_node)
+    padded = np.concatenate([rank_plan(perm, r, w, even) for r in range(w)])  # the multiset rank_plan serves
+    # restore permutation order of the positions (rank_plan takes perm[r::w] of the padded list)
+    q = len(padded) // w if w else 0
+    pos = np.empty(len(padded), dtype=np.int64)
+    for r in range(w):
+        pos[r * q:(r + 1) * q] = np.arange(r, q * w, w)
+    ids = np.empty(len(padded), dtype=np.int64)
+    ids[pos] = padded
+    where = np.asarray(sample_node)[ids] if len(ids) else np.zeros(0, dtype=np.int64)
+    take: list[list[int]] = [[] for _ in range(w)]
+    left = []
+    ranks_on: dict = {}
+    for r, n in enumerate(rank_node):
+        ranks_on.setdefault(n, []).append(r)
+    nxt = {n: 0 for n in ranks_on}
+    for p in range(len(ids)):
+        rs = ranks_on.get(where[p].item() if hasattr(where[p], "item") else where[p])
+        placed = False
+        if rs:
+            n = rank_node[rs[0]]
+            for k in range(len(rs)):
+                r = rs[(nxt[n] + k) % len(rs)]
+                if len(take[r]) < q:
+                    take[r].append(p)
+                    nxt[n] = (nxt[n] + k + 1) % len(rs)
+                    placed = True
+                    break
+        if not placed:
+            left.append(p)
+    li = 0
+    for r in range(w):
+        need = q - len(take[r])
+        take[r].extend(left[li:li + need])
+        li += need
+    return [ids[np.sort(np.asarray(t, dtype=np.int64))] for t in take]
+
+
+def locality(plans: list, sample_node: np.ndarray, rank_node: list) -> float:
+    """Fraction of all planned samples that are cached on their rank's node."""
+    total = sum(len(p) for p in plans)
+    if not total:
+        return 0.0
+    hit = sum(int(np.sum(np.asarray(sample_node)[p] == rank_node[r])) for r, p in enumerate(plans))
+    return hit / total
