@@ -95,12 +95,12 @@ class ClusterLoader(Loader):
     (with the loader's samples, samples/s, stall and exactly-once check)."""
 
     def __init__(self, ctx: WorkerContext, batch_size: int, **kwargs):
-        self._ctx = ctx
+        self._cluster = ctx
         super().__init__(ctx.dataset, batch_size, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
 
     def plan(self, epoch: int | None = None) -> np.ndarray:
         e = self.epoch if epoch is None else epoch
-        ids = self._ctx.plan(e, self.seed, self.order, self.order_window, self.even)
+        ids = self._cluster.plan(e, self.seed, self.order, self.order_window, self.even)
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
         return ids
@@ -110,7 +110,7 @@ class ClusterLoader(Loader):
         return self._recorded(gen, self.epoch - 1)
 
     def _recorded(self, gen, epoch):
-        with self._ctx.measure(epoch) as rec:
+        with self._cluster.measure(epoch) as rec:
             yield from gen
             st = self.stats
             rec.update(samples=st.samples, loader_samples_per_s=st.samples_per_s,
@@ -224,13 +224,17 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     return ray.get(refs, timeout=timeout_s)
 
 
-def read_epochs(ctx: WorkerContext, epochs: int, seed: int = 0) -> list[dict]:
+def read_epochs(ctx: WorkerContext, epochs: int, seed: int = 0, keep_ids: bool = False,
+                first_epoch: int = 0) -> list[dict]:
     """A ``train_fn`` body that reads (and verifies) every sample of the rank's plan for
-    ``epochs`` epochs without decoding; returns ``ctx.epochs``. For tests and ``stoker bench cluster``."""
-    for e in range(epochs):
+    epochs ``first_epoch .. first_epoch + epochs - 1`` without decoding; returns ``ctx.epochs``
+    (with each epoch's sample ids under ``ids`` if ``keep_ids``). The ranks do not wait for each
+    other between epochs (no collective, unlike a DDP job). For tests and ``stoker bench cluster``."""
+    for e in range(first_epoch, first_epoch + epochs):
         ids = ctx.plan(e, seed)
         with ctx.measure(e, samples=len(ids)) as rec:
             for i in ids:
                 ctx.dataset.read(int(i))
-            rec["ids_sum"] = int(ids.sum())
+            if keep_ids:
+                rec["ids"] = ids.tolist()
     return ctx.epochs
