@@ -9,8 +9,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from stoker.cluster import placement  # noqa: E402
-
 BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks to place
 
 

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = b.add_subparsers(dest="bench", required=True)
     from .bench import decode_bench
     decode_bench.add_parser(bench_sub)
+    from .cluster import bench as cluster_bench, cli as cluster_cli
+    cluster_bench.add_parser(bench_sub)
+    cluster_cli.add_parsers(sub, _size)
 
     from .store import listing, verify
     listing.add_parsers(sub)

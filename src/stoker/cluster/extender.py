@@ -12,7 +12,7 @@ holds (the node holding most gets 10); a dataset cached nowhere scores nodes by 
 cache then goes where its jobs run). Pods without the annotation score 0 everywhere (no opinion).
 ``filter`` passes every node, except that a pod annotated ``stoker.io/require-cache: "true"``
 fails nodes without a cache service. Cache state comes from a JSON file (re-read when it changes;
-written by ``stoker cluster-state``, see :func:`stoker.cluster.warm.cluster_state`) or any
+written by ``stoker cluster-state``, see :func:`stoker.cluster.warmup.cluster_state`) or any
 callable returning the same form. Standard library only (http.server); listens on 127.0.0.1 unless
 told otherwise. Nothing here unpickles anything: requests and state are JSON.
 """

@@ -232,3 +232,17 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
 def get_service(node_id: str):
     """The handle of the cache service of ``node_id``; ValueError if there is none."""
     return ray.get_actor(service_name(node_id), namespace=NAMESPACE)
+
+
+def stop_services() -> int:
+    """Kill every cache service (for good: no restart); returns how many. Their cache files stay."""
+    n = 0
+    for node in alive_nodes():
+        try:
+            h = get_service(node["NodeID"])
+        except ValueError:
+            continue
+        ray.kill(h, no_restart=True)
+        n += 1
+    _KEEP.clear()
+    return n
