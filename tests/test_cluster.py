@@ -188,10 +188,12 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
     import json
     import urllib.request
 
-    from stoker.cluster import cluster_state
-    from stoker.cluster.extender import file_state, serve
+    from stoker.cluster import cluster_state, ray_state
+    from stoker.cluster.extender import file_state, scores, serve
     url, opts = s3_dataset
     state = cluster_state([url], opts, block_bytes=BLOCK)
+    live = ray_state([url], opts, block_bytes=BLOCK)()  # the extender's other source: the services themselves
+    assert scores(url, list(state["nodes"]), live) == scores(url, list(state["nodes"]), state)
     assert sum(v["datasets"][url] for v in state["nodes"].values()) > 0
     path = tmp_path / "state.json"
     path.write_text(json.dumps(state))

@@ -47,10 +47,20 @@ def cmd_state(a) -> int:
 
 def cmd_extender(a) -> int:
     from .extender import file_state, serve
-    file_state(a.state)()  # fail now, not at the first request, on a missing or bad file
-    srv = serve(file_state(a.state), host=a.host, port=a.port)
+    if bool(a.state) == bool(a.dataset):
+        raise ValueError("give either --state FILE or --dataset URL (with Ray)")
+    if a.state:
+        state = file_state(a.state)
+        state()  # fail now, not at the first request, on a missing or bad file
+    else:
+        from .warmup import ray_state
+        _ray_init(a.ray_address)
+        state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
+                          block_bytes=a.block_size)
+    srv = serve(state, host=a.host, port=a.port)
     host, port = srv.server_address[:2]
-    print(f"stoker extender on http://{host}:{port}/ (verbs: filter, prioritize); state {a.state}", file=sys.stderr)
+    print(f"stoker extender on http://{host}:{port}/ (verbs: filter, prioritize); "
+          f"state {a.state or 'from the cache services'}", file=sys.stderr)
     try:
         while True:
             time.sleep(3600)
@@ -80,7 +90,12 @@ def add_parsers(sub, size) -> None:
     s.set_defaults(fn=cmd_state)
 
     s = sub.add_parser("extender", help="kube-scheduler extender (HTTP JSON filter/prioritize)")
-    s.add_argument("--state", required=True, help="cache state JSON (from `stoker cluster-state`)")
+    s.add_argument("--state", help="cache state JSON (from `stoker cluster-state`), re-read when it changes")
+    s.add_argument("--dataset", action="append", help="instead of --state: ask the cache services (Ray) "
+                                                       "about this dataset URL (repeatable), every 10 s")
+    s.add_argument("--ray-address")
+    s.add_argument("--block-size", type=size)
+    s.add_argument("--storage-options")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8888)
     s.set_defaults(fn=cmd_extender)

@@ -62,32 +62,17 @@ def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, 
     ids = np.empty(len(padded), dtype=np.int64)
     ids[pos] = padded
     where = np.asarray(sample_node)[ids] if len(ids) else np.zeros(0, dtype=np.int64)
-    take: list[list[int]] = [[] for _ in range(w)]
-    left = []
+    owner_rank = np.full(len(ids), -1, dtype=np.int64)  # rank each position goes to
     ranks_on: dict = {}
     for r, n in enumerate(rank_node):
         ranks_on.setdefault(n, []).append(r)
-    nxt = {n: 0 for n in ranks_on}
-    for p in range(len(ids)):
-        rs = ranks_on.get(where[p].item() if hasattr(where[p], "item") else where[p])
-        placed = False
-        if rs:
-            n = rank_node[rs[0]]
-            for k in range(len(rs)):
-                r = rs[(nxt[n] + k) % len(rs)]
-                if len(take[r]) < q:
-                    take[r].append(p)
-                    nxt[n] = (nxt[n] + k + 1) % len(rs)
-                    placed = True
-                    break
-        if not placed:
-            left.append(p)
-    li = 0
-    for r in range(w):
-        need = q - len(take[r])
-        take[r].extend(left[li:li + need])
-        li += need
-    return [ids[np.sort(np.asarray(t, dtype=np.int64))] for t in take]
+    for n, rs in ranks_on.items():  # deal the node's positions round-robin, q per rank
+        mine = np.flatnonzero(where == n)[: len(rs) * q]
+        owner_rank[mine] = np.asarray(rs, dtype=np.int64)[np.arange(len(mine)) % len(rs)]
+    have = np.bincount(owner_rank[owner_rank >= 0], minlength=w)
+    left = np.flatnonzero(owner_rank < 0)  # in permutation order
+    owner_rank[left] = np.repeat(np.arange(w), q - have)  # fill the ranks with room, in rank order
+    return [ids[owner_rank == r] for r in range(w)]
 
 
 def locality(plans: list, sample_node: np.ndarray, rank_node: list) -> float:

@@ -105,3 +105,25 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
                                            "used_bytes": info["used_bytes"],
                                            "datasets": {u: int(b) for u, b in zip(urls, got)}}
     return out
+
+
+def ray_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
+              ttl_s: float = 10.0):
+    """A state source for :func:`stoker.cluster.extender.serve` that asks the cache services
+    (:func:`cluster_state`) at most every ``ttl_s`` seconds; between refreshes, and when the
+    services cannot be reached (the error is logged), it answers with the last state it had."""
+    import logging
+    import threading
+    box = {"t": -float("inf"), "state": {"nodes": {}}}
+    lock = threading.Lock()
+
+    def get() -> dict:
+        with lock:
+            if time.monotonic() - box["t"] >= ttl_s:
+                try:
+                    box["state"] = cluster_state(urls, storage_options, block_bytes)
+                except Exception as exc:  # noqa: BLE001 - keep serving the last state
+                    logging.getLogger(__name__).warning("cache state from Ray failed: %s", exc)
+                box["t"] = time.monotonic()
+            return box["state"]
+    return get
