@@ -211,3 +211,18 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
         assert max(got, key=lambda h: h["Score"])["Host"] == best
     finally:
         srv.shutdown()
+
+
+def test_warm_and_cluster_state_commands(cluster, s3_dataset, tmp_path, capsys):
+    import json
+
+    from stoker.cli import main
+    url, opts = s3_dataset
+    args = ["--storage-options", json.dumps(opts), "--block-size", str(BLOCK)]
+    assert main(["warm", url, "--no-progress", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cached_fraction"] == 1.0 and len(report["nodes"]) == 3
+    out = tmp_path / "state.json"
+    assert main(["cluster-state", url, "--out", str(out), *args]) == 0
+    state = json.loads(out.read_text())
+    assert sum(v["datasets"][url] for v in state["nodes"].values()) == report["dataset_bytes"]

@@ -11,8 +11,10 @@ import time
 
 
 def _ray_init(address: str | None):
+    """Join the Ray cluster at ``address`` (default: the local one, ``auto``) unless joined already."""
     import ray
-    ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
     return ray
 
 

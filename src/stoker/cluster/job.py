@@ -24,7 +24,7 @@ from .counters import ByteCounters, fractions
 from .placement import place_dataset
 from .reader import BlockRouter
 from .schedule import choose_nodes, colocated_plans
-from .service import dataset_ref, find_services, get_service, start_services
+from .service import dataset_ref, get_service, prepare
 
 PLACEMENTS = ("colocated", "random")
 
@@ -176,22 +176,12 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     Needs ``ray.init()`` first. Raises ValueError for a bad placement, the error of a failed
     rank (``ray.exceptions.RayTaskError``), ``GetTimeoutError`` after ``timeout_s``.
     """
-    import os
-
-    from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if num_workers < 1:
         raise ValueError("num_workers must be >= 1")
     opts = dict(storage_options or {})
-    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"),
-                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
-    services = find_services()
-    if not services:
-        raise RuntimeError("no cache service answers on any node")
-    ds = open_dataset(dataset, storage_options=opts, cache=False, check=False,
-                      block_bytes=block_bytes or DEFAULT_BLOCK_BYTES)
-    dref = dataset_ref(ds, opts)
+    services, ds, dref = prepare(dataset, opts, cache_root, cache_bytes, block_bytes)
     nodes = list(services)
     budgets = [services[n]["cache_bytes"] for n in nodes]
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])

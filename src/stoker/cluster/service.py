@@ -246,3 +246,21 @@ def stop_services() -> int:
         n += 1
     _KEEP.clear()
     return n
+
+
+def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes: int | None,
+            block_bytes: int | None, detached: bool = False):
+    """The common first steps of ``run`` and ``warm``: start the services where missing (default
+    root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
+    index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``. RuntimeError
+    when no service answers."""
+    from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
+    opts = dict(storage_options or {})
+    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"),
+                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, detached=detached)
+    services = find_services()
+    if not services:
+        raise RuntimeError("no cache service answers on any node")
+    ds = open_dataset(url, storage_options=opts, cache=False, check=False,
+                      block_bytes=block_bytes or DEFAULT_BLOCK_BYTES)
+    return services, ds, dataset_ref(ds, opts)

@@ -5,14 +5,13 @@ is read from the origin once); the driver only sends block lists and shows progr
 """
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import ray
 
 from .placement import bytes_per_node, place_dataset
-from .service import dataset_ref, find_services, get_service, start_services
+from .service import dataset_ref, find_services, get_service, prepare
 
 
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
@@ -29,17 +28,9 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     owned, 1.0 when the node owns nothing). A block a node's budget refuses stays uncached.
     Needs ``ray.init()`` first.
     """
-    from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
-    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"),
-                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, detached=detached)
-    services = find_services()
-    if not services:
-        raise RuntimeError("no cache service answers on any node")
-    ds = open_dataset(url, storage_options=opts, cache=False, check=False,
-                      block_bytes=block_bytes or DEFAULT_BLOCK_BYTES)
-    dref = dataset_ref(ds, opts)
+    services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached)
     nodes = list(services)
     recorded = ray.get(get_service(nodes[0]).claim.remote(ds.version, nodes))
     members = [m for m in recorded if m in services] or nodes
