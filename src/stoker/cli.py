@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import cache_bench, decode_bench
     decode_bench.add_parser(bench_sub)
     cache_bench.add_parser(bench_sub)
+    from .cluster import bench as cluster_bench, cli as cluster_cli
+    cluster_bench.add_parser(bench_sub)
+    cluster_cli.add_parsers(sub, _size)
 
     from .cache import status as cache_status
     from .store import listing, verify

@@ -98,6 +98,10 @@ class Dataset:
         self._block_order, self._block_first, self._block_count = blocks["order"], blocks["first"], blocks["count"]
         self.read_stats = ReadStats()
         self.staging = None  # a loader's StagingArea, set by the loader that owns it
+        # Cluster mode (stoker.cluster.reader.BlockRouter): which blocks this node's cache holds
+        # (caches(b) -> bool), where the others are read from (read(ds, b, start, stop) -> bytes:
+        # the owning peer, else the origin), and local(nbytes) to count bytes the cache served.
+        self.router = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -163,13 +167,15 @@ class Dataset:
                 if valid(data):
                     cache.stats.hits += 1
                     self.read_stats.cache_hits += 1
+                    if self.router is not None:
+                        self.router.local(len(data))
                     return data
                 cache.stats.corrupt += 1
                 cache.remove(self.version, name)
             cache.stats.misses += 1
             if self.staging is not None:
                 data = self._staged(name, rel, stop - start, valid)
-                if data is None and not cache.would_admit(int(self.block_end[b] - self.block_start[b]), self.version):
+                if data is None and not self._admits(b):
                     # Not admitted: the prefetcher may be staging it right now; wait for that fill.
                     with cache.fetch_lock(self.version, name, blocking=True):
                         data = self._staged(name, rel, stop - start, valid)
@@ -179,8 +185,7 @@ class Dataset:
             if block is not None:
                 return memoryview(block)[rel:rel + stop - start]
         self.read_stats.direct_reads += 1
-        shard = self.index.shard_name(self.index.shard[i])
-        data = self.origin.read_range(shard, start, stop)
+        data = self._source_read(int(self.sample_block[i]), start, stop)
         if not valid(data):
             bad = self._bad_member(i, self.index.member_table(i), data, start) if self.index.members is not None else None
             raise self._bad(i, "checksum mismatch on read from the origin"
@@ -227,11 +232,23 @@ class Dataset:
                 return name
         return None
 
+    def _admits(self, b: int) -> bool:
+        """Whether this node's cache would take block ``b`` now (budget, and in cluster mode ownership)."""
+        if self.router is not None and not self.router.caches(b):
+            return False
+        return self.cache.would_admit(int(self.block_end[b] - self.block_start[b]), self.version)
+
+    def _source_read(self, b: int, start: int, stop: int):
+        """Shard bytes ``[start, stop)`` of block ``b`` from outside this node's cache: the
+        origin, or in cluster mode whatever the router chooses (the owning peer, else the origin)."""
+        if self.router is not None:
+            return self.router.read(self, b, start, stop)
+        return self.origin.read_range(self.index.shard_name(self.block_shard[b]), start, stop)
+
     def _fetch_block(self, b: int) -> bytes:
-        """Block ``b`` from the origin with every member of every sample verified."""
-        shard = self.index.shard_name(self.block_shard[b])
+        """Block ``b`` from the origin (or its owning peer) with every member of every sample verified."""
         start = int(self.block_start[b])
-        data = self.origin.read_range(shard, start, int(self.block_end[b]))
+        data = self._source_read(b, start, int(self.block_end[b]))
         first, count = int(self._block_first[b]), int(self._block_count[b])
         members = self.index.members
         view = memoryview(data)
@@ -277,7 +294,7 @@ class Dataset:
         cache = self.cache
         name = self.block_name(b)
         size = int(self.block_end[b] - self.block_start[b])
-        if not cache.would_admit(size, self.version):
+        if not self._admits(b):
             return None if want_data else "refused"
         with cache.fetch_lock(self.version, name, blocking=blocking) as held:
             if not held:

@@ -1,0 +1,103 @@
+"""Command-line parts of cluster mode: ``stoker warm``, ``stoker cluster-state``, ``stoker extender``.
+
+Ray is imported only when ``warm`` or ``cluster-state`` runs; ``extender`` with ``--state`` needs
+no Ray (it can run beside kube-scheduler).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _ray_init(address: str | None):
+    """Join the Ray cluster at ``address`` (default: the local one, ``auto``) unless joined already."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+    return ray
+
+
+def cmd_warm(a) -> int:
+    from .warmup import warm
+    _ray_init(a.ray_address)
+    r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
+             cache_bytes=a.cache_size, block_bytes=a.block_size, progress=not a.no_progress, detached=True)
+    print(json.dumps(r, indent=2))
+    for nid, n in r["nodes"].items():
+        print(f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
+              f"{n['cached_bytes'] / 1e6:9.1f} MB  ({n['cached_fraction']:.0%})", file=sys.stderr)
+    return 0 if r["cached_fraction"] >= 1.0 else 1
+
+
+def cmd_state(a) -> int:
+    from .warmup import cluster_state
+    _ray_init(a.ray_address)
+    state = cluster_state(a.urls, json.loads(a.storage_options) if a.storage_options else None,
+                          block_bytes=a.block_size)
+    text = json.dumps(state, indent=2)
+    if a.out:
+        import os
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, a.out)  # the extender never reads half a file
+    else:
+        print(text)
+    return 0
+
+
+def cmd_extender(a) -> int:
+    from .extender import file_state, serve
+    if bool(a.state) == bool(a.dataset):
+        raise ValueError("give either --state FILE or --dataset URL (with Ray)")
+    if a.state:
+        state = file_state(a.state)
+        state()  # fail now, not at the first request, on a missing or bad file
+    else:
+        from .warmup import ray_state
+        _ray_init(a.ray_address)
+        state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
+                          block_bytes=a.block_size)
+    srv = serve(state, host=a.host, port=a.port)
+    host, port = srv.server_address[:2]
+    print(f"stoker extender on http://{host}:{port}/ (verbs: filter, prioritize); "
+          f"state {a.state or 'from the cache services'}", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        srv.shutdown()
+    return 0
+
+
+def add_parsers(sub, size) -> None:
+    """Register the cluster subcommands on the top-level subparsers ``sub``; ``size`` parses byte sizes."""
+    s = sub.add_parser("warm", help="fill the cluster cache (Ray) with a dataset, every node in parallel")
+    s.add_argument("url")
+    s.add_argument("--ray-address", help="Ray cluster address (default: auto)")
+    s.add_argument("--cache-dir", help="node cache root, when the services are not running yet")
+    s.add_argument("--cache-size", type=size, help="cache budget per node (default 8GiB)")
+    s.add_argument("--block-size", type=size, help="cache block (default 1MiB)")
+    s.add_argument("--storage-options", help="fsspec storage options, as JSON")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_warm)
+
+    s = sub.add_parser("cluster-state", help="write what every node caches (input of `stoker extender`)")
+    s.add_argument("urls", nargs="+")
+    s.add_argument("--out", help="write here (atomically); default stdout")
+    s.add_argument("--ray-address")
+    s.add_argument("--block-size", type=size)
+    s.add_argument("--storage-options")
+    s.set_defaults(fn=cmd_state)
+
+    s = sub.add_parser("extender", help="kube-scheduler extender (HTTP JSON filter/prioritize)")
+    s.add_argument("--state", help="cache state JSON (from `stoker cluster-state`), re-read when it changes")
+    s.add_argument("--dataset", action="append", help="instead of --state: ask the cache services (Ray) "
+                                                       "about this dataset URL (repeatable), every 10 s")
+    s.add_argument("--ray-address")
+    s.add_argument("--block-size", type=size)
+    s.add_argument("--storage-options")
+    s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8888)
+    s.set_defaults(fn=cmd_extender)

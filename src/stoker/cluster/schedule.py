@@ -1,0 +1,84 @@
+"""Co-located scheduling (TDCS): training workers on the nodes that hold their data, and each
+rank given the samples cached on its node as far as exactly-once and equal counts allow.
+
+Pure functions (no Ray), so every rank computes the same assignment from the same inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..order import rank_plan
+
+
+def choose_nodes(nodes: list[str], cached_bytes, budgets, num_workers: int,
+                 slots=None) -> list[str]:
+    """The node of each of ``num_workers`` ranks, co-located with the data.
+
+    Ranks go one at a time to the node with the most cached bytes of the dataset per rank
+    already placed there (``cached / (placed + 1)``), so a node holding twice the bytes gets
+    about twice the ranks; ties go to the larger cache budget, then the smaller node id. A
+    dataset cached nowhere yet thus spreads its ranks over the nodes by budget, and its cache
+    then goes to those nodes. ``slots``: most ranks per node (None = no limit).
+    Raises ValueError when the slots cannot hold ``num_workers`` ranks.
+    """
+    cached = np.asarray(cached_bytes, dtype=np.float64)
+    budget = np.asarray(budgets, dtype=np.float64)
+    free = np.full(len(nodes), np.inf) if slots is None else np.asarray(slots, dtype=np.float64).copy()
+    if free.sum() < num_workers:
+        raise ValueError(f"{num_workers} workers do not fit in {int(free.sum())} slots on {len(nodes)} nodes")
+    placed = np.zeros(len(nodes))
+    base = cached if cached.sum() > 0 else budget
+    out = []
+    for _ in range(num_workers):
+        score = np.where(free > placed, base / (placed + 1), -np.inf)
+        cand = [i for i in range(len(nodes)) if score[i] == score.max()]
+        i = min(cand, key=lambda j: (-budget[j], nodes[j]))
+        placed[i] += 1
+        out.append(nodes[i])
+    return out
+
+
+def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, even: str = "pad") -> list:
+    """Every rank's sample ids for one epoch, preferring samples cached on the rank's node.
+
+    ``perm``: the epoch's permutation, int64 (N,); ``sample_node``: the node (any hashable
+    label, e.g. a node index; -1 = nowhere) caching each sample, array (N,); ``rank_node``: the
+    node of each rank. The positions of the epoch are first made even exactly as
+    :func:`stoker.order.rank_plan` does (``pad`` repeats the first ``ceil(N/W)*W - N``
+    positions, ``drop`` leaves out the last ``N mod W``), so every rank gets the same count q
+    and every sample is served exactly once across ranks (N divisible by W) or as
+    ``rank_plan`` would. Then each node's positions are dealt round-robin to that node's ranks
+    up to q each; the positions left (nodes without ranks, overflow) fill the ranks that
+    still have room, in permutation order. Each rank's ids keep the permutation's order, so a
+    blockwise order stays blockwise per rank. Returns a list of W int64 arrays.
+    """
+    w = len(rank_node)
+    padded = np.concatenate([rank_plan(perm, r, w, even) for r in range(w)])  # the multiset rank_plan serves
+    # restore permutation order of the positions (rank_plan takes perm[r::w] of the padded list)
+    q = len(padded) // w if w else 0
+    pos = np.empty(len(padded), dtype=np.int64)
+    for r in range(w):
+        pos[r * q:(r + 1) * q] = np.arange(r, q * w, w)
+    ids = np.empty(len(padded), dtype=np.int64)
+    ids[pos] = padded
+    where = np.asarray(sample_node)[ids] if len(ids) else np.zeros(0, dtype=np.int64)
+    owner_rank = np.full(len(ids), -1, dtype=np.int64)  # rank each position goes to
+    ranks_on: dict = {}
+    for r, n in enumerate(rank_node):
+        ranks_on.setdefault(n, []).append(r)
+    for n, rs in ranks_on.items():  # deal the node's positions round-robin, q per rank
+        mine = np.flatnonzero(where == n)[: len(rs) * q]
+        owner_rank[mine] = np.asarray(rs, dtype=np.int64)[np.arange(len(mine)) % len(rs)]
+    have = np.bincount(owner_rank[owner_rank >= 0], minlength=w)
+    left = np.flatnonzero(owner_rank < 0)  # in permutation order
+    owner_rank[left] = np.repeat(np.arange(w), q - have)  # fill the ranks with room, in rank order
+    return [ids[owner_rank == r] for r in range(w)]
+
+
+def locality(plans: list, sample_node: np.ndarray, rank_node: list) -> float:
+    """Fraction of all planned samples that are cached on their rank's node."""
+    total = sum(len(p) for p in plans)
+    if not total:
+        return 0.0
+    hit = sum(int(np.sum(np.asarray(sample_node)[p] == rank_node[r])) for r, p in enumerate(plans))
+    return hit / total

@@ -1,0 +1,266 @@
+"""The cache service: one Ray actor per node that owns the node's cache and serves it to peers.
+
+Loaders on a node read the node cache directly (files on local disk or in /dev/shm: the cache
+directory is shared by every process of the node); the service is how *other* nodes reach it,
+through Ray's object transfer (bytes in, bytes out: nothing here unpickles origin or peer
+data beyond Ray's own transfer of a ``bytes`` value). It also fills the blocks its node owns
+from the origin (single flight per block across the node, so a block is read from the origin
+once however many jobs want it) and answers what it holds (for placement, ``stoker warm``
+and the scheduler extender).
+
+A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
+``stoker-cache-<node id>`` in the Ray namespace ``stoker``, restarted by Ray if it dies
+(``max_restarts=-1``); its cache is files on the node, so a restarted service has the blocks
+the old one held. It listens on no socket of its own: requests reach it through Ray.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "stoker"
+#: Concurrent requests one service handles (peer reads and fills, each in its own thread).
+MAX_CONCURRENCY = 16
+
+
+def dataset_ref(ds, storage_options: dict | None = None) -> dict:
+    """How a service finds a dataset: ``{url, storage_options, version, block_bytes}`` (plain data)."""
+    return {"url": ds.url, "storage_options": dict(storage_options or {}), "version": ds.version,
+            "block_bytes": ds.block_bytes}
+
+
+def service_name(node_id: str) -> str:
+    return f"stoker-cache-{node_id}"
+
+
+def node_cache_dir(cache_root: str, node_id: str) -> str:
+    """The cache directory of a node under ``cache_root`` (one per node, so that simulated
+    nodes sharing one file system keep separate caches)."""
+    return os.path.join(os.path.expanduser(cache_root), f"node-{node_id[:16]}")
+
+
+class CacheService:
+    """The node cache of one node, as a Ray actor (see the module doc).
+
+    ``node_id``: the Ray node (hex) it must run on (checked: RuntimeError otherwise);
+    ``cache_dir``/``cache_bytes``: the node cache (budget in bytes, also the node's placement
+    weight); ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
+    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id).
+    """
+
+    def __init__(self, node_id: str, cache_dir: str, cache_bytes: int, memory_bytes: int = 0,
+                 node_name: str | None = None):
+        here = ray.get_runtime_context().get_node_id()
+        if here != node_id:
+            raise RuntimeError(f"cache service for node {node_id} started on node {here}")
+        self.node_id, self.cache_dir = node_id, cache_dir
+        self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
+        self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
+        self._datasets: dict = {}
+        self._claims: dict[str, list] = {}
+        self._lock = threading.Lock()
+        os.makedirs(cache_dir, exist_ok=True)
+
+    # -- datasets ---------------------------------------------------------
+    def _open(self, dref: dict):
+        """The dataset of ``dref`` (``{url, storage_options, version, block_bytes}``, see
+        :func:`dataset_ref`) read through this node's cache; ValueError if its content version
+        at the origin is not ``version`` (the requester and this node would disagree on blocks)."""
+        url, storage_options, version = dref["url"], dref["storage_options"], dref["version"]
+        key = (url, version, dref["block_bytes"])
+        ds = self._datasets.get(key)
+        if ds is None:
+            from ..store.dataset import open_dataset
+            with self._lock:
+                ds = self._datasets.get(key)
+                if ds is None:
+                    ds = open_dataset(url, self.cache_dir, self.cache_bytes, storage_options=storage_options,
+                                      memory_bytes=self.memory_bytes, check=False,
+                                      block_bytes=dref["block_bytes"])
+                    if ds.version != version:
+                        raise ValueError(f"{url} has content version {ds.version} at the origin, "
+                                         f"the requester has {version}")
+                    self._datasets[key] = ds
+        return ds
+
+    # -- requests ---------------------------------------------------------
+    def info(self) -> dict:
+        """``{node_id, node_name, cache_dir, cache_bytes, used_bytes, pid}`` (bytes)."""
+        ds_cache = next(iter(self._datasets.values())).cache if self._datasets else None
+        used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache_dir, self.cache_bytes)
+        return {"node_id": self.node_id, "node_name": self.node_name, "cache_dir": self.cache_dir,
+                "cache_bytes": self.cache_bytes, "used_bytes": int(used), "pid": os.getpid()}
+
+    def read(self, dref: dict, b: int, start: int, stop: int):
+        """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
+
+        Returns ``(source, data)``: source ``"cache"`` when this node held the block, ``"origin"``
+        when it had to fetch it (the block is then admitted here if the budget allows, so the
+        next reader of any job finds it). Errors (origin, checksum) propagate to the caller.
+        """
+        ds = self._open(dref)
+        version = ds.version
+        name = ds.block_name(b)
+        rel = start - int(ds.block_start[b])
+        data = ds.cache.read(version, name, rel, stop - start)
+        if data is not None:
+            return "cache", bytes(data)
+        block = ds.fill_block(b, blocking=True)
+        if block is None:  # this node's budget is full: pass the range through
+            shard = ds.index.shard_name(ds.block_shard[b])
+            return "origin", bytes(ds.origin.read_range(shard, start, stop))
+        return "origin", bytes(memoryview(block)[rel:rel + stop - start])
+
+    def fill(self, dref: dict, blocks: list[int],
+             concurrency: int = 8) -> dict:
+        """Fill ``blocks`` (block ids) from the origin into this node's cache, ``concurrency``
+        ranged GETs at a time. Returns ``{filled, cached, refused, origin_bytes}`` (counts; bytes)."""
+        ds = self._open(dref)
+        version = ds.version
+        out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "origin_bytes": 0}
+
+        def one(b):
+            if ds.cache.contains(version, ds.block_name(b)):
+                return "cached"
+            return ds.fill_block(int(b), blocking=True, want_data=False)
+
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            for b, status in zip(blocks, pool.map(one, blocks)):
+                out[status] = out.get(status, 0) + 1
+                if status == "filled":  # fetched from the origin by this call
+                    out["origin_bytes"] += int(ds.block_bytes_of(int(b)))
+        return out
+
+    def cached_blocks(self, dref: dict) -> list[int]:
+        """Ids of the blocks of the dataset this node's cache holds now."""
+        ds = self._open(dref)
+        return [b for b in range(ds.num_blocks) if ds.cache.contains(ds.version, ds.block_name(b))]
+
+    def cached_bytes(self, dref: dict) -> int:
+        """Bytes of the dataset this node's cache holds now."""
+        ds = self._open(dref)
+        return int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
+
+    def claim(self, version: str, members: list[str]) -> list[str]:
+        """Record the nodes a dataset version is placed on, first claim wins; returns the
+        recorded members (so every job places a dataset on the same nodes). In memory: after a
+        restart of this service the next job's claim records again."""
+        with self._lock:
+            return list(self._claims.setdefault(version, list(members)))
+
+    def ping(self) -> str:
+        return self.node_id
+
+
+def _used_bytes(cache_dir: str, capacity: int) -> int:
+    from ..cache import DiskCache
+    return DiskCache(cache_dir, capacity).used_bytes()
+
+
+#: Handles of the services this driver started (kept so that Ray does not collect them).
+_KEEP: dict = {}
+
+_Remote = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(CacheService)
+
+
+def alive_nodes() -> list[dict]:
+    """Ray's alive nodes (``ray.nodes()`` entries), sorted by node id."""
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+
+def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = False,
+                   timeout_s: float = 60.0) -> dict[str, "ray.actor.ActorHandle"]:
+    """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
+
+    ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
+    and no service). ``detached``: services outlive this driver (for ``stoker warm`` from the
+    command line). Waits until every service answers; raises ``ray.exceptions.GetTimeoutError``
+    after ``timeout_s`` seconds.
+    """
+    handles = {}
+    for node in alive_nodes():
+        nid = node["NodeID"]
+        budget = cache_bytes.get(nid) if isinstance(cache_bytes, dict) else cache_bytes
+        if not budget:
+            continue
+        kept = _KEEP.get(nid)
+        if kept is not None:
+            try:
+                ray.get(kept.ping.remote(), timeout=timeout_s)
+                handles[nid] = kept
+                continue
+            except ray.exceptions.ActorDiedError:  # killed for good: start a new one
+                del _KEEP[nid]
+        opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+        if detached:
+            opts["lifetime"] = "detached"
+        handles[nid] = _Remote.options(**opts).remote(nid, node_cache_dir(cache_root, nid), int(budget),
+                                                      memory_bytes)
+    ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
+    for nid, h in handles.items():  # a non-detached actor lives while its owner holds its first handle
+        _KEEP.setdefault(nid, h)
+    return handles
+
+
+def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
+    """The cache services that answer now: ``{node id: info()}``, sorted by node id. A service
+    that is dead or restarting is left out (it rejoins when it answers again)."""
+    found = {}
+    refs = {}
+    for node in alive_nodes():
+        try:
+            h = ray.get_actor(service_name(node["NodeID"]), namespace=NAMESPACE)
+        except ValueError:
+            continue
+        refs[node["NodeID"]] = h.info.remote()
+    for nid, ref in refs.items():
+        try:
+            found[nid] = ray.get(ref, timeout=timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("cache service on node %s did not answer: %s", nid, exc)
+    return dict(sorted(found.items()))
+
+
+def get_service(node_id: str):
+    """The handle of the cache service of ``node_id``; ValueError if there is none."""
+    return ray.get_actor(service_name(node_id), namespace=NAMESPACE)
+
+
+def stop_services() -> int:
+    """Kill every cache service (for good: no restart); returns how many. Their cache files stay."""
+    n = 0
+    for node in alive_nodes():
+        try:
+            h = get_service(node["NodeID"])
+        except ValueError:
+            continue
+        ray.kill(h, no_restart=True)
+        n += 1
+    _KEEP.clear()
+    return n
+
+
+def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes: int | None,
+            block_bytes: int | None, detached: bool = False):
+    """The common first steps of ``run`` and ``warm``: start the services where missing (default
+    root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
+    index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``. RuntimeError
+    when no service answers."""
+    from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
+    opts = dict(storage_options or {})
+    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"),
+                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, detached=detached)
+    services = find_services()
+    if not services:
+        raise RuntimeError("no cache service answers on any node")
+    ds = open_dataset(url, storage_options=opts, cache=False, check=False,
+                      block_bytes=block_bytes or DEFAULT_BLOCK_BYTES)
+    return services, ds, dataset_ref(ds, opts)

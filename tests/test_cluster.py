@@ -1,0 +1,228 @@
+"""Cluster mode on a 3-node ray.cluster_utils.Cluster (each node its own raylet and object store)."""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks to place
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three simulated nodes (custom resources node0..node2, 150 MB object store each)."""
+    from ray.cluster_utils import Cluster
+    import ray.cloudpickle
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # train functions of this module
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 1},
+                                                     "object_store_memory": 150 << 20})
+    for i in (1, 2):
+        c.add_node(num_cpus=2, resources={f"node{i}": 1}, object_store_memory=150 << 20)
+    ray.init(address=c.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def s3_dataset(s3_origin, sample_tree):
+    """The 120-photo sample tree packed into the emulated S3 origin: (url, storage options)."""
+    from stoker.bench.origin import upload_tree
+    from stoker.store.pack import pack
+    opts = s3_origin.storage_options()
+    upload_tree(str(sample_tree / "train"), s3_origin.url("cluster/raw"), opts)
+    url = s3_origin.url("cluster/packed")
+    pack(s3_origin.url("cluster/raw"), url, src_options=opts, dst_options=opts, shard_bytes=1 << 20, progress=False)
+    return url, opts
+
+
+def _node_ids():
+    from stoker.cluster.service import alive_nodes
+    return [n["NodeID"] for n in alive_nodes()]
+
+
+def _job_ids_ok(results, n):
+    """Every sample exactly once across the ranks in every epoch, equal counts per rank."""
+    for e in range(len(results[0]["epochs"])):
+        ids = np.concatenate([np.asarray(r["epochs"][e]["ids"]) for r in results])
+        assert np.array_equal(np.sort(ids), np.arange(n)), f"epoch {e}: not exactly once"
+        assert len({len(r["epochs"][e]["ids"]) for r in results}) == 1
+
+
+def _sum(results, epoch, key):
+    return sum(r["epochs"][epoch][key] for r in results)
+
+
+def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(cluster, s3_origin, s3_dataset,
+                                                                        tmp_path_factory):
+    from functools import partial
+
+    from stoker.cluster import read_epochs, run
+    from stoker.store.dataset import open_dataset
+    url, opts = s3_dataset
+    n = len(open_dataset(url, storage_options=opts, cache=False))
+    dataset_bytes = int(open_dataset(url, storage_options=opts, cache=False).index.length.sum())
+    served0 = s3_origin.stats()["bytes_served"]
+    common = dict(storage_options=opts, cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20,
+                  block_bytes=BLOCK, wait=False)
+    # epoch 0: two jobs at once on a cold cluster cache
+    ra, rb = [ray.get(refs, timeout=120) for refs in
+              [run(partial(read_epochs, epochs=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j, **common)
+               for j in ("a", "b")]]
+    served = s3_origin.stats()["bytes_served"] - served0
+    # the shards came from the origin once for both jobs (plus the index, a few KB per reader)
+    assert dataset_bytes <= served < 1.25 * dataset_bytes
+    # epoch 1 (after warm-up; the ranks run unsynchronised, so epochs are separate runs here)
+    wa, wb = [ray.get(refs, timeout=120) for refs in
+              [run(partial(read_epochs, epochs=1, first_epoch=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j,
+                   **common) for j in ("a", "b")]]
+    for cold, res in ((ra, wa), (rb, wb)):
+        assert sorted(r["node_id"] for r in res) == sorted(_node_ids())  # one rank per node
+        _job_ids_ok(cold, n)
+        _job_ids_ok(res, n)
+        assert _sum(res, 0, "origin_bytes") == 0 and _sum(res, 0, "fallbacks") == 0
+        local = _sum(res, 0, "local_bytes")
+        assert local / (local + _sum(res, 0, "peer_bytes")) >= 0.9
+    # random placement on the same (now warm) cluster cache: measurably less local
+    rr = run(partial(read_epochs, epochs=1, keep_ids=True), url, 3, {"CPU": 0.5}, job="r",
+             placement="random", seed=1, **{**common, "wait": True})
+    _job_ids_ok(rr, n)
+    assert _sum(rr, 0, "origin_bytes") == 0
+    local_r = _sum(rr, 0, "local_bytes") / (_sum(rr, 0, "local_bytes") + _sum(rr, 0, "peer_bytes"))
+    assert local_r < 0.7
+
+
+def test_warm_fills_every_node_by_placement(cluster, s3_origin, s3_dataset, tmp_path_factory):
+    from stoker.cluster import warm
+    from stoker.store.pack import pack
+    url, opts = s3_dataset
+    url2 = url + "-small-shards"  # another dataset version: not cached yet
+    pack(s3_origin.url("cluster/raw"), url2, src_options=opts, dst_options=opts, shard_bytes=512 << 10,
+         progress=False)
+    r = warm(url2, opts, cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20,
+             block_bytes=BLOCK, progress=False)
+    assert set(r["nodes"]) == set(_node_ids())
+    assert r["cached_fraction"] == 1.0 and r["origin_bytes"] == r["dataset_bytes"]
+    assert all(v["cached_fraction"] == 1.0 and v["owned_bytes"] > 0 for v in r["nodes"].values())
+    again = warm(url2, opts, block_bytes=BLOCK, progress=False)
+    assert again["origin_bytes"] == 0 and again["cached_fraction"] == 1.0
+
+
+def _read_and_kill(ctx, victim: str, epochs: int = 2):
+    """Read the rank's plan; rank 0 kills the victim node's cache service a third into epoch 0;
+    every rank waits for it to be back before epoch 1."""
+    from stoker.cluster.service import get_service
+    for e in range(epochs):
+        if e == 1:  # wait for Ray to restart it
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    ray.get(get_service(victim).ping.remote(), timeout=10)
+                    break
+                except ray.exceptions.RayActorError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            time.sleep(0.5)  # past the router's retry_s
+        ids = ctx.plan(e)
+        with ctx.measure(e, samples=len(ids)) as rec:
+            for k, i in enumerate(ids):
+                if e == 0 and ctx.rank == 0 and k == len(ids) // 3:
+                    ray.kill(get_service(victim), no_restart=False)  # Ray restarts it
+                ctx.dataset.read(int(i))
+            rec["ids"] = ids.tolist()
+    return None
+
+
+def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_dataset, tmp_path_factory):
+    from functools import partial
+
+    from stoker.cluster import run
+    from stoker.cluster.service import find_services
+    from stoker.store.dataset import open_dataset
+    url, opts = s3_dataset
+    n = len(open_dataset(url, storage_options=opts, cache=False))
+    victim = _node_ids()[1]
+    pid_before = find_services()[victim]["pid"]
+    res = run(partial(_read_and_kill, victim=victim), url, 3, {"CPU": 0.5}, storage_options=opts,
+              cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20, block_bytes=BLOCK,
+              placement="random", seed=3, job="kill", retry_s=0.2, timeout_s=180)
+    _job_ids_ok(res, n)  # every sample exactly once in both epochs despite the kill
+    assert _sum(res, 0, "fallbacks") >= 1 and _sum(res, 0, "origin_bytes") > 0
+    assert find_services()[victim]["pid"] != pid_before  # restarted
+    # epoch 1: the restarted service serves its blocks again (from its cache files), no fallbacks
+    assert _sum(res, 1, "fallbacks") == 0 and _sum(res, 1, "origin_bytes") == 0
+    readers = [r for r in res if r["node_id"] != victim]
+    assert sum(r["epochs"][1]["peer_bytes"] for r in readers) > 0
+
+
+def _loader_epoch(ctx):
+    loader = ctx.loader(8, num_workers=1, image_size=32, transform="eval", prefetch_bytes=1 << 20)
+    try:
+        for _ in loader:
+            pass
+    finally:
+        loader.close()
+    return ctx.epochs
+
+
+def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluster, s3_dataset, tmp_path_factory):
+    from stoker.cluster import run
+    url, opts = s3_dataset
+    res = run(_loader_epoch, url, 3, {"CPU": 0.5}, storage_options=opts, cache_root=str(tmp_path_factory.mktemp("c")),
+              cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=1, job="loader", timeout_s=180)
+    recs = [r["result"][0] for r in res]
+    assert all(rec["exactly_once"] and rec["samples"] == 40 for rec in recs)
+    assert sum(rec["peer_bytes"] for rec in recs) > 0  # forked children reached peers (via the relay)
+    assert sum(rec["fallbacks"] for rec in recs) == 0
+
+
+def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
+    import json
+    import urllib.request
+
+    from stoker.cluster import cluster_state, ray_state
+    from stoker.cluster.extender import file_state, scores, serve
+    url, opts = s3_dataset
+    state = cluster_state([url], opts, block_bytes=BLOCK)
+    live = ray_state([url], opts, block_bytes=BLOCK)()  # the extender's other source: the services themselves
+    assert scores(url, list(state["nodes"]), live) == scores(url, list(state["nodes"]), state)
+    assert sum(v["datasets"][url] for v in state["nodes"].values()) > 0
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    srv = serve(file_state(str(path)), port=0)
+    try:
+        assert srv.server_address[0] == "127.0.0.1"
+        names = list(state["nodes"])
+        args = {"Pod": {"metadata": {"name": "p", "annotations": {"stoker.io/dataset": url}}}, "Nodes": None,
+                "NodeNames": names}
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.server_address[1]}/stoker/prioritize",
+                                     data=json.dumps(args).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            got = json.loads(resp.read())
+        best = max(names, key=lambda n: state["nodes"][n]["datasets"][url])
+        assert max(got, key=lambda h: h["Score"])["Host"] == best
+    finally:
+        srv.shutdown()
+
+
+def test_warm_and_cluster_state_commands(cluster, s3_dataset, tmp_path, capsys):
+    import json
+
+    from stoker.cli import main
+    url, opts = s3_dataset
+    args = ["--storage-options", json.dumps(opts), "--block-size", str(BLOCK)]
+    assert main(["warm", url, "--no-progress", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cached_fraction"] == 1.0 and len(report["nodes"]) == 3
+    out = tmp_path / "state.json"
+    assert main(["cluster-state", url, "--out", str(out), *args]) == 0
+    state = json.loads(out.read_text())
+    assert sum(v["datasets"][url] for v in state["nodes"].values()) == report["dataset_bytes"]
