@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bench_sub = b.add_subparsers(dest="bench", required=True)
     from .bench import decode_bench
+    from .bench.peers import bench as peers_bench
     decode_bench.add_parser(bench_sub)
+    peers_bench.add_parser(bench_sub)
 
     from .store import listing, verify
     listing.add_parsers(sub)
