@@ -188,6 +188,7 @@ def run_peers(cfg: PeersConfig) -> dict:
     formats: [{loader, convert_seconds, bytes, ...}], skipped: [{loader, reason}], ...}``."""
     from ...sample_data import make_sample_data
     from ..origin import LocalS3Origin, upload_tree
+    from ..report import save_report
     from .report import check_targets, print_table, write_plot
 
     unknown = set(cfg.loaders) - set(LOADERS)
@@ -278,14 +279,7 @@ def run_peers(cfg: PeersConfig) -> dict:
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     report["checks"] = check_targets(report)
     print_table(report)
-    if cfg.json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.json_path)), exist_ok=True)
-        with open(cfg.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-        _log(f"wrote {cfg.json_path}")
-    if cfg.plot_path:
-        write_plot(report, cfg.plot_path)
-        _log(f"wrote {cfg.plot_path}")
+    save_report(report, cfg.json_path, cfg.plot_path, write_plot, _log)
     return report
 
 
