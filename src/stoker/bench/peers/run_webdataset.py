@@ -23,10 +23,13 @@ def convert(src, out, cfg):
 
 
 def _augment(sample):
+    """(RGB PIL image, label) -> (uint8 tensor (3, 224, 224), label). A tensor, so that the
+    batch travels from the worker through shared memory, as torchvision's ToTensor output does."""
     import numpy as np
+    import torch
     from stoker.decode.reference import pillow_train_transform
-    img, label = sample
-    return pillow_train_transform(img.convert("RGB"), np.random.default_rng(), 224), label
+    img, label = sample  # decode("pil") gives RGB
+    return torch.from_numpy(pillow_train_transform(img, np.random.default_rng(), 224)), label
 
 
 def build(cfg):
