@@ -105,7 +105,8 @@ def write_plot(report: dict, path: str) -> None:
     axes.flat[0].legend()
     ds, org = report["dataset"], report["origin"]
     fig.suptitle(f"{ds['images']:,} photos, origin {org['latency_ms']:g} ms / {org['bandwidth_MBps']:g} MB/s, "
-                 f"{report['config']['workers']} workers, {report['machine']['cores']} cores")
+                 f"{report['config']['workers']} workers, {report['machine']['cores']} cores"
+                 + (f"; skipped: {', '.join(x['loader'] for x in report['skipped'])}" if report["skipped"] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
