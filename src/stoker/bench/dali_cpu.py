@@ -4,7 +4,8 @@ Run by the Python of a separate virtual environment that has ``nvidia-dali-cuda1
 not import stoker). Usage: ``python dali_cpu.py JPEG_DIR SECONDS``; prints JSON
 ``{"samples_per_s": wall rate, "samples_per_cpu_s": rate per CPU-second}``: one CPU thread
 (``num_threads=1``) decoding from memory, RandomResizedCrop(224, area 0.08-1, ratio 3/4-4/3) +
-horizontal flip, CHW output, as stoker and the Pillow recipe do.
+horizontal flip, CHW output, as stoker and the Pillow recipe do. :func:`train_augment` is that
+transform as DALI operators; ``peers/run_dali.py`` uses it too.
 """
 import glob
 import json
@@ -15,6 +16,15 @@ import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
 BATCH = 32
+
+
+def train_augment(jpegs):
+    """DALI CPU operators: decode to RGB, RandomResizedCrop(224, area 0.08-1, ratio 3/4-4/3),
+    horizontal flip with probability 0.5, HWC -> CHW. Output: uint8 (3, 224, 224) per sample."""
+    img = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+    img = fn.random_resized_crop(img, size=224, random_area=[0.08, 1.0], random_aspect_ratio=[0.75, 4 / 3])
+    img = fn.flip(img, horizontal=fn.random.coin_flip())
+    return fn.transpose(img, perm=[2, 0, 1])
 
 
 def main() -> None:
@@ -30,11 +40,7 @@ def main() -> None:
     @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=0, prefetch_queue_depth=1,
                   exec_async=False, exec_pipelined=False)
     def pipe():
-        jpegs = fn.external_source(source=source, batch=True, dtype=types.UINT8)
-        img = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-        img = fn.random_resized_crop(img, size=224, random_area=[0.08, 1.0], random_aspect_ratio=[0.75, 4 / 3])
-        img = fn.flip(img, horizontal=fn.random.coin_flip())
-        return fn.transpose(img, perm=[2, 0, 1])
+        return train_augment(fn.external_source(source=source, batch=True, dtype=types.UINT8))
 
     p = pipe()
     p.build()

@@ -5,8 +5,8 @@ Everything reads the demo's real photos from memory or local disk (warm page cac
 numbers are decode-bound: per_core = single-process samples/s; loader efficiency =
 samples_per_s / (workers x stoker per_core); trainer_cpu_per_batch_s = CPU seconds the
 training process spent per batch. DALI runs in its own virtual environment, made on first use
-(``nvidia-dali-cuda130`` from PyPI, ~0.7 GB); if it cannot be installed or run, the reason is
-recorded under ``skipped``.
+(``nvidia-dali-cuda130`` from PyPI, ~0.7 GB; :func:`stoker.bench.venvs.ensure_venv`, shared with
+`stoker bench peers`); if it cannot be installed or run, the reason is recorded under ``skipped``.
 """
 from __future__ import annotations
 
@@ -14,22 +14,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 
-def _dali_rate(jpeg_dir: str, venv: str, seconds: float) -> tuple[float | None, str | None]:
-    py = os.path.join(venv, "bin", "python")
+def _dali_rate(jpeg_dir: str, venv: str | None, seconds: float) -> tuple[float | None, str | None]:
+    from .venvs import VenvError, ensure_venv
     try:
-        if not os.path.exists(py):
-            subprocess.run([sys.executable, "-m", "venv", venv], check=True, capture_output=True, timeout=300)
-            subprocess.run([py, "-m", "pip", "install", "-q", "nvidia-dali-cuda130", "numpy"], check=True,
-                           capture_output=True, text=True, timeout=1200)
+        py = ensure_venv("dali", path=venv)
         script = os.path.join(os.path.dirname(__file__), "dali_cpu.py")
         out = subprocess.run([py, script, jpeg_dir, str(seconds)], check=True, capture_output=True, text=True,
                              timeout=600)
         return json.loads(out.stdout.strip().splitlines()[-1])["samples_per_cpu_s"], None
+    except VenvError as exc:
+        return None, str(exc)
     except subprocess.CalledProcessError as exc:
         tail = (exc.stderr or exc.stdout or "")
         tail = tail if isinstance(tail, str) else tail.decode(errors="replace")
@@ -61,7 +59,7 @@ def run(images: int = 1500, seconds: float = 3.0, workers=(1, 2), batch_size: in
     report["per_core"]["pillow"] = measure_decode_rate(payloads, "train", min_seconds=seconds, recipe="pillow")
     report["per_core"]["dali"] = None
     if dali:
-        rate, why = _dali_rate(train, dali_venv or os.path.join(work, "dali-venv"), seconds)
+        rate, why = _dali_rate(train, dali_venv, seconds)
         report["per_core"]["dali"] = rate
         if why:
             report["skipped"].append({"loader": "dali", "reason": why})
@@ -123,7 +121,7 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--images", type=int, default=1500)
     p.add_argument("--seconds", type=float, default=3.0, help="per single-process measurement")
     p.add_argument("--no-dali", action="store_true", help="skip DALI (recorded as skipped)")
-    p.add_argument("--dali-venv", help="virtual environment for DALI (made on first use)")
+    p.add_argument("--dali-venv", help="virtual environment for DALI (made on first use; default ~/.cache/stoker-bench/venvs/dali)")
     p.set_defaults(fn=_cmd)
 
 

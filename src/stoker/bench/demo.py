@@ -9,7 +9,6 @@ warm), each with a consumer that takes no time and with an emulated accelerator.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -59,7 +58,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     from ..store.pack import pack
     from .baseline import FsspecImageFolder, make_baseline_loader
     from .origin import LocalS3Origin, upload_tree
-    from .report import check_done, print_table, write_plot
+    from .report import check_done, print_table, save_report, write_plot
 
     preset = QUICK if cfg.quick else FULL
     images = cfg.images or preset["images"]
@@ -146,14 +145,7 @@ def run_demo(cfg: DemoConfig) -> dict:
             shutil.rmtree(cache_dir, ignore_errors=True)
     report["checks"] = check_done(report)
     print_table(report)
-    if cfg.json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.json_path)), exist_ok=True)
-        with open(cfg.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-        _log(f"wrote {cfg.json_path}")
-    if cfg.plot_path:
-        write_plot(report, cfg.plot_path)
-        _log(f"wrote {cfg.plot_path}")
+    save_report(report, cfg.json_path, cfg.plot_path, write_plot, _log)
     return report
 
 

@@ -97,3 +97,19 @@ def write_plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def save_report(report: dict, json_path: str | None, plot_path: str | None, write_plot, log) -> None:
+    """Write ``report`` as indented JSON to ``json_path`` and ``write_plot(report, plot_path)``
+    (either skipped when its path is None), telling ``log`` (a callable taking a string)."""
+    import json
+    import os
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        log(f"wrote {json_path}")
+    if plot_path:
+        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+        write_plot(report, plot_path)
+        log(f"wrote {plot_path}")

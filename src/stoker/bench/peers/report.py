@@ -1,0 +1,112 @@
+"""`stoker bench peers` report: issue 7's targets, a Markdown table, a PNG plot."""
+from __future__ import annotations
+
+
+def _by_loader(report: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in report["runs"]:
+        out.setdefault(r["loader"], []).append(r)
+    return out
+
+
+def epoch_rates(report: dict) -> dict[str, dict]:
+    """Per loader: ``{"cold": epoch-0 samples/s, "warm": mean samples/s of the later epochs (None
+    with one epoch)}``."""
+    out = {}
+    for loader, rows in _by_loader(report).items():
+        cold = [r["samples_per_s"] for r in rows if r["epoch"] == 0]
+        warm = [r["samples_per_s"] for r in rows if r["epoch"] > 0]
+        out[loader] = {"cold": cold[0] if cold else None, "warm": sum(warm) / len(warm) if warm else None}
+    return out
+
+
+def check_targets(report: dict) -> dict:
+    """Issue 7's targets: stoker's warm-epoch throughput >= 1.5x the best peer's, its cold epoch
+    >= 1.2x the best peer's (peers that ran; warm = mean of epochs after the first).
+
+    Returns ``{name: {"value": ratio or None, "target", "best_peer", "ok"}}``.
+    """
+    rates = epoch_rates(report)
+    mine = rates.get("stoker", {})
+    out = {}
+    for name, key, factor in (("warm_vs_best_peer", "warm", 1.5), ("cold_vs_best_peer", "cold", 1.2)):
+        peers = {lo: r[key] for lo, r in rates.items() if lo != "stoker" and r[key]}
+        best = max(peers, key=peers.get) if peers else None
+        value = mine[key] / peers[best] if best and mine.get(key) else None
+        out[name] = {"value": value, "target": f">= {factor}", "best_peer": best,
+                     "ok": value is not None and value >= factor}
+    return out
+
+
+def markdown(report: dict) -> str:
+    """The run as Markdown tables: epochs, formats, skipped loaders, targets."""
+    ds, org, cfg = report["dataset"], report["origin"], report["config"]
+    lines = [f"{report['machine']['cores']} cores; {ds['images']:,} photos, {ds['bytes'] / 1e6:.1f} MB "
+             f"(mean {ds['mean_sample_bytes'] / 1e3:.0f} KB); origin {org['latency_ms']:g} ms, "
+             f"{org['bandwidth_MBps']:g} MB/s; {cfg['workers']} workers, batch {cfg['batch_size']}, "
+             f"emulated accelerator {cfg['consumer_rate']:g} samples/s; load average at start "
+             f"{report['machine']['loadavg_start'][0]:.2f}", "",
+             "| loader | epoch | samples/s | data stall | CPU s / 1,000 samples | origin CPU s / 1,000 | origin MB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        lines.append(f"| {r['loader']} | {r['epoch']}{' (cold)' if r['epoch'] == 0 else ''} | "
+                     f"{r['samples_per_s']:,.0f} | {r['stall_fraction']:.2f} | {r['cpu_s_per_1000']:.2f} | "
+                     f"{r.get('origin_cpu_s_per_1000', 0.0):.2f} | {r['origin_bytes'] / 1e6:,.1f} |")
+    lines += ["", "| format | tool | convert s | upload s | files | MB on origin |", "|---|---|---|---|---|---|"]
+    tools = {"stoker": "stoker pack", "torch": "(raw ImageFolder)", "webdataset": "webdataset.ShardWriter",
+             "streaming": "streaming.MDSWriter", "litdata": "litdata.optimize",
+             "dali": "ShardWriter + DALI wds2idx"}
+    for f in report["formats"]:
+        lines.append(f"| {f['loader']} | {tools.get(f['loader'], '')} | {f['convert_seconds']:.1f} | "
+                     f"{f.get('upload_seconds', 0.0):.1f} | {f['files']} | {f['bytes'] / 1e6:,.1f} |")
+    if report["skipped"]:
+        lines += ["", "Skipped:"] + [f"- {s['loader']}: {s['reason']}" for s in report["skipped"]]
+    checks = report.get("checks") or {}
+    if checks:
+        lines.append("")
+        for name, c in checks.items():
+            v = f"{c['value']:.2f}x" if c["value"] is not None else "n/a"
+            lines.append(f"- {name}: {v} (best peer {c['best_peer']}; target {c['target']}): "
+                         f"{'met' if c['ok'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def print_table(report: dict) -> None:
+    """Print :func:`markdown` to stdout."""
+    print(markdown(report), flush=True)
+
+
+def write_plot(report: dict, path: str) -> None:
+    """Four panels per loader and epoch: samples/s, data stall, loader CPU s per 1,000 samples,
+    origin MB. Needs matplotlib (the ``demo`` extra)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _by_loader(report)
+    loaders = list(rows)
+    epochs = sorted({r["epoch"] for r in report["runs"]})
+    panels = [("samples_per_s", "samples/s"), ("stall_fraction", "data stall (fraction of wall time)"),
+              ("cpu_s_per_1000", "loader CPU s / 1,000 samples"), ("origin_bytes", "origin MB")]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    width = 0.8 / max(1, len(epochs))
+    for ax, (key, label) in zip(axes.flat, panels):
+        for j, e in enumerate(epochs):
+            vals = []
+            for lo in loaders:
+                r = next((x for x in rows[lo] if x["epoch"] == e), None)
+                v = r[key] if r else 0.0
+                vals.append(v / 1e6 if key == "origin_bytes" else v)
+            xs = [i + (j - (len(epochs) - 1) / 2) * width for i in range(len(loaders))]
+            ax.bar(xs, vals, width, label=f"epoch {e}" + (" (cold)" if e == 0 else ""))
+        ax.set_xticks(range(len(loaders)), loaders)
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend()
+    ds, org = report["dataset"], report["origin"]
+    fig.suptitle(f"{ds['images']:,} photos, origin {org['latency_ms']:g} ms / {org['bandwidth_MBps']:g} MB/s, "
+                 f"{report['config']['workers']} workers, {report['machine']['cores']} cores"
+                 + (f"; skipped: {', '.join(x['loader'] for x in report['skipped'])}" if report["skipped"] else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

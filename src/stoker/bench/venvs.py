@@ -1,0 +1,97 @@
+"""Virtual environments for benchmark peers whose requirements conflict with stoker's.
+
+DALI (``nvidia-dali-cuda130``), Mosaic Streaming and LitData (which want
+``torch==2.14.1 torchvision==0.29.1``, not the CPU torch stoker is pinned to) each run in a
+virtual environment of their own, made on first use under ``~/.cache/stoker-bench/venvs/<name>``
+(``$STOKER_BENCH_VENVS`` overrides the root) and reused while its recorded requirement list is
+unchanged. A peer that cannot be installed raises :class:`VenvError` with pip's stderr tail, so
+the benchmark can report why it did not run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+_MARKER = ".stoker-requirements.json"
+
+# Requirement lists per peer (pins from issue 7 / the decode benchmark).
+PEER_REQUIREMENTS: dict[str, list[str]] = {
+    "dali": ["nvidia-dali-cuda130==2.4.0", "numpy"],
+    "streaming": ["mosaicml-streaming==0.13.0", "torch==2.14.1", "torchvision==0.29.1"],
+    "litdata": ["litdata==0.2.76", "torch==2.14.1", "torchvision==0.29.1", "boto3"],
+}
+
+
+class VenvError(RuntimeError):
+    """A peer's virtual environment could not be made; the message ends with pip's stderr tail."""
+
+
+def venv_root() -> str:
+    """Folder that holds the peers' environments (``$STOKER_BENCH_VENVS`` or ~/.cache/stoker-bench/venvs)."""
+    return os.environ.get("STOKER_BENCH_VENVS") or os.path.join(
+        os.path.expanduser("~"), ".cache", "stoker-bench", "venvs")
+
+
+def venv_python(name: str, path: str | None = None) -> str:
+    """Path of the environment's python (it may not exist yet)."""
+    return os.path.join(path or os.path.join(venv_root(), name), "bin", "python")
+
+
+def ready_venv(name: str, requirements: list[str] | None = None, path: str | None = None) -> str | None:
+    """The python of an existing, complete environment for ``requirements``, else None (makes nothing)."""
+    reqs = requirements if requirements is not None else PEER_REQUIREMENTS[name]
+    root = path or os.path.join(venv_root(), name)
+    try:
+        with open(os.path.join(root, _MARKER)) as f:
+            done = json.load(f)
+    except (OSError, ValueError):
+        return None
+    py = venv_python(name, root)
+    return py if done == reqs and os.path.exists(py) else None
+
+
+def _tail(text: str | bytes | None, lines: int = 8) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    kept = [ln for ln in (text or "").strip().splitlines() if "is ignored: it is neither" not in ln]
+    return "\n".join(kept[-lines:])
+
+
+def ensure_venv(name: str, requirements: list[str] | None = None, path: str | None = None,
+                timeout_s: float = 1800.0, log=None) -> str:
+    """Make (or reuse) the environment ``name`` with ``requirements``; returns its python.
+
+    ``path`` overrides the location; ``timeout_s`` bounds each pip/venv step (seconds);
+    ``log`` (a callable taking a string) hears about a fresh install. The environment is marked
+    complete only after pip succeeds, so an interrupted install is redone, not reused.
+    Raises :class:`VenvError` (with pip's stderr tail) if it cannot be made.
+    """
+    reqs = requirements if requirements is not None else PEER_REQUIREMENTS[name]
+    root = path or os.path.join(venv_root(), name)
+    py = ready_venv(name, reqs, root)
+    if py:
+        return py
+    if log:
+        log(f"making virtual environment {root}: pip install {' '.join(reqs)}")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    py = venv_python(name, root)
+    steps = [[sys.executable, "-m", "venv", root],
+             [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs]]
+    for cmd in steps:
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s,
+                           stdin=subprocess.DEVNULL)
+        except subprocess.CalledProcessError as exc:
+            raise VenvError(f"{' '.join(cmd[:5])} ... failed (exit {exc.returncode}):\n"
+                            f"{_tail(exc.stderr) or _tail(exc.stdout)}") from None
+        except subprocess.TimeoutExpired:
+            raise VenvError(f"{' '.join(cmd[:5])} ... did not finish in {timeout_s:.0f} s") from None
+        except OSError as exc:
+            raise VenvError(f"{' '.join(cmd[:5])} ... could not run: {exc}") from None
+    with open(os.path.join(root, _MARKER), "w") as f:
+        json.dump(reqs, f)
+    return py
