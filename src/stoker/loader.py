@@ -116,6 +116,11 @@ class Loader:
         self.prefetch_batches = prefetch_batches or max(2, 2 * self.num_workers)
         self.prefetch_bytes, self.fetch_concurrency = int(prefetch_bytes), int(fetch_concurrency)
         self.staging_bytes = int(staging_bytes)
+        window = 2 * int(order_window) * getattr(dataset, "block_bytes", 0) if order == "blockwise" else 0
+        if shuffle and 0 < self.staging_bytes < window:
+            log.warning("staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
+                        "blockwise order reads every block of its window, so blocks the cache does not admit "
+                        "will be read sample by sample from the origin", self.staging_bytes, window)
         self.timeout_s = timeout_s
         self.order = order if shuffle else "sequential"
         self.order_window = int(order_window)

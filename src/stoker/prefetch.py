@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 N_COUNTERS = 8
 #: Consecutive failed fills after which prefetching stops for the epoch.
 MAX_FAILURES = 3
+#: Times a block whose fetch lock another process held is tried again.
+MAX_BUSY_RETRIES = 50
 
 
 def _drop_staged(ds, staged: dict, done_pos: int | None) -> None:
@@ -94,7 +96,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                 staged[b] = 0
             cum = np.concatenate([[0], np.cumsum(sizes_of[blocks])])
             # fills still in flight for the previous plan stay tracked (their staged blocks too)
-            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0,
+            job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "retry": [], "tries": {},
                    "inflight": job["inflight"] if job else {},
                    "failures": 0, "last": dict(zip(blocks.tolist(), last_need.tolist()))}
         if job is None:
@@ -126,8 +128,17 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             elif status == "staged":
                 counters[5] += 1
                 staged[b] = job["last"].get(b, 0)  # 0: a block of the previous plan
+            elif status == "busy" and b in job["last"] and job["last"][b] >= int(done.value):
+                # another process holds its fetch lock (a worker that got there first, or another
+                # job filling it): try again, or the block would never be staged for this plan
+                job["tries"][b] = job["tries"].get(b, 0) + 1
+                if job["tries"][b] <= MAX_BUSY_RETRIES:
+                    job["retry"].append(b)
             counters[0] = ds.origin.counters.bytes
             counters[1] = ds.origin.counters.requests
+        while job["retry"] and len(inflight) < concurrency:
+            b = job["retry"].pop(0)
+            inflight[pool.submit(_fill, ds, b)] = b
         j = job["next"]
         pos = int(position.value)
         consumed = int(np.searchsorted(job["first"], pos, side="left"))

@@ -53,19 +53,22 @@ def _row(policy, frac, C, D, st, m) -> dict:
 def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), policies=POLICY_NAMES,
         workers: int = 2, batch_size: int = 64, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0,
         consumer_rate: float | None = None, two_jobs_fractions=(1.0, 0.5), workdir: str | None = None,
-        staging_bytes: int = 64 << 20, log=print) -> dict:
+        staging_bytes: int = 64 << 20, log=None) -> dict:
     """Run the benchmark; returns the report (see the module docstring). ``consumer_rate``:
     samples/s of the emulated accelerator (default: the 2x-headroom rule above).
     ``staging_bytes``: the Loader's staging budget (blocks fetched just in time that the
-    cache does not admit). Staged blocks still there when the next epoch needs them are hits
-    across the boundary too, so below C = D the staging area counts in the budget: the cache
-    gets C - S and the staging area S = min(staging_bytes, C / 4); the node holds C in all."""
+    cache does not admit; they are deleted after their last use in the epoch). It must hold
+    the blocks of the shuffle windows in flight (every batch of the blockwise order touches
+    every block of its window), so it is not carved out of C; a staged block still there when
+    the next epoch first needs it is a hit across the boundary, which can put an epoch a little
+    below D - C (reported as ``staging_bytes``)."""
     from ..loader import Loader
     from ..sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .harness import measure
     from .origin import LocalS3Origin, upload_tree
+    log = log or (lambda msg: print(msg, flush=True))
 
     work = workdir or os.path.join(tempfile.gettempdir(), "stoker-cache-bench")
     data = os.path.join(work, "data")
@@ -93,11 +96,10 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
         cache_dir = os.path.join(work, "cache")
         for frac in fractions:
             C = int(frac * D)
-            S = staging_bytes if C >= D else min(staging_bytes, C // 4)
+            S = staging_bytes
             for policy in policies:
                 shutil.rmtree(cache_dir, ignore_errors=True)
-                ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=C - S if C < D else C,
-                                  cache_policy=policy, storage_options=opts)
+                ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=C, cache_policy=policy, storage_options=opts)
                 with Loader(ds, batch_size, num_workers=workers, seed=0, staging_bytes=S) as loader:
                     for _ in range(epochs):
                         m = measure(loader, rate)
@@ -112,10 +114,10 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
         for frac in two_jobs_fractions:
             shutil.rmtree(cache_dir, ignore_errors=True)
             C = int(frac * D)
-            S = staging_bytes if C >= D else min(staging_bytes, C // 8)  # two staging areas
+            S = staging_bytes
             before = origin.stats()["bytes_served"]
             q = ctx.Queue()
-            procs = [ctx.Process(target=_job, args=(url, opts, cache_dir, C - 2 * S if C < D else C, S, epochs,
+            procs = [ctx.Process(target=_job, args=(url, opts, cache_dir, C, S, epochs,
                                                     rate, seed, q))
                      for seed in (1, 2)]
             for p in procs:
@@ -161,6 +163,7 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--bandwidth-MBps", type=float, default=100.0)
     p.add_argument("--no-two-jobs", action="store_true")
+    p.add_argument("--staging-bytes", type=int, default=64 << 20, help="the loader's staging budget (bytes)")
     p.set_defaults(fn=_cmd)
 
 
@@ -168,7 +171,8 @@ def _cmd(a) -> int:
     t = time.perf_counter()
     r = run(images=a.images, epochs=a.epochs, fractions=[float(f) for f in a.fractions.split(",")],
             policies=a.policies.split(","), consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
-            bandwidth_MBps=a.bandwidth_MBps, two_jobs_fractions=() if a.no_two_jobs else (1.0, 0.5))
+            bandwidth_MBps=a.bandwidth_MBps, two_jobs_fractions=() if a.no_two_jobs else (1.0, 0.5),
+            staging_bytes=a.staging_bytes)
     print("steady state (epochs >= 1):")
     for s in summary(r):
         print(f"  C={s['cache_fraction']:4.2f}D {s['policy']:8} origin {s['origin_bytes'] / 1e6:7.1f} MB/epoch "
