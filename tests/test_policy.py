@@ -146,3 +146,19 @@ def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use
     assert main(["cache", "clear", str(tmp_path)]) == 2  # one-line error, exit 2
     assert clear(str(tmp_path), "bb") == 2000
     assert status(str(tmp_path))["namespaces"] == {"aa": 3000, "bb": 0}
+
+
+def test_cache_command_handles_nested_node_caches_and_side_stores(tmp_path):
+    """`stoker warm --cache-dir D` keeps one cache per node under D: status and clear see them."""
+    from stoker.cache.status import clear, status
+    root = tmp_path / "warm"
+    node = DiskCache(str(root / "node-abc"), 10_000, "noevict")
+    _fill(node, "v1", 3, 1000)
+    derived = DiskCache(str(root / "node-abc" / ".derived"), 10_000, "noevict")
+    derived.put("v1-rgb", "7", bytes(500))
+    st = status(str(root))
+    assert st["used_bytes"] == 0 and [n["used_bytes"] for n in st["nested"]] == [3000]
+    assert st["nested"][0]["stores"]["derived samples"]["bytes"] >= 500
+    assert clear(str(root)) >= 3500
+    assert status(str(root))["nested"][0]["used_bytes"] == 0
+    assert not (root / "node-abc" / ".derived").exists()

@@ -19,6 +19,15 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _storage_errors() -> tuple:
+    """Exception types of the S3 client stack (credentials, endpoint, HTTP errors), if installed."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return ()
+    return (BotoCoreError, ClientError)
+
+
 def _opts(text: str | None) -> dict:
     return json.loads(text) if text else {}
 
@@ -139,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, IOError, CacheInUseError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, IOError, CacheInUseError,
+            *_storage_errors()) as exc:
         if args.verbose:
             raise
-        print(f"stoker {args.cmd}: {exc}", file=sys.stderr)
+        where = getattr(args, "src", None) or getattr(args, "url", None)
+        where = f" ({where})" if isinstance(where, str) and where not in str(exc) else ""
+        print(f"stoker {args.cmd}{where}: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
+              else f"stoker {args.cmd}{where}: {exc}", file=sys.stderr)
         return 2
 
 

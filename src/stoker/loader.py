@@ -371,6 +371,8 @@ class Loader:
         self._position = (epoch, start)
         # prefetch work for this epoch done while the previous one drained counts here
         before = self._totals(carry.get("pf_boundary") if carry is not None else None)
+        if carry is not None:  # workers' counters as of their early replies for this epoch
+            self._worker_counters.update(carry["counters"])
         cpu_before = self._cpu()
         delivered = np.zeros(len(self.dataset), dtype=np.int64)
         if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
@@ -444,7 +446,7 @@ class Loader:
         ids, displacement = self._epoch_plan(epoch)
         batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         pre = {"run": self._run, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
-               "pending": {}, "next": 0, "displacement": displacement}
+               "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
         while pre["next"] < min(len(batches), self.prefetch_batches):
             self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"])
             pre["next"] += 1
@@ -486,13 +488,15 @@ class Loader:
                                           f"(batch {seq} of epoch {epoch})") from None
                     continue
                 kind, wid, mrun = msg[0], msg[1], msg[2]
-                self._worker_counters[wid] = msg[8]
                 if mrun != run:
                     if self._pre is not None and mrun == self._pre["run"]:
                         self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
+                        self._pre["counters"][wid] = msg[8]  # its work counts in the next epoch
                     else:  # a reply to an abandoned epoch: just free its slot
+                        self._worker_counters[wid] = msg[8]
                         self._ring.release(msg[4])
                     continue
+                self._worker_counters[wid] = msg[8]
                 pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
             msg = pending.pop(seq)
             if msg[0] == "error":

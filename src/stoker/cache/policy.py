@@ -24,6 +24,7 @@ Jobs announce themselves in ``<cache root>/.jobs/<pid>-<namespace>.json`` ({"nam
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 
@@ -66,6 +67,17 @@ def share_budget(capacity_bytes: int, datasets: dict[str, tuple[int, float | Non
     return quotas
 
 
+_AT_EXIT: set = set()
+
+
+def _unregister_at_exit(directory: str, namespace: str, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the hook
+        try:
+            os.unlink(os.path.join(directory, f"{pid}-{namespace}.json"))
+        except OSError:
+            pass
+
+
 class JobRegistry:
     """The jobs reading through one node cache: ``<root>/.jobs/<pid>-<namespace>.json``.
 
@@ -92,6 +104,9 @@ class JobRegistry:
         with open(tmp, "w") as f:
             json.dump(rec, f)
         os.replace(tmp, self._path(pid, namespace))
+        if pid == os.getpid() and (self.dir, namespace, pid) not in _AT_EXIT:
+            _AT_EXIT.add((self.dir, namespace, pid))
+            atexit.register(_unregister_at_exit, self.dir, namespace, pid)
 
     def unregister(self, namespace: str, pid: int | None = None) -> None:
         try:

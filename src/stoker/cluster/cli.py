@@ -14,7 +14,11 @@ def _ray_init(address: str | None):
     """Join the Ray cluster at ``address`` (default: the local one, ``auto``) unless joined already."""
     import ray
     if not ray.is_initialized():
-        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+        try:
+            ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+        except ConnectionError as exc:
+            raise ValueError(f"no Ray cluster at {address or 'auto'} ({exc}); start one with `ray start --head`, "
+                             "or pass --ray-address local to run one inside this command") from None
     return ray
 
 
