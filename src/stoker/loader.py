@@ -225,11 +225,13 @@ class Loader:
             self._pf_cmds = ctx.Queue()
             self._pf_pos = ctx.Value("q", 0, lock=False)
             self._pf_done = ctx.Value("q", 0, lock=False)
+            self._pf_prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
             self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
             self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
                                            args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
                                                  self._pf_counters,
-                                                 self.fetch_concurrency, self.prefetch_bytes, self.staging_bytes),
+                                                 self.fetch_concurrency, self.prefetch_bytes, self.staging_bytes,
+                                                 self._pf_prev_done),
                                            daemon=True)
             self._prefetcher.start()
         self._worker_counters: dict[int, dict] = {}
@@ -453,6 +455,7 @@ class Loader:
         self._pre = pre
         if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
             pre["pf_boundary"] = list(self._pf_counters)  # its work from here on is the next epoch's
+            self._pf_prev_done.value = self._pf_done.value
             self._pf_pos.value = pre["next"] * self.batch_size
             self._pf_done.value = 0
             self._pf_cmds.put((pre["run"], *block_schedule(self.dataset, ids)))
@@ -514,8 +517,11 @@ class Loader:
             del imgs
             wait_box[0] += time.perf_counter() - t_resume
             self._position = (epoch, self._position[1] + 1)
-            if self._prefetcher is not None and self._pre is None:  # positions in this epoch's plan
-                self._pf_done.value = (seq + 1) * self.batch_size
+            if self._prefetcher is not None:  # positions in this epoch's plan
+                if self._pre is None:
+                    self._pf_done.value = (seq + 1) * self.batch_size
+                else:  # the prefetcher is on the next plan already: this one's progress is "previous"
+                    self._pf_prev_done.value = (seq + 1) * self.batch_size
             yield out
             t_resume = time.perf_counter()
 

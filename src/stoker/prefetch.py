@@ -65,12 +65,14 @@ def _fill(ds, b: int) -> str:
 
 
 def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahead_bytes: int,
-                  staging_bytes: int = 64 << 20) -> None:
+                  staging_bytes: int = 64 << 20, prev_done=None) -> None:
     """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need) or
     None to stop; ``position``: shared int64, plan position dispatched to the workers;
     ``done``: shared int64, plan position already delivered (staged blocks whose last use
     is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS).
-    ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged."""
+    ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
+    ``prev_done``: shared int64, the previous plan's delivered position while it drains after a
+    plan change: its staged blocks go as soon as their last use in it is delivered."""
     from .procs import exit_with_parent, parent_gone
     from .workers import fresh_copy
     parent = os.getppid()
@@ -80,6 +82,8 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     pool = ThreadPoolExecutor(concurrency)
     job = None
     staged: dict[int, int] = {}  # staged block -> plan position of its last use
+    prev: dict[int, int] = {}    # staged blocks of the previous plan -> their last use in it
+    cur_last: dict[int, int] = {}  # block -> last use in the current plan (kept after it is done)
     sizes_of = (ds.block_end - ds.block_start).astype(np.int64)
     while True:
         try:
@@ -90,8 +94,10 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             break
         if cmd is not ...:
             _, blocks, first_need, last_need = cmd
-            # Blocks staged for the previous plan may still be read by its last batches; they
-            # go once the new plan's first batch is delivered (done > 0), unless re-staged.
+            # Blocks staged for the previous plan may still be read by its last batches; they go
+            # once their last use there is delivered (prev_done), or at the latest once the new
+            # plan's first batch is delivered (done > 0), unless re-staged for the new plan.
+            prev = {b: cur_last[b] for b in staged if b in cur_last}
             for b in staged:
                 staged[b] = 0
             cum = np.concatenate([[0], np.cumsum(sizes_of[blocks])])
@@ -99,10 +105,18 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "retry": [], "tries": {},
                    "inflight": job["inflight"] if job else {},
                    "failures": 0, "last": dict(zip(blocks.tolist(), last_need.tolist()))}
+            cur_last = job["last"]
         if job is None:
             continue
         inflight = job["inflight"]
         _drop_staged(ds, staged, int(done.value))
+        if prev_done is not None and prev:
+            pd = int(prev_done.value)
+            busy = set(inflight.values())
+            for b in [b for b, last in prev.items() if last < pd and b in staged and b not in busy]:
+                ds.staging.remove(ds.version, ds.block_name(b))
+                del staged[b]
+            prev = {b: last for b, last in prev.items() if b in staged}
         finished = [f for f in inflight if f.done()]
         for f in finished:
             b = inflight.pop(f)
@@ -128,6 +142,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             elif status == "staged":
                 counters[5] += 1
                 staged[b] = job["last"].get(b, 0)  # 0: a block of the previous plan
+                prev.pop(b, None)  # staged for the new plan: kept for its last use there
             elif status == "busy" and b in job["last"] and job["last"][b] >= int(done.value):
                 # another process holds its fetch lock (a worker that got there first, or another
                 # job filling it): try again, or the block would never be staged for this plan
