@@ -33,9 +33,10 @@ MAX_FAILURES = 3
 MAX_BUSY_RETRIES = 50
 
 
-def _drop_staged(ds, staged: dict, done_pos: int | None) -> None:
-    """Delete staged blocks whose last use is before ``done_pos`` (all of them if None)."""
-    for b in [b for b, last in staged.items() if done_pos is None or last < done_pos]:
+def _drop_staged(ds, staged: dict, last_use: dict, done_pos: int, keep=()) -> None:
+    """Delete the staged blocks whose last use (``last_use[b]``, a plan position) is before
+    ``done_pos``, except those in ``keep``; they leave ``staged``."""
+    for b in [b for b, last in last_use.items() if last < done_pos and b in staged and b not in keep]:
         ds.staging.remove(ds.version, ds.block_name(b))
         del staged[b]
 
@@ -109,13 +110,9 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
         if job is None:
             continue
         inflight = job["inflight"]
-        _drop_staged(ds, staged, int(done.value))
+        _drop_staged(ds, staged, staged, int(done.value))
         if prev_done is not None and prev:
-            pd = int(prev_done.value)
-            busy = set(inflight.values())
-            for b in [b for b, last in prev.items() if last < pd and b in staged and b not in busy]:
-                ds.staging.remove(ds.version, ds.block_name(b))
-                del staged[b]
+            _drop_staged(ds, staged, prev, int(prev_done.value), keep=set(inflight.values()))
             prev = {b: last for b, last in prev.items() if b in staged}
         finished = [f for f in inflight if f.done()]
         for f in finished:

@@ -202,14 +202,8 @@ class DiskCache:
     def _entries(self):
         """Yield (path, size, mtime, is_tmp) for every block file and temporary fill."""
         for ns in os.scandir(self.root):
-            if not ns.is_dir() or ns.name.startswith("."):
-                continue
-            for e in os.scandir(ns.path):
-                try:
-                    st = e.stat()
-                except FileNotFoundError:
-                    continue
-                yield e.path, st.st_size, st.st_mtime, e.name.startswith(_TMP)
+            if ns.is_dir() and not ns.name.startswith("."):
+                yield from self._entries_of(ns.name)
 
     def _scan_used(self) -> int:
         """Recount usage from the files on disk (total and per namespace); caller holds the lock."""
@@ -370,10 +364,7 @@ class DiskCache:
         """Delete the oldest blocks (by mtime: least recently used under ``lru``, which
         touches on every hit; first filled otherwise), of ``namespace`` or of any, until
         ``need`` bytes are freed. Returns the bytes in use after. Caller holds the lock."""
-        if namespace is None:
-            entries = self._entries()
-        else:
-            entries = (e for e in self._entries_of(namespace))
+        entries = self._entries() if namespace is None else self._entries_of(namespace)
         victims = sorted((e for e in entries if not e[3]), key=lambda e: e[2])
         for path, size, _, _ in victims:
             if need <= 0:
@@ -389,6 +380,7 @@ class DiskCache:
         return used
 
     def _entries_of(self, namespace: str):
+        """(path, size, mtime, is_tmp) of the files of one namespace directory."""
         try:
             it = list(os.scandir(os.path.join(self.root, namespace)))
         except FileNotFoundError:
