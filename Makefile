@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-dev.txt
+$(STAMP): pyproject.toml setup.py constraints-dev.txt src/stoker/decode/_jpegroi.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints-dev.txt -e '.[dev]'
