@@ -108,3 +108,25 @@ def test_image_folder_listing_skips_non_images_and_refuses_duplicate_keys(tmp_pa
         pack(str(dup), str(tmp_path / "d2"), progress=False)
     with pytest.raises(FileNotFoundError):
         pack(str(tmp_path / "missing"), str(tmp_path / "d3"), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["string", "large_string"])
+def test_index_key_lookup_matches_arrow(kind):
+    """DatasetIndex.key slices the string buffers directly; it must agree with pyarrow for
+    non-ASCII keys, large_string arrays and arrays that are slices (non-zero offset), and
+    survive pickling (workers get a copy)."""
+    import pickle
+
+    import pyarrow as pa
+
+    from stoker.store.index import DatasetIndex
+
+    keys = ["a/0", "été/ß", "", "日本/猫.jpg", "x" * 300, "z/9"]
+    arr = pa.array(["pad", "pad"] + keys, type=pa.large_string() if kind == "large_string" else pa.string())
+    arr = arr.slice(2)  # every kind is a slice of a longer array (offset 2)
+    n = len(keys)
+    ix = DatasetIndex(keys=arr, labels=np.zeros(n, np.int64), shard=np.zeros(n, np.int32),
+                      offset=np.arange(n, dtype=np.int64), length=np.ones(n, np.int64),
+                      checksum=np.zeros(n, np.uint64), shards=[], classes=[], version="v")
+    assert [ix.key(i) for i in range(n)] == keys
+    assert [pickle.loads(pickle.dumps(ix)).key(i) for i in range(n)] == keys

@@ -166,11 +166,11 @@ def _hwc_to_chw(src: np.ndarray, out: np.ndarray, flip: bool) -> None:
     """Write HWC ``src`` (optionally mirrored left-right) into CHW ``out``."""
     if flip:
         src = cv2.flip(src, 1)
-    planes = [out[0], out[1], out[2]]
-    if all(p.flags.c_contiguous for p in planes):
+    if out.flags.c_contiguous:
+        planes = [out[0], out[1], out[2]]
         got = cv2.split(src, planes)
-        # cv2 writes in place only if the buffers fit; verify rather than trust it.
-        if all(g.ctypes.data == p.ctypes.data for g, p in zip(got, planes)):
+        # cv2 writes in place (and hands back the same arrays) only if the buffers fit; check.
+        if all(g is p for g, p in zip(got, planes)):
             return
     out[...] = src.transpose(2, 0, 1)
 

@@ -121,7 +121,21 @@ class DatasetIndex:
         return len(self.labels)
 
     def key(self, i: int) -> str:
-        return self.keys[int(i)].as_py()
+        """Sample key ``i`` (str), sliced from the string array's buffers (about 1 us; a
+        pyarrow scalar costs about 10x that on the decode hot path)."""
+        kb = self.__dict__.get("_key_buffers")
+        if kb is None:
+            kb = self.__dict__["_key_buffers"] = _string_buffers(self.keys)
+        if kb is False:
+            return self.keys[int(i)].as_py()
+        offsets, data = kb
+        i = int(i)
+        return str(data[offsets[i]:offsets[i + 1]], "utf-8")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_key_buffers", None)  # derived from keys; rebuilt on first use
+        return state
 
     @property
     def total_bytes(self) -> int:
@@ -154,6 +168,19 @@ def _span_end(offset: np.ndarray, length: np.ndarray, members: Members | None) -
         owner = np.repeat(np.arange(len(offset)), np.diff(members.start))
         np.maximum.at(end, owner, members.offset + members.length)
     return end
+
+
+def _string_buffers(arr: pa.Array):
+    """``(offsets int64 (N+1,), data bytes)`` of a string array, or False for other layouts."""
+    if arr.type == pa.string():
+        otype = np.int32
+    elif arr.type == pa.large_string():
+        otype = np.int64
+    else:
+        return False
+    _validity, obuf, dbuf = arr.buffers()
+    offsets = np.frombuffer(obuf, otype)[arr.offset : arr.offset + len(arr) + 1].astype(np.int64)
+    return offsets, (dbuf.to_pybytes() if dbuf is not None else b"")
 
 
 def content_version(keys: pa.Array, labels, shard, offset, length, checksum, shards,
