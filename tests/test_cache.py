@@ -1,6 +1,7 @@
 """Node cache: budget never exceeded, left-over fills and corrupt blocks found, single flight."""
 import multiprocessing as mp
 import os
+import time
 
 import numpy as np
 import pytest
@@ -181,3 +182,31 @@ def test_two_writers_of_one_block_count_it_once(tmp_path):
         t.join()
     assert c.used_bytes() == 5000 == _usage_on_disk(tmp_path)
     assert c.namespace_usage() == {"v": 5000}
+
+
+def test_fetch_lock_released_although_a_child_forked_while_it_was_held(tmp_path):
+    """A process forked while a thread held a fetch lock has a copy of its descriptor; the
+    lock must still be free as soon as the holder leaves it, not when the child exits."""
+    import threading
+
+    cache = DiskCache(str(tmp_path), 1 << 20)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with cache.fetch_lock("ns", "blk", blocking=True):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(5)
+    child = mp.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+    child.start()
+    try:
+        release.set()
+        t.join(5)
+        with cache.fetch_lock("ns", "blk", blocking=False) as got:
+            assert got
+    finally:
+        child.kill()
+        child.join(5)

@@ -29,8 +29,13 @@ log = logging.getLogger(__name__)
 N_COUNTERS = 8
 #: Consecutive failed fills after which prefetching stops for the epoch.
 MAX_FAILURES = 3
-#: Times a block whose fetch lock another process held is tried again.
+#: Times a block whose fetch lock was held elsewhere is tried again while it is still needed.
 MAX_BUSY_RETRIES = 50
+#: Wait before the k-th such retry: BUSY_BACKOFF_S * 2**k seconds, at most BUSY_BACKOFF_MAX_S.
+#: A fill holds its lock for one block GET (tens of ms), so retries spread over about 4 s;
+#: retrying at once spent all 50 tries in 10 ms and the block was then read sample by sample.
+BUSY_BACKOFF_S = 0.005
+BUSY_BACKOFF_MAX_S = 0.1
 
 
 def _drop_staged(ds, staged: dict, last_use: dict, done_pos: int, keep=()) -> None:
@@ -143,14 +148,17 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             elif status == "busy" and b in job["last"] and job["last"][b] >= int(done.value):
                 # another process holds its fetch lock (a worker that got there first, or another
                 # job filling it): try again, or the block would never be staged for this plan
-                job["tries"][b] = job["tries"].get(b, 0) + 1
-                if job["tries"][b] <= MAX_BUSY_RETRIES:
-                    job["retry"].append(b)
+                k = job["tries"][b] = job["tries"].get(b, 0) + 1
+                if k <= MAX_BUSY_RETRIES:
+                    job["retry"].append((time.monotonic() + min(BUSY_BACKOFF_MAX_S, BUSY_BACKOFF_S * 2 ** k), b))
             counters[0] = ds.origin.counters.bytes
             counters[1] = ds.origin.counters.requests
-        while job["retry"] and len(inflight) < concurrency:
-            b = job["retry"].pop(0)
-            inflight[pool.submit(_fill, ds, b)] = b
+        if job["retry"] and len(inflight) < concurrency:
+            now = time.monotonic()
+            due = [r for r in job["retry"] if r[0] <= now][: concurrency - len(inflight)]
+            for r in due:
+                job["retry"].remove(r)
+                inflight[pool.submit(_fill, ds, r[1])] = r[1]
         j = job["next"]
         pos = int(position.value)
         consumed = int(np.searchsorted(job["first"], pos, side="left"))
@@ -161,8 +169,10 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             counters[7] += 1
             job["depth_pos"] = pos
         if j >= len(job["blocks"]):
-            if not inflight:
+            if not inflight and not job["retry"]:
                 job = None
+            elif not inflight:
+                time.sleep(0.005)  # only retries left, waiting for their time
             continue
         progressed = False
         staged_now = sum(sizes_of[b] for b in staged) if ds.staging is not None else 0
@@ -180,7 +190,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             progressed = True
         job["next"] = j
         if inflight and not progressed:
-            wait(inflight, timeout=0.02, return_when=FIRST_COMPLETED)
+            wait(inflight, timeout=0.005 if job["retry"] else 0.02, return_when=FIRST_COMPLETED)
         elif not progressed:
             time.sleep(0.005)
     # Queued fills are dropped; fills in flight finish (each is one ranged GET). The loader

@@ -4,7 +4,7 @@ Layout under ``root``::
 
     .lock            flock'd while the budget is read or changed; its first 8 bytes hold
                      the bytes in use (committed plus reserved), little-endian int64
-    .locks/NN        256 striped fetch locks (single flight: one process fetches a block)
+    .locks/NNNN      4096 striped fetch locks (single flight: one process fetches a block)
     <namespace>/<block name>            committed blocks (namespace = dataset content version)
     <namespace>/.tmp-<pid>-<rand>       fills in progress
 
@@ -46,7 +46,10 @@ from .files import TMP_MARK, read_at, write_whole
 from .policy import JobRegistry, share_budget
 
 POLICIES = ("future", "noevict", "lru")
-_STRIPES = 256
+# Fetch locks are striped over this many lock files.  Two blocks on one stripe serialise their
+# fills, and a prefetch that finds a stripe taken must come back later: with 8 fills in flight
+# and 256 stripes, about 3% of fills collided (bench cache, C = 0.1 D); 4096 makes that 0.2%.
+_STRIPES = 4096
 _TMP = TMP_MARK
 
 
@@ -131,13 +134,15 @@ class DiskCache:
         releases the lock (the kernel drops flocks of closed files).
         """
         stripe = xxhash.xxh3_64_intdigest(f"{namespace}/{name}".encode()) % _STRIPES
-        fd = os.open(os.path.join(self.root, ".locks", f"{stripe:03d}"), os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(os.path.join(self.root, ".locks", f"{stripe:04d}"), os.O_CREAT | os.O_RDWR, 0o644)
+        locked = False
         try:
             deadline = time.monotonic() + self.lock_timeout_s
             delay = 0.001
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
                     break
                 except OSError as exc:
                     if exc.errno not in (errno.EAGAIN, errno.EACCES):
@@ -152,6 +157,11 @@ class DiskCache:
                     delay = min(delay * 2, 0.02)
             yield True
         finally:
+            if locked:
+                # Unlock explicitly: a process forked while this thread held the lock has a copy
+                # of the descriptor, and closing ours alone would leave the lock held until
+                # that child exits (seen as a block "busy" forever in the prefetcher).
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
     # -- usage accounting --------------------------------------------------

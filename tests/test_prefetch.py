@@ -1,0 +1,62 @@
+"""The block prefetcher (stoker.prefetch) on its own: a block whose fetch lock is held for a
+while is staged once the lock is free, not given up."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+
+from stoker.cache.staging import StagingArea
+from stoker.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.store.dataset import open_dataset
+
+
+def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_path):
+    # A cache too small to admit anything: every block the plan needs must be staged.
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=64 << 10)
+    ds.staging = StagingArea(str(tmp_path / "staging"))
+    plan = np.arange(len(ds))
+    blocks, first, last = block_schedule(ds, plan)
+    b0 = int(blocks[0])
+    ctx = mp.get_context("fork")
+    cmds = ctx.Queue()
+    pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
+    counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+    pos.value = len(plan)  # the whole plan is dispatched: prefetch all of it
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another process's fill of a block on b0's lock stripe, for 0.4 s
+        with ds.cache.fetch_lock(ds.version, ds.block_name(b0), blocking=True):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    proc = ctx.Process(target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done),
+                       daemon=True)
+    proc.start()
+    try:
+        cmds.put((1, blocks, first, last))
+        deadline = time.monotonic() + 30
+        while counters[5] < len(blocks) - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counters[5] == len(blocks) - 1  # all but b0 staged while its lock is held
+        assert not ds.staging.contains(ds.version, ds.block_name(b0))
+        time.sleep(0.4)  # the prefetcher keeps coming back to b0 meanwhile
+        release.set()
+        t.join()
+        deadline = time.monotonic() + 10
+        while counters[5] < len(blocks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ds.staging.contains(ds.version, ds.block_name(b0))
+        assert counters[5] == len(blocks) and counters[4] == 0
+    finally:
+        release.set()
+        cmds.put(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
