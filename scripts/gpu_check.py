@@ -17,7 +17,8 @@ checks (reported as skipped otherwise). Checks:
    naming the key; every other file: decoded, within ``--tolerance`` of the reference).
 3. ``train``: RandomResizedCrop + flip on the GPU vs the CPU path on the same crops (mean diff).
 4. ``loader``: Loader(device="cuda") on a small packed dataset: batches on the GPU, equal to
-   the CPU loader's batches.
+   the CPU loader's batches; and Loader(decode_device="cuda") (JPEG decode + transform on the
+   GPU in the training process): same labels, pixels within a mean abs difference of 3.
 Exit status 0 when every check passes, 1 otherwise.
 """
 from __future__ import annotations
@@ -138,8 +139,22 @@ def check_loader(device: str, work: str) -> dict:
     on_device = all(x.is_cuda and y.is_cuda for x, y in gpu)
     equal = len(cpu) == len(gpu) and all(torch.equal(a.cpu(), c) and torch.equal(b.cpu(), d)
                                          for (c, d), (a, b) in zip(cpu, gpu))
-    return {"batches": len(gpu), "on_device": on_device, "equal_to_cpu_loader": equal, "transfer": stats,
-            "ok": on_device and equal}
+    out = {"batches": len(gpu), "on_device": on_device, "equal_to_cpu_loader": equal, "transfer": stats,
+           "ok": on_device and equal}
+    try:  # decode on the GPU in the training process: same crops, pixels within a small mean difference
+        with Loader(ds, decode_device=device, **kw) as lo:
+            dev = [(x, y) for x, y in lo]
+            dstats = lo.device_decode_stats.__dict__
+        diffs = [float((a.cpu().float() - c.float()).abs().mean()) for (c, _), (a, _) in zip(cpu, dev)]
+        labels_equal = all(torch.equal(b.cpu(), d) for (_, d), (_, b) in zip(cpu, dev))
+        ok = (len(dev) == len(cpu) and all(x.is_cuda for x, _ in dev) and labels_equal
+              and max(diffs) < 3.0 and dstats["gpu"] > 0)
+        out["decode_device"] = {"batches": len(dev), "labels_equal": labels_equal, "mean_abs_diff_vs_cpu": diffs,
+                                "stats": dstats, "ok": ok}
+    except RuntimeError as exc:  # no GPU JPEG decoder importable
+        out["decode_device"] = {"skipped": str(exc), "ok": True}
+    out["ok"] = out["ok"] and out["decode_device"]["ok"]
+    return out
 
 
 def main() -> int:

@@ -29,8 +29,8 @@ import simplejpeg
 import torch
 import torch.nn.functional as F
 
-from .decode.image import DEFAULT_MAX_PIXELS, _exif_orientation, decode_image
-from .decode.transforms import random_resized_crop_params
+from .decode.image import DEFAULT_MAX_PIXELS, DecodeError, _exif_orientation, decode_image
+from .decode.transforms import _resized_hw, eval_resize_for, random_resized_crop_params
 
 __all__ = ["GpuJpegDecoder", "GpuDecodeStats", "find_backend", "gpu_eligible"]
 
@@ -130,8 +130,11 @@ class GpuJpegDecoder:
         except Exception:  # noqa: BLE001 - any backend failure means: decode it on the CPU
             return None
 
-    def decode(self, datas: list, keys: list[str]) -> list[torch.Tensor]:
+    def decode(self, datas: list, keys: list[str], skip_errors: bool = False) -> list[torch.Tensor | None]:
         """Decode ``datas`` (encoded bytes) to ``(3, H, W)`` uint8 tensors on the device.
+
+        Args:
+            skip_errors: a sample neither path reads becomes ``None`` instead of raising.
 
         Raises:
             DecodeError: a sample neither the GPU nor the CPU path reads (names its key).
@@ -160,7 +163,11 @@ class GpuJpegDecoder:
             if t is None:
                 if sizes[i] is None:
                     self.stats.screened += 1
-                out[i] = self._cpu(datas[i], keys[i])
+                try:
+                    out[i] = self._cpu(datas[i], keys[i])
+                except DecodeError:
+                    if not skip_errors:
+                        raise
         return out
 
     def train_batch(self, datas: list, keys: list[str], rngs: list, size: int = 224) -> torch.Tensor:
@@ -170,16 +177,51 @@ class GpuJpegDecoder:
         resampling is ``F.interpolate(bilinear, antialias=True)``, torchvision's tensor
         equivalent of Pillow's BILINEAR.
         """
-        imgs = self.decode(datas, keys)
+        return self.transform_batch(self.decode(datas, keys), "train", rngs, size)
+
+    def transform_batch(self, imgs: list, mode: str, rngs: list | None, size: int = 224,
+                        resize: int | None = None) -> torch.Tensor:
+        """The train or eval transform of decoded ``(3, H, W)`` uint8 device tensors, on the device.
+
+        ``"train"``: RandomResizedCrop(size) + flip, crop and flip drawn from ``rngs[j]`` exactly as
+        :func:`stoker.decode.transforms.train_transform` draws them (so the boxes are the CPU
+        path's). ``"eval"``: Resize(``resize``, default 256 for 224) of the shorter side +
+        CenterCrop(size), torchvision's size and offset rules. Resampling is
+        ``F.interpolate(bilinear, antialias=True)``, torchvision's tensor equivalent of Pillow's
+        BILINEAR.
+
+        Returns:
+            ``(N, 3, size, size)`` uint8 on the device.
+
+        Raises:
+            ValueError: unknown ``mode``, or eval with ``size > resize``.
+        """
+        if mode not in ("train", "eval"):
+            raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+        resize = eval_resize_for(size) if resize is None else resize
+        if mode == "eval" and size > resize:
+            raise ValueError(f"crop size {size} larger than resize {resize}")
         out = torch.empty((len(imgs), 3, size, size), dtype=torch.uint8, device=self.device)
-        for j, (img, rng) in enumerate(zip(imgs, rngs)):
-            top, left, h, w = random_resized_crop_params(int(img.shape[1]), int(img.shape[2]), rng)
-            flip = bool(rng.random() < 0.5)
-            crop = img[:, top:top + h, left:left + w].unsqueeze(0).float()
-            res = F.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-            res = res[0].round_().clamp_(0, 255).to(torch.uint8)
-            out[j] = res.flip(-1) if flip else res
+        for j, img in enumerate(imgs):
+            H, W = int(img.shape[1]), int(img.shape[2])
+            if mode == "train":
+                top, left, h, w = random_resized_crop_params(H, W, rngs[j])
+                flip = bool(rngs[j].random() < 0.5)
+                out[j] = _resample(img[:, top:top + h, left:left + w], size, size, flip)
+            else:
+                nh, nw = _resized_hw(H, W, resize)
+                res = _resample(img, nh, nw, False)
+                top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
+                out[j] = res[:, top:top + size, left:left + size]
         return out
+
+
+def _resample(img: torch.Tensor, out_h: int, out_w: int, flip: bool) -> torch.Tensor:
+    """Antialiased bilinear resize of a ``(3, h, w)`` uint8 tensor to ``(3, out_h, out_w)`` uint8."""
+    res = F.interpolate(img.unsqueeze(0).float(), size=(out_h, out_w), mode="bilinear", align_corners=False,
+                        antialias=True)
+    res = res[0].round_().clamp_(0, 255).to(torch.uint8)
+    return res.flip(-1) if flip else res
 
 
 def _orient_chw(t: torch.Tensor, orientation: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ import time
 import numpy as np
 
 from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
-from .order import pack_bitmap, permutation, rank_plan, unpack_bitmap
+from .loader_state import ResumableMixin
+from .order import permutation, rank_plan
 from .procs import SharedCell
 from .prefetch import N_COUNTERS, block_schedule, prefetch_main
 from .ring import SlotRing
@@ -31,7 +32,7 @@ class WorkerError(RuntimeError):
     """A worker failed or died; the message names the worker and the sample key."""
 
 
-class Loader:
+class Loader(ResumableMixin):
     """Batches of decoded, augmented images from a :class:`stoker.store.dataset.Dataset`.
 
     Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
@@ -75,6 +76,10 @@ class Loader:
     ``device``: ``None``/``"cpu"`` yield the shared-memory tensors; ``"cuda"`` copies each
     batch through pinned memory on a side stream (:mod:`stoker.transfer`; RuntimeError at
     construction when CUDA is not available).
+    ``decode_device``: ``"cuda"`` decodes the JPEGs on the GPU in the training process (nvJPEG,
+    per-sample CPU fallback; :mod:`stoker.device_decode`): the workers only read and verify
+    bytes, and batches arrive on that device (``device`` defaults to it). Not with
+    ``cache_form``. ``loader.device_decode_stats`` counts the samples per path.
     The images of a batch live in shared memory; the slot is reused only after
     every reference to the batch tensor is dropped.
     """
@@ -88,7 +93,7 @@ class Loader:
                  order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
                  prefetch_next_epoch: bool = True, cache_aware_window: int = 0,
                  cache_form: str | None = None, cache_form_bytes: int = 16 << 30, cache_form_dir: str | None = None,
-                 device: str | None = None):
+                 device: str | None = None, decode_device=None):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
@@ -102,6 +107,11 @@ class Loader:
         if cache_form not in (None, "auto"):
             from .decode.forms import parse_form
             parse_form(cache_form, image_size)  # ValueError now, not in a worker
+        if decode_device is not None:
+            if cache_form is not None:
+                raise ValueError("cache_form (derived forms decoded on the CPU) cannot be used with decode_device")
+            if device is None:
+                device = decode_device if isinstance(decode_device, str) else None
         if device not in (None, "cpu"):
             from .transfer import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
@@ -126,7 +136,9 @@ class Loader:
         self.order_window = int(order_window)
         self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
-                    "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size}
+                    "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size,
+                    "decode_on": "cpu" if decode_device is None else "device"}
+        self.decode_device, self._device_decoder = decode_device, None
         self.cache_form, self.cache_form_bytes, self.cache_form_dir = cache_form, int(cache_form_bytes), cache_form_dir
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
         self.device = device
@@ -235,6 +247,9 @@ class Loader:
                                            daemon=True)
             self._prefetcher.start()
         self._worker_counters: dict[int, dict] = {}
+        if self.decode_device is not None and self._device_decoder is None:  # after the forks (CUDA)
+            from .device_decode import DeviceBatchDecoder
+            self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
         self._started = True
 
     def close(self) -> None:
@@ -317,48 +332,6 @@ class Loader:
         self.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
         return self._epoch(self._run, epoch, start)
 
-    # -- resume (torchdata StatefulDataLoader convention) ---------------------
-    def state_dict(self) -> dict:
-        """Where the stream stands: the epoch and the batches of it already yielded.
-
-        Everything else is a pure function of the configuration (order of (seed, epoch,
-        rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
-        with the same arguments in a new process and given this state yields the rest of
-        the stream batch for batch. Plain ints and strings (JSON-serialisable).
-        """
-        return {"epoch": self._position[0], "batches_done": self._position[1], "seed": self.seed,
-                "order": self.order, "order_window": self.order_window, "rank": self.rank,
-                "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
-                "drop_last": self.drop_last, "transform": self.cfg["transform"],
-                "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
-                "cache_aware_window": self.cache_aware_window,
-                "cached_blocks": pack_bitmap(self._hit_maps.get(self._position[0]))}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
-        ``batches_done`` batches (or starts the next epoch if that one was finished).
-
-        Raises ValueError when the state belongs to another dataset version or to a
-        different order, batch size, rank split or transform (the rest of the stream
-        would not be the same).
-        """
-        mine = self.state_dict()
-        for k in ("seed", "order", "order_window", "rank", "world_size", "batch_size", "even",
-                  "drop_last", "transform", "dataset_version", "num_samples", "cache_aware_window"):
-            if k in state and state[k] != mine[k]:
-                raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {mine[k]!r}")
-        epoch, done = int(state["epoch"]), int(state["batches_done"])
-        nb = -(-len(self.plan(epoch)) // self.batch_size)
-        if not 0 <= done <= nb:
-            raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
-        bits = unpack_bitmap(state.get("cached_blocks"), self.dataset.num_blocks)
-        if bits is not None and done < nb:
-            self._hit_maps[epoch] = bits  # the same cache-aware order as the saved run
-        if done == nb:
-            epoch, done = epoch + 1, 0
-        self.epoch, self._resume_batch, self._position = epoch, done, (epoch, done)
-        self._pre = None
-
     def _epoch(self, run: int, epoch: int, start: int = 0):
         t_start = time.perf_counter()
         stats = EpochStats(epoch=epoch)
@@ -387,15 +360,11 @@ class Loader:
             if self.num_workers == 0:
                 for seq, bids in enumerate(batches):
                     slot = self._ring.acquire()
-                    n, skipped, skipped_keys = self._decoder.run(epoch, bids, *self._ring.views(slot))
-                    account(stats, bids, skipped, skipped_keys, delivered)
-                    if n == 0:  # every sample of the batch was skipped: yield nothing for it
-                        self._ring.release(slot)
+                    out = self._deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self._ring.views(slot)),
+                                        stats=stats, delivered=delivered)
+                    if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self._position = (epoch, start + seq + 1)
                         continue
-                    imgs, labels = self._ring.batch(slot, n)
-                    out = self._as_batch(imgs, labels)
-                    del imgs
                     wait_box[0] += time.perf_counter() - t_resume
                     self._position = (epoch, start + seq + 1)
                     yield out
@@ -427,6 +396,29 @@ class Loader:
                            stats.seconds * len(self.dataset) / stats.samples)
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)
+
+    def _deliver(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, *, stats, delivered):
+        """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
+        tensors over the slot (or on ``device``), or the device decode of the workers'
+        ``payloads`` (the slot is then released at once). None when every sample was skipped."""
+        if payloads is not None:
+            labels = self._ring.views(slot)[1][:n].copy()
+            self._ring.release(slot)
+            images, labels, more, more_keys = self._device_decoder(epoch, payloads, labels)
+            account(stats, bids, list(skipped) + more, list(skipped_keys) + more_keys, delivered)
+            return None if images is None else (images, labels)
+        account(stats, bids, skipped, skipped_keys, delivered)
+        if n == 0:
+            self._ring.release(slot)
+            return None
+        imgs, labels = self._ring.batch(slot, n)
+        return self._as_batch(imgs, labels)
+
+    @property
+    def device_decode_stats(self):
+        """Samples decoded on the device / by the CPU fallback (``GpuDecodeStats``), or None
+        without ``decode_device``."""
+        return getattr(self._device_decoder.decoder, "stats", None) if self._device_decoder is not None else None
 
     def _as_batch(self, imgs, labels):
         """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.transfer`."""
@@ -505,16 +497,12 @@ class Loader:
             if msg[0] == "error":
                 _, wid, _, mseq, slot, key, err, tb, _ = msg
                 raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
-            _, wid, _, _, slot, n, skipped, skipped_keys, _ = msg
+            slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
-            account(stats, bids, skipped, skipped_keys, delivered)
-            if n == 0:  # every sample of the batch was skipped: yield nothing for it
-                self._ring.release(slot)
+            out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], stats=stats, delivered=delivered)
+            if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self._position = (epoch, self._position[1] + 1)
                 continue
-            imgs, labels = self._ring.batch(slot, n)
-            out = self._as_batch(imgs, labels)
-            del imgs
             wait_box[0] += time.perf_counter() - t_resume
             self._position = (epoch, self._position[1] + 1)
             if self._prefetcher is not None:  # positions in this epoch's plan

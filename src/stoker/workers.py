@@ -66,10 +66,22 @@ class BatchDecoder:
             der.put(sid, key, img)
 
     def run(self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None):
-        """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys)."""
+        """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys,
+        payloads). ``payloads`` is None, except when the training process decodes on the device
+        (``cfg["decode_on"] == "device"``): then no image is written and it is the list of
+        ``(sample id, verified bytes)`` of the batch, in the order of ``labels``."""
         from .decode import DecodeError
         from .order import sample_seed
         cfg, ds = self.cfg, self.ds
+        if cfg.get("decode_on") == "device":
+            payloads = []
+            for j, sid in enumerate(ids):
+                sid = int(sid)
+                if current is not None:
+                    current.value = sid
+                payloads.append((sid, ds.read(sid)))
+                labels[j] = ds.index.labels[sid]
+            return len(payloads), [], [], payloads
         mode, seed, size = cfg["transform"], cfg["seed"], cfg["image_size"]
         skip = cfg["on_error"] == "skip"
         j, skipped, skipped_keys = 0, [], []
@@ -89,7 +101,7 @@ class BatchDecoder:
                 continue
             labels[j] = ds.index.labels[sid]
             j += 1
-        return j, skipped, skipped_keys
+        return j, skipped, skipped_keys, None
 
 
 def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
@@ -123,8 +135,8 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
             if path not in maps:
                 maps[path] = map_slot(path, cfg["batch_size"], cfg["image_size"])
             _, images, labels = maps[path]
-            n, skipped, skipped_keys = dec.run(epoch, ids, images, labels, current)
-            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, dec.derived)))
+            n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images, labels, current)
+            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, dec.derived), payloads))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
             key = ds.key(sid) if 0 <= sid < len(ds) else None

@@ -1,0 +1,79 @@
+"""Decode on the accelerator, in the training process (DLBooster's split of the work).
+
+With ``Loader(..., decode_device="cuda")`` the loader's workers only read and verify each
+sample's bytes (cache, staging or origin; checksums) and fill the labels; the training process
+hands each batch's payloads to a :class:`stoker.gpu_decode.GpuJpegDecoder`, which decodes the
+JPEGs on the GPU (nvJPEG) and falls back to the CPU path per sample, and applies the train or
+eval transform on the device. Crop boxes and flips are drawn from the same per-sample RNG as the
+CPU path (``sample_seed(seed, epoch, sample id)``), so a resumed or re-run epoch gets the same
+boxes; pixels differ slightly from the CPU path (nvJPEG's IDCT and upsampling, torch's
+antialiased bilinear resize).
+
+The decoder is made in the training process after the workers are forked (a process forked
+after CUDA is initialised cannot use it). Unverified on a GPU in this repository's tests (no
+device here): they run the same code with an injected CPU stand-in for nvJPEG.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DeviceBatchDecoder"]
+
+
+class DeviceBatchDecoder:
+    """Training-process side of device decode: payloads of one batch -> tensors on the device.
+
+    Args:
+        decoder: a :class:`~stoker.gpu_decode.GpuJpegDecoder` (or an object with its
+            ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs, size)`` and
+            ``device``).
+        dataset: the loader's dataset (sample keys for error messages).
+        cfg: the loader's worker configuration (``transform``, ``seed``, ``image_size``,
+            ``on_error``).
+    """
+
+    def __init__(self, decoder, dataset, cfg: dict):
+        self.decoder, self.dataset, self.cfg = decoder, dataset, cfg
+
+    @classmethod
+    def create(cls, spec, dataset, cfg: dict) -> "DeviceBatchDecoder":
+        """From ``Loader(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
+        RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
+        if isinstance(spec, str):
+            from .gpu_decode import GpuJpegDecoder
+            spec = GpuJpegDecoder(spec, exif_orientation=cfg["exif_orientation"])
+        return cls(spec, dataset, cfg)
+
+    def __call__(self, epoch: int, payloads: list, labels: np.ndarray):
+        """Decode and transform one batch.
+
+        Args:
+            epoch: the epoch (for the per-sample RNG).
+            payloads: ``[(sample id, bytes)]`` in batch order, as the workers read them.
+            labels: ``(len(payloads),)`` int64, in the same order.
+
+        Returns:
+            ``(images, labels, skipped ids, skipped keys)``: images ``(n, 3, S, S)`` uint8 and
+            labels ``(n,)`` int64 on the device (``None`` when every sample was skipped), and the
+            samples dropped under ``on_error="skip"``.
+
+        Raises:
+            DecodeError: a sample no decoder reads, with ``on_error="raise"`` (names its key).
+        """
+        import torch
+
+        from .order import sample_seed
+        keys = [self.dataset.key(sid) for sid, _ in payloads]
+        skip = self.cfg["on_error"] == "skip"
+        imgs = self.decoder.decode([data for _, data in payloads], keys, skip_errors=skip)
+        keep = [j for j, im in enumerate(imgs) if im is not None]
+        skipped = [int(payloads[j][0]) for j in range(len(imgs)) if imgs[j] is None]
+        skipped_keys = [keys[j] for j in range(len(imgs)) if imgs[j] is None]
+        if not keep:
+            return None, None, skipped, skipped_keys
+        mode, seed = self.cfg["transform"], self.cfg["seed"]
+        rngs = ([np.random.default_rng(sample_seed(seed, epoch, int(payloads[j][0]))) for j in keep]
+                if mode == "train" else None)
+        images = self.decoder.transform_batch([imgs[j] for j in keep], mode, rngs, self.cfg["image_size"])
+        lab = torch.from_numpy(np.ascontiguousarray(labels[keep], dtype=np.int64))
+        return images, lab.to(self.decoder.device, non_blocking=True), skipped, skipped_keys
