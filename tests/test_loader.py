@@ -137,6 +137,20 @@ def test_killed_worker_raises_naming_the_worker(packed_local, tmp_path):
     loader.close()
 
 
+def test_killed_prefetcher_is_reported(packed_local, tmp_path):
+    """A SIGKILLed prefetch process is reported with the next batch, not silently worked around."""
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    loader = Loader(ds, 4, num_workers=2, transform="eval", timeout_s=30)
+    it = iter(loader)
+    next(it)
+    os.kill(loader._prefetcher.pid, signal.SIGKILL)
+    loader._prefetcher.join(10)
+    with pytest.raises(WorkerError, match=r"prefetch process \(pid \d+\) died with exit code -9"):
+        for _ in it:
+            pass
+    loader.close()
+
+
 def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, sample_tree, tmp_path):
     from stoker import OriginError
     from stoker.bench.origin import upload_tree

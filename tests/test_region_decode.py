@@ -198,3 +198,47 @@ def test_without_extension_whole_image_path(monkeypatch):
     got = decode_transform(data, name, "train", np.random.default_rng(5), size=64)
     assert decode_stats()["roi"] == before["roi"] and decode_stats()["fast"] == before["fast"] + 1
     np.testing.assert_array_equal(got, want)
+
+
+@needs_roi
+@pytest.mark.parametrize("where", [0.5, 0.9, 0.99])
+def test_structural_error_below_the_box_fails_every_epoch(where):
+    """A second SOF marker inside a one-scan file's entropy data, below any box: the whole-image
+    path refuses the file, so the region path must too, whatever box is drawn (else a sample
+    would fail in some epochs and not others)."""
+    import struct
+
+    data = BIG_BASELINE
+    sos = data.index(b"\xff\xda")
+    scan0 = sos + 2 + struct.unpack(">H", data[sos + 2:sos + 4])[0]
+    sof = data.index(b"\xff\xc0")
+    sofseg = data[sof:sof + 2 + struct.unpack(">H", data[sof + 2:sof + 4])[0]]
+    p = scan0 + int((len(data) - 2 - scan0) * where)
+    while data[p - 1] == 0xFF:
+        p += 1
+    bad = data[:p] + sofseg + data[p:]
+    with pytest.raises(DecodeError):
+        decode_image(bad, "whole")
+    assert jpeg_region_size(bad, "bad") is None
+    for seed in range(12):
+        with pytest.raises(DecodeError, match="bad-key"):
+            decode_transform(bad, "bad-key", "train", np.random.default_rng(seed))
+
+
+@needs_roi
+def test_structure_check_accepts_restart_markers_and_multi_scan_files():
+    from stoker.decode import _jpegroi
+
+    im = _photo(4, (200, 150))
+    for kw in ({"restart_marker_rows": 1}, {"restart_marker_blocks": 3}, {"progressive": True}, {}):
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=90, **kw)
+        data = buf.getvalue()
+        assert (b"\xff\xdd" in data) == any(k.startswith("restart") for k in kw)  # DRI: restart markers on
+        assert _jpegroi.structure_ok(data), kw
+        full = decode_image(data, "k")
+        got = decode_jpeg_region(data, "k", 40, 33, 70, 90)
+        np.testing.assert_array_equal(got, full[40:110, 33:123])
+    assert not _jpegroi.structure_ok(BIG_BASELINE[:-2])  # no EOI
+    assert not _jpegroi.structure_ok(b"")
+    assert not _jpegroi.structure_ok(b"\xff\xd8\xff\xd9")  # no scan at all

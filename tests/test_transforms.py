@@ -263,6 +263,15 @@ def test_decode_transform_arguments(photos):
         decode_transform(photos[0], "k", "test", np.random.default_rng(0))
     x = decode_transform(photos[0], "k", "eval", None, size=128)
     assert x.shape == (3, 128, 128)
+    with pytest.raises(ValueError, match="Generator"):
+        decode_transform(photos[0], "k", "train", 0)
+    for mode in ("train", "eval"):
+        with pytest.raises(ValueError, match="size"):
+            decode_transform(photos[0], "k", mode, np.random.default_rng(0), size=0)
+        ro = np.zeros((3, 64, 64), np.uint8)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            decode_transform(photos[0], "k", mode, np.random.default_rng(0), size=64, out=ro)
 
 
 def test_measure_decode_rate(photos):

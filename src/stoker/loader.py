@@ -499,6 +499,7 @@ class Loader(ResumableMixin):
                 raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
+            self._check_prefetcher()
             out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], stats=stats, delivered=delivered)
             if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self._position = (epoch, self._position[1] + 1)
@@ -520,6 +521,11 @@ class Loader(ResumableMixin):
                 key = self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
                 raise WorkerError(f"worker {wid} (pid {p.pid}) died with exit code {p.exitcode}"
                                   + (f" while reading/decoding sample {key!r}" if key else ""))
+        self._check_prefetcher()
+
+    def _check_prefetcher(self) -> None:
+        """WorkerError if the prefetch process died (checked with every batch: the workers would
+        go on reading sample by sample from the origin, and nothing would delete staged blocks)."""
         if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
             raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
                               f"{self._prefetcher.exitcode}")

@@ -19,6 +19,7 @@
  *
  * Functions (all release the GIL while libjpeg runs):
  *   header(data) -> (height, width, jpeg_color_space)
+ *   structure_ok(data) -> bool (see structure_ok below)
  *   decode_region(data, top, left, height, width) -> (bytearray, x0, out_width)
  *       bytearray holds `height` rows of `out_width` RGB pixels (uint8, row-major) starting at
  *       image column x0 <= left, with x0 + out_width >= left + width (iMCU alignment).
@@ -88,6 +89,71 @@ static PyObject *jpegroi_header(PyObject *self, PyObject *args) {
         return NULL;
     }
     return Py_BuildValue("(IIi)", (unsigned int)height, (unsigned int)width, space);
+}
+
+/*
+ * Whether a region decode can stop early without hiding a structural error.  A single-scan
+ * (sequential) JPEG is decoded row by row, so rows below a region are never read; an error
+ * marker there (a second SOI or SOF, a stray marker inside the entropy-coded data) would make
+ * the whole-image decode fail while a region above it decodes.  Returns 1 when that cannot
+ * happen: the file has several scans (progressive, or the first scan holds fewer components
+ * than the frame: libjpeg reads the whole file before the first row), or its one scan holds
+ * only entropy-coded bytes, byte stuffing (FF 00), restart markers (FF D0-D7) and fill bytes
+ * (FF FF) up to the final EOI.  Returns 0 otherwise (the caller decodes the whole image).
+ */
+static int structure_ok(const unsigned char *d, size_t n) {
+    size_t pos = 2, scan = 0, end;
+    int frame_components = -1, progressive = 0, scan_components = -1;
+    if (n < 4 || d[0] != 0xFF || d[1] != 0xD8 || d[n - 2] != 0xFF || d[n - 1] != 0xD9) return 0;
+    while (pos + 4 <= n) {
+        unsigned int m, len;
+        if (d[pos] != 0xFF) return 0;
+        while (pos < n && d[pos] == 0xFF) pos++;
+        if (pos + 3 > n) return 0;
+        m = d[pos++];
+        if (m == 0xD8 || m == 0xD9) return 0;
+        if ((m >= 0xD0 && m <= 0xD7) || m == 0x01) continue;
+        len = ((unsigned int)d[pos] << 8) | d[pos + 1];
+        if (len < 2 || pos + len > n) return 0;
+        if (m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) {
+            if (len < 8) return 0;
+            frame_components = d[pos + 7];
+            progressive = (m == 0xC2 || m == 0xC6 || m == 0xCA || m == 0xCE);
+        } else if (m == 0xDA) {
+            if (len < 3) return 0;
+            scan_components = d[pos + 2];
+            scan = pos + len;
+            break;
+        }
+        pos += len;
+    }
+    if (scan == 0 || frame_components < 1) return 0;
+    if (progressive || scan_components < frame_components) return 1;
+    end = n - 2;
+    pos = scan;
+    while (pos < end) {
+        const unsigned char *ff = memchr(d + pos, 0xFF, end - pos);
+        size_t q;
+        if (ff == NULL) return 1;
+        q = (size_t)(ff - d) + 1;
+        while (q < end && d[q] == 0xFF) q++;
+        if (q >= end) return 1;
+        if (d[q] != 0x00 && (d[q] < 0xD0 || d[q] > 0xD7)) return 0;
+        pos = q + 1;
+    }
+    return 1;
+}
+
+static PyObject *jpegroi_structure_ok(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    int ok;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = structure_ok((const unsigned char *)buf.buf, (size_t)buf.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyBool_FromLong(ok);
 }
 
 static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args) {
@@ -180,6 +246,9 @@ static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args) {
 static PyMethodDef jpegroi_methods[] = {
     {"header", jpegroi_header, METH_VARARGS,
      "header(data) -> (height, width, jpeg_color_space); ValueError on any libjpeg error or warning."},
+    {"structure_ok", jpegroi_structure_ok, METH_VARARGS,
+     "structure_ok(data) -> bool: a region decode that stops early cannot hide a structural error "
+     "(several scans, or one scan of entropy-coded data, stuffing, RST and fill bytes up to the final EOI)."},
     {"decode_region", jpegroi_decode_region, METH_VARARGS,
      "decode_region(data, top, left, height, width) -> (bytearray, x0, out_width): RGB rows "
      "[top, top+height) and columns [x0, x0+out_width) covering [left, left+width). "

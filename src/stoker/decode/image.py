@@ -276,7 +276,9 @@ def jpeg_region_size(data, key: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> tu
     decoder is not built, the bytes are not a JPEG, libjpeg warns about the headers, the colour
     space is CMYK/YCCK, or the data does not end with the EOI marker (a truncated file must be
     refused whichever region is drawn, so it always takes the whole-image path; files with
-    bytes after EOI take it too).
+    bytes after EOI take it too), or a one-scan file's entropy-coded data holds a marker other
+    than a restart marker (a structural error below the region would go unseen, and the sample
+    would fail in some epochs and not in others; ``_jpegroi.structure_ok``).
 
     Raises:
         ImageTooLarge: the header declares more than ``max_pixels`` pixels.
@@ -287,6 +289,8 @@ def jpeg_region_size(data, key: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> tu
     try:
         height, width, space = _jpegroi.header(data)
     except ValueError:
+        return None
+    if not _jpegroi.structure_ok(data):
         return None
     _check_pixels(key, width, height, max_pixels)
     if space in (4, 5):  # JCS_CMYK, JCS_YCCK: Pillow's conversion is the reference

@@ -155,10 +155,14 @@ def _check_img(img: np.ndarray) -> None:
 
 
 def _out_buffer(out: np.ndarray | None, size: int) -> np.ndarray:
+    if not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"size must be a positive int (pixels), got {size!r}")
     if out is None:
         return np.empty((3, size, size), np.uint8)
     if out.shape != (3, size, size) or out.dtype != np.uint8:
         raise ValueError(f"out must be (3, {size}, {size}) uint8, got {out.shape} {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
     return out
 
 
@@ -311,8 +315,8 @@ def decode_transform(
         ValueError: unknown ``mode``, ``rng`` missing in train mode, bad ``out``.
     """
     if mode == "train":
-        if rng is None:
-            raise ValueError("mode='train' needs an rng")
+        if not isinstance(rng, np.random.Generator):
+            raise ValueError(f"mode='train' needs a numpy Generator as rng, got {type(rng).__name__}")
         if not exif_orientation:  # the box is drawn on the stored (unrotated) size
             hw = jpeg_region_size(data, key, max_pixels)
             if hw is not None:
