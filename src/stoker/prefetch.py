@@ -85,6 +85,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     exit_with_parent()
     ds = fresh_copy(ds)
     ds.origin.warm()
+    ds.origin.use_native()  # this process never forks: obstore's runtime is safe here
     pool = ThreadPoolExecutor(concurrency)
     job = None
     staged: dict[int, int] = {}  # staged block -> plan position of its last use

@@ -135,13 +135,26 @@ class Origin:
         self.url = self.url.rstrip("/")
         self._fs = None
         self._root = None
+        self._native = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_fs"] = None
         state["_root"] = None
+        state["_native"] = None  # each process opts in itself (use_native)
         state["counters"] = OriginCounters()
         return state
+
+    def use_native(self) -> bool:
+        """Serve :meth:`read_range` with obstore in this process (S3 only; see
+        :mod:`stoker.native_s3`). Call it only in a process that will not fork afterwards.
+        Returns whether it is on (False: not S3, obstore missing, unsupported options, or
+        ``STOKER_NATIVE_S3=0``)."""
+        if os.environ.get("STOKER_NATIVE_S3", "1") == "0":
+            return False
+        from .native_s3 import NativeS3Reader
+        self._native = NativeS3Reader.create(self.url, self.storage_options)
+        return self._native is not None
 
     @property
     def fs(self):
@@ -198,8 +211,13 @@ class Origin:
         if end <= start:
             return b""
         path = self.path(rel)
-        data = self._retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
-                           start, end)
+        native = self._native
+        if native is not None:
+            key = path.split("/", 1)[1]  # s3fs paths are "bucket/key"
+            data = self._retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
+        else:
+            data = self._retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
+                               start, end)
         self.counters.requests += 1
         self.counters.bytes += len(data)
         if len(data) != end - start:

@@ -114,6 +114,7 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     exit_with_parent()
     ds = fresh_copy(ds)
     ds.origin.warm()
+    ds.origin.use_native()  # a worker never forks: obstore's runtime is safe here
     try:
         import cv2
         cv2.setNumThreads(1)

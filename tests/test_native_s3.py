@@ -1,0 +1,123 @@
+"""obstore reads (stoker.native_s3) against the local S3 server: same bytes as s3fs, the same
+errors and retries, used by the leaf processes (prefetcher, decode workers) only.
+
+A process that forks after using obstore can crash or hang its children (tokio), so every test
+that reads through obstore does it in a child process of its own; the pytest process never does.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+
+pytest.importorskip("obstore")
+
+from stoker import OriginError  # noqa: E402
+from stoker.loader import Loader  # noqa: E402
+from stoker.native_s3 import NativeS3Reader  # noqa: E402
+from stoker.storage import Origin  # noqa: E402
+from stoker.store.dataset import open_dataset  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3_packed(s3_origin, sample_tree):
+    from stoker.bench.origin import upload_tree
+    from stoker.store.pack import pack
+    opts = s3_origin.storage_options()
+    upload_tree(str(sample_tree / "train"), s3_origin.url("native/raw"), opts)
+    url = s3_origin.url("native/packed")
+    pack(s3_origin.url("native/raw"), url, src_options=opts, dst_options=opts, progress=False, overwrite=True)
+    return url, opts
+
+
+def _in_child(fn, *args):
+    """Run ``fn(*args)`` in a forked child (which may use obstore) and re-raise its failure here."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def target():
+        try:
+            fn(*args)
+            q.put(None)
+        except BaseException:  # noqa: BLE001
+            q.put(traceback.format_exc())
+
+    p = ctx.Process(target=target)
+    p.start()
+    err = q.get(timeout=120)
+    p.join(30)
+    assert err is None, err
+
+
+def _create_only_where_it_can_stand_in(url, opts):
+    assert NativeS3Reader.create(url, opts) is not None
+    assert NativeS3Reader.create("file:///tmp/x", {}) is None
+    assert NativeS3Reader.create("memory://x", {}) is None
+    assert NativeS3Reader.create(url, {**opts, "profile": "other"}) is None  # not covered: s3fs keeps it
+    assert NativeS3Reader.create(url, {**opts, "client_kwargs": {"region_name": "us-east-1", "verify": False}}) is None
+
+
+def test_create_only_where_it_can_stand_in(s3_packed):
+    _in_child(_create_only_where_it_can_stand_in, *s3_packed)
+
+
+def _same_bytes_as_s3fs_and_errors(url, opts):
+    fs_origin = Origin(url, opts)
+    nat = Origin(url, opts)
+    assert nat.use_native()
+    shard = "shards/shard-000000.tar"
+    size = fs_origin.size(shard)
+    for start, end in ((0, 1), (0, 4096), (1000, 70000), (size - 10, size)):
+        assert nat.read_range(shard, start, end) == fs_origin.read_range(shard, start, end)
+    assert nat.counters.requests == 4 and nat.counters.bytes == 1 + 4096 + 69000 + 10
+    with pytest.raises(FileNotFoundError):
+        nat.read_range("shards/missing.tar", 0, 10)
+    with pytest.raises(OriginError, match="short read"):
+        nat.read_range(shard, size - 10, size + 10)
+    os.environ["STOKER_NATIVE_S3"] = "0"
+    assert not Origin(url, opts).use_native()
+
+
+def test_same_bytes_as_s3fs_and_errors(s3_packed):
+    _in_child(_same_bytes_as_s3fs_and_errors, *s3_packed)
+
+
+def _retries_and_origin_error(url, opts, s3_origin):
+    nat = Origin(url, opts, backoff_s=0.01)
+    assert nat.use_native()
+    s3_origin.inject_faults(503, None)
+    with pytest.raises(OriginError, match=r"shard-000000.tar bytes 0-100 after 4 attempt"):
+        nat.read_range("shards/shard-000000.tar", 0, 100)
+    s3_origin.inject_faults(503, 2)  # transient: two failures, then it succeeds
+    assert len(nat.read_range("shards/shard-000000.tar", 0, 100)) == 100
+    assert nat.counters.retries >= 2
+
+
+def test_retries_and_origin_error(s3_packed, s3_origin):
+    try:
+        _in_child(_retries_and_origin_error, *s3_packed, s3_origin)
+    finally:
+        s3_origin.clear_faults()
+
+
+def test_loader_leaf_processes_read_with_obstore(s3_packed, tmp_path, monkeypatch):
+    """The prefetcher and the workers (forked, never forking) read blocks through obstore; the
+    training process itself does not; every sample arrives exactly once."""
+    url, opts = s3_packed
+    log = tmp_path / "native-pids"
+    real = NativeS3Reader.read_range
+
+    def traced(self, key, start, end):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(self, key, start, end)
+
+    monkeypatch.setattr(NativeS3Reader, "read_range", traced)
+    ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=opts)
+    with Loader(ds, 16, num_workers=2, transform="eval") as loader:
+        assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
+        children = {loader._prefetcher.pid} | {p.pid for p in loader._workers}
+    pids = {int(x) for x in log.read_text().split()}
+    assert pids and pids <= children and os.getpid() not in pids
