@@ -84,8 +84,8 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)
-    ds.origin.warm()
-    ds.origin.use_native()  # this process never forks: obstore's runtime is safe here
+    if not ds.origin.use_native():  # this process never forks: obstore's runtime is safe here
+        ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
     pool = ThreadPoolExecutor(concurrency)
     job = None
     staged: dict[int, int] = {}  # staged block -> plan position of its last use

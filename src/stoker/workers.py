@@ -113,8 +113,8 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)
-    ds.origin.warm()
-    ds.origin.use_native()  # a worker never forks: obstore's runtime is safe here
+    if not ds.origin.use_native():  # a worker never forks: obstore's runtime is safe here
+        ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
     try:
         import cv2
         cv2.setNumThreads(1)
