@@ -53,10 +53,11 @@ class EpochStats:
 
 
 
-def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: np.ndarray) -> None:
+def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> None:
     """Count one delivered batch: ``bids`` its planned sample ids, ``skipped`` the ids a
-    worker skipped (``on_error="skip"``) with their keys; ``delivered`` (int64 per sample id)
-    is incremented for each sample actually delivered."""
+    worker skipped (``on_error="skip"``) with their keys; the ids actually delivered are
+    appended to ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this
+    runs in ``next()`` for every batch)."""
     if skipped:
         left, keep = list(skipped), []
         for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)
@@ -69,16 +70,17 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: np.ndarra
         stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
     else:
         keep = bids
-    np.add.at(delivered, keep, 1)
+    delivered.append(np.asarray(keep, dtype=np.int64))
     stats.samples += len(keep)
     stats.batches += 1
 
 
-def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarray, delivered: np.ndarray,
+def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarray, delivered: list,
                        num_samples: int) -> None:
     """Set the counter-derived fields of ``stats`` from ``d`` (the epoch's change of the
     summed process counters: origin_*, cache_*, read_*, prefetch_*, derived_*), the
-    seconds blocked in ``next()`` and the plan ``ids`` against the ``delivered`` counts.
+    seconds blocked in ``next()`` and the plan ``ids`` against the ``delivered`` ids (the
+    arrays :func:`account` collected).
     ``stats.seconds`` must be set already."""
     stats.wait_s = wait_s
     stats.origin_bytes = d.get("origin_bytes", 0)
@@ -99,8 +101,10 @@ def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarra
     stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
     stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
     stats.samples_per_s = stats.samples / stats.seconds if stats.seconds else 0.0
-    expected = np.bincount(ids, minlength=num_samples) if len(ids) else delivered * 0
-    stats.exactly_once = bool(np.array_equal(delivered, expected))
+    got = (np.bincount(np.concatenate(delivered), minlength=num_samples) if delivered
+           else np.zeros(num_samples, np.int64))
+    expected = np.bincount(ids, minlength=num_samples) if len(ids) else np.zeros(num_samples, np.int64)
+    stats.exactly_once = bool(np.array_equal(got, expected))
 
 
 def process_cpu_s(pid: int | None) -> float:

@@ -349,7 +349,7 @@ class Loader(ResumableMixin):
         if carry is not None:  # workers' counters as of their early replies for this epoch
             self._worker_counters.update(carry["counters"])
         cpu_before = self._cpu()
-        delivered = np.zeros(len(self.dataset), dtype=np.int64)
+        delivered: list = []  # the sample ids of each delivered batch (counted at the end)
         if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
             self._pf_pos.value = 0
             self._pf_done.value = 0
@@ -499,7 +499,8 @@ class Loader(ResumableMixin):
                 raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
-            self._check_prefetcher()
+            if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
+                self._check_prefetcher()
             out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], stats=stats, delivered=delivered)
             if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self._position = (epoch, self._position[1] + 1)
@@ -524,8 +525,9 @@ class Loader(ResumableMixin):
         self._check_prefetcher()
 
     def _check_prefetcher(self) -> None:
-        """WorkerError if the prefetch process died (checked with every batch: the workers would
-        go on reading sample by sample from the origin, and nothing would delete staged blocks)."""
+        """WorkerError if the prefetch process died (checked every 8th and every last batch of an
+        epoch: the workers would go on reading sample by sample from the origin, and nothing
+        would delete staged blocks)."""
         if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
             raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
                               f"{self._prefetcher.exitcode}")

@@ -25,7 +25,7 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 def slot_layout(batch_size: int, size: int) -> tuple[tuple, int, int]:
     """(image shape, image bytes, total bytes) of one slot."""
     shape = (batch_size, 3, size, size)
-    img_bytes = int(np.prod(shape))
+    img_bytes = batch_size * 3 * size * size
     return shape, img_bytes, img_bytes + 8 * batch_size
 
 
