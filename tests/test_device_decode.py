@@ -100,3 +100,13 @@ def test_decode_device_cuda_without_cuda_is_a_clear_error(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         Loader(ds, 4, decode_device="cuda")
+
+
+def test_decode_device_validated_at_construction(packed_local):
+    ds = open_dataset(packed_local, cache_dir=None)
+    for bad in ("cpu", "gpu", object()):
+        with pytest.raises(ValueError, match="decode_device"):
+            Loader(ds, 4, decode_device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            Loader(ds, 4, decode_device=torch.device("cuda"))

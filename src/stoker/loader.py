@@ -108,6 +108,15 @@ class Loader(ResumableMixin):
             from .decode.forms import parse_form
             parse_form(cache_form, image_size)  # ValueError now, not in a worker
         if decode_device is not None:
+            if not isinstance(decode_device, str) and type(decode_device).__name__ == "device":
+                decode_device = str(decode_device)  # a torch.device
+            if isinstance(decode_device, str):
+                if not decode_device.startswith("cuda"):
+                    raise ValueError(f"decode_device must be 'cuda' or 'cuda:N' (or a decoder object), "
+                                     f"got {decode_device!r}")
+            elif not all(hasattr(decode_device, a) for a in ("decode", "transform_batch", "device")):
+                raise ValueError(f"decode_device must be a CUDA device name or a decoder with decode(), "
+                                 f"transform_batch() and device, got {type(decode_device).__name__}")
             if cache_form is not None:
                 raise ValueError("cache_form (derived forms decoded on the CPU) cannot be used with decode_device")
             if device is None:

@@ -115,4 +115,6 @@ class NativeS3Reader:
         except (PermissionDeniedError, UnauthenticatedError, PermissionError) as exc:
             raise PermissionError(f"s3://{self.bucket}/{key}: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - obstore's generic errors: retried by the caller
-            raise OSError(f"s3://{self.bucket}/{key}: {type(exc).__name__}: {exc}") from exc
+            # obstore's messages carry a multi-line debug dump: keep the first line for logs
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            raise OSError(f"s3://{self.bucket}/{key}: {type(exc).__name__}: {first}") from exc
