@@ -223,3 +223,31 @@ def test_request_framer_gives_up_on_garbage():
     assert framer.feed(b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n") == [0]
     assert framer.lost
     assert framer.feed(b"GET / HTTP/1.1\r\n\r\n") == []
+
+
+def test_configuration_errors_are_not_retried(tmp_path):
+    """A storage-client configuration error (botocore's ProfileNotFound, ...) is reported at once as an
+    OriginError naming the URL, not retried like a transient failure; other errors are retried."""
+    from stoker.storage import Origin, OriginError
+
+    class ProfileNotFound(Exception):  # botocore's name; the check is by class name
+        pass
+
+    calls = []
+
+    def bad_profile():
+        calls.append(1)
+        raise ProfileNotFound("The config profile (p) could not be found")
+
+    o = Origin(str(tmp_path), backoff_s=0.001)
+    with pytest.raises(OriginError, match=r"s3://x/y.*ProfileNotFound.*not retried"):
+        o._retry("s3://x/y", bad_profile)
+    assert len(calls) == 1 and o.counters.retries == 0
+
+    def flaky():
+        calls.append(2)
+        raise ConnectionResetError("reset")
+
+    with pytest.raises(OriginError, match="4 attempt"):
+        o._retry("s3://x/z", flaky)
+    assert calls.count(2) == 4

@@ -504,8 +504,8 @@ class Loader(ResumableMixin):
                 pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
             msg = pending.pop(seq)
             if msg[0] == "error":
-                _, wid, _, mseq, slot, key, err, tb, _ = msg
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (batch {mseq}): {err}\n{tb}")
+                _, wid, _, _, slot, key, err, tb, _ = msg
+                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self._position[1]}): {err}\n{tb}")
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch

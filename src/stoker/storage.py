@@ -26,6 +26,9 @@ DEFAULT_BACKOFF_S = 0.1
 
 #: Errors that another attempt cannot fix (a missing object, a denied request, a bug).
 _NOT_RETRIED = (FileNotFoundError, PermissionError, TypeError, AttributeError, NameError)
+#: Storage-client configuration errors (botocore's names): reported at once, not retried.
+_CONFIG_ERRORS = frozenset({"ProfileNotFound", "NoCredentialsError", "PartialCredentialsError",
+                            "NoRegionError", "InvalidConfigError", "UnknownConfigurationKeyError"})
 
 
 class OriginError(IOError):
@@ -194,6 +197,9 @@ class Origin:
             except Exception as exc:  # noqa: BLE001 - storage backends raise many types
                 last = exc
                 self.counters.errors += 1
+                if type(exc).__name__ in _CONFIG_ERRORS:
+                    raise OriginError(what, f"{type(exc).__name__}: {exc} (a configuration error: not retried)",
+                                      start, end, attempt) from exc
                 if attempt < self.attempts:
                     self.counters.retries += 1
                     log.warning("retrying %s (attempt %d/%d): %s", what, attempt, self.attempts, exc)
