@@ -63,3 +63,18 @@ def make_image_folder(root: Path, files: dict[str, bytes]) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
     return root
+
+
+@pytest.fixture(scope="session")
+def cases_packed(cases_dir, tmp_path_factory) -> str:
+    """The shared Pillow JPEG cases as a one-class ImageFolder tree (class ``pillow``), packed."""
+    import shutil
+
+    from stoker.store.pack import pack
+    root = tmp_path_factory.mktemp("cases")
+    src = root / "src" / "pillow"
+    src.mkdir(parents=True)
+    for f in sorted((cases_dir / "pillow-jpeg").iterdir()):
+        shutil.copy(f, src / f.name)
+    pack(str(root / "src"), str(root / "packed"), progress=False)
+    return str(root / "packed")

@@ -2,8 +2,6 @@
 an injected stand-in for nvJPEG: the workers deliver bytes, the training process decodes them."""
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -59,22 +57,10 @@ def test_workers_do_not_decode(packed_local, tmp_path, monkeypatch):
         assert sum(len(y) for _, y in loader) == len(ds)
 
 
-@pytest.fixture(scope="module")
-def cases_packed_device(cases_dir, tmp_path_factory):
-    from stoker.store.pack import pack
-    root = tmp_path_factory.mktemp("cases-dev")
-    src = root / "src" / "pillow"
-    src.mkdir(parents=True)
-    for f in sorted((cases_dir / "pillow-jpeg").iterdir()):
-        shutil.copy(f, src / f.name)
-    pack(str(root / "src"), str(root / "packed"), progress=False)
-    return str(root / "packed")
-
-
-def test_shared_cases_fall_back_per_sample(cases_packed_device, tmp_path):
+def test_shared_cases_fall_back_per_sample(cases_packed, tmp_path):
     """Every case file: decoded on the "GPU", or screened to the CPU path (CMYK, libjpeg warnings,
     truncated); the truncated file is an error naming its key, or with skip, skipped and counted."""
-    ds = open_dataset(cases_packed_device, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    ds = open_dataset(cases_packed, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     dec = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
     with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, decode_device=dec) as loader:
         with pytest.raises(DecodeError, match="pillow/truncated_jpeg"):

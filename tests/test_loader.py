@@ -1,6 +1,5 @@
 """Loader: order and exactly-once, deterministic augmentation, batches kept safe, errors never hang."""
 import os
-import shutil
 import signal
 import time
 
@@ -89,19 +88,6 @@ def test_cache_smaller_than_dataset(packed_local, tmp_path):
             assert loader.stats.exactly_once
             assert ds.cache.used_bytes() <= budget
         assert loader.history[1].origin_bytes > 0 and loader.history[1].cache_hits > 0
-
-
-@pytest.fixture(scope="module")
-def cases_packed(cases_dir, tmp_path_factory):
-    """The Pillow JPEG cases as a one-class ImageFolder tree, packed."""
-    from stoker.store.pack import pack
-    root = tmp_path_factory.mktemp("cases")
-    src = root / "src" / "pillow"
-    src.mkdir(parents=True)
-    for f in sorted((cases_dir / "pillow-jpeg").iterdir()):
-        shutil.copy(f, src / f.name)
-    pack(str(root / "src"), str(root / "packed"), progress=False)
-    return str(root / "packed")
 
 
 def test_cases_decode_or_fail_naming_the_key(cases_packed, tmp_path):
