@@ -20,9 +20,11 @@
  * Functions (all release the GIL while libjpeg runs):
  *   header(data) -> (height, width, jpeg_color_space)
  *   structure_ok(data) -> bool (see structure_ok below)
- *   decode_region(data, top, left, height, width) -> (bytearray, x0, out_width)
+ *   decode_region(data, top, left, height, width[, margin]) -> (bytearray, x0, out_width)
  *       bytearray holds `height` rows of `out_width` RGB pixels (uint8, row-major) starting at
- *       image column x0 <= left, with x0 + out_width >= left + width (iMCU alignment).
+ *       image column x0 <= left, with x0 + out_width >= left + width (iMCU alignment); the
+ *       columns are first widened by `margin` on each side, within the image.  IndexError when
+ *       the region is outside the image, ValueError on a libjpeg error/warning or CMYK/YCCK.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -158,7 +160,7 @@ static PyObject *jpegroi_structure_ok(PyObject *self, PyObject *args) {
 
 static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args) {
     Py_buffer buf;
-    unsigned int top, left, height, width;
+    unsigned int top, left, height, width, margin = 0;
     struct jpeg_decompress_struct cinfo;
     strict_error_mgr err;
     PyObject *volatile out = NULL;
@@ -166,7 +168,7 @@ static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args) {
     JDIMENSION x0 = 0, out_width = 0;
     volatile int stage = 0; /* 0 failed, 1 bad request, 2 ok */
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*IIII", &buf, &top, &left, &height, &width)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*IIII|I", &buf, &top, &left, &height, &width, &margin)) return NULL;
     if (height == 0 || width == 0) {
         PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_ValueError, "empty region");
@@ -184,13 +186,27 @@ static PyObject *jpegroi_decode_region(PyObject *self, PyObject *args) {
     }
     jpeg_mem_src(&cinfo, (const unsigned char *)buf.buf, (unsigned long)buf.len);
     jpeg_read_header(&cinfo, TRUE);
-    if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK ||
-        top + height > cinfo.image_height || left + width > cinfo.image_width ||
+    if (top + height > cinfo.image_height || left + width > cinfo.image_width ||
         top + height < top || left + width < left) {
+        unsigned int ih = cinfo.image_height, iw = cinfo.image_width;
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_ValueError, "region outside the image or CMYK/YCCK colour space");
+        PyErr_Format(PyExc_IndexError, "region %u,%u %ux%u outside the %ux%u image", top, left, height, width, ih, iw);
         return NULL;
+    }
+    if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "CMYK/YCCK colour space");
+        return NULL;
+    }
+    /* widen the columns by `margin` on each side, within the image */
+    {
+        unsigned int lo = left > margin ? left - margin : 0;
+        unsigned int hi = left + width + margin;
+        if (hi > cinfo.image_width || hi < left) hi = cinfo.image_width;
+        left = lo;
+        width = hi - lo;
     }
     cinfo.out_color_space = JCS_RGB;
     cinfo.dct_method = JDCT_ISLOW;
@@ -250,9 +266,10 @@ static PyMethodDef jpegroi_methods[] = {
      "structure_ok(data) -> bool: a region decode that stops early cannot hide a structural error "
      "(several scans, or one scan of entropy-coded data, stuffing, RST and fill bytes up to the final EOI)."},
     {"decode_region", jpegroi_decode_region, METH_VARARGS,
-     "decode_region(data, top, left, height, width) -> (bytearray, x0, out_width): RGB rows "
-     "[top, top+height) and columns [x0, x0+out_width) covering [left, left+width). "
-     "ValueError on any libjpeg error or warning, CMYK/YCCK input, or a region outside the image."},
+     "decode_region(data, top, left, height, width[, margin]) -> (bytearray, x0, out_width): RGB rows "
+     "[top, top+height) and columns [x0, x0+out_width) covering [left-margin, left+width+margin) within "
+     "the image. IndexError for a region outside the image; ValueError on any libjpeg error or warning "
+     "or CMYK/YCCK input."},
     {NULL, NULL, 0, NULL},
 };
 
