@@ -33,6 +33,7 @@ from tqdm import tqdm
 from ..procs import pid_alive
 from ..storage import Origin
 from .filelist import iter_file_list, read_file_list
+from .lease import DEFAULT_LEASE_S, PackLease
 from .index import INDEX_NAME, SHARD_DIR, build_table, table_to_bytes
 from .shards import build_shard, estimate_member_bytes, member_name
 from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
@@ -146,7 +147,7 @@ def _etag(dest: Origin, name: str) -> str | None:
 def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
          src_options: dict | None = None, dst_options: dict | None = None,
          read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0,
-         source: str | None = None) -> PackResult:
+         source: str | None = None, lease_s: float = DEFAULT_LEASE_S) -> PackResult:
     """Pack the source at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
 
     ``source``: "imagefolder", "webdataset" or "filelist"; default: chosen by what
@@ -165,6 +166,14 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     valid UTF-8 is refused with a ValueError naming it (keys are never rewritten).
     Long (> 100 byte) and Unicode names are written with pax headers.
 
+    One pack at a time writes a destination: the run holds a lease object at ``dst``
+    (:mod:`.lease`, ``lease_s`` seconds long, renewed while it packs) and installs the
+    index only while it still holds it. Raises
+    :class:`stoker.store.lease.PackLeaseError` (a FileExistsError) at once, naming the
+    other run and its lease's expiry, when another live pack holds ``dst``, and
+    :class:`stoker.store.lease.PackLeaseLostError` (an OSError) when this run's lease
+    was taken over while it wrote (then it installs no index).
+
     Raises :class:`DatasetExistsError` if ``dst`` already holds an index and
     ``overwrite`` is false; FileNotFoundError/ValueError from the source listing
     (missing source, duplicate keys, non-UTF-8 names); tarfile.TarError for an
@@ -176,28 +185,30 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     source_origin = Origin(src, src_options or {})
     dest = Origin(dst, dst_options or {})
     kind = detect_source(source_origin, source)
-    if dest.exists(INDEX_NAME):
-        if not overwrite:
-            raise DatasetExistsError(f"{dest.full_url(INDEX_NAME)} exists: {dst} already holds a "
-                                     "dataset (pass --overwrite to replace it)")
-        dest.fs.rm(dest.path(INDEX_NAME))
-    if kind == "imagefolder":
-        done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
-                                  shuffle_seed)
-    else:
-        done = _pack_stream(kind, src, source_origin, dest, shard_bytes, overwrite, read_workers,
-                            progress, shuffle_seed, src_options)
-    shard_table, rows, labels, class_names, classes, reused, skipped = done
-    order = sorted(range(len(rows)), key=lambda j: rows[j][0])
-    keys = [rows[j][0] for j in order]
-    prim = [rows[j][2][0] for j in order]
-    table, version = build_table(
-        keys, [labels[j] for j in order], [class_names[j] for j in order],
-        [rows[j][1] for j in order], [p[1] for p in prim], [p[2] for p in prim], [p[3] for p in prim],
-        shard_table, classes, field=[p[0] for p in prim],
-        fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order])
-    dest.write_atomic(INDEX_NAME, table_to_bytes(table))
-    _remove_stale_shards(dest, {s["name"] for s in shard_table})
+    with PackLease(dest, lease_s) as lease:
+        if dest.exists(INDEX_NAME):
+            if not overwrite:
+                raise DatasetExistsError(f"{dest.full_url(INDEX_NAME)} exists: {dst} already holds a "
+                                         "dataset (pass --overwrite to replace it)")
+            dest.fs.rm(dest.path(INDEX_NAME))
+        if kind == "imagefolder":
+            done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
+                                      shuffle_seed, lease.check)
+        else:
+            done = _pack_stream(kind, src, source_origin, dest, shard_bytes, overwrite, read_workers,
+                                progress, shuffle_seed, src_options, lease.check)
+        shard_table, rows, labels, class_names, classes, reused, skipped = done
+        order = sorted(range(len(rows)), key=lambda j: rows[j][0])
+        keys = [rows[j][0] for j in order]
+        prim = [rows[j][2][0] for j in order]
+        table, version = build_table(
+            keys, [labels[j] for j in order], [class_names[j] for j in order],
+            [rows[j][1] for j in order], [p[1] for p in prim], [p[2] for p in prim], [p[3] for p in prim],
+            shard_table, classes, field=[p[0] for p in prim],
+            fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order])
+        lease.renew()  # still ours, with a full lease_s ahead for the index write
+        dest.write_atomic(INDEX_NAME, table_to_bytes(table))
+        _remove_stale_shards(dest, {s["name"] for s in shard_table})
     payload = sum(m[2] for r in rows for m in r[2])
     return PackResult(url=dst, samples=len(keys), classes=len(classes), shards=len(shard_table),
                       payload_bytes=int(payload), shard_bytes=sum(s["bytes"] for s in shard_table),
@@ -235,7 +246,7 @@ def _rows_of(shard: int, man: dict) -> list:
 
 
 def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                       shuffle_seed):
+                       shuffle_seed, guard):
     listing = list_image_folder(source)
     placed = listing.files
     if shuffle_seed is not None:
@@ -260,6 +271,7 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
             bar.update(f.size)
             return f.key, [(f.field, data)]
 
+        guard()
         return _write_shard(dest, name, phash, list(pool.map(read_member, members))), False
 
     try:
@@ -282,7 +294,7 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
 
 
 def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                 shuffle_seed, src_options):
+                 shuffle_seed, src_options, guard):
     skipped: list = []
     if kind == "webdataset":
         samples = iter_samples(expand_urls(src, src_options), src_options, skipped)
@@ -312,6 +324,7 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
         man = _reusable(dest, name, phash, overwrite)
         if man is not None:
             return i, man, True
+        guard()
         return i, _write_shard(dest, name, phash, [(s.key, s.members) for s in batch]), False
 
     with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read

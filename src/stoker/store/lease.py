@@ -1,0 +1,384 @@
+"""The pack lease: one writer per destination at a time, on local files and on S3.
+
+``stoker pack`` holds a lease object ``<dst>/_stoker_pack.lease`` (JSON: owner host,
+pid and run id, start and expiry times in Unix seconds, the lease length) for as long
+as it writes. A second pack into the same destination finds it and refuses at once
+with :class:`PackLeaseError` naming the owner and the expiry. The holder renews the
+lease every ``ttl_s / 3`` seconds from a background thread; before it installs the
+index it renews once more and stops if the lease is no longer its own, so a run
+that lost its lease (it was frozen longer than ``ttl_s``, another run took over)
+never installs an index. A lease whose expiry has passed, or whose owner ran on
+this host and is no longer alive, belongs to a pack that died: the next pack takes
+it over.
+
+Every change of the lease is a conditional write, so that of two racing writers
+exactly one wins:
+
+* local paths (``file://``): created by ``link(2)`` of a complete temporary file,
+  which fails if the name exists (the O_EXCL rule, and safe on NFS); replaced
+  (renewal, take-over) by renaming the old lease away to a unique name, which only
+  one renamer can do, then checking that it was the lease expected;
+* S3 (s3fs): ``PutObject`` with ``If-None-Match: *`` to create, with ``If-Match:
+  <ETag>`` to replace, ``DeleteObject`` with ``If-Match`` to release (AWS S3 since
+  2024, MinIO, moto >= 5);
+* any other filesystem, or an S3 store that ignores the conditions: a documented
+  best effort: write, read back, and go on only if the owner read back is this run.
+  Two writers that start within one round trip of each other can then both
+  believe they hold it.
+
+Expiry compares Unix times taken on different hosts: their clocks must agree to
+well within ``ttl_s``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+import fsspec.asyn
+
+from ..procs import pid_alive
+from ..storage import Origin
+
+log = logging.getLogger(__name__)
+
+LEASE_NAME = "_stoker_pack.lease"
+#: Lease length in seconds; renewed every third of it, so a holder survives two lost renewals.
+DEFAULT_LEASE_S = 60.0
+
+
+class PackLeaseError(FileExistsError):
+    """Another pack holds the destination's lease. Attributes: ``url`` (of the lease object),
+    ``owner`` (dict: host, pid, run, started_unix, expires_unix)."""
+
+    def __init__(self, url: str, owner: dict):
+        self.url, self.owner = url, owner
+        exp = float(owner.get("expires_unix") or 0)
+        super().__init__(
+            f"{url}: the destination is being packed by another run (host {owner.get('host')!r}, "
+            f"pid {owner.get('pid')}, run {owner.get('run')}, started {_when(owner.get('started_unix'))}); "
+            f"its lease expires {_when(exp)} (in {max(0.0, exp - time.time()):.0f} s unless renewed). "
+            "Wait for that pack to finish; if it died, run again after the expiry.")
+
+
+class PackLeaseLostError(OSError):
+    """This pack's lease was taken over or removed while it was writing: it stops before
+    installing an index (the message names the lease object and the new owner, if any)."""
+
+
+class _Conflict(Exception):
+    """A conditional write lost its race."""
+
+
+def _when(t) -> str:
+    if not t:
+        return "?"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("pid:[4026531836]"): containers that share a host name
+    (host networking) have different ones, so their pids are not compared."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+class _Local:
+    """Conditional create/replace/delete of one local file; the token is the content."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def read(self):
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None, None
+        return data, data
+
+    def create(self, data: bytes):
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = f"{self.path}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            raise _Conflict() from None
+        finally:
+            os.unlink(tmp)
+        return data
+
+    def _take(self, token) -> str:
+        """Rename the lease away if it is still ``token``; returns the moved path."""
+        moved = f"{self.path}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.path, moved)
+        except FileNotFoundError:
+            raise _Conflict() from None
+        with open(moved, "rb") as f:
+            if f.read() != token:  # not the lease we read: put it back untouched
+                try:
+                    os.link(moved, self.path)
+                except FileExistsError:
+                    pass
+                os.unlink(moved)
+                raise _Conflict()
+        return moved
+
+    def replace(self, data: bytes, token):
+        moved = self._take(token)
+        try:
+            return self.create(data)
+        finally:
+            os.unlink(moved)
+
+    def delete(self, token) -> None:
+        os.unlink(self._take(token))
+
+
+class _S3:
+    """Conditional PutObject/DeleteObject through s3fs; the token is the ETag."""
+
+    def __init__(self, fs, path: str):
+        self.fs = fs
+        self.bucket, self.key = path.split("/", 1)
+
+    def _call(self, op: str, **kw):
+        try:
+            return self.fs.call_s3(op, Bucket=self.bucket, Key=self.key, **kw)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - s3fs maps 412/409 to several OSError types
+            text = f"{type(exc).__name__} {exc} {getattr(exc, '__cause__', '')}"
+            if any(s in text for s in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")):
+                raise _Conflict() from exc
+            raise
+
+    def read(self):
+        async def get():
+            out = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
+            async with out["Body"] as body:
+                return await body.read(), out.get("ETag")
+
+        try:
+            return fsspec.asyn.sync(self.fs.loop, get)
+        except FileNotFoundError:
+            return None, None
+
+    def create(self, data: bytes):
+        return self._call("put_object", Body=data, IfNoneMatch="*").get("ETag")
+
+    def replace(self, data: bytes, token):
+        return self._call("put_object", Body=data, IfMatch=token).get("ETag")
+
+    def delete(self, token) -> None:
+        try:
+            self._call("delete_object", IfMatch=token)
+        except FileNotFoundError:
+            raise _Conflict() from None
+
+
+class _BestEffort:
+    """Any other fsspec filesystem: plain writes (checked by reading back, see the module doc)."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+
+    def read(self):
+        try:
+            data = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return None, None
+        return data, data
+
+    def create(self, data: bytes):
+        if self.fs.exists(self.path):
+            raise _Conflict()
+        self.fs.pipe_file(self.path, data)
+        return data
+
+    def replace(self, data: bytes, token):
+        if self.read()[1] != token:
+            raise _Conflict()
+        self.fs.pipe_file(self.path, data)
+        return data
+
+    def delete(self, token) -> None:
+        if self.read()[1] == token:
+            self.fs.rm(self.path)
+
+
+def _backend(dest: Origin):
+    fs, path = dest.fs, dest.path(LEASE_NAME)
+    if _is_local(fs):
+        return _Local(path)
+    if hasattr(fs, "call_s3"):
+        return _S3(fs, path)
+    return _BestEffort(fs, path)
+
+
+class PackLease:
+    """The lease of one pack on destination ``dest`` (a :class:`stoker.storage.Origin`).
+
+    Use as a context manager: entering acquires it (raises :class:`PackLeaseError` when
+    another live pack holds it) and starts renewal every ``ttl_s / 3`` seconds; leaving
+    stops renewal and deletes the lease if it is still this run's. :meth:`check` raises
+    :class:`PackLeaseLostError` once the lease is no longer this run's.
+    """
+
+    def __init__(self, dest: Origin, ttl_s: float = DEFAULT_LEASE_S):
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
+        self.dest, self.ttl_s = dest, float(ttl_s)
+        self.url = dest.full_url(LEASE_NAME)
+        self.run = uuid.uuid4().hex
+        self.started_unix = time.time()
+        self._io = _backend(dest)
+        self._token = None
+        self._lost: str | None = None
+        self._renewed_mono = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> bytes:
+        now = time.time()
+        return json.dumps({"host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(),
+                           "run": self.run,
+                           "started_unix": self.started_unix, "renewed_unix": now,
+                           "expires_unix": now + self.ttl_s, "ttl_s": self.ttl_s}).encode()
+
+    def _read_owner(self) -> tuple[dict | None, object]:
+        data, token = self._io.read()
+        if data is None:
+            return None, None
+        try:
+            owner = json.loads(data)
+            if not isinstance(owner, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            # a lease we cannot parse is treated as one that has expired
+            owner = {"host": "?", "pid": 0, "run": "?", "expires_unix": 0}
+        return owner, token
+
+    def _dead(self, owner: dict) -> bool:
+        """The owner cannot be packing any more: its lease expired, or it ran on this host (same
+        host name and pid namespace) and its process is gone."""
+        if float(owner.get("expires_unix") or 0) < time.time():
+            return True
+        if owner.get("host") == socket.gethostname() and owner.get("pidns") == _pid_namespace():
+            try:
+                return not pid_alive(int(owner.get("pid") or 0))
+            except (TypeError, ValueError):
+                return False
+        return False
+
+    def acquire(self) -> None:
+        """Take the lease (creating it, or taking over a dead owner's). Raises :class:`PackLeaseError`."""
+        for _ in range(3):
+            try:
+                self._token = self._io.create(self._body())
+                break
+            except _Conflict:
+                pass
+            owner, token = self._read_owner()
+            if owner is None:
+                continue  # released in between: try to create again
+            if not self._dead(owner):
+                raise PackLeaseError(self.url, owner)
+            log.warning("%s: taking over the lease of a pack that died (host %r, pid %s, run %s, expired %s)",
+                        self.url, owner.get("host"), owner.get("pid"), owner.get("run"),
+                        _when(owner.get("expires_unix")))
+            try:
+                self._token = self._io.replace(self._body(), token)
+                break
+            except _Conflict:
+                continue
+        else:
+            owner, _ = self._read_owner()
+            raise PackLeaseError(self.url, owner or {})
+        self._confirm()
+
+    def _confirm(self) -> None:
+        """Read the lease back: the owner must be this run (covers stores that ignore conditions)."""
+        owner, token = self._read_owner()
+        if owner is None:
+            raise PackLeaseLostError(f"{self.url}: the lease object vanished right after it was written")
+        if owner.get("run") != self.run:
+            raise PackLeaseError(self.url, owner)
+        self._token = token
+        self._renewed_mono = time.monotonic()
+
+    def renew(self) -> None:
+        """Extend the expiry to now + ``ttl_s``. Raises :class:`PackLeaseLostError` if the lease
+        is no longer this run's."""
+        with self._lock:
+            if self._lost is None:
+                try:
+                    self._token = self._io.replace(self._body(), self._token)
+                    self._renewed_mono = time.monotonic()
+                except _Conflict:
+                    owner, _ = self._read_owner()
+                    self._lost = f"taken over by {owner}" if owner else "the lease object was removed"
+            if self._lost is not None:
+                raise PackLeaseLostError(f"{self.url}: this pack lost its lease ({self._lost}); "
+                                         "it stops without installing an index")
+
+    def check(self) -> None:
+        """Raise :class:`PackLeaseLostError` if the lease is no longer this run's. Makes no request
+        while the last renewal is under ``ttl_s / 2`` old; past that (the process was frozen, or
+        renewals failed) it renews first, so a run that slept through its expiry stops here."""
+        if self._lost is None and time.monotonic() - self._renewed_mono > self.ttl_s / 2:
+            self.renew()
+        if self._lost is not None:
+            raise PackLeaseLostError(f"{self.url}: this pack lost its lease ({self._lost}); "
+                                     "it stops without installing an index")
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.renew()
+            except PackLeaseLostError:
+                return
+            except Exception as exc:  # noqa: BLE001 - a failed renewal is retried next period
+                log.warning("%s: renewing the pack lease failed: %s", self.url, exc)
+
+    def release(self) -> None:
+        """Stop renewal and delete the lease if it is still this run's (no error if it is not)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            if self._lost is None and self._token is not None:
+                try:
+                    self._io.delete(self._token)
+                except _Conflict:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - it expires by itself
+                    log.warning("%s: could not remove the pack lease (it expires by itself): %s",
+                                self.url, exc)
+            self._token = None
+
+    def __enter__(self) -> "PackLease":
+        self.acquire()
+        self._thread = threading.Thread(target=self._renew_loop, name="stoker-pack-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
