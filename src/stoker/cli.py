@@ -47,7 +47,7 @@ def cmd_pack(a) -> int:
     r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
              src_options=_opts(a.src_options), dst_options=_opts(a.dst_options),
              read_workers=a.read_workers, progress=not a.no_progress,
-             shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source)
+             shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes)
     print(json.dumps(r.as_dict(), indent=2))
     return 0
 
@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shuffle-seed", type=int, default=0,
                    help="seed of the random placement of samples in shards (default 0)")
     s.add_argument("--no-shuffle", action="store_true", help="place samples in sorted order")
+    s.add_argument("--classes", metavar="FILE|URL",
+                   help="fix the labels: a class list (text, one name per line, label = line order; or "
+                        "JSON), or an existing packed dataset whose classes are reused; pack every split "
+                        "with the same list so that labels agree (read with --dst-options)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_pack)
 

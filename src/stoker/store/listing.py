@@ -59,7 +59,8 @@ def ls(directory: SampleDirectory, prefix: str = "", limit: int | None = 1000) -
 
 
 def stat(directory: SampleDirectory, url: str | None = None) -> list[str]:
-    """Lines for ``stoker stat``: ``name: value`` for the fields of :meth:`SampleDirectory.summary`."""
+    """Lines for ``stoker stat``: ``name: value`` for the fields of :meth:`SampleDirectory.summary`,
+    then the class mapping, one ``  <label>\t<class name>`` line per class in label order."""
     s = directory.summary()
     lines = [f"url: {url}"] if url is not None else []
     lines += [f"samples: {s['samples']}",
@@ -70,6 +71,10 @@ def stat(directory: SampleDirectory, url: str | None = None) -> list[str]:
               f"version: {s['version']}",
               f"keys_sorted: {s['keys_sorted']}",
               f"directory_bytes: {s['directory_bytes']} ({_human(s['directory_bytes'])})"]
+    classes = directory.index.classes
+    if classes:
+        lines.append("class mapping (label, class name):")
+        lines += [f"  {label}\t{name}" for label, name in enumerate(classes)]
     return lines
 
 
@@ -94,7 +99,7 @@ def _cmd_ls(a) -> int:
 def _cmd_stat(a) -> int:
     d = _open_directory(a)
     if a.json:
-        print(json.dumps({"url": a.url, **d.summary()}, indent=2))
+        print(json.dumps({"url": a.url, **d.summary(), "class_names": list(d.index.classes)}, indent=2))
     else:
         for line in stat(d, a.url):
             print(line)
@@ -110,7 +115,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--storage-options", help="fsspec storage options as JSON")
     p.set_defaults(fn=_cmd_ls)
 
-    p = sub.add_parser("stat", help="summary of a packed dataset: samples, bytes, shards, classes, version")
+    p = sub.add_parser("stat", help="summary of a packed dataset: samples, bytes, shards, classes, version, "
+                                    "and the class mapping (label -> class name)")
     p.add_argument("url")
     p.add_argument("--storage-options", help="fsspec storage options as JSON")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from ..procs import pid_alive
 from ..storage import Origin
+from .classlist import load_class_list
 from .filelist import iter_file_list, read_file_list
 from .lease import DEFAULT_LEASE_S, PackLease
 from .index import INDEX_NAME, SHARD_DIR, build_table, table_to_bytes
@@ -147,7 +148,8 @@ def _etag(dest: Origin, name: str) -> str | None:
 def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
          src_options: dict | None = None, dst_options: dict | None = None,
          read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0,
-         source: str | None = None, lease_s: float = DEFAULT_LEASE_S) -> PackResult:
+         source: str | None = None, lease_s: float = DEFAULT_LEASE_S,
+         classes: list[str] | str | None = None) -> PackResult:
     """Pack the source at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
 
     ``source``: "imagefolder", "webdataset" or "filelist"; default: chosen by what
@@ -165,6 +167,14 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     as raw bytes. Keys are UTF-8 strings: a file or tar member whose name is not
     valid UTF-8 is refused with a ValueError naming it (keys are never rewritten).
     Long (> 100 byte) and Unicode names are written with pax headers.
+
+    ``classes``: the class list, label = position (a list of names, or a URL: an
+    existing packed dataset, whose class list is reused, or a text/JSON file; see
+    :mod:`.classlist`; a URL is read with ``dst_options``). Packing every split with
+    the same list gives identical labels. Without it, labels come from the source
+    (ImageFolder: sorted class directories). The class list is recorded in the index
+    metadata (``stoker stat`` prints it). A class directory, or a streamed sample's
+    label, that is not in the list is a ValueError naming it.
 
     One pack at a time writes a destination: the run holds a lease object at ``dst``
     (:mod:`.lease`, ``lease_s`` seconds long, renewed while it packs) and installs the
@@ -185,6 +195,8 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     source_origin = Origin(src, src_options or {})
     dest = Origin(dst, dst_options or {})
     kind = detect_source(source_origin, source)
+    if classes is not None:
+        classes = load_class_list(classes, dst_options)
     with PackLease(dest, lease_s) as lease:
         if dest.exists(INDEX_NAME):
             if not overwrite:
@@ -193,24 +205,24 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
             dest.fs.rm(dest.path(INDEX_NAME))
         if kind == "imagefolder":
             done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
-                                      shuffle_seed, lease.check)
+                                      shuffle_seed, lease.check, classes)
         else:
             done = _pack_stream(kind, src, source_origin, dest, shard_bytes, overwrite, read_workers,
-                                progress, shuffle_seed, src_options, lease.check)
-        shard_table, rows, labels, class_names, classes, reused, skipped = done
+                                progress, shuffle_seed, src_options, lease.check, classes)
+        shard_table, rows, labels, class_names, class_list, reused, skipped = done
         order = sorted(range(len(rows)), key=lambda j: rows[j][0])
         keys = [rows[j][0] for j in order]
         prim = [rows[j][2][0] for j in order]
         table, version = build_table(
             keys, [labels[j] for j in order], [class_names[j] for j in order],
             [rows[j][1] for j in order], [p[1] for p in prim], [p[2] for p in prim], [p[3] for p in prim],
-            shard_table, classes, field=[p[0] for p in prim],
+            shard_table, class_list, field=[p[0] for p in prim],
             fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order])
         lease.renew()  # still ours, with a full lease_s ahead for the index write
         dest.write_atomic(INDEX_NAME, table_to_bytes(table))
         _remove_stale_shards(dest, {s["name"] for s in shard_table})
     payload = sum(m[2] for r in rows for m in r[2])
-    return PackResult(url=dst, samples=len(keys), classes=len(classes), shards=len(shard_table),
+    return PackResult(url=dst, samples=len(keys), classes=len(class_list), shards=len(shard_table),
                       payload_bytes=int(payload), shard_bytes=sum(s["bytes"] for s in shard_table),
                       reused_shards=reused, skipped_files=skipped, seconds=time.perf_counter() - t0,
                       version=version, source=kind)
@@ -246,8 +258,8 @@ def _rows_of(shard: int, man: dict) -> list:
 
 
 def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                       shuffle_seed, guard):
-    listing = list_image_folder(source)
+                       shuffle_seed, guard, classes):
+    listing = list_image_folder(source, classes)
     placed = listing.files
     if shuffle_seed is not None:
         perm = np.random.Generator(np.random.PCG64(int(shuffle_seed))).permutation(len(placed))
@@ -294,7 +306,7 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
 
 
 def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                 shuffle_seed, src_options, guard):
+                 shuffle_seed, src_options, guard, classes):
     skipped: list = []
     if kind == "webdataset":
         samples = iter_samples(expand_urls(src, src_options), src_options, skipped)
@@ -308,6 +320,7 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
         total = len(fl)
     bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
     shard_table, rows, raw_labels, seen = [], [], [], {}
+    raw_keys: list[str] = []
     reused = 0
     pending = None
 
@@ -334,6 +347,7 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
                 raise ValueError(f"source {src}: duplicate key {s.key!r} in {seen[s.key]} and {s.where}")
             seen[s.key] = s.where
             raw_labels.append(s.label)
+            raw_keys.append(s.key)
             size = sum(estimate_member_bytes(s.key, f, len(d)) for f, d in s.members)
             if batch and est + size > shard_bytes:
                 if pending is not None:
@@ -351,5 +365,5 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
     bar.close()
     if not rows:
         raise ValueError(f"source {src}: no samples found ({kind})")
-    labels, cnames, classes = resolve_labels(raw_labels)
-    return shard_table, rows, labels, cnames, classes, reused, len(skipped)
+    labels, cnames, class_list = resolve_labels(raw_labels, classes, raw_keys)
+    return shard_table, rows, labels, cnames, class_list, reused, len(skipped)

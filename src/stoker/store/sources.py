@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,16 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 LIST_SUFFIXES = (".csv", ".parquet", ".pq")
 SOURCES = ("imagefolder", "webdataset", "filelist")
+#: Operating-system and tool metadata names (compared case-insensitively) that are never
+#: classes or samples, besides every name that starts with "." (``.ipynb_checkpoints``,
+#: ``.DS_Store``, AppleDouble ``._*`` files, ``.Trash-1000``).
+IGNORED_NAMES = frozenset({"__macosx", "thumbs.db", "ehthumbs.db", "desktop.ini", "$recycle.bin",
+                           "system volume information"})
+
+
+def is_ignored_name(name: str) -> bool:
+    """True for a hidden (leading ".") or OS-metadata (:data:`IGNORED_NAMES`) file or folder name."""
+    return name.startswith(".") or name.lower() in IGNORED_NAMES
 
 
 @dataclass(frozen=True)
@@ -56,9 +66,13 @@ class SourceFile:
 
 @dataclass
 class Listing:
+    """An ImageFolder listing: samples, class names in label order, skipped (non-image)
+    files and ignored (hidden or OS-metadata) folders (``name/``) and files."""
+
     files: list[SourceFile]
     classes: list[str]
     skipped: list[str]
+    ignored: list[str] = field(default_factory=list)
 
 
 def check_utf8(name: str, where: str) -> str:
@@ -99,7 +113,8 @@ def detect_source(origin, source: str | None = None) -> str:
     fs, root = origin.fs, origin.root.rstrip("/")
     try:
         if fs.isdir(root):
-            top = fs.ls(root, detail=True)
+            top = [e for e in fs.ls(root, detail=True)
+                   if not is_ignored_name(posixpath.basename(e["name"].rstrip("/")))]
             tars = [e for e in top if e.get("type") == "file" and is_tar_name(e["name"])]
             dirs = [e for e in top if e.get("type") == "directory"]
             return "webdataset" if tars and not dirs else "imagefolder"
@@ -110,12 +125,16 @@ def detect_source(origin, source: str | None = None) -> str:
     return "imagefolder"
 
 
-def resolve_labels(raw: list) -> tuple[list[int], list[str], list[str]]:
+def resolve_labels(raw: list, classes: list[str] | None = None,
+                   keys: list[str] | None = None) -> tuple[list[int], list[str], list[str]]:
     """Turn raw labels (int, str or None per sample) into ``(labels, class_names, classes)``.
 
-    None -> label -1, class name "". If every other label is an integer (or a string
-    of one), labels are those integers and ``classes`` is ``["0", ..., str(max)]``;
-    otherwise labels are class names, numbered in sorted order.
+    None -> label -1, class name "". With a class list ``classes`` (label = position):
+    a str label that is a name in it gets that position, an int label (or a string of
+    one) must lie in ``0..len(classes)-1``; anything else is a ValueError naming the
+    sample's key (``keys``, parallel to ``raw``). Without one: if every other label is
+    an integer (or a string of one), labels are those integers and ``classes`` is
+    ``["0", ..., str(max)]``; otherwise labels are class names, numbered in sorted order.
     """
     def as_int(v):
         if isinstance(v, bool):
@@ -127,6 +146,17 @@ def resolve_labels(raw: list) -> tuple[list[int], list[str], list[str]]:
         except ValueError:
             return None
 
+    if classes is not None:
+        num = {c: i for i, c in enumerate(classes)}
+        labels = []
+        for j, v in enumerate(raw):
+            lab = -1 if v is None else num.get(v) if isinstance(v, str) and v in num else as_int(v)
+            if lab is None or not -1 <= lab < len(classes) or (lab == -1 and v is not None):
+                who = f"sample {keys[j]!r}" if keys is not None else f"sample {j}"
+                raise ValueError(f"{who}: label {v!r} is not in the class list ({len(classes)} classes: "
+                                 f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
+            labels.append(lab)
+        return labels, ["" if x < 0 else classes[x] for x in labels], list(classes)
     present = [v for v in raw if v is not None]
     ints = [as_int(v) for v in present]
     if all(x is not None for x in ints):
@@ -140,28 +170,47 @@ def resolve_labels(raw: list) -> tuple[list[int], list[str], list[str]]:
     return labels, ["" if v is None else str(v) for v in raw], classes
 
 
-def list_image_folder(origin) -> Listing:
+def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
     """List an ImageFolder tree ``root/<class>/**/<name>.<ext>`` through ``origin`` (a storage.Origin).
 
-    Classes are the sorted immediate sub-directories (label = position), samples are
-    sorted by path; the key is ``<class>/<path-without-extension>``. Files that are
-    not images by extension, or that lie directly under the root, are skipped and
-    listed in ``Listing.skipped``. Raises FileNotFoundError when the root is missing
-    and ValueError when it holds no class directory with an image, when two
-    files map to the same key (e.g. ``a.jpg`` and ``a.png``), or when a file's
-    path is not valid UTF-8.
+    Hidden and OS-metadata entries (:func:`is_ignored_name`: ``.ipynb_checkpoints/``,
+    ``__MACOSX/``, ``._x.jpg``, ``.DS_Store``, ``Thumbs.db``, ...) at any depth are
+    never classes or samples; the dropped folders and files are named in one warning
+    and listed in ``Listing.ignored``.
+
+    Classes: with ``classes`` (a class list, label = position) those; a class directory
+    not in it is a ValueError naming it. Without: every other immediate sub-directory,
+    sorted (torchvision's ImageFolder rule). A class directory with no image keeps its
+    label slot (torchvision raises there unless ``allow_empty``; here it is named in a
+    warning), so on a filesystem the labels of splits agree; object stores hold no
+    empty directories, which is why ``--classes`` exists. Samples are sorted by path;
+    the key is ``<class>/<path-without-extension>``. Files that are not images by
+    extension, or that lie directly under the root, are skipped and listed in
+    ``Listing.skipped``. Raises FileNotFoundError when the root is missing and
+    ValueError when it holds no class directory with an image, when two files map to
+    the same key (e.g. ``a.jpg`` and ``a.png``), or when a file's path is not valid UTF-8.
     """
     fs, root = origin.fs, origin.root.rstrip("/")
     if not fs.exists(root):
         raise FileNotFoundError(f"source {origin.url} does not exist")
-    found = fs.find(root, detail=True)
-    entries = []
-    skipped = []
+    found = fs.find(root, withdirs=True, detail=True)
+    entries, skipped, dirs = [], [], set()
+    ignored: dict[str, int] = {}  # top-most ignored folder or file -> files under it
     for path, info in sorted(found.items()):
-        if info.get("type", "file") != "file":
-            continue
         rel = posixpath.relpath(path, root) if not path.startswith(root + "/") else path[len(root) + 1:]
+        if rel in ("", "."):
+            continue
         parts = rel.split("/")
+        is_file = info.get("type", "file") == "file"
+        bad = next((i for i, part in enumerate(parts) if is_ignored_name(part)), None)
+        if bad is not None:
+            top = "/".join(parts[:bad + 1]) + ("" if is_file and bad == len(parts) - 1 else "/")
+            ignored[top] = ignored.get(top, 0) + int(is_file)
+            continue
+        if not is_file:
+            if len(parts) == 1:
+                dirs.add(check_utf8(parts[0], f"source {origin.url}"))
+            continue
         stem, ext = posixpath.splitext(rel)
         if len(parts) < 2 or ext.lower() not in IMG_EXTENSIONS:
             skipped.append(rel)
@@ -169,14 +218,35 @@ def list_image_folder(origin) -> Listing:
         check_utf8(rel, f"source {origin.url}")
         stamp = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
         entries.append((parts[0], rel, stem, ext, int(info.get("size") or 0), stamp))
-    classes = sorted({e[0] for e in entries})
-    if not classes:
+    if ignored:
+        names = sorted(ignored)
+        log.warning("%s: ignored %d hidden or OS-metadata entr%s (never classes or samples): %s%s", origin.url,
+                    len(names), "y" if len(names) == 1 else "ies", ", ".join(names[:10]),
+                    f", and {len(names) - 10} more" if len(names) > 10 else "")
+    with_images = {e[0] for e in entries}
+    if not with_images:
         raise ValueError(f"source {origin.url}: no ImageFolder class directory with images "
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
-    if len(classes) == 1 and all(e[1].count("/") >= 2 for e in entries):
+    found_classes = sorted(dirs | with_images)
+    if classes is not None:
+        extra = [c for c in found_classes if c not in set(classes)]
+        if extra:
+            raise ValueError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
+                             f"{', '.join(map(repr, extra[:10]))} not in the class list "
+                             f"({len(classes)} classes: {', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
+        classes = list(classes)
+    else:
+        classes = found_classes
+    if len(with_images) == 1 and len(classes) == 1 and all(e[1].count("/") >= 2 for e in entries):
         log.warning("%s: one class directory %r holding sub-directories; did you mean to pack %s/%s "
                     "(its sub-directories as the classes)?", origin.url, classes[0], origin.url, classes[0])
     label_of = {c: i for i, c in enumerate(classes)}
+    empty = [c for c in classes if c not in with_images]
+    if empty:
+        log.warning("%s: %d class%s with no images keep%s the label slot: %s; pack every split with the same "
+                    "--classes so that labels agree", origin.url, len(empty), "" if len(empty) == 1 else "es",
+                    "s" if len(empty) == 1 else "",
+                    ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]))
     files, seen = [], {}
     for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
@@ -187,7 +257,7 @@ def list_image_folder(origin) -> Listing:
     if skipped:
         log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url,
                     len(skipped), skipped[0])
-    return Listing(files=files, classes=classes, skipped=skipped)
+    return Listing(files=files, classes=classes, skipped=skipped, ignored=sorted(ignored))
 
 
 @dataclass
