@@ -347,3 +347,94 @@ def test_every_source_round_trips_through_s3(s3_origin, cases_dir, tmp_path):
                 assert data == expected[f"{ds.key(int(i))}.{field}"]
         if name == "sample.tgz":
             assert all(int(ds.labels[i]) == int(expected[f"{ds.key(i)}.cls"]) for i in range(len(ds)))
+
+
+# -- ImageFolder labels: stray folders, empty classes, fixed class lists ---------------
+_IMG = {f"{c}/img{i}.jpg": bytes([65 + k]) * (200 + i) for k, c in enumerate(["cat", "dog", "owl"])
+        for i in range(2)}
+
+
+def _labels_by_class(url: str) -> dict:
+    ds = open_dataset(url, cache=False)
+    out = {}
+    for i in range(len(ds)):
+        out.setdefault(ds.key(i).split("/")[0], set()).add(int(ds.labels[i]))
+    return out
+
+
+def test_hidden_and_os_metadata_entries_are_never_classes_or_samples(tmp_path, caplog):
+    stray = {".ipynb_checkpoints/img0-checkpoint.jpg": _IMG["cat/img0.jpg"],
+             "__MACOSX/cat/._img0.jpg": b"\x00\x05\x16\x07" + b"\x00" * 60,
+             "cat/._img1.jpg": b"\x00\x05\x16\x07", "cat/.ipynb_checkpoints/img0-checkpoint.jpg": b"x",
+             "dog/.DS_Store": b"ds", "owl/Thumbs.db": b"t", "Desktop.ini": b"d"}
+    src = make_image_folder(tmp_path / "src", {**_IMG, **stray})
+    r = pack(str(src), str(tmp_path / "d"), progress=False)
+    assert (r.samples, r.classes, r.skipped_files) == (6, 3, 0)
+    ds = open_dataset(str(tmp_path / "d"), cache=False)
+    assert ds.index.classes == ["cat", "dog", "owl"]
+    assert sorted(ds.key(i) for i in range(len(ds))) == sorted(k[:-4] for k in _IMG)
+    assert _labels_by_class(str(tmp_path / "d")) == {"cat": {0}, "dog": {1}, "owl": {2}}
+    warned = [rec.getMessage() for rec in caplog.records if "OS-metadata" in rec.getMessage()]
+    assert len(warned) == 1  # one warning naming every dropped folder and file
+    for name in (".ipynb_checkpoints/", "__MACOSX/", "cat/._img1.jpg", "cat/.ipynb_checkpoints/",
+                 "dog/.DS_Store", "owl/Thumbs.db", "Desktop.ini"):
+        assert name in warned[0]
+
+
+def test_metadata_folder_beside_tars_is_still_webdataset(tmp_path):
+    _make_tar(tmp_path / "w" / "a-000.tar", [("k.jpg", b"j")])
+    (tmp_path / "w" / "__MACOSX").mkdir()
+    (tmp_path / "w" / "__MACOSX" / "._a-000.tar").write_bytes(b"\x00\x05\x16\x07")
+    assert detect_source(Origin(str(tmp_path / "w"))) == "webdataset"
+
+
+def test_empty_class_folder_keeps_its_label(tmp_path):
+    make_image_folder(tmp_path / "train", _IMG)
+    make_image_folder(tmp_path / "val", {k: v for k, v in _IMG.items() if not k.startswith("dog/")})
+    (tmp_path / "val" / "dog").mkdir()
+    pack(str(tmp_path / "train"), str(tmp_path / "ptrain"), progress=False)
+    r = pack(str(tmp_path / "val"), str(tmp_path / "pval"), progress=False)
+    assert r.classes == 3
+    assert _labels_by_class(str(tmp_path / "pval")) == {"cat": {0}, "owl": {2}}
+    assert open_dataset(str(tmp_path / "pval"), cache=False).index.classes == ["cat", "dog", "owl"]
+
+
+def test_pack_classes_keeps_labels_across_splits_and_stat_prints_them(tmp_path, capsys):
+    from stoker.cli import main
+    make_image_folder(tmp_path / "train", _IMG)
+    # val as an object store would list it: the class with no images has no folder at all
+    make_image_folder(tmp_path / "val", {k: v for k, v in _IMG.items() if not k.startswith("cat/")})
+    (tmp_path / "classes.txt").write_text("cat\ndog\nowl\n")
+    assert main(["pack", str(tmp_path / "train"), str(tmp_path / "ptrain"), "--no-progress",
+                 "--classes", str(tmp_path / "classes.txt")]) == 0
+    assert main(["pack", str(tmp_path / "val"), str(tmp_path / "pval"), "--no-progress",
+                 "--classes", str(tmp_path / "ptrain")]) == 0  # the train dataset's class list
+    train, val = _labels_by_class(str(tmp_path / "ptrain")), _labels_by_class(str(tmp_path / "pval"))
+    assert val == {"dog": {1}, "owl": {2}} and all(train[c] == val[c] for c in val)
+    capsys.readouterr()
+    assert main(["stat", str(tmp_path / "pval")]) == 0
+    out = capsys.readouterr().out
+    assert "  0\tcat\n  1\tdog\n  2\towl" in out
+    assert main(["stat", "--json", str(tmp_path / "pval")]) == 0
+    (tmp_path / "stat.json").write_text(capsys.readouterr().out)
+    assert pack(str(tmp_path / "val"), str(tmp_path / "pval2"), progress=False,
+                classes=str(tmp_path / "stat.json")).classes == 3
+    # a class directory that the list does not name is refused, naming it
+    (tmp_path / "short.txt").write_text("dog\n")
+    assert main(["pack", str(tmp_path / "val"), str(tmp_path / "px"), "--no-progress",
+                 "--classes", str(tmp_path / "short.txt")]) == 2
+    assert "'owl' not in the class list" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="appears twice"):
+        pack(str(tmp_path / "val"), str(tmp_path / "py"), progress=False, classes=["dog", "owl", "dog"])
+
+
+def test_classes_apply_to_streamed_sources(tmp_path):
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "list.csv").write_text("path,label\na.jpg,zebra\nb.jpg,1\nc.jpg,\n")
+    pack(str(tmp_path / "list.csv"), str(tmp_path / "d"), progress=False, classes=["ant", "bee", "zebra"])
+    ds = open_dataset(str(tmp_path / "d"), cache=False)
+    assert ds.index.classes == ["ant", "bee", "zebra"] and ds.labels.tolist() == [2, 1, -1]
+    (tmp_path / "bad.csv").write_text("path,label\na.jpg,yak\n")
+    with pytest.raises(ValueError, match="sample 'a': label 'yak' is not in the class list"):
+        pack(str(tmp_path / "bad.csv"), str(tmp_path / "d2"), progress=False, classes=["ant"])

@@ -151,7 +151,7 @@ def resolve_labels(raw: list, classes: list[str] | None = None,
         labels = []
         for j, v in enumerate(raw):
             lab = -1 if v is None else num.get(v) if isinstance(v, str) and v in num else as_int(v)
-            if lab is None or not -1 <= lab < len(classes) or (lab == -1 and v is not None):
+            if lab is None or not -1 <= lab < len(classes):
                 who = f"sample {keys[j]!r}" if keys is not None else f"sample {j}"
                 raise ValueError(f"{who}: label {v!r} is not in the class list ({len(classes)} classes: "
                                  f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
@@ -228,7 +228,8 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
         raise ValueError(f"source {origin.url}: no ImageFolder class directory with images "
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
     found_classes = sorted(dirs | with_images)
-    if classes is not None:
+    given = classes is not None
+    if given:
         extra = [c for c in found_classes if c not in set(classes)]
         if extra:
             raise ValueError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
@@ -243,10 +244,12 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
     label_of = {c: i for i, c in enumerate(classes)}
     empty = [c for c in classes if c not in with_images]
     if empty:
-        log.warning("%s: %d class%s with no images keep%s the label slot: %s; pack every split with the same "
-                    "--classes so that labels agree", origin.url, len(empty), "" if len(empty) == 1 else "es",
-                    "s" if len(empty) == 1 else "",
-                    ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]))
+        # with a class list, classes absent from one split are expected: no warning
+        log.log(logging.INFO if given else logging.WARNING,
+                "%s: %d class%s with no images keep%s the label slot: %s%s", origin.url, len(empty),
+                "" if len(empty) == 1 else "es", "s" if len(empty) == 1 else "",
+                ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]),
+                "" if given else "; pack every split with the same --classes so that labels agree")
     files, seen = [], {}
     for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
