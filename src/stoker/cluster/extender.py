@@ -97,14 +97,15 @@ def check_state(state, source: str = "cache state") -> dict:
 
 def file_state(path: str):
     """A state source reading ``path`` (JSON ``{"nodes": {name: {"cache_bytes", "datasets": {url: bytes}}}}``),
-    re-read when its modification time changes. Raises OSError on a missing file, ValueError (naming
+    re-read when it changes (modification time, size or inode). Raises OSError on a missing file, ValueError (naming
     ``path`` and the entry) on a file that is not JSON or not of that form (:func:`check_state`)."""
     box = {"mtime": None, "state": None}
     lock = threading.Lock()
 
     def get() -> dict:
         with lock:
-            m = os.stat(path).st_mtime_ns
+            st = os.stat(path)  # a file replaced (new inode) or rewritten within one clock tick counts too
+            m = (st.st_mtime_ns, st.st_size, st.st_ino)
             if m != box["mtime"]:
                 with open(path, "rb") as f:
                     data = f.read()
