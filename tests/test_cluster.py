@@ -226,3 +226,49 @@ def test_warm_and_cluster_state_commands(cluster, s3_dataset, tmp_path, capsys):
     assert main(["cluster-state", url, "--out", str(out), *args]) == 0
     state = json.loads(out.read_text())
     assert sum(v["datasets"][url] for v in state["nodes"].values()) == report["dataset_bytes"]
+
+
+def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_missing(cluster, packed_local, tmp_path,
+                                                                                        capsys):
+    """A corrupt sample in one shard: the warm-up caches the rest, names the shard and exits 1 (no
+    traceback); with the shard repaired and the services restarted, the rerun fetches only that."""
+    import json
+    import shutil
+
+    from stoker.cli import main
+    from stoker.cluster.service import stop_services
+    from stoker.store.dataset import open_dataset
+    url = str(tmp_path / "ds")
+    shutil.copytree(packed_local, url)
+    ds = open_dataset(url, cache=False, check=False, block_bytes=BLOCK)
+    b = int(np.flatnonzero(ds.block_shard == 1)[0])
+    i = int(np.flatnonzero(ds.sample_block == b)[0])
+    shard = ds.index.shard_name(1)
+    path, at = f"{url}/{shard}", int(ds.index.offset[i]) + int(ds.index.length[i]) // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        good = f.read(1)
+        f.seek(at)
+        f.write(bytes([good[0] ^ 0xFF]))
+    stop_services()  # fresh services on a fresh cache root
+    args = ["warm", url, "--no-progress", "--block-size", str(BLOCK), "--cache-dir", str(tmp_path / "cache"),
+            "--cache-size", str(64 << 20)]
+    capsys.readouterr()
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    first = json.loads(out)
+    assert not first["complete"] and 0 < first["cached_fraction"] < 1
+    assert list(first["failed_shards"]) == [shard] and "checksum" in first["failed_shards"][shard]
+    assert sum(n["failed"] for n in first["nodes"].values()) == 1
+    assert "Traceback" not in err and f"failed: {shard}" in err and "partial" in err
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(good)
+    dirs = {n["cache_dir"] for n in first["nodes"].values()}
+    stop_services()  # the services start again (as after a restart) and find their directories
+    assert main(args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["complete"] and again["failed_shards"] == {}
+    assert {n["cache_dir"] for n in again["nodes"].values()} == dirs
+    assert again["origin_bytes"] == first["dataset_bytes"] - sum(n["cached_bytes"] for n in first["nodes"].values())
+    assert again["origin_bytes"] == int(ds.block_bytes_of(b))

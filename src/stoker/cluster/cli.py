@@ -9,6 +9,8 @@ import json
 import sys
 import time
 
+from .extender import MAX_BODY_BYTES
+
 
 def _ray_init(address: str | None):
     """Join the Ray cluster at ``address`` (default: the local one, ``auto``) unless joined already."""
@@ -23,6 +25,9 @@ def _ray_init(address: str | None):
 
 
 def cmd_warm(a) -> int:
+    """``stoker warm``: the report as JSON on stdout, a summary per node on stderr. Exit 0 when every
+    block is cached, 1 when the warm-up is partial (budget too small, shards that failed: named
+    with the reason; running it again fetches only what is missing)."""
     from .warmup import warm
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
@@ -30,8 +35,26 @@ def cmd_warm(a) -> int:
     print(json.dumps(r, indent=2))
     for nid, n in r["nodes"].items():
         print(f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
-              f"{n['cached_bytes'] / 1e6:9.1f} MB  ({n['cached_fraction']:.0%})", file=sys.stderr)
-    return 0 if r["cached_fraction"] >= 1.0 else 1
+              f"{n['cached_bytes'] / 1e6:9.1f} MB  ({n['cached_fraction']:.0%})"
+              + (f"  {n['refused']} block(s) over the budget" if n["refused"] else "")
+              + (f"  {n['failed']} block(s) failed" if n["failed"] else ""), file=sys.stderr)
+        if n.get("error"):
+            print(f"  {n['error']}", file=sys.stderr)
+        for shard, why in n["failed_shards"].items():
+            print(f"  failed: {shard}: {why}", file=sys.stderr)
+    if r["complete"]:
+        return 0
+    why = []
+    if any(n["refused"] for n in r["nodes"].values()):
+        why.append("cache budget too small (--cache-size)")
+    if r["failed_shards"]:
+        why.append(f"{len(r['failed_shards'])} shard(s) failed")
+    if any(n.get("error") for n in r["nodes"].values()):
+        why.append("a cache service did not answer")
+    print(f"stoker warm: partial: {r['cached_fraction']:.1%} of {a.url} cached"
+          + (f" ({'; '.join(why)})" if why else "") + "; run it again to fetch only what is missing",
+          file=sys.stderr)
+    return 1
 
 
 def cmd_state(a) -> int:
@@ -63,7 +86,7 @@ def cmd_extender(a) -> int:
         _ray_init(a.ray_address)
         state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
-    srv = serve(state, host=a.host, port=a.port)
+    srv = serve(state, host=a.host, port=a.port, max_body_bytes=a.max_body_size)
     host, port = srv.server_address[:2]
     print(f"stoker extender on http://{host}:{port}/ (verbs: filter, prioritize); "
           f"state {a.state or 'from the cache services'}", file=sys.stderr)
@@ -104,4 +127,6 @@ def add_parsers(sub, size) -> None:
     s.add_argument("--storage-options")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8888)
+    s.add_argument("--max-body-size", type=size, default=MAX_BODY_BYTES,
+                   help="refuse larger requests with 413 (default 8MiB: about a thousand full Node objects)")
     s.set_defaults(fn=cmd_extender)

@@ -15,6 +15,13 @@ fails nodes without a cache service. Cache state comes from a JSON file (re-read
 written by ``stoker cluster-state``, see :func:`stoker.cluster.warmup.cluster_state`) or any
 callable returning the same form. Standard library only (http.server); listens on 127.0.0.1 unless
 told otherwise. Nothing here unpickles anything: requests and state are JSON.
+
+Every answer is JSON, errors included (``{"Error": message}``): 400 for a request that is not
+JSON or not of the ExtenderArgs shape (the message names the field, e.g. ``NodeNames[2]``), 404 for
+an unknown verb, 411 for a body without a length, 413 for a body over ``max_body_bytes``, 500 when
+the cache state cannot be read or has the wrong shape (the message names the file and the entry)
+or on any other fault. The connection is never dropped without an answer, and one bad request
+or state file never stops the server.
 """
 from __future__ import annotations
 
@@ -29,44 +36,124 @@ log = logging.getLogger(__name__)
 DATASET_ANNOTATION = "stoker.io/dataset"
 REQUIRE_ANNOTATION = "stoker.io/require-cache"
 MAX_PRIORITY = 10  # k8s.io/kube-scheduler/extender/v1 MaxExtenderPriority
-MAX_BODY = 64 << 20
+#: Default cap on a request body, bytes. kube-scheduler sends full Node objects (a few KB each)
+#: when ``nodeCacheCapable`` is false, so this holds about a thousand nodes; names only (true)
+#: are some tens of bytes a node. Raise it with ``serve(max_body_bytes=...)`` / ``--max-body-size``.
+MAX_BODY_BYTES = 8 << 20
+MAX_BODY = MAX_BODY_BYTES  # the former name
+#: A client that sends nothing for this long gets its connection closed (seconds).
+REQUEST_TIMEOUT_S = 30.0
+
+
+class BadRequest(ValueError):
+    """An extender request the server refuses; ``code`` is the HTTP status (400, 404, 411, 413)."""
+
+    def __init__(self, message: str, code: int = 400):
+        super().__init__(message)
+        self.code = code
+
+
+def _kind(value) -> str:
+    """The JSON type name of a decoded value, for messages."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _object(value, where: str, error=BadRequest) -> dict:
+    """``value`` if it is a JSON object, ``{}`` if null; else ``error`` naming ``where``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise error(f"{where} must be an object or null, got {_kind(value)}")
+    return value
+
+
+def check_state(state, source: str = "cache state") -> dict:
+    """``state`` if it has the form :func:`scores` reads, else ValueError naming ``source`` and the entry.
+
+    Form: ``{"nodes": {name: {"cache_bytes": int >= 0, "datasets": {url: int >= 0}}}}``;
+    ``cache_bytes`` and ``datasets`` may be left out, other keys are ignored.
+    """
+    if not isinstance(state, dict) or not isinstance(state.get("nodes"), dict):
+        raise ValueError(f"{source}: cache state must be a JSON object with a 'nodes' object")
+
+    def count(v, where):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{source}: {where} must be a whole number of bytes >= 0, got {v!r:.60}")
+
+    for name, node in state["nodes"].items():
+        where = f"nodes[{name!r}]"
+        if not isinstance(node, dict):
+            raise ValueError(f"{source}: {where} must be an object, got {_kind(node)}")
+        if "cache_bytes" in node:
+            count(node["cache_bytes"], f"{where}.cache_bytes")
+        datasets = _object(node.get("datasets"), f"{source}: {where}.datasets", ValueError)
+        for url, n in datasets.items():
+            count(n, f"{where}.datasets[{url!r}]")
+    return state
 
 
 def file_state(path: str):
     """A state source reading ``path`` (JSON ``{"nodes": {name: {"cache_bytes", "datasets": {url: bytes}}}}``),
-    re-read when its modification time changes. Raises OSError/ValueError on a missing or bad file."""
+    re-read when it changes (modification time, size or inode). Raises OSError on a missing file, ValueError (naming
+    ``path`` and the entry) on a file that is not JSON or not of that form (:func:`check_state`)."""
     box = {"mtime": None, "state": None}
     lock = threading.Lock()
 
     def get() -> dict:
         with lock:
-            m = os.stat(path).st_mtime_ns
+            st = os.stat(path)  # a file replaced (new inode) or rewritten within one clock tick counts too
+            m = (st.st_mtime_ns, st.st_size, st.st_ino)
             if m != box["mtime"]:
-                with open(path) as f:
-                    state = json.load(f)
-                if not isinstance(state, dict) or not isinstance(state.get("nodes"), dict):
-                    raise ValueError(f"{path}: cache state must be a JSON object with a 'nodes' object")
-                box["mtime"], box["state"] = m, state
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    state = json.loads(data)
+                except (ValueError, RecursionError) as exc:
+                    raise ValueError(f"{path}: cache state is not JSON ({type(exc).__name__}: {exc})") from None
+                box["mtime"], box["state"] = m, check_state(state, path)
             return box["state"]
     return get
 
 
-def _annotations(pod: dict) -> dict:
-    return ((pod or {}).get("metadata") or {}).get("annotations") or {}
+def parse_args(args) -> tuple[dict, list[str], list | None]:
+    """Check decoded ExtenderArgs; return ``(annotations, node names, Node objects or None)``.
 
-
-def _pod_name(pod: dict) -> str:
-    meta = (pod or {}).get("metadata") or {}
-    return f"{meta.get('namespace', 'default')}/{meta.get('name', '?')}"
-
-
-def _candidates(args: dict) -> tuple[list[str], list | None]:
-    """Node names of ExtenderArgs, and the Node objects when it sent them (nodeCacheCapable false)."""
-    nodes = args.get("Nodes")
-    if nodes and nodes.get("items") is not None:
-        items = nodes["items"]
-        return [((n.get("metadata") or {}).get("name", "")) for n in items], items
-    return list(args.get("NodeNames") or []), None
+    ``args``: ``{"Pod": {...} | null, "Nodes": {"items": [...] | null} | null, "NodeNames": [str] | null}``
+    (missing keys count as null). Node objects are returned when ``Nodes.items`` is sent (then it
+    wins over ``NodeNames``), so that filter can answer in the same form. Raises :class:`BadRequest`
+    naming the field, e.g. ``NodeNames[1] must be a string, got number``.
+    """
+    if not isinstance(args, dict):
+        raise BadRequest(f"ExtenderArgs must be an object, got {_kind(args)}")
+    meta = _object(_object(args.get("Pod"), "Pod").get("metadata"), "Pod.metadata")
+    ann = _object(meta.get("annotations"), "Pod.metadata.annotations")
+    for key in (DATASET_ANNOTATION, REQUIRE_ANNOTATION):
+        if ann.get(key) is not None and not isinstance(ann[key], str):
+            raise BadRequest(f"Pod.metadata.annotations[{key!r}] must be a string, got {_kind(ann[key])}")
+    items = _object(args.get("Nodes"), "Nodes").get("items")
+    if items is not None:
+        if not isinstance(items, list):
+            raise BadRequest(f"Nodes.items must be an array or null, got {_kind(items)}")
+        names = []
+        for k, item in enumerate(items):
+            name = _object(_object(item, f"Nodes.items[{k}]").get("metadata"),
+                           f"Nodes.items[{k}].metadata").get("name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest(f"Nodes.items[{k}].metadata.name must be a non-empty string, got {_kind(name)}")
+            names.append(name)
+        return ann, names, items
+    names = args.get("NodeNames")
+    if names is None:
+        return ann, [], None
+    if not isinstance(names, list):
+        raise BadRequest(f"NodeNames must be an array or null, got {_kind(names)}")
+    for k, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"NodeNames[{k}] must be a non-empty string, got {_kind(name)}")
+    return ann, list(names), None
 
 
 def scores(dataset: str | None, names: list[str], state: dict) -> dict[str, int]:
@@ -86,12 +173,11 @@ def scores(dataset: str | None, names: list[str], state: dict) -> dict[str, int]
 
 
 def filter_nodes(args: dict, state: dict) -> dict:
-    """ExtenderFilterResult for ExtenderArgs ``args``."""
-    names, items = _candidates(args)
-    pod = args.get("Pod") or {}
-    ann = _annotations(pod)
+    """ExtenderFilterResult for ExtenderArgs ``args`` (:class:`BadRequest` if malformed, see
+    :func:`parse_args`); ``state`` as :func:`check_state` accepts."""
+    ann, names, items = parse_args(args)
     failed = {}
-    if str(ann.get(REQUIRE_ANNOTATION, "")).lower() == "true":
+    if (ann.get(REQUIRE_ANNOTATION) or "").lower() == "true":
         have = state.get("nodes", {})
         failed = {n: f"no stoker cache service on node {n}" for n in names if n not in have}
     keep = [n for n in names if n not in failed]
@@ -106,62 +192,133 @@ def filter_nodes(args: dict, state: dict) -> dict:
 
 
 def prioritize(args: dict, state: dict) -> list[dict]:
-    """HostPriorityList for ExtenderArgs ``args``."""
-    names, _ = _candidates(args)
-    s = scores(_annotations(args.get("Pod")).get(DATASET_ANNOTATION), names, state)
+    """HostPriorityList for ExtenderArgs ``args`` (:class:`BadRequest` if malformed)."""
+    ann, names, _ = parse_args(args)
+    s = scores(ann.get(DATASET_ANNOTATION), names, state)
     return [{"Host": n, "Score": s[n]} for n in names]
 
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "stoker-extender"
+    timeout = REQUEST_TIMEOUT_S  # socket timeout: a stalled client cannot hold a thread for ever
 
     def do_POST(self):  # noqa: N802 - http.server's naming
-        verb = self.path.rstrip("/").rsplit("/", 1)[-1]
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-            if n > MAX_BODY:
-                raise ValueError(f"request body of {n} bytes is over {MAX_BODY}")
-            args = json.loads(self.rfile.read(n) or b"{}")
-            if not isinstance(args, dict):
-                raise ValueError("ExtenderArgs must be a JSON object")
-            state = self.server.state()
-            if verb == "filter":
-                body, code = filter_nodes(args, state), 200
-            elif verb == "prioritize":
-                body, code = prioritize(args, state), 200
-            else:
-                body, code = {"Error": f"unknown verb {verb!r} (use filter or prioritize)"}, 404
-        except (ValueError, OSError) as exc:
+            body, code = self._answer(), 200
+            data = json.dumps(body).encode()
+        except BadRequest as exc:
             log.warning("extender %s: %s", self.path, exc)
-            body, code = {"Error": f"{type(exc).__name__}: {exc}"}, 400
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            body, code = {"Error": str(exc)}, exc.code
+        except _StateError as exc:
+            log.error("extender %s: %s", self.path, exc)
+            body, code = {"Error": str(exc)}, 500
+        except Exception as exc:  # noqa: BLE001 - answer, never drop the connection
+            log.exception("extender %s failed", self.path)
+            body, code = {"Error": f"internal error: {type(exc).__name__}: {exc}"}, 500
+        self._reply(code, body if code != 200 else data)
+
+    def _answer(self):
+        verb = self.path.rstrip("/").rsplit("/", 1)[-1]
+        if verb not in ("filter", "prioritize"):
+            self._discard_body()
+            raise BadRequest(f"unknown verb {verb!r} (use filter or prioritize)", 404)
+        args = json_loads(self._body(), "request body")
+        try:
+            state = check_state(self.server.state(), "cache state")
+        except Exception as exc:  # noqa: BLE001 - any failure of the source is the server's, not the request's
+            raise _StateError(f"cache state unavailable: {type(exc).__name__}: {exc}") from exc
+        return filter_nodes(args, state) if verb == "filter" else prioritize(args, state)
+
+    def _length(self) -> int:
+        if self.headers.get("Transfer-Encoding"):
+            raise BadRequest("send the body with a Content-Length (no Transfer-Encoding)", 411)
+        text = self.headers.get("Content-Length")
+        try:
+            n = int(text or 0)
+        except ValueError:
+            raise BadRequest(f"Content-Length {text!r:.40} is not a number") from None
+        if n < 0:
+            raise BadRequest(f"Content-Length {n} is negative")
+        return n
+
+    def _body(self) -> bytes:
+        n = self._length()
+        if n > self.server.max_body_bytes:
+            self._discard_body(n)
+            raise BadRequest(f"request body of {n} bytes is over the limit of {self.server.max_body_bytes} "
+                             "bytes (see --max-body-size)", 413)
+        data = self.rfile.read(n)
+        if len(data) < n:
+            raise BadRequest(f"request body ended after {len(data)} of {n} bytes")
+        return data or b"{}"
+
+    def _discard_body(self, n: int | None = None):
+        """Read and drop up to ``n`` body bytes (at most 16 caps), so that the client, still
+        sending, reads the answer instead of a reset connection."""
+        try:
+            n = self._length() if n is None else n
+            left = min(n, 16 * self.server.max_body_bytes)
+            while left > 0:
+                got = self.rfile.read(min(left, 1 << 16))
+                if not got:
+                    break
+                left -= len(got)
+        except (BadRequest, OSError):
+            pass
+        self.close_connection = True
+
+    def _reply(self, code: int, body) -> None:
+        """Send ``body`` (a JSON value, or its encoding as bytes) with status ``code``."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if code >= 400:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except OSError as exc:  # the client left: nobody to answer
+            log.debug("extender: client gone before the answer: %s", exc)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (bad request line, unknown method, ...) as JSON too."""
+        phrase = self.responses.get(code, ("error",))[0]
+        self._reply(code, {"Error": f"{code} {phrase}" + (f": {message}" if message else "")})
 
     def do_GET(self):  # noqa: N802 - health check
-        data = b'{"ok": true}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._reply(200, {"ok": True})
 
     def log_message(self, fmt, *args):
         log.debug("extender: " + fmt, *args)
 
 
-def serve(state, host: str = "127.0.0.1", port: int = 8888) -> ThreadingHTTPServer:
+class _StateError(RuntimeError):
+    """The cache state could not be had or has the wrong shape (answered with 500)."""
+
+
+def json_loads(data: bytes, what: str):
+    """``json.loads`` with :class:`BadRequest` (naming ``what``) for bytes that are not UTF-8 JSON."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"{what} is not JSON: {type(exc).__name__}: {exc}") from None
+
+
+def serve(state, host: str = "127.0.0.1", port: int = 8888,
+          max_body_bytes: int = MAX_BODY_BYTES) -> ThreadingHTTPServer:
     """Start the extender on ``host:port`` (port 0: any free port) in a background thread.
 
-    ``state``: a callable returning the cache state (e.g. :func:`file_state`). Returns the server
+    ``state``: a callable returning the cache state (e.g. :func:`file_state`); ``max_body_bytes``:
+    larger request bodies are refused with 413. Returns the server
     (``server.server_address``; ``server.shutdown()`` stops it). Raises OSError if the address
     is taken.
     """
     srv = ThreadingHTTPServer((host, port), _Handler)
     srv.daemon_threads = True
     srv.state = state
+    srv.max_body_bytes = int(max_body_bytes)
     threading.Thread(target=srv.serve_forever, name="stoker-extender", daemon=True).start()
     return srv

@@ -24,7 +24,7 @@ from .counters import ByteCounters, fractions
 from .placement import place_dataset
 from .reader import BlockRouter
 from .schedule import choose_nodes, colocated_plans
-from .service import dataset_ref, get_service, prepare
+from .service import dataset_ref, get_service, placement_keys, prepare
 
 PLACEMENTS = ("colocated", "random")
 
@@ -198,7 +198,7 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     members = [m for m in ray.get(get_service(nodes[0]).claim.remote(ds.version, proposal)) if m in services]
     if not members:  # every recorded member is gone: place on this job's nodes
         members = sorted(set(rank_nodes))
-    owner = place_dataset(ds, members, [services[m]["cache_bytes"] for m in members])
+    owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     index_of = {m: i for i, m in enumerate(members)}
     spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
     refs = []

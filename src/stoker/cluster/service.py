@@ -10,8 +10,9 @@ and the scheduler extender).
 
 A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
 ``stoker-cache-<node id>`` in the Ray namespace ``stoker``, restarted by Ray if it dies
-(``max_restarts=-1``); its cache is files on the node, so a restarted service has the blocks
-the old one held. It listens on no socket of its own: requests reach it through Ray.
+(``max_restarts=-1``); its cache is files on the node, in a directory named by the host, not by
+the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
+restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
 """
 from __future__ import annotations
 
@@ -40,33 +41,30 @@ def service_name(node_id: str) -> str:
     return f"stoker-cache-{node_id}"
 
 
-def node_cache_dir(cache_root: str, node_id: str) -> str:
-    """The cache directory of a node under ``cache_root`` (one per node, so that simulated
-    nodes sharing one file system keep separate caches)."""
-    return os.path.join(os.path.expanduser(cache_root), f"node-{node_id[:16]}")
-
-
 class CacheService:
     """The node cache of one node, as a Ray actor (see the module doc).
 
     ``node_id``: the Ray node (hex) it must run on (checked: RuntimeError otherwise);
-    ``cache_dir``/``cache_bytes``: the node cache (budget in bytes, also the node's placement
-    weight); ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
+    ``cache_root``: the cluster cache root; the service takes its node's directory under it
+    (:func:`stoker.cluster.identity.claim_cache_dir`: ``cache_dir``, and ``cache_key``, the node's
+    placement key, both stable across Ray restarts on the same host); ``cache_bytes``: the node
+    cache budget in bytes, also the node's placement weight; ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
     name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id).
     """
 
-    def __init__(self, node_id: str, cache_dir: str, cache_bytes: int, memory_bytes: int = 0,
+    def __init__(self, node_id: str, cache_root: str, cache_bytes: int, memory_bytes: int = 0,
                  node_name: str | None = None):
+        from .identity import claim_cache_dir
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
             raise RuntimeError(f"cache service for node {node_id} started on node {here}")
-        self.node_id, self.cache_dir = node_id, cache_dir
+        self._claim = claim_cache_dir(cache_root, owner=node_id)  # held while this process lives
+        self.node_id, self.cache_dir, self.cache_key = node_id, self._claim.path, self._claim.key
         self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
         self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
         self._datasets: dict = {}
         self._claims: dict[str, list] = {}
         self._lock = threading.Lock()
-        os.makedirs(cache_dir, exist_ok=True)
 
     # -- datasets ---------------------------------------------------------
     def _open(self, dref: dict):
@@ -92,11 +90,11 @@ class CacheService:
 
     # -- requests ---------------------------------------------------------
     def info(self) -> dict:
-        """``{node_id, node_name, cache_dir, cache_bytes, used_bytes, pid}`` (bytes)."""
+        """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid}`` (bytes)."""
         ds_cache = next(iter(self._datasets.values())).cache if self._datasets else None
         used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache_dir, self.cache_bytes)
         return {"node_id": self.node_id, "node_name": self.node_name, "cache_dir": self.cache_dir,
-                "cache_bytes": self.cache_bytes, "used_bytes": int(used), "pid": os.getpid()}
+                "cache_key": self.cache_key, "cache_bytes": self.cache_bytes, "used_bytes": int(used), "pid": os.getpid()}
 
     def read(self, dref: dict, b: int, start: int, stop: int):
         """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
@@ -118,24 +116,36 @@ class CacheService:
             return "origin", bytes(ds.origin.read_range(shard, start, stop))
         return "origin", bytes(memoryview(block)[rel:rel + stop - start])
 
-    def fill(self, dref: dict, blocks: list[int],
-             concurrency: int = 8) -> dict:
+    def fill(self, dref: dict, blocks: list[int], concurrency: int = 8) -> dict:
         """Fill ``blocks`` (block ids) from the origin into this node's cache, ``concurrency``
-        ranged GETs at a time. Returns ``{filled, cached, refused, origin_bytes}`` (counts; bytes)."""
+        ranged GETs at a time. A block that fails (origin error after its retries, checksum
+        mismatch, a cache disk error) is counted and named, and the others go on.
+
+        Returns ``{filled, cached, refused, busy, failed, origin_bytes, errors}``: block counts by
+        outcome, bytes fetched from the origin by this call, and ``errors``: ``{shard name: reason}``
+        for the shards of the failed blocks (one reason per shard, the first met).
+        """
         ds = self._open(dref)
         version = ds.version
-        out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "origin_bytes": 0}
+        out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0, "errors": {}}
 
         def one(b):
-            if ds.cache.contains(version, ds.block_name(b)):
-                return "cached"
-            return ds.fill_block(int(b), blocking=True, want_data=False)
+            try:
+                if ds.cache.contains(version, ds.block_name(b)):
+                    return "cached", None
+                return ds.fill_block(int(b), blocking=True, want_data=False), None
+            except Exception as exc:  # noqa: BLE001 - reported per shard; the other blocks go on
+                return "failed", f"{type(exc).__name__}: {exc}"
 
         with ThreadPoolExecutor(max(1, concurrency)) as pool:
-            for b, status in zip(blocks, pool.map(one, blocks)):
+            for b, (status, reason) in zip(blocks, pool.map(one, blocks)):
                 out[status] = out.get(status, 0) + 1
                 if status == "filled":  # fetched from the origin by this call
                     out["origin_bytes"] += int(ds.block_bytes_of(int(b)))
+                elif reason is not None:
+                    shard = ds.index.shard_name(ds.block_shard[int(b)])
+                    out["errors"].setdefault(shard, reason)
+                    log.warning("warm-up of %s block %s (%s) failed: %s", ds.url, b, shard, reason)
         return out
 
     def cached_blocks(self, dref: dict) -> list[int]:
@@ -202,8 +212,7 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
         if detached:
             opts["lifetime"] = "detached"
-        handles[nid] = _Remote.options(**opts).remote(nid, node_cache_dir(cache_root, nid), int(budget),
-                                                      memory_bytes)
+        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes)
     ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
     for nid, h in handles.items():  # a non-detached actor lives while its owner holds its first handle
         _KEEP.setdefault(nid, h)
@@ -227,6 +236,15 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             log.warning("cache service on node %s did not answer: %s", nid, exc)
     return dict(sorted(found.items()))
+
+
+def placement_keys(services: dict, members: list[str]) -> list[str]:
+    """The names the blocks are placed by (:func:`stoker.cluster.placement.place_dataset`), one per
+    member node id: each service's ``cache_key`` (its host and slot, stable across Ray restarts, so
+    every block keeps its node and its cached copy), else the node id. Keys that two nodes share
+    (hosts of the same name) get the node id added. ``services``: ``{node id: info()}``."""
+    keys = [services[m].get("cache_key") or m for m in members]
+    return [k if keys.count(k) == 1 else f"{k}@{m}" for k, m in zip(keys, members)]
 
 
 def get_service(node_id: str):

@@ -1,7 +1,11 @@
 """``stoker warm URL``: fill the cluster cache with a dataset, all nodes in parallel (Fluid's DataLoad).
 
 Each node's cache service fills the blocks placed on its node, straight from the origin (a block
-is read from the origin once); the driver only sends block lists and shows progress.
+is read from the origin once); the driver only sends block lists and shows progress. A fault
+(an origin error after its retries, a checksum mismatch, a service that dies) costs only the
+blocks it hits: the rest is filled, and the report says what is cached and which shards failed
+and why. A node's cache directory and placement are stable across Ray restarts on the same host
+(:mod:`stoker.cluster.identity`), so running the warm-up again fetches only what is missing.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import numpy as np
 import ray
 
 from .placement import bytes_per_node, place_dataset
-from .service import dataset_ref, find_services, get_service, prepare
+from .service import dataset_ref, find_services, get_service, placement_keys, prepare
 
 
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
@@ -23,10 +27,14 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     :func:`stoker.cluster.run`). The dataset's placement members are the recorded ones (see
     ``run``), else every node with a service. ``chunk_blocks`` blocks per request,
     ``concurrency`` ranged GETs per node. Report: ``{url, version, dataset_bytes, seconds,
-    origin_bytes, cached_fraction, nodes: {node id: {node_name, cache_bytes, owned_bytes,
-    cached_bytes, cached_fraction, filled, refused}}}`` (bytes; ``cached_fraction`` = cached /
-    owned, 1.0 when the node owns nothing). A block a node's budget refuses stays uncached.
-    Needs ``ray.init()`` first.
+    origin_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
+    cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
+    failed_shards}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
+    nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
+    ``complete``: every block cached; a node's ``error``: why its service did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
+    that fails is reported and the others go on, so the report may be partial: nothing is raised
+    for it. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
+    (no service, no index at ``url``).
     """
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
@@ -34,12 +42,13 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     nodes = list(services)
     recorded = ray.get(get_service(nodes[0]).claim.remote(ds.version, nodes))
     members = [m for m in recorded if m in services] or nodes
-    owner = place_dataset(ds, members, [services[m]["cache_bytes"] for m in members])
+    owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     owned = bytes_per_node(ds, owner, len(members))
     sizes = ds.block_bytes_of(np.arange(ds.num_blocks))
     queues = {i: [np.flatnonzero(owner == i)[k:k + chunk_blocks].tolist()
                   for k in range(0, int((owner == i).sum()), chunk_blocks)] for i in range(len(members))}
-    totals = {i: {"filled": 0, "refused": 0, "origin_bytes": 0} for i in range(len(members))}
+    totals = {i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0} for i in range(len(members))}
+    errors: dict[int, dict[str, str]] = {i: {} for i in range(len(members))}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -50,33 +59,57 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         if queues[i]:
             chunk = queues[i].pop(0)
             ref = get_service(members[i]).fill.remote(dref, chunk, concurrency)
-            pending[ref] = (i, int(sizes[chunk].sum()))
+            pending[ref] = (i, chunk)
 
     for i in queues:  # two requests in flight per node: one filling, one queued behind it
         submit(i)
         submit(i)
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
-        i, nbytes = pending.pop(done[0])
-        r = ray.get(done[0])
+        i, chunk = pending.pop(done[0])
+        try:
+            r = ray.get(done[0])
+        except ray.exceptions.RayError as exc:  # the service died or the call failed: these blocks only
+            r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
+                                                   for b in chunk}}
         for k in totals[i]:
             totals[i][k] += r.get(k, 0)
+        for shard, reason in r.get("errors", {}).items():
+            errors[i].setdefault(shard, reason)
         if bar is not None:
-            bar.update(nbytes)
+            bar.update(int(sizes[chunk].sum()))
         submit(i)
     if bar is not None:
         bar.close()
-    cached = ray.get([get_service(m).cached_bytes.remote(dref) for m in members])
+    cached, node_errors = [], {}
+    for i, m in enumerate(members):
+        try:
+            cached.append(int(ray.get(get_service(m).cached_bytes.remote(dref))))
+        except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
+            cached.append(0)
+            node_errors[i] = f"cache service did not answer: {_reason(exc)}"
     report = {"url": url, "version": ds.version, "dataset_bytes": int(sizes.sum()),
               "seconds": time.perf_counter() - t0,
               "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
-              "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0, "nodes": {}}
+              "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0,
+              "complete": bool(sum(cached) >= sizes.sum()),
+              "failed_shards": {sh: why for e in errors.values() for sh, why in e.items()}, "nodes": {}}
     for i, m in enumerate(members):
-        report["nodes"][m] = {"node_name": services[m]["node_name"], "cache_bytes": services[m]["cache_bytes"],
+        report["nodes"][m] = {"node_name": services[m]["node_name"], "cache_dir": services[m].get("cache_dir"),
+                              "cache_bytes": services[m]["cache_bytes"],
                               "owned_bytes": int(owned[i]), "cached_bytes": int(cached[i]),
                               "cached_fraction": float(cached[i] / owned[i]) if owned[i] else 1.0,
-                              "filled": totals[i]["filled"], "refused": totals[i]["refused"]}
+                              "filled": totals[i]["filled"], "refused": totals[i]["refused"],
+                              "failed": totals[i]["failed"], "failed_shards": dict(sorted(errors[i].items())),
+                              "error": node_errors.get(i)}
     return report
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for a failed Ray call: the innermost error's type and message, not Ray's traceback."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
 def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None) -> dict:
