@@ -111,6 +111,7 @@ class DiskCache:
         self._made: set[str] = set()
         self._quota_memo: tuple[float, dict] | None = None
         self._owner_pid = os.getpid()  # the job that opened the cache (kept by pickling)
+        self.keep_free_fraction = 0.0  # of the filesystem, left free for others (the memory tier sets it)
         self.jobs = JobRegistry(self.root)
         os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
         os.makedirs(os.path.join(self.root, ".usage"), exist_ok=True)
@@ -327,7 +328,7 @@ class DiskCache:
         """(effective budget in bytes for a fill of ``n`` bytes, bytes free on the filesystem
         or None): the budget, capped at ``used`` plus what the filesystem can still take
         (:func:`.space.headroom_bytes`)."""
-        room = space.headroom_bytes(self.root, n)
+        room = space.headroom_bytes(self.root, n, self.keep_free_fraction)
         if room is None:
             return self.capacity_bytes, None
         return min(self.capacity_bytes, used + room[0]), room[1]
@@ -370,7 +371,7 @@ class DiskCache:
         no reservation, nothing evicted)."""
         if nbytes > self.capacity_bytes:
             return False
-        room = space.headroom_bytes(self.root, nbytes)
+        room = space.headroom_bytes(self.root, nbytes, self.keep_free_fraction)
         if self.policy == "lru" and (room is None or nbytes <= room[0]):
             return True
         with self._budget_lock():

@@ -48,16 +48,24 @@ def free_bytes(path: str) -> tuple[int, int] | None:
     return st.f_bavail * st.f_frsize, st.f_frsize
 
 
-def headroom_bytes(path: str, nbytes: int) -> tuple[int, int] | None:
+def headroom_bytes(path: str, nbytes: int, keep_free_fraction: float = 0.0) -> tuple[int, int] | None:
     """(bytes a new file of ``nbytes`` may still take under ``path``, bytes free), or None
     if unknown. The headroom is the free bytes less a slack of the file's rounding up to
-    whole filesystem blocks plus two blocks (directory entries, the usage counter)."""
+    whole filesystem blocks plus two blocks (directory entries, the usage counter), and
+    less ``keep_free_fraction`` of the filesystem's size (left to other users)."""
     info = free_bytes(path)
     if info is None:
         return None
     free, frsize = info
     rounding = -nbytes % frsize
-    return max(0, free - rounding - 2 * frsize), free
+    keep = 0
+    if keep_free_fraction > 0:
+        try:
+            st = os.statvfs(path)
+            keep = int(st.f_blocks * st.f_frsize * keep_free_fraction)
+        except OSError:
+            pass
+    return max(0, free - rounding - 2 * frsize - keep), free
 
 
 def claim_warning(lock_fd: int, owner_pid: int) -> bool:
