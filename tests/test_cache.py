@@ -65,7 +65,7 @@ def test_budget_holds_with_concurrent_processes(tmp_path):
 def test_leftover_temporary_fill_is_cleaned(tmp_path, packed_local):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     ds.read(0)
-    ns = tmp_path / ds.version
+    ns = tmp_path / os.path.dirname(ds.cache.path(ds.version, "x"))
     # A fill left by a process that died (pid that cannot exist) plus one by a live process.
     dead = ns / ".tmp-999999999-deadbeef"
     dead.write_bytes(b"x" * 5000)

@@ -1,12 +1,16 @@
 """Disk tier of the node cache: shard blocks as files, one byte budget for all processes.
 
-Layout under ``root``::
+Layout under ``root`` (what the cache owns and how it recognises it: :mod:`.layout`;
+anything else in ``root`` is never counted, evicted or deleted)::
 
+    .stoker-cache    marker: this directory is a stoker cache
     .lock            flock'd while the budget is read or changed; its first 8 bytes hold
-                     the bytes in use (committed plus reserved), little-endian int64
+                     the bytes in use (committed plus reserved), little-endian int64;
+                     bytes 8-16 the pid of the last job that warned of a full disk
     .locks/NNNN      4096 striped fetch locks (single flight: one process fetches a block)
-    <namespace>/<block name>            committed blocks (namespace = dataset content version)
-    <namespace>/.tmp-<pid>-<rand>       fills in progress
+    .usage/<namespace>                        its bytes (8 bytes, int64); marks it as the cache's
+    stoker-ns-<namespace>/<block name>        committed blocks (namespace = dataset content version)
+    stoker-ns-<namespace>/.tmp-<pid>-<rand>   fills in progress
 
 Every fill reserves its bytes under ``.lock`` before it writes (the budget is
 enforced on every write, never exceeded: DESIGN.md, "cache limits checked every 30 s"
@@ -15,6 +19,11 @@ so a reader sees a whole block or none. A process killed mid-fill leaves a
 temporary file and a reservation; :meth:`DiskCache.recover` (run when a loader
 opens the cache) deletes temporary files of dead processes and recounts usage
 from the files on disk.
+
+A disk smaller than the budget (or filled by other programs) caps the budget at what the
+filesystem can take (:mod:`.space`): a fill that does not fit is refused like any other,
+its temporary file removed, and the block is staged or read from the origin; one
+warning per job names the directory and the free bytes.
 
 Policies (selectable; issue 4 compares them):
 
@@ -42,6 +51,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..procs import pid_alive
+from . import layout, space
 from .files import TMP_MARK, read_at, write_whole
 from .policy import JobRegistry, share_budget
 
@@ -77,9 +87,12 @@ class CacheStats:
 class DiskCache:
     """A byte-budgeted block cache in directory ``root``, safe to share between processes.
 
-    ``capacity_bytes``: the budget (bytes); usage never exceeds it. ``policy``: one of
-    :data:`POLICIES`. ``lock_timeout_s``: longest wait for another process's fill
-    before :class:`CacheLockTimeout`. Picklable: each process reopens by path.
+    ``capacity_bytes``: the budget (bytes); usage never exceeds it, nor what the
+    filesystem under ``root`` can hold. ``policy``: one of :data:`POLICIES`.
+    ``lock_timeout_s``: longest wait for another process's fill before
+    :class:`CacheLockTimeout`. Picklable: each process reopens by path. Opening writes the
+    cache's marker into ``root`` (:mod:`.layout`); only the cache's own namespaces are
+    counted, evicted or cleared.
     Raises ValueError for a bad policy or a negative budget.
     """
 
@@ -97,9 +110,12 @@ class DiskCache:
         self._lock_fd = None
         self._made: set[str] = set()
         self._quota_memo: tuple[float, dict] | None = None
+        self._owner_pid = os.getpid()  # the job that opened the cache (kept by pickling)
+        self.keep_free_fraction = 0.0  # of the filesystem, left free for others (the memory tier sets it)
         self.jobs = JobRegistry(self.root)
         os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
         os.makedirs(os.path.join(self.root, ".usage"), exist_ok=True)
+        layout.mark_root(self.root)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -111,7 +127,8 @@ class DiskCache:
 
     # -- paths and locks -------------------------------------------------
     def path(self, namespace: str, name: str) -> str:
-        return os.path.join(self.root, namespace, name)
+        """File of block ``name`` of ``namespace`` (whether or not it is cached)."""
+        return os.path.join(layout.ns_dir(self.root, namespace), name)
 
     @contextmanager
     def _budget_lock(self):
@@ -170,12 +187,18 @@ class DiskCache:
         raw = os.pread(self._lock_fd, 8, 0)
         if len(raw) != 8:
             used = self._scan_used()
-            self._write_used(used)
+            try:
+                self._write_used(used)
+            except OSError as exc:  # a full disk: the next reader recounts again
+                if not space.is_full(exc):
+                    raise
             return used
         return struct.unpack("<q", raw)[0]
 
     def _write_used(self, used: int) -> None:
-        os.pwrite(self._lock_fd, struct.pack("<q", max(0, int(used))), 0)
+        # 16 bytes: the counter and the full-disk warning slot share one page from the start
+        raw = os.pread(self._lock_fd, 16, 0)
+        os.pwrite(self._lock_fd, struct.pack("<q", max(0, int(used))) + (raw[8:16] if len(raw) == 16 else bytes(8)), 0)
 
     # Bytes per namespace (dataset content version) in .usage/<namespace>, 8 bytes each,
     # changed only under the budget lock together with the total.
@@ -188,7 +211,7 @@ class DiskCache:
         return struct.unpack("<q", raw)[0] if len(raw) == 8 else 0
 
     def _ns_write(self, namespace: str, used: int) -> None:
-        fd = os.open(os.path.join(self.root, ".usage", namespace), os.O_CREAT | os.O_WRONLY, 0o644)
+        fd = os.open(layout.usage_file(self.root, namespace), os.O_CREAT | os.O_WRONLY, 0o644)
         try:
             os.pwrite(fd, struct.pack("<q", max(0, int(used))), 0)
         finally:
@@ -196,10 +219,11 @@ class DiskCache:
 
     def _charge(self, namespace: str, delta: int, used: int | None = None) -> int:
         """Add ``delta`` bytes to the total and to ``namespace``; caller holds the budget lock.
-        Returns the new total."""
+        Returns the new total. The namespace counter is written first: it is the one write
+        that may need new space (a new counter file), and when it fails the total is unchanged."""
         used = (self._read_used() if used is None else used) + delta
-        self._write_used(used)
         self._ns_write(namespace, self._ns_read(namespace) + delta)
+        self._write_used(used)
         return used
 
     def namespace_usage(self) -> dict[str, int]:
@@ -210,19 +234,23 @@ class DiskCache:
         return out
 
     def _entries(self):
-        """Yield (path, size, mtime, is_tmp) for every block file and temporary fill."""
-        for ns in os.scandir(self.root):
-            if ns.is_dir() and not ns.name.startswith("."):
-                yield from self._entries_of(ns.name)
+        """Yield (path, size, mtime, is_tmp) for every block file and temporary fill of the
+        cache's own namespaces (:func:`.layout.namespace_dirs`; nothing else in ``root``)."""
+        for ns, _ in layout.namespace_dirs(self.root):
+            yield from self._entries_of(ns)
 
     def _scan_used(self) -> int:
         """Recount usage from the files on disk (total and per namespace); caller holds the lock."""
         per: dict[str, int] = {}
         for path, size, _, _ in self._entries():
-            ns = os.path.basename(os.path.dirname(path))
+            ns = layout.namespace_of(path)
             per[ns] = per.get(ns, 0) + size
         for ns in set(per) | set(os.listdir(os.path.join(self.root, ".usage"))):
-            self._ns_write(ns, per.get(ns, 0))
+            try:
+                self._ns_write(ns, per.get(ns, 0))
+            except OSError as exc:  # a full disk: the counter is recounted on the next recover
+                if not space.is_full(exc):
+                    raise
         return sum(per.values())
 
     def used_bytes(self) -> int:
@@ -252,7 +280,11 @@ class DiskCache:
                     except FileNotFoundError:
                         pass
             used = self._scan_used()
-            self._write_used(used)
+            try:
+                self._write_used(used)
+            except OSError as exc:
+                if not space.is_full(exc):
+                    raise
         self.jobs.remove_dead()
         staging = os.path.join(self.root, ".staging")
         if os.path.isdir(staging):
@@ -292,11 +324,20 @@ class DiskCache:
             self._quota_memo = (now, share_budget(self.capacity_bytes, self.jobs.live()))
         return self._quota_memo[1]
 
-    def _room(self, namespace: str, n: int, used: int, evict: bool) -> int | None:
-        """Bytes in use once there is room for ``n`` more bytes of ``namespace``, or None if
-        the policy refuses the fill. With ``evict=False`` nothing is deleted (a dry run).
-        Caller holds the budget lock."""
-        cap = self.capacity_bytes
+    def _cap(self, n: int, used: int) -> tuple[int, int | None]:
+        """(effective budget in bytes for a fill of ``n`` bytes, bytes free on the filesystem
+        or None): the budget, capped at ``used`` plus what the filesystem can still take
+        (:func:`.space.headroom_bytes`)."""
+        room = space.headroom_bytes(self.root, n, self.keep_free_fraction)
+        if room is None:
+            return self.capacity_bytes, None
+        return min(self.capacity_bytes, used + room[0]), room[1]
+
+    def _room(self, namespace: str, n: int, used: int, evict: bool, cap: int | None = None) -> int | None:
+        """Bytes in use once there is room for ``n`` more bytes of ``namespace`` under budget
+        ``cap`` (default ``capacity_bytes``), or None if the policy refuses the fill. With
+        ``evict=False`` nothing is deleted (a dry run). Caller holds the budget lock."""
+        cap = self.capacity_bytes if cap is None else cap
         if n > cap:
             return None
         if used + n <= cap:
@@ -330,38 +371,73 @@ class DiskCache:
         no reservation, nothing evicted)."""
         if nbytes > self.capacity_bytes:
             return False
-        if self.policy == "lru":
+        room = space.headroom_bytes(self.root, nbytes, self.keep_free_fraction)
+        if self.policy == "lru" and (room is None or nbytes <= room[0]):
             return True
         with self._budget_lock():
-            return self._room(namespace, nbytes, self._read_used(), evict=False) is not None
+            used = self._read_used()
+            cap, free = self._cap(nbytes, used)
+            ok = self._room(namespace, nbytes, used, evict=False, cap=cap) is not None
+        if not ok and self._disk_limited(nbytes, used, cap):
+            self._warn_full(free)
+        return ok
+
+    def _disk_limited(self, n: int, used: int, cap: int) -> bool:
+        """Whether the filesystem, not the budget, keeps a fill of ``n`` bytes out."""
+        return cap < self.capacity_bytes and used + n > cap
+
+    def _warn_full(self, free: int | None) -> None:
+        """The one warning of this job that the cache's disk holds less than its budget."""
+        def claim() -> bool:
+            with self._budget_lock():
+                return space.claim_warning(self._lock_fd, self._owner_pid)
+        space.warn_full(self.root, free, self.capacity_bytes, self._owner_pid, claim)
 
     def put(self, namespace: str, name: str, data: bytes) -> bool:
         """Admit a block: reserve its bytes, write a temporary file, rename it into place.
 
-        Returns True if the block is now cached, False if the policy refused it.
-        Under ``lru`` older blocks are evicted to make room; under ``future`` blocks of
-        datasets over their share. Usage never exceeds ``capacity_bytes``. OSError
-        (e.g. a full disk) releases the reservation and is re-raised.
+        Returns True if the block is now cached, False if the policy refused it or it does
+        not fit on the filesystem. Under ``lru`` older blocks are evicted to make room; under
+        ``future`` blocks of datasets over their share. Usage never exceeds ``capacity_bytes``
+        nor what the filesystem holds: a full disk or quota (ENOSPC, EDQUOT, on any write)
+        removes the temporary file, releases the reservation, warns once per job naming the
+        directory and the free bytes (:mod:`.space`) and refuses the block. Other OSErrors
+        release the reservation and are re-raised.
         """
         n = len(data)
         final = self.path(namespace, name)
         with self._budget_lock():
             if os.path.exists(final):
                 return True
-            used = self._room(namespace, n, self._read_used(), evict=True)
-            if used is None:
-                self.stats.refused += 1
-                return False
-            self._charge(namespace, n, used)
-        if namespace not in self._made:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            self._made.add(namespace)
+            before = self._read_used()
+            cap, free = self._cap(n, before)
+            used = self._room(namespace, n, before, evict=True, cap=cap)
+            if used is not None:
+                try:
+                    self._charge(namespace, n, used)
+                except OSError as exc:
+                    if not space.is_full(exc):
+                        raise
+                    used, cap = None, min(cap, before)
+        if used is None:
+            self.stats.refused += 1
+            if self._disk_limited(n, before, cap):
+                self._warn_full(free)
+            return False
         try:
+            if namespace not in self._made:
+                layout.mark_namespace(self.root, namespace)
+                self._made.add(namespace)
             written = write_whole(final, data, replace=False)
-        except BaseException:
+        except BaseException as exc:
             with self._budget_lock():
                 self._charge(namespace, -n)
-            raise
+            if not space.is_full(exc):
+                raise
+            self.stats.refused += 1
+            info = space.free_bytes(self.root)
+            self._warn_full(info[0] if info else None)
+            return False
         if not written:  # another process put the same block meanwhile: its bytes are counted once
             with self._budget_lock():
                 self._charge(namespace, -n)
@@ -383,16 +459,20 @@ class DiskCache:
                 os.unlink(path)
             except FileNotFoundError:
                 continue
-            used = self._charge(os.path.basename(os.path.dirname(path)), -size, used)
+            used = self._charge(layout.namespace_of(path), -size, used)
             need -= size
             self.stats.evictions += 1
             self.stats.evicted_bytes += size
         return used
 
     def _entries_of(self, namespace: str):
-        """(path, size, mtime, is_tmp) of the files of one namespace directory."""
+        """(path, size, mtime, is_tmp) of the block files of one of the cache's namespace
+        directories (none if the directory lacks the namespace marker)."""
+        path = layout.ns_dir(self.root, namespace)
+        if not layout.is_namespace_dir(path):
+            return
         try:
-            it = list(os.scandir(os.path.join(self.root, namespace)))
+            it = list(os.scandir(path))
         except FileNotFoundError:
             return
         for e in it:

@@ -95,15 +95,25 @@ class JobRegistry:
 
     def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None,
                  pid: int | None = None) -> None:
-        """Announce (or update) this process's job on ``namespace``; ``epoch_s`` in seconds."""
+        """Announce (or update) this process's job on ``namespace``; ``epoch_s`` in seconds.
+        On a full disk (ENOSPC, EDQUOT) the record is left as it was (no temporary file stays):
+        the job then reads as an unannounced reader, which the cache holds nothing new for."""
+        from .space import is_full
         os.makedirs(self.dir, exist_ok=True)
         pid = os.getpid() if pid is None else pid
         rec = {"namespace": namespace, "pid": pid, "dataset_bytes": int(dataset_bytes),
                "epoch_s": float(epoch_s) if epoch_s else None}
         tmp = self._path(pid, namespace) + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, self._path(pid, namespace))
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, self._path(pid, namespace))
+        except OSError as exc:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if not is_full(exc):
+                raise
+            return
         if pid == os.getpid() and (self.dir, namespace, pid) not in _AT_EXIT:
             _AT_EXIT.add((self.dir, namespace, pid))
             atexit.register(_unregister_at_exit, self.dir, namespace, pid)

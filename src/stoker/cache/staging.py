@@ -9,35 +9,81 @@ by the loader's prefetch budget (``prefetch_bytes``), not by the cache budget.
 
 Layout: ``<cache root>/.staging/<pid>-<id>/<namespace>/<block>``; directories of dead
 processes are removed by :meth:`stoker.cache.DiskCache.recover`.
+
+Staging shares the cache's disk. A block that does not fit there (ENOSPC, EDQUOT, or no
+room by ``statvfs``) is not staged: :meth:`StagingArea.put` returns False, leaves no
+temporary file, and the reader fetches the block's samples from the origin; the job
+warns once, naming the directory and the free bytes (:mod:`.space`).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import uuid
 
+from . import space
 from .files import read_at, write_whole
 
 
 class StagingArea:
-    """One loader's staged blocks under ``root`` (a directory it owns). Picklable."""
+    """One loader's staged blocks under ``root`` (a directory it owns). Picklable.
 
-    def __init__(self, root: str):
+    ``cache_root``: the cache directory it lives in (default: the parent of ``.staging``,
+    else ``root``), named in the full-disk warning.
+    """
+
+    def __init__(self, root: str, cache_root: str | None = None):
         self.root = root
+        parent = os.path.dirname(os.path.abspath(root))
+        if cache_root is None:
+            cache_root = os.path.dirname(parent) if os.path.basename(parent) == ".staging" else root
+        self.cache_root = cache_root
+        self._owner_pid = os.getpid()  # the job that made it (kept by pickling)
         os.makedirs(root, exist_ok=True)
 
     @classmethod
     def create(cls, cache_root: str) -> "StagingArea":
-        return cls(os.path.join(cache_root, ".staging", f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+        return cls(os.path.join(cache_root, ".staging", f"{os.getpid()}-{uuid.uuid4().hex[:8]}"), cache_root)
 
     def path(self, namespace: str, name: str) -> str:
         return os.path.join(self.root, namespace, name)
 
-    def put(self, namespace: str, name: str, data) -> None:
-        """Write a block (temporary file + rename: readers see all of it or nothing)."""
+    def put(self, namespace: str, name: str, data) -> bool:
+        """Write a block (temporary file + rename: readers see all of it or nothing).
+
+        Returns True when staged, False when the disk has no room for it (by ``statvfs``
+        before writing, or ENOSPC / EDQUOT while writing: the temporary file is removed);
+        the reader then reads the block's samples from the origin. Other OSErrors are raised.
+        """
         final = self.path(namespace, name)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        write_whole(final, data)
+        n = memoryview(data).nbytes
+        room = space.headroom_bytes(self.root, n)
+        try:
+            if room is not None and n > room[0]:
+                raise OSError(space.FULL_ERRNOS[0], "no room by statvfs", self.root)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            write_whole(final, data)
+            return True
+        except OSError as exc:
+            if not space.is_full(exc):
+                raise
+            info = space.free_bytes(self.root)
+            space.warn_full(self.cache_root, info[0] if info else None, None, self._owner_pid, self._claim)
+            return False
+
+    def _claim(self) -> bool:
+        """Whether no process of this job warned of this full cache directory yet (shares
+        the cache's ``.lock`` warning slot, so cache and staging warn once between them)."""
+        try:
+            fd = os.open(os.path.join(self.cache_root, ".lock"), os.O_RDWR)
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return space.claim_warning(fd, self._owner_pid)
+        finally:
+            os.close(fd)
 
     def contains(self, namespace: str, name: str) -> bool:
         return os.path.exists(self.path(namespace, name))

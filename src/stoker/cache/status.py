@@ -1,4 +1,10 @@
-"""`stoker cache status DIR` and `stoker cache clear DIR`: a node cache on the command line."""
+"""`stoker cache status DIR` and `stoker cache clear DIR`: a node cache on the command line.
+
+Both act only on what the cache recognises as its own (:mod:`.layout`): a directory with
+the cache's marker, its marked namespaces, and marked caches directly below it (the
+per-node caches of ``stoker warm``). A directory that is neither a cache nor holds one is
+refused (:class:`NotACacheError`, exit 2) before anything is read or written there.
+"""
 from __future__ import annotations
 
 import json
@@ -6,28 +12,38 @@ import os
 import shutil
 
 from .disk import DiskCache
+from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
 from .policy import share_budget
 
 
-def _is_cache(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".lock"))
-
-
-def nested_caches(root: str) -> list[str]:
-    """Cache directories directly under ``root`` (e.g. the per-node caches ``node-<id>`` that
-    ``stoker warm --cache-dir`` and the cluster services make)."""
-    return sorted(e.path for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and _is_cache(e.path))
+class NotACacheError(ValueError):
+    """The directory is not a stoker cache (no marker) and holds none; the message names it."""
 
 
 def _side_stores(root: str) -> dict[str, str]:
     """The stores that belong to the cache at ``root``: its shared-memory tier and its
-    derived-sample store (:mod:`stoker.decode.derived`), where they exist."""
+    derived-sample store (:mod:`stoker.decode.derived`), where they exist and carry the
+    cache marker."""
     from .tiered import default_memory_root
     out = {}
     for name, path in (("memory tier", default_memory_root(root)), ("derived samples", os.path.join(root, ".derived"))):
-        if os.path.isdir(path):
+        if os.path.isdir(path) and is_cache(path):
             out[name] = path
     return out
+
+
+def _check_cache(root: str) -> tuple[bool, list[str]]:
+    """(whether ``root`` is a cache, its nested caches); raises FileNotFoundError or
+    :class:`NotACacheError` when it is neither a cache nor holds one."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root}: no such cache directory")
+    own, nested = is_cache(root), nested_caches(root)
+    if not own and not nested:
+        raise NotACacheError(
+            f"{root} is not a stoker cache directory (no {ROOT_MARKER} marker in it or in a directory "
+            "below it): nothing read or deleted. A cache made by an older stoker version is not "
+            "recognised either; delete its folders by hand if nothing uses them")
+    return own, nested
 
 
 def _tree_bytes(path: str) -> int:
@@ -46,21 +62,25 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
     "jobs": [records of live jobs], "quotas": {ns: bytes} (the ``future`` policy's split of
     ``budget_bytes``; empty without a budget), "removed_tmp", "stores": {name: {"path",
     "bytes"}} (memory tier, derived samples), "nested": [status of each cache directory
-    under ``root``]}. Recovers first (removes fills of dead processes, recounts usage).
-    FileNotFoundError if ``root`` is not a directory."""
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"{root}: no such cache directory")
-    nested = nested_caches(root)
+    under ``root``], "ignored": [names of entries under ``root`` that are not the cache's
+    and are left alone]}. Recovers first (removes fills of dead processes, recounts usage).
+    A directory without the marker that holds caches shows only those (nothing is written
+    to it). FileNotFoundError if ``root`` is not a directory, :class:`NotACacheError` if it
+    neither is nor holds a cache."""
+    own, nested = _check_cache(root)
+    sub = [status(n, budget_bytes) for n in nested]
+    if not own:
+        return {"root": os.path.abspath(root), "used_bytes": 0, "removed_tmp": 0, "namespaces": {}, "jobs": [],
+                "quotas": {}, "stores": {}, "nested": sub, "ignored": []}
     cache = DiskCache(root, budget_bytes or 0, "future")
     rec = cache.recover()
     live = cache.jobs.live()
-    namespaces = {ns: b for ns, b in cache.namespace_usage().items()
-                  if not _is_cache(os.path.join(cache.root, ns))}
+    namespaces = cache.namespace_usage()
     return {"root": cache.root, "used_bytes": sum(namespaces.values()), "removed_tmp": rec["removed_tmp"],
             "namespaces": namespaces, "jobs": cache.jobs.records(),
             "quotas": share_budget(budget_bytes, live) if budget_bytes else {},
             "stores": {k: {"path": v, "bytes": _tree_bytes(v)} for k, v in _side_stores(cache.root).items()},
-            "nested": [status(n, budget_bytes) for n in nested]}
+            "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
 
 
 class CacheInUseError(RuntimeError):
@@ -69,24 +89,26 @@ class CacheInUseError(RuntimeError):
 
 def clear(root: str, namespace: str | None = None) -> int:
     """Delete the cached blocks of ``namespace`` (every namespace if None) and return the
-    bytes freed. Refuses (:class:`CacheInUseError`) while a live job is registered on what it would
-    delete, naming the job's pid: clear a cache only when no job uses it."""
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"{root}: no such cache directory")
-    nested = nested_caches(root)
-    cache = DiskCache(root, 0, "future")
-    for path in [root, *nested]:  # refuse before deleting anything
+    bytes freed. Only the cache's own namespaces and side stores go (and those of the caches
+    directly below ``root``); every other file stays. Refuses (:class:`CacheInUseError`) while
+    a live job is registered on what it would delete, naming the job's pid: clear a cache
+    only when no job uses it. FileNotFoundError if ``root`` is not a directory,
+    :class:`NotACacheError` (nothing deleted) if it neither is nor holds a cache."""
+    own, nested = _check_cache(root)
+    for path in [root, *nested] if own else nested:  # refuse before deleting anything
         busy = [r for r in DiskCache(path, 0, "future").jobs.records() if namespace in (None, r["namespace"])]
         if busy:
             raise CacheInUseError(f"{path}: in use by live job(s) " + ", ".join(
                 f"pid {r['pid']} (dataset {r['namespace']})" for r in busy))
     freed = sum(clear(n, namespace) for n in nested)
+    if not own:
+        return freed
+    cache = DiskCache(root, 0, "future")
     cache.recover()
-    for entry in os.scandir(cache.root):
-        if (entry.is_dir() and not entry.name.startswith(".") and namespace in (None, entry.name)
-                and entry.path not in nested):
-            freed += _tree_bytes(entry.path)
-            shutil.rmtree(entry.path, ignore_errors=True)
+    for ns, path in namespace_dirs(cache.root):
+        if namespace in (None, ns):
+            freed += _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
     if namespace is None:
         for path in _side_stores(cache.root).values():
             freed += _tree_bytes(path)
@@ -132,6 +154,8 @@ def _print_status(st: dict) -> None:
         print("  no live job: no budget split to show")
     for name, info in st["stores"].items():
         print(f"  {name}: {info['bytes']:,} bytes in {info['path']}")
+    if st["ignored"]:
+        print("  not the cache's (never counted, evicted or cleared): " + ", ".join(st["ignored"]))
     for sub in st["nested"]:
         _print_status(sub)
 

@@ -5,7 +5,11 @@ of the node, gone at reboot); the disk tier is a :class:`DiskCache` on local dis
 in one tier: fills go to the memory tier while it admits them, then to the disk tier (Alluxio's
 MEM over SSD; with the no-eviction policy the first blocks of the first epoch take the memory).
 Reads look in memory, then on disk; hits are counted per tier. Both budgets are enforced on
-every write by the tiers themselves. Single-flight locks live in the disk tier, so there is one
+every write by the tiers themselves, and neither tier writes past what its filesystem holds
+(:mod:`.space`): a memory budget above the size of /dev/shm fills what fits and the rest goes
+to the disk tier. The memory tier leaves :data:`SHM_KEEP_FREE` of its tmpfs free for the other
+users of shared memory (the loader's batch slots, the training framework's own tensors;
+Docker's default /dev/shm is only 64 MiB). Single-flight locks live in the disk tier, so there is one
 lock per block for both tiers.
 """
 from __future__ import annotations
@@ -14,6 +18,9 @@ import os
 from dataclasses import dataclass
 
 from .disk import CacheStats, DiskCache
+
+#: Fraction of the memory tier's filesystem (/dev/shm) that it leaves free for others.
+SHM_KEEP_FREE = 0.25
 
 
 def default_memory_root(disk_root: str) -> str:
@@ -41,11 +48,13 @@ class TieredStats(CacheStats):
 class TieredCache:
     """The cache interface of :class:`DiskCache` over a memory tier and a disk tier.
 
-    ``memory``/``disk``: the two :class:`DiskCache` tiers (same policy). Picklable.
+    ``memory``/``disk``: the two :class:`DiskCache` tiers (same policy); the memory tier is
+    set to leave :data:`SHM_KEEP_FREE` of its filesystem free. Picklable.
     """
 
     def __init__(self, memory: DiskCache, disk: DiskCache):
         self.memory, self.disk = memory, disk
+        memory.keep_free_fraction = max(memory.keep_free_fraction, SHM_KEEP_FREE)
         self.stats = self._new_stats()
 
     def _new_stats(self) -> TieredStats:
