@@ -60,3 +60,13 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_block_the_full_staging_disk_refuses_is_not_reported_staged(packed_local, tmp_path, monkeypatch):
+    # staging.put returns False when the disk has no room: the prefetcher must not count the
+    # block as staged (the reader then takes its samples from the origin).
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=64 << 10)
+    ds.staging = StagingArea(str(tmp_path / "staging"))
+    monkeypatch.setattr(StagingArea, "put", lambda self, ns, name, data: False)
+    assert ds.stage_block(0) == "unstaged"
+    assert not ds.staging.contains(ds.version, ds.block_name(0))

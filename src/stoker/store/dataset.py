@@ -271,7 +271,8 @@ class Dataset:
 
     def stage_block(self, b: int) -> str:
         """Fetch block ``b`` into the staging area (prefetch of a block the cache does not
-        admit). Returns "staged", "cached" or "busy" (another process is fetching it)."""
+        admit). Returns "staged", "cached", "busy" (another process is fetching it) or
+        "unstaged" (the staging disk is full: the block's samples will be read from the origin)."""
         name = self.block_name(b)
         with self.cache.fetch_lock(self.version, name, blocking=False) as held:
             if not held:
@@ -279,7 +280,8 @@ class Dataset:
             if self.cache.contains(self.version, name):
                 return "cached"
             if not self.staging.contains(self.version, name):
-                self.staging.put(self.version, name, self._fetch_block(b))
+                if not self.staging.put(self.version, name, self._fetch_block(b)):
+                    return "unstaged"
             return "staged"
 
     def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
