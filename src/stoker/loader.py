@@ -389,7 +389,7 @@ class Loader(ResumableMixin):
                                delivered, len(self.dataset))
             self.stats = stats
             self.history.append(stats)
-            if stats.batches == len(batches):
+            if self._position == (epoch, start + len(batches)):  # every batch done (yielded or all skipped)
                 self._position = (epoch + 1, 0)
                 self._report_epoch(stats)
 
