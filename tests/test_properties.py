@@ -147,7 +147,8 @@ def _number(ds, sample_id: int) -> int:
 configs = st.fixed_dictionaries({
     "n": st.sampled_from(sorted(DATASETS)), "world": st.integers(1, 64), "rank_frac": st.floats(0, 1, exclude_max=True),
     "batch_size": st.integers(1, 9), "drop_last": st.booleans(), "even": st.sampled_from(["pad", "drop"]),
-    "order": st.sampled_from(ORDERS), "seed": st.integers(0, 1000), "cut": st.floats(0, 1, exclude_max=True)})
+    "order": st.sampled_from(ORDERS), "seed": st.integers(0, 1000), "cut": st.floats(0, 1, exclude_max=True),
+    "cap": st.one_of(st.none(), st.integers(0, 4))})
 
 
 def _loader(urls, cache_dir, cfg, workers):
@@ -159,39 +160,48 @@ def _loader(urls, cache_dir, cfg, workers):
                   on_error="skip")
 
 
-def _run(loader, stop: int | None = None):
+def _run(loader, stop: int | None = None, cap: int | None = None):
     """Iterate until ``loader.epoch`` reaches EPOCHS, checking each epoch's statistics against
     what it delivered. Returns (events, state): ("epoch", e) per ``iter()``, ("batch", ids) per
-    batch; with ``stop`` the state saved after ``stop`` events (a point of :func:`_save_points`)."""
-    ds = loader.dataset
+    batch; with ``stop`` the state saved after ``stop`` events (a point of :func:`_save_points`).
+    ``cap``: the consumer takes at most that many batches of an epoch (by the loader's position,
+    so a resumed run cuts at the same place): it breaks on the first batch past it, unused."""
+    ds, bs = loader.dataset, loader.batch_size
     colour_to_id = {_colour(_number(ds, s)): s for s in range(len(ds))}
     bad = {s for s in range(len(ds)) if _number(ds, s) in DATASETS[os.path.basename(ds.url)[2:]][1]}
     events: list = []
     while loader.epoch < EPOCHS:
         if len(events) == stop:
             return events, loader.state_dict()
-        epoch, first_iter = loader.epoch, len(loader.history)
-        planned = loader.plan(epoch)[loader.state_dict()["batches_done"] * loader.batch_size:].tolist()
+        epoch, first_iter, start = loader.epoch, len(loader.history), loader.state_dict()["batches_done"]
+        planned = loader.plan(epoch)[start * bs:].tolist()
         events.append(("epoch", epoch))
-        delivered, yielded = [], 0
+        delivered, yielded, done = [], 0, None
         for images, labels in loader:
             ids = [colour_to_id[int(c)] for c in images[:, 0, 0, 0].tolist()]
-            assert labels.tolist() == [int(loader.dataset.labels[i]) for i in ids]
-            assert 1 <= len(ids) <= loader.batch_size
+            assert labels.tolist() == [int(ds.labels[i]) for i in ids]
+            assert 1 <= len(ids) <= bs
             delivered.extend(ids)
             yielded += 1
+            position = loader.state_dict()
+            assert position["epoch"] == epoch
+            if cap is not None and position["batches_done"] > cap:
+                done = position["batches_done"]
+                break
             events.append(("batch", tuple(ids)))
             if len(events) == stop:
                 return events, loader.state_dict()
         stats = loader.stats
         assert len(loader.history) == first_iter + 1 and stats is loader.history[-1]
         assert stats.epoch == epoch
-        assert delivered == [i for i in planned if i not in bad]  # the plan, in order
+        processed = planned if done is None else planned[:(done - start) * bs]
+        assert delivered == [i for i in processed if i not in bad]  # the plan, in order
         assert stats.samples == len(delivered)
         assert stats.batches == yielded
-        assert stats.skipped == len(planned) - len(delivered)
-        assert sorted(stats.skipped_keys) == sorted(ds.key(i) for i in planned if i in bad)
-        assert stats.exactly_once == (stats.skipped == 0)
+        assert stats.skipped == len(processed) - len(delivered)
+        assert sorted(stats.skipped_keys) == sorted(ds.key(i) for i in processed if i in bad)
+        assert stats.exactly_once == (stats.skipped == 0 and processed == planned)
+        assert loader.state_dict()["epoch"] == epoch + 1  # a cut epoch is not replayed: not on resume either
     return events, (loader.state_dict() if len(events) == stop else None)
 
 
@@ -209,21 +219,21 @@ def _check_loader(urls, cache_dir, cfg, workers):
             want -= want % bs
         assert per_rank == {want}
         assert len(ref_loader) == -(-want // bs)
-        ref, _ = _run(ref_loader)
+        ref, _ = _run(ref_loader, cap=cfg["cap"])
     finally:
         ref_loader.close()
     points = _save_points(ref)
     k = points[int(cfg["cut"] * len(points))]
     first = _loader(urls, cache_dir, cfg, workers)
     try:
-        head, state = _run(first, stop=k)
+        head, state = _run(first, stop=k, cap=cfg["cap"])
     finally:
         first.close()
     assert head == ref[:k] and state is not None
     second = _loader(urls, cache_dir, cfg, workers)
     try:
         second.load_state_dict(json.loads(json.dumps(state)))
-        rest, _ = _run(second)
+        rest, _ = _run(second, cap=cfg["cap"])
     finally:
         second.close()
     # the first iter() continues the saved epoch unless all its batches were done (the batches
@@ -238,9 +248,12 @@ def _check_loader(urls, cache_dir, cfg, workers):
 # a batch whose samples are all skipped (sequential: ids 0 and 1 are bad), and a state saved
 # before an epoch that gives this rank nothing (3 samples on 8 ranks, drop)
 @example(cfg={"n": "7-bad", "world": 1, "rank_frac": 0.0, "batch_size": 2, "drop_last": False, "even": "pad",
-              "order": "sequential", "seed": 0, "cut": 0.5})
+              "order": "sequential", "seed": 0, "cut": 0.5, "cap": None})
 @example(cfg={"n": "3", "world": 8, "rank_frac": 0.0, "batch_size": 2, "drop_last": False, "even": "drop",
-              "order": "blockwise", "seed": 0, "cut": 0.5})
+              "order": "blockwise", "seed": 0, "cut": 0.5, "cap": None})
+# a consumer that leaves every epoch after 2 batches, saved after the cut
+@example(cfg={"n": "13", "world": 1, "rank_frac": 0.0, "batch_size": 2, "drop_last": False, "even": "pad",
+              "order": "uniform", "seed": 0, "cut": 0.4, "cap": 2})
 def test_loader_counts_stats_and_resume_in_process(tiny_datasets, tiny_cache, cfg):
     _check_loader(tiny_datasets, tiny_cache, cfg, 0)
 
@@ -257,7 +270,7 @@ def test_empty_and_rank_starved_epochs_resume_at_the_same_epoch(tiny_datasets, t
     """A state saved before an epoch that delivers nothing resumes at that epoch, not the next."""
     for name, world, even in (("0", 1, "pad"), ("3", 8, "drop")):
         cfg = {"n": name, "world": world, "rank_frac": 0.5, "batch_size": 2, "drop_last": True, "even": even,
-               "order": "blockwise", "seed": 1, "cut": 0.0}
+               "order": "blockwise", "seed": 1, "cut": 0.0, "cap": None}
         loader = _loader(tiny_datasets, tiny_cache, cfg, workers)
         assert list(loader) == [] and loader.epoch == 1 and loader.stats.samples == 0
         state = loader.state_dict()

@@ -12,7 +12,9 @@ class ResumableMixin:
     position and cache-aware bitmaps)."""
 
     def state_dict(self) -> dict:
-        """Where the stream stands: the epoch and the batches of it already yielded.
+        """Where the stream stands: the epoch and the batches of it already yielded (once an
+        epoch's iteration has ended early, by ``break``, ``close()`` or an error, the next
+        epoch at batch 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
 
         Everything else is a pure function of the configuration (order of (seed, epoch,
         rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
