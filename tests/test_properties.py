@@ -151,11 +151,11 @@ configs = st.fixed_dictionaries({
     "cap": st.one_of(st.none(), st.integers(0, 4))})
 
 
-def _loader(urls, cache_dir, cfg, workers):
+def _loader(urls, cache_dir, cfg, workers, ds=None, rank=None):
     from stoker import Loader, open_dataset
-    ds = open_dataset(urls[cfg["n"]], cache_dir=cache_dir, cache_bytes=64 << 20)
+    ds = ds or open_dataset(urls[cfg["n"]], cache_dir=cache_dir, cache_bytes=64 << 20)
     return Loader(ds, batch_size=cfg["batch_size"], num_workers=workers, transform="eval", image_size=8,
-                  seed=cfg["seed"], order=cfg["order"], rank=int(cfg["rank_frac"] * cfg["world"]),
+                  seed=cfg["seed"], order=cfg["order"], rank=int(cfg["rank_frac"] * cfg["world"]) if rank is None else rank,
                   world_size=cfg["world"], even=cfg["even"], drop_last=cfg["drop_last"], timeout_s=60,
                   on_error="skip")
 
@@ -211,8 +211,8 @@ def _check_loader(urls, cache_dir, cfg, workers):
     try:
         # equal counts on every rank, every epoch (the plans only: no processes)
         per_rank = {len(ref_loader.plan(e)) for e in range(EPOCHS)}
-        for r in {0, world - 1, (world - 1) // 2}:
-            other = _loader(urls, cache_dir, {**cfg, "rank_frac": r / world}, 0)
+        for r in range(world):
+            other = _loader(urls, cache_dir, cfg, 0, ds=ref_loader.dataset, rank=r)
             per_rank |= {len(other.plan(e)) for e in range(EPOCHS)}
         want = -(-n // world) if cfg["even"] == "pad" else n // world
         if cfg["drop_last"]:
