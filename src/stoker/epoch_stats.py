@@ -13,6 +13,10 @@ import numpy as np
 class EpochStats:
     """What one epoch of one rank did. Times in seconds, bytes in bytes.
 
+    ``samples`` / ``batches``: the samples and batches yielded to the consumer (a sample
+    skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a batch whose
+    samples were all skipped is not yielded, so not counted).
+
     ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
     (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
@@ -54,7 +58,7 @@ class EpochStats:
 
 
 def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> None:
-    """Count one delivered batch: ``bids`` its planned sample ids, ``skipped`` the ids a
+    """Count one finished batch: ``bids`` its planned sample ids, ``skipped`` the ids a
     worker skipped (``on_error="skip"``) with their keys; the ids actually delivered are
     appended to ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this
     runs in ``next()`` for every batch)."""
@@ -72,7 +76,7 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> 
         keep = bids
     delivered.append(np.asarray(keep, dtype=np.int64))
     stats.samples += len(keep)
-    stats.batches += 1
+    stats.batches += 1 if len(keep) else 0  # a batch whose samples were all skipped is not yielded
 
 
 def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarray, delivered: list,

@@ -389,9 +389,10 @@ class Loader(ResumableMixin):
                                delivered, len(self.dataset))
             self.stats = stats
             self.history.append(stats)
-            if stats.batches == len(batches):
-                self._position = (epoch + 1, 0)
-                self._report_epoch(stats)
+            if self._position[0] == epoch and self.epoch == epoch + 1:  # no later iter()/set_epoch/load
+                if self._position[1] == start + len(batches):  # every batch done (yielded or all skipped)
+                    self._report_epoch(stats)
+                self._position = (epoch + 1, 0)  # done or cut short: the next iter() (and a resume) runs epoch + 1
 
     def _report_epoch(self, stats: EpochStats) -> None:
         """Tell the node cache's policy how fast this job reads its dataset: the time to

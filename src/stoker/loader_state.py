@@ -12,7 +12,9 @@ class ResumableMixin:
     position and cache-aware bitmaps)."""
 
     def state_dict(self) -> dict:
-        """Where the stream stands: the epoch and the batches of it already yielded.
+        """Where the stream stands: the epoch and the batches of it already yielded (once an
+        epoch's iteration has ended early, by ``break``, ``close()`` or an error, the next
+        epoch at batch 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
 
         Everything else is a pure function of the configuration (order of (seed, epoch,
         rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
@@ -29,7 +31,9 @@ class ResumableMixin:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
-        ``batches_done`` batches (or starts the next epoch if that one was finished).
+        ``batches_done`` batches (or starts the next epoch if that one was finished; an epoch
+        with no batches for this rank, saved before its ``iter()``, is still run, yielding
+        nothing, so ``epoch`` and ``history`` advance exactly as in the saved run).
 
         Raises ValueError when the state belongs to another dataset version or to a
         different order, batch size, rank split or transform (the rest of the stream
@@ -47,7 +51,7 @@ class ResumableMixin:
         bits = unpack_bitmap(state.get("cached_blocks"), self.dataset.num_blocks)
         if bits is not None and done < nb:
             self._hit_maps[epoch] = bits  # the same cache-aware order as the saved run
-        if done == nb:
-            epoch, done = epoch + 1, 0
+        if done == nb > 0:  # finished: the next epoch. An epoch of 0 batches saved at its
+            epoch, done = epoch + 1, 0  # start has not run yet: it stays (its iter() yields nothing)
         self.epoch, self._resume_batch, self._position = epoch, done, (epoch, done)
         self._pre = None

@@ -98,21 +98,25 @@ def permutation(num_samples: int, seed: int, epoch: int, name: str = "uniform", 
 def rank_plan(perm: np.ndarray, rank: int, world_size: int, even: str = "pad") -> np.ndarray:
     """The sample ids of ``rank`` for one epoch, int64 array.
 
-    Every rank gets exactly ``ceil(N / world_size)`` samples with ``even="pad"``
-    (the first ``pad`` ids of the permutation are repeated, so each sample is read
-    at least once and at most ``pad < world_size`` samples twice, like PyTorch's
-    DistributedSampler), or ``floor(N / world_size)`` with ``even="drop"`` (the
-    last ``N mod world_size`` ids of this epoch's permutation are skipped; a
-    different set each epoch). With ``N % world_size == 0`` both give every sample
-    exactly once across ranks. Raises ValueError for a bad rank or mode.
+    Every rank gets exactly ``ceil(N / world_size)`` samples with ``even="pad"``: the
+    permutation is repeated cyclically up to ``ceil(N / world_size) * world_size`` ids
+    (``pad < world_size`` extra reads in all), so each sample is read at least once, and
+    when ``N >= pad`` (always when ``N >= world_size / 2``) at most ``pad`` samples are
+    read twice, as in PyTorch's DistributedSampler; with fewer samples than that (say 1
+    sample on 4 ranks) some samples are read more than twice, never a rank short. With
+    ``even="drop"`` every rank gets ``floor(N / world_size)`` (the last
+    ``N mod world_size`` ids of this epoch's permutation are skipped; a different set
+    each epoch; 0 for every rank when ``N < world_size``). With ``N % world_size == 0``
+    both give every sample exactly once across ranks. ``N = 0`` gives every rank an
+    empty plan. Raises ValueError for a bad rank or mode.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} not in [0, {world_size})")
     n = len(perm)
     if even == "pad":
         total = -(-n // world_size) * world_size
-        if total > n:
-            perm = np.concatenate([perm, perm[: total - n]])
+        if total > n:  # cyclic: ``perm[: total - n]`` alone is too short when total - n > n
+            perm = np.resize(perm, total)
     elif even == "drop":
         perm = perm[: (n // world_size) * world_size]
     else:
@@ -218,8 +222,11 @@ class SampleStream:
                 "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict`. ValueError if the state belongs to another
-        configuration (the rest of the stream would differ) or its position is out of range."""
+        """Continue from :meth:`state_dict`: the next ``iter()`` yields the rest of the saved
+        epoch (the next epoch if it was finished; an epoch with no ids for this rank is still
+        iterated, yielding nothing, so ``epoch`` advances exactly as in the saved run).
+        ValueError if the state belongs to another configuration (the rest of the stream
+        would differ) or its position is out of range."""
         mine = self.state_dict()
         for k in ("seed", "order", "window", "rank", "world_size", "even", "num_samples"):
             if k in state and state[k] != mine[k]:
@@ -228,4 +235,7 @@ class SampleStream:
         n = len(self.plan(epoch))
         if not 0 <= pos <= n:
             raise ValueError(f"cannot resume: position {pos} outside 0..{n} for epoch {epoch}")
-        self.epoch, self.position = (epoch + 1, 0) if pos == n else (epoch, pos)
+        # A finished epoch continues with the next one; an epoch with no ids (0 samples, or
+        # fewer than world_size with even="drop") saved at position 0 has not been iterated
+        # yet: it stays, so the resumed stream counts its epochs as the saved one did.
+        self.epoch, self.position = (epoch + 1, 0) if pos == n > 0 else (epoch, pos)
