@@ -223,7 +223,8 @@ class Loader(ResumableMixin):
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
         self._ctx = ctx
-        self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2)
+        self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2,
+                              shared=self.num_workers > 0)  # SharedMemoryError: not one slot fits
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
             from .cache import StagingArea
             self.dataset.staging = StagingArea.create(self.dataset.cache.root)
@@ -435,10 +436,20 @@ class Loader(ResumableMixin):
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
 
-    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict) -> None:
-        slot = self._ring.acquire()
+    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False) -> bool:
+        """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
+        shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
+        consumer waits for; then SharedMemoryError when no slot is with the workers either (every
+        slot is held by batches the caller keeps): none would come back, waiting would only time out."""
+        slot = self._ring.try_acquire()
+        if slot is None:
+            if may_raise and not self._ring.busy:
+                raise self._ring.shortage()
+            return False
+        self._ring.busy.add(slot)
         self._tasks.put((run, seq, epoch, slot, self._ring.paths[slot], bids))
         inflight[seq] = (slot, bids)
+        return True
 
     def _predispatch(self, epoch: int) -> None:
         """Start the first batches of the next epoch while this one drains (its plan is a pure
@@ -451,7 +462,8 @@ class Loader(ResumableMixin):
         pre = {"run": self._run, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
                "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
         while pre["next"] < min(len(batches), self.prefetch_batches):
-            self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"])
+            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"]):
+                break
             pre["next"] += 1
         self._pre = pre
         if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
@@ -470,19 +482,31 @@ class Loader(ResumableMixin):
 
     def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None):
         pending: dict[int, tuple] = carry["pending"] if carry else {}
+        try:
+            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending)
+        finally:  # replies never yielded (an epoch cut short, an error): their slots are free again
+            for msg in pending.values():
+                self._ring.release(msg[4])
+            pending.clear()
+
+    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending):
         inflight: dict[int, tuple] = carry["inflight"] if carry else {}
         next_dispatch = carry["next"] if carry else 0
         for seq in range(len(batches)):
-            while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight)
-                next_dispatch += 1
-                if self._prefetcher is not None and self._pre is None:
-                    self._pf_pos.value = next_dispatch * self.batch_size
-            if (next_dispatch == len(batches) and self._pre is None and self._resume_batch == 0
-                    and self.epoch == epoch + 1 and self.prefetch_next_epoch):
-                self._predispatch(epoch + 1)
             deadline = time.monotonic() + self.timeout_s
-            while seq not in pending:
+            while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
+                while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
+                    if not self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
+                                          may_raise=next_dispatch <= seq):  # (the batch now due)
+                        break  # shared memory is short: more go out as slots come back
+                    next_dispatch += 1
+                    if self._prefetcher is not None and self._pre is None:
+                        self._pf_pos.value = next_dispatch * self.batch_size
+                if (next_dispatch == len(batches) and self._pre is None and self._resume_batch == 0
+                        and self.epoch == epoch + 1 and self.prefetch_next_epoch):
+                    self._predispatch(epoch + 1)
+                if seq in pending:
+                    break
                 try:
                     msg = self._results.get(timeout=0.25)
                 except queue.Empty:
@@ -492,6 +516,7 @@ class Loader(ResumableMixin):
                                           f"(batch {seq} of epoch {epoch})") from None
                     continue
                 kind, wid, mrun = msg[0], msg[1], msg[2]
+                self._ring.busy.discard(msg[4])
                 if mrun != run:
                     if self._pre is not None and mrun == self._pre["run"]:
                         self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
@@ -505,6 +530,7 @@ class Loader(ResumableMixin):
             msg = pending.pop(seq)
             if msg[0] == "error":
                 _, wid, _, _, slot, key, err, tb, _ = msg
+                self._ring.release(slot)
                 raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self._position[1]}): {err}\n{tb}")
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
