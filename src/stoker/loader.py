@@ -16,23 +16,20 @@ import time
 import numpy as np
 
 from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from .loader_procs import ProcessesMixin, WorkerError
 from .loader_state import ResumableMixin
 from .order import permutation, rank_plan
-from .procs import SharedCell
-from .prefetch import N_COUNTERS, block_schedule, prefetch_main
+from .prefetch import block_schedule
+from .procs import pick_start_method
 from .ring import SlotRing
-from .workers import BatchDecoder, counters, worker_main
+from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
 
 TRANSFORMS = ("train", "eval")
 
 
-class WorkerError(RuntimeError):
-    """A worker failed or died; the message names the worker and the sample key."""
-
-
-class Loader(ResumableMixin):
+class Loader(ResumableMixin, ProcessesMixin):
     """Batches of decoded, augmented images from a :class:`stoker.store.dataset.Dataset`.
 
     Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
@@ -67,7 +64,11 @@ class Loader(ResumableMixin):
     ``timeout_s``: longest wait for one batch before WorkerError (never a hang).
     ``start_method``: multiprocessing start method (default ``fork`` where available, as
     torch's DataLoader; each child re-creates its storage clients, so no connection or
-    event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard).
+    event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard). By
+    default ``forkserver`` is used instead of ``fork`` when the training process runs threads
+    that a forked child cannot survive (a tokio runtime, e.g. from obstore; see
+    :func:`stoker.procs.pick_start_method`); an explicit ``"fork"`` there raises ForkUnsafeError.
+    Slots that ``/dev/shm`` cannot hold: :mod:`stoker.ring` (a smaller ring, or SharedMemoryError).
     ``cache_form``: keep each sample's cheaper derived form in a node-local store of
     ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
     second epoch (:mod:`stoker.decode.derived`): ``"jpeg"`` (re-encoded, shorter side capped
@@ -143,7 +144,10 @@ class Loader(ResumableMixin):
         self.timeout_s = timeout_s
         self.order = order if shuffle else "sequential"
         self.order_window = int(order_window)
-        self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self._start_method_asked = start_method  # None: chosen again when the processes start
+        # ForkUnsafeError now for start_method="fork" in a process where fork is unsafe
+        self.start_method = (pick_start_method(start_method, mp.get_all_start_methods())[0] if num_workers
+                             else start_method or "fork")
         self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
                     "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size,
                     "decode_on": "cpu" if decode_device is None else "device"}
@@ -219,43 +223,17 @@ class Loader(ResumableMixin):
                 workers=self.num_workers, mode=self.cfg["transform"], size=self.cfg["image_size"],
                 exif_orientation=self.cfg["exif_orientation"])
             log.info("derived-sample cache: %s", self.cache_form_report)
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
-        self._ctx = ctx
         self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2,
                               shared=self.num_workers > 0)  # SharedMemoryError: not one slot fits
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
             from .cache import StagingArea
             self.dataset.staging = StagingArea.create(self.dataset.cache.root)
             self._own_staging = True
+        self._prefetcher = None
         if self.num_workers > 0:
-            self._tasks = ctx.Queue()
-            self._results = ctx.Queue()
-            self._current = ctx.Array("q", [-1] * self.num_workers, lock=False)
-            self._stop = ctx.Event()
-            for wid in range(self.num_workers):
-                p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
-                                args=(wid, self.dataset, self.cfg, self._tasks, self._results,
-                                      SharedCell(self._current, wid), self._stop), daemon=True)
-                p.start()
-                self._workers.append(p)
+            self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self._prefetcher = None
-        if self.dataset.cache is not None and self.num_workers > 0:
-            self._pf_cmds = ctx.Queue()
-            self._pf_pos = ctx.Value("q", 0, lock=False)
-            self._pf_done = ctx.Value("q", 0, lock=False)
-            self._pf_prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
-            self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
-            self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
-                                           args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
-                                                 self._pf_counters,
-                                                 self.fetch_concurrency, self.prefetch_bytes, self.staging_bytes,
-                                                 self._pf_prev_done),
-                                           daemon=True)
-            self._prefetcher.start()
         self._worker_counters: dict[int, dict] = {}
         if self.decode_device is not None and self._device_decoder is None:  # after the forks (CUDA)
             from .device_decode import DeviceBatchDecoder
@@ -512,8 +490,7 @@ class Loader(ResumableMixin):
                 except queue.Empty:
                     self._check_workers()
                     if time.monotonic() > deadline:
-                        raise WorkerError(f"no batch from the workers for {self.timeout_s:.0f} s "
-                                          f"(batch {seq} of epoch {epoch})") from None
+                        raise self._stall_error(seq, epoch) from None
                     continue
                 kind, wid, mrun = msg[0], msg[1], msg[2]
                 self._ring.busy.discard(msg[4])
@@ -549,20 +526,3 @@ class Loader(ResumableMixin):
                     self._pf_prev_done.value = (seq + 1) * self.batch_size
             yield out
             t_resume = time.perf_counter()
-
-    def _check_workers(self) -> None:
-        for wid, p in enumerate(self._workers):
-            if p.exitcode is not None:
-                sid = int(self._current[wid])
-                key = self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
-                raise WorkerError(f"worker {wid} (pid {p.pid}) died with exit code {p.exitcode}"
-                                  + (f" while reading/decoding sample {key!r}" if key else ""))
-        self._check_prefetcher()
-
-    def _check_prefetcher(self) -> None:
-        """WorkerError if the prefetch process died (checked every 8th and every last batch of an
-        epoch: the workers would go on reading sample by sample from the origin, and nothing
-        would delete staged blocks)."""
-        if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
-            raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
-                              f"{self._prefetcher.exitcode}")
