@@ -177,7 +177,7 @@ class SlotRing:
     def _short(self, total: int, have: int) -> None:
         """Record a failed reservation; warn once."""
         self._shortage = SharedMemoryError(self.base, total, free_bytes(self.base),
-                                           f" ({have} slot(s) of {total} bytes held by this loader)")
+                                           f" ({have} slot(s) already held by this loader)" if have else "")
         if not self.limited and have > 0:
             log.warning("%s is too small for more batch slots (%d bytes each, %d held, %d bytes free): "
                         "continuing with %d slot(s), and batches are copied out of shared memory",
