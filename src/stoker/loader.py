@@ -16,23 +16,20 @@ import time
 import numpy as np
 
 from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from .loader_procs import ProcessesMixin, WorkerError
 from .loader_state import ResumableMixin
 from .order import permutation, rank_plan
-from .procs import SharedCell
-from .prefetch import N_COUNTERS, block_schedule, prefetch_main
+from .prefetch import block_schedule
+from .procs import pick_start_method
 from .ring import SlotRing
-from .workers import BatchDecoder, counters, worker_main
+from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
 
 TRANSFORMS = ("train", "eval")
 
 
-class WorkerError(RuntimeError):
-    """A worker failed or died; the message names the worker and the sample key."""
-
-
-class Loader(ResumableMixin):
+class Loader(ResumableMixin, ProcessesMixin):
     """Batches of decoded, augmented images from a :class:`stoker.store.dataset.Dataset`.
 
     Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
@@ -67,7 +64,11 @@ class Loader(ResumableMixin):
     ``timeout_s``: longest wait for one batch before WorkerError (never a hang).
     ``start_method``: multiprocessing start method (default ``fork`` where available, as
     torch's DataLoader; each child re-creates its storage clients, so no connection or
-    event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard).
+    event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard). By
+    default ``forkserver`` is used instead of ``fork`` when the training process runs threads
+    that a forked child cannot survive (a tokio runtime, e.g. from obstore; see
+    :func:`stoker.procs.pick_start_method`); an explicit ``"fork"`` there raises ForkUnsafeError.
+    Slots that ``/dev/shm`` cannot hold: :mod:`stoker.ring` (a smaller ring, or SharedMemoryError).
     ``cache_form``: keep each sample's cheaper derived form in a node-local store of
     ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
     second epoch (:mod:`stoker.decode.derived`): ``"jpeg"`` (re-encoded, shorter side capped
@@ -143,7 +144,10 @@ class Loader(ResumableMixin):
         self.timeout_s = timeout_s
         self.order = order if shuffle else "sequential"
         self.order_window = int(order_window)
-        self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self._start_method_asked = start_method  # None: chosen again when the processes start
+        # ForkUnsafeError now for start_method="fork" in a process where fork is unsafe
+        self.start_method = (pick_start_method(start_method, mp.get_all_start_methods())[0] if num_workers
+                             else start_method or "fork")
         self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
                     "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size,
                     "decode_on": "cpu" if decode_device is None else "device"}
@@ -219,42 +223,17 @@ class Loader(ResumableMixin):
                 workers=self.num_workers, mode=self.cfg["transform"], size=self.cfg["image_size"],
                 exif_orientation=self.cfg["exif_orientation"])
             log.info("derived-sample cache: %s", self.cache_form_report)
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(["stoker.workers", "stoker.decode", "stoker.prefetch"])
-        self._ctx = ctx
-        self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2)
+        self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2,
+                              shared=self.num_workers > 0)  # SharedMemoryError: not one slot fits
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
             from .cache import StagingArea
             self.dataset.staging = StagingArea.create(self.dataset.cache.root)
             self._own_staging = True
+        self._prefetcher = None
         if self.num_workers > 0:
-            self._tasks = ctx.Queue()
-            self._results = ctx.Queue()
-            self._current = ctx.Array("q", [-1] * self.num_workers, lock=False)
-            self._stop = ctx.Event()
-            for wid in range(self.num_workers):
-                p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
-                                args=(wid, self.dataset, self.cfg, self._tasks, self._results,
-                                      SharedCell(self._current, wid), self._stop), daemon=True)
-                p.start()
-                self._workers.append(p)
+            self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self._prefetcher = None
-        if self.dataset.cache is not None and self.num_workers > 0:
-            self._pf_cmds = ctx.Queue()
-            self._pf_pos = ctx.Value("q", 0, lock=False)
-            self._pf_done = ctx.Value("q", 0, lock=False)
-            self._pf_prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
-            self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
-            self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
-                                           args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
-                                                 self._pf_counters,
-                                                 self.fetch_concurrency, self.prefetch_bytes, self.staging_bytes,
-                                                 self._pf_prev_done),
-                                           daemon=True)
-            self._prefetcher.start()
         self._worker_counters: dict[int, dict] = {}
         if self.decode_device is not None and self._device_decoder is None:  # after the forks (CUDA)
             from .device_decode import DeviceBatchDecoder
@@ -436,10 +415,20 @@ class Loader(ResumableMixin):
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
 
-    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict) -> None:
-        slot = self._ring.acquire()
+    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False) -> bool:
+        """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
+        shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
+        consumer waits for; then SharedMemoryError when no slot is with the workers either (every
+        slot is held by batches the caller keeps): none would come back, waiting would only time out."""
+        slot = self._ring.try_acquire()
+        if slot is None:
+            if may_raise and not self._ring.busy:
+                raise self._ring.shortage()
+            return False
+        self._ring.busy.add(slot)
         self._tasks.put((run, seq, epoch, slot, self._ring.paths[slot], bids))
         inflight[seq] = (slot, bids)
+        return True
 
     def _predispatch(self, epoch: int) -> None:
         """Start the first batches of the next epoch while this one drains (its plan is a pure
@@ -452,7 +441,8 @@ class Loader(ResumableMixin):
         pre = {"run": self._run, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
                "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
         while pre["next"] < min(len(batches), self.prefetch_batches):
-            self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"])
+            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"]):
+                break
             pre["next"] += 1
         self._pre = pre
         if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
@@ -471,28 +461,40 @@ class Loader(ResumableMixin):
 
     def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None):
         pending: dict[int, tuple] = carry["pending"] if carry else {}
+        try:
+            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending)
+        finally:  # replies never yielded (an epoch cut short, an error): their slots are free again
+            for msg in pending.values():
+                self._ring.release(msg[4])
+            pending.clear()
+
+    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending):
         inflight: dict[int, tuple] = carry["inflight"] if carry else {}
         next_dispatch = carry["next"] if carry else 0
         for seq in range(len(batches)):
-            while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight)
-                next_dispatch += 1
-                if self._prefetcher is not None and self._pre is None:
-                    self._pf_pos.value = next_dispatch * self.batch_size
-            if (next_dispatch == len(batches) and self._pre is None and self._resume_batch == 0
-                    and self.epoch == epoch + 1 and self.prefetch_next_epoch):
-                self._predispatch(epoch + 1)
             deadline = time.monotonic() + self.timeout_s
-            while seq not in pending:
+            while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
+                while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
+                    if not self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
+                                          may_raise=next_dispatch <= seq):  # (the batch now due)
+                        break  # shared memory is short: more go out as slots come back
+                    next_dispatch += 1
+                    if self._prefetcher is not None and self._pre is None:
+                        self._pf_pos.value = next_dispatch * self.batch_size
+                if (next_dispatch == len(batches) and self._pre is None and self._resume_batch == 0
+                        and self.epoch == epoch + 1 and self.prefetch_next_epoch):
+                    self._predispatch(epoch + 1)
+                if seq in pending:
+                    break
                 try:
                     msg = self._results.get(timeout=0.25)
                 except queue.Empty:
                     self._check_workers()
                     if time.monotonic() > deadline:
-                        raise WorkerError(f"no batch from the workers for {self.timeout_s:.0f} s "
-                                          f"(batch {seq} of epoch {epoch})") from None
+                        raise self._stall_error(seq, epoch) from None
                     continue
                 kind, wid, mrun = msg[0], msg[1], msg[2]
+                self._ring.busy.discard(msg[4])
                 if mrun != run:
                     if self._pre is not None and mrun == self._pre["run"]:
                         self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
@@ -506,6 +508,7 @@ class Loader(ResumableMixin):
             msg = pending.pop(seq)
             if msg[0] == "error":
                 _, wid, _, _, slot, key, err, tb, _ = msg
+                self._ring.release(slot)
                 raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self._position[1]}): {err}\n{tb}")
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
@@ -524,20 +527,3 @@ class Loader(ResumableMixin):
                     self._pf_prev_done.value = (seq + 1) * self.batch_size
             yield out
             t_resume = time.perf_counter()
-
-    def _check_workers(self) -> None:
-        for wid, p in enumerate(self._workers):
-            if p.exitcode is not None:
-                sid = int(self._current[wid])
-                key = self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
-                raise WorkerError(f"worker {wid} (pid {p.pid}) died with exit code {p.exitcode}"
-                                  + (f" while reading/decoding sample {key!r}" if key else ""))
-        self._check_prefetcher()
-
-    def _check_prefetcher(self) -> None:
-        """WorkerError if the prefetch process died (checked every 8th and every last batch of an
-        epoch: the workers would go on reading sample by sample from the origin, and nothing
-        would delete staged blocks)."""
-        if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
-            raise WorkerError(f"prefetch process (pid {self._prefetcher.pid}) died with exit code "
-                              f"{self._prefetcher.exitcode}")

@@ -55,3 +55,88 @@ class SharedCell:
     @value.setter
     def value(self, v: int) -> None:
         self.arr[self.i] = v
+
+
+#: Name prefixes of threads (Linux ``/proc/self/task/*/comm``, at most 15 characters) that belong to
+#: runtimes a forked child cannot use: tokio's workers ("tokio-rt-worker", "tokio-runtime-w"), as
+#: started by obstore and other Rust extensions. A child forked from such a process inherits the
+#: runtime's locks and state but none of its threads, so its first call into the runtime hangs or
+#: crashes (tokio documents that a runtime must not be used across fork).
+FORK_UNSAFE_THREADS = ("tokio-",)
+
+
+class ForkUnsafeError(RuntimeError):
+    """``start_method="fork"`` was asked for in a process whose threads make fork unsafe; the
+    message names the threads (or the library) found."""
+
+
+def thread_names() -> list[str]:
+    """Names of this process's threads as the kernel has them (``/proc/self/task/*/comm``);
+    empty where /proc is not available."""
+    names = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return names
+
+
+def fork_hazards() -> list[str]:
+    """Why forking this process now is unsafe: one line per cause, empty if none is known.
+
+    Looks at the threads alive now, whoever started them (:data:`FORK_UNSAFE_THREADS`), and at
+    whether stoker itself read through obstore in this process (:mod:`stoker.native_s3`).
+    """
+    import sys
+    out = []
+    bad = sorted(n for n in thread_names() if n.startswith(FORK_UNSAFE_THREADS))
+    if bad:
+        out.append(f"{len(bad)} tokio runtime thread(s) running in this process ({', '.join(sorted(set(bad)))}; "
+                   "obstore or another Rust extension started them)")
+    native = sys.modules.get("stoker.native_s3")
+    if native is not None and os.getpid() in getattr(native, "_USED_IN_PID", ()):
+        out.append("stoker read through obstore in this process")
+    return out
+
+
+def pick_start_method(requested: str | None, available: list[str]) -> tuple[str, list[str]]:
+    """The multiprocessing start method for stoker's worker and prefetch processes, and the
+    fork hazards found (:func:`fork_hazards`).
+
+    ``requested=None``: ``fork`` (cheap, no ``__main__`` re-import: torch's DataLoader default)
+    unless a hazard is found, then ``forkserver`` (a clean single-threaded server forks the
+    children), else ``spawn``. An explicit method is kept.
+
+    Raises:
+        ForkUnsafeError: ``requested == "fork"`` and a hazard is found.
+    """
+    hazards = fork_hazards() if requested in (None, "fork") and "fork" in available else []
+    if requested is not None:
+        if requested == "fork" and hazards:
+            raise ForkUnsafeError("start_method='fork' is unsafe here: " + "; ".join(hazards)
+                                  + ". A forked worker would hang or crash: use start_method='forkserver' or "
+                                  "'spawn', or None to let stoker choose")
+        return requested, hazards
+    if "fork" not in available:
+        return "spawn", []
+    if not hazards:
+        return "fork", []
+    return ("forkserver" if "forkserver" in available else "spawn"), hazards
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """A process's exit as words: ``"exit code 1"``, ``"exit code -7 (signal SIGBUS)"``."""
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    import signal
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = str(-exitcode)
+    return f"exit code {exitcode} (signal {name})"

@@ -6,9 +6,19 @@ labels int64 (batch,). The loader hands the training process an array over the
 slot (and a tensor over that array); the slot returns to the free list when the
 last reference to that array is dropped, so a batch the user keeps is never
 overwritten (the ring grows instead).
+
+Every slot's pages are reserved (``posix_fallocate``) before anything maps them: on a full
+``/dev/shm`` (Docker's default is 64 MiB) that fails with ENOSPC, where touching unreserved
+pages of a mapping would kill the process with SIGBUS. When fewer slots fit than asked for,
+the ring keeps what fits (at least one) and copies each batch out of its slot, so the slot is
+free again at once; when not even one fits, :class:`SharedMemoryError` names the directory,
+the bytes one slot needs and the bytes free. With ``shared=False`` (no worker processes) the
+slots are anonymous private memory and ``/dev/shm`` is not used at all.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import uuid
@@ -19,7 +29,42 @@ import numpy as np
 
 from .procs import pid_alive
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+#: errno values of a reservation that failed for lack of room (tmpfs answers ENOSPC; ENOMEM
+#: when the kernel cannot back the pages; EDQUOT under a quota).
+_NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
+
+
+class SharedMemoryError(OSError):
+    """The shared-memory directory cannot hold one batch slot (errno ENOSPC).
+
+    Attributes: ``path`` (the directory, e.g. ``/dev/shm``), ``needed_bytes`` (one slot),
+    ``free_bytes`` (free in that directory's filesystem when the reservation failed).
+    """
+
+    def __init__(self, path: str, needed_bytes: int, free_bytes: int, detail: str = ""):
+        self.needed_bytes, self.free_bytes = int(needed_bytes), int(free_bytes)
+        super().__init__(errno.ENOSPC,
+                         f"{path} has {free_bytes} bytes free but one batch slot needs {needed_bytes} bytes"
+                         f"{detail}: give the container a larger {path} (docker run --shm-size, a Kubernetes "
+                         "emptyDir with medium Memory), or lower batch_size / image_size, or use num_workers=0 "
+                         "(no shared memory)", path)
+
+
+def shm_base() -> str:
+    """The directory slot files live in: ``/dev/shm``, else ``$TMPDIR`` or ``/tmp``."""
+    return SHM_DIR or os.environ.get("TMPDIR", "/tmp")
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free to an unprivileged writer in ``path``'s filesystem (statvfs); -1 if unknown."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 def slot_layout(batch_size: int, size: int) -> tuple[tuple, int, int]:
@@ -71,38 +116,95 @@ class SlotRing:
     """The loader's side of the slots: create, hand out, take back, unlink.
 
     ``batch_size`` samples of (3, ``size``, ``size``) uint8 per slot; starts with
-    ``initial`` slots and grows when every slot is held. Not thread-safe except
-    :meth:`release`, which only appends to a deque.
+    ``initial`` slots and grows when every slot is held. ``shared``: slots are files in
+    :func:`shm_base` that worker processes map (else anonymous memory of this process, and
+    ``paths`` holds None). Not thread-safe except :meth:`release`, which only appends to a deque.
+
+    Raises:
+        SharedMemoryError: not even one slot fits in the shared-memory directory.
     """
 
-    def __init__(self, batch_size: int, size: int, initial: int):
-        remove_orphans()
-        self.batch_size, self.size = batch_size, size
+    def __init__(self, batch_size: int, size: int, initial: int, *, shared: bool = True):
+        self.batch_size, self.size, self.shared = batch_size, size, shared
+        self.base = shm_base() if shared else None
+        if shared:
+            remove_orphans(self.base)
         self.prefix = f"stoker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.paths: list[str] = []
+        self.paths: list[str | None] = []
         self._maps: list[mmap.mmap] = []
         self.free: deque[int] = deque()
-        for _ in range(initial):
-            self.free.append(self._create())
+        self.busy: set[int] = set()  # slots handed to worker processes, not yet answered (kept by the caller)
+        #: True once the directory could not hold another slot: batches are then copied out.
+        self.limited = False
+        self._shortage: SharedMemoryError | None = None
+        for _ in range(max(1, initial)):
+            i = self._create()
+            if i is None:
+                break
+            self.free.append(i)
+        if not self.paths:
+            raise self._shortage
 
-    def _create(self) -> int:
+    def _create(self) -> int | None:
+        """A new slot's index, or None (and ``limited`` set) when the directory has no room."""
         i = len(self.paths)
         _, _, total = slot_layout(self.batch_size, self.size)
-        base = SHM_DIR or os.environ.get("TMPDIR", "/tmp")
-        path = os.path.join(base, f"{self.prefix}-{i}")
+        if not self.shared:
+            self.paths.append(None)
+            self._maps.append(mmap.mmap(-1, total))
+            return i
+        path = os.path.join(self.base, f"{self.prefix}-{i}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, total)
+            try:
+                os.posix_fallocate(fd, 0, total)  # reserve every page now: ENOSPC here, not SIGBUS later
+            except OSError as exc:
+                if exc.errno not in _NO_ROOM:
+                    raise
+                os.close(fd)
+                fd = -1
+                os.unlink(path)
+                self._short(total, i)
+                return None
             mm = mmap.mmap(fd, total)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.paths.append(path)
         self._maps.append(mm)
         return i
 
+    def _short(self, total: int, have: int) -> None:
+        """Record a failed reservation; warn once."""
+        self._shortage = SharedMemoryError(self.base, total, free_bytes(self.base),
+                                           f" ({have} slot(s) already held by this loader)" if have else "")
+        if not self.limited and have > 0:
+            log.warning("%s is too small for more batch slots (%d bytes each, %d held, %d bytes free): "
+                        "continuing with %d slot(s), and batches are copied out of shared memory",
+                        self.base, total, have, self._shortage.free_bytes, have)
+        self.limited = True
+
+    def try_acquire(self) -> int | None:
+        """A free slot index (a new slot if all are held), or None when no slot is free and the
+        shared-memory directory has no room for another (then :meth:`shortage` says why)."""
+        if self.free:
+            return self.free.popleft()
+        return self._create()
+
     def acquire(self) -> int:
-        """A free slot index (a new slot if all are held)."""
-        return self.free.popleft() if self.free else self._create()
+        """A free slot index (a new slot if all are held).
+
+        Raises:
+            SharedMemoryError: every slot is held and no other fits.
+        """
+        i = self.try_acquire()
+        if i is None:
+            raise self.shortage()
+        return i
+
+    def shortage(self) -> SharedMemoryError:
+        """The error of the last failed reservation (for a caller that cannot wait for a slot)."""
+        return self._shortage
 
     def release(self, i: int) -> None:
         self.free.append(i)
@@ -116,17 +218,25 @@ class SlotRing:
 
     def batch(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of slot ``i``'s first ``n`` samples: images (n,3,S,S) uint8 (zero-copy; the
-        slot is released when this array and every view of it are gone) and labels (n,) int64 (a copy)."""
+        slot is released when this array and every view of it are gone) and labels (n,) int64 (a copy).
+        In a ``limited`` ring the images are a copy too and the slot is released at once."""
         shape, img_bytes, _ = slot_layout(self.batch_size, self.size)
         mm = self._maps[i]
         full = np.ndarray(shape, dtype=np.uint8, buffer=mm)
         labels = np.ndarray((self.batch_size,), dtype=np.int64, buffer=mm, offset=img_bytes)[:n].copy()
+        if self.limited:
+            images = full[:n].copy()
+            del full
+            self.free.append(i)
+            return images, labels
         weakref.finalize(full, self.free.append, i)
         return full[:n], labels
 
     def close(self) -> None:
         """Unlink every slot file (mappings the user still holds stay valid until dropped)."""
         for p in self.paths:
+            if p is None:
+                continue
             try:
                 os.unlink(p)
             except FileNotFoundError:
