@@ -12,21 +12,22 @@ import http.client
 import socket
 import struct
 import threading
-import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 @dataclass
 class Fault:
-    """What to answer instead of forwarding: ``kind`` is "error", "stall" or "reset"."""
+    """What to answer instead of forwarding: ``kind`` is "error", "stall" or "reset".
+    A stall lasts ``stall_s`` seconds or until ``released`` is set."""
 
     kind: str = "error"
     status: int = 503
     code: str = "SlowDown"
     retry_after_s: float | None = None
     stall_s: float = 0.0
+    released: threading.Event = field(default_factory=threading.Event)
 
 
 def _handler(proxy: "FaultProxy"):
@@ -59,7 +60,7 @@ def _handler(proxy: "FaultProxy"):
                 self.send_header("Content-Length", "1048576")
                 self.end_headers()
                 self.wfile.flush()
-                time.sleep(fault.stall_s)
+                fault.released.wait(fault.stall_s)
                 self.close_connection = True
                 return None
             data = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'

@@ -122,13 +122,16 @@ def http_details(exc: BaseException) -> tuple[int | None, str | None, float | No
             status = meta.get("HTTPStatusCode")
             code = (resp.get("Error") or {}).get("Code") or None
             return (int(status) if status else None), code, _retry_after_s(headers.get("retry-after"))
-    for e in _chain(exc):
+    status = code = None
+    for e in _chain(exc):  # a wrapper's message may be cut short: the cause has the whole text
         text = str(e)
-        m = _STATUS_RE.search(text)
+        m = _STATUS_RE.search(text) if status is None else None
         if m:
-            code = _CODE_RE.search(text)
-            return int(m.group(1) or m.group(2)), (code.group(1).strip() if code else None), None
-    return None, None, None
+            status = int(m.group(1) or m.group(2))
+        c = _CODE_RE.search(text) if code is None else None
+        if c:
+            code = c.group(1).strip()
+    return (status, code, None) if status is not None else (None, None, None)
 
 
 def classify(exc: BaseException) -> Failure:
@@ -204,6 +207,7 @@ class SharedBackoff:
         self._not_before = 0.0    # monotonic seconds before which no request starts
         self._since = 0.0         # monotonic time the current back-off began
         self._probing = False     # a request is testing whether the origin recovered
+        self.cancelled = False    # the process is stopping: waits end at once
         self.last: Failure | None = None
 
     @property
@@ -221,7 +225,7 @@ class SharedBackoff:
         throttling origin (pass it to :meth:`done`).
         """
         with self._cond:
-            while self._rounds > 0:
+            while self._rounds > 0 and not self.cancelled:
                 now = time.monotonic()
                 if not self._probing and (now >= self._not_before or (first and now >= deadline)):
                     self._probing = True
@@ -231,7 +235,21 @@ class SharedBackoff:
                 wake = deadline if self._probing else min(deadline, self._not_before)
                 # past its deadline, a first try waits for the probe in flight (done() notifies)
                 self._cond.wait(max(0.001, wake - now) if wake > now else 0.05)
-            return True, False
+            return not self.cancelled, False
+
+    def pause(self, seconds: float) -> None:
+        """Sleep ``seconds`` (a back-off between tries), or less if :meth:`cancel` is called."""
+        with self._cond:
+            end = time.monotonic() + seconds
+            while not self.cancelled and time.monotonic() < end:
+                self._cond.wait(end - time.monotonic())
+
+    def cancel(self) -> None:
+        """End every wait now and refuse new turns: the process is stopping (its reads fail
+        at their next wait instead of holding the process for the rest of their budget)."""
+        with self._cond:
+            self.cancelled = True
+            self._cond.notify_all()
 
     def done(self, sent_at: float, probe: bool, failure: Failure | None) -> None:
         """Record the outcome of a request sent at ``sent_at`` (monotonic s): None for success

@@ -226,10 +226,11 @@ class Origin:
         last: tuple[BaseException, Failure] | None = None
         while True:
             go, probe = self.backoff.wait_turn(deadline, first=attempt == 0)
-            if not go:  # the origin throttled all along: this call never got its turn
+            if not go:  # the origin throttled all along (or the process is stopping)
                 exc, failure = last if last else (None, self.backoff.last or Failure(retry=True))
-                raise self._error(what, exc, failure, start, end, attempt, t0,
-                                  f"the origin kept throttling; retry budget {self.retry_budget_s:g} s spent") from exc
+                why = ("cancelled: the reading process is stopping" if self.backoff.cancelled else
+                       f"the origin kept throttling; retry budget {self.retry_budget_s:g} s spent")
+                raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
             attempt += 1
             sent_at = time.monotonic()
             try:
@@ -255,7 +256,7 @@ class Origin:
                     wait_s = failure.retry_after_s
                     if wait_s is None:
                         wait_s = full_jitter_s(attempt, self.backoff_s)
-                    time.sleep(max(0.0, min(wait_s, deadline - now)))
+                    self.backoff.pause(max(0.0, min(wait_s, deadline - now)))
                 continue
             self.backoff.done(sent_at, probe, None)
             return result
