@@ -201,10 +201,10 @@ def uploaded(s3_origin, packed_local):
 
 class Faults:
     """A :class:`FaultProxy` in front of ``direct`` whose shard GETs get ``fault`` for ``seconds``
-    or for the next ``count`` requests (see :meth:`set`)."""
+    from the first such GET, or for the next ``count`` of them (see :meth:`set`)."""
 
     def __init__(self, direct: dict):
-        self.fault, self.until, self.left = None, 0.0, 0
+        self.fault, self.seconds, self.until, self.left = None, 0.0, None, 0
         self.proxy = FaultProxy(direct["endpoint_url"], self._choose)
         self.options = {**direct, "endpoint_url": self.proxy.endpoint}
 
@@ -214,10 +214,12 @@ class Faults:
         if self.left > 0:
             self.left -= 1
             return self.fault
+        if self.until is None:
+            self.until = time.monotonic() + self.seconds  # the burst starts at the first shard GET
         return self.fault if time.monotonic() < self.until else None
 
     def set(self, fault=None, seconds=0.0, count=0):
-        self.fault, self.until, self.left = fault, time.monotonic() + seconds, count
+        self.fault, self.seconds, self.until, self.left = fault, seconds, None, count
 
 
 @pytest.fixture
@@ -332,3 +334,33 @@ def test_loader_rides_out_a_throttling_burst(uploaded, faults, tmp_path, workers
     with Loader(ds, 16, num_workers=workers, transform="eval", image_size=32, timeout_s=60) as loader:
         assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
     assert faults.proxy.faults
+
+
+def test_a_read_that_waited_for_another_fill_gets_the_rest_of_the_budget(tmp_path):
+    """Time spent inside ``shared_budget`` (waiting for another process's fill of the block)
+    counts: the read then tries once and reports, instead of starting a fresh budget."""
+    calls: list = []
+    o = Origin(str(tmp_path), retry_budget_s=0.3)
+    with o.shared_budget():
+        time.sleep(0.35)  # what a wait on a busy fetch lock spends
+        with pytest.raises(OriginError, match="SlowDown"):
+            o._retry("s3://b/k", _throttled_for(1e9, calls))
+    assert len(calls) == 1
+    assert o._retry("s3://b/k", lambda: b"ok") == b"ok"  # outside, a budget of its own again
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_sustained_throttling_ends_in_origin_error(uploaded, faults, tmp_path, workers):
+    """Every shard GET refused: the epoch ends with an error naming the object, the range and
+    SlowDown (OriginError itself with 0 workers), not a hang or a signal."""
+    from stoker.loader import Loader, WorkerError
+    from stoker.store.dataset import open_dataset
+    url, _ = uploaded
+    ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
+                      storage_options=faults.options, retry_budget_s=1)
+    faults.set(Fault(status=503, code="SlowDown"), seconds=1e9)
+    with Loader(ds, 16, num_workers=workers, transform="eval", image_size=32, timeout_s=60) as loader:
+        with pytest.raises(OriginError if workers == 0 else WorkerError) as err:
+            for _ in loader:
+                pass
+    assert "SlowDown (HTTP 503)" in str(err.value) and "/shards/shard-" in str(err.value)

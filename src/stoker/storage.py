@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import fsspec
@@ -58,6 +60,7 @@ class OriginPermissionError(OriginError, PermissionError):
 
 
 _INHERITED: list = []
+_AMBIENT = threading.local()  # .deadline: the earliest deadline of the shared budgets this thread is in
 
 
 def _forget_inherited_sessions() -> None:
@@ -222,6 +225,9 @@ class Origin:
         ``OriginPermissionError`` for 404 / 403) naming ``what``, the range and the S3 code."""
         t0 = time.monotonic()
         deadline = t0 + self.retry_budget_s
+        ambient = getattr(_AMBIENT, "deadline", None)
+        if ambient is not None:
+            deadline = min(deadline, ambient)
         attempt = 0
         last: tuple[BaseException, Failure] | None = None
         while True:
@@ -272,6 +278,21 @@ class Origin:
             why = "a configuration error: not retried"
         return cls(what, f"{_describe(exc, failure)} ({why})", start, end, attempts, code=failure.code,
                    status=failure.status, elapsed_s=time.monotonic() - t0)
+
+    @contextmanager
+    def shared_budget(self):
+        """Origin operations of this thread inside the block share one retry budget of
+        ``retry_budget_s`` seconds from now (nested blocks keep the earliest deadline). A sample
+        read that first waits for another process's fill of its block, which is retrying, then
+        gets the rest of the budget, not a fresh one: the read still ends within the budget
+        (plus one try of its own, at least, and one request timeout)."""
+        prev = getattr(_AMBIENT, "deadline", None)
+        mine = time.monotonic() + self.retry_budget_s
+        _AMBIENT.deadline = mine if prev is None else min(prev, mine)
+        try:
+            yield
+        finally:
+            _AMBIENT.deadline = prev
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Read bytes ``[start, end)`` of object ``rel`` with one ranged GET (retried).

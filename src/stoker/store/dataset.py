@@ -207,7 +207,8 @@ class Dataset:
         i = int(i)
         self.read_stats.samples += 1
         start = int(self.index.offset[i])
-        return bytes(self._range(i, start, start + int(self.index.length[i]), lambda d: self._check(i, d)))
+        with self.origin.shared_budget():  # waiting for another process's fill spends it too
+            return bytes(self._range(i, start, start + int(self.index.length[i]), lambda d: self._check(i, d)))
 
     def read_fields(self, i: int) -> dict[str, bytes]:
         """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
@@ -220,7 +221,8 @@ class Dataset:
         self.read_stats.samples += 1
         table = self.index.member_table(i)
         start, stop = int(self.index.offset[i]), int(self.index.span_end[i])
-        data = self._range(i, start, stop, lambda d: self._bad_member(i, table, d, start) is None)
+        with self.origin.shared_budget():
+            data = self._range(i, start, stop, lambda d: self._bad_member(i, table, d, start) is None)
         view = memoryview(data)
         return {name: bytes(view[off - start:off - start + n]) for name, off, n, _ in table}
 
