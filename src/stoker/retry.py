@@ -33,6 +33,7 @@ RETRY_BUDGET_ENV = "STOKER_RETRY_BUDGET_S"
 DEFAULT_BACKOFF_S = 0.1
 #: Largest back-off ceiling in seconds (the AWS SDKs cap theirs at 20 s; a 5 s cap keeps the
 #: recovery from a short burst quick, and throttling brings one probe per process, not N).
+#: A budget under 20 s lowers it to a quarter of the budget, so that a read gets several tries.
 BACKOFF_CAP_S = 5.0
 
 #: Seconds an S3 request may wait for the next bytes of its answer (botocore's and obstore's
@@ -251,9 +252,10 @@ class SharedBackoff:
             self.cancelled = True
             self._cond.notify_all()
 
-    def done(self, sent_at: float, probe: bool, failure: Failure | None) -> None:
+    def done(self, sent_at: float, probe: bool, failure: Failure | None, cap_s: float | None = None) -> None:
         """Record the outcome of a request sent at ``sent_at`` (monotonic s): None for success
-        (the gate opens), else its :class:`Failure` (a throttled one starts a new round)."""
+        (the gate opens), else its :class:`Failure` (a throttled one starts a new round, whose
+        wait is drawn with ceiling ``cap_s``, default the instance's)."""
         with self._cond:
             if probe:
                 self._probing = False
@@ -266,6 +268,6 @@ class SharedBackoff:
                     now = time.monotonic()
                     wait_s = failure.retry_after_s
                     if wait_s is None:
-                        wait_s = full_jitter_s(self._rounds, self.base_s, self.cap_s)
+                        wait_s = full_jitter_s(self._rounds, self.base_s, self.cap_s if cap_s is None else cap_s)
                     self._since, self._not_before = now, max(self._not_before, now + wait_s)
             self._cond.notify_all()

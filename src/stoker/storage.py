@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import fsspec
 import fsspec.asyn
 
-from .retry import (BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
+from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
 
@@ -229,6 +229,7 @@ class Origin:
         if ambient is not None:
             deadline = min(deadline, ambient)
         attempt = 0
+        cap_s = min(BACKOFF_CAP_S, max(self.backoff_s, self.retry_budget_s / 4))  # several tries per budget
         last: tuple[BaseException, Failure] | None = None
         while True:
             go, probe = self.backoff.wait_turn(deadline, first=attempt == 0)
@@ -246,7 +247,7 @@ class Origin:
                 raise
             except Exception as exc:  # noqa: BLE001 - storage backends raise many types
                 failure = classify(exc)
-                self.backoff.done(sent_at, probe, failure)
+                self.backoff.done(sent_at, probe, failure, cap_s)
                 self.counters.errors += 1
                 last = (exc, failure)
                 if not failure.retry:
@@ -261,7 +262,7 @@ class Origin:
                 if not failure.throttled:  # throttling: wait_turn holds every thread back instead
                     wait_s = failure.retry_after_s
                     if wait_s is None:
-                        wait_s = full_jitter_s(attempt, self.backoff_s)
+                        wait_s = full_jitter_s(attempt, self.backoff_s, cap_s)
                     self.backoff.pause(max(0.0, min(wait_s, deadline - now)))
                 continue
             self.backoff.done(sent_at, probe, None)
