@@ -13,8 +13,15 @@ called by the prefetch process and by the decode workers, which never fork.
 
 Options understood (fsspec/s3fs spelling): ``endpoint_url`` (top level or in
 ``client_kwargs``), ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs.region_name``,
-and ``config_kwargs`` timeouts/retries (ignored: stoker's own retry loop is in charge). Any other
-option (a profile, requester-pays, ...) keeps the dataset on s3fs.
+and ``config_kwargs`` timeouts (``read_timeout``: longest wait for the next bytes of an answer,
+default :data:`stoker.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
+stoker's own retry loop, bounded in time, is in charge). Any other option (a profile,
+requester-pays, ...) keeps the dataset on s3fs.
+
+obstore reports an S3 error answer only in its message ("... status code: 503 Service
+Unavailable: <Error><Code>SlowDown</Code>..."); :meth:`NativeS3Reader.read_range` puts the S3 code
+and HTTP status first in the error it raises, so that they survive into
+:class:`stoker.storage.OriginError` (``Retry-After`` is not exposed by obstore).
 """
 from __future__ import annotations
 
@@ -87,9 +94,19 @@ class NativeS3Reader:
                 kw["secret_access_key"] = opts["secret"]
             if opts.get("token"):
                 kw["session_token"] = opts["token"]
-        client_options = {"allow_http": True} if endpoint and str(endpoint).startswith("http://") else {}
+        from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
         try:
-            store = S3Store(bucket, client_options=client_options or None,
+            read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
+            connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
+        except (TypeError, ValueError):
+            return None  # not seconds: s3fs reports it
+        # read_timeout: a stalled answer (headers, then nothing) fails and is retried, not waited on
+        client_options = {"read_timeout": f"{max(1, round(read_s * 1000))}ms",
+                          "connect_timeout": f"{max(1, round(connect_s * 1000))}ms"}
+        if endpoint and str(endpoint).startswith("http://"):
+            client_options["allow_http"] = True
+        try:
+            store = S3Store(bucket, client_options=client_options,
                             retry_config={"max_retries": 0}, **kw)
         except Exception as exc:  # noqa: BLE001 - a configuration obstore rejects: stay on s3fs
             log.info("obstore cannot open %s (%s); using s3fs", url, exc)
@@ -101,20 +118,31 @@ class NativeS3Reader:
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of object ``key`` (path inside the bucket) with one GET.
 
+        Errors name the object and start with the S3 error code and HTTP status where the
+        origin answered (``s3://b/k: SlowDown (HTTP 503): ...``); the obstore error is the cause.
+
         Raises:
             FileNotFoundError: the object does not exist.
             PermissionError: access denied or unauthenticated.
-            OSError: any other failure (the caller retries and reports it).
+            OSError: any other failure (the caller classifies it, retries what can clear, and reports it).
         """
         import obstore
         from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
         try:
             return bytes(obstore.get_range(self._store, key, start=start, end=end))
         except (NotFoundError, FileNotFoundError) as exc:
-            raise FileNotFoundError(f"s3://{self.bucket}/{key}") from exc
+            raise FileNotFoundError(self._message(key, exc)) from exc
         except (PermissionDeniedError, UnauthenticatedError, PermissionError) as exc:
-            raise PermissionError(f"s3://{self.bucket}/{key}: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - obstore's generic errors: retried by the caller
-            # obstore's messages carry a multi-line debug dump: keep the first line for logs
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            raise OSError(f"s3://{self.bucket}/{key}: {type(exc).__name__}: {first}") from exc
+            raise PermissionError(self._message(key, exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - obstore's generic errors: classified by the caller
+            raise OSError(self._message(key, exc)) from exc
+
+    def _message(self, key: str, exc: BaseException) -> str:
+        """``s3://bucket/key: <S3 code> (HTTP <status>): <obstore's first line>``; obstore's
+        messages carry a multi-line debug dump, of which the first line is kept."""
+        from .retry import Failure, http_details
+        status, code, _ = http_details(exc)
+        label = Failure(retry=False, status=status, code=code).label()
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        head = f"{label}: " if label else ""
+        return f"s3://{self.bucket}/{key}: {head}{type(exc).__name__}: {first}"

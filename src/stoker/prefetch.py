@@ -10,6 +10,10 @@ loader's staging area instead (bounded by ``staging_bytes``, deleted after its l
 use); without a staging area such a block ends prefetching for the epoch (under the
 no-eviction policy nothing later would be admitted either) and the workers read those
 samples on demand.
+
+While the origin throttles (:class:`stoker.retry.SharedBackoff` of the dataset's origin, shared
+by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
+request tests the origin instead of ``concurrency`` of them, and resumes when a request succeeds.
 """
 from __future__ import annotations
 
@@ -154,7 +158,10 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                     job["retry"].append((time.monotonic() + min(BUSY_BACKOFF_MAX_S, BUSY_BACKOFF_S * 2 ** k), b))
             counters[0] = ds.origin.counters.bytes
             counters[1] = ds.origin.counters.requests
-        if job["retry"] and len(inflight) < concurrency:
+        # the origin throttles: start nothing new while the fills in flight wait for its back-off
+        # (with none in flight, the next fill is the one that probes the origin)
+        throttled = bool(inflight) and ds.origin.backoff.throttled
+        if job["retry"] and len(inflight) < concurrency and not throttled:
             now = time.monotonic()
             due = [r for r in job["retry"] if r[0] <= now][: concurrency - len(inflight)]
             for r in due:
@@ -177,7 +184,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             continue
         progressed = False
         staged_now = sum(sizes_of[b] for b in staged) if ds.staging is not None else 0
-        while j < len(job["blocks"]) and len(inflight) < concurrency:
+        while j < len(job["blocks"]) and len(inflight) < concurrency and not throttled:
             if job["cum"][j] - job["cum"][min(consumed, j)] > ahead_bytes:
                 break
             b = int(job["blocks"][j])
@@ -194,9 +201,11 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             wait(inflight, timeout=0.005 if job["retry"] else 0.02, return_when=FIRST_COMPLETED)
         elif not progressed:
             time.sleep(0.005)
-    # Queued fills are dropped; fills in flight finish (each is one ranged GET). The loader
-    # kills this process if that takes too long; a fill cut short leaves only a temporary
-    # file, which the next open of the cache removes (DiskCache.recover).
+    # Queued fills are dropped; fills waiting to retry give up at once (cancel); fills in flight
+    # finish (each is one ranged GET, bounded by the request timeout). The loader kills this
+    # process if that takes too long; a fill cut short leaves only a temporary file, which the
+    # next open of the cache removes (DiskCache.recover).
+    ds.origin.backoff.cancel()
     pool.shutdown(wait=True, cancel_futures=True)
     if ds.staging is not None:
         ds.staging.clear()

@@ -1,50 +1,66 @@
-"""Origin access through fsspec: ranged reads with bounded retries, whole-object writes.
+"""Origin access through fsspec: ranged reads with retries bounded in time, whole-object writes.
 
 Every byte stoker reads from an origin goes through :class:`Origin`, which counts
 origin bytes and requests (the figures every benchmark reports) and turns storage
-failures into :class:`OriginError` naming the URL and byte range after a bounded
-number of attempts, so a failing store never hangs a job.
+failures into :class:`OriginError` naming the URL, the byte range and the S3 error code.
+Failures that can clear (throttling, 5xx, resets, timeouts) are retried with exponential
+back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.retry`), so a
+short origin outage is ridden out and a failing store never hangs a job; the others
+(403, 404, 400, configuration errors) fail at once.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import fsspec
 import fsspec.asyn
 
+from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
+                    DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
+                    SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
+
 log = logging.getLogger(__name__)
 
-#: Attempts per ranged read before :class:`OriginError` (first try included).
-DEFAULT_ATTEMPTS = 4
-#: First back-off in seconds; doubles after each failed attempt (0.1, 0.2, 0.4 s).
-DEFAULT_BACKOFF_S = 0.1
-
-
-#: Errors that another attempt cannot fix (a missing object, a denied request, a bug).
-_NOT_RETRIED = (FileNotFoundError, PermissionError, TypeError, AttributeError, NameError)
-#: Storage-client configuration errors (botocore's names): reported at once, not retried.
-_CONFIG_ERRORS = frozenset({"ProfileNotFound", "NoCredentialsError", "PartialCredentialsError",
-                            "NoRegionError", "InvalidConfigError", "UnknownConfigurationKeyError"})
+__all__ = ["Origin", "OriginError", "OriginNotFoundError", "OriginPermissionError", "OriginCounters",
+           "url_to_fs", "join", "DEFAULT_RETRY_BUDGET_S", "DEFAULT_REQUEST_TIMEOUT_S", "RETRY_BUDGET_ENV"]
 
 
 class OriginError(IOError):
-    """A read or write against the origin failed after all retries.
+    """A read or write against the origin failed: after retrying for the retry budget, or at once
+    when the failure cannot clear.
 
-    Attributes: ``url`` (str), ``start``/``end`` (byte range or None), ``attempts`` (int).
+    Attributes: ``url`` (str), ``start``/``end`` (byte range or None), ``attempts`` (int),
+    ``code`` (the S3 error code such as ``SlowDown``, ``AccessDenied``, ``NoSuchKey``, or None),
+    ``status`` (HTTP status or None), ``elapsed_s`` (seconds spent, retries included).
     """
 
     def __init__(self, url: str, message: str, start: int | None = None,
-                 end: int | None = None, attempts: int = 1):
+                 end: int | None = None, attempts: int = 1, *, code: str | None = None,
+                 status: int | None = None, elapsed_s: float | None = None):
         rng = f" bytes {start}-{end}" if start is not None else ""
-        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s): {message}")
+        took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
+        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}: {message}")
         self.url, self.start, self.end, self.attempts = url, start, end, attempts
+        self.code, self.status, self.elapsed_s = code, status, elapsed_s
+
+
+class OriginNotFoundError(OriginError, FileNotFoundError):
+    """The object does not exist (S3 ``NoSuchKey``/404, or a missing local file); not retried.
+    Also a ``FileNotFoundError``."""
+
+
+class OriginPermissionError(OriginError, PermissionError):
+    """The request was denied (S3 ``AccessDenied``/403, ...); not retried. Also a ``PermissionError``."""
 
 
 _INHERITED: list = []
+_AMBIENT = threading.local()  # .deadline: the earliest deadline of the shared budgets this thread is in
 
 
 def _forget_inherited_sessions() -> None:
@@ -76,8 +92,8 @@ def _s3_defaults(storage_options: dict) -> dict:
     """Bound s3fs's own retries and timeouts so that our retry loop stays in charge."""
     opts = dict(storage_options)
     cfg = dict(opts.get("config_kwargs") or {})
-    cfg.setdefault("connect_timeout", 10)
-    cfg.setdefault("read_timeout", 60)
+    cfg.setdefault("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
+    cfg.setdefault("read_timeout", DEFAULT_REQUEST_TIMEOUT_S)  # a stalled GET is retried, not waited on
     cfg.setdefault("retries", {"total_max_attempts": 1})
     opts["config_kwargs"] = cfg
     return opts
@@ -124,21 +140,32 @@ class Origin:
     """Read/write access to one dataset root at an fsspec URL.
 
     ``url`` is the dataset root; paths given to methods are relative to it.
-    ``storage_options`` are passed to fsspec (for S3: ``endpoint_url``, ``key``, ``secret``, ...).
-    The object is picklable (the filesystem is re-created lazily in each process).
+    ``storage_options`` are passed to fsspec (for S3: ``endpoint_url``, ``key``, ``secret``, ...;
+    ``config_kwargs={"read_timeout": s}`` sets the per-request stall timeout, default
+    :data:`DEFAULT_REQUEST_TIMEOUT_S`).
+    ``retry_budget_s``: seconds one operation keeps retrying failures that can clear before
+    :class:`OriginError` (None: ``$STOKER_RETRY_BUDGET_S``, else
+    :data:`~stoker.retry.DEFAULT_RETRY_BUDGET_S` = 30 s; 0: one try). An operation ends within
+    the budget plus at most one request timeout. ``backoff_s``: the first back-off ceiling (s).
+    ``attempts``: an optional cap on tries as well (None: only the time budget bounds them).
+    The object is picklable (the filesystem and the shared back-off are re-created in each process).
+    Raises ValueError for a negative or non-numeric budget.
     """
 
     url: str
     storage_options: dict = field(default_factory=dict)
-    attempts: int = DEFAULT_ATTEMPTS
+    attempts: int | None = None
     backoff_s: float = DEFAULT_BACKOFF_S
     counters: OriginCounters = field(default_factory=OriginCounters)
+    retry_budget_s: float | None = None
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
+        self.retry_budget_s = resolve_retry_budget_s(self.retry_budget_s)
         self._fs = None
         self._root = None
         self._native = None
+        self.backoff = SharedBackoff(self.backoff_s)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -146,7 +173,12 @@ class Origin:
         state["_root"] = None
         state["_native"] = None  # each process opts in itself (use_native)
         state["counters"] = OriginCounters()
+        state["backoff"] = None  # threads of one process share one; locks do not pickle
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.backoff = SharedBackoff(self.backoff_s)
 
     def use_native(self) -> bool:
         """Serve :meth:`read_range` with obstore in this process (S3 only; see
@@ -187,25 +219,81 @@ class Origin:
         return join(self.url, rel) if rel else self.url
 
     def _retry(self, what: str, fn, start=None, end=None):
-        delay = self.backoff_s
-        last: Exception | None = None
-        for attempt in range(1, self.attempts + 1):
+        """Call ``fn()`` until it succeeds, retrying failures that can clear (:func:`stoker.retry.classify`)
+        with full-jitter back-off for at most ``retry_budget_s`` seconds; waits behind the shared
+        back-off while the origin throttles. Raises :class:`OriginError` (``OriginNotFoundError`` /
+        ``OriginPermissionError`` for 404 / 403) naming ``what``, the range and the S3 code."""
+        t0 = time.monotonic()
+        deadline = t0 + self.retry_budget_s
+        ambient = getattr(_AMBIENT, "deadline", None)
+        if ambient is not None:
+            deadline = min(deadline, ambient)
+        attempt = 0
+        cap_s = min(BACKOFF_CAP_S, max(self.backoff_s, self.retry_budget_s / 4))  # several tries per budget
+        last: tuple[BaseException, Failure] | None = None
+        while True:
+            go, probe = self.backoff.wait_turn(deadline, first=attempt == 0)
+            if not go:  # the origin throttled all along (or the process is stopping)
+                exc, failure = last if last else (None, self.backoff.last or Failure(retry=True))
+                why = ("cancelled: the reading process is stopping" if self.backoff.cancelled else
+                       f"the origin kept throttling; retry budget {self.retry_budget_s:g} s spent")
+                raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
+            attempt += 1
+            sent_at = time.monotonic()
             try:
-                return fn()
-            except _NOT_RETRIED:
+                result = fn()
+            except BUGS:
+                self.backoff.done(sent_at, probe, Failure(retry=False))
                 raise
             except Exception as exc:  # noqa: BLE001 - storage backends raise many types
-                last = exc
+                failure = classify(exc)
+                self.backoff.done(sent_at, probe, failure, cap_s)
                 self.counters.errors += 1
-                if type(exc).__name__ in _CONFIG_ERRORS:
-                    raise OriginError(what, f"{type(exc).__name__}: {exc} (a configuration error: not retried)",
-                                      start, end, attempt) from exc
-                if attempt < self.attempts:
-                    self.counters.retries += 1
-                    log.warning("retrying %s (attempt %d/%d): %s", what, attempt, self.attempts, exc)
-                    time.sleep(delay)
-                    delay *= 2
-        raise OriginError(what, f"{type(last).__name__}: {last}", start, end, self.attempts) from last
+                last = (exc, failure)
+                if not failure.retry:
+                    raise self._error(what, exc, failure, start, end, attempt, t0, "not retried") from exc
+                now = time.monotonic()
+                if now >= deadline or (self.attempts is not None and attempt >= self.attempts):
+                    raise self._error(what, exc, failure, start, end, attempt, t0,
+                                      f"retry budget {self.retry_budget_s:g} s spent") from exc
+                self.counters.retries += 1
+                log.warning("retrying %s (attempt %d, %.1f of %g s): %s", what, attempt, now - t0,
+                            self.retry_budget_s, _describe(exc, failure))
+                if not failure.throttled:  # throttling: wait_turn holds every thread back instead
+                    wait_s = failure.retry_after_s
+                    if wait_s is None:
+                        wait_s = full_jitter_s(attempt, self.backoff_s, cap_s)
+                    self.backoff.pause(max(0.0, min(wait_s, deadline - now)))
+                continue
+            self.backoff.done(sent_at, probe, None)
+            return result
+
+    @staticmethod
+    def _error(what, exc, failure: Failure, start, end, attempts: int, t0: float, why: str) -> OriginError:
+        cls = OriginError
+        if isinstance(exc, FileNotFoundError) or failure.status == 404:
+            cls = OriginNotFoundError
+        elif isinstance(exc, PermissionError) or failure.status in (401, 403):
+            cls = OriginPermissionError
+        if failure.code in CONFIG_ERRORS:
+            why = "a configuration error: not retried"
+        return cls(what, f"{_describe(exc, failure)} ({why})", start, end, attempts, code=failure.code,
+                   status=failure.status, elapsed_s=time.monotonic() - t0)
+
+    @contextmanager
+    def shared_budget(self):
+        """Origin operations of this thread inside the block share one retry budget of
+        ``retry_budget_s`` seconds from now (nested blocks keep the earliest deadline). A sample
+        read that first waits for another process's fill of its block, which is retrying, then
+        gets the rest of the budget, not a fresh one: the read still ends within the budget
+        (plus one try of its own, at least, and one request timeout)."""
+        prev = getattr(_AMBIENT, "deadline", None)
+        mine = time.monotonic() + self.retry_budget_s
+        _AMBIENT.deadline = mine if prev is None else min(prev, mine)
+        try:
+            yield
+        finally:
+            _AMBIENT.deadline = prev
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Read bytes ``[start, end)`` of object ``rel`` with one ranged GET (retried).
@@ -267,6 +355,16 @@ class Origin:
                     os.unlink(tmp)
         else:
             self._retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
+
+
+def _describe(exc: BaseException | None, failure: Failure) -> str:
+    """One line for logs and errors: the S3 code and status first, then the client's message."""
+    if exc is None:
+        return failure.label() or "throttled"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    label = failure.label()
+    return f"{label}: {text}" if label and label != type(exc).__name__ else text
 
 
 def _is_local(fs) -> bool:

@@ -207,7 +207,8 @@ class Dataset:
         i = int(i)
         self.read_stats.samples += 1
         start = int(self.index.offset[i])
-        return bytes(self._range(i, start, start + int(self.index.length[i]), lambda d: self._check(i, d)))
+        with self.origin.shared_budget():  # waiting for another process's fill spends it too
+            return bytes(self._range(i, start, start + int(self.index.length[i]), lambda d: self._check(i, d)))
 
     def read_fields(self, i: int) -> dict[str, bytes]:
         """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
@@ -220,7 +221,8 @@ class Dataset:
         self.read_stats.samples += 1
         table = self.index.member_table(i)
         start, stop = int(self.index.offset[i]), int(self.index.span_end[i])
-        data = self._range(i, start, stop, lambda d: self._bad_member(i, table, d, start) is None)
+        with self.origin.shared_budget():
+            data = self._range(i, start, stop, lambda d: self._bad_member(i, table, d, start) is None)
         view = memoryview(data)
         return {name: bytes(view[off - start:off - start + n]) for name, off, n, _ in table}
 
@@ -322,7 +324,8 @@ def default_cache_dir() -> str:
 def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None = None, *,
                  storage_options: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  cache_policy: str = "future", cache: bool = True, check: bool = True,
-                 memory_bytes: int = 0, memory_dir: str | None = None) -> Dataset:
+                 memory_bytes: int = 0, memory_dir: str | None = None,
+                 retry_budget_s: float | None = None) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
     ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
@@ -336,13 +339,16 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
     ``memory_bytes``: budget of a shared-memory tier above the disk tier (0 = none; blocks
     go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
     (default: under /dev/shm, one per cache directory).
+    ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
+    timeouts (full-jitter back-off) before :class:`stoker.storage.OriginError`; None:
+    ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.retry`). Kept by the loader's processes.
     ``check``: list the shards once and compare sizes (and ETags where recorded) with
     the index, so shards rewritten under an unchanged index are reported by name
     (:class:`stoker.store.verify.DatasetChangedError`) before any sample is served.
     Raises FileNotFoundError when ``url`` holds no index (e.g. an interrupted pack)
     and :class:`stoker.store.index.IndexError_` when the index is unreadable.
     """
-    origin = Origin(url, storage_options or {})
+    origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:
         data = origin.read(INDEX_NAME)
     except FileNotFoundError:
