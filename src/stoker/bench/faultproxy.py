@@ -222,7 +222,8 @@ class FaultProxy:
                 keep = await self._relay(up[0], cwriter, method, fault)
                 if not keep:
                     return
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError,
+                asyncio.CancelledError):  # cancelled: stop() is shutting the proxy down
             return
         finally:
             if up is not None:
