@@ -114,12 +114,14 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
         loader = Loader(ds, **spec.get("loader_kw", {}))
         nb = max(1, -(-n // loader.batch_size))
         kill_after = rng.randrange(max(1, nb - 1)) if kill else -1
+        armed = False  # one kill per round, in the first epoch
         for _ in range(epochs):
             seen: collections.Counter = collections.Counter()
             try:
                 for b, (_, labels) in enumerate(loader):
                     seen.update(int(x) for x in labels)
-                    if b == kill_after and not killed:
+                    if b == kill_after and not armed:
+                        armed = True
                         rec["pids"] += [p.pid for p in loader._workers] + (
                             [loader._prefetcher.pid] if getattr(loader, "_prefetcher", None) else [])
                         threading.Thread(target=_killer, args=(loader, kill["target"], rng.uniform(0, 0.05),
