@@ -99,11 +99,12 @@ def cache_ownership(ctx: Context) -> dict:
         os.makedirs(os.path.dirname(os.path.join(plain, rel)), exist_ok=True)
         with open(os.path.join(plain, rel), "wb") as f:
             f.write(data)
+    plain_before = _digest_tree(plain, ["photos", "thesis"])
     rc_plain, err_plain = run_child(_CLI + ["cache", "clear", plain], 60, child_env())
-    left = sum(len(fs) for _, _, fs in os.walk(plain))
-    if rc_plain != 2 or left != 2:
-        problems.append(f"cache clear on a directory that is no cache: exit {rc_plain}, {2 - left} of 2 files "
-                        f"deleted ({err_plain.strip()[-160:]!r})")
+    gone = sorted(k for k, v in plain_before.items() if _digest_tree(plain, ["photos", "thesis"]).get(k) != v)
+    if rc_plain != 2 or gone:
+        problems.append(f"cache clear on a directory that is no cache: exit {rc_plain} (want 2), {len(gone)} of "
+                        f"{len(plain_before)} files deleted or changed ({err_plain.strip()[-160:]!r})")
     row = _combine("cache_ownership", "completed", rounds, faults=len(before) + 2)
     row["leftover_files"], row["leftover_shm"] = leftovers
     row["details"]["problems"] = problems

@@ -15,6 +15,7 @@ so the parent keeps what happened before a hang or a signal death):
   ids received before it still count towards ``duplicated``;
 * ``hang``: the loader's own watchdog gave up ("no batch from the workers for N s"): a stall
   turned into an error that names no cause;
+* ``signal_death``: a stoker process died by a signal the bench did not send (the error says so);
 * ``failed``: any other exception.
 
 With ``kill`` in the spec, a timer thread SIGKILLs one worker or the prefetch process at a
@@ -137,6 +138,8 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         rec["lost"] = 0  # an epoch that ends in an error promises nothing about the rest
         rec["signal_deaths"] += _foreign_signal_deaths(str(exc), set(killed))
+        if rec["signal_deaths"]:
+            rec["outcome"] = "signal_death"
     finally:
         time.sleep(0.06 if kill else 0)
         if loader is not None:
@@ -193,6 +196,9 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     result = {"rounds": [], "leftover_files": [], "leftover_shm": [], "shm_before": shm_entries()}
+    from .. import decode, loader  # noqa: F401 - imports paid before any round is timed
+    from .. import torch as torch_adapter
+    torch_adapter.load()
     _pre(spec.get("pre"), spec)
     rng = random.Random(spec.get("seed", 0))
     rounds = (spec.get("kill") or {}).get("rounds", 1)
