@@ -227,9 +227,11 @@ class LoaderRunner:
             rounds.append({"outcome": how, "signal_deaths": int(rc is not None and rc < 0),
                            "error": f"training process: {'timed out after %ss' % sc.timeout_s if rc is None else 'exit code %s' % rc}"
                                     f"; stderr tail: {err.strip()[-300:]}"})
-        pids = {p for r in rounds for p in r.get("pids", [])}
+        pids = {p for r in rounds for p in r.get("pids", [])} | ({res["pid"]} if "pid" in res else set())
         if sc.mount:
             files, shm = res.get("leftover_files", []), res.get("leftover_shm", [])
+            if not res.get("done"):
+                extra["leftovers_unmeasured"] = "the training process did not finish inside its namespace"
         else:
             from ..cache.tiered import default_memory_root
             files = scan_leftovers([cache_dir])

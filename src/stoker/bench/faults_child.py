@@ -195,7 +195,9 @@ def main(spec_path: str) -> None:
     faulthandler.enable()
     with open(spec_path) as f:
         spec = json.load(f)
-    result = {"rounds": [], "leftover_files": [], "leftover_shm": [], "shm_before": shm_entries()}
+    result = {"rounds": [], "leftover_files": [], "leftover_shm": [], "shm_before": shm_entries(),
+              "pid": os.getpid()}
+    _write(spec["result"], result)  # the pid names this process's shared-memory files, even after a hang
     from .. import decode, loader  # noqa: F401 - imports paid before any round is timed
     from .. import torch as torch_adapter
     torch_adapter.load()
