@@ -287,6 +287,8 @@ def warm_failing_shard(ctx: Context) -> dict:
     data_bytes = sum(os.path.getsize(os.path.join(ctx.local, "shards", s)) for s in shards)
     if rc2 != 0:
         problems.append(f"rerun without faults: exit {rc2} ({err2.strip()[-160:]!r})")
+    elif rep2 is None:
+        problems.append("rerun without faults printed no report")
     elif rep2 and rep2.get("origin_bytes", 0) >= data_bytes:
         problems.append(f"rerun fetched {rep2.get('origin_bytes')} bytes again (dataset {data_bytes})")
     row = aggregate("warm_failing_shard", "clean_error", [rec], ctx.proxy.stats()["faults_injected"] - before)

@@ -69,9 +69,9 @@ def loader_scenarios(quick: bool) -> list[Scenario]:
         Scenario("stalled_get_20s", fault=Fault("stall", count=1, stall_s=20.0),
                  spec={"loader_kw": {"timeout_s": 15.0}}, timeout_s=120),
         Scenario("sigkill_prefetcher", "completed|clean_error",
-                 spec={"kill": {"target": "prefetcher", "rounds": kills}}, timeout_s=60 + 15 * kills),
+                 spec={"kill": {"target": "prefetcher", "rounds": kills}, "must_name": ["prefetch"]}, timeout_s=60 + 15 * kills),
         Scenario("sigkill_worker", "completed|clean_error",
-                 spec={"kill": {"target": "worker", "rounds": kills}}, timeout_s=60 + 15 * kills),
+                 spec={"kill": {"target": "worker", "rounds": kills}, "must_name": ["worker"]}, timeout_s=60 + 15 * kills),
         Scenario("fork_after_async", "completed|clean_error", repeat=1 if quick else 2, timeout_s=90,
                  spec={"pre": "obstore_busy_thread", "must_name": ["fork", "spawn", "forkserver"],
                        "loader_kw": {"timeout_s": 20.0}}),
@@ -163,7 +163,7 @@ class LoaderRunner:
                      "open_kw": {"cache_bytes": 256 << 20},
                      "loader_kw": {"batch_size": 16, "num_workers": 2, "transform": "eval", "image_size": 32,
                                    "timeout_s": 30.0, "seed": 0},
-                     "must_name": [url, "shards/", "worker", "prefetch", "/dev/shm"]}
+                     "must_name": [url, "shards/", "/dev/shm"]}  # + the cache directory: what a cause names
 
     def run(self, sc: Scenario) -> dict:
         """Run ``sc``; returns its report row (before :func:`finish`)."""
@@ -224,9 +224,10 @@ class LoaderRunner:
         extra: dict = {}
         if rc is None or rc < 0 or not res.get("done"):
             how = ("hang" if rc is None else "signal_death" if rc < 0 else "failed")
+            fatal = [ln for ln in err.splitlines() if "Fatal Python error" in ln or "Bus error" in ln]
             rounds.append({"outcome": how, "signal_deaths": int(rc is not None and rc < 0),
                            "error": f"training process: {'timed out after %ss' % sc.timeout_s if rc is None else 'exit code %s' % rc}"
-                                    f"; stderr tail: {err.strip()[-300:]}"})
+                                    f"; stderr: {(fatal[0] if fatal else err.strip()[-300:])[:300]}"})
         pids = {p for r in rounds for p in r.get("pids", [])} | ({res["pid"]} if "pid" in res else set())
         if sc.mount:
             files, shm = res.get("leftover_files", []), res.get("leftover_shm", [])

@@ -210,7 +210,11 @@ def main(spec_path: str) -> None:
         _write(spec["result"], result)
     if spec.get("scan_in_child"):  # a private mount namespace: the parent cannot see these files
         result["leftover_files"] = scan_leftovers(spec.get("scan_dirs", []))
-        result["leftover_shm"] = shm_leftovers(result["shm_before"])
+        from ..cache.tiered import default_memory_root
+        pids = {os.getpid()} | {p for r in result["rounds"] for p in r["pids"]}
+        caches = [spec["cache_dir"]] + [os.path.join(spec["cache_dir"], f"round-{i}") for i in range(rounds)]
+        result["leftover_shm"] = shm_leftovers(result["shm_before"], pids=pids,
+                                               tiers=[default_memory_root(c) for c in caches])
     result["done"] = True
     _write(spec["result"], result)
 
