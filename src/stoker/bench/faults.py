@@ -236,25 +236,26 @@ class LoaderRunner:
         else:
             from ..cache.tiered import default_memory_root
             files = scan_leftovers([cache_dir])
-            shm = shm_leftovers(shm_before, pids=pids, tiers=[default_memory_root(cache_dir)]
-                                + [default_memory_root(os.path.join(cache_dir, f"round-{i}")) for i in range(40)])
+            shm = shm_leftovers(shm_before, pids=pids,
+                                tiers=[default_memory_root(c) for c in _cache_roots(cache_dir, spec)])
         extra["leftover_files"], extra["leftover_shm"] = len(files), len(shm)
         if files or shm:
             extra["leftover_paths"] = (files + shm)[:10]
-        self._drop_memory_tiers(cache_dir)
+        from ..cache.tiered import default_memory_root
+        for root in _cache_roots(cache_dir, spec):  # this run's caches are temporary: so are their memory tiers
+            shutil.rmtree(default_memory_root(root), ignore_errors=True)
         return rounds, faults, extra
 
-    @staticmethod
-    def _drop_memory_tiers(cache_dir: str) -> None:
-        """Remove the memory tiers of this run's (temporary) caches: they would outlive the bench."""
-        from ..cache.tiered import default_memory_root
-        for root in [cache_dir] + [os.path.join(cache_dir, f"round-{i}") for i in range(40)]:
-            shutil.rmtree(default_memory_root(root), ignore_errors=True)
+
+def _cache_roots(cache_dir: str, spec: dict) -> list[str]:
+    """The cache directories a child uses: ``cache_dir``, or one per SIGKILL round under it."""
+    rounds = (spec.get("kill") or {}).get("rounds", 1)
+    return [cache_dir] + [os.path.join(cache_dir, f"round-{i}") for i in range(rounds if rounds > 1 else 0)]
 
 
 def make_dataset(work: str, images: int) -> tuple[str, int]:
     """Pack ``images`` bundled photographs, label = sample index, into ``work/packed``
-    (64 KiB shards). Returns (local path, samples)."""
+    (256 KiB shards, so several shards and cache blocks). Returns (local path, samples)."""
     from ..sample_data import make_sample_data
     from ..store.pack import pack
     raw = os.path.join(work, "raw")
