@@ -15,7 +15,8 @@ the bench really injected), ``outcome`` (``completed``, ``clean_error``, ``faile
 ``signal_death`` or ``skipped``; over several rounds the worst), ``outcomes`` (count per
 outcome), ``expected`` (``|`` separates acceptable outcomes), ``samples_lost``,
 ``samples_duplicated``, ``signal_deaths``, ``leftover_files``, ``leftover_shm`` (counts),
-``overhead_s`` (mean seconds per round minus the clean run's; the issue's "overhead"),
+``overhead_s`` (mean seconds of the rounds that completed minus the clean run's, None when none
+completed; the issue's "overhead"),
 ``seconds`` (wall, whole scenario), ``ok`` and ``details`` (errors, leftover paths, ...).
 """
 from __future__ import annotations
@@ -112,7 +113,9 @@ def run_child(argv: list[str], timeout_s: float, env: dict | None = None) -> tup
             p.wait()
             rc = None
         err.seek(0)
-        return rc, err.read().decode(errors="replace")[-2000:]
+        text = err.read().decode(errors="replace")
+        fatal = [ln for ln in text.splitlines() if ln.startswith("Fatal Python error")][:1]
+        return rc, "\n".join(fatal + [text[-2000:]])
 
 
 def child_env() -> dict:
@@ -138,7 +141,8 @@ def aggregate(name: str, expected: str, rounds: list[dict], extra_faults: int = 
     errors = sorted({r["error"] for r in rounds if r.get("error")})
     if errors:
         row["details"]["errors"] = errors[:5]
-    row["_round_s"] = [r["seconds"] for r in rounds if "seconds" in r]
+    # overhead is the cost of riding a fault out: only rounds that completed are comparable with the clean run
+    row["_round_s"] = [r["seconds"] for r in rounds if "seconds" in r and r["outcome"] == "completed"]
     return row
 
 
@@ -214,7 +218,8 @@ class LoaderRunner:
             rc, err = run_child(argv, sc.timeout_s, child_env())
         finally:
             self.proxy.set_fault(None)
-        faults = self.proxy.stats()["faults_injected"] - before + (1 if sc.mount else 0)  # the small tmpfs
+        faults = (self.proxy.stats()["faults_injected"] - before  # + the small tmpfs, the runtime started first
+                  + (1 if sc.mount else 0) + (1 if spec.get("pre") else 0))
         try:
             with open(spec["result"]) as f:
                 res = json.load(f)
