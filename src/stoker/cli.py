@@ -121,10 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bench_sub = b.add_subparsers(dest="bench", required=True)
-    from .bench import cache_bench, decode_bench
+    from .bench import cache_bench, decode_bench, faults as faults_bench
     from .bench.peers import bench as peers_bench
     decode_bench.add_parser(bench_sub)
     cache_bench.add_parser(bench_sub)
+    faults_bench.add_parser(bench_sub)
     peers_bench.add_parser(bench_sub)
     from .cluster import bench as cluster_bench, cli as cluster_cli
     cluster_bench.add_parser(bench_sub)

@@ -1,0 +1,93 @@
+"""`stoker bench faults`: the fault proxy injects what it says, and a quick scenario reports honestly."""
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from stoker.bench.faultproxy import Fault, FaultProxy
+from stoker.bench.origin import LocalS3Origin
+
+REPORT_FIELDS = {"scenario", "faults_injected", "outcome", "expected", "samples_lost", "samples_duplicated",
+                 "signal_deaths", "leftover_files", "leftover_shm", "overhead_s", "ok"}
+BODY = bytes(range(256)) * 1200  # 307200 bytes
+
+
+@pytest.fixture(scope="module")
+def origin_proxy():
+    import fsspec
+    with LocalS3Origin(latency_ms=0, bandwidth_MBps=0) as origin:
+        fs = fsspec.filesystem("s3", **origin.storage_options(throttled=False), skip_instance_cache=True)
+        fs.pipe("stoker/ds/shards/a.tar", BODY)
+        with FaultProxy(origin.endpoint_url) as proxy:
+            yield proxy
+
+
+def _get(proxy: FaultProxy, timeout_s: float = 10.0):
+    """(status, headers, body or the exception reading it) of one ranged GET through the proxy."""
+    port = int(proxy.endpoint_url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/stoker/ds/shards/a.tar", headers={"Range": "bytes=0-199999"})
+        resp = conn.getresponse()
+        try:
+            return resp.status, dict(resp.getheaders()), resp.read()
+        except (http.client.IncompleteRead, ConnectionError, TimeoutError) as exc:
+            return resp.status, dict(resp.getheaders()), exc
+    finally:
+        conn.close()
+
+
+def test_proxy_forwards_when_no_fault(origin_proxy):
+    origin_proxy.set_fault(None)
+    status, _, body = _get(origin_proxy)
+    assert status == 206 and body == BODY[:200000]
+
+
+@pytest.mark.parametrize("mode", ["reset", "truncate", "stall"])
+def test_proxy_cuts_bodies(origin_proxy, mode):
+    origin_proxy.set_fault(Fault(mode, count=1, stall_s=0.5))
+    before = origin_proxy.stats()["faults_injected"]
+    status, headers, got = _get(origin_proxy, timeout_s=5.0)
+    assert status == 206 and headers["Content-Length"] == "200000"
+    assert isinstance(got, Exception), f"{mode}: the whole body came through"
+    assert origin_proxy.stats()["faults_injected"] == before + 1
+    status, _, body = _get(origin_proxy)  # count=1: the next GET is whole again
+    assert status == 206 and body == BODY[:200000]
+
+
+def test_proxy_status_burst_is_s3_error(origin_proxy):
+    origin_proxy.set_fault(Fault("status", 503, burst_s=60.0))
+    status, _, body = _get(origin_proxy)
+    assert status == 503 and b"<Code>SlowDown</Code>" in body
+    origin_proxy.set_fault(Fault("status", 500, every=2))
+    assert [_get(origin_proxy)[0] for _ in range(4)] == [206, 500, 206, 500]
+    origin_proxy.set_fault(None)
+
+
+def test_bench_faults_quick_scenario(tmp_path):
+    """One loader scenario end to end: a clean run, then resets mid-body that really happen."""
+    from stoker.bench.faults import run, table
+    out = tmp_path / "faults.json"
+    report = run(str(out), quick=True, only=["conn_reset_mid_body"], images=16, ray=False,
+                 workdir=str(tmp_path / "work"), log=lambda msg: None)
+    assert json.loads(out.read_text()) == report
+    rows = {r["scenario"]: r for r in report["scenarios"]}
+    assert set(rows) == {"clean", "conn_reset_mid_body"}
+    for r in rows.values():
+        assert REPORT_FIELDS <= set(r)
+        assert r["outcome"] in ("completed", "clean_error", "failed", "hang", "signal_death")
+    assert rows["clean"]["faults_injected"] == 0 and rows["clean"]["outcome"] == "completed"
+    assert rows["clean"]["samples_lost"] == rows["clean"]["samples_duplicated"] == 0
+    reset = rows["conn_reset_mid_body"]
+    assert reset["faults_injected"] > 0
+    assert reset["expected"] == "completed" and rows["clean"]["overhead_s"] == 0.0
+    assert reset["overhead_s"] is None or isinstance(reset["overhead_s"], float)  # None unless it completed
+    assert "| conn_reset_mid_body |" in table(report)
+
+
+def test_unknown_scenario_is_refused():
+    from stoker.bench.faults import run
+    with pytest.raises(ValueError, match="no_such_scenario"):
+        run(only=["no_such_scenario"])
