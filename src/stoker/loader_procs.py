@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import signal
 
+from .errors import WorkerError  # noqa: F401 (re-exported)
 from .prefetch import N_COUNTERS, prefetch_main
 from .procs import SharedCell, describe_exit, pick_start_method
 from .ring import free_bytes, shm_base
@@ -23,10 +24,6 @@ __all__ = ["WorkerError", "ProcessesMixin"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
 FORKSERVER_PRELOAD = ["stoker.workers", "stoker.decode", "stoker.prefetch"]
-
-
-class WorkerError(RuntimeError):
-    """A worker failed or died; the message names the worker and the sample key."""
 
 
 class ProcessesMixin:

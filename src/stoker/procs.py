@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import ForkUnsafeError  # noqa: F401 (re-exported)
+
 
 def pid_alive(pid: int) -> bool:
     """True if process ``pid`` exists and is not a zombie (a killed process whose parent has not
@@ -63,11 +65,6 @@ class SharedCell:
 #: runtime's locks and state but none of its threads, so its first call into the runtime hangs or
 #: crashes (tokio documents that a runtime must not be used across fork).
 FORK_UNSAFE_THREADS = ("tokio-",)
-
-
-class ForkUnsafeError(RuntimeError):
-    """``start_method="fork"`` was asked for in a process whose threads make fork unsafe; the
-    message names the threads (or the library) found."""
 
 
 def thread_names() -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import fsspec
 import fsspec.asyn
 
+from .errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 (re-exported)
 from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
@@ -29,34 +30,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Origin", "OriginError", "OriginNotFoundError", "OriginPermissionError", "OriginCounters",
            "url_to_fs", "join", "DEFAULT_RETRY_BUDGET_S", "DEFAULT_REQUEST_TIMEOUT_S", "RETRY_BUDGET_ENV"]
-
-
-class OriginError(IOError):
-    """A read or write against the origin failed: after retrying for the retry budget, or at once
-    when the failure cannot clear.
-
-    Attributes: ``url`` (str), ``start``/``end`` (byte range or None), ``attempts`` (int),
-    ``code`` (the S3 error code such as ``SlowDown``, ``AccessDenied``, ``NoSuchKey``, or None),
-    ``status`` (HTTP status or None), ``elapsed_s`` (seconds spent, retries included).
-    """
-
-    def __init__(self, url: str, message: str, start: int | None = None,
-                 end: int | None = None, attempts: int = 1, *, code: str | None = None,
-                 status: int | None = None, elapsed_s: float | None = None):
-        rng = f" bytes {start}-{end}" if start is not None else ""
-        took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
-        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}: {message}")
-        self.url, self.start, self.end, self.attempts = url, start, end, attempts
-        self.code, self.status, self.elapsed_s = code, status, elapsed_s
-
-
-class OriginNotFoundError(OriginError, FileNotFoundError):
-    """The object does not exist (S3 ``NoSuchKey``/404, or a missing local file); not retried.
-    Also a ``FileNotFoundError``."""
-
-
-class OriginPermissionError(OriginError, PermissionError):
-    """The request was denied (S3 ``AccessDenied``/403, ...); not retried. Also a ``PermissionError``."""
 
 
 _INHERITED: list = []

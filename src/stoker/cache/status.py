@@ -11,13 +11,10 @@ import json
 import os
 import shutil
 
+from ..errors import CacheInUseError, NotACacheError  # noqa: F401 (re-exported)
 from .disk import DiskCache
 from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
 from .policy import share_budget
-
-
-class NotACacheError(ValueError):
-    """The directory is not a stoker cache (no marker) and holds none; the message names it."""
 
 
 def _side_stores(root: str) -> dict[str, str]:
@@ -81,10 +78,6 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
             "quotas": share_budget(budget_bytes, live) if budget_bytes else {},
             "stores": {k: {"path": v, "bytes": _tree_bytes(v)} for k, v in _side_stores(cache.root).items()},
             "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
-
-
-class CacheInUseError(RuntimeError):
-    """A cache (or one dataset in it) is in use by a live job; the message names its pid."""
 
 
 def clear(root: str, namespace: str | None = None) -> int:

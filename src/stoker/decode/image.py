@@ -35,6 +35,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageFile, ImageOps
 
+from ..errors import DecodeError, ImageTooLarge  # noqa: F401 (re-exported)
+
 try:  # stoker's optional C extension (setup.py); absent when built without libjpeg headers
     from . import _jpegroi
 except ImportError:  # pragma: no cover - depends on the build machine
@@ -72,27 +74,6 @@ _CMYK_SPACES = frozenset({"CMYK", "YCCK"})
 _stats: Counter[str] = Counter()
 # Guards the temporary override of Pillow's process-global LOAD_TRUNCATED_IMAGES flag.
 _truncation_lock = threading.Lock()
-
-
-class DecodeError(ValueError):
-    """A sample's bytes could not be decoded to an RGB image.
-
-    Attributes:
-        key: the sample key (str) the bytes belong to.
-        reason: human-readable cause (str).
-    """
-
-    def __init__(self, key: str, reason: str):
-        self.key = key
-        self.reason = reason
-        super().__init__(f"cannot decode sample {key!r}: {reason}")
-
-    def __reduce__(self):  # keep key/reason when pickled across worker processes
-        return (type(self), (self.key, self.reason))
-
-
-class ImageTooLarge(DecodeError):
-    """The image header declares more pixels (width * height) than ``max_pixels``."""
 
 
 def decode_stats() -> dict[str, int]:

@@ -19,15 +19,12 @@ import numpy as np
 import xxhash
 
 from ..cache import DiskCache
+from ..errors import ChecksumError, OriginNotFoundError  # noqa: F401 (re-exported)
 from ..storage import Origin
 from .index import INDEX_NAME, DatasetIndex, read_index
 
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_CACHE_BYTES = 8 << 30
-
-
-class ChecksumError(IOError):
-    """A sample's bytes from the origin do not match the index (names key, shard and URL)."""
 
 
 def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
@@ -340,20 +337,22 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
     go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
     (default: under /dev/shm, one per cache directory).
     ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
-    timeouts (full-jitter back-off) before :class:`stoker.storage.OriginError`; None:
+    timeouts (full-jitter back-off) before :class:`stoker.OriginError`; None:
     ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.retry`). Kept by the loader's processes.
     ``check``: list the shards once and compare sizes (and ETags where recorded) with
     the index, so shards rewritten under an unchanged index are reported by name
-    (:class:`stoker.store.verify.DatasetChangedError`) before any sample is served.
-    Raises FileNotFoundError when ``url`` holds no index (e.g. an interrupted pack)
-    and :class:`stoker.store.index.IndexError_` when the index is unreadable.
+    (:class:`stoker.DatasetChangedError`) before any sample is served.
+    Raises :class:`stoker.OriginNotFoundError` (a FileNotFoundError) when ``url`` holds no
+    index (e.g. an interrupted pack)
+    and :class:`stoker.IndexFormatError` when the index is unreadable.
     """
     origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:
         data = origin.read(INDEX_NAME)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{origin.full_url(INDEX_NAME)} not found: {url} is not a packed "
-                                "stoker dataset (or its pack did not finish; run `stoker pack` again)") from None
+        raise OriginNotFoundError(origin.full_url(INDEX_NAME),
+                                  f"not found: {url} is not a packed stoker dataset (or its pack did "
+                                  "not finish; run `stoker pack` again)") from None
     index = read_index(data, origin.full_url(INDEX_NAME))
     if check:
         from .verify import check_shards

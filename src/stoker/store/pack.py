@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from ..errors import DatasetExistsError  # noqa: F401 (re-exported)
 from ..procs import pid_alive
 from ..storage import Origin
 from .classlist import load_class_list
@@ -45,10 +46,6 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 64 << 20
 #: Version of the shard manifest layout, part of every plan hash.
 MANIFEST_FORMAT = 2
-
-
-class DatasetExistsError(FileExistsError):
-    """The destination already holds a packed dataset (pass overwrite=True)."""
 
 
 @dataclass
