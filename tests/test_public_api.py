@@ -42,6 +42,7 @@ EXPECTED_ALL = [
     "__version__",
     "open_dataset",
     "pack",
+    "parse_size",
 ]
 
 # Each public error and the builtin base it keeps (so older `except` clauses still catch it).

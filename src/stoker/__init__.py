@@ -1,9 +1,11 @@
 """stoker: keeps deep-learning accelerators fed with training data.
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
-:class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`, and every
+:class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`,
+:func:`parse_size` (``"64MiB"`` -> bytes; every byte-size argument accepts such strings), and every
 public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
 """
+from ._units import parse_size
 from .errors import (CacheInUseError, CacheLockTimeout, ChecksumError, DatasetChangedError,
                      DatasetExistsError, DecodeError, EntryError, ExtenderRequestError,
                      ForkUnsafeError, ImageTooLarge,
@@ -44,5 +46,6 @@ __all__ = [
     "__version__",
     "open_dataset",
     "pack",
+    "parse_size",
 ]
 assert __all__ == sorted(__all__), "keep stoker.__all__ sorted"

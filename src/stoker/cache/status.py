@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+from .._units import parse_size
 from ..errors import CacheInUseError, NotACacheError  # noqa: F401 (re-exported)
 from .disk import DiskCache
 from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
@@ -112,12 +113,11 @@ def clear(root: str, namespace: str | None = None) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``stoker cache status|clear`` on an argparse subparsers object."""
-    from ..cli import _size
     p = sub.add_parser("cache", help="inspect or clear a node cache directory")
     csub = p.add_subparsers(dest="cache_cmd", required=True)
     s = csub.add_parser("status", help="usage per dataset, live jobs, the policy's budget split")
     s.add_argument("dir")
-    s.add_argument("--budget", type=_size, help="show the future policy's split of this budget (e.g. 500GiB)")
+    s.add_argument("--budget", type=parse_size, help="show the future policy's split of this budget (e.g. 500GiB)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_status)
     c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")
