@@ -28,7 +28,7 @@ from collections import deque
 import numpy as np
 
 from .errors import SharedMemoryError  # noqa: F401 (re-exported)
-from .procs import pid_alive
+from ._procs import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import uuid
 import fsspec.asyn
 
 from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 (re-exported)
-from ..procs import pid_alive
+from .._procs import pid_alive
 from ..storage import Origin
 
 log = logging.getLogger(__name__)

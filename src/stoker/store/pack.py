@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from .._units import parse_size
 from ..errors import DatasetExistsError  # noqa: F401 (re-exported)
-from ..procs import pid_alive
+from .._procs import pid_alive
 from ..storage import Origin
 from .classlist import load_class_list
 from .filelist import iter_file_list, read_file_list
