@@ -216,7 +216,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         if self._started:
             return
         from . import decode  # noqa: F401 - imported once here, inherited by forked workers
-        from . import torch as _torch_adapter  # pay torch's import before the first batch
+        from . import _torch as _torch_adapter  # pay torch's import before the first batch
         _torch_adapter.load()
         if self.device not in (None, "cpu"):
             from .transfer import DeviceTransfer
@@ -416,7 +416,7 @@ class Loader(ResumableMixin, ProcessesMixin):
 
     def _as_batch(self, imgs, labels):
         """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.transfer`."""
-        from .torch import as_tensors
+        from ._torch import as_tensors
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
 

@@ -20,7 +20,7 @@ it: the pattern of NVIDIA's apex ``data_prefetcher`` and torch's ``pin_memory`` 
 buffers only where torch can pin, i.e. with CUDA), so the stage is testable without a GPU; the
 Loader itself keeps its zero-copy path for ``None``/``"cpu"``.
 
-This module imports torch; nothing else in stoker imports it except :mod:`stoker.torch`.
+This module imports torch; nothing else in stoker imports it except :mod:`stoker._torch`.
 The CUDA branch is unverified on a GPU in this repository's tests (no device here);
 ``scripts/gpu_check.py`` checks it on a GPU machine.
 """
