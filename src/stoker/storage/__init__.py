@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import fsspec
 import fsspec.asyn
 
-from .errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 (re-exported)
-from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
+from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 (re-exported)
+from ..retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
 
@@ -160,7 +160,7 @@ class Origin:
         ``STOKER_NATIVE_S3=0``)."""
         if os.environ.get("STOKER_NATIVE_S3", "1") == "0":
             return False
-        from .native_s3 import NativeS3Reader
+        from ..native_s3 import NativeS3Reader
         self._native = NativeS3Reader.create(self.url, self.storage_options)
         return self._native is not None
 
