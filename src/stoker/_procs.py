@@ -88,7 +88,7 @@ def fork_hazards() -> list[str]:
     """Why forking this process now is unsafe: one line per cause, empty if none is known.
 
     Looks at the threads alive now, whoever started them (:data:`FORK_UNSAFE_THREADS`), and at
-    whether stoker itself read through obstore in this process (:mod:`stoker.native_s3`).
+    whether stoker itself read through obstore in this process (:mod:`stoker.storage._native_s3`).
     """
     import sys
     out = []
@@ -96,7 +96,7 @@ def fork_hazards() -> list[str]:
     if bad:
         out.append(f"{len(bad)} tokio runtime thread(s) running in this process ({', '.join(sorted(set(bad)))}; "
                    "obstore or another Rust extension started them)")
-    native = sys.modules.get("stoker.native_s3")
+    native = sys.modules.get("stoker.storage._native_s3")
     if native is not None and os.getpid() in getattr(native, "_USED_IN_PID", ()):
         out.append("stoker read through obstore in this process")
     return out

@@ -155,12 +155,12 @@ class Origin:
 
     def use_native(self) -> bool:
         """Serve :meth:`read_range` with obstore in this process (S3 only; see
-        :mod:`stoker.native_s3`). Call it only in a process that will not fork afterwards.
+        :mod:`stoker.storage._native_s3`). Call it only in a process that will not fork afterwards.
         Returns whether it is on (False: not S3, obstore missing, unsupported options, or
         ``STOKER_NATIVE_S3=0``)."""
         if os.environ.get("STOKER_NATIVE_S3", "1") == "0":
             return False
-        from ..native_s3 import NativeS3Reader
+        from ._native_s3 import NativeS3Reader
         self._native = NativeS3Reader.create(self.url, self.storage_options)
         return self._native is not None
 
