@@ -11,7 +11,7 @@ use); without a staging area such a block ends prefetching for the epoch (under 
 no-eviction policy nothing later would be admitted either) and the workers read those
 samples on demand.
 
-While the origin throttles (:class:`stoker.retry.SharedBackoff` of the dataset's origin, shared
+While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
 by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
 request tests the origin instead of ``concurrency`` of them, and resumes when a request succeeds.
 """

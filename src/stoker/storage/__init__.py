@@ -4,7 +4,7 @@ Every byte stoker reads from an origin goes through :class:`Origin`, which count
 origin bytes and requests (the figures every benchmark reports) and turns storage
 failures into :class:`OriginError` naming the URL, the byte range and the S3 error code.
 Failures that can clear (throttling, 5xx, resets, timeouts) are retried with exponential
-back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.retry`), so a
+back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.storage.retry`), so a
 short origin outage is ridden out and a failing store never hangs a job; the others
 (403, 404, 400, configuration errors) fail at once.
 """
@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 (re-exported)
-from ..retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
+from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
 
@@ -118,7 +118,7 @@ class Origin:
     :data:`DEFAULT_REQUEST_TIMEOUT_S`).
     ``retry_budget_s``: seconds one operation keeps retrying failures that can clear before
     :class:`OriginError` (None: ``$STOKER_RETRY_BUDGET_S``, else
-    :data:`~stoker.retry.DEFAULT_RETRY_BUDGET_S` = 30 s; 0: one try). An operation ends within
+    :data:`~stoker.storage.retry.DEFAULT_RETRY_BUDGET_S` = 30 s; 0: one try). An operation ends within
     the budget plus at most one request timeout. ``backoff_s``: the first back-off ceiling (s).
     ``attempts``: an optional cap on tries as well (None: only the time budget bounds them).
     The object is picklable (the filesystem and the shared back-off are re-created in each process).
@@ -192,7 +192,7 @@ class Origin:
         return join(self.url, rel) if rel else self.url
 
     def _retry(self, what: str, fn, start=None, end=None):
-        """Call ``fn()`` until it succeeds, retrying failures that can clear (:func:`stoker.retry.classify`)
+        """Call ``fn()`` until it succeeds, retrying failures that can clear (:func:`stoker.storage.retry.classify`)
         with full-jitter back-off for at most ``retry_budget_s`` seconds; waits behind the shared
         back-off while the origin throttles. Raises :class:`OriginError` (``OriginNotFoundError`` /
         ``OriginPermissionError`` for 404 / 403) naming ``what``, the range and the S3 code."""

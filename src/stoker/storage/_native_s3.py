@@ -14,7 +14,7 @@ called by the prefetch process and by the decode workers, which never fork.
 Options understood (fsspec/s3fs spelling): ``endpoint_url`` (top level or in
 ``client_kwargs``), ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs.region_name``,
 and ``config_kwargs`` timeouts (``read_timeout``: longest wait for the next bytes of an answer,
-default :data:`stoker.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
+default :data:`stoker.storage.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
 stoker's own retry loop, bounded in time, is in charge). Any other option (a profile,
 requester-pays, ...) keeps the dataset on s3fs.
 
@@ -94,7 +94,7 @@ class NativeS3Reader:
                 kw["secret_access_key"] = opts["secret"]
             if opts.get("token"):
                 kw["session_token"] = opts["token"]
-        from ..retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
+        from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
         try:
             read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
             connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
@@ -140,7 +140,7 @@ class NativeS3Reader:
     def _message(self, key: str, exc: BaseException) -> str:
         """``s3://bucket/key: <S3 code> (HTTP <status>): <obstore's first line>``; obstore's
         messages carry a multi-line debug dump, of which the first line is kept."""
-        from ..retry import Failure, http_details
+        from .retry import Failure, http_details
         status, code, _ = http_details(exc)
         label = Failure(retry=False, status=status, code=code).label()
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""

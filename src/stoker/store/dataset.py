@@ -341,7 +341,7 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str 
     (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
     ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
     timeouts (full-jitter back-off) before :class:`stoker.OriginError`; None:
-    ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.retry`). Kept by the loader's processes.
+    ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.storage.retry`). Kept by the loader's processes.
     ``check``: list the shards once and compare sizes (and ETags where recorded) with
     the index, so shards rewritten under an unchanged index are reported by name
     (:class:`stoker.DatasetChangedError`) before any sample is served.
