@@ -32,7 +32,7 @@ def _opts(text: str | None) -> dict:
 
 
 def cmd_sample_data(a) -> int:
-    from .sample_data import make_sample_data
+    from .bench.sample_data import make_sample_data
     print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
     print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
           file=sys.stderr)
