@@ -77,7 +77,7 @@ def check_decode(device: str, cases: str, tolerance: int) -> dict:
     from PIL import Image
 
     from stoker.decode import DecodeError, decode_image
-    from stoker.gpu_decode import GpuJpegDecoder
+    from stoker.decode.gpu import GpuJpegDecoder
     dec = GpuJpegDecoder(device)
     rows, ok = {}, True
     for name in sorted(os.listdir(cases)):
@@ -105,7 +105,7 @@ def check_decode(device: str, cases: str, tolerance: int) -> dict:
 
 def check_train(device: str, payloads: list) -> dict:
     from stoker.decode.transforms import decode_transform
-    from stoker.gpu_decode import GpuJpegDecoder
+    from stoker.decode.gpu import GpuJpegDecoder
     dec = GpuJpegDecoder(device)
     n = len(payloads)
     got = dec.train_batch(payloads, [f"s{i}" for i in range(n)], [np.random.default_rng(i) for i in range(n)])
@@ -172,7 +172,7 @@ def main() -> int:
         return 1
     out["gpu"] = torch.cuda.get_device_name()
     checks = {"transfer": lambda: check_transfer(a.device)}
-    from stoker.gpu_decode import find_backend
+    from stoker.decode.gpu import find_backend
     try:
         find_backend(a.device)
         checks["decode"] = lambda: check_decode(a.device, a.cases, a.tolerance)

@@ -29,8 +29,8 @@ import simplejpeg
 import torch
 import torch.nn.functional as F
 
-from .decode.image import DEFAULT_MAX_PIXELS, DecodeError, _exif_orientation, decode_image
-from .decode.transforms import _resized_hw, eval_resize_for, random_resized_crop_params
+from .image import DEFAULT_MAX_PIXELS, DecodeError, _exif_orientation, decode_image
+from .transforms import _resized_hw, eval_resize_for, random_resized_crop_params
 
 __all__ = ["GpuJpegDecoder", "GpuDecodeStats", "find_backend", "gpu_eligible"]
 
@@ -111,7 +111,7 @@ class GpuJpegDecoder:
                  max_pixels: int = DEFAULT_MAX_PIXELS):
         self.device = torch.device(device)
         if decode_fn is None:
-            from .transfer import check_device
+            from ..transfer import check_device
             check_device(self.device)
             self.backend, decode_fn = find_backend(self.device)
         else:
