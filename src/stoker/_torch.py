@@ -1,4 +1,8 @@
-"""PyTorch adapters (the only module that imports torch)."""
+"""PyTorch adapters and torch-device helpers, imported by the loader and by decode/gpu.py.
+
+torch is imported inside each function, so importing this module costs nothing until a
+function runs. :mod:`stoker.transfer` and :mod:`stoker.decode.gpu` import torch themselves.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -17,3 +21,34 @@ def as_tensors(images: np.ndarray, labels: np.ndarray):
 def load() -> None:
     """Import torch now (about a second, once per process), not inside the first batch."""
     import torch  # noqa: F401
+
+
+def check_device(device) -> torch.device:
+    """Validate a Loader ``device``: returns the ``torch.device``.
+
+    Raises:
+        ValueError: not ``cpu`` or ``cuda[:N]``.
+        RuntimeError: ``cuda`` asked for but ``torch.cuda.is_available()`` is False (a CPU-only
+            torch build or no visible GPU), or the index is out of range.
+    """
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} but CUDA is not available to this torch "
+                               f"({torch.__version__}, CUDA build: {torch.version.cuda}); "
+                               "use device=None or 'cpu', or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def pinning_available() -> bool:
+    """Whether torch can allocate pinned host memory here (needs a CUDA driver)."""
+    import torch
+    return torch.cuda.is_available()

@@ -126,7 +126,7 @@ class Loader(ResumableMixin, ProcessesMixin):
             if device is None:
                 device = decode_device if isinstance(decode_device, str) else None
         if device not in (None, "cpu"):
-            from .transfer import check_device
+            from ._torch import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
         from .order import PERMUTATIONS
         if shuffle and order not in PERMUTATIONS:

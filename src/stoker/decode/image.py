@@ -108,8 +108,12 @@ def _orient_array(arr: np.ndarray, orientation: int) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def _exif_orientation(data, key: str) -> int:
-    """Orientation tag (1..8; 1 when absent) exactly as Pillow reads it (EXIF, then XMP)."""
+def read_exif_orientation(data, key: str) -> int:
+    """Orientation tag (1..8; 1 when absent) exactly as Pillow reads it (EXIF, then XMP).
+
+    ``data``: the encoded image (bytes-like); ``key``: the sample key, for the error.
+    Raises :class:`DecodeError` naming ``key`` when Pillow cannot read the headers.
+    """
     try:
         with Image.open(io.BytesIO(data)) as im:  # lazy: parses the headers only
             value = im.getexif().get(0x0112, 1)
@@ -237,7 +241,7 @@ def decode_image(
             if arr is not None:
                 _stats["fast"] += 1
                 if exif_orientation:
-                    arr = _orient_array(arr, _exif_orientation(data, key))
+                    arr = _orient_array(arr, read_exif_orientation(data, key))
                 return arr
             path = "fallback"
         else:
