@@ -149,16 +149,45 @@ def test_open_dataset_documents_only_exported_errors():
         assert issubclass(getattr(stoker, name), stoker.StokerError)
 
 
-@pytest.mark.parametrize("err", [
+ONE_OF_EACH = [
+    stoker.OriginError("s3://b/d/shards/0.tar", "SlowDown", 0, 1023, 5, code="SlowDown", status=503,
+                       elapsed_s=30.0),
+    stoker.OriginNotFoundError("s3://b/d/index.parquet", "not found"),
+    stoker.OriginPermissionError("s3://b/d/index.parquet", "AccessDenied", code="AccessDenied", status=403),
+    stoker.ChecksumError("sample 'a/1' in shard 0.tar of s3://b/d: checksum mismatch"),
+    stoker.DatasetChangedError("shard 0.tar changed"),
+    stoker.DatasetExistsError("s3://b/d holds a dataset"),
+    stoker.IndexFormatError("s3://b/d/index.parquet: not a stoker index"),
+    stoker.PackLeaseError("s3://b/d/_stoker_pack.lease", {"host": "n1", "pid": 7, "run": "r",
+                                                          "started_unix": 1.7e9, "expires_unix": 1.7e9 + 60}),
+    stoker.PackLeaseLostError("s3://b/d/_stoker_pack.lease was taken over"),
+    stoker.CacheLockTimeout("block 3 of v1"),
+    stoker.NotACacheError("/tmp/x is not a stoker cache"),
+    stoker.CacheInUseError("in use by pid 7"),
     stoker.DecodeError("a/1.jpg", "truncated"),
     stoker.ImageTooLarge("a/2.jpg", "too many pixels"),
+    stoker.EntryError("entry 3: bad magic"),
     stoker.WorkerError("worker 3 died on sample 'a/1'"),
-    stoker.IndexFormatError("s3://b/d/index.parquet: not a stoker index"),
-])
+    stoker.ForkUnsafeError("threads: tokio-runtime-worker"),
+    stoker.SharedMemoryError("/dev/shm", 1 << 20, 4096),
+    stoker.PeerUnavailable("peer node-2 timed out"),
+    stoker.ExtenderRequestError("body too large", 413),
+    stoker.VenvError("pip failed: ..."),
+]
+
+
+def test_one_of_each_covers_every_error():
+    assert {type(e).__name__ for e in ONE_OF_EACH} == set(BUILTIN_BASE)
+
+
+@pytest.mark.parametrize("err", ONE_OF_EACH, ids=lambda e: type(e).__name__)
 def test_errors_cross_process_boundaries(err):
+    """Errors pickle to an equal error (multiprocessing queues, Ray), attributes included."""
     back = pickle.loads(pickle.dumps(err))
-    assert type(back) is type(err) and str(back) == str(err)
-    assert isinstance(back, stoker.StokerError)
+    assert type(back) is type(err) and str(back) == str(err) and back.args == err.args
+    assert vars(back) == vars(err)
+    if isinstance(err, OSError):
+        assert (back.errno, back.strerror, back.filename) == (err.errno, err.strerror, err.filename)
 
 
 def test_catching_the_base_catches_a_real_failure(tmp_path):

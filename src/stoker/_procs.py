@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ForkUnsafeError  # noqa: F401 (re-exported)
+from .errors import ForkUnsafeError  # noqa: F401 - re-exported
 
 
 def pid_alive(pid: int) -> bool:

@@ -46,7 +46,28 @@ __all__ = [
 
 
 class StokerError(Exception):
-    """Base class of every error stoker raises on purpose; catch it to catch them all."""
+    """Base class of every error stoker raises on purpose; catch it to catch them all.
+
+    Every subclass pickles to an equal error (same class, message, errno and attributes), so
+    it crosses process boundaries (multiprocessing queues, Ray) even when its ``__init__``
+    takes other arguments than the ones it passes on to the builtin base.
+    """
+
+    def __reduce__(self):
+        args = self.args
+        if isinstance(self, OSError) and self.filename is not None:  # not kept in args
+            args = (self.errno, self.strerror, self.filename, None, self.filename2)
+        return (_restore, (type(self), args, dict(self.__dict__)))
+
+
+def _restore(cls: type, args: tuple, state: dict) -> BaseException:
+    """Rebuild a pickled :class:`StokerError` without calling its own ``__init__``: the builtin
+    base it keeps (OSError, ValueError, ...) gets the ``args`` it had, then the attributes."""
+    err = cls.__new__(cls, *args)
+    builtin = next(b for b in cls.__mro__ if b.__module__ == "builtins")
+    builtin.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 # --- storage: the origin ------------------------------------------------------------------

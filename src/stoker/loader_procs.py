@@ -12,7 +12,7 @@ import logging
 import multiprocessing as mp
 import signal
 
-from .errors import WorkerError  # noqa: F401 (re-exported)
+from .errors import WorkerError  # noqa: F401 - re-exported
 from .prefetch import N_COUNTERS, prefetch_main
 from ._procs import SharedCell, describe_exit, pick_start_method
 from .ring import free_bytes, shm_base

@@ -27,7 +27,7 @@ from collections import deque
 
 import numpy as np
 
-from .errors import SharedMemoryError  # noqa: F401 (re-exported)
+from .errors import SharedMemoryError  # noqa: F401 - re-exported
 from ._procs import pid_alive
 
 log = logging.getLogger(__name__)

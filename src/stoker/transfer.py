@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._torch import check_device, pinning_available  # noqa: F401 (re-exported)
+from ._torch import check_device, pinning_available  # noqa: F401 - re-exported
 
 __all__ = ["DeviceTransfer", "check_device", "TransferStats"]
 

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from ..errors import VenvError  # noqa: F401 (re-exported)
+from ..errors import VenvError  # noqa: F401 - re-exported
 
 
 _MARKER = ".stoker-requirements.json"

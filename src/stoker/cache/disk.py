@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import CacheLockTimeout  # noqa: F401 (re-exported)
+from ..errors import CacheLockTimeout  # noqa: F401 - re-exported
 from .._procs import pid_alive
 from . import layout, space
 from .files import TMP_MARK, read_at, write_whole

@@ -12,7 +12,7 @@ import os
 import shutil
 
 from .._units import parse_size
-from ..errors import CacheInUseError, NotACacheError  # noqa: F401 (re-exported)
+from ..errors import CacheInUseError, NotACacheError  # noqa: F401 - re-exported
 from .disk import DiskCache
 from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
 from .policy import share_budget

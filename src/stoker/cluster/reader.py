@@ -25,7 +25,7 @@ from multiprocessing.connection import Client, Listener
 
 import numpy as np
 
-from ..errors import PeerUnavailable  # noqa: F401 (re-exported)
+from ..errors import PeerUnavailable  # noqa: F401 - re-exported
 from .counters import ByteCounters
 
 log = logging.getLogger(__name__)

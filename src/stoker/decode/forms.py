@@ -32,7 +32,7 @@ import numpy as np
 import simplejpeg
 import xxhash
 
-from ..errors import EntryError  # noqa: F401 (re-exported)
+from ..errors import EntryError  # noqa: F401 - re-exported
 from .transforms import random_resized_crop_params, resize_bilinear_aa
 
 __all__ = ["Form", "parse_form", "resolution_cap", "make_entry", "read_entry", "EntryError", "SAME"]

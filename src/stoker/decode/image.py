@@ -35,7 +35,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageFile, ImageOps
 
-from ..errors import DecodeError, ImageTooLarge  # noqa: F401 (re-exported)
+from ..errors import DecodeError, ImageTooLarge  # noqa: F401 - re-exported
 
 try:  # stoker's optional C extension (setup.py); absent when built without libjpeg headers
     from . import _jpegroi

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import fsspec
 import fsspec.asyn
 
-from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 (re-exported)
+from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 - re-exported
 from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)

@@ -20,7 +20,7 @@ import xxhash
 
 from .._units import parse_size
 from ..cache import DiskCache
-from ..errors import ChecksumError, OriginNotFoundError  # noqa: F401 (re-exported)
+from ..errors import ChecksumError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from .index import INDEX_NAME, DatasetIndex, read_index
 

@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from ..errors import IndexFormatError  # noqa: F401 (re-exported)
+from ..errors import IndexFormatError  # noqa: F401 - re-exported
 
 IndexError_ = IndexFormatError  # the old name, kept importable
 

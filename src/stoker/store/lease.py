@@ -41,7 +41,7 @@ import uuid
 
 import fsspec.asyn
 
-from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 (re-exported)
+from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 - re-exported
 from .._procs import pid_alive
 from ..storage import Origin
 

@@ -31,7 +31,7 @@ import xxhash
 from tqdm import tqdm
 
 from .._units import parse_size
-from ..errors import DatasetExistsError  # noqa: F401 (re-exported)
+from ..errors import DatasetExistsError  # noqa: F401 - re-exported
 from .._procs import pid_alive
 from ..storage import Origin
 from .classlist import load_class_list

@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from ..errors import DatasetChangedError, OriginNotFoundError  # noqa: F401 (re-exported)
+from ..errors import DatasetChangedError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin, OriginError
 from .index import INDEX_NAME, DatasetIndex, read_index
 
