@@ -77,7 +77,7 @@ def check_decode(device: str, cases: str, tolerance: int) -> dict:
     from PIL import Image
 
     from stoker.decode import DecodeError, decode_image
-    from stoker.gpu_decode import GpuJpegDecoder
+    from stoker.decode.gpu import GpuJpegDecoder
     dec = GpuJpegDecoder(device)
     rows, ok = {}, True
     for name in sorted(os.listdir(cases)):
@@ -105,7 +105,7 @@ def check_decode(device: str, cases: str, tolerance: int) -> dict:
 
 def check_train(device: str, payloads: list) -> dict:
     from stoker.decode.transforms import decode_transform
-    from stoker.gpu_decode import GpuJpegDecoder
+    from stoker.decode.gpu import GpuJpegDecoder
     dec = GpuJpegDecoder(device)
     n = len(payloads)
     got = dec.train_batch(payloads, [f"s{i}" for i in range(n)], [np.random.default_rng(i) for i in range(n)])
@@ -124,7 +124,7 @@ def check_train(device: str, payloads: list) -> dict:
 
 def check_loader(device: str, work: str) -> dict:
     from stoker.loader import Loader
-    from stoker.sample_data import make_sample_data
+    from stoker.bench.sample_data import make_sample_data
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
     make_sample_data(os.path.join(work, "data"), images=96, classes=4, seed=0)
@@ -172,13 +172,13 @@ def main() -> int:
         return 1
     out["gpu"] = torch.cuda.get_device_name()
     checks = {"transfer": lambda: check_transfer(a.device)}
-    from stoker.gpu_decode import find_backend
+    from stoker.decode.gpu import find_backend
     try:
         find_backend(a.device)
         checks["decode"] = lambda: check_decode(a.device, a.cases, a.tolerance)
         photos = []
         with tempfile.TemporaryDirectory() as d:
-            from stoker.sample_data import make_sample_data
+            from stoker.bench.sample_data import make_sample_data
             make_sample_data(d, images=32, classes=2, seed=1)
             for root, _, files in os.walk(d):
                 photos += [open(os.path.join(root, f), "rb").read() for f in sorted(files) if f.endswith(".JPEG")]

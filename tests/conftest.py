@@ -39,7 +39,7 @@ def cases_dir() -> Path:
 @pytest.fixture(scope="session")
 def sample_tree(tmp_path_factory) -> Path:
     """Root of a small ImageNet-style tree (120 images, 4 classes, seed 0): ``root/train/...``."""
-    from stoker.sample_data import make_sample_data
+    from stoker.bench.sample_data import make_sample_data
 
     root = tmp_path_factory.mktemp("sample-data")
     make_sample_data(str(root), images=120, classes=4, seed=0)

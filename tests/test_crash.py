@@ -78,7 +78,7 @@ time.sleep(60)
 
 
 def _alive(pid):
-    from stoker.procs import pid_alive
+    from stoker._procs import pid_alive
     return pid_alive(pid)
 
 

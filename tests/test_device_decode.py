@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stoker.decode import DecodeError, decode_image, eval_transform
-from stoker.gpu_decode import GpuJpegDecoder
+from stoker.decode.gpu import GpuJpegDecoder
 from stoker.loader import Loader
 from stoker.order import sample_seed
 from stoker.store.dataset import open_dataset

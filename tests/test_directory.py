@@ -9,7 +9,7 @@ import pytest
 from stoker.store import directory as dirmod
 from stoker.store.directory import SampleDirectory, hash_keys
 from stoker.store.listing import ls, stat
-from stoker.store.index import IndexError_, build_table, read_index, table_to_bytes
+from stoker.store.index import IndexFormatError, build_table, read_index, table_to_bytes
 
 TRICKY = [
     "a/b", "a/bc", "a/b/c", "a/b!x", "a/b/d/e", "a/b/d/f", "a/ba/z", "a/", "a//x",
@@ -213,10 +213,10 @@ def test_unsorted_index_keeps_an_order_and_still_answers(tricky):
 
 def test_duplicate_keys_are_refused_naming_the_key():
     idx, _ = make_index(["c/1", "c/2", "c/2", "c/3"], sort=False)
-    with pytest.raises(IndexError_, match=r"'c/2'.*1 and 2"):
+    with pytest.raises(IndexFormatError, match=r"'c/2'.*1 and 2"):
         SampleDirectory(idx)
     idx, _ = make_index(["c/9", "c/1", "c/9"], sort=False)
-    with pytest.raises(IndexError_, match=r"'c/9'.*0 and 2"):
+    with pytest.raises(IndexFormatError, match=r"'c/9'.*0 and 2"):
         SampleDirectory(idx)
 
 

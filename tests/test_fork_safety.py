@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from stoker import procs
+from stoker import _procs as procs
 from stoker.loader import Loader
-from stoker.procs import ForkUnsafeError, describe_exit, fork_hazards, pick_start_method
+from stoker._procs import ForkUnsafeError, describe_exit, fork_hazards, pick_start_method
 
 ALL = ["fork", "spawn", "forkserver"]
 
@@ -64,7 +64,7 @@ def test_real_tokio_runtime_is_detected(tmp_path):
     r = _run(f"""
         import obstore
         from obstore.store import LocalStore
-        from stoker.procs import fork_hazards
+        from stoker._procs import fork_hazards
         assert fork_hazards() == [], fork_hazards()
         assert bytes(obstore.get(LocalStore({str(tmp_path)!r}), "x").bytes()) == b"abc"
         print(fork_hazards())

@@ -1,4 +1,4 @@
-"""obstore reads (stoker.native_s3) against the local S3 server: same bytes as s3fs, the same
+"""obstore reads (stoker.storage._native_s3) against the local S3 server: same bytes as s3fs, the same
 errors and retries, used by the leaf processes (prefetcher, decode workers) only.
 
 A process that forks after using obstore can crash or hang its children (tokio), so every test
@@ -16,7 +16,7 @@ pytest.importorskip("obstore")
 
 from stoker import OriginError  # noqa: E402
 from stoker.loader import Loader  # noqa: E402
-from stoker.native_s3 import NativeS3Reader  # noqa: E402
+from stoker.storage._native_s3 import NativeS3Reader  # noqa: E402
 from stoker.storage import Origin  # noqa: E402
 from stoker.store.dataset import open_dataset  # noqa: E402
 

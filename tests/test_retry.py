@@ -15,7 +15,7 @@ import traceback
 import pytest
 from _fault_proxy import Fault, FaultProxy
 
-from stoker.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s
+from stoker.storage.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s
 from stoker.storage import Origin, OriginError, OriginNotFoundError, OriginPermissionError, url_to_fs
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from stoker.sample_data import MANIFEST, make_sample_data
+from stoker.bench.sample_data import MANIFEST, make_sample_data
 
 
 def _files(root: Path) -> dict[str, bytes]:

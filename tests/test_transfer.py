@@ -8,7 +8,7 @@ import torch
 
 from stoker.decode import DecodeError, decode_image
 from stoker.decode.reference import pillow_decode, pillow_train_transform
-from stoker.gpu_decode import GpuJpegDecoder, gpu_eligible
+from stoker.decode.gpu import GpuJpegDecoder, gpu_eligible
 from stoker.loader import Loader
 from stoker.store.dataset import open_dataset
 from stoker.transfer import DeviceTransfer, check_device

@@ -1,13 +1,51 @@
 """stoker: keeps deep-learning accelerators fed with training data.
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
-:class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`.
+:class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`,
+:func:`parse_size` (``"64MiB"`` -> bytes; every byte-size argument accepts such strings), and every
+public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
 """
-from .loader import EpochStats, Loader, WorkerError
-from .store.dataset import ChecksumError, Dataset, open_dataset
+from ._units import parse_size
+from .errors import (CacheInUseError, CacheLockTimeout, ChecksumError, DatasetChangedError,
+                     DatasetExistsError, DecodeError, EntryError, ExtenderRequestError,
+                     ForkUnsafeError, ImageTooLarge,
+                     IndexFormatError, NotACacheError, OriginError, OriginNotFoundError,
+                     OriginPermissionError, PackLeaseError, PackLeaseLostError, PeerUnavailable,
+                     SharedMemoryError, StokerError, VenvError, WorkerError)
+from .loader import EpochStats, Loader
+from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
-from .storage import OriginError
 
 __version__ = "0.1.0"
-__all__ = ["open_dataset", "Dataset", "Loader", "EpochStats", "WorkerError", "pack",
-           "OriginError", "ChecksumError", "__version__"]
+__all__ = [
+    "CacheInUseError",
+    "CacheLockTimeout",
+    "ChecksumError",
+    "Dataset",
+    "DatasetChangedError",
+    "DatasetExistsError",
+    "DecodeError",
+    "EntryError",
+    "EpochStats",
+    "ExtenderRequestError",
+    "ForkUnsafeError",
+    "ImageTooLarge",
+    "IndexFormatError",
+    "Loader",
+    "NotACacheError",
+    "OriginError",
+    "OriginNotFoundError",
+    "OriginPermissionError",
+    "PackLeaseError",
+    "PackLeaseLostError",
+    "PeerUnavailable",
+    "SharedMemoryError",
+    "StokerError",
+    "VenvError",
+    "WorkerError",
+    "__version__",
+    "open_dataset",
+    "pack",
+    "parse_size",
+]
+assert __all__ == sorted(__all__), "keep stoker.__all__ sorted"

@@ -7,16 +7,15 @@ import logging
 import os
 import sys
 
+from ._units import parse_size
+
 
 def _size(text: str) -> int:
-    """Parse a byte size: 1048576, 64MiB, 1GiB, 500MB, 8G."""
-    t = text.strip().lower().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "tb": 10**12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1}
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t)
+    """argparse type for byte sizes (1048576, 64MiB, 1.5GiB, 500MB, 8G): :func:`stoker.parse_size`."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _storage_errors() -> tuple:
@@ -33,7 +32,7 @@ def _opts(text: str | None) -> dict:
 
 
 def cmd_sample_data(a) -> int:
-    from .sample_data import make_sample_data
+    from .bench.sample_data import make_sample_data
     print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
     print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
           file=sys.stderr)

@@ -2,7 +2,7 @@
 
 With ``Loader(..., decode_device="cuda")`` the loader's workers only read and verify each
 sample's bytes (cache, staging or origin; checksums) and fill the labels; the training process
-hands each batch's payloads to a :class:`stoker.gpu_decode.GpuJpegDecoder`, which decodes the
+hands each batch's payloads to a :class:`stoker.decode.gpu.GpuJpegDecoder`, which decodes the
 JPEGs on the GPU (nvJPEG) and falls back to the CPU path per sample, and applies the train or
 eval transform on the device. Crop boxes and flips are drawn from the same per-sample RNG as the
 CPU path (``sample_seed(seed, epoch, sample id)``), so a resumed or re-run epoch gets the same
@@ -24,7 +24,7 @@ class DeviceBatchDecoder:
     """Training-process side of device decode: payloads of one batch -> tensors on the device.
 
     Args:
-        decoder: a :class:`~stoker.gpu_decode.GpuJpegDecoder` (or an object with its
+        decoder: a :class:`~stoker.decode.gpu.GpuJpegDecoder` (or an object with its
             ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs, size)`` and
             ``device``).
         dataset: the loader's dataset (sample keys for error messages).
@@ -40,7 +40,7 @@ class DeviceBatchDecoder:
         """From ``Loader(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
         RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
         if isinstance(spec, str):
-            from .gpu_decode import GpuJpegDecoder
+            from .decode.gpu import GpuJpegDecoder
             spec = GpuJpegDecoder(spec, exif_orientation=cfg["exif_orientation"])
         return cls(spec, dataset, cfg)
 

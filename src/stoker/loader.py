@@ -15,12 +15,13 @@ import time
 
 import numpy as np
 
+from ._units import parse_size
 from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
 from .loader_procs import ProcessesMixin, WorkerError
 from .loader_state import ResumableMixin
 from .order import permutation, rank_plan
 from .prefetch import block_schedule
-from .procs import pick_start_method
+from ._procs import pick_start_method
 from .ring import SlotRing
 from .workers import BatchDecoder, counters
 
@@ -52,7 +53,9 @@ class Loader(ResumableMixin, ProcessesMixin):
     ``prefetch_batches`` batches in flight; ``prefetch_bytes`` how far the block
     prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs;
     ``staging_bytes`` the most it holds in blocks fetched just in time that the cache
-    did not admit (:mod:`stoker.cache.staging`).
+    did not admit (:mod:`stoker.cache.staging`). The byte budgets (``prefetch_bytes``,
+    ``staging_bytes``, ``cache_form_bytes``) take ints or strings such as ``"512MiB"``
+    (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
     ``cache_aware_window``: if > 0, within each window of that many samples the samples
     whose blocks are cached when the epoch starts come first and the misses follow
     (:func:`stoker.order.cache_aware`; off by default). Every sample still comes exactly
@@ -67,7 +70,7 @@ class Loader(ResumableMixin, ProcessesMixin):
     event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard). By
     default ``forkserver`` is used instead of ``fork`` when the training process runs threads
     that a forked child cannot survive (a tokio runtime, e.g. from obstore; see
-    :func:`stoker.procs.pick_start_method`); an explicit ``"fork"`` there raises ForkUnsafeError.
+    :func:`stoker._procs.pick_start_method`); an explicit ``"fork"`` there raises ForkUnsafeError.
     Slots that ``/dev/shm`` cannot hold: :mod:`stoker.ring` (a smaller ring, or SharedMemoryError).
     ``cache_form``: keep each sample's cheaper derived form in a node-local store of
     ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
@@ -88,12 +91,12 @@ class Loader(ResumableMixin, ProcessesMixin):
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                  rank: int = 0, world_size: int = 1, num_workers: int = 2, transform: str = "train",
                  image_size: int = 224, on_error: str = "raise", even: str = "pad", drop_last: bool = False,
-                 prefetch_batches: int | None = None, prefetch_bytes: int = 512 << 20,
-                 staging_bytes: int = 64 << 20,
+                 prefetch_batches: int | None = None, prefetch_bytes: int | str = 512 << 20,
+                 staging_bytes: int | str = 64 << 20,
                  fetch_concurrency: int = 8, timeout_s: float = 120.0, exif_orientation: bool = False,
                  order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
                  prefetch_next_epoch: bool = True, cache_aware_window: int = 0,
-                 cache_form: str | None = None, cache_form_bytes: int = 16 << 30, cache_form_dir: str | None = None,
+                 cache_form: str | None = None, cache_form_bytes: int | str = 16 << 30, cache_form_dir: str | None = None,
                  device: str | None = None, decode_device=None):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
@@ -123,7 +126,7 @@ class Loader(ResumableMixin, ProcessesMixin):
             if device is None:
                 device = decode_device if isinstance(decode_device, str) else None
         if device not in (None, "cpu"):
-            from .transfer import check_device
+            from ._torch import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
         from .order import PERMUTATIONS
         if shuffle and order not in PERMUTATIONS:
@@ -134,8 +137,9 @@ class Loader(ResumableMixin, ProcessesMixin):
         self.rank, self.world_size, self.even, self.drop_last = rank, world_size, even, drop_last
         self.num_workers = int(num_workers)
         self.prefetch_batches = prefetch_batches or max(2, 2 * self.num_workers)
-        self.prefetch_bytes, self.fetch_concurrency = int(prefetch_bytes), int(fetch_concurrency)
-        self.staging_bytes = int(staging_bytes)
+        self.prefetch_bytes = parse_size(prefetch_bytes, "prefetch_bytes")
+        self.fetch_concurrency = int(fetch_concurrency)
+        self.staging_bytes = parse_size(staging_bytes, "staging_bytes")
         window = 2 * int(order_window) * getattr(dataset, "block_bytes", 0) if order == "blockwise" else 0
         if shuffle and 0 < self.staging_bytes < window:
             log.warning("staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
@@ -152,7 +156,8 @@ class Loader(ResumableMixin, ProcessesMixin):
                     "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size,
                     "decode_on": "cpu" if decode_device is None else "device"}
         self.decode_device, self._device_decoder = decode_device, None
-        self.cache_form, self.cache_form_bytes, self.cache_form_dir = cache_form, int(cache_form_bytes), cache_form_dir
+        self.cache_form, self.cache_form_dir = cache_form, cache_form_dir
+        self.cache_form_bytes = parse_size(cache_form_bytes, "cache_form_bytes")
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
         self.device = device
         self._transfer = None
@@ -211,7 +216,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         if self._started:
             return
         from . import decode  # noqa: F401 - imported once here, inherited by forked workers
-        from . import torch as _torch_adapter  # pay torch's import before the first batch
+        from . import _torch as _torch_adapter  # pay torch's import before the first batch
         _torch_adapter.load()
         if self.device not in (None, "cpu"):
             from .transfer import DeviceTransfer
@@ -411,7 +416,7 @@ class Loader(ResumableMixin, ProcessesMixin):
 
     def _as_batch(self, imgs, labels):
         """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.transfer`."""
-        from .torch import as_tensors
+        from ._torch import as_tensors
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
 

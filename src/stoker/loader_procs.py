@@ -1,6 +1,6 @@
 """The Loader's processes: how they are started, and what is said when they die or stall.
 
-Start method: :func:`stoker.procs.pick_start_method` (``fork`` unless the training process runs
+Start method: :func:`stoker._procs.pick_start_method` (``fork`` unless the training process runs
 threads that a forked child cannot live with, then ``forkserver``). Health: a dead worker or
 prefetcher is named with its pid and its exit code or signal; a worker killed by SIGBUS is
 pointed at the shared-memory directory (a full ``/dev/shm`` is the usual cause); a stall names
@@ -12,8 +12,9 @@ import logging
 import multiprocessing as mp
 import signal
 
+from .errors import WorkerError  # noqa: F401 - re-exported
 from .prefetch import N_COUNTERS, prefetch_main
-from .procs import SharedCell, describe_exit, pick_start_method
+from ._procs import SharedCell, describe_exit, pick_start_method
 from .ring import free_bytes, shm_base
 from .workers import worker_main
 
@@ -23,10 +24,6 @@ __all__ = ["WorkerError", "ProcessesMixin"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
 FORKSERVER_PRELOAD = ["stoker.workers", "stoker.decode", "stoker.prefetch"]
-
-
-class WorkerError(RuntimeError):
-    """A worker failed or died; the message names the worker and the sample key."""
 
 
 class ProcessesMixin:

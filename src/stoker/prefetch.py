@@ -11,7 +11,7 @@ use); without a staging area such a block ends prefetching for the epoch (under 
 no-eviction policy nothing later would be admitted either) and the workers read those
 samples on demand.
 
-While the origin throttles (:class:`stoker.retry.SharedBackoff` of the dataset's origin, shared
+While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
 by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
 request tests the origin instead of ``concurrency`` of them, and resumes when a request succeeds.
 """
@@ -83,7 +83,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
     ``prev_done``: shared int64, the previous plan's delivered position while it drains after a
     plan change: its staged blocks go as soon as their last use in it is delivered."""
-    from .procs import exit_with_parent, parent_gone
+    from ._procs import exit_with_parent, parent_gone
     from .workers import fresh_copy
     parent = os.getppid()
     exit_with_parent()

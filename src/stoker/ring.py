@@ -27,7 +27,8 @@ from collections import deque
 
 import numpy as np
 
-from .procs import pid_alive
+from .errors import SharedMemoryError  # noqa: F401 - re-exported
+from ._procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +36,6 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 #: errno values of a reservation that failed for lack of room (tmpfs answers ENOSPC; ENOMEM
 #: when the kernel cannot back the pages; EDQUOT under a quota).
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
-
-
-class SharedMemoryError(OSError):
-    """The shared-memory directory cannot hold one batch slot (errno ENOSPC).
-
-    Attributes: ``path`` (the directory, e.g. ``/dev/shm``), ``needed_bytes`` (one slot),
-    ``free_bytes`` (free in that directory's filesystem when the reservation failed).
-    """
-
-    def __init__(self, path: str, needed_bytes: int, free_bytes: int, detail: str = ""):
-        self.needed_bytes, self.free_bytes = int(needed_bytes), int(free_bytes)
-        super().__init__(errno.ENOSPC,
-                         f"{path} has {free_bytes} bytes free but one batch slot needs {needed_bytes} bytes"
-                         f"{detail}: give the container a larger {path} (docker run --shm-size, a Kubernetes "
-                         "emptyDir with medium Memory), or lower batch_size / image_size, or use num_workers=0 "
-                         "(no shared memory)", path)
 
 
 def shm_base() -> str:

@@ -20,7 +20,7 @@ it: the pattern of NVIDIA's apex ``data_prefetcher`` and torch's ``pin_memory`` 
 buffers only where torch can pin, i.e. with CUDA), so the stage is testable without a GPU; the
 Loader itself keeps its zero-copy path for ``None``/``"cpu"``.
 
-This module imports torch; nothing else in stoker imports it except :mod:`stoker.torch`.
+This module imports torch; nothing else in stoker imports it except :mod:`stoker._torch`.
 The CUDA branch is unverified on a GPU in this repository's tests (no device here);
 ``scripts/gpu_check.py`` checks it on a GPU machine.
 """
@@ -30,36 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ._torch import check_device, pinning_available  # noqa: F401 - re-exported
+
 __all__ = ["DeviceTransfer", "check_device", "TransferStats"]
-
-
-def check_device(device) -> torch.device:
-    """Validate a Loader ``device``: returns the ``torch.device``.
-
-    Raises:
-        ValueError: not ``cpu`` or ``cuda[:N]``.
-        RuntimeError: ``cuda`` asked for but ``torch.cuda.is_available()`` is False (a CPU-only
-            torch build or no visible GPU), or the index is out of range.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r} but CUDA is not available to this torch "
-                               f"({torch.__version__}, CUDA build: {torch.version.cuda}); "
-                               "use device=None or 'cpu', or install a CUDA build of torch")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RuntimeError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return dev
-
-
-def pinning_available() -> bool:
-    """Whether torch can allocate pinned host memory here (needs a CUDA driver)."""
-    return torch.cuda.is_available()
 
 
 @dataclass

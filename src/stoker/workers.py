@@ -108,7 +108,7 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
     import queue as _queue
 
-    from .procs import exit_with_parent, parent_gone
+    from ._procs import exit_with_parent, parent_gone
     from .ring import map_slot
     parent = os.getppid()
     exit_with_parent()

@@ -63,7 +63,7 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
     the next epoch first needs it is a hit across the boundary, which can put an epoch a little
     below D - C (reported as ``staging_bytes``)."""
     from ..loader import Loader
-    from ..sample_data import make_sample_data
+    from .sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .harness import measure

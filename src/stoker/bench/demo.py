@@ -53,7 +53,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the report dict (also written to ``cfg.json_path``)."""
     from ..decode.calibrate import measure_decode_rate
     from ..loader import Loader
-    from ..sample_data import make_sample_data
+    from .sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .baseline import FsspecImageFolder, make_baseline_loader

@@ -15,6 +15,9 @@ import shutil
 import subprocess
 import sys
 
+from ..errors import VenvError  # noqa: F401 - re-exported
+
+
 _MARKER = ".stoker-requirements.json"
 
 # Requirement lists per peer (pins from issue 7 / the decode benchmark).
@@ -23,10 +26,6 @@ PEER_REQUIREMENTS: dict[str, list[str]] = {
     "streaming": ["mosaicml-streaming==0.13.0", "torch==2.14.1", "torchvision==0.29.1"],
     "litdata": ["litdata==0.2.76", "torch==2.14.1", "torchvision==0.29.1", "boto3"],
 }
-
-
-class VenvError(RuntimeError):
-    """A peer's virtual environment could not be made; the message ends with pip's stderr tail."""
 
 
 def venv_root() -> str:

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..procs import pid_alive
+from ..errors import CacheLockTimeout  # noqa: F401 - re-exported
+from .._procs import pid_alive
 from . import layout, space
 from .files import TMP_MARK, read_at, write_whole
 from .policy import JobRegistry, share_budget
@@ -61,10 +62,6 @@ POLICIES = ("future", "noevict", "lru")
 # and 256 stripes, about 3% of fills collided (bench cache, C = 0.1 D); 4096 makes that 0.2%.
 _STRIPES = 4096
 _TMP = TMP_MARK
-
-
-class CacheLockTimeout(TimeoutError):
-    """Waited longer than the timeout for another process's fill of a block."""
 
 
 @dataclass

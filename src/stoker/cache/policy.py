@@ -28,7 +28,7 @@ import atexit
 import json
 import os
 
-from ..procs import pid_alive
+from .._procs import pid_alive
 
 #: Relative difference under which two datasets' epoch rates count as equal.
 RATE_TIE = 0.10

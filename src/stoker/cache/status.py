@@ -11,13 +11,11 @@ import json
 import os
 import shutil
 
+from .._units import parse_size
+from ..errors import CacheInUseError, NotACacheError  # noqa: F401 - re-exported
 from .disk import DiskCache
 from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
 from .policy import share_budget
-
-
-class NotACacheError(ValueError):
-    """The directory is not a stoker cache (no marker) and holds none; the message names it."""
 
 
 def _side_stores(root: str) -> dict[str, str]:
@@ -83,10 +81,6 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
             "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
 
 
-class CacheInUseError(RuntimeError):
-    """A cache (or one dataset in it) is in use by a live job; the message names its pid."""
-
-
 def clear(root: str, namespace: str | None = None) -> int:
     """Delete the cached blocks of ``namespace`` (every namespace if None) and return the
     bytes freed. Only the cache's own namespaces and side stores go (and those of the caches
@@ -119,12 +113,11 @@ def clear(root: str, namespace: str | None = None) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``stoker cache status|clear`` on an argparse subparsers object."""
-    from ..cli import _size
     p = sub.add_parser("cache", help="inspect or clear a node cache directory")
     csub = p.add_subparsers(dest="cache_cmd", required=True)
     s = csub.add_parser("status", help="usage per dataset, live jobs, the policy's budget split")
     s.add_argument("dir")
-    s.add_argument("--budget", type=_size, help="show the future policy's split of this budget (e.g. 500GiB)")
+    s.add_argument("--budget", type=parse_size, help="show the future policy's split of this budget (e.g. 500GiB)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_status)
     c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")

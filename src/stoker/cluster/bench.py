@@ -48,7 +48,7 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
     from ray.cluster_utils import Cluster
 
     from ..bench.origin import LocalS3Origin, upload_tree
-    from ..sample_data import make_sample_data
+    from ..bench.sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .job import read_epochs

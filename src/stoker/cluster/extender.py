@@ -31,6 +31,8 @@ import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..errors import ExtenderRequestError
+
 log = logging.getLogger(__name__)
 
 DATASET_ANNOTATION = "stoker.io/dataset"
@@ -45,12 +47,7 @@ MAX_BODY = MAX_BODY_BYTES  # the former name
 REQUEST_TIMEOUT_S = 30.0
 
 
-class BadRequest(ValueError):
-    """An extender request the server refuses; ``code`` is the HTTP status (400, 404, 411, 413)."""
-
-    def __init__(self, message: str, code: int = 400):
-        super().__init__(message)
-        self.code = code
+BadRequest = ExtenderRequestError  # the name used here and in older code
 
 
 def _kind(value) -> str:

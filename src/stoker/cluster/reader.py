@@ -25,15 +25,12 @@ from multiprocessing.connection import Client, Listener
 
 import numpy as np
 
+from ..errors import PeerUnavailable  # noqa: F401 - re-exported
 from .counters import ByteCounters
 
 log = logging.getLogger(__name__)
 
 _REQ = struct.Struct("<iqqq")  # owner node index, block, start, stop
-
-
-class PeerUnavailable(IOError):
-    """A peer's cache service did not answer (dead, restarting, or timed out)."""
 
 
 class BlockRouter:

@@ -32,6 +32,7 @@ import numpy as np
 import simplejpeg
 import xxhash
 
+from ..errors import EntryError  # noqa: F401 - re-exported
 from .transforms import random_resized_crop_params, resize_bilinear_aa
 
 __all__ = ["Form", "parse_form", "resolution_cap", "make_entry", "read_entry", "EntryError", "SAME"]
@@ -43,10 +44,6 @@ HEADER_BYTES = _HEADER.size  # 40
 _KINDS = {"jpeg": 1, "rgb": 2, "same": 3}
 SAME = "same"
 JPEG_QUALITY = 90
-
-
-class EntryError(ValueError):
-    """A derived entry is damaged (short, wrong magic/kind/size, checksum mismatch)."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageFile, ImageOps
 
+from ..errors import DecodeError, ImageTooLarge  # noqa: F401 - re-exported
+
 try:  # stoker's optional C extension (setup.py); absent when built without libjpeg headers
     from . import _jpegroi
 except ImportError:  # pragma: no cover - depends on the build machine
@@ -74,27 +76,6 @@ _stats: Counter[str] = Counter()
 _truncation_lock = threading.Lock()
 
 
-class DecodeError(ValueError):
-    """A sample's bytes could not be decoded to an RGB image.
-
-    Attributes:
-        key: the sample key (str) the bytes belong to.
-        reason: human-readable cause (str).
-    """
-
-    def __init__(self, key: str, reason: str):
-        self.key = key
-        self.reason = reason
-        super().__init__(f"cannot decode sample {key!r}: {reason}")
-
-    def __reduce__(self):  # keep key/reason when pickled across worker processes
-        return (type(self), (self.key, self.reason))
-
-
-class ImageTooLarge(DecodeError):
-    """The image header declares more pixels (width * height) than ``max_pixels``."""
-
-
 def decode_stats() -> dict[str, int]:
     """Counts of samples decoded per path in this process.
 
@@ -127,8 +108,12 @@ def _orient_array(arr: np.ndarray, orientation: int) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def _exif_orientation(data, key: str) -> int:
-    """Orientation tag (1..8; 1 when absent) exactly as Pillow reads it (EXIF, then XMP)."""
+def read_exif_orientation(data, key: str) -> int:
+    """Orientation tag (1..8; 1 when absent) exactly as Pillow reads it (EXIF, then XMP).
+
+    ``data``: the encoded image (bytes-like); ``key``: the sample key, for the error.
+    Raises :class:`DecodeError` naming ``key`` when Pillow cannot read the headers.
+    """
     try:
         with Image.open(io.BytesIO(data)) as im:  # lazy: parses the headers only
             value = im.getexif().get(0x0112, 1)
@@ -256,7 +241,7 @@ def decode_image(
             if arr is not None:
                 _stats["fast"] += 1
                 if exif_orientation:
-                    arr = _orient_array(arr, _exif_orientation(data, key))
+                    arr = _orient_array(arr, read_exif_orientation(data, key))
                 return arr
             path = "fallback"
         else:

@@ -14,7 +14,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from .transforms import _resized_hw, eval_resize_for, random_resized_crop_params
+from .transforms import eval_resize_for, random_resized_crop_params, resized_hw
 
 __all__ = [
     "pillow_decode",
@@ -85,7 +85,7 @@ def pillow_eval_transform(img: Image.Image, size: int = 224, resize: int = 256) 
     if size > resize:
         raise ValueError(f"crop size {size} larger than resize {resize}")
     width, height = img.size
-    new_h, new_w = _resized_hw(height, width, resize)
+    new_h, new_w = resized_hw(height, width, resize)
     if (new_w, new_h) != (width, height):
         img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
     top = int(round((new_h - size) / 2.0))

@@ -238,8 +238,9 @@ def eval_resize_for(size: int) -> int:
     return int(round(size / 0.875))
 
 
-def _resized_hw(height: int, width: int, resize: int) -> tuple[int, int]:
-    """torchvision ``Resize(int)``: shorter side -> ``resize``, longer side truncated (int())."""
+def resized_hw(height: int, width: int, resize: int) -> tuple[int, int]:
+    """Output ``(height, width)`` in pixels of torchvision ``Resize(int)``: shorter side ->
+    ``resize``, longer side scaled and truncated (int())."""
     if width <= height:
         return int(resize * height / width), resize
     return resize, int(resize * width / height)
@@ -269,7 +270,7 @@ def eval_transform(
     if size > resize:
         raise ValueError(f"crop size {size} larger than resize {resize} (padding is not supported)")
     out = _out_buffer(out, size)
-    new_h, new_w = _resized_hw(img.shape[0], img.shape[1], resize)
+    new_h, new_w = resized_hw(img.shape[0], img.shape[1], resize)
     res = resize_bilinear_aa(img, new_w, new_h)
     top = int(round((new_h - size) / 2.0))
     left = int(round((new_w - size) / 2.0))
@@ -427,7 +428,7 @@ def eval_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], size: int 
     if size > resize:
         raise ValueError(f"crop size {size} larger than resize {resize} (padding is not supported)")
     out = _out_buffer(out, size)
-    new_h, new_w = _resized_hw(H, W, resize)
+    new_h, new_w = resized_hw(H, W, resize)
     top = int(round((new_h - size) / 2.0))
     left = int(round((new_w - size) / 2.0))
     fy, fx = img.shape[0] / new_h, img.shape[1] / new_w

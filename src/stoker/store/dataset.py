@@ -18,16 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from .._units import parse_size
 from ..cache import DiskCache
+from ..errors import ChecksumError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from .index import INDEX_NAME, DatasetIndex, read_index
 
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_CACHE_BYTES = 8 << 30
-
-
-class ChecksumError(IOError):
-    """A sample's bytes from the origin do not match the index (names key, shard and URL)."""
 
 
 def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
@@ -321,10 +319,10 @@ def default_cache_dir() -> str:
     return os.environ.get("STOKER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "stoker")
 
 
-def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None = None, *,
-                 storage_options: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str | None = None, *,
+                 storage_options: dict | None = None, block_bytes: int | str = DEFAULT_BLOCK_BYTES,
                  cache_policy: str = "future", cache: bool = True, check: bool = True,
-                 memory_bytes: int = 0, memory_dir: str | None = None,
+                 memory_bytes: int | str = 0, memory_dir: str | None = None,
                  retry_budget_s: float | None = None) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
@@ -338,30 +336,36 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | None
     Loader adds its epoch time).
     ``memory_bytes``: budget of a shared-memory tier above the disk tier (0 = none; blocks
     go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
-    (default: under /dev/shm, one per cache directory).
+    (default: under /dev/shm, one per cache directory). The byte sizes (``cache_bytes``,
+    ``block_bytes``, ``memory_bytes``) take ints or strings such as ``"500GiB"``
+    (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
     ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
-    timeouts (full-jitter back-off) before :class:`stoker.storage.OriginError`; None:
-    ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.retry`). Kept by the loader's processes.
+    timeouts (full-jitter back-off) before :class:`stoker.OriginError`; None:
+    ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.storage.retry`). Kept by the loader's processes.
     ``check``: list the shards once and compare sizes (and ETags where recorded) with
     the index, so shards rewritten under an unchanged index are reported by name
-    (:class:`stoker.store.verify.DatasetChangedError`) before any sample is served.
-    Raises FileNotFoundError when ``url`` holds no index (e.g. an interrupted pack)
-    and :class:`stoker.store.index.IndexError_` when the index is unreadable.
+    (:class:`stoker.DatasetChangedError`) before any sample is served.
+    Raises :class:`stoker.OriginNotFoundError` (a FileNotFoundError) when ``url`` holds no
+    index (e.g. an interrupted pack) and :class:`stoker.IndexFormatError` when the index is
+    unreadable.
     """
+    cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else parse_size(cache_bytes, "cache_bytes")
+    block_bytes = parse_size(block_bytes, "block_bytes")
+    memory_bytes = parse_size(memory_bytes, "memory_bytes")
     origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:
         data = origin.read(INDEX_NAME)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{origin.full_url(INDEX_NAME)} not found: {url} is not a packed "
-                                "stoker dataset (or its pack did not finish; run `stoker pack` again)") from None
+        raise OriginNotFoundError(origin.full_url(INDEX_NAME),
+                                  f"not found: {url} is not a packed stoker dataset (or its pack did "
+                                  "not finish; run `stoker pack` again)") from None
     index = read_index(data, origin.full_url(INDEX_NAME))
     if check:
         from .verify import check_shards
         check_shards(origin, index)
     disk = None
     if cache:
-        disk = DiskCache(cache_dir or default_cache_dir(),
-                         DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, cache_policy)
+        disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy)
         if memory_bytes > 0:
             from ..cache import TieredCache, default_memory_root
             disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy),

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .index import DatasetIndex, IndexError_
+from .index import DatasetIndex, IndexFormatError
 
 __all__ = ["SampleDirectory", "SampleRecord", "hash_keys"]
 
@@ -73,7 +73,7 @@ class SampleDirectory:
     the key table (12 B/sample) is built on the first key lookup or by
     :meth:`prepare`. Thread-safe for concurrent readers.
 
-    Raises :class:`IndexError_` when the index has null or duplicate keys (the
+    Raises :class:`IndexFormatError` when the index has null or duplicate keys (the
     message names the duplicated key and its ids).
     """
 
@@ -83,7 +83,7 @@ class SampleDirectory:
         self._mv = memoryview(self._data)
         n = len(self.keys)
         if n != len(index):
-            raise IndexError_(f"the index has {n} keys for {len(index)} samples")
+            raise IndexFormatError(f"the index has {n} keys for {len(index)} samples")
         self.order: np.ndarray | None = None
         if n > 1:
             ascending = pc.less(self.keys.slice(0, n - 1), self.keys.slice(1))
@@ -101,7 +101,7 @@ class SampleDirectory:
         if same.any():
             j = int(np.argmax(same))
             a, b = sorted((int(order[j]), int(order[j + 1])))
-            raise IndexError_(f"duplicate key {sk[j].as_py()!r} (sample ids {a} and {b})")
+            raise IndexFormatError(f"duplicate key {sk[j].as_py()!r} (sample ids {a} and {b})")
         self.order = order.astype(np.int32) if n < 2**31 else order
 
     # -- basics -------------------------------------------------------------

@@ -41,6 +41,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
+from ..errors import IndexFormatError  # noqa: F401 - re-exported
+
+IndexError_ = IndexFormatError  # the old name, kept importable
+
 INDEX_NAME = "index.parquet"
 SHARD_DIR = "shards"
 FORMAT_VERSION = 2
@@ -62,10 +66,6 @@ SCHEMA = pa.schema([
     ("field", pa.dictionary(pa.int32(), pa.string())),
     ("fields", pa.list_(MEMBER_TYPE)),
 ])
-
-
-class IndexError_(ValueError):
-    """The index is missing, unreadable or inconsistent (message names the URL)."""
 
 
 @dataclass
@@ -292,7 +292,7 @@ def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list, Members | N
 
 
 def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
-    """Parse index bytes into a :class:`DatasetIndex`. Raises :class:`IndexError_` naming ``url``.
+    """Parse index bytes into a :class:`DatasetIndex`. Raises :class:`IndexFormatError` naming ``url``.
 
     Reads format 2 (named fields) and format 1 (primary payload only) indexes.
     """
@@ -304,20 +304,20 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
         table = pf.read(columns=wanted, use_threads=False)
         meta = json.loads(pf.schema_arrow.metadata[b"stoker"])
     except Exception as exc:  # noqa: BLE001
-        raise IndexError_(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
+        raise IndexFormatError(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
     if meta.get("format") not in READABLE_FORMATS:
-        raise IndexError_(f"{url}: unsupported index format {meta.get('format')!r} "
+        raise IndexFormatError(f"{url}: unsupported index format {meta.get('format')!r} "
                           f"(this stoker reads formats {READABLE_FORMATS})")
     ids = table.column("sample_id").to_numpy()
     if not np.array_equal(ids, np.arange(len(ids))):
-        raise IndexError_(f"{url}: sample_id column is not 0..N-1")
+        raise IndexFormatError(f"{url}: sample_id column is not 0..N-1")
     keys = table.column("key").combine_chunks()
     field, names, members = None, [], None
     if meta["format"] >= 2:
         try:
             field, names, members = _read_fields(table, len(ids))
         except (KeyError, pa.ArrowException) as exc:
-            raise IndexError_(f"{url}: bad field/fields columns ({exc})") from exc
+            raise IndexFormatError(f"{url}: bad field/fields columns ({exc})") from exc
     idx = DatasetIndex(
         keys=keys,
         labels=table.column("label").to_numpy().astype(np.int64, copy=False),
@@ -335,12 +335,12 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
 def validate(idx: DatasetIndex, url: str = "<index>") -> None:
     """Check shard ids and that every member lies inside its shard, after its primary payload.
 
-    Raises :class:`IndexError_` naming the first bad sample.
+    Raises :class:`IndexFormatError` naming the first bad sample.
     """
     if not len(idx):
         return
     if idx.shard.min() < 0 or idx.shard.max() >= len(idx.shards):
-        raise IndexError_(f"{url}: shard column refers to a shard outside the shard table")
+        raise IndexFormatError(f"{url}: shard column refers to a shard outside the shard table")
     sizes = np.array([s["bytes"] for s in idx.shards], dtype=np.int64)
     bad = (idx.offset < 0) | (idx.length < 0) | (idx.span_end > sizes[idx.shard])
     m = idx.members
@@ -350,5 +350,5 @@ def validate(idx: DatasetIndex, url: str = "<index>") -> None:
         bad[owner[mbad]] = True
     if np.any(bad):
         i = int(np.argmax(bad))
-        raise IndexError_(f"{url}: sample {idx.key(i)!r} extends past the end of shard "
+        raise IndexFormatError(f"{url}: sample {idx.key(i)!r} extends past the end of shard "
                           f"{idx.shard_name(idx.shard[i])!r} or its members are out of order")

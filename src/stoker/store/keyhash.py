@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from .index import IndexError_
+from .index import IndexFormatError
 
 # splitmix64 / murmur-style odd multipliers
 _K0 = np.uint64(0x9E3779B97F4A7C15)
@@ -21,7 +21,7 @@ _SLASH = b"/"
 def _string_buffers(keys: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     """Zero-copy views of a string array: (array, offsets (N+1,) int32/int64, data uint8).
 
-    Offsets are absolute positions in ``data``. Raises :class:`IndexError_` on null keys.
+    Offsets are absolute positions in ``data``. Raises :class:`IndexFormatError` on null keys.
     """
     if isinstance(keys, pa.ChunkedArray):
         keys = keys.combine_chunks()
@@ -33,7 +33,7 @@ def _string_buffers(keys: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
         keys = keys.cast(pa.string())
         off_type = np.int32
     if keys.null_count:
-        raise IndexError_(f"the index has {keys.null_count} null keys")
+        raise IndexFormatError(f"the index has {keys.null_count} null keys")
     n = len(keys)
     bufs = keys.buffers()
     if bufs[1] is None:  # empty array

@@ -41,7 +41,8 @@ import uuid
 
 import fsspec.asyn
 
-from ..procs import pid_alive
+from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 - re-exported
+from .._procs import pid_alive
 from ..storage import Origin
 
 log = logging.getLogger(__name__)
@@ -49,25 +50,6 @@ log = logging.getLogger(__name__)
 LEASE_NAME = "_stoker_pack.lease"
 #: Lease length in seconds; renewed every third of it, so a holder survives two lost renewals.
 DEFAULT_LEASE_S = 60.0
-
-
-class PackLeaseError(FileExistsError):
-    """Another pack holds the destination's lease. Attributes: ``url`` (of the lease object),
-    ``owner`` (dict: host, pid, run, started_unix, expires_unix)."""
-
-    def __init__(self, url: str, owner: dict):
-        self.url, self.owner = url, owner
-        exp = float(owner.get("expires_unix") or 0)
-        super().__init__(
-            f"{url}: the destination is being packed by another run (host {owner.get('host')!r}, "
-            f"pid {owner.get('pid')}, run {owner.get('run')}, started {_when(owner.get('started_unix'))}); "
-            f"its lease expires {_when(exp)} (in {max(0.0, exp - time.time()):.0f} s unless renewed). "
-            "Wait for that pack to finish; if it died, run again after the expiry.")
-
-
-class PackLeaseLostError(OSError):
-    """This pack's lease was taken over or removed while it was writing: it stops before
-    installing an index (the message names the lease object and the new owner, if any)."""
 
 
 class _Conflict(Exception):

@@ -4,17 +4,12 @@ from __future__ import annotations
 import json
 import sys
 
+from .._units import format_size
 from .directory import SampleDirectory
 
 
 # -- `stoker ls` / `stoker stat` ------------------------------------------------
-def _human(n: int) -> str:
-    v = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if v < 1024 or unit == "TiB":
-            return f"{int(v)} {unit}" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{n} B"
+_human = format_size
 
 
 def _sample_line(d: SampleDirectory, name: str, i: int) -> str:

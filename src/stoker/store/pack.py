@@ -30,7 +30,9 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from ..procs import pid_alive
+from .._units import parse_size
+from ..errors import DatasetExistsError  # noqa: F401 - re-exported
+from .._procs import pid_alive
 from ..storage import Origin
 from .classlist import load_class_list
 from .filelist import iter_file_list, read_file_list
@@ -45,10 +47,6 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 64 << 20
 #: Version of the shard manifest layout, part of every plan hash.
 MANIFEST_FORMAT = 2
-
-
-class DatasetExistsError(FileExistsError):
-    """The destination already holds a packed dataset (pass overwrite=True)."""
 
 
 @dataclass
@@ -145,7 +143,7 @@ def _etag(dest: Origin, name: str) -> str | None:
     return str(tag).strip('"') if tag else None
 
 
-def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, overwrite: bool = False,
          src_options: dict | None = None, dst_options: dict | None = None,
          read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0,
          source: str | None = None, lease_s: float = DEFAULT_LEASE_S,
@@ -156,7 +154,8 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     ``src`` is (:func:`stoker.store.sources.detect_source`: tar archive names, brace
     lists, globs, prefixes or a directory of archives -> webdataset; ``.csv``/
     ``.parquet`` -> filelist; otherwise an ImageFolder tree).
-    ``shard_bytes``: target shard size in bytes (default 64 MiB). ``read_workers``:
+    ``shard_bytes``: target shard size in bytes, an int or a string such as ``"64MiB"``
+    (:func:`stoker.parse_size`; default 64 MiB). ``read_workers``:
     concurrent source reads. ``shuffle_seed``: ImageFolder and file-list samples are
     placed in the shards in a random order from this seed (None = source order), so
     that any run of a shard mixes classes; WebDataset samples keep their archive
@@ -189,6 +188,7 @@ def pack(src: str, dst: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrit
     (missing source, duplicate keys, non-UTF-8 names); tarfile.TarError for an
     unreadable source archive; :class:`stoker.storage.OriginError` on storage failures.
     """
+    shard_bytes = parse_size(shard_bytes, "shard_bytes")
     if shard_bytes < 1:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
     t0 = time.perf_counter()

@@ -21,12 +21,9 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from ..errors import DatasetChangedError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin, OriginError
 from .index import INDEX_NAME, DatasetIndex, read_index
-
-
-class DatasetChangedError(IOError):
-    """Shards at the origin differ from what the index recorded (message names each shard)."""
 
 
 def _stamp(info: dict) -> str | None:
@@ -148,13 +145,14 @@ def verify(url: str, storage_options: dict | None = None, workers: int = 4, prog
     """Check every shard and sample of the dataset at ``url`` against its index.
 
     Reads each shard once (``workers`` shards in parallel). Returns a
-    :class:`VerifyReport`; raises FileNotFoundError when ``url`` holds no index.
+    :class:`VerifyReport`; raises :class:`stoker.OriginNotFoundError` (a FileNotFoundError) when ``url`` holds no index.
     """
     origin = Origin(url, storage_options or {})
     try:
         raw = origin.read(INDEX_NAME)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{origin.full_url(INDEX_NAME)} not found: {url} is not a packed stoker dataset") from None
+        raise OriginNotFoundError(origin.full_url(INDEX_NAME),
+                                  f"not found: {url} is not a packed stoker dataset") from None
     index = read_index(raw, origin.full_url(INDEX_NAME))
     report = VerifyReport(url=url, samples=len(index), shards=len(index.shards))
     order = np.argsort(index.shard, kind="stable")

@@ -29,8 +29,9 @@ import simplejpeg
 import torch
 import torch.nn.functional as F
 
-from .decode.image import DEFAULT_MAX_PIXELS, DecodeError, _exif_orientation, decode_image
-from .decode.transforms import _resized_hw, eval_resize_for, random_resized_crop_params
+from .._torch import check_device
+from .image import DEFAULT_MAX_PIXELS, DecodeError, decode_image, read_exif_orientation
+from .transforms import eval_resize_for, random_resized_crop_params, resized_hw
 
 __all__ = ["GpuJpegDecoder", "GpuDecodeStats", "find_backend", "gpu_eligible"]
 
@@ -111,7 +112,6 @@ class GpuJpegDecoder:
                  max_pixels: int = DEFAULT_MAX_PIXELS):
         self.device = torch.device(device)
         if decode_fn is None:
-            from .transfer import check_device
             check_device(self.device)
             self.backend, decode_fn = find_backend(self.device)
         else:
@@ -156,7 +156,7 @@ class GpuJpegDecoder:
                     self.stats.gpu_failed += 1
                     continue
                 if self.exif_orientation:
-                    t = _orient_chw(t, _exif_orientation(datas[i], keys[i]))
+                    t = _orient_chw(t, read_exif_orientation(datas[i], keys[i]))
                 out[i] = t
                 self.stats.gpu += 1
         for i, t in enumerate(out):
@@ -209,7 +209,7 @@ class GpuJpegDecoder:
                 flip = bool(rngs[j].random() < 0.5)
                 out[j] = _resample(img[:, top:top + h, left:left + w], size, size, flip)
             else:
-                nh, nw = _resized_hw(H, W, resize)
+                nh, nw = resized_hw(H, W, resize)
                 res = _resample(img, nh, nw, False)
                 top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
                 out[j] = res[:, top:top + size, left:left + size]

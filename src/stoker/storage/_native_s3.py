@@ -14,7 +14,7 @@ called by the prefetch process and by the decode workers, which never fork.
 Options understood (fsspec/s3fs spelling): ``endpoint_url`` (top level or in
 ``client_kwargs``), ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs.region_name``,
 and ``config_kwargs`` timeouts (``read_timeout``: longest wait for the next bytes of an answer,
-default :data:`stoker.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
+default :data:`stoker.storage.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
 stoker's own retry loop, bounded in time, is in charge). Any other option (a profile,
 requester-pays, ...) keeps the dataset on s3fs.
 

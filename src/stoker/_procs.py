@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import ForkUnsafeError  # noqa: F401 - re-exported
+
 
 def pid_alive(pid: int) -> bool:
     """True if process ``pid`` exists and is not a zombie (a killed process whose parent has not
@@ -65,11 +67,6 @@ class SharedCell:
 FORK_UNSAFE_THREADS = ("tokio-",)
 
 
-class ForkUnsafeError(RuntimeError):
-    """``start_method="fork"`` was asked for in a process whose threads make fork unsafe; the
-    message names the threads (or the library) found."""
-
-
 def thread_names() -> list[str]:
     """Names of this process's threads as the kernel has them (``/proc/self/task/*/comm``);
     empty where /proc is not available."""
@@ -91,7 +88,7 @@ def fork_hazards() -> list[str]:
     """Why forking this process now is unsafe: one line per cause, empty if none is known.
 
     Looks at the threads alive now, whoever started them (:data:`FORK_UNSAFE_THREADS`), and at
-    whether stoker itself read through obstore in this process (:mod:`stoker.native_s3`).
+    whether stoker itself read through obstore in this process (:mod:`stoker.storage._native_s3`).
     """
     import sys
     out = []
@@ -99,7 +96,7 @@ def fork_hazards() -> list[str]:
     if bad:
         out.append(f"{len(bad)} tokio runtime thread(s) running in this process ({', '.join(sorted(set(bad)))}; "
                    "obstore or another Rust extension started them)")
-    native = sys.modules.get("stoker.native_s3")
+    native = sys.modules.get("stoker.storage._native_s3")
     if native is not None and os.getpid() in getattr(native, "_USED_IN_PID", ()):
         out.append("stoker read through obstore in this process")
     return out

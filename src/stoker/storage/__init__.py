@@ -4,7 +4,7 @@ Every byte stoker reads from an origin goes through :class:`Origin`, which count
 origin bytes and requests (the figures every benchmark reports) and turns storage
 failures into :class:`OriginError` naming the URL, the byte range and the S3 error code.
 Failures that can clear (throttling, 5xx, resets, timeouts) are retried with exponential
-back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.retry`), so a
+back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.storage.retry`), so a
 short origin outage is ridden out and a failing store never hangs a job; the others
 (403, 404, 400, configuration errors) fail at once.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import fsspec
 import fsspec.asyn
 
+from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 - re-exported
 from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
@@ -29,34 +30,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Origin", "OriginError", "OriginNotFoundError", "OriginPermissionError", "OriginCounters",
            "url_to_fs", "join", "DEFAULT_RETRY_BUDGET_S", "DEFAULT_REQUEST_TIMEOUT_S", "RETRY_BUDGET_ENV"]
-
-
-class OriginError(IOError):
-    """A read or write against the origin failed: after retrying for the retry budget, or at once
-    when the failure cannot clear.
-
-    Attributes: ``url`` (str), ``start``/``end`` (byte range or None), ``attempts`` (int),
-    ``code`` (the S3 error code such as ``SlowDown``, ``AccessDenied``, ``NoSuchKey``, or None),
-    ``status`` (HTTP status or None), ``elapsed_s`` (seconds spent, retries included).
-    """
-
-    def __init__(self, url: str, message: str, start: int | None = None,
-                 end: int | None = None, attempts: int = 1, *, code: str | None = None,
-                 status: int | None = None, elapsed_s: float | None = None):
-        rng = f" bytes {start}-{end}" if start is not None else ""
-        took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
-        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}: {message}")
-        self.url, self.start, self.end, self.attempts = url, start, end, attempts
-        self.code, self.status, self.elapsed_s = code, status, elapsed_s
-
-
-class OriginNotFoundError(OriginError, FileNotFoundError):
-    """The object does not exist (S3 ``NoSuchKey``/404, or a missing local file); not retried.
-    Also a ``FileNotFoundError``."""
-
-
-class OriginPermissionError(OriginError, PermissionError):
-    """The request was denied (S3 ``AccessDenied``/403, ...); not retried. Also a ``PermissionError``."""
 
 
 _INHERITED: list = []
@@ -145,7 +118,7 @@ class Origin:
     :data:`DEFAULT_REQUEST_TIMEOUT_S`).
     ``retry_budget_s``: seconds one operation keeps retrying failures that can clear before
     :class:`OriginError` (None: ``$STOKER_RETRY_BUDGET_S``, else
-    :data:`~stoker.retry.DEFAULT_RETRY_BUDGET_S` = 30 s; 0: one try). An operation ends within
+    :data:`~stoker.storage.retry.DEFAULT_RETRY_BUDGET_S` = 30 s; 0: one try). An operation ends within
     the budget plus at most one request timeout. ``backoff_s``: the first back-off ceiling (s).
     ``attempts``: an optional cap on tries as well (None: only the time budget bounds them).
     The object is picklable (the filesystem and the shared back-off are re-created in each process).
@@ -182,12 +155,12 @@ class Origin:
 
     def use_native(self) -> bool:
         """Serve :meth:`read_range` with obstore in this process (S3 only; see
-        :mod:`stoker.native_s3`). Call it only in a process that will not fork afterwards.
+        :mod:`stoker.storage._native_s3`). Call it only in a process that will not fork afterwards.
         Returns whether it is on (False: not S3, obstore missing, unsupported options, or
         ``STOKER_NATIVE_S3=0``)."""
         if os.environ.get("STOKER_NATIVE_S3", "1") == "0":
             return False
-        from .native_s3 import NativeS3Reader
+        from ._native_s3 import NativeS3Reader
         self._native = NativeS3Reader.create(self.url, self.storage_options)
         return self._native is not None
 
@@ -219,7 +192,7 @@ class Origin:
         return join(self.url, rel) if rel else self.url
 
     def _retry(self, what: str, fn, start=None, end=None):
-        """Call ``fn()`` until it succeeds, retrying failures that can clear (:func:`stoker.retry.classify`)
+        """Call ``fn()`` until it succeeds, retrying failures that can clear (:func:`stoker.storage.retry.classify`)
         with full-jitter back-off for at most ``retry_budget_s`` seconds; waits behind the shared
         back-off while the origin throttles. Raises :class:`OriginError` (``OriginNotFoundError`` /
         ``OriginPermissionError`` for 404 / 403) naming ``what``, the range and the S3 code."""

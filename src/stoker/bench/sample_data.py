@@ -184,6 +184,6 @@ def make_sample_data(root: str, images: int = 2000, classes: int = 10, seed: int
 
     tmp = os.path.join(root, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({**params, "bytes": total, "generator": "stoker.sample_data"}, f)
+        json.dump({**params, "bytes": total, "generator": "stoker.bench.sample_data"}, f)
     os.replace(tmp, os.path.join(root, MANIFEST))
     return {**summary, "bytes": total, "seconds": time.perf_counter() - t0, "generated": True}

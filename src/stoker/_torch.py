@@ -1,0 +1,54 @@
+"""PyTorch adapters and torch-device helpers, imported by the loader and by decode/gpu.py.
+
+torch is imported inside each function, so importing this module costs nothing until a
+function runs. :mod:`stoker.transfer` and :mod:`stoker.decode.gpu` import torch themselves.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def as_tensors(images: np.ndarray, labels: np.ndarray):
+    """Wrap a batch as torch tensors without copying the images.
+
+    ``images`` uint8 (N, 3, S, S) -> torch.uint8 tensor sharing its memory;
+    ``labels`` int64 (N,) -> torch.int64 tensor.
+    """
+    import torch
+    return torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def load() -> None:
+    """Import torch now (about a second, once per process), not inside the first batch."""
+    import torch  # noqa: F401
+
+
+def check_device(device) -> torch.device:
+    """Validate a Loader ``device``: returns the ``torch.device``.
+
+    Raises:
+        ValueError: not ``cpu`` or ``cuda[:N]``.
+        RuntimeError: ``cuda`` asked for but ``torch.cuda.is_available()`` is False (a CPU-only
+            torch build or no visible GPU), or the index is out of range.
+    """
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} but CUDA is not available to this torch "
+                               f"({torch.__version__}, CUDA build: {torch.version.cuda}); "
+                               "use device=None or 'cpu', or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def pinning_available() -> bool:
+    """Whether torch can allocate pinned host memory here (needs a CUDA driver)."""
+    import torch
+    return torch.cuda.is_available()

@@ -1,0 +1,234 @@
+"""Every public error stoker raises, with one base class.
+
+Each error derives from :class:`StokerError` and also keeps the builtin base it always had, so
+``except OSError`` or ``except ValueError`` written against older stoker still catches it::
+
+    StokerError (Exception)
+    ├── OriginError (OSError)                 a read or write against the origin failed
+    │   ├── OriginNotFoundError (FileNotFoundError)    the object does not exist; not retried
+    │   └── OriginPermissionError (PermissionError)    the request was denied; not retried
+    ├── ChecksumError (OSError)               sample bytes differ from the index
+    ├── DatasetChangedError (OSError)         shards at the origin differ from the index
+    ├── PeerUnavailable (OSError)             a peer's cache service did not answer
+    ├── SharedMemoryError (OSError)           /dev/shm cannot hold one batch slot (ENOSPC)
+    ├── PackLeaseLostError (OSError)          this pack lost its lease while writing
+    ├── PackLeaseError (FileExistsError)      another pack holds the destination's lease
+    ├── DatasetExistsError (FileExistsError)  the destination already holds a dataset
+    ├── CacheLockTimeout (TimeoutError)       waited too long for another process's fill
+    ├── IndexFormatError (ValueError)         the index is missing, unreadable or inconsistent
+    ├── NotACacheError (ValueError)           a directory is not a stoker cache
+    ├── DecodeError (ValueError)              a sample's bytes could not be decoded
+    │   └── ImageTooLarge                     the header declares more than ``max_pixels``
+    ├── EntryError (ValueError)               a derived-cache entry is damaged
+    ├── CacheInUseError (RuntimeError)        a cache is in use by a live job
+    ├── WorkerError (RuntimeError)            a loader worker failed or died
+    ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
+    ├── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
+    └── VenvError (RuntimeError)              a benchmark peer's virtual environment failed
+
+Every message names what failed: the sample key, the shard, the path or the URL. The modules
+that raise these errors re-export them under their old names (``stoker.storage.OriginError``,
+``stoker.store.index.IndexError_`` and so on), so older imports keep working. This module
+imports nothing from stoker: it is the lowest layer.
+"""
+from __future__ import annotations
+
+import errno
+import time
+
+__all__ = [
+    "CacheInUseError", "CacheLockTimeout", "ChecksumError", "DatasetChangedError",
+    "DatasetExistsError", "DecodeError", "EntryError", "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge",
+    "IndexFormatError", "NotACacheError", "OriginError", "OriginNotFoundError",
+    "OriginPermissionError", "PackLeaseError", "PackLeaseLostError", "PeerUnavailable",
+    "SharedMemoryError", "StokerError", "VenvError", "WorkerError",
+]
+
+
+class StokerError(Exception):
+    """Base class of every error stoker raises on purpose; catch it to catch them all.
+
+    Every subclass pickles to an equal error (same class, message, errno and attributes), so
+    it crosses process boundaries (multiprocessing queues, Ray) even when its ``__init__``
+    takes other arguments than the ones it passes on to the builtin base.
+    """
+
+    def __reduce__(self):
+        args = self.args
+        if isinstance(self, OSError) and self.filename is not None:  # not kept in args
+            args = (self.errno, self.strerror, self.filename, None, self.filename2)
+        return (_restore, (type(self), args, dict(self.__dict__)))
+
+
+def _restore(cls: type, args: tuple, state: dict) -> BaseException:
+    """Rebuild a pickled :class:`StokerError` without calling its own ``__init__``: the builtin
+    base it keeps (OSError, ValueError, ...) gets the ``args`` it had, then the attributes."""
+    err = cls.__new__(cls, *args)
+    builtin = next(b for b in cls.__mro__ if b.__module__ == "builtins")
+    builtin.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+# --- storage: the origin ------------------------------------------------------------------
+
+class OriginError(StokerError, OSError):
+    """A read or write against the origin failed: after retrying for the retry budget, or at once
+    when the failure cannot clear.
+
+    Attributes: ``url`` (str), ``start``/``end`` (byte range or None), ``attempts`` (int),
+    ``code`` (the S3 error code such as ``SlowDown``, ``AccessDenied``, ``NoSuchKey``, or None),
+    ``status`` (HTTP status or None), ``elapsed_s`` (seconds spent, retries included).
+    """
+
+    def __init__(self, url: str, message: str, start: int | None = None,
+                 end: int | None = None, attempts: int = 1, *, code: str | None = None,
+                 status: int | None = None, elapsed_s: float | None = None):
+        rng = f" bytes {start}-{end}" if start is not None else ""
+        took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
+        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}: {message}")
+        self.url, self.start, self.end, self.attempts = url, start, end, attempts
+        self.code, self.status, self.elapsed_s = code, status, elapsed_s
+
+
+class OriginNotFoundError(OriginError, FileNotFoundError):
+    """The object does not exist (S3 ``NoSuchKey``/404, or a missing local file); not retried.
+    Also a ``FileNotFoundError``."""
+
+
+class OriginPermissionError(OriginError, PermissionError):
+    """The request was denied (S3 ``AccessDenied``/403, ...); not retried. Also a ``PermissionError``."""
+
+
+# --- store: packed datasets ---------------------------------------------------------------
+
+class ChecksumError(StokerError, OSError):
+    """A sample's bytes from the origin do not match the index (names key, shard and URL)."""
+
+
+class DatasetChangedError(StokerError, OSError):
+    """Shards at the origin differ from what the index recorded (message names each shard)."""
+
+
+class DatasetExistsError(StokerError, FileExistsError):
+    """The destination already holds a packed dataset (pass overwrite=True)."""
+
+
+class IndexFormatError(StokerError, ValueError):
+    """The index is missing, unreadable or inconsistent (message names the URL).
+
+    Called ``IndexError_`` before; that name stays importable from :mod:`stoker.store.index`.
+    """
+
+
+def _utc(t) -> str:
+    """A Unix time in seconds as ``YYYY-MM-DDTHH:MM:SSZ``, or ``"?"`` when unknown."""
+    if not t:
+        return "?"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
+
+
+class PackLeaseError(StokerError, FileExistsError):
+    """Another pack holds the destination's lease. Attributes: ``url`` (of the lease object),
+    ``owner`` (dict: host, pid, run, started_unix, expires_unix; times in Unix seconds)."""
+
+    def __init__(self, url: str, owner: dict):
+        self.url, self.owner = url, owner
+        exp = float(owner.get("expires_unix") or 0)
+        super().__init__(
+            f"{url}: the destination is being packed by another run (host {owner.get('host')!r}, "
+            f"pid {owner.get('pid')}, run {owner.get('run')}, started {_utc(owner.get('started_unix'))}); "
+            f"its lease expires {_utc(exp)} (in {max(0.0, exp - time.time()):.0f} s unless renewed). "
+            "Wait for that pack to finish; if it died, run again after the expiry.")
+
+
+class PackLeaseLostError(StokerError, OSError):
+    """This pack's lease was taken over or removed while it was writing: it stops before
+    installing an index (the message names the lease object and the new owner, if any)."""
+
+
+# --- cache: the node cache ----------------------------------------------------------------
+
+class CacheLockTimeout(StokerError, TimeoutError):
+    """Waited longer than the timeout for another process's fill of a block."""
+
+
+class NotACacheError(StokerError, ValueError):
+    """The directory is not a stoker cache (no marker) and holds none; the message names it."""
+
+
+class CacheInUseError(StokerError, RuntimeError):
+    """A cache (or one dataset in it) is in use by a live job; the message names its pid."""
+
+
+# --- decode -------------------------------------------------------------------------------
+
+class DecodeError(StokerError, ValueError):
+    """A sample's bytes could not be decoded to an RGB image.
+
+    Attributes:
+        key: the sample key (str) the bytes belong to.
+        reason: human-readable cause (str).
+    """
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = reason
+        super().__init__(f"cannot decode sample {key!r}: {reason}")
+
+    def __reduce__(self):  # keep key/reason when pickled across worker processes
+        return (type(self), (self.key, self.reason))
+
+
+class ImageTooLarge(DecodeError):
+    """The image header declares more pixels (width * height) than ``max_pixels``."""
+
+
+class EntryError(StokerError, ValueError):
+    """A derived entry is damaged (short, wrong magic/kind/size, checksum mismatch)."""
+
+
+# --- loader and processes -----------------------------------------------------------------
+
+class WorkerError(StokerError, RuntimeError):
+    """A worker failed or died; the message names the worker and the sample key."""
+
+
+class ForkUnsafeError(StokerError, RuntimeError):
+    """``start_method="fork"`` was asked for in a process whose threads make fork unsafe; the
+    message names the threads (or the library) found."""
+
+
+class SharedMemoryError(StokerError, OSError):
+    """The shared-memory directory cannot hold one batch slot (errno ENOSPC).
+
+    Attributes: ``path`` (the directory, e.g. ``/dev/shm``), ``needed_bytes`` (one slot),
+    ``free_bytes`` (free in that directory's filesystem when the reservation failed).
+    """
+
+    def __init__(self, path: str, needed_bytes: int, free_bytes: int, detail: str = ""):
+        self.needed_bytes, self.free_bytes = int(needed_bytes), int(free_bytes)
+        super().__init__(errno.ENOSPC,
+                         f"{path} has {free_bytes} bytes free but one batch slot needs {needed_bytes} bytes"
+                         f"{detail}: give the container a larger {path} (docker run --shm-size, a Kubernetes "
+                         "emptyDir with medium Memory), or lower batch_size / image_size, or use num_workers=0 "
+                         "(no shared memory)", path)
+
+
+# --- cluster and benchmarks ---------------------------------------------------------------
+
+class PeerUnavailable(StokerError, OSError):
+    """A peer's cache service did not answer (dead, restarting, or timed out)."""
+
+
+class ExtenderRequestError(StokerError, ValueError):
+    """A scheduler-extender request the server refuses; ``code`` is the HTTP status (400, 404,
+    411, 413). Also importable as ``stoker.cluster.extender.BadRequest``."""
+
+    def __init__(self, message: str, code: int = 400):
+        super().__init__(message)
+        self.code = code
+
+
+class VenvError(StokerError, RuntimeError):
+    """A peer's virtual environment could not be made; the message ends with pip's stderr tail."""
