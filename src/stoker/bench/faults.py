@@ -261,7 +261,7 @@ def _cache_roots(cache_dir: str, spec: dict) -> list[str]:
 def make_dataset(work: str, images: int) -> tuple[str, int]:
     """Pack ``images`` bundled photographs, label = sample index, into ``work/packed``
     (256 KiB shards, so several shards and cache blocks). Returns (local path, samples)."""
-    from ..sample_data import make_sample_data
+    from .sample_data import make_sample_data
     from ..store.pack import pack
     raw = os.path.join(work, "raw")
     make_sample_data(raw, images=images, classes=4, seed=0, workers=1)

@@ -199,7 +199,7 @@ def main(spec_path: str) -> None:
               "pid": os.getpid()}
     _write(spec["result"], result)  # the pid names this process's shared-memory files, even after a hang
     from .. import decode, loader  # noqa: F401 - imports paid before any round is timed
-    from .. import torch as torch_adapter
+    from .. import _torch as torch_adapter
     torch_adapter.load()
     _pre(spec.get("pre"), spec)
     rng = random.Random(spec.get("seed", 0))
