@@ -33,7 +33,7 @@ def _opts(text: str | None) -> dict:
 
 
 def cmd_sample_data(a) -> int:
-    from .sample_data import make_sample_data
+    from ..sample_data import make_sample_data
     print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
     print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
           file=sys.stderr)
@@ -41,7 +41,7 @@ def cmd_sample_data(a) -> int:
 
 
 def cmd_pack(a) -> int:
-    from .store.pack import pack
+    from ..store.pack import pack
     if a.shard_size < 1:
         raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
     r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
@@ -53,7 +53,7 @@ def cmd_pack(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from .bench.demo import DemoConfig, run_demo
+    from ..bench.demo import DemoConfig, run_demo
     cfg = DemoConfig(quick=a.quick, images=a.images, classes=a.classes, seed=a.seed, latency_ms=a.latency_ms,
                      bandwidth_MBps=a.bandwidth_mbps, workers=a.workers, batch_size=a.batch_size,
                      epochs=a.epochs, consumer_rate=a.consumer_rate, block_bytes=a.block_size,
@@ -121,17 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bench_sub = b.add_subparsers(dest="bench", required=True)
-    from .bench import cache_bench, decode_bench
-    from .bench.peers import bench as peers_bench
+    from ..bench import cache_bench, decode_bench
+    from ..bench.peers import bench as peers_bench
     decode_bench.add_parser(bench_sub)
     cache_bench.add_parser(bench_sub)
     peers_bench.add_parser(bench_sub)
-    from .cluster import bench as cluster_bench, cli as cluster_cli
+    from ..cluster import bench as cluster_bench, cli as cluster_cli
     cluster_bench.add_parser(bench_sub)
     cluster_cli.add_parsers(sub, _size)
 
-    from .cache import status as cache_status
-    from .store import listing, verify
+    from ..cache import status as cache_status
+    from ..store import listing, verify
     listing.add_parsers(sub)
     verify.add_parsers(sub)
     cache_status.add_parsers(sub)
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; expected failures (bad input, storage errors) print one line, exit 2."""
     import tarfile
 
-    from .cache.status import CacheInUseError
-    from .storage import OriginError
+    from ..cache.status import CacheInUseError
+    from ..storage import OriginError
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -162,6 +162,3 @@ def main(argv: list[str] | None = None) -> int:
               else f"stoker {args.cmd}{where}: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
