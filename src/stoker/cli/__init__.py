@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode_bench.add_parser(bench_sub)
     cache_bench.add_parser(bench_sub)
     peers_bench.add_parser(bench_sub)
-    from ..cluster import bench as cluster_bench, cli as cluster_cli
+    from ..cluster import bench as cluster_bench
     cluster_bench.add_parser(bench_sub)
+    from . import cluster as cluster_cli
     cluster_cli.add_parsers(sub, _size)
 
     from ..cache import status as cache_status

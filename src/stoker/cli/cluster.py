@@ -1,4 +1,4 @@
-"""Command-line parts of cluster mode: ``stoker warm``, ``stoker cluster-state``, ``stoker extender``.
+"""The cluster-mode commands: ``stoker warm``, ``stoker cluster-state``, ``stoker extender``.
 
 Ray is imported only when ``warm`` or ``cluster-state`` runs; ``extender`` with ``--state`` needs
 no Ray (it can run beside kube-scheduler).
@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from .extender import MAX_BODY_BYTES
+from ..cluster.extender import MAX_BODY_BYTES
 
 
 def _ray_init(address: str | None):
@@ -28,7 +28,7 @@ def cmd_warm(a) -> int:
     """``stoker warm``: the report as JSON on stdout, a summary per node on stderr. Exit 0 when every
     block is cached, 1 when the warm-up is partial (budget too small, shards that failed: named
     with the reason; running it again fetches only what is missing)."""
-    from .warmup import warm
+    from ..cluster.warmup import warm
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
              cache_bytes=a.cache_size, block_bytes=a.block_size, progress=not a.no_progress, detached=True)
@@ -58,7 +58,7 @@ def cmd_warm(a) -> int:
 
 
 def cmd_state(a) -> int:
-    from .warmup import cluster_state
+    from ..cluster.warmup import cluster_state
     _ray_init(a.ray_address)
     state = cluster_state(a.urls, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
@@ -75,14 +75,14 @@ def cmd_state(a) -> int:
 
 
 def cmd_extender(a) -> int:
-    from .extender import file_state, serve
+    from ..cluster.extender import file_state, serve
     if bool(a.state) == bool(a.dataset):
         raise ValueError("give either --state FILE or --dataset URL (with Ray)")
     if a.state:
         state = file_state(a.state)
         state()  # fail now, not at the first request, on a missing or bad file
     else:
-        from .warmup import ray_state
+        from ..cluster.warmup import ray_state
         _ray_init(a.ray_address)
         state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
