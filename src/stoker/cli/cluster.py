@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..cluster.extender import MAX_BODY_BYTES
+from ._common import size_arg
 
 
 def _ray_init(address: str | None):
@@ -98,14 +99,14 @@ def cmd_extender(a) -> int:
     return 0
 
 
-def add_parsers(sub, size) -> None:
-    """Register the cluster subcommands on the top-level subparsers ``sub``; ``size`` parses byte sizes."""
+def add_parsers(sub) -> None:
+    """Register ``warm``, ``cluster-state`` and ``extender`` on the top-level subparsers ``sub``."""
     s = sub.add_parser("warm", help="fill the cluster cache (Ray) with a dataset, every node in parallel")
     s.add_argument("url")
     s.add_argument("--ray-address", help="Ray cluster address (default: auto)")
     s.add_argument("--cache-dir", help="node cache root, when the services are not running yet")
-    s.add_argument("--cache-size", type=size, help="cache budget per node (default 8GiB)")
-    s.add_argument("--block-size", type=size, help="cache block (default 1MiB)")
+    s.add_argument("--cache-size", type=size_arg, help="cache budget per node (default 8GiB)")
+    s.add_argument("--block-size", type=size_arg, help="cache block (default 1MiB)")
     s.add_argument("--storage-options", help="fsspec storage options, as JSON")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_warm)
@@ -114,7 +115,7 @@ def add_parsers(sub, size) -> None:
     s.add_argument("urls", nargs="+")
     s.add_argument("--out", help="write here (atomically); default stdout")
     s.add_argument("--ray-address")
-    s.add_argument("--block-size", type=size)
+    s.add_argument("--block-size", type=size_arg)
     s.add_argument("--storage-options")
     s.set_defaults(fn=cmd_state)
 
@@ -123,10 +124,10 @@ def add_parsers(sub, size) -> None:
     s.add_argument("--dataset", action="append", help="instead of --state: ask the cache services (Ray) "
                                                        "about this dataset URL (repeatable), every 10 s")
     s.add_argument("--ray-address")
-    s.add_argument("--block-size", type=size)
+    s.add_argument("--block-size", type=size_arg)
     s.add_argument("--storage-options")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8888)
-    s.add_argument("--max-body-size", type=size, default=MAX_BODY_BYTES,
+    s.add_argument("--max-body-size", type=size_arg, default=MAX_BODY_BYTES,
                    help="refuse larger requests with 413 (default 8MiB: about a thousand full Node objects)")
     s.set_defaults(fn=cmd_extender)
