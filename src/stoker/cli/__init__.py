@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, IOError, CacheInUseError,
+    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, OSError, CacheInUseError,
             *_storage_errors()) as exc:
         if args.verbose:
             raise

@@ -20,7 +20,7 @@ def size_arg(text: str) -> int:
 
 
 def json_options(text: str | None) -> dict:
-    """fsspec storage options given as JSON text on the command line (``None`` -> ``{}``).
+    """Storage options (fsspec) given as JSON text on the command line (``None`` -> ``{}``).
 
     Raises ValueError (json.JSONDecodeError) on text that is not JSON.
     """

@@ -58,7 +58,8 @@ def _cmd_decode(a) -> int:
 # -- stoker bench cache ----------------------------------------------------------
 def _add_cache(bench_sub) -> None:
     from ..bench.cache_bench import POLICY_NAMES
-    p = bench_sub.add_parser("cache", help="origin bytes and stall per cache budget and policy (future/LRU/no-eviction)")
+    p = bench_sub.add_parser("cache", help="origin bytes and stall per cache budget and policy "
+                                           "(future/LRU/no-eviction)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--images", type=int, default=5000)
     p.add_argument("--epochs", type=int, default=3)

@@ -26,15 +26,17 @@ def _ray_init(address: str | None):
 
 
 def cmd_warm(a) -> int:
-    """``stoker warm``: the report as JSON on stdout, a summary per node on stderr. Exit 0 when every
-    block is cached, 1 when the warm-up is partial (budget too small, shards that failed: named
-    with the reason; running it again fetches only what is missing)."""
+    """``stoker warm``: the report as JSON on stdout, a summary per node on stderr.
+
+    Exit 0 when every block is cached, 1 when the warm-up is partial (budget too small, shards
+    that failed: named with the reason; running it again fetches only what is missing).
+    """
     from ..cluster.warmup import warm
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
              cache_bytes=a.cache_size, block_bytes=a.block_size, progress=not a.no_progress, detached=True)
     print(json.dumps(r, indent=2))
-    for nid, n in r["nodes"].items():
+    for n in r["nodes"].values():
         print(f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
               f"{n['cached_bytes'] / 1e6:9.1f} MB  ({n['cached_fraction']:.0%})"
               + (f"  {n['refused']} block(s) over the budget" if n["refused"] else "")
@@ -59,6 +61,7 @@ def cmd_warm(a) -> int:
 
 
 def cmd_state(a) -> int:
+    """``stoker cluster-state``: what every node caches, as JSON (written atomically with ``--out``)."""
     from ..cluster.warmup import cluster_state
     _ray_init(a.ray_address)
     state = cluster_state(a.urls, json.loads(a.storage_options) if a.storage_options else None,
@@ -76,6 +79,7 @@ def cmd_state(a) -> int:
 
 
 def cmd_extender(a) -> int:
+    """``stoker extender``: serve the kube-scheduler extender until interrupted; exit 0 on Ctrl-C."""
     from ..cluster.extender import file_state, serve
     if bool(a.state) == bool(a.dataset):
         raise ValueError("give either --state FILE or --dataset URL (with Ray)")

@@ -1,7 +1,6 @@
 """What `stoker ls` and `stoker stat` print (the commands themselves are in :mod:`stoker.cli.data`)."""
 from __future__ import annotations
 
-
 from .directory import SampleDirectory
 
 
