@@ -42,13 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    expected: tuple[type[BaseException], ...] = (
+        FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, OSError, CacheInUseError,
+        *_storage_errors())
     try:
         return int(args.fn(args) or 0)
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, OSError, CacheInUseError,
-            *_storage_errors()) as exc:
+    except expected as exc:
         if args.verbose:
             raise
         where = getattr(args, "src", None) or getattr(args, "url", None)
