@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-quick test bench clean
+.PHONY: venv demo demo-quick test lint bench clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ demo-quick: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# ruff (E, F, I, B, UP; D for src/) and mypy, configured in pyproject.toml.
+lint: venv
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -298,8 +298,8 @@ def test_cli_parsers_open_the_dataset_and_print(tmp_path, capsys):
     (tmp_path / INDEX_NAME).write_bytes(table_to_bytes(t))
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
-    from stoker.store import listing
-    listing.add_parsers(sub)
+    from stoker.cli import data
+    data.add_parsers(sub)
     a = p.parse_args(["ls", str(tmp_path)])
     assert a.fn(a) == 0
     out = capsys.readouterr().out.splitlines()

@@ -23,7 +23,8 @@ Orders:
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ DEFAULT_WINDOW_BLOCKS = 16
 PERMUTATIONS: dict[str, PermutationFn] = {}
 
 
-def register_permutation(name: str):
+def register_permutation(name: str) -> Callable[[PermutationFn], PermutationFn]:
     """Decorator: register ``fn(num_samples, seed, epoch, groups=None, **options) -> int64 array``."""
     def deco(fn: PermutationFn) -> PermutationFn:
         PERMUTATIONS[name] = fn
@@ -46,20 +47,20 @@ def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
 
 
 @register_permutation("uniform")
-def uniform_permutation(num_samples: int, seed: int, epoch: int, groups=None, **_) -> np.ndarray:
+def uniform_permutation(num_samples: int, seed: int, epoch: int, groups: Any = None, **_: Any) -> np.ndarray:
     """Uniform random permutation of ``range(num_samples)`` from PCG64 seeded by (seed, epoch)."""
     return _rng(seed, epoch, 0x570CE).permutation(num_samples).astype(np.int64, copy=False)
 
 
 @register_permutation("sequential")
-def sequential_permutation(num_samples: int, seed: int, epoch: int, groups=None, **_) -> np.ndarray:
+def sequential_permutation(num_samples: int, seed: int, epoch: int, groups: Any = None, **_: Any) -> np.ndarray:
     """Identity order (``shuffle=False``)."""
     return np.arange(num_samples, dtype=np.int64)
 
 
 @register_permutation("blockwise")
-def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups=None,
-                          window: int = DEFAULT_WINDOW_BLOCKS, **_) -> np.ndarray:
+def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups: Any = None,
+                          window: int = DEFAULT_WINDOW_BLOCKS, **_: Any) -> np.ndarray:
     """Quasi-random order: random block order, samples shuffled within windows of ``window`` blocks.
 
     ``groups``: int array (num_samples,), the block of each sample (None = each sample its
@@ -85,8 +86,8 @@ def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups=None,
 PERMUTATIONS["pcg64"] = uniform_permutation
 
 
-def permutation(num_samples: int, seed: int, epoch: int, name: str = "uniform", groups=None,
-                **options) -> np.ndarray:
+def permutation(num_samples: int, seed: int, epoch: int, name: str = "uniform", groups: Any = None,
+                **options: Any) -> np.ndarray:
     """Return the epoch's permutation, int64 array of shape (num_samples,). KeyError for unknown names."""
     try:
         fn = PERMUTATIONS[name]
@@ -186,9 +187,9 @@ class SampleStream:
     the ``blockwise`` order; :attr:`stoker.store.dataset.Dataset.sample_block`).
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, *, order: str = "blockwise", groups=None,
+    def __init__(self, num_samples: int, seed: int = 0, *, order: str = "blockwise", groups: Any = None,
                  window: int = DEFAULT_WINDOW_BLOCKS, rank: int = 0, world_size: int = 1,
-                 even: str = "pad", epoch: int = 0):
+                 even: str = "pad", epoch: int = 0) -> None:
         if order not in PERMUTATIONS:
             raise KeyError(f"unknown permutation {order!r}; registered: {sorted(PERMUTATIONS)}")
         self.num_samples, self.seed, self.order = int(num_samples), int(seed), order
@@ -207,7 +208,7 @@ class SampleStream:
     def __len__(self) -> int:
         return len(self.plan(self.epoch)) - self.position
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         ids = self.plan(self.epoch)
         while self.position < len(ids):
             i = int(ids[self.position])
@@ -215,13 +216,13 @@ class SampleStream:
             yield i
         self.epoch, self.position = self.epoch + 1, 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """{"epoch", "position", and the configuration}: plain ints and strings."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "order": self.order,
                 "window": self.window, "rank": self.rank, "world_size": self.world_size, "even": self.even,
                 "num_samples": self.num_samples}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: the next ``iter()`` yields the rest of the saved
         epoch (the next epoch if it was finished; an epoch with no ids for this rank is still
         iterated, yielding nothing, so ``epoch`` advances exactly as in the saved run).

@@ -14,12 +14,10 @@ stall_fraction, ...}], "two_jobs": [...], "consumer_rate", "origin", "dataset", 
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
-import time
 
 POLICY_NAMES = ("future", "lru", "noevict")
 
@@ -149,38 +147,3 @@ def summary(report: dict) -> list[dict]:
                     "floor_bytes": rows[0]["floor_bytes"], "excess_over_floor": (ob - rows[0]["floor_bytes"]) / D,
                     "stall_fraction": sum(r["stall_fraction"] for r in rows) / len(rows)})
     return out
-
-
-def add_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("cache", help="origin bytes and stall per cache budget and policy (future/LRU/no-eviction)")
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--images", type=int, default=5000)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--fractions", default="0.1,0.25,0.5,1.0", help="cache budgets as fractions of the dataset")
-    p.add_argument("--policies", default=",".join(POLICY_NAMES))
-    p.add_argument("--consumer-rate", type=float, default=None,
-                   help="emulated accelerator, samples/s (default: 2x origin headroom at the smallest budget)")
-    p.add_argument("--latency-ms", type=float, default=20.0)
-    p.add_argument("--bandwidth-MBps", type=float, default=100.0)
-    p.add_argument("--no-two-jobs", action="store_true")
-    p.add_argument("--staging-bytes", type=int, default=64 << 20, help="the loader's staging budget (bytes)")
-    p.set_defaults(fn=_cmd)
-
-
-def _cmd(a) -> int:
-    t = time.perf_counter()
-    r = run(images=a.images, epochs=a.epochs, fractions=[float(f) for f in a.fractions.split(",")],
-            policies=a.policies.split(","), consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
-            bandwidth_MBps=a.bandwidth_MBps, two_jobs_fractions=() if a.no_two_jobs else (1.0, 0.5),
-            staging_bytes=a.staging_bytes)
-    print("steady state (epochs >= 1):")
-    for s in summary(r):
-        print(f"  C={s['cache_fraction']:4.2f}D {s['policy']:8} origin {s['origin_bytes'] / 1e6:7.1f} MB/epoch "
-              f"(floor {s['floor_bytes'] / 1e6:6.1f}, excess {100 * s['excess_over_floor']:+.1f}% of D) "
-              f"stall {s['stall_fraction']:.3f}")
-    print(f"({time.perf_counter() - t:.0f} s)")
-    if a.json:
-        r["summary"] = summary(r)
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
-    return 0

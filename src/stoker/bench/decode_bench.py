@@ -127,39 +127,3 @@ def _cache_forms(payloads, packed, work, seconds, batch_size, epochs) -> dict:
     out["loader"] = {"form": form, "workers": 2, "samples_per_s": n / dt, "derived_hits": hits,
                      "efficiency_vs_raw_decode": n / dt / (2 * out["forms"]["raw"]["decode_per_core"])}
     return out
-
-
-def add_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("decode", help="decode+augment per core (stoker, Pillow, DALI-CPU) and loader efficiency")
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--seconds", type=float, default=3.0, help="per single-process measurement")
-    p.add_argument("--no-dali", action="store_true", help="skip DALI (recorded as skipped)")
-    p.add_argument("--dali-venv", help="virtual environment for DALI (made on first use; default ~/.cache/stoker-bench/venvs/dali)")
-    p.set_defaults(fn=_cmd)
-
-
-def _cmd(a) -> int:
-    r = run(images=a.images, seconds=a.seconds, dali=not a.no_dali, dali_venv=a.dali_venv)
-    pc = r["per_core"]
-    print(f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, "
-          f"DALI-CPU {pc['dali']:.0f}" if pc["dali"] else
-          f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, DALI-CPU skipped")
-    for row in r["loader"]:
-        print(f"loader, {row['workers']} worker(s): {row['samples_per_s']:.0f} samples/s, efficiency "
-              f"{row['efficiency']:.2f}, trainer CPU {row['trainer_cpu_per_batch_s'] * 1e3:.2f} ms/batch "
-              f"({100 * row['trainer_cpu_fraction']:.1f}% of a core)")
-    cf = r["cache_forms"]
-    for name, row in cf["forms"].items():
-        extra = (f", fill {row['fill_s_per_sample'] * 1e3:.1f} ms, pixel diff vs full mean {row['pixel_mad']:.2f} "
-                 f"p99 {row['pixel_p99']:.0f}" if name != "raw" else "")
-        print(f"form {name}: {row['bytes_per_sample'] / 1e3:.1f} kB/sample, {row['decode_per_core']:.0f} samples/s "
-              f"per core{extra}")
-    print(f"cache_form=auto (2 workers): {cf['auto']['choice']}; loader with {cf['loader']['form']}, 2 workers, warm: "
-          f"{cf['loader']['samples_per_s']:.0f} samples/s")
-    for s in r["skipped"]:
-        print(f"skipped {s['loader']}: {s['reason']}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
-    return 0

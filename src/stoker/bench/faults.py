@@ -348,24 +348,3 @@ def table(report: dict) -> str:
     for r in report["scenarios"]:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
     return "\n".join(lines)
-
-
-def _cmd(a) -> int:
-    only = [s for s in (a.only or "").split(",") if s] or None
-    report = run(a.json, quick=a.quick, only=only, images=a.images, workdir=a.workdir, ray=not a.no_ray)
-    print(table(report))
-    return 0 if all(r["ok"] or r["outcome"] == "skipped" for r in report["scenarios"]) or not a.strict else 1
-
-
-def add_parser(bench_sub) -> None:
-    """Register ``stoker bench faults`` on the ``bench`` subparsers."""
-    p = bench_sub.add_parser("faults", help="fault scenarios (origin errors, resets, stalls, exhausted disk and "
-                                            "/dev/shm, SIGKILL, ...): outcome, samples lost, leftovers")
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--quick", action="store_true", help="the short list, 5 SIGKILL rounds instead of 20")
-    p.add_argument("--only", metavar="SCENARIO[,SCENARIO]", help="run just these (the clean run always runs)")
-    p.add_argument("--images", type=int, help="dataset samples (default 96; 64 with --quick)")
-    p.add_argument("--workdir", help="keep the inputs and caches here (default: a temporary directory, removed)")
-    p.add_argument("--no-ray", action="store_true", help="skip the warm-up scenario (it starts a local Ray)")
-    p.add_argument("--strict", action="store_true", help="exit 1 unless every scenario is ok")
-    p.set_defaults(fn=_cmd)

@@ -1,7 +1,7 @@
 """An emulated remote origin: moto's S3 server behind a throttling TCP proxy.
 
-The server runs in its own process (``python -m stoker.bench.origin serve``, implemented
-in :mod:`stoker.bench.origin_server`) so that it never competes with the caller for the
+The server runs in its own process (``python -m stoker.cli origin-server``, which calls
+:func:`serve_origin`, implemented in :mod:`stoker.bench.origin_server`) so that it never competes with the caller for the
 GIL. Inside that process, moto's WSGI application (plus a fast path for ranged GETs,
 fault injection and counters) is served by waitress with HTTP/1.1 keep-alive, behind an
 asyncio TCP proxy that adds ``latency_ms`` once per HTTP request (also on reused
@@ -12,7 +12,6 @@ for the exact model.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import os
@@ -64,7 +63,7 @@ class LocalS3Origin:
                    AWS_DEFAULT_REGION=_REGION, AWS_CONFIG_FILE=os.devnull,
                    AWS_SHARED_CREDENTIALS_FILE=os.devnull,
                    PYTHONPATH=os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "stoker.bench.origin", "serve",
+        cmd = [sys.executable, "-m", "stoker.cli", "origin-server",
                "--latency-ms", str(self.latency_ms), "--bandwidth-mbps", str(self.bandwidth_MBps),
                "--ready-file", ready, "--bucket", self.bucket, "--parent-pid", str(os.getpid())]
         if not self.fast_range:
@@ -177,25 +176,17 @@ def upload_tree(local_dir: str, dst_url: str, storage_options: dict | None = Non
             "seconds": time.perf_counter() - t0}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m stoker.bench.origin serve [...]``."""
-    p = argparse.ArgumentParser(prog="python -m stoker.bench.origin")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run moto behind a throttling proxy")
-    s.add_argument("--latency-ms", type=float, default=20.0)
-    s.add_argument("--bandwidth-mbps", "--bandwidth-MBps", dest="bandwidth", type=float,
-                   default=100.0, help="megabytes (1e6 bytes) per second; 0 = unlimited")
-    s.add_argument("--ready-file")
-    s.add_argument("--bucket", action="append", default=[])
-    s.add_argument("--no-fast-range", action="store_true")
-    s.add_argument("--parent-pid", type=int)
-    a = p.parse_args(argv)
+def serve_origin(*, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0, ready_file: str | None = None,
+                 buckets: tuple[str, ...] = (), fast_range: bool = True, parent_pid: int | None = None) -> None:
+    """Run the emulated origin in this process until killed (or until ``parent_pid`` exits).
+
+    ``latency_ms``: milliseconds added to every request; ``bandwidth_MBps``: megabytes (1e6 bytes)
+    per second, 0 = unlimited; ``ready_file``: where ``{endpoint_url, direct_url, pid}`` is written
+    as JSON once the server listens; ``buckets``: created on start; ``fast_range``: see
+    :class:`LocalS3Origin`. Sets the test credentials unless AWS ones are set already. Raises
+    whatever moto or waitress raise on start-up. This is what ``stoker origin-server`` runs.
+    """
     from .origin_server import serve
     os.environ.setdefault("AWS_ACCESS_KEY_ID", _CREDS["key"])
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", _CREDS["secret"])
-    serve(a.latency_ms, a.bandwidth, a.ready_file, tuple(a.bucket), not a.no_fast_range,
-          a.parent_pid)
-
-
-if __name__ == "__main__":
-    main()
+    serve(latency_ms, bandwidth_MBps, ready_file, buckets, fast_range, parent_pid)

@@ -1,4 +1,4 @@
-"""Server side of :mod:`stoker.bench.origin`: runs inside ``python -m stoker.bench.origin serve``.
+"""Server side of :mod:`stoker.bench.origin`: runs inside ``python -m stoker.cli origin-server``.
 
 * moto's WSGI application, wrapped in :class:`_Middleware`, which serves single
   ``Range: bytes=a-b`` / ``bytes=a-`` object GETs straight from the key's buffer

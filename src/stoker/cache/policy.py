@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+from typing import Any
 
 from .._procs import pid_alive
 
@@ -67,7 +68,7 @@ def share_budget(capacity_bytes: int, datasets: dict[str, tuple[int, float | Non
     return quotas
 
 
-_AT_EXIT: set = set()
+_AT_EXIT: set[tuple[str, str, int]] = set()
 
 
 def _unregister_at_exit(directory: str, namespace: str, pid: int) -> None:
@@ -124,9 +125,9 @@ class JobRegistry:
         except FileNotFoundError:
             pass
 
-    def records(self) -> list[dict]:
+    def records(self) -> list[dict[str, Any]]:
         """Records of live processes (dead ones are skipped, not removed)."""
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:

@@ -1,4 +1,4 @@
-"""`stoker cache status DIR` and `stoker cache clear DIR`: a node cache on the command line.
+"""Status and clearing of a node cache directory (`stoker cache status|clear`, in :mod:`stoker.cli.cache`).
 
 Both act only on what the cache recognises as its own (:mod:`.layout`): a directory with
 the cache's marker, its marked namespaces, and marked caches directly below it (the
@@ -7,11 +7,9 @@ refused (:class:`NotACacheError`, exit 2) before anything is read or written the
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
-from .._units import parse_size
 from ..errors import CacheInUseError, NotACacheError  # noqa: F401 - re-exported
 from .disk import DiskCache
 from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
@@ -109,51 +107,3 @@ def clear(root: str, namespace: str | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
     cache.recover()
     return freed
-
-
-def add_parsers(sub) -> None:
-    """Register ``stoker cache status|clear`` on an argparse subparsers object."""
-    p = sub.add_parser("cache", help="inspect or clear a node cache directory")
-    csub = p.add_subparsers(dest="cache_cmd", required=True)
-    s = csub.add_parser("status", help="usage per dataset, live jobs, the policy's budget split")
-    s.add_argument("dir")
-    s.add_argument("--budget", type=parse_size, help="show the future policy's split of this budget (e.g. 500GiB)")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=_cmd_status)
-    c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")
-    c.add_argument("dir")
-    c.add_argument("--namespace", help="only this dataset version")
-    c.set_defaults(fn=_cmd_clear)
-
-
-def _cmd_status(a) -> int:
-    st = status(a.dir, a.budget)
-    if a.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    _print_status(st)
-    return 0
-
-
-def _print_status(st: dict) -> None:
-    print(f"{st['root']}: {st['used_bytes']:,} bytes of blocks")
-    for ns, used in sorted(st["namespaces"].items()):
-        q = st["quotas"].get(ns)
-        print(f"  dataset {ns}: {used:,} bytes" + (f" (share {q:,})" if q is not None else ""))
-    for r in st["jobs"]:
-        rate = f"epoch {r['epoch_s']:.1f} s" if r.get("epoch_s") else "no epoch yet"
-        print(f"  job pid {r['pid']}: dataset {r['namespace']} ({r['dataset_bytes']:,} bytes), {rate}")
-    if st["quotas"] == {} and not st["jobs"]:
-        print("  no live job: no budget split to show")
-    for name, info in st["stores"].items():
-        print(f"  {name}: {info['bytes']:,} bytes in {info['path']}")
-    if st["ignored"]:
-        print("  not the cache's (never counted, evicted or cleared): " + ", ".join(st["ignored"]))
-    for sub in st["nested"]:
-        _print_status(sub)
-
-
-def _cmd_clear(a) -> int:
-    freed = clear(a.dir, a.namespace)
-    print(f"freed {freed:,} bytes")
-    return 0

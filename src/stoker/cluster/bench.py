@@ -12,11 +12,9 @@ seconds) and the bytes read locally, from peers and from the origin.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
-import time
 from functools import partial
 
 
@@ -108,28 +106,3 @@ def table(report: dict) -> str:
                      f"{r['local_fraction']:.2f} | {r['peer_fraction']:.2f} | {r['origin_fraction']:.2f} | "
                      f"{r['origin_bytes'] / 1e6:.1f} |")
     return "\n".join(lines)
-
-
-def add_parser(bench_sub) -> None:
-    """Register ``stoker bench cluster``."""
-    s = bench_sub.add_parser("cluster", help="2 jobs x 3 Ray nodes, co-located vs random placement")
-    s.add_argument("--json", help="write the report here")
-    s.add_argument("--images", type=int, default=900)
-    s.add_argument("--epochs", type=int, default=3)
-    s.add_argument("--latency-ms", type=float, default=20.0)
-    s.add_argument("--bandwidth-mbps", type=float, default=100.0)
-    s.add_argument("--workdir")
-    s.set_defaults(fn=_cmd)
-
-
-def _cmd(a) -> int:
-    t0 = time.perf_counter()
-    report = run(images=a.images, epochs=a.epochs, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_mbps,
-                 workdir=a.workdir)
-    report["seconds"] = time.perf_counter() - t0
-    print(table(report))
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field as dc_field
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -105,15 +107,15 @@ class DatasetIndex:
     offset: np.ndarray
     length: np.ndarray
     checksum: np.ndarray
-    shards: list
-    classes: list
+    shards: list[dict[str, Any]]
+    classes: list[str]
     version: str
     field: np.ndarray | None = None
-    names: list = dc_field(default_factory=list)
+    names: list[str] = dc_field(default_factory=list)
     members: Members | None = None
     span_end: np.ndarray | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.span_end is None:
             self.span_end = _span_end(self.offset, self.length, self.members)
 
@@ -127,12 +129,12 @@ class DatasetIndex:
         if kb is None:
             kb = self.__dict__["_key_buffers"] = _string_buffers(self.keys)
         if kb is False:
-            return self.keys[int(i)].as_py()
+            return str(self.keys[int(i)].as_py())
         offsets, data = kb
         i = int(i)
         return str(data[offsets[i]:offsets[i + 1]], "utf-8")
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_key_buffers", None)  # derived from keys; rebuilt on first use
         return state
@@ -144,7 +146,7 @@ class DatasetIndex:
         return int(self.length.sum()) + extra
 
     def shard_name(self, shard: int) -> str:
-        return self.shards[int(shard)]["name"]
+        return str(self.shards[int(shard)]["name"])
 
     def field_name(self, i: int) -> str:
         """The primary payload's field name of sample ``i`` ("" for a format 1 index)."""
@@ -163,15 +165,16 @@ class DatasetIndex:
 
 
 def _span_end(offset: np.ndarray, length: np.ndarray, members: Members | None) -> np.ndarray:
-    end = offset + length
+    end: np.ndarray = offset + length
     if members is not None and len(members.offset):
         owner = np.repeat(np.arange(len(offset)), np.diff(members.start))
         np.maximum.at(end, owner, members.offset + members.length)
     return end
 
 
-def _string_buffers(arr: pa.Array):
+def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, bytes] | Literal[False]:
     """``(offsets int64 (N+1,), data bytes)`` of a string array, or False for other layouts."""
+    otype: type[np.signedinteger[Any]]
     if arr.type == pa.string():
         otype = np.int32
     elif arr.type == pa.large_string():
@@ -183,8 +186,8 @@ def _string_buffers(arr: pa.Array):
     return offsets, (dbuf.to_pybytes() if dbuf is not None else b"")
 
 
-def content_version(keys: pa.Array, labels, shard, offset, length, checksum, shards,
-                    extra: tuple = ()) -> str:
+def content_version(keys: pa.Array, labels: Any, shard: Any, offset: Any, length: Any, checksum: Any,
+                    shards: list[dict[str, Any]], extra: tuple[bytes, ...] = ()) -> str:
     """xxh3-128 hex digest over the index content (keys, columns, shard table, ``extra`` bytes)."""
     h = xxhash.xxh3_128()
     keys = keys.cast(pa.string()) if keys.type != pa.string() else keys
@@ -200,9 +203,9 @@ def content_version(keys: pa.Array, labels, shard, offset, length, checksum, sha
     return h.hexdigest()
 
 
-def build_table(keys: list[str], labels, class_names: list[str], shard, offset, length, checksum,
-                shards: list, classes: list, field: list[str] | None = None,
-                fields: list | None = None) -> tuple[pa.Table, str]:
+def build_table(keys: list[str], labels: Any, class_names: list[str], shard: Any, offset: Any, length: Any,
+                checksum: Any, shards: list[dict[str, Any]], classes: list[str], field: list[str] | None = None,
+                fields: list[Any] | None = None) -> tuple[pa.Table, str]:
     """Assemble the index table and its metadata. Returns (table, version).
 
     ``field``: primary field name per sample (default ""); ``fields``: per sample
@@ -239,9 +242,9 @@ def build_table(keys: list[str], labels, class_names: list[str], shard, offset, 
     return table, version
 
 
-def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array):
+def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array) -> Iterator[bytes]:
     """Deterministic byte chunks over the ``field`` and ``fields`` columns (for the content version)."""
-    def strings(arr):
+    def strings(arr: Any) -> Iterator[bytes]:
         arr = pc.fill_null(arr.cast(pa.string()), "")
         if not len(arr):
             return
@@ -265,7 +268,7 @@ def table_to_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list, Members | None]:
+def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list[str], Members | None]:
     """Decode the ``field``/``fields`` columns into codes, a name table and flat :class:`Members`."""
     prim = pc.cast(table.column("field"), pa.string()).combine_chunks().dictionary_encode()
     names = [str(s) for s in prim.dictionary.to_pylist()]
@@ -312,7 +315,8 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
     if not np.array_equal(ids, np.arange(len(ids))):
         raise IndexFormatError(f"{url}: sample_id column is not 0..N-1")
     keys = table.column("key").combine_chunks()
-    field, names, members = None, [], None
+    names: list[str] = []
+    field, members = None, None
     if meta["format"] >= 2:
         try:
             field, names, members = _read_fields(table, len(ids))

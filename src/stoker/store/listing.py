@@ -1,8 +1,6 @@
-"""`stoker ls` and `stoker stat`: the sample directory on the command line."""
+"""What `stoker ls` and `stoker stat` print (the commands themselves are in :mod:`stoker.cli.data`)."""
 from __future__ import annotations
 
-import json
-import sys
 
 from .._units import format_size
 from .directory import SampleDirectory
@@ -71,48 +69,3 @@ def stat(directory: SampleDirectory, url: str | None = None) -> list[str]:
         lines.append("class mapping (label, class name):")
         lines += [f"  {label}\t{name}" for label, name in enumerate(classes)]
     return lines
-
-
-def _open_directory(a) -> SampleDirectory:
-    from .dataset import open_dataset
-    ds = open_dataset(a.url, cache=False, check=False, storage_options=json.loads(a.storage_options or "{}"))
-    return SampleDirectory(ds.index)
-
-
-def _cmd_ls(a) -> int:
-    d = _open_directory(a)
-    try:
-        lines = ls(d, a.prefix or "", None if a.limit <= 0 else a.limit)
-    except KeyError as exc:
-        print(f"stoker ls: {exc.args[0]}", file=sys.stderr)
-        return 2
-    for line in lines:
-        print(line)
-    return 0
-
-
-def _cmd_stat(a) -> int:
-    d = _open_directory(a)
-    if a.json:
-        print(json.dumps({"url": a.url, **d.summary(), "class_names": list(d.index.classes)}, indent=2))
-    else:
-        for line in stat(d, a.url):
-            print(line)
-    return 0
-
-
-def add_parsers(sub) -> None:
-    """Register ``stoker ls URL [PREFIX]`` and ``stoker stat URL`` on an argparse subparsers object."""
-    p = sub.add_parser("ls", help="list the sample directory of a packed dataset under a key prefix")
-    p.add_argument("url")
-    p.add_argument("prefix", nargs="?", default="", help="directory or key (e.g. n01440764/)")
-    p.add_argument("--limit", type=int, default=1000, help="most entries shown (0 = all; default 1000)")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON")
-    p.set_defaults(fn=_cmd_ls)
-
-    p = sub.add_parser("stat", help="summary of a packed dataset: samples, bytes, shards, classes, version, "
-                                    "and the class mapping (label -> class name)")
-    p.add_argument("url")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(fn=_cmd_stat)

@@ -167,29 +167,3 @@ def verify(url: str, storage_options: dict | None = None, workers: int = 4, prog
             report.bad_shards.extend(shards)
             report.bytes_read += n
     return report
-
-
-def add_parsers(sub) -> None:
-    """Register ``stoker verify URL`` on an argparse subparsers object."""
-    p = sub.add_parser("verify", help="check every shard and sample against the index; exit 1 if anything is wrong")
-    p.add_argument("url")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=_cmd_verify)
-
-
-def _cmd_verify(a) -> int:
-    import json
-    r = verify(a.url, json.loads(a.storage_options or "{}"), a.workers, progress=not a.no_progress)
-    if a.json:
-        print(json.dumps(r.as_dict(), indent=2))
-    else:
-        print(f"{r.url}: {r.samples} samples in {r.shards} shards, {r.bytes_read} bytes read: "
-              + ("OK" if r.ok else f"{len(r.bad_samples)} bad samples, {len(r.bad_shards)} bad shards"))
-        for b in r.bad_shards:
-            print(f"  shard {b['shard']}: {b['reason']}")
-        for b in r.bad_samples:
-            print(f"  sample {b['key']!r} in {b['shard']}: {b['reason']}")
-    return 0 if r.ok else 1

@@ -281,36 +281,3 @@ def run_peers(cfg: PeersConfig) -> dict:
     print_table(report)
     save_report(report, cfg.json_path, cfg.plot_path, write_plot, _log)
     return report
-
-
-def add_parser(bench_sub) -> None:
-    """Register ``stoker bench peers``."""
-    p = bench_sub.add_parser("peers", help="stoker vs torch DataLoader, WebDataset, Streaming, LitData, DALI "
-                                           "on one dataset and origin")
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--plot", help="write a PNG plot here")
-    p.add_argument("--images", type=int, default=5000)
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated subset of " + ",".join(LOADERS))
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--consumer-rate", type=float, default=2000.0, help="emulated accelerator, samples/s")
-    p.add_argument("--latency-ms", type=float, default=20.0)
-    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
-    p.add_argument("--dali-source", choices=["local", "s3"], default="local",
-                   help="DALI reads a local copy fetched in the first epoch (default) or s3:// directly")
-    p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per loader")
-    p.add_argument("--workdir", help="default: $TMPDIR/stoker-bench-peers")
-    p.set_defaults(fn=_cmd)
-
-
-def _cmd(a) -> int:
-    loaders = tuple(x.strip() for x in a.loaders.split(",") if x.strip())
-    run_peers(PeersConfig(images=a.images, classes=a.classes, epochs=a.epochs, loaders=loaders, workers=a.workers,
-                          batch_size=a.batch_size, consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
-                          bandwidth_MBps=a.bandwidth_mbps, dali_source=a.dali_source,
-                          make_venvs=not a.no_make_venvs, run_timeout_s=a.timeout, workdir=a.workdir,
-                          json_path=a.json, plot_path=a.plot))
-    return 0

@@ -1,4 +1,4 @@
-"""Command-line parts of cluster mode: ``stoker warm``, ``stoker cluster-state``, ``stoker extender``.
+"""The cluster-mode commands: ``stoker warm``, ``stoker cluster-state``, ``stoker extender``.
 
 Ray is imported only when ``warm`` or ``cluster-state`` runs; ``extender`` with ``--state`` needs
 no Ray (it can run beside kube-scheduler).
@@ -9,7 +9,8 @@ import json
 import sys
 import time
 
-from .extender import MAX_BODY_BYTES
+from ..cluster.extender import MAX_BODY_BYTES
+from ._common import size_arg
 
 
 def _ray_init(address: str | None):
@@ -25,15 +26,17 @@ def _ray_init(address: str | None):
 
 
 def cmd_warm(a) -> int:
-    """``stoker warm``: the report as JSON on stdout, a summary per node on stderr. Exit 0 when every
-    block is cached, 1 when the warm-up is partial (budget too small, shards that failed: named
-    with the reason; running it again fetches only what is missing)."""
-    from .warmup import warm
+    """``stoker warm``: the report as JSON on stdout, a summary per node on stderr.
+
+    Exit 0 when every block is cached, 1 when the warm-up is partial (budget too small, shards
+    that failed: named with the reason; running it again fetches only what is missing).
+    """
+    from ..cluster.warmup import warm
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
              cache_bytes=a.cache_size, block_bytes=a.block_size, progress=not a.no_progress, detached=True)
     print(json.dumps(r, indent=2))
-    for nid, n in r["nodes"].items():
+    for n in r["nodes"].values():
         print(f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
               f"{n['cached_bytes'] / 1e6:9.1f} MB  ({n['cached_fraction']:.0%})"
               + (f"  {n['refused']} block(s) over the budget" if n["refused"] else "")
@@ -58,7 +61,8 @@ def cmd_warm(a) -> int:
 
 
 def cmd_state(a) -> int:
-    from .warmup import cluster_state
+    """``stoker cluster-state``: what every node caches, as JSON (written atomically with ``--out``)."""
+    from ..cluster.warmup import cluster_state
     _ray_init(a.ray_address)
     state = cluster_state(a.urls, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
@@ -75,14 +79,15 @@ def cmd_state(a) -> int:
 
 
 def cmd_extender(a) -> int:
-    from .extender import file_state, serve
+    """``stoker extender``: serve the kube-scheduler extender until interrupted; exit 0 on Ctrl-C."""
+    from ..cluster.extender import file_state, serve
     if bool(a.state) == bool(a.dataset):
         raise ValueError("give either --state FILE or --dataset URL (with Ray)")
     if a.state:
         state = file_state(a.state)
         state()  # fail now, not at the first request, on a missing or bad file
     else:
-        from .warmup import ray_state
+        from ..cluster.warmup import ray_state
         _ray_init(a.ray_address)
         state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
@@ -98,14 +103,14 @@ def cmd_extender(a) -> int:
     return 0
 
 
-def add_parsers(sub, size) -> None:
-    """Register the cluster subcommands on the top-level subparsers ``sub``; ``size`` parses byte sizes."""
+def add_parsers(sub) -> None:
+    """Register ``warm``, ``cluster-state`` and ``extender`` on the top-level subparsers ``sub``."""
     s = sub.add_parser("warm", help="fill the cluster cache (Ray) with a dataset, every node in parallel")
     s.add_argument("url")
     s.add_argument("--ray-address", help="Ray cluster address (default: auto)")
     s.add_argument("--cache-dir", help="node cache root, when the services are not running yet")
-    s.add_argument("--cache-size", type=size, help="cache budget per node (default 8GiB)")
-    s.add_argument("--block-size", type=size, help="cache block (default 1MiB)")
+    s.add_argument("--cache-size", type=size_arg, help="cache budget per node (default 8GiB)")
+    s.add_argument("--block-size", type=size_arg, help="cache block (default 1MiB)")
     s.add_argument("--storage-options", help="fsspec storage options, as JSON")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_warm)
@@ -114,7 +119,7 @@ def add_parsers(sub, size) -> None:
     s.add_argument("urls", nargs="+")
     s.add_argument("--out", help="write here (atomically); default stdout")
     s.add_argument("--ray-address")
-    s.add_argument("--block-size", type=size)
+    s.add_argument("--block-size", type=size_arg)
     s.add_argument("--storage-options")
     s.set_defaults(fn=cmd_state)
 
@@ -123,10 +128,10 @@ def add_parsers(sub, size) -> None:
     s.add_argument("--dataset", action="append", help="instead of --state: ask the cache services (Ray) "
                                                        "about this dataset URL (repeatable), every 10 s")
     s.add_argument("--ray-address")
-    s.add_argument("--block-size", type=size)
+    s.add_argument("--block-size", type=size_arg)
     s.add_argument("--storage-options")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8888)
-    s.add_argument("--max-body-size", type=size, default=MAX_BODY_BYTES,
+    s.add_argument("--max-body-size", type=size_arg, default=MAX_BODY_BYTES,
                    help="refuse larger requests with 413 (default 8MiB: about a thousand full Node objects)")
     s.set_defaults(fn=cmd_extender)

@@ -1,0 +1,187 @@
+"""``stoker bench <name>``: the benchmarks, one ``_add_<name>`` per subcommand.
+
+Each subcommand is registered in :data:`SUBCOMMANDS`; to add one, write an ``_add_<name>(bench_sub)``
+that declares its arguments and a ``_cmd_<name>(args)`` that calls the plain function of its library
+module (under :mod:`stoker.bench` or :mod:`stoker.cluster`) and prints, then list it in :data:`SUBCOMMANDS`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def _write_json(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+# -- stoker bench decode ---------------------------------------------------------
+def _add_decode(bench_sub) -> None:
+    p = bench_sub.add_parser("decode", help="decode+augment per core (stoker, Pillow, DALI-CPU) and loader efficiency")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--seconds", type=float, default=3.0, help="per single-process measurement")
+    p.add_argument("--no-dali", action="store_true", help="skip DALI (recorded as skipped)")
+    p.add_argument("--dali-venv", help="virtual environment for DALI (made on first use; "
+                                       "default ~/.cache/stoker-bench/venvs/dali)")
+    p.set_defaults(fn=_cmd_decode)
+
+
+def _cmd_decode(a) -> int:
+    from ..bench.decode_bench import run
+    r = run(images=a.images, seconds=a.seconds, dali=not a.no_dali, dali_venv=a.dali_venv)
+    pc = r["per_core"]
+    print(f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, "
+          f"DALI-CPU {pc['dali']:.0f}" if pc["dali"] else
+          f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, DALI-CPU skipped")
+    for row in r["loader"]:
+        print(f"loader, {row['workers']} worker(s): {row['samples_per_s']:.0f} samples/s, efficiency "
+              f"{row['efficiency']:.2f}, trainer CPU {row['trainer_cpu_per_batch_s'] * 1e3:.2f} ms/batch "
+              f"({100 * row['trainer_cpu_fraction']:.1f}% of a core)")
+    cf = r["cache_forms"]
+    for name, row in cf["forms"].items():
+        extra = (f", fill {row['fill_s_per_sample'] * 1e3:.1f} ms, pixel diff vs full mean {row['pixel_mad']:.2f} "
+                 f"p99 {row['pixel_p99']:.0f}" if name != "raw" else "")
+        print(f"form {name}: {row['bytes_per_sample'] / 1e3:.1f} kB/sample, {row['decode_per_core']:.0f} samples/s "
+              f"per core{extra}")
+    print(f"cache_form=auto (2 workers): {cf['auto']['choice']}; loader with {cf['loader']['form']}, 2 workers, warm: "
+          f"{cf['loader']['samples_per_s']:.0f} samples/s")
+    for s in r["skipped"]:
+        print(f"skipped {s['loader']}: {s['reason']}")
+    if a.json:
+        _write_json(a.json, r)
+    return 0
+
+
+# -- stoker bench cache ----------------------------------------------------------
+def _add_cache(bench_sub) -> None:
+    from ..bench.cache_bench import POLICY_NAMES
+    p = bench_sub.add_parser("cache", help="origin bytes and stall per cache budget and policy "
+                                           "(future/LRU/no-eviction)")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--images", type=int, default=5000)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--fractions", default="0.1,0.25,0.5,1.0", help="cache budgets as fractions of the dataset")
+    p.add_argument("--policies", default=",".join(POLICY_NAMES))
+    p.add_argument("--consumer-rate", type=float, default=None,
+                   help="emulated accelerator, samples/s (default: 2x origin headroom at the smallest budget)")
+    p.add_argument("--latency-ms", type=float, default=20.0)
+    p.add_argument("--bandwidth-MBps", type=float, default=100.0)
+    p.add_argument("--no-two-jobs", action="store_true")
+    p.add_argument("--staging-bytes", type=int, default=64 << 20, help="the loader's staging budget (bytes)")
+    p.set_defaults(fn=_cmd_cache)
+
+
+def _cmd_cache(a) -> int:
+    from ..bench.cache_bench import run, summary
+    t = time.perf_counter()
+    r = run(images=a.images, epochs=a.epochs, fractions=[float(f) for f in a.fractions.split(",")],
+            policies=a.policies.split(","), consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
+            bandwidth_MBps=a.bandwidth_MBps, two_jobs_fractions=() if a.no_two_jobs else (1.0, 0.5),
+            staging_bytes=a.staging_bytes)
+    print("steady state (epochs >= 1):")
+    for s in summary(r):
+        print(f"  C={s['cache_fraction']:4.2f}D {s['policy']:8} origin {s['origin_bytes'] / 1e6:7.1f} MB/epoch "
+              f"(floor {s['floor_bytes'] / 1e6:6.1f}, excess {100 * s['excess_over_floor']:+.1f}% of D) "
+              f"stall {s['stall_fraction']:.3f}")
+    print(f"({time.perf_counter() - t:.0f} s)")
+    if a.json:
+        r["summary"] = summary(r)
+        _write_json(a.json, r)
+    return 0
+
+
+# -- stoker bench peers ----------------------------------------------------------
+def _add_peers(bench_sub) -> None:
+    from ..bench.peers.bench import LOADERS
+    p = bench_sub.add_parser("peers", help="stoker vs torch DataLoader, WebDataset, Streaming, LitData, DALI "
+                                           "on one dataset and origin")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--images", type=int, default=5000)
+    p.add_argument("--classes", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated subset of " + ",".join(LOADERS))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--consumer-rate", type=float, default=2000.0, help="emulated accelerator, samples/s")
+    p.add_argument("--latency-ms", type=float, default=20.0)
+    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--dali-source", choices=["local", "s3"], default="local",
+                   help="DALI reads a local copy fetched in the first epoch (default) or s3:// directly")
+    p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per loader")
+    p.add_argument("--workdir", help="default: $TMPDIR/stoker-bench-peers")
+    p.set_defaults(fn=_cmd_peers)
+
+
+def _cmd_peers(a) -> int:
+    from ..bench.peers.bench import PeersConfig, run_peers
+    loaders = tuple(x.strip() for x in a.loaders.split(",") if x.strip())
+    run_peers(PeersConfig(images=a.images, classes=a.classes, epochs=a.epochs, loaders=loaders, workers=a.workers,
+                          batch_size=a.batch_size, consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
+                          bandwidth_MBps=a.bandwidth_mbps, dali_source=a.dali_source,
+                          make_venvs=not a.no_make_venvs, run_timeout_s=a.timeout, workdir=a.workdir,
+                          json_path=a.json, plot_path=a.plot))
+    return 0
+
+
+# -- stoker bench cluster --------------------------------------------------------
+def _add_cluster(bench_sub) -> None:
+    s = bench_sub.add_parser("cluster", help="2 jobs x 3 Ray nodes, co-located vs random placement")
+    s.add_argument("--json", help="write the report here")
+    s.add_argument("--images", type=int, default=900)
+    s.add_argument("--epochs", type=int, default=3)
+    s.add_argument("--latency-ms", type=float, default=20.0)
+    s.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    s.add_argument("--workdir")
+    s.set_defaults(fn=_cmd_cluster)
+
+
+def _cmd_cluster(a) -> int:
+    from ..cluster.bench import run, table
+    t0 = time.perf_counter()
+    report = run(images=a.images, epochs=a.epochs, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_mbps,
+                 workdir=a.workdir)
+    report["seconds"] = time.perf_counter() - t0
+    print(table(report))
+    if a.json:
+        _write_json(a.json, report)
+    return 0
+
+
+# -- stoker bench faults ---------------------------------------------------------
+def _add_faults(bench_sub) -> None:
+    p = bench_sub.add_parser("faults", help="fault scenarios (origin errors, resets, stalls, exhausted disk and "
+                                            "/dev/shm, SIGKILL, ...): outcome, samples lost, leftovers")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--quick", action="store_true", help="the short list, 5 SIGKILL rounds instead of 20")
+    p.add_argument("--only", metavar="SCENARIO[,SCENARIO]", help="run just these (the clean run always runs)")
+    p.add_argument("--images", type=int, help="dataset samples (default 96; 64 with --quick)")
+    p.add_argument("--workdir", help="keep the inputs and caches here (default: a temporary directory, removed)")
+    p.add_argument("--no-ray", action="store_true", help="skip the warm-up scenario (it starts a local Ray)")
+    p.add_argument("--strict", action="store_true", help="exit 1 unless every scenario is ok")
+    p.set_defaults(fn=_cmd_faults)
+
+
+def _cmd_faults(a) -> int:
+    from ..bench.faults import run, table
+    only = [s for s in (a.only or "").split(",") if s] or None
+    report = run(a.json, quick=a.quick, only=only, images=a.images, workdir=a.workdir, ray=not a.no_ray)
+    print(table(report))
+    ok = all(r["ok"] or r["outcome"] == "skipped" for r in report["scenarios"])
+    return 0 if ok or not a.strict else 1
+
+
+#: The ``stoker bench`` subcommands, in ``--help`` order: one registration function each.
+SUBCOMMANDS = (_add_decode, _add_cache, _add_peers, _add_cluster, _add_faults)
+
+
+def add_parsers(sub) -> None:
+    """Register ``stoker bench <name>`` (every entry of :data:`SUBCOMMANDS`) on the top-level subparsers ``sub``."""
+    b = sub.add_parser("bench", help="benchmarks")
+    bench_sub = b.add_subparsers(dest="bench", required=True)
+    for add in SUBCOMMANDS:
+        add(bench_sub)

@@ -1,0 +1,58 @@
+"""Commands on a node cache directory: ``stoker cache status|clear``."""
+from __future__ import annotations
+
+import json
+
+from ._common import size_arg
+
+
+def _print_status(st: dict) -> None:
+    print(f"{st['root']}: {st['used_bytes']:,} bytes of blocks")
+    for ns, used in sorted(st["namespaces"].items()):
+        q = st["quotas"].get(ns)
+        print(f"  dataset {ns}: {used:,} bytes" + (f" (share {q:,})" if q is not None else ""))
+    for r in st["jobs"]:
+        rate = f"epoch {r['epoch_s']:.1f} s" if r.get("epoch_s") else "no epoch yet"
+        print(f"  job pid {r['pid']}: dataset {r['namespace']} ({r['dataset_bytes']:,} bytes), {rate}")
+    if st["quotas"] == {} and not st["jobs"]:
+        print("  no live job: no budget split to show")
+    for name, info in st["stores"].items():
+        print(f"  {name}: {info['bytes']:,} bytes in {info['path']}")
+    if st["ignored"]:
+        print("  not the cache's (never counted, evicted or cleared): " + ", ".join(st["ignored"]))
+    for sub in st["nested"]:
+        _print_status(sub)
+
+
+def cmd_status(a) -> int:
+    """``stoker cache status DIR``: usage per dataset, live jobs, the budget split (text or ``--json``)."""
+    from ..cache.status import status
+    st = status(a.dir, a.budget)
+    if a.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    _print_status(st)
+    return 0
+
+
+def cmd_clear(a) -> int:
+    """``stoker cache clear DIR``: prints the bytes freed."""
+    from ..cache.status import clear
+    freed = clear(a.dir, a.namespace)
+    print(f"freed {freed:,} bytes")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Register ``stoker cache status|clear`` on the top-level subparsers ``sub``."""
+    p = sub.add_parser("cache", help="inspect or clear a node cache directory")
+    csub = p.add_subparsers(dest="cache_cmd", required=True)
+    s = csub.add_parser("status", help="usage per dataset, live jobs, the policy's budget split")
+    s.add_argument("dir")
+    s.add_argument("--budget", type=size_arg, help="show the future policy's split of this budget (e.g. 500GiB)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+    c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")
+    c.add_argument("dir")
+    c.add_argument("--namespace", help="only this dataset version")
+    c.set_defaults(fn=cmd_clear)

@@ -1,0 +1,133 @@
+"""Commands on datasets: ``stoker sample-data``, ``pack``, ``ls``, ``stat``, ``verify``."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ._common import json_options, size_arg
+
+
+def cmd_sample_data(a) -> int:
+    """``stoker sample-data DIR``: the embedded photos as an ImageFolder tree; the summary as JSON."""
+    from ..bench.sample_data import make_sample_data
+    print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
+    print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_pack(a) -> int:
+    """``stoker pack SRC DST``: the pack report as JSON."""
+    from ..store.pack import pack
+    if a.shard_size < 1:
+        raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
+    r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
+             src_options=json_options(a.src_options), dst_options=json_options(a.dst_options),
+             read_workers=a.read_workers, progress=not a.no_progress,
+             shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes)
+    print(json.dumps(r.as_dict(), indent=2))
+    return 0
+
+
+def _open_directory(a):
+    from ..store.dataset import open_dataset
+    from ..store.directory import SampleDirectory
+    ds = open_dataset(a.url, cache=False, check=False, storage_options=json_options(a.storage_options))
+    return SampleDirectory(ds.index)
+
+
+def cmd_ls(a) -> int:
+    """``stoker ls URL [PREFIX]``: exit 2 when PREFIX names nothing."""
+    from ..store.listing import ls
+    d = _open_directory(a)
+    try:
+        lines = ls(d, a.prefix or "", None if a.limit <= 0 else a.limit)
+    except KeyError as exc:
+        print(f"stoker ls: {exc.args[0]}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
+    return 0
+
+
+def cmd_stat(a) -> int:
+    """``stoker stat URL``: the summary as text, or as JSON with ``--json``."""
+    from ..store.listing import stat
+    d = _open_directory(a)
+    if a.json:
+        print(json.dumps({"url": a.url, **d.summary(), "class_names": list(d.index.classes)}, indent=2))
+    else:
+        for line in stat(d, a.url):
+            print(line)
+    return 0
+
+
+def cmd_verify(a) -> int:
+    """``stoker verify URL``: exit 0 when every shard and sample checks out, 1 otherwise."""
+    from ..store.verify import verify
+    r = verify(a.url, json_options(a.storage_options), a.workers, progress=not a.no_progress)
+    if a.json:
+        print(json.dumps(r.as_dict(), indent=2))
+    else:
+        print(f"{r.url}: {r.samples} samples in {r.shards} shards, {r.bytes_read} bytes read: "
+              + ("OK" if r.ok else f"{len(r.bad_samples)} bad samples, {len(r.bad_shards)} bad shards"))
+        for b in r.bad_shards:
+            print(f"  shard {b['shard']}: {b['reason']}")
+        for b in r.bad_samples:
+            print(f"  sample {b['key']!r} in {b['shard']}: {b['reason']}")
+    return 0 if r.ok else 1
+
+
+def add_parsers(sub) -> None:
+    """Register ``sample-data``, ``pack``, ``ls``, ``stat`` and ``verify`` on the top-level subparsers ``sub``."""
+    s = sub.add_parser("sample-data", help="write the embedded real-photo ImageFolder set")
+    s.add_argument("dir")
+    s.add_argument("--images", type=int, default=2000)
+    s.add_argument("--classes", type=int, default=10)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_sample_data)
+
+    s = sub.add_parser("pack", help="pack an ImageFolder tree, WebDataset shards or a file list "
+                                    "into tar shards + a Parquet index")
+    s.add_argument("src", help="fsspec URL: an ImageFolder root (<root>/<class>/<file>), WebDataset "
+                               ".tar/.tgz shards (file, directory, glob or {a..b} list), or a CSV/Parquet "
+                               "file list (columns path, label[, key])")
+    s.add_argument("dst", help="fsspec URL of the packed dataset")
+    s.add_argument("--shard-size", type=size_arg, default=64 << 20, help="target shard size (default 64MiB)")
+    s.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
+    s.add_argument("--read-workers", type=int, default=16)
+    s.add_argument("--src-options", help="fsspec storage options for SRC, as JSON")
+    s.add_argument("--dst-options", help="fsspec storage options for DST, as JSON")
+    s.add_argument("--source", choices=["imagefolder", "webdataset", "filelist"],
+                   help="kind of source (default: detected from SRC)")
+    s.add_argument("--shuffle-seed", type=int, default=0,
+                   help="seed of the random placement of samples in shards (default 0)")
+    s.add_argument("--no-shuffle", action="store_true", help="place samples in sorted order")
+    s.add_argument("--classes", metavar="FILE|URL",
+                   help="fix the labels: a class list (text, one name per line, label = line order; or "
+                        "JSON), or an existing packed dataset whose classes are reused; pack every split "
+                        "with the same list so that labels agree (read with --dst-options)")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_pack)
+
+    p = sub.add_parser("ls", help="list the sample directory of a packed dataset under a key prefix")
+    p.add_argument("url")
+    p.add_argument("prefix", nargs="?", default="", help="directory or key (e.g. n01440764/)")
+    p.add_argument("--limit", type=int, default=1000, help="most entries shown (0 = all; default 1000)")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.set_defaults(fn=cmd_ls)
+
+    p = sub.add_parser("stat", help="summary of a packed dataset: samples, bytes, shards, classes, version, "
+                                    "and the class mapping (label -> class name)")
+    p.add_argument("url")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(fn=cmd_stat)
+
+    p = sub.add_parser("verify", help="check every shard and sample against the index; exit 1 if anything is wrong")
+    p.add_argument("url")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_verify)
