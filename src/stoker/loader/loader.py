@@ -15,14 +15,14 @@ import time
 
 import numpy as np
 
-from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
-from .loader_procs import ProcessesMixin, WorkerError
-from .loader_state import ResumableMixin
-from .order import permutation, rank_plan
-from .prefetch import block_schedule
-from .procs import pick_start_method
-from .ring import SlotRing
-from .workers import BatchDecoder, counters
+from ..epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from ..loader_procs import ProcessesMixin, WorkerError
+from ..loader_state import ResumableMixin
+from ..order import permutation, rank_plan
+from ..prefetch import block_schedule
+from ..procs import pick_start_method
+from ..ring import SlotRing
+from ..workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if cache_form not in (None, "auto"):
-            from .decode.forms import parse_form
+            from ..decode.forms import parse_form
             parse_form(cache_form, image_size)  # ValueError now, not in a worker
         if decode_device is not None:
             if not isinstance(decode_device, str) and type(decode_device).__name__ == "device":
@@ -123,9 +123,9 @@ class Loader(ResumableMixin, ProcessesMixin):
             if device is None:
                 device = decode_device if isinstance(decode_device, str) else None
         if device not in (None, "cpu"):
-            from .transfer import check_device
+            from ..transfer import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
-        from .order import PERMUTATIONS
+        from ..order import PERMUTATIONS
         if shuffle and order not in PERMUTATIONS:
             raise ValueError(f"unknown order {order!r}; registered: {sorted(PERMUTATIONS)}")
         self.dataset = dataset
@@ -187,7 +187,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         ids = self.plan(epoch)
         if self.cache_aware_window <= 0 or self.dataset.cache is None:
             return ids, 0.0
-        from .order import cache_aware, mean_displacement
+        from ..order import cache_aware, mean_displacement
         cached = self._hit_maps.get(epoch)
         if cached is None:
             cached = self.dataset.cached_blocks()
@@ -210,14 +210,14 @@ class Loader(ResumableMixin, ProcessesMixin):
     def _start(self) -> None:
         if self._started:
             return
-        from . import decode  # noqa: F401 - imported once here, inherited by forked workers
-        from . import torch as _torch_adapter  # pay torch's import before the first batch
+        from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
+        from .. import torch as _torch_adapter  # pay torch's import before the first batch
         _torch_adapter.load()
         if self.device not in (None, "cpu"):
-            from .transfer import DeviceTransfer
+            from ..transfer import DeviceTransfer
             self._transfer = DeviceTransfer(self.device)
         if self.cache_form not in (None, "raw") and "derived" not in self.cfg:
-            from .decode.derived import setup
+            from ..decode.derived import setup
             self.cfg["derived"], self.cache_form_report = setup(
                 self.dataset, self.cache_form, capacity_bytes=self.cache_form_bytes, root=self.cache_form_dir,
                 workers=self.num_workers, mode=self.cfg["transform"], size=self.cfg["image_size"],
@@ -226,7 +226,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2,
                               shared=self.num_workers > 0)  # SharedMemoryError: not one slot fits
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
-            from .cache import StagingArea
+            from ..cache import StagingArea
             self.dataset.staging = StagingArea.create(self.dataset.cache.root)
             self._own_staging = True
         self._prefetcher = None
@@ -236,7 +236,7 @@ class Loader(ResumableMixin, ProcessesMixin):
             self._decoder = BatchDecoder(self.dataset, self.cfg)
         self._worker_counters: dict[int, dict] = {}
         if self.decode_device is not None and self._device_decoder is None:  # after the forks (CUDA)
-            from .device_decode import DeviceBatchDecoder
+            from ..device_decode import DeviceBatchDecoder
             self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
         self._started = True
 
@@ -411,7 +411,7 @@ class Loader(ResumableMixin, ProcessesMixin):
 
     def _as_batch(self, imgs, labels):
         """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.transfer`."""
-        from .torch import as_tensors
+        from ..torch import as_tensors
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
 
