@@ -17,7 +17,7 @@ import numpy as np
 
 from ..epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
 from ..loader_procs import ProcessesMixin, WorkerError
-from ..loader_state import ResumableMixin
+from .state import ResumableMixin
 from ..order import permutation, rank_plan
 from ..prefetch import block_schedule
 from ..procs import pick_start_method

@@ -2,7 +2,7 @@
 stands, and how a new loader continues it batch for batch."""
 from __future__ import annotations
 
-from .order import pack_bitmap, unpack_bitmap
+from ..order import pack_bitmap, unpack_bitmap
 
 __all__ = ["ResumableMixin"]
 
