@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from ..epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
-from ..loader_procs import ProcessesMixin, WorkerError
+from .procs import ProcessesMixin, WorkerError
 from .state import ResumableMixin
 from ..order import permutation, rank_plan
 from ..prefetch import block_schedule

@@ -12,10 +12,10 @@ import logging
 import multiprocessing as mp
 import signal
 
-from .prefetch import N_COUNTERS, prefetch_main
-from .procs import SharedCell, describe_exit, pick_start_method
-from .ring import free_bytes, shm_base
-from .workers import worker_main
+from ..prefetch import N_COUNTERS, prefetch_main
+from ..procs import SharedCell, describe_exit, pick_start_method
+from ..ring import free_bytes, shm_base
+from ..workers import worker_main
 
 log = logging.getLogger(__name__)
 
