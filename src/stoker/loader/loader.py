@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
 from .procs import ProcessesMixin, WorkerError
 from .state import ResumableMixin
 from ..order import permutation, rank_plan
