@@ -19,7 +19,7 @@ from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
 from .procs import ProcessesMixin, WorkerError
 from .state import ResumableMixin
 from ..order import permutation, rank_plan
-from ..prefetch import block_schedule
+from .prefetch import block_schedule
 from ..procs import pick_start_method
 from ..ring import SlotRing
 from ..workers import BatchDecoder, counters

@@ -12,7 +12,7 @@ import logging
 import multiprocessing as mp
 import signal
 
-from ..prefetch import N_COUNTERS, prefetch_main
+from .prefetch import N_COUNTERS, prefetch_main
 from ..procs import SharedCell, describe_exit, pick_start_method
 from ..ring import free_bytes, shm_base
 from ..workers import worker_main
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 __all__ = ["WorkerError", "ProcessesMixin"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
-FORKSERVER_PRELOAD = ["stoker.workers", "stoker.decode", "stoker.prefetch"]
+FORKSERVER_PRELOAD = ["stoker.workers", "stoker.decode", "stoker.loader.prefetch"]
 
 
 class WorkerError(RuntimeError):
