@@ -22,7 +22,7 @@ from ..order import permutation, rank_plan
 from .prefetch import block_schedule
 from ..procs import pick_start_method
 from ..ring import SlotRing
-from ..workers import BatchDecoder, counters
+from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,14 @@ import signal
 from .prefetch import N_COUNTERS, prefetch_main
 from ..procs import SharedCell, describe_exit, pick_start_method
 from ..ring import free_bytes, shm_base
-from ..workers import worker_main
+from .workers import worker_main
 
 log = logging.getLogger(__name__)
 
 __all__ = ["WorkerError", "ProcessesMixin"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
-FORKSERVER_PRELOAD = ["stoker.workers", "stoker.decode", "stoker.loader.prefetch"]
+FORKSERVER_PRELOAD = ["stoker.loader.workers", "stoker.decode", "stoker.loader.prefetch"]
 
 
 class WorkerError(RuntimeError):

@@ -41,7 +41,7 @@ class BatchDecoder:
     and by the loader itself when ``num_workers == 0``."""
 
     def __init__(self, ds, cfg: dict):
-        from .decode import decode_transform  # noqa: F401 - import cost paid once per worker
+        from ..decode import decode_transform  # noqa: F401 - import cost paid once per worker
         self.ds, self.cfg = ds, cfg
         self._decode_transform = decode_transform
         self.derived = cfg.get("derived")  # a DerivedCache (see stoker.decode.derived) or None
@@ -54,8 +54,8 @@ class BatchDecoder:
             self._decode_transform(self.ds.read(sid), key, mode, rng, size=size, out=out,
                                    exif_orientation=self.cfg["exif_orientation"])
             return
-        from .decode import decode_image
-        from .decode.derived import SAME, transform_image
+        from ..decode import decode_image
+        from ..decode.derived import SAME, transform_image
         got = der.get(sid, key)
         if got is not None and got[0] != SAME:
             transform_image(got[2], got[1], mode, rng, size, out)
@@ -70,8 +70,8 @@ class BatchDecoder:
         payloads). ``payloads`` is None, except when the training process decodes on the device
         (``cfg["decode_on"] == "device"``): then no image is written and it is the list of
         ``(sample id, verified bytes)`` of the batch, in the order of ``labels``."""
-        from .decode import DecodeError
-        from .order import sample_seed
+        from ..decode import DecodeError
+        from ..order import sample_seed
         cfg, ds = self.cfg, self.ds
         if cfg.get("decode_on") == "device":
             payloads = []
@@ -108,8 +108,8 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
     import queue as _queue
 
-    from .procs import exit_with_parent, parent_gone
-    from .ring import map_slot
+    from ..procs import exit_with_parent, parent_gone
+    from ..ring import map_slot
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)
