@@ -21,7 +21,7 @@ from .state import ResumableMixin
 from ..order import permutation, rank_plan
 from .prefetch import block_schedule
 from ..procs import pick_start_method
-from ..ring import SlotRing
+from .shm import SlotRing
 from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Loader(ResumableMixin, ProcessesMixin):
     default ``forkserver`` is used instead of ``fork`` when the training process runs threads
     that a forked child cannot survive (a tokio runtime, e.g. from obstore; see
     :func:`stoker.procs.pick_start_method`); an explicit ``"fork"`` there raises ForkUnsafeError.
-    Slots that ``/dev/shm`` cannot hold: :mod:`stoker.ring` (a smaller ring, or SharedMemoryError).
+    Slots that ``/dev/shm`` cannot hold: :mod:`stoker.loader.shm` (a smaller ring, or SharedMemoryError).
     ``cache_form``: keep each sample's cheaper derived form in a node-local store of
     ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
     second epoch (:mod:`stoker.decode.derived`): ``"jpeg"`` (re-encoded, shorter side capped

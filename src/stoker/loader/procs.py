@@ -14,7 +14,7 @@ import signal
 
 from .prefetch import N_COUNTERS, prefetch_main
 from ..procs import SharedCell, describe_exit, pick_start_method
-from ..ring import free_bytes, shm_base
+from .shm import free_bytes, shm_base
 from .workers import worker_main
 
 log = logging.getLogger(__name__)

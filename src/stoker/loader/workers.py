@@ -109,7 +109,7 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
     import queue as _queue
 
     from ..procs import exit_with_parent, parent_gone
-    from ..ring import map_slot
+    from .shm import map_slot
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)

@@ -27,7 +27,7 @@ from collections import deque
 
 import numpy as np
 
-from .procs import pid_alive
+from ..procs import pid_alive
 
 log = logging.getLogger(__name__)
 
