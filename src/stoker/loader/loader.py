@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
-from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
-from .procs import ProcessesMixin, WorkerError
-from .state import ResumableMixin
 from ..order import permutation, rank_plan
-from .prefetch import block_schedule
 from ..procs import pick_start_method
+from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from .prefetch import block_schedule
+from .procs import ProcessesMixin, WorkerError
 from .shm import SlotRing
+from .state import ResumableMixin
 from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,9 @@ class Loader(ResumableMixin, ProcessesMixin):
         if self._started:
             return
         from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
-        from .. import torch as _torch_adapter  # pay torch's import before the first batch
+        from .. import (
+            torch as _torch_adapter,  # pay torch's import before the first batch
+        )
         _torch_adapter.load()
         if self.device not in (None, "cpu"):
             from ..transfer import DeviceTransfer

@@ -12,9 +12,9 @@ import logging
 import multiprocessing as mp
 import signal
 
+from ..procs import describe_exit, pick_start_method
 from .prefetch import N_COUNTERS, prefetch_main
-from ..procs import SharedCell, describe_exit, pick_start_method
-from .shm import free_bytes, shm_base
+from .shm import SharedCell, free_bytes, shm_base
 from .workers import worker_main
 
 log = logging.getLogger(__name__)
