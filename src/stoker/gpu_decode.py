@@ -111,7 +111,7 @@ class GpuJpegDecoder:
                  max_pixels: int = DEFAULT_MAX_PIXELS):
         self.device = torch.device(device)
         if decode_fn is None:
-            from .transfer import check_device
+            from .loader.transfer import check_device
             check_device(self.device)
             self.backend, decode_fn = find_backend(self.device)
         else:

@@ -75,7 +75,7 @@ class Loader(ResumableMixin, ProcessesMixin):
     at 320 px for 224), ``"jpeg256"``, ``"rgb256"``, ``"rgb"`` (decoded pixels), or ``"auto"``
     (measured choice, :mod:`stoker.decode.choose`; ``self.cache_form_report`` holds the rates).
     ``device``: ``None``/``"cpu"`` yield the shared-memory tensors; ``"cuda"`` copies each
-    batch through pinned memory on a side stream (:mod:`stoker.transfer`; RuntimeError at
+    batch through pinned memory on a side stream (:mod:`stoker.loader.transfer`; RuntimeError at
     construction when CUDA is not available).
     ``decode_device``: ``"cuda"`` decodes the JPEGs on the GPU in the training process (nvJPEG,
     per-sample CPU fallback; :mod:`stoker.device_decode`): the workers only read and verify
@@ -123,7 +123,7 @@ class Loader(ResumableMixin, ProcessesMixin):
             if device is None:
                 device = decode_device if isinstance(decode_device, str) else None
         if device not in (None, "cpu"):
-            from ..transfer import check_device
+            from .transfer import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
         from ..order import PERMUTATIONS
         if shuffle and order not in PERMUTATIONS:
@@ -216,7 +216,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         )
         _torch_adapter.load()
         if self.device not in (None, "cpu"):
-            from ..transfer import DeviceTransfer
+            from .transfer import DeviceTransfer
             self._transfer = DeviceTransfer(self.device)
         if self.cache_form not in (None, "raw") and "derived" not in self.cfg:
             from ..decode.derived import setup
@@ -412,7 +412,7 @@ class Loader(ResumableMixin, ProcessesMixin):
         return getattr(self._device_decoder.decoder, "stats", None) if self._device_decoder is not None else None
 
     def _as_batch(self, imgs, labels):
-        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.transfer`."""
+        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.transfer`."""
         from ..torch import as_tensors
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
