@@ -78,7 +78,7 @@ class Loader(ResumableMixin, ProcessesMixin):
     batch through pinned memory on a side stream (:mod:`stoker.loader.transfer`; RuntimeError at
     construction when CUDA is not available).
     ``decode_device``: ``"cuda"`` decodes the JPEGs on the GPU in the training process (nvJPEG,
-    per-sample CPU fallback; :mod:`stoker.device_decode`): the workers only read and verify
+    per-sample CPU fallback; :mod:`stoker.loader.device_decode`): the workers only read and verify
     bytes, and batches arrive on that device (``device`` defaults to it). Not with
     ``cache_form``. ``loader.device_decode_stats`` counts the samples per path.
     The images of a batch live in shared memory; the slot is reused only after
@@ -238,7 +238,7 @@ class Loader(ResumableMixin, ProcessesMixin):
             self._decoder = BatchDecoder(self.dataset, self.cfg)
         self._worker_counters: dict[int, dict] = {}
         if self.decode_device is not None and self._device_decoder is None:  # after the forks (CUDA)
-            from ..device_decode import DeviceBatchDecoder
+            from .device_decode import DeviceBatchDecoder
             self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
         self._started = True
 

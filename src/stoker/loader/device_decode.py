@@ -40,7 +40,7 @@ class DeviceBatchDecoder:
         """From ``Loader(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
         RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
         if isinstance(spec, str):
-            from .gpu_decode import GpuJpegDecoder
+            from ..gpu_decode import GpuJpegDecoder
             spec = GpuJpegDecoder(spec, exif_orientation=cfg["exif_orientation"])
         return cls(spec, dataset, cfg)
 
@@ -62,7 +62,7 @@ class DeviceBatchDecoder:
         """
         import torch
 
-        from .order import sample_seed
+        from ..order import sample_seed
         keys = [self.dataset.key(sid) for sid, _ in payloads]
         skip = self.cfg["on_error"] == "skip"
         imgs = self.decoder.decode([data for _, data in payloads], keys, skip_errors=skip)
