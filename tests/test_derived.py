@@ -12,7 +12,7 @@ import pytest
 
 from stoker.decode import decode_image
 from stoker.decode.choose import _fidelity_rank, choose_form, measure_forms
-from stoker.decode.derived import DerivedCache, transform_image
+from stoker.loader.derived import DerivedCache, transform_image
 from stoker.decode.forms import HEADER_BYTES, SAME, EntryError, Form, make_entry, parse_form, read_entry, resolution_cap
 from stoker.decode.transforms import eval_transform, train_transform
 from stoker.loader import Loader
@@ -188,7 +188,7 @@ def test_corrupt_entry_logged_with_key_and_dropped(tmp_path, photos, caplog):
     st.put(5, "cls/img-5", _img(photos[0][1]))
     with open(st.path(5), "r+b") as f:
         f.truncate(HEADER_BYTES + 10)
-    with caplog.at_level(logging.WARNING, logger="stoker.decode.derived"):
+    with caplog.at_level(logging.WARNING, logger="stoker.loader.derived"):
         assert st.get(5, "cls/img-5") is None
     assert "cls/img-5" in caplog.text and st.path(5) in caplog.text
     assert st.stats.corrupt == 1 and not os.path.exists(st.path(5))

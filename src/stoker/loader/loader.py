@@ -71,7 +71,7 @@ class Loader(ResumableMixin, ProcessesMixin):
     Slots that ``/dev/shm`` cannot hold: :mod:`stoker.loader.shm` (a smaller ring, or SharedMemoryError).
     ``cache_form``: keep each sample's cheaper derived form in a node-local store of
     ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
-    second epoch (:mod:`stoker.decode.derived`): ``"jpeg"`` (re-encoded, shorter side capped
+    second epoch (:mod:`stoker.loader.derived`): ``"jpeg"`` (re-encoded, shorter side capped
     at 320 px for 224), ``"jpeg256"``, ``"rgb256"``, ``"rgb"`` (decoded pixels), or ``"auto"``
     (measured choice, :mod:`stoker.decode.choose`; ``self.cache_form_report`` holds the rates).
     ``device``: ``None``/``"cpu"`` yield the shared-memory tensors; ``"cuda"`` copies each
@@ -219,7 +219,7 @@ class Loader(ResumableMixin, ProcessesMixin):
             from .transfer import DeviceTransfer
             self._transfer = DeviceTransfer(self.device)
         if self.cache_form not in (None, "raw") and "derived" not in self.cfg:
-            from ..decode.derived import setup
+            from .derived import setup
             self.cfg["derived"], self.cache_form_report = setup(
                 self.dataset, self.cache_form, capacity_bytes=self.cache_form_bytes, root=self.cache_form_dir,
                 workers=self.num_workers, mode=self.cfg["transform"], size=self.cfg["image_size"],

@@ -44,7 +44,7 @@ class BatchDecoder:
         from ..decode import decode_transform  # noqa: F401 - import cost paid once per worker
         self.ds, self.cfg = ds, cfg
         self._decode_transform = decode_transform
-        self.derived = cfg.get("derived")  # a DerivedCache (see stoker.decode.derived) or None
+        self.derived = cfg.get("derived")  # a DerivedCache (see stoker.loader.derived) or None
 
     def _one(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
         """Decode+transform sample ``sid`` into ``out``: from its derived entry when there is one,
@@ -55,7 +55,7 @@ class BatchDecoder:
                                    exif_orientation=self.cfg["exif_orientation"])
             return
         from ..decode import decode_image
-        from ..decode.derived import SAME, transform_image
+        from .derived import SAME, transform_image
         got = der.get(sid, key)
         if got is not None and got[0] != SAME:
             transform_image(got[2], got[1], mode, rng, size, out)
