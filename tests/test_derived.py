@@ -213,7 +213,7 @@ def test_loader_fills_then_decodes_from_derived(tmp_path, packed_local, workers)
         assert np.array_equal(got0, want0)  # misses: the raw path, byte-identical
         assert lo.stats.derived_fills == len(ds) and lo.stats.derived_hits == 0
         # corrupt one entry: it is detected, read raw and written again
-        der = lo.cfg["derived"]
+        der = lo.cfg.derived
         with open(der.path(3), "r+b") as f:
             f.seek(-20, os.SEEK_END)
             f.write(b"\0" * 20)
@@ -249,7 +249,7 @@ def test_auto_choice_and_zero_budget(tmp_path, packed_local):
     assert all(r["forms"][k]["rate_per_core"] * r["min_gain"] < top for k in order[: order.index(r["choice"])])
     with Loader(ds, 16, num_workers=0, cache_form="auto", cache_form_bytes=0, cache_form_dir=str(tmp_path / "d")) as lo:
         next(iter(lo))
-        assert lo.cache_form_report["choice"] == "raw" and lo.cfg["derived"] is None
+        assert lo.cache_form_report["choice"] == "raw" and lo.cfg.derived is None
 
 
 def test_loader_rejects_unknown_form(packed_local):

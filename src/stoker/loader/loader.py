@@ -1,4 +1,5 @@
-"""The loader: epoch plans, worker pool, prefetch, batches, and the statistics every benchmark reads.
+"""The Loader: configuration, epoch plans and resume state; each ``iter()`` serves one epoch
+through the started pipeline (:mod:`stoker.loader._run`).
 
 Data flow (one direction): the epoch's permutation -> this rank's plan -> batches
 dispatched to decode workers (each writes into a shared-memory slot) -> batches
@@ -10,26 +11,22 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import queue
-import time
 
 import numpy as np
 
 from ..order import permutation, rank_plan
 from ..procs import pick_start_method
-from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
-from .prefetch import block_schedule
-from .procs import ProcessesMixin, WorkerError
-from .shm import SlotRing
-from .state import ResumableMixin
-from .workers import BatchDecoder, counters
+from ._run import Run
+from .config import WorkerConfig
+from .epoch_stats import EpochStats
+from .state import IDENTITY_KEYS, LoaderState
 
 log = logging.getLogger(__name__)
 
 TRANSFORMS = ("train", "eval")
 
 
-class Loader(ResumableMixin, ProcessesMixin):
+class Loader:
     """Batches of decoded, augmented images from a :class:`stoker.store.dataset.Dataset`.
 
     Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
@@ -130,7 +127,8 @@ class Loader(ResumableMixin, ProcessesMixin):
             raise ValueError(f"unknown order {order!r}; registered: {sorted(PERMUTATIONS)}")
         self.dataset = dataset
         self.batch_size = int(batch_size)
-        self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
+        self.shuffle, self.seed = shuffle, int(seed)
+        self.state = LoaderState(epoch=int(epoch), position=(int(epoch), 0))
         self.rank, self.world_size, self.even, self.drop_last = rank, world_size, even, drop_last
         self.num_workers = int(num_workers)
         self.prefetch_batches = prefetch_batches or max(2, 2 * self.num_workers)
@@ -148,26 +146,19 @@ class Loader(ResumableMixin, ProcessesMixin):
         # ForkUnsafeError now for start_method="fork" in a process where fork is unsafe
         self.start_method = (pick_start_method(start_method, mp.get_all_start_methods())[0] if num_workers
                              else start_method or "fork")
-        self.cfg = {"transform": transform, "seed": self.seed, "image_size": int(image_size),
-                    "on_error": on_error, "exif_orientation": exif_orientation, "batch_size": self.batch_size,
-                    "decode_on": "cpu" if decode_device is None else "device"}
+        self.cfg = WorkerConfig(transform=transform, seed=self.seed, image_size=int(image_size), on_error=on_error,
+                                exif_orientation=exif_orientation, batch_size=self.batch_size,
+                                decode_on="cpu" if decode_device is None else "device")
         self.decode_device, self._device_decoder = decode_device, None
         self.cache_form, self.cache_form_bytes, self.cache_form_dir = cache_form, int(cache_form_bytes), cache_form_dir
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
+        self._derived_ready = False
         self.device = device
-        self._transfer = None
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
-        self._started = False
-        self._run = 0
-        self._pre = None
         self.prefetch_next_epoch = prefetch_next_epoch
         self.cache_aware_window = int(cache_aware_window)
-        self._hit_maps: dict[int, np.ndarray] = {}  # epoch -> cached-block bitmap used for its order
-        self._resume_batch = 0
-        self._position = (self.epoch, 0)
-        self._workers: list = []
-        self._ring: SlotRing | None = None
+        self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
         rank_plan(np.zeros(0, np.int64), rank, world_size, even)  # validates rank/world/even
 
     # -- plan -------------------------------------------------------------
@@ -188,11 +179,11 @@ class Loader(ResumableMixin, ProcessesMixin):
         if self.cache_aware_window <= 0 or self.dataset.cache is None:
             return ids, 0.0
         from ..order import cache_aware, mean_displacement
-        cached = self._hit_maps.get(epoch)
+        cached = self.state.hit_maps.get(epoch)
         if cached is None:
             cached = self.dataset.cached_blocks()
-            self._hit_maps = {e: m for e, m in self._hit_maps.items() if e >= epoch - 1}
-            self._hit_maps[epoch] = cached
+            self.state.hit_maps = {e: m for e, m in self.state.hit_maps.items() if e >= epoch - 1}
+            self.state.hit_maps[epoch] = cached
         out = cache_aware(ids, cached[self.dataset.sample_block[ids]], self.cache_aware_window)
         return out, (mean_displacement(ids, out) if self.world_size == 1 else float("nan"))
 
@@ -201,77 +192,90 @@ class Loader(ResumableMixin, ProcessesMixin):
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0."""
-        self.epoch = int(epoch)
-        self._resume_batch = 0
-        self._position = (self.epoch, 0)
-        self._pre = None
+        self.state.set_epoch(epoch)
+        if self._pipeline is not None:
+            self._pipeline.drop_pre()
 
-    # -- processes --------------------------------------------------------
-    def _start(self) -> None:
-        if self._started:
-            return
-        from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
-        from .. import (
-            torch as _torch_adapter,  # pay torch's import before the first batch
-        )
-        _torch_adapter.load()
-        if self.device not in (None, "cpu"):
-            from .transfer import DeviceTransfer
-            self._transfer = DeviceTransfer(self.device)
-        if self.cache_form not in (None, "raw") and "derived" not in self.cfg:
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` runs (``state.epoch``)."""
+        return self.state.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.state.epoch = int(value)
+
+    # -- resume -----------------------------------------------------------
+    def _identity(self) -> dict:
+        """What a saved state must agree on (:data:`stoker.loader.state.IDENTITY_KEYS`)."""
+        ident = {"seed": self.seed, "order": self.order, "order_window": self.order_window, "rank": self.rank,
+                 "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
+                 "drop_last": self.drop_last, "transform": self.cfg.transform,
+                 "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
+                 "cache_aware_window": self.cache_aware_window}
+        assert tuple(ident) == IDENTITY_KEYS
+        return ident
+
+    def state_dict(self) -> dict:
+        """Where the stream stands: the epoch and the batches of it already yielded (once an
+        epoch's iteration has ended early, by ``break``, ``close()`` or an error, the next
+        epoch at batch 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
+
+        Everything else is a pure function of the configuration (order of (seed, epoch,
+        rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
+        with the same arguments in a new process and given this state yields the rest of
+        the stream batch for batch. Plain ints and strings (JSON-serialisable); the format is
+        :meth:`stoker.loader.state.LoaderState.to_dict`.
+        """
+        return self.state.to_dict(self._identity())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
+        ``batches_done`` batches (or starts the next epoch if that one was finished; an epoch
+        with no batches for this rank, saved before its ``iter()``, is still run, yielding
+        nothing, so ``epoch`` and ``history`` advance exactly as in the saved run).
+
+        Raises ValueError when the state belongs to another dataset version or to a
+        different order, batch size, rank split or transform (the rest of the stream
+        would not be the same).
+        """
+        self.state.load(state, self._identity(), lambda e: -(-len(self.plan(e)) // self.batch_size),
+                        self.dataset.num_blocks)
+        if self._pipeline is not None:
+            self._pipeline.drop_pre()
+
+    # -- the pipeline -----------------------------------------------------
+    def _start(self) -> Run:
+        """The started pipeline, started now if there is none (the derived-sample cache is set
+        up first, once per loader). Raises what :meth:`stoker.loader._run.Run.start` raises."""
+        if self._pipeline is not None:
+            return self._pipeline
+        if self.cache_form not in (None, "raw") and not self._derived_ready:
+            from dataclasses import replace
+
             from .derived import setup
-            self.cfg["derived"], self.cache_form_report = setup(
+            derived, self.cache_form_report = setup(
                 self.dataset, self.cache_form, capacity_bytes=self.cache_form_bytes, root=self.cache_form_dir,
-                workers=self.num_workers, mode=self.cfg["transform"], size=self.cfg["image_size"],
-                exif_orientation=self.cfg["exif_orientation"])
+                workers=self.num_workers, mode=self.cfg.transform, size=self.cfg.image_size,
+                exif_orientation=self.cfg.exif_orientation)
+            self.cfg, self._derived_ready = replace(self.cfg, derived=derived), True
             log.info("derived-sample cache: %s", self.cache_form_report)
-        self._ring = SlotRing(self.batch_size, self.cfg["image_size"], self.prefetch_batches + 2,
-                              shared=self.num_workers > 0)  # SharedMemoryError: not one slot fits
-        if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
-            from ..cache import StagingArea
-            self.dataset.staging = StagingArea.create(self.dataset.cache.root)
-            self._own_staging = True
-        self._prefetcher = None
-        if self.num_workers > 0:
-            self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
-        else:
-            self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self._worker_counters: dict[int, dict] = {}
-        if self.decode_device is not None and self._device_decoder is None:  # after the forks (CUDA)
-            from .device_decode import DeviceBatchDecoder
-            self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
-        self._started = True
+        run = Run(self)
+        try:
+            run.start()
+        except BaseException:
+            run.close()
+            raise
+        self.start_method = run.start_method
+        self._pipeline = run
+        return run
 
     def close(self) -> None:
-        """Stop workers and the prefetcher, unlink shared memory. Idempotent."""
-        if not self._started:
-            return
-        self._started = False
-        if self._workers:
-            self._stop.set()  # workers drop queued tasks instead of finishing them
-        for _ in self._workers:
-            try:
-                self._tasks.put(None)
-            except (OSError, ValueError):
-                pass
-        if self._prefetcher is not None:
-            try:
-                self._pf_cmds.put(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 3
-        for p in self._workers + ([self._prefetcher] if self._prefetcher else []):
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(1)
-        self._workers = []
-        if self._ring is not None:
-            self._ring.close()
-        if getattr(self, "_own_staging", False):
-            self.dataset.staging.clear()
-            self.dataset.staging = None
-            self._own_staging = False
+        """Stop workers and the prefetcher, unlink shared memory. Idempotent; a later
+        ``iter()`` starts a new pipeline."""
+        run, self._pipeline = getattr(self, "_pipeline", None), None
+        if run is not None:
+            run.close()
 
     def __enter__(self):
         return self
@@ -285,125 +289,12 @@ class Loader(ResumableMixin, ProcessesMixin):
         except Exception:  # noqa: BLE001
             pass
 
-    # -- counters ---------------------------------------------------------
-    def _cpu(self) -> dict:
-        out = {"main": process_cpu_s(None)}
-        if self._workers:
-            out["workers"] = sum(process_cpu_s(p.pid) for p in self._workers)
-        if self._prefetcher is not None:
-            out["prefetch"] = process_cpu_s(self._prefetcher.pid)
-        return out
-
-    def _totals(self, pf_counters=None) -> dict:
-        """Counters summed over the workers and the prefetcher (``pf_counters``: a snapshot of
-        the prefetcher's counters to use instead of their current values)."""
-        tot: dict[str, int] = {}
-        sources = (list(self._worker_counters.values()) if self.num_workers > 0
-                   else [counters(self.dataset, self.cfg.get("derived"))])
-        for c in sources:
-            for k, v in c.items():
-                tot[k] = tot.get(k, 0) + v
-        if self._prefetcher is not None:
-            pc = list(self._pf_counters) if pf_counters is None else pf_counters
-            tot["origin_bytes"] = tot.get("origin_bytes", 0) + pc[0]
-            tot["origin_requests"] = tot.get("origin_requests", 0) + pc[1]
-            tot["prefetch_fills"] = pc[2]
-            tot["prefetch_staged"] = pc[5]
-            tot["prefetch_depth_sum"] = pc[6]
-            tot["prefetch_depth_n"] = pc[7]
-        return tot
-
-    # -- iteration --------------------------------------------------------
     def __iter__(self):
-        self._start()
-        self._run += 1
-        start, self._resume_batch = self._resume_batch, 0
-        epoch = self.epoch
-        self.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
-        return self._epoch(self._run, epoch, start)
-
-    def _epoch(self, run: int, epoch: int, start: int = 0):
-        t_start = time.perf_counter()
-        stats = EpochStats(epoch=epoch)
-        carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
-        if carry is not None:
-            run, ids, batches = carry["run"], carry["ids"], carry["batches"]
-            stats.order_displacement = carry["displacement"]
-        else:
-            ids, stats.order_displacement = self._epoch_plan(epoch)
-            ids = ids[start * self.batch_size:]
-            batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        self._position = (epoch, start)
-        # prefetch work for this epoch done while the previous one drained counts here
-        before = self._totals(carry.get("pf_boundary") if carry is not None else None)
-        if carry is not None:  # workers' counters as of their early replies for this epoch
-            self._worker_counters.update(carry["counters"])
-        cpu_before = self._cpu()
-        delivered: list = []  # the sample ids of each delivered batch (counted at the end)
-        if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
-            self._pf_pos.value = 0
-            self._pf_done.value = 0
-            self._pf_cmds.put((run, *block_schedule(self.dataset, ids)))
-        wait_box = [0.0]  # seconds blocked in next(), also when the epoch is cut short
-        t_resume = time.perf_counter()
-        try:
-            if self.num_workers == 0:
-                for seq, bids in enumerate(batches):
-                    slot = self._ring.acquire()
-                    out = self._deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self._ring.views(slot)),
-                                        stats=stats, delivered=delivered)
-                    if out is None:  # every sample of the batch was skipped: yield nothing for it
-                        self._position = (epoch, start + seq + 1)
-                        continue
-                    wait_box[0] += time.perf_counter() - t_resume
-                    self._position = (epoch, start + seq + 1)
-                    yield out
-                    t_resume = time.perf_counter()
-            else:
-                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry)
-        finally:
-            stats.seconds = time.perf_counter() - t_start
-            stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
-            pre = self._pre if self._pre is not None and self._pre["epoch"] != epoch else None
-            after = self._totals(pre.get("pf_boundary") if pre is not None else None)
-            fill_from_counters(stats, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wait_box[0], ids,
-                               delivered, len(self.dataset))
-            self.stats = stats
-            self.history.append(stats)
-            if self._position[0] == epoch and self.epoch == epoch + 1:  # no later iter()/set_epoch/load
-                if self._position[1] == start + len(batches):  # every batch done (yielded or all skipped)
-                    self._report_epoch(stats)
-                self._position = (epoch + 1, 0)  # done or cut short: the next iter() (and a resume) runs epoch + 1
-
-    def _report_epoch(self, stats: EpochStats) -> None:
-        """Tell the node cache's policy how fast this job reads its dataset: the time to
-        read the whole dataset at this rank's pace (seconds), so the rates of a job's ranks
-        on one node add up to the job's rate (:mod:`stoker.cache.policy`)."""
-        cache = getattr(self.dataset, "cache", None)
-        if cache is None or not stats.samples or not stats.seconds or not hasattr(cache, "register"):
-            return
-        try:
-            cache.register(self.dataset.version, self.dataset.index.total_bytes,
-                           stats.seconds * len(self.dataset) / stats.samples)
-        except OSError as exc:  # the policy's bookkeeping must never stop training
-            log.warning("could not update the cache policy's job record: %s", exc)
-
-    def _deliver(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, *, stats, delivered):
-        """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
-        tensors over the slot (or on ``device``), or the device decode of the workers'
-        ``payloads`` (the slot is then released at once). None when every sample was skipped."""
-        if payloads is not None:
-            labels = self._ring.views(slot)[1][:n].copy()
-            self._ring.release(slot)
-            images, labels, more, more_keys = self._device_decoder(epoch, payloads, labels)
-            account(stats, bids, list(skipped) + more, list(skipped_keys) + more_keys, delivered)
-            return None if images is None else (images, labels)
-        account(stats, bids, skipped, skipped_keys, delivered)
-        if n == 0:
-            self._ring.release(slot)
-            return None
-        imgs, labels = self._ring.batch(slot, n)
-        return self._as_batch(imgs, labels)
+        run = self._start()
+        start, self.state.resume_batch = self.state.resume_batch, 0
+        epoch = self.state.epoch
+        self.state.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
+        return run.epoch(epoch, start)
 
     @property
     def device_decode_stats(self):
@@ -411,121 +302,19 @@ class Loader(ResumableMixin, ProcessesMixin):
         without ``decode_device``."""
         return getattr(self._device_decoder.decoder, "stats", None) if self._device_decoder is not None else None
 
-    def _as_batch(self, imgs, labels):
-        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.transfer`."""
-        from ..torch import as_tensors
-        out = as_tensors(imgs, labels)
-        return out if self._transfer is None else self._transfer(*out)
+    # The started pipeline's parts, for inspection (tests, benchmarks); empty before iter().
+    @property
+    def _workers(self) -> list:
+        return self._pipeline._workers if self._pipeline is not None else []
 
-    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False) -> bool:
-        """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
-        shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
-        consumer waits for; then SharedMemoryError when no slot is with the workers either (every
-        slot is held by batches the caller keeps): none would come back, waiting would only time out."""
-        slot = self._ring.try_acquire()
-        if slot is None:
-            if may_raise and not self._ring.busy:
-                raise self._ring.shortage()
-            return False
-        self._ring.busy.add(slot)
-        self._tasks.put((run, seq, epoch, slot, self._ring.paths[slot], bids))
-        inflight[seq] = (slot, bids)
-        return True
+    @property
+    def _prefetcher(self):
+        return self._pipeline._prefetcher if self._pipeline is not None else None
 
-    def _predispatch(self, epoch: int) -> None:
-        """Start the first batches of the next epoch while this one drains (its plan is a pure
-        function of the epoch), so the pipeline does not run dry at the epoch boundary. Kept
-        in ``self._pre`` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
-        otherwise dropped (its replies are recognised by their run id)."""
-        self._run += 1
-        ids, displacement = self._epoch_plan(epoch)
-        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        pre = {"run": self._run, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
-               "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
-        while pre["next"] < min(len(batches), self.prefetch_batches):
-            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"]):
-                break
-            pre["next"] += 1
-        self._pre = pre
-        if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
-            pre["pf_boundary"] = list(self._pf_counters)  # its work from here on is the next epoch's
-            self._pf_prev_done.value = self._pf_done.value
-            self._pf_pos.value = pre["next"] * self.batch_size
-            self._pf_done.value = 0
-            self._pf_cmds.put((pre["run"], *block_schedule(self.dataset, ids)))
+    @property
+    def _ring(self):
+        return self._pipeline._ring if self._pipeline is not None else None
 
-    def _take_pre(self, epoch: int, start: int):
-        """The pre-dispatched next epoch, if it is the one starting now; else drop it."""
-        pre, self._pre = self._pre, None
-        if pre is not None and pre["epoch"] == epoch and start == 0:
-            return pre
-        return None
-
-    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None):
-        pending: dict[int, tuple] = carry["pending"] if carry else {}
-        try:
-            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending)
-        finally:  # replies never yielded (an epoch cut short, an error): their slots are free again
-            for msg in pending.values():
-                self._ring.release(msg[4])
-            pending.clear()
-
-    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending):
-        inflight: dict[int, tuple] = carry["inflight"] if carry else {}
-        next_dispatch = carry["next"] if carry else 0
-        for seq in range(len(batches)):
-            deadline = time.monotonic() + self.timeout_s
-            while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
-                while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                    if not self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
-                                          may_raise=next_dispatch <= seq):  # (the batch now due)
-                        break  # shared memory is short: more go out as slots come back
-                    next_dispatch += 1
-                    if self._prefetcher is not None and self._pre is None:
-                        self._pf_pos.value = next_dispatch * self.batch_size
-                if (next_dispatch == len(batches) and self._pre is None and self._resume_batch == 0
-                        and self.epoch == epoch + 1 and self.prefetch_next_epoch):
-                    self._predispatch(epoch + 1)
-                if seq in pending:
-                    break
-                try:
-                    msg = self._results.get(timeout=0.25)
-                except queue.Empty:
-                    self._check_workers()
-                    if time.monotonic() > deadline:
-                        raise self._stall_error(seq, epoch) from None
-                    continue
-                kind, wid, mrun = msg[0], msg[1], msg[2]
-                self._ring.busy.discard(msg[4])
-                if mrun != run:
-                    if self._pre is not None and mrun == self._pre["run"]:
-                        self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
-                        self._pre["counters"][wid] = msg[8]  # its work counts in the next epoch
-                    else:  # a reply to an abandoned epoch: just free its slot
-                        self._worker_counters[wid] = msg[8]
-                        self._ring.release(msg[4])
-                    continue
-                self._worker_counters[wid] = msg[8]
-                pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
-            msg = pending.pop(seq)
-            if msg[0] == "error":
-                _, wid, _, _, slot, key, err, tb, _ = msg
-                self._ring.release(slot)
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self._position[1]}): {err}\n{tb}")
-            slot, n, skipped, skipped_keys = msg[4:8]
-            bids = inflight.pop(seq)[1]
-            if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
-                self._check_prefetcher()
-            out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], stats=stats, delivered=delivered)
-            if out is None:  # every sample of the batch was skipped: yield nothing for it
-                self._position = (epoch, self._position[1] + 1)
-                continue
-            wait_box[0] += time.perf_counter() - t_resume
-            self._position = (epoch, self._position[1] + 1)
-            if self._prefetcher is not None:  # positions in this epoch's plan
-                if self._pre is None:
-                    self._pf_done.value = (seq + 1) * self.batch_size
-                else:  # the prefetcher is on the next plan already: this one's progress is "previous"
-                    self._pf_prev_done.value = (seq + 1) * self.batch_size
-            yield out
-            t_resume = time.perf_counter()
+    @property
+    def _transfer(self):
+        return self._pipeline._transfer if self._pipeline is not None else None

@@ -30,7 +30,8 @@ class WorkerError(RuntimeError):
 
 
 class ProcessesMixin:
-    """Start, watch and describe the worker and prefetch processes of :class:`stoker.loader.Loader`."""
+    """Start, watch and describe the worker and prefetch processes of a loader's started pipeline
+    (:class:`stoker.loader._run.Run`, which holds the attributes used here)."""
 
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since construction) and
