@@ -80,6 +80,12 @@ class Loader:
     ``cache_form``. ``loader.device_decode_stats`` counts the samples per path.
     The images of a batch live in shared memory; the slot is reused only after
     every reference to the batch tensor is dropped.
+
+    Attributes besides the arguments: ``state`` (:class:`stoker.loader.state.LoaderState`,
+    where the stream stands), ``cfg`` (the frozen :class:`stoker.loader.config.WorkerConfig`
+    the workers receive), ``stats`` (the last epoch's :class:`EpochStats`) and ``history``
+    (every epoch's). The processes live in a :class:`stoker.loader._run.Run`, started by the
+    first ``iter()`` and stopped by :meth:`close`.
     """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
