@@ -7,7 +7,7 @@ import sys
 import time
 
 from stoker import Loader, open_dataset
-from stoker.ring import SHM_DIR
+from stoker.loader.shm import SHM_DIR
 
 CHILD = """
 import sys, time

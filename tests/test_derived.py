@@ -12,7 +12,7 @@ import pytest
 
 from stoker.decode import decode_image
 from stoker.decode.choose import _fidelity_rank, choose_form, measure_forms
-from stoker.decode.derived import DerivedCache, transform_image
+from stoker.loader.derived import DerivedCache, transform_image
 from stoker.decode.forms import HEADER_BYTES, SAME, EntryError, Form, make_entry, parse_form, read_entry, resolution_cap
 from stoker.decode.transforms import eval_transform, train_transform
 from stoker.loader import Loader
@@ -188,7 +188,7 @@ def test_corrupt_entry_logged_with_key_and_dropped(tmp_path, photos, caplog):
     st.put(5, "cls/img-5", _img(photos[0][1]))
     with open(st.path(5), "r+b") as f:
         f.truncate(HEADER_BYTES + 10)
-    with caplog.at_level(logging.WARNING, logger="stoker.decode.derived"):
+    with caplog.at_level(logging.WARNING, logger="stoker.loader.derived"):
         assert st.get(5, "cls/img-5") is None
     assert "cls/img-5" in caplog.text and st.path(5) in caplog.text
     assert st.stats.corrupt == 1 and not os.path.exists(st.path(5))
@@ -213,7 +213,7 @@ def test_loader_fills_then_decodes_from_derived(tmp_path, packed_local, workers)
         assert np.array_equal(got0, want0)  # misses: the raw path, byte-identical
         assert lo.stats.derived_fills == len(ds) and lo.stats.derived_hits == 0
         # corrupt one entry: it is detected, read raw and written again
-        der = lo.cfg["derived"]
+        der = lo.cfg.derived
         with open(der.path(3), "r+b") as f:
             f.seek(-20, os.SEEK_END)
             f.write(b"\0" * 20)
@@ -249,7 +249,7 @@ def test_auto_choice_and_zero_budget(tmp_path, packed_local):
     assert all(r["forms"][k]["rate_per_core"] * r["min_gain"] < top for k in order[: order.index(r["choice"])])
     with Loader(ds, 16, num_workers=0, cache_form="auto", cache_form_bytes=0, cache_form_dir=str(tmp_path / "d")) as lo:
         next(iter(lo))
-        assert lo.cache_form_report["choice"] == "raw" and lo.cfg["derived"] is None
+        assert lo.cache_form_report["choice"] == "raw" and lo.cfg.derived is None
 
 
 def test_loader_rejects_unknown_form(packed_local):

@@ -1,4 +1,4 @@
-"""The block prefetcher (stoker.prefetch) on its own: a block whose fetch lock is held for a
+"""The block prefetcher (stoker.loader.prefetch) on its own: a block whose fetch lock is held for a
 while is staged once the lock is free, not given up."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from stoker.cache.staging import StagingArea
-from stoker.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
 from stoker.store.dataset import open_dataset
 
 

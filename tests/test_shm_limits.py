@@ -13,9 +13,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from stoker import ring as ring_mod
+from stoker.loader import shm as ring_mod
 from stoker.loader import Loader
-from stoker.ring import SharedMemoryError, SlotRing, slot_layout
+from stoker.loader.shm import SharedMemoryError, SlotRing, slot_layout
 from stoker.store.dataset import open_dataset
 
 
@@ -115,7 +115,7 @@ for workers, size in ((1, 160), (0, 224), (1, 224)):
         with stoker.Loader(ds, batch_size=8, num_workers=workers, transform="eval", image_size=size,
                            timeout_s=60) as ld:
             print(workers, size, sum(len(lab) for _, lab in ld), flush=True)
-    except stoker.ring.SharedMemoryError as exc:
+    except stoker.loader.shm.SharedMemoryError as exc:
         print(workers, size, "error", exc, flush=True)
 print("left", [n for n in os.listdir("/dev/shm") if n.startswith("stoker-")], flush=True)
 """

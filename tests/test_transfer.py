@@ -11,7 +11,7 @@ from stoker.decode.reference import pillow_decode, pillow_train_transform
 from stoker.decode.gpu import GpuJpegDecoder, gpu_eligible
 from stoker.loader import Loader
 from stoker.store.dataset import open_dataset
-from stoker.transfer import DeviceTransfer, check_device
+from stoker.loader.transfer import DeviceTransfer, check_device
 
 
 def _batch(n, seed):

@@ -44,21 +44,6 @@ def parent_gone(parent_pid: int) -> bool:
     return os.getppid() != parent_pid
 
 
-class SharedCell:
-    """One cell of a shared int64 array, with a ``.value`` like mp.Value (picklable to workers)."""
-
-    def __init__(self, arr, i: int):
-        self.arr, self.i = arr, i
-
-    @property
-    def value(self) -> int:
-        return self.arr[self.i]
-
-    @value.setter
-    def value(self, v: int) -> None:
-        self.arr[self.i] = v
-
-
 #: Name prefixes of threads (Linux ``/proc/self/task/*/comm``, at most 15 characters) that belong to
 #: runtimes a forked child cannot use: tokio's workers ("tokio-rt-worker", "tokio-runtime-w"), as
 #: started by obstore and other Rust extensions. A child forked from such a process inherits the

@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ..epoch_stats import process_cpu_s
+from ..loader.epoch_stats import process_cpu_s
 from .harness import measure
 
 QUICK = {"images": 1500, "classes": 10, "baseline_samples": 384}

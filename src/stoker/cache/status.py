@@ -18,7 +18,7 @@ from .policy import share_budget
 
 def _side_stores(root: str) -> dict[str, str]:
     """The stores that belong to the cache at ``root``: its shared-memory tier and its
-    derived-sample store (:mod:`stoker.decode.derived`), where they exist and carry the
+    derived-sample store (:mod:`stoker.loader.derived`), where they exist and carry the
     cache marker."""
     from .tiered import default_memory_root
     out = {}

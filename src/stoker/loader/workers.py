@@ -15,6 +15,8 @@ import traceback
 
 import numpy as np
 
+from .config import WorkerConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -40,11 +42,11 @@ class BatchDecoder:
     """Decode+augment a list of sample ids into (images, labels) arrays; used by workers
     and by the loader itself when ``num_workers == 0``."""
 
-    def __init__(self, ds, cfg: dict):
-        from .decode import decode_transform  # noqa: F401 - import cost paid once per worker
+    def __init__(self, ds, cfg: WorkerConfig):
+        from ..decode import decode_transform  # noqa: F401 - import cost paid once per worker
         self.ds, self.cfg = ds, cfg
         self._decode_transform = decode_transform
-        self.derived = cfg.get("derived")  # a DerivedCache (see stoker.decode.derived) or None
+        self.derived = cfg.derived  # a DerivedCache (see stoker.loader.derived) or None
 
     def _one(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
         """Decode+transform sample ``sid`` into ``out``: from its derived entry when there is one,
@@ -52,15 +54,15 @@ class BatchDecoder:
         der = self.derived
         if der is None:
             self._decode_transform(self.ds.read(sid), key, mode, rng, size=size, out=out,
-                                   exif_orientation=self.cfg["exif_orientation"])
+                                   exif_orientation=self.cfg.exif_orientation)
             return
-        from .decode import decode_image
-        from .decode.derived import SAME, transform_image
+        from ..decode import decode_image
+        from .derived import SAME, transform_image
         got = der.get(sid, key)
         if got is not None and got[0] != SAME:
             transform_image(got[2], got[1], mode, rng, size, out)
             return
-        img = decode_image(self.ds.read(sid), key, exif_orientation=self.cfg["exif_orientation"])
+        img = decode_image(self.ds.read(sid), key, exif_orientation=self.cfg.exif_orientation)
         transform_image(img, img.shape[:2], mode, rng, size, out)
         if got is None:
             der.put(sid, key, img)
@@ -68,12 +70,12 @@ class BatchDecoder:
     def run(self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None):
         """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys,
         payloads). ``payloads`` is None, except when the training process decodes on the device
-        (``cfg["decode_on"] == "device"``): then no image is written and it is the list of
+        (``cfg.decode_on == "device"``): then no image is written and it is the list of
         ``(sample id, verified bytes)`` of the batch, in the order of ``labels``."""
-        from .decode import DecodeError
-        from .order import sample_seed
+        from ..decode import DecodeError
+        from ..order import sample_seed
         cfg, ds = self.cfg, self.ds
-        if cfg.get("decode_on") == "device":
+        if cfg.decode_on == "device":
             payloads = []
             for j, sid in enumerate(ids):
                 sid = int(sid)
@@ -82,8 +84,8 @@ class BatchDecoder:
                 payloads.append((sid, ds.read(sid)))
                 labels[j] = ds.index.labels[sid]
             return len(payloads), [], [], payloads
-        mode, seed, size = cfg["transform"], cfg["seed"], cfg["image_size"]
-        skip = cfg["on_error"] == "skip"
+        mode, seed, size = cfg.transform, cfg.seed, cfg.image_size
+        skip = cfg.on_error == "skip"
         j, skipped, skipped_keys = 0, [], []
         for sid in ids:
             sid = int(sid)
@@ -104,12 +106,12 @@ class BatchDecoder:
         return j, skipped, skipped_keys, None
 
 
-def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
+def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop) -> None:
     """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
     import queue as _queue
 
-    from ._procs import exit_with_parent, parent_gone
-    from .ring import map_slot
+    from .._procs import exit_with_parent, parent_gone
+    from .shm import map_slot
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)
@@ -134,7 +136,7 @@ def worker_main(wid: int, ds, cfg: dict, tasks, results, current, stop) -> None:
         run, seq, epoch, slot, path, ids = task
         try:
             if path not in maps:
-                maps[path] = map_slot(path, cfg["batch_size"], cfg["image_size"])
+                maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
             _, images, labels = maps[path]
             n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images, labels, current)
             results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, dec.derived), payloads))

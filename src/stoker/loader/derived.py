@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .forms import SAME, EntryError, Form, make_entry, parse_form, read_entry
-from .transforms import eval_resize_for, eval_transform_reduced, train_transform_reduced
+from ..decode.forms import SAME, EntryError, Form, make_entry, parse_form, read_entry
+from ..decode.transforms import eval_resize_for, eval_transform_reduced, train_transform_reduced
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def setup(ds, form, *, capacity_bytes: int, root: str | None, workers: int, mode
     """
     root = root or default_root(ds)
     if form == "auto":
-        from .choose import choose_form
+        from ..decode.choose import choose_form
         report = choose_form(ds, workers=workers, capacity_bytes=capacity_bytes, root=root, mode=mode, size=size)
         name = report["choice"]
     else:

@@ -1,4 +1,6 @@
-"""Shared-memory batch slots: workers decode straight into them, the trainer wraps them with no copy.
+"""Shared-memory primitives of the loader: batch slots and :class:`SharedCell`.
+
+Batch slots: workers decode straight into them, the trainer wraps them with no copy.
 
 A slot is one file in ``/dev/shm`` (RAM-backed) mapped by the loader and by every
 worker; it holds one batch: images uint8 (batch, 3, size, size) followed by
@@ -27,8 +29,8 @@ from collections import deque
 
 import numpy as np
 
-from .errors import SharedMemoryError  # noqa: F401 - re-exported
-from ._procs import pid_alive
+from .._procs import pid_alive
+from ..errors import SharedMemoryError  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -226,3 +228,18 @@ class SlotRing:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+class SharedCell:
+    """One cell of a shared int64 array, with a ``.value`` like mp.Value (picklable to workers)."""
+
+    def __init__(self, arr, i: int):
+        self.arr, self.i = arr, i
+
+    @property
+    def value(self) -> int:
+        return self.arr[self.i]
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self.arr[self.i] = v

@@ -12,10 +12,10 @@ import logging
 import multiprocessing as mp
 import signal
 
-from .errors import WorkerError  # noqa: F401 - re-exported
+from .._procs import describe_exit, pick_start_method
+from ..errors import WorkerError  # noqa: F401 - re-exported
 from .prefetch import N_COUNTERS, prefetch_main
-from ._procs import SharedCell, describe_exit, pick_start_method
-from .ring import free_bytes, shm_base
+from .shm import SharedCell, free_bytes, shm_base
 from .workers import worker_main
 
 log = logging.getLogger(__name__)
@@ -23,11 +23,12 @@ log = logging.getLogger(__name__)
 __all__ = ["WorkerError", "ProcessesMixin"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
-FORKSERVER_PRELOAD = ["stoker.workers", "stoker.decode", "stoker.prefetch"]
+FORKSERVER_PRELOAD = ["stoker.loader.workers", "stoker.decode", "stoker.loader.prefetch"]
 
 
 class ProcessesMixin:
-    """Start, watch and describe the worker and prefetch processes of :class:`stoker.loader.Loader`."""
+    """Start, watch and describe the worker and prefetch processes of a loader's started pipeline
+    (:class:`stoker.loader._run.Run`, which holds the attributes used here)."""
 
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since construction) and

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import WorkerConfig
+
 __all__ = ["DeviceBatchDecoder"]
 
 
@@ -28,20 +30,20 @@ class DeviceBatchDecoder:
             ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs, size)`` and
             ``device``).
         dataset: the loader's dataset (sample keys for error messages).
-        cfg: the loader's worker configuration (``transform``, ``seed``, ``image_size``,
-            ``on_error``).
+        cfg: the loader's :class:`~stoker.loader.config.WorkerConfig` (``transform``, ``seed``,
+            ``image_size``, ``on_error`` are used).
     """
 
-    def __init__(self, decoder, dataset, cfg: dict):
+    def __init__(self, decoder, dataset, cfg: WorkerConfig):
         self.decoder, self.dataset, self.cfg = decoder, dataset, cfg
 
     @classmethod
-    def create(cls, spec, dataset, cfg: dict) -> "DeviceBatchDecoder":
+    def create(cls, spec, dataset, cfg: WorkerConfig) -> "DeviceBatchDecoder":
         """From ``Loader(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
         RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
         if isinstance(spec, str):
-            from .decode.gpu import GpuJpegDecoder
-            spec = GpuJpegDecoder(spec, exif_orientation=cfg["exif_orientation"])
+            from ..decode.gpu import GpuJpegDecoder
+            spec = GpuJpegDecoder(spec, exif_orientation=cfg.exif_orientation)
         return cls(spec, dataset, cfg)
 
     def __call__(self, epoch: int, payloads: list, labels: np.ndarray):
@@ -62,18 +64,18 @@ class DeviceBatchDecoder:
         """
         import torch
 
-        from .order import sample_seed
+        from ..order import sample_seed
         keys = [self.dataset.key(sid) for sid, _ in payloads]
-        skip = self.cfg["on_error"] == "skip"
+        skip = self.cfg.on_error == "skip"
         imgs = self.decoder.decode([data for _, data in payloads], keys, skip_errors=skip)
         keep = [j for j, im in enumerate(imgs) if im is not None]
         skipped = [int(payloads[j][0]) for j in range(len(imgs)) if imgs[j] is None]
         skipped_keys = [keys[j] for j in range(len(imgs)) if imgs[j] is None]
         if not keep:
             return None, None, skipped, skipped_keys
-        mode, seed = self.cfg["transform"], self.cfg["seed"]
+        mode, seed = self.cfg.transform, self.cfg.seed
         rngs = ([np.random.default_rng(sample_seed(seed, epoch, int(payloads[j][0]))) for j in keep]
                 if mode == "train" else None)
-        images = self.decoder.transform_batch([imgs[j] for j in keep], mode, rngs, self.cfg["image_size"])
+        images = self.decoder.transform_batch([imgs[j] for j in keep], mode, rngs, self.cfg.image_size)
         lab = torch.from_numpy(np.ascontiguousarray(labels[keep], dtype=np.int64))
         return images, lab.to(self.decoder.device, non_blocking=True), skipped, skipped_keys

@@ -83,7 +83,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
     ``prev_done``: shared int64, the previous plan's delivered position while it drains after a
     plan change: its staged blocks go as soon as their last use in it is delivered."""
-    from ._procs import exit_with_parent, parent_gone
+    from .._procs import exit_with_parent, parent_gone
     from .workers import fresh_copy
     parent = os.getppid()
     exit_with_parent()

@@ -1,0 +1,331 @@
+"""The Loader: configuration, epoch plans and resume state; each ``iter()`` serves one epoch
+through the started pipeline (:mod:`stoker.loader._run`).
+
+Data flow (one direction): the epoch's permutation -> this rank's plan -> batches
+dispatched to decode workers (each writes into a shared-memory slot) -> batches
+yielded in plan order as ``(images uint8 [N,3,S,S], labels int64 [N])`` torch
+tensors. A prefetch process fills the node cache ahead of the workers in the
+order the plan will need the blocks.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+
+import numpy as np
+
+from ..order import permutation, rank_plan
+from .._procs import pick_start_method
+from .._units import parse_size
+from ._run import Run
+from .config import WorkerConfig
+from .epoch_stats import EpochStats
+from .state import IDENTITY_KEYS, LoaderState
+
+log = logging.getLogger(__name__)
+
+TRANSFORMS = ("train", "eval")
+
+
+class Loader:
+    """Batches of decoded, augmented images from a :class:`stoker.store.dataset.Dataset`.
+
+    Iterating yields ``(images, labels)``: torch uint8 tensor (N, 3, S, S) and int64
+    tensor (N,), N = ``batch_size`` except maybe the last batch. Each ``iter()`` runs
+    one epoch (``self.epoch``) and advances ``self.epoch`` by one when it starts, so an
+    epoch cut short by ``break`` is not replayed (use :meth:`set_epoch` to choose one).
+
+    Order: the permutation named ``order`` of (``seed``, epoch) (identity if
+    ``shuffle=False``), split over ``world_size`` ranks with equal counts
+    (``even="pad"`` or ``"drop"``, see :func:`stoker.order.rank_plan`). The default,
+    ``"blockwise"``, shuffles the cache blocks and the samples inside windows of
+    ``order_window`` blocks (quasi-random, streams well from a cold origin);
+    ``"uniform"`` is a uniform permutation (see :mod:`stoker.order`).
+    ``transform``: ``"train"`` (RandomResizedCrop(S) + flip, per-sample RNG from
+    (seed, epoch, sample id)) or ``"eval"`` (resize 256 + center crop S).
+    ``num_workers`` decode processes (0 = decode in this process).
+    ``on_error``: ``"raise"`` (a sample no decoder reads raises WorkerError naming
+    its key) or ``"skip"`` (logged, counted in stats, batch is shorter; a batch whose
+    samples were all skipped is not yielded).
+    ``prefetch_batches`` batches in flight; ``prefetch_bytes`` how far the block
+    prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs;
+    ``staging_bytes`` the most it holds in blocks fetched just in time that the cache
+    did not admit (:mod:`stoker.cache.staging`). The byte budgets (``prefetch_bytes``,
+    ``staging_bytes``, ``cache_form_bytes``) take ints or strings such as ``"512MiB"``
+    (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
+    ``cache_aware_window``: if > 0, within each window of that many samples the samples
+    whose blocks are cached when the epoch starts come first and the misses follow
+    (:func:`stoker.order.cache_aware`; off by default). Every sample still comes exactly
+    once; ``stats.order_displacement`` reports the mean move in positions. The cache state
+    used is kept in ``state_dict()``, so resume stays batch-for-batch identical.
+    ``prefetch_next_epoch``: when the last batches of an epoch are in flight, start the
+    first batches of the next epoch, so the pipeline never drains at the boundary (their
+    work is counted in the epoch that started them).
+    ``timeout_s``: longest wait for one batch before WorkerError (never a hang).
+    ``start_method``: multiprocessing start method (default ``fork`` where available, as
+    torch's DataLoader; each child re-creates its storage clients, so no connection or
+    event loop is shared; ``spawn``/``forkserver`` need the usual ``__main__`` guard). By
+    default ``forkserver`` is used instead of ``fork`` when the training process runs threads
+    that a forked child cannot survive (a tokio runtime, e.g. from obstore; see
+    :func:`stoker._procs.pick_start_method`); an explicit ``"fork"`` there raises ForkUnsafeError.
+    Slots that ``/dev/shm`` cannot hold: :mod:`stoker.loader.shm` (a smaller ring, or SharedMemoryError).
+    ``cache_form``: keep each sample's cheaper derived form in a node-local store of
+    ``cache_form_bytes`` (default ``<node cache>/.derived``) and decode from it from the
+    second epoch (:mod:`stoker.loader.derived`): ``"jpeg"`` (re-encoded, shorter side capped
+    at 320 px for 224), ``"jpeg256"``, ``"rgb256"``, ``"rgb"`` (decoded pixels), or ``"auto"``
+    (measured choice, :mod:`stoker.decode.choose`; ``self.cache_form_report`` holds the rates).
+    ``device``: ``None``/``"cpu"`` yield the shared-memory tensors; ``"cuda"`` copies each
+    batch through pinned memory on a side stream (:mod:`stoker.loader.transfer`; RuntimeError at
+    construction when CUDA is not available).
+    ``decode_device``: ``"cuda"`` decodes the JPEGs on the GPU in the training process (nvJPEG,
+    per-sample CPU fallback; :mod:`stoker.loader.device_decode`): the workers only read and verify
+    bytes, and batches arrive on that device (``device`` defaults to it). Not with
+    ``cache_form``. ``loader.device_decode_stats`` counts the samples per path.
+    The images of a batch live in shared memory; the slot is reused only after
+    every reference to the batch tensor is dropped.
+
+    Attributes besides the arguments: ``state`` (:class:`stoker.loader.state.LoaderState`,
+    where the stream stands), ``cfg`` (the frozen :class:`stoker.loader.config.WorkerConfig`
+    the workers receive), ``stats`` (the last epoch's :class:`EpochStats`) and ``history``
+    (every epoch's). The processes live in a :class:`stoker.loader._run.Run`, started by the
+    first ``iter()`` and stopped by :meth:`close`.
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
+                 rank: int = 0, world_size: int = 1, num_workers: int = 2, transform: str = "train",
+                 image_size: int = 224, on_error: str = "raise", even: str = "pad", drop_last: bool = False,
+                 prefetch_batches: int | None = None, prefetch_bytes: int | str = 512 << 20,
+                 staging_bytes: int | str = 64 << 20,
+                 fetch_concurrency: int = 8, timeout_s: float = 120.0, exif_orientation: bool = False,
+                 order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
+                 prefetch_next_epoch: bool = True, cache_aware_window: int = 0,
+                 cache_form: str | None = None, cache_form_bytes: int | str = 16 << 30, cache_form_dir: str | None = None,
+                 device: str | None = None, decode_device=None):
+        if transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if image_size < 1:
+            raise ValueError(f"image_size must be >= 1, got {image_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if cache_form not in (None, "auto"):
+            from ..decode.forms import parse_form
+            parse_form(cache_form, image_size)  # ValueError now, not in a worker
+        if decode_device is not None:
+            if not isinstance(decode_device, str) and type(decode_device).__name__ == "device":
+                decode_device = str(decode_device)  # a torch.device
+            if isinstance(decode_device, str):
+                if not decode_device.startswith("cuda"):
+                    raise ValueError(f"decode_device must be 'cuda' or 'cuda:N' (or a decoder object), "
+                                     f"got {decode_device!r}")
+            elif not all(hasattr(decode_device, a) for a in ("decode", "transform_batch", "device")):
+                raise ValueError(f"decode_device must be a CUDA device name or a decoder with decode(), "
+                                 f"transform_batch() and device, got {type(decode_device).__name__}")
+            if cache_form is not None:
+                raise ValueError("cache_form (derived forms decoded on the CPU) cannot be used with decode_device")
+            if device is None:
+                device = decode_device if isinstance(decode_device, str) else None
+        if device not in (None, "cpu"):
+            from .._torch import check_device
+            check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
+        from ..order import PERMUTATIONS
+        if shuffle and order not in PERMUTATIONS:
+            raise ValueError(f"unknown order {order!r}; registered: {sorted(PERMUTATIONS)}")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.shuffle, self.seed = shuffle, int(seed)
+        self.state = LoaderState(epoch=int(epoch), position=(int(epoch), 0))
+        self.rank, self.world_size, self.even, self.drop_last = rank, world_size, even, drop_last
+        self.num_workers = int(num_workers)
+        self.prefetch_batches = prefetch_batches or max(2, 2 * self.num_workers)
+        self.prefetch_bytes = parse_size(prefetch_bytes, "prefetch_bytes")
+        self.fetch_concurrency = int(fetch_concurrency)
+        self.staging_bytes = parse_size(staging_bytes, "staging_bytes")
+        window = 2 * int(order_window) * getattr(dataset, "block_bytes", 0) if order == "blockwise" else 0
+        if shuffle and 0 < self.staging_bytes < window:
+            log.warning("staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
+                        "blockwise order reads every block of its window, so blocks the cache does not admit "
+                        "will be read sample by sample from the origin", self.staging_bytes, window)
+        self.timeout_s = timeout_s
+        self.order = order if shuffle else "sequential"
+        self.order_window = int(order_window)
+        self._start_method_asked = start_method  # None: chosen again when the processes start
+        # ForkUnsafeError now for start_method="fork" in a process where fork is unsafe
+        self.start_method = (pick_start_method(start_method, mp.get_all_start_methods())[0] if num_workers
+                             else start_method or "fork")
+        self.cfg = WorkerConfig(transform=transform, seed=self.seed, image_size=int(image_size), on_error=on_error,
+                                exif_orientation=exif_orientation, batch_size=self.batch_size,
+                                decode_on="cpu" if decode_device is None else "device")
+        self.decode_device, self._device_decoder = decode_device, None
+        self.cache_form, self.cache_form_dir = cache_form, cache_form_dir
+        self.cache_form_bytes = parse_size(cache_form_bytes, "cache_form_bytes")
+        self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
+        self._derived_ready = False
+        self.device = device
+        self.stats: EpochStats | None = None
+        self.history: list[EpochStats] = []
+        self.prefetch_next_epoch = prefetch_next_epoch
+        self.cache_aware_window = int(cache_aware_window)
+        self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
+        rank_plan(np.zeros(0, np.int64), rank, world_size, even)  # validates rank/world/even
+
+    # -- plan -------------------------------------------------------------
+    def plan(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's sample ids for ``epoch`` (default: the next epoch), in order."""
+        e = self.epoch if epoch is None else epoch
+        perm = permutation(len(self.dataset), self.seed, e, self.order, groups=self.dataset.sample_block,
+                           window=self.order_window)
+        ids = rank_plan(perm, self.rank, self.world_size, self.even)
+        if self.drop_last:
+            ids = ids[: len(ids) // self.batch_size * self.batch_size]
+        return ids
+
+    def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, float]:
+        """The order actually served in ``epoch``: :meth:`plan`, made cache-aware if asked.
+        Returns (sample ids, mean displacement from the plain plan)."""
+        ids = self.plan(epoch)
+        if self.cache_aware_window <= 0 or self.dataset.cache is None:
+            return ids, 0.0
+        from ..order import cache_aware, mean_displacement
+        cached = self.state.hit_maps.get(epoch)
+        if cached is None:
+            cached = self.dataset.cached_blocks()
+            self.state.hit_maps = {e: m for e, m in self.state.hit_maps.items() if e >= epoch - 1}
+            self.state.hit_maps[epoch] = cached
+        out = cache_aware(ids, cached[self.dataset.sample_block[ids]], self.cache_aware_window)
+        return out, (mean_displacement(ids, out) if self.world_size == 1 else float("nan"))
+
+    def __len__(self) -> int:
+        return -(-len(self.plan()) // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at ``epoch``, batch 0."""
+        self.state.set_epoch(epoch)
+        if self._pipeline is not None:
+            self._pipeline.drop_pre()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` runs (``state.epoch``)."""
+        return self.state.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.state.epoch = int(value)
+
+    # -- resume -----------------------------------------------------------
+    def _identity(self) -> dict:
+        """What a saved state must agree on (:data:`stoker.loader.state.IDENTITY_KEYS`)."""
+        ident = {"seed": self.seed, "order": self.order, "order_window": self.order_window, "rank": self.rank,
+                 "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
+                 "drop_last": self.drop_last, "transform": self.cfg.transform,
+                 "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
+                 "cache_aware_window": self.cache_aware_window}
+        assert tuple(ident) == IDENTITY_KEYS
+        return ident
+
+    def state_dict(self) -> dict:
+        """Where the stream stands: the epoch and the batches of it already yielded (once an
+        epoch's iteration has ended early, by ``break``, ``close()`` or an error, the next
+        epoch at batch 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
+
+        Everything else is a pure function of the configuration (order of (seed, epoch,
+        rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
+        with the same arguments in a new process and given this state yields the rest of
+        the stream batch for batch. Plain ints and strings (JSON-serialisable); the format is
+        :meth:`stoker.loader.state.LoaderState.to_dict`.
+        """
+        return self.state.to_dict(self._identity())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
+        ``batches_done`` batches (or starts the next epoch if that one was finished; an epoch
+        with no batches for this rank, saved before its ``iter()``, is still run, yielding
+        nothing, so ``epoch`` and ``history`` advance exactly as in the saved run).
+
+        Raises ValueError when the state belongs to another dataset version or to a
+        different order, batch size, rank split or transform (the rest of the stream
+        would not be the same).
+        """
+        self.state.load(state, self._identity(), lambda e: -(-len(self.plan(e)) // self.batch_size),
+                        self.dataset.num_blocks)
+        if self._pipeline is not None:
+            self._pipeline.drop_pre()
+
+    # -- the pipeline -----------------------------------------------------
+    def _start(self) -> Run:
+        """The started pipeline, started now if there is none (the derived-sample cache is set
+        up first, once per loader). Raises what :meth:`stoker.loader._run.Run.start` raises."""
+        if self._pipeline is not None:
+            return self._pipeline
+        if self.cache_form not in (None, "raw") and not self._derived_ready:
+            from dataclasses import replace
+
+            from .derived import setup
+            derived, self.cache_form_report = setup(
+                self.dataset, self.cache_form, capacity_bytes=self.cache_form_bytes, root=self.cache_form_dir,
+                workers=self.num_workers, mode=self.cfg.transform, size=self.cfg.image_size,
+                exif_orientation=self.cfg.exif_orientation)
+            self.cfg, self._derived_ready = replace(self.cfg, derived=derived), True
+            log.info("derived-sample cache: %s", self.cache_form_report)
+        run = Run(self)
+        try:
+            run.start()
+        except BaseException:
+            run.close()
+            raise
+        self.start_method = run.start_method
+        self._pipeline = run
+        return run
+
+    def close(self) -> None:
+        """Stop workers and the prefetcher, unlink shared memory. Idempotent; a later
+        ``iter()`` starts a new pipeline."""
+        run, self._pipeline = getattr(self, "_pipeline", None), None
+        if run is not None:
+            run.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __iter__(self):
+        run = self._start()
+        start, self.state.resume_batch = self.state.resume_batch, 0
+        epoch = self.state.epoch
+        self.state.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
+        return run.epoch(epoch, start)
+
+    @property
+    def device_decode_stats(self):
+        """Samples decoded on the device / by the CPU fallback (``GpuDecodeStats``), or None
+        without ``decode_device``."""
+        return getattr(self._device_decoder.decoder, "stats", None) if self._device_decoder is not None else None
+
+    # The started pipeline's parts, for inspection (tests, benchmarks); empty before iter().
+    @property
+    def _workers(self) -> list:
+        return self._pipeline._workers if self._pipeline is not None else []
+
+    @property
+    def _prefetcher(self):
+        return self._pipeline._prefetcher if self._pipeline is not None else None
+
+    @property
+    def _ring(self):
+        return self._pipeline._ring if self._pipeline is not None else None
+
+    @property
+    def _transfer(self):
+        return self._pipeline._transfer if self._pipeline is not None else None

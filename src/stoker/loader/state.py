@@ -1,0 +1,84 @@
+"""Resume state of the Loader (the torchdata ``StatefulDataLoader`` convention): where the stream
+stands, and how a new loader continues it batch for batch.
+
+Everything else about the stream is a pure function of the loader's configuration (order of
+(seed, epoch, rank, world size); augmentation of (seed, epoch, sample id)), so this small record
+plus that configuration is enough to resume.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..order import pack_bitmap, unpack_bitmap
+
+__all__ = ["IDENTITY_KEYS", "LoaderState"]
+
+#: Configuration keys a saved state must agree on with the loader that resumes it (the rest of
+#: the stream would not be the same otherwise).
+IDENTITY_KEYS = ("seed", "order", "order_window", "rank", "world_size", "batch_size", "even",
+                 "drop_last", "transform", "dataset_version", "num_samples", "cache_aware_window")
+
+
+@dataclass
+class LoaderState:
+    """Where one loader's stream stands; owned by the :class:`stoker.loader.Loader` and
+    advanced by its running pipeline.
+
+    Attributes:
+        epoch: the epoch the next ``iter()`` runs.
+        resume_batch: batches of ``epoch`` the next ``iter()`` skips (set by a resume, else 0).
+        position: ``(epoch, batches done)`` of the stream: batches yielded, or skipped because
+            every sample in them was skipped; once an epoch's iteration has ended (finished or
+            cut short), ``(epoch + 1, 0)``.
+        hit_maps: epoch -> cached-block bitmap (bool array, one per block) used for that
+            epoch's cache-aware order; kept so that a resume gets the same order.
+    """
+
+    epoch: int = 0
+    resume_batch: int = 0
+    position: tuple[int, int] = (0, 0)
+    hit_maps: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at ``epoch``, batch 0."""
+        self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
+
+    def to_dict(self, identity: dict) -> dict:
+        """The saved form: ``epoch``, ``batches_done``, the loader's ``identity`` (the
+        :data:`IDENTITY_KEYS` values) and ``cached_blocks`` (the packed bitmap of the current
+        epoch, or None). Plain ints and strings (JSON-serialisable)."""
+        return {"epoch": self.position[0], "batches_done": self.position[1], **identity,
+                "cached_blocks": pack_bitmap(self.hit_maps.get(self.position[0]))}
+
+    def load(self, state: dict, identity: dict, num_batches: Callable[[int], int], num_blocks: int) -> None:
+        """Take ``state`` (from :meth:`to_dict`): the next ``iter()`` continues that epoch after its
+        ``batches_done`` batches, or starts the next epoch if that one was finished (an epoch with
+        no batches, saved before its ``iter()``, is still run, yielding nothing).
+
+        Args:
+            state: the saved dict.
+            identity: this loader's :data:`IDENTITY_KEYS` values.
+            num_batches: batches of an epoch for this loader (a function of the epoch).
+            num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
+
+        Raises:
+            ValueError: ``state`` has another value for one of :data:`IDENTITY_KEYS` (another
+                dataset version, order, batch size, rank split or transform), or its
+                ``batches_done`` is outside 0..batches of its epoch. Nothing is changed then.
+        """
+        for k in IDENTITY_KEYS:
+            if k in state and state[k] != identity[k]:
+                raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        nb = num_batches(epoch)
+        if not 0 <= done <= nb:
+            raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
+        bits = unpack_bitmap(state.get("cached_blocks"), num_blocks)
+        if bits is not None and done < nb:
+            self.hit_maps[epoch] = bits  # the same cache-aware order as the saved run
+        if done == nb > 0:  # finished: the next epoch. An epoch of 0 batches saved at its
+            epoch, done = epoch + 1, 0  # start has not run yet: it stays (its iter() yields nothing)
+        self.epoch, self.resume_batch, self.position = epoch, done, (epoch, done)

@@ -1,0 +1,66 @@
+"""The loader package's parts: the frozen worker configuration, the resume state as its own
+record, and the started pipeline as one object that ``close()`` ends."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+
+import stoker
+from stoker.loader import EpochStats, Loader, WorkerError
+from stoker.loader.config import WorkerConfig
+from stoker.loader.state import IDENTITY_KEYS, LoaderState
+from stoker.store.dataset import open_dataset
+
+
+def test_public_names_stay_where_they_were():
+    assert stoker.Loader is Loader and stoker.EpochStats is EpochStats and stoker.WorkerError is WorkerError
+    assert stoker.loader.Loader is Loader
+
+
+def test_worker_config_is_frozen_and_pickles(packed_local):
+    ld = Loader(open_dataset(packed_local), batch_size=4, num_workers=0, transform="eval", image_size=32)
+    cfg = ld.cfg
+    assert isinstance(cfg, WorkerConfig)
+    assert (cfg.transform, cfg.image_size, cfg.batch_size, cfg.decode_on, cfg.derived) == ("eval", 32, 4, "cpu", None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.image_size = 64  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # what each worker process receives
+
+
+def test_loader_state_refuses_a_foreign_state_and_changes_nothing():
+    ident = dict.fromkeys(IDENTITY_KEYS, 0)
+    st = LoaderState(epoch=3, position=(3, 0))
+    saved = st.to_dict(ident)
+    assert (saved["epoch"], saved["batches_done"], saved["cached_blocks"]) == (3, 0, None)
+    with pytest.raises(ValueError, match="batch_size=8"):
+        st.load({**saved, "epoch": 5, "batches_done": 1, "batch_size": 8}, ident, lambda e: 4, 10)
+    with pytest.raises(ValueError, match="batches_done=9 outside 0..4"):
+        st.load({**saved, "batches_done": 9}, ident, lambda e: 4, 10)
+    assert (st.epoch, st.resume_batch, st.position) == (3, 0, (3, 0))
+    st.load({**saved, "epoch": 5, "batches_done": 4}, ident, lambda e: 4, 10)  # finished: the next epoch
+    assert (st.epoch, st.resume_batch, st.position) == (6, 0, (6, 0))
+    st.load({**saved, "epoch": 5, "batches_done": 2}, ident, lambda e: 4, 10)
+    assert (st.epoch, st.resume_batch, st.position) == (5, 2, (5, 2))
+
+
+def test_an_epoch_after_close_is_served_by_a_new_pipeline(packed_local):
+    """close() after an epoch whose successor was already dispatched to the workers: the next
+    iter() starts new processes and serves the whole next epoch (the early batches went to the
+    stopped workers and must not be waited for)."""
+    ds = open_dataset(packed_local)
+    ld = Loader(ds, batch_size=8, num_workers=1, transform="eval", image_size=32, shuffle=False, timeout_s=10)
+    try:
+        first = np.concatenate([lab.numpy() for _, lab in ld])
+        old = [p.pid for p in ld._workers]
+        ld.close()
+        assert ld._workers == [] and ld._ring is None
+        second = np.concatenate([lab.numpy() for _, lab in ld])
+        assert [p.pid for p in ld._workers] != old
+        assert len(first) == len(second) == len(ds)
+        assert (second == ds.index.labels[ld.plan(1)]).all()
+        assert [s.epoch for s in ld.history] == [0, 1]
+    finally:
+        ld.close()
