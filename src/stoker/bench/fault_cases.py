@@ -1,10 +1,10 @@
 """`stoker bench faults`, the cases that are not one loader run: cache ownership, concurrent pack,
 stray ImageFolder folders and a warm-up that meets a failing shard.
 
-Each function takes a :class:`Context` and returns a report row (:func:`stoker.bench.faults.aggregate`
+Each function takes a :class:`Context` and returns a report row (:func:`stoker.bench.fault_harness.aggregate`
 plus ``details``); ``details["problems"]`` lists what went wrong beyond the outcome (user files
 changed, labels shifted, a false success), and a row with problems is not ``ok``. Every command
-runs as a child with a hard timeout (:func:`stoker.bench.faults.run_child`).
+runs as a child with a hard timeout (:func:`stoker.bench.fault_harness.run_child`).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import sys
 import tarfile
 from dataclasses import dataclass
 
+from .fault_harness import LoaderRunner, Scenario, aggregate, child_env, run_child
 from .faultproxy import Fault
-from .faults import LoaderRunner, Scenario, aggregate, child_env, run_child
 
 _CLI = [sys.executable, "-m", "stoker.cli"]
 
