@@ -141,7 +141,7 @@ def _add_cluster(bench_sub) -> None:
 
 
 def _cmd_cluster(a) -> int:
-    from ..cluster.bench import run, table
+    from ..bench.cluster_bench import run, table
     t0 = time.perf_counter()
     report = run(images=a.images, epochs=a.epochs, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_mbps,
                  workdir=a.workdir)

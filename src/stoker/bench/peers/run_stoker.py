@@ -12,7 +12,8 @@ def convert(src, out, cfg):
 
 
 def build(cfg):
-    from stoker import Loader, open_dataset
+    from stoker.loader import Loader
+    from stoker.store.dataset import open_dataset
     ds = open_dataset(cfg["url"], cache_dir=cfg["cache_dir"], cache_bytes=int(cfg["cache_bytes"]),
                       storage_options=cfg["storage_options"])
     return Loader(ds, cfg["batch_size"], num_workers=cfg["workers"], seed=cfg["seed"], transform="train")

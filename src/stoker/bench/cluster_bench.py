@@ -45,13 +45,13 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
     import ray
     from ray.cluster_utils import Cluster
 
-    from ..bench.origin import LocalS3Origin, upload_tree
-    from ..bench.sample_data import make_sample_data
+    from .origin import LocalS3Origin, upload_tree
+    from .sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
-    from .job import read_epochs
-    from .job import run as cluster_run
-    from .service import stop_services
+    from ..cluster.job import read_epochs
+    from ..cluster.job import run as cluster_run
+    from ..cluster.service import stop_services
 
     work = workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-cluster")
     os.makedirs(work, exist_ok=True)
