@@ -12,10 +12,10 @@ import pytest
 
 from stoker.decode import decode_image
 from stoker.decode.choose import _fidelity_rank, choose_form, measure_forms
-from stoker.loader.derived import DerivedCache, transform_image
 from stoker.decode.forms import HEADER_BYTES, SAME, EntryError, Form, make_entry, parse_form, read_entry, resolution_cap
 from stoker.decode.transforms import eval_transform, train_transform
 from stoker.loader import Loader
+from stoker.loader.derived import DerivedCache, transform_image
 from stoker.order import sample_seed
 from stoker.store.dataset import open_dataset
 

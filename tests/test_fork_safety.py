@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from stoker import _procs as procs
-from stoker.loader import Loader
 from stoker._procs import ForkUnsafeError, describe_exit, fork_hazards, pick_start_method
+from stoker.loader import Loader
 
 ALL = ["fork", "spawn", "forkserver"]
 

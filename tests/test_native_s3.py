@@ -16,8 +16,8 @@ pytest.importorskip("obstore")
 
 from stoker import OriginError  # noqa: E402
 from stoker.loader import Loader  # noqa: E402
-from stoker.storage._native_s3 import NativeS3Reader  # noqa: E402
 from stoker.storage import Origin  # noqa: E402
+from stoker.storage._native_s3 import NativeS3Reader  # noqa: E402
 from stoker.store.dataset import open_dataset  # noqa: E402
 
 

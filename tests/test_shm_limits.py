@@ -13,8 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from stoker.loader import shm as ring_mod
 from stoker.loader import Loader
+from stoker.loader import shm as ring_mod
 from stoker.loader.shm import SharedMemoryError, SlotRing, slot_layout
 from stoker.store.dataset import open_dataset
 

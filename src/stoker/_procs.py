@@ -55,7 +55,7 @@ FORK_UNSAFE_THREADS = ("tokio-",)
 def thread_names() -> list[str]:
     """Names of this process's threads as the kernel has them (``/proc/self/task/*/comm``);
     empty where /proc is not available."""
-    names = []
+    names: list[str] = []
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

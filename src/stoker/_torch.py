@@ -5,7 +5,12 @@ function runs. :mod:`stoker.loader.transfer` and :mod:`stoker.decode.gpu` import
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def as_tensors(images: np.ndarray, labels: np.ndarray):

@@ -57,7 +57,7 @@ def parse_size(value, name: str = "size") -> int:
     elif isinstance(value, numbers.Real):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
-        n = Fraction(value)
+        n = Fraction(float(value))
     else:
         m = _SIZE.fullmatch(value)
         unit = m.group(2).lower() if m else None

@@ -65,7 +65,7 @@ def _restore(cls: type, args: tuple, state: dict) -> BaseException:
     base it keeps (OSError, ValueError, ...) gets the ``args`` it had, then the attributes."""
     err = cls.__new__(cls, *args)
     builtin = next(b for b in cls.__mro__ if b.__module__ == "builtins")
-    builtin.__init__(err, *args)
+    builtin.__init__(err, *args)  # type: ignore[misc]  # the builtin base on purpose
     err.__dict__.update(state)
     return err
 

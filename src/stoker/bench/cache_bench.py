@@ -61,11 +61,11 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
     the next epoch first needs it is a hit across the boundary, which can put an epoch a little
     below D - C (reported as ``staging_bytes``)."""
     from ..loader import Loader
-    from .sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .harness import measure
     from .origin import LocalS3Origin, upload_tree
+    from .sample_data import make_sample_data
     log = log or (lambda msg: print(msg, flush=True))
 
     work = workdir or os.path.join(tempfile.gettempdir(), "stoker-cache-bench")

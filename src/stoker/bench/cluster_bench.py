@@ -45,13 +45,13 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
     import ray
     from ray.cluster_utils import Cluster
 
-    from .origin import LocalS3Origin, upload_tree
-    from .sample_data import make_sample_data
-    from ..store.dataset import open_dataset
-    from ..store.pack import pack
     from ..cluster.job import read_epochs
     from ..cluster.job import run as cluster_run
     from ..cluster.service import stop_services
+    from ..store.dataset import open_dataset
+    from ..store.pack import pack
+    from .origin import LocalS3Origin, upload_tree
+    from .sample_data import make_sample_data
 
     work = workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-cluster")
     os.makedirs(work, exist_ok=True)
@@ -86,7 +86,7 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
                     fn = partial(read_epochs, epochs=1, first_epoch=epoch)
                     refs = [cluster_run(fn, url, 3, {"CPU": 0.5}, job=job, seed=seed + 1 + j, **common)
                             for j, job in enumerate(("job1", "job2"))]
-                    for job, r in zip(("job1", "job2"), refs):
+                    for job, r in zip(("job1", "job2"), refs, strict=True):
                         report["runs"].extend(_job_rows(placement, job, ray.get(r, timeout=600), dataset_bytes))
                     report["origin_served"].append({"placement": placement, "epoch": epoch,
                                                     "bytes": origin.stats()["bytes_served"] - served0})

@@ -44,9 +44,9 @@ def run(images: int = 1500, seconds: float = 3.0, workers=(1, 2), batch_size: in
     loader}, skipped: [...], machine} (cache_forms: see :func:`_cache_forms`)."""
     from ..decode.calibrate import measure_decode_rate
     from ..loader import Loader
-    from .sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
+    from .sample_data import make_sample_data
 
     work = workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-decode")
     data = os.path.join(work, "data")

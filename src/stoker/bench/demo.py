@@ -53,12 +53,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the report dict (also written to ``cfg.json_path``)."""
     from ..decode.calibrate import measure_decode_rate
     from ..loader import Loader
-    from .sample_data import make_sample_data
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .baseline import FsspecImageFolder, make_baseline_loader
     from .origin import LocalS3Origin, upload_tree
     from .report import check_done, print_table, save_report, write_plot
+    from .sample_data import make_sample_data
 
     preset = QUICK if cfg.quick else FULL
     images = cfg.images or preset["images"]

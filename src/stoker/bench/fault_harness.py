@@ -178,9 +178,10 @@ class LoaderRunner:
         if rc is None or rc < 0 or not res.get("done"):
             how = ("hang" if rc is None else "signal_death" if rc < 0 else "failed")
             fatal = [ln for ln in err.splitlines() if "Fatal Python error" in ln or "Bus error" in ln]
+            ended = f"timed out after {sc.timeout_s}s" if rc is None else f"exit code {rc}"
             rounds.append({"outcome": how, "signal_deaths": int(rc is not None and rc < 0),
-                           "error": f"training process: {'timed out after %ss' % sc.timeout_s if rc is None else 'exit code %s' % rc}"
-                                    f"; stderr: {(fatal[0] if fatal else err.strip()[-300:])[:300]}"})
+                           "error": f"training process: {ended}; stderr: "
+                                    f"{(fatal[0] if fatal else err.strip()[-300:])[:300]}"})
         pids = {p for r in rounds for p in r.get("pids", [])} | ({res["pid"]} if "pid" in res else set())
         if sc.mount:
             files, shm = res.get("leftover_files", []), res.get("leftover_shm", [])

@@ -55,7 +55,7 @@ def classify(exc: BaseException, must_name: list[str]) -> str:
 
 def _foreign_signal_deaths(msg: str, our_pids: set[int]) -> int:
     """1 if ``msg`` reports a stoker process dead by a signal (negative exit code) we did not send."""
-    for pid, code in re.findall(r"pid (\d+)\)? died with exit code (-\d+)", msg):
+    for pid, _code in re.findall(r"pid (\d+)\)? died with exit code (-\d+)", msg):
         if int(pid) not in our_pids:
             return 1
     return 0
@@ -198,8 +198,8 @@ def main(spec_path: str) -> None:
     result = {"rounds": [], "leftover_files": [], "leftover_shm": [], "shm_before": shm_entries(),
               "pid": os.getpid()}
     _write(spec["result"], result)  # the pid names this process's shared-memory files, even after a hang
-    from .. import decode, loader  # noqa: F401 - imports paid before any round is timed
     from .. import _torch as torch_adapter
+    from .. import decode, loader  # noqa: F401 - imports paid before any round is timed
     torch_adapter.load()
     _pre(spec.get("pre"), spec)
     rng = random.Random(spec.get("seed", 0))

@@ -17,7 +17,6 @@ import sys
 
 from ..errors import VenvError  # noqa: F401 - re-exported
 
-
 _MARKER = ".stoker-requirements.json"
 
 # Requirement lists per peer (pins from issue 7 / the decode benchmark).

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import CacheLockTimeout  # noqa: F401 - re-exported
 from .._procs import pid_alive
+from ..errors import CacheLockTimeout  # noqa: F401 - re-exported
 from . import layout, space
 from .files import TMP_MARK, read_at, write_whole
 from .policy import JobRegistry, share_budget

@@ -60,8 +60,8 @@ class Run(ProcessesMixin):
             ForkUnsafeError: ``start_method="fork"`` where fork is unsafe.
             RuntimeError: ``device`` is a CUDA device and CUDA is not available.
         """
-        from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
         from .. import _torch as _torch_adapter  # pay torch's import before the first batch
+        from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
         _torch_adapter.load()
         loader = self.loader
         if loader.device not in (None, "cpu"):

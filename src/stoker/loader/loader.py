@@ -14,9 +14,9 @@ import multiprocessing as mp
 
 import numpy as np
 
-from ..order import permutation, rank_plan
 from .._procs import pick_start_method
 from .._units import parse_size
+from ..order import permutation, rank_plan
 from ._run import Run
 from .config import WorkerConfig
 from .epoch_stats import EpochStats

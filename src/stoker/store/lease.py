@@ -41,8 +41,8 @@ import uuid
 
 import fsspec.asyn
 
-from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 - re-exported
 from .._procs import pid_alive
+from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 - re-exported
 from ..storage import Origin
 
 log = logging.getLogger(__name__)

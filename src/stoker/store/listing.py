@@ -1,10 +1,8 @@
 """What `stoker ls` and `stoker stat` print (the commands themselves are in :mod:`stoker.cli.data`)."""
 from __future__ import annotations
 
-
 from .._units import format_size
 from .directory import SampleDirectory
-
 
 # -- `stoker ls` / `stoker stat` ------------------------------------------------
 _human = format_size

@@ -186,9 +186,9 @@ def run_peers(cfg: PeersConfig) -> dict:
     """Run the benchmark; returns the report (also written to ``cfg.json_path``):
     ``{runs: [{loader, epoch, samples_per_s, stall_fraction, cpu_s_per_1000, origin_bytes, ...}],
     formats: [{loader, convert_seconds, bytes, ...}], skipped: [{loader, reason}], ...}``."""
-    from ..sample_data import make_sample_data
     from ..origin import LocalS3Origin, upload_tree
     from ..report import save_report
+    from ..sample_data import make_sample_data
     from .report import check_targets, print_table, write_plot
 
     unknown = set(cfg.loaders) - set(LOADERS)
