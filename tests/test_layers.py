@@ -50,8 +50,9 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
-    """Modules of stoker that ``name`` imports (absolute or relative, at any depth)."""
+def _imports(name: str, path: pathlib.Path, known: set[str], unresolved: list | None = None) -> set[str]:
+    """Modules of stoker that ``name`` imports (absolute or relative, at any depth); a stoker
+    module that does not exist is appended to ``unresolved``."""
     tree = ast.parse(path.read_text(), str(path))
     is_pkg = path.name == "__init__.py"
     package = name if is_pkg else name.rpartition(".")[0]
@@ -68,6 +69,8 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
                 mod = node.module or ""
             if mod.split(".")[0] != "stoker":
                 continue
+            if mod not in known and unresolved is not None:
+                unresolved.append(f"{name}: line {node.lineno} imports {mod}, which does not exist")
             for a in node.names:  # "from . import x" may name a submodule
                 sub = f"{mod}.{a.name}"
                 found.add(sub if sub in known else mod)
@@ -83,6 +86,15 @@ def _graph() -> dict[str, set[str]]:
 def test_every_module_has_a_layer():
     for name in _modules():
         _layer(name)
+
+
+def test_every_stoker_import_resolves():
+    """Deferred imports (inside functions) of a moved module fail only when the function runs."""
+    mods = _modules()
+    unresolved: list[str] = []
+    for n, p in mods.items():
+        _imports(n, p, set(mods), unresolved)
+    assert not unresolved, "\n".join(unresolved)
 
 
 def test_imports_run_down_the_layers():

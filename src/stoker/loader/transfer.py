@@ -20,7 +20,7 @@ it: the pattern of NVIDIA's apex ``data_prefetcher`` and torch's ``pin_memory`` 
 buffers only where torch can pin, i.e. with CUDA), so the stage is testable without a GPU; the
 Loader itself keeps its zero-copy path for ``None``/``"cpu"``.
 
-This module imports torch; nothing else in stoker imports it except :mod:`stoker._torch`.
+This module imports torch; elsewhere only :mod:`stoker._torch` and :mod:`stoker.decode.gpu` do.
 The CUDA branch is unverified on a GPU in this repository's tests (no device here);
 ``scripts/gpu_check.py`` checks it on a GPU machine.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._torch import check_device, pinning_available  # noqa: F401 - re-exported
+from .._torch import check_device, pinning_available  # noqa: F401 - re-exported
 
 __all__ = ["DeviceTransfer", "check_device", "TransferStats"]
 

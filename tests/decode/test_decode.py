@@ -21,7 +21,7 @@ from stoker.decode import DecodeError, ImageTooLarge, decode_image, decode_stats
 
 def _local_cases_dir() -> Path:
     env = os.environ.get("STOKER_CASES")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "cases"
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "cases"
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "stoker"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "stoker"
 
 
 def _library_modules():
