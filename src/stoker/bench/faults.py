@@ -153,7 +153,7 @@ def run(json_path: str | None = None, quick: bool = False, only: list[str] | Non
 
 
 def table(report: dict) -> str:
-    """The report as a Markdown table (the README's "Faults" table)."""
+    """The report as a Markdown table (the "Faults" table of benchmarks/README.md)."""
     cols = ("scenario", "faults_injected", "outcome", "expected", "samples_lost", "samples_duplicated",
             "signal_deaths", "leftover_files", "leftover_shm", "overhead_s")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
