@@ -1,4 +1,4 @@
-"""`stoker bench decode` at a tiny size: the report has issue 5's fields and a skipped peer is recorded."""
+"""`stoker bench decode` at a tiny size: the report has every field and a skipped peer is recorded."""
 from stoker.bench.decode_bench import run
 
 

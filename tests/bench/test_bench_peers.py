@@ -1,4 +1,4 @@
-"""`stoker bench peers` at a tiny size: issue 7's JSON schema, every loader either measured or
+"""`stoker bench peers` at a tiny size: the report's JSON schema, every loader either measured or
 skipped with its reason. Peers that need their own virtual environment run only if it is
 already there (the test never installs one); otherwise they must show up in `skipped`."""
 import json

@@ -1,4 +1,4 @@
-"""The demo end to end at a tiny size: the report has every field issue 2 asks for, and holds true."""
+"""The demo end to end at a tiny size: the report has every field the demo's targets need, and holds true."""
 import json
 
 from stoker.bench.demo import DemoConfig, run_demo

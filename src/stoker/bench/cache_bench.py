@@ -1,6 +1,6 @@
 """`stoker bench cache`: origin bytes, hit ratio and data stall per cache budget and policy.
 
-Theory (issue 4, :mod:`stoker.cache.policy`): with every sample read once per epoch, no
+Theory (:mod:`stoker.cache.policy`): with every sample read once per epoch, no
 policy reads fewer than D - C bytes per epoch from the origin (D dataset bytes, C the
 budget, C < D). For budgets of 10/25/50/100 % of the demo dataset behind the throttled S3
 origin, each policy runs ``epochs`` epochs with a fresh cache; the emulated accelerator

@@ -1,5 +1,5 @@
 """``stoker bench cluster``: 2 jobs x 3 nodes on one dataset behind the throttled origin,
-co-located against random placement (issue 6's benchmark).
+co-located against random placement (the cluster benchmark of benchmarks/README.md).
 
 Everything runs on this machine: the emulated S3 origin (moto behind the throttling proxy of
 :mod:`stoker.bench.origin`), a 3-node ``ray.cluster_utils.Cluster`` (each node its own raylet and

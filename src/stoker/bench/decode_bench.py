@@ -1,5 +1,5 @@
 """`stoker bench decode`: decode + RandomResizedCrop + flip per core (stoker, Pillow, DALI-CPU)
-and the full loader with 1 and 2 workers (issue 5's benchmark).
+and the full loader with 1 and 2 workers (the decode benchmark of benchmarks/README.md).
 
 Everything reads the demo's real photos from memory or local disk (warm page cache), so the
 numbers are decode-bound: per_core = single-process samples/s; loader efficiency =

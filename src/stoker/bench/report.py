@@ -7,7 +7,7 @@ def _runs(report, loader, rate):
 
 
 def check_done(report: dict) -> dict:
-    """Evaluate issue 2's criteria on a demo report (consumer that takes no time).
+    """Evaluate the demo's targets (benchmarks/README.md) on a demo report (consumer that takes no time).
 
     Returns {name: {"value": float|bool, "target": str, "ok": bool}}.
     """

@@ -19,7 +19,7 @@ from ..errors import VenvError  # noqa: F401 - re-exported
 
 _MARKER = ".stoker-requirements.json"
 
-# Requirement lists per peer (pins from issue 7 / the decode benchmark).
+# Requirement lists per peer (pins shared with the decode benchmark).
 PEER_REQUIREMENTS: dict[str, list[str]] = {
     "dali": ["nvidia-dali-cuda130==2.4.0", "numpy"],
     "streaming": ["mosaicml-streaming==0.13.0", "torch==2.14.1", "torchvision==0.29.1"],

@@ -13,8 +13,8 @@ anything else in ``root`` is never counted, evicted or deleted)::
     stoker-ns-<namespace>/.tmp-<pid>-<rand>   fills in progress
 
 Every fill reserves its bytes under ``.lock`` before it writes (the budget is
-enforced on every write, never exceeded: DESIGN.md, "cache limits checked every 30 s"
-is what WebDataset gets wrong), writes a temporary file and renames it into place,
+enforced on every write, never exceeded; WebDataset checks its cache limit only every
+30 s, docs/design.md "The node cache"), writes a temporary file and renames it into place,
 so a reader sees a whole block or none. A process killed mid-fill leaves a
 temporary file and a reservation; :meth:`DiskCache.recover` (run when a loader
 opens the cache) deletes temporary files of dead processes and recounts usage
@@ -25,7 +25,7 @@ filesystem can take (:mod:`.space`): a fill that does not fit is refused like an
 its temporary file removed, and the block is staged or read from the origin; one
 warning per job names the directory and the free bytes.
 
-Policies (selectable; issue 4 compares them):
+Policies (selectable; ``stoker bench cache`` compares them):
 
 - ``future`` (the default): never evicts a dataset's blocks for the same dataset's blocks
   (so one dataset sits on the D - C floor, like ``noevict``), and splits the budget between

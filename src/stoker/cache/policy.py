@@ -1,6 +1,6 @@
 """The future-aware cache policy: which datasets get how much of one node's budget.
 
-Why there is little else to decide (issue 4): when every sample is read exactly once per
+Why there is little else to decide: when every sample is read exactly once per
 epoch, every hit of an epoch is a block held across the previous epoch boundary, so a cache of
 C bytes saves at most C origin bytes per epoch and no policy reads fewer than D - C. A cache
 that never evicts a dataset's blocks for the same dataset's other blocks (CoorDL's MinIO,

@@ -1,4 +1,4 @@
-"""Single-process decode + transform rate (r_core in DESIGN.md's "decode bound")."""
+"""Single-process decode + transform rate (r_core of the decode bound, benchmarks/README.md)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ shorter side, decoded pixels.  For each candidate, on a small seeded sample of t
   the origin at the rate measured while reading the sample (sequential reads: a lower bound);
 * ``fit``: the fraction of the dataset the derived budget holds; the rest is read raw.
 
-Per core with ``W`` workers (DESIGN.md's decode bound vs storage bound):
+Per core with ``W`` workers (decode bound vs storage bound, benchmarks/README.md):
 ``r_raw = min(decode_raw, storage_raw / W)`` and
 ``r_f = 1 / (fit / min(decode_f, storage_f / W) + (1 - fit) / r_raw)``.
 The choice is the most faithful form whose modelled rate is within a factor ``min_gain``

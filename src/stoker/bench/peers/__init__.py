@@ -1,4 +1,4 @@
-"""`stoker bench peers`: stoker against the loaders people use, in one run (issue 7).
+"""`stoker bench peers`: stoker against the loaders people use, in one run.
 
 :mod:`.bench` orchestrates (sample data, conversions, the emulated origin, one subprocess per
 loader), :mod:`.report` prints the table, checks the targets and draws the plot, and each

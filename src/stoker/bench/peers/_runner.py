@@ -6,9 +6,9 @@ their own virtual environments, where stoker is not installed. The measuring loo
 the same code. A runner is a script ``run_<loader>.py`` that calls :func:`main` with
 
 * ``convert(src, out, cfg) -> None``: write the peer's format for the ImageFolder tree ``src``
-  into the local folder ``out`` with the peer's own tool (``python run_x.py convert SRC OUT CFG``);
+  into the local folder ``out`` with the peer's own tool (``python run_<loader>.py convert SRC OUT CFG``);
 * ``build(cfg) -> obj`` and ``epoch(obj, e) -> iterable of (images, labels)``
-  (``python run_x.py read CFG``): one JSON line per epoch on stdout.
+  (``python run_<loader>.py read CFG``): one JSON line per epoch on stdout.
 
 CPU is counted over the runner's whole process tree (itself, its workers, their children, and
 the children already reaped: ``/proc/<pid>/stat`` utime+stime+cutime+cstime of every live

@@ -1,4 +1,4 @@
-"""`stoker bench peers` report: issue 7's targets, a Markdown table, a PNG plot."""
+"""`stoker bench peers` report: its targets, a Markdown table, a PNG plot."""
 from __future__ import annotations
 
 
@@ -21,7 +21,7 @@ def epoch_rates(report: dict) -> dict[str, dict]:
 
 
 def check_targets(report: dict) -> dict:
-    """Issue 7's targets: stoker's warm-epoch throughput >= 1.5x the best peer's, its cold epoch
+    """The targets: stoker's warm-epoch throughput >= 1.5x the best peer's, its cold epoch
     >= 1.2x the best peer's (peers that ran; warm = mean of epochs after the first).
 
     Returns ``{name: {"value": ratio or None, "target", "best_peer", "ok"}}``.
