@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_transfer import _fake_decoder
 
 from stoker.decode import DecodeError, decode_image, eval_transform
 from stoker.decode.gpu import GpuJpegDecoder
 from stoker.loader import Loader
 from stoker.order import sample_seed
 from stoker.store.dataset import open_dataset
-from test_transfer import _fake_decoder
 
 
 def _expected(dec, ds, ids, epoch, mode, seed):
