@@ -1,7 +1,9 @@
 """Shared pytest fixtures: a local emulated S3 origin, the shared cases, sample images."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import traceback
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,37 @@ def cases_packed(cases_dir, tmp_path_factory) -> str:
         shutil.copy(f, src / f.name)
     pack(str(root / "src"), str(root / "packed"), progress=False)
     return str(root / "packed")
+
+
+@pytest.fixture(scope="session")
+def s3_packed(s3_origin, sample_tree):
+    """The sample tree uploaded to the emulated S3 origin and packed there: (dataset URL, storage options)."""
+    from stoker.bench.origin import upload_tree
+    from stoker.store.pack import pack
+    opts = s3_origin.storage_options()
+    upload_tree(str(sample_tree / "train"), s3_origin.url("s3packed/raw"), opts)
+    url = s3_origin.url("s3packed/packed")
+    pack(s3_origin.url("s3packed/raw"), url, src_options=opts, dst_options=opts, progress=False, overwrite=True)
+    return url, opts
+
+
+def in_child(fn, *args):
+    """Run ``fn(*args)`` in a forked child and re-raise its failure here (with its traceback).
+
+    For code that uses obstore: a process that forks after a tokio runtime started can crash its
+    children, so the test process itself never starts one."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def target():
+        try:
+            fn(*args)
+            q.put(None)
+        except BaseException:  # noqa: BLE001
+            q.put(traceback.format_exc())
+
+    p = ctx.Process(target=target)
+    p.start()
+    err = q.get(timeout=120)
+    p.join(30)
+    assert err is None, err

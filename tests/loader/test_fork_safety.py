@@ -74,17 +74,6 @@ def test_real_tokio_runtime_is_detected(tmp_path):
     assert fork_hazards() == []  # the pytest process itself never starts one
 
 
-@pytest.fixture(scope="module")
-def s3_packed(s3_origin, sample_tree):
-    from stoker.bench.origin import upload_tree
-    from stoker.store.pack import pack
-    opts = s3_origin.storage_options()
-    upload_tree(str(sample_tree / "train"), s3_origin.url("forksafe/raw"), opts)
-    url = s3_origin.url("forksafe/packed")
-    pack(s3_origin.url("forksafe/raw"), url, src_options=opts, dst_options=opts, progress=False, overwrite=True)
-    return url, opts
-
-
 def test_epoch_completes_after_the_user_ran_obstore(s3_packed, tmp_path):
     """The training script used obstore itself (a tokio runtime with live threads) before making the
     Loader, whose workers and prefetcher read the S3 origin through obstore too: forked, they hung

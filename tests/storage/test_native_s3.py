@@ -6,11 +6,11 @@ that reads through obstore does it in a child process of its own; the pytest pro
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import traceback
 
 import pytest
+
+from conftest import in_child
 
 pytest.importorskip("obstore")
 
@@ -19,36 +19,6 @@ from stoker.loader import Loader  # noqa: E402
 from stoker.storage import Origin  # noqa: E402
 from stoker.storage._native_s3 import NativeS3Reader  # noqa: E402
 from stoker.store.dataset import open_dataset  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3_packed(s3_origin, sample_tree):
-    from stoker.bench.origin import upload_tree
-    from stoker.store.pack import pack
-    opts = s3_origin.storage_options()
-    upload_tree(str(sample_tree / "train"), s3_origin.url("native/raw"), opts)
-    url = s3_origin.url("native/packed")
-    pack(s3_origin.url("native/raw"), url, src_options=opts, dst_options=opts, progress=False, overwrite=True)
-    return url, opts
-
-
-def _in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked child (which may use obstore) and re-raise its failure here."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-
-    def target():
-        try:
-            fn(*args)
-            q.put(None)
-        except BaseException:  # noqa: BLE001
-            q.put(traceback.format_exc())
-
-    p = ctx.Process(target=target)
-    p.start()
-    err = q.get(timeout=120)
-    p.join(30)
-    assert err is None, err
 
 
 def _create_only_where_it_can_stand_in(url, opts):
@@ -60,7 +30,7 @@ def _create_only_where_it_can_stand_in(url, opts):
 
 
 def test_create_only_where_it_can_stand_in(s3_packed):
-    _in_child(_create_only_where_it_can_stand_in, *s3_packed)
+    in_child(_create_only_where_it_can_stand_in, *s3_packed)
 
 
 def _same_bytes_as_s3fs_and_errors(url, opts):
@@ -81,7 +51,7 @@ def _same_bytes_as_s3fs_and_errors(url, opts):
 
 
 def test_same_bytes_as_s3fs_and_errors(s3_packed):
-    _in_child(_same_bytes_as_s3fs_and_errors, *s3_packed)
+    in_child(_same_bytes_as_s3fs_and_errors, *s3_packed)
 
 
 def _retries_and_origin_error(url, opts, s3_origin):
@@ -99,7 +69,7 @@ def _retries_and_origin_error(url, opts, s3_origin):
 
 def test_retries_and_origin_error(s3_packed, s3_origin):
     try:
-        _in_child(_retries_and_origin_error, *s3_packed, s3_origin)
+        in_child(_retries_and_origin_error, *s3_packed, s3_origin)
     finally:
         s3_origin.clear_faults()
 

@@ -7,13 +7,12 @@ process that used obstore must not fork).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
-import traceback
 
 import pytest
 from _fault_proxy import Fault, FaultProxy
+from conftest import in_child
 
 from stoker.storage.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s
 from stoker.storage import Origin, OriginError, OriginNotFoundError, OriginPermissionError, url_to_fs
@@ -279,32 +278,13 @@ def _check_stalled_get_is_retried(url, direct, native: bool):
     faults.proxy.stop()
 
 
-def _in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked child (obstore may be used there) and re-raise its failure."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-
-    def target():
-        try:
-            fn(*args)
-            q.put(None)
-        except BaseException:  # noqa: BLE001
-            q.put(traceback.format_exc())
-
-    p = ctx.Process(target=target)
-    p.start()
-    err = q.get(timeout=120)
-    p.join(30)
-    assert err is None, err
-
-
 def test_s3fs_path_keeps_codes_and_rides_out_bursts(uploaded):
     _check_origin_paths(*uploaded, native=False)
 
 
 def test_obstore_path_keeps_codes_and_rides_out_bursts(uploaded):
     pytest.importorskip("obstore")
-    _in_child(_check_origin_paths, *uploaded, True)
+    in_child(_check_origin_paths, *uploaded, True)
 
 
 def test_request_timeout_defaults():
@@ -316,7 +296,7 @@ def test_request_timeout_defaults():
 def test_stalled_get_is_retried(uploaded, native):
     if native:
         pytest.importorskip("obstore")
-        _in_child(_check_stalled_get_is_retried, *uploaded, True)
+        in_child(_check_stalled_get_is_retried, *uploaded, True)
     else:
         _check_stalled_get_is_retried(*uploaded, False)
 
