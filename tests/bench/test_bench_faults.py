@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 
 import pytest
 
@@ -63,6 +64,28 @@ def test_proxy_status_burst_is_s3_error(origin_proxy):
     assert status == 503 and b"<Code>SlowDown</Code>" in body
     origin_proxy.set_fault(Fault("status", 500, every=2))
     assert [_get(origin_proxy)[0] for _ in range(4)] == [206, 500, 206, 500]
+    origin_proxy.set_fault(None)
+
+
+def test_proxy_status_carries_code_and_retry_after(origin_proxy):
+    origin_proxy.set_fault(Fault("status", 503, code="TooManyRequests", retry_after_s=2.5))
+    status, headers, body = _get(origin_proxy)
+    assert status == 503 and headers["Retry-After"] == "2.5" and b"<Code>TooManyRequests</Code>" in body
+    origin_proxy.set_fault(Fault("status", 403))
+    status, headers, body = _get(origin_proxy)
+    assert status == 403 and "Retry-After" not in headers and b"<Code>AccessDenied</Code>" in body
+    origin_proxy.set_fault(None)
+
+
+def test_proxy_stall_ends_when_released(origin_proxy):
+    """A 60 s stall whose event is set once the head has come: the body ends cut short (the
+    proxy closes) and the stall is no longer open, long before the client's 60 s timeout."""
+    released = threading.Event()
+    origin_proxy.set_fault(Fault("stall", count=1, stall_s=60.0, released=released))
+    threading.Timer(0.3, released.set).start()
+    status, _, got = _get(origin_proxy, timeout_s=60.0)
+    assert status == 206 and isinstance(got, http.client.IncompleteRead), got
+    assert origin_proxy.stats()["stalls_open"] == 0
     origin_proxy.set_fault(None)
 
 

@@ -1,7 +1,7 @@
 """Origin retries: bounded by time, only for failures that can clear, with the S3 error code kept,
 a back-off shared by threads, ``Retry-After`` honoured and a per-request timeout for stalled GETs.
 
-The end-to-end tests put a fault-injecting proxy (``_fault_proxy.py``) in front of the emulated S3
+The end-to-end tests put stoker's fault-injecting proxy (``stoker.bench.faultproxy``) in front of the emulated S3
 origin on 127.0.0.1 and read through s3fs and through obstore (obstore in a child process: a
 process that used obstore must not fork).
 """
@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
-from _fault_proxy import Fault, FaultProxy
 from conftest import in_child
 
+from stoker.bench.faultproxy import Fault, FaultProxy
 from stoker.storage.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s
 from stoker.storage import Origin, OriginError, OriginNotFoundError, OriginPermissionError, url_to_fs
 
@@ -198,84 +198,72 @@ def uploaded(s3_origin, packed_local):
     return url, direct
 
 
-class Faults:
-    """A :class:`FaultProxy` in front of ``direct`` whose shard GETs get ``fault`` for ``seconds``
-    from the first such GET, or for the next ``count`` of them (see :meth:`set`)."""
-
-    def __init__(self, direct: dict):
-        self.fault, self.seconds, self.until, self.left = None, 0.0, None, 0
-        self.proxy = FaultProxy(direct["endpoint_url"], self._choose)
-        self.options = {**direct, "endpoint_url": self.proxy.endpoint}
-
-    def _choose(self, method, path, headers):
-        if method != "GET" or "/shards/" not in path or self.fault is None:
-            return None
-        if self.left > 0:
-            self.left -= 1
-            return self.fault
-        if self.until is None:
-            self.until = time.monotonic() + self.seconds  # the burst starts at the first shard GET
-        return self.fault if time.monotonic() < self.until else None
-
-    def set(self, fault=None, seconds=0.0, count=0):
-        self.fault, self.seconds, self.until, self.left = fault, seconds, None, count
+def _proxied(direct: dict) -> tuple[FaultProxy, dict]:
+    """A :class:`FaultProxy` in front of the origin of ``direct`` (storage options), and the
+    storage options that read through it. Its default target: ranged GETs of shard objects."""
+    proxy = FaultProxy(direct["endpoint_url"])
+    return proxy, {**direct, "endpoint_url": proxy.endpoint_url}
 
 
 @pytest.fixture
 def faults(uploaded):
-    f = Faults(uploaded[1])
-    try:
-        yield f
-    finally:
-        f.proxy.stop()
+    """(proxy, storage options through it) for the dataset of ``uploaded``."""
+    proxy, options = _proxied(uploaded[1])
+    with proxy:
+        yield proxy, options
 
 
 SHARD = "shards/shard-000000.tar"
 
 
 def _check_origin_paths(url, direct, native: bool):
-    faults = Faults(direct)
-    o = Origin(url, faults.options, retry_budget_s=0.8)
+    proxy, options = _proxied(direct)
+    o = Origin(url, options, retry_budget_s=0.8)
     if native:
         assert o.use_native()
     assert len(o.read_range(SHARD, 0, 10)) == 10  # the client is set up (s3fs: about 1 s)
     # sustained throttling: a clear OriginError with the S3 code, within the budget
-    faults.set(Fault(status=503, code="SlowDown"), seconds=1e9)
+    proxy.set_fault(Fault("status", 503))
     with pytest.raises(OriginError) as err:
         o.read_range(SHARD, 0, 100)
     assert (err.value.code, err.value.status) == ("SlowDown", 503) and err.value.attempts >= 2
     assert f"{url}/{SHARD} bytes 0-100" in str(err.value)
     # a burst shorter than the budget is ridden out
     o.retry_budget_s = 20
-    faults.set(Fault(status=503, code="SlowDown"), seconds=1.0)
+    proxy.set_fault(Fault("status", 503, burst_s=1.0))  # from the first shard GET on
     assert len(o.read_range(SHARD, 0, 100)) == 100
     # denied and missing: at once, with the code
     for status, code, cls in ((403, "AccessDenied", OriginPermissionError), (404, "NoSuchKey", OriginNotFoundError)):
-        faults.set(Fault(status=status, code=code), seconds=1e9)
+        proxy.set_fault(Fault("status", status, code=code))
         errors = o.counters.errors
         with pytest.raises(cls) as err:
             o.read_range(SHARD, 0, 100)
         assert (err.value.code, err.value.status, o.counters.errors - errors) == (code, status, 1)
     # a connection reset is retried
-    faults.set(Fault(kind="reset"), count=1)
+    proxy.set_fault(Fault("reset", count=1))
     assert len(o.read_range(SHARD, 100, 200)) == 100
-    faults.proxy.stop()
+    assert proxy.stats()["faults_injected"] >= 1
+    proxy.stop()
 
 
 def _check_stalled_get_is_retried(url, direct, native: bool):
     """Headers, then nothing: the request times out (read_timeout) and the retry succeeds while
     the stalled answer is still open."""
-    faults = Faults(direct)
-    o = Origin(url, {**faults.options, "config_kwargs": {"read_timeout": 0.5}}, retry_budget_s=20)
+    proxy, options = _proxied(direct)
+    o = Origin(url, {**options, "config_kwargs": {"read_timeout": 0.5}}, retry_budget_s=20)
     if native:
         assert o.use_native()
     assert len(o.read_range(SHARD, 0, 10)) == 10  # the client is set up
-    stall = Fault(kind="stall", stall_s=30)
-    faults.set(stall, count=1)
+    released = threading.Event()
+    proxy.set_fault(Fault("stall", count=1, stall_s=60, released=released))
     assert len(o.read_range(SHARD, 0, 100)) == 100
-    assert o.counters.retries >= 1 and not stall.released.is_set()
-    stall.released.set()
-    faults.proxy.stop()
+    assert o.counters.retries >= 1 and proxy.stats()["stalls_open"] == 1
+    released.set()  # the stall ends now, not after its 60 s
+    deadline = time.monotonic() + 30
+    while proxy.stats()["stalls_open"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proxy.stats()["stalls_open"] == 0
+    proxy.stop()
 
 
 def test_s3fs_path_keeps_codes_and_rides_out_bursts(uploaded):
@@ -307,13 +295,14 @@ def test_loader_rides_out_a_throttling_burst(uploaded, faults, tmp_path, workers
     from stoker.loader import Loader
     from stoker.store.dataset import open_dataset
     url, _ = uploaded
+    proxy, options = faults
     ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
-                      storage_options=faults.options, retry_budget_s=20)
+                      storage_options=options, retry_budget_s=20)
     assert ds.origin.retry_budget_s == 20
-    faults.set(Fault(status=503, code="SlowDown"), seconds=1.5)
+    proxy.set_fault(Fault("status", 503, burst_s=1.5))
     with Loader(ds, 16, num_workers=workers, transform="eval", image_size=32, timeout_s=60) as loader:
         assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
-    assert faults.proxy.faults
+    assert proxy.stats()["faults_injected"] > 0
 
 
 def test_a_read_that_waited_for_another_fill_gets_the_rest_of_the_budget(tmp_path):
@@ -336,9 +325,10 @@ def test_loader_sustained_throttling_ends_in_origin_error(uploaded, faults, tmp_
     from stoker.loader import Loader, WorkerError
     from stoker.store.dataset import open_dataset
     url, _ = uploaded
+    proxy, options = faults
     ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
-                      storage_options=faults.options, retry_budget_s=1)
-    faults.set(Fault(status=503, code="SlowDown"), seconds=1e9)
+                      storage_options=options, retry_budget_s=1)
+    proxy.set_fault(Fault("status", 503))
     with Loader(ds, 16, num_workers=workers, transform="eval", image_size=32, timeout_s=60) as loader:
         with pytest.raises(OriginError if workers == 0 else WorkerError) as err:
             for _ in loader:

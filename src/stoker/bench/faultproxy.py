@@ -6,19 +6,22 @@ request and response boundaries on keep-alive connections (a ``Content-Length`` 
 ``chunked`` body, or none for ``HEAD``, 1xx, 204 and 304), and injects one kind of fault into
 the requests its ``match`` predicate selects (by default: ranged GETs of shard objects):
 
-* ``status``  - answer with an S3 XML error (503 ``SlowDown``, 500 ``InternalError``, ...)
-  without forwarding the request; the connection stays usable;
+* ``status``  - answer with an S3 XML error (503 ``SlowDown``, 500 ``InternalError``, ...,
+  or the ``code`` given), with a ``Retry-After`` header when ``retry_after_s`` is set, without
+  forwarding the request; the connection stays usable;
 * ``reset``   - forward, pass the response head and half its body, then reset the TCP
   connection (``SO_LINGER`` 0: the client sees ECONNRESET mid-body);
 * ``truncate`` - forward, pass the head and half the body, then close cleanly (FIN): the
   client gets fewer bytes than ``Content-Length`` promised;
-* ``stall``   - forward, pass the response head, then send nothing for ``stall_s`` seconds
-  before closing (a per-request read timeout is the only quick way out).
+* ``stall``   - forward, pass the response head, then send nothing for ``stall_s`` seconds, or
+  until the plan's ``released`` event is set, before closing (a per-request read timeout is
+  the client's only quick way out).
 
 Which matching requests are hit: every ``every``-th one, at most ``count`` of them (None =
 no limit), and, with ``burst_s``, only during the ``burst_s`` seconds that start at the first
 matching request after :meth:`FaultProxy.set_fault` (an outage window). It runs its own
-asyncio loop in a daemon thread of the caller; counters are read with :meth:`stats`.
+asyncio loop in a daemon thread of the caller; counters are read with :meth:`stats`. Used by
+`stoker bench faults` and by the tests of origin retries.
 """
 from __future__ import annotations
 
@@ -29,12 +32,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 _S3_CODES = {500: "InternalError", 503: "SlowDown", 403: "AccessDenied", 404: "NoSuchKey"}
 _MAX_HEAD_BYTES = 1 << 16
 _CHUNK_BYTES = 1 << 16
+_RELEASE_POLL_S = 0.02  # how often a stall looks at its ``released`` event (seconds)
 MODES = ("none", "status", "reset", "truncate", "stall")
 
 
@@ -48,8 +52,12 @@ class Fault:
     """One fault plan. ``mode``: one of :data:`MODES`; ``status``: HTTP status for ``status``;
     ``every``: hit every n-th matching request; ``count``: most faults to inject (None = no
     limit); ``burst_s``: seconds the fault lasts from the first matching request (None = no
-    window); ``stall_s``: seconds a ``stall`` holds the body back; ``match(method, path,
-    headers)``: which requests are candidates (header names lower-case)."""
+    window); ``stall_s``: seconds a ``stall`` holds the body back at most; ``match(method, path,
+    headers)``: which requests are candidates (header names lower-case); ``code``: the S3 error
+    code of a ``status`` answer (None = the usual one for ``status``: 503 ``SlowDown``, 500
+    ``InternalError``, 403 ``AccessDenied``, 404 ``NoSuchKey``); ``retry_after_s``: seconds sent
+    as the ``Retry-After`` header of a ``status`` answer (None = no header); ``released``: a
+    stall ends as soon as this event is set (None = it runs its ``stall_s``)."""
 
     mode: str = "none"
     status: int = 503
@@ -58,6 +66,9 @@ class Fault:
     burst_s: float | None = None
     stall_s: float = 20.0
     match: Callable[[str, str, dict], bool] = shard_gets
+    code: str | None = None
+    retry_after_s: float | None = None
+    released: threading.Event | None = field(default=None, compare=False)
 
 
 class _Head:
@@ -113,6 +124,17 @@ async def _read_body(reader: asyncio.StreamReader, kind: str, n: int) -> bytes:
         out += await reader.readexactly(size + 2)
 
 
+async def _stall(fault: Fault) -> None:
+    """Wait ``fault.stall_s`` seconds, or less if ``fault.released`` gets set (polled every
+    ``_RELEASE_POLL_S`` seconds: a threading.Event cannot wake an asyncio loop by itself)."""
+    end = time.monotonic() + fault.stall_s
+    while fault.released is None or not fault.released.is_set():
+        left_s = end - time.monotonic()
+        if left_s <= 0:
+            return
+        await asyncio.sleep(left_s if fault.released is None else min(left_s, _RELEASE_POLL_S))
+
+
 def _reset(writer: asyncio.StreamWriter) -> None:
     """Close with an RST instead of a FIN (the peer sees 'connection reset')."""
     sock = writer.get_extra_info("socket")
@@ -137,7 +159,7 @@ class FaultProxy:
         self._matched = 0
         self._injected_plan = 0
         self._t_first: float | None = None
-        self.counters = dict(requests=0, matched=0, faults_injected=0)
+        self.counters = dict(requests=0, matched=0, faults_injected=0, stalls_open=0)
         self._loop = asyncio.new_event_loop()
         self._server = self._loop.run_until_complete(
             asyncio.start_server(self._handle, "127.0.0.1", 0, limit=_MAX_HEAD_BYTES))
@@ -178,7 +200,8 @@ class FaultProxy:
             self._matched, self._injected_plan, self._t_first = 0, 0, None
 
     def stats(self) -> dict:
-        """``{requests, matched, faults_injected}`` since the proxy started (counts)."""
+        """``{requests, matched, faults_injected}`` since the proxy started (counts), and
+        ``stalls_open``: stalled answers whose connection is still held open now."""
         with self._lock:
             return dict(self.counters)
 
@@ -213,7 +236,7 @@ class FaultProxy:
                 body = await _read_body(creader, *head.body_kind())
                 fault = self._decide(method, path, head.headers)
                 if fault is not None and fault.mode == "status":
-                    await self._status_reply(cwriter, fault.status, method, path)
+                    await self._status_reply(cwriter, fault, method, path)
                     continue
                 if up is None:
                     up = await asyncio.open_connection(*self.upstream, limit=_MAX_HEAD_BYTES)
@@ -231,13 +254,15 @@ class FaultProxy:
             if not cwriter.transport.is_closing():
                 cwriter.close()
 
-    async def _status_reply(self, writer, status: int, method: str, path: str) -> None:
-        code = _S3_CODES.get(status, "InternalError")
+    async def _status_reply(self, writer, fault: Fault, method: str, path: str) -> None:
+        status = fault.status
+        code = fault.code or _S3_CODES.get(status, "InternalError")
+        retry_after = "" if fault.retry_after_s is None else f"Retry-After: {fault.retry_after_s:g}\r\n"
         body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
                 f"<Message>Injected by the stoker fault proxy</Message><Resource>{path}</Resource>"
                 f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>").encode()
         head = (f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
-                f"Content-Length: {len(body)}\r\nx-amz-request-id: {uuid.uuid4().hex}\r\n\r\n").encode()
+                f"Content-Length: {len(body)}\r\n{retry_after}x-amz-request-id: {uuid.uuid4().hex}\r\n\r\n").encode()
         writer.write(head + (b"" if method == "HEAD" else body))
         await writer.drain()
 
@@ -275,7 +300,13 @@ class FaultProxy:
         cwriter.write(head.raw)
         if fault.mode == "stall":
             await cwriter.drain()
-            await asyncio.sleep(fault.stall_s)
+            with self._lock:
+                self.counters["stalls_open"] += 1
+            try:
+                await _stall(fault)
+            finally:
+                with self._lock:
+                    self.counters["stalls_open"] -= 1
             return False
         cwriter.write(body[: len(body) // 2])
         await cwriter.drain()
