@@ -40,6 +40,7 @@ import queue
 import time
 from multiprocessing.connection import wait as mp_wait
 
+from ..errors import WorkerError
 from .prefetch import prefetch_main
 from .shm import SharedCell
 from .workers import worker_main
@@ -156,7 +157,6 @@ class RespawnMixin:
             WorkerError: the slot was replaced :data:`MAX_WORKER_RESTARTS` times this epoch
                 already; names the worker, its pid, exit code or signal and the sample it was on.
         """
-        from .procs import WorkerError
         p, wid = self._workers[slot], self._wids[slot]
         p.join(1)  # reaped (its sentinel is ready): exitcode is known
         key = self._sample_key(slot)
