@@ -1,7 +1,6 @@
 """Loader: order and exactly-once, deterministic augmentation, batches kept safe, errors never hang."""
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -109,32 +108,19 @@ def test_cases_decode_or_fail_naming_the_key(cases_packed, tmp_path):
             assert sizes == [1] * (len(ds) - 1) and loader.stats.skipped == 1
 
 
-def test_killed_worker_raises_naming_the_worker(packed_local, tmp_path):
+def test_killed_worker_or_prefetcher_is_replaced(packed_local, tmp_path):
+    """A SIGKILLed worker and then the prefetcher are replaced: the epoch delivers every sample once
+    (tests/loader/test_respawn.py checks order, pixels and the bounds)."""
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    loader = Loader(ds, 4, num_workers=2, transform="eval", timeout_s=30)
-    it = iter(loader)
-    next(it)
-    os.kill(loader._workers[1].pid, signal.SIGKILL)
-    t = time.monotonic()
-    with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) died"):
-        for _ in it:
-            pass
-    assert time.monotonic() - t < 30  # reported, not hung until the batch timeout
-    loader.close()
-
-
-def test_killed_prefetcher_is_reported(packed_local, tmp_path):
-    """A SIGKILLed prefetch process is reported with the next batch, not silently worked around."""
-    ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    loader = Loader(ds, 4, num_workers=2, transform="eval", timeout_s=30)
-    it = iter(loader)
-    next(it)
-    os.kill(loader._prefetcher.pid, signal.SIGKILL)
-    loader._prefetcher.join(10)
-    with pytest.raises(WorkerError, match=r"prefetch process \(pid \d+\) died with exit code -9"):
-        for _ in it:
-            pass
-    loader.close()
+    with Loader(ds, 4, num_workers=2, transform="eval", timeout_s=30) as loader:
+        it = iter(loader)
+        n = len(next(it)[1])
+        os.kill(loader._workers[1].pid, signal.SIGKILL)
+        n += len(next(it)[1])
+        os.kill(loader._prefetcher.pid, signal.SIGKILL)
+        n += sum(len(y) for _, y in it)
+        assert n == len(ds) and loader.stats.exactly_once
+        assert loader.stats.worker_restarts == 1 and loader.stats.prefetcher_restarts == 1
 
 
 def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, sample_tree, tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ new one. The data flow and the processes are drawn in this package's README.md.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 
 from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
@@ -49,7 +48,12 @@ class Run(ProcessesMixin):
         self._own_staging = False
         self._pre: dict | None = None  # the next epoch's first batches, dispatched early
         self._run_id = 0  # one per epoch served: replies carry it, so stale ones are recognised
-        self._worker_counters: dict[int, dict] = {}
+        self._worker_counters: dict[int, dict] = {}  # worker id -> its last counters (dead ones kept)
+        self._pf_off = False  # the prefetcher died more often than allowed this epoch (respawn.py)
+        self._pf_last_cmd = None  # the last plan sent to the prefetcher, for a replacement
+        self._restarts: list[int] = [0] * self.num_workers  # replacements per worker slot, this epoch
+        self._pf_restarts = 0
+        self._restarted_at = 0.0  # time.monotonic() of the last replacement
         self.started = False
 
     def start(self) -> None:
@@ -91,12 +95,12 @@ class Run(ProcessesMixin):
         self._pre = None
         if self._workers:
             self._stop.set()  # workers drop queued tasks instead of finishing them
-        for _ in self._workers:
+        for q in getattr(self, "_task_qs", []):
             try:
-                self._tasks.put(None)
+                q.put(None)
             except (OSError, ValueError):
                 pass
-        if self._prefetcher is not None:
+        if self._prefetcher is not None and not self._pf_off:
             try:
                 self._pf_cmds.put(None)
             except (OSError, ValueError):
@@ -157,6 +161,8 @@ class Run(ProcessesMixin):
     def _epoch(self, run: int, epoch: int, start: int = 0):
         t_start = time.perf_counter()
         stats = EpochStats(epoch=epoch)
+        if self.num_workers > 0:
+            self._new_epoch_restarts()
         carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
         if carry is not None:
             run, ids, batches = carry["run"], carry["ids"], carry["batches"]
@@ -175,7 +181,7 @@ class Run(ProcessesMixin):
         if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
             self._pf_pos.value = 0
             self._pf_done.value = 0
-            self._pf_cmds.put((run, *block_schedule(self.dataset, ids)))
+            self._pf_send((run, *block_schedule(self.dataset, ids)))
         wait_box = [0.0]  # seconds blocked in next(), also when the epoch is cut short
         t_resume = time.perf_counter()
         try:
@@ -195,6 +201,7 @@ class Run(ProcessesMixin):
                 yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry)
         finally:
             stats.seconds = time.perf_counter() - t_start
+            stats.worker_restarts, stats.prefetcher_restarts = sum(self._restarts), self._pf_restarts
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
             pre = self._pre if self._pre is not None and self._pre["epoch"] != epoch else None
             after = self._totals(pre.get("pf_boundary") if pre is not None else None)
@@ -254,7 +261,7 @@ class Run(ProcessesMixin):
                 raise self._ring.shortage()
             return False
         self._ring.busy.add(slot)
-        self._tasks.put((run, seq, epoch, slot, self._ring.paths[slot], bids))
+        self._send_task((run, seq, epoch, slot, self._ring.paths[slot], bids))
         inflight[seq] = (slot, bids)
         return True
 
@@ -278,7 +285,7 @@ class Run(ProcessesMixin):
             self._pf_prev_done.value = self._pf_done.value
             self._pf_pos.value = pre["next"] * self.batch_size
             self._pf_done.value = 0
-            self._pf_cmds.put((pre["run"], *block_schedule(self.dataset, ids)))
+            self._pf_send((pre["run"], *block_schedule(self.dataset, ids)))
 
     def _take_pre(self, epoch: int, start: int):
         """The pre-dispatched next epoch, if it is the one starting now; else drop it."""
@@ -314,11 +321,11 @@ class Run(ProcessesMixin):
                     self._predispatch(epoch + 1)
                 if seq in pending:
                     break
-                try:
-                    msg = self._results.get(timeout=0.25)
-                except queue.Empty:
+                msg = self._reply(0.25)  # dead workers are replaced meanwhile (respawn.py)
+                if msg is None:
                     self._check_workers()
-                    if time.monotonic() > deadline:
+                    # a replacement decodes its batches again: the wait starts over from it
+                    if time.monotonic() > max(deadline, self._restarted_at + self.timeout_s):
                         raise self._stall_error(seq, epoch) from None
                     continue
                 kind, wid, mrun = msg[0], msg[1], msg[2]

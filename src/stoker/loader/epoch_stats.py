@@ -21,7 +21,9 @@ class EpochStats:
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
     (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
     epoch by the training process (``main``), the decode ``workers`` and the
-    ``prefetch`` process (Linux /proc; empty elsewhere).
+    ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
+    counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
+    crash) and were replaced, within the bounds of :mod:`stoker.loader.respawn`.
     """
 
     epoch: int
@@ -51,6 +53,8 @@ class EpochStats:
     order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
     derived_hits: int = 0          # samples decoded from their derived form (cache_form)
     derived_fills: int = 0         # derived entries written this epoch
+    worker_restarts: int = 0       # dead decode workers replaced this epoch (their batches decoded again)
+    prefetcher_restarts: int = 0   # dead prefetch processes replaced this epoch
 
     def as_dict(self) -> dict:
         return asdict(self)

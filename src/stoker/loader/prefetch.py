@@ -75,14 +75,18 @@ def _fill(ds, b: int) -> str:
 
 
 def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahead_bytes: int,
-                  staging_bytes: int = 64 << 20, prev_done=None) -> None:
+                  staging_bytes: int = 64 << 20, prev_done=None, adopt: bool = False) -> None:
     """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need) or
     None to stop; ``position``: shared int64, plan position dispatched to the workers;
     ``done``: shared int64, plan position already delivered (staged blocks whose last use
     is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS).
     ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
     ``prev_done``: shared int64, the previous plan's delivered position while it drains after a
-    plan change: its staged blocks go as soon as their last use in it is delivered."""
+    plan change: its staged blocks go as soon as their last use in it is delivered.
+    ``adopt``: this process replaces one that died; the blocks of its first plan that are in the
+    staging area already (staged by the dead one: whole files, written by rename) are taken over
+    as staged, so they are counted in ``staging_bytes`` and deleted after their last use. Its
+    origin counters continue from the values in ``counters`` (the dead one's)."""
     from .._procs import exit_with_parent, parent_gone
     from .workers import fresh_copy
     parent = os.getppid()
@@ -96,6 +100,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     prev: dict[int, int] = {}    # staged blocks of the previous plan -> their last use in it
     cur_last: dict[int, int] = {}  # block -> last use in the current plan (kept after it is done)
     sizes_of = (ds.block_end - ds.block_start).astype(np.int64)
+    base_bytes, base_requests = int(counters[0]), int(counters[1])  # a dead predecessor's
     while True:
         try:
             cmd = commands.get(timeout=0.05) if job is None else commands.get_nowait()
@@ -117,6 +122,11 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                    "inflight": job["inflight"] if job else {},
                    "failures": 0, "last": dict(zip(blocks.tolist(), last_need.tolist()))}
             cur_last = job["last"]
+            if adopt and ds.staging is not None:
+                adopt = False
+                for b, last in cur_last.items():
+                    if ds.staging.contains(ds.version, ds.block_name(b)):
+                        staged[b] = last
         if job is None:
             continue
         inflight = job["inflight"]
@@ -156,8 +166,8 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                 k = job["tries"][b] = job["tries"].get(b, 0) + 1
                 if k <= MAX_BUSY_RETRIES:
                     job["retry"].append((time.monotonic() + min(BUSY_BACKOFF_MAX_S, BUSY_BACKOFF_S * 2 ** k), b))
-            counters[0] = ds.origin.counters.bytes
-            counters[1] = ds.origin.counters.requests
+            counters[0] = base_bytes + ds.origin.counters.bytes
+            counters[1] = base_requests + ds.origin.counters.requests
         # the origin throttles: start nothing new while the fills in flight wait for its back-off
         # (with none in flight, the next fill is the one that probes the origin)
         throttled = bool(inflight) and ds.origin.backoff.throttled

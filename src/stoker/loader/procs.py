@@ -4,19 +4,22 @@ Start method: :func:`stoker._procs.pick_start_method` (``fork`` unless the train
 threads that a forked child cannot live with, then ``forkserver``). Health: a dead worker or
 prefetcher is named with its pid and its exit code or signal; a worker killed by SIGBUS is
 pointed at the shared-memory directory (a full ``/dev/shm`` is the usual cause); a stall names
-what each worker was doing and why forking may have broken it.
+what each worker was doing and why forking may have broken it. A dead worker or prefetcher is
+replaced, within a bound per epoch (:mod:`stoker.loader.respawn`); replacements use the start
+method chosen at start.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import signal
+from collections import deque
 
 from .._procs import describe_exit, pick_start_method
 from ..errors import WorkerError  # noqa: F401 - re-exported
-from .prefetch import N_COUNTERS, prefetch_main
-from .shm import SharedCell, free_bytes, shm_base
-from .workers import worker_main
+from .prefetch import N_COUNTERS
+from .respawn import RespawnMixin
+from .shm import free_bytes, shm_base
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ __all__ = ["WorkerError", "ProcessesMixin"]
 FORKSERVER_PRELOAD = ["stoker.loader.workers", "stoker.decode", "stoker.loader.prefetch"]
 
 
-class ProcessesMixin:
+class ProcessesMixin(RespawnMixin):
     """Start, watch and describe the worker and prefetch processes of a loader's started pipeline
     (:class:`stoker.loader._run.Run`, which holds the attributes used here)."""
 
@@ -47,29 +50,20 @@ class ProcessesMixin:
         if method == "forkserver":
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._ctx = ctx
-        self._tasks = ctx.Queue()
-        self._results = ctx.Queue()
         self._current = ctx.Array("q", [-1] * self.num_workers, lock=False)
         self._stop = ctx.Event()
-        for wid in range(self.num_workers):
-            p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
-                            args=(wid, self.dataset, self.cfg, self._tasks, self._results,
-                                  SharedCell(self._current, wid), self._stop), daemon=True)
-            p.start()
-            self._workers.append(p)
+        self._task_qs, self._result_qs, self._wids, self._assigned = [], [], [], []
+        self._replies = deque()  # replies received, not yet taken by the epoch loop
+        self._next_wid = 0  # worker ids: 0..num_workers-1, then one new id per replacement
+        self._new_epoch_restarts()
+        for slot in range(self.num_workers):
+            self._spawn_worker(slot)
         if self.dataset.cache is not None:
-            self._pf_cmds = ctx.Queue()
             self._pf_pos = ctx.Value("q", 0, lock=False)
             self._pf_done = ctx.Value("q", 0, lock=False)
             self._pf_prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
             self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
-            self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
-                                           args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
-                                                 self._pf_counters,
-                                                 self.fetch_concurrency, self.prefetch_bytes, self.staging_bytes,
-                                                 self._pf_prev_done),
-                                           daemon=True)
-            self._prefetcher.start()
+            self._spawn_prefetcher(adopt=False)
 
     def _sample_key(self, wid: int) -> str | None:
         sid = int(self._current[wid])
@@ -85,28 +79,29 @@ class ProcessesMixin:
         return msg
 
     def _check_workers(self) -> None:
-        """WorkerError naming the first dead worker (pid, exit code or signal, the sample it was on)."""
-        for wid, p in enumerate(self._workers):
+        """Replace every dead worker (:meth:`RespawnMixin._replace_worker`: WorkerError naming it,
+        its pid, exit code or signal and the sample it was on once its slot's restarts are spent);
+        then the same for the prefetcher."""
+        for slot, p in enumerate(self._workers):
             if p.exitcode is not None:
-                key = self._sample_key(wid)
-                raise WorkerError(self._died(f"worker {wid} (pid {p.pid})", p.exitcode)
-                                  + (f" while reading/decoding sample {key!r}" if key else ""))
+                self._replace_worker(slot)
         self._check_prefetcher()
 
     def _check_prefetcher(self) -> None:
-        """WorkerError if the prefetch process died (checked every 8th and every last batch of an
-        epoch: the workers would go on reading sample by sample from the origin, and nothing
-        would delete staged blocks)."""
+        """Replace the prefetch process if it died (checked every 8th and every last batch of an
+        epoch, and whenever its sentinel wakes the wait for replies): the workers would go on
+        reading sample by sample from the origin, and nothing would delete staged blocks. Past
+        the bound the epoch goes on without it (:meth:`RespawnMixin._restart_prefetcher`)."""
         if self._prefetcher is not None and self._prefetcher.exitcode not in (None, 0):
-            raise WorkerError(self._died(f"prefetch process (pid {self._prefetcher.pid})", self._prefetcher.exitcode))
+            self._restart_prefetcher()
 
     def _stall_error(self, seq: int, epoch: int) -> WorkerError:
         """The error for ``timeout_s`` without the batch due: what each worker was doing, and the
         fork hazards of the training process if the workers were forked anyway."""
         parts = []
-        for wid, p in enumerate(self._workers):
-            key = self._sample_key(wid)
-            parts.append(f"worker {wid} (pid {p.pid}) " + (f"on sample {key!r}" if key else "idle"))
+        for slot, p in enumerate(self._workers):
+            key = self._sample_key(slot)
+            parts.append(f"worker {self._wids[slot]} (pid {p.pid}) " + (f"on sample {key!r}" if key else "idle"))
         msg = (f"no batch from the workers for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
                + ", ".join(parts))
         if self.start_method == "fork" and getattr(self, "_fork_hazards", None):
