@@ -104,6 +104,38 @@ def test_sustained_throttling_ends_in_origin_error_with_the_code(tmp_path):
     assert "retry budget 0.5 s" in str(e) and len(calls) >= 2
 
 
+def _refused(calls, until_s=1e9):
+    t0 = time.monotonic()
+
+    def fn():
+        calls.append(time.monotonic())
+        if time.monotonic() - t0 < until_s:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return b"ok"
+    return fn
+
+
+def test_an_origin_never_reached_is_given_up_quickly(tmp_path, monkeypatch):
+    """A refused connection to an origin that never answered is most likely a wrong URL or port:
+    it ends after UNREACHABLE_BUDGET_S with an error that says so, not after the whole budget."""
+    monkeypatch.setattr("stoker.storage.UNREACHABLE_BUDGET_S", 0.3)
+    calls: list = []
+    o = Origin(str(tmp_path), retry_budget_s=30)
+    with pytest.raises(OriginError, match="never reached: check the URL") as err:
+        o._retry("http://127.0.0.1:1/ds/index.parquet", _refused(calls))
+    assert 0.3 <= err.value.elapsed_s < 5 and len(calls) >= 2
+
+
+def test_an_origin_that_answered_before_gets_the_whole_budget(tmp_path, monkeypatch):
+    """A server that answered and then refuses is restarting: it is retried for the whole budget."""
+    monkeypatch.setattr("stoker.storage.UNREACHABLE_BUDGET_S", 0.1)
+    o = Origin(str(tmp_path), retry_budget_s=20)
+    assert o._retry("http://h/ok", lambda: b"first") == b"first"
+    calls: list = []
+    assert o._retry("http://h/k", _refused(calls, until_s=0.8)) == b"ok"
+    assert calls[-1] - calls[0] >= 0.8
+
+
 @pytest.mark.parametrize("status, code, cls", [(403, "AccessDenied", OriginPermissionError),
                                                (404, "NoSuchKey", OriginNotFoundError),
                                                (400, "InvalidRequest", OriginError)])

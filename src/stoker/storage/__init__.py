@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 - re-exported
-from .retry import (BACKOFF_CAP_S, BUGS, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
+from .retry import (BACKOFF_CAP_S, BUGS, UNREACHABLE_BUDGET_S, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
 
@@ -135,6 +135,7 @@ class Origin:
     def __post_init__(self):
         self.url = self.url.rstrip("/")
         self.retry_budget_s = resolve_retry_budget_s(self.retry_budget_s)
+        self.reached = False  # a request of this process got an answer (see UNREACHABLE_BUDGET_S)
         self._fs = None
         self._root = None
         self._native = None
@@ -226,12 +227,19 @@ class Origin:
                 if not failure.retry:
                     raise self._error(what, exc, failure, start, end, attempt, t0, "not retried") from exc
                 now = time.monotonic()
+                if failure.unreachable and not self.reached:  # never answered: probably a wrong URL
+                    deadline = min(deadline, t0 + UNREACHABLE_BUDGET_S)
                 if now >= deadline or (self.attempts is not None and attempt >= self.attempts):
-                    raise self._error(what, exc, failure, start, end, attempt, t0,
-                                      f"retry budget {self.retry_budget_s:g} s spent") from exc
+                    why = (f"the origin was never reached: check the URL, host and port (gave up after "
+                           f"{UNREACHABLE_BUDGET_S:g} s)" if failure.unreachable and not self.reached
+                           else f"retry budget {self.retry_budget_s:g} s spent")
+                    raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
                 self.counters.retries += 1
-                log.warning("retrying %s (attempt %d, %.1f of %g s): %s", what, attempt, now - t0,
-                            self.retry_budget_s, _describe(exc, failure))
+                # the first retry of an operation and one every 5 s of retrying are warnings, the rest debug
+                level = logging.WARNING if attempt == 1 or int((now - t0) / 5) > int((sent_at - t0) / 5) \
+                    else logging.DEBUG
+                log.log(level, "retrying %s (attempt %d, %.1f of %g s): %s", what, attempt, now - t0,
+                        self.retry_budget_s, _describe(exc, failure))
                 if not failure.throttled:  # throttling: wait_turn holds every thread back instead
                     wait_s = failure.retry_after_s
                     if wait_s is None:
@@ -239,6 +247,7 @@ class Origin:
                     self.backoff.pause(max(0.0, min(wait_s, deadline - now)))
                 continue
             self.backoff.done(sent_at, probe, None)
+            self.reached = True
             return result
 
     @staticmethod

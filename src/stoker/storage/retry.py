@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -60,6 +61,15 @@ BUGS = (TypeError, AttributeError, NameError)
 #: resets, timeouts, truncated or unparsable answers (aiohttp, botocore, urllib3, http.client).
 _NETWORK_NAME = re.compile(r"Timeout|Connection|Disconnect|Reset|Payload|IncompleteRead|ResponseParser|"
                            r"HTTPClientError|ProtocolError|ReadError|BrokenPipe|EndpointConnection")
+# No connection at all: refused, or a host name that does not resolve.
+_UNREACHABLE = re.compile(r"Connection refused|Cannot connect to host|Could not connect to the endpoint|"
+                          r"Name or service not known|nodename nor servname|Temporary failure in name resolution|"
+                          r"dns error|failed to lookup address")
+#: Seconds an origin that has never answered this process is retried when it cannot be reached at
+#: all (refused connection, unknown host): that is usually a wrong URL or port, and a user should
+#: hear so at once, not after the whole retry budget. An origin that answered before (a server
+#: restarting) gets the whole budget.
+UNREACHABLE_BUDGET_S = 3.0
 # obstore (object_store) reports HTTP answers in its message only.
 _STATUS_RE = re.compile(r"status code: (\d{3})|\bstatus: (\d{3})\b")
 _CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
@@ -80,6 +90,7 @@ class Failure:
     status: int | None = None
     code: str | None = None
     retry_after_s: float | None = None
+    unreachable: bool = False  # no connection at all (refused, no such host): often a wrong URL
 
     def label(self) -> str:
         """``"SlowDown (HTTP 503)"``, ``"HTTP 500"``, ``"NoSuchKey"`` or ``""``."""
@@ -158,7 +169,9 @@ def classify(exc: BaseException) -> Failure:
         return Failure(retry=False, code=next(n for n in names if n in CONFIG_ERRORS))
     if any(isinstance(e, (OSError, TimeoutError)) for e in _chain(exc)) or \
             any(_NETWORK_NAME.search(n) for n in names) or type(exc).__module__.startswith("obstore"):
-        return Failure(retry=True)
+        unreachable = any(isinstance(e, (ConnectionRefusedError, socket.gaierror)) for e in _chain(exc)) or \
+            any(_UNREACHABLE.search(str(e)) for e in _chain(exc))
+        return Failure(retry=True, unreachable=unreachable)
     return Failure(retry=False)
 
 
