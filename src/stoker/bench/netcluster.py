@@ -151,7 +151,7 @@ class NetCluster:
         self.made: list[str] = []
 
     # -- set-up ----------------------------------------------------------------------------
-    def start(self) -> "NetCluster":
+    def start(self) -> NetCluster:
         """Check the capability, remove stale namespaces, make the namespaces and links; returns
         self. On a failure everything made so far is removed before the error propagates."""
         check_capability()
@@ -216,7 +216,7 @@ class NetCluster:
             except Exception:  # noqa: BLE001 - keep removing the others
                 pass
 
-    def __enter__(self) -> "NetCluster":
+    def __enter__(self) -> NetCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -59,7 +59,7 @@ class NetRay:
         self.net, self.workdir = net, workdir
         self.cpus_per_host, self.object_store_bytes = cpus_per_host, object_store_bytes
         self.start_timeout_s = start_timeout_s
-        self.endpoint_url = ""
+        self.endpoint_url = self.direct_url = ""
         self.address = f"{net.host_ip[0]}:{GCS_PORT}"
         os.makedirs(workdir, exist_ok=True)
 
@@ -93,7 +93,8 @@ class NetRay:
                                    f"{self._tail('origin')}")
             time.sleep(0.1)
         with open(ready) as f:
-            self.endpoint_url = json.load(f)["endpoint_url"]
+            info = json.load(f)
+        self.endpoint_url, self.direct_url = info["endpoint_url"], info["direct_url"]
         return self.endpoint_url
 
     def _ray_start(self, i: int, head: bool) -> None:

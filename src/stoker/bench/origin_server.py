@@ -305,7 +305,7 @@ def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = Non
         for name in buckets:
             s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(name, _REGION)
 
-    proxy = _Proxy(server.effective_port, latency_ms / 1e3, bandwidth_MBps * 1e6)
+    proxy = _Proxy(server.effective_port, latency_ms / 1e3, bandwidth_MBps * 1e6, host)
     loop = asyncio.new_event_loop()
     listener = loop.run_until_complete(
         asyncio.start_server(proxy.handle, host, 0, limit=_BUF))
