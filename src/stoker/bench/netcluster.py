@@ -42,19 +42,29 @@ class NetnsUnavailable(RuntimeError):
     """This machine or process cannot make network namespaces (the message says why, on one line)."""
 
 
+#: Where this process's capabilities are read from (a test points it at a fake file).
+_STATUS_PATH = "/proc/self/status"
+
+
+def has_cap_net_admin() -> bool:
+    """Whether CAP_NET_ADMIN is in this process's effective capability set. Raises
+    :class:`NetnsUnavailable` when the set cannot be read."""
+    try:
+        with open(_STATUS_PATH) as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError, IndexError) as exc:
+        raise NetnsUnavailable(f"cannot read this process's capabilities from {_STATUS_PATH}: {exc}") from exc
+    return bool(caps >> _CAP_NET_ADMIN & 1)
+
+
 def check_capability() -> None:
     """Raise :class:`NetnsUnavailable` unless this process can make namespaces, veth links and
-    ``tc`` qdiscs: the ``ip`` and ``tc`` tools exist and CAP_NET_ADMIN is in the effective set."""
+    ``tc`` qdiscs: CAP_NET_ADMIN is in the effective set and the ``ip`` and ``tc`` tools exist."""
+    if not has_cap_net_admin():
+        raise NetnsUnavailable("CAP_NET_ADMIN is missing (run as root or with that capability)")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise NetnsUnavailable(f"the '{tool}' tool (iproute2) is not installed")
-    try:
-        with open("/proc/self/status") as f:
-            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
-    except (OSError, StopIteration, ValueError) as exc:
-        raise NetnsUnavailable(f"cannot read this process's capabilities: {exc}") from exc
-    if not caps >> _CAP_NET_ADMIN & 1:
-        raise NetnsUnavailable("CAP_NET_ADMIN is missing (run as root or with that capability)")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
