@@ -15,8 +15,15 @@ import time
 import pytest
 
 from stoker.bench import netcluster
-from stoker.bench.netcluster import (PREFIX, NetCluster, NetnsUnavailable, check_capability, has_cap_net_admin,
-                                     kernel_delta, list_namespaces)
+from stoker.bench.netcluster import (
+    PREFIX,
+    NetCluster,
+    NetnsUnavailable,
+    check_capability,
+    has_cap_net_admin,
+    kernel_delta,
+    list_namespaces,
+)
 from stoker.bench.netcluster_bench import summary
 
 
@@ -121,15 +128,15 @@ def test_links_shaped_and_counted_by_the_kernel():
         assert "tbf" in qd and "150Mbit" in qd
         server = subprocess.Popen(
             [*net.exec_prefix(net.origin_ns), sys.executable, "-c",
-             "import socket\ns = socket.create_server((%r, 9000))\nc, _ = s.accept()\nn = 0\n"
-             "while (b := c.recv(1 << 16)):\n    n += len(b)\nprint(n)" % net.origin_ip],
+             f"import socket\ns = socket.create_server(({net.origin_ip!r}, 9000))\nc, _ = s.accept()\nn = 0\n"
+             "while (b := c.recv(1 << 16)):\n    n += len(b)\nprint(n)"],
             stdout=subprocess.PIPE, text=True)
         before = net.counters()
         sent = 2_000_000
         client = [*net.exec_prefix(net.host_ns[0]), sys.executable, "-c",
                   "import socket, time\nfor _ in range(100):\n    try:\n"
-                  "        c = socket.create_connection((%r, 9000)); break\n"
-                  "    except OSError: time.sleep(0.05)\nc.sendall(bytes(%d)); c.close()" % (net.origin_ip, sent)]
+                  f"        c = socket.create_connection(({net.origin_ip!r}, 9000)); break\n"
+                  f"    except OSError: time.sleep(0.05)\nc.sendall(bytes({sent})); c.close()"]
         subprocess.run(client, check=True, timeout=60)
         assert int(server.communicate(timeout=60)[0]) == sent
         d = kernel_delta(before, net.counters())
