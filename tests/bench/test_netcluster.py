@@ -177,3 +177,27 @@ def test_stale_namespaces_of_a_killed_run_are_removed():
         assert not _alive(inside.pid)
     finally:
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
+
+
+def test_cluster_counts_put_each_byte_on_the_link_it_crossed():
+    from stoker.bench.netcluster_driver import cluster_counts
+    recs = [{"local_bytes": 10, "peer_bytes": 5, "origin_bytes": 7, "peer_origin_bytes": 3},
+            {"local_bytes": 1, "peer_bytes": 0, "origin_bytes": 0, "peer_origin_bytes": 0}]
+    # rank 0 read 4 bytes from the origin itself and got 3 from a peer that fetched them; the
+    # services fetched whole blocks: 100 bytes
+    out = cluster_counts(recs, service_origin_bytes=100)
+    assert [r["origin_bytes"] for r in out] == [4 + 100, 0]
+    assert [r["peer_bytes"] for r in out] == [5 + 3, 0]
+    assert sum(r["origin_bytes"] for r in out) == 104
+
+
+def test_rows_check_exactly_once_over_the_job_ranks():
+    from stoker.bench.netcluster_driver import _row
+    k = {"origin_link_bytes": 0, "host_link_bytes": 0}
+
+    def recs(*plans):
+        return [{"ids": p, "samples": len(p), "seconds": 1.0, "local_bytes": 0, "peer_bytes": 0, "origin_bytes": 0}
+                for p in plans]
+    assert _row("direct", "job1", 0, recs([0, 2], [1, 3]), 4, k, 0)["exactly_once"]
+    assert not _row("direct", "job1", 0, recs([0, 2], [2, 3]), 4, k, 0)["exactly_once"]  # 1 missing, 2 twice
+    assert not _row("direct", "job1", 0, recs([0, 2], [1]), 4, k, 0)["exactly_once"]
