@@ -10,8 +10,9 @@ error or Ctrl-C. :func:`summary` compares the kernel's counts with stoker's; :fu
 
 Protocol overhead: a full 1448-byte TCP segment travels as a 1514-byte Ethernet frame (66 bytes
 of Ethernet, IP and TCP headers with timestamps, 4.6%), plus HTTP headers per request and Ray's
-own messages; the kernel's count is expected to exceed stoker's by about that much, and the
-report says by how much it does (``excess_pct``).
+own messages; the kernel's count is expected to exceed stoker's by up to that much (less where
+veth carries GSO segments of up to 64 KiB with one set of headers), and the report says by how
+much it does (``excess_pct``).
 """
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def summary(report: dict) -> dict:
     bytes of a ``direct`` job (no data moves between hosts there: Ray's own messages, the driver's
     task submissions) and the most origin-link bytes of a job that stoker says read nothing from
     the origin (index reads, the origin's stats), measured, or 0 without such rows; so a job without
-    data on a link agrees by definition, and the check that matters is on the jobs with data. Per placement: the warm epochs' (epoch >= 1)
-    most origin-link bytes as a fraction of the dataset, their host-link bytes in total and mean
+    data on a link agrees by definition, and the check that matters is on the jobs with data.
+    Per placement: the warm epochs' (epoch >= 1) most origin-link bytes as a fraction of the dataset, their host-link bytes in total and mean
     samples/s; ``colocated_vs_random_host``: co-located host-link bytes over the random ones'."""
     size = report["dataset"]["bytes"]
     runs = report["runs"]
