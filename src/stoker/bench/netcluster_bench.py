@@ -99,8 +99,9 @@ def summary(report: dict) -> dict:
     task submissions) and the most origin-link bytes of a job that stoker says read nothing from
     the origin (index reads, the origin's stats), measured, or 0 without such rows; so a job without
     data on a link agrees by definition, and the check that matters is on the jobs with data.
-    Per placement: the warm epochs' (epoch >= 1) most origin-link bytes as a fraction of the dataset, their host-link bytes in total and mean
-    samples/s; ``colocated_vs_random_host``: co-located host-link bytes over the random ones'."""
+    Per placement: the warm epochs' (epoch >= 1) most origin-link bytes as a fraction of the
+    dataset, their host-link bytes in total and mean samples/s; ``colocated_vs_random_host``:
+    co-located host-link bytes over the random ones'."""
     size = report["dataset"]["bytes"]
     runs = report["runs"]
     direct = [r["kernel"]["host_link_bytes"] for r in runs if r["placement"] == "direct"]
