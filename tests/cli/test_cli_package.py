@@ -43,6 +43,6 @@ def test_origin_server_arguments_reach_the_library(monkeypatch):
     seen = {}
     monkeypatch.setattr(origin, "serve_origin", lambda **kw: seen.update(kw))
     assert main(["origin-server", "--latency-ms", "5", "--bandwidth-mbps", "0", "--bucket", "a", "--bucket", "b",
-                 "--no-fast-range", "--parent-pid", "7"]) == 0
+                 "--no-fast-range", "--parent-pid", "7", "--host", "10.231.0.254"]) == 0
     assert seen == {"latency_ms": 5.0, "bandwidth_MBps": 0.0, "ready_file": None, "buckets": ("a", "b"),
-                    "fast_range": False, "parent_pid": 7}
+                    "fast_range": False, "parent_pid": 7, "host": "10.231.0.254"}

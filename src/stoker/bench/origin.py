@@ -177,16 +177,17 @@ def upload_tree(local_dir: str, dst_url: str, storage_options: dict | None = Non
 
 
 def serve_origin(*, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0, ready_file: str | None = None,
-                 buckets: tuple[str, ...] = (), fast_range: bool = True, parent_pid: int | None = None) -> None:
+                 buckets: tuple[str, ...] = (), fast_range: bool = True, parent_pid: int | None = None,
+                 host: str = "127.0.0.1") -> None:
     """Run the emulated origin in this process until killed (or until ``parent_pid`` exits).
 
     ``latency_ms``: milliseconds added to every request; ``bandwidth_MBps``: megabytes (1e6 bytes)
     per second, 0 = unlimited; ``ready_file``: where ``{endpoint_url, direct_url, pid}`` is written
     as JSON once the server listens; ``buckets``: created on start; ``fast_range``: see
-    :class:`LocalS3Origin`. Sets the test credentials unless AWS ones are set already. Raises
+    :class:`LocalS3Origin`; ``host``: the address to listen on (default loopback). Sets the test credentials unless AWS ones are set already. Raises
     whatever moto or waitress raise on start-up. This is what ``stoker origin-server`` runs.
     """
     from .origin_server import serve
     os.environ.setdefault("AWS_ACCESS_KEY_ID", _CREDS["key"])
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", _CREDS["secret"])
-    serve(latency_ms, bandwidth_MBps, ready_file, buckets, fast_range, parent_pid)
+    serve(latency_ms, bandwidth_MBps, ready_file, buckets, fast_range, parent_pid, host)

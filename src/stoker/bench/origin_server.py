@@ -244,8 +244,8 @@ def _lookup_key(bucket: str, key_name: str):
     return key
 
 
-def _http_server(app, threads: int = 32):
-    """A waitress server for ``app`` on 127.0.0.1 (ephemeral port), not yet running."""
+def _http_server(app, threads: int = 32, host: str = "127.0.0.1"):
+    """A waitress server for ``app`` on ``host`` (ephemeral port), not yet running."""
     import logging
 
     from waitress.channel import HTTPChannel
@@ -274,7 +274,7 @@ def _http_server(app, threads: int = 32):
 
     logging.getLogger("waitress").setLevel(logging.ERROR)  # no per-request or queue logs
     server = create_server(
-        app, host="127.0.0.1", port=0, threads=threads, connection_limit=4096,
+        app, host=host, port=0, threads=threads, connection_limit=4096,
         channel_timeout=600, recv_bytes=1 << 18,
         inbuf_overflow=1 << 27, outbuf_overflow=1 << 30)  # keep bodies in memory
     server.adj.socket_options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),  # per connection
@@ -285,9 +285,11 @@ def _http_server(app, threads: int = 32):
 
 def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = None,
           buckets: tuple[str, ...] = (), fast_range: bool = True,
-          parent_pid: int | None = None) -> None:
+          parent_pid: int | None = None, host: str = "127.0.0.1") -> None:
     """Run moto plus the throttling proxy until killed (or until ``parent_pid`` exits).
 
+    ``host``: the address both listen on (default loopback; a namespace cluster gives the
+    origin namespace's own address so that its hosts reach it over their links).
     ``bandwidth_MBps`` is in megabytes per second (1e6 bytes/s; 0 = unlimited), latency in
     milliseconds. Writes ``{endpoint_url, direct_url, pid}`` as JSON to ``ready_file``
     (atomically) once both listen. Raises whatever moto or waitress raise on start-up.
@@ -295,7 +297,7 @@ def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = Non
     from moto.server import DomainDispatcherApplication, create_backend_app
 
     mw = _Middleware(DomainDispatcherApplication(create_backend_app), fast_range)
-    server = _http_server(mw)
+    server = _http_server(mw, host=host)
     threading.Thread(target=server.run, daemon=True, name="moto").start()
     if buckets:
         from moto.core import DEFAULT_ACCOUNT_ID
@@ -303,14 +305,14 @@ def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = Non
         for name in buckets:
             s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(name, _REGION)
 
-    proxy = _Proxy(server.effective_port, latency_ms / 1e3, bandwidth_MBps * 1e6)
+    proxy = _Proxy(server.effective_port, latency_ms / 1e3, bandwidth_MBps * 1e6, host)
     loop = asyncio.new_event_loop()
     listener = loop.run_until_complete(
-        asyncio.start_server(proxy.handle, "127.0.0.1", 0, limit=_BUF))
+        asyncio.start_server(proxy.handle, host, 0, limit=_BUF))
     threading.Thread(target=loop.run_forever, daemon=True, name="proxy").start()
     mw.proxy = proxy
-    info = {"endpoint_url": f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}",
-            "direct_url": f"http://127.0.0.1:{server.effective_port}", "pid": os.getpid()}
+    info = {"endpoint_url": f"http://{host}:{listener.sockets[0].getsockname()[1]}",
+            "direct_url": f"http://{host}:{server.effective_port}", "pid": os.getpid()}
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             json.dump(info, f)

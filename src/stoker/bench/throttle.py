@@ -129,8 +129,9 @@ class _Proxy:
     ``bandwidth_Bps`` bytes/s (None or 0: unlimited).
     """
 
-    def __init__(self, target_port: int, latency_s: float, bandwidth_Bps: float | None):
-        self.target_port, self.latency_s = target_port, latency_s
+    def __init__(self, target_port: int, latency_s: float, bandwidth_Bps: float | None,
+                 target_host: str = "127.0.0.1"):
+        self.target_port, self.latency_s, self.target_host = target_port, latency_s, target_host
         self.down, self.up = _TokenBucket(bandwidth_Bps), _TokenBucket(bandwidth_Bps)
         self.stats = dict(connections=0, requests=0, bytes_down=0, bytes_up=0)
 
@@ -138,7 +139,7 @@ class _Proxy:
         self.stats["connections"] += 1
         try:
             sreader, swriter = await asyncio.open_connection(
-                "127.0.0.1", self.target_port, limit=_BUF)
+                self.target_host, self.target_port, limit=_BUF)
         except OSError:
             cwriter.close()
             return

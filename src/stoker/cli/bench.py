@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 
@@ -130,17 +131,28 @@ def _cmd_peers(a) -> int:
 
 # -- stoker bench cluster --------------------------------------------------------
 def _add_cluster(bench_sub) -> None:
-    s = bench_sub.add_parser("cluster", help="2 jobs x 3 Ray nodes, co-located vs random placement")
+    s = bench_sub.add_parser("cluster", help="2 jobs x 3 Ray nodes, co-located vs random placement "
+                                              "(--netns: on network namespaces, bytes counted by the kernel)")
     s.add_argument("--json", help="write the report here")
     s.add_argument("--images", type=int, default=900)
     s.add_argument("--epochs", type=int, default=3)
     s.add_argument("--latency-ms", type=float, default=20.0)
-    s.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    s.add_argument("--bandwidth-mbps", type=float, default=100.0, help="origin cap in MB/s (without --netns)")
     s.add_argument("--workdir")
+    n = s.add_argument_group("--netns", "a cluster of Linux network namespaces (needs CAP_NET_ADMIN)")
+    n.add_argument("--netns", action="store_true", help="hosts and origin in their own namespaces, tbf-shaped links; "
+                                                         "direct, random and co-located placement")
+    n.add_argument("--hosts", type=int, default=3, help="host namespaces (1..6)")
+    n.add_argument("--host-mbit", type=float, default=400.0, help="each host link, Mbit/s per direction")
+    n.add_argument("--origin-mbit", type=float, default=200.0, help="the origin link, Mbit/s per direction")
+    n.add_argument("--decode", action="store_true", help="decode every sample too (default: read and verify)")
+    n.add_argument("--plot", help="write a PNG of the bytes per link per epoch here")
     s.set_defaults(fn=_cmd_cluster)
 
 
 def _cmd_cluster(a) -> int:
+    if a.netns:
+        return _cmd_cluster_netns(a)
     from ..bench.cluster_bench import run, table
     t0 = time.perf_counter()
     report = run(images=a.images, epochs=a.epochs, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_mbps,
@@ -149,6 +161,35 @@ def _cmd_cluster(a) -> int:
     print(table(report))
     if a.json:
         _write_json(a.json, report)
+    return 0
+
+
+def _cmd_cluster_netns(a) -> int:
+    import signal
+
+    from ..bench.netcluster import NetnsUnavailable
+    from ..bench.netcluster_bench import plot, run, table
+
+    def _term(signum, frame):  # SIGTERM tears the namespaces down like Ctrl-C does
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        report = run(images=a.images, epochs=a.epochs, hosts=a.hosts, host_mbit=a.host_mbit,
+                     origin_mbit=a.origin_mbit, latency_ms=a.latency_ms, decode=a.decode, workdir=a.workdir)
+    except NetnsUnavailable as exc:
+        print(f"stoker bench cluster --netns: cannot make network namespaces: {exc}", file=sys.stderr)
+        return 2
+    print("links: " + ", ".join(f"{k} {v['mbit']:g} Mbit/s {v['qdisc']}" for k, v in report["links"].items())
+          + f"; origin latency {a.latency_ms:g} ms/request; dataset {report['dataset']['samples']} samples, "
+          f"{report['dataset']['bytes'] / 1e6:.1f} MB")
+    print(table(report))
+    print(json.dumps(report["summary"], indent=1))
+    print(f"{report['seconds']:.0f} s")
+    if a.json:
+        _write_json(a.json, report)
+    if a.plot:
+        plot(report, a.plot)
     return 0
 
 

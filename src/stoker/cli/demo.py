@@ -20,7 +20,8 @@ def cmd_origin_server(a) -> int:
     """``stoker origin-server``: run the emulated S3 origin in this process until killed."""
     from ..bench.origin import serve_origin
     serve_origin(latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth, ready_file=a.ready_file,
-                 buckets=tuple(a.bucket), fast_range=not a.no_fast_range, parent_pid=a.parent_pid)
+                 buckets=tuple(a.bucket), fast_range=not a.no_fast_range, parent_pid=a.parent_pid,
+                 host=a.host)
     return 0
 
 
@@ -56,4 +57,5 @@ def add_parsers(sub) -> None:
     s.add_argument("--bucket", action="append", default=[], help="create this bucket (repeatable)")
     s.add_argument("--no-fast-range", action="store_true", help="serve ranged GETs by moto's own path")
     s.add_argument("--parent-pid", type=int, help="exit when this process exits")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.set_defaults(fn=cmd_origin_server)

@@ -1,0 +1,134 @@
+"""The processes of a namespace cluster: the emulated S3 origin and the Ray nodes.
+
+:class:`NetRay` starts, inside the namespaces of a :class:`stoker.bench.netcluster.NetCluster`:
+
+- the origin server (moto behind the throttling proxy, ``latency_ms`` per request, no bandwidth
+  cap of its own: the origin link's ``tbf`` is the cap) in the origin namespace, listening on the
+  origin's address;
+- a Ray head (``ray start --head``) in the first host namespace and ``ray start --address``
+  worker nodes in the others, each with its own temp directory and sockets, and ``NODE_NAME`` set
+  to its host's name so that each node's cache service takes its own cache directory
+  (:mod:`stoker.cluster.identity`);
+- :meth:`driver`: a Python command run in the first host namespace (the Ray driver).
+
+Ray runs with token authentication (``RAY_AUTH_MODE=token``; the token is Ray's own,
+``~/.ray/auth_token``). Nothing here stops a process: the processes stay inside the namespaces,
+and :meth:`stoker.bench.netcluster.NetCluster.close` ends them by id with the namespaces.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .netcluster import NetCluster
+
+#: Ray's GCS port on the head host (each host has its own network stack: no clash with others).
+GCS_PORT = 6379
+
+
+def _src_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def node_env(node_name: str | None = None) -> dict:
+    """The environment of every process started here: this stoker on ``PYTHONPATH``, Ray's token
+    authentication on, usage stats off, ``NODE_NAME`` (the cache identity) if given."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_src_dir(), env.get("PYTHONPATH")]))
+    env.update(RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    for k in ("RAY_ADDRESS",):
+        env.pop(k, None)
+    if node_name:
+        env["NODE_NAME"] = node_name
+    return env
+
+
+class NetRay:
+    """Origin and Ray processes on ``net`` (a started :class:`NetCluster`), files under ``workdir``.
+
+    ``cpus_per_host``: Ray CPUs each node offers; ``object_store_bytes``: each node's object
+    store (bytes); ``start_timeout_s``: seconds to wait for the origin and for each Ray node.
+    Raises RuntimeError (with the process's log tail) when a process fails or is not ready in time.
+    """
+
+    def __init__(self, net: NetCluster, workdir: str, cpus_per_host: int = 2,
+                 object_store_bytes: int = 100 << 20, start_timeout_s: float = 120.0):
+        self.net, self.workdir = net, workdir
+        self.cpus_per_host, self.object_store_bytes = cpus_per_host, object_store_bytes
+        self.start_timeout_s = start_timeout_s
+        self.endpoint_url = self.direct_url = ""
+        self.address = f"{net.host_ip[0]}:{GCS_PORT}"
+        os.makedirs(workdir, exist_ok=True)
+
+    def _log(self, name: str) -> str:
+        return os.path.join(self.workdir, f"{name}.log")
+
+    def _tail(self, name: str) -> str:
+        try:
+            with open(self._log(name), errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def start_origin(self, latency_ms: float = 20.0, bucket: str = "stoker") -> str:
+        """Start the origin server in the origin namespace; returns its S3 endpoint URL."""
+        ready = os.path.join(self.workdir, "origin-ready.json")
+        if os.path.exists(ready):  # left by an earlier run in this directory
+            os.remove(ready)
+        cmd = [*self.net.exec_prefix(self.net.origin_ns), sys.executable, "-m", "stoker.cli", "origin-server",
+               "--host", self.net.origin_ip, "--latency-ms", str(latency_ms), "--bandwidth-mbps", "0",
+               "--bucket", bucket, "--ready-file", ready]
+        env = node_env()
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+        with open(self._log("origin"), "wb") as log:
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not os.path.exists(ready):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"origin server in namespace {self.net.origin_ns} "
+                                   f"{'exited' if proc.poll() is not None else 'not ready in time'}:\n"
+                                   f"{self._tail('origin')}")
+            time.sleep(0.1)
+        with open(ready) as f:
+            info = json.load(f)
+        self.endpoint_url, self.direct_url = info["endpoint_url"], info["direct_url"]
+        return self.endpoint_url
+
+    def _ray_start(self, i: int, head: bool) -> None:
+        ns, ip = self.net.host_ns[i], self.net.host_ip[i]
+        d = os.path.join(self.workdir, f"r{i}")
+        os.makedirs(d, exist_ok=True)
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        cmd = [*self.net.exec_prefix(ns), ray, "start", "--node-ip-address", ip,
+               "--num-cpus", str(self.cpus_per_host), "--object-store-memory", str(self.object_store_bytes),
+               "--temp-dir", d, "--disable-usage-stats"]
+        cmd += (["--head", "--port", str(GCS_PORT), "--include-dashboard=false"] if head
+                else ["--address", self.address])
+        name = f"ray-h{i}"
+        with open(self._log(name), "wb") as log:
+            proc = subprocess.run(cmd, env=node_env(ns), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                  timeout=self.start_timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start in namespace {ns} exited with code {proc.returncode}:\n{self._tail(name)}")
+
+    def start_ray(self) -> str:
+        """Start the head on host 0 and a worker node on every other host; returns the GCS address."""
+        self._ray_start(0, head=True)
+        for i in range(1, self.net.hosts):
+            self._ray_start(i, head=False)
+        return self.address
+
+    def driver(self, module: str, *args: str, timeout_s: float = 900.0) -> subprocess.CompletedProcess:
+        """Run ``python -m module args...`` in the first host namespace (output to ``driver.log``);
+        raises RuntimeError with its log tail when it fails, ``subprocess.TimeoutExpired`` after
+        ``timeout_s`` seconds (the process is killed)."""
+        cmd = [*self.net.exec_prefix(self.net.host_ns[0]), sys.executable, "-m", module, *args]
+        with open(self._log("driver"), "wb") as log:
+            proc = subprocess.run(cmd, env=node_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                  timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"driver {module} exited with code {proc.returncode}:\n{self._tail('driver')}")
+        return proc
