@@ -201,3 +201,30 @@ def test_cache_aware_order_is_exactly_once_and_resumable(packed_local, tmp_path)
     rest = [y.clone() for _, y in second]
     second.close()
     assert len(head) == 3 and all(torch.equal(a, b) for a, b in zip(rest, rest_ref)) and len(rest) == len(rest_ref)
+
+
+def test_worker_error_names_the_corrupt_sample_not_its_block_neighbour(packed_local, tmp_path):
+    """A corrupt sample found while a worker fills the block for another sample: the error names
+    the corrupt one (the sample being read is fine; it only shares the block)."""
+    import shutil
+
+    from stoker.loader import WorkerError
+    dst = tmp_path / "copy"
+    shutil.copytree(packed_local, dst)
+    ds = open_dataset(str(dst), cache=False)
+    order = Loader(ds, 8, num_workers=0, seed=3).plan(0)
+    # a sample in the same block as the first sample of the epoch, but not that sample itself
+    first = int(order[0])
+    neighbours = [i for i in range(len(ds)) if ds.sample_block[i] == ds.sample_block[first] and i != first]
+    bad = neighbours[0]
+    shard = dst / ds.index.shard_name(ds.index.shard[bad])
+    raw = bytearray(shard.read_bytes())
+    raw[int(ds.index.offset[bad]) + 10] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    ds = open_dataset(str(dst), cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30, check=False)
+    loader = Loader(ds, 8, num_workers=2, seed=3, timeout_s=60)
+    with pytest.raises(WorkerError) as err:
+        for _ in loader:
+            pass
+    head = str(err.value).splitlines()[0]
+    assert f"failed on sample {ds.key(bad)!r}" in head, head

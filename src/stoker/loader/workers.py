@@ -142,7 +142,9 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop) 
             results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, dec.derived), payloads))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
-            key = ds.key(sid) if 0 <= sid < len(ds) else None
+            key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
+            if key is None:
+                key = ds.key(sid) if 0 <= sid < len(ds) else None
             results.put(("error", wid, run, seq, slot, key, f"{type(exc).__name__}: {exc}",
                          traceback.format_exc(), counters(ds, dec.derived)))
         finally:

@@ -143,8 +143,10 @@ class Dataset:
 
     def _bad(self, i: int, what: str) -> ChecksumError:
         shard = self.index.shard_name(self.index.shard[i])
-        return ChecksumError(f"sample {self.key(i)!r} in shard {shard!r} of {self.url}: {what} "
-                             "(the dataset changed under its index? re-pack or run `stoker verify`)")
+        err = ChecksumError(f"sample {self.key(i)!r} in shard {shard!r} of {self.url}: {what} "
+                            "(the dataset changed under its index? re-pack or run `stoker verify`)")
+        err.key = self.key(i)  # the sample at fault, which may not be the one being read (a shared block)
+        return err
 
     def _range(self, i: int, start: int, stop: int, valid) -> bytes | memoryview:
         """Shard bytes ``[start, stop)`` of sample ``i``, checked by ``valid(data) -> bool``.
