@@ -104,3 +104,22 @@ def test_pack_killed_with_sigkill_then_rerun(tmp_path, sample_tree):
     assert all(ds[i][0] == (sample_tree / "train" / f"{ds.key(i)}.JPEG").read_bytes() for i in range(len(ds)))
     leftovers = [p for p in (dst / "shards").iterdir() if ".tmp-" in p.name]
     assert leftovers == []  # temporary files of the killed pack are gone
+
+
+def test_api_misuse_gets_errors_that_name_the_argument(packed_local, tmp_path):
+    """Ids, batch sizes and resume states of the wrong kind are refused with errors that say what
+    was expected (not numpy's or Python's own wording, and never a silent truncation)."""
+    from stoker.loader import Loader
+    from stoker.store.dataset import open_dataset
+    ds = open_dataset(packed_local, cache=False)
+    with pytest.raises(IndexError, match=f"sample 999 out of range for {len(ds)} samples in"):
+        ds.read_fields(999)
+    with pytest.raises(TypeError, match="indexed by id"):
+        ds["n00000000/n00000000_000000"]
+    with pytest.raises(TypeError, match="batch_size must be an integer"):
+        Loader(ds, "8", num_workers=0)
+    with pytest.raises(TypeError, match="batch_size must be an integer"):
+        Loader(ds, 2.5, num_workers=0)
+    with pytest.raises(ValueError, match="not a Loader state_dict"):
+        Loader(ds, 8, num_workers=0).load_state_dict({"x": 1})
+    assert ds[-1] == ds[len(ds) - 1] and ds[np.int64(3)] == ds[3]

@@ -130,7 +130,7 @@ def test_bench_cache_tiny(tmp_path):
     assert {s["policy"] for s in summary(r)} == {"future", "lru"}
 
 
-def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use(tmp_path, other_process):
+def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use(tmp_path, other_process, capsys):
     from stoker.cli import main
     c = DiskCache(str(tmp_path), 10_000, "future")
     c.jobs.register("aa", 6_000, epoch_s=10.0, pid=other_process)
@@ -144,6 +144,11 @@ def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use
     with pytest.raises(RuntimeError, match=f"pid {other_process}"):
         clear(str(tmp_path))
     assert main(["cache", "clear", str(tmp_path)]) == 2  # one-line error, exit 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "CacheInUseError" not in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match="no dataset version 'nosuch'.*it holds: aa, bb"):
+        clear(str(tmp_path), "nosuch")
+    assert main(["cache", "clear", str(tmp_path), "--namespace", "nosuch"]) == 2
     assert clear(str(tmp_path), "bb") == 2000
     assert status(str(tmp_path))["namespaces"] == {"aa": 3000, "bb": 0}
 

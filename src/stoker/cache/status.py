@@ -79,20 +79,26 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
             "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
 
 
-def clear(root: str, namespace: str | None = None) -> int:
+def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> int:
     """Delete the cached blocks of ``namespace`` (every namespace if None) and return the
     bytes freed. Only the cache's own namespaces and side stores go (and those of the caches
     directly below ``root``); every other file stays. Refuses (:class:`CacheInUseError`) while
     a live job is registered on what it would delete, naming the job's pid: clear a cache
     only when no job uses it. FileNotFoundError if ``root`` is not a directory,
-    :class:`NotACacheError` (nothing deleted) if it neither is nor holds a cache."""
+    :class:`NotACacheError` (nothing deleted) if it neither is nor holds a cache; ValueError
+    (nothing deleted) if ``namespace`` is given and no cache there holds it."""
     own, nested = _check_cache(root)
     for path in [root, *nested] if own else nested:  # refuse before deleting anything
         busy = [r for r in DiskCache(path, 0, "future").jobs.records() if namespace in (None, r["namespace"])]
         if busy:
-            raise CacheInUseError(f"{path}: in use by live job(s) " + ", ".join(
+            raise CacheInUseError(f"cache {os.path.abspath(path)} is in use by live job(s) " + ", ".join(
                 f"pid {r['pid']} (dataset {r['namespace']})" for r in busy))
-    freed = sum(clear(n, namespace) for n in nested)
+    if namespace is not None and not _nested:  # a namespace that is nowhere is a typo: say so
+        held = {ns for path in ([root, *nested] if own else nested) for ns, _ in namespace_dirs(path)}
+        if namespace not in held:
+            raise ValueError(f"no dataset version {namespace!r} in the cache {os.path.abspath(root)} "
+                             f"(it holds: {', '.join(sorted(held)) or 'none'}); nothing deleted")
+    freed = sum(clear(n, namespace, _nested=True) for n in nested)
     if not own:
         return freed
     cache = DiskCache(root, 0, "future")

@@ -37,14 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; expected failures (bad input, storage errors) print one line, exit 2."""
     import tarfile
 
-    from ..cache.status import CacheInUseError
-    from ..storage import OriginError
+    from ..errors import StokerError
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     expected: tuple[type[BaseException], ...] = (
-        FileNotFoundError, FileExistsError, ValueError, OriginError, tarfile.TarError, OSError, CacheInUseError,
-        *_storage_errors())
+        FileNotFoundError, FileExistsError, ValueError, StokerError, tarfile.TarError, OSError, *_storage_errors())
     try:
         return int(args.fn(args) or 0)
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
@@ -55,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         where = getattr(args, "src", None) or getattr(args, "url", None)
         where = f" ({where})" if isinstance(where, str) and where not in str(exc) else ""
-        print(f"stoker {args.cmd}{where}: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
-              else f"stoker {args.cmd}{where}: {exc}", file=sys.stderr)
+        plain = isinstance(exc, (ValueError, OSError, StokerError))  # their messages say what happened
+        print(f"stoker {args.cmd}{where}: {exc}" if plain else f"stoker {args.cmd}{where}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         return 2

@@ -18,12 +18,20 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def json_options(text: str | None) -> dict:
-    """Storage options (fsspec) given as JSON text on the command line (``None`` -> ``{}``).
+def json_options(text: str | None, option: str = "--storage-options") -> dict:
+    """Storage options (fsspec) given as a JSON object on the command line (``None`` -> ``{}``).
 
-    Raises ValueError (json.JSONDecodeError) on text that is not JSON.
+    Raises ValueError naming ``option`` when the text is not a JSON object.
     """
-    return json.loads(text) if text else {}
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option} is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object such as '{{\"anon\": true}}', got {text!r}")
+    return value
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:

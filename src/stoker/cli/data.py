@@ -22,7 +22,8 @@ def cmd_pack(a) -> int:
     if a.shard_size < 1:
         raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
     r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
-             src_options=json_options(a.src_options), dst_options=json_options(a.dst_options),
+             src_options=json_options(a.src_options, "--src-options"),
+             dst_options=json_options(a.dst_options, "--dst-options"),
              read_workers=a.read_workers, progress=not a.no_progress,
              shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes)
     print(json.dumps(r.as_dict(), indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import numbers
 
 import numpy as np
 
@@ -105,8 +106,11 @@ class Loader:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+            raise TypeError(f"batch_size must be an integer number of samples, got {type(batch_size).__name__} "
+                            f"{batch_size!r}")
         if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if image_size < 1:
             raise ValueError(f"image_size must be >= 1, got {image_size}")
         if num_workers < 0:

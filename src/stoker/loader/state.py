@@ -65,10 +65,13 @@ class LoaderState:
             num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
 
         Raises:
-            ValueError: ``state`` has another value for one of :data:`IDENTITY_KEYS` (another
+            ValueError: ``state`` is not a state dict, or has another value for one of :data:`IDENTITY_KEYS` (another
                 dataset version, order, batch size, rank split or transform), or its
                 ``batches_done`` is outside 0..batches of its epoch. Nothing is changed then.
         """
+        if not isinstance(state, dict) or not {"epoch", "batches_done"} <= state.keys():
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; got {got})")
         for k in IDENTITY_KEYS:
             if k in state and state[k] != identity[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")

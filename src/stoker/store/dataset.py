@@ -12,6 +12,7 @@ per-sample xxh3-64 checksums when it is filled and every sample when it is read.
 """
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 
@@ -110,11 +111,25 @@ class Dataset:
         return len(self.index)
 
     def __getitem__(self, i: int) -> tuple[bytes, int]:
-        i = int(i)
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples in {self.url}")
-        i %= len(self)
+        """(payload bytes, label) of sample ``i`` (negative ids count from the end).
+
+        Raises TypeError for an id that is not an integer, IndexError (naming the dataset) for
+        one out of range, and what :meth:`read` raises."""
+        i = self._sample_id(i)
         return self.read(i), int(self.index.labels[i])
+
+    def _sample_id(self, i) -> int:
+        """``i`` as a sample id in ``0..len-1`` (negative counts from the end), or a clear error."""
+        if isinstance(i, (str, bytes)):
+            raise TypeError(f"samples of {self.url} are indexed by id (an int), not by key {i!r}; "
+                            "`stoker ls URL KEY` prints a key's id")
+        try:
+            n = operator.index(i)
+        except TypeError:
+            raise TypeError(f"a sample id must be an integer, got {type(i).__name__} {i!r}") from None
+        if not -len(self) <= n < len(self):
+            raise IndexError(f"sample {n} out of range for {len(self)} samples in {self.url}")
+        return n % len(self)
 
     @property
     def labels(self) -> np.ndarray:
@@ -215,9 +230,10 @@ class Dataset:
 
         Each member is verified against its own checksum (:class:`ChecksumError`
         names the key and field). One ranged read of the sample's range (or one
-        cached block). A format 1 index names the primary payload "".
+        cached block). A format 1 index names the primary payload "". Raises TypeError /
+        IndexError (naming the dataset) for an id that is not one of its samples.
         """
-        i = int(i)
+        i = self._sample_id(i)
         self.read_stats.samples += 1
         table = self.index.member_table(i)
         start, stop = int(self.index.offset[i]), int(self.index.span_end[i])

@@ -283,9 +283,11 @@ class PackLease:
                 continue  # released in between: try to create again
             if not self._dead(owner):
                 raise PackLeaseError(self.url, owner)
-            log.warning("%s: taking over the lease of a pack that died (host %r, pid %s, run %s, expired %s)",
-                        self.url, owner.get("host"), owner.get("pid"), owner.get("run"),
-                        _when(owner.get("expires_unix")))
+            expires = float(owner.get("expires_unix") or 0)
+            why = (f"its lease expired {_when(expires)}" if expires < time.time() else
+                   f"its process is gone from this host; the lease would have expired {_when(expires)}")
+            log.warning("%s: taking over the lease of a pack that died (host %r, pid %s, run %s): %s",
+                        self.url, owner.get("host"), owner.get("pid"), owner.get("run"), why)
             try:
                 self._token = self._io.replace(self._body(), token)
                 break
