@@ -108,3 +108,18 @@ def test_damaged_tar_header_is_found(packed_copy):
     assert not r.ok
     assert ds.key(i) in [b["key"] for b in r.bad_samples]
     assert "tar framing" in r.bad_samples[0]["reason"]
+
+
+def test_a_damaged_tar_header_names_only_its_own_sample(packed_copy):
+    """One flipped byte in one member's tar header: that sample is reported, and the members
+    after it (which a resyncing tar reader such as GNU tar still finds) are not."""
+    ds = open_dataset(str(packed_copy), cache=False)
+    s = int(ds.index.shard[0])
+    in_shard = [i for i in range(len(ds)) if int(ds.index.shard[i]) == s]
+    i = min(in_shard, key=lambda j: int(ds.index.offset[j]))  # the shard's first member
+    shard = packed_copy / ds.index.shard_name(s)
+    raw = bytearray(shard.read_bytes())
+    raw[int(ds.index.offset[i]) - 512 + 10] ^= 0x01  # inside the name field of its ustar header
+    shard.write_bytes(bytes(raw))
+    r = verify(str(packed_copy), progress=False)
+    assert not r.ok and [b["key"] for b in r.bad_samples] == [ds.key(i)]

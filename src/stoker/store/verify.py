@@ -101,6 +101,20 @@ def _tar_members(data: bytes) -> dict:
     return out
 
 
+def _header_before(data, off: int) -> tuple[str, int] | None:
+    """(member name, size) from the 512-byte tar header just before payload offset ``off``, read
+    on its own (a reader that resyncs after a damaged header, as GNU tar does, finds it there);
+    None when that block is not a valid header."""
+    import tarfile
+    if off < 512:
+        return None
+    try:
+        ti = tarfile.TarInfo.frombuf(bytes(data[off - 512:off]), "utf-8", "surrogateescape")
+    except tarfile.TarError:
+        return None
+    return ti.name, ti.size
+
+
 def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarray, bar) -> tuple[list, list, int]:
     name = index.shard_name(s)
     bad_samples, bad_shards = [], []
@@ -121,13 +135,17 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
                  else [("", int(index.offset[i]), int(index.length[i]), int(index.checksum[i]))])
         for field_name, off, n, ck in table:
             what = f" field {field_name!r}" if field_name and len(table) > 1 else ""
-            seen = headers.get(off)
             expect = f"{index.key(i)}.{field_name}" if field_name else None
+            seen = headers.get(off)
+            if seen is None:  # the sequential scan stopped at an earlier damaged header: look here
+                seen = _header_before(view, off)
+                if seen is not None and expect is not None and len(expect.encode()) > 100:
+                    seen = (expect, seen[1])  # a long name lives in a PAX record the block alone lacks
             if seen is None or seen[1] != n or (expect is not None and seen[0] != expect):
                 got = "no tar header" if seen is None else f"tar header {seen[0]!r}, {seen[1]} bytes"
                 bad_samples.append({"key": index.key(i), "shard": name,
                                     "reason": f"tar framing{what}: {got} at payload offset {off} "
-                                              f"(GNU tar and WebDataset readers would not see it)"})
+                                              f"(tar and WebDataset readers would not find this member)"})
                 break
             if off + n > len(data):
                 bad_samples.append({"key": index.key(i), "shard": name,
