@@ -9,7 +9,8 @@ once however many jobs want it) and answers what it holds (for placement, ``stok
 and the scheduler extender).
 
 A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
-``stoker-cache-<node id>`` in the Ray namespace ``stoker``, restarted by Ray if it dies
+``stoker-cache-<node id>`` in the Ray namespace ``stoker``, detached (it belongs to the cluster,
+not to the driver that started it: any driver finds it by name), restarted by Ray if it dies
 (``max_restarts=-1``); its cache is files on the node, in a directory named by the host, not by
 the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
 restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
@@ -174,9 +175,6 @@ def _used_bytes(cache_dir: str, capacity: int) -> int:
     return DiskCache(cache_dir, capacity).used_bytes()
 
 
-#: Handles of the services this driver started (kept so that Ray does not collect them).
-_KEEP: dict = {}
-
 _Remote = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(CacheService)
 
 
@@ -185,37 +183,31 @@ def alive_nodes() -> list[dict]:
     return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
 
 
-def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = False,
+def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = True,
                    timeout_s: float = 60.0) -> dict[str, "ray.actor.ActorHandle"]:
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
     ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
-    and no service). ``detached``: services outlive this driver (for ``stoker warm`` from the
-    command line). Waits until every service answers; raises ``ray.exceptions.GetTimeoutError``
-    after ``timeout_s`` seconds.
+    and no service). The services belong to the cluster, not to the driver that starts them:
+    they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
+    namespace ``stoker``), so any driver finds them again by name and they outlive this one;
+    Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
+    (A named actor that is not detached dies with the driver that created it, under the feet
+    of every other job reading from it.) ``detached`` is kept for older callers; services are
+    always detached. Waits until every service answers; raises
+    ``ray.exceptions.GetTimeoutError`` after ``timeout_s`` seconds.
     """
+    del detached
     handles = {}
     for node in alive_nodes():
         nid = node["NodeID"]
         budget = cache_bytes.get(nid) if isinstance(cache_bytes, dict) else cache_bytes
         if not budget:
             continue
-        kept = _KEEP.get(nid)
-        if kept is not None:
-            try:
-                ray.get(kept.ping.remote(), timeout=timeout_s)
-                handles[nid] = kept
-                continue
-            except ray.exceptions.ActorDiedError:  # killed for good: start a new one
-                del _KEEP[nid]
-        opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True,
+        opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
-        if detached:
-            opts["lifetime"] = "detached"
         handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes)
     ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
-    for nid, h in handles.items():  # a non-detached actor lives while its owner holds its first handle
-        _KEEP.setdefault(nid, h)
     return handles
 
 
@@ -262,12 +254,11 @@ def stop_services() -> int:
             continue
         ray.kill(h, no_restart=True)
         n += 1
-    _KEEP.clear()
     return n
 
 
 def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes: int | None,
-            block_bytes: int | None, detached: bool = False):
+            block_bytes: int | None, detached: bool = True):
     """The common first steps of ``run`` and ``warm``: start the services where missing (default
     root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
     index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``. RuntimeError
