@@ -66,3 +66,80 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
     assert sum(rec["peer_bytes"] for rec in e1) > 0
     assert {k: v["pid"] for k, v in find_services().items()} == pids  # the same services, never restarted
 
+
+def _one_rank_fails(ctx, out_dir: str):
+    """Rank 0 fails at once; the others would run 60 s. Each survivor writes how it ended."""
+    if ctx.rank == 0:
+        raise RuntimeError("rank 0 broke")
+    how = "finished"
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            time.sleep(0.05)
+    except BaseException as exc:  # noqa: BLE001 - the cancellation, recorded
+        how = type(exc).__name__
+        raise
+    finally:
+        with open(os.path.join(out_dir, f"rank{ctx.rank}"), "w") as f:
+            f.write(how)
+
+
+def test_a_failed_rank_cancels_the_other_ranks(cluster, s3_dataset, tmp_path):
+    """The first failure ends the job: run raises it (naming the rank) and the other ranks are
+    cancelled (their finally blocks run), not left running with nobody waiting for them."""
+    from stoker.cluster import run
+    url, opts = s3_dataset
+    with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 broke") as ei:
+        run(partial(_one_rank_fails, out_dir=str(tmp_path)), url, 3, {"CPU": 0.5}, storage_options=opts,
+            cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="fails")
+    assert any("rank 0" in note for note in getattr(ei.value, "__notes__", []))
+    deadline = time.monotonic() + 120
+    files = [tmp_path / f"rank{r}" for r in (1, 2)]
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [f.read_text() for f in files] == ["KeyboardInterrupt"] * 2
+
+
+def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path, monkeypatch):
+    """A peer whose node died costs one failed call; later reads of its blocks go straight to the
+    origin (no call to its service) while Ray lists the node as dead. Every read is still right."""
+    import numpy as np
+
+    import stoker.cluster.service as service
+    from stoker.cluster.counters import ByteCounters
+    from stoker.cluster.reader import BlockRouter
+    from stoker.store.dataset import open_dataset
+    url, opts = s3_dataset
+    node = cluster.add_node(num_cpus=1, resources={"node_dies": 1}, object_store_memory=100 << 20)
+    cluster.wait_for_nodes()
+    service.start_services(str(tmp_path / "cache"), 64 << 20)
+    ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
+    counters = ByteCounters()
+    router = BlockRouter(service.dataset_ref(ds, opts), [node.node_id], np.zeros(ds.num_blocks, np.int64), -1,
+                         counters, timeout_s=30, retry_s=0.0)
+
+    def block(b):
+        start = int(ds.block_start[b])
+        return start, start + int(ds.block_bytes_of(b))
+
+    def truth(b):
+        return bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), *block(b)))
+
+    try:
+        assert router.read(ds, 0, *block(0)) == truth(0)
+        assert counters.read()["fallbacks"] == 0  # from the peer
+        cluster.remove_node(node, allow_graceful=False)
+        deadline = time.monotonic() + 60
+        while node.node_id in {n["NodeID"] for n in service.alive_nodes()} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert router.read(ds, 1, *block(1)) == truth(1)  # the one failed call
+        calls = []
+        real = service.get_service
+        monkeypatch.setattr(service, "get_service", lambda nid: calls.append(nid) or real(nid))
+        for b in range(2, 8):  # retry_s=0: the peer is due for a retry at every read
+            assert router.read(ds, b, *block(b)) == truth(b)
+        assert calls == []
+        assert counters.read()["fallbacks"] == 7
+    finally:
+        counters.close()
+
