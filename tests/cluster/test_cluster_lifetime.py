@@ -143,3 +143,48 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
     finally:
         counters.close()
 
+
+class _KillOnFirstFill:
+    """A service handle whose first ``fill`` call is followed at once by ``ray.kill`` of the
+    service (Ray restarts it): the call in flight meets a dead, then restarting, service."""
+
+    def __init__(self, handle, box):
+        self._h, self._box = handle, box
+
+    def __getattr__(self, name):
+        attr = getattr(self._h, name)
+        if name != "fill" or self._box["killed"]:
+            return attr
+        h, box = self._h, self._box
+
+        class _Fill:
+            @staticmethod
+            def remote(*args):
+                ref = attr.remote(*args)
+                box["killed"] = True
+                ray.kill(h, no_restart=False)
+                return ref
+        return _Fill
+
+
+def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_local, tmp_path, monkeypatch):
+    """A node's service dies under a fill of ``stoker warm``: the chunk is sent again to the
+    restarted service and the warm-up completes, nothing failed."""
+    import stoker.cluster.warmup as warmup
+    from stoker.cluster.service import find_services, stop_services
+    stop_services()  # fresh services on a fresh cache root: nothing cached yet
+    box = {"killed": False}
+    real = warmup.get_service
+    chosen = {}
+
+    def patched(nid):
+        chosen.setdefault("victim", nid)
+        h = real(nid)
+        return _KillOnFirstFill(h, box) if nid == chosen["victim"] else h
+    monkeypatch.setattr(warmup, "get_service", patched)
+    r = warmup.warm(packed_local, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK,
+                    progress=False)
+    assert box["killed"]
+    assert r["failed_shards"] == {} and sum(n["failed"] for n in r["nodes"].values()) == 0
+    assert r["complete"] and r["cached_fraction"] == 1.0
+    assert chosen["victim"] in find_services()  # restarted, answering

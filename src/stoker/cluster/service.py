@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -207,8 +208,27 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
         opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
         handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes)
-    ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
+    _wait_answer(handles, timeout_s)
     return handles
+
+
+def _wait_answer(handles: dict, timeout_s: float) -> None:
+    """Wait until every service of ``handles`` (``{node id: handle}``) answers a ping; one that is
+    restarting (``RayActorError``) is asked again until ``timeout_s`` seconds have passed, then
+    ``ray.exceptions.GetTimeoutError`` names its node."""
+    deadline = time.monotonic() + timeout_s
+    refs = {nid: h.ping.remote() for nid, h in handles.items()}
+    while refs:
+        nid, ref = next(iter(refs.items()))
+        try:
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            del refs[nid]
+        except ray.exceptions.RayActorError as exc:
+            if time.monotonic() >= deadline:
+                raise ray.exceptions.GetTimeoutError(
+                    f"cache service of node {nid} did not answer in {timeout_s} s: {exc}") from exc
+            time.sleep(0.2)
+            refs[nid] = handles[nid].ping.remote()
 
 
 def find_services(timeout_s: float = 10.0) -> dict[str, dict]:

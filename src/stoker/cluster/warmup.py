@@ -18,9 +18,28 @@ from .placement import bytes_per_node, place_dataset
 from .service import dataset_ref, find_services, get_service, placement_keys, prepare
 
 
+#: Tries of one chunk of blocks whose fill met a dead or restarting cache service (Ray restarts
+#: it: ``max_restarts=-1``), and the pause before each retry, seconds (times the try number).
+FILL_TRIES = 4
+RETRY_PAUSE_S = 0.5
+
+
+def _call(method, *args, tries: int = FILL_TRIES, pause_s: float = RETRY_PAUSE_S):
+    """``ray.get(method.remote(*args))``, called again (``tries`` in all) while the service is
+    restarting (``ray.exceptions.RayActorError``: ``ActorUnavailableError``, or ``ActorDiedError``
+    for a call in flight when it died). Raises the last error."""
+    for k in range(tries):
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.RayActorError:
+            if k == tries - 1:
+                raise
+            time.sleep(pause_s * (k + 1))
+
+
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
          cache_bytes: int | None = None, block_bytes: int | None = None, chunk_blocks: int = 16, concurrency: int = 8,
-         progress: bool = True, detached: bool = False) -> dict:
+         progress: bool = True, detached: bool = True) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
     Services are started where missing (``cache_root``/``cache_bytes`` as in
@@ -33,14 +52,15 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
     ``complete``: every block cached; a node's ``error``: why its service did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
     that fails is reported and the others go on, so the report may be partial: nothing is raised
-    for it. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
+    for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
+    in all, ``RETRY_PAUSE_S`` apart, growing) before its blocks count as failed. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
     (no service, no index at ``url``).
     """
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
     services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached)
     nodes = list(services)
-    recorded = ray.get(get_service(nodes[0]).claim.remote(ds.version, nodes))
+    recorded = _call(get_service(nodes[0]).claim, ds.version, nodes)
     members = [m for m in recorded if m in services] or nodes
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     owned = bytes_per_node(ds, owner, len(members))
@@ -54,6 +74,8 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         from tqdm import tqdm
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
     pending: dict = {}
+
+    tries: dict[tuple, int] = {}
 
     def submit(i):
         if queues[i]:
@@ -69,7 +91,16 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         i, chunk = pending.pop(done[0])
         try:
             r = ray.get(done[0])
-        except ray.exceptions.RayError as exc:  # the service died or the call failed: these blocks only
+        except ray.exceptions.RayActorError as exc:  # the service died or is restarting: try again
+            k = tries[tuple(chunk)] = tries.get(tuple(chunk), 1) + 1
+            if k <= FILL_TRIES:
+                time.sleep(RETRY_PAUSE_S * (k - 1))
+                queues[i].insert(0, chunk)
+                submit(i)
+                continue
+            r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
+                                                   for b in chunk}}
+        except ray.exceptions.RayError as exc:  # the call failed: these blocks only
             r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
                                                    for b in chunk}}
         for k in totals[i]:
@@ -84,7 +115,7 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     cached, node_errors = [], {}
     for i, m in enumerate(members):
         try:
-            cached.append(int(ray.get(get_service(m).cached_bytes.remote(dref))))
+            cached.append(int(_call(get_service(m).cached_bytes, dref)))
         except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
             cached.append(0)
             node_errors[i] = f"cache service did not answer: {_reason(exc)}"
