@@ -160,7 +160,12 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
     from stoker.cluster.extender import file_state, scores, serve
     url, opts = s3_dataset
     state = cluster_state([url], opts, block_bytes=BLOCK)
-    live = ray_state([url], opts, block_bytes=BLOCK)()  # the extender's other source: the services themselves
+    source = ray_state([url], opts, block_bytes=BLOCK)  # the extender's other source: the services themselves
+    deadline = time.monotonic() + 60
+    while not source()["time"] and time.monotonic() < deadline:  # refreshed in the background
+        time.sleep(0.1)
+    live = source()
+    source.stop()
     assert scores(url, list(state["nodes"]), live) == scores(url, list(state["nodes"]), state)
     assert sum(v["datasets"][url] for v in state["nodes"].values()) > 0
     path = tmp_path / "state.json"

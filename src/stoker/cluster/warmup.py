@@ -143,19 +143,28 @@ def _reason(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
-def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None) -> dict:
+def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
+                  timeout_s: float = 10.0) -> dict:
     """What every node caches of each dataset in ``urls``, in the form :mod:`stoker.cluster.extender`
-    reads: ``{"nodes": {node name: {"cache_bytes": int, "used_bytes": int, "datasets": {url: bytes}}}}``.
-    Needs ``ray.init()``; only services that answer are listed."""
+    reads: ``{"time": Unix seconds, "nodes": {node name: {"cache_bytes": int, "used_bytes": int,
+    "datasets": {url: bytes}}}}`` (``time``: when it was gathered, so that a reader can tell how
+    old it is). Needs ``ray.init()``; only services that answer within ``timeout_s`` seconds are
+    listed."""
     from ..store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
     opts = dict(storage_options or {})
-    services = find_services()
-    out = {"nodes": {}}
+    t = time.time()
+    services = find_services(timeout_s)
+    out = {"time": t, "nodes": {}}
     refs = {u: dataset_ref(open_dataset(u, storage_options=opts, cache=False, check=False,
                                         block_bytes=block_bytes or DEFAULT_BLOCK_BYTES), opts) for u in urls}
     for nid, info in services.items():
         h = get_service(nid)
-        got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls])
+        try:
+            got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls], timeout=timeout_s)
+        except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
+            import logging
+            logging.getLogger(__name__).warning("cache service on node %s did not answer: %s", nid, exc)
+            continue
         out["nodes"][info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
                                            "used_bytes": info["used_bytes"],
                                            "datasets": {u: int(b) for u, b in zip(urls, got)}}
@@ -163,22 +172,11 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
 
 
 def ray_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
-              ttl_s: float = 10.0):
+              ttl_s: float = 10.0, timeout_s: float = 10.0):
     """A state source for :func:`stoker.cluster.extender.serve` that asks the cache services
-    (:func:`cluster_state`) at most every ``ttl_s`` seconds; between refreshes, and when the
-    services cannot be reached (the error is logged), it answers with the last state it had."""
-    import logging
-    import threading
-    box = {"t": -float("inf"), "state": {"nodes": {}}}
-    lock = threading.Lock()
-
-    def get() -> dict:
-        with lock:
-            if time.monotonic() - box["t"] >= ttl_s:
-                try:
-                    box["state"] = cluster_state(urls, storage_options, block_bytes)
-                except Exception as exc:  # noqa: BLE001 - keep serving the last state
-                    logging.getLogger(__name__).warning("cache state from Ray failed: %s", exc)
-                box["t"] = time.monotonic()
-            return box["state"]
-    return get
+    (:func:`cluster_state`, each call given ``timeout_s`` seconds) every ``ttl_s`` seconds in a
+    background thread (:func:`stoker.cluster.freshness.refreshing`): a request never waits for
+    Ray. When the services cannot be reached (the error is logged) it answers with the last state
+    it had, whose ``"time"`` then ages until the extender stops trusting it (``max_age_s``)."""
+    from .freshness import refreshing
+    return refreshing(lambda: cluster_state(urls, storage_options, block_bytes, timeout_s=timeout_s), ttl_s)
