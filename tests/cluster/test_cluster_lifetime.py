@@ -68,11 +68,16 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
 
 
 def _one_rank_fails(ctx, out_dir: str):
-    """Rank 0 fails at once; the others would run 60 s. Each survivor writes how it ended."""
+    """Rank 0 fails once the others are in their loop (60 s long); each survivor writes how it ended."""
     if ctx.rank == 0:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(out_dir, f"started{r}")) for r in range(1, ctx.world_size)):
+            time.sleep(0.05)
         raise RuntimeError("rank 0 broke")
     how = "finished"
     try:
+        open(os.path.join(out_dir, f"started{ctx.rank}"), "w").close()
         end = time.monotonic() + 60
         while time.monotonic() < end:
             time.sleep(0.05)
