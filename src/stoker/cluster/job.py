@@ -23,6 +23,7 @@ from ..order import permutation
 from .counters import ByteCounters, fractions
 from .placement import place_dataset
 from .reader import BlockRouter
+from .registration import end as end_registration
 from .schedule import choose_nodes, colocated_plans
 from .service import dataset_ref, get_service, placement_keys, prepare
 
@@ -121,7 +122,7 @@ def _rank_main(train_fn, spec: dict):
     """One rank: open the dataset through the cluster, run ``train_fn(ctx)``; returns its records."""
     from ..store.dataset import open_dataset
     counters = ByteCounters()
-    relay = None
+    relay = ds = None
     try:
         info = spec["service"]
         if info is not None:
@@ -145,6 +146,7 @@ def _rank_main(train_fn, spec: dict):
     finally:
         if relay is not None:
             relay.close()
+        end_registration(ds)  # this Ray worker lives on, pooled: the job's claim on the budget ends here
         counters.close()
 
 

@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .registration import lease
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "stoker"
@@ -51,11 +53,13 @@ class CacheService:
     (:func:`stoker.cluster.identity.claim_cache_dir`: ``cache_dir``, and ``cache_key``, the node's
     placement key, both stable across Ray restarts on the same host); ``cache_bytes``: the node
     cache budget in bytes, also the node's placement weight; ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
-    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id).
+    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id);
+    ``lease_s``: how long its registration of a dataset on the node cache counts after the last
+    request for it, seconds (default :data:`stoker.cluster.registration.LEASE_S`).
     """
 
     def __init__(self, node_id: str, cache_root: str, cache_bytes: int, memory_bytes: int = 0,
-                 node_name: str | None = None):
+                 node_name: str | None = None, lease_s: float | None = None):
         from .identity import claim_cache_dir
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
@@ -64,6 +68,9 @@ class CacheService:
         self.node_id, self.cache_dir, self.cache_key = node_id, self._claim.path, self._claim.key
         self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
         self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
+        from .registration import LEASE_S
+        self.lease_s = LEASE_S if lease_s is None else float(lease_s)
+        self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
         self._datasets: dict = {}
         self._claims: dict[str, list] = {}
         self._lock = threading.Lock()
@@ -88,7 +95,18 @@ class CacheService:
                         raise ValueError(f"{url} has content version {ds.version} at the origin, "
                                          f"the requester has {version}")
                     self._datasets[key] = ds
+                    lease(ds, 0.0)  # not read for a job yet (open_dataset registered it for good)
         return ds
+
+    def _renew(self, ds) -> None:
+        """Lease this service's registration of ``ds`` for ``lease_s`` more seconds (at most
+        every quarter lease): the node cache counts the dataset as read while reads and fills
+        for jobs come (questions such as :meth:`cached_bytes` do not count)."""
+        key = ds.version
+        now = time.monotonic()
+        if now - self._renewed.get(key, -float("inf")) >= self.lease_s / 4:
+            self._renewed[key] = now
+            lease(ds, self.lease_s)
 
     # -- requests ---------------------------------------------------------
     def info(self) -> dict:
@@ -106,6 +124,7 @@ class CacheService:
         next reader of any job finds it). Errors (origin, checksum) propagate to the caller.
         """
         ds = self._open(dref)
+        self._renew(ds)
         version = ds.version
         name = ds.block_name(b)
         rel = start - int(ds.block_start[b])
@@ -128,6 +147,7 @@ class CacheService:
         for the shards of the failed blocks (one reason per shard, the first met).
         """
         ds = self._open(dref)
+        self._renew(ds)
         version = ds.version
         out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0, "errors": {}}
 
@@ -185,7 +205,7 @@ def alive_nodes() -> list[dict]:
 
 
 def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = True,
-                   timeout_s: float = 60.0) -> dict[str, "ray.actor.ActorHandle"]:
+                   timeout_s: float = 60.0, lease_s: float | None = None) -> dict[str, "ray.actor.ActorHandle"]:
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
     ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
@@ -195,7 +215,8 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
     Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
     (A named actor that is not detached dies with the driver that created it, under the feet
     of every other job reading from it.) ``detached`` is kept for older callers; services are
-    always detached. Waits until every service answers; raises
+    always detached. ``lease_s``: see :class:`CacheService` (for services started here).
+    Waits until every service answers; raises
     ``ray.exceptions.GetTimeoutError`` after ``timeout_s`` seconds.
     """
     del detached
@@ -207,7 +228,7 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
             continue
         opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
-        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes)
+        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes, None, lease_s)
     _wait_answer(handles, timeout_s)
     return handles
 
