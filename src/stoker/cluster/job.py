@@ -21,7 +21,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..loader import Loader
 from ..order import permutation
 from .counters import ByteCounters, fractions
-from .placement import place_dataset
+from .membership import widen
+from .placement import bytes_per_node, place_dataset
 from .reader import BlockRouter
 from .registration import end as end_registration
 from .schedule import choose_nodes, colocated_plans
@@ -199,10 +200,20 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     # nodes holding it already, else the nodes of this job
     have = [n for n, c in zip(nodes, cached) if c > 0]
     proposal = have or sorted(set(rank_nodes))
-    members = [m for m in ray.get(get_service(nodes[0]).claim.remote(ds.version, proposal)) if m in services]
+    keeper = get_service(nodes[0])
+    recorded = ray.get(keeper.claim.remote(ds.version, proposal, nodes))
+    grown = widen(recorded, ray.get(keeper.known.remote(ds.version)),
+                  {n: b for n, b in zip(nodes, budgets)}, int(ds.index.total_bytes), rank_nodes)
+    if grown != sorted(recorded):  # a node joined, or the members cannot hold the dataset
+        recorded = ray.get(keeper.widen.remote(ds.version, grown, nodes))
+    members = [m for m in recorded if m in services]
     if not members:  # every recorded member is gone: place on this job's nodes
         members = sorted(set(rank_nodes))
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
+    if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
+        owned = bytes_per_node(ds, owner, len(members))     # where the data will be, not only where it is
+        rank_nodes = choose_nodes(nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes],
+                                  budgets, num_workers, None if slots_per_node is None else [slots_per_node] * len(nodes))
     index_of = {m: i for i, m in enumerate(members)}
     spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
     refs = []

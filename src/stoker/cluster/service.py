@@ -180,12 +180,29 @@ class CacheService:
         ds = self._open(dref)
         return int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
 
-    def claim(self, version: str, members: list[str]) -> list[str]:
+    def claim(self, version: str, members: list[str], known: list[str] | None = None) -> list[str]:
         """Record the nodes a dataset version is placed on, first claim wins; returns the
-        recorded members (so every job places a dataset on the same nodes). In memory: after a
-        restart of this service the next job's claim records again."""
+        recorded members (so every job places a dataset on the same nodes). ``known``: the nodes
+        with a service at the time (default ``members``), to tell later which nodes joined. In
+        memory: after a restart of this service the next job's claim records again."""
         with self._lock:
-            return list(self._claims.setdefault(version, list(members)))
+            rec = self._claims.setdefault(version, {"members": list(members), "known": list(known or members)})
+            return list(rec["members"])
+
+    def known(self, version: str) -> list[str]:
+        """The nodes the record of ``version`` has seen ([] when there is none)."""
+        with self._lock:
+            rec = self._claims.get(version)
+            return list(rec["known"]) if rec else []
+
+    def widen(self, version: str, members: list[str], known: list[str]) -> list[str]:
+        """Add ``members`` and ``known`` to the record of ``version`` (sets only grow, so jobs
+        that widen at once agree); returns the recorded members."""
+        with self._lock:
+            rec = self._claims.setdefault(version, {"members": [], "known": []})
+            rec["members"] = sorted(set(rec["members"]) | set(members))
+            rec["known"] = sorted(set(rec["known"]) | set(known))
+            return list(rec["members"])
 
     def ping(self) -> str:
         return self.node_id

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import ray
 
+from .membership import widen
 from .placement import bytes_per_node, place_dataset
 from .service import dataset_ref, find_services, get_service, placement_keys, prepare
 
@@ -60,7 +61,12 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     t0 = time.perf_counter()
     services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached)
     nodes = list(services)
-    recorded = _call(get_service(nodes[0]).claim, ds.version, nodes)
+    keeper = get_service(nodes[0])
+    recorded = _call(keeper.claim, ds.version, nodes, nodes)
+    grown = widen(recorded, _call(keeper.known, ds.version), {n: services[n]["cache_bytes"] for n in nodes},
+                  int(ds.index.total_bytes), [])
+    if grown != sorted(recorded):  # a node joined, or the members cannot hold the dataset
+        recorded = _call(keeper.widen, ds.version, grown, nodes)
     members = [m for m in recorded if m in services] or nodes
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     owned = bytes_per_node(ds, owner, len(members))
