@@ -1,7 +1,6 @@
 """Cluster mode on a 3-node ray.cluster_utils.Cluster (each node its own raylet and object store)."""
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -10,37 +9,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks to place
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """Three simulated nodes (custom resources node0..node2, 150 MB object store each)."""
-    from ray.cluster_utils import Cluster
-    import ray.cloudpickle
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # train functions of this module
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 1},
-                                                     "object_store_memory": 150 << 20})
-    for i in (1, 2):
-        c.add_node(num_cpus=2, resources={f"node{i}": 1}, object_store_memory=150 << 20)
-    ray.init(address=c.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    c.wait_for_nodes()
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-
-
-@pytest.fixture(scope="module")
-def s3_dataset(s3_origin, sample_tree):
-    """The 120-photo sample tree packed into the emulated S3 origin: (url, storage options)."""
-    from stoker.bench.origin import upload_tree
-    from stoker.store.pack import pack
-    opts = s3_origin.storage_options()
-    upload_tree(str(sample_tree / "train"), s3_origin.url("cluster/raw"), opts)
-    url = s3_origin.url("cluster/packed")
-    pack(s3_origin.url("cluster/raw"), url, src_options=opts, dst_options=opts, shard_bytes=1 << 20, progress=False)
-    return url, opts
 
 
 def _node_ids():
@@ -192,7 +160,12 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
     from stoker.cluster.extender import file_state, scores, serve
     url, opts = s3_dataset
     state = cluster_state([url], opts, block_bytes=BLOCK)
-    live = ray_state([url], opts, block_bytes=BLOCK)()  # the extender's other source: the services themselves
+    source = ray_state([url], opts, block_bytes=BLOCK)  # the extender's other source: the services themselves
+    deadline = time.monotonic() + 60
+    while not source()["time"] and time.monotonic() < deadline:  # refreshed in the background
+        time.sleep(0.1)
+    live = source()
+    source.stop()
     assert scores(url, list(state["nodes"]), live) == scores(url, list(state["nodes"]), state)
     assert sum(v["datasets"][url] for v in state["nodes"].values()) > 0
     path = tmp_path / "state.json"

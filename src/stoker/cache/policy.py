@@ -19,14 +19,15 @@ settles what the floor leaves open:
   (:mod:`stoker.loader.prefetch`), so misses arrive just ahead of the consumer.
 
 Jobs announce themselves in ``<cache root>/.jobs/<pid>-<namespace>.json`` ({"namespace",
-"pid", "dataset_bytes", "epoch_s"}); entries of dead processes are ignored and removed by
-:meth:`stoker.cache.DiskCache.recover`.
+"pid", "dataset_bytes", "epoch_s", and "expires" for a lease}); entries of dead processes and
+expired leases are ignored and removed by :meth:`stoker.cache.DiskCache.recover`.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import time
 from typing import Any
 
 from .._procs import pid_alive
@@ -95,8 +96,11 @@ class JobRegistry:
         return os.path.join(self.dir, f"{pid}-{namespace}.json")
 
     def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, lease_s: float | None = None) -> None:
         """Announce (or update) this process's job on ``namespace``; ``epoch_s`` in seconds.
+        ``lease_s``: the record counts for that many seconds unless registered again (for a
+        long-lived process, e.g. a cluster cache service, that reads for jobs which may end
+        without telling it); None: while the process lives.
         On a full disk (ENOSPC, EDQUOT) the record is left as it was (no temporary file stays):
         the job then reads as an unannounced reader, which the cache holds nothing new for."""
         from .space import is_full
@@ -104,6 +108,8 @@ class JobRegistry:
         pid = os.getpid() if pid is None else pid
         rec = {"namespace": namespace, "pid": pid, "dataset_bytes": int(dataset_bytes),
                "epoch_s": float(epoch_s) if epoch_s else None}
+        if lease_s is not None:
+            rec["expires"] = time.time() + float(lease_s)
         tmp = self._path(pid, namespace) + ".tmp"
         try:
             with open(tmp, "w") as f:
@@ -126,7 +132,8 @@ class JobRegistry:
             pass
 
     def records(self) -> list[dict[str, Any]]:
-        """Records of live processes (dead ones are skipped, not removed)."""
+        """Records of live processes whose lease, if any, has not expired (the others are
+        skipped, not removed)."""
         out: list[dict[str, Any]] = []
         try:
             names = os.listdir(self.dir)
@@ -140,7 +147,7 @@ class JobRegistry:
                     rec = json.load(f)
             except (OSError, ValueError):
                 continue
-            if isinstance(rec, dict) and pid_alive(int(rec.get("pid", -1))):
+            if isinstance(rec, dict) and pid_alive(int(rec.get("pid", -1))) and not _expired(rec):
                 out.append(rec)
         return out
 
@@ -156,7 +163,7 @@ class JobRegistry:
         return out
 
     def remove_dead(self) -> int:
-        """Delete records of dead processes; returns how many."""
+        """Delete records of dead processes and expired leases; returns how many."""
         removed = 0
         try:
             names = os.listdir(self.dir)
@@ -164,10 +171,25 @@ class JobRegistry:
             return 0
         for name in names:
             pid = name.split("-", 1)[0]
-            if pid.isdigit() and not pid_alive(int(pid)):
+            if pid.isdigit() and (not pid_alive(int(pid)) or _expired_file(os.path.join(self.dir, name))):
                 try:
                     os.unlink(os.path.join(self.dir, name))
                     removed += 1
                 except FileNotFoundError:
                     pass
         return removed
+
+
+def _expired(rec: dict) -> bool:
+    """Whether a job record carries a lease (``expires``, Unix seconds) that has run out."""
+    t = rec.get("expires")
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and t < time.time()
+
+
+def _expired_file(path: str) -> bool:
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and _expired(rec)

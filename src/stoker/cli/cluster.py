@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..cluster.extender import MAX_BODY_BYTES
+from ..cluster.freshness import MAX_AGE_S
 from ._common import size_arg
 
 
@@ -91,7 +92,7 @@ def cmd_extender(a) -> int:
         _ray_init(a.ray_address)
         state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
-    srv = serve(state, host=a.host, port=a.port, max_body_bytes=a.max_body_size)
+    srv = serve(state, host=a.host, port=a.port, max_body_bytes=a.max_body_size, max_age_s=a.max_age or None)
     host, port = srv.server_address[:2]
     print(f"stoker extender on http://{host}:{port}/ (verbs: filter, prioritize); "
           f"state {a.state or 'from the cache services'}", file=sys.stderr)
@@ -134,4 +135,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--port", type=int, default=8888)
     s.add_argument("--max-body-size", type=size_arg, default=MAX_BODY_BYTES,
                    help="refuse larger requests with 413 (default 8MiB: about a thousand full Node objects)")
+    s.add_argument("--max-age", type=float, default=MAX_AGE_S,
+                   help=f"seconds after which the cache state is not trusted: no preference, and an error for "
+                        f"require-cache pods (default {MAX_AGE_S:g}; 0: any age)")
     s.set_defaults(fn=cmd_extender)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"run": "job", "WorkerContext": "job", "ClusterLoader": "job", "read_epochs": "job",
+_LAZY = {"run": "job", "WorkerContext": "job", "ClusterLoader": "job", "read_epochs": "job", "gather": "job",
          "warm": "warmup", "cluster_state": "warmup", "ray_state": "warmup", "start_services": "service", "find_services": "service"}
 
 __all__ = sorted(_LAZY)

@@ -32,6 +32,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import ExtenderRequestError
+from .freshness import MAX_AGE_S, is_stale, state_age_s
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def check_state(state, source: str = "cache state") -> dict:
 
 def file_state(path: str):
     """A state source reading ``path`` (JSON ``{"nodes": {name: {"cache_bytes", "datasets": {url: bytes}}}}``),
-    re-read when it changes (modification time, size or inode). Raises OSError on a missing file, ValueError (naming
+    re-read when it changes (modification time, size or inode). A state without ``"time"`` is
+    given the file's modification time (see :mod:`stoker.cluster.freshness`). Raises OSError on a missing file, ValueError (naming
     ``path`` and the entry) on a file that is not JSON or not of that form (:func:`check_state`)."""
     box = {"mtime": None, "state": None}
     lock = threading.Lock()
@@ -110,7 +112,10 @@ def file_state(path: str):
                     state = json.loads(data)
                 except (ValueError, RecursionError) as exc:
                     raise ValueError(f"{path}: cache state is not JSON ({type(exc).__name__}: {exc})") from None
-                box["mtime"], box["state"] = m, check_state(state, path)
+                state = check_state(state, path)
+                if state_age_s(state) is None:  # as old as the file
+                    state = {**state, "time": st.st_mtime}
+                box["mtime"], box["state"] = m, state
             return box["state"]
     return get
 
@@ -169,12 +174,20 @@ def scores(dataset: str | None, names: list[str], state: dict) -> dict[str, int]
     return {n: (MAX_PRIORITY * base[n] // top if top else 0) for n in names}
 
 
-def filter_nodes(args: dict, state: dict) -> dict:
+def filter_nodes(args: dict, state: dict, max_age_s: float | None = None) -> dict:
     """ExtenderFilterResult for ExtenderArgs ``args`` (:class:`BadRequest` if malformed, see
-    :func:`parse_args`); ``state`` as :func:`check_state` accepts."""
+    :func:`parse_args`); ``state`` as :func:`check_state` accepts. A ``require-cache`` pod gets
+    an ``Error`` (no node passes) when ``state`` is older than ``max_age_s`` seconds: nothing is
+    known about the caches then."""
     ann, names, items = parse_args(args)
     failed = {}
-    if (ann.get(REQUIRE_ANNOTATION) or "").lower() == "true":
+    required = (ann.get(REQUIRE_ANNOTATION) or "").lower() == "true"
+    if required and is_stale(state, max_age_s):
+        why = (f"stoker cache state is {state_age_s(state):.0f} s old (over {max_age_s:g} s): "
+               "no node is known to hold a cache")
+        return {"Nodes": {"items": []} if items is not None else None, "NodeNames": None if items is not None else [],
+                "FailedNodes": {n: why for n in names}, "FailedAndUnresolvableNodes": {}, "Error": why}
+    if required:
         have = state.get("nodes", {})
         failed = {n: f"no stoker cache service on node {n}" for n in names if n not in have}
     keep = [n for n in names if n not in failed]
@@ -188,10 +201,11 @@ def filter_nodes(args: dict, state: dict) -> dict:
     return out
 
 
-def prioritize(args: dict, state: dict) -> list[dict]:
-    """HostPriorityList for ExtenderArgs ``args`` (:class:`BadRequest` if malformed)."""
+def prioritize(args: dict, state: dict, max_age_s: float | None = None) -> list[dict]:
+    """HostPriorityList for ExtenderArgs ``args`` (:class:`BadRequest` if malformed); every node
+    scores 0 (no preference) when ``state`` is older than ``max_age_s`` seconds."""
     ann, names, _ = parse_args(args)
-    s = scores(ann.get(DATASET_ANNOTATION), names, state)
+    s = scores(None if is_stale(state, max_age_s) else ann.get(DATASET_ANNOTATION), names, state)
     return [{"Host": n, "Score": s[n]} for n in names]
 
 
@@ -224,7 +238,8 @@ class _Handler(BaseHTTPRequestHandler):
             state = check_state(self.server.state(), "cache state")
         except Exception as exc:  # noqa: BLE001 - any failure of the source is the server's, not the request's
             raise _StateError(f"cache state unavailable: {type(exc).__name__}: {exc}") from exc
-        return filter_nodes(args, state) if verb == "filter" else prioritize(args, state)
+        age = self.server.max_age_s
+        return filter_nodes(args, state, age) if verb == "filter" else prioritize(args, state, age)
 
     def _length(self) -> int:
         if self.headers.get("Transfer-Encoding"):
@@ -305,11 +320,14 @@ def json_loads(data: bytes, what: str):
 
 
 def serve(state, host: str = "127.0.0.1", port: int = 8888,
-          max_body_bytes: int = MAX_BODY_BYTES) -> ThreadingHTTPServer:
+          max_body_bytes: int = MAX_BODY_BYTES, max_age_s: float | None = MAX_AGE_S) -> ThreadingHTTPServer:
     """Start the extender on ``host:port`` (port 0: any free port) in a background thread.
 
     ``state``: a callable returning the cache state (e.g. :func:`file_state`); ``max_body_bytes``:
-    larger request bodies are refused with 413. Returns the server
+    larger request bodies are refused with 413; ``max_age_s``: a state older than this (seconds,
+    by its ``"time"``; None: any age) gives no preference and fails ``require-cache`` pods
+    (:mod:`stoker.cluster.freshness`). ``state`` is called on every request: it must answer at
+    once (:func:`stoker.cluster.freshness.refreshing` wraps a slow source). Returns the server
     (``server.server_address``; ``server.shutdown()`` stops it). Raises OSError if the address
     is taken.
     """
@@ -317,5 +335,6 @@ def serve(state, host: str = "127.0.0.1", port: int = 8888,
     srv.daemon_threads = True
     srv.state = state
     srv.max_body_bytes = int(max_body_bytes)
+    srv.max_age_s = max_age_s
     threading.Thread(target=srv.serve_forever, name="stoker-extender", daemon=True).start()
     return srv

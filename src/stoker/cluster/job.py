@@ -21,8 +21,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..loader import Loader
 from ..order import permutation
 from .counters import ByteCounters, fractions
-from .placement import place_dataset
+from .membership import widen
+from .placement import bytes_per_node, place_dataset
 from .reader import BlockRouter
+from .registration import end as end_registration
 from .schedule import choose_nodes, colocated_plans
 from .service import dataset_ref, get_service, placement_keys, prepare
 
@@ -121,7 +123,7 @@ def _rank_main(train_fn, spec: dict):
     """One rank: open the dataset through the cluster, run ``train_fn(ctx)``; returns its records."""
     from ..store.dataset import open_dataset
     counters = ByteCounters()
-    relay = None
+    relay = ds = None
     try:
         info = spec["service"]
         if info is not None:
@@ -145,6 +147,7 @@ def _rank_main(train_fn, spec: dict):
     finally:
         if relay is not None:
             relay.close()
+        end_registration(ds)  # this Ray worker lives on, pooled: the job's claim on the budget ends here
         counters.close()
 
 
@@ -173,8 +176,10 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     ``slots_per_node``: most ranks per node. ``ctx`` is a :class:`WorkerContext`.
     Returns, per rank, ``{rank, node_id, result, epochs}`` (``epochs``: the records of
     :meth:`WorkerContext.measure`), or with ``wait=False`` the Ray object refs.
-    Needs ``ray.init()`` first. Raises ValueError for a bad placement, the error of a failed
-    rank (``ray.exceptions.RayTaskError``), ``GetTimeoutError`` after ``timeout_s``.
+    Needs ``ray.init()`` first. Raises ValueError for a bad placement, the error of the first
+    rank that fails (``ray.exceptions.RayTaskError``, ``NodeDiedError`` ...) after cancelling the
+    others, ``GetTimeoutError`` after ``timeout_s`` (the ranks cancelled): see :func:`gather`.
+    With ``wait=False`` the caller waits, best with :func:`gather`.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -195,10 +200,20 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     # nodes holding it already, else the nodes of this job
     have = [n for n, c in zip(nodes, cached) if c > 0]
     proposal = have or sorted(set(rank_nodes))
-    members = [m for m in ray.get(get_service(nodes[0]).claim.remote(ds.version, proposal)) if m in services]
+    keeper = get_service(nodes[0])
+    recorded = ray.get(keeper.claim.remote(ds.version, proposal, nodes))
+    grown = widen(recorded, ray.get(keeper.known.remote(ds.version)),
+                  {n: b for n, b in zip(nodes, budgets)}, int(ds.index.total_bytes), rank_nodes)
+    if grown != sorted(recorded):  # a node joined, or the members cannot hold the dataset
+        recorded = ray.get(keeper.widen.remote(ds.version, grown, nodes))
+    members = [m for m in recorded if m in services]
     if not members:  # every recorded member is gone: place on this job's nodes
         members = sorted(set(rank_nodes))
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
+    if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
+        owned = bytes_per_node(ds, owner, len(members))     # where the data will be, not only where it is
+        rank_nodes = choose_nodes(nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes],
+                                  budgets, num_workers, None if slots_per_node is None else [slots_per_node] * len(nodes))
     index_of = {m: i for i, m in enumerate(members)}
     spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
     refs = []
@@ -211,7 +226,55 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
         refs.append(ray.remote(_rank_main).options(**_task_options(node, resources_per_worker)).remote(train_fn, spec))
     if not wait:
         return refs
-    return ray.get(refs, timeout=timeout_s)
+    return gather(refs, rank_nodes, timeout_s)
+
+
+def gather(refs: list, rank_nodes: list[str] | None = None, timeout_s: float | None = None,
+           grace_s: float = 10.0) -> list:
+    """The results of a job's ranks (``refs``: one Ray object ref per rank, as ``run(wait=False)``
+    returns), in rank order; a job whose ranks are not all there is over.
+
+    The first rank that fails (its error, a ``ray.exceptions.RayTaskError``, or
+    ``NodeDiedError``/``WorkerCrashedError`` when its node or process died) ends the job: the other
+    ranks are cancelled (``ray.cancel``: a ``KeyboardInterrupt`` in ``train_fn``, so its
+    ``finally`` blocks run; a rank still running ``grace_s`` seconds later is stopped with
+    ``force=True``) and that error is raised, with a note naming the rank and its node
+    (``rank_nodes``: node id per rank). After ``timeout_s`` seconds (None: no limit) the ranks are
+    cancelled the same way and ``ray.exceptions.GetTimeoutError`` is raised. Nobody is left
+    running with no one waiting for it (a DDP job without one rank waits for it forever).
+    """
+    index = {ref: r for r, ref in enumerate(refs)}
+    pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            _cancel(pending, grace_s)
+            raise ray.exceptions.GetTimeoutError(
+                f"{len(pending)} of {len(refs)} ranks still running after {timeout_s} s; cancelled")
+        try:
+            ray.get(done[0])
+        except Exception as exc:
+            r = index[done[0]]
+            _cancel(pending, grace_s)
+            where = f" on node {rank_nodes[r]}" if rank_nodes else ""
+            exc.add_note(f"stoker.cluster: rank {r}{where} failed; the other {len(pending)} running "
+                         f"rank(s) of the job were cancelled")
+            raise
+    return ray.get(refs)
+
+
+def _cancel(refs: list, grace_s: float) -> None:
+    """Cancel the tasks of ``refs``: politely first (KeyboardInterrupt in the task), then, for the
+    ones still running after ``grace_s`` seconds, by force."""
+    for ref in refs:
+        ray.cancel(ref, force=False)
+    if not refs:
+        return
+    _, still = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    for ref in still:
+        ray.cancel(ref, force=True)
 
 
 def read_epochs(ctx: WorkerContext, epochs: int, seed: int = 0, keep_ids: bool = False,

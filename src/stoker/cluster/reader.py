@@ -57,10 +57,13 @@ class BlockRouter:
     def _init_local(self):
         self._handles: dict[int, object] = {}
         self._down_until: dict[int, float] = {}
+        self._suspect: set[int] = set()  # peers whose last call failed: their node is checked first
+        self._alive: tuple[float, frozenset] = (-float("inf"), frozenset())  # (when, alive node ids)
         self._tls = threading.local()
 
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_handles", "_down_until", "_tls")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_handles", "_down_until", "_suspect", "_alive", "_tls")}
         return state
 
     def __setstate__(self, state):
@@ -105,11 +108,32 @@ class BlockRouter:
             return self.ray_read(o, b, start, stop)
         return self._relay_read(o, b, start, stop)
 
+    def _node_alive(self, o: int) -> bool:
+        """Whether Ray lists the node of peer ``o`` as alive (``ray.nodes()``, asked at most every
+        ``retry_s`` seconds: a cheap call to Ray's control store, not to the peer)."""
+        import ray
+        when, alive = self._alive
+        if time.monotonic() - when >= self.retry_s:
+            try:
+                alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+            except Exception:  # noqa: BLE001 - no answer from Ray: try the peer as before
+                return True
+            self._alive = (time.monotonic(), alive)
+        return self.nodes[o] in alive
+
     def ray_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
-        """A peer read through Ray (only in the process that joined Ray). Raises PeerUnavailable."""
+        """A peer read through Ray (only in the process that joined Ray). Raises PeerUnavailable.
+
+        After a failed call the peer is suspect: before it is called again its node must be
+        alive in Ray's node table, so a peer on a dead node costs one failed call (one stall of
+        at most ``timeout_s``), then an immediate PeerUnavailable (a read of the origin) until
+        its node is back; a service restarting on a live node is called as usual.
+        """
         import ray
 
         from .service import get_service
+        if o in self._suspect and not self._node_alive(o):
+            raise PeerUnavailable(f"cache service of node {self.nodes[o]}: the node is dead")
         try:
             h = self._handles.get(o)
             if h is None:
@@ -117,7 +141,10 @@ class BlockRouter:
             source, data = ray.get(h.read.remote(self.dref, int(b), int(start), int(stop)),
                                   timeout=self.timeout_s)
         except (ValueError, ray.exceptions.RayError) as exc:
+            self._suspect.add(o)
+            self._handles.pop(o, None)
             raise PeerUnavailable(f"cache service of node {self.nodes[o]}: {type(exc).__name__}: {exc}") from exc
+        self._suspect.discard(o)
         if not isinstance(data, bytes) or len(data) != stop - start:
             raise PeerUnavailable(f"cache service of node {self.nodes[o]} sent {len(data)} bytes, "
                                   f"expected {stop - start}")

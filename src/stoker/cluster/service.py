@@ -9,7 +9,8 @@ once however many jobs want it) and answers what it holds (for placement, ``stok
 and the scheduler extender).
 
 A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
-``stoker-cache-<node id>`` in the Ray namespace ``stoker``, restarted by Ray if it dies
+``stoker-cache-<node id>`` in the Ray namespace ``stoker``, detached (it belongs to the cluster,
+not to the driver that started it: any driver finds it by name), restarted by Ray if it dies
 (``max_restarts=-1``); its cache is files on the node, in a directory named by the host, not by
 the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
 restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
@@ -19,10 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .registration import lease
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +53,13 @@ class CacheService:
     (:func:`stoker.cluster.identity.claim_cache_dir`: ``cache_dir``, and ``cache_key``, the node's
     placement key, both stable across Ray restarts on the same host); ``cache_bytes``: the node
     cache budget in bytes, also the node's placement weight; ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
-    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id).
+    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id);
+    ``lease_s``: how long its registration of a dataset on the node cache counts after the last
+    request for it, seconds (default :data:`stoker.cluster.registration.LEASE_S`).
     """
 
     def __init__(self, node_id: str, cache_root: str, cache_bytes: int, memory_bytes: int = 0,
-                 node_name: str | None = None):
+                 node_name: str | None = None, lease_s: float | None = None):
         from .identity import claim_cache_dir
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
@@ -62,6 +68,9 @@ class CacheService:
         self.node_id, self.cache_dir, self.cache_key = node_id, self._claim.path, self._claim.key
         self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
         self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
+        from .registration import LEASE_S
+        self.lease_s = LEASE_S if lease_s is None else float(lease_s)
+        self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
         self._datasets: dict = {}
         self._claims: dict[str, list] = {}
         self._lock = threading.Lock()
@@ -86,7 +95,18 @@ class CacheService:
                         raise ValueError(f"{url} has content version {ds.version} at the origin, "
                                          f"the requester has {version}")
                     self._datasets[key] = ds
+                    lease(ds, 0.0)  # not read for a job yet (open_dataset registered it for good)
         return ds
+
+    def _renew(self, ds) -> None:
+        """Lease this service's registration of ``ds`` for ``lease_s`` more seconds (at most
+        every quarter lease): the node cache counts the dataset as read while reads and fills
+        for jobs come (questions such as :meth:`cached_bytes` do not count)."""
+        key = ds.version
+        now = time.monotonic()
+        if now - self._renewed.get(key, -float("inf")) >= self.lease_s / 4:
+            self._renewed[key] = now
+            lease(ds, self.lease_s)
 
     # -- requests ---------------------------------------------------------
     def info(self) -> dict:
@@ -104,6 +124,7 @@ class CacheService:
         next reader of any job finds it). Errors (origin, checksum) propagate to the caller.
         """
         ds = self._open(dref)
+        self._renew(ds)
         version = ds.version
         name = ds.block_name(b)
         rel = start - int(ds.block_start[b])
@@ -126,6 +147,7 @@ class CacheService:
         for the shards of the failed blocks (one reason per shard, the first met).
         """
         ds = self._open(dref)
+        self._renew(ds)
         version = ds.version
         out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0, "errors": {}}
 
@@ -158,12 +180,29 @@ class CacheService:
         ds = self._open(dref)
         return int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
 
-    def claim(self, version: str, members: list[str]) -> list[str]:
+    def claim(self, version: str, members: list[str], known: list[str] | None = None) -> list[str]:
         """Record the nodes a dataset version is placed on, first claim wins; returns the
-        recorded members (so every job places a dataset on the same nodes). In memory: after a
-        restart of this service the next job's claim records again."""
+        recorded members (so every job places a dataset on the same nodes). ``known``: the nodes
+        with a service at the time (default ``members``), to tell later which nodes joined. In
+        memory: after a restart of this service the next job's claim records again."""
         with self._lock:
-            return list(self._claims.setdefault(version, list(members)))
+            rec = self._claims.setdefault(version, {"members": list(members), "known": list(known or members)})
+            return list(rec["members"])
+
+    def known(self, version: str) -> list[str]:
+        """The nodes the record of ``version`` has seen ([] when there is none)."""
+        with self._lock:
+            rec = self._claims.get(version)
+            return list(rec["known"]) if rec else []
+
+    def widen(self, version: str, members: list[str], known: list[str]) -> list[str]:
+        """Add ``members`` and ``known`` to the record of ``version`` (sets only grow, so jobs
+        that widen at once agree); returns the recorded members."""
+        with self._lock:
+            rec = self._claims.setdefault(version, {"members": [], "known": []})
+            rec["members"] = sorted(set(rec["members"]) | set(members))
+            rec["known"] = sorted(set(rec["known"]) | set(known))
+            return list(rec["members"])
 
     def ping(self) -> str:
         return self.node_id
@@ -174,9 +213,6 @@ def _used_bytes(cache_dir: str, capacity: int) -> int:
     return DiskCache(cache_dir, capacity).used_bytes()
 
 
-#: Handles of the services this driver started (kept so that Ray does not collect them).
-_KEEP: dict = {}
-
 _Remote = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(CacheService)
 
 
@@ -185,38 +221,52 @@ def alive_nodes() -> list[dict]:
     return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
 
 
-def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = False,
-                   timeout_s: float = 60.0) -> dict[str, "ray.actor.ActorHandle"]:
+def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = True,
+                   timeout_s: float = 60.0, lease_s: float | None = None) -> dict[str, "ray.actor.ActorHandle"]:
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
     ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
-    and no service). ``detached``: services outlive this driver (for ``stoker warm`` from the
-    command line). Waits until every service answers; raises ``ray.exceptions.GetTimeoutError``
-    after ``timeout_s`` seconds.
+    and no service). The services belong to the cluster, not to the driver that starts them:
+    they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
+    namespace ``stoker``), so any driver finds them again by name and they outlive this one;
+    Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
+    (A named actor that is not detached dies with the driver that created it, under the feet
+    of every other job reading from it.) ``detached`` is kept for older callers; services are
+    always detached. ``lease_s``: see :class:`CacheService` (for services started here).
+    Waits until every service answers; raises
+    ``ray.exceptions.GetTimeoutError`` after ``timeout_s`` seconds.
     """
+    del detached
     handles = {}
     for node in alive_nodes():
         nid = node["NodeID"]
         budget = cache_bytes.get(nid) if isinstance(cache_bytes, dict) else cache_bytes
         if not budget:
             continue
-        kept = _KEEP.get(nid)
-        if kept is not None:
-            try:
-                ray.get(kept.ping.remote(), timeout=timeout_s)
-                handles[nid] = kept
-                continue
-            except ray.exceptions.ActorDiedError:  # killed for good: start a new one
-                del _KEEP[nid]
-        opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True,
+        opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
-        if detached:
-            opts["lifetime"] = "detached"
-        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes)
-    ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
-    for nid, h in handles.items():  # a non-detached actor lives while its owner holds its first handle
-        _KEEP.setdefault(nid, h)
+        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes, None, lease_s)
+    _wait_answer(handles, timeout_s)
     return handles
+
+
+def _wait_answer(handles: dict, timeout_s: float) -> None:
+    """Wait until every service of ``handles`` (``{node id: handle}``) answers a ping; one that is
+    restarting (``RayActorError``) is asked again until ``timeout_s`` seconds have passed, then
+    ``ray.exceptions.GetTimeoutError`` names its node."""
+    deadline = time.monotonic() + timeout_s
+    refs = {nid: h.ping.remote() for nid, h in handles.items()}
+    while refs:
+        nid, ref = next(iter(refs.items()))
+        try:
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            del refs[nid]
+        except ray.exceptions.RayActorError as exc:
+            if time.monotonic() >= deadline:
+                raise ray.exceptions.GetTimeoutError(
+                    f"cache service of node {nid} did not answer in {timeout_s} s: {exc}") from exc
+            time.sleep(0.2)
+            refs[nid] = handles[nid].ping.remote()
 
 
 def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
@@ -262,12 +312,11 @@ def stop_services() -> int:
             continue
         ray.kill(h, no_restart=True)
         n += 1
-    _KEEP.clear()
     return n
 
 
 def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes: int | None,
-            block_bytes: int | None, detached: bool = False):
+            block_bytes: int | None, detached: bool = True):
     """The common first steps of ``run`` and ``warm``: start the services where missing (default
     root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
     index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``. RuntimeError

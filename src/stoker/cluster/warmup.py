@@ -14,13 +14,33 @@ import time
 import numpy as np
 import ray
 
+from .membership import widen
 from .placement import bytes_per_node, place_dataset
 from .service import dataset_ref, find_services, get_service, placement_keys, prepare
 
 
+#: Tries of one chunk of blocks whose fill met a dead or restarting cache service (Ray restarts
+#: it: ``max_restarts=-1``), and the pause before each retry, seconds (times the try number).
+FILL_TRIES = 4
+RETRY_PAUSE_S = 0.5
+
+
+def _call(method, *args, tries: int = FILL_TRIES, pause_s: float = RETRY_PAUSE_S):
+    """``ray.get(method.remote(*args))``, called again (``tries`` in all) while the service is
+    restarting (``ray.exceptions.RayActorError``: ``ActorUnavailableError``, or ``ActorDiedError``
+    for a call in flight when it died). Raises the last error."""
+    for k in range(tries):
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.RayActorError:
+            if k == tries - 1:
+                raise
+            time.sleep(pause_s * (k + 1))
+
+
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
          cache_bytes: int | None = None, block_bytes: int | None = None, chunk_blocks: int = 16, concurrency: int = 8,
-         progress: bool = True, detached: bool = False) -> dict:
+         progress: bool = True, detached: bool = True) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
     Services are started where missing (``cache_root``/``cache_bytes`` as in
@@ -33,14 +53,20 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
     ``complete``: every block cached; a node's ``error``: why its service did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
     that fails is reported and the others go on, so the report may be partial: nothing is raised
-    for it. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
+    for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
+    in all, ``RETRY_PAUSE_S`` apart, growing) before its blocks count as failed. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
     (no service, no index at ``url``).
     """
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
     services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached)
     nodes = list(services)
-    recorded = ray.get(get_service(nodes[0]).claim.remote(ds.version, nodes))
+    keeper = get_service(nodes[0])
+    recorded = _call(keeper.claim, ds.version, nodes, nodes)
+    grown = widen(recorded, _call(keeper.known, ds.version), {n: services[n]["cache_bytes"] for n in nodes},
+                  int(ds.index.total_bytes), [])
+    if grown != sorted(recorded):  # a node joined, or the members cannot hold the dataset
+        recorded = _call(keeper.widen, ds.version, grown, nodes)
     members = [m for m in recorded if m in services] or nodes
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     owned = bytes_per_node(ds, owner, len(members))
@@ -54,6 +80,8 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         from tqdm import tqdm
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
     pending: dict = {}
+
+    tries: dict[tuple, int] = {}
 
     def submit(i):
         if queues[i]:
@@ -69,7 +97,16 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         i, chunk = pending.pop(done[0])
         try:
             r = ray.get(done[0])
-        except ray.exceptions.RayError as exc:  # the service died or the call failed: these blocks only
+        except ray.exceptions.RayActorError as exc:  # the service died or is restarting: try again
+            k = tries[tuple(chunk)] = tries.get(tuple(chunk), 1) + 1
+            if k <= FILL_TRIES:
+                time.sleep(RETRY_PAUSE_S * (k - 1))
+                queues[i].insert(0, chunk)
+                submit(i)
+                continue
+            r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
+                                                   for b in chunk}}
+        except ray.exceptions.RayError as exc:  # the call failed: these blocks only
             r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
                                                    for b in chunk}}
         for k in totals[i]:
@@ -84,7 +121,7 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     cached, node_errors = [], {}
     for i, m in enumerate(members):
         try:
-            cached.append(int(ray.get(get_service(m).cached_bytes.remote(dref))))
+            cached.append(int(_call(get_service(m).cached_bytes, dref)))
         except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
             cached.append(0)
             node_errors[i] = f"cache service did not answer: {_reason(exc)}"
@@ -112,19 +149,28 @@ def _reason(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
-def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None) -> dict:
+def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
+                  timeout_s: float = 10.0) -> dict:
     """What every node caches of each dataset in ``urls``, in the form :mod:`stoker.cluster.extender`
-    reads: ``{"nodes": {node name: {"cache_bytes": int, "used_bytes": int, "datasets": {url: bytes}}}}``.
-    Needs ``ray.init()``; only services that answer are listed."""
+    reads: ``{"time": Unix seconds, "nodes": {node name: {"cache_bytes": int, "used_bytes": int,
+    "datasets": {url: bytes}}}}`` (``time``: when it was gathered, so that a reader can tell how
+    old it is). Needs ``ray.init()``; only services that answer within ``timeout_s`` seconds are
+    listed."""
     from ..store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
     opts = dict(storage_options or {})
-    services = find_services()
-    out = {"nodes": {}}
+    t = time.time()
+    services = find_services(timeout_s)
+    out = {"time": t, "nodes": {}}
     refs = {u: dataset_ref(open_dataset(u, storage_options=opts, cache=False, check=False,
                                         block_bytes=block_bytes or DEFAULT_BLOCK_BYTES), opts) for u in urls}
     for nid, info in services.items():
         h = get_service(nid)
-        got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls])
+        try:
+            got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls], timeout=timeout_s)
+        except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
+            import logging
+            logging.getLogger(__name__).warning("cache service on node %s did not answer: %s", nid, exc)
+            continue
         out["nodes"][info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
                                            "used_bytes": info["used_bytes"],
                                            "datasets": {u: int(b) for u, b in zip(urls, got)}}
@@ -132,22 +178,11 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
 
 
 def ray_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
-              ttl_s: float = 10.0):
+              ttl_s: float = 10.0, timeout_s: float = 10.0):
     """A state source for :func:`stoker.cluster.extender.serve` that asks the cache services
-    (:func:`cluster_state`) at most every ``ttl_s`` seconds; between refreshes, and when the
-    services cannot be reached (the error is logged), it answers with the last state it had."""
-    import logging
-    import threading
-    box = {"t": -float("inf"), "state": {"nodes": {}}}
-    lock = threading.Lock()
-
-    def get() -> dict:
-        with lock:
-            if time.monotonic() - box["t"] >= ttl_s:
-                try:
-                    box["state"] = cluster_state(urls, storage_options, block_bytes)
-                except Exception as exc:  # noqa: BLE001 - keep serving the last state
-                    logging.getLogger(__name__).warning("cache state from Ray failed: %s", exc)
-                box["t"] = time.monotonic()
-            return box["state"]
-    return get
+    (:func:`cluster_state`, each call given ``timeout_s`` seconds) every ``ttl_s`` seconds in a
+    background thread (:func:`stoker.cluster.freshness.refreshing`): a request never waits for
+    Ray. When the services cannot be reached (the error is logged) it answers with the last state
+    it had, whose ``"time"`` then ages until the extender stops trusting it (``max_age_s``)."""
+    from .freshness import refreshing
+    return refreshing(lambda: cluster_state(urls, storage_options, block_bytes, timeout_s=timeout_s), ttl_s)

@@ -1,0 +1,45 @@
+"""Ray fixtures of the cluster tests: one 3-node ``ray.cluster_utils.Cluster`` for the whole
+session (a Ray start costs seconds), and the sample tree packed into the emulated S3 origin."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Three simulated nodes (custom resources node0..node2, 2 CPUs, 150 MB object store each),
+    joined by this process."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 1},
+                                                     "object_store_memory": 150 << 20})
+    for i in (1, 2):
+        c.add_node(num_cpus=2, resources={f"node{i}": 1}, object_store_memory=150 << 20)
+    ray.init(address=c.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, request):
+    """The session's cluster, with the requesting test module's functions sent by value (train
+    functions defined in a test module are not importable on the workers)."""
+    import ray.cloudpickle
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    yield ray_cluster
+
+
+@pytest.fixture(scope="session")
+def s3_dataset(s3_origin, sample_tree):
+    """The 120-photo sample tree packed into the emulated S3 origin: (url, storage options)."""
+    from stoker.bench.origin import upload_tree
+    from stoker.store.pack import pack
+    opts = s3_origin.storage_options()
+    upload_tree(str(sample_tree / "train"), s3_origin.url("cluster/raw"), opts)
+    url = s3_origin.url("cluster/packed")
+    pack(s3_origin.url("cluster/raw"), url, src_options=opts, dst_options=opts, shard_bytes=1 << 20, progress=False)
+    return url, opts

@@ -1,0 +1,195 @@
+"""Cluster mode under real use: services that outlive a driver, a node that dies, a warm-up that
+meets a restarting service (on the session's 3-node ray.cluster_utils.Cluster)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from functools import partial
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks to place
+
+
+def _read_two_epochs(ctx, flag: str):
+    """Epoch 0, then wait (at most 120 s) for ``flag`` to exist, then epoch 1."""
+    from stoker.cluster import read_epochs
+    read_epochs(ctx, 1)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return read_epochs(ctx, 1, first_epoch=1)
+
+
+_DRIVER_A = textwrap.dedent("""
+    import sys, ray
+    from stoker.cluster.service import start_services
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    start_services(sys.argv[2], 64 << 20)
+    print("ready", flush=True)
+    sys.stdin.readline()   # exits when told
+""")
+
+
+def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset, tmp_path):
+    """Driver A (a subprocess) starts the services and exits while driver B's job reads from
+    peers: B's next epoch still reads its peers, no fallback, and every service still answers."""
+    from stoker.cluster import run
+    from stoker.cluster.service import find_services, stop_services
+    url, opts = s3_dataset
+    stop_services()
+    cache_root = str(tmp_path / "cache")
+    a = subprocess.Popen([sys.executable, "-c", _DRIVER_A, cluster.address, cache_root],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert a.stdout.readline().strip() == "ready"
+        pids = {k: v["pid"] for k, v in find_services().items()}
+        assert len(pids) == 3
+        flag = str(tmp_path / "go")
+        refs = run(partial(_read_two_epochs, flag=flag), url, 3, {"CPU": 0.5}, storage_options=opts, cache_root=cache_root,
+                   cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=5, job="B", wait=False)
+        a.stdin.close()
+        assert a.wait(timeout=60) == 0
+        time.sleep(1)
+        open(flag, "w").close()
+        res = ray.get(refs, timeout=180)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    e1 = [r["result"][1] for r in res]
+    assert sum(rec["fallbacks"] for rec in e1) == 0
+    assert sum(rec["peer_bytes"] for rec in e1) > 0
+    assert {k: v["pid"] for k, v in find_services().items()} == pids  # the same services, never restarted
+
+
+def _one_rank_fails(ctx, out_dir: str):
+    """Rank 0 fails once the others are in their loop (60 s long); each survivor writes how it ended."""
+    if ctx.rank == 0:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(out_dir, f"started{r}")) for r in range(1, ctx.world_size)):
+            time.sleep(0.05)
+        raise RuntimeError("rank 0 broke")
+    how = "finished"
+    try:
+        open(os.path.join(out_dir, f"started{ctx.rank}"), "w").close()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            time.sleep(0.05)
+    except BaseException as exc:  # noqa: BLE001 - the cancellation, recorded
+        how = type(exc).__name__
+        raise
+    finally:
+        with open(os.path.join(out_dir, f"rank{ctx.rank}"), "w") as f:
+            f.write(how)
+
+
+def test_a_failed_rank_cancels_the_other_ranks(cluster, s3_dataset, tmp_path):
+    """The first failure ends the job: run raises it (naming the rank) and the other ranks are
+    cancelled (their finally blocks run), not left running with nobody waiting for them."""
+    from stoker.cluster import run
+    url, opts = s3_dataset
+    with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 broke") as ei:
+        run(partial(_one_rank_fails, out_dir=str(tmp_path)), url, 3, {"CPU": 0.5}, storage_options=opts,
+            cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="fails")
+    assert any("rank 0" in note for note in getattr(ei.value, "__notes__", []))
+    deadline = time.monotonic() + 120
+    files = [tmp_path / f"rank{r}" for r in (1, 2)]
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [f.read_text() for f in files] == ["KeyboardInterrupt"] * 2
+
+
+def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path, monkeypatch):
+    """A peer whose node died costs one failed call; later reads of its blocks go straight to the
+    origin (no call to its service) while Ray lists the node as dead. Every read is still right."""
+    import numpy as np
+
+    import stoker.cluster.service as service
+    from stoker.cluster.counters import ByteCounters
+    from stoker.cluster.reader import BlockRouter
+    from stoker.store.dataset import open_dataset
+    url, opts = s3_dataset
+    node = cluster.add_node(num_cpus=1, resources={"node_dies": 1}, object_store_memory=100 << 20)
+    cluster.wait_for_nodes()
+    service.start_services(str(tmp_path / "cache"), 64 << 20)
+    ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
+    counters = ByteCounters()
+    router = BlockRouter(service.dataset_ref(ds, opts), [node.node_id], np.zeros(ds.num_blocks, np.int64), -1,
+                         counters, timeout_s=30, retry_s=0.0)
+
+    def block(b):
+        start = int(ds.block_start[b])
+        return start, start + int(ds.block_bytes_of(b))
+
+    def truth(b):
+        return bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), *block(b)))
+
+    try:
+        assert router.read(ds, 0, *block(0)) == truth(0)
+        assert counters.read()["fallbacks"] == 0  # from the peer
+        cluster.remove_node(node, allow_graceful=False)
+        deadline = time.monotonic() + 60
+        while node.node_id in {n["NodeID"] for n in service.alive_nodes()} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert router.read(ds, 1, *block(1)) == truth(1)  # the one failed call
+        calls = []
+        real = service.get_service
+        monkeypatch.setattr(service, "get_service", lambda nid: calls.append(nid) or real(nid))
+        for b in range(2, 8):  # retry_s=0: the peer is due for a retry at every read
+            assert router.read(ds, b, *block(b)) == truth(b)
+        assert calls == []
+        assert counters.read()["fallbacks"] == 7
+    finally:
+        counters.close()
+
+
+class _KillOnFirstFill:
+    """A service handle whose first ``fill`` call is followed at once by ``ray.kill`` of the
+    service (Ray restarts it): the call in flight meets a dead, then restarting, service."""
+
+    def __init__(self, handle, box):
+        self._h, self._box = handle, box
+
+    def __getattr__(self, name):
+        attr = getattr(self._h, name)
+        if name != "fill" or self._box["killed"]:
+            return attr
+        h, box = self._h, self._box
+
+        class _Fill:
+            @staticmethod
+            def remote(*args):
+                ref = attr.remote(*args)
+                box["killed"] = True
+                ray.kill(h, no_restart=False)
+                return ref
+        return _Fill
+
+
+def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_local, tmp_path, monkeypatch):
+    """A node's service dies under a fill of ``stoker warm``: the chunk is sent again to the
+    restarted service and the warm-up completes, nothing failed."""
+    import stoker.cluster.warmup as warmup
+    from stoker.cluster.service import find_services, stop_services
+    stop_services()  # fresh services on a fresh cache root: nothing cached yet
+    box = {"killed": False}
+    real = warmup.get_service
+    chosen = {}
+
+    def patched(nid):
+        chosen.setdefault("victim", nid)
+        h = real(nid)
+        return _KillOnFirstFill(h, box) if nid == chosen["victim"] else h
+    monkeypatch.setattr(warmup, "get_service", patched)
+    r = warmup.warm(packed_local, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK,
+                    progress=False)
+    assert box["killed"]
+    assert r["failed_shards"] == {} and sum(n["failed"] for n in r["nodes"].values()) == 0
+    assert r["complete"] and r["cached_fraction"] == 1.0
+    assert chosen["victim"] in find_services()  # restarted, answering

@@ -1,0 +1,45 @@
+"""A job's registration on the node caches ends with the job: ranks end theirs when they finish
+(their pooled Ray workers live on), a cache service holds a lease that runs out."""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+
+BLOCK = 64 << 10
+
+
+def test_a_leased_registration_counts_until_it_expires(tmp_path, monkeypatch):
+    import stoker.cache.policy as policy
+    jobs = policy.JobRegistry(str(tmp_path))
+    jobs.register("v1", 1000, lease_s=30)
+    jobs.register("v2", 500)  # no lease: while this process lives
+    assert set(jobs.live()) == {"v1", "v2"}
+    now = time.time()
+    monkeypatch.setattr(policy.time, "time", lambda: now + 31)
+    assert set(jobs.live()) == {"v2"}
+    assert jobs.remove_dead() == 1 and set(jobs.live()) == {"v2"}
+
+
+def test_a_finished_cluster_job_holds_no_registration(cluster, s3_dataset, tmp_path):
+    """After a job, no node cache counts its dataset as read: the ranks (pooled Ray workers,
+    still alive) ended their registrations and the services' leases ran out."""
+    pytest.importorskip("ray")
+    from stoker.cache.policy import JobRegistry
+    from stoker.cluster import read_epochs, run
+    from stoker.cluster.service import find_services, start_services, stop_services
+    from stoker.store.dataset import open_dataset
+    url, opts = s3_dataset
+    version = open_dataset(url, storage_options=opts, cache=False, check=False).version
+    stop_services()
+    root = str(tmp_path / "cache")
+    start_services(root, 64 << 20, lease_s=1.0)
+    res = run(partial(read_epochs, epochs=1), url, 3, {"CPU": 0.5}, storage_options=opts, cache_root=root,
+              cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=2, job="X", timeout_s=180)
+    assert sum(r["result"][0]["peer_bytes"] + r["result"][0]["peer_origin_bytes"] for r in res) > 0
+    dirs = [info["cache_dir"] for info in find_services().values()]
+    deadline = time.monotonic() + 30
+    while any(version in JobRegistry(d).live() for d in dirs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [version in JobRegistry(d).live() for d in dirs] == [False] * len(dirs)
