@@ -28,6 +28,7 @@ EXPECTED_ALL = [
     "ImageTooLarge",
     "IndexFormatError",
     "Loader",
+    "NetnsUnavailable",
     "NotACacheError",
     "OriginError",
     "OriginNotFoundError",
@@ -67,6 +68,7 @@ BUILTIN_BASE = {
     "PeerUnavailable": OSError,
     "SharedMemoryError": OSError,
     "VenvError": RuntimeError,
+    "NetnsUnavailable": RuntimeError,
     "WorkerError": RuntimeError,
 }
 
@@ -85,6 +87,7 @@ OLD_HOMES = {
     "stoker.store.lease": ["PackLeaseError", "PackLeaseLostError"],
     "stoker.cluster.reader": ["PeerUnavailable"],
     "stoker.bench.venvs": ["VenvError"],
+    "stoker.bench.netcluster": ["NetnsUnavailable"],
 }
 
 
@@ -173,6 +176,7 @@ ONE_OF_EACH = [
     stoker.PeerUnavailable("peer node-2 timed out"),
     stoker.ExtenderRequestError("body too large", 413),
     stoker.VenvError("pip failed: ..."),
+    stoker.NetnsUnavailable("CAP_NET_ADMIN is missing"),
 ]
 
 

@@ -9,7 +9,7 @@ from ._units import parse_size
 from .errors import (CacheInUseError, CacheLockTimeout, ChecksumError, DatasetChangedError,
                      DatasetExistsError, DecodeError, EntryError, ExtenderRequestError,
                      ForkUnsafeError, ImageTooLarge,
-                     IndexFormatError, NotACacheError, OriginError, OriginNotFoundError,
+                     IndexFormatError, NetnsUnavailable, NotACacheError, OriginError, OriginNotFoundError,
                      OriginPermissionError, PackLeaseError, PackLeaseLostError, PeerUnavailable,
                      SharedMemoryError, StokerError, VenvError, WorkerError)
 from .loader import EpochStats, Loader
@@ -32,6 +32,7 @@ __all__ = [
     "ImageTooLarge",
     "IndexFormatError",
     "Loader",
+    "NetnsUnavailable",
     "NotACacheError",
     "OriginError",
     "OriginNotFoundError",

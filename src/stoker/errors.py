@@ -24,6 +24,7 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── WorkerError (RuntimeError)            a loader worker failed or died
     ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
     ├── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
+    ├── NetnsUnavailable (RuntimeError)       network namespaces cannot be made here (benchmark)
     └── VenvError (RuntimeError)              a benchmark peer's virtual environment failed
 
 Every message names what failed: the sample key, the shard, the path or the URL. The modules
@@ -39,7 +40,7 @@ import time
 __all__ = [
     "CacheInUseError", "CacheLockTimeout", "ChecksumError", "DatasetChangedError",
     "DatasetExistsError", "DecodeError", "EntryError", "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge",
-    "IndexFormatError", "NotACacheError", "OriginError", "OriginNotFoundError",
+    "IndexFormatError", "NetnsUnavailable", "NotACacheError", "OriginError", "OriginNotFoundError",
     "OriginPermissionError", "PackLeaseError", "PackLeaseLostError", "PeerUnavailable",
     "SharedMemoryError", "StokerError", "VenvError", "WorkerError",
 ]
@@ -228,6 +229,10 @@ class ExtenderRequestError(StokerError, ValueError):
     def __init__(self, message: str, code: int = 400):
         super().__init__(message)
         self.code = code
+
+
+class NetnsUnavailable(StokerError, RuntimeError):
+    """This machine or process cannot make network namespaces (the message says why, on one line)."""
 
 
 class VenvError(StokerError, RuntimeError):

@@ -51,8 +51,9 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
         pids = {k: v["pid"] for k, v in find_services().items()}
         assert len(pids) == 3
         flag = str(tmp_path / "go")
-        refs = run(partial(_read_two_epochs, flag=flag), url, 3, {"CPU": 0.5}, storage_options=opts, cache_root=cache_root,
-                   cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=5, job="B", wait=False)
+        refs = run(partial(_read_two_epochs, flag=flag), url, 3, {"CPU": 0.5}, storage_options=opts,
+                   cache_root=cache_root, cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=5,
+                   job="B", wait=False)
         a.stdin.close()
         assert a.wait(timeout=60) == 0
         time.sleep(1)

@@ -38,9 +38,7 @@ PREFIX = "stoknc"
 _CAP_NET_ADMIN = 12
 
 
-class NetnsUnavailable(RuntimeError):
-    """This machine or process cannot make network namespaces (the message says why, on one line)."""
-
+from ..errors import NetnsUnavailable  # noqa: E402,F401 - raised here, defined with the other errors
 
 #: Where this process's capabilities are read from (a test points it at a fake file).
 _STATUS_PATH = "/proc/self/status"

@@ -180,7 +180,7 @@ class JobRegistry:
         return removed
 
 
-def _expired(rec: dict) -> bool:
+def _expired(rec: dict[str, Any]) -> bool:
     """Whether a job record carries a lease (``expires``, Unix seconds) that has run out."""
     t = rec.get("expires")
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t < time.time()

@@ -96,7 +96,8 @@ def check_state(state, source: str = "cache state") -> dict:
 def file_state(path: str):
     """A state source reading ``path`` (JSON ``{"nodes": {name: {"cache_bytes", "datasets": {url: bytes}}}}``),
     re-read when it changes (modification time, size or inode). A state without ``"time"`` is
-    given the file's modification time (see :mod:`stoker.cluster.freshness`). Raises OSError on a missing file, ValueError (naming
+    given the file's modification time (see :mod:`stoker.cluster.freshness`). Raises OSError on a
+    missing file, ValueError (naming
     ``path`` and the entry) on a file that is not JSON or not of that form (:func:`check_state`)."""
     box = {"mtime": None, "state": None}
     lock = threading.Lock()

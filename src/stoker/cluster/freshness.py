@@ -60,6 +60,6 @@ def refreshing(fetch, ttl_s: float = 10.0, name: str = "stoker-state-refresh"):
     def get() -> dict:
         return box["state"]
 
-    get.stop = done.set
+    get.stop = done.set  # type: ignore[attr-defined]  # the caller's handle to end the refresh thread
     threading.Thread(target=loop, name=name, daemon=True).start()
     return get

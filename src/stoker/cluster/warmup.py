@@ -18,7 +18,6 @@ from .membership import widen
 from .placement import bytes_per_node, place_dataset
 from .service import dataset_ref, find_services, get_service, placement_keys, prepare
 
-
 #: Tries of one chunk of blocks whose fill met a dead or restarting cache service (Ray restarts
 #: it: ``max_restarts=-1``), and the pause before each retry, seconds (times the try number).
 FILL_TRIES = 4
