@@ -1,9 +1,7 @@
 """Shared pytest fixtures: a local emulated S3 origin, the shared cases, sample images."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -58,15 +56,6 @@ def packed_local(sample_tree, tmp_path_factory) -> str:
     return str(dst)
 
 
-def make_image_folder(root: Path, files: dict[str, bytes]) -> Path:
-    """Write ``{relative path: bytes}`` under ``root`` and return it."""
-    for rel, data in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    return root
-
-
 @pytest.fixture(scope="session")
 def cases_packed(cases_dir, tmp_path_factory) -> str:
     """The shared Pillow JPEG cases as a one-class ImageFolder tree (class ``pillow``), packed."""
@@ -92,25 +81,3 @@ def s3_packed(s3_origin, sample_tree):
     url = s3_origin.url("s3packed/packed")
     pack(s3_origin.url("s3packed/raw"), url, src_options=opts, dst_options=opts, progress=False, overwrite=True)
     return url, opts
-
-
-def in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked child and re-raise its failure here (with its traceback).
-
-    For code that uses obstore: a process that forks after a tokio runtime started can crash its
-    children, so the test process itself never starts one."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-
-    def target():
-        try:
-            fn(*args)
-            q.put(None)
-        except BaseException:  # noqa: BLE001
-            q.put(traceback.format_exc())
-
-    p = ctx.Process(target=target)
-    p.start()
-    err = q.get(timeout=120)
-    p.join(30)
-    assert err is None, err

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import make_image_folder
+from _helpers import make_image_folder
 from stoker import Loader, WorkerError, open_dataset
 from stoker.storage import Origin
 from stoker.store.index import INDEX_NAME

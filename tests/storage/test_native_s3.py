@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import in_child
+from _helpers import in_child
 
 pytest.importorskip("obstore")
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import in_child
+from _helpers import in_child
 
 from stoker.bench.faultproxy import Fault, FaultProxy
 from stoker.storage.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import make_image_folder
+from _helpers import make_image_folder
 from stoker.storage import Origin
 pack_mod = importlib.import_module("stoker.store.pack")
 from stoker.store.dataset import open_dataset

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import make_image_folder
+from _helpers import make_image_folder
 from stoker.storage import Origin
 from stoker.store.dataset import ChecksumError, open_dataset, plan_blocks
 from stoker.store.index import (INDEX_NAME, DatasetIndex, Members, build_table, read_index,

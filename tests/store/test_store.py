@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import make_image_folder
+from _helpers import make_image_folder
 from stoker.store.dataset import open_dataset
 from stoker.store.index import INDEX_NAME
 from stoker.store.pack import DatasetExistsError, pack

@@ -1,0 +1,38 @@
+"""Helpers shared by test modules (imported as ``from _helpers import ...``; a conftest module
+cannot be imported by name once test folders have conftests of their own)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+
+
+def make_image_folder(root: Path, files: dict[str, bytes]) -> Path:
+    """Write ``{relative path: bytes}`` under ``root`` and return it."""
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return root
+
+
+def in_child(fn, *args):
+    """Run ``fn(*args)`` in a forked child and re-raise its failure here (with its traceback).
+
+    For code that uses obstore: a process that forks after a tokio runtime started can crash its
+    children, so the test process itself never starts one."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def target():
+        try:
+            fn(*args)
+            q.put(None)
+        except BaseException:  # noqa: BLE001
+            q.put(traceback.format_exc())
+
+    p = ctx.Process(target=target)
+    p.start()
+    err = q.get(timeout=120)
+    p.join(30)
+    assert err is None, err
