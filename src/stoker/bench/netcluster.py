@@ -38,6 +38,7 @@ PREFIX = "stoknc"
 _CAP_NET_ADMIN = 12
 
 
+from .._procs import pid_alive  # noqa: E402
 from ..errors import NetnsUnavailable  # noqa: E402,F401 - raised here, defined with the other errors
 
 #: Where this process's capabilities are read from (a test points it at a fake file).
@@ -83,15 +84,6 @@ def _owner_pid(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def kill_namespace(name: str, kill_wait_s: float = 5.0) -> int:
     """End every process in namespace ``name`` (SIGTERM, SIGKILL after ``kill_wait_s`` seconds)
@@ -122,7 +114,7 @@ def kill_namespace(name: str, kill_wait_s: float = 5.0) -> int:
 def remove_stale(prefix: str = PREFIX) -> list[str]:
     """Delete the namespaces named ``<prefix><pid>-...`` whose process ``pid`` is gone (a killed
     run), with the processes still inside them. Returns their names."""
-    stale = [n for n in list_namespaces(prefix) if (pid := _owner_pid(n)) is None or not _alive(pid)]
+    stale = [n for n in list_namespaces(prefix) if (pid := _owner_pid(n)) is None or not pid_alive(pid)]
     for name in stale:
         kill_namespace(name, kill_wait_s=1.0)
     return stale
