@@ -65,8 +65,10 @@ class ProcessesMixin(RespawnMixin):
             self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
             self._spawn_prefetcher(adopt=False)
 
-    def _sample_key(self, wid: int) -> str | None:
-        sid = int(self._current[wid])
+    def _sample_key(self, slot: int) -> str | None:
+        """Key of the sample the worker in ``slot`` is on (``_current`` is indexed by slot, not by
+        worker id: a replacement worker gets a new id in the same slot), or None when idle."""
+        sid = int(self._current[slot])
         return self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
 
     def _died(self, what: str, exitcode: int) -> str:
