@@ -21,6 +21,7 @@ demo-quick: venv
 	$(BIN)/stoker demo --quick --json demo-out/demo-quick.json --plot demo-out/demo-quick.png
 
 test: venv
+	bash scripts/system_deps.sh
 	$(BIN)/python -m pytest -q
 
 # ruff (E, F, I, B, UP; D for src/) and mypy, configured in pyproject.toml.

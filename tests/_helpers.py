@@ -36,3 +36,26 @@ def in_child(fn, *args):
     err = q.get(timeout=120)
     p.join(30)
     assert err is None, err
+
+
+def require(what: str, module: str | None = None, path: str | None = None):
+    """The imported ``module`` (or None) once ``module`` imports and ``path`` exists; otherwise the
+    test is skipped with the reason, or fails under ``CI=true`` (``make test`` installs them)."""
+    import importlib
+    import os
+
+    import pytest
+    reason = None
+    mod = None
+    if module is not None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            reason = f"{what}: python package {module!r} is missing ({exc})"
+    if reason is None and path is not None and not os.path.exists(path):
+        reason = f"{what}: {path} is missing (Debian package alsa-utils; scripts/system_deps.sh)"
+    if reason is not None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason + " (CI=true: real-data tests must not skip)")
+        pytest.skip(reason)
+    return mod

@@ -14,7 +14,7 @@ def s3_origin():
     """A running :class:`stoker.bench.origin.LocalS3Origin` (2 ms latency, 1000 MB/s cap)."""
     from stoker.bench.origin import LocalS3Origin
 
-    origin = LocalS3Origin(latency_ms=2, bandwidth_MBps=1000).start()
+    origin = LocalS3Origin(latency_ms=2, bandwidth_MBps=1000, nice=0).start()  # tests: same priority
     try:
         yield origin
     finally:
@@ -79,5 +79,5 @@ def s3_packed(s3_origin, sample_tree):
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("s3packed/raw"), opts)
     url = s3_origin.url("s3packed/packed")
-    pack(s3_origin.url("s3packed/raw"), url, src_options=opts, dst_options=opts, progress=False, overwrite=True)
+    pack(s3_origin.url("s3packed/raw"), url, storage_options=opts, progress=False, overwrite=True)
     return url, opts

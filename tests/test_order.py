@@ -18,14 +18,15 @@ def test_registered_orders_are_permutations(name, n):
 @pytest.mark.parametrize("window", [1, 3, 16])
 def test_blockwise_order_keeps_windows_of_blocks_together(window):
     groups = np.repeat(np.arange(40), 7)  # 40 blocks of 7 samples
-    p = permutation(len(groups), 5, 1, "blockwise", groups=groups, window=window)
+    p = permutation(len(groups), 5, 1, "blockwise", groups=groups, window=window, ramp=False)
     assert np.array_equal(np.sort(p), np.arange(len(groups)))
     # each window of the sequence draws from exactly `window` blocks (the last maybe fewer)
     per = window * 7
     for start in range(0, len(p), per):
         blocks = set(groups[p[start:start + per]].tolist())
         assert len(blocks) == min(window, 40 - start // 7)
-    assert not np.array_equal(p, permutation(len(groups), 5, 2, "blockwise", groups=groups, window=window))
+    assert not np.array_equal(p, permutation(len(groups), 5, 2, "blockwise", groups=groups, window=window,
+                                             ramp=False))
 
 
 def test_permutation_is_pure_and_varies():

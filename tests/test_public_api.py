@@ -14,9 +14,13 @@ from stoker import errors
 SRC = pathlib.Path(stoker.__file__).parent
 
 EXPECTED_ALL = [
+    "CacheDirError",
     "CacheInUseError",
     "CacheLockTimeout",
+    "CacheModeError",
+    "CapacityError",
     "ChecksumError",
+    "CollateError",
     "Dataset",
     "DatasetChangedError",
     "DatasetExistsError",
@@ -36,11 +40,14 @@ EXPECTED_ALL = [
     "PackLeaseError",
     "PackLeaseLostError",
     "PeerUnavailable",
+    "SampleFnError",
     "SharedMemoryError",
     "StokerError",
+    "UnsafePathError",
     "VenvError",
     "WorkerError",
     "__version__",
+    "collate",
     "open_dataset",
     "pack",
     "parse_size",
@@ -48,9 +55,14 @@ EXPECTED_ALL = [
 
 # Each public error and the builtin base it keeps (so older `except` clauses still catch it).
 BUILTIN_BASE = {
+    "CacheDirError": NotADirectoryError,
     "CacheInUseError": RuntimeError,
     "CacheLockTimeout": TimeoutError,
+    "CacheModeError": ValueError,
+    "CapacityError": RuntimeError,
     "ChecksumError": OSError,
+    "CollateError": ValueError,
+    "SampleFnError": ValueError,
     "DatasetChangedError": OSError,
     "DatasetExistsError": FileExistsError,
     "DecodeError": ValueError,
@@ -67,6 +79,7 @@ BUILTIN_BASE = {
     "PackLeaseLostError": OSError,
     "PeerUnavailable": OSError,
     "SharedMemoryError": OSError,
+    "UnsafePathError": PermissionError,
     "VenvError": RuntimeError,
     "NetnsUnavailable": RuntimeError,
     "WorkerError": RuntimeError,
@@ -167,9 +180,14 @@ ONE_OF_EACH = [
     stoker.CacheLockTimeout("block 3 of v1"),
     stoker.NotACacheError("/tmp/x is not a stoker cache"),
     stoker.CacheInUseError("in use by pid 7"),
+    stoker.CacheModeError("cache /c was made with mode 0600, opened with 0640"),
+    stoker.UnsafePathError("/dev/shm/stoker-cache-1 is owned by uid 1001"),
+    stoker.CacheDirError("cache directory /data/c is a file, not a directory"),
     stoker.DecodeError("a/1.jpg", "truncated"),
     stoker.ImageTooLarge("a/2.jpg", "too many pixels"),
     stoker.EntryError("entry 3: bad magic"),
+    stoker.CollateError(2, "it is array of shape (4,)"),
+    stoker.SampleFnError("k1", "decode function m.f failed on sample 'k1'"),
     stoker.WorkerError("worker 3 died on sample 'a/1'"),
     stoker.ForkUnsafeError("threads: tokio-runtime-worker"),
     stoker.SharedMemoryError("/dev/shm", 1 << 20, 4096),
@@ -177,6 +195,7 @@ ONE_OF_EACH = [
     stoker.ExtenderRequestError("body too large", 413),
     stoker.VenvError("pip failed: ..."),
     stoker.NetnsUnavailable("CAP_NET_ADMIN is missing"),
+    stoker.CapacityError("4 ranks asking for {'CPU': 2.0} each do not fit"),
 ]
 
 

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stoker
-from stoker._units import format_size, parse_size
+from stoker._units import MAX_BYTES, format_size, parse_size
 
 
 @pytest.mark.parametrize("text, n_bytes", [
@@ -27,7 +27,9 @@ def test_parse_size_numbers_pass_through():
     ("64 furlongs", "cannot read '64 furlongs'"), ("", "cannot read ''"), ("MiB", "cannot read"),
     ("1.5.0GiB", "cannot read"), ("-1MiB", "must not be negative"), (-5, "must not be negative"),
     ("1.5B", "not a whole number of bytes"), ("0.3k", "not a whole number"), (2.5, "not a whole number"),
-    (float("nan"), "finite"),
+    (float("nan"), "finite"), ("infb", "cannot read 'infb'"), ("inf", "cannot read"), ("nan GiB", "cannot read"),
+    ("1e999", "over the largest size"), ("1e99999999b", "over the largest size"), ("9" * 5000, "over the largest"),
+    (1 << 64, "over the largest size"), ("8192PiB", "over the largest size"),
 ])
 def test_parse_size_rejects_with_a_message_naming_the_value(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -47,6 +49,10 @@ def test_parse_size_rejects_other_types(bad):
 def test_parse_size_is_exact_for_whole_numbers_with_any_unit(n, unit):
     scale = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "kB": 10**3,
              "MB": 10**6, "GB": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
+    if n * scale > MAX_BYTES:  # beyond any 64-bit offset: refused, not wrapped or rounded
+        with pytest.raises(ValueError, match="over the largest size"):
+            parse_size(f"{n}{unit}")
+        return
     assert parse_size(f"{n}{unit}") == n * scale
     assert parse_size(f"{n} {unit.lower()}") == n * scale
 

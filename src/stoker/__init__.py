@@ -2,25 +2,31 @@
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
 :class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`,
-:func:`parse_size` (``"64MiB"`` -> bytes; every byte-size argument accepts such strings), and every
+:mod:`collate` (built-in collates for ``Loader(collate=...)``), :func:`parse_size` (``"64MiB"`` ->
+bytes; every byte-size argument accepts such strings), and every
 public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
 """
 from ._units import parse_size
-from .errors import (CacheInUseError, CacheLockTimeout, ChecksumError, DatasetChangedError,
-                     DatasetExistsError, DecodeError, EntryError, ExtenderRequestError,
-                     ForkUnsafeError, ImageTooLarge,
-                     IndexFormatError, NetnsUnavailable, NotACacheError, OriginError, OriginNotFoundError,
-                     OriginPermissionError, PackLeaseError, PackLeaseLostError, PeerUnavailable,
-                     SharedMemoryError, StokerError, VenvError, WorkerError)
+from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheModeError, CapacityError, ChecksumError,
+                     CollateError, DatasetChangedError, DatasetExistsError, DecodeError, EntryError,
+                     ExtenderRequestError, ForkUnsafeError, ImageTooLarge, IndexFormatError, NetnsUnavailable,
+                     NotACacheError, OriginError, OriginNotFoundError, OriginPermissionError, PackLeaseError,
+                     PackLeaseLostError, PeerUnavailable, SampleFnError, SharedMemoryError, StokerError,
+                     UnsafePathError, VenvError, WorkerError)
+from . import collate
 from .loader import EpochStats, Loader
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
 
 __version__ = "0.1.0"
 __all__ = [
+    "CacheDirError",
     "CacheInUseError",
     "CacheLockTimeout",
+    "CacheModeError",
+    "CapacityError",
     "ChecksumError",
+    "CollateError",
     "Dataset",
     "DatasetChangedError",
     "DatasetExistsError",
@@ -40,11 +46,14 @@ __all__ = [
     "PackLeaseError",
     "PackLeaseLostError",
     "PeerUnavailable",
+    "SampleFnError",
     "SharedMemoryError",
     "StokerError",
+    "UnsafePathError",
     "VenvError",
     "WorkerError",
     "__version__",
+    "collate",
     "open_dataset",
     "pack",
     "parse_size",

@@ -21,6 +21,10 @@ from fractions import Fraction
 
 __all__ = ["parse_size", "format_size"]
 
+#: The largest size accepted, bytes: 2**63 - 1 (8 EiB), the largest file offset a 64-bit signed
+#: integer holds (POSIX ``off_t``, Parquet's int64 offsets).
+MAX_BYTES = (1 << 63) - 1
+
 _UNITS = {
     "": 1, "b": 1, "byte": 1, "bytes": 1,
     "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
@@ -36,7 +40,7 @@ def parse_size(value, name: str = "size") -> int:
     Args:
         value: an int (returned as is), a float with no fractional bytes, or a string: a number
             (digits, optionally a decimal point and an exponent) and an optional unit from the
-            module docstring.
+            module docstring. At most :data:`MAX_BYTES`.
         name: what the value is, for the error message (e.g. ``"cache_bytes"``).
 
     Returns:
@@ -44,7 +48,8 @@ def parse_size(value, name: str = "size") -> int:
 
     Raises:
         ValueError: naming ``name`` and the value, for an unknown unit, text that is not a
-            number, a negative size, or a size that is not a whole number of bytes.
+            number, a negative size, a size over :data:`MAX_BYTES`, or a size that is not a
+            whole number of bytes.
         TypeError: for a value that is neither a number nor a string (bool included).
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str, bytes)):
@@ -64,7 +69,11 @@ def parse_size(value, name: str = "size") -> int:
         if m is None or unit not in _UNITS:
             raise ValueError(f"{name}: cannot read {value!r} as a size; write bytes or a number "
                              "with a unit, such as 1048576, '64MiB', '1.5 GiB' or '100GB'")
+        if abs(float(m.group(1))) * _UNITS[unit] > MAX_BYTES:  # checked first: Fraction("1e99999999") is huge
+            raise ValueError(f"{name}: {value!r:.40} is over the largest size, {MAX_BYTES} bytes (8 EiB)")
         n = Fraction(m.group(1)) * _UNITS[unit]
+    if n > MAX_BYTES:
+        raise ValueError(f"{name}: {value!r:.40} is over the largest size, {MAX_BYTES} bytes (8 EiB)")
     if n < 0:
         raise ValueError(f"{name} must not be negative, got {value!r}")
     if n.denominator != 1:

@@ -17,10 +17,16 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── CacheLockTimeout (TimeoutError)       waited too long for another process's fill
     ├── IndexFormatError (ValueError)         the index is missing, unreadable or inconsistent
     ├── NotACacheError (ValueError)           a directory is not a stoker cache
+    ├── CacheModeError (ValueError)           a cache made under one file mode opened with another
+    ├── UnsafePathError (PermissionError)     a cache path is a symlink, another user's, or writable by others
+    ├── CacheDirError (NotADirectoryError)    the cache directory is a file, or lies under one
     ├── DecodeError (ValueError)              a sample's bytes could not be decoded
     │   └── ImageTooLarge                     the header declares more than ``max_pixels``
     ├── EntryError (ValueError)               a derived-cache entry is damaged
+    ├── CollateError (ValueError)             a batch's samples cannot be collated (names its position)
+    ├── SampleFnError (ValueError)            the user's decode/collate failed on a sample (names its key)
     ├── CacheInUseError (RuntimeError)        a cache is in use by a live job
+    ├── CapacityError (RuntimeError)          a cluster job's ranks do not fit the nodes' free resources
     ├── WorkerError (RuntimeError)            a loader worker failed or died
     ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
     ├── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
@@ -35,14 +41,16 @@ imports nothing from stoker: it is the lowest layer.
 from __future__ import annotations
 
 import errno
+import re
 import time
 
 __all__ = [
-    "CacheInUseError", "CacheLockTimeout", "ChecksumError", "DatasetChangedError",
-    "DatasetExistsError", "DecodeError", "EntryError", "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge",
-    "IndexFormatError", "NetnsUnavailable", "NotACacheError", "OriginError", "OriginNotFoundError",
-    "OriginPermissionError", "PackLeaseError", "PackLeaseLostError", "PeerUnavailable",
-    "SharedMemoryError", "StokerError", "VenvError", "WorkerError",
+    "CacheDirError", "CacheInUseError", "CacheLockTimeout", "CacheModeError", "CapacityError", "ChecksumError",
+    "CollateError", "DatasetChangedError", "DatasetExistsError", "DecodeError", "EntryError",
+    "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge", "IndexFormatError", "NetnsUnavailable",
+    "NotACacheError", "OriginError", "OriginNotFoundError", "OriginPermissionError", "PackLeaseError",
+    "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "SharedMemoryError", "StokerError", "UnsafePathError",
+    "VenvError", "WorkerError",
 ]
 
 
@@ -158,6 +166,20 @@ class NotACacheError(StokerError, ValueError):
     """The directory is not a stoker cache (no marker) and holds none; the message names it."""
 
 
+class CacheModeError(StokerError, ValueError):
+    """A cache directory made under one file mode (``cache_mode``) is opened with another; the
+    message names the directory and both modes. Nothing is read or written there."""
+
+
+class UnsafePathError(StokerError, PermissionError):
+    """A cache, staging or shared-memory path that stoker would write through is a symlink, a
+    non-directory, owned by another user or writable by others; the message names the path."""
+
+
+class CacheDirError(StokerError, NotADirectoryError):
+    """The cache directory given (or one of its parents) is a file; the message names both."""
+
+
 class CacheInUseError(StokerError, RuntimeError):
     """A cache (or one dataset in it) is in use by a live job; the message names its pid."""
 
@@ -174,8 +196,10 @@ class DecodeError(StokerError, ValueError):
 
     def __init__(self, key: str, reason: str):
         self.key = key
-        self.reason = reason
-        super().__init__(f"cannot decode sample {key!r}: {reason}")
+        # Pillow names the in-memory file it was given ("<_io.BytesIO object at 0x...>"): the
+        # sample key says which bytes these were
+        self.reason = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "the sample's bytes", reason)
+        super().__init__(f"cannot decode sample {key!r}: {self.reason}")
 
     def __reduce__(self):  # keep key/reason when pickled across worker processes
         return (type(self), (self.key, self.reason))
@@ -187,6 +211,32 @@ class ImageTooLarge(DecodeError):
 
 class EntryError(StokerError, ValueError):
     """A derived entry is damaged (short, wrong magic/kind/size, checksum mismatch)."""
+
+
+# --- the user's decode and collate (stoker.loader.batches, stoker.collate) ----------------
+
+class CollateError(StokerError, ValueError):
+    """A batch's samples cannot be collated. ``index``: the position in the batch of the sample
+    at fault (the Loader turns it into the sample's key); ``what``: what was wrong."""
+
+    def __init__(self, index: int, what: str):
+        super().__init__(f"sample {index} of the batch: {what}")
+        self.index, self.what = index, what
+
+    def __reduce__(self):
+        return (type(self), (self.index, self.what))
+
+
+class SampleFnError(StokerError, ValueError):
+    """The user's ``decode`` or ``collate`` failed on a sample, or returned what cannot be used;
+    ``key`` names the sample (None when a whole batch failed: the message names its keys)."""
+
+    def __init__(self, key, msg: str):
+        super().__init__(msg)
+        self.key = key
+
+    def __reduce__(self):
+        return (type(self), (self.key, str(self)))
 
 
 # --- loader and processes -----------------------------------------------------------------
@@ -220,6 +270,11 @@ class SharedMemoryError(StokerError, OSError):
 
 class PeerUnavailable(StokerError, OSError):
     """A peer's cache service did not answer (dead, restarting, or timed out)."""
+
+
+class CapacityError(StokerError, RuntimeError):
+    """A cluster job's ranks do not fit in the nodes' free resources now (the message gives what a
+    rank asks for and, per node, what is free); nothing of the job was started."""
 
 
 class ExtenderRequestError(StokerError, ValueError):

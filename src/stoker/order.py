@@ -18,7 +18,9 @@ Orders:
   while the previous window decodes. This is the quasi-random order the field uses
   for remote data (FFCV's QUASI_RANDOM, Mosaic Streaming's windowed shuffles,
   WebDataset's shard shuffle + buffer); ``stoker pack`` shuffles samples across
-  shards so that a window mixes classes.
+  shards so that a window mixes classes. The first windows ramp up: 1, 2, 4, 8 blocks, then
+  ``window`` (:func:`ramp_windows`), so the first batch of a cold epoch waits for a few blocks
+  instead of ``window`` of them; the rest of the epoch is unchanged.
 - ``sequential``: identity (``shuffle=False``).
 """
 from __future__ import annotations
@@ -58,13 +60,39 @@ def sequential_permutation(num_samples: int, seed: int, epoch: int, groups: Any 
     return np.arange(num_samples, dtype=np.int64)
 
 
+def ramp_windows(num_blocks: int, window: int, ramp: bool = True) -> np.ndarray:
+    """The window of each block position ``0..num_blocks-1`` of the ``blockwise`` order, int64.
+
+    Windows hold ``window`` blocks; with ``ramp`` the first ones hold 1, 2, 4, ... blocks
+    (doubling while below ``window``), so the first samples of an epoch need few blocks.
+    Raises ValueError if ``window < 1``.
+    """
+    if window < 1:
+        raise ValueError("window must be >= 1")
+    pos = np.arange(num_blocks, dtype=np.int64)
+    if not ramp:
+        return pos // window
+    sizes = []
+    size, total = 1, 0
+    while size < window and total < num_blocks:
+        sizes.append(size)
+        total += size
+        size *= 2
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])[:-1] if sizes else np.zeros(0, np.int64)
+    out = np.searchsorted(starts, pos, side="right") - 1
+    rest = pos >= total
+    out[rest] = len(sizes) + (pos[rest] - total) // window
+    return out.astype(np.int64)
+
+
 @register_permutation("blockwise")
 def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups: Any = None,
-                          window: int = DEFAULT_WINDOW_BLOCKS, **_: Any) -> np.ndarray:
+                          window: int = DEFAULT_WINDOW_BLOCKS, ramp: bool = True, **_: Any) -> np.ndarray:
     """Quasi-random order: random block order, samples shuffled within windows of ``window`` blocks.
 
     ``groups``: int array (num_samples,), the block of each sample (None = each sample its
     own block, which makes this a uniform permutation in windows of ``window`` samples).
+    ``ramp``: the first windows hold 1, 2, 4, ... blocks (:func:`ramp_windows`).
     Raises ValueError if ``groups`` has the wrong length or ``window < 1``.
     """
     if window < 1:
@@ -77,7 +105,7 @@ def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups: Any =
     rng = _rng(seed, epoch, 0xB10C)
     uniq, inverse = np.unique(groups, return_inverse=True)
     block_rank = rng.permutation(len(uniq))[inverse]       # position of each sample's block
-    window_of = block_rank // window                       # window of each sample
+    window_of = ramp_windows(len(uniq), window, ramp)[block_rank]  # window of each sample
     tie = rng.random(num_samples)                          # uniform shuffle inside a window
     return np.lexsort((tie, window_of)).astype(np.int64)
 

@@ -117,6 +117,31 @@ def test_summary_reports_agreement_and_placement_ratios():
     assert s["all_exactly_once"]
 
 
+def test_summary_allows_each_placement_its_own_measured_control_bytes():
+    """A job that starts a placement's ranks and services sends Ray and index traffic that is not
+    data; the allowance for it is the placement's own probe (a job of that placement that read
+    nothing), measured, also when no ``direct`` rows exist to estimate it from (a faults-only run)."""
+    def row(e, khost, speer, korigin, sorigin):
+        return {"placement": "colocated", "job": "job1", "epoch": e, "samples_per_s": 10.0, "exactly_once": True,
+                "kernel": {"origin_link_bytes": korigin, "host_link_bytes": khost},
+                "stoker": {"local_bytes": 0, "peer_bytes": speer, "origin_bytes": sorigin}}
+
+    def report(probe_host_bytes):
+        # figures of a real 3-host run: the cold epoch's host links carry 300 kB more than its
+        # peer bytes plus headers, over the 5% allowance (180 kB)
+        return {"dataset": {"bytes": 58_271_312},
+                "runs": [row(0, 4_050_891, 3_587_112, 59_337_008, 59_002_544),
+                         row(1, 3_751_082, 3_565_449, 114_650, 0)],
+                "control": {"colocated": {"host_link_bytes": probe_host_bytes, "origin_link_bytes": 120_000}}}
+    s = summary(report(probe_host_bytes=320_000))
+    assert s["all_agree"]
+    assert s["control_bytes"] == {"colocated": {"host": 320_000, "origin": 120_000}}
+    assert not summary(report(probe_host_bytes=50_000))["all_agree"]  # the probe bounds it: no blanket pass
+    no_probe = report(0)
+    del no_probe["control"]
+    assert not summary(no_probe)["all_agree"]  # no direct rows to estimate from: nothing allowed
+
+
 # -- with namespaces ---------------------------------------------------------------------------------
 def test_links_shaped_and_counted_by_the_kernel():
     _need_netns()
@@ -181,8 +206,10 @@ def test_stale_namespaces_of_a_killed_run_are_removed():
 
 def test_cluster_counts_put_each_byte_on_the_link_it_crossed():
     from stoker.bench.netcluster_driver import cluster_counts
-    recs = [{"local_bytes": 10, "peer_bytes": 5, "origin_bytes": 7, "peer_origin_bytes": 3},
-            {"local_bytes": 1, "peer_bytes": 0, "origin_bytes": 0, "peer_origin_bytes": 0}]
+    recs = [{"local_bytes": 10, "peer_bytes": 5, "origin_bytes": 7, "peer_origin_bytes": 3,
+             "received_origin_bytes": 4, "received_peer_bytes": 8},
+            {"local_bytes": 1, "peer_bytes": 0, "origin_bytes": 0, "peer_origin_bytes": 0,
+             "received_origin_bytes": 0, "received_peer_bytes": 0}]
     # rank 0 read 4 bytes from the origin itself and got 3 from a peer that fetched them; the
     # services fetched whole blocks: 100 bytes
     out = cluster_counts(recs, service_origin_bytes=100)
@@ -201,3 +228,104 @@ def test_rows_check_exactly_once_over_the_job_ranks():
     assert _row("direct", "job1", 0, recs([0, 2], [1, 3]), 4, k, 0)["exactly_once"]
     assert not _row("direct", "job1", 0, recs([0, 2], [2, 3]), 4, k, 0)["exactly_once"]  # 1 missing, 2 twice
     assert not _row("direct", "job1", 0, recs([0, 2], [1]), 4, k, 0)["exactly_once"]
+
+
+# -- faults ------------------------------------------------------------------------------------------
+def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path):
+    """The driver's fault requests, carried out by the process that owns the namespaces: ``kill``
+    SIGKILLs every process of the host (the namespace stays), ``link_down`` takes the link down and
+    brings it up after ``seconds``; an unknown action or the Ray head as victim is refused, named."""
+    import threading
+
+    from stoker.bench.netcluster_faults import FaultHandler, request
+    _need_netns()
+    with NetCluster(hosts=2) as net:
+        proc = _sleeper(net, net.host_ns[1])
+        handler = FaultHandler(net, procs=None, request_dir=str(tmp_path / "req"))
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                handler.poll()
+                time.sleep(0.02)
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        try:
+            time.sleep(0.3)
+            assert request(str(tmp_path / "req"), "kill", 1, timeout_s=30)["killed"] >= 1
+            proc.wait(timeout=10)
+            assert proc.returncode == -signal.SIGKILL
+            assert net.host_ns[1] in list_namespaces()
+
+            def state():
+                out = subprocess.run(["ip", "-n", net.switch_ns, "-o", "link", "show", "h1"], capture_output=True,
+                                     text=True).stdout
+                return "state UP" in out or ",UP" in out
+
+            request(str(tmp_path / "req"), "link_down", 1, timeout_s=30, seconds=0.5)
+            assert not state()
+            deadline = time.monotonic() + 10
+            while not state() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert state()
+            with pytest.raises(RuntimeError, match="not the Ray head"):
+                request(str(tmp_path / "req"), "kill", 0, timeout_s=30)
+            with pytest.raises(RuntimeError, match="unknown fault action 'melt'"):
+                request(str(tmp_path / "req"), "melt", 1, timeout_s=30)
+        finally:
+            stop.set()
+            t.join(5)
+            handler.close()
+    with pytest.raises(TimeoutError, match="'kill' on host 1: no answer in 0.2 s"):
+        request(str(tmp_path / "req"), "kill", 1, timeout_s=0.2)
+
+
+# -- the Ray nodes of a namespace cluster (no namespaces needed) ---------------------------------------
+class _FakeNet:
+    hosts = 3
+    host_ns = ["ns-h0", "ns-h1", "ns-h2"]
+    host_ip = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+
+    def exec_prefix(self, ns):
+        return ["ip", "netns", "exec", ns]
+
+
+def test_ray_nodes_start_together_with_a_fast_health_check(tmp_path, monkeypatch):
+    """The worker nodes' ``ray start`` run at the same time (all launched before any is waited
+    for), every one with the health-check settings that find a killed host dead in seconds."""
+    from stoker.bench import netcluster_ray
+    events = []
+
+    class FakeProc:
+        def __init__(self, cmd, env, **kw):
+            self.host = cmd[cmd.index("exec") + 1]
+            self.env, self.returncode = env, None
+            events.append(("start", self.host, env))
+
+        def wait(self, timeout=None):
+            events.append(("wait", self.host, None))
+            self.returncode = 0
+            return 0
+
+    monkeypatch.setattr(netcluster_ray.subprocess, "Popen", FakeProc)
+    netcluster_ray.NetRay(_FakeNet(), str(tmp_path)).start_ray()
+    assert [(e, h) for e, h, _ in events] == [("start", "ns-h0"), ("wait", "ns-h0"), ("start", "ns-h1"),
+                                              ("start", "ns-h2"), ("wait", "ns-h1"), ("wait", "ns-h2")]
+    for _, _, env in (e for e in events if e[0] == "start"):
+        assert {k: env[k] for k in netcluster_ray.HEALTH_CHECK_ENV} == netcluster_ray.HEALTH_CHECK_ENV
+    period_ms = int(netcluster_ray.HEALTH_CHECK_ENV["RAY_health_check_period_ms"])
+    timeout_ms = int(netcluster_ray.HEALTH_CHECK_ENV["RAY_health_check_timeout_ms"])
+    failures = int(netcluster_ray.HEALTH_CHECK_ENV["RAY_health_check_failure_threshold"])
+    assert period_ms * failures <= 5000  # a SIGKILLed host (checks refused at once): dead within 5 s
+    assert (period_ms + timeout_ms) * failures > 2 * 5000  # a 5 s link-down (checks time out): alive
+
+
+def test_a_ray_node_that_fails_to_start_is_named_with_its_log(tmp_path):
+    """A ``ray start`` that exits non-zero or runs past its timeout names its namespace and why."""
+    from stoker.bench.netcluster_ray import NetRay
+    procs = NetRay(_FakeNet(), str(tmp_path), start_timeout_s=0.5)
+    (tmp_path / "ray-h2.log").write_text("raylet: cannot bind\n")
+    with pytest.raises(RuntimeError, match=r"ns-h2 exited with code 3:\nraylet: cannot bind"):
+        procs._wait_started({1: subprocess.Popen(["true"]), 2: subprocess.Popen(["sh", "-c", "exit 3"])})
+    with pytest.raises(RuntimeError, match=r"ns-h1 not started in 0.5 s \(ray start timeout\)"):
+        procs._wait_started({1: subprocess.Popen(["sleep", "30"])})

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from stoker import _atomic
+from stoker._atomic import write_fd as _write_fd
 from stoker.cache import DiskCache, StagingArea, TieredCache, files
 from stoker.cli import main
 
@@ -91,38 +93,23 @@ def test_a_cache_of_the_old_layout_is_left_alone(tmp_path):
 
 # -- a full disk ---------------------------------------------------------------------------------
 
-class _HalfThenFull:
-    """A block file being written that takes half of what it is given, then fails with ENOSPC."""
-
-    def __init__(self, f, path):
-        self.f, self.path = f, path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-    def write(self, data):
-        self.f.write(bytes(memoryview(data)[: len(data) // 2]))
-        raise OSError(errno.ENOSPC, "No space left on device", self.path)
-
-
 class _FullAfter:
-    """``open`` for the cache's block files that lets ``allow`` whole block files through and
-    then writes half of each one and fails with ENOSPC (a disk that fills up mid-write)."""
+    """A stand-in for :func:`stoker._atomic.write_fd` that lets ``allow`` whole block files (the
+    cache's temporaries, under ``under``) through and then writes half of each one and fails
+    with ENOSPC (a disk that fills up mid-write)."""
 
     def __init__(self, allow: int, under: str = ""):
         self.allow, self.under = allow, under
 
-    def __call__(self, path, mode="r", *a, **kw):
-        f = open(path, mode, *a, **kw)
-        if "w" in mode and os.path.basename(path).startswith(files.TMP_MARK) and str(path).startswith(self.under):
+    def __call__(self, fd, data, path):
+        if os.path.basename(path).startswith(files.TMP_MARK) and str(path).startswith(self.under):
             if self.allow > 0:
                 self.allow -= 1
             else:
-                return _HalfThenFull(f, path)
-        return f
+                view = memoryview(data).cast("B")
+                os.write(fd, view[: len(view) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+        _write_fd(fd, data, path)
 
 
 def _tmp_files(root):
@@ -130,7 +117,7 @@ def _tmp_files(root):
 
 
 def test_enospc_on_a_fill_refuses_the_block_and_leaves_nothing(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(files, "open", _FullAfter(allow=2), raising=False)
+    monkeypatch.setattr(_atomic, "write_fd", _FullAfter(allow=2))
     c = DiskCache(str(tmp_path), 1 << 30, "lru")
     c.register("v1", 1 << 20)
     with caplog.at_level(logging.WARNING, logger="stoker.cache"):
@@ -195,7 +182,7 @@ def test_one_warning_per_job_across_its_processes(tmp_path, monkeypatch):
 
 def test_memory_tier_larger_than_shm_falls_back_to_the_disk_tier(tmp_path, monkeypatch):
     mem_root, disk_root = str(tmp_path / "shm"), str(tmp_path / "disk")
-    monkeypatch.setattr(files, "open", _FullAfter(allow=1, under=mem_root), raising=False)
+    monkeypatch.setattr(_atomic, "write_fd", _FullAfter(allow=1, under=mem_root))
     t = TieredCache(DiskCache(mem_root, 64 << 20, "future"), DiskCache(disk_root, 64 << 20, "future"))
     t.register("v1", 1 << 20)
     assert all(t.put("v1", f"b{i}", bytes(1000)) for i in range(4))
@@ -206,7 +193,7 @@ def test_memory_tier_larger_than_shm_falls_back_to_the_disk_tier(tmp_path, monke
 
 def test_loader_epoch_completes_once_on_a_disk_that_fills_up(tmp_path, packed_local, monkeypatch):
     from stoker import Loader, open_dataset
-    monkeypatch.setattr(files, "open", _FullAfter(allow=1), raising=False)  # in the forked prefetcher too
+    monkeypatch.setattr(_atomic, "write_fd", _FullAfter(allow=1))  # in the forked prefetcher too
     cache_dir = str(tmp_path / "c")
     ds = open_dataset(packed_local, cache_dir=cache_dir, cache_bytes=1 << 30, block_bytes=256 << 10)
     ld = Loader(ds, batch_size=16, num_workers=0, transform="eval", image_size=32, start_method="fork",
@@ -245,8 +232,9 @@ def test_small_tmpfs_epoch_completes_with_one_warning(tmp_path, packed_local, wh
     script.write_text(_TMPFS_CHILD)
     cache_dir = tmp_path / "small"
     cache_dir.mkdir()
-    target, mem, size = (cache_dir, 0, "1m") if where == "disk" else ("/dev/shm", 64 << 20, "2m")
-    cmd = f"mount -t tmpfs -o size={size} tmpfs {target} && exec {sys.executable} {script} {packed_local} {cache_dir} {mem}"
+    # a cache directory must not be writable by others: the cache's tmpfs is mounted 0700
+    target, mem, opts = (cache_dir, 0, "size=1m,mode=0700") if where == "disk" else ("/dev/shm", 64 << 20, "size=2m")
+    cmd = f"mount -t tmpfs -o {opts} tmpfs {target} && exec {sys.executable} {script} {packed_local} {cache_dir} {mem}"
     r = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr[-2000:]

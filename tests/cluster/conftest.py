@@ -41,5 +41,5 @@ def s3_dataset(s3_origin, sample_tree):
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("cluster/raw"), opts)
     url = s3_origin.url("cluster/packed")
-    pack(s3_origin.url("cluster/raw"), url, src_options=opts, dst_options=opts, shard_bytes=1 << 20, progress=False)
+    pack(s3_origin.url("cluster/raw"), url, storage_options=opts, shard_bytes=1 << 20, progress=False)
     return url, opts

@@ -72,7 +72,7 @@ def test_warm_fills_every_node_by_placement(cluster, s3_origin, s3_dataset, tmp_
     from stoker.store.pack import pack
     url, opts = s3_dataset
     url2 = url + "-small-shards"  # another dataset version: not cached yet
-    pack(s3_origin.url("cluster/raw"), url2, src_options=opts, dst_options=opts, shard_bytes=512 << 10,
+    pack(s3_origin.url("cluster/raw"), url2, storage_options=opts, shard_bytes=512 << 10,
          progress=False)
     r = warm(url2, opts, cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20,
              block_bytes=BLOCK, progress=False)
@@ -83,22 +83,37 @@ def test_warm_fills_every_node_by_placement(cluster, s3_origin, s3_dataset, tmp_
     assert again["origin_bytes"] == 0 and again["cached_fraction"] == 1.0
 
 
-def _read_and_kill(ctx, victim: str, epochs: int = 2):
+def _read_and_kill(ctx, victim: str, pid_before: int, epochs: int = 2):
     """Read the rank's plan; rank 0 kills the victim node's cache service a third into epoch 0;
-    every rank waits for it to be back before epoch 1."""
+    every rank waits before epoch 1 until the service answers from a new process (the ranks run
+    unsynchronised: a rank that finished epoch 0 before rank 0's kill must not start epoch 1
+    with the old service, or the kill would fall in its epoch 1)."""
+    import logging
+
     from stoker.cluster.service import get_service
+    seen: list[str] = []  # the router's fallback warnings, shown when an assertion fails
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(f"{time.time():.2f} {record.getMessage()[:300]}")
+    logging.getLogger("stoker.cluster.reader").addHandler(Keep(logging.WARNING))
     for e in range(epochs):
-        if e == 1:  # wait for Ray to restart it
-            deadline = time.monotonic() + 60
+        if e == 1:  # wait for the kill and for Ray to restart the service
+            deadline = time.monotonic() + 120
             while True:
                 try:
-                    ray.get(get_service(victim).ping.remote(), timeout=10)
-                    break
+                    if ray.get(get_service(victim).info.remote(), timeout=10)["pid"] != pid_before:
+                        break
                 except ray.exceptions.RayActorError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
-            time.sleep(0.5)  # past the router's retry_s
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cache service of {victim} not restarted in 120 s")
+                time.sleep(0.2)
+            while victim in ctx.dataset.router.suspects():  # the router's own ping has found it back
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the router still takes {victim} for down after 120 s")
+                time.sleep(0.05)
+            time.sleep(0.25)  # past the retry_s (0.2 s) after its last failed call
         ids = ctx.plan(e)
         with ctx.measure(e, samples=len(ids)) as rec:
             for k, i in enumerate(ids):
@@ -106,6 +121,8 @@ def _read_and_kill(ctx, victim: str, epochs: int = 2):
                     ray.kill(get_service(victim), no_restart=False)  # Ray restarts it
                 ctx.dataset.read(int(i))
             rec["ids"] = ids.tolist()
+            rec["warnings"], rec["end"] = list(seen), time.time()
+            seen.clear()
     return None
 
 
@@ -119,14 +136,15 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
     n = len(open_dataset(url, storage_options=opts, cache=False))
     victim = _node_ids()[1]
     pid_before = find_services()[victim]["pid"]
-    res = run(partial(_read_and_kill, victim=victim), url, 3, {"CPU": 0.5}, storage_options=opts,
+    res = run(partial(_read_and_kill, victim=victim, pid_before=pid_before), url, 3, {"CPU": 0.5}, storage_options=opts,
               cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20, block_bytes=BLOCK,
               placement="random", seed=3, job="kill", retry_s=0.2, timeout_s=180)
     _job_ids_ok(res, n)  # every sample exactly once in both epochs despite the kill
     assert _sum(res, 0, "fallbacks") >= 1 and _sum(res, 0, "origin_bytes") > 0
     assert find_services()[victim]["pid"] != pid_before  # restarted
     # epoch 1: the restarted service serves its blocks again (from its cache files), no fallbacks
-    assert _sum(res, 1, "fallbacks") == 0 and _sum(res, 1, "origin_bytes") == 0
+    why = [(r["rank"], r["epochs"][1]["warnings"], r["epochs"][0]["end"]) for r in res]
+    assert _sum(res, 1, "fallbacks") == 0 and _sum(res, 1, "origin_bytes") == 0, why
     readers = [r for r in res if r["node_id"] != victim]
     assert sum(r["epochs"][1]["peer_bytes"] for r in readers) > 0
 

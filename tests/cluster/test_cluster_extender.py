@@ -147,7 +147,10 @@ def test_both_request_shapes_answer_only_with_nodes_of_the_request(port):
     assert got["NodeNames"] == ["n2"] and list(got["FailedNodes"]) == ["n3"]
     got = _post(port, "filter", {"Pod": POD, "Nodes": {"items": [{"metadata": {"name": "n1"}}]}})[1]
     assert got["Nodes"] == {"items": [{"metadata": {"name": "n1"}}]} and got["NodeNames"] is None
-    assert _post(port, "prioritize", {"Pod": None, "Nodes": None, "NodeNames": None}) == (200, [])
+    assert _post(port, "prioritize", {"Pod": None, "Nodes": None, "NodeNames": []}) == (200, [])
+    for nameless in ({}, {"Pod": POD}, {"Pod": None, "Nodes": None, "NodeNames": None}, {"Nodes": {"items": None}}):
+        code, body = _post(port, "filter", nameless)
+        assert code == 400 and "names no nodes" in body["Error"]
     ann_null = {"Pod": {"metadata": {"annotations": {extender.REQUIRE_ANNOTATION: None}}}, "NodeNames": ["n3"]}
     assert _post(port, "filter", ann_null)[1]["NodeNames"] == ["n3"]
 
@@ -157,18 +160,105 @@ def test_bodies_over_the_cap_get_413_and_broken_bodies_a_json_error(port):
     assert code == 413 and str(CAP) in body["Error"]
     assert _request(port, "POST", "/stoker/filter", b" " * CAP + b"{}")[0] == 413
     assert _request(port, "POST", "/stoker/filter", json.dumps({"NodeNames": ["n1"]}).encode())[0] == 200
+    assert _request(port, "GET", "/stoker/filter", b"")[0] == 405  # the verbs take POST only
+    assert _request(port, "GET", "/healthz", b"")[0] == 200
     # a length that is negative or not a number, a chunked body, a body shorter than its length
     for head, code in ((b"Content-Length: -5\r\n", 400), (b"Content-Length: lots\r\n", 400),
-                       (b"Transfer-Encoding: chunked\r\n", 411), (b"Content-Length: 100\r\n", 400)):
+                       (b"Transfer-Encoding: chunked\r\n", 400), (b"Content-Length: 100\r\n", 400)):
         out = _raw(port, b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
         status, _, payload = out.partition(b"\r\n\r\n")
         assert status.split()[1] == str(code).encode(), out
         assert "Error" in json.loads(payload)
-    # http.server's own refusals are JSON too
+    # the HTTP server's own refusals are JSON too
     code, body = _request(port, "PUT", "/stoker/filter", b"{}")
-    assert code == 501 and "Error" in body
+    assert code == 405 and "Error" in body
+    out = _raw(port, b"NONSENSE\r\n\r\n")
+    assert out.split()[1] == b"400" and "Error" in json.loads(out.partition(b"\r\n\r\n")[2])
     assert _request(port, "POST", "/stoker/bind", b"{}")[0] == 404
     assert _request(port, "POST", "/stoker/filter", b"\xff\xfe{")[0] == 400
+
+
+def _status_and_error(out: bytes) -> tuple[int, str]:
+    head, _, payload = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)["Error"]
+
+
+def test_a_negative_length_with_a_large_body_is_refused_without_reading_it(port):
+    """Content-Length: -1 does not skip the body limit: 400 at once, the 5 MB body is not read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        try:
+            s.sendall(b"x" * (5 << 20))  # the server may close its side before taking it all
+        except OSError:
+            pass
+        s.settimeout(10)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+    code, error = _status_and_error(out)
+    assert code == 400 and "Content-Length" in error
+    assert _post(port, "filter", {"Pod": POD, "NodeNames": ["n1"]})[0] == 200  # still serving
+
+
+def test_chunked_bodies_are_read_within_the_cap(port):
+    ok = json.dumps({"Pod": POD, "NodeNames": ["n1"]}).encode()
+    out = _raw(port, b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"%x\r\n" % len(ok) + ok + b"\r\n0\r\n\r\n")
+    assert json.loads(out.partition(b"\r\n\r\n")[2])["NodeNames"] == ["n1"]
+    big = b" " * (CAP + 1)
+    out = _raw(port, b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"%x\r\n" % len(big) + big + b"\r\n0\r\n\r\n")
+    assert _status_and_error(out)[0] == 413
+
+
+def test_idle_and_slow_loris_connections_are_closed_and_others_still_served():
+    srv = extender.serve(_Box(STATE), port=0, idle_timeout_s=1, cleanup_interval_s=1)
+    port = srv.server_address[1]
+    socks = []
+    try:
+        for k in range(80):  # more than the connection limit: idle, or a request that stalls half-way
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if k % 2:
+                s.sendall(b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nContent-Le")
+            socks.append(s)
+        for s in socks:  # each is closed by the server (an end or a reset), none waits for ever
+            s.settimeout(30)
+            try:
+                assert s.recv(1024) == b""
+            except ConnectionResetError:
+                pass
+        assert _post(port, "prioritize", {"Pod": POD, "NodeNames": ["n1"]})[0] == 200
+    finally:
+        for s in socks:
+            s.close()
+        srv.shutdown()
+
+
+def test_many_concurrent_requests_are_all_answered(port):
+    from concurrent.futures import ThreadPoolExecutor
+    args = [{"Pod": POD, "NodeNames": ["n1", "n2"]}, {"Nodes": [1, 2]}, {"NodeNames": [1]}, "[1]"]
+    with ThreadPoolExecutor(32) as ex:
+        got = list(ex.map(lambda k: _post(port, ("filter", "prioritize")[k % 2], args[k % 4]), range(200)))
+    for k, (code, body) in enumerate(got):
+        assert code == (200 if k % 4 == 0 else 400), (k, body)
+        assert code == 200 or body["Error"]
+
+
+def test_answers_carry_the_state_age(port, box):
+    import time
+    box.state = {**STATE, "time": time.time() - 5}
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/stoker/prioritize", body=json.dumps({"Pod": POD, "NodeNames": ["n1"]}))
+        resp = conn.getresponse()
+        resp.read()
+        assert 4 <= float(resp.getheader("X-Stoker-State-Age")) < 60
+        conn.close()
+    finally:
+        box.state = STATE
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),

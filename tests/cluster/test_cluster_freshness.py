@@ -51,6 +51,20 @@ def test_a_state_file_older_than_max_age_gives_no_preference_and_fails_require_c
         srv.server_close()
 
 
+def test_a_state_time_in_the_future_or_not_a_number_is_refused(tmp_path):
+    """A state stamped in the future would never grow old, and a time that is not a number must
+    not silently fall back to the file's age: both are refused, naming the file."""
+    import pytest
+    path = tmp_path / "state.json"
+    get = extender.file_state(str(path))
+    for bad in (time.time() + 10 ** 6, "yesterday", float("nan"), True):
+        path.write_text(json.dumps({"time": bad, "nodes": NODES}))
+        with pytest.raises(ValueError, match=f"{path}: 'time'"):
+            get()
+    path.write_text(json.dumps({"time": time.time() + 60, "nodes": NODES}))  # clock skew: accepted
+    assert get()["nodes"] == NODES
+
+
 def test_a_hung_state_source_never_holds_a_request():
     """The refresh runs in its own thread: while it hangs, requests are answered at once with the
     last state (here none: no preference, and require-cache pods get an error)."""
@@ -69,7 +83,7 @@ def test_a_hung_state_source_never_holds_a_request():
         for _ in range(3):
             code, got = _post(port, "prioritize", _args(ANN))
             assert code == 200 and {h["Score"] for h in got} == {0}
-        assert _post(port, "filter", _args(REQ))[1]["Error"]
+        assert "no stoker cache state yet" in _post(port, "filter", _args(REQ))[1]["Error"]
         assert calls == [1]  # one fetch in flight, not one per request
     finally:
         release.set()

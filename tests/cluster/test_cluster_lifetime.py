@@ -106,6 +106,98 @@ def test_a_failed_rank_cancels_the_other_ranks(cluster, s3_dataset, tmp_path):
     assert [f.read_text() for f in files] == ["KeyboardInterrupt"] * 2
 
 
+def test_a_failed_rank_cancels_the_others_when_the_caller_holds_the_refs(cluster, s3_dataset, tmp_path):
+    """``run(wait=False)`` and a plain ``ray.get`` (no :func:`gather`): the first failure still
+    cancels the other ranks (a watcher in the driver), so nobody runs on with no one waiting."""
+    from stoker.cluster import run
+    url, opts = s3_dataset
+    refs = run(partial(_one_rank_fails, out_dir=str(tmp_path)), url, 3, {"CPU": 0.5}, storage_options=opts,
+               cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="fails-nowait",
+               wait=False)
+    with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 broke"):
+        ray.get(refs[0], timeout=120)
+    deadline = time.monotonic() + 120
+    files = [tmp_path / f"rank{r}" for r in (1, 2)]
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [f.read_text() for f in files] == ["KeyboardInterrupt"] * 2  # cancelled, not run out (60 s)
+    assert refs.error is not None
+
+
+@ray.remote(num_cpus=0, max_concurrency=256)
+class _SlowPeer:
+    """A cache service that hangs (as one on a node that died while Ray still lists it alive)
+    until :meth:`recover`; it counts the calls it gets."""
+
+    def __init__(self):
+        self.calls = {"read": 0, "ping": 0}
+        self.ok = False
+
+    def _hang(self):
+        end = time.monotonic() + 20
+        while not self.ok and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def read(self, dref, b, start, stop):
+        self.calls["read"] += 1
+        self._hang()
+        return "cache", b"p" * (stop - start)
+
+    def ping(self):
+        self.calls["ping"] += 1
+        self._hang()
+        return "peer"
+
+    def recover(self):
+        self.ok = True
+
+    def count(self):
+        return dict(self.calls)
+
+
+def test_a_peer_that_hangs_on_a_live_node_costs_one_stall(cluster, s3_dataset, monkeypatch):
+    """A peer that stops answering while Ray lists its node alive costs one timed-out call; later
+    reads go to the origin without calling it (only background pings do), and once it answers a
+    ping reads go to it again."""
+    import numpy as np
+
+    import stoker.cluster.service as service
+    from stoker.cluster.counters import ByteCounters
+    from stoker.cluster.reader import BlockRouter
+    from stoker.store.dataset import open_dataset
+    url, opts = s3_dataset
+    peer = _SlowPeer.remote()
+    ray.get(peer.count.remote(), timeout=120)  # started: the first read reaches it
+    monkeypatch.setattr(service, "get_service", lambda nid: peer)
+    node = service.alive_nodes()[0]["NodeID"]  # alive in Ray's table throughout
+    ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
+    counters = ByteCounters()
+    router = BlockRouter(service.dataset_ref(ds, opts), [node], np.zeros(ds.num_blocks, np.int64), -1,
+                         counters, timeout_s=0.5, retry_s=0.05)
+
+    def block(b):
+        start = int(ds.block_start[b])
+        return start, start + int(ds.block_bytes_of(b))
+
+    try:
+        for b in range(8):
+            truth = bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), *block(b)))
+            assert router.read(ds, b, *block(b)) == truth  # from the origin
+            time.sleep(0.06)  # past retry_s: the peer is due again
+        assert ray.get(peer.count.remote())["read"] == 1  # the one stall; the rest did not call it
+        assert counters.read()["fallbacks"] == 8 and counters.read()["peer"] == 0
+        ray.get(peer.recover.remote())
+        deadline = time.monotonic() + 60
+        while counters.read()["peer"] == 0 and time.monotonic() < deadline:
+            router.read(ds, 0, *block(0))
+            time.sleep(0.05)
+        assert counters.read()["peer"] > 0  # back: read from the peer again
+        assert ray.get(peer.count.remote())["ping"] >= 1
+    finally:
+        counters.close()
+        ray.kill(peer)
+
+
 def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path, monkeypatch):
     """A peer whose node died costs one failed call; later reads of its blocks go straight to the
     origin (no call to its service) while Ray lists the node as dead. Every read is still right."""

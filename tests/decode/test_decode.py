@@ -267,3 +267,14 @@ def test_exif_orientation_on_pillow_path(orientation):
     got = decode_image(data, "p", exif_orientation=True)
     assert _maxdiff(got, _reference(data, transpose=True)) == 0
     assert got.shape == ((61, 97, 3) if orientation == 3 else (97, 61, 3))
+
+
+def test_a_decode_error_names_the_sample_not_pillows_in_memory_file():
+    import pickle
+
+    from stoker.decode import DecodeError, decode_image
+    with pytest.raises(DecodeError) as err:
+        decode_image(b"definitely not an image, but long enough to be sniffed", "cls/k1")
+    assert "cls/k1" in str(err.value) and "BytesIO" not in str(err.value) and "0x" not in str(err.value)
+    again = pickle.loads(pickle.dumps(err.value))
+    assert str(again) == str(err.value) and again.key == "cls/k1"

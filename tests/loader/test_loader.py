@@ -131,7 +131,7 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, sampl
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("err/raw"), opts)
     url = s3_origin.url("err/packed")
-    pack(s3_origin.url("err/raw"), url, src_options=opts, dst_options=opts, progress=False)
+    pack(s3_origin.url("err/raw"), url, storage_options=opts, progress=False)
     ds = open_dataset(url, cache_dir=str(tmp_path), cache_bytes=64 << 20, storage_options=opts)
     s3_origin.inject_faults(503, None)
     try:
@@ -140,8 +140,9 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, sampl
         with pytest.raises(OriginError, match="index.parquet"):
             open_dataset(url, cache=False, storage_options=opts)
         with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=60) as loader:
-            with pytest.raises(WorkerError, match="OriginError"):
+            with pytest.raises(WorkerError, match="OriginError") as err:
                 next(iter(loader))
+            assert isinstance(err.value.__cause__, OriginError)  # the worker's own error, to catch
         s3_origin.inject_faults(503, 2)  # transient: two failures, then the retry succeeds
     finally:
         pass
@@ -228,3 +229,29 @@ def test_worker_error_names_the_corrupt_sample_not_its_block_neighbour(packed_lo
             pass
     head = str(err.value).splitlines()[0]
     assert f"failed on sample {ds.key(bad)!r}" in head, head
+
+
+def test_a_checksum_failure_in_a_worker_raises_with_the_checksum_error_as_cause(packed_local, tmp_path):
+    """A flipped byte in a shard: with workers the epoch ends in a WorkerError whose cause is the
+    ChecksumError naming the sample, also with on_error="skip" (integrity failures are never skipped)."""
+    import glob
+    import shutil
+
+    from stoker import ChecksumError
+    copy = tmp_path / "copy"
+    shutil.copytree(packed_local, copy)
+    ds0 = open_dataset(str(copy), cache=False)
+    i = 3
+    shard = sorted(glob.glob(str(copy / "shards" / "*.tar")))[int(ds0.index.shard[i])]
+    with open(shard, "r+b") as f:
+        f.seek(int(ds0.index.offset[i]) + 10)
+        b = f.read(1)
+        f.seek(int(ds0.index.offset[i]) + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    for on_error in ("raise", "skip"):
+        ds = open_dataset(str(copy), cache_dir=str(tmp_path / f"c-{on_error}"), cache_bytes=64 << 20)
+        with Loader(ds, 8, num_workers=2, transform="eval", on_error=on_error) as loader:
+            with pytest.raises(WorkerError, match="ChecksumError") as err:
+                for _ in loader:
+                    pass
+        assert isinstance(err.value.__cause__, ChecksumError) and err.value.__cause__.key == ds.key(i)

@@ -1,13 +1,19 @@
 """Resume: state saved at any batch and restored (also in a new process) gives the identical rest of the stream."""
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
+import numpy as np
 import pytest
 
-from stoker import Loader, open_dataset
+from _helpers import require
+from stoker import Loader, open_dataset, pack
+from stoker.collate import pack_tokens, pad
 
 CFG = dict(batch_size=16, seed=11, transform="train")
 
@@ -17,8 +23,17 @@ def _digest(images, labels) -> str:
 
 
 def _item(x):
-    """A comparable digest of one stream item: a batch (images, labels) or a sample id."""
+    """A comparable digest of one stream item: a batch (images, labels), a user-collated batch
+    (a dict of tensors) or a sample id."""
+    if isinstance(x, dict):
+        return hashlib.sha1(b"".join(k.encode() + v.numpy().tobytes() for k, v in sorted(x.items()))).hexdigest()
     return _digest(*x) if isinstance(x, tuple) else int(x)
+
+
+def _bytes_decode(fields, rng):
+    """A user decode with augmentation: a random-length prefix of the sample's bytes as tokens."""
+    data = next(iter(fields.values()))
+    return np.frombuffer(data[: 40 + int(rng.integers(0, 200))], np.uint8).astype(np.int32)
 
 
 def _stream(loader, epochs):
@@ -45,12 +60,52 @@ def _stream_stage(**kw):
     return make
 
 
+_REAL: dict = {}
+
+
+def _real(kind):
+    """(local dataset URL, decode) of real data packed with --source files, made once: the
+    standard library's .py files with a BPE trained on them, or Debian's ALSA recordings."""
+    if kind not in _REAL:
+        from stoker.bench import realdata
+        tmp = tempfile.mkdtemp(prefix=f"stoker-resume-{kind}-")
+        atexit.register(shutil.rmtree, tmp, True)
+        if kind == "text":
+            require("text corpus tokenizer", "tokenizers")
+            rels = realdata.copy_stdlib_corpus(tmp + "/src", max_files=40, max_file_bytes=3000)
+            decode = realdata.TokenizeDecode(realdata.train_bpe([f"{tmp}/src/{r}" for r in rels], 400))
+        else:
+            require("audio decode", "soundfile", realdata.ALSA_DIR)
+            shutil.copytree(realdata.ALSA_DIR, tmp + "/src")
+            decode = realdata.AudioDecode(seconds=0.1)
+        pack(tmp + "/src", tmp + "/ds", source="files", shard_bytes=32 << 10, progress=False)
+        _REAL[kind] = (tmp + "/ds", decode)
+    return _REAL[kind]
+
+
+def _real_loader(kind, **kw):
+    def make(ds_url, cache_dir):
+        url, decode = _real(kind)
+        ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=64 << 20)
+        return Loader(ds, **{**CFG, "decode": decode, **kw})
+    return make
+
+
 STAGES = {
     "loader-w0": _loader(num_workers=0),
     "loader-w2": _loader(num_workers=2),
     "loader-uniform-w1": _loader(num_workers=1, order="uniform", world_size=2, rank=1),
     # the cache-aware order depends on what is cached: the state carries the cached-block map
     "loader-cache-aware-w1": _loader(num_workers=1, cache_aware_window=32, cache_bytes=2 << 20),
+    # the user's decode (with its per-sample rng) and collates; pack_tokens carries tokens
+    # from batch to batch, and its state carries them too
+    "loader-user-pad-w2": _loader(num_workers=2, decode=_bytes_decode, collate=pad()),
+    "loader-pack-tokens-w2": _loader(num_workers=2, decode=_bytes_decode, collate=pack_tokens(97, eos_id=256)),
+    "loader-pack-tokens-w0": _loader(num_workers=0, decode=_bytes_decode, collate=pack_tokens(211, eos_id=256)),
+    # real data: text tokenized and packed into rows, audio decoded and cropped by the rng
+    "real-text-pack-tokens-w2": _real_loader("text", batch_size=4, num_workers=2,
+                                             collate=pack_tokens(64, eos_id=0)),
+    "real-audio-w2": _real_loader("audio", batch_size=2, num_workers=2),
     "sample-stream": _stream_stage(),
     "sample-stream-rank2of3": _stream_stage(order="uniform", rank=2, world_size=3, even="drop"),
 }

@@ -135,6 +135,15 @@ def test_latency_and_bandwidth_cap_are_applied():
         assert 0.25 * 20e6 < rate < 1.5 * 20e6, rate
 
 
+def test_the_emulated_origin_runs_niced_unless_told_otherwise():
+    from stoker.bench.origin import ORIGIN_NICE
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    with LocalS3Origin(latency_ms=0, bandwidth_MBps=0) as origin:
+        assert os.getpriority(os.PRIO_PROCESS, origin.pid) == min(19, mine + ORIGIN_NICE)
+    with LocalS3Origin(latency_ms=0, bandwidth_MBps=0, nice=0) as origin:
+        assert os.getpriority(os.PRIO_PROCESS, origin.pid) == mine
+
+
 def test_start_failure_and_stop():
     with pytest.raises(RuntimeError, match="not ready"):
         LocalS3Origin(start_timeout_s=0.001).start()

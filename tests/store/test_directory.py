@@ -261,12 +261,12 @@ def test_ls_lines(tricky):
     d, keys, idx = tricky
     lines = ls(d, "a")
     names = [line.split("\t")[0] for line in lines]
-    assert names == [n for n, *_ in d.children("a")]
+    assert names == ["a/" + n for n, *_ in d.children("a")]  # full keys, as ls and index_of take them
     b = keys.index("a/b")
-    assert lines[names.index("b")] == (f"b\t{int(idx.length[b])} B\tlabel {int(idx.labels[b])}\t"
-                                       f"{idx.shards[int(idx.shard[b])]['name']}@{int(idx.offset[b])}\tid {b}")
+    assert lines[names.index("a/b")] == (f"a/b\t{int(idx.length[b])} B\tlabel {int(idx.labels[b])}\t"
+                                         f"{idx.shards[int(idx.shard[b])]['name']}@{int(idx.offset[b])}\tid {b}")
     s, e = d.prefix_range("a/b/")
-    assert lines[names.index("b/")] == f"b/\t{e - s} samples\tids {s}-{e}"
+    assert lines[names.index("a/b/")] == f"a/b/\t{e - s} samples\tids {s}-{e - 1}"  # inclusive
     # an exact key that is also a directory prints its record first
     both = ls(d, "a/b")
     assert both[0].startswith("a/b\t") and both[1:] == ls(d, "a/b/")
@@ -303,11 +303,11 @@ def test_cli_parsers_open_the_dataset_and_print(tmp_path, capsys):
     a = p.parse_args(["ls", str(tmp_path)])
     assert a.fn(a) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["c1/\t2 samples\tids 0-2", "c2/\t1 samples\tids 2-3"]
+    assert out == ["c1/\t2 samples\tids 0-1", "c2/\t1 sample\tids 2-2"]
     a = p.parse_args(["ls", str(tmp_path), "c1", "--limit", "1", "--storage-options", "{}"])
     assert a.fn(a) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("a\t") and out[1].startswith("... more")
+    assert out[0].startswith("c1/a\t") and out[1].startswith("... more")
     a = p.parse_args(["ls", str(tmp_path), "c9"])
     assert a.fn(a) == 2
     assert "c9" in capsys.readouterr().err

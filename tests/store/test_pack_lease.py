@@ -134,7 +134,7 @@ def test_lease_on_s3_is_conditional(s3_origin, tmp_path, monkeypatch):
     with pytest.raises(PackLeaseError, match=first.run):
         PackLease(dest).acquire()
     with pytest.raises(FileExistsError, match="being packed"):
-        pack_mod.pack(str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), dst_options=opts,
+        pack_mod.pack(str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), dst_storage_options=opts,
                       progress=False)
     first.renew()
     monkeypatch.setattr(PackLease, "_dead", lambda self, owner: True)  # as if it had expired

@@ -17,7 +17,7 @@ from stoker.store.index import (INDEX_NAME, DatasetIndex, Members, build_table, 
                                 table_to_bytes)
 from stoker.store.pack import pack
 from stoker.store.sources import detect_source
-from stoker.store.wds import brace_expand
+from stoker.store.wds import brace_expand, expand_urls
 
 
 def _tar_members(path):
@@ -137,6 +137,46 @@ def test_source_detection_and_brace_expansion(tmp_path, sample_tree):
     for src in (f"{tmp_path}/w/train-{{000..001}}.tar", f"{tmp_path}/w/train-*.tar", f"{tmp_path}/w/train-"):
         r = pack(src, str(tmp_path / "d"), progress=False, overwrite=True)
         assert r.samples == 2, src
+
+
+@pytest.mark.parametrize("spec", ["{a,{b,c}}.tar", "s-{0..6..2}.tar", "s-{a..c}.tar", "s-{08..10}-{a,b}.tar",
+                                  "s-{10..0..5}.tar", "x-{000..002}.tar::y-{a,b}.tar", "a-{1,2}{x,y}.tar",
+                                  "plain.tar", r"lit-\{a,b\}.tar", "s-{a..e..2}.tar", "{,x}.tar"])
+def test_shard_specs_expand_as_webdataset_does(spec):
+    from webdataset.shardlists import expand_urls as wds_expand
+    assert brace_expand(spec) == wds_expand(spec)
+
+
+def test_shard_specs_nested_stepped_and_letter_ranges_pack(tmp_path):
+    assert brace_expand("{a,{b,c}}.tar") == ["a.tar", "b.tar", "c.tar"]
+    assert brace_expand("{0..6..2}") == ["0", "2", "4", "6"] and brace_expand("{a..c}") == ["a", "b", "c"]
+    assert brace_expand("http://[::1]:8000/s-{0..1}.tar") == ["http://[::1]:8000/s-0.tar", "http://[::1]:8000/s-1.tar"]
+    with pytest.raises(ValueError, match=r"shard spec '\{a,b'"):
+        brace_expand("{a,b")
+    w = tmp_path / "w"
+    w.mkdir()
+    for i in range(5):
+        with tarfile.open(w / f"s-{i}.tar", "w") as tf:
+            info = tarfile.TarInfo(f"k{i}.cls")
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"1"))
+    r = pack(f"{w}/s-{{0..4..2}}.tar", str(tmp_path / "d"), progress=False)
+    assert r.samples == 3  # s-0, s-2, s-4
+    assert expand_urls(f"{w}/s-{{0..1}}.tar::{w}/s-4.tar") == [f"{w}/s-0.tar", f"{w}/s-1.tar", f"{w}/s-4.tar"]
+    # a spec names its shards one by one: a missing one is an error naming it, never left out
+    with pytest.raises(FileNotFoundError, match=r"5 of its 10 shards not found: .*s-5\.tar.*s-9\.tar"):
+        expand_urls(f"{w}/s-{{0..9}}.tar")
+    with pytest.raises(FileNotFoundError, match=r"2 of its 4 shards not found: .*none-1\.tar"):
+        pack(f"{w}/s-{{0..1}}.tar::{w}/none-{{1..2}}.tar", str(tmp_path / "e"), progress=False)
+    assert not (tmp_path / "e").exists()  # a failed first pack leaves no empty destination behind
+    (tmp_path / "f").mkdir()  # one the user made is kept
+    with pytest.raises(FileNotFoundError, match="shards not found"):
+        pack(f"{w}/none-{{1..2}}.tar", str(tmp_path / "f"), progress=False)
+    assert (tmp_path / "f").is_dir()
+    with pytest.raises(FileNotFoundError, match="shards not found"):  # the parents pack made go too
+        pack(f"{w}/none-{{1..2}}.tar", str(tmp_path / "g" / "h" / "out"), progress=False)
+    assert not (tmp_path / "g").exists()
+    assert [u.removeprefix("file://") for u in expand_urls(f"{w}/s-")] == [f"{w}/s-{i}.tar" for i in range(5)]
 
 
 # -- file lists -------------------------------------------------------------------------------
@@ -336,7 +376,7 @@ def test_every_source_round_trips_through_s3(s3_origin, cases_dir, tmp_path):
     }
     for name, expected in cases.items():
         dst = s3_origin.url(f"src-rt/packed-{name}")
-        r = pack(f"{raw}/{name}", dst, src_options=opts, dst_options=opts, progress=False, shard_bytes=64 << 10)
+        r = pack(f"{raw}/{name}", dst, storage_options=opts, progress=False, shard_bytes=64 << 10)
         assert r.samples == len({m.rsplit(".", 1)[0] if name == "list.csv" else m.split(".")[0]
                                  for m in expected}), name
         ds = open_dataset(dst, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=opts,

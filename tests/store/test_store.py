@@ -68,7 +68,7 @@ def test_round_trip_through_s3(s3_origin, sample_tree, tmp_path):
     opts = s3_origin.storage_options()
     raw, dst = s3_origin.url("rt/raw"), s3_origin.url("rt/packed")
     upload_tree(str(sample_tree / "train"), raw, opts)
-    r = pack(raw, dst, shard_bytes=2 << 20, src_options=opts, dst_options=opts, progress=False)
+    r = pack(raw, dst, shard_bytes=2 << 20, storage_options=opts, progress=False)
     assert r.samples == 120
     ds = open_dataset(dst, cache_dir=str(tmp_path / "c"), cache_bytes=1 << 30, storage_options=opts,
                       block_bytes=256 << 10)

@@ -83,7 +83,7 @@ def test_same_size_rewrite_of_a_shard_on_s3_is_detected_at_open(s3_origin, sampl
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("etag/raw"), opts)
     url = s3_origin.url("etag/packed")
-    pack(s3_origin.url("etag/raw"), url, src_options=opts, dst_options=opts, progress=False)
+    pack(s3_origin.url("etag/raw"), url, storage_options=opts, progress=False)
     ds = open_dataset(url, cache=False, storage_options=opts)
     assert all(s.get("etag") for s in ds.index.shards)  # recorded at pack time
     fs, root = url_to_fs(url, opts)

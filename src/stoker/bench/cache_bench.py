@@ -78,7 +78,7 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
     with LocalS3Origin(latency_ms=latency_ms, bandwidth_MBps=bandwidth_MBps) as origin:
         direct = origin.storage_options(throttled=False)
         upload_tree(os.path.join(data, "train"), origin.url("raw"), direct)
-        pack(origin.url("raw"), origin.url("packed"), src_options=direct, dst_options=direct, progress=False,
+        pack(origin.url("raw"), origin.url("packed"), storage_options=direct, progress=False,
              overwrite=True)
         url, opts = origin.url("packed"), origin.storage_options()
         probe = open_dataset(url, cache=False, storage_options=opts)

@@ -65,7 +65,7 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
         opts = origin.storage_options()
         upload_tree(os.path.join(data, "train"), origin.url("raw"), origin.storage_options(throttled=False))
         url = origin.url("packed")
-        pack(origin.url("raw"), url, src_options=opts, dst_options=opts, shard_bytes=shard_bytes, progress=False)
+        pack(origin.url("raw"), url, storage_options=opts, shard_bytes=shard_bytes, progress=False)
         ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=block_bytes)
         dataset_bytes = int(ds.index.length.sum())
         report["dataset"] = {"samples": len(ds), "bytes": dataset_bytes, "blocks": ds.num_blocks}

@@ -21,6 +21,19 @@ from .harness import measure
 
 QUICK = {"images": 1500, "classes": 10, "baseline_samples": 384}
 FULL = {"images": 5000, "classes": 20, "baseline_samples": 1024}
+#: Named origins: (per-request latency in ms, bandwidth in MB/s). ``near``: the demo's default (an
+#: origin in the same region); ``far``: another region, or S3's first-byte latency at its tail.
+ORIGINS = {"near": (20.0, 100.0), "far": (100.0, 1000.0)}
+
+
+def origin_settings(origin: str | None, latency_ms: float | None, bandwidth_MBps: float | None) -> tuple[float, float]:
+    """(latency ms, bandwidth MB/s) of the named ``origin`` preset (:data:`ORIGINS`; None = ``near``),
+    with an explicit ``latency_ms`` / ``bandwidth_MBps`` taking precedence. ValueError for an
+    unknown name."""
+    if origin is not None and origin not in ORIGINS:
+        raise ValueError(f"unknown origin preset {origin!r}; known: {sorted(ORIGINS)}")
+    lat, bw = ORIGINS[origin or "near"]
+    return (lat if latency_ms is None else float(latency_ms), bw if bandwidth_MBps is None else float(bandwidth_MBps))
 
 
 @dataclass
@@ -40,6 +53,8 @@ class DemoConfig:
     block_bytes: int = 1 << 20
     shard_bytes: int = 64 << 20
     baseline_samples: int | None = None
+    baseline: bool = True  # measure the torch DataLoader baseline too
+    origin: str | None = None  # the preset's name, recorded in the report (origin_settings())
     workdir: str | None = None
     json_path: str | None = None
     plot_path: str | None = None
@@ -56,7 +71,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     from ..store.dataset import open_dataset
     from ..store.pack import pack
     from .baseline import FsspecImageFolder, make_baseline_loader
-    from .origin import LocalS3Origin, upload_tree
+    from .origin import ORIGIN_NICE, LocalS3Origin, upload_tree
     from .report import check_done, print_table, save_report, write_plot
     from .sample_data import make_sample_data
 
@@ -75,8 +90,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     report: dict = {
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},
-        "origin": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
-                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy"},
+        "origin": {"preset": cfg.origin, "latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
+                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
+                   "server_nice": ORIGIN_NICE},
         "config": {"workers": cfg.workers, "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                    "consumer_rate": cfg.consumer_rate, "block_bytes": cfg.block_bytes,
                    "shard_bytes": cfg.shard_bytes, "transform": "train (RandomResizedCrop(224) + flip)",
@@ -90,8 +106,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         upload_tree(os.path.join(data_dir, "train"), raw_url, origin.storage_options(throttled=False))
         _log(f"uploaded raw tree in {time.perf_counter() - t:.1f} s")
         pr = pack(raw_url, packed_url, shard_bytes=cfg.shard_bytes, overwrite=True,
-                  src_options=origin.storage_options(throttled=False),
-                  dst_options=origin.storage_options(throttled=False), progress=False)
+                  storage_options=origin.storage_options(throttled=False), progress=False)
         _log(f"packed {pr.samples} samples into {pr.shards} shards in {pr.seconds:.1f} s")
         opts = origin.storage_options(throttled=True)
 
@@ -114,7 +129,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
         # Baseline: torch DataLoader + fsspec + Pillow, through the same throttled origin.
         base_ds = FsspecImageFolder(raw_url, opts, seed=cfg.seed)
-        for rate in rates:
+        for rate in (rates if cfg.baseline else []):
             before = origin.stats()
             loader = make_baseline_loader(base_ds, cfg.batch_size, cfg.workers, cfg.seed)
             m = measure(loader, rate, max_samples=baseline_samples)
@@ -138,10 +153,13 @@ def run_demo(cfg: DemoConfig) -> dict:
                     st = loader.stats
                     cpu = dict(st.cpu_s, origin_emulator=round(process_cpu_s(origin.pid) - origin_cpu, 3))
                     report["runs"].append(_run("stoker", epoch, rate, m, st.origin_bytes, st.cache_hit_ratio,
-                                               st.exactly_once, origin_requests=st.origin_requests, cpu_s=cpu))
+                                               st.exactly_once, origin_requests=st.origin_requests, cpu_s=cpu,
+                                               **cold_figures(st, m, report["limits"], cfg.bandwidth_MBps)))
                     _log(f"stoker epoch {epoch} rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, "
                          + (f"stall {m.stall_fraction:.2f}, " if rate else "") + f"origin {st.origin_bytes / 1e6:.1f} MB, "
-                         f"hit ratio {st.cache_hit_ratio:.2f}, exactly_once {st.exactly_once}")
+                         f"hit ratio {st.cache_hit_ratio:.2f}, first batch {st.first_batch_s:.2f} s, "
+                         f"in flight {st.inflight_requests:.1f} (target {st.inflight_target}), "
+                         f"exactly_once {st.exactly_once}")
             shutil.rmtree(cache_dir, ignore_errors=True)
     report["checks"] = check_done(report)
     print_table(report)
@@ -154,3 +172,19 @@ def _run(loader: str, epoch: int, rate: float, m, origin_bytes, hit_ratio, exact
             "seconds": m.seconds, "samples_per_s": m.samples_per_s, "stall_fraction": m.stall_fraction,
             "origin_bytes": int(origin_bytes), "cache_hit_ratio": hit_ratio, "exactly_once": exactly_once,
             **extra}
+
+
+def cold_figures(st, m, limits: dict, bandwidth_MBps: float) -> dict:
+    """The cold-start figures of one measured epoch: ``first_batch_s``, ``overlap_efficiency`` with the
+    calibrated limits (max(origin bytes / bandwidth, samples / decode_bound) / seconds, stoker's design
+    notes), ``vs_bound`` (samples/s / min(decode_bound, storage_bound)), and the loader's
+    ``origin_busy_fraction``, ``inflight_requests`` and ``inflight_target``. ``st``: the epoch's
+    :class:`stoker.loader.epoch_stats.EpochStats`; ``m``: its :class:`stoker.bench.harness.Measurement`."""
+    from ..loader.epoch_stats import overlap_efficiency
+    bound = min(limits["decode_bound"], limits["storage_bound"])
+    decode_s = m.samples / limits["decode_bound"] if limits["decode_bound"] else 0.0
+    return {"first_batch_s": st.first_batch_s,
+            "overlap_efficiency": overlap_efficiency(m.seconds, st.origin_bytes, bandwidth_MBps * 1e6, decode_s),
+            "vs_bound": m.samples_per_s / bound if bound else 0.0,
+            "origin_busy_fraction": st.origin_busy_fraction, "inflight_requests": st.inflight_requests,
+            "inflight_target": st.inflight_target}

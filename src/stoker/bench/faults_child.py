@@ -40,9 +40,8 @@ _WATCHDOG = "no batch from the workers"
 
 
 def _write(path: str, result: dict) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    from .._atomic import umask_mode, write_atomic
+    write_atomic(path, json.dumps(result).encode(), mode=umask_mode())
 
 
 def classify(exc: BaseException, must_name: list[str]) -> str:

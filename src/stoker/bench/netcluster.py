@@ -205,6 +205,20 @@ class NetCluster:
         """Take link ``name`` (``"h1"``, ``"origin"``) down or up, on the switch side."""
         _ip("-n", self.switch_ns, "link", "set", name, "up" if up else "down")
 
+    def kill_host(self, i: int) -> int:
+        """SIGKILL every process in host ``i``'s namespace (its raylet, its cache service, its
+        workers: the host dies at once, nothing is told); the namespace and link stay, so the host
+        can be started again. Returns how many processes were killed."""
+        out = _ip("netns", "pids", self.host_ns[i], check=False).stdout
+        n = 0
+        for pid in (int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                n += 1
+            except ProcessLookupError:
+                pass
+        return n
+
     # -- tear-down -----------------------------------------------------------------------------
     def close(self) -> None:
         """End every process in the namespaces made, delete them. Idempotent; never raises."""

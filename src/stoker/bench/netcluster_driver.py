@@ -15,7 +15,10 @@ that the kernel counters of each job are its own (3 ranks per job):
 A rank reads and verifies every sample of its plan (checksums; no decode unless ``decode``).
 Each row: samples/s (samples / the slowest rank's seconds), exactly-once (every sample id of the
 epoch read once over the job's ranks), kernel bytes (:func:`stoker.bench.netcluster.kernel_delta`
-of the counters read just before and after the job) and stoker's own byte counts.
+of the counters read just before and after the job) and stoker's own byte counts. Before its
+epochs, each placement runs a control probe (:func:`probe_control`: a job that reads no sample),
+whose kernel bytes are the non-data traffic the byte check allows that placement's rows. The
+output also has ``phases_s``: seconds of packing, of each placement, fault run and the state check.
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def read_plan(ctx, epoch: int, decode: bool = False) -> list[dict]:
 
 def direct_rank(spec: dict) -> dict:
     """One rank of the ``direct`` placement: the dataset through this host's own node cache
-    (``spec["cache_dir"]``), no peers. Returns ``{epoch, samples, seconds, ids, local_bytes,
+    (``spec["cache_dir"]``), no peers; with ``spec["read"]`` false it opens the dataset (its
+    index) and reads no sample (the placement's control probe). Returns ``{epoch, samples, seconds, ids, local_bytes,
     peer_bytes (0), origin_bytes}`` (origin bytes: what this process's origin client received)."""
     from ..order import permutation, rank_plan
     from ..store.dataset import open_dataset
@@ -62,6 +66,8 @@ def direct_rank(spec: dict) -> dict:
                       block_bytes=spec["block_bytes"], check=False)
     perm = permutation(len(ds), 0, spec["epoch"], "blockwise", groups=ds.sample_block, window=16)
     ids = rank_plan(perm, spec["rank"], spec["world_size"])
+    if not spec.get("read", True):
+        ids = ids[:0]
     origin0, local = ds.origin.counters.bytes, 0
     t0 = time.perf_counter()
     for i in ids:
@@ -97,16 +103,34 @@ def services_origin_bytes() -> int:
 
 def cluster_counts(recs: list[dict], service_origin_bytes: int) -> list[dict]:
     """Per rank record of cluster mode, the bytes by the link they crossed: ``origin_bytes``:
-    what the rank read from the origin itself (``origin - peer_origin`` of its counters) plus, on
-    the first record, ``service_origin_bytes`` (what the services fetched: whole blocks, where the
-    rank counts only the range it asked for); ``peer_bytes``: everything a peer sent
-    (``peer + peer_origin``); ``local_bytes`` as counted."""
+    what the rank's processes received from the origin themselves (``received_origin_bytes``:
+    whole blocks and single samples) plus, on the first record, ``service_origin_bytes`` (what the
+    services fetched: whole blocks, where the rank counts only the range it asked for);
+    ``peer_bytes``: everything a peer sent (``received_peer_bytes``); ``local_bytes`` as counted."""
     out = []
     for k, r in enumerate(recs):
-        own = r["origin_bytes"] - r["peer_origin_bytes"]
-        out.append(dict(r, origin_bytes=own + (service_origin_bytes if k == 0 else 0),
-                        peer_bytes=r["peer_bytes"] + r["peer_origin_bytes"]))
+        out.append(dict(r, origin_bytes=r["received_origin_bytes"] + (service_origin_bytes if k == 0 else 0),
+                        peer_bytes=r["received_peer_bytes"]))
     return out
+
+
+def no_reads(ctx) -> list:
+    """Cluster ``train_fn`` of a placement's control probe: reads nothing."""
+    del ctx
+    return []
+
+
+def probe_control(placement: str, run_job, links: dict) -> dict:
+    """The kernel bytes of a job that moves no data, measured: ``run_job()`` runs one such job of
+    ``placement`` (every rank started as that placement starts them, nothing read) between two
+    readings of the counters of ``links``. Run first in each placement, on the same cluster, it also
+    takes that placement's start-up traffic (its cache services and their worker processes
+    registering with the head, the dataset's index opened by each service) out of the first
+    epoch's window. Returns :func:`stoker.bench.netcluster.kernel_delta` with ``seconds`` added."""
+    t0 = time.perf_counter()
+    before = read_counters(links)
+    run_job()
+    return dict(kernel_delta(before, read_counters(links)), placement=placement, seconds=time.perf_counter() - t0)
 
 
 def _row(placement, job, epoch, recs, n, kernel, served) -> dict:
@@ -118,6 +142,58 @@ def _row(placement, job, epoch, recs, n, kernel, served) -> dict:
             "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0,
             "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
             "kernel": kernel, "stoker": stoker, "origin_served_bytes": served}
+
+
+def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict:
+    """``stoker warm``, ``stoker cluster-state`` and the extender's prioritize on this cluster.
+
+    Every host gets a cache service, but only ``holder`` (the second host) a budget that holds the
+    dataset (the others' are below one block, so they own nothing); ``warm`` fills it, each
+    host's cached fraction as its own service reports it; ``stoker cluster-state`` (the command,
+    run here) writes the state file, and the extender (reading that file, as ``stoker extender
+    --state`` does) scores the hosts for a pod that names the dataset. Returns ``{holder,
+    warm: {host: {cached_bytes, cached_fraction}}, complete, state_datasets: {host: bytes},
+    priorities: [{Host, Score}], holder_first}``."""
+    import subprocess
+
+    import ray
+
+    from ..cluster.extender import DATASET_ANNOTATION, file_state, prioritize
+    from ..cluster.service import start_services, stop_services
+    from ..cluster.warmup import warm
+    by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    host_nodes = [by_ip.get(ip, nid) for ip, nid in zip(spec["host_ips"], host_nodes, strict=True)]
+    # (a host restarted since the start has a new node id)
+    holder = min(1, len(host_nodes) - 1)
+    root = os.path.join(spec["workdir"], "cache-state")
+    stop_services()
+    budgets = {nid: (spec["cache_bytes"] if i == holder else 1024) for i, nid in enumerate(host_nodes)}
+    start_services(root, budgets)
+    rep = warm(url, opts, cache_root=root, cache_bytes=budgets, block_bytes=spec["block_bytes"],  # type: ignore[arg-type]
+               progress=False)
+    host_of = {nid: f"h{i}" for i, nid in enumerate(host_nodes)}
+    names = {nid: n["node_name"] for nid, n in rep["nodes"].items()}
+    path = os.path.join(spec["workdir"], "state.json")
+    cmd = [sys.executable, "-m", "stoker.cli", "cluster-state", url, "--ray-address", spec["address"],
+           "--storage-options", json.dumps(opts), "--block-size", str(spec["block_bytes"]), "--out", path]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec["job_timeout_s"])
+    if proc.returncode != 0:
+        raise RuntimeError(f"stoker cluster-state exited with code {proc.returncode}: {proc.stderr[-2000:]}")
+    state = file_state(path)()
+    pod = {"Pod": {"metadata": {"annotations": {DATASET_ANNOTATION: url}}}, "NodeNames": sorted(state["nodes"])}
+    prio = prioritize(pod, state)
+    score = {p["Host"]: p["Score"] for p in prio}
+    mine = score.get(names.get(host_nodes[holder], ""), -1)
+    stop_services()
+    shutil.rmtree(root, ignore_errors=True)
+    return {"holder": f"h{holder}",
+            "warm": {host_of.get(nid, nid): {"cached_bytes": n["cached_bytes"], "cached_fraction": n["cached_fraction"]}
+                     for nid, n in rep["nodes"].items()},
+            "complete": rep["complete"],
+            "state_datasets": {name: n["datasets"].get(url, 0) for name, n in state["nodes"].items()},
+            "priorities": prio,
+            "holder_first": len(score) == len(host_nodes) and all(v < mine for v in score.values() if v != mine)
+            and sum(v == mine for v in score.values()) == 1}
 
 
 def main(spec_path: str, out_path: str) -> int:
@@ -138,11 +214,12 @@ def main(spec_path: str, out_path: str) -> int:
     t0 = time.perf_counter()
     upload_tree(spec["data_dir"], "s3://stoker/raw", opts)
     url = "s3://stoker/packed"
-    pack("s3://stoker/raw", url, src_options=opts, dst_options=opts, shard_bytes=spec["shard_bytes"], progress=False)
+    pack("s3://stoker/raw", url, storage_options=opts, shard_bytes=spec["shard_bytes"], progress=False)
     ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=spec["block_bytes"])
     n = len(ds)
     out = {"dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": ds.num_blocks},
            "setup_s": time.perf_counter() - t0, "runs": []}
+    phases = out["phases_s"] = {"upload_pack": out["setup_s"]}
     by_ip = {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node.get("Alive")}
     host_nodes = [by_ip[ip] for ip in spec["host_ips"]]
     links = spec["links"]
@@ -152,23 +229,34 @@ def main(spec_path: str, out_path: str) -> int:
         with urllib.request.urlopen(f"{spec['direct_url']}/__stoker__/stats", timeout=10) as r:
             return int(json.loads(r.read())["bytes_served"])
 
+    def direct_refs(root: str, epoch: int, read: bool = True) -> list:  # one direct rank per host
+        return [ray.remote(direct_rank).options(
+            num_cpus=0.5, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            {"url": url, "storage_options": opts, "cache_dir": os.path.join(root, f"h{r}"),
+             "cache_bytes": spec["cache_bytes"], "block_bytes": spec["block_bytes"], "epoch": epoch, "rank": r,
+             "world_size": len(host_nodes), "decode": spec["decode"], "read": read})
+            for r, node in enumerate(host_nodes)]
+
     for placement in spec["placements"]:
+        t_phase = time.perf_counter()
         root = os.path.join(spec["workdir"], f"cache-{placement}")
         shutil.rmtree(root, ignore_errors=True)
         stop_services()
+
+        def probe_job(placement=placement, root=root) -> None:
+            served()  # as every job's window holds one stats request
+            if placement == "direct":
+                ray.get(direct_refs(root, 0, read=False), timeout=spec["job_timeout_s"])
+            else:
+                cluster_run(no_reads, url, len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
+                            cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
+                            seed=spec["seed"] + 1, job="control", timeout_s=spec["job_timeout_s"])
+        out.setdefault("control", {})[placement] = probe_control(placement, probe_job, links)
         for epoch in range(spec["epochs"]):
             for j, job in enumerate(JOBS):
                 before, s0 = read_counters(links), served()
                 if placement == "direct":
-                    world = len(host_nodes)
-                    refs = [ray.remote(direct_rank).options(
-                        num_cpus=0.5, max_retries=0,
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                        {"url": url, "storage_options": opts, "cache_dir": os.path.join(root, f"h{r}"),
-                         "cache_bytes": spec["cache_bytes"], "block_bytes": spec["block_bytes"], "epoch": epoch,
-                         "rank": r, "world_size": world, "decode": spec["decode"]})
-                        for r, node in enumerate(host_nodes)]
-                    recs = ray.get(refs, timeout=spec["job_timeout_s"])
+                    recs = ray.get(direct_refs(root, epoch), timeout=spec["job_timeout_s"])
                 else:
                     svc0 = services_origin_bytes()
                     fn = partial(read_plan, epoch=epoch, decode=spec["decode"])
@@ -184,9 +272,24 @@ def main(spec_path: str, out_path: str) -> int:
                                  | row["stoker"]), flush=True)
         stop_services()
         shutil.rmtree(root, ignore_errors=True)
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(out_path + ".tmp", out_path)
+        phases[placement] = time.perf_counter() - t_phase
+    if spec.get("faults"):
+        from .netcluster_faults import fault_run
+        out["faults"] = []
+        for kind in spec["faults"]:
+            t_phase = time.perf_counter()
+            row = fault_run(kind, spec, url, opts, n)
+            phases[f"fault_{kind}"] = time.perf_counter() - t_phase
+            out["faults"].append(row)
+            print(json.dumps({k: row[k] for k in ("fault", "host", "finished", "exactly_once", "seconds")}
+                             | {"dead_host_blocks": row["dead_host_blocks"], "rejoin": row["rejoin"]}), flush=True)
+    if spec.get("state_check", True):
+        t_phase = time.perf_counter()
+        out["state"] = state_check(spec, url, opts, host_nodes)
+        phases["state_check"] = time.perf_counter() - t_phase
+        print(json.dumps(out["state"]), flush=True)
+    from .._atomic import umask_mode, write_atomic
+    write_atomic(out_path, json.dumps(out).encode(), mode=umask_mode())
     ray.shutdown()
     return 0
 

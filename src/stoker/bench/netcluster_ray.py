@@ -28,6 +28,15 @@ from .netcluster import NetCluster
 #: Ray's GCS port on the head host (each host has its own network stack: no clash with others).
 GCS_PORT = 6379
 
+#: Ray's node health check for this cluster (Ray's ``RayConfig`` names, read from ``RAY_<name>``
+#: by every process ``ray start`` runs; the GCS on the head uses them). Ray's defaults (a check every
+#: 3 s, 10 s timeout, 5 failures) take 15 s to find a SIGKILLed host dead, and the fault runs wait
+#: for that. Here a dead host (connection refused: each check fails at once) is found in
+#: 5 x 1 s = 5 s, while a link that drops packets fails a check only after its 3 s timeout, so a
+#: host whose link is down for the fault runs' 5 s is not taken for dead (5 x (1 + 3) = 20 s).
+HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "3000",
+                    "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
+
 
 def _src_dir() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +60,8 @@ class NetRay:
 
     ``cpus_per_host``: Ray CPUs each node offers; ``object_store_bytes``: each node's object
     store (bytes); ``start_timeout_s``: seconds to wait for the origin and for each Ray node.
+    Every host but the last offers the resource
+    :data:`stoker.bench.netcluster_faults.STEADY` (the last is the fault runs' victim).
     Raises RuntimeError (with the process's log tail) when a process fails or is not ready in time.
     """
 
@@ -97,7 +108,8 @@ class NetRay:
         self.endpoint_url, self.direct_url = info["endpoint_url"], info["direct_url"]
         return self.endpoint_url
 
-    def _ray_start(self, i: int, head: bool) -> None:
+    def _ray_start(self, i: int, head: bool) -> subprocess.Popen:
+        """Run ``ray start`` for host ``i`` (output to ``ray-h<i>.log``); returns the process."""
         ns, ip = self.net.host_ns[i], self.net.host_ip[i]
         d = os.path.join(self.workdir, f"r{i}")
         os.makedirs(d, exist_ok=True)
@@ -107,28 +119,65 @@ class NetRay:
                "--temp-dir", d, "--disable-usage-stats"]
         cmd += (["--head", "--port", str(GCS_PORT), "--include-dashboard=false"] if head
                 else ["--address", self.address])
-        name = f"ray-h{i}"
-        with open(self._log(name), "wb") as log:
-            proc = subprocess.run(cmd, env=node_env(ns), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                  timeout=self.start_timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ray start in namespace {ns} exited with code {proc.returncode}:\n{self._tail(name)}")
+        if i < self.net.hosts - 1 or self.net.hosts == 1:
+            from .netcluster_faults import STEADY
+            cmd += ["--resources", json.dumps({STEADY: 100})]
+        env = node_env(ns)
+        env.update(HEALTH_CHECK_ENV)
+        with open(self._log(f"ray-h{i}"), "wb") as log:
+            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+    def _wait_started(self, procs: dict[int, subprocess.Popen]) -> None:
+        """Wait for the ``ray start`` processes ``{host: process}``; RuntimeError (with the log
+        tail of the first that failed) when one exits non-zero or runs past ``start_timeout_s``
+        (``ray start`` timeout; the late ones are killed)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        failed = []
+        for i, proc in procs.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                failed.append((i, f"not started in {self.start_timeout_s} s (ray start timeout)"))
+                continue
+            if proc.returncode != 0:
+                failed.append((i, f"exited with code {proc.returncode}"))
+        if failed:
+            i, why = failed[0]
+            raise RuntimeError(f"ray start in namespace {self.net.host_ns[i]} {why}:\n{self._tail(f'ray-h{i}')}")
 
     def start_ray(self) -> str:
-        """Start the head on host 0 and a worker node on every other host; returns the GCS address."""
-        self._ray_start(0, head=True)
-        for i in range(1, self.net.hosts):
-            self._ray_start(i, head=False)
+        """Start the head on host 0, then a worker node on every other host (those at the same
+        time: each ``ray start`` mostly waits); returns the GCS address."""
+        self._wait_started({0: self._ray_start(0, head=True)})
+        self._wait_started({i: self._ray_start(i, head=False) for i in range(1, self.net.hosts)})
         return self.address
 
-    def driver(self, module: str, *args: str, timeout_s: float = 900.0) -> subprocess.CompletedProcess:
+    def restart_node(self, i: int) -> None:
+        """``ray start --address`` on host ``i`` again (after its processes were killed)."""
+        self._wait_started({i: self._ray_start(i, head=False)})
+
+    def driver(self, module: str, *args: str, timeout_s: float = 900.0, poll=None) -> int:
         """Run ``python -m module args...`` in the first host namespace (output to ``driver.log``);
+        ``poll``: called every 0.1 s while it runs (the fault handler). Returns its exit code 0;
         raises RuntimeError with its log tail when it fails, ``subprocess.TimeoutExpired`` after
         ``timeout_s`` seconds (the process is killed)."""
         cmd = [*self.net.exec_prefix(self.net.host_ns[0]), sys.executable, "-m", module, *args]
+        deadline = time.monotonic() + timeout_s
         with open(self._log("driver"), "wb") as log:
-            proc = subprocess.run(cmd, env=node_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                  timeout=timeout_s)
+            proc = subprocess.Popen(cmd, env=node_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            try:
+                while proc.poll() is None:
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(cmd, timeout_s)
+                    if poll is not None:
+                        poll()
+                    time.sleep(0.1)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         if proc.returncode != 0:
             raise RuntimeError(f"driver {module} exited with code {proc.returncode}:\n{self._tail('driver')}")
-        return proc
+        return proc.returncode

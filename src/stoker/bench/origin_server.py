@@ -314,9 +314,8 @@ def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = Non
     info = {"endpoint_url": f"http://{host}:{listener.sockets[0].getsockname()[1]}",
             "direct_url": f"http://{host}:{server.effective_port}", "pid": os.getpid()}
     if ready_file:
-        with open(ready_file + ".tmp", "w") as f:
-            json.dump(info, f)
-        os.replace(ready_file + ".tmp", ready_file)
+        from .._atomic import umask_mode, write_atomic
+        write_atomic(ready_file, json.dumps(info).encode(), mode=umask_mode())
     else:
         print(json.dumps(info), flush=True)
     while parent_pid is None or os.getppid() == parent_pid:

@@ -182,8 +182,8 @@ def make_sample_data(root: str, images: int = 2000, classes: int = 10, seed: int
         with ProcessPoolExecutor(workers, initializer=_load_sources, initargs=(paths,)) as ex:
             total = sum(ex.map(_write_chunk, chunks))
 
-    tmp = os.path.join(root, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({**params, "bytes": total, "generator": "stoker.bench.sample_data"}, f)
-    os.replace(tmp, os.path.join(root, MANIFEST))
+    from .._atomic import umask_mode, write_atomic
+    write_atomic(os.path.join(root, MANIFEST),
+                 json.dumps({**params, "bytes": total, "generator": "stoker.bench.sample_data"}).encode(),
+                 mode=umask_mode())
     return {**summary, "bytes": total, "seconds": time.perf_counter() - t0, "generated": True}

@@ -43,18 +43,20 @@ import errno
 import fcntl
 import os
 import shutil
-import struct
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import xxhash
 
+from .._atomic import open_file
 from .._procs import pid_alive
-from ..errors import CacheLockTimeout  # noqa: F401 - re-exported
-from . import layout, space
-from .files import TMP_MARK, read_at, write_whole
+from ..errors import CacheLockTimeout, StokerError  # noqa: F401 - CacheLockTimeout re-exported
+from . import catalog, layout, paths, perms, space
+from .files import TMP_MARK, is_file, read_at, write_whole
 from .policy import JobRegistry, share_budget
+from .usage import UsageCounters
 
 POLICIES = ("future", "noevict", "lru")
 # Fetch locks are striped over this many lock files.  Two blocks on one stripe serialise their
@@ -81,7 +83,7 @@ class CacheStats:
         return dict(self.__dict__)
 
 
-class DiskCache:
+class DiskCache(UsageCounters):
     """A byte-budgeted block cache in directory ``root``, safe to share between processes.
 
     ``capacity_bytes``: the budget (bytes); usage never exceeds it, nor what the
@@ -90,17 +92,21 @@ class DiskCache:
     :class:`CacheLockTimeout`. Picklable: each process reopens by path. Opening writes the
     cache's marker into ``root`` (:mod:`.layout`); only the cache's own namespaces are
     counted, evicted or cleared.
-    Raises ValueError for a bad policy or a negative budget.
+    ``mode``: file mode of all it creates (:mod:`.perms`: ``$STOKER_CACHE_MODE`` or 0600,
+    directories 0700; ``"0640"`` shares it with the directory's group), kept in the marker.
+    Raises ValueError for a bad policy, mode or budget; :class:`~stoker.errors.CacheModeError`
+    (``root`` made with another mode) and :class:`~stoker.errors.UnsafePathError` (see :mod:`.perms`).
     """
 
     def __init__(self, root: str, capacity_bytes: int, policy: str = "future",
-                 lock_timeout_s: float = 120.0):
+                 lock_timeout_s: float = 120.0, mode: int | str | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {POLICIES}")
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.root = os.path.abspath(os.path.expanduser(root))
         self.capacity_bytes = int(capacity_bytes)
+        self.mode = perms.parse_mode(mode)
         self.policy = policy
         self.lock_timeout_s = lock_timeout_s
         self.stats = CacheStats()
@@ -109,10 +115,18 @@ class DiskCache:
         self._quota_memo: tuple[float, dict] | None = None
         self._owner_pid = os.getpid()  # the job that opened the cache (kept by pickling)
         self.keep_free_fraction = 0.0  # of the filesystem, left free for others (the memory tier sets it)
-        self.jobs = JobRegistry(self.root)
-        os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
-        os.makedirs(os.path.join(self.root, ".usage"), exist_ok=True)
-        layout.mark_root(self.root)
+        self.overflow = space.STAGED_INSTEAD  # where refused fills go (warnings)
+        paths.check_root_path(self.root)  # a clear error naming root when a file is in the way
+        try:
+            perms.open_root(self.root, self.mode)
+            self.jobs = JobRegistry(self.root, self.mode)
+            perms.ensure_dir(os.path.join(self.root, ".locks"), self.mode, parents=False)
+            perms.ensure_dir(os.path.join(self.root, ".usage"), self.mode, parents=False)
+        except PermissionError as exc:
+            if isinstance(exc, StokerError):  # UnsafePathError, CacheModeError: already named
+                raise
+            raise paths.unwritable_root(self.root, exc) from exc
+        layout.mark_root(self.root, self.mode)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -129,7 +143,7 @@ class DiskCache:
 
     @contextmanager
     def _budget_lock(self):
-        fd = os.open(os.path.join(self.root, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        fd = open_file(os.path.join(self.root, ".lock"), os.O_CREAT | os.O_RDWR, self.mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._lock_fd = fd
@@ -148,7 +162,7 @@ class DiskCache:
         releases the lock (the kernel drops flocks of closed files).
         """
         stripe = xxhash.xxh3_64_intdigest(f"{namespace}/{name}".encode()) % _STRIPES
-        fd = os.open(os.path.join(self.root, ".locks", f"{stripe:04d}"), os.O_CREAT | os.O_RDWR, 0o644)
+        fd = open_file(os.path.join(self.root, ".locks", f"{stripe:04d}"), os.O_CREAT | os.O_RDWR, self.mode)
         locked = False
         try:
             deadline = time.monotonic() + self.lock_timeout_s
@@ -178,77 +192,11 @@ class DiskCache:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    # -- usage accounting --------------------------------------------------
-    def _read_used(self) -> int:
-        """Bytes in use; caller holds the budget lock. A new or damaged counter is recounted."""
-        raw = os.pread(self._lock_fd, 8, 0)
-        if len(raw) != 8:
-            used = self._scan_used()
-            try:
-                self._write_used(used)
-            except OSError as exc:  # a full disk: the next reader recounts again
-                if not space.is_full(exc):
-                    raise
-            return used
-        return struct.unpack("<q", raw)[0]
-
-    def _write_used(self, used: int) -> None:
-        # 16 bytes: the counter and the full-disk warning slot share one page from the start
-        raw = os.pread(self._lock_fd, 16, 0)
-        os.pwrite(self._lock_fd, struct.pack("<q", max(0, int(used))) + (raw[8:16] if len(raw) == 16 else bytes(8)), 0)
-
-    # Bytes per namespace (dataset content version) in .usage/<namespace>, 8 bytes each,
-    # changed only under the budget lock together with the total.
-    def _ns_read(self, namespace: str) -> int:
-        try:
-            with open(os.path.join(self.root, ".usage", namespace), "rb") as f:
-                raw = f.read(8)
-        except FileNotFoundError:
-            return 0
-        return struct.unpack("<q", raw)[0] if len(raw) == 8 else 0
-
-    def _ns_write(self, namespace: str, used: int) -> None:
-        fd = os.open(layout.usage_file(self.root, namespace), os.O_CREAT | os.O_WRONLY, 0o644)
-        try:
-            os.pwrite(fd, struct.pack("<q", max(0, int(used))), 0)
-        finally:
-            os.close(fd)
-
-    def _charge(self, namespace: str, delta: int, used: int | None = None) -> int:
-        """Add ``delta`` bytes to the total and to ``namespace``; caller holds the budget lock.
-        Returns the new total. The namespace counter is written first: it is the one write
-        that may need new space (a new counter file), and when it fails the total is unchanged."""
-        used = (self._read_used() if used is None else used) + delta
-        self._ns_write(namespace, self._ns_read(namespace) + delta)
-        self._write_used(used)
-        return used
-
-    def namespace_usage(self) -> dict[str, int]:
-        """{namespace: bytes committed or reserved} for every namespace with a counter."""
-        out = {}
-        for ns in os.listdir(os.path.join(self.root, ".usage")):
-            out[ns] = self._ns_read(ns)
-        return out
-
     def _entries(self):
         """Yield (path, size, mtime, is_tmp) for every block file and temporary fill of the
         cache's own namespaces (:func:`.layout.namespace_dirs`; nothing else in ``root``)."""
         for ns, _ in layout.namespace_dirs(self.root):
             yield from self._entries_of(ns)
-
-    def _scan_used(self) -> int:
-        """Recount usage from the files on disk (total and per namespace); caller holds the lock."""
-        per: dict[str, int] = {}
-        for path, size, _, _ in self._entries():
-            ns = layout.namespace_of(path)
-            per[ns] = per.get(ns, 0) + size
-        for ns in set(per) | set(os.listdir(os.path.join(self.root, ".usage"))):
-            try:
-                self._ns_write(ns, per.get(ns, 0))
-            except OSError as exc:  # a full disk: the counter is recounted on the next recover
-                if not space.is_full(exc):
-                    raise
-        return sum(per.values())
 
     def used_bytes(self) -> int:
         """Bytes committed or reserved in the cache (all processes)."""
@@ -292,8 +240,9 @@ class DiskCache:
         return {"removed_tmp": removed, "used": used}
 
     # -- reads ------------------------------------------------------------
-    def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
-        """Bytes ``[offset, offset+length)`` of a cached block, or None if it is not cached."""
+    def read(self, namespace: str, name: str, offset: int, length: int, count: bool = True) -> bytes | None:
+        """Bytes ``[offset, offset+length)`` of a cached block, or None if it is not cached.
+        ``count``: as :meth:`stoker.cache.tiered.TieredCache.read` (one tier counts no hits)."""
         data = read_at(self.path(namespace, name), offset, length, touch=self.policy == "lru")
         if data is None:
             return None
@@ -304,7 +253,7 @@ class DiskCache:
         return data
 
     def contains(self, namespace: str, name: str) -> bool:
-        return os.path.exists(self.path(namespace, name))
+        return is_file(self.path(namespace, name))
 
     # -- the policy --------------------------------------------------------
     def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None) -> None:
@@ -312,6 +261,13 @@ class DiskCache:
         its epoch time in seconds) to the ``future`` policy's budget split."""
         self.jobs.register(namespace, dataset_bytes, epoch_s)
         self._quota_memo = None
+
+    def describe(self, namespace: str, url: str) -> None:
+        """Record for ``stoker cache status`` that ``namespace`` holds the dataset at ``url`` and
+        that this cache's budget is in force (:mod:`.catalog`; best effort)."""
+        catalog.record_dataset(self.root, namespace, url, self.mode)
+        if self.capacity_bytes > 0:
+            catalog.record_budget(self.root, self.capacity_bytes, self.mode)
 
     def quotas(self) -> dict[str, int]:
         """{namespace: bytes of the budget it should hold} for datasets of live jobs
@@ -388,7 +344,8 @@ class DiskCache:
         def claim() -> bool:
             with self._budget_lock():
                 return space.claim_warning(self._lock_fd, self._owner_pid)
-        space.warn_full(self.root, free, self.capacity_bytes, self._owner_pid, claim)
+        space.warn_full(self.root, free, self.capacity_bytes, self._owner_pid, claim, self.keep_free_fraction,
+                        self.overflow)
 
     def put(self, namespace: str, name: str, data: bytes) -> bool:
         """Admit a block: reserve its bytes, write a temporary file, rename it into place.
@@ -404,8 +361,16 @@ class DiskCache:
         n = len(data)
         final = self.path(namespace, name)
         with self._budget_lock():
-            if os.path.exists(final):
-                return True
+            # one lstat: another writer links its copy in outside this lock, so a second look
+            # (exists? then is it a file?) could take its fresh block for a planted link
+            try:
+                st = os.lstat(final)
+            except FileNotFoundError:
+                st = None
+            if st is not None:
+                if stat.S_ISREG(st.st_mode):
+                    return True
+                os.unlink(final)  # a planted link or non-file: removed, never followed
             before = self._read_used()
             cap, free = self._cap(n, before)
             used = self._room(namespace, n, before, evict=True, cap=cap)
@@ -423,9 +388,9 @@ class DiskCache:
             return False
         try:
             if namespace not in self._made:
-                layout.mark_namespace(self.root, namespace)
+                perms.ensure_dir(layout.ns_dir(self.root, namespace), self.mode, parents=False)
                 self._made.add(namespace)
-            written = write_whole(final, data, replace=False)
+            written = write_whole(final, data, replace=False, mode=self.mode)
         except BaseException as exc:
             with self._budget_lock():
                 self._charge(namespace, -n)
@@ -484,7 +449,7 @@ class DiskCache:
         path = self.path(namespace, name)
         with self._budget_lock():
             try:
-                size = os.path.getsize(path)
+                size = os.lstat(path).st_size
                 os.unlink(path)
             except FileNotFoundError:
                 return

@@ -1,44 +1,50 @@
-"""Block files: whole-or-nothing writes and ranged reads, shared by the cache and the staging area."""
+"""Block files: whole-or-nothing writes and ranged reads, shared by the cache and the staging area.
+
+Files are written through :func:`stoker._atomic.write_atomic` (a 0600 ``O_EXCL | O_NOFOLLOW``
+temporary, given the cache's file mode, then renamed) and read with ``O_NOFOLLOW``: a symlink
+planted at a block's name is never followed (:mod:`.perms`).
+"""
 from __future__ import annotations
 
+import errno
 import os
-import uuid
+import stat
+
+from .._atomic import PRIVATE_FILE_MODE, open_file, write_atomic
 
 TMP_MARK = ".tmp-"
 
 
-def write_whole(final: str, data, replace: bool = True) -> bool:
+def write_whole(final: str, data, replace: bool = True, mode: int = PRIVATE_FILE_MODE) -> bool:
     """Write ``data`` to a temporary sibling ``<dir>/.tmp-<pid>-<rand>`` and rename it to ``final``,
-    so readers see the whole block or nothing. The temporary file is removed on any error.
+    so readers see the whole block or nothing; ``final`` gets file mode ``mode`` (exact).
+    The temporary file is removed on any error.
     With ``replace=False`` an existing ``final`` is kept (hard link, no clobber) and False is
     returned, so two writers of one name cannot both count it. True when ``final`` was written."""
-    tmp = os.path.join(os.path.dirname(final), f"{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return write_atomic(final, data, mode=mode, replace=replace,
+                        tmp_prefix=os.path.join(os.path.dirname(final), TMP_MARK))
+
+
+def is_file(path: str) -> bool:
+    """Whether ``path`` is a regular file itself (a symlink is not, whatever it points to)."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        if replace:
-            os.replace(tmp, final)
-            return True
-        try:
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def read_at(path: str, offset: int, length: int, touch: bool = False) -> bytes | None:
-    """Bytes ``[offset, offset+length)`` of file ``path``: None if the file does not exist,
-    short bytes if it is shorter than that. ``touch`` updates its mtime (LRU recency)."""
+    """Bytes ``[offset, offset+length)`` of file ``path``: None if the file does not exist or
+    is a symlink (never followed), short bytes if it is shorter than that. ``touch`` updates
+    its mtime (LRU recency)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
     try:
         data = os.pread(fd, length, offset)
         if touch:

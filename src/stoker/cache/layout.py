@@ -5,14 +5,16 @@ A cache directory is often a node's scratch disk that also holds other people's 
 for its own. It recognises exactly:
 
 - the cache root: a directory holding the marker file ``.stoker-cache`` (written when a
-  :class:`stoker.cache.DiskCache` is first opened on it; JSON ``{"layout": 2}``);
+  :class:`stoker.cache.DiskCache` is first opened on it; JSON ``{"layout": 2, "mode":
+  "0600"}``, the file mode the cache was made with, :mod:`.perms`);
 - its namespaces (one per dataset content version): subdirectories named
   ``stoker-ns-<namespace>`` whose usage counter ``.usage/<namespace>`` the cache wrote
   (the counter is the namespace's marker: it is written before the directory is made,
   when the first block's bytes are reserved, and it keeps the directory's listing to
   block files only);
 - its bookkeeping, all under names starting with ``.`` that it creates itself:
-  ``.lock``, ``.locks/``, ``.usage/``, ``.jobs/``, ``.staging/``, ``.derived/``.
+  ``.lock``, ``.locks/``, ``.usage/``, ``.jobs/``, ``.staging/``, ``.derived/``, and the labels
+  of :mod:`.catalog` (``.datasets/``, ``.budget``).
 
 Usage accounting, eviction, ``recover`` and ``stoker cache clear`` touch only these.
 Everything else in the directory is left byte-identical and is listed by
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 
+from .._atomic import open_file, write_atomic
 from .space import is_full
 
 ROOT_MARKER = ".stoker-cache"
@@ -42,21 +45,47 @@ def is_cache(root: str) -> bool:
     return os.path.isfile(os.path.join(root, ROOT_MARKER))
 
 
-def mark_root(root: str) -> None:
-    """Write the root marker if it is missing. A full disk leaves an empty marker (its
-    content is informational; its presence is what counts)."""
+def mark_root(root: str, file_mode: int) -> None:
+    """Write the root marker, recording ``file_mode``, if it is missing. A full disk leaves
+    an empty marker (its presence is what makes the directory a cache; the mode is then
+    taken as unrecorded, see :func:`recorded_mode`)."""
     path = os.path.join(root, ROOT_MARKER)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = open_file(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, file_mode)
     except FileExistsError:
         return
     try:
-        os.write(fd, json.dumps({"layout": LAYOUT}).encode())
+        os.write(fd, json.dumps({"layout": LAYOUT, "mode": f"{file_mode:04o}"}).encode())
     except OSError as exc:
         if not is_full(exc):
             raise
     finally:
         os.close(fd)
+
+
+def recorded_mode(root: str) -> int | None:
+    """The file mode recorded in ``root``'s marker, or None when there is no marker or it
+    records none (made by an older stoker, or left empty by a full disk).
+    OSError (e.g. EACCES, ELOOP for a symlinked marker) propagates."""
+    try:
+        fd = open_file(os.path.join(root, ROOT_MARKER), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        rec = json.loads(raw)
+        return int(rec["mode"], 8) if isinstance(rec, dict) and isinstance(rec.get("mode"), str) else None
+    except ValueError:
+        return None
+
+
+def set_recorded_mode(root: str, file_mode: int) -> None:
+    """Rewrite the marker to record ``file_mode`` (whole-or-nothing)."""
+    write_atomic(os.path.join(root, ROOT_MARKER), json.dumps({"layout": LAYOUT, "mode": f"{file_mode:04o}"}).encode(),
+                 mode=file_mode, tmp_prefix=os.path.join(root, ".stoker-cache.tmp-"))
 
 
 def ns_dir(root: str, namespace: str) -> str:
@@ -67,13 +96,6 @@ def ns_dir(root: str, namespace: str) -> str:
 def usage_file(root: str, namespace: str) -> str:
     """The namespace's usage counter (8 bytes, little-endian int64), also its marker."""
     return os.path.join(root, USAGE_DIR, namespace)
-
-
-def mark_namespace(root: str, namespace: str) -> str:
-    """Create the namespace directory (its counter, the marker, exists already); returns it."""
-    path = ns_dir(root, namespace)
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def is_namespace_dir(path: str) -> bool:

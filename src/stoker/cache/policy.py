@@ -30,6 +30,7 @@ import os
 import time
 from typing import Any
 
+from .._atomic import PRIVATE_FILE_MODE, open_file, write_atomic
 from .._procs import pid_alive
 
 #: Relative difference under which two datasets' epoch rates count as equal.
@@ -86,11 +87,13 @@ class JobRegistry:
     Each process that opens a dataset through the cache registers (namespace = the
     dataset's content version, ``dataset_bytes``) and reports its epoch time after each
     epoch; :meth:`live` gives {namespace: (dataset bytes, epochs per second or None)}
-    over processes that are alive.
+    over processes that are alive. ``mode``: file mode of the records (the cache's,
+    :mod:`.perms`); the directory gets the matching directory mode.
     """
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, mode: int = PRIVATE_FILE_MODE):
         self.dir = os.path.join(root, ".jobs")
+        self.mode = mode
 
     def _path(self, pid: int, namespace: str) -> str:
         return os.path.join(self.dir, f"{pid}-{namespace}.json")
@@ -103,21 +106,17 @@ class JobRegistry:
         without telling it); None: while the process lives.
         On a full disk (ENOSPC, EDQUOT) the record is left as it was (no temporary file stays):
         the job then reads as an unannounced reader, which the cache holds nothing new for."""
+        from .perms import ensure_dir
         from .space import is_full
-        os.makedirs(self.dir, exist_ok=True)
+        ensure_dir(self.dir, self.mode)
         pid = os.getpid() if pid is None else pid
         rec = {"namespace": namespace, "pid": pid, "dataset_bytes": int(dataset_bytes),
                "epoch_s": float(epoch_s) if epoch_s else None}
         if lease_s is not None:
             rec["expires"] = time.time() + float(lease_s)
-        tmp = self._path(pid, namespace) + ".tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump(rec, f)
-            os.replace(tmp, self._path(pid, namespace))
+            write_atomic(self._path(pid, namespace), json.dumps(rec).encode(), mode=self.mode)
         except OSError as exc:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
             if not is_full(exc):
                 raise
             return
@@ -143,8 +142,7 @@ class JobRegistry:
             if not name.endswith(".json"):
                 continue
             try:
-                with open(os.path.join(self.dir, name)) as f:
-                    rec = json.load(f)
+                rec = _load(os.path.join(self.dir, name))
             except (OSError, ValueError):
                 continue
             if isinstance(rec, dict) and pid_alive(int(rec.get("pid", -1))) and not _expired(rec):
@@ -186,10 +184,16 @@ def _expired(rec: dict[str, Any]) -> bool:
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t < time.time()
 
 
+def _load(path: str) -> Any:
+    """A job record's JSON, read without following a symlink (ELOOP: an OSError)."""
+    fd = open_file(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read())
+
+
 def _expired_file(path: str) -> bool:
     try:
-        with open(path) as f:
-            rec = json.load(f)
+        rec = _load(path)
     except (OSError, ValueError):
         return False
     return isinstance(rec, dict) and _expired(rec)

@@ -25,6 +25,9 @@ import struct
 
 log = logging.getLogger("stoker.cache")
 
+#: What happens to a block that does not fit a cache directory (the warning's end); a memory
+#: tier says its own (:attr:`stoker.cache.disk.DiskCache.overflow`).
+STAGED_INSTEAD = "are staged or read from the origin instead"
 #: errno values that mean "the filesystem (or the user's quota) is full".
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _WARN_SLOT = 8
@@ -83,10 +86,14 @@ def claim_warning(lock_fd: int, owner_pid: int) -> bool:
 
 
 def warn_full(directory: str, free: int | None, budget_bytes: int | None, owner_pid: int,
-              claim=None) -> None:
+              claim=None, keep_free_fraction: float = 0.0,
+              instead: str = STAGED_INSTEAD) -> None:
     """Log the one warning of this job about a full ``directory`` (``free`` bytes left).
     ``claim``: a callable returning whether no other process of the job warned yet
-    (:func:`claim_warning` under the cache's lock); without it, once per process."""
+    (:func:`claim_warning` under the cache's lock); without it, once per process.
+    ``keep_free_fraction``: the share of the filesystem left to others, named in the warning
+    (the memory tier's reserve on tmpfs) so that "full" with free bytes reads as it is.
+    ``instead``: what happens to the blocks that do not fit (the memory tier: the disk tier)."""
     key = (directory, owner_pid)
     if key in _warned:
         return
@@ -95,5 +102,7 @@ def warn_full(directory: str, free: int | None, budget_bytes: int | None, owner_
         return
     free_s = f"{free:,} bytes free" if free is not None else "no space left"
     budget = f", less than the cache budget of {budget_bytes:,} bytes" if budget_bytes else ""
-    log.warning("cache directory %s is full (%s%s): blocks that do not fit there are staged or "
-                "read from the origin instead", directory, free_s, budget)
+    if keep_free_fraction > 0:
+        budget += f", after leaving {keep_free_fraction:.0%} of the filesystem free for other users"
+    log.warning("cache directory %s is full (%s%s): blocks that do not fit there %s", directory, free_s,
+                budget, instead)

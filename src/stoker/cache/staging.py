@@ -22,29 +22,36 @@ import os
 import shutil
 import uuid
 
-from . import space
-from .files import read_at, write_whole
+from .._atomic import PRIVATE_FILE_MODE, open_file
+from . import perms, space
+from .files import is_file, read_at, write_whole
 
 
 class StagingArea:
     """One loader's staged blocks under ``root`` (a directory it owns). Picklable.
 
     ``cache_root``: the cache directory it lives in (default: the parent of ``.staging``,
-    else ``root``), named in the full-disk warning.
+    else ``root``), named in the full-disk warning. ``mode``: file mode of staged blocks
+    (the cache's, :mod:`.perms`; default 0600, directories 0700).
+    Raises :class:`~stoker.errors.UnsafePathError` when ``root`` (or a directory made under
+    it) is a symlink, another user's or writable by others.
     """
 
-    def __init__(self, root: str, cache_root: str | None = None):
+    def __init__(self, root: str, cache_root: str | None = None, mode: int = PRIVATE_FILE_MODE):
         self.root = root
         parent = os.path.dirname(os.path.abspath(root))
         if cache_root is None:
             cache_root = os.path.dirname(parent) if os.path.basename(parent) == ".staging" else root
         self.cache_root = cache_root
         self._owner_pid = os.getpid()  # the job that made it (kept by pickling)
-        os.makedirs(root, exist_ok=True)
+        self.mode = mode
+        perms.ensure_dir(root, mode)
 
     @classmethod
-    def create(cls, cache_root: str) -> "StagingArea":
-        return cls(os.path.join(cache_root, ".staging", f"{os.getpid()}-{uuid.uuid4().hex[:8]}"), cache_root)
+    def create(cls, cache_root: str, mode: int = PRIVATE_FILE_MODE) -> "StagingArea":
+        """A new staging area of this process under ``<cache_root>/.staging``, file mode ``mode``."""
+        top = perms.ensure_dir(os.path.join(cache_root, ".staging"), mode, parents=False)
+        return cls(os.path.join(top, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"), cache_root, mode)
 
     def path(self, namespace: str, name: str) -> str:
         return os.path.join(self.root, namespace, name)
@@ -62,8 +69,8 @@ class StagingArea:
         try:
             if room is not None and n > room[0]:
                 raise OSError(space.FULL_ERRNOS[0], "no room by statvfs", self.root)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            write_whole(final, data)
+            perms.ensure_dir(os.path.dirname(final), self.mode, parents=False)
+            write_whole(final, data, mode=self.mode)
             return True
         except OSError as exc:
             if not space.is_full(exc):
@@ -76,7 +83,7 @@ class StagingArea:
         """Whether no process of this job warned of this full cache directory yet (shares
         the cache's ``.lock`` warning slot, so cache and staging warn once between them)."""
         try:
-            fd = os.open(os.path.join(self.cache_root, ".lock"), os.O_RDWR)
+            fd = open_file(os.path.join(self.cache_root, ".lock"), os.O_RDWR)
         except OSError:
             return True
         try:
@@ -86,7 +93,7 @@ class StagingArea:
             os.close(fd)
 
     def contains(self, namespace: str, name: str) -> bool:
-        return os.path.exists(self.path(namespace, name))
+        return is_file(self.path(namespace, name))
 
     def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
         """Bytes ``[offset, offset+length)`` of a staged block, or None."""
@@ -97,7 +104,7 @@ class StagingArea:
         """Delete a staged block; returns the bytes freed (0 if it was not there)."""
         path = self.path(namespace, name)
         try:
-            size = os.path.getsize(path)
+            size = os.lstat(path).st_size
             os.unlink(path)
             return size
         except FileNotFoundError:

@@ -11,18 +11,38 @@ import os
 import shutil
 
 from ..errors import CacheInUseError, NotACacheError  # noqa: F401 - re-exported
+from . import catalog
 from .disk import DiskCache
-from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches
+from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches, recorded_mode
+from .perms import dir_mode, fmt, owner_name
 from .policy import share_budget
+
+
+def _open(root: str, budget_bytes: int = 0) -> DiskCache:
+    """The cache at ``root`` opened with the mode it was made with (status and clear work on
+    a cache of any mode)."""
+    return DiskCache(root, budget_bytes, "future", mode=recorded_mode(root))
+
+
+def access(root: str) -> dict:
+    """Who may read the cache at ``root``: {"mode": its file mode as ``"0600"``, "dir_mode":
+    its directories' mode, "owner": user name, "owner_uid": int, "group": group id}."""
+    st = os.stat(root)
+    mode = recorded_mode(root)
+    return {"mode": fmt(mode) if mode is not None else None,
+            "dir_mode": fmt(dir_mode(mode)) if mode is not None else None,
+            "owner": owner_name(st.st_uid), "owner_uid": st.st_uid, "group": st.st_gid}
 
 
 def _side_stores(root: str) -> dict[str, str]:
     """The stores that belong to the cache at ``root``: its shared-memory tier and its
     derived-sample store (:mod:`stoker.loader.derived`), where they exist and carry the
     cache marker."""
+    from .catalog import recorded_memory_root
     from .tiered import default_memory_root
     out = {}
-    for name, path in (("memory tier", default_memory_root(root)), ("derived samples", os.path.join(root, ".derived"))):
+    memory = recorded_memory_root(root) or default_memory_root(root)  # a memory_dir= is recorded
+    for name, path in (("memory tier", memory), ("derived samples", os.path.join(root, ".derived"))):
         if os.path.isdir(path) and is_cache(path):
             out[name] = path
     return out
@@ -42,7 +62,8 @@ def _check_cache(root: str) -> tuple[bool, list[str]]:
     return own, nested
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (files that vanish meanwhile count 0)."""
     total = 0
     for d, _, files in os.walk(path):
         for f in files:
@@ -55,9 +76,13 @@ def _tree_bytes(path: str) -> int:
 
 def status(root: str, budget_bytes: int | None = None) -> dict:
     """What a node cache holds: {"root", "used_bytes", "namespaces": {ns: bytes},
-    "jobs": [records of live jobs], "quotas": {ns: bytes} (the ``future`` policy's split of
-    ``budget_bytes``; empty without a budget), "removed_tmp", "stores": {name: {"path",
-    "bytes"}} (memory tier, derived samples), "nested": [status of each cache directory
+    "datasets": {ns: {"url": the dataset URL it was opened from (None if not recorded),
+    "version": ns}}, "budget_bytes": ``budget_bytes`` if given, else the budget of the last job
+    that opened the cache (:mod:`.catalog`; None if unknown), "budget_source": "given",
+    "recorded" or None, "jobs": [records of live jobs], "quotas": {ns: bytes} (the ``future``
+    policy's split of the budget; empty without one), "removed_tmp", "stores": {name: {"path",
+    "bytes"}} (memory tier, derived samples), "access": :func:`access` (mode and owner;
+    None for a directory that only holds caches), "nested": [status of each cache directory
     under ``root``], "ignored": [names of entries under ``root`` that are not the cache's
     and are left alone]}. Recovers first (removes fills of dead processes, recounts usage).
     A directory without the marker that holds caches shows only those (nothing is written
@@ -67,16 +92,23 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
     sub = [status(n, budget_bytes) for n in nested]
     if not own:
         return {"root": os.path.abspath(root), "used_bytes": 0, "removed_tmp": 0, "namespaces": {}, "jobs": [],
-                "quotas": {}, "stores": {}, "nested": sub, "ignored": []}
-    cache = DiskCache(root, budget_bytes or 0, "future")
+                "datasets": {}, "budget_bytes": budget_bytes, "budget_source": "given" if budget_bytes else None,
+                "quotas": {}, "stores": {}, "access": None, "nested": sub, "ignored": []}
+    recorded = catalog.recorded_budget(os.path.abspath(root))
+    budget_bytes = budget_bytes or recorded
+    cache = _open(root, budget_bytes or 0)
     rec = cache.recover()
     live = cache.jobs.live()
     namespaces = cache.namespace_usage()
+    urls = catalog.dataset_urls(cache.root)
     return {"root": cache.root, "used_bytes": sum(namespaces.values()), "removed_tmp": rec["removed_tmp"],
             "namespaces": namespaces, "jobs": cache.jobs.records(),
+            "datasets": {ns: {"url": urls.get(ns), "version": ns} for ns in sorted(set(namespaces) | set(urls))},
+            "budget_bytes": budget_bytes, "budget_source": ("given" if budget_bytes != recorded else "recorded")
+            if budget_bytes else None,
             "quotas": share_budget(budget_bytes, live) if budget_bytes else {},
-            "stores": {k: {"path": v, "bytes": _tree_bytes(v)} for k, v in _side_stores(cache.root).items()},
-            "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
+            "stores": {k: {"path": v, "bytes": tree_bytes(v)} for k, v in _side_stores(cache.root).items()},
+            "access": access(cache.root), "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
 
 
 def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> int:
@@ -89,7 +121,7 @@ def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> 
     (nothing deleted) if ``namespace`` is given and no cache there holds it."""
     own, nested = _check_cache(root)
     for path in [root, *nested] if own else nested:  # refuse before deleting anything
-        busy = [r for r in DiskCache(path, 0, "future").jobs.records() if namespace in (None, r["namespace"])]
+        busy = [r for r in _open(path).jobs.records() if namespace in (None, r["namespace"])]
         if busy:
             raise CacheInUseError(f"cache {os.path.abspath(path)} is in use by live job(s) " + ", ".join(
                 f"pid {r['pid']} (dataset {r['namespace']})" for r in busy))
@@ -101,15 +133,15 @@ def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> 
     freed = sum(clear(n, namespace, _nested=True) for n in nested)
     if not own:
         return freed
-    cache = DiskCache(root, 0, "future")
+    cache = _open(root)
     cache.recover()
     for ns, path in namespace_dirs(cache.root):
         if namespace in (None, ns):
-            freed += _tree_bytes(path)
+            freed += tree_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
     if namespace is None:
         for path in _side_stores(cache.root).values():
-            freed += _tree_bytes(path)
+            freed += tree_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
     cache.recover()
     return freed

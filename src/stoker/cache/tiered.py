@@ -7,10 +7,11 @@ MEM over SSD; with the no-eviction policy the first blocks of the first epoch ta
 Reads look in memory, then on disk; hits are counted per tier. Both budgets are enforced on
 every write by the tiers themselves, and neither tier writes past what its filesystem holds
 (:mod:`.space`): a memory budget above the size of /dev/shm fills what fits and the rest goes
-to the disk tier. The memory tier leaves :data:`SHM_KEEP_FREE` of its tmpfs free for the other
-users of shared memory (the loader's batch slots, the training framework's own tensors;
-Docker's default /dev/shm is only 64 MiB). Single-flight locks live in the disk tier, so there is one
-lock per block for both tiers.
+to the disk tier. A memory tier on a RAM-backed filesystem (tmpfs, as /dev/shm is) leaves
+:data:`SHM_KEEP_FREE` of it free for the other users of shared memory (the loader's batch slots,
+the training framework's own tensors; Docker's default /dev/shm is only 64 MiB). A memory tier
+placed on a disk directory keeps no such reserve: a quarter of a large disk is not RAM to spare.
+Single-flight locks live in the disk tier, so there is one lock per block for both tiers.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from .disk import CacheStats, DiskCache
+from .paths import ram_backed
 
 #: Fraction of the memory tier's filesystem (/dev/shm) that it leaves free for others.
 SHM_KEEP_FREE = 0.25
@@ -49,12 +51,19 @@ class TieredCache:
     """The cache interface of :class:`DiskCache` over a memory tier and a disk tier.
 
     ``memory``/``disk``: the two :class:`DiskCache` tiers (same policy); the memory tier is
-    set to leave :data:`SHM_KEEP_FREE` of its filesystem free. Picklable.
+    set to leave :data:`SHM_KEEP_FREE` of its filesystem free when that filesystem is RAM-backed
+    (:func:`stoker.cache.paths.ram_backed`). Picklable. ValueError when
+    the two tiers have different cache modes (:mod:`.perms`).
     """
 
     def __init__(self, memory: DiskCache, disk: DiskCache):
+        if memory.mode != disk.mode:
+            raise ValueError(f"the memory tier {memory.root} (mode {memory.mode:04o}) and the disk tier "
+                             f"{disk.root} (mode {disk.mode:04o}) must have one cache mode")
         self.memory, self.disk = memory, disk
-        memory.keep_free_fraction = max(memory.keep_free_fraction, SHM_KEEP_FREE)
+        memory.overflow = "go to the disk tier instead"
+        if ram_backed(memory.root):
+            memory.keep_free_fraction = max(memory.keep_free_fraction, SHM_KEEP_FREE)
         self.stats = self._new_stats()
 
     def _new_stats(self) -> TieredStats:
@@ -80,20 +89,28 @@ class TieredCache:
         return self.memory.capacity_bytes + self.disk.capacity_bytes
 
     @property
+    def mode(self) -> int:
+        """File mode of the cache's files (the disk tier's; both tiers have the same)."""
+        return self.disk.mode
+
+    @property
     def policy(self) -> str:
         return self.disk.policy
 
     def fetch_lock(self, namespace: str, name: str, blocking: bool = True):
         return self.disk.fetch_lock(namespace, name, blocking)
 
-    def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
+    def read(self, namespace: str, name: str, offset: int, length: int, count: bool = True) -> bytes | None:
+        """Bytes of a cached block from the tier that holds it, or None. ``count``: a sample read
+        (a hit of its tier); False for the reader of a whole block another process filled while
+        it waited, whose sample is counted as a miss."""
         data = self.memory.read(namespace, name, offset, length)
         if data is not None:
-            self.stats.memory_hits += 1
+            self.stats.memory_hits += count
             return data
         data = self.disk.read(namespace, name, offset, length)
         if data is not None:
-            self.stats.disk_hits += 1
+            self.stats.disk_hits += count
         return data
 
     def contains(self, namespace: str, name: str) -> bool:
@@ -106,6 +123,16 @@ class TieredCache:
         """Announce this job to both tiers' budget split (see :meth:`DiskCache.register`)."""
         self.memory.register(namespace, dataset_bytes, epoch_s)
         self.disk.register(namespace, dataset_bytes, epoch_s)
+
+    def describe(self, namespace: str, url: str) -> None:
+        """Record the dataset's URL and the disk tier's budget (see :meth:`DiskCache.describe`),
+        and where the memory tier is, so that ``stoker cache status`` and ``clear`` find it."""
+        self.disk.describe(namespace, url)
+        from .catalog import record_memory_root
+        try:
+            record_memory_root(self.disk.root, self.memory.root, self.disk.mode)
+        except OSError:  # best effort, as the rest of the catalog
+            pass
 
     def put(self, namespace: str, name: str, data) -> bool:
         """Admit into the memory tier if it has room, else into the disk tier."""

@@ -5,6 +5,8 @@
 * :mod:`.bench`: ``bench decode|cache|peers|cluster``
 * :mod:`.cluster`: ``warm``, ``cluster-state``, ``extender``
 * :mod:`.cache`: ``cache status|clear``
+* :mod:`.top`: ``top`` (live view of a node cache)
+* :mod:`.simulate`: ``simulate --validate``, ``simulate tdcs``
 
 The library modules never import argparse: each command module declares its arguments and calls
 plain functions with keyword arguments.
@@ -12,21 +14,30 @@ plain functions with keyword arguments.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
 
-from . import bench, cache, cluster, data, demo
+from . import bench, cache, cluster, data, demo, simulate, top
+from ._common import mode_arg
 from ._common import storage_errors as _storage_errors
 
 #: Command groups in ``--help`` order; each has ``add_parsers(sub)``.
-GROUPS = (data, demo, bench, cluster, cache)
+GROUPS = (data, demo, bench, cluster, cache, top, simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``stoker`` argument parser, every command group registered."""
     p = argparse.ArgumentParser(prog="stoker", description="Keep accelerators fed with training data.")
+    # the parent package is loaded before any of its modules: read its version, import nothing
+    version = sys.modules[__name__.split(".")[0]].__version__
+    p.add_argument("--version", action="version", version=f"stoker {version}")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--cache-mode", type=mode_arg, metavar="MODE",
+                   help="file mode of the node caches this command creates or opens (default 0600, "
+                        "directories 0700; e.g. 0640 for a cache its directory's group may read); "
+                        "sets $STOKER_CACHE_MODE for the command and its processes")
     sub = p.add_subparsers(dest="cmd", required=True)
     for group in GROUPS:
         group.add_parsers(sub)
@@ -34,26 +45,71 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; expected failures (bad input, storage errors) print one line, exit 2."""
+    """Run the command; expected failures (bad input, storage errors) print one line, exit 2;
+    Ctrl-C prints one line, exit 130."""
     import tarfile
 
     from ..errors import StokerError
     args = build_parser().parse_args(argv)
+    if args.cache_mode:
+        from ..cache.perms import MODE_ENV
+        os.environ[MODE_ENV] = args.cache_mode
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     expected: tuple[type[BaseException], ...] = (
         FileNotFoundError, FileExistsError, ValueError, StokerError, tarfile.TarError, OSError, *_storage_errors())
     try:
         return int(args.fn(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        print(f"\nstoker {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except ModuleNotFoundError as exc:  # an optional extra this command needs is not installed
+        if args.verbose or not exc.name:
+            raise
+        extra = _EXTRA_OF.get(exc.name.split(".")[0])
+        hint = (f" (the '{extra}' extra: pip install -e '.[{extra}]' in the stoker checkout, or the wheel with "
+                f"[{extra}])") if extra else ""
+        print(f"stoker {args.cmd}: needs the Python package '{exc.name}', which is not installed{hint}",
+              file=sys.stderr)
+        return 2
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except expected as exc:
         if args.verbose:
             raise
-        where = getattr(args, "src", None) or getattr(args, "url", None)
-        where = f" ({where})" if isinstance(where, str) and where not in str(exc) else ""
+        where = _where(args, exc)
         plain = isinstance(exc, (ValueError, OSError, StokerError))  # their messages say what happened
         print(f"stoker {args.cmd}{where}: {exc}" if plain else f"stoker {args.cmd}{where}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 2
+
+
+#: Optional packages -> the extra (pyproject.toml) that installs them.
+_EXTRA_OF = {"simpy": "sim", "rich": "metrics", "prometheus_client": "metrics", "ray": "cluster",
+             "waitress": "cluster", "moto": "demo", "boto3": "demo", "matplotlib": "demo", "skimage": "demo",
+             "sklearn": "demo", "soundfile": "audio"}
+
+
+def _where(args, exc: BaseException) -> str:
+    """`` (URL)`` to put after the command name in a one-line error, or "": nothing when the error
+    already names a URL of its own (an origin error, or any of the command's URLs in its text), so
+    that an error about ``pack``'s destination is never labelled with its source."""
+    urls = [u for u in (getattr(args, "src", None), getattr(args, "dst", None), getattr(args, "url", None))
+            if isinstance(u, str)]
+    if getattr(exc, "url", None) or not urls or any(u in str(exc) for u in urls):
+        return ""
+    dst = getattr(args, "dst", None)
+    if isinstance(exc, OSError) and isinstance(dst, str):
+        # a full, quota-bound or read-only filesystem is always the one written: the destination;
+        # a file under the destination's directory names it too
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            return f" ({dst})"
+        named = [os.path.abspath(str(f)) for f in (exc.filename, exc.filename2) if f]
+        root = os.path.abspath(dst)
+        if named and "://" not in dst and any(f == root or f.startswith(root + os.sep) or root.startswith(f + os.sep)
+                                              for f in named):
+            return f" ({dst})"
+        if named:
+            return ""  # the error names its file
+    return f" ({urls[0]})"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .._units import parse_size
 
@@ -16,6 +17,41 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def mode_arg(text: str) -> str:
+    """argparse type for ``--cache-mode`` (an octal file mode such as ``0600`` or ``0640``),
+    checked by :func:`stoker.cache.perms.parse_mode`; returned as 4-digit octal text."""
+    from ..cache.perms import parse_mode
+    try:
+        return f"{parse_mode(text):04o}"
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def rate_arg(text: str) -> float:
+    """argparse type for a bandwidth -> megabytes (1e6 bytes) per second: a bare number is MB/s
+    (``100``), or a size per second (``100MB/s``, ``1.5GB/s``, ``800MiB/s``; the size parsed by
+    :func:`stoker._units.parse_size`). Bits (``Mbps``, ``Mb/s``) are refused, naming the text,
+    since the unit differs by 8x."""
+    t = text.strip()
+    try:
+        value = float(t)
+    except ValueError:
+        low = t.lower()
+        if low.endswith(("bps", "bit/s", "bits/s")) or (t.endswith("b/s") and not low.endswith("ib/s")):
+            raise argparse.ArgumentTypeError(f"bandwidth {text!r}: give bytes per second such as "
+                                             "'100MB/s' (or a number of MB/s), not bits") from None
+        if not low.endswith("/s"):
+            raise argparse.ArgumentTypeError(f"bandwidth {text!r}: give MB/s as a number or a size per second "
+                                             "such as '100MB/s'") from None
+        try:
+            value = parse_size(t[:-2]) / 1e6
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"bandwidth {text!r}: {exc}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r} is negative")
+    return value
 
 
 def json_options(text: str | None, option: str = "--storage-options") -> dict:
@@ -34,6 +70,19 @@ def json_options(text: str | None, option: str = "--storage-options") -> dict:
     return value
 
 
+class OptionsFlag(argparse.Action):
+    """A storage-options flag with deprecated spellings (``--src-options`` for
+    ``--src-storage-options``): stores the value, records the spelling used in ``<dest>_flag`` (for
+    error messages), and prints one deprecation line on stderr when an old spelling is used."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sys
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest.split('_')[0]}_flag", option_string or self.option_strings[0])
+        if option_string and option_string != self.option_strings[0]:
+            print(f"stoker: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
+
+
 def storage_errors() -> tuple[type[BaseException], ...]:
     """Exception types of the S3 client stack (credentials, endpoint, HTTP errors), if installed."""
     try:
@@ -41,3 +90,14 @@ def storage_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return ()
     return (BotoCoreError, ClientError)
+
+
+def show_progress(args) -> bool:
+    """Whether a command draws a progress bar: not with ``--no-progress``, and only when stderr
+    (where tqdm draws) is a terminal, so pipes, logs and CI output stay free of bars."""
+    if getattr(args, "no_progress", False):
+        return False
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from ._common import rate_arg
+
 
 def _write_json(path: str, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -69,7 +71,8 @@ def _add_cache(bench_sub) -> None:
     p.add_argument("--consumer-rate", type=float, default=None,
                    help="emulated accelerator, samples/s (default: 2x origin headroom at the smallest budget)")
     p.add_argument("--latency-ms", type=float, default=20.0)
-    p.add_argument("--bandwidth-MBps", type=float, default=100.0)
+    p.add_argument("--bandwidth-MBps", type=rate_arg, default=100.0,
+                   help="origin cap in MB/s (a number, or e.g. 100MB/s)")
     p.add_argument("--no-two-jobs", action="store_true")
     p.add_argument("--staging-bytes", type=int, default=64 << 20, help="the loader's staging budget (bytes)")
     p.set_defaults(fn=_cmd_cache)
@@ -109,7 +112,8 @@ def _add_peers(bench_sub) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--consumer-rate", type=float, default=2000.0, help="emulated accelerator, samples/s")
     p.add_argument("--latency-ms", type=float, default=20.0)
-    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--bandwidth-MBps", "--bandwidth-mbps", dest="bandwidth_mbps", type=rate_arg, default=100.0,
+                   help="origin cap in MB/s (a number, or e.g. 100MB/s)")
     p.add_argument("--dali-source", choices=["local", "s3"], default="local",
                    help="DALI reads a local copy fetched in the first epoch (default) or s3:// directly")
     p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
@@ -137,7 +141,8 @@ def _add_cluster(bench_sub) -> None:
     s.add_argument("--images", type=int, default=900)
     s.add_argument("--epochs", type=int, default=3)
     s.add_argument("--latency-ms", type=float, default=20.0)
-    s.add_argument("--bandwidth-mbps", type=float, default=100.0, help="origin cap in MB/s (without --netns)")
+    s.add_argument("--bandwidth-MBps", "--bandwidth-mbps", dest="bandwidth_mbps", type=rate_arg, default=100.0,
+                   help="origin cap in MB/s (a number, or e.g. 100MB/s; without --netns)")
     s.add_argument("--workdir")
     n = s.add_argument_group("--netns", "a cluster of Linux network namespaces (needs CAP_NET_ADMIN)")
     n.add_argument("--netns", action="store_true", help="hosts and origin in their own namespaces, tbf-shaped links; "
@@ -147,6 +152,10 @@ def _add_cluster(bench_sub) -> None:
     n.add_argument("--origin-mbit", type=float, default=200.0, help="the origin link, Mbit/s per direction")
     n.add_argument("--decode", action="store_true", help="decode every sample too (default: read and verify)")
     n.add_argument("--plot", help="write a PNG of the bytes per link per epoch here")
+    n.add_argument("--faults", default="kill,link_down",
+                   help="fault runs after the placements, comma-separated (kill, link_down) or 'none'")
+    n.add_argument("--no-state-check", action="store_true",
+                   help="skip warm + cluster-state + extender prioritize on the namespace cluster")
     s.set_defaults(fn=_cmd_cluster)
 
 
@@ -168,15 +177,17 @@ def _cmd_cluster_netns(a) -> int:
     import signal
 
     from ..bench.netcluster import NetnsUnavailable
-    from ..bench.netcluster_bench import plot, run, table
+    from ..bench.netcluster_bench import fault_table, plot, run, table
 
     def _term(signum, frame):  # SIGTERM tears the namespaces down like Ctrl-C does
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _term)
     try:
+        faults = () if a.faults.strip() in ("", "none") else tuple(f.strip() for f in a.faults.split(","))
         report = run(images=a.images, epochs=a.epochs, hosts=a.hosts, host_mbit=a.host_mbit,
-                     origin_mbit=a.origin_mbit, latency_ms=a.latency_ms, decode=a.decode, workdir=a.workdir)
+                     origin_mbit=a.origin_mbit, latency_ms=a.latency_ms, decode=a.decode, workdir=a.workdir,
+                     faults=faults, state_check=not a.no_state_check)
     except NetnsUnavailable as exc:
         print(f"stoker bench cluster --netns: cannot make network namespaces: {exc}", file=sys.stderr)
         return 2
@@ -184,6 +195,10 @@ def _cmd_cluster_netns(a) -> int:
           + f"; origin latency {a.latency_ms:g} ms/request; dataset {report['dataset']['samples']} samples, "
           f"{report['dataset']['bytes'] / 1e6:.1f} MB")
     print(table(report))
+    if report.get("faults"):
+        print(fault_table(report))
+    if report.get("state"):
+        print("warm + cluster-state + extender: " + json.dumps(report["state"]))
     print(json.dumps(report["summary"], indent=1))
     print(f"{report['seconds']:.0f} s")
     if a.json:
@@ -217,7 +232,42 @@ def _cmd_faults(a) -> int:
 
 
 #: The ``stoker bench`` subcommands, in ``--help`` order: one registration function each.
-SUBCOMMANDS = (_add_decode, _add_cache, _add_peers, _add_cluster, _add_faults)
+# -- stoker bench cold -----------------------------------------------------------
+def _add_cold(bench_sub) -> None:
+    p = bench_sub.add_parser(
+        "cold", help="cold epoch from a near and a far origin: first batch, overlap efficiency, cold/bound, "
+                     "CPU ceiling, warm origin bytes",
+        description="Runs the quick demo's stoker part once per origin preset (near: 20 ms, 100 MB/s; "
+                    "far: 100 ms, 1,000 MB/s; the emulated S3 origin on this machine) with a fresh cache and "
+                    "no accelerator, and prints per origin: the cold epoch's samples/s and its ratio to "
+                    "min(decode bound, storage bound) (cold/bound), time to first batch, overlap efficiency, "
+                    "origin busy fraction, requests in flight, the warm epochs' origin bytes and samples/s over "
+                    "the decode bound, and the CPU ceiling (JSON: cpu_ceiling_vs_bound): the epoch's samples "
+                    "over (the CPU seconds of every process of the cold epoch / the machine's cores), over the "
+                    "smaller bound, i.e. the best cold/bound those CPU costs allow on an otherwise idle "
+                    "machine (above 1: the cores are not what limits; on a busy machine or under a CPU quota "
+                    "fewer cores were really there, and the ceiling is lower than printed).")
+    p.add_argument("--images", type=int, help="sample images (default: the quick demo's 1500)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per origin: one cold, the rest warm (default 3)")
+    p.add_argument("--workers", type=int, default=2, help="decode worker processes (default 2)")
+    p.add_argument("--origin", action="append", choices=["near", "far"], help="only these (repeatable)")
+    p.add_argument("--workdir", help="where sample data and caches go (default: $TMPDIR/stoker-demo)")
+    p.add_argument("--json", help="write the report here")
+    p.set_defaults(fn=_cmd_cold)
+
+
+def _cmd_cold(a) -> int:
+    from ..bench.cold_bench import print_rows, run
+    r = run(images=a.images, epochs=a.epochs, workers=a.workers, workdir=a.workdir,
+            origins=tuple(a.origin or ("near", "far")))
+    print()
+    print_rows(r["rows"])
+    if a.json:
+        _write_json(a.json, r)
+    return 0
+
+
+SUBCOMMANDS = (_add_decode, _add_cache, _add_peers, _add_cluster, _add_faults, _add_cold)
 
 
 def add_parsers(sub) -> None:

@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import json
 
+from .._units import format_size
 from ._common import size_arg
 
 
 def _print_status(st: dict) -> None:
     print(f"{st['root']}: {st['used_bytes']:,} bytes of blocks")
+    _print_access(st.get("access"))
+    _print_budget(st)
     for ns, used in sorted(st["namespaces"].items()):
         q = st["quotas"].get(ns)
-        print(f"  dataset {ns}: {used:,} bytes" + (f" (share {q:,})" if q is not None else ""))
+        print(f"  dataset {_dataset_label(st, ns)}: {used:,} bytes" + (f" (share {q:,})" if q is not None else ""))
     for r in st["jobs"]:
         rate = f"epoch {r['epoch_s']:.1f} s" if r.get("epoch_s") else "no epoch yet"
-        print(f"  job pid {r['pid']}: dataset {r['namespace']} ({r['dataset_bytes']:,} bytes), {rate}")
+        label = _dataset_label(st, r["namespace"])
+        print(f"  job pid {r['pid']}: dataset {label} ({r['dataset_bytes']:,} bytes), {rate}")
     if st["quotas"] == {} and not st["jobs"]:
         print("  no live job: no budget split to show")
     for name, info in st["stores"].items():
@@ -22,6 +26,30 @@ def _print_status(st: dict) -> None:
         print("  not the cache's (never counted, evicted or cleared): " + ", ".join(st["ignored"]))
     for sub in st["nested"]:
         _print_status(sub)
+
+
+def _print_access(acc: dict | None) -> None:
+    """One line: the cache's file mode and owner (who may read the cached samples)."""
+    if acc:
+        mode = (f"mode {acc['mode']} (directories {acc['dir_mode']})" if acc["mode"]
+                else "mode not recorded (made by an older stoker)")
+        print(f"  {mode}, owner {acc['owner']} (uid {acc['owner_uid']}, group {acc['group']})")
+
+
+def _dataset_label(st: dict, ns: str) -> str:
+    """``URL (version abcd1234…)`` of namespace ``ns``, or ``version <ns>`` where no URL was recorded."""
+    url = (st.get("datasets", {}).get(ns) or {}).get("url")
+    return f"{url} (version {ns[:12]})" if url else f"version {ns}"
+
+
+def _print_budget(st: dict) -> None:
+    budget = st.get("budget_bytes")
+    if budget:
+        given = st.get("budget_source") == "given"
+        whose = "given with --budget" if given else "of the last job that opened it"
+        print(f"  budget: {budget:,} bytes ({format_size(budget)}, {whose})")
+    elif st.get("budget_source") is None and st["namespaces"]:
+        print("  budget: not recorded (opened by an older stoker); pass --budget to show its split")
 
 
 def cmd_status(a) -> int:
@@ -49,7 +77,9 @@ def add_parsers(sub) -> None:
     csub = p.add_subparsers(dest="cache_cmd", required=True)
     s = csub.add_parser("status", help="usage per dataset, live jobs, the policy's budget split")
     s.add_argument("dir")
-    s.add_argument("--budget", type=size_arg, help="show the future policy's split of this budget (e.g. 500GiB)")
+    s.add_argument("--budget", type=size_arg,
+                   help="show the future policy's split of this budget (e.g. 500GiB; default: the "
+                        "budget in force, that of the last job that opened the cache)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
     c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")

@@ -1,7 +1,8 @@
 """The cluster-mode commands: ``stoker warm``, ``stoker cluster-state``, ``stoker extender``.
 
-Ray is imported only when ``warm`` or ``cluster-state`` runs; ``extender`` with ``--state`` needs
-no Ray (it can run beside kube-scheduler).
+Ray is imported only when ``warm`` or ``cluster-state`` runs; ``extender`` never imports it (with
+``--dataset`` it runs ``cluster-state`` in a child process per refresh; with ``--state`` it needs
+no Ray at all, and can run beside kube-scheduler).
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import sys
 import time
 
 from ..cluster.extender import MAX_BODY_BYTES
+from ..cluster.extender_live import REFRESH_EVERY_S, REFRESH_TIMEOUT_S
 from ..cluster.freshness import MAX_AGE_S
-from ._common import size_arg
+from ._common import show_progress, size_arg
 
 
 def _ray_init(address: str | None):
@@ -35,7 +37,7 @@ def cmd_warm(a) -> int:
     from ..cluster.warmup import warm
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
-             cache_bytes=a.cache_size, block_bytes=a.block_size, progress=not a.no_progress, detached=True)
+             cache_bytes=a.cache_size, block_bytes=a.block_size, progress=show_progress(a), detached=True)
     print(json.dumps(r, indent=2))
     for n in r["nodes"].values():
         print(f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
@@ -61,19 +63,35 @@ def cmd_warm(a) -> int:
     return 1
 
 
+def _give_up_after(seconds: float, what: str) -> None:
+    """End this process with exit code 124 (as coreutils ``timeout`` does) after ``seconds``,
+    from a daemon thread: it fires even while the main thread waits inside Ray for a cluster
+    that is not there, and even when the parent that would have stopped this process is gone."""
+    import os
+    import threading
+
+    def fire():
+        try:
+            print(f"{what}: no answer within {seconds:g} s; giving up", file=sys.stderr, flush=True)
+        finally:  # a parent that is gone closed the pipe: the print fails, the exit must not
+            os._exit(124)
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+
+
 def cmd_state(a) -> int:
     """``stoker cluster-state``: what every node caches, as JSON (written atomically with ``--out``)."""
     from ..cluster.warmup import cluster_state
+    if a.timeout:
+        _give_up_after(a.timeout, "stoker cluster-state")
     _ray_init(a.ray_address)
     state = cluster_state(a.urls, json.loads(a.storage_options) if a.storage_options else None,
                           block_bytes=a.block_size)
     text = json.dumps(state, indent=2)
     if a.out:
-        import os
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, a.out)  # the extender never reads half a file
+        from .._atomic import umask_mode, write_atomic
+        write_atomic(a.out, text.encode(), mode=umask_mode())  # the extender never reads half a file
     else:
         print(text)
     return 0
@@ -87,15 +105,19 @@ def cmd_extender(a) -> int:
     if a.state:
         state = file_state(a.state)
         state()  # fail now, not at the first request, on a missing or bad file
-    else:
-        from ..cluster.warmup import ray_state
-        _ray_init(a.ray_address)
-        state = ray_state(a.dataset, json.loads(a.storage_options) if a.storage_options else None,
-                          block_bytes=a.block_size)
+    else:  # this process never joins Ray: Ray ends a driver whose cluster has gone (see extender_live)
+        from ..cluster.extender_live import live_state
+        state = live_state(a.dataset, a.ray_address, json.loads(a.storage_options) if a.storage_options else None,
+                           block_bytes=a.block_size, every_s=a.refresh_every, timeout_s=a.refresh_timeout)
+    from ..metrics import metrics_port_from_env, serve_extender_metrics
+    metrics_port = a.metrics_port if a.metrics_port is not None else metrics_port_from_env()
+    if metrics_port is not None:  # before serving: no request goes uncounted
+        metrics_port = serve_extender_metrics(metrics_port, a.metrics_addr)
     srv = serve(state, host=a.host, port=a.port, max_body_bytes=a.max_body_size, max_age_s=a.max_age or None)
     host, port = srv.server_address[:2]
     print(f"stoker extender on http://{host}:{port}/ (verbs: filter, prioritize); "
-          f"state {a.state or 'from the cache services'}", file=sys.stderr)
+          f"state {a.state or 'from the cache services'}"
+          + (f"; metrics on port {metrics_port}" if metrics_port is not None else ""), file=sys.stderr)
     try:
         while True:
             time.sleep(3600)
@@ -122,17 +144,25 @@ def add_parsers(sub) -> None:
     s.add_argument("--ray-address")
     s.add_argument("--block-size", type=size_arg)
     s.add_argument("--storage-options")
+    s.add_argument("--timeout", type=float, help="give up after this many seconds (exit 124)")
     s.set_defaults(fn=cmd_state)
 
     s = sub.add_parser("extender", help="kube-scheduler extender (HTTP JSON filter/prioritize)")
     s.add_argument("--state", help="cache state JSON (from `stoker cluster-state`), re-read when it changes")
-    s.add_argument("--dataset", action="append", help="instead of --state: ask the cache services (Ray) "
-                                                       "about this dataset URL (repeatable), every 10 s")
+    s.add_argument("--dataset", action="append", help="instead of --state: ask the cache services (Ray) about "
+                                                       "this dataset URL (repeatable), from a child per refresh")
     s.add_argument("--ray-address")
     s.add_argument("--block-size", type=size_arg)
     s.add_argument("--storage-options")
+    s.add_argument("--refresh-every", type=float, default=REFRESH_EVERY_S,
+                   help=f"with --dataset: seconds between refreshes (default {REFRESH_EVERY_S:g})")
+    s.add_argument("--refresh-timeout", type=float, default=REFRESH_TIMEOUT_S,
+                   help=f"with --dataset: seconds one refresh may take (default {REFRESH_TIMEOUT_S:g})")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8888)
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (requests, latency, errors) on this "
+                   "port (default $STOKER_METRICS_PORT; none when unset); needs stoker[metrics]")
+    s.add_argument("--metrics-addr", help="address of the metrics port (default $STOKER_METRICS_ADDR or 127.0.0.1)")
     s.add_argument("--max-body-size", type=size_arg, default=MAX_BODY_BYTES,
                    help="refuse larger requests with 413 (default 8MiB: about a thousand full Node objects)")
     s.add_argument("--max-age", type=float, default=MAX_AGE_S,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ._common import json_options, size_arg
+from ._common import OptionsFlag, json_options, show_progress, size_arg
 
 
 def cmd_sample_data(a) -> int:
@@ -17,15 +17,27 @@ def cmd_sample_data(a) -> int:
 
 
 def cmd_pack(a) -> int:
-    """``stoker pack SRC DST``: the pack report as JSON."""
+    """``stoker pack SRC DST``: the pack report as JSON. Ctrl-C: one line saying how many shards
+    are finished (a rerun reuses them), exit 130."""
     from ..store.pack import pack
     if a.shard_size < 1:
         raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
-    r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
-             src_options=json_options(a.src_options, "--src-options"),
-             dst_options=json_options(a.dst_options, "--dst-options"),
-             read_workers=a.read_workers, progress=not a.no_progress,
-             shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes)
+    both = json_options(a.storage_options)
+    src_opts = json_options(a.src_options, a.src_flag) if a.src_options else both
+    dst_opts = json_options(a.dst_options, a.dst_flag) if a.dst_options else both
+    try:
+        r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
+                 src_storage_options=src_opts, dst_storage_options=dst_opts,
+                 read_workers=a.read_workers, progress=show_progress(a),
+                 shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes,
+                 column=a.column, key_column=a.key_column)
+    except KeyboardInterrupt:
+        from ..store.pack import finished_shards
+        n = finished_shards(a.dst, dst_opts)
+        print(f"\nstoker pack: interrupted: {n} shard{'' if n == 1 else 's'} of {a.dst} finished and kept, "
+              "no index written; run the same command again to resume (finished shards are reused)",
+              file=sys.stderr)
+        return 130
     print(json.dumps(r.as_dict(), indent=2))
     return 0
 
@@ -66,7 +78,7 @@ def cmd_stat(a) -> int:
 def cmd_verify(a) -> int:
     """``stoker verify URL``: exit 0 when every shard and sample checks out, 1 otherwise."""
     from ..store.verify import verify
-    r = verify(a.url, json_options(a.storage_options), a.workers, progress=not a.no_progress)
+    r = verify(a.url, json_options(a.storage_options), a.workers, progress=show_progress(a))
     if a.json:
         print(json.dumps(r.as_dict(), indent=2))
     else:
@@ -97,17 +109,26 @@ def add_parsers(sub) -> None:
     s.add_argument("--shard-size", type=size_arg, default=64 << 20, help="target shard size (default 64MiB)")
     s.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     s.add_argument("--read-workers", type=int, default=16)
-    s.add_argument("--src-options", help="fsspec storage options for SRC, as JSON")
-    s.add_argument("--dst-options", help="fsspec storage options for DST, as JSON")
-    s.add_argument("--source", choices=["imagefolder", "webdataset", "filelist"],
-                   help="kind of source (default: detected from SRC)")
+    s.add_argument("--storage-options", help="fsspec storage options for SRC and DST, as JSON")
+    s.add_argument("--src-storage-options", "--src-options", dest="src_options", action=OptionsFlag,
+                   help="fsspec storage options for SRC only, as JSON (in place of --storage-options)")
+    s.add_argument("--dst-storage-options", "--dst-options", dest="dst_options", action=OptionsFlag,
+                   help="fsspec storage options for DST only, as JSON (in place of --storage-options)")
+    s.add_argument("--source", choices=["imagefolder", "webdataset", "filelist", "files", "parquet"],
+                   help="kind of source (default: detected from SRC); files: any directory tree, files grouped "
+                        "into samples by basename (utt1.flac + utt1.txt); parquet: rows whose --column holds "
+                        "the sample bytes (binary, or Hugging Face's {bytes, path} image/audio struct)")
+    s.add_argument("--column", help="--source parquet: the column of the sample bytes (other columns are kept "
+                                    "as fields)")
+    s.add_argument("--key-column", help="--source parquet: the column of the sample keys (default "
+                                        "<file stem>/<row>)")
     s.add_argument("--shuffle-seed", type=int, default=0,
                    help="seed of the random placement of samples in shards (default 0)")
     s.add_argument("--no-shuffle", action="store_true", help="place samples in sorted order")
     s.add_argument("--classes", metavar="FILE|URL",
                    help="fix the labels: a class list (text, one name per line, label = line order; or "
                         "JSON), or an existing packed dataset whose classes are reused; pack every split "
-                        "with the same list so that labels agree (read with --dst-options)")
+                        "with the same list so that labels agree (read with the DST storage options)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_pack)
 

@@ -3,7 +3,7 @@ hashing, reads local → peer → origin, co-located training workers, a Kuberne
 extender.
 
 ``placement``, ``schedule``, ``counters`` and ``extender`` need only the standard library and
-numpy; everything else needs Ray (``pip install stoker[cluster]``) and imports it on first use
+numpy; everything else needs Ray (the ``cluster`` extra) and imports it on first use
 of a name below. ``import stoker`` never imports Ray.
 """
 from __future__ import annotations

@@ -3,6 +3,18 @@
 A small file of little-endian int64 counters, incremented under ``flock`` (a few microseconds
 per update), so the rank reads one total for all of its processes without any change to the
 loader's own statistics. Picklable: a copy reopens the file by path.
+
+Each byte a rank reads is counted once, by where it came from: ``local + peer + origin +
+peer_origin`` is the bytes of the samples the rank read. A sample read from a block that this
+rank's processes fetched in the current epoch (from the origin or a peer, into the node cache or
+the staging area) counts where the block came from, not as local: the file keeps a one-byte
+source tag per block after the counters (:meth:`ByteCounters.tag`), cleared at each epoch's start
+(:meth:`ByteCounters.clear_tags`). The bytes received are counted apart, in the ``fetch_*``
+fields: whole blocks (headers included) and single samples read from a source directly.
+
+The file's name carries the pid of the process that made it (``stoker-bytes-<pid>-*``). A rank
+killed before :meth:`ByteCounters.close` leaves its file behind; the next one made on the node
+removes the files of this user whose process is gone (:func:`sweep_stale`).
 """
 from __future__ import annotations
 
@@ -11,9 +23,44 @@ import os
 import struct
 import tempfile
 
+from .._procs import pid_alive
+
 #: Counter names, in file order (all in bytes except ``fallbacks``, a count of reads).
-FIELDS = ("local", "peer", "origin", "peer_origin", "fallbacks")
+FIELDS = ("local", "peer", "origin", "peer_origin", "fallbacks", "fetch_origin", "fetch_peer", "fetch_peer_origin")
 _FMT = "<" + "q" * len(FIELDS)
+_HEADER = struct.calcsize(_FMT)
+#: Source tags of fetched blocks (index = tag byte): the field a sample read from the block counts in.
+SOURCES = ("local", "origin", "peer", "peer_origin")
+
+
+#: File name prefix of the counter files, followed by the creating process's pid and a dash.
+PREFIX = "stoker-bytes-"
+
+
+def sweep_stale(directory: str) -> int:
+    """Remove the counter files in ``directory`` that belong to this user and whose creating
+    process no longer exists (a rank killed before it closed them); returns how many. Files of
+    other users and of live processes are left alone; a file that cannot be removed is skipped."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue  # a file of the old name format: no pid to check
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or pid_alive(int(pid_text)):
+                continue
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 class ByteCounters:
@@ -21,14 +68,16 @@ class ByteCounters:
     node's cache service, served from that cache), ``origin`` (read from the origin by the
     rank's own processes), ``peer_origin`` (read from the origin by a peer's cache service to
     serve this rank: the peer did not have the block yet) and ``fallbacks`` (peer reads that
-    failed and went to the origin). ``path``: the file (default: a new one in /dev/shm or the
-    temp dir). :meth:`close` deletes it.
+    failed and went to the origin); ``fetch_origin`` / ``fetch_peer`` / ``fetch_peer_origin``: the
+    bytes received from each source, whole blocks and single samples (module docstring). ``path``: the file
+    (default: a new one in /dev/shm or the temp dir). :meth:`close` deletes it.
     """
 
     def __init__(self, path: str | None = None):
         if path is None:
             d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            fd, path = tempfile.mkstemp(prefix="stoker-bytes-", dir=d)
+            sweep_stale(d)
+            fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=d)
             os.write(fd, struct.pack(_FMT, *([0] * len(FIELDS))))
             os.close(fd)
         self.path = path
@@ -45,11 +94,59 @@ class ByteCounters:
         finally:
             os.close(fd)
 
+    def size_tags(self, num_blocks: int) -> None:
+        """Make room for the source tags of ``num_blocks`` blocks (all ``local``)."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, _HEADER + int(num_blocks))
+        finally:
+            os.close(fd)
+
+    def tag(self, b: int, source: str, nbytes: int) -> None:
+        """Block ``b`` (``nbytes`` bytes) was fetched from ``source`` (``origin``, ``peer``,
+        ``peer_origin``) by one of this rank's processes: count it in ``fetch_<source>`` and tag it."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            vals = list(struct.unpack(_FMT, os.pread(fd, _HEADER, 0)))
+            vals[FIELDS.index("fetch_" + source)] += int(nbytes)
+            os.pwrite(fd, struct.pack(_FMT, *vals), 0)
+            if os.fstat(fd).st_size > _HEADER + int(b):
+                os.pwrite(fd, bytes([SOURCES.index(source)]), _HEADER + int(b))
+        finally:
+            os.close(fd)
+
+    def credit(self, b: int, nbytes: int) -> None:
+        """A sample of ``nbytes`` bytes was read from block ``b`` in this node's cache or the
+        staging area: count it where the block came from this epoch (``local`` if not fetched)."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            tag = os.pread(fd, 1, _HEADER + int(b))
+            field = SOURCES[tag[0]] if tag else "local"
+            vals = list(struct.unpack(_FMT, os.pread(fd, _HEADER, 0)))
+            vals[FIELDS.index(field)] += int(nbytes)
+            os.pwrite(fd, struct.pack(_FMT, *vals), 0)
+        finally:
+            os.close(fd)
+
+    def clear_tags(self) -> None:
+        """Forget which blocks were fetched (an epoch starts: what is cached now is local)."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            n = os.fstat(fd).st_size - _HEADER
+            if n > 0:
+                os.pwrite(fd, bytes(n), _HEADER)
+        finally:
+            os.close(fd)
+
     def read(self) -> dict:
         """Current totals ``{name: int}``."""
         with open(self.path, "rb") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_SH)
-            return dict(zip(FIELDS, struct.unpack(_FMT, f.read(struct.calcsize(_FMT)))))
+            return dict(zip(FIELDS, struct.unpack(_FMT, f.read(_HEADER))))
 
     def close(self) -> None:
         try:
@@ -61,9 +158,8 @@ class ByteCounters:
 def fractions(delta: dict) -> dict:
     """``local_fraction``/``peer_fraction``/``origin_fraction`` of the bytes in ``delta``.
 
-    Origin bytes include ``peer_origin`` (bytes a peer fetched from the origin for us). A
-    block filled from the origin and then read from the node cache in the same epoch counts
-    in both ``origin`` and ``local``: the fractions say where bytes were read from, per read.
+    Origin bytes include ``peer_origin`` (bytes a peer fetched from the origin for us). Each byte
+    read is counted once (module docstring), so the three fractions add up to 1 (or are all 0).
     """
     origin = delta.get("origin", 0) + delta.get("peer_origin", 0)
     total = delta.get("local", 0) + delta.get("peer", 0) + origin

@@ -13,15 +13,16 @@ cache then goes where its jobs run). Pods without the annotation score 0 everywh
 ``filter`` passes every node, except that a pod annotated ``stoker.io/require-cache: "true"``
 fails nodes without a cache service. Cache state comes from a JSON file (re-read when it changes;
 written by ``stoker cluster-state``, see :func:`stoker.cluster.warmup.cluster_state`) or any
-callable returning the same form. Standard library only (http.server); listens on 127.0.0.1 unless
-told otherwise. Nothing here unpickles anything: requests and state are JSON.
+callable returning the same form. Served by waitress (:mod:`stoker.cluster.extender_server`: a
+body limit, an idle-connection timeout, a fixed thread pool); listens on 127.0.0.1 unless told
+otherwise. Nothing here unpickles anything: requests and state are JSON.
 
 Every answer is JSON, errors included (``{"Error": message}``): 400 for a request that is not
-JSON or not of the ExtenderArgs shape (the message names the field, e.g. ``NodeNames[2]``), 404 for
-an unknown verb, 411 for a body without a length, 413 for a body over ``max_body_bytes``, 500 when
-the cache state cannot be read or has the wrong shape (the message names the file and the entry)
-or on any other fault. The connection is never dropped without an answer, and one bad request
-or state file never stops the server.
+JSON or not of the ExtenderArgs shape (the message names the field, e.g. ``NodeNames[2]``), or
+whose framing is broken (a negative or non-numeric ``Content-Length``), 404 for an unknown verb,
+405 for another method, 413 for a body over ``max_body_bytes``, 500 when the cache state cannot
+be read or has the wrong shape (the message names the file and the entry) or on any other
+fault. One bad request or state file never stops the server.
 """
 from __future__ import annotations
 
@@ -29,10 +30,9 @@ import json
 import logging
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import ExtenderRequestError
-from .freshness import MAX_AGE_S, is_stale, state_age_s
+from .freshness import MAX_AGE_S, check_time, is_stale, state_age_s
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,10 @@ MAX_PRIORITY = 10  # k8s.io/kube-scheduler/extender/v1 MaxExtenderPriority
 #: are some tens of bytes a node. Raise it with ``serve(max_body_bytes=...)`` / ``--max-body-size``.
 MAX_BODY_BYTES = 8 << 20
 MAX_BODY = MAX_BODY_BYTES  # the former name
-#: A client that sends nothing for this long gets its connection closed (seconds).
+#: A connection with no request in progress that sends nothing for this long is closed (seconds).
 REQUEST_TIMEOUT_S = 30.0
+#: How often idle connections are looked for (seconds).
+CLEANUP_INTERVAL_S = 5.0
 
 
 BadRequest = ExtenderRequestError  # the name used here and in older code
@@ -71,11 +73,15 @@ def _object(value, where: str, error=BadRequest) -> dict:
 def check_state(state, source: str = "cache state") -> dict:
     """``state`` if it has the form :func:`scores` reads, else ValueError naming ``source`` and the entry.
 
-    Form: ``{"nodes": {name: {"cache_bytes": int >= 0, "datasets": {url: int >= 0}}}}``;
-    ``cache_bytes`` and ``datasets`` may be left out, other keys are ignored.
+    Form: ``{"nodes": {name: {"cache_bytes": int >= 0, "datasets": {url: int >= 0}}}, "time": t}``;
+    ``cache_bytes``, ``datasets`` and ``time`` may be left out, other keys are ignored. ``time``
+    (Unix seconds, when the state was gathered) must be a finite number no more than
+    :data:`stoker.cluster.freshness.FUTURE_SKEW_S` ahead of this clock: a state from the future
+    would never grow old.
     """
     if not isinstance(state, dict) or not isinstance(state.get("nodes"), dict):
         raise ValueError(f"{source}: cache state must be a JSON object with a 'nodes' object")
+    check_time(state.get("time"), source)
 
     def count(v, where):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -125,12 +131,17 @@ def parse_args(args) -> tuple[dict, list[str], list | None]:
     """Check decoded ExtenderArgs; return ``(annotations, node names, Node objects or None)``.
 
     ``args``: ``{"Pod": {...} | null, "Nodes": {"items": [...] | null} | null, "NodeNames": [str] | null}``
-    (missing keys count as null). Node objects are returned when ``Nodes.items`` is sent (then it
+    (missing keys count as null; one of ``Nodes.items`` and ``NodeNames`` is required: a request
+    naming no nodes, such as ``{}``, is a client's mistake, not an empty cluster; a null ``Pod``
+    has no annotations).
+    Node objects are returned when ``Nodes.items`` is sent (then it
     wins over ``NodeNames``), so that filter can answer in the same form. Raises :class:`BadRequest`
     naming the field, e.g. ``NodeNames[1] must be a string, got number``.
     """
     if not isinstance(args, dict):
         raise BadRequest(f"ExtenderArgs must be an object, got {_kind(args)}")
+    if args.get("NodeNames") is None and _object(args.get("Nodes"), "Nodes").get("items") is None:
+        raise BadRequest("ExtenderArgs names no nodes: send Nodes.items or NodeNames")
     meta = _object(_object(args.get("Pod"), "Pod").get("metadata"), "Pod.metadata")
     ann = _object(meta.get("annotations"), "Pod.metadata.annotations")
     for key in (DATASET_ANNOTATION, REQUIRE_ANNOTATION):
@@ -185,7 +196,8 @@ def filter_nodes(args: dict, state: dict, max_age_s: float | None = None) -> dic
     required = (ann.get(REQUIRE_ANNOTATION) or "").lower() == "true"
     if required and is_stale(state, max_age_s):
         why = (f"stoker cache state is {state_age_s(state):.0f} s old (over {max_age_s:g} s): "
-               "no node is known to hold a cache")
+               "no node is known to hold a cache") if state.get("time") else \
+            "no stoker cache state yet (the first refresh has not answered): no node is known to hold a cache"
         return {"Nodes": {"items": []} if items is not None else None, "NodeNames": None if items is not None else [],
                 "FailedNodes": {n: why for n in names}, "FailedAndUnresolvableNodes": {}, "Error": why}
     if required:
@@ -210,108 +222,6 @@ def prioritize(args: dict, state: dict, max_age_s: float | None = None) -> list[
     return [{"Host": n, "Score": s[n]} for n in names]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "stoker-extender"
-    timeout = REQUEST_TIMEOUT_S  # socket timeout: a stalled client cannot hold a thread for ever
-
-    def do_POST(self):  # noqa: N802 - http.server's naming
-        try:
-            body, code = self._answer(), 200
-            data = json.dumps(body).encode()
-        except BadRequest as exc:
-            log.warning("extender %s: %s", self.path, exc)
-            body, code = {"Error": str(exc)}, exc.code
-        except _StateError as exc:
-            log.error("extender %s: %s", self.path, exc)
-            body, code = {"Error": str(exc)}, 500
-        except Exception as exc:  # noqa: BLE001 - answer, never drop the connection
-            log.exception("extender %s failed", self.path)
-            body, code = {"Error": f"internal error: {type(exc).__name__}: {exc}"}, 500
-        self._reply(code, body if code != 200 else data)
-
-    def _answer(self):
-        verb = self.path.rstrip("/").rsplit("/", 1)[-1]
-        if verb not in ("filter", "prioritize"):
-            self._discard_body()
-            raise BadRequest(f"unknown verb {verb!r} (use filter or prioritize)", 404)
-        args = json_loads(self._body(), "request body")
-        try:
-            state = check_state(self.server.state(), "cache state")
-        except Exception as exc:  # noqa: BLE001 - any failure of the source is the server's, not the request's
-            raise _StateError(f"cache state unavailable: {type(exc).__name__}: {exc}") from exc
-        age = self.server.max_age_s
-        return filter_nodes(args, state, age) if verb == "filter" else prioritize(args, state, age)
-
-    def _length(self) -> int:
-        if self.headers.get("Transfer-Encoding"):
-            raise BadRequest("send the body with a Content-Length (no Transfer-Encoding)", 411)
-        text = self.headers.get("Content-Length")
-        try:
-            n = int(text or 0)
-        except ValueError:
-            raise BadRequest(f"Content-Length {text!r:.40} is not a number") from None
-        if n < 0:
-            raise BadRequest(f"Content-Length {n} is negative")
-        return n
-
-    def _body(self) -> bytes:
-        n = self._length()
-        if n > self.server.max_body_bytes:
-            self._discard_body(n)
-            raise BadRequest(f"request body of {n} bytes is over the limit of {self.server.max_body_bytes} "
-                             "bytes (see --max-body-size)", 413)
-        data = self.rfile.read(n)
-        if len(data) < n:
-            raise BadRequest(f"request body ended after {len(data)} of {n} bytes")
-        return data or b"{}"
-
-    def _discard_body(self, n: int | None = None):
-        """Read and drop up to ``n`` body bytes (at most 16 caps), so that the client, still
-        sending, reads the answer instead of a reset connection."""
-        try:
-            n = self._length() if n is None else n
-            left = min(n, 16 * self.server.max_body_bytes)
-            while left > 0:
-                got = self.rfile.read(min(left, 1 << 16))
-                if not got:
-                    break
-                left -= len(got)
-        except (BadRequest, OSError):
-            pass
-        self.close_connection = True
-
-    def _reply(self, code: int, body) -> None:
-        """Send ``body`` (a JSON value, or its encoding as bytes) with status ``code``."""
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        try:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if code >= 400:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-        except OSError as exc:  # the client left: nobody to answer
-            log.debug("extender: client gone before the answer: %s", exc)
-
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own errors (bad request line, unknown method, ...) as JSON too."""
-        phrase = self.responses.get(code, ("error",))[0]
-        self._reply(code, {"Error": f"{code} {phrase}" + (f": {message}" if message else "")})
-
-    def do_GET(self):  # noqa: N802 - health check
-        self._reply(200, {"ok": True})
-
-    def log_message(self, fmt, *args):
-        log.debug("extender: " + fmt, *args)
-
-
-class _StateError(RuntimeError):
-    """The cache state could not be had or has the wrong shape (answered with 500)."""
-
-
 def json_loads(data: bytes, what: str):
     """``json.loads`` with :class:`BadRequest` (naming ``what``) for bytes that are not UTF-8 JSON."""
     try:
@@ -320,22 +230,33 @@ def json_loads(data: bytes, what: str):
         raise BadRequest(f"{what} is not JSON: {type(exc).__name__}: {exc}") from None
 
 
-def serve(state, host: str = "127.0.0.1", port: int = 8888,
-          max_body_bytes: int = MAX_BODY_BYTES, max_age_s: float | None = MAX_AGE_S) -> ThreadingHTTPServer:
+def serve(state, host: str = "127.0.0.1", port: int = 8888, max_body_bytes: int = MAX_BODY_BYTES,
+          max_age_s: float | None = MAX_AGE_S, idle_timeout_s: float = REQUEST_TIMEOUT_S,
+          cleanup_interval_s: float = CLEANUP_INTERVAL_S):
     """Start the extender on ``host:port`` (port 0: any free port) in a background thread.
 
-    ``state``: a callable returning the cache state (e.g. :func:`file_state`); ``max_body_bytes``:
-    larger request bodies are refused with 413; ``max_age_s``: a state older than this (seconds,
-    by its ``"time"``; None: any age) gives no preference and fails ``require-cache`` pods
-    (:mod:`stoker.cluster.freshness`). ``state`` is called on every request: it must answer at
-    once (:func:`stoker.cluster.freshness.refreshing` wraps a slow source). Returns the server
-    (``server.server_address``; ``server.shutdown()`` stops it). Raises OSError if the address
-    is taken.
+    Served by waitress (:mod:`stoker.cluster.extender_server`). ``state``: a callable returning
+    the cache state (e.g. :func:`file_state`); ``max_body_bytes``: larger request bodies are
+    refused with 413, unread; ``max_age_s``: a state older than this (seconds, by its ``"time"``;
+    None: any age) gives no preference and fails ``require-cache`` pods
+    (:mod:`stoker.cluster.freshness`); ``idle_timeout_s``: a connection without a request in
+    progress and without traffic for this long is closed, checked every ``cleanup_interval_s``
+    seconds. ``state`` is called on every request: it must answer at once
+    (:func:`stoker.cluster.freshness.refreshing` wraps a slow source). Returns an
+    :class:`~stoker.cluster.extender_server.ExtenderServer` (``server_address``;
+    ``shutdown()`` stops it). Raises OSError if the address is taken.
     """
-    srv = ThreadingHTTPServer((host, port), _Handler)
-    srv.daemon_threads = True
-    srv.state = state
-    srv.max_body_bytes = int(max_body_bytes)
-    srv.max_age_s = max_age_s
-    threading.Thread(target=srv.serve_forever, name="stoker-extender", daemon=True).start()
-    return srv
+    from .extender_server import ExtenderServer, _StateUnavailable  # waitress: the cluster extra
+
+    def answer(verb: str, body: bytes):
+        if verb not in ("filter", "prioritize"):
+            raise BadRequest(f"unknown verb {verb!r} (use filter or prioritize)", 404)
+        args = json_loads(body or b"{}", "request body")
+        try:
+            now = check_state(state(), "cache state")
+        except Exception as exc:  # noqa: BLE001 - any failure of the source is the server's, not the request's
+            raise _StateUnavailable(f"cache state unavailable: {type(exc).__name__}: {exc}") from exc
+        out = filter_nodes(args, now, max_age_s) if verb == "filter" else prioritize(args, now, max_age_s)
+        return out, state_age_s(now)
+
+    return ExtenderServer(answer, host, port, max_body_bytes, idle_timeout_s, cleanup_interval_s)

@@ -10,6 +10,7 @@ of trusting it. Standard library only.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -18,6 +19,24 @@ log = logging.getLogger(__name__)
 #: Default age (seconds) past which the extender no longer trusts a cache state: six refreshes
 #: of the live source (10 s each), or a CronJob running every minute that missed one run.
 MAX_AGE_S = 60.0
+
+
+#: How far (seconds) a state's ``"time"`` may be ahead of this clock (clocks of two hosts differ a
+#: little); a later one is refused, since a state from the future would never grow old.
+FUTURE_SKEW_S = 300.0
+
+
+def check_time(t, source: str = "cache state", now_s: float | None = None) -> None:
+    """Raise ValueError naming ``source`` unless ``t`` is None or a finite number of Unix seconds
+    at most :data:`FUTURE_SKEW_S` ahead of now."""
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError(f"{source}: 'time' must be Unix seconds (a finite number), got {t!r:.60}")
+    now = time.time() if now_s is None else now_s
+    if t > now + FUTURE_SKEW_S:
+        raise ValueError(f"{source}: 'time' {t!r} is {t - now:.0f} s in the future (more than the "
+                         f"{FUTURE_SKEW_S:g} s allowed for clock skew): such a state would never grow old")
 
 
 def state_age_s(state: dict, now_s: float | None = None) -> float | None:

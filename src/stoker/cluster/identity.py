@@ -29,6 +29,8 @@ import re
 import socket
 import time
 
+from ..cache.perms import ensure_dir, parse_mode
+
 log = logging.getLogger(__name__)
 
 #: Environment variable naming the node (Kubernetes downward API ``spec.nodeName``).
@@ -61,9 +63,14 @@ class NodeCacheClaim:
         return f"NodeCacheClaim({self.path!r})"
 
 
+def _mode() -> int:
+    """The node caches' file mode: ``$STOKER_CACHE_MODE`` or 0600 (:func:`stoker.cache.perms.parse_mode`)."""
+    return parse_mode(None)
+
+
 def _try_lock(lock_path: str) -> int | None:
     """An fd holding an exclusive flock on ``lock_path`` (created if missing), or None if another holds it."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, _mode())
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -94,7 +101,7 @@ def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0,
     :data:`MAX_SLOTS` slots of the host are all held.
     """
     root = os.path.abspath(os.path.expanduser(cache_root))
-    os.makedirs(root, exist_ok=True)
+    ensure_dir(root, _mode())  # private (or the cache mode), refused if another user can redirect it
     host = host or host_name()
     prefix = f".node-{host}-"
 
@@ -107,7 +114,7 @@ def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0,
             os.pwrite(fd, owner.encode(), 0)
         key = f"node-{host}-{k}"
         path = os.path.join(root, key)
-        os.makedirs(path, exist_ok=True)
+        ensure_dir(path, _mode(), parents=False)
         return NodeCacheClaim(path, key, fd)
 
     if owner:

@@ -2,9 +2,9 @@
 
 The driver (1) starts or finds one cache service per node, (2) asks them how many bytes of the
 dataset each holds, (3) places the ranks on the nodes that hold the most
-(:func:`stoker.cluster.schedule.choose_nodes`), (4) fixes the dataset's placement members (the
-first job's nodes, recorded by one service: a new dataset's cache goes to the nodes where its
-jobs run) and (5) runs ``train_fn(ctx)`` in one Ray task per rank, pinned to its node. Each rank
+(:func:`stoker.cluster.schedule.choose_nodes`), (4) settles the dataset's placement members (the
+first job's nodes, grown as nodes join or room runs short, and recorded on every service:
+:mod:`stoker.cluster.records`; a new dataset's cache goes to the nodes where its jobs run) and (5) runs ``train_fn(ctx)`` in one Ray task per rank, pinned to its node. Each rank
 reads through its node cache, then the owning peer, then the origin, and gets the samples cached
 on its node as far as exactly-once and equal counts allow (:func:`colocated_plans`).
 ``placement="random"`` (for comparison) puts ranks on random nodes with the plain rank split.
@@ -12,21 +12,27 @@ on its node as far as exactly-once and equal counts allow (:func:`colocated_plan
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+import uuid
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..errors import CapacityError
 from ..loader import Loader
 from ..order import permutation
+from .capacity import rank_request, rank_slots, refusal
 from .counters import ByteCounters, fractions
-from .membership import widen
 from .placement import bytes_per_node, place_dataset
+from .ranks import JobRefs, free_resources, gather, release, reserve, task_options, total_resources
 from .reader import BlockRouter
+from .records import settle_members
 from .registration import end as end_registration
 from .schedule import choose_nodes, colocated_plans
 from .service import dataset_ref, get_service, placement_keys, prepare
+
+log = logging.getLogger(__name__)
 
 PLACEMENTS = ("colocated", "random")
 
@@ -69,7 +75,12 @@ class WorkerContext:
     @contextlib.contextmanager
     def measure(self, epoch: int, **extra):
         """Record one epoch: bytes read locally / from peers / from the origin by this rank (all of
-        its processes), seconds, and ``extra`` fields (e.g. samples); appended to ``epochs``."""
+        its processes; each byte read counted once, so ``local_bytes + peer_bytes + origin_bytes ==
+        read_bytes``, :mod:`stoker.cluster.counters`), the bytes received from the origin for it
+        (``fetched_origin_bytes``: whole blocks, headers included; ``received_origin_bytes`` /
+        ``received_peer_bytes``: what this rank's processes received over each link), seconds, and ``extra`` fields
+        (e.g. samples); appended to ``epochs``."""
+        self.counters.clear_tags()  # blocks fetched before this epoch are local now
         before, t0 = self.counters.read(), time.perf_counter()
         rec = {"job": self.job, "placement": self.placement, "rank": self.rank, "node_id": self.node_id,
                "epoch": int(epoch)}
@@ -80,6 +91,10 @@ class WorkerContext:
             d = {k: after[k] - before[k] for k in after}
             rec.update(seconds=time.perf_counter() - t0, local_bytes=d["local"], peer_bytes=d["peer"],
                        origin_bytes=d["origin"] + d["peer_origin"], peer_origin_bytes=d["peer_origin"],
+                       read_bytes=d["local"] + d["peer"] + d["origin"] + d["peer_origin"],
+                       fetched_origin_bytes=d["fetch_origin"] + d["fetch_peer_origin"],
+                       received_origin_bytes=d["fetch_origin"],
+                       received_peer_bytes=d["fetch_peer"] + d["fetch_peer_origin"],
                        fallbacks=d["fallbacks"], dataset_bytes=int(self.dataset.index.length.sum()),
                        **fractions(d), **extra)
             if rec.get("samples") and rec["seconds"] > 0:
@@ -135,6 +150,7 @@ def _rank_main(train_fn, spec: dict):
         if ds.version != spec["version"]:
             raise RuntimeError(f"{spec['url']} changed during the job: version {ds.version}, "
                                f"the driver placed {spec['version']}")
+        counters.size_tags(ds.num_blocks)
         members = spec["members"]
         me = members.index(spec["node_id"]) if spec["node_id"] in members else -1
         ds.router = BlockRouter(dataset_ref(ds, spec["storage_options"]), members,
@@ -151,20 +167,11 @@ def _rank_main(train_fn, spec: dict):
         counters.close()
 
 
-def _task_options(node_id: str, resources_per_worker: dict | None) -> dict:
-    res = dict(resources_per_worker or {"CPU": 1})
-    opts = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0),
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False), "max_retries": 0}
-    if res:
-        opts["resources"] = res
-    return opts
-
-
 def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | None = None, *,
         storage_options: dict | None = None, placement: str = "colocated", cache_root: str | None = None,
-        cache_bytes: int | None = None, block_bytes: int | None = None, seed: int = 0, job: str = "job", slots_per_node: int | None = None,
-        peer_timeout_s: float = 30.0, retry_s: float = 1.0, timeout_s: float | None = None,
-        wait: bool = True):
+        cache_bytes: int | None = None, block_bytes: int | None = None, seed: int = 0, job: str = "job",
+        slots_per_node: int | None = None, peer_timeout_s: float = 30.0, retry_s: float = 1.0,
+        timeout_s: float | None = None, wait: bool = True, start_timeout_s: float = 30.0):
     """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
 
     ``dataset``: URL of a packed dataset; ``resources_per_worker``: Ray resources of one rank
@@ -174,12 +181,21 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     ``$STOKER_CACHE_DIR/cluster``, 8 GiB; services already running keep theirs);
     ``block_bytes``: the cache block (default 1 MiB; every job of a dataset must use the same);
     ``slots_per_node``: most ranks per node. ``ctx`` is a :class:`WorkerContext`.
+
+    Co-location is a preference, capacity a limit: a node gets no more ranks than its free
+    resources hold (:mod:`stoker.cluster.capacity`), and the ranks' resources are reserved on
+    their nodes all at once (a Ray placement group, :func:`stoker.cluster.ranks.reserve`), so
+    the ranks start together. Raises :class:`stoker.errors.CapacityError` at once when the
+    free resources cannot hold ``num_workers`` ranks, or when the reservation is not ready
+    within ``start_timeout_s`` seconds; nothing is left queued.
+
     Returns, per rank, ``{rank, node_id, result, epochs}`` (``epochs``: the records of
-    :meth:`WorkerContext.measure`), or with ``wait=False`` the Ray object refs.
-    Needs ``ray.init()`` first. Raises ValueError for a bad placement, the error of the first
-    rank that fails (``ray.exceptions.RayTaskError``, ``NodeDiedError`` ...) after cancelling the
-    others, ``GetTimeoutError`` after ``timeout_s`` (the ranks cancelled): see :func:`gather`.
-    With ``wait=False`` the caller waits, best with :func:`gather`.
+    :meth:`WorkerContext.measure`), or with ``wait=False`` a :class:`stoker.cluster.ranks.JobRefs`
+    (the list of the ranks' Ray object refs, watched: the first rank that fails cancels the
+    others, as in :func:`gather`). Needs ``ray.init()`` first. Raises ValueError for a bad
+    placement, the error of the first rank that fails (``ray.exceptions.RayTaskError``,
+    ``NodeDiedError`` ...) after cancelling the others, ``GetTimeoutError`` after ``timeout_s``
+    (the ranks cancelled): see :func:`gather`.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -190,22 +206,17 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     nodes = list(services)
     budgets = [services[n]["cache_bytes"] for n in nodes]
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
+    request = rank_request(resources_per_worker)
+    slots = _slots(nodes, request, num_workers, slots_per_node, start_timeout_s)
     if placement == "colocated":
-        rank_nodes = choose_nodes(nodes, cached, budgets, num_workers,
-                                  None if slots_per_node is None else [slots_per_node] * len(nodes))
+        rank_nodes = choose_nodes(nodes, cached, budgets, num_workers, slots)
     else:
-        rng = np.random.default_rng(seed)
-        rank_nodes = [nodes[i] for i in rng.integers(0, len(nodes), num_workers)]
-    # the dataset's placement members: recorded by the first service (first claim wins), from the
-    # nodes holding it already, else the nodes of this job
+        rank_nodes = _random_nodes(nodes, slots, num_workers, seed)
+    # the dataset's placement members: the record every service keeps, else (first claim wins)
+    # the nodes holding it already, else the nodes of this job
     have = [n for n, c in zip(nodes, cached) if c > 0]
     proposal = have or sorted(set(rank_nodes))
-    keeper = get_service(nodes[0])
-    recorded = ray.get(keeper.claim.remote(ds.version, proposal, nodes))
-    grown = widen(recorded, ray.get(keeper.known.remote(ds.version)),
-                  {n: b for n, b in zip(nodes, budgets)}, int(ds.index.total_bytes), rank_nodes)
-    if grown != sorted(recorded):  # a node joined, or the members cannot hold the dataset
-        recorded = ray.get(keeper.widen.remote(ds.version, grown, nodes))
+    recorded = settle_members(services, ds.version, int(ds.index.total_bytes), proposal, rank_nodes)
     members = [m for m in recorded if m in services]
     if not members:  # every recorded member is gone: place on this job's nodes
         members = sorted(set(rank_nodes))
@@ -213,9 +224,13 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
         owned = bytes_per_node(ds, owner, len(members))     # where the data will be, not only where it is
         rank_nodes = choose_nodes(nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes],
-                                  budgets, num_workers, None if slots_per_node is None else [slots_per_node] * len(nodes))
+                                  budgets, num_workers, slots)
     index_of = {m: i for i, m in enumerate(members)}
     spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
+    pg = reserve(rank_nodes, request, start_timeout_s, job)
+    token = f"{job}-{uuid.uuid4().hex[:12]}"
+    if wait:  # the services' registrations of the dataset end with this call (release below)
+        _announce(nodes, "hold", dref, token)
     refs = []
     for r, node in enumerate(rank_nodes):
         spec = {"rank": r, "world_size": num_workers, "node_id": node, "job": job, "placement": placement,
@@ -223,58 +238,72 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
                 "block_bytes": ds.block_bytes,
                 "owner": owner, "rank_nodes": spec_rank_nodes, "service": services.get(node),
                 "peer_timeout_s": peer_timeout_s, "retry_s": retry_s}
-        refs.append(ray.remote(_rank_main).options(**_task_options(node, resources_per_worker)).remote(train_fn, spec))
+        refs.append(ray.remote(_rank_main).options(**task_options(r, node, request, pg)).remote(train_fn, spec))
     if not wait:
-        return refs
-    return gather(refs, rank_nodes, timeout_s)
+        return JobRefs(refs, rank_nodes, pg)
+    try:
+        return gather(refs, rank_nodes, timeout_s)
+    finally:
+        release(pg)
+        _announce(nodes, "release", dref, token)
 
 
-def gather(refs: list, rank_nodes: list[str] | None = None, timeout_s: float | None = None,
-           grace_s: float = 10.0) -> list:
-    """The results of a job's ranks (``refs``: one Ray object ref per rank, as ``run(wait=False)``
-    returns), in rank order; a job whose ranks are not all there is over.
-
-    The first rank that fails (its error, a ``ray.exceptions.RayTaskError``, or
-    ``NodeDiedError``/``WorkerCrashedError`` when its node or process died) ends the job: the other
-    ranks are cancelled (``ray.cancel``: a ``KeyboardInterrupt`` in ``train_fn``, so its
-    ``finally`` blocks run; a rank still running ``grace_s`` seconds later is stopped with
-    ``force=True``) and that error is raised, with a note naming the rank and its node
-    (``rank_nodes``: node id per rank). After ``timeout_s`` seconds (None: no limit) the ranks are
-    cancelled the same way and ``ray.exceptions.GetTimeoutError`` is raised. Nobody is left
-    running with no one waiting for it (a DDP job without one rank waits for it forever).
-    """
-    index = {ref: r for r, ref in enumerate(refs)}
-    pending = list(refs)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not done:
-            _cancel(pending, grace_s)
-            raise ray.exceptions.GetTimeoutError(
-                f"{len(pending)} of {len(refs)} ranks still running after {timeout_s} s; cancelled")
+def _announce(nodes: list[str], method: str, dref: dict, token: str, timeout_s: float = 10.0) -> None:
+    """Call ``method(dref, token)`` (``hold`` / ``release``) on the cache service of every node,
+    all at once; a service that does not answer within ``timeout_s`` seconds is left to its
+    lease (logged, never raised: the job's own outcome matters more)."""
+    refs = []
+    for n in nodes:
         try:
-            ray.get(done[0])
-        except Exception as exc:
-            r = index[done[0]]
-            _cancel(pending, grace_s)
-            where = f" on node {rank_nodes[r]}" if rank_nodes else ""
-            exc.add_note(f"stoker.cluster: rank {r}{where} failed; the other {len(pending)} running "
-                         f"rank(s) of the job were cancelled")
-            raise
-    return ray.get(refs)
+            refs.append(getattr(get_service(n), method).remote(dref, token))
+        except ValueError:
+            continue
+    try:
+        ray.get(refs, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a service down: its lease runs out by itself
+        log.warning("cache services: %s of %s not confirmed by every node: %s", method, dref["url"], exc)
 
 
-def _cancel(refs: list, grace_s: float) -> None:
-    """Cancel the tasks of ``refs``: politely first (KeyboardInterrupt in the task), then, for the
-    ones still running after ``grace_s`` seconds, by force."""
-    for ref in refs:
-        ray.cancel(ref, force=False)
-    if not refs:
-        return
-    _, still = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-    for ref in still:
-        ray.cancel(ref, force=True)
+def _slots(nodes: list[str], request: dict, num_workers: int, slots_per_node: int | None,
+           wait_s: float) -> list[int]:
+    """Ranks each node can take now (its free resources, at most ``slots_per_node``).
+
+    Raises :class:`stoker.errors.CapacityError` at once when the nodes' total resources cannot
+    hold ``num_workers`` ranks, and after ``wait_s`` seconds when their free resources still
+    cannot (other work, such as a job that just ended, may be giving its room back)."""
+    def fit(res: dict) -> dict:
+        out = {n: rank_slots(res[n], request) for n in nodes}
+        return out if slots_per_node is None else {n: min(k, int(slots_per_node)) for n, k in out.items()}
+
+    total = total_resources(nodes)
+    if sum(fit(total).values()) < num_workers:
+        raise CapacityError(refusal(num_workers, request, total, fit(total), slots_per_node, "total"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = free_resources(nodes)
+        slots = fit(free)
+        if sum(slots.values()) >= num_workers:
+            return [slots[n] for n in nodes]
+        if time.monotonic() >= deadline:
+            raise CapacityError(refusal(num_workers, request, free, slots, slots_per_node, "free")
+                                + f" (waited {wait_s} s, the start timeout)")
+        time.sleep(0.2)
+
+
+def _random_nodes(nodes: list[str], slots: list[int], num_workers: int, seed: int) -> list[str]:
+    """``num_workers`` nodes drawn at random (seeded by ``seed``), each at most its slots times."""
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, len(nodes), num_workers)
+    if all(np.sum(first == i) <= k for i, k in enumerate(slots)):  # fits: the draw without limits
+        return [nodes[i] for i in first]
+    rng = np.random.default_rng(seed)
+    left = np.asarray(slots, dtype=np.int64).copy()
+    out = []
+    for _ in range(num_workers):
+        i = int(rng.choice(np.flatnonzero(left > 0)))
+        left[i] -= 1
+        out.append(nodes[i])
+    return out
 
 
 def read_epochs(ctx: WorkerContext, epochs: int, seed: int = 0, keep_ids: bool = False,

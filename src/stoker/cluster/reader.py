@@ -3,8 +3,9 @@
 The router tells the dataset which blocks this node's cache holds (the blocks placed on this
 node by :mod:`stoker.cluster.placement`) and reads the others from the node that owns them,
 through that node's cache service; if the owner is down, slow or gone, it reads the origin
-(a *fallback*) and tries the owner again after ``retry_s`` seconds, so a restarted service
-rejoins by itself. Every byte is counted in the rank's :class:`ByteCounters` (local / peer /
+(a *fallback*): the failed call is the only stall; until a background thread's ping (every
+``retry_s`` seconds) finds the owner back, its blocks are read from the origin without calling it, so a
+restarted service rejoins by itself. Every byte is counted in the rank's :class:`ByteCounters` (local / peer /
 origin / peer_origin / fallbacks).
 
 Ray calls work only in the process that joined Ray (the training worker). The loader's decode
@@ -57,13 +58,17 @@ class BlockRouter:
     def _init_local(self):
         self._handles: dict[int, object] = {}
         self._down_until: dict[int, float] = {}
-        self._suspect: set[int] = set()  # peers whose last call failed: their node is checked first
+        self._suspect: set[int] = set()  # peers whose last call failed: not called on the read path
+        self._probing: dict[int, threading.Thread] = {}  # peer -> the thread that pings it while suspect
+        self._probe_lock = threading.Lock()
+        self._gone: set[int] = set()  # peers whose node Ray lists as dead (a node id never comes back)
         self._alive: tuple[float, frozenset] = (-float("inf"), frozenset())  # (when, alive node ids)
         self._tls = threading.local()
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_handles", "_down_until", "_suspect", "_alive", "_tls")}
+                 if k not in ("_handles", "_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive",
+                             "_tls")}
         return state
 
     def __setstate__(self, state):
@@ -75,13 +80,20 @@ class BlockRouter:
         """Whether block ``b`` belongs in this node's cache."""
         return self.me >= 0 and int(self.owner[b]) == self.me
 
-    def local(self, nbytes: int) -> None:
-        """Count ``nbytes`` served by this node's cache."""
-        self.counters.add(local=nbytes)
+    def local(self, nbytes: int, b: int | None = None) -> None:
+        """Count ``nbytes`` of a sample served by this node's cache or staging area (block ``b``):
+        as local, or where the block came from if this rank fetched it this epoch
+        (:meth:`stoker.cluster.counters.ByteCounters.credit`)."""
+        if b is None:
+            self.counters.add(local=nbytes)
+        else:
+            self.counters.credit(b, nbytes)
 
-    def read(self, ds, b: int, start: int, stop: int) -> bytes:
+    def read(self, ds, b: int, start: int, stop: int, block: bool = False) -> bytes:
         """Shard bytes ``[start, stop)`` of block ``b``: from its owning peer, else the origin.
 
+        ``block``: the whole block is being fetched (into the cache or staging; its samples are
+        counted as they are read, :meth:`local`); else a sample's bytes, counted now.
         The caller verifies the bytes against the index. Raises what the origin raises
         (:class:`stoker.storage.OriginError`) when the origin fails too.
         """
@@ -96,11 +108,17 @@ class BlockRouter:
                 self._handles.pop(o, None)
                 self.counters.add(fallbacks=1)
             else:
-                self.counters.add(**{"peer" if source == "cache" else "peer_origin": len(data)})
+                self._count(b, "peer" if source == "cache" else "peer_origin", len(data), block)
                 return data
         data = ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
-        self.counters.add(origin=len(data))
+        self._count(b, "origin", len(data), block)
         return data
+
+    def _count(self, b: int, source: str, nbytes: int, block: bool) -> None:
+        if block:
+            self.counters.tag(b, source, nbytes)
+        else:  # a sample's bytes: read and received at once
+            self.counters.add(**{source: nbytes, "fetch_" + source: nbytes})
 
     # -- peers ----------------------------------------------------------------------
     def _peer_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
@@ -124,16 +142,21 @@ class BlockRouter:
     def ray_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
         """A peer read through Ray (only in the process that joined Ray). Raises PeerUnavailable.
 
-        After a failed call the peer is suspect: before it is called again its node must be
-        alive in Ray's node table, so a peer on a dead node costs one failed call (one stall of
-        at most ``timeout_s``), then an immediate PeerUnavailable (a read of the origin) until
-        its node is back; a service restarting on a live node is called as usual.
+        A peer whose call failed (dead, restarting, timed out after ``timeout_s``) is *suspect*:
+        it costs that one stall, and later reads of its blocks raise PeerUnavailable at once
+        (the caller reads the origin) without calling it. Whether it is back is found out off the
+        read path (:meth:`_watch`: a background thread pings it every ``retry_s`` seconds until
+        it answers, and stops when Ray lists its node as dead); once a ping answers, reads go to
+        it again. So a peer known dead, or slow to fail (a node Ray still lists alive), never
+        stalls reads again until it is back.
         """
         import ray
 
         from .service import get_service
-        if o in self._suspect and not self._node_alive(o):
-            raise PeerUnavailable(f"cache service of node {self.nodes[o]}: the node is dead")
+        if o in self._suspect:
+            self._probe(o)
+            raise PeerUnavailable(f"cache service of node {self.nodes[o]}: its last call failed; "
+                                  f"reading the origin until a ping (every {self.retry_s} s) answers")
         try:
             h = self._handles.get(o)
             if h is None:
@@ -143,12 +166,51 @@ class BlockRouter:
         except (ValueError, ray.exceptions.RayError) as exc:
             self._suspect.add(o)
             self._handles.pop(o, None)
+            self._probe(o)  # watched from now on, so it is known to be back before a read wants it
             raise PeerUnavailable(f"cache service of node {self.nodes[o]}: {type(exc).__name__}: {exc}") from exc
-        self._suspect.discard(o)
         if not isinstance(data, bytes) or len(data) != stop - start:
             raise PeerUnavailable(f"cache service of node {self.nodes[o]} sent {len(data)} bytes, "
                                   f"expected {stop - start}")
         return source, data
+
+    def suspects(self) -> list[str]:
+        """Node ids of the peers whose cache service is suspect now: its last call failed and no
+        ping has answered since (their blocks are read from the origin meanwhile)."""
+        return sorted(self.nodes[o] for o in set(self._suspect))
+
+    def _probe(self, o: int) -> None:
+        """Make sure a background thread watches suspect peer ``o`` (:meth:`_watch`)."""
+        with self._probe_lock:
+            t = self._probing.get(o)
+            if o in self._gone or (t is not None and t.is_alive()):
+                return
+            t = self._probing[o] = threading.Thread(target=self._watch, args=(o,), name=f"stoker-probe-{o}",
+                                                    daemon=True)
+        t.start()
+
+    def _watch(self, o: int) -> None:
+        """Ping suspect peer ``o`` every ``retry_s`` seconds (each ping at most ``timeout_s``) until
+        it answers (then it is no longer suspect and reads go to it again) or Ray lists its node
+        as dead (a dead node id never comes back: it stays suspect, its blocks come from the
+        origin)."""
+        import ray
+
+        from .service import get_service
+        while o in self._suspect:
+            t0 = time.monotonic()
+            if not self._node_alive(o):
+                self._gone.add(o)
+                return
+            try:
+                h = get_service(self.nodes[o])
+                ray.get(h.ping.remote(), timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - still down: reads keep going to the origin
+                log.debug("peer %s still unavailable: %s", self.nodes[o], exc)
+            else:
+                self._handles[o] = h
+                self._suspect.discard(o)
+                return
+            time.sleep(max(0.0, self.retry_s - (time.monotonic() - t0)))
 
     def _relay_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
         if self.relay_address is None:

@@ -71,9 +71,13 @@ class CacheService:
         from .registration import LEASE_S
         self.lease_s = LEASE_S if lease_s is None else float(lease_s)
         self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
+        self._holders: dict[str, set] = {}  # dataset version -> tokens of the running jobs that announced it
         self._datasets: dict = {}
         self._claims: dict[str, list] = {}
+        self._gates: dict = {}  # dataset url -> InflightGate shared by its fills
         self._lock = threading.Lock()
+        from ..metrics import ServiceMetrics
+        self._metrics = ServiceMetrics(self.node_name)  # Ray's metrics export (stoker.metrics)
 
     # -- datasets ---------------------------------------------------------
     def _open(self, dref: dict):
@@ -130,16 +134,22 @@ class CacheService:
         rel = start - int(ds.block_start[b])
         data = ds.cache.read(version, name, rel, stop - start)
         if data is not None:
+            self._metrics.served_bytes(stop - start, "cache")
             return "cache", bytes(data)
         block = ds.fill_block(b, blocking=True)
         if block is None:  # this node's budget is full: pass the range through
             shard = ds.index.shard_name(ds.block_shard[b])
-            return "origin", bytes(ds.origin.read_range(shard, start, stop))
-        return "origin", bytes(memoryview(block)[rel:rel + stop - start])
+            out = bytes(ds.origin.read_range(shard, start, stop))
+        else:
+            out = bytes(memoryview(block)[rel:rel + stop - start])
+        self._metrics.served_bytes(len(out), "origin")
+        return "origin", out
 
     def fill(self, dref: dict, blocks: list[int], concurrency: int = 8) -> dict:
-        """Fill ``blocks`` (block ids) from the origin into this node's cache, ``concurrency``
-        ranged GETs at a time. A block that fails (origin error after its retries, checksum
+        """Fill ``blocks`` (block ids) from the origin into this node's cache, at least
+        ``concurrency`` ranged GETs at a time and more while the origin's measured
+        bandwidth-delay product asks for them (one :class:`stoker.loader.inflight.InflightTarget`
+        per dataset, shared by this service's concurrent fills). A block that fails (origin error after its retries, checksum
         mismatch, a cache disk error) is counted and named, and the others go on.
 
         Returns ``{filled, cached, refused, busy, failed, origin_bytes, errors}``: block counts by
@@ -151,15 +161,24 @@ class CacheService:
         version = ds.version
         out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0, "errors": {}}
 
+        from ..loader.inflight import InflightGate, InflightTarget
+        with self._lock:
+            gate = self._gates.get(ds.url)
+            if gate is None or gate.target.floor != max(1, int(concurrency)):
+                gate = self._gates[ds.url] = InflightGate(InflightTarget(concurrency))
+
+        def fetch(b):
+            if ds.cache.contains(version, ds.block_name(b)):
+                return "cached"
+            return ds.fill_block(int(b), blocking=True, want_data=False)
+
         def one(b):
             try:
-                if ds.cache.contains(version, ds.block_name(b)):
-                    return "cached", None
-                return ds.fill_block(int(b), blocking=True, want_data=False), None
+                return gate.run(lambda: fetch(b), int(ds.block_bytes_of(int(b))), lambda st: st == "filled"), None
             except Exception as exc:  # noqa: BLE001 - reported per shard; the other blocks go on
                 return "failed", f"{type(exc).__name__}: {exc}"
 
-        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        with ThreadPoolExecutor(max(1, min(len(blocks), gate.target.ceiling))) as pool:
             for b, (status, reason) in zip(blocks, pool.map(one, blocks)):
                 out[status] = out.get(status, 0) + 1
                 if status == "filled":  # fetched from the origin by this call
@@ -168,6 +187,8 @@ class CacheService:
                     shard = ds.index.shard_name(ds.block_shard[int(b)])
                     out["errors"].setdefault(shard, reason)
                     log.warning("warm-up of %s block %s (%s) failed: %s", ds.url, b, shard, reason)
+        self._metrics.filled(out)
+        self.cached_bytes(dref)  # sets the held-bytes gauge
         return out
 
     def cached_blocks(self, dref: dict) -> list[int]:
@@ -175,10 +196,38 @@ class CacheService:
         ds = self._open(dref)
         return [b for b in range(ds.num_blocks) if ds.cache.contains(ds.version, ds.block_name(b))]
 
+    def hold(self, dref: dict, token: str) -> None:
+        """A job (``token``, unique per job) starts reading the dataset through this node: its
+        registration here now ends when the last such job calls :meth:`release` (or at the
+        latest ``lease_s`` after the last request, for a job whose driver died)."""
+        self._open(dref)
+        with self._lock:
+            self._holders.setdefault(dref["version"], set()).add(token)
+
+    def release(self, dref: dict, token: str) -> bool:
+        """Job ``token`` is done with the dataset. When no announced job holds it any more, this
+        service's registration of it on the node cache ends now instead of ``lease_s`` later (a
+        job that follows at once gets the budget at once); a later request leases it again.
+        Returns whether the registration ended."""
+        version = dref["version"]
+        with self._lock:
+            held = self._holders.get(version, set())
+            held.discard(token)
+            if held:
+                return False
+            self._holders.pop(version, None)
+            self._renewed.pop(version, None)  # the next request leases again at once
+        ds = self._datasets.get((dref["url"], version, dref["block_bytes"]))
+        if ds is not None:
+            lease(ds, 0.0)
+        return ds is not None
+
     def cached_bytes(self, dref: dict) -> int:
         """Bytes of the dataset this node's cache holds now."""
         ds = self._open(dref)
-        return int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
+        held = int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
+        self._metrics.held_bytes(ds.version, held)
+        return held
 
     def claim(self, version: str, members: list[str], known: list[str] | None = None) -> list[str]:
         """Record the nodes a dataset version is placed on, first claim wins; returns the
@@ -188,6 +237,12 @@ class CacheService:
         with self._lock:
             rec = self._claims.setdefault(version, {"members": list(members), "known": list(known or members)})
             return list(rec["members"])
+
+    def record(self, version: str) -> dict | None:
+        """The record of ``version`` (``{"members": [...], "known": [...]}``), None when there is none."""
+        with self._lock:
+            rec = self._claims.get(version)
+            return {"members": list(rec["members"]), "known": list(rec["known"])} if rec else None
 
     def known(self, version: str) -> list[str]:
         """The nodes the record of ``version`` has seen ([] when there is none)."""

@@ -14,32 +14,19 @@ import time
 import numpy as np
 import ray
 
-from .membership import widen
 from .placement import bytes_per_node, place_dataset
+from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_members
+from .records import call as _call
 from .service import dataset_ref, find_services, get_service, placement_keys, prepare
 
-#: Tries of one chunk of blocks whose fill met a dead or restarting cache service (Ray restarts
-#: it: ``max_restarts=-1``), and the pause before each retry, seconds (times the try number).
-FILL_TRIES = 4
-RETRY_PAUSE_S = 0.5
-
-
-def _call(method, *args, tries: int = FILL_TRIES, pause_s: float = RETRY_PAUSE_S):
-    """``ray.get(method.remote(*args))``, called again (``tries`` in all) while the service is
-    restarting (``ray.exceptions.RayActorError``: ``ActorUnavailableError``, or ``ActorDiedError``
-    for a call in flight when it died). Raises the last error."""
-    for k in range(tries):
-        try:
-            return ray.get(method.remote(*args))
-        except ray.exceptions.RayActorError:
-            if k == tries - 1:
-                raise
-            time.sleep(pause_s * (k + 1))
+#: Tries of one chunk of blocks whose fill met a dead or restarting cache service, and the pause
+#: before each retry (seconds, times the try number): the same as for any call to a service.
+FILL_TRIES = SERVICE_TRIES
 
 
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
          cache_bytes: int | None = None, block_bytes: int | None = None, chunk_blocks: int = 16, concurrency: int = 8,
-         progress: bool = True, detached: bool = True) -> dict:
+         progress: bool = False, detached: bool = True) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
     Services are started where missing (``cache_root``/``cache_bytes`` as in
@@ -54,18 +41,14 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     that fails is reported and the others go on, so the report may be partial: nothing is raised
     for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
     in all, ``RETRY_PAUSE_S`` apart, growing) before its blocks count as failed. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
-    (no service, no index at ``url``).
+    (no service, no index at ``url``). ``progress``: a tqdm bar on stderr (bytes placed, rate,
+    ETA); off by default, so a library call prints nothing (``stoker warm`` shows it on a terminal).
     """
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
     services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached)
     nodes = list(services)
-    keeper = get_service(nodes[0])
-    recorded = _call(keeper.claim, ds.version, nodes, nodes)
-    grown = widen(recorded, _call(keeper.known, ds.version), {n: services[n]["cache_bytes"] for n in nodes},
-                  int(ds.index.total_bytes), [])
-    if grown != sorted(recorded):  # a node joined, or the members cannot hold the dataset
-        recorded = _call(keeper.widen, ds.version, grown, nodes)
+    recorded = settle_members(services, ds.version, int(ds.index.total_bytes), nodes, [])
     members = [m for m in recorded if m in services] or nodes
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     owned = bytes_per_node(ds, owner, len(members))

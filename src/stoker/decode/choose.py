@@ -35,6 +35,7 @@ import numpy as np
 
 from .forms import SAME, make_entry, parse_form, read_entry
 from .image import DecodeError, decode_image
+from .resample import one_intra_op_thread
 from .transforms import decode_transform, eval_resize_for, eval_transform_reduced, train_transform_reduced
 
 log = logging.getLogger(__name__)
@@ -47,14 +48,16 @@ DEFAULT_CANDIDATES = ("jpeg", "jpeg256", "rgb256")
 
 
 def _time_loop(fn, items, min_seconds: float) -> float:
-    """Samples/s of ``fn(i, item)`` cycled over ``items`` (at least one pass, ``min_seconds``)."""
-    n, start = 0, time.perf_counter()
-    while True:
-        fn(n, items[n % len(items)])
-        n += 1
-        elapsed = time.perf_counter() - start
-        if n >= len(items) and elapsed >= min_seconds:
-            return n / elapsed
+    """Samples/s of ``fn(i, item)`` cycled over ``items`` (at least one pass, ``min_seconds``),
+    on one torch intra-op thread (a per-core rate)."""
+    with one_intra_op_thread():
+        n, start = 0, time.perf_counter()
+        while True:
+            fn(n, items[n % len(items)])
+            n += 1
+            elapsed = time.perf_counter() - start
+            if n >= len(items) and elapsed >= min_seconds:
+                return n / elapsed
 
 
 def _read_rate(paths: list[str]) -> tuple[float, bool]:

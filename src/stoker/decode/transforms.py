@@ -1,4 +1,4 @@
-"""Training / evaluation transforms with torchvision semantics, on numpy + OpenCV.
+"""Training / evaluation transforms with torchvision semantics, on numpy, OpenCV and torch.
 
 * :func:`train_transform` = ``RandomResizedCrop(size)`` + ``RandomHorizontalFlip(0.5)``
 * :func:`eval_transform`  = ``Resize(resize)`` + ``CenterCrop(size)``
@@ -6,27 +6,20 @@
 Both take an ``(H, W, 3)`` uint8 RGB image and return ``(3, size, size)`` uint8 CHW, optionally
 written straight into a caller's buffer (a slot of a shared-memory batch).
 
-Resampling.  torchvision on PIL images resizes with Pillow's BILINEAR filter, which is a
-triangle filter whose support widens with the downscale factor ``s`` (an antialiasing filter).
-OpenCV's ``INTER_LINEAR`` samples a fixed 2-tap triangle and aliases when ``s > 1``;
-``INTER_AREA`` antialiases but is slow for non-integer factors (about 7x ``INTER_LINEAR`` here).
-We instead pre-blur each downscaled axis with a short Gaussian whose variance makes up the
-difference between the two triangles, ``sigma = 1.2 * sqrt((s^2 - 1) / 6)`` (source pixels; the
-1.2 gain was tuned against Pillow), and then use ``INTER_LINEAR``.  Measured against Pillow on photographs this is closer to the reference than
-``INTER_AREA`` and about 2-3x faster (see the module's tests and the calibrate report).
-Upscaled axes use ``INTER_LINEAR`` alone, which matches Pillow's bilinear upsampling to
-within rounding.
+Resampling is Pillow's antialiased BILINEAR filter, as torchvision applies it to PIL images:
+:mod:`stoker.decode.resample` (torch's uint8 antialiased kernel; Pillow's own for boxes whose
+edges fall between pixels).  Crop boxes, flips and rounding follow torchvision exactly.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cv2
 import numpy as np
 
 from .image import DEFAULT_MAX_PIXELS, DecodeError, decode_image, decode_jpeg_region, jpeg_region_size
+from .resample import resize_bilinear_aa, resize_box_aa, resize_into_scratch
 
 __all__ = [
     "random_resized_crop_params",
@@ -38,11 +31,6 @@ __all__ = [
 
 # Workers are processes: OpenCV's own thread pool would oversubscribe the cores.
 cv2.setNumThreads(1)
-
-_MIN_SIGMA = 0.15  # below this the pre-blur changes nothing measurable (s < ~1.05)
-# Empirical gain on the variance-matching sigma: 1.2 minimised both the mean and the 99th
-# percentile error against Pillow on photographs (swept 0.9..1.4; see calibrate.py's notes).
-_SIGMA_GAIN = 1.2
 
 
 def random_resized_crop_params(
@@ -100,53 +88,6 @@ def random_resized_crop_params(
         w, h = width, height
     h, w = max(1, min(h, height)), max(1, min(w, width))
     return (height - h) // 2, (width - w) // 2, h, w
-
-
-def _gauss_kernel(scale: float) -> np.ndarray | None:
-    """1-D pre-blur kernel for a downscale factor ``scale`` (None: no blur needed)."""
-    if scale <= 1.0:
-        return None
-    return _gauss_kernel_q(round(scale, 3))  # 1e-3 steps: invisible in the output, cacheable
-
-
-@functools.lru_cache(maxsize=4096)
-def _gauss_kernel_q(scale: float) -> np.ndarray | None:
-    sigma = _SIGMA_GAIN * math.sqrt((scale * scale - 1.0) / 6.0)
-    if sigma < _MIN_SIGMA:
-        return None
-    radius = max(1, int(round(2.0 * sigma)))
-    x = np.arange(-radius, radius + 1, dtype=np.float64)
-    k = np.exp(-0.5 * (x / sigma) ** 2)
-    return (k / k.sum()).astype(np.float32)
-
-
-_IDENTITY = np.ones(1, np.float32)
-
-
-def resize_bilinear_aa(img: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
-    """Resize like Pillow's BILINEAR (antialiased when downscaling), approximately.
-
-    Args:
-        img: ``(h, w, 3)`` uint8; may be a non-contiguous crop view (rows strided).
-        out_w, out_h: output size in pixels (> 0).
-
-    Returns:
-        New ``(out_h, out_w, 3)`` uint8 array (C-contiguous).
-    """
-    h, w = img.shape[:2]
-    if (h, w) == (out_h, out_w):
-        return np.ascontiguousarray(img)
-    kx = _gauss_kernel(w / out_w)
-    ky = _gauss_kernel(h / out_h)
-    if kx is not None or ky is not None:
-        img = cv2.sepFilter2D(
-            img, -1, _IDENTITY if kx is None else kx, _IDENTITY if ky is None else ky,
-            borderType=cv2.BORDER_REPLICATE,
-        )
-    res = cv2.resize(img, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
-    if res.shape != (out_h, out_w, 3):
-        raise RuntimeError(f"cv2.resize returned shape {res.shape}, expected {(out_h, out_w, 3)}")
-    return res
 
 
 def _check_img(img: np.ndarray) -> None:
@@ -209,7 +150,7 @@ def train_transform(
 
 def _resize_flip(crop: np.ndarray, flip: bool, size: int, out: np.ndarray) -> np.ndarray:
     """Resize an HWC crop to ``size`` x ``size``, mirror it if ``flip``, write CHW into ``out``."""
-    _hwc_to_chw(resize_bilinear_aa(crop, size, size), out, flip)
+    _hwc_to_chw(resize_into_scratch(crop, size, size), out, flip)
     return out
 
 
@@ -334,45 +275,6 @@ def decode_transform(
 # A derived (reduced) copy of an image keeps the original's size in its header.  The crop box is
 # drawn on the *original* size with the same RNG draws as :func:`train_transform`, so the same
 # region of the same picture is taken; only the source it is resampled from has fewer pixels.
-
-
-def resize_box_aa(img: np.ndarray, y0: float, x0: float, hf: float, wf: float,
-                  out_h: int, out_w: int) -> np.ndarray:
-    """Resample the real-valued box ``[y0, y0+hf) x [x0, x0+wf)`` of ``img`` to ``(out_h, out_w)``.
-
-    Same filter as :func:`resize_bilinear_aa` (Gaussian pre-blur on downscaled axes, then
-    bilinear with pixel-centre alignment ``src = x0 + (dst + 0.5) * wf / out_w - 0.5``), but the
-    box may start and end between pixels.  Only pixels inside the box (rounded outwards) are read,
-    as when a crop is resized.  Bilinear weights are quantised to 1/32 pixel (OpenCV's
-    ``warpAffine``), against 1/2048 in ``cv2.resize``: results differ from
-    :func:`resize_bilinear_aa` on an integer box by at most a few levels, mostly 0.
-
-    Args:
-        img: ``(H, W, 3)`` uint8.
-        y0, x0, hf, wf: box in pixels of ``img`` (``hf, wf > 0``; inside the image).
-        out_h, out_w: output size in pixels.
-
-    Returns:
-        New ``(out_h, out_w, 3)`` uint8 array.
-    """
-    H, W = img.shape[:2]
-    ys, xs = max(0, int(math.floor(y0 + 1e-6))), max(0, int(math.floor(x0 + 1e-6)))
-    ye = min(H, max(ys + 1, int(math.ceil(y0 + hf - 1e-6))))
-    xe = min(W, max(xs + 1, int(math.ceil(x0 + wf - 1e-6))))
-    region = img[ys:ye, xs:xe]
-    sx, sy = wf / out_w, hf / out_h
-    if (xs, ys) == (x0, y0) and (xe - xs, ye - ys) == (wf, hf):
-        return resize_bilinear_aa(region, out_w, out_h)  # an integer box: the exact path
-    kx, ky = _gauss_kernel(sx), _gauss_kernel(sy)
-    if kx is not None or ky is not None:
-        region = cv2.sepFilter2D(np.ascontiguousarray(region), -1, _IDENTITY if kx is None else kx,
-                                 _IDENTITY if ky is None else ky, borderType=cv2.BORDER_REPLICATE)
-    m = np.array([[sx, 0.0, x0 - xs + 0.5 * sx - 0.5], [0.0, sy, y0 - ys + 0.5 * sy - 0.5]], np.float64)
-    res = cv2.warpAffine(np.ascontiguousarray(region), m, (out_w, out_h),
-                         flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE)
-    if res.shape != (out_h, out_w, 3):
-        raise RuntimeError(f"cv2.warpAffine returned shape {res.shape}, expected {(out_h, out_w, 3)}")
-    return res
 
 
 def train_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], rng: np.random.Generator,

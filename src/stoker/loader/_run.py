@@ -10,12 +10,16 @@ new one. The data flow and the processes are drawn in this package's README.md.
 from __future__ import annotations
 
 import logging
+import mmap
 import time
+import weakref
 
-from .epoch_stats import EpochStats, account, fill_from_counters, process_cpu_s
+from . import inflight as infl
+from .epoch_stats import EpochStats, account, fill_from_counters, fill_origin_figures, process_cpu_s
 from .prefetch import block_schedule
 from .procs import ProcessesMixin, WorkerError
 from .shm import SlotRing
+from .split import join_replies, split_ids
 from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ class Run(ProcessesMixin):
         self._transfer = None
         self._own_staging = False
         self._pre: dict | None = None  # the next epoch's first batches, dispatched early
+        self._parts: dict[tuple, tuple] = {}  # (run, seq) of a split batch -> (parts, replies so far)
         self._run_id = 0  # one per epoch served: replies carry it, so stale ones are recognised
         self._worker_counters: dict[int, dict] = {}  # worker id -> its last counters (dead ones kept)
         self._pf_off = False  # the prefetcher died more often than allowed this epoch (respawn.py)
@@ -54,6 +59,8 @@ class Run(ProcessesMixin):
         self._restarts: list[int] = [0] * self.num_workers  # replacements per worker slot, this epoch
         self._pf_restarts = 0
         self._restarted_at = 0.0  # time.monotonic() of the last replacement
+        self._start_s = 0.0  # seconds the next epoch's iter() spent starting this pipeline
+        self._live_gen: weakref.ref | None = None  # the last epoch's generator, closed by close()
         self.started = False
 
     def start(self) -> None:
@@ -72,14 +79,19 @@ class Run(ProcessesMixin):
             from .transfer import DeviceTransfer
             self._transfer = DeviceTransfer(loader.device)
         self._ring = SlotRing(self.batch_size, self.cfg.image_size, self.prefetch_batches + 2,
-                              shared=self.num_workers > 0)  # SharedMemoryError: not one slot fits
+                              shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
+                              slot_bytes=mmap.PAGESIZE if self.cfg.generic else None)  # grown by batches.py
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
             from ..cache import StagingArea
-            self.dataset.staging = StagingArea.create(self.dataset.cache.root)
+            self.dataset.staging = StagingArea.create(self.dataset.cache.root,
+                                                      getattr(self.dataset.cache, "mode", 0o600))
             self._own_staging = True
         self.started = True  # from here on, close() has something to stop
         if self.num_workers > 0:
             self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
+        elif self.cfg.generic:
+            from .batches import GenericDecoder
+            self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
         if loader.decode_device is not None and loader._device_decoder is None:  # after the forks (CUDA)
@@ -91,8 +103,17 @@ class Run(ProcessesMixin):
         memory and the staging area this run made. Idempotent."""
         if not self.started:
             return
+        gen = self._live_gen() if self._live_gen is not None else None
+        if gen is not None and gen.gi_frame is not None and not gen.gi_running:
+            # an epoch's iterator still held by the caller: end it now, while the processes and
+            # the interpreter are up (its stats are final then), not when it is collected at exit
+            try:
+                gen.close()
+            except Exception as exc:  # noqa: BLE001 - closing must go on
+                log.warning("ending the open epoch at close: %s: %s", type(exc).__name__, exc)
         self.started = False
         self._pre = None
+        self._parts = {}
         if self._workers:
             self._stop.set()  # workers drop queued tasks instead of finishing them
         for q in getattr(self, "_task_qs", []):
@@ -124,11 +145,16 @@ class Run(ProcessesMixin):
         their replies are recognised by their run id and their slots freed."""
         self._pre = None
 
-    def epoch(self, epoch: int, start: int = 0):
+    def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0):
         """A generator of the batches of ``epoch`` from batch ``start`` on (see
-        :class:`stoker.loader.Loader` for what a batch is)."""
+        :class:`stoker.loader.Loader` for what a batch is). ``stats.first_batch_s`` counts from
+        this call; ``start_s``: seconds the loader's ``iter()`` spent starting this pipeline
+        (``stats.pipeline_start_s``)."""
         self._run_id += 1
-        return self._epoch(self._run_id, epoch, start)
+        gen = self._epoch(self._run_id, epoch, start, time.perf_counter())
+        self._start_s = start_s
+        self._live_gen = weakref.ref(gen)
+        return gen
 
     # -- counters ---------------------------------------------------------
     def _cpu(self) -> dict:
@@ -139,9 +165,9 @@ class Run(ProcessesMixin):
             out["prefetch"] = process_cpu_s(self._prefetcher.pid)
         return out
 
-    def _totals(self, pf_counters=None) -> dict:
-        """Counters summed over the workers and the prefetcher (``pf_counters``: a snapshot of
-        the prefetcher's counters to use instead of their current values)."""
+    def _totals(self) -> dict:
+        """Counters summed over the workers, and the prefetcher's clocks (its origin traffic is
+        read per plan from its ledger, :meth:`_pf_ledger`)."""
         tot: dict[str, int] = {}
         sources = (list(self._worker_counters.values()) if self.num_workers > 0
                    else [counters(self.dataset, self.cfg.derived)])
@@ -149,18 +175,29 @@ class Run(ProcessesMixin):
             for k, v in c.items():
                 tot[k] = tot.get(k, 0) + v
         if self._prefetcher is not None:
-            pc = list(self._pf_counters) if pf_counters is None else pf_counters
-            tot["origin_bytes"] = tot.get("origin_bytes", 0) + pc[0]
-            tot["origin_requests"] = tot.get("origin_requests", 0) + pc[1]
-            tot["prefetch_fills"] = pc[2]
-            tot["prefetch_staged"] = pc[5]
+            pc = list(self._pf_counters)
             tot["prefetch_depth_sum"] = pc[6]
             tot["prefetch_depth_n"] = pc[7]
+            tot["origin_busy_us"] = pc[infl.BUSY_US]
+            tot["origin_request_us"] = pc[infl.REQUEST_US]
         return tot
 
-    def _epoch(self, run: int, epoch: int, start: int = 0):
+    def _pf_ledger(self, run: int) -> dict:
+        """The prefetcher's origin traffic charged to plan ``run`` (zeros without a prefetcher),
+        with its in-flight target, latency and bandwidth estimates now."""
+        if self._prefetcher is None:
+            return {}
+        out = infl.ledger_row(self._pf_counters, run)
+        out.update(inflight_target=int(self._pf_counters[infl.TARGET]),
+                   origin_latency_us=int(self._pf_counters[infl.LATENCY_US]),
+                   origin_bandwidth_Bps=int(self._pf_counters[infl.BANDWIDTH_BPS]))
+        return out
+
+    def _epoch(self, run: int, epoch: int, start: int = 0, t_iter: float | None = None):
         t_start = time.perf_counter()
+        t_iter = t_start if t_iter is None else t_iter
         stats = EpochStats(epoch=epoch)
+        stats.pipeline_start_s, self._start_s = self._start_s, 0.0
         if self.num_workers > 0:
             self._new_epoch_restarts()
         carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
@@ -172,8 +209,11 @@ class Run(ProcessesMixin):
             ids = ids[start * self.batch_size:]
             batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         self.state.position = (epoch, start)
-        # prefetch work for this epoch done while the previous one drained counts here
-        before = self._totals(carry.get("pf_boundary") if carry is not None else None)
+        if start == 0:
+            self.state.carry = None  # a streaming collate's carry never crosses an epoch
+        # the prefetcher's traffic for this epoch, also what it did while the previous one drained,
+        # is in its ledger row of this plan; the workers' early replies count here (carry)
+        before = self._totals()
         if carry is not None:  # workers' counters as of their early replies for this epoch
             self._worker_counters.update(carry["counters"])
         cpu_before = self._cpu()
@@ -184,35 +224,51 @@ class Run(ProcessesMixin):
             self._pf_send((run, *block_schedule(self.dataset, ids)))
         wait_box = [0.0]  # seconds blocked in next(), also when the epoch is cut short
         t_resume = time.perf_counter()
+        self.loader._live.begin(self, stats, before, wait_box, t_start)  # live figures (loader/live.py)
         try:
             if self.num_workers == 0:
                 for seq, bids in enumerate(batches):
-                    slot = self._ring.acquire()
-                    out = self._deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self._ring.views(slot)),
-                                        stats=stats, delivered=delivered)
+                    last = seq == len(batches) - 1
+                    if self.cfg.generic:  # the user's decode/collate, here; no slot
+                        n, sk, sk_keys, batch = self._decoder.run(epoch, bids)
+                        out = self._deliver(epoch, None, bids, n, sk, sk_keys, None,
+                                            None if batch is None else ("local", batch),
+                                            stats=stats, delivered=delivered, last=last)
+                    else:
+                        slot = self._ring.acquire()
+                        out = self._deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self._ring.views(slot)),
+                                            stats=stats, delivered=delivered)
                     if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self.state.position = (epoch, start + seq + 1)
                         continue
                     wait_box[0] += time.perf_counter() - t_resume
                     self.state.position = (epoch, start + seq + 1)
+                    self.loader._live.tick()
+                    if not stats.first_batch_s:
+                        stats.first_batch_s = time.perf_counter() - t_iter
                     yield out
                     t_resume = time.perf_counter()
             else:
-                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry)
+                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)
         finally:
             stats.seconds = time.perf_counter() - t_start
             stats.worker_restarts, stats.prefetcher_restarts = sum(self._restarts), self._pf_restarts
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
-            pre = self._pre if self._pre is not None and self._pre["epoch"] != epoch else None
-            after = self._totals(pre.get("pf_boundary") if pre is not None else None)
-            fill_from_counters(stats, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wait_box[0], ids,
-                               delivered, len(self.dataset))
+            after = self._totals()
+            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            ledger = self._pf_ledger(run)
+            for k in infl.LEDGER_FIELDS[1:]:
+                d[k] = d.get(k, 0) + ledger.get(k, 0)
+            fill_from_counters(stats, d, wait_box[0], ids, delivered, len(self.dataset))
+            fill_origin_figures(stats, d, ledger, self.num_workers)
             self.loader.stats = stats
             self.loader.history.append(stats)
+            self.loader._live.end(stats, d)
             if self.state.position[0] == epoch and self.state.epoch == epoch + 1:  # no later iter()/set_epoch/load
                 if self.state.position[1] == start + len(batches):  # every batch done (yielded or all skipped)
                     self._report_epoch(stats)
                 self.state.position = (epoch + 1, 0)  # done or cut short: the next iter() (and a resume) runs epoch + 1
+                self.state.carry = None
 
     def _report_epoch(self, stats: EpochStats) -> None:
         """Tell the node cache's policy how fast this job reads its dataset: the time to
@@ -227,10 +283,16 @@ class Run(ProcessesMixin):
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)
 
-    def _deliver(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, *, stats, delivered):
+    def _deliver(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, generic=None, *, stats, delivered,
+                 last=False):
         """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
         tensors over the slot (or on ``device``), or the device decode of the workers'
-        ``payloads`` (the slot is then released at once). None when every sample was skipped."""
+        ``payloads`` (the slot is then released at once), or the user's collated batch
+        (``generic``, the worker's reply of :func:`stoker.loader.batches.pack_reply`; ``last``: the
+        epoch's last batch, where a streaming collate flushes its carry). None when every sample
+        was skipped (or a streaming collate carried every token to the next batch)."""
+        if self.cfg.generic:
+            return self._deliver_generic(slot, bids, skipped, skipped_keys, generic, stats, delivered, last)
         if payloads is not None:
             labels = self._ring.views(slot)[1][:n].copy()
             self._ring.release(slot)
@@ -244,26 +306,71 @@ class Run(ProcessesMixin):
         imgs, labels = self._ring.batch(slot, n)
         return self._as_batch(imgs, labels)
 
+    def _deliver_generic(self, slot, bids, skipped, skipped_keys, reply, stats, delivered, last):
+        from .batches import receive, to_device
+        account(stats, bids, skipped, skipped_keys, delivered)
+        batch = receive(self._ring, slot, reply, stats)
+        cut = getattr(self.cfg.collate, "cut", None)  # a streaming collate (stoker.collate.PackTokens)
+        if cut is not None and (batch is not None or (last and self.state.carry is not None)):
+            if batch is None:
+                batch = {"tokens": self.state.carry[:0]}
+            batch, self.state.carry = cut(self.state.carry, batch, last)
+        if batch is None:
+            return None
+        return batch if self._transfer is None else to_device(batch, self._transfer.device)
+
     def _as_batch(self, imgs, labels):
         """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.transfer`."""
         from .._torch import as_tensors
         out = as_tensors(imgs, labels)
         return out if self._transfer is None else self._transfer(*out)
 
-    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False) -> bool:
+    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False,
+                  split: bool = False) -> bool:
         """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
         shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
         consumer waits for; then SharedMemoryError when no slot is with the workers either (every
-        slot is held by batches the caller keeps): none would come back, waiting would only time out."""
+        slot is held by batches the caller keeps): none would come back, waiting would only time out.
+        ``split``: the first batch of an epoch, decoded by every worker at once (:mod:`.split`)."""
         slot = self._ring.try_acquire()
         if slot is None:
             if may_raise and not self._ring.busy:
                 raise self._ring.shortage()
             return False
         self._ring.busy.add(slot)
-        self._send_task((run, seq, epoch, slot, self._ring.paths[slot], bids))
+        parts = [(0, bids)]
+        if split and self.num_workers > 1 and not self.cfg.generic and self.cfg.decode_on == "cpu":
+            parts = split_ids(bids, self.num_workers)
+        if len(parts) > 1:
+            self._parts[(run, seq)] = (len(parts), [])
+        for offset, ids in parts:
+            self._send_task((run, seq, epoch, slot, self._ring.paths[slot], ids, offset))
         inflight[seq] = (slot, bids)
         return True
+
+    def _keep_counters(self, msg: tuple, run: int) -> None:
+        """Record the worker counters a reply carries (every reply, each part of a split batch
+        too), where its run counts them: the pre-dispatched next epoch's own, else this run's (a
+        reply to an abandoned epoch counts here as well)."""
+        pre = self._pre
+        if msg[2] != run and pre is not None and msg[2] == pre["run"]:
+            pre["counters"][msg[1]] = msg[8]
+        else:
+            self._worker_counters[msg[1]] = msg[8]
+
+    def _whole(self, msg: tuple):
+        """The reply of a whole batch: ``msg`` itself, or for a part of a split batch None until
+        its last part came, then the joined reply (:func:`.split.join_replies`)."""
+        key = (msg[2], msg[3])
+        if key not in self._parts:
+            return msg
+        left, msgs = self._parts[key]
+        msgs.append(msg)
+        if left > len(msgs):
+            return None
+        del self._parts[key]
+        images, labels = self._ring.views(msg[4])
+        return join_replies(msgs, images, labels)
 
     def _predispatch(self, epoch: int) -> None:
         """Start the first batches of the next epoch while this one drains (its plan is a pure
@@ -276,16 +383,25 @@ class Run(ProcessesMixin):
         pre = {"run": self._run_id, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
                "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
         while pre["next"] < min(len(batches), self.prefetch_batches):
-            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"]):
+            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"],
+                                  split=pre["next"] == 0):
                 break
             pre["next"] += 1
         self._pre = pre
         if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
-            pre["pf_boundary"] = list(self._pf_counters)  # its work from here on is the next epoch's
             self._pf_prev_done.value = self._pf_done.value
             self._pf_pos.value = pre["next"] * self.batch_size
             self._pf_done.value = 0
-            self._pf_send((pre["run"], *block_schedule(self.dataset, ids)))
+            # draining: blocks this epoch still needs are charged to it, not to the next one
+            self._pf_send((pre["run"], *block_schedule(self.dataset, ids), True))
+
+    def _pf_plan_done(self, run: int) -> bool:
+        """Whether the prefetcher has fetched (or given up) every block of plan ``run``: only then
+        do the next epoch's first batches start, so that their reads never fetch a block this
+        epoch still needs and charge it to the next one (True without a working prefetcher)."""
+        if self._prefetcher is None or self._pf_off:
+            return True
+        return int(self._pf_counters[infl.PLAN_DONE]) >= run
 
     def _take_pre(self, epoch: int, start: int):
         """The pre-dispatched next epoch, if it is the one starting now; else drop it."""
@@ -294,16 +410,17 @@ class Run(ProcessesMixin):
             return pre
         return None
 
-    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None):
+    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None, t_iter=None):
         pending: dict[int, tuple] = carry["pending"] if carry else {}
         try:
-            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending)
+            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending,
+                                          t_iter)
         finally:  # replies never yielded (an epoch cut short, an error): their slots are free again
             for msg in pending.values():
                 self._ring.release(msg[4])
             pending.clear()
 
-    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending):
+    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending, t_iter):
         inflight: dict[int, tuple] = carry["inflight"] if carry else {}
         next_dispatch = carry["next"] if carry else 0
         for seq in range(len(batches)):
@@ -311,13 +428,15 @@ class Run(ProcessesMixin):
             while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
                 while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
                     if not self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
-                                          may_raise=next_dispatch <= seq):  # (the batch now due)
+                                          may_raise=next_dispatch <= seq,  # (the batch now due)
+                                          split=next_dispatch == 0):
                         break  # shared memory is short: more go out as slots come back
                     next_dispatch += 1
                     if self._prefetcher is not None and self._pre is None:
                         self._pf_pos.value = next_dispatch * self.batch_size
                 if (next_dispatch == len(batches) and self._pre is None and self.state.resume_batch == 0
-                        and self.state.epoch == epoch + 1 and self.loader.prefetch_next_epoch):
+                        and self.state.epoch == epoch + 1 and self.loader.prefetch_next_epoch
+                        and self._pf_plan_done(run)):
                     self._predispatch(epoch + 1)
                 if seq in pending:
                     break
@@ -328,28 +447,31 @@ class Run(ProcessesMixin):
                     if time.monotonic() > max(deadline, self._restarted_at + self.timeout_s):
                         raise self._stall_error(seq, epoch) from None
                     continue
-                kind, wid, mrun = msg[0], msg[1], msg[2]
+                self._keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
+                msg = self._whole(msg)
+                if msg is None:  # a part of a split batch; the others are still being decoded
+                    continue
+                mrun = msg[2]
                 self._ring.busy.discard(msg[4])
                 if mrun != run:
                     if self._pre is not None and mrun == self._pre["run"]:
                         self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
-                        self._pre["counters"][wid] = msg[8]  # its work counts in the next epoch
                     else:  # a reply to an abandoned epoch: just free its slot
-                        self._worker_counters[wid] = msg[8]
                         self._ring.release(msg[4])
                     continue
-                self._worker_counters[wid] = msg[8]
                 pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
             msg = pending.pop(seq)
             if msg[0] == "error":
-                _, wid, _, _, slot, key, err, tb, _ = msg
+                _, wid, _, _, slot, key, err, tb = msg[:8]
                 self._ring.release(slot)
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self.state.position[1]}): {err}\n{tb}")
+                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self.state.position[1]}): "
+                                  f"{err}\n{tb}") from msg[9]  # the worker's own stoker error, or None (workers.py)
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
                 self._check_prefetcher()
-            out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], stats=stats, delivered=delivered)
+            out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
+                                delivered=delivered, last=seq == len(batches) - 1)
             if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self.state.position = (epoch, self.state.position[1] + 1)
                 continue
@@ -360,5 +482,8 @@ class Run(ProcessesMixin):
                     self._pf_done.value = (seq + 1) * self.batch_size
                 else:  # the prefetcher is on the next plan already: this one's progress is "previous"
                     self._pf_prev_done.value = (seq + 1) * self.batch_size
+            self.loader._live.tick()
+            if not stats.first_batch_s:
+                stats.first_batch_s = time.perf_counter() - t_iter
             yield out
             t_resume = time.perf_counter()

@@ -29,6 +29,9 @@ class WorkerConfig:
         derived: the derived-sample cache (:class:`stoker.loader.derived.DerivedCache`) the
             workers read from and fill, or None (set when the pipeline starts, with
             :func:`dataclasses.replace`).
+        decode: the user's ``decode(fields, rng) -> sample``, or None (:mod:`stoker.loader.batches`).
+        collate: the user's ``collate(samples) -> batch``, or None (:func:`stoker.collate.default`
+            when ``decode`` is set).
     """
 
     transform: str
@@ -39,3 +42,32 @@ class WorkerConfig:
     batch_size: int
     decode_on: str = "cpu"
     derived: Any = None
+    decode: Any = None
+    collate: Any = None
+
+    @property
+    def generic(self) -> bool:
+        """True when the user's decode/collate make the batches (not the built-in image recipes)."""
+        return self.decode is not None or self.collate is not None
+
+    def check_picklable(self, start_method: str) -> None:
+        """Check that ``decode`` and ``collate`` can be sent to workers started with
+        ``start_method`` (``fork`` sends nothing: a child inherits them).
+
+        Raises:
+            TypeError: one of them cannot be pickled; names the function and says what to do.
+        """
+        if start_method == "fork":
+            return
+        import pickle
+        for role, fn in (("decode", self.decode), ("collate", self.collate)):
+            if fn is None:
+                continue
+            try:
+                pickle.dumps(fn)
+            except Exception as exc:  # noqa: BLE001 - pickle raises many kinds
+                name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+                raise TypeError(
+                    f"{role}={name} cannot be sent to worker processes started with {start_method!r}: it does not "
+                    f"pickle ({type(exc).__name__}: {exc}). Define it at the top level of a module the workers can "
+                    f"import (not a lambda or a nested function), or pass start_method='fork'") from exc

@@ -25,12 +25,14 @@ epoch depend on which entries the cache held when the epoch ran.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from .._atomic import open_file
 from ..decode.forms import SAME, EntryError, Form, make_entry, parse_form, read_entry
 from ..decode.transforms import eval_resize_for, eval_transform_reduced, train_transform_reduced
 
@@ -93,20 +95,23 @@ class DerivedCache:
         version: the dataset's content version (``ds.version``).
         exif_orientation: whether images were decoded with EXIF orientation (part of the key).
         size: output side, used to resolve a bare ``"jpeg"`` to its default cap.
+        mode: file mode of the entries (:mod:`stoker.cache.perms`; default
+            ``$STOKER_CACHE_MODE`` or 0600, directories 0700): the node cache's mode.
 
     Picklable (each process reopens the store by path; counters start at zero).
 
     Raises:
-        ValueError: a ``raw`` or unknown form, a negative budget.
+        ValueError: a ``raw`` or unknown form, a negative budget, a bad mode.
+        stoker.CacheModeError, stoker.UnsafePathError: see :class:`stoker.cache.DiskCache`.
     """
 
     def __init__(self, root: str, capacity_bytes: int, form, version: str, *,
-                 exif_orientation: bool = False, size: int = 224):
+                 exif_orientation: bool = False, size: int = 224, mode: int | str | None = None):
         from ..cache import DiskCache
         self.form: Form = parse_form(form, size)
         if self.form.kind == "raw":
             raise ValueError("the raw form has no derived cache")
-        self.store = DiskCache(root, int(capacity_bytes), policy="noevict")
+        self.store = DiskCache(root, int(capacity_bytes), policy="noevict", mode=mode)
         self.namespace = f"{version}-{self.form.name}" + ("-exif" if exif_orientation else "")
         self.stats = DerivedStats()
         self._skip_fills = 0
@@ -141,8 +146,10 @@ class DerivedCache:
         """
         path = self.path(sid)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = open_file(path, os.O_RDONLY)  # a symlink planted at the name is not followed
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ELOOP:
+                raise
             self.stats.misses += 1
             return None
         try:
@@ -205,7 +212,10 @@ def setup(ds, form, *, capacity_bytes: int, root: str | None, workers: int, mode
     Raises:
         ValueError: unknown form name; see :func:`~stoker.decode.choose.choose_form`.
     """
+    from ..cache.perms import ensure_dir, parse_mode
     root = root or default_root(ds)
+    cache_mode = parse_mode(getattr(ds.cache, "mode", None))
+    ensure_dir(root, cache_mode)  # before the storage probe of "auto" writes there: the cache's mode
     if form == "auto":
         from ..decode.choose import choose_form
         report = choose_form(ds, workers=workers, capacity_bytes=capacity_bytes, root=root, mode=mode, size=size)
@@ -215,6 +225,7 @@ def setup(ds, form, *, capacity_bytes: int, root: str | None, workers: int, mode
         report = {"choice": name}
     if name == "raw":
         return None, report
-    cache = DerivedCache(root, capacity_bytes, name, ds.version, exif_orientation=exif_orientation, size=size)
+    cache = DerivedCache(root, capacity_bytes, name, ds.version, exif_orientation=exif_orientation, size=size,
+                         mode=cache_mode)
     report["root"], report["recovered"] = cache.root, cache.recover()
     return cache, report

@@ -24,6 +24,27 @@ class EpochStats:
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
     counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
     crash) and were replaced, within the bounds of :mod:`stoker.loader.respawn`.
+
+    Origin bytes, requests, fills and staged blocks of the prefetcher are charged to the epoch
+    whose samples they serve first (its work for the next epoch while this one drains counts
+    there: :mod:`stoker.loader.inflight`), so a warm epoch shows only what it read itself.
+
+    Cold-start and overlap figures (names kept stable for metrics exporters):
+
+    - ``first_batch_s``: seconds from ``iter()`` to the first batch delivered (0.0 when none was),
+      not counting the pipeline's one-time start: ``pipeline_start_s`` (processes, shared memory,
+      torch's import; 0.0 for every epoch after the first of a started pipeline).
+    - ``origin_busy_fraction``: share of the epoch's wall time with at least one prefetch request
+      in flight to the origin (the prefetcher's own clock; 0.0 without one).
+    - ``inflight_requests``: mean prefetch requests in flight while any was (request-seconds /
+      busy seconds); ``inflight_target``: the requests the prefetcher keeps in flight at the end
+      of the epoch, from the measured bandwidth-delay product; ``origin_latency_s`` and
+      ``origin_bandwidth_Bps``: the estimates it came from (0 before any was measured).
+    - ``overlap_efficiency`` = max(origin_bytes / origin_bandwidth_Bps, decode seconds) /
+      ``seconds``: how close the epoch came to the slower of its two limits (the design notes'
+      definition). Here the decode seconds are the workers' CPU seconds / ``num_workers`` (the
+      time decoding needs with every worker busy) and the bandwidth is the measured estimate;
+      benchmarks recompute it with calibrated limits.
     """
 
     epoch: int
@@ -55,10 +76,20 @@ class EpochStats:
     derived_fills: int = 0         # derived entries written this epoch
     worker_restarts: int = 0       # dead decode workers replaced this epoch (their batches decoded again)
     prefetcher_restarts: int = 0   # dead prefetch processes replaced this epoch
+    shm_batches: int = 0           # user-collated batches moved through shared memory (no pickling)
+    pickled_batches: int = 0       # user-collated batches pickled through a pipe (not arrays/tensors)
+    pickled_bytes: int = 0         # their pickled bytes
+    first_batch_s: float = 0.0     # iter() to the first batch delivered (pipeline start excluded)
+    pipeline_start_s: float = 0.0  # seconds iter() spent starting the pipeline (its first epoch only)
+    overlap_efficiency: float = 0.0
+    origin_busy_fraction: float = 0.0
+    inflight_requests: float = 0.0  # mean prefetch requests in flight while busy
+    inflight_target: int = 0        # requests in flight the prefetcher aims for (bandwidth-delay product)
+    origin_latency_s: float = 0.0   # shortest prefetch request seen (an estimate of the origin's latency)
+    origin_bandwidth_Bps: float = 0.0  # highest aggregate prefetch rate measured
 
     def as_dict(self) -> dict:
         return asdict(self)
-
 
 
 def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> None:
@@ -113,6 +144,34 @@ def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarra
            else np.zeros(num_samples, np.int64))
     expected = np.bincount(ids, minlength=num_samples) if len(ids) else np.zeros(num_samples, np.int64)
     stats.exactly_once = bool(np.array_equal(got, expected))
+
+
+def fill_origin_figures(stats: EpochStats, d: dict, ledger: dict, num_workers: int) -> None:
+    """Set the busy fraction, requests in flight and overlap efficiency of ``stats`` from the
+    epoch's counter changes ``d`` (``origin_busy_us``, ``origin_request_us``) and the prefetcher's
+    ``ledger`` figures (``inflight_target``, ``origin_latency_us``, ``origin_bandwidth_Bps``).
+    ``stats.seconds`` and ``stats.cpu_s`` must be set already."""
+    busy_s, request_s = d.get("origin_busy_us", 0) / 1e6, d.get("origin_request_us", 0) / 1e6
+    stats.origin_busy_fraction = min(1.0, busy_s / stats.seconds) if stats.seconds else 0.0
+    stats.inflight_requests = request_s / busy_s if busy_s else 0.0
+    stats.inflight_target = int(ledger.get("inflight_target", 0))
+    stats.origin_latency_s = ledger.get("origin_latency_us", 0) / 1e6
+    stats.origin_bandwidth_Bps = float(ledger.get("origin_bandwidth_Bps", 0))
+    stats.overlap_efficiency = overlap_efficiency(
+        stats.seconds, stats.origin_bytes, stats.origin_bandwidth_Bps,
+        stats.cpu_s.get("workers", stats.cpu_s.get("main", 0.0)) / max(1, num_workers))
+
+
+def overlap_efficiency(seconds: float, origin_bytes: int, bandwidth_Bps: float, decode_s: float) -> float:
+    """max(origin_bytes / bandwidth_Bps, decode_s) / seconds: how close a pipeline that moved
+    ``origin_bytes`` bytes at ``bandwidth_Bps`` bytes/s and needed ``decode_s`` seconds of decoding
+    (samples / decode bound) came to the slower of the two limits in ``seconds`` of wall time
+    (stoker's design notes, "Measuring"). 0.0 when ``seconds`` is 0; a term with no bandwidth
+    counts as 0."""
+    if not seconds:
+        return 0.0
+    transfer_s = origin_bytes / bandwidth_Bps if bandwidth_Bps else 0.0
+    return max(transfer_s, decode_s) / seconds
 
 
 def process_cpu_s(pid: int | None) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import numbers
+import time
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from ..order import permutation, rank_plan
 from ._run import Run
 from .config import WorkerConfig
 from .epoch_stats import EpochStats
+from .live import LiveTotals
 from .state import IDENTITY_KEYS, LoaderState
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,18 @@ class Loader:
     second epoch (:mod:`stoker.loader.derived`): ``"jpeg"`` (re-encoded, shorter side capped
     at 320 px for 224), ``"jpeg256"``, ``"rgb256"``, ``"rgb"`` (decoded pixels), or ``"auto"``
     (measured choice, :mod:`stoker.decode.choose`; ``self.cache_form_report`` holds the rates).
+    ``decode`` / ``collate``: any kind of sample (tokens, audio, features), see
+    :mod:`stoker.loader.batches`. ``decode(fields, rng) -> sample`` runs in the workers on every
+    sample: ``fields`` is ``{field name: bytes}`` (:meth:`stoker.store.dataset.Dataset.read_fields`),
+    ``rng`` a ``numpy.random.Generator`` seeded by (seed, epoch, sample id), so augmentation is
+    reproducible and resumable. ``collate(samples) -> batch`` runs there too (default
+    :func:`stoker.collate.default`; also :func:`stoker.collate.pad`, :func:`stoker.collate.pack_tokens`).
+    Iterating then yields ``collate``'s batches: arrays/tensors (in dicts, tuples, lists) come
+    through shared memory without pickling, anything else pickled (``stats.shm_batches``,
+    ``stats.pickled_batches``). A decode that raises or returns None fails the batch with a
+    WorkerError naming the sample's key (``on_error="skip"``: skipped and counted). Under
+    ``spawn``/``forkserver`` both must pickle: TypeError naming the function otherwise.
+    ``transform``/``image_size`` do not apply then.
     ``device``: ``None``/``"cpu"`` yield the shared-memory tensors; ``"cuda"`` copies each
     batch through pinned memory on a side stream (:mod:`stoker.loader.transfer`; RuntimeError at
     construction when CUDA is not available).
@@ -84,12 +98,54 @@ class Loader:
     ``cache_form``. ``loader.device_decode_stats`` counts the samples per path.
     The images of a batch live in shared memory; the slot is reused only after
     every reference to the batch tensor is dropped.
+    ``metrics_port``: serve Prometheus metrics of this loader on that port (0: any free one;
+    default ``$STOKER_METRICS_PORT``, none when unset; :mod:`stoker.metrics` lists them; needs
+    the ``metrics`` extra: ImportError without it, OSError when the port is taken; a port from
+    the environment that is taken is logged and training goes on). ``metrics_url`` is where.
+    The live figures also go, every second, beside the node cache's job records, where
+    ``stoker top`` reads them (:mod:`stoker.loader.live`).
+
+    ``fetch_concurrency`` is the least number of ranged GETs the prefetcher keeps in flight; it
+    keeps more (up to :data:`stoker.loader.inflight.MAX_INFLIGHT`) while the measured latency x
+    bandwidth / block size asks for them (:mod:`stoker.loader.inflight`).
+
+    Origin bytes are charged to the epoch whose samples they serve, so warm epochs show only
+    their own reads.
 
     Attributes besides the arguments: ``state`` (:class:`stoker.loader.state.LoaderState`,
     where the stream stands), ``cfg`` (the frozen :class:`stoker.loader.config.WorkerConfig`
     the workers receive), ``stats`` (the last epoch's :class:`EpochStats`) and ``history``
     (every epoch's). The processes live in a :class:`stoker.loader._run.Run`, started by the
     first ``iter()`` and stopped by :meth:`close`.
+
+    ``stats`` fields (:class:`stoker.loader.epoch_stats.EpochStats`; one rank, one epoch;
+    ``stats.as_dict()`` gives a dict): ``epoch`` (index); ``samples`` and ``batches``
+    delivered (skipped samples not counted); ``seconds`` (s, wall time from the epoch's
+    ``iter()`` to its last batch); ``wait_s`` (s blocked in ``next()``); ``stall_fraction``
+    (``wait_s / seconds``, 0-1); ``samples_per_s`` (samples/s); ``origin_bytes`` (bytes
+    received from the origin by every process of the loader) and ``origin_requests`` (ranged
+    GETs); ``cache_hits`` / ``cache_misses`` (sample reads served by the node cache / not),
+    ``cache_hit_ratio`` (0-1), ``memory_hits`` (hits served by the shared-memory tier);
+    ``prefetch_fills`` (blocks the prefetcher admitted to the cache), ``prefetch_staged``
+    (blocks fetched just in time into staging), ``prefetch_depth_bytes`` (mean bytes ready
+    ahead of the consumer), ``staged_hits`` (samples read from staged blocks),
+    ``direct_reads`` (samples read from the origin one by one); ``evictions`` (blocks),
+    ``corrupt_blocks`` (cached blocks that failed a checksum, dropped and fetched again);
+    ``skipped`` (samples) and ``skipped_keys`` (their keys, the first 100); ``exactly_once``
+    (bool: the delivered ids equal the rank's plan); ``cpu_s`` (dict of CPU seconds: ``main``,
+    ``workers``, ``prefetch``; Linux); ``order_displacement`` (mean move in positions of
+    ``cache_aware_window``); ``derived_hits`` / ``derived_fills`` (samples decoded from /
+    written to the derived-sample cache); ``worker_restarts`` / ``prefetcher_restarts``
+    (dead processes replaced); ``shm_batches`` / ``pickled_batches`` (user-collated batches
+    moved through shared memory / pickled through a pipe) and ``pickled_bytes`` (bytes).
+    Cold starts and overlap (stable names, for metrics exporters): ``first_batch_s`` (s,
+    ``iter()`` to the first batch delivered, the pipeline's one-time start not included: that is
+    ``pipeline_start_s``, s); ``overlap_efficiency`` (0-1: max(bytes / origin bandwidth,
+    samples / decode bound) / seconds); ``origin_busy_fraction`` (0-1, share of the epoch with a
+    request in flight); ``inflight_requests`` (mean prefetch requests in flight while busy) and
+    ``inflight_target`` (requests the prefetcher aims for, from the bandwidth-delay product);
+    ``origin_latency_s`` (s, shortest request seen) and ``origin_bandwidth_Bps`` (bytes/s,
+    highest aggregate rate measured).
     """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
@@ -101,7 +157,8 @@ class Loader:
                  order: str = "blockwise", order_window: int = 16, start_method: str | None = None,
                  prefetch_next_epoch: bool = True, cache_aware_window: int = 0,
                  cache_form: str | None = None, cache_form_bytes: int | str = 16 << 30, cache_form_dir: str | None = None,
-                 device: str | None = None, decode_device=None):
+                 device: str | None = None, decode_device=None, decode=None, collate=None,
+                 metrics_port: int | None = None):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if on_error not in ("raise", "skip"):
@@ -115,6 +172,12 @@ class Loader:
             raise ValueError(f"image_size must be >= 1, got {image_size}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        for role, fn in (("decode", decode), ("collate", collate)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{role} must be a function, got {type(fn).__name__} {fn!r}")
+        if (decode is not None or collate is not None) and (cache_form is not None or decode_device is not None):
+            raise ValueError("decode/collate (the user's samples) cannot be used with cache_form or decode_device "
+                             "(the built-in image paths)")
         if cache_form not in (None, "auto"):
             from ..decode.forms import parse_form
             parse_form(cache_form, image_size)  # ValueError now, not in a worker
@@ -162,7 +225,10 @@ class Loader:
                              else start_method or "fork")
         self.cfg = WorkerConfig(transform=transform, seed=self.seed, image_size=int(image_size), on_error=on_error,
                                 exif_orientation=exif_orientation, batch_size=self.batch_size,
-                                decode_on="cpu" if decode_device is None else "device")
+                                decode_on="cpu" if decode_device is None else "device", decode=decode,
+                                collate=collate)
+        if num_workers:
+            self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
         self.decode_device, self._device_decoder = decode_device, None
         self.cache_form, self.cache_form_dir = cache_form, cache_form_dir
         self.cache_form_bytes = parse_size(cache_form_bytes, "cache_form_bytes")
@@ -175,6 +241,33 @@ class Loader:
         self.cache_aware_window = int(cache_aware_window)
         self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
         rank_plan(np.zeros(0, np.int64), rank, world_size, even)  # validates rank/world/even
+        self._live = LiveTotals(self)
+        self._metrics = None
+        self._metrics_port, self._metrics_from_env = metrics_port, metrics_port is None
+        if metrics_port is None:
+            from ..metrics import metrics_port_from_env
+            self._metrics_port = metrics_port_from_env()  # ValueError naming the variable
+        self._export_metrics()
+
+    def _export_metrics(self) -> None:
+        """Serve this loader's metrics on ``metrics_port`` (see the class doc), unless served already."""
+        if self._metrics_port is None or self._metrics is not None:
+            return
+        from ..metrics import export_loader
+        try:
+            self._metrics = export_loader(self._live.snapshot, self._metrics_port, dataset=self.dataset.version,
+                                          rank=self.rank)
+        except OSError as exc:
+            if not self._metrics_from_env:
+                raise OSError(f"metrics_port={self._metrics_port}: {exc}") from exc
+            log.warning("no Prometheus metrics for this loader: port %s ($STOKER_METRICS_PORT) is taken (%s)",
+                        self._metrics_port, exc)
+            self._metrics_port = None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://addr:port/metrics`` where this loader's metrics are served, or None."""
+        return self._metrics.url if self._metrics is not None else None
 
     # -- plan -------------------------------------------------------------
     def plan(self, epoch: int | None = None) -> np.ndarray:
@@ -227,7 +320,9 @@ class Loader:
                  "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
                  "drop_last": self.drop_last, "transform": self.cfg.transform,
                  "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
-                 "cache_aware_window": self.cache_aware_window}
+                 "cache_aware_window": self.cache_aware_window,
+                 # a streaming collate's carry only means something to the same collate
+                 "carry_from": repr(self.cfg.collate) if hasattr(self.cfg.collate, "cut") else None}
         assert tuple(ident) == IDENTITY_KEYS
         return ident
 
@@ -265,6 +360,7 @@ class Loader:
         up first, once per loader). Raises what :meth:`stoker.loader._run.Run.start` raises."""
         if self._pipeline is not None:
             return self._pipeline
+        self._export_metrics()  # again after a close()
         if self.cache_form not in (None, "raw") and not self._derived_ready:
             from dataclasses import replace
 
@@ -287,10 +383,16 @@ class Loader:
 
     def close(self) -> None:
         """Stop workers and the prefetcher, unlink shared memory. Idempotent; a later
-        ``iter()`` starts a new pipeline."""
+        ``iter()`` starts a new pipeline. Also stops serving its metrics and removes its live
+        figures (a later ``iter()`` serves them again)."""
         run, self._pipeline = getattr(self, "_pipeline", None), None
         if run is not None:
             run.close()
+        live, metrics, self._metrics = getattr(self, "_live", None), getattr(self, "_metrics", None), None
+        if live is not None:
+            live.unpublish()
+        if metrics is not None:
+            metrics.close()
 
     def __enter__(self):
         return self
@@ -305,11 +407,14 @@ class Loader:
             pass
 
     def __iter__(self):
+        t_iter = time.perf_counter()
+        started = self._pipeline is not None
         run = self._start()
+        start_s = 0.0 if started else time.perf_counter() - t_iter  # stats.pipeline_start_s
         start, self.state.resume_batch = self.state.resume_batch, 0
         epoch = self.state.epoch
         self.state.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
-        return run.epoch(epoch, start)
+        return run.epoch(epoch, start, start_s=start_s)
 
     @property
     def device_decode_stats(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
+import time
 from collections import deque
 
 from .._procs import describe_exit, pick_start_method
@@ -27,6 +28,9 @@ __all__ = ["WorkerError", "ProcessesMixin"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
 FORKSERVER_PRELOAD = ["stoker.loader.workers", "stoker.decode", "stoker.loader.prefetch"]
+#: Most seconds the start waits for the processes to finish their own start (spawn or forkserver
+#: children import stoker and torch: seconds on a loaded machine).
+READY_TIMEOUT_S = 30.0
 
 
 class ProcessesMixin(RespawnMixin):
@@ -45,6 +49,7 @@ class ProcessesMixin(RespawnMixin):
             log.warning("starting stoker's worker processes with %r instead of fork: %s. Each worker imports "
                         "the main script again: keep the training code under `if __name__ == \"__main__\":`",
                         method, "; ".join(hazards))
+        self.cfg.check_picklable(method)  # TypeError naming the user's function that does not pickle
         self.start_method, self._fork_hazards = method, hazards
         ctx = mp.get_context(method)
         if method == "forkserver":
@@ -55,6 +60,7 @@ class ProcessesMixin(RespawnMixin):
         self._task_qs, self._result_qs, self._wids, self._assigned = [], [], [], []
         self._replies = deque()  # replies received, not yet taken by the epoch loop
         self._next_wid = 0  # worker ids: 0..num_workers-1, then one new id per replacement
+        self._ready = ctx.Value("q", 0)  # processes that finished their own start (see _wait_ready)
         self._new_epoch_restarts()
         for slot in range(self.num_workers):
             self._spawn_worker(slot)
@@ -64,6 +70,21 @@ class ProcessesMixin(RespawnMixin):
             self._pf_prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
             self._pf_counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
             self._spawn_prefetcher(adopt=False)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait until every worker and the prefetcher has finished its own start (the object
+        store client built, the decoder set up), so that this start is counted in the pipeline's
+        one-time start (``pipeline_start_s``) and the first epoch's plan reaches a prefetcher that
+        fetches at once, instead of workers racing it for the first blocks. Returns early when a
+        process has died (the epoch loop replaces or reports it) and after ``timeout_s`` seconds
+        (then the first epoch simply starts with processes still starting: never a hang)."""
+        procs = self._workers + ([self._prefetcher] if self._prefetcher is not None else [])
+        deadline = time.monotonic() + timeout_s
+        while self._ready.value < len(procs) and time.monotonic() < deadline:
+            if not all(p.is_alive() for p in procs):
+                return
+            time.sleep(0.002)
 
     def _sample_key(self, slot: int) -> str | None:
         """Key of the sample the worker in ``slot`` is on (``_current`` is indexed by slot, not by

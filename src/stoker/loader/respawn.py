@@ -1,7 +1,8 @@
 """Per-worker channels and the replacement of a loader's dead processes.
 
 Each decode worker has its own task queue and its own result queue, and the training process
-records which batches it handed to which worker (``_assigned[slot]``: ``(run, seq) -> task``).
+records which batches it handed to which worker (``_assigned[slot]``: ``(run, seq, offset) -> task``;
+the offset tells the parts of a split batch apart, :mod:`.split`).
 That is what makes a death survivable:
 
 - A shared task queue cannot be used: a worker waiting in ``get()`` holds the queue's read lock,
@@ -30,7 +31,8 @@ whole files (temporary file + rename) and fetch locks are ``flock`` locks that t
 releases when their holder dies, so nothing the dead one left blocks the new one.
 
 Limit: a reply is read once its queue is readable; a reply larger than the pipe's atomic write
-(4 KiB; replies carry no pixels, except the sample bytes when decoding on the device) cut short by
+(4 KiB; replies carry no pixels, except the sample bytes when decoding on the device, and a
+user-collated batch that is not arrays, pickled) cut short by
 a kill in the middle of writing it leaves a partial message that the reader would wait on.
 """
 from __future__ import annotations
@@ -79,7 +81,7 @@ class RespawnMixin:
         tasks, results = ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
                         args=(wid, self.dataset, self.cfg, tasks, results,
-                              SharedCell(self._current, slot), self._stop), daemon=True)
+                              SharedCell(self._current, slot), self._stop, self._ready), daemon=True)
         p.start()
         if slot < len(self._workers):
             self._workers[slot], self._task_qs[slot], self._result_qs[slot] = p, tasks, results
@@ -99,15 +101,16 @@ class RespawnMixin:
         self._prefetcher = ctx.Process(target=prefetch_main, name="stoker-prefetch",
                                        args=(self.dataset, self._pf_cmds, self._pf_pos, self._pf_done,
                                              self._pf_counters, self.fetch_concurrency, self.prefetch_bytes,
-                                             self.staging_bytes, self._pf_prev_done, adopt),
+                                             self.staging_bytes, self._pf_prev_done, adopt, self._ready),
                                        daemon=True)
         self._prefetcher.start()
 
     # -- talking -----------------------------------------------------------
     def _send_task(self, task: tuple) -> None:
-        """Hand ``task`` (run, seq, epoch, slot, slot path, ids) to the worker with fewest batches."""
+        """Hand ``task`` (run, seq, epoch, slot, slot path, ids, offset in the slot) to the worker
+        with fewest batches."""
         slot = min(range(len(self._workers)), key=lambda s: len(self._assigned[s]))
-        self._assigned[slot][(task[0], task[1])] = task
+        self._assigned[slot][(task[0], task[1], task[6])] = task
         self._task_qs[slot].put(task)
 
     def _pf_send(self, cmd) -> None:
@@ -141,7 +144,7 @@ class RespawnMixin:
                     msg = q.get(False)
                 except queue.Empty:
                     break
-                self._assigned[s].pop((msg[2], msg[3]), None)
+                self._assigned[s].pop((msg[2], msg[3], msg[-1]), None)  # (run, seq, offset)
                 self._replies.append(msg)
         for s in sorted(dead):
             self._replace_worker(s)

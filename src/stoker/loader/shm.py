@@ -111,8 +111,12 @@ class SlotRing:
         SharedMemoryError: not even one slot fits in the shared-memory directory.
     """
 
-    def __init__(self, batch_size: int, size: int, initial: int, *, shared: bool = True):
+    def __init__(self, batch_size: int, size: int, initial: int, *, shared: bool = True,
+                 slot_bytes: int | None = None):
         self.batch_size, self.size, self.shared = batch_size, size, shared
+        #: generic slots (user collate, :mod:`stoker.loader.batches`): bytes each slot starts with
+        #: (the workers grow a slot file when a batch needs more, and :meth:`remap` follows)
+        self.slot_bytes = slot_bytes
         self.base = shm_base() if shared else None
         if shared:
             remove_orphans(self.base)
@@ -135,7 +139,7 @@ class SlotRing:
     def _create(self) -> int | None:
         """A new slot's index, or None (and ``limited`` set) when the directory has no room."""
         i = len(self.paths)
-        _, _, total = slot_layout(self.batch_size, self.size)
+        total = self.slot_bytes if self.slot_bytes is not None else slot_layout(self.batch_size, self.size)[2]
         if not self.shared:
             self.paths.append(None)
             self._maps.append(mmap.mmap(-1, total))
@@ -195,6 +199,24 @@ class SlotRing:
 
     def release(self, i: int) -> None:
         self.free.append(i)
+
+    def buffer(self, i: int, nbytes: int) -> np.ndarray:
+        """Slot ``i`` as a uint8 array of at least ``nbytes`` (generic slots): the slot is mapped
+        again first when a worker grew its file past this process's mapping."""
+        mm = self._maps[i]
+        if nbytes > len(mm):
+            if self.paths[i] is None:  # pragma: no cover - private slots are never grown by a worker
+                raise ValueError(f"slot {i} holds {len(mm)} bytes, {nbytes} asked")
+            fd = os.open(self.paths[i], os.O_RDWR)
+            try:
+                mm = self._maps[i] = mmap.mmap(fd, nbytes)  # the old mapping goes with its last view
+            finally:
+                os.close(fd)
+        return np.ndarray((len(mm),), dtype=np.uint8, buffer=mm)
+
+    def hold(self, i: int, arr: np.ndarray) -> None:
+        """Release slot ``i`` once ``arr`` (a view over it) and every view of it are gone."""
+        weakref.finalize(arr, self.free.append, i)
 
     def views(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Whole-slot views (images (B,3,S,S) uint8, labels (B,) int64) for writing in this process."""

@@ -19,7 +19,7 @@ __all__ = ["IDENTITY_KEYS", "LoaderState"]
 #: Configuration keys a saved state must agree on with the loader that resumes it (the rest of
 #: the stream would not be the same otherwise).
 IDENTITY_KEYS = ("seed", "order", "order_window", "rank", "world_size", "batch_size", "even",
-                 "drop_last", "transform", "dataset_version", "num_samples", "cache_aware_window")
+                 "drop_last", "transform", "dataset_version", "num_samples", "cache_aware_window", "carry_from")
 
 
 @dataclass
@@ -35,23 +35,31 @@ class LoaderState:
             cut short), ``(epoch + 1, 0)``.
         hit_maps: epoch -> cached-block bitmap (bool array, one per block) used for that
             epoch's cache-aware order; kept so that a resume gets the same order.
+        carry: tokens a streaming collate (:class:`stoker.collate.PackTokens`) carries from the
+            batches done to the next one (a 1-D integer array), or None.
     """
 
     epoch: int = 0
     resume_batch: int = 0
     position: tuple[int, int] = (0, 0)
     hit_maps: dict[int, np.ndarray] = field(default_factory=dict)
+    carry: np.ndarray | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0."""
         self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
+        self.carry = None
 
     def to_dict(self, identity: dict) -> dict:
         """The saved form: ``epoch``, ``batches_done``, the loader's ``identity`` (the
-        :data:`IDENTITY_KEYS` values) and ``cached_blocks`` (the packed bitmap of the current
-        epoch, or None). Plain ints and strings (JSON-serialisable)."""
-        return {"epoch": self.position[0], "batches_done": self.position[1], **identity,
-                "cached_blocks": pack_bitmap(self.hit_maps.get(self.position[0]))}
+        :data:`IDENTITY_KEYS` values), ``cached_blocks`` (the packed bitmap of the current
+        epoch, or None) and, only when there is one, ``carry`` (``{"dtype": str, "tokens": [int]}``).
+        Plain ints and strings (JSON-serialisable)."""
+        out = {"epoch": self.position[0], "batches_done": self.position[1], **identity,
+               "cached_blocks": pack_bitmap(self.hit_maps.get(self.position[0]))}
+        if self.carry is not None and len(self.carry) and self.position[1] > 0:
+            out["carry"] = {"dtype": self.carry.dtype.str, "tokens": self.carry.tolist()}
+        return out
 
     def load(self, state: dict, identity: dict, num_batches: Callable[[int], int], num_blocks: int) -> None:
         """Take ``state`` (from :meth:`to_dict`): the next ``iter()`` continues that epoch after its
@@ -82,6 +90,10 @@ class LoaderState:
         bits = unpack_bitmap(state.get("cached_blocks"), num_blocks)
         if bits is not None and done < nb:
             self.hit_maps[epoch] = bits  # the same cache-aware order as the saved run
+        carry = state.get("carry")
+        if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
+            raise ValueError(f"cannot resume: 'carry' must be {{'dtype': ..., 'tokens': [...]}}, got {carry!r}")
         if done == nb > 0:  # finished: the next epoch. An epoch of 0 batches saved at its
             epoch, done = epoch + 1, 0  # start has not run yet: it stays (its iter() yields nothing)
         self.epoch, self.resume_batch, self.position = epoch, done, (epoch, done)
+        self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and done else None

@@ -5,7 +5,9 @@ re-download) and opens the node cache by path. A task is one batch:
 ``(run, seq, slot path, sample ids)``; the reply is small (no pixel data): the
 count written, ids skipped by ``on_error="skip"`` and the process's counters.
 The sample id being decoded is published in a shared array so the loader can
-name it if the worker dies.
+name it if the worker dies. With the user's ``decode``/``collate`` (``cfg.generic``) the worker
+runs :class:`stoker.loader.batches.GenericDecoder` instead and the reply's last element says
+where the batch is (in the slot, with its layout, or pickled in the reply itself).
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ class BatchDecoder:
             except DecodeError as exc:
                 if not skip:
                     raise
-                log.warning("skipping sample: %s", exc)
+                log.warning("skipping sample (epoch %d): %s", epoch, exc)
                 skipped.append(sid)
                 skipped_keys.append(ds.key(sid))
                 continue
@@ -106,8 +108,25 @@ class BatchDecoder:
         return j, skipped, skipped_keys, None
 
 
-def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop) -> None:
-    """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies."""
+def _cause(exc: BaseException):
+    """``exc`` itself when the training process can re-create it (a stoker error that pickles):
+    the :class:`stoker.WorkerError` raised there has it as ``__cause__``, so a ChecksumError or
+    an OriginError from a worker can be told apart from a decode failure; else None."""
+    import pickle
+
+    from ..errors import StokerError
+    if not isinstance(exc, StokerError):
+        return None
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - whatever fails to pickle: the text still goes
+        return None
+    return exc
+
+
+def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, ready=None) -> None:
+    """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies.
+    ``ready``: a shared counter (``multiprocessing.Value``) incremented once the worker is set up."""
     import queue as _queue
 
     from .._procs import exit_with_parent, parent_gone
@@ -122,8 +141,18 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop) 
         cv2.setNumThreads(1)
     except ImportError:  # pragma: no cover
         pass
-    dec = BatchDecoder(ds, cfg)
+    import torch
+    torch.set_num_threads(1)  # one worker per core: the resize kernel must not spawn a pool each
+    if cfg.generic:  # the user's decode/collate (batches.py)
+        from .batches import GenericDecoder, SlotWriter, pack_reply
+        dec, writer = GenericDecoder(ds, cfg), SlotWriter()
+    else:
+        dec, writer = BatchDecoder(ds, cfg), None
+    derived = getattr(dec, "derived", None)
     maps: dict[str, tuple] = {}
+    if ready is not None:
+        with ready.get_lock():
+            ready.value += 1
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -133,22 +162,30 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop) 
             continue
         if task is None or stop.is_set():
             break
-        run, seq, epoch, slot, path, ids = task
+        run, seq, epoch, slot, path, ids, offset = task  # offset: a part of a batch (loader/split.py)
         try:
+            if writer is not None:
+                n, skipped, skipped_keys, batch = dec.run(epoch, ids, current)
+                results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds), None,
+                             pack_reply(writer, path, batch), offset))
+                continue
             if path not in maps:
                 maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
             _, images, labels = maps[path]
-            n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images, labels, current)
-            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, dec.derived), payloads))
+            n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images[offset:], labels[offset:], current)
+            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, derived), payloads, None,
+                         offset))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
             key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
             if key is None:
                 key = ds.key(sid) if 0 <= sid < len(ds) else None
             results.put(("error", wid, run, seq, slot, key, f"{type(exc).__name__}: {exc}",
-                         traceback.format_exc(), counters(ds, dec.derived)))
+                         traceback.format_exc(), counters(ds, derived), _cause(exc), offset))
         finally:
             current.value = -1
+    if writer is not None:
+        writer.close()
     for mm, _, _ in maps.values():
         try:
             mm.close()

@@ -14,13 +14,13 @@ import logging
 import os
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import fsspec
 import fsspec.asyn
 
+from .._atomic import umask_mode, write_atomic
 from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 - re-exported
 from .retry import (BACKOFF_CAP_S, BUGS, UNREACHABLE_BUDGET_S, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
@@ -157,8 +157,10 @@ class Origin:
     def use_native(self) -> bool:
         """Serve :meth:`read_range` with obstore in this process (S3 only; see
         :mod:`stoker.storage._native_s3`). Call it only in a process that will not fork afterwards.
-        Returns whether it is on (False: not S3, obstore missing, unsupported options, or
-        ``STOKER_NATIVE_S3=0``)."""
+        Its endpoint, region, profile, credentials and addressing style are those botocore
+        resolves for s3fs from ``storage_options`` and the AWS environment and config files
+        (:mod:`stoker.storage._s3_config`). Returns whether it is on (False: not S3, obstore
+        missing, ``STOKER_NATIVE_S3=0``, or a setting obstore cannot take, which is logged once)."""
         if os.environ.get("STOKER_NATIVE_S3", "1") == "0":
             return False
         from ._native_s3 import NativeS3Reader
@@ -319,22 +321,16 @@ class Origin:
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write a whole object so that readers see either nothing or all of it.
 
-        Local paths: write a temporary sibling, fsync, rename. Object stores: one
-        PUT (or one multipart upload), which the store makes visible only on completion.
+        Local paths: write a temporary sibling (``<name>.tmp-<pid>-<rand>``, created 0600 with
+        ``O_EXCL | O_NOFOLLOW``: nobody reads it half-written), fsync, give it the mode a plain
+        write would have (0666 less the umask), rename (:func:`stoker._atomic.write_atomic`).
+        Object stores: one PUT (or one multipart upload), which the store makes visible only
+        on completion.
         """
         path = self.path(rel)
         if _is_local(self.fs):
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            write_atomic(path, data, mode=umask_mode(), fsync=True)
         else:
             self._retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
 

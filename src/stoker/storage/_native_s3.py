@@ -12,11 +12,15 @@ using it hangs its children (reproduced here). :meth:`stoker.storage.Origin.use_
 called by the prefetch process and by the decode workers, which never fork.
 
 Options understood (fsspec/s3fs spelling): ``endpoint_url`` (top level or in
-``client_kwargs``), ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs.region_name``,
-and ``config_kwargs`` timeouts (``read_timeout``: longest wait for the next bytes of an answer,
-default :data:`stoker.storage.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
-stoker's own retry loop, bounded in time, is in charge). Any other option (a profile,
-requester-pays, ...) keeps the dataset on s3fs.
+``client_kwargs``), ``key``, ``secret``, ``token``, ``anon``, ``profile``,
+``client_kwargs.region_name``, ``config_kwargs.s3.addressing_style`` and ``config_kwargs`` timeouts
+(``read_timeout``: longest wait for the next bytes of an answer, default
+:data:`stoker.storage.retry.DEFAULT_REQUEST_TIMEOUT_S`; ``connect_timeout``) and retries (ignored:
+stoker's own retry loop, bounded in time, is in charge). What the options leave out (endpoint,
+region, profile, credentials, addressing style, plain HTTP) comes from the AWS environment and
+config files as botocore resolves them for s3fs (:mod:`stoker.storage._s3_config`). Any other
+option (requester-pays, ``verify``, ...) or AWS setting (a CA bundle, FIPS) keeps the dataset on
+s3fs, which is logged once.
 
 obstore reports an S3 error answer only in its message ("... status code: 503 Service
 Unavailable: <Error><Code>SlowDown</Code>..."); :meth:`NativeS3Reader.read_range` puts the S3 code
@@ -44,10 +48,6 @@ def _warn_fork_after_use() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_warn_fork_after_use)
 
-_CLIENT_KEYS = {"endpoint_url", "region_name"}
-_CONFIG_KEYS = {"connect_timeout", "read_timeout", "retries"}
-_TOP_KEYS = {"endpoint_url", "key", "secret", "token", "anon", "client_kwargs", "config_kwargs"}
-
 
 class NativeS3Reader:
     """Ranged GETs on one bucket through ``obstore.store.S3Store``.
@@ -61,55 +61,25 @@ class NativeS3Reader:
     @classmethod
     def create(cls, url: str, storage_options: dict) -> "NativeS3Reader | None":
         """A reader for the bucket of ``url`` (``s3://bucket/...``), or None: not an S3 URL,
-        obstore not installed, or options it does not cover (see the module docstring)."""
+        obstore not installed, or settings it does not cover (see the module docstring; logged
+        once per process and reason)."""
         proto, _, rest = url.partition("://")
         if proto not in ("s3", "s3a") or not rest:
-            return None
-        opts = dict(storage_options or {})
-        client = dict(opts.get("client_kwargs") or {})
-        config = dict(opts.get("config_kwargs") or {})
-        if set(opts) - _TOP_KEYS or set(client) - _CLIENT_KEYS or set(config) - _CONFIG_KEYS:
             return None
         try:
             from obstore.store import S3Store
         except ImportError:
             return None
+        from ._s3_config import note_fallback, resolve
         bucket = rest.split("/", 1)[0]
-        endpoint = opts.get("endpoint_url") or client.get("endpoint_url")
-        kw: dict = {}
-        if endpoint:
-            kw["endpoint"] = endpoint
-            kw["virtual_hosted_style_request"] = False  # path style, as s3fs uses with an endpoint
-        region = client.get("region_name")
-        if region:
-            kw["region"] = region
-        elif endpoint:
-            kw["region"] = "us-east-1"
-        if opts.get("anon"):
-            kw["skip_signature"] = True
-        else:
-            if opts.get("key"):
-                kw["access_key_id"] = opts["key"]
-            if opts.get("secret"):
-                kw["secret_access_key"] = opts["secret"]
-            if opts.get("token"):
-                kw["session_token"] = opts["token"]
-        from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
+        kw, reason = resolve(bucket, storage_options)
+        if kw is None:
+            note_fallback(url, str(reason))
+            return None
         try:
-            read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
-            connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
-        except (TypeError, ValueError):
-            return None  # not seconds: s3fs reports it
-        # read_timeout: a stalled answer (headers, then nothing) fails and is retried, not waited on
-        client_options = {"read_timeout": f"{max(1, round(read_s * 1000))}ms",
-                          "connect_timeout": f"{max(1, round(connect_s * 1000))}ms"}
-        if endpoint and str(endpoint).startswith("http://"):
-            client_options["allow_http"] = True
-        try:
-            store = S3Store(bucket, client_options=client_options,
-                            retry_config={"max_retries": 0}, **kw)
+            store = S3Store(bucket, retry_config={"max_retries": 0}, **kw)
         except Exception as exc:  # noqa: BLE001 - a configuration obstore rejects: stay on s3fs
-            log.info("obstore cannot open %s (%s); using s3fs", url, exc)
+            note_fallback(url, f"obstore rejects the settings: {exc}")
             return None
         if not _USED_IN_PID or _USED_IN_PID[0] != os.getpid():
             _USED_IN_PID[:] = [os.getpid()]

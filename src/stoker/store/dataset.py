@@ -12,8 +12,8 @@ per-sample xxh3-64 checksums when it is filled and every sample when it is read.
 """
 from __future__ import annotations
 
+import logging
 import operator
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +23,9 @@ from .._units import parse_size
 from ..cache import DiskCache
 from ..errors import ChecksumError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
-from .index import INDEX_NAME, DatasetIndex, read_index
+from .index import INDEX_NAME, SHARD_DIR, DatasetIndex, read_index
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_CACHE_BYTES = 8 << 30
@@ -139,6 +141,13 @@ class Dataset:
     def version(self) -> str:
         return self.index.version
 
+    @property
+    def class_names(self) -> list[str]:
+        """The class names in label order (``class_names[label]``), as recorded by ``pack``; a
+        class with no samples (an empty class folder) keeps its label. Empty when the source
+        had no classes."""
+        return list(self.index.classes)
+
     def key(self, i: int) -> str:
         return self.index.key(i)
 
@@ -183,7 +192,7 @@ class Dataset:
                     cache.stats.hits += 1
                     self.read_stats.cache_hits += 1
                     if self.router is not None:
-                        self.router.local(len(data))
+                        self.router.local(len(data), b)
                     return data
                 cache.stats.corrupt += 1
                 cache.remove(self.version, name)
@@ -195,9 +204,13 @@ class Dataset:
                     with cache.fetch_lock(self.version, name, blocking=True):
                         data = self._staged(name, rel, stop - start, valid)
                 if data is not None:
+                    if self.router is not None:
+                        self.router.local(len(data), b)
                     return data
             block = self.fill_block(b, blocking=True)
             if block is not None:
+                if self.router is not None:
+                    self.router.local(stop - start, b)
                 return memoryview(block)[rel:rel + stop - start]
         self.read_stats.direct_reads += 1
         data = self._source_read(int(self.sample_block[i]), start, stop)
@@ -256,17 +269,23 @@ class Dataset:
             return False
         return self.cache.would_admit(int(self.block_end[b] - self.block_start[b]), self.version)
 
-    def _source_read(self, b: int, start: int, stop: int):
+    def _source_read(self, b: int, start: int, stop: int, block: bool = False):
         """Shard bytes ``[start, stop)`` of block ``b`` from outside this node's cache: the
-        origin, or in cluster mode whatever the router chooses (the owning peer, else the origin)."""
+        origin, or in cluster mode whatever the router chooses (the owning peer, else the origin;
+        ``block``: the whole block, for the cache or staging)."""
         if self.router is not None:
-            return self.router.read(self, b, start, stop)
+            return self.router.read(self, b, start, stop, block=block)
         return self.origin.read_range(self.index.shard_name(self.block_shard[b]), start, stop)
 
     def _fetch_block(self, b: int) -> bytes:
         """Block ``b`` from the origin (or its owning peer) with every member of every sample verified."""
+        return self._verify_block(b, self._source_read(b, int(self.block_start[b]), int(self.block_end[b]), block=True))
+
+    def _verify_block(self, b: int, data):
+        """``data`` (the bytes of block ``b``, shard range [block_start, block_end)) after checking
+        every member of every sample against the index; :class:`ChecksumError` naming the first
+        sample that fails."""
         start = int(self.block_start[b])
-        data = self._source_read(b, start, int(self.block_end[b]))
         first, count = int(self._block_first[b]), int(self._block_count[b])
         members = self.index.members
         view = memoryview(data)
@@ -322,7 +341,7 @@ class Dataset:
             if cache.contains(self.version, name):
                 if not want_data:
                     return "cached"
-                data = cache.read(self.version, name, 0, size)
+                data = cache.read(self.version, name, 0, size, count=False)  # the sample was a miss
                 if data is not None:
                     return data
             data = self._fetch_block(b)
@@ -332,16 +351,45 @@ class Dataset:
             return data
 
 
+def _why_no_index(origin: Origin) -> str:
+    """Why the dataset root of ``origin`` has no index, with only the advice that can help: the
+    bucket does not exist (S3), nothing is stored under the URL, the pack that wrote its shards did
+    not finish, or it holds something that is not a packed dataset. Best effort: a probe that fails
+    leaves the plain statement."""
+    url = origin.url
+    try:
+        fs = origin.fs
+        root = origin.root
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if protocol in ("s3", "s3a"):
+            bucket = root.split("/", 1)[0]
+            if not fs.exists(bucket):
+                return (f"{url} is not a packed stoker dataset: its bucket {bucket!r} does not exist (check "
+                        "the bucket name, and the endpoint and credentials in the storage options or the "
+                        "AWS environment)")
+        if not fs.exists(root):
+            return f"{url} is not a packed stoker dataset: nothing is stored there (check the URL)"
+        if fs.exists(origin.path(SHARD_DIR)):
+            return (f"{url} is not a packed stoker dataset yet: it has shards but no {INDEX_NAME}, so the "
+                    "pack that wrote it did not finish (run the same `stoker pack` again: it resumes)")
+    except Exception as exc:  # noqa: BLE001 - only a better message is lost
+        log.debug("probing %s failed: %s", url, exc)
+        return f"{url} is not a packed stoker dataset (no {INDEX_NAME})"
+    return f"{url} is not a packed stoker dataset (no {INDEX_NAME}; pack one there with `stoker pack`)"
+
+
 def default_cache_dir() -> str:
-    """``$STOKER_CACHE_DIR`` or ``~/.cache/stoker``."""
-    return os.environ.get("STOKER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "stoker")
+    """``$STOKER_CACHE_DIR``, else a node-local scratch directory, else ``~/.cache/stoker``
+    (:func:`stoker.cache.paths.default_cache_dir`, which logs the choice once)."""
+    from ..cache.paths import default_cache_dir as choose
+    return choose()
 
 
 def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str | None = None, *,
                  storage_options: dict | None = None, block_bytes: int | str = DEFAULT_BLOCK_BYTES,
                  cache_policy: str = "future", cache: bool = True, check: bool = True,
                  memory_bytes: int | str = 0, memory_dir: str | None = None,
-                 retry_budget_s: float | None = None) -> Dataset:
+                 retry_budget_s: float | None = None, cache_mode: int | str | None = None) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
     ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
@@ -354,7 +402,14 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str 
     Loader adds its epoch time).
     ``memory_bytes``: budget of a shared-memory tier above the disk tier (0 = none; blocks
     go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
-    (default: under /dev/shm, one per cache directory). The byte sizes (``cache_bytes``,
+    (default: under /dev/shm, one per cache directory).
+    ``cache_mode``: file mode of everything the cache creates (blocks, staging, derived
+    samples, the memory tier, locks, job records): default ``$STOKER_CACHE_MODE`` or 0600
+    (directories 0700), whatever the umask; e.g. ``"0640"`` for a cache that the directory's
+    group may read on purpose (:mod:`stoker.cache.perms`). A cache made with another mode
+    raises :class:`stoker.CacheModeError`; a cache or memory directory that is a symlink
+    planted by someone else, another user's, or writable by others raises
+    :class:`stoker.UnsafePathError` (both name the directory). The byte sizes (``cache_bytes``,
     ``block_bytes``, ``memory_bytes``) take ints or strings such as ``"500GiB"``
     (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
     ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
@@ -374,22 +429,21 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str 
     try:
         data = origin.read(INDEX_NAME)
     except FileNotFoundError:
-        raise OriginNotFoundError(origin.full_url(INDEX_NAME),
-                                  f"not found: {url} is not a packed stoker dataset (or its pack did "
-                                  "not finish; run `stoker pack` again)") from None
+        raise OriginNotFoundError(origin.full_url(INDEX_NAME), f"not found: {_why_no_index(origin)}") from None
     index = read_index(data, origin.full_url(INDEX_NAME))
     if check:
         from .verify import check_shards
         check_shards(origin, index)
     disk = None
     if cache:
-        disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy)
+        disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy, mode=cache_mode)
         if memory_bytes > 0:
             from ..cache import TieredCache, default_memory_root
-            disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy),
-                               disk)
+            disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy,
+                                         mode=disk.mode), disk)
         disk.recover()
     ds = Dataset(url, index, origin, disk, block_bytes)
     if disk is not None:
         disk.register(ds.version, index.total_bytes)
+        disk.describe(ds.version, url)
     return ds

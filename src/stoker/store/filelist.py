@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import io
 import posixpath
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from itertools import islice
 from typing import Iterator
 
 import pyarrow as pa
@@ -26,7 +23,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from ..storage import Origin, join
-from .sources import StreamSample, check_utf8
+from .sources import StreamSample, check_utf8, ordered_map
 
 
 class FileList:
@@ -114,12 +111,4 @@ def iter_file_list(fl: FileList, order, storage_options: dict | None = None,
             raise FileNotFoundError(f"file list {fl.where}: {url} (key {fl.keys[row]!r}) not found") from None
         return StreamSample(fl.keys[row], fl.labels[row], [(fl.fields[row], data)], url)
 
-    rows = iter(order)
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        window = deque(pool.submit(read, int(r)) for r in islice(rows, 4 * max(1, workers)))
-        while window:
-            fut = window.popleft()
-            nxt = next(rows, None)
-            if nxt is not None:
-                window.append(pool.submit(read, int(nxt)))
-            yield fut.result()
+    yield from ordered_map(read, (int(r) for r in order), workers)

@@ -41,6 +41,7 @@ import uuid
 
 import fsspec.asyn
 
+from .._atomic import umask_mode, write_atomic
 from .._procs import pid_alive
 from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 - re-exported
 from ..storage import Origin
@@ -92,17 +93,9 @@ class _Local:
 
     def create(self, data: bytes):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = f"{self.path}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, self.path)
-        except FileExistsError:
-            raise _Conflict() from None
-        finally:
-            os.unlink(tmp)
+        if not write_atomic(self.path, data, mode=umask_mode(), replace=False, fsync=True,
+                            tmp_prefix=f"{self.path}.new-"):
+            raise _Conflict()
         return data
 
     def _take(self, token) -> str:
@@ -141,15 +134,26 @@ class _S3:
         self.bucket, self.key = path.split("/", 1)
 
     def _call(self, op: str, **kw):
+        """One S3 call on the lease object. Raises _Conflict for a failed condition (412/409),
+        else :class:`stoker.OriginError` (``OriginNotFoundError`` for a missing bucket or object,
+        ``OriginPermissionError`` for a denial) naming the lease object's URL."""
+        from ..errors import OriginError, OriginNotFoundError, OriginPermissionError
+        url = f"s3://{self.bucket}/{self.key}"
         try:
             return self.fs.call_s3(op, Bucket=self.bucket, Key=self.key, **kw)
-        except FileNotFoundError:
-            raise
+        except FileNotFoundError as exc:
+            missing = (f"the destination bucket {self.bucket!r} does not exist (create it, or check the "
+                       f"endpoint in the storage options or the AWS environment): {exc}")
+            raise OriginNotFoundError(url, missing if "bucket" in str(exc).lower() else str(exc)) from exc
+        except PermissionError as exc:
+            raise OriginPermissionError(url, str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - s3fs maps 412/409 to several OSError types
             text = f"{type(exc).__name__} {exc} {getattr(exc, '__cause__', '')}"
             if any(s in text for s in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")):
                 raise _Conflict() from exc
-            raise
+            if isinstance(exc, OriginError):
+                raise
+            raise OriginError(url, f"{type(exc).__name__}: {exc}") from exc
 
     def read(self):
         async def get():

@@ -14,13 +14,16 @@ def _sample_line(d: SampleDirectory, name: str, i: int) -> str:
 
 
 def ls(directory: SampleDirectory, prefix: str = "", limit: int | None = 1000) -> list[str]:
-    """Lines for ``stoker ls``: the children of directory ``prefix``.
+    """Lines for ``stoker ls``: the children of directory ``prefix``, each named by its full key
+    or key prefix (what ``stoker ls`` and :meth:`stoker.Dataset.index_of` take back).
 
-    A directory line is ``name/<TAB>count samples<TAB>ids start-stop`` (ids only when
-    keys are sorted); a sample line is ``name<TAB>length B<TAB>label L<TAB>shard@offset<TAB>id I``.
-    If ``prefix`` is itself a key, its sample line (full key) comes first. At most
-    ``limit`` children (None = all), then a ``... more`` line. Raises KeyError naming
-    ``prefix`` when it is neither a key nor a directory.
+    A directory line is ``prefix/<TAB>N sample(s)<TAB>ids first-last`` (ids, inclusive, only
+    when keys are sorted); a sample line is ``key<TAB>length B<TAB>label L<TAB>shard@offset<TAB>id I``.
+    If ``prefix`` is itself a key, its sample line comes first. At the root, classes of the
+    class list that hold no sample (an empty class folder keeps its label) follow as
+    ``name/<TAB>0 samples<TAB>label L (empty class)``. At most ``limit`` children (None = all),
+    then a ``... more`` line. Raises KeyError naming ``prefix`` when it is neither a key nor a
+    directory.
     """
     lines = []
     exact = None
@@ -37,16 +40,34 @@ def ls(directory: SampleDirectory, prefix: str = "", limit: int | None = 1000) -
         if exact is not None:
             return lines
         raise KeyError(f"{prefix!r}: no such key or directory") from None
+    base = prefix if not prefix or prefix.endswith("/") else prefix + "/"
     more = limit is not None and len(kids) > limit
     for name, leaf, start, stop in kids[:limit]:
         if leaf:
-            lines.append(_sample_line(directory, name, int(directory.ids(start, stop)[0])))
+            lines.append(_sample_line(directory, base + name, int(directory.ids(start, stop)[0])))
         else:
-            span = f"\tids {start}-{stop}" if directory.keys_sorted else ""
-            lines.append(f"{name}\t{stop - start} samples{span}")
+            span = f"\tids {start}-{stop - 1}" if directory.keys_sorted else ""
+            lines.append(f"{base}{name}\t{_count(stop - start)}{span}")
     if more:
         lines.append(f"... more entries (showing the first {limit}; raise --limit)")
+    elif not prefix:
+        lines += _empty_classes(directory, {name for name, leaf, _, _ in kids if not leaf})
     return lines
+
+
+def _count(n: int) -> str:
+    return f"{n} sample" if n == 1 else f"{n} samples"
+
+
+def _empty_classes(directory: SampleDirectory, listed: set[str]) -> list[str]:
+    """Root lines for the classes of the class list that no sample has (label counts 0)."""
+    import numpy as np
+    classes = directory.index.classes
+    if not classes:
+        return []
+    counts = np.bincount(np.asarray(directory.index.labels, dtype=np.int64).clip(min=0), minlength=len(classes))
+    return [f"{name}/\t0 samples\tlabel {label} (empty class)" for label, name in enumerate(classes)
+            if counts[label] == 0 and f"{name}/" not in listed]
 
 
 def stat(directory: SampleDirectory, url: str | None = None) -> list[str]:

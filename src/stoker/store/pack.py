@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import posixpath
 import logging
+import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ from .._units import parse_size
 from ..errors import DatasetExistsError  # noqa: F401 - re-exported
 from .._procs import pid_alive
 from ..storage import Origin
+from .anysource import iter_files, iter_parquet, list_file_samples
 from .classlist import load_class_list
 from .filelist import iter_file_list, read_file_list
 from .lease import DEFAULT_LEASE_S, PackLease
@@ -144,19 +147,31 @@ def _etag(dest: Origin, name: str) -> str | None:
 
 
 def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-         src_options: dict | None = None, dst_options: dict | None = None,
-         read_workers: int = 16, progress: bool = True, shuffle_seed: int | None = 0,
+         storage_options: dict | None = None, src_storage_options: dict | None = None,
+         dst_storage_options: dict | None = None,
+         read_workers: int = 16, progress: bool = False, shuffle_seed: int | None = 0,
          source: str | None = None, lease_s: float = DEFAULT_LEASE_S,
-         classes: list[str] | str | None = None) -> PackResult:
+         classes: list[str] | str | None = None, src_options: dict | None = None,
+         dst_options: dict | None = None, column: str | None = None,
+         key_column: str | None = None) -> PackResult:
     """Pack the source at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
 
-    ``source``: "imagefolder", "webdataset" or "filelist"; default: chosen by what
+    Storage options (fsspec; S3: ``endpoint_url``, ``key``, ``secret``, ``profile``, ...):
+    ``storage_options`` for both URLs (one store), or ``src_storage_options`` /
+    ``dst_storage_options`` for each side, which take the place of ``storage_options`` on that
+    side. ``src_options`` / ``dst_options`` are the deprecated names of the per-side pair (a
+    DeprecationWarning; ValueError when given with the new name of the same side).
+
+    ``source``: "imagefolder", "webdataset", "filelist", "files" (any file tree, members grouped
+    into samples by basename) or "parquet" (rows of sample bytes in ``column``, e.g. a Hugging Face
+    export; ``key_column`` optional), see :mod:`.anysource`; default: chosen by what
     ``src`` is (:func:`stoker.store.sources.detect_source`: tar archive names, brace
     lists, globs, prefixes or a directory of archives -> webdataset; ``.csv``/
     ``.parquet`` -> filelist; otherwise an ImageFolder tree).
     ``shard_bytes``: target shard size in bytes, an int or a string such as ``"64MiB"``
     (:func:`stoker.parse_size`; default 64 MiB). ``read_workers``:
-    concurrent source reads. ``shuffle_seed``: ImageFolder and file-list samples are
+    concurrent source reads. ``progress``: a tqdm bar on stderr (off by default: a library call
+    prints nothing; ``stoker pack`` shows it on a terminal). ``shuffle_seed``: ImageFolder and file-list samples are
     placed in the shards in a random order from this seed (None = source order), so
     that any run of a shard mixes classes; WebDataset samples keep their archive
     order (archives are streams; WebDataset shards are normally shuffled when made).
@@ -169,7 +184,7 @@ def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, ov
 
     ``classes``: the class list, label = position (a list of names, or a URL: an
     existing packed dataset, whose class list is reused, or a text/JSON file; see
-    :mod:`.classlist`; a URL is read with ``dst_options``). Packing every split with
+    :mod:`.classlist`; a URL is read with the destination's storage options). Packing every split with
     the same list gives identical labels. Without it, labels come from the source
     (ImageFolder: sorted class directories). The class list is recorded in the index
     metadata (``stoker stat`` prints it). A class directory, or a streamed sample's
@@ -191,24 +206,74 @@ def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, ov
     shard_bytes = parse_size(shard_bytes, "shard_bytes")
     if shard_bytes < 1:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    src_options = side_options("src", storage_options, src_storage_options, src_options)
+    dst_options = side_options("dst", storage_options, dst_storage_options, dst_options)
     t0 = time.perf_counter()
     source_origin = Origin(src, src_options or {})
     dest = Origin(dst, dst_options or {})
     kind = detect_source(source_origin, source)
+    if (kind == "parquet") != (column is not None):
+        raise ValueError("column (--column) names the Parquet column of the sample bytes: it is needed with "
+                         f"source='parquet' and only there (source is {kind!r})")
     if classes is not None:
         classes = load_class_list(classes, dst_options)
+    made = _first_missing_dir(dest)
+    try:
+        return _pack_into(dest, dst, kind, src, source_origin, src_options, shard_bytes, overwrite, read_workers,
+                          progress, shuffle_seed, classes, column, key_column, lease_s, t0)
+    except BaseException:
+        if made is not None:
+            _remove_if_empty(dest, made)  # a failed first pack leaves no empty directories behind
+        raise
+
+
+def _first_missing_dir(dest: Origin) -> str | None:
+    """The highest directory of the destination's path that does not exist yet (the root itself
+    or one of its parents), which a pack would create; None when the root exists, and where the
+    filesystem is not a local one (object stores have no directories to leave behind, and a
+    listing there would fill fsspec's listing cache)."""
+    protocol = dest.fs.protocol
+    if "file" not in (protocol if isinstance(protocol, (tuple, list)) else (protocol,)):
+        return None
+    try:
+        path, missing = os.path.abspath(dest.root), None
+        while not os.path.isdir(path):
+            if os.path.lexists(path):  # a file in the way: the pack fails, nothing of ours to remove
+                return None
+            missing, parent = path, os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        return missing
+    except OSError:  # unknown: treated as existing, so nothing is removed
+        return None
+
+
+def _remove_if_empty(dest: Origin, top: str) -> None:
+    """Remove ``top`` (the highest directory a failed pack created) if it holds no file; one with
+    any file, such as a finished shard the next pack reuses, is kept."""
+    try:
+        if not dest.fs.find(top):
+            dest.fs.rm(top, recursive=True)
+    except Exception:  # noqa: BLE001 - tidying must not hide the pack's own error
+        pass
+
+
+def _pack_into(dest, dst, kind, src, source_origin, src_options, shard_bytes, overwrite, read_workers, progress,
+               shuffle_seed, classes, column, key_column, lease_s, t0) -> PackResult:
+    """The body of :func:`pack` from the lease on (arguments as there)."""
     with PackLease(dest, lease_s) as lease:
         if dest.exists(INDEX_NAME):
             if not overwrite:
-                raise DatasetExistsError(f"{dest.full_url(INDEX_NAME)} exists: {dst} already holds a "
-                                         "dataset (pass --overwrite to replace it)")
-            dest.fs.rm(dest.path(INDEX_NAME))
+                raise DatasetExistsError(f"the destination {dst} already holds a dataset "
+                                         f"({dest.full_url(INDEX_NAME)} exists; pass --overwrite to replace it)")
+            dest._retry(dest.full_url(INDEX_NAME), lambda: dest.fs.rm(dest.path(INDEX_NAME)))
         if kind == "imagefolder":
             done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
                                       shuffle_seed, lease.check, classes)
         else:
             done = _pack_stream(kind, src, source_origin, dest, shard_bytes, overwrite, read_workers,
-                                progress, shuffle_seed, src_options, lease.check, classes)
+                                progress, shuffle_seed, src_options, lease.check, classes, (column, key_column))
         shard_table, rows, labels, class_names, class_list, reused, skipped = done
         order = sorted(range(len(rows)), key=lambda j: rows[j][0])
         keys = [rows[j][0] for j in order]
@@ -226,6 +291,31 @@ def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, ov
                       payload_bytes=int(payload), shard_bytes=sum(s["bytes"] for s in shard_table),
                       reused_shards=reused, skipped_files=skipped, seconds=time.perf_counter() - t0,
                       version=version, source=kind)
+
+
+def finished_shards(dst: str, storage_options: dict | None = None) -> int:
+    """Shards of an unfinished pack at ``dst`` that are complete (a shard and its manifest), which
+    the next pack of the same source reuses. 0 when nothing can be listed."""
+    dest = Origin(dst, storage_options or {}, retry_budget_s=0)
+    try:
+        names = {posixpath.basename(n.rstrip("/")) for n in dest.fs.ls(dest.path(SHARD_DIR), detail=False)}
+    except Exception:  # noqa: BLE001 - only a count in a message is lost
+        return 0
+    return sum(1 for n in names if n.endswith(".tar") and f"{n}.json" in names)
+
+
+def side_options(side: str, both: dict | None, new: dict | None, old: dict | None) -> dict:
+    """The storage options of one side (``"src"`` or ``"dst"``) of :func:`pack`: the side's own
+    (``<side>_storage_options``, or its deprecated name ``<side>_options``, with a
+    DeprecationWarning), else the shared ``storage_options``, else ``{}``.
+    Raises ValueError when both names of one side are given."""
+    if old is not None:
+        if new is not None:
+            raise ValueError(f"pack: give {side}_storage_options or its old name {side}_options, not both")
+        warnings.warn(f"pack(): {side}_options= is deprecated; use {side}_storage_options= "
+                      "(or storage_options= for both URLs)", DeprecationWarning, stacklevel=3)
+        new = old
+    return dict(new if new is not None else both or {})
 
 
 def _remove_stale_shards(dest: Origin, keep: set) -> None:
@@ -286,12 +376,13 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
         guard()
         return _write_shard(dest, name, phash, list(pool.map(read_member, members))), False
 
+    shard_pool = ThreadPoolExecutor(2)  # two shards in flight: one being read while the previous is uploaded
     try:
-        # Two shards in flight: one being read while the previous is uploaded.
-        with ThreadPoolExecutor(2) as shard_pool:
-            results = list(shard_pool.map(lambda a: do_shard(*a), enumerate(plan)))
+        results = list(shard_pool.map(lambda a: do_shard(*a), enumerate(plan)))
     finally:
-        pool.shutdown()
+        # on an error or Ctrl-C: the shards not started are dropped, the two in flight finish
+        shard_pool.shutdown(cancel_futures=True)
+        pool.shutdown(cancel_futures=True)
         bar.close()
     info = {f.key: f for f in listing.files}
     shard_table, rows = [], []
@@ -306,11 +397,19 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
 
 
 def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                 shuffle_seed, src_options, guard, classes):
+                 shuffle_seed, src_options, guard, classes, columns=(None, None)):
     skipped: list = []
     if kind == "webdataset":
         samples = iter_samples(expand_urls(src, src_options), src_options, skipped)
         total = None
+    elif kind == "parquet":
+        samples, total = iter_parquet(source, columns[0], columns[1]), None
+    elif kind == "files":
+        listing = list_file_samples(source)
+        order = np.arange(len(listing))
+        if shuffle_seed is not None:
+            order = np.random.Generator(np.random.PCG64(int(shuffle_seed))).permutation(len(listing))
+        samples, total = iter_files(source, order, listing, read_workers), len(listing)
     else:
         fl = read_file_list(source)
         order = np.arange(len(fl))

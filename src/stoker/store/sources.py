@@ -3,6 +3,8 @@
 * ``imagefolder``: ``root/<class>/**/<name>.<ext>`` (torchvision's ImageFolder).
 * ``webdataset``: tar shards (``.tar``, ``.tgz``, ``.tar.gz``), see :mod:`.wds`.
 * ``filelist``: a CSV or Parquet file with columns ``path`` and ``label``, see :mod:`.filelist`.
+* ``files`` and ``parquet`` (only when asked for): any file tree grouped by basename, or a Parquet
+  table of sample bytes (Hugging Face exports), see :mod:`.anysource`.
 
 :func:`detect_source` chooses by what SRC is (first rule that matches):
 
@@ -30,7 +32,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 #: Archive suffixes read as WebDataset shards.
 TAR_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 LIST_SUFFIXES = (".csv", ".parquet", ".pq")
-SOURCES = ("imagefolder", "webdataset", "filelist")
+SOURCES = ("imagefolder", "webdataset", "filelist", "files", "parquet")
 #: Operating-system and tool metadata names (compared case-insensitively) that are never
 #: classes or samples, besides every name that starts with "." (``.ipynb_checkpoints``,
 #: ``.DS_Store``, AppleDouble ``._*`` files, ``.Trash-1000``).
@@ -97,7 +99,7 @@ def is_tar_name(path: str) -> bool:
 def detect_source(origin, source: str | None = None) -> str:
     """The source kind of ``origin`` (a storage.Origin): the rule in this module's docstring.
 
-    ``source`` overrides it ("imagefolder", "webdataset" or "filelist"). Raises
+    ``source`` overrides it (one of :data:`SOURCES`). Raises
     ValueError for an unknown ``source``.
     """
     if source is not None:
@@ -280,3 +282,21 @@ class StreamSample:
     @property
     def nbytes(self) -> int:
         return sum(len(d) for _, d in self.members)
+
+
+def ordered_map(fn, items, workers: int):
+    """Yield ``fn(item)`` for each of ``items`` in their order, computed by ``workers`` threads
+    with at most ``4 * workers`` calls ahead of the consumer (bounded memory for a source's reads).
+    An exception of ``fn`` is raised when its item's turn comes."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    from itertools import islice
+    workers = max(1, workers)
+    it = iter(items)
+    with ThreadPoolExecutor(workers) as pool:
+        window = deque(pool.submit(fn, x) for x in islice(it, 4 * workers))
+        for x in it:
+            yield window.popleft().result()
+            window.append(pool.submit(fn, x))
+        while window:
+            yield window.popleft().result()

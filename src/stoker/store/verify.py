@@ -159,10 +159,11 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
     return bad_samples, bad_shards, len(data)
 
 
-def verify(url: str, storage_options: dict | None = None, workers: int = 4, progress: bool = True) -> VerifyReport:
+def verify(url: str, storage_options: dict | None = None, workers: int = 4, progress: bool = False) -> VerifyReport:
     """Check every shard and sample of the dataset at ``url`` against its index.
 
-    Reads each shard once (``workers`` shards in parallel). Returns a
+    Reads each shard once (``workers`` shards in parallel). ``progress``: a tqdm bar on stderr
+    (shards done, rate, ETA); off by default, so a library call prints nothing. Returns a
     :class:`VerifyReport`; raises :class:`stoker.OriginNotFoundError` (a FileNotFoundError) when ``url`` holds no index.
     """
     origin = Origin(url, storage_options or {})

@@ -1,8 +1,8 @@
 """WebDataset shards as a pack source: tar archives streamed sample by sample.
 
-SRC is a ``.tar``/``.tgz``/``.tar.gz`` URL, a brace list (``train-{000..099}.tar``,
-``{a,b}.tar``), a glob (``train-*.tar``), a directory holding such archives, or a
-prefix of them (``s3://b/train-``). Archives are read in sorted order (brace
+SRC is a ``.tar``/``.tgz``/``.tar.gz`` URL, a WebDataset shard spec (``train-{000..099}.tar``,
+``{a,b}.tar``, ``a.tar::b.tar``: :func:`brace_expand`), a glob (``train-*.tar``), a directory
+holding such archives, or a prefix of them (``s3://b/train-``). Archives are read in sorted order (brace
 lists: in their order) through ranged GETs of :data:`READ_CHUNK` bytes with
 retries; gzip is decompressed as it streams, so memory holds one sample at a time.
 
@@ -24,6 +24,8 @@ import re
 import tarfile
 from typing import Iterator
 
+import braceexpand
+
 from ..storage import Origin, url_to_fs
 from .sources import IMG_EXTENSIONS, StreamSample, check_utf8, is_tar_name
 
@@ -32,39 +34,68 @@ log = logging.getLogger(__name__)
 #: Bytes per ranged GET while streaming an archive.
 READ_CHUNK = 8 << 20
 _IMG_FIELDS = {e[1:] for e in IMG_EXTENSIONS}
-_BRACE = re.compile(r"\{([^{}]*)\}")
+# "::" between specs, but not inside an IPv6 host such as http://[::1]:8000/
+_LIST_SEP = re.compile(r"::(?![^\[]*\])")
 
 
 def brace_expand(pattern: str) -> list[str]:
-    """Expand ``{a,b}`` lists and ``{000..012}`` numeric ranges (zero padding kept), left to right."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
-    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if rng:
-        a, b = rng.groups()
-        width = len(a) if a.startswith("0") else 0
-        step = 1 if int(b) >= int(a) else -1
-        items = [str(i).zfill(width) for i in range(int(a), int(b) + step, step)]
-    else:
-        items = body.split(",")
-    return [head + it + rest for it in items for rest in brace_expand(tail)]
+    """The shard URLs of a WebDataset shard spec, expanded as WebDataset expands them.
+
+    ``a::b`` lists specs, each expanded in turn (a ``::`` inside ``[...]``, an IPv6 host, is
+    kept). Each spec is expanded by ``braceexpand``, the library WebDataset uses: ``{a,b}``
+    lists (nested too: ``{a,{b,c}}`` gives ``a b c``), ``{000..099}`` numeric ranges (zero
+    padding kept), steps ``{0..6..2}``, letter ranges ``{a..c}``, left to right; ``\\{`` is a
+    literal brace. (WebDataset also replaces ``${name}`` with the environment variable
+    ``WDS_name``; stoker does not read the environment here.)
+
+    Raises:
+        ValueError: a brace that is not closed or an empty spec, naming ``pattern``.
+    """
+    out: list[str] = []
+    for spec in _LIST_SEP.split(pattern):
+        if not spec:
+            raise ValueError(f"shard spec {pattern!r}: empty entry between '::'")
+        try:
+            out += braceexpand.braceexpand(spec)
+        except braceexpand.UnbalancedBracesError as exc:
+            raise ValueError(f"shard spec {pattern!r}: {exc}") from None
+    return out
 
 
 def expand_urls(url: str, storage_options: dict | None = None) -> list[str]:
-    """The archive URLs that ``url`` names (see the module docstring). Raises FileNotFoundError."""
+    """The archive URLs that ``url`` names (see the module docstring).
+
+    A shard spec (braces or a ``::`` list) names its shards one by one, as WebDataset reads
+    them: every entry must exist (or, for a glob or a directory entry, hold an archive), and the
+    missing ones are named in the error instead of being left out. Only a single plain URL may
+    be a prefix of archives.
+
+    Raises:
+        FileNotFoundError: no archive at all, or (a shard spec) entries that name none, listed.
+        ValueError: a malformed spec (:func:`brace_expand`).
+    """
+    entries = brace_expand(url)
+    spec = entries != [url]
     out: list[str] = []
-    for u in brace_expand(url):
+    missing: list[str] = []
+    for u in entries:
         fs, path = url_to_fs(u, storage_options)
         if any(c in path for c in "*?["):
-            out += [fs.unstrip_protocol(p) for p in sorted(fs.glob(path)) if is_tar_name(p)]
+            found = [fs.unstrip_protocol(p) for p in sorted(fs.glob(path)) if is_tar_name(p)]
         elif fs.isdir(path):
-            out += [fs.unstrip_protocol(p) for p in sorted(fs.find(path)) if is_tar_name(p)]
+            found = [fs.unstrip_protocol(p) for p in sorted(fs.find(path)) if is_tar_name(p)]
         elif fs.exists(path):
-            out.append(u)
+            found = [u]
+        elif spec:
+            found = []
         else:
-            out += [fs.unstrip_protocol(p) for p in sorted(fs.glob(path + "*")) if is_tar_name(p)]
+            found = [fs.unstrip_protocol(p) for p in sorted(fs.glob(path + "*")) if is_tar_name(p)]
+        if spec and not found:
+            missing.append(u)
+        out += found
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise FileNotFoundError(f"source {url}: {len(missing)} of its {len(entries)} shards not found: {shown}")
     if not out:
         raise FileNotFoundError(f"source {url}: no .tar/.tgz/.tar.gz archives found")
     return out

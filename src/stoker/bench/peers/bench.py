@@ -79,7 +79,7 @@ def _python_for(loader: str, cfg: PeersConfig) -> str:
             r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True, timeout=120)
             if r.returncode:
                 raise RuntimeError(f"cannot import {mod} in stoker's Python: {_tail(r.stderr, 2)} "
-                                   "(pip install 'stoker[dev]' or webdataset)")
+                                   "(pip install -e '.[dev]' in the stoker checkout or webdataset)")
         return sys.executable
     name = _VENV[loader]
     if not cfg.make_venvs:
@@ -186,7 +186,7 @@ def run_peers(cfg: PeersConfig) -> dict:
     """Run the benchmark; returns the report (also written to ``cfg.json_path``):
     ``{runs: [{loader, epoch, samples_per_s, stall_fraction, cpu_s_per_1000, origin_bytes, ...}],
     formats: [{loader, convert_seconds, bytes, ...}], skipped: [{loader, reason}], ...}``."""
-    from ..origin import LocalS3Origin, upload_tree
+    from ..origin import ORIGIN_NICE, LocalS3Origin, upload_tree
     from ..report import save_report
     from ..sample_data import make_sample_data
     from .report import check_targets, print_table, write_plot
@@ -200,7 +200,8 @@ def run_peers(cfg: PeersConfig) -> dict:
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "loadavg_start": list(os.getloadavg())},
         "origin": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
-                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy (same machine)"},
+                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy (same machine)",
+                   "server_nice": ORIGIN_NICE},
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("json_path", "plot_path", "workdir")},
         "runs": [], "setup": [], "formats": [], "skipped": [], "load": []}
     report["config"]["loaders"] = list(cfg.loaders)

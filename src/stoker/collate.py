@@ -1,0 +1,219 @@
+"""Built-in collates for :class:`stoker.Loader` ``collate=``: a list of decoded samples -> one batch.
+
+A collate runs in the decode worker processes, after the user's ``decode``. When the batch it
+returns is numpy arrays or torch tensors (alone, or in a dict, tuple or list, nested), the
+Loader moves it through a shared-memory slot without pickling (:mod:`stoker.loader.batches`).
+
+- :func:`default`: torch's ``default_collate`` semantics (arrays and numbers stacked into
+  tensors, dicts and sequences collated field by field, strings and bytes kept as lists), after a
+  check that every sample has the same structure and shapes: a mismatch raises
+  :class:`CollateError` naming the sample's position in the batch (the Loader names its key).
+- :func:`pad`: variable-length 1-D arrays padded to the batch maximum, with their lengths.
+- :func:`pack_tokens`: token sequences joined with an EOS separator and cut into rows of exactly
+  ``seq_len`` tokens, the remainder carried to the next batch: the packing of LLM pre-training
+  (e.g. GPT-2/3's training recipe, "Language Models are Few-Shot Learners", 2020, section 2.3:
+  sequences of the full context length, documents separated by an end-of-text token).
+
+Every function here is picklable (module-level functions and small classes), so they work with
+every multiprocessing start method.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .errors import CollateError
+
+__all__ = ["CollateError", "PackTokens", "Pad", "default", "pack_tokens", "pad"]
+
+
+def _shape(x):
+    """A comparable description of one sample's structure: shapes and dtypes of its arrays."""
+    if isinstance(x, np.ndarray):
+        return ("array", x.shape, x.dtype.str)
+    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
+        return ("tensor", tuple(x.shape), str(x.dtype))
+    if isinstance(x, Mapping):
+        return ("dict", tuple((k, _shape(v)) for k, v in x.items()))
+    if isinstance(x, (str, bytes)):
+        return ("str",)
+    if isinstance(x, Sequence):
+        return (type(x).__name__, tuple(_shape(v) for v in x))
+    return (type(x).__name__,)
+
+
+def _describe(s) -> str:
+    if s[0] in ("array", "tensor"):
+        return f"{s[0]} of shape {tuple(s[1])} and dtype {s[2]}"
+    if s[0] == "dict":
+        return "dict {" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in s[1]) + "}"
+    if s[0] in ("list", "tuple"):
+        return f"{s[0]} [" + ", ".join(_describe(v) for v in s[1]) + "]"
+    return s[0]
+
+
+def default(samples: list):
+    """Collate like ``torch.utils.data.default_collate``: numpy arrays, tensors and numbers are
+    stacked into tensors with a new batch dimension 0 (shape (N, ...)), dicts and tuples/lists are
+    collated field by field, strings and bytes become lists.
+
+    Raises:
+        CollateError: a sample is None, or its structure, shapes or dtypes differ from the first
+            sample's (``index`` is its position; the message gives both shapes).
+    """
+    from torch.utils.data import default_collate
+    if not samples:
+        raise CollateError(0, "empty batch")
+    ref = None
+    for j, s in enumerate(samples):
+        if s is None:
+            raise CollateError(j, "the sample is None")
+        d = _shape(s)
+        if ref is None:
+            ref = d
+        elif d != ref:
+            raise CollateError(j, f"it is {_describe(d)}, the batch's first sample is {_describe(ref)}")
+    return default_collate(samples)
+
+
+def _field(sample, key, j: int) -> np.ndarray:
+    x = sample if key is None else (sample.get(key) if isinstance(sample, Mapping) else None)
+    if x is None:
+        raise CollateError(j, f"has no field {key!r}" if key is not None else "the sample is None")
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise CollateError(j, f"field {key!r} has shape {arr.shape}, expected a 1-D array")
+    return arr
+
+
+class Pad:
+    """The collate :func:`pad` returns (a picklable callable)."""
+
+    def __init__(self, key=None, pad_value=0, lengths_key: str = "lengths"):
+        self.key, self.pad_value, self.lengths_key = key, pad_value, lengths_key
+
+    def __call__(self, samples: list):
+        """``samples``: 1-D arrays (``key=None``) or dicts holding one under ``key``. Returns a
+        ``(padded (N, L_max), lengths (N,) int64)`` tuple of tensors for ``key=None``, else a dict
+        with ``key`` -> padded (N, L_max) tensor, ``lengths_key`` -> (N,) int64 tensor and every
+        other field collated by :func:`default`.
+
+        Raises:
+            CollateError: a sample lacks ``key`` or its value is not 1-D, or the dtypes differ.
+        """
+        import torch
+        arrs = [_field(s, self.key, j) for j, s in enumerate(samples)]
+        for j, a in enumerate(arrs):
+            if a.dtype != arrs[0].dtype:
+                raise CollateError(j, f"field {self.key!r} has dtype {a.dtype}, the first sample's is {arrs[0].dtype}")
+        lengths = np.array([len(a) for a in arrs], dtype=np.int64)
+        width = int(lengths.max()) if len(arrs) else 0
+        out = np.full((len(arrs), width), self.pad_value, dtype=arrs[0].dtype if arrs else np.int64)
+        for j, a in enumerate(arrs):
+            out[j, :len(a)] = a
+        padded, lens = torch.from_numpy(out), torch.from_numpy(lengths)
+        if self.key is None:
+            return padded, lens
+        rest = [{k: v for k, v in s.items() if k != self.key} for s in samples]
+        batch = dict(default(rest)) if rest and rest[0] else {}
+        batch[self.key], batch[self.lengths_key] = padded, lens
+        return batch
+
+
+def pad(key=None, pad_value=0, lengths_key: str = "lengths") -> Pad:
+    """A collate that pads variable-length 1-D arrays to the longest of the batch.
+
+    Args:
+        key: the field of each (dict) sample to pad, or None when each sample is the array itself.
+        pad_value: the value of the padding positions.
+        lengths_key: the output field holding each sample's length (dict samples only).
+
+    Returns a :class:`Pad`; see :meth:`Pad.__call__` for the batch it makes.
+    """
+    return Pad(key, pad_value, lengths_key)
+
+
+class PackTokens:
+    """The collate :func:`pack_tokens` returns; it works in two steps.
+
+    1. in the worker (``__call__``): the batch's documents (1-D integer token arrays, or dicts
+       holding one under ``key``), each followed by ``eos_id``, concatenated into one
+       ``{"tokens": (T,), "lengths": (N,) int64}`` batch of numpy arrays (shared memory, no pickling);
+    2. in the training process (:meth:`cut`): the carried remainder plus these tokens are cut into
+       ``(k, seq_len)`` rows; what is left (< ``seq_len`` tokens) is carried to the next batch.
+
+    The carry lives in the training process, in plan order, so it does not depend on which worker
+    decoded which batch, and the Loader's ``state_dict()`` holds it: resume is exact. At the end of
+    an epoch the remainder is emitted as one last row padded with ``pad_id`` (so every token of the
+    epoch is delivered exactly once and no document crosses an epoch).
+    """
+
+    def __init__(self, seq_len: int, eos_id: int, pad_id: int | None = None, key=None):
+        if int(seq_len) < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.seq_len, self.eos_id, self.key = int(seq_len), int(eos_id), key
+        self.pad_id = self.eos_id if pad_id is None else int(pad_id)
+
+    def __repr__(self) -> str:
+        return f"pack_tokens(seq_len={self.seq_len}, eos_id={self.eos_id}, pad_id={self.pad_id}, key={self.key!r})"
+
+    def __call__(self, samples: list) -> dict:
+        """Worker side: see the class docstring.
+
+        Raises:
+            CollateError: a document is not a 1-D integer array (or lacks ``key``).
+        """
+        docs = [_field(s, self.key, j) for j, s in enumerate(samples)]
+        for j, d in enumerate(docs):
+            if d.dtype.kind not in "iu":
+                raise CollateError(j, f"tokens have dtype {d.dtype}, expected integers")
+        dtype = np.result_type(*[d.dtype for d in docs]) if docs else np.int64
+        parts = []
+        for d in docs:
+            parts += [d, np.array([self.eos_id], dtype=dtype)]
+        tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+        return {"tokens": tokens, "lengths": np.array([len(d) + 1 for d in docs], dtype=np.int64)}
+
+    def cut(self, carry: np.ndarray | None, batch: dict, last: bool) -> tuple[dict | None, np.ndarray]:
+        """Training-process side: ``(rows, new carry)``.
+
+        ``rows`` is ``{"input_ids": (k, seq_len) tensor, "lengths": (k,) int64 tensor}``
+        (``lengths``: real tokens per row; ``seq_len`` except the padded last row of an epoch), or
+        None when fewer than ``seq_len`` tokens are at hand (all carried). ``batch``: what
+        ``__call__`` returned (arrays or tensors); ``last``: the epoch's last batch (flush).
+        """
+        import torch
+        tokens = np.asarray(batch["tokens"])
+        if carry is not None and len(carry):
+            tokens = np.concatenate([np.asarray(carry, dtype=tokens.dtype), tokens])
+        L = self.seq_len
+        k = len(tokens) // L
+        lengths = [L] * k
+        rest = tokens[k * L:]
+        rows = tokens[:k * L].reshape(k, L)
+        if last and len(rest):
+            tail = np.full((1, L), self.pad_id, dtype=tokens.dtype)
+            tail[0, :len(rest)] = rest
+            rows, lengths, rest = np.concatenate([rows, tail]), lengths + [len(rest)], rest[:0]
+        if not len(rows):
+            return None, rest.copy()
+        return ({"input_ids": torch.from_numpy(np.ascontiguousarray(rows)),
+                 "lengths": torch.tensor(lengths, dtype=torch.int64)}, rest.copy())
+
+
+def pack_tokens(seq_len: int, eos_id: int, pad_id: int | None = None, key=None) -> PackTokens:
+    """A collate that packs token sequences into rows of exactly ``seq_len`` tokens.
+
+    Args:
+        seq_len: tokens per row.
+        eos_id: the separator token appended to every document.
+        pad_id: fills the last row of an epoch (default ``eos_id``).
+        key: the field of each (dict) sample holding its tokens, or None when the sample is the
+            1-D integer array itself.
+
+    Returns a :class:`PackTokens`. With it the Loader yields ``{"input_ids": (k, seq_len),
+    "lengths": (k,)}`` batches (k varies with the documents' lengths; a batch whose tokens all
+    go to the carry is not yielded). Raises ValueError for ``seq_len < 1``.
+    """
+    return PackTokens(seq_len, eos_id, pad_id, key)

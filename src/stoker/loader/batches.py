@@ -1,0 +1,290 @@
+"""User ``decode`` and ``collate`` in the workers, and how their batches reach the training process.
+
+With ``Loader(ds, batch_size, decode=fn, collate=fn2)`` a worker turns each sample id of a batch
+into ``fn(ds.read_fields(i), rng)`` (``rng``: a numpy Generator seeded by (seed, epoch, sample id),
+:func:`stoker.order.sample_seed`) and the list of samples into ``fn2(samples)``
+(default :func:`stoker.collate.default`). The batch then travels one of two ways:
+
+- **shared memory**, when it is numpy arrays or CPU torch tensors, alone or in dicts, tuples and
+  lists (nested): :func:`flatten` splits it into a small tree description and its arrays; the
+  worker writes the arrays one after another (64-byte aligned) into the batch's slot file, growing
+  the file when the batch is larger than the slot (slots start at one page, so each is sized by
+  the first batch it carries), and replies with the tree and each array's dtype, shape and offset
+  (a few hundred bytes). The training process maps the slot again if it grew and rebuilds the
+  batch as views over the slot (no copy); the slot is reused once every view is dropped.
+- **pickled through the worker's result pipe**, for anything else (strings, Python objects,
+  bfloat16 tensors): a copy in the worker, the pipe, and a copy in the training process.
+
+``EpochStats.shm_batches`` / ``pickled_batches`` / ``pickled_bytes`` count the two ways.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import pickle
+
+import numpy as np
+
+from ..errors import SampleFnError  # noqa: F401 - re-exported
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SampleFnError", "GenericDecoder", "flatten", "rebuild", "SlotWriter", "ALIGN_BYTES"]
+
+#: Alignment of each array in a slot (a cache line; also what numpy/torch SIMD code prefers).
+ALIGN_BYTES = 64
+_PAGE = mmap.PAGESIZE
+
+
+class _NotArrays(Exception):
+    pass
+
+
+def fn_name(fn) -> str:
+    """A readable name of a function or callable object (for error messages)."""
+    mod = getattr(fn, "__module__", None) or "?"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{mod}.{name}"
+
+
+def _leaf(x, leaves: list):
+    if isinstance(x, np.ndarray):
+        if x.dtype.hasobject:
+            raise _NotArrays
+        leaves.append(np.ascontiguousarray(x))
+        return ("np", len(leaves) - 1)
+    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
+        if x.device.type != "cpu" or x.requires_grad:
+            raise _NotArrays
+        try:
+            arr = x.contiguous().numpy()
+        except (TypeError, RuntimeError):  # a dtype numpy has no equal for (bfloat16)
+            raise _NotArrays from None
+        leaves.append(arr)
+        return ("pt", len(leaves) - 1)
+    if isinstance(x, dict):
+        return ("dict", [(k, _leaf(v, leaves)) for k, v in x.items()])
+    if type(x) in (tuple, list):
+        return (type(x).__name__, [_leaf(v, leaves) for v in x])
+    raise _NotArrays
+
+
+def flatten(batch) -> tuple | None:
+    """``(tree, arrays)`` of a batch made only of arrays/tensors in dicts, tuples and lists, or
+    None when something else is in it (then it is pickled)."""
+    leaves: list = []
+    try:
+        tree = _leaf(batch, leaves)
+    except _NotArrays:
+        return None
+    return tree, leaves
+
+
+def _layout(leaves: list) -> tuple[list, int]:
+    """Per array ``(dtype str, shape, offset)`` and the total bytes in a slot."""
+    specs, off = [], 0
+    for a in leaves:
+        specs.append((a.dtype.str, a.shape, off))
+        off += -(-a.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return specs, off
+
+
+def rebuild(tree, specs, buf: np.ndarray):
+    """The batch described by ``tree``/``specs`` as views over ``buf`` (uint8, the slot): numpy
+    arrays, and torch tensors where the worker's were tensors."""
+    def build(node):
+        kind = node[0]
+        if kind in ("np", "pt"):
+            dt, shape, off = specs[node[1]]
+            dt = np.dtype(dt)
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            arr = buf[off:off + n].view(dt).reshape(shape) if n else np.empty(shape, dt)
+            if kind == "pt":
+                import torch
+                return torch.from_numpy(arr)
+            return arr
+        if kind == "dict":
+            return {k: build(v) for k, v in node[1]}
+        items = [build(v) for v in node[1]]
+        return tuple(items) if kind == "tuple" else items
+    return build(tree)
+
+
+class SlotWriter:
+    """A worker's mappings of the slot files; writes a flattened batch into one, growing it.
+
+    The file is grown with ``posix_fallocate`` (pages reserved, so a full ``/dev/shm`` answers
+    ENOSPC instead of a SIGBUS later); on no room the batch is pickled instead (``None``)."""
+
+    def __init__(self):
+        self.maps: dict[str, mmap.mmap] = {}
+        self.warned = False  # the no-room fallback is logged once per worker
+
+    def write(self, path: str, leaves: list) -> tuple[list, int] | None:
+        """Write ``leaves`` into the slot at ``path``: ``(specs, slot bytes now)``, or None when
+        the slot would have to grow and the shared-memory directory has no room."""
+        specs, need = _layout(leaves)
+        mm = self.maps.get(path)
+        size = os.path.getsize(path) if mm is None else len(mm)
+        if need > size:
+            want = -(-(need + need // 4) // _PAGE) * _PAGE  # 25 % headroom for the next batches
+            fd = os.open(path, os.O_RDWR)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, want)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+                        raise
+                    return None
+                if mm is not None:
+                    mm.close()
+                mm = self.maps[path] = mmap.mmap(fd, want)
+            finally:
+                os.close(fd)
+        elif mm is None:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = self.maps[path] = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        for a, (_, _, off) in zip(leaves, specs):
+            buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        del buf
+        return specs, len(mm)
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:  # pragma: no cover
+                pass
+
+
+class GenericDecoder:
+    """Runs the user's ``decode`` and ``collate`` over a batch's sample ids (in a worker, or in
+    the training process when ``num_workers == 0``)."""
+
+    def __init__(self, ds, cfg):
+        from ..collate import default
+        self.ds, self.cfg = ds, cfg
+        self.decode = cfg.decode
+        self.collate = cfg.collate if cfg.collate is not None else default
+
+    def run(self, epoch: int, ids, current=None):
+        """``(n samples, skipped ids, skipped keys, batch)``; batch is None when every sample
+        was skipped (``on_error="skip"``).
+
+        Raises:
+            SampleFnError: ``decode`` raised or returned None for a sample, or ``collate`` raised
+                (:class:`stoker.collate.CollateError` names the sample at fault); with its key.
+            ChecksumError, OriginError: reading the sample's bytes failed (with its key).
+        """
+        from ..collate import CollateError
+        from ..order import sample_seed
+        ds, cfg = self.ds, self.cfg
+        skip = cfg.on_error == "skip"
+        samples, kept, skipped, skipped_keys = [], [], [], []
+        for sid in ids:
+            sid = int(sid)
+            if current is not None:
+                current.value = sid
+            fields = ds.read_fields(sid)
+            if self.decode is None:
+                sample = fields
+            else:
+                key = ds.key(sid)
+                rng = np.random.default_rng(sample_seed(cfg.seed, epoch, sid))
+                try:
+                    sample = self.decode(fields, rng)
+                    if sample is None:
+                        raise SampleFnError(key, f"decode function {fn_name(self.decode)} returned None for "
+                                                 f"sample {key!r} (it must return the decoded sample)")
+                except Exception as exc:  # noqa: BLE001 - the user's code: any failure names the sample
+                    err = exc if isinstance(exc, SampleFnError) else SampleFnError(
+                        key, f"decode function {fn_name(self.decode)} failed on sample {key!r}: "
+                             f"{type(exc).__name__}: {exc}")
+                    if not skip:
+                        raise err from exc
+                    log.warning("skipping sample (epoch %d): %s", epoch, err)
+                    skipped.append(sid)
+                    skipped_keys.append(key)
+                    continue
+            samples.append(sample)
+            kept.append(sid)
+        if not samples:
+            return 0, skipped, skipped_keys, None
+        try:
+            batch = self.collate(samples)
+        except CollateError as exc:
+            key = ds.key(kept[exc.index]) if 0 <= exc.index < len(kept) else None
+            if current is not None and key is not None:
+                current.value = kept[exc.index]
+            raise SampleFnError(key, f"collate function {fn_name(self.collate)} failed on sample {key!r}: "
+                                     f"{exc.what}") from exc
+        except Exception as exc:  # noqa: BLE001
+            keys = [ds.key(s) for s in kept[:3]]
+            raise SampleFnError(None, f"collate function {fn_name(self.collate)} failed on the batch of samples "
+                                      f"{keys}{'...' if len(kept) > 3 else ''}: {type(exc).__name__}: {exc}") from exc
+        return len(samples), skipped, skipped_keys, batch
+
+
+def pack_reply(writer: SlotWriter, path: str | None, batch):
+    """What a worker sends for a generic ``batch``: ``("shm", tree, specs, slot bytes)`` after
+    writing it into the slot at ``path``, or ``("pickle", pickled bytes)``; None for no batch."""
+    if batch is None:
+        return None
+    flat = flatten(batch) if path is not None else None
+    if flat is not None:
+        wrote = writer.write(path, flat[1])
+        if wrote is not None:
+            return ("shm", flat[0], wrote[0], wrote[1])
+        if not writer.warned:
+            writer.warned = True
+            log.warning("shared memory (%s) has no room to grow a batch slot to %d bytes: batches that do not fit "
+                        "are pickled through the worker's pipe instead (slower; counted in pickled_batches)",
+                        os.path.dirname(path), sum(a.nbytes for a in flat[1]))
+    return ("pickle", pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(ring, slot: int | None, reply, stats):
+    """The training process's side of :func:`pack_reply`: the batch, as views over slot ``slot``
+    (released once they are all dropped; at once, after a copy, in a ``limited`` ring) or
+    unpickled (the slot released at once). Counts the way it came in ``stats``. ``reply`` may also
+    be ``("local", batch)`` (decoded in this process, ``num_workers=0``) or None (no batch)."""
+    if reply is None or reply[0] == "local":
+        if slot is not None:
+            ring.release(slot)
+        return None if reply is None else reply[1]
+    if reply[0] == "pickle":
+        ring.release(slot)
+        stats.pickled_batches += 1
+        stats.pickled_bytes += len(reply[1])
+        return pickle.loads(reply[1])
+    _, tree, specs, nbytes = reply
+    stats.shm_batches += 1
+    buf = ring.buffer(slot, nbytes)
+    if ring.limited:  # too few slots: copy out, the slot is free again at once
+        used = max((off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                    for dt, shape, off in specs), default=0)
+        buf = buf[:used].copy()
+        ring.release(slot)
+        return rebuild(tree, specs, buf)
+    ring.hold(slot, buf)
+    return rebuild(tree, specs, buf)
+
+
+def to_device(batch, device):
+    """``batch`` with every tensor/array moved to the torch ``device`` (same structure)."""
+    import torch
+    if isinstance(batch, np.ndarray) and not batch.dtype.hasobject:
+        return torch.from_numpy(batch).to(device, non_blocking=True)
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if type(batch) in (tuple, list):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

@@ -1,0 +1,277 @@
+"""Prometheus metrics of the loader, the cluster cache services and the scheduler extender.
+
+Exposition goes through ``prometheus-client`` (the ``metrics`` extra, ``pip install
+'stoker[metrics]'``), imported only when metrics are asked for: without it the loader works and
+only ``metrics_port=`` raises ImportError. Names follow Prometheus' conventions: the ``stoker_``
+prefix, base units (``_bytes``, ``_seconds``), ``_total`` on counters.
+
+**Loader** (``Loader(metrics_port=...)`` or ``$STOKER_METRICS_PORT``; address
+``$STOKER_METRICS_ADDR``, default 127.0.0.1): the counters are read at scrape time from the
+loader's :class:`stoker.loader.live.LiveTotals`, which sums the counters the pipeline already
+gathers from its processes (each decode worker's cumulative counters travel with its replies,
+the prefetcher's live in a shared array). prometheus-client's multiprocess mode is not used:
+the training process holds every count, and a replaced worker's counts are kept there, so the
+totals add up without a metrics directory shared by the processes. Labels: ``dataset`` (content
+version), ``job`` (``$STOKER_JOB``, default ``default``), ``node`` (host name), ``rank``.
+
+===========================================  =====================================================
+``stoker_samples_total``                     samples yielded
+``stoker_batches_total``                     batches yielded
+``stoker_skipped_samples_total``             samples skipped (``on_error="skip"``)
+``stoker_data_stall_seconds_total``          seconds the consumer was blocked in ``next()``
+``stoker_loader_seconds_total``              wall seconds of the epochs (stall fraction =
+                                             rate(stall) / rate(loader seconds))
+``stoker_first_batch_seconds``               gauge: ``iter()`` to the first batch, last epoch
+``stoker_origin_bytes_total``                bytes received from the origin
+``stoker_origin_requests_total``             requests to the origin
+``stoker_origin_retries_total``              origin requests retried (decode workers)
+``stoker_cache_hits_total{tier}``            sample reads served by the ``memory``/``disk`` tier
+                                             or by blocks ``staged`` just in time
+``stoker_cache_misses_total``                sample reads the node cache did not hold
+``stoker_process_restarts_total{process}``   ``worker`` / ``prefetcher`` processes replaced
+``stoker_prefetch_depth_bytes``              gauge: mean bytes ready ahead of the consumer
+``stoker_epochs_total``                      epochs ended
+===========================================  =====================================================
+
+**Cluster cache services** use Ray's own metrics export (``ray.util.metrics``), scraped from
+each Ray node's metrics agent (``ray start --metrics-export-port``); Ray prefixes user metrics
+with ``ray_``: ``ray_stoker_cache_held_bytes{dataset,node}``,
+``ray_stoker_peer_served_bytes_total{node,source}``, ``ray_stoker_cache_fills_total{node,outcome}``,
+``ray_stoker_cache_fill_failures_total{node}`` (:class:`ServiceMetrics`).
+
+**Extender** (``stoker extender --metrics-port``): ``stoker_extender_requests_total{verb,code}``,
+``stoker_extender_request_duration_seconds{verb}`` (histogram), ``stoker_extender_errors_total{verb}``
+(answers with a status >= 400), recorded through :func:`observe_extender`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+PORT_ENV = "STOKER_METRICS_PORT"
+ADDR_ENV = "STOKER_METRICS_ADDR"
+JOB_ENV = "STOKER_JOB"
+LOADER_LABELS = ("dataset", "job", "node", "rank")
+
+__all__ = ["LoaderExport", "ServiceMetrics", "export_loader", "metrics_port_from_env", "observe_extender",
+           "serve_extender_metrics"]
+
+
+def _client():
+    """The ``prometheus_client`` module; ImportError naming the extra when it is missing."""
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError("Prometheus metrics need prometheus-client, the stoker[metrics] extra: "
+                          "pip install -e '.[metrics]' in the stoker checkout") from exc
+    return prometheus_client
+
+
+def metrics_port_from_env() -> int | None:
+    """``$STOKER_METRICS_PORT`` as a port number (None when unset or empty); ValueError naming
+    the variable for text that is not a port (0..65535; 0 = any free port)."""
+    text = os.environ.get(PORT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"${PORT_ENV} must be a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"${PORT_ENV} must be a port number in 0..65535, got {port}")
+    return port
+
+
+# -- one HTTP server per (address, port) in a process ----------------------------------------
+_SERVERS: dict[tuple[str, int], tuple[Any, Any, int]] = {}  # (addr, asked port) -> (registry, server, port)
+_SERVERS_LOCK = threading.Lock()
+
+
+def _server(port: int, addr: str | None) -> tuple[Any, int]:
+    """The registry served on ``addr:port`` (started now if not yet; port 0: a free port, new
+    each call) and the port it listens on. OSError when the address is taken."""
+    pc = _client()
+    addr = addr or os.environ.get(ADDR_ENV) or "127.0.0.1"
+    with _SERVERS_LOCK:
+        if port and (addr, port) in _SERVERS:
+            reg, _, real = _SERVERS[(addr, port)]
+            return reg, real
+        reg = pc.CollectorRegistry(auto_describe=False)
+        server, _thread = pc.start_http_server(port, addr=addr, registry=reg)
+        real = server.server_address[1]
+        _SERVERS[(addr, port or real)] = (reg, server, real)
+        return reg, real
+
+
+class LoaderExport:
+    """The metrics of one loader on a Prometheus endpoint: ``port`` (the one listened on),
+    ``url`` (``http://addr:port/metrics``); :meth:`close` stops reporting this loader (the
+    server stays for others of the process)."""
+
+    def __init__(self, registry, collector, port: int, addr: str):
+        self.registry, self.collector, self.port = registry, collector, port
+        self.url = f"http://{addr}:{port}/metrics"
+
+    def close(self) -> None:
+        """Unregister this loader's collector; idempotent."""
+        coll, self.collector = self.collector, None
+        if coll is not None:
+            try:
+                self.registry.unregister(coll)
+            except KeyError:
+                pass
+
+
+class _LoaderCollector:
+    """A prometheus-client collector reading ``snapshot()`` (:meth:`stoker.loader.live.LiveTotals.snapshot`)
+    at each scrape."""
+
+    def __init__(self, snapshot: Callable[[], dict], labels: dict[str, str]):
+        self.snapshot, self.labels = snapshot, labels
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        s = self.snapshot()
+        names, values = list(self.labels), list(self.labels.values())
+
+        def counter(name, doc, value, **extra):
+            fam = CounterMetricFamily(name, doc, labels=names + list(extra))
+            fam.add_metric(values + list(extra.values()), value)
+            return fam
+
+        yield counter("stoker_samples", "Samples yielded to the consumer.", s["samples"])
+        yield counter("stoker_batches", "Batches yielded to the consumer.", s["batches"])
+        yield counter("stoker_skipped_samples", "Samples skipped (on_error='skip').", s["skipped"])
+        yield counter("stoker_data_stall_seconds", "Seconds the consumer was blocked in next().", s["wait_s"])
+        yield counter("stoker_loader_seconds", "Wall seconds of the loader's epochs.", s["seconds"])
+        yield counter("stoker_origin_bytes", "Bytes received from the origin.", s["origin_bytes"])
+        yield counter("stoker_origin_requests", "Requests to the origin.", s["origin_requests"])
+        yield counter("stoker_origin_retries", "Origin requests retried.", s["origin_retries"])
+        hits = CounterMetricFamily("stoker_cache_hits", "Sample reads served by a cache tier.",
+                                   labels=names + ["tier"])
+        hits.add_metric(values + ["memory"], s["cache_memory_hits"])
+        hits.add_metric(values + ["disk"], max(0, s["cache_hits"] - s["cache_memory_hits"]))
+        hits.add_metric(values + ["staged"], s["read_staged_hits"])
+        yield hits
+        yield counter("stoker_cache_misses", "Sample reads the node cache did not hold.", s["cache_misses"])
+        restarts = CounterMetricFamily("stoker_process_restarts", "Loader processes replaced after dying.",
+                                       labels=names + ["process"])
+        restarts.add_metric(values + ["worker"], s["worker_restarts"])
+        restarts.add_metric(values + ["prefetcher"], s["prefetcher_restarts"])
+        yield restarts
+        yield counter("stoker_epochs", "Epochs ended.", s["epochs"])
+        depth = GaugeMetricFamily("stoker_prefetch_depth_bytes", "Mean bytes fetched and ready ahead of the "
+                                  "consumer in the current epoch.", labels=names)
+        depth.add_metric(values, s["prefetch_depth_bytes"])
+        yield depth
+        if s.get("first_batch_s") is not None:
+            first = GaugeMetricFamily("stoker_first_batch_seconds", "Seconds from iter() to the first batch "
+                                      "of the current (or last) epoch.", labels=names)
+            first.add_metric(values, s["first_batch_s"])
+            yield first
+
+
+def export_loader(snapshot: Callable[[], dict], port: int, *, dataset: str, rank: int = 0,
+                  job: str | None = None, addr: str | None = None) -> LoaderExport:
+    """Serve a loader's metrics on ``addr:port`` (default ``$STOKER_METRICS_ADDR`` or
+    127.0.0.1; port 0: any free port) from ``snapshot`` (see :class:`stoker.loader.live.LiveTotals`).
+    Several loaders of one process may share a port (their ``dataset``/``rank`` labels tell
+    them apart). Raises ImportError without prometheus-client, OSError when the port is taken
+    by another program."""
+    reg, real = _server(int(port), addr)
+    labels = {"dataset": str(dataset), "job": job or os.environ.get(JOB_ENV) or "default",
+              "node": socket.gethostname(), "rank": str(rank)}
+    coll = _LoaderCollector(snapshot, labels)
+    reg.register(coll)
+    return LoaderExport(reg, coll, real, addr or os.environ.get(ADDR_ENV) or "127.0.0.1")
+
+
+# -- the extender ----------------------------------------------------------------------------
+_EXTENDER: dict[str, Any] = {}  # "requests", "latency", "errors" once enabled
+
+
+def serve_extender_metrics(port: int, addr: str | None = None) -> int:
+    """Record the extender's requests from now on and serve them on ``addr:port`` (default
+    ``$STOKER_METRICS_ADDR`` or 127.0.0.1; 0: any free port); returns the port. Once per
+    process: a later call returns the port of the first. ImportError without prometheus-client,
+    OSError when the port is taken."""
+    pc = _client()
+    if _EXTENDER:
+        return _EXTENDER["port"]
+    reg, real = _server(int(port), addr)
+    if not _EXTENDER:
+        _EXTENDER["port"] = real
+        _EXTENDER["requests"] = pc.Counter("stoker_extender_requests", "Extender requests answered.",
+                                           ["verb", "code"], registry=reg)
+        _EXTENDER["latency"] = pc.Histogram("stoker_extender_request_duration_seconds",
+                                            "Seconds from a request's arrival to its answer.", ["verb"],
+                                            registry=reg, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25,
+                                                                   .5, 1, 2.5, 5))
+        _EXTENDER["errors"] = pc.Counter("stoker_extender_errors", "Extender answers with a status >= 400.",
+                                         ["verb"], registry=reg)
+    return real
+
+
+def observe_extender(verb: str, code: int, seconds: float) -> None:
+    """Count one extender answer: ``verb`` (``filter``, ``prioritize``; anything else is
+    counted as ``other``), HTTP status ``code``, ``seconds`` it took. Does nothing until
+    :func:`serve_extender_metrics` was called, so the extender needs no metrics library."""
+    if not _EXTENDER:
+        return
+    verb = verb if verb in ("filter", "prioritize", "healthz") else "other"
+    _EXTENDER["requests"].labels(verb, str(code)).inc()
+    _EXTENDER["latency"].labels(verb).observe(seconds)
+    if code >= 400:
+        _EXTENDER["errors"].labels(verb).inc()
+
+
+# -- the cluster cache services (Ray's metrics) ----------------------------------------------
+class ServiceMetrics:
+    """The metrics of one cluster cache service, through Ray's metrics export (``ray.util.metrics``,
+    which Ray's metrics agent on each node serves to Prometheus with a ``ray_`` prefix).
+
+    ``node``: the node's name (a label); ``backend``: the module that has ``Counter`` and
+    ``Gauge`` with Ray's signature (default ``ray.util.metrics``; tests pass another). A
+    backend that cannot be had leaves the service without metrics, never without service.
+    """
+
+    def __init__(self, node: str, backend=None):
+        self.node = node
+        try:
+            if backend is None:
+                from ray.util import metrics as backend
+            tags = ("node",)
+            self.held = backend.Gauge("stoker_cache_held_bytes", "Bytes of a dataset this node's cache holds.",
+                                      tag_keys=("dataset", "node"))
+            self.served = backend.Counter("stoker_peer_served_bytes", "Bytes this node's service handed to "
+                                          "readers, by source (cache, origin).", tag_keys=("node", "source"))
+            self.fills = backend.Counter("stoker_cache_fills", "Blocks the warm-up asked this node to fill, "
+                                         "by outcome.", tag_keys=("node", "outcome"))
+            self.failures = backend.Counter("stoker_cache_fill_failures", "Blocks whose fill failed.",
+                                            tag_keys=tags)
+            self.ok = True
+        except Exception:  # noqa: BLE001 - metrics are optional; the service must run
+            self.ok = False
+
+    def served_bytes(self, n: int, source: str = "cache") -> None:
+        """``n`` bytes handed to a reader, read from ``source`` (``cache`` or ``origin``)."""
+        if self.ok and n:
+            self.served.inc(n, tags={"node": self.node, "source": source})
+
+    def filled(self, outcome: dict) -> None:
+        """The result of one :meth:`stoker.cluster.service.CacheService.fill` call."""
+        if not self.ok:
+            return
+        for key in ("filled", "cached", "refused", "busy", "failed"):
+            if outcome.get(key):
+                self.fills.inc(outcome[key], tags={"node": self.node, "outcome": key})
+        if outcome.get("failed"):
+            self.failures.inc(outcome["failed"], tags={"node": self.node})
+
+    def held_bytes(self, dataset: str, n: int) -> None:
+        """This node's cache holds ``n`` bytes of ``dataset`` (its content version)."""
+        if self.ok:
+            self.held.set(n, tags={"dataset": dataset, "node": self.node})

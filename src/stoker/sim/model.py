@@ -1,0 +1,311 @@
+"""The cluster model: ranks reading their plans through node caches, peers and the origin.
+
+A discrete-event simulation on SimPy. Each rank walks its plan (from :mod:`stoker.sim.decide`)
+in chunks of ``chunk_samples`` consecutive samples. For a chunk it classifies every sample the
+way stoker's read path serves it: a hit in the node cache (``local``); a block cached on its
+owner, another node (``peer``, one request per sample, the sample's bytes); a block cached
+nowhere (a fill: its owner, or with ``direct`` the rank's own node, fetches the whole block from
+the origin, one request, the block's bytes); a block that does not fit in its cache (the sample's
+range from the origin, one request). Blocks are never evicted (stoker's policy inside one
+dataset; :mod:`stoker.cache.policy`).
+
+A chunk costs request latency (``ceil(requests / concurrency) * latency`` per kind) and one
+flow (:class:`stoker.sim.network.FlowNetwork`) over the origin link, the NICs (each direction)
+and the cache read bandwidths it touches: one after the other when a rank has one request in
+flight at a time (concurrency 1: each request waits for its bytes), at the same time otherwise
+(pipelined requests hide their latency behind earlier bytes); at most ``fetch_inflight`` chunks
+of a rank are fetched at once. Then decode: the node's ``decode_cores x decode_rate`` samples/s
+shared by the chunks of its ranks like a link (a rank's workers decode a chunk's samples in
+parallel; its chunks one after the other, in order), then the accelerator (``chunk / gpu_rate`` seconds). At most
+``prefetch_chunks`` chunks of a rank are in flight (fetching or decoding) ahead of its
+accelerator. Ranks of a job start an epoch together; the epoch ends with its slowest rank
+(DDP waits for it); GPU utilisation = (samples per rank / gpu_rate) / epoch seconds.
+
+CPU contention outside the decode cores is modelled only where every node shares one machine
+(the namespace emulation): ``machine_cores`` cores that every peer request takes
+``peer_cpu_s`` of, shared like a link. Not modelled: TCP slow start and loss, stragglers, the
+per-step all-reduce.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from .decide import ClusterState, Placement, dataset_budget, epoch_plans, place_job
+from .network import FlowNetwork
+from .workload import Workload
+
+INF = math.inf
+#: The kinds of link the report counts bytes on.
+LINK_KINDS = ("origin", "host_to_host", "local")
+
+
+@dataclass
+class Params:
+    """The simulated cluster. Rates in bytes/s or samples/s, times in seconds, sizes in bytes.
+
+    ``nodes``; ``slots_per_node``: ranks (accelerators) per node, None = no limit;
+    ``gpu_rate``: samples/s one accelerator consumes (0 = takes no time); ``decode_cores`` and
+    ``decode_rate`` (samples/s per core; 0 cores = no decode); ``cache_bytes`` per node;
+    ``cache_read_Bps`` per node; ``nic_Bps`` per node and direction; ``origin_Bps``: the
+    origin's aggregate bandwidth; ``origin_latency_s`` per request and ``origin_concurrency``
+    requests in flight per rank; ``peer_latency_s``/``peer_concurrency`` the same for a peer
+    read; ``local_latency_s`` per sample read from the node cache; ``prefetch_chunks`` and
+    ``chunk_samples`` as in the module docstring; ``fetch_inflight``: chunks of a rank fetched
+    at once (stoker's prefetcher fetches in order of need); ``order``/``window``/``seed``: the epoch
+    order (:func:`stoker.order.permutation`). ``machine_cores`` (0 = none) and ``peer_cpu_s``: CPU
+    seconds each peer request costs (client and serving process together) on cores that every
+    node shares, as the namespace emulation's hosts share one machine: the requests in flight
+    share the cores like a link (0 cores: no such term).
+    """
+
+    nodes: int
+    cache_bytes: float
+    origin_Bps: float
+    nic_Bps: float = INF
+    cache_read_Bps: float = INF
+    slots_per_node: int | None = None
+    gpu_rate: float = 0.0
+    decode_cores: int = 0
+    decode_rate: float = 0.0
+    origin_latency_s: float = 0.0
+    origin_concurrency: int = 1
+    peer_latency_s: float = 0.0
+    peer_concurrency: int = 1
+    local_latency_s: float = 0.0
+    prefetch_chunks: int = 1
+    fetch_inflight: int = 1
+    chunk_samples: int = 16
+    order: str = "blockwise"
+    window: int = 16
+    seed: int = 0
+    machine_cores: float = 0.0
+    peer_cpu_s: float = 0.0
+
+
+@dataclass
+class Job:
+    """One job: ``world`` ranks; ``seed``: its random placement's seed; ``name``."""
+
+    name: str
+    world: int
+    seed: int = 0
+    machine_cores: float = 0.0
+    peer_cpu_s: float = 0.0
+
+
+@dataclass
+class EpochResult:
+    """One job's epoch: ``seconds``, ``gpu_utilization`` (None without an accelerator rate),
+    ``bytes`` per kind of link (:data:`LINK_KINDS`), ``samples``, ``link_bytes`` per link,
+    ``decode_s`` core-seconds of decode."""
+
+    job: str
+    epoch: int
+    seconds: float
+    gpu_utilization: float | None
+    bytes: dict
+    samples: int
+    link_bytes: dict = field(default_factory=dict)
+    decode_s: float = 0.0
+
+
+def _links(p: Params) -> dict[str, float]:
+    caps = {"origin": p.origin_Bps}
+    for v in range(p.nodes):
+        caps |= {f"tx{v}": p.nic_Bps, f"rx{v}": p.nic_Bps, f"disk{v}": p.cache_read_Bps,
+                 f"cpu{v}": max(p.decode_cores, 1) * p.decode_rate if p.decode_rate > 0 else INF}
+    if p.machine_cores > 0:
+        caps["machine_cpu"] = p.machine_cores  # CPU seconds per second
+    return caps
+
+
+class _Run:
+    """Shared state of one simulation: clock, network, caches, decode cores, byte counts."""
+
+    def __init__(self, p: Params, wl: Workload, setup: str, jobs_reading: int):
+        self.p, self.wl, self.setup = p, wl, setup
+        self.env = simpy.Environment()
+        self.net = FlowNetwork(self.env, _links(p))
+        self.state = ClusterState(p.nodes, wl)
+        self.budget = float(dataset_budget(p.cache_bytes, wl, jobs_reading))
+        self.counts = dict.fromkeys(LINK_KINDS, 0.0)
+        self.decode_s = 0.0
+        self.filling: dict[int, simpy.Event] = {}  # a chunk's fills in flight -> fires when they land
+        self.fill_of = np.zeros((p.nodes, wl.num_blocks), dtype=np.int64)  # (home, block) -> its key there, 0: none
+        self._fills = 0
+        ix = self.net.index
+        self.rx, self.tx, self.disk = (np.array([ix[f"{k}{v}"] for v in range(p.nodes)], dtype=np.int64)
+                                       for k in ("rx", "tx", "disk"))
+        self.cpu = [ix[f"cpu{v}"] for v in range(p.nodes)]
+        self.origin, self.machine_cpu = ix["origin"], ix.get("machine_cpu", -1)
+
+    def _admit(self, node: int, block: int) -> bool:
+        """Cache ``block`` on ``node`` if its budget has room (no eviction); True if it did."""
+        size = float(self.wl.block_bytes[block])
+        if self.state.used_bytes[node] + size > self.budget:
+            return False
+        self.state.cached[node, block] = True
+        self.state.used_bytes[node] += size
+        return True
+
+    def chunk_cost(self, node: int, ids: np.ndarray, owner: np.ndarray
+                   ) -> tuple[float, np.ndarray, float, list, list, int]:
+        """(latency seconds, bytes per link (float64 (links,), by ``self.net.index``), CPU seconds on
+        the shared machine, the events of other chunks' fills that these samples wait for, this
+        chunk's fills as ``(home, block)``, their key in ``filling`` (0: none)) of reading samples
+        ``ids`` on ``node``; updates the caches. A block admitted by another chunk whose bytes have
+        not landed is read once they have (the cache fetches a block once; later readers wait)."""
+        p, wl, st = self.p, self.wl, self.state
+        blk = wl.sample_block[ids]
+        size = wl.sample_bytes[ids].astype(np.float64)
+        home = np.where(owner[blk] < 0, node, owner[blk])
+        vec = np.zeros(len(self.net.names))
+        miss = ~st.cached[home, blk]
+        waits: list = []
+        if self.filling:  # one event per chunk whose fills these samples wait for
+            keys = self.fill_of[home[~miss], blk[~miss]]
+            waits = [self.filling[k] for k in np.unique(keys[keys > 0]).tolist()]
+        mine: list[tuple[int, int]] = []
+        landed = 0
+        if self.budget > 0 and miss.any():  # nothing is ever admitted without a budget: no fill to try
+            nb = wl.num_blocks
+            u, first = np.unique(home[miss] * nb + blk[miss], return_index=True)
+            hs, bs = np.divmod(u[np.argsort(first)], nb)  # in order of need
+            fits = wl.block_bytes[bs] <= self.budget - st.used_bytes[hs]  # room only shrinks below
+            mine = [(h, b) for h, b in zip(hs[fits].tolist(), bs[fits].tolist(), strict=True) if self._admit(h, b)]
+        if mine:  # fills: whole blocks to their homes, from the origin
+            self._fills += 1
+            landed = self._fills
+            self.filling[landed] = self.env.event()
+            mh, mb = (np.array(x, dtype=np.int64) for x in zip(*mine, strict=True))
+            self.fill_of[mh, mb] = landed
+            fill = wl.block_bytes[mb].astype(np.float64)
+            vec[self.origin] += float(fill.sum())
+            np.add.at(vec, self.rx[mh], fill)
+            self.counts["origin"] += float(fill.sum())
+        nofit = ~st.cached[home, blk]  # no room: the sample's range straight from the origin
+        if nofit.any():
+            b_nofit = float(size[nofit].sum())
+            vec[self.origin] += b_nofit
+            vec[self.rx[node]] += b_nofit
+            self.counts["origin"] += b_nofit
+        ok = ~nofit
+        peer = ok & (home != node)
+        local = ok & (home == node)
+        n_peer, n_local = int(peer.sum()), int(local.sum())
+        self.counts["local"] += float(size[local].sum())
+        if n_peer:
+            b_peer = float(size[peer].sum())
+            self.counts["host_to_host"] += b_peer
+            vec[self.rx[node]] += b_peer
+            vec[self.tx] += np.bincount(home[peer], weights=size[peer], minlength=p.nodes)
+        vec[self.disk] += np.bincount(home[ok], weights=size[ok], minlength=p.nodes)
+        n_origin = len(mine) + int(nofit.sum())
+        lat = (math.ceil(n_origin / p.origin_concurrency) * p.origin_latency_s
+               + math.ceil(n_peer / p.peer_concurrency) * p.peer_latency_s + n_local * p.local_latency_s)
+        cpu_s = n_peer * p.peer_cpu_s if p.machine_cores > 0 else 0.0
+        return lat, vec, cpu_s, waits, mine, landed
+
+    def _land(self, mine: list[tuple[int, int]], landed: int) -> None:
+        """A chunk's fills (key ``landed`` in ``filling``) have landed: later readers of those
+        blocks read them from now on."""
+        if landed:
+            mh, mb = (np.array(x, dtype=np.int64) for x in zip(*mine, strict=True))
+            self.fill_of[mh, mb] = 0
+            self.filling.pop(landed).succeed()
+
+    def rank(self, node: int, plan: np.ndarray, owner: np.ndarray, finished: list):
+        """SimPy process of one rank's epoch; appends its finish time to ``finished``."""
+        p, env = self.p, self.env
+        chunks = [plan[i:i + p.chunk_samples] for i in range(0, len(plan), p.chunk_samples)]
+        ready = [env.event() for _ in chunks]
+        tokens = simpy.Container(env, capacity=max(1, p.prefetch_chunks), init=max(1, p.prefetch_chunks))
+        fetching = simpy.Resource(env, max(1, p.fetch_inflight))
+        serial = p.origin_concurrency == 1 and p.peer_concurrency == 1
+        decoding = simpy.Resource(env, 1)
+
+        def fetch(c: np.ndarray, done: simpy.Event):
+            with fetching.request() as slot:
+                yield slot
+                lat, vec, cpu_s, waits, mine, landed = self.chunk_cost(node, c, owner)
+                if serial:  # one request at a time: each waits for its bytes before the next goes
+                    yield env.timeout(lat)
+                    if waits:
+                        yield env.all_of(waits)
+                    if cpu_s:
+                        yield self.net.transfer_at(np.array([self.machine_cpu]), np.array([cpu_s]))
+                    nz = np.flatnonzero(vec)
+                    yield self.net.transfer_at(nz, vec[nz])
+                else:  # requests pipelined: the latency of later ones hides behind earlier bytes
+                    if cpu_s:
+                        vec[self.machine_cpu] += cpu_s
+                    nz = np.flatnonzero(vec)
+                    yield env.all_of([env.timeout(lat), self.net.transfer_at(nz, vec[nz]), *waits])
+                self._land(mine, landed)
+            if p.decode_cores > 0 and p.decode_rate > 0:  # the node's cores, shared like a link;
+                with decoding.request() as turn:           # a rank's chunks decode in order
+                    yield turn
+                    self.decode_s += len(c) / p.decode_rate
+                    yield self.net.transfer_at(np.array([self.cpu[node]]), np.array([float(len(c))]))
+            done.succeed()
+
+        def feeder():
+            for c, done in zip(chunks, ready, strict=True):
+                yield tokens.get(1)
+                env.process(fetch(c, done))
+
+        env.process(feeder())
+        for c, done in zip(chunks, ready, strict=True):
+            yield done
+            if p.gpu_rate > 0:
+                yield env.timeout(len(c) / p.gpu_rate)
+            yield tokens.put(1)
+        finished.append(env.now)
+
+
+def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
+             together: bool = True) -> list[EpochResult]:
+    """Simulate ``epochs`` epochs of ``jobs`` reading ``wl`` under ``setup`` (see
+    :data:`stoker.sim.decide.SETUPS`) on empty caches.
+
+    ``together``: the jobs run each epoch at the same time (sharing links and caches); False:
+    one after the other (as ``stoker bench cluster --netns`` runs them). Every job is placed
+    once, before its first epoch (jobs placed in list order). Returns one
+    :class:`EpochResult` per job and epoch, in run order; the ``bytes`` and ``link_bytes`` of
+    jobs run together are those of the whole group in that epoch (the same in each of their
+    rows). Raises ValueError for a setup or placement that cannot be made.
+    """
+    run = _Run(p, wl, setup, len(jobs))
+    budgets = np.full(p.nodes, run.budget)
+    placed: dict[str, Placement] = {}
+    out: list[EpochResult] = []
+    for e in range(epochs):
+        groups = [jobs] if together else [[j] for j in jobs]
+        for group in groups:
+            starts, marks = {}, {}
+            procs = {}
+            for j in group:
+                if j.name not in placed:
+                    placed[j.name] = place_job(setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node)
+                pl = placed[j.name]
+                plans = epoch_plans(setup, wl, pl, e, p.seed, p.order, p.window)
+                starts[j.name] = run.env.now
+                marks[j.name] = (dict(run.counts), dict(run.net.bytes_on), max(len(x) for x in plans), run.decode_s)
+                fins: list = []
+                procs[j.name] = fins
+                for r, plan in enumerate(plans):
+                    run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, fins))
+            run.env.run()  # until every rank of the group is done
+            for j in group:
+                c0, l0, q, d0 = marks[j.name]
+                secs = max(procs[j.name]) - starts[j.name]
+                util = (q / p.gpu_rate) / secs if p.gpu_rate > 0 and secs > 0 else None
+                out.append(EpochResult(j.name, e, secs, util,
+                                       {k: run.counts[k] - c0[k] for k in LINK_KINDS}, q * j.world,
+                                       {k: run.net.bytes_on[k] - l0[k] for k in run.net.bytes_on},
+                                       run.decode_s - d0))
+    return out

@@ -1,0 +1,45 @@
+"""The TDCS experiment's parameters (:class:`TdcsConfig`) and their published defaults, kept apart
+from the model so that ``stoker simulate --help`` needs no SimPy (the ``sim`` extra)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["IMAGENET_MEAN_BYTES", "IMAGENET_SAMPLES", "V100_RESNET50_RATE", "TdcsConfig"]
+
+#: ImageNet-1k (ILSVRC-2012) train samples (Russakovsky et al., IJCV 2015).
+IMAGENET_SAMPLES = 1_281_167
+#: Mean ImageNet train JPEG bytes: about 110 KB (the issue's figure; the train tar is ~138 GiB).
+IMAGENET_MEAN_BYTES = 110_000
+#: ResNet-50 v1.5 training, mixed precision, per V100: 8322 img/s on 8 GPUs of a DGX-1 16GB
+#: (NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5 README,
+#: "Training performance: NVIDIA DGX-1 16GB (8x V100 16GB)", pytorch-21.03 container) / 8.
+V100_RESNET50_RATE = 8322 / 8
+
+
+@dataclass
+class TdcsConfig:
+    """The experiment's parameters (units in the names; sources in :func:`assumptions`)."""
+
+    nodes: int = 16
+    gpus_per_node: int = 8
+    gpu_rate: float = V100_RESNET50_RATE
+    samples: int = IMAGENET_SAMPLES
+    mean_sample_bytes: float = IMAGENET_MEAN_BYTES
+    sample_sigma: float = 0.5
+    shard_bytes: int = 256 << 20
+    block_bytes: int = 1 << 20
+    store_gbit: float = 10.0
+    store_latency_ms: float = 20.0
+    store_concurrency: int = 8
+    nic_gbit: float = 25.0
+    cache_read_GBps: float = 3.0
+    cache_fraction: float = 1.0
+    decode_cores: int = 40
+    decode_rate: float = 688.0
+    peer_latency_ms: float = 1.0
+    peer_concurrency: int = 8
+    chunk_samples: int = 1024
+    prefetch_bytes: int = 512 << 20
+    epochs: int = 3
+    jobs: int = 1
+    seed: int = 0

@@ -1,0 +1,171 @@
+"""``stoker simulate --validate``: the model against measured runs.
+
+For every epoch of every placement of each ``stoker bench cluster --netns`` report, and of the
+``stoker demo`` report, the model runs the exact configuration (hosts, link rates, origin
+latency, cache bytes, the driver's jobs and seeds; the demo's workers, consumer rate and origin)
+and the row gives measured against predicted epoch seconds and bytes per kind of link.
+
+Measured bytes are stoker's own counts (payload bytes, what the model predicts); the kernel's
+link counts (headers and control traffic included) are given beside them for the namespace runs.
+"""
+from __future__ import annotations
+
+import json
+
+from .calibrate import (
+    Calibrated,
+    cold_direct_row,
+    demo_params,
+    demo_workload,
+    fit_link_factor,
+    fit_peer_cpu,
+    local_latency,
+    measure_cache_read_Bps,
+    netns_jobs,
+    netns_params,
+    netns_workload,
+)
+from .model import Job, simulate
+
+#: Done when each epoch is within this fraction of its measured seconds ...
+TIME_TOLERANCE = 0.15
+#: ... and each byte count within this fraction.
+BYTES_TOLERANCE = 0.05
+#: Epochs shorter than this (seconds) are judged by their absolute error, apart: a few Ray task
+#: starts and one scheduler tick on the shared 2 cores decide them, and a ratio of two
+#: near-zero times says little.
+TINY_S = 0.5
+
+
+def _err(pred: float, meas: float) -> float | None:
+    return None if meas <= 0 else pred / meas - 1
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def netns_label(report: dict) -> str:
+    """A short name of a namespace configuration: hosts and link rates."""
+    links = report["links"]
+    host = min(v["mbit"] for k, v in links.items() if k != "origin")
+    return f"netns {report['hosts']} hosts, host {host:g} / origin {links['origin']['mbit']:g} Mbit/s"
+
+
+def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | None,
+             calibration_path: str | None = None) -> dict:
+    """Run the model on every measured configuration; returns ``{parameters, rows, summary}``.
+
+    ``netns_paths``: ``stoker bench cluster --netns`` reports; ``calibration_path``: the one
+    the local read and peer request times are taken from (default: the first); ``demo_path``:
+    a ``stoker demo`` report (None: skipped); ``decode_path``: a ``stoker bench decode``
+    report for the decode pipeline's efficiency. Each row: ``config``, ``placement``,
+    ``job``, ``epoch``, ``measured_s``, ``predicted_s``, ``measured_bytes``,
+    ``predicted_bytes`` (``{"origin", "host_to_host"}``, bytes), ``kernel_bytes`` (namespace
+    runs), ``time_error``/``bytes_error`` (predicted / measured - 1) and ``in_sample`` (the row
+    is of the calibration run). Raises OSError/ValueError for unreadable reports.
+    """
+    params: dict[str, Calibrated] = {"cache_read_Bps": measure_cache_read_Bps()}
+    rows: list[dict] = []
+    factors: dict[str, Calibrated] = {}
+    if netns_paths:
+        cal_path = calibration_path or netns_paths[0]
+        cal = _load(cal_path)
+        params["local_latency_s"] = local_latency(cal, cal_path)
+        for path in netns_paths:
+            factors[path] = params[f"link delivered fraction of {path}"] = fit_link_factor(
+                _load(path), path, params["local_latency_s"].value)
+        params["peer_cpu_s"] = fit_peer_cpu(cal, cal_path, params["local_latency_s"].value, factors[cal_path].value)
+    for path in netns_paths:
+        rep = _load(path)
+        p = netns_params(rep, params["local_latency_s"].value, params["peer_cpu_s"].value, factors[path].value)
+        p.cache_read_Bps = params["cache_read_Bps"].value
+        params[f"links of {path}"] = Calibrated(p.nic_Bps, f"{path}: host links (tbf Mbit/s) x its delivered "
+                                                           f"fraction, bytes/s; origin latency "
+                                                           f"{rep['origin']['latency_ms']} ms")
+        fitted = cold_direct_row(rep, path)
+        wl = netns_workload(rep)
+        for placement in dict.fromkeys(r["placement"] for r in rep["runs"]):
+            res = simulate(p, wl, placement, netns_jobs(rep), rep["config"]["epochs"], together=False)
+            pred = {(r.job, r.epoch): r for r in res}
+            for m in (r for r in rep["runs"] if r["placement"] == placement):
+                s = pred[(m["job"], m["epoch"])]
+                mb = {"origin": m["stoker"]["origin_bytes"], "host_to_host": m["stoker"]["peer_bytes"]}
+                pb = {k: int(s.bytes[k]) for k in mb}
+                rows.append({"config": netns_label(rep), "source": path, "placement": placement, "job": m["job"],
+                             "epoch": m["epoch"], "measured_s": m["seconds"], "predicted_s": s.seconds,
+                             "measured_bytes": mb, "predicted_bytes": pb,
+                             "kernel_bytes": {"origin": m["kernel"]["origin_link_bytes"],
+                                              "host_to_host": m["kernel"]["host_link_bytes"]},
+                             "dataset_bytes": rep["dataset"]["bytes"],
+                             "in_sample": path == cal_path or m is fitted})
+    if demo_path:
+        demo = _load(demo_path)
+        wl = demo_workload(demo)
+        for rate in dict.fromkeys(r["consumer_rate"] for r in demo["runs"] if r["loader"] == "stoker"):
+            bench = _load(decode_path) if decode_path else None
+            p, extra = demo_params(demo, bench, decode_path or "", demo_path, rate)
+            params.update(extra)
+            res = simulate(p, wl, "direct", [Job("demo", 1)], demo["config"]["epochs"])
+            for m in (r for r in demo["runs"] if r["loader"] == "stoker" and r["consumer_rate"] == rate):
+                s = res[m["epoch"]]
+                rows.append({"config": f"demo, consumer {rate:g} samples/s", "source": demo_path, "placement": "direct",
+                             "job": "demo", "epoch": m["epoch"], "measured_s": m["seconds"], "predicted_s": s.seconds,
+                             "measured_bytes": {"origin": m["origin_bytes"], "host_to_host": 0},
+                             "predicted_bytes": {"origin": int(s.bytes["origin"]), "host_to_host": 0},
+                             "dataset_bytes": demo["dataset"]["bytes"], "in_sample": False})
+    for r in rows:
+        r["time_error"] = _err(r["predicted_s"], r["measured_s"])
+        r["bytes_error"] = {k: _err(r["predicted_bytes"][k], r["measured_bytes"][k]) for k in r["measured_bytes"]}
+    return {"parameters": {k: {"value": v.value, "source": v.source} for k, v in params.items()},
+            "rows": rows, "summary": summary(rows)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Rows within :data:`TIME_TOLERANCE` / :data:`BYTES_TOLERANCE`, overall and out of sample.
+    Epochs under :data:`TINY_S` measured seconds are not in ``time_rows``/``time_within``; ``tiny``
+    gives their count and their median and largest absolute error (seconds).
+    A byte count under 1% of the dataset (e.g. a co-located job's few peer reads) is compared
+    by its difference as a fraction of the dataset instead (a ratio of two near-zero counts
+    says nothing)."""
+    def ok_bytes(r: dict) -> bool:
+        for k, m in r["measured_bytes"].items():
+            pred, floor = r["predicted_bytes"][k], 0.01 * r["dataset_bytes"]
+            if max(m, pred) < floor:
+                continue
+            if abs(pred - m) > BYTES_TOLERANCE * max(m, floor):
+                return False
+        return True
+
+    def count(sel: list[dict]) -> dict:
+        t = [r for r in sel if r["time_error"] is not None and r["measured_s"] >= TINY_S]
+        tiny = sorted(abs(r["predicted_s"] - r["measured_s"]) for r in sel if r["measured_s"] < TINY_S)
+        return {"rows": len(sel), "time_rows": len(t),
+                "time_within": sum(abs(r["time_error"]) <= TIME_TOLERANCE for r in t),
+                "bytes_within": sum(ok_bytes(r) for r in sel),
+                "tiny": {"rows": len(tiny), "median_abs_error_s": tiny[len(tiny) // 2] if tiny else None,
+                         "max_abs_error_s": tiny[-1] if tiny else None}}
+
+    for r in rows:
+        r["bytes_ok"] = ok_bytes(r)
+        r["tiny"] = r["measured_s"] < TINY_S
+        r["time_ok"] = r["time_error"] is not None and abs(r["time_error"]) <= TIME_TOLERANCE
+    return {"all": count(rows), "out_of_sample": count([r for r in rows if not r["in_sample"]]),
+            "time_tolerance": TIME_TOLERANCE, "bytes_tolerance": BYTES_TOLERANCE, "tiny_s": TINY_S}
+
+
+def table(report: dict) -> str:
+    """The validation rows as a Markdown table (MB = 1e6 bytes; error = predicted / measured - 1, or
+    predicted - measured seconds for an epoch under :data:`TINY_S`)."""
+    lines = ["| config | placement | job | epoch | measured s | predicted s | error | origin MB meas / pred "
+             "| host-to-host MB meas / pred | in sample |", "|---" * 10 + "|"]
+    for r in report["rows"]:
+        m, p = r["measured_bytes"], r["predicted_bytes"]
+        err = (f"{r['predicted_s'] - r['measured_s']:+.2f} s (tiny)" if r["measured_s"] < TINY_S
+               else f"{r['time_error']:+.0%}")
+        lines.append(f"| {r['config']} | {r['placement']} | {r['job']} | {r['epoch']} | {r['measured_s']:.2f} | "
+                     f"{r['predicted_s']:.2f} | {err} | {m['origin'] / 1e6:.1f} / "
+                     f"{p['origin'] / 1e6:.1f} | {m['host_to_host'] / 1e6:.1f} / {p['host_to_host'] / 1e6:.1f} | "
+                     f"{'yes' if r['in_sample'] else 'no'} |")
+    return "\n".join(lines)

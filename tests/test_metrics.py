@@ -1,0 +1,248 @@
+"""Prometheus metrics (:mod:`stoker.metrics`): the loader's counters at scrape time, a real
+Prometheus server's ``rate()`` against the loader's own stats, the extender's requests, and the
+cache service's Ray metrics."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+import stoker
+
+prom = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+def _scrape(url: str) -> dict:
+    """{(name, frozenset(labels other than dataset/job/node/rank)): value} of a metrics page."""
+    out = {}
+    for fam in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode()):
+        for s in fam.samples:
+            extra = frozenset((k, v) for k, v in s.labels.items() if k not in ("dataset", "job", "node", "rank"))
+            out[(s.name, extra)] = s.value
+    return out
+
+
+@pytest.fixture
+def dataset(packed_local, tmp_path):
+    return stoker.open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30)
+
+
+def test_loader_metrics_match_its_stats(dataset):
+    with stoker.Loader(dataset, 8, num_workers=2, image_size=32, metrics_port=0) as ld:  # 2 workers + prefetcher
+        url = ld.metrics_url
+        mid = None
+        for i, _ in enumerate(ld):
+            if i == 3:  # the epoch in progress counts already
+                mid = _scrape(url)
+        st = ld.stats
+        m = _scrape(url)
+    assert mid[("stoker_samples_total", frozenset())] == 4 * 8
+    assert m[("stoker_samples_total", frozenset())] == st.samples == len(dataset)
+    assert m[("stoker_batches_total", frozenset())] == st.batches
+    assert m[("stoker_origin_bytes_total", frozenset())] == st.origin_bytes > 0
+    assert m[("stoker_origin_requests_total", frozenset())] == st.origin_requests
+    hits = {t: m[("stoker_cache_hits_total", frozenset({("tier", t)}))] for t in ("memory", "disk", "staged")}
+    assert hits["memory"] + hits["disk"] == st.cache_hits
+    assert m[("stoker_cache_misses_total", frozenset())] == st.cache_misses
+    assert m[("stoker_data_stall_seconds_total", frozenset())] == pytest.approx(st.wait_s)
+    assert m[("stoker_epochs_total", frozenset())] == 1
+    assert ("stoker_samples_total", frozenset()) not in _scrape(url)  # closed: no longer reported
+
+
+def test_loader_labels_and_names(dataset, monkeypatch):
+    monkeypatch.setenv("STOKER_JOB", "resnet")
+    with stoker.Loader(dataset, 8, num_workers=0, image_size=32, metrics_port=0) as ld:
+        text = urllib.request.urlopen(ld.metrics_url, timeout=10).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("stoker_samples_total{"))
+    assert f'dataset="{dataset.version}"' in line and 'job="resnet"' in line and 'rank="0"' in line
+    names = {fam.name for fam in text_string_to_metric_families(text)}
+    assert all(n.startswith("stoker_") for n in names)
+
+
+def test_port_from_environment(dataset, monkeypatch):
+    monkeypatch.setenv("STOKER_METRICS_PORT", "not-a-port")
+    with pytest.raises(ValueError, match="STOKER_METRICS_PORT"):
+        stoker.Loader(dataset, 8, num_workers=0)
+    with socket.socket() as busy:  # a taken port from the environment: logged, training goes on
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("STOKER_METRICS_PORT", str(busy.getsockname()[1]))
+        ld = stoker.Loader(dataset, 8, num_workers=0, image_size=32)
+        assert ld.metrics_url is None
+        with pytest.raises(OSError, match="metrics_port"):  # asked for in the code: an error
+            stoker.Loader(dataset, 8, num_workers=0, metrics_port=busy.getsockname()[1])
+
+
+def test_loader_works_without_prometheus_client(packed_local, tmp_path):
+    code = f"""
+import sys
+sys.modules["prometheus_client"] = None  # not installed
+import stoker
+ds = stoker.open_dataset({packed_local!r}, cache=False)
+ld = stoker.Loader(ds, 16, num_workers=0, image_size=32)
+assert len(next(iter(ld))[1]) == 16
+try:
+    stoker.Loader(ds, 16, num_workers=0, metrics_port=0)
+except ImportError as exc:
+    assert "stoker[metrics]" in str(exc), exc
+    print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "STOKER_CACHE_DIR": str(tmp_path)})
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_extender_metrics():
+    from stoker.cluster.extender import serve
+    from stoker.metrics import serve_extender_metrics
+    port = serve_extender_metrics(0)
+    state = {"nodes": {"a": {"cache_bytes": 10, "datasets": {"s3://d": 5}}, "b": {"cache_bytes": 10}}}
+    srv = serve(lambda: state, port=0, max_age_s=None)
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    before = _scrape(f"http://127.0.0.1:{port}/metrics")
+    try:
+        body = json.dumps({"Pod": {"metadata": {"annotations": {"stoker.io/dataset": "s3://d"}}},
+                           "NodeNames": ["a", "b"]}).encode()
+        for verb in ("filter", "prioritize", "prioritize"):
+            urllib.request.urlopen(urllib.request.Request(f"{base}/{verb}", data=body), timeout=10).read()
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(urllib.request.Request(f"{base}/bind", data=body), timeout=10)
+    finally:
+        srv.shutdown()
+    m = _scrape(f"http://127.0.0.1:{port}/metrics")
+
+    def grew(key):
+        return m.get(key, 0) - before.get(key, 0)
+
+    assert grew(("stoker_extender_requests_total", frozenset({("verb", "filter"), ("code", "200")}))) == 1
+    assert grew(("stoker_extender_requests_total", frozenset({("verb", "prioritize"), ("code", "200")}))) == 2
+    assert grew(("stoker_extender_requests_total", frozenset({("verb", "other"), ("code", "404")}))) == 1
+    assert grew(("stoker_extender_errors_total", frozenset({("verb", "other")}))) == 1
+    assert grew(("stoker_extender_request_duration_seconds_count", frozenset({("verb", "prioritize")}))) == 2
+
+
+class _FakeRayMetric:
+    def __init__(self, name, description="", tag_keys=()):
+        self.name, self.tag_keys, self.values = name, tag_keys, {}
+
+    def inc(self, value=1.0, tags=None):
+        assert set(tags) == set(self.tag_keys)
+        key = tuple(sorted(tags.items()))
+        self.values[key] = self.values.get(key, 0) + value
+
+    def set(self, value, tags=None):
+        self.values[tuple(sorted(tags.items()))] = value
+
+
+class _FakeRay:
+    Counter = Gauge = _FakeRayMetric
+
+
+def test_service_metrics_record():
+    from stoker.metrics import ServiceMetrics
+    m = ServiceMetrics("node-1", backend=_FakeRay)
+    m.served_bytes(100, "cache")
+    m.served_bytes(50, "origin")
+    m.filled({"filled": 3, "cached": 2, "failed": 1})
+    m.held_bytes("v1", 4096)
+    assert m.served.values == {(("node", "node-1"), ("source", "cache")): 100,
+                               (("node", "node-1"), ("source", "origin")): 50}
+    assert m.fills.values[(("node", "node-1"), ("outcome", "filled"))] == 3
+    assert m.failures.values == {(("node", "node-1"),): 1}
+    assert m.held.values == {(("dataset", "v1"), ("node", "node-1")): 4096}
+
+    class Broken:
+        def Counter(*a, **k):  # noqa: N802, N805
+            raise RuntimeError("no metrics agent")
+    dead = ServiceMetrics("n", backend=Broken)
+    dead.served_bytes(1)  # no metrics, no error
+    dead.filled({"failed": 1})
+
+
+# -- a real Prometheus server ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _query(base: str, promql: str, at: float) -> list:
+    q = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"})
+    out = json.loads(urllib.request.urlopen(f"{base}/api/v1/query?{q}", timeout=10).read())
+    assert out["status"] == "success", out
+    return out["data"]["result"]
+
+
+def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
+    """A real Prometheus scrapes a running loader every 500 ms; ``rate(stoker_samples_total[5s])``
+    agrees within 5% with the loader's own count of samples over the same 5 s. The consumer takes
+    50 ms a batch (an emulated accelerator), so the rate is steady."""
+    exe = shutil.which("prometheus")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not installed (scripts/system_deps.sh installs it for make test)")
+        pytest.skip("prometheus is not installed (Debian package 'prometheus'; `make test` installs it)")
+    ld = stoker.Loader(dataset, 4, num_workers=1, image_size=32, metrics_port=0)
+    prom_port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 500ms, scrape_timeout: 450ms}\n"
+        "scrape_configs:\n"
+        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{ld._metrics.port}']}}]\n")
+    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+    base = f"http://127.0.0.1:{prom_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/-/ready", timeout=2).read()
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+                assert time.monotonic() < deadline, "prometheus did not get ready in 60 s"
+                time.sleep(0.2)
+        next(iter(ld))  # the processes are up: what follows runs at the consumer's pace
+        while not _query(base, "count_over_time(stoker_samples_total[2s]) >= 2", time.time()):
+            assert time.monotonic() < deadline, "prometheus did not scrape the loader"
+            time.sleep(0.2)  # scraped twice: the series covers what follows
+        window_s = 5.0
+        marks = [(time.time(), ld._live.snapshot()["samples"])]  # (wall time, the loader's own count)
+        t_end = time.time() + window_s + 1.5
+        while marks[-1][0] < t_end:
+            for _ in ld:
+                time.sleep(0.05)
+                marks.append((time.time(), ld._live.snapshot()["samples"]))
+                if marks[-1][0] >= t_end:
+                    break
+        at = marks[-1][0] - 0.5
+        time.sleep(1.0)  # the scrapes up to `at` are in
+        result = _query(base, f"rate(stoker_samples_total[{window_s:g}s])", at)
+        assert result, _query(base, "stoker_samples_total", at)
+        prom_rate = float(result[0]["value"][1])
+        scrapes = _query(base, f"stoker_samples_total[{window_s:g}s]", at)[0]["values"]
+
+        def own(t):  # the loader's own count at time t
+            return max(n for w, n in marks if w <= t)
+
+        own_rate = (own(at) - own(at - window_s)) / window_s
+        assert len(scrapes) >= 5, f"prometheus scraped only {len(scrapes)} times in {window_s} s: {scrapes}"
+        assert prom_rate == pytest.approx(own_rate, rel=0.05), (prom_rate, own_rate, scrapes)
+    finally:
+        ld.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
