@@ -123,7 +123,7 @@ def _cache_forms(payloads, packed, work, seconds, batch_size, epochs) -> dict:
             t = time.perf_counter()
             n = sum(len(y) for _, y in loader)
             dt = time.perf_counter() - t
-        hits = loader.stats.derived_hits
-    out["loader"] = {"form": form, "workers": 2, "samples_per_s": n / dt, "derived_hits": hits,
+        hits, same = loader.stats.derived_hits, loader.stats.derived_same
+    out["loader"] = {"form": form, "workers": 2, "samples_per_s": n / dt, "derived_hits": hits, "derived_same": same,
                      "efficiency_vs_raw_decode": n / dt / (2 * out["forms"]["raw"]["decode_per_core"])}
     return out

@@ -74,6 +74,7 @@ class EpochStats:
     order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
     derived_hits: int = 0          # samples decoded from their derived form (cache_form)
     derived_fills: int = 0         # derived entries written this epoch
+    derived_same: int = 0          # samples whose derived entry says "use the raw sample" (within the cap)
     worker_restarts: int = 0       # dead decode workers replaced this epoch (their batches decoded again)
     prefetcher_restarts: int = 0   # dead prefetch processes replaced this epoch
     shm_batches: int = 0           # user-collated batches moved through shared memory (no pickling)
@@ -136,6 +137,7 @@ def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarra
     stats.evictions = d.get("cache_evictions", 0)
     stats.corrupt_blocks = d.get("cache_corrupt", 0)
     stats.derived_hits, stats.derived_fills = d.get("derived_hits", 0), d.get("derived_fills", 0)
+    stats.derived_same = d.get("derived_same", 0)
     reads = stats.cache_hits + stats.cache_misses
     stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
     stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0

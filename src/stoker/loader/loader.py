@@ -135,7 +135,8 @@ class Loader:
     (bool: the delivered ids equal the rank's plan); ``cpu_s`` (dict of CPU seconds: ``main``,
     ``workers``, ``prefetch``; Linux); ``order_displacement`` (mean move in positions of
     ``cache_aware_window``); ``derived_hits`` / ``derived_fills`` (samples decoded from /
-    written to the derived-sample cache); ``worker_restarts`` / ``prefetcher_restarts``
+    written to the derived-sample cache) and ``derived_same`` (samples whose entry says "use
+    the raw sample": already within a JPEG form's cap); ``worker_restarts`` / ``prefetcher_restarts``
     (dead processes replaced); ``shm_batches`` / ``pickled_batches`` (user-collated batches
     moved through shared memory / pickled through a pipe) and ``pickled_bytes`` (bytes).
     Cold starts and overlap (stable names, for metrics exporters): ``first_batch_s`` (s,
