@@ -5,6 +5,7 @@ import importlib
 import pathlib
 import pickle
 import re
+import tarfile
 
 import pytest
 
@@ -42,6 +43,9 @@ EXPECTED_ALL = [
     "PeerUnavailable",
     "SampleFnError",
     "SharedMemoryError",
+    "SourceArchiveError",
+    "SourceError",
+    "SourceNotFoundError",
     "StokerError",
     "UnsafePathError",
     "VenvError",
@@ -79,6 +83,9 @@ BUILTIN_BASE = {
     "PackLeaseLostError": OSError,
     "PeerUnavailable": OSError,
     "SharedMemoryError": OSError,
+    "SourceArchiveError": tarfile.TarError,
+    "SourceError": ValueError,
+    "SourceNotFoundError": FileNotFoundError,
     "UnsafePathError": PermissionError,
     "VenvError": RuntimeError,
     "NetnsUnavailable": RuntimeError,
@@ -196,6 +203,9 @@ ONE_OF_EACH = [
     stoker.VenvError("pip failed: ..."),
     stoker.NetnsUnavailable("CAP_NET_ADMIN is missing"),
     stoker.CapacityError("4 ranks asking for {'CPU': 2.0} each do not fit"),
+    stoker.SourceError("source /data/train: duplicate key 'cat/1' from 'cat/1.jpg' and 'cat/1.png'"),
+    stoker.SourceArchiveError("archive /data/s-0.tar: not a readable tar archive"),
+    stoker.SourceNotFoundError("source /data/train does not exist"),
 ]
 
 

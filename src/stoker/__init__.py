@@ -11,8 +11,8 @@ from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheMode
                      CollateError, DatasetChangedError, DatasetExistsError, DecodeError, EntryError,
                      ExtenderRequestError, ForkUnsafeError, ImageTooLarge, IndexFormatError, NetnsUnavailable,
                      NotACacheError, OriginError, OriginNotFoundError, OriginPermissionError, PackLeaseError,
-                     PackLeaseLostError, PeerUnavailable, SampleFnError, SharedMemoryError, StokerError,
-                     UnsafePathError, VenvError, WorkerError)
+                     PackLeaseLostError, PeerUnavailable, SampleFnError, SharedMemoryError, SourceArchiveError,
+                     SourceError, SourceNotFoundError, StokerError, UnsafePathError, VenvError, WorkerError)
 from . import collate
 from .loader import EpochStats, Loader
 from .store.dataset import Dataset, open_dataset
@@ -48,6 +48,9 @@ __all__ = [
     "PeerUnavailable",
     "SampleFnError",
     "SharedMemoryError",
+    "SourceArchiveError",
+    "SourceError",
+    "SourceNotFoundError",
     "StokerError",
     "UnsafePathError",
     "VenvError",

@@ -16,6 +16,9 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── DatasetExistsError (FileExistsError)  the destination already holds a dataset
     ├── CacheLockTimeout (TimeoutError)       waited too long for another process's fill
     ├── IndexFormatError (ValueError)         the index is missing, unreadable or inconsistent
+    ├── SourceError (ValueError)              a pack source is malformed (layout, keys, labels, spec)
+    │   └── SourceArchiveError (TarError)      a source archive is not a readable tar file
+    ├── SourceNotFoundError (FileNotFoundError)  a pack source, or a file it names, does not exist
     ├── NotACacheError (ValueError)           a directory is not a stoker cache
     ├── CacheModeError (ValueError)           a cache made under one file mode opened with another
     ├── UnsafePathError (PermissionError)     a cache path is a symlink, another user's, or writable by others
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import re
+import tarfile
 import time
 
 __all__ = [
@@ -49,7 +53,8 @@ __all__ = [
     "CollateError", "DatasetChangedError", "DatasetExistsError", "DecodeError", "EntryError",
     "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge", "IndexFormatError", "NetnsUnavailable",
     "NotACacheError", "OriginError", "OriginNotFoundError", "OriginPermissionError", "PackLeaseError",
-    "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "SharedMemoryError", "StokerError", "UnsafePathError",
+    "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "SharedMemoryError", "SourceArchiveError",
+    "SourceError", "SourceNotFoundError", "StokerError", "UnsafePathError",
     "VenvError", "WorkerError",
 ]
 
@@ -128,6 +133,24 @@ class IndexFormatError(StokerError, ValueError):
 
     Called ``IndexError_`` before; that name stays importable from :mod:`stoker.store.index`.
     """
+
+
+# --- store: pack sources -----------------------------------------------------------------
+
+class SourceError(StokerError, ValueError):
+    """A pack source is malformed: an unknown source kind or shard spec, a duplicate key, a label
+    outside the class list, a name that is not UTF-8, a missing column (names the source URL and
+    the file or sample key). Also a ``ValueError``."""
+
+
+class SourceArchiveError(SourceError, tarfile.TarError):
+    """A source archive is not a readable tar file (names the archive's URL). Also a
+    ``tarfile.TarError``."""
+
+
+class SourceNotFoundError(StokerError, FileNotFoundError):
+    """A pack source does not exist, holds no samples, or a file it names is missing (names the
+    URL). Also a ``FileNotFoundError``."""
 
 
 def _utc(t) -> str:

@@ -478,3 +478,25 @@ def test_classes_apply_to_streamed_sources(tmp_path):
     (tmp_path / "bad.csv").write_text("path,label\na.jpg,yak\n")
     with pytest.raises(ValueError, match="sample 'a': label 'yak' is not in the class list"):
         pack(str(tmp_path / "bad.csv"), str(tmp_path / "d2"), progress=False, classes=["ant"])
+
+
+def test_source_errors_are_stoker_errors_and_a_broken_symlink_is_named(tmp_path):
+    """Every way a pack source can be wrong raises a StokerError (keeping its builtin base) that
+    names the source; a broken symlink among the images stops the pack instead of being dropped."""
+    import stoker
+    make_image_folder(tmp_path / "src", _IMG)
+    cls = sorted(p.name for p in (tmp_path / "src").iterdir())[0]
+    os.symlink(str(tmp_path / "gone.jpg"), str(tmp_path / "src" / cls / "dangling.jpg"))
+    with pytest.raises(stoker.SourceNotFoundError, match=cls + r"/dangling\.jpg is a symbolic link to .*gone\.jpg"):
+        pack(str(tmp_path / "src"), str(tmp_path / "d"), progress=False)
+    assert not os.path.exists(tmp_path / "d" / INDEX_NAME)
+    with pytest.raises(stoker.SourceNotFoundError, match="does not exist") as e:
+        pack(str(tmp_path / "nothing-here"), str(tmp_path / "d2"), progress=False)
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, stoker.StokerError)
+    with pytest.raises(stoker.SourceError, match="unknown source") as e2:
+        detect_source(Origin(str(tmp_path / "src")), "nonsense")
+    assert isinstance(e2.value, ValueError)
+    (tmp_path / "bad.tar").write_bytes(b"this is not a tar archive" * 40)
+    with pytest.raises(stoker.SourceArchiveError, match=r"bad\.tar.*not a readable tar archive") as e3:
+        pack(str(tmp_path / "bad.tar"), str(tmp_path / "d3"), progress=False)
+    assert isinstance(e3.value, tarfile.TarError) and isinstance(e3.value, stoker.StokerError)

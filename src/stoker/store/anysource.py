@@ -24,6 +24,7 @@ import json
 import posixpath
 from collections.abc import Iterator
 
+from ..errors import SourceError, SourceNotFoundError
 from ..storage import Origin
 from .sources import StreamSample, check_utf8, is_ignored_name, ordered_map
 from .wds import _finish
@@ -43,7 +44,7 @@ def list_file_samples(origin: Origin) -> list[tuple[str, list[tuple[str, str]]]]
     """
     fs, root = origin.fs, origin.root.rstrip("/")
     if not fs.exists(root):
-        raise FileNotFoundError(f"source {origin.url}: not found")
+        raise SourceNotFoundError(f"source {origin.url}: not found")
     groups: dict[str, dict[str, str]] = {}
     for path in sorted(fs.find(root)):
         rel = path[len(root):].lstrip("/") if path.startswith(root) else posixpath.basename(path)
@@ -58,11 +59,11 @@ def list_file_samples(origin: Origin) -> list[tuple[str, list[tuple[str, str]]]]
         field = field if dot else "bin"
         members = groups.setdefault(key, {})
         if field in members:
-            raise ValueError(f"source {origin.url}: {members[field]!r} and {rel!r} are both field {field!r} "
+            raise SourceError(f"source {origin.url}: {members[field]!r} and {rel!r} are both field {field!r} "
                              f"of sample {key!r}")
         members[field] = rel
     if not groups:
-        raise FileNotFoundError(f"source {origin.url}: no files")
+        raise SourceNotFoundError(f"source {origin.url}: no files")
     return [(k, sorted(groups[k].items())) for k in sorted(groups)]
 
 
@@ -79,7 +80,7 @@ def iter_files(origin: Origin, order, listing, workers: int = 16) -> Iterator[St
             try:
                 members.append((field, origin.read(rel)))
             except FileNotFoundError:
-                raise FileNotFoundError(f"source {origin.url}: {rel} (sample {key!r}) vanished") from None
+                raise SourceNotFoundError(f"source {origin.url}: {rel} (sample {key!r}) vanished") from None
         big = max(range(len(members)), key=lambda j: len(members[j][1]))  # the payload, not its .txt
         members = [members[big]] + members[:big] + members[big + 1:]
         return _finish(key, members, origin.full_url(files[0][1]))
@@ -93,10 +94,10 @@ def _parquet_files(origin: Origin) -> list[str]:
         files = sorted(p for p in fs.find(root) if p.lower().endswith((".parquet", ".pq"))
                        and not any(is_ignored_name(x) for x in p[len(root):].split("/") if x))
         if not files:
-            raise FileNotFoundError(f"source {origin.url}: no .parquet files")
+            raise SourceNotFoundError(f"source {origin.url}: no .parquet files")
         return files
     if not fs.exists(root):
-        raise FileNotFoundError(f"source {origin.url}: not found")
+        raise SourceNotFoundError(f"source {origin.url}: not found")
     return [root]
 
 
@@ -130,7 +131,7 @@ def iter_parquet(origin: Origin, column: str, key_column: str | None = None,
             names = pf.schema_arrow.names
             for want, what in ((column, "--column"), (key_column, "key column")):
                 if want is not None and want not in names:
-                    raise ValueError(f"source {where}: no column {want!r} ({what}); its columns are {names}")
+                    raise SourceError(f"source {where}: no column {want!r} ({what}); its columns are {names}")
             stem = posixpath.splitext(posixpath.basename(path))[0]
             row = 0
             for g in range(pf.num_row_groups):
@@ -145,25 +146,25 @@ def _row_sample(rec: dict, column: str, key: str, label_column: str, where: str)
     value, field = rec[column], column
     if isinstance(value, dict):
         if "bytes" not in value:
-            raise ValueError(f"source {where} (sample {key!r}): column {column!r} is a struct without 'bytes' "
+            raise SourceError(f"source {where} (sample {key!r}): column {column!r} is a struct without 'bytes' "
                              f"(fields {sorted(value)}); expected binary or {{bytes, path}}")
         data, name = value["bytes"], value.get("path")
         if data is None:
-            raise ValueError(f"source {where} (sample {key!r}): column {column!r} holds no bytes, only the path "
+            raise SourceError(f"source {where} (sample {key!r}): column {column!r} holds no bytes, only the path "
                              f"{name!r} (a dataset saved with external files; embed them first)")
         ext = posixpath.splitext(name)[1][1:].lower() if isinstance(name, str) else ""
         field = ext or column
     elif isinstance(value, (bytes, bytearray, memoryview)):
         data = value
     else:
-        raise ValueError(f"source {where} (sample {key!r}): column {column!r} holds {type(value).__name__}, "
+        raise SourceError(f"source {where} (sample {key!r}): column {column!r} holds {type(value).__name__}, "
                          "not bytes or a {bytes, path} struct")
     members = [(field, bytes(data))]
     for name, v in rec.items():
         if name == column:
             continue
         if name == field:
-            raise ValueError(f"source {where} (sample {key!r}): column {name!r} has the name of the field of "
+            raise SourceError(f"source {where} (sample {key!r}): column {name!r} has the name of the field of "
                              f"column {column!r}; rename one of them")
         members.append((name, _as_bytes(v)))
     label = rec.get(label_column)

@@ -19,6 +19,7 @@ import json
 
 import pyarrow.parquet as pq
 
+from ..errors import SourceError, SourceNotFoundError
 from ..storage import Origin
 from .index import INDEX_NAME
 from .sources import is_ignored_name
@@ -27,20 +28,20 @@ from .sources import is_ignored_name
 def check_class_list(names, where: str) -> list[str]:
     """Return ``names`` as a list of str after the checks above; ValueError naming ``where``."""
     if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
-        raise ValueError(f"class list {where}: expected a list of class names, got {type(names).__name__}")
+        raise SourceError(f"class list {where}: expected a list of class names, got {type(names).__name__}")
     out = list(names)
     if not out:
-        raise ValueError(f"class list {where}: no class names")
+        raise SourceError(f"class list {where}: no class names")
     seen: dict[str, int] = {}
     for i, name in enumerate(out):
         if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"class list {where}: entry {i} ({name!r}) is not a class name "
+            raise SourceError(f"class list {where}: entry {i} ({name!r}) is not a class name "
                              "(a non-empty string without '/')")
         if is_ignored_name(name):
-            raise ValueError(f"class list {where}: {name!r} is a hidden or OS-metadata name, which "
+            raise SourceError(f"class list {where}: {name!r} is a hidden or OS-metadata name, which "
                              "is never a class")
         if name in seen:
-            raise ValueError(f"class list {where}: {name!r} appears twice (entries {seen[name]} and {i})")
+            raise SourceError(f"class list {where}: {name!r} appears twice (entries {seen[name]} and {i})")
         seen[name] = i
     return out
 
@@ -50,7 +51,7 @@ def _index_classes(data: bytes, where: str) -> list:
         meta = json.loads(pq.ParquetFile(io.BytesIO(data)).schema_arrow.metadata[b"stoker"])
         return meta["classes"]
     except Exception as exc:  # noqa: BLE001 - any unreadable index
-        raise ValueError(f"class list {where}: not a stoker index ({type(exc).__name__}: {exc})") from exc
+        raise SourceError(f"class list {where}: not a stoker index ({type(exc).__name__}: {exc})") from exc
 
 
 def load_class_list(spec, storage_options: dict | None = None) -> list[str]:
@@ -67,10 +68,10 @@ def load_class_list(spec, storage_options: dict | None = None) -> list[str]:
         where = origin.full_url(INDEX_NAME)
         names = _index_classes(origin.read(INDEX_NAME), where)
         if not names:
-            raise ValueError(f"class list {where}: that dataset has no classes (unlabelled)")
+            raise SourceError(f"class list {where}: that dataset has no classes (unlabelled)")
         return check_class_list(names, where)
     if not origin.exists(""):
-        raise FileNotFoundError(f"class list {spec}: no such file or packed dataset")
+        raise SourceNotFoundError(f"class list {spec}: no such file or packed dataset")
     data = origin.read("")
     low = spec.lower()
     if low.endswith((".parquet", ".pq")):
@@ -78,15 +79,15 @@ def load_class_list(spec, storage_options: dict | None = None) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"class list {spec}: not UTF-8 text") from None
+        raise SourceError(f"class list {spec}: not UTF-8 text") from None
     if low.endswith(".json"):
         try:
             obj = json.loads(text)
         except ValueError as exc:
-            raise ValueError(f"class list {spec}: invalid JSON ({exc})") from None
+            raise SourceError(f"class list {spec}: invalid JSON ({exc})") from None
         if isinstance(obj, dict):
             if "class_names" not in obj:
-                raise ValueError(f"class list {spec}: a JSON object needs a 'class_names' list")
+                raise SourceError(f"class list {spec}: a JSON object needs a 'class_names' list")
             obj = obj["class_names"]
         return check_class_list(obj, spec)
     return check_class_list([line.rstrip("\r") for line in text.split("\n") if line.strip()], spec)

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from ..errors import SourceError, SourceNotFoundError
 from ..storage import Origin, join
 from .sources import StreamSample, check_utf8, ordered_map
 
@@ -60,9 +61,9 @@ def read_file_list(origin: Origin) -> FileList:
         else:
             table = pq.read_table(io.BytesIO(data))
     except pa.ArrowInvalid as exc:
-        raise ValueError(f"file list {where}: cannot parse ({exc})") from exc
+        raise SourceError(f"file list {where}: cannot parse ({exc})") from exc
     if "path" not in table.column_names:
-        raise ValueError(f"file list {where}: no 'path' column (columns: {table.column_names})")
+        raise SourceError(f"file list {where}: no 'path' column (columns: {table.column_names})")
     paths = [str(p) for p in table.column("path").to_pylist()]
     n = len(paths)
     labels = table.column("label").to_pylist() if "label" in table.column_names else [None] * n
@@ -81,7 +82,7 @@ def read_file_list(origin: Origin) -> FileList:
             url = join(base, p)
         key = check_utf8(str(k) if k else _key_of(p), f"file list {where} row {row}")
         if key in seen:
-            raise ValueError(f"file list {where}: duplicate key {key!r} (rows {seen[key]} and {row})")
+            raise SourceError(f"file list {where}: duplicate key {key!r} (rows {seen[key]} and {row})")
         seen[key] = row
         ext = posixpath.splitext(p.rsplit("/", 1)[-1])[1]
         urls.append(url)
@@ -108,7 +109,7 @@ def iter_file_list(fl: FileList, order, storage_options: dict | None = None,
         try:
             data = origin.read(name)
         except FileNotFoundError:
-            raise FileNotFoundError(f"file list {fl.where}: {url} (key {fl.keys[row]!r}) not found") from None
+            raise SourceNotFoundError(f"file list {fl.where}: {url} (key {fl.keys[row]!r}) not found") from None
         return StreamSample(fl.keys[row], fl.labels[row], [(fl.fields[row], data)], url)
 
     yield from ordered_map(read, (int(r) for r in order), workers)

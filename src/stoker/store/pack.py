@@ -199,9 +199,10 @@ def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, ov
     was taken over while it wrote (then it installs no index).
 
     Raises :class:`DatasetExistsError` if ``dst`` already holds an index and
-    ``overwrite`` is false; FileNotFoundError/ValueError from the source listing
-    (missing source, duplicate keys, non-UTF-8 names); tarfile.TarError for an
-    unreadable source archive; :class:`stoker.storage.OriginError` on storage failures.
+    ``overwrite`` is false; :class:`stoker.SourceNotFoundError` (a FileNotFoundError) or
+    :class:`stoker.SourceError` (a ValueError) from the source listing (missing source,
+    broken symlink, duplicate keys, non-UTF-8 names); :class:`stoker.SourceArchiveError`
+    (a tarfile.TarError) for an unreadable source archive; :class:`stoker.storage.OriginError` on storage failures.
     """
     shard_bytes = parse_size(shard_bytes, "shard_bytes")
     if shard_bytes < 1:

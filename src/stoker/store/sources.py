@@ -25,6 +25,8 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
+from ..errors import SourceError, SourceNotFoundError
+
 log = logging.getLogger(__name__)
 
 #: File extensions ImageFolder accepts (torchvision's list), matched case-insensitively.
@@ -78,7 +80,8 @@ class Listing:
 
 
 def check_utf8(name: str, where: str) -> str:
-    """Return ``name`` if it encodes as UTF-8, else raise ValueError naming ``where``.
+    """Return ``name`` if it encodes as UTF-8, else raise :class:`stoker.SourceError` (a
+    ValueError) naming ``where``.
 
     Names that were not valid UTF-8 on disk or in a tar header arrive as str with
     surrogate escapes (Python's ``surrogateescape``); they are refused, not rewritten.
@@ -87,7 +90,7 @@ def check_utf8(name: str, where: str) -> str:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raw = name.encode("utf-8", "surrogateescape")
-        raise ValueError(f"{where}: name {raw!r} is not valid UTF-8; stoker keys are UTF-8 "
+        raise SourceError(f"{where}: name {raw!r} is not valid UTF-8; stoker keys are UTF-8 "
                          "strings (rename the file or member)") from None
     return name
 
@@ -104,7 +107,7 @@ def detect_source(origin, source: str | None = None) -> str:
     """
     if source is not None:
         if source not in SOURCES:
-            raise ValueError(f"unknown source {source!r}: expected one of {SOURCES}")
+            raise SourceError(f"unknown source {source!r}: expected one of {SOURCES}")
         return source
     url = origin.url.rstrip("/")
     low = url.lower()
@@ -155,7 +158,7 @@ def resolve_labels(raw: list, classes: list[str] | None = None,
             lab = -1 if v is None else num.get(v) if isinstance(v, str) and v in num else as_int(v)
             if lab is None or not -1 <= lab < len(classes):
                 who = f"sample {keys[j]!r}" if keys is not None else f"sample {j}"
-                raise ValueError(f"{who}: label {v!r} is not in the class list ({len(classes)} classes: "
+                raise SourceError(f"{who}: label {v!r} is not in the class list ({len(classes)} classes: "
                                  f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
             labels.append(lab)
         return labels, ["" if x < 0 else classes[x] for x in labels], list(classes)
@@ -188,13 +191,16 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
     empty directories, which is why ``--classes`` exists. Samples are sorted by path;
     the key is ``<class>/<path-without-extension>``. Files that are not images by
     extension, or that lie directly under the root, are skipped and listed in
-    ``Listing.skipped``. Raises FileNotFoundError when the root is missing and
-    ValueError when it holds no class directory with an image, when two files map to
-    the same key (e.g. ``a.jpg`` and ``a.png``), or when a file's path is not valid UTF-8.
+    ``Listing.skipped``, with entries that are neither files nor directories (a socket, a
+    fifo; named in a warning). Raises :class:`stoker.SourceNotFoundError` (a
+    FileNotFoundError) when the root is missing or an entry is a symbolic link whose target
+    does not exist, and :class:`stoker.SourceError` (a ValueError) when it holds no class
+    directory with an image, when two files map to the same key (e.g. ``a.jpg`` and
+    ``a.png``), or when a file's path is not valid UTF-8.
     """
     fs, root = origin.fs, origin.root.rstrip("/")
     if not fs.exists(root):
-        raise FileNotFoundError(f"source {origin.url} does not exist")
+        raise SourceNotFoundError(f"source {origin.url} does not exist")
     found = fs.find(root, withdirs=True, detail=True)
     entries, skipped, dirs = [], [], set()
     ignored: dict[str, int] = {}  # top-most ignored folder or file -> files under it
@@ -203,11 +209,21 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
         if rel in ("", "."):
             continue
         parts = rel.split("/")
-        is_file = info.get("type", "file") == "file"
+        kind = info.get("type", "file")
+        is_file = kind == "file"
         bad = next((i for i, part in enumerate(parts) if is_ignored_name(part)), None)
         if bad is not None:
             top = "/".join(parts[:bad + 1]) + ("" if is_file and bad == len(parts) - 1 else "/")
             ignored[top] = ignored.get(top, 0) + int(is_file)
+            continue
+        if kind not in ("file", "directory"):
+            if info.get("islink"):
+                if not fs.exists(path):  # a broken symlink: stop, rather than drop a sample silently
+                    raise SourceNotFoundError(f"source {origin.url}: {rel} is a symbolic link to "
+                                              f"{info.get('destination', '?')!r}, which does not exist")
+                continue  # a symlink the listing did not follow (a loop back to a parent directory)
+            log.warning("%s: %s is not a regular file or directory (%s); skipped", origin.url, rel, kind)
+            skipped.append(rel)
             continue
         if not is_file:
             if len(parts) == 1:
@@ -227,14 +243,14 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
                     f", and {len(names) - 10} more" if len(names) > 10 else "")
     with_images = {e[0] for e in entries}
     if not with_images:
-        raise ValueError(f"source {origin.url}: no ImageFolder class directory with images "
+        raise SourceError(f"source {origin.url}: no ImageFolder class directory with images "
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
     found_classes = sorted(dirs | with_images)
     given = classes is not None
     if given:
         extra = [c for c in found_classes if c not in set(classes)]
         if extra:
-            raise ValueError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
+            raise SourceError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
                              f"{', '.join(map(repr, extra[:10]))} not in the class list "
                              f"({len(classes)} classes: {', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
         classes = list(classes)
@@ -255,7 +271,7 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
     files, seen = [], {}
     for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
-            raise ValueError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
+            raise SourceError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
         seen[stem] = rel
         files.append(SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext,
                                 stamp=stamp))

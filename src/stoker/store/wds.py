@@ -26,6 +26,7 @@ from typing import Iterator
 
 import braceexpand
 
+from ..errors import SourceArchiveError, SourceError, SourceNotFoundError
 from ..storage import Origin, url_to_fs
 from .sources import IMG_EXTENSIONS, StreamSample, check_utf8, is_tar_name
 
@@ -49,16 +50,17 @@ def brace_expand(pattern: str) -> list[str]:
     ``WDS_name``; stoker does not read the environment here.)
 
     Raises:
-        ValueError: a brace that is not closed or an empty spec, naming ``pattern``.
+        stoker.SourceError (a ValueError): a brace that is not closed or an empty spec, naming
+            ``pattern``.
     """
     out: list[str] = []
     for spec in _LIST_SEP.split(pattern):
         if not spec:
-            raise ValueError(f"shard spec {pattern!r}: empty entry between '::'")
+            raise SourceError(f"shard spec {pattern!r}: empty entry between '::'")
         try:
             out += braceexpand.braceexpand(spec)
         except braceexpand.UnbalancedBracesError as exc:
-            raise ValueError(f"shard spec {pattern!r}: {exc}") from None
+            raise SourceError(f"shard spec {pattern!r}: {exc}") from None
     return out
 
 
@@ -71,8 +73,9 @@ def expand_urls(url: str, storage_options: dict | None = None) -> list[str]:
     be a prefix of archives.
 
     Raises:
-        FileNotFoundError: no archive at all, or (a shard spec) entries that name none, listed.
-        ValueError: a malformed spec (:func:`brace_expand`).
+        stoker.SourceNotFoundError (a FileNotFoundError): no archive at all, or (a shard spec)
+            entries that name none, listed.
+        stoker.SourceError (a ValueError): a malformed spec (:func:`brace_expand`).
     """
     entries = brace_expand(url)
     spec = entries != [url]
@@ -95,9 +98,9 @@ def expand_urls(url: str, storage_options: dict | None = None) -> list[str]:
         out += found
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise FileNotFoundError(f"source {url}: {len(missing)} of its {len(entries)} shards not found: {shown}")
+        raise SourceNotFoundError(f"source {url}: {len(missing)} of its {len(entries)} shards not found: {shown}")
     if not out:
-        raise FileNotFoundError(f"source {url}: no .tar/.tgz/.tar.gz archives found")
+        raise SourceNotFoundError(f"source {url}: no .tar/.tgz/.tar.gz archives found")
     return out
 
 
@@ -162,8 +165,9 @@ def iter_archive(url: str, storage_options: dict | None = None,
                  skipped: list | None = None) -> Iterator[StreamSample]:
     """Stream the samples of one archive. Member names without a field go to ``skipped``.
 
-    Raises ValueError naming the archive and member for a name that is not UTF-8
-    or a field repeated within one sample; tarfile.TarError for a corrupt archive;
+    Raises :class:`stoker.SourceError` (a ValueError) naming the archive and member for a
+    name that is not UTF-8 or a field repeated within one sample;
+    :class:`stoker.SourceArchiveError` (a tarfile.TarError) for a corrupt archive;
     :class:`stoker.storage.OriginError` when the origin fails after retries.
     """
     origin = Origin(url, storage_options or {})
@@ -187,10 +191,10 @@ def iter_archive(url: str, storage_options: dict | None = None,
                         yield _finish(key, members, url)
                     key, members = kf[0], []
                 elif any(f == kf[1] for f, _ in members):
-                    raise ValueError(f"archive {url}: sample {key!r} has field {kf[1]!r} twice")
+                    raise SourceError(f"archive {url}: sample {key!r} has field {kf[1]!r} twice")
                 members.append((kf[1], data))
     except tarfile.TarError as exc:
-        raise tarfile.TarError(f"archive {url}: not a readable tar archive ({exc})") from exc
+        raise SourceArchiveError(f"archive {url}: not a readable tar archive ({exc})") from exc
     if members:
         yield _finish(key, members, url)
 
