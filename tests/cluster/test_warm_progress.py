@@ -18,11 +18,14 @@ BLOCK = 64 << 10
 BAR = re.compile(r"warm \S+: +\d+%.*?[\d.]+[kMG]?/[\d.]+[kMG]? \[\d+:\d+<(\d+:\d+), +([\d.]+) ?[kMG]?B/s\]")
 
 
-def test_warm_progress_on_a_terminal_only(cluster, s3_dataset, capsys):
+def test_warm_progress_on_a_terminal_only(cluster, s3_dataset, tmp_path, capsys):
     pexpect = pytest.importorskip("pexpect")
     from stoker.cli import main
+    from stoker.cluster.service import stop_services
     url, opts = s3_dataset
-    args = [url, "--storage-options", json.dumps(opts), "--block-size", str(BLOCK)]
+    stop_services()  # fresh services with a budget that holds the dataset, whatever ran before
+    args = [url, "--storage-options", json.dumps(opts), "--block-size", str(BLOCK), "--cache-dir",
+            str(tmp_path / "cache"), "--cache-size", str(64 << 20)]
     capsys.readouterr()
     assert main(["warm", *args]) == 0  # stderr is pytest's capture, not a terminal
     out, err = capsys.readouterr()
