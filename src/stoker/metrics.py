@@ -24,7 +24,7 @@ version), ``job`` (``$STOKER_JOB``, default ``default``), ``node`` (host name), 
 ``stoker_first_batch_seconds``               gauge: ``iter()`` to the first batch, last epoch
 ``stoker_origin_bytes_total``                bytes received from the origin
 ``stoker_origin_requests_total``             requests to the origin
-``stoker_origin_retries_total``              origin requests retried (decode workers)
+``stoker_origin_retries_total``              origin requests retried (workers and prefetcher)
 ``stoker_cache_hits_total{tier}``            sample reads served by the ``memory``/``disk`` tier
                                              or by blocks ``staged`` just in time
 ``stoker_cache_misses_total``                sample reads the node cache did not hold

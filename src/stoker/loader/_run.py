@@ -166,8 +166,8 @@ class Run(ProcessesMixin):
         return out
 
     def _totals(self) -> dict:
-        """Counters summed over the workers, and the prefetcher's clocks (its origin traffic is
-        read per plan from its ledger, :meth:`_pf_ledger`)."""
+        """Counters summed over the workers, and the prefetcher's clocks and origin retries (its
+        origin traffic is read per plan from its ledger, :meth:`_pf_ledger`)."""
         tot: dict[str, int] = {}
         sources = (list(self._worker_counters.values()) if self.num_workers > 0
                    else [counters(self.dataset, self.cfg.derived)])
@@ -180,6 +180,7 @@ class Run(ProcessesMixin):
             tot["prefetch_depth_n"] = pc[7]
             tot["origin_busy_us"] = pc[infl.BUSY_US]
             tot["origin_request_us"] = pc[infl.REQUEST_US]
+            tot["origin_retries"] = tot.get("origin_retries", 0) + pc[infl.ORIGIN_RETRIES]
         return tot
 
     def _pf_ledger(self, run: int) -> dict:
@@ -224,7 +225,7 @@ class Run(ProcessesMixin):
             self._pf_send((run, *block_schedule(self.dataset, ids)))
         wait_box = [0.0]  # seconds blocked in next(), also when the epoch is cut short
         t_resume = time.perf_counter()
-        self.loader._live.begin(self, stats, before, wait_box, t_start)  # live figures (loader/live.py)
+        self.loader._live.begin(self, stats, before, wait_box, t_start, plan=run)  # live figures (loader/live.py)
         try:
             if self.num_workers == 0:
                 for seq, bids in enumerate(batches):

@@ -56,6 +56,7 @@ class EpochStats:
     samples_per_s: float = 0.0
     origin_bytes: int = 0
     origin_requests: int = 0
+    origin_retries: int = 0        # origin requests that failed and were sent again (every process)
     cache_hits: int = 0
     cache_misses: int = 0
     cache_hit_ratio: float = 0.0
@@ -125,6 +126,7 @@ def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarra
     stats.wait_s = wait_s
     stats.origin_bytes = d.get("origin_bytes", 0)
     stats.origin_requests = d.get("origin_requests", 0)
+    stats.origin_retries = d.get("origin_retries", 0)
     stats.cache_hits = d.get("cache_hits", 0)
     stats.memory_hits = d.get("cache_memory_hits", 0)
     stats.cache_misses = d.get("cache_misses", 0)

@@ -31,9 +31,10 @@ import time
 # Shared counter layout (int64 array) of the prefetch process, after the 8 totals of
 # :mod:`stoker.loader.prefetch`: the target in flight now, the latency (us) and bandwidth (B/s)
 # estimates, the busy clock (us with >= 1 request in flight; request-us), the run id of the last
-# plan whose every block was fetched (or given up), then the ledger.
-TARGET, LATENCY_US, BANDWIDTH_BPS, BUSY_US, REQUEST_US, PLAN_DONE = 8, 9, 10, 11, 12, 13
-LEDGER_AT = 14
+# plan whose every block was fetched (or given up), the origin requests it retried (a replacement
+# process continues the count), then the ledger.
+TARGET, LATENCY_US, BANDWIDTH_BPS, BUSY_US, REQUEST_US, PLAN_DONE, ORIGIN_RETRIES = 8, 9, 10, 11, 12, 13, 14
+LEDGER_AT = 15
 #: Ledger rows (plans) kept; a loader reads its row at its epoch's end, long before 8 more plans.
 LEDGER_ROWS = 8
 #: Row fields: run id, origin bytes, origin requests, blocks filled (admitted), blocks staged.

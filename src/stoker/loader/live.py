@@ -25,6 +25,7 @@ import time
 
 from .._atomic import PRIVATE_FILE_MODE, write_atomic
 from ..cache.perms import ensure_dir
+from .inflight import LEDGER_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,13 @@ class LiveTotals:
         self._publish_failed = False
 
     # -- the pipeline's calls ---------------------------------------------
-    def begin(self, run, stats, before: dict, wait_box: list, t_start: float) -> None:
+    def begin(self, run, stats, before: dict, wait_box: list, t_start: float, plan: int | None = None) -> None:
         """An epoch starts: ``before`` the process counters at its start, ``wait_box[0]`` its
-        seconds blocked in ``next()`` so far, ``t_start`` its ``time.perf_counter()`` start."""
+        seconds blocked in ``next()`` so far, ``t_start`` its ``time.perf_counter()`` start,
+        ``plan`` the run id of its plan (the prefetcher's origin traffic for it is read from
+        that plan's ledger row while the epoch runs, as the pipeline does when it ends)."""
         with self._lock:
-            self._cur = (run, stats, dict(before), wait_box, t_start)
+            self._cur = (run, stats, dict(before), wait_box, t_start, plan)
 
     def end(self, stats, delta: dict) -> None:
         """The epoch of ``stats`` ended (finished or cut short); ``delta``: its change of the
@@ -105,8 +108,12 @@ class LiveTotals:
                 last = self.loader.stats
                 out.update(_epoch_figures(last, None) if last is not None else _epoch_figures(None, None))
                 return self._monotonic(out)
-            run, stats, before, wait_box, t_start = cur
+            run, stats, before, wait_box, t_start, plan = cur
             delta = _delta(run, before)
+            if plan is not None:  # the prefetcher's origin bytes, requests, fills of this plan so far
+                ledger = run._pf_ledger(plan)
+                for k in LEDGER_FIELDS[1:]:
+                    delta[k] = delta.get(k, 0) + ledger.get(k, 0)
             seconds = time.perf_counter() - t_start
             for k in COUNTER_KEYS:
                 out[k] += delta.get(k, 0)

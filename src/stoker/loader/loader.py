@@ -123,9 +123,10 @@ class Loader:
     delivered (skipped samples not counted); ``seconds`` (s, wall time from the epoch's
     ``iter()`` to its last batch); ``wait_s`` (s blocked in ``next()``); ``stall_fraction``
     (``wait_s / seconds``, 0-1); ``samples_per_s`` (samples/s); ``origin_bytes`` (bytes
-    received from the origin by every process of the loader) and ``origin_requests`` (ranged
-    GETs); ``cache_hits`` / ``cache_misses`` (sample reads served by the node cache / not),
-    ``cache_hit_ratio`` (0-1), ``memory_hits`` (hits served by the shared-memory tier);
+    received from the origin by every process of the loader), ``origin_requests`` (ranged
+    GETs) and ``origin_retries`` (requests that failed and were sent again); ``cache_hits`` /
+    ``cache_misses`` (sample reads served by the node cache / not), ``cache_hit_ratio``
+    (0-1), ``memory_hits`` (hits served by the shared-memory tier);
     ``prefetch_fills`` (blocks the prefetcher admitted to the cache), ``prefetch_staged``
     (blocks fetched just in time into staging), ``prefetch_depth_bytes`` (mean bytes ready
     ahead of the consumer), ``staged_hits`` (samples read from staged blocks),

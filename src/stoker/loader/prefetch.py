@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # Shared counters: [origin bytes, origin requests, blocks filled, blocks already cached, errors,
 #                   blocks staged (not admitted to the cache), prefetch depth samples (bytes
 #                   completed ahead of the consumer, summed), number of depth samples], then the
-#                   requests in flight, the busy clock and the per-plan ledger (:mod:`.inflight`)
+#                   requests in flight, the busy clock, the origin retries and the per-plan
+#                   ledger (:mod:`.inflight`)
 N_COUNTERS = infl.N_SHARED
 #: Consecutive failed fills after which prefetching stops for the epoch.
 MAX_FAILURES = 3
@@ -135,6 +136,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     cur_last: dict[int, int] = {}  # block -> last use in the current plan (kept after it is done)
     sizes_of = (ds.block_end - ds.block_start).astype(np.int64)
     base_bytes, base_requests = int(counters[0]), int(counters[1])  # a dead predecessor's
+    base_retries = int(counters[infl.ORIGIN_RETRIES])
     while True:
         try:
             cmd = commands.get(timeout=0.05) if job is None else commands.get_nowait()
@@ -213,6 +215,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                     job["retry"].append((time.monotonic() + min(BUSY_BACKOFF_MAX_S, BUSY_BACKOFF_S * 2 ** k), b))
         counters[0] = base_bytes + ds.origin.counters.bytes
         counters[1] = base_requests + ds.origin.counters.requests
+        counters[infl.ORIGIN_RETRIES] = base_retries + ds.origin.counters.retries
         if finished:
             seen_bytes, seen_requests = _charge(ds, counters, fetched, sizes_of, seen_bytes, seen_requests,
                                                 plan_run, prev_run, prev_all, prev_done)
