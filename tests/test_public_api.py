@@ -41,6 +41,7 @@ EXPECTED_ALL = [
     "PackLeaseLostError",
     "PeerUnavailable",
     "SampleFnError",
+    "ServiceStartError",
     "SharedMemoryError",
     "StokerError",
     "UnsafePathError",
@@ -63,6 +64,7 @@ BUILTIN_BASE = {
     "ChecksumError": OSError,
     "CollateError": ValueError,
     "SampleFnError": ValueError,
+    "ServiceStartError": RuntimeError,
     "DatasetChangedError": OSError,
     "DatasetExistsError": FileExistsError,
     "DecodeError": ValueError,
@@ -196,6 +198,7 @@ ONE_OF_EACH = [
     stoker.VenvError("pip failed: ..."),
     stoker.NetnsUnavailable("CAP_NET_ADMIN is missing"),
     stoker.CapacityError("4 ranks asking for {'CPU': 2.0} each do not fit"),
+    stoker.ServiceStartError("cache service of node 5f3a could not start: UnsafePathError: /c/node-h-2"),
 ]
 
 
