@@ -42,6 +42,7 @@ EXPECTED_ALL = [
     "PackLeaseLostError",
     "PeerUnavailable",
     "SampleFnError",
+    "ServiceStartError",
     "SharedMemoryError",
     "SourceArchiveError",
     "SourceError",
@@ -67,6 +68,7 @@ BUILTIN_BASE = {
     "ChecksumError": OSError,
     "CollateError": ValueError,
     "SampleFnError": ValueError,
+    "ServiceStartError": RuntimeError,
     "DatasetChangedError": OSError,
     "DatasetExistsError": FileExistsError,
     "DecodeError": ValueError,
@@ -206,6 +208,7 @@ ONE_OF_EACH = [
     stoker.SourceError("source /data/train: duplicate key 'cat/1' from 'cat/1.jpg' and 'cat/1.png'"),
     stoker.SourceArchiveError("archive /data/s-0.tar: not a readable tar archive"),
     stoker.SourceNotFoundError("source /data/train does not exist"),
+    stoker.ServiceStartError("cache service of node 5f3a could not start: UnsafePathError: /c/node-h-2"),
 ]
 
 

@@ -11,8 +11,9 @@ from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheMode
                      CollateError, DatasetChangedError, DatasetExistsError, DecodeError, EntryError,
                      ExtenderRequestError, ForkUnsafeError, ImageTooLarge, IndexFormatError, NetnsUnavailable,
                      NotACacheError, OriginError, OriginNotFoundError, OriginPermissionError, PackLeaseError,
-                     PackLeaseLostError, PeerUnavailable, SampleFnError, SharedMemoryError, SourceArchiveError,
-                     SourceError, SourceNotFoundError, StokerError, UnsafePathError, VenvError, WorkerError)
+                     PackLeaseLostError, PeerUnavailable, SampleFnError, ServiceStartError, SharedMemoryError,
+                     SourceArchiveError, SourceError, SourceNotFoundError, StokerError, UnsafePathError,
+                     VenvError, WorkerError)
 from . import collate
 from .loader import EpochStats, Loader
 from .store.dataset import Dataset, open_dataset
@@ -47,6 +48,7 @@ __all__ = [
     "PackLeaseLostError",
     "PeerUnavailable",
     "SampleFnError",
+    "ServiceStartError",
     "SharedMemoryError",
     "SourceArchiveError",
     "SourceError",

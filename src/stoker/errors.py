@@ -30,6 +30,7 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── SampleFnError (ValueError)            the user's decode/collate failed on a sample (names its key)
     ├── CacheInUseError (RuntimeError)        a cache is in use by a live job
     ├── CapacityError (RuntimeError)          a cluster job's ranks do not fit the nodes' free resources
+    ├── ServiceStartError (RuntimeError)      a node's cache service could not start
     ├── WorkerError (RuntimeError)            a loader worker failed or died
     ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
     ├── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
@@ -53,8 +54,8 @@ __all__ = [
     "CollateError", "DatasetChangedError", "DatasetExistsError", "DecodeError", "EntryError",
     "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge", "IndexFormatError", "NetnsUnavailable",
     "NotACacheError", "OriginError", "OriginNotFoundError", "OriginPermissionError", "PackLeaseError",
-    "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "SharedMemoryError", "SourceArchiveError",
-    "SourceError", "SourceNotFoundError", "StokerError", "UnsafePathError",
+    "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "ServiceStartError", "SharedMemoryError",
+    "SourceArchiveError", "SourceError", "SourceNotFoundError", "StokerError", "UnsafePathError",
     "VenvError", "WorkerError",
 ]
 
@@ -298,6 +299,11 @@ class PeerUnavailable(StokerError, OSError):
 class CapacityError(StokerError, RuntimeError):
     """A cluster job's ranks do not fit in the nodes' free resources now (the message gives what a
     rank asks for and, per node, what is free); nothing of the job was started."""
+
+
+class ServiceStartError(StokerError, RuntimeError):
+    """A node's cache service could not start: its constructor raised (e.g. the node's cache
+    directory is unusable), so Ray does not restart it; the message names the node and why."""
 
 
 class ExtenderRequestError(StokerError, ValueError):

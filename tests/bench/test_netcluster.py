@@ -6,10 +6,12 @@ Tests that make namespaces need CAP_NET_ADMIN and skip without it, with the reas
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -278,6 +280,85 @@ def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path)
             handler.close()
     with pytest.raises(TimeoutError, match="'kill' on host 1: no answer in 0.2 s"):
         request(str(tmp_path / "req"), "kill", 1, timeout_s=0.2)
+
+
+_RANK_HOST_DIES_DRIVER = """
+import json, os, sys, time
+from functools import partial
+
+import ray
+
+from stoker.cluster import run
+
+
+def steps(ctx, out_dir):
+    how = "finished"
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            with open(os.path.join(out_dir, f"steps{ctx.rank}"), "a") as f:
+                f.write("step\\n")
+            time.sleep(0.05)
+    except BaseException as exc:
+        how = type(exc).__name__
+        raise
+    finally:
+        with open(os.path.join(out_dir, f"end{ctx.rank}"), "w") as f:
+            f.write(how)
+
+
+address, url, out_dir, result = sys.argv[1:5]
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+out = {"error": None}
+try:
+    run(partial(steps, out_dir=out_dir), url, 2, {"CPU": 0.5}, slots_per_node=1, job="host-dies",
+        cache_root=os.path.join(out_dir, "cache"), cache_bytes=64 << 20, block_bytes=64 << 10)
+except Exception as exc:
+    out = {"error": type(exc).__name__, "notes": list(getattr(exc, "__notes__", []))}
+out["raised_at"] = time.time()
+with open(result, "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_a_rank_whose_host_dies_ends_the_job_on_the_namespace_cluster(packed_local, tmp_path, monkeypatch):
+    """Two hosts, one rank on each; every process of host 1 is SIGKILLed mid-job (its raylet, its
+    cache service, its rank): ``stoker.cluster.run`` in the driver on host 0 raises promptly,
+    naming that rank, and the rank on host 0 is cancelled (its steps stop). Namespaces removed."""
+    from stoker.bench.netcluster_ray import NetRay
+    _need_netns()
+    drv = tmp_path / "driver"
+    drv.mkdir()
+    (drv / "rank_host_dies.py").write_text(_RANK_HOST_DIES_DRIVER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(drv), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = tmp_path / "result.json"
+    work = tempfile.TemporaryDirectory(prefix="snc-", ignore_cleanup_errors=True)  # Ray's socket paths: short
+    with work, NetCluster(hosts=2) as net:
+        made = [*net.host_ns, net.origin_ns, net.switch_ns]
+        procs = NetRay(net, work.name)
+        procs.start_ray()
+        killed: dict = {}
+
+        def kill_host_1_once_both_run():
+            if not killed and all((out / f"steps{r}").exists() for r in (0, 1)):
+                killed["t"] = time.time()
+                killed["n"] = net.kill_host(1)
+        procs.driver("rank_host_dies", procs.address, packed_local, str(out), str(result), timeout_s=300,
+                     poll=kill_host_1_once_both_run)
+    assert not set(made) & set(list_namespaces())
+    got = json.loads(result.read_text())
+    assert killed["n"] >= 1
+    assert got["error"] in ("NodeDiedError", "WorkerCrashedError"), got
+    assert got["raised_at"] - killed["t"] < 90  # prompt: not the ranks' 120 s
+    ended = [r for r in (0, 1) if (out / f"end{r}").exists()]  # the killed rank wrote nothing more
+    assert len(ended) == 1 and (out / f"end{ended[0]}").read_text() == "KeyboardInterrupt"
+    victim = 1 - ended[0]
+    assert any(f"rank {victim} on node" in n for n in got["notes"]), got
+    size = (out / f"steps{ended[0]}").stat().st_size
+    time.sleep(1.0)
+    assert (out / f"steps{ended[0]}").stat().st_size == size  # cancelled: no step after run raised
 
 
 # -- the Ray nodes of a namespace cluster (no namespaces needed) ---------------------------------------

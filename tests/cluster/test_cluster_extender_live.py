@@ -1,9 +1,11 @@
 """The live extender (``--dataset``) never joins Ray itself: each refresh is a child process with a
 time limit, so a Ray cluster that is gone, hangs or never existed only ages the state; requests
-are answered at once and the server stays up (no Ray needed: the children are stand-ins)."""
+are answered at once and the server stays up (the children are stand-ins, except in the last
+test, which starts a real one-node Ray cluster of its own and shuts it down)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -130,3 +132,84 @@ def test_stoker_extender_with_a_ray_address_that_never_existed_stays_up_and_answ
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+_RAY_HEAD = """
+import json, sys, ray
+from ray.cluster_utils import Cluster
+from stoker.cluster.service import start_services
+c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
+ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+start_services(sys.argv[1], 64 << 20)
+print(json.dumps({"address": c.address, "node": ray.get_runtime_context().get_node_id()}), flush=True)
+sys.stdin.readline()  # until told: then Ray goes away, GCS included
+ray.shutdown()
+c.shutdown()
+"""
+
+
+def _free_port() -> int:
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_stoker_extender_outlives_the_ray_cluster_it_asks(packed_local, tmp_path):
+    """A real Ray cluster (its own, one node, with a cache service) feeds ``stoker extender``; then
+    Ray shuts down. Ray ends a driver whose GCS stays unreachable for
+    ``gcs_rpc_server_reconnect_timeout_s`` (60 s; 5 s here, for the extender and its refresh
+    children alike): an extender that had joined Ray would die then. This one keeps answering
+    every request within a second or two, past that point, and its state goes stale."""
+    pytest.importorskip("ray")
+    head = subprocess.Popen([sys.executable, "-c", _RAY_HEAD, str(tmp_path / "cache")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    proc = None
+    try:
+        info = json.loads(head.stdout.readline())
+        port = _free_port()
+        env = dict(os.environ, RAY_gcs_rpc_server_reconnect_timeout_s="5")
+        proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "extender", "--dataset", packed_local,
+                                 "--ray-address", info["address"], "--port", str(port), "--refresh-every", "0.5",
+                                 "--refresh-timeout", "15", "--max-age", "3"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        args = {"Pod": {"metadata": {"name": "p", "annotations": {extender.DATASET_ANNOTATION: packed_local,
+                                                                  extender.REQUIRE_ANNOTATION: "true"}}},
+                "Nodes": None, "NodeNames": [info["node"], "elsewhere"]}
+
+        def post(verb):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/stoker/{verb}", data=json.dumps(args).encode())
+            t0 = time.monotonic()
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read()), time.monotonic() - t0
+
+        deadline = time.monotonic() + 120
+        while True:  # the first refresh that reached Ray: the node with the cache service scores 10
+            try:
+                if post("prioritize")[1][0] == {"Host": info["node"], "Score": 10}:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert post("filter")[1]["NodeNames"] == [info["node"]]
+        head.stdin.close()
+        assert head.wait(timeout=60) == 0
+        gone = time.monotonic()
+        while time.monotonic() - gone < 12:  # past Ray's reconnect timeout (5 s), with room
+            code, got, took_s = post("prioritize")
+            assert code == 200 and took_s < 3, (code, got, took_s)
+            assert proc.poll() is None
+            time.sleep(0.5)
+        code, got, took_s = post("filter")
+        assert code == 200 and took_s < 3 and got["NodeNames"] == [] and "old" in got["Error"]  # stale, said so
+        assert proc.poll() is None
+    finally:
+        if head.poll() is None:
+            head.stdin.close()
+            head.wait(timeout=60)
+        if proc is not None:
+            proc.terminate()
+            proc.communicate(timeout=30)

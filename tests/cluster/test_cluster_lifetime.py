@@ -124,6 +124,67 @@ def test_a_failed_rank_cancels_the_others_when_the_caller_holds_the_refs(cluster
     assert refs.error is not None
 
 
+def _steps(ctx, out_dir: str):
+    """Append a line to ``steps<rank>`` every 50 ms for up to 120 s; write how it ended to ``end<rank>``."""
+    how = "finished"
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            with open(os.path.join(out_dir, f"steps{ctx.rank}"), "a") as f:
+                f.write("step\n")
+            time.sleep(0.05)
+    except BaseException as exc:  # noqa: BLE001 - the cancellation, recorded
+        how = type(exc).__name__
+        raise
+    finally:
+        with open(os.path.join(out_dir, f"end{ctx.rank}"), "w") as f:
+            f.write(how)
+
+
+def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluster, packed_local, tmp_path):
+    """The node of one rank dies mid-job (its raylet and every process on it killed): ``run``
+    raises promptly, naming that rank and node, and the job's other ranks are cancelled: they
+    stop making progress instead of running on with nobody waiting for them. (An extra node,
+    removed by the test: the session's three nodes stay.)"""
+    import threading
+
+    from stoker.cluster import run
+    node = cluster.add_node(num_cpus=1, resources={"node_dies_mid_job": 1}, object_store_memory=100 << 20)
+    cluster.wait_for_nodes()
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = [out / f"steps{r}" for r in range(4)]
+    killed: dict = {}
+
+    def kill_when_all_run():
+        deadline = time.monotonic() + 120
+        while not all(f.exists() for f in steps) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed["t"] = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+    killer = threading.Thread(target=kill_when_all_run, daemon=True)
+    killer.start()
+    errors = (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError)  # node gone, or its worker first
+    try:
+        with pytest.raises(errors) as ei:  # four nodes, one rank each: one rank on the doomed node
+            run(partial(_steps, out_dir=str(out)), packed_local, 4, {"CPU": 0.5}, slots_per_node=1,
+                cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="node-dies")
+        raised_after_s = time.monotonic() - killed["t"]
+    finally:
+        killer.join(180)
+        if node in cluster.worker_nodes:
+            cluster.remove_node(node, allow_graceful=False)
+    assert raised_after_s < 90  # prompt: not the ranks' 120 s, nor a hang
+    note = " ".join(getattr(ei.value, "__notes__", []))
+    assert f"on node {node.node_id} failed" in note, note
+    victim = int(note.split("rank ", 1)[1].split()[0])
+    survivors = [r for r in range(4) if r != victim]
+    sizes = {r: steps[r].stat().st_size for r in survivors}
+    time.sleep(1.0)  # the cancelled ranks have ended: no step after run raised
+    assert {r: steps[r].stat().st_size for r in survivors} == sizes
+    assert [(out / f"end{r}").read_text() for r in survivors] == ["KeyboardInterrupt"] * 3
+
+
 @ray.remote(num_cpus=0, max_concurrency=256)
 class _SlowPeer:
     """A cache service that hangs (as one on a node that died while Ray still lists it alive)
@@ -244,23 +305,24 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
 
 class _KillOnFirstFill:
     """A service handle whose first ``fill`` call is followed at once by ``ray.kill`` of the
-    service (Ray restarts it): the call in flight meets a dead, then restarting, service."""
+    service: with ``restart`` Ray restarts it (the call in flight meets a dead, then restarting,
+    service), without it the service is gone for good."""
 
-    def __init__(self, handle, box):
-        self._h, self._box = handle, box
+    def __init__(self, handle, box, restart: bool = True):
+        self._h, self._box, self._restart = handle, box, restart
 
     def __getattr__(self, name):
         attr = getattr(self._h, name)
         if name != "fill" or self._box["killed"]:
             return attr
-        h, box = self._h, self._box
+        h, box, restart = self._h, self._box, self._restart
 
         class _Fill:
             @staticmethod
             def remote(*args):
                 ref = attr.remote(*args)
                 box["killed"] = True
-                ray.kill(h, no_restart=False)
+                ray.kill(h, no_restart=not restart)
                 return ref
         return _Fill
 
@@ -286,3 +348,64 @@ def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_loc
     assert r["failed_shards"] == {} and sum(n["failed"] for n in r["nodes"].values()) == 0
     assert r["complete"] and r["cached_fraction"] == 1.0
     assert chosen["victim"] in find_services()  # restarted, answering
+
+
+def test_warm_reports_a_node_whose_service_stays_down(cluster, packed_local, tmp_path, monkeypatch, capsys):
+    """A node's service is killed for good under a fill of ``stoker warm`` (no restart): the warm-up
+    does not hang or raise; the other nodes are filled, the report names what that node did not
+    get and why, and the command exits 1."""
+    import json
+
+    import stoker.cluster.warmup as warmup
+    from stoker.cli import main
+    from stoker.cluster.service import stop_services
+    stop_services()  # fresh services on a fresh cache root: nothing cached yet
+    box = {"killed": False}
+    real = warmup.get_service
+    chosen: dict = {}
+
+    def patched(nid):
+        chosen.setdefault("victim", nid)
+        h = real(nid)  # raises ValueError once the victim's service is gone for good
+        return _KillOnFirstFill(h, box, restart=False) if nid == chosen["victim"] else h
+    monkeypatch.setattr(warmup, "get_service", patched)
+    capsys.readouterr()
+    rc = main(["warm", packed_local, "--no-progress", "--block-size", str(BLOCK), "--cache-dir", str(tmp_path / "c"),
+               "--cache-size", str(64 << 20)])
+    out, err = capsys.readouterr()
+    assert rc == 1 and box["killed"]
+    r = json.loads(out)
+    victim = r["nodes"].pop(chosen["victim"])
+    assert not r["complete"] and 0 < r["cached_fraction"] < 1
+    assert victim["failed"] > 0 and victim["cached_fraction"] < 1 and victim["owned_bytes"] > 0
+    assert victim["error"] and "service" in victim["error"]
+    assert victim["failed_shards"] and all("service" in why for why in victim["failed_shards"].values())
+    assert [n["cached_fraction"] for n in r["nodes"].values()] == [1.0, 1.0]  # the others: filled
+    assert "Traceback" not in err and "partial" in err and "did not answer" in err
+
+
+def test_warm_goes_on_without_a_node_whose_service_cannot_start(cluster, packed_local, tmp_path, capsys):
+    """One node's cache directory is unusable (a file where its directory goes), so its service
+    fails at start and Ray does not restart it: ``stoker warm`` does not wait for it, fills the
+    other nodes, lists that node with the reason and exits 1."""
+    import json
+
+    from stoker.cli import main
+    from stoker.cluster.identity import host_name
+    from stoker.cluster.service import stop_services
+    stop_services()
+    root = tmp_path / "c"
+    root.mkdir(mode=0o700)
+    (root / f"node-{host_name()}-2").write_text("not a directory")  # the third slot of this host
+    capsys.readouterr()
+    rc = main(["warm", packed_local, "--no-progress", "--block-size", str(BLOCK), "--cache-dir", str(root),
+               "--cache-size", str(64 << 20)])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    r = json.loads(out)
+    bad = [m for m, n in r["nodes"].items() if n["error"]]
+    assert len(bad) == 1 and len(r["nodes"]) == 3
+    assert "could not start" in r["nodes"][bad[0]]["error"] and f"node-{host_name()}-2" in r["nodes"][bad[0]]["error"]
+    assert r["nodes"][bad[0]]["owned_bytes"] == 0
+    assert r["complete"] and r["cached_fraction"] == 1.0  # the others hold the dataset between them
+    assert "Traceback" not in err and "could not start" in err and "partial" in err

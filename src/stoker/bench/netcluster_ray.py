@@ -11,8 +11,10 @@
   (:mod:`stoker.cluster.identity`);
 - :meth:`driver`: a Python command run in the first host namespace (the Ray driver).
 
-Ray runs with token authentication (``RAY_AUTH_MODE=token``; the token is Ray's own,
-``~/.ray/auth_token``). Nothing here stops a process: the processes stay inside the namespaces,
+Ray runs with token authentication (``RAY_AUTH_MODE=token``): :meth:`NetRay.start_ray` makes a
+token for the cluster (``ray-auth-token`` in the work directory, mode 0600) and every process
+started here finds it through ``RAY_AUTH_TOKEN_PATH``, so no ``~/.ray/auth_token`` is needed or
+touched. Nothing here stops a process: the processes stay inside the namespaces,
 and :meth:`stoker.bench.netcluster.NetCluster.close` ends them by id with the namespaces.
 """
 from __future__ import annotations
@@ -42,17 +44,33 @@ def _src_dir() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def node_env(node_name: str | None = None) -> dict:
+def node_env(node_name: str | None = None, token_path: str | None = None) -> dict:
     """The environment of every process started here: this stoker on ``PYTHONPATH``, Ray's token
-    authentication on, usage stats off, ``NODE_NAME`` (the cache identity) if given."""
+    authentication on (the token read from ``token_path`` when given), usage stats off,
+    ``NODE_NAME`` (the cache identity) if given."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_src_dir(), env.get("PYTHONPATH")]))
     env.update(RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
     for k in ("RAY_ADDRESS",):
         env.pop(k, None)
+    if token_path:
+        env["RAY_AUTH_TOKEN_PATH"] = token_path
+        env.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
     if node_name:
         env["NODE_NAME"] = node_name
     return env
+
+
+def write_token(path: str) -> str:
+    """Write a new random Ray authentication token (64 hex digits) to ``path``, readable by its
+    owner only (mode 0600, replacing any file there); returns ``path``."""
+    import secrets
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.replace(tmp, path)
+    return path
 
 
 class NetRay:
@@ -72,6 +90,7 @@ class NetRay:
         self.start_timeout_s = start_timeout_s
         self.endpoint_url = self.direct_url = ""
         self.address = f"{net.host_ip[0]}:{GCS_PORT}"
+        self.token_path = os.path.join(os.path.abspath(workdir), "ray-auth-token")  # made by start_ray
         os.makedirs(workdir, exist_ok=True)
 
     def _log(self, name: str) -> str:
@@ -122,7 +141,7 @@ class NetRay:
         if i < self.net.hosts - 1 or self.net.hosts == 1:
             from .netcluster_faults import STEADY
             cmd += ["--resources", json.dumps({STEADY: 100})]
-        env = node_env(ns)
+        env = node_env(ns, self.token_path)
         env.update(HEALTH_CHECK_ENV)
         with open(self._log(f"ray-h{i}"), "wb") as log:
             return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -149,7 +168,9 @@ class NetRay:
 
     def start_ray(self) -> str:
         """Start the head on host 0, then a worker node on every other host (those at the same
-        time: each ``ray start`` mostly waits); returns the GCS address."""
+        time: each ``ray start`` mostly waits); returns the GCS address. A new authentication
+        token is written first (:attr:`token_path`)."""
+        write_token(self.token_path)
         self._wait_started({0: self._ray_start(0, head=True)})
         self._wait_started({i: self._ray_start(i, head=False) for i in range(1, self.net.hosts)})
         return self.address
@@ -166,7 +187,8 @@ class NetRay:
         cmd = [*self.net.exec_prefix(self.net.host_ns[0]), sys.executable, "-m", module, *args]
         deadline = time.monotonic() + timeout_s
         with open(self._log("driver"), "wb") as log:
-            proc = subprocess.Popen(cmd, env=node_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            proc = subprocess.Popen(cmd, env=node_env(token_path=self.token_path), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log)
             try:
                 while proc.poll() is None:
                     if time.monotonic() > deadline:

@@ -31,8 +31,9 @@ def _ray_init(address: str | None):
 def cmd_warm(a) -> int:
     """``stoker warm``: the report as JSON on stdout, a summary per node on stderr.
 
-    Exit 0 when every block is cached, 1 when the warm-up is partial (budget too small, shards
-    that failed: named with the reason; running it again fetches only what is missing).
+    Exit 0 when every block is cached and every node's service answered, 1 when the warm-up is
+    partial (budget too small, shards that failed, a node whose cache service is down: named with
+    the reason; running it again fetches only what is missing).
     """
     from ..cluster.warmup import warm
     _ray_init(a.ray_address)
@@ -48,15 +49,16 @@ def cmd_warm(a) -> int:
             print(f"  {n['error']}", file=sys.stderr)
         for shard, why in n["failed_shards"].items():
             print(f"  failed: {shard}: {why}", file=sys.stderr)
-    if r["complete"]:
+    down = [n for n in r["nodes"].values() if n.get("error")]
+    if r["complete"] and not down:
         return 0
     why = []
     if any(n["refused"] for n in r["nodes"].values()):
         why.append("cache budget too small (--cache-size)")
     if r["failed_shards"]:
         why.append(f"{len(r['failed_shards'])} shard(s) failed")
-    if any(n.get("error") for n in r["nodes"].values()):
-        why.append("a cache service did not answer")
+    if down:
+        why.append(f"the cache service of {len(down)} node(s) did not answer")
     print(f"stoker warm: partial: {r['cached_fraction']:.1%} of {a.url} cached"
           + (f" ({'; '.join(why)})" if why else "") + "; run it again to fetch only what is missing",
           file=sys.stderr)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..errors import ServiceStartError
 from .registration import lease
 
 log = logging.getLogger(__name__)
@@ -277,7 +278,8 @@ def alive_nodes() -> list[dict]:
 
 
 def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = True,
-                   timeout_s: float = 60.0, lease_s: float | None = None) -> dict[str, "ray.actor.ActorHandle"]:
+                   timeout_s: float = 60.0, lease_s: float | None = None,
+                   down: dict[str, str] | None = None) -> dict[str, "ray.actor.ActorHandle"]:
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
     ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
@@ -288,8 +290,13 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
     (A named actor that is not detached dies with the driver that created it, under the feet
     of every other job reading from it.) ``detached`` is kept for older callers; services are
     always detached. ``lease_s``: see :class:`CacheService` (for services started here).
-    Waits until every service answers; raises
-    ``ray.exceptions.GetTimeoutError`` after ``timeout_s`` seconds.
+
+    Waits until every service answers. A service whose start fails (its constructor raised,
+    e.g. the node's cache directory is unusable: Ray does not restart it) raises
+    :class:`stoker.errors.ServiceStartError` at once; one still not answering after
+    ``timeout_s`` seconds raises ``ray.exceptions.GetTimeoutError``; both name the node. With
+    ``down`` (a dict), such a node is recorded there instead (``{node id: reason}``) and left out
+    of the result, and the other services are still waited for.
     """
     del detached
     handles = {}
@@ -301,27 +308,54 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
         opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                     scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
         handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes, None, lease_s)
-    _wait_answer(handles, timeout_s)
-    return handles
+    _wait_answer(handles, timeout_s, down)
+    return {nid: h for nid, h in handles.items() if down is None or nid not in down}
 
 
-def _wait_answer(handles: dict, timeout_s: float) -> None:
+def _wait_answer(handles: dict, timeout_s: float, down: dict[str, str] | None = None) -> None:
     """Wait until every service of ``handles`` (``{node id: handle}``) answers a ping; one that is
-    restarting (``RayActorError``) is asked again until ``timeout_s`` seconds have passed, then
-    ``ray.exceptions.GetTimeoutError`` names its node."""
+    restarting (``RayActorError``) is asked again until ``timeout_s`` seconds have passed. A
+    service that cannot start (see :func:`start_services`) or does not answer in time raises,
+    naming its node, or with ``down`` is recorded there (``{node id: reason}``)."""
     deadline = time.monotonic() + timeout_s
     refs = {nid: h.ping.remote() for nid, h in handles.items()}
     while refs:
         nid, ref = next(iter(refs.items()))
+        error: Exception
         try:
             ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             del refs[nid]
+            continue
+        except ray.exceptions.GetTimeoutError as exc:
+            why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout)"
+            error = ray.exceptions.GetTimeoutError(why)
+            cause: Exception = exc
         except ray.exceptions.RayActorError as exc:
-            if time.monotonic() >= deadline:
-                raise ray.exceptions.GetTimeoutError(
-                    f"cache service of node {nid} did not answer in {timeout_s} s: {exc}") from exc
-            time.sleep(0.2)
-            refs[nid] = handles[nid].ping.remote()
+            cause = exc
+            if getattr(exc, "actor_init_failed", False):  # its constructor raised: Ray will not restart it
+                why = f"cache service of node {nid} could not start: {_cause(exc)}"
+                error = ServiceStartError(why)
+            elif time.monotonic() < deadline:  # restarting: ask again
+                time.sleep(0.2)
+                refs[nid] = handles[nid].ping.remote()
+                continue
+            else:
+                why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout): {_cause(exc)}"
+                error = ray.exceptions.GetTimeoutError(why)
+        if down is None:
+            raise error from cause
+        log.warning("%s", why)
+        down[nid] = why
+        del refs[nid]
+
+
+def _cause(exc: BaseException) -> str:
+    """One line for a failed Ray call: the innermost error's type and its last message line."""
+    inner = getattr(exc, "cause", None) or exc
+    if isinstance(inner, ray.exceptions.RayTaskError) and inner.cause is not None:
+        inner = inner.cause
+    text = [ln for ln in str(inner).strip().splitlines() if ln.strip()]
+    return f"{type(inner).__name__}: {text[-1].strip() if text else ''}"
 
 
 def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
@@ -371,18 +405,20 @@ def stop_services() -> int:
 
 
 def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes: int | None,
-            block_bytes: int | None, detached: bool = True):
+            block_bytes: int | None, detached: bool = True, down: dict[str, str] | None = None):
     """The common first steps of ``run`` and ``warm``: start the services where missing (default
     root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
     index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``. RuntimeError
-    when no service answers."""
+    when no service answers; a service that cannot start raises as in :func:`start_services`,
+    or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out."""
     from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
     opts = dict(storage_options or {})
     start_services(cache_root or os.path.join(default_cache_dir(), "cluster"),
-                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, detached=detached)
-    services = find_services()
+                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, detached=detached, down=down)
+    services = {k: v for k, v in find_services().items() if down is None or k not in down}
     if not services:
-        raise RuntimeError("no cache service answers on any node")
+        why = "; ".join(down.values()) if down else ""
+        raise RuntimeError("no cache service answers on any node" + (f" ({why})" if why else ""))
     ds = open_dataset(url, storage_options=opts, cache=False, check=False,
                       block_bytes=block_bytes or DEFAULT_BLOCK_BYTES)
     return services, ds, dataset_ref(ds, opts)

@@ -9,6 +9,7 @@ and why. A node's cache directory and placement are stable across Ray restarts o
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -18,6 +19,8 @@ from .placement import bytes_per_node, place_dataset
 from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_members
 from .records import call as _call
 from .service import dataset_ref, find_services, get_service, placement_keys, prepare
+
+log = logging.getLogger(__name__)
 
 #: Tries of one chunk of blocks whose fill met a dead or restarting cache service, and the pause
 #: before each retry (seconds, times the try number): the same as for any call to a service.
@@ -35,18 +38,25 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     ``concurrency`` ranged GETs per node. Report: ``{url, version, dataset_bytes, seconds,
     origin_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
     cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
-    failed_shards}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
+    failed_shards, error}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
-    ``complete``: every block cached; a node's ``error``: why its service did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
+    ``complete``: every block cached; a node's ``error``: why its service filled nothing more or
+    did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
     that fails is reported and the others go on, so the report may be partial: nothing is raised
     for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
-    in all, ``RETRY_PAUSE_S`` apart, growing) before its blocks count as failed. Needs ``ray.init()`` first; raises what :func:`stoker.cluster.service.prepare` raises
-    (no service, no index at ``url``). ``progress``: a tqdm bar on stderr (bytes placed, rate,
+    in all, ``RETRY_PAUSE_S`` apart, growing; the other nodes go on meanwhile) before its blocks
+    count as failed; a service still not answering then, or gone for good, is *down*: the rest
+    of its node's blocks fail at once, named with the reason. A node whose service cannot start
+    (:func:`stoker.cluster.service.start_services`) gets no blocks and is listed with its
+    ``error``, nothing cached (``cached_fraction`` 0.0). Needs ``ray.init()`` first; raises what
+    :func:`stoker.cluster.service.prepare` raises (no service answers on any node, no index at
+    ``url``). ``progress``: a tqdm bar on stderr (bytes placed, rate,
     ETA); off by default, so a library call prints nothing (``stoker warm`` shows it on a terminal).
     """
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
-    services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached)
+    down_at_start: dict[str, str] = {}  # node id -> why its service did not start
+    services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached, down=down_at_start)
     nodes = list(services)
     recorded = settle_members(services, ds.version, int(ds.index.total_bytes), nodes, [])
     members = [m for m in recorded if m in services] or nodes
@@ -55,49 +65,12 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     sizes = ds.block_bytes_of(np.arange(ds.num_blocks))
     queues = {i: [np.flatnonzero(owner == i)[k:k + chunk_blocks].tolist()
                   for k in range(0, int((owner == i).sum()), chunk_blocks)] for i in range(len(members))}
-    totals = {i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0} for i in range(len(members))}
-    errors: dict[int, dict[str, str]] = {i: {} for i in range(len(members))}
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
-    pending: dict = {}
-
-    tries: dict[tuple, int] = {}
-
-    def submit(i):
-        if queues[i]:
-            chunk = queues[i].pop(0)
-            ref = get_service(members[i]).fill.remote(dref, chunk, concurrency)
-            pending[ref] = (i, chunk)
-
-    for i in queues:  # two requests in flight per node: one filling, one queued behind it
-        submit(i)
-        submit(i)
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        i, chunk = pending.pop(done[0])
-        try:
-            r = ray.get(done[0])
-        except ray.exceptions.RayActorError as exc:  # the service died or is restarting: try again
-            k = tries[tuple(chunk)] = tries.get(tuple(chunk), 1) + 1
-            if k <= FILL_TRIES:
-                time.sleep(RETRY_PAUSE_S * (k - 1))
-                queues[i].insert(0, chunk)
-                submit(i)
-                continue
-            r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
-                                                   for b in chunk}}
-        except ray.exceptions.RayError as exc:  # the call failed: these blocks only
-            r = {"failed": len(chunk), "errors": {ds.index.shard_name(ds.block_shard[b]): _reason(exc)
-                                                   for b in chunk}}
-        for k in totals[i]:
-            totals[i][k] += r.get(k, 0)
-        for shard, reason in r.get("errors", {}).items():
-            errors[i].setdefault(shard, reason)
-        if bar is not None:
-            bar.update(int(sizes[chunk].sum()))
-        submit(i)
+    fills = _Fills(ds, dref, members, queues, concurrency, bar)
+    fills.run()
     if bar is not None:
         bar.close()
     cached, node_errors = [], {}
@@ -107,6 +80,9 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
             cached.append(0)
             node_errors[i] = f"cache service did not answer: {_reason(exc)}"
+        if i in fills.down:  # why the node's blocks were not filled comes first
+            node_errors[i] = fills.down[i]
+    totals, errors = fills.totals, fills.errors
     report = {"url": url, "version": ds.version, "dataset_bytes": int(sizes.sum()),
               "seconds": time.perf_counter() - t0,
               "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
@@ -121,7 +97,109 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
                               "filled": totals[i]["filled"], "refused": totals[i]["refused"],
                               "failed": totals[i]["failed"], "failed_shards": dict(sorted(errors[i].items())),
                               "error": node_errors.get(i)}
+    for m, why in down_at_start.items():  # no service: given no blocks, filled nothing
+        report["nodes"][m] = {"node_name": m, "cache_dir": None, "cache_bytes": 0, "owned_bytes": 0,
+                              "cached_bytes": 0, "cached_fraction": 0.0, "filled": 0, "refused": 0, "failed": 0,
+                              "failed_shards": {}, "error": why}
     return report
+
+
+class _Fills:
+    """The fill requests of one warm-up: per member node (index ``i`` into ``members``) a queue of
+    block chunks, two requests in flight per node (one filling, one queued behind it).
+
+    A request that meets a dead or restarting service (``RayActorError``) is sent again after a
+    pause (``RETRY_PAUSE_S`` times the try number; the other nodes' requests go on meanwhile),
+    ``FILL_TRIES`` tries in all. A node whose service is gone for good (no service by its name,
+    or a request that failed every try) is *down*: its chunk and every chunk still queued for
+    it fail at once, named with the reason (``down``: ``{i: reason}``), so a service that stays
+    down costs one round of retries, not one per chunk. ``totals``: per node block counts and
+    origin bytes; ``errors``: per node ``{shard name: reason}``."""
+
+    def __init__(self, ds, dref: dict, members: list[str], queues: dict[int, list[list[int]]], concurrency: int,
+                 bar=None):
+        self.ds, self.dref, self.members, self.queues = ds, dref, members, queues
+        self.concurrency, self.bar = concurrency, bar
+        self.totals = {i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0} for i in queues}
+        self.errors: dict[int, dict[str, str]] = {i: {} for i in queues}
+        self.down: dict[int, str] = {}
+        self._pending: dict = {}  # ref -> (node index, chunk)
+        self._later: list[tuple[float, int, list[int]]] = []  # (when, node index, chunk): retries
+        self._tries: dict[tuple, int] = {}
+
+    def run(self) -> None:
+        """Send every chunk; returns when each is filled or failed."""
+        for i in self.queues:
+            self._submit(i)
+            self._submit(i)
+        while self._pending or self._later:
+            now = time.monotonic()
+            for item in [x for x in self._later if x[0] <= now]:
+                self._later.remove(item)
+                self._submit(item[1], item[2])
+            wait_s = max(0.0, min(x[0] for x in self._later) - now) if self._later else None
+            if not self._pending:
+                time.sleep(wait_s or 0.0)
+                continue
+            done, _ = ray.wait(list(self._pending), num_returns=1, timeout=wait_s)
+            if done:
+                self._done(done[0])
+
+    def _submit(self, i: int, chunk: list[int] | None = None) -> None:
+        if chunk is None:
+            if not self.queues[i]:
+                return
+            chunk = self.queues[i].pop(0)
+        if i in self.down:
+            self._fail(i, chunk, self.down[i])
+            return
+        try:
+            ref = get_service(self.members[i]).fill.remote(self.dref, chunk, self.concurrency)
+        except ValueError as exc:  # no service by that name: killed for good, or its node is gone
+            self._go_down(i, f"no cache service on node {self.members[i]} ({exc})")
+            self._fail(i, chunk, self.down[i])
+            return
+        self._pending[ref] = (i, chunk)
+
+    def _done(self, ref) -> None:
+        i, chunk = self._pending.pop(ref)
+        try:
+            r = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # the service died or is restarting: try again
+            k = self._tries[tuple(chunk)] = self._tries.get(tuple(chunk), 1) + 1
+            if k <= FILL_TRIES and i not in self.down:
+                self._later.append((time.monotonic() + RETRY_PAUSE_S * (k - 1), i, chunk))
+                return
+            if i not in self.down:
+                self._go_down(i, f"cache service of node {self.members[i]} did not answer in {FILL_TRIES} "
+                                 f"tries: {_reason(exc)}")
+            self._fail(i, chunk, self.down[i])
+            return
+        except ray.exceptions.RayError as exc:  # the call failed: these blocks only
+            self._fail(i, chunk, _reason(exc))
+            self._submit(i)
+            return
+        self._count(i, chunk, r)
+        self._submit(i)
+
+    def _go_down(self, i: int, reason: str) -> None:
+        self.down[i] = reason
+        log.warning("stoker warm: %s; its %d queued chunk(s) are not filled", reason, len(self.queues[i]))
+        while self.queues[i]:
+            self._fail(i, self.queues[i].pop(0), reason)
+
+    def _fail(self, i: int, chunk: list[int], reason: str) -> None:
+        shard = self.ds.index.shard_name
+        self._count(i, chunk, {"failed": len(chunk), "errors": {shard(self.ds.block_shard[b]): reason
+                                                                for b in chunk}})
+
+    def _count(self, i: int, chunk: list[int], r: dict) -> None:
+        for k in self.totals[i]:
+            self.totals[i][k] += r.get(k, 0)
+        for shard, reason in r.get("errors", {}).items():
+            self.errors[i].setdefault(shard, reason)
+        if self.bar is not None:
+            self.bar.update(int(self.ds.block_bytes_of(np.asarray(chunk)).sum()))
 
 
 def _reason(exc: BaseException) -> str:
