@@ -232,6 +232,20 @@ def test_rows_check_exactly_once_over_the_job_ranks():
     assert not _row("direct", "job1", 0, recs([0, 2], [1]), 4, k, 0)["exactly_once"]
 
 
+def test_rows_keep_each_ranks_host_seconds_and_start():
+    # what a model needs to take the measured placement and start-up skew
+    from stoker.bench.netcluster_driver import _row
+    k = {"origin_link_bytes": 0, "host_link_bytes": 0}
+    recs = [{"ids": [0], "samples": 1, "seconds": 2.0, "started_at": 100.25, "local_bytes": 0, "peer_bytes": 0,
+             "origin_bytes": 0},
+            {"ids": [1], "samples": 1, "seconds": 1.5, "started_at": 100.0, "local_bytes": 0, "peer_bytes": 0,
+             "origin_bytes": 0}]
+    row = _row("random", "job1", 1, recs, 2, k, 0, rank_hosts=[2, 0])
+    assert row["rank_hosts"] == [2, 0] and row["rank_seconds"] == [2.0, 1.5]
+    assert row["rank_start_s"] == [0.25, 0.0] and row["seconds"] == 2.0
+    assert "rank_hosts" not in _row("random", "job1", 1, recs, 2, k, 0)
+
+
 # -- faults ------------------------------------------------------------------------------------------
 def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path):
     """The driver's fault requests, carried out by the process that owns the namespaces: ``kill``

@@ -120,8 +120,9 @@ def remove_stale(prefix: str = PREFIX) -> list[str]:
     return stale
 
 
-def _burst_bytes(mbit: float) -> int:
-    # tbf needs a bucket of at least rate / HZ; 10 ms of the rate (at least 64 KiB) covers any HZ
+def burst_bytes(mbit: float) -> int:
+    """The ``tbf`` bucket (bytes) of a link shaped to ``mbit`` Mbit/s: 10 ms of the rate, at least
+    64 KiB (tbf needs at least rate / HZ; 10 ms covers any HZ)."""
     return max(64 << 10, int(mbit * 1e6 / 8 / 100))
 
 
@@ -183,7 +184,7 @@ class NetCluster:
         _ip("-n", ns, "link", "set", "eth0", "up")
         for where, dev in ((ns, "eth0"), (self.switch_ns, port)):  # both directions
             _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                "burst", str(_burst_bytes(mbit)), "latency", "100ms")
+                "burst", str(burst_bytes(mbit)), "latency", "100ms")
 
     # -- use ---------------------------------------------------------------------------------
     def exec_prefix(self, ns: str) -> list[str]:

@@ -117,7 +117,7 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
     phases.update({f"driver.{k}": v for k, v in rows.get("phases_s", {}).items()})
     report = {"machine": {"cores": os.cpu_count()}, "hosts": hosts, "links": links,
               "origin": {"latency_ms": latency_ms, "bandwidth": "the origin link's tbf"},
-              "config": {"jobs": 2, "ranks_per_job": hosts, "epochs": epochs, "block_bytes": block_bytes,
+              "config": {"jobs": 2, "ranks_per_job": hosts, "epochs": epochs, "block_bytes": block_bytes, "seed": seed,
                          "shard_bytes": shard_bytes, "cache_bytes_per_node": cache_bytes, "decode": decode,
                          "jobs_run": "one after the other, so each job's kernel counts are its own"},
               "dataset": rows["dataset"], "setup_s": rows["setup_s"], "runs": rows["runs"],

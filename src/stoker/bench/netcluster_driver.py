@@ -69,7 +69,7 @@ def direct_rank(spec: dict) -> dict:
     if not spec.get("read", True):
         ids = ids[:0]
     origin0, local = ds.origin.counters.bytes, 0
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     for i in ids:
         hits = ds.read_stats.cache_hits
         data = ds.read(int(i))
@@ -78,6 +78,7 @@ def direct_rank(spec: dict) -> dict:
         if spec["decode"]:
             _decode(data, ds.key(int(i)))
     return {"epoch": spec["epoch"], "samples": len(ids), "seconds": time.perf_counter() - t0, "ids": ids.tolist(),
+            "started_at": started,
             "local_bytes": local, "peer_bytes": 0, "origin_bytes": ds.origin.counters.bytes - origin0}
 
 
@@ -133,15 +134,26 @@ def probe_control(placement: str, run_job, links: dict) -> dict:
     return dict(kernel_delta(before, read_counters(links)), placement=placement, seconds=time.perf_counter() - t0)
 
 
-def _row(placement, job, epoch, recs, n, kernel, served) -> dict:
+def _row(placement, job, epoch, recs, n, kernel, served, rank_hosts: list[int] | None = None) -> dict:
+    """One report row of a job's epoch from its ranks' records ``recs``; ``rank_hosts``: the host
+    (index) each rank ran on. Besides the totals it keeps each rank's seconds and, where the records
+    have ``started_at`` (unix seconds), each rank's start after the first rank's, so that a model
+    can take the measured placement and start-up skew (``stoker simulate --validate``)."""
     ids = np.concatenate([np.asarray(r["ids"], dtype=np.int64) for r in recs])
     seconds = max(r["seconds"] for r in recs)
     samples = sum(r["samples"] for r in recs)
     stoker = {k: int(sum(r[k] for r in recs)) for k in ("local_bytes", "peer_bytes", "origin_bytes")}
-    return {"placement": placement, "job": job, "epoch": epoch, "ranks": len(recs), "samples": samples,
-            "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0,
-            "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
-            "kernel": kernel, "stoker": stoker, "origin_served_bytes": served}
+    row = {"placement": placement, "job": job, "epoch": epoch, "ranks": len(recs), "samples": samples,
+           "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0,
+           "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
+           "kernel": kernel, "stoker": stoker, "origin_served_bytes": served,
+           "rank_seconds": [float(r["seconds"]) for r in recs]}
+    if rank_hosts is not None:
+        row["rank_hosts"] = [int(h) for h in rank_hosts]
+    if all("started_at" in r for r in recs):
+        first = min(r["started_at"] for r in recs)
+        row["rank_start_s"] = [float(r["started_at"] - first) for r in recs]
+    return row
 
 
 def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict:
@@ -217,11 +229,13 @@ def main(spec_path: str, out_path: str) -> int:
     pack("s3://stoker/raw", url, storage_options=opts, shard_bytes=spec["shard_bytes"], progress=False)
     ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=spec["block_bytes"])
     n = len(ds)
-    out = {"dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": ds.num_blocks},
+    out = {"dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": ds.num_blocks,
+                       "version": ds.version},
            "setup_s": time.perf_counter() - t0, "runs": []}
     phases = out["phases_s"] = {"upload_pack": out["setup_s"]}
     by_ip = {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node.get("Alive")}
     host_nodes = [by_ip[ip] for ip in spec["host_ips"]]
+    host_of = {nid: i for i, nid in enumerate(host_nodes)}
     links = spec["links"]
 
     def served() -> int:  # the origin server's own count of body bytes sent
@@ -257,6 +271,7 @@ def main(spec_path: str, out_path: str) -> int:
                 before, s0 = read_counters(links), served()
                 if placement == "direct":
                     recs = ray.get(direct_refs(root, epoch), timeout=spec["job_timeout_s"])
+                    hosts = list(range(len(recs)))  # rank r on host r
                 else:
                     svc0 = services_origin_bytes()
                     fn = partial(read_plan, epoch=epoch, decode=spec["decode"])
@@ -264,8 +279,9 @@ def main(spec_path: str, out_path: str) -> int:
                                       cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
                                       seed=spec["seed"] + 1 + j, job=job, timeout_s=spec["job_timeout_s"])
                     recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
+                    hosts = [host_of.get(r["node_id"], -1) for r in res]
                 kernel = kernel_delta(before, read_counters(links))
-                row = _row(placement, job, epoch, recs, n, kernel, served() - s0)
+                row = _row(placement, job, epoch, recs, n, kernel, served() - s0, hosts)
                 out["runs"].append(row)
                 print(json.dumps({k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
                                  | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}

@@ -58,7 +58,7 @@ def cmd_validate(a) -> int:
     if a.demo:
         _need(a.demo, "--demo report")
     report = validate(netns, a.demo or None, a.decode if a.decode and os.path.exists(a.decode) else None,
-                      a.calibration)
+                      a.calibration, measured=not a.made_up_layout)
     print("parameters:")
     for k, v in report["parameters"].items():
         print(f"  {k} = {v['value']:.6g}   ({v['source']})")
@@ -84,6 +84,13 @@ def cmd_tdcs(a) -> int:
         with open(a.decode) as f:
             cfg.decode_rate = float(json.load(f)["per_core"]["stoker"])
         sources["decode_rate"] = f"{a.decode}: per_core.stoker (stoker bench decode, this machine's core)"
+    from dataclasses import asdict
+
+    from ..sim.tdcs import assumptions
+    base = assumptions(TdcsConfig())
+    for k, v in asdict(cfg).items():  # an option given on the command line says so, with the default's source
+        if k not in sources and v != base[k]["value"]:
+            sources[k] = f"given on the command line (the default, {base[k]['value']:g}: {base[k]['source']})"
     report = experiment(cfg, sources=sources)
     print("assumptions:")
     for k, v in report["assumptions"].items():
@@ -137,6 +144,9 @@ def add_parsers(sub) -> None:
                                                     "direct epoch)")
     s.add_argument("--calibration", help="the --netns report the peer and local read times are fitted on "
                                          "(default: the first)")
+    s.add_argument("--made-up-layout", action="store_true",
+                   help="--validate: model the namespace runs on a made-up dataset layout and node names, plain "
+                        "rate-limited links (not the runs' own dataset, node keys, host order and token buckets)")
     s.add_argument("--demo", default=os.path.join("docs", "demo.json"), help="a stoker demo --json report ('' = skip)")
     s.add_argument("--decode", default=os.path.join("benchmarks", "bench_decode.json"),
                    help="a stoker bench decode --json report (decode rate per core, pipeline efficiency)")

@@ -39,10 +39,17 @@ NODE_NAME_ENV = "NODE_NAME"
 MAX_SLOTS = 4096
 
 
-def host_name() -> str:
-    """``$NODE_NAME`` or the host name, reduced to ``[A-Za-z0-9._-]`` (others become ``_``)."""
-    name = os.environ.get(NODE_NAME_ENV) or socket.gethostname() or "localhost"
+def host_name(name: str | None = None) -> str:
+    """``name``, else ``$NODE_NAME``, else the host name, reduced to ``[A-Za-z0-9._-]`` (others
+    become ``_``)."""
+    name = name or os.environ.get(NODE_NAME_ENV) or socket.gethostname() or "localhost"
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
+
+
+def cache_key(host: str, slot: int) -> str:
+    """The cache directory's name and placement key of ``host``'s slot ``slot``: ``node-<host>-<slot>``
+    (``host`` as :func:`host_name` gives it)."""
+    return f"node-{host}-{slot}"
 
 
 class NodeCacheClaim:
@@ -112,7 +119,7 @@ def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0,
         if owner:
             os.ftruncate(fd, 0)
             os.pwrite(fd, owner.encode(), 0)
-        key = f"node-{host}-{k}"
+        key = cache_key(host, k)
         path = os.path.join(root, key)
         ensure_dir(path, _mode(), parents=False)
         return NodeCacheClaim(path, key, fd)

@@ -79,11 +79,11 @@ class WorkerContext:
         read_bytes``, :mod:`stoker.cluster.counters`), the bytes received from the origin for it
         (``fetched_origin_bytes``: whole blocks, headers included; ``received_origin_bytes`` /
         ``received_peer_bytes``: what this rank's processes received over each link), seconds, and ``extra`` fields
-        (e.g. samples); appended to ``epochs``."""
+        (e.g. samples), ``started_at`` (unix seconds); appended to ``epochs``."""
         self.counters.clear_tags()  # blocks fetched before this epoch are local now
         before, t0 = self.counters.read(), time.perf_counter()
         rec = {"job": self.job, "placement": self.placement, "rank": self.rank, "node_id": self.node_id,
-               "epoch": int(epoch)}
+               "epoch": int(epoch), "started_at": time.time()}
         try:
             yield rec
         finally:

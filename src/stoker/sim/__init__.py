@@ -1,7 +1,8 @@
 """A model of stoker on a cluster: discrete-event simulation (SimPy) that calls stoker's own
 decisions, calibrated and validated on measured runs (``stoker simulate``).
 
-- :mod:`.network`: flows sharing links by max-min fairness;
+- :mod:`.network`: flows sharing links by max-min fairness; :mod:`.buckets`: token-bucket links;
+- :mod:`.measured`: a measured run's own dataset, node names and host order;
 - :mod:`.workload`: datasets laid out as ``stoker pack`` lays them, blocks from the cache's planner;
 - :mod:`.decide`: placement, owners, read plans, order and budget from stoker's own functions;
 - :mod:`.model`: ranks reading their plans through caches, peers and the origin;

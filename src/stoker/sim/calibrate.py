@@ -50,9 +50,40 @@ def measure_cache_read_Bps(directory: str | None = None, size_bytes: int = 64 <<
 
 def netns_workload(report: dict) -> Workload:
     """The dataset of a ``stoker bench cluster --netns`` report (its samples and bytes, its shard
-    and block sizes) laid out by :func:`stoker.sim.workload.synthetic`."""
+    and block sizes) laid out by :func:`stoker.sim.workload.synthetic` (made-up sizes and block
+    keys; :func:`netns_setup` has the run's own)."""
     ds, cfg = report["dataset"], report["config"]
     return synthetic(ds["samples"], ds["bytes"], cfg["shard_bytes"], cfg["block_bytes"], name="netns")
+
+
+@dataclass
+class NetnsSetup:
+    """What the model of one ``--netns`` report reads and where it places it: ``workload``;
+    ``node_keys``: model node i's placement key (None: made-up names); ``sources``: where each
+    came from (``{"dataset": Calibrated, "host order": Calibrated}``); ``peak_Bps``: what a
+    shaped link passes while its token bucket holds tokens (0: no buckets, plain rate limits)."""
+
+    workload: Workload
+    node_keys: list[str] | None
+    sources: dict[str, Calibrated]
+    peak_Bps: float = 0.0
+
+
+def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float = 0.0) -> NetnsSetup:
+    """The report's own dataset, node keys and host order (:mod:`stoker.sim.measured`), so the
+    model places its blocks and ranks where the run did; with ``measured`` False, or when the
+    dataset cannot be made again, :func:`netns_workload` on made-up node names (said in the
+    sources). ``peak_Bps``: as in :class:`NetnsSetup`."""
+    from .measured import host_order, netns_dataset, netns_node_keys
+    wl, why = netns_dataset(report, path) if measured else (None, "not asked for")
+    if wl is None:
+        fallback = netns_workload(report)
+        return NetnsSetup(fallback, None, {"dataset": Calibrated(fallback.num_blocks, f"synthetic: {why}"),
+                                           "host order": Calibrated(0, "made-up node names node000...")}, peak_Bps)
+    order, src = host_order(report, path, wl, netns_jobs(report))
+    keys = netns_node_keys(report)
+    return NetnsSetup(wl, [keys[h] for h in order], {"dataset": Calibrated(wl.num_blocks, why),
+                                                      "host order": Calibrated(len(order), src)}, peak_Bps)
 
 
 def local_latency(report: dict, path: str) -> Calibrated:
@@ -66,13 +97,19 @@ def local_latency(report: dict, path: str) -> Calibrated:
                       f"{path}: warm direct epochs, seconds / samples per rank (mean of {len(vals)})")
 
 
-def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_factor: float = 1.0) -> Params:
+def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_factor: float = 1.0,
+                 node_keys: list[str] | None = None, peak_Bps: float = 0.0) -> Params:
     """:class:`Params` of a namespace-cluster report: its hosts, tbf link rates (Mbit/s per
     direction) times ``link_factor`` (the fraction of its rate a link delivers,
     :func:`fit_link_factor`), origin latency and cache bytes; one rank per host reading
     synchronously (the driver's ``read_plan``: one request at a time, no decode, no accelerator);
     ``peer_cpu_s`` CPU seconds per peer request on the report's ``machine.cores`` cores, which all
-    the emulated hosts share (:func:`fit_peer_cpu`)."""
+    the emulated hosts share (:func:`fit_peer_cpu`); ``node_keys``: the nodes' placement keys
+    (:class:`NetnsSetup`). With ``peak_Bps`` > 0 the links are the bench's token buckets
+    (:func:`stoker.bench.netcluster.burst_bytes` of their configured rate) passing ``peak_Bps``
+    while they hold tokens. One sample per request and per chunk: the driver's ``read_plan``
+    reads one sample at a time."""
+    from ..bench.netcluster import burst_bytes
     links, cfg = report["links"], report["config"]
     hosts = [v for k, v in links.items() if k != "origin"]
     return Params(nodes=report["hosts"], cache_bytes=cfg["cache_bytes_per_node"],
@@ -80,7 +117,10 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
                   nic_Bps=min(h["mbit"] for h in hosts) * MBIT_BPS * link_factor,
                   origin_latency_s=report["origin"]["latency_ms"] / 1e3, local_latency_s=local_s,
                   machine_cores=float(report["machine"]["cores"]) if peer_cpu_s > 0 else 0.0,
-                  peer_cpu_s=peer_cpu_s, prefetch_chunks=1, fetch_inflight=1, chunk_samples=16)
+                  peer_cpu_s=peer_cpu_s, prefetch_chunks=1, fetch_inflight=1, chunk_samples=1,
+                  node_keys=node_keys, link_peak_Bps=peak_Bps,
+                  nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
+                  origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]))
 
 
 def netns_jobs(report: dict) -> list[Job]:
@@ -88,13 +128,32 @@ def netns_jobs(report: dict) -> list[Job]:
     return [Job(f"job{j + 1}", report["config"]["ranks_per_job"], 1 + j) for j in range(report["config"]["jobs"])]
 
 
-def _bisect(f, target: float, lo: float, hi: float, increasing: bool, steps: int = 16) -> float:
-    """x in [lo, hi] where the monotone ``f(x)`` meets ``target`` (``steps`` halvings)."""
+def _solve(f, target: float, lo: float, hi: float, rtol: float = 1e-4, steps: int = 40) -> float:
+    """x in [lo, hi] where the monotone ``f(x)`` meets ``target``: regula falsi with the Illinois
+    rule (the bracket kept; a few model runs where ``f`` is nearly linear, as epoch seconds are in
+    a rate or a per-request cost), until ``f`` is within ``rtol`` of the target or the bracket is
+    ``rtol`` of ``hi`` wide. A target outside ``[f(lo), f(hi)]`` gives the nearer end."""
+    flo, fhi = f(lo) - target, f(hi) - target
+    if flo * fhi > 0:
+        return lo if abs(flo) < abs(fhi) else hi
+    side = 0
+    x = lo
     for _ in range(steps):
-        mid = (lo + hi) / 2
-        below = f(mid) < target
-        lo, hi = (mid, hi) if below == increasing else (lo, mid)
-    return (lo + hi) / 2
+        x = (lo * fhi - hi * flo) / (fhi - flo) if fhi != flo else (lo + hi) / 2
+        fx = f(x) - target
+        if abs(fx) <= rtol * abs(target) or hi - lo <= rtol * abs(hi):
+            break
+        if fx * fhi > 0:  # x replaces hi
+            hi, fhi = x, fx
+            if side == -1:
+                flo /= 2
+            side = -1
+        else:
+            lo, flo = x, fx
+            if side == 1:
+                fhi /= 2
+            side = 1
+    return x
 
 
 def cold_direct_row(report: dict, path: str) -> dict:
@@ -108,20 +167,22 @@ def cold_direct_row(report: dict, path: str) -> dict:
     return rows[0]
 
 
-def fit_link_factor(report: dict, path: str, local_s: float) -> Calibrated:
-    """The fraction of their configured rate the report's tbf links deliver, fitted by bisection
+def fit_link_factor(report: dict, path: str, local_s: float, setup: NetnsSetup | None = None) -> Calibrated:
+    """The fraction of their configured rate the report's tbf links deliver, fitted (:func:`_solve`)
     so the model's cold ``direct`` epoch (:func:`cold_direct_row`, a bandwidth-bound epoch)
     takes its measured seconds. Applied to the host links too: they are shaped by the same
     rule (tbf with a bucket of 10 ms of the rate, ``stoker.bench.netcluster``). The kernel's
     count of the epoch's origin-link bytes over its seconds is given beside it."""
     row = cold_direct_row(report, path)
-    wl, jobs = netns_workload(report), netns_jobs(report)
+    setup = setup or netns_setup(report, path, measured=False)
+    wl, jobs = setup.workload, netns_jobs(report)
 
     def cold_s(factor: float) -> float:
-        res = simulate(netns_params(report, local_s, link_factor=factor), wl, "direct", jobs[:1], 1)
+        res = simulate(netns_params(report, local_s, link_factor=factor, node_keys=setup.node_keys,
+                                    peak_Bps=setup.peak_Bps), wl, "direct", jobs[:1], 1)
         return res[0].seconds
 
-    factor = _bisect(cold_s, row["seconds"], 0.02, 2.0, increasing=False)
+    factor = _solve(cold_s, row["seconds"], 0.2, 2.0)
     raw = row["kernel"]["origin_link_bytes"] * 8 / row["seconds"] / 1e6
     return Calibrated(factor, f"{path}: fitted to its cold direct epoch ({row['seconds']:.2f} s; the kernel "
                               f"counted {raw:.1f} Mbit/s on the {report['links']['origin']['mbit']:g} Mbit/s origin "
@@ -129,27 +190,58 @@ def fit_link_factor(report: dict, path: str, local_s: float) -> Calibrated:
 
 
 def fit_peer_cpu(report: dict, path: str, local_s: float, link_factor: float = 1.0,
-                 hi_s: float = 0.2) -> Calibrated:
+                 hi_s: float = 0.05, setup: NetnsSetup | None = None) -> Calibrated:
     """CPU seconds per peer request (the rank's Ray call and the owning node's service, on the
-    machine's ``machine.cores`` cores that every emulated host shares), fitted by bisection so
+    machine's ``machine.cores`` cores that every emulated host shares), fitted (:func:`_solve`) so
     the model's mean warm ``random`` epoch equals the report's (the placement whose warm time is
     mostly peer requests). Raises ValueError without such rows."""
     meas = [r["seconds"] for r in report["runs"] if r["placement"] == "random" and r["epoch"] >= 1]
     if not meas:
         raise ValueError(f"{path}: no warm random epochs to fit the peer request time on")
     target = sum(meas) / len(meas)
-    wl, jobs = netns_workload(report), netns_jobs(report)
+    setup = setup or netns_setup(report, path, measured=False)
+    wl, jobs = setup.workload, netns_jobs(report)
     epochs = report["config"]["epochs"]
 
     def mean_warm(cpu_s: float) -> float:
-        res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor), wl, "random", jobs, epochs,
-                       together=False)
+        res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys,
+                                    setup.peak_Bps), wl, "random", jobs, epochs, together=False)
         warm = [r.seconds for r in res if r.epoch >= 1]
         return sum(warm) / len(warm)
 
-    cpu_s = _bisect(mean_warm, target, 0.0, hi_s, increasing=True)
+    cpu_s = _solve(mean_warm, target, 0.0, hi_s)
     return Calibrated(cpu_s, f"{path}: fitted to its warm random epochs (mean {target:.2f} s) with "
                              f"{report['machine']['cores']} cores shared by all hosts; this run is the calibration run")
+
+
+#: The processes of a ``stoker demo`` run whose CPU time goes with the bytes fetched from the origin.
+FETCH_PROCESSES = ("prefetch", "origin_emulator")
+
+
+def demo_fetch_cpu(demo: dict, demo_path: str, consumer_rate: float) -> Calibrated:
+    """CPU seconds per byte fetched from the origin in a ``stoker demo`` run, from its ``cpu_s``
+    records: the prefetcher's and the local origin emulator's CPU seconds in a cold epoch, less
+    their mean in the warm epochs (no origin bytes), over the cold epoch's origin bytes. Taken
+    from the runs at the *other* consumer rates (out of sample for ``consumer_rate``; all runs if
+    there are none); 0 when the report has no ``cpu_s``."""
+    runs = [r for r in demo["runs"] if r["loader"] == "stoker" and "cpu_s" in r]
+    others = [r for r in runs if r["consumer_rate"] != consumer_rate] or runs
+    vals = []
+    for rate in dict.fromkeys(r["consumer_rate"] for r in others):
+        mine = [r for r in others if r["consumer_rate"] == rate]
+        cold = [r for r in mine if r["origin_bytes"] > 0]
+        warm = [r for r in mine if r["origin_bytes"] == 0]
+        if not cold or not warm:
+            continue
+        base = sum(sum(r["cpu_s"].get(k, 0.0) for k in FETCH_PROCESSES) for r in warm) / len(warm)
+        vals += [(sum(r["cpu_s"].get(k, 0.0) for k in FETCH_PROCESSES) - base) / r["origin_bytes"] for r in cold]
+    if not vals:
+        return Calibrated(0.0, f"{demo_path}: no cpu_s of a cold and a warm epoch (fetching costs no decode time)")
+    rates = sorted({r["consumer_rate"] for r in others})
+    return Calibrated(max(0.0, sum(vals) / len(vals)),
+                      f"{demo_path}: cpu_s of {' + '.join(FETCH_PROCESSES)} in the cold epoch less the warm epochs' "
+                      f"mean, per origin byte, runs at consumer rate {', '.join(f'{x:g}' for x in rates)} "
+                      f"(on the same {demo['machine']['cores']} cores as the decode workers)")
 
 
 def demo_params(demo: dict, decode_bench: dict | None, decode_path: str, demo_path: str,
@@ -157,7 +249,8 @@ def demo_params(demo: dict, decode_bench: dict | None, decode_path: str, demo_pa
     """:class:`Params` of a ``stoker demo`` report: one node, one rank with ``workers`` decode
     cores at the demo's own single-process decode rate times the pipeline efficiency of
     ``stoker bench decode`` (its loader rate / (workers x its per-core rate)); the origin's
-    bandwidth and latency; Loader defaults for fetching (8 ranged GETs in flight, 512 MiB ahead).
+    bandwidth and latency; Loader defaults for fetching (8 ranged GETs in flight, 512 MiB ahead);
+    fetching's CPU on the same cores (:func:`demo_fetch_cpu`).
     Returns the parameters and the calibrated values they came from."""
     cfg, origin = demo["config"], demo["origin"]
     workers = int(cfg["workers"])
@@ -176,7 +269,10 @@ def demo_params(demo: dict, decode_bench: dict | None, decode_path: str, demo_pa
                origin_latency_s=origin["latency_ms"] / 1e3, decode_cores=workers,
                decode_rate=per_core.value * eff.value, gpu_rate=consumer_rate, origin_concurrency=8,
                prefetch_chunks=max(1, int((512 << 20) / (chunk * mean))), chunk_samples=chunk)
-    return p, {"decode_per_core": per_core, "pipeline_efficiency": eff}
+    fetch = demo_fetch_cpu(demo, demo_path, consumer_rate)
+    p.fetch_cpu_s_per_byte = fetch.value
+    return p, {"decode_per_core": per_core, "pipeline_efficiency": eff,
+               f"fetch CPU s per byte, consumer {consumer_rate:g}": fetch}
 
 
 def demo_workload(demo: dict) -> Workload:

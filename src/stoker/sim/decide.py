@@ -43,10 +43,14 @@ class Placement:
 
 class ClusterState:
     """What persists between jobs of one dataset: its recorded members (first claim wins) and
-    the blocks each node holds."""
+    the blocks each node holds. ``keys``: each node's placement key (the name its blocks are
+    placed by, :func:`stoker.cluster.service.placement_keys`; default :func:`node_names`)."""
 
-    def __init__(self, num_nodes: int, wl: Workload):
+    def __init__(self, num_nodes: int, wl: Workload, keys: list[str] | None = None):
+        if keys is not None and len(keys) != num_nodes:
+            raise ValueError(f"{len(keys)} node keys for {num_nodes} nodes")
         self.num_nodes = num_nodes
+        self.keys = list(keys) if keys is not None else node_names(num_nodes)
         self.members: list[int] | None = None
         self.cached = np.zeros((num_nodes, wl.num_blocks), dtype=bool)
         self.used_bytes = np.zeros(num_nodes)
@@ -68,18 +72,19 @@ _OWNERS: dict[tuple, np.ndarray] = {}
 
 
 def _owners(wl: Workload, members: list[str], budgets: list[float]) -> np.ndarray:
-    """:func:`stoker.cluster.placement.bounded_owners` of the dataset's blocks, remembered for the
+    """:func:`stoker.cluster.placement.bounded_owners` of the dataset's blocks (their keys) on the
+    members' placement keys ``members``, remembered for the
     last 16 (workload, members, budgets): the setups of one experiment place the same blocks on
     the same members, and hashing every (block, node) pair is most of a placement's time."""
     # equal budgets place alike whatever their value (the weights enter as w / -ln(h) and w / sum(w)),
     # so the points of a cache-size curve share one placement
     same = ("equal", len(budgets)) if len(set(budgets)) == 1 and budgets[0] > 0 else tuple(budgets)
-    key = (bounded_owners, wl.name, wl.block_bytes.tobytes(), tuple(members), same)
+    key = (bounded_owners, wl.name, None if wl.keys is None else tuple(wl.keys), wl.block_bytes.tobytes(),
+           tuple(members), same)
     if key not in _OWNERS:
         if len(_OWNERS) >= 16:
             _OWNERS.pop(next(iter(_OWNERS)))
-        keys = [f"{wl.name}/{b}" for b in range(wl.num_blocks)]
-        _OWNERS[key] = bounded_owners(keys, members, budgets, wl.block_bytes)
+        _OWNERS[key] = bounded_owners(wl.block_keys(), members, budgets, wl.block_bytes)
     return _OWNERS[key].copy()
 
 
@@ -128,7 +133,7 @@ def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets
                   {names[i]: int(budgets[i]) for i in range(n)}, wl.total_bytes, [names[i] for i in ranks])
     state.members = sorted(names.index(x) for x in grown)
     members = state.members
-    idx = _owners(wl, [names[i] for i in members], [float(budgets[i]) for i in members])
+    idx = _owners(wl, [state.keys[i] for i in members], [float(budgets[i]) for i in members])
     owner = np.asarray(members, dtype=np.int64)[idx]
     if setup == "colocated" and set(members) - set(have):  # ranks go where the data will be
         owned = np.bincount(owner, weights=wl.block_bytes, minlength=n)

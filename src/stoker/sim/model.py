@@ -21,10 +21,13 @@ parallel; its chunks one after the other, in order), then the accelerator (``chu
 accelerator. Ranks of a job start an epoch together; the epoch ends with its slowest rank
 (DDP waits for it); GPU utilisation = (samples per rank / gpu_rate) / epoch seconds.
 
-CPU contention outside the decode cores is modelled only where every node shares one machine
-(the namespace emulation): ``machine_cores`` cores that every peer request takes
-``peer_cpu_s`` of, shared like a link. Not modelled: TCP slow start and loss, stragglers, the
-per-step all-reduce.
+CPU work is a flow of its own on the cores it runs on (never one flow with bytes: a flow's max-min
+rate is in the unit of its largest part). Where every node shares one machine (the namespace
+emulation), ``machine_cores`` cores that every peer request takes ``peer_cpu_s`` of; where the
+origin and the prefetcher run on the decode cores' machine (``stoker demo``),
+``fetch_cpu_s_per_byte`` of each fetched byte on those cores. Shaped links (the emulation's
+``tbf``) can be token buckets (``link_peak_Bps``). Not modelled: TCP slow start and loss,
+stragglers, the per-step all-reduce.
 """
 from __future__ import annotations
 
@@ -59,7 +62,15 @@ class Params:
     order (:func:`stoker.order.permutation`). ``machine_cores`` (0 = none) and ``peer_cpu_s``: CPU
     seconds each peer request costs (client and serving process together) on cores that every
     node shares, as the namespace emulation's hosts share one machine: the requests in flight
-    share the cores like a link (0 cores: no such term).
+    share the cores like a link (0 cores: no such term). ``node_keys``: each node's placement key
+    (the name the cluster places blocks by; default ``node000``...), so that a model of a measured
+    cluster places the blocks where that cluster did. ``nic_bucket_bytes``/``origin_bucket_bytes``
+    with ``link_peak_Bps`` > 0: the NICs and the origin link are token buckets of those bytes
+    (Linux ``tbf``, :class:`stoker.sim.network.TokenBuckets`) passing ``link_peak_Bps`` while
+    they hold tokens; 0: plain rate limits. ``fetch_cpu_s_per_byte``: CPU seconds each byte
+    fetched from the origin costs on the fetching node's decode cores (the prefetcher's reads and
+    cache writes, and an origin served from the same machine, as in ``stoker demo``): the fetch
+    and the decode share those cores (0: fetching costs no decode time).
     """
 
     nodes: int
@@ -84,6 +95,11 @@ class Params:
     seed: int = 0
     machine_cores: float = 0.0
     peer_cpu_s: float = 0.0
+    node_keys: list[str] | None = None
+    nic_bucket_bytes: float = 0.0
+    origin_bucket_bytes: float = 0.0
+    link_peak_Bps: float = 0.0
+    fetch_cpu_s_per_byte: float = 0.0
 
 
 @dataclass
@@ -123,14 +139,27 @@ def _links(p: Params) -> dict[str, float]:
     return caps
 
 
+def _buckets(p: Params, caps: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """The token buckets of the shaped links (``{link: (bytes, peak bytes/s)}``; none without a peak)."""
+    if p.link_peak_Bps <= 0:
+        return {}
+    out = {}
+    for link, cap in caps.items():
+        size = p.origin_bucket_bytes if link == "origin" else p.nic_bucket_bytes if link[:2] in ("tx", "rx") else 0
+        if size > 0 and math.isfinite(cap):
+            out[link] = (size, max(p.link_peak_Bps, cap))
+    return out
+
+
 class _Run:
     """Shared state of one simulation: clock, network, caches, decode cores, byte counts."""
 
     def __init__(self, p: Params, wl: Workload, setup: str, jobs_reading: int):
         self.p, self.wl, self.setup = p, wl, setup
         self.env = simpy.Environment()
-        self.net = FlowNetwork(self.env, _links(p))
-        self.state = ClusterState(p.nodes, wl)
+        caps = _links(p)
+        self.net = FlowNetwork(self.env, caps, buckets=_buckets(p, caps))
+        self.state = ClusterState(p.nodes, wl, p.node_keys)
         self.budget = float(dataset_budget(p.cache_bytes, wl, jobs_reading))
         self.counts = dict.fromkeys(LINK_KINDS, 0.0)
         self.decode_s = 0.0
@@ -140,7 +169,9 @@ class _Run:
         ix = self.net.index
         self.rx, self.tx, self.disk = (np.array([ix[f"{k}{v}"] for v in range(p.nodes)], dtype=np.int64)
                                        for k in ("rx", "tx", "disk"))
-        self.cpu = [ix[f"cpu{v}"] for v in range(p.nodes)]
+        self.cpu = np.array([ix[f"cpu{v}"] for v in range(p.nodes)], dtype=np.int64)
+        # the decode cores' unit is a sample decoded: a CPU second fetching is decode_rate of them
+        self.fetch_cpu = p.fetch_cpu_s_per_byte * p.decode_rate if p.decode_cores > 0 else 0.0
         self.origin, self.machine_cpu = ix["origin"], ix.get("machine_cpu", -1)
 
     def _admit(self, node: int, block: int) -> bool:
@@ -153,9 +184,10 @@ class _Run:
         return True
 
     def chunk_cost(self, node: int, ids: np.ndarray, owner: np.ndarray
-                   ) -> tuple[float, np.ndarray, float, list, list, int]:
-        """(latency seconds, bytes per link (float64 (links,), by ``self.net.index``), CPU seconds on
-        the shared machine, the events of other chunks' fills that these samples wait for, this
+                   ) -> tuple[float, np.ndarray, np.ndarray, list, list, int]:
+        """(latency seconds, bytes per link (float64 (links,), by ``self.net.index``), CPU work per
+        link (the same shape: CPU seconds on the shared machine's cores, decoded-sample units on a
+        node's decode cores), the events of other chunks' fills that these samples wait for, this
         chunk's fills as ``(home, block)``, their key in ``filling`` (0: none)) of reading samples
         ``ids`` on ``node``; updates the caches. A block admitted by another chunk whose bytes have
         not landed is read once they have (the cache fetches a block once; later readers wait)."""
@@ -164,6 +196,7 @@ class _Run:
         size = wl.sample_bytes[ids].astype(np.float64)
         home = np.where(owner[blk] < 0, node, owner[blk])
         vec = np.zeros(len(self.net.names))
+        cpu = np.zeros(len(self.net.names))
         miss = ~st.cached[home, blk]
         waits: list = []
         if self.filling:  # one event per chunk whose fills these samples wait for
@@ -186,12 +219,15 @@ class _Run:
             fill = wl.block_bytes[mb].astype(np.float64)
             vec[self.origin] += float(fill.sum())
             np.add.at(vec, self.rx[mh], fill)
+            if self.fetch_cpu:
+                np.add.at(cpu, self.cpu[mh], fill * self.fetch_cpu)
             self.counts["origin"] += float(fill.sum())
         nofit = ~st.cached[home, blk]  # no room: the sample's range straight from the origin
         if nofit.any():
             b_nofit = float(size[nofit].sum())
             vec[self.origin] += b_nofit
             vec[self.rx[node]] += b_nofit
+            cpu[self.cpu[node]] += b_nofit * self.fetch_cpu
             self.counts["origin"] += b_nofit
         ok = ~nofit
         peer = ok & (home != node)
@@ -207,8 +243,9 @@ class _Run:
         n_origin = len(mine) + int(nofit.sum())
         lat = (math.ceil(n_origin / p.origin_concurrency) * p.origin_latency_s
                + math.ceil(n_peer / p.peer_concurrency) * p.peer_latency_s + n_local * p.local_latency_s)
-        cpu_s = n_peer * p.peer_cpu_s if p.machine_cores > 0 else 0.0
-        return lat, vec, cpu_s, waits, mine, landed
+        if p.machine_cores > 0:
+            cpu[self.machine_cpu] += n_peer * p.peer_cpu_s
+        return lat, vec, cpu, waits, mine, landed
 
     def _land(self, mine: list[tuple[int, int]], landed: int) -> None:
         """A chunk's fills (key ``landed`` in ``filling``) have landed: later readers of those
@@ -231,20 +268,24 @@ class _Run:
         def fetch(c: np.ndarray, done: simpy.Event):
             with fetching.request() as slot:
                 yield slot
-                lat, vec, cpu_s, waits, mine, landed = self.chunk_cost(node, c, owner)
+                lat, vec, cpu, waits, mine, landed = self.chunk_cost(node, c, owner)
+                # CPU work is a flow of its own on each set of cores (a flow's max-min rate is in
+                # the unit of its largest part: bytes and CPU seconds in one flow would not share)
+                on_cpu = np.flatnonzero(cpu)
                 if serial:  # one request at a time: each waits for its bytes before the next goes
                     yield env.timeout(lat)
                     if waits:
                         yield env.all_of(waits)
-                    if cpu_s:
-                        yield self.net.transfer_at(np.array([self.machine_cpu]), np.array([cpu_s]))
+                    if len(on_cpu):
+                        yield env.all_of([self.net.transfer_at(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]])
+                                          for k in range(len(on_cpu))])
                     nz = np.flatnonzero(vec)
                     yield self.net.transfer_at(nz, vec[nz])
                 else:  # requests pipelined: the latency of later ones hides behind earlier bytes
-                    if cpu_s:
-                        vec[self.machine_cpu] += cpu_s
                     nz = np.flatnonzero(vec)
-                    yield env.all_of([env.timeout(lat), self.net.transfer_at(nz, vec[nz]), *waits])
+                    yield env.all_of([env.timeout(lat), self.net.transfer_at(nz, vec[nz]), *waits,
+                                      *(self.net.transfer_at(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]])
+                                        for k in range(len(on_cpu)))])
                 self._land(mine, landed)
             if p.decode_cores > 0 and p.decode_rate > 0:  # the node's cores, shared like a link;
                 with decoding.request() as turn:           # a rank's chunks decode in order

@@ -26,6 +26,8 @@ import functools
 import numpy as np
 import simpy
 
+from .buckets import TokenBuckets
+
 _EPS = 1e-9
 #: A flow this close to its end (seconds at its rate) is done.
 _DONE_S = 1e-9
@@ -143,10 +145,18 @@ class FlowNetwork:
       max-min fair allocation has; Bertsekas & Gallager, 6.5.2). A random-placement chunk reads
       from every node (~190 links at 64 nodes) but is held back by one or two of them.
 
-    Raises ValueError for a capacity <= 0 (naming the link).
+    ``buckets``: token-bucket shaped links (Linux ``tbf``), ``{link: (bucket bytes, peak bytes/s)}``:
+    such a link passes bytes at ``peak`` while its bucket holds tokens and at its capacity (the
+    token rate) once the bucket is empty; tokens accrue at the capacity minus what the link
+    carries, up to the bucket's bytes, and the bucket starts full. So a link busy less than its
+    rate on average passes short transfers at once, as ``tbf`` does
+    (:class:`stoker.sim.buckets.TokenBuckets`).
+
+    Raises ValueError for a capacity <= 0 (naming the link) or a bad bucket.
     """
 
-    def __init__(self, env: simpy.Environment, capacities: dict[str, float], incremental: bool = True):
+    def __init__(self, env: simpy.Environment, capacities: dict[str, float], incremental: bool = True,
+                 buckets: dict[str, tuple[float, float]] | None = None):
         self.env = env
         self.names = list(capacities)
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -154,6 +164,7 @@ class FlowNetwork:
         for n, c in zip(self.names, self.capacity.tolist(), strict=True):
             if not c > 0:
                 raise ValueError(f"link {n!r}: capacity must be > 0 bytes/s, got {c}")
+        self.buckets = TokenBuckets(self, buckets) if buckets else None
         self.incremental = incremental
         self._bytes_on = np.zeros(len(self.names))
         self._finite = np.isfinite(self.capacity)
@@ -306,9 +317,23 @@ class FlowNetwork:
         dt = self.env.now - self._t
         if dt > 0 and len(self._left):
             self._left -= self._rates * dt
+        if dt > 0 and self.buckets is not None:
+            self.buckets.advance(dt)
         self._t = self.env.now
 
+    def link_use(self, links: np.ndarray) -> np.ndarray:
+        """Bytes/s each of ``links`` (indices) carries at the current rates, float64."""
+        n = self._n_e
+        use = np.bincount(self._e_link[:n], weights=self._e_wval[:n] * self._crate[self._e_slot[:n]],
+                          minlength=len(self.capacity))
+        return use[links]
+
     def _compute_rates(self) -> None:
+        if self.buckets is not None:
+            for link in self.buckets.set_capacities():  # a bucket ran dry or holds tokens again
+                self._dirty_links.add(link)
+                if self._multi[link]:
+                    self._dirty_multi = True
         dirty = list(self._dirty_links)
         if self.incremental and not self._dirty_multi and not self._multi[dirty].any():
             for link in dirty:  # each such link is a component of its own: closed form
@@ -320,6 +345,8 @@ class FlowNetwork:
         self._dirty_links.clear()
         self._dirty_multi = False
         self._rates = self._crate[self._cls]
+        if self.buckets is not None:
+            self.buckets.rates_changed()
 
     def _solve_all(self) -> None:
         """Max-min rates of every class (class docstring: on the active links, checked on the rest)."""
@@ -379,23 +406,35 @@ class FlowNetwork:
         finishes now, and the rest are settled again at this instant."""
         self._generation += 1
         if not len(self._left):
+            if self.buckets is not None:  # nothing flows: every bucket fills from now on
+                self.buckets.use[:] = 0.0
             return
         self._compute_rates()
+        dry_s = np.inf
+        if self.buckets is not None:
+            while True:  # a bucket that runs dry below the clock's resolution is dry now
+                dry_s = self.buckets.next_dry_s()
+                if dry_s > _DONE_S:
+                    break
+                self.buckets.empty_the_draining(_DONE_S)
+                self._compute_rates()
         left_s = self._left / self._rates
         done = left_s <= _DONE_S
         if done.any():
             self._finish(done)
             self._defer()
             return
-        wake = self.env.timeout(max(0.0, float(left_s.min())))
+        wake = self.env.timeout(max(0.0, min(float(left_s.min()), dry_s)))
         wake.callbacks.append(functools.partial(self._wake, self._generation))
 
     def _wake(self, generation: int, _ev: simpy.Event | None = None) -> None:
-        """The next completion is due (unless flows started or ended since): finish what is done
-        at the current rates; the rest are settled once this instant's events have run."""
+        """The next completion (or a bucket running dry) is due, unless flows started or ended
+        since: finish what is done at the current rates; the rest are settled once this
+        instant's events have run."""
         if generation == self._generation:
             self._advance()
             with np.errstate(divide="ignore"):
                 done = self._left / self._rates <= _DONE_S
             self._finish(done)
             self._defer()
+

@@ -23,7 +23,7 @@ from .calibrate import (
     measure_cache_read_Bps,
     netns_jobs,
     netns_params,
-    netns_workload,
+    netns_setup,
 )
 from .model import Job, simulate
 
@@ -54,7 +54,7 @@ def netns_label(report: dict) -> str:
 
 
 def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | None,
-             calibration_path: str | None = None) -> dict:
+             calibration_path: str | None = None, measured: bool = True) -> dict:
     """Run the model on every measured configuration; returns ``{parameters, rows, summary}``.
 
     ``netns_paths``: ``stoker bench cluster --netns`` reports; ``calibration_path``: the one
@@ -64,28 +64,36 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
     ``job``, ``epoch``, ``measured_s``, ``predicted_s``, ``measured_bytes``,
     ``predicted_bytes`` (``{"origin", "host_to_host"}``, bytes), ``kernel_bytes`` (namespace
     runs), ``time_error``/``bytes_error`` (predicted / measured - 1) and ``in_sample`` (the row
-    is of the calibration run). Raises OSError/ValueError for unreadable reports.
+    is of the calibration run). ``measured``: the namespace runs' own datasets, node keys and host
+    order (:func:`stoker.sim.calibrate.netns_setup`; False: made-up ones). Raises OSError/ValueError
+    for unreadable reports.
     """
     params: dict[str, Calibrated] = {"cache_read_Bps": measure_cache_read_Bps()}
     rows: list[dict] = []
     factors: dict[str, Calibrated] = {}
+    peak = params["cache_read_Bps"].value if measured else 0.0  # a veth copies packets in memory
+    setups = {path: netns_setup(_load(path), path, measured, peak) for path in netns_paths}
+    for path, st in setups.items():
+        params.update({f"{k} of {path}": v for k, v in st.sources.items()})
     if netns_paths:
         cal_path = calibration_path or netns_paths[0]
         cal = _load(cal_path)
         params["local_latency_s"] = local_latency(cal, cal_path)
         for path in netns_paths:
             factors[path] = params[f"link delivered fraction of {path}"] = fit_link_factor(
-                _load(path), path, params["local_latency_s"].value)
-        params["peer_cpu_s"] = fit_peer_cpu(cal, cal_path, params["local_latency_s"].value, factors[cal_path].value)
+                _load(path), path, params["local_latency_s"].value, setups[path])
+        params["peer_cpu_s"] = fit_peer_cpu(cal, cal_path, params["local_latency_s"].value, factors[cal_path].value,
+                                            setup=setups[cal_path])
     for path in netns_paths:
         rep = _load(path)
-        p = netns_params(rep, params["local_latency_s"].value, params["peer_cpu_s"].value, factors[path].value)
+        p = netns_params(rep, params["local_latency_s"].value, params["peer_cpu_s"].value, factors[path].value,
+                         setups[path].node_keys, setups[path].peak_Bps)
         p.cache_read_Bps = params["cache_read_Bps"].value
         params[f"links of {path}"] = Calibrated(p.nic_Bps, f"{path}: host links (tbf Mbit/s) x its delivered "
                                                            f"fraction, bytes/s; origin latency "
                                                            f"{rep['origin']['latency_ms']} ms")
         fitted = cold_direct_row(rep, path)
-        wl = netns_workload(rep)
+        wl = setups[path].workload
         for placement in dict.fromkeys(r["placement"] for r in rep["runs"]):
             res = simulate(p, wl, placement, netns_jobs(rep), rep["config"]["epochs"], together=False)
             pred = {(r.job, r.epoch): r for r in res}
@@ -152,7 +160,32 @@ def summary(rows: list[dict]) -> dict:
         r["tiny"] = r["measured_s"] < TINY_S
         r["time_ok"] = r["time_error"] is not None and abs(r["time_error"]) <= TIME_TOLERANCE
     return {"all": count(rows), "out_of_sample": count([r for r in rows if not r["in_sample"]]),
-            "time_tolerance": TIME_TOLERANCE, "bytes_tolerance": BYTES_TOLERANCE, "tiny_s": TINY_S}
+            "time_tolerance": TIME_TOLERANCE, "bytes_tolerance": BYTES_TOLERANCE, "tiny_s": TINY_S,
+            "repeats": repeats(rows)}
+
+
+def repeats(rows: list[dict]) -> list[dict]:
+    """The measured runs' own repeats: per config, placement and job, its warm epochs (no origin
+    bytes measured) of :data:`TINY_S` or more, which do the same reads of the same cached blocks.
+    Each group: ``config``, ``placement``, ``job``, ``epochs``, ``measured_s`` and ``predicted_s``
+    (lists), ``measured_spread`` and ``predicted_spread`` (largest / smallest) and
+    ``one_prediction_fits`` (whether any single time is within :data:`TIME_TOLERANCE` of every
+    measured one: false when the largest exceeds the smallest by more than
+    (1 + tolerance) / (1 - tolerance)). Groups of one epoch are left out."""
+    groups: dict = {}
+    for r in rows:
+        if r["measured_bytes"].get("origin", 0) == 0 and r["measured_s"] >= TINY_S:
+            groups.setdefault((r.get("config"), r.get("placement"), r.get("job")), []).append(r)
+    out = []
+    for (config, placement, job), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        m, p = [r["measured_s"] for r in rs], [r["predicted_s"] for r in rs]
+        out.append({"config": config, "placement": placement, "job": job, "epochs": [r.get("epoch") for r in rs],
+                    "measured_s": m, "predicted_s": p, "measured_spread": max(m) / min(m),
+                    "predicted_spread": max(p) / min(p),
+                    "one_prediction_fits": max(m) * (1 - TIME_TOLERANCE) <= min(m) * (1 + TIME_TOLERANCE)})
+    return out
 
 
 def table(report: dict) -> str:

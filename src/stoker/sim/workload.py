@@ -21,12 +21,19 @@ TAR_HEADER_BYTES = 512
 class Workload:
     """One dataset. ``sample_bytes`` int64 (N,) payload bytes; ``sample_block`` int64 (N,) block
     of each sample; ``block_bytes`` int64 (B,) bytes one fill of the block fetches (shard range,
-    tar headers included); ``name`` labels it in reports."""
+    tar headers included); ``name`` labels it in reports; ``keys``: the names its blocks are
+    placed by (:func:`stoker.cluster.placement.block_keys`: content version and block name), None
+    for a made-up dataset (then ``name/b``)."""
 
     sample_bytes: np.ndarray
     sample_block: np.ndarray
     block_bytes: np.ndarray
     name: str = "dataset"
+    keys: list[str] | None = None
+
+    def block_keys(self) -> list[str]:
+        """The placement key of every block (B strings)."""
+        return list(self.keys) if self.keys is not None else [f"{self.name}/{b}" for b in range(self.num_blocks)]
 
     @property
     def num_samples(self) -> int:
@@ -78,3 +85,14 @@ def synthetic(samples: int, total_bytes: int, shard_bytes: int, block_bytes: int
     blocks = plan_blocks(_Index(shard, offset, offset + sizes), block_bytes)  # type: ignore[arg-type]
     return Workload(sizes, blocks["sample_block"].astype(np.int64),
                     (blocks["end"] - blocks["start"]).astype(np.int64), name)
+
+
+def from_dataset(ds, name: str = "dataset") -> Workload:
+    """The workload of a real :class:`stoker.store.dataset.Dataset` (opened with the block size the
+    cache used): its samples' bytes, its blocks as the cache cut them and their placement keys
+    (:func:`stoker.cluster.placement.block_keys`), so the model places the blocks exactly as the
+    cluster placed them."""
+    from ..cluster.placement import block_keys
+    b = np.arange(ds.num_blocks)
+    return Workload(np.asarray(ds.index.length, dtype=np.int64), np.asarray(ds.sample_block, dtype=np.int64),
+                    np.asarray(ds.block_bytes_of(b), dtype=np.int64), name, block_keys(ds))
