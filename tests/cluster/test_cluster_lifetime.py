@@ -174,6 +174,12 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
         killer.join(180)
         if node in cluster.worker_nodes:
             cluster.remove_node(node, allow_graceful=False)
+        # run may raise on the crashed worker before Ray's health check marks the node dead; a
+        # later test's actor must not be placed on it meanwhile (it would die with the node)
+        deadline = time.monotonic() + 120
+        while (any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes())
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
     assert raised_after_s < 90  # prompt: not the ranks' 120 s, nor a hang
     note = " ".join(getattr(ei.value, "__notes__", []))
     assert f"on node {node.node_id} failed" in note, note
