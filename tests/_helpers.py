@@ -59,3 +59,15 @@ def require(what: str, module: str | None = None, path: str | None = None):
             pytest.fail(reason + " (CI=true: real-data tests must not skip)")
         pytest.skip(reason)
     return mod
+
+
+def fault_proxy(options: dict):
+    """``(proxy, options through it)``: a running :class:`stoker.bench.faultproxy.FaultProxy` in
+    front of the endpoint of the S3 storage options ``options`` (the emulated origin's, throttled
+    or direct), and a copy of ``options`` whose ``endpoint_url`` is the proxy's. It forwards
+    everything until ``proxy.set_fault``; its faults are counted in ``proxy.stats()``. The caller
+    stops it (``proxy.stop()``, or ``with proxy:``). Safe to call in a forked child (the proxy's
+    thread is then the child's own)."""
+    from stoker.bench.faultproxy import FaultProxy
+    proxy = FaultProxy(options["endpoint_url"])
+    return proxy, {**options, "endpoint_url": proxy.endpoint_url}

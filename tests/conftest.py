@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: a local emulated S3 origin, the shared cases, sample images."""
+"""Shared pytest fixtures: a local emulated S3 origin (and a fault proxy in front of it), the shared cases,
+sample images."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,18 @@ def s3_origin():
         yield origin
     finally:
         origin.stop()
+
+
+@pytest.fixture
+def origin_faults(s3_origin):
+    """``(proxy, storage options through it)``: a :class:`stoker.bench.faultproxy.FaultProxy` in
+    front of ``s3_origin``'s throttled endpoint, forwarding everything until the test sets a fault;
+    stopped after the test. The one way tests inject origin faults (the origin has none of its own)."""
+    from _helpers import fault_proxy
+
+    proxy, options = fault_proxy(s3_origin.storage_options())
+    with proxy:
+        yield proxy, options
 
 
 @pytest.fixture(scope="session")

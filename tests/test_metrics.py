@@ -116,21 +116,20 @@ def test_skipped_samples_and_replaced_processes(cases_packed, tmp_path):
     assert m[("stoker_process_restarts_total", frozenset({("process", "prefetcher")}))] == st.prefetcher_restarts == 1
 
 
-def test_origin_retries(s3_packed, s3_origin, tmp_path):
-    """The emulated S3 origin answers the next 3 object GETs with 503 SlowDown: each is retried,
-    by whichever process sent it (prefetcher or worker), and the scraped retries equal the
-    loader's stats and the faults the origin served."""
-    url, opts = s3_packed
+def test_origin_retries(s3_packed, origin_faults, tmp_path):
+    """The fault proxy in front of the emulated S3 origin answers the next 3 object GETs with
+    503 SlowDown: each is retried, by whichever process sent it (prefetcher or worker), and the
+    scraped retries equal the loader's stats and the faults the proxy answered."""
+    from stoker.bench.faultproxy import Fault, object_gets
+
+    url, _ = s3_packed
+    proxy, opts = origin_faults
     ds = stoker.open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    served = s3_origin.stats()["faults_served"]
-    s3_origin.inject_faults(503, 3)
-    try:
-        with stoker.Loader(ds, 8, num_workers=2, image_size=32, metrics_port=0) as ld:
-            assert sum(len(y) for _, y in ld) == len(ds)
-            st, m = ld.stats, _scrape(ld.metrics_url)
-        served = s3_origin.stats()["faults_served"] - served
-    finally:
-        s3_origin.clear_faults()
+    proxy.set_fault(Fault("status", 503, count=3, match=object_gets))
+    with stoker.Loader(ds, 8, num_workers=2, image_size=32, metrics_port=0) as ld:
+        assert sum(len(y) for _, y in ld) == len(ds)
+        st, m = ld.stats, _scrape(ld.metrics_url)
+    served = proxy.stats()["faults_injected"]
     assert served == 3
     assert m[("stoker_origin_retries_total", frozenset())] == st.origin_retries == served
 

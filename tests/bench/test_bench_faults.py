@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from stoker.bench.faultproxy import Fault, FaultProxy
+from stoker.bench.faultproxy import Fault, FaultProxy, object_gets
 from stoker.bench.origin import LocalS3Origin
 
 REPORT_FIELDS = {"scenario", "faults_injected", "outcome", "expected", "samples_lost", "samples_duplicated",
@@ -74,6 +74,39 @@ def test_proxy_status_carries_code_and_retry_after(origin_proxy):
     origin_proxy.set_fault(Fault("status", 403))
     status, headers, body = _get(origin_proxy)
     assert status == 403 and "Retry-After" not in headers and b"<Code>AccessDenied</Code>" in body
+    origin_proxy.set_fault(None)
+
+
+def test_object_gets_matches_every_object_get_and_nothing_else():
+    assert object_gets("GET", "/stoker/ds/index.parquet", {})
+    assert object_gets("GET", "/stoker/ds/shards/a.tar?x-id=GetObject", {"range": "bytes=0-9"})
+    assert not object_gets("GET", "/stoker?list-type=2&prefix=ds/", {})  # a listing
+    assert not object_gets("GET", "/stoker/?list-type=2", {})
+    assert not object_gets("HEAD", "/stoker/ds/index.parquet", {})
+    assert not object_gets("PUT", "/stoker/ds/index.parquet", {})
+
+
+def test_proxy_object_gets_hits_whole_object_gets_too(origin_proxy):
+    """The default target leaves a plain (whole-object) GET alone; ``object_gets`` hits it, and
+    only the GET: a HEAD of the same object and a listing are forwarded."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+    s3 = boto3.client("s3", endpoint_url=origin_proxy.endpoint_url, aws_access_key_id="testing",
+                      aws_secret_access_key="testing", region_name="us-east-1",
+                      config=Config(retries={"total_max_attempts": 1, "mode": "standard"}))
+    origin_proxy.set_fault(Fault("status", 503))
+    assert s3.get_object(Bucket="stoker", Key="ds/shards/a.tar")["Body"].read() == BODY
+    origin_proxy.set_fault(Fault("status", 503, match=object_gets))
+    before = origin_proxy.stats()["faults_injected"]
+    for rng in ({}, {"Range": "bytes=0-9"}):
+        with pytest.raises(ClientError) as err:
+            s3.get_object(Bucket="stoker", Key="ds/shards/a.tar", **rng)
+        assert err.value.response["Error"]["Code"] == "SlowDown"
+    assert s3.head_object(Bucket="stoker", Key="ds/shards/a.tar")["ContentLength"] == len(BODY)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="stoker", Prefix="ds/")["Contents"]]
+    assert keys == ["ds/shards/a.tar"]
+    assert origin_proxy.stats()["faults_injected"] == before + 2
     origin_proxy.set_fault(None)
 
 

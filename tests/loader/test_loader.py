@@ -123,34 +123,34 @@ def test_killed_worker_or_prefetcher_is_replaced(packed_local, tmp_path):
         assert loader.stats.worker_restarts == 1 and loader.stats.prefetcher_restarts == 1
 
 
-def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, sample_tree, tmp_path, monkeypatch):
+def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origin_faults, sample_tree, tmp_path,
+                                                                monkeypatch):
+    """Every object GET answered 503 (through the fault proxy): a shard read, the index read and
+    a worker's read each end in an OriginError naming the object; two 503s are ridden out."""
     from stoker import OriginError
+    from stoker.bench.faultproxy import Fault, object_gets
     monkeypatch.setenv("STOKER_RETRY_BUDGET_S", "2")  # retries end after 2 s (default 30 s)
     from stoker.bench.origin import upload_tree
     from stoker.store.pack import pack
-    opts = s3_origin.storage_options()
-    upload_tree(str(sample_tree / "train"), s3_origin.url("err/raw"), opts)
+    plain = s3_origin.storage_options()  # upload and pack straight to the origin
+    upload_tree(str(sample_tree / "train"), s3_origin.url("err/raw"), plain)
     url = s3_origin.url("err/packed")
-    pack(s3_origin.url("err/raw"), url, storage_options=opts, progress=False)
+    pack(s3_origin.url("err/raw"), url, storage_options=plain, progress=False)
+    proxy, opts = origin_faults  # the loader reads through the fault proxy
     ds = open_dataset(url, cache_dir=str(tmp_path), cache_bytes=64 << 20, storage_options=opts)
-    s3_origin.inject_faults(503, None)
-    try:
-        with pytest.raises(OriginError, match=r"s3://stoker/err/packed/shards/shard-000000.tar bytes .* attempt.*SlowDown \(HTTP 503\)"):
-            ds.read(0)
-        with pytest.raises(OriginError, match="index.parquet"):
-            open_dataset(url, cache=False, storage_options=opts)
-        with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=60) as loader:
-            with pytest.raises(WorkerError, match="OriginError") as err:
-                next(iter(loader))
-            assert isinstance(err.value.__cause__, OriginError)  # the worker's own error, to catch
-        s3_origin.inject_faults(503, 2)  # transient: two failures, then the retry succeeds
-    finally:
-        pass
-    try:
-        assert ds.read(1) == (sample_tree / "train" / f"{ds.key(1)}.JPEG").read_bytes()
-        assert ds.origin.counters.retries >= 2
-    finally:
-        s3_origin.clear_faults()
+    proxy.set_fault(Fault("status", 503, match=object_gets))
+    with pytest.raises(OriginError, match=r"s3://stoker/err/packed/shards/shard-000000.tar bytes .* attempt.*SlowDown \(HTTP 503\)"):
+        ds.read(0)
+    with pytest.raises(OriginError, match="index.parquet"):
+        open_dataset(url, cache=False, storage_options=opts)
+    with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=60) as loader:
+        with pytest.raises(WorkerError, match="OriginError") as err:
+            next(iter(loader))
+        assert isinstance(err.value.__cause__, OriginError)  # the worker's own error, to catch
+    proxy.set_fault(Fault("status", 503, count=2, match=object_gets))  # transient: two failures, then the retry succeeds
+    retries, injected = ds.origin.counters.retries, proxy.stats()["faults_injected"]
+    assert ds.read(1) == (sample_tree / "train" / f"{ds.key(1)}.JPEG").read_bytes()
+    assert ds.origin.counters.retries - retries == proxy.stats()["faults_injected"] - injected == 2
 
 
 def test_an_epoch_cut_short_is_not_replayed(packed_local):

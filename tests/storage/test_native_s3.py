@@ -10,11 +10,12 @@ import os
 
 import pytest
 
-from _helpers import in_child
+from _helpers import fault_proxy, in_child
 
 pytest.importorskip("obstore")
 
 from stoker import OriginError  # noqa: E402
+from stoker.bench.faultproxy import Fault, object_gets  # noqa: E402
 from stoker.loader import Loader  # noqa: E402
 from stoker.storage import Origin  # noqa: E402
 from stoker.storage._native_s3 import NativeS3Reader  # noqa: E402
@@ -54,24 +55,28 @@ def test_same_bytes_as_s3fs_and_errors(s3_packed):
     in_child(_same_bytes_as_s3fs_and_errors, *s3_packed)
 
 
-def _retries_and_origin_error(url, opts, s3_origin):
-    nat = Origin(url, opts, backoff_s=0.01, retry_budget_s=0.5)
-    assert nat.use_native()
-    s3_origin.inject_faults(503, None)
-    with pytest.raises(OriginError, match=r"shard-000000.tar bytes 0-100 after \d+ attempt.*SlowDown \(HTTP 503\)") as err:
-        nat.read_range("shards/shard-000000.tar", 0, 100)
-    assert (err.value.code, err.value.status) == ("SlowDown", 503) and err.value.attempts >= 2
-    nat.retry_budget_s = 30
-    s3_origin.inject_faults(503, 2)  # transient: two failures, then it succeeds
-    assert len(nat.read_range("shards/shard-000000.tar", 0, 100)) == 100
-    assert nat.counters.retries >= 2
+def _retries_and_origin_error(url, opts):
+    """Through a fault proxy started in this (child) process: every object GET answered 503
+    until the budget ends in OriginError; then two 503s, which the retries ride out."""
+    proxy, popts = fault_proxy(opts)
+    with proxy:
+        nat = Origin(url, popts, backoff_s=0.01, retry_budget_s=0.5)
+        assert nat.use_native()
+        proxy.set_fault(Fault("status", 503, match=object_gets))
+        with pytest.raises(OriginError,
+                           match=r"shard-000000.tar bytes 0-100 after \d+ attempt.*SlowDown \(HTTP 503\)") as err:
+            nat.read_range("shards/shard-000000.tar", 0, 100)
+        assert (err.value.code, err.value.status) == ("SlowDown", 503) and err.value.attempts >= 2
+        assert proxy.stats()["faults_injected"] == err.value.attempts
+        nat.retry_budget_s = 30
+        proxy.set_fault(Fault("status", 503, count=2, match=object_gets))  # transient: two failures, then it succeeds
+        retries, injected = nat.counters.retries, proxy.stats()["faults_injected"]
+        assert len(nat.read_range("shards/shard-000000.tar", 0, 100)) == 100
+        assert nat.counters.retries - retries == proxy.stats()["faults_injected"] - injected == 2
 
 
-def test_retries_and_origin_error(s3_packed, s3_origin):
-    try:
-        in_child(_retries_and_origin_error, *s3_packed, s3_origin)
-    finally:
-        s3_origin.clear_faults()
+def test_retries_and_origin_error(s3_packed):
+    in_child(_retries_and_origin_error, *s3_packed)
 
 
 def test_loader_leaf_processes_read_with_obstore(s3_packed, tmp_path, monkeypatch):

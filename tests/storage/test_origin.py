@@ -18,11 +18,11 @@ def _fs(options: dict):
     return s3fs.S3FileSystem(skip_instance_cache=True, **options)
 
 
-def _client(origin: LocalS3Origin, throttled: bool = True):
+def _client(opts: dict):
+    """A boto3 S3 client for the storage options ``opts`` that tries each request once."""
     import boto3
     from botocore.config import Config
 
-    opts = origin.storage_options(throttled)
     return boto3.client("s3", endpoint_url=opts["endpoint_url"], aws_access_key_id=opts["key"],
                         aws_secret_access_key=opts["secret"], region_name="us-east-1",
                         config=Config(retries={"total_max_attempts": 1, "mode": "standard"}))
@@ -63,7 +63,7 @@ def test_ranged_reads_are_byte_identical_and_use_fast_path(s3_origin, blob):
 
 def test_fast_path_headers_match_moto(s3_origin, blob):
     path, data = blob
-    client = _client(s3_origin, throttled=False)
+    client = _client(s3_origin.storage_options(throttled=False))
     key = path.split("/", 1)[1]
     resp = client.get_object(Bucket=s3_origin.bucket, Key=key, Range="bytes=10-19")
     head = client.head_object(Bucket=s3_origin.bucket, Key=key)
@@ -77,30 +77,36 @@ def test_fast_path_headers_match_moto(s3_origin, blob):
     assert whole == data
 
 
-def test_fault_injection_then_recovery(s3_origin, blob):
+def test_fault_injection_then_recovery(s3_origin, origin_faults, blob):
+    """Through the fault proxy in front of the origin: two 503 SlowDown answers, then the range;
+    500 InternalError on every object GET, ranged or not, until cleared, then the whole object.
+    The proxy counts exactly the 5 faults it answered."""
     from botocore.exceptions import ClientError
 
-    path, data = blob
-    client = _client(s3_origin)
-    key = path.split("/", 1)[1]
-    s3_origin.inject_faults(503, count=2)
-    try:
-        for _ in range(2):
-            with pytest.raises(ClientError) as err:
-                client.get_object(Bucket=s3_origin.bucket, Key=key, Range="bytes=0-9")
-            assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
-            assert err.value.response["Error"]["Code"] == "SlowDown"
-        body = client.get_object(Bucket=s3_origin.bucket, Key=key, Range="bytes=0-9")["Body"]
-        assert body.read() == data[:10]
+    from stoker.bench.faultproxy import Fault, object_gets
 
-        s3_origin.inject_faults(500)  # until cleared
-        for _ in range(3):
-            with pytest.raises(ClientError):
-                client.get_object(Bucket=s3_origin.bucket, Key=key)
-    finally:
-        s3_origin.clear_faults()
+    path, data = blob
+    proxy, options = origin_faults
+    client = _client(options)
+    key = path.split("/", 1)[1]
+    proxy.set_fault(Fault("status", 503, count=2, match=object_gets))
+    for _ in range(2):
+        with pytest.raises(ClientError) as err:
+            client.get_object(Bucket=s3_origin.bucket, Key=key, Range="bytes=0-9")
+        assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+        assert err.value.response["Error"]["Code"] == "SlowDown"
+    body = client.get_object(Bucket=s3_origin.bucket, Key=key, Range="bytes=0-9")["Body"]
+    assert body.read() == data[:10]
+
+    proxy.set_fault(Fault("status", 500, match=object_gets))  # until cleared
+    for _ in range(3):
+        with pytest.raises(ClientError) as err:
+            client.get_object(Bucket=s3_origin.bucket, Key=key)
+        assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
+        assert err.value.response["Error"]["Code"] == "InternalError"
+    proxy.set_fault(None)
     assert client.get_object(Bucket=s3_origin.bucket, Key=key)["Body"].read() == data
-    assert s3_origin.stats()["faults_served"] >= 5
+    assert proxy.stats()["faults_injected"] == 5
 
 
 def test_upload_tree(s3_origin, tmp_path):
@@ -194,7 +200,7 @@ def test_latency_is_per_request_on_a_persistent_connection():
 
         # A large upload arrives in many TCP reads but is one request: latency once.
         body = os.urandom(8 * 1000 * 1000)
-        client = _client(origin)
+        client = _client(origin.storage_options())
         before = origin.stats()
         client.put_object(Bucket=origin.bucket, Key="up.bin", Body=body)
         after = origin.stats()

@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
-from _helpers import in_child
+from _helpers import fault_proxy, in_child
 
-from stoker.bench.faultproxy import Fault, FaultProxy
+from stoker.bench.faultproxy import Fault
 from stoker.storage.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s
 from stoker.storage import Origin, OriginError, OriginNotFoundError, OriginPermissionError, url_to_fs
 
@@ -230,17 +230,10 @@ def uploaded(s3_origin, packed_local):
     return url, direct
 
 
-def _proxied(direct: dict) -> tuple[FaultProxy, dict]:
-    """A :class:`FaultProxy` in front of the origin of ``direct`` (storage options), and the
-    storage options that read through it. Its default target: ranged GETs of shard objects."""
-    proxy = FaultProxy(direct["endpoint_url"])
-    return proxy, {**direct, "endpoint_url": proxy.endpoint_url}
-
-
 @pytest.fixture
 def faults(uploaded):
     """(proxy, storage options through it) for the dataset of ``uploaded``."""
-    proxy, options = _proxied(uploaded[1])
+    proxy, options = fault_proxy(uploaded[1])
     with proxy:
         yield proxy, options
 
@@ -249,7 +242,7 @@ SHARD = "shards/shard-000000.tar"
 
 
 def _check_origin_paths(url, direct, native: bool):
-    proxy, options = _proxied(direct)
+    proxy, options = fault_proxy(direct)
     o = Origin(url, options, retry_budget_s=0.8)
     if native:
         assert o.use_native()
@@ -281,7 +274,7 @@ def _check_origin_paths(url, direct, native: bool):
 def _check_stalled_get_is_retried(url, direct, native: bool):
     """Headers, then nothing: the request times out (read_timeout) and the retry succeeds while
     the stalled answer is still open."""
-    proxy, options = _proxied(direct)
+    proxy, options = fault_proxy(direct)
     o = Origin(url, {**options, "config_kwargs": {"read_timeout": 0.5}}, retry_budget_s=20)
     if native:
         assert o.use_native()

@@ -20,8 +20,9 @@ the requests its ``match`` predicate selects (by default: ranged GETs of shard o
 Which matching requests are hit: every ``every``-th one, at most ``count`` of them (None =
 no limit), and, with ``burst_s``, only during the ``burst_s`` seconds that start at the first
 matching request after :meth:`FaultProxy.set_fault` (an outage window). It runs its own
-asyncio loop in a daemon thread of the caller; counters are read with :meth:`stats`. Used by
-`stoker bench faults` and by the tests of origin retries.
+asyncio loop in a daemon thread of the caller; counters are read with :meth:`stats`. It is the
+only fault injection of the emulated origin (which injects none itself): used by `stoker bench
+faults` and by the tests of origin errors and retries.
 """
 from __future__ import annotations
 
@@ -47,13 +48,21 @@ def shard_gets(method: str, path: str, headers: dict) -> bool:
     return method == "GET" and "range" in headers and "/shards/" in path
 
 
+def object_gets(method: str, path: str, headers: dict) -> bool:
+    """Every object GET, ranged or not: a path-style ``/<bucket>/<key>`` target with a key
+    (bucket listings, ``/<bucket>?list-type=2...``, and HEADs are not matched)."""
+    bucket, _, key = path.split("?", 1)[0].lstrip("/").partition("/")
+    return method == "GET" and bool(bucket) and bool(key)
+
+
 @dataclass
 class Fault:
     """One fault plan. ``mode``: one of :data:`MODES`; ``status``: HTTP status for ``status``;
     ``every``: hit every n-th matching request; ``count``: most faults to inject (None = no
     limit); ``burst_s``: seconds the fault lasts from the first matching request (None = no
     window); ``stall_s``: seconds a ``stall`` holds the body back at most; ``match(method, path,
-    headers)``: which requests are candidates (header names lower-case); ``code``: the S3 error
+    headers)``: which requests are candidates (header names lower-case; :func:`shard_gets` by
+    default, :func:`object_gets` for every object GET); ``code``: the S3 error
     code of a ``status`` answer (None = the usual one for ``status``: 503 ``SlowDown``, 500
     ``InternalError``, 403 ``AccessDenied``, 404 ``NoSuchKey``); ``retry_after_s``: seconds sent
     as the ``Retry-After`` header of a ``status`` answer (None = no header); ``released``: a

@@ -2,11 +2,12 @@
 
 The server runs in its own process (``python -m stoker.cli origin-server``, which calls
 :func:`serve_origin`, implemented in :mod:`stoker.bench.origin_server`) so that it never competes with the caller for the
-GIL. Inside that process, moto's WSGI application (plus a fast path for ranged GETs,
-fault injection and counters) is served by waitress with HTTP/1.1 keep-alive, behind an
+GIL. Inside that process, moto's WSGI application (plus a fast path for ranged GETs
+and counters) is served by waitress with HTTP/1.1 keep-alive, behind an
 asyncio TCP proxy that adds ``latency_ms`` once per HTTP request (also on reused
 connections) and caps aggregate bandwidth; see :class:`stoker.bench.throttle._Proxy`
-for the exact model.
+for the exact model. The origin injects no faults of its own: put
+:class:`stoker.bench.faultproxy.FaultProxy` in front of its endpoint for that.
 
 :class:`LocalS3Origin` starts and stops that process from Python.
 """
@@ -138,32 +139,16 @@ class LocalS3Origin:
         return {"endpoint_url": self.endpoint_url if throttled else self.direct_url,
                 **_CREDS, "client_kwargs": {"region_name": _REGION}}
 
-    def _control(self, method: str, path: str, payload: dict | None = None) -> dict:
-        if not self.direct_url:
-            raise RuntimeError("LocalS3Origin is not started")
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(f"{self.direct_url}/__stoker__/{path}", data=data,
-                                     method=method,
-                                     headers={"Content-Type": "application/json"})
-        with self._opener.open(req, timeout=10) as resp:
-            return json.loads(resp.read())
-
-    def inject_faults(self, status: int = 503, count: int | None = None) -> None:
-        """Answer the next ``count`` object GETs (all, if None) with HTTP ``status``.
+    def stats(self) -> dict:
+        """Server counters: requests, object_gets, ranged_gets (fast path), passthrough,
+        bytes_served (bytes), proxy_{connections,requests,bytes_down,bytes_up}.
 
         Raises RuntimeError if not started, urllib.error.URLError if the server is gone.
         """
-        self._control("POST", "faults", {"status": int(status), "count": count})
-
-    def clear_faults(self) -> None:
-        """Stop injecting faults. Raises like :meth:`inject_faults`."""
-        self._control("DELETE", "faults")
-
-    def stats(self) -> dict:
-        """Server counters: requests, object_gets, ranged_gets (fast path), passthrough,
-        bytes_served (bytes), faults_served, proxy_{connections,requests,bytes_down,bytes_up}.
-        Raises like :meth:`inject_faults`."""
-        return self._control("GET", "stats")
+        if not self.direct_url:
+            raise RuntimeError("LocalS3Origin is not started")
+        with self._opener.open(f"{self.direct_url}/__stoker__/stats", timeout=10) as resp:
+            return json.loads(resp.read())
 
 
 def upload_tree(local_dir: str, dst_url: str, storage_options: dict | None = None,

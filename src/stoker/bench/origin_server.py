@@ -2,15 +2,18 @@
 
 * moto's WSGI application, wrapped in :class:`_Middleware`, which serves single
   ``Range: bytes=a-b`` / ``bytes=a-`` object GETs straight from the key's buffer
-  (moto itself copies the whole object on every GET), answers the control
-  endpoints under ``/__stoker__/`` and injects faults;
+  (moto itself copies the whole object on every GET) and answers the counters endpoint
+  ``GET /__stoker__/stats``;
 * served by waitress (threaded, HTTP/1.1 keep-alive), so clients reuse connections
   the way they do with real S3;
 * an asyncio TCP proxy (:class:`_Proxy`) in front of it that adds a per-request
   latency and caps bandwidth with one token bucket shared by all connections.
 
+The server injects no faults: tests and ``stoker bench faults`` put
+:class:`stoker.bench.faultproxy.FaultProxy` in front of it for that.
+
 Only path-style requests (``http://127.0.0.1:PORT/<bucket>/<key>``, what botocore sends
-to a custom endpoint) get the fast path and fault injection. Waitress drops request
+to a custom endpoint) get the fast path. Waitress drops request
 headers whose names contain ``_`` (e.g. ``x-amz-meta-my_key``), unlike moto's own server.
 """
 from __future__ import annotations
@@ -36,8 +39,6 @@ _SLOW_HEADERS = ("HTTP_IF_MATCH", "HTTP_IF_NONE_MATCH", "HTTP_IF_MODIFIED_SINCE"
                  "HTTP_X_AMZ_SERVER_SIDE_ENCRYPTION_CUSTOMER_ALGORITHM")
 _FAST_STORAGE = (None, "STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING",
                  "REDUCED_REDUNDANCY")
-_ERROR_CODES = {400: "BadRequest", 403: "AccessDenied", 404: "NoSuchKey",
-                416: "InvalidRange", 500: "InternalError", 503: "SlowDown"}
 _REGION = "us-east-1"
 
 
@@ -58,16 +59,15 @@ def _reply(start_response, status: int, body: bytes, content_type: str) -> list[
 
 
 class _Middleware:
-    """WSGI wrapper around moto: fast ranged GETs, faults, control endpoints, counters."""
+    """WSGI wrapper around moto: fast ranged GETs, counters and their endpoint."""
 
     def __init__(self, app, fast_range: bool = True):
         self.app = app
         self.fast_range = fast_range
         self.proxy = None  # set to the _Proxy once it runs, for its counters
         self._lock = threading.Lock()
-        self._fault: tuple[int, int | None] | None = None  # (status, remaining or None)
         self.counters = dict(requests=0, object_gets=0, ranged_gets=0, passthrough=0,
-                             bytes_served=0, faults_served=0)
+                             bytes_served=0)
 
     def _add(self, **delta: int) -> None:
         with self._lock:
@@ -82,11 +82,6 @@ class _Middleware:
         bucket, key = self._bucket_key(environ)
         if environ["REQUEST_METHOD"] == "GET" and key:
             self._add(object_gets=1)
-            status = self._take_fault()
-            if status is not None:
-                body = _xml_error(_ERROR_CODES.get(status, "InternalError"), "Injected fault")
-                self._add(faults_served=1, bytes_served=len(body))
-                return _reply(start_response, status, body, "application/xml")
             if self.fast_range:
                 resp = self._fast_range(environ, start_response, bucket, key)
                 if resp is not None:
@@ -116,15 +111,6 @@ class _Middleware:
         path = urllib.parse.unquote(raw.split("?", 1)[0])
         bucket, _, key = path.lstrip("/").partition("/")
         return bucket, key
-
-    def _take_fault(self) -> int | None:
-        with self._lock:
-            if self._fault is None:
-                return None
-            status, left = self._fault
-            if left is not None:
-                self._fault = (status, left - 1) if left > 1 else None
-            return status
 
     def _fast_range(self, environ, start_response, bucket: str, key_name: str):
         """Serve a single-range GET from the key's buffer; None means 'let moto do it'."""
@@ -175,17 +161,9 @@ class _Middleware:
         return [body]
 
     def _control(self, environ, start_response, path: str):
-        method, status, out = environ["REQUEST_METHOD"], 200, {"ok": True}
-        if path == "/__stoker__/faults" and method == "POST":
-            n = int(environ.get("CONTENT_LENGTH") or 0)
-            spec = json.loads(environ["wsgi.input"].read(n) or b"{}")
-            count = spec.get("count")
-            with self._lock:
-                self._fault = None if count == 0 else (int(spec.get("status", 503)), count)
-        elif path == "/__stoker__/faults" and method == "DELETE":
-            with self._lock:
-                self._fault = None
-        elif path == "/__stoker__/stats" and method == "GET":
+        """``GET /__stoker__/stats``: the counters as JSON; anything else under the prefix: 404."""
+        method, status = environ["REQUEST_METHOD"], 200
+        if path == "/__stoker__/stats" and method == "GET":
             with self._lock:
                 out = dict(self.counters)
             if self.proxy is not None:
