@@ -415,3 +415,53 @@ def test_warm_goes_on_without_a_node_whose_service_cannot_start(cluster, packed_
     assert r["nodes"][bad[0]]["owned_bytes"] == 0
     assert r["complete"] and r["cached_fraction"] == 1.0  # the others hold the dataset between them
     assert "Traceback" not in err and "could not start" in err and "partial" in err
+
+
+@ray.remote(num_cpus=0)
+def _never_answers(seconds: float):
+    time.sleep(seconds)
+    return {}
+
+
+class _HangingFill:
+    """A service handle whose ``fill`` calls never answer (a service stuck while Ray lists its node
+    alive); its other methods reach the real service."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def __getattr__(self, name):
+        if name != "fill":
+            return getattr(self._h, name)
+
+        class _Fill:
+            @staticmethod
+            def remote(*args):
+                return _never_answers.remote(120)
+        return _Fill
+
+
+def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, monkeypatch):
+    """A node's service takes fills and never answers them, its node alive: the warm-up gives that
+    node up once none of its fills answered within the limit, fills the others and reports the
+    node with the reason, instead of waiting for ever."""
+    import stoker.cluster.warmup as warmup
+    from stoker.cluster.service import stop_services
+    stop_services()
+    real = warmup.get_service
+    chosen: dict = {}
+
+    def patched(nid):
+        chosen.setdefault("victim", nid)
+        h = real(nid)
+        return _HangingFill(h) if nid == chosen["victim"] else h
+    monkeypatch.setattr(warmup, "get_service", patched)
+    t0 = time.monotonic()
+    r = warmup.warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes=64 << 20, block_bytes=BLOCK,
+                    fill_timeout_s=2.0)
+    assert time.monotonic() - t0 < 100  # the fills would have answered after 120 s: it did not wait for them
+    victim = r["nodes"].pop(chosen["victim"])
+    assert "hangs" in victim["error"] and victim["owned_bytes"] > 0 and victim["filled"] == 0
+    assert victim["failed"] > 0 and all("hangs" in why for why in victim["failed_shards"].values())
+    assert not r["complete"]
+    assert [n["cached_fraction"] for n in r["nodes"].values()] == [1.0, 1.0]  # the others: filled

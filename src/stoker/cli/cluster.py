@@ -38,7 +38,8 @@ def cmd_warm(a) -> int:
     from ..cluster.warmup import warm
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
-             cache_bytes=a.cache_size, block_bytes=a.block_size, progress=show_progress(a), detached=True)
+             cache_bytes=a.cache_size, block_bytes=a.block_size, progress=show_progress(a), detached=True,
+             fill_timeout_s=a.fill_timeout)
     print(json.dumps(r, indent=2))
     for n in r["nodes"].values():
         print(f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
@@ -137,6 +138,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--cache-size", type=size_arg, help="cache budget per node (default 8GiB)")
     s.add_argument("--block-size", type=size_arg, help="cache block (default 1MiB)")
     s.add_argument("--storage-options", help="fsspec storage options, as JSON")
+    s.add_argument("--fill-timeout", type=float, metavar="S",
+                   help="give a node up when none of its fills answered for S seconds, plus 1 s per MiB "
+                        "in flight (default 120)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_warm)
 

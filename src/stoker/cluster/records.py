@@ -27,13 +27,15 @@ SERVICE_TRIES = 4
 RETRY_PAUSE_S = 0.5
 
 
-def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE_S):
+def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE_S,
+         timeout_s: float | None = None):
     """``ray.get(method.remote(*args))``, called again (``tries`` in all) while the service is
     restarting (``ray.exceptions.RayActorError``: ``ActorUnavailableError``, or ``ActorDiedError``
-    for a call in flight when it died). Raises the last error."""
+    for a call in flight when it died). ``timeout_s``: the longest wait for one answer (None: no
+    limit), then ``ray.exceptions.GetTimeoutError``, not retried. Raises the last error."""
     for k in range(tries):
         try:
-            return ray.get(method.remote(*args))
+            return ray.get(method.remote(*args), timeout=timeout_s)
         except ray.exceptions.RayActorError:
             if k == tries - 1:
                 raise

@@ -25,11 +25,18 @@ log = logging.getLogger(__name__)
 #: Tries of one chunk of blocks whose fill met a dead or restarting cache service, and the pause
 #: before each retry (seconds, times the try number): the same as for any call to a service.
 FILL_TRIES = SERVICE_TRIES
+#: How long a node's fills may go without one answering before its service counts as hung (and the
+#: node as down): this many seconds plus the bytes of its requests in flight at ``FILL_MIN_BPS``.
+FILL_TIMEOUT_S = 120.0
+#: The slowest fill rate (bytes/s) that still counts as progress: 1 MiB/s per node.
+FILL_MIN_BPS = float(1 << 20)
+#: Seconds a service has to tell, at the end of a warm-up, how much of the dataset it holds.
+REPORT_TIMEOUT_S = 30.0
 
 
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
          cache_bytes: int | None = None, block_bytes: int | None = None, chunk_blocks: int = 16, concurrency: int = 8,
-         progress: bool = False, detached: bool = True) -> dict:
+         progress: bool = False, detached: bool = True, fill_timeout_s: float | None = None) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
     Services are started where missing (``cache_root``/``cache_bytes`` as in
@@ -46,7 +53,10 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
     in all, ``RETRY_PAUSE_S`` apart, growing; the other nodes go on meanwhile) before its blocks
     count as failed; a service still not answering then, or gone for good, is *down*: the rest
-    of its node's blocks fail at once, named with the reason. A node whose service cannot start
+    of its node's blocks fail at once, named with the reason. So is a service that hangs (its node
+    still alive in Ray's view): when none of a node's fills has answered for ``fill_timeout_s``
+    seconds plus its requests' bytes at ``FILL_MIN_BPS`` (default ``FILL_TIMEOUT_S``), the
+    requests are given up and the node is down. A node whose service cannot start
     (:func:`stoker.cluster.service.start_services`) gets no blocks and is listed with its
     ``error``, nothing cached (``cached_fraction`` 0.0). Needs ``ray.init()`` first; raises what
     :func:`stoker.cluster.service.prepare` raises (no service answers on any node, no index at
@@ -69,14 +79,16 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
-    fills = _Fills(ds, dref, members, queues, concurrency, bar)
+    fills = _Fills(ds, dref, members, queues, concurrency, bar,
+                   FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s))
     fills.run()
     if bar is not None:
         bar.close()
     cached, node_errors = [], {}
     for i, m in enumerate(members):
         try:
-            cached.append(int(_call(get_service(m).cached_bytes, dref)))
+            # a hung service must not hang the report: the question is cheap, so it gets a limit
+            cached.append(int(_call(get_service(m).cached_bytes, dref, timeout_s=REPORT_TIMEOUT_S)))
         except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
             cached.append(0)
             node_errors[i] = f"cache service did not answer: {_reason(exc)}"
@@ -113,13 +125,16 @@ class _Fills:
     ``FILL_TRIES`` tries in all. A node whose service is gone for good (no service by its name,
     or a request that failed every try) is *down*: its chunk and every chunk still queued for
     it fail at once, named with the reason (``down``: ``{i: reason}``), so a service that stays
-    down costs one round of retries, not one per chunk. ``totals``: per node block counts and
+    down costs one round of retries, not one per chunk. A node none of whose requests has answered
+    for ``timeout_s`` plus their bytes at ``FILL_MIN_BPS`` (since it last answered, or since the
+    first was sent) is down too: its service hangs. ``totals``: per node block counts and
     origin bytes; ``errors``: per node ``{shard name: reason}``."""
 
     def __init__(self, ds, dref: dict, members: list[str], queues: dict[int, list[list[int]]], concurrency: int,
-                 bar=None):
+                 bar=None, timeout_s: float = FILL_TIMEOUT_S):
         self.ds, self.dref, self.members, self.queues = ds, dref, members, queues
-        self.concurrency, self.bar = concurrency, bar
+        self.concurrency, self.bar, self.timeout_s = concurrency, bar, timeout_s
+        self._progress: dict[int, float] = {}  # node -> when it last answered (or was first sent to)
         self.totals = {i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0} for i in queues}
         self.errors: dict[int, dict[str, str]] = {i: {} for i in queues}
         self.down: dict[int, str] = {}
@@ -137,13 +152,39 @@ class _Fills:
             for item in [x for x in self._later if x[0] <= now]:
                 self._later.remove(item)
                 self._submit(item[1], item[2])
-            wait_s = max(0.0, min(x[0] for x in self._later) - now) if self._later else None
+            wakes = [x[0] for x in self._later] + list(self._deadlines().values())
+            wait_s = max(0.0, min(wakes) - now) if wakes else None
             if not self._pending:
                 time.sleep(wait_s or 0.0)
                 continue
             done, _ = ray.wait(list(self._pending), num_returns=1, timeout=wait_s)
             if done:
                 self._done(done[0])
+            else:
+                self._give_up_hung()
+
+    def _deadlines(self) -> dict[int, float]:
+        """Per node with requests in flight: when it counts as hung if none of them answers."""
+        nbytes: dict[int, int] = {}
+        for i, chunk in self._pending.values():
+            nbytes[i] = nbytes.get(i, 0) + int(self.ds.block_bytes_of(np.asarray(chunk)).sum())
+        return {i: self._progress[i] + self.timeout_s + n / FILL_MIN_BPS for i, n in nbytes.items()}
+
+    def _give_up_hung(self) -> None:
+        now = time.monotonic()
+        for i, deadline in self._deadlines().items():
+            if now < deadline:
+                continue
+            refs = [ref for ref, (j, _) in self._pending.items() if j == i]
+            self._go_down(i, f"cache service of node {self.members[i]} hangs: no fill answered in "
+                             f"{now - self._progress[i]:.0f} s")
+            for ref in refs:
+                _, chunk = self._pending.pop(ref)
+                try:
+                    ray.cancel(ref)
+                except Exception as exc:  # noqa: BLE001 - the answer is ignored either way
+                    log.debug("cancelling a hung fill: %s", exc)
+                self._fail(i, chunk, self.down[i])
 
     def _submit(self, i: int, chunk: list[int] | None = None) -> None:
         if chunk is None:
@@ -159,10 +200,13 @@ class _Fills:
             self._go_down(i, f"no cache service on node {self.members[i]} ({exc})")
             self._fail(i, chunk, self.down[i])
             return
+        if not any(j == i for j, _ in self._pending.values()):
+            self._progress[i] = time.monotonic()  # the clock of a node with nothing in flight starts now
         self._pending[ref] = (i, chunk)
 
     def _done(self, ref) -> None:
         i, chunk = self._pending.pop(ref)
+        self._progress[i] = time.monotonic()
         try:
             r = ray.get(ref)
         except ray.exceptions.RayActorError as exc:  # the service died or is restarting: try again
