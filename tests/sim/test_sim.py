@@ -242,11 +242,11 @@ def test_a_reader_of_a_block_being_filled_waits_for_the_fill():
     from stoker.sim.model import _Run
     wl = Workload(np.full(2, 1000, dtype=np.int64), np.zeros(2, dtype=np.int64), np.array([2000]), "one")
     run = _Run(Params(nodes=1, cache_bytes=1e9, origin_Bps=1000.0, chunk_samples=1), wl, "direct", 1)
-    finished: list = []
+    seconds = [0.0, 0.0]
     for s in (0, 1):
-        run.env.process(run.rank(0, np.array([s]), np.full(1, -1), finished))
+        run.env.process(run.rank(0, np.array([s]), np.full(1, -1), seconds, s))
     run.env.run()
-    assert finished == [pytest.approx(2.0), pytest.approx(2.0)]
+    assert seconds == [pytest.approx(2.0), pytest.approx(2.0)]
     assert run.counts["origin"] == 2000  # fetched once
 
 

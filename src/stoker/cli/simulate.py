@@ -146,7 +146,8 @@ def add_parsers(sub) -> None:
                                          "(default: the first)")
     s.add_argument("--made-up-layout", action="store_true",
                    help="--validate: model the namespace runs on a made-up dataset layout and node names, plain "
-                        "rate-limited links (not the runs' own dataset, node keys, host order and token buckets)")
+                        "rate-limited links, ranks drawn by the model and started together (not the runs' own "
+                        "dataset, node keys, rank hosts, rank starts and token buckets)")
     s.add_argument("--demo", default=os.path.join("docs", "demo.json"), help="a stoker demo --json report ('' = skip)")
     s.add_argument("--decode", default=os.path.join("benchmarks", "bench_decode.json"),
                    help="a stoker bench decode --json report (decode rate per core, pipeline efficiency)")

@@ -2,7 +2,7 @@
 decisions, calibrated and validated on measured runs (``stoker simulate``).
 
 - :mod:`.network`: flows sharing links by max-min fairness; :mod:`.buckets`: token-bucket links;
-- :mod:`.measured`: a measured run's own dataset, node names and host order;
+- :mod:`.measured`: a measured run's own dataset, node names, rank hosts and rank starts;
 - :mod:`.workload`: datasets laid out as ``stoker pack`` lays them, blocks from the cache's planner;
 - :mod:`.decide`: placement, owners, read plans, order and budget from stoker's own functions;
 - :mod:`.model`: ranks reading their plans through caches, peers and the origin;

@@ -2,16 +2,19 @@
 
 A :class:`Calibrated` value carries its ``source`` (a file and field, or a measurement made
 now), so every table the model prints can say where its numbers came from. Nothing here is
-tuned to the result being predicted: the namespace cluster's per-request peer time is fitted on
-the *calibration run* (one ``stoker bench cluster --netns`` report), and the validation reports
-which rows are that run (in sample) and which are not.
+tuned to the result being predicted: the namespace cluster's per-request peer time and the
+processes a late rank's start-up keeps busy are fitted on the *calibration run* (one ``stoker
+bench cluster --netns`` report; never per row), and the validation reports which rows are that
+run (in sample) and which are not.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .model import Job, Params, simulate
 from .workload import Workload, synthetic
@@ -60,30 +63,56 @@ def netns_workload(report: dict) -> Workload:
 class NetnsSetup:
     """What the model of one ``--netns`` report reads and where it places it: ``workload``;
     ``node_keys``: model node i's placement key (None: made-up names); ``sources``: where each
-    came from (``{"dataset": Calibrated, "host order": Calibrated}``); ``peak_Bps``: what a
-    shaped link passes while its token bucket holds tokens (0: no buckets, plain rate limits)."""
+    came from (``{"dataset", "host order", "rank starts": Calibrated}``); ``peak_Bps``: what a
+    shaped link passes while its token bucket holds tokens (0: no buckets, plain rate limits);
+    ``ranks``: ``{(placement, job): model node of each rank}`` as the run placed them, and
+    ``starts``: ``{(placement, job): {epoch: each rank's start offset, s}}`` as they started
+    (:func:`stoker.sim.measured.recorded_ranks`, :func:`~stoker.sim.measured.recorded_starts`;
+    empty: the model draws the ranks and starts them together)."""
 
     workload: Workload
     node_keys: list[str] | None
     sources: dict[str, Calibrated]
     peak_Bps: float = 0.0
+    ranks: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    starts: dict[tuple[str, str], dict[int, list[float]]] = field(default_factory=dict)
+
+    def jobs(self, report: dict, placement: str) -> list[Job]:
+        """The report's jobs (:func:`netns_jobs`) under ``placement``, each on its recorded rank
+        nodes and with its ranks' recorded start offsets where this setup has them."""
+        return [Job(j.name, j.world, j.seed, self.ranks.get((placement, j.name)),
+                    dict(self.starts.get((placement, j.name), {}))) for j in netns_jobs(report)]
 
 
 def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float = 0.0) -> NetnsSetup:
-    """The report's own dataset, node keys and host order (:mod:`stoker.sim.measured`), so the
-    model places its blocks and ranks where the run did; with ``measured`` False, or when the
-    dataset cannot be made again, :func:`netns_workload` on made-up node names (said in the
-    sources). ``peak_Bps``: as in :class:`NetnsSetup`."""
-    from .measured import host_order, netns_dataset, netns_node_keys
+    """The report's own dataset, node keys, rank hosts and rank starts (:mod:`stoker.sim.measured`),
+    so the model places its blocks and ranks where the run did and starts each rank when it
+    started; a report without ``rank_hosts`` gets the host order read off its kernel counters
+    (:func:`stoker.sim.measured.host_order`) and the setup's own rank draw. With ``measured``
+    False, or when the dataset cannot be made again, :func:`netns_workload` on made-up node names,
+    ranks drawn and started together (said in the sources). ``peak_Bps``: as in
+    :class:`NetnsSetup`. Raises ValueError for inconsistent ``rank_hosts`` or ``rank_start_s``."""
+    from .measured import host_order, netns_dataset, netns_node_keys, recorded_ranks, recorded_starts
     wl, why = netns_dataset(report, path) if measured else (None, "not asked for")
     if wl is None:
         fallback = netns_workload(report)
         return NetnsSetup(fallback, None, {"dataset": Calibrated(fallback.num_blocks, f"synthetic: {why}"),
                                            "host order": Calibrated(0, "made-up node names node000...")}, peak_Bps)
-    order, src = host_order(report, path, wl, netns_jobs(report))
-    keys = netns_node_keys(report)
-    return NetnsSetup(wl, [keys[h] for h in order], {"dataset": Calibrated(wl.num_blocks, why),
-                                                      "host order": Calibrated(len(order), src)}, peak_Bps)
+    keys, ranks = netns_node_keys(report), recorded_ranks(report, path)
+    if ranks is not None:
+        order, src = list(range(int(report["hosts"]))), (f"{path}: rank_hosts of every row: model node i is host "
+                                                         "h<i>, each job's ranks on their recorded hosts")
+    else:
+        order, src = host_order(report, path, wl, netns_jobs(report))
+    starts = recorded_starts(report, path)
+    skew = max((max(v) for by_epoch in starts.values() for v in by_epoch.values()), default=0.0)
+    return NetnsSetup(wl, [keys[h] for h in order],
+                      {"dataset": Calibrated(wl.num_blocks, why), "host order": Calibrated(len(order), src),
+                       "rank starts": Calibrated(skew, f"{path}: rank_start_s of {sum(map(len, starts.values()))} "
+                                                       "rows (value: the largest offset, s); each rank starts "
+                                                       "at its own" if starts else
+                                                       f"{path}: not recorded; every rank starts at once")},
+                      peak_Bps, {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()}, starts)
 
 
 def local_latency(report: dict, path: str) -> Calibrated:
@@ -98,7 +127,7 @@ def local_latency(report: dict, path: str) -> Calibrated:
 
 
 def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_factor: float = 1.0,
-                 node_keys: list[str] | None = None, peak_Bps: float = 0.0) -> Params:
+                 node_keys: list[str] | None = None, peak_Bps: float = 0.0, starting_processes: int = 0) -> Params:
     """:class:`Params` of a namespace-cluster report: its hosts, tbf link rates (Mbit/s per
     direction) times ``link_factor`` (the fraction of its rate a link delivers,
     :func:`fit_link_factor`), origin latency and cache bytes; one rank per host reading
@@ -108,7 +137,8 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
     (:class:`NetnsSetup`). With ``peak_Bps`` > 0 the links are the bench's token buckets
     (:func:`stoker.bench.netcluster.burst_bytes` of their configured rate) passing ``peak_Bps``
     while they hold tokens. One sample per request and per chunk: the driver's ``read_plan``
-    reads one sample at a time."""
+    reads one sample at a time. ``starting_processes``: shares of the shared cores a rank takes
+    until its recorded start (:class:`stoker.sim.model.Params`, :func:`fit_starting`)."""
     from ..bench.netcluster import burst_bytes
     links, cfg = report["links"], report["config"]
     hosts = [v for k, v in links.items() if k != "origin"]
@@ -120,7 +150,8 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
                   peer_cpu_s=peer_cpu_s, prefetch_chunks=1, fetch_inflight=1, chunk_samples=1,
                   node_keys=node_keys, link_peak_Bps=peak_Bps,
                   nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
-                  origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]))
+                  origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]),
+                  starting_processes=starting_processes if peer_cpu_s > 0 else 0)
 
 
 def netns_jobs(report: dict) -> list[Job]:
@@ -175,7 +206,7 @@ def fit_link_factor(report: dict, path: str, local_s: float, setup: NetnsSetup |
     count of the epoch's origin-link bytes over its seconds is given beside it."""
     row = cold_direct_row(report, path)
     setup = setup or netns_setup(report, path, measured=False)
-    wl, jobs = setup.workload, netns_jobs(report)
+    wl, jobs = setup.workload, setup.jobs(report, "direct")
 
     def cold_s(factor: float) -> float:
         res = simulate(netns_params(report, local_s, link_factor=factor, node_keys=setup.node_keys,
@@ -189,29 +220,69 @@ def fit_link_factor(report: dict, path: str, local_s: float, setup: NetnsSetup |
                               "link); that row is in sample")
 
 
+def _warm_random(report: dict) -> list[dict]:
+    """The report's ``random`` rows after each job's first epoch (warm: the caches hold the data)."""
+    return [r for r in report["runs"] if r["placement"] == "random" and r["epoch"] >= 1]
+
+
 def fit_peer_cpu(report: dict, path: str, local_s: float, link_factor: float = 1.0,
-                 hi_s: float = 0.05, setup: NetnsSetup | None = None) -> Calibrated:
+                 hi_s: float = 0.05, setup: NetnsSetup | None = None, starting_processes: int = 0) -> Calibrated:
     """CPU seconds per peer request (the rank's Ray call and the owning node's service, on the
     machine's ``machine.cores`` cores that every emulated host shares), fitted (:func:`_solve`) so
-    the model's mean warm ``random`` epoch equals the report's (the placement whose warm time is
-    mostly peer requests). Raises ValueError without such rows."""
-    meas = [r["seconds"] for r in report["runs"] if r["placement"] == "random" and r["epoch"] >= 1]
+    the model's mean warm ``random`` epoch (:func:`_warm_random`) equals the report's (the placement whose
+    warm time is mostly peer requests), each rank started when it started (``setup``) and its
+    start-up taking ``starting_processes`` shares of the cores until then. Raises ValueError
+    without such rows."""
+    meas = [r["seconds"] for r in _warm_random(report)]
     if not meas:
         raise ValueError(f"{path}: no warm random epochs to fit the peer request time on")
     target = sum(meas) / len(meas)
     setup = setup or netns_setup(report, path, measured=False)
-    wl, jobs = setup.workload, netns_jobs(report)
-    epochs = report["config"]["epochs"]
+    cpu_s = _solve(lambda x: float(np.mean(_warm_random_s(report, local_s, x, link_factor, setup,
+                                                          starting_processes))), target, 0.0, hi_s)
+    return Calibrated(cpu_s, f"{path}: fitted to its {len(meas)} warm random epochs (mean {target:.2f} s) with "
+                             f"{report['machine']['cores']} cores shared by all hosts and {starting_processes} "
+                             "starting processes per late rank; this run is the calibration run")
 
-    def mean_warm(cpu_s: float) -> float:
-        res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys,
-                                    setup.peak_Bps), wl, "random", jobs, epochs, together=False)
-        warm = [r.seconds for r in res if r.epoch >= 1]
-        return sum(warm) / len(warm)
 
-    cpu_s = _solve(mean_warm, target, 0.0, hi_s)
-    return Calibrated(cpu_s, f"{path}: fitted to its warm random epochs (mean {target:.2f} s) with "
-                             f"{report['machine']['cores']} cores shared by all hosts; this run is the calibration run")
+def _warm_random_s(report: dict, local_s: float, cpu_s: float, link_factor: float, setup: NetnsSetup,
+                   starting_processes: int) -> np.ndarray:
+    """The model's seconds of the report's warm ``random`` epochs (in the order of :func:`_warm_random`)."""
+    res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys, setup.peak_Bps,
+                                starting_processes), setup.workload, "random", setup.jobs(report, "random"),
+                   report["config"]["epochs"], together=False)
+    by = {(r.job, r.epoch): r.seconds for r in res}
+    return np.array([by[(r["job"], r["epoch"])] for r in _warm_random(report)])
+
+
+#: The most processes a rank's start-up is taken to keep busy (:func:`fit_starting`).
+MAX_STARTING_PROCESSES = 4
+
+
+def fit_starting(report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup,
+                 most: int = MAX_STARTING_PROCESSES) -> tuple[Calibrated, Calibrated]:
+    """``(starting processes, peer CPU s)`` fitted together on the report's warm ``random`` epochs:
+    for k = 0, 1, ... ``most`` starting processes (:class:`stoker.sim.model.Params`), the peer CPU
+    cost that makes the mean epoch exact (:func:`fit_peer_cpu`), and of those the k whose epochs'
+    log errors have the least sum of squares (k rises while that sum falls). A report without
+    ``rank_start_s`` gives k = 0 (its ranks start together: k changes nothing). Raises ValueError
+    without warm random epochs."""
+    meas = np.array([r["seconds"] for r in _warm_random(report)])
+    if not setup.starts:
+        return (Calibrated(0, f"{path}: no rank_start_s (every rank starts at once)"),
+                fit_peer_cpu(report, path, local_s, link_factor, setup=setup))
+    tried: list[tuple[float, int, Calibrated]] = []
+    for k in range(most + 1):
+        cpu = fit_peer_cpu(report, path, local_s, link_factor, setup=setup, starting_processes=k)
+        pred = _warm_random_s(report, local_s, cpu.value, link_factor, setup, k)
+        tried.append((float((np.log(pred / meas) ** 2).sum()), k, cpu))
+        if len(tried) > 1 and tried[-1][0] >= tried[-2][0]:
+            break
+    score, k, cpu = min(tried, key=lambda t: t[0])
+    rms = ", ".join(f"{kk}: {(sc / len(meas)) ** 0.5:.1%}" for sc, kk, _ in tried)
+    return (Calibrated(k, f"{path}: fitted with the peer CPU on its {len(meas)} warm random epochs: of "
+                          f"0..{most} processes, the one with the least squared log errors (rms by k: {rms}); "
+                          "this run is the calibration run"), cpu)
 
 
 #: The processes of a ``stoker demo`` run whose CPU time goes with the bytes fetched from the origin.

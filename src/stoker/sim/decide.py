@@ -98,18 +98,24 @@ def _random_nodes(rng: np.random.Generator, n: int, w: int, slots: int | None, a
 
 
 def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets: np.ndarray, seed: int,
-              slots: int | None) -> Placement:
+              slots: int | None, rank_nodes: list[int] | None = None) -> Placement:
     """Place one job of ``world`` ranks, as ``stoker.cluster.run`` would for ``setup``.
 
     ``direct``: rank r on node r // slots (r with no slot limit), no shared cache; ``random``:
     ranks on random nodes (seeded, :func:`stoker.cluster.job.run`'s draw), the dataset on the
     recorded members; ``presence``: like random but only on nodes that are members of the
     dataset (Fluid's affinity: any node with a cache worker for it); ``colocated``: stoker's
-    TDCS placement. ``budgets``: the dataset's cache bytes per node. Raises ValueError for an
-    unknown setup or too few slots.
+    TDCS placement. ``budgets``: the dataset's cache bytes per node. ``rank_nodes``: the node
+    (index) of each rank as a measured run placed them, instead of the setup's own choice (the
+    dataset's members, owners and plans then follow from those nodes, as they did in the run).
+    Raises ValueError for an unknown setup, too few slots or ``rank_nodes`` not ``world`` nodes.
     """
     n = state.num_nodes
     names = node_names(n)
+    if rank_nodes is not None and (len(rank_nodes) != world or not all(0 <= int(v) < n for v in rank_nodes)):
+        raise ValueError(f"rank nodes {rank_nodes} are not {world} nodes of {n}")
+    if setup == "direct" and rank_nodes is not None:
+        return Placement(np.asarray(rank_nodes, dtype=np.int64), np.full(wl.num_blocks, -1))
     if setup == "direct":
         per = slots or 1
         if world > n * per:
@@ -120,7 +126,9 @@ def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets
     cached = state.cached_bytes(wl)
     slot_list = None if slots is None else [slots] * n
     rng = np.random.default_rng(seed)
-    if setup == "colocated":
+    if rank_nodes is not None:
+        ranks = [int(v) for v in rank_nodes]
+    elif setup == "colocated":
         ranks = [names.index(x) for x in choose_nodes(names, cached, budgets, world, slot_list)]
     elif setup == "presence" and state.members:
         ranks = _random_nodes(rng, n, world, slots, state.members)
@@ -138,6 +146,8 @@ def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets
     if setup == "colocated" and set(members) - set(have):  # ranks go where the data will be
         owned = np.bincount(owner, weights=wl.block_bytes, minlength=n)
         ranks = [names.index(x) for x in choose_nodes(names, owned, budgets, world, slot_list)]
+    if rank_nodes is not None:
+        ranks = [int(v) for v in rank_nodes]
     return Placement(np.asarray(ranks, dtype=np.int64), owner)
 
 

@@ -13,12 +13,16 @@ blocks over the nodes, and so different peer bytes; with the run's own names it 
   ``stoker pack`` lays them out deterministically), so it is made again here and opened with
   stoker's own reader: the real sample sizes, blocks and block keys.
 - :func:`netns_node_keys`: each host's placement key, from the report's namespace names.
-- :func:`host_order`: which host each model node is. Ray lists nodes sorted by their random ids
-  and ``placement="random"`` draws rank nodes by index in that list, so which hosts got the ranks
-  is not in the seed. A report that records each rank's host (``rank_hosts``) says it; for older
-  reports it is read off the kernel's per-host counters of the warm ``random`` epochs (a host's
-  received bytes are its ranks' peer reads): of all orders, the one whose per-host received bytes
-  are nearest the kernel's.
+- :func:`recorded_ranks`, :func:`recorded_starts`: where each rank ran and when it started. Ray
+  lists nodes sorted by their random ids and ``placement="random"`` draws rank nodes by index in
+  that list, so which hosts got the ranks is not in the seed; a report that records each rank's
+  host (``rank_hosts``) says it, and the model puts the ranks there. Each rank times its own loop
+  from its own start, and ranks of a job start up to seconds apart (``rank_start_s``): the model
+  starts each rank at its recorded offset.
+- :func:`host_order`: for older reports without ``rank_hosts``, which host each model node is,
+  read off the kernel's per-host counters of the warm ``random`` epochs (a host's received bytes
+  are its ranks' peer reads): of all orders, the one whose per-host received bytes are nearest the
+  kernel's.
 """
 from __future__ import annotations
 
@@ -109,28 +113,50 @@ def _random_received(report: dict, wl: Workload, keys: list[str], rows: list[dic
     return out
 
 
+def recorded_ranks(report: dict, path: str) -> dict[tuple[str, str], list[int]] | None:
+    """``{(placement, job): host index of each rank}`` from the rows' ``rank_hosts`` (rank order), or
+    None when a row does not record them. A job is placed once, so its rows must agree: raises
+    ValueError naming the report, placement and job when they do not, or a host out of range."""
+    if not report["runs"] or not all("rank_hosts" in r for r in report["runs"]):
+        return None
+    n = int(report["hosts"])
+    out: dict[tuple[str, str], list[int]] = {}
+    for r in report["runs"]:
+        hosts = [int(h) for h in r["rank_hosts"]]
+        key = (r["placement"], r["job"])
+        if out.setdefault(key, hosts) != hosts or not all(0 <= h < n for h in hosts):
+            raise ValueError(f"{path}: {r['placement']} {r['job']} epoch {r['epoch']}: rank_hosts {hosts} "
+                             f"differ from its other epochs' {out[key]} or name a host not in 0..{n - 1}")
+    return out
+
+
+def recorded_starts(report: dict, path: str) -> dict[tuple[str, str], dict[int, list[float]]]:
+    """``{(placement, job): {epoch: each rank's start after the first rank's, seconds}}`` from the
+    rows' ``rank_start_s`` (rows without it are left out: their ranks start together). Raises
+    ValueError naming the row for a negative offset or one per rank missing."""
+    out: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for r in report["runs"]:
+        if "rank_start_s" not in r:
+            continue
+        starts = [float(x) for x in r["rank_start_s"]]
+        if len(starts) != int(r["ranks"]) or min(starts) < 0:
+            raise ValueError(f"{path}: {r['placement']} {r['job']} epoch {r['epoch']}: rank_start_s {starts} is "
+                             f"not {r['ranks']} offsets >= 0")
+        out.setdefault((r["placement"], r["job"]), {})[int(r["epoch"])] = starts
+    return out
+
+
 def host_order(report: dict, path: str, wl: Workload, jobs: list) -> tuple[list[int], str]:
     """``(order, source)``: ``order[i]`` is the host (index in :func:`netns_hosts`) that model node
-    ``i`` stands for, ``jobs`` the report's jobs (:func:`stoker.sim.calibrate.netns_jobs`).
+    ``i`` stands for, ``jobs`` the report's jobs (:func:`stoker.sim.calibrate.netns_jobs`), for a
+    report without ``rank_hosts`` (:func:`recorded_ranks`).
 
-    From the rows' ``rank_hosts`` where the report records them; else the order whose predicted
-    received peer bytes per host are nearest (least squares) the kernel's ``rx_bytes`` per host
-    over the warm ``random`` epochs; the host order itself when there are none."""
+    The order whose predicted received peer bytes per host are nearest (least squares) the
+    kernel's ``rx_bytes`` per host over the warm ``random`` epochs; the host order itself when
+    there are none."""
     n = int(report["hosts"])
     hosts, keys = netns_hosts(report), netns_node_keys(report)
     rand = [r for r in report["runs"] if r["placement"] == "random"]
-    if rand and all("rank_hosts" in r for r in rand):
-        state = ClusterState(n, wl, keys)
-        budgets = np.full(n, float(dataset_budget(report["config"]["cache_bytes_per_node"], wl, 1)))
-        order: dict[int, int] = {}
-        for j in jobs:
-            pl = place_job("random", state, wl, j.world, budgets, j.seed, None)
-            row = next(r for r in rand if r["job"] == j.name)
-            for node, host in zip(pl.rank_node.tolist(), row["rank_hosts"], strict=True):
-                if order.setdefault(node, int(host)) != int(host):
-                    raise ValueError(f"{path}: rank_hosts put model node {node} on two hosts")
-        rest = iter(h for h in range(n) if h not in order.values())
-        return [order[i] if i in order else next(rest) for i in range(n)], f"{path}: rank_hosts of its random runs"
     warm = [r for r in rand if r["stoker"]["origin_bytes"] == 0]
     if not warm:
         return list(range(n)), f"{path}: no warm random epoch; model node i is host h<i>"

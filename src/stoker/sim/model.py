@@ -18,14 +18,18 @@ of a rank are fetched at once. Then decode: the node's ``decode_cores x decode_r
 shared by the chunks of its ranks like a link (a rank's workers decode a chunk's samples in
 parallel; its chunks one after the other, in order), then the accelerator (``chunk / gpu_rate`` seconds). At most
 ``prefetch_chunks`` chunks of a rank are in flight (fetching or decoding) ahead of its
-accelerator. Ranks of a job start an epoch together; the epoch ends with its slowest rank
-(DDP waits for it); GPU utilisation = (samples per rank / gpu_rate) / epoch seconds.
+accelerator. Ranks of a job start an epoch together, or each at its own offset (``Job.start_s``:
+a measured run's start-up skew; a rank's fetches and CPU work begin at its start). A rank's
+seconds run from its own start to its end, and the epoch's are the largest of them (the slowest
+rank: DDP waits for it; a measured run times each rank's own loop the same way); GPU utilisation
+= (samples per rank / gpu_rate) / epoch seconds.
 
 CPU work is a flow of its own on the cores it runs on (never one flow with bytes: a flow's max-min
 rate is in the unit of its largest part). Where every node shares one machine (the namespace
 emulation), ``machine_cores`` cores that every peer request takes ``peer_cpu_s`` of; where the
 origin and the prefetcher run on the decode cores' machine (``stoker demo``),
-``fetch_cpu_s_per_byte`` of each fetched byte on those cores. Shaped links (the emulation's
+``fetch_cpu_s_per_byte`` of each fetched byte on those cores; a rank that starts late is being
+started until then, ``starting_processes`` shares of the shared cores. Shaped links (the emulation's
 ``tbf``) can be token buckets (``link_peak_Bps``). Not modelled: TCP slow start and loss,
 stragglers, the per-step all-reduce.
 """
@@ -70,7 +74,11 @@ class Params:
     they hold tokens; 0: plain rate limits. ``fetch_cpu_s_per_byte``: CPU seconds each byte
     fetched from the origin costs on the fetching node's decode cores (the prefetcher's reads and
     cache writes, and an origin served from the same machine, as in ``stoker demo``): the fetch
-    and the decode share those cores (0: fetching costs no decode time).
+    and the decode share those cores (0: fetching costs no decode time). ``starting_processes``:
+    CPU-bound processes a rank's start-up keeps busy on the shared machine's cores (needs
+    ``machine_cores``) from its epoch's first rank start until its own start (``Job.start_s``): a
+    rank that starts late is still being started (a Ray worker process, its setup) while the
+    others read, and takes that many shares of the cores from them (0: starting costs nothing).
     """
 
     nodes: int
@@ -100,24 +108,42 @@ class Params:
     origin_bucket_bytes: float = 0.0
     link_peak_Bps: float = 0.0
     fetch_cpu_s_per_byte: float = 0.0
+    starting_processes: int = 0
 
 
 @dataclass
 class Job:
-    """One job: ``world`` ranks; ``seed``: its random placement's seed; ``name``."""
+    """One job: ``world`` ranks; ``seed``: its random placement's seed; ``name``.
+
+    ``rank_nodes``: the node (index) of each rank as a measured run placed them (None: the setup
+    draws them, :func:`stoker.sim.decide.place_job`). ``start_s``: ``{epoch: [seconds]}``, each
+    rank's start after the epoch's first (a measured run's start-up skew, ``world`` values >= 0);
+    an epoch not in it starts every rank at once."""
 
     name: str
     world: int
     seed: int = 0
-    machine_cores: float = 0.0
-    peer_cpu_s: float = 0.0
+    rank_nodes: list[int] | None = None
+    start_s: dict[int, list[float]] = field(default_factory=dict)
+
+    def starts(self, epoch: int) -> list[float]:
+        """Each rank's start offset in ``epoch``, seconds (zeros when not given). Raises
+        ValueError for a list of the wrong length or a negative offset."""
+        got = self.start_s.get(epoch)
+        if got is None:
+            return [0.0] * self.world
+        if len(got) != self.world or min(got) < 0:
+            raise ValueError(f"job {self.name!r} epoch {epoch}: start offsets {got} are not {self.world} "
+                             "values >= 0")
+        return [float(x) for x in got]
 
 
 @dataclass
 class EpochResult:
-    """One job's epoch: ``seconds``, ``gpu_utilization`` (None without an accelerator rate),
-    ``bytes`` per kind of link (:data:`LINK_KINDS`), ``samples``, ``link_bytes`` per link,
-    ``decode_s`` core-seconds of decode."""
+    """One job's epoch: ``seconds`` (its slowest rank's), ``gpu_utilization`` (None without an
+    accelerator rate), ``bytes`` per kind of link (:data:`LINK_KINDS`), ``samples``, ``link_bytes``
+    per link, ``decode_s`` core-seconds of decode, ``rank_seconds``: each rank's own seconds (from
+    its start to its end), in rank order."""
 
     job: str
     epoch: int
@@ -127,6 +153,7 @@ class EpochResult:
     samples: int
     link_bytes: dict = field(default_factory=dict)
     decode_s: float = 0.0
+    rank_seconds: list[float] = field(default_factory=list)
 
 
 def _links(p: Params) -> dict[str, float]:
@@ -255,9 +282,21 @@ class _Run:
             self.fill_of[mh, mb] = 0
             self.filling.pop(landed).succeed()
 
-    def rank(self, node: int, plan: np.ndarray, owner: np.ndarray, finished: list):
-        """SimPy process of one rank's epoch; appends its finish time to ``finished``."""
+    def rank(self, node: int, plan: np.ndarray, owner: np.ndarray, seconds: list, index: int,
+             start_s: float = 0.0):
+        """SimPy process of one rank's epoch, begun ``start_s`` seconds from now (nothing of it
+        before); sets ``seconds[index]`` to its own seconds, from its start to its end."""
         p, env = self.p, self.env
+        if start_s > 0:  # its start-up (a process started for it, its setup) runs until then, on
+            starting = []  # the shared cores: never ending by itself (at most start_s x all cores)
+            if p.starting_processes > 0 and self.machine_cpu >= 0:
+                size = np.array([2 * start_s * p.machine_cores])
+                starting = [self.net.transfer_at(np.array([self.machine_cpu]), size)
+                            for _ in range(p.starting_processes)]
+            yield env.timeout(start_s)
+            for flow in starting:
+                self.net.stop(flow)
+        t0 = env.now
         chunks = [plan[i:i + p.chunk_samples] for i in range(0, len(plan), p.chunk_samples)]
         ready = [env.event() for _ in chunks]
         tokens = simpy.Container(env, capacity=max(1, p.prefetch_chunks), init=max(1, p.prefetch_chunks))
@@ -305,7 +344,7 @@ class _Run:
             if p.gpu_rate > 0:
                 yield env.timeout(len(c) / p.gpu_rate)
             yield tokens.put(1)
-        finished.append(env.now)
+        seconds[index] = env.now - t0
 
 
 def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
@@ -315,10 +354,11 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
 
     ``together``: the jobs run each epoch at the same time (sharing links and caches); False:
     one after the other (as ``stoker bench cluster --netns`` runs them). Every job is placed
-    once, before its first epoch (jobs placed in list order). Returns one
+    once, before its first epoch (jobs placed in list order; on its ``rank_nodes`` when given).
+    Each rank starts at its job's ``start_s`` offset for the epoch. Returns one
     :class:`EpochResult` per job and epoch, in run order; the ``bytes`` and ``link_bytes`` of
     jobs run together are those of the whole group in that epoch (the same in each of their
-    rows). Raises ValueError for a setup or placement that cannot be made.
+    rows). Raises ValueError for a setup or placement that cannot be made, or bad start offsets.
     """
     run = _Run(p, wl, setup, len(jobs))
     budgets = np.full(p.nodes, run.budget)
@@ -327,26 +367,24 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
     for e in range(epochs):
         groups = [jobs] if together else [[j] for j in jobs]
         for group in groups:
-            starts, marks = {}, {}
-            procs = {}
+            marks, procs = {}, {}
             for j in group:
                 if j.name not in placed:
-                    placed[j.name] = place_job(setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node)
+                    placed[j.name] = place_job(setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node,
+                                               j.rank_nodes)
                 pl = placed[j.name]
                 plans = epoch_plans(setup, wl, pl, e, p.seed, p.order, p.window)
-                starts[j.name] = run.env.now
                 marks[j.name] = (dict(run.counts), dict(run.net.bytes_on), max(len(x) for x in plans), run.decode_s)
-                fins: list = []
-                procs[j.name] = fins
-                for r, plan in enumerate(plans):
-                    run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, fins))
+                secs_of = procs[j.name] = [0.0] * len(plans)
+                for r, (plan, start) in enumerate(zip(plans, j.starts(e), strict=True)):
+                    run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, secs_of, r, start))
             run.env.run()  # until every rank of the group is done
             for j in group:
                 c0, l0, q, d0 = marks[j.name]
-                secs = max(procs[j.name]) - starts[j.name]
+                secs = max(procs[j.name])
                 util = (q / p.gpu_rate) / secs if p.gpu_rate > 0 and secs > 0 else None
                 out.append(EpochResult(j.name, e, secs, util,
                                        {k: run.counts[k] - c0[k] for k in LINK_KINDS}, q * j.world,
                                        {k: run.net.bytes_on[k] - l0[k] for k in run.net.bytes_on},
-                                       run.decode_s - d0))
+                                       run.decode_s - d0, list(procs[j.name])))
     return out

@@ -242,6 +242,25 @@ class FlowNetwork:
         self._defer()
         return ev
 
+    def stop(self, ev: simpy.Event) -> None:
+        """End now the flow whose :meth:`transfer` event is ``ev``, however much it has left (work
+        whose end is known and whose amount is not, e.g. a process starting up): its event fires,
+        and ``bytes_on`` keeps only what it moved on its limited links (an unlimited one keeps the
+        whole part, counted at the start). Raises ValueError if ``ev`` is no flow in progress."""
+        hit = [i for i, e in enumerate(self._events.tolist()) if e is ev]
+        if not hit:
+            raise ValueError("stop: the event is no flow in progress")
+        self._advance()
+        i = hit[0]
+        slot = int(self._cls[i])
+        a, b = (int(x) for x in self._span[slot])
+        left = max(float(self._left[i]), 0.0)
+        self._bytes_on[self._e_link[a:b]] -= left * self._e_load[a:b]
+        done = np.zeros(len(self._left), dtype=bool)
+        done[i] = True
+        self._finish(done)
+        self._defer()
+
     def _new_class(self, key: tuple, links: np.ndarray, loads: np.ndarray) -> int:
         if self._free:
             slot = self._free.pop()

@@ -18,10 +18,9 @@ from .calibrate import (
     demo_params,
     demo_workload,
     fit_link_factor,
-    fit_peer_cpu,
+    fit_starting,
     local_latency,
     measure_cache_read_Bps,
-    netns_jobs,
     netns_params,
     netns_setup,
 )
@@ -64,9 +63,11 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
     ``job``, ``epoch``, ``measured_s``, ``predicted_s``, ``measured_bytes``,
     ``predicted_bytes`` (``{"origin", "host_to_host"}``, bytes), ``kernel_bytes`` (namespace
     runs), ``time_error``/``bytes_error`` (predicted / measured - 1) and ``in_sample`` (the row
-    is of the calibration run). ``measured``: the namespace runs' own datasets, node keys and host
-    order (:func:`stoker.sim.calibrate.netns_setup`; False: made-up ones). Raises OSError/ValueError
-    for unreadable reports.
+    is of the calibration run); namespace rows also ``rank_start_s``, ``measured_rank_s`` and
+    ``predicted_rank_s`` (each rank's start offset and own seconds; None where the report has
+    none). ``measured``: the namespace runs' own datasets, node keys, rank hosts and rank starts
+    (:func:`stoker.sim.calibrate.netns_setup`; False: made-up ones, ranks started together).
+    Raises OSError/ValueError for unreadable reports.
     """
     params: dict[str, Calibrated] = {"cache_read_Bps": measure_cache_read_Bps()}
     rows: list[dict] = []
@@ -82,12 +83,12 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
         for path in netns_paths:
             factors[path] = params[f"link delivered fraction of {path}"] = fit_link_factor(
                 _load(path), path, params["local_latency_s"].value, setups[path])
-        params["peer_cpu_s"] = fit_peer_cpu(cal, cal_path, params["local_latency_s"].value, factors[cal_path].value,
-                                            setup=setups[cal_path])
+        params["starting_processes"], params["peer_cpu_s"] = fit_starting(
+            cal, cal_path, params["local_latency_s"].value, factors[cal_path].value, setups[cal_path])
     for path in netns_paths:
         rep = _load(path)
         p = netns_params(rep, params["local_latency_s"].value, params["peer_cpu_s"].value, factors[path].value,
-                         setups[path].node_keys, setups[path].peak_Bps)
+                         setups[path].node_keys, setups[path].peak_Bps, int(params["starting_processes"].value))
         p.cache_read_Bps = params["cache_read_Bps"].value
         params[f"links of {path}"] = Calibrated(p.nic_Bps, f"{path}: host links (tbf Mbit/s) x its delivered "
                                                            f"fraction, bytes/s; origin latency "
@@ -95,7 +96,8 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
         fitted = cold_direct_row(rep, path)
         wl = setups[path].workload
         for placement in dict.fromkeys(r["placement"] for r in rep["runs"]):
-            res = simulate(p, wl, placement, netns_jobs(rep), rep["config"]["epochs"], together=False)
+            res = simulate(p, wl, placement, setups[path].jobs(rep, placement), rep["config"]["epochs"],
+                           together=False)
             pred = {(r.job, r.epoch): r for r in res}
             for m in (r for r in rep["runs"] if r["placement"] == placement):
                 s = pred[(m["job"], m["epoch"])]
@@ -107,6 +109,8 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
                              "kernel_bytes": {"origin": m["kernel"]["origin_link_bytes"],
                                               "host_to_host": m["kernel"]["host_link_bytes"]},
                              "dataset_bytes": rep["dataset"]["bytes"],
+                             "rank_start_s": m.get("rank_start_s"), "measured_rank_s": m.get("rank_seconds"),
+                             "predicted_rank_s": s.rank_seconds,
                              "in_sample": path == cal_path or m is fitted})
     if demo_path:
         demo = _load(demo_path)
