@@ -7,12 +7,19 @@ the rate; a plain rate limit would charge every sample ``bytes / rate``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .network import FlowNetwork
+
+class _Links(Protocol):
+    """What the buckets use of a :class:`stoker.sim.network.FlowNetwork` (named structurally, so
+    this module does not import the network module that imports it)."""
+
+    index: dict[str, int]
+    capacity: np.ndarray
+
+    def link_use(self, links: np.ndarray) -> np.ndarray: ...
 
 
 class TokenBuckets:
@@ -30,7 +37,7 @@ class TokenBuckets:
     #: A bucket holding at most this fraction of its bytes is empty (rounding of the clock).
     EMPTY = 1e-9
 
-    def __init__(self, net: FlowNetwork, buckets: dict[str, tuple[float, float]]):
+    def __init__(self, net: _Links, buckets: dict[str, tuple[float, float]]):
         """``net``: the network whose links ``buckets`` (``{link: (bytes, peak bytes/s)}``) shape;
         their capacities become the peaks (the buckets start full). Raises ValueError for a
         bucket of no bytes, a peak under the link's rate or an unlimited link."""
