@@ -158,6 +158,14 @@ def test_what_the_deployment_holds():
     vols = {v["name"]: v for v in ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]}
     assert any("hostPath" in v for v in vols.values()), "the node cache on a hostPath"
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in vols.values()), "the memory tier in RAM"
+    # the cluster's Ray is the one the ``cluster`` extra pins (Ray's client and nodes must agree)
+    import re
+    import tomllib
+    extra = tomllib.loads((DEPLOY.parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = [r for r in extra["cluster"] if r.startswith("ray")]
+    lo, hi = re.fullmatch(r"ray>=(\d+\.\d+),<(\d+\.\d+)", pin.replace(" ", "")).groups()
+    version = tuple(int(x) for x in ray["spec"]["rayVersion"].split("."))
+    assert tuple(map(int, lo.split("."))) <= version[:2] < tuple(map(int, hi.split("."))), (pin, version)
 
 
 def test_validation_catches_mistakes():
