@@ -465,3 +465,17 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
     assert victim["failed"] > 0 and all("hangs" in why for why in victim["failed_shards"].values())
     assert not r["complete"]
     assert [n["cached_fraction"] for n in r["nodes"].values()] == [1.0, 1.0]  # the others: filled
+
+
+def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path):
+    """``cache_bytes`` and ``block_bytes`` of ``run``/``warm`` take size strings, as ``open_dataset``
+    does; one that does not parse is a ValueError naming the argument, before any service starts."""
+    from stoker.cluster import run
+    from stoker.cluster.service import stop_services
+    from stoker.cluster.warmup import warm
+    stop_services()
+    r = warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes="64MiB", block_bytes="64KiB")
+    assert r["complete"] and {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}
+    with pytest.raises(ValueError, match="cache_bytes.*sixty"):
+        run(lambda ctx: None, packed_local, 1, cache_bytes="sixty megs")
+    stop_services()

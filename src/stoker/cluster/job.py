@@ -169,7 +169,7 @@ def _rank_main(train_fn, spec: dict):
 
 def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | None = None, *,
         storage_options: dict | None = None, placement: str = "colocated", cache_root: str | None = None,
-        cache_bytes: int | None = None, block_bytes: int | None = None, seed: int = 0, job: str = "job",
+        cache_bytes: int | str | None = None, block_bytes: int | str | None = None, seed: int = 0, job: str = "job",
         slots_per_node: int | None = None, peer_timeout_s: float = 30.0, retry_s: float = 1.0,
         timeout_s: float | None = None, wait: bool = True, start_timeout_s: float = 30.0):
     """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
@@ -178,8 +178,9 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
     (``{"CPU": 1, "GPU": 1, ...}``, default one CPU); ``placement``: ``"colocated"`` (TDCS) or
     ``"random"`` (seeded by ``seed``, for comparison); ``cache_root``/``cache_bytes``: where and
     how big the node caches are when this call starts the services (default
-    ``$STOKER_CACHE_DIR/cluster``, 8 GiB; services already running keep theirs);
-    ``block_bytes``: the cache block (default 1 MiB; every job of a dataset must use the same);
+    ``<default cache dir>/cluster``, 8 GiB per node; bytes or a size string such as
+    ``"64MiB"``; services already running keep theirs); ``block_bytes``: the cache block (bytes
+    or a size string; default 1 MiB; every job of a dataset must use the same);
     ``slots_per_node``: most ranks per node. ``ctx`` is a :class:`WorkerContext`.
 
     Co-location is a preference, capacity a limit: a node gets no more ranks than its free

@@ -404,17 +404,22 @@ def stop_services() -> int:
     return n
 
 
-def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes: int | None,
-            block_bytes: int | None, detached: bool = True, down: dict[str, str] | None = None):
+def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes,
+            block_bytes: int | str | None, detached: bool = True, down: dict[str, str] | None = None):
     """The common first steps of ``run`` and ``warm``: start the services where missing (default
     root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
-    index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``. RuntimeError
+    index. ``cache_bytes``: bytes per node (an int, a size string such as ``"64MiB"``, or a dict
+    of them by node id). Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``.
+    ValueError (naming ``cache_bytes``) for a size that does not parse; RuntimeError
     when no service answers; a service that cannot start raises as in :func:`start_services`,
     or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out."""
+    from .._units import parse_size
     from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
     opts = dict(storage_options or {})
-    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"),
-                   DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes, detached=detached, down=down)
+    budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
+    budget = ({nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()} if isinstance(budget, dict)
+              else parse_size(budget, "cache_bytes"))
+    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
     if not services:
         why = "; ".join(down.values()) if down else ""

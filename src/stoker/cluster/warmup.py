@@ -35,7 +35,7 @@ REPORT_TIMEOUT_S = 30.0
 
 
 def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
-         cache_bytes: int | None = None, block_bytes: int | None = None, chunk_blocks: int = 16, concurrency: int = 8,
+         cache_bytes: int | str | None = None, block_bytes: int | str | None = None, chunk_blocks: int = 16, concurrency: int = 8,
          progress: bool = False, detached: bool = True, fill_timeout_s: float | None = None) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
