@@ -322,3 +322,23 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_the_ranks_of_a_node_get_consecutive_ports_from_the_environment(monkeypatch):
+    """Under torchrun every rank of a node sees one ``$STOKER_METRICS_PORT``: each serves on it
+    plus its ``$LOCAL_RANK``, so the second rank is not left without metrics."""
+    from stoker.metrics import metrics_port_from_env
+    monkeypatch.setenv("STOKER_METRICS_PORT", "9300")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert metrics_port_from_env() == 9300
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert metrics_port_from_env() == 9303
+    monkeypatch.setenv("STOKER_METRICS_PORT", "0")  # any free port, whatever the rank
+    assert metrics_port_from_env() == 0
+    monkeypatch.setenv("STOKER_METRICS_PORT", "65535")
+    with pytest.raises(ValueError, match="LOCAL_RANK = 65538"):
+        metrics_port_from_env()
+    monkeypatch.setenv("STOKER_METRICS_PORT", "9300")
+    monkeypatch.setenv("LOCAL_RANK", "two")
+    with pytest.raises(ValueError, match=r"\$LOCAL_RANK must be a non-negative integer, got 'two'"):
+        metrics_port_from_env()

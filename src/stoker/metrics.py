@@ -71,8 +71,11 @@ def _client():
 
 
 def metrics_port_from_env() -> int | None:
-    """``$STOKER_METRICS_PORT`` as a port number (None when unset or empty); ValueError naming
-    the variable for text that is not a port (0..65535; 0 = any free port)."""
+    """``$STOKER_METRICS_PORT`` as a port number (None when unset or empty), plus ``$LOCAL_RANK``
+    when that is set (torchrun and ``torch.distributed`` launchers set it: the ranks of one node
+    then serve on consecutive ports instead of all asking for one). ValueError naming the
+    variable for text that is not a port (0..65535; 0 = any free port, whatever the rank) or a
+    ``$LOCAL_RANK`` that is not a non-negative integer."""
     text = os.environ.get(PORT_ENV, "").strip()
     if not text:
         return None
@@ -82,6 +85,13 @@ def metrics_port_from_env() -> int | None:
         raise ValueError(f"${PORT_ENV} must be a port number, got {text!r}") from None
     if not 0 <= port <= 65535:
         raise ValueError(f"${PORT_ENV} must be a port number in 0..65535, got {port}")
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if port and local:
+        if not local.isdigit():
+            raise ValueError(f"$LOCAL_RANK must be a non-negative integer, got {local!r}")
+        port += int(local)
+        if port > 65535:
+            raise ValueError(f"${PORT_ENV} + $LOCAL_RANK = {port} is not a port number")
     return port
 
 

@@ -99,7 +99,8 @@ class Loader:
     The images of a batch live in shared memory; the slot is reused only after
     every reference to the batch tensor is dropped.
     ``metrics_port``: serve Prometheus metrics of this loader on that port (0: any free one;
-    default ``$STOKER_METRICS_PORT``, none when unset; :mod:`stoker.metrics` lists them; needs
+    default ``$STOKER_METRICS_PORT`` plus ``$LOCAL_RANK`` when set, so the ranks of a node
+    serve on consecutive ports; none when unset; :mod:`stoker.metrics` lists them; needs
     the ``metrics`` extra: ImportError without it, OSError when the port is taken; a port from
     the environment that is taken is logged and training goes on). ``metrics_url`` is where.
     The live figures also go, every second, beside the node cache's job records, where
