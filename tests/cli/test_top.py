@@ -145,3 +145,20 @@ def test_with_no_live_job_the_recorded_budget_and_url_are_shown(packed_local, tm
     (c,) = snapshot(str(cache))["caches"]
     assert c["capacity_bytes"] == 64 << 20
     assert [d["url"] for d in c["datasets"]] == [packed_local]
+
+
+def test_a_piped_frame_is_not_cut_to_80_columns(packed_local, tmp_path):
+    """`stoker top --once` into a pipe prints whole figures and headers (rich would squeeze a
+    table to 80 columns when output is not a terminal)."""
+    import os
+
+    import stoker
+    cache = tmp_path / "cache"
+    ds = stoker.open_dataset(packed_local, cache_dir=str(cache), cache_bytes="64MiB")
+    ds[0]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "stoker.cli", "top", str(cache), "--once"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "…" not in out.stdout and "..." not in out.stdout, out.stdout  # a cut cell or line
+    assert f"cache {cache}:" in out.stdout and "hit ratio" in out.stdout and "first batch s" in out.stdout

@@ -108,7 +108,8 @@ def add_parsers(sub) -> None:
     s.add_argument("dst", help="fsspec URL of the packed dataset")
     s.add_argument("--shard-size", type=size_arg, default=64 << 20, help="target shard size (default 64MiB)")
     s.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
-    s.add_argument("--read-workers", type=int, default=16)
+    s.add_argument("--read-workers", type=int, default=16,
+                   help="source files read at once (threads; default 16): more for a far object store")
     s.add_argument("--storage-options", help="fsspec storage options for SRC and DST, as JSON")
     s.add_argument("--src-storage-options", "--src-options", dest="src_options", action=OptionsFlag,
                    help="fsspec storage options for SRC only, as JSON (in place of --storage-options)")

@@ -172,6 +172,8 @@ def cmd_top(a) -> int:
     from rich.console import Console
     from rich.live import Live
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=160)  # piped or to a file: rich's 80 columns would cut the figures
     if a.once or not console.is_terminal:
         console.print(render(snapshot(a.dir, a.budget)))
         return 0
