@@ -60,11 +60,17 @@ def print_table(report: dict) -> None:
               f"{r['samples_per_s']:>10.0f} {stall:>6} {r['origin_bytes'] / 1e6:>10.1f} "
               f"{hr:>9} {fb:>13} {ov:>7} {eo:>12}")
     print()
-    for name, c in report.get("checks", {}).items():
+    print_checks(report.get("checks", {}))
+    print()
+
+
+def print_checks(checks: dict) -> None:
+    """One line per check of a demo report: ``[ok] name: value (target ...)`` or ``[MISS] ...``
+    (each check a dict with ``ok``, ``value`` and ``target``)."""
+    for name, c in checks.items():
         v = c["value"]
         vs = f"{v:.2f}" if isinstance(v, float) else str(v)
         print(f"  [{'ok' if c['ok'] else 'MISS'}] {name}: {vs} (target {c['target']})")
-    print()
 
 
 def write_plot(report: dict, path: str) -> None:
