@@ -71,3 +71,21 @@ def fault_proxy(options: dict):
     from stoker.bench.faultproxy import FaultProxy
     proxy = FaultProxy(options["endpoint_url"])
     return proxy, {**options, "endpoint_url": proxy.endpoint_url}
+
+
+class SpeechDecode:
+    """A user decode for speech samples (``utt.wav`` + ``utt.txt`` packed with ``--source
+    files``): ``{"audio": float32 (n,) mono, "text": the transcript (str)}``, ``n`` drawn by the
+    sample's rng between 10 ms and ``max_seconds`` (so batches differ in width and slots grow).
+    A class at module level: it pickles to the workers under every start method."""
+
+    def __init__(self, max_seconds: float = 0.3):
+        self.max_seconds = float(max_seconds)
+
+    def __call__(self, fields: dict, rng) -> dict:
+        import io
+
+        import soundfile as sf
+        data, rate = sf.read(io.BytesIO(fields["wav"]), dtype="float32", always_2d=True)
+        n = int(rng.integers(rate // 100, int(self.max_seconds * rate)))
+        return {"audio": data.mean(axis=1)[:n].copy(), "text": fields["txt"].decode()}

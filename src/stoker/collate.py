@@ -1,8 +1,9 @@
 """Built-in collates for :class:`stoker.Loader` ``collate=``: a list of decoded samples -> one batch.
 
-A collate runs in the decode worker processes, after the user's ``decode``. When the batch it
-returns is numpy arrays or torch tensors (alone, or in a dict, tuple or list, nested), the
-Loader moves it through a shared-memory slot without pickling (:mod:`stoker.loader.batches`).
+A collate runs in the decode worker processes, after the user's ``decode``. The numpy arrays and
+torch tensors of the batch it returns (alone, or in a dict, tuple or list, nested) move through a
+shared-memory slot without pickling; its other leaves (strings, numbers) are pickled beside them
+(:mod:`stoker.loader.batches`).
 
 - :func:`default`: torch's ``default_collate`` semantics (arrays and numbers stacked into
   tensors, dicts and sequences collated field by field, strings and bytes kept as lists), after a

@@ -93,17 +93,28 @@ class OriginError(StokerError, OSError):
 
     Attributes: ``url`` (str), ``start``/``end`` (byte range or None), ``attempts`` (int),
     ``code`` (the S3 error code such as ``SlowDown``, ``AccessDenied``, ``NoSuchKey``, or None),
-    ``status`` (HTTP status or None), ``elapsed_s`` (seconds spent, retries included).
+    ``status`` (HTTP status or None), ``elapsed_s`` (seconds spent, retries included), ``detail``
+    (the failure, without the URL and counts), ``tried`` (None, or when more than one process
+    tried this read: ``[(who, attempts, seconds), ...]`` in the order they tried, e.g. the
+    prefetcher's fetch of the block that a worker's read waited for, then the worker's own; then
+    ``attempts`` is their sum and ``elapsed_s`` the seconds from the first one's start; the
+    message lists them).
     """
 
     def __init__(self, url: str, message: str, start: int | None = None,
                  end: int | None = None, attempts: int = 1, *, code: str | None = None,
-                 status: int | None = None, elapsed_s: float | None = None):
+                 status: int | None = None, elapsed_s: float | None = None,
+                 tried: list[tuple[str, int, float]] | None = None):
         rng = f" bytes {start}-{end}" if start is not None else ""
         took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
-        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}: {message}")
+        who = ""
+        if tried:  # e.g. [the prefetcher (pid 7): 3 in 2.0 s; then worker 0 (pid 9), having waited for it: 1 in 0.0 s]
+            who = " [" + "; then ".join(f"{w}{', having waited for it' if j else ''}: {a} in {t:.1f} s"
+                                        for j, (w, a, t) in enumerate(tried)) + "]"
+        super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}{who}: {message}")
         self.url, self.start, self.end, self.attempts = url, start, end, attempts
         self.code, self.status, self.elapsed_s = code, status, elapsed_s
+        self.detail, self.tried = message, tried
 
 
 class OriginNotFoundError(OriginError, FileNotFoundError):

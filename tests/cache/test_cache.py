@@ -222,6 +222,27 @@ def test_fetch_lock_released_although_a_child_forked_while_it_was_held(tmp_path)
         child.join(5)
 
 
+def test_a_failed_fill_is_noted_in_its_fetch_lock_for_that_block_only(tmp_path):
+    """The note a failed fill leaves for the processes that waited on it: read back for its own
+    block, not for another block on the same lock stripe; a shorter note replaces a longer one
+    whole; the lock itself still works with a note in its file."""
+    cache = DiskCache(str(tmp_path), 1 << 20)
+    assert cache.fill_failure("ns", "blk") is None
+    note = {"pid": 7, "t0": 1.0, "t1": 3.0, "tried": [["the prefetcher (pid 7)", 4, 2.0]]}
+    cache.note_fill_failure("ns", "blk", note)
+    assert cache.fill_failure("ns", "blk") == {"block": "ns/blk", **note}
+    stripe = cache._stripe("ns", "blk")
+    same = next(n for n in (f"other-{k}" for k in range(1 << 20)) if cache._stripe("ns", n) == stripe)
+    assert cache.fill_failure("ns", same) is None  # the stripe's note is another block's
+    cache.note_fill_failure("ns", same, {"pid": 9})
+    assert cache.fill_failure("ns", same) == {"block": f"ns/{same}", "pid": 9}
+    assert cache.fill_failure("ns", "blk") is None
+    with cache.fetch_lock("ns", "blk", blocking=False) as got:
+        assert got
+        with cache.fetch_lock("ns", same, blocking=False) as other:
+            assert not other  # one stripe: single flight as before
+
+
 def test_a_block_filled_while_its_reader_waited_is_no_tier_hit(tmp_path, packed_local):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=64 << 20, memory_bytes=64 << 20,
                       memory_dir=str(tmp_path / "shm"), block_bytes=128 << 10)

@@ -146,11 +146,70 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origi
     with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=60) as loader:
         with pytest.raises(WorkerError, match="OriginError") as err:
             next(iter(loader))
-        assert isinstance(err.value.__cause__, OriginError)  # the worker's own error, to catch
+        cause = err.value.__cause__
+        assert isinstance(cause, OriginError)  # the worker's own error, to catch
+        # what was tried, whichever process tried: the worker alone, or the prefetcher whose
+        # fetch of the block it waited for, then the worker with what was left of the budget
+        assert cause.attempts >= 2 and cause.elapsed_s >= 1.0
+        assert f"after {cause.attempts} attempt(s) in {cause.elapsed_s:.1f} s" in str(err.value)
     proxy.set_fault(Fault("status", 503, count=2, match=object_gets))  # transient: two failures, then the retry succeeds
     retries, injected = ds.origin.counters.retries, proxy.stats()["faults_injected"]
     assert ds.read(1) == (sample_tree / "train" / f"{ds.key(1)}.JPEG").read_bytes()
     assert ds.origin.counters.retries - retries == proxy.stats()["faults_injected"] - injected == 2
+
+
+def _fill_as_prefetcher(ds, b: int) -> None:
+    from stoker import OriginError
+    from stoker.loader.workers import fresh_copy
+    try:
+        fresh_copy(ds).fill_block(b, blocking=False, want_data=False)
+    except OriginError:
+        pass  # expected: the read that waited for this fill reports it
+
+
+def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts(
+        s3_origin, origin_faults, sample_tree, tmp_path, monkeypatch):
+    """The prefetcher spends the retry budget on a block the origin keeps throttling; a read
+    that waited for that fetch then makes its one remaining try. Its error counts every
+    attempt of both processes (exactly the 503s the origin served) and the seconds since the
+    first, and names both; it no longer says "1 attempt(s) in 0.0 s"."""
+    import multiprocessing as mp
+    import time
+
+    from stoker import OriginError
+    from stoker.bench.faultproxy import Fault
+    from stoker.bench.origin import upload_tree
+    from stoker.store.pack import pack
+    monkeypatch.setenv("STOKER_RETRY_BUDGET_S", "2")
+    plain = s3_origin.storage_options()
+    upload_tree(str(sample_tree / "train"), s3_origin.url("wait/raw"), plain)
+    url = s3_origin.url("wait/packed")
+    pack(s3_origin.url("wait/raw"), url, storage_options=plain, progress=False)
+    proxy, opts = origin_faults
+    ds = open_dataset(url, cache_dir=str(tmp_path), cache_bytes=64 << 20, storage_options=opts)
+    proxy.set_fault(Fault("status", 503))  # every shard GET
+    pre = mp.get_context("fork").Process(target=_fill_as_prefetcher, args=(ds, int(ds.sample_block[0])),
+                                         name="stoker-prefetch")
+    pre.start()
+    try:
+        deadline = time.monotonic() + 30  # it holds the block's fetch lock from before its first GET
+        while proxy.stats()["faults_injected"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxy.stats()["faults_injected"] > 0, "the prefetcher's fetch never reached the origin"
+        with pytest.raises(OriginError) as err:
+            ds.read(0)
+    finally:
+        pre.join(30)
+    e = err.value
+    assert e.tried is not None and len(e.tried) == 2, str(e)
+    (first, n0, s0), (then, n1, s1) = e.tried
+    assert first == f"the prefetcher (pid {pre.pid})" and then == f"the main process (pid {os.getpid()})"
+    assert n0 >= 1 and n1 >= 1 and e.attempts == n0 + n1 == proxy.stats()["faults_injected"]
+    assert e.elapsed_s >= max(s0, s1) and e.code == "SlowDown"
+    shard = ds.index.shard_name(ds.block_shard[ds.sample_block[0]])
+    assert str(e).startswith(f"origin error reading {url}/{shard} bytes "), str(e)
+    assert (f"after {e.attempts} attempt(s) in {e.elapsed_s:.1f} s [the prefetcher (pid {pre.pid}): {n0} in "
+            f"{s0:.1f} s; then the main process (pid {os.getpid()}), having waited for it: {n1} in") in str(e)
 
 
 def test_an_epoch_cut_short_is_not_replayed(packed_local):

@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from _helpers import require
+from _helpers import SpeechDecode, require
 from stoker import Loader, open_dataset, pack
-from stoker.collate import pack_tokens
+from stoker.collate import pack_tokens, pad
 from stoker.order import sample_seed
 
 ALSA = "/usr/share/sounds/alsa"
@@ -98,3 +98,31 @@ def test_audio_batches_of_fixed_shape_come_through_shared_memory(audio_s3, tmp_p
                        np.random.default_rng(sample_seed(9, 0, int(sid))))
             assert rate == int(batch["rate"][j]) == 48000
             assert np.array_equal(batch["audio"][j].numpy(), want["audio"])
+
+
+def test_speech_batches_move_the_audio_through_shared_memory_and_pickle_only_the_text(audio_s3, tmp_path):
+    """The README's speech example: ``{"audio": padded tensor, "lengths", "text": [str, ...]}``.
+    The arrays go through the slot, only the strings are pickled, and the batches are those the
+    training process makes itself (num_workers=0), same values, structure and types."""
+    torch = require("torch", "torch")
+    require("audio decode", "soundfile", ALSA)
+    url, opts = audio_s3
+    runs = {}
+    for nw in (0, 2):
+        ds = open_dataset(url, storage_options=opts, cache_dir=str(tmp_path / f"w{nw}"), cache_bytes=64 << 20)
+        with Loader(ds, 4, decode=SpeechDecode(0.3), collate=pad("audio"), num_workers=nw, seed=9) as loader:
+            plan = loader.plan()
+            runs[nw] = list(loader), loader.stats
+    (ref, _), (got, st) = runs[0], runs[2]
+    texts = [t for b in got for t in b["text"]]
+    assert texts == [ds.key(int(s)).replace("_", " ") for s in plan]
+    assert st.exactly_once and st.shm_batches == len(got) == 3 and st.pickled_batches == 0
+    # the transcripts and a little framing per string and per batch; the audio is ~100 times more
+    assert 0 < st.pickled_bytes <= sum(len(t.encode()) + 8 for t in texts) + 64 * len(got)
+    assert sum(b["audio"].numel() * 4 for b in got) > 100 * st.pickled_bytes
+    assert len({b["audio"].shape[1] for b in got}) > 1  # widths differ: the slots grew
+    for a, b in zip(ref, got, strict=True):
+        assert type(b) is dict and list(b) == list(a) and set(b) == {"audio", "lengths", "text"}
+        assert type(b["audio"]) is type(b["lengths"]) is torch.Tensor and type(b["text"]) is list
+        assert torch.equal(a["audio"], b["audio"]) and torch.equal(a["lengths"], b["lengths"])
+        assert a["text"] == b["text"]

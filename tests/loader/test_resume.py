@@ -11,7 +11,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from _helpers import require
+from _helpers import SpeechDecode, require
 from stoker import Loader, open_dataset, pack
 from stoker.collate import pack_tokens, pad
 
@@ -24,9 +24,10 @@ def _digest(images, labels) -> str:
 
 def _item(x):
     """A comparable digest of one stream item: a batch (images, labels), a user-collated batch
-    (a dict of tensors) or a sample id."""
+    (a dict of tensors, and of lists of strings) or a sample id."""
     if isinstance(x, dict):
-        return hashlib.sha1(b"".join(k.encode() + v.numpy().tobytes() for k, v in sorted(x.items()))).hexdigest()
+        return hashlib.sha1(b"".join(k.encode() + (v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode())
+                                     for k, v in sorted(x.items()))).hexdigest()
     return _digest(*x) if isinstance(x, tuple) else int(x)
 
 
@@ -65,7 +66,8 @@ _REAL: dict = {}
 
 def _real(kind):
     """(local dataset URL, decode) of real data packed with --source files, made once: the
-    standard library's .py files with a BPE trained on them, or Debian's ALSA recordings."""
+    standard library's .py files with a BPE trained on them, or Debian's ALSA recordings (alone,
+    or with a transcript each: speech)."""
     if kind not in _REAL:
         from stoker.bench import realdata
         tmp = tempfile.mkdtemp(prefix=f"stoker-resume-{kind}-")
@@ -78,6 +80,11 @@ def _real(kind):
             require("audio decode", "soundfile", realdata.ALSA_DIR)
             shutil.copytree(realdata.ALSA_DIR, tmp + "/src")
             decode = realdata.AudioDecode(seconds=0.1)
+            if kind == "speech":
+                for n in os.listdir(tmp + "/src"):
+                    with open(f"{tmp}/src/{n[:-4]}.txt", "w") as f:
+                        f.write(n[:-4].replace("_", " "))
+                decode = SpeechDecode(0.1)
         pack(tmp + "/src", tmp + "/ds", source="files", shard_bytes=32 << 10, progress=False)
         _REAL[kind] = (tmp + "/ds", decode)
     return _REAL[kind]
@@ -106,6 +113,9 @@ STAGES = {
     "real-text-pack-tokens-w2": _real_loader("text", batch_size=4, num_workers=2,
                                              collate=pack_tokens(64, eos_id=0)),
     "real-audio-w2": _real_loader("audio", batch_size=2, num_workers=2),
+    # arrays mixed with strings ({"audio", "lengths", "text": [str]}): the audio through shared
+    # memory, the text pickled, slots grown by the varying widths
+    "real-speech-pad-w2": _real_loader("speech", batch_size=2, num_workers=2, collate=pad("audio")),
     "sample-stream": _stream_stage(),
     "sample-stream-rank2of3": _stream_stage(order="uniform", rank=2, world_size=3, even="drop"),
 }

@@ -1,7 +1,11 @@
 """The user's decode and collate in the workers: batches through shared memory (or pickled),
 the per-sample rng, the built-in collates, and the errors that name the sample."""
+import collections
+import pickle
+
 import numpy as np
 import pytest
+import torch
 
 from stoker import Loader, WorkerError, open_dataset
 from stoker import collate as C
@@ -32,6 +36,35 @@ def var_tokens(fields, rng):
 def keyed_strings(samples):
     """Not arrays: pickled."""
     return [f"{len(s['head'])}:{int(s['n'])}" for s in samples]
+
+
+Pair = collections.namedtuple("Pair", "heads keys")
+
+
+def mixed(samples):
+    """Arrays and tensors mixed with strings, numbers, a namedtuple, an OrderedDict and a bfloat16
+    tensor (no numpy equal: pickled with the strings)."""
+    heads = np.stack([s["head"] for s in samples])
+    return {"x": Pair(torch.from_numpy(heads), [f"n={int(s['n'])}" for s in samples]),
+            "meta": collections.OrderedDict(n=np.array([s["n"] for s in samples]), tag="batch",
+                                            r=[s["r"] for s in samples]),
+            "bf": torch.tensor([s["r"] for s in samples], dtype=torch.bfloat16),
+            "pair": (np.arange(len(samples), dtype=np.int16), len(samples))}
+
+
+def _same(a, b) -> bool:
+    """Equal values, structure and types (tensors and arrays compared element by element)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def returns_none(fields, rng):
@@ -102,6 +135,21 @@ def test_batches_that_are_not_arrays_are_pickled_and_counted(ds):
         st = loader.stats
     assert len(got) == len(ds) and all(isinstance(x, str) for x in got)
     assert st.pickled_batches == -(-len(ds) // 8) and st.shm_batches == 0 and st.pickled_bytes > 0
+
+
+def test_a_mixed_batch_moves_its_arrays_through_shared_memory_and_keeps_its_types(ds):
+    runs = {}
+    for nw in (0, 2):
+        with Loader(ds, 8, decode=head16, collate=mixed, num_workers=nw, seed=3) as loader:
+            runs[nw] = list(loader), loader.stats
+    (ref, _), (got, st) = runs[0], runs[2]
+    assert len(got) == len(ref) == -(-len(ds) // 8) and all(_same(a, b) for a, b in zip(ref, got, strict=True))
+    assert type(got[0]["x"]) is Pair and type(got[0]["meta"]) is collections.OrderedDict
+    assert got[0]["bf"].dtype == torch.bfloat16 and got[0]["x"].heads.shape[1:] == (16,)
+    assert st.exactly_once and st.shm_batches == len(got) and st.pickled_batches == 0
+    # pickled: the strings, numbers, the bfloat16 tensor and two classes, not the 16-byte heads
+    whole = sum(len(pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL)) for b in got)
+    assert 0 < st.pickled_bytes < whole
 
 
 def test_pack_tokens_delivers_every_token_once_in_rows_of_seq_len(ds):

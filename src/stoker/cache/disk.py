@@ -7,7 +7,8 @@ anything else in ``root`` is never counted, evicted or deleted)::
     .lock            flock'd while the budget is read or changed; its first 8 bytes hold
                      the bytes in use (committed plus reserved), little-endian int64;
                      bytes 8-16 the pid of the last job that warned of a full disk
-    .locks/NNNN      4096 striped fetch locks (single flight: one process fetches a block)
+    .locks/NNNN      4096 striped fetch locks (single flight: one process fetches a block);
+                     a file's bytes hold a note of the last fill under it that failed (JSON)
     .usage/<namespace>                        its bytes (8 bytes, int64); marks it as the cache's
     stoker-ns-<namespace>/<block name>        committed blocks (namespace = dataset content version)
     stoker-ns-<namespace>/.tmp-<pid>-<rand>   fills in progress
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import logging
 import os
 import shutil
 import stat
@@ -57,6 +60,8 @@ from . import catalog, layout, paths, perms, space
 from .files import TMP_MARK, is_file, read_at, write_whole
 from .policy import JobRegistry, share_budget
 from .usage import UsageCounters
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("future", "noevict", "lru")
 # Fetch locks are striped over this many lock files.  Two blocks on one stripe serialise their
@@ -152,6 +157,41 @@ class DiskCache(UsageCounters):
             self._lock_fd = None
             os.close(fd)  # closing releases the flock
 
+    def _stripe(self, namespace: str, name: str) -> str:
+        """The fetch-lock file of block ``name`` (one of ``_STRIPES``, shared by many blocks)."""
+        stripe = xxhash.xxh3_64_intdigest(f"{namespace}/{name}".encode()) % _STRIPES
+        return os.path.join(self.root, ".locks", f"{stripe:04d}")
+
+    def note_fill_failure(self, namespace: str, name: str, note: dict) -> None:
+        """Record that a fill of block ``name`` failed: ``note`` (JSON-able; what was tried) is
+        written into the block's fetch-lock file, for the processes that waited for that fill
+        (:meth:`fill_failure`). Call it holding :meth:`fetch_lock` of the block. Best effort:
+        an OSError is logged at debug level, never raised."""
+        data = json.dumps({"block": f"{namespace}/{name}", **note}).encode()
+        try:
+            fd = open_file(self._stripe(namespace, name), os.O_CREAT | os.O_RDWR, self.mode)
+            try:
+                os.pwrite(fd, data, 0)  # then cut: a reader in between parses the first object only
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.debug("could not note the failed fill of %s/%s: %s", namespace, name, exc)
+
+    def fill_failure(self, namespace: str, name: str) -> dict | None:
+        """The note of the last failed fill of block ``name`` (:meth:`note_fill_failure`, any
+        process), or None: none noted, the lock's last note is of another block, or unreadable."""
+        try:
+            fd = open_file(self._stripe(namespace, name), os.O_RDONLY)
+            try:
+                raw = os.pread(fd, 1 << 16, 0)
+            finally:
+                os.close(fd)
+            note, _ = json.JSONDecoder().raw_decode(raw.decode())
+        except (OSError, ValueError):
+            return None
+        return note if isinstance(note, dict) and note.get("block") == f"{namespace}/{name}" else None
+
     @contextmanager
     def fetch_lock(self, namespace: str, name: str, blocking: bool = True):
         """Single-flight lock for one block, across threads and processes.
@@ -161,8 +201,7 @@ class DiskCache(UsageCounters):
         :class:`CacheLockTimeout` (never a hang). A holder killed with SIGKILL
         releases the lock (the kernel drops flocks of closed files).
         """
-        stripe = xxhash.xxh3_64_intdigest(f"{namespace}/{name}".encode()) % _STRIPES
-        fd = open_file(os.path.join(self.root, ".locks", f"{stripe:04d}"), os.O_CREAT | os.O_RDWR, self.mode)
+        fd = open_file(self._stripe(namespace, name), os.O_CREAT | os.O_RDWR, self.mode)
         locked = False
         try:
             deadline = time.monotonic() + self.lock_timeout_s

@@ -100,6 +100,12 @@ class TieredCache:
     def fetch_lock(self, namespace: str, name: str, blocking: bool = True):
         return self.disk.fetch_lock(namespace, name, blocking)
 
+    def note_fill_failure(self, namespace: str, name: str, note: dict) -> None:
+        self.disk.note_fill_failure(namespace, name, note)
+
+    def fill_failure(self, namespace: str, name: str) -> dict | None:
+        return self.disk.fill_failure(namespace, name)
+
     def read(self, namespace: str, name: str, offset: int, length: int, count: bool = True) -> bytes | None:
         """Bytes of a cached block from the tier that holds it, or None. ``count``: a sample read
         (a hit of its tier); False for the reader of a whole block another process filled while

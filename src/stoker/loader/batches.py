@@ -5,20 +5,26 @@ into ``fn(ds.read_fields(i), rng)`` (``rng``: a numpy Generator seeded by (seed,
 :func:`stoker.order.sample_seed`) and the list of samples into ``fn2(samples)``
 (default :func:`stoker.collate.default`). The batch then travels one of two ways:
 
-- **shared memory**, when it is numpy arrays or CPU torch tensors, alone or in dicts, tuples and
-  lists (nested): :func:`flatten` splits it into a small tree description and its arrays; the
-  worker writes the arrays one after another (64-byte aligned) into the batch's slot file, growing
-  the file when the batch is larger than the slot (slots start at one page, so each is sized by
-  the first batch it carries), and replies with the tree and each array's dtype, shape and offset
-  (a few hundred bytes). The training process maps the slot again if it grew and rebuilds the
-  batch as views over the slot (no copy); the slot is reused once every view is dropped.
-- **pickled through the worker's result pipe**, for anything else (strings, Python objects,
-  bfloat16 tensors): a copy in the worker, the pipe, and a copy in the training process.
+- **shared memory**, for every numpy array and CPU torch tensor of the batch, whether it is one
+  array or arrays in dicts, tuples, lists and namedtuples (nested): :func:`flatten` splits it into
+  a small tree description, its arrays and its other leaves (strings, numbers, Python objects,
+  tensors numpy cannot view such as bfloat16; a sub-tree with no array in it counts as one such
+  leaf). The worker writes the arrays one after another (64-byte aligned) into the batch's slot
+  file, growing the file when the batch is larger than the slot (slots start at one page, so each
+  is sized by the first batch it carries), and replies with the tree, each array's dtype, shape
+  and offset, and the other leaves pickled together (nothing when there are none). The training
+  process maps the slot again if it grew and rebuilds the batch, same structure and types, with
+  its arrays as views over the slot (no copy); the slot is reused once every view is dropped.
+- **pickled through the worker's result pipe**, for a batch with no array in it at all (a list
+  of strings), or one whose slot cannot grow (``/dev/shm`` full): a copy in the worker, the
+  pipe, and a copy in the training process.
 
-``EpochStats.shm_batches`` / ``pickled_batches`` / ``pickled_bytes`` count the two ways.
+``EpochStats.shm_batches`` / ``pickled_batches`` count the batches of each way; ``pickled_bytes``
+the bytes pickled: whole batches, plus the other leaves of the batches through shared memory.
 """
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import mmap
@@ -38,10 +44,6 @@ ALIGN_BYTES = 64
 _PAGE = mmap.PAGESIZE
 
 
-class _NotArrays(Exception):
-    pass
-
-
 def fn_name(fn) -> str:
     """A readable name of a function or callable object (for error messages)."""
     mod = getattr(fn, "__module__", None) or "?"
@@ -49,37 +51,72 @@ def fn_name(fn) -> str:
     return f"{mod}.{name}"
 
 
-def _leaf(x, leaves: list):
-    if isinstance(x, np.ndarray):
-        if x.dtype.hasobject:
-            raise _NotArrays
-        leaves.append(np.ascontiguousarray(x))
-        return ("np", len(leaves) - 1)
+def _array(x) -> np.ndarray | None:
+    """The array a leaf puts in the slot (a numpy view of a CPU tensor), or None when it is not
+    one that can go there (object arrays, subclasses such as masked arrays, CUDA tensors, tensors
+    that need grad, bfloat16)."""
+    if type(x) is np.ndarray:
+        return None if x.dtype.hasobject else np.ascontiguousarray(x)
     if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
         if x.device.type != "cpu" or x.requires_grad:
-            raise _NotArrays
+            return None
         try:
-            arr = x.contiguous().numpy()
+            return x.contiguous().numpy()
         except (TypeError, RuntimeError):  # a dtype numpy has no equal for (bfloat16)
-            raise _NotArrays from None
+            return None
+    return None
+
+
+def _dict_shell(x: dict) -> dict | None:
+    """An empty copy of a dict subclass (its type and attributes, e.g. a defaultdict's factory),
+    to be filled in the training process; None when it cannot be made."""
+    try:
+        shell = copy.copy(x)
+        shell.clear()
+    except Exception:  # noqa: BLE001 - the user's class: then it is pickled whole
+        return None
+    return shell
+
+
+def _leaf(x, leaves: list, rest: list):
+    """The tree node of ``x``; its arrays appended to ``leaves``, its other leaves to ``rest``."""
+    arr = _array(x)
+    if arr is not None:
         leaves.append(arr)
-        return ("pt", len(leaves) - 1)
-    if isinstance(x, dict):
-        return ("dict", [(k, _leaf(v, leaves)) for k, v in x.items()])
-    if type(x) in (tuple, list):
-        return (type(x).__name__, [_leaf(v, leaves) for v in x])
-    raise _NotArrays
+        return ("np" if type(x) is np.ndarray else "pt", len(leaves) - 1)
+    marks = len(leaves), len(rest)
+    if type(x) is dict:
+        node = ("dict", [(k, _leaf(v, leaves, rest)) for k, v in x.items()])
+    elif isinstance(x, dict) and (shell := _dict_shell(x)) is not None:
+        rest.append(shell)
+        node = ("dictof", len(rest) - 1, [(k, _leaf(v, leaves, rest)) for k, v in x.items()])
+    elif type(x) in (tuple, list):
+        node = (type(x).__name__, [_leaf(v, leaves, rest) for v in x])
+    elif isinstance(x, tuple) and hasattr(type(x), "_make") and hasattr(type(x), "_fields"):  # a namedtuple
+        rest.append(type(x))
+        node = ("named", len(rest) - 1, [_leaf(v, leaves, rest) for v in x])
+    else:
+        rest.append(x)
+        return ("obj", len(rest) - 1)
+    if len(leaves) == marks[0]:  # no array below: the container is one pickled leaf
+        del rest[marks[1]:]
+        rest.append(x)
+        return ("obj", len(rest) - 1)
+    return node
 
 
 def flatten(batch) -> tuple | None:
-    """``(tree, arrays)`` of a batch made only of arrays/tensors in dicts, tuples and lists, or
-    None when something else is in it (then it is pickled)."""
+    """``(tree, arrays, rest)`` of a batch: ``arrays`` every numpy array / CPU tensor in it (as
+    contiguous numpy arrays, in tree order), ``rest`` its other leaves (and what rebuilding its
+    containers needs: a namedtuple's class, an empty copy of a dict subclass), ``tree`` the
+    structure referring to both by index. None when the batch holds no array (it is pickled
+    whole)."""
     leaves: list = []
-    try:
-        tree = _leaf(batch, leaves)
-    except _NotArrays:
+    rest: list = []
+    tree = _leaf(batch, leaves, rest)
+    if not leaves:
         return None
-    return tree, leaves
+    return tree, leaves, rest
 
 
 def _layout(leaves: list) -> tuple[list, int]:
@@ -91,9 +128,10 @@ def _layout(leaves: list) -> tuple[list, int]:
     return specs, off
 
 
-def rebuild(tree, specs, buf: np.ndarray):
-    """The batch described by ``tree``/``specs`` as views over ``buf`` (uint8, the slot): numpy
-    arrays, and torch tensors where the worker's were tensors."""
+def rebuild(tree, specs, buf: np.ndarray, rest=()):
+    """The batch described by ``tree``/``specs``/``rest`` (:func:`flatten`) with its arrays as
+    views over ``buf`` (uint8, the slot): numpy arrays, and torch tensors where the worker's were
+    tensors; ``rest``: the batch's other leaves, unpickled (filled into, not copied)."""
     def build(node):
         kind = node[0]
         if kind in ("np", "pt"):
@@ -105,8 +143,17 @@ def rebuild(tree, specs, buf: np.ndarray):
                 import torch
                 return torch.from_numpy(arr)
             return arr
+        if kind == "obj":
+            return rest[node[1]]
         if kind == "dict":
             return {k: build(v) for k, v in node[1]}
+        if kind == "dictof":  # a dict subclass: its empty copy, filled
+            d = rest[node[1]]
+            for k, v in node[2]:
+                d[k] = build(v)
+            return d
+        if kind == "named":
+            return rest[node[1]]._make(build(v) for v in node[2])
         items = [build(v) for v in node[1]]
         return tuple(items) if kind == "tuple" else items
     return build(tree)
@@ -232,28 +279,34 @@ class GenericDecoder:
 
 
 def pack_reply(writer: SlotWriter, path: str | None, batch):
-    """What a worker sends for a generic ``batch``: ``("shm", tree, specs, slot bytes)`` after
-    writing it into the slot at ``path``, or ``("pickle", pickled bytes)``; None for no batch."""
+    """What a worker sends for a generic ``batch``: ``("shm", tree, specs, slot bytes, rest)``
+    after writing its arrays into the slot at ``path`` (``rest``: its other leaves pickled, or
+    None when it has none), or ``("pickle", pickled bytes)`` for a batch with no array or one the
+    slot cannot grow to hold; None for no batch."""
     if batch is None:
         return None
     flat = flatten(batch) if path is not None else None
     if flat is not None:
-        wrote = writer.write(path, flat[1])
+        tree, leaves, rest = flat
+        wrote = writer.write(path, leaves)
         if wrote is not None:
-            return ("shm", flat[0], wrote[0], wrote[1])
+            blob = pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL) if rest else None
+            return ("shm", tree, wrote[0], wrote[1], blob)
         if not writer.warned:
             writer.warned = True
             log.warning("shared memory (%s) has no room to grow a batch slot to %d bytes: batches that do not fit "
                         "are pickled through the worker's pipe instead (slower; counted in pickled_batches)",
-                        os.path.dirname(path), sum(a.nbytes for a in flat[1]))
+                        os.path.dirname(path), sum(a.nbytes for a in leaves))
     return ("pickle", pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def receive(ring, slot: int | None, reply, stats):
-    """The training process's side of :func:`pack_reply`: the batch, as views over slot ``slot``
-    (released once they are all dropped; at once, after a copy, in a ``limited`` ring) or
-    unpickled (the slot released at once). Counts the way it came in ``stats``. ``reply`` may also
-    be ``("local", batch)`` (decoded in this process, ``num_workers=0``) or None (no batch)."""
+    """The training process's side of :func:`pack_reply`: the batch, its arrays as views over slot
+    ``slot`` (released once they are all dropped; at once, after a copy, in a ``limited`` ring) and
+    its other leaves unpickled, or the whole batch unpickled (the slot released at once). Counts
+    the way it came in ``stats`` (``shm_batches`` or ``pickled_batches``; every pickled byte in
+    ``pickled_bytes``). ``reply`` may also be ``("local", batch)`` (decoded in this process,
+    ``num_workers=0``) or None (no batch)."""
     if reply is None or reply[0] == "local":
         if slot is not None:
             ring.release(slot)
@@ -263,17 +316,25 @@ def receive(ring, slot: int | None, reply, stats):
         stats.pickled_batches += 1
         stats.pickled_bytes += len(reply[1])
         return pickle.loads(reply[1])
-    _, tree, specs, nbytes = reply
+    _, tree, specs, nbytes, blob = reply
     stats.shm_batches += 1
+    rest = ()
+    if blob is not None:
+        stats.pickled_bytes += len(blob)
+        try:
+            rest = pickle.loads(blob)
+        except BaseException:
+            ring.release(slot)
+            raise
     buf = ring.buffer(slot, nbytes)
     if ring.limited:  # too few slots: copy out, the slot is free again at once
         used = max((off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
                     for dt, shape, off in specs), default=0)
         buf = buf[:used].copy()
         ring.release(slot)
-        return rebuild(tree, specs, buf)
+        return rebuild(tree, specs, buf, rest)
     ring.hold(slot, buf)
-    return rebuild(tree, specs, buf)
+    return rebuild(tree, specs, buf, rest)
 
 
 def to_device(batch, device):

@@ -78,9 +78,9 @@ class EpochStats:
     derived_same: int = 0          # samples whose derived entry says "use the raw sample" (within the cap)
     worker_restarts: int = 0       # dead decode workers replaced this epoch (their batches decoded again)
     prefetcher_restarts: int = 0   # dead prefetch processes replaced this epoch
-    shm_batches: int = 0           # user-collated batches moved through shared memory (no pickling)
-    pickled_batches: int = 0       # user-collated batches pickled through a pipe (not arrays/tensors)
-    pickled_bytes: int = 0         # their pickled bytes
+    shm_batches: int = 0           # user-collated batches whose arrays/tensors moved through shared memory
+    pickled_batches: int = 0       # user-collated batches pickled whole through a pipe (no array in them)
+    pickled_bytes: int = 0         # bytes pickled: those batches + the non-array leaves of shm_batches
     first_batch_s: float = 0.0     # iter() to the first batch delivered (pipeline start excluded)
     pipeline_start_s: float = 0.0  # seconds iter() spent starting the pipeline (its first epoch only)
     overlap_efficiency: float = 0.0

@@ -83,9 +83,11 @@ class Loader:
     ``rng`` a ``numpy.random.Generator`` seeded by (seed, epoch, sample id), so augmentation is
     reproducible and resumable. ``collate(samples) -> batch`` runs there too (default
     :func:`stoker.collate.default`; also :func:`stoker.collate.pad`, :func:`stoker.collate.pack_tokens`).
-    Iterating then yields ``collate``'s batches: arrays/tensors (in dicts, tuples, lists) come
-    through shared memory without pickling, anything else pickled (``stats.shm_batches``,
-    ``stats.pickled_batches``). A decode that raises or returns None fails the batch with a
+    Iterating then yields ``collate``'s batches, same structure and types: their numpy arrays and
+    CPU tensors (alone or in dicts, tuples, lists, nested) come through shared memory without
+    pickling, their other leaves (strings, numbers, objects) pickled beside them; a batch with no
+    array at all is pickled whole (``stats.shm_batches``, ``stats.pickled_batches``,
+    ``stats.pickled_bytes``). A decode that raises or returns None fails the batch with a
     WorkerError naming the sample's key (``on_error="skip"``: skipped and counted). Under
     ``spawn``/``forkserver`` both must pickle: TypeError naming the function otherwise.
     ``transform``/``image_size`` do not apply then.
@@ -140,7 +142,9 @@ class Loader:
     written to the derived-sample cache) and ``derived_same`` (samples whose entry says "use
     the raw sample": already within a JPEG form's cap); ``worker_restarts`` / ``prefetcher_restarts``
     (dead processes replaced); ``shm_batches`` / ``pickled_batches`` (user-collated batches
-    moved through shared memory / pickled through a pipe) and ``pickled_bytes`` (bytes).
+    whose arrays moved through shared memory / pickled whole through a pipe, having no array) and
+    ``pickled_bytes`` (bytes pickled: the whole batches, and the non-array leaves, such as
+    strings, of the batches through shared memory).
     Cold starts and overlap (stable names, for metrics exporters): ``first_batch_s`` (s,
     ``iter()`` to the first batch delivered, the pipeline's one-time start not included: that is
     ``pipeline_start_s``, s); ``overlap_efficiency`` (0-1: max(bytes / origin bandwidth,

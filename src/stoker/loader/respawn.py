@@ -32,7 +32,7 @@ releases when their holder dies, so nothing the dead one left blocks the new one
 
 Limit: a reply is read once its queue is readable; a reply larger than the pipe's atomic write
 (4 KiB; replies carry no pixels, except the sample bytes when decoding on the device, and a
-user-collated batch that is not arrays, pickled) cut short by
+user-collated batch's non-array leaves, or a batch with no array, pickled) cut short by
 a kill in the middle of writing it leaves a partial message that the reader would wait on.
 """
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,9 @@ import xxhash
 
 from .._units import parse_size
 from ..cache import DiskCache
-from ..errors import ChecksumError, OriginNotFoundError  # noqa: F401 - re-exported
+from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
+from . import fill_failures
 from .index import INDEX_NAME, SHARD_DIR, DatasetIndex, read_index
 
 log = logging.getLogger(__name__)
@@ -179,8 +181,22 @@ class Dataset:
         (blocks the prefetcher fetched just in time but the cache did not admit), a block
         fill from the origin (single flight, admitted if the policy allows), and last a
         ranged GET of just this range. A cached or staged block that fails the check is
-        dropped and the next tier is tried.
+        dropped and the next tier is tried. An :class:`OriginError` after waiting for another
+        process's failed fetch of the block lists that process's attempts too (:mod:`.fill_failures`).
         """
+        since = time.time()
+        try:
+            return self._tiers(i, start, stop, valid)
+        except OriginError as exc:
+            if self.cache is None:
+                raise
+            err = fill_failures.after_others(self.cache, self.version, self.block_name(int(self.sample_block[i])),
+                                             exc, since)
+            if err is exc:
+                raise
+            raise err from exc.__cause__
+
+    def _tiers(self, i: int, start: int, stop: int, valid) -> bytes | memoryview:
         cache = self.cache
         if cache is not None:
             b = int(self.sample_block[i])
@@ -299,6 +315,20 @@ class Dataset:
                     raise self._bad(int(i), f"checksum mismatch in field {bad!r} in a block read from the origin")
         return data
 
+    def _fetch_noted(self, b: int, name: str, since: float) -> bytes:
+        """:meth:`_fetch_block` for a fill holding block ``b``'s fetch lock (``name``: its cache
+        name; ``since``: when this process began to wait for the lock). On an
+        :class:`OriginError` the failure is noted in the lock for the processes waiting on it,
+        joined to the failed fetch this one waited for, if any (:mod:`.fill_failures`)."""
+        try:
+            return self._fetch_block(b)
+        except OriginError as exc:
+            err = fill_failures.after_others(self.cache, self.version, name, exc, since)
+            fill_failures.record(self.cache, self.version, name, err)
+            if err is exc:
+                raise
+            raise err from exc.__cause__
+
     def cached_blocks(self) -> np.ndarray:
         """bool (num_blocks,): which blocks the node cache holds now (False without a cache)."""
         if self.cache is None:
@@ -317,7 +347,7 @@ class Dataset:
             if self.cache.contains(self.version, name):
                 return "cached"
             if not self.staging.contains(self.version, name):
-                if not self.staging.put(self.version, name, self._fetch_block(b)):
+                if not self.staging.put(self.version, name, self._fetch_noted(b, name, time.time())):
                     return "unstaged"
             return "staged"
 
@@ -335,6 +365,7 @@ class Dataset:
         size = int(self.block_end[b] - self.block_start[b])
         if not self._admits(b):
             return None if want_data else "refused"
+        since = time.time()
         with cache.fetch_lock(self.version, name, blocking=blocking) as held:
             if not held:
                 return None if want_data else "busy"
@@ -344,7 +375,7 @@ class Dataset:
                 data = cache.read(self.version, name, 0, size, count=False)  # the sample was a miss
                 if data is not None:
                     return data
-            data = self._fetch_block(b)
+            data = self._fetch_noted(b, name, since)
             admitted = cache.put(self.version, name, data)
             if not want_data:
                 return "filled" if admitted else "refused"

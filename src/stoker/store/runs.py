@@ -15,6 +15,7 @@ round trip worth its bytes and only delays the first of its blocks.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import ExitStack
 
 from ..errors import ChecksumError, OriginError
@@ -155,8 +156,8 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
                 out[b] = _store(ds, b, bytes(part), dest)
             return out
     for b, dest in stretch:
-        try:
-            out[b] = _store(ds, b, ds._fetch_block(b), dest)
+        try:  # a failure is noted in the block's lock for a read waiting on it (store/fill_failures.py)
+            out[b] = _store(ds, b, ds._fetch_noted(b, ds.block_name(b), time.time()), dest)
         except Exception as exc:  # noqa: BLE001 - reported per block; the others are kept
             out[b] = exc
     return out
