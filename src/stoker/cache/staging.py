@@ -4,8 +4,12 @@ When the budget C is smaller than the dataset D, the no-eviction policy keeps th
 it admitted and reads the other D - C bytes from the origin every epoch (the floor: no
 policy can read less). The prefetcher still fetches those blocks ahead of the workers, in
 the order the epoch needs them, into a staging directory owned by one loader; a staged
-block is deleted once the consumer is past its last use in the epoch. Staging is bounded
-by the loader's prefetch budget (``prefetch_bytes``), not by the cache budget.
+block is deleted once the consumer is past its last use in the epoch, so nothing staged
+serves a later epoch (but the blocks the next epoch's first batches need while this one's
+last batches still hold them, :mod:`stoker.loader.prefetch`). A worker that needs a block
+before the prefetcher has it fetches the whole block into staging itself (when
+:meth:`StagingArea.has_room`), so the block is read from the origin once. Staging is bounded
+by the loader's ``staging_bytes``, on the cache's disk but outside the cache budget.
 
 Layout: ``<cache root>/.staging/<pid>-<id>/<namespace>/<block>``; directories of dead
 processes are removed by :meth:`stoker.cache.DiskCache.recover`.
@@ -24,7 +28,7 @@ import uuid
 
 from .._atomic import PRIVATE_FILE_MODE, open_file
 from . import perms, space
-from .files import is_file, read_at, write_whole
+from .files import TMP_MARK, is_file, read_at, write_whole
 
 
 class StagingArea:
@@ -32,13 +36,17 @@ class StagingArea:
 
     ``cache_root``: the cache directory it lives in (default: the parent of ``.staging``,
     else ``root``), named in the full-disk warning. ``mode``: file mode of staged blocks
-    (the cache's, :mod:`.perms`; default 0600, directories 0700).
+    (the cache's, :mod:`.perms`; default 0600, directories 0700). ``capacity_bytes``: the
+    loader's ``staging_bytes``, which :meth:`has_room` holds the workers' own staging to
+    (None: no bound; the prefetcher keeps its own account, in-flight fills included).
     Raises :class:`~stoker.errors.UnsafePathError` when ``root`` (or a directory made under
     it) is a symlink, another user's or writable by others.
     """
 
-    def __init__(self, root: str, cache_root: str | None = None, mode: int = PRIVATE_FILE_MODE):
+    def __init__(self, root: str, cache_root: str | None = None, mode: int = PRIVATE_FILE_MODE,
+                 capacity_bytes: int | None = None):
         self.root = root
+        self.capacity_bytes = capacity_bytes
         parent = os.path.dirname(os.path.abspath(root))
         if cache_root is None:
             cache_root = os.path.dirname(parent) if os.path.basename(parent) == ".staging" else root
@@ -48,10 +56,11 @@ class StagingArea:
         perms.ensure_dir(root, mode)
 
     @classmethod
-    def create(cls, cache_root: str, mode: int = PRIVATE_FILE_MODE) -> "StagingArea":
-        """A new staging area of this process under ``<cache_root>/.staging``, file mode ``mode``."""
+    def create(cls, cache_root: str, mode: int = PRIVATE_FILE_MODE, capacity_bytes: int | None = None) -> "StagingArea":
+        """A new staging area of this process under ``<cache_root>/.staging``, file mode ``mode``,
+        bounded by ``capacity_bytes`` (see the class)."""
         top = perms.ensure_dir(os.path.join(cache_root, ".staging"), mode, parents=False)
-        return cls(os.path.join(top, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"), cache_root, mode)
+        return cls(os.path.join(top, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"), cache_root, mode, capacity_bytes)
 
     def path(self, namespace: str, name: str) -> str:
         return os.path.join(self.root, namespace, name)
@@ -91,6 +100,37 @@ class StagingArea:
             return space.claim_warning(fd, self._owner_pid)
         finally:
             os.close(fd)
+
+    def held_bytes(self, namespace: str) -> int:
+        """Bytes of the blocks staged now under ``namespace`` (fills in progress not counted)."""
+        total = 0
+        try:
+            entries = list(os.scandir(os.path.join(self.root, namespace)))
+        except FileNotFoundError:
+            return 0
+        for e in entries:
+            if e.name.startswith(TMP_MARK):
+                continue
+            try:
+                total += e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+        return total
+
+    def has_room(self, namespace: str, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` fits beside the blocks staged under ``namespace``
+        within ``capacity_bytes`` (always, without a bound). A dry run, not a reservation:
+        writers racing past it overshoot by at most one block each."""
+        if self.capacity_bytes is None:
+            return True
+        return self.held_bytes(namespace) + int(nbytes) <= self.capacity_bytes
+
+    def names(self, namespace: str) -> list[str]:
+        """Names of the blocks staged now under ``namespace`` (fills in progress not listed)."""
+        try:
+            return [n for n in os.listdir(os.path.join(self.root, namespace)) if not n.startswith(TMP_MARK)]
+        except FileNotFoundError:
+            return []
 
     def contains(self, namespace: str, name: str) -> bool:
         return is_file(self.path(namespace, name))

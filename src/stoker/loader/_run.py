@@ -84,7 +84,7 @@ class Run(ProcessesMixin):
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
             from ..cache import StagingArea
             self.dataset.staging = StagingArea.create(self.dataset.cache.root,
-                                                      getattr(self.dataset.cache, "mode", 0o600))
+                                                      getattr(self.dataset.cache, "mode", 0o600), self.staging_bytes)
             self._own_staging = True
         self.started = True  # from here on, close() has something to stop
         if self.num_workers > 0:

@@ -61,7 +61,8 @@ class EpochStats:
     cache_misses: int = 0
     cache_hit_ratio: float = 0.0
     prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
-    prefetch_staged: int = 0       # blocks it fetched just in time into staging (not admitted)
+    prefetch_staged: int = 0       # blocks it fetched from the origin into staging (not admitted)
+    staged_reused: int = 0         # blocks still staged for the previous epoch's last batches, used again
     prefetch_depth_bytes: float = 0.0  # mean bytes fetched and ready ahead of the consumer
     staged_hits: int = 0           # samples read from staged blocks
     memory_hits: int = 0           # cache hits served by the shared-memory tier (when there is one)
@@ -132,6 +133,7 @@ def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarra
     stats.cache_misses = d.get("cache_misses", 0)
     stats.prefetch_fills = d.get("prefetch_fills", 0)
     stats.prefetch_staged = d.get("prefetch_staged", 0)
+    stats.staged_reused = d.get("staged_reused", 0)
     n_depth = d.get("prefetch_depth_n", 0)
     stats.prefetch_depth_bytes = d.get("prefetch_depth_sum", 0) / n_depth if n_depth else 0.0
     stats.staged_hits = d.get("read_staged_hits", 0)

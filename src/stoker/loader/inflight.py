@@ -37,8 +37,9 @@ TARGET, LATENCY_US, BANDWIDTH_BPS, BUSY_US, REQUEST_US, PLAN_DONE, ORIGIN_RETRIE
 LEDGER_AT = 15
 #: Ledger rows (plans) kept; a loader reads its row at its epoch's end, long before 8 more plans.
 LEDGER_ROWS = 8
-#: Row fields: run id, origin bytes, origin requests, blocks filled (admitted), blocks staged.
-LEDGER_FIELDS = ("run", "origin_bytes", "origin_requests", "prefetch_fills", "prefetch_staged")
+#: Row fields: run id, origin bytes, origin requests, blocks filled (admitted), blocks staged
+#: (fetched into staging), staged blocks of the draining plan used again (nothing fetched).
+LEDGER_FIELDS = ("run", "origin_bytes", "origin_requests", "prefetch_fills", "prefetch_staged", "staged_reused")
 N_SHARED = LEDGER_AT + LEDGER_ROWS * len(LEDGER_FIELDS)
 #: Most requests in flight the target may reach (threads of one process; the origin's own limits).
 MAX_INFLIGHT = 64

@@ -53,7 +53,8 @@ class Loader:
     ``prefetch_batches`` batches in flight; ``prefetch_bytes`` how far the block
     prefetcher runs ahead; ``fetch_concurrency`` its concurrent ranged GETs;
     ``staging_bytes`` the most it holds in blocks fetched just in time that the cache
-    did not admit (:mod:`stoker.cache.staging`). The byte budgets (``prefetch_bytes``,
+    did not admit (:mod:`stoker.cache.staging`; on the cache's disk, beside ``cache_bytes``;
+    each is deleted once the last batch that needs it is delivered). The byte budgets (``prefetch_bytes``,
     ``staging_bytes``, ``cache_form_bytes``) take ints or strings such as ``"512MiB"``
     (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
     ``cache_aware_window``: if > 0, within each window of that many samples the samples
@@ -131,7 +132,9 @@ class Loader:
     ``cache_misses`` (sample reads served by the node cache / not), ``cache_hit_ratio``
     (0-1), ``memory_hits`` (hits served by the shared-memory tier);
     ``prefetch_fills`` (blocks the prefetcher admitted to the cache), ``prefetch_staged``
-    (blocks fetched just in time into staging), ``prefetch_depth_bytes`` (mean bytes ready
+    (blocks it fetched from the origin just in time into staging), ``staged_reused`` (blocks
+    still staged for the previous epoch's last batches, used instead of fetched again),
+    ``prefetch_depth_bytes`` (mean bytes ready
     ahead of the consumer), ``staged_hits`` (samples read from staged blocks),
     ``direct_reads`` (samples read from the origin one by one); ``evictions`` (blocks),
     ``corrupt_blocks`` (cached blocks that failed a checksum, dropped and fetched again);

@@ -8,10 +8,18 @@ in flight, staying at most ``ahead_bytes`` ahead of the position the loader has
 dispatched to its workers. A block whose neighbours in its shard are among the next blocks
 to fetch is fetched with them in one merged ranged GET (:mod:`stoker.store.runs`), capped at the
 measured bandwidth-delay product. A block the cache does not admit is fetched into the
-loader's staging area instead (bounded by ``staging_bytes``, deleted after its last
-use); without a staging area such a block ends prefetching for the epoch (under the
-no-eviction policy nothing later would be admitted either) and the workers read those
-samples on demand.
+loader's staging area instead (bounded by ``staging_bytes``); without a staging area such a
+block ends prefetching for the epoch (under the no-eviction policy nothing later would be
+admitted either) and the workers read those samples on demand.
+
+Each block is fetched once per plan: a block found in staging already (a worker fetched it
+first, :meth:`stoker.store.dataset.Dataset._block_for_read`) is taken over, not fetched again.
+A staged block is deleted once its last use in its plan is delivered, and when a plan arrives
+that does not drain the previous one (the previous epoch is over), every block staged for the
+previous one goes at once: staging never serves a later epoch. The one exception: when the next
+plan is sent while this one drains (``prefetch_next_epoch``), a block still staged for this
+plan's last batches that the next plan reaches is used for it too (the ledger's
+``staged_reused``), never fetched a second time while it is there.
 
 While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
 by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
@@ -47,6 +55,33 @@ MAX_BUSY_RETRIES = 50
 #: retrying at once spent all 50 tries in 10 ms and the block was then read sample by sample.
 BUSY_BACKOFF_S = 0.005
 BUSY_BACKOFF_MAX_S = 0.1
+
+
+def _block_of(ds, name: str) -> int | None:
+    """The block id that :meth:`stoker.store.dataset.Dataset.block_name` names ``name``, or None."""
+    try:
+        shard, start, end = (int(x) for x in name.split("-"))
+    except ValueError:
+        return None
+    lo, hi = (int(x) for x in np.searchsorted(ds.block_shard, [shard, shard + 1]))  # blocks are in (shard, offset) order
+    k = lo + int(np.searchsorted(ds.block_start[lo:hi], start))
+    if k < hi and int(ds.block_start[k]) == start and int(ds.block_end[k]) == end:
+        return k
+    return None
+
+
+def _end_plan(ds, staged: dict, needed: dict) -> None:
+    """The previous plan is over (delivered, cut short or given up): delete the blocks staged
+    for it (``staged``, emptied) and every other staged file that the new plan (``needed``:
+    block -> last use) does not need. A file the new plan needs that the prefetcher did not
+    stage is a worker's fetch for this plan (:meth:`stoker.store.dataset.Dataset._block_for_read`)
+    and stays, to be taken over when the prefetcher reaches it (rarely, a worker's fetch for the
+    previous plan that the prefetcher never reached, having stopped: it is kept too)."""
+    for name in ds.staging.names(ds.version):
+        b = _block_of(ds, name)
+        if b is None or b in staged or b not in needed:
+            ds.staging.remove(ds.version, name)
+    staged.clear()
 
 
 def _drop_staged(ds, staged: dict, last_use: dict, done_pos: int, keep=()) -> None:
@@ -134,6 +169,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     staged: dict[int, int] = {}  # staged block -> plan position of its last use
     prev: dict[int, int] = {}    # staged blocks of the previous plan -> their last use in it
     cur_last: dict[int, int] = {}  # block -> last use in the current plan (kept after it is done)
+    carried: set[int] = set()    # blocks still staged for the draining plan when the current one came
     sizes_of = (ds.block_end - ds.block_start).astype(np.int64)
     base_bytes, base_requests = int(counters[0]), int(counters[1])  # a dead predecessor's
     base_retries = int(counters[infl.ORIGIN_RETRIES])
@@ -150,30 +186,40 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             prev_run, prev_all = (plan_run, cur_last) if draining and plan_run != run else (None, {})
             plan_run = int(run)
             infl.open_row(counters, plan_run)
-            # Blocks staged for the previous plan may still be read by its last batches; they go
-            # once their last use there is delivered (prev_done), or at the latest once the new
-            # plan's first batch is delivered (done > 0), unless re-staged for the new plan.
-            prev = {b: cur_last[b] for b in staged if b in cur_last}
-            for b in staged:
-                staged[b] = 0
+            new_last = dict(zip(blocks.tolist(), last_need.tolist()))
+            if draining:
+                # Blocks staged for the previous plan may still be read by its last batches; they go
+                # once their last use there is delivered (prev_done), or at the latest once the new
+                # plan's first batch is delivered (done > 0). One that the new plan reaches while it
+                # is still there is used again (``staged_reused``), not fetched a second time.
+                prev = {b: cur_last[b] for b in staged if b in cur_last}
+                for b in staged:
+                    staged[b] = 0
+                carried = set(staged)
+            elif ds.staging is not None:  # no staged block outlives the plan it was fetched for
+                _end_plan(ds, staged, new_last)
+                prev, carried = {}, set()
             cum = np.concatenate([[0], np.cumsum(sizes_of[blocks])])
             # fills still in flight for the previous plan stay tracked (their staged blocks too)
             job = {"blocks": blocks, "first": first_need, "cum": cum, "next": 0, "retry": [], "tries": {},
                    "inflight": job["inflight"] if job else {},
-                   "failures": 0, "last": dict(zip(blocks.tolist(), last_need.tolist()))}
+                   "failures": 0, "last": new_last}
             cur_last = job["last"]
             if adopt and ds.staging is not None:
                 adopt = False
-                for b, last in cur_last.items():
-                    if ds.staging.contains(ds.version, ds.block_name(b)):
-                        staged[b] = last
+                for name in ds.staging.names(ds.version):
+                    b = _block_of(ds, name)
+                    if b in cur_last:
+                        staged[b] = cur_last[b]
+        # staged blocks go once their last use is delivered, also after every block is fetched
+        inflight = job["inflight"] if job is not None else {}
+        flying = {b for r in inflight.values() for b in r}  # a fill may be finding them staged
+        _drop_staged(ds, staged, staged, int(done.value), keep=flying)
+        if prev_done is not None and prev:
+            _drop_staged(ds, staged, prev, int(prev_done.value), keep=flying)
+            prev = {b: last for b, last in prev.items() if b in staged}
         if job is None:
             continue
-        inflight = job["inflight"]
-        _drop_staged(ds, staged, staged, int(done.value))
-        if prev_done is not None and prev:
-            _drop_staged(ds, staged, prev, int(prev_done.value), keep={b for r in inflight.values() for b in r})
-            prev = {b: last for b, last in prev.items() if b in staged}
         finished = [f for f in inflight if f.done()]
         fetched: list[tuple[int, str]] = []  # (block, "prefetch_fills" / "prefetch_staged")
         results: list[tuple[int, object]] = []  # (block, status or the exception of its fill)
@@ -207,6 +253,12 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                 counters[5] += 1
                 staged[b] = job["last"].get(b, 0)  # 0: a block of the previous plan
                 prev.pop(b, None)  # staged for the new plan: kept for its last use there
+            elif status == "in_staging":  # a worker's fetch, or a block the draining plan still holds
+                if b in carried:
+                    carried.discard(b)
+                    infl.charge(counters, plan_run, "staged_reused", 1)
+                staged[b] = job["last"].get(b, 0)  # taken over: counted in staging, deleted after its last use
+                prev.pop(b, None)
             elif status == "busy" and b in job["last"] and job["last"][b] >= int(done.value):
                 # another process holds its fetch lock (a worker that got there first, or another
                 # job filling it): try again, or the block would never be staged for this plan

@@ -179,10 +179,11 @@ class Dataset:
 
         Tiers in order: the node cache (a committed block), the loader's staging area
         (blocks the prefetcher fetched just in time but the cache did not admit), a block
-        fill from the origin (single flight, admitted if the policy allows), and last a
-        ranged GET of just this range. A cached or staged block that fails the check is
-        dropped and the next tier is tried. An :class:`OriginError` after waiting for another
-        process's failed fetch of the block lists that process's attempts too (:mod:`.fill_failures`).
+        fetch from the origin (:meth:`_block_for_read`: single flight, into the cache or the
+        staging area), and last a ranged GET of just this range. A cached or staged block
+        that fails the check is dropped and the next tier is tried. An :class:`OriginError` after
+        waiting for another process's failed fetch of the block lists that process's attempts too
+        (:mod:`.fill_failures`).
         """
         since = time.time()
         try:
@@ -215,19 +216,19 @@ class Dataset:
             cache.stats.misses += 1
             if self.staging is not None:
                 data = self._staged(name, rel, stop - start, valid)
-                if data is None and not self._admits(b):
-                    # Not admitted: the prefetcher may be staging it right now; wait for that fill.
-                    with cache.fetch_lock(self.version, name, blocking=True):
-                        data = self._staged(name, rel, stop - start, valid)
                 if data is not None:
                     if self.router is not None:
                         self.router.local(len(data), b)
                     return data
-            block = self.fill_block(b, blocking=True)
+            where, block = self._block_for_read(b)
             if block is not None:
-                if self.router is not None:
-                    self.router.local(stop - start, b)
-                return memoryview(block)[rel:rel + stop - start]
+                view = memoryview(block)[rel:rel + stop - start]
+                if valid(view):  # a fresh fetch was verified; a cached or staged copy is checked here
+                    if where == "staged":
+                        self.read_stats.staged_hits += 1
+                    if self.router is not None:
+                        self.router.local(stop - start, b)
+                    return view
         self.read_stats.direct_reads += 1
         data = self._source_read(int(self.sample_block[i]), start, stop)
         if not valid(data):
@@ -336,19 +337,57 @@ class Dataset:
         return np.fromiter((self.cache.contains(self.version, self.block_name(b)) for b in range(self.num_blocks)),
                            dtype=bool, count=self.num_blocks)
 
+    def _block_for_read(self, b: int) -> tuple[str | None, object]:
+        """Block ``b`` for a sample read that found it neither in the cache nor in staging:
+        ``(where, bytes)`` with ``where`` "cache", "staged" or "origin", or ``(None, None)``
+        when only the sample is to be read from the origin.
+
+        Under the block's fetch lock, so a fill of it in flight elsewhere (the prefetcher's,
+        another worker's) is waited for, not repeated: the cache, then the staging area, then
+        one GET of the whole block (verified), kept where the next reader finds it: in the cache
+        when it admits the block, else in the loader's staging area when that has room
+        (:meth:`stoker.cache.StagingArea.has_room`; the prefetcher takes it over and deletes it
+        after its last use). A block that neither takes is not fetched, nor one of another node
+        in cluster mode (the prefetcher stages those): ``(None, None)``."""
+        cache, name = self.cache, self.block_name(b)
+        size = int(self.block_end[b] - self.block_start[b])
+        if self.staging is None and not self._admits(b):
+            return None, None
+        staging = self.staging if self.router is None else None
+        since = time.time()
+        with cache.fetch_lock(self.version, name, blocking=True):
+            if cache.contains(self.version, name):
+                data = cache.read(self.version, name, 0, size, count=False)  # the sample was a miss
+                if data is not None:
+                    return "cache", data
+            if self.staging is not None:
+                data = self.staging.read(self.version, name, 0, size)
+                if data is not None:
+                    return "staged", data
+            admitted = self._admits(b)
+            room = staging is not None and staging.has_room(self.version, size)
+            if not (admitted or room):
+                return None, None
+            data = self._fetch_noted(b, name, since)
+            if not (admitted and cache.put(self.version, name, data)) and staging is not None and room:
+                staging.put(self.version, name, data)  # False (disk full): nothing kept, still read
+            return "origin", data
+
     def stage_block(self, b: int) -> str:
         """Fetch block ``b`` into the staging area (prefetch of a block the cache does not
-        admit). Returns "staged", "cached", "busy" (another process is fetching it) or
-        "unstaged" (the staging disk is full: the block's samples will be read from the origin)."""
+        admit). Returns "staged" (fetched), "in_staging" (staged already, by a worker or for
+        an earlier plan: nothing fetched), "cached", "busy" (another process is fetching it)
+        or "unstaged" (the staging disk is full: the block's samples will be read from the origin)."""
         name = self.block_name(b)
         with self.cache.fetch_lock(self.version, name, blocking=False) as held:
             if not held:
                 return "busy"
             if self.cache.contains(self.version, name):
                 return "cached"
-            if not self.staging.contains(self.version, name):
-                if not self.staging.put(self.version, name, self._fetch_noted(b, name, time.time())):
-                    return "unstaged"
+            if self.staging.contains(self.version, name):
+                return "in_staging"
+            if not self.staging.put(self.version, name, self._fetch_noted(b, name, time.time())):
+                return "unstaged"
             return "staged"
 
     def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
@@ -356,9 +395,14 @@ class Dataset:
 
         Returns the block bytes, or None when the cache would not admit it (the caller
         then reads just the sample) or, with ``blocking=False``, when another process
-        is filling it. Every sample in the block is verified before it is admitted.
-        With ``want_data=False`` (prefetch) returns a status instead: "filled",
-        "cached", "refused" or "busy".
+        is filling it. Every sample in the block is verified before it is admitted. A block
+        fetched here that the cache then refuses (another fill took the room between the
+        admission check and the write) goes to the loader's staging area when there is one,
+        so that it is not fetched again.
+        With ``want_data=False`` (prefetch) returns a status instead: "filled", "cached",
+        "staged" (fetched, refused by the cache, staged), "in_staging" (staged already:
+        nothing fetched), "unstaged" (fetched, refused, the staging disk full), "refused" or
+        "busy".
         """
         cache = self.cache
         name = self.block_name(b)
@@ -375,10 +419,16 @@ class Dataset:
                 data = cache.read(self.version, name, 0, size, count=False)  # the sample was a miss
                 if data is not None:
                     return data
+            staging = self.staging
+            if not want_data and staging is not None and staging.contains(self.version, name):
+                return "in_staging"
             data = self._fetch_noted(b, name, since)
-            admitted = cache.put(self.version, name, data)
+            if cache.put(self.version, name, data):
+                return "filled" if not want_data else data
+            staged = staging is not None and (staging.contains(self.version, name)
+                                              or staging.put(self.version, name, data))
             if not want_data:
-                return "filled" if admitted else "refused"
+                return "staged" if staged else ("unstaged" if staging is not None else "refused")
             return data
 
 

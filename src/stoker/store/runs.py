@@ -84,7 +84,8 @@ def fill_run(ds, blocks: list[int]) -> dict:
     staging area when the cache does not admit it.
 
     Returns ``{block: status}`` with, per block, what :meth:`Dataset.fill_block` (``want_data=False``)
-    and :meth:`Dataset.stage_block` return: "filled", "staged", "cached" (present already),
+    and :meth:`Dataset.stage_block` return: "filled", "staged" (fetched into staging), "in_staging"
+    (staged already, not fetched), "cached" (present already),
     "busy" (another process holds its fetch lock), "refused" (not admitted, no staging area) or
     "unstaged" (the staging disk is full); or the exception that block's own fetch raised
     (:class:`stoker.errors.ChecksumError`, :class:`stoker.errors.OriginError`, ...): one block
@@ -118,7 +119,7 @@ def fill_run(ds, blocks: list[int]) -> dict:
                 status[b] = "cached"
                 continue
             if dest == "staging" and ds.staging.contains(ds.version, name):
-                status[b] = "staged"
+                status[b] = "in_staging"  # staged already (a worker's fetch, an earlier plan's): not fetched
                 continue
             todo.append((b, dest))
         for stretch in _stretches(todo):
