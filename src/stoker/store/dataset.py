@@ -25,7 +25,8 @@ from ..cache import DiskCache
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from . import fill_failures
-from .index import INDEX_NAME, SHARD_DIR, DatasetIndex, read_index
+from .diagnose import why_no_index
+from .index import INDEX_NAME, DatasetIndex, read_index
 
 log = logging.getLogger(__name__)
 
@@ -432,33 +433,6 @@ class Dataset:
             return data
 
 
-def _why_no_index(origin: Origin) -> str:
-    """Why the dataset root of ``origin`` has no index, with only the advice that can help: the
-    bucket does not exist (S3), nothing is stored under the URL, the pack that wrote its shards did
-    not finish, or it holds something that is not a packed dataset. Best effort: a probe that fails
-    leaves the plain statement."""
-    url = origin.url
-    try:
-        fs = origin.fs
-        root = origin.root
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        if protocol in ("s3", "s3a"):
-            bucket = root.split("/", 1)[0]
-            if not fs.exists(bucket):
-                return (f"{url} is not a packed stoker dataset: its bucket {bucket!r} does not exist (check "
-                        "the bucket name, and the endpoint and credentials in the storage options or the "
-                        "AWS environment)")
-        if not fs.exists(root):
-            return f"{url} is not a packed stoker dataset: nothing is stored there (check the URL)"
-        if fs.exists(origin.path(SHARD_DIR)):
-            return (f"{url} is not a packed stoker dataset yet: it has shards but no {INDEX_NAME}, so the "
-                    "pack that wrote it did not finish (run the same `stoker pack` again: it resumes)")
-    except Exception as exc:  # noqa: BLE001 - only a better message is lost
-        log.debug("probing %s failed: %s", url, exc)
-        return f"{url} is not a packed stoker dataset (no {INDEX_NAME})"
-    return f"{url} is not a packed stoker dataset (no {INDEX_NAME}; pack one there with `stoker pack`)"
-
-
 def default_cache_dir() -> str:
     """``$STOKER_CACHE_DIR``, else a node-local scratch directory, else ``~/.cache/stoker``
     (:func:`stoker.cache.paths.default_cache_dir`, which logs the choice once)."""
@@ -510,7 +484,7 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str 
     try:
         data = origin.read(INDEX_NAME)
     except FileNotFoundError:
-        raise OriginNotFoundError(origin.full_url(INDEX_NAME), f"not found: {_why_no_index(origin)}") from None
+        raise OriginNotFoundError(origin.full_url(INDEX_NAME), f"not found: {why_no_index(origin)}") from None
     index = read_index(data, origin.full_url(INDEX_NAME))
     if check:
         from .verify import check_shards
