@@ -89,3 +89,24 @@ class SpeechDecode:
         data, rate = sf.read(io.BytesIO(fields["wav"]), dtype="float32", always_2d=True)
         n = int(rng.integers(rate // 100, int(self.max_seconds * rate)))
         return {"audio": data.mean(axis=1)[:n].copy(), "text": fields["txt"].decode()}
+
+
+def flow_finish_times(caps: dict, flows: list[tuple[float, dict]], **net_options) -> list[float]:
+    """Finish times (s) of flows ``(start_s, {link: bytes})`` on a :class:`stoker.sim.FlowNetwork`
+    with link capacities ``caps`` (bytes/s) and ``net_options`` (``incremental=``, ``buckets=``)."""
+    import simpy
+
+    from stoker.sim import FlowNetwork
+    env = simpy.Environment()
+    net = FlowNetwork(env, caps, **net_options)
+    done: list[float] = [0.0] * len(flows)
+
+    def one(i, start, parts):
+        yield env.timeout(start)
+        yield net.transfer(parts)
+        done[i] = env.now
+
+    for i, (start, parts) in enumerate(flows):
+        env.process(one(i, start, parts))
+    env.run()
+    return done

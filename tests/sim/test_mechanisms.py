@@ -7,25 +7,14 @@ import numpy as np
 import pytest
 import simpy
 
+from _helpers import flow_finish_times
 from stoker.sim import FlowNetwork, Job, Params, simulate
 from stoker.sim.workload import Workload
 
 
 def _flows(caps: dict, flows: list[tuple[float, dict]], buckets: dict) -> list[float]:
     """Finish times of flows ``(start_s, {link: bytes})`` on links ``caps`` with token ``buckets``."""
-    env = simpy.Environment()
-    net = FlowNetwork(env, caps, buckets=buckets)
-    done = [0.0] * len(flows)
-
-    def one(i, start, parts):
-        yield env.timeout(start)
-        yield net.transfer(parts)
-        done[i] = env.now
-
-    for i, (start, parts) in enumerate(flows):
-        env.process(one(i, start, parts))
-    env.run()
-    return done
+    return flow_finish_times(caps, flows, buckets=buckets)
 
 
 RATE, BUCKET, PEAK = 100.0, 500.0, 1e6  # bytes/s, bytes, bytes/s

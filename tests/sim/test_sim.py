@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import simpy
 
-from stoker.sim import FlowNetwork, Job, Params, max_min_rates, simulate, synthetic
+from _helpers import flow_finish_times
+from stoker.sim import Job, Params, max_min_rates, simulate, synthetic
 from stoker.sim.decide import ClusterState, epoch_plans, place_job
 from stoker.sim.workload import Workload
 
 
 def _run_flows(caps: dict, flows: list[tuple[float, dict]], incremental: bool = True) -> list[float]:
     """Finish times of flows ``(start_s, {link: bytes})`` on links ``caps``."""
-    env = simpy.Environment()
-    net = FlowNetwork(env, caps, incremental=incremental)
-    done: list[float] = [0.0] * len(flows)
-
-    def one(i, start, parts):
-        yield env.timeout(start)
-        yield net.transfer(parts)
-        done[i] = env.now
-
-    for i, (start, parts) in enumerate(flows):
-        env.process(one(i, start, parts))
-    env.run()
-    return done
+    return flow_finish_times(caps, flows, incremental=incremental)
 
 
 def test_one_flow_takes_bytes_over_bandwidth():
