@@ -467,9 +467,12 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
     assert [n["cached_fraction"] for n in r["nodes"].values()] == [1.0, 1.0]  # the others: filled
 
 
-def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path):
+def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path, caplog):
     """``cache_bytes`` and ``block_bytes`` of ``run``/``warm`` take size strings, as ``open_dataset``
-    does; one that does not parse is a ValueError naming the argument, before any service starts."""
+    does; one that does not parse, or no budget at all, is a ValueError naming the argument before
+    any service starts; asking running services for another budget says they keep theirs."""
+    import logging
+
     from stoker.cluster import run
     from stoker.cluster.service import stop_services
     from stoker.cluster.warmup import warm
@@ -478,4 +481,10 @@ def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path):
     assert r["complete"] and {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}
     with pytest.raises(ValueError, match="cache_bytes.*sixty"):
         run(lambda ctx: None, packed_local, 1, cache_bytes="sixty megs")
+    with pytest.raises(ValueError, match="cache_bytes must give some node a budget above 0"):
+        warm(packed_local, cache_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="stoker.cluster.service"):
+        r = warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes="32MiB", block_bytes="64KiB")
+    assert {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}  # kept, as documented
+    assert "keep their budgets" in caplog.text and f"{64 << 20:,} bytes" in caplog.text
     stop_services()

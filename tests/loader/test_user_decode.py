@@ -49,7 +49,9 @@ def mixed(samples):
             "meta": collections.OrderedDict(n=np.array([s["n"] for s in samples]), tag="batch",
                                             r=[s["r"] for s in samples]),
             "bf": torch.tensor([s["r"] for s in samples], dtype=torch.bfloat16),
-            "pair": (np.arange(len(samples), dtype=np.int16), len(samples))}
+            "pair": (np.arange(len(samples), dtype=np.int16), len(samples)),
+            "count": np.array(len(samples)),  # 0-d: must not come back with shape (1,)
+            "rec": np.array([(s["n"], s["r"]) for s in samples], dtype=[("n", "i8"), ("r", "f8")])}  # fields kept
 
 
 def _same(a, b) -> bool:

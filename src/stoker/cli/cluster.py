@@ -132,10 +132,11 @@ def cmd_extender(a) -> int:
 def add_parsers(sub) -> None:
     """Register ``warm``, ``cluster-state`` and ``extender`` on the top-level subparsers ``sub``."""
     s = sub.add_parser("warm", help="fill the cluster cache (Ray) with a dataset, every node in parallel")
-    s.add_argument("url")
+    s.add_argument("url", help="the packed dataset to place in the node caches")
     s.add_argument("--ray-address", help="Ray cluster address (default: auto)")
     s.add_argument("--cache-dir", help="node cache root, when the services are not running yet")
-    s.add_argument("--cache-size", type=size_arg, help="cache budget per node (default 8GiB)")
+    s.add_argument("--cache-size", type=size_arg,
+                   help="cache budget per node (default 8GiB), for services started now: running ones keep theirs")
     s.add_argument("--block-size", type=size_arg, help="cache block (default 1MiB)")
     s.add_argument("--storage-options", help="fsspec storage options, as JSON")
     s.add_argument("--fill-timeout", type=float, metavar="S",

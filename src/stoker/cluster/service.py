@@ -410,7 +410,9 @@ def prepare(url: str, storage_options: dict | None, cache_root: str | None, cach
     root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
     index. ``cache_bytes``: bytes per node (an int, a size string such as ``"64MiB"``, or a dict
     of them by node id). Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``.
-    ValueError (naming ``cache_bytes``) for a size that does not parse; RuntimeError
+    Services already running keep their budgets (a warning names them when ``cache_bytes`` asks
+    for another). ValueError (naming ``cache_bytes``) for a size that does not parse or no
+    budget above 0; RuntimeError
     when no service answers; a service that cannot start raises as in :func:`start_services`,
     or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out."""
     from .._units import parse_size
@@ -419,8 +421,19 @@ def prepare(url: str, storage_options: dict | None, cache_root: str | None, cach
     budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
     budget = ({nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()} if isinstance(budget, dict)
               else parse_size(budget, "cache_bytes"))
+    if not any(budget.values() if isinstance(budget, dict) else [budget]):
+        raise ValueError(f"cache_bytes must give some node a budget above 0 bytes, got {cache_bytes!r}")
     start_services(cache_root or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
+    if cache_bytes is not None:  # asked for a budget: say where running services keep another one
+        other = {info["node_name"]: info["cache_bytes"] for nid, info in services.items()
+                 if info["cache_bytes"] != (budget.get(nid, info["cache_bytes"]) if isinstance(budget, dict)
+                                            else budget)}
+        if other:
+            log.warning("cache_bytes=%r applies only to the cache services started now; %d running service(s) "
+                        "keep their budgets (%s): stop them first (stoker.cluster.service.stop_services) to "
+                        "change them", cache_bytes, len(other),
+                        ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(other.items())[:5]))
     if not services:
         why = "; ".join(down.values()) if down else ""
         raise RuntimeError("no cache service answers on any node" + (f" ({why})" if why else ""))

@@ -56,7 +56,9 @@ def _array(x) -> np.ndarray | None:
     one that can go there (object arrays, subclasses such as masked arrays, CUDA tensors, tensors
     that need grad, bfloat16)."""
     if type(x) is np.ndarray:
-        return None if x.dtype.hasobject else np.ascontiguousarray(x)
+        if x.dtype.hasobject:
+            return None
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)  # (this one makes a 0-d array 1-d)
     if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
         if x.device.type != "cpu" or x.requires_grad:
             return None
@@ -120,10 +122,11 @@ def flatten(batch) -> tuple | None:
 
 
 def _layout(leaves: list) -> tuple[list, int]:
-    """Per array ``(dtype str, shape, offset)`` and the total bytes in a slot."""
+    """Per array ``(dtype, shape, offset)`` and the total bytes in a slot; the dtype as its string,
+    or for a structured dtype its field list (the string of one is ``|V<n>``, without its fields)."""
     specs, off = [], 0
     for a in leaves:
-        specs.append((a.dtype.str, a.shape, off))
+        specs.append((a.dtype.descr if a.dtype.names else a.dtype.str, a.shape, off))
         off += -(-a.nbytes // ALIGN_BYTES) * ALIGN_BYTES
     return specs, off
 
