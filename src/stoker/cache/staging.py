@@ -101,19 +101,20 @@ class StagingArea:
         finally:
             os.close(fd)
 
+    def _entries(self, namespace: str) -> list[os.DirEntry]:
+        """The blocks staged now under ``namespace`` (fills in progress left out)."""
+        try:
+            return [e for e in os.scandir(os.path.join(self.root, namespace)) if not e.name.startswith(TMP_MARK)]
+        except FileNotFoundError:
+            return []
+
     def held_bytes(self, namespace: str) -> int:
         """Bytes of the blocks staged now under ``namespace`` (fills in progress not counted)."""
         total = 0
-        try:
-            entries = list(os.scandir(os.path.join(self.root, namespace)))
-        except FileNotFoundError:
-            return 0
-        for e in entries:
-            if e.name.startswith(TMP_MARK):
-                continue
+        for e in self._entries(namespace):
             try:
                 total += e.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
+            except FileNotFoundError:  # deleted after its last use meanwhile
                 continue
         return total
 
@@ -127,10 +128,7 @@ class StagingArea:
 
     def names(self, namespace: str) -> list[str]:
         """Names of the blocks staged now under ``namespace`` (fills in progress not listed)."""
-        try:
-            return [n for n in os.listdir(os.path.join(self.root, namespace)) if not n.startswith(TMP_MARK)]
-        except FileNotFoundError:
-            return []
+        return [e.name for e in self._entries(namespace)]
 
     def contains(self, namespace: str, name: str) -> bool:
         return is_file(self.path(namespace, name))

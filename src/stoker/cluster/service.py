@@ -333,14 +333,14 @@ def _wait_answer(handles: dict, timeout_s: float, down: dict[str, str] | None = 
         except ray.exceptions.RayActorError as exc:
             cause = exc
             if getattr(exc, "actor_init_failed", False):  # its constructor raised: Ray will not restart it
-                why = f"cache service of node {nid} could not start: {_cause(exc)}"
+                why = f"cache service of node {nid} could not start: {error_line(exc)}"
                 error = ServiceStartError(why)
             elif time.monotonic() < deadline:  # restarting: ask again
                 time.sleep(0.2)
                 refs[nid] = handles[nid].ping.remote()
                 continue
             else:
-                why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout): {_cause(exc)}"
+                why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout): {error_line(exc)}"
                 error = ray.exceptions.GetTimeoutError(why)
         if down is None:
             raise error from cause
@@ -349,8 +349,9 @@ def _wait_answer(handles: dict, timeout_s: float, down: dict[str, str] | None = 
         del refs[nid]
 
 
-def _cause(exc: BaseException) -> str:
-    """One line for a failed Ray call: the innermost error's type and its last message line."""
+def error_line(exc: BaseException) -> str:
+    """One line for a failed Ray call: the innermost error's type and its last message line, not
+    Ray's traceback."""
     inner = getattr(exc, "cause", None) or exc
     if isinstance(inner, ray.exceptions.RayTaskError) and inner.cause is not None:
         inner = inner.cause

@@ -18,7 +18,7 @@ import ray
 from .placement import bytes_per_node, place_dataset
 from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_members
 from .records import call as _call
-from .service import dataset_ref, find_services, get_service, placement_keys, prepare
+from .service import dataset_ref, error_line, find_services, get_service, placement_keys, prepare
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
             cached.append(int(_call(get_service(m).cached_bytes, dref, timeout_s=REPORT_TIMEOUT_S)))
         except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
             cached.append(0)
-            node_errors[i] = f"cache service did not answer: {_reason(exc)}"
+            node_errors[i] = f"cache service did not answer: {error_line(exc)}"
         if i in fills.down:  # why the node's blocks were not filled comes first
             node_errors[i] = fills.down[i]
     totals, errors = fills.totals, fills.errors
@@ -160,8 +160,7 @@ class _Fills:
             done, _ = ray.wait(list(self._pending), num_returns=1, timeout=wait_s)
             if done:
                 self._done(done[0])
-            else:
-                self._give_up_hung()
+            self._give_up_hung()  # also while other nodes' fills keep answering
 
     def _deadlines(self) -> dict[int, float]:
         """Per node with requests in flight: when it counts as hung if none of them answers."""
@@ -216,11 +215,11 @@ class _Fills:
                 return
             if i not in self.down:
                 self._go_down(i, f"cache service of node {self.members[i]} did not answer in {FILL_TRIES} "
-                                 f"tries: {_reason(exc)}")
+                                 f"tries: {error_line(exc)}")
             self._fail(i, chunk, self.down[i])
             return
         except ray.exceptions.RayError as exc:  # the call failed: these blocks only
-            self._fail(i, chunk, _reason(exc))
+            self._fail(i, chunk, error_line(exc))
             self._submit(i)
             return
         self._count(i, chunk, r)
@@ -244,13 +243,6 @@ class _Fills:
             self.errors[i].setdefault(shard, reason)
         if self.bar is not None:
             self.bar.update(int(self.ds.block_bytes_of(np.asarray(chunk)).sum()))
-
-
-def _reason(exc: BaseException) -> str:
-    """One line for a failed Ray call: the innermost error's type and message, not Ray's traceback."""
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
 def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,

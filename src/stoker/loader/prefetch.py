@@ -57,19 +57,6 @@ BUSY_BACKOFF_S = 0.005
 BUSY_BACKOFF_MAX_S = 0.1
 
 
-def _block_of(ds, name: str) -> int | None:
-    """The block id that :meth:`stoker.store.dataset.Dataset.block_name` names ``name``, or None."""
-    try:
-        shard, start, end = (int(x) for x in name.split("-"))
-    except ValueError:
-        return None
-    lo, hi = (int(x) for x in np.searchsorted(ds.block_shard, [shard, shard + 1]))  # blocks are in (shard, offset) order
-    k = lo + int(np.searchsorted(ds.block_start[lo:hi], start))
-    if k < hi and int(ds.block_start[k]) == start and int(ds.block_end[k]) == end:
-        return k
-    return None
-
-
 def _end_plan(ds, staged: dict, needed: dict) -> None:
     """The previous plan is over (delivered, cut short or given up): delete the blocks staged
     for it (``staged``, emptied) and every other staged file that the new plan (``needed``:
@@ -78,7 +65,7 @@ def _end_plan(ds, staged: dict, needed: dict) -> None:
     and stays, to be taken over when the prefetcher reaches it (rarely, a worker's fetch for the
     previous plan that the prefetcher never reached, having stopped: it is kept too)."""
     for name in ds.staging.names(ds.version):
-        b = _block_of(ds, name)
+        b = ds.block_of_name(name)
         if b is None or b in staged or b not in needed:
             ds.staging.remove(ds.version, name)
     staged.clear()
@@ -208,7 +195,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             if adopt and ds.staging is not None:
                 adopt = False
                 for name in ds.staging.names(ds.version):
-                    b = _block_of(ds, name)
+                    b = ds.block_of_name(name)
                     if b in cur_last:
                         staged[b] = cur_last[b]
         # staged blocks go once their last use is delivered, also after every block is fetched

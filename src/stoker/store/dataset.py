@@ -159,7 +159,20 @@ class Dataset:
         return len(self.block_shard)
 
     def block_name(self, b: int) -> str:
+        """The cache name of block ``b``: ``<shard:06d>-<start>-<end>`` (shard bytes)."""
         return f"{int(self.block_shard[b]):06d}-{int(self.block_start[b])}-{int(self.block_end[b])}"
+
+    def block_of_name(self, name: str) -> int | None:
+        """The block that :meth:`block_name` names ``name``, or None (not a block of this dataset)."""
+        try:
+            shard, start, end = (int(x) for x in name.split("-"))
+        except ValueError:
+            return None
+        lo, hi = (int(x) for x in np.searchsorted(self.block_shard, [shard, shard + 1]))  # (shard, offset) order
+        k = lo + int(np.searchsorted(self.block_start[lo:hi], start))
+        if k < hi and int(self.block_start[k]) == start and int(self.block_end[k]) == end:
+            return k
+        return None
 
     def block_bytes_of(self, b) -> np.ndarray:
         return self.block_end[b] - self.block_start[b]
@@ -317,20 +330,6 @@ class Dataset:
                     raise self._bad(int(i), f"checksum mismatch in field {bad!r} in a block read from the origin")
         return data
 
-    def _fetch_noted(self, b: int, name: str, since: float) -> bytes:
-        """:meth:`_fetch_block` for a fill holding block ``b``'s fetch lock (``name``: its cache
-        name; ``since``: when this process began to wait for the lock). On an
-        :class:`OriginError` the failure is noted in the lock for the processes waiting on it,
-        joined to the failed fetch this one waited for, if any (:mod:`.fill_failures`)."""
-        try:
-            return self._fetch_block(b)
-        except OriginError as exc:
-            err = fill_failures.after_others(self.cache, self.version, name, exc, since)
-            fill_failures.record(self.cache, self.version, name, err)
-            if err is exc:
-                raise
-            raise err from exc.__cause__
-
     def cached_blocks(self) -> np.ndarray:
         """bool (num_blocks,): which blocks the node cache holds now (False without a cache)."""
         if self.cache is None:
@@ -369,7 +368,7 @@ class Dataset:
             room = staging is not None and staging.has_room(self.version, size)
             if not (admitted or room):
                 return None, None
-            data = self._fetch_noted(b, name, since)
+            data = fill_failures.fetch(self, b, name, since)
             if not (admitted and cache.put(self.version, name, data)) and staging is not None and room:
                 staging.put(self.version, name, data)  # False (disk full): nothing kept, still read
             return "origin", data
@@ -387,7 +386,7 @@ class Dataset:
                 return "cached"
             if self.staging.contains(self.version, name):
                 return "in_staging"
-            if not self.staging.put(self.version, name, self._fetch_noted(b, name, time.time())):
+            if not self.staging.put(self.version, name, fill_failures.fetch(self, b, name, time.time())):
                 return "unstaged"
             return "staged"
 
@@ -423,7 +422,7 @@ class Dataset:
             staging = self.staging
             if not want_data and staging is not None and staging.contains(self.version, name):
                 return "in_staging"
-            data = self._fetch_noted(b, name, since)
+            data = fill_failures.fetch(self, b, name, since)
             if cache.put(self.version, name, data):
                 return "filled" if not want_data else data
             staged = staging is not None and (staging.contains(self.version, name)

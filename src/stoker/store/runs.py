@@ -19,6 +19,7 @@ import time
 from contextlib import ExitStack
 
 from ..errors import ChecksumError, OriginError
+from . import fill_failures
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
             return out
     for b, dest in stretch:
         try:  # a failure is noted in the block's lock for a read waiting on it (store/fill_failures.py)
-            out[b] = _store(ds, b, ds._fetch_noted(b, ds.block_name(b), time.time()), dest)
+            out[b] = _store(ds, b, fill_failures.fetch(ds, b, ds.block_name(b), time.time()), dest)
         except Exception as exc:  # noqa: BLE001 - reported per block; the others are kept
             out[b] = exc
     return out
