@@ -106,7 +106,10 @@ def test_skipped_samples_and_replaced_processes(cases_packed, tmp_path):
         next(it)
         os.kill(ld._workers[1].pid, signal.SIGKILL)
         next(it)
-        os.kill(ld._prefetcher.pid, signal.SIGKILL)
+        pf = ld._prefetcher
+        os.kill(pf.pid, signal.SIGKILL)
+        pf.join(30)  # dead before the next check (its exit code is read, not waited for): the
+        # epoch's last batches can all arrive before a kill still in flight takes effect
         for _ in it:
             pass
         st, m = ld.stats, _scrape(ld.metrics_url)
