@@ -119,7 +119,8 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
               "origin": {"latency_ms": latency_ms, "bandwidth": "the origin link's tbf"},
               "config": {"jobs": 2, "ranks_per_job": hosts, "epochs": epochs, "block_bytes": block_bytes, "seed": seed,
                          "shard_bytes": shard_bytes, "cache_bytes_per_node": cache_bytes, "decode": decode,
-                         "jobs_run": "one after the other, so each job's kernel counts are its own"},
+                         "jobs_run": "one after the other, so each job's kernel counts are its own",
+                         "rank_start": "together: a job's ranks start their clocks at one gate (bench/start_gate.py)"},
               "dataset": rows["dataset"], "setup_s": rows["setup_s"], "runs": rows["runs"],
               "faults": rows.get("faults", []), "state": rows.get("state"), "control": rows.get("control"),
               "phases_s": phases}

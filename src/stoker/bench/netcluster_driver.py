@@ -12,7 +12,9 @@ that the kernel counters of each job are its own (3 ranks per job):
 - ``random``: cluster mode, ranks on random hosts (seeded), the plain rank split (Alluxio-like);
 - ``colocated``: cluster mode with TDCS co-located scheduling.
 
-A rank reads and verifies every sample of its plan (checksums; no decode unless ``decode``).
+A rank reads and verifies every sample of its plan (checksums; no decode unless ``decode``). A
+job's ranks start their clocks together, at a gate (:mod:`stoker.bench.start_gate`), as the ranks
+of synchronous training start an epoch together.
 Each row: samples/s (samples / the slowest rank's seconds), exactly-once (every sample id of the
 epoch read once over the job's ranks), kernel bytes (:func:`stoker.bench.netcluster.kernel_delta`
 of the counters read just before and after the job) and stoker's own byte counts. Before its
@@ -32,6 +34,7 @@ from functools import partial
 import numpy as np
 
 from .netcluster import kernel_delta, read_counters
+from .start_gate import pass_gate, start_gate
 
 PLACEMENTS = ("direct", "random", "colocated")
 JOBS = ("job1", "job2")
@@ -42,10 +45,13 @@ def _decode(data: bytes, key: str) -> None:
     decode_image(data, key)
 
 
-def read_plan(ctx, epoch: int, decode: bool = False) -> list[dict]:
+def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = "", gate_s: float = 600.0) -> list[dict]:
     """Cluster ``train_fn``: read (and verify, and with ``decode`` decode) every sample of the
-    rank's plan for ``epoch``; returns ``ctx.epochs`` with the sample ids under ``ids``."""
+    rank's plan for ``epoch``; returns ``ctx.epochs`` with the sample ids under ``ids``. With a
+    ``gate`` (:mod:`stoker.bench.start_gate`) the rank starts its clock once every rank of the job
+    has reached it (``gate_key``; waiting at most ``gate_s`` seconds)."""
     ids = ctx.plan(epoch, 0)
+    pass_gate(gate, gate_key, ctx.world_size, gate_s)
     with ctx.measure(epoch, samples=len(ids)) as rec:
         for i in ids:
             data = ctx.dataset.read(int(i))
@@ -68,6 +74,7 @@ def direct_rank(spec: dict) -> dict:
     ids = rank_plan(perm, spec["rank"], spec["world_size"])
     if not spec.get("read", True):
         ids = ids[:0]
+    pass_gate(spec.get("gate"), spec.get("gate_key", ""), spec["world_size"], spec.get("gate_s", 600.0))
     origin0, local = ds.origin.counters.bytes, 0
     started, t0 = time.time(), time.perf_counter()
     for i in ids:
@@ -115,9 +122,10 @@ def cluster_counts(recs: list[dict], service_origin_bytes: int) -> list[dict]:
     return out
 
 
-def no_reads(ctx) -> list:
-    """Cluster ``train_fn`` of a placement's control probe: reads nothing."""
-    del ctx
+def no_reads(ctx, gate=None, gate_key: str = "", gate_s: float = 600.0) -> list:
+    """Cluster ``train_fn`` of a placement's control probe: passes the ``gate`` as
+    :func:`read_plan` does and reads nothing."""
+    pass_gate(gate, gate_key, ctx.world_size, gate_s)
     return []
 
 
@@ -243,12 +251,16 @@ def main(spec_path: str, out_path: str) -> int:
         with urllib.request.urlopen(f"{spec['direct_url']}/__stoker__/stats", timeout=10) as r:
             return int(json.loads(r.read())["bytes_served"])
 
-    def direct_refs(root: str, epoch: int, read: bool = True) -> list:  # one direct rank per host
+    gate = start_gate()  # every rank of a job starts its clock together (bench/start_gate.py)
+    gate_s = spec["job_timeout_s"]
+
+    def direct_refs(root: str, epoch: int, read: bool = True, key: str = "") -> list:  # one direct rank per host
         return [ray.remote(direct_rank).options(
             num_cpus=0.5, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
             {"url": url, "storage_options": opts, "cache_dir": os.path.join(root, f"h{r}"),
              "cache_bytes": spec["cache_bytes"], "block_bytes": spec["block_bytes"], "epoch": epoch, "rank": r,
-             "world_size": len(host_nodes), "decode": spec["decode"], "read": read})
+             "world_size": len(host_nodes), "decode": spec["decode"], "read": read,
+             "gate": gate, "gate_key": key, "gate_s": gate_s})
             for r, node in enumerate(host_nodes)]
 
     for placement in spec["placements"]:
@@ -259,22 +271,25 @@ def main(spec_path: str, out_path: str) -> int:
 
         def probe_job(placement=placement, root=root) -> None:
             served()  # as every job's window holds one stats request
+            key = f"{placement}/control"
             if placement == "direct":
-                ray.get(direct_refs(root, 0, read=False), timeout=spec["job_timeout_s"])
+                ray.get(direct_refs(root, 0, read=False, key=key), timeout=spec["job_timeout_s"])
             else:
-                cluster_run(no_reads, url, len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
+                cluster_run(partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s), url, len(host_nodes),
+                            {"CPU": 0.5}, storage_options=opts, placement=placement,
                             cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
                             seed=spec["seed"] + 1, job="control", timeout_s=spec["job_timeout_s"])
         out.setdefault("control", {})[placement] = probe_control(placement, probe_job, links)
         for epoch in range(spec["epochs"]):
             for j, job in enumerate(JOBS):
                 before, s0 = read_counters(links), served()
+                key = f"{placement}/{job}/{epoch}"
                 if placement == "direct":
-                    recs = ray.get(direct_refs(root, epoch), timeout=spec["job_timeout_s"])
+                    recs = ray.get(direct_refs(root, epoch, key=key), timeout=spec["job_timeout_s"])
                     hosts = list(range(len(recs)))  # rank r on host r
                 else:
                     svc0 = services_origin_bytes()
-                    fn = partial(read_plan, epoch=epoch, decode=spec["decode"])
+                    fn = partial(read_plan, epoch=epoch, decode=spec["decode"], gate=gate, gate_key=key, gate_s=gate_s)
                     res = cluster_run(fn, url, len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
                                       cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
                                       seed=spec["seed"] + 1 + j, job=job, timeout_s=spec["job_timeout_s"])

@@ -265,11 +265,14 @@ def fit_starting(report: dict, path: str, local_s: float, link_factor: float, se
     for k = 0, 1, ... ``most`` starting processes (:class:`stoker.sim.model.Params`), the peer CPU
     cost that makes the mean epoch exact (:func:`fit_peer_cpu`), and of those the k whose epochs'
     log errors have the least sum of squares (k rises while that sum falls). A report without
-    ``rank_start_s`` gives k = 0 (its ranks start together: k changes nothing). Raises ValueError
+    ``rank_start_s``, or whose ranks start at a gate (``config.rank_start``, bench/start_gate.py:
+    every rank's start-up is over before any clock starts), gives k = 0. Raises ValueError
     without warm random epochs."""
     meas = np.array([r["seconds"] for r in _warm_random(report)])
-    if not setup.starts:
-        return (Calibrated(0, f"{path}: no rank_start_s (every rank starts at once)"),
+    if not setup.starts or "gate" in str(report.get("config", {}).get("rank_start", "")):
+        why = ("its ranks start their clocks together at a gate, after every rank has started"
+               if setup.starts else "no rank_start_s (every rank starts at once)")
+        return (Calibrated(0, f"{path}: {why}"),
                 fit_peer_cpu(report, path, local_s, link_factor, setup=setup))
     tried: list[tuple[float, int, Calibrated]] = []
     for k in range(most + 1):

@@ -1,0 +1,37 @@
+"""The namespace benchmark's ranks start their clocks together at its gate (bench/start_gate.py),
+on the 3-node Ray cluster: a rank held back before its epoch holds back the others' clocks."""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+def _late_rank0(ctx, gate, key):
+    from stoker.bench.netcluster_driver import read_plan
+    if ctx.rank == 0:
+        time.sleep(1.5)  # a rank that Ray started late
+    return read_plan(ctx, 0, gate=gate, gate_key=key, gate_s=60.0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_ranks_start_their_clocks_at_the_gate(cluster, s3_dataset, tmp_path_factory, gated):
+    from stoker.bench.netcluster_driver import _row
+    from stoker.bench.start_gate import start_gate
+    from stoker.cluster import run
+    url, opts = s3_dataset
+    gate = start_gate() if gated else None
+    res = run(partial(_late_rank0, gate=gate, key=f"gated-{gated}"), url, 3, {"CPU": 0.5}, storage_options=opts,
+              placement="random", cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20,
+              block_bytes=64 << 10, job=f"gate-{gated}", timeout_s=120)
+    recs = [dict(r["epochs"][-1], origin_bytes=0, peer_bytes=0) for r in res]
+    row = _row("random", "job", 0, recs, sum(r["samples"] for r in recs), {}, 0)
+    assert row["exactly_once"]
+    spread = max(row["rank_start_s"])
+    if gated:
+        assert spread < 0.5, row["rank_start_s"]
+    else:
+        assert spread > 1.0, row["rank_start_s"]
