@@ -424,3 +424,17 @@ def test_a_ray_node_that_fails_to_start_is_named_with_its_log(tmp_path):
         procs._wait_started({1: subprocess.Popen(["true"]), 2: subprocess.Popen(["sh", "-c", "exit 3"])})
     with pytest.raises(RuntimeError, match=r"ns-h1 not started in 0.5 s \(ray start timeout\)"):
         procs._wait_started({1: subprocess.Popen(["sleep", "30"])})
+
+
+def test_machine_cpu_counts_busy_ticks_only(tmp_path):
+    import os
+
+    from stoker.bench.netcluster import machine_cpu_s
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 20 30 5000 700 4 6 10 0 0\ncpu0 1 1 1 1 1 1 1 1 0 0\n")
+    assert machine_cpu_s(str(stat)) == pytest.approx(170 / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("intr 1 2 3\n")
+    with pytest.raises(RuntimeError, match="no cpu line"):
+        machine_cpu_s(str(stat))
+    assert machine_cpu_s() > 0  # the real file

@@ -35,3 +35,24 @@ def test_ranks_start_their_clocks_at_the_gate(cluster, s3_dataset, tmp_path_fact
         assert spread < 0.5, row["rank_start_s"]
     else:
         assert spread > 1.0, row["rank_start_s"]
+
+
+def test_peer_probe_reads_only_samples_its_peers_hold(cluster, s3_dataset, tmp_path_factory):
+    import numpy as np
+
+    from stoker.bench.netcluster_driver import peer_probe, read_plan
+    from stoker.bench.start_gate import start_gate
+    from stoker.cluster import run
+    url, opts = s3_dataset
+    common = dict(storage_options=opts, placement="random", cache_root=str(tmp_path_factory.mktemp("cache")),
+                  cache_bytes=64 << 20, block_bytes=64 << 10, timeout_s=120, seed=3)
+    run(partial(read_plan, epoch=0), url, 3, {"CPU": 0.5}, job="warm", **common)  # every block cached by its owner
+    gate = start_gate()
+    res = run(partial(peer_probe, samples=20, gate=gate, gate_key="probe"), url, 3, {"CPU": 0.5}, job="probe",
+              **common)
+    for r in res:
+        rec = r["epochs"][-1]
+        assert rec["epoch"] == -1 and len(rec["ids"]) == len(set(rec["ids"])) > 0
+        assert rec["local_bytes"] == 0 and rec["origin_bytes"] == 0
+        assert rec["peer_bytes"] == rec["read_bytes"] > 0
+        assert np.all(np.diff(sorted(rec["ids"])) > 0)

@@ -272,3 +272,26 @@ def kernel_delta(before: dict, after: dict) -> dict:
     origin = links["origin"]["rx_bytes"] + links["origin"]["tx_bytes"]
     hosts = sum(v["rx_bytes"] + v["tx_bytes"] for n, v in links.items() if n != "origin")
     return {"origin_link_bytes": origin, "host_link_bytes": max(0, (hosts - origin) // 2), "links": links}
+
+
+def machine_cpu_s(stat_path: str = "/proc/stat") -> float:
+    """CPU seconds the whole machine has been busy since boot, all cores together (user, nice,
+    system, irq, softirq and steal time of ``/proc/stat``'s ``cpu`` line; idle and iowait are not
+    busy). The namespaces share one kernel, so this counts every emulated host's processes.
+    Raises RuntimeError when the file has no ``cpu`` line."""
+    with open(stat_path) as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[0] == "cpu":
+                ticks = [int(v) for v in parts[1:9]]
+                busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
+                return busy / os.sysconf("SC_CLK_TCK")
+    raise RuntimeError(f"{stat_path} has no cpu line")
+
+
+def busy_cores(seconds: float = 2.0) -> float:
+    """The machine's mean busy cores over the next ``seconds`` (:func:`machine_cpu_s`), e.g. the
+    background load of an idle emulated cluster (its Ray daemons, its cache services)."""
+    c0, t0 = machine_cpu_s(), time.perf_counter()
+    time.sleep(seconds)
+    return (machine_cpu_s() - c0) / (time.perf_counter() - t0)

@@ -35,7 +35,8 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
         job_timeout_s: float = 300.0, faults: tuple[str, ...] = ("kill", "link_down"), link_down_s: float = 5.0,
         fault_pause_s: float = 0.02, state_check: bool = True) -> dict:
     """Run the benchmark; returns the report ``{machine, hosts, links, origin, config, dataset,
-    runs, faults, state, control, summary, phases_s, seconds}`` (``control``: each placement's
+    runs, faults, state, control, idle_busy_cores, peer_probe, summary, phases_s, seconds}`` (``control``:
+    each placement's
     probe, :func:`stoker.bench.netcluster_driver.probe_control`; ``phases_s``: seconds of each phase, in
     order: ``sample_data``, ``namespaces``, ``origin_start``, ``ray_start``, ``driver`` (of which
     ``driver.upload_pack``, one ``driver.<placement>`` each, ``driver.fault_<kind>``,
@@ -123,6 +124,7 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
                          "rank_start": "together: a job's ranks start their clocks at one gate (bench/start_gate.py)"},
               "dataset": rows["dataset"], "setup_s": rows["setup_s"], "runs": rows["runs"],
               "faults": rows.get("faults", []), "state": rows.get("state"), "control": rows.get("control"),
+              "idle_busy_cores": rows.get("idle_busy_cores"), "peer_probe": rows.get("peer_probe"),
               "phases_s": phases}
     report["config"].update(faults=list(faults), link_down_s=link_down_s, fault_pause_s=fault_pause_s,
                             fault_peer_timeout_s=2.0)

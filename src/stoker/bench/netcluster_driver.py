@@ -19,8 +19,11 @@ Each row: samples/s (samples / the slowest rank's seconds), exactly-once (every 
 epoch read once over the job's ranks), kernel bytes (:func:`stoker.bench.netcluster.kernel_delta`
 of the counters read just before and after the job) and stoker's own byte counts. Before its
 epochs, each placement runs a control probe (:func:`probe_control`: a job that reads no sample),
-whose kernel bytes are the non-data traffic the byte check allows that placement's rows. The
-output also has ``phases_s``: seconds of packing, of each placement, fault run and the state check.
+whose kernel bytes are the non-data traffic the byte check allows that placement's rows; then the
+machine's busy cores at rest for 2 s (``idle_busy_cores``: the emulated cluster's own daemons and
+services). Each row has ``machine_cpu_s``: the machine's busy CPU seconds over the job. After the
+``random`` epochs, ``peer_probe`` (:func:`peer_probe`): every rank reads samples its peers hold,
+all at once, on the warm caches (ranks' hosts, ids, seconds, bytes). The output also has ``phases_s``: seconds of packing, of each placement, fault run and the state check.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from functools import partial
 
 import numpy as np
 
-from .netcluster import kernel_delta, read_counters
+from .netcluster import busy_cores, kernel_delta, machine_cpu_s, read_counters
 from .start_gate import pass_gate, start_gate
 
 PLACEMENTS = ("direct", "random", "colocated")
@@ -57,6 +60,27 @@ def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = 
             data = ctx.dataset.read(int(i))
             if decode:
                 _decode(data, ctx.dataset.key(int(i)))
+        rec["ids"] = ids.tolist()
+    return ctx.epochs
+
+
+#: Samples each rank reads in the peer probe (:func:`peer_probe`).
+PROBE_SAMPLES = 200
+
+
+def peer_probe(ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "", gate_s: float = 600.0) -> list[dict]:
+    """Cluster ``train_fn`` of the peer probe, run on warm caches after a placement's epochs:
+    every rank reads ``samples`` samples that a peer owns (:meth:`WorkerContext.peer_samples`,
+    a seeded draw per rank), one request at a time, all ranks at once from the ``gate``. The
+    probe measures what a peer request costs on this machine in this run, apart from the epochs
+    (``stoker simulate --validate`` calibrates its peer CPU cost on it). Returns ``ctx.epochs``
+    with the ids read under ``ids`` (epoch -1)."""
+    mine = ctx.peer_samples()
+    ids = np.random.default_rng(1000 + ctx.rank).permutation(mine)[:samples]
+    pass_gate(gate, gate_key, ctx.world_size, gate_s)
+    with ctx.measure(-1, samples=len(ids)) as rec:
+        for i in ids:
+            ctx.dataset.read(int(i))
         rec["ids"] = ids.tolist()
     return ctx.epochs
 
@@ -135,11 +159,16 @@ def probe_control(placement: str, run_job, links: dict) -> dict:
     readings of the counters of ``links``. Run first in each placement, on the same cluster, it also
     takes that placement's start-up traffic (its cache services and their worker processes
     registering with the head, the dataset's index opened by each service) out of the first
-    epoch's window. Returns :func:`stoker.bench.netcluster.kernel_delta` with ``seconds`` added."""
+    epoch's window. ``run_job`` returns the host (index) of each rank, or None. Returns
+    :func:`stoker.bench.netcluster.kernel_delta` with ``seconds`` and ``rank_hosts`` added (the
+    first job of a cluster placement settles the dataset's members: ``stoker simulate`` places it)."""
     t0 = time.perf_counter()
     before = read_counters(links)
-    run_job()
-    return dict(kernel_delta(before, read_counters(links)), placement=placement, seconds=time.perf_counter() - t0)
+    hosts = run_job()
+    out = dict(kernel_delta(before, read_counters(links)), placement=placement, seconds=time.perf_counter() - t0)
+    if hosts is not None:  # the probe job is the placement's first: where it ran settles the members
+        out["rank_hosts"] = [int(h) for h in hosts]
+    return out
 
 
 def _row(placement, job, epoch, recs, n, kernel, served, rank_hosts: list[int] | None = None) -> dict:
@@ -269,20 +298,23 @@ def main(spec_path: str, out_path: str) -> int:
         shutil.rmtree(root, ignore_errors=True)
         stop_services()
 
-        def probe_job(placement=placement, root=root) -> None:
+        def probe_job(placement=placement, root=root) -> list[int]:
             served()  # as every job's window holds one stats request
             key = f"{placement}/control"
             if placement == "direct":
                 ray.get(direct_refs(root, 0, read=False, key=key), timeout=spec["job_timeout_s"])
-            else:
-                cluster_run(partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s), url, len(host_nodes),
+                return list(range(len(host_nodes)))
+            res = cluster_run(partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s), url, len(host_nodes),
                             {"CPU": 0.5}, storage_options=opts, placement=placement,
                             cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
                             seed=spec["seed"] + 1, job="control", timeout_s=spec["job_timeout_s"])
+            return [host_of.get(r["node_id"], -1) for r in res]
         out.setdefault("control", {})[placement] = probe_control(placement, probe_job, links)
+        out.setdefault("idle_busy_cores", {})[placement] = busy_cores(2.0)  # the cluster at rest
         for epoch in range(spec["epochs"]):
             for j, job in enumerate(JOBS):
                 before, s0 = read_counters(links), served()
+                cpu0 = machine_cpu_s()
                 key = f"{placement}/{job}/{epoch}"
                 if placement == "direct":
                     recs = ray.get(direct_refs(root, epoch, key=key), timeout=spec["job_timeout_s"])
@@ -295,12 +327,30 @@ def main(spec_path: str, out_path: str) -> int:
                                       seed=spec["seed"] + 1 + j, job=job, timeout_s=spec["job_timeout_s"])
                     recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
                     hosts = [host_of.get(r["node_id"], -1) for r in res]
+                cpu_s = machine_cpu_s() - cpu0
                 kernel = kernel_delta(before, read_counters(links))
                 row = _row(placement, job, epoch, recs, n, kernel, served() - s0, hosts)
+                row["machine_cpu_s"] = cpu_s  # the whole machine's busy CPU seconds, job start to end
                 out["runs"].append(row)
                 print(json.dumps({k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
                                  | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
                                  | row["stoker"]), flush=True)
+        if placement == "random":  # the peer probe, on the caches the epochs warmed
+            res = cluster_run(partial(peer_probe, gate=gate, gate_key=f"{placement}/probe", gate_s=gate_s), url,
+                              len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
+                              cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
+                              seed=spec["seed"] + 1 + len(JOBS), job="probe", timeout_s=spec["job_timeout_s"])
+            recs = [r["epochs"][-1] for r in res]
+            out["peer_probe"] = {
+                "placement": placement, "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
+                "ids": [r["ids"] for r in recs], "seconds": max(r["seconds"] for r in recs),
+                "rank_seconds": [r["seconds"] for r in recs],
+                "rank_start_s": [r["started_at"] - min(x["started_at"] for x in recs) for r in recs],
+                "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
+                "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
+                "samples_per_rank": PROBE_SAMPLES}
+            print(json.dumps({"peer_probe_s": out["peer_probe"]["seconds"],
+                              "peer_bytes": out["peer_probe"]["peer_bytes"]}), flush=True)
         stop_services()
         shutil.rmtree(root, ignore_errors=True)
         phases[placement] = time.perf_counter() - t_phase

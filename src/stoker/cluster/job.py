@@ -56,6 +56,13 @@ class WorkerContext:
         self._plans: dict = {}
         self.epochs: list[dict] = []
 
+    def peer_samples(self) -> np.ndarray:
+        """Ids (int64, ascending) of the samples whose block a peer owns, not this rank's node:
+        each read of one goes to that peer (when this node has no copy of its own)."""
+        if self._sample_node is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self._sample_node != self._rank_nodes[self.rank]).astype(np.int64)
+
     def plan(self, epoch: int, seed: int = 0, order: str = "blockwise", window: int = 16,
              even: str = "pad") -> np.ndarray:
         """This rank's sample ids (int64) for ``epoch``: the permutation ``order`` of (seed, epoch)

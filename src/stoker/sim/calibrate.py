@@ -68,7 +68,8 @@ class NetnsSetup:
     ``ranks``: ``{(placement, job): model node of each rank}`` as the run placed them, and
     ``starts``: ``{(placement, job): {epoch: each rank's start offset, s}}`` as they started
     (:func:`stoker.sim.measured.recorded_ranks`, :func:`~stoker.sim.measured.recorded_starts`;
-    empty: the model draws the ranks and starts them together)."""
+    empty: the model draws the ranks and starts them together); ``order``: the host of model
+    node i (empty with made-up node names)."""
 
     workload: Workload
     node_keys: list[str] | None
@@ -76,12 +77,22 @@ class NetnsSetup:
     peak_Bps: float = 0.0
     ranks: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     starts: dict[tuple[str, str], dict[int, list[float]]] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
 
     def jobs(self, report: dict, placement: str) -> list[Job]:
         """The report's jobs (:func:`netns_jobs`) under ``placement``, each on its recorded rank
-        nodes and with its ranks' recorded start offsets where this setup has them."""
-        return [Job(j.name, j.world, j.seed, self.ranks.get((placement, j.name)),
+        nodes and with its ranks' recorded start offsets where this setup has them. A cluster
+        placement whose control probe recorded its ranks' hosts (``control.<placement>.rank_hosts``)
+        starts with that probe as a job named ``control`` that reads nothing: it ran first, so its
+        nodes settled the dataset's members (``stoker.cluster.records``) and hence the owners."""
+        jobs = [Job(j.name, j.world, j.seed, self.ranks.get((placement, j.name)),
                     dict(self.starts.get((placement, j.name), {}))) for j in netns_jobs(report)]
+        hosts = ((report.get("control") or {}).get(placement) or {}).get("rank_hosts")
+        if placement != "direct" and hosts and self.node_keys is not None and min(hosts) >= 0:
+            nodes = [self.order.index(int(h)) for h in hosts]
+            jobs.insert(0, Job("control", len(nodes), rank_nodes=nodes,
+                               plans=[np.zeros(0, dtype=np.int64) for _ in nodes]))
+        return jobs
 
 
 def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float = 0.0) -> NetnsSetup:
@@ -112,7 +123,7 @@ def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float 
                                                        "rows (value: the largest offset, s); each rank starts "
                                                        "at its own" if starts else
                                                        f"{path}: not recorded; every rank starts at once")},
-                      peak_Bps, {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()}, starts)
+                      peak_Bps, {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()}, starts, order)
 
 
 def local_latency(report: dict, path: str) -> Calibrated:
@@ -253,6 +264,53 @@ def _warm_random_s(report: dict, local_s: float, cpu_s: float, link_factor: floa
                    report["config"]["epochs"], together=False)
     by = {(r.job, r.epoch): r.seconds for r in res}
     return np.array([by[(r["job"], r["epoch"])] for r in _warm_random(report)])
+
+
+def probe_job(report: dict, path: str, order: list[int] | None = None) -> Job:
+    """The report's peer probe (``peer_probe``, :func:`stoker.bench.netcluster_driver.peer_probe`)
+    as a model job: its ranks on their recorded hosts (model node i is host ``order[i]``, default
+    h<i>), started at
+    their recorded offsets, each reading its recorded ids. Raises ValueError when the report has
+    no probe or the probe's ranks have no recorded host."""
+    probe = report.get("peer_probe")
+    if not probe:
+        raise ValueError(f"{path}: no peer_probe (a report of an older stoker bench cluster --netns)")
+    hosts = [int(h) for h in probe["rank_hosts"]]
+    if min(hosts) < 0:
+        raise ValueError(f"{path}: a peer probe rank ran on no recorded host: {hosts}")
+    if order:
+        hosts = [order.index(h) for h in hosts]
+    return Job("peer-probe", len(hosts), rank_nodes=hosts, start_s={0: [float(x) for x in probe["rank_start_s"]]},
+               plans=[np.asarray(ids, dtype=np.int64) for ids in probe["ids"]])
+
+
+def fit_probe_cpu(report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup,
+                  hi_s: float = 0.05) -> Calibrated:
+    """CPU seconds per peer request on the machine's shared cores, fitted (:func:`_solve`) so that
+    the model's peer probe (:func:`probe_job`: every rank reading samples its peers hold, all at
+    once, on warm caches) takes the probe's measured seconds. The probe is measured in the same
+    run as the epochs but is none of them, so every epoch of the run stays out of sample; it
+    takes this run's own speed of the shared machine (which drifts by tens of percent between
+    runs). The model warms the caches as the run did: the ``random`` jobs' first epoch on their
+    recorded hosts (their placement decides the dataset's members and owners), then the probe.
+    Raises ValueError without a probe (:func:`probe_job`) or with a setup made without the run's
+    own dataset and node keys (the probe's ids are the run's)."""
+    probe = probe_job(report, path, setup.order)
+    if setup.node_keys is None:
+        raise ValueError(f"{path}: the peer probe needs the run's own dataset and node keys")
+    jobs = setup.jobs(report, "random") + [probe]
+
+    def probe_s(cpu_s: float) -> float:
+        res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys, setup.peak_Bps),
+                       setup.workload, "random", jobs, 1, together=False)
+        return res[-1].seconds
+
+    meas = float(report["peer_probe"]["seconds"])
+    cpu_s = _solve(probe_s, meas, 0.0, hi_s)
+    reads = sum(len(x) for x in probe.plans or [])
+    return Calibrated(cpu_s, f"{path}: fitted to its peer probe ({probe.world} ranks, {reads} peer reads, "
+                             f"{meas:.2f} s, after the epochs) with {report['machine']['cores']} cores shared by "
+                             "all hosts; no epoch of the run is in it")
 
 
 #: The most processes a rank's start-up is taken to keep busy (:func:`fit_starting`).

@@ -118,13 +118,16 @@ class Job:
     ``rank_nodes``: the node (index) of each rank as a measured run placed them (None: the setup
     draws them, :func:`stoker.sim.decide.place_job`). ``start_s``: ``{epoch: [seconds]}``, each
     rank's start after the epoch's first (a measured run's start-up skew, ``world`` values >= 0);
-    an epoch not in it starts every rank at once."""
+    an epoch not in it starts every rank at once. ``plans``: each rank's sample ids (``world``
+    int arrays), read in every epoch instead of the setup's epoch plans (a measured probe's reads;
+    None: :func:`stoker.sim.decide.epoch_plans`)."""
 
     name: str
     world: int
     seed: int = 0
     rank_nodes: list[int] | None = None
     start_s: dict[int, list[float]] = field(default_factory=dict)
+    plans: list | None = None
 
     def starts(self, epoch: int) -> list[float]:
         """Each rank's start offset in ``epoch``, seconds (zeros when not given). Raises
@@ -373,7 +376,12 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
                     placed[j.name] = place_job(setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node,
                                                j.rank_nodes)
                 pl = placed[j.name]
-                plans = epoch_plans(setup, wl, pl, e, p.seed, p.order, p.window)
+                if j.plans is None:
+                    plans = epoch_plans(setup, wl, pl, e, p.seed, p.order, p.window)
+                elif len(j.plans) != j.world:
+                    raise ValueError(f"job {j.name!r}: {len(j.plans)} plans for {j.world} ranks")
+                else:
+                    plans = [np.asarray(x, dtype=np.int64) for x in j.plans]
                 marks[j.name] = (dict(run.counts), dict(run.net.bytes_on), max(len(x) for x in plans), run.decode_s)
                 secs_of = procs[j.name] = [0.0] * len(plans)
                 for r, (plan, start) in enumerate(zip(plans, j.starts(e), strict=True)):

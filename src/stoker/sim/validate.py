@@ -18,6 +18,7 @@ from .calibrate import (
     demo_params,
     demo_workload,
     fit_link_factor,
+    fit_probe_cpu,
     fit_starting,
     local_latency,
     measure_cache_read_Bps,
@@ -83,12 +84,20 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
         for path in netns_paths:
             factors[path] = params[f"link delivered fraction of {path}"] = fit_link_factor(
                 _load(path), path, params["local_latency_s"].value, setups[path])
-        params["starting_processes"], params["peer_cpu_s"] = fit_starting(
-            cal, cal_path, params["local_latency_s"].value, factors[cal_path].value, setups[cal_path])
+        probed = {path for path in netns_paths if _load(path).get("peer_probe") and setups[path].node_keys}
+        if len(probed) < len(netns_paths):  # a run without its own probe takes the calibration run's fit
+            params["starting_processes"], params["peer_cpu_s"] = fit_starting(
+                cal, cal_path, params["local_latency_s"].value, factors[cal_path].value, setups[cal_path])
+        for path in sorted(probed, key=netns_paths.index):
+            params[f"peer_cpu_s of {path}"] = fit_probe_cpu(_load(path), path, params["local_latency_s"].value,
+                                                            factors[path].value, setups[path])
     for path in netns_paths:
         rep = _load(path)
-        p = netns_params(rep, params["local_latency_s"].value, params["peer_cpu_s"].value, factors[path].value,
-                         setups[path].node_keys, setups[path].peak_Bps, int(params["starting_processes"].value))
+        own = params.get(f"peer_cpu_s of {path}")
+        cpu, starting = ((own.value, 0) if own is not None else
+                         (params["peer_cpu_s"].value, int(params["starting_processes"].value)))
+        p = netns_params(rep, params["local_latency_s"].value, cpu, factors[path].value,
+                         setups[path].node_keys, setups[path].peak_Bps, starting)
         p.cache_read_Bps = params["cache_read_Bps"].value
         params[f"links of {path}"] = Calibrated(p.nic_Bps, f"{path}: host links (tbf Mbit/s) x its delivered "
                                                            f"fraction, bytes/s; origin latency "
@@ -111,7 +120,8 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
                              "dataset_bytes": rep["dataset"]["bytes"],
                              "rank_start_s": m.get("rank_start_s"), "measured_rank_s": m.get("rank_seconds"),
                              "predicted_rank_s": s.rank_seconds,
-                             "in_sample": path == cal_path or m is fitted})
+                             "in_sample": m is fitted or (path == cal_path and (own is None or (
+                                 placement == "direct" and m["stoker"]["origin_bytes"] == 0)))})
     if demo_path:
         demo = _load(demo_path)
         wl = demo_workload(demo)
