@@ -23,7 +23,8 @@ whose kernel bytes are the non-data traffic the byte check allows that placement
 machine's busy cores at rest for 2 s (``idle_busy_cores``: the emulated cluster's own daemons and
 services). Each row has ``machine_cpu_s``: the machine's busy CPU seconds over the job. After the
 ``random`` epochs, ``peer_probe`` (:func:`peer_probe`): every rank reads samples its peers hold,
-all at once, on the warm caches (ranks' hosts, ids, seconds, bytes). The output also has ``phases_s``: seconds of packing, of each placement, fault run and the state check.
+all at once, on the warm caches (ranks' hosts, ids, seconds, bytes). The output also has
+``phases_s``: seconds of packing, of each placement, fault run and the state check.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _decode(data: bytes, key: str) -> None:
     decode_image(data, key)
 
 
-def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = "", gate_s: float = 600.0) -> list[dict]:
+def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = "",
+              gate_s: float = 600.0) -> list[dict]:
     """Cluster ``train_fn``: read (and verify, and with ``decode`` decode) every sample of the
     rank's plan for ``epoch``; returns ``ctx.epochs`` with the sample ids under ``ids``. With a
     ``gate`` (:mod:`stoker.bench.start_gate`) the rank starts its clock once every rank of the job
