@@ -295,3 +295,25 @@ def busy_cores(seconds: float = 2.0) -> float:
     c0, t0 = machine_cpu_s(), time.perf_counter()
     time.sleep(seconds)
     return (machine_cpu_s() - c0) / (time.perf_counter() - t0)
+
+
+def cpu_marks() -> dict[str, float]:
+    """Now, for a rank's epoch: ``machine_cpu_s`` (:func:`machine_cpu_s`), ``process_cpu_s``
+    (this process's CPU seconds, all its threads: ``time.process_time``) and ``at`` (unix s)."""
+    return {"machine_cpu_s": machine_cpu_s(), "process_cpu_s": time.process_time(), "at": time.time()}
+
+
+def epoch_cpu(marks: list[tuple[dict, dict]], services_cpu_s: float, cores: float) -> dict[str, float]:
+    """Where the machine's CPU went during one job's epoch, from each rank's :func:`cpu_marks` at
+    its start and end (``marks``) and the CPU seconds the cache services used over the job
+    (``services_cpu_s``): ``window_s`` (first rank's start to last rank's end), ``machine_s`` (the
+    machine's busy CPU seconds in it), ``ranks_s`` (the ranks' own processes), ``services_s``,
+    ``other_s`` (the rest: Ray's daemons, the kernel's own threads, anything else on the machine)
+    and ``other_cores`` (``other_s / window_s``, at most ``cores``)."""
+    t0, t1 = min(a["at"] for a, _ in marks), max(b["at"] for _, b in marks)
+    machine = max(b["machine_cpu_s"] for _, b in marks) - min(a["machine_cpu_s"] for a, _ in marks)
+    ranks = sum(b["process_cpu_s"] - a["process_cpu_s"] for a, b in marks)
+    other = max(0.0, machine - ranks - services_cpu_s)
+    window = max(t1 - t0, 1e-9)
+    return {"window_s": window, "machine_s": machine, "ranks_s": ranks, "services_s": services_cpu_s,
+            "other_s": other, "other_cores": min(cores, other / window)}

@@ -21,7 +21,9 @@ of the counters read just before and after the job) and stoker's own byte counts
 epochs, each placement runs a control probe (:func:`probe_control`: a job that reads no sample),
 whose kernel bytes are the non-data traffic the byte check allows that placement's rows; then the
 machine's busy cores at rest for 2 s (``idle_busy_cores``: the emulated cluster's own daemons and
-services). Each row has ``machine_cpu_s``: the machine's busy CPU seconds over the job. After the
+services). Each row has ``machine_cpu_s``: the machine's busy CPU seconds over the job, and
+``epoch_cpu`` (:func:`stoker.bench.netcluster.epoch_cpu`): over the ranks' clocks, the machine's
+CPU seconds split into the ranks', the cache services' and the rest. After the
 ``random`` epochs, ``peer_probe`` (:func:`peer_probe`): every rank reads samples its peers hold,
 all at once, on the warm caches (ranks' hosts, ids, seconds, bytes). The output also has
 ``phases_s``: seconds of packing, of each placement, fault run and the state check.
@@ -37,7 +39,7 @@ from functools import partial
 
 import numpy as np
 
-from .netcluster import busy_cores, kernel_delta, machine_cpu_s, read_counters
+from .netcluster import busy_cores, cpu_marks, epoch_cpu, kernel_delta, machine_cpu_s, read_counters
 from .start_gate import pass_gate, start_gate
 
 PLACEMENTS = ("direct", "random", "colocated")
@@ -58,11 +60,12 @@ def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = 
     ids = ctx.plan(epoch, 0)
     pass_gate(gate, gate_key, ctx.world_size, gate_s)
     with ctx.measure(epoch, samples=len(ids)) as rec:
+        c0 = cpu_marks()
         for i in ids:
             data = ctx.dataset.read(int(i))
             if decode:
                 _decode(data, ctx.dataset.key(int(i)))
-        rec["ids"] = ids.tolist()
+        rec["ids"], rec["cpu"] = ids.tolist(), [c0, cpu_marks()]
     return ctx.epochs
 
 
@@ -81,9 +84,10 @@ def peer_probe(ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "",
     ids = np.random.default_rng(1000 + ctx.rank).permutation(mine)[:samples]
     pass_gate(gate, gate_key, ctx.world_size, gate_s)
     with ctx.measure(-1, samples=len(ids)) as rec:
+        c0 = cpu_marks()
         for i in ids:
             ctx.dataset.read(int(i))
-        rec["ids"] = ids.tolist()
+        rec["ids"], rec["cpu"] = ids.tolist(), [c0, cpu_marks()]
     return ctx.epochs
 
 
@@ -102,7 +106,7 @@ def direct_rank(spec: dict) -> dict:
         ids = ids[:0]
     pass_gate(spec.get("gate"), spec.get("gate_key", ""), spec["world_size"], spec.get("gate_s", 600.0))
     origin0, local = ds.origin.counters.bytes, 0
-    started, t0 = time.time(), time.perf_counter()
+    started, t0, c0 = time.time(), time.perf_counter(), cpu_marks()
     for i in ids:
         hits = ds.read_stats.cache_hits
         data = ds.read(int(i))
@@ -111,7 +115,7 @@ def direct_rank(spec: dict) -> dict:
         if spec["decode"]:
             _decode(data, ds.key(int(i)))
     return {"epoch": spec["epoch"], "samples": len(ids), "seconds": time.perf_counter() - t0, "ids": ids.tolist(),
-            "started_at": started,
+            "started_at": started, "cpu": [c0, cpu_marks()],
             "local_bytes": local, "peer_bytes": 0, "origin_bytes": ds.origin.counters.bytes - origin0}
 
 
@@ -120,19 +124,35 @@ def _service_origin(service) -> int:
     return int(sum(ds.origin.counters.bytes for ds in service._datasets.values()))
 
 
-def services_origin_bytes() -> int:
-    """Bytes the cache services of all live nodes received from the origin so far (block fills
-    for their peers and for ``stoker warm``); 0 for a node without a service."""
+def _service_cpu(service) -> float:
+    """Run inside a cache service actor (``__ray_call__``): its process's CPU seconds so far."""
+    del service
+    return time.process_time()
+
+
+def _services_sum(fn) -> float:
+    """``fn(service)`` run in the cache service of every live node, summed (0 for a node without one)."""
     import ray
 
     from ..cluster.service import alive_nodes, get_service
     refs = []
     for node in alive_nodes():
         try:
-            refs.append(get_service(node["NodeID"]).__ray_call__.remote(_service_origin))
+            refs.append(get_service(node["NodeID"]).__ray_call__.remote(fn))
         except ValueError:
             continue
-    return int(sum(ray.get(refs, timeout=60)))
+    return float(sum(ray.get(refs, timeout=60)))
+
+
+def services_origin_bytes() -> int:
+    """Bytes the cache services of all live nodes received from the origin so far (block fills
+    for their peers and for ``stoker warm``); 0 for a node without a service."""
+    return int(_services_sum(_service_origin))
+
+
+def services_cpu_s() -> float:
+    """CPU seconds the cache services of all live nodes have used so far (their processes)."""
+    return _services_sum(_service_cpu)
 
 
 def cluster_counts(recs: list[dict], service_origin_bytes: int) -> list[dict]:
@@ -321,23 +341,27 @@ def main(spec_path: str, out_path: str) -> int:
                 if placement == "direct":
                     recs = ray.get(direct_refs(root, epoch, key=key), timeout=spec["job_timeout_s"])
                     hosts = list(range(len(recs)))  # rank r on host r
+                    svc_cpu = 0.0  # no cache service
                 else:
-                    svc0 = services_origin_bytes()
+                    svc0, scpu0 = services_origin_bytes(), services_cpu_s()
                     fn = partial(read_plan, epoch=epoch, decode=spec["decode"], gate=gate, gate_key=key, gate_s=gate_s)
                     res = cluster_run(fn, url, len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
                                       cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
                                       seed=spec["seed"] + 1 + j, job=job, timeout_s=spec["job_timeout_s"])
                     recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
                     hosts = [host_of.get(r["node_id"], -1) for r in res]
+                    svc_cpu = services_cpu_s() - scpu0
                 cpu_s = machine_cpu_s() - cpu0
                 kernel = kernel_delta(before, read_counters(links))
                 row = _row(placement, job, epoch, recs, n, kernel, served() - s0, hosts)
                 row["machine_cpu_s"] = cpu_s  # the whole machine's busy CPU seconds, job start to end
+                row["epoch_cpu"] = epoch_cpu([tuple(r["cpu"]) for r in recs], svc_cpu, os.cpu_count() or 1)
                 out["runs"].append(row)
                 print(json.dumps({k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
                                  | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
                                  | row["stoker"]), flush=True)
         if placement == "random":  # the peer probe, on the caches the epochs warmed
+            scpu0 = services_cpu_s()
             res = cluster_run(partial(peer_probe, gate=gate, gate_key=f"{placement}/probe", gate_s=gate_s), url,
                               len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
                               cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
@@ -350,7 +374,8 @@ def main(spec_path: str, out_path: str) -> int:
                 "rank_start_s": [r["started_at"] - min(x["started_at"] for x in recs) for r in recs],
                 "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
                 "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
-                "samples_per_rank": PROBE_SAMPLES}
+                "samples_per_rank": PROBE_SAMPLES,
+                "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1)}
             print(json.dumps({"peer_probe_s": out["peer_probe"]["seconds"],
                               "peer_bytes": out["peer_probe"]["peer_bytes"]}), flush=True)
         stop_services()
