@@ -84,41 +84,6 @@ def test_the_peer_cpu_a_probe_was_made_with_is_found_from_the_probe_alone():
         probe_job(_report(probe=dict(probe, rank_hosts=[0, -1, 2], seconds=1.0)), "r.json")
 
 
-def test_other_work_on_the_shared_cores_slows_a_cpu_bound_epoch_by_what_it_took():
-    from stoker.sim.calibrate import netns_params
-    ranks = {("random", "job1"): [2, 2, 2], ("random", "job2"): [2, 2, 2]}
-    rep = _report(control_hosts=[0, 0, 1])  # members 0 and 1: job1 on node 2 reads everything from them
-    p = netns_params(rep, 1e-5, peer_cpu_s=0.01)  # 36 requests x 10 ms on the report's 1 core
-    secs = {}
-    for other in (0.0, 0.5):
-        setup = _setup(ranks)
-        setup.others = {("random", "job1"): {1: other}}
-        res = {(x.job, x.epoch): x for x in simulate(p, _samples(), "random", setup.jobs(rep, "random"), 2,
-                                                     together=False)}
-        secs[other] = res[("job1", 1)].seconds
-        assert res[("job1", 0)].seconds < 1.0  # epoch 0 had nothing taken
-    assert secs[0.0] == pytest.approx(0.36, rel=0.05)  # CPU-bound: 0.36 CPU-s on 1 core
-    assert secs[0.5] / secs[0.0] == pytest.approx(2.0, rel=0.05)  # half the core left
-
-
-def test_a_link_changes_capacity_only_between_flows():
-    import simpy
-
-    from stoker.sim import FlowNetwork
-    env = simpy.Environment()
-    net = FlowNetwork(env, {"cpu": 2.0})
-    net.set_capacity("cpu", 0.5)
-    done = net.transfer({"cpu": 1.0})
-    with pytest.raises(ValueError, match="in use"):
-        net.set_capacity("cpu", 1.0)
-    env.run(done)
-    assert env.now == pytest.approx(2.0)  # 1 unit at 0.5 per second
-    with pytest.raises(ValueError, match="must be > 0"):
-        net.set_capacity("cpu", 0.0)
-    with pytest.raises(KeyError):
-        net.set_capacity("nic", 1.0)
-
-
 def test_epoch_cpu_splits_the_machine_seconds_among_ranks_services_and_the_rest():
     from stoker.bench.netcluster import epoch_cpu
 

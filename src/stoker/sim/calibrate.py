@@ -69,9 +69,7 @@ class NetnsSetup:
     ``starts``: ``{(placement, job): {epoch: each rank's start offset, s}}`` as they started
     (:func:`stoker.sim.measured.recorded_ranks`, :func:`~stoker.sim.measured.recorded_starts`;
     empty: the model draws the ranks and starts them together); ``order``: the host of model
-    node i (empty with made-up node names); ``others``: ``{(placement, job): {epoch: cores}}``
-    the machine's other work took during each epoch (:func:`stoker.sim.measured.recorded_other_cores`;
-    empty: none)."""
+    node i (empty with made-up node names)."""
 
     workload: Workload
     node_keys: list[str] | None
@@ -80,7 +78,6 @@ class NetnsSetup:
     ranks: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     starts: dict[tuple[str, str], dict[int, list[float]]] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)
-    others: dict[tuple[str, str], dict[int, float]] = field(default_factory=dict)
 
     def jobs(self, report: dict, placement: str) -> list[Job]:
         """The report's jobs (:func:`netns_jobs`) under ``placement``, each on its recorded rank
@@ -89,8 +86,7 @@ class NetnsSetup:
         starts with that probe as a job named ``control`` that reads nothing: it ran first, so its
         nodes settled the dataset's members (``stoker.cluster.records``) and hence the owners."""
         jobs = [Job(j.name, j.world, j.seed, self.ranks.get((placement, j.name)),
-                    dict(self.starts.get((placement, j.name), {})),
-                    other_cores=dict(self.others.get((placement, j.name), {}))) for j in netns_jobs(report)]
+                    dict(self.starts.get((placement, j.name), {}))) for j in netns_jobs(report)]
         hosts = ((report.get("control") or {}).get(placement) or {}).get("rank_hosts")
         if placement != "direct" and hosts and self.node_keys is not None and min(hosts) >= 0:
             nodes = [self.order.index(int(h)) for h in hosts]
@@ -107,14 +103,7 @@ def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float 
     False, or when the dataset cannot be made again, :func:`netns_workload` on made-up node names,
     ranks drawn and started together (said in the sources). ``peak_Bps``: as in
     :class:`NetnsSetup`. Raises ValueError for inconsistent ``rank_hosts`` or ``rank_start_s``."""
-    from .measured import (
-        host_order,
-        netns_dataset,
-        netns_node_keys,
-        recorded_other_cores,
-        recorded_ranks,
-        recorded_starts,
-    )
+    from .measured import host_order, netns_dataset, netns_node_keys, recorded_ranks, recorded_starts
     wl, why = netns_dataset(report, path) if measured else (None, "not asked for")
     if wl is None:
         fallback = netns_workload(report)
@@ -134,8 +123,7 @@ def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float 
                                                        "rows (value: the largest offset, s); each rank starts "
                                                        "at its own" if starts else
                                                        f"{path}: not recorded; every rank starts at once")},
-                      peak_Bps, {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()}, starts, order,
-                      recorded_other_cores(report))
+                      peak_Bps, {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()}, starts, order)
 
 
 def local_latency(report: dict, path: str) -> Calibrated:
@@ -281,7 +269,7 @@ def _warm_random_s(report: dict, local_s: float, cpu_s: float, link_factor: floa
 def probe_job(report: dict, path: str, order: list[int] | None = None) -> Job:
     """The report's peer probe (``peer_probe``, :func:`stoker.bench.netcluster_driver.peer_probe`)
     as a model job: its ranks on their recorded hosts (model node i is host ``order[i]``, default
-    h<i>), the cores other work took meanwhile (``epoch_cpu.other_cores``) as recorded, started at
+    h<i>), started at
     their recorded offsets, each reading its recorded ids. Raises ValueError when the report has
     no probe or the probe's ranks have no recorded host."""
     probe = report.get("peer_probe")
@@ -292,10 +280,8 @@ def probe_job(report: dict, path: str, order: list[int] | None = None) -> Job:
         raise ValueError(f"{path}: a peer probe rank ran on no recorded host: {hosts}")
     if order:
         hosts = [order.index(h) for h in hosts]
-    other = probe.get("epoch_cpu", {}).get("other_cores")
     return Job("peer-probe", len(hosts), rank_nodes=hosts, start_s={0: [float(x) for x in probe["rank_start_s"]]},
-               plans=[np.asarray(ids, dtype=np.int64) for ids in probe["ids"]],
-               other_cores={} if other is None else {0: float(other)})
+               plans=[np.asarray(ids, dtype=np.int64) for ids in probe["ids"]])
 
 
 def fit_probe_cpu(report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup,

@@ -146,18 +146,6 @@ def recorded_starts(report: dict, path: str) -> dict[tuple[str, str], dict[int, 
     return out
 
 
-def recorded_other_cores(report: dict) -> dict[tuple[str, str], dict[int, float]]:
-    """``{(placement, job): {epoch: cores}}``: the cores of the shared machine that work other
-    than the job's ranks and cache services took during each epoch (``epoch_cpu.other_cores`` of
-    the rows, :func:`stoker.bench.netcluster.epoch_cpu`: Ray's daemons, the kernel's threads,
-    anything else on the machine); rows without it are left out (nothing taken)."""
-    out: dict[tuple[str, str], dict[int, float]] = {}
-    for r in report["runs"]:
-        if "epoch_cpu" in r:
-            out.setdefault((r["placement"], r["job"]), {})[int(r["epoch"])] = float(r["epoch_cpu"]["other_cores"])
-    return out
-
-
 def host_order(report: dict, path: str, wl: Workload, jobs: list) -> tuple[list[int], str]:
     """``(order, source)``: ``order[i]`` is the host (index in :func:`netns_hosts`) that model node
     ``i`` stands for, ``jobs`` the report's jobs (:func:`stoker.sim.calibrate.netns_jobs`), for a

@@ -48,9 +48,6 @@ from .workload import Workload
 INF = math.inf
 #: The kinds of link the report counts bytes on.
 LINK_KINDS = ("origin", "host_to_host", "local")
-#: The least fraction of the shared cores left to the model's requests however much other work
-#: a run recorded (``Job.other_cores``): a measured epoch did finish.
-MIN_CORES_LEFT = 0.05
 
 
 @dataclass
@@ -123,10 +120,7 @@ class Job:
     rank's start after the epoch's first (a measured run's start-up skew, ``world`` values >= 0);
     an epoch not in it starts every rank at once. ``plans``: each rank's sample ids (``world``
     int arrays), read in every epoch instead of the setup's epoch plans (a measured probe's reads;
-    None: :func:`stoker.sim.decide.epoch_plans`). ``other_cores``: ``{epoch: cores}`` of the shared
-    machine (``Params.machine_cores``) that work outside the model took during the job's epoch, as
-    a measured run recorded it (its ranks' and services' CPU taken from the machine's); the model's
-    requests share the rest."""
+    None: :func:`stoker.sim.decide.epoch_plans`)."""
 
     name: str
     world: int
@@ -134,7 +128,6 @@ class Job:
     rank_nodes: list[int] | None = None
     start_s: dict[int, list[float]] = field(default_factory=dict)
     plans: list | None = None
-    other_cores: dict[int, float] = field(default_factory=dict)
 
     def starts(self, epoch: int) -> list[float]:
         """Each rank's start offset in ``epoch``, seconds (zeros when not given). Raises
@@ -393,9 +386,6 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
                 secs_of = procs[j.name] = [0.0] * len(plans)
                 for r, (plan, start) in enumerate(zip(plans, j.starts(e), strict=True)):
                     run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, secs_of, r, start))
-            if run.machine_cpu >= 0:  # the shared cores, less what other work took in this epoch
-                other = max((j.other_cores.get(e, 0.0) for j in group), default=0.0)
-                run.net.set_capacity("machine_cpu", max(p.machine_cores - other, MIN_CORES_LEFT * p.machine_cores))
             run.env.run()  # until every rank of the group is done
             for j in group:
                 c0, l0, q, d0 = marks[j.name]

@@ -206,18 +206,6 @@ class FlowNetwork:
         """Bytes carried so far per link, ``{link name: bytes}``."""
         return dict(zip(self.names, self._bytes_on.tolist(), strict=True))
 
-    def set_capacity(self, name: str, capacity: float) -> None:
-        """Give link ``name`` a new capacity (bytes/s, > 0) while no flow uses it (e.g. the
-        shared cores between two measured jobs, with what other work took from them). Raises
-        KeyError for an unknown link, ValueError for a capacity <= 0 or a link in use."""
-        i = self.index[name]
-        if not capacity > 0:
-            raise ValueError(f"link {name!r}: capacity must be > 0 bytes/s, got {capacity}")
-        if self._multi[i] or self._solo[i]:
-            raise ValueError(f"link {name!r} is in use: its capacity changes only between flows")
-        self.capacity[i] = float(capacity)
-        self._finite[i] = np.isfinite(self.capacity[i])
-
     def transfer(self, link_bytes: dict[str, float]) -> simpy.Event:
         """Start a flow of ``link_bytes`` (``{link: bytes}``); its event fires when it is done
         (at once for no bytes, or bytes on unlimited links only). Raises KeyError for an unknown link."""
