@@ -142,8 +142,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--netns", action="append", help="a stoker bench cluster --netns report (repeatable; "
                                                     "default benchmarks/bench_cluster_netns*.json with a cold "
                                                     "direct epoch)")
-    s.add_argument("--calibration", help="the --netns report the peer and local read times are fitted on "
-                                         "(default: the first)")
+    s.add_argument("--calibration", help="the --netns report the local read time is taken from, and the peer "
+                                         "request time for reports without their own peer probe (default: "
+                                         "the first)")
     s.add_argument("--made-up-layout", action="store_true",
                    help="--validate: model the namespace runs on a made-up dataset layout and node names, plain "
                         "rate-limited links, ranks drawn by the model and started together (not the runs' own "

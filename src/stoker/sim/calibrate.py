@@ -2,10 +2,11 @@
 
 A :class:`Calibrated` value carries its ``source`` (a file and field, or a measurement made
 now), so every table the model prints can say where its numbers came from. Nothing here is
-tuned to the result being predicted: the namespace cluster's per-request peer time and the
-processes a late rank's start-up keeps busy are fitted on the *calibration run* (one ``stoker
-bench cluster --netns`` report; never per row), and the validation reports which rows are that
-run (in sample) and which are not.
+tuned to the result being predicted: the namespace cluster's per-request peer time is fitted on
+each run's own *peer probe* (a job apart from its epochs, :func:`fit_probe_cpu`); for an older
+report without one, it and the processes a late rank's start-up keeps busy are fitted on the
+*calibration run* (one ``stoker bench cluster --netns`` report; never per row). The validation
+reports which rows are in sample and which are not.
 """
 from __future__ import annotations
 

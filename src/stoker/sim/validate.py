@@ -58,7 +58,10 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
     """Run the model on every measured configuration; returns ``{parameters, rows, summary}``.
 
     ``netns_paths``: ``stoker bench cluster --netns`` reports; ``calibration_path``: the one
-    the local read and peer request times are taken from (default: the first); ``demo_path``:
+    the local read time is taken from (default: the first); each report with a peer probe
+    (``peer_probe``) gets its own peer request time from it
+    (:func:`stoker.sim.calibrate.fit_probe_cpu`), the others the calibration run's
+    (:func:`stoker.sim.calibrate.fit_starting`); ``demo_path``:
     a ``stoker demo`` report (None: skipped); ``decode_path``: a ``stoker bench decode``
     report for the decode pipeline's efficiency. Each row: ``config``, ``placement``,
     ``job``, ``epoch``, ``measured_s``, ``predicted_s``, ``measured_bytes``,
