@@ -95,3 +95,24 @@ def test_epoch_cpu_splits_the_machine_seconds_among_ranks_services_and_the_rest(
     assert got["ranks_s"] == pytest.approx(1.5) and got["other_s"] == pytest.approx(1.5)
     assert got["other_cores"] == pytest.approx(0.75)
     assert epoch_cpu(marks, services_cpu_s=10.0, cores=2)["other_cores"] == 0.0  # never negative
+
+
+def test_a_lone_rank_requests_on_one_core_at_a_time():
+    # 36 peer requests of 10 ms CPU each by one rank, on a 2-core machine: one request at a time
+    # runs on one core (0.36 s), not on both (0.18 s); two ranks together use both cores
+    from stoker.sim.calibrate import netns_params
+    ranks = {("random", "job1"): [2, 2, 2], ("random", "job2"): [2, 2, 2]}
+    rep = _report(control_hosts=[0, 0, 1])
+    rep["machine"]["cores"] = 2
+    plans = [np.arange(36), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)]
+    two = [np.arange(18), np.arange(18, 36), np.zeros(0, dtype=np.int64)]
+    secs = {}
+    for cores in (0.0, 1.0):
+        p = netns_params(rep, 1e-6, peer_cpu_s=0.01)
+        p.request_cores = cores
+        for name, pl in (("one", plans), ("two", two)):
+            jobs = _setup(ranks).jobs(rep, "random")[:2] + [Job(name, 3, rank_nodes=[2, 2, 2], plans=pl)]
+            secs[(cores, name)] = simulate(p, _samples(), "random", jobs, 1, together=False)[-1].seconds
+    assert secs[(1.0, "one")] == pytest.approx(0.36, rel=0.05)
+    assert secs[(0.0, "one")] == pytest.approx(0.18, rel=0.05)
+    assert secs[(1.0, "two")] == pytest.approx(0.18, rel=0.05) == secs[(0.0, "two")]

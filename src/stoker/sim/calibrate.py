@@ -138,6 +138,11 @@ def local_latency(report: dict, path: str) -> Calibrated:
                       f"{path}: warm direct epochs, seconds / samples per rank (mean of {len(vals)})")
 
 
+#: Cores one peer request can use at once: the rank's client code, then the owner's service code,
+#: one after the other, each in one Python process on one core.
+REQUEST_CORES = 1.0
+
+
 def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_factor: float = 1.0,
                  node_keys: list[str] | None = None, peak_Bps: float = 0.0, starting_processes: int = 0) -> Params:
     """:class:`Params` of a namespace-cluster report: its hosts, tbf link rates (Mbit/s per
@@ -150,7 +155,8 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
     (:func:`stoker.bench.netcluster.burst_bytes` of their configured rate) passing ``peak_Bps``
     while they hold tokens. One sample per request and per chunk: the driver's ``read_plan``
     reads one sample at a time. ``starting_processes``: shares of the shared cores a rank takes
-    until its recorded start (:class:`stoker.sim.model.Params`, :func:`fit_starting`)."""
+    until its recorded start (:class:`stoker.sim.model.Params`, :func:`fit_starting`). A
+    request uses at most :data:`REQUEST_CORES` of the shared cores at once."""
     from ..bench.netcluster import burst_bytes
     links, cfg = report["links"], report["config"]
     hosts = [v for k, v in links.items() if k != "origin"]
@@ -163,7 +169,8 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
                   node_keys=node_keys, link_peak_Bps=peak_Bps,
                   nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
                   origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]),
-                  starting_processes=starting_processes if peer_cpu_s > 0 else 0)
+                  starting_processes=starting_processes if peer_cpu_s > 0 else 0,
+                  request_cores=REQUEST_CORES if peer_cpu_s > 0 else 0.0)
 
 
 def netns_jobs(report: dict) -> list[Job]:

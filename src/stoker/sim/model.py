@@ -79,6 +79,9 @@ class Params:
     ``machine_cores``) from its epoch's first rank start until its own start (``Job.start_s``): a
     rank that starts late is still being started (a Ray worker process, its setup) while the
     others read, and takes that many shares of the cores from them (0: starting costs nothing).
+    ``request_cores``: the most of the shared cores one rank's peer request can use at once (1:
+    its client and its server code run one after the other, each on one core; 0: no limit, a
+    lone request may take every core).
     """
 
     nodes: int
@@ -109,6 +112,7 @@ class Params:
     link_peak_Bps: float = 0.0
     fetch_cpu_s_per_byte: float = 0.0
     starting_processes: int = 0
+    request_cores: float = 0.0
 
 
 @dataclass
@@ -159,13 +163,15 @@ class EpochResult:
     rank_seconds: list[float] = field(default_factory=list)
 
 
-def _links(p: Params) -> dict[str, float]:
+def _links(p: Params, lanes: int = 0) -> dict[str, float]:
     caps = {"origin": p.origin_Bps}
     for v in range(p.nodes):
         caps |= {f"tx{v}": p.nic_Bps, f"rx{v}": p.nic_Bps, f"disk{v}": p.cache_read_Bps,
                  f"cpu{v}": max(p.decode_cores, 1) * p.decode_rate if p.decode_rate > 0 else INF}
     if p.machine_cores > 0:
         caps["machine_cpu"] = p.machine_cores  # CPU seconds per second
+        if p.request_cores > 0:  # each rank's requests, one at a time: at most request_cores at once
+            caps |= {f"lane{k}": p.request_cores for k in range(lanes)}
     return caps
 
 
@@ -184,10 +190,10 @@ def _buckets(p: Params, caps: dict[str, float]) -> dict[str, tuple[float, float]
 class _Run:
     """Shared state of one simulation: clock, network, caches, decode cores, byte counts."""
 
-    def __init__(self, p: Params, wl: Workload, setup: str, jobs_reading: int):
+    def __init__(self, p: Params, wl: Workload, setup: str, jobs_reading: int, lanes: int = 0):
         self.p, self.wl, self.setup = p, wl, setup
         self.env = simpy.Environment()
-        caps = _links(p)
+        caps = _links(p, lanes)
         self.net = FlowNetwork(self.env, caps, buckets=_buckets(p, caps))
         self.state = ClusterState(p.nodes, wl, p.node_keys)
         self.budget = float(dataset_budget(p.cache_bytes, wl, jobs_reading))
@@ -203,6 +209,7 @@ class _Run:
         # the decode cores' unit is a sample decoded: a CPU second fetching is decode_rate of them
         self.fetch_cpu = p.fetch_cpu_s_per_byte * p.decode_rate if p.decode_cores > 0 else 0.0
         self.origin, self.machine_cpu = ix["origin"], ix.get("machine_cpu", -1)
+        self.lanes = np.array([ix[f"lane{k}"] for k in range(lanes) if f"lane{k}" in ix], dtype=np.int64)
 
     def _admit(self, node: int, block: int) -> bool:
         """Cache ``block`` on ``node`` if its budget has room (no eviction); True if it did."""
@@ -285,10 +292,18 @@ class _Run:
             self.fill_of[mh, mb] = 0
             self.filling.pop(landed).succeed()
 
+    def _cpu_flow(self, links: np.ndarray, work: np.ndarray, lane: int) -> simpy.Event:
+        """A flow of CPU ``work`` on ``links`` (one link); on the shared cores it also takes the
+        rank's ``lane`` (at most ``Params.request_cores`` at once), when there is one."""
+        if lane >= 0 and len(self.lanes) and links[0] == self.machine_cpu:
+            return self.net.transfer_at(np.array([self.machine_cpu, self.lanes[lane]]), np.repeat(work, 2))
+        return self.net.transfer_at(links, work)
+
     def rank(self, node: int, plan: np.ndarray, owner: np.ndarray, seconds: list, index: int,
-             start_s: float = 0.0):
+             start_s: float = 0.0, lane: int = -1):
         """SimPy process of one rank's epoch, begun ``start_s`` seconds from now (nothing of it
-        before); sets ``seconds[index]`` to its own seconds, from its start to its end."""
+        before); sets ``seconds[index]`` to its own seconds, from its start to its end. ``lane``:
+        its slot among the ranks running together (its requests' core limit; -1: none)."""
         p, env = self.p, self.env
         if start_s > 0:  # its start-up (a process started for it, its setup) runs until then, on
             starting = []  # the shared cores: never ending by itself (at most start_s x all cores)
@@ -319,14 +334,14 @@ class _Run:
                     if waits:
                         yield env.all_of(waits)
                     if len(on_cpu):
-                        yield env.all_of([self.net.transfer_at(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]])
+                        yield env.all_of([self._cpu_flow(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]], lane)
                                           for k in range(len(on_cpu))])
                     nz = np.flatnonzero(vec)
                     yield self.net.transfer_at(nz, vec[nz])
                 else:  # requests pipelined: the latency of later ones hides behind earlier bytes
                     nz = np.flatnonzero(vec)
                     yield env.all_of([env.timeout(lat), self.net.transfer_at(nz, vec[nz]), *waits,
-                                      *(self.net.transfer_at(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]])
+                                      *(self._cpu_flow(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]], lane)
                                         for k in range(len(on_cpu)))])
                 self._land(mine, landed)
             if p.decode_cores > 0 and p.decode_rate > 0:  # the node's cores, shared like a link;
@@ -363,7 +378,8 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
     jobs run together are those of the whole group in that epoch (the same in each of their
     rows). Raises ValueError for a setup or placement that cannot be made, or bad start offsets.
     """
-    run = _Run(p, wl, setup, len(jobs))
+    lanes = sum(j.world for j in jobs) if together else max((j.world for j in jobs), default=0)
+    run = _Run(p, wl, setup, len(jobs), lanes)
     budgets = np.full(p.nodes, run.budget)
     placed: dict[str, Placement] = {}
     out: list[EpochResult] = []
@@ -371,6 +387,7 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
         groups = [jobs] if together else [[j] for j in jobs]
         for group in groups:
             marks, procs = {}, {}
+            lane = 0  # each rank of the group its own lane
             for j in group:
                 if j.name not in placed:
                     placed[j.name] = place_job(setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node,
@@ -385,7 +402,8 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
                 marks[j.name] = (dict(run.counts), dict(run.net.bytes_on), max(len(x) for x in plans), run.decode_s)
                 secs_of = procs[j.name] = [0.0] * len(plans)
                 for r, (plan, start) in enumerate(zip(plans, j.starts(e), strict=True)):
-                    run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, secs_of, r, start))
+                    run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, secs_of, r, start, lane))
+                    lane += 1
             run.env.run()  # until every rank of the group is done
             for j in group:
                 c0, l0, q, d0 = marks[j.name]
