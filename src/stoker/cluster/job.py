@@ -163,6 +163,7 @@ def _rank_main(train_fn, spec: dict):
         ds.router = BlockRouter(dataset_ref(ds, spec["storage_options"]), members,
                                 np.asarray(spec["owner"]), me, counters, timeout_s=spec["peer_timeout_s"],
                                 retry_s=spec["retry_s"])
+        ds.router.connect()  # every peer looked up and called once, off the read path
         relay = ds.router.start_relay()
         ctx = WorkerContext(spec, ds, counters)
         result = train_fn(ctx)

@@ -173,6 +173,42 @@ class BlockRouter:
                                   f"expected {stop - start}")
         return source, data
 
+    def connect(self) -> list[str]:
+        """Reach every peer that owns blocks, before the first read: look up each one's cache
+        service and ping them all at once (at most ``timeout_s`` in all), so that neither the
+        lookups nor the first call's connection set-up fall on the read path, one peer at a time.
+        A peer that does not answer is suspect from the start (its blocks come from the origin
+        until a ping answers, as after a failed read). Returns the node ids of those peers."""
+        import ray
+
+        from .service import get_service
+        peers = sorted({int(o) for o in np.unique(self.owner) if 0 <= o < len(self.nodes) and o != self.me})
+        refs, failed = {}, []
+        for o in peers:
+            try:
+                h = get_service(self.nodes[o])
+                refs[o] = (h, h.ping.remote())
+            except (ValueError, ray.exceptions.RayError) as exc:
+                log.debug("peer %s not found: %s", self.nodes[o], exc)
+                failed.append(o)
+        ready, _ = ray.wait([r for _, r in refs.values()], num_returns=len(refs), timeout=self.timeout_s) \
+            if refs else ([], [])
+        done = set(ready)
+        for o, (h, ref) in refs.items():
+            try:
+                if ref not in done:
+                    raise TimeoutError(f"no answer within {self.timeout_s} s")
+                ray.get(ref)
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                log.debug("peer %s did not answer: %s", self.nodes[o], exc)
+                failed.append(o)
+            else:
+                self._handles[o] = h
+        for o in failed:
+            self._suspect.add(o)
+            self._probe(o)
+        return sorted(self.nodes[o] for o in failed)
+
     def suspects(self) -> list[str]:
         """Node ids of the peers whose cache service is suspect now: its last call failed and no
         ping has answered since (their blocks are read from the origin meanwhile)."""
