@@ -10,6 +10,16 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_services(cluster):
+    """Fresh cache services for each test, none left behind: the other tests' first jobs expect
+    empty caches."""
+    from stoker.cluster.service import stop_services
+    stop_services()
+    yield
+    stop_services()
+
+
 def _late_rank0(ctx, gate, key):
     from stoker.bench.netcluster_driver import read_plan
     if ctx.rank == 0:

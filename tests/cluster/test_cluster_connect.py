@@ -9,6 +9,16 @@ import pytest
 ray = pytest.importorskip("ray")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_services(cluster):
+    """Fresh cache services for each test, none left behind: the other tests' first jobs expect
+    empty caches."""
+    from stoker.cluster.service import stop_services
+    stop_services()
+    yield
+    stop_services()
+
+
 def _handles_at_start(ctx):
     router = ctx.dataset.router
     return {"handles": sorted(router._handles), "owners": sorted({int(o) for o in np.unique(router.owner)}),
