@@ -182,7 +182,8 @@ def tdcs_config(a):
     path = a.decode if a.decode is not None else default_path(DECODE_DEFAULT)
     if path and (a.decode is not None or os.path.exists(path)):
         cfg.decode_rate = float(load_decode(path)["per_core"]["stoker"])
-        sources["decode_rate"] = f"{path}: per_core.stoker (stoker bench decode, this machine's core)"
+        sources["decode_rate"] = (f"{path}: per_core.stoker (stoker bench decode: a core of the machine that "
+                                  "report was made on)")
     else:
         why = "--decode ''" if a.decode is not None else f"no report {path}"
         sources["decode_rate"] = (f"{base['decode_rate']['source']}; not this machine's ({why}: measure it with "
