@@ -280,17 +280,21 @@ def test_validate_uses_reports_with_fault_runs_and_leaves_out_those_without_a_co
     # fault runs come after the placements and apart from their epochs: such a report is used;
     # one without a cold direct epoch (the links' rate is fitted on it) is left out, saying why
     import json
+    from pathlib import Path
 
     from stoker.cli.simulate import default_netns
 
-    def report(name, placements, faults):
-        runs = [{"placement": p, "epoch": 0, "job": "job1", "stoker": {"origin_bytes": 1000}} for p in placements]
+    real = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cluster_netns.json").read_text())
+    assert real["faults"] and any(r["placement"] == "direct" for r in real["runs"])
+
+    def report(name, placements):
+        rep = dict(real, runs=[r for r in real["runs"] if r["placement"] in placements])
         path = tmp_path / name
-        path.write_text(json.dumps({"runs": runs, "faults": faults}))
+        path.write_text(json.dumps(rep))
         return str(path)
 
-    full = report("full.json", ["direct", "random", "colocated"], [{"fault": "kill"}])
-    only = report("faults.json", ["colocated"], [{"fault": "kill"}])
+    full = report("full.json", ["direct", "random", "colocated"])
+    only = report("faults.json", ["colocated"])
     used, skipped = default_netns([full, only])
     assert used == [full]
     assert len(skipped) == 1 and "faults.json" in skipped[0] and "no cold direct epoch" in skipped[0]

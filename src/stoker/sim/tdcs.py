@@ -34,7 +34,8 @@ def assumptions(cfg: TdcsConfig, sources: dict[str, str] | None = None) -> dict:
         "cache_read_GBps": "assumption: one NVMe SSD (PCIe 3 x4 reads about 3 GB/s)",
         "cache_fraction": "cache per node as a fraction of dataset / nodes (1.0: the cluster holds it once)",
         "decode_cores": "assumption: a DGX-1's 40 CPU cores (2x Xeon E5-2698 v4)",
-        "decode_rate": "per-core decode + RandomResizedCrop, samples/s (stoker bench decode)",
+        "decode_rate": "per-core decode + RandomResizedCrop, samples/s: built-in default, per_core.stoker of an "
+                       "earlier stoker bench decode on stoker's development machine",
         "peer_latency_ms": "assumption: one request to a peer's cache service on a data-centre network",
         "peer_concurrency": "as store_concurrency",
         "chunk_samples": "model granularity: most samples per chunk (fewer where a rank has under 8 chunks)",

@@ -10,7 +10,7 @@ link counts (headers and control traffic included) are given beside them for the
 """
 from __future__ import annotations
 
-import json
+import os
 
 from .calibrate import (
     Calibrated,
@@ -26,6 +26,7 @@ from .calibrate import (
     netns_setup,
 )
 from .model import Job, simulate
+from .reports import load_decode, load_demo, load_netns
 
 #: Done when each epoch is within this fraction of its measured seconds ...
 TIME_TOLERANCE = 0.15
@@ -41,9 +42,42 @@ def _err(pred: float, meas: float) -> float | None:
     return None if meas <= 0 else pred / meas - 1
 
 
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_inputs(netns_paths: list[str], demo_path: str | None, calibration_path: str | None) -> str | None:
+    """The calibration report as it is named in ``netns_paths`` (None without namespace reports).
+    Raises ValueError when there is nothing to validate, when a report is in ``netns_paths`` twice
+    (as one file under two names too), or when ``calibration_path`` is not one of them."""
+    if not netns_paths and not demo_path:
+        raise ValueError("nothing to validate: no --netns report and no --demo report")
+    for i, p in enumerate(netns_paths):
+        for q in netns_paths[:i]:
+            if _same(p, q):
+                raise ValueError(f"--netns {p}: given twice" + (f" (as {q} too)" if p != q else ""))
+    if calibration_path is None:
+        return netns_paths[0] if netns_paths else None
+    for p in netns_paths:
+        if _same(p, calibration_path):
+            return p
+    if not os.path.exists(calibration_path):
+        raise ValueError(f"--calibration {calibration_path}: no such file")
+    raise ValueError(f"--calibration {calibration_path}: not one of the --netns reports "
+                     f"({', '.join(netns_paths) or 'none'}): the calibration run must be one of those validated")
+
+
+def check_own_datasets(reports: dict[str, dict]) -> None:
+    """Raises ValueError naming the report and why when a ``--netns`` report's dataset cannot be
+    made again exactly as reported (:func:`stoker.sim.measured.netns_dataset`): the model could
+    not place blocks and ranks as the run did, and a made-up layout must be asked for."""
+    from .measured import netns_dataset
+    for path, rep in reports.items():
+        wl, why = netns_dataset(rep, path)
+        if wl is None:
+            raise ValueError(f"{path}: its dataset cannot be made again exactly as reported "
+                             f"({why.removeprefix(path + ': ')}), so the model cannot place blocks and ranks as "
+                             "the run did; --made-up-layout models it on a made-up layout instead")
 
 
 def netns_label(report: dict) -> str:
@@ -71,31 +105,38 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
     ``predicted_rank_s`` (each rank's start offset and own seconds; None where the report has
     none). ``measured``: the namespace runs' own datasets, node keys, rank hosts and rank starts
     (:func:`stoker.sim.calibrate.netns_setup`; False: made-up ones, ranks started together).
-    Raises OSError/ValueError for unreadable reports.
+    Every report is read and checked (:mod:`stoker.sim.reports`, :func:`check_inputs`, and with
+    ``measured`` :func:`check_own_datasets`) before the model runs. Raises ValueError naming the
+    report for one that is missing, unreadable, of another kind or inconsistent.
     """
+    reps = {path: load_netns(path) for path in netns_paths}
+    cal_path = check_inputs(netns_paths, demo_path, calibration_path)
+    demo = load_demo(demo_path) if demo_path else None
+    bench = load_decode(decode_path) if decode_path else None
+    if measured:
+        check_own_datasets(reps)
     params: dict[str, Calibrated] = {"cache_read_Bps": measure_cache_read_Bps()}
     rows: list[dict] = []
     factors: dict[str, Calibrated] = {}
     peak = params["cache_read_Bps"].value if measured else 0.0  # a veth copies packets in memory
-    setups = {path: netns_setup(_load(path), path, measured, peak) for path in netns_paths}
+    setups = {path: netns_setup(reps[path], path, measured, peak) for path in netns_paths}
     for path, st in setups.items():
         params.update({f"{k} of {path}": v for k, v in st.sources.items()})
-    if netns_paths:
-        cal_path = calibration_path or netns_paths[0]
-        cal = _load(cal_path)
+    if cal_path is not None:
+        cal = reps[cal_path]
         params["local_latency_s"] = local_latency(cal, cal_path)
         for path in netns_paths:
             factors[path] = params[f"link delivered fraction of {path}"] = fit_link_factor(
-                _load(path), path, params["local_latency_s"].value, setups[path])
-        probed = {path for path in netns_paths if _load(path).get("peer_probe") and setups[path].node_keys}
+                reps[path], path, params["local_latency_s"].value, setups[path])
+        probed = {path for path in netns_paths if reps[path].get("peer_probe") and setups[path].node_keys}
         if len(probed) < len(netns_paths):  # a run without its own probe takes the calibration run's fit
             params["starting_processes"], params["peer_cpu_s"] = fit_starting(
                 cal, cal_path, params["local_latency_s"].value, factors[cal_path].value, setups[cal_path])
         for path in sorted(probed, key=netns_paths.index):
-            params[f"peer_cpu_s of {path}"] = fit_probe_cpu(_load(path), path, params["local_latency_s"].value,
+            params[f"peer_cpu_s of {path}"] = fit_probe_cpu(reps[path], path, params["local_latency_s"].value,
                                                             factors[path].value, setups[path])
     for path in netns_paths:
-        rep = _load(path)
+        rep = reps[path]
         own = params.get(f"peer_cpu_s of {path}")
         cpu, starting = ((own.value, 0) if own is not None else
                          (params["peer_cpu_s"].value, int(params["starting_processes"].value)))
@@ -125,11 +166,9 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
                              "predicted_rank_s": s.rank_seconds,
                              "in_sample": m is fitted or (path == cal_path and (own is None or (
                                  placement == "direct" and m["stoker"]["origin_bytes"] == 0)))})
-    if demo_path:
-        demo = _load(demo_path)
+    if demo is not None and demo_path:
         wl = demo_workload(demo)
         for rate in dict.fromkeys(r["consumer_rate"] for r in demo["runs"] if r["loader"] == "stoker"):
-            bench = _load(decode_path) if decode_path else None
             p, extra = demo_params(demo, bench, decode_path or "", demo_path, rate)
             params.update(extra)
             res = simulate(p, wl, "direct", [Job("demo", 1)], demo["config"]["epochs"])
