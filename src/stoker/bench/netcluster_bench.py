@@ -35,7 +35,7 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
         job_timeout_s: float = 300.0, faults: tuple[str, ...] = ("kill", "link_down"), link_down_s: float = 5.0,
         fault_pause_s: float = 0.02, state_check: bool = True) -> dict:
     """Run the benchmark; returns the report ``{machine, hosts, links, origin, config, dataset,
-    runs, faults, state, control, idle_busy_cores, peer_probe, summary, phases_s, seconds}`` (``control``:
+    runs, faults, state, control, idle_busy_cores, peer_probe, local_probe, summary, phases_s, seconds}`` (``control``:
     each placement's
     probe, :func:`stoker.bench.netcluster_driver.probe_control`; ``phases_s``: seconds of each phase, in
     order: ``sample_data``, ``namespaces``, ``origin_start``, ``ray_start``, ``driver`` (of which
@@ -125,6 +125,7 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
               "dataset": rows["dataset"], "setup_s": rows["setup_s"], "runs": rows["runs"],
               "faults": rows.get("faults", []), "state": rows.get("state"), "control": rows.get("control"),
               "idle_busy_cores": rows.get("idle_busy_cores"), "peer_probe": rows.get("peer_probe"),
+              "local_probe": rows.get("local_probe"),
               "phases_s": phases}
     report["config"].update(faults=list(faults), link_down_s=link_down_s, fault_pause_s=fault_pause_s,
                             fault_peer_timeout_s=2.0)

@@ -25,7 +25,8 @@ services). Each row has ``machine_cpu_s``: the machine's busy CPU seconds over t
 ``epoch_cpu`` (:func:`stoker.bench.netcluster.epoch_cpu`): over the ranks' clocks, the machine's
 CPU seconds split into the ranks', the cache services' and the rest. After the
 ``random`` epochs, ``peer_probe`` (:func:`peer_probe`): every rank reads samples its peers hold,
-all at once, on the warm caches (ranks' hosts, ids, seconds, bytes). The output also has
+all at once, on the warm caches (ranks' hosts, ids, seconds, bytes), and ``local_probe``: the
+same with samples each rank's own node holds. The output also has
 ``phases_s``: seconds of packing, of each placement, fault run and the state check.
 """
 from __future__ import annotations
@@ -73,14 +74,17 @@ def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = 
 PROBE_SAMPLES = 200
 
 
-def peer_probe(ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "", gate_s: float = 600.0) -> list[dict]:
+def peer_probe(ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "", gate_s: float = 600.0,
+               local: bool = False) -> list[dict]:
     """Cluster ``train_fn`` of the peer probe, run on warm caches after a placement's epochs:
     every rank reads ``samples`` samples that a peer owns (:meth:`WorkerContext.peer_samples`,
     a seeded draw per rank), one request at a time, all ranks at once from the ``gate``. The
     probe measures what a peer request costs on this machine in this run, apart from the epochs
-    (``stoker simulate --validate`` calibrates its peer CPU cost on it). Returns ``ctx.epochs``
-    with the ids read under ``ids`` (epoch -1)."""
-    mine = ctx.peer_samples()
+    (``stoker simulate --validate`` calibrates its peer CPU cost on it). With ``local`` it reads
+    samples its own node holds instead (:meth:`WorkerContext.local_samples`: what a cluster
+    rank's read from its node cache costs). Returns ``ctx.epochs`` with the ids read under
+    ``ids`` (epoch -1)."""
+    mine = ctx.local_samples() if local else ctx.peer_samples()
     ids = np.random.default_rng(1000 + ctx.rank).permutation(mine)[:samples]
     pass_gate(gate, gate_key, ctx.world_size, gate_s)
     with ctx.measure(-1, samples=len(ids)) as rec:
@@ -360,14 +364,15 @@ def main(spec_path: str, out_path: str) -> int:
                 print(json.dumps({k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
                                  | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
                                  | row["stoker"]), flush=True)
-        if placement == "random":  # the peer probe, on the caches the epochs warmed
+        for kind in (("peer", "local") if placement == "random" else ()):  # probes, on the warmed caches
             scpu0 = services_cpu_s()
-            res = cluster_run(partial(peer_probe, gate=gate, gate_key=f"{placement}/probe", gate_s=gate_s), url,
+            res = cluster_run(partial(peer_probe, gate=gate, gate_key=f"{placement}/{kind}-probe", gate_s=gate_s,
+                                      local=kind == "local"), url,
                               len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
                               cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
                               seed=spec["seed"] + 1 + len(JOBS), job="probe", timeout_s=spec["job_timeout_s"])
             recs = [r["epochs"][-1] for r in res]
-            out["peer_probe"] = {
+            out[f"{kind}_probe"] = {
                 "placement": placement, "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
                 "ids": [r["ids"] for r in recs], "seconds": max(r["seconds"] for r in recs),
                 "rank_seconds": [r["seconds"] for r in recs],
@@ -376,8 +381,8 @@ def main(spec_path: str, out_path: str) -> int:
                 "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
                 "samples_per_rank": PROBE_SAMPLES,
                 "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1)}
-            print(json.dumps({"peer_probe_s": out["peer_probe"]["seconds"],
-                              "peer_bytes": out["peer_probe"]["peer_bytes"]}), flush=True)
+            print(json.dumps({f"{kind}_probe_s": out[f"{kind}_probe"]["seconds"],
+                              "peer_bytes": out[f"{kind}_probe"]["peer_bytes"]}), flush=True)
         stop_services()
         shutil.rmtree(root, ignore_errors=True)
         phases[placement] = time.perf_counter() - t_phase

@@ -63,6 +63,13 @@ class WorkerContext:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self._sample_node != self._rank_nodes[self.rank]).astype(np.int64)
 
+    def local_samples(self) -> np.ndarray:
+        """Ids (int64, ascending) of the samples whose block this rank's node owns (read from its
+        own node cache once cached); empty when the node owns none."""
+        if self._sample_node is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self._sample_node == self._rank_nodes[self.rank]).astype(np.int64)
+
     def plan(self, epoch: int, seed: int = 0, order: str = "blockwise", window: int = 16,
              even: str = "pad") -> np.ndarray:
         """This rank's sample ids (int64) for ``epoch``: the permutation ``order`` of (seed, epoch)
