@@ -116,3 +116,28 @@ def test_a_lone_rank_requests_on_one_core_at_a_time():
     assert secs[(1.0, "one")] == pytest.approx(0.36, rel=0.05)
     assert secs[(0.0, "one")] == pytest.approx(0.18, rel=0.05)
     assert secs[(1.0, "two")] == pytest.approx(0.18, rel=0.05) == secs[(0.0, "two")]
+
+
+def test_the_local_read_cpu_a_local_probe_was_made_with_is_found_from_it():
+    # every rank reads 6 samples its own node holds; the model made the probe with 2 ms of CPU per
+    # cluster-mode local read, and the fit finds 2 ms again from the probe's seconds alone
+    from stoker.sim.calibrate import fit_probe_cpu, netns_params, probe_job
+    from stoker.sim.decide import ClusterState, place_job
+    ranks = {("random", "job1"): [0, 1, 2], ("random", "job2"): [0, 1, 2]}
+    setup = _setup(ranks)
+    wl = _samples()
+    placed = place_job("random", ClusterState(3, wl, setup.node_keys), wl, 3, np.full(3, 1e9), 1, None, [0, 1, 2])
+    on = placed.owner[wl.sample_block]
+    ids = [np.flatnonzero(on == r)[:6].tolist() for r in range(3)]
+    assert all(len(x) == 6 for x in ids)
+    probe = {"rank_hosts": [0, 1, 2], "rank_start_s": [0.0, 0.0, 0.0], "ids": ids, "seconds": 1.0}
+    rep = _report(probe=probe)
+    rep["local_probe"] = dict(probe)
+    jobs = setup.jobs(rep, "random") + [probe_job(rep, "r.json", setup.order, kind="local")]
+    made = simulate(netns_params(rep, 1e-6, 0.004, 1.0, setup.node_keys, local_cpu_s=0.002), wl, "random", jobs, 1,
+                    together=False)
+    assert made[-1].bytes["host_to_host"] == 0 and made[-1].bytes["local"] == 18 * BYTES
+    rep["local_probe"]["seconds"] = made[-1].seconds
+    got = fit_probe_cpu(rep, "r.json", 1e-6, 1.0, setup, kind="local", peer_cpu_s=0.004)
+    assert got.value == pytest.approx(0.002, rel=1e-3)
+    assert "local probe" in got.source

@@ -144,7 +144,8 @@ REQUEST_CORES = 1.0
 
 
 def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_factor: float = 1.0,
-                 node_keys: list[str] | None = None, peak_Bps: float = 0.0, starting_processes: int = 0) -> Params:
+                 node_keys: list[str] | None = None, peak_Bps: float = 0.0, starting_processes: int = 0,
+                 local_cpu_s: float = 0.0) -> Params:
     """:class:`Params` of a namespace-cluster report: its hosts, tbf link rates (Mbit/s per
     direction) times ``link_factor`` (the fraction of its rate a link delivers,
     :func:`fit_link_factor`), origin latency and cache bytes; one rank per host reading
@@ -156,7 +157,8 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
     while they hold tokens. One sample per request and per chunk: the driver's ``read_plan``
     reads one sample at a time. ``starting_processes``: shares of the shared cores a rank takes
     until its recorded start (:class:`stoker.sim.model.Params`, :func:`fit_starting`). A
-    request uses at most :data:`REQUEST_CORES` of the shared cores at once."""
+    request uses at most :data:`REQUEST_CORES` of the shared cores at once. ``local_cpu_s``: CPU
+    seconds of a cluster rank's read from its own node cache (:func:`fit_probe_cpu`, ``local``)."""
     from ..bench.netcluster import burst_bytes
     links, cfg = report["links"], report["config"]
     hosts = [v for k, v in links.items() if k != "origin"]
@@ -170,7 +172,8 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
                   nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
                   origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]),
                   starting_processes=starting_processes if peer_cpu_s > 0 else 0,
-                  request_cores=REQUEST_CORES if peer_cpu_s > 0 else 0.0)
+                  request_cores=REQUEST_CORES if peer_cpu_s > 0 else 0.0,
+                  local_cpu_s=local_cpu_s if peer_cpu_s > 0 else 0.0)
 
 
 def netns_jobs(report: dict) -> list[Job]:
@@ -274,49 +277,53 @@ def _warm_random_s(report: dict, local_s: float, cpu_s: float, link_factor: floa
     return np.array([by[(r["job"], r["epoch"])] for r in _warm_random(report)])
 
 
-def probe_job(report: dict, path: str, order: list[int] | None = None) -> Job:
+def probe_job(report: dict, path: str, order: list[int] | None = None, kind: str = "peer") -> Job:
     """The report's peer probe (``peer_probe``, :func:`stoker.bench.netcluster_driver.peer_probe`)
     as a model job: its ranks on their recorded hosts (model node i is host ``order[i]``, default
     h<i>), started at
     their recorded offsets, each reading its recorded ids. Raises ValueError when the report has
     no probe or the probe's ranks have no recorded host."""
-    probe = report.get("peer_probe")
+    probe = report.get(f"{kind}_probe")
     if not probe:
-        raise ValueError(f"{path}: no peer_probe (a report of an older stoker bench cluster --netns)")
+        raise ValueError(f"{path}: no {kind}_probe (a report of an older stoker bench cluster --netns)")
     hosts = [int(h) for h in probe["rank_hosts"]]
     if min(hosts) < 0:
-        raise ValueError(f"{path}: a peer probe rank ran on no recorded host: {hosts}")
+        raise ValueError(f"{path}: a {kind} probe rank ran on no recorded host: {hosts}")
     if order:
         hosts = [order.index(h) for h in hosts]
-    return Job("peer-probe", len(hosts), rank_nodes=hosts, start_s={0: [float(x) for x in probe["rank_start_s"]]},
+    return Job(f"{kind}-probe", len(hosts), rank_nodes=hosts, start_s={0: [float(x) for x in probe["rank_start_s"]]},
                plans=[np.asarray(ids, dtype=np.int64) for ids in probe["ids"]])
 
 
 def fit_probe_cpu(report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup,
-                  hi_s: float = 0.05) -> Calibrated:
-    """CPU seconds per peer request on the machine's shared cores, fitted (:func:`_solve`) so that
-    the model's peer probe (:func:`probe_job`: every rank reading samples its peers hold, all at
-    once, on warm caches) takes the probe's measured seconds. The probe is measured in the same
-    run as the epochs but is none of them, so every epoch of the run stays out of sample; it
-    takes this run's own speed of the shared machine (which drifts by tens of percent between
-    runs). The model warms the caches as the run did: the ``random`` jobs' first epoch on their
-    recorded hosts (their placement decides the dataset's members and owners), then the probe.
-    Raises ValueError without a probe (:func:`probe_job`) or with a setup made without the run's
-    own dataset and node keys (the probe's ids are the run's)."""
-    probe = probe_job(report, path, setup.order)
+                  hi_s: float = 0.05, kind: str = "peer", peer_cpu_s: float = 0.0) -> Calibrated:
+    """CPU seconds per read on the machine's shared cores, fitted (:func:`_solve`) so that the
+    model's probe of ``kind`` (:func:`probe_job`) takes the probe's measured seconds: ``"peer"``,
+    every rank reading samples its peers hold (the peer request's CPU), or ``"local"``, samples its
+    own node holds (a cluster rank's node-cache read; ``peer_cpu_s``: the peer request's, for
+    the model's other reads). Both run all ranks at once on warm caches, after the epochs, in the
+    same run but none of its epochs, so every epoch stays out of sample; they take this run's own
+    speed of the shared machine (which drifts by tens of percent between runs). The model warms
+    the caches as the run did: the ``random`` jobs' first epoch on their recorded hosts (their
+    placement decides the dataset's members and owners), then the probe. Raises ValueError
+    without the probe (:func:`probe_job`) or with a setup made without the run's own dataset and
+    node keys (the probe's ids are the run's)."""
+    probe = probe_job(report, path, setup.order, kind)
     if setup.node_keys is None:
-        raise ValueError(f"{path}: the peer probe needs the run's own dataset and node keys")
+        raise ValueError(f"{path}: the {kind} probe needs the run's own dataset and node keys")
     jobs = setup.jobs(report, "random") + [probe]
 
     def probe_s(cpu_s: float) -> float:
-        res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys, setup.peak_Bps),
-                       setup.workload, "random", jobs, 1, together=False)
+        cpu_s = max(cpu_s, 1e-9)
+        peer, local = (cpu_s, 0.0) if kind == "peer" else (max(peer_cpu_s, 1e-9), cpu_s)
+        res = simulate(netns_params(report, local_s, peer, link_factor, setup.node_keys, setup.peak_Bps,
+                                    local_cpu_s=local), setup.workload, "random", jobs, 1, together=False)
         return res[-1].seconds
 
-    meas = float(report["peer_probe"]["seconds"])
+    meas = float(report[f"{kind}_probe"]["seconds"])
     cpu_s = _solve(probe_s, meas, 0.0, hi_s)
     reads = sum(len(x) for x in probe.plans or [])
-    return Calibrated(cpu_s, f"{path}: fitted to its peer probe ({probe.world} ranks, {reads} peer reads, "
+    return Calibrated(cpu_s, f"{path}: fitted to its {kind} probe ({probe.world} ranks, {reads} {kind} reads, "
                              f"{meas:.2f} s, after the epochs) with {report['machine']['cores']} cores shared by "
                              "all hosts; no epoch of the run is in it")
 

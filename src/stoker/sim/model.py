@@ -81,7 +81,9 @@ class Params:
     others read, and takes that many shares of the cores from them (0: starting costs nothing).
     ``request_cores``: the most of the shared cores one rank's peer request can use at once (1:
     its client and its server code run one after the other, each on one core; 0: no limit, a
-    lone request may take every core).
+    lone request may take every core). ``local_cpu_s``: CPU seconds a cluster rank's read from
+    its own node cache costs on the shared cores (the cluster read path: block router, byte
+    counters; not in the ``direct`` setup, whose reads ``local_latency_s`` covers).
     """
 
     nodes: int
@@ -113,6 +115,7 @@ class Params:
     fetch_cpu_s_per_byte: float = 0.0
     starting_processes: int = 0
     request_cores: float = 0.0
+    local_cpu_s: float = 0.0
 
 
 @dataclass
@@ -282,6 +285,8 @@ class _Run:
                + math.ceil(n_peer / p.peer_concurrency) * p.peer_latency_s + n_local * p.local_latency_s)
         if p.machine_cores > 0:
             cpu[self.machine_cpu] += n_peer * p.peer_cpu_s
+            if self.setup != "direct":
+                cpu[self.machine_cpu] += n_local * p.local_cpu_s
         return lat, vec, cpu, waits, mine, landed
 
     def _land(self, mine: list[tuple[int, int]], landed: int) -> None:

@@ -153,8 +153,9 @@ def load_netns(path: str, option: str = "--netns") -> dict:
         if hosts is not None:
             for h in _list(hosts, f"control.{placement}.rank_hosts", path):
                 _num(h, f"control.{placement}.rank_hosts", path, low=-1, integer=True, high=n)
-    if rep.get("peer_probe"):
-        check_peer_probe(rep["peer_probe"], path, n, samples)
+    for kind in ("peer", "local"):
+        if rep.get(f"{kind}_probe"):
+            check_peer_probe(rep[f"{kind}_probe"], path, n, samples, kind)
     return rep
 
 
@@ -185,15 +186,16 @@ def _check_run(r, where: str, path: str, hosts: int, jobs: set[str], epochs: int
             _num(s, f"{where}rank_start_s", path, low=0)
 
 
-def check_peer_probe(probe, path: str, hosts: int, samples: int) -> None:
-    """A ``--netns`` report's ``peer_probe`` (``stoker.bench.netcluster_driver``): ``seconds`` > 0;
+def check_peer_probe(probe, path: str, hosts: int, samples: int, kind: str = "peer") -> None:
+    """A ``--netns`` report's ``peer_probe`` or, with ``kind="local"``, ``local_probe``
+    (``stoker.bench.netcluster_driver``): ``seconds`` > 0;
     per rank one host in ``0 .. hosts-1`` (``rank_hosts``), one start offset >= 0 s
     (``rank_start_s``) and one list of sample ids in ``0 .. samples-1`` (``ids``), each list at most
     ``samples_per_rank`` long where the report gives it (the driver reads that many of the samples
     a rank's peers hold, fewer when they hold fewer), some ids read in all; ``rank_seconds`` one
     per rank where present. Raises ValueError "PATH: peer_probe: <what is wrong>"."""
     def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: peer_probe: {what}")
+        return ValueError(f"{path}: {kind}_probe: {what}")
 
     if not isinstance(probe, dict):
         raise bad(f"is {type(probe).__name__}, not an object")
@@ -230,7 +232,7 @@ def check_peer_probe(probe, path: str, hosts: int, samples: int) -> None:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < samples:
                 raise bad(f"rank {rank}: id {i!r} is not a sample of the dataset (0..{samples - 1})")
     if not any(ids):
-        raise bad("no ids read (nothing to fit the peer request time on)")
+        raise bad(f"no ids read (nothing to fit the {kind} read time on)")
 
 
 def load_demo(path: str, option: str = "--demo") -> dict:

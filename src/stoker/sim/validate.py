@@ -133,15 +133,21 @@ def validate(netns_paths: list[str], demo_path: str | None, decode_path: str | N
             params["starting_processes"], params["peer_cpu_s"] = fit_starting(
                 cal, cal_path, params["local_latency_s"].value, factors[cal_path].value, setups[cal_path])
         for path in sorted(probed, key=netns_paths.index):
-            params[f"peer_cpu_s of {path}"] = fit_probe_cpu(reps[path], path, params["local_latency_s"].value,
-                                                            factors[path].value, setups[path])
+            peer = params[f"peer_cpu_s of {path}"] = fit_probe_cpu(reps[path], path, params["local_latency_s"].value,
+                                                                   factors[path].value, setups[path])
+            if reps[path].get("local_probe"):
+                params[f"local_cpu_s of {path}"] = fit_probe_cpu(
+                    reps[path], path, params["local_latency_s"].value, factors[path].value, setups[path],
+                    kind="local", peer_cpu_s=peer.value)
     for path in netns_paths:
         rep = reps[path]
         own = params.get(f"peer_cpu_s of {path}")
         cpu, starting = ((own.value, 0) if own is not None else
                          (params["peer_cpu_s"].value, int(params["starting_processes"].value)))
+        local_cpu = params.get(f"local_cpu_s of {path}")
         p = netns_params(rep, params["local_latency_s"].value, cpu, factors[path].value,
-                         setups[path].node_keys, setups[path].peak_Bps, starting)
+                         setups[path].node_keys, setups[path].peak_Bps, starting,
+                         local_cpu_s=local_cpu.value if local_cpu is not None else 0.0)
         p.cache_read_Bps = params["cache_read_Bps"].value
         params[f"links of {path}"] = Calibrated(p.nic_Bps, f"{path}: host links (tbf Mbit/s) x its delivered "
                                                            f"fraction, bytes/s; origin latency "
