@@ -43,9 +43,14 @@ def source_root(package_dir: str | os.PathLike | None = None) -> str | None:
 
 def default_path(relative: str) -> str:
     """A default report path (relative, e.g. ``docs/demo.json``) resolved against the source
-    checkout (:func:`source_root`) when the package runs from one, else the current directory."""
+    checkout (:func:`source_root`) when the package runs from one, else the current directory;
+    given relative to the current directory when it lies below it (as it is named in reports)."""
     root = source_root()
-    return os.path.join(root, relative) if root else relative
+    if not root:
+        return relative
+    path = os.path.join(root, relative)
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.pardir) else rel
 
 
 def load_json(path: str, option: str) -> dict:
