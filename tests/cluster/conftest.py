@@ -43,3 +43,13 @@ def s3_dataset(s3_origin, sample_tree):
     url = s3_origin.url("cluster/packed")
     pack(s3_origin.url("cluster/raw"), url, storage_options=opts, shard_bytes=1 << 20, progress=False)
     return url, opts
+
+
+@pytest.fixture
+def fresh_services(cluster):
+    """Fresh cache services for the test and none left behind (the next module's first job
+    expects empty caches): every running service stopped before and after."""
+    from stoker.cluster.service import stop_services
+    stop_services()
+    yield
+    stop_services()

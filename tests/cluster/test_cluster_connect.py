@@ -8,15 +8,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-
-@pytest.fixture(autouse=True)
-def _fresh_services(cluster):
-    """Fresh cache services for each test, none left behind: the other tests' first jobs expect
-    empty caches."""
-    from stoker.cluster.service import stop_services
-    stop_services()
-    yield
-    stop_services()
+pytestmark = pytest.mark.usefixtures("fresh_services")
 
 
 def _handles_at_start(ctx):
