@@ -197,6 +197,12 @@ def probe_control(placement: str, run_job, links: dict) -> dict:
     return out
 
 
+def start_offsets(recs: list[dict]) -> list[float]:
+    """Each rank's start (``started_at``, unix seconds) after the first rank's, seconds."""
+    first = min(r["started_at"] for r in recs)
+    return [float(r["started_at"] - first) for r in recs]
+
+
 def _row(placement, job, epoch, recs, n, kernel, served, rank_hosts: list[int] | None = None) -> dict:
     """One report row of a job's epoch from its ranks' records ``recs``; ``rank_hosts``: the host
     (index) each rank ran on. Besides the totals it keeps each rank's seconds and, where the records
@@ -214,8 +220,7 @@ def _row(placement, job, epoch, recs, n, kernel, served, rank_hosts: list[int] |
     if rank_hosts is not None:
         row["rank_hosts"] = [int(h) for h in rank_hosts]
     if all("started_at" in r for r in recs):
-        first = min(r["started_at"] for r in recs)
-        row["rank_start_s"] = [float(r["started_at"] - first) for r in recs]
+        row["rank_start_s"] = start_offsets(recs)
     return row
 
 
@@ -376,7 +381,7 @@ def main(spec_path: str, out_path: str) -> int:
                 "placement": placement, "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
                 "ids": [r["ids"] for r in recs], "seconds": max(r["seconds"] for r in recs),
                 "rank_seconds": [r["seconds"] for r in recs],
-                "rank_start_s": [r["started_at"] - min(x["started_at"] for x in recs) for r in recs],
+                "rank_start_s": start_offsets(recs),
                 "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
                 "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
                 "samples_per_rank": PROBE_SAMPLES,
