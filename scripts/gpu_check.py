@@ -124,7 +124,7 @@ def check_train(device: str, payloads: list) -> dict:
 
 def check_loader(device: str, work: str) -> dict:
     from stoker.loader import Loader
-    from stoker.bench.sample_data import make_sample_data
+    from stoker_lab.sample_data import make_sample_data
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
     make_sample_data(os.path.join(work, "data"), images=96, classes=4, seed=0)
@@ -178,7 +178,7 @@ def main() -> int:
         checks["decode"] = lambda: check_decode(a.device, a.cases, a.tolerance)
         photos = []
         with tempfile.TemporaryDirectory() as d:
-            from stoker.bench.sample_data import make_sample_data
+            from stoker_lab.sample_data import make_sample_data
             make_sample_data(d, images=32, classes=2, seed=1)
             for root, _, files in os.walk(d):
                 photos += [open(os.path.join(root, f), "rb").read() for f in sorted(files) if f.endswith(".JPEG")]

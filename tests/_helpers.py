@@ -62,13 +62,13 @@ def require(what: str, module: str | None = None, path: str | None = None):
 
 
 def fault_proxy(options: dict):
-    """``(proxy, options through it)``: a running :class:`stoker.bench.faultproxy.FaultProxy` in
+    """``(proxy, options through it)``: a running :class:`stoker_lab.bench.faultproxy.FaultProxy` in
     front of the endpoint of the S3 storage options ``options`` (the emulated origin's, throttled
     or direct), and a copy of ``options`` whose ``endpoint_url`` is the proxy's. It forwards
     everything until ``proxy.set_fault``; its faults are counted in ``proxy.stats()``. The caller
     stops it (``proxy.stop()``, or ``with proxy:``). Safe to call in a forked child (the proxy's
     thread is then the child's own)."""
-    from stoker.bench.faultproxy import FaultProxy
+    from stoker_lab.bench.faultproxy import FaultProxy
     proxy = FaultProxy(options["endpoint_url"])
     return proxy, {**options, "endpoint_url": proxy.endpoint_url}
 
@@ -92,11 +92,11 @@ class SpeechDecode:
 
 
 def flow_finish_times(caps: dict, flows: list[tuple[float, dict]], **net_options) -> list[float]:
-    """Finish times (s) of flows ``(start_s, {link: bytes})`` on a :class:`stoker.sim.FlowNetwork`
+    """Finish times (s) of flows ``(start_s, {link: bytes})`` on a :class:`stoker_lab.sim.FlowNetwork`
     with link capacities ``caps`` (bytes/s) and ``net_options`` (``incremental=``, ``buckets=``)."""
     import simpy
 
-    from stoker.sim import FlowNetwork
+    from stoker_lab.sim import FlowNetwork
     env = simpy.Environment()
     net = FlowNetwork(env, caps, **net_options)
     done: list[float] = [0.0] * len(flows)

@@ -12,8 +12,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def s3_origin():
-    """A running :class:`stoker.bench.origin.LocalS3Origin` (2 ms latency, 1000 MB/s cap)."""
-    from stoker.bench.origin import LocalS3Origin
+    """A running :class:`stoker_lab.bench.origin.LocalS3Origin` (2 ms latency, 1000 MB/s cap)."""
+    from stoker_lab.bench.origin import LocalS3Origin
 
     origin = LocalS3Origin(latency_ms=2, bandwidth_MBps=1000, nice=0).start()  # tests: same priority
     try:
@@ -24,7 +24,7 @@ def s3_origin():
 
 @pytest.fixture
 def origin_faults(s3_origin):
-    """``(proxy, storage options through it)``: a :class:`stoker.bench.faultproxy.FaultProxy` in
+    """``(proxy, storage options through it)``: a :class:`stoker_lab.bench.faultproxy.FaultProxy` in
     front of ``s3_origin``'s throttled endpoint, forwarding everything until the test sets a fault;
     stopped after the test. The one way tests inject origin faults (the origin has none of its own)."""
     from _helpers import fault_proxy
@@ -52,7 +52,7 @@ def cases_dir() -> Path:
 @pytest.fixture(scope="session")
 def sample_tree(tmp_path_factory) -> Path:
     """Root of a small ImageNet-style tree (120 images, 4 classes, seed 0): ``root/train/...``."""
-    from stoker.bench.sample_data import make_sample_data
+    from stoker_lab.sample_data import make_sample_data
 
     root = tmp_path_factory.mktemp("sample-data")
     make_sample_data(str(root), images=120, classes=4, seed=0)
@@ -87,8 +87,8 @@ def cases_packed(cases_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def s3_packed(s3_origin, sample_tree):
     """The sample tree uploaded to the emulated S3 origin and packed there: (dataset URL, storage options)."""
-    from stoker.bench.origin import upload_tree
     from stoker.store.pack import pack
+    from stoker_lab.bench.origin import upload_tree
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("s3packed/raw"), opts)
     url = s3_origin.url("s3packed/packed")

@@ -10,6 +10,7 @@ import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "stoker"
+LAB = ROOT / "src" / "stoker_lab"
 # a file reference: a path-like token ending in one of these suffixes
 REF = re.compile(r"(?<![\w/.<*{-])((?:[\w-]+/)*[\w-]+\.(?:py|md|c))\b")
 ISSUE = re.compile(r"\bissues? ?#?\d+\b", re.IGNORECASE)
@@ -19,7 +20,7 @@ def _texts():
     for p in sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py")):
         yield p
     for p in [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md",
-              *sorted((ROOT / "docs").glob("*.md")), *sorted(SRC.rglob("README.md"))]:
+              *sorted((ROOT / "docs").glob("*.md")), *sorted(SRC.rglob("README.md")), *sorted(LAB.rglob("README.md"))]:
         if p.exists():
             yield p
 
@@ -44,7 +45,7 @@ def _prose(p: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def _exists(ref: str, near: pathlib.Path) -> bool:
-    bases = [ROOT, SRC, near.parent, ROOT / "tests", ROOT / "src"]
+    bases = [ROOT, SRC, LAB, near.parent, ROOT / "tests", ROOT / "src"]
     if any((b / ref).exists() for b in bases):
         return True
     # a bare file name ("disk.py") may name any file of that name in the tree

@@ -1,10 +1,13 @@
-"""The import direction of ``src/stoker`` (see docs/design.md): a module imports only from
-layers at or above its own, and no import cycle exists between modules.
+"""The import direction of ``src/stoker`` and ``src/stoker_lab`` (see docs/design.md): a module
+imports only from layers at or above its own, no import cycle exists between modules, and the
+product (``stoker``) never imports the lab (``stoker_lab``).
 
 Layers, top (imported by everything) to bottom (imports everything)::
 
     errors, _units, _procs, _torch, _atomic  ->  storage (+ _native_s3)  ->  cache  ->  store
-        ->  order, decode, metrics, collate  ->  loader  ->  cluster  ->  bench  ->  cli
+        ->  order, decode, metrics, collate  ->  loader  ->  cluster  ->  cli
+        ->  the lab: stoker_lab (errors, sample_data)  ->  stoker_lab.sim, stoker_lab.bench
+        ->  stoker_lab.cli
 
 Imports are read with :mod:`ast`, including the ones inside functions, so a cycle that
 "works" only because both imports are deferred is still caught.
@@ -14,25 +17,30 @@ from __future__ import annotations
 import ast
 import pathlib
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "stoker"
+SRC_ROOT = pathlib.Path(__file__).resolve().parents[1] / "src"
+SRC = SRC_ROOT / "stoker"
+LAB = SRC_ROOT / "stoker_lab"
+PACKAGES = ("stoker", "stoker_lab")
 
 LAYERS = [
-    {"errors", "_units", "_procs", "_torch", "_atomic", "__init__"},
-    {"storage", "_native_s3"},
-    {"cache"},
-    {"store"},
-    {"order", "decode", "metrics", "collate"},
-    {"loader"},
-    {"cluster"},
-    {"bench", "sample_data", "sim"},  # sample_data: the old path of bench.sample_data, a re-export
-    {"cli"},
+    {"stoker.errors", "stoker._units", "stoker._procs", "stoker._torch", "stoker._atomic", "stoker"},
+    {"stoker.storage", "stoker._native_s3"},
+    {"stoker.cache"},
+    {"stoker.store"},
+    {"stoker.order", "stoker.decode", "stoker.metrics", "stoker.collate"},
+    {"stoker.loader"},
+    {"stoker.cluster"},
+    {"stoker.cli"},
+    {"stoker_lab", "stoker_lab.errors", "stoker_lab.sample_data"},
+    {"stoker_lab.sim", "stoker_lab.bench"},
+    {"stoker_lab.cli"},
 ]
 
 
 def _layer(module: str) -> int:
-    """Layer index of a dotted module name under ``stoker`` ("stoker.cache.disk" -> 2)."""
+    """Layer index of a dotted module name ("stoker.cache.disk" -> 2, "stoker_lab.sim.model" -> 9)."""
     parts = module.split(".")
-    top = parts[1] if len(parts) > 1 else "__init__"
+    top = ".".join(parts[:2])
     for i, names in enumerate(LAYERS):
         if top in names:
             return i
@@ -41,12 +49,13 @@ def _layer(module: str) -> int:
 
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
-    for p in SRC.rglob("*.py"):
-        rel = p.relative_to(SRC.parent).with_suffix("")
-        name = ".".join(rel.parts)
-        if name.endswith(".__init__"):
-            name = name[: -len(".__init__")]
-        out[name] = p
+    for root in (SRC, LAB):
+        for p in root.rglob("*.py"):
+            rel = p.relative_to(SRC_ROOT).with_suffix("")
+            name = ".".join(rel.parts)
+            if name.endswith(".__init__"):
+                name = name[: -len(".__init__")]
+            out[name] = p
     return out
 
 
@@ -59,15 +68,19 @@ def _imports(name: str, path: pathlib.Path, known: set[str], unresolved: list | 
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "stoker")
+            found.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
+                if node.level - 1 >= len(base):
+                    if unresolved is not None:
+                        unresolved.append(f"{name}: line {node.lineno} imports beyond its top-level package")
+                    continue
                 base = base[: len(base) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if mod.split(".")[0] != "stoker":
+            if mod.split(".")[0] not in PACKAGES:
                 continue
             if mod not in known and unresolved is not None:
                 unresolved.append(f"{name}: line {node.lineno} imports {mod}, which does not exist")
@@ -100,10 +113,10 @@ def test_every_stoker_import_resolves():
 def test_imports_run_down_the_layers():
     bad = []
     for name, deps in _graph().items():
-        if name == "stoker":  # the package face re-exports from every layer
+        if name in PACKAGES:  # a package face re-exports from every layer
             continue
         for d in deps:
-            if d == "stoker":
+            if d in PACKAGES:
                 bad.append(f"{name} imports the package face 'stoker' (import the defining module instead)")
             elif _layer(d) > _layer(name):
                 bad.append(f"{name} (layer {_layer(name)}) imports {d} (layer {_layer(d)})")
@@ -120,7 +133,7 @@ def test_no_import_cycle():
         state[n] = 1
         stack.append(n)
         for d in sorted(graph[n]):
-            if d == "stoker" or (d.count(".") and n.startswith(d + ".")):
+            if d in PACKAGES or (d.count(".") and n.startswith(d + ".")):
                 continue  # a package's own __init__ is imported on the way to its submodules
             if state.get(d) == 1:
                 cycles.append(stack[stack.index(d):] + [d])
@@ -138,3 +151,34 @@ def test_no_import_cycle():
 def test_top_level_is_small():
     tops = sorted(p.name for p in SRC.glob("*.py"))
     assert len(tops) <= 10, f"src/stoker/ has {len(tops)} top-level modules: {tops}"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def test_the_product_never_imports_the_lab():
+    """``pip install stoker`` works without the lab: no module of ``stoker`` imports ``stoker_lab``,
+    nor names it in a string outside docstrings (a module name given to importlib, say)."""
+    bad = []
+    for p in SRC.rglob("*.py"):
+        tree = ast.parse(p.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                names = [node.value]
+            if any("stoker_lab" in n for n in names):
+                bad.append(f"{p.relative_to(SRC_ROOT)}:{node.lineno}")
+    assert bad == []

@@ -123,7 +123,7 @@ def test_origin_retries(s3_packed, origin_faults, tmp_path):
     """The fault proxy in front of the emulated S3 origin answers the next 3 object GETs with
     503 SlowDown: each is retried, by whichever process sent it (prefetcher or worker), and the
     scraped retries equal the loader's stats and the faults the proxy answered."""
-    from stoker.bench.faultproxy import Fault, object_gets
+    from stoker_lab.bench.faultproxy import Fault, object_gets
 
     url, _ = s3_packed
     proxy, opts = origin_faults

@@ -66,7 +66,7 @@ def test_format_size(n_bytes, text):
 def test_cli_size_type_reports_the_bad_value():
     import argparse
 
-    from stoker.cli._common import size_arg
+    from stoker.cli.args import size_arg
     assert size_arg("1.5GiB") == 3 << 29
     with pytest.raises(argparse.ArgumentTypeError, match="'12 parsecs'"):
         size_arg("12 parsecs")

@@ -72,7 +72,7 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
 
     # The embedded photos come from this (dev) environment: `stoker sample-data` needs the demo
     # extra, which a plain install does not have.
-    from stoker.bench.sample_data import make_sample_data
+    from stoker_lab.sample_data import make_sample_data
 
     make_sample_data(str(tmp_path / "data"), images=12, classes=3, seed=0)
     out = _run([str(venv / "bin" / "stoker"), "--help"], cwd=tmp_path)

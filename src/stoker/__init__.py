@@ -9,11 +9,10 @@ public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
 from ._units import parse_size
 from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheModeError, CapacityError, ChecksumError,
                      CollateError, DatasetChangedError, DatasetExistsError, DecodeError, EntryError,
-                     ExtenderRequestError, ForkUnsafeError, ImageTooLarge, IndexFormatError, NetnsUnavailable,
+                     ExtenderRequestError, ForkUnsafeError, ImageTooLarge, IndexFormatError,
                      NotACacheError, OriginError, OriginNotFoundError, OriginPermissionError, PackLeaseError,
                      PackLeaseLostError, PeerUnavailable, SampleFnError, ServiceStartError, SharedMemoryError,
-                     SourceArchiveError, SourceError, SourceNotFoundError, StokerError, UnsafePathError,
-                     VenvError, WorkerError)
+                     SourceArchiveError, SourceError, SourceNotFoundError, StokerError, UnsafePathError, WorkerError)
 from . import collate
 from .loader import EpochStats, Loader
 from .store.dataset import Dataset, open_dataset
@@ -39,7 +38,6 @@ __all__ = [
     "ImageTooLarge",
     "IndexFormatError",
     "Loader",
-    "NetnsUnavailable",
     "NotACacheError",
     "OriginError",
     "OriginNotFoundError",
@@ -55,7 +53,6 @@ __all__ = [
     "SourceNotFoundError",
     "StokerError",
     "UnsafePathError",
-    "VenvError",
     "WorkerError",
     "__version__",
     "collate",

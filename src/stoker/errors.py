@@ -33,9 +33,10 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── ServiceStartError (RuntimeError)      a node's cache service could not start
     ├── WorkerError (RuntimeError)            a loader worker failed or died
     ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
-    ├── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
-    ├── NetnsUnavailable (RuntimeError)       network namespaces cannot be made here (benchmark)
-    └── VenvError (RuntimeError)              a benchmark peer's virtual environment failed
+    └── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
+
+The benchmarks' own errors (``NetnsUnavailable``, ``VenvError``) live in the lab package beside
+this one: :mod:`stoker_lab.errors`.
 
 Every message names what failed: the sample key, the shard, the path or the URL. The modules
 that raise these errors re-export them under their old names (``stoker.storage.OriginError``,
@@ -52,11 +53,11 @@ import time
 __all__ = [
     "CacheDirError", "CacheInUseError", "CacheLockTimeout", "CacheModeError", "CapacityError", "ChecksumError",
     "CollateError", "DatasetChangedError", "DatasetExistsError", "DecodeError", "EntryError",
-    "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge", "IndexFormatError", "NetnsUnavailable",
+    "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge", "IndexFormatError",
     "NotACacheError", "OriginError", "OriginNotFoundError", "OriginPermissionError", "PackLeaseError",
     "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "ServiceStartError", "SharedMemoryError",
     "SourceArchiveError", "SourceError", "SourceNotFoundError", "StokerError", "UnsafePathError",
-    "VenvError", "WorkerError",
+    "WorkerError",
 ]
 
 
@@ -301,7 +302,7 @@ class SharedMemoryError(StokerError, OSError):
                          "(no shared memory)", path)
 
 
-# --- cluster and benchmarks ---------------------------------------------------------------
+# --- cluster ---------------------------------------------------------------
 
 class PeerUnavailable(StokerError, OSError):
     """A peer's cache service did not answer (dead, restarting, or timed out)."""
@@ -324,11 +325,3 @@ class ExtenderRequestError(StokerError, ValueError):
     def __init__(self, message: str, code: int = 400):
         super().__init__(message)
         self.code = code
-
-
-class NetnsUnavailable(StokerError, RuntimeError):
-    """This machine or process cannot make network namespaces (the message says why, on one line)."""
-
-
-class VenvError(StokerError, RuntimeError):
-    """A peer's virtual environment could not be made; the message ends with pip's stderr tail."""

@@ -110,7 +110,7 @@ def test_loader_reports_its_epoch_time_to_the_policy(packed_local, tmp_path):
 
 def test_bench_cache_tiny(tmp_path):
     """The benchmark at a tiny size: the schema, the floor at C >= D, two jobs fill once."""
-    from stoker.bench.cache_bench import run, summary
+    from stoker_lab.bench.cache_bench import run, summary
     r = run(images=60, epochs=2, fractions=(0.5, 1.0), policies=("future", "lru"), workers=1,
             batch_size=16, latency_ms=1, bandwidth_MBps=400, two_jobs_fractions=(1.0,),
             workdir=str(tmp_path), staging_bytes=1 << 20, log=lambda *_: None)

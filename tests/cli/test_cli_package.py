@@ -38,7 +38,7 @@ def test_every_command_group_registers():
 
 
 def test_origin_server_arguments_reach_the_library(monkeypatch):
-    import stoker.bench.origin as origin
+    import stoker_lab.bench.origin as origin
     from stoker.cli import main
     seen = {}
     monkeypatch.setattr(origin, "serve_origin", lambda **kw: seen.update(kw))

@@ -36,8 +36,8 @@ def cluster(ray_cluster, request):
 @pytest.fixture(scope="session")
 def s3_dataset(s3_origin, sample_tree):
     """The 120-photo sample tree packed into the emulated S3 origin: (url, storage options)."""
-    from stoker.bench.origin import upload_tree
     from stoker.store.pack import pack
+    from stoker_lab.bench.origin import upload_tree
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("cluster/raw"), opts)
     url = s3_origin.url("cluster/packed")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("fresh_services")
 
 
 def _late_rank0(ctx, gate, key):
-    from stoker.bench.netcluster_driver import read_plan
+    from stoker_lab.bench.netcluster_driver import read_plan
     if ctx.rank == 0:
         time.sleep(1.5)  # a rank that Ray started late
     return read_plan(ctx, 0, gate=gate, gate_key=key, gate_s=60.0)
@@ -21,9 +21,9 @@ def _late_rank0(ctx, gate, key):
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_ranks_start_their_clocks_at_the_gate(cluster, s3_dataset, tmp_path_factory, gated):
-    from stoker.bench.netcluster_driver import _row
-    from stoker.bench.start_gate import start_gate
     from stoker.cluster import run
+    from stoker_lab.bench.netcluster_driver import _row
+    from stoker_lab.bench.start_gate import start_gate
     url, opts = s3_dataset
     gate = start_gate() if gated else None
     res = run(partial(_late_rank0, gate=gate, key=f"gated-{gated}"), url, 3, {"CPU": 0.5}, storage_options=opts,
@@ -42,9 +42,9 @@ def test_ranks_start_their_clocks_at_the_gate(cluster, s3_dataset, tmp_path_fact
 def test_peer_probe_reads_only_samples_its_peers_hold(cluster, s3_dataset, tmp_path_factory):
     import numpy as np
 
-    from stoker.bench.netcluster_driver import peer_probe, read_plan
-    from stoker.bench.start_gate import start_gate
     from stoker.cluster import run
+    from stoker_lab.bench.netcluster_driver import peer_probe, read_plan
+    from stoker_lab.bench.start_gate import start_gate
     url, opts = s3_dataset
     common = dict(storage_options=opts, placement="random", cache_root=str(tmp_path_factory.mktemp("cache")),
                   cache_bytes=64 << 20, block_bytes=64 << 10, timeout_s=120, seed=3)

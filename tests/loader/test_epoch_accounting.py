@@ -11,8 +11,8 @@ from stoker.store.dataset import open_dataset
 
 @pytest.fixture(scope="module", params=[15, 60], ids=["1-block", "4-blocks"])
 def tiny_packed(request, tmp_path_factory):
-    from stoker.bench.sample_data import make_sample_data
     from stoker.store.pack import pack
+    from stoker_lab.sample_data import make_sample_data
     root = tmp_path_factory.mktemp(f"tiny{request.param}")
     make_sample_data(str(root), images=request.param, classes=4, seed=0)
     pack(str(root / "train"), str(root / "packed"), shard_bytes=64 << 20, progress=False)

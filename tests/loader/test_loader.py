@@ -128,10 +128,10 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origi
     """Every object GET answered 503 (through the fault proxy): a shard read, the index read and
     a worker's read each end in an OriginError naming the object; two 503s are ridden out."""
     from stoker import OriginError
-    from stoker.bench.faultproxy import Fault, object_gets
+    from stoker_lab.bench.faultproxy import Fault, object_gets
     monkeypatch.setenv("STOKER_RETRY_BUDGET_S", "2")  # retries end after 2 s (default 30 s)
-    from stoker.bench.origin import upload_tree
     from stoker.store.pack import pack
+    from stoker_lab.bench.origin import upload_tree
     plain = s3_origin.storage_options()  # upload and pack straight to the origin
     upload_tree(str(sample_tree / "train"), s3_origin.url("err/raw"), plain)
     url = s3_origin.url("err/packed")
@@ -177,9 +177,9 @@ def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts
     import time
 
     from stoker import OriginError
-    from stoker.bench.faultproxy import Fault
-    from stoker.bench.origin import upload_tree
     from stoker.store.pack import pack
+    from stoker_lab.bench.faultproxy import Fault
+    from stoker_lab.bench.origin import upload_tree
     monkeypatch.setenv("STOKER_RETRY_BUDGET_S", "2")
     plain = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("wait/raw"), plain)

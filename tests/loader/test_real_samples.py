@@ -21,7 +21,7 @@ EOS = 0
 def corpus(tmp_path_factory):
     """(local tree, relative paths, tokenizer JSON): 60 small standard-library files and a BPE."""
     require("text corpus tokenizer", "tokenizers")
-    from stoker.bench.realdata import copy_stdlib_corpus, train_bpe
+    from stoker_lab.bench.realdata import copy_stdlib_corpus, train_bpe
     root = tmp_path_factory.mktemp("corpus")
     rels = copy_stdlib_corpus(str(root), max_files=60, max_file_bytes=3000)
     return root, rels, train_bpe([str(root / r) for r in rels], vocab_size=600)
@@ -29,7 +29,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def corpus_s3(s3_origin, corpus):
-    from stoker.bench.origin import upload_tree
+    from stoker_lab.bench.origin import upload_tree
     opts = s3_origin.storage_options()
     upload_tree(str(corpus[0]), s3_origin.url("real/corpus-raw"), opts)
     url = s3_origin.url("real/corpus")
@@ -41,7 +41,7 @@ def corpus_s3(s3_origin, corpus):
 @pytest.fixture(scope="module")
 def audio_s3(s3_origin, tmp_path_factory):
     require("audio decode", "soundfile", ALSA)
-    from stoker.bench.origin import upload_tree
+    from stoker_lab.bench.origin import upload_tree
     root = tmp_path_factory.mktemp("wavs")
     for n in sorted(os.listdir(ALSA)):
         if n.endswith(".wav"):
@@ -56,7 +56,7 @@ def audio_s3(s3_origin, tmp_path_factory):
 
 
 def test_pack_tokens_serves_every_token_of_the_corpus_once_per_epoch(corpus, corpus_s3, tmp_path):
-    from stoker.bench.realdata import TokenizeDecode
+    from stoker_lab.bench.realdata import TokenizeDecode
     root, rels, tok_json = corpus
     url, opts = corpus_s3
     decode = TokenizeDecode(tok_json)
@@ -79,7 +79,7 @@ def test_pack_tokens_serves_every_token_of_the_corpus_once_per_epoch(corpus, cor
 
 def test_audio_batches_of_fixed_shape_come_through_shared_memory(audio_s3, tmp_path):
     sf = require("audio decode", "soundfile", ALSA)
-    from stoker.bench.realdata import AudioDecode
+    from stoker_lab.bench.realdata import AudioDecode
     url, opts = audio_s3
     ds = open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     dec = AudioDecode(seconds=0.25)

@@ -69,7 +69,7 @@ def _real(kind):
     standard library's .py files with a BPE trained on them, or Debian's ALSA recordings (alone,
     or with a transcript each: speech)."""
     if kind not in _REAL:
-        from stoker.bench import realdata
+        from stoker_lab.bench import realdata
         tmp = tempfile.mkdtemp(prefix=f"stoker-resume-{kind}-")
         atexit.register(shutil.rmtree, tmp, True)
         if kind == "text":

@@ -15,11 +15,11 @@ from _helpers import fault_proxy, in_child
 pytest.importorskip("obstore")
 
 from stoker import OriginError  # noqa: E402
-from stoker.bench.faultproxy import Fault, object_gets  # noqa: E402
 from stoker.loader import Loader  # noqa: E402
 from stoker.storage import Origin  # noqa: E402
 from stoker.storage._native_s3 import NativeS3Reader  # noqa: E402
 from stoker.store.dataset import open_dataset  # noqa: E402
+from stoker_lab.bench.faultproxy import Fault, object_gets  # noqa: E402
 
 
 def _create_only_where_it_can_stand_in(url, opts):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from stoker.bench.origin import LocalS3Origin, upload_tree
+from stoker_lab.bench.origin import LocalS3Origin, upload_tree
 
 SIZE = 4 * 1024 * 1024 + 123
 
@@ -83,7 +83,7 @@ def test_fault_injection_then_recovery(s3_origin, origin_faults, blob):
     The proxy counts exactly the 5 faults it answered."""
     from botocore.exceptions import ClientError
 
-    from stoker.bench.faultproxy import Fault, object_gets
+    from stoker_lab.bench.faultproxy import Fault, object_gets
 
     path, data = blob
     proxy, options = origin_faults
@@ -142,7 +142,7 @@ def test_latency_and_bandwidth_cap_are_applied():
 
 
 def test_the_emulated_origin_runs_niced_unless_told_otherwise():
-    from stoker.bench.origin import ORIGIN_NICE
+    from stoker_lab.bench.origin import ORIGIN_NICE
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     with LocalS3Origin(latency_ms=0, bandwidth_MBps=0) as origin:
         assert os.getpriority(os.PRIO_PROCESS, origin.pid) == min(19, mine + ORIGIN_NICE)
@@ -211,7 +211,7 @@ def test_latency_is_per_request_on_a_persistent_connection():
 
 
 def _feed_in_pieces(stream: bytes, cut: int) -> list[int]:
-    from stoker.bench.throttle import _RequestFramer
+    from stoker_lab.bench.throttle import _RequestFramer
 
     framer, starts = _RequestFramer(), []
     for i in range(0, len(stream), cut):
@@ -232,7 +232,7 @@ def test_request_framer_finds_request_boundaries():
 
 
 def test_request_framer_gives_up_on_garbage():
-    from stoker.bench.throttle import _RequestFramer
+    from stoker_lab.bench.throttle import _RequestFramer
 
     framer = _RequestFramer()
     assert framer.feed(b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n") == [0]

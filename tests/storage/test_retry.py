@@ -1,7 +1,7 @@
 """Origin retries: bounded by time, only for failures that can clear, with the S3 error code kept,
 a back-off shared by threads, ``Retry-After`` honoured and a per-request timeout for stalled GETs.
 
-The end-to-end tests put stoker's fault-injecting proxy (``stoker.bench.faultproxy``) in front of the emulated S3
+The end-to-end tests put stoker's fault-injecting proxy (``stoker_lab.bench.faultproxy``) in front of the emulated S3
 origin on 127.0.0.1 and read through s3fs and through obstore (obstore in a child process: a
 process that used obstore must not fork).
 """
@@ -13,7 +13,7 @@ import time
 import pytest
 from _helpers import fault_proxy, in_child
 
-from stoker.bench.faultproxy import Fault
+from stoker_lab.bench.faultproxy import Fault
 from stoker.storage.retry import DEFAULT_REQUEST_TIMEOUT_S, SharedBackoff, classify, resolve_retry_budget_s
 from stoker.storage import Origin, OriginError, OriginNotFoundError, OriginPermissionError, url_to_fs
 
@@ -223,7 +223,7 @@ def test_shared_backoff_cancel_ends_waits():
 @pytest.fixture(scope="module")
 def uploaded(s3_origin, packed_local):
     """(dataset URL, direct storage options) of a packed dataset on the emulated S3 origin."""
-    from stoker.bench.origin import upload_tree
+    from stoker_lab.bench.origin import upload_tree
     direct = s3_origin.storage_options(throttled=False)
     url = s3_origin.url("retry/packed")
     upload_tree(packed_local, url, direct)

@@ -357,7 +357,7 @@ def test_streamed_pack_resumes(cases_dir, tmp_path):
 
 # -- through the emulated S3 origin -------------------------------------------------------------
 def test_every_source_round_trips_through_s3(s3_origin, cases_dir, tmp_path):
-    from stoker.bench.origin import upload_tree
+    from stoker_lab.bench.origin import upload_tree
     opts = s3_origin.storage_options()
     raw = s3_origin.url("src-rt/raw")
     files = _file_list_tree(tmp_path)

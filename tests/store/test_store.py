@@ -64,7 +64,7 @@ def test_shards_are_gnu_tar_readable(packed_local, sample_tree, tmp_path):
 
 
 def test_round_trip_through_s3(s3_origin, sample_tree, tmp_path):
-    from stoker.bench.origin import upload_tree
+    from stoker_lab.bench.origin import upload_tree
     opts = s3_origin.storage_options()
     raw, dst = s3_origin.url("rt/raw"), s3_origin.url("rt/packed")
     upload_tree(str(sample_tree / "train"), raw, opts)

@@ -77,7 +77,7 @@ def test_flipped_byte_in_a_named_field_is_found(tmp_path, cases_dir):
 
 
 def test_same_size_rewrite_of_a_shard_on_s3_is_detected_at_open(s3_origin, sample_tree):
-    from stoker.bench.origin import upload_tree
+    from stoker_lab.bench.origin import upload_tree
     from stoker.store.pack import pack
     from stoker.storage import url_to_fs
     opts = s3_origin.storage_options()

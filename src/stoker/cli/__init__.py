@@ -1,12 +1,14 @@
 """The `stoker` command: one module per command group, registered in :data:`GROUPS`.
 
-* :mod:`.data`: ``sample-data``, ``pack``, ``ls``, ``stat``, ``verify``
-* :mod:`.demo`: ``demo``, ``origin-server``
-* :mod:`.bench`: ``bench decode|cache|peers|cluster``
+* :mod:`.data`: ``pack``, ``ls``, ``stat``, ``verify``
 * :mod:`.cluster`: ``warm``, ``cluster-state``, ``extender``
 * :mod:`.cache`: ``cache status|clear``
 * :mod:`.top`: ``top`` (live view of a node cache)
-* :mod:`.simulate`: ``simulate --validate``, ``simulate tdcs``
+
+Other packages add commands through the ``stoker.commands`` entry-point group: each entry point
+names a module (or object) with ``add_parsers(sub)``. The lab beside this package
+(:mod:`stoker_lab.cli`) adds ``sample-data``, ``demo``, ``origin-server``, ``bench`` and
+``simulate`` that way.
 
 The library modules never import argparse: each command module declares its arguments and calls
 plain functions with keyword arguments.
@@ -15,16 +17,35 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import logging
 import os
 import sys
 
-from . import bench, cache, cluster, data, demo, simulate, top
-from ._common import mode_arg
-from ._common import storage_errors as _storage_errors
+from . import cache, cluster, data, top
+from .args import mode_arg
+from .args import storage_errors as _storage_errors
+
+log = logging.getLogger(__name__)
 
 #: Command groups in ``--help`` order; each has ``add_parsers(sub)``.
-GROUPS = (data, demo, bench, cluster, cache, top, simulate)
+GROUPS = (data, cluster, cache, top)
+
+#: The entry-point group through which other installed packages add ``stoker`` commands.
+COMMANDS_GROUP = "stoker.commands"
+
+
+def plugin_groups() -> list:
+    """The command groups that installed packages register under :data:`COMMANDS_GROUP`, loaded,
+    in entry-point name order. One that fails to import is logged and left out, so a broken plugin
+    never takes the product's own commands down with it."""
+    out = []
+    for ep in sorted(importlib.metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            out.append(ep.load())
+        except Exception as exc:  # noqa: BLE001 - any import failure of a plugin
+            log.warning("stoker: commands of %r (%s) not loaded: %s: %s", ep.name, ep.value, type(exc).__name__, exc)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "directories 0700; e.g. 0640 for a cache its directory's group may read); "
                         "sets $STOKER_CACHE_MODE for the command and its processes")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for group in GROUPS:
+    for group in (*GROUPS, *plugin_groups()):
         group.add_parsers(sub)
     return p
 
@@ -86,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: Optional packages -> the extra (pyproject.toml) that installs them.
-_EXTRA_OF = {"simpy": "sim", "rich": "metrics", "prometheus_client": "metrics", "ray": "cluster",
-             "waitress": "cluster", "moto": "demo", "boto3": "demo", "matplotlib": "demo", "skimage": "demo",
-             "sklearn": "demo", "soundfile": "audio"}
+_EXTRA_OF = {"simpy": "lab", "rich": "metrics", "prometheus_client": "metrics", "ray": "cluster",
+             "waitress": "cluster", "moto": "lab", "boto3": "lab", "matplotlib": "lab", "skimage": "lab",
+             "sklearn": "lab", "soundfile": "audio"}
 
 
 def _where(args, exc: BaseException) -> str:

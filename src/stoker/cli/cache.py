@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from .._units import format_size
-from ._common import size_arg
+from .args import size_arg
 
 
 def _print_status(st: dict) -> None:

@@ -13,7 +13,7 @@ import time
 from ..cluster.extender import MAX_BODY_BYTES
 from ..cluster.extender_live import REFRESH_EVERY_S, REFRESH_TIMEOUT_S
 from ..cluster.freshness import MAX_AGE_S
-from ._common import show_progress, size_arg
+from .args import show_progress, size_arg
 
 
 def _ray_init(address: str | None):

@@ -1,19 +1,10 @@
-"""Commands on datasets: ``stoker sample-data``, ``pack``, ``ls``, ``stat``, ``verify``."""
+"""Commands on datasets: ``stoker pack``, ``ls``, ``stat``, ``verify``."""
 from __future__ import annotations
 
 import json
 import sys
 
-from ._common import OptionsFlag, json_options, show_progress, size_arg
-
-
-def cmd_sample_data(a) -> int:
-    """``stoker sample-data DIR``: the embedded photos as an ImageFolder tree; the summary as JSON."""
-    from ..bench.sample_data import make_sample_data
-    print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
-    print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
-          file=sys.stderr)
-    return 0
+from .args import OptionsFlag, json_options, show_progress, size_arg
 
 
 def cmd_pack(a) -> int:
@@ -92,14 +83,7 @@ def cmd_verify(a) -> int:
 
 
 def add_parsers(sub) -> None:
-    """Register ``sample-data``, ``pack``, ``ls``, ``stat`` and ``verify`` on the top-level subparsers ``sub``."""
-    s = sub.add_parser("sample-data", help="write the embedded real-photo ImageFolder set")
-    s.add_argument("dir")
-    s.add_argument("--images", type=int, default=2000)
-    s.add_argument("--classes", type=int, default=10)
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(fn=cmd_sample_data)
-
+    """Register ``pack``, ``ls``, ``stat`` and ``verify`` on the top-level subparsers ``sub``."""
     s = sub.add_parser("pack", help="pack an ImageFolder tree, WebDataset shards or a file list "
                                     "into tar shards + a Parquet index")
     s.add_argument("src", help="fsspec URL: an ImageFolder root (<root>/<class>/<file>), WebDataset "

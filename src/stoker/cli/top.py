@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from ._common import size_arg
+from .args import size_arg
 
 
 def _live_records(root: str, pid: int, namespace: str) -> list[dict]:

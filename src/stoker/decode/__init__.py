@@ -1,7 +1,7 @@
 """Image decode and augmentation: libjpeg-turbo fast path, Pillow fallback, torchvision semantics."""
 
-from .calibrate import measure_decode_rate
 from .image import DEFAULT_MAX_PIXELS, DecodeError, ImageTooLarge, decode_image, decode_stats
+from .rate import measure_decode_rate
 from .reference import (
     pillow_decode,
     pillow_decode_transform,

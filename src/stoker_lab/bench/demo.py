@@ -1,0 +1,192 @@
+"""`stoker demo`: the main job end to end on real photographs, measured against the standard recipe.
+
+Steps (one run, one machine): make the embedded sample data; start the emulated
+remote origin (moto's S3 server behind a throttling proxy); upload the raw
+ImageFolder tree; pack it into the origin; calibrate the limits (single-process
+decode rate from memory, origin bandwidth / mean sample bytes); then measure the
+baseline (torch DataLoader + fsspec + Pillow) and stoker (3 epochs: cold, warm,
+warm), each with a consumer that takes no time and with an emulated accelerator.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+from stoker.loader.epoch_stats import process_cpu_s
+
+from .harness import measure
+
+QUICK = {"images": 1500, "classes": 10, "baseline_samples": 384}
+FULL = {"images": 5000, "classes": 20, "baseline_samples": 1024}
+#: Named origins: (per-request latency in ms, bandwidth in MB/s). ``near``: the demo's default (an
+#: origin in the same region); ``far``: another region, or S3's first-byte latency at its tail.
+ORIGINS = {"near": (20.0, 100.0), "far": (100.0, 1000.0)}
+
+
+def origin_settings(origin: str | None, latency_ms: float | None, bandwidth_MBps: float | None) -> tuple[float, float]:
+    """(latency ms, bandwidth MB/s) of the named ``origin`` preset (:data:`ORIGINS`; None = ``near``),
+    with an explicit ``latency_ms`` / ``bandwidth_MBps`` taking precedence. ValueError for an
+    unknown name."""
+    if origin is not None and origin not in ORIGINS:
+        raise ValueError(f"unknown origin preset {origin!r}; known: {sorted(ORIGINS)}")
+    lat, bw = ORIGINS[origin or "near"]
+    return (lat if latency_ms is None else float(latency_ms), bw if bandwidth_MBps is None else float(bandwidth_MBps))
+
+
+@dataclass
+class DemoConfig:
+    """Demo parameters. Bytes in bytes, rates in samples/s, latency in ms, bandwidth in MB/s (1e6 B/s)."""
+
+    quick: bool = False
+    images: int | None = None
+    classes: int | None = None
+    seed: int = 0
+    latency_ms: float = 20.0
+    bandwidth_MBps: float = 100.0
+    workers: int = 2
+    batch_size: int = 64
+    epochs: int = 3
+    consumer_rate: float = 800.0
+    block_bytes: int = 1 << 20
+    shard_bytes: int = 64 << 20
+    baseline_samples: int | None = None
+    baseline: bool = True  # measure the torch DataLoader baseline too
+    origin: str | None = None  # the preset's name, recorded in the report (origin_settings())
+    workdir: str | None = None
+    json_path: str | None = None
+    plot_path: str | None = None
+
+
+def _log(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """Run the demo; returns the report dict (also written to ``cfg.json_path``)."""
+    from stoker.decode.rate import measure_decode_rate
+    from stoker.loader import Loader
+    from stoker.store.dataset import open_dataset
+    from stoker.store.pack import pack
+
+    from ..sample_data import make_sample_data
+    from .baseline import FsspecImageFolder, make_baseline_loader
+    from .origin import ORIGIN_NICE, LocalS3Origin, upload_tree
+    from .report import check_done, print_table, save_report, write_plot
+
+    preset = QUICK if cfg.quick else FULL
+    images = cfg.images or preset["images"]
+    classes = cfg.classes or preset["classes"]
+    baseline_samples = cfg.baseline_samples or preset["baseline_samples"]
+    workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-demo")
+    os.makedirs(workdir, exist_ok=True)
+    data_dir = os.path.join(workdir, "data")
+
+    _log(f"sample data: {images} images, {classes} classes -> {data_dir}")
+    sd = make_sample_data(data_dir, images=images, classes=classes, seed=cfg.seed)
+    _log(f"  {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
+
+    report: dict = {
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "origin": {"preset": cfg.origin, "latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
+                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
+                   "server_nice": ORIGIN_NICE},
+        "config": {"workers": cfg.workers, "batch_size": cfg.batch_size, "epochs": cfg.epochs,
+                   "consumer_rate": cfg.consumer_rate, "block_bytes": cfg.block_bytes,
+                   "shard_bytes": cfg.shard_bytes, "transform": "train (RandomResizedCrop(224) + flip)",
+                   "quick": cfg.quick},
+        "runs": [],
+    }
+    with LocalS3Origin(latency_ms=cfg.latency_ms, bandwidth_MBps=cfg.bandwidth_MBps) as origin:
+        _log(f"origin: {origin.endpoint_url} (latency {cfg.latency_ms} ms, {cfg.bandwidth_MBps} MB/s)")
+        raw_url, packed_url = origin.url("raw/train"), origin.url("packed/train")
+        t = time.perf_counter()
+        upload_tree(os.path.join(data_dir, "train"), raw_url, origin.storage_options(throttled=False))
+        _log(f"uploaded raw tree in {time.perf_counter() - t:.1f} s")
+        pr = pack(raw_url, packed_url, shard_bytes=cfg.shard_bytes, overwrite=True,
+                  storage_options=origin.storage_options(throttled=False), progress=False)
+        _log(f"packed {pr.samples} samples into {pr.shards} shards in {pr.seconds:.1f} s")
+        opts = origin.storage_options(throttled=True)
+
+        # Calibration: decode rate from memory on the same files; origin limit.
+        probe = open_dataset(packed_url, storage_options=opts, cache=False)
+        n = len(probe)
+        mean_bytes = probe.index.total_bytes / n
+        local = [os.path.join(data_dir, "train", f"{probe.key(i)}.JPEG") for i in range(0, n, max(1, n // 300))]
+        payloads = [open(p, "rb").read() for p in local if os.path.exists(p)]
+        per_core = measure_decode_rate(payloads, "train", min_seconds=2.0)
+        pillow_core = measure_decode_rate(payloads, "train", min_seconds=2.0, recipe="pillow")
+        storage_bound = cfg.bandwidth_MBps * 1e6 / mean_bytes
+        report["dataset"] = {"samples": n, "bytes": int(probe.index.total_bytes), "classes": len(probe.index.classes),
+                             "mean_sample_bytes": mean_bytes, "shards": pr.shards, "version": probe.version}
+        report["limits"] = {"decode_per_core": per_core, "pillow_per_core": pillow_core, "workers": cfg.workers,
+                            "decode_bound": per_core * cfg.workers, "storage_bound": storage_bound}
+        _log(f"limits: decode {per_core:.0f}/s per core (Pillow {pillow_core:.0f}), "
+             f"decode_bound {per_core * cfg.workers:.0f}/s, storage_bound {storage_bound:.0f}/s")
+        rates = [0.0] + ([cfg.consumer_rate] if cfg.consumer_rate > 0 else [])
+
+        # Baseline: torch DataLoader + fsspec + Pillow, through the same throttled origin.
+        base_ds = FsspecImageFolder(raw_url, opts, seed=cfg.seed)
+        for rate in (rates if cfg.baseline else []):
+            before = origin.stats()
+            loader = make_baseline_loader(base_ds, cfg.batch_size, cfg.workers, cfg.seed)
+            m = measure(loader, rate, max_samples=baseline_samples)
+            del loader
+            after = origin.stats()
+            report["runs"].append(_run("baseline", 0, rate, m, after.get("bytes_served", 0) - before.get("bytes_served", 0),
+                                       None, None))
+            _log(f"baseline rate={rate:.0f}: {m.samples_per_s:.0f} samples/s"
+                 + (f", stall {m.stall_fraction:.2f}" if rate else ""))
+
+        # stoker: cold epoch then warm epochs, a fresh cache per consumer setting.
+        for rate in rates:
+            cache_dir = os.path.join(workdir, f"cache-{int(rate)}")
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            ds = open_dataset(packed_url, cache_dir=cache_dir, cache_bytes=2 * pr.shard_bytes + (64 << 20),
+                              storage_options=opts, block_bytes=cfg.block_bytes)
+            with Loader(ds, cfg.batch_size, num_workers=cfg.workers, seed=cfg.seed, transform="train") as loader:
+                for epoch in range(cfg.epochs):
+                    origin_cpu = process_cpu_s(origin.pid)
+                    m = measure(loader, rate)
+                    st = loader.stats
+                    cpu = dict(st.cpu_s, origin_emulator=round(process_cpu_s(origin.pid) - origin_cpu, 3))
+                    report["runs"].append(_run("stoker", epoch, rate, m, st.origin_bytes, st.cache_hit_ratio,
+                                               st.exactly_once, origin_requests=st.origin_requests, cpu_s=cpu,
+                                               **cold_figures(st, m, report["limits"], cfg.bandwidth_MBps)))
+                    _log(f"stoker epoch {epoch} rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, "
+                         + (f"stall {m.stall_fraction:.2f}, " if rate else "") + f"origin {st.origin_bytes / 1e6:.1f} MB, "
+                         f"hit ratio {st.cache_hit_ratio:.2f}, first batch {st.first_batch_s:.2f} s, "
+                         f"in flight {st.inflight_requests:.1f} (target {st.inflight_target}), "
+                         f"exactly_once {st.exactly_once}")
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    report["checks"] = check_done(report)
+    print_table(report)
+    save_report(report, cfg.json_path, cfg.plot_path, write_plot, _log)
+    return report
+
+
+def _run(loader: str, epoch: int, rate: float, m, origin_bytes, hit_ratio, exactly_once, **extra) -> dict:
+    return {"loader": loader, "epoch": epoch, "consumer_rate": rate, "samples": m.samples,
+            "seconds": m.seconds, "samples_per_s": m.samples_per_s, "stall_fraction": m.stall_fraction,
+            "origin_bytes": int(origin_bytes), "cache_hit_ratio": hit_ratio, "exactly_once": exactly_once,
+            **extra}
+
+
+def cold_figures(st, m, limits: dict, bandwidth_MBps: float) -> dict:
+    """The cold-start figures of one measured epoch: ``first_batch_s``, ``overlap_efficiency`` with the
+    calibrated limits (max(origin bytes / bandwidth, samples / decode_bound) / seconds, stoker's design
+    notes), ``vs_bound`` (samples/s / min(decode_bound, storage_bound)), and the loader's
+    ``origin_busy_fraction``, ``inflight_requests`` and ``inflight_target``. ``st``: the epoch's
+    :class:`stoker.loader.epoch_stats.EpochStats`; ``m``: its :class:`stoker_lab.bench.harness.Measurement`."""
+    from stoker.loader.epoch_stats import overlap_efficiency
+    bound = min(limits["decode_bound"], limits["storage_bound"])
+    decode_s = m.samples / limits["decode_bound"] if limits["decode_bound"] else 0.0
+    return {"first_batch_s": st.first_batch_s,
+            "overlap_efficiency": overlap_efficiency(m.seconds, st.origin_bytes, bandwidth_MBps * 1e6, decode_s),
+            "vs_bound": m.samples_per_s / bound if bound else 0.0,
+            "origin_busy_fraction": st.origin_busy_fraction, "inflight_requests": st.inflight_requests,
+            "inflight_target": st.inflight_target}

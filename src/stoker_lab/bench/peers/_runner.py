@@ -1,0 +1,162 @@
+"""What every peer runner shares: the config, the epoch loop, CPU and origin accounting.
+
+Standard library only: the runners of Streaming, LitData and DALI run under the Python of
+their own virtual environments, where stoker is not installed. The measuring loop is
+:func:`stoker_lab.bench.harness.measure`, loaded from its file so that every loader is timed by
+the same code. A runner is a script ``run_<loader>.py`` that calls :func:`main` with
+
+* ``convert(src, out, cfg) -> None``: write the peer's format for the ImageFolder tree ``src``
+  into the local folder ``out`` with the peer's own tool (``python run_<loader>.py convert SRC OUT CFG``);
+* ``build(cfg) -> obj`` and ``epoch(obj, e) -> iterable of (images, labels)``
+  (``python run_<loader>.py read CFG``): one JSON line per epoch on stdout.
+
+CPU is counted over the runner's whole process tree (itself, its workers, their children, and
+the children already reaped: ``/proc/<pid>/stat`` utime+stime+cutime+cstime of every live
+process in the tree; the runner makes itself a child subreaper so orphans stay in it). The
+emulated origin's CPU is measured separately from its pid, never charged to a loader.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import urllib.request
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _load_measure():
+    spec = importlib.util.spec_from_file_location("_stoker_harness", os.path.join(_HERE, "..", "harness.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod.measure
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds (user+system) of process ``root`` (default: this one) and all its descendants,
+    including children they have reaped. 0.0 where /proc is missing."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        f = _stat(int(name))
+        if f is None:
+            continue
+        pid, ppid = int(name), int(f[1])
+        children.setdefault(ppid, []).append(pid)
+        ticks[pid] = int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total / _TICK
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """utime+stime of one process (seconds); 0.0 if it is gone or ``pid`` is None."""
+    f = _stat(pid) if pid else None
+    return (int(f[11]) + int(f[12])) / _TICK if f else 0.0
+
+
+def origin_stats(control_url: str | None) -> dict:
+    """The emulated origin's counters (``GET <direct_url>/__stoker__/stats``); {} without one."""
+    if not control_url:
+        return {}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{control_url}/__stoker__/stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _subreaper() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+class _Snapshot:
+    def __init__(self, cfg: dict):
+        self.t = time.perf_counter()
+        self.cpu = tree_cpu_s()
+        self.origin_cpu = process_cpu_s(cfg.get("origin_pid"))
+        self.stats = origin_stats(cfg.get("control_url"))
+
+    def delta(self, before: "_Snapshot") -> dict:
+        d = lambda k: int(self.stats.get(k, 0)) - int(before.stats.get(k, 0))  # noqa: E731
+        return {"cpu_s": self.cpu - before.cpu, "origin_cpu_s": self.origin_cpu - before.origin_cpu,
+                "origin_bytes": d("bytes_served"), "origin_requests": d("requests")}
+
+
+def emit(row: dict) -> None:
+    """Print one JSON line (what the parent collects)."""
+    print(json.dumps(row), flush=True)
+
+
+def read_epochs(cfg: dict, build, epoch) -> None:
+    """Build the loader, then measure ``cfg['epochs']`` epochs, printing a JSON line for the
+    set-up and one per epoch (samples, seconds, samples_per_s, stall_fraction, cpu_s,
+    cpu_s_per_1000, origin_bytes, origin_requests, origin_cpu_s)."""
+    measure = _load_measure()
+    s0 = _Snapshot(cfg)
+    obj = build(cfg)
+    s1 = _Snapshot(cfg)
+    emit({"kind": "setup", "seconds": s1.t - s0.t, **s1.delta(s0)})
+    for e in range(int(cfg["epochs"])):
+        before = _Snapshot(cfg)
+        m = measure(epoch(obj, e), float(cfg.get("consumer_rate", 0.0)))
+        after = _Snapshot(cfg)
+        d = after.delta(before)
+        per_k = 1000.0 / m.samples if m.samples else 0.0
+        emit({"kind": "epoch", "epoch": e, "samples": m.samples, "seconds": m.seconds,
+              "samples_per_s": m.samples_per_s, "stall_fraction": m.stall_fraction,
+              "cpu_s_per_1000": d["cpu_s"] * per_k, "origin_cpu_s_per_1000": d["origin_cpu_s"] * per_k,
+              **d})
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
+
+
+def main(convert, build, epoch) -> None:
+    """Command line of a runner: ``convert SRC OUT CFG_JSON`` or ``read CFG_JSON``."""
+    _subreaper()
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    if cmd == "convert" and len(sys.argv) == 5:
+        with open(sys.argv[4]) as f:
+            cfg = json.load(f)
+        t = time.perf_counter()
+        convert(sys.argv[2], sys.argv[3], cfg)
+        emit({"kind": "convert", "seconds": time.perf_counter() - t})
+    elif cmd == "read" and len(sys.argv) == 3:
+        with open(sys.argv[2]) as f:
+            cfg = json.load(f)
+        read_epochs(cfg, build, epoch)
+    else:
+        sys.exit(f"usage: {sys.argv[0]} convert SRC OUT CFG_JSON | read CFG_JSON")
+
+
+def image_folder(src: str) -> list[tuple[str, int, str]]:
+    """(path, label, key) of every image under ``src/<class>/``, sorted; labels follow sorted
+    class names (as torchvision's ImageFolder and ``stoker pack`` number them)."""
+    classes = sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d)))
+    out = []
+    for label, c in enumerate(classes):
+        for name in sorted(os.listdir(os.path.join(src, c))):
+            if name.lower().endswith((".jpeg", ".jpg", ".png")):
+                out.append((os.path.join(src, c, name), label, f"{c}/{os.path.splitext(name)[0]}"))
+    return out

@@ -1,0 +1,284 @@
+"""`stoker bench peers`: one run, one dataset, one origin, one transform, every loader.
+
+Steps: make the demo's real-photo ImageFolder set; convert it once into each loader's own
+format with the loader's own tool (stoker pack, the raw tree for torch, WebDataset
+``ShardWriter`` tars, Streaming ``MDSWriter`` shards, LitData ``optimize`` chunks, DALI
+``wds2idx`` indexes over WebDataset tars); start the emulated remote origin (moto S3 behind
+the throttling proxy, :class:`stoker_lab.bench.origin.LocalS3Origin`) and upload every format to it
+(unthrottled); then run each loader in a subprocess of its own Python for ``epochs`` epochs
+from an empty cache, with the same workers, batch size and emulated accelerator, collecting
+one JSON line per epoch. A loader that cannot be installed, converted or run is recorded in
+``skipped`` with the reason (the tail of its stderr), never dropped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali")
+_VENV = {"streaming": "streaming", "litdata": "litdata", "dali": "dali"}
+_IMPORTS = {"webdataset": "webdataset"}  # modules a main-Python loader needs beyond stoker
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class PeersConfig:
+    """Benchmark parameters. Bytes in bytes, rates in samples/s, latency in ms, bandwidth in
+    MB/s (1e6 B/s), timeouts in seconds. ``consumer_rate``: the emulated accelerator (a sleep of
+    batch/rate per batch; above every loader's decode bound here, so samples/s measures the
+    loader and ``stall_fraction`` the accelerator time it loses). ``make_venvs``: create missing
+    peer environments (False: skip those peers, with the reason)."""
+
+    images: int = 5000
+    classes: int = 20
+    epochs: int = 3
+    loaders: tuple = LOADERS
+    workers: int = 2
+    batch_size: int = 64
+    consumer_rate: float = 2000.0
+    latency_ms: float = 20.0
+    bandwidth_MBps: float = 100.0
+    seed: int = 0
+    shard_bytes: int = 64 << 20
+    wds_shard_bytes: int = 20_000_000
+    dali_source: str = "local"
+    make_venvs: bool = True
+    run_timeout_s: float = 1800.0
+    workdir: str | None = None
+    json_path: str | None = None
+    plot_path: str | None = None
+
+
+def _log(msg: str) -> None:
+    print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    kept = [ln for ln in text.strip().splitlines() if ln.strip() and "is ignored: it is neither" not in ln]
+    return "\n".join(kept[-lines:])
+
+
+def _runner(loader: str) -> str:
+    return os.path.join(_HERE, f"run_{loader}.py")
+
+
+def _python_for(loader: str, cfg: PeersConfig) -> str:
+    """The Python that runs ``loader``; raises RuntimeError (the reason) if there is none."""
+    from ..venvs import VenvError, ensure_venv, ready_venv, venv_root
+    if loader not in _VENV:
+        mod = _IMPORTS.get(loader)
+        if mod:
+            r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True, timeout=120)
+            if r.returncode:
+                raise RuntimeError(f"cannot import {mod} in stoker's Python: {_tail(r.stderr, 2)} "
+                                   "(pip install -e '.[dev]' in the stoker checkout or webdataset)")
+        return sys.executable
+    name = _VENV[loader]
+    if not cfg.make_venvs:
+        py = ready_venv(name)
+        if py is None:
+            raise RuntimeError(f"its virtual environment {os.path.join(venv_root(), name)} is not present "
+                               "and making environments is off")
+        return py
+    try:
+        return ensure_venv(name, log=_log)
+    except VenvError as exc:
+        raise RuntimeError(f"could not install: {exc}") from None
+
+
+def _run_json(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> tuple[list[dict], str | None]:
+    """Run a runner; returns (its JSON lines, None) or (lines so far, failure reason)."""
+    rows: list[dict] = []
+    with open(log_path, "w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                                env=env, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            why = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            why = f"did not finish in {timeout_s:.0f} s"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for line in (out or "").splitlines():
+            if line.startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+        if why:
+            err.seek(0)
+            why = f"{why}: {_tail(err.read())}"
+    return rows, why
+
+
+def _dir_bytes(path: str) -> tuple[int, int]:
+    files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    return len(files), sum(os.path.getsize(f) for f in files)
+
+
+def _env(origin) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    so = origin.storage_options(throttled=True) if origin else {}
+    env.update(AWS_ACCESS_KEY_ID=so.get("key", "testing"), AWS_SECRET_ACCESS_KEY=so.get("secret", "testing"),
+               AWS_DEFAULT_REGION="us-east-1", AWS_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull,
+               AWS_SHARED_CREDENTIALS_FILE=os.devnull, PYTHONUNBUFFERED="1")
+    return env
+
+
+def _convert(loader: str, py: str, src: str, out: str, cfg: PeersConfig, work: str, env: dict) -> dict:
+    """Convert ``src`` into ``loader``'s format at ``out``; returns {convert_seconds, files, bytes}."""
+    shutil.rmtree(out, ignore_errors=True)
+    conf = os.path.join(work, f"convert-{loader}.json")
+    with open(conf, "w") as f:
+        json.dump({"shard_bytes": cfg.shard_bytes, "wds_shard_bytes": cfg.wds_shard_bytes,
+                   "workers": cfg.workers}, f)
+    rows, why = _run_json([py, _runner(loader), "convert", src, out, conf], env, cfg.run_timeout_s,
+                          os.path.join(work, f"convert-{loader}.log"))
+    if why:
+        raise RuntimeError(f"conversion failed: {why}")
+    seconds = sum(r["seconds"] for r in rows if r.get("kind") == "convert")
+    if loader == "dali":  # DALI's format: WebDataset tars plus its own index files
+        for name in os.listdir(src):
+            os.link(os.path.join(src, name), os.path.join(out, name))
+    files, nbytes = _dir_bytes(out)
+    return {"convert_seconds": seconds, "files": files, "bytes": nbytes}
+
+
+def _presign(origin, keys: list[str], expires_s: int = 86400) -> list[str]:
+    import boto3
+    so = origin.storage_options(throttled=True)
+    client = boto3.client("s3", endpoint_url=so["endpoint_url"], aws_access_key_id=so["key"],
+                          aws_secret_access_key=so["secret"], region_name="us-east-1")
+    return [client.generate_presigned_url("get_object", Params={"Bucket": origin.bucket, "Key": k},
+                                          ExpiresIn=expires_s) for k in keys]
+
+
+def _read_config(loader: str, cfg: PeersConfig, origin, fmt_dir: str, cache_dir: str) -> dict:
+    names = sorted(os.listdir(fmt_dir))
+    c = {"loader": loader, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "workers": cfg.workers,
+         "seed": cfg.seed, "consumer_rate": cfg.consumer_rate, "cache_dir": cache_dir,
+         "url": origin.url(loader), "storage_options": origin.storage_options(throttled=True),
+         "control_url": origin.direct_url, "origin_pid": origin.pid, "dali_source": cfg.dali_source}
+    if loader == "stoker":
+        c["cache_bytes"] = 2 * _dir_bytes(fmt_dir)[1] + (64 << 20)
+    if loader == "webdataset":
+        c["urls"] = _presign(origin, [f"{loader}/{n}" for n in names if n.endswith(".tar")])
+    if loader == "dali":
+        c["fetch"] = list(zip(_presign(origin, [f"{loader}/{n}" for n in names]), names))
+        c["s3_tars"] = [origin.url(f"{loader}/{n}") for n in names if n.endswith(".tar")]
+        c["s3_indexes"] = [t[:-4] + ".idx" for t in c["s3_tars"]]
+    return c
+
+
+def run_peers(cfg: PeersConfig) -> dict:
+    """Run the benchmark; returns the report (also written to ``cfg.json_path``):
+    ``{runs: [{loader, epoch, samples_per_s, stall_fraction, cpu_s_per_1000, origin_bytes, ...}],
+    formats: [{loader, convert_seconds, bytes, ...}], skipped: [{loader, reason}], ...}``."""
+    from ...sample_data import make_sample_data
+    from ..origin import ORIGIN_NICE, LocalS3Origin, upload_tree
+    from ..report import save_report
+    from .report import check_targets, print_table, write_plot
+
+    unknown = set(cfg.loaders) - set(LOADERS)
+    if unknown:
+        raise ValueError(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
+    work = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-peers")
+    os.makedirs(work, exist_ok=True)
+    report: dict = {
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "loadavg_start": list(os.getloadavg())},
+        "origin": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
+                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy (same machine)",
+                   "server_nice": ORIGIN_NICE},
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("json_path", "plot_path", "workdir")},
+        "runs": [], "setup": [], "formats": [], "skipped": [], "load": []}
+    report["config"]["loaders"] = list(cfg.loaders)
+    sd = make_sample_data(os.path.join(work, "data"), images=cfg.images, classes=cfg.classes, seed=cfg.seed)
+    src = os.path.join(work, "data", "train")
+    report["dataset"] = {"images": sd["images"], "classes": sd["classes"], "bytes": sd["bytes"],
+                         "mean_sample_bytes": sd["bytes"] / max(1, sd["images"])}
+    _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
+
+    def skip(loader: str, reason: str) -> None:
+        report["skipped"].append({"loader": loader, "reason": reason})
+        _log(f"skipped {loader}: {reason}")
+
+    env = _env(None)
+    pythons, fmt_dirs = {}, {}
+    wanted = list(cfg.loaders)
+    for loader in wanted:
+        try:
+            pythons[loader] = _python_for(loader, cfg)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            skip(loader, str(exc))
+    for loader in [lo for lo in wanted if lo in pythons]:
+        out = os.path.join(work, "formats", loader)
+        try:
+            source = src
+            if loader == "dali":  # DALI indexes WebDataset tars; make them if webdataset did not run
+                wds_dir = fmt_dirs.get("webdataset")
+                if wds_dir is None:
+                    wds_dir = os.path.join(work, "formats", "dali-tars")
+                    extra = _convert("webdataset", _python_for("webdataset", cfg), src, wds_dir, cfg, work, env)
+                    wds_seconds = extra["convert_seconds"]
+                else:
+                    wds_seconds = next(f["convert_seconds"] for f in report["formats"] if f["loader"] == "webdataset")
+                source = wds_dir
+            fmt = _convert(loader, pythons[loader], source, out, cfg, work, env)
+            if loader == "dali":
+                fmt["convert_seconds"] += wds_seconds
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, StopIteration) as exc:
+            skip(loader, str(exc))
+            continue
+        fmt_dirs[loader] = out
+        report["formats"].append({"loader": loader, **fmt})
+        _log(f"{loader}: converted in {fmt['convert_seconds']:.1f} s, {fmt['files']} files, {fmt['bytes'] / 1e6:.1f} MB")
+
+    with LocalS3Origin(latency_ms=cfg.latency_ms, bandwidth_MBps=cfg.bandwidth_MBps) as origin:
+        env = _env(origin)
+        _log(f"origin {origin.endpoint_url} (latency {cfg.latency_ms} ms, {cfg.bandwidth_MBps} MB/s)")
+        for fmt in report["formats"]:
+            up = upload_tree(fmt_dirs[fmt["loader"]], origin.url(fmt["loader"]), origin.storage_options(throttled=False))
+            fmt["upload_seconds"] = up["seconds"]
+        for loader in [lo for lo in wanted if lo in fmt_dirs]:
+            cache_dir = os.path.join(work, "cache", loader)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            conf = os.path.join(work, f"read-{loader}.json")
+            with open(conf, "w") as f:
+                json.dump(_read_config(loader, cfg, origin, fmt_dirs[loader], cache_dir), f)
+            load = {"loader": loader, "before": list(os.getloadavg())}
+            _log(f"{loader}: {cfg.epochs} epochs")
+            rows, why = _run_json([pythons[loader], _runner(loader), "read", conf], env, cfg.run_timeout_s,
+                                  os.path.join(work, f"read-{loader}.log"))
+            load["after"] = list(os.getloadavg())
+            report["load"].append(load)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            got = 0
+            for r in rows:
+                kind = r.pop("kind", None)
+                if kind == "epoch":
+                    got += 1
+                    report["runs"].append({"loader": loader, **r})
+                    _log(f"  epoch {r['epoch']}: {r['samples_per_s']:.0f} samples/s, stall {r['stall_fraction']:.2f}, "
+                         f"CPU {r['cpu_s_per_1000']:.2f} s/1000, origin {r['origin_bytes'] / 1e6:.1f} MB")
+                elif kind == "setup":
+                    report["setup"].append({"loader": loader, **r})
+            if why or got < cfg.epochs:
+                skip(loader, f"ran {got} of {cfg.epochs} epochs; " + (why or "no error reported"))
+    report["machine"]["loadavg_end"] = list(os.getloadavg())
+    report["checks"] = check_targets(report)
+    print_table(report)
+    save_report(report, cfg.json_path, cfg.plot_path, write_plot, _log)
+    return report

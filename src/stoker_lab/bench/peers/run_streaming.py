@@ -1,0 +1,48 @@
+"""Mosaic Streaming as a benchmark peer: MDS shards written by ``streaming.MDSWriter`` (a
+``jpeg`` column: the original file bytes, since the images are opened from their files) and
+read by ``StreamingDataset(remote="s3://...", local=<cache dir>)`` with its documented S3
+settings (``S3_ENDPOINT_URL`` for an S3-compatible store), shuffle on, the local shard cache
+kept between epochs, ``StreamingDataLoader`` workers; torchvision RandomResizedCrop(224) +
+RandomHorizontalFlip on the decoded PIL image, uint8 output.
+
+Runs under the Python of its own virtual environment (mosaicml-streaming 0.13.0, torch 2.14.1,
+torchvision 0.29.1); see :mod:`stoker_lab.bench.peers._runner` for the protocol.
+"""
+import os
+
+import _runner
+
+
+def convert(src, out, cfg):
+    from PIL import Image
+    from streaming import MDSWriter
+    with MDSWriter(out=out, columns={"image": "jpeg", "label": "int"}) as w:
+        for path, label, _ in _runner.image_folder(src):
+            w.write({"image": Image.open(path), "label": label})
+
+
+def build(cfg):
+    os.environ["S3_ENDPOINT_URL"] = cfg["storage_options"]["endpoint_url"]
+    from streaming import StreamingDataLoader, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+    from torchvision.transforms import v2
+
+    clean_stale_shared_memory()
+    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()])
+
+    class Images(StreamingDataset):
+        def __getitem__(self, i):
+            s = super().__getitem__(i)
+            return tf(s["image"].convert("RGB")), s["label"]
+
+    ds = Images(remote=cfg["url"], local=cfg["cache_dir"], shuffle=True, shuffle_seed=cfg["seed"],
+                batch_size=cfg["batch_size"])
+    return StreamingDataLoader(ds, batch_size=cfg["batch_size"], num_workers=cfg["workers"])
+
+
+def epoch(loader, e):
+    return loader
+
+
+if __name__ == "__main__":
+    _runner.main(convert, build, epoch)

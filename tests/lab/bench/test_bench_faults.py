@@ -1,0 +1,149 @@
+"""`stoker bench faults`: the fault proxy injects what it says, and a quick scenario reports honestly."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import pytest
+
+from stoker_lab.bench.faultproxy import Fault, FaultProxy, object_gets
+from stoker_lab.bench.origin import LocalS3Origin
+
+REPORT_FIELDS = {"scenario", "faults_injected", "outcome", "expected", "samples_lost", "samples_duplicated",
+                 "signal_deaths", "leftover_files", "leftover_shm", "overhead_s", "ok"}
+BODY = bytes(range(256)) * 1200  # 307200 bytes
+
+
+@pytest.fixture(scope="module")
+def origin_proxy():
+    import fsspec
+    with LocalS3Origin(latency_ms=0, bandwidth_MBps=0) as origin:
+        fs = fsspec.filesystem("s3", **origin.storage_options(throttled=False), skip_instance_cache=True)
+        fs.pipe("stoker/ds/shards/a.tar", BODY)
+        with FaultProxy(origin.endpoint_url) as proxy:
+            yield proxy
+
+
+def _get(proxy: FaultProxy, timeout_s: float = 10.0):
+    """(status, headers, body or the exception reading it) of one ranged GET through the proxy."""
+    port = int(proxy.endpoint_url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/stoker/ds/shards/a.tar", headers={"Range": "bytes=0-199999"})
+        resp = conn.getresponse()
+        try:
+            return resp.status, dict(resp.getheaders()), resp.read()
+        except (http.client.IncompleteRead, ConnectionError, TimeoutError) as exc:
+            return resp.status, dict(resp.getheaders()), exc
+    finally:
+        conn.close()
+
+
+def test_proxy_forwards_when_no_fault(origin_proxy):
+    origin_proxy.set_fault(None)
+    status, _, body = _get(origin_proxy)
+    assert status == 206 and body == BODY[:200000]
+
+
+@pytest.mark.parametrize("mode", ["reset", "truncate", "stall"])
+def test_proxy_cuts_bodies(origin_proxy, mode):
+    origin_proxy.set_fault(Fault(mode, count=1, stall_s=0.5))
+    before = origin_proxy.stats()["faults_injected"]
+    status, headers, got = _get(origin_proxy, timeout_s=5.0)
+    assert status == 206 and headers["Content-Length"] == "200000"
+    assert isinstance(got, Exception), f"{mode}: the whole body came through"
+    assert origin_proxy.stats()["faults_injected"] == before + 1
+    status, _, body = _get(origin_proxy)  # count=1: the next GET is whole again
+    assert status == 206 and body == BODY[:200000]
+
+
+def test_proxy_status_burst_is_s3_error(origin_proxy):
+    origin_proxy.set_fault(Fault("status", 503, burst_s=60.0))
+    status, _, body = _get(origin_proxy)
+    assert status == 503 and b"<Code>SlowDown</Code>" in body
+    origin_proxy.set_fault(Fault("status", 500, every=2))
+    assert [_get(origin_proxy)[0] for _ in range(4)] == [206, 500, 206, 500]
+    origin_proxy.set_fault(None)
+
+
+def test_proxy_status_carries_code_and_retry_after(origin_proxy):
+    origin_proxy.set_fault(Fault("status", 503, code="TooManyRequests", retry_after_s=2.5))
+    status, headers, body = _get(origin_proxy)
+    assert status == 503 and headers["Retry-After"] == "2.5" and b"<Code>TooManyRequests</Code>" in body
+    origin_proxy.set_fault(Fault("status", 403))
+    status, headers, body = _get(origin_proxy)
+    assert status == 403 and "Retry-After" not in headers and b"<Code>AccessDenied</Code>" in body
+    origin_proxy.set_fault(None)
+
+
+def test_object_gets_matches_every_object_get_and_nothing_else():
+    assert object_gets("GET", "/stoker/ds/index.parquet", {})
+    assert object_gets("GET", "/stoker/ds/shards/a.tar?x-id=GetObject", {"range": "bytes=0-9"})
+    assert not object_gets("GET", "/stoker?list-type=2&prefix=ds/", {})  # a listing
+    assert not object_gets("GET", "/stoker/?list-type=2", {})
+    assert not object_gets("HEAD", "/stoker/ds/index.parquet", {})
+    assert not object_gets("PUT", "/stoker/ds/index.parquet", {})
+
+
+def test_proxy_object_gets_hits_whole_object_gets_too(origin_proxy):
+    """The default target leaves a plain (whole-object) GET alone; ``object_gets`` hits it, and
+    only the GET: a HEAD of the same object and a listing are forwarded."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+    s3 = boto3.client("s3", endpoint_url=origin_proxy.endpoint_url, aws_access_key_id="testing",
+                      aws_secret_access_key="testing", region_name="us-east-1",
+                      config=Config(retries={"total_max_attempts": 1, "mode": "standard"}))
+    origin_proxy.set_fault(Fault("status", 503))
+    assert s3.get_object(Bucket="stoker", Key="ds/shards/a.tar")["Body"].read() == BODY
+    origin_proxy.set_fault(Fault("status", 503, match=object_gets))
+    before = origin_proxy.stats()["faults_injected"]
+    for rng in ({}, {"Range": "bytes=0-9"}):
+        with pytest.raises(ClientError) as err:
+            s3.get_object(Bucket="stoker", Key="ds/shards/a.tar", **rng)
+        assert err.value.response["Error"]["Code"] == "SlowDown"
+    assert s3.head_object(Bucket="stoker", Key="ds/shards/a.tar")["ContentLength"] == len(BODY)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="stoker", Prefix="ds/")["Contents"]]
+    assert keys == ["ds/shards/a.tar"]
+    assert origin_proxy.stats()["faults_injected"] == before + 2
+    origin_proxy.set_fault(None)
+
+
+def test_proxy_stall_ends_when_released(origin_proxy):
+    """A 60 s stall whose event is set once the head has come: the body ends cut short (the
+    proxy closes) and the stall is no longer open, long before the client's 60 s timeout."""
+    released = threading.Event()
+    origin_proxy.set_fault(Fault("stall", count=1, stall_s=60.0, released=released))
+    threading.Timer(0.3, released.set).start()
+    status, _, got = _get(origin_proxy, timeout_s=60.0)
+    assert status == 206 and isinstance(got, http.client.IncompleteRead), got
+    assert origin_proxy.stats()["stalls_open"] == 0
+    origin_proxy.set_fault(None)
+
+
+def test_bench_faults_quick_scenario(tmp_path):
+    """One loader scenario end to end: a clean run, then resets mid-body that really happen."""
+    from stoker_lab.bench.faults import run, table
+    out = tmp_path / "faults.json"
+    report = run(str(out), quick=True, only=["conn_reset_mid_body"], images=16, ray=False,
+                 workdir=str(tmp_path / "work"), log=lambda msg: None)
+    assert json.loads(out.read_text()) == report
+    rows = {r["scenario"]: r for r in report["scenarios"]}
+    assert set(rows) == {"clean", "conn_reset_mid_body"}
+    for r in rows.values():
+        assert REPORT_FIELDS <= set(r)
+        assert r["outcome"] in ("completed", "clean_error", "failed", "hang", "signal_death")
+    assert rows["clean"]["faults_injected"] == 0 and rows["clean"]["outcome"] == "completed"
+    assert rows["clean"]["samples_lost"] == rows["clean"]["samples_duplicated"] == 0
+    reset = rows["conn_reset_mid_body"]
+    assert reset["faults_injected"] > 0
+    assert reset["expected"] == "completed" and rows["clean"]["overhead_s"] == 0.0
+    assert reset["overhead_s"] is None or isinstance(reset["overhead_s"], float)  # None unless it completed
+    assert "| conn_reset_mid_body |" in table(report)
+
+
+def test_unknown_scenario_is_refused():
+    from stoker_lab.bench.faults import run
+    with pytest.raises(ValueError, match="no_such_scenario"):
+        run(only=["no_such_scenario"])
