@@ -1,5 +1,7 @@
 """The prose tells the truth about the tree: every file that a docstring, comment or README names
-exists, no text cites an issue number, and the README's layout names every module there is."""
+exists, no text cites an issue number, every relative link of the README and the docs pages leads
+to a file (and heading) that exists, the README stays short, and the layout in docs/design.md
+names every module there is."""
 from __future__ import annotations
 
 import ast
@@ -78,16 +80,78 @@ def test_every_file_named_in_prose_exists():
     assert not missing, "files named but not in the repository:\n" + "\n".join(missing)
 
 
-def test_readme_layout_names_every_module():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+README_MAX_LINES = 300
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
+
+
+def _linked_pages() -> list[pathlib.Path]:
+    """The pages whose links are checked: the README, the docs pages and the other READMEs."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md",
+            ROOT / "deploy" / "kubernetes" / "README.md", *sorted(SRC.rglob("README.md"))]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _outside_code(text: str) -> list[str]:
+    """The lines of a Markdown text that are not inside fenced code blocks."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out.append(line)
+    return out
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (a repeated heading gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _outside_code(page.read_text()):
+        if re.match(r"#{1,6} ", line):
+            slug = _slug(line.lstrip("#"))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_readme_is_short():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/ (at most {README_MAX_LINES})"
+
+
+def test_every_relative_link_reaches_a_file_and_heading():
+    bad = []
+    for page in _linked_pages():
+        for line in _outside_code(page.read_text()):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z][\w+.-]*:", target):  # http:, https:, mailto: ...
+                    continue
+                path, _, anchor = target.partition("#")
+                file = (page.parent / path).resolve() if path else page
+                where = f"{page.relative_to(ROOT)}: {target}"
+                if not file.exists():
+                    bad.append(f"{where} (no such file)")
+                elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                    bad.append(f"{where} (no such heading)")
+    assert not bad, "links that lead nowhere:\n" + "\n".join(bad)
+
+
+def test_design_layout_names_every_module():
+    design = (ROOT / "docs" / "design.md").read_text()
+    block = design.split("## Layout", 1)[1].split("```", 2)[1]
     absent = []
-    for p in sorted(SRC.rglob("*.py")):
-        rel = p.relative_to(SRC)
-        if p.name == "__init__.py" and len(rel.parts) > 1:
-            continue  # a package is named by its folder
-        if rel.parts[0] == "bench" and rel.parts[-2:-1] == ("peers",) and p.name.startswith("run_"):
-            continue  # "one run_<loader>.py per loader"
-        if p.name not in block:
-            absent.append(str(rel))
-    assert not absent, "modules missing from the README's layout section: " + ", ".join(absent)
+    for root in (SRC, LAB):
+        for p in sorted(root.rglob("*.py")):
+            rel = p.relative_to(root)
+            if p.name == "__init__.py" and len(rel.parts) > 1:
+                continue  # a package is named by its folder
+            if rel.parts[0] == "bench" and rel.parts[-2:-1] == ("peers",) and p.name.startswith("run_"):
+                continue  # "one run_<loader>.py per loader"
+            if p.name not in block:
+                absent.append(str(p.relative_to(ROOT)))
+    assert not absent, "modules missing from the layout in docs/design.md: " + ", ".join(absent)

@@ -2,7 +2,7 @@
 environment and works there, away from the source tree: the C extension is inside it, the
 `stoker` command runs, and a dataset packs and loads.
 
-This is the install path the README gives ("Install from source"); the test is slow-ish (a
+This is the install path the README gives (its "Install" section); the test is slow-ish (a
 minute: a wheel build and a dependency install from the package registry or pip's cache), so
 it runs once, in one test, under CI (or with ``STOKER_WHEEL_TEST=1``).
 """

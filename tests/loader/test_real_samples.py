@@ -101,7 +101,7 @@ def test_audio_batches_of_fixed_shape_come_through_shared_memory(audio_s3, tmp_p
 
 
 def test_speech_batches_move_the_audio_through_shared_memory_and_pickle_only_the_text(audio_s3, tmp_path):
-    """The README's speech example: ``{"audio": padded tensor, "lengths", "text": [str, ...]}``.
+    """The speech example of docs/guide.md: ``{"audio": padded tensor, "lengths", "text": [str, ...]}``.
     The arrays go through the slot, only the strings are pickled, and the batches are those the
     training process makes itself (num_workers=0), same values, structure and types."""
     torch = require("torch", "torch")
