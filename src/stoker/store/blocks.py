@@ -11,8 +11,8 @@ reader of the dataset has and another does not:
 
 The Dataset itself (index, block metadata, checksums) is shared and never changed by a reader:
 ``ds.with_reader(BlockReader(ds, staging=..., router=...))`` is a view of ``ds`` whose reads go
-through that reader, so two Loaders over one Dataset each have their own staging area. Every
-Dataset starts with a plain reader (no staging, no router), :attr:`Dataset.reader`.
+through that reader, so two Loaders over one Dataset each have their own staging area. A
+Dataset without one reads through a plain reader (no staging, no router), :attr:`Dataset.reader`.
 
 Reads try, in order: the node cache (a committed block), the staging area, a fetch of the whole
 block (single flight across processes under the cache's fetch lock, kept in the cache when it
@@ -94,11 +94,12 @@ class BlockReader:
         staging: a :class:`stoker.cache.StagingArea` that this reader's fills may use for blocks
             the cache does not admit, owned by whoever created it (a Loader's run); None: none.
         router: a :class:`Router` (cluster mode); None: blocks come from the origin.
+        stats: the :class:`ReadStats` to count into; None: new ones.
     """
 
-    def __init__(self, dataset, staging=None, router: Router | None = None):
+    def __init__(self, dataset, staging=None, router: Router | None = None, stats: ReadStats | None = None):
         self._ds, self._staging, self._router = dataset, staging, router
-        self.stats = ReadStats()
+        self.stats = ReadStats() if stats is None else stats
 
     def __getstate__(self):
         state = dict(self.__dict__)

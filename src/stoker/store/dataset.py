@@ -94,7 +94,13 @@ class Dataset:
         self.sample_block = blocks["sample_block"]
         self.block_shard, self.block_start, self.block_end = blocks["shard"], blocks["start"], blocks["end"]
         self._block_order, self._block_first, self._block_count = blocks["order"], blocks["first"], blocks["count"]
-        self._reader: BlockSource = BlockReader(self)  # no staging area, no router
+        self._reader: BlockSource | None = None  # None: a plain reader, made per use (no reference cycle)
+        self._stats = ReadStats()  # the plain reader's counters
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_stats"] = ReadStats()  # a copy in a worker process counts its own reads
+        return state
 
     def __len__(self) -> int:
         return len(self.index)
@@ -124,8 +130,10 @@ class Dataset:
     @property
     def reader(self) -> BlockSource:
         """The block reader this dataset's reads go through (:class:`stoker.store.blocks.BlockReader`:
-        its staging area, router and :class:`ReadStats`)."""
-        return self._reader
+        its staging area, router and :class:`ReadStats`): the one given to :meth:`with_reader`,
+        else a plain one (no staging area, no router) that counts into :attr:`read_stats`."""
+        reader = self._reader
+        return reader if reader is not None else BlockReader(self, stats=self._stats)
 
     def with_reader(self, reader: BlockSource) -> Dataset:
         """A view of this dataset whose reads go through ``reader``; this one is unchanged.
@@ -145,7 +153,7 @@ class Dataset:
     @property
     def read_stats(self) -> ReadStats:
         """This process's sample read counters (its reader's)."""
-        return self._reader.stats
+        return self._stats if self._reader is None else self._reader.stats
 
     # -- metadata ---------------------------------------------------------
     @property
@@ -254,11 +262,11 @@ class Dataset:
         the node cache, the staging area, else the origin). Raises :class:`ChecksumError` and
         :class:`stoker.storage.OriginError` (see the class)."""
         i = int(i)
-        self._reader.stats.samples += 1
+        reader = self.reader
+        reader.stats.samples += 1
         start = int(self.index.offset[i])
         with self.origin.shared_budget():  # waiting for another process's fill spends it too
-            return bytes(self._reader.read_range(i, start, start + int(self.index.length[i]),
-                                                 lambda d: self.sample_ok(i, d)))
+            return bytes(reader.read_range(i, start, start + int(self.index.length[i]), lambda d: self.sample_ok(i, d)))
 
     def read_fields(self, i: int) -> dict[str, bytes]:
         """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
@@ -269,11 +277,12 @@ class Dataset:
         IndexError (naming the dataset) for an id that is not one of its samples.
         """
         i = self._sample_id(i)
-        self._reader.stats.samples += 1
+        reader = self.reader
+        reader.stats.samples += 1
         table = self.index.member_table(i)
         start, stop = int(self.index.offset[i]), int(self.index.span_end[i])
         with self.origin.shared_budget():
-            data = self._reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
+            data = reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
         view = memoryview(data)
         return {name: bytes(view[off - start:off - start + n]) for name, off, n, _ in table}
 
