@@ -220,7 +220,7 @@ class BlockReader:
         self.stats.staged_hits += 1
         return data
 
-    def block_for_read(self, b: int) -> tuple[str | None, object]:
+    def block_for_read(self, b: int) -> tuple[str | None, bytes | memoryview | None]:
         """Block ``b`` for a sample read that found it neither in the cache nor in staging:
         ``(where, bytes)`` with ``where`` "cache", "staged" or "origin", or ``(None, None)``
         when only the sample is to be read from the origin.
