@@ -246,9 +246,9 @@ def test_a_failed_fill_is_noted_in_its_fetch_lock_for_that_block_only(tmp_path):
 def test_a_block_filled_while_its_reader_waited_is_no_tier_hit(tmp_path, packed_local):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=64 << 20, memory_bytes=64 << 20,
                       memory_dir=str(tmp_path / "shm"), block_bytes=128 << 10)
-    assert ds.fill_block(0, blocking=True, want_data=False) == "filled"  # another process's fill, say
+    assert ds.reader.fill_block(0, blocking=True, want_data=False) == "filled"  # another process's fill, say
     before = ds.cache.stats.memory_hits
-    assert ds.fill_block(0, blocking=True, want_data=True) is not None  # the waiter reads the whole block
+    assert ds.reader.fill_block(0, blocking=True, want_data=True) is not None  # the waiter reads the whole block
     assert ds.cache.stats.memory_hits == before  # its sample is a miss, not a memory-tier hit
     ds.read(int(np.flatnonzero(ds.sample_block == 0)[0]))
     assert ds.cache.stats.memory_hits == before + 1  # a sample read from the tier is

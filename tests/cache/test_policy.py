@@ -86,7 +86,7 @@ def test_future_policy_reclaims_a_dead_jobs_blocks_but_not_an_unannounced_reader
     subprocess.run(["kill", "-9", str(other_process)], check=True)
     import os
     os.waitpid(other_process, 0)
-    c._quota_memo = None
+    c.forget_quotas()
     assert c.quotas() == {"new": 5_000}
     assert _fill(c, "new", 5, 1000, prefix="y") == 3
     assert c.namespace_usage().get("old", 0) == 0

@@ -35,7 +35,7 @@ def decode(fields, rng):  # the bottleneck: 80 ms a sample in the one worker
 
 ds = stoker.open_dataset(packed, cache_dir=cache, cache_bytes=1 << 30)
 for b in range(ds.num_blocks):  # cached before the epoch: every read of it a hit
-    ds.fill_block(b, want_data=False)
+    ds.reader.fill_block(b, want_data=False)
 ld = stoker.Loader(ds, 1, num_workers=1, decode=decode)
 for i, _ in enumerate(ld):
     time.sleep(0.02)  # the emulated accelerator, faster than the pipeline: it waits ~60 ms a batch

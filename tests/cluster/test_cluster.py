@@ -109,7 +109,7 @@ def _read_and_kill(ctx, victim: str, pid_before: int, epochs: int = 2):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"cache service of {victim} not restarted in 120 s")
                 time.sleep(0.2)
-            while victim in ctx.dataset.router.suspects():  # the router's own ping has found it back
+            while victim in ctx.dataset.reader.router.suspects():  # the router's own ping has found it back
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the router still takes {victim} for down after 120 s")
                 time.sleep(0.05)

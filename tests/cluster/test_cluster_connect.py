@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("fresh_services")
 
 
 def _handles_at_start(ctx):
-    router = ctx.dataset.router
+    router = ctx.dataset.reader.router
     return {"handles": sorted(router._handles), "owners": sorted({int(o) for o in np.unique(router.owner)}),
             "me": router.me, "suspects": router.suspects()}
 

@@ -15,6 +15,7 @@ from stoker import Loader, open_dataset
 from stoker.cache.staging import StagingArea
 from stoker.loader import inflight as infl
 from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.store.blocks import BlockReader
 
 BLOCK = 256 << 10
 
@@ -37,6 +38,12 @@ def _once(nbytes: int, ds, which=None) -> bool:
     read twice is far more than the gaps a merged GET may add)."""
     own = _block_bytes(ds, which)
     return own <= nbytes <= own + _gap_bytes(ds, which)
+
+
+def _staged_files(cache_dir) -> list[str]:
+    """The blocks staged now in every staging area under ``cache_dir`` (the loaders' own: a
+    loader's staging area is its run's, not the dataset's)."""
+    return sorted(str(p) for p in (cache_dir / ".staging").glob("*/*/*") if not p.name.startswith("."))
 
 
 def _until(cond, timeout_s: float = 10.0) -> bool:
@@ -62,7 +69,7 @@ def test_a_cold_epoch_reads_each_block_once_with_a_small_cache(where, fraction, 
         assert 0 < cold.prefetch_staged and cold.prefetch_fills + cold.prefetch_staged <= ds.num_blocks
         assert cold.staged_reused == 0
         # staging is emptied once the epoch's last batch is delivered: no block serves the next epoch
-        assert _until(lambda: ds.staging.names(ds.version) == [])
+        assert _until(lambda: _staged_files(tmp_path) == [])
         cached = ds.cached_blocks()
         assert 0 < _block_bytes(ds, cached) <= budget
         assert sum(len(y) for _, y in loader) == len(ds)
@@ -83,7 +90,7 @@ def test_prefetch_staged_counts_origin_fetches_and_reuse_apart(packed_local, tmp
     # staged for plan 1, so plan 2 reuses them and fetches nothing. Plan 3 comes without a drain
     # (the epoch was cut short): plan 2's staged blocks go, and plan 3 fetches every block again.
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=BLOCK)
-    ds.staging = StagingArea(str(tmp_path / "staging"))
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     plan = np.arange(len(ds))
     blocks, first, last = block_schedule(ds, plan)
     k = len(blocks)
@@ -111,9 +118,9 @@ def test_prefetch_staged_counts_origin_fetches_and_reuse_apart(packed_local, tmp
         _wait_plan(counters, 3)
         row = infl.ledger_row(counters, 3)
         assert fetched_all(row) and (row["prefetch_staged"], row["staged_reused"]) == (k, 0)
-        assert len(ds.staging.names(ds.version)) == k
+        assert len(ds.reader.staging.names(ds.version)) == k
         done.value = len(plan)  # plan 3 delivered: its staged blocks go, with nothing left to fetch
-        assert _until(lambda: ds.staging.names(ds.version) == [])
+        assert _until(lambda: ds.reader.staging.names(ds.version) == [])
     finally:
         cmds.put(None)
         proc.join(10)

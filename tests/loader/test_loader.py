@@ -162,7 +162,7 @@ def _fill_as_prefetcher(ds, b: int) -> None:
     from stoker import OriginError
     from stoker.loader.workers import fresh_copy
     try:
-        fresh_copy(ds).fill_block(b, blocking=False, want_data=False)
+        fresh_copy(ds).reader.fill_block(b, blocking=False, want_data=False)
     except OriginError:
         pass  # expected: the read that waited for this fill reports it
 

@@ -11,13 +11,14 @@ import numpy as np
 
 from stoker.cache.staging import StagingArea
 from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 
 
 def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_path):
     # A cache too small to admit anything: every block the plan needs must be staged.
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=64 << 10)
-    ds.staging = StagingArea(str(tmp_path / "staging"))
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     plan = np.arange(len(ds))
     blocks, first, last = block_schedule(ds, plan)
     b0 = int(blocks[0])
@@ -45,14 +46,14 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
         while counters[5] < len(blocks) - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert counters[5] == len(blocks) - 1  # all but b0 staged while its lock is held
-        assert not ds.staging.contains(ds.version, ds.block_name(b0))
+        assert not ds.reader.staging.contains(ds.version, ds.block_name(b0))
         time.sleep(0.4)  # the prefetcher keeps coming back to b0 meanwhile
         release.set()
         t.join()
         deadline = time.monotonic() + 10
         while counters[5] < len(blocks) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert ds.staging.contains(ds.version, ds.block_name(b0))
+        assert ds.reader.staging.contains(ds.version, ds.block_name(b0))
         assert counters[5] == len(blocks) and counters[4] == 0
     finally:
         release.set()
@@ -66,10 +67,10 @@ def test_a_block_the_full_staging_disk_refuses_is_not_reported_staged(packed_loc
     # staging.put returns False when the disk has no room: the prefetcher must not count the
     # block as staged (the reader then takes its samples from the origin).
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=64 << 10)
-    ds.staging = StagingArea(str(tmp_path / "staging"))
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     monkeypatch.setattr(StagingArea, "put", lambda self, ns, name, data: False)
-    assert ds.stage_block(0) == "unstaged"
-    assert not ds.staging.contains(ds.version, ds.block_name(0))
+    assert ds.reader.stage_block(0) == "unstaged"
+    assert not ds.reader.staging.contains(ds.version, ds.block_name(0))
 
 
 def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:

@@ -257,7 +257,7 @@ def test_configuration_errors_are_not_retried(tmp_path):
 
     o = Origin(str(tmp_path), backoff_s=0.001, retry_budget_s=0.2)
     with pytest.raises(OriginError, match=r"s3://x/y.*ProfileNotFound.*not retried"):
-        o._retry("s3://x/y", bad_profile)
+        o.retry("s3://x/y", bad_profile)
     assert len(calls) == 1 and o.counters.retries == 0
 
     def flaky():
@@ -265,5 +265,5 @@ def test_configuration_errors_are_not_retried(tmp_path):
         raise ConnectionResetError("reset")
 
     with pytest.raises(OriginError, match="retry budget 0.2 s spent"):
-        o._retry("s3://x/z", flaky)
+        o.retry("s3://x/z", flaky)
     assert calls.count(2) >= 2

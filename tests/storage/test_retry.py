@@ -89,7 +89,7 @@ def test_a_short_burst_is_ridden_out(tmp_path):
     """1.5 s of 503 SlowDown on every request: the read succeeds (4 tries over 0.7 s did not)."""
     calls: list = []
     o = Origin(str(tmp_path), retry_budget_s=20)
-    assert o._retry("s3://b/k", _throttled_for(1.5, calls)) == b"ok"
+    assert o.retry("s3://b/k", _throttled_for(1.5, calls)) == b"ok"
     assert len(calls) >= 2 and o.counters.retries == len(calls) - 1
 
 
@@ -97,7 +97,7 @@ def test_sustained_throttling_ends_in_origin_error_with_the_code(tmp_path):
     calls: list = []
     o = Origin(str(tmp_path), retry_budget_s=0.5)
     with pytest.raises(OriginError) as err:
-        o._retry("s3://b/shards/s.tar", _throttled_for(1e9, calls), 0, 100)
+        o.retry("s3://b/shards/s.tar", _throttled_for(1e9, calls), 0, 100)
     e = err.value
     assert (e.code, e.status) == ("SlowDown", 503) and e.elapsed_s >= 0.5
     assert "s3://b/shards/s.tar bytes 0-100" in str(e) and "SlowDown (HTTP 503)" in str(e)
@@ -122,7 +122,7 @@ def test_an_origin_never_reached_is_given_up_quickly(tmp_path, monkeypatch):
     calls: list = []
     o = Origin(str(tmp_path), retry_budget_s=30)
     with pytest.raises(OriginError, match="never reached: check the URL") as err:
-        o._retry("http://127.0.0.1:1/ds/index.parquet", _refused(calls))
+        o.retry("http://127.0.0.1:1/ds/index.parquet", _refused(calls))
     assert 0.3 <= err.value.elapsed_s < 5 and len(calls) >= 2
 
 
@@ -130,9 +130,9 @@ def test_an_origin_that_answered_before_gets_the_whole_budget(tmp_path, monkeypa
     """A server that answered and then refuses is restarting: it is retried for the whole budget."""
     monkeypatch.setattr("stoker.storage.UNREACHABLE_BUDGET_S", 0.1)
     o = Origin(str(tmp_path), retry_budget_s=20)
-    assert o._retry("http://h/ok", lambda: b"first") == b"first"
+    assert o.retry("http://h/ok", lambda: b"first") == b"first"
     calls: list = []
-    assert o._retry("http://h/k", _refused(calls, until_s=0.8)) == b"ok"
+    assert o.retry("http://h/k", _refused(calls, until_s=0.8)) == b"ok"
     assert calls[-1] - calls[0] >= 0.8
 
 
@@ -148,7 +148,7 @@ def test_errors_that_cannot_clear_fail_at_once(tmp_path, status, code, cls):
 
     o = Origin(str(tmp_path), retry_budget_s=30)
     with pytest.raises(cls) as err:
-        o._retry("s3://b/k", fn)
+        o.retry("s3://b/k", fn)
     assert len(calls) == 1 and err.value.code == code and err.value.status == status
     assert f"{code} (HTTP {status})" in str(err.value) and "s3://b/k" in str(err.value)
     assert isinstance(err.value, {403: PermissionError, 404: FileNotFoundError, 400: OSError}[status])
@@ -163,7 +163,7 @@ def test_retry_after_is_honoured(tmp_path):
             raise _client_error(503, "SlowDown", retry_after="0.6")
         return b"ok"
 
-    assert Origin(str(tmp_path), retry_budget_s=10)._retry("s3://b/k", fn) == b"ok"
+    assert Origin(str(tmp_path), retry_budget_s=10).retry("s3://b/k", fn) == b"ok"
     assert calls[1] - calls[0] >= 0.6  # full jitter alone would have waited at most 0.2 s
 
 
@@ -196,7 +196,7 @@ def test_threads_back_off_as_a_whole(tmp_path):
                 state["inflight"] -= 1
 
     results: list = []
-    threads = [threading.Thread(target=lambda: results.append(o._retry("s3://b/k", fn))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append(o.retry("s3://b/k", fn))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -340,9 +340,9 @@ def test_a_read_that_waited_for_another_fill_gets_the_rest_of_the_budget(tmp_pat
     with o.shared_budget():
         time.sleep(0.35)  # what a wait on a busy fetch lock spends
         with pytest.raises(OriginError, match="SlowDown"):
-            o._retry("s3://b/k", _throttled_for(1e9, calls))
+            o.retry("s3://b/k", _throttled_for(1e9, calls))
     assert len(calls) == 1
-    assert o._retry("s3://b/k", lambda: b"ok") == b"ok"  # outside, a budget of its own again
+    assert o.retry("s3://b/k", lambda: b"ok") == b"ok"  # outside, a budget of its own again
 
 
 @pytest.mark.parametrize("workers", [0, 2])

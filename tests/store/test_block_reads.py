@@ -11,6 +11,7 @@ import numpy as np
 
 from stoker.cache.staging import StagingArea
 from stoker.loader.prefetch import _fill
+from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 
 BLOCK = 256 << 10
@@ -36,13 +37,13 @@ def test_a_fill_the_cache_refuses_after_fetching_stays_in_staging(packed_local, 
     # The admission check passed, then another fill took the room: the fetched bytes must be
     # staged, and the prefetcher's next look must find them there instead of fetching again.
     ds = _open(packed_local, tmp_path, "c", 64 << 20)
-    ds.staging = StagingArea(str(tmp_path / "staging"))
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     monkeypatch.setattr(ds.cache, "put", lambda *a, **k: False)
     size = int(ds.block_end[0] - ds.block_start[0])
-    assert ds.fill_block(0, blocking=False, want_data=False) == "staged"
-    assert ds.staging.contains(ds.version, ds.block_name(0))
+    assert ds.reader.fill_block(0, blocking=False, want_data=False) == "staged"
+    assert ds.reader.staging.contains(ds.version, ds.block_name(0))
     assert (ds.origin.counters.requests, ds.origin.counters.bytes) == (1, size)
-    assert ds.stage_block(0) == "in_staging"
+    assert ds.reader.stage_block(0) == "in_staging"
     assert _fill(ds, 0) == "in_staging"  # the prefetcher's path: admitted, refused, staged already
     assert (ds.origin.counters.requests, ds.origin.counters.bytes) == (1, size)
 
@@ -51,12 +52,12 @@ def test_a_read_of_a_block_nobody_fetched_stages_the_whole_block_once(packed_loc
     # The cache admits nothing; the prefetcher has not reached the block. The first sample's read
     # fetches the whole block into staging; its neighbour is then read from there.
     ds = _open(packed_local, tmp_path, "c", 1)
-    ds.staging = StagingArea(str(tmp_path / "staging"), capacity_bytes=64 << 20)
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"), capacity_bytes=64 << 20)))
     b, i, j = _two_samples_of_one_block(ds)
     size = int(ds.block_end[b] - ds.block_start[b])
     first, second = ds.read(i), ds.read(j)
     assert (ds.origin.counters.requests, ds.origin.counters.bytes) == (1, size)
-    assert ds.staging.contains(ds.version, ds.block_name(b))
+    assert ds.reader.staging.contains(ds.version, ds.block_name(b))
     assert (ds.read_stats.staged_hits, ds.read_stats.direct_reads) == (1, 0)
     fresh = open_dataset(packed_local, cache=False)
     assert (first, second) == (fresh.read(i), fresh.read(j))
@@ -65,19 +66,19 @@ def test_a_read_of_a_block_nobody_fetched_stages_the_whole_block_once(packed_loc
 def test_a_full_staging_area_leaves_the_sample_to_a_read_of_its_own(packed_local, tmp_path):
     # staging_bytes is a bound for the workers too: with no room, only the sample is read.
     ds = _open(packed_local, tmp_path, "c", 1)
-    ds.staging = StagingArea(str(tmp_path / "staging"), capacity_bytes=1)
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"), capacity_bytes=1)))
     b, i, _ = _two_samples_of_one_block(ds)
     ds.read(i)
     assert (ds.origin.counters.requests, ds.origin.counters.bytes) == (1, int(ds.index.length[i]))
     assert ds.read_stats.direct_reads == 1
-    assert ds.staging.names(ds.version) == []
+    assert ds.reader.staging.names(ds.version) == []
 
 
 def test_a_reader_that_waited_for_another_fill_takes_its_staged_block(packed_local, tmp_path):
     # Another process (here a thread of its own dataset copy) holds the block's fetch lock and
     # stages the block; the reader waiting on that lock must read the staged copy, not fetch it.
     ds = _open(packed_local, tmp_path, "c", 64 << 20)
-    ds.staging = StagingArea(str(tmp_path / "staging"))
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     other = _open(packed_local, tmp_path, "c", 64 << 20)
     b, i, _ = _two_samples_of_one_block(ds)
     name = ds.block_name(b)
@@ -87,7 +88,7 @@ def test_a_reader_that_waited_for_another_fill_takes_its_staged_block(packed_loc
         reader.start()
         reader.join(0.5)
         assert reader.is_alive()  # waiting for the lock held here
-        ds.staging.put(ds.version, name, other._fetch_block(b))
+        ds.reader.staging.put(ds.version, name, other.reader.fetch_block(b))
     reader.join(10)
     assert got["data"] == open_dataset(packed_local, cache=False).read(i)
     assert ds.origin.counters.requests == 0

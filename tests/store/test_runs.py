@@ -10,6 +10,7 @@ import pytest
 
 from stoker.cache.staging import StagingArea
 from stoker.errors import ChecksumError, OriginError
+from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 from stoker.store.runs import MAX_MERGE_BYTES, adjacent_run, fill_run, merge_cap_bytes
 
@@ -41,7 +42,7 @@ def test_merged_run_matches_block_by_block(packed_local, tmp_path):
     run = _run_of(merged, 5)
     assert fill_run(merged, run) == {b: "filled" for b in run}
     for b in run:
-        assert single.fill_block(b, blocking=True, want_data=False) == "filled"
+        assert single.reader.fill_block(b, blocking=True, want_data=False) == "filled"
     for b in run:
         assert bytes(_cached(merged, b)) == bytes(_cached(single, b))
     assert merged.origin.counters.requests == 1
@@ -90,7 +91,7 @@ def test_corrupt_block_in_a_merged_get_fails_alone(packed_local, tmp_path, monke
     monkeypatch.setattr(ds.origin, "read_range", corrupt)
     status = fill_run(ds, run)
     assert isinstance(status[bad], ChecksumError)
-    assert ds.key(int(ds._block_order[ds._block_first[bad]])) in str(status[bad])  # names the sample
+    assert ds.key(int(ds.block_samples(bad)[0])) in str(status[bad])  # names the sample
     assert {b: s for b, s in status.items() if b != bad} == {b: "filled" for b in run if b != bad}
     assert _cached(ds, bad) is None and all(_cached(ds, b) is not None for b in run if b != bad)
 
@@ -122,15 +123,14 @@ def test_block_locked_elsewhere_splits_the_run(packed_local, tmp_path):
 
 def test_blocks_the_cache_refuses_are_staged(packed_local, tmp_path):
     ds = _open(packed_local, tmp_path, "c", cache_bytes=1)
-    ds.staging = StagingArea(str(tmp_path / "staging"))
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     run = _run_of(ds, 3)
     assert fill_run(ds, run) == {b: "staged" for b in run}
     assert ds.origin.counters.requests == 1
     for b in run:
-        assert ds.staging.contains(ds.version, ds.block_name(b))
-    ds.staging = None  # without a staging area they are refused, and nothing is read
-    ds2 = _open(packed_local, tmp_path, "d", cache_bytes=1)
-    assert fill_run(ds2, run) == {b: "refused" for b in run}
+        assert ds.reader.staging.contains(ds.version, ds.block_name(b))
+    ds2 = _open(packed_local, tmp_path, "d", cache_bytes=1)  # its reader has no staging area:
+    assert fill_run(ds2, run) == {b: "refused" for b in run}  # refused, and nothing is read
     assert ds2.origin.counters.requests == 0
 
 

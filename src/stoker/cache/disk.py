@@ -308,6 +308,11 @@ class DiskCache(UsageCounters):
         if self.capacity_bytes > 0:
             catalog.record_budget(self.root, self.capacity_bytes, self.mode)
 
+    def forget_quotas(self) -> None:
+        """Split the budget again at the next fill: drop the split :meth:`quotas` memoises (call it
+        after changing the job records other than through :meth:`register`, e.g. a lease)."""
+        self._quota_memo = None
+
     def quotas(self) -> dict[str, int]:
         """{namespace: bytes of the budget it should hold} for datasets of live jobs
         (:func:`stoker.cache.policy.share_budget`); memoised for a second."""

@@ -130,6 +130,11 @@ class TieredCache:
         self.memory.register(namespace, dataset_bytes, epoch_s)
         self.disk.register(namespace, dataset_bytes, epoch_s)
 
+    def forget_quotas(self) -> None:
+        """Both tiers split their budgets again at the next fill (:meth:`DiskCache.forget_quotas`)."""
+        self.memory.forget_quotas()
+        self.disk.forget_quotas()
+
     def describe(self, namespace: str, url: str) -> None:
         """Record the dataset's URL and the disk tier's budget (see :meth:`DiskCache.describe`),
         and where the memory tier is, so that ``stoker cache status`` and ``clear`` find it."""

@@ -22,6 +22,7 @@ import ray
 from ..errors import CapacityError
 from ..loader import Loader
 from ..order import permutation
+from ..store.blocks import BlockReader
 from .capacity import rank_request, rank_slots, refusal
 from .counters import ByteCounters, fractions
 from .placement import bytes_per_node, place_dataset
@@ -41,7 +42,8 @@ class WorkerContext:
     """What ``train_fn`` gets on its rank.
 
     ``rank``/``world_size``; ``node_id``; ``dataset``: the :class:`stoker.store.dataset.Dataset`
-    read through the cluster (node cache → peer → origin); ``counters``: this rank's
+    read through the cluster (node cache → peer → origin: a view with this rank's reader, whose
+    router is ``dataset.reader.router``, :mod:`stoker.store.blocks`); ``counters``: this rank's
     :class:`ByteCounters`; ``epochs``: per-epoch records (see :meth:`measure`), returned to the
     driver. :meth:`loader` builds a :class:`ClusterLoader`; :meth:`plan` gives this rank's
     sample ids of an epoch.
@@ -167,11 +169,12 @@ def _rank_main(train_fn, spec: dict):
         counters.size_tags(ds.num_blocks)
         members = spec["members"]
         me = members.index(spec["node_id"]) if spec["node_id"] in members else -1
-        ds.router = BlockRouter(dataset_ref(ds, spec["storage_options"]), members,
-                                np.asarray(spec["owner"]), me, counters, timeout_s=spec["peer_timeout_s"],
-                                retry_s=spec["retry_s"])
-        ds.router.connect()  # every peer looked up and called once, off the read path
-        relay = ds.router.start_relay()
+        router = BlockRouter(dataset_ref(ds, spec["storage_options"]), members,
+                             np.asarray(spec["owner"]), me, counters, timeout_s=spec["peer_timeout_s"],
+                             retry_s=spec["retry_s"])
+        ds = ds.with_reader(BlockReader(ds, router=router))  # this rank's reads go through the router
+        router.connect()  # every peer looked up and called once, off the read path
+        relay = router.start_relay()
         ctx = WorkerContext(spec, ds, counters)
         result = train_fn(ctx)
         return {"rank": ctx.rank, "node_id": ctx.node_id, "result": result, "epochs": ctx.epochs}

@@ -1,5 +1,8 @@
 """Cluster reads: a block router for :class:`stoker.store.dataset.Dataset` (local → peer → origin).
 
+:class:`BlockRouter` is the :class:`stoker.store.blocks.Router` of a rank's block reader (its
+``caches``, ``local`` and ``read``): a rank reads through ``ds.with_reader(BlockReader(ds,
+router=router))`` (:func:`stoker.cluster.job._rank_main`); the shared Dataset is not changed.
 The router tells the dataset which blocks this node's cache holds (the blocks placed on this
 node by :mod:`stoker.cluster.placement`) and reads the others from the node that owns them,
 through that node's cache service; if the owner is down, slow or gone, it reads the origin

@@ -40,7 +40,8 @@ def end(ds) -> None:
 
 
 def _forget_memo(cache) -> None:
-    """Make the cache split its budget again at the next fill (it memoises the split)."""
-    for tier in (getattr(cache, "memory", None), getattr(cache, "disk", None), cache):
-        if tier is not None and hasattr(tier, "_quota_memo"):
-            tier._quota_memo = None
+    """Make the cache split its budget again at the next fill (it memoises the split):
+    :meth:`stoker.cache.DiskCache.forget_quotas` (a tiered cache: both tiers)."""
+    forget = getattr(cache, "forget_quotas", None)
+    if forget is not None:
+        forget()

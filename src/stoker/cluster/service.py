@@ -103,6 +103,11 @@ class CacheService:
                     lease(ds, 0.0)  # not read for a job yet (open_dataset registered it for good)
         return ds
 
+    def opened_datasets(self) -> list:
+        """The datasets this service has opened so far (:class:`stoker.store.dataset.Dataset`, one
+        per URL, content version and block size), in the order they were opened; a new list."""
+        return list(self._datasets.values())
+
     def _renew(self, ds) -> None:
         """Lease this service's registration of ``ds`` for ``lease_s`` more seconds (at most
         every quarter lease): the node cache counts the dataset as read while reads and fills
@@ -137,7 +142,7 @@ class CacheService:
         if data is not None:
             self._metrics.served_bytes(stop - start, "cache")
             return "cache", bytes(data)
-        block = ds.fill_block(b, blocking=True)
+        block = ds.reader.fill_block(b, blocking=True)
         if block is None:  # this node's budget is full: pass the range through
             shard = ds.index.shard_name(ds.block_shard[b])
             out = bytes(ds.origin.read_range(shard, start, stop))
@@ -171,7 +176,7 @@ class CacheService:
         def fetch(b):
             if ds.cache.contains(version, ds.block_name(b)):
                 return "cached"
-            return ds.fill_block(int(b), blocking=True, want_data=False)
+            return ds.reader.fill_block(int(b), blocking=True, want_data=False)
 
         def one(b):
             try:

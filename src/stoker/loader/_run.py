@@ -81,10 +81,12 @@ class Run(ProcessesMixin):
         self._ring = SlotRing(self.batch_size, self.cfg.image_size, self.prefetch_batches + 2,
                               shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
                               slot_bytes=mmap.PAGESIZE if self.cfg.generic else None)  # grown by batches.py
-        if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.staging is None:
+        if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.reader.staging is None:
             from ..cache import StagingArea
-            self.dataset.staging = StagingArea.create(self.dataset.cache.root,
-                                                      getattr(self.dataset.cache, "mode", 0o600), self.staging_bytes)
+            from ..store.blocks import BlockReader
+            ds = self.dataset  # shared (other loaders may read it): this run reads a view with its own staging
+            staging = StagingArea.create(ds.cache.root, getattr(ds.cache, "mode", 0o600), self.staging_bytes)
+            self.dataset = ds.with_reader(BlockReader(ds, staging=staging, router=ds.reader.router))
             self._own_staging = True
         self.started = True  # from here on, close() has something to stop
         if self.num_workers > 0:
@@ -136,8 +138,8 @@ class Run(ProcessesMixin):
         if self._ring is not None:
             self._ring.close()
         if self._own_staging:
-            self.dataset.staging.clear()
-            self.dataset.staging = None
+            self.dataset.reader.staging.clear()
+            self.dataset = self.loader.dataset
             self._own_staging = False
 
     def drop_pre(self) -> None:

@@ -13,7 +13,7 @@ block ends prefetching for the epoch (under the no-eviction policy nothing later
 admitted either) and the workers read those samples on demand.
 
 Each block is fetched once per plan: a block found in staging already (a worker fetched it
-first, :meth:`stoker.store.dataset.Dataset._block_for_read`) is taken over, not fetched again.
+first, :meth:`stoker.store.blocks.BlockReader.block_for_read`) is taken over, not fetched again.
 A staged block is deleted once its last use in its plan is delivered, and when a plan arrives
 that does not drain the previous one (the previous epoch is over), every block staged for the
 previous one goes at once: staging never serves a later epoch. The one exception: when the next
@@ -61,13 +61,13 @@ def _end_plan(ds, staged: dict, needed: dict) -> None:
     """The previous plan is over (delivered, cut short or given up): delete the blocks staged
     for it (``staged``, emptied) and every other staged file that the new plan (``needed``:
     block -> last use) does not need. A file the new plan needs that the prefetcher did not
-    stage is a worker's fetch for this plan (:meth:`stoker.store.dataset.Dataset._block_for_read`)
+    stage is a worker's fetch for this plan (:meth:`stoker.store.blocks.BlockReader.block_for_read`)
     and stays, to be taken over when the prefetcher reaches it (rarely, a worker's fetch for the
     previous plan that the prefetcher never reached, having stopped: it is kept too)."""
-    for name in ds.staging.names(ds.version):
+    for name in ds.reader.staging.names(ds.version):
         b = ds.block_of_name(name)
         if b is None or b in staged or b not in needed:
-            ds.staging.remove(ds.version, name)
+            ds.reader.staging.remove(ds.version, name)
     staged.clear()
 
 
@@ -75,7 +75,7 @@ def _drop_staged(ds, staged: dict, last_use: dict, done_pos: int, keep=()) -> No
     """Delete the staged blocks whose last use (``last_use[b]``, a plan position) is before
     ``done_pos``, except those in ``keep``; they leave ``staged``."""
     for b in [b for b, last in last_use.items() if last < done_pos and b in staged and b not in keep]:
-        ds.staging.remove(ds.version, ds.block_name(b))
+        ds.reader.staging.remove(ds.version, ds.block_name(b))
         del staged[b]
 
 
@@ -97,9 +97,9 @@ def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
 def _fill(ds, b: int) -> str:
     if ds.cache.contains(ds.version, ds.block_name(b)):
         return "cached"
-    status = ds.fill_block(b, blocking=False, want_data=False)
-    if status == "refused" and ds.staging is not None:
-        return ds.stage_block(b)
+    status = ds.reader.fill_block(b, blocking=False, want_data=False)
+    if status == "refused" and ds.reader.staging is not None:
+        return ds.reader.stage_block(b)
     return status
 
 
@@ -183,7 +183,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                 for b in staged:
                     staged[b] = 0
                 carried = set(staged)
-            elif ds.staging is not None:  # no staged block outlives the plan it was fetched for
+            elif ds.reader.staging is not None:  # no staged block outlives the plan it was fetched for
                 _end_plan(ds, staged, new_last)
                 prev, carried = {}, set()
             cum = np.concatenate([[0], np.cumsum(sizes_of[blocks])])
@@ -192,9 +192,9 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                    "inflight": job["inflight"] if job else {},
                    "failures": 0, "last": new_last}
             cur_last = job["last"]
-            if adopt and ds.staging is not None:
+            if adopt and ds.reader.staging is not None:
                 adopt = False
-                for name in ds.staging.names(ds.version):
+                for name in ds.reader.staging.names(ds.version):
                     b = ds.block_of_name(name)
                     if b in cur_last:
                         staged[b] = cur_last[b]
@@ -289,7 +289,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                 time.sleep(0.005)  # only retries left, waiting for their time
             continue
         progressed = False
-        staged_now = sum(sizes_of[b] for b in staged) if ds.staging is not None else 0
+        staged_now = sum(sizes_of[b] for b in staged) if ds.reader.staging is not None else 0
         cap_bytes = merge_cap_bytes(target.latency_s, target.bandwidth_Bps, int(ds.block_bytes))
         covered = job.setdefault("covered", set())  # blocks fetched ahead of their turn by a merged GET
         while j < len(job["blocks"]) and len(inflight) < concurrency and not throttled:
@@ -300,7 +300,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                 j += 1
                 continue
             run = _merge(ds, job, j, consumed, ahead_bytes, 2 * concurrency, cap_bytes, covered)
-            if ds.staging is not None and not ds.cache.contains(ds.version, ds.block_name(b)):
+            if ds.reader.staging is not None and not ds.cache.contains(ds.version, ds.block_name(b)):
                 # may end up staged: keep staged bytes plus such fills in flight within budget
                 pending_bytes = sum(sizes_of[f_b] for r in inflight.values() for f_b in r)
                 if staged_now + pending_bytes + int(sizes_of[list(run)].sum()) > staging_bytes:
@@ -323,8 +323,8 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
     # next open of the cache removes (DiskCache.recover).
     ds.origin.backoff.cancel()
     pool.shutdown(wait=True, cancel_futures=True)
-    if ds.staging is not None:
-        ds.staging.clear()
+    if ds.reader.staging is not None:
+        ds.reader.staging.clear()
 
 
 def _merge(ds, job: dict, j: int, consumed: int, ahead_bytes: int, lookahead: int, cap_bytes: int,

@@ -194,11 +194,16 @@ class Origin:
     def full_url(self, rel: str) -> str:
         return join(self.url, rel) if rel else self.url
 
-    def _retry(self, what: str, fn, start=None, end=None):
-        """Call ``fn()`` until it succeeds, retrying failures that can clear (:func:`stoker.storage.retry.classify`)
-        with full-jitter back-off for at most ``retry_budget_s`` seconds; waits behind the shared
-        back-off while the origin throttles. Raises :class:`OriginError` (``OriginNotFoundError`` /
-        ``OriginPermissionError`` for 404 / 403) naming ``what``, the range and the S3 code."""
+    def retry(self, what: str, fn, start=None, end=None):
+        """Call ``fn()`` under this origin's retry policy and return what it returns.
+
+        Retries failures that can clear (:func:`stoker.storage.retry.classify`) with full-jitter
+        back-off for at most ``retry_budget_s`` seconds; waits behind the shared back-off while
+        the origin throttles. Every request of this origin goes through it; other modules use it
+        for calls of their own on :attr:`fs` (a listing, a delete). ``what``: the URL that errors
+        name; ``start``/``end``: the byte range, if any. Raises :class:`OriginError`
+        (``OriginNotFoundError`` / ``OriginPermissionError`` for 404 / 403) naming ``what``, the
+        range and the S3 code."""
         t0 = time.monotonic()
         deadline = t0 + self.retry_budget_s
         ambient = getattr(_AMBIENT, "deadline", None)
@@ -292,9 +297,9 @@ class Origin:
         native = self._native
         if native is not None:
             key = path.split("/", 1)[1]  # s3fs paths are "bucket/key"
-            data = self._retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
+            data = self.retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
         else:
-            data = self._retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
+            data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
                                start, end)
         self.counters.requests += 1
         self.counters.bytes += len(data)
@@ -307,16 +312,16 @@ class Origin:
     def read(self, rel: str) -> bytes:
         """Read a whole object (retried). Raises :class:`OriginError` / ``FileNotFoundError``."""
         path = self.path(rel)
-        data = self._retry(self.full_url(rel), lambda: self.fs.cat_file(path))
+        data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path))
         self.counters.requests += 1
         self.counters.bytes += len(data)
         return data
 
     def exists(self, rel: str) -> bool:
-        return self._retry(self.full_url(rel), lambda: self.fs.exists(self.path(rel)))
+        return self.retry(self.full_url(rel), lambda: self.fs.exists(self.path(rel)))
 
     def size(self, rel: str) -> int:
-        return int(self._retry(self.full_url(rel), lambda: self.fs.size(self.path(rel))))
+        return int(self.retry(self.full_url(rel), lambda: self.fs.size(self.path(rel))))
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write a whole object so that readers see either nothing or all of it.
@@ -332,7 +337,7 @@ class Origin:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             write_atomic(path, data, mode=umask_mode(), fsync=True)
         else:
-            self._retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
+            self.retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
 
 
 def _describe(exc: BaseException | None, failure: Failure) -> str:

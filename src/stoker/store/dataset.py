@@ -9,13 +9,15 @@ Blocks are runs of consecutive samples of one shard, about ``block_bytes`` long
 and cut at sample boundaries (a sample's whole range, primary payload and named
 fields, lies in one block), so every block can be checked against the index's
 per-sample xxh3-64 checksums when it is filled and every sample when it is read.
+
+Fetching blocks and filling the cache is the dataset's reader's job (:mod:`.blocks`): the
+Dataset holds the index and the block metadata and checks bytes against them.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import operator
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -24,7 +26,7 @@ from .._units import parse_size
 from ..cache import DiskCache
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
-from . import fill_failures
+from .blocks import BlockReader, BlockSource, ReadStats
 from .diagnose import why_no_index
 from .index import INDEX_NAME, DatasetIndex, read_index
 
@@ -67,19 +69,6 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
             "order": order, "first": first, "count": np.diff(np.append(first, n))}
 
 
-@dataclass
-class ReadStats:
-    """Per-process sample read counters."""
-
-    samples: int = 0
-    cache_hits: int = 0
-    staged_hits: int = 0     # samples read from blocks the prefetcher staged (not admitted to the cache)
-    direct_reads: int = 0    # samples read from the origin without a block fill
-
-    def snapshot(self) -> dict:
-        return dict(self.__dict__)
-
-
 class Dataset:
     """Map-style dataset of a packed store: ``ds[i] -> (payload bytes, label int)``.
 
@@ -87,6 +76,11 @@ class Dataset:
     Picklable (worker processes get the in-memory index, not a re-download).
     Reads raise :class:`ChecksumError` when origin bytes do not match the index
     and :class:`stoker.storage.OriginError` when the origin fails after retries.
+
+    Reads of blocks (cache, staging area, origin or cluster peers) go through its
+    :attr:`reader` (:mod:`stoker.store.blocks`); :meth:`with_reader` makes a view with
+    another one. Nothing else about a Dataset changes after it is made, so one Dataset may be
+    shared by several Loaders, each with its own staging area.
     """
 
     def __init__(self, url: str, index: DatasetIndex, origin: Origin, cache: DiskCache | None,
@@ -100,16 +94,12 @@ class Dataset:
         self.sample_block = blocks["sample_block"]
         self.block_shard, self.block_start, self.block_end = blocks["shard"], blocks["start"], blocks["end"]
         self._block_order, self._block_first, self._block_count = blocks["order"], blocks["first"], blocks["count"]
-        self.read_stats = ReadStats()
-        self.staging = None  # a loader's StagingArea, set by the loader that owns it
-        # Cluster mode (stoker.cluster.reader.BlockRouter): which blocks this node's cache holds
-        # (caches(b) -> bool), where the others are read from (read(ds, b, start, stop) -> bytes:
-        # the owning peer, else the origin), and local(nbytes) to count bytes the cache served.
-        self.router = None
+        self._reader: BlockSource | None = None  # None: a plain reader, made per use (no reference cycle)
+        self._stats = ReadStats()  # the plain reader's counters
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["read_stats"] = ReadStats()
+        state["_stats"] = ReadStats()  # a copy in a worker process counts its own reads
         return state
 
     def __len__(self) -> int:
@@ -136,6 +126,36 @@ class Dataset:
             raise IndexError(f"sample {n} out of range for {len(self)} samples in {self.url}")
         return n % len(self)
 
+    # -- the reader -------------------------------------------------------
+    @property
+    def reader(self) -> BlockSource:
+        """The block reader this dataset's reads go through (:class:`stoker.store.blocks.BlockReader`:
+        its staging area, router and :class:`ReadStats`): the one given to :meth:`with_reader`,
+        else a plain one (no staging area, no router) that counts into :attr:`read_stats`."""
+        reader = self._reader
+        return reader if reader is not None else BlockReader(self, stats=self._stats)
+
+    def with_reader(self, reader: BlockSource) -> Dataset:
+        """A view of this dataset whose reads go through ``reader``; this one is unchanged.
+
+        The view shares the index, block metadata, cache and origin (no copy); only the reader
+        differs. A Loader's run makes one with its own staging area
+        (``ds.with_reader(BlockReader(ds, staging=area, router=ds.reader.router))``), cluster
+        mode one with a router. Raises ValueError when ``reader`` reads another dataset."""
+        other = getattr(reader, "dataset", self)
+        if other.index is not self.index:
+            raise ValueError(f"the reader reads {other.url} (version {other.version}), not this dataset "
+                             f"({self.url}, version {self.version})")
+        view = copy.copy(self)
+        view._reader = reader
+        return view
+
+    @property
+    def read_stats(self) -> ReadStats:
+        """This process's sample read counters (its reader's)."""
+        return self._stats if self._reader is None else self._reader.stats
+
+    # -- metadata ---------------------------------------------------------
     @property
     def labels(self) -> np.ndarray:
         return self.index.labels
@@ -177,97 +197,76 @@ class Dataset:
     def block_bytes_of(self, b) -> np.ndarray:
         return self.block_end[b] - self.block_start[b]
 
-    # -- reads ------------------------------------------------------------
-    def _check(self, i: int, data) -> bool:
+    def block_samples(self, b: int) -> np.ndarray:
+        """Sample ids of block ``b``, int64, in shard order (by offset)."""
+        first = int(self._block_first[b])
+        return self._block_order[first:first + int(self._block_count[b])]
+
+    def cached_blocks(self) -> np.ndarray:
+        """bool (num_blocks,): which blocks the node cache holds now (False without a cache)."""
+        if self.cache is None:
+            return np.zeros(self.num_blocks, dtype=bool)
+        return np.fromiter((self.cache.contains(self.version, self.block_name(b)) for b in range(self.num_blocks)),
+                           dtype=bool, count=self.num_blocks)
+
+    # -- checks -----------------------------------------------------------
+    def sample_ok(self, i: int, data) -> bool:
+        """Whether ``data`` (bytes-like) is the payload of sample ``i`` (its xxh3-64 checksum)."""
         return xxhash.xxh3_64_intdigest(data) == int(self.index.checksum[i])
 
-    def _bad(self, i: int, what: str) -> ChecksumError:
+    def bad_field(self, i: int, table, data, base: int) -> str | None:
+        """Name of the first member of sample ``i`` whose bytes in ``data`` (shard bytes from
+        offset ``base``) are wrong or missing; None when all are right. ``table``: the members
+        to check, ``[(name, offset, length, checksum)]`` (:meth:`DatasetIndex.member_table`)."""
+        view = memoryview(data)
+        for name, off, n, ck in table:
+            if xxhash.xxh3_64_intdigest(view[off - base:off - base + n]) != ck or off - base + n > len(view):
+                return name
+        return None
+
+    def checksum_error(self, i: int, what: str, data=None, start: int = 0) -> ChecksumError:
+        """The :class:`ChecksumError` of sample ``i`` for ``what`` went wrong, naming its key, shard
+        and this dataset; with ``data`` (its shard bytes from offset ``start``) and named fields in
+        the index, also the first field that is wrong. Its ``key`` is the sample at fault, which
+        may not be the one being read (a shared block)."""
+        if data is not None and self.index.members is not None:
+            bad = self.bad_field(i, self.index.member_table(i), data, start)
+            what += f" in field {bad!r}" if bad else ""
         shard = self.index.shard_name(self.index.shard[i])
         err = ChecksumError(f"sample {self.key(i)!r} in shard {shard!r} of {self.url}: {what} "
                             "(the dataset changed under its index? re-pack or run `stoker verify`)")
-        err.key = self.key(i)  # the sample at fault, which may not be the one being read (a shared block)
+        err.key = self.key(i)
         return err
 
-    def _range(self, i: int, start: int, stop: int, valid) -> bytes | memoryview:
-        """Shard bytes ``[start, stop)`` of sample ``i``, checked by ``valid(data) -> bool``.
-
-        Tiers in order: the node cache (a committed block), the loader's staging area
-        (blocks the prefetcher fetched just in time but the cache did not admit), a block
-        fetch from the origin (:meth:`_block_for_read`: single flight, into the cache or the
-        staging area), and last a ranged GET of just this range. A cached or staged block
-        that fails the check is dropped and the next tier is tried. An :class:`OriginError` after
-        waiting for another process's failed fetch of the block lists that process's attempts too
-        (:mod:`.fill_failures`).
-        """
-        since = time.time()
-        try:
-            return self._tiers(i, start, stop, valid)
-        except OriginError as exc:
-            if self.cache is None:
-                raise
-            err = fill_failures.after_others(self.cache, self.version, self.block_name(int(self.sample_block[i])),
-                                             exc, since)
-            if err is exc:
-                raise
-            raise err from exc.__cause__
-
-    def _tiers(self, i: int, start: int, stop: int, valid) -> bytes | memoryview:
-        cache = self.cache
-        if cache is not None:
-            b = int(self.sample_block[i])
-            name = self.block_name(b)
-            rel = start - int(self.block_start[b])
-            data = cache.read(self.version, name, rel, stop - start)
-            if data is not None:
-                if valid(data):
-                    cache.stats.hits += 1
-                    self.read_stats.cache_hits += 1
-                    if self.router is not None:
-                        self.router.local(len(data), b)
-                    return data
-                cache.stats.corrupt += 1
-                cache.remove(self.version, name)
-            cache.stats.misses += 1
-            if self.staging is not None:
-                data = self._staged(name, rel, stop - start, valid)
-                if data is not None:
-                    if self.router is not None:
-                        self.router.local(len(data), b)
-                    return data
-            where, block = self._block_for_read(b)
-            if block is not None:
-                view = memoryview(block)[rel:rel + stop - start]
-                if valid(view):  # a fresh fetch was verified; a cached or staged copy is checked here
-                    if where == "staged":
-                        self.read_stats.staged_hits += 1
-                    if self.router is not None:
-                        self.router.local(stop - start, b)
-                    return view
-        self.read_stats.direct_reads += 1
-        data = self._source_read(int(self.sample_block[i]), start, stop)
-        if not valid(data):
-            bad = self._bad_member(i, self.index.member_table(i), data, start) if self.index.members is not None else None
-            raise self._bad(i, "checksum mismatch on read from the origin"
-                            + (f" in field {bad!r}" if bad else ""))
+    def verify_block(self, b: int, data):
+        """``data`` (the bytes of block ``b``, shard range [block_start, block_end)) after checking
+        every member of every sample against the index; :class:`ChecksumError` naming the first
+        sample that fails."""
+        start = int(self.block_start[b])
+        members = self.index.members
+        view = memoryview(data)
+        for i in self.block_samples(b):
+            off = int(self.index.offset[i]) - start
+            if not self.sample_ok(i, view[off:off + int(self.index.length[i])]):
+                raise self.checksum_error(int(i), "checksum mismatch in a block read from the origin")
+            if members is not None and members.start[i + 1] > members.start[i]:
+                bad = self.bad_field(int(i), self.index.member_table(int(i))[1:], data, start)
+                if bad is not None:
+                    raise self.checksum_error(int(i), f"checksum mismatch in field {bad!r} in a block read "
+                                                      "from the origin")
         return data
 
-    def _staged(self, name: str, rel: int, n: int, valid):
-        data = self.staging.read(self.version, name, rel, n)
-        if data is None:
-            return None
-        if not valid(data):
-            self.staging.remove(self.version, name)
-            return None
-        self.read_stats.staged_hits += 1
-        return data
-
+    # -- reads ------------------------------------------------------------
     def read(self, i: int) -> bytes:
-        """Payload bytes of sample ``i``, verified against its checksum."""
+        """Payload bytes of sample ``i``, verified against its checksum (through :attr:`reader`:
+        the node cache, the staging area, else the origin). Raises :class:`ChecksumError` and
+        :class:`stoker.storage.OriginError` (see the class)."""
         i = int(i)
-        self.read_stats.samples += 1
+        reader = self.reader
+        reader.stats.samples += 1
         start = int(self.index.offset[i])
         with self.origin.shared_budget():  # waiting for another process's fill spends it too
-            return bytes(self._range(i, start, start + int(self.index.length[i]), lambda d: self._check(i, d)))
+            return bytes(reader.read_range(i, start, start + int(self.index.length[i]), lambda d: self.sample_ok(i, d)))
 
     def read_fields(self, i: int) -> dict[str, bytes]:
         """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
@@ -278,158 +277,14 @@ class Dataset:
         IndexError (naming the dataset) for an id that is not one of its samples.
         """
         i = self._sample_id(i)
-        self.read_stats.samples += 1
+        reader = self.reader
+        reader.stats.samples += 1
         table = self.index.member_table(i)
         start, stop = int(self.index.offset[i]), int(self.index.span_end[i])
         with self.origin.shared_budget():
-            data = self._range(i, start, stop, lambda d: self._bad_member(i, table, d, start) is None)
+            data = reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
         view = memoryview(data)
         return {name: bytes(view[off - start:off - start + n]) for name, off, n, _ in table}
-
-    def _bad_member(self, i: int, table, data, base: int) -> str | None:
-        """Name of the first member of sample ``i`` whose bytes in ``data`` (at shard offset ``base``) are wrong."""
-        view = memoryview(data)
-        for name, off, n, ck in table:
-            if xxhash.xxh3_64_intdigest(view[off - base:off - base + n]) != ck or off - base + n > len(view):
-                return name
-        return None
-
-    def _admits(self, b: int) -> bool:
-        """Whether this node's cache would take block ``b`` now (budget, and in cluster mode ownership)."""
-        if self.router is not None and not self.router.caches(b):
-            return False
-        return self.cache.would_admit(int(self.block_end[b] - self.block_start[b]), self.version)
-
-    def _source_read(self, b: int, start: int, stop: int, block: bool = False):
-        """Shard bytes ``[start, stop)`` of block ``b`` from outside this node's cache: the
-        origin, or in cluster mode whatever the router chooses (the owning peer, else the origin;
-        ``block``: the whole block, for the cache or staging)."""
-        if self.router is not None:
-            return self.router.read(self, b, start, stop, block=block)
-        return self.origin.read_range(self.index.shard_name(self.block_shard[b]), start, stop)
-
-    def _fetch_block(self, b: int) -> bytes:
-        """Block ``b`` from the origin (or its owning peer) with every member of every sample verified."""
-        return self._verify_block(b, self._source_read(b, int(self.block_start[b]), int(self.block_end[b]), block=True))
-
-    def _verify_block(self, b: int, data):
-        """``data`` (the bytes of block ``b``, shard range [block_start, block_end)) after checking
-        every member of every sample against the index; :class:`ChecksumError` naming the first
-        sample that fails."""
-        start = int(self.block_start[b])
-        first, count = int(self._block_first[b]), int(self._block_count[b])
-        members = self.index.members
-        view = memoryview(data)
-        for i in self._block_order[first:first + count]:
-            off = int(self.index.offset[i]) - start
-            if not self._check(i, view[off:off + int(self.index.length[i])]):
-                raise self._bad(int(i), "checksum mismatch in a block read from the origin")
-            if members is not None and members.start[i + 1] > members.start[i]:
-                bad = self._bad_member(int(i), self.index.member_table(int(i))[1:], data, start)
-                if bad is not None:
-                    raise self._bad(int(i), f"checksum mismatch in field {bad!r} in a block read from the origin")
-        return data
-
-    def cached_blocks(self) -> np.ndarray:
-        """bool (num_blocks,): which blocks the node cache holds now (False without a cache)."""
-        if self.cache is None:
-            return np.zeros(self.num_blocks, dtype=bool)
-        return np.fromiter((self.cache.contains(self.version, self.block_name(b)) for b in range(self.num_blocks)),
-                           dtype=bool, count=self.num_blocks)
-
-    def _block_for_read(self, b: int) -> tuple[str | None, object]:
-        """Block ``b`` for a sample read that found it neither in the cache nor in staging:
-        ``(where, bytes)`` with ``where`` "cache", "staged" or "origin", or ``(None, None)``
-        when only the sample is to be read from the origin.
-
-        Under the block's fetch lock, so a fill of it in flight elsewhere (the prefetcher's,
-        another worker's) is waited for, not repeated: the cache, then the staging area, then
-        one GET of the whole block (verified), kept where the next reader finds it: in the cache
-        when it admits the block, else in the loader's staging area when that has room
-        (:meth:`stoker.cache.StagingArea.has_room`; the prefetcher takes it over and deletes it
-        after its last use). A block that neither takes is not fetched, nor one of another node
-        in cluster mode (the prefetcher stages those): ``(None, None)``."""
-        cache, name = self.cache, self.block_name(b)
-        size = int(self.block_end[b] - self.block_start[b])
-        if self.staging is None and not self._admits(b):
-            return None, None
-        staging = self.staging if self.router is None else None
-        since = time.time()
-        with cache.fetch_lock(self.version, name, blocking=True):
-            if cache.contains(self.version, name):
-                data = cache.read(self.version, name, 0, size, count=False)  # the sample was a miss
-                if data is not None:
-                    return "cache", data
-            if self.staging is not None:
-                data = self.staging.read(self.version, name, 0, size)
-                if data is not None:
-                    return "staged", data
-            admitted = self._admits(b)
-            room = staging is not None and staging.has_room(self.version, size)
-            if not (admitted or room):
-                return None, None
-            data = fill_failures.fetch(self, b, name, since)
-            if not (admitted and cache.put(self.version, name, data)) and staging is not None and room:
-                staging.put(self.version, name, data)  # False (disk full): nothing kept, still read
-            return "origin", data
-
-    def stage_block(self, b: int) -> str:
-        """Fetch block ``b`` into the staging area (prefetch of a block the cache does not
-        admit). Returns "staged" (fetched), "in_staging" (staged already, by a worker or for
-        an earlier plan: nothing fetched), "cached", "busy" (another process is fetching it)
-        or "unstaged" (the staging disk is full: the block's samples will be read from the origin)."""
-        name = self.block_name(b)
-        with self.cache.fetch_lock(self.version, name, blocking=False) as held:
-            if not held:
-                return "busy"
-            if self.cache.contains(self.version, name):
-                return "cached"
-            if self.staging.contains(self.version, name):
-                return "in_staging"
-            if not self.staging.put(self.version, name, fill_failures.fetch(self, b, name, time.time())):
-                return "unstaged"
-            return "staged"
-
-    def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
-        """Fetch block ``b`` from the origin into the cache (single flight across processes).
-
-        Returns the block bytes, or None when the cache would not admit it (the caller
-        then reads just the sample) or, with ``blocking=False``, when another process
-        is filling it. Every sample in the block is verified before it is admitted. A block
-        fetched here that the cache then refuses (another fill took the room between the
-        admission check and the write) goes to the loader's staging area when there is one,
-        so that it is not fetched again.
-        With ``want_data=False`` (prefetch) returns a status instead: "filled", "cached",
-        "staged" (fetched, refused by the cache, staged), "in_staging" (staged already:
-        nothing fetched), "unstaged" (fetched, refused, the staging disk full), "refused" or
-        "busy".
-        """
-        cache = self.cache
-        name = self.block_name(b)
-        size = int(self.block_end[b] - self.block_start[b])
-        if not self._admits(b):
-            return None if want_data else "refused"
-        since = time.time()
-        with cache.fetch_lock(self.version, name, blocking=blocking) as held:
-            if not held:
-                return None if want_data else "busy"
-            if cache.contains(self.version, name):
-                if not want_data:
-                    return "cached"
-                data = cache.read(self.version, name, 0, size, count=False)  # the sample was a miss
-                if data is not None:
-                    return data
-            staging = self.staging
-            if not want_data and staging is not None and staging.contains(self.version, name):
-                return "in_staging"
-            data = fill_failures.fetch(self, b, name, since)
-            if cache.put(self.version, name, data):
-                return "filled" if not want_data else data
-            staged = staging is not None and (staging.contains(self.version, name)
-                                              or staging.put(self.version, name, data))
-            if not want_data:
-                return "staged" if staged else ("unstaged" if staging is not None else "refused")
-            return data
 
 
 def default_cache_dir() -> str:

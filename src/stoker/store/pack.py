@@ -268,7 +268,7 @@ def _pack_into(dest, dst, kind, src, source_origin, src_options, shard_bytes, ov
             if not overwrite:
                 raise DatasetExistsError(f"the destination {dst} already holds a dataset "
                                          f"({dest.full_url(INDEX_NAME)} exists; pass --overwrite to replace it)")
-            dest._retry(dest.full_url(INDEX_NAME), lambda: dest.fs.rm(dest.path(INDEX_NAME)))
+            dest.retry(dest.full_url(INDEX_NAME), lambda: dest.fs.rm(dest.path(INDEX_NAME)))
         if kind == "imagefolder":
             done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
                                       shuffle_seed, lease.check, classes)

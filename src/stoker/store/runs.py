@@ -59,34 +59,34 @@ def adjacent_run(ds, b: int, wanted, cap_bytes: int) -> list[int]:
 
 
 def _destination(ds, b: int) -> str | None:
-    """Where a fetched block ``b`` goes: "cache" (admitted), "staging" (not admitted, the loader
-    has a staging area) or None (neither: its samples are read on demand)."""
-    if ds._admits(b):
+    """Where a fetched block ``b`` goes: "cache" (admitted), "staging" (not admitted, the
+    dataset's reader has a staging area) or None (neither: its samples are read on demand)."""
+    if ds.reader.admits(b):
         return "cache"
-    return "staging" if ds.staging is not None else None
+    return "staging" if ds.reader.staging is not None else None
 
 
 def _store(ds, b: int, data, dest: str) -> str:
     """Put the verified bytes of block ``b`` where ``dest`` says; returns its status."""
-    name = ds.block_name(b)
+    name, staging = ds.block_name(b), ds.reader.staging
     if dest == "cache":
         if ds.cache.put(ds.version, name, data):
             return "filled"
-        if ds.staging is None:
+        if staging is None:
             return "refused"
-    if ds.staging.contains(ds.version, name) or ds.staging.put(ds.version, name, data):
+    if staging.contains(ds.version, name) or staging.put(ds.version, name, data):
         return "staged"
     return "unstaged"
 
 
 def fill_run(ds, blocks: list[int]) -> dict:
     """Fetch the consecutive blocks ``blocks`` (ascending ids of one shard) from the origin with
-    as few ranged GETs as possible and put each into the node cache, or into the loader's
-    staging area when the cache does not admit it.
+    as few ranged GETs as possible and put each into the node cache, or into the staging area of
+    ``ds``'s reader (:attr:`stoker.store.dataset.Dataset.reader`) when the cache does not admit it.
 
-    Returns ``{block: status}`` with, per block, what :meth:`Dataset.fill_block` (``want_data=False``)
-    and :meth:`Dataset.stage_block` return: "filled", "staged" (fetched into staging), "in_staging"
-    (staged already, not fetched), "cached" (present already),
+    Returns ``{block: status}`` with, per block, what :meth:`stoker.store.blocks.BlockReader.fill_block`
+    (``want_data=False``) and :meth:`~stoker.store.blocks.BlockReader.stage_block` return: "filled",
+    "staged" (fetched into staging), "in_staging" (staged already, not fetched), "cached" (present already),
     "busy" (another process holds its fetch lock), "refused" (not admitted, no staging area) or
     "unstaged" (the staging disk is full); or the exception that block's own fetch raised
     (:class:`stoker.errors.ChecksumError`, :class:`stoker.errors.OriginError`, ...): one block
@@ -119,7 +119,7 @@ def fill_run(ds, blocks: list[int]) -> dict:
             if ds.cache.contains(ds.version, name):  # filled while we took the lock
                 status[b] = "cached"
                 continue
-            if dest == "staging" and ds.staging.contains(ds.version, name):
+            if dest == "staging" and ds.reader.staging.contains(ds.version, name):
                 status[b] = "in_staging"  # staged already (a worker's fetch, an earlier plan's): not fetched
                 continue
             todo.append((b, dest))
@@ -143,12 +143,13 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
     """One GET for the consecutive blocks of ``stretch`` (locks held), split, verified, stored;
     block by block when that GET or a checksum fails, or in cluster mode."""
     first, last = stretch[0][0], stretch[-1][0]
+    reader = ds.reader
     out: dict = {}
-    if len(stretch) > 1 and ds.router is None:
+    if len(stretch) > 1 and reader.router is None:
         start, end = int(ds.block_start[first]), int(ds.block_end[last])
         try:
-            data = memoryview(ds._source_read(first, start, end, block=True))
-            parts = [(b, dest, ds._verify_block(b, data[int(ds.block_start[b]) - start:int(ds.block_end[b]) - start]))
+            data = memoryview(reader.source_read(first, start, end, block=True))
+            parts = [(b, dest, ds.verify_block(b, data[int(ds.block_start[b]) - start:int(ds.block_end[b]) - start]))
                      for b, dest in stretch]
         except (OriginError, ChecksumError, OSError) as exc:
             log.info("merged GET of blocks %d-%d of %s failed (%s); fetching them one by one",
@@ -159,7 +160,7 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
             return out
     for b, dest in stretch:
         try:  # a failure is noted in the block's lock for a read waiting on it (store/fill_failures.py)
-            out[b] = _store(ds, b, fill_failures.fetch(ds, b, ds.block_name(b), time.time()), dest)
+            out[b] = _store(ds, b, fill_failures.fetch(reader, b, ds.block_name(b), time.time()), dest)
         except Exception as exc:  # noqa: BLE001 - reported per block; the others are kept
             out[b] = exc
     return out

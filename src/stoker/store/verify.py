@@ -41,7 +41,7 @@ def check_shards(origin: Origin, index: DatasetIndex) -> None:
     for d in dirs:
         rel = "" if d == "." else d
         try:
-            entries = origin._retry(origin.full_url(rel), lambda: origin.fs.ls(origin.path(rel), detail=True))
+            entries = origin.retry(origin.full_url(rel), lambda: origin.fs.ls(origin.path(rel), detail=True))
         except FileNotFoundError:
             entries = []
         for e in entries:

@@ -125,7 +125,7 @@ def direct_rank(spec: dict) -> dict:
 
 def _service_origin(service) -> int:
     """Run inside a cache service actor (``__ray_call__``): bytes its origin clients received."""
-    return int(sum(ds.origin.counters.bytes for ds in service._datasets.values()))
+    return int(sum(ds.origin.counters.bytes for ds in service.opened_datasets()))
 
 
 def _service_cpu(service) -> float:

@@ -121,7 +121,7 @@ def slow_reader(ctx, epoch: int, pause_s: float, flag: str, started: str) -> dic
     Returns ``{ids, seconds, by_owner: {"before"|"after": {node id: {local, peer, origin,
     fallbacks}}}}``."""
     ids = ctx.plan(epoch, 0)
-    router = ctx.dataset.router
+    router = ctx.dataset.reader.router
     by: dict = {"before": {}, "after": {}}
     t0 = time.perf_counter()
     for k, i in enumerate(ids):

@@ -1,0 +1,322 @@
+"""Block fetching and cache filling for a :class:`stoker.store.dataset.Dataset`: its block reader.
+
+A :class:`BlockReader` is the collaborator that a Dataset's reads go through. It owns what one
+reader of the dataset has and another does not:
+
+* a *staging area* (:class:`stoker.cache.StagingArea`; a Loader's, for the blocks its prefetcher
+  fetched just in time that the node cache did not admit), or none;
+* a cluster *router* (:class:`Router`, e.g. :class:`stoker.cluster.reader.BlockRouter`: which
+  blocks this node caches, and reads of the others from their owning peer), or none;
+* its :class:`ReadStats`.
+
+The Dataset itself (index, block metadata, checksums) is shared and never changed by a reader:
+``ds.with_reader(BlockReader(ds, staging=..., router=...))`` is a view of ``ds`` whose reads go
+through that reader, so two Loaders over one Dataset each have their own staging area. A
+Dataset without one reads through a plain reader (no staging, no router), :attr:`Dataset.reader`.
+
+Reads try, in order: the node cache (a committed block), the staging area, a fetch of the whole
+block (single flight across processes under the cache's fetch lock, kept in the cache when it
+admits the block, else in the staging area when that has room), and last a ranged GET of just
+the sample (:meth:`BlockReader.read_range`). Fills for the prefetcher and the cluster's services
+are :meth:`BlockReader.fill_block` and :meth:`BlockReader.stage_block`. Picklable: a worker
+process gets a copy with the same staging area and router and counters at zero.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import OriginError
+from . import fill_failures
+
+Check = Callable[[object], bool]  # valid(data) -> whether the bytes of a sample's range are right
+
+
+@dataclass
+class ReadStats:
+    """Per-process sample read counters of one reader (counts of samples)."""
+
+    samples: int = 0
+    cache_hits: int = 0
+    staged_hits: int = 0     # samples read from blocks the prefetcher staged (not admitted to the cache)
+    direct_reads: int = 0    # samples read from the origin without a block fill
+
+    def snapshot(self) -> dict:
+        """The counters as a plain dict (``{name: count}``)."""
+        return dict(self.__dict__)
+
+
+class Router(Protocol):
+    """What a block reader asks of a cluster router (:class:`stoker.cluster.reader.BlockRouter`)."""
+
+    def caches(self, b: int) -> bool:
+        """Whether block ``b`` belongs in this node's cache."""
+
+    def local(self, nbytes: int, b: int | None = None) -> None:
+        """Count ``nbytes`` of block ``b`` served by this node's cache or staging area."""
+
+    def read(self, ds, b: int, start: int, stop: int, block: bool = False) -> bytes:
+        """Shard bytes ``[start, stop)`` of block ``b`` of dataset ``ds``: from its owning peer,
+        else the origin (``block``: the whole block, for the cache or staging). Unverified."""
+
+
+class BlockSource(Protocol):
+    """What a :class:`stoker.store.dataset.Dataset` and its users need from its reader.
+
+    The Dataset reads through :meth:`read_range` and counts samples in :attr:`stats`; a Loader
+    asks for the reader's :attr:`staging` and :attr:`router` (to keep the router in the reader it
+    makes for its own run). The prefetcher's fills need a :class:`BlockReader`.
+    """
+
+    stats: ReadStats
+
+    @property
+    def staging(self):
+        """The reader's staging area (:class:`stoker.cache.StagingArea`), or None."""
+
+    @property
+    def router(self) -> Router | None:
+        """The reader's cluster router, or None."""
+
+    def read_range(self, i: int, start: int, stop: int, valid: Check):
+        """Shard bytes ``[start, stop)`` of sample ``i``, checked by ``valid(data) -> bool``
+        (bytes or a memoryview; see :meth:`BlockReader.read_range` for the errors)."""
+
+
+class BlockReader:
+    """Reads of one dataset's blocks through the node cache, a staging area and a router.
+
+    Args:
+        dataset: the :class:`stoker.store.dataset.Dataset` whose blocks are read (its index,
+            block metadata, cache and origin; never changed here).
+        staging: a :class:`stoker.cache.StagingArea` that this reader's fills may use for blocks
+            the cache does not admit, owned by whoever created it (a Loader's run); None: none.
+        router: a :class:`Router` (cluster mode); None: blocks come from the origin.
+        stats: the :class:`ReadStats` to count into; None: new ones.
+    """
+
+    def __init__(self, dataset, staging=None, router: Router | None = None, stats: ReadStats | None = None):
+        self._ds, self._staging, self._router = dataset, staging, router
+        self.stats = ReadStats() if stats is None else stats
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["stats"] = ReadStats()  # a copy in a worker process counts its own reads
+        return state
+
+    @property
+    def dataset(self):
+        """The dataset whose blocks this reader reads."""
+        return self._ds
+
+    @property
+    def staging(self):
+        """The staging area (:class:`stoker.cache.StagingArea`), or None."""
+        return self._staging
+
+    @property
+    def router(self) -> Router | None:
+        """The cluster router, or None."""
+        return self._router
+
+    # -- the sources of a block --------------------------------------------
+    def admits(self, b: int) -> bool:
+        """Whether this node's cache would take block ``b`` now (budget, and in cluster mode
+        ownership). False without a cache."""
+        ds = self._ds
+        if ds.cache is None or (self._router is not None and not self._router.caches(b)):
+            return False
+        return ds.cache.would_admit(int(ds.block_end[b] - ds.block_start[b]), ds.version)
+
+    def source_read(self, b: int, start: int, stop: int, block: bool = False):
+        """Shard bytes ``[start, stop)`` of block ``b`` from outside this node's cache: the
+        origin, or in cluster mode whatever the router chooses (the owning peer, else the
+        origin; ``block``: the whole block, for the cache or staging). Unverified. Raises
+        :class:`stoker.errors.OriginError` when the origin fails after its retries."""
+        ds = self._ds
+        if self._router is not None:
+            return self._router.read(ds, b, start, stop, block=block)
+        return ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
+
+    def fetch_block(self, b: int):
+        """Block ``b`` from the origin (or its owning peer) with every member of every sample
+        verified (:meth:`stoker.store.dataset.Dataset.verify_block`: :class:`ChecksumError`)."""
+        ds = self._ds
+        return ds.verify_block(b, self.source_read(b, int(ds.block_start[b]), int(ds.block_end[b]), block=True))
+
+    # -- sample reads -------------------------------------------------------
+    def read_range(self, i: int, start: int, stop: int, valid: Check):
+        """Shard bytes ``[start, stop)`` of sample ``i``, checked by ``valid(data) -> bool``.
+
+        Tiers in order: the node cache (a committed block), the staging area, a block fetch
+        (:meth:`block_for_read`), and last a ranged GET of just this range. A cached or staged
+        block that fails the check is dropped and the next tier is tried. Raises
+        :class:`ChecksumError` (naming the sample and field) when the origin's bytes are wrong,
+        and :class:`OriginError` when the origin fails; after waiting for another process's failed
+        fetch of the block, that error lists that process's attempts too (:mod:`.fill_failures`).
+        """
+        since = time.time()
+        try:
+            return self._tiers(i, start, stop, valid)
+        except OriginError as exc:
+            ds = self._ds
+            if ds.cache is None:
+                raise
+            err = fill_failures.after_others(ds.cache, ds.version, ds.block_name(int(ds.sample_block[i])),
+                                             exc, since)
+            if err is exc:
+                raise
+            raise err from exc.__cause__
+
+    def _tiers(self, i: int, start: int, stop: int, valid: Check):
+        ds, cache, router = self._ds, self._ds.cache, self._router
+        b = int(ds.sample_block[i])
+        if cache is not None:
+            name = ds.block_name(b)
+            rel = start - int(ds.block_start[b])
+            data = cache.read(ds.version, name, rel, stop - start)
+            if data is not None:
+                if valid(data):
+                    cache.stats.hits += 1
+                    self.stats.cache_hits += 1
+                    if router is not None:
+                        router.local(len(data), b)
+                    return data
+                cache.stats.corrupt += 1
+                cache.remove(ds.version, name)
+            cache.stats.misses += 1
+            if self._staging is not None:
+                data = self._staged(name, rel, stop - start, valid)
+                if data is not None:
+                    if router is not None:
+                        router.local(len(data), b)
+                    return data
+            where, block = self.block_for_read(b)
+            if block is not None:
+                view = memoryview(block)[rel:rel + stop - start]
+                if valid(view):  # a fresh fetch was verified; a cached or staged copy is checked here
+                    if where == "staged":
+                        self.stats.staged_hits += 1
+                    if router is not None:
+                        router.local(stop - start, b)
+                    return view
+        self.stats.direct_reads += 1
+        data = self.source_read(b, start, stop)
+        if not valid(data):
+            raise ds.checksum_error(i, "checksum mismatch on read from the origin", data=data, start=start)
+        return data
+
+    def _staged(self, name: str, rel: int, n: int, valid: Check):
+        """``n`` bytes at ``rel`` of staged block ``name`` if staged and valid (an invalid one is removed)."""
+        version = self._ds.version
+        data = self._staging.read(version, name, rel, n)
+        if data is None:
+            return None
+        if not valid(data):
+            self._staging.remove(version, name)
+            return None
+        self.stats.staged_hits += 1
+        return data
+
+    def block_for_read(self, b: int) -> tuple[str | None, bytes | memoryview | None]:
+        """Block ``b`` for a sample read that found it neither in the cache nor in staging:
+        ``(where, bytes)`` with ``where`` "cache", "staged" or "origin", or ``(None, None)``
+        when only the sample is to be read from the origin.
+
+        Under the block's fetch lock, so a fill of it in flight elsewhere (the prefetcher's,
+        another worker's) is waited for, not repeated: the cache, then the staging area, then
+        one GET of the whole block (verified), kept where the next reader finds it: in the cache
+        when it admits the block, else in the staging area when that has room
+        (:meth:`stoker.cache.StagingArea.has_room`; the prefetcher takes it over and deletes it
+        after its last use). A block that neither takes is not fetched, nor one of another node
+        in cluster mode (the prefetcher stages those): ``(None, None)``."""
+        ds, cache = self._ds, self._ds.cache
+        name, version = ds.block_name(b), ds.version
+        size = int(ds.block_end[b] - ds.block_start[b])
+        if self._staging is None and not self.admits(b):
+            return None, None
+        staging = self._staging if self._router is None else None
+        since = time.time()
+        with cache.fetch_lock(version, name, blocking=True):
+            if cache.contains(version, name):
+                data = cache.read(version, name, 0, size, count=False)  # the sample was a miss
+                if data is not None:
+                    return "cache", data
+            if self._staging is not None:
+                data = self._staging.read(version, name, 0, size)
+                if data is not None:
+                    return "staged", data
+            admitted = self.admits(b)
+            room = staging is not None and staging.has_room(version, size)
+            if not (admitted or room):
+                return None, None
+            data = fill_failures.fetch(self, b, name, since)
+            if not (admitted and cache.put(version, name, data)) and staging is not None and room:
+                staging.put(version, name, data)  # False (disk full): nothing kept, still read
+            return "origin", data
+
+    # -- fills (the prefetcher, warm-up, the cluster's services) -----------
+    def stage_block(self, b: int) -> str:
+        """Fetch block ``b`` into the staging area (prefetch of a block the cache does not
+        admit). Returns "staged" (fetched), "in_staging" (staged already, by a worker or for
+        an earlier plan: nothing fetched), "cached", "busy" (another process is fetching it)
+        or "unstaged" (the staging disk is full: the block's samples will be read from the origin).
+        Raises ValueError without a staging area."""
+        if self._staging is None:
+            raise ValueError(f"stage_block needs a staging area (this reader of {self._ds.url} has none)")
+        ds = self._ds
+        name, version = ds.block_name(b), ds.version
+        with ds.cache.fetch_lock(version, name, blocking=False) as held:
+            if not held:
+                return "busy"
+            if ds.cache.contains(version, name):
+                return "cached"
+            if self._staging.contains(version, name):
+                return "in_staging"
+            if not self._staging.put(version, name, fill_failures.fetch(self, b, name, time.time())):
+                return "unstaged"
+            return "staged"
+
+    def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
+        """Fetch block ``b`` from the origin into the cache (single flight across processes).
+
+        Returns the block bytes, or None when the cache would not admit it (the caller
+        then reads just the sample) or, with ``blocking=False``, when another process
+        is filling it. Every sample in the block is verified before it is admitted. A block
+        fetched here that the cache then refuses (another fill took the room between the
+        admission check and the write) goes to the staging area when there is one,
+        so that it is not fetched again.
+        With ``want_data=False`` (prefetch) returns a status instead: "filled", "cached",
+        "staged" (fetched, refused by the cache, staged), "in_staging" (staged already:
+        nothing fetched), "unstaged" (fetched, refused, the staging disk full), "refused" or
+        "busy". Raises what :meth:`fetch_block` raises.
+        """
+        ds, cache, staging = self._ds, self._ds.cache, self._staging
+        name, version = ds.block_name(b), ds.version
+        size = int(ds.block_end[b] - ds.block_start[b])
+        if not self.admits(b):
+            return None if want_data else "refused"
+        since = time.time()
+        with cache.fetch_lock(version, name, blocking=blocking) as held:
+            if not held:
+                return None if want_data else "busy"
+            if cache.contains(version, name):
+                if not want_data:
+                    return "cached"
+                data = cache.read(version, name, 0, size, count=False)  # the sample was a miss
+                if data is not None:
+                    return data
+            if not want_data and staging is not None and staging.contains(version, name):
+                return "in_staging"
+            data = fill_failures.fetch(self, b, name, since)
+            if cache.put(version, name, data):
+                return "filled" if not want_data else data
+            staged = staging is not None and (staging.contains(version, name) or staging.put(version, name, data))
+            if not want_data:
+                return "staged" if staged else ("unstaged" if staging is not None else "refused")
+            return data
+
+
+__all__ = ["BlockReader", "BlockSource", "ReadStats", "Router"]

@@ -1,0 +1,87 @@
+"""Two Loaders over one Dataset object (train and eval), with a node cache smaller than the
+dataset so that blocks go through the loaders' staging areas. Each loader's run reads a view of
+the dataset with a staging area of its own (stoker.store.blocks): closing one never deletes the
+other's staged blocks. Once the second loader found the first one's staging area on the shared
+Dataset, used it, and the first one's close deleted it under it (FileNotFoundError in a worker,
+or blocks fetched again); see ../shared/cases/lifecycle/two-loaders-one-dataset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stoker import Loader, open_dataset
+from stoker.store.pack import pack
+
+N = 240
+BLOCK = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def id_dataset(tmp_path_factory) -> str:
+    """A packed dataset of N samples of 3000 bytes, each starting with its own id in ASCII."""
+    src = tmp_path_factory.mktemp("ids-src")
+    for i in range(N):
+        (src / f"s{i:04d}.bin").write_bytes(f"{i}".encode().ljust(3000, b"."))
+    dst = tmp_path_factory.mktemp("ids") / "packed"
+    pack(str(src), str(dst), source="files", shard_bytes=128 << 10, progress=False)
+    return str(dst)
+
+
+def _sid(fields, rng):
+    """The sample's id (the number its bytes start with), as a one-element int64 array."""
+    return np.array([int(fields["bin"].split(b".")[0])], np.int64)
+
+
+def _ids(batch) -> list[int]:
+    return [int(v) for v in batch.reshape(-1)]
+
+
+def _span_bytes(ds) -> int:
+    """Bytes of every shard from its first block's start to its last block's end: an epoch that
+    fetches each block once, some with merged GETs (which also read the tar headers between
+    blocks), reads at most this from the origin."""
+    total = 0
+    for s in np.unique(ds.block_shard):
+        mine = ds.block_shard == s
+        total += int(ds.block_end[mine].max() - ds.block_start[mine].min())
+    return total
+
+
+def test_closing_one_of_two_loaders_over_one_dataset_leaves_the_other_whole(id_dataset, tmp_path):
+    ds = open_dataset(id_dataset, cache_dir=str(tmp_path / "cache"), cache_bytes=48 << 10, block_bytes=BLOCK)
+    floor = _span_bytes(ds)
+    assert int((ds.block_end - ds.block_start).sum()) > 4 * (48 << 10)  # most blocks go through staging
+    train = Loader(ds, 16, num_workers=2, seed=1, decode=_sid, timeout_s=60)
+    ev = Loader(ds, 16, num_workers=2, seed=9, decode=_sid, transform="eval", shuffle=False, timeout_s=60)
+    try:
+        # epoch 0: both at once, batch by batch
+        it_t, it_e = iter(train), iter(ev)
+        got_t, got_e = [], []
+        for bt, be in zip(it_t, it_e, strict=True):
+            got_t += _ids(bt)
+            got_e += _ids(be)
+        assert got_t == [int(i) for i in train.plan(0)] and got_e == [int(i) for i in ev.plan(0)]
+        assert ds.reader.staging is None  # the shared Dataset is never given a loader's staging area
+        # epoch 1: eval stops half-way and is closed while train is mid-epoch; train finishes it
+        it_t, it_e = iter(train), iter(ev)
+        got_t = []
+        for k, (bt, _) in enumerate(zip(it_t, it_e, strict=False)):
+            got_t += _ids(bt)
+            if k == 3:
+                break
+        ev.close()
+        got_t += [v for b in it_t for v in _ids(b)]
+        assert got_t == [int(i) for i in train.plan(1)]
+        assert train.stats.exactly_once
+        assert train.stats.origin_bytes <= floor, (train.stats.origin_bytes, floor)  # no block fetched twice
+        assert train.stats.direct_reads == 0  # no staged block deleted under a read that needed it
+        # epoch 2, the eval loader gone: still every sample once, each block from the origin at most once
+        got_t = [v for b in train for v in _ids(b)]
+        assert got_t == [int(i) for i in train.plan(2)]
+        assert train.stats.origin_bytes <= floor and train.stats.direct_reads == 0
+    finally:
+        ev.close()
+        train.close()
+    assert ds.reader.staging is None
+    assert not [p for p in (tmp_path / "cache" / ".staging").glob("*/*/*")]  # both removed their own
