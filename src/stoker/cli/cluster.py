@@ -7,6 +7,7 @@ no Ray at all, and can run beside kube-scheduler).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 
@@ -21,7 +22,7 @@ def _ray_init(address: str | None):
     import ray
     if not ray.is_initialized():
         try:
-            ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+            ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
         except ConnectionError as exc:
             raise ValueError(f"no Ray cluster at {address or 'auto'} ({exc}); start one with `ray start --head`, "
                              "or pass --ray-address local to run one inside this command") from None

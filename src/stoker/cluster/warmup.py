@@ -256,7 +256,8 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
     opts = dict(storage_options or {})
     t = time.time()
     services = find_services(timeout_s)
-    out = {"time": t, "nodes": {}}
+    nodes: dict[str, dict] = {}
+    out = {"time": t, "nodes": nodes}
     refs = {u: dataset_ref(open_dataset(u, storage_options=opts, cache=False, check=False,
                                         block_bytes=block_bytes or DEFAULT_BLOCK_BYTES), opts) for u in urls}
     for nid, info in services.items():
@@ -264,12 +265,11 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
         try:
             got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls], timeout=timeout_s)
         except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
-            import logging
-            logging.getLogger(__name__).warning("cache service on node %s did not answer: %s", nid, exc)
+            log.warning("cache service on node %s did not answer: %s", nid, exc)
             continue
-        out["nodes"][info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
-                                           "used_bytes": info["used_bytes"],
-                                           "datasets": {u: int(b) for u, b in zip(urls, got)}}
+        nodes[info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
+                                    "used_bytes": info["used_bytes"],
+                                    "datasets": {u: int(b) for u, b in zip(urls, got)}}
     return out
 
 

@@ -247,7 +247,7 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
     found_classes = sorted(dirs | with_images)
     given = classes is not None
-    if given:
+    if classes is not None:
         extra = [c for c in found_classes if c not in set(classes)]
         if extra:
             raise SourceError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
@@ -268,7 +268,8 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
                 "" if len(empty) == 1 else "es", "s" if len(empty) == 1 else "",
                 ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]),
                 "" if given else "; pack every split with the same --classes so that labels agree")
-    files, seen = [], {}
+    files = []
+    seen: dict[str, str] = {}  # key -> the file it came from
     for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
             raise SourceError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
