@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 
 from ..errors import SourceError, SourceNotFoundError
 
@@ -305,9 +308,6 @@ def ordered_map(fn, items, workers: int):
     """Yield ``fn(item)`` for each of ``items`` in their order, computed by ``workers`` threads
     with at most ``4 * workers`` calls ahead of the consumer (bounded memory for a source's reads).
     An exception of ``fn`` is raised when its item's turn comes."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-    from itertools import islice
     workers = max(1, workers)
     it = iter(items)
     with ThreadPoolExecutor(workers) as pool:
