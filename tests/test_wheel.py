@@ -1,6 +1,7 @@
 """The wheel a user builds from a clone (`python -m build`) installs into a clean virtual
 environment and works there, away from the source tree: the C extension is inside it, the
-`stoker` command runs, and a dataset packs and loads.
+lab (stoker_lab) is not inside the product (no ``stoker.bench``, no ``stoker.sim``), ``import stoker``
+needs no extra, the `stoker` command runs, and a dataset packs and loads.
 
 This is the install path the README gives (its "Install" section); the test is slow-ish (a
 minute: a wheel build and a dependency install from the package registry or pip's cache), so
@@ -33,6 +34,16 @@ assert loader.stats.exactly_once
 print("SMOKE-OK", n, image.REGION_DECODE)
 """
 
+IMPORT_CHECK = r"""
+import importlib.util
+import sys
+import stoker
+assert stoker.__file__.startswith(sys.prefix), stoker.__file__
+for name in ("stoker.bench", "stoker.sim"):
+    assert importlib.util.find_spec(name) is None, f"{name} is importable from the wheel"
+print("IMPORT-OK")
+"""
+
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -59,9 +70,13 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     assert len(wheels) == 1, wheels
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert "stoker/py.typed" in names
+    assert "stoker/decode/_jpegroi.pyi" in names  # the C extension's types
     assert any(n.startswith("stoker/decode/_jpegroi") and n.endswith(".so") for n in names), (
         "the region-decode C extension is not in the wheel")
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    # the lab moved beside the product (src/stoker_lab): no stale copy of it inside the product
+    stale = [n for n in names if n.startswith(("stoker/bench/", "stoker/sim/", "stoker/bench.", "stoker/sim."))]
+    assert not stale, f"the wheel still ships the lab inside the product: {stale[:5]}"
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
@@ -69,6 +84,9 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     # constraints-dev.txt pins the CPU build of torch (a bare requirement pulls a CUDA build).
     _run([str(py), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints-dev.txt"),
           str(wheels[0])], cwd=tmp_path, timeout=1200)
+    # `import stoker` works with no extra installed, and no lab module is left under the product's name
+    out = _run([str(py), "-c", IMPORT_CHECK], cwd=tmp_path)
+    assert "IMPORT-OK" in out, out
 
     # The embedded photos come from this (dev) environment: `stoker sample-data` needs the demo
     # extra, which a plain install does not have.

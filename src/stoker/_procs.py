@@ -1,7 +1,10 @@
 """Process liveness, for finding what dead processes left behind (temporary fills, batch slots)."""
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 
 from .errors import ForkUnsafeError  # noqa: F401 - re-exported
 
@@ -31,8 +34,6 @@ def exit_with_parent() -> None:
     SIGKILL does not leave its workers running. No-op where unsupported; the workers
     also poll :func:`parent_gone`."""
     try:
-        import ctypes
-        import signal
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
@@ -75,7 +76,6 @@ def fork_hazards() -> list[str]:
     Looks at the threads alive now, whoever started them (:data:`FORK_UNSAFE_THREADS`), and at
     whether stoker itself read through obstore in this process (:mod:`stoker.storage._native_s3`).
     """
-    import sys
     out = []
     bad = sorted(n for n in thread_names() if n.startswith(FORK_UNSAFE_THREADS))
     if bad:
@@ -116,7 +116,6 @@ def describe_exit(exitcode: int | None) -> str:
     """A process's exit as words: ``"exit code 1"``, ``"exit code -7 (signal SIGBUS)"``."""
     if exitcode is None or exitcode >= 0:
         return f"exit code {exitcode}"
-    import signal
     try:
         name = signal.Signals(-exitcode).name
     except ValueError:

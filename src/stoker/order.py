@@ -25,6 +25,7 @@ Orders:
 """
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -190,13 +191,11 @@ def mean_displacement(plan: np.ndarray, reordered: np.ndarray) -> float:
 
 def pack_bitmap(bits: np.ndarray | None) -> str | None:
     """A bool array as base64 text (None stays None): for JSON-serialisable states."""
-    import base64
     return None if bits is None else base64.b64encode(np.packbits(bits).tobytes()).decode()
 
 
 def unpack_bitmap(text: str | None, n: int) -> np.ndarray | None:
     """Inverse of :func:`pack_bitmap`: a bool array of length ``n`` (None for empty text)."""
-    import base64
     if not text:
         return None
     return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)

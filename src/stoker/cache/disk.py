@@ -273,8 +273,8 @@ class DiskCache(UsageCounters):
         staging = os.path.join(self.root, ".staging")
         if os.path.isdir(staging):
             for d in os.listdir(staging):
-                pid = d.split("-")[0]
-                if pid.isdigit() and not pid_alive(int(pid)):
+                owner = d.split("-")[0]
+                if owner.isdigit() and not pid_alive(int(owner)):
                     shutil.rmtree(os.path.join(staging, d), ignore_errors=True)
         return {"removed_tmp": removed, "used": used}
 
@@ -352,7 +352,7 @@ class DiskCache(UsageCounters):
         if sum(over.values()) < need:
             return None
         if evict:
-            for ns in sorted(over, key=over.get, reverse=True):
+            for ns in sorted(over, key=over.__getitem__, reverse=True):
                 if need <= 0:
                     break
                 freed = used - self._evict(used, min(over[ns], need), namespace=ns)
@@ -387,7 +387,7 @@ class DiskCache(UsageCounters):
         """The one warning of this job that the cache's disk holds less than its budget."""
         def claim() -> bool:
             with self._budget_lock():
-                return space.claim_warning(self._lock_fd, self._owner_pid)
+                return space.claim_warning(self._held_fd(), self._owner_pid)
         space.warn_full(self.root, free, self.capacity_bytes, self._owner_pid, claim, self.keep_free_fraction,
                         self.overflow)
 

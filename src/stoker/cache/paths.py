@@ -21,6 +21,8 @@ import glob
 import logging
 import os
 
+from ..errors import CacheDirError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SCRATCH_CANDIDATES", "NETWORK_FS", "RAM_FS", "default_cache_dir", "check_root_path", "unwritable_root",
@@ -122,7 +124,6 @@ def check_root_path(root: str) -> None:
         probe = parent
     if os.path.exists(probe) and not os.path.isdir(probe):
         what = "is a file" if probe == os.path.abspath(root) else f"cannot be made: {probe} is a file"
-        from ..errors import CacheDirError
         raise CacheDirError(f"cache directory {root} {what}, not a directory: pass a directory "
                             "as cache_dir (or set STOKER_CACHE_DIR)")
 

@@ -29,7 +29,9 @@ import pwd
 import stat
 
 from .._atomic import PRIVATE_FILE_MODE
-from ..errors import UnsafePathError
+from ..errors import CacheModeError, UnsafePathError
+from . import layout
+from .space import is_full
 
 #: Environment variable holding the default cache mode (octal, e.g. ``0640``).
 MODE_ENV = "STOKER_CACHE_MODE"
@@ -172,8 +174,6 @@ def open_root(root: str, file_mode: int) -> None:
 
     Raises :class:`~stoker.errors.CacheModeError` naming ``root`` and both modes,
     :class:`UnsafePathError` naming the path that is not trusted."""
-    from ..errors import CacheModeError
-    from . import layout
     if os.path.lexists(root):
         check_root(root, file_mode)
         st = os.stat(root)
@@ -199,7 +199,6 @@ def open_root(root: str, file_mode: int) -> None:
     try:
         layout.set_recorded_mode(root, file_mode)
     except OSError as exc:  # a full disk: the files have the mode; it is recorded on a later open
-        from .space import is_full
         if not is_full(exc):
             raise
 
@@ -207,7 +206,6 @@ def open_root(root: str, file_mode: int) -> None:
 def _adopt(root: str, file_mode: int) -> None:
     """Give the cache's own files and directories under ``root`` (bookkeeping and marked
     namespaces, :mod:`.layout`) ``file_mode`` / its directory mode; symlinks are skipped."""
-    from . import layout
     own = [os.path.join(root, n) for n in (".lock", ".locks", ".usage", ".jobs", ".staging", layout.ROOT_MARKER)]
     own += [p for _, p in layout.namespace_dirs(root)]
     for top in own:

@@ -32,6 +32,8 @@ from typing import Any
 
 from .._atomic import PRIVATE_FILE_MODE, open_file, write_atomic
 from .._procs import pid_alive
+from .perms import ensure_dir
+from .space import is_full
 
 #: Relative difference under which two datasets' epoch rates count as equal.
 RATE_TIE = 0.10
@@ -106,8 +108,6 @@ class JobRegistry:
         without telling it); None: while the process lives.
         On a full disk (ENOSPC, EDQUOT) the record is left as it was (no temporary file stays):
         the job then reads as an unannounced reader, which the cache holds nothing new for."""
-        from .perms import ensure_dir
-        from .space import is_full
         ensure_dir(self.dir, self.mode)
         pid = os.getpid() if pid is None else pid
         rec = {"namespace": namespace, "pid": pid, "dataset_bytes": int(dataset_bytes),

@@ -16,6 +16,7 @@ from .disk import DiskCache
 from .layout import ROOT_MARKER, foreign_entries, is_cache, namespace_dirs, nested_caches, recorded_mode
 from .perms import dir_mode, fmt, owner_name
 from .policy import share_budget
+from .tiered import default_memory_root
 
 
 def _open(root: str, budget_bytes: int = 0) -> DiskCache:
@@ -38,10 +39,8 @@ def _side_stores(root: str) -> dict[str, str]:
     """The stores that belong to the cache at ``root``: its shared-memory tier and its
     derived-sample store (:mod:`stoker.loader.derived`), where they exist and carry the
     cache marker."""
-    from .catalog import recorded_memory_root
-    from .tiered import default_memory_root
     out = {}
-    memory = recorded_memory_root(root) or default_memory_root(root)  # a memory_dir= is recorded
+    memory = catalog.recorded_memory_root(root) or default_memory_root(root)  # a memory_dir= is recorded
     for name, path in (("memory tier", memory), ("derived samples", os.path.join(root, ".derived"))):
         if os.path.isdir(path) and is_cache(path):
             out[name] = path

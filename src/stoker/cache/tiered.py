@@ -16,8 +16,11 @@ Single-flight locks live in the disk tier, so there is one lock per block for bo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import xxhash
+
+from .catalog import record_memory_root
 from .disk import CacheStats, DiskCache
 from .paths import ram_backed
 
@@ -27,7 +30,6 @@ SHM_KEEP_FREE = 0.25
 
 def default_memory_root(disk_root: str) -> str:
     """``/dev/shm/stoker-cache-<hash of the disk root>``: one memory tier per disk cache."""
-    import xxhash
     tag = xxhash.xxh3_64_hexdigest(os.path.abspath(disk_root).encode())[:12]
     return os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"stoker-cache-{tag}")
 
@@ -38,10 +40,11 @@ class TieredStats(CacheStats):
 
     memory_hits: int = 0
     disk_hits: int = 0
+    tiers: tuple[DiskCache, ...] = field(default=(), repr=False, compare=False)  # not a counter
 
     def snapshot(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "tiers"}
-        for tier in getattr(self, "tiers", ()):  # evictions and damage happen inside the tiers
+        for tier in self.tiers:  # evictions and damage happen inside the tiers
             for k in ("evictions", "evicted_bytes", "corrupt"):
                 out[k] += getattr(tier.stats, k)
         return out
@@ -67,9 +70,7 @@ class TieredCache:
         self.stats = self._new_stats()
 
     def _new_stats(self) -> TieredStats:
-        st = TieredStats()
-        st.tiers = (self.memory, self.disk)
-        return st
+        return TieredStats(tiers=(self.memory, self.disk))
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -139,7 +140,6 @@ class TieredCache:
         """Record the dataset's URL and the disk tier's budget (see :meth:`DiskCache.describe`),
         and where the memory tier is, so that ``stoker cache status`` and ``clear`` find it."""
         self.disk.describe(namespace, url)
-        from .catalog import record_memory_root
         try:
             record_memory_root(self.disk.root, self.memory.root, self.disk.mode)
         except OSError:  # best effort, as the rest of the catalog

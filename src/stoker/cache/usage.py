@@ -19,14 +19,20 @@ class UsageCounters:
 
     root: str
     mode: int
-    _lock_fd: int
+    _lock_fd: int | None  # the budget lock file while the lock is held, else None
 
     def _entries(self):  # provided by the cache
         raise NotImplementedError
 
+    def _held_fd(self) -> int:
+        """The budget lock file's descriptor. Raises RuntimeError when the lock is not held."""
+        if self._lock_fd is None:
+            raise RuntimeError(f"cache {self.root}: the usage counters are used without the budget lock")
+        return self._lock_fd
+
     def _read_used(self) -> int:
         """Bytes in use; caller holds the budget lock. A new or damaged counter is recounted."""
-        raw = os.pread(self._lock_fd, 8, 0)
+        raw = os.pread(self._held_fd(), 8, 0)
         if len(raw) != 8:
             used = self._scan_used()
             try:
@@ -39,8 +45,9 @@ class UsageCounters:
 
     def _write_used(self, used: int) -> None:
         # 16 bytes: the counter and the full-disk warning slot share one page from the start
-        raw = os.pread(self._lock_fd, 16, 0)
-        os.pwrite(self._lock_fd, struct.pack("<q", max(0, int(used))) + (raw[8:16] if len(raw) == 16 else bytes(8)), 0)
+        fd = self._held_fd()
+        raw = os.pread(fd, 16, 0)
+        os.pwrite(fd, struct.pack("<q", max(0, int(used))) + (raw[8:16] if len(raw) == 16 else bytes(8)), 0)
 
     # Bytes per namespace (dataset content version) in .usage/<namespace>, 8 bytes each,
     # changed only under the budget lock together with the total.

@@ -21,7 +21,10 @@ import importlib.metadata
 import logging
 import os
 import sys
+import tarfile
 
+from ..cache.perms import MODE_ENV
+from ..errors import StokerError
 from . import cache, cluster, data, top
 from .args import mode_arg
 from .args import storage_errors as _storage_errors
@@ -68,12 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; expected failures (bad input, storage errors) print one line, exit 2;
     Ctrl-C prints one line, exit 130."""
-    import tarfile
-
-    from ..errors import StokerError
     args = build_parser().parse_args(argv)
     if args.cache_mode:
-        from ..cache.perms import MODE_ENV
         os.environ[MODE_ENV] = args.cache_mode
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

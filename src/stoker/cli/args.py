@@ -6,6 +6,7 @@ import json
 import sys
 
 from .._units import parse_size
+from ..cache.perms import parse_mode
 
 
 def size_arg(text: str) -> int:
@@ -22,7 +23,6 @@ def size_arg(text: str) -> int:
 def mode_arg(text: str) -> str:
     """argparse type for ``--cache-mode`` (an octal file mode such as ``0600`` or ``0640``),
     checked by :func:`stoker.cache.perms.parse_mode`; returned as 4-digit octal text."""
-    from ..cache.perms import parse_mode
     try:
         return f"{parse_mode(text):04o}"
     except ValueError as exc:
@@ -76,7 +76,6 @@ class OptionsFlag(argparse.Action):
     error messages), and prints one deprecation line on stderr when an old spelling is used."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        import sys
         setattr(namespace, self.dest, values)
         setattr(namespace, f"{self.dest.split('_')[0]}_flag", option_string or self.option_strings[0])
         if option_string and option_string != self.option_strings[0]:

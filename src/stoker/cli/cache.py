@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from .._units import format_size
+from ..cache.status import clear, status
 from .args import size_arg
 
 
@@ -54,7 +55,6 @@ def _print_budget(st: dict) -> None:
 
 def cmd_status(a) -> int:
     """``stoker cache status DIR``: usage per dataset, live jobs, the budget split (text or ``--json``)."""
-    from ..cache.status import status
     st = status(a.dir, a.budget)
     if a.json:
         print(json.dumps(st, indent=2))
@@ -65,7 +65,6 @@ def cmd_status(a) -> int:
 
 def cmd_clear(a) -> int:
     """``stoker cache clear DIR``: prints the bytes freed."""
-    from ..cache.status import clear
     freed = clear(a.dir, a.namespace)
     print(f"freed {freed:,} bytes")
     return 0

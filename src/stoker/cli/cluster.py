@@ -7,12 +7,17 @@ no Ray at all, and can run beside kube-scheduler).
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
+import threading
 import time
 
-from ..cluster.extender import MAX_BODY_BYTES
-from ..cluster.extender_live import REFRESH_EVERY_S, REFRESH_TIMEOUT_S
+from .._atomic import umask_mode, write_atomic
+from ..cluster.extender import MAX_BODY_BYTES, file_state, serve
+from ..cluster.extender_live import REFRESH_EVERY_S, REFRESH_TIMEOUT_S, live_state
 from ..cluster.freshness import MAX_AGE_S
+from ..metrics import metrics_port_from_env, serve_extender_metrics
 from .args import show_progress, size_arg
 
 
@@ -21,7 +26,7 @@ def _ray_init(address: str | None):
     import ray
     if not ray.is_initialized():
         try:
-            ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+            ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
         except ConnectionError as exc:
             raise ValueError(f"no Ray cluster at {address or 'auto'} ({exc}); start one with `ray start --head`, "
                              "or pass --ray-address local to run one inside this command") from None
@@ -35,7 +40,7 @@ def cmd_warm(a) -> int:
     partial (budget too small, shards that failed, a node whose cache service is down: named with
     the reason; running it again fetches only what is missing).
     """
-    from ..cluster.warmup import warm
+    from ..cluster.warmup import warm  # imports ray: the cluster extra
     _ray_init(a.ray_address)
     r = warm(a.url, json.loads(a.storage_options) if a.storage_options else None, cache_root=a.cache_dir,
              cache_bytes=a.cache_size, block_bytes=a.block_size, progress=show_progress(a), detached=True,
@@ -70,8 +75,6 @@ def _give_up_after(seconds: float, what: str) -> None:
     """End this process with exit code 124 (as coreutils ``timeout`` does) after ``seconds``,
     from a daemon thread: it fires even while the main thread waits inside Ray for a cluster
     that is not there, and even when the parent that would have stopped this process is gone."""
-    import os
-    import threading
 
     def fire():
         try:
@@ -85,7 +88,7 @@ def _give_up_after(seconds: float, what: str) -> None:
 
 def cmd_state(a) -> int:
     """``stoker cluster-state``: what every node caches, as JSON (written atomically with ``--out``)."""
-    from ..cluster.warmup import cluster_state
+    from ..cluster.warmup import cluster_state  # imports ray: the cluster extra
     if a.timeout:
         _give_up_after(a.timeout, "stoker cluster-state")
     _ray_init(a.ray_address)
@@ -93,7 +96,6 @@ def cmd_state(a) -> int:
                           block_bytes=a.block_size)
     text = json.dumps(state, indent=2)
     if a.out:
-        from .._atomic import umask_mode, write_atomic
         write_atomic(a.out, text.encode(), mode=umask_mode())  # the extender never reads half a file
     else:
         print(text)
@@ -102,17 +104,14 @@ def cmd_state(a) -> int:
 
 def cmd_extender(a) -> int:
     """``stoker extender``: serve the kube-scheduler extender until interrupted; exit 0 on Ctrl-C."""
-    from ..cluster.extender import file_state, serve
     if bool(a.state) == bool(a.dataset):
         raise ValueError("give either --state FILE or --dataset URL (with Ray)")
     if a.state:
         state = file_state(a.state)
         state()  # fail now, not at the first request, on a missing or bad file
     else:  # this process never joins Ray: Ray ends a driver whose cluster has gone (see extender_live)
-        from ..cluster.extender_live import live_state
         state = live_state(a.dataset, a.ray_address, json.loads(a.storage_options) if a.storage_options else None,
                            block_bytes=a.block_size, every_s=a.refresh_every, timeout_s=a.refresh_timeout)
-    from ..metrics import metrics_port_from_env, serve_extender_metrics
     metrics_port = a.metrics_port if a.metrics_port is not None else metrics_port_from_env()
     if metrics_port is not None:  # before serving: no request goes uncounted
         metrics_port = serve_extender_metrics(metrics_port, a.metrics_addr)

@@ -4,13 +4,17 @@ from __future__ import annotations
 import json
 import sys
 
+from ..store.dataset import open_dataset
+from ..store.directory import SampleDirectory
+from ..store.listing import ls, stat
+from ..store.pack import finished_shards, pack
+from ..store.verify import verify
 from .args import OptionsFlag, json_options, show_progress, size_arg
 
 
 def cmd_pack(a) -> int:
     """``stoker pack SRC DST``: the pack report as JSON. Ctrl-C: one line saying how many shards
     are finished (a rerun reuses them), exit 130."""
-    from ..store.pack import pack
     if a.shard_size < 1:
         raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
     both = json_options(a.storage_options)
@@ -23,7 +27,6 @@ def cmd_pack(a) -> int:
                  shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes,
                  column=a.column, key_column=a.key_column)
     except KeyboardInterrupt:
-        from ..store.pack import finished_shards
         n = finished_shards(a.dst, dst_opts)
         print(f"\nstoker pack: interrupted: {n} shard{'' if n == 1 else 's'} of {a.dst} finished and kept, "
               "no index written; run the same command again to resume (finished shards are reused)",
@@ -34,15 +37,12 @@ def cmd_pack(a) -> int:
 
 
 def _open_directory(a):
-    from ..store.dataset import open_dataset
-    from ..store.directory import SampleDirectory
     ds = open_dataset(a.url, cache=False, check=False, storage_options=json_options(a.storage_options))
     return SampleDirectory(ds.index)
 
 
 def cmd_ls(a) -> int:
     """``stoker ls URL [PREFIX]``: exit 2 when PREFIX names nothing."""
-    from ..store.listing import ls
     d = _open_directory(a)
     try:
         lines = ls(d, a.prefix or "", None if a.limit <= 0 else a.limit)
@@ -56,7 +56,6 @@ def cmd_ls(a) -> int:
 
 def cmd_stat(a) -> int:
     """``stoker stat URL``: the summary as text, or as JSON with ``--json``."""
-    from ..store.listing import stat
     d = _open_directory(a)
     if a.json:
         print(json.dumps({"url": a.url, **d.summary(), "class_names": list(d.index.classes)}, indent=2))
@@ -68,7 +67,6 @@ def cmd_stat(a) -> int:
 
 def cmd_verify(a) -> int:
     """``stoker verify URL``: exit 0 when every shard and sample checks out, 1 otherwise."""
-    from ..store.verify import verify
     r = verify(a.url, json_options(a.storage_options), a.workers, progress=show_progress(a))
     if a.json:
         print(json.dumps(r.as_dict(), indent=2))

@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from ..cache.layout import namespace_dirs
+from ..cache.status import status, tree_bytes
 from .args import size_arg
 
 
@@ -34,8 +36,6 @@ def _live_records(root: str, pid: int, namespace: str) -> list[dict]:
 
 def _memory_usage(path: str) -> dict[str, int]:
     """{dataset version: bytes} the memory tier at ``path`` holds."""
-    from ..cache.layout import namespace_dirs
-    from ..cache.status import tree_bytes
     return {ns: tree_bytes(d) for ns, d in namespace_dirs(path)}
 
 
@@ -68,7 +68,6 @@ def snapshot(root: str, budget_bytes: int | None = None) -> dict:
     ``caches`` for ``root`` and one for each cache directly below it. Raises what
     :func:`stoker.cache.status.status` raises (FileNotFoundError, NotACacheError).
     """
-    from ..cache.status import status
     st = status(root, budget_bytes)
     now = time.time()
     caches = []

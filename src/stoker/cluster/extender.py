@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import threading
+from typing import Any
 
 from ..errors import ExtenderRequestError
 from .freshness import MAX_AGE_S, check_time, is_stale, state_age_s
@@ -105,7 +106,7 @@ def file_state(path: str):
     given the file's modification time (see :mod:`stoker.cluster.freshness`). Raises OSError on a
     missing file, ValueError (naming
     ``path`` and the entry) on a file that is not JSON or not of that form (:func:`check_state`)."""
-    box = {"mtime": None, "state": None}
+    box: dict[str, Any] = {"mtime": None, "state": None}  # the file's (mtime_ns, size, inode) and state
     lock = threading.Lock()
 
     def get() -> dict:
@@ -159,15 +160,15 @@ def parse_args(args) -> tuple[dict, list[str], list | None]:
                 raise BadRequest(f"Nodes.items[{k}].metadata.name must be a non-empty string, got {_kind(name)}")
             names.append(name)
         return ann, names, items
-    names = args.get("NodeNames")
-    if names is None:
+    given = args.get("NodeNames")
+    if given is None:
         return ann, [], None
-    if not isinstance(names, list):
-        raise BadRequest(f"NodeNames must be an array or null, got {_kind(names)}")
-    for k, name in enumerate(names):
+    if not isinstance(given, list):
+        raise BadRequest(f"NodeNames must be an array or null, got {_kind(given)}")
+    for k, name in enumerate(given):
         if not isinstance(name, str) or not name:
             raise BadRequest(f"NodeNames[{k}] must be a non-empty string, got {_kind(name)}")
-    return ann, list(names), None
+    return ann, list(given), None
 
 
 def scores(dataset: str | None, names: list[str], state: dict) -> dict[str, int]:
@@ -204,7 +205,7 @@ def filter_nodes(args: dict, state: dict, max_age_s: float | None = None) -> dic
         have = state.get("nodes", {})
         failed = {n: f"no stoker cache service on node {n}" for n in names if n not in have}
     keep = [n for n in names if n not in failed]
-    out = {"FailedNodes": failed, "FailedAndUnresolvableNodes": {}, "Error": ""}
+    out: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": {}, "Error": ""}
     if items is not None:
         out["Nodes"] = {"items": [it for it, n in zip(items, names) if n not in failed]}
         out["NodeNames"] = None

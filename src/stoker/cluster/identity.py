@@ -58,7 +58,8 @@ class NodeCacheClaim:
     The slot is held until :meth:`release` or until the process ends."""
 
     def __init__(self, path: str, key: str, fd: int):
-        self.path, self.key, self._fd = path, key, fd
+        self.path, self.key = path, key
+        self._fd: int | None = fd  # None once released
 
     def release(self) -> None:
         """Give the slot up (closing the lock file drops the lock)."""

@@ -18,6 +18,7 @@ import threading
 import time
 
 import ray
+from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ..errors import CapacityError
@@ -56,7 +57,6 @@ def reserve(rank_nodes: list[str], request: dict[str, float], timeout_s: float, 
     """
     if not request:
         return None
-    from ray.util import placement_group, remove_placement_group
     pg = placement_group([dict(request) for _ in rank_nodes], strategy="PACK",
                          bundle_label_selector=[{NODE_ID_LABEL: n} for n in rank_nodes])
     try:
@@ -78,7 +78,6 @@ def release(pg) -> None:
     if pg is None:
         return
     try:
-        from ray.util import remove_placement_group
         remove_placement_group(pg)
     except Exception as exc:  # noqa: BLE001 - Ray shut down: the group went with it
         log.debug("placement group not removed: %s", exc)

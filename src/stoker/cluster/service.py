@@ -22,12 +22,19 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .._units import parse_size
+from ..cache import DiskCache
 from ..errors import ServiceStartError
-from .registration import lease
+from ..loader.inflight import InflightGate, InflightTarget
+from ..metrics import ServiceMetrics
+from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
+from .identity import claim_cache_dir
+from .registration import LEASE_S, lease
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,6 @@ class CacheService:
 
     def __init__(self, node_id: str, cache_root: str, cache_bytes: int, memory_bytes: int = 0,
                  node_name: str | None = None, lease_s: float | None = None):
-        from .identity import claim_cache_dir
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
             raise RuntimeError(f"cache service for node {node_id} started on node {here}")
@@ -69,15 +75,13 @@ class CacheService:
         self.node_id, self.cache_dir, self.cache_key = node_id, self._claim.path, self._claim.key
         self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
         self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
-        from .registration import LEASE_S
         self.lease_s = LEASE_S if lease_s is None else float(lease_s)
         self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
         self._holders: dict[str, set] = {}  # dataset version -> tokens of the running jobs that announced it
         self._datasets: dict = {}
-        self._claims: dict[str, list] = {}
+        self._claims: dict[str, dict[str, list[str]]] = {}  # version -> {"members": [...], "known": [...]}
         self._gates: dict = {}  # dataset url -> InflightGate shared by its fills
         self._lock = threading.Lock()
-        from ..metrics import ServiceMetrics
         self._metrics = ServiceMetrics(self.node_name)  # Ray's metrics export (stoker.metrics)
 
     # -- datasets ---------------------------------------------------------
@@ -89,7 +93,6 @@ class CacheService:
         key = (url, version, dref["block_bytes"])
         ds = self._datasets.get(key)
         if ds is None:
-            from ..store.dataset import open_dataset
             with self._lock:
                 ds = self._datasets.get(key)
                 if ds is None:
@@ -165,9 +168,9 @@ class CacheService:
         ds = self._open(dref)
         self._renew(ds)
         version = ds.version
-        out = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0, "errors": {}}
+        out: dict[str, Any] = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0,
+                               "errors": {}}
 
-        from ..loader.inflight import InflightGate, InflightTarget
         with self._lock:
             gate = self._gates.get(ds.url)
             if gate is None or gate.target.floor != max(1, int(concurrency)):
@@ -270,11 +273,12 @@ class CacheService:
 
 
 def _used_bytes(cache_dir: str, capacity: int) -> int:
-    from ..cache import DiskCache
     return DiskCache(cache_dir, capacity).used_bytes()
 
 
-_Remote = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(CacheService)
+# ray's typed overloads of remote() take the task options only, not an actor's (max_concurrency, max_restarts)
+_Remote = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY,  # type: ignore[call-overload]
+                     max_restarts=-1)(CacheService)
 
 
 def alive_nodes() -> list[dict]:
@@ -368,7 +372,7 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
     """The cache services that answer now: ``{node id: info()}``, sorted by node id. A service
     that is dead or restarting is left out (it rejoins when it answers again)."""
     found = {}
-    refs = {}
+    refs: dict[str, ray.ObjectRef] = {}
     for node in alive_nodes():
         try:
             h = ray.get_actor(service_name(node["NodeID"]), namespace=NAMESPACE)
@@ -421,8 +425,6 @@ def prepare(url: str, storage_options: dict | None, cache_root: str | None, cach
     budget above 0; RuntimeError
     when no service answers; a service that cannot start raises as in :func:`start_services`,
     or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out."""
-    from .._units import parse_size
-    from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
     opts = dict(storage_options or {})
     budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
     budget = ({nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()} if isinstance(budget, dict)

@@ -14,7 +14,10 @@ import time
 
 import numpy as np
 import ray
+from tqdm import tqdm
 
+from ..store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
+from .freshness import refreshing
 from .placement import bytes_per_node, place_dataset
 from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_members
 from .records import call as _call
@@ -77,7 +80,6 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
                   for k in range(0, int((owner == i).sum()), chunk_blocks)] for i in range(len(members))}
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
     fills = _Fills(ds, dref, members, queues, concurrency, bar,
                    FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s))
@@ -252,11 +254,11 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
     "datasets": {url: bytes}}}}`` (``time``: when it was gathered, so that a reader can tell how
     old it is). Needs ``ray.init()``; only services that answer within ``timeout_s`` seconds are
     listed."""
-    from ..store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
     opts = dict(storage_options or {})
     t = time.time()
     services = find_services(timeout_s)
-    out = {"time": t, "nodes": {}}
+    nodes: dict[str, dict] = {}
+    out = {"time": t, "nodes": nodes}
     refs = {u: dataset_ref(open_dataset(u, storage_options=opts, cache=False, check=False,
                                         block_bytes=block_bytes or DEFAULT_BLOCK_BYTES), opts) for u in urls}
     for nid, info in services.items():
@@ -264,12 +266,11 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
         try:
             got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls], timeout=timeout_s)
         except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
-            import logging
-            logging.getLogger(__name__).warning("cache service on node %s did not answer: %s", nid, exc)
+            log.warning("cache service on node %s did not answer: %s", nid, exc)
             continue
-        out["nodes"][info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
-                                           "used_bytes": info["used_bytes"],
-                                           "datasets": {u: int(b) for u, b in zip(urls, got)}}
+        nodes[info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
+                                    "used_bytes": info["used_bytes"],
+                                    "datasets": {u: int(b) for u, b in zip(urls, got)}}
     return out
 
 
@@ -280,5 +281,4 @@ def ray_state(urls: list[str], storage_options: dict | None = None, block_bytes:
     background thread (:func:`stoker.cluster.freshness.refreshing`): a request never waits for
     Ray. When the services cannot be reached (the error is logged) it answers with the last state
     it had, whose ``"time"`` then ages until the extender stops trusting it (``max_age_s``)."""
-    from .freshness import refreshing
     return refreshing(lambda: cluster_state(urls, storage_options, block_bytes, timeout_s=timeout_s), ttl_s)

@@ -140,8 +140,8 @@ class GpuJpegDecoder:
             DecodeError: a sample neither the GPU nor the CPU path reads (names its key).
         """
         out: list[torch.Tensor | None] = [None] * len(datas)
-        sizes = [gpu_eligible(d, self.max_pixels) for d in datas]
-        todo = [i for i, s in enumerate(sizes) if s is not None]
+        sizes = {i: hw for i, d in enumerate(datas) if (hw := gpu_eligible(d, self.max_pixels)) is not None}
+        todo = list(sizes)  # the samples the GPU decodes; the rest (and its failures) go to the CPU
         if todo:
             try:
                 got = list(self._decode_fn([datas[i] for i in todo]))
@@ -161,7 +161,7 @@ class GpuJpegDecoder:
                 self.stats.gpu += 1
         for i, t in enumerate(out):
             if t is None:
-                if sizes[i] is None:
+                if i not in sizes:
                     self.stats.screened += 1
                 try:
                     out[i] = self._cpu(datas[i], keys[i])
@@ -194,10 +194,13 @@ class GpuJpegDecoder:
             ``(N, 3, size, size)`` uint8 on the device.
 
         Raises:
-            ValueError: unknown ``mode``, or eval with ``size > resize``.
+            ValueError: unknown ``mode``, train without ``rngs``, or eval with ``size > resize``.
         """
         if mode not in ("train", "eval"):
             raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+        if mode == "train" and rngs is None:
+            raise ValueError("mode='train' needs rngs (one numpy Generator per image)")
+        draws = rngs or []
         resize = eval_resize_for(size) if resize is None else resize
         if mode == "eval" and size > resize:
             raise ValueError(f"crop size {size} larger than resize {resize}")
@@ -205,8 +208,8 @@ class GpuJpegDecoder:
         for j, img in enumerate(imgs):
             H, W = int(img.shape[1]), int(img.shape[2])
             if mode == "train":
-                top, left, h, w = random_resized_crop_params(H, W, rngs[j])
-                flip = bool(rngs[j].random() < 0.5)
+                top, left, h, w = random_resized_crop_params(H, W, draws[j])
+                flip = bool(draws[j].random() < 0.5)
                 out[j] = _resample(img[:, top:top + h, left:left + w], size, size, flip)
             else:
                 nh, nw = resized_hw(H, W, resize)

@@ -40,7 +40,7 @@ from ..errors import DecodeError, ImageTooLarge  # noqa: F401 - re-exported
 try:  # stoker's optional C extension (setup.py); absent when built without libjpeg headers
     from . import _jpegroi
 except ImportError:  # pragma: no cover - depends on the build machine
-    _jpegroi = None
+    _jpegroi = None  # type: ignore[assignment]  # optional: the functions below check for None
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -150,7 +150,7 @@ def _pillow_decode(data, key: str, exif_orientation: bool, max_pixels: int) -> n
             # Our own max_pixels check below replaces Pillow's bomb *warning*; Pillow's bomb
             # *error* (above 2 * Image.MAX_IMAGE_PIXELS) still applies and is mapped below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
+            im: Image.Image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(key, f"Pillow decompression-bomb limit: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - UnidentifiedImageError, SyntaxError, struct.error...

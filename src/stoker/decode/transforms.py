@@ -263,11 +263,11 @@ def decode_transform(
             hw = jpeg_region_size(data, key, max_pixels)
             if hw is not None:
                 return _train_from_region(data, key, hw, rng, size, out, max_pixels)
-    elif mode != "eval":
+        img = decode_image(data, key, exif_orientation=exif_orientation, max_pixels=max_pixels)
+        return train_transform(img, rng, size, out)
+    if mode != "eval":
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
     img = decode_image(data, key, exif_orientation=exif_orientation, max_pixels=max_pixels)
-    if mode == "train":
-        return train_transform(img, rng, size, out)
     return eval_transform(img, size, eval_resize_for(size) if resize is None else resize, out)
 
 

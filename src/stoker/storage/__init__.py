@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # 
 from .retry import (BACKOFF_CAP_S, BUGS, UNREACHABLE_BUDGET_S, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
                     DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
                     SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
+from ._native_s3 import NativeS3Reader
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +47,9 @@ def _forget_inherited_sessions() -> None:
     "attached to a different loop" noise (or worse, touches the parent's sockets). The
     parent still owns and closes them.
     """
-    import weakref
     try:
-        for fin, info in list(weakref.finalize._registry.items()):  # noqa: SLF001
+        # finalize._registry is a CPython internal that typeshed leaves out
+        for fin, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]  # noqa: SLF001
             if getattr(info.func, "__name__", "") == "close_session":
                 owner = info.weakref()
                 if owner is not None:
@@ -163,7 +165,6 @@ class Origin:
         missing, ``STOKER_NATIVE_S3=0``, or a setting obstore cannot take, which is logged once)."""
         if os.environ.get("STOKER_NATIVE_S3", "1") == "0":
             return False
-        from ._native_s3 import NativeS3Reader
         self._native = NativeS3Reader.create(self.url, self.storage_options)
         return self._native is not None
 
@@ -204,20 +205,22 @@ class Origin:
         name; ``start``/``end``: the byte range, if any. Raises :class:`OriginError`
         (``OriginNotFoundError`` / ``OriginPermissionError`` for 404 / 403) naming ``what``, the
         range and the S3 code."""
+        budget_s = self.retry_budget_s
+        assert budget_s is not None  # resolved to seconds by __post_init__
         t0 = time.monotonic()
-        deadline = t0 + self.retry_budget_s
+        deadline = t0 + budget_s
         ambient = getattr(_AMBIENT, "deadline", None)
         if ambient is not None:
             deadline = min(deadline, ambient)
         attempt = 0
-        cap_s = min(BACKOFF_CAP_S, max(self.backoff_s, self.retry_budget_s / 4))  # several tries per budget
+        cap_s = min(BACKOFF_CAP_S, max(self.backoff_s, budget_s / 4))  # several tries per budget
         last: tuple[BaseException, Failure] | None = None
         while True:
             go, probe = self.backoff.wait_turn(deadline, first=attempt == 0)
             if not go:  # the origin throttled all along (or the process is stopping)
                 exc, failure = last if last else (None, self.backoff.last or Failure(retry=True))
                 why = ("cancelled: the reading process is stopping" if self.backoff.cancelled else
-                       f"the origin kept throttling; retry budget {self.retry_budget_s:g} s spent")
+                       f"the origin kept throttling; retry budget {budget_s:g} s spent")
                 raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
             attempt += 1
             sent_at = time.monotonic()
@@ -239,14 +242,14 @@ class Origin:
                 if now >= deadline or (self.attempts is not None and attempt >= self.attempts):
                     why = (f"the origin was never reached: check the URL, host and port (gave up after "
                            f"{UNREACHABLE_BUDGET_S:g} s)" if failure.unreachable and not self.reached
-                           else f"retry budget {self.retry_budget_s:g} s spent")
+                           else f"retry budget {budget_s:g} s spent")
                     raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
                 self.counters.retries += 1
                 # the first retry of an operation and one every 5 s of retrying are warnings, the rest debug
                 level = logging.WARNING if attempt == 1 or int((now - t0) / 5) > int((sent_at - t0) / 5) \
                     else logging.DEBUG
                 log.log(level, "retrying %s (attempt %d, %.1f of %g s): %s", what, attempt, now - t0,
-                        self.retry_budget_s, _describe(exc, failure))
+                        budget_s, _describe(exc, failure))
                 if not failure.throttled:  # throttling: wait_turn holds every thread back instead
                     wait_s = failure.retry_after_s
                     if wait_s is None:

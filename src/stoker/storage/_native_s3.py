@@ -32,6 +32,9 @@ from __future__ import annotations
 import logging
 import os
 
+from ._s3_config import note_fallback, resolve
+from .retry import Failure, http_details
+
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeS3Reader"]
@@ -70,7 +73,6 @@ class NativeS3Reader:
             from obstore.store import S3Store
         except ImportError:
             return None
-        from ._s3_config import note_fallback, resolve
         bucket = rest.split("/", 1)[0]
         kw, reason = resolve(bucket, storage_options)
         if kw is None:
@@ -110,7 +112,6 @@ class NativeS3Reader:
     def _message(self, key: str, exc: BaseException) -> str:
         """``s3://bucket/key: <S3 code> (HTTP <status>): <obstore's first line>``; obstore's
         messages carry a multi-line debug dump, of which the first line is kept."""
-        from .retry import Failure, http_details
         status, code, _ = http_details(exc)
         label = Failure(retry=False, status=status, code=code).label()
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 from urllib.parse import urlsplit, urlunsplit
+
+from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,6 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
                 return None, "botocore found no AWS credentials"
     except botocore.exceptions.BotoCoreError as exc:
         return None, f"botocore cannot read the AWS configuration: {exc}"
-    from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
     try:
         read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
         connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
@@ -154,7 +156,6 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
 
 
 def _env_endpoint() -> bool:
-    import os
     return bool(os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3"))
 
 

@@ -23,7 +23,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 #: Seconds one read keeps retrying before :class:`stoker.storage.OriginError` (S3 re-partitions a
 #: throttled prefix within seconds to minutes; 30 s rides out short outages without hanging a job).
@@ -99,8 +101,8 @@ class Failure:
         return self.code or (f"HTTP {self.status}" if self.status else "")
 
 
-def _chain(exc: BaseException, depth: int = 8):
-    seen = set()
+def _chain(exc: BaseException | None, depth: int = 8) -> Iterator[BaseException]:
+    seen: set[int] = set()
     while exc is not None and id(exc) not in seen and len(seen) < depth:
         seen.add(id(exc))
         yield exc
@@ -116,7 +118,6 @@ def _retry_after_s(value) -> float | None:
     except (TypeError, ValueError):
         pass
     try:
-        from email.utils import parsedate_to_datetime
         return max(0.0, parsedate_to_datetime(str(value)).timestamp() - time.time())
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
@@ -187,18 +188,21 @@ def resolve_retry_budget_s(value: float | None) -> float:
     :data:`DEFAULT_RETRY_BUDGET_S`. Raises ValueError (naming the setting) for a negative,
     non-finite or non-numeric value; 0 means a single try."""
     source = "retry_budget_s"
-    if value is None:
+    given: float | str
+    if value is not None:
+        given = value
+    else:
         env = os.environ.get(RETRY_BUDGET_ENV)
         if env is None or not env.strip():
             return DEFAULT_RETRY_BUDGET_S
         source = f"${RETRY_BUDGET_ENV}"
-        value = env
+        given = env
     try:
-        budget_s = float(value)
+        budget_s = float(given)
     except (TypeError, ValueError):
-        raise ValueError(f"{source} must be a number of seconds, got {value!r}") from None
+        raise ValueError(f"{source} must be a number of seconds, got {given!r}") from None
     if not 0.0 <= budget_s < float("inf"):
-        raise ValueError(f"{source} must be >= 0 and finite (seconds), got {value!r}")
+        raise ValueError(f"{source} must be >= 0 and finite (seconds), got {given!r}")
     return budget_s
 
 

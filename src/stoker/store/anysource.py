@@ -24,6 +24,8 @@ import json
 import posixpath
 from collections.abc import Iterator
 
+import pyarrow.parquet as pq
+
 from ..errors import SourceError, SourceNotFoundError
 from ..storage import Origin
 from .sources import StreamSample, check_utf8, is_ignored_name, ordered_map
@@ -122,7 +124,6 @@ def iter_parquet(origin: Origin, column: str, key_column: str | None = None,
             its struct holds no bytes (only a path), naming the file, row and key.
         FileNotFoundError: no Parquet file at ``origin``.
     """
-    import pyarrow.parquet as pq
     fs = origin.fs
     for path in _parquet_files(origin):
         where = f"{fs.unstrip_protocol(path)}" if hasattr(fs, "unstrip_protocol") else path

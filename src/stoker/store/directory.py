@@ -40,7 +40,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .index import DatasetIndex, IndexFormatError
+from ..errors import IndexFormatError
+from .index import DatasetIndex
 
 __all__ = ["SampleDirectory", "SampleRecord", "hash_keys"]
 
@@ -80,7 +81,7 @@ class SampleDirectory:
     def __init__(self, index: DatasetIndex):
         self.index = index
         self.keys, self._offsets, self._data = _string_buffers(index.keys)
-        self._mv = memoryview(self._data)
+        self._mv = self._data.data  # a memoryview of the uint8 buffer
         n = len(self.keys)
         if n != len(index):
             raise IndexFormatError(f"the index has {n} keys for {len(index)} samples")
@@ -117,7 +118,7 @@ class SampleDirectory:
     def __setstate__(self, state):
         self.__dict__.update(state)
         _, self._offsets, self._data = _string_buffers(self.keys)
-        self._mv = memoryview(self._data)
+        self._mv = self._data.data  # a memoryview of the uint8 buffer
         self._table, self._lock, self._listing_cache = None, threading.Lock(), OrderedDict()
 
     @property
@@ -338,7 +339,7 @@ class SampleDirectory:
             raise KeyError(f"no directory {prefix!r}: no key starts with {d!r}")
         kb = self._ranked_bytes
         lp = len(db)
-        out = []
+        out: list[tuple[str, bool, int, int]] = []
         pos = start
         while pos < stop and (limit is None or len(out) < limit):
             k = kb(pos)

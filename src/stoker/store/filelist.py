@@ -72,7 +72,8 @@ def read_file_list(origin: Origin) -> FileList:
     base = where.rsplit("/", 1)[0] if "/" in where else "."
     proto = origin.fs.protocol if isinstance(origin.fs.protocol, str) else origin.fs.protocol[0]
     local = proto in ("file", "local")
-    urls, out_keys, fields, seen = [], [], [], {}
+    urls, out_keys, fields = [], [], []
+    seen: dict[str, int] = {}  # key -> row
     for row, (p, k) in enumerate(zip(paths, keys)):
         if "://" in p:
             url = p

@@ -3,10 +3,12 @@ from the pyarrow string buffers (no Python loop over samples), and the sorted ha
 answers key -> id lookups (each hit checked against the key bytes)."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
-from .index import IndexFormatError
+from ..errors import IndexFormatError
 
 # splitmix64 / murmur-style odd multipliers
 _K0 = np.uint64(0x9E3779B97F4A7C15)
@@ -25,6 +27,7 @@ def _string_buffers(keys: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     """
     if isinstance(keys, pa.ChunkedArray):
         keys = keys.combine_chunks()
+    off_type: type[np.signedinteger[Any]]
     if pa.types.is_large_string(keys.type) or pa.types.is_large_binary(keys.type):
         off_type = np.int64
     elif pa.types.is_string(keys.type) or pa.types.is_binary(keys.type):

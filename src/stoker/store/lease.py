@@ -43,7 +43,7 @@ import fsspec.asyn
 
 from .._atomic import umask_mode, write_atomic
 from .._procs import pid_alive
-from ..errors import PackLeaseError, PackLeaseLostError  # noqa: F401 - re-exported
+from ..errors import OriginError, OriginNotFoundError, OriginPermissionError, PackLeaseError, PackLeaseLostError
 from ..storage import Origin
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,6 @@ class _S3:
         """One S3 call on the lease object. Raises _Conflict for a failed condition (412/409),
         else :class:`stoker.OriginError` (``OriginNotFoundError`` for a missing bucket or object,
         ``OriginPermissionError`` for a denial) naming the lease object's URL."""
-        from ..errors import OriginError, OriginNotFoundError, OriginPermissionError
         url = f"s3://{self.bucket}/{self.key}"
         try:
             return self.fs.call_s3(op, Bucket=self.bucket, Key=self.key, **kw)
@@ -235,7 +234,7 @@ class PackLease:
         self.run = uuid.uuid4().hex
         self.started_unix = time.time()
         self._io = _backend(dest)
-        self._token = None
+        self._token: object = None  # the store's version of the lease object (S3: its ETag)
         self._lost: str | None = None
         self._renewed_mono = time.monotonic()
         self._lock = threading.Lock()

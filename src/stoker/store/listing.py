@@ -1,6 +1,8 @@
 """What `stoker ls` and `stoker stat` print (the commands themselves are in :mod:`stoker.cli.data`)."""
 from __future__ import annotations
 
+import numpy as np
+
 from .._units import format_size
 from .directory import SampleDirectory
 
@@ -61,7 +63,6 @@ def _count(n: int) -> str:
 
 def _empty_classes(directory: SampleDirectory, listed: set[str]) -> list[str]:
     """Root lines for the classes of the class list that no sample has (label counts 0)."""
-    import numpy as np
     classes = directory.index.classes
     if not classes:
         return []

@@ -74,7 +74,9 @@ class PackResult:
 
 def plan_shards(files: list[SourceFile], shard_bytes: int) -> list[list[SourceFile]]:
     """Greedy split of the sorted files into shards of about ``shard_bytes`` (at least one sample each)."""
-    shards, cur, cur_bytes = [], [], 0
+    shards: list[list[SourceFile]] = []
+    cur: list[SourceFile] = []
+    cur_bytes = 0
     for f in files:
         est = estimate_member_bytes(f.key, f.field, f.size)
         if cur and cur_bytes + est > shard_bytes:
@@ -419,7 +421,8 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
         samples = iter_file_list(fl, order, src_options, read_workers)
         total = len(fl)
     bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
-    shard_table, rows, raw_labels, seen = [], [], [], {}
+    shard_table, rows, raw_labels = [], [], []
+    seen: dict[str, str] = {}  # key -> where it came from
     raw_keys: list[str] = []
     reused = 0
     pending = None
@@ -441,7 +444,8 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
         return i, _write_shard(dest, name, phash, [(s.key, s.members) for s in batch]), False
 
     with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read
-        batch, est = [], 0
+        batch: list[StreamSample] = []
+        est = 0
         for s in samples:
             if s.key in seen:
                 raise ValueError(f"source {src}: duplicate key {s.key!r} in {seen[s.key]} and {s.where}")

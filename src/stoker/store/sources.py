@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 
 from ..errors import SourceError, SourceNotFoundError
 
@@ -247,7 +250,7 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
                          f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
     found_classes = sorted(dirs | with_images)
     given = classes is not None
-    if given:
+    if classes is not None:
         extra = [c for c in found_classes if c not in set(classes)]
         if extra:
             raise SourceError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
@@ -268,7 +271,8 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
                 "" if len(empty) == 1 else "es", "s" if len(empty) == 1 else "",
                 ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]),
                 "" if given else "; pack every split with the same --classes so that labels agree")
-    files, seen = [], {}
+    files = []
+    seen: dict[str, str] = {}  # key -> the file it came from
     for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
             raise SourceError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
@@ -304,9 +308,6 @@ def ordered_map(fn, items, workers: int):
     """Yield ``fn(item)`` for each of ``items`` in their order, computed by ``workers`` threads
     with at most ``4 * workers`` calls ahead of the consumer (bounded memory for a source's reads).
     An exception of ``fn`` is raised when its item's turn comes."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-    from itertools import islice
     workers = max(1, workers)
     it = iter(items)
     with ThreadPoolExecutor(workers) as pool:

@@ -13,7 +13,9 @@ Two levels:
 """
 from __future__ import annotations
 
+import io
 import posixpath
+import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -89,8 +91,6 @@ class VerifyReport:
 def _tar_members(data: bytes) -> dict:
     """``{payload offset: (member name, size)}`` of the members a tar reader finds in ``data``
     (it stops at the first damaged header, as readers do)."""
-    import io
-    import tarfile
     out = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
@@ -105,7 +105,6 @@ def _header_before(data, off: int) -> tuple[str, int] | None:
     """(member name, size) from the 512-byte tar header just before payload offset ``off``, read
     on its own (a reader that resyncs after a damaged header, as GNU tar does, finds it there);
     None when that block is not a valid header."""
-    import tarfile
     if off < 512:
         return None
     try:

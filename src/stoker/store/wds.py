@@ -59,7 +59,7 @@ def brace_expand(pattern: str) -> list[str]:
             raise SourceError(f"shard spec {pattern!r}: empty entry between '::'")
         try:
             out += braceexpand.braceexpand(spec)
-        except braceexpand.UnbalancedBracesError as exc:
+        except braceexpand.UnbalancedBracesError as exc:  # type: ignore[attr-defined]  # not in braceexpand's .pyi
             raise SourceError(f"shard spec {pattern!r}: {exc}") from None
     return out
 
@@ -173,7 +173,8 @@ def iter_archive(url: str, storage_options: dict | None = None,
     origin = Origin(url, storage_options or {})
     size = origin.size("")
     stream = io.BufferedReader(RangeReader(origin, size), buffer_size=READ_CHUNK)
-    key, members = None, []
+    key = ""  # the sample being collected; members is empty until its first member
+    members: list[tuple[str, bytes]] = []
     try:
         with tarfile.open(fileobj=stream, mode="r|*", encoding="utf-8", errors="surrogateescape") as tar:
             for m in tar:
@@ -185,7 +186,9 @@ def iter_archive(url: str, storage_options: dict | None = None,
                     if skipped is not None:
                         skipped.append(f"{url}:{m.name}")
                     continue
-                data = tar.extractfile(m).read()
+                f = tar.extractfile(m)
+                assert f is not None  # m is a regular file
+                data = f.read()
                 if kf[0] != key:
                     if members:
                         yield _finish(key, members, url)
