@@ -267,7 +267,41 @@ def _cmd_cold(a) -> int:
     return 0
 
 
-SUBCOMMANDS = (_add_decode, _add_cache, _add_peers, _add_cluster, _add_faults, _add_cold)
+# -- stoker bench io -------------------------------------------------------------
+def _add_io(bench_sub) -> None:
+    p = bench_sub.add_parser(
+        "io", help="CPU-s/GB and GB/s of each stage of the byte path (origin, cache tiers, worker reads, "
+                   "cold epoch with decode off) beside its floor",
+        description="Packs sample photos into the emulated S3 origin and measures, in one run on the same "
+                    "bytes, each stage of the byte path beside its floor (a bare loop of the same client "
+                    "library, bare os.pwrite / os.pread): origin -> memory (obstore, s3fs), the fill's checksum "
+                    "pass, memory -> cache tier (disk, shared memory), cache tier -> worker; then a cold and a "
+                    "warm epoch with decode off, reporting the prefetcher's CPU per GB from the origin "
+                    "(origin_to_cache_cpu_s_per_GB), the emulated origin's own CPU per GB apart, and the decode "
+                    "workers' CPU per sample cold over warm.")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--images", type=int, default=600, help="sample photos (default 600, about 40 MB)")
+    p.add_argument("--reps", type=int, default=3, help="runs of each loop, alternating; the least CPU is kept")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="the cold epoch's origin latency per request")
+    p.add_argument("--bandwidth-MBps", dest="bandwidth_MBps", type=rate_arg, default=100.0,
+                   help="the cold epoch's origin cap in MB/s (a number, or e.g. 100MB/s)")
+    p.add_argument("--block-bytes", type=int, default=1 << 20, help="the cache unit (default 1 MiB)")
+    p.add_argument("--workers", type=int, default=2, help="decode worker processes in the epochs")
+    p.add_argument("--workdir", help="sample data and caches (default: $TMPDIR/stoker-bench-io)")
+    p.set_defaults(fn=_cmd_io)
+
+
+def _cmd_io(a) -> int:
+    from ..bench.io_bench import IoConfig, run, table
+    r = run(IoConfig(images=a.images, reps=a.reps, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_MBps,
+                     block_bytes=a.block_bytes, workers=a.workers, workdir=a.workdir))
+    print(table(r))
+    if a.json:
+        _write_json(a.json, r)
+    return 0
+
+
+SUBCOMMANDS = (_add_decode, _add_cache, _add_peers, _add_cluster, _add_faults, _add_cold, _add_io)
 
 
 def add_parsers(sub) -> None:

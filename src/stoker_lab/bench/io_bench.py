@@ -1,0 +1,241 @@
+"""``stoker bench io``: the CPU-seconds per GB and GB/s of each stage of the byte path, beside its floor.
+
+One run, one machine, the same bytes for every stage (stoker's design notes, "Measuring"):
+
+1. sample photos (:func:`stoker_lab.sample_data.make_sample_data`) packed into the emulated S3
+   origin (:class:`stoker_lab.bench.origin.LocalS3Origin`);
+2. the stages (:mod:`stoker_lab.bench.io_stages`), each against its floor: origin -> memory (obstore
+   and s3fs; the origin's direct endpoint, no latency or bandwidth cap, so that the client's CPU is
+   what is measured), the fill's checksum pass, memory -> cache tier (disk and shared memory),
+   cache tier -> worker; the peer stage is reported as not measured;
+3. the whole cold epoch with decode off (a ``decode=`` that returns the raw bytes), through the
+   throttled origin (``latency_ms``, ``bandwidth_MBps``), then a warm epoch: samples/s per core,
+   CPU-s/GB per process kind, the prefetcher's CPU over the origin bytes
+   (``origin_to_cache_cpu_s_per_GB``), the emulated origin's own CPU apart
+   (``emulated_origin_cpu_s_per_GB``), and the decode workers' CPU per sample cold over warm
+   (``cold_vs_warm_worker_cpu``).
+
+``bytes_only`` (stoker against DLIO's PyTorch reader) is not measured yet; the report says so.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from stoker.loader.epoch_stats import process_cpu_s
+
+from . import io_stages as st
+
+GB = 1e9
+
+
+@dataclass
+class IoConfig:
+    """``images``: sample photos (about 33 kB each on average); ``latency_ms`` / ``bandwidth_MBps``:
+    the throttled origin of the cold epoch; ``block_bytes``: the cache unit; ``concurrency``: ranged
+    GETs in flight in the origin stage (the loader's default ``fetch_concurrency``); ``reps``: runs of
+    each loop (alternating, the least CPU kept); ``workers`` / ``batch_size``: the cold epoch's Loader."""
+
+    images: int = 600
+    classes: int = 10
+    latency_ms: float = 20.0
+    bandwidth_MBps: float = 100.0
+    block_bytes: int = 1 << 20
+    shard_bytes: int = 16 << 20
+    concurrency: int = 8
+    reps: int = 3
+    workers: int = 2
+    batch_size: int = 64
+    workdir: str | None = None
+
+
+def raw_bytes(fields, rng):
+    """Decode off: the sample's primary payload, as it arrived (a module-level function: picklable)."""
+    return next(iter(fields.values()))
+
+
+def keep_list(samples):
+    """Collate off: the list of payloads."""
+    return samples
+
+
+class _Drained:
+    def __init__(self, samples: int, seconds: float):
+        self.samples, self.seconds = samples, seconds
+        self.samples_per_s = samples / seconds if seconds > 0 else 0.0
+
+
+def drain(loader) -> _Drained:
+    """One epoch of ``loader`` (batches: lists of payloads, :func:`keep_list`) with a consumer that
+    takes no time; (samples, seconds)."""
+    t0, n = time.perf_counter(), 0
+    for batch in loader:
+        n += len(batch)
+    return _Drained(n, time.perf_counter() - t0)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench io {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cfg: IoConfig | None = None) -> dict:
+    """Run the benchmark; returns the report (see the module docstring and :func:`table`)."""
+    from stoker.store.dataset import open_dataset
+    from stoker.store.pack import pack
+
+    from ..sample_data import make_sample_data
+    from .origin import LocalS3Origin, upload_tree
+
+    cfg = cfg or IoConfig()
+    workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-io")
+    os.makedirs(workdir, exist_ok=True)
+    shm = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else workdir, f"stoker-bench-io-{os.getpid()}")
+    sd = make_sample_data(os.path.join(workdir, "data"), images=cfg.images, classes=cfg.classes)
+    _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
+    report: dict = {"machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                                "platform": platform.platform()},
+                    "config": asdict(cfg)}
+    t_start = time.perf_counter()
+    with LocalS3Origin(latency_ms=cfg.latency_ms, bandwidth_MBps=cfg.bandwidth_MBps) as origin:
+        raw_url, url = origin.url("raw/train"), origin.url("packed/train")
+        direct, throttled = origin.storage_options(throttled=False), origin.storage_options(throttled=True)
+        upload_tree(os.path.join(workdir, "data", "train"), raw_url, direct)
+        pr = pack(raw_url, url, shard_bytes=cfg.shard_bytes, overwrite=True, storage_options=direct, progress=False)
+        probe = open_dataset(url, storage_options=direct, cache=False, block_bytes=cfg.block_bytes)
+        report["dataset"] = {"samples": len(probe), "bytes": int(probe.index.total_bytes), "shards": pr.shards,
+                             "blocks": probe.num_blocks, "block_bytes": cfg.block_bytes,
+                             "mean_sample_bytes": probe.index.total_bytes / max(1, len(probe))}
+        report["origin"] = {"server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
+                            "stages": "direct endpoint (no latency, no bandwidth cap)",
+                            "cold_epoch": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps}}
+        _log(f"packed {len(probe)} samples into {pr.shards} shards, {probe.num_blocks} blocks")
+        # the epochs first: obstore's runtime in this process would make the Loader start its
+        # workers with forkserver instead of fork (stoker.loader.procs), unlike a training job
+        _log("cold and warm epochs, decode off")
+        budget = 4 * int(probe.index.total_bytes) + (64 << 20)
+        epochs = cold_epoch(url, throttled, os.path.join(workdir, "cache-epoch"), budget, origin.pid, cfg)
+        _log("stages")
+        ranges = st.block_ranges(probe)
+        stages, blocks = st.origin_stage(url, direct, ranges, cfg.concurrency, cfg.reps)
+        stages.append(st.verify_stage(probe, blocks, cfg.reps))
+        tiers = {"disk": open_dataset(url, os.path.join(workdir, "cache-disk"), budget,
+                                      storage_options=direct, block_bytes=cfg.block_bytes),
+                 "memory": open_dataset(url, os.path.join(workdir, "cache-tiered"), budget, storage_options=direct,
+                                        block_bytes=cfg.block_bytes, memory_bytes=2 * int(probe.index.total_bytes),
+                                        memory_dir=shm)}
+        try:
+            stages += st.cache_put_stage(tiers, blocks, {"disk": os.path.join(workdir, "floor-disk"),
+                                                         "memory": shm + "-floor"}, cfg.reps)
+            stages += st.cache_read_stage(tiers, cfg.reps)
+        finally:
+            for ds in tiers.values():
+                st._clear_cache(ds)
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(shm + "-floor", ignore_errors=True)
+        stages.append(st.peer_stage())
+    report["stages"] = stages + [epochs.pop("stage")]
+    report.update(epochs)
+    report["bytes_only"] = {"exception": "not measured yet: DLIO's PyTorch reader in its own environment "
+                                         "is left for a later change"}
+    floor_of(report)
+    report["seconds"] = time.perf_counter() - t_start
+    return report
+
+
+def cold_epoch(url: str, storage_options: dict, cache_dir: str, cache_bytes: int, origin_pid: int | None,
+               cfg: IoConfig) -> dict:
+    """A cold then a warm epoch of a Loader with decode and collate off over a fresh cache.
+
+    Returns ``{"stage": the report row of the cold epoch's origin -> cache path (the prefetcher's
+    CPU over the origin bytes, against the floor: the bare obstore GET loop plus bare pwrite of the
+    same bytes, filled in by :func:`floor_of`), "epochs": per epoch figures,
+    "origin_to_cache_cpu_s_per_GB", "emulated_origin_cpu_s_per_GB", "cold_vs_warm_worker_cpu"}``."""
+    from stoker.loader import Loader
+    from stoker.store.dataset import open_dataset
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    ds = open_dataset(url, cache_dir, cache_bytes, storage_options=storage_options, block_bytes=cfg.block_bytes)
+    rows = []
+    with Loader(ds, cfg.batch_size, num_workers=cfg.workers, seed=0, decode=raw_bytes, collate=keep_list) as loader:
+        for epoch in range(2):
+            o0 = process_cpu_s(origin_pid)
+            m = drain(loader)
+            s = loader.stats
+            cpu = {k: float(v) for k, v in s.cpu_s.items()}
+            stoker_cpu = sum(cpu.values())
+            rows.append({"epoch": epoch, "samples": m.samples, "seconds": m.seconds,
+                         "samples_per_s": m.samples_per_s, "origin_bytes": int(s.origin_bytes),
+                         "origin_requests": int(s.origin_requests), "cache_hit_ratio": s.cache_hit_ratio,
+                         "first_batch_s": s.first_batch_s,
+                         "cpu_s": cpu, "emulated_origin_cpu_s": process_cpu_s(origin_pid) - o0,
+                         "stoker_cpu_s": stoker_cpu,
+                         "samples_per_cpu_s": m.samples / stoker_cpu if stoker_cpu else 0.0,
+                         "samples_per_s_per_core": m.samples_per_s / (os.cpu_count() or 1),
+                         "cpu_s_per_GB": stoker_cpu / (int(ds.index.total_bytes) / GB),
+                         "cpu_s_per_1000_samples": 1e3 * stoker_cpu / max(1, m.samples)})
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cold, warm = rows
+    gb = cold["origin_bytes"] / GB
+    prefetch = cold["cpu_s"].get("prefetch", 0.0)
+    wcold = cold["cpu_s"].get("workers", 0.0) / max(1, cold["samples"])
+    wwarm = warm["cpu_s"].get("workers", 0.0) / max(1, warm["samples"])
+    stage = {"stage": "origin->cache (prefetcher, cold epoch)", "bytes": cold["origin_bytes"], "cpu_s": prefetch,
+             "wall_s": cold["seconds"], "cpu_s_per_GB": prefetch / gb if gb else 0.0,
+             "GBps": gb / cold["seconds"] if cold["seconds"] else 0.0,
+             "floor": None, "ratio": None, "exception": None,
+             "note": "GBps is the cold epoch's, capped by the throttled origin"}
+    return {"stage": stage, "epochs": rows,
+            "origin_to_cache_cpu_s_per_GB": stage["cpu_s_per_GB"],
+            "origin_to_cache_note": "the prefetch process's CPU over the origin bytes; fills made by the decode "
+                                    "workers on a miss are in their CPU, not here",
+            "emulated_origin_cpu_s_per_GB": cold["emulated_origin_cpu_s"] / gb if gb else 0.0,
+            "cold_vs_warm_worker_cpu": {"cold_cpu_s_per_sample": wcold, "warm_cpu_s_per_sample": wwarm,
+                                        "ratio": wcold / wwarm if wwarm else None}}
+
+
+def floor_of(report: dict) -> None:
+    """Fill in the floor of the cold epoch's origin -> cache row: the bare obstore GET loop's CPU-s/GB
+    plus bare pwrite's into the disk tier's filesystem (both measured in this run)."""
+    by = {r["stage"]: r for r in report["stages"]}
+    get, put = by.get("origin->memory (obstore)"), by.get("memory->cache (disk tier)")
+    row = by.get("origin->cache (prefetcher, cold epoch)")
+    if not (get and put and row):
+        return
+    cpu = get["floor"]["cpu_s_per_GB"] + put["floor"]["cpu_s_per_GB"]
+    row["floor"] = {"what": "bare obstore.get_range loop + bare os.pwrite of the same bytes (stages above)",
+                    "cpu_s_per_GB": cpu, "GBps": None}
+    row["ratio"] = row["cpu_s_per_GB"] / cpu if cpu > 0 else None
+
+
+def table(report: dict) -> str:
+    """The report as text: one line per stage (stoker, floor, ratio), then the cold epoch's figures."""
+    d, o = report["dataset"], report["origin"]["cold_epoch"]
+    lines = [f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
+             f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
+             f"{o['bandwidth_MBps']:g} MB/s (stages: the origin's direct endpoint)",
+             f"{'stage':42} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}"]
+
+    def num(x, fmt):
+        return format(x, fmt) if isinstance(x, (int, float)) else "-"
+    for r in report["stages"]:
+        f = r.get("floor") or {}
+        lines.append(f"{r['stage']:42} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
+                     f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
+                     + (f"  ({r['exception']})" if r.get("exception") else ""))
+    for e in report["epochs"]:
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["cpu_s"].items()))
+        lines.append(f"epoch {e['epoch']} ({'cold' if e['epoch'] == 0 else 'warm'}): {e['samples_per_s']:.0f} samples/s "
+                     f"(first batch {e['first_batch_s']:.2f} s), "
+                     f"{e['samples_per_cpu_s']:.0f} samples per CPU-s, {e['cpu_s_per_GB']:.2f} CPU-s/GB, "
+                     f"origin {e['origin_bytes'] / 1e6:.1f} MB; CPU-s: {cpu}; emulated origin "
+                     f"{e['emulated_origin_cpu_s']:.2f}")
+    cw = report["cold_vs_warm_worker_cpu"]
+    lines.append(f"origin_to_cache_cpu_s_per_GB {report['origin_to_cache_cpu_s_per_GB']:.2f} (prefetcher); "
+                 f"emulated_origin_cpu_s_per_GB {report['emulated_origin_cpu_s_per_GB']:.2f}; workers' CPU per sample "
+                 f"cold/warm {num(cw['ratio'], '.2f')} ({1e3 * cw['cold_cpu_s_per_sample']:.3f} / "
+                 f"{1e3 * cw['warm_cpu_s_per_sample']:.3f} ms)")
+    return "\n".join(lines)
