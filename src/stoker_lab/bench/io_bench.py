@@ -133,7 +133,7 @@ def run(cfg: IoConfig | None = None) -> dict:
             stages += st.cache_read_stage(tiers, cfg.reps)
         finally:
             for ds in tiers.values():
-                st._clear_cache(ds)
+                st.clear_cache(ds)
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(shm + "-floor", ignore_errors=True)
         stages.append(st.peer_stage())

@@ -133,7 +133,7 @@ def _bare_pwrite(root: str, blocks: list) -> int:
     return n
 
 
-def _clear_cache(ds) -> None:
+def clear_cache(ds) -> None:
     """Remove every block of ``ds`` from its cache (untimed, between repetitions)."""
     for b in range(ds.num_blocks):
         ds.cache.remove(ds.version, ds.block_name(b))
@@ -154,7 +154,7 @@ def cache_put_stage(tiers: dict, blocks: list, floor_roots: dict, reps: int) -> 
 
         def before(ds=ds, root=root):
             shutil.rmtree(root, ignore_errors=True)
-            _clear_cache(ds)
+            clear_cache(ds)
         got = alternate({"stoker": put, "floor": lambda root=root: _bare_pwrite(root, blocks)}, reps, nbytes, before)
         shutil.rmtree(root, ignore_errors=True)
         put()  # left full for the reads
@@ -165,13 +165,13 @@ def cache_put_stage(tiers: dict, blocks: list, floor_roots: dict, reps: int) -> 
 
 
 def verify_stage(ds, blocks: list, reps: int) -> dict:
-    """The fill's checksum pass: ``ds._verify_block`` (xxh3-64 of every sample of every block,
+    """The fill's checksum pass: ``ds.verify_block`` (xxh3-64 of every sample of every block,
     as a fill does before the put) against xxh3-64 of each whole block buffer."""
     import xxhash
     nbytes = sum(len(b) for b in blocks)
 
     def verify():
-        return sum(len(ds._verify_block(b, d)) for b, d in enumerate(blocks))
+        return sum(len(ds.verify_block(b, d)) for b, d in enumerate(blocks))
 
     def floor():
         for d in blocks:
