@@ -31,7 +31,9 @@ def test_io_bench_report(tmp_path):
         assert s["floor"]["what"]
     assert _positive(r["origin_to_cache_cpu_s_per_GB"]) and _positive(r["emulated_origin_cpu_s_per_GB"])
     cw = r["cold_vs_warm_worker_cpu"]
-    assert _positive(cw["cold_cpu_s_per_sample"]) and _positive(cw["warm_cpu_s_per_sample"]) and _positive(cw["ratio"])
+    # a tiny warm epoch can take less than one clock tick (10 ms) of worker CPU: then no ratio
+    assert _positive(cw["cold_cpu_s_per_sample"]) and cw["warm_cpu_s_per_sample"] >= 0
+    assert cw["ratio"] is None if cw["warm_cpu_s_per_sample"] == 0 else _positive(cw["ratio"])
     cold, warm = r["epochs"]
     assert cold["samples"] == warm["samples"] == 48 and cold["origin_bytes"] >= r["dataset"]["bytes"]
     assert warm["origin_bytes"] == 0
