@@ -15,7 +15,7 @@ from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheMode
                      SourceArchiveError, SourceError, SourceNotFoundError, StokerError, UnsafePathError,
                      VenvError, WorkerError)
 from . import collate
-from .loader import EpochStats, Loader
+from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
 
@@ -36,6 +36,7 @@ __all__ = [
     "EpochStats",
     "ExtenderRequestError",
     "ForkUnsafeError",
+    "ImageOptions",
     "ImageTooLarge",
     "IndexFormatError",
     "Loader",
@@ -47,6 +48,8 @@ __all__ = [
     "PackLeaseError",
     "PackLeaseLostError",
     "PeerUnavailable",
+    "ReadOptions",
+    "RunOptions",
     "SampleFnError",
     "ServiceStartError",
     "SharedMemoryError",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from stoker import Loader, open_dataset
+from stoker import Loader, RunOptions, open_dataset
 from stoker.loader.shm import SHM_DIR
 
 CHILD = """
@@ -33,7 +33,7 @@ def test_sigkilled_loader_leaves_nothing_blocking(packed_local, tmp_path):
     proc.wait(10)
     time.sleep(0.2)
     ds = open_dataset(packed_local, cache_dir=cache, cache_bytes=64 << 20, block_bytes=64 << 10)
-    with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=30) as loader:
+    with Loader(ds, 8, num_workers=2, transform="eval", run=RunOptions(timeout_s=30)) as loader:
         assert sum(len(y) for _, y in loader) == len(ds)
         assert loader.stats.exactly_once
         # the dead loader's shared-memory slots were found and removed
