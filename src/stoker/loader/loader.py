@@ -23,7 +23,7 @@ from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
 from .epoch_stats import EpochStats
 from .live import LiveTotals
-from .options import DEPRECATED, ImageOptions, ReadOptions, RunOptions, regroup, where
+from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
 from .state import IDENTITY_KEYS, LoaderState
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,10 @@ class Loader:
                  decode=None, collate=None, read: ReadOptions | None = None, image: ImageOptions | None = None,
                  run: RunOptions | None = None, **deprecated):
         epoch = 0
-        if deprecated:
-            for old in deprecated:
-                if old in DEPRECATED:
-                    warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=2)
+        if deprecated:  # TypeError for an unknown keyword or one given twice, before any warning
             groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run})
+            for old in deprecated:
+                warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=2)
             read, image, run = groups["read"], groups["image"], groups["run"]
             epoch = 0 if old_epoch is None else int(old_epoch)
         read, image, run = read or ReadOptions(), image or ImageOptions(), run or RunOptions()
