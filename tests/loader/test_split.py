@@ -46,7 +46,7 @@ def test_join_reports_the_first_failed_part():
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes(cases_packed, tmp_path, workers,
                                                                                 monkeypatch):
-    import stoker.loader._run as run_mod
+    import stoker.loader.dispatch as run_mod
     calls = []
 
     def small_parts(ids, n_workers):  # the cases are 14 samples: parts of 2 or more

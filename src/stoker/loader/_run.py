@@ -13,68 +13,23 @@ import logging
 import mmap
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from ..errors import WorkerError
 from . import inflight as infl
-from .config import RunConfig
-from .epoch_stats import EpochStats, account, fill_from_counters, fill_origin_figures, process_cpu_s
+from .config import Processes, RunConfig, RunHooks
+from .deliver import Delivery
+from .dispatch import Dispatcher
+from .epoch_stats import EpochStats, fill_from_counters, fill_origin_figures, process_cpu_s
 from .launch import start_context, wait_ready
 from .pool import WorkerPool
 from .prefetch import block_schedule
 from .prefetcher import Prefetcher
 from .shm import SlotRing
-from .split import join_replies, split_ids
 from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Processes", "Run", "RunHooks"]
-
-
-@dataclass(frozen=True)
-class RunHooks:
-    """What a started pipeline gets from the Loader that owns it (explicit collaborators, so the
-    pipeline never reads the Loader's attributes).
-
-    Attributes:
-        state: the Loader's :class:`~stoker.loader.state.LoaderState`, advanced as batches are yielded.
-        plan: ``plan(epoch) -> (sample ids int64 (n,), mean displacement)``: the order served in ``epoch``.
-        record: called with each epoch's :class:`EpochStats` when the epoch ends (finished or cut short).
-        live: the Loader's :class:`~stoker.loader.live.LiveTotals` (``begin``/``tick``/``end``).
-        device_decoder: ``device_decoder() -> DeviceBatchDecoder | None``: the decoder of
-            ``decode_device`` (made on the first call, after the processes are forked), or None.
-    """
-
-    state: Any
-    plan: Callable
-    record: Callable
-    live: Any
-    device_decoder: Callable
-
-
-@dataclass(frozen=True)
-class Processes:
-    """A started pipeline's processes, for inspection (tests, benchmarks, fault injection).
-
-    Attributes:
-        workers: the decode worker processes (``multiprocessing.Process``), one per worker slot
-            (a replaced one is not among them).
-        prefetcher: the prefetch process, or None (no node cache, no workers, or none started).
-        start_method: the start method they were started with, or None before a start.
-        ready: processes that finished their own start (object store client, decoder).
-    """
-
-    workers: tuple = ()
-    prefetcher: Any = None
-    start_method: str | None = None
-    ready: int = 0
-
-    def pids(self) -> list[int]:
-        """The workers' pids, then the prefetcher's."""
-        return [p.pid for p in self.workers] + ([self.prefetcher.pid] if self.prefetcher is not None else [])
 
 
 class Run:
@@ -103,11 +58,10 @@ class Run:
         self._ready = None  # shared count of processes set up
         self._fork_hazards: list[str] = []
         self._decoder = None
-        self._device_decoder = None
         self._own_staging = False
-        self._pre: dict | None = None  # the next epoch's first batches, dispatched early
-        self._parts: dict[tuple, tuple] = {}  # (run, seq) of a split batch -> (parts, replies so far)
-        self._run_id = 0  # one per epoch served: replies carry it, so stale ones are recognised
+        self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
+        self.dispatch: Dispatcher | None = None  # sends batches to the workers (with workers)
+        self._run_id = 0  # one per epoch served without workers (with them: the dispatcher's)
         self._worker_counters: dict[int, dict] = {}  # worker id -> its last counters (dead ones kept)
         self._start_s = 0.0  # seconds the next epoch's iter() spent starting this pipeline
         self._live_gen: weakref.ref | None = None  # the last epoch's generator, closed by close()
@@ -146,7 +100,8 @@ class Run:
             self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self._device_decoder = self.hooks.device_decoder()  # after the forks (CUDA)
+        self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer,
+                                self.hooks.device_decoder())  # after the forks (CUDA)
 
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since the Loader was built),
@@ -159,6 +114,7 @@ class Run:
             self.prefetcher = Prefetcher(ctx, self.dataset, fetch_concurrency=c.fetch_concurrency,
                                          prefetch_bytes=c.prefetch_bytes, staging_bytes=c.staging_bytes,
                                          ready=self._ready)
+        self.dispatch = Dispatcher(self.config, self.hooks.plan, self.ring, self.workers, self.prefetcher)
         wait_ready(self._ready, list(self.processes().workers) + (
             [self.prefetcher.process] if self.prefetcher is not None else []))
 
@@ -201,8 +157,8 @@ class Run:
             except Exception as exc:  # noqa: BLE001 - closing must go on
                 log.warning("ending the open epoch at close: %s: %s", type(exc).__name__, exc)
         self.started = False
-        self._pre = None
-        self._parts = {}
+        if self.dispatch is not None:
+            self.dispatch.reset()
         if self.workers is not None:
             self.workers.signal_stop()
         if self.prefetcher is not None:
@@ -222,15 +178,20 @@ class Run:
     def drop_pre(self) -> None:
         """Forget the next epoch's early batches (the loader was moved to another position);
         their replies are recognised by their run id and their slots freed."""
-        self._pre = None
+        if self.dispatch is not None:
+            self.dispatch.pre = None
 
     def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0):
         """A generator of the batches of ``epoch`` from batch ``start`` on (see
         :class:`stoker.loader.Loader` for what a batch is). ``stats.first_batch_s`` counts from
         this call; ``start_s``: seconds the loader's ``iter()`` spent starting this pipeline
         (``stats.pipeline_start_s``)."""
-        self._run_id += 1
-        gen = self._epoch(self._run_id, epoch, start, time.perf_counter())
+        if self.dispatch is not None:
+            run = self.dispatch.new_run()
+        else:
+            self._run_id += 1
+            run = self._run_id
+        gen = self._epoch(run, epoch, start, time.perf_counter())
         self._start_s = start_s
         self._live_gen = weakref.ref(gen)
         return gen
@@ -274,7 +235,7 @@ class Run:
             self.workers.new_epoch()
             if self.prefetcher is not None:
                 self.prefetcher.new_epoch()
-        carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
+        carry = self.dispatch.take_pre(epoch, start) if self.num_workers > 0 else None
         if carry is not None:
             run, ids, batches = carry["run"], carry["ids"], carry["batches"]
             stats.order_displacement = carry["displacement"]
@@ -305,12 +266,12 @@ class Run:
                     last = seq == len(batches) - 1
                     if self.cfg.generic:  # the user's decode/collate, here; no slot
                         n, sk, sk_keys, batch = self._decoder.run(epoch, bids)
-                        out = self._deliver(epoch, None, bids, n, sk, sk_keys, None,
+                        out = self.deliver(epoch, None, bids, n, sk, sk_keys, None,
                                             None if batch is None else ("local", batch),
                                             stats=stats, delivered=delivered, last=last)
                     else:
                         slot = self.ring.acquire()
-                        out = self._deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self.ring.views(slot)),
+                        out = self.deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self.ring.views(slot)),
                                             stats=stats, delivered=delivered)
                     if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self.state.position = (epoch, start + seq + 1)
@@ -356,132 +317,6 @@ class Run:
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)
 
-    def _deliver(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, generic=None, *, stats, delivered,
-                 last=False):
-        """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
-        tensors over the slot (or on ``device``), or the device decode of the workers'
-        ``payloads`` (the slot is then released at once), or the user's collated batch
-        (``generic``, the worker's reply of :func:`stoker.loader.batches.pack_reply`; ``last``: the
-        epoch's last batch, where a streaming collate flushes its carry). None when every sample
-        was skipped (or a streaming collate carried every token to the next batch)."""
-        if self.cfg.generic:
-            return self._deliver_generic(slot, bids, skipped, skipped_keys, generic, stats, delivered, last)
-        if payloads is not None:
-            labels = self.ring.views(slot)[1][:n].copy()
-            self.ring.release(slot)
-            images, labels, more, more_keys = self._device_decoder(epoch, payloads, labels)
-            account(stats, bids, list(skipped) + more, list(skipped_keys) + more_keys, delivered)
-            return None if images is None else (images, labels)
-        account(stats, bids, skipped, skipped_keys, delivered)
-        if n == 0:
-            self.ring.release(slot)
-            return None
-        imgs, labels = self.ring.batch(slot, n)
-        return self._as_batch(imgs, labels)
-
-    def _deliver_generic(self, slot, bids, skipped, skipped_keys, reply, stats, delivered, last):
-        from .batches import receive, to_device
-        account(stats, bids, skipped, skipped_keys, delivered)
-        batch = receive(self.ring, slot, reply, stats)
-        cut = getattr(self.cfg.collate, "cut", None)  # a streaming collate (stoker.collate.PackTokens)
-        if cut is not None and (batch is not None or (last and self.state.carry is not None)):
-            if batch is None:
-                batch = {"tokens": self.state.carry[:0]}
-            batch, self.state.carry = cut(self.state.carry, batch, last)
-        if batch is None:
-            return None
-        return batch if self.transfer is None else to_device(batch, self.transfer.device)
-
-    def _as_batch(self, imgs, labels):
-        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.transfer`."""
-        from .._torch import as_tensors
-        out = as_tensors(imgs, labels)
-        return out if self.transfer is None else self.transfer(*out)
-
-    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False,
-                  split: bool = False) -> bool:
-        """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
-        shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
-        consumer waits for; then SharedMemoryError when no slot is with the workers either (every
-        slot is held by batches the caller keeps): none would come back, waiting would only time out.
-        ``split``: the first batch of an epoch, decoded by every worker at once (:mod:`.split`)."""
-        slot = self.ring.try_acquire()
-        if slot is None:
-            if may_raise and not self.ring.busy:
-                raise self.ring.shortage()
-            return False
-        self.ring.busy.add(slot)
-        parts = [(0, bids)]
-        if split and self.num_workers > 1 and not self.cfg.generic and self.cfg.decode_on == "cpu":
-            parts = split_ids(bids, self.num_workers)
-        if len(parts) > 1:
-            self._parts[(run, seq)] = (len(parts), [])
-        for offset, ids in parts:
-            self.workers.send((run, seq, epoch, slot, self.ring.paths[slot], ids, offset))
-        inflight[seq] = (slot, bids)
-        return True
-
-    def _keep_counters(self, msg: tuple, run: int) -> None:
-        """Record the worker counters a reply carries (every reply, each part of a split batch
-        too), where its run counts them: the pre-dispatched next epoch's own, else this run's (a
-        reply to an abandoned epoch counts here as well)."""
-        pre = self._pre
-        if msg[2] != run and pre is not None and msg[2] == pre["run"]:
-            pre["counters"][msg[1]] = msg[8]
-        else:
-            self._worker_counters[msg[1]] = msg[8]
-
-    def _whole(self, msg: tuple):
-        """The reply of a whole batch: ``msg`` itself, or for a part of a split batch None until
-        its last part came, then the joined reply (:func:`.split.join_replies`)."""
-        key = (msg[2], msg[3])
-        if key not in self._parts:
-            return msg
-        left, msgs = self._parts[key]
-        msgs.append(msg)
-        if left > len(msgs):
-            return None
-        del self._parts[key]
-        images, labels = self.ring.views(msg[4])
-        return join_replies(msgs, images, labels)
-
-    def _predispatch(self, epoch: int) -> None:
-        """Start the first batches of the next epoch while this one drains (its plan is a pure
-        function of the epoch), so the pipeline does not run dry at the epoch boundary. Kept
-        in ``self._pre`` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
-        otherwise dropped (its replies are recognised by their run id)."""
-        self._run_id += 1
-        ids, displacement = self.hooks.plan(epoch)
-        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        pre = {"run": self._run_id, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
-               "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
-        while pre["next"] < min(len(batches), self.prefetch_batches):
-            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"],
-                                  split=pre["next"] == 0):
-                break
-            pre["next"] += 1
-        self._pre = pre
-        pf = self.prefetcher
-        if pf is not None:  # the prefetcher moves on to the next epoch's plan now
-            pf.prev_done = pf.done
-            pf.position = pre["next"] * self.batch_size
-            pf.done = 0
-            # draining: blocks this epoch still needs are charged to it, not to the next one
-            pf.send((pre["run"], *block_schedule(self.dataset, ids), True))
-
-    def _pf_plan_done(self, run: int) -> bool:
-        """Whether the prefetcher has fetched (or given up) every block of plan ``run``: only then
-        do the next epoch's first batches start, so that their reads never fetch a block this
-        epoch still needs and charge it to the next one (True without a working prefetcher)."""
-        return self.prefetcher is None or self.prefetcher.plan_done(run)
-
-    def _take_pre(self, epoch: int, start: int):
-        """The pre-dispatched next epoch, if it is the one starting now; else drop it."""
-        pre, self._pre = self._pre, None
-        if pre is not None and pre["epoch"] == epoch and start == 0:
-            return pre
-        return None
-
     def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None, t_iter=None):
         pending: dict[int, tuple] = carry["pending"] if carry else {}
         try:
@@ -499,17 +334,17 @@ class Run:
             deadline = time.monotonic() + self.timeout_s
             while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
                 while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                    if not self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
+                    if not self.dispatch.dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
                                           may_raise=next_dispatch <= seq,  # (the batch now due)
                                           split=next_dispatch == 0):
                         break  # shared memory is short: more go out as slots come back
                     next_dispatch += 1
-                    if self.prefetcher is not None and self._pre is None:
+                    if self.prefetcher is not None and self.dispatch.pre is None:
                         self.prefetcher.position = next_dispatch * self.batch_size
-                if (next_dispatch == len(batches) and self._pre is None and self.state.resume_batch == 0
+                if (next_dispatch == len(batches) and self.dispatch.pre is None and self.state.resume_batch == 0
                         and self.state.epoch == epoch + 1 and self.config.prefetch_next_epoch
-                        and self._pf_plan_done(run)):
-                    self._predispatch(epoch + 1)
+                        and self.dispatch.prefetch_plan_done(run)):
+                    self.dispatch.predispatch(epoch + 1)
                 if seq in pending:
                     break
                 msg = self._reply(0.25)  # dead workers are replaced meanwhile (pool.py)
@@ -519,15 +354,16 @@ class Run:
                     if time.monotonic() > max(deadline, self._restarted_at() + self.timeout_s):
                         raise self._stall_error(seq, epoch) from None
                     continue
-                self._keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
-                msg = self._whole(msg)
+                self.dispatch.keep_counters(msg, run, self._worker_counters)  # the next epoch's early work counts in the next epoch
+                msg = self.dispatch.whole(msg)
                 if msg is None:  # a part of a split batch; the others are still being decoded
                     continue
                 mrun = msg[2]
                 self.ring.busy.discard(msg[4])
                 if mrun != run:
-                    if self._pre is not None and mrun == self._pre["run"]:
-                        self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
+                    pre = self.dispatch.pre
+                    if pre is not None and mrun == pre["run"]:
+                        pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
                     else:  # a reply to an abandoned epoch: just free its slot
                         self.ring.release(msg[4])
                     continue
@@ -542,7 +378,7 @@ class Run:
             bids = inflight.pop(seq)[1]
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
                 self._check_prefetcher()
-            out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
+            out = self.deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
                                 delivered=delivered, last=seq == len(batches) - 1)
             if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self.state.position = (epoch, self.state.position[1] + 1)
@@ -550,7 +386,7 @@ class Run:
             wait_box[0] += time.perf_counter() - t_resume
             self.state.position = (epoch, self.state.position[1] + 1)
             if self.prefetcher is not None:  # positions in this epoch's plan
-                if self._pre is None:
+                if self.dispatch.pre is None:
                     self.prefetcher.done = (seq + 1) * self.batch_size
                 else:  # the prefetcher is on the next plan already: this one's progress is "previous"
                     self.prefetcher.prev_done = (seq + 1) * self.batch_size

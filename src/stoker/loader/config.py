@@ -8,10 +8,11 @@ another. A :class:`RunConfig` is built by the Loader each time it starts a pipel
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RunConfig", "WorkerConfig"]
+__all__ = ["Processes", "RunConfig", "RunHooks", "WorkerConfig"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,46 @@ class RunConfig:
     start_method: str | None
     device: Any
     prefetch_next_epoch: bool
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What a started pipeline gets from the Loader that owns it (explicit collaborators, so the
+    pipeline never reads the Loader's attributes).
+
+    Attributes:
+        state: the Loader's :class:`~stoker.loader.state.LoaderState`, advanced as batches are yielded.
+        plan: ``plan(epoch) -> (sample ids int64 (n,), mean displacement)``: the order served in ``epoch``.
+        record: called with each epoch's :class:`EpochStats` when the epoch ends (finished or cut short).
+        live: the Loader's :class:`~stoker.loader.live.LiveTotals` (``begin``/``tick``/``end``).
+        device_decoder: ``device_decoder() -> DeviceBatchDecoder | None``: the decoder of
+            ``decode_device`` (made on the first call, after the processes are forked), or None.
+    """
+
+    state: Any
+    plan: Callable
+    record: Callable
+    live: Any
+    device_decoder: Callable
+
+
+@dataclass(frozen=True)
+class Processes:
+    """A started pipeline's processes, for inspection (tests, benchmarks, fault injection).
+
+    Attributes:
+        workers: the decode worker processes (``multiprocessing.Process``), one per worker slot
+            (a replaced one is not among them).
+        prefetcher: the prefetch process, or None (no node cache, no workers, or none started).
+        start_method: the start method they were started with, or None before a start.
+        ready: processes that finished their own start (object store client, decoder).
+    """
+
+    workers: tuple = ()
+    prefetcher: Any = None
+    start_method: str | None = None
+    ready: int = 0
+
+    def pids(self) -> list[int]:
+        """The workers' pids, then the prefetcher's."""
+        return [p.pid for p in self.workers] + ([self.prefetcher.pid] if self.prefetcher is not None else [])
