@@ -70,7 +70,6 @@ def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tm
     epochs the scraped hits of every tier, the misses and the origin bytes equal the sums of the
     loader's EpochStats, and the first-batch gauge its last epoch's. Mid-epoch (the last batch in
     hand, the prefetcher done with the plan) the origin bytes already count the prefetcher's reads."""
-    from stoker.loader.inflight import PLAN_DONE
     probe = stoker.open_dataset(packed_local, cache=False, block_bytes=128 << 10)
     third = int((probe.block_end - probe.block_start).sum()) // 3
     ds = stoker.open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=third, memory_bytes=third,
@@ -79,9 +78,9 @@ def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tm
                        image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
         for i, _ in enumerate(ld):
             if i == len(ld) - 1:
-                p = ld._pipeline
+                p = ld.pipeline
                 deadline = time.monotonic() + 60
-                while int(p._pf_counters[PLAN_DONE]) < p._run_id and time.monotonic() < deadline:
+                while not p.prefetcher.plan_done(p.dispatch.run_id) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 mid = _scrape(ld.metrics_url)
         for _ in range(2):
@@ -107,9 +106,9 @@ def test_skipped_samples_and_replaced_processes(cases_packed, tmp_path):
                        run=stoker.RunOptions(on_error="skip", timeout_s=60, metrics_port=0)) as ld:
         it = iter(ld)
         next(it)
-        os.kill(ld._workers[1].pid, signal.SIGKILL)
+        os.kill(ld.processes.workers[1].pid, signal.SIGKILL)
         next(it)
-        pf = ld._prefetcher
+        pf = ld.processes.prefetcher
         os.kill(pf.pid, signal.SIGKILL)
         pf.join(30)  # dead before the next check (its exit code is read, not waited for): the
         # epoch's last batches can all arrive before a kill still in flight takes effect
@@ -173,10 +172,10 @@ import sys
 sys.modules["prometheus_client"] = None  # not installed
 import stoker
 ds = stoker.open_dataset({packed_local!r}, cache=False)
-ld = stoker.Loader(ds, 16, num_workers=0, image_size=32)
+ld = stoker.Loader(ds, 16, num_workers=0, image=stoker.ImageOptions(image_size=32))
 assert len(next(iter(ld))[1]) == 16
 try:
-    stoker.Loader(ds, 16, num_workers=0, metrics_port=0)
+    stoker.Loader(ds, 16, num_workers=0, run=stoker.RunOptions(metrics_port=0))
 except ImportError as exc:
     assert "stoker[metrics]" in str(exc), exc
     print("ok")
@@ -303,12 +302,12 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
             assert time.monotonic() < deadline, "prometheus did not scrape the loader"
             time.sleep(0.2)  # scraped twice: the series covers what follows
         window_s = 5.0
-        marks = [(time.time(), ld._live.snapshot()["samples"])]  # (wall time, the loader's own count)
+        marks = [(time.time(), ld.live_figures()["samples"])]  # (wall time, the loader's own count)
         t_end = time.time() + window_s + 1.5
         while marks[-1][0] < t_end:
             for _ in ld:
                 time.sleep(0.05)
-                marks.append((time.time(), ld._live.snapshot()["samples"]))
+                marks.append((time.time(), ld.live_figures()["samples"]))
                 if marks[-1][0] >= t_end:
                     break
         at = marks[-1][0] - 0.5

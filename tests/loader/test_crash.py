@@ -72,7 +72,7 @@ ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20)
 loader = Loader(ds, 8, num_workers=2, transform="eval")
 it = iter(loader)
 next(it)
-print(" ".join(str(p.pid) for p in loader._workers + [loader._prefetcher]), flush=True)
+print(" ".join(str(pid) for pid in loader.processes.pids()), flush=True)
 time.sleep(60)
 """
 

@@ -89,8 +89,8 @@ def test_epoch_completes_after_the_user_ran_obstore(s3_packed, tmp_path):
         if __name__ == "__main__":
             ds = stoker.open_dataset({url!r}, storage_options={opts!r}, cache_dir={str(tmp_path / 'c')!r},
                                      cache_bytes=64 << 20)
-            with stoker.Loader(ds, batch_size=16, num_workers=1, transform="eval", image_size=32,
-                               timeout_s=40) as ld:
+            with stoker.Loader(ds, batch_size=16, num_workers=1, transform="eval",
+                               image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(timeout_s=40)) as ld:
                 n = sum(len(labels) for _, labels in ld)
                 print("samples", n, len(ds), ld.start_method)
     """)

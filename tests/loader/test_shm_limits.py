@@ -113,8 +113,8 @@ import os, sys, stoker
 ds = stoker.open_dataset(sys.argv[1])
 for workers, size in ((1, 160), (0, 224), (1, 224)):
     try:
-        with stoker.Loader(ds, batch_size=8, num_workers=workers, transform="eval", image_size=size,
-                           timeout_s=60) as ld:
+        with stoker.Loader(ds, batch_size=8, num_workers=workers, transform="eval",
+                           image=stoker.ImageOptions(image_size=size), run=stoker.RunOptions(timeout_s=60)) as ld:
             print(workers, size, sum(len(lab) for _, lab in ld), flush=True)
     except stoker.loader.shm.SharedMemoryError as exc:
         print(workers, size, "error", exc, flush=True)

@@ -33,6 +33,11 @@ class Dispatcher:
         self._parts: dict[tuple, tuple] = {}  # (run, seq) of a split batch -> (parts, replies so far)
         self._run_id = 0
 
+    @property
+    def run_id(self) -> int:
+        """The last run id given (0: none yet)."""
+        return self._run_id
+
     def new_run(self) -> int:
         """A new run id (one per epoch served)."""
         self._run_id += 1

@@ -373,6 +373,11 @@ class Loader:
         (:class:`stoker.loader._run.Processes`; empty before the first ``iter()``)."""
         return self._pipeline.processes() if self._pipeline is not None else Processes()
 
+    def live_figures(self) -> dict:
+        """The loader's live figures now, as its metrics and ``stoker top`` see them
+        (:meth:`stoker.loader.live.LiveTotals.snapshot`: totals over its life and the epoch in progress)."""
+        return self._live.snapshot()
+
     def _record(self, stats: EpochStats) -> None:
         """An epoch ended (the pipeline's call): its stats become ``stats`` and join ``history``."""
         self.stats = stats
