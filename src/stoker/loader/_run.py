@@ -267,12 +267,12 @@ class Run:
                     if self.cfg.generic:  # the user's decode/collate, here; no slot
                         n, sk, sk_keys, batch = self._decoder.run(epoch, bids)
                         out = self.deliver(epoch, None, bids, n, sk, sk_keys, None,
-                                            None if batch is None else ("local", batch),
-                                            stats=stats, delivered=delivered, last=last)
+                                           None if batch is None else ("local", batch),
+                                           stats=stats, delivered=delivered, last=last)
                     else:
                         slot = self.ring.acquire()
                         out = self.deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self.ring.views(slot)),
-                                            stats=stats, delivered=delivered)
+                                           stats=stats, delivered=delivered)
                     if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self.state.position = (epoch, start + seq + 1)
                         continue
@@ -335,8 +335,8 @@ class Run:
             while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
                 while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
                     if not self.dispatch.dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
-                                          may_raise=next_dispatch <= seq,  # (the batch now due)
-                                          split=next_dispatch == 0):
+                                                   may_raise=next_dispatch <= seq,  # (the batch now due)
+                                                   split=next_dispatch == 0):
                         break  # shared memory is short: more go out as slots come back
                     next_dispatch += 1
                     if self.prefetcher is not None and self.dispatch.pre is None:
@@ -379,7 +379,7 @@ class Run:
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
                 self._check_prefetcher()
             out = self.deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
-                                delivered=delivered, last=seq == len(batches) - 1)
+                               delivered=delivered, last=seq == len(batches) - 1)
             if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self.state.position = (epoch, self.state.position[1] + 1)
                 continue

@@ -106,7 +106,7 @@ class Dispatcher:
                "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
         while pre["next"] < min(len(batches), self.prefetch_batches):
             if not self.dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"],
-                                  split=pre["next"] == 0):
+                                 split=pre["next"] == 0):
                 break
             pre["next"] += 1
         self.pre = pre
