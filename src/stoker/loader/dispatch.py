@@ -49,7 +49,7 @@ class Dispatcher:
         self._parts = {}
 
     def dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False,
-                  split: bool = False) -> bool:
+                 split: bool = False) -> bool:
         """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
         shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
         consumer waits for; then SharedMemoryError when no slot is with the workers either (every
