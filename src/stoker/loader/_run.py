@@ -14,13 +14,13 @@ import mmap
 import time
 import weakref
 
-from ..errors import WorkerError
 from . import inflight as infl
 from .config import Processes, RunConfig, RunHooks
 from .deliver import Delivery
 from .dispatch import Dispatcher
 from .epoch_stats import EpochStats, fill_from_counters, fill_origin_figures, process_cpu_s
 from .launch import start_context, wait_ready
+from .parallel import ParallelLoop
 from .pool import WorkerPool
 from .prefetch import block_schedule
 from .prefetcher import Prefetcher
@@ -50,7 +50,7 @@ class Run:
         self.dataset, self.cfg = config.dataset, config.cfg
         self.num_workers, self.batch_size = config.num_workers, config.batch_size
         self.prefetch_batches, self.timeout_s = config.prefetch_batches, config.timeout_s
-        self.start_method = config.start_method  #: the start method used, once started
+        self.start_method = config.start_method or "fork"  #: the start method used (chosen again at start)
         self.workers: WorkerPool | None = None
         self.prefetcher: Prefetcher | None = None
         self.ring: SlotRing | None = None
@@ -61,8 +61,8 @@ class Run:
         self._own_staging = False
         self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
         self.dispatch: Dispatcher | None = None  # sends batches to the workers (with workers)
+        self.loop: ParallelLoop | None = None  # the epoch loop over the workers' replies (with workers)
         self._run_id = 0  # one per epoch served without workers (with them: the dispatcher's)
-        self._worker_counters: dict[int, dict] = {}  # worker id -> its last counters (dead ones kept)
         self._start_s = 0.0  # seconds the next epoch's iter() spent starting this pipeline
         self._live_gen: weakref.ref | None = None  # the last epoch's generator, closed by close()
         self.started = False
@@ -102,6 +102,10 @@ class Run:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
         self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer,
                                 self.hooks.device_decoder())  # after the forks (CUDA)
+        if self.dispatch is not None:
+            self.loop = ParallelLoop(self.config, self.state, self.hooks.live, self.workers, self.prefetcher,
+                                     self.dispatch, self.deliver, start_method=self.start_method,
+                                     fork_hazards=self._fork_hazards)
 
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since the Loader was built),
@@ -132,9 +136,6 @@ class Run:
         tests that kill processes."""
         if self.workers is not None:
             self.workers.check()
-        self._check_prefetcher()
-
-    def _check_prefetcher(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.check()
 
@@ -210,7 +211,7 @@ class Run:
         """Counters summed over the workers, and the prefetcher's clocks and origin retries (its
         origin traffic is read per plan from its ledger, :meth:`prefetch_ledger`)."""
         tot: dict[str, int] = {}
-        sources = (list(self._worker_counters.values()) if self.num_workers > 0
+        sources = (list(self.dispatch.worker_counters.values()) if self.dispatch is not None
                    else [counters(self.dataset, self.cfg.derived)])
         for c in sources:
             for k, v in c.items():
@@ -250,7 +251,7 @@ class Run:
         # is in its ledger row of this plan; the workers' early replies count here (carry)
         before = self.totals()
         if carry is not None:  # workers' counters as of their early replies for this epoch
-            self._worker_counters.update(carry["counters"])
+            self.dispatch.worker_counters.update(carry["counters"])
         cpu_before = self._cpu()
         delivered: list = []  # the sample ids of each delivered batch (counted at the end)
         if self.prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
@@ -284,7 +285,7 @@ class Run:
                     yield out
                     t_resume = time.perf_counter()
             else:
-                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)
+                yield from self.loop(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)
         finally:
             stats.seconds = time.perf_counter() - t_start
             stats.worker_restarts, stats.prefetcher_restarts = self.restarts()
@@ -316,106 +317,3 @@ class Run:
                            stats.seconds * len(self.dataset) / stats.samples)
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)
-
-    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None, t_iter=None):
-        pending: dict[int, tuple] = carry["pending"] if carry else {}
-        try:
-            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending,
-                                          t_iter)
-        finally:  # replies never yielded (an epoch cut short, an error): their slots are free again
-            for msg in pending.values():
-                self.ring.release(msg[4])
-            pending.clear()
-
-    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending, t_iter):
-        inflight: dict[int, tuple] = carry["inflight"] if carry else {}
-        next_dispatch = carry["next"] if carry else 0
-        for seq in range(len(batches)):
-            deadline = time.monotonic() + self.timeout_s
-            while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
-                while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                    if not self.dispatch.dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
-                                                   may_raise=next_dispatch <= seq,  # (the batch now due)
-                                                   split=next_dispatch == 0):
-                        break  # shared memory is short: more go out as slots come back
-                    next_dispatch += 1
-                    if self.prefetcher is not None and self.dispatch.pre is None:
-                        self.prefetcher.position = next_dispatch * self.batch_size
-                if (next_dispatch == len(batches) and self.dispatch.pre is None and self.state.resume_batch == 0
-                        and self.state.epoch == epoch + 1 and self.config.prefetch_next_epoch
-                        and self.dispatch.prefetch_plan_done(run)):
-                    self.dispatch.predispatch(epoch + 1)
-                if seq in pending:
-                    break
-                msg = self._reply(0.25)  # dead workers are replaced meanwhile (pool.py)
-                if msg is None:
-                    self.check_processes()
-                    # a replacement decodes its batches again: the wait starts over from it
-                    if time.monotonic() > max(deadline, self._restarted_at() + self.timeout_s):
-                        raise self._stall_error(seq, epoch) from None
-                    continue
-                self.dispatch.keep_counters(msg, run, self._worker_counters)  # the next epoch's early work counts in the next epoch
-                msg = self.dispatch.whole(msg)
-                if msg is None:  # a part of a split batch; the others are still being decoded
-                    continue
-                mrun = msg[2]
-                self.ring.busy.discard(msg[4])
-                if mrun != run:
-                    pre = self.dispatch.pre
-                    if pre is not None and mrun == pre["run"]:
-                        pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
-                    else:  # a reply to an abandoned epoch: just free its slot
-                        self.ring.release(msg[4])
-                    continue
-                pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
-            msg = pending.pop(seq)
-            if msg[0] == "error":
-                _, wid, _, _, slot, key, err, tb = msg[:8]
-                self.ring.release(slot)
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self.state.position[1]}): "
-                                  f"{err}\n{tb}") from msg[9]  # the worker's own stoker error, or None (workers.py)
-            slot, n, skipped, skipped_keys = msg[4:8]
-            bids = inflight.pop(seq)[1]
-            if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
-                self._check_prefetcher()
-            out = self.deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
-                               delivered=delivered, last=seq == len(batches) - 1)
-            if out is None:  # every sample of the batch was skipped: yield nothing for it
-                self.state.position = (epoch, self.state.position[1] + 1)
-                continue
-            wait_box[0] += time.perf_counter() - t_resume
-            self.state.position = (epoch, self.state.position[1] + 1)
-            if self.prefetcher is not None:  # positions in this epoch's plan
-                if self.dispatch.pre is None:
-                    self.prefetcher.done = (seq + 1) * self.batch_size
-                else:  # the prefetcher is on the next plan already: this one's progress is "previous"
-                    self.prefetcher.prev_done = (seq + 1) * self.batch_size
-            self.hooks.live.tick()
-            if not stats.first_batch_s:
-                stats.first_batch_s = time.perf_counter() - t_iter
-            yield out
-            t_resume = time.perf_counter()
-
-    def _reply(self, timeout_s: float):
-        """The next worker reply, or None after ``timeout_s`` seconds (dead workers replaced
-        meanwhile, and a dead prefetcher when its sentinel wakes the wait)."""
-        pf = self.prefetcher.sentinel() if self.prefetcher is not None else None
-        msg, pf_woke = self.workers.reply(timeout_s, also=pf)
-        if pf_woke:
-            self._check_prefetcher()
-        return msg
-
-    def _restarted_at(self) -> float:
-        """``time.monotonic()`` of the last replacement of a worker or the prefetcher (0: none)."""
-        return max(self.workers.restarted_at, self.prefetcher.restarted_at if self.prefetcher is not None else 0.0)
-
-    def _stall_error(self, seq: int, epoch: int) -> WorkerError:
-        """The error for ``timeout_s`` without the batch due: what each worker was doing, and the
-        fork hazards of the training process if the workers were forked anyway."""
-        msg = (f"no batch from the workers for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
-               + self.workers.describe())
-        if self.start_method == "fork" and self._fork_hazards:
-            msg += "; the workers were forked from a process with " + "; ".join(self._fork_hazards)
-        elif self.workers.idle():
-            msg += " (no worker is reading or decoding: none took the task, or their replies are lost)"
-        return WorkerError(msg)

@@ -32,6 +32,8 @@ class Dispatcher:
         self.pre: dict | None = None  #: the next epoch's first batches, dispatched early (or None)
         self._parts: dict[tuple, tuple] = {}  # (run, seq) of a split batch -> (parts, replies so far)
         self._run_id = 0
+        #: worker id -> the counters of its last reply (dead workers' kept), summed by ``Run.totals``
+        self.worker_counters: dict[int, dict] = {}
 
     @property
     def run_id(self) -> int:
@@ -71,15 +73,15 @@ class Dispatcher:
         inflight[seq] = (slot, bids)
         return True
 
-    def keep_counters(self, msg: tuple, run: int, counters: dict) -> None:
+    def keep_counters(self, msg: tuple, run: int) -> None:
         """Record the worker counters a reply carries (every reply, each part of a split batch
         too), where its run counts them: the pre-dispatched next epoch's own, else this run's (a
-        reply to an abandoned epoch counts here as well: in ``counters``, worker id -> counters)."""
+        reply to an abandoned epoch counts here as well)."""
         pre = self.pre
         if msg[2] != run and pre is not None and msg[2] == pre["run"]:
             pre["counters"][msg[1]] = msg[8]
         else:
-            counters[msg[1]] = msg[8]
+            self.worker_counters[msg[1]] = msg[8]
 
     def whole(self, msg: tuple):
         """The reply of a whole batch: ``msg`` itself, or for a part of a split batch None until
