@@ -1,7 +1,8 @@
 """stoker: keeps deep-learning accelerators fed with training data.
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
-:class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`,
+:class:`Loader` (decoded, augmented batches as torch tensors; its option groups
+:class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack`,
 :mod:`collate` (built-in collates for ``Loader(collate=...)``), :func:`parse_size` (``"64MiB"`` ->
 bytes; every byte-size argument accepts such strings), and every
 public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).

@@ -34,10 +34,13 @@ __all__ = ["Processes", "Run", "RunHooks"]
 
 class Run:
     """The started pipeline of one loader (see the module docstring), built from parts that own
-    their state: a :class:`~stoker.loader.pool.WorkerPool`, a
-    :class:`~stoker.loader.prefetcher.Prefetcher` (with a node cache and workers), a
-    :class:`~stoker.loader.shm.SlotRing` and, for ``device="cuda"``, a
-    :class:`~stoker.loader.transfer.DeviceTransfer`.
+    their state: a :class:`~stoker.loader.shm.SlotRing` (``ring``), with workers a
+    :class:`~stoker.loader.pool.WorkerPool` (``workers``), a
+    :class:`~stoker.loader.dispatch.Dispatcher` (``dispatch``) and a
+    :class:`~stoker.loader.parallel.ParallelLoop` (``loop``), with a node cache too a
+    :class:`~stoker.loader.prefetcher.Prefetcher` (``prefetcher``), a
+    :class:`~stoker.loader.deliver.Delivery` (``deliver``) and, for ``device="cuda"``, a
+    :class:`~stoker.loader.transfer.DeviceTransfer` (``transfer``).
 
     Args:
         config: the frozen :class:`~stoker.loader.config.RunConfig`.
