@@ -278,10 +278,11 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
     ld = stoker.Loader(dataset, 4, num_workers=1, image=stoker.ImageOptions(image_size=32),
                        run=stoker.RunOptions(metrics_port=0))
     prom_port = _free_port()
+    port = urllib.parse.urlparse(ld.metrics_url).port
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 500ms, scrape_timeout: 450ms}\n"
         "scrape_configs:\n"
-        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{ld._metrics.port}']}}]\n")
+        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")
     proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{prom_port}"],
