@@ -16,8 +16,8 @@ checks (reported as skipped otherwise). Checks:
    and whether the outcome is what the cases' README expects (truncated_jpeg.jpg: an error
    naming the key; every other file: decoded, within ``--tolerance`` of the reference).
 3. ``train``: RandomResizedCrop + flip on the GPU vs the CPU path on the same crops (mean diff).
-4. ``loader``: Loader(device="cuda") on a small packed dataset: batches on the GPU, equal to
-   the CPU loader's batches; and Loader(decode_device="cuda") (JPEG decode + transform on the
+4. ``loader``: Loader(run=RunOptions(device="cuda")) on a small packed dataset: batches on the GPU, equal to
+   the CPU loader's batches; and Loader(image=ImageOptions(decode_device="cuda")) (JPEG decode + transform on the
    GPU in the training process): same labels, pixels within a mean abs difference of 3.
 Exit status 0 when every check passes, 1 otherwise.
 """
@@ -123,7 +123,7 @@ def check_train(device: str, payloads: list) -> dict:
 
 
 def check_loader(device: str, work: str) -> dict:
-    from stoker.loader import Loader
+    from stoker.loader import ImageOptions, Loader, RunOptions
     from stoker_lab.sample_data import make_sample_data
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
@@ -133,16 +133,16 @@ def check_loader(device: str, work: str) -> dict:
     kw = dict(batch_size=32, num_workers=2, seed=0)
     with Loader(ds, **kw) as lo:
         cpu = [(x.clone(), y.clone()) for x, y in lo]
-    with Loader(ds, device=device, **kw) as lo:
+    with Loader(ds, run=RunOptions(device=device), **kw) as lo:
         gpu = [(x, y) for x, y in lo]
-        stats = lo._transfer.stats.__dict__
+        stats = lo.pipeline.transfer.stats.__dict__
     on_device = all(x.is_cuda and y.is_cuda for x, y in gpu)
     equal = len(cpu) == len(gpu) and all(torch.equal(a.cpu(), c) and torch.equal(b.cpu(), d)
                                          for (c, d), (a, b) in zip(cpu, gpu))
     out = {"batches": len(gpu), "on_device": on_device, "equal_to_cpu_loader": equal, "transfer": stats,
            "ok": on_device and equal}
     try:  # decode on the GPU in the training process: same crops, pixels within a small mean difference
-        with Loader(ds, decode_device=device, **kw) as lo:
+        with Loader(ds, image=ImageOptions(decode_device=device), **kw) as lo:
             dev = [(x, y) for x, y in lo]
             dstats = lo.device_decode_stats.__dict__
         diffs = [float((a.cpu().float() - c.float()).abs().mean()) for (c, _), (a, _) in zip(cpu, dev)]

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from _helpers import make_image_folder
-from stoker import Loader, WorkerError, open_dataset
+from stoker import Loader, RunOptions, WorkerError, open_dataset
 from stoker.storage import Origin
 from stoker.store.index import INDEX_NAME
 from stoker.store.pack import pack
@@ -47,7 +47,7 @@ def test_odd_files_pack_byte_exact_and_fail_by_name(odd_tree, tmp_path):
     ds = open_dataset(str(dst), cache_dir=str(tmp_path / "c"), cache_bytes=1 << 20)
     for i in range(len(ds)):  # nothing lost or changed: bytes as on disk, empty payload included
         assert ds[i][0] == (odd_tree / f"{ds.key(i)}.JPEG").read_bytes()
-    with Loader(ds, 2, num_workers=0, transform="eval", shuffle=False, on_error="skip") as loader:
+    with Loader(ds, 2, num_workers=0, transform="eval", shuffle=False, run=RunOptions(on_error="skip")) as loader:
         shapes = [tuple(x.shape) for x, _ in loader]
         assert loader.stats.skipped == 2
         assert sorted(loader.stats.skipped_keys) == ["odd/empty", "odd/text"]

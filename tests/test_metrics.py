@@ -38,7 +38,9 @@ def dataset(packed_local, tmp_path):
 
 
 def test_loader_metrics_match_its_stats(dataset):
-    with stoker.Loader(dataset, 8, num_workers=2, image_size=32, metrics_port=0) as ld:  # 2 workers + prefetcher
+    with stoker.Loader(dataset, 8, num_workers=2,
+                       image=stoker.ImageOptions(image_size=32),
+                       run=stoker.RunOptions(metrics_port=0)) as ld:  # 2 workers + prefetcher
         url = ld.metrics_url
         mid = None
         for i, _ in enumerate(ld):
@@ -68,17 +70,17 @@ def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tm
     epochs the scraped hits of every tier, the misses and the origin bytes equal the sums of the
     loader's EpochStats, and the first-batch gauge its last epoch's. Mid-epoch (the last batch in
     hand, the prefetcher done with the plan) the origin bytes already count the prefetcher's reads."""
-    from stoker.loader.inflight import PLAN_DONE
     probe = stoker.open_dataset(packed_local, cache=False, block_bytes=128 << 10)
     third = int((probe.block_end - probe.block_start).sum()) // 3
     ds = stoker.open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=third, memory_bytes=third,
                              memory_dir=str(tmp_path / "shm"), block_bytes=128 << 10)
-    with stoker.Loader(ds, 16, num_workers=2, image_size=32, staging_bytes=128 << 10, metrics_port=0) as ld:
+    with stoker.Loader(ds, 16, num_workers=2, read=stoker.ReadOptions(staging_bytes=128 << 10),
+                       image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
         for i, _ in enumerate(ld):
             if i == len(ld) - 1:
-                p = ld._pipeline
+                p = ld.pipeline
                 deadline = time.monotonic() + 60
-                while int(p._pf_counters[PLAN_DONE]) < p._run_id and time.monotonic() < deadline:
+                while not p.prefetcher.plan_done(p.dispatch.run_id) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 mid = _scrape(ld.metrics_url)
         for _ in range(2):
@@ -100,13 +102,13 @@ def test_skipped_samples_and_replaced_processes(cases_packed, tmp_path):
     """A corrupt JPEG skipped (``on_error="skip"``), a SIGKILLed decode worker and then the
     prefetcher replaced: the scraped counters equal the loader's stats."""
     ds = stoker.open_dataset(cases_packed, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    with stoker.Loader(ds, 2, num_workers=2, transform="eval", on_error="skip", shuffle=False, timeout_s=60,
-                       metrics_port=0) as ld:
+    with stoker.Loader(ds, 2, num_workers=2, transform="eval", shuffle=False,
+                       run=stoker.RunOptions(on_error="skip", timeout_s=60, metrics_port=0)) as ld:
         it = iter(ld)
         next(it)
-        os.kill(ld._workers[1].pid, signal.SIGKILL)
+        os.kill(ld.processes.workers[1].pid, signal.SIGKILL)
         next(it)
-        pf = ld._prefetcher
+        pf = ld.processes.prefetcher
         os.kill(pf.pid, signal.SIGKILL)
         pf.join(30)  # dead before the next check (its exit code is read, not waited for): the
         # epoch's last batches can all arrive before a kill still in flight takes effect
@@ -129,7 +131,8 @@ def test_origin_retries(s3_packed, origin_faults, tmp_path):
     proxy, opts = origin_faults
     ds = stoker.open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     proxy.set_fault(Fault("status", 503, count=3, match=object_gets))
-    with stoker.Loader(ds, 8, num_workers=2, image_size=32, metrics_port=0) as ld:
+    with stoker.Loader(ds, 8, num_workers=2,
+                       image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
         assert sum(len(y) for _, y in ld) == len(ds)
         st, m = ld.stats, _scrape(ld.metrics_url)
     served = proxy.stats()["faults_injected"]
@@ -139,7 +142,8 @@ def test_origin_retries(s3_packed, origin_faults, tmp_path):
 
 def test_loader_labels_and_names(dataset, monkeypatch):
     monkeypatch.setenv("STOKER_JOB", "resnet")
-    with stoker.Loader(dataset, 8, num_workers=0, image_size=32, metrics_port=0) as ld:
+    with stoker.Loader(dataset, 8, num_workers=0,
+                       image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
         text = urllib.request.urlopen(ld.metrics_url, timeout=10).read().decode()
     line = next(x for x in text.splitlines() if x.startswith("stoker_samples_total{"))
     assert f'dataset="{dataset.version}"' in line and 'job="resnet"' in line and 'rank="0"' in line
@@ -155,10 +159,11 @@ def test_port_from_environment(dataset, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         monkeypatch.setenv("STOKER_METRICS_PORT", str(busy.getsockname()[1]))
-        ld = stoker.Loader(dataset, 8, num_workers=0, image_size=32)
+        ld = stoker.Loader(dataset, 8, num_workers=0,
+                       image=stoker.ImageOptions(image_size=32))
         assert ld.metrics_url is None
         with pytest.raises(OSError, match="metrics_port"):  # asked for in the code: an error
-            stoker.Loader(dataset, 8, num_workers=0, metrics_port=busy.getsockname()[1])
+            stoker.Loader(dataset, 8, num_workers=0, run=stoker.RunOptions(metrics_port=busy.getsockname()[1]))
 
 
 def test_loader_works_without_prometheus_client(packed_local, tmp_path):
@@ -167,10 +172,10 @@ import sys
 sys.modules["prometheus_client"] = None  # not installed
 import stoker
 ds = stoker.open_dataset({packed_local!r}, cache=False)
-ld = stoker.Loader(ds, 16, num_workers=0, image_size=32)
+ld = stoker.Loader(ds, 16, num_workers=0, image=stoker.ImageOptions(image_size=32))
 assert len(next(iter(ld))[1]) == 16
 try:
-    stoker.Loader(ds, 16, num_workers=0, metrics_port=0)
+    stoker.Loader(ds, 16, num_workers=0, run=stoker.RunOptions(metrics_port=0))
 except ImportError as exc:
     assert "stoker[metrics]" in str(exc), exc
     print("ok")
@@ -270,12 +275,14 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
         if os.environ.get("CI"):
             pytest.fail("prometheus is not installed (scripts/system_deps.sh installs it for make test)")
         pytest.skip("prometheus is not installed (Debian package 'prometheus'; `make test` installs it)")
-    ld = stoker.Loader(dataset, 4, num_workers=1, image_size=32, metrics_port=0)
+    ld = stoker.Loader(dataset, 4, num_workers=1, image=stoker.ImageOptions(image_size=32),
+                       run=stoker.RunOptions(metrics_port=0))
     prom_port = _free_port()
+    port = urllib.parse.urlparse(ld.metrics_url).port
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 500ms, scrape_timeout: 450ms}\n"
         "scrape_configs:\n"
-        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{ld._metrics.port}']}}]\n")
+        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")
     proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{prom_port}"],
@@ -296,12 +303,12 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
             assert time.monotonic() < deadline, "prometheus did not scrape the loader"
             time.sleep(0.2)  # scraped twice: the series covers what follows
         window_s = 5.0
-        marks = [(time.time(), ld._live.snapshot()["samples"])]  # (wall time, the loader's own count)
+        marks = [(time.time(), ld.live_figures()["samples"])]  # (wall time, the loader's own count)
         t_end = time.time() + window_s + 1.5
         while marks[-1][0] < t_end:
             for _ in ld:
                 time.sleep(0.05)
-                marks.append((time.time(), ld._live.snapshot()["samples"]))
+                marks.append((time.time(), ld.live_figures()["samples"]))
                 if marks[-1][0] >= t_end:
                     break
         at = marks[-1][0] - 0.5

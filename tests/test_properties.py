@@ -152,12 +152,12 @@ configs = st.fixed_dictionaries({
 
 
 def _loader(urls, cache_dir, cfg, workers, ds=None, rank=None):
-    from stoker import Loader, open_dataset
+    from stoker import ImageOptions, Loader, ReadOptions, RunOptions, open_dataset
     ds = ds or open_dataset(urls[cfg["n"]], cache_dir=cache_dir, cache_bytes=64 << 20)
-    return Loader(ds, batch_size=cfg["batch_size"], num_workers=workers, transform="eval", image_size=8,
-                  seed=cfg["seed"], order=cfg["order"], rank=int(cfg["rank_frac"] * cfg["world"]) if rank is None else rank,
-                  world_size=cfg["world"], even=cfg["even"], drop_last=cfg["drop_last"], timeout_s=60,
-                  on_error="skip")
+    return Loader(ds, batch_size=cfg["batch_size"], num_workers=workers, transform="eval", seed=cfg["seed"],
+                  rank=int(cfg["rank_frac"] * cfg["world"]) if rank is None else rank, world_size=cfg["world"],
+                  drop_last=cfg["drop_last"], read=ReadOptions(order=cfg["order"], even=cfg["even"]),
+                  image=ImageOptions(image_size=8), run=RunOptions(timeout_s=60, on_error="skip"))
 
 
 def _run(loader, stop: int | None = None, cap: int | None = None):

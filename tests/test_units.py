@@ -101,8 +101,10 @@ def test_loader_takes_size_strings(tmp_path):
         Image.fromarray(np.full((8, 8, 3), i * 40, np.uint8)).save(src / f"{i}.jpg")
     stoker.pack(str(tmp_path / "src"), str(tmp_path / "ds"))
     ds = stoker.open_dataset(str(tmp_path / "ds"), cache=False)
-    ld = stoker.Loader(ds, batch_size=2, num_workers=0, image_size=8, prefetch_bytes="32MiB",
-                       staging_bytes="1.5 MiB", cache_form_bytes="1GiB")
+    ld = stoker.Loader(ds, batch_size=2, num_workers=0,
+                       read=stoker.ReadOptions(prefetch_bytes="32MiB", staging_bytes="1.5 MiB"),
+                       image=stoker.ImageOptions(image_size=8, cache_form_bytes="1GiB"))
     assert (ld.prefetch_bytes, ld.staging_bytes, ld.cache_form_bytes) == (32 << 20, 3 << 19, 1 << 30)
     with pytest.raises(ValueError, match="staging_bytes"):
-        stoker.Loader(ds, batch_size=2, num_workers=0, image_size=8, staging_bytes="some")
+        stoker.Loader(ds, batch_size=2, num_workers=0, read=stoker.ReadOptions(staging_bytes="some"),
+                      image=stoker.ImageOptions(image_size=8))

@@ -1,7 +1,8 @@
 """stoker: keeps deep-learning accelerators fed with training data.
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
-:class:`Loader` (decoded, augmented batches as torch tensors), :func:`pack`,
+:class:`Loader` (decoded, augmented batches as torch tensors; its option groups
+:class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack`,
 :mod:`collate` (built-in collates for ``Loader(collate=...)``), :func:`parse_size` (``"64MiB"`` ->
 bytes; every byte-size argument accepts such strings), and every
 public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
@@ -14,7 +15,7 @@ from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheMode
                      PackLeaseLostError, PeerUnavailable, SampleFnError, ServiceStartError, SharedMemoryError,
                      SourceArchiveError, SourceError, SourceNotFoundError, StokerError, UnsafePathError, WorkerError)
 from . import collate
-from .loader import EpochStats, Loader
+from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
 
@@ -35,6 +36,7 @@ __all__ = [
     "EpochStats",
     "ExtenderRequestError",
     "ForkUnsafeError",
+    "ImageOptions",
     "ImageTooLarge",
     "IndexFormatError",
     "Loader",
@@ -45,6 +47,8 @@ __all__ = [
     "PackLeaseError",
     "PackLeaseLostError",
     "PeerUnavailable",
+    "ReadOptions",
+    "RunOptions",
     "SampleFnError",
     "ServiceStartError",
     "SharedMemoryError",

@@ -5,7 +5,7 @@ Exposition goes through ``prometheus-client`` (the ``metrics`` extra, ``pip inst
 only ``metrics_port=`` raises ImportError. Names follow Prometheus' conventions: the ``stoker_``
 prefix, base units (``_bytes``, ``_seconds``), ``_total`` on counters.
 
-**Loader** (``Loader(metrics_port=...)`` or ``$STOKER_METRICS_PORT``; address
+**Loader** (``Loader(run=RunOptions(metrics_port=...))`` or ``$STOKER_METRICS_PORT``; address
 ``$STOKER_METRICS_ADDR``, default 127.0.0.1): the counters are read at scrape time from the
 loader's :class:`stoker.loader.live.LiveTotals`, which sums the counters the pipeline already
 gathers from its processes (each decode worker's cumulative counters travel with its replies,

@@ -144,14 +144,14 @@ def test_stale_version_never_served(tmp_path, sample_tree):
 
 
 def test_memory_tier_over_disk_tier(tmp_path, packed_local):
-    from stoker import Loader
+    from stoker import Loader, ReadOptions
     mem_dir, disk_dir = tmp_path / "shm", tmp_path / "disk"
     probe = open_dataset(packed_local, cache=False, block_bytes=128 << 10)
     D = int((probe.block_end - probe.block_start).sum())
     mem, disk = D // 3, D // 3
     ds = open_dataset(packed_local, cache_dir=str(disk_dir), cache_bytes=disk, memory_bytes=mem,
                       memory_dir=str(mem_dir), block_bytes=128 << 10)
-    with Loader(ds, 16, num_workers=2, transform="eval", staging_bytes=128 << 10) as loader:
+    with Loader(ds, 16, num_workers=2, transform="eval", read=ReadOptions(staging_bytes=128 << 10)) as loader:
         for _ in range(3):
             assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
             assert _usage_on_disk(mem_dir) <= mem and _usage_on_disk(disk_dir) <= disk  # each budget holds

@@ -192,12 +192,12 @@ def test_memory_tier_larger_than_shm_falls_back_to_the_disk_tier(tmp_path, monke
 
 
 def test_loader_epoch_completes_once_on_a_disk_that_fills_up(tmp_path, packed_local, monkeypatch):
-    from stoker import Loader, open_dataset
+    from stoker import ImageOptions, Loader, RunOptions, open_dataset
     monkeypatch.setattr(_atomic, "write_fd", _FullAfter(allow=1))  # in the forked prefetcher too
     cache_dir = str(tmp_path / "c")
     ds = open_dataset(packed_local, cache_dir=cache_dir, cache_bytes=1 << 30, block_bytes=256 << 10)
-    ld = Loader(ds, batch_size=16, num_workers=0, transform="eval", image_size=32, start_method="fork",
-                timeout_s=60)
+    ld = Loader(ds, batch_size=16, num_workers=0, transform="eval", image=ImageOptions(image_size=32),
+                run=RunOptions(start_method="fork", timeout_s=60))
     try:
         for _ in range(2):
             n = sum(len(labels) for _, labels in ld)
@@ -213,8 +213,8 @@ _TMPFS_CHILD = textwrap.dedent("""
     import stoker
     url, cache_dir, mem = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ds = stoker.open_dataset(url, cache_dir=cache_dir, cache_bytes=1 << 30, memory_bytes=mem, block_bytes=256 << 10)
-    ld = stoker.Loader(ds, batch_size=16, num_workers=0, transform="eval", image_size=32, timeout_s=60,
-                       start_method="fork")
+    ld = stoker.Loader(ds, batch_size=16, num_workers=0, transform="eval", image=stoker.ImageOptions(image_size=32),
+                       run=stoker.RunOptions(timeout_s=60, start_method="fork"))
     n = sum(len(labels) for _, labels in ld)
     ld.close()
     tmp = [p for p in glob.glob(cache_dir + "/**", recursive=True) + glob.glob("/dev/shm/**", recursive=True)

@@ -150,7 +150,9 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
 
 
 def _loader_epoch(ctx):
-    loader = ctx.loader(8, num_workers=1, image_size=32, transform="eval", prefetch_bytes=1 << 20)
+    from stoker import ImageOptions, ReadOptions
+    loader = ctx.loader(8, num_workers=1, transform="eval", image=ImageOptions(image_size=32),
+                        read=ReadOptions(prefetch_bytes=1 << 20))
     try:
         for _ in loader:
             pass

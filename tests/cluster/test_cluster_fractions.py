@@ -8,7 +8,7 @@ import numpy as np
 
 from stoker.cluster.counters import ByteCounters, fractions
 from stoker.cluster.reader import BlockRouter
-from stoker.loader import Loader
+from stoker.loader import Loader, ReadOptions
 from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 
@@ -31,7 +31,7 @@ def test_local_peer_origin_add_up_to_the_bytes_read(packed_local, tmp_path):
         ds = ds.with_reader(BlockReader(ds, router=router))  # as a rank reads (stoker.cluster.job)
         # prefetch_next_epoch=False: the next epoch's first batches would be read (and counted)
         # inside this epoch's window, and the test compares each window with its epoch's plan
-        with Loader(ds, 16, num_workers=2, seed=3, prefetch_next_epoch=False) as loader:
+        with Loader(ds, 16, num_workers=2, seed=3, read=ReadOptions(prefetch_next_epoch=False)) as loader:
             epochs = [_epoch(loader, counters) for _ in range(2)]
             plans = [loader.plan(e) for e in range(2)]
         for d, plan in zip(epochs, plans, strict=True):

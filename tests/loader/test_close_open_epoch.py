@@ -12,7 +12,7 @@ def test_an_epoch_iterator_held_past_close_ends_at_close_not_at_exit(packed_loca
         import stoker
         from stoker.store.dataset import open_dataset
         ds = open_dataset({packed_local!r}, cache=False)
-        with stoker.Loader(ds, batch_size=4, num_workers=2, seed=0, image_size=32) as loader:
+        with stoker.Loader(ds, batch_size=4, num_workers=2, seed=0, image=stoker.ImageOptions(image_size=32)) as loader:
             it = iter(loader)
             next(it)
         print("samples", loader.stats.samples)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from stoker import Loader, open_dataset
+from stoker import ImageOptions, Loader, ReadOptions, open_dataset
 from stoker.cache.staging import StagingArea
 from stoker.loader import inflight as infl
 from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
@@ -61,7 +61,8 @@ def test_a_cold_epoch_reads_each_block_once_with_a_small_cache(where, fraction, 
     ds = open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=budget, block_bytes=BLOCK)
     dataset_bytes = _block_bytes(ds)
     assert dataset_bytes > 1.5 * budget
-    with Loader(ds, 16, num_workers=2, transform="eval", image_size=32, prefetch_next_epoch=False) as loader:
+    with Loader(ds, 16, num_workers=2, transform="eval", read=ReadOptions(prefetch_next_epoch=False),
+                image=ImageOptions(image_size=32)) as loader:
         assert sum(len(y) for _, y in loader) == len(ds)
         cold = loader.stats
         assert _once(cold.origin_bytes, ds), (cold.origin_bytes, dataset_bytes)  # every block once, none twice

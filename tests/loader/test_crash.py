@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from stoker import Loader, open_dataset
+from stoker import Loader, RunOptions, open_dataset
 from stoker.loader.shm import SHM_DIR
 
 CHILD = """
@@ -33,7 +33,7 @@ def test_sigkilled_loader_leaves_nothing_blocking(packed_local, tmp_path):
     proc.wait(10)
     time.sleep(0.2)
     ds = open_dataset(packed_local, cache_dir=cache, cache_bytes=64 << 20, block_bytes=64 << 10)
-    with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=30) as loader:
+    with Loader(ds, 8, num_workers=2, transform="eval", run=RunOptions(timeout_s=30)) as loader:
         assert sum(len(y) for _, y in loader) == len(ds)
         assert loader.stats.exactly_once
         # the dead loader's shared-memory slots were found and removed
@@ -72,7 +72,7 @@ ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20)
 loader = Loader(ds, 8, num_workers=2, transform="eval")
 it = iter(loader)
 next(it)
-print(" ".join(str(p.pid) for p in loader._workers + [loader._prefetcher]), flush=True)
+print(" ".join(str(pid) for pid in loader.processes.pids()), flush=True)
 time.sleep(60)
 """
 

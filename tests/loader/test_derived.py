@@ -14,7 +14,7 @@ from stoker.decode import decode_image
 from stoker.decode.choose import _fidelity_rank, choose_form, measure_forms
 from stoker.decode.forms import HEADER_BYTES, SAME, EntryError, Form, make_entry, parse_form, read_entry, resolution_cap
 from stoker.decode.transforms import eval_transform, train_transform
-from stoker.loader import Loader
+from stoker.loader import ImageOptions, Loader, ReadOptions
 from stoker.loader.derived import DerivedCache, transform_image
 from stoker.order import sample_seed
 from stoker.store.dataset import open_dataset
@@ -205,10 +205,10 @@ def _epoch_arrays(loader):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_fills_then_decodes_from_derived(tmp_path, packed_local, workers):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30)
-    kw = dict(batch_size=16, num_workers=workers, seed=1, shuffle=False, prefetch_next_epoch=False)
+    kw = dict(batch_size=16, num_workers=workers, seed=1, shuffle=False, read=ReadOptions(prefetch_next_epoch=False))
     with Loader(ds, **kw) as plain:
         want0, _ = _epoch_arrays(plain)
-    with Loader(ds, cache_form="jpeg256", cache_form_bytes=1 << 30, **kw) as lo:
+    with Loader(ds, **kw, image=ImageOptions(cache_form="jpeg256", cache_form_bytes=1 << 30)) as lo:
         got0, _ = _epoch_arrays(lo)
         assert np.array_equal(got0, want0)  # misses: the raw path, byte-identical
         assert lo.stats.derived_fills == len(ds) and lo.stats.derived_hits == 0
@@ -247,7 +247,8 @@ def test_auto_choice_and_zero_budget(tmp_path, packed_local):
     assert r["rate_per_core"] * r["min_gain"] >= top  # within min_gain of the fastest ...
     order = sorted(r["forms"], key=_fidelity_rank)  # ... and the most faithful such form
     assert all(r["forms"][k]["rate_per_core"] * r["min_gain"] < top for k in order[: order.index(r["choice"])])
-    with Loader(ds, 16, num_workers=0, cache_form="auto", cache_form_bytes=0, cache_form_dir=str(tmp_path / "d")) as lo:
+    with Loader(ds, 16, num_workers=0,
+                image=ImageOptions(cache_form="auto", cache_form_bytes=0, cache_form_dir=str(tmp_path / "d"))) as lo:
         next(iter(lo))
         assert lo.cache_form_report["choice"] == "raw" and lo.cfg.derived is None
 
@@ -255,4 +256,4 @@ def test_auto_choice_and_zero_budget(tmp_path, packed_local):
 def test_loader_rejects_unknown_form(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
     with pytest.raises(ValueError, match="unknown sample form 'webp'"):
-        Loader(ds, 4, cache_form="webp")
+        Loader(ds, 4, image=ImageOptions(cache_form="webp"))

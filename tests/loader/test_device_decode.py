@@ -9,7 +9,7 @@ from test_transfer import _fake_decoder
 
 from stoker.decode import DecodeError, decode_image, eval_transform
 from stoker.decode.gpu import GpuJpegDecoder
-from stoker.loader import Loader
+from stoker.loader import ImageOptions, Loader, RunOptions
 from stoker.order import sample_seed
 from stoker.store.dataset import open_dataset
 
@@ -27,7 +27,7 @@ def test_batches_are_the_device_decode_of_the_plan(packed_local, tmp_path, worke
     calls = []
     dec = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), calls))
     ref = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
-    with Loader(ds, 16, num_workers=workers, transform=mode, seed=3, decode_device=dec) as loader:
+    with Loader(ds, 16, num_workers=workers, transform=mode, seed=3, image=ImageOptions(decode_device=dec)) as loader:
         plan = loader.plan(0)
         batches = [(x.clone(), y.clone()) for x, y in loader]
         assert loader.stats.exactly_once and loader.stats.samples == len(ds)
@@ -53,7 +53,7 @@ def test_workers_do_not_decode(packed_local, tmp_path, monkeypatch):
     monkeypatch.setattr("stoker.decode.decode_transform", boom)
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     dec = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
-    with Loader(ds, 16, num_workers=2, decode_device=dec) as loader:
+    with Loader(ds, 16, num_workers=2, image=ImageOptions(decode_device=dec)) as loader:
         assert sum(len(y) for _, y in loader) == len(ds)
 
 
@@ -62,12 +62,13 @@ def test_shared_cases_fall_back_per_sample(cases_packed, tmp_path):
     truncated); the truncated file is an error naming its key, or with skip, skipped and counted."""
     ds = open_dataset(cases_packed, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     dec = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
-    with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, decode_device=dec) as loader:
+    with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, image=ImageOptions(decode_device=dec)) as loader:
         with pytest.raises(DecodeError, match="pillow/truncated_jpeg"):
             for _ in loader:
                 pass
     dec = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
-    with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, on_error="skip", decode_device=dec) as loader:
+    with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, image=ImageOptions(decode_device=dec),
+                run=RunOptions(on_error="skip")) as loader:
         got = sum(len(y) for _, y in loader)
         assert got == len(ds) - 1
         assert loader.stats.skipped == 1 and loader.stats.skipped_keys == ["pillow/truncated_jpeg"]
@@ -78,21 +79,23 @@ def test_shared_cases_fall_back_per_sample(cases_packed, tmp_path):
 def test_decode_device_with_cache_form_is_refused(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
     with pytest.raises(ValueError, match="cache_form"):
-        Loader(ds, 4, cache_form="rgb", decode_device=GpuJpegDecoder("cpu", _fake_decoder(set(), set(), [])))
+        Loader(ds, 4,
+               image=ImageOptions(cache_form="rgb",
+                                  decode_device=GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_decode_device_cuda_without_cuda_is_a_clear_error(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        Loader(ds, 4, decode_device="cuda")
+        Loader(ds, 4, image=ImageOptions(decode_device="cuda"))
 
 
 def test_decode_device_validated_at_construction(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
     for bad in ("cpu", "gpu", object()):
         with pytest.raises(ValueError, match="decode_device"):
-            Loader(ds, 4, decode_device=bad)
+            Loader(ds, 4, image=ImageOptions(decode_device=bad))
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
-            Loader(ds, 4, decode_device=torch.device("cuda"))
+            Loader(ds, 4, image=ImageOptions(decode_device=torch.device("cuda")))

@@ -13,7 +13,7 @@ import pytest
 
 from stoker import _procs as procs
 from stoker._procs import ForkUnsafeError, describe_exit, fork_hazards, pick_start_method
-from stoker.loader import Loader
+from stoker.loader import Loader, RunOptions
 
 ALL = ["fork", "spawn", "forkserver"]
 
@@ -40,10 +40,11 @@ def test_explicit_fork_fails_at_construction(monkeypatch, packed_local):
     monkeypatch.setattr(procs, "thread_names", lambda: ["python", "tokio-runtime-w"])
     ds = open_dataset(packed_local)
     with pytest.raises(ForkUnsafeError, match="start_method='fork' is unsafe here: .*tokio-runtime-w"):
-        Loader(ds, batch_size=8, num_workers=1, start_method="fork")
+        Loader(ds, batch_size=8, num_workers=1, run=RunOptions(start_method="fork"))
     ld = Loader(ds, batch_size=8, num_workers=1)  # chosen when the processes start
     assert ld.start_method == "forkserver"
-    assert Loader(ds, batch_size=8, num_workers=0, start_method="fork").start_method == "fork"  # no processes
+    no_procs = Loader(ds, batch_size=8, num_workers=0, run=RunOptions(start_method="fork"))
+    assert no_procs.start_method == "fork"  # no processes
 
 
 def test_signal_deaths_are_named():
@@ -88,8 +89,8 @@ def test_epoch_completes_after_the_user_ran_obstore(s3_packed, tmp_path):
         if __name__ == "__main__":
             ds = stoker.open_dataset({url!r}, storage_options={opts!r}, cache_dir={str(tmp_path / 'c')!r},
                                      cache_bytes=64 << 20)
-            with stoker.Loader(ds, batch_size=16, num_workers=1, transform="eval", image_size=32,
-                               timeout_s=40) as ld:
+            with stoker.Loader(ds, batch_size=16, num_workers=1, transform="eval",
+                               image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(timeout_s=40)) as ld:
                 n = sum(len(labels) for _, labels in ld)
                 print("samples", n, len(ds), ld.start_method)
     """)

@@ -93,4 +93,4 @@ def test_gate_holds_threads_to_the_target_and_feeds_it():
     with ThreadPoolExecutor(10) as pool:
         out = list(pool.map(lambda _: gate.run(request, 1 << 20, lambda st: st == "filled"), range(30)))
     assert out == ["filled"] * 30 and peak[0] == 3 and gate.active == 0
-    assert gate.target._n == 30 and gate.target.latency_s >= 0.01
+    assert gate.target.observed == 30 and gate.target.latency_s >= 0.01

@@ -9,12 +9,19 @@ from stoker.loader.live import LiveTotals
 
 
 class _Run:
-    def __init__(self):
-        self.totals = {}
-        self._restarts, self._pf_restarts = [0], 0
+    """The part of :class:`stoker.loader._run.Run` that LiveTotals reads."""
 
-    def _totals(self):
-        return dict(self.totals)
+    def __init__(self):
+        self.counters = {}
+
+    def totals(self):
+        return dict(self.counters)
+
+    def restarts(self):
+        return 0, 0
+
+    def prefetch_ledger(self, plan):
+        return {}
 
 
 def test_totals_add_up_over_epochs_and_never_drop():
@@ -23,7 +30,7 @@ def test_totals_add_up_over_epochs_and_never_drop():
     assert live.snapshot()["samples"] == 0 and live.snapshot()["epoch"] is None
     s0 = EpochStats(epoch=0)
     live.begin(run, s0, {"origin_bytes": 0}, [0.0], time.perf_counter())
-    s0.samples, run.totals = 8, {"origin_bytes": 100, "cache_hits": 6, "cache_misses": 2}
+    s0.samples, run.counters = 8, {"origin_bytes": 100, "cache_hits": 6, "cache_misses": 2}
     snap = live.snapshot()
     assert (snap["samples"], snap["origin_bytes"], snap["epoch"]) == (8, 100, 0)
     assert snap["cache_hit_ratio"] == 0.75
@@ -34,6 +41,6 @@ def test_totals_add_up_over_epochs_and_never_drop():
     assert live.snapshot()["origin_bytes"] == 100  # not 80 for a moment: a counter never drops
     s1 = EpochStats(epoch=1)
     live.begin(run, s1, {"origin_bytes": 80, "cache_hits": 6, "cache_misses": 2}, [0.0], time.perf_counter())
-    s1.samples, run.totals = 4, {"origin_bytes": 130, "cache_hits": 10, "cache_misses": 2}
+    s1.samples, run.counters = 4, {"origin_bytes": 130, "cache_hits": 10, "cache_misses": 2}
     snap = live.snapshot()
     assert (snap["samples"], snap["origin_bytes"], snap["cache_hits"], snap["epochs"]) == (12, 130, 10, 1)

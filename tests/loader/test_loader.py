@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker import Loader, WorkerError, open_dataset
+from stoker import ImageOptions, Loader, ReadOptions, RunOptions, WorkerError, open_dataset
 from stoker.decode import decode_transform
 from stoker.order import sample_seed
 
@@ -42,7 +42,8 @@ def test_ranks_get_equal_counts_and_cover_the_dataset(packed_local, world):
     ds = open_dataset(packed_local, cache=False)
     counts, union = set(), []
     for rank in range(world):
-        loader = Loader(ds, 32, num_workers=0, rank=rank, world_size=world, transform="eval", seed=1, epoch=4)
+        loader = Loader(ds, 32, num_workers=0, rank=rank, world_size=world, transform="eval", seed=1)
+        loader.set_epoch(4)
         n = sum(len(y) for _, y in loader)
         counts.add(n)
         union.extend(loader.plan(4).tolist())
@@ -70,7 +71,7 @@ def test_train_augmentation_is_deterministic_and_independent_of_workers(packed_l
 
 def test_batches_the_user_keeps_are_never_overwritten(packed_local, tmp_path):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    with Loader(ds, 8, num_workers=2, transform="eval", prefetch_batches=2) as loader:
+    with Loader(ds, 8, num_workers=2, transform="eval", read=ReadOptions(prefetch_batches=2)) as loader:
         plan = loader.plan()
         kept = list(loader)  # 15 batches held at once: far more than the slot ring
     for k, (images, _) in enumerate(kept):
@@ -81,7 +82,7 @@ def test_cache_smaller_than_dataset(packed_local, tmp_path):
     budget = 300 << 10
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=budget, block_bytes=64 << 10)
     assert ds.index.total_bytes > 4 * budget
-    with Loader(ds, 16, num_workers=2, transform="eval", staging_bytes=256 << 10) as loader:
+    with Loader(ds, 16, num_workers=2, transform="eval", read=ReadOptions(staging_bytes=256 << 10)) as loader:
         for _ in range(2):
             assert sum(len(y) for _, y in loader) == len(ds)
             assert loader.stats.exactly_once
@@ -97,13 +98,13 @@ def test_cases_decode_or_fail_naming_the_key(cases_packed, tmp_path):
         with pytest.raises(WorkerError, match="pillow/truncated_jpeg"):
             for _ in loader:
                 pass
-    with Loader(ds, 4, num_workers=2, transform="eval", on_error="skip", shuffle=False) as loader:
+    with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, run=RunOptions(on_error="skip")) as loader:
         got = sum(len(y) for _, y in loader)
         assert got == len(ds) - 1
         assert loader.stats.skipped == 1 and loader.stats.skipped_keys == ["pillow/truncated_jpeg"]
         assert not loader.stats.exactly_once  # honest: one sample was not delivered
     for workers in (0, 2):  # a batch whose only sample is skipped is not yielded as an empty batch
-        with Loader(ds, 1, num_workers=workers, transform="eval", on_error="skip", shuffle=False) as loader:
+        with Loader(ds, 1, num_workers=workers, transform="eval", shuffle=False, run=RunOptions(on_error="skip")) as loader:
             sizes = [len(y) for _, y in loader]
             assert sizes == [1] * (len(ds) - 1) and loader.stats.skipped == 1
 
@@ -112,12 +113,12 @@ def test_killed_worker_or_prefetcher_is_replaced(packed_local, tmp_path):
     """A SIGKILLed worker and then the prefetcher are replaced: the epoch delivers every sample once
     (tests/loader/test_respawn.py checks order, pixels and the bounds)."""
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    with Loader(ds, 4, num_workers=2, transform="eval", timeout_s=30) as loader:
+    with Loader(ds, 4, num_workers=2, transform="eval", run=RunOptions(timeout_s=30)) as loader:
         it = iter(loader)
         n = len(next(it)[1])
-        os.kill(loader._workers[1].pid, signal.SIGKILL)
+        os.kill(loader.processes.workers[1].pid, signal.SIGKILL)
         n += len(next(it)[1])
-        os.kill(loader._prefetcher.pid, signal.SIGKILL)
+        os.kill(loader.processes.prefetcher.pid, signal.SIGKILL)
         n += sum(len(y) for _, y in it)
         assert n == len(ds) and loader.stats.exactly_once
         assert loader.stats.worker_restarts == 1 and loader.stats.prefetcher_restarts == 1
@@ -143,7 +144,7 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origi
         ds.read(0)
     with pytest.raises(OriginError, match="index.parquet"):
         open_dataset(url, cache=False, storage_options=opts)
-    with Loader(ds, 8, num_workers=2, transform="eval", timeout_s=60) as loader:
+    with Loader(ds, 8, num_workers=2, transform="eval", run=RunOptions(timeout_s=60)) as loader:
         with pytest.raises(WorkerError, match="OriginError") as err:
             next(iter(loader))
         cause = err.value.__cause__
@@ -229,16 +230,20 @@ def test_an_epoch_cut_short_is_not_replayed(packed_local):
 
 def test_bad_arguments_are_refused(packed_local):
     ds = open_dataset(packed_local, cache=False)
-    for kwargs in ({"image_size": 0}, {"order": "bogus"}, {"transform": "x"}, {"on_error": "ignore"},
-                   {"num_workers": -1}, {"rank": 3, "world_size": 2}):
+    for make in (lambda: Loader(ds, 8, image=ImageOptions(image_size=0)),
+                 lambda: Loader(ds, 8, read=ReadOptions(order="bogus")),
+                 lambda: Loader(ds, 8, transform="x"),
+                 lambda: Loader(ds, 8, run=RunOptions(on_error="ignore")),
+                 lambda: Loader(ds, 8, num_workers=-1),
+                 lambda: Loader(ds, 8, rank=3, world_size=2)):
         with pytest.raises(ValueError):
-            Loader(ds, 8, **kwargs)
+            make()
 
 
 def test_cache_aware_order_is_exactly_once_and_resumable(packed_local, tmp_path):
     budget = 2 << 20
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=budget, block_bytes=128 << 10)
-    cfg = dict(num_workers=2, transform="eval", seed=4, cache_aware_window=40)
+    cfg = dict(num_workers=2, transform="eval", seed=4, read=ReadOptions(cache_aware_window=40))
     with Loader(ds, 8, **cfg) as loader:
         list(loader)  # the cold epoch fills the cache up to the budget
         plain = loader.plan(1)
@@ -282,7 +287,7 @@ def test_worker_error_names_the_corrupt_sample_not_its_block_neighbour(packed_lo
     raw[int(ds.index.offset[bad]) + 10] ^= 0x01
     shard.write_bytes(bytes(raw))
     ds = open_dataset(str(dst), cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30, check=False)
-    loader = Loader(ds, 8, num_workers=2, seed=3, timeout_s=60)
+    loader = Loader(ds, 8, num_workers=2, seed=3, run=RunOptions(timeout_s=60))
     with pytest.raises(WorkerError) as err:
         for _ in loader:
             pass
@@ -309,7 +314,7 @@ def test_a_checksum_failure_in_a_worker_raises_with_the_checksum_error_as_cause(
         f.write(bytes([b[0] ^ 0xFF]))
     for on_error in ("raise", "skip"):
         ds = open_dataset(str(copy), cache_dir=str(tmp_path / f"c-{on_error}"), cache_bytes=64 << 20)
-        with Loader(ds, 8, num_workers=2, transform="eval", on_error=on_error) as loader:
+        with Loader(ds, 8, num_workers=2, transform="eval", run=RunOptions(on_error=on_error)) as loader:
             with pytest.raises(WorkerError, match="ChecksumError") as err:
                 for _ in loader:
                     pass

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import stoker
-from stoker.loader import EpochStats, Loader, WorkerError
+from stoker.loader import EpochStats, ImageOptions, Loader, RunOptions, WorkerError
 from stoker.loader.config import WorkerConfig
 from stoker.loader.state import IDENTITY_KEYS, LoaderState
 from stoker.store.dataset import open_dataset
@@ -21,7 +21,8 @@ def test_public_names_stay_where_they_were():
 
 
 def test_worker_config_is_frozen_and_pickles(packed_local):
-    ld = Loader(open_dataset(packed_local), batch_size=4, num_workers=0, transform="eval", image_size=32)
+    ld = Loader(open_dataset(packed_local), batch_size=4, num_workers=0, transform="eval",
+                image=ImageOptions(image_size=32))
     cfg = ld.cfg
     assert isinstance(cfg, WorkerConfig)
     assert (cfg.transform, cfg.image_size, cfg.batch_size, cfg.decode_on, cfg.derived) == ("eval", 32, 4, "cpu", None)
@@ -51,14 +52,15 @@ def test_an_epoch_after_close_is_served_by_a_new_pipeline(packed_local):
     iter() starts new processes and serves the whole next epoch (the early batches went to the
     stopped workers and must not be waited for)."""
     ds = open_dataset(packed_local)
-    ld = Loader(ds, batch_size=8, num_workers=1, transform="eval", image_size=32, shuffle=False, timeout_s=10)
+    ld = Loader(ds, batch_size=8, num_workers=1, transform="eval", shuffle=False, image=ImageOptions(image_size=32),
+                run=RunOptions(timeout_s=10))
     try:
         first = np.concatenate([lab.numpy() for _, lab in ld])
-        old = [p.pid for p in ld._workers]
+        old = [p.pid for p in ld.processes.workers]
         ld.close()
-        assert ld._workers == [] and ld._ring is None
+        assert ld.processes.workers == () and ld.pipeline is None
         second = np.concatenate([lab.numpy() for _, lab in ld])
-        assert [p.pid for p in ld._workers] != old
+        assert [p.pid for p in ld.processes.workers] != old
         assert len(first) == len(second) == len(ds)
         assert (second == ds.index.labels[ld.plan(1)]).all()
         assert [s.epoch for s in ld.history] == [0, 1]

@@ -9,8 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from stoker import Loader, WorkerError, open_dataset
-from stoker.loader.respawn import MAX_PREFETCHER_RESTARTS, MAX_WORKER_RESTARTS
+from stoker import ImageOptions, Loader, RunOptions, WorkerError, open_dataset
+from stoker.loader.pool import MAX_WORKER_RESTARTS
+from stoker.loader.prefetcher import MAX_PREFETCHER_RESTARTS
 
 N = 48
 
@@ -36,7 +37,8 @@ def flat(tmp_path_factory) -> str:
 
 def _loader(url, cache_dir, **kw):
     ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=64 << 20, block_bytes=1 << 10)
-    return Loader(ds, 4, num_workers=2, transform="eval", image_size=8, seed=3, timeout_s=60, **kw)
+    return Loader(ds, 4, num_workers=2, transform="eval", seed=3, **kw, image=ImageOptions(image_size=8),
+                  run=RunOptions(timeout_s=60))
 
 
 def _consume(loader, it) -> list:
@@ -61,7 +63,7 @@ def test_sigkilled_worker_is_replaced_and_its_batches_decoded_again(flat, tmp_pa
     loader = _loader(flat, str(tmp_path))
     with loader:
         it = iter(loader)
-        victim = loader._workers[1]
+        victim = loader.processes.workers[1]
         os.kill(victim.pid, signal.SIGSTOP)  # it takes batches but answers none
         killer = threading.Timer(0.5, os.kill, (victim.pid, signal.SIGKILL))
         killer.start()
@@ -70,19 +72,19 @@ def test_sigkilled_worker_is_replaced_and_its_batches_decoded_again(flat, tmp_pa
         assert got == loader.plan(0).tolist()  # every sample once, in plan order
         assert loader.stats.exactly_once
         assert loader.stats.worker_restarts == 1 and loader.stats.prefetcher_restarts == 0
-        assert victim not in loader._workers and all(p.is_alive() for p in loader._workers)
+        assert victim not in loader.processes.workers and all(p.is_alive() for p in loader.processes.workers)
         # the next epoch starts with a fresh bound and the replacement works
         assert _consume(loader, iter(loader)) == loader.plan(1).tolist()
         assert loader.stats.worker_restarts == 0
 
 
 def _die_on(sample_number: int, marker: str | None):
-    """A BatchDecoder._one that writes a wrong colour into the slot and SIGKILLs its process on
+    """A BatchDecoder.decode_sample that writes a wrong colour into the slot and SIGKILLs its process on
     sample ``sample_number`` (once, if ``marker`` is a path: the first process to create it dies)."""
     from stoker.loader.workers import BatchDecoder
-    real = BatchDecoder._one
+    real = BatchDecoder.decode_sample
 
-    def _one(self, sid, key, mode, rng, size, out):
+    def decode_sample(self, sid, key, mode, rng, size, out):
         if key.endswith(f"s{sample_number:03d}.png") or key.endswith(f"s{sample_number:03d}"):
             die = True
             if marker is not None:
@@ -94,18 +96,18 @@ def _die_on(sample_number: int, marker: str | None):
                 out[...] = 255  # a half-written slot: never delivered
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(self, sid, key, mode, rng, size, out)
-    return _one
+    return decode_sample
 
 
 def _forked(loader) -> bool:
-    return loader._pipeline.start_method == "fork"
+    return loader.pipeline.start_method == "fork"
 
 
 def test_worker_killed_mid_batch_never_delivers_the_half_written_slot(flat, tmp_path, monkeypatch):
     loader = _loader(flat, str(tmp_path / "cache"))
     victim = int(loader.plan(0)[5])  # in the second batch, after one sample of it was written
     number = int(loader.dataset.key(victim).rsplit("/s", 1)[1][:3])
-    monkeypatch.setattr("stoker.loader.workers.BatchDecoder._one", _die_on(number, str(tmp_path / "died")))
+    monkeypatch.setattr("stoker.loader.workers.BatchDecoder.decode_sample", _die_on(number, str(tmp_path / "died")))
     with loader:
         it = iter(loader)
         if not _forked(loader):
@@ -121,7 +123,7 @@ def test_worker_killed_past_the_bound_ends_in_a_clean_error(flat, tmp_path, monk
     loader = _loader(flat, str(tmp_path / "cache"))
     victim = int(loader.plan(0)[2])
     key = loader.dataset.key(victim)
-    monkeypatch.setattr("stoker.loader.workers.BatchDecoder._one",
+    monkeypatch.setattr("stoker.loader.workers.BatchDecoder.decode_sample",
                         _die_on(int(key.rsplit("/s", 1)[1][:3]), None))
     with loader:
         it = iter(loader)
@@ -139,26 +141,26 @@ def test_sigkilled_prefetcher_is_replaced(flat, tmp_path):
     with loader:
         it = iter(loader)
         got = _consume(loader, [next(it)])
-        first = loader._prefetcher
+        first = loader.processes.prefetcher
         os.kill(first.pid, signal.SIGKILL)
         first.join(10)
         got += _consume(loader, it)
         assert got == loader.plan(0).tolist()
         assert loader.stats.exactly_once
         assert loader.stats.prefetcher_restarts == 1 and loader.stats.worker_restarts == 0
-        assert loader._prefetcher is not first and loader._prefetcher.is_alive()
+        assert loader.processes.prefetcher is not first and loader.processes.prefetcher.is_alive()
 
 
 def test_prefetcher_killed_past_the_bound_the_epoch_goes_on_without_it(flat, tmp_path, caplog):
     loader = _loader(flat, str(tmp_path))
-    with loader, caplog.at_level(logging.WARNING, logger="stoker.loader.respawn"):
+    with loader, caplog.at_level(logging.WARNING, logger="stoker.loader.prefetcher"):
         it = iter(loader)
         got = _consume(loader, [next(it)])
         for _ in range(MAX_PREFETCHER_RESTARTS + 1):  # the last one is not replaced
-            p = loader._prefetcher
+            p = loader.processes.prefetcher
             os.kill(p.pid, signal.SIGKILL)
             p.join(10)
-            loader._pipeline._check_prefetcher()
+            loader.pipeline.check_processes()
         got += _consume(loader, it)
         assert got == loader.plan(0).tolist() and loader.stats.exactly_once
         assert loader.stats.prefetcher_restarts == MAX_PREFETCHER_RESTARTS

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from _helpers import SpeechDecode, require
-from stoker import Loader, open_dataset, pack
+from stoker import Loader, ReadOptions, open_dataset, pack
 from stoker.collate import pack_tokens, pad
 
 CFG = dict(batch_size=16, seed=11, transform="train")
@@ -101,9 +101,9 @@ def _real_loader(kind, **kw):
 STAGES = {
     "loader-w0": _loader(num_workers=0),
     "loader-w2": _loader(num_workers=2),
-    "loader-uniform-w1": _loader(num_workers=1, order="uniform", world_size=2, rank=1),
+    "loader-uniform-w1": _loader(num_workers=1, read=ReadOptions(order="uniform"), world_size=2, rank=1),
     # the cache-aware order depends on what is cached: the state carries the cached-block map
-    "loader-cache-aware-w1": _loader(num_workers=1, cache_aware_window=32, cache_bytes=2 << 20),
+    "loader-cache-aware-w1": _loader(num_workers=1, read=ReadOptions(cache_aware_window=32), cache_bytes=2 << 20),
     # the user's decode (with its per-sample rng) and collates; pack_tokens carries tokens
     # from batch to batch, and its state carries them too
     "loader-user-pad-w2": _loader(num_workers=2, decode=_bytes_decode, collate=pad()),

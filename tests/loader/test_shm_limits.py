@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from stoker.loader import Loader
+from stoker.loader import ImageOptions, Loader, ReadOptions, RunOptions
 from stoker.loader import shm as ring_mod
 from stoker.loader.shm import SharedMemoryError, SlotRing, slot_layout
 from stoker.store.dataset import open_dataset
@@ -84,20 +84,21 @@ def test_private_slots_use_no_shared_memory(monkeypatch):
 def test_loader_completes_epochs_with_one_slot(monkeypatch, packed_local):
     _room_for(monkeypatch, 1)
     ds = open_dataset(packed_local)
-    with Loader(ds, batch_size=16, num_workers=2, transform="eval", image_size=32, shuffle=False,
-                timeout_s=60) as ld:
+    with Loader(ds, batch_size=16, num_workers=2, transform="eval", shuffle=False, image=ImageOptions(image_size=32),
+                run=RunOptions(timeout_s=60)) as ld:
         for _ in range(2):
             labels = np.concatenate([lab.numpy() for _, lab in ld])
             assert len(labels) == len(ds)
             assert (labels == ds.index.labels[ld.plan(ld.epoch - 1)]).all()
-        assert ld._ring.limited and len(ld._ring.paths) == 1
+        assert ld.pipeline.ring.limited and len(ld.pipeline.ring.paths) == 1
 
 
 def test_held_batches_in_a_full_ring_raise_not_hang(monkeypatch, packed_local):
     """Every slot held by a batch the caller keeps and no room for another: an error, not a stall."""
     ds = open_dataset(packed_local)
-    with Loader(ds, batch_size=16, num_workers=1, transform="eval", image_size=32, prefetch_batches=1,
-                timeout_s=60, prefetch_next_epoch=False) as ld:
+    with Loader(ds, batch_size=16, num_workers=1, transform="eval",
+                read=ReadOptions(prefetch_batches=1, prefetch_next_epoch=False), image=ImageOptions(image_size=32),
+                run=RunOptions(timeout_s=60)) as ld:
         it = iter(ld)
         kept = [next(it)]  # zero-copy: holds its slot
         _room_for(monkeypatch, 0)
@@ -112,8 +113,8 @@ import os, sys, stoker
 ds = stoker.open_dataset(sys.argv[1])
 for workers, size in ((1, 160), (0, 224), (1, 224)):
     try:
-        with stoker.Loader(ds, batch_size=8, num_workers=workers, transform="eval", image_size=size,
-                           timeout_s=60) as ld:
+        with stoker.Loader(ds, batch_size=8, num_workers=workers, transform="eval",
+                           image=stoker.ImageOptions(image_size=size), run=stoker.RunOptions(timeout_s=60)) as ld:
             print(workers, size, sum(len(lab) for _, lab in ld), flush=True)
     except stoker.loader.shm.SharedMemoryError as exc:
         print(workers, size, "error", exc, flush=True)

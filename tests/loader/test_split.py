@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from stoker import Loader, open_dataset
+from stoker import Loader, RunOptions, open_dataset
 from stoker.decode import DecodeError, decode_transform
 from stoker.loader.split import MIN_PART, join_replies, split_ids
 
@@ -46,7 +46,7 @@ def test_join_reports_the_first_failed_part():
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes(cases_packed, tmp_path, workers,
                                                                                 monkeypatch):
-    import stoker.loader._run as run_mod
+    import stoker.loader.dispatch as run_mod
     calls = []
 
     def small_parts(ids, n_workers):  # the cases are 14 samples: parts of 2 or more
@@ -68,7 +68,7 @@ def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes
     def first_part(seed):
         return set(Loader(ds, n, num_workers=0, seed=seed).plan(0)[:n // workers].tolist())
     seed = next(s for s in range(100) if bad & first_part(s))
-    with Loader(ds, n, num_workers=workers, transform="eval", on_error="skip", seed=seed) as loader:
+    with Loader(ds, n, num_workers=workers, transform="eval", seed=seed, run=RunOptions(on_error="skip")) as loader:
         plan = loader.plan(0)  # a skipped sample in the first part: the rows after it must close up
         (images, labels), = list(loader)  # one batch: every sample, split over the workers
         st = loader.stats

@@ -9,7 +9,7 @@ import torch
 from stoker.decode import DecodeError, decode_image
 from stoker.decode.gpu import GpuJpegDecoder, gpu_eligible
 from stoker.decode.reference import pillow_decode, pillow_train_transform
-from stoker.loader import Loader
+from stoker.loader import Loader, RunOptions
 from stoker.loader.transfer import DeviceTransfer, check_device
 from stoker.store.dataset import open_dataset
 
@@ -38,16 +38,16 @@ def test_cuda_without_cuda_is_a_clear_error(packed_local):
         check_device("cuda")
     ds = open_dataset(packed_local, cache_dir=None)
     with pytest.raises(RuntimeError, match="device='cuda' but CUDA is not available"):
-        Loader(ds, 4, device="cuda")
+        Loader(ds, 4, run=RunOptions(device="cuda"))
     with pytest.raises(ValueError, match="device must be"):
-        Loader(ds, 4, device="tpu")
+        Loader(ds, 4, run=RunOptions(device="tpu"))
 
 
 def test_loader_device_cpu_is_todays_path(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
-    with Loader(ds, 8, num_workers=0, device="cpu") as lo:
+    with Loader(ds, 8, num_workers=0, run=RunOptions(device="cpu")) as lo:
         x, y = next(iter(lo))
-        assert lo._transfer is None and x.dtype == torch.uint8 and x.shape == (8, 3, 224, 224)
+        assert lo.pipeline.transfer is None and x.dtype == torch.uint8 and x.shape == (8, 3, 224, 224)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker import Loader, WorkerError, open_dataset
+from stoker import Loader, RunOptions, WorkerError, open_dataset
 from stoker import collate as C
 from stoker.order import sample_seed
 
@@ -188,7 +188,7 @@ def test_mismatched_shapes_name_the_sample_and_both_shapes(ds):
 def test_on_error_skip_skips_the_samples_decode_fails_on(ds):
     bad = {i for i in range(len(ds)) if len(ds.read(i)) % 5 == 0}
     assert bad
-    with Loader(ds, 8, decode=fails_on_one, num_workers=2, on_error="skip") as loader:
+    with Loader(ds, 8, decode=fails_on_one, num_workers=2, run=RunOptions(on_error="skip")) as loader:
         n = sum(len(b) for b in loader)
         st = loader.stats
     assert n == len(ds) - len(bad) and st.skipped == len(bad)
@@ -199,10 +199,10 @@ def test_an_unpicklable_function_under_spawn_is_named_at_construction(ds):
     def local_decode(fields, rng):
         return 1
     with pytest.raises(TypeError, match="local_decode.*does not pickle"):
-        Loader(ds, 8, decode=local_decode, num_workers=2, start_method="spawn")
+        Loader(ds, 8, decode=local_decode, num_workers=2, run=RunOptions(start_method="spawn"))
     with pytest.raises(TypeError, match="collate=.*<lambda>"):
-        Loader(ds, 8, decode=head16, collate=lambda s: s, num_workers=1, start_method="forkserver")
-    Loader(ds, 8, decode=local_decode, num_workers=2, start_method="fork").close()  # fork sends nothing
+        Loader(ds, 8, decode=head16, collate=lambda s: s, num_workers=1, run=RunOptions(start_method="forkserver"))
+    Loader(ds, 8, decode=local_decode, num_workers=2, run=RunOptions(start_method="fork")).close()  # fork sends nothing
 
 
 def test_default_collate_checks_shapes_before_stacking():
@@ -264,7 +264,8 @@ def test_a_batch_that_shared_memory_cannot_hold_is_pickled_instead(monkeypatch, 
 
 
 def test_module_level_functions_work_under_spawn(ds):
-    with Loader(ds, 16, decode=var_tokens, collate=C.pad(), num_workers=1, start_method="spawn", seed=5) as loader:
+    with Loader(ds, 16, decode=var_tokens, collate=C.pad(), num_workers=1, seed=5,
+                run=RunOptions(start_method="spawn")) as loader:
         got = [(p.numpy().tobytes(), n.tolist()) for p, n in loader]
         assert loader.start_method == "spawn" and loader.stats.exactly_once
     with Loader(ds, 16, decode=var_tokens, collate=C.pad(), num_workers=0, seed=5) as loader:

@@ -95,6 +95,6 @@ def test_loader_leaf_processes_read_with_obstore(s3_packed, tmp_path, monkeypatc
     ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=opts)
     with Loader(ds, 16, num_workers=2, transform="eval") as loader:
         assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
-        children = {loader._prefetcher.pid} | {p.pid for p in loader._workers}
+        children = set(loader.processes.pids())
     pids = {int(x) for x in log.read_text().split()}
     assert pids and pids <= children and os.getpid() not in pids

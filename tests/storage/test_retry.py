@@ -320,6 +320,7 @@ def test_stalled_get_is_retried(uploaded, native):
 def test_loader_rides_out_a_throttling_burst(uploaded, faults, tmp_path, workers):
     """503 SlowDown on every shard GET for 1.5 s: the epoch completes, every sample exactly once."""
     from stoker.loader import Loader
+    from stoker.loader import ImageOptions, RunOptions
     from stoker.store.dataset import open_dataset
     url, _ = uploaded
     proxy, options = faults
@@ -327,7 +328,8 @@ def test_loader_rides_out_a_throttling_burst(uploaded, faults, tmp_path, workers
                       storage_options=options, retry_budget_s=20)
     assert ds.origin.retry_budget_s == 20
     proxy.set_fault(Fault("status", 503, burst_s=1.5))
-    with Loader(ds, 16, num_workers=workers, transform="eval", image_size=32, timeout_s=60) as loader:
+    with Loader(ds, 16, num_workers=workers, transform="eval", image=ImageOptions(image_size=32),
+                run=RunOptions(timeout_s=60)) as loader:
         assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
     assert proxy.stats()["faults_injected"] > 0
 
@@ -350,13 +352,15 @@ def test_loader_sustained_throttling_ends_in_origin_error(uploaded, faults, tmp_
     """Every shard GET refused: the epoch ends with an error naming the object, the range and
     SlowDown (OriginError itself with 0 workers), not a hang or a signal."""
     from stoker.loader import Loader, WorkerError
+    from stoker.loader import ImageOptions, RunOptions
     from stoker.store.dataset import open_dataset
     url, _ = uploaded
     proxy, options = faults
     ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
                       storage_options=options, retry_budget_s=1)
     proxy.set_fault(Fault("status", 503))
-    with Loader(ds, 16, num_workers=workers, transform="eval", image_size=32, timeout_s=60) as loader:
+    with Loader(ds, 16, num_workers=workers, transform="eval", image=ImageOptions(image_size=32),
+                run=RunOptions(timeout_s=60)) as loader:
         with pytest.raises(OriginError if workers == 0 else WorkerError) as err:
             for _ in loader:
                 pass

@@ -15,50 +15,57 @@ import time
 import weakref
 
 from . import inflight as infl
-from .epoch_stats import EpochStats, account, fill_from_counters, fill_origin_figures, process_cpu_s
+from .config import Processes, RunConfig, RunHooks
+from .deliver import Delivery
+from .dispatch import Dispatcher
+from .epoch_stats import EpochStats, fill_from_counters, fill_origin_figures, process_cpu_s
+from .launch import start_context, wait_ready
+from .parallel import ParallelLoop
+from .pool import WorkerPool
 from .prefetch import block_schedule
-from .procs import ProcessesMixin, WorkerError
+from .prefetcher import Prefetcher
 from .shm import SlotRing
-from .split import join_replies, split_ids
 from .workers import BatchDecoder, counters
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Run"]
+__all__ = ["Processes", "Run", "RunHooks"]
 
 
-class Run(ProcessesMixin):
-    """The started pipeline of one loader (see the module docstring).
+class Run:
+    """The started pipeline of one loader (see the module docstring), built from parts that own
+    their state: a :class:`~stoker.loader.shm.SlotRing` (``ring``), with workers a
+    :class:`~stoker.loader.pool.WorkerPool` (``workers``), a
+    :class:`~stoker.loader.dispatch.Dispatcher` (``dispatch``) and a
+    :class:`~stoker.loader.parallel.ParallelLoop` (``loop``), with a node cache too a
+    :class:`~stoker.loader.prefetcher.Prefetcher` (``prefetcher``), a
+    :class:`~stoker.loader.deliver.Delivery` (``deliver``) and, for ``device="cuda"``, a
+    :class:`~stoker.loader.transfer.DeviceTransfer` (``transfer``).
 
     Args:
-        loader: the :class:`stoker.loader.Loader` it serves; its configuration is read once
-            here, its ``state`` (a :class:`~stoker.loader.state.LoaderState`) is advanced as
-            batches are yielded, and each epoch's :class:`EpochStats` is set on its ``stats``
-            and appended to its ``history``.
+        config: the frozen :class:`~stoker.loader.config.RunConfig`.
+        hooks: the Loader's :class:`RunHooks` (state, plan, stats, live figures, device decoder).
     """
 
-    def __init__(self, loader):
-        self.loader, self.state = loader, loader.state
-        self.dataset, self.cfg = loader.dataset, loader.cfg
-        self.num_workers, self.batch_size = loader.num_workers, loader.batch_size
-        self.prefetch_batches, self.timeout_s = loader.prefetch_batches, loader.timeout_s
-        self.prefetch_bytes, self.fetch_concurrency = loader.prefetch_bytes, loader.fetch_concurrency
-        self.staging_bytes = loader.staging_bytes
-        self._start_method_asked, self.start_method = loader._start_method_asked, loader.start_method
-        self._workers: list = []
-        self._prefetcher = None
-        self._ring: SlotRing | None = None
-        self._transfer = None
+    def __init__(self, config: RunConfig, hooks: RunHooks):
+        self.config, self.hooks = config, hooks
+        self.state = hooks.state
+        self.dataset, self.cfg = config.dataset, config.cfg
+        self.num_workers, self.batch_size = config.num_workers, config.batch_size
+        self.prefetch_batches, self.timeout_s = config.prefetch_batches, config.timeout_s
+        self.start_method = config.start_method or "fork"  #: the start method used (chosen again at start)
+        self.workers: WorkerPool | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.ring: SlotRing | None = None
+        self.transfer = None  #: the :class:`~stoker.loader.transfer.DeviceTransfer`, or None
+        self._ready = None  # shared count of processes set up
+        self._fork_hazards: list[str] = []
+        self._decoder = None
         self._own_staging = False
-        self._pre: dict | None = None  # the next epoch's first batches, dispatched early
-        self._parts: dict[tuple, tuple] = {}  # (run, seq) of a split batch -> (parts, replies so far)
-        self._run_id = 0  # one per epoch served: replies carry it, so stale ones are recognised
-        self._worker_counters: dict[int, dict] = {}  # worker id -> its last counters (dead ones kept)
-        self._pf_off = False  # the prefetcher died more often than allowed this epoch (respawn.py)
-        self._pf_last_cmd = None  # the last plan sent to the prefetcher, for a replacement
-        self._restarts: list[int] = [0] * self.num_workers  # replacements per worker slot, this epoch
-        self._pf_restarts = 0
-        self._restarted_at = 0.0  # time.monotonic() of the last replacement
+        self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
+        self.dispatch: Dispatcher | None = None  # sends batches to the workers (with workers)
+        self.loop: ParallelLoop | None = None  # the epoch loop over the workers' replies (with workers)
+        self._run_id = 0  # one per epoch served without workers (with them: the dispatcher's)
         self._start_s = 0.0  # seconds the next epoch's iter() spent starting this pipeline
         self._live_gen: weakref.ref | None = None  # the last epoch's generator, closed by close()
         self.started = False
@@ -69,23 +76,24 @@ class Run(ProcessesMixin):
         Raises:
             SharedMemoryError: not one batch slot fits in shared memory (:mod:`stoker.loader.shm`).
             ForkUnsafeError: ``start_method="fork"`` where fork is unsafe.
+            TypeError: the user's decode/collate do not pickle under the start method chosen.
             RuntimeError: ``device`` is a CUDA device and CUDA is not available.
         """
         from .. import _torch as _torch_adapter  # pay torch's import before the first batch
         from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
         _torch_adapter.load()
-        loader = self.loader
-        if loader.device not in (None, "cpu"):
+        config = self.config
+        if config.device not in (None, "cpu"):
             from .transfer import DeviceTransfer
-            self._transfer = DeviceTransfer(loader.device)
-        self._ring = SlotRing(self.batch_size, self.cfg.image_size, self.prefetch_batches + 2,
-                              shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
-                              slot_bytes=mmap.PAGESIZE if self.cfg.generic else None)  # grown by batches.py
+            self.transfer = DeviceTransfer(config.device)
+        self.ring = SlotRing(self.batch_size, self.cfg.image_size, self.prefetch_batches + 2,
+                             shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
+                             slot_bytes=mmap.PAGESIZE if self.cfg.generic else None)  # grown by batches.py
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.reader.staging is None:
             from ..cache import StagingArea
             from ..store.blocks import BlockReader
             ds = self.dataset  # shared (other loaders may read it): this run reads a view with its own staging
-            staging = StagingArea.create(ds.cache.root, getattr(ds.cache, "mode", 0o600), self.staging_bytes)
+            staging = StagingArea.create(ds.cache.root, getattr(ds.cache, "mode", 0o600), config.staging_bytes)
             self.dataset = ds.with_reader(BlockReader(ds, staging=staging, router=ds.reader.router))
             self._own_staging = True
         self.started = True  # from here on, close() has something to stop
@@ -96,9 +104,49 @@ class Run(ProcessesMixin):
             self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        if loader.decode_device is not None and loader._device_decoder is None:  # after the forks (CUDA)
-            from .device_decode import DeviceBatchDecoder
-            loader._device_decoder = DeviceBatchDecoder.create(loader.decode_device, self.dataset, self.cfg)
+        self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer,
+                                self.hooks.device_decoder())  # after the forks (CUDA)
+        if self.dispatch is not None:
+            self.loop = ParallelLoop(self.config, self.state, self.hooks.live, self.workers, self.prefetcher,
+                                     self.dispatch, self.deliver, start_method=self.start_method,
+                                     fork_hazards=self._fork_hazards)
+
+    def _start_processes(self) -> None:
+        """Choose the start method (again: threads may have appeared since the Loader was built),
+        start the workers and, with a node cache, the prefetcher; wait for their own start."""
+        ctx, self.start_method, self._fork_hazards = start_context(self.config.start_method, self.cfg)
+        self._ready = ctx.Value("q", 0)
+        self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.num_workers, self._ready)
+        if self.dataset.cache is not None:
+            c = self.config
+            self.prefetcher = Prefetcher(ctx, self.dataset, fetch_concurrency=c.fetch_concurrency,
+                                         prefetch_bytes=c.prefetch_bytes, staging_bytes=c.staging_bytes,
+                                         ready=self._ready)
+        self.dispatch = Dispatcher(self.config, self.hooks.plan, self.ring, self.workers, self.prefetcher)
+        wait_ready(self._ready, list(self.processes().workers) + (
+            [self.prefetcher.process] if self.prefetcher is not None else []))
+
+    def processes(self) -> Processes:
+        """The processes now (see :class:`Processes`)."""
+        return Processes(workers=self.workers.processes if self.workers is not None else (),
+                         prefetcher=self.prefetcher.process if self.prefetcher is not None else None,
+                         start_method=self.start_method if self.workers is not None else None,
+                         ready=self._ready.value if self._ready is not None else 0)
+
+    def check_processes(self) -> None:
+        """Replace every dead worker (WorkerError naming it, its pid, exit code or signal and the
+        sample it was on once its slot's restarts are spent), then a dead prefetcher (past its
+        bound the epoch goes on without one). The epoch loop does this on its own; public for
+        tests that kill processes."""
+        if self.workers is not None:
+            self.workers.check()
+        if self.prefetcher is not None:
+            self.prefetcher.check()
+
+    def restarts(self) -> tuple[int, int]:
+        """(workers, prefetchers) replaced this epoch."""
+        return (self.workers.restarts if self.workers is not None else 0,
+                self.prefetcher.restarts if self.prefetcher is not None else 0)
 
     def close(self) -> None:
         """Stop the workers and the prefetcher (3 s to finish, then killed), unlink the shared
@@ -114,46 +162,41 @@ class Run(ProcessesMixin):
             except Exception as exc:  # noqa: BLE001 - closing must go on
                 log.warning("ending the open epoch at close: %s: %s", type(exc).__name__, exc)
         self.started = False
-        self._pre = None
-        self._parts = {}
-        if self._workers:
-            self._stop.set()  # workers drop queued tasks instead of finishing them
-        for q in getattr(self, "_task_qs", []):
-            try:
-                q.put(None)
-            except (OSError, ValueError):
-                pass
-        if self._prefetcher is not None and not self._pf_off:
-            try:
-                self._pf_cmds.put(None)
-            except (OSError, ValueError):
-                pass
+        if self.dispatch is not None:
+            self.dispatch.reset()
+        if self.workers is not None:
+            self.workers.signal_stop()
+        if self.prefetcher is not None:
+            self.prefetcher.signal_stop()
         deadline = time.monotonic() + 3
-        for p in self._workers + ([self._prefetcher] if self._prefetcher else []):
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(1)
-        self._workers = []
-        if self._ring is not None:
-            self._ring.close()
+        if self.workers is not None:
+            self.workers.join(deadline)
+        if self.prefetcher is not None:
+            self.prefetcher.join(deadline)
+        if self.ring is not None:
+            self.ring.close()
         if self._own_staging:
             self.dataset.reader.staging.clear()
-            self.dataset = self.loader.dataset
+            self.dataset = self.config.dataset
             self._own_staging = False
 
     def drop_pre(self) -> None:
         """Forget the next epoch's early batches (the loader was moved to another position);
         their replies are recognised by their run id and their slots freed."""
-        self._pre = None
+        if self.dispatch is not None:
+            self.dispatch.pre = None
 
     def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0):
         """A generator of the batches of ``epoch`` from batch ``start`` on (see
         :class:`stoker.loader.Loader` for what a batch is). ``stats.first_batch_s`` counts from
         this call; ``start_s``: seconds the loader's ``iter()`` spent starting this pipeline
         (``stats.pipeline_start_s``)."""
-        self._run_id += 1
-        gen = self._epoch(self._run_id, epoch, start, time.perf_counter())
+        if self.dispatch is not None:
+            run = self.dispatch.new_run()
+        else:
+            self._run_id += 1
+            run = self._run_id
+        gen = self._epoch(run, epoch, start, time.perf_counter())
         self._start_s = start_s
         self._live_gen = weakref.ref(gen)
         return gen
@@ -161,40 +204,32 @@ class Run(ProcessesMixin):
     # -- counters ---------------------------------------------------------
     def _cpu(self) -> dict:
         out = {"main": process_cpu_s(None)}
-        if self._workers:
-            out["workers"] = sum(process_cpu_s(p.pid) for p in self._workers)
-        if self._prefetcher is not None:
-            out["prefetch"] = process_cpu_s(self._prefetcher.pid)
+        procs = self.processes()
+        if procs.workers:
+            out["workers"] = sum(process_cpu_s(p.pid) for p in procs.workers)
+        if procs.prefetcher is not None:
+            out["prefetch"] = process_cpu_s(procs.prefetcher.pid)
         return out
 
-    def _totals(self) -> dict:
+    def totals(self) -> dict:
         """Counters summed over the workers, and the prefetcher's clocks and origin retries (its
-        origin traffic is read per plan from its ledger, :meth:`_pf_ledger`)."""
+        origin traffic is read per plan from its ledger, :meth:`prefetch_ledger`)."""
         tot: dict[str, int] = {}
-        sources = (list(self._worker_counters.values()) if self.num_workers > 0
+        sources = (list(self.dispatch.worker_counters.values()) if self.dispatch is not None
                    else [counters(self.dataset, self.cfg.derived)])
         for c in sources:
             for k, v in c.items():
                 tot[k] = tot.get(k, 0) + v
-        if self._prefetcher is not None:
-            pc = list(self._pf_counters)
-            tot["prefetch_depth_sum"] = pc[6]
-            tot["prefetch_depth_n"] = pc[7]
-            tot["origin_busy_us"] = pc[infl.BUSY_US]
-            tot["origin_request_us"] = pc[infl.REQUEST_US]
-            tot["origin_retries"] = tot.get("origin_retries", 0) + pc[infl.ORIGIN_RETRIES]
+        if self.prefetcher is not None:
+            pf = self.prefetcher.totals()
+            pf["origin_retries"] += tot.get("origin_retries", 0)
+            tot.update(pf)
         return tot
 
-    def _pf_ledger(self, run: int) -> dict:
-        """The prefetcher's origin traffic charged to plan ``run`` (zeros without a prefetcher),
+    def prefetch_ledger(self, run: int) -> dict:
+        """The prefetcher's origin traffic charged to plan ``run`` (empty without a prefetcher),
         with its in-flight target, latency and bandwidth estimates now."""
-        if self._prefetcher is None:
-            return {}
-        out = infl.ledger_row(self._pf_counters, run)
-        out.update(inflight_target=int(self._pf_counters[infl.TARGET]),
-                   origin_latency_us=int(self._pf_counters[infl.LATENCY_US]),
-                   origin_bandwidth_Bps=int(self._pf_counters[infl.BANDWIDTH_BPS]))
-        return out
+        return self.prefetcher.ledger(run) if self.prefetcher is not None else {}
 
     def _epoch(self, run: int, epoch: int, start: int = 0, t_iter: float | None = None):
         t_start = time.perf_counter()
@@ -202,13 +237,15 @@ class Run(ProcessesMixin):
         stats = EpochStats(epoch=epoch)
         stats.pipeline_start_s, self._start_s = self._start_s, 0.0
         if self.num_workers > 0:
-            self._new_epoch_restarts()
-        carry = self._take_pre(epoch, start) if self.num_workers > 0 else None
+            self.workers.new_epoch()
+            if self.prefetcher is not None:
+                self.prefetcher.new_epoch()
+        carry = self.dispatch.take_pre(epoch, start) if self.num_workers > 0 else None
         if carry is not None:
             run, ids, batches = carry["run"], carry["ids"], carry["batches"]
             stats.order_displacement = carry["displacement"]
         else:
-            ids, stats.order_displacement = self.loader._epoch_plan(epoch)
+            ids, stats.order_displacement = self.hooks.plan(epoch)
             ids = ids[start * self.batch_size:]
             batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         self.state.position = (epoch, start)
@@ -216,57 +253,56 @@ class Run(ProcessesMixin):
             self.state.carry = None  # a streaming collate's carry never crosses an epoch
         # the prefetcher's traffic for this epoch, also what it did while the previous one drained,
         # is in its ledger row of this plan; the workers' early replies count here (carry)
-        before = self._totals()
+        before = self.totals()
         if carry is not None:  # workers' counters as of their early replies for this epoch
-            self._worker_counters.update(carry["counters"])
+            self.dispatch.worker_counters.update(carry["counters"])
         cpu_before = self._cpu()
         delivered: list = []  # the sample ids of each delivered batch (counted at the end)
-        if self._prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
-            self._pf_pos.value = 0
-            self._pf_done.value = 0
-            self._pf_send((run, *block_schedule(self.dataset, ids)))
+        if self.prefetcher is not None and carry is None:  # (a pre-dispatched epoch sent its plan)
+            self.prefetcher.position = 0
+            self.prefetcher.done = 0
+            self.prefetcher.send((run, *block_schedule(self.dataset, ids)))
         wait_box = [0.0]  # seconds blocked in next(), also when the epoch is cut short
         t_resume = time.perf_counter()
-        self.loader._live.begin(self, stats, before, wait_box, t_start, plan=run)  # live figures (loader/live.py)
+        self.hooks.live.begin(self, stats, before, wait_box, t_start, plan=run)  # live figures (loader/live.py)
         try:
             if self.num_workers == 0:
                 for seq, bids in enumerate(batches):
                     last = seq == len(batches) - 1
                     if self.cfg.generic:  # the user's decode/collate, here; no slot
                         n, sk, sk_keys, batch = self._decoder.run(epoch, bids)
-                        out = self._deliver(epoch, None, bids, n, sk, sk_keys, None,
-                                            None if batch is None else ("local", batch),
-                                            stats=stats, delivered=delivered, last=last)
+                        out = self.deliver(epoch, None, bids, n, sk, sk_keys, None,
+                                           None if batch is None else ("local", batch),
+                                           stats=stats, delivered=delivered, last=last)
                     else:
-                        slot = self._ring.acquire()
-                        out = self._deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self._ring.views(slot)),
-                                            stats=stats, delivered=delivered)
+                        slot = self.ring.acquire()
+                        out = self.deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self.ring.views(slot)),
+                                           stats=stats, delivered=delivered)
                     if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self.state.position = (epoch, start + seq + 1)
                         continue
                     wait_box[0] += time.perf_counter() - t_resume
                     self.state.position = (epoch, start + seq + 1)
-                    self.loader._live.tick()
+                    self.hooks.live.tick()
                     if not stats.first_batch_s:
                         stats.first_batch_s = time.perf_counter() - t_iter
                     yield out
                     t_resume = time.perf_counter()
             else:
-                yield from self._parallel(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)
+                yield from self.loop(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)
         finally:
             stats.seconds = time.perf_counter() - t_start
-            stats.worker_restarts, stats.prefetcher_restarts = sum(self._restarts), self._pf_restarts
+            stats.worker_restarts, stats.prefetcher_restarts = self.restarts()
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
-            after = self._totals()
+            after = self.totals()
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            ledger = self._pf_ledger(run)
+            ledger = self.prefetch_ledger(run)
             for k in infl.LEDGER_FIELDS[1:]:
                 d[k] = d.get(k, 0) + ledger.get(k, 0)
             fill_from_counters(stats, d, wait_box[0], ids, delivered, len(self.dataset))
             fill_origin_figures(stats, d, ledger, self.num_workers)
-            self.loader.stats = stats
-            self.loader.history.append(stats)
-            self.loader._live.end(stats, d)
+            self.hooks.record(stats)
+            self.hooks.live.end(stats, d)
             if self.state.position[0] == epoch and self.state.epoch == epoch + 1:  # no later iter()/set_epoch/load
                 if self.state.position[1] == start + len(batches):  # every batch done (yielded or all skipped)
                     self._report_epoch(stats)
@@ -285,208 +321,3 @@ class Run(ProcessesMixin):
                            stats.seconds * len(self.dataset) / stats.samples)
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)
-
-    def _deliver(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, generic=None, *, stats, delivered,
-                 last=False):
-        """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
-        tensors over the slot (or on ``device``), or the device decode of the workers'
-        ``payloads`` (the slot is then released at once), or the user's collated batch
-        (``generic``, the worker's reply of :func:`stoker.loader.batches.pack_reply`; ``last``: the
-        epoch's last batch, where a streaming collate flushes its carry). None when every sample
-        was skipped (or a streaming collate carried every token to the next batch)."""
-        if self.cfg.generic:
-            return self._deliver_generic(slot, bids, skipped, skipped_keys, generic, stats, delivered, last)
-        if payloads is not None:
-            labels = self._ring.views(slot)[1][:n].copy()
-            self._ring.release(slot)
-            images, labels, more, more_keys = self.loader._device_decoder(epoch, payloads, labels)
-            account(stats, bids, list(skipped) + more, list(skipped_keys) + more_keys, delivered)
-            return None if images is None else (images, labels)
-        account(stats, bids, skipped, skipped_keys, delivered)
-        if n == 0:
-            self._ring.release(slot)
-            return None
-        imgs, labels = self._ring.batch(slot, n)
-        return self._as_batch(imgs, labels)
-
-    def _deliver_generic(self, slot, bids, skipped, skipped_keys, reply, stats, delivered, last):
-        from .batches import receive, to_device
-        account(stats, bids, skipped, skipped_keys, delivered)
-        batch = receive(self._ring, slot, reply, stats)
-        cut = getattr(self.cfg.collate, "cut", None)  # a streaming collate (stoker.collate.PackTokens)
-        if cut is not None and (batch is not None or (last and self.state.carry is not None)):
-            if batch is None:
-                batch = {"tokens": self.state.carry[:0]}
-            batch, self.state.carry = cut(self.state.carry, batch, last)
-        if batch is None:
-            return None
-        return batch if self._transfer is None else to_device(batch, self._transfer.device)
-
-    def _as_batch(self, imgs, labels):
-        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.transfer`."""
-        from .._torch import as_tensors
-        out = as_tensors(imgs, labels)
-        return out if self._transfer is None else self._transfer(*out)
-
-    def _dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False,
-                  split: bool = False) -> bool:
-        """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
-        shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
-        consumer waits for; then SharedMemoryError when no slot is with the workers either (every
-        slot is held by batches the caller keeps): none would come back, waiting would only time out.
-        ``split``: the first batch of an epoch, decoded by every worker at once (:mod:`.split`)."""
-        slot = self._ring.try_acquire()
-        if slot is None:
-            if may_raise and not self._ring.busy:
-                raise self._ring.shortage()
-            return False
-        self._ring.busy.add(slot)
-        parts = [(0, bids)]
-        if split and self.num_workers > 1 and not self.cfg.generic and self.cfg.decode_on == "cpu":
-            parts = split_ids(bids, self.num_workers)
-        if len(parts) > 1:
-            self._parts[(run, seq)] = (len(parts), [])
-        for offset, ids in parts:
-            self._send_task((run, seq, epoch, slot, self._ring.paths[slot], ids, offset))
-        inflight[seq] = (slot, bids)
-        return True
-
-    def _keep_counters(self, msg: tuple, run: int) -> None:
-        """Record the worker counters a reply carries (every reply, each part of a split batch
-        too), where its run counts them: the pre-dispatched next epoch's own, else this run's (a
-        reply to an abandoned epoch counts here as well)."""
-        pre = self._pre
-        if msg[2] != run and pre is not None and msg[2] == pre["run"]:
-            pre["counters"][msg[1]] = msg[8]
-        else:
-            self._worker_counters[msg[1]] = msg[8]
-
-    def _whole(self, msg: tuple):
-        """The reply of a whole batch: ``msg`` itself, or for a part of a split batch None until
-        its last part came, then the joined reply (:func:`.split.join_replies`)."""
-        key = (msg[2], msg[3])
-        if key not in self._parts:
-            return msg
-        left, msgs = self._parts[key]
-        msgs.append(msg)
-        if left > len(msgs):
-            return None
-        del self._parts[key]
-        images, labels = self._ring.views(msg[4])
-        return join_replies(msgs, images, labels)
-
-    def _predispatch(self, epoch: int) -> None:
-        """Start the first batches of the next epoch while this one drains (its plan is a pure
-        function of the epoch), so the pipeline does not run dry at the epoch boundary. Kept
-        in ``self._pre`` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
-        otherwise dropped (its replies are recognised by their run id)."""
-        self._run_id += 1
-        ids, displacement = self.loader._epoch_plan(epoch)
-        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        pre = {"run": self._run_id, "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
-               "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
-        while pre["next"] < min(len(batches), self.prefetch_batches):
-            if not self._dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"],
-                                  split=pre["next"] == 0):
-                break
-            pre["next"] += 1
-        self._pre = pre
-        if self._prefetcher is not None:  # the prefetcher moves on to the next epoch's plan now
-            self._pf_prev_done.value = self._pf_done.value
-            self._pf_pos.value = pre["next"] * self.batch_size
-            self._pf_done.value = 0
-            # draining: blocks this epoch still needs are charged to it, not to the next one
-            self._pf_send((pre["run"], *block_schedule(self.dataset, ids), True))
-
-    def _pf_plan_done(self, run: int) -> bool:
-        """Whether the prefetcher has fetched (or given up) every block of plan ``run``: only then
-        do the next epoch's first batches start, so that their reads never fetch a block this
-        epoch still needs and charge it to the next one (True without a working prefetcher)."""
-        if self._prefetcher is None or self._pf_off:
-            return True
-        return int(self._pf_counters[infl.PLAN_DONE]) >= run
-
-    def _take_pre(self, epoch: int, start: int):
-        """The pre-dispatched next epoch, if it is the one starting now; else drop it."""
-        pre, self._pre = self._pre, None
-        if pre is not None and pre["epoch"] == epoch and start == 0:
-            return pre
-        return None
-
-    def _parallel(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry=None, t_iter=None):
-        pending: dict[int, tuple] = carry["pending"] if carry else {}
-        try:
-            yield from self._parallel_run(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending,
-                                          t_iter)
-        finally:  # replies never yielded (an epoch cut short, an error): their slots are free again
-            for msg in pending.values():
-                self._ring.release(msg[4])
-            pending.clear()
-
-    def _parallel_run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending, t_iter):
-        inflight: dict[int, tuple] = carry["inflight"] if carry else {}
-        next_dispatch = carry["next"] if carry else 0
-        for seq in range(len(batches)):
-            deadline = time.monotonic() + self.timeout_s
-            while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
-                while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                    if not self._dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
-                                          may_raise=next_dispatch <= seq,  # (the batch now due)
-                                          split=next_dispatch == 0):
-                        break  # shared memory is short: more go out as slots come back
-                    next_dispatch += 1
-                    if self._prefetcher is not None and self._pre is None:
-                        self._pf_pos.value = next_dispatch * self.batch_size
-                if (next_dispatch == len(batches) and self._pre is None and self.state.resume_batch == 0
-                        and self.state.epoch == epoch + 1 and self.loader.prefetch_next_epoch
-                        and self._pf_plan_done(run)):
-                    self._predispatch(epoch + 1)
-                if seq in pending:
-                    break
-                msg = self._reply(0.25)  # dead workers are replaced meanwhile (respawn.py)
-                if msg is None:
-                    self._check_workers()
-                    # a replacement decodes its batches again: the wait starts over from it
-                    if time.monotonic() > max(deadline, self._restarted_at + self.timeout_s):
-                        raise self._stall_error(seq, epoch) from None
-                    continue
-                self._keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
-                msg = self._whole(msg)
-                if msg is None:  # a part of a split batch; the others are still being decoded
-                    continue
-                mrun = msg[2]
-                self._ring.busy.discard(msg[4])
-                if mrun != run:
-                    if self._pre is not None and mrun == self._pre["run"]:
-                        self._pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
-                    else:  # a reply to an abandoned epoch: just free its slot
-                        self._ring.release(msg[4])
-                    continue
-                pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
-            msg = pending.pop(seq)
-            if msg[0] == "error":
-                _, wid, _, _, slot, key, err, tb = msg[:8]
-                self._ring.release(slot)
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self.state.position[1]}): "
-                                  f"{err}\n{tb}") from msg[9]  # the worker's own stoker error, or None (workers.py)
-            slot, n, skipped, skipped_keys = msg[4:8]
-            bids = inflight.pop(seq)[1]
-            if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
-                self._check_prefetcher()
-            out = self._deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
-                                delivered=delivered, last=seq == len(batches) - 1)
-            if out is None:  # every sample of the batch was skipped: yield nothing for it
-                self.state.position = (epoch, self.state.position[1] + 1)
-                continue
-            wait_box[0] += time.perf_counter() - t_resume
-            self.state.position = (epoch, self.state.position[1] + 1)
-            if self._prefetcher is not None:  # positions in this epoch's plan
-                if self._pre is None:
-                    self._pf_done.value = (seq + 1) * self.batch_size
-                else:  # the prefetcher is on the next plan already: this one's progress is "previous"
-                    self._pf_prev_done.value = (seq + 1) * self.batch_size
-            self.loader._live.tick()
-            if not stats.first_batch_s:
-                stats.first_batch_s = time.perf_counter() - t_iter
-            yield out
-            t_resume = time.perf_counter()

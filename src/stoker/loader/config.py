@@ -1,14 +1,18 @@
-"""What the decode workers (and the device decoder) need to know: one frozen record per loader.
+"""Frozen records of a loader's configuration: what the decode workers (and the device decoder)
+need to know (:class:`WorkerConfig`), and what one started pipeline needs (:class:`RunConfig`).
 
-It is built once from the :class:`stoker.loader.Loader` arguments and pickled to every worker
-process with its first task queue; being frozen, no process can change it under another.
+A :class:`WorkerConfig` is built once from the :class:`stoker.loader.Loader` arguments and pickled
+to every worker process with its first task queue; being frozen, no process can change it under
+another. A :class:`RunConfig` is built by the Loader each time it starts a pipeline
+(:class:`stoker.loader._run.Run`), which reads nothing else of the Loader's configuration.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkerConfig"]
+__all__ = ["Processes", "RunConfig", "RunHooks", "WorkerConfig"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,79 @@ class WorkerConfig:
                     f"{role}={name} cannot be sent to worker processes started with {start_method!r}: it does not "
                     f"pickle ({type(exc).__name__}: {exc}). Define it at the top level of a module the workers can "
                     f"import (not a lambda or a nested function), or pass start_method='fork'") from exc
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What one started pipeline (:class:`stoker.loader._run.Run`) is built from.
+
+    Attributes:
+        dataset: the :class:`~stoker.store.dataset.Dataset` read.
+        cfg: the :class:`WorkerConfig` the workers get (its ``derived`` set when the pipeline starts).
+        num_workers: decode processes (0: decode in the training process).
+        batch_size: samples per batch.
+        prefetch_batches: batches in flight at the workers (>= 1, resolved).
+        prefetch_bytes: bytes the prefetcher runs ahead.
+        staging_bytes: most bytes of staged blocks.
+        fetch_concurrency: least ranged GETs in flight.
+        timeout_s: longest wait in seconds for one batch before WorkerError.
+        start_method: the start method asked for (None: chosen at start).
+        device: where batches are delivered (None/"cpu": shared-memory tensors; "cuda[:N]").
+        prefetch_next_epoch: dispatch the next epoch's first batches while this one drains.
+    """
+
+    dataset: Any
+    cfg: WorkerConfig
+    num_workers: int
+    batch_size: int
+    prefetch_batches: int
+    prefetch_bytes: int
+    staging_bytes: int
+    fetch_concurrency: int
+    timeout_s: float
+    start_method: str | None
+    device: Any
+    prefetch_next_epoch: bool
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What a started pipeline gets from the Loader that owns it (explicit collaborators, so the
+    pipeline never reads the Loader's attributes).
+
+    Attributes:
+        state: the Loader's :class:`~stoker.loader.state.LoaderState`, advanced as batches are yielded.
+        plan: ``plan(epoch) -> (sample ids int64 (n,), mean displacement)``: the order served in ``epoch``.
+        record: called with each epoch's :class:`EpochStats` when the epoch ends (finished or cut short).
+        live: the Loader's :class:`~stoker.loader.live.LiveTotals` (``begin``/``tick``/``end``).
+        device_decoder: ``device_decoder() -> DeviceBatchDecoder | None``: the decoder of
+            ``decode_device`` (made on the first call, after the processes are forked), or None.
+    """
+
+    state: Any
+    plan: Callable
+    record: Callable
+    live: Any
+    device_decoder: Callable
+
+
+@dataclass(frozen=True)
+class Processes:
+    """A started pipeline's processes, for inspection (tests, benchmarks, fault injection).
+
+    Attributes:
+        workers: the decode worker processes (``multiprocessing.Process``), one per worker slot
+            (a replaced one is not among them).
+        prefetcher: the prefetch process, or None (no node cache, no workers, or none started).
+        start_method: the start method they were started with, or None before a start.
+        ready: processes that finished their own start (object store client, decoder).
+    """
+
+    workers: tuple = ()
+    prefetcher: Any = None
+    start_method: str | None = None
+    ready: int = 0
+
+    def pids(self) -> list[int]:
+        """The workers' pids, then the prefetcher's."""
+        return [p.pid for p in self.workers] + ([self.prefetcher.pid] if self.prefetcher is not None else [])

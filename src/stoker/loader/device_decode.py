@@ -1,6 +1,6 @@
 """Decode on the accelerator, in the training process (DLBooster's split of the work).
 
-With ``Loader(..., decode_device="cuda")`` the loader's workers only read and verify each
+With ``Loader(..., image=ImageOptions(decode_device="cuda"))`` the loader's workers only read and verify each
 sample's bytes (cache, staging or origin; checksums) and fill the labels; the training process
 hands each batch's payloads to a :class:`stoker.decode.gpu.GpuJpegDecoder`, which decodes the
 JPEGs on the GPU (nvJPEG) and falls back to the CPU path per sample, and applies the train or
@@ -39,7 +39,7 @@ class DeviceBatchDecoder:
 
     @classmethod
     def create(cls, spec, dataset, cfg: WorkerConfig) -> "DeviceBatchDecoder":
-        """From ``Loader(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
+        """From ``ImageOptions(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
         RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
         if isinstance(spec, str):
             from ..decode.gpu import GpuJpegDecoder

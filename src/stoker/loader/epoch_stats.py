@@ -11,7 +11,25 @@ import numpy as np
 
 @dataclass
 class EpochStats:
-    """What one epoch of one rank did. Times in seconds, bytes in bytes.
+    """What one epoch of one rank did. Times in seconds, bytes in bytes; ``as_dict()`` gives a dict.
+
+    ``epoch`` (index); ``seconds`` (s, wall time from the epoch's ``iter()`` to its last batch);
+    ``wait_s`` (s blocked in ``next()``); ``samples_per_s`` (samples/s); ``origin_bytes`` (bytes
+    received from the origin by every process of the loader), ``origin_requests`` (ranged GETs)
+    and ``origin_retries`` (requests that failed and were sent again); ``cache_hits`` /
+    ``cache_misses`` (sample reads served by the node cache / not), ``cache_hit_ratio`` (0-1),
+    ``memory_hits`` (hits served by the shared-memory tier); ``prefetch_fills`` (blocks the
+    prefetcher admitted to the cache), ``prefetch_staged`` (blocks it fetched just in time into
+    staging), ``staged_reused`` (blocks still staged for the previous epoch's last batches, used
+    instead of fetched again), ``prefetch_depth_bytes`` (mean bytes ready ahead of the consumer),
+    ``staged_hits`` (samples read from staged blocks), ``direct_reads`` (samples read from the
+    origin one by one); ``evictions`` (blocks), ``corrupt_blocks`` (cached blocks that failed a
+    checksum, dropped and fetched again); ``skipped`` (samples) and ``skipped_keys`` (their keys,
+    the first 100); ``order_displacement`` (mean move in positions of the cache-aware order,
+    ``ReadOptions.cache_aware_window``); ``derived_hits`` / ``derived_fills`` (samples decoded from
+    / written to the derived-sample cache) and ``derived_same`` (samples whose entry says "use the
+    raw sample"); ``shm_batches`` / ``pickled_batches`` (user-collated batches whose arrays moved
+    through shared memory / pickled whole, having no array) and ``pickled_bytes`` (bytes pickled).
 
     ``samples`` / ``batches``: the samples and batches yielded to the consumer (a sample
     skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a batch whose
@@ -23,7 +41,8 @@ class EpochStats:
     epoch by the training process (``main``), the decode ``workers`` and the
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
     counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
-    crash) and were replaced, within the bounds of :mod:`stoker.loader.respawn`.
+    crash) and were replaced, within the bounds of :mod:`stoker.loader.pool` and
+    :mod:`stoker.loader.prefetcher`.
 
     Origin bytes, requests, fills and staged blocks of the prefetcher are charged to the epoch
     whose samples they serve first (its work for the next epoch while this one drains counts

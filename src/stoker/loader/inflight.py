@@ -75,6 +75,11 @@ class InflightTarget:
         self._probing, self._best_rate, self._best_target, self._misses = True, 0.0, self.floor, 0
         self._lock = threading.Lock()
 
+    @property
+    def observed(self) -> int:
+        """Requests recorded by :meth:`observe` so far."""
+        return self._n
+
     def observe(self, size_bytes: int, duration_s: float, now: float | None = None) -> int:
         """Record one finished request; returns the new target."""
         now = time.monotonic() if now is None else now

@@ -29,7 +29,7 @@ from .inflight import LEDGER_FIELDS
 
 log = logging.getLogger(__name__)
 
-#: Counters of the pipeline's processes that are summed (keys of ``Run._totals``).
+#: Counters of the pipeline's processes that are summed (keys of ``Run.totals()``).
 COUNTER_KEYS = ("origin_bytes", "origin_requests", "origin_retries", "origin_errors", "cache_hits",
                 "cache_memory_hits", "cache_misses", "read_staged_hits", "read_direct_reads", "prefetch_fills")
 #: Fields of :class:`stoker.loader.epoch_stats.EpochStats` that are summed over epochs.
@@ -111,7 +111,7 @@ class LiveTotals:
             run, stats, before, wait_box, t_start, plan = cur
             delta = _delta(run, before)
             if plan is not None:  # the prefetcher's origin bytes, requests, fills of this plan so far
-                ledger = run._pf_ledger(plan)
+                ledger = run.prefetch_ledger(plan)
                 for k in LEDGER_FIELDS[1:]:
                     delta[k] = delta.get(k, 0) + ledger.get(k, 0)
             seconds = time.perf_counter() - t_start
@@ -121,8 +121,9 @@ class LiveTotals:
                 out[k] += getattr(stats, k, 0)
             out["wait_s"] += wait_box[0]
             out["seconds"] += seconds
-            out["worker_restarts"] += sum(getattr(run, "_restarts", ()) or ())
-            out["prefetcher_restarts"] += getattr(run, "_pf_restarts", 0)
+            worker_restarts, prefetcher_restarts = run.restarts()
+            out["worker_restarts"] += worker_restarts
+            out["prefetcher_restarts"] += prefetcher_restarts
             n_depth = delta.get("prefetch_depth_n", 0)
             depth = delta.get("prefetch_depth_sum", 0) / n_depth if n_depth else 0.0
             out.update(_epoch_figures(stats, (delta, wait_box[0], seconds, depth)))
@@ -180,7 +181,7 @@ def _delta(run, before: dict) -> dict:
     """The change of the pipeline's summed process counters since ``before``."""
     for _ in range(3):  # the consumer's thread may add a worker's counters meanwhile
         try:
-            now = run._totals()
+            now = run.totals()
             break
         except RuntimeError:
             continue

@@ -1,6 +1,6 @@
 """Moving batches to the accelerator: pinned staging, non-blocking copies on a side stream.
 
-``Loader(..., device="cuda")`` passes each batch (tensors over a shared-memory slot) through
+``Loader(..., run=RunOptions(device="cuda"))`` passes each batch (tensors over a shared-memory slot) through
 :class:`DeviceTransfer`:
 
 1. the batch is copied (one CPU memcpy) into the next of ``depth`` *pinned* (page-locked)

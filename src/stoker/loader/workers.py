@@ -50,7 +50,7 @@ class BatchDecoder:
         self._decode_transform = decode_transform
         self.derived = cfg.derived  # a DerivedCache (see stoker.loader.derived) or None
 
-    def _one(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
+    def decode_sample(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
         """Decode+transform sample ``sid`` into ``out``: from its derived entry when there is one,
         else from the raw bytes (writing the derived entry as a side effect)."""
         der = self.derived
@@ -95,7 +95,7 @@ class BatchDecoder:
                 current.value = sid
             rng = np.random.default_rng(sample_seed(seed, epoch, sid)) if mode == "train" else None
             try:
-                self._one(sid, ds.key(sid), mode, rng, size, images[j])
+                self.decode_sample(sid, ds.key(sid), mode, rng, size, images[j])
             except DecodeError as exc:
                 if not skip:
                     raise

@@ -24,13 +24,13 @@ POLICY_NAMES = ("future", "lru", "noevict")
 
 def _job(url, opts, cache_dir, cache_bytes, staging_bytes, epochs, rate, seed, out):
     """One training job (its own process): a Loader over the shared node cache."""
-    from stoker.loader import Loader
+    from stoker.loader import Loader, ReadOptions
     from stoker.store.dataset import open_dataset
 
     from .harness import measure
     ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=opts)
     rows = []
-    with Loader(ds, 64, num_workers=1, seed=seed, staging_bytes=staging_bytes) as loader:
+    with Loader(ds, 64, num_workers=1, seed=seed, read=ReadOptions(staging_bytes=staging_bytes)) as loader:
         for _ in range(epochs):
             m = measure(loader, rate)
             st = loader.stats
@@ -61,7 +61,7 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
     every block of its window), so it is not carved out of C; a staged block still there when
     the next epoch first needs it is a hit across the boundary, which can put an epoch a little
     below D - C (reported as ``staging_bytes``)."""
-    from stoker.loader import Loader
+    from stoker.loader import Loader, ReadOptions
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
 
@@ -100,7 +100,7 @@ def run(images: int = 5000, epochs: int = 3, fractions=(0.1, 0.25, 0.5, 1.0), po
             for policy in policies:
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=C, cache_policy=policy, storage_options=opts)
-                with Loader(ds, batch_size, num_workers=workers, seed=0, staging_bytes=S) as loader:
+                with Loader(ds, batch_size, num_workers=workers, seed=0, read=ReadOptions(staging_bytes=S)) as loader:
                     for _ in range(epochs):
                         m = measure(loader, rate)
                         row = _row(policy, frac, C, D, loader.stats, m)

@@ -105,7 +105,7 @@ def _cache_forms(payloads, packed, work, seconds, batch_size, epochs) -> dict:
     difference from the full-size path; the ``auto`` choice for 2 workers; the loader (2 workers,
     warm) with the best derived form."""
     from stoker.decode.choose import DEFAULT_CANDIDATES, choose_form, measure_forms
-    from stoker.loader import Loader
+    from stoker.loader import ImageOptions, Loader
     from stoker.store.dataset import open_dataset
     root = os.path.join(work, "derived")
     cands = DEFAULT_CANDIDATES + ("rgb",)
@@ -119,7 +119,7 @@ def _cache_forms(payloads, packed, work, seconds, batch_size, epochs) -> dict:
     best = max((k for k in out["forms"] if k != "raw"), key=lambda k: out["forms"][k]["decode_per_core"])
     form = auto["choice"] if auto["choice"] != "raw" else best
     shutil.rmtree(os.path.join(root), ignore_errors=True)
-    with Loader(ds, batch_size, num_workers=2, seed=0, cache_form=form, cache_form_dir=root) as loader:
+    with Loader(ds, batch_size, num_workers=2, seed=0, image=ImageOptions(cache_form=form, cache_form_dir=root)) as loader:
         for _ in range(max(3, epochs)):  # epoch 0 fills the derived store (and starts epoch 1)
             t = time.perf_counter()
             n = sum(len(y) for _, y in loader)

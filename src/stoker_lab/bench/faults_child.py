@@ -20,9 +20,8 @@ so the parent keeps what happened before a hang or a signal death):
 
 With ``kill`` in the spec, a timer thread SIGKILLs one worker or the prefetch process at a
 random point of each round (after a random batch, plus 0-50 ms), ``rounds`` times; the pids
-come from the Loader's own process handles (``_workers``, ``_prefetcher``: bench
-instrumentation, not public API). A worker that dies by a signal the bench did not send is
-counted in ``signal_deaths``.
+come from the Loader's own process handles (``loader.processes``). A worker that dies by a
+signal the bench did not send is counted in ``signal_deaths``.
 """
 from __future__ import annotations
 
@@ -84,8 +83,8 @@ def _pre(kind: str | None, spec: dict) -> None:
 
 def _killer(loader, target: str, delay_s: float, killed: list) -> None:
     time.sleep(delay_s)
-    procs = list(getattr(loader, "_workers", []) or []) if target == "worker" else \
-        [p for p in [getattr(loader, "_prefetcher", None)] if p is not None]
+    running = loader.processes
+    procs = list(running.workers) if target == "worker" else [p for p in [running.prefetcher] if p is not None]
     procs = [p for p in procs if p.pid and p.exitcode is None]
     if not procs:
         return
@@ -100,6 +99,7 @@ def _killer(loader, target: str, delay_s: float, killed: list) -> None:
 def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
     """One round: open, load ``epochs`` epochs, close. Returns the round's record."""
     from stoker.loader import Loader
+    from stoker.loader.options import loader_kwargs
     from stoker.store.dataset import open_dataset
 
     n, epochs, kill = spec["n_samples"], spec.get("epochs", 1), spec.get("kill")
@@ -111,7 +111,7 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
     try:
         ds = open_dataset(spec["url"], cache_dir=cache_dir, storage_options=spec.get("storage_options"),
                           **spec.get("open_kw", {}))
-        loader = Loader(ds, **spec.get("loader_kw", {}))
+        loader = Loader(ds, **loader_kwargs(spec.get("loader_kw", {})))
         nb = max(1, -(-n // loader.batch_size))
         kill_after = rng.randrange(max(1, nb - 1)) if kill else -1
         armed = False  # one kill per round, in the first epoch
@@ -122,8 +122,7 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
                     seen.update(int(x) for x in labels)
                     if b == kill_after and not armed:
                         armed = True
-                        rec["pids"] += [p.pid for p in loader._workers] + (
-                            [loader._prefetcher.pid] if getattr(loader, "_prefetcher", None) else [])
+                        rec["pids"] += loader.processes.pids()
                         threading.Thread(target=_killer, args=(loader, kill["target"], rng.uniform(0, 0.05),
                                                                killed), daemon=True).start()
             finally:
@@ -142,7 +141,7 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
     finally:
         time.sleep(0.06 if kill else 0)
         if loader is not None:
-            rec["pids"] += [p.pid for p in getattr(loader, "_workers", [])]
+            rec["pids"] += [p.pid for p in loader.processes.workers]
             loader.close()
     rec["faults_injected"] = len(killed)
     rec["seconds"] = time.perf_counter() - t0

@@ -228,7 +228,8 @@ def table(report: dict) -> str:
                      + (f"  ({r['exception']})" if r.get("exception") else ""))
     for e in report["epochs"]:
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["cpu_s"].items()))
-        lines.append(f"epoch {e['epoch']} ({'cold' if e['epoch'] == 0 else 'warm'}): {e['samples_per_s']:.0f} samples/s "
+        kind = "cold" if e["epoch"] == 0 else "warm"
+        lines.append(f"epoch {e['epoch']} ({kind}): {e['samples_per_s']:.0f} samples/s "
                      f"(first batch {e['first_batch_s']:.2f} s), "
                      f"{e['samples_per_cpu_s']:.0f} samples per CPU-s, {e['cpu_s_per_GB']:.2f} CPU-s/GB, "
                      f"origin {e['origin_bytes'] / 1e6:.1f} MB; CPU-s: {cpu}; emulated origin "

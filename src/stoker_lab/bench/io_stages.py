@@ -194,7 +194,7 @@ def cache_read_stage(tiers: dict, reps: int) -> list:
         ids = range(n)
         nbytes = int(sum(int(ds.index.length[i]) for i in ids))
 
-        def bare(ds=ds, cache=cache):
+        def bare(ds=ds, cache=cache, ids=ids):
             fds = {}
             total = 0
             try:
@@ -203,13 +203,14 @@ def cache_read_stage(tiers: dict, reps: int) -> list:
                     fd = fds.get(b)
                     if fd is None:
                         fd = fds[b] = os.open(cache.path(ds.version, ds.block_name(b)), os.O_RDONLY)
-                    total += len(os.pread(fd, int(ds.index.length[i]), int(ds.index.offset[i]) - int(ds.block_start[b])))
+                    at = int(ds.index.offset[i]) - int(ds.block_start[b])
+                    total += len(os.pread(fd, int(ds.index.length[i]), at))
             finally:
                 for fd in fds.values():
                     os.close(fd)
             return total
 
-        def stoker(ds=ds):
+        def stoker(ds=ds, ids=ids):
             return sum(len(ds.read(i)) for i in ids)
         if not cache.contains(ds.version, ds.block_name(0)):
             raise RuntimeError(f"the {tier} tier does not hold the blocks the read stage needs")

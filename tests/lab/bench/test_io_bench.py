@@ -1,4 +1,4 @@
-"""``stoker bench io`` at a tiny size: the report has the issue's shape and every figure is finite (no speed asserted)."""
+"""``stoker bench io`` at a tiny size: the report has the issue's shape, every figure finite (no speed asserted)."""
 import json
 import math
 import subprocess

@@ -1,0 +1,291 @@
+"""The Loader's less common settings, in three frozen groups: how samples are read
+(:class:`ReadOptions`), how images are made (:class:`ImageOptions`) and how the pipeline runs
+(:class:`RunOptions`).
+
+Each group checks its fields when it is built (ValueError or TypeError naming the field), so a
+bad setting fails where it is written, not in a worker. Byte sizes take ints or strings such as
+``"512MiB"`` (:func:`stoker.parse_size`) and are kept as ints. ``repr()`` shows only the fields
+that differ from the defaults::
+
+    Loader(ds, 256, num_workers=8, read=ReadOptions(prefetch_bytes="2GiB"),
+           run=RunOptions(timeout_s=300))
+
+The Loader's old flat keywords (``Loader(ds, 32, prefetch_bytes=...)``) still work for one
+release with a DeprecationWarning: :data:`DEPRECATED` maps each to its group and field, and
+:func:`loader_kwargs` turns a flat dict of old and new names (a configuration file) into the
+Loader's keywords without warnings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from .._units import parse_size
+from ..order import PERMUTATIONS
+
+__all__ = ["DEPRECATED", "GROUPS", "ImageOptions", "ReadOptions", "RunOptions", "loader_kwargs"]
+
+
+def _changed_repr(self) -> str:
+    """``Name(field=value, ...)`` with only the fields that differ from their defaults."""
+    parts = []
+    for f in dataclasses.fields(self):
+        value = getattr(self, f.name)
+        if f.default is dataclasses.MISSING or value != f.default:
+            parts.append(f"{f.name}={value!r}")
+    return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _int(owner: str, name: str, value, least: int) -> int:
+    """``value`` as an int >= ``least``; TypeError / ValueError naming ``owner.name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}.{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"{owner}.{name} must be >= {least}, got {value}")
+    return int(value)
+
+
+def _choice(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True, repr=False)
+class ReadOptions:
+    """In what order samples are read, and how far ahead of the consumer.
+
+    Attributes:
+        order: the registered permutation (:data:`stoker.order.PERMUTATIONS`) used when the
+            loader shuffles. ``"blockwise"`` (default) shuffles the cache blocks and the samples
+            inside windows of ``order_window`` blocks (quasi-random, streams well from a cold
+            origin); ``"uniform"`` is a uniform permutation. ValueError for an unknown name.
+        order_window: blocks per shuffle window of ``"blockwise"`` (int >= 1, default 16).
+        even: how the ranks get equal counts: ``"pad"`` (default, repeat samples) or ``"drop"``
+            (:func:`stoker.order.rank_plan`).
+        cache_aware_window: if > 0, within each window of that many samples the samples whose
+            blocks are cached when the epoch starts come first and the misses follow
+            (:func:`stoker.order.cache_aware`; 0 = off, the default). Every sample still comes
+            once; ``stats.order_displacement`` is the mean move in positions.
+        prefetch_batches: batches in flight at the workers (int >= 1; default None:
+            ``max(2, 2 * num_workers)``).
+        prefetch_bytes: bytes the block prefetcher runs ahead of the consumer (default 512 MiB).
+        staging_bytes: most bytes held in blocks fetched just in time that the node cache did
+            not admit (:mod:`stoker.cache.staging`; on the cache's disk; default 64 MiB).
+        fetch_concurrency: least number of ranged GETs the prefetcher keeps in flight (int >= 1,
+            default 8); it keeps more while latency x bandwidth asks for them
+            (:mod:`stoker.loader.inflight`).
+        prefetch_next_epoch: start the first batches of the next epoch while the last ones of
+            this epoch are in flight (default True), so the pipeline never drains at the boundary.
+
+    Byte sizes take ints or strings such as ``"512MiB"``; ValueError / TypeError naming the
+    field for a bad one (:func:`stoker.parse_size`).
+    """
+
+    order: str = "blockwise"
+    order_window: int = 16
+    even: str = "pad"
+    cache_aware_window: int = 0
+    prefetch_batches: int | None = None
+    prefetch_bytes: int | str = 512 << 20
+    staging_bytes: int | str = 64 << 20
+    fetch_concurrency: int = 8
+    prefetch_next_epoch: bool = True
+
+    __repr__ = _changed_repr
+
+    def __post_init__(self):
+        if self.order not in PERMUTATIONS:
+            raise ValueError(f"ReadOptions.order: unknown order {self.order!r}; registered: {sorted(PERMUTATIONS)}")
+        _choice("ReadOptions", "even", self.even, ("pad", "drop"))
+        set_ = object.__setattr__
+        set_(self, "order_window", _int("ReadOptions", "order_window", self.order_window, 1))
+        set_(self, "cache_aware_window", _int("ReadOptions", "cache_aware_window", self.cache_aware_window, 0))
+        if self.prefetch_batches is not None:
+            set_(self, "prefetch_batches", _int("ReadOptions", "prefetch_batches", self.prefetch_batches, 1))
+        set_(self, "fetch_concurrency", _int("ReadOptions", "fetch_concurrency", self.fetch_concurrency, 1))
+        set_(self, "prefetch_bytes", parse_size(self.prefetch_bytes, "prefetch_bytes"))
+        set_(self, "staging_bytes", parse_size(self.staging_bytes, "staging_bytes"))
+        set_(self, "prefetch_next_epoch", bool(self.prefetch_next_epoch))
+
+
+@dataclass(frozen=True, repr=False)
+class ImageOptions:
+    """How the built-in image path makes its images (none of these apply with the user's
+    ``decode``/``collate``: ValueError from the Loader for a non-default one then).
+
+    Attributes:
+        image_size: output side S in pixels (int >= 1, default 224); images are uint8 (3, S, S).
+        exif_orientation: apply the EXIF orientation tag when decoding (default False).
+        cache_form: keep each sample's cheaper derived form in a node-local store and decode
+            from it from the second epoch (:mod:`stoker.loader.derived`): ``"jpeg"`` (re-encoded,
+            shorter side capped at 320 px for 224), ``"jpeg256"``, ``"rgb256"``, ``"rgb"``
+            (decoded pixels), ``"raw"`` (off) or ``"auto"`` (measured choice,
+            :mod:`stoker.decode.choose`); default None (off). ValueError for an unknown form.
+        cache_form_bytes: capacity of that store (default 16 GiB; ints or strings such as "4GiB").
+        cache_form_dir: its directory (default None: ``<node cache>/.derived``).
+        decode_device: ``"cuda"`` / ``"cuda:N"`` (or a ``torch.device``, kept as its name, or a
+            decoder object with ``decode()``, ``transform_batch()`` and ``device``) to decode the
+            JPEGs on the GPU in the training process (nvJPEG with a per-sample CPU fallback,
+            :mod:`stoker.loader.device_decode`); the workers only read and verify bytes, and the
+            batches arrive on that device. Default None. ValueError for another device, and
+            with ``cache_form`` (derived forms are decoded on the CPU).
+    """
+
+    image_size: int = 224
+    exif_orientation: bool = False
+    cache_form: str | None = None
+    cache_form_bytes: int | str = 16 << 30
+    cache_form_dir: str | None = None
+    decode_device: Any = None
+
+    __repr__ = _changed_repr
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "image_size", _int("ImageOptions", "image_size", self.image_size, 1))
+        set_(self, "exif_orientation", bool(self.exif_orientation))
+        set_(self, "cache_form_bytes", parse_size(self.cache_form_bytes, "cache_form_bytes"))
+        if self.cache_form not in (None, "auto"):
+            from ..decode.forms import parse_form
+            parse_form(self.cache_form, self.image_size)  # ValueError now, not in a worker
+        dd = self.decode_device
+        if dd is None:
+            return
+        if not isinstance(dd, str) and type(dd).__name__ == "device":
+            dd = str(dd)  # a torch.device
+            set_(self, "decode_device", dd)
+        if isinstance(dd, str):
+            if not dd.startswith("cuda"):
+                raise ValueError(f"decode_device must be 'cuda' or 'cuda:N' (or a decoder object), got {dd!r}")
+        elif not all(hasattr(dd, a) for a in ("decode", "transform_batch", "device")):
+            raise ValueError(f"decode_device must be a CUDA device name or a decoder with decode(), "
+                             f"transform_batch() and device, got {type(dd).__name__}")
+        if self.cache_form is not None:
+            raise ValueError("cache_form (derived forms decoded on the CPU) cannot be used with decode_device")
+
+
+@dataclass(frozen=True, repr=False)
+class RunOptions:
+    """Where batches go, what a failure does, how the processes start, where metrics are served.
+
+    Attributes:
+        device: None / ``"cpu"`` (default: the shared-memory tensors are yielded) or
+            ``"cuda[:N]"`` (each batch copied through pinned memory on a side stream,
+            :mod:`stoker.loader.transfer`). ValueError for another device; RuntimeError when CUDA
+            is not available. With ``ImageOptions.decode_device`` it defaults to that device.
+        on_error: ``"raise"`` (default: a sample no decoder reads raises WorkerError naming its
+            key) or ``"skip"`` (logged, counted in stats, the batch is shorter; a batch whose
+            samples were all skipped is not yielded).
+        timeout_s: longest wait in seconds for one batch before WorkerError (never a hang;
+            > 0, default 120).
+        start_method: multiprocessing start method of the workers (default None: ``fork`` where
+            available, ``forkserver`` when the training process runs threads a forked child
+            cannot survive, :func:`stoker._procs.pick_start_method`; an explicit ``"fork"`` there
+            raises ForkUnsafeError). ``spawn``/``forkserver`` need the usual ``__main__`` guard.
+        metrics_port: serve Prometheus metrics of the loader on that port (0: any free one;
+            default None: ``$STOKER_METRICS_PORT`` plus ``$LOCAL_RANK`` when set, else none;
+            :mod:`stoker.metrics`). Needs the ``metrics`` extra (ImportError without it); OSError
+            when the port is taken.
+    """
+
+    device: str | None = None
+    on_error: str = "raise"
+    timeout_s: float = 120.0
+    start_method: str | None = None
+    metrics_port: int | None = None
+
+    __repr__ = _changed_repr
+
+    def __post_init__(self):
+        _choice("RunOptions", "on_error", self.on_error, ("raise", "skip"))
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real):
+            raise TypeError(f"RunOptions.timeout_s must be a number of seconds, got {self.timeout_s!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"RunOptions.timeout_s must be > 0, got {self.timeout_s}")
+        if self.start_method is not None and not isinstance(self.start_method, str):
+            raise TypeError(f"RunOptions.start_method must be a start method name, got {self.start_method!r}")
+        if self.metrics_port is not None:
+            object.__setattr__(self, "metrics_port", _int("RunOptions", "metrics_port", self.metrics_port, 0))
+        if self.device is not None and not isinstance(self.device, str) and type(self.device).__name__ == "device":
+            object.__setattr__(self, "device", str(self.device))  # a torch.device
+        if self.device not in (None, "cpu"):
+            from .._torch import check_device
+            check_device(self.device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
+
+
+#: The Loader keyword each option group is passed as, and its class.
+GROUPS: dict[str, type] = {"read": ReadOptions, "image": ImageOptions, "run": RunOptions}
+
+#: Old flat Loader keyword -> (group keyword, field) it moved to. ``epoch`` moved to no group:
+#: ``Loader.set_epoch()`` (group None).
+DEPRECATED: dict[str, tuple[str | None, str]] = {
+    **{name: ("read", name) for name in (
+        "order", "order_window", "even", "cache_aware_window", "prefetch_batches", "prefetch_bytes",
+        "staging_bytes", "fetch_concurrency", "prefetch_next_epoch")},
+    **{name: ("image", name) for name in (
+        "image_size", "exif_orientation", "cache_form", "cache_form_bytes", "cache_form_dir", "decode_device")},
+    **{name: ("run", name) for name in ("device", "on_error", "timeout_s", "start_method", "metrics_port")},
+    "epoch": (None, "epoch"),
+}
+
+
+def where(old: str) -> str:
+    """Where the old keyword ``old`` went, in words (for the DeprecationWarning)."""
+    group, field = DEPRECATED[old]
+    if group is None:
+        return "call loader.set_epoch(epoch) before iterating"
+    return f"use {group}={GROUPS[group].__name__}({field}=...)"
+
+
+def regroup(flat: dict, groups: dict) -> tuple[dict, int | None]:
+    """Move the old flat keywords of ``flat`` into the option groups.
+
+    Args:
+        flat: old keyword -> value (every key must be in :data:`DEPRECATED`).
+        groups: group keyword -> the option object passed (or None).
+
+    Returns:
+        (group keyword -> option object, with the old values set in it; the ``epoch`` given,
+        or None).
+
+    Raises:
+        TypeError: an old keyword together with its group (say which to keep), or a key that
+            is not an old keyword (as Python says for an unexpected keyword argument).
+        ValueError: a value the group rejects (names the field).
+    """
+    out = dict(groups)
+    moved: dict[str, dict] = {}
+    epoch = None
+    for old, value in flat.items():
+        if old not in DEPRECATED:
+            raise TypeError(f"Loader.__init__() got an unexpected keyword argument {old!r}")
+        group, field = DEPRECATED[old]
+        if group is None:
+            epoch = value
+            continue
+        if groups.get(group) is not None:
+            raise TypeError(f"{old}= and {group}= were both given: {old} belongs in "
+                            f"{group}={GROUPS[group].__name__}({field}=...)")
+        moved.setdefault(group, {})[field] = value
+    for group, fields in moved.items():
+        out[group] = GROUPS[group](**fields)
+    return out, epoch
+
+
+def loader_kwargs(flat: dict) -> dict:
+    """The :class:`stoker.loader.Loader` keywords for a flat dict that may use the old names
+    (a configuration file, a benchmark spec): old names go into their option group, the rest
+    pass through. No warning.
+
+    Raises:
+        TypeError: an old name together with its group in ``flat``.
+    """
+    rest = {k: v for k, v in flat.items() if k not in DEPRECATED}
+    old = {k: v for k, v in flat.items() if k in DEPRECATED}
+    groups, epoch = regroup(old, {g: rest.pop(g, None) for g in GROUPS})
+    rest.update({g: o for g, o in groups.items() if o is not None})
+    if epoch is not None:
+        raise TypeError("epoch is not a Loader argument: call loader.set_epoch(epoch)")
+    return rest
