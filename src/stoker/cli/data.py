@@ -5,7 +5,7 @@ import json
 import sys
 
 from ..store.dataset import open_dataset
-from ..store.directory import SampleDirectory
+from ..store.keytable import KeyTable
 from ..store.listing import ls, stat
 from ..store.pack import finished_shards, pack
 from ..store.verify import verify
@@ -38,7 +38,7 @@ def cmd_pack(a) -> int:
 
 def _open_directory(a):
     ds = open_dataset(a.url, cache=False, check=False, storage_options=json_options(a.storage_options))
-    return SampleDirectory(ds.index)
+    return KeyTable(ds.index)
 
 
 def cmd_ls(a) -> int:

@@ -4,18 +4,18 @@ from __future__ import annotations
 import numpy as np
 
 from .._units import format_size
-from .directory import SampleDirectory
+from .keytable import KeyTable
 
 # -- `stoker ls` / `stoker stat` ------------------------------------------------
 _human = format_size
 
 
-def _sample_line(d: SampleDirectory, name: str, i: int) -> str:
+def _sample_line(d: KeyTable, name: str, i: int) -> str:
     r = d.sample(i)
     return f"{name}\t{r.length} B\tlabel {r.label}\t{r.shard}@{r.offset}\tid {r.id}"
 
 
-def ls(directory: SampleDirectory, prefix: str = "", limit: int | None = 1000) -> list[str]:
+def ls(directory: KeyTable, prefix: str = "", limit: int | None = 1000) -> list[str]:
     """Lines for ``stoker ls``: the children of directory ``prefix``, each named by its full key
     or key prefix (what ``stoker ls`` and :meth:`stoker.Dataset.index_of` take back).
 
@@ -61,7 +61,7 @@ def _count(n: int) -> str:
     return f"{n} sample" if n == 1 else f"{n} samples"
 
 
-def _empty_classes(directory: SampleDirectory, listed: set[str]) -> list[str]:
+def _empty_classes(directory: KeyTable, listed: set[str]) -> list[str]:
     """Root lines for the classes of the class list that no sample has (label counts 0)."""
     classes = directory.index.classes
     if not classes:
@@ -71,8 +71,8 @@ def _empty_classes(directory: SampleDirectory, listed: set[str]) -> list[str]:
             if counts[label] == 0 and f"{name}/" not in listed]
 
 
-def stat(directory: SampleDirectory, url: str | None = None) -> list[str]:
-    """Lines for ``stoker stat``: ``name: value`` for the fields of :meth:`SampleDirectory.summary`,
+def stat(directory: KeyTable, url: str | None = None) -> list[str]:
+    """Lines for ``stoker stat``: ``name: value`` for the fields of :meth:`KeyTable.summary`,
     then the class mapping, one ``  <label>\t<class name>`` line per class in label order."""
     s = directory.summary()
     lines = [f"url: {url}"] if url is not None else []

@@ -1,4 +1,4 @@
-"""The sample directory: id and key lookups, the prefix tree, summary, ls/stat output."""
+"""KeyTable over the sample directory (the index): id and key lookups, the prefix tree, summary, ls/stat output."""
 import argparse
 import pickle
 
@@ -6,10 +6,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stoker.store import directory as dirmod
-from stoker.store.directory import SampleDirectory, hash_keys
-from stoker.store.listing import ls, stat
+from stoker.store import keytable as dirmod
 from stoker.store.index import IndexFormatError, build_table, read_index, table_to_bytes
+from stoker.store.keytable import KeyTable, hash_keys
+from stoker.store.listing import ls, stat
 
 TRICKY = [
     "a/b", "a/bc", "a/b/c", "a/b!x", "a/b/d/e", "a/b/d/f", "a/ba/z", "a/", "a//x",
@@ -58,7 +58,7 @@ def brute_children(keys, prefix):
 @pytest.fixture(scope="module")
 def tricky():
     idx, keys = make_index(TRICKY)
-    return SampleDirectory(idx), keys, idx
+    return KeyTable(idx), keys, idx
 
 
 def test_keys_sorted_and_id_lookups_match_the_index(tricky):
@@ -129,7 +129,7 @@ def test_hash_collisions_are_resolved_by_the_key_bytes(monkeypatch):
     for mod in (dirmod, keyhash):
         monkeypatch.setattr(mod, "hash_keys", lambda offsets, data: np.zeros(len(offsets) - 1, np.uint64))
         monkeypatch.setattr(mod, "_hash_one", lambda kb: 0)
-    d = SampleDirectory(idx)
+    d = KeyTable(idx)
     assert [d.id_of(k) for k in keys] == list(range(50))
     assert d.ids_of(keys[::-1]).tolist() == list(range(50))[::-1]
     with pytest.raises(KeyError, match="c/50"):
@@ -196,7 +196,7 @@ def test_unsorted_index_keeps_an_order_and_still_answers(tricky):
     rng = np.random.default_rng(3)
     shuffled = [keys[i] for i in rng.permutation(len(keys))]
     idx, ks = make_index(shuffled, sort=False)
-    d = SampleDirectory(idx)
+    d = KeyTable(idx)
     assert not d.keys_sorted and d.order is not None
     assert [ks[i] for i in d.order] == keys
     for i, k in enumerate(ks):
@@ -214,22 +214,22 @@ def test_unsorted_index_keeps_an_order_and_still_answers(tricky):
 def test_duplicate_keys_are_refused_naming_the_key():
     idx, _ = make_index(["c/1", "c/2", "c/2", "c/3"], sort=False)
     with pytest.raises(IndexFormatError, match=r"'c/2'.*1 and 2"):
-        SampleDirectory(idx)
+        KeyTable(idx)
     idx, _ = make_index(["c/9", "c/1", "c/9"], sort=False)
     with pytest.raises(IndexFormatError, match=r"'c/9'.*0 and 2"):
-        SampleDirectory(idx)
+        KeyTable(idx)
 
 
 def test_empty_and_single_sample_directories():
     idx, _ = make_index([], shards=1)
-    d = SampleDirectory(idx)
+    d = KeyTable(idx)
     assert len(d) == 0 and d.children("") == [] and d.prefix_range("a") == (0, 0)
     with pytest.raises(KeyError):
         d.id_of("a")
     assert d.ids_of(["a"], default=-7).tolist() == [-7]
     assert d.summary()["samples"] == 0
     idx, _ = make_index(["only"], shards=1)
-    d = SampleDirectory(idx)
+    d = KeyTable(idx)
     assert d.id_of("only") == 0 and d.children("") == [("only", True, 0, 1)]
 
 
@@ -249,7 +249,7 @@ def test_summary_and_stat(tricky):
 
 def test_nbytes_counts_the_key_table_once_built():
     idx, keys = make_index([f"k/{i:05d}" for i in range(1000)])
-    d = SampleDirectory(idx)
+    d = KeyTable(idx)
     base = d.nbytes
     assert base == idx.keys.nbytes + sum(a.nbytes for a in (idx.labels, idx.shard, idx.offset,
                                                              idx.length, idx.checksum))

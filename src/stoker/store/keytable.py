@@ -1,12 +1,13 @@
-"""The sample directory (DLFS): "where is sample i / key k" answered from memory.
+"""Lookups by key and key-prefix listings over the sample directory (the index, DLFS's
+in-memory directory): "which sample is key k", "what lies under prefix p", answered from memory.
 
-:class:`SampleDirectory` wraps a :class:`~stoker.store.index.DatasetIndex` without
+:class:`KeyTable` wraps a :class:`~stoker.store.index.DatasetIndex` without
 copying it and without creating per-sample Python objects. It adds:
 
-- **lookups by id**: :meth:`SampleDirectory.sample` (one record) and
-  :meth:`SampleDirectory.lookup` (vectorised, numpy gathers);
-- **lookups by key**: :meth:`SampleDirectory.id_of` and the vectorised
-  :meth:`SampleDirectory.ids_of`, through a key hash table built on first use:
+- **lookups by id**: :meth:`KeyTable.sample` (one record) and
+  :meth:`KeyTable.lookup` (vectorised, numpy gathers);
+- **lookups by key**: :meth:`KeyTable.id_of` and the vectorised
+  :meth:`KeyTable.ids_of`, through a key hash table built on first use:
   a 64-bit hash of every key's UTF-8 bytes, computed with numpy straight from
   the Arrow string buffers (8 bytes per step, no Python loop over samples),
   sorted (``uint64``, 8 B/sample) with the permutation that sorts it
@@ -24,7 +25,7 @@ Sample ids are positions in the index. The pack writes them in sorted key order
 (byte order of the UTF-8 keys, which is also Python's ``str`` order); this is
 checked at construction. If an index is not in key order, the directory keeps
 one more array, ``order`` (int32/int64, (N,)), the ids in key order; ranges are
-then positions in key order and :meth:`SampleDirectory.ids` maps them to ids.
+then positions in key order and :meth:`KeyTable.ids` maps them to ids.
 
 Module functions :func:`ls` and :func:`stat` format the ``stoker ls`` and
 ``stoker stat`` output (see :mod:`stoker.store.listing`).
@@ -43,11 +44,18 @@ import pyarrow.compute as pc
 from ..errors import IndexFormatError
 from .index import DatasetIndex
 
-__all__ = ["SampleDirectory", "SampleRecord", "hash_keys"]
+__all__ = ["KeyTable", "SampleRecord", "hash_keys"]
 
 from .keyhash import (  # noqa: E402,F401 - hashing lives in keyhash; names re-exported
-    _MASKS, _SLASH, _KeyTable, _gather_words, _hash_one, _string_buffers, hash_keys,  # noqa: F401
+    _MASKS,  # noqa: F401
+    _SLASH,
+    _gather_words,
+    _hash_one,
+    _KeyTable,
+    _string_buffers,
+    hash_keys,
 )
+
 
 class SampleRecord(NamedTuple):
     """One sample's directory entry: where its payload lies and how to check it.
@@ -66,7 +74,7 @@ class SampleRecord(NamedTuple):
     checksum: int
 
 
-class SampleDirectory:
+class KeyTable:
     """In-memory sample directory over a :class:`DatasetIndex` (shares its arrays).
 
     ``len(d)`` samples. Resident cost beyond the index: nothing at construction
@@ -193,7 +201,7 @@ class SampleDirectory:
         return self.keys.take(pa.array(ids))
 
     # -- lookups by key -----------------------------------------------------
-    def prepare(self) -> "SampleDirectory":
+    def prepare(self) -> KeyTable:
         """Build the key table now (otherwise built on the first key lookup). Returns self."""
         self._key_table()
         return self
