@@ -287,8 +287,13 @@ class Origin:
         finally:
             _AMBIENT.deadline = prev
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
+    def read_range(self, rel: str, start: int, end: int):
         """Read bytes ``[start, end)`` of object ``rel`` with one ranged GET (retried).
+
+        Returns a bytes-like object: ``bytes`` from fsspec, obstore's read-only buffer when
+        obstore serves the read (:meth:`use_native`; not copied: ``len``, slicing a
+        ``memoryview`` of it, xxhash and ``os.write`` take it as it is). A caller that must hand
+        out ``bytes`` copies it (``bytes(data)``).
 
         Raises :class:`OriginError` after ``attempts`` failures, ``FileNotFoundError``
         at once when the object does not exist, and :class:`OriginError` when the
@@ -296,12 +301,12 @@ class Origin:
         """
         if end <= start:
             return b""
-        path = self.path(rel)
         native = self._native
         if native is not None:
-            key = path.split("/", 1)[1]  # s3fs paths are "bucket/key"
+            key = native.key(self.url, rel)  # from the URL: no s3fs filesystem in this process
             data = self.retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
         else:
+            path = self.path(rel)
             data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
                                start, end)
         self.counters.requests += 1
