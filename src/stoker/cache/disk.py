@@ -335,8 +335,7 @@ class DiskCache(UsageCounters):
         # through this process's open descriptor of the block file (:mod:`.handles`): no open/close
         # per sample; a descriptor of a file since unlinked (evicted, replaced) is never read
         h = self._local()
-        path = self.path(namespace, name)
-        ent = h.block_ref(path, open_only)
+        ent = h.block_ref((namespace, name), lambda: self.path(namespace, name), open_only)
         if ent is None:
             return None
         try:
@@ -525,8 +524,9 @@ class DiskCache(UsageCounters):
                 os.unlink(path)
             except FileNotFoundError:
                 continue
-            self._local().drop(path)
-            used = self._charge(layout.namespace_of(path), -size, used)
+            ns = layout.namespace_of(path)
+            self._local().drop((ns, os.path.basename(path)))
+            used = self._charge(ns, -size, used)
             need -= size
             self.stats.evictions += 1
             self.stats.evicted_bytes += size
@@ -553,7 +553,7 @@ class DiskCache(UsageCounters):
         """Drop one block (e.g. after a checksum failure) and return its bytes to the budget."""
         path = self.path(namespace, name)
         with self._budget_lock():
-            self._local().drop(path)
+            self._local().drop((namespace, name))
             try:
                 size = os.lstat(path).st_size
                 os.unlink(path)

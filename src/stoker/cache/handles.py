@@ -71,7 +71,7 @@ class Handles:
         self._mutex = threading.Lock()
         self._stripe_locks: dict[int, threading.Lock] = {}
         self._stripe_idle: OrderedDict[int, tuple[int, tuple[int, int]]] = OrderedDict()
-        self._blocks: OrderedDict[str, _BlockFd] = OrderedDict()
+        self._blocks: OrderedDict[object, _BlockFd] = OrderedDict()
 
     @classmethod
     def for_pid(cls, current: Handles | None, root: str, mode: int) -> Handles:
@@ -132,15 +132,17 @@ class Handles:
             os.close(old)
 
     # -- block files -------------------------------------------------------------
-    def block_ref(self, path: str, open_only: bool = False) -> _BlockFd | None:
-        """A referenced descriptor of block file ``path`` (release it with :meth:`release`), or
-        None: the file does not exist (or is a symlink), or ``open_only`` and none is open.
-        A cached descriptor whose file is no longer linked is dropped and the name opened again."""
+    def block_ref(self, key, path, open_only: bool = False) -> _BlockFd | None:
+        """A referenced descriptor of the block file ``key`` names (hashable, e.g. ``(namespace,
+        name)``; release it with :meth:`release`), or None: the file does not exist (or is a
+        symlink), or ``open_only`` and none is open. ``path()`` gives the file's path (called only
+        to open it). A cached descriptor whose file is no longer linked is dropped and the file
+        opened again."""
         with self._mutex:
-            ent = self._blocks.get(path)
+            ent = self._blocks.get(key)
             if ent is not None:
                 ent.refs += 1
-                self._blocks.move_to_end(path)
+                self._blocks.move_to_end(key)
         if ent is not None:
             try:
                 linked = os.fstat(ent.fd).st_nlink > 0
@@ -149,11 +151,11 @@ class Handles:
             if linked:
                 return ent
             self.release(ent)
-            self.drop(path, ent)
+            self.drop(key, ent)
         if open_only:
             return None
         try:
-            fd = open_file(path, os.O_RDONLY)
+            fd = open_file(path(), os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -164,11 +166,11 @@ class Handles:
         new.refs = 1
         evicted = []
         with self._mutex:
-            old = self._blocks.pop(path, None)
+            old = self._blocks.pop(key, None)
             if old is not None:
                 old.dead = True
                 evicted.append(old)
-            self._blocks[path] = new
+            self._blocks[key] = new
             while len(self._blocks) > BLOCK_FDS:
                 _, e = self._blocks.popitem(last=False)
                 e.dead = True
@@ -189,14 +191,14 @@ class Handles:
         if close:
             os.close(ent.fd)
 
-    def drop(self, path: str, ent: _BlockFd | None = None) -> None:
-        """Forget the descriptor of block file ``path`` (only ``ent`` if given): closed now, or by
-        the last read still using it."""
+    def drop(self, key, ent: _BlockFd | None = None) -> None:
+        """Forget the descriptor of the block file ``key`` names (only ``ent`` if given): closed
+        now, or by the last read still using it."""
         with self._mutex:
-            cur = self._blocks.get(path)
+            cur = self._blocks.get(key)
             if cur is None or (ent is not None and cur is not ent):
                 return
-            del self._blocks[path]
+            del self._blocks[key]
             cur.dead = True
             close = cur.refs == 0
             if close:
@@ -211,8 +213,8 @@ class Handles:
             blocks = list(self._blocks.items())
             stripes = list(self._stripe_idle.values())
             self._stripe_idle = OrderedDict()
-        for path, ent in blocks:
-            self.drop(path, ent)
+        for key, ent in blocks:
+            self.drop(key, ent)
         for fd, _ in stripes:
             os.close(fd)
         if self.budget_mutex.acquire(blocking=False):

@@ -219,7 +219,8 @@ class BlockReader:
         self.stats.staged_hits += 1
         return data
 
-    def block_for_read(self, b: int, rel: int = 0, n: int | None = None) -> tuple[str | None, bytes | memoryview | None]:
+    def block_for_read(self, b: int, rel: int = 0,
+                       n: int | None = None) -> tuple[str | None, bytes | memoryview | None]:
         """Bytes ``[rel, rel + n)`` of block ``b`` (``n`` None: the whole block) for a sample read
         that found it neither in the cache nor in staging: ``(where, bytes-like)`` with ``where``
         "cache", "staged" or "origin", or ``(None, None)`` when only the sample is to be read from
