@@ -160,3 +160,18 @@ def test_a_blocking_wait_wakes_when_the_holder_lets_go_and_honours_its_timeout(t
                 break
         assert time.monotonic() < deadline, "the abandoned wait kept the lock"
         time.sleep(0.01)
+
+
+def test_descriptors_of_unlinked_blocks_are_swept_out(tmp_path, monkeypatch):
+    """A block removed by another process no longer keeps its bytes through this process's open
+    descriptor once this process has opened BLOCK_FDS more blocks."""
+    monkeypatch.setattr(handles_mod, "BLOCK_FDS", 8)
+    reader = DiskCache(str(tmp_path / "c"), 1 << 20)
+    writer = DiskCache(str(tmp_path / "c"), 1 << 20)
+    for k in range(8):
+        assert writer.put(NS, f"b{k}", _block(k, 64))
+    assert reader.read(NS, "b0", 0, 8) == _block(0, 64)[:8]  # the reader's first open
+    writer.remove(NS, "b0")
+    for k in range(1, 8):  # the 8th open sweeps
+        assert reader.read(NS, f"b{k}", 0, 8) == _block(k, 64)[:8]
+    assert reader._local().open_block_fds() == 7  # b1..b7: b0's descriptor closed although the LRU had room

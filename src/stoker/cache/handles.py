@@ -21,7 +21,11 @@ cached descriptor is used only while its file is still linked (``fstat``: ``st_n
 a block evicted, removed after a checksum failure, cleared or replaced has its file unlinked
 (committed blocks are linked into place, never renamed over), so the reader opens the name
 again and never reads an old copy through a stale descriptor. Descriptors are reference-counted
-while a read uses them, so a thread's read never races another thread's close.
+while a read uses them, so a thread's read never races another thread's close. An open
+descriptor keeps an unlinked file's bytes allocated (on /dev/shm: memory) until it is closed:
+every :data:`BLOCK_FDS`-th open sweeps out the descriptors of unlinked files, so a process holds
+at most ``BLOCK_FDS`` blocks beyond the budget, and :meth:`Handles.close` (``DiskCache.close``)
+lets go of all of them.
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ class Handles:
         self._stripe_locks: dict[int, threading.Lock] = {}
         self._stripe_idle: OrderedDict[int, tuple[int, tuple[int, int]]] = OrderedDict()
         self._blocks: OrderedDict[object, _BlockFd] = OrderedDict()
+        self._opens = 0  # block files opened: every BLOCK_FDS-th open sweeps out unlinked ones
+        self._stripe_ident: dict[int, tuple[int, int]] = {}
 
     @classmethod
     def for_pid(cls, current: Handles | None, root: str, mode: int) -> Handles:
@@ -117,17 +123,22 @@ class Handles:
             got = self._stripe_idle.pop(k, None)
         if got is not None:
             return got[0]
-        return open_file(path, os.O_CREAT | os.O_RDWR, self.mode)
+        fd = open_file(path, os.O_CREAT | os.O_RDWR, self.mode)
+        with self._mutex:
+            self._stripe_ident[fd] = _identity(fd)
+        return fd
 
     def give_stripe(self, k: int, fd: int) -> None:
         """Put stripe ``k``'s descriptor back (unlocked) into the idle pool; the least recently
         used idle one is closed past :data:`STRIPE_FDS`."""
-        ident = _identity(fd)
         with self._mutex:
+            ident = self._stripe_ident.get(fd) or _identity(fd)
             self._stripe_idle[k] = (fd, ident)
             self._stripe_idle.move_to_end(k)
             extra = [self._stripe_idle.popitem(last=False)[1][0]
                      for _ in range(len(self._stripe_idle) - STRIPE_FDS)]
+            for old in extra:
+                self._stripe_ident.pop(old, None)
         for old in extra:
             os.close(old)
 
@@ -165,6 +176,9 @@ class Handles:
         new = _BlockFd(fd, _identity(fd))
         new.refs = 1
         evicted = []
+        self._opens += 1
+        if self._opens % BLOCK_FDS == 0:
+            self.sweep()
         with self._mutex:
             old = self._blocks.pop(key, None)
             if old is not None:
@@ -179,6 +193,20 @@ class Handles:
         for e in closing:
             os.close(e.fd)
         return new
+
+    def sweep(self) -> None:
+        """Close the descriptors of block files unlinked since (evicted or removed by any
+        process), so they do not keep those files' space: run every :data:`BLOCK_FDS`-th open,
+        so a process that keeps reading holds at most that many unlinked files' bytes."""
+        with self._mutex:
+            items = list(self._blocks.items())
+        for key, ent in items:
+            try:
+                linked = os.fstat(ent.fd).st_nlink > 0
+            except OSError:
+                linked = False
+            if not linked:
+                self.drop(key, ent)
 
     def release(self, ent: _BlockFd) -> None:
         """End a read through ``ent`` (closes it if it was dropped meanwhile and this was the last use)."""
@@ -213,6 +241,7 @@ class Handles:
             blocks = list(self._blocks.items())
             stripes = list(self._stripe_idle.values())
             self._stripe_idle = OrderedDict()
+            self._stripe_ident.clear()
         for key, ent in blocks:
             self.drop(key, ent)
         for fd, _ in stripes:
