@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pickle
 
-import xxhash
-
 import pytest
+import xxhash
 
 from _helpers import fault_proxy, in_child
 
