@@ -57,7 +57,8 @@ from .._atomic import open_file
 from .._procs import pid_alive
 from ..errors import CacheLockTimeout, StokerError  # noqa: F401 - CacheLockTimeout re-exported
 from . import catalog, layout, paths, perms, space
-from .files import TMP_MARK, is_file, read_at, write_whole
+from .files import TMP_MARK, is_file, write_whole
+from .handles import Handles, wait_flock
 from .policy import JobRegistry, share_budget
 from .usage import UsageCounters
 
@@ -116,6 +117,7 @@ class DiskCache(UsageCounters):
         self.lock_timeout_s = lock_timeout_s
         self.stats = CacheStats()
         self._lock_fd = None
+        self._handles: Handles | None = None  # this process's open descriptors (see _local)
         self._made: set[str] = set()
         self._quota_memo: tuple[float, dict] | None = None
         self._owner_pid = os.getpid()  # the job that opened the cache (kept by pickling)
@@ -137,6 +139,7 @@ class DiskCache(UsageCounters):
         state = dict(self.__dict__)
         state["stats"] = CacheStats()
         state["_lock_fd"] = None
+        state["_handles"] = None  # descriptors are per process
         state["_made"] = set()
         state["_quota_memo"] = None
         return state
@@ -146,20 +149,44 @@ class DiskCache(UsageCounters):
         """File of block ``name`` of ``namespace`` (whether or not it is cached)."""
         return os.path.join(layout.ns_dir(self.root, namespace), name)
 
+    def _local(self) -> Handles:
+        """This process's open descriptors of the cache (:mod:`.handles`; new after a fork)."""
+        h = self._handles
+        if h is None or h.pid != os.getpid():
+            h = self._handles = Handles.for_pid(h, self.root, self.mode)
+        return h
+
+    def close(self) -> None:
+        """Close the descriptors this process keeps open (lock files, block files). The cache
+        stays usable: they are opened again when needed."""
+        if self._handles is not None and self._handles.pid == os.getpid():
+            self._handles.close()
+
     @contextmanager
     def _budget_lock(self):
-        fd = open_file(os.path.join(self.root, ".lock"), os.O_CREAT | os.O_RDWR, self.mode)
-        try:
+        """The budget lock (``.lock``): a thread lock of this process, then ``flock`` on the
+        process's open descriptor of the file; unlocked explicitly (a forked child's copy of
+        the descriptor must not keep it held)."""
+        h = self._local()
+        with h.budget_mutex:
+            fd = h.budget_fd()
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._lock_fd = fd
-            yield
-        finally:
-            self._lock_fd = None
-            os.close(fd)  # closing releases the flock
+            try:
+                yield
+            finally:
+                self._lock_fd = None
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _stripe(self, namespace: str, name: str) -> str:
         """The fetch-lock file of block ``name`` (one of ``_STRIPES``, shared by many blocks)."""
-        stripe = xxhash.xxh3_64_intdigest(f"{namespace}/{name}".encode()) % _STRIPES
+        return self._stripe_path(self._stripe_of(namespace, name))
+
+    @staticmethod
+    def _stripe_of(namespace: str, name: str) -> int:
+        return xxhash.xxh3_64_intdigest(f"{namespace}/{name}".encode()) % _STRIPES
+
+    def _stripe_path(self, stripe: int) -> str:
         return os.path.join(self.root, ".locks", f"{stripe:04d}")
 
     def note_fill_failure(self, namespace: str, name: str, note: dict) -> None:
@@ -197,39 +224,54 @@ class DiskCache(UsageCounters):
         """Single-flight lock for one block, across threads and processes.
 
         Yields True when held. With ``blocking=False`` yields False at once if another
-        fill holds it. Blocking waits poll up to ``lock_timeout_s`` and then raise
-        :class:`CacheLockTimeout` (never a hang). A holder killed with SIGKILL
-        releases the lock (the kernel drops flocks of closed files).
+        fill holds it. Blocking waits block (a thread lock within the process, one blocking
+        ``flock`` in a helper thread across processes: :func:`.handles.wait_flock`) for up to
+        ``lock_timeout_s`` and then raise :class:`CacheLockTimeout` (never a hang); the waiter
+        wakes when the holder lets go, not on a polling tick. A holder killed with SIGKILL
+        releases the lock (the kernel drops flocks of closed files). The stripe's file stays
+        open in the process between uses (:mod:`.handles`).
         """
-        fd = open_file(self._stripe(namespace, name), os.O_CREAT | os.O_RDWR, self.mode)
+        h = self._local()
+        k = self._stripe_of(namespace, name)
+        deadline = time.monotonic() + self.lock_timeout_s
+        tlock = h.stripe_lock(k)
+        if not tlock.acquire(blocking, self.lock_timeout_s if blocking else -1):
+            if not blocking:
+                yield False
+                return
+            raise self._lock_timeout(namespace, name)
+        fd: int | None = None
         locked = False
         try:
-            deadline = time.monotonic() + self.lock_timeout_s
-            delay = 0.001
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if not blocking:
-                        yield False
-                        return
-                    if time.monotonic() > deadline:
-                        raise CacheLockTimeout(f"waited {self.lock_timeout_s:.0f} s for the fill of "
-                                               f"{namespace}/{name} in {self.root}") from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.02)
+            fd = h.take_stripe(k, self._stripe_path(k))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if not locked:
+                if not blocking:
+                    yield False
+                    return
+                if not wait_flock(fd, deadline - time.monotonic()):
+                    fd = None  # the waiting helper thread owns it now (closes it)
+                    raise self._lock_timeout(namespace, name)
+                locked = True
             yield True
         finally:
-            if locked:
-                # Unlock explicitly: a process forked while this thread held the lock has a copy
-                # of the descriptor, and closing ours alone would leave the lock held until
-                # that child exits (seen as a block "busy" forever in the prefetcher).
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            if fd is not None:
+                if locked:
+                    # Unlock explicitly: a process forked while this thread held the lock has a copy
+                    # of the descriptor, and closing ours alone would leave the lock held until
+                    # that child exits (seen as a block "busy" forever in the prefetcher).
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                h.give_stripe(k, fd)
+            tlock.release()
+
+    def _lock_timeout(self, namespace: str, name: str) -> CacheLockTimeout:
+        return CacheLockTimeout(f"waited {self.lock_timeout_s:.0f} s for the fill of "
+                                f"{namespace}/{name} in {self.root}")
 
     def _entries(self):
         """Yield (path, size, mtime, is_tmp) for every block file and temporary fill of the
@@ -282,9 +324,26 @@ class DiskCache(UsageCounters):
     def read(self, namespace: str, name: str, offset: int, length: int, count: bool = True) -> bytes | None:
         """Bytes ``[offset, offset+length)`` of a cached block, or None if it is not cached.
         ``count``: as :meth:`stoker.cache.tiered.TieredCache.read` (one tier counts no hits)."""
-        data = read_at(self.path(namespace, name), offset, length, touch=self.policy == "lru")
-        if data is None:
+        return self._read(namespace, name, offset, length)
+
+    def read_if_open(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
+        """As :meth:`read`, but None unless this process holds the block file open already (no
+        ``open`` tried: a tiered cache asks the tier that served the block last first)."""
+        return self._read(namespace, name, offset, length, open_only=True)
+
+    def _read(self, namespace: str, name: str, offset: int, length: int, open_only: bool = False) -> bytes | None:
+        # through this process's open descriptor of the block file (:mod:`.handles`): no open/close
+        # per sample; a descriptor of a file since unlinked (evicted, replaced) is never read
+        h = self._local()
+        ent = h.block_ref((namespace, name), lambda: self.path(namespace, name), open_only)
+        if ent is None:
             return None
+        try:
+            data = os.pread(ent.fd, length, offset)
+            if self.policy == "lru":
+                os.utime(ent.fd)
+        finally:
+            h.release(ent)
         if len(data) != length:  # a short block file is damaged: treat as missing
             self.remove(namespace, name)
             self.stats.corrupt += 1
@@ -465,7 +524,9 @@ class DiskCache(UsageCounters):
                 os.unlink(path)
             except FileNotFoundError:
                 continue
-            used = self._charge(layout.namespace_of(path), -size, used)
+            ns = layout.namespace_of(path)
+            self._local().drop((ns, os.path.basename(path)))
+            used = self._charge(ns, -size, used)
             need -= size
             self.stats.evictions += 1
             self.stats.evicted_bytes += size
@@ -492,6 +553,7 @@ class DiskCache(UsageCounters):
         """Drop one block (e.g. after a checksum failure) and return its bytes to the budget."""
         path = self.path(namespace, name)
         with self._budget_lock():
+            self._local().drop((namespace, name))
             try:
                 size = os.lstat(path).st_size
                 os.unlink(path)

@@ -110,7 +110,15 @@ class TieredCache:
     def read(self, namespace: str, name: str, offset: int, length: int, count: bool = True) -> bytes | None:
         """Bytes of a cached block from the tier that holds it, or None. ``count``: a sample read
         (a hit of its tier); False for the reader of a whole block another process filled while
-        it waited, whose sample is counted as a miss."""
+        it waited, whose sample is counted as a miss.
+
+        A block this process holds open in the disk tier is read there first (no ``open`` tried
+        in the memory tier for every sample of a disk-tier block; a block lives in one tier,
+        and one unlinked since is not read, :mod:`.handles`)."""
+        data = self.disk.read_if_open(namespace, name, offset, length)
+        if data is not None:
+            self.stats.disk_hits += count
+            return data
         data = self.memory.read(namespace, name, offset, length)
         if data is not None:
             self.stats.memory_hits += count
@@ -158,6 +166,11 @@ class TieredCache:
     def remove(self, namespace: str, name: str) -> None:
         self.memory.remove(namespace, name)
         self.disk.remove(namespace, name)
+
+    def close(self) -> None:
+        """Close the descriptors this process keeps open in both tiers (:meth:`DiskCache.close`)."""
+        self.memory.close()
+        self.disk.close()
 
     def used_bytes(self) -> int:
         return self.memory.used_bytes() + self.disk.used_bytes()

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import fsspec
@@ -272,23 +271,22 @@ class Origin:
         return cls(what, f"{_describe(exc, failure)} ({why})", start, end, attempts, code=failure.code,
                    status=failure.status, elapsed_s=time.monotonic() - t0)
 
-    @contextmanager
-    def shared_budget(self):
+    def shared_budget(self) -> _SharedBudget:
         """Origin operations of this thread inside the block share one retry budget of
         ``retry_budget_s`` seconds from now (nested blocks keep the earliest deadline). A sample
         read that first waits for another process's fill of its block, which is retrying, then
         gets the rest of the budget, not a fresh one: the read still ends within the budget
-        (plus one try of its own, at least, and one request timeout)."""
-        prev = getattr(_AMBIENT, "deadline", None)
-        mine = time.monotonic() + self.retry_budget_s
-        _AMBIENT.deadline = mine if prev is None else min(prev, mine)
-        try:
-            yield
-        finally:
-            _AMBIENT.deadline = prev
+        (plus one try of its own, at least, and one request timeout). A context manager (a small
+        class, not a generator: every sample read enters one)."""
+        return _SharedBudget(self.retry_budget_s)
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
+    def read_range(self, rel: str, start: int, end: int):
         """Read bytes ``[start, end)`` of object ``rel`` with one ranged GET (retried).
+
+        Returns a bytes-like object: ``bytes`` from fsspec, obstore's read-only buffer when
+        obstore serves the read (:meth:`use_native`; not copied: ``len``, slicing a
+        ``memoryview`` of it, xxhash and ``os.write`` take it as it is). A caller that must hand
+        out ``bytes`` copies it (``bytes(data)``).
 
         Raises :class:`OriginError` after ``attempts`` failures, ``FileNotFoundError``
         at once when the object does not exist, and :class:`OriginError` when the
@@ -296,12 +294,12 @@ class Origin:
         """
         if end <= start:
             return b""
-        path = self.path(rel)
         native = self._native
         if native is not None:
-            key = path.split("/", 1)[1]  # s3fs paths are "bucket/key"
+            key = native.key(self.url, rel)  # from the URL: no s3fs filesystem in this process
             data = self.retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
         else:
+            path = self.path(rel)
             data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
                                start, end)
         self.counters.requests += 1
@@ -341,6 +339,23 @@ class Origin:
             write_atomic(path, data, mode=umask_mode(), fsync=True)
         else:
             self.retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
+
+
+class _SharedBudget:
+    """The context of :meth:`Origin.shared_budget`."""
+
+    __slots__ = ("budget_s", "prev")
+
+    def __init__(self, budget_s):
+        self.budget_s = budget_s
+
+    def __enter__(self) -> None:
+        prev = self.prev = getattr(_AMBIENT, "deadline", None)
+        mine = time.monotonic() + self.budget_s
+        _AMBIENT.deadline = mine if prev is None else min(prev, mine)
+
+    def __exit__(self, *exc) -> None:
+        _AMBIENT.deadline = self.prev
 
 
 def _describe(exc: BaseException | None, failure: Failure) -> str:

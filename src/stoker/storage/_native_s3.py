@@ -87,8 +87,20 @@ class NativeS3Reader:
             _USED_IN_PID[:] = [os.getpid()]
         return cls(store, bucket)
 
-    def read_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of object ``key`` (path inside the bucket) with one GET.
+    def key(self, url: str, rel: str) -> str:
+        """The object key (path inside the bucket) of ``rel`` under dataset root ``url``
+        (``s3://bucket/prefix``), as s3fs would resolve it (``bucket/prefix/rel`` less the
+        bucket), without building an s3fs filesystem."""
+        rest = url.partition("://")[2].rstrip("/")
+        prefix = rest.split("/", 1)[1] if "/" in rest else ""
+        parts = [p.strip("/") for p in (prefix, rel) if p.strip("/")]
+        return "/".join(parts)
+
+    def read_range(self, key: str, start: int, end: int):
+        """Bytes ``[start, end)`` of object ``key`` (path inside the bucket) with one GET, as
+        obstore's buffer (``obstore.Bytes``: read-only, supports the buffer protocol and ``len``),
+        not copied into a ``bytes`` object: the checksum and the cache write take it as it is;
+        a caller that needs ``bytes`` copies it (``bytes(buf)``).
 
         Errors name the object and start with the S3 error code and HTTP status where the
         origin answered (``s3://b/k: SlowDown (HTTP 503): ...``); the obstore error is the cause.
@@ -101,7 +113,7 @@ class NativeS3Reader:
         import obstore
         from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
         try:
-            return bytes(obstore.get_range(self._store, key, start=start, end=end))
+            return obstore.get_range(self._store, key, start=start, end=end)
         except (NotFoundError, FileNotFoundError) as exc:
             raise FileNotFoundError(self._message(key, exc)) from exc
         except (PermissionDeniedError, UnauthenticatedError, PermissionError) as exc:

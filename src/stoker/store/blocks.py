@@ -193,9 +193,8 @@ class BlockReader:
                     if router is not None:
                         router.local(len(data), b)
                     return data
-            where, block = self.block_for_read(b)
-            if block is not None:
-                view = memoryview(block)[rel:rel + stop - start]
+            where, view = self.block_for_read(b, rel, stop - start)
+            if view is not None:
                 if valid(view):  # a fresh fetch was verified; a cached or staged copy is checked here
                     if where == "staged":
                         self.stats.staged_hits += 1
@@ -220,10 +219,13 @@ class BlockReader:
         self.stats.staged_hits += 1
         return data
 
-    def block_for_read(self, b: int) -> tuple[str | None, bytes | memoryview | None]:
-        """Block ``b`` for a sample read that found it neither in the cache nor in staging:
-        ``(where, bytes)`` with ``where`` "cache", "staged" or "origin", or ``(None, None)``
-        when only the sample is to be read from the origin.
+    def block_for_read(self, b: int, rel: int = 0,
+                       n: int | None = None) -> tuple[str | None, bytes | memoryview | None]:
+        """Bytes ``[rel, rel + n)`` of block ``b`` (``n`` None: the whole block) for a sample read
+        that found it neither in the cache nor in staging: ``(where, bytes-like)`` with ``where``
+        "cache", "staged" or "origin", or ``(None, None)`` when only the sample is to be read from
+        the origin. After waiting for another process's fill only that range is read from the
+        cache or staging area, not the whole block.
 
         Under the block's fetch lock, so a fill of it in flight elsewhere (the prefetcher's,
         another worker's) is waited for, not repeated: the cache, then the staging area, then
@@ -239,13 +241,13 @@ class BlockReader:
             return None, None
         staging = self._staging if self._router is None else None
         since = time.time()
+        n = size - rel if n is None else n
         with cache.fetch_lock(version, name, blocking=True):
-            if cache.contains(version, name):
-                data = cache.read(version, name, 0, size, count=False)  # the sample was a miss
-                if data is not None:
-                    return "cache", data
+            data = cache.read(version, name, rel, n, count=False)  # the sample was a miss
+            if data is not None:
+                return "cache", data
             if self._staging is not None:
-                data = self._staging.read(version, name, 0, size)
+                data = self._staging.read(version, name, rel, n)
                 if data is not None:
                     return "staged", data
             admitted = self.admits(b)
@@ -255,7 +257,7 @@ class BlockReader:
             data = fill_failures.fetch(self, b, name, since)
             if not (admitted and cache.put(version, name, data)) and staging is not None and room:
                 staging.put(version, name, data)  # False (disk full): nothing kept, still read
-            return "origin", data
+            return "origin", memoryview(data)[rel:rel + n]
 
     # -- fills (the prefetcher, warm-up, the cluster's services) -----------
     def stage_block(self, b: int) -> str:
@@ -302,9 +304,10 @@ class BlockReader:
         with cache.fetch_lock(version, name, blocking=blocking) as held:
             if not held:
                 return None if want_data else "busy"
-            if cache.contains(version, name):
-                if not want_data:
+            if not want_data:
+                if cache.contains(version, name):
                     return "cached"
+            else:
                 data = cache.read(version, name, 0, size, count=False)  # the sample was a miss
                 if data is not None:
                     return data

@@ -96,10 +96,12 @@ class Dataset:
         self._block_order, self._block_first, self._block_count = blocks["order"], blocks["first"], blocks["count"]
         self._reader: BlockSource | None = None  # None: a plain reader, made per use (no reference cycle)
         self._stats = ReadStats()  # the plain reader's counters
+        self._names: dict[int, str] = {}  # block_name memo (every sample read asks for one)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_stats"] = ReadStats()  # a copy in a worker process counts its own reads
+        state["_names"] = {}
         return state
 
     def __len__(self) -> int:
@@ -180,7 +182,11 @@ class Dataset:
 
     def block_name(self, b: int) -> str:
         """The cache name of block ``b``: ``<shard:06d>-<start>-<end>`` (shard bytes)."""
-        return f"{int(self.block_shard[b]):06d}-{int(self.block_start[b])}-{int(self.block_end[b])}"
+        name = self._names.get(b)
+        if name is None:
+            name = f"{int(self.block_shard[b]):06d}-{int(self.block_start[b])}-{int(self.block_end[b])}"
+            self._names[int(b)] = name
+        return name
 
     def block_of_name(self, name: str) -> int | None:
         """The block that :meth:`block_name` names ``name``, or None (not a block of this dataset)."""

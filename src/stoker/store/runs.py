@@ -156,7 +156,7 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
                      first, last, ds.url, exc)
         else:
             for b, dest, part in parts:
-                out[b] = _store(ds, b, bytes(part), dest)
+                out[b] = _store(ds, b, part, dest)  # a view of the GET's buffer: no copy
             return out
     for b, dest in stretch:
         try:  # a failure is noted in the block's lock for a read waiting on it (store/fill_failures.py)
