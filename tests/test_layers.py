@@ -202,8 +202,8 @@ PUBLIC_UNDERSCORE = {"_exit", "_make", "_asdict", "_replace", "_fields"}
 
 def _private_reads(root: pathlib.Path) -> list[str]:
     """``x._name`` attribute reads where ``x`` is not ``self``/``cls`` (dunder names allowed), outside
-    the class that sets ``self._name`` (a class may reach the privates of another of its own
-    instances, as a copy does)."""
+    the class that sets ``self._name`` or defines the method ``_name`` (a class may reach the
+    privates of another of its own instances, as a copy does)."""
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = str(p.relative_to(SRC_ROOT))
@@ -212,6 +212,7 @@ def _private_reads(root: pathlib.Path) -> list[str]:
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             mine = {a.attr for a in ast.walk(cls) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
                     and isinstance(a.value, ast.Name) and a.value.id == "self"}
+            mine |= {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
             for n in ast.walk(cls):
                 owned.setdefault(id(n), set()).update(mine)
         for node in ast.walk(tree):
