@@ -31,6 +31,19 @@ log = logging.getLogger(__name__)
 TRANSFORMS = ("train", "eval")
 
 
+def _check_batch_size(batch_size: object) -> None:
+    """TypeError unless ``batch_size`` is an integer (a numpy integer too, not a bool), ValueError below 1.
+
+    ``object``, not ``int``: the check is for what callers really pass; typed ``int``, mypy takes
+    ``isinstance(.., numbers.Integral)`` as always false and everything after it as unreachable.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+        raise TypeError(f"batch_size must be an integer number of samples, got {type(batch_size).__name__} "
+                        f"{batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
 class Loader:
     """Batches of decoded, augmented images (or of the user's samples) from a
     :class:`stoker.store.dataset.Dataset`.
@@ -107,11 +120,7 @@ class Loader:
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(opt).__name__} {opt!r}")
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-            raise TypeError(f"batch_size must be an integer number of samples, got {type(batch_size).__name__} "
-                            f"{batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_batch_size(batch_size)
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         for role, fn in (("decode", decode), ("collate", collate)):
