@@ -14,6 +14,7 @@ import multiprocessing as mp
 import numbers
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from .epoch_stats import EpochStats
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
 from .state import IDENTITY_KEYS, LoaderState
+
+if TYPE_CHECKING:
+    from ..metrics import LoaderExport
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +139,9 @@ class Loader:
             device = image.decode_device  # batches arrive on the decode device
             from .._torch import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
+        # byte sizes ("512MiB") are ints once the option groups are made (their __post_init__)
+        assert isinstance(read.prefetch_bytes, int) and isinstance(read.staging_bytes, int)
+        assert isinstance(image.cache_form_bytes, int)
         self.read_options, self.image_options, self.run_options = read, image, run
         self.dataset = dataset
         self.batch_size = int(batch_size)
@@ -176,7 +183,7 @@ class Loader:
         self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
         rank_plan(np.zeros(0, np.int64), rank, world_size, read.even)  # validates rank/world/even
         self._live = LiveTotals(self)
-        self._metrics = None
+        self._metrics: LoaderExport | None = None
         self._metrics_port, self._metrics_from_env = run.metrics_port, run.metrics_port is None
         if run.metrics_port is None:
             from ..metrics import metrics_port_from_env
