@@ -201,7 +201,7 @@ class SlotWriter:
             finally:
                 os.close(fd)
         buf = np.frombuffer(mm, dtype=np.uint8)
-        for a, (_, _, off) in zip(leaves, specs):
+        for a, (_, _, off) in zip(leaves, specs, strict=True):
             buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
         del buf
         return specs, len(mm)
