@@ -148,6 +148,7 @@ class ClusterLoader(Loader):
         with self._cluster.measure(epoch) as rec:
             yield from gen
             st = self.stats
+            assert st is not None  # the epoch's end recorded its stats (Loader._record)
             rec.update(samples=st.samples, loader_samples_per_s=st.samples_per_s,
                        stall_fraction=st.stall_fraction, exactly_once=st.exactly_once)
 

@@ -29,6 +29,7 @@ from .state import IDENTITY_KEYS, LoaderState
 
 if TYPE_CHECKING:
     from ..metrics import LoaderExport
+    from .device_decode import DeviceBatchDecoder
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,8 @@ class Loader:
                                 collate=collate)
         if num_workers:
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
-        self.decode_device, self._device_decoder = image.decode_device, None
+        self.decode_device = image.decode_device
+        self._device_decoder: DeviceBatchDecoder | None = None  # made by the first iter() with decode_device
         self.cache_form, self.cache_form_dir = image.cache_form, image.cache_form_dir
         self.cache_form_bytes = image.cache_form_bytes
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
@@ -399,7 +401,7 @@ class Loader:
         self.stats = stats
         self.history.append(stats)
 
-    def _make_device_decoder(self):
+    def _make_device_decoder(self) -> DeviceBatchDecoder | None:
         """The decoder of ``decode_device`` (made once per loader, on the first call), or None."""
         if self.decode_device is not None and self._device_decoder is None:
             from .device_decode import DeviceBatchDecoder
