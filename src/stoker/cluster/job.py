@@ -81,7 +81,9 @@ class WorkerContext:
             ds = self.dataset
             perm = permutation(len(ds), seed, epoch, order, groups=ds.sample_block, window=window)
             if self.placement == "colocated":
-                plans = colocated_plans(perm, self._sample_node, self._rank_nodes, even)
+                # no blocks (no samples): none is cached anywhere (-1)
+                sample_node = self._sample_node if self._sample_node is not None else np.full(len(perm), -1)
+                plans = colocated_plans(perm, sample_node, self._rank_nodes, even)
                 self._plans = {key: plans[self.rank]}
             else:
                 from ..order import rank_plan
@@ -146,6 +148,7 @@ class ClusterLoader(Loader):
         with self._cluster.measure(epoch) as rec:
             yield from gen
             st = self.stats
+            assert st is not None  # the epoch's end recorded its stats (Loader._record)
             rec.update(samples=st.samples, loader_samples_per_s=st.samples_per_s,
                        stall_fraction=st.stall_fraction, exactly_once=st.exactly_once)
 

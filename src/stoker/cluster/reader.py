@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Listener
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,8 @@ class BlockRouter:
         self._init_local()
 
     def _init_local(self):
-        self._handles: dict[int, object] = {}
+        # peer -> its cache service's Ray actor handle (Any: ray.actor.ActorHandle types no remote method)
+        self._handles: dict[int, Any] = {}
         self._down_until: dict[int, float] = {}
         self._suspect: set[int] = set()  # peers whose last call failed: not called on the read path
         self._probing: dict[int, threading.Thread] = {}  # peer -> the thread that pings it while suspect

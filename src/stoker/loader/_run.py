@@ -13,6 +13,7 @@ import logging
 import mmap
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from . import inflight as infl
 from .config import Processes, RunConfig, RunHooks
@@ -26,6 +27,12 @@ from .prefetch import block_schedule
 from .prefetcher import Prefetcher
 from .shm import SlotRing
 from .workers import BatchDecoder, counters
+
+if TYPE_CHECKING:
+    from multiprocessing.sharedctypes import Synchronized
+
+    from .batches import GenericDecoder
+    from .transfer import DeviceTransfer
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +64,10 @@ class Run:
         self.workers: WorkerPool | None = None
         self.prefetcher: Prefetcher | None = None
         self.ring: SlotRing | None = None
-        self.transfer = None  #: the :class:`~stoker.loader.transfer.DeviceTransfer`, or None
-        self._ready = None  # shared count of processes set up
+        self.transfer: DeviceTransfer | None = None  #: for ``device="cuda"``
+        self._ready: Synchronized[int] | None = None  # shared count of processes set up
         self._fork_hazards: list[str] = []
-        self._decoder = None
+        self._decoder: BatchDecoder | GenericDecoder | None = None  # without workers: decodes here
         self._own_staging = False
         self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
         self.dispatch: Dispatcher | None = None  # sends batches to the workers (with workers)
@@ -236,11 +243,11 @@ class Run:
         t_iter = t_start if t_iter is None else t_iter
         stats = EpochStats(epoch=epoch)
         stats.pipeline_start_s, self._start_s = self._start_s, 0.0
-        if self.num_workers > 0:
+        if self.workers is not None:  # num_workers > 0: start() made the pool and its dispatcher
             self.workers.new_epoch()
             if self.prefetcher is not None:
                 self.prefetcher.new_epoch()
-        carry = self.dispatch.take_pre(epoch, start) if self.num_workers > 0 else None
+        carry = self.dispatch.take_pre(epoch, start) if self.dispatch is not None else None
         if carry is not None:
             run, ids, batches = carry["run"], carry["ids"], carry["batches"]
             stats.order_displacement = carry["displacement"]
@@ -255,6 +262,7 @@ class Run:
         # is in its ledger row of this plan; the workers' early replies count here (carry)
         before = self.totals()
         if carry is not None:  # workers' counters as of their early replies for this epoch
+            assert self.dispatch is not None  # (a carry comes from the dispatcher)
             self.dispatch.worker_counters.update(carry["counters"])
         cpu_before = self._cpu()
         delivered: list = []  # the sample ids of each delivered batch (counted at the end)
@@ -267,17 +275,19 @@ class Run:
         self.hooks.live.begin(self, stats, before, wait_box, t_start, plan=run)  # live figures (loader/live.py)
         try:
             if self.num_workers == 0:
+                decoder, ring, deliver = self._decoder, self.ring, self.deliver
+                assert decoder is not None and ring is not None and deliver is not None  # (start() made them)
                 for seq, bids in enumerate(batches):
                     last = seq == len(batches) - 1
-                    if self.cfg.generic:  # the user's decode/collate, here; no slot
-                        n, sk, sk_keys, batch = self._decoder.run(epoch, bids)
-                        out = self.deliver(epoch, None, bids, n, sk, sk_keys, None,
-                                           None if batch is None else ("local", batch),
-                                           stats=stats, delivered=delivered, last=last)
+                    if not isinstance(decoder, BatchDecoder):  # cfg.generic: the user's decode/collate, here; no slot
+                        n, sk, sk_keys, batch = decoder.run(epoch, bids)
+                        out = deliver(epoch, None, bids, n, sk, sk_keys, None,
+                                      None if batch is None else ("local", batch),
+                                      stats=stats, delivered=delivered, last=last)
                     else:
-                        slot = self.ring.acquire()
-                        out = self.deliver(epoch, slot, bids, *self._decoder.run(epoch, bids, *self.ring.views(slot)),
-                                           stats=stats, delivered=delivered)
+                        slot = ring.acquire()
+                        out = deliver(epoch, slot, bids, *decoder.run(epoch, bids, *ring.views(slot)),
+                                      stats=stats, delivered=delivered)
                     if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self.state.position = (epoch, start + seq + 1)
                         continue
@@ -289,6 +299,7 @@ class Run:
                     yield out
                     t_resume = time.perf_counter()
             else:
+                assert self.loop is not None  # (start() made it, with the workers)
                 yield from self.loop(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)
         finally:
             stats.seconds = time.perf_counter() - t_start

@@ -87,6 +87,7 @@ def _leaf(x, leaves: list, rest: list):
         leaves.append(arr)
         return ("np" if type(x) is np.ndarray else "pt", len(leaves) - 1)
     marks = len(leaves), len(rest)
+    node: tuple  # (kind, children) or (kind, index in rest, children)
     if type(x) is dict:
         node = ("dict", [(k, _leaf(v, leaves, rest)) for k, v in x.items()])
     elif isinstance(x, dict) and (shell := _dict_shell(x)) is not None:
@@ -200,7 +201,7 @@ class SlotWriter:
             finally:
                 os.close(fd)
         buf = np.frombuffer(mm, dtype=np.uint8)
-        for a, (_, _, off) in zip(leaves, specs):
+        for a, (_, _, off) in zip(leaves, specs, strict=True):
             buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
         del buf
         return specs, len(mm)
@@ -288,8 +289,7 @@ def pack_reply(writer: SlotWriter, path: str | None, batch):
     slot cannot grow to hold; None for no batch."""
     if batch is None:
         return None
-    flat = flatten(batch) if path is not None else None
-    if flat is not None:
+    if path is not None and (flat := flatten(batch)) is not None:
         tree, leaves, rest = flat
         wrote = writer.write(path, leaves)
         if wrote is not None:

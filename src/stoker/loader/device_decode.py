@@ -38,7 +38,7 @@ class DeviceBatchDecoder:
         self.decoder, self.dataset, self.cfg = decoder, dataset, cfg
 
     @classmethod
-    def create(cls, spec, dataset, cfg: WorkerConfig) -> "DeviceBatchDecoder":
+    def create(cls, spec, dataset, cfg: WorkerConfig) -> DeviceBatchDecoder:
         """From ``ImageOptions(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
         RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
         if isinstance(spec, str):

@@ -120,13 +120,13 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> 
     appended to ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this
     runs in ``next()`` for every batch)."""
     if skipped:
-        left, keep = list(skipped), []
+        left, kept = list(skipped), []
         for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)
             if i in left:
                 left.remove(i)
             else:
-                keep.append(i)
-        keep = np.asarray(keep, dtype=np.int64)
+                kept.append(i)
+        keep = np.asarray(kept, dtype=np.int64)
         stats.skipped += len(skipped)
         stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
     else:

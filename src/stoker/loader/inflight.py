@@ -230,4 +230,5 @@ def mean_or_zero(num: float, den: float) -> float:
     return float(num) / den if den else 0.0
 
 
-__all__ = ["InflightTarget", "InflightGate", "BusyClock", "open_row", "charge", "ledger_row", "serving_plan", "N_SHARED"]
+__all__ = ["InflightTarget", "InflightGate", "BusyClock", "open_row", "charge", "ledger_row", "serving_plan",
+           "N_SHARED"]

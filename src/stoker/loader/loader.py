@@ -14,6 +14,7 @@ import multiprocessing as mp
 import numbers
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,9 +27,26 @@ from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
 from .state import IDENTITY_KEYS, LoaderState
 
+if TYPE_CHECKING:
+    from ..metrics import LoaderExport
+    from .device_decode import DeviceBatchDecoder
+
 log = logging.getLogger(__name__)
 
 TRANSFORMS = ("train", "eval")
+
+
+def _check_batch_size(batch_size: object) -> None:
+    """TypeError unless ``batch_size`` is an integer (a numpy integer too, not a bool), ValueError below 1.
+
+    ``object``, not ``int``: the check is for what callers really pass; typed ``int``, mypy takes
+    ``isinstance(.., numbers.Integral)`` as always false and everything after it as unreachable.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+        raise TypeError(f"batch_size must be an integer number of samples, got {type(batch_size).__name__} "
+                        f"{batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
 
 class Loader:
@@ -107,11 +125,7 @@ class Loader:
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(opt).__name__} {opt!r}")
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-            raise TypeError(f"batch_size must be an integer number of samples, got {type(batch_size).__name__} "
-                            f"{batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_batch_size(batch_size)
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         for role, fn in (("decode", decode), ("collate", collate)):
@@ -126,6 +140,9 @@ class Loader:
             device = image.decode_device  # batches arrive on the decode device
             from .._torch import check_device
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
+        # byte sizes ("512MiB") are ints once the option groups are made (their __post_init__)
+        assert isinstance(read.prefetch_bytes, int) and isinstance(read.staging_bytes, int)
+        assert isinstance(image.cache_form_bytes, int)
         self.read_options, self.image_options, self.run_options = read, image, run
         self.dataset = dataset
         self.batch_size = int(batch_size)
@@ -154,7 +171,8 @@ class Loader:
                                 collate=collate)
         if num_workers:
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
-        self.decode_device, self._device_decoder = image.decode_device, None
+        self.decode_device = image.decode_device
+        self._device_decoder: DeviceBatchDecoder | None = None  # made by the first iter() with decode_device
         self.cache_form, self.cache_form_dir = image.cache_form, image.cache_form_dir
         self.cache_form_bytes = image.cache_form_bytes
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
@@ -167,7 +185,7 @@ class Loader:
         self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
         rank_plan(np.zeros(0, np.int64), rank, world_size, read.even)  # validates rank/world/even
         self._live = LiveTotals(self)
-        self._metrics = None
+        self._metrics: LoaderExport | None = None
         self._metrics_port, self._metrics_from_env = run.metrics_port, run.metrics_port is None
         if run.metrics_port is None:
             from ..metrics import metrics_port_from_env
@@ -383,7 +401,7 @@ class Loader:
         self.stats = stats
         self.history.append(stats)
 
-    def _make_device_decoder(self):
+    def _make_device_decoder(self) -> DeviceBatchDecoder | None:
         """The decoder of ``decode_device`` (made once per loader, on the first call), or None."""
         if self.decode_device is not None and self._device_decoder is None:
             from .device_decode import DeviceBatchDecoder

@@ -102,8 +102,9 @@ class ParallelLoop:
             if msg[0] == "error":
                 _, wid, _, _, slot, key, err, tb = msg[:8]
                 self.ring.release(slot)
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, batch {self.state.position[1]}): "
-                                  f"{err}\n{tb}") from msg[9]  # the worker's own stoker error, or None (workers.py)
+                # from: the worker's own stoker error, or None (workers.py)
+                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, "
+                                  f"batch {self.state.position[1]}): {err}\n{tb}") from msg[9]
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch

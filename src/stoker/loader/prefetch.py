@@ -123,7 +123,8 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
                   staging_bytes: int = 64 << 20, prev_done=None, adopt: bool = False, ready=None) -> None:
     """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need[,
     draining]) or None to stop (``draining``: the previous plan is still being delivered, so the
-    blocks it needs are charged to its ledger row, :mod:`.inflight`); ``position``: shared int64, plan position dispatched to the workers;
+    blocks it needs are charged to its ledger row, :mod:`.inflight`); ``position``: shared int64, plan
+    position dispatched to the workers;
     ``done``: shared int64, plan position already delivered (staged blocks whose last use
     is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS).
     ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
@@ -173,7 +174,7 @@ def prefetch_main(ds, commands, position, done, counters, concurrency: int, ahea
             prev_run, prev_all = (plan_run, cur_last) if draining and plan_run != run else (None, {})
             plan_run = int(run)
             infl.open_row(counters, plan_run)
-            new_last = dict(zip(blocks.tolist(), last_need.tolist()))
+            new_last = dict(zip(blocks.tolist(), last_need.tolist(), strict=True))
             if draining:
                 # Blocks staged for the previous plan may still be read by its last batches; they go
                 # once their last use there is delivered (prev_done), or at the latest once the new

@@ -134,7 +134,7 @@ class SlotRing:
                 break
             self.free.append(i)
         if not self.paths:
-            raise self._shortage
+            raise self.shortage()
 
     def _create(self) -> int | None:
         """A new slot's index, or None (and ``limited`` set) when the directory has no room."""
@@ -144,6 +144,7 @@ class SlotRing:
             self.paths.append(None)
             self._maps.append(mmap.mmap(-1, total))
             return i
+        assert self.base is not None  # shared slots live in shm_base()
         path = os.path.join(self.base, f"{self.prefix}-{i}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -166,7 +167,8 @@ class SlotRing:
         return i
 
     def _short(self, total: int, have: int) -> None:
-        """Record a failed reservation; warn once."""
+        """Record a failed reservation (of a shared slot: private ones do not fail); warn once."""
+        assert self.base is not None
         self._shortage = SharedMemoryError(self.base, total, free_bytes(self.base),
                                            f" ({have} slot(s) already held by this loader)" if have else "")
         if not self.limited and have > 0:
@@ -194,7 +196,9 @@ class SlotRing:
         return i
 
     def shortage(self) -> SharedMemoryError:
-        """The error of the last failed reservation (for a caller that cannot wait for a slot)."""
+        """The error of the last failed reservation (for a caller that cannot wait for a slot;
+        called after :meth:`try_acquire` gave None, which only a failed reservation does)."""
+        assert self._shortage is not None, "no slot reservation has failed"
         return self._shortage
 
     def release(self, i: int) -> None:
@@ -205,9 +209,10 @@ class SlotRing:
         again first when a worker grew its file past this process's mapping."""
         mm = self._maps[i]
         if nbytes > len(mm):
-            if self.paths[i] is None:  # pragma: no cover - private slots are never grown by a worker
+            path = self.paths[i]
+            if path is None:  # pragma: no cover - private slots are never grown by a worker
                 raise ValueError(f"slot {i} holds {len(mm)} bytes, {nbytes} asked")
-            fd = os.open(self.paths[i], os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
             try:
                 mm = self._maps[i] = mmap.mmap(fd, nbytes)  # the old mapping goes with its last view
             finally:

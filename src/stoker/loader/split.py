@@ -26,7 +26,7 @@ def split_ids(ids: np.ndarray, workers: int, min_part: int = MIN_PART) -> list[t
     of at least ``min_part`` samples each (one part, offset 0, when K is too small)."""
     parts = max(1, min(int(workers), len(ids) // max(1, min_part)))
     bounds = np.linspace(0, len(ids), parts + 1).round().astype(int)
-    return [(int(a), ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(int(a), ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def join_replies(msgs: list[tuple], images: np.ndarray | None, labels: np.ndarray | None) -> tuple:

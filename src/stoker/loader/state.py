@@ -79,7 +79,8 @@ class LoaderState:
         """
         if not isinstance(state, dict) or not {"epoch", "batches_done"} <= state.keys():
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; got {got})")
+            raise ValueError(f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; "
+                             f"got {got})")
         for k in IDENTITY_KEYS:
             if k in state and state[k] != identity[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")

@@ -51,7 +51,7 @@ class _Staging:
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, pin: bool):
         self.images = torch.empty(images.shape, dtype=images.dtype, pin_memory=pin)
         self.labels = torch.empty(labels.shape, dtype=labels.dtype, pin_memory=pin)
-        self.event = None
+        self.event: torch.cuda.Event | None = None  # None until the first copy from this buffer
 
 
 class DeviceTransfer:

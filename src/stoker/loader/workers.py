@@ -14,10 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import WorkerConfig
+
+if TYPE_CHECKING:
+    from .batches import GenericDecoder, SlotWriter
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +147,13 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
         pass
     import torch
     torch.set_num_threads(1)  # one worker per core: the resize kernel must not spawn a pool each
+    dec: BatchDecoder | GenericDecoder
+    writer: SlotWriter | None = None
     if cfg.generic:  # the user's decode/collate (batches.py)
         from .batches import GenericDecoder, SlotWriter, pack_reply
         dec, writer = GenericDecoder(ds, cfg), SlotWriter()
     else:
-        dec, writer = BatchDecoder(ds, cfg), None
+        dec = BatchDecoder(ds, cfg)
     derived = getattr(dec, "derived", None)
     maps: dict[str, tuple] = {}
     if ready is not None:
@@ -165,6 +171,7 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
         run, seq, epoch, slot, path, ids, offset = task  # offset: a part of a batch (loader/split.py)
         try:
             if writer is not None:
+                assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
                 n, skipped, skipped_keys, batch = dec.run(epoch, ids, current)
                 results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds), None,
                              pack_reply(writer, path, batch), offset))
@@ -172,6 +179,7 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
             if path not in maps:
                 maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
             _, images, labels = maps[path]
+            assert isinstance(dec, BatchDecoder)
             n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images[offset:], labels[offset:], current)
             results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, derived), payloads, None,
                          offset))
