@@ -132,6 +132,9 @@ class OriginPermissionError(OriginError, PermissionError):
 class ChecksumError(StokerError, OSError):
     """A sample's bytes from the origin do not match the index (names key, shard and URL)."""
 
+    #: the key of the sample at fault, when the reader that found it knows it
+    key: str | None = None
+
 
 class DatasetChangedError(StokerError, OSError):
     """Shards at the origin differ from what the index recorded (message names each shard)."""

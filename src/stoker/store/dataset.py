@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from .._units import parse_size
-from ..cache import DiskCache
+from ..cache import DiskCache, TieredCache, default_memory_root
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from .blocks import BlockReader, BlockSource, ReadStats
@@ -57,6 +57,8 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
         z = np.zeros(0, np.int64)
         return {"sample_block": sample_block, "shard": np.zeros(0, np.int32), "start": z, "end": z,
                 "order": order, "first": z, "count": z}
+    span_end = index.span_end
+    assert span_end is not None  # set by DatasetIndex.__post_init__
     sh = index.shard[order].astype(np.int64)
     off = index.offset[order]
     cell = off // int(block_bytes)
@@ -65,7 +67,7 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
     first = np.flatnonzero(new).astype(np.int64)
     sample_block[order] = (np.cumsum(new) - 1).astype(np.int32)
     return {"sample_block": sample_block, "shard": sh[first].astype(np.int32), "start": off[first],
-            "end": np.maximum.reduceat(index.span_end[order], first).astype(np.int64),
+            "end": np.maximum.reduceat(span_end[order], first).astype(np.int64),
             "order": order, "first": first, "count": np.diff(np.append(first, n))}
 
 
@@ -83,7 +85,7 @@ class Dataset:
     shared by several Loaders, each with its own staging area.
     """
 
-    def __init__(self, url: str, index: DatasetIndex, origin: Origin, cache: DiskCache | None,
+    def __init__(self, url: str, index: DatasetIndex, origin: Origin, cache: DiskCache | TieredCache | None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES):
         self.url = url
         self.index = index
@@ -286,7 +288,9 @@ class Dataset:
         reader = self.reader
         reader.stats.samples += 1
         table = self.index.member_table(i)
-        start, stop = int(self.index.offset[i]), int(self.index.span_end[i])
+        span_end = self.index.span_end
+        assert span_end is not None  # set by DatasetIndex.__post_init__
+        start, stop = int(self.index.offset[i]), int(span_end[i])
         with self.origin.shared_budget():
             data = reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
         view = memoryview(data)
@@ -349,11 +353,10 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str 
     if check:
         from .verify import check_shards
         check_shards(origin, index)
-    disk = None
+    disk: DiskCache | TieredCache | None = None
     if cache:
         disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy, mode=cache_mode)
         if memory_bytes > 0:
-            from ..cache import TieredCache, default_memory_root
             disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy,
                                          mode=disk.mode), disk)
         disk.recover()
