@@ -22,6 +22,10 @@ Here both readers get the same files and the same workers and batch size:
   (:mod:`stoker_lab.bench.venvs`, ``dlio``) by :mod:`stoker_lab.bench.dlio_runner`, which times each of
   DLIO's epochs (``DLIOBenchmark._train``) from outside.
 
+torch is imported in both processes before the first epoch (DLIO imports it at start-up; stoker's
+child does, as a training job would have): stoker's Loader would otherwise import it inside its
+first ``iter()`` (through ``stoker.decode``), even with a ``decode=`` of the user's.
+
 Sources (the keys of the report):
 
 * ``local``: the first epoch. stoker reads the packed shards from the local origin (a directory on
@@ -83,7 +87,8 @@ def _log(msg: str) -> None:
 # -- the files ------------------------------------------------------------------
 def make_files(root: str, files: int, sample_bytes: int, seed: int = 0) -> str:
     """``files`` random-byte .npy files of exactly ``sample_bytes`` bytes in ``root/train``
-    (``img_00000.npy``, ...); reused when ``root`` already holds the same set. Returns ``root``."""
+    (``img_00000.npy``, ...) and an empty ``root/valid``; reused when ``root`` already holds the same
+    set. Returns ``root``."""
     import numpy as np
     if sample_bytes <= NPY_HEADER:
         raise ValueError(f"sample_bytes must be above the .npy header ({NPY_HEADER} B), got {sample_bytes}")
@@ -98,6 +103,7 @@ def make_files(root: str, files: int, sample_bytes: int, seed: int = 0) -> str:
     shutil.rmtree(root, ignore_errors=True)
     train = os.path.join(root, "train")
     os.makedirs(train)
+    os.makedirs(os.path.join(root, "valid"))  # DLIO lists it even with evaluation off; left empty
     rng = np.random.default_rng(seed)
     n = sample_bytes - NPY_HEADER
     for i in range(files):
@@ -132,6 +138,9 @@ def _stoker_child(cfg: dict) -> None:
 
     from .peers import _runner
     _runner._subreaper()
+    # a training process has imported torch before its first epoch, and so has DLIO's (at start-up); the
+    # Loader's first iter() imports it (through stoker.decode) even with decode=, about 1.3 CPU-s here
+    import torch  # noqa: F401
     shutil.rmtree(cfg["cache_dir"], ignore_errors=True)
     ds = open_dataset(cfg["packed"], cfg["cache_dir"], cfg["cache_bytes"])
     with Loader(ds, cfg["batch_size"], num_workers=cfg["workers"], seed=cfg["seed"], drop_last=True,
@@ -145,7 +154,9 @@ def _stoker_child(cfg: dict) -> None:
             t, c = time.perf_counter() - t0, _runner.tree_cpu_s() - c0
             s = loader.stats
             _runner.emit({"kind": "epoch", "epoch": e, "samples": n, "bytes": nbytes, "seconds": t, "cpu_s": c,
-                          "origin_bytes": int(s.origin_bytes), "cache_hit_ratio": s.cache_hit_ratio})
+                          "origin_bytes": int(s.origin_bytes), "cache_hit_ratio": s.cache_hit_ratio,
+                          "first_batch_s": s.first_batch_s, "start_method": loader.start_method,
+                          "loader_cpu_s": {k: float(v) for k, v in s.cpu_s.items()}})
     shutil.rmtree(cfg["cache_dir"], ignore_errors=True)
 
 
@@ -156,8 +167,9 @@ def dlio_python(make: bool) -> str:
     if not make:
         py = ready_venv("dlio")
         if py is None:
-            raise RuntimeError(f"DLIO's virtual environment {os.path.join(venv_root(), 'dlio')} is not present and "
-                               "making it is off (stoker bench io --dlio makes it: about 1.5 GB from the package index)")
+            raise RuntimeError(f"DLIO's virtual environment {os.path.join(venv_root(), 'dlio')} is not present "
+                               "and making it is off (stoker bench io --dlio makes it: about 2.6 GB installed, "
+                               "from the package index)")
         return py
     try:
         return ensure_venv("dlio", log=_log)

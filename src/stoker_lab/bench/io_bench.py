@@ -44,7 +44,8 @@ class IoConfig:
     the throttled origin of the cold epoch; ``block_bytes``: the cache unit; ``concurrency``: ranged
     GETs in flight in the origin stage (the loader's default ``fetch_concurrency``); ``reps``: runs of
     each loop (alternating, the least CPU kept); ``workers`` / ``batch_size``: the cold epoch's Loader and
-    both readers of ``bytes_only``; ``bytes_only_files``: its ~115 KB files (0: not measured); ``dlio``:
+    both readers of ``bytes_only``; ``bytes_only_files``: its ~115 KB files (0: not measured);
+    ``bytes_only_epochs``: its epochs (the first is ``local``, the rest ``warm_cache``); ``dlio``:
     run DLIO's half; ``make_dlio_venv``: make DLIO's environment when missing; ``only_bytes``: measure
     ``bytes_only`` alone (no stages, no epochs)."""
 
@@ -60,6 +61,7 @@ class IoConfig:
     batch_size: int = 64
     workdir: str | None = None
     bytes_only_files: int = 1024
+    bytes_only_epochs: int = 3
     dlio: bool = True
     make_dlio_venv: bool = True
     only_bytes: bool = False
@@ -171,9 +173,9 @@ def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
     if cfg.bytes_only_files <= 0:
         return {"exception": "not measured (bytes_only_files=0)"}
     _log("bytes only: stoker's Loader against DLIO's PyTorch reader")
-    return run_bytes_only(BytesOnlyConfig(files=cfg.bytes_only_files, workers=cfg.workers,
-                                          batch_size=cfg.batch_size, dlio=cfg.dlio, make_venv=cfg.make_dlio_venv,
-                                          workdir=os.path.join(workdir, "bytes-only")))
+    return run_bytes_only(BytesOnlyConfig(files=cfg.bytes_only_files, epochs=cfg.bytes_only_epochs,
+                                          workers=cfg.workers, batch_size=cfg.batch_size, dlio=cfg.dlio,
+                                          make_venv=cfg.make_dlio_venv, workdir=os.path.join(workdir, "bytes-only")))
 
 
 def cold_epoch(url: str, storage_options: dict, cache_dir: str, cache_bytes: int, origin_pid: int | None,
