@@ -224,6 +224,24 @@ def _run_lines(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> tu
 
 
 # -- the report -----------------------------------------------------------------
+def index_map_note(fmt: dict | None, dlio_rows: list[dict]) -> dict | None:
+    """What DLIO's per-sample debug string costs (see :func:`stoker_lab.bench.dlio_runner.index_map_format_s`)
+    and DLIO's warm samples per CPU-second without it: an estimate (its CPU less that cost per sample),
+    given beside the measured figure, never instead of it."""
+    if not fmt or "cpu_s" not in fmt:
+        return fmt
+    warm = figures(dlio_rows[1:])
+    est = None
+    if warm and warm["cpu_s"]:
+        left = warm["cpu_s"] - warm["samples"] * fmt["cpu_s"]
+        est = warm["samples"] / left if left > 0 else None
+    return {"entries": fmt["entries"], "cpu_s_per_sample": fmt["cpu_s"],
+            "what": "DLIO 2.0.0's FormatReader.read_index evaluates f'{self.global_index_map}' for a logging.debug "
+                    "call on every sample (debug off too): a cost that grows with the number of files; measured "
+                    "in DLIO's process on its own map",
+            "warm_cache_dlio_samples_per_s_per_core_without_it_estimate": est}
+
+
 def figures(rows: list[dict]) -> dict | None:
     """Summed figures of epoch rows: samples, bytes, seconds, cpu_s, samples/s, samples per CPU-s, CPU-s/GB."""
     if not rows:
@@ -331,6 +349,8 @@ def run(cfg: BytesOnlyConfig | None = None) -> dict:
             if why:
                 raise RuntimeError(f"DLIO's run failed: {why}")
             report["dlio"]["own_summary"] = next((r["summary"] for r in rows if r.get("kind") == "summary"), None)
+            fmt = next((r for r in rows if r.get("kind") == "index_map_format"), None)
+            report["dlio"]["index_map_format"] = index_map_note(fmt, dlio_rows)
         except RuntimeError as exc:
             report["exception"] = str(exc)
             dlio_rows = []
@@ -361,6 +381,12 @@ def table(r: dict) -> str:
                      f"{num(s['dlio_samples_per_s_per_core'], '15.0f')} {num(s['stoker_over_dlio'], '6.2f')} "
                      f"{num(s['stoker_cpu_s_per_GB'], '15.2f')} {num(s['dlio_cpu_s_per_GB'], '13.2f')} "
                      f"{num(s['stoker_samples_per_s'], '12.0f')} {num(s['dlio_samples_per_s'], '10.0f')}")
+    fmt = (r.get("dlio") or {}).get("index_map_format") or {}
+    if "cpu_s_per_sample" in fmt:
+        lines.append(f"DLIO's per-sample debug string of its {fmt['entries']}-entry index map: "
+                     f"{1e3 * fmt['cpu_s_per_sample']:.2f} ms CPU; DLIO warm without it (estimate): "
+                     f"{num(fmt['warm_cache_dlio_samples_per_s_per_core_without_it_estimate'], '.0f')} "
+                     f"samples per CPU-s")
     if r.get("exception"):
         lines.append(f"DLIO: {r['exception']}")
     return "\n".join(lines)

@@ -6,7 +6,8 @@ own entry point (``dlio_benchmark.main.main``, as ``python -m dlio_benchmark.mai
 timing each of its training epochs from outside: ``DLIOBenchmark._train`` is wrapped so that the CPU
 of the whole process tree (:func:`stoker_lab.bench.peers._runner.tree_cpu_s`, the same code that
 counts stoker's) and the wall time are taken before and after each epoch. It prints one JSON line per
-epoch (``kind: epoch``: samples, bytes, seconds, cpu_s) and, at the end, DLIO's own summary
+epoch (``kind: epoch``: samples, bytes, seconds, cpu_s), then the cost of the debug string DLIO
+builds per sample (``kind: index_map_format``, :func:`index_map_format_s`) and DLIO's own summary
 (``kind: summary``: its ``summary.json`` metric block) for a cross-check. DLIO's code is not changed.
 """
 import importlib.util
@@ -23,6 +24,25 @@ def _load_runner():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def index_map_format_s(reps: int = 20) -> None:
+    """Emit (``kind: index_map_format``) the CPU seconds of one ``f"{train_global_index_map}"``: DLIO 2.0.0's
+    ``FormatReader.read_index`` builds that string for a ``logging.debug`` call on every sample, debug on or
+    off, so its per-sample CPU grows with the number of files. Measured here, in DLIO's process, on DLIO's map."""
+    try:
+        from dlio_benchmark.utils.config import ConfigArguments
+        m = ConfigArguments.get_instance().train_global_index_map
+        c0 = time.process_time()
+        for _ in range(reps):
+            f"{m}"  # noqa: B018 - the expression DLIO evaluates per sample
+        runner_emit({"kind": "index_map_format", "entries": len(m), "cpu_s": (time.process_time() - c0) / reps})
+    except Exception as exc:  # a later DLIO may have renamed it: then no figure, said so
+        runner_emit({"kind": "index_map_format", "error": f"{type(exc).__name__}: {exc}"})
+
+
+def runner_emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
 
 
 def main() -> None:
@@ -48,6 +68,7 @@ def main() -> None:
     out = next((o.split("=", 1)[1] for o in cfg["overrides"] if o.startswith("++workload.output.folder=")), None)
     sys.argv = ["dlio_benchmark", *cfg["overrides"]]
     dlio.main()
+    index_map_format_s()
     try:
         with open(os.path.join(out, "summary.json")) as f:
             runner.emit({"kind": "summary", "summary": json.load(f).get("metric")})

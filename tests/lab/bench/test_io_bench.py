@@ -112,3 +112,5 @@ def test_bytes_only_with_dlio(tmp_path):
     assert r["dlio_version"] == "2.0.0" and "dlio_benchmark.main" in r["dlio"]["command"]
     assert [e["samples"] for e in r["epochs"]["dlio"]] == [64, 64]
     assert _positive(r["local"]["dlio_samples_per_s_per_core"]) and _positive(r["local"]["dlio_cpu_s_per_GB"])
+    assert r["dlio"]["index_map_format"]["entries"] == 64 and r["dlio"]["own_summary"]
+    assert "DLIO's per-sample debug string" in bytes_table(r)
