@@ -137,7 +137,7 @@ def _stoker_child(cfg: dict) -> None:
     from stoker.store.dataset import open_dataset
 
     from .peers import _runner
-    _runner._subreaper()
+    _runner.subreaper()
     # a training process has imported torch before its first epoch, and so has DLIO's (at start-up); the
     # Loader's first iter() imports it (through stoker.decode) even with decode=, about 1.3 CPU-s here
     import torch  # noqa: F401

@@ -49,7 +49,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
     runner = _load_runner()
-    runner._subreaper()
+    runner.subreaper()
     from dlio_benchmark import main as dlio
 
     train = dlio.DLIOBenchmark._train
