@@ -114,3 +114,17 @@ def test_bytes_only_with_dlio(tmp_path):
     assert _positive(r["local"]["dlio_samples_per_s_per_core"]) and _positive(r["local"]["dlio_cpu_s_per_GB"])
     assert r["dlio"]["index_map_format"]["entries"] == 64 and r["dlio"]["own_summary"]
     assert "DLIO's per-sample debug string" in bytes_table(r)
+
+
+def test_venv_marker_records_the_no_deps_packages(tmp_path):
+    """An environment counts as made only for the same requirements and the same --no-deps packages."""
+    from stoker_lab.bench.venvs import PEER_NO_DEPS, PEER_REQUIREMENTS
+    root = tmp_path / "dlio"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").write_text("")
+    reqs, nd = PEER_REQUIREMENTS["dlio"], PEER_NO_DEPS["dlio"]
+    (root / ".stoker-requirements.json").write_text(json.dumps(reqs))
+    assert ready_venv("dlio", path=str(root)) is None  # made without dlio-benchmark: not ready
+    (root / ".stoker-requirements.json").write_text(json.dumps(reqs + ["--no-deps", *nd]))
+    assert ready_venv("dlio", path=str(root)) == str(root / "bin" / "python")
+    assert nd == ["dlio-benchmark==2.0.0"]
