@@ -15,7 +15,12 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
    (``emulated_origin_cpu_s_per_GB``), and the decode workers' CPU per sample cold over warm
    (``cold_vs_warm_worker_cpu``).
 
-``bytes_only`` (stoker against DLIO's PyTorch reader) is not measured yet; the report says so.
+4. ``bytes_only`` (:mod:`stoker_lab.bench.bytes_only`): stoker's bytes-only Loader against DLIO's
+   PyTorch reader on the same ~115 KB random-byte files, the same workers and batch size, from a
+   local directory (``local``: the first epoch) and from a warm node cache (``warm_cache``: epochs
+   2+), in samples per CPU-second and CPU-s/GB; DLIO runs in its own virtual environment (made on
+   first use; ``dlio=False`` or a failed install skips its half, with the reason in ``exception``).
+   ``bytes_only_files=0`` leaves it out; ``only_bytes`` measures it alone.
 """
 from __future__ import annotations
 
@@ -38,7 +43,11 @@ class IoConfig:
     """``images``: sample photos (about 33 kB each on average); ``latency_ms`` / ``bandwidth_MBps``:
     the throttled origin of the cold epoch; ``block_bytes``: the cache unit; ``concurrency``: ranged
     GETs in flight in the origin stage (the loader's default ``fetch_concurrency``); ``reps``: runs of
-    each loop (alternating, the least CPU kept); ``workers`` / ``batch_size``: the cold epoch's Loader."""
+    each loop (alternating, the least CPU kept); ``workers`` / ``batch_size``: the cold epoch's Loader and
+    both readers of ``bytes_only``; ``bytes_only_files``: its ~115 KB files (0: not measured);
+    ``bytes_only_epochs``: its epochs (the first is ``local``, the rest ``warm_cache``); ``dlio``:
+    run DLIO's half; ``make_dlio_venv``: make DLIO's environment when missing; ``only_bytes``: measure
+    ``bytes_only`` alone (no stages, no epochs)."""
 
     images: int = 600
     classes: int = 10
@@ -51,6 +60,11 @@ class IoConfig:
     workers: int = 2
     batch_size: int = 64
     workdir: str | None = None
+    bytes_only_files: int = 1024
+    bytes_only_epochs: int = 3
+    dlio: bool = True
+    make_dlio_venv: bool = True
+    only_bytes: bool = False
 
 
 def raw_bytes(fields, rng):
@@ -93,6 +107,13 @@ def run(cfg: IoConfig | None = None) -> dict:
     cfg = cfg or IoConfig()
     workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-io")
     os.makedirs(workdir, exist_ok=True)
+    if cfg.only_bytes:
+        t_start = time.perf_counter()
+        report = {"machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                              "platform": platform.platform()},
+                  "config": asdict(cfg), "bytes_only": measure_bytes_only(cfg, workdir)}
+        report["seconds"] = time.perf_counter() - t_start
+        return report
     shm = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else workdir, f"stoker-bench-io-{os.getpid()}")
     sd = make_sample_data(os.path.join(workdir, "data"), images=cfg.images, classes=cfg.classes)
     _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
@@ -139,11 +160,22 @@ def run(cfg: IoConfig | None = None) -> dict:
         stages.append(st.peer_stage())
     report["stages"] = stages + [epochs.pop("stage")]
     report.update(epochs)
-    report["bytes_only"] = {"exception": "not measured yet: DLIO's PyTorch reader in its own environment "
-                                         "is left for a later change"}
+    report["bytes_only"] = measure_bytes_only(cfg, workdir)
     floor_of(report)
     report["seconds"] = time.perf_counter() - t_start
     return report
+
+
+def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
+    """The ``bytes_only`` report (:func:`stoker_lab.bench.bytes_only.run`), or ``{"exception": why}``."""
+    from .bytes_only import BytesOnlyConfig
+    from .bytes_only import run as run_bytes_only
+    if cfg.bytes_only_files <= 0:
+        return {"exception": "not measured (bytes_only_files=0)"}
+    _log("bytes only: stoker's Loader against DLIO's PyTorch reader")
+    return run_bytes_only(BytesOnlyConfig(files=cfg.bytes_only_files, epochs=cfg.bytes_only_epochs,
+                                          workers=cfg.workers, batch_size=cfg.batch_size, dlio=cfg.dlio,
+                                          make_venv=cfg.make_dlio_venv, workdir=os.path.join(workdir, "bytes-only")))
 
 
 def cold_epoch(url: str, storage_options: dict, cache_dir: str, cache_bytes: int, origin_pid: int | None,
@@ -212,7 +244,13 @@ def floor_of(report: dict) -> None:
 
 
 def table(report: dict) -> str:
-    """The report as text: one line per stage (stoker, floor, ratio), then the cold epoch's figures."""
+    """The report as text: one line per stage (stoker, floor, ratio), then the cold epoch's figures,
+    then ``bytes_only``."""
+    from .bytes_only import table as bytes_table
+    bo = report.get("bytes_only") or {}
+    bo_text = bytes_table(bo) if "local" in bo else f"bytes only: {bo.get('exception')}"
+    if "stages" not in report:
+        return bo_text
     d, o = report["dataset"], report["origin"]["cold_epoch"]
     lines = [f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
              f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
@@ -239,4 +277,5 @@ def table(report: dict) -> str:
                  f"emulated_origin_cpu_s_per_GB {report['emulated_origin_cpu_s_per_GB']:.2f}; workers' CPU per sample "
                  f"cold/warm {num(cw['ratio'], '.2f')} ({1e3 * cw['cold_cpu_s_per_sample']:.3f} / "
                  f"{1e3 * cw['warm_cpu_s_per_sample']:.3f} ms)")
+    lines.append(bo_text)
     return "\n".join(lines)

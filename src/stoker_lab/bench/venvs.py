@@ -24,6 +24,16 @@ PEER_REQUIREMENTS: dict[str, list[str]] = {
     "dali": ["nvidia-dali-cuda130==2.4.0", "numpy"],
     "streaming": ["mosaicml-streaming==0.13.0", "torch==2.14.1", "torchvision==0.29.1"],
     "litdata": ["litdata==0.2.76", "torch==2.14.1", "torchvision==0.29.1", "boto3"],
+    # DLIO's own pins pull in DALI for CUDA 11 and full TensorFlow; its PyTorch reader needs torch,
+    # hydra, MPI (mpi4py over the MPICH wheel, no system MPI) and, since its profiler factory imports
+    # it at start-up, TensorFlow (the CPU build). dlio-benchmark itself goes in without its deps.
+    "dlio": ["torch==2.13.0", "tensorflow-cpu", "mpi4py", "mpich", "pydftracer==1.0.2", "hydra-core>=1.3.2",
+             "omegaconf>=2.2.0", "numpy", "pandas", "psutil", "Pillow", "h5py", "PyYAML"],
+}
+
+# Packages installed after the requirements, without their own dependencies (pip --no-deps).
+PEER_NO_DEPS: dict[str, list[str]] = {
+    "dlio": ["dlio-benchmark==2.0.0"],
 }
 
 
@@ -38,9 +48,17 @@ def venv_python(name: str, path: str | None = None) -> str:
     return os.path.join(path or os.path.join(venv_root(), name), "bin", "python")
 
 
-def ready_venv(name: str, requirements: list[str] | None = None, path: str | None = None) -> str | None:
-    """The python of an existing, complete environment for ``requirements``, else None (makes nothing)."""
+def _recorded(reqs: list[str], no_deps: list[str]) -> list[str]:
+    """What the marker file holds: the requirement list, then ``--no-deps`` and those packages."""
+    return reqs + (["--no-deps", *no_deps] if no_deps else [])
+
+
+def ready_venv(name: str, requirements: list[str] | None = None, path: str | None = None,
+               no_deps: list[str] | None = None) -> str | None:
+    """The python of an existing, complete environment for ``requirements`` (and ``no_deps``, by
+    default :data:`PEER_NO_DEPS` of a named peer), else None (makes nothing)."""
     reqs = requirements if requirements is not None else PEER_REQUIREMENTS[name]
+    nd = no_deps if no_deps is not None else (PEER_NO_DEPS.get(name, []) if requirements is None else [])
     root = path or os.path.join(venv_root(), name)
     try:
         with open(os.path.join(root, _MARKER)) as f:
@@ -48,7 +66,7 @@ def ready_venv(name: str, requirements: list[str] | None = None, path: str | Non
     except (OSError, ValueError):
         return None
     py = venv_python(name, root)
-    return py if done == reqs and os.path.exists(py) else None
+    return py if done == _recorded(reqs, nd) and os.path.exists(py) else None
 
 
 def _tail(text: str | bytes | None, lines: int = 8) -> str:
@@ -59,8 +77,11 @@ def _tail(text: str | bytes | None, lines: int = 8) -> str:
 
 
 def ensure_venv(name: str, requirements: list[str] | None = None, path: str | None = None,
-                timeout_s: float = 1800.0, log=None) -> str:
+                timeout_s: float = 1800.0, log=None, no_deps: list[str] | None = None) -> str:
     """Make (or reuse) the environment ``name`` with ``requirements``; returns its python.
+
+    ``no_deps``: packages installed afterwards with ``pip --no-deps`` (default: :data:`PEER_NO_DEPS`
+    of a named peer when ``requirements`` is not given).
 
     ``path`` overrides the location; ``timeout_s`` bounds each pip/venv step (seconds);
     ``log`` (a callable taking a string) hears about a fresh install. The environment is marked
@@ -68,17 +89,21 @@ def ensure_venv(name: str, requirements: list[str] | None = None, path: str | No
     Raises :class:`VenvError` (with pip's stderr tail) if it cannot be made.
     """
     reqs = requirements if requirements is not None else PEER_REQUIREMENTS[name]
+    nd = no_deps if no_deps is not None else (PEER_NO_DEPS.get(name, []) if requirements is None else [])
     root = path or os.path.join(venv_root(), name)
-    py = ready_venv(name, reqs, root)
+    py = ready_venv(name, reqs, root, nd)
     if py:
         return py
     if log:
-        log(f"making virtual environment {root}: pip install {' '.join(reqs)}")
+        log(f"making virtual environment {root}: pip install {' '.join(reqs)}"
+            + (f"; pip install --no-deps {' '.join(nd)}" if nd else ""))
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(os.path.dirname(root), exist_ok=True)
     py = venv_python(name, root)
     steps = [[sys.executable, "-m", "venv", root],
              [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs]]
+    if nd:
+        steps.append([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", *nd])
     for cmd in steps:
         try:
             subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s,
@@ -91,5 +116,5 @@ def ensure_venv(name: str, requirements: list[str] | None = None, path: str | No
         except OSError as exc:
             raise VenvError(f"{' '.join(cmd[:5])} ... could not run: {exc}") from None
     with open(os.path.join(root, _MARKER), "w") as f:
-        json.dump(reqs, f)
+        json.dump(_recorded(reqs, nd), f)
     return py

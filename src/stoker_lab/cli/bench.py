@@ -6,6 +6,7 @@ module (under :mod:`stoker_lab.bench` or :mod:`stoker.cluster`) and prints, then
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -288,13 +289,29 @@ def _add_io(bench_sub) -> None:
     p.add_argument("--block-bytes", type=int, default=1 << 20, help="the cache unit (default 1 MiB)")
     p.add_argument("--workers", type=int, default=2, help="decode worker processes in the epochs")
     p.add_argument("--workdir", help="sample data and caches (default: $TMPDIR/stoker-bench-io)")
+    p.add_argument("--dlio", action=argparse.BooleanOptionalAction, default=True,
+                   help="bytes_only: also run DLIO's PyTorch reader (dlio-benchmark 2.0.0) on the same files, in a "
+                        "virtual environment made on first use (about 2.6 GB installed, from the package index: torch, "
+                        "tensorflow-cpu, mpi4py + the mpich wheel); --no-dlio: stoker's half only. A failed install "
+                        "is reported in bytes_only.exception (default: on)")
+    p.add_argument("--make-dlio-venv", action=argparse.BooleanOptionalAction, default=True,
+                   help="make DLIO's environment when it is missing (--no-make-dlio-venv: use it only if present)")
+    p.add_argument("--bytes-only-files", type=int, default=1024,
+                   help="bytes_only: random-byte files of 114,660 B (MLPerf Storage's ResNet-50 sample), "
+                        "default 1024 (117 MB); 0 leaves bytes_only out")
+    p.add_argument("--bytes-only-epochs", type=int, default=3,
+                   help="bytes_only: epochs of each reader; the first is 'local', the rest 'warm_cache' (default 3)")
+    p.add_argument("--only-bytes", action="store_true",
+                   help="measure bytes_only alone (no stages, no cold/warm epochs)")
     p.set_defaults(fn=_cmd_io)
 
 
 def _cmd_io(a) -> int:
     from ..bench.io_bench import IoConfig, run, table
     r = run(IoConfig(images=a.images, reps=a.reps, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_MBps,
-                     block_bytes=a.block_bytes, workers=a.workers, workdir=a.workdir))
+                     block_bytes=a.block_bytes, workers=a.workers, workdir=a.workdir, dlio=a.dlio,
+                     make_dlio_venv=a.make_dlio_venv, bytes_only_files=a.bytes_only_files, only_bytes=a.only_bytes,
+                     bytes_only_epochs=a.bytes_only_epochs))
     print(table(r))
     if a.json:
         _write_json(a.json, r)

@@ -82,7 +82,8 @@ def origin_stats(control_url: str | None) -> dict:
         return json.loads(resp.read())
 
 
-def _subreaper() -> None:
+def subreaper() -> None:
+    """Make this process a child subreaper (Linux), so orphaned descendants stay in its tree's CPU."""
     try:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
@@ -134,7 +135,7 @@ def read_epochs(cfg: dict, build, epoch) -> None:
 
 def main(convert, build, epoch) -> None:
     """Command line of a runner: ``convert SRC OUT CFG_JSON`` or ``read CFG_JSON``."""
-    _subreaper()
+    subreaper()
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "convert" and len(sys.argv) == 5:
         with open(sys.argv[4]) as f:
