@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-quick test lint bench clean
+.PHONY: venv demo demo-quick test lint format bench clean
 
 venv: $(STAMP)
 
@@ -24,10 +24,16 @@ test: venv
 	bash scripts/system_deps.sh
 	$(BIN)/python -m pytest -q
 
-# ruff (E, F, I, B, UP; D for src/) and mypy, configured in pyproject.toml.
+# ruff (E, F, I, B, UP; D for src/), ruff format and mypy, configured in pyproject.toml.
 lint: venv
 	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
+
+# rewrite src/ and tests/ in the house format (ruff format, configured in pyproject.toml)
+format: venv
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -17,6 +17,7 @@ Usage::
 
     python benchmarks/index_bench.py [--json results.json] [--samples N] [--skip-alternatives]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ def rss_bytes() -> int:
 
 
 # -- the synthetic index ---------------------------------------------------------
-def make_index_bytes(samples: int = 1_281_167, classes: int = 1000, seed: int = 0,
-                     mean_bytes: float = 110_000.0) -> tuple[bytes, dict]:
+def make_index_bytes(
+    samples: int = 1_281_167, classes: int = 1000, seed: int = 0, mean_bytes: float = 110_000.0
+) -> tuple[bytes, dict]:
     """Parquet index bytes of a synthetic ImageNet-like dataset, and a description dict.
 
     ``mean_bytes``: mean payload size (ImageNet-1k train: ~110 kB per JPEG).
@@ -84,15 +86,23 @@ def make_index_bytes(samples: int = 1_281_167, classes: int = 1000, seed: int = 
     shard[placed] = shard_of_placed
     offset[placed] = start - shard_start[shard_of_placed] + 512
     ends = np.append(start[first[1:]], start[-1] + member[-1])
-    shard_table = [{"name": f"shards/shard-{i:06d}.tar", "bytes": int(e - s) + 1024,
-                    "samples": int(c)} for i, (s, e, c) in
-                   enumerate(zip(shard_start, ends, np.bincount(shard_of_placed)))]
+    shard_table = [
+        {"name": f"shards/shard-{i:06d}.tar", "bytes": int(e - s) + 1024, "samples": int(c)}
+        for i, (s, e, c) in enumerate(zip(shard_start, ends, np.bincount(shard_of_placed)))
+    ]
     checksum = rng.integers(0, 2**64, n, dtype=np.uint64)
     table, version = build_table(keys, labels, cnames, shard, offset, length, checksum, shard_table, wnids)
     data = table_to_bytes(table)
-    desc = {"samples": n, "classes": classes, "shards": len(shard_table),
-            "payload_bytes": int(length.sum()), "mean_key_bytes": float(np.mean([len(k) for k in keys[:100000]])),
-            "example_keys": keys[:2] + keys[-1:], "index_file_bytes": len(data), "version": version}
+    desc = {
+        "samples": n,
+        "classes": classes,
+        "shards": len(shard_table),
+        "payload_bytes": int(length.sum()),
+        "mean_key_bytes": float(np.mean([len(k) for k in keys[:100000]])),
+        "example_keys": keys[:2] + keys[-1:],
+        "index_file_bytes": len(data),
+        "version": version,
+    }
     return data, desc
 
 
@@ -197,8 +207,13 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     pool.release_unused()
     rss2 = rss_bytes()
     n = len(d)
-    res["open"] = {"read_index_s": t1 - t0, "directory_s": t2 - t1, "key_table_s": t3 - t2,
-                   "total_s": t3 - t0, "keys_sorted": d.keys_sorted}
+    res["open"] = {
+        "read_index_s": t1 - t0,
+        "directory_s": t2 - t1,
+        "key_table_s": t3 - t2,
+        "total_s": t3 - t0,
+        "keys_sorted": d.keys_sorted,
+    }
     # repeat the open to see the spread (warm page cache / allocator)
     reps = []
     for _ in range(2):
@@ -215,19 +230,30 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     pool.release_unused()
     rss_b = rss_bytes()
     del extra
-    idx_arrays = {"keys": idx.keys.nbytes, "labels": idx.labels.nbytes, "shard": idx.shard.nbytes,
-                  "offset": idx.offset.nbytes, "length": idx.length.nbytes, "checksum": idx.checksum.nbytes,
-                  "key_table": d._table.hashes.nbytes + d._table.ids.nbytes,
-                  "order": 0 if d.order is None else d.order.nbytes}
-    res["memory"] = {"arrays_bytes": idx_arrays, "arrays_total": d.nbytes,
-                     "arrays_per_sample": d.nbytes / n,
-                     "arrays_per_sample_without_key_table": (d.nbytes - idx_arrays["key_table"]) / n,
-                     "rss_delta": rss1 - rss0, "rss_delta_per_sample": (rss1 - rss0) / n,
-                     "rss_delta_after_release": rss2 - rss0,
-                     "rss_delta_after_release_per_sample": (rss2 - rss0) / n,
-                     "rss_marginal": rss_b - rss_a, "rss_marginal_per_sample": (rss_b - rss_a) / n,
-                     "arrow_pool": pool.backend_name,
-                     "arrow_pool_bytes_delta": pool.bytes_allocated() - pool0}
+    idx_arrays = {
+        "keys": idx.keys.nbytes,
+        "labels": idx.labels.nbytes,
+        "shard": idx.shard.nbytes,
+        "offset": idx.offset.nbytes,
+        "length": idx.length.nbytes,
+        "checksum": idx.checksum.nbytes,
+        "key_table": d._table.hashes.nbytes + d._table.ids.nbytes,
+        "order": 0 if d.order is None else d.order.nbytes,
+    }
+    res["memory"] = {
+        "arrays_bytes": idx_arrays,
+        "arrays_total": d.nbytes,
+        "arrays_per_sample": d.nbytes / n,
+        "arrays_per_sample_without_key_table": (d.nbytes - idx_arrays["key_table"]) / n,
+        "rss_delta": rss1 - rss0,
+        "rss_delta_per_sample": (rss1 - rss0) / n,
+        "rss_delta_after_release": rss2 - rss0,
+        "rss_delta_after_release_per_sample": (rss2 - rss0) / n,
+        "rss_marginal": rss_b - rss_a,
+        "rss_marginal_per_sample": (rss_b - rss_a) / n,
+        "arrow_pool": pool.backend_name,
+        "arrow_pool_bytes_delta": pool.bytes_allocated() - pool0,
+    }
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, n, lookups)
@@ -236,8 +262,13 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     assert np.array_equal(out["offset"], idx.offset[ids])
     t_keys, kq = timed(lambda: d.keys_of(ids))
     t_sample, _ = timed(lambda: [d.sample(int(i)) for i in ids[:20000]], 1)
-    res["by_id"] = {"batch": lookups, "lookup_s": t_lookup, "lookup_plus_keys_s": t_lookup + t_keys,
-                    "keys_of_s": t_keys, "sample_call_us": t_sample / 20000 * 1e6}
+    res["by_id"] = {
+        "batch": lookups,
+        "lookup_s": t_lookup,
+        "lookup_plus_keys_s": t_lookup + t_keys,
+        "keys_of_s": t_keys,
+        "sample_call_us": t_sample / 20000 * 1e6,
+    }
     # -- by key
     qlist = kq.to_pylist()
     t_list, got = timed(lambda: d.ids_of(qlist))
@@ -249,17 +280,26 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     missing = [k + "x" for k in qlist[:1000]]
     t_miss, got = timed(lambda: d.ids_of(missing, default=-1))
     assert (got == -1).all()
-    res["by_key"] = {"batch": lookups, "ids_of_list_s": t_list, "ids_of_arrow_s": t_arrow,
-                     "list_to_arrow_s": t_conv, "id_of_call_us": t_one / 20000 * 1e6,
-                     "ids_of_1000_missing_s": t_miss}
+    res["by_key"] = {
+        "batch": lookups,
+        "ids_of_list_s": t_list,
+        "ids_of_arrow_s": t_arrow,
+        "list_to_arrow_s": t_conv,
+        "id_of_call_us": t_one / 20000 * 1e6,
+        "ids_of_1000_missing_s": t_miss,
+    }
     # -- prefix tree
     t_root, root = timed(lambda: (d._listing_cache.clear(), d.children(""))[1])
     cls = root[len(root) // 2][0]
     t_cls, kids = timed(lambda: (d._listing_cache.clear(), d.children(cls))[1])
     t_range, rg = timed(lambda: [d.prefix_range(name) for name, *_ in root[:1000]], 1)
-    res["prefix_tree"] = {"root_children": len(root), "root_children_s": t_root,
-                          "class_children": len(kids), "class_children_s": t_cls,
-                          "prefix_range_call_us": t_range / min(1000, len(root)) * 1e6}
+    res["prefix_tree"] = {
+        "root_children": len(root),
+        "root_children_s": t_root,
+        "class_children": len(kids),
+        "class_children_s": t_cls,
+        "prefix_range_call_us": t_range / min(1000, len(root)) * 1e6,
+    }
 
     if alternatives:
         alt = {}
@@ -278,6 +318,7 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
             cand = order[pos].astype(np.int64)
             ok = pc.equal(idx.keys.take(pa.array(cand)), pa.array(qlist, pa.string())).to_numpy(zero_copy_only=False)
             return np.where(ok & (hs[pos] == qh), cand, -1)
+
         t_x, got = timed(xx_lookup)
         assert np.array_equal(got, ids)
         alt["xxh3_python_loop"] = {"build_s": build, "lookup_1M_s": t_x, "bytes_per_sample": 12}
@@ -285,12 +326,18 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
         # (b) pyarrow index_in (hash table rebuilt per call, nothing resident)
         t_in, got = timed(lambda: pc.index_in(pa.array(qlist, pa.string()), value_set=idx.keys))
         assert np.array_equal(got.to_numpy(zero_copy_only=False), ids)
-        t_in1, _ = timed(lambda: [pc.index_in(pa.array(qlist[i:i + 1], pa.string()), value_set=idx.keys)
-                                  for i in range(5)], 1)
-        alt["arrow_index_in"] = {"build_s": 0.0, "lookup_1M_s": t_in, "single_call_us": t_in1 / 5 * 1e6,
-                                 "bytes_per_sample": 0}
+        t_in1, _ = timed(
+            lambda: [pc.index_in(pa.array(qlist[i : i + 1], pa.string()), value_set=idx.keys) for i in range(5)], 1
+        )
+        alt["arrow_index_in"] = {
+            "build_s": 0.0,
+            "lookup_1M_s": t_in,
+            "single_call_us": t_in1 / 5 * 1e6,
+            "bytes_per_sample": 0,
+        }
         # (c) vectorised binary search over the sorted key bytes (nothing resident)
         from stoker.store.directory import _string_buffers
+
         _, qo, qd = _string_buffers(kq)
         t_bs, got = timed(lambda: bsearch_keys(d._offsets, d._data, qo, qd), 1)
         assert np.array_equal(got, ids)
@@ -346,17 +393,20 @@ def main(argv=None) -> int:
     res["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     res["targets"] = {
         "open_s": {"target": TARGETS["open_s"], "measured": res["open"]["total_s"]},
-        "bytes_per_sample": {"target": TARGETS["bytes_per_sample"],
-                             "measured_arrays": res["memory"]["arrays_per_sample"],
-                             "measured_rss_first_open": res["memory"]["rss_delta_after_release_per_sample"],
-                             "measured_rss_marginal": res["memory"]["rss_marginal_per_sample"]},
+        "bytes_per_sample": {
+            "target": TARGETS["bytes_per_sample"],
+            "measured_arrays": res["memory"]["arrays_per_sample"],
+            "measured_rss_first_open": res["memory"]["rss_delta_after_release_per_sample"],
+            "measured_rss_marginal": res["memory"]["rss_marginal_per_sample"],
+        },
         "id_lookup_1M_s": {"target": TARGETS["id_lookup_1M_s"], "measured": res["by_id"]["lookup_s"]},
     }
     res["targets_met"] = {
         "open_s": res["open"]["total_s"] < TARGETS["open_s"],
         "bytes_per_sample_arrays": res["memory"]["arrays_per_sample"] <= TARGETS["bytes_per_sample"],
-        "bytes_per_sample_rss_first_open": (res["memory"]["rss_delta_after_release_per_sample"]
-                                            <= TARGETS["bytes_per_sample"]),
+        "bytes_per_sample_rss_first_open": (
+            res["memory"]["rss_delta_after_release_per_sample"] <= TARGETS["bytes_per_sample"]
+        ),
         "bytes_per_sample_rss_marginal": res["memory"]["rss_marginal_per_sample"] <= TARGETS["bytes_per_sample"],
         "id_lookup_1M_s": res["by_id"]["lookup_s"] < TARGETS["id_lookup_1M_s"],
     }

@@ -21,6 +21,7 @@ checks (reported as skipped otherwise). Checks:
    GPU in the training process): same labels, pixels within a mean abs difference of 3.
 Exit status 0 when every check passes, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ import torch  # noqa: E402
 
 def check_transfer(device: str) -> dict:
     from stoker.loader.transfer import DeviceTransfer
+
     tr = DeviceTransfer(device)
     x = torch.randint(0, 256, (256, 3, 224, 224), dtype=torch.uint8)
     y = torch.arange(256)
@@ -68,9 +70,17 @@ def check_transfer(device: str) -> dict:
     t_copy_wall = timed(lambda: [tr(x, y) for _ in range(copies)])[1]  # side stream: wall time
     t_both = timed(lambda: (compute(), [tr(x, y) for _ in range(copies)]))[1]
     overlap = (t_compute + t_copy_wall - t_both) / max(1e-9, min(t_compute, t_copy_wall))
-    return {"exact": exact, "pinned": tr.pin, "batch_bytes": x.nbytes, "compute_s": t_compute,
-            "copy_s": t_copy_wall, "together_s": t_both, "overlap": overlap,
-            "copy_GBps": copies * x.nbytes / t_copy_wall / 1e9, "ok": exact and overlap > 0.5}
+    return {
+        "exact": exact,
+        "pinned": tr.pin,
+        "batch_bytes": x.nbytes,
+        "compute_s": t_compute,
+        "copy_s": t_copy_wall,
+        "together_s": t_both,
+        "overlap": overlap,
+        "copy_GBps": copies * x.nbytes / t_copy_wall / 1e9,
+        "ok": exact and overlap > 0.5,
+    }
 
 
 def check_decode(device: str, cases: str, tolerance: int) -> dict:
@@ -78,6 +88,7 @@ def check_decode(device: str, cases: str, tolerance: int) -> dict:
 
     from stoker.decode import DecodeError, decode_image
     from stoker.decode.gpu import GpuJpegDecoder
+
     dec = GpuJpegDecoder(device)
     rows, ok = {}, True
     for name in sorted(os.listdir(cases)):
@@ -106,20 +117,30 @@ def check_decode(device: str, cases: str, tolerance: int) -> dict:
 def check_train(device: str, payloads: list) -> dict:
     from stoker.decode.transforms import decode_transform
     from stoker.decode.gpu import GpuJpegDecoder
+
     dec = GpuJpegDecoder(device)
     n = len(payloads)
     got = dec.train_batch(payloads, [f"s{i}" for i in range(n)], [np.random.default_rng(i) for i in range(n)])
     torch.cuda.synchronize()
-    diffs = [np.abs(got[i].cpu().numpy().astype(int)
-                    - decode_transform(payloads[i], "k", "train", np.random.default_rng(i))).mean() for i in range(n)]
+    diffs = [
+        np.abs(
+            got[i].cpu().numpy().astype(int) - decode_transform(payloads[i], "k", "train", np.random.default_rng(i))
+        ).mean()
+        for i in range(n)
+    ]
     t = time.perf_counter()
     reps = 5
     for _ in range(reps):
         dec.train_batch(payloads, ["k"] * n, [np.random.default_rng(i) for i in range(n)])
     torch.cuda.synchronize()
     rate = reps * n / (time.perf_counter() - t)
-    return {"samples": n, "mean_abs_diff_vs_cpu": float(np.mean(diffs)), "max_sample_mean_diff": float(np.max(diffs)),
-            "samples_per_s": rate, "ok": float(np.mean(diffs)) < 3.0}
+    return {
+        "samples": n,
+        "mean_abs_diff_vs_cpu": float(np.mean(diffs)),
+        "max_sample_mean_diff": float(np.max(diffs)),
+        "samples_per_s": rate,
+        "ok": float(np.mean(diffs)) < 3.0,
+    }
 
 
 def check_loader(device: str, work: str) -> dict:
@@ -127,6 +148,7 @@ def check_loader(device: str, work: str) -> dict:
     from stoker_lab.sample_data import make_sample_data
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
+
     make_sample_data(os.path.join(work, "data"), images=96, classes=4, seed=0)
     pack(os.path.join(work, "data", "train"), os.path.join(work, "packed"), progress=False)
     ds = open_dataset(os.path.join(work, "packed"), cache_dir=os.path.join(work, "cache"), cache_bytes=1 << 30)
@@ -137,20 +159,36 @@ def check_loader(device: str, work: str) -> dict:
         gpu = [(x, y) for x, y in lo]
         stats = lo.pipeline.transfer.stats.__dict__
     on_device = all(x.is_cuda and y.is_cuda for x, y in gpu)
-    equal = len(cpu) == len(gpu) and all(torch.equal(a.cpu(), c) and torch.equal(b.cpu(), d)
-                                         for (c, d), (a, b) in zip(cpu, gpu))
-    out = {"batches": len(gpu), "on_device": on_device, "equal_to_cpu_loader": equal, "transfer": stats,
-           "ok": on_device and equal}
+    equal = len(cpu) == len(gpu) and all(
+        torch.equal(a.cpu(), c) and torch.equal(b.cpu(), d) for (c, d), (a, b) in zip(cpu, gpu)
+    )
+    out = {
+        "batches": len(gpu),
+        "on_device": on_device,
+        "equal_to_cpu_loader": equal,
+        "transfer": stats,
+        "ok": on_device and equal,
+    }
     try:  # decode on the GPU in the training process: same crops, pixels within a small mean difference
         with Loader(ds, image=ImageOptions(decode_device=device), **kw) as lo:
             dev = [(x, y) for x, y in lo]
             dstats = lo.device_decode_stats.__dict__
         diffs = [float((a.cpu().float() - c.float()).abs().mean()) for (c, _), (a, _) in zip(cpu, dev)]
         labels_equal = all(torch.equal(b.cpu(), d) for (_, d), (_, b) in zip(cpu, dev))
-        ok = (len(dev) == len(cpu) and all(x.is_cuda for x, _ in dev) and labels_equal
-              and max(diffs) < 3.0 and dstats["gpu"] > 0)
-        out["decode_device"] = {"batches": len(dev), "labels_equal": labels_equal, "mean_abs_diff_vs_cpu": diffs,
-                                "stats": dstats, "ok": ok}
+        ok = (
+            len(dev) == len(cpu)
+            and all(x.is_cuda for x, _ in dev)
+            and labels_equal
+            and max(diffs) < 3.0
+            and dstats["gpu"] > 0
+        )
+        out["decode_device"] = {
+            "batches": len(dev),
+            "labels_equal": labels_equal,
+            "mean_abs_diff_vs_cpu": diffs,
+            "stats": dstats,
+            "ok": ok,
+        }
     except RuntimeError as exc:  # no GPU JPEG decoder importable
         out["decode_device"] = {"skipped": str(exc), "ok": True}
     out["ok"] = out["ok"] and out["decode_device"]["ok"]
@@ -173,12 +211,14 @@ def main() -> int:
     out["gpu"] = torch.cuda.get_device_name()
     checks = {"transfer": lambda: check_transfer(a.device)}
     from stoker.decode.gpu import find_backend
+
     try:
         find_backend(a.device)
         checks["decode"] = lambda: check_decode(a.device, a.cases, a.tolerance)
         photos = []
         with tempfile.TemporaryDirectory() as d:
             from stoker_lab.sample_data import make_sample_data
+
             make_sample_data(d, images=32, classes=2, seed=1)
             for root, _, files in os.walk(d):
                 photos += [open(os.path.join(root, f), "rb").read() for f in sorted(files) if f.endswith(".JPEG")]

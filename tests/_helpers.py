@@ -1,5 +1,6 @@
 """Helpers shared by test modules (imported as ``from _helpers import ...``; a conftest module
 cannot be imported by name once test folders have conftests of their own)."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -45,6 +46,7 @@ def require(what: str, module: str | None = None, path: str | None = None):
     import os
 
     import pytest
+
     reason = None
     mod = None
     if module is not None:
@@ -69,6 +71,7 @@ def fault_proxy(options: dict):
     stops it (``proxy.stop()``, or ``with proxy:``). Safe to call in a forked child (the proxy's
     thread is then the child's own)."""
     from stoker_lab.bench.faultproxy import FaultProxy
+
     proxy = FaultProxy(options["endpoint_url"])
     return proxy, {**options, "endpoint_url": proxy.endpoint_url}
 
@@ -86,6 +89,7 @@ class SpeechDecode:
         import io
 
         import soundfile as sf
+
         data, rate = sf.read(io.BytesIO(fields["wav"]), dtype="float32", always_2d=True)
         n = int(rng.integers(rate // 100, int(self.max_seconds * rate)))
         return {"audio": data.mean(axis=1)[:n].copy(), "text": fields["txt"].decode()}
@@ -97,6 +101,7 @@ def flow_finish_times(caps: dict, flows: list[tuple[float, dict]], **net_options
     import simpy
 
     from stoker_lab.sim import FlowNetwork
+
     env = simpy.Environment()
     net = FlowNetwork(env, caps, **net_options)
     done: list[float] = [0.0] * len(flows)

@@ -1,5 +1,6 @@
 """Shared pytest fixtures: a local emulated S3 origin (and a fault proxy in front of it), the shared cases,
 sample images."""
+
 from __future__ import annotations
 
 import os
@@ -75,6 +76,7 @@ def cases_packed(cases_dir, tmp_path_factory) -> str:
     import shutil
 
     from stoker.store.pack import pack
+
     root = tmp_path_factory.mktemp("cases")
     src = root / "src" / "pillow"
     src.mkdir(parents=True)
@@ -89,6 +91,7 @@ def s3_packed(s3_origin, sample_tree):
     """The sample tree uploaded to the emulated S3 origin and packed there: (dataset URL, storage options)."""
     from stoker.store.pack import pack
     from stoker_lab.bench.origin import upload_tree
+
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("s3packed/raw"), opts)
     url = s3_origin.url("s3packed/packed")

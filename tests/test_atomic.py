@@ -1,5 +1,6 @@
 """The one temporary-and-rename write (stoker._atomic): private temporaries, exact final
 modes whatever the umask, no write through a planted link."""
+
 from __future__ import annotations
 
 import errno
@@ -22,6 +23,7 @@ def test_temporary_is_private_and_final_mode_exact_whatever_the_umask(tmp_path, 
     def spy(fd, data, path):
         seen.append((path, stat.S_IMODE(os.fstat(fd).st_mode)))
         real(fd, data, path)
+
     monkeypatch.setattr(_atomic, "write_fd", spy)
     old = os.umask(0o077)
     try:
@@ -67,6 +69,7 @@ def test_a_link_at_the_final_name_is_replaced_not_followed(tmp_path):
 def test_failed_write_leaves_no_temporary(tmp_path, monkeypatch):
     def full(fd, data, path):
         raise OSError(errno.ENOSPC, "No space left on device", path)
+
     monkeypatch.setattr(_atomic, "write_fd", full)
     with pytest.raises(OSError):
         _atomic.write_atomic(str(tmp_path / "x"), b"abc")

@@ -1,4 +1,5 @@
 """Bad input through pack and the loader: named errors, nothing lost or silently changed, no hangs."""
+
 import io
 import os
 import signal
@@ -32,13 +33,16 @@ def _png(seed=1):
 
 @pytest.fixture
 def odd_tree(tmp_path):
-    return make_image_folder(tmp_path / "src", {
-        "good/a.JPEG": _jpeg(0),
-        "good/gray.JPEG": _jpeg(1, mode="L"),
-        "odd/empty.JPEG": b"",
-        "odd/text.JPEG": b"this is not an image\n",
-        "odd/png_named_jpeg.JPEG": _png(),
-    })
+    return make_image_folder(
+        tmp_path / "src",
+        {
+            "good/a.JPEG": _jpeg(0),
+            "good/gray.JPEG": _jpeg(1, mode="L"),
+            "odd/empty.JPEG": b"",
+            "odd/text.JPEG": b"this is not an image\n",
+            "odd/png_named_jpeg.JPEG": _png(),
+        },
+    )
 
 
 def test_odd_files_pack_byte_exact_and_fail_by_name(odd_tree, tmp_path):
@@ -82,8 +86,19 @@ def test_unreadable_file_names_the_file(tmp_path, monkeypatch):
 
 def test_pack_killed_with_sigkill_then_rerun(tmp_path, sample_tree):
     dst = tmp_path / "dst"
-    cmd = [sys.executable, "-m", "stoker.cli", "pack", str(sample_tree / "train"), str(dst),
-           "--shard-size", "256KiB", "--no-progress", "--read-workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stoker.cli",
+        "pack",
+        str(sample_tree / "train"),
+        str(dst),
+        "--shard-size",
+        "256KiB",
+        "--no-progress",
+        "--read-workers",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until some, not all, shards are written
@@ -111,6 +126,7 @@ def test_api_misuse_gets_errors_that_name_the_argument(packed_local, tmp_path):
     was expected (not numpy's or Python's own wording, and never a silent truncation)."""
     from stoker.loader import Loader
     from stoker.store.dataset import open_dataset
+
     ds = open_dataset(packed_local, cache=False)
     with pytest.raises(IndexError, match=f"sample 999 out of range for {len(ds)} samples in"):
         ds.read_fields(999)

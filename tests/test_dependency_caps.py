@@ -2,6 +2,7 @@
 task classes) are capped in pyproject.toml; the installed versions must be inside the caps, so
 that the tests that exercise those internals (tests/storage/test_origin.py, the extender tests)
 run against a version the caps allow."""
+
 from __future__ import annotations
 
 import tomllib

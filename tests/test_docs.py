@@ -2,6 +2,7 @@
 exists, no text cites an issue number, every relative link of the README and the docs pages leads
 to a file (and heading) that exists, the README stays short, and the layout in docs/design.md
 names every module there is."""
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,14 @@ ISSUE = re.compile(r"\bissues? ?#?\d+\b", re.IGNORECASE)
 def _texts():
     for p in sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py")):
         yield p
-    for p in [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md",
-              *sorted((ROOT / "docs").glob("*.md")), *sorted(SRC.rglob("README.md")), *sorted(LAB.rglob("README.md"))]:
+    for p in [
+        ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
+        ROOT / "benchmarks" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(SRC.rglob("README.md")),
+        *sorted(LAB.rglob("README.md")),
+    ]:
         if p.exists():
             yield p
 
@@ -51,18 +58,33 @@ def _exists(ref: str, near: pathlib.Path) -> bool:
     if any((b / ref).exists() for b in bases):
         return True
     # a bare file name ("disk.py") may name any file of that name in the tree
-    return "/" not in ref and any(any(True for _ in (ROOT / d).glob(f"**/{ref}"))
-                                  for d in ("src", "tests", "docs", "benchmarks", "scripts"))
+    return "/" not in ref and any(
+        any(True for _ in (ROOT / d).glob(f"**/{ref}")) for d in ("src", "tests", "docs", "benchmarks", "scripts")
+    )
 
 
 # names that are not files of this repository: other projects' files, files made at run time
-EXTERNAL = {"nodes/base_node.py", "nodes/loader.py", "_exceptions.py", "constants.py", "dataset.py",
-            "setup.py", "pyproject.toml", "demo.json", "conftest.py"}
+EXTERNAL = {
+    "nodes/base_node.py",
+    "nodes/loader.py",
+    "_exceptions.py",
+    "constants.py",
+    "dataset.py",
+    "setup.py",
+    "pyproject.toml",
+    "demo.json",
+    "conftest.py",
+}
 
 
 def test_no_text_cites_an_issue_number():
-    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in _texts() if p != pathlib.Path(__file__)
-           for i, line in enumerate(p.read_text().splitlines(), 1) if ISSUE.search(line)]
+    bad = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in _texts()
+        if p != pathlib.Path(__file__)
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if ISSUE.search(line)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -86,8 +108,13 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 
 def _linked_pages() -> list[pathlib.Path]:
     """The pages whose links are checked: the README, the docs pages and the other READMEs."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md",
-            ROOT / "deploy" / "kubernetes" / "README.md", *sorted(SRC.rglob("README.md"))]
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "benchmarks" / "README.md",
+        ROOT / "deploy" / "kubernetes" / "README.md",
+        *sorted(SRC.rglob("README.md")),
+    ]
 
 
 def _slug(heading: str) -> str:

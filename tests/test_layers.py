@@ -12,6 +12,7 @@ Layers, top (imported by everything) to bottom (imports everything)::
 Imports are read with :mod:`ast`, including the ones inside functions, so a cycle that
 "works" only because both imports are deferred is still caught.
 """
+
 from __future__ import annotations
 
 import ast
@@ -136,7 +137,7 @@ def test_no_import_cycle():
             if d in PACKAGES or (d.count(".") and n.startswith(d + ".")):
                 continue  # a package's own __init__ is imported on the way to its submodules
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -211,8 +212,14 @@ def _private_reads(root: pathlib.Path) -> list[str]:
         tree = ast.parse(p.read_text())
         owned: dict[int, set[str]] = {}  # id(node) -> private names the enclosing class sets on self
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            mine = {a.attr for a in ast.walk(cls) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
-                    and isinstance(a.value, ast.Name) and a.value.id == "self"}
+            mine = {
+                a.attr
+                for a in ast.walk(cls)
+                if isinstance(a, ast.Attribute)
+                and isinstance(a.ctx, ast.Store)
+                and isinstance(a.value, ast.Name)
+                and a.value.id == "self"
+            }
             mine |= {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
             for n in ast.walk(cls):
                 owned.setdefault(id(n), set()).update(mine)

@@ -1,6 +1,7 @@
 """Prometheus metrics (:mod:`stoker.metrics`): the loader's counters at scrape time, a real
 Prometheus server's ``rate()`` against the loader's own stats, the extender's requests, and the
 cache service's Ray metrics."""
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,9 @@ def dataset(packed_local, tmp_path):
 
 
 def test_loader_metrics_match_its_stats(dataset):
-    with stoker.Loader(dataset, 8, num_workers=2,
-                       image=stoker.ImageOptions(image_size=32),
-                       run=stoker.RunOptions(metrics_port=0)) as ld:  # 2 workers + prefetcher
+    with stoker.Loader(
+        dataset, 8, num_workers=2, image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)
+    ) as ld:  # 2 workers + prefetcher
         url = ld.metrics_url
         mid = None
         for i, _ in enumerate(ld):
@@ -72,10 +73,22 @@ def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tm
     hand, the prefetcher done with the plan) the origin bytes already count the prefetcher's reads."""
     probe = stoker.open_dataset(packed_local, cache=False, block_bytes=128 << 10)
     third = int((probe.block_end - probe.block_start).sum()) // 3
-    ds = stoker.open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=third, memory_bytes=third,
-                             memory_dir=str(tmp_path / "shm"), block_bytes=128 << 10)
-    with stoker.Loader(ds, 16, num_workers=2, read=stoker.ReadOptions(staging_bytes=128 << 10),
-                       image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
+    ds = stoker.open_dataset(
+        packed_local,
+        cache_dir=str(tmp_path / "disk"),
+        cache_bytes=third,
+        memory_bytes=third,
+        memory_dir=str(tmp_path / "shm"),
+        block_bytes=128 << 10,
+    )
+    with stoker.Loader(
+        ds,
+        16,
+        num_workers=2,
+        read=stoker.ReadOptions(staging_bytes=128 << 10),
+        image=stoker.ImageOptions(image_size=32),
+        run=stoker.RunOptions(metrics_port=0),
+    ) as ld:
         for i, _ in enumerate(ld):
             if i == len(ld) - 1:
                 p = ld.pipeline
@@ -102,8 +115,14 @@ def test_skipped_samples_and_replaced_processes(cases_packed, tmp_path):
     """A corrupt JPEG skipped (``on_error="skip"``), a SIGKILLed decode worker and then the
     prefetcher replaced: the scraped counters equal the loader's stats."""
     ds = stoker.open_dataset(cases_packed, cache_dir=str(tmp_path), cache_bytes=64 << 20)
-    with stoker.Loader(ds, 2, num_workers=2, transform="eval", shuffle=False,
-                       run=stoker.RunOptions(on_error="skip", timeout_s=60, metrics_port=0)) as ld:
+    with stoker.Loader(
+        ds,
+        2,
+        num_workers=2,
+        transform="eval",
+        shuffle=False,
+        run=stoker.RunOptions(on_error="skip", timeout_s=60, metrics_port=0),
+    ) as ld:
         it = iter(ld)
         next(it)
         os.kill(ld.processes.workers[1].pid, signal.SIGKILL)
@@ -131,8 +150,9 @@ def test_origin_retries(s3_packed, origin_faults, tmp_path):
     proxy, opts = origin_faults
     ds = stoker.open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     proxy.set_fault(Fault("status", 503, count=3, match=object_gets))
-    with stoker.Loader(ds, 8, num_workers=2,
-                       image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
+    with stoker.Loader(
+        ds, 8, num_workers=2, image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)
+    ) as ld:
         assert sum(len(y) for _, y in ld) == len(ds)
         st, m = ld.stats, _scrape(ld.metrics_url)
     served = proxy.stats()["faults_injected"]
@@ -142,8 +162,9 @@ def test_origin_retries(s3_packed, origin_faults, tmp_path):
 
 def test_loader_labels_and_names(dataset, monkeypatch):
     monkeypatch.setenv("STOKER_JOB", "resnet")
-    with stoker.Loader(dataset, 8, num_workers=0,
-                       image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)) as ld:
+    with stoker.Loader(
+        dataset, 8, num_workers=0, image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)
+    ) as ld:
         text = urllib.request.urlopen(ld.metrics_url, timeout=10).read().decode()
     line = next(x for x in text.splitlines() if x.startswith("stoker_samples_total{"))
     assert f'dataset="{dataset.version}"' in line and 'job="resnet"' in line and 'rank="0"' in line
@@ -159,8 +180,7 @@ def test_port_from_environment(dataset, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         monkeypatch.setenv("STOKER_METRICS_PORT", str(busy.getsockname()[1]))
-        ld = stoker.Loader(dataset, 8, num_workers=0,
-                       image=stoker.ImageOptions(image_size=32))
+        ld = stoker.Loader(dataset, 8, num_workers=0, image=stoker.ImageOptions(image_size=32))
         assert ld.metrics_url is None
         with pytest.raises(OSError, match="metrics_port"):  # asked for in the code: an error
             stoker.Loader(dataset, 8, num_workers=0, run=stoker.RunOptions(metrics_port=busy.getsockname()[1]))
@@ -180,22 +200,29 @@ except ImportError as exc:
     assert "stoker[metrics]" in str(exc), exc
     print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "STOKER_CACHE_DIR": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "STOKER_CACHE_DIR": str(tmp_path)},
+    )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_extender_metrics():
     from stoker.cluster.extender import serve
     from stoker.metrics import serve_extender_metrics
+
     port = serve_extender_metrics(0)
     state = {"nodes": {"a": {"cache_bytes": 10, "datasets": {"s3://d": 5}}, "b": {"cache_bytes": 10}}}
     srv = serve(lambda: state, port=0, max_age_s=None)
     base = f"http://127.0.0.1:{srv.server_address[1]}"
     before = _scrape(f"http://127.0.0.1:{port}/metrics")
     try:
-        body = json.dumps({"Pod": {"metadata": {"annotations": {"stoker.io/dataset": "s3://d"}}},
-                           "NodeNames": ["a", "b"]}).encode()
+        body = json.dumps(
+            {"Pod": {"metadata": {"annotations": {"stoker.io/dataset": "s3://d"}}}, "NodeNames": ["a", "b"]}
+        ).encode()
         for verb in ("filter", "prioritize", "prioritize"):
             urllib.request.urlopen(urllib.request.Request(f"{base}/{verb}", data=body), timeout=10).read()
         with pytest.raises(urllib.error.HTTPError):
@@ -233,13 +260,16 @@ class _FakeRay:
 
 def test_service_metrics_record():
     from stoker.metrics import ServiceMetrics
+
     m = ServiceMetrics("node-1", backend=_FakeRay)
     m.served_bytes(100, "cache")
     m.served_bytes(50, "origin")
     m.filled({"filled": 3, "cached": 2, "failed": 1})
     m.held_bytes("v1", 4096)
-    assert m.served.values == {(("node", "node-1"), ("source", "cache")): 100,
-                               (("node", "node-1"), ("source", "origin")): 50}
+    assert m.served.values == {
+        (("node", "node-1"), ("source", "cache")): 100,
+        (("node", "node-1"), ("source", "origin")): 50,
+    }
     assert m.fills.values[(("node", "node-1"), ("outcome", "filled"))] == 3
     assert m.failures.values == {(("node", "node-1"),): 1}
     assert m.held.values == {(("dataset", "v1"), ("node", "node-1")): 4096}
@@ -247,6 +277,7 @@ def test_service_metrics_record():
     class Broken:
         def Counter(*a, **k):  # noqa: N802, N805
             raise RuntimeError("no metrics agent")
+
     dead = ServiceMetrics("n", backend=Broken)
     dead.served_bytes(1)  # no metrics, no error
     dead.filled({"failed": 1})
@@ -275,18 +306,26 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
         if os.environ.get("CI"):
             pytest.fail("prometheus is not installed (scripts/system_deps.sh installs it for make test)")
         pytest.skip("prometheus is not installed (Debian package 'prometheus'; `make test` installs it)")
-    ld = stoker.Loader(dataset, 4, num_workers=1, image=stoker.ImageOptions(image_size=32),
-                       run=stoker.RunOptions(metrics_port=0))
+    ld = stoker.Loader(
+        dataset, 4, num_workers=1, image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(metrics_port=0)
+    )
     prom_port = _free_port()
     port = urllib.parse.urlparse(ld.metrics_url).port
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 500ms, scrape_timeout: 450ms}\n"
         "scrape_configs:\n"
-        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")
-    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+        f"  - job_name: stoker\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+    )
+    proc = subprocess.Popen(
+        [
+            exe,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "prometheus.log", "wb"),
+    )
     base = f"http://127.0.0.1:{prom_port}"
     try:
         deadline = time.monotonic() + 60
@@ -338,6 +377,7 @@ def test_the_ranks_of_a_node_get_consecutive_ports_from_the_environment(monkeypa
     """Under torchrun every rank of a node sees one ``$STOKER_METRICS_PORT``: each serves on it
     plus its ``$LOCAL_RANK``, so the second rank is not left without metrics."""
     from stoker.metrics import metrics_port_from_env
+
     monkeypatch.setenv("STOKER_METRICS_PORT", "9300")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert metrics_port_from_env() == 9300

@@ -1,4 +1,5 @@
 """Epoch order: registered permutations are permutations; ranks get equal counts, every sample once."""
+
 import numpy as np
 import pytest
 
@@ -23,10 +24,9 @@ def test_blockwise_order_keeps_windows_of_blocks_together(window):
     # each window of the sequence draws from exactly `window` blocks (the last maybe fewer)
     per = window * 7
     for start in range(0, len(p), per):
-        blocks = set(groups[p[start:start + per]].tolist())
+        blocks = set(groups[p[start : start + per]].tolist())
         assert len(blocks) == min(window, 40 - start // 7)
-    assert not np.array_equal(p, permutation(len(groups), 5, 2, "blockwise", groups=groups, window=window,
-                                             ramp=False))
+    assert not np.array_equal(p, permutation(len(groups), 5, 2, "blockwise", groups=groups, window=window, ramp=False))
 
 
 def test_permutation_is_pure_and_varies():
@@ -72,6 +72,7 @@ def test_rank_split_errors():
 @pytest.mark.parametrize("window", [1, 4, 50])
 def test_cache_aware_order_serves_hits_first_within_windows(window):
     from stoker.order import cache_aware, mean_displacement
+
     plan = permutation(200, 3, 0)
     hit = np.random.default_rng(1).random(200) < 0.4
     out = cache_aware(plan, hit, window)
@@ -79,10 +80,10 @@ def test_cache_aware_order_serves_hits_first_within_windows(window):
     pos = {int(s): i for i, s in enumerate(plan)}
     hit_of = {int(s): bool(h) for s, h in zip(plan, hit)}
     for start in range(0, 200, window):
-        chunk = out[start:start + window].tolist()
+        chunk = out[start : start + window].tolist()
         flags = [hit_of[s] for s in chunk]
         assert flags == sorted(flags, reverse=True)  # hits, then misses
-        assert set(chunk) == set(plan[start:start + window].tolist())  # nothing leaves its window
+        assert set(chunk) == set(plan[start : start + window].tolist())  # nothing leaves its window
         hits = [s for s in chunk if hit_of[s]]
         assert hits == sorted(hits, key=pos.get)  # stable
     d = mean_displacement(plan, out)
@@ -93,6 +94,7 @@ def test_cache_aware_order_serves_hits_first_within_windows(window):
 def test_sample_stream_covers_each_epoch_once_across_ranks_and_works_as_a_torch_sampler():
     import torch
     from stoker.order import SampleStream
+
     n, world = 103, 4
     streams = [SampleStream(n, seed=9, order="uniform", rank=r, world_size=world, even="drop") for r in range(world)]
     for epoch in range(2):

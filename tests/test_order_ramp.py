@@ -6,6 +6,7 @@ Shuffle quality is compared with the order without the ramp by two measures:
 - the mean distance between a sample's position in the epoch and its position in storage, the
   measure mlx-data's documentation uses to compare shuffles (``mlx.data.Stream.shuffle``).
 """
+
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ from stoker.order import SampleStream, permutation, ramp_windows, rank_plan
 def _label_entropy(labels: np.ndarray, batch: int) -> float:
     out = []
     for i in range(0, len(labels) - batch + 1, batch):
-        _, counts = np.unique(labels[i:i + batch], return_counts=True)
+        _, counts = np.unique(labels[i : i + batch], return_counts=True)
         p = counts / counts.sum()
         out.append(float(-(p * np.log2(p)).sum()))
     return float(np.mean(out))
@@ -43,7 +44,7 @@ def test_ramped_order_is_a_pure_permutation_and_its_first_window_is_one_block(n_
     sizes = np.bincount(ramp_windows(n_blocks, window))
     at = 0
     for size in sizes:
-        assert len(set(groups[p[at:at + 7 * size]].tolist())) == size
+        assert len(set(groups[p[at : at + 7 * size]].tolist())) == size
         at += 7 * size
 
 

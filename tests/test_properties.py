@@ -12,6 +12,7 @@ its sample), packed once per session; the 0-sample dataset is an index written d
 because ``stoker pack`` refuses an empty source. One dataset holds samples that are not images,
 read with ``on_error="skip"`` (as every dataset here) to check the statistics of skips.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,16 @@ def _colour(i: int) -> int:
 
 # -- order level -------------------------------------------------------------------------
 
+
 @QUICK
-@given(n=st.integers(0, 64), world=st.integers(1, 64), even=st.sampled_from(["pad", "drop"]),
-       order=st.sampled_from(ORDERS), seed=st.integers(0, 2**32 - 1), epoch=st.integers(0, 1000))
+@given(
+    n=st.integers(0, 64),
+    world=st.integers(1, 64),
+    even=st.sampled_from(["pad", "drop"]),
+    order=st.sampled_from(ORDERS),
+    seed=st.integers(0, 2**32 - 1),
+    epoch=st.integers(0, 1000),
+)
 def test_rank_plans_have_equal_counts_and_cover_the_permutation(n, world, even, order, seed, epoch):
     perm = permutation(n, seed, epoch, order)
     assert np.array_equal(np.sort(perm), np.arange(n))
@@ -58,8 +66,7 @@ def test_rank_plans_have_equal_counts_and_cover_the_permutation(n, world, even, 
 def _save_points(ref: list) -> list:
     """Event indices ``k`` at which a run can save its state after ``ref[:k]``: before an
     ``iter()`` (before an ("epoch", e) marker, or after the last event) or after an item."""
-    return [k for k in range(len(ref) + 1)
-            if k in (0, len(ref)) or ref[k][0] == "epoch" or ref[k - 1][0] != "epoch"]
+    return [k for k in range(len(ref) + 1) if k in (0, len(ref)) or ref[k][0] == "epoch" or ref[k - 1][0] != "epoch"]
 
 
 def _resumed(ref: list, k: int) -> list:
@@ -87,8 +94,14 @@ def _stream_run(stream: SampleStream, stop: int | None = None):
 
 
 @QUICK
-@given(n=st.integers(0, 64), world=st.integers(1, 64), even=st.sampled_from(["pad", "drop"]),
-       order=st.sampled_from(ORDERS), seed=st.integers(0, 1000), cut=st.floats(0, 1, exclude_max=True))
+@given(
+    n=st.integers(0, 64),
+    world=st.integers(1, 64),
+    even=st.sampled_from(["pad", "drop"]),
+    order=st.sampled_from(ORDERS),
+    seed=st.integers(0, 1000),
+    cut=st.floats(0, 1, exclude_max=True),
+)
 def test_sample_stream_resumes_exactly_where_it_stopped(n, world, even, order, seed, cut):
     rank = seed % world
     make = lambda: SampleStream(n, seed, order=order, rank=rank, world_size=world, even=even)  # noqa: E731
@@ -105,6 +118,7 @@ def test_sample_stream_resumes_exactly_where_it_stopped(n, world, even, order, s
 
 # -- Loader level --------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def tiny_datasets(tmp_path_factory) -> dict:
     """{name: url} for DATASETS: 12x12 PNGs of one flat colour each (``_colour`` of the
@@ -114,6 +128,7 @@ def tiny_datasets(tmp_path_factory) -> dict:
 
     from stoker.store.index import INDEX_NAME, build_table, table_to_bytes
     from stoker.store.pack import pack
+
     root = tmp_path_factory.mktemp("tiny")
     urls = {}
     for name, (n, bad) in DATASETS.items():
@@ -144,20 +159,39 @@ def _number(ds, sample_id: int) -> int:
     return int(ds.key(sample_id).rsplit("/s", 1)[1][:3])
 
 
-configs = st.fixed_dictionaries({
-    "n": st.sampled_from(sorted(DATASETS)), "world": st.integers(1, 64), "rank_frac": st.floats(0, 1, exclude_max=True),
-    "batch_size": st.integers(1, 9), "drop_last": st.booleans(), "even": st.sampled_from(["pad", "drop"]),
-    "order": st.sampled_from(ORDERS), "seed": st.integers(0, 1000), "cut": st.floats(0, 1, exclude_max=True),
-    "cap": st.one_of(st.none(), st.integers(0, 4))})
+configs = st.fixed_dictionaries(
+    {
+        "n": st.sampled_from(sorted(DATASETS)),
+        "world": st.integers(1, 64),
+        "rank_frac": st.floats(0, 1, exclude_max=True),
+        "batch_size": st.integers(1, 9),
+        "drop_last": st.booleans(),
+        "even": st.sampled_from(["pad", "drop"]),
+        "order": st.sampled_from(ORDERS),
+        "seed": st.integers(0, 1000),
+        "cut": st.floats(0, 1, exclude_max=True),
+        "cap": st.one_of(st.none(), st.integers(0, 4)),
+    }
+)
 
 
 def _loader(urls, cache_dir, cfg, workers, ds=None, rank=None):
     from stoker import ImageOptions, Loader, ReadOptions, RunOptions, open_dataset
+
     ds = ds or open_dataset(urls[cfg["n"]], cache_dir=cache_dir, cache_bytes=64 << 20)
-    return Loader(ds, batch_size=cfg["batch_size"], num_workers=workers, transform="eval", seed=cfg["seed"],
-                  rank=int(cfg["rank_frac"] * cfg["world"]) if rank is None else rank, world_size=cfg["world"],
-                  drop_last=cfg["drop_last"], read=ReadOptions(order=cfg["order"], even=cfg["even"]),
-                  image=ImageOptions(image_size=8), run=RunOptions(timeout_s=60, on_error="skip"))
+    return Loader(
+        ds,
+        batch_size=cfg["batch_size"],
+        num_workers=workers,
+        transform="eval",
+        seed=cfg["seed"],
+        rank=int(cfg["rank_frac"] * cfg["world"]) if rank is None else rank,
+        world_size=cfg["world"],
+        drop_last=cfg["drop_last"],
+        read=ReadOptions(order=cfg["order"], even=cfg["even"]),
+        image=ImageOptions(image_size=8),
+        run=RunOptions(timeout_s=60, on_error="skip"),
+    )
 
 
 def _run(loader, stop: int | None = None, cap: int | None = None):
@@ -174,7 +208,7 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
         if len(events) == stop:
             return events, loader.state_dict()
         epoch, first_iter, start = loader.epoch, len(loader.history), loader.state_dict()["batches_done"]
-        planned = loader.plan(epoch)[start * bs:].tolist()
+        planned = loader.plan(epoch)[start * bs :].tolist()
         events.append(("epoch", epoch))
         delivered, yielded, done = [], 0, None
         for images, labels in loader:
@@ -194,7 +228,7 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
         stats = loader.stats
         assert len(loader.history) == first_iter + 1 and stats is loader.history[-1]
         assert stats.epoch == epoch
-        processed = planned if done is None else planned[:(done - start) * bs]
+        processed = planned if done is None else planned[: (done - start) * bs]
         assert delivered == [i for i in processed if i not in bad]  # the plan, in order
         assert stats.samples == len(delivered)
         assert stats.batches == yielded
@@ -247,19 +281,58 @@ def _check_loader(urls, cache_dir, cfg, workers):
 @given(cfg=configs)
 # a batch whose samples are all skipped (sequential: ids 0 and 1 are bad), and a state saved
 # before an epoch that gives this rank nothing (3 samples on 8 ranks, drop)
-@example(cfg={"n": "7-bad", "world": 1, "rank_frac": 0.0, "batch_size": 2, "drop_last": False, "even": "pad",
-              "order": "sequential", "seed": 0, "cut": 0.5, "cap": None})
-@example(cfg={"n": "3", "world": 8, "rank_frac": 0.0, "batch_size": 2, "drop_last": False, "even": "drop",
-              "order": "blockwise", "seed": 0, "cut": 0.5, "cap": None})
+@example(
+    cfg={
+        "n": "7-bad",
+        "world": 1,
+        "rank_frac": 0.0,
+        "batch_size": 2,
+        "drop_last": False,
+        "even": "pad",
+        "order": "sequential",
+        "seed": 0,
+        "cut": 0.5,
+        "cap": None,
+    }
+)
+@example(
+    cfg={
+        "n": "3",
+        "world": 8,
+        "rank_frac": 0.0,
+        "batch_size": 2,
+        "drop_last": False,
+        "even": "drop",
+        "order": "blockwise",
+        "seed": 0,
+        "cut": 0.5,
+        "cap": None,
+    }
+)
 # a consumer that leaves every epoch after 2 batches, saved after the cut
-@example(cfg={"n": "13", "world": 1, "rank_frac": 0.0, "batch_size": 2, "drop_last": False, "even": "pad",
-              "order": "uniform", "seed": 0, "cut": 0.4, "cap": 2})
+@example(
+    cfg={
+        "n": "13",
+        "world": 1,
+        "rank_frac": 0.0,
+        "batch_size": 2,
+        "drop_last": False,
+        "even": "pad",
+        "order": "uniform",
+        "seed": 0,
+        "cut": 0.4,
+        "cap": 2,
+    }
+)
 def test_loader_counts_stats_and_resume_in_process(tiny_datasets, tiny_cache, cfg):
     _check_loader(tiny_datasets, tiny_cache, cfg, 0)
 
 
-@settings(max_examples=int(os.environ.get("STOKER_PROPERTY_WORKER_EXAMPLES", "6")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=int(os.environ.get("STOKER_PROPERTY_WORKER_EXAMPLES", "6")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(cfg=configs, workers=st.integers(1, 2))
 def test_loader_counts_stats_and_resume_with_workers(tiny_datasets, tiny_cache, cfg, workers):
     _check_loader(tiny_datasets, tiny_cache, cfg, workers)
@@ -269,8 +342,18 @@ def test_loader_counts_stats_and_resume_with_workers(tiny_datasets, tiny_cache, 
 def test_empty_and_rank_starved_epochs_resume_at_the_same_epoch(tiny_datasets, tiny_cache, workers):
     """A state saved before an epoch that delivers nothing resumes at that epoch, not the next."""
     for name, world, even in (("0", 1, "pad"), ("3", 8, "drop")):
-        cfg = {"n": name, "world": world, "rank_frac": 0.5, "batch_size": 2, "drop_last": True, "even": even,
-               "order": "blockwise", "seed": 1, "cut": 0.0, "cap": None}
+        cfg = {
+            "n": name,
+            "world": world,
+            "rank_frac": 0.5,
+            "batch_size": 2,
+            "drop_last": True,
+            "even": even,
+            "order": "blockwise",
+            "seed": 1,
+            "cut": 0.0,
+            "cap": None,
+        }
         loader = _loader(tiny_datasets, tiny_cache, cfg, workers)
         assert list(loader) == [] and loader.epoch == 1 and loader.stats.samples == 0
         state = loader.state_dict()

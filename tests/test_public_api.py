@@ -1,5 +1,6 @@
 """The public face of stoker: ``__all__`` is exact, every error shares one base and keeps its
 builtin base, and the errors ``open_dataset`` documents are all exported."""
+
 import ast
 import importlib
 import pathlib
@@ -125,8 +126,11 @@ def test_every_name_in_all_is_importable():
 
 
 def test_every_error_is_a_stoker_error_with_its_builtin_base():
-    exported = {n for n in EXPECTED_ALL if isinstance(getattr(stoker, n), type)
-                and issubclass(getattr(stoker, n), BaseException)}
+    exported = {
+        n
+        for n in EXPECTED_ALL
+        if isinstance(getattr(stoker, n), type) and issubclass(getattr(stoker, n), BaseException)
+    }
     assert exported == set(BUILTIN_BASE) | {"StokerError"}
     assert set(errors.__all__) == exported
     for name, base in BUILTIN_BASE.items():
@@ -143,6 +147,7 @@ def test_old_import_paths_give_the_same_classes():
             assert getattr(mod, name) is getattr(stoker, name), f"{module}.{name}"
     from stoker.cluster.extender import BadRequest
     from stoker.store.index import IndexError_
+
     assert IndexError_ is stoker.IndexFormatError
     assert BadRequest is stoker.ExtenderRequestError
 
@@ -152,6 +157,7 @@ def test_lab_errors_live_in_the_lab():
     from stoker_lab import errors as lab_errors
     from stoker_lab.bench.netcluster import NetnsUnavailable
     from stoker_lab.bench.venvs import VenvError
+
     for name, cls in (("NetnsUnavailable", NetnsUnavailable), ("VenvError", VenvError)):
         assert not hasattr(stoker, name) and not hasattr(errors, name)
         assert cls is getattr(lab_errors, name)
@@ -183,16 +189,17 @@ def test_open_dataset_documents_only_exported_errors():
 
 
 ONE_OF_EACH = [
-    stoker.OriginError("s3://b/d/shards/0.tar", "SlowDown", 0, 1023, 5, code="SlowDown", status=503,
-                       elapsed_s=30.0),
+    stoker.OriginError("s3://b/d/shards/0.tar", "SlowDown", 0, 1023, 5, code="SlowDown", status=503, elapsed_s=30.0),
     stoker.OriginNotFoundError("s3://b/d/index.parquet", "not found"),
     stoker.OriginPermissionError("s3://b/d/index.parquet", "AccessDenied", code="AccessDenied", status=403),
     stoker.ChecksumError("sample 'a/1' in shard 0.tar of s3://b/d: checksum mismatch"),
     stoker.DatasetChangedError("shard 0.tar changed"),
     stoker.DatasetExistsError("s3://b/d holds a dataset"),
     stoker.IndexFormatError("s3://b/d/index.parquet: not a stoker index"),
-    stoker.PackLeaseError("s3://b/d/_stoker_pack.lease", {"host": "n1", "pid": 7, "run": "r",
-                                                          "started_unix": 1.7e9, "expires_unix": 1.7e9 + 60}),
+    stoker.PackLeaseError(
+        "s3://b/d/_stoker_pack.lease",
+        {"host": "n1", "pid": 7, "run": "r", "started_unix": 1.7e9, "expires_unix": 1.7e9 + 60},
+    ),
     stoker.PackLeaseLostError("s3://b/d/_stoker_pack.lease was taken over"),
     stoker.CacheLockTimeout("block 3 of v1"),
     stoker.NotACacheError("/tmp/x is not a stoker cache"),

@@ -12,6 +12,7 @@ with this checkout's ``src`` on ``PYTHONPATH``:
 - ``<!-- test: torchrun -->``: the script under ``torchrun --standalone --nproc_per_node=2``, with a
   work directory as its argument (gloo on the CPU; the recipe is in docs/guide.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,16 @@ README = ROOT / "README.md"
 STATS = ROOT / "docs" / "stats.md"
 # the pages whose marked blocks run: the README first, then the docs pages
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-SECTIONS = ["## Install", "## Quick start", "## Use it", "## Command line", "## Cluster mode (Ray)", "## Results",
-            "## Documentation", "## Known limits"]
+SECTIONS = [
+    "## Install",
+    "## Quick start",
+    "## Use it",
+    "## Command line",
+    "## Cluster mode (Ray)",
+    "## Results",
+    "## Documentation",
+    "## Known limits",
+]
 MARKED = re.compile(r"<!-- test: ([\w-]+) -->\s*\n```(\w*)\n(.*?)\n```", re.DOTALL)
 BUCKET = "my-bucket"
 
@@ -55,8 +64,9 @@ def _env(**extra: str) -> dict:
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: float = 240) -> str:
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert res.returncode == 0, (f"README block failed ({res.returncode}): {cmd}\n"
-                                 f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+    assert res.returncode == 0, (
+        f"README block failed ({res.returncode}): {cmd}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    )
     return res.stdout
 
 
@@ -71,8 +81,14 @@ def test_readme_sections_in_order_and_opens_with_the_two_commands():
 
 def test_readme_names_no_package_index_and_no_internal_history():
     text = _text()
-    for bad in [r"pip install\s+['\"]?stoker\b", r"pip install\s+['\"]?stoker\[", r"pypi\.org",
-                r"fresh-user", r"issue \d", r"\bissues?'s\b"]:
+    for bad in [
+        r"pip install\s+['\"]?stoker\b",
+        r"pip install\s+['\"]?stoker\[",
+        r"pypi\.org",
+        r"fresh-user",
+        r"issue \d",
+        r"\bissues?'s\b",
+    ]:
         assert not re.search(bad, text, re.IGNORECASE), bad
     install = _section("## Install")
     assert "python -m build" in install and "pip install -e '.[cluster,lab]'" in install
@@ -123,9 +139,14 @@ def moto_s3():
 def test_quick_start_on_s3_through_the_aws_environment(tmp_path, moto_s3):
     blocks = _blocks("run-s3")
     assert blocks, "no <!-- test: run-s3 --> block in the README or docs/"
-    env = _env(AWS_ENDPOINT_URL=moto_s3, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "no-config"),
-               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"))
+    env = _env(
+        AWS_ENDPOINT_URL=moto_s3,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"),
+    )
     for i, code in enumerate(blocks):
         assert "endpoint_url" not in code  # the environment alone says where S3 is
         script = tmp_path / f"s3block{i}.py"
@@ -143,8 +164,18 @@ def test_ddp_recipe_runs_under_torchrun(tmp_path):
         script.write_text(code)
         work = tmp_path / f"work{i}"
         work.mkdir()
-        out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(script), str(work)], tmp_path, _env(OMP_NUM_THREADS="1"))
+        out = _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(script),
+                str(work),
+            ],
+            tmp_path,
+            _env(OMP_NUM_THREADS="1"),
+        )
         for rank in (0, 1):
             assert f"rank {rank} epoch 1" in out, out
-

@@ -7,6 +7,7 @@ This is the install path the README gives (its "Install" section); the test is s
 minute: a wheel build and a dependency install from the package registry or pip's cache), so
 it runs once, in one test, under CI (or with ``STOKER_WHEEL_TEST=1``).
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> str:
 @pytest.mark.timeout(1800)
 def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     if not (os.environ.get("CI") or os.environ.get("STOKER_WHEEL_TEST")):
-        pytest.skip("installs every dependency into a new venv (minutes): runs under CI, or with "
-                    "STOKER_WHEEL_TEST=1")
+        pytest.skip("installs every dependency into a new venv (minutes): runs under CI, or with STOKER_WHEEL_TEST=1")
     try:
         import build  # noqa: F401
     except ImportError:
@@ -64,15 +64,15 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
             raise
         pytest.skip("the 'build' package is not installed (it is in the dev extra)")
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(REPO)],
-         cwd=tmp_path)
+    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(REPO)], cwd=tmp_path)
     wheels = list(dist.glob("stoker-*.whl"))
     assert len(wheels) == 1, wheels
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert "stoker/py.typed" in names
     assert "stoker/decode/_jpegroi.pyi" in names  # the C extension's types
     assert any(n.startswith("stoker/decode/_jpegroi") and n.endswith(".so") for n in names), (
-        "the region-decode C extension is not in the wheel")
+        "the region-decode C extension is not in the wheel"
+    )
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     # the lab moved beside the product (src/stoker_lab): no stale copy of it inside the product
     stale = [n for n in names if n.startswith(("stoker/bench/", "stoker/sim/", "stoker/bench.", "stoker/sim."))]
@@ -82,8 +82,11 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
     py = venv / "bin" / "python"
     # constraints-dev.txt pins the CPU build of torch (a bare requirement pulls a CUDA build).
-    _run([str(py), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints-dev.txt"),
-          str(wheels[0])], cwd=tmp_path, timeout=1200)
+    _run(
+        [str(py), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints-dev.txt"), str(wheels[0])],
+        cwd=tmp_path,
+        timeout=1200,
+    )
     # `import stoker` works with no extra installed, and no lab module is left under the product's name
     out = _run([str(py), "-c", IMPORT_CHECK], cwd=tmp_path)
     assert "IMPORT-OK" in out, out
@@ -97,6 +100,8 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     assert "pack" in out
     smoke = tmp_path / "smoke.py"
     smoke.write_text(SMOKE)
-    out = _run([str(py), str(smoke), str(tmp_path / "data" / "train"), str(tmp_path / "packed"),
-                str(tmp_path / "cache")], cwd=tmp_path)
+    out = _run(
+        [str(py), str(smoke), str(tmp_path / "data" / "train"), str(tmp_path / "packed"), str(tmp_path / "cache")],
+        cwd=tmp_path,
+    )
     assert "SMOKE-OK 12 True" in out, out

@@ -7,13 +7,41 @@ Public API: :func:`open_dataset` (a packed dataset through the node cache),
 bytes; every byte-size argument accepts such strings), and every
 public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
 """
+
 from ._units import parse_size
-from .errors import (CacheDirError, CacheInUseError, CacheLockTimeout, CacheModeError, CapacityError, ChecksumError,
-                     CollateError, DatasetChangedError, DatasetExistsError, DecodeError, EntryError,
-                     ExtenderRequestError, ForkUnsafeError, ImageTooLarge, IndexFormatError,
-                     NotACacheError, OriginError, OriginNotFoundError, OriginPermissionError, PackLeaseError,
-                     PackLeaseLostError, PeerUnavailable, SampleFnError, ServiceStartError, SharedMemoryError,
-                     SourceArchiveError, SourceError, SourceNotFoundError, StokerError, UnsafePathError, WorkerError)
+from .errors import (
+    CacheDirError,
+    CacheInUseError,
+    CacheLockTimeout,
+    CacheModeError,
+    CapacityError,
+    ChecksumError,
+    CollateError,
+    DatasetChangedError,
+    DatasetExistsError,
+    DecodeError,
+    EntryError,
+    ExtenderRequestError,
+    ForkUnsafeError,
+    ImageTooLarge,
+    IndexFormatError,
+    NotACacheError,
+    OriginError,
+    OriginNotFoundError,
+    OriginPermissionError,
+    PackLeaseError,
+    PackLeaseLostError,
+    PeerUnavailable,
+    SampleFnError,
+    ServiceStartError,
+    SharedMemoryError,
+    SourceArchiveError,
+    SourceError,
+    SourceNotFoundError,
+    StokerError,
+    UnsafePathError,
+    WorkerError,
+)
 from . import collate
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
 from .store.dataset import Dataset, open_dataset

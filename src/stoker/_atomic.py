@@ -15,6 +15,7 @@ files, the cluster state file) goes through :func:`write_atomic`:
 :func:`open_file` opens (and creates) a file without following a symlink at its last
 component (``O_NOFOLLOW``) and gives a file it created its exact mode.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,11 +69,18 @@ def write_fd(fd: int, data, path: str) -> None:
     errors; fault-injection tests replace this function). OSError (ENOSPC, ...) propagates."""
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
-def write_atomic(final: str, data, *, mode: int = PRIVATE_FILE_MODE, replace: bool = True,
-                 fsync: bool = False, tmp_prefix: str | None = None) -> bool:
+def write_atomic(
+    final: str,
+    data,
+    *,
+    mode: int = PRIVATE_FILE_MODE,
+    replace: bool = True,
+    fsync: bool = False,
+    tmp_prefix: str | None = None,
+) -> bool:
     """Write ``data`` (bytes-like) to ``final`` so that readers see all of it or nothing.
 
     The temporary is ``<tmp_prefix><pid>-<8 hex>`` (default prefix ``<final>.tmp-``; the pid

@@ -1,4 +1,5 @@
 """Process liveness, for finding what dead processes left behind (temporary fills, batch slots)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -79,8 +80,10 @@ def fork_hazards() -> list[str]:
     out = []
     bad = sorted(n for n in thread_names() if n.startswith(FORK_UNSAFE_THREADS))
     if bad:
-        out.append(f"{len(bad)} tokio runtime thread(s) running in this process ({', '.join(sorted(set(bad)))}; "
-                   "obstore or another Rust extension started them)")
+        out.append(
+            f"{len(bad)} tokio runtime thread(s) running in this process ({', '.join(sorted(set(bad)))}; "
+            "obstore or another Rust extension started them)"
+        )
     native = sys.modules.get("stoker.storage._native_s3")
     if native is not None and os.getpid() in getattr(native, "_USED_IN_PID", ()):
         out.append("stoker read through obstore in this process")
@@ -101,9 +104,12 @@ def pick_start_method(requested: str | None, available: list[str]) -> tuple[str,
     hazards = fork_hazards() if requested in (None, "fork") and "fork" in available else []
     if requested is not None:
         if requested == "fork" and hazards:
-            raise ForkUnsafeError("start_method='fork' is unsafe here: " + "; ".join(hazards)
-                                  + ". A forked worker would hang or crash: use start_method='forkserver' or "
-                                  "'spawn', or None to let stoker choose")
+            raise ForkUnsafeError(
+                "start_method='fork' is unsafe here: "
+                + "; ".join(hazards)
+                + ". A forked worker would hang or crash: use start_method='forkserver' or "
+                "'spawn', or None to let stoker choose"
+            )
         return requested, hazards
     if "fork" not in available:
         return "spawn", []

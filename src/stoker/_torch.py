@@ -3,6 +3,7 @@
 torch is imported inside each function, so importing this module costs nothing until a
 function runs. :mod:`stoker.loader.transfer` and :mod:`stoker.decode.gpu` import torch themselves.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ def as_tensors(images: np.ndarray, labels: np.ndarray):
     ``labels`` int64 (N,) -> torch.int64 tensor.
     """
     import torch
+
     return torch.from_numpy(images), torch.from_numpy(labels)
 
 
@@ -37,6 +39,7 @@ def check_device(device) -> torch.device:
             torch build or no visible GPU), or the index is out of range.
     """
     import torch
+
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -45,9 +48,11 @@ def check_device(device) -> torch.device:
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r} but CUDA is not available to this torch "
-                               f"({torch.__version__}, CUDA build: {torch.version.cuda}); "
-                               "use device=None or 'cpu', or install a CUDA build of torch")
+            raise RuntimeError(
+                f"device={device!r} but CUDA is not available to this torch "
+                f"({torch.__version__}, CUDA build: {torch.version.cuda}); "
+                "use device=None or 'cpu', or install a CUDA build of torch"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise RuntimeError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
@@ -56,4 +61,5 @@ def check_device(device) -> torch.device:
 def pinning_available() -> bool:
     """Whether torch can allocate pinned host memory here (needs a CUDA driver)."""
     import torch
+
     return torch.cuda.is_available()

@@ -13,6 +13,7 @@ being rounded. The sizes the API takes (``open_dataset(cache_bytes=...)``, the L
 budgets) go through :func:`parse_size`, so they accept these strings as well as ints.
 This module imports nothing from stoker.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -26,10 +27,25 @@ __all__ = ["parse_size", "format_size"]
 MAX_BYTES = (1 << 63) - 1
 
 _UNITS = {
-    "": 1, "b": 1, "byte": 1, "bytes": 1,
-    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+    "": 1,
+    "b": 1,
+    "byte": 1,
+    "bytes": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "p": 1 << 50,
+    "pib": 1 << 50,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
 }
 _SIZE = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
@@ -53,8 +69,9 @@ def parse_size(value, name: str = "size") -> int:
         TypeError: for a value that is neither a number nor a string (bool included).
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str, bytes)):
-        raise TypeError(f"{name} must be a byte count or a string such as '64MiB', "
-                        f"got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{name} must be a byte count or a string such as '64MiB', got {type(value).__name__} {value!r}"
+        )
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if isinstance(value, numbers.Integral):
@@ -67,8 +84,10 @@ def parse_size(value, name: str = "size") -> int:
         m = _SIZE.fullmatch(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise ValueError(f"{name}: cannot read {value!r} as a size; write bytes or a number "
-                             "with a unit, such as 1048576, '64MiB', '1.5 GiB' or '100GB'")
+            raise ValueError(
+                f"{name}: cannot read {value!r} as a size; write bytes or a number "
+                "with a unit, such as 1048576, '64MiB', '1.5 GiB' or '100GB'"
+            )
         if abs(float(m.group(1))) * _UNITS[unit] > MAX_BYTES:  # checked first: Fraction("1e99999999") is huge
             raise ValueError(f"{name}: {value!r:.40} is over the largest size, {MAX_BYTES} bytes (8 EiB)")
         n = Fraction(m.group(1)) * _UNITS[unit]

@@ -18,6 +18,7 @@ shared-memory slot without pickling; its other leaves (strings, numbers) are pic
 Every function here is picklable (module-level functions and small classes), so they work with
 every multiprocessing start method.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -64,6 +65,7 @@ def default(samples: list):
             sample's (``index`` is its position; the message gives both shapes).
     """
     from torch.utils.data import default_collate
+
     if not samples:
         raise CollateError(0, "empty batch")
     ref = None
@@ -104,6 +106,7 @@ class Pad:
             CollateError: a sample lacks ``key`` or its value is not 1-D, or the dtypes differ.
         """
         import torch
+
         arrs = [_field(s, self.key, j) for j, s in enumerate(samples)]
         for j, a in enumerate(arrs):
             if a.dtype != arrs[0].dtype:
@@ -112,7 +115,7 @@ class Pad:
         width = int(lengths.max()) if len(arrs) else 0
         out = np.full((len(arrs), width), self.pad_value, dtype=arrs[0].dtype if arrs else np.int64)
         for j, a in enumerate(arrs):
-            out[j, :len(a)] = a
+            out[j, : len(a)] = a
         padded, lens = torch.from_numpy(out), torch.from_numpy(lengths)
         if self.key is None:
             return padded, lens
@@ -185,22 +188,28 @@ class PackTokens:
         ``__call__`` returned (arrays or tensors); ``last``: the epoch's last batch (flush).
         """
         import torch
+
         tokens = np.asarray(batch["tokens"])
         if carry is not None and len(carry):
             tokens = np.concatenate([np.asarray(carry, dtype=tokens.dtype), tokens])
         L = self.seq_len
         k = len(tokens) // L
         lengths = [L] * k
-        rest = tokens[k * L:]
-        rows = tokens[:k * L].reshape(k, L)
+        rest = tokens[k * L :]
+        rows = tokens[: k * L].reshape(k, L)
         if last and len(rest):
             tail = np.full((1, L), self.pad_id, dtype=tokens.dtype)
-            tail[0, :len(rest)] = rest
+            tail[0, : len(rest)] = rest
             rows, lengths, rest = np.concatenate([rows, tail]), lengths + [len(rest)], rest[:0]
         if not len(rows):
             return None, rest.copy()
-        return ({"input_ids": torch.from_numpy(np.ascontiguousarray(rows)),
-                 "lengths": torch.tensor(lengths, dtype=torch.int64)}, rest.copy())
+        return (
+            {
+                "input_ids": torch.from_numpy(np.ascontiguousarray(rows)),
+                "lengths": torch.tensor(lengths, dtype=torch.int64),
+            },
+            rest.copy(),
+        )
 
 
 def pack_tokens(seq_len: int, eos_id: int, pad_id: int | None = None, key=None) -> PackTokens:

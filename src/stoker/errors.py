@@ -43,6 +43,7 @@ that raise these errors re-export them under their old names (``stoker.storage.O
 ``stoker.store.index.IndexError_`` and so on), so older imports keep working. This module
 imports nothing from stoker: it is the lowest layer.
 """
+
 from __future__ import annotations
 
 import errno
@@ -51,12 +52,36 @@ import tarfile
 import time
 
 __all__ = [
-    "CacheDirError", "CacheInUseError", "CacheLockTimeout", "CacheModeError", "CapacityError", "ChecksumError",
-    "CollateError", "DatasetChangedError", "DatasetExistsError", "DecodeError", "EntryError",
-    "ExtenderRequestError", "ForkUnsafeError", "ImageTooLarge", "IndexFormatError",
-    "NotACacheError", "OriginError", "OriginNotFoundError", "OriginPermissionError", "PackLeaseError",
-    "PackLeaseLostError", "PeerUnavailable", "SampleFnError", "ServiceStartError", "SharedMemoryError",
-    "SourceArchiveError", "SourceError", "SourceNotFoundError", "StokerError", "UnsafePathError",
+    "CacheDirError",
+    "CacheInUseError",
+    "CacheLockTimeout",
+    "CacheModeError",
+    "CapacityError",
+    "ChecksumError",
+    "CollateError",
+    "DatasetChangedError",
+    "DatasetExistsError",
+    "DecodeError",
+    "EntryError",
+    "ExtenderRequestError",
+    "ForkUnsafeError",
+    "ImageTooLarge",
+    "IndexFormatError",
+    "NotACacheError",
+    "OriginError",
+    "OriginNotFoundError",
+    "OriginPermissionError",
+    "PackLeaseError",
+    "PackLeaseLostError",
+    "PeerUnavailable",
+    "SampleFnError",
+    "ServiceStartError",
+    "SharedMemoryError",
+    "SourceArchiveError",
+    "SourceError",
+    "SourceNotFoundError",
+    "StokerError",
+    "UnsafePathError",
     "WorkerError",
 ]
 
@@ -88,6 +113,7 @@ def _restore(cls: type, args: tuple, state: dict) -> BaseException:
 
 # --- storage: the origin ------------------------------------------------------------------
 
+
 class OriginError(StokerError, OSError):
     """A read or write against the origin failed: after retrying for the retry budget, or at once
     when the failure cannot clear.
@@ -102,16 +128,30 @@ class OriginError(StokerError, OSError):
     message lists them).
     """
 
-    def __init__(self, url: str, message: str, start: int | None = None,
-                 end: int | None = None, attempts: int = 1, *, code: str | None = None,
-                 status: int | None = None, elapsed_s: float | None = None,
-                 tried: list[tuple[str, int, float]] | None = None):
+    def __init__(
+        self,
+        url: str,
+        message: str,
+        start: int | None = None,
+        end: int | None = None,
+        attempts: int = 1,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        elapsed_s: float | None = None,
+        tried: list[tuple[str, int, float]] | None = None,
+    ):
         rng = f" bytes {start}-{end}" if start is not None else ""
         took = f" in {elapsed_s:.1f} s" if elapsed_s is not None else ""
         who = ""
         if tried:  # e.g. [the prefetcher (pid 7): 3 in 2.0 s; then worker 0 (pid 9), having waited for it: 1 in 0.0 s]
-            who = " [" + "; then ".join(f"{w}{', having waited for it' if j else ''}: {a} in {t:.1f} s"
-                                        for j, (w, a, t) in enumerate(tried)) + "]"
+            who = (
+                " ["
+                + "; then ".join(
+                    f"{w}{', having waited for it' if j else ''}: {a} in {t:.1f} s" for j, (w, a, t) in enumerate(tried)
+                )
+                + "]"
+            )
         super().__init__(f"origin error reading {url}{rng} after {attempts} attempt(s){took}{who}: {message}")
         self.url, self.start, self.end, self.attempts = url, start, end, attempts
         self.code, self.status, self.elapsed_s = code, status, elapsed_s
@@ -128,6 +168,7 @@ class OriginPermissionError(OriginError, PermissionError):
 
 
 # --- store: packed datasets ---------------------------------------------------------------
+
 
 class ChecksumError(StokerError, OSError):
     """A sample's bytes from the origin do not match the index (names key, shard and URL)."""
@@ -152,6 +193,7 @@ class IndexFormatError(StokerError, ValueError):
 
 
 # --- store: pack sources -----------------------------------------------------------------
+
 
 class SourceError(StokerError, ValueError):
     """A pack source is malformed: an unknown source kind or shard spec, a duplicate key, a label
@@ -187,7 +229,8 @@ class PackLeaseError(StokerError, FileExistsError):
             f"{url}: the destination is being packed by another run (host {owner.get('host')!r}, "
             f"pid {owner.get('pid')}, run {owner.get('run')}, started {_utc(owner.get('started_unix'))}); "
             f"its lease expires {_utc(exp)} (in {max(0.0, exp - time.time()):.0f} s unless renewed). "
-            "Wait for that pack to finish; if it died, run again after the expiry.")
+            "Wait for that pack to finish; if it died, run again after the expiry."
+        )
 
 
 class PackLeaseLostError(StokerError, OSError):
@@ -196,6 +239,7 @@ class PackLeaseLostError(StokerError, OSError):
 
 
 # --- cache: the node cache ----------------------------------------------------------------
+
 
 class CacheLockTimeout(StokerError, TimeoutError):
     """Waited longer than the timeout for another process's fill of a block."""
@@ -224,6 +268,7 @@ class CacheInUseError(StokerError, RuntimeError):
 
 
 # --- decode -------------------------------------------------------------------------------
+
 
 class DecodeError(StokerError, ValueError):
     """A sample's bytes could not be decoded to an RGB image.
@@ -254,6 +299,7 @@ class EntryError(StokerError, ValueError):
 
 # --- the user's decode and collate (stoker.loader.batches, stoker.collate) ----------------
 
+
 class CollateError(StokerError, ValueError):
     """A batch's samples cannot be collated. ``index``: the position in the batch of the sample
     at fault (the Loader turns it into the sample's key); ``what``: what was wrong."""
@@ -280,6 +326,7 @@ class SampleFnError(StokerError, ValueError):
 
 # --- loader and processes -----------------------------------------------------------------
 
+
 class WorkerError(StokerError, RuntimeError):
     """A worker failed or died; the message names the worker and the sample key."""
 
@@ -298,14 +345,18 @@ class SharedMemoryError(StokerError, OSError):
 
     def __init__(self, path: str, needed_bytes: int, free_bytes: int, detail: str = ""):
         self.needed_bytes, self.free_bytes = int(needed_bytes), int(free_bytes)
-        super().__init__(errno.ENOSPC,
-                         f"{path} has {free_bytes} bytes free but one batch slot needs {needed_bytes} bytes"
-                         f"{detail}: give the container a larger {path} (docker run --shm-size, a Kubernetes "
-                         "emptyDir with medium Memory), or lower batch_size / image_size, or use num_workers=0 "
-                         "(no shared memory)", path)
+        super().__init__(
+            errno.ENOSPC,
+            f"{path} has {free_bytes} bytes free but one batch slot needs {needed_bytes} bytes"
+            f"{detail}: give the container a larger {path} (docker run --shm-size, a Kubernetes "
+            "emptyDir with medium Memory), or lower batch_size / image_size, or use num_workers=0 "
+            "(no shared memory)",
+            path,
+        )
 
 
 # --- cluster ---------------------------------------------------------------
+
 
 class PeerUnavailable(StokerError, OSError):
     """A peer's cache service did not answer (dead, restarting, or timed out)."""

@@ -43,6 +43,7 @@ with ``ray_``: ``ray_stoker_cache_held_bytes{dataset,node}``,
 ``stoker_extender_request_duration_seconds{verb}`` (histogram), ``stoker_extender_errors_total{verb}``
 (answers with a status >= 400), recorded through :func:`observe_extender`.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,14 @@ ADDR_ENV = "STOKER_METRICS_ADDR"
 JOB_ENV = "STOKER_JOB"
 LOADER_LABELS = ("dataset", "job", "node", "rank")
 
-__all__ = ["LoaderExport", "ServiceMetrics", "export_loader", "metrics_port_from_env", "observe_extender",
-           "serve_extender_metrics"]
+__all__ = [
+    "LoaderExport",
+    "ServiceMetrics",
+    "export_loader",
+    "metrics_port_from_env",
+    "observe_extender",
+    "serve_extender_metrics",
+]
 
 
 def _client():
@@ -65,8 +72,10 @@ def _client():
     try:
         import prometheus_client
     except ImportError as exc:
-        raise ImportError("Prometheus metrics need prometheus-client, the stoker[metrics] extra: "
-                          "pip install -e '.[metrics]' in the stoker checkout") from exc
+        raise ImportError(
+            "Prometheus metrics need prometheus-client, the stoker[metrics] extra: "
+            "pip install -e '.[metrics]' in the stoker checkout"
+        ) from exc
     return prometheus_client
 
 
@@ -144,6 +153,7 @@ class _LoaderCollector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         s = self.snapshot()
         names, values = list(self.labels), list(self.labels.values())
 
@@ -160,40 +170,57 @@ class _LoaderCollector:
         yield counter("stoker_origin_bytes", "Bytes received from the origin.", s["origin_bytes"])
         yield counter("stoker_origin_requests", "Requests to the origin.", s["origin_requests"])
         yield counter("stoker_origin_retries", "Origin requests retried.", s["origin_retries"])
-        hits = CounterMetricFamily("stoker_cache_hits", "Sample reads served by a cache tier.",
-                                   labels=names + ["tier"])
+        hits = CounterMetricFamily("stoker_cache_hits", "Sample reads served by a cache tier.", labels=names + ["tier"])
         hits.add_metric(values + ["memory"], s["cache_memory_hits"])
         hits.add_metric(values + ["disk"], max(0, s["cache_hits"] - s["cache_memory_hits"]))
         hits.add_metric(values + ["staged"], s["read_staged_hits"])
         yield hits
         yield counter("stoker_cache_misses", "Sample reads the node cache did not hold.", s["cache_misses"])
-        restarts = CounterMetricFamily("stoker_process_restarts", "Loader processes replaced after dying.",
-                                       labels=names + ["process"])
+        restarts = CounterMetricFamily(
+            "stoker_process_restarts", "Loader processes replaced after dying.", labels=names + ["process"]
+        )
         restarts.add_metric(values + ["worker"], s["worker_restarts"])
         restarts.add_metric(values + ["prefetcher"], s["prefetcher_restarts"])
         yield restarts
         yield counter("stoker_epochs", "Epochs ended.", s["epochs"])
-        depth = GaugeMetricFamily("stoker_prefetch_depth_bytes", "Mean bytes fetched and ready ahead of the "
-                                  "consumer in the current epoch.", labels=names)
+        depth = GaugeMetricFamily(
+            "stoker_prefetch_depth_bytes",
+            "Mean bytes fetched and ready ahead of the consumer in the current epoch.",
+            labels=names,
+        )
         depth.add_metric(values, s["prefetch_depth_bytes"])
         yield depth
         if s.get("first_batch_s") is not None:
-            first = GaugeMetricFamily("stoker_first_batch_seconds", "Seconds from iter() to the first batch "
-                                      "of the current (or last) epoch.", labels=names)
+            first = GaugeMetricFamily(
+                "stoker_first_batch_seconds",
+                "Seconds from iter() to the first batch of the current (or last) epoch.",
+                labels=names,
+            )
             first.add_metric(values, s["first_batch_s"])
             yield first
 
 
-def export_loader(snapshot: Callable[[], dict], port: int, *, dataset: str, rank: int = 0,
-                  job: str | None = None, addr: str | None = None) -> LoaderExport:
+def export_loader(
+    snapshot: Callable[[], dict],
+    port: int,
+    *,
+    dataset: str,
+    rank: int = 0,
+    job: str | None = None,
+    addr: str | None = None,
+) -> LoaderExport:
     """Serve a loader's metrics on ``addr:port`` (default ``$STOKER_METRICS_ADDR`` or
     127.0.0.1; port 0: any free port) from ``snapshot`` (see :class:`stoker.loader.live.LiveTotals`).
     Several loaders of one process may share a port (their ``dataset``/``rank`` labels tell
     them apart). Raises ImportError without prometheus-client, OSError when the port is taken
     by another program."""
     reg, real = _server(int(port), addr)
-    labels = {"dataset": str(dataset), "job": job or os.environ.get(JOB_ENV) or "default",
-              "node": socket.gethostname(), "rank": str(rank)}
+    labels = {
+        "dataset": str(dataset),
+        "job": job or os.environ.get(JOB_ENV) or "default",
+        "node": socket.gethostname(),
+        "rank": str(rank),
+    }
     coll = _LoaderCollector(snapshot, labels)
     reg.register(coll)
     return LoaderExport(reg, coll, real, addr or os.environ.get(ADDR_ENV) or "127.0.0.1")
@@ -214,14 +241,19 @@ def serve_extender_metrics(port: int, addr: str | None = None) -> int:
     reg, real = _server(int(port), addr)
     if not _EXTENDER:
         _EXTENDER["port"] = real
-        _EXTENDER["requests"] = pc.Counter("stoker_extender_requests", "Extender requests answered.",
-                                           ["verb", "code"], registry=reg)
-        _EXTENDER["latency"] = pc.Histogram("stoker_extender_request_duration_seconds",
-                                            "Seconds from a request's arrival to its answer.", ["verb"],
-                                            registry=reg, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25,
-                                                                   .5, 1, 2.5, 5))
-        _EXTENDER["errors"] = pc.Counter("stoker_extender_errors", "Extender answers with a status >= 400.",
-                                         ["verb"], registry=reg)
+        _EXTENDER["requests"] = pc.Counter(
+            "stoker_extender_requests", "Extender requests answered.", ["verb", "code"], registry=reg
+        )
+        _EXTENDER["latency"] = pc.Histogram(
+            "stoker_extender_request_duration_seconds",
+            "Seconds from a request's arrival to its answer.",
+            ["verb"],
+            registry=reg,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
+        _EXTENDER["errors"] = pc.Counter(
+            "stoker_extender_errors", "Extender answers with a status >= 400.", ["verb"], registry=reg
+        )
     return real
 
 
@@ -254,14 +286,20 @@ class ServiceMetrics:
             if backend is None:
                 from ray.util import metrics as backend
             tags = ("node",)
-            self.held = backend.Gauge("stoker_cache_held_bytes", "Bytes of a dataset this node's cache holds.",
-                                      tag_keys=("dataset", "node"))
-            self.served = backend.Counter("stoker_peer_served_bytes", "Bytes this node's service handed to "
-                                          "readers, by source (cache, origin).", tag_keys=("node", "source"))
-            self.fills = backend.Counter("stoker_cache_fills", "Blocks the warm-up asked this node to fill, "
-                                         "by outcome.", tag_keys=("node", "outcome"))
-            self.failures = backend.Counter("stoker_cache_fill_failures", "Blocks whose fill failed.",
-                                            tag_keys=tags)
+            self.held = backend.Gauge(
+                "stoker_cache_held_bytes", "Bytes of a dataset this node's cache holds.", tag_keys=("dataset", "node")
+            )
+            self.served = backend.Counter(
+                "stoker_peer_served_bytes",
+                "Bytes this node's service handed to readers, by source (cache, origin).",
+                tag_keys=("node", "source"),
+            )
+            self.fills = backend.Counter(
+                "stoker_cache_fills",
+                "Blocks the warm-up asked this node to fill, by outcome.",
+                tag_keys=("node", "outcome"),
+            )
+            self.failures = backend.Counter("stoker_cache_fill_failures", "Blocks whose fill failed.", tag_keys=tags)
             self.ok = True
         except Exception:  # noqa: BLE001 - metrics are optional; the service must run
             self.ok = False

@@ -23,6 +23,7 @@ Orders:
   instead of ``window`` of them; the rest of the epoch is unchanged.
 - ``sequential``: identity (``shuffle=False``).
 """
+
 from __future__ import annotations
 
 import base64
@@ -39,9 +40,11 @@ PERMUTATIONS: dict[str, PermutationFn] = {}
 
 def register_permutation(name: str) -> Callable[[PermutationFn], PermutationFn]:
     """Decorator: register ``fn(num_samples, seed, epoch, groups=None, **options) -> int64 array``."""
+
     def deco(fn: PermutationFn) -> PermutationFn:
         PERMUTATIONS[name] = fn
         return fn
+
     return deco
 
 
@@ -87,8 +90,15 @@ def ramp_windows(num_blocks: int, window: int, ramp: bool = True) -> np.ndarray:
 
 
 @register_permutation("blockwise")
-def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups: Any = None,
-                          window: int = DEFAULT_WINDOW_BLOCKS, ramp: bool = True, **_: Any) -> np.ndarray:
+def blockwise_permutation(
+    num_samples: int,
+    seed: int,
+    epoch: int,
+    groups: Any = None,
+    window: int = DEFAULT_WINDOW_BLOCKS,
+    ramp: bool = True,
+    **_: Any,
+) -> np.ndarray:
     """Quasi-random order: random block order, samples shuffled within windows of ``window`` blocks.
 
     ``groups``: int array (num_samples,), the block of each sample (None = each sample its
@@ -105,9 +115,9 @@ def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups: Any =
         raise ValueError(f"groups has {len(groups)} entries for {num_samples} samples")
     rng = _rng(seed, epoch, 0xB10C)
     uniq, inverse = np.unique(groups, return_inverse=True)
-    block_rank = rng.permutation(len(uniq))[inverse]       # position of each sample's block
+    block_rank = rng.permutation(len(uniq))[inverse]  # position of each sample's block
     window_of = ramp_windows(len(uniq), window, ramp)[block_rank]  # window of each sample
-    tie = rng.random(num_samples)                          # uniform shuffle inside a window
+    tie = rng.random(num_samples)  # uniform shuffle inside a window
     return np.lexsort((tie, window_of)).astype(np.int64)
 
 
@@ -115,8 +125,9 @@ def blockwise_permutation(num_samples: int, seed: int, epoch: int, groups: Any =
 PERMUTATIONS["pcg64"] = uniform_permutation
 
 
-def permutation(num_samples: int, seed: int, epoch: int, name: str = "uniform", groups: Any = None,
-                **options: Any) -> np.ndarray:
+def permutation(
+    num_samples: int, seed: int, epoch: int, name: str = "uniform", groups: Any = None, **options: Any
+) -> np.ndarray:
     """Return the epoch's permutation, int64 array of shape (num_samples,). KeyError for unknown names."""
     try:
         fn = PERMUTATIONS[name]
@@ -214,9 +225,19 @@ class SampleStream:
     the ``blockwise`` order; :attr:`stoker.store.dataset.Dataset.sample_block`).
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, *, order: str = "blockwise", groups: Any = None,
-                 window: int = DEFAULT_WINDOW_BLOCKS, rank: int = 0, world_size: int = 1,
-                 even: str = "pad", epoch: int = 0) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        seed: int = 0,
+        *,
+        order: str = "blockwise",
+        groups: Any = None,
+        window: int = DEFAULT_WINDOW_BLOCKS,
+        rank: int = 0,
+        world_size: int = 1,
+        even: str = "pad",
+        epoch: int = 0,
+    ) -> None:
         if order not in PERMUTATIONS:
             raise KeyError(f"unknown permutation {order!r}; registered: {sorted(PERMUTATIONS)}")
         self.num_samples, self.seed, self.order = int(num_samples), int(seed), order
@@ -245,9 +266,17 @@ class SampleStream:
 
     def state_dict(self) -> dict[str, Any]:
         """{"epoch", "position", and the configuration}: plain ints and strings."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "order": self.order,
-                "window": self.window, "rank": self.rank, "world_size": self.world_size, "even": self.even,
-                "num_samples": self.num_samples}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "order": self.order,
+            "window": self.window,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "even": self.even,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: the next ``iter()`` yields the rest of the saved

@@ -1,5 +1,6 @@
 """Errors raised by the lab alone (benchmarks); both are :class:`stoker.errors.StokerError`
 subclasses, so one ``except StokerError`` still catches every error of a ``stoker`` command."""
+
 from __future__ import annotations
 
 from stoker.errors import StokerError

@@ -5,6 +5,7 @@ The colour photographs that ship inside scikit-image (``skimage/data``) and scik
 ``root/train/<class>/<key>.JPEG``. Nothing is downloaded. Every image is a pure function of
 ``(seed, index)``, so the tree is byte-identical for the same seed whatever the worker count.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,9 +21,17 @@ import numpy as np
 
 _FORMAT = 2
 MANIFEST = ".stoker-sample-data.json"
-SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg",
-                  "ihc.png", "motorcycle_left.png", "motorcycle_right.png", "retina.jpg",
-                  "rocket.jpg")
+SKIMAGE_PHOTOS = (
+    "astronaut.png",
+    "chelsea.png",
+    "coffee.png",
+    "hubble_deep_field.jpg",
+    "ihc.png",
+    "motorcycle_left.png",
+    "motorcycle_right.png",
+    "retina.jpg",
+    "rocket.jpg",
+)
 SKLEARN_PHOTOS = ("china.jpg", "flower.jpg")
 SHORT_SIDE = (300, 500)  # pixels, inclusive
 ASPECT = (3 / 4, 4 / 3)  # width / height, inclusive
@@ -34,8 +43,10 @@ _sources: list | None = None  # decoded photographs, per process
 def _package_dir(package: str, hint: str) -> str:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"make_sample_data needs the '{package}' package for its bundled "
-                           f"photographs; install it with: pip install {hint}")
+        raise RuntimeError(
+            f"make_sample_data needs the '{package}' package for its bundled "
+            f"photographs; install it with: pip install {hint}"
+        )
     return list(spec.submodule_search_locations)[0]
 
 
@@ -127,13 +138,13 @@ def _existing(root: str, params: dict) -> dict | None:
     if any(manifest.get(k) != v for k, v in params.items()):
         return None
     train = os.path.join(root, "train")
-    found = sum(len([n for n in names if n.endswith(".JPEG")])
-                for _, _, names in os.walk(train))
+    found = sum(len([n for n in names if n.endswith(".JPEG")]) for _, _, names in os.walk(train))
     return manifest if found == params["images"] else None
 
 
-def make_sample_data(root: str, images: int = 2000, classes: int = 10, seed: int = 0,
-                     workers: int | None = None) -> dict:
+def make_sample_data(
+    root: str, images: int = 2000, classes: int = 10, seed: int = 0, workers: int | None = None
+) -> dict:
     """Write ``root/train/<class>/<class>_<index:06d>.JPEG``, an ImageNet-style tree.
 
     Each image is a random crop (random horizontal flip) of one of the bundled photographs,
@@ -158,8 +169,7 @@ def make_sample_data(root: str, images: int = 2000, classes: int = 10, seed: int
     summary = {"root": root, "images": images, "classes": classes}
     manifest = _existing(root, params)
     if manifest is not None:
-        return {**summary, "bytes": manifest["bytes"],
-                "seconds": time.perf_counter() - t0, "generated": False}
+        return {**summary, "bytes": manifest["bytes"], "seconds": time.perf_counter() - t0, "generated": False}
 
     paths = source_photo_paths()
     train = os.path.join(root, "train")
@@ -173,8 +183,7 @@ def make_sample_data(root: str, images: int = 2000, classes: int = 10, seed: int
 
     workers = max(1, min(workers or os.cpu_count() or 1, math.ceil(images / 64)))
     step = max(16, math.ceil(images / (workers * 8)))
-    chunks = [(train, names, seed, range(s, min(s + step, images)))
-              for s in range(0, images, step)]
+    chunks = [(train, names, seed, range(s, min(s + step, images))) for s in range(0, images, step)]
     if workers == 1:
         _load_sources(paths)
         total = sum(map(_write_chunk, chunks))
@@ -183,7 +192,10 @@ def make_sample_data(root: str, images: int = 2000, classes: int = 10, seed: int
             total = sum(ex.map(_write_chunk, chunks))
 
     from stoker._atomic import umask_mode, write_atomic
-    write_atomic(os.path.join(root, MANIFEST),
-                 json.dumps({**params, "bytes": total, "generator": "stoker_lab.sample_data"}).encode(),
-                 mode=umask_mode())
+
+    write_atomic(
+        os.path.join(root, MANIFEST),
+        json.dumps({**params, "bytes": total, "generator": "stoker_lab.sample_data"}).encode(),
+        mode=umask_mode(),
+    )
     return {**summary, "bytes": total, "seconds": time.perf_counter() - t0, "generated": True}

@@ -1,4 +1,5 @@
 """Node cache: budget never exceeded, left-over fills and corrupt blocks found, single flight."""
+
 import multiprocessing as mp
 import os
 import time
@@ -128,6 +129,7 @@ def test_single_flight_across_processes(tmp_path, packed_local):
 def test_stale_version_never_served(tmp_path, sample_tree):
     """A dataset re-packed at the same URL gets a new version, so old cache entries are not used."""
     from stoker.store.pack import pack
+
     src = tmp_path / "src"
     os.system(f"cp -r {sample_tree / 'train'} {src}")
     dst = tmp_path / "d"
@@ -145,12 +147,19 @@ def test_stale_version_never_served(tmp_path, sample_tree):
 
 def test_memory_tier_over_disk_tier(tmp_path, packed_local):
     from stoker import Loader, ReadOptions
+
     mem_dir, disk_dir = tmp_path / "shm", tmp_path / "disk"
     probe = open_dataset(packed_local, cache=False, block_bytes=128 << 10)
     D = int((probe.block_end - probe.block_start).sum())
     mem, disk = D // 3, D // 3
-    ds = open_dataset(packed_local, cache_dir=str(disk_dir), cache_bytes=disk, memory_bytes=mem,
-                      memory_dir=str(mem_dir), block_bytes=128 << 10)
+    ds = open_dataset(
+        packed_local,
+        cache_dir=str(disk_dir),
+        cache_bytes=disk,
+        memory_bytes=mem,
+        memory_dir=str(mem_dir),
+        block_bytes=128 << 10,
+    )
     with Loader(ds, 16, num_workers=2, transform="eval", read=ReadOptions(staging_bytes=128 << 10)) as loader:
         for _ in range(3):
             assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
@@ -162,8 +171,14 @@ def test_memory_tier_over_disk_tier(tmp_path, packed_local):
         assert e.memory_hits <= e.cache_hits, (e.epoch, e.memory_hits, e.cache_hits)
     assert st.origin_bytes > 0  # about D - (mem + disk) per epoch from the origin
     # a re-open finds both tiers' contents and budgets
-    again = open_dataset(packed_local, cache_dir=str(disk_dir), cache_bytes=disk, memory_bytes=mem,
-                         memory_dir=str(mem_dir), block_bytes=128 << 10)
+    again = open_dataset(
+        packed_local,
+        cache_dir=str(disk_dir),
+        cache_bytes=disk,
+        memory_bytes=mem,
+        memory_dir=str(mem_dir),
+        block_bytes=128 << 10,
+    )
     assert again.cache.used_bytes() == _usage_on_disk(mem_dir) + _usage_on_disk(disk_dir)
 
 
@@ -172,6 +187,7 @@ def test_two_writers_of_one_block_count_it_once(tmp_path):
     first copy linked in is never taken for a planted link and removed (a race that showed in
     about one trial in thirty, hence the repetitions)."""
     import threading
+
     for trial in range(100):
         root = tmp_path / str(trial)
         c = DiskCache(str(root), 1 << 20, "noevict")
@@ -244,8 +260,14 @@ def test_a_failed_fill_is_noted_in_its_fetch_lock_for_that_block_only(tmp_path):
 
 
 def test_a_block_filled_while_its_reader_waited_is_no_tier_hit(tmp_path, packed_local):
-    ds = open_dataset(packed_local, cache_dir=str(tmp_path / "disk"), cache_bytes=64 << 20, memory_bytes=64 << 20,
-                      memory_dir=str(tmp_path / "shm"), block_bytes=128 << 10)
+    ds = open_dataset(
+        packed_local,
+        cache_dir=str(tmp_path / "disk"),
+        cache_bytes=64 << 20,
+        memory_bytes=64 << 20,
+        memory_dir=str(tmp_path / "shm"),
+        block_bytes=128 << 10,
+    )
     assert ds.reader.fill_block(0, blocking=True, want_data=False) == "filled"  # another process's fill, say
     before = ds.cache.stats.memory_hits
     assert ds.reader.fill_block(0, blocking=True, want_data=True) is not None  # the waiter reads the whole block

@@ -1,5 +1,6 @@
 """Node cache faults: other people's files in the cache directory, a disk smaller than the
 budget (or filled by others), a memory tier larger than /dev/shm."""
+
 import errno
 import logging
 import multiprocessing as mp
@@ -16,8 +17,14 @@ from stoker._atomic import write_fd as _write_fd
 from stoker.cache import DiskCache, StagingArea, TieredCache, files
 from stoker.cli import main
 
-USER = {"wds-src/000.tar": b"t" * 3000, "wds-src/001.tar": b"u" * 2500, "notes/todo.txt": b"my notes\n",
-        "mydata/index.parquet": b"p" * 700, "mydata/shards/shard-000000.tar": b"s" * 4000, "top.bin": b"z" * 10}
+USER = {
+    "wds-src/000.tar": b"t" * 3000,
+    "wds-src/001.tar": b"u" * 2500,
+    "notes/todo.txt": b"my notes\n",
+    "mydata/index.parquet": b"p" * 700,
+    "mydata/shards/shard-000000.tar": b"s" * 4000,
+    "top.bin": b"z" * 10,
+}
 
 
 def _write_user(root):
@@ -36,8 +43,9 @@ def _user_intact(root):
 
 
 def _own_bytes(cache):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.dirname(cache.path("v1", "x")))
-               for f in fs)
+    return sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.dirname(cache.path("v1", "x"))) for f in fs
+    )
 
 
 @pytest.mark.parametrize("policy", ["future", "noevict", "lru"])
@@ -55,6 +63,7 @@ def test_user_files_in_the_cache_dir_are_never_counted_evicted_or_cleared(tmp_pa
     assert c.used_bytes() == _own_bytes(c) <= cap
     assert c.recover()["used"] == _own_bytes(c)
     from stoker.cache.status import clear, status
+
     st = status(root)
     assert st["namespaces"] == {"v1": _own_bytes(c)}
     assert st["ignored"] == ["mydata", "notes", "top.bin", "wds-src"]
@@ -84,6 +93,7 @@ def test_a_cache_of_the_old_layout_is_left_alone(tmp_path):
     (old_ns / "000000-0-1000").write_bytes(bytes(1000))
     (root / ".lock").write_bytes((1000).to_bytes(8, "little"))
     from stoker.cache.status import clear, status
+
     assert main(["cache", "clear", str(root)]) == 2
     c = DiskCache(str(root), 10_000, "lru")
     assert c.recover()["used"] == 0
@@ -92,6 +102,7 @@ def test_a_cache_of_the_old_layout_is_left_alone(tmp_path):
 
 
 # -- a full disk ---------------------------------------------------------------------------------
+
 
 class _FullAfter:
     """A stand-in for :func:`stoker._atomic.write_fd` that lets ``allow`` whole block files (the
@@ -134,11 +145,13 @@ def test_enospc_on_a_fill_refuses_the_block_and_leaves_nothing(tmp_path, monkeyp
 def test_budget_above_the_free_space_is_capped_by_statvfs(tmp_path, monkeypatch):
     """A 1 GiB budget on a disk with 5 blocks' room: what fits is cached, nothing is written past it."""
     from stoker.cache import space
+
     frsize = 4096
     disk = {"free": 5 * frsize + 2 * frsize}
 
     def fake_free(path):
         return disk["free"], frsize
+
     monkeypatch.setattr(space, "free_bytes", fake_free)
     c = DiskCache(str(tmp_path), 1 << 30, "noevict")
     c.register("v1", 1 << 20)
@@ -165,6 +178,7 @@ def _full_put(cache, q):
 
 def test_one_warning_per_job_across_its_processes(tmp_path, monkeypatch):
     from stoker.cache import space
+
     monkeypatch.setattr(space, "free_bytes", lambda path: (0, 4096))
     c = DiskCache(str(tmp_path), 1 << 30, "noevict")
     c.register("v1", 1 << 20)
@@ -193,11 +207,18 @@ def test_memory_tier_larger_than_shm_falls_back_to_the_disk_tier(tmp_path, monke
 
 def test_loader_epoch_completes_once_on_a_disk_that_fills_up(tmp_path, packed_local, monkeypatch):
     from stoker import ImageOptions, Loader, RunOptions, open_dataset
+
     monkeypatch.setattr(_atomic, "write_fd", _FullAfter(allow=1))  # in the forked prefetcher too
     cache_dir = str(tmp_path / "c")
     ds = open_dataset(packed_local, cache_dir=cache_dir, cache_bytes=1 << 30, block_bytes=256 << 10)
-    ld = Loader(ds, batch_size=16, num_workers=0, transform="eval", image=ImageOptions(image_size=32),
-                run=RunOptions(start_method="fork", timeout_s=60))
+    ld = Loader(
+        ds,
+        batch_size=16,
+        num_workers=0,
+        transform="eval",
+        image=ImageOptions(image_size=32),
+        run=RunOptions(start_method="fork", timeout_s=60),
+    )
     try:
         for _ in range(2):
             n = sum(len(labels) for _, labels in ld)
@@ -235,8 +256,13 @@ def test_small_tmpfs_epoch_completes_with_one_warning(tmp_path, packed_local, wh
     # a cache directory must not be writable by others: the cache's tmpfs is mounted 0700
     target, mem, opts = (cache_dir, 0, "size=1m,mode=0700") if where == "disk" else ("/dev/shm", 64 << 20, "size=2m")
     cmd = f"mount -t tmpfs -o {opts} tmpfs {target} && exec {sys.executable} {script} {packed_local} {cache_dir} {mem}"
-    r = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     _, n, total, once, tmp = line.split()

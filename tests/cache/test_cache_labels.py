@@ -2,6 +2,7 @@
 budget in force; ``stoker ls`` prints full keys, inclusive id ranges and empty classes;
 ``Dataset.class_names``; a cache directory that is a file is a clear error naming it; the default
 cache directory prefers node-local scratch to the home directory."""
+
 from __future__ import annotations
 
 import logging
@@ -40,6 +41,7 @@ def test_cache_status_names_datasets_by_url_and_shows_the_budget(packed, tmp_pat
     assert main(["cache", "status", str(cache), "--budget", "1MiB"]) == 0
     assert "budget: 1,048,576 bytes (1.0 MiB, given with --budget)" in capsys.readouterr().out
     from stoker.cache.status import status
+
     st = status(str(cache))
     assert st["datasets"][ds.version] == {"url": packed, "version": ds.version}
     assert st["budget_bytes"] == 3 << 20 and st["budget_source"] == "recorded"
@@ -101,6 +103,7 @@ def test_network_filesystems_are_not_scratch(tmp_path):
 def test_only_a_ram_backed_memory_tier_keeps_the_shared_memory_reserve(tmp_path, monkeypatch):
     from stoker.cache.disk import DiskCache
     from stoker.cache.tiered import SHM_KEEP_FREE, TieredCache
+
     mounts = tmp_path / "mounts"
     mounts.write_text(f"tmpfs {tmp_path / 'ram'} tmpfs rw 0 0\n/dev/sda1 / ext4 rw 0 0\n")
     assert paths.ram_backed(str(tmp_path / "ram" / "tier"), str(mounts))
@@ -109,8 +112,10 @@ def test_only_a_ram_backed_memory_tier_keeps_the_shared_memory_reserve(tmp_path,
     assert not paths.ram_backed(str(tmp_path / "x"), str(tmp_path / "no-such-mounts"))
 
     def tiers(mem_root):
-        return TieredCache(DiskCache(str(mem_root), 1 << 20, "future"),
-                           DiskCache(str(tmp_path / "d"), 1 << 20, "future"))
+        return TieredCache(
+            DiskCache(str(mem_root), 1 << 20, "future"), DiskCache(str(tmp_path / "d"), 1 << 20, "future")
+        )
+
     # a memory tier on a disk directory: a quarter of a large disk is not RAM to keep free
     monkeypatch.setattr("stoker.cache.tiered.ram_backed", lambda p: False)
     assert tiers(tmp_path / "m1").memory.keep_free_fraction == 0.0
@@ -120,12 +125,15 @@ def test_only_a_ram_backed_memory_tier_keeps_the_shared_memory_reserve(tmp_path,
 
 def test_a_memory_tier_in_a_directory_of_the_users_is_shown_and_cleared(packed_local, tmp_path):
     from stoker.cache.status import clear, status
+
     root, mem = tmp_path / "cache", tmp_path / "mem"
-    ds = open_dataset(packed_local, cache_dir=str(root), cache_bytes=64 << 20, memory_bytes=64 << 20,
-                      memory_dir=str(mem))
+    ds = open_dataset(
+        packed_local, cache_dir=str(root), cache_bytes=64 << 20, memory_bytes=64 << 20, memory_dir=str(mem)
+    )
     for i in range(len(ds)):
         ds.read(i)
     from stoker.cluster.registration import end
+
     end(ds)  # this process's job on the cache is over: clear may delete
     got = status(str(root))["stores"]
     assert got["memory tier"]["path"] == str(mem) and got["memory tier"]["bytes"] > 0

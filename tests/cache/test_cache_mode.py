@@ -1,4 +1,5 @@
 """Cache modes without a second user: defaults, the recorded mode, refusals, old caches, status."""
+
 from __future__ import annotations
 
 import json
@@ -75,6 +76,7 @@ def test_a_cache_of_an_older_stoker_is_brought_to_the_mode(tmp_path):
 
 def test_status_reports_mode_and_owner(tmp_path, capsys):
     import pwd
+
     root = tmp_path / "c"
     DiskCache(str(root), 1000, mode="0640")
     assert main(["cache", "status", str(root)]) == 0  # status opens the cache with its own mode

@@ -2,6 +2,7 @@
 a bounded set of open descriptors never serve a block that was removed, evicted or replaced; the
 budget and fetch locks, kept open, still exclude other threads and processes (a forked child too);
 a blocking fetch-lock wait wakes when the holder lets go and honours its timeout."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -82,6 +83,7 @@ def test_threads_of_one_process_exclude_each_other_on_a_stripe(tmp_path):
         def other():
             with cache.fetch_lock(NS, "b", blocking=False) as h:
                 got.append(h)
+
         t = threading.Thread(target=other)
         t.start()
         t.join()
@@ -96,6 +98,7 @@ def _child_checks(cache, q):
             q.put(("fetch", held))
         fd = cache._local().budget_fd()
         import fcntl
+
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             q.put(("budget", True))

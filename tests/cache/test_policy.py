@@ -1,4 +1,5 @@
 """The future-aware policy: budget split between datasets by the bytes each cached byte saves."""
+
 import subprocess
 import sys
 
@@ -39,7 +40,7 @@ def test_registry_sums_rates_of_live_jobs_and_drops_dead_ones(tmp_path, other_pr
     reg = JobRegistry(str(tmp_path))
     reg.register("a", 1000, epoch_s=10.0)
     reg.register("a", 1000, epoch_s=5.0, pid=other_process)
-    reg.register("b", 500, pid=2 ** 22 + 12345)  # no such process
+    reg.register("b", 500, pid=2**22 + 12345)  # no such process
     live = reg.live()
     assert set(live) == {"a"} and live["a"][0] == 1000
     assert live["a"][1] == pytest.approx(0.1 + 0.2)
@@ -52,8 +53,8 @@ def _fill(c, ns, n, size, prefix="b"):
 
 def test_future_policy_moves_budget_to_the_faster_job_without_thrashing(tmp_path, other_process):
     c = DiskCache(str(tmp_path), 10_000, "future")
-    c.register("slow", 8_000, epoch_s=40.0)                              # this process
-    c.jobs.register("fast", 8_000, epoch_s=10.0, pid=other_process)     # another job, 4x the rate
+    c.register("slow", 8_000, epoch_s=40.0)  # this process
+    c.jobs.register("fast", 8_000, epoch_s=10.0, pid=other_process)  # another job, 4x the rate
     assert c.quotas() == {"fast": 8_000, "slow": 2_000}
     # the slow job arrives first and takes the free space (work-conserving admission)
     assert _fill(c, "slow", 8, 1000) == 8
@@ -85,6 +86,7 @@ def test_future_policy_reclaims_a_dead_jobs_blocks_but_not_an_unannounced_reader
     assert c.namespace_usage()["old"] == 3_000
     subprocess.run(["kill", "-9", str(other_process)], check=True)
     import os
+
     os.waitpid(other_process, 0)
     c.forget_quotas()
     assert c.quotas() == {"new": 5_000}
@@ -96,10 +98,12 @@ def test_future_policy_reclaims_a_dead_jobs_blocks_but_not_an_unannounced_reader
 
 def test_loader_reports_its_epoch_time_to_the_policy(packed_local, tmp_path):
     from stoker import Loader, open_dataset
+
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "c"), cache_bytes=1 << 30)
     recs = ds.cache.jobs.records()
-    assert [(r["namespace"], r["dataset_bytes"], r["epoch_s"]) for r in recs] == \
-        [(ds.version, ds.index.total_bytes, None)]
+    assert [(r["namespace"], r["dataset_bytes"], r["epoch_s"]) for r in recs] == [
+        (ds.version, ds.index.total_bytes, None)
+    ]
     with Loader(ds, 16, num_workers=0, seed=0) as loader:
         for _ in loader:
             pass
@@ -111,15 +115,32 @@ def test_loader_reports_its_epoch_time_to_the_policy(packed_local, tmp_path):
 def test_bench_cache_tiny(tmp_path):
     """The benchmark at a tiny size: the schema, the floor at C >= D, two jobs fill once."""
     from stoker_lab.bench.cache_bench import run, summary
-    r = run(images=60, epochs=2, fractions=(0.5, 1.0), policies=("future", "lru"), workers=1,
-            batch_size=16, latency_ms=1, bandwidth_MBps=400, two_jobs_fractions=(1.0,),
-            workdir=str(tmp_path), staging_bytes=1 << 20, log=lambda *_: None)
+
+    r = run(
+        images=60,
+        epochs=2,
+        fractions=(0.5, 1.0),
+        policies=("future", "lru"),
+        workers=1,
+        batch_size=16,
+        latency_ms=1,
+        bandwidth_MBps=400,
+        two_jobs_fractions=(1.0,),
+        workdir=str(tmp_path),
+        staging_bytes=1 << 20,
+        log=lambda *_: None,
+    )
     D = r["dataset"]["bytes"]
-    assert {(x["policy"], x["cache_fraction"], x["epoch"]) for x in r["runs"]} == \
-        {(p, f, e) for p in ("future", "lru") for f in (0.5, 1.0) for e in (0, 1)}
+    assert {(x["policy"], x["cache_fraction"], x["epoch"]) for x in r["runs"]} == {
+        (p, f, e) for p in ("future", "lru") for f in (0.5, 1.0) for e in (0, 1)
+    }
     for x in r["runs"]:
-        assert set(x) >= {"policy", "cache_fraction", "epoch", "origin_bytes", "dataset_bytes", "hit_ratio",
-                          "stall_fraction"} and x["dataset_bytes"] == D and x["exactly_once"]
+        assert (
+            set(x)
+            >= {"policy", "cache_fraction", "epoch", "origin_bytes", "dataset_bytes", "hit_ratio", "stall_fraction"}
+            and x["dataset_bytes"] == D
+            and x["exactly_once"]
+        )
     warm = [x for x in r["runs"] if x["cache_fraction"] == 1.0 and x["epoch"] == 1]
     assert all(x["origin_bytes"] == 0 and x["hit_ratio"] == 1.0 for x in warm)
     half = {x["policy"]: x for x in r["runs"] if x["cache_fraction"] == 0.5 and x["epoch"] == 1}
@@ -132,11 +153,13 @@ def test_bench_cache_tiny(tmp_path):
 
 def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use(tmp_path, other_process, capsys):
     from stoker.cli import main
+
     c = DiskCache(str(tmp_path), 10_000, "future")
     c.jobs.register("aa", 6_000, epoch_s=10.0, pid=other_process)
     _fill(c, "aa", 3, 1000)
     _fill(c, "bb", 2, 1000)  # no live job on bb
     from stoker.cache.status import clear, status
+
     st = status(str(tmp_path), 4_000)
     assert st["namespaces"] == {"aa": 3000, "bb": 2000} and st["used_bytes"] == 5000
     assert st["quotas"] == {"aa": 4000} and [j["pid"] for j in st["jobs"]] == [other_process]
@@ -156,6 +179,7 @@ def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use
 def test_cache_command_handles_nested_node_caches_and_side_stores(tmp_path):
     """`stoker warm --cache-dir D` keeps one cache per node under D: status and clear see them."""
     from stoker.cache.status import clear, status
+
     root = tmp_path / "warm"
     node = DiskCache(str(root / "node-abc"), 10_000, "noevict")
     _fill(node, "v1", 3, 1000)

@@ -4,6 +4,7 @@ The second user is a real Unix user made with ``useradd`` for this module (and r
 its side runs in a forked child that drops to its uid, gid and groups (``os.setuid``). Outside
 root the module skips, saying why.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +26,8 @@ from stoker.loader.derived import DerivedCache
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None,
-    reason="needs root and useradd to create a second Unix user (runs as root in CI)")
+    reason="needs root and useradd to create a second Unix user (runs as root in CI)",
+)
 
 
 class _User:
@@ -38,12 +40,14 @@ def other():
     """A second user, member of a fresh group (its gid is ``other.groups[0]``)."""
     import grp
     import pwd
+
     tag = uuid.uuid4().hex[:6]
     group, name = f"stkg{tag}", f"stku{tag}"
     subprocess.run(["groupadd", group], check=True, capture_output=True)
     try:
-        subprocess.run(["useradd", "-M", "-N", "-G", group, "-s", "/usr/sbin/nologin", name],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "-M", "-N", "-G", group, "-s", "/usr/sbin/nologin", name], check=True, capture_output=True
+        )
         try:
             pw = pwd.getpwnam(name)
             yield _User(name, pw.pw_uid, pw.pw_gid, [grp.getgrnam(group).gr_gid])
@@ -137,16 +141,24 @@ def test_private_by_default_whatever_the_umask(base, other):
     try:
         for where in (root, mem):
             modes = _modes(where)
-            assert modes and all(m == ("0700" if os.path.isdir(os.path.join(where, p)) else "0600")
-                                 for p, m in modes.items()), modes
+            assert modes and all(
+                m == ("0700" if os.path.isdir(os.path.join(where, p)) else "0600") for p, m in modes.items()
+            ), modes
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700 and stat.S_IMODE(os.stat(mem).st_mode) == 0o700
         block = c.disk.path("v1", "b1")
         staged = st.path("v1", "s0")
-        seen = as_user(other, lambda: {
-            "list cache": _try(os.listdir, root), "read block": _try(_read, block),
-            "list memory tier": _try(os.listdir, mem), "read memory block": _try(_read, c.memory.path("v1", "b0")),
-            "list staging": _try(os.listdir, os.path.join(root, ".staging")), "read staged": _try(_read, staged),
-            "plant link in cache": _try(os.symlink, "/tmp", os.path.join(root, "stoker-ns-v1", "b9"))})
+        seen = as_user(
+            other,
+            lambda: {
+                "list cache": _try(os.listdir, root),
+                "read block": _try(_read, block),
+                "list memory tier": _try(os.listdir, mem),
+                "read memory block": _try(_read, c.memory.path("v1", "b0")),
+                "list staging": _try(os.listdir, os.path.join(root, ".staging")),
+                "read staged": _try(_read, staged),
+                "plant link in cache": _try(os.symlink, "/tmp", os.path.join(root, "stoker-ns-v1", "b9")),
+            },
+        )
         assert set(seen.values()) == {"denied"}, seen
     finally:
         shutil.rmtree(mem, ignore_errors=True)
@@ -166,6 +178,7 @@ def test_memory_tier_planted_by_another_user_is_refused(base, other):
             os.mkdir(mem, 0o777)
             os.chmod(mem, 0o777)
         return "planted"
+
     try:
         for kind in ("link", "dir"):
             assert as_user(other, plant, kind) == "planted"
@@ -220,8 +233,12 @@ def test_group_shared_cache_readable_by_the_group_and_no_fill_through_a_planted_
     def member():
         mine = DiskCache(root, 1 << 20, "noevict", mode="0660")
         os.symlink(secret, link)  # a group member plants a link where the owner will fill
-        return {"list": sorted(os.listdir(os.path.dirname(block))), "read": _read(block).decode(),
-                "via cache": mine.read("v1", "b0", 0, 12).decode()}
+        return {
+            "list": sorted(os.listdir(os.path.dirname(block))),
+            "read": _read(block).decode(),
+            "via cache": mine.read("v1", "b0", 0, 12).decode(),
+        }
+
     seen = as_user(other, member)
     assert seen == {"list": ["b0", "b1"], "read": "shared-block", "via cache": "shared-block"}, seen
     assert c.read("v1", "b1", 0, 17) is None  # the link is not followed
@@ -245,6 +262,5 @@ def test_group_read_only_cache(base, other):
     assert c.put("v1", "b0", b"group-readable")
     block = c.path("v1", "b0")
     assert stat.S_IMODE(os.stat(block).st_mode) == 0o640 and os.stat(block).st_gid == gid
-    seen = as_user(other, lambda: {"read": _try(_read, block),
-                                   "write": _try(os.symlink, "/tmp", c.path("v1", "b1"))})
+    seen = as_user(other, lambda: {"read": _try(_read, block), "write": _try(os.symlink, "/tmp", c.path("v1", "b1"))})
     assert seen == {"read": "allowed: b'group-readable'", "write": "denied"}, seen

@@ -1,6 +1,7 @@
 """Ctrl-C in ``stoker pack``: one line saying what was finished and that a rerun resumes, exit 130,
 no traceback; the rerun reuses the finished shards. Also ``stoker --version`` and bandwidths in
 bytes per second."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,19 @@ def test_ctrl_c_in_pack_prints_one_line_and_exits_130(tmp_path):
     tree = make_image_folder(tmp_path / "src", {f"c{i % 3}/{i:04d}.jpg": os.urandom(6000) for i in range(300)})
     dst = tmp_path / "dst"
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}
-    cmd = [sys.executable, "-m", "stoker.cli", "pack", str(tree), str(dst), "--shard-size", "8KiB",
-           "--read-workers", "1", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stoker.cli",
+        "pack",
+        str(tree),
+        str(dst),
+        "--shard-size",
+        "8KiB",
+        "--read-workers",
+        "1",
+        "--no-progress",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -63,6 +75,7 @@ def test_bandwidth_in_bytes_per_second():
         with pytest.raises(argparse.ArgumentTypeError, match="bandwidth"):
             rate_arg(bad)
     from stoker.cli import build_parser
+
     p = build_parser()
     assert p.parse_args(["demo", "--bandwidth-MBps", "250MB/s"]).bandwidth_mbps == 250.0
     assert p.parse_args(["demo", "--bandwidth-mbps", "50"]).bandwidth_mbps == 50.0  # the old name still works

@@ -2,6 +2,7 @@
 `--help`) imports no optional extra (sim, metrics, cluster, demo). A wheel installed without
 the `sim` extra once failed on every command because `simulate` imported SimPy while
 registering its options."""
+
 from __future__ import annotations
 
 import subprocess
@@ -37,8 +38,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_parser_and_help_need_no_optional_extra():
-    res = subprocess.run([sys.executable, "-c", CHILD, ",".join(EXTRAS)], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-c", CHILD, ",".join(EXTRAS)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("OK []"), res.stdout[-2000:]
 

@@ -1,5 +1,6 @@
 """One spelling for storage settings (``storage_options`` / ``--storage-options``, with a per-side
 pair for pack; the old names still work and warn), and errors that name the URL they are about."""
+
 from __future__ import annotations
 
 import json
@@ -39,13 +40,17 @@ def test_old_pack_option_names_warn_and_work(s3_origin, tree):
 
 def test_cli_pack_storage_options_and_old_flags(s3_origin, tree, capsys):
     opts = json.dumps(s3_origin.storage_options(throttled=False))
-    assert main(["pack", str(tree), s3_origin.url("opts/cli"), "--storage-options", opts,
-                 "--no-progress", "--overwrite"]) == 0
+    assert (
+        main(["pack", str(tree), s3_origin.url("opts/cli"), "--storage-options", opts, "--no-progress", "--overwrite"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["samples"] == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the CLI itself uses no deprecated name
-        assert main(["pack", str(tree), s3_origin.url("opts/cli2"), "--dst-options", opts,
-                     "--no-progress", "--overwrite"]) == 0
+        assert (
+            main(["pack", str(tree), s3_origin.url("opts/cli2"), "--dst-options", opts, "--no-progress", "--overwrite"])
+            == 0
+        )
     assert "--dst-options is deprecated; use --dst-storage-options" in capsys.readouterr().err
     assert main(["pack", str(tree), s3_origin.url("opts/cli3"), "--dst-storage-options", "[1]", "--no-progress"]) == 2
     assert "--dst-storage-options must be a JSON object" in capsys.readouterr().err
@@ -86,6 +91,7 @@ def test_a_pack_error_of_the_destination_is_labelled_with_the_destination():
     import errno
 
     from stoker.cli import _where
+
     a = argparse.Namespace(src="raw/train", dst="/mnt/small/out")
     assert _where(a, OSError(errno.ENOSPC, "No space left on device")) == " (/mnt/small/out)"
     assert _where(a, OSError(errno.EROFS, "Read-only file system")) == " (/mnt/small/out)"

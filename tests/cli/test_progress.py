@@ -1,6 +1,7 @@
 """Progress bars: the library's long calls (pack, verify, warm) print none unless asked
 (``progress=True``); ``stoker verify`` draws one with rate and ETA on a terminal and none when
 its output is not a terminal (``stoker warm``, which needs a Ray cluster: tests/cluster/test_warm_progress.py)."""
+
 from __future__ import annotations
 
 import inspect
@@ -23,6 +24,7 @@ def test_library_calls_print_no_bar(packed_local, sample_tree, tmp_path, capfd):
     from stoker.cluster.warmup import warm
     from stoker.store.pack import pack
     from stoker.store.verify import verify
+
     capfd.readouterr()
     assert verify(packed_local).ok
     pack(str(sample_tree / "train"), str(tmp_path / "packed"), shard_bytes=1 << 20)
@@ -34,8 +36,13 @@ def test_library_calls_print_no_bar(packed_local, sample_tree, tmp_path, capfd):
 
 
 def test_verify_cli_is_quiet_without_a_terminal(packed_local):
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "verify", packed_local], capture_output=True,
-                         text=True, env=_env(), timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "verify", packed_local],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
     assert "OK" in out.stdout
@@ -43,8 +50,14 @@ def test_verify_cli_is_quiet_without_a_terminal(packed_local):
 
 def test_verify_cli_shows_rate_and_eta_on_a_terminal(packed_local):
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-m", "stoker.cli", "verify", packed_local], env=_env(),
-                          dimensions=(24, 160), encoding="utf-8", timeout=240)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "stoker.cli", "verify", packed_local],
+        env=_env(),
+        dimensions=(24, 160),
+        encoding="utf-8",
+        timeout=240,
+    )
     try:
         # tqdm's bar: "verify: 100%|####| 8/8 [00:00<00:00, 25.1shard/s]": done/total, elapsed<ETA and
         # the rate as numbers (the first frame's "?" do not count; under 1 shard/s tqdm says s/shard)

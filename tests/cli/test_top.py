@@ -10,6 +10,7 @@ the loader starts (every read a hit: hit ratio 1), the one decode worker takes 8
 of the epoch all along. Then samples/s, stall and hit ratio agree within 5% (relative) whenever
 they are read; the first batch's seconds is one number, known from the first batch on.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,13 @@ def running_loader(packed_local, tmp_path):
     a function that stops it and returns its EpochStats as dicts: epoch 0's are those of the part
     served until then, or of the whole epoch)."""
     cache, ready, stop = tmp_path / "cache", tmp_path / "ready", tmp_path / "stop"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, packed_local, str(cache), str(ready), str(stop)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, packed_local, str(cache), str(ready), str(stop)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     deadline = time.monotonic() + 240
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -74,6 +80,7 @@ def running_loader(packed_local, tmp_path):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-2000:]
         return json.loads(out.strip().splitlines()[-1])
+
     try:
         yield cache, proc.pid, finish
     finally:
@@ -85,8 +92,13 @@ def running_loader(packed_local, tmp_path):
 
 def test_once_json_reports_the_running_loader(running_loader):
     cache, pid, finish = running_loader
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "top", str(cache), "--once", "--json"],
-                         capture_output=True, text=True, env=_env(), timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "top", str(cache), "--once", "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     snap = json.loads(out.stdout)
     (c,) = snap["caches"]
@@ -106,11 +118,19 @@ def test_live_view_under_a_terminal(running_loader):
     pexpect = pytest.importorskip("pexpect")
     pytest.importorskip("rich")
     cache, pid, finish = running_loader
-    child = pexpect.spawn(sys.executable, ["-m", "stoker.cli", "top", str(cache), "--interval", "0.5"],
-                          env=_env(), dimensions=(50, 160), encoding="utf-8", timeout=240)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "stoker.cli", "top", str(cache), "--interval", "0.5"],
+        env=_env(),
+        dimensions=(50, 160),
+        encoding="utf-8",
+        timeout=240,
+    )
     try:  # pid, rank, dataset, epoch, samples/s, stall, first batch s, origin MB/s, hit ratio
-        row = re.compile(rf"│\s+{pid}\s+│\s+0\s+│\s+(\w+)\s+│\s+(\d+)\s+│\s+([\d.,]+)\s+│\s+([\d.]+)%\s+│"
-                         rf"\s+[\d.]+\s+│\s+[\d.,]+\s+│\s+([\d.]+)%\s+│")
+        row = re.compile(
+            rf"│\s+{pid}\s+│\s+0\s+│\s+(\w+)\s+│\s+(\d+)\s+│\s+([\d.,]+)\s+│\s+([\d.]+)%\s+│"
+            rf"\s+[\d.]+\s+│\s+[\d.,]+\s+│\s+([\d.]+)%\s+│"
+        )
         child.expect(row)
         child.expect(row)  # a second frame: it refreshes
         dataset, epoch = child.match.group(1), int(child.match.group(2))
@@ -128,8 +148,13 @@ def test_live_view_under_a_terminal(running_loader):
 
 
 def test_not_a_cache(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "top", str(tmp_path), "--once", "--json"],
-                         capture_output=True, text=True, env=_env(), timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "top", str(tmp_path), "--once", "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=240,
+    )
     assert out.returncode == 2 and "not a stoker cache directory" in out.stderr
 
 
@@ -138,6 +163,7 @@ def test_with_no_live_job_the_recorded_budget_and_url_are_shown(packed_local, tm
     (as `stoker cache status` does), not "-"."""
     import stoker
     from stoker.cli.top import snapshot
+
     cache = tmp_path / "cache"
     ds = stoker.open_dataset(packed_local, cache_dir=str(cache), cache_bytes="64MiB")
     ds[0]
@@ -153,12 +179,18 @@ def test_a_piped_frame_is_not_cut_to_80_columns(packed_local, tmp_path):
     import os
 
     import stoker
+
     cache = tmp_path / "cache"
     ds = stoker.open_dataset(packed_local, cache_dir=str(cache), cache_bytes="64MiB")
     ds[0]
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "top", str(cache), "--once"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "top", str(cache), "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "…" not in out.stdout and "..." not in out.stdout, out.stdout  # a cut cell or line
     assert f"cache {cache}:" in out.stdout and "hit ratio" in out.stdout and "first batch s" in out.stdout

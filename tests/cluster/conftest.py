@@ -1,5 +1,6 @@
 """Ray fixtures of the cluster tests: one 3-node ``ray.cluster_utils.Cluster`` for the whole
 session (a Ray start costs seconds), and the sample tree packed into the emulated S3 origin."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,11 @@ def ray_cluster():
     joined by this process."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 1},
-                                                     "object_store_memory": 150 << 20})
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"node0": 1}, "object_store_memory": 150 << 20},
+    )
     for i in (1, 2):
         c.add_node(num_cpus=2, resources={f"node{i}": 1}, object_store_memory=150 << 20)
     ray.init(address=c.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -29,6 +33,7 @@ def cluster(ray_cluster, request):
     """The session's cluster, with the requesting test module's functions sent by value (train
     functions defined in a test module are not importable on the workers)."""
     import ray.cloudpickle
+
     ray.cloudpickle.register_pickle_by_value(request.module)
     yield ray_cluster
 
@@ -38,6 +43,7 @@ def s3_dataset(s3_origin, sample_tree):
     """The 120-photo sample tree packed into the emulated S3 origin: (url, storage options)."""
     from stoker.store.pack import pack
     from stoker_lab.bench.origin import upload_tree
+
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("cluster/raw"), opts)
     url = s3_origin.url("cluster/packed")
@@ -50,6 +56,7 @@ def fresh_services(cluster):
     """Fresh cache services for the test and none left behind (the next module's first job
     expects empty caches): every running service stopped before and after."""
     from stoker.cluster.service import stop_services
+
     stop_services()
     yield
     stop_services()

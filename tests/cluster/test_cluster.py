@@ -1,4 +1,5 @@
 """Cluster mode on a 3-node ray.cluster_utils.Cluster (each node its own raylet and object store)."""
+
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks
 
 def _node_ids():
     from stoker.cluster.service import alive_nodes
+
     return [n["NodeID"] for n in alive_nodes()]
 
 
@@ -28,29 +30,44 @@ def _sum(results, epoch, key):
     return sum(r["epochs"][epoch][key] for r in results)
 
 
-def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(cluster, s3_origin, s3_dataset,
-                                                                        tmp_path_factory):
+def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(
+    cluster, s3_origin, s3_dataset, tmp_path_factory
+):
     from functools import partial
 
     from stoker.cluster import read_epochs, run
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     n = len(open_dataset(url, storage_options=opts, cache=False))
     dataset_bytes = int(open_dataset(url, storage_options=opts, cache=False).index.length.sum())
     served0 = s3_origin.stats()["bytes_served"]
-    common = dict(storage_options=opts, cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20,
-                  block_bytes=BLOCK, wait=False)
+    common = dict(
+        storage_options=opts,
+        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_bytes=64 << 20,
+        block_bytes=BLOCK,
+        wait=False,
+    )
     # epoch 0: two jobs at once on a cold cluster cache
-    ra, rb = [ray.get(refs, timeout=120) for refs in
-              [run(partial(read_epochs, epochs=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j, **common)
-               for j in ("a", "b")]]
+    ra, rb = [
+        ray.get(refs, timeout=120)
+        for refs in [
+            run(partial(read_epochs, epochs=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j, **common)
+            for j in ("a", "b")
+        ]
+    ]
     served = s3_origin.stats()["bytes_served"] - served0
     # the shards came from the origin once for both jobs (plus the index, a few KB per reader)
     assert dataset_bytes <= served < 1.25 * dataset_bytes
     # epoch 1 (after warm-up; the ranks run unsynchronised, so epochs are separate runs here)
-    wa, wb = [ray.get(refs, timeout=120) for refs in
-              [run(partial(read_epochs, epochs=1, first_epoch=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j,
-                   **common) for j in ("a", "b")]]
+    wa, wb = [
+        ray.get(refs, timeout=120)
+        for refs in [
+            run(partial(read_epochs, epochs=1, first_epoch=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j, **common)
+            for j in ("a", "b")
+        ]
+    ]
     for cold, res in ((ra, wa), (rb, wb)):
         assert sorted(r["node_id"] for r in res) == sorted(_node_ids())  # one rank per node
         _job_ids_ok(cold, n)
@@ -59,8 +76,16 @@ def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(cluster, 
         local = _sum(res, 0, "local_bytes")
         assert local / (local + _sum(res, 0, "peer_bytes")) >= 0.9
     # random placement on the same (now warm) cluster cache: measurably less local
-    rr = run(partial(read_epochs, epochs=1, keep_ids=True), url, 3, {"CPU": 0.5}, job="r",
-             placement="random", seed=1, **{**common, "wait": True})
+    rr = run(
+        partial(read_epochs, epochs=1, keep_ids=True),
+        url,
+        3,
+        {"CPU": 0.5},
+        job="r",
+        placement="random",
+        seed=1,
+        **{**common, "wait": True},
+    )
     _job_ids_ok(rr, n)
     assert _sum(rr, 0, "origin_bytes") == 0
     local_r = _sum(rr, 0, "local_bytes") / (_sum(rr, 0, "local_bytes") + _sum(rr, 0, "peer_bytes"))
@@ -70,12 +95,18 @@ def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(cluster, 
 def test_warm_fills_every_node_by_placement(cluster, s3_origin, s3_dataset, tmp_path_factory):
     from stoker.cluster import warm
     from stoker.store.pack import pack
+
     url, opts = s3_dataset
     url2 = url + "-small-shards"  # another dataset version: not cached yet
-    pack(s3_origin.url("cluster/raw"), url2, storage_options=opts, shard_bytes=512 << 10,
-         progress=False)
-    r = warm(url2, opts, cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20,
-             block_bytes=BLOCK, progress=False)
+    pack(s3_origin.url("cluster/raw"), url2, storage_options=opts, shard_bytes=512 << 10, progress=False)
+    r = warm(
+        url2,
+        opts,
+        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_bytes=64 << 20,
+        block_bytes=BLOCK,
+        progress=False,
+    )
     assert set(r["nodes"]) == set(_node_ids())
     assert r["cached_fraction"] == 1.0 and r["origin_bytes"] == r["dataset_bytes"]
     assert all(v["cached_fraction"] == 1.0 and v["owned_bytes"] > 0 for v in r["nodes"].values())
@@ -91,11 +122,13 @@ def _read_and_kill(ctx, victim: str, pid_before: int, epochs: int = 2):
     import logging
 
     from stoker.cluster.service import get_service
+
     seen: list[str] = []  # the router's fallback warnings, shown when an assertion fails
 
     class Keep(logging.Handler):
         def emit(self, record):
             seen.append(f"{time.time():.2f} {record.getMessage()[:300]}")
+
     logging.getLogger("stoker.cluster.reader").addHandler(Keep(logging.WARNING))
     for e in range(epochs):
         if e == 1:  # wait for the kill and for Ray to restart the service
@@ -132,13 +165,26 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
     from stoker.cluster import run
     from stoker.cluster.service import find_services
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     n = len(open_dataset(url, storage_options=opts, cache=False))
     victim = _node_ids()[1]
     pid_before = find_services()[victim]["pid"]
-    res = run(partial(_read_and_kill, victim=victim, pid_before=pid_before), url, 3, {"CPU": 0.5}, storage_options=opts,
-              cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20, block_bytes=BLOCK,
-              placement="random", seed=3, job="kill", retry_s=0.2, timeout_s=180)
+    res = run(
+        partial(_read_and_kill, victim=victim, pid_before=pid_before),
+        url,
+        3,
+        {"CPU": 0.5},
+        storage_options=opts,
+        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_bytes=64 << 20,
+        block_bytes=BLOCK,
+        placement="random",
+        seed=3,
+        job="kill",
+        retry_s=0.2,
+        timeout_s=180,
+    )
     _job_ids_ok(res, n)  # every sample exactly once in both epochs despite the kill
     assert _sum(res, 0, "fallbacks") >= 1 and _sum(res, 0, "origin_bytes") > 0
     assert find_services()[victim]["pid"] != pid_before  # restarted
@@ -151,8 +197,10 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
 
 def _loader_epoch(ctx):
     from stoker import ImageOptions, ReadOptions
-    loader = ctx.loader(8, num_workers=1, transform="eval", image=ImageOptions(image_size=32),
-                        read=ReadOptions(prefetch_bytes=1 << 20))
+
+    loader = ctx.loader(
+        8, num_workers=1, transform="eval", image=ImageOptions(image_size=32), read=ReadOptions(prefetch_bytes=1 << 20)
+    )
     try:
         for _ in loader:
             pass
@@ -163,9 +211,22 @@ def _loader_epoch(ctx):
 
 def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluster, s3_dataset, tmp_path_factory):
     from stoker.cluster import run
+
     url, opts = s3_dataset
-    res = run(_loader_epoch, url, 3, {"CPU": 0.5}, storage_options=opts, cache_root=str(tmp_path_factory.mktemp("c")),
-              cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=1, job="loader", timeout_s=180)
+    res = run(
+        _loader_epoch,
+        url,
+        3,
+        {"CPU": 0.5},
+        storage_options=opts,
+        cache_root=str(tmp_path_factory.mktemp("c")),
+        cache_bytes=64 << 20,
+        block_bytes=BLOCK,
+        placement="random",
+        seed=1,
+        job="loader",
+        timeout_s=180,
+    )
     recs = [r["result"][0] for r in res]
     assert all(rec["exactly_once"] and rec["samples"] == 40 for rec in recs)
     assert sum(rec["peer_bytes"] for rec in recs) > 0  # forked children reached peers (via the relay)
@@ -178,6 +239,7 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
 
     from stoker.cluster import cluster_state, ray_state
     from stoker.cluster.extender import file_state, scores, serve
+
     url, opts = s3_dataset
     state = cluster_state([url], opts, block_bytes=BLOCK)
     source = ray_state([url], opts, block_bytes=BLOCK)  # the extender's other source: the services themselves
@@ -194,10 +256,16 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
     try:
         assert srv.server_address[0] == "127.0.0.1"
         names = list(state["nodes"])
-        args = {"Pod": {"metadata": {"name": "p", "annotations": {"stoker.io/dataset": url}}}, "Nodes": None,
-                "NodeNames": names}
-        req = urllib.request.Request(f"http://127.0.0.1:{srv.server_address[1]}/stoker/prioritize",
-                                     data=json.dumps(args).encode(), headers={"Content-Type": "application/json"})
+        args = {
+            "Pod": {"metadata": {"name": "p", "annotations": {"stoker.io/dataset": url}}},
+            "Nodes": None,
+            "NodeNames": names,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{srv.server_address[1]}/stoker/prioritize",
+            data=json.dumps(args).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             got = json.loads(resp.read())
         best = max(names, key=lambda n: state["nodes"][n]["datasets"][url])
@@ -210,6 +278,7 @@ def test_warm_and_cluster_state_commands(cluster, s3_dataset, tmp_path, capsys):
     import json
 
     from stoker.cli import main
+
     url, opts = s3_dataset
     args = ["--storage-options", json.dumps(opts), "--block-size", str(BLOCK)]
     assert main(["warm", url, "--no-progress", *args]) == 0
@@ -221,8 +290,9 @@ def test_warm_and_cluster_state_commands(cluster, s3_dataset, tmp_path, capsys):
     assert sum(v["datasets"][url] for v in state["nodes"].values()) == report["dataset_bytes"]
 
 
-def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_missing(cluster, packed_local, tmp_path,
-                                                                                        capsys):
+def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_missing(
+    cluster, packed_local, tmp_path, capsys
+):
     """A corrupt sample in one shard: the warm-up caches the rest, names the shard and exits 1 (no
     traceback); with the shard repaired and the services restarted, the rerun fetches only that."""
     import json
@@ -231,6 +301,7 @@ def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_m
     from stoker.cli import main
     from stoker.cluster.service import stop_services
     from stoker.store.dataset import open_dataset
+
     url = str(tmp_path / "ds")
     shutil.copytree(packed_local, url)
     ds = open_dataset(url, cache=False, check=False, block_bytes=BLOCK)
@@ -244,8 +315,17 @@ def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_m
         f.seek(at)
         f.write(bytes([good[0] ^ 0xFF]))
     stop_services()  # fresh services on a fresh cache root
-    args = ["warm", url, "--no-progress", "--block-size", str(BLOCK), "--cache-dir", str(tmp_path / "cache"),
-            "--cache-size", str(64 << 20)]
+    args = [
+        "warm",
+        url,
+        "--no-progress",
+        "--block-size",
+        str(BLOCK),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--cache-size",
+        str(64 << 20),
+    ]
     capsys.readouterr()
     assert main(args) == 1
     out, err = capsys.readouterr()

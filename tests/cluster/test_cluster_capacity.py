@@ -1,5 +1,6 @@
 """Co-location is a preference, capacity a limit: ranks never wait pinned behind each other on a
 node that cannot run them all; a job that does not fit is refused at once, saying why."""
+
 from __future__ import annotations
 
 import os
@@ -45,10 +46,12 @@ def test_ranks_that_do_not_fit_on_the_data_node_start_together_elsewhere(cluster
     4 such ranks are refused at once, naming the request and every node's free CPUs."""
     from stoker.cluster import read_epochs, run
     from stoker.cluster.service import stop_services
+
     url, opts = s3_dataset
     stop_services()  # fresh services on a fresh cache root: the data goes to the first job's node only
-    common = dict(storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20,
-                  block_bytes=BLOCK, timeout_s=180)
+    common = dict(
+        storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
+    )
     try:
         first = run(partial(read_epochs, epochs=1), url, 1, {"CPU": 1}, job="first", **common)
         assert first[0]["result"][0]["origin_bytes"] > 0

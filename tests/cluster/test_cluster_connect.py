@@ -1,6 +1,7 @@
 """A rank reaches its peers before its first read (``BlockRouter.connect``): every owning peer's
 service is looked up and answered once, and a peer that cannot be reached is suspect from the
 start, so its blocks come from the origin without a stall on the read path."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,16 +14,32 @@ pytestmark = pytest.mark.usefixtures("fresh_services")
 
 def _handles_at_start(ctx):
     router = ctx.dataset.reader.router
-    return {"handles": sorted(router._handles), "owners": sorted({int(o) for o in np.unique(router.owner)}),
-            "me": router.me, "suspects": router.suspects()}
+    return {
+        "handles": sorted(router._handles),
+        "owners": sorted({int(o) for o in np.unique(router.owner)}),
+        "me": router.me,
+        "suspects": router.suspects(),
+    }
 
 
 def test_every_owning_peer_is_reached_before_the_first_read(cluster, s3_dataset, tmp_path_factory):
     from stoker.cluster import run
+
     url, opts = s3_dataset
-    res = run(_handles_at_start, url, 3, {"CPU": 0.5}, storage_options=opts, placement="random", seed=5,
-              cache_root=str(tmp_path_factory.mktemp("cache")), cache_bytes=64 << 20, block_bytes=64 << 10,
-              job="connect", timeout_s=120)
+    res = run(
+        _handles_at_start,
+        url,
+        3,
+        {"CPU": 0.5},
+        storage_options=opts,
+        placement="random",
+        seed=5,
+        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_bytes=64 << 20,
+        block_bytes=64 << 10,
+        job="connect",
+        timeout_s=120,
+    )
     for r in res:
         got = r["result"]
         assert got["suspects"] == []
@@ -34,12 +51,14 @@ def test_a_peer_without_a_service_is_suspect_from_the_start(cluster):
     from stoker.cluster.counters import ByteCounters
     from stoker.cluster.reader import BlockRouter
     from stoker.cluster.service import alive_nodes
+
     real = alive_nodes()[0]["NodeID"]
     missing = "f" * len(real)  # no such node: no service to find
     counters = ByteCounters()
     try:
-        router = BlockRouter({"url": "file:///nowhere"}, [real, missing], np.array([0, 1, 1]), 0, counters,
-                             timeout_s=5.0, retry_s=0.2)
+        router = BlockRouter(
+            {"url": "file:///nowhere"}, [real, missing], np.array([0, 1, 1]), 0, counters, timeout_s=5.0, retry_s=0.2
+        )
         assert router.connect() == [missing]
         assert router.suspects() == [missing]
         with pytest.raises(Exception, match="last call failed"):

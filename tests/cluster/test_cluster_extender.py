@@ -1,5 +1,6 @@
 """The scheduler extender answers every request with JSON: odd request shapes, bad state files,
 oversized or broken bodies, and a Hypothesis fuzz over its JSON (no Ray, no Kubernetes)."""
+
 from __future__ import annotations
 
 import http.client
@@ -13,11 +14,14 @@ from hypothesis import strategies as st
 from stoker.cluster import extender
 
 DS = "s3://b/ds"
-STATE = {"nodes": {"n1": {"cache_bytes": 100, "datasets": {DS: 80}},
-                   "n2": {"cache_bytes": 100, "datasets": {DS: 20}},
-                   "ghost": {"cache_bytes": 100, "datasets": {DS: 999}}}}
-POD = {"metadata": {"name": "p", "annotations": {extender.DATASET_ANNOTATION: DS,
-                                                  extender.REQUIRE_ANNOTATION: "true"}}}
+STATE = {
+    "nodes": {
+        "n1": {"cache_bytes": 100, "datasets": {DS: 80}},
+        "n2": {"cache_bytes": 100, "datasets": {DS: 20}},
+        "ghost": {"cache_bytes": 100, "datasets": {DS: 999}},
+    }
+}
+POD = {"metadata": {"name": "p", "annotations": {extender.DATASET_ANNOTATION: DS, extender.REQUIRE_ANNOTATION: "true"}}}
 CAP = 64 << 10  # a small body cap, so that the 413 test sends little
 
 
@@ -92,11 +96,13 @@ def test_a_state_file_of_the_wrong_shape_is_a_json_error_naming_it_and_the_serve
     port = srv.server_address[1]
     args = {"Pod": POD, "NodeNames": ["n1", "n2"]}
     try:
-        for bad, entry in (('{"nodes": {"n1": [1, 2]}}', "nodes['n1']"),
-                           ('{"nodes": {"n1": {"datasets": {"s3://b/ds": "80"}}}}', "datasets['s3://b/ds']"),
-                           ('{"nodes": {"n1": {"cache_bytes": -1}}}', "cache_bytes"),
-                           ('{"nodes": {"n1": ', "not JSON"),
-                           ('[]', "'nodes' object")):
+        for bad, entry in (
+            ('{"nodes": {"n1": [1, 2]}}', "nodes['n1']"),
+            ('{"nodes": {"n1": {"datasets": {"s3://b/ds": "80"}}}}', "datasets['s3://b/ds']"),
+            ('{"nodes": {"n1": {"cache_bytes": -1}}}', "cache_bytes"),
+            ('{"nodes": {"n1": ', "not JSON"),
+            ("[]", "'nodes' object"),
+        ):
             path.write_text(bad)
             for verb in ("filter", "prioritize"):
                 code, body = _post(port, verb, args)
@@ -121,21 +127,28 @@ def test_state_sources_that_fail_or_return_odd_shapes_give_500(port, box):
     assert _post(port, "filter", args)[0] == 200
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"Pod": POD, "NodeNames": "n1"}, "NodeNames must be an array"),
-    ({"Pod": POD, "NodeNames": ["n1", 7]}, "NodeNames[1]"),
-    ({"Pod": POD, "NodeNames": [["n1"]]}, "NodeNames[0]"),
-    ({"Pod": POD, "Nodes": {"items": [{"metadata": {"name": "n1"}}, 3]}}, "Nodes.items[1]"),
-    ({"Pod": POD, "Nodes": {"items": [{}]}}, "Nodes.items[0].metadata.name"),
-    ({"Pod": POD, "Nodes": {"items": {"n1": {}}}}, "Nodes.items must be an array"),
-    ({"Pod": POD, "Nodes": []}, "Nodes must be an object"),
-    ({"Pod": [], "NodeNames": ["n1"]}, "Pod must be an object"),
-    ({"Pod": {"metadata": "p"}, "NodeNames": ["n1"]}, "Pod.metadata must be an object"),
-    ({"Pod": {"metadata": {"annotations": {extender.DATASET_ANNOTATION: {"url": DS}}}}, "NodeNames": ["n1"]},
-     "stoker.io/dataset"),
-    ({"Pod": {"metadata": {"annotations": {extender.REQUIRE_ANNOTATION: True}}}, "NodeNames": ["n1"]},
-     "stoker.io/require-cache"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"Pod": POD, "NodeNames": "n1"}, "NodeNames must be an array"),
+        ({"Pod": POD, "NodeNames": ["n1", 7]}, "NodeNames[1]"),
+        ({"Pod": POD, "NodeNames": [["n1"]]}, "NodeNames[0]"),
+        ({"Pod": POD, "Nodes": {"items": [{"metadata": {"name": "n1"}}, 3]}}, "Nodes.items[1]"),
+        ({"Pod": POD, "Nodes": {"items": [{}]}}, "Nodes.items[0].metadata.name"),
+        ({"Pod": POD, "Nodes": {"items": {"n1": {}}}}, "Nodes.items must be an array"),
+        ({"Pod": POD, "Nodes": []}, "Nodes must be an object"),
+        ({"Pod": [], "NodeNames": ["n1"]}, "Pod must be an object"),
+        ({"Pod": {"metadata": "p"}, "NodeNames": ["n1"]}, "Pod.metadata must be an object"),
+        (
+            {"Pod": {"metadata": {"annotations": {extender.DATASET_ANNOTATION: {"url": DS}}}}, "NodeNames": ["n1"]},
+            "stoker.io/dataset",
+        ),
+        (
+            {"Pod": {"metadata": {"annotations": {extender.REQUIRE_ANNOTATION: True}}}, "NodeNames": ["n1"]},
+            "stoker.io/require-cache",
+        ),
+    ],
+)
 def test_requests_of_the_wrong_shape_get_400_naming_the_field(port, args, field):
     for verb in ("filter", "prioritize"):
         code, body = _post(port, verb, args)
@@ -163,8 +176,12 @@ def test_bodies_over_the_cap_get_413_and_broken_bodies_a_json_error(port):
     assert _request(port, "GET", "/stoker/filter", b"")[0] == 405  # the verbs take POST only
     assert _request(port, "GET", "/healthz", b"")[0] == 200
     # a length that is negative or not a number, a chunked body, a body shorter than its length
-    for head, code in ((b"Content-Length: -5\r\n", 400), (b"Content-Length: lots\r\n", 400),
-                       (b"Transfer-Encoding: chunked\r\n", 400), (b"Content-Length: 100\r\n", 400)):
+    for head, code in (
+        (b"Content-Length: -5\r\n", 400),
+        (b"Content-Length: lots\r\n", 400),
+        (b"Transfer-Encoding: chunked\r\n", 400),
+        (b"Content-Length: 100\r\n", 400),
+    ):
         out = _raw(port, b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
         status, _, payload = out.partition(b"\r\n\r\n")
         assert status.split()[1] == str(code).encode(), out
@@ -205,12 +222,22 @@ def test_a_negative_length_with_a_large_body_is_refused_without_reading_it(port)
 
 def test_chunked_bodies_are_read_within_the_cap(port):
     ok = json.dumps({"Pod": POD, "NodeNames": ["n1"]}).encode()
-    out = _raw(port, b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-               + b"%x\r\n" % len(ok) + ok + b"\r\n0\r\n\r\n")
+    out = _raw(
+        port,
+        b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n" % len(ok)
+        + ok
+        + b"\r\n0\r\n\r\n",
+    )
     assert json.loads(out.partition(b"\r\n\r\n")[2])["NodeNames"] == ["n1"]
     big = b" " * (CAP + 1)
-    out = _raw(port, b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-               + b"%x\r\n" % len(big) + big + b"\r\n0\r\n\r\n")
+    out = _raw(
+        port,
+        b"POST /stoker/filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n" % len(big)
+        + big
+        + b"\r\n0\r\n\r\n",
+    )
     assert _status_and_error(out)[0] == 413
 
 
@@ -239,6 +266,7 @@ def test_idle_and_slow_loris_connections_are_closed_and_others_still_served():
 
 def test_many_concurrent_requests_are_all_answered(port):
     from concurrent.futures import ThreadPoolExecutor
+
     args = [{"Pod": POD, "NodeNames": ["n1", "n2"]}, {"Nodes": [1, 2]}, {"NodeNames": [1]}, "[1]"]
     with ThreadPoolExecutor(32) as ex:
         got = list(ex.map(lambda k: _post(port, ("filter", "prioritize")[k % 2], args[k % 4]), range(200)))
@@ -249,6 +277,7 @@ def test_many_concurrent_requests_are_all_answered(port):
 
 def test_answers_carry_the_state_age(port, box):
     import time
+
     box.state = {**STATE, "time": time.time() - 5}
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -261,24 +290,38 @@ def test_answers_carry_the_state_age(port, box):
         box.state = STATE
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                    max_size=4),
-                     max_leaves=20)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
 _name = st.sampled_from(["n1", "n2", "ghost", "n3", ""]) | _json
 _node = st.fixed_dictionaries({}, optional={"metadata": st.fixed_dictionaries({}, optional={"name": _name}) | _json})
-_ann = st.dictionaries(st.sampled_from([extender.DATASET_ANNOTATION, extender.REQUIRE_ANNOTATION, "x"]),
-                       st.sampled_from([DS, "true", "false", "s3://other"]) | _json, max_size=3)
-_pod = st.fixed_dictionaries({}, optional={"metadata": st.fixed_dictionaries({}, optional={"annotations": _ann})
-                                           | _json}) | _json
-_args = st.fixed_dictionaries({}, optional={
-    "Pod": _pod,
-    "Nodes": st.fixed_dictionaries({}, optional={"items": st.lists(_node | _json, max_size=4) | _json}) | _json,
-    "NodeNames": st.lists(_name, max_size=4) | _json}) | _json
+_ann = st.dictionaries(
+    st.sampled_from([extender.DATASET_ANNOTATION, extender.REQUIRE_ANNOTATION, "x"]),
+    st.sampled_from([DS, "true", "false", "s3://other"]) | _json,
+    max_size=3,
+)
+_pod = (
+    st.fixed_dictionaries({}, optional={"metadata": st.fixed_dictionaries({}, optional={"annotations": _ann}) | _json})
+    | _json
+)
+_args = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "Pod": _pod,
+            "Nodes": st.fixed_dictionaries({}, optional={"items": st.lists(_node | _json, max_size=4) | _json}) | _json,
+            "NodeNames": st.lists(_name, max_size=4) | _json,
+        },
+    )
+    | _json
+)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(args=_args, verb=st.sampled_from(["filter", "prioritize"]))
 def test_fuzz_every_json_request_gets_a_json_answer_naming_only_requested_nodes(port, args, verb):
     code, body = _post(port, verb, args)  # raises on a dropped connection or a body that is not JSON
@@ -295,10 +338,25 @@ def test_fuzz_every_json_request_gets_a_json_answer_naming_only_requested_nodes(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(state=st.fixed_dictionaries({"nodes": st.dictionaries(st.sampled_from(["n1", "n2"]), _json | st.fixed_dictionaries(
-    {}, optional={"cache_bytes": st.integers(-5, 500) | _json,
-                  "datasets": st.dictionaries(st.sampled_from([DS, "x"]), st.integers(-5, 500) | _json) | _json}),
-    max_size=2)}) | _json)
+@given(
+    state=st.fixed_dictionaries(
+        {
+            "nodes": st.dictionaries(
+                st.sampled_from(["n1", "n2"]),
+                _json
+                | st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "cache_bytes": st.integers(-5, 500) | _json,
+                        "datasets": st.dictionaries(st.sampled_from([DS, "x"]), st.integers(-5, 500) | _json) | _json,
+                    },
+                ),
+                max_size=2,
+            )
+        }
+    )
+    | _json
+)
 def test_fuzz_any_state_gives_an_answer_or_a_500_json_error(port, box, state):
     box.state = state
     try:

@@ -2,6 +2,7 @@
 time limit, so a Ray cluster that is gone, hangs or never existed only ages the state; requests
 are answered at once and the server stays up (the children are stand-ins, except in the last
 test, which starts a real one-node Ray cluster of its own and shuts it down)."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,13 @@ from stoker.cluster import extender
 from stoker.cluster.extender_live import cluster_state_command, live_state, run_state_command
 
 DS = "s3://b/ds"
-ARGS = {"Pod": {"metadata": {"name": "p", "annotations": {extender.DATASET_ANNOTATION: DS,
-                                                          extender.REQUIRE_ANNOTATION: "true"}}},
-        "Nodes": None, "NodeNames": ["n1", "n2"]}
+ARGS = {
+    "Pod": {
+        "metadata": {"name": "p", "annotations": {extender.DATASET_ANNOTATION: DS, extender.REQUIRE_ANNOTATION: "true"}}
+    },
+    "Nodes": None,
+    "NodeNames": ["n1", "n2"],
+}
 
 
 def _post(port, verb):
@@ -65,10 +70,14 @@ def test_live_state_serves_what_the_child_printed_then_ages_when_it_fails(tmp_pa
     flag = tmp_path / "up"
     flag.write_text("1")
     now = time.time()
-    good = {"time": now, "nodes": {"n1": {"cache_bytes": 100, "datasets": {DS: 80}},
-                                   "n2": {"cache_bytes": 100, "datasets": {DS: 10}}}}
-    code = (f"import json, os, sys\nif not os.path.exists({str(flag)!r}): sys.exit('Ray cluster gone')\n"
-            f"print(json.dumps({good!r}))")
+    good = {
+        "time": now,
+        "nodes": {"n1": {"cache_bytes": 100, "datasets": {DS: 80}}, "n2": {"cache_bytes": 100, "datasets": {DS: 10}}},
+    }
+    code = (
+        f"import json, os, sys\nif not os.path.exists({str(flag)!r}): sys.exit('Ray cluster gone')\n"
+        f"print(json.dumps({good!r}))"
+    )
     state = live_state([DS], command=_py(code), every_s=0.1, timeout_s=20)
     srv = extender.serve(state, port=0, max_age_s=3600)
     port = srv.server_address[1]
@@ -88,19 +97,39 @@ def test_live_state_serves_what_the_child_printed_then_ages_when_it_fails(tmp_pa
 
 def test_the_command_is_stoker_cluster_state_with_its_options():
     cmd = cluster_state_command([DS], "10.0.0.1:6379", {"anon": True}, 1 << 20, python="py")
-    assert cmd == ["py", "-m", "stoker.cli", "cluster-state", DS, "--timeout", "65", "--ray-address", "10.0.0.1:6379",
-                   "--storage-options", '{"anon": true}', "--block-size", str(1 << 20)]
+    assert cmd == [
+        "py",
+        "-m",
+        "stoker.cli",
+        "cluster-state",
+        DS,
+        "--timeout",
+        "65",
+        "--ray-address",
+        "10.0.0.1:6379",
+        "--storage-options",
+        '{"anon": true}',
+        "--block-size",
+        str(1 << 20),
+    ]
 
 
 def test_a_cluster_state_child_gives_up_by_itself_when_no_cluster_answers():
     """The refresh's child ends itself (exit 124, as coreutils timeout) even when no parent is
     left to stop it: an extender that was killed must not leave children waiting on Ray."""
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "cluster-state", DS, "--ray-address", "127.0.0.1:9",
-                          "--timeout", "3"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "cluster-state", DS, "--ray-address", "127.0.0.1:9", "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 124 and "no answer within 3 s" in out.stderr, out.stderr[-2000:]
     # and with its parent gone: the pipes it writes to are closed (its message cannot be written)
-    proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "cluster-state", DS, "--ray-address", "127.0.0.1:9",
-                             "--timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stoker.cli", "cluster-state", DS, "--ray-address", "127.0.0.1:9", "--timeout", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()
     proc.stderr.close()
     assert proc.wait(timeout=120) == 124
@@ -109,13 +138,29 @@ def test_a_cluster_state_child_gives_up_by_itself_when_no_cluster_answers():
 def test_stoker_extender_with_a_ray_address_that_never_existed_stays_up_and_answers(tmp_path):
     """The CLI itself: no Ray at the address; the server starts, answers at once and keeps running."""
     import socket
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "extender", "--dataset", DS, "--ray-address",
-                             "127.0.0.1:9", "--port", str(port), "--refresh-timeout", "5"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stoker.cli",
+            "extender",
+            "--dataset",
+            DS,
+            "--ray-address",
+            "127.0.0.1:9",
+            "--port",
+            str(port),
+            "--refresh-timeout",
+            "5",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -150,6 +195,7 @@ c.shutdown()
 
 def _free_port() -> int:
     import socket
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -164,20 +210,50 @@ def test_stoker_extender_outlives_the_ray_cluster_it_asks(packed_local, tmp_path
     children alike): an extender that had joined Ray would die then. This one keeps answering
     every request within a second or two, past that point, and its state goes stale."""
     pytest.importorskip("ray")
-    head = subprocess.Popen([sys.executable, "-c", _RAY_HEAD, str(tmp_path / "cache")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    head = subprocess.Popen(
+        [sys.executable, "-c", _RAY_HEAD, str(tmp_path / "cache")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     proc = None
     try:
         info = json.loads(head.stdout.readline())
         port = _free_port()
         env = dict(os.environ, RAY_gcs_rpc_server_reconnect_timeout_s="5")
-        proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "extender", "--dataset", packed_local,
-                                 "--ray-address", info["address"], "--port", str(port), "--refresh-every", "0.5",
-                                 "--refresh-timeout", "15", "--max-age", "3"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        args = {"Pod": {"metadata": {"name": "p", "annotations": {extender.DATASET_ANNOTATION: packed_local,
-                                                                  extender.REQUIRE_ANNOTATION: "true"}}},
-                "Nodes": None, "NodeNames": [info["node"], "elsewhere"]}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "stoker.cli",
+                "extender",
+                "--dataset",
+                packed_local,
+                "--ray-address",
+                info["address"],
+                "--port",
+                str(port),
+                "--refresh-every",
+                "0.5",
+                "--refresh-timeout",
+                "15",
+                "--max-age",
+                "3",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        args = {
+            "Pod": {
+                "metadata": {
+                    "name": "p",
+                    "annotations": {extender.DATASET_ANNOTATION: packed_local, extender.REQUIRE_ANNOTATION: "true"},
+                }
+            },
+            "Nodes": None,
+            "NodeNames": [info["node"], "elsewhere"],
+        }
 
         def post(verb):
             req = urllib.request.Request(f"http://127.0.0.1:{port}/stoker/{verb}", data=json.dumps(args).encode())

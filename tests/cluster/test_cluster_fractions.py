@@ -2,6 +2,7 @@
 
 Runs the cluster read path (BlockRouter + ByteCounters) on one node without Ray: the node owns
 every block, so nothing goes to a peer."""
+
 import os
 
 import numpy as np
@@ -55,6 +56,7 @@ def test_counter_files_of_killed_ranks_are_swept_by_the_next_rank(tmp_path, monk
     import sys
 
     from stoker.cluster import counters
+
     monkeypatch.setattr(counters.os.path, "isdir", lambda p: False)  # no /dev/shm: the temp dir
     monkeypatch.setattr(counters.tempfile, "gettempdir", lambda: str(tmp_path))
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

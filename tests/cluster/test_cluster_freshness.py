@@ -1,5 +1,6 @@
 """The extender does not trust old cache state, and a slow or hung state source never holds a
 request (no Ray: the sources are plain callables and files)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,11 @@ def _args(ann, names=("n1", "n2", "n3")):
 
 
 def _post(port, verb, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/stoker/{verb}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/stoker/{verb}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return resp.status, json.loads(resp.read())
 
@@ -55,9 +59,10 @@ def test_a_state_time_in_the_future_or_not_a_number_is_refused(tmp_path):
     """A state stamped in the future would never grow old, and a time that is not a number must
     not silently fall back to the file's age: both are refused, naming the file."""
     import pytest
+
     path = tmp_path / "state.json"
     get = extender.file_state(str(path))
-    for bad in (time.time() + 10 ** 6, "yesterday", float("nan"), True):
+    for bad in (time.time() + 10**6, "yesterday", float("nan"), True):
         path.write_text(json.dumps({"time": bad, "nodes": NODES}))
         with pytest.raises(ValueError, match=f"{path}: 'time'"):
             get()

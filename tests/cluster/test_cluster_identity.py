@@ -1,5 +1,6 @@
 """A node's cache identity (stoker.cluster.identity): one directory per host slot, the same one
 after a restart, never shared by two live services. No Ray."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,10 @@ def test_live_services_never_share_a_slot_and_a_restarted_one_gets_its_own_back(
 
 
 def test_a_killed_holder_frees_its_slot(tmp_path):
-    code = ("import sys, time; from stoker.cluster.identity import claim_cache_dir; "
-            f"c = claim_cache_dir({str(tmp_path)!r}, owner='old', host='h1'); print(c.key, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from stoker.cluster.identity import claim_cache_dir; "
+        f"c = claim_cache_dir({str(tmp_path)!r}, owner='old', host='h1'); print(c.key, flush=True); time.sleep(60)"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -62,8 +65,10 @@ def test_host_name_comes_from_node_name_and_is_safe_in_a_path(monkeypatch):
 
 def test_blocks_are_placed_by_the_stable_cache_keys():
     import pytest
+
     pytest.importorskip("ray")
     from stoker.cluster.service import placement_keys
+
     services = {"ray-a": {"cache_key": "node-h1-0"}, "ray-b": {"cache_key": "node-h2-0"}, "ray-c": {}}
     assert placement_keys(services, ["ray-b", "ray-a", "ray-c"]) == ["node-h2-0", "node-h1-0", "ray-c"]
     twins = {"ray-a": {"cache_key": "node-localhost-0"}, "ray-b": {"cache_key": "node-localhost-0"}}

@@ -1,5 +1,6 @@
 """Cluster mode under real use: services that outlive a driver, a node that dies, a warm-up that
 meets a restarting service (on the session's 3-node ray.cluster_utils.Cluster)."""
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks
 def _read_two_epochs(ctx, flag: str):
     """Epoch 0, then wait (at most 120 s) for ``flag`` to exist, then epoch 1."""
     from stoker.cluster import read_epochs
+
     read_epochs(ctx, 1)
     deadline = time.monotonic() + 120
     while not os.path.exists(flag) and time.monotonic() < deadline:
@@ -41,19 +43,35 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
     peers: B's next epoch still reads its peers, no fallback, and every service still answers."""
     from stoker.cluster import run
     from stoker.cluster.service import find_services, stop_services
+
     url, opts = s3_dataset
     stop_services()
     cache_root = str(tmp_path / "cache")
-    a = subprocess.Popen([sys.executable, "-c", _DRIVER_A, cluster.address, cache_root],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    a = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER_A, cluster.address, cache_root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert a.stdout.readline().strip() == "ready"
         pids = {k: v["pid"] for k, v in find_services().items()}
         assert len(pids) == 3
         flag = str(tmp_path / "go")
-        refs = run(partial(_read_two_epochs, flag=flag), url, 3, {"CPU": 0.5}, storage_options=opts,
-                   cache_root=cache_root, cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=5,
-                   job="B", wait=False)
+        refs = run(
+            partial(_read_two_epochs, flag=flag),
+            url,
+            3,
+            {"CPU": 0.5},
+            storage_options=opts,
+            cache_root=cache_root,
+            cache_bytes=64 << 20,
+            block_bytes=BLOCK,
+            placement="random",
+            seed=5,
+            job="B",
+            wait=False,
+        )
         a.stdin.close()
         assert a.wait(timeout=60) == 0
         time.sleep(1)
@@ -73,7 +91,8 @@ def _one_rank_fails(ctx, out_dir: str):
     if ctx.rank == 0:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(out_dir, f"started{r}")) for r in range(1, ctx.world_size)):
+            os.path.exists(os.path.join(out_dir, f"started{r}")) for r in range(1, ctx.world_size)
+        ):
             time.sleep(0.05)
         raise RuntimeError("rank 0 broke")
     how = "finished"
@@ -94,10 +113,20 @@ def test_a_failed_rank_cancels_the_other_ranks(cluster, s3_dataset, tmp_path):
     """The first failure ends the job: run raises it (naming the rank) and the other ranks are
     cancelled (their finally blocks run), not left running with nobody waiting for them."""
     from stoker.cluster import run
+
     url, opts = s3_dataset
     with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 broke") as ei:
-        run(partial(_one_rank_fails, out_dir=str(tmp_path)), url, 3, {"CPU": 0.5}, storage_options=opts,
-            cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="fails")
+        run(
+            partial(_one_rank_fails, out_dir=str(tmp_path)),
+            url,
+            3,
+            {"CPU": 0.5},
+            storage_options=opts,
+            cache_root=str(tmp_path / "cache"),
+            cache_bytes=64 << 20,
+            block_bytes=BLOCK,
+            job="fails",
+        )
     assert any("rank 0" in note for note in getattr(ei.value, "__notes__", []))
     deadline = time.monotonic() + 120
     files = [tmp_path / f"rank{r}" for r in (1, 2)]
@@ -110,10 +139,20 @@ def test_a_failed_rank_cancels_the_others_when_the_caller_holds_the_refs(cluster
     """``run(wait=False)`` and a plain ``ray.get`` (no :func:`gather`): the first failure still
     cancels the other ranks (a watcher in the driver), so nobody runs on with no one waiting."""
     from stoker.cluster import run
+
     url, opts = s3_dataset
-    refs = run(partial(_one_rank_fails, out_dir=str(tmp_path)), url, 3, {"CPU": 0.5}, storage_options=opts,
-               cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="fails-nowait",
-               wait=False)
+    refs = run(
+        partial(_one_rank_fails, out_dir=str(tmp_path)),
+        url,
+        3,
+        {"CPU": 0.5},
+        storage_options=opts,
+        cache_root=str(tmp_path / "cache"),
+        cache_bytes=64 << 20,
+        block_bytes=BLOCK,
+        job="fails-nowait",
+        wait=False,
+    )
     with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 broke"):
         ray.get(refs[0], timeout=120)
     deadline = time.monotonic() + 120
@@ -149,6 +188,7 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
     import threading
 
     from stoker.cluster import run
+
     node = cluster.add_node(num_cpus=1, resources={"node_dies_mid_job": 1}, object_store_memory=100 << 20)
     cluster.wait_for_nodes()
     out = tmp_path / "out"
@@ -162,13 +202,23 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
             time.sleep(0.05)
         killed["t"] = time.monotonic()
         cluster.remove_node(node, allow_graceful=False)
+
     killer = threading.Thread(target=kill_when_all_run, daemon=True)
     killer.start()
     errors = (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError)  # node gone, or its worker first
     try:
         with pytest.raises(errors) as ei:  # four nodes, one rank each: one rank on the doomed node
-            run(partial(_steps, out_dir=str(out)), packed_local, 4, {"CPU": 0.5}, slots_per_node=1,
-                cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, job="node-dies")
+            run(
+                partial(_steps, out_dir=str(out)),
+                packed_local,
+                4,
+                {"CPU": 0.5},
+                slots_per_node=1,
+                cache_root=str(tmp_path / "cache"),
+                cache_bytes=64 << 20,
+                block_bytes=BLOCK,
+                job="node-dies",
+            )
         raised_after_s = time.monotonic() - killed["t"]
     finally:
         killer.join(180)
@@ -177,8 +227,7 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
         # run may raise on the crashed worker before Ray's health check marks the node dead; a
         # later test's actor must not be placed on it meanwhile (it would die with the node)
         deadline = time.monotonic() + 120
-        while (any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes())
-               and time.monotonic() < deadline):
+        while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
             time.sleep(0.2)
     assert raised_after_s < 90  # prompt: not the ranks' 120 s, nor a hang
     note = " ".join(getattr(ei.value, "__notes__", []))
@@ -232,6 +281,7 @@ def test_a_peer_that_hangs_on_a_live_node_costs_one_stall(cluster, s3_dataset, m
     from stoker.cluster.counters import ByteCounters
     from stoker.cluster.reader import BlockRouter
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     peer = _SlowPeer.remote()
     ray.get(peer.count.remote(), timeout=120)  # started: the first read reaches it
@@ -239,8 +289,15 @@ def test_a_peer_that_hangs_on_a_live_node_costs_one_stall(cluster, s3_dataset, m
     node = service.alive_nodes()[0]["NodeID"]  # alive in Ray's table throughout
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     counters = ByteCounters()
-    router = BlockRouter(service.dataset_ref(ds, opts), [node], np.zeros(ds.num_blocks, np.int64), -1,
-                         counters, timeout_s=0.5, retry_s=0.05)
+    router = BlockRouter(
+        service.dataset_ref(ds, opts),
+        [node],
+        np.zeros(ds.num_blocks, np.int64),
+        -1,
+        counters,
+        timeout_s=0.5,
+        retry_s=0.05,
+    )
 
     def block(b):
         start = int(ds.block_start[b])
@@ -274,14 +331,22 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
     from stoker.cluster.counters import ByteCounters
     from stoker.cluster.reader import BlockRouter
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     node = cluster.add_node(num_cpus=1, resources={"node_dies": 1}, object_store_memory=100 << 20)
     cluster.wait_for_nodes()
     service.start_services(str(tmp_path / "cache"), 64 << 20)
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     counters = ByteCounters()
-    router = BlockRouter(service.dataset_ref(ds, opts), [node.node_id], np.zeros(ds.num_blocks, np.int64), -1,
-                         counters, timeout_s=30, retry_s=0.0)
+    router = BlockRouter(
+        service.dataset_ref(ds, opts),
+        [node.node_id],
+        np.zeros(ds.num_blocks, np.int64),
+        -1,
+        counters,
+        timeout_s=30,
+        retry_s=0.0,
+    )
 
     def block(b):
         start = int(ds.block_start[b])
@@ -330,6 +395,7 @@ class _KillOnFirstFill:
                 box["killed"] = True
                 ray.kill(h, no_restart=not restart)
                 return ref
+
         return _Fill
 
 
@@ -338,6 +404,7 @@ def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_loc
     restarted service and the warm-up completes, nothing failed."""
     import stoker.cluster.warmup as warmup
     from stoker.cluster.service import find_services, stop_services
+
     stop_services()  # fresh services on a fresh cache root: nothing cached yet
     box = {"killed": False}
     real = warmup.get_service
@@ -347,9 +414,11 @@ def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_loc
         chosen.setdefault("victim", nid)
         h = real(nid)
         return _KillOnFirstFill(h, box) if nid == chosen["victim"] else h
+
     monkeypatch.setattr(warmup, "get_service", patched)
-    r = warmup.warm(packed_local, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK,
-                    progress=False)
+    r = warmup.warm(
+        packed_local, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, progress=False
+    )
     assert box["killed"]
     assert r["failed_shards"] == {} and sum(n["failed"] for n in r["nodes"].values()) == 0
     assert r["complete"] and r["cached_fraction"] == 1.0
@@ -365,6 +434,7 @@ def test_warm_reports_a_node_whose_service_stays_down(cluster, packed_local, tmp
     import stoker.cluster.warmup as warmup
     from stoker.cli import main
     from stoker.cluster.service import stop_services
+
     stop_services()  # fresh services on a fresh cache root: nothing cached yet
     box = {"killed": False}
     real = warmup.get_service
@@ -374,10 +444,22 @@ def test_warm_reports_a_node_whose_service_stays_down(cluster, packed_local, tmp
         chosen.setdefault("victim", nid)
         h = real(nid)  # raises ValueError once the victim's service is gone for good
         return _KillOnFirstFill(h, box, restart=False) if nid == chosen["victim"] else h
+
     monkeypatch.setattr(warmup, "get_service", patched)
     capsys.readouterr()
-    rc = main(["warm", packed_local, "--no-progress", "--block-size", str(BLOCK), "--cache-dir", str(tmp_path / "c"),
-               "--cache-size", str(64 << 20)])
+    rc = main(
+        [
+            "warm",
+            packed_local,
+            "--no-progress",
+            "--block-size",
+            str(BLOCK),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--cache-size",
+            str(64 << 20),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 1 and box["killed"]
     r = json.loads(out)
@@ -399,13 +481,25 @@ def test_warm_goes_on_without_a_node_whose_service_cannot_start(cluster, packed_
     from stoker.cli import main
     from stoker.cluster.identity import host_name
     from stoker.cluster.service import stop_services
+
     stop_services()
     root = tmp_path / "c"
     root.mkdir(mode=0o700)
     (root / f"node-{host_name()}-2").write_text("not a directory")  # the third slot of this host
     capsys.readouterr()
-    rc = main(["warm", packed_local, "--no-progress", "--block-size", str(BLOCK), "--cache-dir", str(root),
-               "--cache-size", str(64 << 20)])
+    rc = main(
+        [
+            "warm",
+            packed_local,
+            "--no-progress",
+            "--block-size",
+            str(BLOCK),
+            "--cache-dir",
+            str(root),
+            "--cache-size",
+            str(64 << 20),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 1
     r = json.loads(out)
@@ -438,6 +532,7 @@ class _HangingFill:
             @staticmethod
             def remote(*args):
                 return _never_answers.remote(120)
+
         return _Fill
 
 
@@ -447,6 +542,7 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
     node with the reason, instead of waiting for ever."""
     import stoker.cluster.warmup as warmup
     from stoker.cluster.service import stop_services
+
     stop_services()
     real = warmup.get_service
     chosen: dict = {}
@@ -455,10 +551,12 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
         chosen.setdefault("victim", nid)
         h = real(nid)
         return _HangingFill(h) if nid == chosen["victim"] else h
+
     monkeypatch.setattr(warmup, "get_service", patched)
     t0 = time.monotonic()
-    r = warmup.warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes=64 << 20, block_bytes=BLOCK,
-                    fill_timeout_s=2.0)
+    r = warmup.warm(
+        packed_local, cache_root=str(tmp_path / "c"), cache_bytes=64 << 20, block_bytes=BLOCK, fill_timeout_s=2.0
+    )
     assert time.monotonic() - t0 < 100  # the fills would have answered after 120 s: it did not wait for them
     victim = r["nodes"].pop(chosen["victim"])
     assert "hangs" in victim["error"] and victim["owned_bytes"] > 0 and victim["filled"] == 0
@@ -476,6 +574,7 @@ def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path, caplog
     from stoker.cluster import run
     from stoker.cluster.service import stop_services
     from stoker.cluster.warmup import warm
+
     stop_services()
     r = warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes="64MiB", block_bytes="64KiB")
     assert r["complete"] and {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}

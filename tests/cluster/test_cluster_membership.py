@@ -1,5 +1,6 @@
 """A dataset's placement members follow the cluster and the jobs: a first job on one node does
 not fix them for good."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -27,17 +28,20 @@ def test_a_one_rank_first_job_does_not_pin_the_dataset_to_one_node(cluster, s3_d
     from stoker.cluster import read_epochs, run
     from stoker.cluster.service import get_service, stop_services
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     budget = int(ds.index.total_bytes) * 6 // 10  # one node holds 60 %, the three of them 180 %
     stop_services()
-    common = dict(storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=budget, block_bytes=BLOCK,
-                  timeout_s=180)
+    common = dict(
+        storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=budget, block_bytes=BLOCK, timeout_s=180
+    )
     try:
         run(partial(read_epochs, epochs=1), url, 1, {"CPU": 0.5}, job="probe", **common)
         e0 = run(partial(read_epochs, epochs=1), url, 3, {"CPU": 0.5}, job="train", **common)
         e1 = run(partial(read_epochs, epochs=1, first_epoch=1), url, 3, {"CPU": 0.5}, job="train", **common)
         from stoker.cluster.service import alive_nodes
+
         members = ray.get(get_service(alive_nodes()[0]["NodeID"]).claim.remote(ds.version, []))
         assert len(members) >= 2 and budget * len(members) >= ds.index.total_bytes  # grown until it fits
         assert {r["node_id"] for r in e0 + e1} <= set(members) and len({r["node_id"] for r in e1}) >= 2
@@ -64,11 +68,13 @@ def test_a_node_that_joins_after_placement_becomes_a_member(cluster, s3_dataset,
         stop_services,
     )
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     stop_services()
-    common = dict(storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK,
-                  timeout_s=180)
+    common = dict(
+        storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
+    )
     new = None
     try:
         run(partial(read_epochs, epochs=1), url, 3, {"CPU": 0.5}, job="before", **common)
@@ -98,8 +104,10 @@ class _FakeService:
 
     def __init__(self):
         from stoker.cluster.service import CacheService
+
         self.svc = CacheService.__new__(CacheService)
         import threading
+
         self.svc._claims, self.svc._lock = {}, threading.Lock()
 
     def __getattr__(self, name):
@@ -113,6 +121,7 @@ def test_members_recorded_on_every_service_survive_a_new_lowest_node_and_a_resta
     the joined node becomes one."""
     pytest.importorskip("ray")
     from stoker.cluster import records
+
     fakes = {n: _FakeService() for n in ["b", "c", "d"]}
     monkeypatch.setattr(records, "get_service", lambda n: fakes[n])
     monkeypatch.setattr(records.ray, "get", lambda ref, **kw: ref)
@@ -132,6 +141,7 @@ def test_settling_asks_every_service_at_once_and_again_a_restarting_one(monkeypa
     a service that is restarting when asked is asked again and its record still counts."""
     pytest.importorskip("ray")
     from stoker.cluster import records
+
     fakes = {n: _FakeService() for n in ["a", "b", "c"]}
     for f in fakes.values():
         f.svc.claim("v1", ["a", "c"], ["a", "b", "c"])
@@ -159,6 +169,7 @@ def test_settling_asks_every_service_at_once_and_again_a_restarting_one(monkeypa
         if ref.fails:
             raise records.ray.exceptions.ActorUnavailableError("restarting", None)
         return fakes[ref.node].svc.record("v1")
+
     monkeypatch.setattr(records, "get_service", Asking)
     monkeypatch.setattr(records.ray, "get", get)
     monkeypatch.setattr(records, "RETRY_PAUSE_S", 0.0)

@@ -1,5 +1,6 @@
 """Cluster policy without a cluster: weighted rendezvous placement, co-located rank plans, the
 Kubernetes scheduler extender (real ExtenderArgs JSON over HTTP)."""
+
 from __future__ import annotations
 
 import json
@@ -34,6 +35,7 @@ def test_placement_follows_the_budgets():
 
 def test_bounded_loads_keep_small_placements_on_the_weights():
     from stoker.cluster.placement import bounded_owners
+
     keys = KEYS[:120]
     sizes = np.random.default_rng(0).integers(40_000, 120_000, len(keys))
     for w in ([1, 1, 1], [1, 2, 3]):
@@ -91,9 +93,13 @@ def test_choose_nodes_prefers_cached_bytes_then_budget():
         choose_nodes(["a"], [1], [1], 2, slots=[1])
 
 
-STATE = {"nodes": {"node-a": {"cache_bytes": 100, "datasets": {"s3://b/ds": 10}},
-                   "node-b": {"cache_bytes": 100, "datasets": {"s3://b/ds": 70}},
-                   "node-c": {"cache_bytes": 300, "datasets": {}}}}
+STATE = {
+    "nodes": {
+        "node-a": {"cache_bytes": 100, "datasets": {"s3://b/ds": 10}},
+        "node-b": {"cache_bytes": 100, "datasets": {"s3://b/ds": 70}},
+        "node-c": {"cache_bytes": 300, "datasets": {}},
+    }
+}
 
 
 def _node(name):
@@ -101,9 +107,12 @@ def _node(name):
 
 
 def _pod(annotations):
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "trainer-0", "namespace": "ml", "annotations": annotations},
-            "spec": {"containers": [{"name": "t", "image": "trainer:1"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "trainer-0", "namespace": "ml", "annotations": annotations},
+        "spec": {"containers": [{"name": "t", "image": "trainer:1"}]},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,14 +137,18 @@ def test_extender_listens_on_loopback_only(server):
 
 def test_extender_prioritize_ranks_the_node_holding_the_dataset_first(server):
     url = server[0]
-    args = {"Pod": _pod({"stoker.io/dataset": "s3://b/ds"}),
-            "Nodes": {"kind": "NodeList", "items": [_node(n) for n in ("node-a", "node-b", "node-c")]},
-            "NodeNames": None}
+    args = {
+        "Pod": _pod({"stoker.io/dataset": "s3://b/ds"}),
+        "Nodes": {"kind": "NodeList", "items": [_node(n) for n in ("node-a", "node-b", "node-c")]},
+        "NodeNames": None,
+    }
     got = _post(url + "/prioritize", args)
     assert got == [{"Host": "node-a", "Score": 1}, {"Host": "node-b", "Score": 10}, {"Host": "node-c", "Score": 0}]
     # nodeCacheCapable: names only; a dataset cached nowhere goes by cache budget
-    got = _post(url + "/prioritize", {"Pod": _pod({"stoker.io/dataset": "s3://b/new"}), "Nodes": None,
-                                      "NodeNames": ["node-a", "node-c"]})
+    got = _post(
+        url + "/prioritize",
+        {"Pod": _pod({"stoker.io/dataset": "s3://b/new"}), "Nodes": None, "NodeNames": ["node-a", "node-c"]},
+    )
     assert max(got, key=lambda h: h["Score"])["Host"] == "node-c"
     got = _post(url + "/prioritize", {"Pod": _pod({}), "Nodes": None, "NodeNames": ["node-a", "node-b"]})
     assert {h["Score"] for h in got} == {0}
@@ -144,12 +157,19 @@ def test_extender_prioritize_ranks_the_node_holding_the_dataset_first(server):
 def test_extender_filter(server):
     url = server[0]
     items = [_node(n) for n in ("node-a", "node-x")]
-    got = _post(url + "/filter", {"Pod": _pod({"stoker.io/dataset": "s3://b/ds"}), "Nodes": {"items": items},
-                                  "NodeNames": None})
+    got = _post(
+        url + "/filter", {"Pod": _pod({"stoker.io/dataset": "s3://b/ds"}), "Nodes": {"items": items}, "NodeNames": None}
+    )
     assert [n["metadata"]["name"] for n in got["Nodes"]["items"]] == ["node-a", "node-x"]
     assert got["FailedNodes"] == {} and got["Error"] == ""
-    got = _post(url + "/filter", {"Pod": _pod({"stoker.io/dataset": "s3://b/ds", "stoker.io/require-cache": "true"}),
-                                  "Nodes": None, "NodeNames": ["node-a", "node-x"]})
+    got = _post(
+        url + "/filter",
+        {
+            "Pod": _pod({"stoker.io/dataset": "s3://b/ds", "stoker.io/require-cache": "true"}),
+            "Nodes": None,
+            "NodeNames": ["node-a", "node-x"],
+        },
+    )
     assert got["NodeNames"] == ["node-a"] and list(got["FailedNodes"]) == ["node-x"]
 
 
@@ -167,8 +187,11 @@ def test_extender_rejects_bad_requests_with_an_error(server):
 def test_stoker_imports_without_ray():
     import subprocess
     import sys
-    code = ("import sys; import stoker, stoker.cli; stoker.cli.build_parser(); "
-            "import stoker.cluster.extender, stoker.cluster.schedule; assert 'ray' not in sys.modules")
+
+    code = (
+        "import sys; import stoker, stoker.cli; stoker.cli.build_parser(); "
+        "import stoker.cluster.extender, stoker.cluster.schedule; assert 'ray' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -180,9 +203,15 @@ def test_relay_socket_is_private_and_authenticated():
 
     from stoker.cluster.counters import ByteCounters
     from stoker.cluster.reader import BlockRouter
+
     counters = ByteCounters()
-    router = BlockRouter({"url": "memory://x", "storage_options": {}, "version": "v", "block_bytes": 1},
-                         ["n0", "n1"], np.zeros(4, dtype=np.int64), 1, counters)
+    router = BlockRouter(
+        {"url": "memory://x", "storage_options": {}, "version": "v", "block_bytes": 1},
+        ["n0", "n1"],
+        np.zeros(4, dtype=np.int64),
+        1,
+        counters,
+    )
     relay = router.start_relay()
     try:
         assert stat.S_IMODE(os.stat(relay.address).st_mode) == 0o600

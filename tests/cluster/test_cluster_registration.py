@@ -1,5 +1,6 @@
 """A job's registration on the node caches ends with the job: ranks end theirs when they finish
 (their pooled Ray workers live on), a cache service holds a lease that runs out."""
+
 from __future__ import annotations
 
 import time
@@ -12,6 +13,7 @@ BLOCK = 64 << 10
 
 def test_a_leased_registration_counts_until_it_expires(tmp_path, monkeypatch):
     import stoker.cache.policy as policy
+
     jobs = policy.JobRegistry(str(tmp_path))
     jobs.register("v1", 1000, lease_s=30)
     jobs.register("v2", 500)  # no lease: while this process lives
@@ -31,14 +33,26 @@ def test_a_finished_cluster_job_holds_no_registration(cluster, s3_dataset, tmp_p
     from stoker.cluster import read_epochs, run
     from stoker.cluster.service import find_services, start_services, stop_services
     from stoker.store.dataset import open_dataset
+
     url, opts = s3_dataset
     version = open_dataset(url, storage_options=opts, cache=False, check=False).version
     stop_services()
     root = str(tmp_path / "cache")
     start_services(root, 64 << 20)  # the default lease: the end must not wait for it
-    res = run(partial(read_epochs, epochs=2, keep_ids=True), url, 3, {"CPU": 0.5}, storage_options=opts,
-              cache_root=root, cache_bytes=64 << 20, block_bytes=BLOCK, placement="random", seed=2, job="X",
-              timeout_s=180)
+    res = run(
+        partial(read_epochs, epochs=2, keep_ids=True),
+        url,
+        3,
+        {"CPU": 0.5},
+        storage_options=opts,
+        cache_root=root,
+        cache_bytes=64 << 20,
+        block_bytes=BLOCK,
+        placement="random",
+        seed=2,
+        job="X",
+        timeout_s=180,
+    )
     assert sum(r["result"][0]["peer_bytes"] + r["result"][0]["peer_origin_bytes"] for r in res) > 0
     lengths = open_dataset(url, storage_options=opts, cache=False, check=False).index.length
     for r in res:  # random placement, 3 nodes: every byte a rank read counted once, cold and warm

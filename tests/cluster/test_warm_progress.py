@@ -1,5 +1,6 @@
 """``stoker warm`` draws a progress bar with rate and ETA on a terminal (driven under a
 pseudo-terminal with pexpect, joining the test cluster) and none when stderr is not a terminal."""
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,34 @@ def test_warm_progress_on_a_terminal_only(cluster, s3_dataset, tmp_path, capsys)
     pexpect = pytest.importorskip("pexpect")
     from stoker.cli import main
     from stoker.cluster.service import stop_services
+
     url, opts = s3_dataset
     stop_services()  # fresh services with a budget that holds the dataset, whatever ran before
-    args = [url, "--storage-options", json.dumps(opts), "--block-size", str(BLOCK), "--cache-dir",
-            str(tmp_path / "cache"), "--cache-size", str(64 << 20)]
+    args = [
+        url,
+        "--storage-options",
+        json.dumps(opts),
+        "--block-size",
+        str(BLOCK),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--cache-size",
+        str(64 << 20),
+    ]
     capsys.readouterr()
     assert main(["warm", *args]) == 0  # stderr is pytest's capture, not a terminal
     out, err = capsys.readouterr()
     assert json.loads(out)["cached_fraction"] == 1.0
     assert "B/s" not in err and "%|" not in err, err
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = pexpect.spawn(sys.executable, ["-m", "stoker.cli", "warm", *args, "--ray-address", cluster.address],
-                          env=env, dimensions=(24, 200), encoding="utf-8", timeout=240)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "stoker.cli", "warm", *args, "--ray-address", cluster.address],
+        env=env,
+        dimensions=(24, 200),
+        encoding="utf-8",
+        timeout=240,
+    )
     try:
         child.expect(BAR)
         eta, rate = child.match.group(1), float(child.match.group(2))

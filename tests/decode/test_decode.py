@@ -57,8 +57,14 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-FAST_FILES = ["hopper.jpg", "pil_sample_rgb.jpg", "flower2.jpg", "hopper_16bit_qtables.jpg",
-              "icc_profile_big.jpg", "hopper_gray.jpg"]
+FAST_FILES = [
+    "hopper.jpg",
+    "pil_sample_rgb.jpg",
+    "flower2.jpg",
+    "hopper_16bit_qtables.jpg",
+    "icc_profile_big.jpg",
+    "hopper_gray.jpg",
+]
 WARNING_FILES = ["hopper_bad_exif.jpg", "jpeg_ff00_header.jpg", "junk_jpeg_header.jpg"]
 ORIENTATION_FILES = ["hopper_orientation_3.jpg", "hopper_orientation_6.jpg", "hopper_orientation_8.jpg"]
 
@@ -140,6 +146,7 @@ def test_every_case_file_is_covered(jpeg_cases):
 
 
 # ---------------------------------------------------------------- synthetic files
+
 
 def _photo(w: int = 97, h: int = 61) -> Image.Image:
     y, x = np.mgrid[0:h, 0:w]
@@ -273,6 +280,7 @@ def test_a_decode_error_names_the_sample_not_pillows_in_memory_file():
     import pickle
 
     from stoker.decode import DecodeError, decode_image
+
     with pytest.raises(DecodeError) as err:
         decode_image(b"definitely not an image, but long enough to be sniffed", "cls/k1")
     assert "cls/k1" in str(err.value) and "BytesIO" not in str(err.value) and "0x" not in str(err.value)

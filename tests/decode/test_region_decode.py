@@ -68,7 +68,9 @@ def test_region_equals_whole_image_slice(name, data):
     for top, left, h, w in boxes:
         got = decode_jpeg_region(data, name, top, left, h, w)
         assert got is not None and got.shape == (h, w, 3)
-        np.testing.assert_array_equal(got, full[top : top + h, left : left + w], err_msg=f"{name} box {top, left, h, w}")
+        np.testing.assert_array_equal(
+            got, full[top : top + h, left : left + w], err_msg=f"{name} box {top, left, h, w}"
+        )
 
 
 @needs_roi
@@ -210,9 +212,9 @@ def test_structural_error_below_the_box_fails_every_epoch(where):
 
     data = BIG_BASELINE
     sos = data.index(b"\xff\xda")
-    scan0 = sos + 2 + struct.unpack(">H", data[sos + 2:sos + 4])[0]
+    scan0 = sos + 2 + struct.unpack(">H", data[sos + 2 : sos + 4])[0]
     sof = data.index(b"\xff\xc0")
-    sofseg = data[sof:sof + 2 + struct.unpack(">H", data[sof + 2:sof + 4])[0]]
+    sofseg = data[sof : sof + 2 + struct.unpack(">H", data[sof + 2 : sof + 4])[0]]
     p = scan0 + int((len(data) - 2 - scan0) * where)
     while data[p - 1] == 0xFF:
         p += 1

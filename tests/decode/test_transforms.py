@@ -66,6 +66,7 @@ WORST_LEVELS = 2  # worst pixel against Pillow
 
 # ------------------------------------------------------------------ crop parameters
 
+
 @pytest.mark.parametrize("hw", [(375, 500), (500, 375), (224, 224), (33, 1000), (1, 1), (7, 3)])
 def test_crop_params_within_bounds(hw):
     height, width = hw
@@ -112,8 +113,10 @@ def test_crop_params_log_ratio_is_uniform():
 
 @pytest.mark.parametrize(
     "hw, expected",
-    [((10, 1000), (0, 493, 10, 13)),   # too wide: h = H, w = round(H * 4/3)
-     ((1000, 10), (493, 0, 13, 10))],  # too tall: w = W, h = round(W / (3/4))
+    [
+        ((10, 1000), (0, 493, 10, 13)),  # too wide: h = H, w = round(H * 4/3)
+        ((1000, 10), (493, 0, 13, 10)),
+    ],  # too tall: w = W, h = round(W / (3/4))
 )
 def test_crop_params_fallback_for_extreme_aspect(hw, expected):
     rng = np.random.default_rng(3)
@@ -149,6 +152,7 @@ def test_crop_params_draw_order():
 
 
 # ------------------------------------------------------------------ agreement with Pillow
+
 
 def test_train_matches_pillow_reference(photos):
     means = []
@@ -191,8 +195,9 @@ def test_upscale_and_odd_sizes_match(photos, hw):
     pil = pillow_decode(photos[2]).resize((hw[1], hw[0]), Image.Resampling.BILINEAR)
     arr = np.asarray(pil).copy()
     for seed in range(10):
-        mean, worst = _stats(train_transform(arr, np.random.default_rng(seed)),
-                             pillow_train_transform(pil, np.random.default_rng(seed)))
+        mean, worst = _stats(
+            train_transform(arr, np.random.default_rng(seed)), pillow_train_transform(pil, np.random.default_rng(seed))
+        )
         assert mean < 0.5 and worst <= WORST_LEVELS, (seed, mean, worst)
     mean, worst = _stats(eval_transform(arr), pillow_eval_transform(pil))
     assert mean < 0.5 and worst <= WORST_LEVELS
@@ -209,8 +214,10 @@ def photo_12mp(photos) -> Image.Image:
 def test_large_downscales_match_pillow(photo_12mp):
     arr = np.asarray(photo_12mp)
     for seed in (0, 1):  # RandomResizedCrop of a 12 MP photo: 224 px from crops of ~900-3000 px
-        mean, worst = _stats(train_transform(arr, np.random.default_rng(seed)),
-                             pillow_train_transform(photo_12mp, np.random.default_rng(seed)))
+        mean, worst = _stats(
+            train_transform(arr, np.random.default_rng(seed)),
+            pillow_train_transform(photo_12mp, np.random.default_rng(seed)),
+        )
         assert mean < 0.5 and worst <= WORST_LEVELS, (seed, mean, worst)
     ours = resize_bilinear_aa(arr, 500, 375)  # an 8x downscale
     ref = np.asarray(photo_12mp.resize((500, 375), Image.Resampling.BILINEAR))
@@ -218,8 +225,17 @@ def test_large_downscales_match_pillow(photo_12mp):
     assert mean < 0.5 and worst <= WORST_LEVELS, (mean, worst)
 
 
-@pytest.mark.parametrize("box", [(20.3, 30.7, 200.6, 250.2), (0.5, 0.25, 33.3, 41.9), (10.0, 12.0, 150.5, 150.5),
-                                 (100.9, 0.0, 17.2, 499.0), (3.7, 5.2, 224.0, 100.5), (40.1, 60.9, 180.3, 210.7)])
+@pytest.mark.parametrize(
+    "box",
+    [
+        (20.3, 30.7, 200.6, 250.2),
+        (0.5, 0.25, 33.3, 41.9),
+        (10.0, 12.0, 150.5, 150.5),
+        (100.9, 0.0, 17.2, 499.0),
+        (3.7, 5.2, 224.0, 100.5),
+        (40.1, 60.9, 180.3, 210.7),
+    ],
+)
 def test_fractional_box_is_pillows_box_resize(photos, box):
     """A box with edges between pixels (derived forms) is resampled as Pillow's resize(box=...)
     of the crop rounded outwards."""
@@ -229,8 +245,9 @@ def test_fractional_box_is_pillows_box_resize(photos, box):
     ys, xs = math.floor(y0), math.floor(x0)
     ye, xe = math.ceil(y0 + hf), math.ceil(x0 + wf)
     crop = Image.fromarray(np.ascontiguousarray(img[ys:ye, xs:xe]))
-    ref = np.asarray(crop.resize((224, 224), Image.Resampling.BILINEAR,
-                                 box=(x0 - xs, y0 - ys, x0 - xs + wf, y0 - ys + hf)))
+    ref = np.asarray(
+        crop.resize((224, 224), Image.Resampling.BILINEAR, box=(x0 - xs, y0 - ys, x0 - xs + wf, y0 - ys + hf))
+    )
     mean, worst = _stats(ours, ref)
     assert worst <= WORST_LEVELS, (box, mean, worst)
 
@@ -254,6 +271,7 @@ def test_scratch_resize_equals_the_fresh_one_and_reuses_its_buffer(photos):
     resize_bilinear_aa, the same memory on the next call, another buffer for another size, and
     the upscale path (OpenCV) untouched."""
     from stoker.decode.resample import resize_into_scratch
+
     img = decode_image(photos[0], "p0")
     a = resize_into_scratch(img[10:300, 20:400], 224, 224)
     assert np.array_equal(a, resize_bilinear_aa(img[10:300, 20:400], 224, 224))
@@ -272,7 +290,7 @@ def test_eval_geometry_exact():
     img = np.random.default_rng(0).integers(0, 256, (256, 301, 3), dtype=np.uint8)
     out = eval_transform(img)
     left = int(round((301 - 224) / 2.0))  # 38 (round half to even), as torchvision
-    assert np.array_equal(out, img[16:240, left:left + 224].transpose(2, 0, 1))
+    assert np.array_equal(out, img[16:240, left : left + 224].transpose(2, 0, 1))
     assert np.array_equal(pillow_eval_transform(Image.fromarray(img)), out)
 
 
@@ -284,7 +302,7 @@ def test_eval_resize_long_side_rule():
     img = np.ascontiguousarray(np.broadcast_to(row[None, :, None], (375, 502, 3)))
     expected = Image.fromarray(img).resize((342, 256), Image.Resampling.BILINEAR)
     left = int(round((342 - 224) / 2.0))
-    expected = np.asarray(expected)[16:240, left:left + 224].transpose(2, 0, 1)
+    expected = np.asarray(expected)[16:240, left : left + 224].transpose(2, 0, 1)
     assert _stats(eval_transform(img), np.ascontiguousarray(expected))[0] < 2.0
     assert _stats(pillow_eval_transform(Image.fromarray(img)), np.ascontiguousarray(expected))[0] == 0
     with pytest.raises(ValueError):
@@ -293,10 +311,14 @@ def test_eval_resize_long_side_rule():
 
 # ------------------------------------------------------------------ buffers and determinism
 
+
 def test_output_shape_dtype_contiguity(photos):
     arr = decode_image(photos[1], "p1")
-    for out in (train_transform(arr, np.random.default_rng(0)), eval_transform(arr),
-                train_transform(arr, np.random.default_rng(0), size=160)):
+    for out in (
+        train_transform(arr, np.random.default_rng(0)),
+        eval_transform(arr),
+        train_transform(arr, np.random.default_rng(0), size=160),
+    ):
         assert out.dtype == np.uint8 and out.ndim == 3 and out.shape[0] == 3
         assert out.shape[1] == out.shape[2] and out.flags.c_contiguous
     assert train_transform(arr, np.random.default_rng(0), size=160).shape == (3, 160, 160)
@@ -363,6 +385,7 @@ def test_measure_decode_rate(photos):
 
 def test_one_intra_op_thread_restores_the_pool():
     import torch
+
     before = torch.get_num_threads()
     with one_intra_op_thread():
         assert torch.get_num_threads() == 1

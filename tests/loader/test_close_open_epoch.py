@@ -1,5 +1,6 @@
 """Closing a loader whose epoch iterator the caller still holds ends that epoch then, with its
 stats final, and nothing is left to fail at interpreter exit."""
+
 from __future__ import annotations
 
 import subprocess

@@ -61,8 +61,14 @@ def test_a_cold_epoch_reads_each_block_once_with_a_small_cache(where, fraction, 
     ds = open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=budget, block_bytes=BLOCK)
     dataset_bytes = _block_bytes(ds)
     assert dataset_bytes > 1.5 * budget
-    with Loader(ds, 16, num_workers=2, transform="eval", read=ReadOptions(prefetch_next_epoch=False),
-                image=ImageOptions(image_size=32)) as loader:
+    with Loader(
+        ds,
+        16,
+        num_workers=2,
+        transform="eval",
+        read=ReadOptions(prefetch_next_epoch=False),
+        image=ImageOptions(image_size=32),
+    ) as loader:
         assert sum(len(y) for _, y in loader) == len(ds)
         cold = loader.stats
         assert _once(cold.origin_bytes, ds), (cold.origin_bytes, dataset_bytes)  # every block once, none twice
@@ -98,13 +104,15 @@ def test_prefetch_staged_counts_origin_fetches_and_reuse_apart(packed_local, tmp
 
     def fetched_all(row) -> bool:  # every block from the origin once (merged GETs: fewer requests)
         return _once(row["origin_bytes"], ds) and 0 < row["origin_requests"] <= k
+
     ctx = mp.get_context("fork")
     cmds = ctx.Queue()
     pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
     counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
     pos.value = len(plan)  # the whole plan is dispatched: prefetch all of it
-    proc = ctx.Process(target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done),
-                       daemon=True)
+    proc = ctx.Process(
+        target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done), daemon=True
+    )
     proc.start()
     try:
         cmds.put((1, blocks, first, last))
@@ -113,8 +121,13 @@ def test_prefetch_staged_counts_origin_fetches_and_reuse_apart(packed_local, tmp
         assert fetched_all(row) and (row["prefetch_staged"], row["staged_reused"]) == (k, 0)
         cmds.put((2, blocks, first, last, True))  # draining: plan 1 has delivered nothing yet
         _wait_plan(counters, 2)
-        assert infl.ledger_row(counters, 2) == {"origin_bytes": 0, "origin_requests": 0, "prefetch_fills": 0,
-                                                "prefetch_staged": 0, "staged_reused": k}
+        assert infl.ledger_row(counters, 2) == {
+            "origin_bytes": 0,
+            "origin_requests": 0,
+            "prefetch_fills": 0,
+            "prefetch_staged": 0,
+            "staged_reused": k,
+        }
         cmds.put((3, blocks, first, last))  # not draining: plan 2 is over
         _wait_plan(counters, 3)
         row = infl.ledger_row(counters, 3)

@@ -1,4 +1,5 @@
 """A loader killed with SIGKILL leaves nothing that blocks (or leaks into) the next run; jobs share one cache."""
+
 import glob
 import os
 import signal
@@ -23,8 +24,9 @@ for i, _ in enumerate(loader):
 
 def test_sigkilled_loader_leaves_nothing_blocking(packed_local, tmp_path):
     cache = str(tmp_path / "cache")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, packed_local, cache], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, packed_local, cache], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     assert proc.stdout.readline().strip() == "running"
     shm = SHM_DIR or "/tmp"
     mine = glob.glob(os.path.join(shm, f"stoker-{proc.pid}-*"))
@@ -56,8 +58,10 @@ print(st.origin_requests, st.samples, st.exactly_once)
 
 def test_two_concurrent_jobs_read_each_block_once(packed_local, tmp_path):
     cache = str(tmp_path / "cache")
-    jobs = [subprocess.Popen([sys.executable, "-c", JOB, packed_local, cache, str(seed)], stdout=subprocess.PIPE,
-                             text=True) for seed in (1, 2)]
+    jobs = [
+        subprocess.Popen([sys.executable, "-c", JOB, packed_local, cache, str(seed)], stdout=subprocess.PIPE, text=True)
+        for seed in (1, 2)
+    ]
     outs = [j.communicate(timeout=120)[0].split() for j in jobs]
     assert all(j.returncode == 0 for j in jobs)
     ds = open_dataset(packed_local, cache=False, block_bytes=64 << 10)
@@ -79,12 +83,14 @@ time.sleep(60)
 
 def _alive(pid):
     from stoker._procs import pid_alive
+
     return pid_alive(pid)
 
 
 def test_workers_exit_when_the_training_process_is_killed(packed_local, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", ORPHAN, packed_local, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN, packed_local, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     children = [int(p) for p in proc.stdout.readline().split()]
     assert len(children) == 3 and all(_alive(p) for p in children)
     proc.send_signal(signal.SIGKILL)  # only the training process

@@ -1,4 +1,5 @@
 """Derived-sample cache: forms, entries, the budgeted shared store, the loader path, auto choice."""
+
 from __future__ import annotations
 
 import logging
@@ -139,8 +140,9 @@ def test_concurrent_writers_share_budget(tmp_path, photos):
     cap = 10 * one
     ctx = mp.get_context("fork")
     start = time.monotonic() + 0.3
-    procs = [ctx.Process(target=_writer, args=(root, cap, list(range(k, 40, 2)) + [0, 1], imgs, start))
-             for k in range(4)]
+    procs = [
+        ctx.Process(target=_writer, args=(root, cap, list(range(k, 40, 2)) + [0, 1], imgs, start)) for k in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -247,8 +249,12 @@ def test_auto_choice_and_zero_budget(tmp_path, packed_local):
     assert r["rate_per_core"] * r["min_gain"] >= top  # within min_gain of the fastest ...
     order = sorted(r["forms"], key=_fidelity_rank)  # ... and the most faithful such form
     assert all(r["forms"][k]["rate_per_core"] * r["min_gain"] < top for k in order[: order.index(r["choice"])])
-    with Loader(ds, 16, num_workers=0,
-                image=ImageOptions(cache_form="auto", cache_form_bytes=0, cache_form_dir=str(tmp_path / "d"))) as lo:
+    with Loader(
+        ds,
+        16,
+        num_workers=0,
+        image=ImageOptions(cache_form="auto", cache_form_bytes=0, cache_form_dir=str(tmp_path / "d")),
+    ) as lo:
         next(iter(lo))
         assert lo.cache_form_report["choice"] == "raw" and lo.cfg.derived is None
 

@@ -1,5 +1,6 @@
 """Decode on the device in the training process (Loader(decode_device=...)), run on the CPU with
 an injected stand-in for nvJPEG: the workers deliver bytes, the training process decodes them."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,7 +34,7 @@ def test_batches_are_the_device_decode_of_the_plan(packed_local, tmp_path, worke
         assert loader.stats.exactly_once and loader.stats.samples == len(ds)
     assert sum(calls) == len(ds) and dec.stats.gpu == len(ds)  # every sample went through the "GPU"
     for k, (x, y) in enumerate(batches):
-        ids = plan[k * 16:(k + 1) * 16]
+        ids = plan[k * 16 : (k + 1) * 16]
         assert torch.equal(x, _expected(ref, ds, ids, 0, mode, 3))
         assert torch.equal(y, torch.from_numpy(ds.index.labels[ids]))
     if mode == "eval":  # and close to the CPU path (the stand-in uses a faster IDCT; torch resizes)
@@ -67,8 +68,15 @@ def test_shared_cases_fall_back_per_sample(cases_packed, tmp_path):
             for _ in loader:
                 pass
     dec = GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
-    with Loader(ds, 4, num_workers=2, transform="eval", shuffle=False, image=ImageOptions(decode_device=dec),
-                run=RunOptions(on_error="skip")) as loader:
+    with Loader(
+        ds,
+        4,
+        num_workers=2,
+        transform="eval",
+        shuffle=False,
+        image=ImageOptions(decode_device=dec),
+        run=RunOptions(on_error="skip"),
+    ) as loader:
         got = sum(len(y) for _, y in loader)
         assert got == len(ds) - 1
         assert loader.stats.skipped == 1 and loader.stats.skipped_keys == ["pillow/truncated_jpeg"]
@@ -79,9 +87,11 @@ def test_shared_cases_fall_back_per_sample(cases_packed, tmp_path):
 def test_decode_device_with_cache_form_is_refused(packed_local):
     ds = open_dataset(packed_local, cache_dir=None)
     with pytest.raises(ValueError, match="cache_form"):
-        Loader(ds, 4,
-               image=ImageOptions(cache_form="rgb",
-                                  decode_device=GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))))
+        Loader(
+            ds,
+            4,
+            image=ImageOptions(cache_form="rgb", decode_device=GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))),
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")

@@ -3,6 +3,7 @@
 The prefetcher starts on the next epoch's plan while one drains; on a dataset of one or a few
 blocks that happens as the cold epoch starts, so a time boundary charged the cold epoch's blocks
 to the warm epoch after it."""
+
 import pytest
 
 from stoker.loader import Loader
@@ -13,6 +14,7 @@ from stoker.store.dataset import open_dataset
 def tiny_packed(request, tmp_path_factory):
     from stoker.store.pack import pack
     from stoker_lab.sample_data import make_sample_data
+
     root = tmp_path_factory.mktemp(f"tiny{request.param}")
     make_sample_data(str(root), images=request.param, classes=4, seed=0)
     pack(str(root / "train"), str(root / "packed"), shard_bytes=64 << 20, progress=False)

@@ -2,6 +2,7 @@
 through obstore): stoker notices, whoever started it, and starts its processes with forkserver;
 an explicit ``start_method="fork"`` there fails at construction naming the cause. A dead or
 stalled worker is reported with its exit code or signal and what it was doing."""
+
 from __future__ import annotations
 
 import os
@@ -37,6 +38,7 @@ def test_tokio_threads_switch_to_forkserver(monkeypatch):
 
 def test_explicit_fork_fails_at_construction(monkeypatch, packed_local):
     from stoker import open_dataset
+
     monkeypatch.setattr(procs, "thread_names", lambda: ["python", "tokio-runtime-w"])
     ds = open_dataset(packed_local)
     with pytest.raises(ForkUnsafeError, match="start_method='fork' is unsafe here: .*tokio-runtime-w"):
@@ -55,8 +57,9 @@ def test_signal_deaths_are_named():
 
 def _run(code: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout_s, env=env
+    )
 
 
 def test_real_tokio_runtime_is_detected(tmp_path):
@@ -87,7 +90,7 @@ def test_epoch_completes_after_the_user_ran_obstore(s3_packed, tmp_path):
         from obstore.store import LocalStore
         obstore.get(LocalStore({str(tmp_path)!r}), "x").bytes()  # the user's own runtime
         if __name__ == "__main__":
-            ds = stoker.open_dataset({url!r}, storage_options={opts!r}, cache_dir={str(tmp_path / 'c')!r},
+            ds = stoker.open_dataset({url!r}, storage_options={opts!r}, cache_dir={str(tmp_path / "c")!r},
                                      cache_bytes=64 << 20)
             with stoker.Loader(ds, batch_size=16, num_workers=1, transform="eval",
                                image=stoker.ImageOptions(image_size=32), run=stoker.RunOptions(timeout_s=40)) as ld:

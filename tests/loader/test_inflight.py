@@ -1,4 +1,5 @@
 """Requests in flight from the measured bandwidth-delay product; the per-plan ledger."""
+
 import heapq
 
 import numpy as np
@@ -65,6 +66,7 @@ def test_busy_clock_counts_time_with_a_request_in_flight():
     shared = np.zeros(infl.N_SHARED, dtype=np.int64)
     clock = infl.BusyClock(shared)
     import time
+
     clock.start()
     clock.start()
     time.sleep(0.02)
@@ -81,6 +83,7 @@ def test_gate_holds_threads_to_the_target_and_feeds_it():
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
+
     gate = infl.InflightGate(infl.InflightTarget(3, ceiling=3))
     peak, lock = [0], threading.Lock()
 

@@ -1,4 +1,5 @@
 """The loader's live figures (:mod:`stoker.loader.live`): totals over epochs that never go down."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Loader: order and exactly-once, deterministic augmentation, batches kept safe, errors never hang."""
+
 import os
 import signal
 
@@ -24,7 +25,7 @@ def test_batches_follow_the_plan_exactly_once(packed_local, tmp_path, workers):
             assert sorted(plan.tolist()) == list(range(len(ds)))
             seen = []
             for k, (images, labels) in enumerate(loader):
-                ids = plan[k * 16:(k + 1) * 16]
+                ids = plan[k * 16 : (k + 1) * 16]
                 assert images.dtype == torch.uint8 and labels.dtype == torch.int64
                 assert tuple(images.shape) == (len(ids), 3, 224, 224)
                 assert np.array_equal(labels.numpy(), ds.labels[ids])
@@ -75,7 +76,7 @@ def test_batches_the_user_keeps_are_never_overwritten(packed_local, tmp_path):
         plan = loader.plan()
         kept = list(loader)  # 15 batches held at once: far more than the slot ring
     for k, (images, _) in enumerate(kept):
-        assert np.array_equal(images.numpy(), _expected_eval(ds, plan[k * 8:(k + 1) * 8]))
+        assert np.array_equal(images.numpy(), _expected_eval(ds, plan[k * 8 : (k + 1) * 8]))
 
 
 def test_cache_smaller_than_dataset(packed_local, tmp_path):
@@ -104,7 +105,9 @@ def test_cases_decode_or_fail_naming_the_key(cases_packed, tmp_path):
         assert loader.stats.skipped == 1 and loader.stats.skipped_keys == ["pillow/truncated_jpeg"]
         assert not loader.stats.exactly_once  # honest: one sample was not delivered
     for workers in (0, 2):  # a batch whose only sample is skipped is not yielded as an empty batch
-        with Loader(ds, 1, num_workers=workers, transform="eval", shuffle=False, run=RunOptions(on_error="skip")) as loader:
+        with Loader(
+            ds, 1, num_workers=workers, transform="eval", shuffle=False, run=RunOptions(on_error="skip")
+        ) as loader:
             sizes = [len(y) for _, y in loader]
             assert sizes == [1] * (len(ds) - 1) and loader.stats.skipped == 1
 
@@ -124,15 +127,18 @@ def test_killed_worker_or_prefetcher_is_replaced(packed_local, tmp_path):
         assert loader.stats.worker_restarts == 1 and loader.stats.prefetcher_restarts == 1
 
 
-def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origin_faults, sample_tree, tmp_path,
-                                                                monkeypatch):
+def test_origin_errors_give_a_clear_error_after_bounded_retries(
+    s3_origin, origin_faults, sample_tree, tmp_path, monkeypatch
+):
     """Every object GET answered 503 (through the fault proxy): a shard read, the index read and
     a worker's read each end in an OriginError naming the object; two 503s are ridden out."""
     from stoker import OriginError
     from stoker_lab.bench.faultproxy import Fault, object_gets
+
     monkeypatch.setenv("STOKER_RETRY_BUDGET_S", "2")  # retries end after 2 s (default 30 s)
     from stoker.store.pack import pack
     from stoker_lab.bench.origin import upload_tree
+
     plain = s3_origin.storage_options()  # upload and pack straight to the origin
     upload_tree(str(sample_tree / "train"), s3_origin.url("err/raw"), plain)
     url = s3_origin.url("err/packed")
@@ -140,7 +146,9 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origi
     proxy, opts = origin_faults  # the loader reads through the fault proxy
     ds = open_dataset(url, cache_dir=str(tmp_path), cache_bytes=64 << 20, storage_options=opts)
     proxy.set_fault(Fault("status", 503, match=object_gets))
-    with pytest.raises(OriginError, match=r"s3://stoker/err/packed/shards/shard-000000.tar bytes .* attempt.*SlowDown \(HTTP 503\)"):
+    with pytest.raises(
+        OriginError, match=r"s3://stoker/err/packed/shards/shard-000000.tar bytes .* attempt.*SlowDown \(HTTP 503\)"
+    ):
         ds.read(0)
     with pytest.raises(OriginError, match="index.parquet"):
         open_dataset(url, cache=False, storage_options=opts)
@@ -153,7 +161,9 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origi
         # fetch of the block it waited for, then the worker with what was left of the budget
         assert cause.attempts >= 2 and cause.elapsed_s >= 1.0
         assert f"after {cause.attempts} attempt(s) in {cause.elapsed_s:.1f} s" in str(err.value)
-    proxy.set_fault(Fault("status", 503, count=2, match=object_gets))  # transient: two failures, then the retry succeeds
+    proxy.set_fault(
+        Fault("status", 503, count=2, match=object_gets)
+    )  # transient: two failures, then the retry succeeds
     retries, injected = ds.origin.counters.retries, proxy.stats()["faults_injected"]
     assert ds.read(1) == (sample_tree / "train" / f"{ds.key(1)}.JPEG").read_bytes()
     assert ds.origin.counters.retries - retries == proxy.stats()["faults_injected"] - injected == 2
@@ -162,6 +172,7 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(s3_origin, origi
 def _fill_as_prefetcher(ds, b: int) -> None:
     from stoker import OriginError
     from stoker.loader.workers import fresh_copy
+
     try:
         fresh_copy(ds).reader.fill_block(b, blocking=False, want_data=False)
     except OriginError:
@@ -169,7 +180,8 @@ def _fill_as_prefetcher(ds, b: int) -> None:
 
 
 def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts(
-        s3_origin, origin_faults, sample_tree, tmp_path, monkeypatch):
+    s3_origin, origin_faults, sample_tree, tmp_path, monkeypatch
+):
     """The prefetcher spends the retry budget on a block the origin keeps throttling; a read
     that waited for that fetch then makes its one remaining try. Its error counts every
     attempt of both processes (exactly the 503s the origin served) and the seconds since the
@@ -181,6 +193,7 @@ def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts
     from stoker.store.pack import pack
     from stoker_lab.bench.faultproxy import Fault
     from stoker_lab.bench.origin import upload_tree
+
     monkeypatch.setenv("STOKER_RETRY_BUDGET_S", "2")
     plain = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("wait/raw"), plain)
@@ -189,8 +202,9 @@ def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts
     proxy, opts = origin_faults
     ds = open_dataset(url, cache_dir=str(tmp_path), cache_bytes=64 << 20, storage_options=opts)
     proxy.set_fault(Fault("status", 503))  # every shard GET
-    pre = mp.get_context("fork").Process(target=_fill_as_prefetcher, args=(ds, int(ds.sample_block[0])),
-                                         name="stoker-prefetch")
+    pre = mp.get_context("fork").Process(
+        target=_fill_as_prefetcher, args=(ds, int(ds.sample_block[0])), name="stoker-prefetch"
+    )
     pre.start()
     try:
         deadline = time.monotonic() + 30  # it holds the block's fetch lock from before its first GET
@@ -209,8 +223,10 @@ def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts
     assert e.elapsed_s >= max(s0, s1) and e.code == "SlowDown"
     shard = ds.index.shard_name(ds.block_shard[ds.sample_block[0]])
     assert str(e).startswith(f"origin error reading {url}/{shard} bytes "), str(e)
-    assert (f"after {e.attempts} attempt(s) in {e.elapsed_s:.1f} s [the prefetcher (pid {pre.pid}): {n0} in "
-            f"{s0:.1f} s; then the main process (pid {os.getpid()}), having waited for it: {n1} in") in str(e)
+    assert (
+        f"after {e.attempts} attempt(s) in {e.elapsed_s:.1f} s [the prefetcher (pid {pre.pid}): {n0} in "
+        f"{s0:.1f} s; then the main process (pid {os.getpid()}), having waited for it: {n1} in"
+    ) in str(e)
 
 
 def test_an_epoch_cut_short_is_not_replayed(packed_local):
@@ -230,12 +246,14 @@ def test_an_epoch_cut_short_is_not_replayed(packed_local):
 
 def test_bad_arguments_are_refused(packed_local):
     ds = open_dataset(packed_local, cache=False)
-    for make in (lambda: Loader(ds, 8, image=ImageOptions(image_size=0)),
-                 lambda: Loader(ds, 8, read=ReadOptions(order="bogus")),
-                 lambda: Loader(ds, 8, transform="x"),
-                 lambda: Loader(ds, 8, run=RunOptions(on_error="ignore")),
-                 lambda: Loader(ds, 8, num_workers=-1),
-                 lambda: Loader(ds, 8, rank=3, world_size=2)):
+    for make in (
+        lambda: Loader(ds, 8, image=ImageOptions(image_size=0)),
+        lambda: Loader(ds, 8, read=ReadOptions(order="bogus")),
+        lambda: Loader(ds, 8, transform="x"),
+        lambda: Loader(ds, 8, run=RunOptions(on_error="ignore")),
+        lambda: Loader(ds, 8, num_workers=-1),
+        lambda: Loader(ds, 8, rank=3, world_size=2),
+    ):
         with pytest.raises(ValueError):
             make()
 
@@ -274,6 +292,7 @@ def test_worker_error_names_the_corrupt_sample_not_its_block_neighbour(packed_lo
     import shutil
 
     from stoker.loader import WorkerError
+
     dst = tmp_path / "copy"
     shutil.copytree(packed_local, dst)
     ds = open_dataset(str(dst), cache=False)
@@ -302,6 +321,7 @@ def test_a_checksum_failure_in_a_worker_raises_with_the_checksum_error_as_cause(
     import shutil
 
     from stoker import ChecksumError
+
     copy = tmp_path / "copy"
     shutil.copytree(packed_local, copy)
     ds0 = open_dataset(str(copy), cache=False)

@@ -1,5 +1,6 @@
 """The loader package's parts: the frozen worker configuration, the resume state as its own
 record, and the started pipeline as one object that ``close()`` ends."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,9 @@ def test_public_names_stay_where_they_were():
 
 
 def test_worker_config_is_frozen_and_pickles(packed_local):
-    ld = Loader(open_dataset(packed_local), batch_size=4, num_workers=0, transform="eval",
-                image=ImageOptions(image_size=32))
+    ld = Loader(
+        open_dataset(packed_local), batch_size=4, num_workers=0, transform="eval", image=ImageOptions(image_size=32)
+    )
     cfg = ld.cfg
     assert isinstance(cfg, WorkerConfig)
     assert (cfg.transform, cfg.image_size, cfg.batch_size, cfg.decode_on, cfg.derived) == ("eval", 32, 4, "cpu", None)
@@ -52,8 +54,15 @@ def test_an_epoch_after_close_is_served_by_a_new_pipeline(packed_local):
     iter() starts new processes and serves the whole next epoch (the early batches went to the
     stopped workers and must not be waited for)."""
     ds = open_dataset(packed_local)
-    ld = Loader(ds, batch_size=8, num_workers=1, transform="eval", shuffle=False, image=ImageOptions(image_size=32),
-                run=RunOptions(timeout_s=10))
+    ld = Loader(
+        ds,
+        batch_size=8,
+        num_workers=1,
+        transform="eval",
+        shuffle=False,
+        image=ImageOptions(image_size=32),
+        run=RunOptions(timeout_s=10),
+    )
     try:
         first = np.concatenate([lab.numpy() for _, lab in ld])
         old = [p.pid for p in ld.processes.workers]

@@ -1,5 +1,6 @@
 """The Loader's option groups: validation, repr, and the old flat keywords (deprecated for one
 release: each still works, warns, and lands in its group's field)."""
+
 from __future__ import annotations
 
 import inspect
@@ -12,11 +13,27 @@ from stoker.loader.options import DEPRECATED, GROUPS, loader_kwargs
 
 # A value for each old keyword that differs from its default and is valid without a GPU.
 OLD_VALUES = {
-    "order": "uniform", "order_window": 4, "even": "drop", "cache_aware_window": 8, "prefetch_batches": 3,
-    "prefetch_bytes": "8MiB", "staging_bytes": 1 << 20, "fetch_concurrency": 2, "prefetch_next_epoch": False,
-    "image_size": 32, "exif_orientation": True, "cache_form": "jpeg", "cache_form_bytes": "1GiB",
-    "cache_form_dir": "/tmp/derived", "decode_device": None, "device": "cpu", "on_error": "skip",
-    "timeout_s": 7.5, "start_method": "spawn", "metrics_port": None, "epoch": 3,
+    "order": "uniform",
+    "order_window": 4,
+    "even": "drop",
+    "cache_aware_window": 8,
+    "prefetch_batches": 3,
+    "prefetch_bytes": "8MiB",
+    "staging_bytes": 1 << 20,
+    "fetch_concurrency": 2,
+    "prefetch_next_epoch": False,
+    "image_size": 32,
+    "exif_orientation": True,
+    "cache_form": "jpeg",
+    "cache_form_bytes": "1GiB",
+    "cache_form_dir": "/tmp/derived",
+    "decode_device": None,
+    "device": "cpu",
+    "on_error": "skip",
+    "timeout_s": 7.5,
+    "start_method": "spawn",
+    "metrics_port": None,
+    "epoch": 3,
 }
 PARSED = {"prefetch_bytes": 8 << 20, "cache_form_bytes": 1 << 30}
 
@@ -63,16 +80,25 @@ def test_unknown_keyword_is_a_type_error(ds):
 
 
 def test_signature_is_short():
-    params = [p for p in inspect.signature(Loader.__init__).parameters.values()
-              if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params = [
+        p
+        for p in inspect.signature(Loader.__init__).parameters.values()
+        if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
     assert len(params) <= 14
 
 
 def test_new_api_does_not_warn(ds):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        lo = Loader(ds, 8, num_workers=0, read=ReadOptions(prefetch_bytes="8MiB", order="uniform"),
-                    image=ImageOptions(image_size=32), run=RunOptions(timeout_s=9))
+        lo = Loader(
+            ds,
+            8,
+            num_workers=0,
+            read=ReadOptions(prefetch_bytes="8MiB", order="uniform"),
+            image=ImageOptions(image_size=32),
+            run=RunOptions(timeout_s=9),
+        )
     assert lo.prefetch_bytes == 8 << 20 and lo.cfg.image_size == 32 and lo.timeout_s == 9
     assert lo.order == "uniform"
 
@@ -112,5 +138,9 @@ def test_options_are_frozen_and_repr_shows_what_changed():
 
 def test_loader_kwargs_groups_a_flat_config():
     kw = loader_kwargs({"batch_size": 16, "timeout_s": 15.0, "image_size": 32, "staging_bytes": 4 << 20})
-    assert kw == {"batch_size": 16, "run": RunOptions(timeout_s=15.0), "image": ImageOptions(image_size=32),
-                  "read": ReadOptions(staging_bytes=4 << 20)}
+    assert kw == {
+        "batch_size": 16,
+        "run": RunOptions(timeout_s=15.0),
+        "image": ImageOptions(image_size=32),
+        "read": ReadOptions(staging_bytes=4 << 20),
+    }

@@ -37,8 +37,9 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
     t = threading.Thread(target=hold)
     t.start()
     held.wait(5)
-    proc = ctx.Process(target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done),
-                       daemon=True)
+    proc = ctx.Process(
+        target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done), daemon=True
+    )
     proc.start()
     try:
         cmds.put((1, blocks, first, last))
@@ -76,14 +77,18 @@ def test_a_block_the_full_staging_disk_refuses_is_not_reported_staged(packed_loc
 def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:
     """Run the prefetcher (forked) over ``plan`` until every block is filled; its ledger row."""
     from stoker.loader import inflight as infl
+
     blocks, first, last = block_schedule(ds, plan)
     ctx = mp.get_context("fork")
     cmds = ctx.Queue()
     pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
     counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
     pos.value = len(plan)
-    proc = ctx.Process(target=prefetch_main, args=(ds, cmds, pos, done, counters, concurrency, 1 << 30, 1 << 30,
-                                                   prev_done), daemon=True)
+    proc = ctx.Process(
+        target=prefetch_main,
+        args=(ds, cmds, pos, done, counters, concurrency, 1 << 30, 1 << 30, prev_done),
+        daemon=True,
+    )
     proc.start()
     try:
         cmds.put((1, blocks, first, last))
@@ -100,6 +105,7 @@ def test_adjacent_blocks_are_fetched_with_merged_gets(packed_local, tmp_path, mo
     """An order that wants adjacent blocks together costs fewer requests than blocks, and leaves
     every block cached and verified; with merging off (a cap of one block) one request a block."""
     import stoker.loader.prefetch as pf
+
     rows = {}
     for name, cap in (("merged", 4 * (64 << 10)), ("single", 64 << 10)):
         monkeypatch.setattr(pf, "merge_cap_bytes", lambda *a, cap=cap, **k: cap)  # as if measured

@@ -2,6 +2,7 @@
 tokenized with a byte-level BPE trained here) and an audio set (Debian's alsa-utils recordings,
 decoded with libsndfile), each packed to the emulated S3 origin with `--source files` and read by
 the Loader with the user's decode/collate at 2 workers."""
+
 import io
 import os
 
@@ -22,6 +23,7 @@ def corpus(tmp_path_factory):
     """(local tree, relative paths, tokenizer JSON): 60 small standard-library files and a BPE."""
     require("text corpus tokenizer", "tokenizers")
     from stoker_lab.bench.realdata import copy_stdlib_corpus, train_bpe
+
     root = tmp_path_factory.mktemp("corpus")
     rels = copy_stdlib_corpus(str(root), max_files=60, max_file_bytes=3000)
     return root, rels, train_bpe([str(root / r) for r in rels], vocab_size=600)
@@ -30,11 +32,19 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus_s3(s3_origin, corpus):
     from stoker_lab.bench.origin import upload_tree
+
     opts = s3_origin.storage_options()
     upload_tree(str(corpus[0]), s3_origin.url("real/corpus-raw"), opts)
     url = s3_origin.url("real/corpus")
-    pack(s3_origin.url("real/corpus-raw"), url, source="files", storage_options=opts,
-         progress=False, overwrite=True, shard_bytes=64 << 10)
+    pack(
+        s3_origin.url("real/corpus-raw"),
+        url,
+        source="files",
+        storage_options=opts,
+        progress=False,
+        overwrite=True,
+        shard_bytes=64 << 10,
+    )
     return url, opts
 
 
@@ -42,6 +52,7 @@ def corpus_s3(s3_origin, corpus):
 def audio_s3(s3_origin, tmp_path_factory):
     require("audio decode", "soundfile", ALSA)
     from stoker_lab.bench.origin import upload_tree
+
     root = tmp_path_factory.mktemp("wavs")
     for n in sorted(os.listdir(ALSA)):
         if n.endswith(".wav"):
@@ -50,13 +61,21 @@ def audio_s3(s3_origin, tmp_path_factory):
     opts = s3_origin.storage_options()
     upload_tree(str(root), s3_origin.url("real/audio-raw"), opts)
     url = s3_origin.url("real/audio")
-    pack(s3_origin.url("real/audio-raw"), url, source="files", storage_options=opts,
-         progress=False, overwrite=True, shard_bytes=256 << 10)
+    pack(
+        s3_origin.url("real/audio-raw"),
+        url,
+        source="files",
+        storage_options=opts,
+        progress=False,
+        overwrite=True,
+        shard_bytes=256 << 10,
+    )
     return url, opts
 
 
 def test_pack_tokens_serves_every_token_of_the_corpus_once_per_epoch(corpus, corpus_s3, tmp_path):
     from stoker_lab.bench.realdata import TokenizeDecode
+
     root, rels, tok_json = corpus
     url, opts = corpus_s3
     decode = TokenizeDecode(tok_json)
@@ -70,16 +89,20 @@ def test_pack_tokens_serves_every_token_of_the_corpus_once_per_epoch(corpus, cor
             assert st.exactly_once and st.samples == len(rels) and st.pickled_batches == 0
             assert st.shm_batches == -(-len(rels) // 8)
             assert all(r["input_ids"].shape[1] == 128 for r in rows)
-            got = np.concatenate([r["input_ids"][j, :int(n)].numpy() for r in rows for j, n in enumerate(r["lengths"])])
+            got = np.concatenate(
+                [r["input_ids"][j, : int(n)].numpy() for r in rows for j, n in enumerate(r["lengths"])]
+            )
             # the concatenated corpus in this epoch's order, each document tokenized straight from its file
-            want = np.concatenate([np.append(decode.tokenize((root / f"{ds.key(int(s))}.py").read_text()), EOS)
-                                   for s in plan])
+            want = np.concatenate(
+                [np.append(decode.tokenize((root / f"{ds.key(int(s))}.py").read_text()), EOS) for s in plan]
+            )
             assert got.tolist() == want.tolist(), f"epoch {epoch}"
 
 
 def test_audio_batches_of_fixed_shape_come_through_shared_memory(audio_s3, tmp_path):
     sf = require("audio decode", "soundfile", ALSA)
     from stoker_lab.bench.realdata import AudioDecode
+
     url, opts = audio_s3
     ds = open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     dec = AudioDecode(seconds=0.25)
@@ -90,12 +113,15 @@ def test_audio_batches_of_fixed_shape_come_through_shared_memory(audio_s3, tmp_p
     assert st.exactly_once and st.shm_batches == len(batches) == 3 and st.pickled_batches == 0
     assert all(tuple(b["audio"].shape[1:]) == (12000,) and b["audio"].dtype.is_floating_point for b in batches)
     for b, batch in enumerate(batches):
-        for j, sid in enumerate(plan[b * 4:(b + 1) * 4]):
+        for j, sid in enumerate(plan[b * 4 : (b + 1) * 4]):
             key = ds.key(int(sid))
-            data, rate = sf.read(io.BytesIO(open(os.path.join(ALSA, key + ".wav"), "rb").read()), dtype="float32",
-                                 always_2d=True)
-            want = dec({"wav": open(os.path.join(ALSA, key + ".wav"), "rb").read()},
-                       np.random.default_rng(sample_seed(9, 0, int(sid))))
+            data, rate = sf.read(
+                io.BytesIO(open(os.path.join(ALSA, key + ".wav"), "rb").read()), dtype="float32", always_2d=True
+            )
+            want = dec(
+                {"wav": open(os.path.join(ALSA, key + ".wav"), "rb").read()},
+                np.random.default_rng(sample_seed(9, 0, int(sid))),
+            )
             assert rate == int(batch["rate"][j]) == 48000
             assert np.array_equal(batch["audio"][j].numpy(), want["audio"])
 

@@ -1,6 +1,7 @@
 """A SIGKILLed decode worker or prefetcher is replaced and the epoch still delivers every sample
 exactly once, in plan order, with the right pixels; restarts are counted; past the bound a worker's
 death ends the epoch in a clean WorkerError (no hang)."""
+
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ def flat(tmp_path_factory) -> str:
     from PIL import Image
 
     from stoker.store.pack import pack
+
     root = tmp_path_factory.mktemp("flat")
     for i in range(N):
         d = root / "src" / f"c{i % 3}"
@@ -37,8 +39,16 @@ def flat(tmp_path_factory) -> str:
 
 def _loader(url, cache_dir, **kw):
     ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=64 << 20, block_bytes=1 << 10)
-    return Loader(ds, 4, num_workers=2, transform="eval", seed=3, **kw, image=ImageOptions(image_size=8),
-                  run=RunOptions(timeout_s=60))
+    return Loader(
+        ds,
+        4,
+        num_workers=2,
+        transform="eval",
+        seed=3,
+        **kw,
+        image=ImageOptions(image_size=8),
+        run=RunOptions(timeout_s=60),
+    )
 
 
 def _consume(loader, it) -> list:
@@ -82,6 +92,7 @@ def _die_on(sample_number: int, marker: str | None):
     """A BatchDecoder.decode_sample that writes a wrong colour into the slot and SIGKILLs its process on
     sample ``sample_number`` (once, if ``marker`` is a path: the first process to create it dies)."""
     from stoker.loader.workers import BatchDecoder
+
     real = BatchDecoder.decode_sample
 
     def decode_sample(self, sid, key, mode, rng, size, out):
@@ -96,6 +107,7 @@ def _die_on(sample_number: int, marker: str | None):
                 out[...] = 255  # a half-written slot: never delivered
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(self, sid, key, mode, rng, size, out)
+
     return decode_sample
 
 
@@ -123,14 +135,18 @@ def test_worker_killed_past_the_bound_ends_in_a_clean_error(flat, tmp_path, monk
     loader = _loader(flat, str(tmp_path / "cache"))
     victim = int(loader.plan(0)[2])
     key = loader.dataset.key(victim)
-    monkeypatch.setattr("stoker.loader.workers.BatchDecoder.decode_sample",
-                        _die_on(int(key.rsplit("/s", 1)[1][:3]), None))
+    monkeypatch.setattr(
+        "stoker.loader.workers.BatchDecoder.decode_sample", _die_on(int(key.rsplit("/s", 1)[1][:3]), None)
+    )
     with loader:
         it = iter(loader)
         if not _forked(loader):
             pytest.skip("the workers are not forked: the patched decoder is not theirs")
-        with pytest.raises(WorkerError, match=r"worker \d+ \(pid \d+\) died with exit code -9 \(signal SIGKILL\) "
-                                              r"while reading/decoding sample " + repr(key).replace(".", r"\.")):
+        with pytest.raises(
+            WorkerError,
+            match=r"worker \d+ \(pid \d+\) died with exit code -9 \(signal SIGKILL\) "
+            r"while reading/decoding sample " + repr(key).replace(".", r"\."),
+        ):
             _consume(loader, it)
         assert loader.stats.worker_restarts == MAX_WORKER_RESTARTS
 

@@ -1,4 +1,5 @@
 """Resume: state saved at any batch and restored (also in a new process) gives the identical rest of the stream."""
+
 import atexit
 import hashlib
 import json
@@ -26,8 +27,12 @@ def _item(x):
     """A comparable digest of one stream item: a batch (images, labels), a user-collated batch
     (a dict of tensors, and of lists of strings) or a sample id."""
     if isinstance(x, dict):
-        return hashlib.sha1(b"".join(k.encode() + (v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode())
-                                     for k, v in sorted(x.items()))).hexdigest()
+        return hashlib.sha1(
+            b"".join(
+                k.encode() + (v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode())
+                for k, v in sorted(x.items())
+            )
+        ).hexdigest()
     return _digest(*x) if isinstance(x, tuple) else int(x)
 
 
@@ -50,14 +55,17 @@ def _loader(cache_bytes=64 << 20, **kw):
     def make(ds_url, cache_dir):
         ds = open_dataset(ds_url, cache_dir=cache_dir, cache_bytes=cache_bytes)
         return Loader(ds, **{**CFG, **kw})
+
     return make
 
 
 def _stream_stage(**kw):
     def make(ds_url, cache_dir):
         from stoker.order import SampleStream
+
         ds = open_dataset(ds_url, cache=False)
         return SampleStream(len(ds), seed=5, groups=ds.sample_block, **kw)
+
     return make
 
 
@@ -70,6 +78,7 @@ def _real(kind):
     or with a transcript each: speech)."""
     if kind not in _REAL:
         from stoker_lab.bench import realdata
+
         tmp = tempfile.mkdtemp(prefix=f"stoker-resume-{kind}-")
         atexit.register(shutil.rmtree, tmp, True)
         if kind == "text":
@@ -95,6 +104,7 @@ def _real_loader(kind, **kw):
         url, decode = _real(kind)
         ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=64 << 20)
         return Loader(ds, **{**CFG, "decode": decode, **kw})
+
     return make
 
 
@@ -110,8 +120,7 @@ STAGES = {
     "loader-pack-tokens-w2": _loader(num_workers=2, decode=_bytes_decode, collate=pack_tokens(97, eos_id=256)),
     "loader-pack-tokens-w0": _loader(num_workers=0, decode=_bytes_decode, collate=pack_tokens(211, eos_id=256)),
     # real data: text tokenized and packed into rows, audio decoded and cropped by the rng
-    "real-text-pack-tokens-w2": _real_loader("text", batch_size=4, num_workers=2,
-                                             collate=pack_tokens(64, eos_id=0)),
+    "real-text-pack-tokens-w2": _real_loader("text", batch_size=4, num_workers=2, collate=pack_tokens(64, eos_id=0)),
     "real-audio-w2": _real_loader("audio", batch_size=2, num_workers=2),
     # arrays mixed with strings ({"audio", "lengths", "text": [str]}): the audio through shared
     # memory, the text pickled, slots grown by the varying widths
@@ -129,7 +138,7 @@ def _close(stage):
 def _reference(name, packed_local, cache_dir):
     if name not in _REFS:
         warm = STAGES[name](packed_local, cache_dir)  # the cache as every later run finds it:
-        used = -1                                     # read until no block fits any more
+        used = -1  # read until no block fits any more
         while getattr(warm, "dataset", None) is not None and warm.dataset.cache.used_bytes() != used:
             used = warm.dataset.cache.used_bytes()
             _stream(warm, 1)
@@ -160,8 +169,14 @@ def test_resume_is_identical_for_every_stage(packed_local, shared_cache, name, c
     cache_dir = os.path.join(shared_cache, name)
     ref = _reference(name, packed_local, cache_dir)
     per_epoch = len(ref) // 2
-    save_after = {"start": 0, "first": 1, "mid": per_epoch // 2, "epoch_last": per_epoch,
-                  "next_mid": per_epoch + per_epoch // 2 + 1, "end": 2 * per_epoch}[cut]
+    save_after = {
+        "start": 0,
+        "first": 1,
+        "mid": per_epoch // 2,
+        "epoch_last": per_epoch,
+        "next_mid": per_epoch + per_epoch // 2 + 1,
+        "end": 2 * per_epoch,
+    }[cut]
     first = STAGES[name](packed_local, cache_dir)
     got, state = [], first.state_dict()
     it = None
@@ -208,7 +223,7 @@ print(json.dumps(out))
     res = subprocess.run([sys.executable, "-c", code, json.dumps(state)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     rest = json.loads(res.stdout.strip().splitlines()[-1])
-    assert rest[:len(reference) - 3] == reference[3:]
+    assert rest[: len(reference) - 3] == reference[3:]
 
 
 def test_resume_refuses_a_different_configuration(packed_local):

@@ -1,6 +1,7 @@
 """Batch slots and a small /dev/shm: space is reserved before any page is touched, so a shortage
 is an error naming the directory and the bytes (or a smaller ring that copies batches out), never
 a SIGBUS in a worker or in the training process."""
+
 from __future__ import annotations
 
 import errno
@@ -84,8 +85,15 @@ def test_private_slots_use_no_shared_memory(monkeypatch):
 def test_loader_completes_epochs_with_one_slot(monkeypatch, packed_local):
     _room_for(monkeypatch, 1)
     ds = open_dataset(packed_local)
-    with Loader(ds, batch_size=16, num_workers=2, transform="eval", shuffle=False, image=ImageOptions(image_size=32),
-                run=RunOptions(timeout_s=60)) as ld:
+    with Loader(
+        ds,
+        batch_size=16,
+        num_workers=2,
+        transform="eval",
+        shuffle=False,
+        image=ImageOptions(image_size=32),
+        run=RunOptions(timeout_s=60),
+    ) as ld:
         for _ in range(2):
             labels = np.concatenate([lab.numpy() for _, lab in ld])
             assert len(labels) == len(ds)
@@ -96,9 +104,15 @@ def test_loader_completes_epochs_with_one_slot(monkeypatch, packed_local):
 def test_held_batches_in_a_full_ring_raise_not_hang(monkeypatch, packed_local):
     """Every slot held by a batch the caller keeps and no room for another: an error, not a stall."""
     ds = open_dataset(packed_local)
-    with Loader(ds, batch_size=16, num_workers=1, transform="eval",
-                read=ReadOptions(prefetch_batches=1, prefetch_next_epoch=False), image=ImageOptions(image_size=32),
-                run=RunOptions(timeout_s=60)) as ld:
+    with Loader(
+        ds,
+        batch_size=16,
+        num_workers=1,
+        transform="eval",
+        read=ReadOptions(prefetch_batches=1, prefetch_next_epoch=False),
+        image=ImageOptions(image_size=32),
+        run=RunOptions(timeout_s=60),
+    ) as ld:
         it = iter(ld)
         kept = [next(it)]  # zero-copy: holds its slot
         _room_for(monkeypatch, 0)

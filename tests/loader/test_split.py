@@ -1,4 +1,5 @@
 """The first batch of an epoch split over the workers (loader/split.py): same batch, any skips."""
+
 import numpy as np
 import pytest
 
@@ -13,7 +14,7 @@ def test_split_ids_cuts_contiguous_parts_of_at_least_the_minimum():
     assert [o for o, _ in parts] == [0, 21, 43]
     assert np.array_equal(np.concatenate([p for _, p in parts]), ids)
     assert all(len(p) >= MIN_PART for _, p in parts)
-    (offset, part), = split_ids(ids[:15], 4)  # under two parts' worth: one part
+    ((offset, part),) = split_ids(ids[:15], 4)  # under two parts' worth: one part
     assert offset == 0 and np.array_equal(part, ids[:15])
     assert len(split_ids(ids[:16], 4)) == 2 and len(split_ids(ids, 1)) == 1
 
@@ -44,14 +45,17 @@ def test_join_reports_the_first_failed_part():
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes(cases_packed, tmp_path, workers,
-                                                                                monkeypatch):
+def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes(
+    cases_packed, tmp_path, workers, monkeypatch
+):
     import stoker.loader.dispatch as run_mod
+
     calls = []
 
     def small_parts(ids, n_workers):  # the cases are 14 samples: parts of 2 or more
         calls.append(split_ids(ids, n_workers, min_part=2))
         return calls[-1]
+
     monkeypatch.setattr(run_mod, "split_ids", small_parts)
     ds = open_dataset(cases_packed, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     n = len(ds)
@@ -66,11 +70,12 @@ def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes
     bad = set(range(n)) - {i for i, _ in good}
 
     def first_part(seed):
-        return set(Loader(ds, n, num_workers=0, seed=seed).plan(0)[:n // workers].tolist())
+        return set(Loader(ds, n, num_workers=0, seed=seed).plan(0)[: n // workers].tolist())
+
     seed = next(s for s in range(100) if bad & first_part(s))
     with Loader(ds, n, num_workers=workers, transform="eval", seed=seed, run=RunOptions(on_error="skip")) as loader:
         plan = loader.plan(0)  # a skipped sample in the first part: the rows after it must close up
-        (images, labels), = list(loader)  # one batch: every sample, split over the workers
+        ((images, labels),) = list(loader)  # one batch: every sample, split over the workers
         st = loader.stats
     kept = [int(i) for i in plan if int(i) not in bad]
     good = sorted(good, key=lambda g: kept.index(g[0]))

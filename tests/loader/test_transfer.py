@@ -1,4 +1,5 @@
 """Accelerator path on the CPU: the transfer stage, the missing-CUDA error, GPU-decode fallback logic."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,9 @@ from stoker.store.dataset import open_dataset
 
 def _batch(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, 3, 8, 8), generator=g, dtype=torch.uint8), torch.arange(n, dtype=torch.int64) + seed
+    return torch.randint(0, 256, (n, 3, 8, 8), generator=g, dtype=torch.uint8), torch.arange(
+        n, dtype=torch.int64
+    ) + seed
 
 
 def test_cpu_transfer_identical_and_not_overwritten():
@@ -59,6 +62,7 @@ def jpegs(packed_local):
 def _fake_decoder(bad: set, wrong: set, calls: list):
     """A stand-in for nvJPEG on the CPU: libjpeg-turbo's fast IDCT (so results differ a little from
     the CPU path), raising on images whose first bytes are in ``bad``, a wrong size for ``wrong``."""
+
     def decode_fn(datas):
         calls.append(len(datas))
         out = []
@@ -71,6 +75,7 @@ def _fake_decoder(bad: set, wrong: set, calls: list):
                 arr = arr[:-1]
             out.append(torch.from_numpy(arr.copy()).permute(2, 0, 1))
         return out
+
     return decode_fn
 
 

@@ -1,5 +1,6 @@
 """The user's decode and collate in the workers: batches through shared memory (or pickled),
 the per-sample rng, the built-in collates, and the errors that name the sample."""
+
 import collections
 import pickle
 
@@ -45,13 +46,16 @@ def mixed(samples):
     """Arrays and tensors mixed with strings, numbers, a namedtuple, an OrderedDict and a bfloat16
     tensor (no numpy equal: pickled with the strings)."""
     heads = np.stack([s["head"] for s in samples])
-    return {"x": Pair(torch.from_numpy(heads), [f"n={int(s['n'])}" for s in samples]),
-            "meta": collections.OrderedDict(n=np.array([s["n"] for s in samples]), tag="batch",
-                                            r=[s["r"] for s in samples]),
-            "bf": torch.tensor([s["r"] for s in samples], dtype=torch.bfloat16),
-            "pair": (np.arange(len(samples), dtype=np.int16), len(samples)),
-            "count": np.array(len(samples)),  # 0-d: must not come back with shape (1,)
-            "rec": np.array([(s["n"], s["r"]) for s in samples], dtype=[("n", "i8"), ("r", "f8")])}  # fields kept
+    return {
+        "x": Pair(torch.from_numpy(heads), [f"n={int(s['n'])}" for s in samples]),
+        "meta": collections.OrderedDict(
+            n=np.array([s["n"] for s in samples]), tag="batch", r=[s["r"] for s in samples]
+        ),
+        "bf": torch.tensor([s["r"] for s in samples], dtype=torch.bfloat16),
+        "pair": (np.arange(len(samples), dtype=np.int16), len(samples)),
+        "count": np.array(len(samples)),  # 0-d: must not come back with shape (1,)
+        "rec": np.array([(s["n"], s["r"]) for s in samples], dtype=[("n", "i8"), ("r", "f8")]),
+    }  # fields kept
 
 
 def _same(a, b) -> bool:
@@ -101,7 +105,7 @@ def test_fixed_shape_batches_come_through_shared_memory_without_pickling(ds):
     assert st.shm_batches == len(got) == -(-len(ds) // 8) and st.pickled_batches == 0
     for b, batch in enumerate(got):
         assert set(batch) == {"head", "n", "r"} and batch["head"].shape[1:] == (16,)
-        for j, sid in enumerate(plan[b * 8:(b + 1) * 8]):
+        for j, sid in enumerate(plan[b * 8 : (b + 1) * 8]):
             head, n, r = _expected_head16(ds, 0, int(sid), seed=3)
             assert batch["head"][j].numpy().tobytes() == head and int(batch["n"][j]) == n
             assert float(batch["r"][j]) == pytest.approx(r)  # the rng of (seed, epoch, sample id)
@@ -162,7 +166,7 @@ def test_pack_tokens_delivers_every_token_once_in_rows_of_seq_len(ds):
         assert loader.stats.exactly_once
     assert all(r["input_ids"].shape[1] == L for r in rows)
     assert all((r["lengths"][:-1] == L).all() for r in rows)
-    flat = np.concatenate([r["input_ids"].numpy()[j, :int(n)] for r in rows for j, n in enumerate(r["lengths"])])
+    flat = np.concatenate([r["input_ids"].numpy()[j, : int(n)] for r in rows for j, n in enumerate(r["lengths"])])
     docs = [var_tokens({"": ds.read(int(s))}, np.random.default_rng(sample_seed(2, 0, int(s)))) for s in plan]
     want = np.concatenate([np.append(d, 999) for d in docs])
     assert flat.tolist() == want.tolist()
@@ -198,6 +202,7 @@ def test_on_error_skip_skips_the_samples_decode_fails_on(ds):
 def test_an_unpicklable_function_under_spawn_is_named_at_construction(ds):
     def local_decode(fields, rng):
         return 1
+
     with pytest.raises(TypeError, match="local_decode.*does not pickle"):
         Loader(ds, 8, decode=local_decode, num_workers=2, run=RunOptions(start_method="spawn"))
     with pytest.raises(TypeError, match="collate=.*<lambda>"):
@@ -243,6 +248,7 @@ def test_a_batch_that_shared_memory_cannot_hold_is_pickled_instead(monkeypatch, 
     import os
 
     from stoker.loader import batches
+
     slot = tmp_path / "slot"
     slot.write_bytes(bytes(4096))
     writer = batches.SlotWriter()
@@ -252,6 +258,7 @@ def test_a_batch_that_shared_memory_cannot_hold_is_pickled_instead(monkeypatch, 
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(batches.os, "posix_fallocate", full)
     big = batches.pack_reply(writer, str(slot), {"x": np.arange(10_000, dtype=np.int64)})
     assert big[0] == "pickle"  # a full /dev/shm: no SIGBUS, the batch still arrives
@@ -264,8 +271,9 @@ def test_a_batch_that_shared_memory_cannot_hold_is_pickled_instead(monkeypatch, 
 
 
 def test_module_level_functions_work_under_spawn(ds):
-    with Loader(ds, 16, decode=var_tokens, collate=C.pad(), num_workers=1, seed=5,
-                run=RunOptions(start_method="spawn")) as loader:
+    with Loader(
+        ds, 16, decode=var_tokens, collate=C.pad(), num_workers=1, seed=5, run=RunOptions(start_method="spawn")
+    ) as loader:
         got = [(p.numpy().tobytes(), n.tolist()) for p, n in loader]
         assert loader.start_method == "spawn" and loader.stats.exactly_once
     with Loader(ds, 16, decode=var_tokens, collate=C.pad(), num_workers=0, seed=5) as loader:

@@ -2,6 +2,7 @@
 copied into ``bytes``): the bytes that reach the cache are the origin's, a short or reset answer is
 retried or raised and never stored, the cache's accounting is unchanged, and a sample handed to
 the user is still ``bytes``. Every obstore read runs in a child process (see test_native_s3.py)."""
+
 from __future__ import annotations
 
 import pickle
@@ -40,8 +41,14 @@ def _cached_equals_origin(ds, plain) -> int:
 def _native_fills_store_the_origins_bytes(url, opts, cache_dir):
     proxy, popts = fault_proxy(opts)
     with proxy:
-        ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=256 << 20, storage_options=popts,
-                          block_bytes=64 << 10, retry_budget_s=5)
+        ds = open_dataset(
+            url,
+            cache_dir=cache_dir,
+            cache_bytes=256 << 20,
+            storage_options=popts,
+            block_bytes=64 << 10,
+            retry_budget_s=5,
+        )
         plain = open_dataset(url, cache=False, storage_options=opts).origin
         assert ds.origin.use_native()
         shard = ds.index.shard_name(ds.block_shard[0])
@@ -79,8 +86,14 @@ def test_native_fills_store_the_origins_bytes(s3_packed, tmp_path):
 def _a_failing_get_is_raised_and_nothing_is_stored(url, opts, cache_dir):
     proxy, popts = fault_proxy(opts)
     with proxy:
-        ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=256 << 20, storage_options=popts,
-                          block_bytes=64 << 10, retry_budget_s=0.3)
+        ds = open_dataset(
+            url,
+            cache_dir=cache_dir,
+            cache_bytes=256 << 20,
+            storage_options=popts,
+            block_bytes=64 << 10,
+            retry_budget_s=0.3,
+        )
         assert ds.origin.use_native()
         ds.origin.backoff_s = 0.01
         for mode in ("truncate", "reset"):

@@ -4,6 +4,7 @@ errors and retries, used by the leaf processes (prefetcher, decode workers) only
 A process that forks after using obstore can crash or hang its children (tokio), so every test
 that reads through obstore does it in a child process of its own; the pytest process never does.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,9 @@ def _retries_and_origin_error(url, opts):
         nat = Origin(url, popts, backoff_s=0.01, retry_budget_s=0.5)
         assert nat.use_native()
         proxy.set_fault(Fault("status", 503, match=object_gets))
-        with pytest.raises(OriginError,
-                           match=r"shard-000000.tar bytes 0-100 after \d+ attempt.*SlowDown \(HTTP 503\)") as err:
+        with pytest.raises(
+            OriginError, match=r"shard-000000.tar bytes 0-100 after \d+ attempt.*SlowDown \(HTTP 503\)"
+        ) as err:
             nat.read_range("shards/shard-000000.tar", 0, 100)
         assert (err.value.code, err.value.status) == ("SlowDown", 503) and err.value.attempts >= 2
         assert proxy.stats()["faults_injected"] == err.value.attempts

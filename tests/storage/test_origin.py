@@ -1,4 +1,5 @@
 """Behaviour of the emulated remote origin (moto + fast ranged GETs + throttling proxy)."""
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,14 @@ def _client(opts: dict):
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=opts["endpoint_url"], aws_access_key_id=opts["key"],
-                        aws_secret_access_key=opts["secret"], region_name="us-east-1",
-                        config=Config(retries={"total_max_attempts": 1, "mode": "standard"}))
+    return boto3.client(
+        "s3",
+        endpoint_url=opts["endpoint_url"],
+        aws_access_key_id=opts["key"],
+        aws_secret_access_key=opts["secret"],
+        region_name="us-east-1",
+        config=Config(retries={"total_max_attempts": 1, "mode": "standard"}),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +55,15 @@ def test_storage_options_plain_and_url(s3_origin):
 def test_ranged_reads_are_byte_identical_and_use_fast_path(s3_origin, blob):
     path, data = blob
     fs = _fs(s3_origin.storage_options())
-    ranges = [(0, 1), (0, 10), (5, 1 << 20), (SIZE - 1, SIZE), (SIZE - 100, None),
-              (1000, SIZE + 50), (123_456, 3_000_001)]
+    ranges = [
+        (0, 1),
+        (0, 10),
+        (5, 1 << 20),
+        (SIZE - 1, SIZE),
+        (SIZE - 100, None),
+        (1000, SIZE + 50),
+        (123_456, 3_000_001),
+    ]
     before = s3_origin.stats()
     for start, end in ranges:
         assert fs.cat_file(path, start=start, end=end) == data[start:end], (start, end)
@@ -143,6 +156,7 @@ def test_latency_and_bandwidth_cap_are_applied():
 
 def test_the_emulated_origin_runs_niced_unless_told_otherwise():
     from stoker_lab.bench.origin import ORIGIN_NICE
+
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     with LocalS3Origin(latency_ms=0, bandwidth_MBps=0) as origin:
         assert os.getpriority(os.PRIO_PROCESS, origin.pid) == min(19, mine + ORIGIN_NICE)
@@ -174,7 +188,7 @@ def test_connections_are_reused(s3_origin, blob):
     offsets = [(i * 65_537) % (SIZE - 4096) for i in range(200)]
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda o: fs.cat_file(path, start=o, end=o + 4096), offsets))
-    assert all(g == data[o:o + 4096] for g, o in zip(got, offsets))
+    assert all(g == data[o : o + 4096] for g, o in zip(got, offsets))
     after = s3_origin.stats()
     requests = after["proxy_requests"] - before["proxy_requests"]
     connections = after["proxy_connections"] - before["proxy_connections"]
@@ -215,7 +229,7 @@ def _feed_in_pieces(stream: bytes, cut: int) -> list[int]:
 
     framer, starts = _RequestFramer(), []
     for i in range(0, len(stream), cut):
-        starts += [i + s for s in framer.feed(stream[i:i + cut])]
+        starts += [i + s for s in framer.feed(stream[i : i + cut])]
     assert not framer.lost
     return starts
 
@@ -223,8 +237,10 @@ def _feed_in_pieces(stream: bytes, cut: int) -> list[int]:
 def test_request_framer_finds_request_boundaries():
     get = b"GET /b/k HTTP/1.1\r\nHost: x\r\nRange: bytes=0-9\r\n\r\n"
     put = b"PUT /b/k HTTP/1.1\r\nHost: x\r\ncontent-length: 11\r\n\r\nhello\r\n\r\nxx"
-    chunked = (b"PUT /b/c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"5;ext=1\r\nhello\r\n3\r\n\r\n\n\r\n0\r\nx-trailer: 1\r\n\r\n")
+    chunked = (
+        b"PUT /b/c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n3\r\n\r\n\n\r\n0\r\nx-trailer: 1\r\n\r\n"
+    )
     stream = get + put + chunked + get
     expected = [0, len(get), len(get + put), len(get + put + chunked)]
     for cut in (1, 2, 3, 7, 64, len(stream)):

@@ -5,6 +5,7 @@ The end-to-end tests put stoker's fault-injecting proxy (``stoker_lab.bench.faul
 origin on 127.0.0.1 and read through s3fs and through obstore (obstore in a child process: a
 process that used obstore must not fork).
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,35 +22,46 @@ from stoker.storage import Origin, OriginError, OriginNotFoundError, OriginPermi
 def _client_error(status: int, code: str, retry_after: str | None = None):
     """A botocore ClientError as s3fs raises it: an OSError whose cause carries the response."""
     from botocore.exceptions import ClientError
+
     headers = {"retry-after": retry_after} if retry_after is not None else {}
-    err = ClientError({"Error": {"Code": code, "Message": f"injected {code}"},
-                       "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": headers}}, "GetObject")
+    err = ClientError(
+        {
+            "Error": {"Code": code, "Message": f"injected {code}"},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": headers},
+        },
+        "GetObject",
+    )
     wrapped = OSError(5, f"injected {code}")
     wrapped.__cause__ = err
     return wrapped
 
 
-OBSTORE_503 = ("Generic S3 error: Error performing GET http://127.0.0.1:1/b/k in 1ms - Server returned "
-               "non-2xx status code: 503 Service Unavailable: <?xml version=\"1.0\"?><Error><Code>SlowDown"
-               "</Code><Message>Please reduce your request rate.</Message></Error>\n\nDebug source: ...")
+OBSTORE_503 = (
+    "Generic S3 error: Error performing GET http://127.0.0.1:1/b/k in 1ms - Server returned "
+    'non-2xx status code: 503 Service Unavailable: <?xml version="1.0"?><Error><Code>SlowDown'
+    "</Code><Message>Please reduce your request rate.</Message></Error>\n\nDebug source: ..."
+)
 
 
-@pytest.mark.parametrize("exc, retry, throttled, status, code", [
-    (_client_error(503, "SlowDown"), True, True, 503, "SlowDown"),
-    (_client_error(429, "TooManyRequests"), True, True, 429, "TooManyRequests"),
-    (_client_error(500, "InternalError"), True, True, 500, "InternalError"),
-    (_client_error(400, "RequestTimeout"), True, False, 400, "RequestTimeout"),
-    (_client_error(400, "InvalidRequest"), False, False, 400, "InvalidRequest"),
-    (_client_error(403, "AccessDenied"), False, False, 403, "AccessDenied"),
-    (_client_error(404, "NoSuchKey"), False, False, 404, "NoSuchKey"),
-    (OSError(OBSTORE_503), True, True, 503, "SlowDown"),
-    (ConnectionResetError("reset by peer"), True, False, None, None),
-    (TimeoutError("read timed out"), True, False, None, None),
-    (FileNotFoundError("gone"), False, False, None, None),
-    (PermissionError("denied"), False, False, None, None),
-    (TypeError("a bug"), False, False, None, None),
-    (ValueError("not storage"), False, False, None, None),
-])
+@pytest.mark.parametrize(
+    "exc, retry, throttled, status, code",
+    [
+        (_client_error(503, "SlowDown"), True, True, 503, "SlowDown"),
+        (_client_error(429, "TooManyRequests"), True, True, 429, "TooManyRequests"),
+        (_client_error(500, "InternalError"), True, True, 500, "InternalError"),
+        (_client_error(400, "RequestTimeout"), True, False, 400, "RequestTimeout"),
+        (_client_error(400, "InvalidRequest"), False, False, 400, "InvalidRequest"),
+        (_client_error(403, "AccessDenied"), False, False, 403, "AccessDenied"),
+        (_client_error(404, "NoSuchKey"), False, False, 404, "NoSuchKey"),
+        (OSError(OBSTORE_503), True, True, 503, "SlowDown"),
+        (ConnectionResetError("reset by peer"), True, False, None, None),
+        (TimeoutError("read timed out"), True, False, None, None),
+        (FileNotFoundError("gone"), False, False, None, None),
+        (PermissionError("denied"), False, False, None, None),
+        (TypeError("a bug"), False, False, None, None),
+        (ValueError("not storage"), False, False, None, None),
+    ],
+)
 def test_classify(exc, retry, throttled, status, code):
     f = classify(exc)
     assert (f.retry, f.throttled, f.status, f.code) == (retry, throttled, status, code)
@@ -82,6 +94,7 @@ def _throttled_for(seconds: float, calls: list):
         if time.monotonic() - t0 < seconds:
             raise _client_error(503, "SlowDown")
         return b"ok"
+
     return fn
 
 
@@ -112,6 +125,7 @@ def _refused(calls, until_s=1e9):
         if time.monotonic() - t0 < until_s:
             raise ConnectionRefusedError(111, "Connection refused")
         return b"ok"
+
     return fn
 
 
@@ -136,9 +150,14 @@ def test_an_origin_that_answered_before_gets_the_whole_budget(tmp_path, monkeypa
     assert calls[-1] - calls[0] >= 0.8
 
 
-@pytest.mark.parametrize("status, code, cls", [(403, "AccessDenied", OriginPermissionError),
-                                               (404, "NoSuchKey", OriginNotFoundError),
-                                               (400, "InvalidRequest", OriginError)])
+@pytest.mark.parametrize(
+    "status, code, cls",
+    [
+        (403, "AccessDenied", OriginPermissionError),
+        (404, "NoSuchKey", OriginNotFoundError),
+        (400, "InvalidRequest", OriginError),
+    ],
+)
 def test_errors_that_cannot_clear_fail_at_once(tmp_path, status, code, cls):
     calls = []
 
@@ -220,10 +239,12 @@ def test_shared_backoff_cancel_ends_waits():
 
 # --- end to end: the emulated S3 origin behind a fault-injecting proxy ----------------------------
 
+
 @pytest.fixture(scope="module")
 def uploaded(s3_origin, packed_local):
     """(dataset URL, direct storage options) of a packed dataset on the emulated S3 origin."""
     from stoker_lab.bench.origin import upload_tree
+
     direct = s3_origin.storage_options(throttled=False)
     url = s3_origin.url("retry/packed")
     upload_tree(packed_local, url, direct)
@@ -322,14 +343,17 @@ def test_loader_rides_out_a_throttling_burst(uploaded, faults, tmp_path, workers
     from stoker.loader import Loader
     from stoker.loader import ImageOptions, RunOptions
     from stoker.store.dataset import open_dataset
+
     url, _ = uploaded
     proxy, options = faults
-    ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
-                      storage_options=options, retry_budget_s=20)
+    ds = open_dataset(
+        url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=options, retry_budget_s=20
+    )
     assert ds.origin.retry_budget_s == 20
     proxy.set_fault(Fault("status", 503, burst_s=1.5))
-    with Loader(ds, 16, num_workers=workers, transform="eval", image=ImageOptions(image_size=32),
-                run=RunOptions(timeout_s=60)) as loader:
+    with Loader(
+        ds, 16, num_workers=workers, transform="eval", image=ImageOptions(image_size=32), run=RunOptions(timeout_s=60)
+    ) as loader:
         assert sum(len(y) for _, y in loader) == len(ds) and loader.stats.exactly_once
     assert proxy.stats()["faults_injected"] > 0
 
@@ -354,13 +378,16 @@ def test_loader_sustained_throttling_ends_in_origin_error(uploaded, faults, tmp_
     from stoker.loader import Loader, WorkerError
     from stoker.loader import ImageOptions, RunOptions
     from stoker.store.dataset import open_dataset
+
     url, _ = uploaded
     proxy, options = faults
-    ds = open_dataset(url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20,
-                      storage_options=options, retry_budget_s=1)
+    ds = open_dataset(
+        url, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=options, retry_budget_s=1
+    )
     proxy.set_fault(Fault("status", 503))
-    with Loader(ds, 16, num_workers=workers, transform="eval", image=ImageOptions(image_size=32),
-                run=RunOptions(timeout_s=60)) as loader:
+    with Loader(
+        ds, 16, num_workers=workers, transform="eval", image=ImageOptions(image_size=32), run=RunOptions(timeout_s=60)
+    ) as loader:
         with pytest.raises(OriginError if workers == 0 else WorkerError) as err:
             for _ in loader:
                 pass

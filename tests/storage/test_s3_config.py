@@ -3,6 +3,7 @@ addressing style from the storage options and the AWS environment and config fil
 does for s3fs; where it cannot, the dataset stays on s3fs and that is logged once.
 
 Reads through obstore run in a child process (see test_native_s3.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -17,9 +18,19 @@ pytest.importorskip("obstore")
 from stoker.storage import Origin  # noqa: E402
 from stoker.storage._s3_config import resolve  # noqa: E402
 
-_AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION",
-             "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-             "AWS_CA_BUNDLE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
+_AWS_VARS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_CA_BUNDLE",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+)
 
 
 @pytest.fixture
@@ -60,11 +71,15 @@ def test_endpoint_from_environment_with_plain_http(aws_env, monkeypatch):
 
 def test_profile_from_config_files(aws_env, monkeypatch):
     config, creds = aws_env
-    config.write_text("[profile lab]\nregion = eu-central-1\nendpoint_url = https://s3.lab.example\n"
-                      "s3 =\n  addressing_style = virtual\n\n"
-                      "[profile svc]\nservices = svc-s3\n[services svc-s3]\ns3 =\n  endpoint_url = http://svc:9000\n")
-    creds.write_text("[lab]\naws_access_key_id = LABKEY\naws_secret_access_key = LABSECRET\n"
-                     "[svc]\naws_access_key_id = SVCKEY\naws_secret_access_key = SVCSECRET\n")
+    config.write_text(
+        "[profile lab]\nregion = eu-central-1\nendpoint_url = https://s3.lab.example\n"
+        "s3 =\n  addressing_style = virtual\n\n"
+        "[profile svc]\nservices = svc-s3\n[services svc-s3]\ns3 =\n  endpoint_url = http://svc:9000\n"
+    )
+    creds.write_text(
+        "[lab]\naws_access_key_id = LABKEY\naws_secret_access_key = LABSECRET\n"
+        "[svc]\naws_access_key_id = SVCKEY\naws_secret_access_key = SVCSECRET\n"
+    )
     kw, reason = resolve("bkt", {"profile": "lab"})
     assert reason is None
     assert kw["endpoint"] == "https://bkt.s3.lab.example" and kw["virtual_hosted_style_request"] is True
@@ -99,8 +114,10 @@ def _reads_with_endpoint_from(url, opts, env, extra):
     assert nat.read_range(shard, 100, 5000) == ref.read_range(shard, 100, 5000)
 
 
-@pytest.mark.parametrize("how", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "config-file", "profile-option",
-                                 "storage_options", "client_kwargs"])
+@pytest.mark.parametrize(
+    "how",
+    ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "config-file", "profile-option", "storage_options", "client_kwargs"],
+)
 def test_native_reads_with_the_endpoint_given_each_way(s3_packed, aws_env, how):
     """The endpoint (plain http) given in the environment, a config file, a profile or the options:
     the native reader reads the same bytes as s3fs given the options."""
@@ -126,6 +143,7 @@ def test_native_reads_with_the_endpoint_given_each_way(s3_packed, aws_env, how):
 
 def test_fallback_to_s3fs_is_logged_once(aws_env, caplog):
     from stoker.storage._native_s3 import NativeS3Reader
+
     caplog.set_level(logging.WARNING, logger="stoker.storage._s3_config")
     for _ in range(3):
         assert NativeS3Reader.create("s3://bkt/ds", {"anon": True, "requester_pays": True}) is None

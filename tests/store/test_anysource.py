@@ -1,5 +1,6 @@
 """`stoker pack --source files|parquet`: any file tree grouped by basename, and Parquet tables of
 sample bytes written by Hugging Face's `datasets`; members byte-exact, resumable, clear errors."""
+
 import json
 import os
 import shutil
@@ -55,8 +56,11 @@ def _hf_parquet(path, feature: str):
     datasets = require("Parquet written by Hugging Face datasets", "datasets")
     require("ALSA sample recordings", path=ALSA)
     names = sorted(n for n in os.listdir(ALSA) if n.endswith(".wav"))
-    rows = {"audio": [{"bytes": open(os.path.join(ALSA, n), "rb").read(), "path": n} for n in names],
-            "text": [n[:-4].replace("_", " ") for n in names], "label": [i % 2 for i in range(len(names))]}
+    rows = {
+        "audio": [{"bytes": open(os.path.join(ALSA, n), "rb").read(), "path": n} for n in names],
+        "text": [n[:-4].replace("_", " ") for n in names],
+        "label": [i % 2 for i in range(len(names))],
+    }
     if feature == "binary":
         rows["audio"] = [r["bytes"] for r in rows["audio"]]
     ds = datasets.Dataset.from_dict(rows)
@@ -93,6 +97,7 @@ def test_parquet_errors_name_the_column_and_the_row(tmp_path):
         pack(str(tmp_path / "t.parquet"), str(tmp_path / "o3"), source="parquet", progress=False)
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"image": [{"bytes": None, "path": "/data/x.jpg"}]}), str(tmp_path / "ext.parquet"))
     with pytest.raises(ValueError, match=r"ext/00000000.*holds no bytes, only the path '/data/x.jpg'"):
         pack(str(tmp_path / "ext.parquet"), str(tmp_path / "o4"), source="parquet", column="image", progress=False)
@@ -102,9 +107,24 @@ def test_parquet_errors_name_the_column_and_the_row(tmp_path):
 def test_cli_packs_a_parquet_directory(tmp_path):
     (tmp_path / "src").mkdir()
     names, _ = _hf_parquet(tmp_path / "src" / "part-0.parquet", "audio")
-    res = subprocess.run([sys.executable, "-m", "stoker.cli", "pack", str(tmp_path / "src"), str(tmp_path / "out"),
-                          "--source", "parquet", "--column", "audio", "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stoker.cli",
+            "pack",
+            str(tmp_path / "src"),
+            str(tmp_path / "out"),
+            "--source",
+            "parquet",
+            "--column",
+            "audio",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["samples"] == len(names)
     ds = open_dataset(str(tmp_path / "out"), cache=False)

@@ -1,4 +1,5 @@
 """KeyTable over the sample directory (the index): id and key lookups, the prefix tree, summary, ls/stat output."""
+
 import argparse
 import pickle
 
@@ -12,12 +13,34 @@ from stoker.store.keytable import KeyTable, hash_keys
 from stoker.store.listing import ls, stat
 
 TRICKY = [
-    "a/b", "a/bc", "a/b/c", "a/b!x", "a/b/d/e", "a/b/d/f", "a/ba/z", "a/", "a//x",
-    "b", "b0", "b/", "b/0",
-    "ünï/cødé/ß", "ünï/cødé/ß2", "ünï/日本/語", "emoji/🙂/x", "emoji/🙂🙂",
-    "long/" + "L" * 300 + "/leaf", "long/" + "L" * 300, "long/" + "L" * 299 + "M",
-    "n01440764/n01440764_10026", "n01440764/n01440764_10027", "n01440764/n01440764_9",
-    "n01443537/n01443537_1", "x", "x/y/z/w/v", "",
+    "a/b",
+    "a/bc",
+    "a/b/c",
+    "a/b!x",
+    "a/b/d/e",
+    "a/b/d/f",
+    "a/ba/z",
+    "a/",
+    "a//x",
+    "b",
+    "b0",
+    "b/",
+    "b/0",
+    "ünï/cødé/ß",
+    "ünï/cødé/ß2",
+    "ünï/日本/語",
+    "emoji/🙂/x",
+    "emoji/🙂🙂",
+    "long/" + "L" * 300 + "/leaf",
+    "long/" + "L" * 300,
+    "long/" + "L" * 299 + "M",
+    "n01440764/n01440764_10026",
+    "n01440764/n01440764_10027",
+    "n01440764/n01440764_9",
+    "n01443537/n01443537_1",
+    "x",
+    "x/y/z/w/v",
+    "",
 ]
 
 
@@ -37,8 +60,10 @@ def make_index(keys, *, sort=True, shards=3, seed=0):
         offset[i] = ends[shard[i]] + 512
         ends[shard[i]] = offset[i] + length[i]
     checksum = rng.integers(0, 2**64, n, dtype=np.uint64)
-    table = [{"name": f"shards/shard-{s:06d}.tar", "bytes": int(ends[s]) + 1024,
-              "samples": int((shard == s).sum())} for s in range(shards)]
+    table = [
+        {"name": f"shards/shard-{s:06d}.tar", "bytes": int(ends[s]) + 1024, "samples": int((shard == s).sum())}
+        for s in range(shards)
+    ]
     t, _ = build_table(keys, labels, cnames, shard, offset, length, checksum, table, classes)
     return read_index(table_to_bytes(t), "mem://index.parquet"), keys
 
@@ -49,7 +74,7 @@ def brute_children(keys, prefix):
     for k in sorted(keys):
         if not k.startswith(d):
             continue
-        rest = k[len(d):]
+        rest = k[len(d) :]
         name = rest[: rest.index("/") + 1] if "/" in rest else rest
         seen.setdefault((name, "/" not in rest), []).append(k)
     return seen
@@ -69,12 +94,21 @@ def test_keys_sorted_and_id_lookups_match_the_index(tricky):
         r = d.sample(i)
         assert r.id == i and r.key == k == d.key(i)
         assert (r.label, r.offset, r.length, r.checksum) == (
-            int(idx.labels[i]), int(idx.offset[i]), int(idx.length[i]), int(idx.checksum[i]))
+            int(idx.labels[i]),
+            int(idx.offset[i]),
+            int(idx.length[i]),
+            int(idx.checksum[i]),
+        )
         assert r.shard == idx.shards[int(idx.shard[i])]["name"]
     ids = np.array([5, 0, len(keys) - 1, 5])
     got = d.lookup(ids)
-    for name, col in (("label", idx.labels), ("shard", idx.shard), ("offset", idx.offset),
-                      ("length", idx.length), ("checksum", idx.checksum)):
+    for name, col in (
+        ("label", idx.labels),
+        ("shard", idx.shard),
+        ("offset", idx.offset),
+        ("length", idx.length),
+        ("checksum", idx.checksum),
+    ):
         assert np.array_equal(got[name], col[ids])
     assert d.keys_of(ids).to_pylist() == [keys[i] for i in ids]
     for bad in (-1, len(keys)):
@@ -98,8 +132,10 @@ def test_key_lookups_agree_with_a_dict(tricky):
     assert d.ids_of([]).shape == (0,)
 
 
-@pytest.mark.parametrize("missing", ["a/b/", "a/b/d", "A/b", "a/bc ", "n01440764/n01440764_1002",
-                                     "ünï/cødé", "long/" + "L" * 299, "zzz", "a/b\x00"])
+@pytest.mark.parametrize(
+    "missing",
+    ["a/b/", "a/b/d", "A/b", "a/bc ", "n01440764/n01440764_1002", "ünï/cødé", "long/" + "L" * 299, "zzz", "a/b\x00"],
+)
 def test_missing_keys_raise_key_error_naming_the_key(tricky, missing):
     d, keys, _ = tricky
     assert missing not in keys
@@ -126,6 +162,7 @@ def test_hash_collisions_are_resolved_by_the_key_bytes(monkeypatch):
     # Force every key to the same hash: lookups must still find the right ids.
     idx, keys = make_index([f"c/{i}" for i in range(50)])
     from stoker.store import keyhash
+
     for mod in (dirmod, keyhash):
         monkeypatch.setattr(mod, "hash_keys", lambda offsets, data: np.zeros(len(offsets) - 1, np.uint64))
         monkeypatch.setattr(mod, "_hash_one", lambda kb: 0)
@@ -150,9 +187,30 @@ def test_hash_of_one_key_matches_the_vectorised_hash():
     assert len(set(h.tolist())) == len(words)
 
 
-@pytest.mark.parametrize("prefix", ["", "a", "a/", "a/b", "a/b/", "a/b/d/", "a/ba", "b", "b/", "ü",
-                                    "ünï/", "ünï/c", "emoji/🙂", "long/" + "L" * 299, "n0144",
-                                    "x/y/z/w/v", "zz", "a/b!", "/"])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "",
+        "a",
+        "a/",
+        "a/b",
+        "a/b/",
+        "a/b/d/",
+        "a/ba",
+        "b",
+        "b/",
+        "ü",
+        "ünï/",
+        "ünï/c",
+        "emoji/🙂",
+        "long/" + "L" * 299,
+        "n0144",
+        "x/y/z/w/v",
+        "zz",
+        "a/b!",
+        "/",
+    ],
+)
 def test_prefix_ranges_equal_brute_force(tricky, prefix):
     d, keys, _ = tricky
     want = [i for i, k in enumerate(keys) if k.startswith(prefix)]
@@ -165,8 +223,24 @@ def test_prefix_ranges_equal_brute_force(tricky, prefix):
     assert d.ids(start, stop).tolist() == want
 
 
-@pytest.mark.parametrize("prefix", ["", "a", "a/", "a/b", "a/b/d", "b", "ünï", "ünï/cødé", "emoji/🙂",
-                                    "long", "long/" + "L" * 300, "n01440764", "x/y/z/w"])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "",
+        "a",
+        "a/",
+        "a/b",
+        "a/b/d",
+        "b",
+        "ünï",
+        "ünï/cødé",
+        "emoji/🙂",
+        "long",
+        "long/" + "L" * 300,
+        "n01440764",
+        "x/y/z/w",
+    ],
+)
 def test_children_equal_brute_force(tricky, prefix):
     d, keys, _ = tricky
     want = brute_children(keys, prefix)
@@ -251,8 +325,9 @@ def test_nbytes_counts_the_key_table_once_built():
     idx, keys = make_index([f"k/{i:05d}" for i in range(1000)])
     d = KeyTable(idx)
     base = d.nbytes
-    assert base == idx.keys.nbytes + sum(a.nbytes for a in (idx.labels, idx.shard, idx.offset,
-                                                             idx.length, idx.checksum))
+    assert base == idx.keys.nbytes + sum(
+        a.nbytes for a in (idx.labels, idx.shard, idx.offset, idx.length, idx.checksum)
+    )
     d.prepare()
     assert d.nbytes == base + 12 * len(keys)  # uint64 hash + int32 id per sample
 
@@ -263,8 +338,10 @@ def test_ls_lines(tricky):
     names = [line.split("\t")[0] for line in lines]
     assert names == ["a/" + n for n, *_ in d.children("a")]  # full keys, as ls and index_of take them
     b = keys.index("a/b")
-    assert lines[names.index("a/b")] == (f"a/b\t{int(idx.length[b])} B\tlabel {int(idx.labels[b])}\t"
-                                         f"{idx.shards[int(idx.shard[b])]['name']}@{int(idx.offset[b])}\tid {b}")
+    assert lines[names.index("a/b")] == (
+        f"a/b\t{int(idx.length[b])} B\tlabel {int(idx.labels[b])}\t"
+        f"{idx.shards[int(idx.shard[b])]['name']}@{int(idx.offset[b])}\tid {b}"
+    )
     s, e = d.prefix_range("a/b/")
     assert lines[names.index("a/b/")] == f"a/b/\t{e - s} samples\tids {s}-{e - 1}"  # inclusive
     # an exact key that is also a directory prints its record first
@@ -272,8 +349,10 @@ def test_ls_lines(tricky):
     assert both[0].startswith("a/b\t") and both[1:] == ls(d, "a/b/")
     # an exact key that is not a directory prints just its record
     bc = keys.index("a/bc")
-    assert ls(d, "a/bc") == [f"a/bc\t{int(idx.length[bc])} B\tlabel {int(idx.labels[bc])}\t"
-                             f"{idx.shards[int(idx.shard[bc])]['name']}@{int(idx.offset[bc])}\tid {bc}"]
+    assert ls(d, "a/bc") == [
+        f"a/bc\t{int(idx.length[bc])} B\tlabel {int(idx.labels[bc])}\t"
+        f"{idx.shards[int(idx.shard[bc])]['name']}@{int(idx.offset[bc])}\tid {bc}"
+    ]
     short = ls(d, "a", limit=2)
     assert short[:2] == lines[:2] and short[2].startswith("... more")
     assert len(ls(d, "", limit=None)) == len(d.children(""))
@@ -291,14 +370,25 @@ def test_pickled_directory_answers_the_same(tricky):
 
 def test_cli_parsers_open_the_dataset_and_print(tmp_path, capsys):
     from stoker.store.index import INDEX_NAME
+
     # a dataset directory needs only the index for ls/stat
     idx2, keys2 = make_index(["c1/a", "c1/b", "c2/a"])
-    t, _ = build_table(keys2, [0, 0, 1], ["c1", "c1", "c2"], idx2.shard, idx2.offset, idx2.length,
-                       idx2.checksum, idx2.shards, ["c1", "c2"])
+    t, _ = build_table(
+        keys2,
+        [0, 0, 1],
+        ["c1", "c1", "c2"],
+        idx2.shard,
+        idx2.offset,
+        idx2.length,
+        idx2.checksum,
+        idx2.shards,
+        ["c1", "c2"],
+    )
     (tmp_path / INDEX_NAME).write_bytes(table_to_bytes(t))
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     from stoker.cli import data
+
     data.add_parsers(sub)
     a = p.parse_args(["ls", str(tmp_path)])
     assert a.fn(a) == 0
@@ -318,5 +408,6 @@ def test_cli_parsers_open_the_dataset_and_print(tmp_path, capsys):
     a = p.parse_args(["stat", str(tmp_path), "--json"])
     assert a.fn(a) == 0
     import json
+
     js = json.loads(capsys.readouterr().out)
     assert js["samples"] == 3 and js["url"] == str(tmp_path)

@@ -1,4 +1,5 @@
 """One pack at a time per destination: the pack lease, on local files and on S3 (moto)."""
+
 from __future__ import annotations
 
 import importlib
@@ -11,6 +12,7 @@ import pytest
 
 from _helpers import make_image_folder
 from stoker.storage import Origin
+
 pack_mod = importlib.import_module("stoker.store.pack")
 from stoker.store.dataset import open_dataset
 from stoker.store.index import INDEX_NAME
@@ -119,8 +121,10 @@ def test_expired_lease_is_taken_over(tmp_path, caplog):
 
 def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
     src, dst = _tree(tmp_path / "A", b"a"), tmp_path / "dst"
-    code = ("import os, sys; from stoker.storage import Origin; from stoker.store.lease import PackLease; "
-            "PackLease(Origin(sys.argv[1]), ttl_s=3600).acquire(); os._exit(0)")
+    code = (
+        "import os, sys; from stoker.storage import Origin; from stoker.store.lease import PackLease; "
+        "PackLease(Origin(sys.argv[1]), ttl_s=3600).acquire(); os._exit(0)"
+    )
     subprocess.run([sys.executable, "-c", code, str(dst)], check=True, timeout=60)
     assert (dst / LEASE_NAME).exists()
     assert pack_mod.pack(str(src), str(dst), progress=False).samples == 6
@@ -134,8 +138,9 @@ def test_lease_on_s3_is_conditional(s3_origin, tmp_path, monkeypatch):
     with pytest.raises(PackLeaseError, match=first.run):
         PackLease(dest).acquire()
     with pytest.raises(FileExistsError, match="being packed"):
-        pack_mod.pack(str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), dst_storage_options=opts,
-                      progress=False)
+        pack_mod.pack(
+            str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), dst_storage_options=opts, progress=False
+        )
     first.renew()
     monkeypatch.setattr(PackLease, "_dead", lambda self, owner: True)  # as if it had expired
     second = PackLease(dest)

@@ -1,5 +1,6 @@
 """A sample read that missed and then found its block filled by another process (while it waited on
 the block's fetch lock) reads only the sample's range from the cache, not the whole block."""
+
 from __future__ import annotations
 
 import numpy as np

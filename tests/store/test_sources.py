@@ -1,4 +1,5 @@
 """Pack sources (ImageFolder, WebDataset shards, file lists), named fields, format compatibility."""
+
 import io
 import json
 import os
@@ -13,8 +14,7 @@ import pytest
 from _helpers import make_image_folder
 from stoker.storage import Origin
 from stoker.store.dataset import ChecksumError, open_dataset, plan_blocks
-from stoker.store.index import (INDEX_NAME, DatasetIndex, Members, build_table, read_index,
-                                table_to_bytes)
+from stoker.store.index import INDEX_NAME, DatasetIndex, Members, build_table, read_index, table_to_bytes
 from stoker.store.pack import pack
 from stoker.store.sources import detect_source
 from stoker.store.wds import brace_expand, expand_urls
@@ -29,8 +29,9 @@ def _tar_members(path):
 def _make_tar(path, members, gz=False, encoding="utf-8"):
     """Write ``[(name, bytes)]`` as a tar (pax) archive; names may hold surrogate escapes."""
     os.makedirs(os.path.dirname(str(path)), exist_ok=True)
-    with tarfile.open(path, "w:gz" if gz else "w", format=tarfile.PAX_FORMAT, encoding=encoding,
-                      errors="surrogateescape") as tf:
+    with tarfile.open(
+        path, "w:gz" if gz else "w", format=tarfile.PAX_FORMAT, encoding=encoding, errors="surrogateescape"
+    ) as tf:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -57,8 +58,7 @@ def test_sample_tgz_round_trip(cases_dir, tmp_path):
     r = pack(str(src), str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
     assert r.source == "webdataset" and r.samples == 90 and r.shards > 1
     expected = _tar_members(src)
-    ds = open_dataset(str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), cache_bytes=1 << 20,
-                      block_bytes=2048)
+    ds = open_dataset(str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), cache_bytes=1 << 20, block_bytes=2048)
     _check_all(ds, expected)
     for i in range(len(ds)):
         data, label = ds[i]
@@ -66,6 +66,7 @@ def test_sample_tgz_round_trip(cases_dir, tmp_path):
         assert ds.index.field_name(i) == "png"
         assert ds.index.classes[label] == str(label)
     from PIL import Image
+
     assert Image.open(io.BytesIO(ds[0][0])).convert("RGB").size[0] > 0
 
 
@@ -81,15 +82,21 @@ def test_tendata_raw_bytes_round_trip(cases_dir, tmp_path):
 
 # -- WebDataset grouping, labels, fields ----------------------------------------------------
 def test_webdataset_fields_labels_and_grouping(tmp_path):
-    a = _make_tar(tmp_path / "src" / "a-000.tar", [
-        ("x/s1.json", json.dumps({"label": 3}).encode()), ("x/s1.jpg", b"\xff\xd8jpeg1"),
-        ("x/s1.txt", b"caption one"),
-        ("x/s2.cls", b" 7\n"), ("x/s2.seg.png", b"png-seg"), ("x/s2.json", b"{\"label\": 1}"),
-        ("x/s3.ten", b"\x00\x01opaque"), ("x/s3.idx", b"i"),   # no image: first member is primary
-        ("README", b"no field: skipped"),
-    ])
-    _make_tar(tmp_path / "src" / "a-001.tar.gz", [("y/t1.json", b"{\"cls\": 0}"), ("y/t1.webp", b"RIFFw")],
-              gz=True)
+    a = _make_tar(
+        tmp_path / "src" / "a-000.tar",
+        [
+            ("x/s1.json", json.dumps({"label": 3}).encode()),
+            ("x/s1.jpg", b"\xff\xd8jpeg1"),
+            ("x/s1.txt", b"caption one"),
+            ("x/s2.cls", b" 7\n"),
+            ("x/s2.seg.png", b"png-seg"),
+            ("x/s2.json", b'{"label": 1}'),
+            ("x/s3.ten", b"\x00\x01opaque"),
+            ("x/s3.idx", b"i"),  # no image: first member is primary
+            ("README", b"no field: skipped"),
+        ],
+    )
+    _make_tar(tmp_path / "src" / "a-001.tar.gz", [("y/t1.json", b'{"cls": 0}'), ("y/t1.webp", b"RIFFw")], gz=True)
     r = pack(str(tmp_path / "src"), str(tmp_path / "d"), progress=False)
     assert (r.source, r.samples, r.skipped_files) == ("webdataset", 4, 1)
     ds = open_dataset(str(tmp_path / "d"), cache=False)
@@ -107,8 +114,10 @@ def test_webdataset_fields_labels_and_grouping(tmp_path):
 
 
 def test_webdataset_class_name_labels_and_duplicate_keys(tmp_path):
-    _make_tar(tmp_path / "a.tar", [("k1.json", b'{"label": "dog"}'), ("k1.png", b"1"),
-                                   ("k2.json", b'{"label": "cat"}'), ("k2.png", b"2")])
+    _make_tar(
+        tmp_path / "a.tar",
+        [("k1.json", b'{"label": "dog"}'), ("k1.png", b"1"), ("k2.json", b'{"label": "cat"}'), ("k2.png", b"2")],
+    )
     pack(str(tmp_path / "a.tar"), str(tmp_path / "d"), progress=False)
     ds = open_dataset(str(tmp_path / "d"), cache=False)
     assert ds.index.classes == ["cat", "dog"] and ds.labels.tolist() == [1, 0]
@@ -132,18 +141,38 @@ def test_source_detection_and_brace_expansion(tmp_path, sample_tree):
     assert detect_source(o(tmp_path / "w"), "imagefolder") == "imagefolder"
     with pytest.raises(ValueError, match="unknown source"):
         detect_source(o(tmp_path), "zip")
-    assert brace_expand("s-{08..10}-{a,b}.tar") == ["s-08-a.tar", "s-08-b.tar", "s-09-a.tar",
-                                                    "s-09-b.tar", "s-10-a.tar", "s-10-b.tar"]
+    assert brace_expand("s-{08..10}-{a,b}.tar") == [
+        "s-08-a.tar",
+        "s-08-b.tar",
+        "s-09-a.tar",
+        "s-09-b.tar",
+        "s-10-a.tar",
+        "s-10-b.tar",
+    ]
     for src in (f"{tmp_path}/w/train-{{000..001}}.tar", f"{tmp_path}/w/train-*.tar", f"{tmp_path}/w/train-"):
         r = pack(src, str(tmp_path / "d"), progress=False, overwrite=True)
         assert r.samples == 2, src
 
 
-@pytest.mark.parametrize("spec", ["{a,{b,c}}.tar", "s-{0..6..2}.tar", "s-{a..c}.tar", "s-{08..10}-{a,b}.tar",
-                                  "s-{10..0..5}.tar", "x-{000..002}.tar::y-{a,b}.tar", "a-{1,2}{x,y}.tar",
-                                  "plain.tar", r"lit-\{a,b\}.tar", "s-{a..e..2}.tar", "{,x}.tar"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "{a,{b,c}}.tar",
+        "s-{0..6..2}.tar",
+        "s-{a..c}.tar",
+        "s-{08..10}-{a,b}.tar",
+        "s-{10..0..5}.tar",
+        "x-{000..002}.tar::y-{a,b}.tar",
+        "a-{1,2}{x,y}.tar",
+        "plain.tar",
+        r"lit-\{a,b\}.tar",
+        "s-{a..e..2}.tar",
+        "{,x}.tar",
+    ],
+)
 def test_shard_specs_expand_as_webdataset_does(spec):
     from webdataset.shardlists import expand_urls as wds_expand
+
     assert brace_expand(spec) == wds_expand(spec)
 
 
@@ -181,8 +210,12 @@ def test_shard_specs_nested_stepped_and_letter_ranges_pack(tmp_path):
 
 # -- file lists -------------------------------------------------------------------------------
 def _file_list_tree(tmp_path):
-    files = {"imgs/a/1.jpg": b"\xff\xd8one", "imgs/b/2.png": b"\x89PNGtwo", "imgs/c/3.bin": b"",
-             "other/4.ten": b"\x00" * 1000}
+    files = {
+        "imgs/a/1.jpg": b"\xff\xd8one",
+        "imgs/b/2.png": b"\x89PNGtwo",
+        "imgs/c/3.bin": b"",
+        "other/4.ten": b"\x00" * 1000,
+    }
     make_image_folder(tmp_path / "src", files)
     return files
 
@@ -190,16 +223,21 @@ def _file_list_tree(tmp_path):
 def test_file_list_csv_and_parquet_round_trip(tmp_path):
     files = _file_list_tree(tmp_path)
     src = tmp_path / "src"
-    (src / "list.csv").write_text("path,label\nimgs/a/1.jpg,2\nimgs/b/2.png,0\nimgs/c/3.bin,\n"
-                                  f"{src}/other/4.ten,1\n")
+    (src / "list.csv").write_text(f"path,label\nimgs/a/1.jpg,2\nimgs/b/2.png,0\nimgs/c/3.bin,\n{src}/other/4.ten,1\n")
     r = pack(str(src / "list.csv"), str(tmp_path / "d1"), progress=False)
     assert (r.source, r.samples, r.classes) == ("filelist", 4, 3)
     ds = open_dataset(str(tmp_path / "d1"), cache=False)
     got = {ds.key(i): (ds[i][0], int(ds.labels[i]), ds.index.field_name(i)) for i in range(len(ds))}
-    assert got == {"imgs/a/1": (files["imgs/a/1.jpg"], 2, "jpg"), "imgs/b/2": (files["imgs/b/2.png"], 0, "png"),
-                   "imgs/c/3": (b"", -1, "bin"), str(src / "other/4").lstrip("/"): (files["other/4.ten"], 1, "ten")}
-    pq.write_table(pa.table({"path": ["imgs/a/1.jpg", "imgs/b/2.png"], "label": ["zebra", "ant"],
-                             "key": ["first", "second"]}), src / "list.parquet")
+    assert got == {
+        "imgs/a/1": (files["imgs/a/1.jpg"], 2, "jpg"),
+        "imgs/b/2": (files["imgs/b/2.png"], 0, "png"),
+        "imgs/c/3": (b"", -1, "bin"),
+        str(src / "other/4").lstrip("/"): (files["other/4.ten"], 1, "ten"),
+    }
+    pq.write_table(
+        pa.table({"path": ["imgs/a/1.jpg", "imgs/b/2.png"], "label": ["zebra", "ant"], "key": ["first", "second"]}),
+        src / "list.parquet",
+    )
     pack(str(src / "list.parquet"), str(tmp_path / "d2"), progress=False)
     ds = open_dataset(str(tmp_path / "d2"), cache=False)
     assert [ds.key(i) for i in range(2)] == ["first", "second"]
@@ -219,11 +257,19 @@ UNICODE = "клас/ñandú-鳥-🐦"
 
 
 def _odd_tar(tmp_path):
-    return _make_tar(tmp_path / "odd.tar", [
-        (f"{LONG}.jpg", b"\xff\xd8long"), (f"{LONG}.json", b'{"label": 1}'),
-        (f"{UNICODE}.png", b"\x89PNGu"), (f"{UNICODE}.txt", "текст".encode()),
-        ("empty.jpg", b""), ("empty.txt", b""), ("plain.cls", b"2"), ("plain.jpg", b"j" * 513),
-    ])
+    return _make_tar(
+        tmp_path / "odd.tar",
+        [
+            (f"{LONG}.jpg", b"\xff\xd8long"),
+            (f"{LONG}.json", b'{"label": 1}'),
+            (f"{UNICODE}.png", b"\x89PNGu"),
+            (f"{UNICODE}.txt", "текст".encode()),
+            ("empty.jpg", b""),
+            ("empty.txt", b""),
+            ("plain.cls", b"2"),
+            ("plain.jpg", b"j" * 513),
+        ],
+    )
 
 
 def test_long_unicode_and_empty_members_gnu_tar(tmp_path):
@@ -290,8 +336,19 @@ def test_offsets_past_8_gib_are_exact(tmp_path):
     lengths = [1 << 20] * n
     fields = [[("json", o + (1 << 20) + 512, 700, 42)] if i % 2 else None for i, o in enumerate(offsets)]
     shards = [{"name": "shards/big.tar", "bytes": base + n * (3 << 20) + 4096, "samples": n}]
-    table, _ = build_table([f"k{i}" for i in range(n)], [0] * n, ["c"] * n, [0] * n, offsets, lengths,
-                           [7] * n, shards, ["c"], field=["jpg"] * n, fields=fields)
+    table, _ = build_table(
+        [f"k{i}" for i in range(n)],
+        [0] * n,
+        ["c"] * n,
+        [0] * n,
+        offsets,
+        lengths,
+        [7] * n,
+        shards,
+        ["c"],
+        field=["jpg"] * n,
+        fields=fields,
+    )
     idx = read_index(table_to_bytes(table))
     assert idx.offset.dtype == np.int64 and idx.offset.tolist() == offsets
     assert idx.members.offset.tolist() == [o + (1 << 20) + 512 for o in offsets[1::2]]
@@ -302,18 +359,33 @@ def test_offsets_past_8_gib_are_exact(tmp_path):
         b = blocks["sample_block"][i]
         assert blocks["start"][b] <= idx.offset[i] and idx.span_end[i] <= blocks["end"][b]
     # a synthetic in-memory index works too
-    mem = DatasetIndex(keys=pa.array(["a"]), labels=np.zeros(1, np.int64), shard=np.zeros(1, np.int32),
-                       offset=np.array([base * 2], np.int64), length=np.array([5], np.int64),
-                       checksum=np.zeros(1, np.uint64), shards=shards, classes=[], version="v",
-                       field=np.zeros(1, np.int32), names=["jpg", "txt"],
-                       members=Members(np.array([0, 1]), np.array([1], np.int32), np.array([base * 2 + 1024]),
-                                       np.array([3]), np.zeros(1, np.uint64)))
+    mem = DatasetIndex(
+        keys=pa.array(["a"]),
+        labels=np.zeros(1, np.int64),
+        shard=np.zeros(1, np.int32),
+        offset=np.array([base * 2], np.int64),
+        length=np.array([5], np.int64),
+        checksum=np.zeros(1, np.uint64),
+        shards=shards,
+        classes=[],
+        version="v",
+        field=np.zeros(1, np.int32),
+        names=["jpg", "txt"],
+        members=Members(
+            np.array([0, 1]),
+            np.array([1], np.int32),
+            np.array([base * 2 + 1024]),
+            np.array([3]),
+            np.zeros(1, np.uint64),
+        ),
+    )
     assert mem.span_end.tolist() == [base * 2 + 1027]
     assert plan_blocks(mem, 1 << 20)["end"].tolist() == [base * 2 + 1027]
 
 
 def test_format_1_index_still_reads(packed_local, tmp_path):
     import shutil
+
     dst = tmp_path / "old"
     shutil.copytree(packed_local, dst)
     t = pq.read_table(dst / INDEX_NAME)
@@ -333,7 +405,7 @@ def test_corrupt_field_is_named(tmp_path):
     src = _make_tar(tmp_path / "a.tar", [("k.png", b"p" * 100), ("k.json", b'{"label": 0}')])
     pack(str(src), str(tmp_path / "d"), progress=False)
     ds = open_dataset(str(tmp_path / "d"), cache=False)
-    (_, off, n, _), = [m for m in ds.index.member_table(0) if m[0] == "json"]
+    ((_, off, n, _),) = [m for m in ds.index.member_table(0) if m[0] == "json"]
     shard = tmp_path / "d" / ds.index.shards[0]["name"]
     raw = bytearray(shard.read_bytes())
     raw[off] ^= 0xFF
@@ -358,11 +430,13 @@ def test_streamed_pack_resumes(cases_dir, tmp_path):
 # -- through the emulated S3 origin -------------------------------------------------------------
 def test_every_source_round_trips_through_s3(s3_origin, cases_dir, tmp_path):
     from stoker_lab.bench.origin import upload_tree
+
     opts = s3_origin.storage_options()
     raw = s3_origin.url("src-rt/raw")
     files = _file_list_tree(tmp_path)
     (tmp_path / "src" / "list.csv").write_text("path,label\nimgs/a/1.jpg,1\nimgs/b/2.png,0\nimgs/c/3.bin,1\n")
     import shutil
+
     shutil.copy(cases_dir / "webdataset" / "sample.tgz", tmp_path / "src" / "sample.tgz")
     shutil.copy(cases_dir / "webdataset" / "tendata.tar", tmp_path / "src" / "tendata.tar")
     _odd_tar(tmp_path / "src")
@@ -371,16 +445,17 @@ def test_every_source_round_trips_through_s3(s3_origin, cases_dir, tmp_path):
         "sample.tgz": _tar_members(tmp_path / "src" / "sample.tgz"),
         "tendata.tar": _tar_members(tmp_path / "src" / "tendata.tar"),
         "odd.tar": _tar_members(tmp_path / "src" / "odd.tar"),
-        "list.csv": {"imgs/a/1.jpg": files["imgs/a/1.jpg"], "imgs/b/2.png": files["imgs/b/2.png"],
-                     "imgs/c/3.bin": b""},
+        "list.csv": {"imgs/a/1.jpg": files["imgs/a/1.jpg"], "imgs/b/2.png": files["imgs/b/2.png"], "imgs/c/3.bin": b""},
     }
     for name, expected in cases.items():
         dst = s3_origin.url(f"src-rt/packed-{name}")
         r = pack(f"{raw}/{name}", dst, storage_options=opts, progress=False, shard_bytes=64 << 10)
-        assert r.samples == len({m.rsplit(".", 1)[0] if name == "list.csv" else m.split(".")[0]
-                                 for m in expected}), name
-        ds = open_dataset(dst, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=opts,
-                          block_bytes=16 << 10)
+        assert r.samples == len({m.rsplit(".", 1)[0] if name == "list.csv" else m.split(".")[0] for m in expected}), (
+            name
+        )
+        ds = open_dataset(
+            dst, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, storage_options=opts, block_bytes=16 << 10
+        )
         for i in np.random.default_rng(0).permutation(len(ds)):
             fields = ds.read_fields(int(i))
             for field, data in fields.items():
@@ -390,8 +465,7 @@ def test_every_source_round_trips_through_s3(s3_origin, cases_dir, tmp_path):
 
 
 # -- ImageFolder labels: stray folders, empty classes, fixed class lists ---------------
-_IMG = {f"{c}/img{i}.jpg": bytes([65 + k]) * (200 + i) for k, c in enumerate(["cat", "dog", "owl"])
-        for i in range(2)}
+_IMG = {f"{c}/img{i}.jpg": bytes([65 + k]) * (200 + i) for k, c in enumerate(["cat", "dog", "owl"]) for i in range(2)}
 
 
 def _labels_by_class(url: str) -> dict:
@@ -403,10 +477,15 @@ def _labels_by_class(url: str) -> dict:
 
 
 def test_hidden_and_os_metadata_entries_are_never_classes_or_samples(tmp_path, caplog):
-    stray = {".ipynb_checkpoints/img0-checkpoint.jpg": _IMG["cat/img0.jpg"],
-             "__MACOSX/cat/._img0.jpg": b"\x00\x05\x16\x07" + b"\x00" * 60,
-             "cat/._img1.jpg": b"\x00\x05\x16\x07", "cat/.ipynb_checkpoints/img0-checkpoint.jpg": b"x",
-             "dog/.DS_Store": b"ds", "owl/Thumbs.db": b"t", "Desktop.ini": b"d"}
+    stray = {
+        ".ipynb_checkpoints/img0-checkpoint.jpg": _IMG["cat/img0.jpg"],
+        "__MACOSX/cat/._img0.jpg": b"\x00\x05\x16\x07" + b"\x00" * 60,
+        "cat/._img1.jpg": b"\x00\x05\x16\x07",
+        "cat/.ipynb_checkpoints/img0-checkpoint.jpg": b"x",
+        "dog/.DS_Store": b"ds",
+        "owl/Thumbs.db": b"t",
+        "Desktop.ini": b"d",
+    }
     src = make_image_folder(tmp_path / "src", {**_IMG, **stray})
     r = pack(str(src), str(tmp_path / "d"), progress=False)
     assert (r.samples, r.classes, r.skipped_files) == (6, 3, 0)
@@ -416,8 +495,15 @@ def test_hidden_and_os_metadata_entries_are_never_classes_or_samples(tmp_path, c
     assert _labels_by_class(str(tmp_path / "d")) == {"cat": {0}, "dog": {1}, "owl": {2}}
     warned = [rec.getMessage() for rec in caplog.records if "OS-metadata" in rec.getMessage()]
     assert len(warned) == 1  # one warning naming every dropped folder and file
-    for name in (".ipynb_checkpoints/", "__MACOSX/", "cat/._img1.jpg", "cat/.ipynb_checkpoints/",
-                 "dog/.DS_Store", "owl/Thumbs.db", "Desktop.ini"):
+    for name in (
+        ".ipynb_checkpoints/",
+        "__MACOSX/",
+        "cat/._img1.jpg",
+        "cat/.ipynb_checkpoints/",
+        "dog/.DS_Store",
+        "owl/Thumbs.db",
+        "Desktop.ini",
+    ):
         assert name in warned[0]
 
 
@@ -441,14 +527,37 @@ def test_empty_class_folder_keeps_its_label(tmp_path):
 
 def test_pack_classes_keeps_labels_across_splits_and_stat_prints_them(tmp_path, capsys):
     from stoker.cli import main
+
     make_image_folder(tmp_path / "train", _IMG)
     # val as an object store would list it: the class with no images has no folder at all
     make_image_folder(tmp_path / "val", {k: v for k, v in _IMG.items() if not k.startswith("cat/")})
     (tmp_path / "classes.txt").write_text("cat\ndog\nowl\n")
-    assert main(["pack", str(tmp_path / "train"), str(tmp_path / "ptrain"), "--no-progress",
-                 "--classes", str(tmp_path / "classes.txt")]) == 0
-    assert main(["pack", str(tmp_path / "val"), str(tmp_path / "pval"), "--no-progress",
-                 "--classes", str(tmp_path / "ptrain")]) == 0  # the train dataset's class list
+    assert (
+        main(
+            [
+                "pack",
+                str(tmp_path / "train"),
+                str(tmp_path / "ptrain"),
+                "--no-progress",
+                "--classes",
+                str(tmp_path / "classes.txt"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "pack",
+                str(tmp_path / "val"),
+                str(tmp_path / "pval"),
+                "--no-progress",
+                "--classes",
+                str(tmp_path / "ptrain"),
+            ]
+        )
+        == 0
+    )  # the train dataset's class list
     train, val = _labels_by_class(str(tmp_path / "ptrain")), _labels_by_class(str(tmp_path / "pval"))
     assert val == {"dog": {1}, "owl": {2}} and all(train[c] == val[c] for c in val)
     capsys.readouterr()
@@ -457,12 +566,27 @@ def test_pack_classes_keeps_labels_across_splits_and_stat_prints_them(tmp_path, 
     assert "  0\tcat\n  1\tdog\n  2\towl" in out
     assert main(["stat", "--json", str(tmp_path / "pval")]) == 0
     (tmp_path / "stat.json").write_text(capsys.readouterr().out)
-    assert pack(str(tmp_path / "val"), str(tmp_path / "pval2"), progress=False,
-                classes=str(tmp_path / "stat.json")).classes == 3
+    assert (
+        pack(
+            str(tmp_path / "val"), str(tmp_path / "pval2"), progress=False, classes=str(tmp_path / "stat.json")
+        ).classes
+        == 3
+    )
     # a class directory that the list does not name is refused, naming it
     (tmp_path / "short.txt").write_text("dog\n")
-    assert main(["pack", str(tmp_path / "val"), str(tmp_path / "px"), "--no-progress",
-                 "--classes", str(tmp_path / "short.txt")]) == 2
+    assert (
+        main(
+            [
+                "pack",
+                str(tmp_path / "val"),
+                str(tmp_path / "px"),
+                "--no-progress",
+                "--classes",
+                str(tmp_path / "short.txt"),
+            ]
+        )
+        == 2
+    )
     assert "'owl' not in the class list" in capsys.readouterr().err
     with pytest.raises(ValueError, match="appears twice"):
         pack(str(tmp_path / "val"), str(tmp_path / "py"), progress=False, classes=["dog", "owl", "dog"])
@@ -484,6 +608,7 @@ def test_source_errors_are_stoker_errors_and_a_broken_symlink_is_named(tmp_path)
     """Every way a pack source can be wrong raises a StokerError (keeping its builtin base) that
     names the source; a broken symlink among the images stops the pack instead of being dropped."""
     import stoker
+
     make_image_folder(tmp_path / "src", _IMG)
     cls = sorted(p.name for p in (tmp_path / "src").iterdir())[0]
     os.symlink(str(tmp_path / "gone.jpg"), str(tmp_path / "src" / cls / "dangling.jpg"))

@@ -1,4 +1,5 @@
 """Pack and read: byte-identical round trips, GNU-tar-readable shards, resumable packs."""
+
 import json
 import os
 import subprocess
@@ -65,13 +66,15 @@ def test_shards_are_gnu_tar_readable(packed_local, sample_tree, tmp_path):
 
 def test_round_trip_through_s3(s3_origin, sample_tree, tmp_path):
     from stoker_lab.bench.origin import upload_tree
+
     opts = s3_origin.storage_options()
     raw, dst = s3_origin.url("rt/raw"), s3_origin.url("rt/packed")
     upload_tree(str(sample_tree / "train"), raw, opts)
     r = pack(raw, dst, shard_bytes=2 << 20, storage_options=opts, progress=False)
     assert r.samples == 120
-    ds = open_dataset(dst, cache_dir=str(tmp_path / "c"), cache_bytes=1 << 30, storage_options=opts,
-                      block_bytes=256 << 10)
+    ds = open_dataset(
+        dst, cache_dir=str(tmp_path / "c"), cache_bytes=1 << 30, storage_options=opts, block_bytes=256 << 10
+    )
     for i in np.random.default_rng(0).permutation(len(ds)):
         assert ds[int(i)][0] == _source_bytes(sample_tree, ds, int(i))
     assert ds.origin.counters.requests <= ds.num_blocks + 1  # one ranged GET per block, not per sample
@@ -99,8 +102,7 @@ def test_interrupted_pack_is_never_a_dataset_and_rerun_finishes(sample_tree, tmp
 
 
 def test_image_folder_listing_skips_non_images_and_refuses_duplicate_keys(tmp_path):
-    src = make_image_folder(tmp_path / "src", {"a/1.jpg": b"x", "a/notes.txt": b"t", "b/2.png": b"y",
-                                                "README": b"r"})
+    src = make_image_folder(tmp_path / "src", {"a/1.jpg": b"x", "a/notes.txt": b"t", "b/2.png": b"y", "README": b"r"})
     r = pack(str(src), str(tmp_path / "d"), progress=False)
     assert (r.samples, r.classes, r.skipped_files) == (2, 2, 2)
     dup = make_image_folder(tmp_path / "dup", {"a/1.jpg": b"x", "a/1.png": b"y"})
@@ -125,8 +127,16 @@ def test_index_key_lookup_matches_arrow(kind):
     arr = pa.array(["pad", "pad"] + keys, type=pa.large_string() if kind == "large_string" else pa.string())
     arr = arr.slice(2)  # every kind is a slice of a longer array (offset 2)
     n = len(keys)
-    ix = DatasetIndex(keys=arr, labels=np.zeros(n, np.int64), shard=np.zeros(n, np.int32),
-                      offset=np.arange(n, dtype=np.int64), length=np.ones(n, np.int64),
-                      checksum=np.zeros(n, np.uint64), shards=[], classes=[], version="v")
+    ix = DatasetIndex(
+        keys=arr,
+        labels=np.zeros(n, np.int64),
+        shard=np.zeros(n, np.int32),
+        offset=np.arange(n, dtype=np.int64),
+        length=np.ones(n, np.int64),
+        checksum=np.zeros(n, np.uint64),
+        shards=[],
+        classes=[],
+        version="v",
+    )
     assert [ix.key(i) for i in range(n)] == keys
     assert [pickle.loads(pickle.dumps(ix)).key(i) for i in range(n)] == keys

@@ -1,4 +1,5 @@
 """`stoker verify` and the open-time shard check."""
+
 import os
 import shutil
 import subprocess
@@ -35,8 +36,11 @@ def test_one_flipped_byte_is_found_and_named(packed_copy):
     assert not r.ok
     assert [b["key"] for b in r.bad_samples] == [ds.key(i)]
     assert r.bad_samples[0]["shard"] == ds.index.shard_name(ds.index.shard[i])
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "verify", "--no-progress", str(packed_copy)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "verify", "--no-progress", str(packed_copy)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1 and ds.key(i) in out.stdout
 
 
@@ -47,7 +51,9 @@ def test_truncated_and_missing_shards(packed_copy):
     with open(s0, "r+b") as f:
         f.truncate(os.path.getsize(s0) // 2)
     s1.unlink()
-    with pytest.raises(DatasetChangedError, match=r"shard-000000.tar: \d+ bytes at the origin.*shard-000001.tar: missing"):
+    with pytest.raises(
+        DatasetChangedError, match=r"shard-000000.tar: \d+ bytes at the origin.*shard-000001.tar: missing"
+    ):
         check_shards(ds.origin, ds.index)
     r = verify(str(packed_copy), progress=False)
     assert {b["shard"] for b in r.bad_shards} == {ds.index.shard_name(0), ds.index.shard_name(1)}
@@ -60,6 +66,7 @@ def test_truncated_and_missing_shards(packed_copy):
 
 def test_flipped_byte_in_a_named_field_is_found(tmp_path, cases_dir):
     from stoker.store.pack import pack
+
     dst = tmp_path / "wds"
     pack(str(cases_dir / "webdataset" / "sample.tgz"), str(dst), progress=False)
     ds = open_dataset(str(dst), cache=False)
@@ -80,6 +87,7 @@ def test_same_size_rewrite_of_a_shard_on_s3_is_detected_at_open(s3_origin, sampl
     from stoker_lab.bench.origin import upload_tree
     from stoker.store.pack import pack
     from stoker.storage import url_to_fs
+
     opts = s3_origin.storage_options()
     upload_tree(str(sample_tree / "train"), s3_origin.url("etag/raw"), opts)
     url = s3_origin.url("etag/packed")

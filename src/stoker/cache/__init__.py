@@ -1,4 +1,5 @@
 """The node cache: blocks of shards on local disk, shared by every process on the node."""
+
 from .disk import DiskCache, CacheStats, POLICIES
 from .staging import StagingArea
 from .tiered import TieredCache, default_memory_root

@@ -10,6 +10,7 @@ Layout under the cache root (bookkeeping, hidden, written by the cache itself; :
 Both are informational: written whole (temporary file, rename), best effort (a full disk or a
 read-only cache loses only the label), and never used to decide what to cache or evict.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,11 @@ def _read_json(path: str) -> dict | None:
 def record_dataset(root: str, namespace: str, url: str, mode: int = PRIVATE_FILE_MODE) -> None:
     """Remember that namespace ``namespace`` of the cache at ``root`` holds the dataset at ``url``
     (written with the cache's file ``mode``)."""
-    _write_json(os.path.join(root, DATASETS_DIR, f"{namespace}.json"),
-                {"url": url, "version": namespace, "seen": time.time()}, mode)
+    _write_json(
+        os.path.join(root, DATASETS_DIR, f"{namespace}.json"),
+        {"url": url, "version": namespace, "seen": time.time()},
+        mode,
+    )
 
 
 def dataset_urls(root: str) -> dict[str, str]:

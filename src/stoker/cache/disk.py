@@ -38,6 +38,7 @@ Policies (selectable; ``stoker bench cache`` compares them):
 - ``lru``: evict the least recently used blocks (mtime, touched on every hit) to
   make room; thrashes under epoch-random access, kept for comparison.
 """
+
 from __future__ import annotations
 
 import errno
@@ -76,14 +77,14 @@ _TMP = TMP_MARK
 class CacheStats:
     """Per-process cache counters (samples or blocks, as named)."""
 
-    hits: int = 0            # sample reads served from a committed block
-    misses: int = 0          # sample reads that found no block
-    fills: int = 0           # blocks written into the cache
+    hits: int = 0  # sample reads served from a committed block
+    misses: int = 0  # sample reads that found no block
+    fills: int = 0  # blocks written into the cache
     fill_bytes: int = 0
-    refused: int = 0         # fills not admitted (budget full under noevict / block too big)
+    refused: int = 0  # fills not admitted (budget full under noevict / block too big)
     evictions: int = 0
     evicted_bytes: int = 0
-    corrupt: int = 0         # cached blocks whose sample checksum failed (dropped, refetched)
+    corrupt: int = 0  # cached blocks whose sample checksum failed (dropped, refetched)
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -104,8 +105,14 @@ class DiskCache(UsageCounters):
     (``root`` made with another mode) and :class:`~stoker.errors.UnsafePathError` (see :mod:`.perms`).
     """
 
-    def __init__(self, root: str, capacity_bytes: int, policy: str = "future",
-                 lock_timeout_s: float = 120.0, mode: int | str | None = None):
+    def __init__(
+        self,
+        root: str,
+        capacity_bytes: int,
+        policy: str = "future",
+        lock_timeout_s: float = 120.0,
+        mode: int | str | None = None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {POLICIES}")
         if capacity_bytes < 0:
@@ -270,8 +277,7 @@ class DiskCache(UsageCounters):
             tlock.release()
 
     def _lock_timeout(self, namespace: str, name: str) -> CacheLockTimeout:
-        return CacheLockTimeout(f"waited {self.lock_timeout_s:.0f} s for the fill of "
-                                f"{namespace}/{name} in {self.root}")
+        return CacheLockTimeout(f"waited {self.lock_timeout_s:.0f} s for the fill of {namespace}/{name} in {self.root}")
 
     def _entries(self):
         """Yield (path, size, mtime, is_tmp) for every block file and temporary fill of the
@@ -296,7 +302,7 @@ class DiskCache(UsageCounters):
                 if not is_tmp:
                     continue
                 try:
-                    pid = int(os.path.basename(path)[len(_TMP):].split("-")[0])
+                    pid = int(os.path.basename(path)[len(_TMP) :].split("-")[0])
                 except ValueError:
                     pid = -1
                 if not pid_alive(pid):
@@ -405,8 +411,11 @@ class DiskCache(UsageCounters):
         quotas = self.quotas()
         if namespace not in quotas or self._ns_read(namespace) + n > quotas[namespace]:
             return None  # an unannounced reader, or a dataset at its share: no-eviction
-        over = {ns: u - quotas.get(ns, 0) for ns, u in self.namespace_usage().items()
-                if ns != namespace and u > quotas.get(ns, 0)}
+        over = {
+            ns: u - quotas.get(ns, 0)
+            for ns, u in self.namespace_usage().items()
+            if ns != namespace and u > quotas.get(ns, 0)
+        }
         need = used + n - cap
         if sum(over.values()) < need:
             return None
@@ -444,11 +453,14 @@ class DiskCache(UsageCounters):
 
     def _warn_full(self, free: int | None) -> None:
         """The one warning of this job that the cache's disk holds less than its budget."""
+
         def claim() -> bool:
             with self._budget_lock():
                 return space.claim_warning(self._held_fd(), self._owner_pid)
-        space.warn_full(self.root, free, self.capacity_bytes, self._owner_pid, claim, self.keep_free_fraction,
-                        self.overflow)
+
+        space.warn_full(
+            self.root, free, self.capacity_bytes, self._owner_pid, claim, self.keep_free_fraction, self.overflow
+        )
 
     def put(self, namespace: str, name: str, data: bytes) -> bool:
         """Admit a block: reserve its bytes, write a temporary file, rename it into place.

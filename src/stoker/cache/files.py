@@ -4,6 +4,7 @@ Files are written through :func:`stoker._atomic.write_atomic` (a 0600 ``O_EXCL |
 temporary, given the cache's file mode, then renamed) and read with ``O_NOFOLLOW``: a symlink
 planted at a block's name is never followed (:mod:`.perms`).
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,8 +22,9 @@ def write_whole(final: str, data, replace: bool = True, mode: int = PRIVATE_FILE
     The temporary file is removed on any error.
     With ``replace=False`` an existing ``final`` is kept (hard link, no clobber) and False is
     returned, so two writers of one name cannot both count it. True when ``final`` was written."""
-    return write_atomic(final, data, mode=mode, replace=replace,
-                        tmp_prefix=os.path.join(os.path.dirname(final), TMP_MARK))
+    return write_atomic(
+        final, data, mode=mode, replace=replace, tmp_prefix=os.path.join(os.path.dirname(final), TMP_MARK)
+    )
 
 
 def is_file(path: str) -> bool:

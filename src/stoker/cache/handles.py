@@ -27,6 +27,7 @@ every :data:`BLOCK_FDS`-th open sweeps out the descriptors of unlinked files, so
 at most ``BLOCK_FDS`` blocks beyond the budget, and :meth:`Handles.close` (``DiskCache.close``)
 lets go of all of them.
 """
+
 from __future__ import annotations
 
 import errno
@@ -135,8 +136,7 @@ class Handles:
             ident = self._stripe_ident.get(fd) or _identity(fd)
             self._stripe_idle[k] = (fd, ident)
             self._stripe_idle.move_to_end(k)
-            extra = [self._stripe_idle.popitem(last=False)[1][0]
-                     for _ in range(len(self._stripe_idle) - STRIPE_FDS)]
+            extra = [self._stripe_idle.popitem(last=False)[1][0] for _ in range(len(self._stripe_idle) - STRIPE_FDS)]
             for old in extra:
                 self._stripe_ident.pop(old, None)
         for old in extra:

@@ -26,6 +26,7 @@ a user's folders for certain, so they are left alone, uncounted and never delete
 cache opened on such a directory starts empty beside them; ``stoker cache status`` lists
 them, and they can be deleted by hand once no older stoker uses them.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,12 @@ def recorded_mode(root: str) -> int | None:
 
 def set_recorded_mode(root: str, file_mode: int) -> None:
     """Rewrite the marker to record ``file_mode`` (whole-or-nothing)."""
-    write_atomic(os.path.join(root, ROOT_MARKER), json.dumps({"layout": LAYOUT, "mode": f"{file_mode:04o}"}).encode(),
-                 mode=file_mode, tmp_prefix=os.path.join(root, ".stoker-cache.tmp-"))
+    write_atomic(
+        os.path.join(root, ROOT_MARKER),
+        json.dumps({"layout": LAYOUT, "mode": f"{file_mode:04o}"}).encode(),
+        mode=file_mode,
+        tmp_prefix=os.path.join(root, ".stoker-cache.tmp-"),
+    )
 
 
 def ns_dir(root: str, namespace: str) -> str:
@@ -102,13 +107,16 @@ def is_namespace_dir(path: str) -> bool:
     """Whether ``path`` is a namespace directory of a cache: the prefix, and the counter
     that the cache wrote for that namespace in the same root."""
     name = os.path.basename(path)
-    return (name.startswith(NS_PREFIX) and len(name) > len(NS_PREFIX)
-            and os.path.isfile(usage_file(os.path.dirname(path), name[len(NS_PREFIX):])))
+    return (
+        name.startswith(NS_PREFIX)
+        and len(name) > len(NS_PREFIX)
+        and os.path.isfile(usage_file(os.path.dirname(path), name[len(NS_PREFIX) :]))
+    )
 
 
 def namespace_of(block_path: str) -> str:
     """The namespace of a block file path inside a namespace directory."""
-    return os.path.basename(os.path.dirname(block_path))[len(NS_PREFIX):]
+    return os.path.basename(os.path.dirname(block_path))[len(NS_PREFIX) :]
 
 
 def namespace_dirs(root: str) -> list[tuple[str, str]]:
@@ -117,8 +125,11 @@ def namespace_dirs(root: str) -> list[tuple[str, str]]:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return []
-    return sorted((e.name[len(NS_PREFIX):], e.path) for e in entries
-                  if e.name.startswith(NS_PREFIX) and e.is_dir(follow_symlinks=False) and is_namespace_dir(e.path))
+    return sorted(
+        (e.name[len(NS_PREFIX) :], e.path)
+        for e in entries
+        if e.name.startswith(NS_PREFIX) and e.is_dir(follow_symlinks=False) and is_namespace_dir(e.path)
+    )
 
 
 def nested_caches(root: str) -> list[str]:
@@ -128,8 +139,14 @@ def nested_caches(root: str) -> list[str]:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return []
-    return sorted(e.path for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-                  and not e.name.startswith(NS_PREFIX) and is_cache(e.path))
+    return sorted(
+        e.path
+        for e in entries
+        if not e.name.startswith(".")
+        and e.is_dir(follow_symlinks=False)
+        and not e.name.startswith(NS_PREFIX)
+        and is_cache(e.path)
+    )
 
 
 def foreign_entries(root: str) -> list[str]:

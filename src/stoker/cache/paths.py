@@ -14,6 +14,7 @@ default is, in order:
 The choice is logged once per process (INFO; a WARNING when it falls back to a home directory
 on a network filesystem).
 """
+
 from __future__ import annotations
 
 import getpass
@@ -25,14 +26,40 @@ from ..errors import CacheDirError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCRATCH_CANDIDATES", "NETWORK_FS", "RAM_FS", "default_cache_dir", "check_root_path", "unwritable_root",
-           "ram_backed"]
+__all__ = [
+    "SCRATCH_CANDIDATES",
+    "NETWORK_FS",
+    "RAM_FS",
+    "default_cache_dir",
+    "check_root_path",
+    "unwritable_root",
+    "ram_backed",
+]
 
 #: Node-local scratch locations tried, in order, for the default cache directory (globs allowed).
 SCRATCH_CANDIDATES: tuple[str, ...] = ("/local", "/scratch", "/mnt/*nvme*", "/nvme*")
 #: Filesystem types taken as network filesystems (never chosen as a default scratch location).
-NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "fuse.sshfs",
-                        "ceph", "fuse.ceph", "glusterfs", "fuse.glusterfs", "9p", "afs", "panfs", "wekafs"})
+NETWORK_FS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "fuse.sshfs",
+        "ceph",
+        "fuse.ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "9p",
+        "afs",
+        "panfs",
+        "wekafs",
+    }
+)
 #: Filesystem types whose bytes are RAM (shared with every process's memory on the node).
 RAM_FS = frozenset({"tmpfs", "ramfs"})
 _LOGGED: set[str] = set()
@@ -101,11 +128,17 @@ def default_cache_dir(candidates: tuple[str, ...] | None = None) -> str:
     path = os.path.join(os.path.expanduser("~"), ".cache", "stoker")
     kind = _fs_type(os.path.expanduser("~"))
     if kind in NETWORK_FS:
-        _log_once(logging.WARNING, "cache directory %s is on a network filesystem (%s): reads from the cache "
-                  "cross the network; set STOKER_CACHE_DIR to a node-local disk", path, kind)
+        _log_once(
+            logging.WARNING,
+            "cache directory %s is on a network filesystem (%s): reads from the cache "
+            "cross the network; set STOKER_CACHE_DIR to a node-local disk",
+            path,
+            kind,
+        )
     else:
-        _log_once(logging.INFO, "cache directory %s (no node-local scratch found; set STOKER_CACHE_DIR "
-                  "to choose)", path)
+        _log_once(
+            logging.INFO, "cache directory %s (no node-local scratch found; set STOKER_CACHE_DIR to choose)", path
+        )
     return path
 
 
@@ -124,11 +157,14 @@ def check_root_path(root: str) -> None:
         probe = parent
     if os.path.exists(probe) and not os.path.isdir(probe):
         what = "is a file" if probe == os.path.abspath(root) else f"cannot be made: {probe} is a file"
-        raise CacheDirError(f"cache directory {root} {what}, not a directory: pass a directory "
-                            "as cache_dir (or set STOKER_CACHE_DIR)")
+        raise CacheDirError(
+            f"cache directory {root} {what}, not a directory: pass a directory as cache_dir (or set STOKER_CACHE_DIR)"
+        )
 
 
 def unwritable_root(root: str, exc: PermissionError) -> PermissionError:
     """The PermissionError to raise when the cache directory ``root`` cannot be created or written."""
-    return PermissionError(f"cache directory {root} cannot be created or written ({exc.strerror}): "
-                           "pass a writable directory as cache_dir (or set STOKER_CACHE_DIR)")
+    return PermissionError(
+        f"cache directory {root} cannot be created or written ({exc.strerror}): "
+        "pass a writable directory as cache_dir (or set STOKER_CACHE_DIR)"
+    )

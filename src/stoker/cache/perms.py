@@ -22,6 +22,7 @@ group-shared cache, have the cache's group among this process's groups. Anything
 planting a link in /dev/shm or in a cache directory in advance. Files are opened with
 ``O_NOFOLLOW`` (:mod:`stoker._atomic`).
 """
+
 from __future__ import annotations
 
 import os
@@ -56,9 +57,11 @@ def parse_mode(mode: int | str | None) -> int:
     else:
         raise ValueError(f"cache mode {mode!r} is not an octal file mode such as 0600 or 0640")
     if value & ~0o666 or value & 0o600 != 0o600 or value & 0o002:
-        raise ValueError(f"cache mode {value:#o} ({mode!r}) is not allowed: it must give the owner read "
-                         "and write (0600), have no execute or special bits, and not let others write; "
-                         "e.g. 0600 (private) or 0640 / 0660 (shared with the directory's group)")
+        raise ValueError(
+            f"cache mode {value:#o} ({mode!r}) is not allowed: it must give the owner read "
+            "and write (0600), have no execute or special bits, and not let others write; "
+            "e.g. 0600 (private) or 0640 / 0660 (shared with the directory's group)"
+        )
     return value
 
 
@@ -92,17 +95,23 @@ def check_dir(path: str, file_mode: int, st: os.stat_result | None = None) -> No
     whose group is one of this process's). FileNotFoundError if it does not exist."""
     st = os.lstat(path) if st is None else st
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError(f"cache path {path} is a symlink: refused (stoker does not write through "
-                              "links that someone else may have planted; give the real directory)")
+        raise UnsafePathError(
+            f"cache path {path} is a symlink: refused (stoker does not write through "
+            "links that someone else may have planted; give the real directory)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(f"cache path {path} is not a directory")
     if st.st_mode & 0o002:  # e.g. /tmp or /dev/shm themselves: anyone can plant names there
-        raise UnsafePathError(f"cache directory {path} is writable by every user (mode "
-                              f"{fmt(stat.S_IMODE(st.st_mode))}): refused; use a directory of your own")
+        raise UnsafePathError(
+            f"cache directory {path} is writable by every user (mode "
+            f"{fmt(stat.S_IMODE(st.st_mode))}): refused; use a directory of your own"
+        )
     if st.st_uid != os.geteuid() and not _group_shared(file_mode, st):
-        raise UnsafePathError(f"cache directory {path} is owned by {owner_name(st.st_uid)}, not by "
-                              f"{owner_name(os.geteuid())}: refused (another user's directory could "
-                              "redirect or expose the cache's writes)")
+        raise UnsafePathError(
+            f"cache directory {path} is owned by {owner_name(st.st_uid)}, not by "
+            f"{owner_name(os.geteuid())}: refused (another user's directory could "
+            "redirect or expose the cache's writes)"
+        )
 
 
 def ensure_dir(path: str, file_mode: int, parents: bool = True) -> str:
@@ -158,8 +167,10 @@ def check_root(root: str, file_mode: int) -> None:
     st = os.lstat(root)
     if stat.S_ISLNK(st.st_mode):
         if st.st_uid not in (os.geteuid(), 0):
-            raise UnsafePathError(f"cache path {root} is a symlink owned by {owner_name(st.st_uid)}: refused "
-                                  "(another user may have planted it to redirect the cache)")
+            raise UnsafePathError(
+                f"cache path {root} is a symlink owned by {owner_name(st.st_uid)}: refused "
+                "(another user may have planted it to redirect the cache)"
+            )
         target = os.path.realpath(root)
         check_dir(target, file_mode)
         return
@@ -190,11 +201,14 @@ def open_root(root: str, file_mode: int) -> None:
         raise CacheModeError(
             f"cache directory {root} was made with cache mode {fmt(recorded)} and is opened with "
             f"{fmt(file_mode)}: refused, so that its files do not end up with mixed modes; open it with "
-            f"cache_mode={fmt(recorded)} (--cache-mode {fmt(recorded)}), or use another directory")
+            f"cache_mode={fmt(recorded)} (--cache-mode {fmt(recorded)}), or use another directory"
+        )
     st = os.stat(root)
     if st.st_uid != os.geteuid():
-        raise CacheModeError(f"cache directory {root} (owned by {owner_name(st.st_uid)}) records no cache "
-                             "mode (made by an older stoker): only its owner can open it, which sets its mode")
+        raise CacheModeError(
+            f"cache directory {root} (owned by {owner_name(st.st_uid)}) records no cache "
+            "mode (made by an older stoker): only its owner can open it, which sets its mode"
+        )
     _adopt(root, file_mode)
     try:
         layout.set_recorded_mode(root, file_mode)

@@ -22,6 +22,7 @@ Jobs announce themselves in ``<cache root>/.jobs/<pid>-<namespace>.json`` ({"nam
 "pid", "dataset_bytes", "epoch_s", and "expires" for a lease}); entries of dead processes and
 expired leases are ignored and removed by :meth:`stoker.cache.DiskCache.recover`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -100,8 +101,14 @@ class JobRegistry:
     def _path(self, pid: int, namespace: str) -> str:
         return os.path.join(self.dir, f"{pid}-{namespace}.json")
 
-    def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None,
-                 pid: int | None = None, lease_s: float | None = None) -> None:
+    def register(
+        self,
+        namespace: str,
+        dataset_bytes: int,
+        epoch_s: float | None = None,
+        pid: int | None = None,
+        lease_s: float | None = None,
+    ) -> None:
         """Announce (or update) this process's job on ``namespace``; ``epoch_s`` in seconds.
         ``lease_s``: the record counts for that many seconds unless registered again (for a
         long-lived process, e.g. a cluster cache service, that reads for jobs which may end
@@ -110,8 +117,12 @@ class JobRegistry:
         the job then reads as an unannounced reader, which the cache holds nothing new for."""
         ensure_dir(self.dir, self.mode)
         pid = os.getpid() if pid is None else pid
-        rec = {"namespace": namespace, "pid": pid, "dataset_bytes": int(dataset_bytes),
-               "epoch_s": float(epoch_s) if epoch_s else None}
+        rec = {
+            "namespace": namespace,
+            "pid": pid,
+            "dataset_bytes": int(dataset_bytes),
+            "epoch_s": float(epoch_s) if epoch_s else None,
+        }
         if lease_s is not None:
             rec["expires"] = time.time() + float(lease_s)
         try:
@@ -156,8 +167,7 @@ class JobRegistry:
             ns = rec["namespace"]
             d, rate = out.get(ns, (0, None))
             r = 1.0 / rec["epoch_s"] if rec.get("epoch_s") else None
-            out[ns] = (max(d, int(rec["dataset_bytes"])),
-                       (rate or 0.0) + r if r is not None else rate)
+            out[ns] = (max(d, int(rec["dataset_bytes"])), (rate or 0.0) + r if r is not None else rate)
         return out
 
     def remove_dead(self) -> int:

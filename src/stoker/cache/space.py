@@ -16,6 +16,7 @@ epoch. The cache and the staging area therefore
 pid (the process that opened the cache) into bytes 8-16 of the cache's ``.lock`` file,
 inside the page that already holds the usage counter, so claiming never needs new space.
 """
+
 from __future__ import annotations
 
 import errno
@@ -85,9 +86,15 @@ def claim_warning(lock_fd: int, owner_pid: int) -> bool:
     return True
 
 
-def warn_full(directory: str, free: int | None, budget_bytes: int | None, owner_pid: int,
-              claim=None, keep_free_fraction: float = 0.0,
-              instead: str = STAGED_INSTEAD) -> None:
+def warn_full(
+    directory: str,
+    free: int | None,
+    budget_bytes: int | None,
+    owner_pid: int,
+    claim=None,
+    keep_free_fraction: float = 0.0,
+    instead: str = STAGED_INSTEAD,
+) -> None:
     """Log the one warning of this job about a full ``directory`` (``free`` bytes left).
     ``claim``: a callable returning whether no other process of the job warned yet
     (:func:`claim_warning` under the cache's lock); without it, once per process.
@@ -104,5 +111,6 @@ def warn_full(directory: str, free: int | None, budget_bytes: int | None, owner_
     budget = f", less than the cache budget of {budget_bytes:,} bytes" if budget_bytes else ""
     if keep_free_fraction > 0:
         budget += f", after leaving {keep_free_fraction:.0%} of the filesystem free for other users"
-    log.warning("cache directory %s is full (%s%s): blocks that do not fit there %s", directory, free_s,
-                budget, instead)
+    log.warning(
+        "cache directory %s is full (%s%s): blocks that do not fit there %s", directory, free_s, budget, instead
+    )

@@ -19,6 +19,7 @@ room by ``statvfs``) is not staged: :meth:`StagingArea.put` returns False, leave
 temporary file, and the reader fetches the block's samples from the origin; the job
 warns once, naming the directory and the free bytes (:mod:`.space`).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -43,8 +44,9 @@ class StagingArea:
     it) is a symlink, another user's or writable by others.
     """
 
-    def __init__(self, root: str, cache_root: str | None = None, mode: int = PRIVATE_FILE_MODE,
-                 capacity_bytes: int | None = None):
+    def __init__(
+        self, root: str, cache_root: str | None = None, mode: int = PRIVATE_FILE_MODE, capacity_bytes: int | None = None
+    ):
         self.root = root
         self.capacity_bytes = capacity_bytes
         parent = os.path.dirname(os.path.abspath(root))

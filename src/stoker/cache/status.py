@@ -5,6 +5,7 @@ the cache's marker, its marked namespaces, and marked caches directly below it (
 per-node caches of ``stoker warm``). A directory that is neither a cache nor holds one is
 refused (:class:`NotACacheError`, exit 2) before anything is read or written there.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,13 @@ def access(root: str) -> dict:
     its directories' mode, "owner": user name, "owner_uid": int, "group": group id}."""
     st = os.stat(root)
     mode = recorded_mode(root)
-    return {"mode": fmt(mode) if mode is not None else None,
-            "dir_mode": fmt(dir_mode(mode)) if mode is not None else None,
-            "owner": owner_name(st.st_uid), "owner_uid": st.st_uid, "group": st.st_gid}
+    return {
+        "mode": fmt(mode) if mode is not None else None,
+        "dir_mode": fmt(dir_mode(mode)) if mode is not None else None,
+        "owner": owner_name(st.st_uid),
+        "owner_uid": st.st_uid,
+        "group": st.st_gid,
+    }
 
 
 def _side_stores(root: str) -> dict[str, str]:
@@ -57,7 +62,8 @@ def _check_cache(root: str) -> tuple[bool, list[str]]:
         raise NotACacheError(
             f"{root} is not a stoker cache directory (no {ROOT_MARKER} marker in it or in a directory "
             "below it): nothing read or deleted. A cache made by an older stoker version is not "
-            "recognised either; delete its folders by hand if nothing uses them")
+            "recognised either; delete its folders by hand if nothing uses them"
+        )
     return own, nested
 
 
@@ -90,9 +96,21 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
     own, nested = _check_cache(root)
     sub = [status(n, budget_bytes) for n in nested]
     if not own:
-        return {"root": os.path.abspath(root), "used_bytes": 0, "removed_tmp": 0, "namespaces": {}, "jobs": [],
-                "datasets": {}, "budget_bytes": budget_bytes, "budget_source": "given" if budget_bytes else None,
-                "quotas": {}, "stores": {}, "access": None, "nested": sub, "ignored": []}
+        return {
+            "root": os.path.abspath(root),
+            "used_bytes": 0,
+            "removed_tmp": 0,
+            "namespaces": {},
+            "jobs": [],
+            "datasets": {},
+            "budget_bytes": budget_bytes,
+            "budget_source": "given" if budget_bytes else None,
+            "quotas": {},
+            "stores": {},
+            "access": None,
+            "nested": sub,
+            "ignored": [],
+        }
     recorded = catalog.recorded_budget(os.path.abspath(root))
     budget_bytes = budget_bytes or recorded
     cache = _open(root, budget_bytes or 0)
@@ -100,14 +118,21 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
     live = cache.jobs.live()
     namespaces = cache.namespace_usage()
     urls = catalog.dataset_urls(cache.root)
-    return {"root": cache.root, "used_bytes": sum(namespaces.values()), "removed_tmp": rec["removed_tmp"],
-            "namespaces": namespaces, "jobs": cache.jobs.records(),
-            "datasets": {ns: {"url": urls.get(ns), "version": ns} for ns in sorted(set(namespaces) | set(urls))},
-            "budget_bytes": budget_bytes, "budget_source": ("given" if budget_bytes != recorded else "recorded")
-            if budget_bytes else None,
-            "quotas": share_budget(budget_bytes, live) if budget_bytes else {},
-            "stores": {k: {"path": v, "bytes": tree_bytes(v)} for k, v in _side_stores(cache.root).items()},
-            "access": access(cache.root), "nested": sub, "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested]}
+    return {
+        "root": cache.root,
+        "used_bytes": sum(namespaces.values()),
+        "removed_tmp": rec["removed_tmp"],
+        "namespaces": namespaces,
+        "jobs": cache.jobs.records(),
+        "datasets": {ns: {"url": urls.get(ns), "version": ns} for ns in sorted(set(namespaces) | set(urls))},
+        "budget_bytes": budget_bytes,
+        "budget_source": ("given" if budget_bytes != recorded else "recorded") if budget_bytes else None,
+        "quotas": share_budget(budget_bytes, live) if budget_bytes else {},
+        "stores": {k: {"path": v, "bytes": tree_bytes(v)} for k, v in _side_stores(cache.root).items()},
+        "access": access(cache.root),
+        "nested": sub,
+        "ignored": [n for n in foreign_entries(cache.root) if os.path.join(cache.root, n) not in nested],
+    }
 
 
 def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> int:
@@ -122,13 +147,17 @@ def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> 
     for path in [root, *nested] if own else nested:  # refuse before deleting anything
         busy = [r for r in _open(path).jobs.records() if namespace in (None, r["namespace"])]
         if busy:
-            raise CacheInUseError(f"cache {os.path.abspath(path)} is in use by live job(s) " + ", ".join(
-                f"pid {r['pid']} (dataset {r['namespace']})" for r in busy))
+            raise CacheInUseError(
+                f"cache {os.path.abspath(path)} is in use by live job(s) "
+                + ", ".join(f"pid {r['pid']} (dataset {r['namespace']})" for r in busy)
+            )
     if namespace is not None and not _nested:  # a namespace that is nowhere is a typo: say so
         held = {ns for path in ([root, *nested] if own else nested) for ns, _ in namespace_dirs(path)}
         if namespace not in held:
-            raise ValueError(f"no dataset version {namespace!r} in the cache {os.path.abspath(root)} "
-                             f"(it holds: {', '.join(sorted(held)) or 'none'}); nothing deleted")
+            raise ValueError(
+                f"no dataset version {namespace!r} in the cache {os.path.abspath(root)} "
+                f"(it holds: {', '.join(sorted(held)) or 'none'}); nothing deleted"
+            )
     freed = sum(clear(n, namespace, _nested=True) for n in nested)
     if not own:
         return freed

@@ -13,6 +13,7 @@ the training framework's own tensors; Docker's default /dev/shm is only 64 MiB).
 placed on a disk directory keeps no such reserve: a quarter of a large disk is not RAM to spare.
 Single-flight locks live in the disk tier, so there is one lock per block for both tiers.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,10 @@ class TieredCache:
 
     def __init__(self, memory: DiskCache, disk: DiskCache):
         if memory.mode != disk.mode:
-            raise ValueError(f"the memory tier {memory.root} (mode {memory.mode:04o}) and the disk tier "
-                             f"{disk.root} (mode {disk.mode:04o}) must have one cache mode")
+            raise ValueError(
+                f"the memory tier {memory.root} (mode {memory.mode:04o}) and the disk tier "
+                f"{disk.root} (mode {disk.mode:04o}) must have one cache mode"
+            )
         self.memory, self.disk = memory, disk
         memory.overflow = "go to the disk tier instead"
         if ram_backed(memory.root):
@@ -177,5 +180,9 @@ class TieredCache:
 
     def recover(self) -> dict:
         m, d = self.memory.recover(), self.disk.recover()
-        return {"removed_tmp": m["removed_tmp"] + d["removed_tmp"], "used": m["used"] + d["used"],
-                "memory_used": m["used"], "disk_used": d["used"]}
+        return {
+            "removed_tmp": m["removed_tmp"] + d["removed_tmp"],
+            "used": m["used"] + d["used"],
+            "memory_used": m["used"],
+            "disk_used": d["used"],
+        }

@@ -3,6 +3,7 @@ lock file) and the bytes per namespace (``.usage/<namespace>``, 8 bytes each), c
 the budget lock. :class:`UsageCounters` is mixed into :class:`stoker.cache.disk.DiskCache`, which
 provides ``root``, ``mode``, ``_lock_fd`` (the budget lock file, open) and ``_entries()``.
 """
+
 from __future__ import annotations
 
 import os

@@ -13,6 +13,7 @@ names a module (or object) with ``add_parsers(sub)``. The lab beside this packag
 The library modules never import argparse: each command module declares its arguments and calls
 plain functions with keyword arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     version = sys.modules[__name__.split(".")[0]].__version__
     p.add_argument("--version", action="version", version=f"stoker {version}")
     p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--cache-mode", type=mode_arg, metavar="MODE",
-                   help="file mode of the node caches this command creates or opens (default 0600, "
-                        "directories 0700; e.g. 0640 for a cache its directory's group may read); "
-                        "sets $STOKER_CACHE_MODE for the command and its processes")
+    p.add_argument(
+        "--cache-mode",
+        type=mode_arg,
+        metavar="MODE",
+        help="file mode of the node caches this command creates or opens (default 0600, "
+        "directories 0700; e.g. 0640 for a cache its directory's group may read); "
+        "sets $STOKER_CACHE_MODE for the command and its processes",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     for group in (*GROUPS, *plugin_groups()):
         group.add_parsers(sub)
@@ -74,10 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cache_mode:
         os.environ[MODE_ENV] = args.cache_mode
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     expected: tuple[type[BaseException], ...] = (
-        FileNotFoundError, FileExistsError, ValueError, StokerError, tarfile.TarError, OSError, *_storage_errors())
+        FileNotFoundError,
+        FileExistsError,
+        ValueError,
+        StokerError,
+        tarfile.TarError,
+        OSError,
+        *_storage_errors(),
+    )
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
@@ -87,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose or not exc.name:
             raise
         extra = _EXTRA_OF.get(exc.name.split(".")[0])
-        hint = (f" (the '{extra}' extra: pip install -e '.[{extra}]' in the stoker checkout, or the wheel with "
-                f"[{extra}])") if extra else ""
-        print(f"stoker {args.cmd}: needs the Python package '{exc.name}', which is not installed{hint}",
-              file=sys.stderr)
+        hint = (
+            (f" (the '{extra}' extra: pip install -e '.[{extra}]' in the stoker checkout, or the wheel with [{extra}])")
+            if extra
+            else ""
+        )
+        print(
+            f"stoker {args.cmd}: needs the Python package '{exc.name}', which is not installed{hint}", file=sys.stderr
+        )
         return 2
     except BrokenPipeError:  # e.g. `stoker ls URL | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -100,23 +117,38 @@ def main(argv: list[str] | None = None) -> int:
             raise
         where = _where(args, exc)
         plain = isinstance(exc, (ValueError, OSError, StokerError))  # their messages say what happened
-        print(f"stoker {args.cmd}{where}: {exc}" if plain else f"stoker {args.cmd}{where}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        print(
+            f"stoker {args.cmd}{where}: {exc}" if plain else f"stoker {args.cmd}{where}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
         return 2
 
 
 #: Optional packages -> the extra (pyproject.toml) that installs them.
-_EXTRA_OF = {"simpy": "lab", "rich": "metrics", "prometheus_client": "metrics", "ray": "cluster",
-             "waitress": "cluster", "moto": "lab", "boto3": "lab", "matplotlib": "lab", "skimage": "lab",
-             "sklearn": "lab", "soundfile": "audio"}
+_EXTRA_OF = {
+    "simpy": "lab",
+    "rich": "metrics",
+    "prometheus_client": "metrics",
+    "ray": "cluster",
+    "waitress": "cluster",
+    "moto": "lab",
+    "boto3": "lab",
+    "matplotlib": "lab",
+    "skimage": "lab",
+    "sklearn": "lab",
+    "soundfile": "audio",
+}
 
 
 def _where(args, exc: BaseException) -> str:
     """`` (URL)`` to put after the command name in a one-line error, or "": nothing when the error
     already names a URL of its own (an origin error, or any of the command's URLs in its text), so
     that an error about ``pack``'s destination is never labelled with its source."""
-    urls = [u for u in (getattr(args, "src", None), getattr(args, "dst", None), getattr(args, "url", None))
-            if isinstance(u, str)]
+    urls = [
+        u
+        for u in (getattr(args, "src", None), getattr(args, "dst", None), getattr(args, "url", None))
+        if isinstance(u, str)
+    ]
     if getattr(exc, "url", None) or not urls or any(u in str(exc) for u in urls):
         return ""
     dst = getattr(args, "dst", None)
@@ -127,8 +159,11 @@ def _where(args, exc: BaseException) -> str:
             return f" ({dst})"
         named = [os.path.abspath(str(f)) for f in (exc.filename, exc.filename2) if f]
         root = os.path.abspath(dst)
-        if named and "://" not in dst and any(f == root or f.startswith(root + os.sep) or root.startswith(f + os.sep)
-                                              for f in named):
+        if (
+            named
+            and "://" not in dst
+            and any(f == root or f.startswith(root + os.sep) or root.startswith(f + os.sep) for f in named)
+        ):
             return f" ({dst})"
         if named:
             return ""  # the error names its file

@@ -1,4 +1,5 @@
 """Helpers shared by the command modules: argument types and the errors the CLI reports in one line."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,13 @@ def rate_arg(text: str) -> float:
     except ValueError:
         low = t.lower()
         if low.endswith(("bps", "bit/s", "bits/s")) or (t.endswith("b/s") and not low.endswith("ib/s")):
-            raise argparse.ArgumentTypeError(f"bandwidth {text!r}: give bytes per second such as "
-                                             "'100MB/s' (or a number of MB/s), not bits") from None
+            raise argparse.ArgumentTypeError(
+                f"bandwidth {text!r}: give bytes per second such as '100MB/s' (or a number of MB/s), not bits"
+            ) from None
         if not low.endswith("/s"):
-            raise argparse.ArgumentTypeError(f"bandwidth {text!r}: give MB/s as a number or a size per second "
-                                             "such as '100MB/s'") from None
+            raise argparse.ArgumentTypeError(
+                f"bandwidth {text!r}: give MB/s as a number or a size per second such as '100MB/s'"
+            ) from None
         try:
             value = parse_size(t[:-2]) / 1e6
         except ValueError as exc:

@@ -1,4 +1,5 @@
 """Commands on a node cache directory: ``stoker cache status|clear``."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ def _print_status(st: dict) -> None:
 def _print_access(acc: dict | None) -> None:
     """One line: the cache's file mode and owner (who may read the cached samples)."""
     if acc:
-        mode = (f"mode {acc['mode']} (directories {acc['dir_mode']})" if acc["mode"]
-                else "mode not recorded (made by an older stoker)")
+        mode = (
+            f"mode {acc['mode']} (directories {acc['dir_mode']})"
+            if acc["mode"]
+            else "mode not recorded (made by an older stoker)"
+        )
         print(f"  {mode}, owner {acc['owner']} (uid {acc['owner_uid']}, group {acc['group']})")
 
 
@@ -76,9 +80,12 @@ def add_parsers(sub) -> None:
     csub = p.add_subparsers(dest="cache_cmd", required=True)
     s = csub.add_parser("status", help="usage per dataset, live jobs, the policy's budget split")
     s.add_argument("dir")
-    s.add_argument("--budget", type=size_arg,
-                   help="show the future policy's split of this budget (e.g. 500GiB; default: the "
-                        "budget in force, that of the last job that opened the cache)")
+    s.add_argument(
+        "--budget",
+        type=size_arg,
+        help="show the future policy's split of this budget (e.g. 500GiB; default: the "
+        "budget in force, that of the last job that opened the cache)",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
     c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")

@@ -1,4 +1,5 @@
 """Commands on datasets: ``stoker pack``, ``ls``, ``stat``, ``verify``."""
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,28 @@ def cmd_pack(a) -> int:
     src_opts = json_options(a.src_options, a.src_flag) if a.src_options else both
     dst_opts = json_options(a.dst_options, a.dst_flag) if a.dst_options else both
     try:
-        r = pack(a.src, a.dst, shard_bytes=a.shard_size, overwrite=a.overwrite,
-                 src_storage_options=src_opts, dst_storage_options=dst_opts,
-                 read_workers=a.read_workers, progress=show_progress(a),
-                 shuffle_seed=None if a.no_shuffle else a.shuffle_seed, source=a.source, classes=a.classes,
-                 column=a.column, key_column=a.key_column)
+        r = pack(
+            a.src,
+            a.dst,
+            shard_bytes=a.shard_size,
+            overwrite=a.overwrite,
+            src_storage_options=src_opts,
+            dst_storage_options=dst_opts,
+            read_workers=a.read_workers,
+            progress=show_progress(a),
+            shuffle_seed=None if a.no_shuffle else a.shuffle_seed,
+            source=a.source,
+            classes=a.classes,
+            column=a.column,
+            key_column=a.key_column,
+        )
     except KeyboardInterrupt:
         n = finished_shards(a.dst, dst_opts)
-        print(f"\nstoker pack: interrupted: {n} shard{'' if n == 1 else 's'} of {a.dst} finished and kept, "
-              "no index written; run the same command again to resume (finished shards are reused)",
-              file=sys.stderr)
+        print(
+            f"\nstoker pack: interrupted: {n} shard{'' if n == 1 else 's'} of {a.dst} finished and kept, "
+            "no index written; run the same command again to resume (finished shards are reused)",
+            file=sys.stderr,
+        )
         return 130
     print(json.dumps(r.as_dict(), indent=2))
     return 0
@@ -71,8 +84,10 @@ def cmd_verify(a) -> int:
     if a.json:
         print(json.dumps(r.as_dict(), indent=2))
     else:
-        print(f"{r.url}: {r.samples} samples in {r.shards} shards, {r.bytes_read} bytes read: "
-              + ("OK" if r.ok else f"{len(r.bad_samples)} bad samples, {len(r.bad_shards)} bad shards"))
+        print(
+            f"{r.url}: {r.samples} samples in {r.shards} shards, {r.bytes_read} bytes read: "
+            + ("OK" if r.ok else f"{len(r.bad_samples)} bad samples, {len(r.bad_shards)} bad shards")
+        )
         for b in r.bad_shards:
             print(f"  shard {b['shard']}: {b['reason']}")
         for b in r.bad_samples:
@@ -82,36 +97,61 @@ def cmd_verify(a) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``pack``, ``ls``, ``stat`` and ``verify`` on the top-level subparsers ``sub``."""
-    s = sub.add_parser("pack", help="pack an ImageFolder tree, WebDataset shards or a file list "
-                                    "into tar shards + a Parquet index")
-    s.add_argument("src", help="fsspec URL: an ImageFolder root (<root>/<class>/<file>), WebDataset "
-                               ".tar/.tgz shards (file, directory, glob or {a..b} list), or a CSV/Parquet "
-                               "file list (columns path, label[, key])")
+    s = sub.add_parser(
+        "pack", help="pack an ImageFolder tree, WebDataset shards or a file list into tar shards + a Parquet index"
+    )
+    s.add_argument(
+        "src",
+        help="fsspec URL: an ImageFolder root (<root>/<class>/<file>), WebDataset "
+        ".tar/.tgz shards (file, directory, glob or {a..b} list), or a CSV/Parquet "
+        "file list (columns path, label[, key])",
+    )
     s.add_argument("dst", help="fsspec URL of the packed dataset")
     s.add_argument("--shard-size", type=size_arg, default=64 << 20, help="target shard size (default 64MiB)")
     s.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
-    s.add_argument("--read-workers", type=int, default=16,
-                   help="source files read at once (threads; default 16): more for a far object store")
+    s.add_argument(
+        "--read-workers",
+        type=int,
+        default=16,
+        help="source files read at once (threads; default 16): more for a far object store",
+    )
     s.add_argument("--storage-options", help="fsspec storage options for SRC and DST, as JSON")
-    s.add_argument("--src-storage-options", "--src-options", dest="src_options", action=OptionsFlag,
-                   help="fsspec storage options for SRC only, as JSON (in place of --storage-options)")
-    s.add_argument("--dst-storage-options", "--dst-options", dest="dst_options", action=OptionsFlag,
-                   help="fsspec storage options for DST only, as JSON (in place of --storage-options)")
-    s.add_argument("--source", choices=["imagefolder", "webdataset", "filelist", "files", "parquet"],
-                   help="kind of source (default: detected from SRC); files: any directory tree, files grouped "
-                        "into samples by basename (utt1.flac + utt1.txt); parquet: rows whose --column holds "
-                        "the sample bytes (binary, or Hugging Face's {bytes, path} image/audio struct)")
-    s.add_argument("--column", help="--source parquet: the column of the sample bytes (other columns are kept "
-                                    "as fields)")
-    s.add_argument("--key-column", help="--source parquet: the column of the sample keys (default "
-                                        "<file stem>/<row>)")
-    s.add_argument("--shuffle-seed", type=int, default=0,
-                   help="seed of the random placement of samples in shards (default 0)")
+    s.add_argument(
+        "--src-storage-options",
+        "--src-options",
+        dest="src_options",
+        action=OptionsFlag,
+        help="fsspec storage options for SRC only, as JSON (in place of --storage-options)",
+    )
+    s.add_argument(
+        "--dst-storage-options",
+        "--dst-options",
+        dest="dst_options",
+        action=OptionsFlag,
+        help="fsspec storage options for DST only, as JSON (in place of --storage-options)",
+    )
+    s.add_argument(
+        "--source",
+        choices=["imagefolder", "webdataset", "filelist", "files", "parquet"],
+        help="kind of source (default: detected from SRC); files: any directory tree, files grouped "
+        "into samples by basename (utt1.flac + utt1.txt); parquet: rows whose --column holds "
+        "the sample bytes (binary, or Hugging Face's {bytes, path} image/audio struct)",
+    )
+    s.add_argument(
+        "--column", help="--source parquet: the column of the sample bytes (other columns are kept as fields)"
+    )
+    s.add_argument("--key-column", help="--source parquet: the column of the sample keys (default <file stem>/<row>)")
+    s.add_argument(
+        "--shuffle-seed", type=int, default=0, help="seed of the random placement of samples in shards (default 0)"
+    )
     s.add_argument("--no-shuffle", action="store_true", help="place samples in sorted order")
-    s.add_argument("--classes", metavar="FILE|URL",
-                   help="fix the labels: a class list (text, one name per line, label = line order; or "
-                        "JSON), or an existing packed dataset whose classes are reused; pack every split "
-                        "with the same list so that labels agree (read with the DST storage options)")
+    s.add_argument(
+        "--classes",
+        metavar="FILE|URL",
+        help="fix the labels: a class list (text, one name per line, label = line order; or "
+        "JSON), or an existing packed dataset whose classes are reused; pack every split "
+        "with the same list so that labels agree (read with the DST storage options)",
+    )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_pack)
 
@@ -122,8 +162,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--storage-options", help="fsspec storage options as JSON")
     p.set_defaults(fn=cmd_ls)
 
-    p = sub.add_parser("stat", help="summary of a packed dataset: samples, bytes, shards, classes, version, "
-                                    "and the class mapping (label -> class name)")
+    p = sub.add_parser(
+        "stat",
+        help="summary of a packed dataset: samples, bytes, shards, classes, version, "
+        "and the class mapping (label -> class name)",
+    )
     p.add_argument("url")
     p.add_argument("--storage-options", help="fsspec storage options as JSON")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

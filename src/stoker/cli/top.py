@@ -7,6 +7,7 @@ writes beside its job record every second (:mod:`stoker.loader.live`). ``--once`
 frame; ``--json`` prints the snapshot (:func:`snapshot`) as JSON instead, for scripts (needs no
 ``rich``).
 """
+
 from __future__ import annotations
 
 import glob
@@ -41,13 +42,35 @@ def _memory_usage(path: str) -> dict[str, int]:
 
 def _job_row(rec: dict, live: dict | None, now: float) -> dict:
     """One job of the view: its record and, when a loader publishes, its live figures."""
-    row = {"pid": rec["pid"], "dataset": rec["namespace"], "dataset_bytes": rec.get("dataset_bytes"),
-           "url": None, "rank": None, "epoch": None, "samples": None, "samples_per_s": None,
-           "stall_fraction": None, "first_batch_s": None, "origin_bytes_per_s": None, "cache_hit_ratio": None,
-           "prefetch_depth_bytes": None, "age_s": None}
+    row = {
+        "pid": rec["pid"],
+        "dataset": rec["namespace"],
+        "dataset_bytes": rec.get("dataset_bytes"),
+        "url": None,
+        "rank": None,
+        "epoch": None,
+        "samples": None,
+        "samples_per_s": None,
+        "stall_fraction": None,
+        "first_batch_s": None,
+        "origin_bytes_per_s": None,
+        "cache_hit_ratio": None,
+        "prefetch_depth_bytes": None,
+        "age_s": None,
+    }
     if live is not None:
-        for k in ("url", "rank", "epoch", "samples", "samples_per_s", "stall_fraction", "first_batch_s",
-                  "origin_bytes_per_s", "cache_hit_ratio", "prefetch_depth_bytes"):
+        for k in (
+            "url",
+            "rank",
+            "epoch",
+            "samples",
+            "samples_per_s",
+            "stall_fraction",
+            "first_batch_s",
+            "origin_bytes_per_s",
+            "cache_hit_ratio",
+            "prefetch_depth_bytes",
+        ):
             row[k] = live.get(k)
         row["age_s"] = round(now - float(live.get("time", now)), 3)
     return row
@@ -85,15 +108,27 @@ def snapshot(root: str, budget_bytes: int | None = None) -> dict:
         capacity = capacity or c.get("budget_bytes")  # no live job: the budget the cache recorded
         mem = c["stores"].get("memory tier")
         in_mem = _memory_usage(mem["path"]) if mem is not None else {}
-        caches.append({
-            "root": c["root"], "used_bytes": c["used_bytes"], "capacity_bytes": capacity,
-            "datasets": [{"dataset": ns, "url": (c.get("datasets", {}).get(ns) or {}).get("url"),
-                          "used_bytes": c["namespaces"].get(ns, 0), "memory_bytes": in_mem.get(ns, 0),
-                          "share_bytes": c["quotas"].get(ns)}
-                         for ns in sorted(set(c["namespaces"]) | set(in_mem))],
-            "memory_tier": None if mem is None else {"path": mem["path"], "used_bytes": mem["bytes"],
-                                                     "capacity_bytes": mem_capacity},
-            "jobs": jobs})
+        caches.append(
+            {
+                "root": c["root"],
+                "used_bytes": c["used_bytes"],
+                "capacity_bytes": capacity,
+                "datasets": [
+                    {
+                        "dataset": ns,
+                        "url": (c.get("datasets", {}).get(ns) or {}).get("url"),
+                        "used_bytes": c["namespaces"].get(ns, 0),
+                        "memory_bytes": in_mem.get(ns, 0),
+                        "share_bytes": c["quotas"].get(ns),
+                    }
+                    for ns in sorted(set(c["namespaces"]) | set(in_mem))
+                ],
+                "memory_tier": None
+                if mem is None
+                else {"path": mem["path"], "used_bytes": mem["bytes"], "capacity_bytes": mem_capacity},
+                "jobs": jobs,
+            }
+        )
     return {"root": st["root"], "time": now, "caches": caches}
 
 
@@ -114,20 +149,41 @@ def render(snap: dict):
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
-    parts: list = [Text(f"stoker top  {snap['root']}  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}",
-                        style="bold")]
+
+    parts: list = [
+        Text(f"stoker top  {snap['root']}  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}", style="bold")
+    ]
     for c in snap["caches"]:
         cap = c["capacity_bytes"]
         head = f"cache {c['root']}: {_mb(c['used_bytes'])} MB" + (f" of {_mb(cap)} MB" if cap else "")
         parts.append(Text(head))
         jobs = Table(title="jobs", title_justify="left", expand=False)
-        for col in ("pid", "rank", "dataset", "epoch", "samples/s", "stall", "first batch s", "origin MB/s",
-                    "hit ratio", "prefetch MB"):
+        for col in (
+            "pid",
+            "rank",
+            "dataset",
+            "epoch",
+            "samples/s",
+            "stall",
+            "first batch s",
+            "origin MB/s",
+            "hit ratio",
+            "prefetch MB",
+        ):
             jobs.add_column(col, justify="left" if col == "dataset" else "right")
         for j in c["jobs"]:
-            jobs.add_row(str(j["pid"]), _num(j["rank"], "d"), j["dataset"][:12], _num(j["epoch"], "d"),
-                         _num(j["samples_per_s"], ",.1f"), _pct(j["stall_fraction"]), _num(j["first_batch_s"], ".2f"),
-                         _mb(j["origin_bytes_per_s"]), _pct(j["cache_hit_ratio"]), _mb(j["prefetch_depth_bytes"]))
+            jobs.add_row(
+                str(j["pid"]),
+                _num(j["rank"], "d"),
+                j["dataset"][:12],
+                _num(j["epoch"], "d"),
+                _num(j["samples_per_s"], ",.1f"),
+                _pct(j["stall_fraction"]),
+                _num(j["first_batch_s"], ".2f"),
+                _mb(j["origin_bytes_per_s"]),
+                _pct(j["cache_hit_ratio"]),
+                _mb(j["prefetch_depth_bytes"]),
+            )
         if not c["jobs"]:
             jobs.add_row("-", "", "no live job", *[""] * 7)
         parts.append(jobs)
@@ -135,14 +191,27 @@ def render(snap: dict):
         for col in ("dataset", "disk MB", "memory MB", "share MB", "disk of budget"):
             ds.add_column(col, justify="left" if col == "dataset" else "right")
         for d in c["datasets"]:
-            ds.add_row(d["dataset"][:12], _mb(d["used_bytes"]), _mb(d["memory_bytes"]), _mb(d["share_bytes"]),
-                       _pct(d["used_bytes"] / cap) if cap else "-")
+            ds.add_row(
+                d["dataset"][:12],
+                _mb(d["used_bytes"]),
+                _mb(d["memory_bytes"]),
+                _mb(d["share_bytes"]),
+                _pct(d["used_bytes"] / cap) if cap else "-",
+            )
         parts.append(ds)
         mem = c["memory_tier"]
-        parts.append(Text("memory tier: " + ("none" if mem is None else
-                                             f"{_mb(mem['used_bytes'])} MB" + (
-                                                 f" of {_mb(mem['capacity_bytes'])} MB" if mem["capacity_bytes"]
-                                                 else "") + f" in {mem['path']}")))
+        parts.append(
+            Text(
+                "memory tier: "
+                + (
+                    "none"
+                    if mem is None
+                    else f"{_mb(mem['used_bytes'])} MB"
+                    + (f" of {_mb(mem['capacity_bytes'])} MB" if mem["capacity_bytes"] else "")
+                    + f" in {mem['path']}"
+                )
+            )
+        )
     return Group(*parts)
 
 
@@ -150,8 +219,10 @@ def _rich():
     try:
         import rich  # noqa: F401
     except ImportError:
-        raise ValueError("stoker top needs rich (the metrics extra): pip install -e '.[metrics]' in the stoker "
-                         "checkout (or use --json)") from None
+        raise ValueError(
+            "stoker top needs rich (the metrics extra): pip install -e '.[metrics]' in the stoker "
+            "checkout (or use --json)"
+        ) from None
 
 
 def cmd_top(a) -> int:
@@ -170,6 +241,7 @@ def cmd_top(a) -> int:
     _rich()
     from rich.console import Console
     from rich.live import Live
+
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=160)  # piped or to a file: rich's 80 columns would cut the figures
@@ -189,11 +261,13 @@ def cmd_top(a) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``stoker top`` on the top-level subparsers ``sub``."""
-    p = sub.add_parser("top", help="live view of a node cache: jobs (samples/s, stall, hit ratio), "
-                                   "cache per dataset, memory tier")
+    p = sub.add_parser(
+        "top", help="live view of a node cache: jobs (samples/s, stall, hit ratio), cache per dataset, memory tier"
+    )
     p.add_argument("dir", help="node cache directory (as for `stoker cache status`)")
-    p.add_argument("--budget", type=size_arg, help="cache budget to show use against (default: the one the "
-                                                   "running loaders report)")
+    p.add_argument(
+        "--budget", type=size_arg, help="cache budget to show use against (default: the one the running loaders report)"
+    )
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="draw one frame and exit")
     p.add_argument("--json", action="store_true", help="print the snapshot as JSON (with --once: once)")

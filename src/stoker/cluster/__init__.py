@@ -6,12 +6,23 @@ extender.
 numpy; everything else needs Ray (the ``cluster`` extra) and imports it on first use
 of a name below. ``import stoker`` never imports Ray.
 """
+
 from __future__ import annotations
 
 import importlib
 
-_LAZY = {"run": "job", "WorkerContext": "job", "ClusterLoader": "job", "read_epochs": "job", "gather": "job",
-         "warm": "warmup", "cluster_state": "warmup", "ray_state": "warmup", "start_services": "service", "find_services": "service"}
+_LAZY = {
+    "run": "job",
+    "WorkerContext": "job",
+    "ClusterLoader": "job",
+    "read_epochs": "job",
+    "gather": "job",
+    "warm": "warmup",
+    "cluster_state": "warmup",
+    "ray_state": "warmup",
+    "start_services": "service",
+    "find_services": "service",
+}
 
 __all__ = sorted(_LAZY)
 

@@ -8,6 +8,7 @@ cluster cannot run now is refused at once (:func:`refusal` says why) instead of 
 pinned behind each other (a start barrier such as DDP's init would wait for ever).
 Pure: standard library only.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,14 @@ def rank_slots(free: Mapping[str, float], request: Mapping[str, float]) -> int:
     return max(0, int(n))
 
 
-def refusal(num_workers: int, request: Mapping[str, float], free: Mapping[str, Mapping[str, float]],
-            slots: Mapping[str, int], per_node_limit: int | None = None, kind: str = "free") -> str:
+def refusal(
+    num_workers: int,
+    request: Mapping[str, float],
+    free: Mapping[str, Mapping[str, float]],
+    slots: Mapping[str, int],
+    per_node_limit: int | None = None,
+    kind: str = "free",
+) -> str:
     """The message of a job that does not fit: what one rank asks for, and per node its ``kind``
     (``"free"`` or ``"total"``) resources (those the rank asks for) and how many ranks fit
     there. ``free`` and ``slots`` are keyed by node id."""
@@ -48,7 +55,13 @@ def refusal(num_workers: int, request: Mapping[str, float], free: Mapping[str, M
         have = {k: round(float(free.get(node, {}).get(k, 0.0)), 3) for k in request}
         rows.append(f"node {node}: {kind} {have or '{}'} -> {slots[node]} rank(s)")
     limit = "" if per_node_limit is None else f", at most {per_node_limit} per node (slots_per_node)"
-    return (f"{num_workers} ranks asking for {dict(request)} each do not fit in the cluster's {kind} "
-            f"resources ({sum(slots.values())} fit{limit}): " + "; ".join(rows)
-            + (". Ask for fewer ranks or smaller ones." if kind == "total"
-               else ". Ask for fewer ranks or smaller ones, or wait for other work to finish."))
+    return (
+        f"{num_workers} ranks asking for {dict(request)} each do not fit in the cluster's {kind} "
+        f"resources ({sum(slots.values())} fit{limit}): "
+        + "; ".join(rows)
+        + (
+            ". Ask for fewer ranks or smaller ones."
+            if kind == "total"
+            else ". Ask for fewer ranks or smaller ones, or wait for other work to finish."
+        )
+    )

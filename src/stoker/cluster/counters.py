@@ -16,6 +16,7 @@ The file's name carries the pid of the process that made it (``stoker-bytes-<pid
 killed before :meth:`ByteCounters.close` leaves its file behind; the next one made on the node
 removes the files of this user whose process is gone (:func:`sweep_stale`).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -49,7 +50,7 @@ def sweep_stale(directory: str) -> int:
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        pid_text = name[len(PREFIX):].split("-", 1)[0]
+        pid_text = name[len(PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit():
             continue  # a file of the old name format: no pid to check
         path = os.path.join(directory, name)
@@ -165,5 +166,8 @@ def fractions(delta: dict) -> dict:
     total = delta.get("local", 0) + delta.get("peer", 0) + origin
     if total == 0:
         return {"local_fraction": 0.0, "peer_fraction": 0.0, "origin_fraction": 0.0}
-    return {"local_fraction": delta.get("local", 0) / total, "peer_fraction": delta.get("peer", 0) / total,
-            "origin_fraction": origin / total}
+    return {
+        "local_fraction": delta.get("local", 0) / total,
+        "peer_fraction": delta.get("peer", 0) / total,
+        "origin_fraction": origin / total,
+    }

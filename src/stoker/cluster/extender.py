@@ -24,6 +24,7 @@ whose framing is broken (a negative or non-numeric ``Content-Length``), 404 for 
 be read or has the wrong shape (the message names the file and the entry) or on any other
 fault. One bad request or state file never stops the server.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,9 @@ def _kind(value) -> str:
     """The JSON type name of a decoded value, for messages."""
     if value is None:
         return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(value), type(value).__name__)
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def _object(value, where: str, error=BadRequest) -> dict:
@@ -125,6 +127,7 @@ def file_state(path: str):
                     state = {**state, "time": st.st_mtime}
                 box["mtime"], box["state"] = m, state
             return box["state"]
+
     return get
 
 
@@ -154,8 +157,7 @@ def parse_args(args) -> tuple[dict, list[str], list | None]:
             raise BadRequest(f"Nodes.items must be an array or null, got {_kind(items)}")
         names = []
         for k, item in enumerate(items):
-            name = _object(_object(item, f"Nodes.items[{k}]").get("metadata"),
-                           f"Nodes.items[{k}].metadata").get("name")
+            name = _object(_object(item, f"Nodes.items[{k}]").get("metadata"), f"Nodes.items[{k}].metadata").get("name")
             if not isinstance(name, str) or not name:
                 raise BadRequest(f"Nodes.items[{k}].metadata.name must be a non-empty string, got {_kind(name)}")
             names.append(name)
@@ -196,11 +198,21 @@ def filter_nodes(args: dict, state: dict, max_age_s: float | None = None) -> dic
     failed = {}
     required = (ann.get(REQUIRE_ANNOTATION) or "").lower() == "true"
     if required and is_stale(state, max_age_s):
-        why = (f"stoker cache state is {state_age_s(state):.0f} s old (over {max_age_s:g} s): "
-               "no node is known to hold a cache") if state.get("time") else \
-            "no stoker cache state yet (the first refresh has not answered): no node is known to hold a cache"
-        return {"Nodes": {"items": []} if items is not None else None, "NodeNames": None if items is not None else [],
-                "FailedNodes": {n: why for n in names}, "FailedAndUnresolvableNodes": {}, "Error": why}
+        why = (
+            (
+                f"stoker cache state is {state_age_s(state):.0f} s old (over {max_age_s:g} s): "
+                "no node is known to hold a cache"
+            )
+            if state.get("time")
+            else "no stoker cache state yet (the first refresh has not answered): no node is known to hold a cache"
+        )
+        return {
+            "Nodes": {"items": []} if items is not None else None,
+            "NodeNames": None if items is not None else [],
+            "FailedNodes": {n: why for n in names},
+            "FailedAndUnresolvableNodes": {},
+            "Error": why,
+        }
     if required:
         have = state.get("nodes", {})
         failed = {n: f"no stoker cache service on node {n}" for n in names if n not in have}
@@ -231,9 +243,15 @@ def json_loads(data: bytes, what: str):
         raise BadRequest(f"{what} is not JSON: {type(exc).__name__}: {exc}") from None
 
 
-def serve(state, host: str = "127.0.0.1", port: int = 8888, max_body_bytes: int = MAX_BODY_BYTES,
-          max_age_s: float | None = MAX_AGE_S, idle_timeout_s: float = REQUEST_TIMEOUT_S,
-          cleanup_interval_s: float = CLEANUP_INTERVAL_S):
+def serve(
+    state,
+    host: str = "127.0.0.1",
+    port: int = 8888,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_age_s: float | None = MAX_AGE_S,
+    idle_timeout_s: float = REQUEST_TIMEOUT_S,
+    cleanup_interval_s: float = CLEANUP_INTERVAL_S,
+):
     """Start the extender on ``host:port`` (port 0: any free port) in a background thread.
 
     Served by waitress (:mod:`stoker.cluster.extender_server`). ``state``: a callable returning

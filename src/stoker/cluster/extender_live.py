@@ -11,6 +11,7 @@ at the limit). A cluster that is gone, or an address where no cluster ever was, 
 refreshes fail; the server keeps answering from the last state, whose age grows until
 ``max_age_s`` (:mod:`stoker.cluster.freshness`).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,14 @@ REFRESH_TIMEOUT_S = 60.0
 REFRESH_EVERY_S = 10.0
 
 
-def cluster_state_command(urls: list[str], ray_address: str | None = None, storage_options: dict | None = None,
-                          block_bytes: int | None = None, python: str = sys.executable,
-                          timeout_s: float = REFRESH_TIMEOUT_S) -> list[str]:
+def cluster_state_command(
+    urls: list[str],
+    ray_address: str | None = None,
+    storage_options: dict | None = None,
+    block_bytes: int | None = None,
+    python: str = sys.executable,
+    timeout_s: float = REFRESH_TIMEOUT_S,
+) -> list[str]:
     """The ``stoker cluster-state`` command line a refresh runs (JSON on its stdout). The child
     gives up by itself after ``timeout_s`` + 5 seconds (``--timeout``), so that a child whose
     extender is gone (killed, or a test that ended) does not wait on a missing cluster for ever."""
@@ -57,8 +63,9 @@ def run_state_command(cmd: list[str], timeout_s: float = REFRESH_TIMEOUT_S) -> d
         ValueError: its output is not a cache state.
     """
     what = " ".join(cmd)[:160]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -71,8 +78,7 @@ def run_state_command(cmd: list[str], timeout_s: float = REFRESH_TIMEOUT_S) -> d
         raise TimeoutError(f"{what} gave no answer within {timeout_s:g} s") from None
     if proc.returncode != 0:
         lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
-        raise RuntimeError(f"{what} exited with {proc.returncode}: "
-                           f"{lines[-1] if lines else 'no message'}")
+        raise RuntimeError(f"{what} exited with {proc.returncode}: {lines[-1] if lines else 'no message'}")
     try:
         state = json.loads(out)
     except ValueError as exc:
@@ -80,9 +86,15 @@ def run_state_command(cmd: list[str], timeout_s: float = REFRESH_TIMEOUT_S) -> d
     return check_state(state, f"output of {what}")
 
 
-def live_state(urls: list[str], ray_address: str | None = None, storage_options: dict | None = None,
-               block_bytes: int | None = None, every_s: float = REFRESH_EVERY_S,
-               timeout_s: float = REFRESH_TIMEOUT_S, command: list[str] | None = None):
+def live_state(
+    urls: list[str],
+    ray_address: str | None = None,
+    storage_options: dict | None = None,
+    block_bytes: int | None = None,
+    every_s: float = REFRESH_EVERY_S,
+    timeout_s: float = REFRESH_TIMEOUT_S,
+    command: list[str] | None = None,
+):
     """A state source for :func:`stoker.cluster.extender.serve` asking the cache services of the
     Ray cluster at ``ray_address`` (default ``auto``) about ``urls``, every ``every_s`` seconds,
     each time in a child process given ``timeout_s`` seconds (see the module docstring).

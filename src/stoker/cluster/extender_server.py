@@ -17,6 +17,7 @@ Every answer is JSON (``{"Error": message}`` for errors), waitress's own refusal
 cannot be read. Each answer carries the cache state's age in seconds in the header
 ``X-Stoker-State-Age`` (absent when the state has no time).
 """
+
 from __future__ import annotations
 
 import json
@@ -77,11 +78,16 @@ class _Channel(HTTPChannel):
             return b""
         if data:
             return data
-        msg = ("chunked request body ended before its last chunk" if getattr(req, "chunked", False) else
-               f"request body ended before its Content-Length of {getattr(req, 'content_length', '?')} bytes")
+        msg = (
+            "chunked request body ended before its last chunk"
+            if getattr(req, "chunked", False)
+            else f"request body ended before its Content-Length of {getattr(req, 'content_length', '?')} bytes"
+        )
         body = json.dumps({"Error": f"400 Bad Request: {msg}"}).encode()
-        head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n").encode()
+        head = (
+            f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
         try:
             self.socket.send(head + body)  # a few hundred bytes: fits the empty send buffer
         except OSError:
@@ -93,8 +99,15 @@ class _Channel(HTTPChannel):
 
 def _respond(start_response, code: int, body: object, extra: tuple | list = ()) -> list[bytes]:
     data = json.dumps(body).encode()
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-              413: "Payload Too Large", 500: "Internal Server Error"}.get(code, "Error")
+    reason = {
+        200: "OK",
+        400: "Bad Request",
+        404: "Not Found",
+        405: "Method Not Allowed",
+        411: "Length Required",
+        413: "Payload Too Large",
+        500: "Internal Server Error",
+    }.get(code, "Error")
     headers = [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *extra]
     start_response(f"{code} {reason}", headers)
     return [data]
@@ -147,16 +160,33 @@ class ExtenderServer:
     ``http.server`` based server (it does nothing more).
     """
 
-    def __init__(self, answer, host: str, port: int, max_body_bytes: int,
-                 idle_timeout_s: float, cleanup_interval_s: float, threads: int = THREADS,
-                 connection_limit: int = CONNECTION_LIMIT):
+    def __init__(
+        self,
+        answer,
+        host: str,
+        port: int,
+        max_body_bytes: int,
+        idle_timeout_s: float,
+        cleanup_interval_s: float,
+        threads: int = THREADS,
+        connection_limit: int = CONNECTION_LIMIT,
+    ):
         logging.getLogger("waitress").setLevel(logging.ERROR)  # no per-connection or queue-depth logs
         self._srv = create_server(
-            _App(answer), host=host, port=port, threads=threads, connection_limit=connection_limit,
+            _App(answer),
+            host=host,
+            port=port,
+            threads=threads,
+            connection_limit=connection_limit,
             # waitress takes whole seconds here: round up, at least 1 (0 would close every connection)
-            channel_timeout=max(1, math.ceil(idle_timeout_s)), cleanup_interval=max(1, math.ceil(cleanup_interval_s)),
-            max_request_body_size=int(max_body_bytes), max_request_header_size=64 << 10,
-            ident="stoker-extender", expose_tracebacks=False, clear_untrusted_proxy_headers=True)
+            channel_timeout=max(1, math.ceil(idle_timeout_s)),
+            cleanup_interval=max(1, math.ceil(cleanup_interval_s)),
+            max_request_body_size=int(max_body_bytes),
+            max_request_header_size=64 << 10,
+            ident="stoker-extender",
+            expose_tracebacks=False,
+            clear_untrusted_proxy_headers=True,
+        )
         self._srv.channel_class = _Channel
         self.server_address = (self._srv.effective_host, self._srv.effective_port)
         self._stop = threading.Event()

@@ -7,6 +7,7 @@ says nothing about the nodes any more (a node's cache may have been wiped, its s
 the extender then gives no preference, and fails ``require-cache`` pods with an error, instead
 of trusting it. Standard library only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,10 @@ def check_time(t, source: str = "cache state", now_s: float | None = None) -> No
         raise ValueError(f"{source}: 'time' must be Unix seconds (a finite number), got {t!r:.60}")
     now = time.time() if now_s is None else now_s
     if t > now + FUTURE_SKEW_S:
-        raise ValueError(f"{source}: 'time' {t!r} is {t - now:.0f} s in the future (more than the "
-                         f"{FUTURE_SKEW_S:g} s allowed for clock skew): such a state would never grow old")
+        raise ValueError(
+            f"{source}: 'time' {t!r} is {t - now:.0f} s in the future (more than the "
+            f"{FUTURE_SKEW_S:g} s allowed for clock skew): such a state would never grow old"
+        )
 
 
 def state_age_s(state: dict, now_s: float | None = None) -> float | None:

@@ -20,6 +20,7 @@ is never taken by two live services and never stays taken by a dead one. A servi
 flock works on local file systems and on NFSv4; the host name in the directory name keeps hosts
 that share one root (NFS) apart. Standard library only; no Ray.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -98,8 +99,7 @@ def _owner(lock_path: str) -> str:
         return ""
 
 
-def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0,
-                    host: str | None = None) -> NodeCacheClaim:
+def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0, host: str | None = None) -> NodeCacheClaim:
     """Take this node's cache directory under ``cache_root`` (created if missing); see the module doc.
 
     ``owner``: a token recorded in the slot (the Ray node id), so that the same owner gets the same
@@ -126,9 +126,14 @@ def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0,
         return NodeCacheClaim(path, key, fd)
 
     if owner:
-        mine = [int(n[len(prefix):-5]) for n in os.listdir(root)
-                if n.startswith(prefix) and n.endswith(".lock") and n[len(prefix):-5].isdigit()
-                and _owner(os.path.join(root, n)) == owner]
+        mine = [
+            int(n[len(prefix) : -5])
+            for n in os.listdir(root)
+            if n.startswith(prefix)
+            and n.endswith(".lock")
+            and n[len(prefix) : -5].isdigit()
+            and _owner(os.path.join(root, n)) == owner
+        ]
         deadline = time.monotonic() + wait_s
         for k in sorted(mine)[:1]:
             while True:
@@ -136,8 +141,7 @@ def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0,
                 if fd is not None:
                     return take(k, fd)
                 if time.monotonic() >= deadline:
-                    log.warning("cache slot %s of %s is still held after %.0f s; taking another",
-                                k, owner, wait_s)
+                    log.warning("cache slot %s of %s is still held after %.0f s; taking another", k, owner, wait_s)
                     break
                 time.sleep(0.1)
     for k in range(MAX_SLOTS):

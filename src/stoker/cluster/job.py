@@ -9,6 +9,7 @@ reads through its node cache, then the owning peer, then the origin, and gets th
 on its node as far as exactly-once and equal counts allow (:func:`colocated_plans`).
 ``placement="random"`` (for comparison) puts ranks on random nodes with the plain rank split.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,8 +73,9 @@ class WorkerContext:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self._sample_node == self._rank_nodes[self.rank]).astype(np.int64)
 
-    def plan(self, epoch: int, seed: int = 0, order: str = "blockwise", window: int = 16,
-             even: str = "pad") -> np.ndarray:
+    def plan(
+        self, epoch: int, seed: int = 0, order: str = "blockwise", window: int = 16, even: str = "pad"
+    ) -> np.ndarray:
         """This rank's sample ids (int64) for ``epoch``: the permutation ``order`` of (seed, epoch)
         split over the ranks, co-located (``placement="colocated"``) or plain (``"random"``)."""
         key = (epoch, seed, order, window, even)
@@ -87,6 +89,7 @@ class WorkerContext:
                 self._plans = {key: plans[self.rank]}
             else:
                 from ..order import rank_plan
+
                 self._plans = {key: rank_plan(perm, self.rank, self.world_size, even)}
         return self._plans[key]
 
@@ -100,21 +103,34 @@ class WorkerContext:
         (e.g. samples), ``started_at`` (unix seconds); appended to ``epochs``."""
         self.counters.clear_tags()  # blocks fetched before this epoch are local now
         before, t0 = self.counters.read(), time.perf_counter()
-        rec = {"job": self.job, "placement": self.placement, "rank": self.rank, "node_id": self.node_id,
-               "epoch": int(epoch), "started_at": time.time()}
+        rec = {
+            "job": self.job,
+            "placement": self.placement,
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "epoch": int(epoch),
+            "started_at": time.time(),
+        }
         try:
             yield rec
         finally:
             after = self.counters.read()
             d = {k: after[k] - before[k] for k in after}
-            rec.update(seconds=time.perf_counter() - t0, local_bytes=d["local"], peer_bytes=d["peer"],
-                       origin_bytes=d["origin"] + d["peer_origin"], peer_origin_bytes=d["peer_origin"],
-                       read_bytes=d["local"] + d["peer"] + d["origin"] + d["peer_origin"],
-                       fetched_origin_bytes=d["fetch_origin"] + d["fetch_peer_origin"],
-                       received_origin_bytes=d["fetch_origin"],
-                       received_peer_bytes=d["fetch_peer"] + d["fetch_peer_origin"],
-                       fallbacks=d["fallbacks"], dataset_bytes=int(self.dataset.index.length.sum()),
-                       **fractions(d), **extra)
+            rec.update(
+                seconds=time.perf_counter() - t0,
+                local_bytes=d["local"],
+                peer_bytes=d["peer"],
+                origin_bytes=d["origin"] + d["peer_origin"],
+                peer_origin_bytes=d["peer_origin"],
+                read_bytes=d["local"] + d["peer"] + d["origin"] + d["peer_origin"],
+                fetched_origin_bytes=d["fetch_origin"] + d["fetch_peer_origin"],
+                received_origin_bytes=d["fetch_origin"],
+                received_peer_bytes=d["fetch_peer"] + d["fetch_peer_origin"],
+                fallbacks=d["fallbacks"],
+                dataset_bytes=int(self.dataset.index.length.sum()),
+                **fractions(d),
+                **extra,
+            )
             if rec.get("samples") and rec["seconds"] > 0:
                 rec["samples_per_s"] = rec["samples"] / rec["seconds"]
             self.epochs.append(rec)
@@ -149,32 +165,55 @@ class ClusterLoader(Loader):
             yield from gen
             st = self.stats
             assert st is not None  # the epoch's end recorded its stats (Loader._record)
-            rec.update(samples=st.samples, loader_samples_per_s=st.samples_per_s,
-                       stall_fraction=st.stall_fraction, exactly_once=st.exactly_once)
+            rec.update(
+                samples=st.samples,
+                loader_samples_per_s=st.samples_per_s,
+                stall_fraction=st.stall_fraction,
+                exactly_once=st.exactly_once,
+            )
 
 
 def _rank_main(train_fn, spec: dict):
     """One rank: open the dataset through the cluster, run ``train_fn(ctx)``; returns its records."""
     from ..store.dataset import open_dataset
+
     counters = ByteCounters()
     relay = ds = None
     try:
         info = spec["service"]
         if info is not None:
-            ds = open_dataset(spec["url"], info["cache_dir"], info["cache_bytes"], block_bytes=spec["block_bytes"],
-                              storage_options=spec["storage_options"], check=False)
+            ds = open_dataset(
+                spec["url"],
+                info["cache_dir"],
+                info["cache_bytes"],
+                block_bytes=spec["block_bytes"],
+                storage_options=spec["storage_options"],
+                check=False,
+            )
         else:
-            ds = open_dataset(spec["url"], storage_options=spec["storage_options"], cache=False, check=False,
-                              block_bytes=spec["block_bytes"])
+            ds = open_dataset(
+                spec["url"],
+                storage_options=spec["storage_options"],
+                cache=False,
+                check=False,
+                block_bytes=spec["block_bytes"],
+            )
         if ds.version != spec["version"]:
-            raise RuntimeError(f"{spec['url']} changed during the job: version {ds.version}, "
-                               f"the driver placed {spec['version']}")
+            raise RuntimeError(
+                f"{spec['url']} changed during the job: version {ds.version}, the driver placed {spec['version']}"
+            )
         counters.size_tags(ds.num_blocks)
         members = spec["members"]
         me = members.index(spec["node_id"]) if spec["node_id"] in members else -1
-        router = BlockRouter(dataset_ref(ds, spec["storage_options"]), members,
-                             np.asarray(spec["owner"]), me, counters, timeout_s=spec["peer_timeout_s"],
-                             retry_s=spec["retry_s"])
+        router = BlockRouter(
+            dataset_ref(ds, spec["storage_options"]),
+            members,
+            np.asarray(spec["owner"]),
+            me,
+            counters,
+            timeout_s=spec["peer_timeout_s"],
+            retry_s=spec["retry_s"],
+        )
         ds = ds.with_reader(BlockReader(ds, router=router))  # this rank's reads go through the router
         router.connect()  # every peer looked up and called once, off the read path
         relay = router.start_relay()
@@ -188,11 +227,26 @@ def _rank_main(train_fn, spec: dict):
         counters.close()
 
 
-def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | None = None, *,
-        storage_options: dict | None = None, placement: str = "colocated", cache_root: str | None = None,
-        cache_bytes: int | str | None = None, block_bytes: int | str | None = None, seed: int = 0, job: str = "job",
-        slots_per_node: int | None = None, peer_timeout_s: float = 30.0, retry_s: float = 1.0,
-        timeout_s: float | None = None, wait: bool = True, start_timeout_s: float = 30.0):
+def run(
+    train_fn,
+    dataset: str,
+    num_workers: int,
+    resources_per_worker: dict | None = None,
+    *,
+    storage_options: dict | None = None,
+    placement: str = "colocated",
+    cache_root: str | None = None,
+    cache_bytes: int | str | None = None,
+    block_bytes: int | str | None = None,
+    seed: int = 0,
+    job: str = "job",
+    slots_per_node: int | None = None,
+    peer_timeout_s: float = 30.0,
+    retry_s: float = 1.0,
+    timeout_s: float | None = None,
+    wait: bool = True,
+    start_timeout_s: float = 30.0,
+):
     """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
 
     ``dataset``: URL of a packed dataset; ``resources_per_worker``: Ray resources of one rank
@@ -244,9 +298,10 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
         members = sorted(set(rank_nodes))
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
-        owned = bytes_per_node(ds, owner, len(members))     # where the data will be, not only where it is
-        rank_nodes = choose_nodes(nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes],
-                                  budgets, num_workers, slots)
+        owned = bytes_per_node(ds, owner, len(members))  # where the data will be, not only where it is
+        rank_nodes = choose_nodes(
+            nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes], budgets, num_workers, slots
+        )
     index_of = {m: i for i, m in enumerate(members)}
     spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
     pg = reserve(rank_nodes, request, start_timeout_s, job)
@@ -255,11 +310,23 @@ def run(train_fn, dataset: str, num_workers: int, resources_per_worker: dict | N
         _announce(nodes, "hold", dref, token)
     refs = []
     for r, node in enumerate(rank_nodes):
-        spec = {"rank": r, "world_size": num_workers, "node_id": node, "job": job, "placement": placement,
-                "url": dataset, "storage_options": opts, "version": ds.version, "members": members,
-                "block_bytes": ds.block_bytes,
-                "owner": owner, "rank_nodes": spec_rank_nodes, "service": services.get(node),
-                "peer_timeout_s": peer_timeout_s, "retry_s": retry_s}
+        spec = {
+            "rank": r,
+            "world_size": num_workers,
+            "node_id": node,
+            "job": job,
+            "placement": placement,
+            "url": dataset,
+            "storage_options": opts,
+            "version": ds.version,
+            "members": members,
+            "block_bytes": ds.block_bytes,
+            "owner": owner,
+            "rank_nodes": spec_rank_nodes,
+            "service": services.get(node),
+            "peer_timeout_s": peer_timeout_s,
+            "retry_s": retry_s,
+        }
         refs.append(ray.remote(_rank_main).options(**task_options(r, node, request, pg)).remote(train_fn, spec))
     if not wait:
         return JobRefs(refs, rank_nodes, pg)
@@ -286,13 +353,13 @@ def _announce(nodes: list[str], method: str, dref: dict, token: str, timeout_s: 
         log.warning("cache services: %s of %s not confirmed by every node: %s", method, dref["url"], exc)
 
 
-def _slots(nodes: list[str], request: dict, num_workers: int, slots_per_node: int | None,
-           wait_s: float) -> list[int]:
+def _slots(nodes: list[str], request: dict, num_workers: int, slots_per_node: int | None, wait_s: float) -> list[int]:
     """Ranks each node can take now (its free resources, at most ``slots_per_node``).
 
     Raises :class:`stoker.errors.CapacityError` at once when the nodes' total resources cannot
     hold ``num_workers`` ranks, and after ``wait_s`` seconds when their free resources still
     cannot (other work, such as a job that just ended, may be giving its room back)."""
+
     def fit(res: dict) -> dict:
         out = {n: rank_slots(res[n], request) for n in nodes}
         return out if slots_per_node is None else {n: min(k, int(slots_per_node)) for n, k in out.items()}
@@ -307,8 +374,10 @@ def _slots(nodes: list[str], request: dict, num_workers: int, slots_per_node: in
         if sum(slots.values()) >= num_workers:
             return [slots[n] for n in nodes]
         if time.monotonic() >= deadline:
-            raise CapacityError(refusal(num_workers, request, free, slots, slots_per_node, "free")
-                                + f" (waited {wait_s} s, the start timeout)")
+            raise CapacityError(
+                refusal(num_workers, request, free, slots, slots_per_node, "free")
+                + f" (waited {wait_s} s, the start timeout)"
+            )
         time.sleep(0.2)
 
 
@@ -328,8 +397,9 @@ def _random_nodes(nodes: list[str], slots: list[int], num_workers: int, seed: in
     return out
 
 
-def read_epochs(ctx: WorkerContext, epochs: int, seed: int = 0, keep_ids: bool = False,
-                first_epoch: int = 0) -> list[dict]:
+def read_epochs(
+    ctx: WorkerContext, epochs: int, seed: int = 0, keep_ids: bool = False, first_epoch: int = 0
+) -> list[dict]:
     """A ``train_fn`` body that reads (and verifies) every sample of the rank's plan for
     epochs ``first_epoch .. first_epoch + epochs - 1`` without decoding; returns ``ctx.epochs``
     (with each epoch's sample ids under ``ids`` if ``keep_ids``). The ranks do not wait for each

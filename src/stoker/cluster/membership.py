@@ -9,11 +9,13 @@ then other nodes by budget, until they can. Placement is rendezvous hashing
 Members are never dropped here (a member that is gone is left out of one job's placement by the
 caller). Pure: standard library only.
 """
+
 from __future__ import annotations
 
 
-def widen(members: list[str], known: list[str], budgets: dict[str, int], dataset_bytes: int,
-          job_nodes: list[str]) -> list[str]:
+def widen(
+    members: list[str], known: list[str], budgets: dict[str, int], dataset_bytes: int, job_nodes: list[str]
+) -> list[str]:
     """The members after growth (a superset of ``members``, sorted).
 
     ``members``: recorded member node ids; ``known``: the nodes the record has seen (a node with

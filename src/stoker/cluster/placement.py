@@ -14,6 +14,7 @@ The placement unit is the cache block (about 1 MiB of whole samples of one shard
 :func:`stoker.store.dataset.plan_blocks`), keyed by the dataset's content version and the
 block name, so a re-packed dataset is placed afresh. Pure functions, no Ray.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,9 @@ _U53 = float(1 << 53)
 def _unit(keys: list[str], node: str) -> np.ndarray:
     """Uniform (0, 1) float64 per key for ``node`` from xxh3-64 of ``node \\0 key`` (top 53 bits)."""
     seed = xxhash.xxh3_64_intdigest(node.encode())
-    h = np.fromiter((xxhash.xxh3_64_intdigest(k.encode(), seed=seed) >> 11 for k in keys),
-                    dtype=np.float64, count=len(keys))
+    h = np.fromiter(
+        (xxhash.xxh3_64_intdigest(k.encode(), seed=seed) >> 11 for k in keys), dtype=np.float64, count=len(keys)
+    )
     return (h + 0.5) / _U53
 
 
@@ -115,5 +117,4 @@ def place_dataset(ds, nodes: list[str], weights, balance: float | None = 1.05) -
 
 def bytes_per_node(ds, owner: np.ndarray, num_nodes: int) -> np.ndarray:
     """Bytes of ``ds`` each node owns under ``owner`` (int64 (num_nodes,))."""
-    return np.bincount(owner, weights=ds.block_bytes_of(np.arange(ds.num_blocks)),
-                       minlength=num_nodes).astype(np.int64)
+    return np.bincount(owner, weights=ds.block_bytes_of(np.arange(ds.num_blocks)), minlength=num_nodes).astype(np.int64)

@@ -11,6 +11,7 @@
   are cancelled), whether the caller waits in :func:`gather` or holds the refs of
   ``run(wait=False)`` (a watcher thread in the driver does the same).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,6 +36,7 @@ def free_resources(nodes: list[str]) -> dict[str, dict[str, float]]:
     (``ray.nodes()``), so a request larger than a node is still refused."""
     try:
         from ray._private.state import available_resources_per_node
+
         avail = available_resources_per_node()
     except Exception:  # noqa: BLE001 - a Ray without it: totals (capacity, not what is free)
         avail = {n["NodeID"]: dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")}
@@ -57,8 +59,11 @@ def reserve(rank_nodes: list[str], request: dict[str, float], timeout_s: float, 
     """
     if not request:
         return None
-    pg = placement_group([dict(request) for _ in rank_nodes], strategy="PACK",
-                         bundle_label_selector=[{NODE_ID_LABEL: n} for n in rank_nodes])
+    pg = placement_group(
+        [dict(request) for _ in rank_nodes],
+        strategy="PACK",
+        bundle_label_selector=[{NODE_ID_LABEL: n} for n in rank_nodes],
+    )
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
@@ -69,7 +74,8 @@ def reserve(rank_nodes: list[str], request: dict[str, float], timeout_s: float, 
         raise CapacityError(
             f"job {job!r}: could not reserve {dict(request)} for each of {len(rank_nodes)} ranks "
             f"({', '.join(f'{k} on node {n}' for n, k in per_node.items())}) within {timeout_s} s "
-            f"(start timeout): other work holds the room; nothing was started ({type(exc).__name__})") from exc
+            f"(start timeout): other work holds the room; nothing was started ({type(exc).__name__})"
+        ) from exc
     return pg
 
 
@@ -94,7 +100,8 @@ def task_options(rank: int, node_id: str, request: dict[str, float], pg) -> dict
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     else:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
+            pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
+        )
     return opts
 
 
@@ -125,8 +132,13 @@ class JobRefs(list):
                     except Exception as exc:  # noqa: BLE001 - the job is over: cancel the rest
                         r = self.index(ref)
                         self.error = exc
-                        log.warning("stoker.cluster: rank %d on node %s failed (%s); cancelling the other "
-                                    "%d running rank(s)", r, self.rank_nodes[r], type(exc).__name__, len(pending))
+                        log.warning(
+                            "stoker.cluster: rank %d on node %s failed (%s); cancelling the other %d running rank(s)",
+                            r,
+                            self.rank_nodes[r],
+                            type(exc).__name__,
+                            len(pending),
+                        )
                         _cancel(pending, self._grace_s)
                         return
         except Exception as exc:  # noqa: BLE001 - Ray shut down under the watcher
@@ -143,8 +155,9 @@ class JobRefs(list):
         return (list, (list(self),))
 
 
-def gather(refs: list, rank_nodes: list[str] | None = None, timeout_s: float | None = None,
-           grace_s: float = 10.0) -> list:
+def gather(
+    refs: list, rank_nodes: list[str] | None = None, timeout_s: float | None = None, grace_s: float = 10.0
+) -> list:
     """The results of a job's ranks (``refs``: one Ray object ref per rank, as ``run(wait=False)``
     returns), in rank order; a job whose ranks are not all there is over.
 
@@ -169,15 +182,18 @@ def gather(refs: list, rank_nodes: list[str] | None = None, timeout_s: float | N
         if not done:
             _cancel(pending, grace_s)
             raise ray.exceptions.GetTimeoutError(
-                f"{len(pending)} of {len(refs)} ranks still running after {timeout_s} s; cancelled")
+                f"{len(pending)} of {len(refs)} ranks still running after {timeout_s} s; cancelled"
+            )
         try:
             ray.get(done[0])
         except Exception as exc:
             r = index[done[0]]
             _cancel(pending, grace_s)
             where = f" on node {rank_nodes[r]}" if rank_nodes else ""
-            exc.add_note(f"stoker.cluster: rank {r}{where} failed; the other {len(pending)} running "
-                         f"rank(s) of the job were cancelled")
+            exc.add_note(
+                f"stoker.cluster: rank {r}{where} failed; the other {len(pending)} running "
+                f"rank(s) of the job were cancelled"
+            )
             raise
     return ray.get(list(refs))
 

@@ -16,6 +16,7 @@ workers and prefetcher are forked children; they reach peers through a relay: a 
 training worker serving a Unix socket (mode 0600 in a private directory, HMAC challenge with a
 random key: ``multiprocessing.connection``), raw bytes in both directions (no pickle).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,16 @@ class BlockRouter:
     peer that failed is skipped. Picklable (a copy in a forked child uses the relay).
     """
 
-    def __init__(self, dref: dict, nodes: list[str], owner: np.ndarray,
-                 me: int, counters: ByteCounters, timeout_s: float = 30.0, retry_s: float = 1.0):
+    def __init__(
+        self,
+        dref: dict,
+        nodes: list[str],
+        owner: np.ndarray,
+        me: int,
+        counters: ByteCounters,
+        timeout_s: float = 30.0,
+        retry_s: float = 1.0,
+    ):
         self.dref, self.url = dict(dref), dref["url"]
         self.nodes, self.owner, self.me = list(nodes), np.asarray(owner, dtype=np.int64), int(me)
         self.counters, self.timeout_s, self.retry_s = counters, float(timeout_s), float(retry_s)
@@ -71,9 +80,11 @@ class BlockRouter:
         self._tls = threading.local()
 
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_handles", "_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive",
-                             "_tls")}
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_handles", "_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive", "_tls")
+        }
         return state
 
     def __setstate__(self, state):
@@ -107,8 +118,13 @@ class BlockRouter:
             try:
                 source, data = self._peer_read(o, b, start, stop)
             except Exception as exc:  # noqa: BLE001 - any failure of a peer: read the origin
-                log.warning("peer %s unavailable for block %s of %s (%s); reading the origin",
-                            self.nodes[o], ds.block_name(b), self.url, exc)
+                log.warning(
+                    "peer %s unavailable for block %s of %s (%s); reading the origin",
+                    self.nodes[o],
+                    ds.block_name(b),
+                    self.url,
+                    exc,
+                )
                 self._down_until[o] = time.monotonic() + self.retry_s
                 self._handles.pop(o, None)
                 self.counters.add(fallbacks=1)
@@ -135,6 +151,7 @@ class BlockRouter:
         """Whether Ray lists the node of peer ``o`` as alive (``ray.nodes()``, asked at most every
         ``retry_s`` seconds: a cheap call to Ray's control store, not to the peer)."""
         import ray
+
         when, alive = self._alive
         if time.monotonic() - when >= self.retry_s:
             try:
@@ -158,24 +175,27 @@ class BlockRouter:
         import ray
 
         from .service import get_service
+
         if o in self._suspect:
             self._probe(o)
-            raise PeerUnavailable(f"cache service of node {self.nodes[o]}: its last call failed; "
-                                  f"reading the origin until a ping (every {self.retry_s} s) answers")
+            raise PeerUnavailable(
+                f"cache service of node {self.nodes[o]}: its last call failed; "
+                f"reading the origin until a ping (every {self.retry_s} s) answers"
+            )
         try:
             h = self._handles.get(o)
             if h is None:
                 h = self._handles[o] = get_service(self.nodes[o])
-            source, data = ray.get(h.read.remote(self.dref, int(b), int(start), int(stop)),
-                                  timeout=self.timeout_s)
+            source, data = ray.get(h.read.remote(self.dref, int(b), int(start), int(stop)), timeout=self.timeout_s)
         except (ValueError, ray.exceptions.RayError) as exc:
             self._suspect.add(o)
             self._handles.pop(o, None)
             self._probe(o)  # watched from now on, so it is known to be back before a read wants it
             raise PeerUnavailable(f"cache service of node {self.nodes[o]}: {type(exc).__name__}: {exc}") from exc
         if not isinstance(data, bytes) or len(data) != stop - start:
-            raise PeerUnavailable(f"cache service of node {self.nodes[o]} sent {len(data)} bytes, "
-                                  f"expected {stop - start}")
+            raise PeerUnavailable(
+                f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {stop - start}"
+            )
         return source, data
 
     def connect(self) -> list[str]:
@@ -187,6 +207,7 @@ class BlockRouter:
         import ray
 
         from .service import get_service
+
         peers = sorted({int(o) for o in np.unique(self.owner) if 0 <= o < len(self.nodes) and o != self.me})
         refs, failed = {}, []
         for o in peers:
@@ -196,8 +217,9 @@ class BlockRouter:
             except (ValueError, ray.exceptions.RayError) as exc:
                 log.debug("peer %s not found: %s", self.nodes[o], exc)
                 failed.append(o)
-        ready, _ = ray.wait([r for _, r in refs.values()], num_returns=len(refs), timeout=self.timeout_s) \
-            if refs else ([], [])
+        ready, _ = (
+            ray.wait([r for _, r in refs.values()], num_returns=len(refs), timeout=self.timeout_s) if refs else ([], [])
+        )
         done = set(ready)
         for o, (h, ref) in refs.items():
             try:
@@ -225,8 +247,9 @@ class BlockRouter:
             t = self._probing.get(o)
             if o in self._gone or (t is not None and t.is_alive()):
                 return
-            t = self._probing[o] = threading.Thread(target=self._watch, args=(o,), name=f"stoker-probe-{o}",
-                                                    daemon=True)
+            t = self._probing[o] = threading.Thread(
+                target=self._watch, args=(o,), name=f"stoker-probe-{o}", daemon=True
+            )
         t.start()
 
     def _watch(self, o: int) -> None:
@@ -237,6 +260,7 @@ class BlockRouter:
         import ray
 
         from .service import get_service
+
         while o in self._suspect:
             t0 = time.monotonic()
             if not self._node_alive(o):

@@ -9,6 +9,7 @@ with :func:`stoker.cluster.membership.widen` and writes it back to every service
 a dataset, which finds no record anywhere, claims on the service of the lowest node id (first
 claim wins), so two first jobs at once agree.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,7 @@ SERVICE_TRIES = 4
 RETRY_PAUSE_S = 0.5
 
 
-def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE_S,
-         timeout_s: float | None = None):
+def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE_S, timeout_s: float | None = None):
     """``ray.get(method.remote(*args))``, called again (``tries`` in all) while the service is
     restarting (``ray.exceptions.RayActorError``: ``ActorUnavailableError``, or ``ActorDiedError``
     for a call in flight when it died). ``timeout_s``: the longest wait for one answer (None: no
@@ -42,8 +42,9 @@ def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE
             time.sleep(pause_s * (k + 1))
 
 
-def settle_members(services: dict, version: str, dataset_bytes: int, proposal: list[str],
-                   job_nodes: list[str]) -> list[str]:
+def settle_members(
+    services: dict, version: str, dataset_bytes: int, proposal: list[str], job_nodes: list[str]
+) -> list[str]:
     """The placement members of dataset ``version`` for the job at hand (node ids, sorted).
 
     ``services``: ``{node id: info()}`` of the services that answer now (at least one);
@@ -79,8 +80,7 @@ def settle_members(services: dict, version: str, dataset_bytes: int, proposal: l
         keeper = get_service(nodes[0])
         members = call(keeper.claim, version, proposal, nodes)
         known = call(keeper.known, version)
-    grown = widen(members, known, {n: int(services[n]["cache_bytes"]) for n in nodes}, int(dataset_bytes),
-                  job_nodes)
+    grown = widen(members, known, {n: int(services[n]["cache_bytes"]) for n in nodes}, int(dataset_bytes), job_nodes)
     seen = sorted(set(known) | set(nodes))
     refs = {n: get_service(n).widen.remote(version, grown, seen) for n in nodes}
     for n, ref in refs.items():

@@ -8,6 +8,7 @@ and a cache service reads for every job. So a rank ends its registration when it
 renews and that runs out ``lease_s`` seconds after the last one. Without these, a finished job
 keeps its share of the budget and the next job's blocks are refused.
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@ rank given the samples cached on its node as far as exactly-once and equal count
 
 Pure functions (no Ray), so every rank computes the same assignment from the same inputs.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,7 @@ import numpy as np
 from ..order import rank_plan
 
 
-def choose_nodes(nodes: list[str], cached_bytes, budgets, num_workers: int,
-                 slots=None) -> list[str]:
+def choose_nodes(nodes: list[str], cached_bytes, budgets, num_workers: int, slots=None) -> list[str]:
     """The node of each of ``num_workers`` ranks, co-located with the data.
 
     Ranks go one at a time to the node with the most cached bytes of the dataset per rank
@@ -58,7 +58,7 @@ def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, 
     q = len(padded) // w if w else 0
     pos = np.empty(len(padded), dtype=np.int64)
     for r in range(w):
-        pos[r * q:(r + 1) * q] = np.arange(r, q * w, w)
+        pos[r * q : (r + 1) * q] = np.arange(r, q * w, w)
     ids = np.empty(len(padded), dtype=np.int64)
     ids[pos] = padded
     where = np.asarray(sample_node)[ids] if len(ids) else np.zeros(0, dtype=np.int64)

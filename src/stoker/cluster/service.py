@@ -15,6 +15,7 @@ not to the driver that started it: any driver finds it by name), restarted by Ra
 the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
 restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,12 @@ MAX_CONCURRENCY = 16
 
 def dataset_ref(ds, storage_options: dict | None = None) -> dict:
     """How a service finds a dataset: ``{url, storage_options, version, block_bytes}`` (plain data)."""
-    return {"url": ds.url, "storage_options": dict(storage_options or {}), "version": ds.version,
-            "block_bytes": ds.block_bytes}
+    return {
+        "url": ds.url,
+        "storage_options": dict(storage_options or {}),
+        "version": ds.version,
+        "block_bytes": ds.block_bytes,
+    }
 
 
 def service_name(node_id: str) -> str:
@@ -66,8 +71,15 @@ class CacheService:
     request for it, seconds (default :data:`stoker.cluster.registration.LEASE_S`).
     """
 
-    def __init__(self, node_id: str, cache_root: str, cache_bytes: int, memory_bytes: int = 0,
-                 node_name: str | None = None, lease_s: float | None = None):
+    def __init__(
+        self,
+        node_id: str,
+        cache_root: str,
+        cache_bytes: int,
+        memory_bytes: int = 0,
+        node_name: str | None = None,
+        lease_s: float | None = None,
+    ):
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
             raise RuntimeError(f"cache service for node {node_id} started on node {here}")
@@ -96,12 +108,19 @@ class CacheService:
             with self._lock:
                 ds = self._datasets.get(key)
                 if ds is None:
-                    ds = open_dataset(url, self.cache_dir, self.cache_bytes, storage_options=storage_options,
-                                      memory_bytes=self.memory_bytes, check=False,
-                                      block_bytes=dref["block_bytes"])
+                    ds = open_dataset(
+                        url,
+                        self.cache_dir,
+                        self.cache_bytes,
+                        storage_options=storage_options,
+                        memory_bytes=self.memory_bytes,
+                        check=False,
+                        block_bytes=dref["block_bytes"],
+                    )
                     if ds.version != version:
-                        raise ValueError(f"{url} has content version {ds.version} at the origin, "
-                                         f"the requester has {version}")
+                        raise ValueError(
+                            f"{url} has content version {ds.version} at the origin, the requester has {version}"
+                        )
                     self._datasets[key] = ds
                     lease(ds, 0.0)  # not read for a job yet (open_dataset registered it for good)
         return ds
@@ -126,8 +145,15 @@ class CacheService:
         """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid}`` (bytes)."""
         ds_cache = next(iter(self._datasets.values())).cache if self._datasets else None
         used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache_dir, self.cache_bytes)
-        return {"node_id": self.node_id, "node_name": self.node_name, "cache_dir": self.cache_dir,
-                "cache_key": self.cache_key, "cache_bytes": self.cache_bytes, "used_bytes": int(used), "pid": os.getpid()}
+        return {
+            "node_id": self.node_id,
+            "node_name": self.node_name,
+            "cache_dir": self.cache_dir,
+            "cache_key": self.cache_key,
+            "cache_bytes": self.cache_bytes,
+            "used_bytes": int(used),
+            "pid": os.getpid(),
+        }
 
     def read(self, dref: dict, b: int, start: int, stop: int):
         """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
@@ -150,7 +176,7 @@ class CacheService:
             shard = ds.index.shard_name(ds.block_shard[b])
             out = bytes(ds.origin.read_range(shard, start, stop))
         else:
-            out = bytes(memoryview(block)[rel:rel + stop - start])
+            out = bytes(memoryview(block)[rel : rel + stop - start])
         self._metrics.served_bytes(len(out), "origin")
         return "origin", out
 
@@ -168,8 +194,15 @@ class CacheService:
         ds = self._open(dref)
         self._renew(ds)
         version = ds.version
-        out: dict[str, Any] = {"filled": 0, "cached": 0, "refused": 0, "busy": 0, "failed": 0, "origin_bytes": 0,
-                               "errors": {}}
+        out: dict[str, Any] = {
+            "filled": 0,
+            "cached": 0,
+            "refused": 0,
+            "busy": 0,
+            "failed": 0,
+            "origin_bytes": 0,
+            "errors": {},
+        }
 
         with self._lock:
             gate = self._gates.get(ds.url)
@@ -277,8 +310,11 @@ def _used_bytes(cache_dir: str, capacity: int) -> int:
 
 
 # ray's typed overloads of remote() take the task options only, not an actor's (max_concurrency, max_restarts)
-_Remote = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY,  # type: ignore[call-overload]
-                     max_restarts=-1)(CacheService)
+_Remote = ray.remote(
+    num_cpus=0,
+    max_concurrency=MAX_CONCURRENCY,  # type: ignore[call-overload]
+    max_restarts=-1,
+)(CacheService)
 
 
 def alive_nodes() -> list[dict]:
@@ -286,9 +322,15 @@ def alive_nodes() -> list[dict]:
     return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
 
 
-def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached: bool = True,
-                   timeout_s: float = 60.0, lease_s: float | None = None,
-                   down: dict[str, str] | None = None) -> dict[str, "ray.actor.ActorHandle"]:
+def start_services(
+    cache_root: str,
+    cache_bytes,
+    memory_bytes: int = 0,
+    detached: bool = True,
+    timeout_s: float = 60.0,
+    lease_s: float | None = None,
+    down: dict[str, str] | None = None,
+) -> dict[str, "ray.actor.ActorHandle"]:
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
     ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
@@ -314,8 +356,13 @@ def start_services(cache_root: str, cache_bytes, memory_bytes: int = 0, detached
         budget = cache_bytes.get(nid) if isinstance(cache_bytes, dict) else cache_bytes
         if not budget:
             continue
-        opts = dict(name=service_name(nid), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+        opts = dict(
+            name=service_name(nid),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+        )
         handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes, None, lease_s)
     _wait_answer(handles, timeout_s, down)
     return {nid: h for nid, h in handles.items() if down is None or nid not in down}
@@ -414,8 +461,15 @@ def stop_services() -> int:
     return n
 
 
-def prepare(url: str, storage_options: dict | None, cache_root: str | None, cache_bytes,
-            block_bytes: int | str | None, detached: bool = True, down: dict[str, str] | None = None):
+def prepare(
+    url: str,
+    storage_options: dict | None,
+    cache_root: str | None,
+    cache_bytes,
+    block_bytes: int | str | None,
+    detached: bool = True,
+    down: dict[str, str] | None = None,
+):
     """The common first steps of ``run`` and ``warm``: start the services where missing (default
     root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
     index. ``cache_bytes``: bytes per node (an int, a size string such as ``"64MiB"``, or a dict
@@ -427,24 +481,34 @@ def prepare(url: str, storage_options: dict | None, cache_root: str | None, cach
     or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out."""
     opts = dict(storage_options or {})
     budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
-    budget = ({nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()} if isinstance(budget, dict)
-              else parse_size(budget, "cache_bytes"))
+    budget = (
+        {nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()}
+        if isinstance(budget, dict)
+        else parse_size(budget, "cache_bytes")
+    )
     if not any(budget.values() if isinstance(budget, dict) else [budget]):
         raise ValueError(f"cache_bytes must give some node a budget above 0 bytes, got {cache_bytes!r}")
     start_services(cache_root or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
     if cache_bytes is not None:  # asked for a budget: say where running services keep another one
-        other = {info["node_name"]: info["cache_bytes"] for nid, info in services.items()
-                 if info["cache_bytes"] != (budget.get(nid, info["cache_bytes"]) if isinstance(budget, dict)
-                                            else budget)}
+        other = {
+            info["node_name"]: info["cache_bytes"]
+            for nid, info in services.items()
+            if info["cache_bytes"] != (budget.get(nid, info["cache_bytes"]) if isinstance(budget, dict) else budget)
+        }
         if other:
-            log.warning("cache_bytes=%r applies only to the cache services started now; %d running service(s) "
-                        "keep their budgets (%s): stop them first (stoker.cluster.service.stop_services) to "
-                        "change them", cache_bytes, len(other),
-                        ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(other.items())[:5]))
+            log.warning(
+                "cache_bytes=%r applies only to the cache services started now; %d running service(s) "
+                "keep their budgets (%s): stop them first (stoker.cluster.service.stop_services) to "
+                "change them",
+                cache_bytes,
+                len(other),
+                ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(other.items())[:5]),
+            )
     if not services:
         why = "; ".join(down.values()) if down else ""
         raise RuntimeError("no cache service answers on any node" + (f" ({why})" if why else ""))
-    ds = open_dataset(url, storage_options=opts, cache=False, check=False,
-                      block_bytes=block_bytes or DEFAULT_BLOCK_BYTES)
+    ds = open_dataset(
+        url, storage_options=opts, cache=False, check=False, block_bytes=block_bytes or DEFAULT_BLOCK_BYTES
+    )
     return services, ds, dataset_ref(ds, opts)

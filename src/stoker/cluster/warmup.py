@@ -7,6 +7,7 @@ blocks it hits: the rest is filled, and the report says what is cached and which
 and why. A node's cache directory and placement are stable across Ray restarts on the same host
 (:mod:`stoker.cluster.identity`), so running the warm-up again fetches only what is missing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,9 +38,19 @@ FILL_MIN_BPS = float(1 << 20)
 REPORT_TIMEOUT_S = 30.0
 
 
-def warm(url: str, storage_options: dict | None = None, *, cache_root: str | None = None,
-         cache_bytes: int | str | None = None, block_bytes: int | str | None = None, chunk_blocks: int = 16, concurrency: int = 8,
-         progress: bool = False, detached: bool = True, fill_timeout_s: float | None = None) -> dict:
+def warm(
+    url: str,
+    storage_options: dict | None = None,
+    *,
+    cache_root: str | None = None,
+    cache_bytes: int | str | None = None,
+    block_bytes: int | str | None = None,
+    chunk_blocks: int = 16,
+    concurrency: int = 8,
+    progress: bool = False,
+    detached: bool = True,
+    fill_timeout_s: float | None = None,
+) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
     Services are started where missing (``cache_root``/``cache_bytes`` as in
@@ -76,13 +87,19 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     owned = bytes_per_node(ds, owner, len(members))
     sizes = ds.block_bytes_of(np.arange(ds.num_blocks))
-    queues = {i: [np.flatnonzero(owner == i)[k:k + chunk_blocks].tolist()
-                  for k in range(0, int((owner == i).sum()), chunk_blocks)] for i in range(len(members))}
+    queues = {
+        i: [
+            np.flatnonzero(owner == i)[k : k + chunk_blocks].tolist()
+            for k in range(0, int((owner == i).sum()), chunk_blocks)
+        ]
+        for i in range(len(members))
+    }
     bar = None
     if progress:
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
-    fills = _Fills(ds, dref, members, queues, concurrency, bar,
-                   FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s))
+    fills = _Fills(
+        ds, dref, members, queues, concurrency, bar, FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s)
+    )
     fills.run()
     if bar is not None:
         bar.close()
@@ -97,24 +114,45 @@ def warm(url: str, storage_options: dict | None = None, *, cache_root: str | Non
         if i in fills.down:  # why the node's blocks were not filled comes first
             node_errors[i] = fills.down[i]
     totals, errors = fills.totals, fills.errors
-    report = {"url": url, "version": ds.version, "dataset_bytes": int(sizes.sum()),
-              "seconds": time.perf_counter() - t0,
-              "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
-              "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0,
-              "complete": bool(sum(cached) >= sizes.sum()),
-              "failed_shards": {sh: why for e in errors.values() for sh, why in e.items()}, "nodes": {}}
+    report = {
+        "url": url,
+        "version": ds.version,
+        "dataset_bytes": int(sizes.sum()),
+        "seconds": time.perf_counter() - t0,
+        "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
+        "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0,
+        "complete": bool(sum(cached) >= sizes.sum()),
+        "failed_shards": {sh: why for e in errors.values() for sh, why in e.items()},
+        "nodes": {},
+    }
     for i, m in enumerate(members):
-        report["nodes"][m] = {"node_name": services[m]["node_name"], "cache_dir": services[m].get("cache_dir"),
-                              "cache_bytes": services[m]["cache_bytes"],
-                              "owned_bytes": int(owned[i]), "cached_bytes": int(cached[i]),
-                              "cached_fraction": float(cached[i] / owned[i]) if owned[i] else 1.0,
-                              "filled": totals[i]["filled"], "refused": totals[i]["refused"],
-                              "failed": totals[i]["failed"], "failed_shards": dict(sorted(errors[i].items())),
-                              "error": node_errors.get(i)}
+        report["nodes"][m] = {
+            "node_name": services[m]["node_name"],
+            "cache_dir": services[m].get("cache_dir"),
+            "cache_bytes": services[m]["cache_bytes"],
+            "owned_bytes": int(owned[i]),
+            "cached_bytes": int(cached[i]),
+            "cached_fraction": float(cached[i] / owned[i]) if owned[i] else 1.0,
+            "filled": totals[i]["filled"],
+            "refused": totals[i]["refused"],
+            "failed": totals[i]["failed"],
+            "failed_shards": dict(sorted(errors[i].items())),
+            "error": node_errors.get(i),
+        }
     for m, why in down_at_start.items():  # no service: given no blocks, filled nothing
-        report["nodes"][m] = {"node_name": m, "cache_dir": None, "cache_bytes": 0, "owned_bytes": 0,
-                              "cached_bytes": 0, "cached_fraction": 0.0, "filled": 0, "refused": 0, "failed": 0,
-                              "failed_shards": {}, "error": why}
+        report["nodes"][m] = {
+            "node_name": m,
+            "cache_dir": None,
+            "cache_bytes": 0,
+            "owned_bytes": 0,
+            "cached_bytes": 0,
+            "cached_fraction": 0.0,
+            "filled": 0,
+            "refused": 0,
+            "failed": 0,
+            "failed_shards": {},
+            "error": why,
+        }
     return report
 
 
@@ -132,8 +170,16 @@ class _Fills:
     first was sent) is down too: its service hangs. ``totals``: per node block counts and
     origin bytes; ``errors``: per node ``{shard name: reason}``."""
 
-    def __init__(self, ds, dref: dict, members: list[str], queues: dict[int, list[list[int]]], concurrency: int,
-                 bar=None, timeout_s: float = FILL_TIMEOUT_S):
+    def __init__(
+        self,
+        ds,
+        dref: dict,
+        members: list[str],
+        queues: dict[int, list[list[int]]],
+        concurrency: int,
+        bar=None,
+        timeout_s: float = FILL_TIMEOUT_S,
+    ):
         self.ds, self.dref, self.members, self.queues = ds, dref, members, queues
         self.concurrency, self.bar, self.timeout_s = concurrency, bar, timeout_s
         self._progress: dict[int, float] = {}  # node -> when it last answered (or was first sent to)
@@ -177,8 +223,9 @@ class _Fills:
             if now < deadline:
                 continue
             refs = [ref for ref, (j, _) in self._pending.items() if j == i]
-            self._go_down(i, f"cache service of node {self.members[i]} hangs: no fill answered in "
-                             f"{now - self._progress[i]:.0f} s")
+            self._go_down(
+                i, f"cache service of node {self.members[i]} hangs: no fill answered in {now - self._progress[i]:.0f} s"
+            )
             for ref in refs:
                 _, chunk = self._pending.pop(ref)
                 try:
@@ -216,8 +263,10 @@ class _Fills:
                 self._later.append((time.monotonic() + RETRY_PAUSE_S * (k - 1), i, chunk))
                 return
             if i not in self.down:
-                self._go_down(i, f"cache service of node {self.members[i]} did not answer in {FILL_TRIES} "
-                                 f"tries: {error_line(exc)}")
+                self._go_down(
+                    i,
+                    f"cache service of node {self.members[i]} did not answer in {FILL_TRIES} tries: {error_line(exc)}",
+                )
             self._fail(i, chunk, self.down[i])
             return
         except ray.exceptions.RayError as exc:  # the call failed: these blocks only
@@ -235,8 +284,7 @@ class _Fills:
 
     def _fail(self, i: int, chunk: list[int], reason: str) -> None:
         shard = self.ds.index.shard_name
-        self._count(i, chunk, {"failed": len(chunk), "errors": {shard(self.ds.block_shard[b]): reason
-                                                                for b in chunk}})
+        self._count(i, chunk, {"failed": len(chunk), "errors": {shard(self.ds.block_shard[b]): reason for b in chunk}})
 
     def _count(self, i: int, chunk: list[int], r: dict) -> None:
         for k in self.totals[i]:
@@ -247,8 +295,9 @@ class _Fills:
             self.bar.update(int(self.ds.block_bytes_of(np.asarray(chunk)).sum()))
 
 
-def cluster_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
-                  timeout_s: float = 10.0) -> dict:
+def cluster_state(
+    urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None, timeout_s: float = 10.0
+) -> dict:
     """What every node caches of each dataset in ``urls``, in the form :mod:`stoker.cluster.extender`
     reads: ``{"time": Unix seconds, "nodes": {node name: {"cache_bytes": int, "used_bytes": int,
     "datasets": {url: bytes}}}}`` (``time``: when it was gathered, so that a reader can tell how
@@ -259,8 +308,15 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
     services = find_services(timeout_s)
     nodes: dict[str, dict] = {}
     out = {"time": t, "nodes": nodes}
-    refs = {u: dataset_ref(open_dataset(u, storage_options=opts, cache=False, check=False,
-                                        block_bytes=block_bytes or DEFAULT_BLOCK_BYTES), opts) for u in urls}
+    refs = {
+        u: dataset_ref(
+            open_dataset(
+                u, storage_options=opts, cache=False, check=False, block_bytes=block_bytes or DEFAULT_BLOCK_BYTES
+            ),
+            opts,
+        )
+        for u in urls
+    }
     for nid, info in services.items():
         h = get_service(nid)
         try:
@@ -268,14 +324,22 @@ def cluster_state(urls: list[str], storage_options: dict | None = None, block_by
         except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
             log.warning("cache service on node %s did not answer: %s", nid, exc)
             continue
-        nodes[info["node_name"]] = {"node_id": nid, "cache_bytes": info["cache_bytes"],
-                                    "used_bytes": info["used_bytes"],
-                                    "datasets": {u: int(b) for u, b in zip(urls, got)}}
+        nodes[info["node_name"]] = {
+            "node_id": nid,
+            "cache_bytes": info["cache_bytes"],
+            "used_bytes": info["used_bytes"],
+            "datasets": {u: int(b) for u, b in zip(urls, got)},
+        }
     return out
 
 
-def ray_state(urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None,
-              ttl_s: float = 10.0, timeout_s: float = 10.0):
+def ray_state(
+    urls: list[str],
+    storage_options: dict | None = None,
+    block_bytes: int | None = None,
+    ttl_s: float = 10.0,
+    timeout_s: float = 10.0,
+):
     """A state source for :func:`stoker.cluster.extender.serve` that asks the cache services
     (:func:`cluster_state`, each call given ``timeout_s`` seconds) every ``ttl_s`` seconds in a
     background thread (:func:`stoker.cluster.freshness.refreshing`): a request never waits for

@@ -22,6 +22,7 @@ The choice is the most faithful form whose modelled rate is within a factor ``mi
 before smaller (a capped form loses some detail, so a near-tie goes to the more faithful form).  Steady-state epochs are modelled; the first epoch also pays
 ``fill_s_per_sample`` to write the entries (reported, not part of the choice).
 """
+
 from __future__ import annotations
 
 import logging
@@ -111,9 +112,17 @@ def _output(img, hw, mode, rng, size, out):
     return eval_transform_reduced(img, hw, size, eval_resize_for(size), out)
 
 
-def measure_forms(payloads: list[bytes], candidates=DEFAULT_CANDIDATES, *, mode: str = "train", size: int = 224,
-                  min_seconds: float = 0.25, probe_root: str | None = None, pixel_diff: bool = True,
-                  seed: int = 0) -> dict:
+def measure_forms(
+    payloads: list[bytes],
+    candidates=DEFAULT_CANDIDATES,
+    *,
+    mode: str = "train",
+    size: int = 224,
+    min_seconds: float = 0.25,
+    probe_root: str | None = None,
+    pixel_diff: bool = True,
+    seed: int = 0,
+) -> dict:
     """Per-form bytes, per-core rates, fill cost and pixel difference on ``payloads``.
 
     Args:
@@ -148,8 +157,12 @@ def measure_forms(payloads: list[bytes], candidates=DEFAULT_CANDIDATES, *, mode:
         rng = np.random.default_rng((seed, i % len(items))) if mode == "train" else None
         decode_transform(item[0], "probe", mode, rng, size=size, out=out, resize=resize)
 
-    forms = {"raw": {"bytes_per_sample": float(np.mean([len(d) for d, _ in items])),
-                     "decode_per_core": _time_loop(raw_step, items, min_seconds)}}
+    forms = {
+        "raw": {
+            "bytes_per_sample": float(np.mean([len(d) for d, _ in items])),
+            "decode_per_core": _time_loop(raw_step, items, min_seconds),
+        }
+    }
     if probe_root:
         forms["raw"]["storage_Bps"], forms["raw"]["direct_io"] = _probe_storage(probe_root, [d for d, _ in items])
     reference = None
@@ -177,10 +190,17 @@ def measure_forms(payloads: list[bytes], candidates=DEFAULT_CANDIDATES, *, mode:
             else:
                 _output(img, hw, mode, rng, size, out)
 
-        row = {"bytes_per_sample": float(np.mean([len(e) + (len(d) if k == SAME else 0)
-                                                  for e, (d, _), (k, _, _) in zip(entries, items, decoded)])),
-               "decode_per_core": _time_loop(step, entries, min_seconds),
-               "fill_s_per_sample": fill, "same_fraction": same / len(items), "cap": form.side}
+        row = {
+            "bytes_per_sample": float(
+                np.mean(
+                    [len(e) + (len(d) if k == SAME else 0) for e, (d, _), (k, _, _) in zip(entries, items, decoded)]
+                )
+            ),
+            "decode_per_core": _time_loop(step, entries, min_seconds),
+            "fill_s_per_sample": fill,
+            "same_fraction": same / len(items),
+            "cap": form.side,
+        }
         if probe_root:
             blobs = [e + (d if k == SAME else b"") for e, (d, _), (k, _, _) in zip(entries, items, decoded)]
             row["storage_Bps"], row["direct_io"] = _probe_storage(probe_root, blobs)
@@ -202,9 +222,20 @@ def _fidelity_rank(name: str) -> tuple:
     return (not exact, form.kind != "raw", -(form.side or 1 << 30), form.kind == "jpeg")
 
 
-def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=DEFAULT_CANDIDATES,
-                mode: str = "train", size: int = 224, samples: int = 48, min_seconds: float = 0.25,
-                min_gain: float = 1.10, seed: int = 0) -> dict:
+def choose_form(
+    ds,
+    *,
+    workers: int,
+    capacity_bytes: int,
+    root: str,
+    candidates=DEFAULT_CANDIDATES,
+    mode: str = "train",
+    size: int = 224,
+    samples: int = 48,
+    min_seconds: float = 0.25,
+    min_gain: float = 1.10,
+    seed: int = 0,
+) -> dict:
     """Measure the candidates on ``samples`` seeded samples of ``ds`` and pick a form.
 
     Args:
@@ -230,8 +261,16 @@ def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=
     t = time.perf_counter()
     payloads = [ds.read(int(i)) for i in ids]
     raw_read_bps = sum(map(len, payloads)) / max(time.perf_counter() - t, 1e-9)
-    rep = measure_forms(payloads, candidates, mode=mode, size=size, min_seconds=min_seconds,
-                        probe_root=root, pixel_diff=False, seed=seed)
+    rep = measure_forms(
+        payloads,
+        candidates,
+        mode=mode,
+        size=size,
+        min_seconds=min_seconds,
+        probe_root=root,
+        pixel_diff=False,
+        seed=seed,
+    )
     total_raw = float(np.sum(ds.index.length))
     cache_cap = getattr(ds.cache, "capacity_bytes", 0) if ds.cache is not None else 0
     raw_source = "cache" if cache_cap >= total_raw else "origin"
@@ -253,10 +292,29 @@ def choose_form(ds, *, workers: int, capacity_bytes: int, root: str, candidates=
     # (exact), then larger caps before smaller, decoded pixels before a re-encoded JPEG.
     best = min((k for k, v in forms.items() if v["rate_per_core"] * min_gain >= top), key=_fidelity_rank)
     best_rate = forms[best]["rate_per_core"]
-    report = {"choice": best, "rate_per_core": best_rate, "raw_source": raw_source, "raw_read_Bps": raw_read_bps,
-              "workers": w, "samples": rep["samples"], "min_gain": min_gain, "forms": forms}
-    log.info("cache_form=auto chose %s (%.0f samples/s per core modelled; raw %.0f): %s", best, best_rate, r_raw,
-             {k: {"decode": round(v["decode_per_core"]), "storage": round(v["storage_per_core"]),
-                  "bytes": round(v["bytes_per_sample"]), "fit": round(v["fit"], 2)} for k, v in forms.items()})
+    report = {
+        "choice": best,
+        "rate_per_core": best_rate,
+        "raw_source": raw_source,
+        "raw_read_Bps": raw_read_bps,
+        "workers": w,
+        "samples": rep["samples"],
+        "min_gain": min_gain,
+        "forms": forms,
+    }
+    log.info(
+        "cache_form=auto chose %s (%.0f samples/s per core modelled; raw %.0f): %s",
+        best,
+        best_rate,
+        r_raw,
+        {
+            k: {
+                "decode": round(v["decode_per_core"]),
+                "storage": round(v["storage_per_core"]),
+                "bytes": round(v["bytes_per_sample"]),
+                "fit": round(v["fit"], 2),
+            }
+            for k, v in forms.items()
+        },
+    )
     return report
-

@@ -20,6 +20,7 @@ The default cap, :func:`resolution_cap`, is the shorter side at which half of
 RandomResizedCrop(224)'s crops of a 4:3 photo still have >= 224 source pixels along both axes
 (computed by drawing the crops; 320 px for 224).
 """
+
 from __future__ import annotations
 
 import functools
@@ -152,14 +153,17 @@ def make_entry(form: Form, img: np.ndarray) -> bytes:
         return _HEADER.pack(_MAGIC, _FORMAT, _KINDS[SAME], 0, H, W, H, W, 0, xxhash.xxh3_64_intdigest(b""))
     small = img if (h, w) == (H, W) else resize_bilinear_aa(img, w, h)
     if form.kind == "jpeg":
-        payload = simplejpeg.encode_jpeg(np.ascontiguousarray(small), quality=form.quality, colorspace="RGB",
-                                         colorsubsampling="420", fastdct=False)
+        payload = simplejpeg.encode_jpeg(
+            np.ascontiguousarray(small), quality=form.quality, colorspace="RGB", colorsubsampling="420", fastdct=False
+        )
     elif form.kind == "rgb":
         payload = np.ascontiguousarray(small).tobytes()
     else:
         raise ValueError(f"form {form.name!r} has no derived entry")
-    return _HEADER.pack(_MAGIC, _FORMAT, _KINDS[form.kind], 0, H, W, h, w, len(payload),
-                        xxhash.xxh3_64_intdigest(payload)) + payload
+    return (
+        _HEADER.pack(_MAGIC, _FORMAT, _KINDS[form.kind], 0, H, W, h, w, len(payload), xxhash.xxh3_64_intdigest(payload))
+        + payload
+    )
 
 
 def read_entry(form: Form, entry) -> tuple[str, tuple[int, int], np.ndarray | None]:

@@ -21,6 +21,7 @@ differ); ``scripts/gpu_check.py`` measures the difference on the shared cases. T
 unverified on a GPU in this repository's test suite (no device here); its fallback logic is
 tested with an injected decoder on the CPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ def find_backend(device) -> tuple[str, object]:
         why.append(f"torchvision: {type(exc).__name__}: {exc}")
     try:
         from nvidia import nvimgcodec
+
         dec = nvimgcodec.Decoder()
 
         def nv(datas):
@@ -108,8 +110,9 @@ class GpuJpegDecoder:
         RuntimeError: no backend (see :func:`find_backend`) or CUDA missing.
     """
 
-    def __init__(self, device="cuda", decode_fn=None, *, exif_orientation: bool = False,
-                 max_pixels: int = DEFAULT_MAX_PIXELS):
+    def __init__(
+        self, device="cuda", decode_fn=None, *, exif_orientation: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS
+    ):
         self.device = torch.device(device)
         if decode_fn is None:
             check_device(self.device)
@@ -179,8 +182,9 @@ class GpuJpegDecoder:
         """
         return self.transform_batch(self.decode(datas, keys), "train", rngs, size)
 
-    def transform_batch(self, imgs: list, mode: str, rngs: list | None, size: int = 224,
-                        resize: int | None = None) -> torch.Tensor:
+    def transform_batch(
+        self, imgs: list, mode: str, rngs: list | None, size: int = 224, resize: int | None = None
+    ) -> torch.Tensor:
         """The train or eval transform of decoded ``(3, H, W)`` uint8 device tensors, on the device.
 
         ``"train"``: RandomResizedCrop(size) + flip, crop and flip drawn from ``rngs[j]`` exactly as
@@ -210,27 +214,33 @@ class GpuJpegDecoder:
             if mode == "train":
                 top, left, h, w = random_resized_crop_params(H, W, draws[j])
                 flip = bool(draws[j].random() < 0.5)
-                out[j] = _resample(img[:, top:top + h, left:left + w], size, size, flip)
+                out[j] = _resample(img[:, top : top + h, left : left + w], size, size, flip)
             else:
                 nh, nw = resized_hw(H, W, resize)
                 res = _resample(img, nh, nw, False)
                 top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
-                out[j] = res[:, top:top + size, left:left + size]
+                out[j] = res[:, top : top + size, left : left + size]
         return out
 
 
 def _resample(img: torch.Tensor, out_h: int, out_w: int, flip: bool) -> torch.Tensor:
     """Antialiased bilinear resize of a ``(3, h, w)`` uint8 tensor to ``(3, out_h, out_w)`` uint8."""
-    res = F.interpolate(img.unsqueeze(0).float(), size=(out_h, out_w), mode="bilinear", align_corners=False,
-                        antialias=True)
+    res = F.interpolate(
+        img.unsqueeze(0).float(), size=(out_h, out_w), mode="bilinear", align_corners=False, antialias=True
+    )
     res = res[0].round_().clamp_(0, 255).to(torch.uint8)
     return res.flip(-1) if flip else res
 
 
 def _orient_chw(t: torch.Tensor, orientation: int) -> torch.Tensor:
     """EXIF orientation 1..8 on a (3, H, W) tensor, as ``stoker.decode.image._orient_array``."""
-    ops = {2: lambda x: x.flip(-1), 3: lambda x: x.flip(-1).flip(-2), 4: lambda x: x.flip(-2),
-           5: lambda x: x.transpose(-1, -2), 6: lambda x: torch.rot90(x, -1, (-2, -1)),
-           7: lambda x: x.transpose(-1, -2).flip(-1).flip(-2), 8: lambda x: torch.rot90(x, 1, (-2, -1))}
+    ops = {
+        2: lambda x: x.flip(-1),
+        3: lambda x: x.flip(-1).flip(-2),
+        4: lambda x: x.flip(-2),
+        5: lambda x: x.transpose(-1, -2),
+        6: lambda x: torch.rot90(x, -1, (-2, -1)),
+        7: lambda x: x.transpose(-1, -2).flip(-1).flip(-2),
+        8: lambda x: torch.rot90(x, 1, (-2, -1)),
+    }
     return ops[orientation](t).contiguous() if orientation in ops else t
-

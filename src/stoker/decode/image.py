@@ -154,8 +154,11 @@ def _pillow_decode(data, key: str, exif_orientation: bool, max_pixels: int) -> n
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(key, f"Pillow decompression-bomb limit: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - UnidentifiedImageError, SyntaxError, struct.error...
-        raise DecodeError(key, f"not a readable image: {type(exc).__name__}: {exc} (samples that are not "
-                               "images need the Loader's decode= function)") from exc
+        raise DecodeError(
+            key,
+            f"not a readable image: {type(exc).__name__}: {exc} (samples that are not "
+            "images need the Loader's decode= function)",
+        ) from exc
     try:
         width, height = im.size
         _check_pixels(key, width, height, max_pixels)

@@ -93,9 +93,7 @@ def pillow_eval_transform(img: Image.Image, size: int = 224, resize: int = 256) 
     return _to_chw(img.crop((left, top, left + size, top + size)))
 
 
-def pillow_decode_transform(
-    data: bytes, mode: str, rng: np.random.Generator | None, size: int = 224
-) -> np.ndarray:
+def pillow_decode_transform(data: bytes, mode: str, rng: np.random.Generator | None, size: int = 224) -> np.ndarray:
     """Reference decode + transform (the baseline recipe's per-sample work).
 
     Args:

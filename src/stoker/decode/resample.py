@@ -151,12 +151,12 @@ def _scratch_buffer(out_h: int, out_w: int) -> torch.Tensor:
     buf = bufs.get((out_h, out_w))
     if buf is None:
         buf = bufs[(out_h, out_w)] = torch.empty((1, 3, out_h, out_w), dtype=torch.uint8).contiguous(
-            memory_format=torch.channels_last)
+            memory_format=torch.channels_last
+        )
     return buf
 
 
-def resize_box_aa(img: np.ndarray, y0: float, x0: float, hf: float, wf: float,
-                  out_h: int, out_w: int) -> np.ndarray:
+def resize_box_aa(img: np.ndarray, y0: float, x0: float, hf: float, wf: float, out_h: int, out_w: int) -> np.ndarray:
     """Resample the real-valued box ``[y0, y0+hf) x [x0, x0+wf)`` of ``img`` to ``(out_h, out_w)``.
 
     Same filter as :func:`resize_bilinear_aa` (Pillow's BILINEAR, pixel-centre alignment
@@ -189,8 +189,13 @@ def resize_box_aa(img: np.ndarray, y0: float, x0: float, hf: float, wf: float,
     if out_h >= hf and out_w >= wf:  # upscaling on both axes: plain bilinear (see the module docstring)
         sx, sy = wf / out_w, hf / out_h  # src = x0 + (dst + 0.5) * sx - 0.5, in the region's pixels
         m = np.array([[sx, 0.0, x0 - xs + 0.5 * sx - 0.5], [0.0, sy, y0 - ys + 0.5 * sy - 0.5]], np.float64)
-        res_cv = cv2.warpAffine(np.ascontiguousarray(region), m, (out_w, out_h),
-                                flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE)
+        res_cv = cv2.warpAffine(
+            np.ascontiguousarray(region),
+            m,
+            (out_w, out_h),
+            flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+            borderMode=cv2.BORDER_REPLICATE,
+        )
         if res_cv.shape != (out_h, out_w, 3):
             raise RuntimeError(f"cv2.warpAffine returned shape {res_cv.shape}, expected {(out_h, out_w, 3)}")
         return res_cv

@@ -154,8 +154,9 @@ def _resize_flip(crop: np.ndarray, flip: bool, size: int, out: np.ndarray) -> np
     return out
 
 
-def _train_from_region(data, key: str, hw: tuple[int, int], rng: np.random.Generator, size: int,
-                       out: np.ndarray | None, max_pixels: int) -> np.ndarray:
+def _train_from_region(
+    data, key: str, hw: tuple[int, int], rng: np.random.Generator, size: int, out: np.ndarray | None, max_pixels: int
+) -> np.ndarray:
     """:func:`train_transform` of a JPEG of size ``hw``, decoding only the crop box.
 
     Same RNG draws, same pixels as decoding the whole image first.  If libjpeg warns inside
@@ -187,9 +188,7 @@ def resized_hw(height: int, width: int, resize: int) -> tuple[int, int]:
     return resize, int(resize * width / height)
 
 
-def eval_transform(
-    img: np.ndarray, size: int = 224, resize: int = 256, out: np.ndarray | None = None
-) -> np.ndarray:
+def eval_transform(img: np.ndarray, size: int = 224, resize: int = 256, out: np.ndarray | None = None) -> np.ndarray:
     """``Resize(resize)`` (shorter side) then ``CenterCrop(size)``, to CHW.
 
     The longer side becomes ``int(resize * long / short)`` and the crop offsets are
@@ -277,8 +276,9 @@ def decode_transform(
 # region of the same picture is taken; only the source it is resampled from has fewer pixels.
 
 
-def train_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], rng: np.random.Generator,
-                            size: int = 224, out: np.ndarray | None = None) -> np.ndarray:
+def train_transform_reduced(
+    img: np.ndarray, orig_hw: tuple[int, int], rng: np.random.Generator, size: int = 224, out: np.ndarray | None = None
+) -> np.ndarray:
     """:func:`train_transform` of the original image, computed from a reduced copy ``img``.
 
     The crop box is drawn for the original size ``orig_hw`` (identical RNG draws and order as
@@ -306,8 +306,9 @@ def train_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], rng: np.r
     return out
 
 
-def eval_transform_reduced(img: np.ndarray, orig_hw: tuple[int, int], size: int = 224,
-                           resize: int = 256, out: np.ndarray | None = None) -> np.ndarray:
+def eval_transform_reduced(
+    img: np.ndarray, orig_hw: tuple[int, int], size: int = 224, resize: int = 256, out: np.ndarray | None = None
+) -> np.ndarray:
     """:func:`eval_transform` of the original image, computed from a reduced copy ``img``.
 
     ``Resize(resize)`` + ``CenterCrop(size)`` of the original is the box of side

@@ -5,6 +5,7 @@ epoch), its option groups :class:`ReadOptions`, :class:`ImageOptions` and :class
 (:mod:`.options`), :class:`EpochStats` (what one epoch did) and :class:`WorkerError`. The data
 flow and the processes are described in this package's README.md.
 """
+
 from ..errors import WorkerError
 from .epoch_stats import EpochStats
 from .loader import Loader

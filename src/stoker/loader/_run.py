@@ -7,6 +7,7 @@ stay up between epochs, and the first batches of the next epoch are dispatched w
 one drains) until :meth:`stoker.loader.Loader.close`, which stops it; a later ``iter()`` starts a
 new one. The data flow and the processes are drawn in this package's README.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -88,17 +89,24 @@ class Run:
         """
         from .. import _torch as _torch_adapter  # pay torch's import before the first batch
         from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
+
         _torch_adapter.load()
         config = self.config
         if config.device not in (None, "cpu"):
             from .transfer import DeviceTransfer
+
             self.transfer = DeviceTransfer(config.device)
-        self.ring = SlotRing(self.batch_size, self.cfg.image_size, self.prefetch_batches + 2,
-                             shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
-                             slot_bytes=mmap.PAGESIZE if self.cfg.generic else None)  # grown by batches.py
+        self.ring = SlotRing(
+            self.batch_size,
+            self.cfg.image_size,
+            self.prefetch_batches + 2,
+            shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
+            slot_bytes=mmap.PAGESIZE if self.cfg.generic else None,
+        )  # grown by batches.py
         if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.reader.staging is None:
             from ..cache import StagingArea
             from ..store.blocks import BlockReader
+
             ds = self.dataset  # shared (other loaders may read it): this run reads a view with its own staging
             staging = StagingArea.create(ds.cache.root, getattr(ds.cache, "mode", 0o600), config.staging_bytes)
             self.dataset = ds.with_reader(BlockReader(ds, staging=staging, router=ds.reader.router))
@@ -108,15 +116,25 @@ class Run:
             self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
         elif self.cfg.generic:
             from .batches import GenericDecoder
+
             self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer,
-                                self.hooks.device_decoder())  # after the forks (CUDA)
+        self.deliver = Delivery(
+            self.ring, self.cfg, self.state, self.transfer, self.hooks.device_decoder()
+        )  # after the forks (CUDA)
         if self.dispatch is not None:
-            self.loop = ParallelLoop(self.config, self.state, self.hooks.live, self.workers, self.prefetcher,
-                                     self.dispatch, self.deliver, start_method=self.start_method,
-                                     fork_hazards=self._fork_hazards)
+            self.loop = ParallelLoop(
+                self.config,
+                self.state,
+                self.hooks.live,
+                self.workers,
+                self.prefetcher,
+                self.dispatch,
+                self.deliver,
+                start_method=self.start_method,
+                fork_hazards=self._fork_hazards,
+            )
 
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since the Loader was built),
@@ -126,19 +144,28 @@ class Run:
         self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.num_workers, self._ready)
         if self.dataset.cache is not None:
             c = self.config
-            self.prefetcher = Prefetcher(ctx, self.dataset, fetch_concurrency=c.fetch_concurrency,
-                                         prefetch_bytes=c.prefetch_bytes, staging_bytes=c.staging_bytes,
-                                         ready=self._ready)
+            self.prefetcher = Prefetcher(
+                ctx,
+                self.dataset,
+                fetch_concurrency=c.fetch_concurrency,
+                prefetch_bytes=c.prefetch_bytes,
+                staging_bytes=c.staging_bytes,
+                ready=self._ready,
+            )
         self.dispatch = Dispatcher(self.config, self.hooks.plan, self.ring, self.workers, self.prefetcher)
-        wait_ready(self._ready, list(self.processes().workers) + (
-            [self.prefetcher.process] if self.prefetcher is not None else []))
+        wait_ready(
+            self._ready,
+            list(self.processes().workers) + ([self.prefetcher.process] if self.prefetcher is not None else []),
+        )
 
     def processes(self) -> Processes:
         """The processes now (see :class:`Processes`)."""
-        return Processes(workers=self.workers.processes if self.workers is not None else (),
-                         prefetcher=self.prefetcher.process if self.prefetcher is not None else None,
-                         start_method=self.start_method if self.workers is not None else None,
-                         ready=self._ready.value if self._ready is not None else 0)
+        return Processes(
+            workers=self.workers.processes if self.workers is not None else (),
+            prefetcher=self.prefetcher.process if self.prefetcher is not None else None,
+            start_method=self.start_method if self.workers is not None else None,
+            ready=self._ready.value if self._ready is not None else 0,
+        )
 
     def check_processes(self) -> None:
         """Replace every dead worker (WorkerError naming it, its pid, exit code or signal and the
@@ -152,8 +179,10 @@ class Run:
 
     def restarts(self) -> tuple[int, int]:
         """(workers, prefetchers) replaced this epoch."""
-        return (self.workers.restarts if self.workers is not None else 0,
-                self.prefetcher.restarts if self.prefetcher is not None else 0)
+        return (
+            self.workers.restarts if self.workers is not None else 0,
+            self.prefetcher.restarts if self.prefetcher is not None else 0,
+        )
 
     def close(self) -> None:
         """Stop the workers and the prefetcher (3 s to finish, then killed), unlink the shared
@@ -222,8 +251,11 @@ class Run:
         """Counters summed over the workers, and the prefetcher's clocks and origin retries (its
         origin traffic is read per plan from its ledger, :meth:`prefetch_ledger`)."""
         tot: dict[str, int] = {}
-        sources = (list(self.dispatch.worker_counters.values()) if self.dispatch is not None
-                   else [counters(self.dataset, self.cfg.derived)])
+        sources = (
+            list(self.dispatch.worker_counters.values())
+            if self.dispatch is not None
+            else [counters(self.dataset, self.cfg.derived)]
+        )
         for c in sources:
             for k, v in c.items():
                 tot[k] = tot.get(k, 0) + v
@@ -253,8 +285,8 @@ class Run:
             stats.order_displacement = carry["displacement"]
         else:
             ids, stats.order_displacement = self.hooks.plan(epoch)
-            ids = ids[start * self.batch_size:]
-            batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+            ids = ids[start * self.batch_size :]
+            batches = [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
         self.state.position = (epoch, start)
         if start == 0:
             self.state.carry = None  # a streaming collate's carry never crosses an epoch
@@ -281,13 +313,29 @@ class Run:
                     last = seq == len(batches) - 1
                     if not isinstance(decoder, BatchDecoder):  # cfg.generic: the user's decode/collate, here; no slot
                         n, sk, sk_keys, batch = decoder.run(epoch, bids)
-                        out = deliver(epoch, None, bids, n, sk, sk_keys, None,
-                                      None if batch is None else ("local", batch),
-                                      stats=stats, delivered=delivered, last=last)
+                        out = deliver(
+                            epoch,
+                            None,
+                            bids,
+                            n,
+                            sk,
+                            sk_keys,
+                            None,
+                            None if batch is None else ("local", batch),
+                            stats=stats,
+                            delivered=delivered,
+                            last=last,
+                        )
                     else:
                         slot = ring.acquire()
-                        out = deliver(epoch, slot, bids, *decoder.run(epoch, bids, *ring.views(slot)),
-                                      stats=stats, delivered=delivered)
+                        out = deliver(
+                            epoch,
+                            slot,
+                            bids,
+                            *decoder.run(epoch, bids, *ring.views(slot)),
+                            stats=stats,
+                            delivered=delivered,
+                        )
                     if out is None:  # every sample of the batch was skipped: yield nothing for it
                         self.state.position = (epoch, start + seq + 1)
                         continue
@@ -328,7 +376,8 @@ class Run:
         if cache is None or not stats.samples or not stats.seconds or not hasattr(cache, "register"):
             return
         try:
-            cache.register(self.dataset.version, self.dataset.index.total_bytes,
-                           stats.seconds * len(self.dataset) / stats.samples)
+            cache.register(
+                self.dataset.version, self.dataset.index.total_bytes, stats.seconds * len(self.dataset) / stats.samples
+            )
         except OSError as exc:  # the policy's bookkeeping must never stop training
             log.warning("could not update the cache policy's job record: %s", exc)

@@ -22,6 +22,7 @@ into ``fn(ds.read_fields(i), rng)`` (``rng``: a numpy Generator seeded by (seed,
 ``EpochStats.shm_batches`` / ``pickled_batches`` count the batches of each way; ``pickled_bytes``
 the bytes pickled: whole batches, plus the other leaves of the batches through shared memory.
 """
+
 from __future__ import annotations
 
 import copy
@@ -102,7 +103,7 @@ def _leaf(x, leaves: list, rest: list):
         rest.append(x)
         return ("obj", len(rest) - 1)
     if len(leaves) == marks[0]:  # no array below: the container is one pickled leaf
-        del rest[marks[1]:]
+        del rest[marks[1] :]
         rest.append(x)
         return ("obj", len(rest) - 1)
     return node
@@ -136,15 +137,17 @@ def rebuild(tree, specs, buf: np.ndarray, rest=()):
     """The batch described by ``tree``/``specs``/``rest`` (:func:`flatten`) with its arrays as
     views over ``buf`` (uint8, the slot): numpy arrays, and torch tensors where the worker's were
     tensors; ``rest``: the batch's other leaves, unpickled (filled into, not copied)."""
+
     def build(node):
         kind = node[0]
         if kind in ("np", "pt"):
             dt, shape, off = specs[node[1]]
             dt = np.dtype(dt)
             n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            arr = buf[off:off + n].view(dt).reshape(shape) if n else np.empty(shape, dt)
+            arr = buf[off : off + n].view(dt).reshape(shape) if n else np.empty(shape, dt)
             if kind == "pt":
                 import torch
+
                 return torch.from_numpy(arr)
             return arr
         if kind == "obj":
@@ -160,6 +163,7 @@ def rebuild(tree, specs, buf: np.ndarray, rest=()):
             return rest[node[1]]._make(build(v) for v in node[2])
         items = [build(v) for v in node[1]]
         return tuple(items) if kind == "tuple" else items
+
     return build(tree)
 
 
@@ -202,7 +206,7 @@ class SlotWriter:
                 os.close(fd)
         buf = np.frombuffer(mm, dtype=np.uint8)
         for a, (_, _, off) in zip(leaves, specs, strict=True):
-            buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+            buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
         del buf
         return specs, len(mm)
 
@@ -220,6 +224,7 @@ class GenericDecoder:
 
     def __init__(self, ds, cfg):
         from ..collate import default
+
         self.ds, self.cfg = ds, cfg
         self.decode = cfg.decode
         self.collate = cfg.collate if cfg.collate is not None else default
@@ -235,6 +240,7 @@ class GenericDecoder:
         """
         from ..collate import CollateError
         from ..order import sample_seed
+
         ds, cfg = self.ds, self.cfg
         skip = cfg.on_error == "skip"
         samples, kept, skipped, skipped_keys = [], [], [], []
@@ -251,12 +257,21 @@ class GenericDecoder:
                 try:
                     sample = self.decode(fields, rng)
                     if sample is None:
-                        raise SampleFnError(key, f"decode function {fn_name(self.decode)} returned None for "
-                                                 f"sample {key!r} (it must return the decoded sample)")
+                        raise SampleFnError(
+                            key,
+                            f"decode function {fn_name(self.decode)} returned None for "
+                            f"sample {key!r} (it must return the decoded sample)",
+                        )
                 except Exception as exc:  # noqa: BLE001 - the user's code: any failure names the sample
-                    err = exc if isinstance(exc, SampleFnError) else SampleFnError(
-                        key, f"decode function {fn_name(self.decode)} failed on sample {key!r}: "
-                             f"{type(exc).__name__}: {exc}")
+                    err = (
+                        exc
+                        if isinstance(exc, SampleFnError)
+                        else SampleFnError(
+                            key,
+                            f"decode function {fn_name(self.decode)} failed on sample {key!r}: "
+                            f"{type(exc).__name__}: {exc}",
+                        )
+                    )
                     if not skip:
                         raise err from exc
                     log.warning("skipping sample (epoch %d): %s", epoch, err)
@@ -273,12 +288,16 @@ class GenericDecoder:
             key = ds.key(kept[exc.index]) if 0 <= exc.index < len(kept) else None
             if current is not None and key is not None:
                 current.value = kept[exc.index]
-            raise SampleFnError(key, f"collate function {fn_name(self.collate)} failed on sample {key!r}: "
-                                     f"{exc.what}") from exc
+            raise SampleFnError(
+                key, f"collate function {fn_name(self.collate)} failed on sample {key!r}: {exc.what}"
+            ) from exc
         except Exception as exc:  # noqa: BLE001
             keys = [ds.key(s) for s in kept[:3]]
-            raise SampleFnError(None, f"collate function {fn_name(self.collate)} failed on the batch of samples "
-                                      f"{keys}{'...' if len(kept) > 3 else ''}: {type(exc).__name__}: {exc}") from exc
+            raise SampleFnError(
+                None,
+                f"collate function {fn_name(self.collate)} failed on the batch of samples "
+                f"{keys}{'...' if len(kept) > 3 else ''}: {type(exc).__name__}: {exc}",
+            ) from exc
         return len(samples), skipped, skipped_keys, batch
 
 
@@ -297,9 +316,12 @@ def pack_reply(writer: SlotWriter, path: str | None, batch):
             return ("shm", tree, wrote[0], wrote[1], blob)
         if not writer.warned:
             writer.warned = True
-            log.warning("shared memory (%s) has no room to grow a batch slot to %d bytes: batches that do not fit "
-                        "are pickled through the worker's pipe instead (slower; counted in pickled_batches)",
-                        os.path.dirname(path), sum(a.nbytes for a in leaves))
+            log.warning(
+                "shared memory (%s) has no room to grow a batch slot to %d bytes: batches that do not fit "
+                "are pickled through the worker's pipe instead (slower; counted in pickled_batches)",
+                os.path.dirname(path),
+                sum(a.nbytes for a in leaves),
+            )
     return ("pickle", pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -331,8 +353,9 @@ def receive(ring, slot: int | None, reply, stats):
             raise
     buf = ring.buffer(slot, nbytes)
     if ring.limited:  # too few slots: copy out, the slot is free again at once
-        used = max((off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-                    for dt, shape, off in specs), default=0)
+        used = max(
+            (off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for dt, shape, off in specs), default=0
+        )
         buf = buf[:used].copy()
         ring.release(slot)
         return rebuild(tree, specs, buf, rest)
@@ -343,6 +366,7 @@ def receive(ring, slot: int | None, reply, stats):
 def to_device(batch, device):
     """``batch`` with every tensor/array moved to the torch ``device`` (same structure)."""
     import torch
+
     if isinstance(batch, np.ndarray) and not batch.dtype.hasobject:
         return torch.from_numpy(batch).to(device, non_blocking=True)
     if isinstance(batch, torch.Tensor):

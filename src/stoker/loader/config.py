@@ -6,6 +6,7 @@ to every worker process with its first task queue; being frozen, no process can 
 another. A :class:`RunConfig` is built by the Loader each time it starts a pipeline
 (:class:`stoker.loader._run.Run`), which reads nothing else of the Loader's configuration.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -64,6 +65,7 @@ class WorkerConfig:
         if start_method == "fork":
             return
         import pickle
+
         for role, fn in (("decode", self.decode), ("collate", self.collate)):
             if fn is None:
                 continue
@@ -74,7 +76,8 @@ class WorkerConfig:
                 raise TypeError(
                     f"{role}={name} cannot be sent to worker processes started with {start_method!r}: it does not "
                     f"pickle ({type(exc).__name__}: {exc}). Define it at the top level of a module the workers can "
-                    f"import (not a lambda or a nested function), or pass start_method='fork'") from exc
+                    f"import (not a lambda or a nested function), or pass start_method='fork'"
+                ) from exc
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ copy), or copied to the device (:mod:`stoker.loader.transfer`), or decoded there
 (:mod:`stoker.loader.device_decode`), or the user's collated batch (:mod:`stoker.loader.batches`),
 with the epoch's accounting of its samples (:func:`stoker.loader.epoch_stats.account`).
 """
+
 from __future__ import annotations
 
 from .epoch_stats import account
@@ -25,8 +26,9 @@ class Delivery:
         self.ring, self.cfg, self.state = ring, cfg, state
         self.transfer, self.device_decoder = transfer, device_decoder
 
-    def __call__(self, epoch, slot, bids, n, skipped, skipped_keys, payloads, generic=None, *, stats, delivered,
-                 last=False):
+    def __call__(
+        self, epoch, slot, bids, n, skipped, skipped_keys, payloads, generic=None, *, stats, delivered, last=False
+    ):
         """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
         tensors over the slot (or on ``device``), or the device decode of the workers'
         ``payloads`` (the slot is then released at once), or the user's collated batch
@@ -50,6 +52,7 @@ class Delivery:
 
     def _generic(self, slot, bids, skipped, skipped_keys, reply, stats, delivered, last):
         from .batches import receive, to_device
+
         account(stats, bids, skipped, skipped_keys, delivered)
         batch = receive(self.ring, slot, reply, stats)
         cut = getattr(self.cfg.collate, "cut", None)  # a streaming collate (stoker.collate.PackTokens)
@@ -64,6 +67,6 @@ class Delivery:
     def _as_batch(self, imgs, labels):
         """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.transfer`."""
         from .._torch import as_tensors
+
         out = as_tensors(imgs, labels)
         return out if self.transfer is None else self.transfer(*out)
-

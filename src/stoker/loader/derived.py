@@ -23,6 +23,7 @@ the full-size raw image; the two differ by the detail the cap removes (measured 
 ``stoker bench decode``, section ``cache_forms``), so with a derived form the pixels of an
 epoch depend on which entries the cache held when the epoch ran.
 """
+
 from __future__ import annotations
 
 import errno
@@ -50,6 +51,7 @@ def default_root(ds) -> str:
     if ds.cache is not None:
         return os.path.join(ds.cache.root, ".derived")
     from ..store.dataset import default_cache_dir
+
     return os.path.join(default_cache_dir(), ".derived")
 
 
@@ -105,9 +107,19 @@ class DerivedCache:
         stoker.CacheModeError, stoker.UnsafePathError: see :class:`stoker.cache.DiskCache`.
     """
 
-    def __init__(self, root: str, capacity_bytes: int, form, version: str, *,
-                 exif_orientation: bool = False, size: int = 224, mode: int | str | None = None):
+    def __init__(
+        self,
+        root: str,
+        capacity_bytes: int,
+        form,
+        version: str,
+        *,
+        exif_orientation: bool = False,
+        size: int = 224,
+        mode: int | str | None = None,
+    ):
         from ..cache import DiskCache
+
         self.form: Form = parse_form(form, size)
         if self.form.kind == "raw":
             raise ValueError("the raw form has no derived cache")
@@ -201,9 +213,17 @@ class DerivedCache:
         return {f"derived_{k}": v for k, v in self.stats.snapshot().items()}
 
 
-
-def setup(ds, form, *, capacity_bytes: int, root: str | None, workers: int, mode: str, size: int,
-          exif_orientation: bool = False):
+def setup(
+    ds,
+    form,
+    *,
+    capacity_bytes: int,
+    root: str | None,
+    workers: int,
+    mode: str,
+    size: int,
+    exif_orientation: bool = False,
+):
     """The loader's derived cache for ``form`` (a name or ``"auto"``): ``(DerivedCache or None,
     report)``. ``auto`` measures the candidates (:func:`stoker.decode.choose.choose_form`) and
     returns None when raw wins; the report is its measurement (``{"choice": name}`` for a fixed
@@ -213,11 +233,13 @@ def setup(ds, form, *, capacity_bytes: int, root: str | None, workers: int, mode
         ValueError: unknown form name; see :func:`~stoker.decode.choose.choose_form`.
     """
     from ..cache.perms import ensure_dir, parse_mode
+
     root = root or default_root(ds)
     cache_mode = parse_mode(getattr(ds.cache, "mode", None))
     ensure_dir(root, cache_mode)  # before the storage probe of "auto" writes there: the cache's mode
     if form == "auto":
         from ..decode.choose import choose_form
+
         report = choose_form(ds, workers=workers, capacity_bytes=capacity_bytes, root=root, mode=mode, size=size)
         name = report["choice"]
     else:
@@ -225,7 +247,8 @@ def setup(ds, form, *, capacity_bytes: int, root: str | None, workers: int, mode
         report = {"choice": name}
     if name == "raw":
         return None, report
-    cache = DerivedCache(root, capacity_bytes, name, ds.version, exif_orientation=exif_orientation, size=size,
-                         mode=cache_mode)
+    cache = DerivedCache(
+        root, capacity_bytes, name, ds.version, exif_orientation=exif_orientation, size=size, mode=cache_mode
+    )
     report["root"], report["recovered"] = cache.root, cache.recover()
     return cache, report

@@ -13,6 +13,7 @@ The decoder is made in the training process after the workers are forked (a proc
 after CUDA is initialised cannot use it). Unverified on a GPU in this repository's tests (no
 device here): they run the same code with an injected CPU stand-in for nvJPEG.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,6 +44,7 @@ class DeviceBatchDecoder:
         RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
         if isinstance(spec, str):
             from ..decode.gpu import GpuJpegDecoder
+
             spec = GpuJpegDecoder(spec, exif_orientation=cfg.exif_orientation)
         return cls(spec, dataset, cfg)
 
@@ -65,6 +67,7 @@ class DeviceBatchDecoder:
         import torch
 
         from ..order import sample_seed
+
         keys = [self.dataset.key(sid) for sid, _ in payloads]
         skip = self.cfg.on_error == "skip"
         imgs = self.decoder.decode([data for _, data in payloads], keys, skip_errors=skip)
@@ -74,8 +77,11 @@ class DeviceBatchDecoder:
         if not keep:
             return None, None, skipped, skipped_keys
         mode, seed = self.cfg.transform, self.cfg.seed
-        rngs = ([np.random.default_rng(sample_seed(seed, epoch, int(payloads[j][0]))) for j in keep]
-                if mode == "train" else None)
+        rngs = (
+            [np.random.default_rng(sample_seed(seed, epoch, int(payloads[j][0]))) for j in keep]
+            if mode == "train"
+            else None
+        )
         images = self.decoder.transform_batch([imgs[j] for j in keep], mode, rngs, self.cfg.image_size)
         lab = torch.from_numpy(np.ascontiguousarray(labels[keep], dtype=np.int64))
         return images, lab.to(self.decoder.device, non_blocking=True), skipped, skipped_keys

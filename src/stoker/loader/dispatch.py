@@ -5,6 +5,7 @@ drains (``prefetch_next_epoch``), so the pipeline never runs dry at the epoch bo
 Every epoch served (and every early next epoch) has a run id; the replies carry it, so replies to
 an abandoned epoch are recognised and their slots freed.
 """
+
 from __future__ import annotations
 
 from .prefetch import block_schedule
@@ -50,8 +51,9 @@ class Dispatcher:
         self.pre = None
         self._parts = {}
 
-    def dispatch(self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False,
-                 split: bool = False) -> bool:
+    def dispatch(
+        self, run: int, epoch: int, seq: int, bids, inflight: dict, may_raise: bool = False, split: bool = False
+    ) -> bool:
         """Send batch ``seq`` to the workers; False (nothing sent) when no slot is free and
         shared memory has no room for another. ``may_raise``: batch ``seq`` is the one the
         consumer waits for; then SharedMemoryError when no slot is with the workers either (every
@@ -103,12 +105,22 @@ class Dispatcher:
         in :attr:`pre` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
         otherwise dropped (its replies are recognised by their run id)."""
         ids, displacement = self.plan(epoch)
-        batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        pre = {"run": self.new_run(), "epoch": epoch, "ids": ids, "batches": batches, "inflight": {},
-               "pending": {}, "next": 0, "displacement": displacement, "counters": {}}
+        batches = [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        pre = {
+            "run": self.new_run(),
+            "epoch": epoch,
+            "ids": ids,
+            "batches": batches,
+            "inflight": {},
+            "pending": {},
+            "next": 0,
+            "displacement": displacement,
+            "counters": {},
+        }
         while pre["next"] < min(len(batches), self.prefetch_batches):
-            if not self.dispatch(pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"],
-                                 split=pre["next"] == 0):
+            if not self.dispatch(
+                pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"], split=pre["next"] == 0
+            ):
                 break
             pre["next"] += 1
         self.pre = pre
@@ -132,4 +144,3 @@ class Dispatcher:
         if pre is not None and pre["epoch"] == epoch and start == 0:
             return pre
         return None
-

@@ -1,5 +1,6 @@
 """Per-epoch statistics of the loader: what one epoch of one rank did, from the counters of
 its processes (workers, prefetcher) and its own clock."""
+
 from __future__ import annotations
 
 import os
@@ -75,39 +76,39 @@ class EpochStats:
     samples_per_s: float = 0.0
     origin_bytes: int = 0
     origin_requests: int = 0
-    origin_retries: int = 0        # origin requests that failed and were sent again (every process)
+    origin_retries: int = 0  # origin requests that failed and were sent again (every process)
     cache_hits: int = 0
     cache_misses: int = 0
     cache_hit_ratio: float = 0.0
-    prefetch_fills: int = 0        # blocks the prefetcher admitted to the cache
-    prefetch_staged: int = 0       # blocks it fetched from the origin into staging (not admitted)
-    staged_reused: int = 0         # blocks still staged for the previous epoch's last batches, used again
+    prefetch_fills: int = 0  # blocks the prefetcher admitted to the cache
+    prefetch_staged: int = 0  # blocks it fetched from the origin into staging (not admitted)
+    staged_reused: int = 0  # blocks still staged for the previous epoch's last batches, used again
     prefetch_depth_bytes: float = 0.0  # mean bytes fetched and ready ahead of the consumer
-    staged_hits: int = 0           # samples read from staged blocks
-    memory_hits: int = 0           # cache hits served by the shared-memory tier (when there is one)
-    direct_reads: int = 0          # samples read from the origin one by one (nothing ahead of them)
+    staged_hits: int = 0  # samples read from staged blocks
+    memory_hits: int = 0  # cache hits served by the shared-memory tier (when there is one)
+    direct_reads: int = 0  # samples read from the origin one by one (nothing ahead of them)
     evictions: int = 0
     corrupt_blocks: int = 0
     skipped: int = 0
     skipped_keys: list = field(default_factory=list)
     exactly_once: bool = False
-    cpu_s: dict = field(default_factory=dict)   # CPU seconds this epoch: main, workers, prefetch
-    order_displacement: float = 0.0             # mean move (positions) of the cache-aware order
-    derived_hits: int = 0          # samples decoded from their derived form (cache_form)
-    derived_fills: int = 0         # derived entries written this epoch
-    derived_same: int = 0          # samples whose derived entry says "use the raw sample" (within the cap)
-    worker_restarts: int = 0       # dead decode workers replaced this epoch (their batches decoded again)
-    prefetcher_restarts: int = 0   # dead prefetch processes replaced this epoch
-    shm_batches: int = 0           # user-collated batches whose arrays/tensors moved through shared memory
-    pickled_batches: int = 0       # user-collated batches pickled whole through a pipe (no array in them)
-    pickled_bytes: int = 0         # bytes pickled: those batches + the non-array leaves of shm_batches
-    first_batch_s: float = 0.0     # iter() to the first batch delivered (pipeline start excluded)
+    cpu_s: dict = field(default_factory=dict)  # CPU seconds this epoch: main, workers, prefetch
+    order_displacement: float = 0.0  # mean move (positions) of the cache-aware order
+    derived_hits: int = 0  # samples decoded from their derived form (cache_form)
+    derived_fills: int = 0  # derived entries written this epoch
+    derived_same: int = 0  # samples whose derived entry says "use the raw sample" (within the cap)
+    worker_restarts: int = 0  # dead decode workers replaced this epoch (their batches decoded again)
+    prefetcher_restarts: int = 0  # dead prefetch processes replaced this epoch
+    shm_batches: int = 0  # user-collated batches whose arrays/tensors moved through shared memory
+    pickled_batches: int = 0  # user-collated batches pickled whole through a pipe (no array in them)
+    pickled_bytes: int = 0  # bytes pickled: those batches + the non-array leaves of shm_batches
+    first_batch_s: float = 0.0  # iter() to the first batch delivered (pipeline start excluded)
     pipeline_start_s: float = 0.0  # seconds iter() spent starting the pipeline (its first epoch only)
     overlap_efficiency: float = 0.0
     origin_busy_fraction: float = 0.0
     inflight_requests: float = 0.0  # mean prefetch requests in flight while busy
-    inflight_target: int = 0        # requests in flight the prefetcher aims for (bandwidth-delay product)
-    origin_latency_s: float = 0.0   # shortest prefetch request seen (an estimate of the origin's latency)
+    inflight_target: int = 0  # requests in flight the prefetcher aims for (bandwidth-delay product)
+    origin_latency_s: float = 0.0  # shortest prefetch request seen (an estimate of the origin's latency)
     origin_bandwidth_Bps: float = 0.0  # highest aggregate prefetch rate measured
 
     def as_dict(self) -> dict:
@@ -136,8 +137,9 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> 
     stats.batches += 1 if len(keep) else 0  # a batch whose samples were all skipped is not yielded
 
 
-def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarray, delivered: list,
-                       num_samples: int) -> None:
+def fill_from_counters(
+    stats: EpochStats, d: dict, wait_s: float, ids: np.ndarray, delivered: list, num_samples: int
+) -> None:
     """Set the counter-derived fields of ``stats`` from ``d`` (the epoch's change of the
     summed process counters: origin_*, cache_*, read_*, prefetch_*, derived_*), the
     seconds blocked in ``next()`` and the plan ``ids`` against the ``delivered`` ids (the
@@ -165,8 +167,9 @@ def fill_from_counters(stats: EpochStats, d: dict, wait_s: float, ids: np.ndarra
     stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
     stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
     stats.samples_per_s = stats.samples / stats.seconds if stats.seconds else 0.0
-    got = (np.bincount(np.concatenate(delivered), minlength=num_samples) if delivered
-           else np.zeros(num_samples, np.int64))
+    got = (
+        np.bincount(np.concatenate(delivered), minlength=num_samples) if delivered else np.zeros(num_samples, np.int64)
+    )
     expected = np.bincount(ids, minlength=num_samples) if len(ids) else np.zeros(num_samples, np.int64)
     stats.exactly_once = bool(np.array_equal(got, expected))
 
@@ -183,8 +186,11 @@ def fill_origin_figures(stats: EpochStats, d: dict, ledger: dict, num_workers: i
     stats.origin_latency_s = ledger.get("origin_latency_us", 0) / 1e6
     stats.origin_bandwidth_Bps = float(ledger.get("origin_bandwidth_Bps", 0))
     stats.overlap_efficiency = overlap_efficiency(
-        stats.seconds, stats.origin_bytes, stats.origin_bandwidth_Bps,
-        stats.cpu_s.get("workers", stats.cpu_s.get("main", 0.0)) / max(1, num_workers))
+        stats.seconds,
+        stats.origin_bytes,
+        stats.origin_bandwidth_Bps,
+        stats.cpu_s.get("workers", stats.cpu_s.get("main", 0.0)) / max(1, num_workers),
+    )
 
 
 def overlap_efficiency(seconds: float, origin_bytes: int, bandwidth_Bps: float, decode_s: float) -> float:

@@ -8,6 +8,7 @@ SIGBUS is pointed at the shared-memory directory (a full ``/dev/shm`` is the usu
 The parts that own the processes: :class:`stoker.loader.pool.WorkerPool` and
 :class:`stoker.loader.prefetcher.Prefetcher`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,9 +47,12 @@ def start_context(asked: str | None, cfg):
     """
     method, hazards = pick_start_method(asked, mp.get_all_start_methods())
     if hazards and method != "fork":
-        log.warning("starting stoker's worker processes with %r instead of fork: %s. Each worker imports "
-                    "the main script again: keep the training code under `if __name__ == \"__main__\":`",
-                    method, "; ".join(hazards))
+        log.warning(
+            "starting stoker's worker processes with %r instead of fork: %s. Each worker imports "
+            'the main script again: keep the training code under `if __name__ == "__main__":`',
+            method,
+            "; ".join(hazards),
+        )
     cfg.check_picklable(method)
     ctx = mp.get_context(method)
     if method == "forkserver":
@@ -74,8 +78,10 @@ def died(what: str, exitcode: int | None) -> str:
     msg = f"{what} died with {describe_exit(exitcode)}"
     if exitcode == -signal.SIGBUS:
         base = shm_base()
-        msg += (f" (a bus error in stoker's processes usually means shared memory ran out: {base} has "
-                f"{free_bytes(base)} bytes free)")
+        msg += (
+            f" (a bus error in stoker's processes usually means shared memory ran out: {base} has "
+            f"{free_bytes(base)} bytes free)"
+        )
     return msg
 
 

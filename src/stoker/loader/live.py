@@ -14,6 +14,7 @@ job records of :class:`stoker.cache.policy.JobRegistry`, which ``stoker cache st
 ``stoker top`` read; the file goes when the loader closes, and the registry deletes those of
 dead processes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,18 @@ from .inflight import LEDGER_FIELDS
 log = logging.getLogger(__name__)
 
 #: Counters of the pipeline's processes that are summed (keys of ``Run.totals()``).
-COUNTER_KEYS = ("origin_bytes", "origin_requests", "origin_retries", "origin_errors", "cache_hits",
-                "cache_memory_hits", "cache_misses", "read_staged_hits", "read_direct_reads", "prefetch_fills")
+COUNTER_KEYS = (
+    "origin_bytes",
+    "origin_requests",
+    "origin_retries",
+    "origin_errors",
+    "cache_hits",
+    "cache_memory_hits",
+    "cache_misses",
+    "read_staged_hits",
+    "read_direct_reads",
+    "prefetch_fills",
+)
 #: Fields of :class:`stoker.loader.epoch_stats.EpochStats` that are summed over epochs.
 STAT_KEYS = ("samples", "batches", "skipped", "wait_s", "seconds", "worker_restarts", "prefetcher_restarts")
 PUBLISH_EVERY_S = 1.0
@@ -151,10 +162,17 @@ class LiveTotals:
             return
         path = live_path(root, ds.version, os.getpid(), self._seq)
         rec = self.snapshot()
-        rec.update(pid=os.getpid(), dataset=ds.version, url=getattr(ds, "url", None), time=time.time(),
-                   cache_capacity_bytes=getattr(getattr(cache, "disk", cache), "capacity_bytes", None),
-                   memory_capacity_bytes=getattr(getattr(cache, "memory", None), "capacity_bytes", None),
-                   rank=self.loader.rank, world_size=self.loader.world_size, batch_size=self.loader.batch_size)
+        rec.update(
+            pid=os.getpid(),
+            dataset=ds.version,
+            url=getattr(ds, "url", None),
+            time=time.time(),
+            cache_capacity_bytes=getattr(getattr(cache, "disk", cache), "capacity_bytes", None),
+            memory_capacity_bytes=getattr(getattr(cache, "memory", None), "capacity_bytes", None),
+            rank=self.loader.rank,
+            world_size=self.loader.world_size,
+            batch_size=self.loader.batch_size,
+        )
         if not force and rec["samples"] == 0 and self._published is None:
             return
         mode = getattr(getattr(cache, "disk", cache), "mode", PRIVATE_FILE_MODE)  # the cache's file mode
@@ -164,8 +182,9 @@ class LiveTotals:
             self._published = path
         except OSError as exc:
             self._publish_failed = True
-            log.warning("could not write the loader's live figures to %s (stoker top will not show this "
-                        "job): %s", path, exc)
+            log.warning(
+                "could not write the loader's live figures to %s (stoker top will not show this job): %s", path, exc
+            )
 
     def unpublish(self) -> None:
         """Remove the live-figures file (the loader closes)."""
@@ -194,18 +213,31 @@ def _epoch_figures(stats, live) -> dict:
     """The epoch figures of :meth:`LiveTotals.snapshot` from a finished ``stats`` (``live``
     None) or a running one (``live`` = (counter delta, wait seconds, seconds, mean depth bytes))."""
     if stats is None:
-        return {"epoch": None, "epoch_samples": 0, "epoch_seconds": 0.0, "samples_per_s": 0.0,
-                "stall_fraction": 0.0, "origin_bytes_per_s": 0.0, "cache_hit_ratio": 0.0,
-                "prefetch_depth_bytes": 0.0, "first_batch_s": None}
+        return {
+            "epoch": None,
+            "epoch_samples": 0,
+            "epoch_seconds": 0.0,
+            "samples_per_s": 0.0,
+            "stall_fraction": 0.0,
+            "origin_bytes_per_s": 0.0,
+            "cache_hit_ratio": 0.0,
+            "prefetch_depth_bytes": 0.0,
+            "first_batch_s": None,
+        }
     if live is None:
         origin, hits, misses = stats.origin_bytes, stats.cache_hits, stats.cache_misses
         wait_s, seconds, depth = stats.wait_s, stats.seconds, stats.prefetch_depth_bytes
     else:
         d, wait_s, seconds, depth = live
         origin, hits, misses = d.get("origin_bytes", 0), d.get("cache_hits", 0), d.get("cache_misses", 0)
-    return {"epoch": stats.epoch, "epoch_samples": stats.samples, "epoch_seconds": seconds,
-            "samples_per_s": stats.samples / seconds if seconds else 0.0,
-            "stall_fraction": wait_s / seconds if seconds else 0.0,
-            "origin_bytes_per_s": origin / seconds if seconds else 0.0,
-            "cache_hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
-            "prefetch_depth_bytes": float(depth), "first_batch_s": getattr(stats, "first_batch_s", None)}
+    return {
+        "epoch": stats.epoch,
+        "epoch_samples": stats.samples,
+        "epoch_seconds": seconds,
+        "samples_per_s": stats.samples / seconds if seconds else 0.0,
+        "stall_fraction": wait_s / seconds if seconds else 0.0,
+        "origin_bytes_per_s": origin / seconds if seconds else 0.0,
+        "cache_hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
+        "prefetch_depth_bytes": float(depth),
+        "first_batch_s": getattr(stats, "first_batch_s", None),
+    }

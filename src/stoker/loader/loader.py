@@ -7,6 +7,7 @@ yielded in plan order as ``(images uint8 [N,3,S,S], labels int64 [N])`` torch
 tensors. A prefetch process fills the node cache ahead of the workers in the
 order the plan will need the blocks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,8 +44,9 @@ def _check_batch_size(batch_size: object) -> None:
     ``isinstance(.., numbers.Integral)`` as always false and everything after it as unreachable.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise TypeError(f"batch_size must be an integer number of samples, got {type(batch_size).__name__} "
-                        f"{batch_size!r}")
+        raise TypeError(
+            f"batch_size must be an integer number of samples, got {type(batch_size).__name__} {batch_size!r}"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
@@ -108,10 +110,25 @@ class Loader:
     (:attr:`pipeline`), started by the first ``iter()`` and stopped by :meth:`close`.
     """
 
-    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 2, drop_last: bool = False, transform: str = "train",
-                 decode=None, collate=None, read: ReadOptions | None = None, image: ImageOptions | None = None,
-                 run: RunOptions | None = None, **deprecated):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 2,
+        drop_last: bool = False,
+        transform: str = "train",
+        decode=None,
+        collate=None,
+        read: ReadOptions | None = None,
+        image: ImageOptions | None = None,
+        run: RunOptions | None = None,
+        **deprecated,
+    ):
         epoch = 0
         if deprecated:  # TypeError for an unknown keyword or one given twice, before any warning
             groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run})
@@ -131,14 +148,18 @@ class Loader:
         for role, fn in (("decode", decode), ("collate", collate)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{role} must be a function, got {type(fn).__name__} {fn!r}")
-        if (decode is not None or collate is not None) and (image.cache_form is not None
-                                                            or image.decode_device is not None):
-            raise ValueError("decode/collate (the user's samples) cannot be used with cache_form or decode_device "
-                             "(the built-in image paths)")
+        if (decode is not None or collate is not None) and (
+            image.cache_form is not None or image.decode_device is not None
+        ):
+            raise ValueError(
+                "decode/collate (the user's samples) cannot be used with cache_form or decode_device "
+                "(the built-in image paths)"
+            )
         device = run.device
         if device is None and isinstance(image.decode_device, str):
             device = image.decode_device  # batches arrive on the decode device
             from .._torch import check_device
+
             check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
         # byte sizes ("512MiB") are ints once the option groups are made (their __post_init__)
         assert isinstance(read.prefetch_bytes, int) and isinstance(read.staging_bytes, int)
@@ -155,20 +176,33 @@ class Loader:
         self.fetch_concurrency = read.fetch_concurrency
         window = 2 * read.order_window * getattr(dataset, "block_bytes", 0) if read.order == "blockwise" else 0
         if shuffle and 0 < self.staging_bytes < window:
-            log.warning("staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
-                        "blockwise order reads every block of its window, so blocks the cache does not admit "
-                        "will be read sample by sample from the origin", self.staging_bytes, window)
+            log.warning(
+                "staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
+                "blockwise order reads every block of its window, so blocks the cache does not admit "
+                "will be read sample by sample from the origin",
+                self.staging_bytes,
+                window,
+            )
         self.timeout_s = run.timeout_s
         self.order = read.order if shuffle else "sequential"
         self.order_window = read.order_window
         # ForkUnsafeError now for start_method="fork" in a process where fork is unsafe (chosen again at start)
-        self.start_method = (pick_start_method(run.start_method, mp.get_all_start_methods())[0] if num_workers
-                             else run.start_method or "fork")
-        self.cfg = WorkerConfig(transform=transform, seed=self.seed, image_size=image.image_size,
-                                on_error=run.on_error, exif_orientation=image.exif_orientation,
-                                batch_size=self.batch_size,
-                                decode_on="cpu" if image.decode_device is None else "device", decode=decode,
-                                collate=collate)
+        self.start_method = (
+            pick_start_method(run.start_method, mp.get_all_start_methods())[0]
+            if num_workers
+            else run.start_method or "fork"
+        )
+        self.cfg = WorkerConfig(
+            transform=transform,
+            seed=self.seed,
+            image_size=image.image_size,
+            on_error=run.on_error,
+            exif_orientation=image.exif_orientation,
+            batch_size=self.batch_size,
+            decode_on="cpu" if image.decode_device is None else "device",
+            decode=decode,
+            collate=collate,
+        )
         if num_workers:
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
         self.decode_device = image.decode_device
@@ -189,6 +223,7 @@ class Loader:
         self._metrics_port, self._metrics_from_env = run.metrics_port, run.metrics_port is None
         if run.metrics_port is None:
             from ..metrics import metrics_port_from_env
+
             self._metrics_port = metrics_port_from_env()  # ValueError naming the variable
         self._export_metrics()
 
@@ -197,14 +232,19 @@ class Loader:
         if self._metrics_port is None or self._metrics is not None:
             return
         from ..metrics import export_loader
+
         try:
-            self._metrics = export_loader(self._live.snapshot, self._metrics_port, dataset=self.dataset.version,
-                                          rank=self.rank)
+            self._metrics = export_loader(
+                self._live.snapshot, self._metrics_port, dataset=self.dataset.version, rank=self.rank
+            )
         except OSError as exc:
             if not self._metrics_from_env:
                 raise OSError(f"metrics_port={self._metrics_port}: {exc}") from exc
-            log.warning("no Prometheus metrics for this loader: port %s ($STOKER_METRICS_PORT) is taken (%s)",
-                        self._metrics_port, exc)
+            log.warning(
+                "no Prometheus metrics for this loader: port %s ($STOKER_METRICS_PORT) is taken (%s)",
+                self._metrics_port,
+                exc,
+            )
             self._metrics_port = None
 
     @property
@@ -216,8 +256,9 @@ class Loader:
     def plan(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample ids for ``epoch`` (default: the next epoch), in order."""
         e = self.epoch if epoch is None else epoch
-        perm = permutation(len(self.dataset), self.seed, e, self.order, groups=self.dataset.sample_block,
-                           window=self.order_window)
+        perm = permutation(
+            len(self.dataset), self.seed, e, self.order, groups=self.dataset.sample_block, window=self.order_window
+        )
         ids = rank_plan(perm, self.rank, self.world_size, self.even)
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
@@ -235,6 +276,7 @@ class Loader:
         if self.cache_aware_window <= 0 or self.dataset.cache is None:
             return ids, 0.0
         from ..order import cache_aware, mean_displacement
+
         cached = self.state.hit_maps.get(epoch)
         if cached is None:
             cached = self.dataset.cached_blocks()
@@ -264,13 +306,22 @@ class Loader:
     # -- resume -----------------------------------------------------------
     def _identity(self) -> dict:
         """What a saved state must agree on (:data:`stoker.loader.state.IDENTITY_KEYS`)."""
-        ident = {"seed": self.seed, "order": self.order, "order_window": self.order_window, "rank": self.rank,
-                 "world_size": self.world_size, "batch_size": self.batch_size, "even": self.even,
-                 "drop_last": self.drop_last, "transform": self.cfg.transform,
-                 "dataset_version": self.dataset.version, "num_samples": len(self.dataset),
-                 "cache_aware_window": self.cache_aware_window,
-                 # a streaming collate's carry only means something to the same collate
-                 "carry_from": repr(self.cfg.collate) if hasattr(self.cfg.collate, "cut") else None}
+        ident = {
+            "seed": self.seed,
+            "order": self.order,
+            "order_window": self.order_window,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "even": self.even,
+            "drop_last": self.drop_last,
+            "transform": self.cfg.transform,
+            "dataset_version": self.dataset.version,
+            "num_samples": len(self.dataset),
+            "cache_aware_window": self.cache_aware_window,
+            # a streaming collate's carry only means something to the same collate
+            "carry_from": repr(self.cfg.collate) if hasattr(self.cfg.collate, "cut") else None,
+        }
         assert tuple(ident) == IDENTITY_KEYS
         return ident
 
@@ -297,8 +348,9 @@ class Loader:
         different order, batch size, rank split or transform (the rest of the stream
         would not be the same).
         """
-        self.state.load(state, self._identity(), lambda e: -(-len(self.plan(e)) // self.batch_size),
-                        self.dataset.num_blocks)
+        self.state.load(
+            state, self._identity(), lambda e: -(-len(self.plan(e)) // self.batch_size), self.dataset.num_blocks
+        )
         if self._pipeline is not None:
             self._pipeline.drop_pre()
 
@@ -313,20 +365,40 @@ class Loader:
             from dataclasses import replace
 
             from .derived import setup
+
             derived, self.cache_form_report = setup(
-                self.dataset, self.cache_form, capacity_bytes=self.cache_form_bytes, root=self.cache_form_dir,
-                workers=self.num_workers, mode=self.cfg.transform, size=self.cfg.image_size,
-                exif_orientation=self.cfg.exif_orientation)
+                self.dataset,
+                self.cache_form,
+                capacity_bytes=self.cache_form_bytes,
+                root=self.cache_form_dir,
+                workers=self.num_workers,
+                mode=self.cfg.transform,
+                size=self.cfg.image_size,
+                exif_orientation=self.cfg.exif_orientation,
+            )
             self.cfg, self._derived_ready = replace(self.cfg, derived=derived), True
             log.info("derived-sample cache: %s", self.cache_form_report)
-        config = RunConfig(dataset=self.dataset, cfg=self.cfg, num_workers=self.num_workers,
-                           batch_size=self.batch_size, prefetch_batches=self.prefetch_batches,
-                           prefetch_bytes=self.prefetch_bytes, staging_bytes=self.staging_bytes,
-                           fetch_concurrency=self.fetch_concurrency, timeout_s=self.timeout_s,
-                           start_method=self.run_options.start_method, device=self.device,
-                           prefetch_next_epoch=self.prefetch_next_epoch)
-        hooks = RunHooks(state=self.state, plan=self.epoch_plan, record=self._record, live=self._live,
-                         device_decoder=self._make_device_decoder)
+        config = RunConfig(
+            dataset=self.dataset,
+            cfg=self.cfg,
+            num_workers=self.num_workers,
+            batch_size=self.batch_size,
+            prefetch_batches=self.prefetch_batches,
+            prefetch_bytes=self.prefetch_bytes,
+            staging_bytes=self.staging_bytes,
+            fetch_concurrency=self.fetch_concurrency,
+            timeout_s=self.timeout_s,
+            start_method=self.run_options.start_method,
+            device=self.device,
+            prefetch_next_epoch=self.prefetch_next_epoch,
+        )
+        hooks = RunHooks(
+            state=self.state,
+            plan=self.epoch_plan,
+            record=self._record,
+            live=self._live,
+            device_decoder=self._make_device_decoder,
+        )
         run = Run(config, hooks)
         try:
             run.start()
@@ -405,5 +477,6 @@ class Loader:
         """The decoder of ``decode_device`` (made once per loader, on the first call), or None."""
         if self.decode_device is not None and self._device_decoder is None:
             from .device_decode import DeviceBatchDecoder
+
             self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
         return self._device_decoder

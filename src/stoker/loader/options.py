@@ -15,6 +15,7 @@ release with a DeprecationWarning: :data:`DEPRECATED` maps each to its group and
 :func:`loader_kwargs` turns a flat dict of old and new names (a configuration file) into the
 Loader's keywords without warnings.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -149,6 +150,7 @@ class ImageOptions:
         set_(self, "cache_form_bytes", parse_size(self.cache_form_bytes, "cache_form_bytes"))
         if self.cache_form not in (None, "auto"):
             from ..decode.forms import parse_form
+
             parse_form(self.cache_form, self.image_size)  # ValueError now, not in a worker
         dd = self.decode_device
         if dd is None:
@@ -160,8 +162,10 @@ class ImageOptions:
             if not dd.startswith("cuda"):
                 raise ValueError(f"decode_device must be 'cuda' or 'cuda:N' (or a decoder object), got {dd!r}")
         elif not all(hasattr(dd, a) for a in ("decode", "transform_batch", "device")):
-            raise ValueError(f"decode_device must be a CUDA device name or a decoder with decode(), "
-                             f"transform_batch() and device, got {type(dd).__name__}")
+            raise ValueError(
+                f"decode_device must be a CUDA device name or a decoder with decode(), "
+                f"transform_batch() and device, got {type(dd).__name__}"
+            )
         if self.cache_form is not None:
             raise ValueError("cache_form (derived forms decoded on the CPU) cannot be used with decode_device")
 
@@ -212,6 +216,7 @@ class RunOptions:
             object.__setattr__(self, "device", str(self.device))  # a torch.device
         if self.device not in (None, "cpu"):
             from .._torch import check_device
+
             check_device(self.device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
 
 
@@ -221,11 +226,31 @@ GROUPS: dict[str, type] = {"read": ReadOptions, "image": ImageOptions, "run": Ru
 #: Old flat Loader keyword -> (group keyword, field) it moved to. ``epoch`` moved to no group:
 #: ``Loader.set_epoch()`` (group None).
 DEPRECATED: dict[str, tuple[str | None, str]] = {
-    **{name: ("read", name) for name in (
-        "order", "order_window", "even", "cache_aware_window", "prefetch_batches", "prefetch_bytes",
-        "staging_bytes", "fetch_concurrency", "prefetch_next_epoch")},
-    **{name: ("image", name) for name in (
-        "image_size", "exif_orientation", "cache_form", "cache_form_bytes", "cache_form_dir", "decode_device")},
+    **{
+        name: ("read", name)
+        for name in (
+            "order",
+            "order_window",
+            "even",
+            "cache_aware_window",
+            "prefetch_batches",
+            "prefetch_bytes",
+            "staging_bytes",
+            "fetch_concurrency",
+            "prefetch_next_epoch",
+        )
+    },
+    **{
+        name: ("image", name)
+        for name in (
+            "image_size",
+            "exif_orientation",
+            "cache_form",
+            "cache_form_bytes",
+            "cache_form_dir",
+            "decode_device",
+        )
+    },
     **{name: ("run", name) for name in ("device", "on_error", "timeout_s", "start_method", "metrics_port")},
     "epoch": (None, "epoch"),
 }
@@ -266,8 +291,9 @@ def regroup(flat: dict, groups: dict) -> tuple[dict, int | None]:
             epoch = value
             continue
         if groups.get(group) is not None:
-            raise TypeError(f"{old}= and {group}= were both given: {old} belongs in "
-                            f"{group}={GROUPS[group].__name__}({field}=...)")
+            raise TypeError(
+                f"{old}= and {group}= were both given: {old} belongs in {group}={GROUPS[group].__name__}({field}=...)"
+            )
         moved.setdefault(group, {})[field] = value
     for group, fields in moved.items():
         out[group] = GROUPS[group](**fields)

@@ -2,6 +2,7 @@
 workers' replies reordered to plan order, dead processes replaced while waiting, the next epoch's
 first batches started while this one drains, and a clean error instead of a hang.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,9 @@ class ParallelLoop:
             (both for the stall error).
     """
 
-    def __init__(self, config, state, live, workers, prefetcher, dispatch, deliver, *, start_method: str,
-                 fork_hazards: list):
+    def __init__(
+        self, config, state, live, workers, prefetcher, dispatch, deliver, *, start_method: str, fork_hazards: list
+    ):
         self.batch_size, self.prefetch_batches = config.batch_size, config.prefetch_batches
         self.timeout_s, self.prefetch_next_epoch = config.timeout_s, config.prefetch_next_epoch
         self.state, self.live = state, live
@@ -63,16 +65,27 @@ class ParallelLoop:
             deadline = time.monotonic() + self.timeout_s
             while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
                 while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                    if not self.dispatch.dispatch(run, epoch, next_dispatch, batches[next_dispatch], inflight,
-                                                   may_raise=next_dispatch <= seq,  # (the batch now due)
-                                                   split=next_dispatch == 0):
+                    if not self.dispatch.dispatch(
+                        run,
+                        epoch,
+                        next_dispatch,
+                        batches[next_dispatch],
+                        inflight,
+                        may_raise=next_dispatch <= seq,  # (the batch now due)
+                        split=next_dispatch == 0,
+                    ):
                         break  # shared memory is short: more go out as slots come back
                     next_dispatch += 1
                     if self.prefetcher is not None and self.dispatch.pre is None:
                         self.prefetcher.position = next_dispatch * self.batch_size
-                if (next_dispatch == len(batches) and self.dispatch.pre is None and self.state.resume_batch == 0
-                        and self.state.epoch == epoch + 1 and self.prefetch_next_epoch
-                        and self.dispatch.prefetch_plan_done(run)):
+                if (
+                    next_dispatch == len(batches)
+                    and self.dispatch.pre is None
+                    and self.state.resume_batch == 0
+                    and self.state.epoch == epoch + 1
+                    and self.prefetch_next_epoch
+                    and self.dispatch.prefetch_plan_done(run)
+                ):
                     self.dispatch.predispatch(epoch + 1)
                 if seq in pending:
                     break
@@ -103,14 +116,27 @@ class ParallelLoop:
                 _, wid, _, _, slot, key, err, tb = msg[:8]
                 self.ring.release(slot)
                 # from: the worker's own stoker error, or None (workers.py)
-                raise WorkerError(f"worker {wid} failed on sample {key!r} (epoch {epoch}, "
-                                  f"batch {self.state.position[1]}): {err}\n{tb}") from msg[9]
+                raise WorkerError(
+                    f"worker {wid} failed on sample {key!r} (epoch {epoch}, "
+                    f"batch {self.state.position[1]}): {err}\n{tb}"
+                ) from msg[9]
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
                 self._check_prefetcher()
-            out = self.deliver(epoch, slot, bids, n, skipped, skipped_keys, msg[9], msg[10], stats=stats,
-                               delivered=delivered, last=seq == len(batches) - 1)
+            out = self.deliver(
+                epoch,
+                slot,
+                bids,
+                n,
+                skipped,
+                skipped_keys,
+                msg[9],
+                msg[10],
+                stats=stats,
+                delivered=delivered,
+                last=seq == len(batches) - 1,
+            )
             if out is None:  # every sample of the batch was skipped: yield nothing for it
                 self.state.position = (epoch, self.state.position[1] + 1)
                 continue
@@ -143,8 +169,10 @@ class ParallelLoop:
     def _stall_error(self, seq: int, epoch: int) -> WorkerError:
         """The error for ``timeout_s`` without the batch due: what each worker was doing, and the
         fork hazards of the training process if the workers were forked anyway."""
-        msg = (f"no batch from the workers for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
-               + self.workers.describe())
+        msg = (
+            f"no batch from the workers for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
+            + self.workers.describe()
+        )
         if self.start_method == "fork" and self.fork_hazards:
             msg += "; the workers were forked from a process with " + "; ".join(self.fork_hazards)
         elif self.workers.idle():

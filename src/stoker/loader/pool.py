@@ -26,6 +26,7 @@ Limit: a reply is read once its queue is readable; a reply larger than the pipe'
 user-collated batch's non-array leaves, or a batch with no array, pickled) cut short by
 a kill in the middle of writing it leaves a partial message that the reader would wait on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -186,9 +187,21 @@ class WorkerPool:
         ctx, wid = self._ctx, self._next_wid
         self._next_wid += 1
         tasks, results = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=worker_main, name=f"stoker-worker-{wid}",
-                        args=(wid, self._dataset, self._cfg, tasks, results,
-                              SharedCell(self._current, slot), self._stop, self._ready), daemon=True)
+        p = ctx.Process(
+            target=worker_main,
+            name=f"stoker-worker-{wid}",
+            args=(
+                wid,
+                self._dataset,
+                self._cfg,
+                tasks,
+                results,
+                SharedCell(self._current, slot),
+                self._stop,
+                self._ready,
+            ),
+            daemon=True,
+        )
         p.start()
         if slot < len(self._procs):
             self._procs[slot], self._task_qs[slot], self._result_qs[slot] = p, tasks, results
@@ -211,10 +224,12 @@ class WorkerPool:
         p.join(1)  # reaped (its sentinel is ready): exitcode is known
         key = self.sample_key(slot)
         what = died(f"worker {wid} (pid {p.pid})", p.exitcode) + (
-            f" while reading/decoding sample {key!r}" if key else "")
+            f" while reading/decoding sample {key!r}" if key else ""
+        )
         if self._restarts[slot] >= MAX_WORKER_RESTARTS:
-            raise WorkerError(what + f" (worker slot {slot} was already replaced {self._restarts[slot]} "
-                                     "times this epoch)")
+            raise WorkerError(
+                what + f" (worker slot {slot} was already replaced {self._restarts[slot]} times this epoch)"
+            )
         self._restarts[slot] += 1
         self.restarted_at = time.monotonic()
         lost = list(self._assigned[slot].values())

@@ -17,6 +17,7 @@ free again at once; when not even one fits, :class:`SharedMemoryError` names the
 the bytes one slot needs and the bytes free. With ``shared=False`` (no worker processes) the
 slots are anonymous private memory and ``/dev/shm`` is not used at all.
 """
+
 from __future__ import annotations
 
 import errno
@@ -111,8 +112,7 @@ class SlotRing:
         SharedMemoryError: not even one slot fits in the shared-memory directory.
     """
 
-    def __init__(self, batch_size: int, size: int, initial: int, *, shared: bool = True,
-                 slot_bytes: int | None = None):
+    def __init__(self, batch_size: int, size: int, initial: int, *, shared: bool = True, slot_bytes: int | None = None):
         self.batch_size, self.size, self.shared = batch_size, size, shared
         #: generic slots (user collate, :mod:`stoker.loader.batches`): bytes each slot starts with
         #: (the workers grow a slot file when a batch needs more, and :meth:`remap` follows)
@@ -169,12 +169,19 @@ class SlotRing:
     def _short(self, total: int, have: int) -> None:
         """Record a failed reservation (of a shared slot: private ones do not fail); warn once."""
         assert self.base is not None
-        self._shortage = SharedMemoryError(self.base, total, free_bytes(self.base),
-                                           f" ({have} slot(s) already held by this loader)" if have else "")
+        self._shortage = SharedMemoryError(
+            self.base, total, free_bytes(self.base), f" ({have} slot(s) already held by this loader)" if have else ""
+        )
         if not self.limited and have > 0:
-            log.warning("%s is too small for more batch slots (%d bytes each, %d held, %d bytes free): "
-                        "continuing with %d slot(s), and batches are copied out of shared memory",
-                        self.base, total, have, self._shortage.free_bytes, have)
+            log.warning(
+                "%s is too small for more batch slots (%d bytes each, %d held, %d bytes free): "
+                "continuing with %d slot(s), and batches are copied out of shared memory",
+                self.base,
+                total,
+                have,
+                self._shortage.free_bytes,
+                have,
+            )
         self.limited = True
 
     def try_acquire(self) -> int | None:
@@ -227,8 +234,10 @@ class SlotRing:
         """Whole-slot views (images (B,3,S,S) uint8, labels (B,) int64) for writing in this process."""
         shape, img_bytes, _ = slot_layout(self.batch_size, self.size)
         mm = self._maps[i]
-        return (np.ndarray(shape, dtype=np.uint8, buffer=mm),
-                np.ndarray((self.batch_size,), dtype=np.int64, buffer=mm, offset=img_bytes))
+        return (
+            np.ndarray(shape, dtype=np.uint8, buffer=mm),
+            np.ndarray((self.batch_size,), dtype=np.int64, buffer=mm, offset=img_bytes),
+        )
 
     def batch(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of slot ``i``'s first ``n`` samples: images (n,3,S,S) uint8 (zero-copy; the

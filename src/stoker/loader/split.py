@@ -13,6 +13,7 @@ skipped samples left empty closed up, so the slot holds the batch as one worker 
 written it. Only image batches decoded by the workers are split (a user's collate sees whole
 batches; device decode sends byte payloads).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -49,8 +50,8 @@ def join_replies(msgs: list[tuple], images: np.ndarray | None, labels: np.ndarra
     for m in msgs:
         offset, got = m[-1], m[5]
         if got and offset != n and images is not None and labels is not None:
-            images[n:n + got] = images[offset:offset + got]
-            labels[n:n + got] = labels[offset:offset + got]
+            images[n : n + got] = images[offset : offset + got]
+            labels[n : n + got] = labels[offset : offset + got]
         n += got
         skipped += m[6]
         skipped_keys += m[7]

@@ -5,6 +5,7 @@ Everything else about the stream is a pure function of the loader's configuratio
 (seed, epoch, rank, world size); augmentation of (seed, epoch, sample id)), so this small record
 plus that configuration is enough to resume.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,8 +19,21 @@ __all__ = ["IDENTITY_KEYS", "LoaderState"]
 
 #: Configuration keys a saved state must agree on with the loader that resumes it (the rest of
 #: the stream would not be the same otherwise).
-IDENTITY_KEYS = ("seed", "order", "order_window", "rank", "world_size", "batch_size", "even",
-                 "drop_last", "transform", "dataset_version", "num_samples", "cache_aware_window", "carry_from")
+IDENTITY_KEYS = (
+    "seed",
+    "order",
+    "order_window",
+    "rank",
+    "world_size",
+    "batch_size",
+    "even",
+    "drop_last",
+    "transform",
+    "dataset_version",
+    "num_samples",
+    "cache_aware_window",
+    "carry_from",
+)
 
 
 @dataclass
@@ -55,8 +69,12 @@ class LoaderState:
         :data:`IDENTITY_KEYS` values), ``cached_blocks`` (the packed bitmap of the current
         epoch, or None) and, only when there is one, ``carry`` (``{"dtype": str, "tokens": [int]}``).
         Plain ints and strings (JSON-serialisable)."""
-        out = {"epoch": self.position[0], "batches_done": self.position[1], **identity,
-               "cached_blocks": pack_bitmap(self.hit_maps.get(self.position[0]))}
+        out = {
+            "epoch": self.position[0],
+            "batches_done": self.position[1],
+            **identity,
+            "cached_blocks": pack_bitmap(self.hit_maps.get(self.position[0])),
+        }
         if self.carry is not None and len(self.carry) and self.position[1] > 0:
             out["carry"] = {"dtype": self.carry.dtype.str, "tokens": self.carry.tolist()}
         return out
@@ -79,8 +97,9 @@ class LoaderState:
         """
         if not isinstance(state, dict) or not {"epoch", "batches_done"} <= state.keys():
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; "
-                             f"got {got})")
+            raise ValueError(
+                f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; got {got})"
+            )
         for k in IDENTITY_KEYS:
             if k in state and state[k] != identity[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")

@@ -24,6 +24,7 @@ This module imports torch; elsewhere only :mod:`stoker._torch` and :mod:`stoker.
 The CUDA branch is unverified on a GPU in this repository's tests (no device here);
 ``scripts/gpu_check.py`` checks it on a GPU machine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ name it if the worker dies. With the user's ``decode``/``collate`` (``cfg.generi
 runs :class:`stoker.loader.batches.GenericDecoder` instead and the reply's last element says
 where the batch is (in the slot, with its layout, or pickled in the reply itself).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,6 +42,7 @@ def fresh_copy(obj):
     """A copy through pickling: drops storage clients, event loops and counters that a
     forked child inherited from its parent (each class's __getstate__ says what)."""
     import pickle
+
     return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -50,6 +52,7 @@ class BatchDecoder:
 
     def __init__(self, ds, cfg: WorkerConfig):
         from ..decode import decode_transform  # noqa: F401 - import cost paid once per worker
+
         self.ds, self.cfg = ds, cfg
         self._decode_transform = decode_transform
         self.derived = cfg.derived  # a DerivedCache (see stoker.loader.derived) or None
@@ -59,11 +62,13 @@ class BatchDecoder:
         else from the raw bytes (writing the derived entry as a side effect)."""
         der = self.derived
         if der is None:
-            self._decode_transform(self.ds.read(sid), key, mode, rng, size=size, out=out,
-                                   exif_orientation=self.cfg.exif_orientation)
+            self._decode_transform(
+                self.ds.read(sid), key, mode, rng, size=size, out=out, exif_orientation=self.cfg.exif_orientation
+            )
             return
         from ..decode import decode_image
         from .derived import SAME, transform_image
+
         got = der.get(sid, key)
         if got is not None and got[0] != SAME:
             transform_image(got[2], got[1], mode, rng, size, out)
@@ -80,6 +85,7 @@ class BatchDecoder:
         ``(sample id, verified bytes)`` of the batch, in the order of ``labels``."""
         from ..decode import DecodeError
         from ..order import sample_seed
+
         cfg, ds = self.cfg, self.ds
         if cfg.decode_on == "device":
             payloads = []
@@ -119,6 +125,7 @@ def _cause(exc: BaseException):
     import pickle
 
     from ..errors import StokerError
+
     if not isinstance(exc, StokerError):
         return None
     try:
@@ -135,6 +142,7 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
 
     from .._procs import exit_with_parent, parent_gone
     from .shm import map_slot
+
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)
@@ -142,15 +150,18 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
         ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
     try:
         import cv2
+
         cv2.setNumThreads(1)
     except ImportError:  # pragma: no cover
         pass
     import torch
+
     torch.set_num_threads(1)  # one worker per core: the resize kernel must not spawn a pool each
     dec: BatchDecoder | GenericDecoder
     writer: SlotWriter | None = None
     if cfg.generic:  # the user's decode/collate (batches.py)
         from .batches import GenericDecoder, SlotWriter, pack_reply
+
         dec, writer = GenericDecoder(ds, cfg), SlotWriter()
     else:
         dec = BatchDecoder(ds, cfg)
@@ -173,23 +184,51 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
             if writer is not None:
                 assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
                 n, skipped, skipped_keys, batch = dec.run(epoch, ids, current)
-                results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds), None,
-                             pack_reply(writer, path, batch), offset))
+                results.put(
+                    (
+                        "ok",
+                        wid,
+                        run,
+                        seq,
+                        slot,
+                        n,
+                        skipped,
+                        skipped_keys,
+                        counters(ds),
+                        None,
+                        pack_reply(writer, path, batch),
+                        offset,
+                    )
+                )
                 continue
             if path not in maps:
                 maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
             _, images, labels = maps[path]
             assert isinstance(dec, BatchDecoder)
             n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images[offset:], labels[offset:], current)
-            results.put(("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, derived), payloads, None,
-                         offset))
+            results.put(
+                ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, derived), payloads, None, offset)
+            )
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
             key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
             if key is None:
                 key = ds.key(sid) if 0 <= sid < len(ds) else None
-            results.put(("error", wid, run, seq, slot, key, f"{type(exc).__name__}: {exc}",
-                         traceback.format_exc(), counters(ds, derived), _cause(exc), offset))
+            results.put(
+                (
+                    "error",
+                    wid,
+                    run,
+                    seq,
+                    slot,
+                    key,
+                    f"{type(exc).__name__}: {exc}",
+                    traceback.format_exc(),
+                    counters(ds, derived),
+                    _cause(exc),
+                    offset,
+                )
+            )
         finally:
             current.value = -1
     if writer is not None:

@@ -8,6 +8,7 @@ back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.st
 short origin outage is ridden out and a failing store never hangs a job; the others
 (403, 404, 400, configuration errors) fail at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,15 +23,38 @@ import fsspec.asyn
 
 from .._atomic import umask_mode, write_atomic
 from ..errors import OriginError, OriginNotFoundError, OriginPermissionError  # noqa: F401 - re-exported
-from .retry import (BACKOFF_CAP_S, BUGS, UNREACHABLE_BUDGET_S, CONFIG_ERRORS, DEFAULT_BACKOFF_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
-                    DEFAULT_RETRY_BUDGET_S, RETRY_BUDGET_ENV, Failure,
-                    SharedBackoff, classify, full_jitter_s, resolve_retry_budget_s)
+from .retry import (
+    BACKOFF_CAP_S,
+    BUGS,
+    UNREACHABLE_BUDGET_S,
+    CONFIG_ERRORS,
+    DEFAULT_BACKOFF_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_REQUEST_TIMEOUT_S,  # noqa: F401
+    DEFAULT_RETRY_BUDGET_S,
+    RETRY_BUDGET_ENV,
+    Failure,
+    SharedBackoff,
+    classify,
+    full_jitter_s,
+    resolve_retry_budget_s,
+)
 from ._native_s3 import NativeS3Reader
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Origin", "OriginError", "OriginNotFoundError", "OriginPermissionError", "OriginCounters",
-           "url_to_fs", "join", "DEFAULT_RETRY_BUDGET_S", "DEFAULT_REQUEST_TIMEOUT_S", "RETRY_BUDGET_ENV"]
+__all__ = [
+    "Origin",
+    "OriginError",
+    "OriginNotFoundError",
+    "OriginPermissionError",
+    "OriginCounters",
+    "url_to_fs",
+    "join",
+    "DEFAULT_RETRY_BUDGET_S",
+    "DEFAULT_REQUEST_TIMEOUT_S",
+    "RETRY_BUDGET_ENV",
+]
 
 
 _INHERITED: list = []
@@ -105,8 +129,7 @@ class OriginCounters:
     errors: int = 0
 
     def snapshot(self) -> dict:
-        return {"bytes": self.bytes, "requests": self.requests,
-                "retries": self.retries, "errors": self.errors}
+        return {"bytes": self.bytes, "requests": self.requests, "retries": self.retries, "errors": self.errors}
 
 
 @dataclass
@@ -218,8 +241,11 @@ class Origin:
             go, probe = self.backoff.wait_turn(deadline, first=attempt == 0)
             if not go:  # the origin throttled all along (or the process is stopping)
                 exc, failure = last if last else (None, self.backoff.last or Failure(retry=True))
-                why = ("cancelled: the reading process is stopping" if self.backoff.cancelled else
-                       f"the origin kept throttling; retry budget {budget_s:g} s spent")
+                why = (
+                    "cancelled: the reading process is stopping"
+                    if self.backoff.cancelled
+                    else f"the origin kept throttling; retry budget {budget_s:g} s spent"
+                )
                 raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
             attempt += 1
             sent_at = time.monotonic()
@@ -239,16 +265,27 @@ class Origin:
                 if failure.unreachable and not self.reached:  # never answered: probably a wrong URL
                     deadline = min(deadline, t0 + UNREACHABLE_BUDGET_S)
                 if now >= deadline or (self.attempts is not None and attempt >= self.attempts):
-                    why = (f"the origin was never reached: check the URL, host and port (gave up after "
-                           f"{UNREACHABLE_BUDGET_S:g} s)" if failure.unreachable and not self.reached
-                           else f"retry budget {budget_s:g} s spent")
+                    why = (
+                        f"the origin was never reached: check the URL, host and port (gave up after "
+                        f"{UNREACHABLE_BUDGET_S:g} s)"
+                        if failure.unreachable and not self.reached
+                        else f"retry budget {budget_s:g} s spent"
+                    )
                     raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
                 self.counters.retries += 1
                 # the first retry of an operation and one every 5 s of retrying are warnings, the rest debug
-                level = logging.WARNING if attempt == 1 or int((now - t0) / 5) > int((sent_at - t0) / 5) \
-                    else logging.DEBUG
-                log.log(level, "retrying %s (attempt %d, %.1f of %g s): %s", what, attempt, now - t0,
-                        budget_s, _describe(exc, failure))
+                level = (
+                    logging.WARNING if attempt == 1 or int((now - t0) / 5) > int((sent_at - t0) / 5) else logging.DEBUG
+                )
+                log.log(
+                    level,
+                    "retrying %s (attempt %d, %.1f of %g s): %s",
+                    what,
+                    attempt,
+                    now - t0,
+                    budget_s,
+                    _describe(exc, failure),
+                )
                 if not failure.throttled:  # throttling: wait_turn holds every thread back instead
                     wait_s = failure.retry_after_s
                     if wait_s is None:
@@ -268,8 +305,16 @@ class Origin:
             cls = OriginPermissionError
         if failure.code in CONFIG_ERRORS:
             why = "a configuration error: not retried"
-        return cls(what, f"{_describe(exc, failure)} ({why})", start, end, attempts, code=failure.code,
-                   status=failure.status, elapsed_s=time.monotonic() - t0)
+        return cls(
+            what,
+            f"{_describe(exc, failure)} ({why})",
+            start,
+            end,
+            attempts,
+            code=failure.code,
+            status=failure.status,
+            elapsed_s=time.monotonic() - t0,
+        )
 
     def shared_budget(self) -> _SharedBudget:
         """Origin operations of this thread inside the block share one retry budget of
@@ -300,14 +345,16 @@ class Origin:
             data = self.retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
         else:
             path = self.path(rel)
-            data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end),
-                               start, end)
+            data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end), start, end)
         self.counters.requests += 1
         self.counters.bytes += len(data)
         if len(data) != end - start:
-            raise OriginError(self.full_url(rel),
-                              f"short read: got {len(data)} bytes, expected {end - start} "
-                              "(object changed or truncated?)", start, end)
+            raise OriginError(
+                self.full_url(rel),
+                f"short read: got {len(data)} bytes, expected {end - start} (object changed or truncated?)",
+                start,
+                end,
+            )
         return data
 
     def read(self, rel: str) -> bytes:

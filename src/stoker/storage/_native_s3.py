@@ -27,6 +27,7 @@ Unavailable: <Error><Code>SlowDown</Code>..."); :meth:`NativeS3Reader.read_range
 and HTTP status first in the error it raises, so that they survive into
 :class:`stoker.storage.OriginError` (``Retry-After`` is not exposed by obstore).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,11 @@ _USED_IN_PID: list[int] = []  # the pid that made a reader (obstore's runtime li
 
 def _warn_fork_after_use() -> None:
     if _USED_IN_PID and _USED_IN_PID[0] == os.getpid():
-        log.error("forking process %d after it read through obstore: the child may hang or crash "
-                  "(tokio); use Origin.use_native only in processes that do not fork", os.getpid())
+        log.error(
+            "forking process %d after it read through obstore: the child may hang or crash "
+            "(tokio); use Origin.use_native only in processes that do not fork",
+            os.getpid(),
+        )
 
 
 if hasattr(os, "register_at_fork"):
@@ -112,6 +116,7 @@ class NativeS3Reader:
         """
         import obstore
         from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
         try:
             return obstore.get_range(self._store, key, start=start, end=end)
         except (NotFoundError, FileNotFoundError) as exc:

@@ -15,6 +15,7 @@ Where a setting has no obstore equivalent (FIPS, dual-stack or accelerated endpo
 an unknown option, no credentials at all) :func:`resolve` gives the reason instead, and the
 dataset stays on s3fs; :func:`note_fallback` logs that once per process and reason.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -49,8 +50,7 @@ class _Credentials:
     at most :data:`_CREDENTIAL_TTL_S` seconds before obstore asks again. Handing obstore a provider
     (never bare keys) keeps its own environment reading (``AWS_SESSION_TOKEN``, ...) out of it."""
 
-    def __init__(self, credentials=None, key: str | None = None, secret: str | None = None,
-                 token: str | None = None):
+    def __init__(self, credentials=None, key: str | None = None, secret: str | None = None, token: str | None = None):
         self._credentials, self._static = credentials, (key, secret, token)
 
     def __call__(self) -> dict:
@@ -58,16 +58,26 @@ class _Credentials:
             key, secret, token = self._static
             return {"access_key_id": key, "secret_access_key": secret, "token": token, "expires_at": None}
         frozen = self._credentials.get_frozen_credentials()
-        expires = (_dt.datetime.now(_dt.UTC) + _dt.timedelta(seconds=_CREDENTIAL_TTL_S)
-                   if hasattr(self._credentials, "refresh_needed") else None)
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
-                "token": frozen.token, "expires_at": expires}
+        expires = (
+            _dt.datetime.now(_dt.UTC) + _dt.timedelta(seconds=_CREDENTIAL_TTL_S)
+            if hasattr(self._credentials, "refresh_needed")
+            else None
+        )
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": expires,
+        }
 
 
 def _unknown_options(opts: dict, client: dict, config: dict, s3: dict) -> list[str]:
-    return (sorted(set(opts) - _TOP_KEYS) + [f"client_kwargs.{k}" for k in sorted(set(client) - _CLIENT_KEYS)]
-            + [f"config_kwargs.{k}" for k in sorted(set(config) - _CONFIG_KEYS)]
-            + [f"s3.{k}" for k in sorted(set(s3) - _S3_KEYS) if s3[k]])
+    return (
+        sorted(set(opts) - _TOP_KEYS)
+        + [f"client_kwargs.{k}" for k in sorted(set(client) - _CLIENT_KEYS)]
+        + [f"config_kwargs.{k}" for k in sorted(set(config) - _CONFIG_KEYS)]
+        + [f"s3.{k}" for k in sorted(set(s3) - _S3_KEYS) if s3[k]]
+    )
 
 
 def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str | None]:
@@ -108,8 +118,9 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
             return None, f"the AWS s3 setting(s) {', '.join(bad_s3)} have no native equivalent"
         endpoint = opts.get("endpoint_url") or client.get("endpoint_url")
         if not endpoint and not session.get_config_variable("ignore_configured_endpoint_urls"):
-            endpoint = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=scoped,
-                                                  client_name="s3").provide()
+            endpoint = ConfiguredEndpointProvider(
+                full_config=session.full_config, scoped_config=scoped, client_name="s3"
+            ).provide()
         elif not endpoint and _env_endpoint():
             return None, "AWS endpoint URLs are ignored (ignore_configured_endpoint_urls) but set"
         region = client.get("region_name") or session.get_config_variable("region")
@@ -125,10 +136,13 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
         connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
     except (TypeError, ValueError):
         return None, "config_kwargs timeouts are not numbers of seconds"
-    kw: dict = {"client_options": {
-        "read_timeout": f"{max(1, round(read_s * 1000))}ms",  # a stalled answer fails and is retried
-        "connect_timeout": f"{max(1, round(connect_s * 1000))}ms",
-        "allow_http": bool(endpoint) and str(endpoint).lower().startswith("http://")}}
+    kw: dict = {
+        "client_options": {
+            "read_timeout": f"{max(1, round(read_s * 1000))}ms",  # a stalled answer fails and is retried
+            "connect_timeout": f"{max(1, round(connect_s * 1000))}ms",
+            "allow_http": bool(endpoint) and str(endpoint).lower().startswith("http://"),
+        }
+    }
     if ca_bundle and not kw["client_options"]["allow_http"]:
         try:  # added to the system roots (botocore trusts only the bundle): reaches every store s3fs reaches
             with open(ca_bundle, "rb") as f:
@@ -162,6 +176,7 @@ def _env_endpoint() -> bool:
 def _dns_compatible(bucket: str) -> bool:
     """Whether botocore would address ``bucket`` as a virtual host on AWS (no dots, a DNS label)."""
     from botocore.utils import check_dns_name
+
     return "." not in bucket and check_dns_name(bucket)
 
 

@@ -15,6 +15,7 @@ While the origin throttles, the threads of one process that read through one ori
 as a whole (:class:`SharedBackoff`): one request at a time probes whether it has recovered,
 the others wait, so N prefetch threads do not multiply the request rate the origin refused.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,26 +48,58 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 #: S3 (and other object stores') error codes that mean "slow down".
-THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "ThrottledException",
-                            "RequestThrottled", "RequestLimitExceeded", "TooManyRequests",
-                            "TooManyRequestsException", "ProvisionedThroughputExceededException",
-                            "BandwidthLimitExceeded", "EC2ThrottledException", "PriorRequestNotComplete"})
+THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "BandwidthLimitExceeded",
+        "EC2ThrottledException",
+        "PriorRequestNotComplete",
+    }
+)
 #: Error codes that clear by themselves although some stores send them with a 4xx status.
-TRANSIENT_CODES = frozenset({"RequestTimeout", "RequestTimeoutException", "InternalError",
-                             "ServiceUnavailable", "OperationAborted", "IDPCommunicationError"})
+TRANSIENT_CODES = frozenset(
+    {
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "IDPCommunicationError",
+    }
+)
 #: Storage-client configuration errors (botocore's names): reported at once, never retried.
-CONFIG_ERRORS = frozenset({"ProfileNotFound", "NoCredentialsError", "PartialCredentialsError",
-                           "NoRegionError", "InvalidConfigError", "UnknownConfigurationKeyError"})
+CONFIG_ERRORS = frozenset(
+    {
+        "ProfileNotFound",
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "NoRegionError",
+        "InvalidConfigError",
+        "UnknownConfigurationKeyError",
+    }
+)
 #: Programming errors: they propagate unchanged.
 BUGS = (TypeError, AttributeError, NameError)
 #: Exception class names (anywhere in the cause chain) of network failures that can clear:
 #: resets, timeouts, truncated or unparsable answers (aiohttp, botocore, urllib3, http.client).
-_NETWORK_NAME = re.compile(r"Timeout|Connection|Disconnect|Reset|Payload|IncompleteRead|ResponseParser|"
-                           r"HTTPClientError|ProtocolError|ReadError|BrokenPipe|EndpointConnection")
+_NETWORK_NAME = re.compile(
+    r"Timeout|Connection|Disconnect|Reset|Payload|IncompleteRead|ResponseParser|"
+    r"HTTPClientError|ProtocolError|ReadError|BrokenPipe|EndpointConnection"
+)
 # No connection at all: refused, or a host name that does not resolve.
-_UNREACHABLE = re.compile(r"Connection refused|Cannot connect to host|Could not connect to the endpoint|"
-                          r"Name or service not known|nodename nor servname|Temporary failure in name resolution|"
-                          r"dns error|failed to lookup address")
+_UNREACHABLE = re.compile(
+    r"Connection refused|Cannot connect to host|Could not connect to the endpoint|"
+    r"Name or service not known|nodename nor servname|Temporary failure in name resolution|"
+    r"dns error|failed to lookup address"
+)
 #: Seconds an origin that has never answered this process is retried when it cannot be reached at
 #: all (refused connection, unknown host): that is usually a wrong URL or port, and a user should
 #: hear so at once, not after the whole retry budget. An origin that answered before (a server
@@ -161,23 +194,31 @@ def classify(exc: BaseException) -> Failure:
     if status is not None or code is not None:
         throttled = code in THROTTLE_CODES or status in (429, 503)
         transient = throttled or code in TRANSIENT_CODES or (status is not None and 500 <= status < 600)
-        return Failure(retry=transient, throttled=transient and (throttled or (status or 0) >= 500),
-                       status=status, code=code, retry_after_s=retry_after)
+        return Failure(
+            retry=transient,
+            throttled=transient and (throttled or (status or 0) >= 500),
+            status=status,
+            code=code,
+            retry_after_s=retry_after,
+        )
     if isinstance(exc, BUGS + (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return Failure(retry=False)
     names = [type(e).__name__ for e in _chain(exc)]
     if any(n in CONFIG_ERRORS for n in names):
         return Failure(retry=False, code=next(n for n in names if n in CONFIG_ERRORS))
-    if any(isinstance(e, (OSError, TimeoutError)) for e in _chain(exc)) or \
-            any(_NETWORK_NAME.search(n) for n in names) or type(exc).__module__.startswith("obstore"):
-        unreachable = any(isinstance(e, (ConnectionRefusedError, socket.gaierror)) for e in _chain(exc)) or \
-            any(_UNREACHABLE.search(str(e)) for e in _chain(exc))
+    if (
+        any(isinstance(e, (OSError, TimeoutError)) for e in _chain(exc))
+        or any(_NETWORK_NAME.search(n) for n in names)
+        or type(exc).__module__.startswith("obstore")
+    ):
+        unreachable = any(isinstance(e, (ConnectionRefusedError, socket.gaierror)) for e in _chain(exc)) or any(
+            _UNREACHABLE.search(str(e)) for e in _chain(exc)
+        )
         return Failure(retry=True, unreachable=unreachable)
     return Failure(retry=False)
 
 
-def full_jitter_s(attempt: int, base_s: float = DEFAULT_BACKOFF_S, cap_s: float = BACKOFF_CAP_S,
-                  rng=random) -> float:
+def full_jitter_s(attempt: int, base_s: float = DEFAULT_BACKOFF_S, cap_s: float = BACKOFF_CAP_S, rng=random) -> float:
     """Wait before try ``attempt + 1`` (``attempt`` >= 1 failures so far), in seconds:
     ``uniform(0, min(cap_s, base_s * 2**attempt))`` ("full jitter", AWS Architecture Blog)."""
     return rng.uniform(0.0, min(cap_s, base_s * 2.0 ** min(attempt, 60)))
@@ -221,11 +262,11 @@ class SharedBackoff:
     def __init__(self, base_s: float = DEFAULT_BACKOFF_S, cap_s: float = BACKOFF_CAP_S):
         self.base_s, self.cap_s = float(base_s), float(cap_s)
         self._cond = threading.Condition()
-        self._rounds = 0          # throttled rounds in a row (0: the origin is not throttling)
-        self._not_before = 0.0    # monotonic seconds before which no request starts
-        self._since = 0.0         # monotonic time the current back-off began
-        self._probing = False     # a request is testing whether the origin recovered
-        self.cancelled = False    # the process is stopping: waits end at once
+        self._rounds = 0  # throttled rounds in a row (0: the origin is not throttling)
+        self._not_before = 0.0  # monotonic seconds before which no request starts
+        self._since = 0.0  # monotonic time the current back-off began
+        self._probing = False  # a request is testing whether the origin recovered
+        self.cancelled = False  # the process is stopping: waits end at once
         self.last: Failure | None = None
 
     @property

@@ -1,4 +1,5 @@
 """The packed sample store (DLFS): tar shards plus a Parquet index, the sample directory."""
+
 from .index import DatasetIndex, INDEX_NAME, read_index
 from .pack import pack
 

@@ -18,6 +18,7 @@
 Both keep every member byte-exact and feed the streamed pack (:func:`stoker.store.pack.pack`):
 the same shards for the same input, atomic shards and index, resumable.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def list_file_samples(origin: Origin) -> list[tuple[str, list[tuple[str, str]]]]
         raise SourceNotFoundError(f"source {origin.url}: not found")
     groups: dict[str, dict[str, str]] = {}
     for path in sorted(fs.find(root)):
-        rel = path[len(root):].lstrip("/") if path.startswith(root) else posixpath.basename(path)
+        rel = path[len(root) :].lstrip("/") if path.startswith(root) else posixpath.basename(path)
         if any(is_ignored_name(part) for part in rel.split("/")):
             continue
         check_utf8(rel, f"source {origin.url}")
@@ -61,8 +62,9 @@ def list_file_samples(origin: Origin) -> list[tuple[str, list[tuple[str, str]]]]
         field = field if dot else "bin"
         members = groups.setdefault(key, {})
         if field in members:
-            raise SourceError(f"source {origin.url}: {members[field]!r} and {rel!r} are both field {field!r} "
-                             f"of sample {key!r}")
+            raise SourceError(
+                f"source {origin.url}: {members[field]!r} and {rel!r} are both field {field!r} of sample {key!r}"
+            )
         members[field] = rel
     if not groups:
         raise SourceNotFoundError(f"source {origin.url}: no files")
@@ -75,6 +77,7 @@ def iter_files(origin: Origin, order, listing, workers: int = 16) -> Iterator[St
 
     Raises FileNotFoundError naming the file when one vanished, :class:`stoker.storage.OriginError`
     after retries."""
+
     def read(i: int) -> StreamSample:
         key, files = listing[i]
         members = []
@@ -84,7 +87,7 @@ def iter_files(origin: Origin, order, listing, workers: int = 16) -> Iterator[St
             except FileNotFoundError:
                 raise SourceNotFoundError(f"source {origin.url}: {rel} (sample {key!r}) vanished") from None
         big = max(range(len(members)), key=lambda j: len(members[j][1]))  # the payload, not its .txt
-        members = [members[big]] + members[:big] + members[big + 1:]
+        members = [members[big]] + members[:big] + members[big + 1 :]
         return _finish(key, members, origin.full_url(files[0][1]))
 
     yield from ordered_map(read, (int(r) for r in order), workers)
@@ -93,8 +96,12 @@ def iter_files(origin: Origin, order, listing, workers: int = 16) -> Iterator[St
 def _parquet_files(origin: Origin) -> list[str]:
     fs, root = origin.fs, origin.root.rstrip("/")
     if fs.isdir(root):
-        files = sorted(p for p in fs.find(root) if p.lower().endswith((".parquet", ".pq"))
-                       and not any(is_ignored_name(x) for x in p[len(root):].split("/") if x))
+        files = sorted(
+            p
+            for p in fs.find(root)
+            if p.lower().endswith((".parquet", ".pq"))
+            and not any(is_ignored_name(x) for x in p[len(root) :].split("/") if x)
+        )
         if not files:
             raise SourceNotFoundError(f"source {origin.url}: no .parquet files")
         return files
@@ -113,8 +120,9 @@ def _as_bytes(value) -> bytes:
     return json.dumps(value, default=str).encode("utf-8")
 
 
-def iter_parquet(origin: Origin, column: str, key_column: str | None = None,
-                 label_column: str = "label") -> Iterator[StreamSample]:
+def iter_parquet(
+    origin: Origin, column: str, key_column: str | None = None, label_column: str = "label"
+) -> Iterator[StreamSample]:
     """The rows of the Parquet file(s) at ``origin`` as samples (see the module docstring), in
     file and row order, read one row group at a time.
 
@@ -137,8 +145,9 @@ def iter_parquet(origin: Origin, column: str, key_column: str | None = None,
             row = 0
             for g in range(pf.num_row_groups):
                 for rec in pf.read_row_group(g).to_pylist():
-                    key = check_utf8(str(rec[key_column]) if key_column else f"{stem}/{row:08d}",
-                                     f"source {where} row {row}")
+                    key = check_utf8(
+                        str(rec[key_column]) if key_column else f"{stem}/{row:08d}", f"source {where} row {row}"
+                    )
                     yield _row_sample(rec, column, key, label_column, f"{where} row {row}")
                     row += 1
 
@@ -147,26 +156,34 @@ def _row_sample(rec: dict, column: str, key: str, label_column: str, where: str)
     value, field = rec[column], column
     if isinstance(value, dict):
         if "bytes" not in value:
-            raise SourceError(f"source {where} (sample {key!r}): column {column!r} is a struct without 'bytes' "
-                             f"(fields {sorted(value)}); expected binary or {{bytes, path}}")
+            raise SourceError(
+                f"source {where} (sample {key!r}): column {column!r} is a struct without 'bytes' "
+                f"(fields {sorted(value)}); expected binary or {{bytes, path}}"
+            )
         data, name = value["bytes"], value.get("path")
         if data is None:
-            raise SourceError(f"source {where} (sample {key!r}): column {column!r} holds no bytes, only the path "
-                             f"{name!r} (a dataset saved with external files; embed them first)")
+            raise SourceError(
+                f"source {where} (sample {key!r}): column {column!r} holds no bytes, only the path "
+                f"{name!r} (a dataset saved with external files; embed them first)"
+            )
         ext = posixpath.splitext(name)[1][1:].lower() if isinstance(name, str) else ""
         field = ext or column
     elif isinstance(value, (bytes, bytearray, memoryview)):
         data = value
     else:
-        raise SourceError(f"source {where} (sample {key!r}): column {column!r} holds {type(value).__name__}, "
-                         "not bytes or a {bytes, path} struct")
+        raise SourceError(
+            f"source {where} (sample {key!r}): column {column!r} holds {type(value).__name__}, "
+            "not bytes or a {bytes, path} struct"
+        )
     members = [(field, bytes(data))]
     for name, v in rec.items():
         if name == column:
             continue
         if name == field:
-            raise SourceError(f"source {where} (sample {key!r}): column {name!r} has the name of the field of "
-                             f"column {column!r}; rename one of them")
+            raise SourceError(
+                f"source {where} (sample {key!r}): column {name!r} has the name of the field of "
+                f"column {column!r}; rename one of them"
+            )
         members.append((name, _as_bytes(v)))
     label = rec.get(label_column)
     label = label if isinstance(label, (int, str)) and not isinstance(label, bool) else None

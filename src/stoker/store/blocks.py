@@ -21,6 +21,7 @@ the sample (:meth:`BlockReader.read_range`). Fills for the prefetcher and the cl
 are :meth:`BlockReader.fill_block` and :meth:`BlockReader.stage_block`. Picklable: a worker
 process gets a copy with the same staging area and router and counters at zero.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,8 @@ class ReadStats:
 
     samples: int = 0
     cache_hits: int = 0
-    staged_hits: int = 0     # samples read from blocks the prefetcher staged (not admitted to the cache)
-    direct_reads: int = 0    # samples read from the origin without a block fill
+    staged_hits: int = 0  # samples read from blocks the prefetcher staged (not admitted to the cache)
+    direct_reads: int = 0  # samples read from the origin without a block fill
 
     def snapshot(self) -> dict:
         """The counters as a plain dict (``{name: count}``)."""
@@ -164,8 +165,7 @@ class BlockReader:
             ds = self._ds
             if ds.cache is None:
                 raise
-            err = fill_failures.after_others(ds.cache, ds.version, ds.block_name(int(ds.sample_block[i])),
-                                             exc, since)
+            err = fill_failures.after_others(ds.cache, ds.version, ds.block_name(int(ds.sample_block[i])), exc, since)
             if err is exc:
                 raise
             raise err from exc.__cause__
@@ -219,8 +219,9 @@ class BlockReader:
         self.stats.staged_hits += 1
         return data
 
-    def block_for_read(self, b: int, rel: int = 0,
-                       n: int | None = None) -> tuple[str | None, bytes | memoryview | None]:
+    def block_for_read(
+        self, b: int, rel: int = 0, n: int | None = None
+    ) -> tuple[str | None, bytes | memoryview | None]:
         """Bytes ``[rel, rel + n)`` of block ``b`` (``n`` None: the whole block) for a sample read
         that found it neither in the cache nor in staging: ``(where, bytes-like)`` with ``where``
         "cache", "staged" or "origin", or ``(None, None)`` when only the sample is to be read from
@@ -257,7 +258,7 @@ class BlockReader:
             data = fill_failures.fetch(self, b, name, since)
             if not (admitted and cache.put(version, name, data)) and staging is not None and room:
                 staging.put(version, name, data)  # False (disk full): nothing kept, still read
-            return "origin", memoryview(data)[rel:rel + n]
+            return "origin", memoryview(data)[rel : rel + n]
 
     # -- fills (the prefetcher, warm-up, the cluster's services) -----------
     def stage_block(self, b: int) -> str:

@@ -12,6 +12,7 @@ A class list is the class names in label order (label = position). It comes from
 Names are checked: non-empty, unique, no ``/``, and none that the sources ignore
 (hidden or OS-metadata names, :func:`.sources.is_ignored_name`).
 """
+
 from __future__ import annotations
 
 import io
@@ -35,11 +36,11 @@ def check_class_list(names, where: str) -> list[str]:
     seen: dict[str, int] = {}
     for i, name in enumerate(out):
         if not isinstance(name, str) or not name or "/" in name:
-            raise SourceError(f"class list {where}: entry {i} ({name!r}) is not a class name "
-                             "(a non-empty string without '/')")
+            raise SourceError(
+                f"class list {where}: entry {i} ({name!r}) is not a class name (a non-empty string without '/')"
+            )
         if is_ignored_name(name):
-            raise SourceError(f"class list {where}: {name!r} is a hidden or OS-metadata name, which "
-                             "is never a class")
+            raise SourceError(f"class list {where}: {name!r} is a hidden or OS-metadata name, which is never a class")
         if name in seen:
             raise SourceError(f"class list {where}: {name!r} appears twice (entries {seen[name]} and {i})")
         seen[name] = i

@@ -13,6 +13,7 @@ per-sample xxh3-64 checksums when it is filled and every sample when it is read.
 Fetching blocks and filling the cache is the dataset's reader's job (:mod:`.blocks`): the
 Dataset holds the index and the block metadata and checks bytes against them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,15 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
     sample_block = np.empty(n, dtype=np.int32)
     if n == 0:
         z = np.zeros(0, np.int64)
-        return {"sample_block": sample_block, "shard": np.zeros(0, np.int32), "start": z, "end": z,
-                "order": order, "first": z, "count": z}
+        return {
+            "sample_block": sample_block,
+            "shard": np.zeros(0, np.int32),
+            "start": z,
+            "end": z,
+            "order": order,
+            "first": z,
+            "count": z,
+        }
     span_end = index.span_end
     assert span_end is not None  # set by DatasetIndex.__post_init__
     sh = index.shard[order].astype(np.int64)
@@ -66,9 +74,15 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
     new[1:] = (sh[1:] != sh[:-1]) | (cell[1:] != cell[:-1])
     first = np.flatnonzero(new).astype(np.int64)
     sample_block[order] = (np.cumsum(new) - 1).astype(np.int32)
-    return {"sample_block": sample_block, "shard": sh[first].astype(np.int32), "start": off[first],
-            "end": np.maximum.reduceat(span_end[order], first).astype(np.int64),
-            "order": order, "first": first, "count": np.diff(np.append(first, n))}
+    return {
+        "sample_block": sample_block,
+        "shard": sh[first].astype(np.int32),
+        "start": off[first],
+        "end": np.maximum.reduceat(span_end[order], first).astype(np.int64),
+        "order": order,
+        "first": first,
+        "count": np.diff(np.append(first, n)),
+    }
 
 
 class Dataset:
@@ -85,8 +99,14 @@ class Dataset:
     shared by several Loaders, each with its own staging area.
     """
 
-    def __init__(self, url: str, index: DatasetIndex, origin: Origin, cache: DiskCache | TieredCache | None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES):
+    def __init__(
+        self,
+        url: str,
+        index: DatasetIndex,
+        origin: Origin,
+        cache: DiskCache | TieredCache | None,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ):
         self.url = url
         self.index = index
         self.origin = origin
@@ -120,8 +140,10 @@ class Dataset:
     def _sample_id(self, i) -> int:
         """``i`` as a sample id in ``0..len-1`` (negative counts from the end), or a clear error."""
         if isinstance(i, (str, bytes)):
-            raise TypeError(f"samples of {self.url} are indexed by id (an int), not by key {i!r}; "
-                            "`stoker ls URL KEY` prints a key's id")
+            raise TypeError(
+                f"samples of {self.url} are indexed by id (an int), not by key {i!r}; "
+                "`stoker ls URL KEY` prints a key's id"
+            )
         try:
             n = operator.index(i)
         except TypeError:
@@ -148,8 +170,10 @@ class Dataset:
         mode one with a router. Raises ValueError when ``reader`` reads another dataset."""
         other = getattr(reader, "dataset", self)
         if other.index is not self.index:
-            raise ValueError(f"the reader reads {other.url} (version {other.version}), not this dataset "
-                             f"({self.url}, version {self.version})")
+            raise ValueError(
+                f"the reader reads {other.url} (version {other.version}), not this dataset "
+                f"({self.url}, version {self.version})"
+            )
         view = copy.copy(self)
         view._reader = reader
         return view
@@ -208,14 +232,17 @@ class Dataset:
     def block_samples(self, b: int) -> np.ndarray:
         """Sample ids of block ``b``, int64, in shard order (by offset)."""
         first = int(self._block_first[b])
-        return self._block_order[first:first + int(self._block_count[b])]
+        return self._block_order[first : first + int(self._block_count[b])]
 
     def cached_blocks(self) -> np.ndarray:
         """bool (num_blocks,): which blocks the node cache holds now (False without a cache)."""
         if self.cache is None:
             return np.zeros(self.num_blocks, dtype=bool)
-        return np.fromiter((self.cache.contains(self.version, self.block_name(b)) for b in range(self.num_blocks)),
-                           dtype=bool, count=self.num_blocks)
+        return np.fromiter(
+            (self.cache.contains(self.version, self.block_name(b)) for b in range(self.num_blocks)),
+            dtype=bool,
+            count=self.num_blocks,
+        )
 
     # -- checks -----------------------------------------------------------
     def sample_ok(self, i: int, data) -> bool:
@@ -228,7 +255,7 @@ class Dataset:
         to check, ``[(name, offset, length, checksum)]`` (:meth:`DatasetIndex.member_table`)."""
         view = memoryview(data)
         for name, off, n, ck in table:
-            if xxhash.xxh3_64_intdigest(view[off - base:off - base + n]) != ck or off - base + n > len(view):
+            if xxhash.xxh3_64_intdigest(view[off - base : off - base + n]) != ck or off - base + n > len(view):
                 return name
         return None
 
@@ -241,8 +268,10 @@ class Dataset:
             bad = self.bad_field(i, self.index.member_table(i), data, start)
             what += f" in field {bad!r}" if bad else ""
         shard = self.index.shard_name(self.index.shard[i])
-        err = ChecksumError(f"sample {self.key(i)!r} in shard {shard!r} of {self.url}: {what} "
-                            "(the dataset changed under its index? re-pack or run `stoker verify`)")
+        err = ChecksumError(
+            f"sample {self.key(i)!r} in shard {shard!r} of {self.url}: {what} "
+            "(the dataset changed under its index? re-pack or run `stoker verify`)"
+        )
         err.key = self.key(i)
         return err
 
@@ -255,13 +284,14 @@ class Dataset:
         view = memoryview(data)
         for i in self.block_samples(b):
             off = int(self.index.offset[i]) - start
-            if not self.sample_ok(i, view[off:off + int(self.index.length[i])]):
+            if not self.sample_ok(i, view[off : off + int(self.index.length[i])]):
                 raise self.checksum_error(int(i), "checksum mismatch in a block read from the origin")
             if members is not None and members.start[i + 1] > members.start[i]:
                 bad = self.bad_field(int(i), self.index.member_table(int(i))[1:], data, start)
                 if bad is not None:
-                    raise self.checksum_error(int(i), f"checksum mismatch in field {bad!r} in a block read "
-                                                      "from the origin")
+                    raise self.checksum_error(
+                        int(i), f"checksum mismatch in field {bad!r} in a block read from the origin"
+                    )
         return data
 
     # -- reads ------------------------------------------------------------
@@ -294,21 +324,32 @@ class Dataset:
         with self.origin.shared_budget():
             data = reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
         view = memoryview(data)
-        return {name: bytes(view[off - start:off - start + n]) for name, off, n, _ in table}
+        return {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
 
 
 def default_cache_dir() -> str:
     """``$STOKER_CACHE_DIR``, else a node-local scratch directory, else ``~/.cache/stoker``
     (:func:`stoker.cache.paths.default_cache_dir`, which logs the choice once)."""
     from ..cache.paths import default_cache_dir as choose
+
     return choose()
 
 
-def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str | None = None, *,
-                 storage_options: dict | None = None, block_bytes: int | str = DEFAULT_BLOCK_BYTES,
-                 cache_policy: str = "future", cache: bool = True, check: bool = True,
-                 memory_bytes: int | str = 0, memory_dir: str | None = None,
-                 retry_budget_s: float | None = None, cache_mode: int | str | None = None) -> Dataset:
+def open_dataset(
+    url: str,
+    cache_dir: str | None = None,
+    cache_bytes: int | str | None = None,
+    *,
+    storage_options: dict | None = None,
+    block_bytes: int | str = DEFAULT_BLOCK_BYTES,
+    cache_policy: str = "future",
+    cache: bool = True,
+    check: bool = True,
+    memory_bytes: int | str = 0,
+    memory_dir: str | None = None,
+    retry_budget_s: float | None = None,
+    cache_mode: int | str | None = None,
+) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
     ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
@@ -352,13 +393,16 @@ def open_dataset(url: str, cache_dir: str | None = None, cache_bytes: int | str 
     index = read_index(data, origin.full_url(INDEX_NAME))
     if check:
         from .verify import check_shards
+
         check_shards(origin, index)
     disk: DiskCache | TieredCache | None = None
     if cache:
         disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy, mode=cache_mode)
         if memory_bytes > 0:
-            disk = TieredCache(DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy,
-                                         mode=disk.mode), disk)
+            disk = TieredCache(
+                DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy, mode=disk.mode),
+                disk,
+            )
         disk.recover()
     ds = Dataset(url, index, origin, disk, block_bytes)
     if disk is not None:

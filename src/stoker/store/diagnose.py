@@ -1,6 +1,7 @@
 """Why a URL holds no packed dataset: the one message :func:`stoker.open_dataset` gives with its
 ``OriginNotFoundError``, with only the advice that can help (the bucket, the URL, an unfinished
 pack, something else stored there)."""
+
 from __future__ import annotations
 
 import logging
@@ -26,14 +27,18 @@ def why_no_index(origin: Origin) -> str:
         if protocol in ("s3", "s3a"):
             bucket = root.split("/", 1)[0]
             if not fs.exists(bucket):
-                return (f"{url} is not a packed stoker dataset: its bucket {bucket!r} does not exist (check "
-                        "the bucket name, and the endpoint and credentials in the storage options or the "
-                        "AWS environment)")
+                return (
+                    f"{url} is not a packed stoker dataset: its bucket {bucket!r} does not exist (check "
+                    "the bucket name, and the endpoint and credentials in the storage options or the "
+                    "AWS environment)"
+                )
         if not fs.exists(root):
             return f"{url} is not a packed stoker dataset: nothing is stored there (check the URL)"
         if fs.exists(origin.path(SHARD_DIR)):
-            return (f"{url} is not a packed stoker dataset yet: it has shards but no {INDEX_NAME}, so the "
-                    "pack that wrote it did not finish (run the same `stoker pack` again: it resumes)")
+            return (
+                f"{url} is not a packed stoker dataset yet: it has shards but no {INDEX_NAME}, so the "
+                "pack that wrote it did not finish (run the same `stoker pack` again: it resumes)"
+            )
     except Exception as exc:  # noqa: BLE001 - only a better message is lost
         log.debug("probing %s failed: %s", url, exc)
         return f"{url} is not a packed stoker dataset (no {INDEX_NAME})"

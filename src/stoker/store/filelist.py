@@ -12,6 +12,7 @@ Each file is one sample whose primary field is its extension (``jpg``; ``bin``
 when it has none), stored as raw bytes. Files are read in parallel in the order
 given (or a permutation of it), with a bounded window of reads in flight.
 """
+
 from __future__ import annotations
 
 import io
@@ -56,8 +57,10 @@ def read_file_list(origin: Origin) -> FileList:
     where = origin.url
     try:
         if where.lower().endswith(".csv"):
-            table = pacsv.read_csv(io.BytesIO(data), convert_options=pacsv.ConvertOptions(
-                column_types={"path": pa.string(), "key": pa.string()}))
+            table = pacsv.read_csv(
+                io.BytesIO(data),
+                convert_options=pacsv.ConvertOptions(column_types={"path": pa.string(), "key": pa.string()}),
+            )
         else:
             table = pq.read_table(io.BytesIO(data))
     except pa.ArrowInvalid as exc:
@@ -92,8 +95,9 @@ def read_file_list(origin: Origin) -> FileList:
     return FileList(urls, out_keys, fields, labels, where)
 
 
-def iter_file_list(fl: FileList, order, storage_options: dict | None = None,
-                   workers: int = 16) -> Iterator[StreamSample]:
+def iter_file_list(
+    fl: FileList, order, storage_options: dict | None = None, workers: int = 16
+) -> Iterator[StreamSample]:
     """Read the files of ``fl`` in ``order`` (row indices), ``workers`` at a time.
 
     Yields :class:`StreamSample` in ``order``. Raises FileNotFoundError naming the

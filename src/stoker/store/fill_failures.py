@@ -15,6 +15,7 @@ list them, e.g. ``after 4 attempt(s) in 2.0 s [the prefetcher (pid 7): 3 in 2.0 
 worker 0 (pid 9), having waited for it: 1 in 0.0 s]``. Its own note then carries the sum, for a
 third process that waited in turn.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -31,7 +32,7 @@ def who() -> str:
     if name == "stoker-prefetch":
         role = "the prefetcher"
     elif name.startswith("stoker-worker-"):
-        role = f"worker {name[len('stoker-worker-'):]}"
+        role = f"worker {name[len('stoker-worker-') :]}"
     elif name == "MainProcess":
         role = "the main process"
     else:
@@ -49,8 +50,9 @@ def record(cache, namespace: str, name: str, err: OriginError) -> None:
     """Note in block ``name``'s fetch lock that this process's fill failed with ``err`` (call it
     holding the lock). Best effort: nothing is raised."""
     now = time.time()
-    cache.note_fill_failure(namespace, name, {"pid": os.getpid(), "t0": now - float(err.elapsed_s or 0.0),
-                                              "t1": now, "tried": _tried(err)})
+    cache.note_fill_failure(
+        namespace, name, {"pid": os.getpid(), "t0": now - float(err.elapsed_s or 0.0), "t1": now, "tried": _tried(err)}
+    )
 
 
 def after_others(cache, namespace: str, name: str, err: OriginError, since: float) -> OriginError:
@@ -72,8 +74,17 @@ def after_others(cache, namespace: str, name: str, err: OriginError, since: floa
     now = time.time()
     tried = earlier + _tried(err)
     first = min(first, now - float(err.elapsed_s or 0.0))
-    return type(err)(err.url, err.detail, err.start, err.end, sum(a for _, a, _ in tried), code=err.code,
-                     status=err.status, elapsed_s=now - first, tried=tried)
+    return type(err)(
+        err.url,
+        err.detail,
+        err.start,
+        err.end,
+        sum(a for _, a, _ in tried),
+        code=err.code,
+        status=err.status,
+        elapsed_s=now - first,
+        tried=tried,
+    )
 
 
 def fetch(reader, b: int, name: str, since: float) -> bytes:

@@ -29,6 +29,7 @@ The Parquet file's key-value metadata ``stoker`` holds JSON: format version,
 the shard table (name, bytes, samples), the class names and the content
 ``version`` (xxh3-128 over the index content), which keys every cache entry.
 """
+
 from __future__ import annotations
 
 import io
@@ -53,21 +54,24 @@ FORMAT_VERSION = 2
 #: Index formats this code reads (1: no named fields).
 READABLE_FORMATS = (1, 2)
 
-MEMBER_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()),
-                         ("length", pa.int64()), ("checksum", pa.uint64())])
+MEMBER_TYPE = pa.struct(
+    [("name", pa.string()), ("offset", pa.int64()), ("length", pa.int64()), ("checksum", pa.uint64())]
+)
 
-SCHEMA = pa.schema([
-    ("sample_id", pa.int64()),
-    ("key", pa.string()),
-    ("label", pa.int64()),
-    ("class_name", pa.dictionary(pa.int32(), pa.string())),
-    ("shard", pa.int32()),
-    ("offset", pa.int64()),
-    ("length", pa.int64()),
-    ("checksum", pa.uint64()),
-    ("field", pa.dictionary(pa.int32(), pa.string())),
-    ("fields", pa.list_(MEMBER_TYPE)),
-])
+SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.int64()),
+        ("key", pa.string()),
+        ("label", pa.int64()),
+        ("class_name", pa.dictionary(pa.int32(), pa.string())),
+        ("shard", pa.int32()),
+        ("offset", pa.int64()),
+        ("length", pa.int64()),
+        ("checksum", pa.uint64()),
+        ("field", pa.dictionary(pa.int32(), pa.string())),
+        ("fields", pa.list_(MEMBER_TYPE)),
+    ]
+)
 
 
 @dataclass
@@ -132,7 +136,7 @@ class DatasetIndex:
             return str(self.keys[int(i)].as_py())
         offsets, data = kb
         i = int(i)
-        return str(data[offsets[i]:offsets[i + 1]], "utf-8")
+        return str(data[offsets[i] : offsets[i + 1]], "utf-8")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -159,8 +163,7 @@ class DatasetIndex:
         m = self.members
         if m is not None:
             for j in range(int(m.start[i]), int(m.start[i + 1])):
-                out.append((self.names[int(m.name[j])], int(m.offset[j]), int(m.length[j]),
-                            int(m.checksum[j])))
+                out.append((self.names[int(m.name[j])], int(m.offset[j]), int(m.length[j]), int(m.checksum[j])))
         return out
 
 
@@ -186,16 +189,29 @@ def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, bytes] | Literal[False]:
     return offsets, (dbuf.to_pybytes() if dbuf is not None else b"")
 
 
-def content_version(keys: pa.Array, labels: Any, shard: Any, offset: Any, length: Any, checksum: Any,
-                    shards: list[dict[str, Any]], extra: tuple[bytes, ...] = ()) -> str:
+def content_version(
+    keys: pa.Array,
+    labels: Any,
+    shard: Any,
+    offset: Any,
+    length: Any,
+    checksum: Any,
+    shards: list[dict[str, Any]],
+    extra: tuple[bytes, ...] = (),
+) -> str:
     """xxh3-128 hex digest over the index content (keys, columns, shard table, ``extra`` bytes)."""
     h = xxhash.xxh3_128()
     keys = keys.cast(pa.string()) if keys.type != pa.string() else keys
     for buf in keys.buffers():
         if buf is not None:
             h.update(memoryview(buf))
-    for arr, dt in ((labels, np.int64), (shard, np.int32), (offset, np.int64),
-                    (length, np.int64), (checksum, np.uint64)):
+    for arr, dt in (
+        (labels, np.int64),
+        (shard, np.int32),
+        (offset, np.int64),
+        (length, np.int64),
+        (checksum, np.uint64),
+    ):
         h.update(np.ascontiguousarray(arr, dtype=dt).tobytes())
     for chunk in extra:
         h.update(chunk)
@@ -203,9 +219,19 @@ def content_version(keys: pa.Array, labels: Any, shard: Any, offset: Any, length
     return h.hexdigest()
 
 
-def build_table(keys: list[str], labels: Any, class_names: list[str], shard: Any, offset: Any, length: Any,
-                checksum: Any, shards: list[dict[str, Any]], classes: list[str], field: list[str] | None = None,
-                fields: list[Any] | None = None) -> tuple[pa.Table, str]:
+def build_table(
+    keys: list[str],
+    labels: Any,
+    class_names: list[str],
+    shard: Any,
+    offset: Any,
+    length: Any,
+    checksum: Any,
+    shards: list[dict[str, Any]],
+    classes: list[str],
+    field: list[str] | None = None,
+    fields: list[Any] | None = None,
+) -> tuple[pa.Table, str]:
     """Assemble the index table and its metadata. Returns (table, version).
 
     ``field``: primary field name per sample (default ""); ``fields``: per sample
@@ -221,36 +247,42 @@ def build_table(keys: list[str], labels: Any, class_names: list[str], shard: Any
     checksum = np.asarray(checksum, dtype=np.uint64)
     field_arr = pa.array(list(field) if field is not None else [""] * n, type=pa.string())
     rows = list(fields) if fields is not None else [None] * n
-    fields_arr = pa.array([None if not r else [{"name": a, "offset": b, "length": c, "checksum": d}
-                                               for a, b, c, d in r] for r in rows],
-                          type=pa.list_(MEMBER_TYPE))
-    version = content_version(key_arr, labels, shard, offset, length, checksum, shards,
-                              tuple(_fields_digest_chunks(field_arr, fields_arr)))
+    fields_arr = pa.array(
+        [None if not r else [{"name": a, "offset": b, "length": c, "checksum": d} for a, b, c, d in r] for r in rows],
+        type=pa.list_(MEMBER_TYPE),
+    )
+    version = content_version(
+        key_arr, labels, shard, offset, length, checksum, shards, tuple(_fields_digest_chunks(field_arr, fields_arr))
+    )
     meta = {"format": FORMAT_VERSION, "version": version, "shards": shards, "classes": classes}
-    table = pa.table({
-        "sample_id": pa.array(np.arange(n, dtype=np.int64)),
-        "key": key_arr,
-        "label": pa.array(labels),
-        "class_name": pa.array(class_names, type=pa.string()).dictionary_encode(),
-        "shard": pa.array(shard),
-        "offset": pa.array(offset),
-        "length": pa.array(length),
-        "checksum": pa.array(checksum),
-        "field": field_arr.dictionary_encode(),
-        "fields": fields_arr,
-    }, schema=SCHEMA.with_metadata({"stoker": json.dumps(meta)}))
+    table = pa.table(
+        {
+            "sample_id": pa.array(np.arange(n, dtype=np.int64)),
+            "key": key_arr,
+            "label": pa.array(labels),
+            "class_name": pa.array(class_names, type=pa.string()).dictionary_encode(),
+            "shard": pa.array(shard),
+            "offset": pa.array(offset),
+            "length": pa.array(length),
+            "checksum": pa.array(checksum),
+            "field": field_arr.dictionary_encode(),
+            "fields": fields_arr,
+        },
+        schema=SCHEMA.with_metadata({"stoker": json.dumps(meta)}),
+    )
     return table, version
 
 
 def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array) -> Iterator[bytes]:
     """Deterministic byte chunks over the ``field`` and ``fields`` columns (for the content version)."""
+
     def strings(arr: Any) -> Iterator[bytes]:
         arr = pc.fill_null(arr.cast(pa.string()), "")
         if not len(arr):
             return
-        offs = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr) + 1]
+        offs = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
         yield (offs - offs[0]).tobytes()
-        yield bytes(memoryview(arr.buffers()[2] or b"")[offs[0]:offs[-1]])
+        yield bytes(memoryview(arr.buffers()[2] or b"")[offs[0] : offs[-1]])
 
     yield from strings(field_arr)
     counts = pc.fill_null(pc.list_value_length(fields_arr), 0).to_numpy(zero_copy_only=False)
@@ -290,7 +322,8 @@ def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list[str], Member
         name=name_codes.to_numpy(zero_copy_only=False).astype(np.int32),
         offset=flat.field("offset").to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
         length=flat.field("length").to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        checksum=flat.field("checksum").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False))
+        checksum=flat.field("checksum").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False),
+    )
     return codes, names, members
 
 
@@ -309,8 +342,9 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
     except Exception as exc:  # noqa: BLE001
         raise IndexFormatError(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
     if meta.get("format") not in READABLE_FORMATS:
-        raise IndexFormatError(f"{url}: unsupported index format {meta.get('format')!r} "
-                          f"(this stoker reads formats {READABLE_FORMATS})")
+        raise IndexFormatError(
+            f"{url}: unsupported index format {meta.get('format')!r} (this stoker reads formats {READABLE_FORMATS})"
+        )
     ids = table.column("sample_id").to_numpy()
     if not np.array_equal(ids, np.arange(len(ids))):
         raise IndexFormatError(f"{url}: sample_id column is not 0..N-1")
@@ -329,8 +363,12 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
         offset=table.column("offset").to_numpy().astype(np.int64, copy=False),
         length=table.column("length").to_numpy().astype(np.int64, copy=False),
         checksum=table.column("checksum").to_numpy().astype(np.uint64, copy=False),
-        shards=meta["shards"], classes=meta["classes"], version=meta["version"],
-        field=field, names=names, members=members,
+        shards=meta["shards"],
+        classes=meta["classes"],
+        version=meta["version"],
+        field=field,
+        names=names,
+        members=members,
     )
     validate(idx, url)
     return idx
@@ -354,5 +392,7 @@ def validate(idx: DatasetIndex, url: str = "<index>") -> None:
         bad[owner[mbad]] = True
     if np.any(bad):
         i = int(np.argmax(bad))
-        raise IndexFormatError(f"{url}: sample {idx.key(i)!r} extends past the end of shard "
-                          f"{idx.shard_name(idx.shard[i])!r} or its members are out of order")
+        raise IndexFormatError(
+            f"{url}: sample {idx.key(i)!r} extends past the end of shard "
+            f"{idx.shard_name(idx.shard[i])!r} or its members are out of order"
+        )

@@ -1,6 +1,7 @@
 """Key hashing for the sample directory: 64-bit hashes of every key, computed with numpy straight
 from the pyarrow string buffers (no Python loop over samples), and the sorted hash table that
 answers key -> id lookups (each hit checked against the key bytes)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,8 +43,7 @@ def _string_buffers(keys: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     if bufs[1] is None:  # empty array
         offsets = np.zeros(n + 1, dtype=off_type)
     else:
-        offsets = np.frombuffer(bufs[1], dtype=off_type, count=n + 1,
-                                offset=keys.offset * np.dtype(off_type).itemsize)
+        offsets = np.frombuffer(bufs[1], dtype=off_type, count=n + 1, offset=keys.offset * np.dtype(off_type).itemsize)
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
     return keys, offsets, data
 
@@ -128,7 +128,7 @@ def _hash_one(kb: bytes) -> int:
     m = 0xFFFFFFFFFFFFFFFF
     h = (len(kb) * _K0_INT) & m
     for k in range(0, len(kb), 8):
-        h ^= int.from_bytes(kb[k:k + 8], "little")
+        h ^= int.from_bytes(kb[k : k + 8], "little")
         h = (h * _K1_INT) & m
         h ^= h >> 29
     h ^= h >> 30

@@ -30,6 +30,7 @@ then positions in key order and :meth:`KeyTable.ids` maps them to ids.
 Module functions :func:`ls` and :func:`stat` format the ``stoker ls`` and
 ``stoker stat`` output (see :mod:`stoker.store.listing`).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -139,8 +140,7 @@ class KeyTable:
         """Resident bytes of the directory's arrays: the index's columns and keys, plus
         ``order`` and the key table when present (Python object overhead not counted)."""
         idx = self.index
-        total = self.keys.nbytes + sum(a.nbytes for a in (idx.labels, idx.shard, idx.offset,
-                                                           idx.length, idx.checksum))
+        total = self.keys.nbytes + sum(a.nbytes for a in (idx.labels, idx.shard, idx.offset, idx.length, idx.checksum))
         if self.order is not None:
             total += self.order.nbytes
         t = self._table
@@ -151,7 +151,7 @@ class KeyTable:
     def _key_bytes(self, i: int) -> bytes:
         """UTF-8 bytes of the key of sample id ``i`` (no bounds check)."""
         o = self._offsets
-        return self._mv[o[i]:o[i + 1]].tobytes()
+        return self._mv[o[i] : o[i + 1]].tobytes()
 
     def _ranked_bytes(self, pos: int) -> bytes:
         """Key bytes of the ``pos``-th key in key order."""
@@ -172,9 +172,15 @@ class KeyTable:
         """The record of sample ``i``. Raises IndexError unless 0 <= i < N."""
         i = self._check_id(i)
         idx = self.index
-        return SampleRecord(i, self._key_bytes(i).decode("utf-8"), int(idx.labels[i]),
-                            idx.shards[int(idx.shard[i])]["name"], int(idx.offset[i]),
-                            int(idx.length[i]), int(idx.checksum[i]))
+        return SampleRecord(
+            i,
+            self._key_bytes(i).decode("utf-8"),
+            int(idx.labels[i]),
+            idx.shards[int(idx.shard[i])]["name"],
+            int(idx.offset[i]),
+            int(idx.length[i]),
+            int(idx.checksum[i]),
+        )
 
     def lookup(self, ids) -> dict:
         """Vectorised lookup of many ids (array-like of ints, shape (M,)).
@@ -189,8 +195,13 @@ class KeyTable:
             bad = ids[(ids < 0) | (ids >= len(self))][0]
             raise IndexError(f"sample id {int(bad)} out of range for {len(self)} samples")
         idx = self.index
-        return {"label": idx.labels[ids], "shard": idx.shard[ids], "offset": idx.offset[ids],
-                "length": idx.length[ids], "checksum": idx.checksum[ids]}
+        return {
+            "label": idx.labels[ids],
+            "shard": idx.shard[ids],
+            "offset": idx.offset[ids],
+            "length": idx.length[ids],
+            "checksum": idx.checksum[ids],
+        }
 
     def keys_of(self, ids) -> pa.Array:
         """Keys of many ids as a pyarrow string array (M,). IndexError on a bad id."""
@@ -359,7 +370,7 @@ class KeyTable:
                 sub = k[: j + 1]
                 ls_ = len(sub)
                 end = bisect.bisect_right(range(stop), sub, pos, stop, key=lambda q: kb(q)[:ls_])
-                out.append((k[lp:j + 1].decode("utf-8", "surrogatepass"), False, pos, end))
+                out.append((k[lp : j + 1].decode("utf-8", "surrogatepass"), False, pos, end))
                 pos = end
         self._listing_cache[cache_key] = out
         if len(self._listing_cache) > 256:
@@ -372,7 +383,13 @@ class KeyTable:
         directory_bytes}``: counts are ints, bytes in bytes, version the index's content
         version (hex str)."""
         idx = self.index
-        return {"samples": len(self), "payload_bytes": idx.total_bytes,
-                "shards": len(idx.shards), "shard_bytes": int(sum(int(s["bytes"]) for s in idx.shards)),
-                "classes": len(idx.classes), "version": idx.version,
-                "keys_sorted": self.keys_sorted, "directory_bytes": self.nbytes}
+        return {
+            "samples": len(self),
+            "payload_bytes": idx.total_bytes,
+            "shards": len(idx.shards),
+            "shard_bytes": int(sum(int(s["bytes"]) for s in idx.shards)),
+            "classes": len(idx.classes),
+            "version": idx.version,
+            "keys_sorted": self.keys_sorted,
+            "directory_bytes": self.nbytes,
+        }

@@ -29,6 +29,7 @@ exactly one wins:
 Expiry compares Unix times taken on different hosts: their clocks must agree to
 well within ``ttl_s``.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,8 +94,9 @@ class _Local:
 
     def create(self, data: bytes):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        if not write_atomic(self.path, data, mode=umask_mode(), replace=False, fsync=True,
-                            tmp_prefix=f"{self.path}.new-"):
+        if not write_atomic(
+            self.path, data, mode=umask_mode(), replace=False, fsync=True, tmp_prefix=f"{self.path}.new-"
+        ):
             raise _Conflict()
         return data
 
@@ -141,8 +143,10 @@ class _S3:
         try:
             return self.fs.call_s3(op, Bucket=self.bucket, Key=self.key, **kw)
         except FileNotFoundError as exc:
-            missing = (f"the destination bucket {self.bucket!r} does not exist (create it, or check the "
-                       f"endpoint in the storage options or the AWS environment): {exc}")
+            missing = (
+                f"the destination bucket {self.bucket!r} does not exist (create it, or check the "
+                f"endpoint in the storage options or the AWS environment): {exc}"
+            )
             raise OriginNotFoundError(url, missing if "bucket" in str(exc).lower() else str(exc)) from exc
         except PermissionError as exc:
             raise OriginPermissionError(url, str(exc)) from exc
@@ -243,10 +247,18 @@ class PackLease:
 
     def _body(self) -> bytes:
         now = time.time()
-        return json.dumps({"host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(),
-                           "run": self.run,
-                           "started_unix": self.started_unix, "renewed_unix": now,
-                           "expires_unix": now + self.ttl_s, "ttl_s": self.ttl_s}).encode()
+        return json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pidns": _pid_namespace(),
+                "pid": os.getpid(),
+                "run": self.run,
+                "started_unix": self.started_unix,
+                "renewed_unix": now,
+                "expires_unix": now + self.ttl_s,
+                "ttl_s": self.ttl_s,
+            }
+        ).encode()
 
     def _read_owner(self) -> tuple[dict | None, object]:
         data, token = self._io.read()
@@ -287,10 +299,19 @@ class PackLease:
             if not self._dead(owner):
                 raise PackLeaseError(self.url, owner)
             expires = float(owner.get("expires_unix") or 0)
-            why = (f"its lease expired {_when(expires)}" if expires < time.time() else
-                   f"its process is gone from this host; the lease would have expired {_when(expires)}")
-            log.warning("%s: taking over the lease of a pack that died (host %r, pid %s, run %s): %s",
-                        self.url, owner.get("host"), owner.get("pid"), owner.get("run"), why)
+            why = (
+                f"its lease expired {_when(expires)}"
+                if expires < time.time()
+                else f"its process is gone from this host; the lease would have expired {_when(expires)}"
+            )
+            log.warning(
+                "%s: taking over the lease of a pack that died (host %r, pid %s, run %s): %s",
+                self.url,
+                owner.get("host"),
+                owner.get("pid"),
+                owner.get("run"),
+                why,
+            )
             try:
                 self._token = self._io.replace(self._body(), token)
                 break
@@ -323,8 +344,9 @@ class PackLease:
                     owner, _ = self._read_owner()
                     self._lost = f"taken over by {owner}" if owner else "the lease object was removed"
             if self._lost is not None:
-                raise PackLeaseLostError(f"{self.url}: this pack lost its lease ({self._lost}); "
-                                         "it stops without installing an index")
+                raise PackLeaseLostError(
+                    f"{self.url}: this pack lost its lease ({self._lost}); it stops without installing an index"
+                )
 
     def check(self) -> None:
         """Raise :class:`PackLeaseLostError` if the lease is no longer this run's. Makes no request
@@ -333,8 +355,9 @@ class PackLease:
         if self._lost is None and time.monotonic() - self._renewed_mono > self.ttl_s / 2:
             self.renew()
         if self._lost is not None:
-            raise PackLeaseLostError(f"{self.url}: this pack lost its lease ({self._lost}); "
-                                     "it stops without installing an index")
+            raise PackLeaseLostError(
+                f"{self.url}: this pack lost its lease ({self._lost}); it stops without installing an index"
+            )
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -357,8 +380,7 @@ class PackLease:
                 except _Conflict:
                     pass
                 except Exception as exc:  # noqa: BLE001 - it expires by itself
-                    log.warning("%s: could not remove the pack lease (it expires by itself): %s",
-                                self.url, exc)
+                    log.warning("%s: could not remove the pack lease (it expires by itself): %s", self.url, exc)
             self._token = None
 
     def __enter__(self) -> "PackLease":

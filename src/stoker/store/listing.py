@@ -1,4 +1,5 @@
 """What `stoker ls` and `stoker stat` print (the commands themselves are in :mod:`stoker.cli.data`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -67,8 +68,11 @@ def _empty_classes(directory: KeyTable, listed: set[str]) -> list[str]:
     if not classes:
         return []
     counts = np.bincount(np.asarray(directory.index.labels, dtype=np.int64).clip(min=0), minlength=len(classes))
-    return [f"{name}/\t0 samples\tlabel {label} (empty class)" for label, name in enumerate(classes)
-            if counts[label] == 0 and f"{name}/" not in listed]
+    return [
+        f"{name}/\t0 samples\tlabel {label} (empty class)"
+        for label, name in enumerate(classes)
+        if counts[label] == 0 and f"{name}/" not in listed
+    ]
 
 
 def stat(directory: KeyTable, url: str | None = None) -> list[str]:
@@ -76,14 +80,16 @@ def stat(directory: KeyTable, url: str | None = None) -> list[str]:
     then the class mapping, one ``  <label>\t<class name>`` line per class in label order."""
     s = directory.summary()
     lines = [f"url: {url}"] if url is not None else []
-    lines += [f"samples: {s['samples']}",
-              f"payload_bytes: {s['payload_bytes']} ({_human(s['payload_bytes'])})",
-              f"shards: {s['shards']}",
-              f"shard_bytes: {s['shard_bytes']} ({_human(s['shard_bytes'])})",
-              f"classes: {s['classes']}",
-              f"version: {s['version']}",
-              f"keys_sorted: {s['keys_sorted']}",
-              f"directory_bytes: {s['directory_bytes']} ({_human(s['directory_bytes'])})"]
+    lines += [
+        f"samples: {s['samples']}",
+        f"payload_bytes: {s['payload_bytes']} ({_human(s['payload_bytes'])})",
+        f"shards: {s['shards']}",
+        f"shard_bytes: {s['shard_bytes']} ({_human(s['shard_bytes'])})",
+        f"classes: {s['classes']}",
+        f"version: {s['version']}",
+        f"keys_sorted: {s['keys_sorted']}",
+        f"directory_bytes: {s['directory_bytes']} ({_human(s['directory_bytes'])})",
+    ]
     classes = directory.index.classes
     if classes:
         lines.append("class mapping (label, class name):")

@@ -17,6 +17,7 @@ rewritten) and finishes the job.
 A sample's members are written contiguously, primary payload first, as tar
 members ``<key>.<field>``; sample ids are in sorted key order for every source.
 """
+
 from __future__ import annotations
 
 import json
@@ -148,14 +149,26 @@ def _etag(dest: Origin, name: str) -> str | None:
     return str(tag).strip('"') if tag else None
 
 
-def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-         storage_options: dict | None = None, src_storage_options: dict | None = None,
-         dst_storage_options: dict | None = None,
-         read_workers: int = 16, progress: bool = False, shuffle_seed: int | None = 0,
-         source: str | None = None, lease_s: float = DEFAULT_LEASE_S,
-         classes: list[str] | str | None = None, src_options: dict | None = None,
-         dst_options: dict | None = None, column: str | None = None,
-         key_column: str | None = None) -> PackResult:
+def pack(
+    src: str,
+    dst: str,
+    *,
+    shard_bytes: int | str = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    src_storage_options: dict | None = None,
+    dst_storage_options: dict | None = None,
+    read_workers: int = 16,
+    progress: bool = False,
+    shuffle_seed: int | None = 0,
+    source: str | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    classes: list[str] | str | None = None,
+    src_options: dict | None = None,
+    dst_options: dict | None = None,
+    column: str | None = None,
+    key_column: str | None = None,
+) -> PackResult:
     """Pack the source at ``src`` into a stoker dataset at ``dst`` (fsspec URLs).
 
     Storage options (fsspec; S3: ``endpoint_url``, ``key``, ``secret``, ``profile``, ...):
@@ -216,14 +229,32 @@ def pack(src: str, dst: str, *, shard_bytes: int | str = DEFAULT_SHARD_BYTES, ov
     dest = Origin(dst, dst_options or {})
     kind = detect_source(source_origin, source)
     if (kind == "parquet") != (column is not None):
-        raise ValueError("column (--column) names the Parquet column of the sample bytes: it is needed with "
-                         f"source='parquet' and only there (source is {kind!r})")
+        raise ValueError(
+            "column (--column) names the Parquet column of the sample bytes: it is needed with "
+            f"source='parquet' and only there (source is {kind!r})"
+        )
     if classes is not None:
         classes = load_class_list(classes, dst_options)
     made = _first_missing_dir(dest)
     try:
-        return _pack_into(dest, dst, kind, src, source_origin, src_options, shard_bytes, overwrite, read_workers,
-                          progress, shuffle_seed, classes, column, key_column, lease_s, t0)
+        return _pack_into(
+            dest,
+            dst,
+            kind,
+            src,
+            source_origin,
+            src_options,
+            shard_bytes,
+            overwrite,
+            read_workers,
+            progress,
+            shuffle_seed,
+            classes,
+            column,
+            key_column,
+            lease_s,
+            t0,
+        )
     except BaseException:
         if made is not None:
             _remove_if_empty(dest, made)  # a failed first pack leaves no empty directories behind
@@ -262,38 +293,87 @@ def _remove_if_empty(dest: Origin, top: str) -> None:
         pass
 
 
-def _pack_into(dest, dst, kind, src, source_origin, src_options, shard_bytes, overwrite, read_workers, progress,
-               shuffle_seed, classes, column, key_column, lease_s, t0) -> PackResult:
+def _pack_into(
+    dest,
+    dst,
+    kind,
+    src,
+    source_origin,
+    src_options,
+    shard_bytes,
+    overwrite,
+    read_workers,
+    progress,
+    shuffle_seed,
+    classes,
+    column,
+    key_column,
+    lease_s,
+    t0,
+) -> PackResult:
     """The body of :func:`pack` from the lease on (arguments as there)."""
     with PackLease(dest, lease_s) as lease:
         if dest.exists(INDEX_NAME):
             if not overwrite:
-                raise DatasetExistsError(f"the destination {dst} already holds a dataset "
-                                         f"({dest.full_url(INDEX_NAME)} exists; pass --overwrite to replace it)")
+                raise DatasetExistsError(
+                    f"the destination {dst} already holds a dataset "
+                    f"({dest.full_url(INDEX_NAME)} exists; pass --overwrite to replace it)"
+                )
             dest.retry(dest.full_url(INDEX_NAME), lambda: dest.fs.rm(dest.path(INDEX_NAME)))
         if kind == "imagefolder":
-            done = _pack_image_folder(source_origin, dest, shard_bytes, overwrite, read_workers, progress,
-                                      shuffle_seed, lease.check, classes)
+            done = _pack_image_folder(
+                source_origin, dest, shard_bytes, overwrite, read_workers, progress, shuffle_seed, lease.check, classes
+            )
         else:
-            done = _pack_stream(kind, src, source_origin, dest, shard_bytes, overwrite, read_workers,
-                                progress, shuffle_seed, src_options, lease.check, classes, (column, key_column))
+            done = _pack_stream(
+                kind,
+                src,
+                source_origin,
+                dest,
+                shard_bytes,
+                overwrite,
+                read_workers,
+                progress,
+                shuffle_seed,
+                src_options,
+                lease.check,
+                classes,
+                (column, key_column),
+            )
         shard_table, rows, labels, class_names, class_list, reused, skipped = done
         order = sorted(range(len(rows)), key=lambda j: rows[j][0])
         keys = [rows[j][0] for j in order]
         prim = [rows[j][2][0] for j in order]
         table, version = build_table(
-            keys, [labels[j] for j in order], [class_names[j] for j in order],
-            [rows[j][1] for j in order], [p[1] for p in prim], [p[2] for p in prim], [p[3] for p in prim],
-            shard_table, class_list, field=[p[0] for p in prim],
-            fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order])
+            keys,
+            [labels[j] for j in order],
+            [class_names[j] for j in order],
+            [rows[j][1] for j in order],
+            [p[1] for p in prim],
+            [p[2] for p in prim],
+            [p[3] for p in prim],
+            shard_table,
+            class_list,
+            field=[p[0] for p in prim],
+            fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order],
+        )
         lease.renew()  # still ours, with a full lease_s ahead for the index write
         dest.write_atomic(INDEX_NAME, table_to_bytes(table))
         _remove_stale_shards(dest, {s["name"] for s in shard_table})
     payload = sum(m[2] for r in rows for m in r[2])
-    return PackResult(url=dst, samples=len(keys), classes=len(class_list), shards=len(shard_table),
-                      payload_bytes=int(payload), shard_bytes=sum(s["bytes"] for s in shard_table),
-                      reused_shards=reused, skipped_files=skipped, seconds=time.perf_counter() - t0,
-                      version=version, source=kind)
+    return PackResult(
+        url=dst,
+        samples=len(keys),
+        classes=len(class_list),
+        shards=len(shard_table),
+        payload_bytes=int(payload),
+        shard_bytes=sum(s["bytes"] for s in shard_table),
+        reused_shards=reused,
+        skipped_files=skipped,
+        seconds=time.perf_counter() - t0,
+        version=version,
+        source=kind,
+    )
 
 
 def finished_shards(dst: str, storage_options: dict | None = None) -> int:
@@ -315,8 +395,11 @@ def side_options(side: str, both: dict | None, new: dict | None, old: dict | Non
     if old is not None:
         if new is not None:
             raise ValueError(f"pack: give {side}_storage_options or its old name {side}_options, not both")
-        warnings.warn(f"pack(): {side}_options= is deprecated; use {side}_storage_options= "
-                      "(or storage_options= for both URLs)", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"pack(): {side}_options= is deprecated; use {side}_storage_options= (or storage_options= for both URLs)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         new = old
     return dict(new if new is not None else both or {})
 
@@ -350,8 +433,9 @@ def _rows_of(shard: int, man: dict) -> list:
     return [(key, shard, members) for key, members in man["samples"]]
 
 
-def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                       shuffle_seed, guard, classes):
+def _pack_image_folder(
+    source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress, shuffle_seed, guard, classes
+):
     listing = list_image_folder(source, classes)
     placed = listing.files
     if shuffle_seed is not None:
@@ -359,8 +443,9 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
         placed = [placed[i] for i in perm]
     plan = plan_shards(placed, shard_bytes)
     total = sum(f.size for f in listing.files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"pack {len(plan)} shards",
-               disable=not progress, mininterval=0.5)
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"pack {len(plan)} shards", disable=not progress, mininterval=0.5
+    )
     pool = ThreadPoolExecutor(read_workers)
 
     def do_shard(i: int, members: list[SourceFile]):
@@ -390,8 +475,14 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
     info = {f.key: f for f in listing.files}
     shard_table, rows = [], []
     for i, (members, (man, _)) in enumerate(zip(plan, results)):
-        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(members),
-                            **({"etag": man["etag"]} if man.get("etag") else {})})
+        shard_table.append(
+            {
+                "name": man["name"],
+                "bytes": man["bytes"],
+                "samples": len(members),
+                **({"etag": man["etag"]} if man.get("etag") else {}),
+            }
+        )
         rows += _rows_of(i, man)
     labels = [info[r[0]].label for r in rows]
     cnames = [info[r[0]].class_name for r in rows]
@@ -399,8 +490,21 @@ def _pack_image_folder(source: Origin, dest: Origin, shard_bytes, overwrite, rea
     return shard_table, rows, labels, cnames, listing.classes, reused, len(listing.skipped)
 
 
-def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite, read_workers, progress,
-                 shuffle_seed, src_options, guard, classes, columns=(None, None)):
+def _pack_stream(
+    kind,
+    src,
+    source: Origin,
+    dest: Origin,
+    shard_bytes,
+    overwrite,
+    read_workers,
+    progress,
+    shuffle_seed,
+    src_options,
+    guard,
+    classes,
+    columns=(None, None),
+):
     skipped: list = []
     if kind == "webdataset":
         samples = iter_samples(expand_urls(src, src_options), src_options, skipped)
@@ -430,8 +534,14 @@ def _pack_stream(kind, src, source: Origin, dest: Origin, shard_bytes, overwrite
     def finish(fut) -> None:
         nonlocal reused
         i, man, was_reused = fut.result()
-        shard_table.append({"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"]),
-                            **({"etag": man["etag"]} if man.get("etag") else {})})
+        shard_table.append(
+            {
+                "name": man["name"],
+                "bytes": man["bytes"],
+                "samples": len(man["samples"]),
+                **({"etag": man["etag"]} if man.get("etag") else {}),
+            }
+        )
         rows.extend(_rows_of(i, man))
         reused += was_reused
 

@@ -5,6 +5,7 @@ and each member's payload offset is recorded so the index can address it with on
 ranged read. Members get fixed metadata (mtime 0, uid/gid 0, mode 0644) so the same
 input always gives byte-identical shards.
 """
+
 from __future__ import annotations
 
 import io
@@ -54,6 +55,6 @@ def build_shard(members: list[tuple[str, bytes]]) -> tuple[bytes, list[tuple[int
     data = buf.getvalue()
     view = memoryview(data)
     for (off, n, _), (_, payload) in zip(entries, members):
-        if view[off:off + n] != payload:  # tarfile contract check: the offset must address the payload
+        if view[off : off + n] != payload:  # tarfile contract check: the offset must address the payload
             raise AssertionError(f"tar offset mismatch for member at {off}")
     return data, entries

@@ -19,6 +19,7 @@
 Keys are stored as UTF-8 strings. A source file or tar member whose name is not
 valid UTF-8 is refused with a ValueError naming it (keys are never altered).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,9 @@ SOURCES = ("imagefolder", "webdataset", "filelist", "files", "parquet")
 #: Operating-system and tool metadata names (compared case-insensitively) that are never
 #: classes or samples, besides every name that starts with "." (``.ipynb_checkpoints``,
 #: ``.DS_Store``, AppleDouble ``._*`` files, ``.Trash-1000``).
-IGNORED_NAMES = frozenset({"__macosx", "thumbs.db", "ehthumbs.db", "desktop.ini", "$recycle.bin",
-                           "system volume information"})
+IGNORED_NAMES = frozenset(
+    {"__macosx", "thumbs.db", "ehthumbs.db", "desktop.ini", "$recycle.bin", "system volume information"}
+)
 
 
 def is_ignored_name(name: str) -> bool:
@@ -93,8 +95,9 @@ def check_utf8(name: str, where: str) -> str:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raw = name.encode("utf-8", "surrogateescape")
-        raise SourceError(f"{where}: name {raw!r} is not valid UTF-8; stoker keys are UTF-8 "
-                         "strings (rename the file or member)") from None
+        raise SourceError(
+            f"{where}: name {raw!r} is not valid UTF-8; stoker keys are UTF-8 strings (rename the file or member)"
+        ) from None
     return name
 
 
@@ -121,8 +124,9 @@ def detect_source(origin, source: str | None = None) -> str:
     fs, root = origin.fs, origin.root.rstrip("/")
     try:
         if fs.isdir(root):
-            top = [e for e in fs.ls(root, detail=True)
-                   if not is_ignored_name(posixpath.basename(e["name"].rstrip("/")))]
+            top = [
+                e for e in fs.ls(root, detail=True) if not is_ignored_name(posixpath.basename(e["name"].rstrip("/")))
+            ]
             tars = [e for e in top if e.get("type") == "file" and is_tar_name(e["name"])]
             dirs = [e for e in top if e.get("type") == "directory"]
             return "webdataset" if tars and not dirs else "imagefolder"
@@ -133,8 +137,9 @@ def detect_source(origin, source: str | None = None) -> str:
     return "imagefolder"
 
 
-def resolve_labels(raw: list, classes: list[str] | None = None,
-                   keys: list[str] | None = None) -> tuple[list[int], list[str], list[str]]:
+def resolve_labels(
+    raw: list, classes: list[str] | None = None, keys: list[str] | None = None
+) -> tuple[list[int], list[str], list[str]]:
     """Turn raw labels (int, str or None per sample) into ``(labels, class_names, classes)``.
 
     None -> label -1, class name "". With a class list ``classes`` (label = position):
@@ -144,6 +149,7 @@ def resolve_labels(raw: list, classes: list[str] | None = None,
     an integer (or a string of one), labels are those integers and ``classes`` is
     ``["0", ..., str(max)]``; otherwise labels are class names, numbered in sorted order.
     """
+
     def as_int(v):
         if isinstance(v, bool):
             return None
@@ -161,8 +167,10 @@ def resolve_labels(raw: list, classes: list[str] | None = None,
             lab = -1 if v is None else num.get(v) if isinstance(v, str) and v in num else as_int(v)
             if lab is None or not -1 <= lab < len(classes):
                 who = f"sample {keys[j]!r}" if keys is not None else f"sample {j}"
-                raise SourceError(f"{who}: label {v!r} is not in the class list ({len(classes)} classes: "
-                                 f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
+                raise SourceError(
+                    f"{who}: label {v!r} is not in the class list ({len(classes)} classes: "
+                    f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})"
+                )
             labels.append(lab)
         return labels, ["" if x < 0 else classes[x] for x in labels], list(classes)
     present = [v for v in raw if v is not None]
@@ -208,7 +216,7 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
     entries, skipped, dirs = [], [], set()
     ignored: dict[str, int] = {}  # top-most ignored folder or file -> files under it
     for path, info in sorted(found.items()):
-        rel = posixpath.relpath(path, root) if not path.startswith(root + "/") else path[len(root) + 1:]
+        rel = posixpath.relpath(path, root) if not path.startswith(root + "/") else path[len(root) + 1 :]
         if rel in ("", "."):
             continue
         parts = rel.split("/")
@@ -216,14 +224,16 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
         is_file = kind == "file"
         bad = next((i for i, part in enumerate(parts) if is_ignored_name(part)), None)
         if bad is not None:
-            top = "/".join(parts[:bad + 1]) + ("" if is_file and bad == len(parts) - 1 else "/")
+            top = "/".join(parts[: bad + 1]) + ("" if is_file and bad == len(parts) - 1 else "/")
             ignored[top] = ignored.get(top, 0) + int(is_file)
             continue
         if kind not in ("file", "directory"):
             if info.get("islink"):
                 if not fs.exists(path):  # a broken symlink: stop, rather than drop a sample silently
-                    raise SourceNotFoundError(f"source {origin.url}: {rel} is a symbolic link to "
-                                              f"{info.get('destination', '?')!r}, which does not exist")
+                    raise SourceNotFoundError(
+                        f"source {origin.url}: {rel} is a symbolic link to "
+                        f"{info.get('destination', '?')!r}, which does not exist"
+                    )
                 continue  # a symlink the listing did not follow (a loop back to a parent directory)
             log.warning("%s: %s is not a regular file or directory (%s); skipped", origin.url, rel, kind)
             skipped.append(rel)
@@ -241,47 +251,67 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
         entries.append((parts[0], rel, stem, ext, int(info.get("size") or 0), stamp))
     if ignored:
         names = sorted(ignored)
-        log.warning("%s: ignored %d hidden or OS-metadata entr%s (never classes or samples): %s%s", origin.url,
-                    len(names), "y" if len(names) == 1 else "ies", ", ".join(names[:10]),
-                    f", and {len(names) - 10} more" if len(names) > 10 else "")
+        log.warning(
+            "%s: ignored %d hidden or OS-metadata entr%s (never classes or samples): %s%s",
+            origin.url,
+            len(names),
+            "y" if len(names) == 1 else "ies",
+            ", ".join(names[:10]),
+            f", and {len(names) - 10} more" if len(names) > 10 else "",
+        )
     with_images = {e[0] for e in entries}
     if not with_images:
-        raise SourceError(f"source {origin.url}: no ImageFolder class directory with images "
-                         f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})")
+        raise SourceError(
+            f"source {origin.url}: no ImageFolder class directory with images "
+            f"(expected <root>/<class>/<file>{{{','.join(IMG_EXTENSIONS)}}})"
+        )
     found_classes = sorted(dirs | with_images)
     given = classes is not None
     if classes is not None:
         extra = [c for c in found_classes if c not in set(classes)]
         if extra:
-            raise SourceError(f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
-                             f"{', '.join(map(repr, extra[:10]))} not in the class list "
-                             f"({len(classes)} classes: {', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
+            raise SourceError(
+                f"source {origin.url}: class director{'y' if len(extra) == 1 else 'ies'} "
+                f"{', '.join(map(repr, extra[:10]))} not in the class list "
+                f"({len(classes)} classes: {', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})"
+            )
         classes = list(classes)
     else:
         classes = found_classes
     if len(with_images) == 1 and len(classes) == 1 and all(e[1].count("/") >= 2 for e in entries):
-        log.warning("%s: one class directory %r holding sub-directories; did you mean to pack %s/%s "
-                    "(its sub-directories as the classes)?", origin.url, classes[0], origin.url, classes[0])
+        log.warning(
+            "%s: one class directory %r holding sub-directories; did you mean to pack %s/%s "
+            "(its sub-directories as the classes)?",
+            origin.url,
+            classes[0],
+            origin.url,
+            classes[0],
+        )
     label_of = {c: i for i, c in enumerate(classes)}
     empty = [c for c in classes if c not in with_images]
     if empty:
         # with a class list, classes absent from one split are expected: no warning
-        log.log(logging.INFO if given else logging.WARNING,
-                "%s: %d class%s with no images keep%s the label slot: %s%s", origin.url, len(empty),
-                "" if len(empty) == 1 else "es", "s" if len(empty) == 1 else "",
-                ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]),
-                "" if given else "; pack every split with the same --classes so that labels agree")
+        log.log(
+            logging.INFO if given else logging.WARNING,
+            "%s: %d class%s with no images keep%s the label slot: %s%s",
+            origin.url,
+            len(empty),
+            "" if len(empty) == 1 else "es",
+            "s" if len(empty) == 1 else "",
+            ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]),
+            "" if given else "; pack every split with the same --classes so that labels agree",
+        )
     files = []
     seen: dict[str, str] = {}  # key -> the file it came from
     for cls, rel, stem, ext, size, stamp in entries:
         if stem in seen:
             raise SourceError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
         seen[stem] = rel
-        files.append(SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext,
-                                stamp=stamp))
+        files.append(
+            SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext, stamp=stamp)
+        )
     if skipped:
-        log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url,
-                    len(skipped), skipped[0])
+        log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url, len(skipped), skipped[0])
     return Listing(files=files, classes=classes, skipped=skipped, ignored=sorted(ignored))
 
 

@@ -11,6 +11,7 @@ Two levels:
   sample's bytes against its xxh3-64 checksum; lists each bad sample by key and
   shard.
 """
+
 from __future__ import annotations
 
 import io
@@ -63,9 +64,12 @@ def check_shards(origin: Origin, index: DatasetIndex) -> None:
         if want and got and want != got:
             problems.append(f"{s['name']}: ETag {got} at the origin, the index says {want}")
     if problems:
-        raise DatasetChangedError(f"{origin.url}: the shards changed under the index "
-                                  f"(re-pack, or run `stoker verify`): " + "; ".join(problems[:20])
-                                  + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
+        raise DatasetChangedError(
+            f"{origin.url}: the shards changed under the index "
+            f"(re-pack, or run `stoker verify`): "
+            + "; ".join(problems[:20])
+            + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
 
 
 @dataclass
@@ -76,16 +80,23 @@ class VerifyReport:
     samples: int = 0
     shards: int = 0
     bytes_read: int = 0
-    bad_samples: list = field(default_factory=list)   # [{"key", "shard", "reason"}]
-    bad_shards: list = field(default_factory=list)    # [{"shard", "reason"}]
+    bad_samples: list = field(default_factory=list)  # [{"key", "shard", "reason"}]
+    bad_shards: list = field(default_factory=list)  # [{"shard", "reason"}]
 
     @property
     def ok(self) -> bool:
         return not self.bad_samples and not self.bad_shards
 
     def as_dict(self) -> dict:
-        return {"url": self.url, "ok": self.ok, "samples": self.samples, "shards": self.shards,
-                "bytes_read": self.bytes_read, "bad_samples": self.bad_samples, "bad_shards": self.bad_shards}
+        return {
+            "url": self.url,
+            "ok": self.ok,
+            "samples": self.samples,
+            "shards": self.shards,
+            "bytes_read": self.bytes_read,
+            "bad_samples": self.bad_samples,
+            "bad_shards": self.bad_shards,
+        }
 
 
 def _tar_members(data: bytes) -> dict:
@@ -108,7 +119,7 @@ def _header_before(data, off: int) -> tuple[str, int] | None:
     if off < 512:
         return None
     try:
-        ti = tarfile.TarInfo.frombuf(bytes(data[off - 512:off]), "utf-8", "surrogateescape")
+        ti = tarfile.TarInfo.frombuf(bytes(data[off - 512 : off]), "utf-8", "surrogateescape")
     except tarfile.TarError:
         return None
     return ti.name, ti.size
@@ -130,8 +141,11 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
         bad_shards.append({"shard": name, "reason": f"{len(data)} bytes, the index says {want}"})
     has_fields = index.members is not None
     for i in members:
-        table = (index.member_table(int(i)) if has_fields
-                 else [("", int(index.offset[i]), int(index.length[i]), int(index.checksum[i]))])
+        table = (
+            index.member_table(int(i))
+            if has_fields
+            else [("", int(index.offset[i]), int(index.length[i]), int(index.checksum[i]))]
+        )
         for field_name, off, n, ck in table:
             what = f" field {field_name!r}" if field_name and len(table) > 1 else ""
             expect = f"{index.key(i)}.{field_name}" if field_name else None
@@ -142,17 +156,28 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
                     seen = (expect, seen[1])  # a long name lives in a PAX record the block alone lacks
             if seen is None or seen[1] != n or (expect is not None and seen[0] != expect):
                 got = "no tar header" if seen is None else f"tar header {seen[0]!r}, {seen[1]} bytes"
-                bad_samples.append({"key": index.key(i), "shard": name,
-                                    "reason": f"tar framing{what}: {got} at payload offset {off} "
-                                              f"(tar and WebDataset readers would not find this member)"})
+                bad_samples.append(
+                    {
+                        "key": index.key(i),
+                        "shard": name,
+                        "reason": f"tar framing{what}: {got} at payload offset {off} "
+                        f"(tar and WebDataset readers would not find this member)",
+                    }
+                )
                 break
             if off + n > len(data):
-                bad_samples.append({"key": index.key(i), "shard": name,
-                                    "reason": f"{what.strip() + ': ' if what else ''}beyond the end of the shard"})
+                bad_samples.append(
+                    {
+                        "key": index.key(i),
+                        "shard": name,
+                        "reason": f"{what.strip() + ': ' if what else ''}beyond the end of the shard",
+                    }
+                )
                 break
-            if xxhash.xxh3_64_intdigest(view[off:off + n]) != int(ck):
-                bad_samples.append({"key": index.key(i), "shard": name,
-                                    "reason": f"checksum mismatch{what} at bytes {off}-{off + n}"})
+            if xxhash.xxh3_64_intdigest(view[off : off + n]) != int(ck):
+                bad_samples.append(
+                    {"key": index.key(i), "shard": name, "reason": f"checksum mismatch{what} at bytes {off}-{off + n}"}
+                )
                 break
     bar.update(1)
     return bad_samples, bad_shards, len(data)
@@ -169,16 +194,21 @@ def verify(url: str, storage_options: dict | None = None, workers: int = 4, prog
     try:
         raw = origin.read(INDEX_NAME)
     except FileNotFoundError:
-        raise OriginNotFoundError(origin.full_url(INDEX_NAME),
-                                  f"not found: {url} is not a packed stoker dataset") from None
+        raise OriginNotFoundError(
+            origin.full_url(INDEX_NAME), f"not found: {url} is not a packed stoker dataset"
+        ) from None
     index = read_index(raw, origin.full_url(INDEX_NAME))
     report = VerifyReport(url=url, samples=len(index), shards=len(index.shards))
     order = np.argsort(index.shard, kind="stable")
     bounds = np.searchsorted(index.shard[order], np.arange(len(index.shards) + 1))
-    with tqdm(total=len(index.shards), unit="shard", desc="verify", disable=not progress) as bar, \
-            ThreadPoolExecutor(max(1, workers)) as pool:
-        futs = [pool.submit(_verify_shard, origin, index, s, order[bounds[s]:bounds[s + 1]], bar)
-                for s in range(len(index.shards))]
+    with (
+        tqdm(total=len(index.shards), unit="shard", desc="verify", disable=not progress) as bar,
+        ThreadPoolExecutor(max(1, workers)) as pool,
+    ):
+        futs = [
+            pool.submit(_verify_shard, origin, index, s, order[bounds[s] : bounds[s + 1]], bar)
+            for s in range(len(index.shards))
+        ]
         for f in futs:
             samples, shards, n = f.result()
             report.bad_samples.extend(samples)

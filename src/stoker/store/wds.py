@@ -15,6 +15,7 @@ else the first member; it is stored first, the other members follow in source
 order, all byte-exact. The label is the integer in a ``cls`` member, else the
 ``label`` or ``cls`` field of a ``json`` member, else none (-1).
 """
+
 from __future__ import annotations
 
 import io
@@ -129,7 +130,7 @@ def split_name(name: str) -> tuple[str, str] | None:
     dot = name.find(".", slash + 1)
     if dot <= slash + 1:
         return None
-    return name[:dot], name[dot + 1:]
+    return name[:dot], name[dot + 1 :]
 
 
 def sample_label(fields: dict, where: str):
@@ -156,13 +157,11 @@ def sample_label(fields: dict, where: str):
 def _finish(key: str, members: list, where: str) -> StreamSample:
     fields = dict(members)
     primary = next((i for i, (f, _) in enumerate(members) if f.rsplit(".", 1)[-1].lower() in _IMG_FIELDS), 0)
-    ordered = [members[primary]] + members[:primary] + members[primary + 1:]
-    return StreamSample(key=key, label=sample_label(fields, f"{where}: sample {key!r}"),
-                        members=ordered, where=where)
+    ordered = [members[primary]] + members[:primary] + members[primary + 1 :]
+    return StreamSample(key=key, label=sample_label(fields, f"{where}: sample {key!r}"), members=ordered, where=where)
 
 
-def iter_archive(url: str, storage_options: dict | None = None,
-                 skipped: list | None = None) -> Iterator[StreamSample]:
+def iter_archive(url: str, storage_options: dict | None = None, skipped: list | None = None) -> Iterator[StreamSample]:
     """Stream the samples of one archive. Member names without a field go to ``skipped``.
 
     Raises :class:`stoker.SourceError` (a ValueError) naming the archive and member for a
@@ -202,8 +201,9 @@ def iter_archive(url: str, storage_options: dict | None = None,
         yield _finish(key, members, url)
 
 
-def iter_samples(urls: list[str], storage_options: dict | None = None,
-                 skipped: list | None = None) -> Iterator[StreamSample]:
+def iter_samples(
+    urls: list[str], storage_options: dict | None = None, skipped: list | None = None
+) -> Iterator[StreamSample]:
     """Stream the samples of every archive in ``urls``, in order."""
     for url in urls:
         yield from iter_archive(url, storage_options, skipped)

@@ -4,6 +4,7 @@ it with Pillow (what `torchvision.datasets.ImageFolder` users get, with the same
 transform semantics; torchvision itself does not import beside the CPU torch build
 here, so the Pillow transforms of :mod:`stoker.decode.reference` stand in for it).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,14 +23,15 @@ class FsspecImageFolder:
     Pillow decode and transform. The filesystem is created lazily in each process.
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, transform: str = "train",
-                 size: int = 224, seed: int = 0):
+    def __init__(
+        self, url: str, storage_options: dict | None = None, transform: str = "train", size: int = 224, seed: int = 0
+    ):
         self.url, self.storage_options = url, dict(storage_options or {})
         self.transform, self.size, self.seed = transform, size, seed
         self.epoch = 0
         fs, root = url_to_fs(url, self.storage_options)
         files = sorted(p for p in fs.find(root) if posixpath.splitext(p)[1].lower() in IMG_EXTENSIONS)
-        rels = [p[len(root.rstrip("/")) + 1:] for p in files]
+        rels = [p[len(root.rstrip("/")) + 1 :] for p in files]
         self.classes = sorted({r.split("/")[0] for r in rels})
         cidx = {c: i for i, c in enumerate(self.classes)}
         self.samples = [(p, cidx[r.split("/")[0]]) for p, r in zip(files, rels)]
@@ -51,6 +53,7 @@ class FsspecImageFolder:
         from PIL import Image
 
         from stoker.decode.reference import pillow_eval_transform, pillow_train_transform
+
         path, label = self.samples[i]
         data = self._filesystem().cat_file(path)
         img = Image.open(io.BytesIO(data)).convert("RGB")
@@ -66,7 +69,15 @@ def make_baseline_loader(ds: FsspecImageFolder, batch_size: int, num_workers: in
     """``torch.utils.data.DataLoader`` as the common recipe configures it (shuffle, workers, prefetch 2)."""
     import torch
     from torch.utils.data import DataLoader
+
     g = torch.Generator()
     g.manual_seed(seed)
-    return DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers, generator=g,
-                      persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None)
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        generator=g,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=2 if num_workers else None,
+    )

@@ -10,6 +10,7 @@ every sample of its plan (no decode: decoding costs the same under both placemen
 2-core machine would hide the I/O). Per job and epoch: samples/s (samples / the slowest rank's
 seconds) and the bytes read locally, from peers and from the origin.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,12 +25,21 @@ def _job_rows(placement: str, job: str, results: list, dataset_bytes: int) -> li
         recs = [r["epochs"][e] for r in results]
         samples = sum(x["samples"] for x in recs)
         seconds = max(x["seconds"] for x in recs)
-        row = {"placement": placement, "job": job, "epoch": recs[0]["epoch"], "ranks": len(recs),
-               "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0,
-               "local_bytes": sum(x["local_bytes"] for x in recs), "peer_bytes": sum(x["peer_bytes"] for x in recs),
-               "origin_bytes": sum(x["origin_bytes"] for x in recs),
-               "fallbacks": sum(x["fallbacks"] for x in recs), "dataset_bytes": dataset_bytes,
-               "rank_nodes": [r["node_id"][:8] for r in results]}
+        row = {
+            "placement": placement,
+            "job": job,
+            "epoch": recs[0]["epoch"],
+            "ranks": len(recs),
+            "samples": samples,
+            "seconds": seconds,
+            "samples_per_s": samples / seconds if seconds else 0.0,
+            "local_bytes": sum(x["local_bytes"] for x in recs),
+            "peer_bytes": sum(x["peer_bytes"] for x in recs),
+            "origin_bytes": sum(x["origin_bytes"] for x in recs),
+            "fallbacks": sum(x["fallbacks"] for x in recs),
+            "dataset_bytes": dataset_bytes,
+            "rank_nodes": [r["node_id"][:8] for r in results],
+        }
         tot = row["local_bytes"] + row["peer_bytes"] + row["origin_bytes"]
         for k in ("local", "peer", "origin"):
             row[f"{k}_fraction"] = row[f"{k}_bytes"] / tot if tot else 0.0
@@ -37,9 +47,17 @@ def _job_rows(placement: str, job: str, results: list, dataset_bytes: int) -> li
     return rows
 
 
-def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0,
-        block_bytes: int = 1 << 20, shard_bytes: int = 16 << 20, cache_bytes: int = 256 << 20,
-        workdir: str | None = None, seed: int = 0) -> dict:
+def run(
+    images: int = 900,
+    epochs: int = 3,
+    latency_ms: float = 20.0,
+    bandwidth_MBps: float = 100.0,
+    block_bytes: int = 1 << 20,
+    shard_bytes: int = 16 << 20,
+    cache_bytes: int = 256 << 20,
+    workdir: str | None = None,
+    seed: int = 0,
+) -> dict:
     """Run the benchmark; returns ``{machine, dataset, origin, runs: [...], origin_served}``
     (``runs``: one row per placement, job and epoch; bytes in bytes)."""
     import ray
@@ -58,10 +76,19 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
     os.makedirs(work, exist_ok=True)
     data = os.path.join(work, "data")
     make_sample_data(data, images=images, classes=10, seed=seed)
-    report = {"machine": {"cores": os.cpu_count()}, "origin": {"latency_ms": latency_ms,
-                                                               "bandwidth_MBps": bandwidth_MBps},
-              "config": {"jobs": 2, "nodes": 3, "epochs": epochs, "block_bytes": block_bytes,
-                         "cache_bytes_per_node": cache_bytes}, "runs": [], "origin_served": []}
+    report = {
+        "machine": {"cores": os.cpu_count()},
+        "origin": {"latency_ms": latency_ms, "bandwidth_MBps": bandwidth_MBps},
+        "config": {
+            "jobs": 2,
+            "nodes": 3,
+            "epochs": epochs,
+            "block_bytes": block_bytes,
+            "cache_bytes_per_node": cache_bytes,
+        },
+        "runs": [],
+        "origin_served": [],
+    }
     with LocalS3Origin(latency_ms=latency_ms, bandwidth_MBps=bandwidth_MBps) as origin:
         opts = origin.storage_options()
         upload_tree(os.path.join(data, "train"), origin.url("raw"), origin.storage_options(throttled=False))
@@ -80,17 +107,26 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
                 root = os.path.join(work, f"cache-{placement}")
                 shutil.rmtree(root, ignore_errors=True)
                 stop_services()
-                common = dict(storage_options=opts, cache_root=root, cache_bytes=cache_bytes,
-                              block_bytes=block_bytes, placement=placement, wait=False)
+                common = dict(
+                    storage_options=opts,
+                    cache_root=root,
+                    cache_bytes=cache_bytes,
+                    block_bytes=block_bytes,
+                    placement=placement,
+                    wait=False,
+                )
                 for epoch in range(epochs):
                     served0 = origin.stats()["bytes_served"]
                     fn = partial(read_epochs, epochs=1, first_epoch=epoch)
-                    refs = [cluster_run(fn, url, 3, {"CPU": 0.5}, job=job, seed=seed + 1 + j, **common)
-                            for j, job in enumerate(("job1", "job2"))]
+                    refs = [
+                        cluster_run(fn, url, 3, {"CPU": 0.5}, job=job, seed=seed + 1 + j, **common)
+                        for j, job in enumerate(("job1", "job2"))
+                    ]
                     for job, r in zip(("job1", "job2"), refs, strict=True):
                         report["runs"].extend(_job_rows(placement, job, ray.get(r, timeout=600), dataset_bytes))
-                    report["origin_served"].append({"placement": placement, "epoch": epoch,
-                                                    "bytes": origin.stats()["bytes_served"] - served0})
+                    report["origin_served"].append(
+                        {"placement": placement, "epoch": epoch, "bytes": origin.stats()["bytes_served"] - served0}
+                    )
             stop_services()
         finally:
             ray.shutdown()
@@ -100,10 +136,14 @@ def run(images: int = 900, epochs: int = 3, latency_ms: float = 20.0, bandwidth_
 
 def table(report: dict) -> str:
     """The report as a Markdown table."""
-    lines = ["| placement | job | epoch | samples/s | local | peer | origin | origin MB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| placement | job | epoch | samples/s | local | peer | origin | origin MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["runs"]:
-        lines.append(f"| {r['placement']} | {r['job']} | {r['epoch']} | {r['samples_per_s']:,.0f} | "
-                     f"{r['local_fraction']:.2f} | {r['peer_fraction']:.2f} | {r['origin_fraction']:.2f} | "
-                     f"{r['origin_bytes'] / 1e6:.1f} |")
+        lines.append(
+            f"| {r['placement']} | {r['job']} | {r['epoch']} | {r['samples_per_s']:,.0f} | "
+            f"{r['local_fraction']:.2f} | {r['peer_fraction']:.2f} | {r['origin_fraction']:.2f} | "
+            f"{r['origin_bytes'] / 1e6:.1f} |"
+        )
     return "\n".join(lines)

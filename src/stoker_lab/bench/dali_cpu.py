@@ -7,6 +7,7 @@ not import stoker). Usage: ``python dali_cpu.py JPEG_DIR SECONDS``; prints JSON
 horizontal flip, CHW output, as stoker and the Pillow recipe do. :func:`train_augment` is that
 transform as DALI operators; ``peers/run_dali.py`` uses it too.
 """
+
 import glob
 import json
 import sys
@@ -35,10 +36,17 @@ def main() -> None:
 
     def source(i):
         k = int(i) % batches
-        return payloads[k * BATCH:(k + 1) * BATCH]
+        return payloads[k * BATCH : (k + 1) * BATCH]
 
-    @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None, seed=0, prefetch_queue_depth=1,
-                  exec_async=False, exec_pipelined=False)
+    @pipeline_def(
+        batch_size=BATCH,
+        num_threads=1,
+        device_id=None,
+        seed=0,
+        prefetch_queue_depth=1,
+        exec_async=False,
+        exec_pipelined=False,
+    )
     def pipe():
         return train_augment(fn.external_source(source=source, batch=True, dtype=types.UINT8))
 

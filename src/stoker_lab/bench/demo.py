@@ -7,6 +7,7 @@ decode rate from memory, origin bandwidth / mean sample bytes); then measure the
 baseline (torch DataLoader + fsspec + Pillow) and stoker (3 epochs: cold, warm,
 warm), each with a consumer that takes no time and with an emulated accelerator.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,15 +91,24 @@ def run_demo(cfg: DemoConfig) -> dict:
     _log(f"  {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
 
     report: dict = {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "origin": {"preset": cfg.origin, "latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
-                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
-                   "server_nice": ORIGIN_NICE},
-        "config": {"workers": cfg.workers, "batch_size": cfg.batch_size, "epochs": cfg.epochs,
-                   "consumer_rate": cfg.consumer_rate, "block_bytes": cfg.block_bytes,
-                   "shard_bytes": cfg.shard_bytes, "transform": "train (RandomResizedCrop(224) + flip)",
-                   "quick": cfg.quick},
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "origin": {
+            "preset": cfg.origin,
+            "latency_ms": cfg.latency_ms,
+            "bandwidth_MBps": cfg.bandwidth_MBps,
+            "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
+            "server_nice": ORIGIN_NICE,
+        },
+        "config": {
+            "workers": cfg.workers,
+            "batch_size": cfg.batch_size,
+            "epochs": cfg.epochs,
+            "consumer_rate": cfg.consumer_rate,
+            "block_bytes": cfg.block_bytes,
+            "shard_bytes": cfg.shard_bytes,
+            "transform": "train (RandomResizedCrop(224) + flip)",
+            "quick": cfg.quick,
+        },
         "runs": [],
     }
     with LocalS3Origin(latency_ms=cfg.latency_ms, bandwidth_MBps=cfg.bandwidth_MBps) as origin:
@@ -107,8 +117,14 @@ def run_demo(cfg: DemoConfig) -> dict:
         t = time.perf_counter()
         upload_tree(os.path.join(data_dir, "train"), raw_url, origin.storage_options(throttled=False))
         _log(f"uploaded raw tree in {time.perf_counter() - t:.1f} s")
-        pr = pack(raw_url, packed_url, shard_bytes=cfg.shard_bytes, overwrite=True,
-                  storage_options=origin.storage_options(throttled=False), progress=False)
+        pr = pack(
+            raw_url,
+            packed_url,
+            shard_bytes=cfg.shard_bytes,
+            overwrite=True,
+            storage_options=origin.storage_options(throttled=False),
+            progress=False,
+        )
         _log(f"packed {pr.samples} samples into {pr.shards} shards in {pr.seconds:.1f} s")
         opts = origin.storage_options(throttled=True)
 
@@ -121,47 +137,82 @@ def run_demo(cfg: DemoConfig) -> dict:
         per_core = measure_decode_rate(payloads, "train", min_seconds=2.0)
         pillow_core = measure_decode_rate(payloads, "train", min_seconds=2.0, recipe="pillow")
         storage_bound = cfg.bandwidth_MBps * 1e6 / mean_bytes
-        report["dataset"] = {"samples": n, "bytes": int(probe.index.total_bytes), "classes": len(probe.index.classes),
-                             "mean_sample_bytes": mean_bytes, "shards": pr.shards, "version": probe.version}
-        report["limits"] = {"decode_per_core": per_core, "pillow_per_core": pillow_core, "workers": cfg.workers,
-                            "decode_bound": per_core * cfg.workers, "storage_bound": storage_bound}
-        _log(f"limits: decode {per_core:.0f}/s per core (Pillow {pillow_core:.0f}), "
-             f"decode_bound {per_core * cfg.workers:.0f}/s, storage_bound {storage_bound:.0f}/s")
+        report["dataset"] = {
+            "samples": n,
+            "bytes": int(probe.index.total_bytes),
+            "classes": len(probe.index.classes),
+            "mean_sample_bytes": mean_bytes,
+            "shards": pr.shards,
+            "version": probe.version,
+        }
+        report["limits"] = {
+            "decode_per_core": per_core,
+            "pillow_per_core": pillow_core,
+            "workers": cfg.workers,
+            "decode_bound": per_core * cfg.workers,
+            "storage_bound": storage_bound,
+        }
+        _log(
+            f"limits: decode {per_core:.0f}/s per core (Pillow {pillow_core:.0f}), "
+            f"decode_bound {per_core * cfg.workers:.0f}/s, storage_bound {storage_bound:.0f}/s"
+        )
         rates = [0.0] + ([cfg.consumer_rate] if cfg.consumer_rate > 0 else [])
 
         # Baseline: torch DataLoader + fsspec + Pillow, through the same throttled origin.
         base_ds = FsspecImageFolder(raw_url, opts, seed=cfg.seed)
-        for rate in (rates if cfg.baseline else []):
+        for rate in rates if cfg.baseline else []:
             before = origin.stats()
             loader = make_baseline_loader(base_ds, cfg.batch_size, cfg.workers, cfg.seed)
             m = measure(loader, rate, max_samples=baseline_samples)
             del loader
             after = origin.stats()
-            report["runs"].append(_run("baseline", 0, rate, m, after.get("bytes_served", 0) - before.get("bytes_served", 0),
-                                       None, None))
-            _log(f"baseline rate={rate:.0f}: {m.samples_per_s:.0f} samples/s"
-                 + (f", stall {m.stall_fraction:.2f}" if rate else ""))
+            report["runs"].append(
+                _run("baseline", 0, rate, m, after.get("bytes_served", 0) - before.get("bytes_served", 0), None, None)
+            )
+            _log(
+                f"baseline rate={rate:.0f}: {m.samples_per_s:.0f} samples/s"
+                + (f", stall {m.stall_fraction:.2f}" if rate else "")
+            )
 
         # stoker: cold epoch then warm epochs, a fresh cache per consumer setting.
         for rate in rates:
             cache_dir = os.path.join(workdir, f"cache-{int(rate)}")
             shutil.rmtree(cache_dir, ignore_errors=True)
-            ds = open_dataset(packed_url, cache_dir=cache_dir, cache_bytes=2 * pr.shard_bytes + (64 << 20),
-                              storage_options=opts, block_bytes=cfg.block_bytes)
+            ds = open_dataset(
+                packed_url,
+                cache_dir=cache_dir,
+                cache_bytes=2 * pr.shard_bytes + (64 << 20),
+                storage_options=opts,
+                block_bytes=cfg.block_bytes,
+            )
             with Loader(ds, cfg.batch_size, num_workers=cfg.workers, seed=cfg.seed, transform="train") as loader:
                 for epoch in range(cfg.epochs):
                     origin_cpu = process_cpu_s(origin.pid)
                     m = measure(loader, rate)
                     st = loader.stats
                     cpu = dict(st.cpu_s, origin_emulator=round(process_cpu_s(origin.pid) - origin_cpu, 3))
-                    report["runs"].append(_run("stoker", epoch, rate, m, st.origin_bytes, st.cache_hit_ratio,
-                                               st.exactly_once, origin_requests=st.origin_requests, cpu_s=cpu,
-                                               **cold_figures(st, m, report["limits"], cfg.bandwidth_MBps)))
-                    _log(f"stoker epoch {epoch} rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, "
-                         + (f"stall {m.stall_fraction:.2f}, " if rate else "") + f"origin {st.origin_bytes / 1e6:.1f} MB, "
-                         f"hit ratio {st.cache_hit_ratio:.2f}, first batch {st.first_batch_s:.2f} s, "
-                         f"in flight {st.inflight_requests:.1f} (target {st.inflight_target}), "
-                         f"exactly_once {st.exactly_once}")
+                    report["runs"].append(
+                        _run(
+                            "stoker",
+                            epoch,
+                            rate,
+                            m,
+                            st.origin_bytes,
+                            st.cache_hit_ratio,
+                            st.exactly_once,
+                            origin_requests=st.origin_requests,
+                            cpu_s=cpu,
+                            **cold_figures(st, m, report["limits"], cfg.bandwidth_MBps),
+                        )
+                    )
+                    _log(
+                        f"stoker epoch {epoch} rate={rate:.0f}: {m.samples_per_s:.0f} samples/s, "
+                        + (f"stall {m.stall_fraction:.2f}, " if rate else "")
+                        + f"origin {st.origin_bytes / 1e6:.1f} MB, "
+                        f"hit ratio {st.cache_hit_ratio:.2f}, first batch {st.first_batch_s:.2f} s, "
+                        f"in flight {st.inflight_requests:.1f} (target {st.inflight_target}), "
+                        f"exactly_once {st.exactly_once}"
+                    )
             shutil.rmtree(cache_dir, ignore_errors=True)
     report["checks"] = check_done(report)
     print_table(report)
@@ -170,10 +221,19 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def _run(loader: str, epoch: int, rate: float, m, origin_bytes, hit_ratio, exactly_once, **extra) -> dict:
-    return {"loader": loader, "epoch": epoch, "consumer_rate": rate, "samples": m.samples,
-            "seconds": m.seconds, "samples_per_s": m.samples_per_s, "stall_fraction": m.stall_fraction,
-            "origin_bytes": int(origin_bytes), "cache_hit_ratio": hit_ratio, "exactly_once": exactly_once,
-            **extra}
+    return {
+        "loader": loader,
+        "epoch": epoch,
+        "consumer_rate": rate,
+        "samples": m.samples,
+        "seconds": m.seconds,
+        "samples_per_s": m.samples_per_s,
+        "stall_fraction": m.stall_fraction,
+        "origin_bytes": int(origin_bytes),
+        "cache_hit_ratio": hit_ratio,
+        "exactly_once": exactly_once,
+        **extra,
+    }
 
 
 def cold_figures(st, m, limits: dict, bandwidth_MBps: float) -> dict:
@@ -183,10 +243,14 @@ def cold_figures(st, m, limits: dict, bandwidth_MBps: float) -> dict:
     ``origin_busy_fraction``, ``inflight_requests`` and ``inflight_target``. ``st``: the epoch's
     :class:`stoker.loader.epoch_stats.EpochStats`; ``m``: its :class:`stoker_lab.bench.harness.Measurement`."""
     from stoker.loader.epoch_stats import overlap_efficiency
+
     bound = min(limits["decode_bound"], limits["storage_bound"])
     decode_s = m.samples / limits["decode_bound"] if limits["decode_bound"] else 0.0
-    return {"first_batch_s": st.first_batch_s,
-            "overlap_efficiency": overlap_efficiency(m.seconds, st.origin_bytes, bandwidth_MBps * 1e6, decode_s),
-            "vs_bound": m.samples_per_s / bound if bound else 0.0,
-            "origin_busy_fraction": st.origin_busy_fraction, "inflight_requests": st.inflight_requests,
-            "inflight_target": st.inflight_target}
+    return {
+        "first_batch_s": st.first_batch_s,
+        "overlap_efficiency": overlap_efficiency(m.seconds, st.origin_bytes, bandwidth_MBps * 1e6, decode_s),
+        "vs_bound": m.samples_per_s / bound if bound else 0.0,
+        "origin_busy_fraction": st.origin_busy_fraction,
+        "inflight_requests": st.inflight_requests,
+        "inflight_target": st.inflight_target,
+    }

@@ -10,6 +10,7 @@ epoch (``kind: epoch``: samples, bytes, seconds, cpu_s), then the cost of the de
 builds per sample (``kind: index_map_format``, :func:`index_map_format_s`) and DLIO's own summary
 (``kind: summary``: its ``summary.json`` metric block) for a cross-check. DLIO's code is not changed.
 """
+
 import importlib.util
 import json
 import os
@@ -32,6 +33,7 @@ def index_map_format_s(reps: int = 20) -> None:
     off, so its per-sample CPU grows with the number of files. Measured here, in DLIO's process, on DLIO's map."""
     try:
         from dlio_benchmark.utils.config import ConfigArguments
+
         m = ConfigArguments.get_instance().train_global_index_map
         c0 = time.process_time()
         for _ in range(reps):
@@ -60,8 +62,17 @@ def main() -> None:
         steps = train(self, epoch)
         t, c = time.perf_counter() - t0, runner.tree_cpu_s() - c0
         n = int(steps) * batch * int(self.comm_size)
-        runner.emit({"kind": "epoch", "epoch": int(epoch) - 1, "samples": n,
-                     "bytes": n * int(self.args.record_length), "seconds": t, "cpu_s": c, "steps": int(steps)})
+        runner.emit(
+            {
+                "kind": "epoch",
+                "epoch": int(epoch) - 1,
+                "samples": n,
+                "bytes": n * int(self.args.record_length),
+                "seconds": t,
+                "cpu_s": c,
+                "steps": int(steps),
+            }
+        )
         return steps
 
     dlio.DLIOBenchmark._train = timed_train
@@ -70,6 +81,8 @@ def main() -> None:
     dlio.main()
     index_map_format_s()
     try:
+        if out is None:
+            raise OSError("no ++workload.output.folder= among the overrides")
         with open(os.path.join(out, "summary.json")) as f:
             runner.emit({"kind": "summary", "summary": json.load(f).get("metric")})
     except (OSError, ValueError, TypeError):

@@ -6,6 +6,7 @@ plus ``details``); ``details["problems"]`` lists what went wrong beyond the outc
 changed, labels shifted, a false success), and a row with problems is not ``ok``. Every command
 runs as a child with a hard timeout (:func:`stoker_lab.bench.fault_harness.run_child`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -80,9 +81,17 @@ def cache_ownership(ctx: Context) -> dict:
     runner = LoaderRunner(base, os.path.join(nvme, "mydata"), {}, ctx.n_samples, ctx.proxy)
     rounds, problems, leftovers = [], [], [0, 0]
     for policy in ("future",) if ctx.quick else ("future", "lru"):
-        row = runner.run(Scenario(f"owner-{policy}", spec={
-            "cache_dir": nvme, "epochs": 2, "open_kw": {"cache_bytes": total // 2, "cache_policy": policy},
-            "loader_kw": {"num_workers": 1, "staging_bytes": 4 << 20}}))
+        row = runner.run(
+            Scenario(
+                f"owner-{policy}",
+                spec={
+                    "cache_dir": nvme,
+                    "epochs": 2,
+                    "open_kw": {"cache_bytes": total // 2, "cache_policy": policy},
+                    "loader_kw": {"num_workers": 1, "staging_bytes": 4 << 20},
+                },
+            )
+        )
         rounds.append(row)
         leftovers[0] += row["leftover_files"]
         leftovers[1] += row["leftover_shm"]
@@ -103,8 +112,10 @@ def cache_ownership(ctx: Context) -> dict:
     rc_plain, err_plain = run_child(_CLI + ["cache", "clear", plain], 60, child_env())
     gone = sorted(k for k, v in plain_before.items() if _digest_tree(plain, ["photos", "thesis"]).get(k) != v)
     if rc_plain != 2 or gone:
-        problems.append(f"cache clear on a directory that is no cache: exit {rc_plain} (want 2), {len(gone)} of "
-                        f"{len(plain_before)} files deleted or changed ({err_plain.strip()[-160:]!r})")
+        problems.append(
+            f"cache clear on a directory that is no cache: exit {rc_plain} (want 2), {len(gone)} of "
+            f"{len(plain_before)} files deleted or changed ({err_plain.strip()[-160:]!r})"
+        )
     row = _combine("cache_ownership", "completed", rounds, faults=len(before) + 2)
     row["leftover_files"], row["leftover_shm"] = leftovers
     row["details"]["problems"] = problems
@@ -143,11 +154,20 @@ def concurrent_pack(ctx: Context) -> dict:
         srcs[tag] = len(pick)
     rounds, env = [], child_env()
     import subprocess
+
     for trial in range(1 if ctx.quick else 3):
         dst = os.path.join(base, f"dst{trial}")
-        procs = [subprocess.Popen(_CLI + ["pack", os.path.join(base, t), dst, "--shard-size", "64KiB", "--no-progress"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True, env=env) for t in srcs]
+        procs = [
+            subprocess.Popen(
+                _CLI + ["pack", os.path.join(base, t), dst, "--shard-size", "64KiB", "--no-progress"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                env=env,
+            )
+            for t in srcs
+        ]
         rcs, errs = [], []
         for p in procs:
             try:
@@ -157,8 +177,14 @@ def concurrent_pack(ctx: Context) -> dict:
                 os.killpg(p.pid, 9)
                 errs.append(p.communicate()[1])
                 rcs.append(None)
-        rec = {"outcome": "failed", "error": None, "lost": 0, "duplicated": 0,
-               "signal_deaths": sum(1 for rc in rcs if rc is not None and rc < 0), "faults_injected": 1}
+        rec = {
+            "outcome": "failed",
+            "error": None,
+            "lost": 0,
+            "duplicated": 0,
+            "signal_deaths": sum(1 for rc in rcs if rc is not None and rc < 0),
+            "faults_injected": 1,
+        }
         rc_v, err_v = run_child(_CLI + ["verify", dst], 120, env)
         if None in rcs:
             rec["outcome"] = "hang"
@@ -174,6 +200,7 @@ def concurrent_pack(ctx: Context) -> dict:
             rec["outcome"] = "clean_error" if dst in loser else "failed"
             rec["error"] = loser[-300:]
             from stoker.store.dataset import open_dataset
+
             ds = open_dataset(dst, cache=False)
             keys = [ds.key(i) for i in range(len(ds))]
             rec["lost"] = max(0, srcs[winner] - len(set(keys)))
@@ -213,6 +240,7 @@ def imagefolder_strays(ctx: Context) -> dict:
         if rc != 0:
             return None, 0, f"pack {tag}: exit {rc}: {err.strip()[-200:]}"
         from stoker.store.dataset import open_dataset
+
         ds = open_dataset(dst, cache=False)
         labels: dict[str, set] = {}
         for i in range(len(ds)):
@@ -222,8 +250,10 @@ def imagefolder_strays(ctx: Context) -> dict:
     clean, n_clean, err = pack_map("clean", write("clean", {}))
     problems, rounds = [], []
     if clean is None:
-        return {**aggregate("imagefolder_strays", "completed", [{"outcome": "failed", "error": err}]),
-                "faults_injected": 0}
+        return {
+            **aggregate("imagefolder_strays", "completed", [{"outcome": "failed", "error": err}]),
+            "faults_injected": 0,
+        }
     variants = {
         "ipynb_checkpoints": ({".ipynb_checkpoints/img0-checkpoint.jpg": tree["cat/img0.jpg"]}, None, ()),
         "macosx": ({"__MACOSX/cat/._img0.jpg": b"\x00\x05\x16\x07" + b"\x00" * 60}, None, ()),
@@ -231,8 +261,13 @@ def imagefolder_strays(ctx: Context) -> dict:
     }
     for tag, (extra, drop, args) in variants.items():
         got, n, err = pack_map(tag, write(tag, extra, drop), *args)
-        rec = {"outcome": "completed" if got is not None else "failed", "error": err or None, "lost": 0,
-               "duplicated": 0, "faults_injected": 1}
+        rec = {
+            "outcome": "completed" if got is not None else "failed",
+            "error": err or None,
+            "lost": 0,
+            "duplicated": 0,
+            "faults_injected": 1,
+        }
         if got is not None:
             want = n_clean - (3 if drop else 0)
             rec["lost"], rec["duplicated"] = max(0, want - n), max(0, n - want)
@@ -250,19 +285,36 @@ def warm_failing_shard(ctx: Context) -> dict:
     503, then a rerun without faults. Right: a non-zero exit with a partial report naming the
     shard, and a rerun that completes, fetching less than the whole dataset again."""
     if not ctx.ray:
-        return {**aggregate("warm_failing_shard", "clean_error", []), "outcome": "skipped",
-                "details": {"reason": "--no-ray"}}
+        return {
+            **aggregate("warm_failing_shard", "clean_error", []),
+            "outcome": "skipped",
+            "details": {"reason": "--no-ray"},
+        }
     try:
         import ray  # noqa: F401
     except ImportError:
-        return {**aggregate("warm_failing_shard", "clean_error", []), "outcome": "skipped",
-                "details": {"reason": "ray is not installed"}}
+        return {
+            **aggregate("warm_failing_shard", "clean_error", []),
+            "outcome": "skipped",
+            "details": {"reason": "ray is not installed"},
+        }
     shards = sorted(f for f in os.listdir(os.path.join(ctx.local, "shards")) if f.endswith(".tar"))
     bad = shards[len(shards) // 2]
     cache = os.path.join(ctx.work, "cases", "warm", "cache")
     shutil.rmtree(cache, ignore_errors=True)
-    argv = _CLI + ["warm", ctx.url, "--ray-address", "local", "--cache-dir", cache, "--cache-size", "256MiB",
-                   "--storage-options", json.dumps(ctx.storage_options), "--no-progress"]
+    argv = _CLI + [
+        "warm",
+        ctx.url,
+        "--ray-address",
+        "local",
+        "--cache-dir",
+        cache,
+        "--cache-size",
+        "256MiB",
+        "--storage-options",
+        json.dumps(ctx.storage_options),
+        "--no-progress",
+    ]
     before = ctx.proxy.stats()["faults_injected"]
     ctx.proxy.set_fault(Fault("status", 503, match=lambda m, p, h: m == "GET" and "range" in h and bad in p))
     try:
@@ -300,9 +352,11 @@ def _run_out(argv: list[str], timeout_s: float) -> tuple[int | None, str, str]:
     """Like :func:`run_child`, keeping stdout too: (rc or None on timeout, stdout, stderr tail)."""
     import subprocess
     import tempfile
+
     with tempfile.TemporaryFile() as out:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
-                             start_new_session=True, env=child_env())
+        p = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, start_new_session=True, env=child_env()
+        )
         try:
             _, err = p.communicate(timeout=timeout_s)
             rc = p.returncode
@@ -316,7 +370,7 @@ def _run_out(argv: list[str], timeout_s: float) -> tuple[int | None, str, str]:
 
 def _json_in(text: str) -> dict | None:
     try:
-        return json.loads(text[text.index("{"):text.rindex("}") + 1])
+        return json.loads(text[text.index("{") : text.rindex("}") + 1])
     except ValueError:
         return None
 

@@ -3,6 +3,7 @@ its training process run as a child with a hard timeout (:mod:`stoker_lab.bench.
 report row aggregated from its rounds. The loader scenarios and the other cases
 (:mod:`stoker_lab.bench.fault_cases`) are built on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def run_child(argv: list[str], timeout_s: float, env: dict | None = None) -> tup
     """Run ``argv`` in its own session; on timeout SIGKILL its process group. Returns
     (return code, or None on timeout; last 2000 characters of stderr)."""
     with tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                             start_new_session=True, env=env)
+        p = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env
+        )
         try:
             rc = p.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -80,12 +82,21 @@ def aggregate(name: str, expected: str, rounds: list[dict], extra_faults: int = 
     for r in rounds:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     outcome = next((o for o in _WORST if o in outcomes), "failed")
-    row = {"scenario": name, "faults_injected": extra_faults + sum(r.get("faults_injected", 0) for r in rounds),
-           "outcome": outcome, "outcomes": outcomes, "expected": expected,
-           "samples_lost": sum(r.get("lost", 0) for r in rounds),
-           "samples_duplicated": sum(r.get("duplicated", 0) for r in rounds),
-           "signal_deaths": sum(r.get("signal_deaths", 0) for r in rounds),
-           "leftover_files": 0, "leftover_shm": 0, "overhead_s": None, "seconds": 0.0, "details": {}}
+    row = {
+        "scenario": name,
+        "faults_injected": extra_faults + sum(r.get("faults_injected", 0) for r in rounds),
+        "outcome": outcome,
+        "outcomes": outcomes,
+        "expected": expected,
+        "samples_lost": sum(r.get("lost", 0) for r in rounds),
+        "samples_duplicated": sum(r.get("duplicated", 0) for r in rounds),
+        "signal_deaths": sum(r.get("signal_deaths", 0) for r in rounds),
+        "leftover_files": 0,
+        "leftover_shm": 0,
+        "overhead_s": None,
+        "seconds": 0.0,
+        "details": {},
+    }
     errors = sorted({r["error"] for r in rounds if r.get("error")})
     if errors:
         row["details"]["errors"] = errors[:5]
@@ -99,10 +110,15 @@ def finish(row: dict, clean_s: float | None) -> dict:
     secs = row.pop("_round_s", [])
     if secs and clean_s is not None:
         row["overhead_s"] = round(sum(secs) / len(secs) - clean_s, 3)
-    row["ok"] = (row["outcome"] in row["expected"].split("|") and not row["samples_lost"]
-                 and not row["samples_duplicated"] and not row["signal_deaths"]
-                 and not row["leftover_files"] and not row["leftover_shm"]
-                 and not row["details"].get("problems"))
+    row["ok"] = (
+        row["outcome"] in row["expected"].split("|")
+        and not row["samples_lost"]
+        and not row["samples_duplicated"]
+        and not row["signal_deaths"]
+        and not row["leftover_files"]
+        and not row["leftover_shm"]
+        and not row["details"].get("problems")
+    )
     return row
 
 
@@ -111,20 +127,37 @@ class LoaderRunner:
 
     def __init__(self, work: str, url: str, storage_options: dict, n_samples: int, proxy: FaultProxy):
         self.work, self.url, self.opts, self.n, self.proxy = work, url, storage_options, n_samples, proxy
-        self.base = {"url": url, "storage_options": storage_options, "n_samples": n_samples, "epochs": 1,
-                     "open_kw": {"cache_bytes": 256 << 20},
-                     "loader_kw": {"batch_size": 16, "num_workers": 2, "transform": "eval", "image_size": 32,
-                                   "timeout_s": 30.0, "seed": 0},
-                     "must_name": [url, "shards/", "/dev/shm"]}  # + the cache directory: what a cause names
+        self.base = {
+            "url": url,
+            "storage_options": storage_options,
+            "n_samples": n_samples,
+            "epochs": 1,
+            "open_kw": {"cache_bytes": 256 << 20},
+            "loader_kw": {
+                "batch_size": 16,
+                "num_workers": 2,
+                "transform": "eval",
+                "image_size": 32,
+                "timeout_s": 30.0,
+                "seed": 0,
+            },
+            "must_name": [url, "shards/", "/dev/shm"],
+        }  # + the cache directory: what a cause names
 
     def run(self, sc: Scenario) -> dict:
         """Run ``sc``; returns its report row (before :func:`finish`)."""
         if sc.mount and os.geteuid() != 0:
-            return {**aggregate(sc.name, sc.expected, []), "outcome": "skipped",
-                    "details": {"reason": "needs root for unshare -m and a tmpfs mount"}}
+            return {
+                **aggregate(sc.name, sc.expected, []),
+                "outcome": "skipped",
+                "details": {"reason": "needs root for unshare -m and a tmpfs mount"},
+            }
         if sc.mount and shutil.which("unshare") is None:
-            return {**aggregate(sc.name, sc.expected, []), "outcome": "skipped",
-                    "details": {"reason": "unshare(1) not found"}}
+            return {
+                **aggregate(sc.name, sc.expected, []),
+                "outcome": "skipped",
+                "details": {"reason": "unshare(1) not found"},
+            }
         t0 = time.perf_counter()
         rounds, faults, extra = [], 0, {}
         for rep in range(sc.repeat):
@@ -145,10 +178,16 @@ class LoaderRunner:
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         cache_dir = sc.spec.get("cache_dir") or (
-            os.path.join(d, "disk", "cache") if sc.mount and sc.mount[1] == "cache" else os.path.join(d, "cache"))
+            os.path.join(d, "disk", "cache") if sc.mount and sc.mount[1] == "cache" else os.path.join(d, "cache")
+        )
         spec = _merge(self.base, sc.spec)
-        spec.update(cache_dir=cache_dir, result=os.path.join(d, "result.json"), seed=rep,
-                    scan_in_child=bool(sc.mount), scan_dirs=[cache_dir])
+        spec.update(
+            cache_dir=cache_dir,
+            result=os.path.join(d, "result.json"),
+            seed=rep,
+            scan_in_child=bool(sc.mount),
+            scan_dirs=[cache_dir],
+        )
         spec["must_name"] = list(spec["must_name"]) + [cache_dir]
         with open(os.path.join(d, "spec.json"), "w") as f:
             json.dump(spec, f)
@@ -166,8 +205,12 @@ class LoaderRunner:
             rc, err = run_child(argv, sc.timeout_s, child_env())
         finally:
             self.proxy.set_fault(None)
-        faults = (self.proxy.stats()["faults_injected"] - before  # + the small tmpfs, the runtime started first
-                  + (1 if sc.mount else 0) + (1 if spec.get("pre") else 0))
+        faults = (
+            self.proxy.stats()["faults_injected"]
+            - before  # + the small tmpfs, the runtime started first
+            + (1 if sc.mount else 0)
+            + (1 if spec.get("pre") else 0)
+        )
         try:
             with open(spec["result"]) as f:
                 res = json.load(f)
@@ -176,12 +219,16 @@ class LoaderRunner:
         rounds = res["rounds"]
         extra: dict = {}
         if rc is None or rc < 0 or not res.get("done"):
-            how = ("hang" if rc is None else "signal_death" if rc < 0 else "failed")
+            how = "hang" if rc is None else "signal_death" if rc < 0 else "failed"
             fatal = [ln for ln in err.splitlines() if "Fatal Python error" in ln or "Bus error" in ln]
             ended = f"timed out after {sc.timeout_s}s" if rc is None else f"exit code {rc}"
-            rounds.append({"outcome": how, "signal_deaths": int(rc is not None and rc < 0),
-                           "error": f"training process: {ended}; stderr: "
-                                    f"{(fatal[0] if fatal else err.strip()[-300:])[:300]}"})
+            rounds.append(
+                {
+                    "outcome": how,
+                    "signal_deaths": int(rc is not None and rc < 0),
+                    "error": f"training process: {ended}; stderr: {(fatal[0] if fatal else err.strip()[-300:])[:300]}",
+                }
+            )
         pids = {p for r in rounds for p in r.get("pids", [])} | ({res["pid"]} if "pid" in res else set())
         if sc.mount:
             files, shm = res.get("leftover_files", []), res.get("leftover_shm", [])
@@ -189,13 +236,16 @@ class LoaderRunner:
                 extra["leftovers_unmeasured"] = "the training process did not finish inside its namespace"
         else:
             from stoker.cache.tiered import default_memory_root
+
             files = scan_leftovers([cache_dir])
-            shm = shm_leftovers(shm_before, pids=pids,
-                                tiers=[default_memory_root(c) for c in _cache_roots(cache_dir, spec)])
+            shm = shm_leftovers(
+                shm_before, pids=pids, tiers=[default_memory_root(c) for c in _cache_roots(cache_dir, spec)]
+            )
         extra["leftover_files"], extra["leftover_shm"] = len(files), len(shm)
         if files or shm:
             extra["leftover_paths"] = (files + shm)[:10]
         from stoker.cache.tiered import default_memory_root
+
         for root in _cache_roots(cache_dir, spec):  # this run's caches are temporary: so are their memory tiers
             shutil.rmtree(default_memory_root(root), ignore_errors=True)
         return rounds, faults, extra
@@ -205,5 +255,3 @@ def _cache_roots(cache_dir: str, spec: dict) -> list[str]:
     """The cache directories a child uses: ``cache_dir``, or one per SIGKILL round under it."""
     rounds = (spec.get("kill") or {}).get("rounds", 1)
     return [cache_dir] + [os.path.join(cache_dir, f"round-{i}") for i in range(rounds if rounds > 1 else 0)]
-
-

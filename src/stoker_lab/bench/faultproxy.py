@@ -24,6 +24,7 @@ asyncio loop in a daemon thread of the caller; counters are read with :meth:`sta
 only fault injection of the emulated origin (which injects none itself): used by `stoker bench
 faults` and by the tests of origin errors and retries.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -171,7 +172,8 @@ class FaultProxy:
         self.counters = dict(requests=0, matched=0, faults_injected=0, stalls_open=0)
         self._loop = asyncio.new_event_loop()
         self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0, limit=_MAX_HEAD_BYTES))
+            asyncio.start_server(self._handle, "127.0.0.1", 0, limit=_MAX_HEAD_BYTES)
+        )
         self.endpoint_url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fault-proxy")
         self._thread.start()
@@ -186,6 +188,7 @@ class FaultProxy:
         """Stop listening and end the loop thread. Idempotent."""
         if self._loop.is_closed():
             return
+
         async def shutdown() -> None:
             self._server.close()
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -254,8 +257,14 @@ class FaultProxy:
                 keep = await self._relay(up[0], cwriter, method, fault)
                 if not keep:
                     return
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError,
-                asyncio.CancelledError):  # cancelled: stop() is shutting the proxy down
+        except (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+            OSError,
+            asyncio.CancelledError,
+        ):  # cancelled: stop() is shutting the proxy down
             return
         finally:
             if up is not None:
@@ -267,11 +276,15 @@ class FaultProxy:
         status = fault.status
         code = fault.code or _S3_CODES.get(status, "InternalError")
         retry_after = "" if fault.retry_after_s is None else f"Retry-After: {fault.retry_after_s:g}\r\n"
-        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                f"<Message>Injected by the stoker fault proxy</Message><Resource>{path}</Resource>"
-                f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>").encode()
-        head = (f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
-                f"Content-Length: {len(body)}\r\n{retry_after}x-amz-request-id: {uuid.uuid4().hex}\r\n\r\n").encode()
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>Injected by the stoker fault proxy</Message><Resource>{path}</Resource>"
+            f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>"
+        ).encode()
+        head = (
+            f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\n{retry_after}x-amz-request-id: {uuid.uuid4().hex}\r\n\r\n"
+        ).encode()
         writer.write(head + (b"" if method == "HEAD" else body))
         await writer.drain()
 

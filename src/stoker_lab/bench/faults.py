@@ -19,6 +19,7 @@ outcome), ``expected`` (``|`` separates acceptable outcomes), ``samples_lost``,
 completed; the issue's "overhead"),
 ``seconds`` (wall, whole scenario), ``ok`` and ``details`` (errors, leftover paths, ...).
 """
+
 from __future__ import annotations
 
 import csv
@@ -45,28 +46,65 @@ def loader_scenarios(quick: bool) -> list[Scenario]:
         Scenario("origin_503_sustained", "clean_error", fault=Fault("status", 503), timeout_s=180, quick=False),
         Scenario("conn_reset_mid_body", fault=Fault("reset", every=3, count=8)),
         Scenario("truncated_body", fault=Fault("truncate", every=3, count=8), quick=False),
-        Scenario("stalled_get_20s", fault=Fault("stall", count=1, stall_s=20.0),
-                 spec={"loader_kw": {"timeout_s": 15.0}}, timeout_s=120),
-        Scenario("sigkill_prefetcher", "completed",
-                 spec={"kill": {"target": "prefetcher", "rounds": kills}, "must_name": ["prefetch"]},
-                 timeout_s=60 + 15 * kills),
-        Scenario("sigkill_worker", "completed",
-                 spec={"kill": {"target": "worker", "rounds": kills}, "must_name": ["worker"]},
-                 timeout_s=60 + 15 * kills),
-        Scenario("fork_after_async", "completed|clean_error", repeat=1 if quick else 2, timeout_s=90,
-                 spec={"pre": "obstore_busy_thread", "must_name": ["fork", "spawn", "forkserver"],
-                       "loader_kw": {"timeout_s": 20.0}}),
-        Scenario("cache_disk_smaller_than_budget", mount=("3m", "cache"),
-                 spec={"open_kw": {"cache_bytes": 1 << 30}, "epochs": 2}),
-        Scenario("cache_disk_smaller_than_budget_w0", mount=("3m", "cache"),
-                 spec={"open_kw": {"cache_bytes": 1 << 30}, "epochs": 2, **w0}, quick=False),
-        Scenario("small_dev_shm", "completed|clean_error", mount=("4m", "shm"),
-                 spec={"loader_kw": {"batch_size": 16, "image_size": 224}, "must_name": ["/dev/shm"]}),
-        Scenario("small_dev_shm_w0", "completed|clean_error", mount=("4m", "shm"), quick=False,
-                 spec={"loader_kw": {"batch_size": 16, "image_size": 224, "num_workers": 0},
-                       "must_name": ["/dev/shm"]}),
-        Scenario("small_dev_shm_memory_tier", mount=("4m", "shm"), quick=False,
-                 spec={"open_kw": {"memory_bytes": 64 << 20}, "loader_kw": {"batch_size": 8}}),
+        Scenario(
+            "stalled_get_20s",
+            fault=Fault("stall", count=1, stall_s=20.0),
+            spec={"loader_kw": {"timeout_s": 15.0}},
+            timeout_s=120,
+        ),
+        Scenario(
+            "sigkill_prefetcher",
+            "completed",
+            spec={"kill": {"target": "prefetcher", "rounds": kills}, "must_name": ["prefetch"]},
+            timeout_s=60 + 15 * kills,
+        ),
+        Scenario(
+            "sigkill_worker",
+            "completed",
+            spec={"kill": {"target": "worker", "rounds": kills}, "must_name": ["worker"]},
+            timeout_s=60 + 15 * kills,
+        ),
+        Scenario(
+            "fork_after_async",
+            "completed|clean_error",
+            repeat=1 if quick else 2,
+            timeout_s=90,
+            spec={
+                "pre": "obstore_busy_thread",
+                "must_name": ["fork", "spawn", "forkserver"],
+                "loader_kw": {"timeout_s": 20.0},
+            },
+        ),
+        Scenario(
+            "cache_disk_smaller_than_budget",
+            mount=("3m", "cache"),
+            spec={"open_kw": {"cache_bytes": 1 << 30}, "epochs": 2},
+        ),
+        Scenario(
+            "cache_disk_smaller_than_budget_w0",
+            mount=("3m", "cache"),
+            spec={"open_kw": {"cache_bytes": 1 << 30}, "epochs": 2, **w0},
+            quick=False,
+        ),
+        Scenario(
+            "small_dev_shm",
+            "completed|clean_error",
+            mount=("4m", "shm"),
+            spec={"loader_kw": {"batch_size": 16, "image_size": 224}, "must_name": ["/dev/shm"]},
+        ),
+        Scenario(
+            "small_dev_shm_w0",
+            "completed|clean_error",
+            mount=("4m", "shm"),
+            quick=False,
+            spec={"loader_kw": {"batch_size": 16, "image_size": 224, "num_workers": 0}, "must_name": ["/dev/shm"]},
+        ),
+        Scenario(
+            "small_dev_shm_memory_tier",
+            mount=("4m", "shm"),
+            quick=False,
+            spec={"open_kw": {"memory_bytes": 64 << 20}, "loader_kw": {"batch_size": 8}},
+        ),
     ]
 
 
@@ -76,6 +114,7 @@ def make_dataset(work: str, images: int) -> tuple[str, int]:
     from stoker.store.pack import pack
 
     from ..sample_data import make_sample_data
+
     raw = os.path.join(work, "raw")
     make_sample_data(raw, images=images, classes=4, seed=0, workers=1)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(raw, "train")) for f in fs)
@@ -91,8 +130,15 @@ def make_dataset(work: str, images: int) -> tuple[str, int]:
     return dst, len(files)
 
 
-def run(json_path: str | None = None, quick: bool = False, only: list[str] | None = None,
-        images: int | None = None, workdir: str | None = None, ray: bool = True, log=None) -> dict:
+def run(
+    json_path: str | None = None,
+    quick: bool = False,
+    only: list[str] | None = None,
+    images: int | None = None,
+    workdir: str | None = None,
+    ray: bool = True,
+    log=None,
+) -> dict:
     """Run the scenarios (all, or those named in ``only``; ``quick``: the short list, fewer
     SIGKILL rounds) and return ``{"scenarios": [rows], "config", "cores", "seconds"}``; also
     written to ``json_path``. ``images``: dataset samples (default 96, 64 with ``quick``);
@@ -100,6 +146,7 @@ def run(json_path: str | None = None, quick: bool = False, only: list[str] | Non
     unknown name in ``only``."""
     from . import fault_cases
     from .origin import LocalS3Origin, upload_tree
+
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_all = time.perf_counter()
     loader_sc = loader_scenarios(quick)
@@ -113,15 +160,19 @@ def run(json_path: str | None = None, quick: bool = False, only: list[str] | Non
     work = workdir or tempfile.mkdtemp(prefix="stoker-bench-faults-")
     os.makedirs(work, exist_ok=True)
     rows: list[dict] = []
-    report = {"scenarios": rows, "cores": os.cpu_count(),
-              "config": {"images": images, "quick": quick, "only": only, "workdir": work}}
+    report = {
+        "scenarios": rows,
+        "cores": os.cpu_count(),
+        "config": {"images": images, "quick": quick, "only": only, "workdir": work},
+    }
     local, n = make_dataset(work, images)
     with LocalS3Origin(latency_ms=2.0, bandwidth_MBps=0) as origin, FaultProxy(origin.endpoint_url) as proxy:
         upload_tree(local, origin.url("ds"), origin.storage_options(throttled=False))
         opts = dict(origin.storage_options(), endpoint_url=proxy.endpoint_url)
         runner = LoaderRunner(work, origin.url("ds"), opts, n, proxy)
-        report["config"].update(samples=n, dataset_bytes=sum(
-            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(local) for f in fs))
+        report["config"].update(
+            samples=n, dataset_bytes=sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(local) for f in fs)
+        )
         clean_s = None
         for sc in loader_sc:
             if not (want(sc.name, sc.quick) or sc.name == "clean"):
@@ -133,8 +184,17 @@ def run(json_path: str | None = None, quick: bool = False, only: list[str] | Non
                 clean_s = sum(secs) / len(secs) if secs else None
             rows.append(finish(row, clean_s))
             log(f"bench faults: {sc.name}: {row['outcome']} (expected {row['expected']}) in {row['seconds']} s")
-        ctx = fault_cases.Context(work=work, local=local, n_samples=n, origin=origin, proxy=proxy,
-                                  url=origin.url("ds"), storage_options=opts, quick=quick, ray=ray)
+        ctx = fault_cases.Context(
+            work=work,
+            local=local,
+            n_samples=n,
+            origin=origin,
+            proxy=proxy,
+            url=origin.url("ds"),
+            storage_options=opts,
+            quick=quick,
+            ray=ray,
+        )
         for name, (fn, in_quick) in cases.items():
             if not want(name, in_quick):
                 continue
@@ -155,8 +215,18 @@ def run(json_path: str | None = None, quick: bool = False, only: list[str] | Non
 
 def table(report: dict) -> str:
     """The report as a Markdown table (the "Faults" table of benchmarks/README.md)."""
-    cols = ("scenario", "faults_injected", "outcome", "expected", "samples_lost", "samples_duplicated",
-            "signal_deaths", "leftover_files", "leftover_shm", "overhead_s")
+    cols = (
+        "scenario",
+        "faults_injected",
+        "outcome",
+        "expected",
+        "samples_lost",
+        "samples_duplicated",
+        "signal_deaths",
+        "leftover_files",
+        "leftover_shm",
+        "overhead_s",
+    )
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in report["scenarios"]:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")

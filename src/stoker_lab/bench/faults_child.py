@@ -23,6 +23,7 @@ random point of each round (after a random batch, plus 0-50 ms), ``rounds`` time
 come from the Loader's own process handles (``loader.processes``). A worker that dies by a
 signal the bench did not send is counted in ``signal_deaths``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -40,6 +41,7 @@ _WATCHDOG = "no batch from the workers"
 
 def _write(path: str, result: dict) -> None:
     from stoker._atomic import umask_mode, write_atomic
+
     write_atomic(path, json.dumps(result).encode(), mode=umask_mode())
 
 
@@ -67,16 +69,24 @@ def _pre(kind: str | None, spec: dict) -> None:
     if kind.startswith("obstore"):
         import obstore
         from obstore.store import S3Store
-        bucket, _, prefix = spec["url"][len("s3://"):].partition("/")
-        store = S3Store(bucket, endpoint=opts["endpoint_url"], access_key_id=opts["key"],
-                        secret_access_key=opts["secret"], region="us-east-1",
-                        client_options={"allow_http": True})
+
+        bucket, _, prefix = spec["url"][len("s3://") :].partition("/")
+        store = S3Store(
+            bucket,
+            endpoint=opts["endpoint_url"],
+            access_key_id=opts["key"],
+            secret_access_key=opts["secret"],
+            region="us-east-1",
+            client_options={"allow_http": True},
+        )
         key = f"{prefix.strip('/')}/index.parquet"
         bytes(obstore.get_range(store, key, start=0, end=100))
         if kind == "obstore_busy_thread":
+
             def pump():
                 while True:
                     bytes(obstore.get_range(store, key, start=0, end=1000))
+
             threading.Thread(target=pump, daemon=True).start()
             time.sleep(0.3)
 
@@ -103,14 +113,24 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
     from stoker.store.dataset import open_dataset
 
     n, epochs, kill = spec["n_samples"], spec.get("epochs", 1), spec.get("kill")
-    rec = {"round": rnd, "outcome": "completed", "error": None, "lost": 0, "duplicated": 0,
-           "signal_deaths": 0, "faults_injected": 0, "seconds": 0.0, "pids": [os.getpid()]}
+    rec = {
+        "round": rnd,
+        "outcome": "completed",
+        "error": None,
+        "lost": 0,
+        "duplicated": 0,
+        "signal_deaths": 0,
+        "faults_injected": 0,
+        "seconds": 0.0,
+        "pids": [os.getpid()],
+    }
     killed: list[int] = []
     t0 = time.perf_counter()
     loader = None
     try:
-        ds = open_dataset(spec["url"], cache_dir=cache_dir, storage_options=spec.get("storage_options"),
-                          **spec.get("open_kw", {}))
+        ds = open_dataset(
+            spec["url"], cache_dir=cache_dir, storage_options=spec.get("storage_options"), **spec.get("open_kw", {})
+        )
         loader = Loader(ds, **loader_kwargs(spec.get("loader_kw", {})))
         nb = max(1, -(-n // loader.batch_size))
         kill_after = rng.randrange(max(1, nb - 1)) if kill else -1
@@ -123,8 +143,9 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
                     if b == kill_after and not armed:
                         armed = True
                         rec["pids"] += loader.processes.pids()
-                        threading.Thread(target=_killer, args=(loader, kill["target"], rng.uniform(0, 0.05),
-                                                               killed), daemon=True).start()
+                        threading.Thread(
+                            target=_killer, args=(loader, kill["target"], rng.uniform(0, 0.05), killed), daemon=True
+                        ).start()
             finally:
                 rec["duplicated"] += sum(c - 1 for c in seen.values() if c > 1)
                 extra = [i for i in seen if not 0 <= i < n]
@@ -152,6 +173,7 @@ def scan_leftovers(dirs: list[str]) -> list[str]:
     """Temporary block files (``.tmp-*``, see :mod:`stoker.cache.files`) and staging
     directories (``.staging/<pid>-<id>``) still under ``dirs`` once every loader is closed."""
     from stoker.cache.files import TMP_MARK
+
     out = []
     for top in dirs:
         for d, subdirs, files in os.walk(top):
@@ -170,8 +192,9 @@ def shm_entries(base: str = "/dev/shm") -> list[str]:
         return []
 
 
-def shm_leftovers(before: list[str], base: str = "/dev/shm", pids: set[int] | None = None,
-                  tiers: list[str] = ()) -> list[str]:
+def shm_leftovers(
+    before: list[str], base: str = "/dev/shm", pids: set[int] | None = None, tiers: list[str] = ()
+) -> list[str]:
     """stoker's entries in ``base`` that were not there ``before``: slot files and the like (only
     those named ``stoker-<pid>-...`` after one of ``pids``, when given: other jobs share /dev/shm),
     plus temporary files left inside memory-tier directories (``stoker-cache-*``: caches, which
@@ -190,14 +213,15 @@ def shm_leftovers(before: list[str], base: str = "/dev/shm", pids: set[int] | No
 def main(spec_path: str) -> None:
     """Run the scenario described by the JSON file ``spec_path``; see the module docstring."""
     import faulthandler
+
     faulthandler.enable()
     with open(spec_path) as f:
         spec = json.load(f)
-    result = {"rounds": [], "leftover_files": [], "leftover_shm": [], "shm_before": shm_entries(),
-              "pid": os.getpid()}
+    result = {"rounds": [], "leftover_files": [], "leftover_shm": [], "shm_before": shm_entries(), "pid": os.getpid()}
     _write(spec["result"], result)  # the pid names this process's shared-memory files, even after a hang
     from stoker import _torch as torch_adapter
     from stoker import decode, loader  # noqa: F401 - imports paid before any round is timed
+
     torch_adapter.load()
     _pre(spec.get("pre"), spec)
     rng = random.Random(spec.get("seed", 0))
@@ -209,10 +233,12 @@ def main(spec_path: str) -> None:
     if spec.get("scan_in_child"):  # a private mount namespace: the parent cannot see these files
         result["leftover_files"] = scan_leftovers(spec.get("scan_dirs", []))
         from stoker.cache.tiered import default_memory_root
+
         pids = {os.getpid()} | {p for r in result["rounds"] for p in r["pids"]}
         caches = [spec["cache_dir"]] + [os.path.join(spec["cache_dir"], f"round-{i}") for i in range(rounds)]
-        result["leftover_shm"] = shm_leftovers(result["shm_before"], pids=pids,
-                                               tiers=[default_memory_root(c) for c in caches])
+        result["leftover_shm"] = shm_leftovers(
+            result["shm_before"], pids=pids, tiers=[default_memory_root(c) for c in caches]
+        )
     result["done"] = True
     _write(spec["result"], result)
 

@@ -4,6 +4,7 @@ The emulated accelerator consumes each batch at a fixed rate (sleeps
 ``len(batch) / rate`` seconds: it uses no CPU); the data stall is the fraction of
 wall time spent blocked in ``next()`` (benchmarks/README.md, the measuring terms).
 """
+
 from __future__ import annotations
 
 import time

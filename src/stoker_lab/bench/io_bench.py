@@ -22,6 +22,7 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
    first use; ``dlio=False`` or a failed install skips its half, with the reason in ``exception``).
    ``bytes_only_files=0`` leaves it out; ``only_bytes`` measures it alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -109,17 +110,20 @@ def run(cfg: IoConfig | None = None) -> dict:
     os.makedirs(workdir, exist_ok=True)
     if cfg.only_bytes:
         t_start = time.perf_counter()
-        report = {"machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                              "platform": platform.platform()},
-                  "config": asdict(cfg), "bytes_only": measure_bytes_only(cfg, workdir)}
+        report: dict = {
+            "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "config": asdict(cfg),
+            "bytes_only": measure_bytes_only(cfg, workdir),
+        }
         report["seconds"] = time.perf_counter() - t_start
         return report
     shm = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else workdir, f"stoker-bench-io-{os.getpid()}")
     sd = make_sample_data(os.path.join(workdir, "data"), images=cfg.images, classes=cfg.classes)
     _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
-    report: dict = {"machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                                "platform": platform.platform()},
-                    "config": asdict(cfg)}
+    report = {
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "config": asdict(cfg),
+    }
     t_start = time.perf_counter()
     with LocalS3Origin(latency_ms=cfg.latency_ms, bandwidth_MBps=cfg.bandwidth_MBps) as origin:
         raw_url, url = origin.url("raw/train"), origin.url("packed/train")
@@ -127,12 +131,19 @@ def run(cfg: IoConfig | None = None) -> dict:
         upload_tree(os.path.join(workdir, "data", "train"), raw_url, direct)
         pr = pack(raw_url, url, shard_bytes=cfg.shard_bytes, overwrite=True, storage_options=direct, progress=False)
         probe = open_dataset(url, storage_options=direct, cache=False, block_bytes=cfg.block_bytes)
-        report["dataset"] = {"samples": len(probe), "bytes": int(probe.index.total_bytes), "shards": pr.shards,
-                             "blocks": probe.num_blocks, "block_bytes": cfg.block_bytes,
-                             "mean_sample_bytes": probe.index.total_bytes / max(1, len(probe))}
-        report["origin"] = {"server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
-                            "stages": "direct endpoint (no latency, no bandwidth cap)",
-                            "cold_epoch": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps}}
+        report["dataset"] = {
+            "samples": len(probe),
+            "bytes": int(probe.index.total_bytes),
+            "shards": pr.shards,
+            "blocks": probe.num_blocks,
+            "block_bytes": cfg.block_bytes,
+            "mean_sample_bytes": probe.index.total_bytes / max(1, len(probe)),
+        }
+        report["origin"] = {
+            "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
+            "stages": "direct endpoint (no latency, no bandwidth cap)",
+            "cold_epoch": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps},
+        }
         _log(f"packed {len(probe)} samples into {pr.shards} shards, {probe.num_blocks} blocks")
         # the epochs first: obstore's runtime in this process would make the Loader start its
         # workers with forkserver instead of fork (stoker.loader.procs), unlike a training job
@@ -143,14 +154,24 @@ def run(cfg: IoConfig | None = None) -> dict:
         ranges = st.block_ranges(probe)
         stages, blocks = st.origin_stage(url, direct, ranges, cfg.concurrency, cfg.reps)
         stages.append(st.verify_stage(probe, blocks, cfg.reps))
-        tiers = {"disk": open_dataset(url, os.path.join(workdir, "cache-disk"), budget,
-                                      storage_options=direct, block_bytes=cfg.block_bytes),
-                 "memory": open_dataset(url, os.path.join(workdir, "cache-tiered"), budget, storage_options=direct,
-                                        block_bytes=cfg.block_bytes, memory_bytes=2 * int(probe.index.total_bytes),
-                                        memory_dir=shm)}
+        tiers = {
+            "disk": open_dataset(
+                url, os.path.join(workdir, "cache-disk"), budget, storage_options=direct, block_bytes=cfg.block_bytes
+            ),
+            "memory": open_dataset(
+                url,
+                os.path.join(workdir, "cache-tiered"),
+                budget,
+                storage_options=direct,
+                block_bytes=cfg.block_bytes,
+                memory_bytes=2 * int(probe.index.total_bytes),
+                memory_dir=shm,
+            ),
+        }
         try:
-            stages += st.cache_put_stage(tiers, blocks, {"disk": os.path.join(workdir, "floor-disk"),
-                                                         "memory": shm + "-floor"}, cfg.reps)
+            stages += st.cache_put_stage(
+                tiers, blocks, {"disk": os.path.join(workdir, "floor-disk"), "memory": shm + "-floor"}, cfg.reps
+            )
             stages += st.cache_read_stage(tiers, cfg.reps)
         finally:
             for ds in tiers.values():
@@ -170,16 +191,26 @@ def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
     """The ``bytes_only`` report (:func:`stoker_lab.bench.bytes_only.run`), or ``{"exception": why}``."""
     from .bytes_only import BytesOnlyConfig
     from .bytes_only import run as run_bytes_only
+
     if cfg.bytes_only_files <= 0:
         return {"exception": "not measured (bytes_only_files=0)"}
     _log("bytes only: stoker's Loader against DLIO's PyTorch reader")
-    return run_bytes_only(BytesOnlyConfig(files=cfg.bytes_only_files, epochs=cfg.bytes_only_epochs,
-                                          workers=cfg.workers, batch_size=cfg.batch_size, dlio=cfg.dlio,
-                                          make_venv=cfg.make_dlio_venv, workdir=os.path.join(workdir, "bytes-only")))
+    return run_bytes_only(
+        BytesOnlyConfig(
+            files=cfg.bytes_only_files,
+            epochs=cfg.bytes_only_epochs,
+            workers=cfg.workers,
+            batch_size=cfg.batch_size,
+            dlio=cfg.dlio,
+            make_venv=cfg.make_dlio_venv,
+            workdir=os.path.join(workdir, "bytes-only"),
+        )
+    )
 
 
-def cold_epoch(url: str, storage_options: dict, cache_dir: str, cache_bytes: int, origin_pid: int | None,
-               cfg: IoConfig) -> dict:
+def cold_epoch(
+    url: str, storage_options: dict, cache_dir: str, cache_bytes: int, origin_pid: int | None, cfg: IoConfig
+) -> dict:
     """A cold then a warm epoch of a Loader with decode and collate off over a fresh cache.
 
     Returns ``{"stage": the report row of the cold epoch's origin -> cache path (the prefetcher's
@@ -199,34 +230,56 @@ def cold_epoch(url: str, storage_options: dict, cache_dir: str, cache_bytes: int
             s = loader.stats
             cpu = {k: float(v) for k, v in s.cpu_s.items()}
             stoker_cpu = sum(cpu.values())
-            rows.append({"epoch": epoch, "samples": m.samples, "seconds": m.seconds,
-                         "samples_per_s": m.samples_per_s, "origin_bytes": int(s.origin_bytes),
-                         "origin_requests": int(s.origin_requests), "cache_hit_ratio": s.cache_hit_ratio,
-                         "first_batch_s": s.first_batch_s,
-                         "cpu_s": cpu, "emulated_origin_cpu_s": process_cpu_s(origin_pid) - o0,
-                         "stoker_cpu_s": stoker_cpu,
-                         "samples_per_cpu_s": m.samples / stoker_cpu if stoker_cpu else 0.0,
-                         "samples_per_s_per_core": m.samples_per_s / (os.cpu_count() or 1),
-                         "cpu_s_per_GB": stoker_cpu / (int(ds.index.total_bytes) / GB),
-                         "cpu_s_per_1000_samples": 1e3 * stoker_cpu / max(1, m.samples)})
+            rows.append(
+                {
+                    "epoch": epoch,
+                    "samples": m.samples,
+                    "seconds": m.seconds,
+                    "samples_per_s": m.samples_per_s,
+                    "origin_bytes": int(s.origin_bytes),
+                    "origin_requests": int(s.origin_requests),
+                    "cache_hit_ratio": s.cache_hit_ratio,
+                    "first_batch_s": s.first_batch_s,
+                    "cpu_s": cpu,
+                    "emulated_origin_cpu_s": process_cpu_s(origin_pid) - o0,
+                    "stoker_cpu_s": stoker_cpu,
+                    "samples_per_cpu_s": m.samples / stoker_cpu if stoker_cpu else 0.0,
+                    "samples_per_s_per_core": m.samples_per_s / (os.cpu_count() or 1),
+                    "cpu_s_per_GB": stoker_cpu / (int(ds.index.total_bytes) / GB),
+                    "cpu_s_per_1000_samples": 1e3 * stoker_cpu / max(1, m.samples),
+                }
+            )
     shutil.rmtree(cache_dir, ignore_errors=True)
     cold, warm = rows
     gb = cold["origin_bytes"] / GB
     prefetch = cold["cpu_s"].get("prefetch", 0.0)
     wcold = cold["cpu_s"].get("workers", 0.0) / max(1, cold["samples"])
     wwarm = warm["cpu_s"].get("workers", 0.0) / max(1, warm["samples"])
-    stage = {"stage": "origin->cache (prefetcher, cold epoch)", "bytes": cold["origin_bytes"], "cpu_s": prefetch,
-             "wall_s": cold["seconds"], "cpu_s_per_GB": prefetch / gb if gb else 0.0,
-             "GBps": gb / cold["seconds"] if cold["seconds"] else 0.0,
-             "floor": None, "ratio": None, "exception": None,
-             "note": "GBps is the cold epoch's, capped by the throttled origin"}
-    return {"stage": stage, "epochs": rows,
-            "origin_to_cache_cpu_s_per_GB": stage["cpu_s_per_GB"],
-            "origin_to_cache_note": "the prefetch process's CPU over the origin bytes; fills made by the decode "
-                                    "workers on a miss are in their CPU, not here",
-            "emulated_origin_cpu_s_per_GB": cold["emulated_origin_cpu_s"] / gb if gb else 0.0,
-            "cold_vs_warm_worker_cpu": {"cold_cpu_s_per_sample": wcold, "warm_cpu_s_per_sample": wwarm,
-                                        "ratio": wcold / wwarm if wwarm else None}}
+    stage = {
+        "stage": "origin->cache (prefetcher, cold epoch)",
+        "bytes": cold["origin_bytes"],
+        "cpu_s": prefetch,
+        "wall_s": cold["seconds"],
+        "cpu_s_per_GB": prefetch / gb if gb else 0.0,
+        "GBps": gb / cold["seconds"] if cold["seconds"] else 0.0,
+        "floor": None,
+        "ratio": None,
+        "exception": None,
+        "note": "GBps is the cold epoch's, capped by the throttled origin",
+    }
+    return {
+        "stage": stage,
+        "epochs": rows,
+        "origin_to_cache_cpu_s_per_GB": stage["cpu_s_per_GB"],
+        "origin_to_cache_note": "the prefetch process's CPU over the origin bytes; fills made by the decode "
+        "workers on a miss are in their CPU, not here",
+        "emulated_origin_cpu_s_per_GB": cold["emulated_origin_cpu_s"] / gb if gb else 0.0,
+        "cold_vs_warm_worker_cpu": {
+            "cold_cpu_s_per_sample": wcold,
+            "warm_cpu_s_per_sample": wwarm,
+            "ratio": wcold / wwarm if wwarm else None,
+        },
+    }
 
 
 def floor_of(report: dict) -> None:
@@ -238,8 +291,11 @@ def floor_of(report: dict) -> None:
     if not (get and put and row):
         return
     cpu = get["floor"]["cpu_s_per_GB"] + put["floor"]["cpu_s_per_GB"]
-    row["floor"] = {"what": "bare obstore.get_range loop + bare os.pwrite of the same bytes (stages above)",
-                    "cpu_s_per_GB": cpu, "GBps": None}
+    row["floor"] = {
+        "what": "bare obstore.get_range loop + bare os.pwrite of the same bytes (stages above)",
+        "cpu_s_per_GB": cpu,
+        "GBps": None,
+    }
     row["ratio"] = row["cpu_s_per_GB"] / cpu if cpu > 0 else None
 
 
@@ -247,35 +303,45 @@ def table(report: dict) -> str:
     """The report as text: one line per stage (stoker, floor, ratio), then the cold epoch's figures,
     then ``bytes_only``."""
     from .bytes_only import table as bytes_table
+
     bo = report.get("bytes_only") or {}
     bo_text = bytes_table(bo) if "local" in bo else f"bytes only: {bo.get('exception')}"
     if "stages" not in report:
         return bo_text
     d, o = report["dataset"], report["origin"]["cold_epoch"]
-    lines = [f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
-             f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
-             f"{o['bandwidth_MBps']:g} MB/s (stages: the origin's direct endpoint)",
-             f"{'stage':42} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}"]
+    lines = [
+        f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
+        f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
+        f"{o['bandwidth_MBps']:g} MB/s (stages: the origin's direct endpoint)",
+        f"{'stage':42} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
+    ]
 
     def num(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
     for r in report["stages"]:
         f = r.get("floor") or {}
-        lines.append(f"{r['stage']:42} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
-                     f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
-                     + (f"  ({r['exception']})" if r.get("exception") else ""))
+        lines.append(
+            f"{r['stage']:42} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
+            f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
+            + (f"  ({r['exception']})" if r.get("exception") else "")
+        )
     for e in report["epochs"]:
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["cpu_s"].items()))
         kind = "cold" if e["epoch"] == 0 else "warm"
-        lines.append(f"epoch {e['epoch']} ({kind}): {e['samples_per_s']:.0f} samples/s "
-                     f"(first batch {e['first_batch_s']:.2f} s), "
-                     f"{e['samples_per_cpu_s']:.0f} samples per CPU-s, {e['cpu_s_per_GB']:.2f} CPU-s/GB, "
-                     f"origin {e['origin_bytes'] / 1e6:.1f} MB; CPU-s: {cpu}; emulated origin "
-                     f"{e['emulated_origin_cpu_s']:.2f}")
+        lines.append(
+            f"epoch {e['epoch']} ({kind}): {e['samples_per_s']:.0f} samples/s "
+            f"(first batch {e['first_batch_s']:.2f} s), "
+            f"{e['samples_per_cpu_s']:.0f} samples per CPU-s, {e['cpu_s_per_GB']:.2f} CPU-s/GB, "
+            f"origin {e['origin_bytes'] / 1e6:.1f} MB; CPU-s: {cpu}; emulated origin "
+            f"{e['emulated_origin_cpu_s']:.2f}"
+        )
     cw = report["cold_vs_warm_worker_cpu"]
-    lines.append(f"origin_to_cache_cpu_s_per_GB {report['origin_to_cache_cpu_s_per_GB']:.2f} (prefetcher); "
-                 f"emulated_origin_cpu_s_per_GB {report['emulated_origin_cpu_s_per_GB']:.2f}; workers' CPU per sample "
-                 f"cold/warm {num(cw['ratio'], '.2f')} ({1e3 * cw['cold_cpu_s_per_sample']:.3f} / "
-                 f"{1e3 * cw['warm_cpu_s_per_sample']:.3f} ms)")
+    lines.append(
+        f"origin_to_cache_cpu_s_per_GB {report['origin_to_cache_cpu_s_per_GB']:.2f} (prefetcher); "
+        f"emulated_origin_cpu_s_per_GB {report['emulated_origin_cpu_s_per_GB']:.2f}; workers' CPU per sample "
+        f"cold/warm {num(cw['ratio'], '.2f')} ({1e3 * cw['cold_cpu_s_per_sample']:.3f} / "
+        f"{1e3 * cw['warm_cpu_s_per_sample']:.3f} ms)"
+    )
     lines.append(bo_text)
     return "\n".join(lines)

@@ -8,6 +8,7 @@ process; their CPU is ``time.process_time()`` (every thread of the process: obst
 I/O threads included) and the pair is repeated ``reps`` times alternately (A, B, A, B), keeping the
 smallest CPU of each, the steadiest figure on a shared machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,13 @@ def timed(fn) -> tuple[float, float, object]:
 
 def figures(nbytes: int, cpu_s: float, wall_s: float) -> dict:
     """``{bytes, cpu_s, wall_s, cpu_s_per_GB, GBps}`` of one measured loop over ``nbytes`` bytes."""
-    return {"bytes": int(nbytes), "cpu_s": cpu_s, "wall_s": wall_s,
-            "cpu_s_per_GB": cpu_s / (nbytes / GB) if nbytes else 0.0,
-            "GBps": nbytes / GB / wall_s if wall_s > 0 else 0.0}
+    return {
+        "bytes": int(nbytes),
+        "cpu_s": cpu_s,
+        "wall_s": wall_s,
+        "cpu_s_per_GB": cpu_s / (nbytes / GB) if nbytes else 0.0,
+        "GBps": nbytes / GB / wall_s if wall_s > 0 else 0.0,
+    }
 
 
 def alternate(variants: dict, reps: int, nbytes: int, before=None) -> dict:
@@ -53,18 +58,32 @@ def alternate(variants: dict, reps: int, nbytes: int, before=None) -> dict:
 def row(stage: str, stoker: dict, floor: dict, floor_what: str, exception: str | None = None, **extra) -> dict:
     """One ``stages`` entry of the report: stoker's figures, the floor's, their CPU ratio."""
     ratio = stoker["cpu_s_per_GB"] / floor["cpu_s_per_GB"] if floor["cpu_s_per_GB"] > 0 else None
-    return {"stage": stage, "bytes": stoker["bytes"], "cpu_s": stoker["cpu_s"], "wall_s": stoker["wall_s"],
-            "cpu_s_per_GB": stoker["cpu_s_per_GB"], "GBps": stoker["GBps"],
-            "floor": {"what": floor_what, "cpu_s": floor["cpu_s"], "cpu_s_per_GB": floor["cpu_s_per_GB"],
-                      "GBps": floor["GBps"]},
-            "ratio": ratio, "exception": exception, **extra}
+    return {
+        "stage": stage,
+        "bytes": stoker["bytes"],
+        "cpu_s": stoker["cpu_s"],
+        "wall_s": stoker["wall_s"],
+        "cpu_s_per_GB": stoker["cpu_s_per_GB"],
+        "GBps": stoker["GBps"],
+        "floor": {
+            "what": floor_what,
+            "cpu_s": floor["cpu_s"],
+            "cpu_s_per_GB": floor["cpu_s_per_GB"],
+            "GBps": floor["GBps"],
+        },
+        "ratio": ratio,
+        "exception": exception,
+        **extra,
+    }
 
 
 # -- origin -> memory ---------------------------------------------------------
 def block_ranges(ds) -> list[tuple[str, int, int]]:
     """(shard object name, start, end) of every block of ``ds``: the ranged GETs of a cold fill."""
-    return [(ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b]))
-            for b in range(ds.num_blocks)]
+    return [
+        (ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b]))
+        for b in range(ds.num_blocks)
+    ]
 
 
 def origin_stage(url: str, storage_options: dict, ranges: list, concurrency: int, reps: int) -> tuple[list, list]:
@@ -106,17 +125,35 @@ def origin_stage(url: str, storage_options: dict, ranges: list, concurrency: int
     obstore.get_range(store, f"{prefix}/{ranges[0][0]}", start=0, end=1)
     fs.cat_file(f"{bucket}/{prefix}/{ranges[0][0]}", start=0, end=1)
     try:
-        got = alternate({"stoker_obstore": loop(native.read_range), "bare_obstore": bare_obstore,
-                         "stoker_s3fs": loop(plain.read_range),
-                         "bare_s3fs": loop(lambda k, s, e: fs.cat_file(f"{bucket}/{prefix}/{k}", start=s, end=e))},
-                        reps, nbytes)
+        got = alternate(
+            {
+                "stoker_obstore": loop(native.read_range),
+                "bare_obstore": bare_obstore,
+                "stoker_s3fs": loop(plain.read_range),
+                "bare_s3fs": loop(lambda k, s, e: fs.cat_file(f"{bucket}/{prefix}/{k}", start=s, end=e)),
+            },
+            reps,
+            nbytes,
+        )
     finally:
         pool.shutdown()
     what = f"a bare loop of {{}} ranged GETs over the same {len(ranges)} ranges, {concurrency} threads"
-    rows = [row("origin->memory (obstore)", got["stoker_obstore"], got["bare_obstore"],
-                what.format("obstore.get_range"), requests=len(ranges)),
-            row("origin->memory (s3fs)", got["stoker_s3fs"], got["bare_s3fs"],
-                what.format("s3fs cat_file"), requests=len(ranges))]
+    rows = [
+        row(
+            "origin->memory (obstore)",
+            got["stoker_obstore"],
+            got["bare_obstore"],
+            what.format("obstore.get_range"),
+            requests=len(ranges),
+        ),
+        row(
+            "origin->memory (s3fs)",
+            got["stoker_s3fs"],
+            got["bare_s3fs"],
+            what.format("s3fs cat_file"),
+            requests=len(ranges),
+        ),
+    ]
     return rows, [bytes(b) for b in kept]
 
 
@@ -155,12 +192,20 @@ def cache_put_stage(tiers: dict, blocks: list, floor_roots: dict, reps: int) -> 
         def before(ds=ds, root=root):
             shutil.rmtree(root, ignore_errors=True)
             clear_cache(ds)
+
         got = alternate({"stoker": put, "floor": lambda root=root: _bare_pwrite(root, blocks)}, reps, nbytes, before)
         shutil.rmtree(root, ignore_errors=True)
         put()  # left full for the reads
-        rows.append(row(f"memory->cache ({tier} tier)", got["stoker"], got["floor"],
-                        f"bare os.open + os.pwrite + close of the same {len(blocks)} buffers into new files "
-                        f"on the same filesystem", blocks=len(blocks)))
+        rows.append(
+            row(
+                f"memory->cache ({tier} tier)",
+                got["stoker"],
+                got["floor"],
+                f"bare os.open + os.pwrite + close of the same {len(blocks)} buffers into new files "
+                f"on the same filesystem",
+                blocks=len(blocks),
+            )
+        )
     return rows
 
 
@@ -168,6 +213,7 @@ def verify_stage(ds, blocks: list, reps: int) -> dict:
     """The fill's checksum pass: ``ds.verify_block`` (xxh3-64 of every sample of every block,
     as a fill does before the put) against xxh3-64 of each whole block buffer."""
     import xxhash
+
     nbytes = sum(len(b) for b in blocks)
 
     def verify():
@@ -177,9 +223,15 @@ def verify_stage(ds, blocks: list, reps: int) -> dict:
         for d in blocks:
             xxhash.xxh3_64_intdigest(d)
         return nbytes
+
     got = alternate({"stoker": verify, "floor": floor}, reps, nbytes)
-    return row("fill checksum pass (in memory)", got["stoker"], got["floor"],
-               "xxh3-64 of each whole block buffer", blocks=len(blocks))
+    return row(
+        "fill checksum pass (in memory)",
+        got["stoker"],
+        got["floor"],
+        "xxh3-64 of each whole block buffer",
+        blocks=len(blocks),
+    )
 
 
 # -- cache tier -> worker -----------------------------------------------------
@@ -212,21 +264,34 @@ def cache_read_stage(tiers: dict, reps: int) -> list:
 
         def stoker(ds=ds, ids=ids):
             return sum(len(ds.read(i)) for i in ids)
+
         if not cache.contains(ds.version, ds.block_name(0)):
             raise RuntimeError(f"the {tier} tier does not hold the blocks the read stage needs")
         got = alternate({"stoker": stoker, "floor": bare}, reps, nbytes)
-        rows.append(row(f"cache ({tier} tier)->worker", got["stoker"], got["floor"],
-                        f"bare os.pread of the same {n} sample ranges from the block files, opened once",
-                        samples=n, us_per_sample=1e6 * got["stoker"]["cpu_s"] / n,
-                        floor_us_per_sample=1e6 * got["floor"]["cpu_s"] / n))
+        rows.append(
+            row(
+                f"cache ({tier} tier)->worker",
+                got["stoker"],
+                got["floor"],
+                f"bare os.pread of the same {n} sample ranges from the block files, opened once",
+                samples=n,
+                us_per_sample=1e6 * got["stoker"]["cpu_s"] / n,
+                floor_us_per_sample=1e6 * got["floor"]["cpu_s"] / n,
+            )
+        )
     return rows
 
 
 def peer_stage() -> dict:
     """The cluster stage, not measured yet: its row with ``exception`` saying so."""
-    return {"stage": "peer cache service->rank", "bytes": 0, "cpu_s_per_GB": None, "GBps": None,
-            "floor": {"what": "a bare TCP transfer of the same bytes", "cpu_s_per_GB": None, "GBps": None},
-            "ratio": None,
-            "exception": "not measured: the peer stage needs a Ray cluster (and network namespaces for the "
-                         "shaped link), which costs more time than this benchmark's default run; "
-                         "see `stoker bench cluster` for its bytes"}
+    return {
+        "stage": "peer cache service->rank",
+        "bytes": 0,
+        "cpu_s_per_GB": None,
+        "GBps": None,
+        "floor": {"what": "a bare TCP transfer of the same bytes", "cpu_s_per_GB": None, "GBps": None},
+        "ratio": None,
+        "exception": "not measured: the peer stage needs a Ray cluster (and network namespaces for the "
+        "shaped link), which costs more time than this benchmark's default run; "
+        "see `stoker bench cluster` for its bytes",
+    }

@@ -23,6 +23,7 @@ Needs CAP_NET_ADMIN and the ``ip`` and ``tc`` tools (iproute2); without them
 :func:`check_capability` raises :class:`NetnsUnavailable` with one line saying why.
 The Ray processes and the origin server are started by :mod:`stoker_lab.bench.netcluster_ray`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -81,15 +82,15 @@ def list_namespaces(prefix: str = PREFIX) -> list[str]:
 
 
 def _owner_pid(name: str) -> int | None:
-    head = name[len(PREFIX):].split("-", 1)[0]
+    head = name[len(PREFIX) :].split("-", 1)[0]
     return int(head) if head.isdigit() else None
-
 
 
 def kill_namespace(name: str, kill_wait_s: float = 5.0) -> int:
     """End every process in namespace ``name`` (SIGTERM, SIGKILL after ``kill_wait_s`` seconds)
     and delete the namespace. Returns how many processes were in it. Never raises for a namespace
     that is already gone."""
+
     def pids() -> list[int]:
         out = _ip("netns", "pids", name, check=False).stdout
         return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
@@ -137,8 +138,14 @@ class NetCluster:
     ValueError for a bad size, RuntimeError (with ``ip``'s or ``tc``'s message) when a step fails.
     """
 
-    def __init__(self, hosts: int = 3, host_mbit: float = 400.0, origin_mbit: float = 200.0,
-                 subnet: str = "10.231.0", kill_wait_s: float = 5.0):
+    def __init__(
+        self,
+        hosts: int = 3,
+        host_mbit: float = 400.0,
+        origin_mbit: float = 200.0,
+        subnet: str = "10.231.0",
+        kill_wait_s: float = 5.0,
+    ):
         if not 1 <= hosts <= 6:
             raise ValueError(f"hosts must be 1..6, got {hosts}")
         if host_mbit <= 0 or origin_mbit <= 0:
@@ -184,8 +191,21 @@ class NetCluster:
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         for where, dev in ((ns, "eth0"), (self.switch_ns, port)):  # both directions
-            _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                "burst", str(burst_bytes(mbit)), "latency", "100ms")
+            _tc(
+                where,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{mbit}mbit",
+                "burst",
+                str(burst_bytes(mbit)),
+                "latency",
+                "100ms",
+            )
 
     # -- use ---------------------------------------------------------------------------------
     def exec_prefix(self, ns: str) -> list[str]:
@@ -194,8 +214,10 @@ class NetCluster:
 
     def links(self) -> dict:
         """Each link's shaping, for reports: ``{name: {ns, ip, mbit, qdisc}}``."""
-        out = {f"h{i}": {"ns": ns, "ip": ip, "mbit": self.host_mbit, "qdisc": "tbf"}
-               for i, (ns, ip) in enumerate(zip(self.host_ns, self.host_ip, strict=True))}
+        out = {
+            f"h{i}": {"ns": ns, "ip": ip, "mbit": self.host_mbit, "qdisc": "tbf"}
+            for i, (ns, ip) in enumerate(zip(self.host_ns, self.host_ip, strict=True))
+        }
         out["origin"] = {"ns": self.origin_ns, "ip": self.origin_ip, "mbit": self.origin_mbit, "qdisc": "tbf"}
         return out
 
@@ -246,8 +268,12 @@ def read_counters(links: dict) -> dict[str, dict[str, int]]:
     out = {}
     stat = "/sys/class/net/eth0/statistics"
     for name, info in links.items():
-        proc = subprocess.run(["ip", "netns", "exec", info["ns"], "cat", f"{stat}/rx_bytes", f"{stat}/tx_bytes"],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["ip", "netns", "exec", info["ns"], "cat", f"{stat}/rx_bytes", f"{stat}/tx_bytes"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"reading the link counters in namespace {info['ns']}: {proc.stderr.strip()}")
         rx, tx = (int(v) for v in proc.stdout.split())
@@ -316,5 +342,11 @@ def epoch_cpu(marks: list[tuple[dict, dict]], services_cpu_s: float, cores: floa
     ranks = sum(b["process_cpu_s"] - a["process_cpu_s"] for a, b in marks)
     other = max(0.0, machine - ranks - services_cpu_s)
     window = max(t1 - t0, 1e-9)
-    return {"window_s": window, "machine_s": machine, "ranks_s": ranks, "services_s": services_cpu_s,
-            "other_s": other, "other_cores": min(cores, other / window)}
+    return {
+        "window_s": window,
+        "machine_s": machine,
+        "ranks_s": ranks,
+        "services_s": services_cpu_s,
+        "other_s": other,
+        "other_cores": min(cores, other / window),
+    }

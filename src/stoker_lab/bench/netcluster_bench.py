@@ -14,6 +14,7 @@ own messages; the kernel's count is expected to exceed stoker's by up to that mu
 veth carries GSO segments of up to 64 KiB with one set of headers), and the report says by how
 much it does (``excess_pct``).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,26 @@ TCP_OVERHEAD = 66 / 1448
 MIN_COMPARED_BYTES = 1 << 20
 
 
-def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 400.0, origin_mbit: float = 200.0,
-        latency_ms: float = 20.0, block_bytes: int = 1 << 20, shard_bytes: int = 16 << 20,
-        cache_bytes: int = 256 << 20, decode: bool = False, seed: int = 0,
-        placements: tuple[str, ...] = ("direct", "random", "colocated"), workdir: str | None = None,
-        job_timeout_s: float = 300.0, faults: tuple[str, ...] = ("kill", "link_down"), link_down_s: float = 5.0,
-        fault_pause_s: float = 0.02, state_check: bool = True) -> dict:
+def run(
+    images: int = 900,
+    epochs: int = 3,
+    hosts: int = 3,
+    host_mbit: float = 400.0,
+    origin_mbit: float = 200.0,
+    latency_ms: float = 20.0,
+    block_bytes: int = 1 << 20,
+    shard_bytes: int = 16 << 20,
+    cache_bytes: int = 256 << 20,
+    decode: bool = False,
+    seed: int = 0,
+    placements: tuple[str, ...] = ("direct", "random", "colocated"),
+    workdir: str | None = None,
+    job_timeout_s: float = 300.0,
+    faults: tuple[str, ...] = ("kill", "link_down"),
+    link_down_s: float = 5.0,
+    fault_pause_s: float = 0.02,
+    state_check: bool = True,
+) -> dict:
     """Run the benchmark; returns the report ``{machine, hosts, links, origin, config, dataset,
     runs, faults, state, control, idle_busy_cores, peer_probe, local_probe, summary, phases_s, seconds}`` (``control``:
     each placement's
@@ -91,21 +106,38 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
             lap("origin_start")
             procs.start_ray()
             lap("ray_start")
-            spec = {"address": procs.address, "endpoint_url": procs.endpoint_url, "direct_url": procs.direct_url,
-                    "links": net.links(), "host_ips": net.host_ip, "data_dir": os.path.join(data, "train"),
-                    "workdir": os.path.join(work, "caches"), "epochs": epochs, "block_bytes": block_bytes,
-                    "shard_bytes": shard_bytes, "cache_bytes": cache_bytes, "seed": seed, "decode": decode,
-                    "placements": list(placements), "job_timeout_s": job_timeout_s, "faults": list(faults),
-                    "link_down_s": link_down_s, "fault_pause_s": fault_pause_s, "fault_peer_timeout_s": 2.0,
-                    "request_dir": os.path.join(work, "requests"), "state_check": state_check}
+            spec = {
+                "address": procs.address,
+                "endpoint_url": procs.endpoint_url,
+                "direct_url": procs.direct_url,
+                "links": net.links(),
+                "host_ips": net.host_ip,
+                "data_dir": os.path.join(data, "train"),
+                "workdir": os.path.join(work, "caches"),
+                "epochs": epochs,
+                "block_bytes": block_bytes,
+                "shard_bytes": shard_bytes,
+                "cache_bytes": cache_bytes,
+                "seed": seed,
+                "decode": decode,
+                "placements": list(placements),
+                "job_timeout_s": job_timeout_s,
+                "faults": list(faults),
+                "link_down_s": link_down_s,
+                "fault_pause_s": fault_pause_s,
+                "fault_peer_timeout_s": 2.0,
+                "request_dir": os.path.join(work, "requests"),
+                "state_check": state_check,
+            }
             spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "rows.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
             budget_s = 120 + job_timeout_s * (len(placements) * epochs * 2 + 3 * len(faults) + 2)
             handler = FaultHandler(net, procs, spec["request_dir"])
             try:
-                procs.driver("stoker_lab.bench.netcluster_driver", spec_path, out_path, timeout_s=budget_s,
-                             poll=handler.poll)
+                procs.driver(
+                    "stoker_lab.bench.netcluster_driver", spec_path, out_path, timeout_s=budget_s, poll=handler.poll
+                )
             finally:
                 handler.close()
             lap("driver")
@@ -116,19 +148,37 @@ def run(images: int = 900, epochs: int = 3, hosts: int = 3, host_mbit: float = 4
         shutil.rmtree(work, ignore_errors=True)
     lap("teardown")
     phases.update({f"driver.{k}": v for k, v in rows.get("phases_s", {}).items()})
-    report = {"machine": {"cores": os.cpu_count()}, "hosts": hosts, "links": links,
-              "origin": {"latency_ms": latency_ms, "bandwidth": "the origin link's tbf"},
-              "config": {"jobs": 2, "ranks_per_job": hosts, "epochs": epochs, "block_bytes": block_bytes, "seed": seed,
-                         "shard_bytes": shard_bytes, "cache_bytes_per_node": cache_bytes, "decode": decode,
-                         "jobs_run": "one after the other, so each job's kernel counts are its own",
-                         "rank_start": "together: a job's ranks start their clocks at one gate (bench/start_gate.py)"},
-              "dataset": rows["dataset"], "setup_s": rows["setup_s"], "runs": rows["runs"],
-              "faults": rows.get("faults", []), "state": rows.get("state"), "control": rows.get("control"),
-              "idle_busy_cores": rows.get("idle_busy_cores"), "peer_probe": rows.get("peer_probe"),
-              "local_probe": rows.get("local_probe"),
-              "phases_s": phases}
-    report["config"].update(faults=list(faults), link_down_s=link_down_s, fault_pause_s=fault_pause_s,
-                            fault_peer_timeout_s=2.0)
+    report = {
+        "machine": {"cores": os.cpu_count()},
+        "hosts": hosts,
+        "links": links,
+        "origin": {"latency_ms": latency_ms, "bandwidth": "the origin link's tbf"},
+        "config": {
+            "jobs": 2,
+            "ranks_per_job": hosts,
+            "epochs": epochs,
+            "block_bytes": block_bytes,
+            "seed": seed,
+            "shard_bytes": shard_bytes,
+            "cache_bytes_per_node": cache_bytes,
+            "decode": decode,
+            "jobs_run": "one after the other, so each job's kernel counts are its own",
+            "rank_start": "together: a job's ranks start their clocks at one gate (bench/start_gate.py)",
+        },
+        "dataset": rows["dataset"],
+        "setup_s": rows["setup_s"],
+        "runs": rows["runs"],
+        "faults": rows.get("faults", []),
+        "state": rows.get("state"),
+        "control": rows.get("control"),
+        "idle_busy_cores": rows.get("idle_busy_cores"),
+        "peer_probe": rows.get("peer_probe"),
+        "local_probe": rows.get("local_probe"),
+        "phases_s": phases,
+    }
+    report["config"].update(
+        faults=list(faults), link_down_s=link_down_s, fault_pause_s=fault_pause_s, fault_peer_timeout_s=2.0
+    )
     report["summary"] = summary(report)
     report["seconds"] = time.perf_counter() - t0
     return report
@@ -164,27 +214,40 @@ def summary(report: dict) -> dict:
     direct = [r["kernel"]["host_link_bytes"] for r in runs if r["placement"] == "direct"]
     warm = [r["kernel"]["origin_link_bytes"] for r in runs if r["stoker"]["origin_bytes"] == 0]
     fallback = {"host": max(direct, default=0), "origin": max(warm, default=0)}
-    control = {p: ({"host": probes[p]["host_link_bytes"], "origin": probes[p]["origin_link_bytes"]}
-                   if p in probes else fallback) for p in dict.fromkeys(r["placement"] for r in runs)}
+    control = {
+        p: (
+            {"host": probes[p]["host_link_bytes"], "origin": probes[p]["origin_link_bytes"]}
+            if p in probes
+            else fallback
+        )
+        for p in dict.fromkeys(r["placement"] for r in runs)
+    }
 
     def agrees(kernel: int, stoker: int, extra: int) -> bool:
         return abs(kernel - stoker * (1 + TCP_OVERHEAD)) <= 0.05 * stoker + extra
 
     for r in runs:
         k, s = r["kernel"], r["stoker"]
-        r["agreement"] = {"origin_excess_pct": _excess(k["origin_link_bytes"], s["origin_bytes"]),
-                          "host_excess_pct": _excess(k["host_link_bytes"], s["peer_bytes"]),
-                          "agree": agrees(k["origin_link_bytes"], s["origin_bytes"], control[r["placement"]]["origin"])
-                          and agrees(k["host_link_bytes"], s["peer_bytes"], control[r["placement"]]["host"])}
-    out = {"all_exactly_once": all(r["exactly_once"] for r in runs), "control_bytes": control,
-           "all_agree": all(r["agreement"]["agree"] for r in runs), "placements": {}}
+        r["agreement"] = {
+            "origin_excess_pct": _excess(k["origin_link_bytes"], s["origin_bytes"]),
+            "host_excess_pct": _excess(k["host_link_bytes"], s["peer_bytes"]),
+            "agree": agrees(k["origin_link_bytes"], s["origin_bytes"], control[r["placement"]]["origin"])
+            and agrees(k["host_link_bytes"], s["peer_bytes"], control[r["placement"]]["host"]),
+        }
+    out = {
+        "all_exactly_once": all(r["exactly_once"] for r in runs),
+        "control_bytes": control,
+        "all_agree": all(r["agreement"]["agree"] for r in runs),
+        "placements": {},
+    }
     for p in dict.fromkeys(r["placement"] for r in runs):
         rows = [r for r in runs if r["placement"] == p and r["epoch"] >= 1]
         if rows:
             out["placements"][p] = {
                 "warm_origin_link_fraction": max(r["kernel"]["origin_link_bytes"] for r in rows) / size,
                 "warm_host_link_bytes": sum(r["kernel"]["host_link_bytes"] for r in rows),
-                "warm_samples_per_s": sum(r["samples_per_s"] for r in rows) / len(rows)}
+                "warm_samples_per_s": sum(r["samples_per_s"] for r in rows) / len(rows),
+            }
     pl = out["placements"]
     if "colocated" in pl and "random" in pl and pl["random"]["warm_host_link_bytes"]:
         out["colocated_vs_random_host"] = pl["colocated"]["warm_host_link_bytes"] / pl["random"]["warm_host_link_bytes"]
@@ -201,29 +264,39 @@ def summary(report: dict) -> dict:
 
 def table(report: dict) -> str:
     """The report as a Markdown table (MB = 1e6 bytes)."""
-    lines = ["| placement | job | epoch | samples/s | exactly once | origin link MB (kernel) | origin MB (stoker) "
-             "| host-to-host MB (kernel) | peer MB (stoker) | local MB (stoker) |", "|---" * 10 + "|"]
+    lines = [
+        "| placement | job | epoch | samples/s | exactly once | origin link MB (kernel) | origin MB (stoker) "
+        "| host-to-host MB (kernel) | peer MB (stoker) | local MB (stoker) |",
+        "|---" * 10 + "|",
+    ]
     for r in report["runs"]:
         k, s = r["kernel"], r["stoker"]
-        lines.append(f"| {r['placement']} | {r['job']} | {r['epoch']} | {r['samples_per_s']:,.0f} | "
-                     f"{'yes' if r['exactly_once'] else 'NO'} | {k['origin_link_bytes'] / 1e6:.1f} | "
-                     f"{s['origin_bytes'] / 1e6:.1f} | {k['host_link_bytes'] / 1e6:.1f} | "
-                     f"{s['peer_bytes'] / 1e6:.1f} | {s['local_bytes'] / 1e6:.1f} |")
+        lines.append(
+            f"| {r['placement']} | {r['job']} | {r['epoch']} | {r['samples_per_s']:,.0f} | "
+            f"{'yes' if r['exactly_once'] else 'NO'} | {k['origin_link_bytes'] / 1e6:.1f} | "
+            f"{s['origin_bytes'] / 1e6:.1f} | {k['host_link_bytes'] / 1e6:.1f} | "
+            f"{s['peer_bytes'] / 1e6:.1f} | {s['local_bytes'] / 1e6:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def fault_table(report: dict) -> str:
     """The fault rows as a Markdown table: where the victim's blocks were read from (MB = 1e6
     bytes) before and after the fault, and whether the host served again once back."""
-    lines = ["| fault | host | finished | exactly once | seconds | victim's blocks before: peer / origin MB "
-             "| after: peer / origin MB (fallbacks) | back: served MB from it |", "|---" * 8 + "|"]
+    lines = [
+        "| fault | host | finished | exactly once | seconds | victim's blocks before: peer / origin MB "
+        "| after: peer / origin MB (fallbacks) | back: served MB from it |",
+        "|---" * 8 + "|",
+    ]
     for f in report.get("faults") or []:
         b, a = f["dead_host_blocks"]["before"], f["dead_host_blocks"]["after"]
         back = (f["rejoin"].get("dead_host_blocks") or {}).get("peer_bytes", 0)
-        lines.append(f"| {f['fault']} | {f['host']} | {'yes' if f['finished'] else 'NO'} | "
-                     f"{'yes' if f['exactly_once'] else 'NO'} | {f['seconds']:.1f} | {b['peer_bytes'] / 1e6:.1f} / "
-                     f"{b['origin_bytes'] / 1e6:.1f} | {a['peer_bytes'] / 1e6:.1f} / {a['origin_bytes'] / 1e6:.1f} "
-                     f"({a['fallbacks']}) | {back / 1e6:.1f} |")
+        lines.append(
+            f"| {f['fault']} | {f['host']} | {'yes' if f['finished'] else 'NO'} | "
+            f"{'yes' if f['exactly_once'] else 'NO'} | {f['seconds']:.1f} | {b['peer_bytes'] / 1e6:.1f} / "
+            f"{b['origin_bytes'] / 1e6:.1f} | {a['peer_bytes'] / 1e6:.1f} / {a['origin_bytes'] / 1e6:.1f} "
+            f"({a['fallbacks']}) | {back / 1e6:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -231,6 +304,7 @@ def plot(report: dict, path: str) -> None:
     """A PNG at ``path``: kernel bytes per link (each host's and the origin's, rx + tx) per
     placement, job and epoch, as stacked bars."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -246,8 +320,10 @@ def plot(report: dict, path: str) -> None:
     ax.set_xticks(range(len(runs)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("MB on the link (kernel, rx + tx)")
     links = report.get("links", {})
-    ax.set_title("Bytes per link per epoch; links: " + ", ".join(f"{n} {v['mbit']:g} Mbit/s" for n, v in links.items()),
-                 fontsize=8)
+    ax.set_title(
+        "Bytes per link per epoch; links: " + ", ".join(f"{n} {v['mbit']:g} Mbit/s" for n, v in links.items()),
+        fontsize=8,
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

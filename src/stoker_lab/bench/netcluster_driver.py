@@ -29,6 +29,7 @@ all at once, on the warm caches (ranks' hosts, ids, seconds, bytes), and ``local
 same with samples each rank's own node holds. The output also has
 ``phases_s``: seconds of packing, of each placement, fault run and the state check.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,13 @@ JOBS = ("job1", "job2")
 
 def _decode(data: bytes, key: str) -> None:
     from stoker.decode.image import decode_image
+
     decode_image(data, key)
 
 
-def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = "",
-              gate_s: float = 600.0) -> list[dict]:
+def read_plan(
+    ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = "", gate_s: float = 600.0
+) -> list[dict]:
     """Cluster ``train_fn``: read (and verify, and with ``decode`` decode) every sample of the
     rank's plan for ``epoch``; returns ``ctx.epochs`` with the sample ids under ``ids``. With a
     ``gate`` (:mod:`stoker_lab.bench.start_gate`) the rank starts its clock once every rank of the job
@@ -74,8 +77,9 @@ def read_plan(ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = 
 PROBE_SAMPLES = 200
 
 
-def peer_probe(ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "", gate_s: float = 600.0,
-               local: bool = False) -> list[dict]:
+def peer_probe(
+    ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "", gate_s: float = 600.0, local: bool = False
+) -> list[dict]:
     """Cluster ``train_fn`` of the peer probe, run on warm caches after a placement's epochs:
     every rank reads ``samples`` samples that a peer owns (:meth:`WorkerContext.peer_samples`,
     a seeded draw per rank), one request at a time, all ranks at once from the ``gate``. The
@@ -102,8 +106,15 @@ def direct_rank(spec: dict) -> dict:
     peer_bytes (0), origin_bytes}`` (origin bytes: what this process's origin client received)."""
     from stoker.order import permutation, rank_plan
     from stoker.store.dataset import open_dataset
-    ds = open_dataset(spec["url"], spec["cache_dir"], spec["cache_bytes"], storage_options=spec["storage_options"],
-                      block_bytes=spec["block_bytes"], check=False)
+
+    ds = open_dataset(
+        spec["url"],
+        spec["cache_dir"],
+        spec["cache_bytes"],
+        storage_options=spec["storage_options"],
+        block_bytes=spec["block_bytes"],
+        check=False,
+    )
     perm = permutation(len(ds), 0, spec["epoch"], "blockwise", groups=ds.sample_block, window=16)
     ids = rank_plan(perm, spec["rank"], spec["world_size"])
     if not spec.get("read", True):
@@ -118,9 +129,17 @@ def direct_rank(spec: dict) -> dict:
             local += len(data)
         if spec["decode"]:
             _decode(data, ds.key(int(i)))
-    return {"epoch": spec["epoch"], "samples": len(ids), "seconds": time.perf_counter() - t0, "ids": ids.tolist(),
-            "started_at": started, "cpu": [c0, cpu_marks()],
-            "local_bytes": local, "peer_bytes": 0, "origin_bytes": ds.origin.counters.bytes - origin0}
+    return {
+        "epoch": spec["epoch"],
+        "samples": len(ids),
+        "seconds": time.perf_counter() - t0,
+        "ids": ids.tolist(),
+        "started_at": started,
+        "cpu": [c0, cpu_marks()],
+        "local_bytes": local,
+        "peer_bytes": 0,
+        "origin_bytes": ds.origin.counters.bytes - origin0,
+    }
 
 
 def _service_origin(service) -> int:
@@ -139,6 +158,7 @@ def _services_sum(fn) -> float:
     import ray
 
     from stoker.cluster.service import alive_nodes, get_service
+
     refs = []
     for node in alive_nodes():
         try:
@@ -167,8 +187,13 @@ def cluster_counts(recs: list[dict], service_origin_bytes: int) -> list[dict]:
     ``peer_bytes``: everything a peer sent (``received_peer_bytes``); ``local_bytes`` as counted."""
     out = []
     for k, r in enumerate(recs):
-        out.append(dict(r, origin_bytes=r["received_origin_bytes"] + (service_origin_bytes if k == 0 else 0),
-                        peer_bytes=r["received_peer_bytes"]))
+        out.append(
+            dict(
+                r,
+                origin_bytes=r["received_origin_bytes"] + (service_origin_bytes if k == 0 else 0),
+                peer_bytes=r["received_peer_bytes"],
+            )
+        )
     return out
 
 
@@ -212,11 +237,20 @@ def _row(placement, job, epoch, recs, n, kernel, served, rank_hosts: list[int] |
     seconds = max(r["seconds"] for r in recs)
     samples = sum(r["samples"] for r in recs)
     stoker = {k: int(sum(r[k] for r in recs)) for k in ("local_bytes", "peer_bytes", "origin_bytes")}
-    row = {"placement": placement, "job": job, "epoch": epoch, "ranks": len(recs), "samples": samples,
-           "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0,
-           "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
-           "kernel": kernel, "stoker": stoker, "origin_served_bytes": served,
-           "rank_seconds": [float(r["seconds"]) for r in recs]}
+    row = {
+        "placement": placement,
+        "job": job,
+        "epoch": epoch,
+        "ranks": len(recs),
+        "samples": samples,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds if seconds else 0.0,
+        "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
+        "kernel": kernel,
+        "stoker": stoker,
+        "origin_served_bytes": served,
+        "rank_seconds": [float(r["seconds"]) for r in recs],
+    }
     if rank_hosts is not None:
         row["rank_hosts"] = [int(h) for h in rank_hosts]
     if all("started_at" in r for r in recs):
@@ -241,6 +275,7 @@ def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict
     from stoker.cluster.extender import DATASET_ANNOTATION, file_state, prioritize
     from stoker.cluster.service import start_services, stop_services
     from stoker.cluster.warmup import warm
+
     by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     host_nodes = [by_ip.get(ip, nid) for ip, nid in zip(spec["host_ips"], host_nodes, strict=True)]
     # (a host restarted since the start has a new node id)
@@ -249,13 +284,32 @@ def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict
     stop_services()
     budgets = {nid: (spec["cache_bytes"] if i == holder else 1024) for i, nid in enumerate(host_nodes)}
     start_services(root, budgets)
-    rep = warm(url, opts, cache_root=root, cache_bytes=budgets, block_bytes=spec["block_bytes"],  # type: ignore[arg-type]
-               progress=False)
+    rep = warm(
+        url,
+        opts,
+        cache_root=root,
+        cache_bytes=budgets,
+        block_bytes=spec["block_bytes"],  # type: ignore[arg-type]
+        progress=False,
+    )
     host_of = {nid: f"h{i}" for i, nid in enumerate(host_nodes)}
     names = {nid: n["node_name"] for nid, n in rep["nodes"].items()}
     path = os.path.join(spec["workdir"], "state.json")
-    cmd = [sys.executable, "-m", "stoker.cli", "cluster-state", url, "--ray-address", spec["address"],
-           "--storage-options", json.dumps(opts), "--block-size", str(spec["block_bytes"]), "--out", path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stoker.cli",
+        "cluster-state",
+        url,
+        "--ray-address",
+        spec["address"],
+        "--storage-options",
+        json.dumps(opts),
+        "--block-size",
+        str(spec["block_bytes"]),
+        "--out",
+        path,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec["job_timeout_s"])
     if proc.returncode != 0:
         raise RuntimeError(f"stoker cluster-state exited with code {proc.returncode}: {proc.stderr[-2000:]}")
@@ -266,14 +320,19 @@ def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict
     mine = score.get(names.get(host_nodes[holder], ""), -1)
     stop_services()
     shutil.rmtree(root, ignore_errors=True)
-    return {"holder": f"h{holder}",
-            "warm": {host_of.get(nid, nid): {"cached_bytes": n["cached_bytes"], "cached_fraction": n["cached_fraction"]}
-                     for nid, n in rep["nodes"].items()},
-            "complete": rep["complete"],
-            "state_datasets": {name: n["datasets"].get(url, 0) for name, n in state["nodes"].items()},
-            "priorities": prio,
-            "holder_first": len(score) == len(host_nodes) and all(v < mine for v in score.values() if v != mine)
-            and sum(v == mine for v in score.values()) == 1}
+    return {
+        "holder": f"h{holder}",
+        "warm": {
+            host_of.get(nid, nid): {"cached_bytes": n["cached_bytes"], "cached_fraction": n["cached_fraction"]}
+            for nid, n in rep["nodes"].items()
+        },
+        "complete": rep["complete"],
+        "state_datasets": {name: n["datasets"].get(url, 0) for name, n in state["nodes"].items()},
+        "priorities": prio,
+        "holder_first": len(score) == len(host_nodes)
+        and all(v < mine for v in score.values() if v != mine)
+        and sum(v == mine for v in score.values()) == 1,
+    }
 
 
 def main(spec_path: str, out_path: str) -> int:
@@ -289,8 +348,12 @@ def main(spec_path: str, out_path: str) -> int:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    opts = {"endpoint_url": spec["endpoint_url"], "key": "testing", "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"}}
+    opts = {
+        "endpoint_url": spec["endpoint_url"],
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     ray.init(address=spec["address"], logging_level="ERROR", log_to_driver=False)
     t0 = time.perf_counter()
     upload_tree(spec["data_dir"], "s3://stoker/raw", opts)
@@ -298,9 +361,11 @@ def main(spec_path: str, out_path: str) -> int:
     pack("s3://stoker/raw", url, storage_options=opts, shard_bytes=spec["shard_bytes"], progress=False)
     ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=spec["block_bytes"])
     n = len(ds)
-    out = {"dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": ds.num_blocks,
-                       "version": ds.version},
-           "setup_s": time.perf_counter() - t0, "runs": []}
+    out = {
+        "dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": ds.num_blocks, "version": ds.version},
+        "setup_s": time.perf_counter() - t0,
+        "runs": [],
+    }
     phases = out["phases_s"] = {"upload_pack": out["setup_s"]}
     by_ip = {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node.get("Alive")}
     host_nodes = [by_ip[ip] for ip in spec["host_ips"]]
@@ -309,6 +374,7 @@ def main(spec_path: str, out_path: str) -> int:
 
     def served() -> int:  # the origin server's own count of body bytes sent
         import urllib.request
+
         with urllib.request.urlopen(f"{spec['direct_url']}/__stoker__/stats", timeout=10) as r:
             return int(json.loads(r.read())["bytes_served"])
 
@@ -316,13 +382,28 @@ def main(spec_path: str, out_path: str) -> int:
     gate_s = spec["job_timeout_s"]
 
     def direct_refs(root: str, epoch: int, read: bool = True, key: str = "") -> list:  # one direct rank per host
-        return [ray.remote(direct_rank).options(
-            num_cpus=0.5, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            {"url": url, "storage_options": opts, "cache_dir": os.path.join(root, f"h{r}"),
-             "cache_bytes": spec["cache_bytes"], "block_bytes": spec["block_bytes"], "epoch": epoch, "rank": r,
-             "world_size": len(host_nodes), "decode": spec["decode"], "read": read,
-             "gate": gate, "gate_key": key, "gate_s": gate_s})
-            for r, node in enumerate(host_nodes)]
+        return [
+            ray.remote(direct_rank)
+            .options(num_cpus=0.5, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(
+                {
+                    "url": url,
+                    "storage_options": opts,
+                    "cache_dir": os.path.join(root, f"h{r}"),
+                    "cache_bytes": spec["cache_bytes"],
+                    "block_bytes": spec["block_bytes"],
+                    "epoch": epoch,
+                    "rank": r,
+                    "world_size": len(host_nodes),
+                    "decode": spec["decode"],
+                    "read": read,
+                    "gate": gate,
+                    "gate_key": key,
+                    "gate_s": gate_s,
+                }
+            )
+            for r, node in enumerate(host_nodes)
+        ]
 
     for placement in spec["placements"]:
         t_phase = time.perf_counter()
@@ -336,11 +417,22 @@ def main(spec_path: str, out_path: str) -> int:
             if placement == "direct":
                 ray.get(direct_refs(root, 0, read=False, key=key), timeout=spec["job_timeout_s"])
                 return list(range(len(host_nodes)))
-            res = cluster_run(partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s), url, len(host_nodes),
-                            {"CPU": 0.5}, storage_options=opts, placement=placement,
-                            cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
-                            seed=spec["seed"] + 1, job="control", timeout_s=spec["job_timeout_s"])
+            res = cluster_run(
+                partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s),
+                url,
+                len(host_nodes),
+                {"CPU": 0.5},
+                storage_options=opts,
+                placement=placement,
+                cache_root=root,
+                cache_bytes=spec["cache_bytes"],
+                block_bytes=spec["block_bytes"],
+                seed=spec["seed"] + 1,
+                job="control",
+                timeout_s=spec["job_timeout_s"],
+            )
             return [host_of.get(r["node_id"], -1) for r in res]
+
         out.setdefault("control", {})[placement] = probe_control(placement, probe_job, links)
         out.setdefault("idle_busy_cores", {})[placement] = busy_cores(2.0)  # the cluster at rest
         for epoch in range(spec["epochs"]):
@@ -355,9 +447,20 @@ def main(spec_path: str, out_path: str) -> int:
                 else:
                     svc0, scpu0 = services_origin_bytes(), services_cpu_s()
                     fn = partial(read_plan, epoch=epoch, decode=spec["decode"], gate=gate, gate_key=key, gate_s=gate_s)
-                    res = cluster_run(fn, url, len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
-                                      cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
-                                      seed=spec["seed"] + 1 + j, job=job, timeout_s=spec["job_timeout_s"])
+                    res = cluster_run(
+                        fn,
+                        url,
+                        len(host_nodes),
+                        {"CPU": 0.5},
+                        storage_options=opts,
+                        placement=placement,
+                        cache_root=root,
+                        cache_bytes=spec["cache_bytes"],
+                        block_bytes=spec["block_bytes"],
+                        seed=spec["seed"] + 1 + j,
+                        job=job,
+                        timeout_s=spec["job_timeout_s"],
+                    )
                     recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
                     hosts = [host_of.get(r["node_id"], -1) for r in res]
                     svc_cpu = services_cpu_s() - scpu0
@@ -367,47 +470,80 @@ def main(spec_path: str, out_path: str) -> int:
                 row["machine_cpu_s"] = cpu_s  # the whole machine's busy CPU seconds, job start to end
                 row["epoch_cpu"] = epoch_cpu([tuple(r["cpu"]) for r in recs], svc_cpu, os.cpu_count() or 1)
                 out["runs"].append(row)
-                print(json.dumps({k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
-                                 | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
-                                 | row["stoker"]), flush=True)
-        for kind in (("peer", "local") if placement == "random" else ()):  # probes, on the warmed caches
+                print(
+                    json.dumps(
+                        {k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
+                        | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
+                        | row["stoker"]
+                    ),
+                    flush=True,
+                )
+        for kind in ("peer", "local") if placement == "random" else ():  # probes, on the warmed caches
             scpu0 = services_cpu_s()
-            res = cluster_run(partial(peer_probe, gate=gate, gate_key=f"{placement}/{kind}-probe", gate_s=gate_s,
-                                      local=kind == "local"), url,
-                              len(host_nodes), {"CPU": 0.5}, storage_options=opts, placement=placement,
-                              cache_root=root, cache_bytes=spec["cache_bytes"], block_bytes=spec["block_bytes"],
-                              seed=spec["seed"] + 1 + len(JOBS), job="probe", timeout_s=spec["job_timeout_s"])
+            res = cluster_run(
+                partial(
+                    peer_probe, gate=gate, gate_key=f"{placement}/{kind}-probe", gate_s=gate_s, local=kind == "local"
+                ),
+                url,
+                len(host_nodes),
+                {"CPU": 0.5},
+                storage_options=opts,
+                placement=placement,
+                cache_root=root,
+                cache_bytes=spec["cache_bytes"],
+                block_bytes=spec["block_bytes"],
+                seed=spec["seed"] + 1 + len(JOBS),
+                job="probe",
+                timeout_s=spec["job_timeout_s"],
+            )
             recs = [r["epochs"][-1] for r in res]
             out[f"{kind}_probe"] = {
-                "placement": placement, "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
-                "ids": [r["ids"] for r in recs], "seconds": max(r["seconds"] for r in recs),
+                "placement": placement,
+                "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
+                "ids": [r["ids"] for r in recs],
+                "seconds": max(r["seconds"] for r in recs),
                 "rank_seconds": [r["seconds"] for r in recs],
                 "rank_start_s": start_offsets(recs),
                 "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
                 "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
                 "samples_per_rank": PROBE_SAMPLES,
-                "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1)}
-            print(json.dumps({f"{kind}_probe_s": out[f"{kind}_probe"]["seconds"],
-                              "peer_bytes": out[f"{kind}_probe"]["peer_bytes"]}), flush=True)
+                "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1),
+            }
+            print(
+                json.dumps(
+                    {
+                        f"{kind}_probe_s": out[f"{kind}_probe"]["seconds"],
+                        "peer_bytes": out[f"{kind}_probe"]["peer_bytes"],
+                    }
+                ),
+                flush=True,
+            )
         stop_services()
         shutil.rmtree(root, ignore_errors=True)
         phases[placement] = time.perf_counter() - t_phase
     if spec.get("faults"):
         from .netcluster_faults import fault_run
+
         out["faults"] = []
         for kind in spec["faults"]:
             t_phase = time.perf_counter()
             row = fault_run(kind, spec, url, opts, n)
             phases[f"fault_{kind}"] = time.perf_counter() - t_phase
             out["faults"].append(row)
-            print(json.dumps({k: row[k] for k in ("fault", "host", "finished", "exactly_once", "seconds")}
-                             | {"dead_host_blocks": row["dead_host_blocks"], "rejoin": row["rejoin"]}), flush=True)
+            print(
+                json.dumps(
+                    {k: row[k] for k in ("fault", "host", "finished", "exactly_once", "seconds")}
+                    | {"dead_host_blocks": row["dead_host_blocks"], "rejoin": row["rejoin"]}
+                ),
+                flush=True,
+            )
     if spec.get("state_check", True):
         t_phase = time.perf_counter()
         out["state"] = state_check(spec, url, opts, host_nodes)
         phases["state_check"] = time.perf_counter() - t_phase
         print(json.dumps(out["state"]), flush=True)
     from stoker._atomic import umask_mode, write_atomic
+
     write_atomic(out_path, json.dumps(out).encode(), mode=umask_mode())
     ray.shutdown()
     return 0

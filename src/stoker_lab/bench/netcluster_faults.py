@@ -18,6 +18,7 @@ so the fault lands in the middle; then, once the host is back, a rejoin epoch. E
 tallied by the node that owns its block and by whether it came before or after the fault, so the
 row says where the victim's blocks were read from. Every wait has a timeout, named in its error.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ FAULTS = ("kill", "link_down")
 
 
 # -- the benchmark process's side ---------------------------------------------------------
+
 
 class FaultHandler:
     """Carries out the driver's requests on ``net`` (a started NetCluster) and ``procs`` (its
@@ -91,10 +93,12 @@ class FaultHandler:
 
 def _write_json(path: str, obj) -> None:
     from stoker._atomic import umask_mode, write_atomic
+
     write_atomic(path, json.dumps(obj).encode(), mode=umask_mode())
 
 
 # -- the driver's side -----------------------------------------------------------------------
+
 
 def request(request_dir: str, action: str, host: int, timeout_s: float = 120.0, **extra) -> dict:
     """Ask the benchmark process for fault ``action`` on host ``host``; returns its answer.
@@ -145,8 +149,8 @@ def slow_reader(ctx, epoch: int, pause_s: float, flag: str, started: str) -> dic
 def _host_of(ips: list[str]) -> dict[str, int]:
     """Node id -> host index, for every node Ray has known (dead ones too)."""
     import ray
-    return {n["NodeID"]: ips.index(n["NodeManagerAddress"]) for n in ray.nodes()
-            if n.get("NodeManagerAddress") in ips}
+
+    return {n["NodeID"]: ips.index(n["NodeManagerAddress"]) for n in ray.nodes() if n.get("NodeManagerAddress") in ips}
 
 
 def _sum(results: list[dict], when: str, host: int, host_of: dict) -> dict:
@@ -162,6 +166,7 @@ def _sum(results: list[dict], when: str, host: int, host_of: dict) -> dict:
 
 def _wait_host(ip: str, timeout_s: float) -> None:
     import ray
+
     deadline = time.monotonic() + timeout_s
     while not any(n.get("Alive") and n["NodeManagerAddress"] == ip for n in ray.nodes()):
         if time.monotonic() > deadline:
@@ -178,13 +183,20 @@ def fault_run(kind: str, spec: dict, url: str, opts: dict, n: int) -> dict:
     from stoker.cluster.job import run as cluster_run
     from stoker.cluster.ranks import gather
     from stoker.cluster.service import stop_services
+
     hosts, ips = len(spec["host_ips"]), spec["host_ips"]
     victim = hosts - 1
     work = os.path.join(spec["workdir"], f"fault-{kind}")
     os.makedirs(work, exist_ok=True)
-    common = dict(storage_options=opts, cache_root=os.path.join(work, "cache"), cache_bytes=spec["cache_bytes"],
-                  block_bytes=spec["block_bytes"], timeout_s=spec["job_timeout_s"],
-                  peer_timeout_s=spec["fault_peer_timeout_s"], retry_s=0.5)
+    common = dict(
+        storage_options=opts,
+        cache_root=os.path.join(work, "cache"),
+        cache_bytes=spec["cache_bytes"],
+        block_bytes=spec["block_bytes"],
+        timeout_s=spec["job_timeout_s"],
+        peer_timeout_s=spec["fault_peer_timeout_s"],
+        retry_s=0.5,
+    )
     steady = {"CPU": 0.5, STEADY: 1}
     stop_services()
     cluster_run(partial(read_epochs, epochs=1), url, hosts, {"CPU": 0.5}, job=f"{kind}-warm", **common)

@@ -17,6 +17,7 @@ started here finds it through ``RAY_AUTH_TOKEN_PATH``, so no ``~/.ray/auth_token
 touched. Nothing here stops a process: the processes stay inside the namespaces,
 and :meth:`stoker_lab.bench.netcluster.NetCluster.close` ends them by id with the namespaces.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,12 @@ GCS_PORT = 6379
 #: for that. Here a dead host (connection refused: each check fails at once) is found in
 #: 5 x 1 s = 5 s, while a link that drops packets fails a check only after its 3 s timeout, so a
 #: host whose link is down for the fault runs' 5 s is not taken for dead (5 x (1 + 3) = 20 s).
-HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "3000",
-                    "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
+HEALTH_CHECK_ENV = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_initial_delay_ms": "1000",
+}
 
 
 def _src_dir() -> str:
@@ -65,6 +70,7 @@ def write_token(path: str) -> str:
     """Write a new random Ray authentication token (64 hex digits) to ``path``, readable by its
     owner only (mode 0600, replacing any file there); returns ``path``."""
     import secrets
+
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -83,8 +89,14 @@ class NetRay:
     Raises RuntimeError (with the process's log tail) when a process fails or is not ready in time.
     """
 
-    def __init__(self, net: NetCluster, workdir: str, cpus_per_host: int = 2,
-                 object_store_bytes: int = 100 << 20, start_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        net: NetCluster,
+        workdir: str,
+        cpus_per_host: int = 2,
+        object_store_bytes: int = 100 << 20,
+        start_timeout_s: float = 120.0,
+    ):
         self.net, self.workdir = net, workdir
         self.cpus_per_host, self.object_store_bytes = cpus_per_host, object_store_bytes
         self.start_timeout_s = start_timeout_s
@@ -108,9 +120,23 @@ class NetRay:
         ready = os.path.join(self.workdir, "origin-ready.json")
         if os.path.exists(ready):  # left by an earlier run in this directory
             os.remove(ready)
-        cmd = [*self.net.exec_prefix(self.net.origin_ns), sys.executable, "-m", "stoker.cli", "origin-server",
-               "--host", self.net.origin_ip, "--latency-ms", str(latency_ms), "--bandwidth-mbps", "0",
-               "--bucket", bucket, "--ready-file", ready]
+        cmd = [
+            *self.net.exec_prefix(self.net.origin_ns),
+            sys.executable,
+            "-m",
+            "stoker.cli",
+            "origin-server",
+            "--host",
+            self.net.origin_ip,
+            "--latency-ms",
+            str(latency_ms),
+            "--bandwidth-mbps",
+            "0",
+            "--bucket",
+            bucket,
+            "--ready-file",
+            ready,
+        ]
         env = node_env()
         env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
         with open(self._log("origin"), "wb") as log:
@@ -118,9 +144,11 @@ class NetRay:
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(ready):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"origin server in namespace {self.net.origin_ns} "
-                                   f"{'exited' if proc.poll() is not None else 'not ready in time'}:\n"
-                                   f"{self._tail('origin')}")
+                raise RuntimeError(
+                    f"origin server in namespace {self.net.origin_ns} "
+                    f"{'exited' if proc.poll() is not None else 'not ready in time'}:\n"
+                    f"{self._tail('origin')}"
+                )
             time.sleep(0.1)
         with open(ready) as f:
             info = json.load(f)
@@ -133,13 +161,24 @@ class NetRay:
         d = os.path.join(self.workdir, f"r{i}")
         os.makedirs(d, exist_ok=True)
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        cmd = [*self.net.exec_prefix(ns), ray, "start", "--node-ip-address", ip,
-               "--num-cpus", str(self.cpus_per_host), "--object-store-memory", str(self.object_store_bytes),
-               "--temp-dir", d, "--disable-usage-stats"]
-        cmd += (["--head", "--port", str(GCS_PORT), "--include-dashboard=false"] if head
-                else ["--address", self.address])
+        cmd = [
+            *self.net.exec_prefix(ns),
+            ray,
+            "start",
+            "--node-ip-address",
+            ip,
+            "--num-cpus",
+            str(self.cpus_per_host),
+            "--object-store-memory",
+            str(self.object_store_bytes),
+            "--temp-dir",
+            d,
+            "--disable-usage-stats",
+        ]
+        cmd += ["--head", "--port", str(GCS_PORT), "--include-dashboard=false"] if head else ["--address", self.address]
         if i < self.net.hosts - 1 or self.net.hosts == 1:
             from .netcluster_faults import STEADY
+
             cmd += ["--resources", json.dumps({STEADY: 100})]
         env = node_env(ns, self.token_path)
         env.update(HEALTH_CHECK_ENV)
@@ -187,8 +226,9 @@ class NetRay:
         cmd = [*self.net.exec_prefix(self.net.host_ns[0]), sys.executable, "-m", module, *args]
         deadline = time.monotonic() + timeout_s
         with open(self._log("driver"), "wb") as log:
-            proc = subprocess.Popen(cmd, env=node_env(token_path=self.token_path), stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log)
+            proc = subprocess.Popen(
+                cmd, env=node_env(token_path=self.token_path), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
             try:
                 while proc.poll() is None:
                     if time.monotonic() > deadline:

@@ -11,6 +11,7 @@ for the exact model. The origin injects no faults of its own: put
 
 :class:`LocalS3Origin` starts and stops that process from Python.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -50,9 +51,15 @@ class LocalS3Origin:
     (``cpu_s["origin_emulator"]``).
     """
 
-    def __init__(self, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0,
-                 bucket: str = "stoker", start_timeout_s: float = 30.0,
-                 fast_range: bool = True, nice: int | None = None):
+    def __init__(
+        self,
+        latency_ms: float = 20.0,
+        bandwidth_MBps: float = 100.0,
+        bucket: str = "stoker",
+        start_timeout_s: float = 30.0,
+        fast_range: bool = True,
+        nice: int | None = None,
+    ):
         self.latency_ms, self.bandwidth_MBps = latency_ms, bandwidth_MBps
         self.bucket, self.start_timeout_s, self.fast_range = bucket, start_timeout_s, fast_range
         self.nice = ORIGIN_NICE if nice is None else int(nice)
@@ -74,19 +81,41 @@ class LocalS3Origin:
         err_path = os.path.join(self._tmp, "stderr.log")
         src_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update(AWS_ACCESS_KEY_ID=_CREDS["key"], AWS_SECRET_ACCESS_KEY=_CREDS["secret"],
-                   AWS_DEFAULT_REGION=_REGION, AWS_CONFIG_FILE=os.devnull,
-                   AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-                   PYTHONPATH=os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "stoker.cli", "origin-server",
-               "--latency-ms", str(self.latency_ms), "--bandwidth-mbps", str(self.bandwidth_MBps),
-               "--ready-file", ready, "--bucket", self.bucket, "--parent-pid", str(os.getpid())]
+        env.update(
+            AWS_ACCESS_KEY_ID=_CREDS["key"],
+            AWS_SECRET_ACCESS_KEY=_CREDS["secret"],
+            AWS_DEFAULT_REGION=_REGION,
+            AWS_CONFIG_FILE=os.devnull,
+            AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+            PYTHONPATH=os.pathsep.join(filter(None, [src_dir, env.get("PYTHONPATH")])),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "stoker.cli",
+            "origin-server",
+            "--latency-ms",
+            str(self.latency_ms),
+            "--bandwidth-mbps",
+            str(self.bandwidth_MBps),
+            "--ready-file",
+            ready,
+            "--bucket",
+            self.bucket,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if not self.fast_range:
             cmd.append("--no-fast-range")
         with open(err_path, "wb") as err:
-            self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                          preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
-                                          stdout=subprocess.DEVNULL, stderr=err)
+            self._proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         atexit.register(self.stop)
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(ready):
@@ -94,8 +123,11 @@ class LocalS3Origin:
             if failed or time.monotonic() > deadline:
                 with open(err_path, errors="replace") as f:
                     log = f.read()[-4000:]
-                why = (f"exited with code {self._proc.returncode}" if failed
-                       else f"not ready after {self.start_timeout_s} s")
+                why = (
+                    f"exited with code {self._proc.returncode}"
+                    if failed
+                    else f"not ready after {self.start_timeout_s} s"
+                )
                 self.stop()
                 raise RuntimeError(f"stoker origin server {why}; stderr:\n{log}")
             time.sleep(0.02)
@@ -136,8 +168,11 @@ class LocalS3Origin:
 
     def storage_options(self, throttled: bool = True) -> dict:
         """Plain, picklable kwargs for s3fs / fsspec (through the proxy if ``throttled``)."""
-        return {"endpoint_url": self.endpoint_url if throttled else self.direct_url,
-                **_CREDS, "client_kwargs": {"region_name": _REGION}}
+        return {
+            "endpoint_url": self.endpoint_url if throttled else self.direct_url,
+            **_CREDS,
+            "client_kwargs": {"region_name": _REGION},
+        }
 
     def stats(self) -> dict:
         """Server counters: requests, object_gets, ranged_gets (fast path), passthrough,
@@ -151,8 +186,7 @@ class LocalS3Origin:
             return json.loads(resp.read())
 
 
-def upload_tree(local_dir: str, dst_url: str, storage_options: dict | None = None,
-                max_workers: int = 8) -> dict:
+def upload_tree(local_dir: str, dst_url: str, storage_options: dict | None = None, max_workers: int = 8) -> dict:
     """Upload every file under ``local_dir`` to ``dst_url`` (same relative paths), in parallel.
 
     Returns ``{"files", "bytes", "seconds"}``. Raises FileNotFoundError if ``local_dir`` is not
@@ -172,13 +206,19 @@ def upload_tree(local_dir: str, dst_url: str, storage_options: dict | None = Non
             jobs.append((src, f"{root.rstrip('/')}/{rel}", os.path.getsize(src)))
     with ThreadPoolExecutor(max(1, max_workers)) as pool:
         list(pool.map(lambda job: fs.put_file(job[0], job[1]), jobs))
-    return {"files": len(jobs), "bytes": sum(j[2] for j in jobs),
-            "seconds": time.perf_counter() - t0}
+    return {"files": len(jobs), "bytes": sum(j[2] for j in jobs), "seconds": time.perf_counter() - t0}
 
 
-def serve_origin(*, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0, ready_file: str | None = None,
-                 buckets: tuple[str, ...] = (), fast_range: bool = True, parent_pid: int | None = None,
-                 host: str = "127.0.0.1") -> None:
+def serve_origin(
+    *,
+    latency_ms: float = 20.0,
+    bandwidth_MBps: float = 100.0,
+    ready_file: str | None = None,
+    buckets: tuple[str, ...] = (),
+    fast_range: bool = True,
+    parent_pid: int | None = None,
+    host: str = "127.0.0.1",
+) -> None:
     """Run the emulated origin in this process until killed (or until ``parent_pid`` exits).
 
     ``latency_ms``: milliseconds added to every request; ``bandwidth_MBps``: megabytes (1e6 bytes)
@@ -188,6 +228,7 @@ def serve_origin(*, latency_ms: float = 20.0, bandwidth_MBps: float = 100.0, rea
     whatever moto or waitress raise on start-up. This is what ``stoker origin-server`` runs.
     """
     from .origin_server import serve
+
     os.environ.setdefault("AWS_ACCESS_KEY_ID", _CREDS["key"])
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", _CREDS["secret"])
     serve(latency_ms, bandwidth_MBps, ready_file, buckets, fast_range, parent_pid, host)

@@ -16,6 +16,7 @@ Only path-style requests (``http://127.0.0.1:PORT/<bucket>/<key>``, what botocor
 to a custom endpoint) get the fast path. Waitress drops request
 headers whose names contain ``_`` (e.g. ``x-amz-meta-my_key``), unlike moto's own server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,19 +35,24 @@ from .throttle import _BUF, _Proxy
 _ZERO_COPY_MIN = 1 << 16  # bodies this large are sent from a memoryview
 _RANGE_RE = re.compile(r"bytes=(\d+)-(\d*)")
 # Requests with any of these need moto's full semantics: no fast path.
-_SLOW_HEADERS = ("HTTP_IF_MATCH", "HTTP_IF_NONE_MATCH", "HTTP_IF_MODIFIED_SINCE",
-                 "HTTP_IF_UNMODIFIED_SINCE",
-                 "HTTP_X_AMZ_SERVER_SIDE_ENCRYPTION_CUSTOMER_ALGORITHM")
-_FAST_STORAGE = (None, "STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING",
-                 "REDUCED_REDUNDANCY")
+_SLOW_HEADERS = (
+    "HTTP_IF_MATCH",
+    "HTTP_IF_NONE_MATCH",
+    "HTTP_IF_MODIFIED_SINCE",
+    "HTTP_IF_UNMODIFIED_SINCE",
+    "HTTP_X_AMZ_SERVER_SIDE_ENCRYPTION_CUSTOMER_ALGORITHM",
+)
+_FAST_STORAGE = (None, "STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "REDUCED_REDUNDANCY")
 _REGION = "us-east-1"
 
 
 def _xml_error(code: str, message: str, **extra: object) -> bytes:
     rest = "".join(f"<{k}>{v}</{k}>" for k, v in extra.items())
-    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-            f"<Message>{message}</Message>{rest}<RequestId>{uuid.uuid4().hex}</RequestId>"
-            "</Error>").encode()
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>{message}</Message>{rest}<RequestId>{uuid.uuid4().hex}</RequestId>"
+        "</Error>"
+    ).encode()
 
 
 def _reply(start_response, status: int, body: bytes, content_type: str) -> list[bytes]:
@@ -66,8 +72,7 @@ class _Middleware:
         self.fast_range = fast_range
         self.proxy = None  # set to the _Proxy once it runs, for its counters
         self._lock = threading.Lock()
-        self.counters = dict(requests=0, object_gets=0, ranged_gets=0, passthrough=0,
-                             bytes_served=0)
+        self.counters = dict(requests=0, object_gets=0, ranged_gets=0, passthrough=0, bytes_served=0)
 
     def _add(self, **delta: int) -> None:
         with self._lock:
@@ -106,8 +111,7 @@ class _Middleware:
         host = environ.get("HTTP_HOST", "").split(":")[0]
         if host != "localhost" and not re.fullmatch(r"[\d.]+", host):
             return "", ""
-        raw = environ.get("RAW_URI") or environ.get("REQUEST_URI") or \
-            urllib.parse.quote(environ.get("PATH_INFO", ""))
+        raw = environ.get("RAW_URI") or environ.get("REQUEST_URI") or urllib.parse.quote(environ.get("PATH_INFO", ""))
         path = urllib.parse.unquote(raw.split("?", 1)[0])
         bucket, _, key = path.lstrip("/").partition("/")
         return bucket, key
@@ -129,8 +133,12 @@ class _Middleware:
             size, etag = key.size, key.etag
             if start < size:
                 stop = size - 1 if end is None else min(end, size - 1)
-                if (start == 0 and stop == size - 1 and key.checksum_algorithm
-                        and environ.get("HTTP_X_AMZ_CHECKSUM_MODE") == "ENABLED"):
+                if (
+                    start == 0
+                    and stop == size - 1
+                    and key.checksum_algorithm
+                    and environ.get("HTTP_X_AMZ_CHECKSUM_MODE") == "ENABLED"
+                ):
                     return None  # full-object read with checksums: moto adds the headers
                 try:
                     key._value_buffer.seek(start)
@@ -138,19 +146,22 @@ class _Middleware:
                 except ValueError:  # buffer closed: the key was just deleted or replaced
                     return None
         if start >= size:
-            body = _xml_error("InvalidRange", "The requested range is not satisfiable",
-                              RangeRequested=m[0], ActualObjectSize=size)
+            body = _xml_error(
+                "InvalidRange", "The requested range is not satisfiable", RangeRequested=m[0], ActualObjectSize=size
+            )
             self._add(bytes_served=len(body))
             return _reply(start_response, 416, body, "application/xml")
-        headers = [(k.title() if not k.startswith("x-amz-") else k, str(v))
-                   for k, v in key.metadata.items()]
+        headers = [(k.title() if not k.startswith("x-amz-") else k, str(v)) for k, v in key.metadata.items()]
         if not any(k.lower() == "content-type" for k, _ in headers):
             headers.append(("Content-Type", "binary/octet-stream"))
-        headers += [("Content-Length", str(len(body))),
-                    ("Content-Range", f"bytes {start}-{stop}/{size}"),
-                    ("Accept-Ranges", "bytes"), ("ETag", etag),
-                    ("Last-Modified", key.last_modified_RFC1123),
-                    ("x-amz-request-id", uuid.uuid4().hex)]
+        headers += [
+            ("Content-Length", str(len(body))),
+            ("Content-Range", f"bytes {start}-{stop}/{size}"),
+            ("Accept-Ranges", "bytes"),
+            ("ETag", etag),
+            ("Last-Modified", key.last_modified_RFC1123),
+            ("x-amz-request-id", uuid.uuid4().hex),
+        ]
         if key.version_id != "null":
             headers.append(("x-amz-version-id", str(key.version_id)))
         start_response("206 Partial Content", headers)
@@ -196,7 +207,7 @@ class _BytesFile:
 
     def read(self, n: int = -1) -> memoryview:
         end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = self._view[self._pos:end]
+        out = self._view[self._pos : end]
         self._pos = max(self._pos, end)
         return out
 
@@ -216,8 +227,7 @@ def _lookup_key(bucket: str, key_name: str):
     if found is None or key_name not in found.keys:
         return None
     key = found.keys[key_name]
-    if (not isinstance(key, FakeKey) or key.encryption is not None
-            or key.storage_class not in _FAST_STORAGE):
+    if not isinstance(key, FakeKey) or key.encryption is not None or key.storage_class not in _FAST_STORAGE:
         return None
     return key
 
@@ -252,18 +262,33 @@ def _http_server(app, threads: int = 32, host: str = "127.0.0.1"):
 
     logging.getLogger("waitress").setLevel(logging.ERROR)  # no per-request or queue logs
     server = create_server(
-        app, host=host, port=0, threads=threads, connection_limit=4096,
-        channel_timeout=600, recv_bytes=1 << 18,
-        inbuf_overflow=1 << 27, outbuf_overflow=1 << 30)  # keep bodies in memory
-    server.adj.socket_options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),  # per connection
-                                 (socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF * 4)]
+        app,
+        host=host,
+        port=0,
+        threads=threads,
+        connection_limit=4096,
+        channel_timeout=600,
+        recv_bytes=1 << 18,
+        inbuf_overflow=1 << 27,
+        outbuf_overflow=1 << 30,
+    )  # keep bodies in memory
+    server.adj.socket_options = [
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),  # per connection
+        (socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF * 4),
+    ]
     server.channel_class = Channel
     return server
 
 
-def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = None,
-          buckets: tuple[str, ...] = (), fast_range: bool = True,
-          parent_pid: int | None = None, host: str = "127.0.0.1") -> None:
+def serve(
+    latency_ms: float,
+    bandwidth_MBps: float,
+    ready_file: str | None = None,
+    buckets: tuple[str, ...] = (),
+    fast_range: bool = True,
+    parent_pid: int | None = None,
+    host: str = "127.0.0.1",
+) -> None:
     """Run moto plus the throttling proxy until killed (or until ``parent_pid`` exits).
 
     ``host``: the address both listen on (default loopback; a namespace cluster gives the
@@ -280,19 +305,23 @@ def serve(latency_ms: float, bandwidth_MBps: float, ready_file: str | None = Non
     if buckets:
         from moto.core import DEFAULT_ACCOUNT_ID
         from moto.s3.models import s3_backends
+
         for name in buckets:
             s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(name, _REGION)
 
     proxy = _Proxy(server.effective_port, latency_ms / 1e3, bandwidth_MBps * 1e6, host)
     loop = asyncio.new_event_loop()
-    listener = loop.run_until_complete(
-        asyncio.start_server(proxy.handle, host, 0, limit=_BUF))
+    listener = loop.run_until_complete(asyncio.start_server(proxy.handle, host, 0, limit=_BUF))
     threading.Thread(target=loop.run_forever, daemon=True, name="proxy").start()
     mw.proxy = proxy
-    info = {"endpoint_url": f"http://{host}:{listener.sockets[0].getsockname()[1]}",
-            "direct_url": f"http://{host}:{server.effective_port}", "pid": os.getpid()}
+    info = {
+        "endpoint_url": f"http://{host}:{listener.sockets[0].getsockname()[1]}",
+        "direct_url": f"http://{host}:{server.effective_port}",
+        "pid": os.getpid(),
+    }
     if ready_file:
         from stoker._atomic import umask_mode, write_atomic
+
         write_atomic(ready_file, json.dumps(info).encode(), mode=umask_mode())
     else:
         print(json.dumps(info), flush=True)

@@ -7,6 +7,7 @@ The decode functions are small picklable classes, so they work with every start 
 are dev/extra dependencies: they are imported when a function here runs, and a missing one is
 an ImportError that says which package to install.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,11 +25,14 @@ ALSA_DIR = "/usr/share/sounds/alsa"
 
 def _need(module: str, extra: str):
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"{module} is needed for this ({exc}); install it: pip install -e '.[{extra}]' "
-                          f"in the stoker checkout, or pip install {module}") from exc
+        raise ImportError(
+            f"{module} is needed for this ({exc}); install it: pip install -e '.[{extra}]' "
+            f"in the stoker checkout, or pip install {module}"
+        ) from exc
 
 
 def stdlib_py_files(max_files: int | None = None, max_file_bytes: int | None = None) -> tuple[str, list[str]]:
@@ -40,8 +44,12 @@ def stdlib_py_files(max_files: int | None = None, max_file_bytes: int | None = N
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "test", "tests",
-                                                      "idlelib", "__pycache__") and not x.startswith("."))
+        dirs[:] = sorted(
+            x
+            for x in dirs
+            if x not in ("site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__")
+            and not x.startswith(".")
+        )
         for f in sorted(files):
             if not f.endswith(".py") or f.count(".") != 1:
                 continue
@@ -111,6 +119,7 @@ class AudioDecode:
 
     def __call__(self, fields: dict, rng) -> dict:
         import io
+
         sf = _need("soundfile", "audio")
         data, rate = sf.read(io.BytesIO(fields[self.field]), dtype="float32", always_2d=True)
         if rate != self.rate:
@@ -119,6 +128,6 @@ class AudioDecode:
         n = int(round(self.seconds * rate))
         start = int(rng.integers(0, max(1, len(mono) - n + 1)))
         out = np.zeros(n, np.float32)
-        clip = mono[start:start + n]
-        out[:len(clip)] = clip
+        clip = mono[start : start + n]
+        out[: len(clip)] = clip
         return {"audio": out, "rate": np.int64(rate)}

@@ -1,4 +1,5 @@
 """Demo report: the done-criteria checks, a printed table, a PNG plot."""
+
 from __future__ import annotations
 
 
@@ -19,46 +20,67 @@ def check_done(report: dict) -> dict:
     out = {}
     if base and warm:
         w = min(r["samples_per_s"] for r in warm)
-        out["warm_vs_baseline"] = {"value": w / base[0]["samples_per_s"], "target": ">= 3", "ok": w >= 3 * base[0]["samples_per_s"]}
-        out["warm_vs_decode_bound"] = {"value": w / lim["decode_bound"], "target": ">= 0.8",
-                                       "ok": w >= 0.8 * lim["decode_bound"]}
+        out["warm_vs_baseline"] = {
+            "value": w / base[0]["samples_per_s"],
+            "target": ">= 3",
+            "ok": w >= 3 * base[0]["samples_per_s"],
+        }
+        out["warm_vs_decode_bound"] = {
+            "value": w / lim["decode_bound"],
+            "target": ">= 0.8",
+            "ok": w >= 0.8 * lim["decode_bound"],
+        }
     if warm:
         ob = max(r["origin_bytes"] for r in warm)
         out["warm_origin_bytes"] = {"value": ob, "target": "== 0", "ok": ob == 0}
     if cold:
         bound = min(lim["decode_bound"], lim["storage_bound"])
         c = cold[0]["samples_per_s"]
-        out["cold_vs_limit"] = {"value": c / bound, "target": ">= 0.7 x min(decode_bound, storage_bound)",
-                                "ok": c >= 0.7 * bound}
+        out["cold_vs_limit"] = {
+            "value": c / bound,
+            "target": ">= 0.7 x min(decode_bound, storage_bound)",
+            "ok": c >= 0.7 * bound,
+        }
         if "first_batch_s" in cold[0]:
             limit_s = 0.5 if report["origin"].get("latency_ms", 0) >= 50 else 0.25
             fb = cold[0]["first_batch_s"]
             out["cold_first_batch_s"] = {"value": fb, "target": f"<= {limit_s}", "ok": fb <= limit_s}
     every = [r["exactly_once"] for r in report["runs"] if r["loader"] == "stoker"]
-    out["exactly_once"] = {"value": all(every) and bool(every), "target": "true for every stoker epoch",
-                           "ok": all(every) and bool(every)}
+    out["exactly_once"] = {
+        "value": all(every) and bool(every),
+        "target": "true for every stoker epoch",
+        "ok": all(every) and bool(every),
+    }
     return out
 
 
 def print_table(report: dict) -> None:
     ds, org, lim = report["dataset"], report["origin"], report["limits"]
     print()
-    print(f"dataset: {ds['samples']} samples, {ds['bytes'] / 1e6:.1f} MB (mean {ds['mean_sample_bytes'] / 1e3:.0f} KB); "
-          f"origin: {org['latency_ms']:.0f} ms latency, {org['bandwidth_MBps']:.0f} MB/s; "
-          f"machine: {report['machine']['cores']} cores")
-    print(f"limits: decode {lim['decode_per_core']:.0f}/s per core x {lim['workers']} workers = "
-          f"{lim['decode_bound']:.0f}/s; storage {lim['storage_bound']:.0f}/s; Pillow {lim['pillow_per_core']:.0f}/s per core")
-    print(f"{'loader':9} {'epoch':>5} {'consumer':>9} {'samples':>8} {'samples/s':>10} {'stall':>6} "
-          f"{'origin MB':>10} {'hit ratio':>9} {'first batch s':>13} {'overlap':>7} {'exactly once':>12}")
+    print(
+        f"dataset: {ds['samples']} samples, {ds['bytes'] / 1e6:.1f} MB (mean {ds['mean_sample_bytes'] / 1e3:.0f} KB); "
+        f"origin: {org['latency_ms']:.0f} ms latency, {org['bandwidth_MBps']:.0f} MB/s; "
+        f"machine: {report['machine']['cores']} cores"
+    )
+    print(
+        f"limits: decode {lim['decode_per_core']:.0f}/s per core x {lim['workers']} workers = "
+        f"{lim['decode_bound']:.0f}/s; storage {lim['storage_bound']:.0f}/s; Pillow {lim['pillow_per_core']:.0f}/s per core"
+    )
+    print(
+        f"{'loader':9} {'epoch':>5} {'consumer':>9} {'samples':>8} {'samples/s':>10} {'stall':>6} "
+        f"{'origin MB':>10} {'hit ratio':>9} {'first batch s':>13} {'overlap':>7} {'exactly once':>12}"
+    )
     for r in report["runs"]:
         hr = "" if r["cache_hit_ratio"] is None else f"{r['cache_hit_ratio']:.2f}"
         eo = "" if r["exactly_once"] is None else str(r["exactly_once"])
         stall = "-" if r["consumer_rate"] == 0 else f"{r['stall_fraction']:.2f}"  # no consumer: all wait
         fb = f"{r['first_batch_s']:.2f}" if "first_batch_s" in r else ""
         ov = f"{r['overlap_efficiency']:.2f}" if "overlap_efficiency" in r else ""
-        print(f"{r['loader']:9} {r['epoch']:>5} {r['consumer_rate']:>9.0f} {r['samples']:>8} "
-              f"{r['samples_per_s']:>10.0f} {stall:>6} {r['origin_bytes'] / 1e6:>10.1f} "
-              f"{hr:>9} {fb:>13} {ov:>7} {eo:>12}")
+        print(
+            f"{r['loader']:9} {r['epoch']:>5} {r['consumer_rate']:>9.0f} {r['samples']:>8} "
+            f"{r['samples_per_s']:>10.0f} {stall:>6} {r['origin_bytes'] / 1e6:>10.1f} "
+            f"{hr:>9} {fb:>13} {ov:>7} {eo:>12}"
+        )
     print()
     print_checks(report.get("checks", {}))
     print()
@@ -78,8 +100,10 @@ def write_plot(report: dict, path: str) -> None:
     import os
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     rates = sorted({r["consumer_rate"] for r in report["runs"]})
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2))
@@ -87,8 +111,11 @@ def write_plot(report: dict, path: str) -> None:
     lim = report["limits"]
     for ax, rate in zip(axes, rates):
         runs = [r for r in report["runs"] if r["consumer_rate"] == rate]
-        labels = [f"{r['loader']}\n" + ("" if r["loader"] == "baseline" else ("cold" if r["epoch"] == 0 else f"warm {r['epoch']}"))
-                  for r in runs]
+        labels = [
+            f"{r['loader']}\n"
+            + ("" if r["loader"] == "baseline" else ("cold" if r["epoch"] == 0 else f"warm {r['epoch']}"))
+            for r in runs
+        ]
         if rate == 0:
             vals = [r["samples_per_s"] for r in runs]
             ax.bar(labels, vals, color=["#999" if r["loader"] == "baseline" else "#d2691e" for r in runs])
@@ -104,8 +131,11 @@ def write_plot(report: dict, path: str) -> None:
             ax.set_ylabel("data stall (fraction of wall time)")
             ax.set_title(f"emulated accelerator at {rate:.0f} samples/s")
     ds, org = report["dataset"], report["origin"]
-    fig.suptitle(f"{ds['samples']} real photos, {ds['bytes'] / 1e6:.0f} MB; origin {org['latency_ms']:.0f} ms, "
-                 f"{org['bandwidth_MBps']:.0f} MB/s; {report['machine']['cores']} cores", fontsize=10)
+    fig.suptitle(
+        f"{ds['samples']} real photos, {ds['bytes'] / 1e6:.0f} MB; origin {org['latency_ms']:.0f} ms, "
+        f"{org['bandwidth_MBps']:.0f} MB/s; {report['machine']['cores']} cores",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -116,6 +146,7 @@ def save_report(report: dict, json_path: str | None, plot_path: str | None, writ
     (either skipped when its path is None), telling ``log`` (a callable taking a string)."""
     import json
     import os
+
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:

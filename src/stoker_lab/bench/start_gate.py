@@ -11,6 +11,7 @@ are the data path's, from a common start (within the gate's release, a few milli
 The gate is a Ray async actor (one per benchmark driver, no CPU reserved): ``wait(key, parties)``
 returns when ``parties`` calls with the same ``key`` have arrived.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,9 +42,13 @@ def start_gate():
     """A :class:`StartGate` actor on this driver's node (needs ``ray.init()`` first)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     node = ray.get_runtime_context().get_node_id()
-    return ray.remote(StartGate).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    return (
+        ray.remote(StartGate)
+        .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        .remote()
+    )
 
 
 def pass_gate(gate, key: str, parties: int, timeout_s: float) -> float:
@@ -54,4 +59,5 @@ def pass_gate(gate, key: str, parties: int, timeout_s: float) -> float:
     if gate is None:
         return time.time()
     import ray
+
     return float(ray.get(gate.wait.remote(key, parties), timeout=timeout_s))

@@ -2,6 +2,7 @@
 
 Runs in the origin server process (its own asyncio loop); see :class:`_Proxy` for the latency
 model and :class:`_RequestFramer` for how requests are found on a persistent connection."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,8 @@ class _RequestFramer:
 
     def __init__(self):
         self.state = "head"  # head | body | size | data | trailer | lost
-        self.pending = b""   # incomplete head or line carried over from the last feed
-        self.left = 0        # body or chunk bytes still to pass
+        self.pending = b""  # incomplete head or line carried over from the last feed
+        self.left = 0  # body or chunk bytes still to pass
 
     @property
     def lost(self) -> bool:
@@ -51,7 +52,7 @@ class _RequestFramer:
 
     def _until(self, data: bytes, i: int, sep: bytes, limit: int) -> tuple[bytes | None, int]:
         """(text before ``sep``, offset after it) or (None, len(data)) if not there yet."""
-        buf = self.pending + data[i:i + limit]
+        buf = self.pending + data[i : i + limit]
         pos = buf.find(sep, max(0, len(self.pending) - len(sep) + 1))
         if pos < 0:
             if len(buf) >= limit:
@@ -129,8 +130,7 @@ class _Proxy:
     ``bandwidth_Bps`` bytes/s (None or 0: unlimited).
     """
 
-    def __init__(self, target_port: int, latency_s: float, bandwidth_Bps: float | None,
-                 target_host: str = "127.0.0.1"):
+    def __init__(self, target_port: int, latency_s: float, bandwidth_Bps: float | None, target_host: str = "127.0.0.1"):
         self.target_port, self.latency_s, self.target_host = target_port, latency_s, target_host
         self.down, self.up = _TokenBucket(bandwidth_Bps), _TokenBucket(bandwidth_Bps)
         self.stats = dict(connections=0, requests=0, bytes_down=0, bytes_up=0)
@@ -138,8 +138,7 @@ class _Proxy:
     async def handle(self, creader, cwriter) -> None:
         self.stats["connections"] += 1
         try:
-            sreader, swriter = await asyncio.open_connection(
-                self.target_host, self.target_port, limit=_BUF)
+            sreader, swriter = await asyncio.open_connection(self.target_host, self.target_port, limit=_BUF)
         except OSError:
             cwriter.close()
             return
@@ -149,9 +148,11 @@ class _Proxy:
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         replied = [False]  # response bytes seen since the last request (fallback only)
-        await asyncio.gather(self._upstream(creader, swriter, replied),
-                             self._downstream(sreader, cwriter, replied),
-                             return_exceptions=True)
+        await asyncio.gather(
+            self._upstream(creader, swriter, replied),
+            self._downstream(sreader, cwriter, replied),
+            return_exceptions=True,
+        )
 
     async def _upstream(self, reader, writer, replied: list) -> None:
         framer = _RequestFramer()

@@ -17,6 +17,7 @@ append EOS and pack the tokens into rows of exactly ``seq_len`` (:func:`stoker.c
 Reported per epoch: documents/s, tokens/s (real tokens, EOS included, padding excluded), tokens,
 origin bytes. The check: stoker's warm-epoch tokens/s is at least 3x the baseline's.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,6 +79,7 @@ class FsspecTextFiles:
 
     def __getitem__(self, i: int):
         import fsspec
+
         if self._fs is None:
             self._fs = fsspec.filesystem(self.base_url.split("://")[0], **self.opts)
         data = self._fs.cat_file(f"{self.base_url}/{self.rels[i]}")
@@ -120,8 +122,9 @@ def run_tokens_demo(cfg: TokensDemoConfig) -> dict:
     workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-demo-tokens")
     corpus = os.path.join(workdir, "corpus")
     shutil.rmtree(corpus, ignore_errors=True)
-    rels = copy_stdlib_corpus(corpus, cfg.max_files or preset["max_files"],
-                              cfg.max_file_bytes or preset["max_file_bytes"])
+    rels = copy_stdlib_corpus(
+        corpus, cfg.max_files or preset["max_files"], cfg.max_file_bytes or preset["max_file_bytes"]
+    )
     nbytes = sum(os.path.getsize(os.path.join(corpus, r)) for r in rels)
     _log(f"corpus: {len(rels)} standard-library .py files, {nbytes / 1e6:.1f} MB")
     t = time.perf_counter()
@@ -131,11 +134,20 @@ def run_tokens_demo(cfg: TokensDemoConfig) -> dict:
     report: dict = {
         "kind": "tokens",
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "origin": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
-                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
-                   "server_nice": ORIGIN_NICE},
-        "config": {"workers": cfg.workers, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-                   "vocab_size": cfg.vocab_size, "epochs": cfg.epochs, "quick": cfg.quick},
+        "origin": {
+            "latency_ms": cfg.latency_ms,
+            "bandwidth_MBps": cfg.bandwidth_MBps,
+            "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy",
+            "server_nice": ORIGIN_NICE,
+        },
+        "config": {
+            "workers": cfg.workers,
+            "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len,
+            "vocab_size": cfg.vocab_size,
+            "epochs": cfg.epochs,
+            "quick": cfg.quick,
+        },
         "dataset": {"documents": len(rels), "bytes": nbytes, "source": "Python standard library .py files"},
         "runs": [],
     }
@@ -143,16 +155,21 @@ def run_tokens_demo(cfg: TokensDemoConfig) -> dict:
         raw_url, packed_url = origin.url("raw/corpus"), origin.url("packed/corpus")
         fast, opts = origin.storage_options(throttled=False), origin.storage_options(throttled=True)
         upload_tree(corpus, raw_url, fast)
-        pr = pack(raw_url, packed_url, source="files", overwrite=True, storage_options=fast,
-                  progress=False)
+        pr = pack(raw_url, packed_url, source="files", overwrite=True, storage_options=fast, progress=False)
         _log(f"packed {pr.samples} documents into {pr.shards} shard(s) in {pr.seconds:.1f} s")
 
         packer = pack_tokens(cfg.seq_len, eos_id=eos)
         base = FsspecTextFiles(raw_url, rels, opts, decode)
         gen = torch.Generator().manual_seed(cfg.seed)
-        dl = torch.utils.data.DataLoader(base, batch_size=cfg.batch_size, shuffle=True, generator=gen,
-                                         num_workers=cfg.workers, collate_fn=packer,
-                                         persistent_workers=cfg.workers > 0)
+        dl = torch.utils.data.DataLoader(
+            base,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            generator=gen,
+            num_workers=cfg.workers,
+            collate_fn=packer,
+            persistent_workers=cfg.workers > 0,
+        )
         for epoch in range(min(2, cfg.epochs)):
             before = origin.stats().get("bytes_served", 0)
             m = _epoch(dl, packer)
@@ -162,16 +179,28 @@ def run_tokens_demo(cfg: TokensDemoConfig) -> dict:
 
         cache_dir = os.path.join(workdir, "cache")
         shutil.rmtree(cache_dir, ignore_errors=True)
-        ds = open_dataset(packed_url, cache_dir=cache_dir, cache_bytes=4 * pr.shard_bytes + (64 << 20),
-                          storage_options=opts)
-        with Loader(ds, cfg.batch_size, num_workers=cfg.workers, seed=cfg.seed, decode=decode,
-                    collate=packer) as loader:
+        ds = open_dataset(
+            packed_url, cache_dir=cache_dir, cache_bytes=4 * pr.shard_bytes + (64 << 20), storage_options=opts
+        )
+        with Loader(
+            ds, cfg.batch_size, num_workers=cfg.workers, seed=cfg.seed, decode=decode, collate=packer
+        ) as loader:
             for epoch in range(cfg.epochs):
                 m = _epoch(loader)
                 st = loader.stats
-                report["runs"].append(_row("stoker", epoch, m, st.samples, st.origin_bytes,
-                                           exactly_once=st.exactly_once, shm_batches=st.shm_batches,
-                                           pickled_batches=st.pickled_batches, cache_hit_ratio=st.cache_hit_ratio))
+                report["runs"].append(
+                    _row(
+                        "stoker",
+                        epoch,
+                        m,
+                        st.samples,
+                        st.origin_bytes,
+                        exactly_once=st.exactly_once,
+                        shm_batches=st.shm_batches,
+                        pickled_batches=st.pickled_batches,
+                        cache_hit_ratio=st.cache_hit_ratio,
+                    )
+                )
                 _log(_line(report["runs"][-1]))
         shutil.rmtree(cache_dir, ignore_errors=True)
     report["checks"] = _checks(report)
@@ -182,15 +211,26 @@ def run_tokens_demo(cfg: TokensDemoConfig) -> dict:
 
 def _row(loader, epoch, m, docs, origin_bytes, **extra) -> dict:
     s = m["seconds"]
-    return {"loader": loader, "epoch": epoch, "documents": docs, "tokens": m["tokens"], "rows": m["rows"],
-            "seconds": s, "documents_per_s": docs / s if s else 0.0, "tokens_per_s": m["tokens"] / s if s else 0.0,
-            "origin_bytes": int(origin_bytes), **extra}
+    return {
+        "loader": loader,
+        "epoch": epoch,
+        "documents": docs,
+        "tokens": m["tokens"],
+        "rows": m["rows"],
+        "seconds": s,
+        "documents_per_s": docs / s if s else 0.0,
+        "tokens_per_s": m["tokens"] / s if s else 0.0,
+        "origin_bytes": int(origin_bytes),
+        **extra,
+    }
 
 
 def _line(r: dict) -> str:
-    return (f"{r['loader']} epoch {r['epoch']}: {r['documents_per_s']:.0f} documents/s, "
-            f"{r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens, {r['seconds']:.2f} s), "
-            f"origin {r['origin_bytes'] / 1e6:.1f} MB")
+    return (
+        f"{r['loader']} epoch {r['epoch']}: {r['documents_per_s']:.0f} documents/s, "
+        f"{r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens, {r['seconds']:.2f} s), "
+        f"origin {r['origin_bytes'] / 1e6:.1f} MB"
+    )
 
 
 def _checks(report: dict) -> dict:
@@ -204,21 +244,35 @@ def _checks(report: dict) -> dict:
     once = bool(stoker) and all(r["exactly_once"] for r in stoker)
     shm = bool(stoker) and all(r["pickled_batches"] == 0 and r["shm_batches"] > 0 for r in stoker)
     return {
-        "warm_tokens_per_s_3x_baseline": {"ok": ratio >= 3.0, "value": ratio, "target": ">= 3x the baseline",
-                                          "ratio": ratio, "stoker_warm": warm_rate, "baseline": best_base},
-        "same_work": {"ok": same, "value": same, "target": "every run delivers the same tokens",
-                      "tokens": [r["tokens"] for r in stoker + base]},
+        "warm_tokens_per_s_3x_baseline": {
+            "ok": ratio >= 3.0,
+            "value": ratio,
+            "target": ">= 3x the baseline",
+            "ratio": ratio,
+            "stoker_warm": warm_rate,
+            "baseline": best_base,
+        },
+        "same_work": {
+            "ok": same,
+            "value": same,
+            "target": "every run delivers the same tokens",
+            "tokens": [r["tokens"] for r in stoker + base],
+        },
         "exactly_once": {"ok": once, "value": once, "target": "True"},
         "shared_memory": {"ok": shm, "value": shm, "target": "every batch through shared memory"},
     }
 
 
 def _print_table(report: dict) -> None:
-    print(f"\nmachine: {report['machine']['cores']} cores; corpus: {report['dataset']['documents']} documents, "
-          f"{report['dataset']['bytes'] / 1e6:.1f} MB; origin: {report['origin']['latency_ms']} ms, "
-          f"{report['origin']['bandwidth_MBps']} MB/s")
+    print(
+        f"\nmachine: {report['machine']['cores']} cores; corpus: {report['dataset']['documents']} documents, "
+        f"{report['dataset']['bytes'] / 1e6:.1f} MB; origin: {report['origin']['latency_ms']} ms, "
+        f"{report['origin']['bandwidth_MBps']} MB/s"
+    )
     print(f"{'loader':10} {'epoch':>5} {'docs/s':>9} {'tokens/s':>11} {'tokens':>10} {'origin MB':>10}")
     for r in report["runs"]:
-        print(f"{r['loader']:10} {r['epoch']:>5} {r['documents_per_s']:>9.0f} {r['tokens_per_s']:>11.0f} "
-              f"{r['tokens']:>10} {r['origin_bytes'] / 1e6:>10.1f}")
+        print(
+            f"{r['loader']:10} {r['epoch']:>5} {r['documents_per_s']:>9.0f} {r['tokens_per_s']:>11.0f} "
+            f"{r['tokens']:>10} {r['origin_bytes'] / 1e6:>10.1f}"
+        )
     print_checks(report["checks"])

@@ -7,6 +7,7 @@ virtual environment of their own, made on first use under ``~/.cache/stoker-benc
 unchanged. A peer that cannot be installed raises :class:`VenvError` with pip's stderr tail, so
 the benchmark can report why it did not run.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,21 @@ PEER_REQUIREMENTS: dict[str, list[str]] = {
     # DLIO's own pins pull in DALI for CUDA 11 and full TensorFlow; its PyTorch reader needs torch,
     # hydra, MPI (mpi4py over the MPICH wheel, no system MPI) and, since its profiler factory imports
     # it at start-up, TensorFlow (the CPU build). dlio-benchmark itself goes in without its deps.
-    "dlio": ["torch==2.13.0", "tensorflow-cpu", "mpi4py", "mpich", "pydftracer==1.0.2", "hydra-core>=1.3.2",
-             "omegaconf>=2.2.0", "numpy", "pandas", "psutil", "Pillow", "h5py", "PyYAML"],
+    "dlio": [
+        "torch==2.13.0",
+        "tensorflow-cpu",
+        "mpi4py",
+        "mpich",
+        "pydftracer==1.0.2",
+        "hydra-core>=1.3.2",
+        "omegaconf>=2.2.0",
+        "numpy",
+        "pandas",
+        "psutil",
+        "Pillow",
+        "h5py",
+        "PyYAML",
+    ],
 }
 
 # Packages installed after the requirements, without their own dependencies (pip --no-deps).
@@ -40,7 +54,8 @@ PEER_NO_DEPS: dict[str, list[str]] = {
 def venv_root() -> str:
     """Folder that holds the peers' environments (``$STOKER_BENCH_VENVS`` or ~/.cache/stoker-bench/venvs)."""
     return os.environ.get("STOKER_BENCH_VENVS") or os.path.join(
-        os.path.expanduser("~"), ".cache", "stoker-bench", "venvs")
+        os.path.expanduser("~"), ".cache", "stoker-bench", "venvs"
+    )
 
 
 def venv_python(name: str, path: str | None = None) -> str:
@@ -53,8 +68,9 @@ def _recorded(reqs: list[str], no_deps: list[str]) -> list[str]:
     return reqs + (["--no-deps", *no_deps] if no_deps else [])
 
 
-def ready_venv(name: str, requirements: list[str] | None = None, path: str | None = None,
-               no_deps: list[str] | None = None) -> str | None:
+def ready_venv(
+    name: str, requirements: list[str] | None = None, path: str | None = None, no_deps: list[str] | None = None
+) -> str | None:
     """The python of an existing, complete environment for ``requirements`` (and ``no_deps``, by
     default :data:`PEER_NO_DEPS` of a named peer), else None (makes nothing)."""
     reqs = requirements if requirements is not None else PEER_REQUIREMENTS[name]
@@ -76,8 +92,14 @@ def _tail(text: str | bytes | None, lines: int = 8) -> str:
     return "\n".join(kept[-lines:])
 
 
-def ensure_venv(name: str, requirements: list[str] | None = None, path: str | None = None,
-                timeout_s: float = 1800.0, log=None, no_deps: list[str] | None = None) -> str:
+def ensure_venv(
+    name: str,
+    requirements: list[str] | None = None,
+    path: str | None = None,
+    timeout_s: float = 1800.0,
+    log=None,
+    no_deps: list[str] | None = None,
+) -> str:
     """Make (or reuse) the environment ``name`` with ``requirements``; returns its python.
 
     ``no_deps``: packages installed afterwards with ``pip --no-deps`` (default: :data:`PEER_NO_DEPS`
@@ -95,22 +117,26 @@ def ensure_venv(name: str, requirements: list[str] | None = None, path: str | No
     if py:
         return py
     if log:
-        log(f"making virtual environment {root}: pip install {' '.join(reqs)}"
-            + (f"; pip install --no-deps {' '.join(nd)}" if nd else ""))
+        log(
+            f"making virtual environment {root}: pip install {' '.join(reqs)}"
+            + (f"; pip install --no-deps {' '.join(nd)}" if nd else "")
+        )
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(os.path.dirname(root), exist_ok=True)
     py = venv_python(name, root)
-    steps = [[sys.executable, "-m", "venv", root],
-             [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs]]
+    steps = [
+        [sys.executable, "-m", "venv", root],
+        [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs],
+    ]
     if nd:
         steps.append([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", *nd])
     for cmd in steps:
         try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s,
-                           stdin=subprocess.DEVNULL)
+            subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         except subprocess.CalledProcessError as exc:
-            raise VenvError(f"{' '.join(cmd[:5])} ... failed (exit {exc.returncode}):\n"
-                            f"{_tail(exc.stderr) or _tail(exc.stdout)}") from None
+            raise VenvError(
+                f"{' '.join(cmd[:5])} ... failed (exit {exc.returncode}):\n{_tail(exc.stderr) or _tail(exc.stdout)}"
+            ) from None
         except subprocess.TimeoutExpired:
             raise VenvError(f"{' '.join(cmd[:5])} ... did not finish in {timeout_s:.0f} s") from None
         except OSError as exc:

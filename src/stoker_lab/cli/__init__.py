@@ -9,6 +9,7 @@
 Importing this package imports only argparse-level code; each command imports its library
 modules (and their optional dependencies) when it runs.
 """
+
 from __future__ import annotations
 
 from . import bench, demo, samples, simulate

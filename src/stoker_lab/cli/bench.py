@@ -4,6 +4,7 @@ Each subcommand is registered in :data:`SUBCOMMANDS`; to add one, write an ``_ad
 that declares its arguments and a ``_cmd_<name>(args)`` that calls the plain function of its library
 module (under :mod:`stoker_lab.bench` or :mod:`stoker.cluster`) and prints, then list it in :data:`SUBCOMMANDS`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,30 +29,44 @@ def _add_decode(bench_sub) -> None:
     p.add_argument("--images", type=int, default=1500)
     p.add_argument("--seconds", type=float, default=3.0, help="per single-process measurement")
     p.add_argument("--no-dali", action="store_true", help="skip DALI (recorded as skipped)")
-    p.add_argument("--dali-venv", help="virtual environment for DALI (made on first use; "
-                                       "default ~/.cache/stoker-bench/venvs/dali)")
+    p.add_argument(
+        "--dali-venv", help="virtual environment for DALI (made on first use; default ~/.cache/stoker-bench/venvs/dali)"
+    )
     p.set_defaults(fn=_cmd_decode)
 
 
 def _cmd_decode(a) -> int:
     from ..bench.decode_bench import run
+
     r = run(images=a.images, seconds=a.seconds, dali=not a.no_dali, dali_venv=a.dali_venv)
     pc = r["per_core"]
-    print(f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, "
-          f"DALI-CPU {pc['dali']:.0f}" if pc["dali"] else
-          f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, DALI-CPU skipped")
+    print(
+        f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, DALI-CPU {pc['dali']:.0f}"
+        if pc["dali"]
+        else f"per core (samples/s): stoker {pc['stoker']:.0f}, Pillow {pc['pillow']:.0f}, DALI-CPU skipped"
+    )
     for row in r["loader"]:
-        print(f"loader, {row['workers']} worker(s): {row['samples_per_s']:.0f} samples/s, efficiency "
-              f"{row['efficiency']:.2f}, trainer CPU {row['trainer_cpu_per_batch_s'] * 1e3:.2f} ms/batch "
-              f"({100 * row['trainer_cpu_fraction']:.1f}% of a core)")
+        print(
+            f"loader, {row['workers']} worker(s): {row['samples_per_s']:.0f} samples/s, efficiency "
+            f"{row['efficiency']:.2f}, trainer CPU {row['trainer_cpu_per_batch_s'] * 1e3:.2f} ms/batch "
+            f"({100 * row['trainer_cpu_fraction']:.1f}% of a core)"
+        )
     cf = r["cache_forms"]
     for name, row in cf["forms"].items():
-        extra = (f", fill {row['fill_s_per_sample'] * 1e3:.1f} ms, pixel diff vs full mean {row['pixel_mad']:.2f} "
-                 f"p99 {row['pixel_p99']:.0f}" if name != "raw" else "")
-        print(f"form {name}: {row['bytes_per_sample'] / 1e3:.1f} kB/sample, {row['decode_per_core']:.0f} samples/s "
-              f"per core{extra}")
-    print(f"cache_form=auto (2 workers): {cf['auto']['choice']}; loader with {cf['loader']['form']}, 2 workers, warm: "
-          f"{cf['loader']['samples_per_s']:.0f} samples/s")
+        extra = (
+            f", fill {row['fill_s_per_sample'] * 1e3:.1f} ms, pixel diff vs full mean {row['pixel_mad']:.2f} "
+            f"p99 {row['pixel_p99']:.0f}"
+            if name != "raw"
+            else ""
+        )
+        print(
+            f"form {name}: {row['bytes_per_sample'] / 1e3:.1f} kB/sample, {row['decode_per_core']:.0f} samples/s "
+            f"per core{extra}"
+        )
+    print(
+        f"cache_form=auto (2 workers): {cf['auto']['choice']}; loader with {cf['loader']['form']}, 2 workers, warm: "
+        f"{cf['loader']['samples_per_s']:.0f} samples/s"
+    )
     for s in r["skipped"]:
         print(f"skipped {s['loader']}: {s['reason']}")
     if a.json:
@@ -62,18 +77,25 @@ def _cmd_decode(a) -> int:
 # -- stoker bench cache ----------------------------------------------------------
 def _add_cache(bench_sub) -> None:
     from ..bench.cache_bench import POLICY_NAMES
-    p = bench_sub.add_parser("cache", help="origin bytes and stall per cache budget and policy "
-                                           "(future/LRU/no-eviction)")
+
+    p = bench_sub.add_parser(
+        "cache", help="origin bytes and stall per cache budget and policy (future/LRU/no-eviction)"
+    )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--images", type=int, default=5000)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--fractions", default="0.1,0.25,0.5,1.0", help="cache budgets as fractions of the dataset")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
-    p.add_argument("--consumer-rate", type=float, default=None,
-                   help="emulated accelerator, samples/s (default: 2x origin headroom at the smallest budget)")
+    p.add_argument(
+        "--consumer-rate",
+        type=float,
+        default=None,
+        help="emulated accelerator, samples/s (default: 2x origin headroom at the smallest budget)",
+    )
     p.add_argument("--latency-ms", type=float, default=20.0)
-    p.add_argument("--bandwidth-MBps", type=rate_arg, default=100.0,
-                   help="origin cap in MB/s (a number, or e.g. 100MB/s)")
+    p.add_argument(
+        "--bandwidth-MBps", type=rate_arg, default=100.0, help="origin cap in MB/s (a number, or e.g. 100MB/s)"
+    )
     p.add_argument("--no-two-jobs", action="store_true")
     p.add_argument("--staging-bytes", type=int, default=64 << 20, help="the loader's staging budget (bytes)")
     p.set_defaults(fn=_cmd_cache)
@@ -81,16 +103,26 @@ def _add_cache(bench_sub) -> None:
 
 def _cmd_cache(a) -> int:
     from ..bench.cache_bench import run, summary
+
     t = time.perf_counter()
-    r = run(images=a.images, epochs=a.epochs, fractions=[float(f) for f in a.fractions.split(",")],
-            policies=a.policies.split(","), consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
-            bandwidth_MBps=a.bandwidth_MBps, two_jobs_fractions=() if a.no_two_jobs else (1.0, 0.5),
-            staging_bytes=a.staging_bytes)
+    r = run(
+        images=a.images,
+        epochs=a.epochs,
+        fractions=[float(f) for f in a.fractions.split(",")],
+        policies=a.policies.split(","),
+        consumer_rate=a.consumer_rate,
+        latency_ms=a.latency_ms,
+        bandwidth_MBps=a.bandwidth_MBps,
+        two_jobs_fractions=() if a.no_two_jobs else (1.0, 0.5),
+        staging_bytes=a.staging_bytes,
+    )
     print("steady state (epochs >= 1):")
     for s in summary(r):
-        print(f"  C={s['cache_fraction']:4.2f}D {s['policy']:8} origin {s['origin_bytes'] / 1e6:7.1f} MB/epoch "
-              f"(floor {s['floor_bytes'] / 1e6:6.1f}, excess {100 * s['excess_over_floor']:+.1f}% of D) "
-              f"stall {s['stall_fraction']:.3f}")
+        print(
+            f"  C={s['cache_fraction']:4.2f}D {s['policy']:8} origin {s['origin_bytes'] / 1e6:7.1f} MB/epoch "
+            f"(floor {s['floor_bytes'] / 1e6:6.1f}, excess {100 * s['excess_over_floor']:+.1f}% of D) "
+            f"stall {s['stall_fraction']:.3f}"
+        )
     print(f"({time.perf_counter() - t:.0f} s)")
     if a.json:
         r["summary"] = summary(r)
@@ -101,8 +133,10 @@ def _cmd_cache(a) -> int:
 # -- stoker bench peers ----------------------------------------------------------
 def _add_peers(bench_sub) -> None:
     from ..bench.peers.bench import LOADERS
-    p = bench_sub.add_parser("peers", help="stoker vs torch DataLoader, WebDataset, Streaming, LitData, DALI "
-                                           "on one dataset and origin")
+
+    p = bench_sub.add_parser(
+        "peers", help="stoker vs torch DataLoader, WebDataset, Streaming, LitData, DALI on one dataset and origin"
+    )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--images", type=int, default=5000)
@@ -113,10 +147,20 @@ def _add_peers(bench_sub) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--consumer-rate", type=float, default=2000.0, help="emulated accelerator, samples/s")
     p.add_argument("--latency-ms", type=float, default=20.0)
-    p.add_argument("--bandwidth-MBps", "--bandwidth-mbps", dest="bandwidth_mbps", type=rate_arg, default=100.0,
-                   help="origin cap in MB/s (a number, or e.g. 100MB/s)")
-    p.add_argument("--dali-source", choices=["local", "s3"], default="local",
-                   help="DALI reads a local copy fetched in the first epoch (default) or s3:// directly")
+    p.add_argument(
+        "--bandwidth-MBps",
+        "--bandwidth-mbps",
+        dest="bandwidth_mbps",
+        type=rate_arg,
+        default=100.0,
+        help="origin cap in MB/s (a number, or e.g. 100MB/s)",
+    )
+    p.add_argument(
+        "--dali-source",
+        choices=["local", "s3"],
+        default="local",
+        help="DALI reads a local copy fetched in the first epoch (default) or s3:// directly",
+    )
     p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per loader")
     p.add_argument("--workdir", help="default: $TMPDIR/stoker-bench-peers")
@@ -125,38 +169,71 @@ def _add_peers(bench_sub) -> None:
 
 def _cmd_peers(a) -> int:
     from ..bench.peers.bench import PeersConfig, run_peers
+
     loaders = tuple(x.strip() for x in a.loaders.split(",") if x.strip())
-    run_peers(PeersConfig(images=a.images, classes=a.classes, epochs=a.epochs, loaders=loaders, workers=a.workers,
-                          batch_size=a.batch_size, consumer_rate=a.consumer_rate, latency_ms=a.latency_ms,
-                          bandwidth_MBps=a.bandwidth_mbps, dali_source=a.dali_source,
-                          make_venvs=not a.no_make_venvs, run_timeout_s=a.timeout, workdir=a.workdir,
-                          json_path=a.json, plot_path=a.plot))
+    run_peers(
+        PeersConfig(
+            images=a.images,
+            classes=a.classes,
+            epochs=a.epochs,
+            loaders=loaders,
+            workers=a.workers,
+            batch_size=a.batch_size,
+            consumer_rate=a.consumer_rate,
+            latency_ms=a.latency_ms,
+            bandwidth_MBps=a.bandwidth_mbps,
+            dali_source=a.dali_source,
+            make_venvs=not a.no_make_venvs,
+            run_timeout_s=a.timeout,
+            workdir=a.workdir,
+            json_path=a.json,
+            plot_path=a.plot,
+        )
+    )
     return 0
 
 
 # -- stoker bench cluster --------------------------------------------------------
 def _add_cluster(bench_sub) -> None:
-    s = bench_sub.add_parser("cluster", help="2 jobs x 3 Ray nodes, co-located vs random placement "
-                                              "(--netns: on network namespaces, bytes counted by the kernel)")
+    s = bench_sub.add_parser(
+        "cluster",
+        help="2 jobs x 3 Ray nodes, co-located vs random placement "
+        "(--netns: on network namespaces, bytes counted by the kernel)",
+    )
     s.add_argument("--json", help="write the report here")
     s.add_argument("--images", type=int, default=900)
     s.add_argument("--epochs", type=int, default=3)
     s.add_argument("--latency-ms", type=float, default=20.0)
-    s.add_argument("--bandwidth-MBps", "--bandwidth-mbps", dest="bandwidth_mbps", type=rate_arg, default=100.0,
-                   help="origin cap in MB/s (a number, or e.g. 100MB/s; without --netns)")
+    s.add_argument(
+        "--bandwidth-MBps",
+        "--bandwidth-mbps",
+        dest="bandwidth_mbps",
+        type=rate_arg,
+        default=100.0,
+        help="origin cap in MB/s (a number, or e.g. 100MB/s; without --netns)",
+    )
     s.add_argument("--workdir")
     n = s.add_argument_group("--netns", "a cluster of Linux network namespaces (needs CAP_NET_ADMIN)")
-    n.add_argument("--netns", action="store_true", help="hosts and origin in their own namespaces, tbf-shaped links; "
-                                                         "direct, random and co-located placement")
+    n.add_argument(
+        "--netns",
+        action="store_true",
+        help="hosts and origin in their own namespaces, tbf-shaped links; direct, random and co-located placement",
+    )
     n.add_argument("--hosts", type=int, default=3, help="host namespaces (1..6)")
     n.add_argument("--host-mbit", type=float, default=400.0, help="each host link, Mbit/s per direction")
     n.add_argument("--origin-mbit", type=float, default=200.0, help="the origin link, Mbit/s per direction")
     n.add_argument("--decode", action="store_true", help="decode every sample too (default: read and verify)")
     n.add_argument("--plot", help="write a PNG of the bytes per link per epoch here")
-    n.add_argument("--faults", default="kill,link_down",
-                   help="fault runs after the placements, comma-separated (kill, link_down) or 'none'")
-    n.add_argument("--no-state-check", action="store_true",
-                   help="skip warm + cluster-state + extender prioritize on the namespace cluster")
+    n.add_argument(
+        "--faults",
+        default="kill,link_down",
+        help="fault runs after the placements, comma-separated (kill, link_down) or 'none'",
+    )
+    n.add_argument(
+        "--no-state-check",
+        action="store_true",
+        help="skip warm + cluster-state + extender prioritize on the namespace cluster",
+    )
     s.set_defaults(fn=_cmd_cluster)
 
 
@@ -164,9 +241,11 @@ def _cmd_cluster(a) -> int:
     if a.netns:
         return _cmd_cluster_netns(a)
     from ..bench.cluster_bench import run, table
+
     t0 = time.perf_counter()
-    report = run(images=a.images, epochs=a.epochs, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_mbps,
-                 workdir=a.workdir)
+    report = run(
+        images=a.images, epochs=a.epochs, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_mbps, workdir=a.workdir
+    )
     report["seconds"] = time.perf_counter() - t0
     print(table(report))
     if a.json:
@@ -186,15 +265,27 @@ def _cmd_cluster_netns(a) -> int:
     signal.signal(signal.SIGTERM, _term)
     try:
         faults = () if a.faults.strip() in ("", "none") else tuple(f.strip() for f in a.faults.split(","))
-        report = run(images=a.images, epochs=a.epochs, hosts=a.hosts, host_mbit=a.host_mbit,
-                     origin_mbit=a.origin_mbit, latency_ms=a.latency_ms, decode=a.decode, workdir=a.workdir,
-                     faults=faults, state_check=not a.no_state_check)
+        report = run(
+            images=a.images,
+            epochs=a.epochs,
+            hosts=a.hosts,
+            host_mbit=a.host_mbit,
+            origin_mbit=a.origin_mbit,
+            latency_ms=a.latency_ms,
+            decode=a.decode,
+            workdir=a.workdir,
+            faults=faults,
+            state_check=not a.no_state_check,
+        )
     except NetnsUnavailable as exc:
         print(f"stoker bench cluster --netns: cannot make network namespaces: {exc}", file=sys.stderr)
         return 2
-    print("links: " + ", ".join(f"{k} {v['mbit']:g} Mbit/s {v['qdisc']}" for k, v in report["links"].items())
-          + f"; origin latency {a.latency_ms:g} ms/request; dataset {report['dataset']['samples']} samples, "
-          f"{report['dataset']['bytes'] / 1e6:.1f} MB")
+    print(
+        "links: "
+        + ", ".join(f"{k} {v['mbit']:g} Mbit/s {v['qdisc']}" for k, v in report["links"].items())
+        + f"; origin latency {a.latency_ms:g} ms/request; dataset {report['dataset']['samples']} samples, "
+        f"{report['dataset']['bytes'] / 1e6:.1f} MB"
+    )
     print(table(report))
     if report.get("faults"):
         print(fault_table(report))
@@ -211,8 +302,11 @@ def _cmd_cluster_netns(a) -> int:
 
 # -- stoker bench faults ---------------------------------------------------------
 def _add_faults(bench_sub) -> None:
-    p = bench_sub.add_parser("faults", help="fault scenarios (origin errors, resets, stalls, exhausted disk and "
-                                            "/dev/shm, SIGKILL, ...): outcome, samples lost, leftovers")
+    p = bench_sub.add_parser(
+        "faults",
+        help="fault scenarios (origin errors, resets, stalls, exhausted disk and "
+        "/dev/shm, SIGKILL, ...): outcome, samples lost, leftovers",
+    )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--quick", action="store_true", help="the short list, 5 SIGKILL rounds instead of 20")
     p.add_argument("--only", metavar="SCENARIO[,SCENARIO]", help="run just these (the clean run always runs)")
@@ -225,6 +319,7 @@ def _add_faults(bench_sub) -> None:
 
 def _cmd_faults(a) -> int:
     from ..bench.faults import run, table
+
     only = [s for s in (a.only or "").split(",") if s] or None
     report = run(a.json, quick=a.quick, only=only, images=a.images, workdir=a.workdir, ray=not a.no_ray)
     print(table(report))
@@ -236,18 +331,20 @@ def _cmd_faults(a) -> int:
 # -- stoker bench cold -----------------------------------------------------------
 def _add_cold(bench_sub) -> None:
     p = bench_sub.add_parser(
-        "cold", help="cold epoch from a near and a far origin: first batch, overlap efficiency, cold/bound, "
-                     "CPU ceiling, warm origin bytes",
+        "cold",
+        help="cold epoch from a near and a far origin: first batch, overlap efficiency, cold/bound, "
+        "CPU ceiling, warm origin bytes",
         description="Runs the quick demo's stoker part once per origin preset (near: 20 ms, 100 MB/s; "
-                    "far: 100 ms, 1,000 MB/s; the emulated S3 origin on this machine) with a fresh cache and "
-                    "no accelerator, and prints per origin: the cold epoch's samples/s and its ratio to "
-                    "min(decode bound, storage bound) (cold/bound), time to first batch, overlap efficiency, "
-                    "origin busy fraction, requests in flight, the warm epochs' origin bytes and samples/s over "
-                    "the decode bound, and the CPU ceiling (JSON: cpu_ceiling_vs_bound): the epoch's samples "
-                    "over (the CPU seconds of every process of the cold epoch / the machine's cores), over the "
-                    "smaller bound, i.e. the best cold/bound those CPU costs allow on an otherwise idle "
-                    "machine (above 1: the cores are not what limits; on a busy machine or under a CPU quota "
-                    "fewer cores were really there, and the ceiling is lower than printed).")
+        "far: 100 ms, 1,000 MB/s; the emulated S3 origin on this machine) with a fresh cache and "
+        "no accelerator, and prints per origin: the cold epoch's samples/s and its ratio to "
+        "min(decode bound, storage bound) (cold/bound), time to first batch, overlap efficiency, "
+        "origin busy fraction, requests in flight, the warm epochs' origin bytes and samples/s over "
+        "the decode bound, and the CPU ceiling (JSON: cpu_ceiling_vs_bound): the epoch's samples "
+        "over (the CPU seconds of every process of the cold epoch / the machine's cores), over the "
+        "smaller bound, i.e. the best cold/bound those CPU costs allow on an otherwise idle "
+        "machine (above 1: the cores are not what limits; on a busy machine or under a CPU quota "
+        "fewer cores were really there, and the ceiling is lower than printed).",
+    )
     p.add_argument("--images", type=int, help="sample images (default: the quick demo's 1500)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per origin: one cold, the rest warm (default 3)")
     p.add_argument("--workers", type=int, default=2, help="decode worker processes (default 2)")
@@ -259,8 +356,14 @@ def _add_cold(bench_sub) -> None:
 
 def _cmd_cold(a) -> int:
     from ..bench.cold_bench import print_rows, run
-    r = run(images=a.images, epochs=a.epochs, workers=a.workers, workdir=a.workdir,
-            origins=tuple(a.origin or ("near", "far")))
+
+    r = run(
+        images=a.images,
+        epochs=a.epochs,
+        workers=a.workers,
+        workdir=a.workdir,
+        origins=tuple(a.origin or ("near", "far")),
+    )
     print()
     print_rows(r["rows"])
     if a.json:
@@ -271,47 +374,84 @@ def _cmd_cold(a) -> int:
 # -- stoker bench io -------------------------------------------------------------
 def _add_io(bench_sub) -> None:
     p = bench_sub.add_parser(
-        "io", help="CPU-s/GB and GB/s of each stage of the byte path (origin, cache tiers, worker reads, "
-                   "cold epoch with decode off) beside its floor",
+        "io",
+        help="CPU-s/GB and GB/s of each stage of the byte path (origin, cache tiers, worker reads, "
+        "cold epoch with decode off) beside its floor",
         description="Packs sample photos into the emulated S3 origin and measures, in one run on the same "
-                    "bytes, each stage of the byte path beside its floor (a bare loop of the same client "
-                    "library, bare os.pwrite / os.pread): origin -> memory (obstore, s3fs), the fill's checksum "
-                    "pass, memory -> cache tier (disk, shared memory), cache tier -> worker; then a cold and a "
-                    "warm epoch with decode off, reporting the prefetcher's CPU per GB from the origin "
-                    "(origin_to_cache_cpu_s_per_GB), the emulated origin's own CPU per GB apart, and the decode "
-                    "workers' CPU per sample cold over warm.")
+        "bytes, each stage of the byte path beside its floor (a bare loop of the same client "
+        "library, bare os.pwrite / os.pread): origin -> memory (obstore, s3fs), the fill's checksum "
+        "pass, memory -> cache tier (disk, shared memory), cache tier -> worker; then a cold and a "
+        "warm epoch with decode off, reporting the prefetcher's CPU per GB from the origin "
+        "(origin_to_cache_cpu_s_per_GB), the emulated origin's own CPU per GB apart, and the decode "
+        "workers' CPU per sample cold over warm.",
+    )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--images", type=int, default=600, help="sample photos (default 600, about 40 MB)")
     p.add_argument("--reps", type=int, default=3, help="runs of each loop, alternating; the least CPU is kept")
     p.add_argument("--latency-ms", type=float, default=20.0, help="the cold epoch's origin latency per request")
-    p.add_argument("--bandwidth-MBps", dest="bandwidth_MBps", type=rate_arg, default=100.0,
-                   help="the cold epoch's origin cap in MB/s (a number, or e.g. 100MB/s)")
+    p.add_argument(
+        "--bandwidth-MBps",
+        dest="bandwidth_MBps",
+        type=rate_arg,
+        default=100.0,
+        help="the cold epoch's origin cap in MB/s (a number, or e.g. 100MB/s)",
+    )
     p.add_argument("--block-bytes", type=int, default=1 << 20, help="the cache unit (default 1 MiB)")
     p.add_argument("--workers", type=int, default=2, help="decode worker processes in the epochs")
     p.add_argument("--workdir", help="sample data and caches (default: $TMPDIR/stoker-bench-io)")
-    p.add_argument("--dlio", action=argparse.BooleanOptionalAction, default=True,
-                   help="bytes_only: also run DLIO's PyTorch reader (dlio-benchmark 2.0.0) on the same files, in a "
-                        "virtual environment made on first use (about 2.6 GB installed, from the package index: torch, "
-                        "tensorflow-cpu, mpi4py + the mpich wheel); --no-dlio: stoker's half only. A failed install "
-                        "is reported in bytes_only.exception (default: on)")
-    p.add_argument("--make-dlio-venv", action=argparse.BooleanOptionalAction, default=True,
-                   help="make DLIO's environment when it is missing (--no-make-dlio-venv: use it only if present)")
-    p.add_argument("--bytes-only-files", type=int, default=1024,
-                   help="bytes_only: random-byte files of 114,660 B (MLPerf Storage's ResNet-50 sample), "
-                        "default 1024 (117 MB); 0 leaves bytes_only out")
-    p.add_argument("--bytes-only-epochs", type=int, default=3,
-                   help="bytes_only: epochs of each reader; the first is 'local', the rest 'warm_cache' (default 3)")
-    p.add_argument("--only-bytes", action="store_true",
-                   help="measure bytes_only alone (no stages, no cold/warm epochs)")
+    p.add_argument(
+        "--dlio",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bytes_only: also run DLIO's PyTorch reader (dlio-benchmark 2.0.0) on the same files, in a "
+        "virtual environment made on first use (about 2.6 GB installed, from the package index: torch, "
+        "tensorflow-cpu, mpi4py + the mpich wheel); --no-dlio: stoker's half only. A failed install "
+        "is reported in bytes_only.exception (default: on)",
+    )
+    p.add_argument(
+        "--make-dlio-venv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="make DLIO's environment when it is missing (--no-make-dlio-venv: use it only if present)",
+    )
+    p.add_argument(
+        "--bytes-only-files",
+        type=int,
+        default=1024,
+        help="bytes_only: random-byte files of 114,660 B (MLPerf Storage's ResNet-50 sample), "
+        "default 1024 (117 MB); 0 leaves bytes_only out",
+    )
+    p.add_argument(
+        "--bytes-only-epochs",
+        type=int,
+        default=3,
+        help="bytes_only: epochs of each reader; the first is 'local', the rest 'warm_cache' (default 3)",
+    )
+    p.add_argument(
+        "--only-bytes", action="store_true", help="measure bytes_only alone (no stages, no cold/warm epochs)"
+    )
     p.set_defaults(fn=_cmd_io)
 
 
 def _cmd_io(a) -> int:
     from ..bench.io_bench import IoConfig, run, table
-    r = run(IoConfig(images=a.images, reps=a.reps, latency_ms=a.latency_ms, bandwidth_MBps=a.bandwidth_MBps,
-                     block_bytes=a.block_bytes, workers=a.workers, workdir=a.workdir, dlio=a.dlio,
-                     make_dlio_venv=a.make_dlio_venv, bytes_only_files=a.bytes_only_files, only_bytes=a.only_bytes,
-                     bytes_only_epochs=a.bytes_only_epochs))
+
+    r = run(
+        IoConfig(
+            images=a.images,
+            reps=a.reps,
+            latency_ms=a.latency_ms,
+            bandwidth_MBps=a.bandwidth_MBps,
+            block_bytes=a.block_bytes,
+            workers=a.workers,
+            workdir=a.workdir,
+            dlio=a.dlio,
+            make_dlio_venv=a.make_dlio_venv,
+            bytes_only_files=a.bytes_only_files,
+            only_bytes=a.only_bytes,
+            bytes_only_epochs=a.bytes_only_epochs,
+        )
+    )
     print(table(r))
     if a.json:
         _write_json(a.json, r)

@@ -1,4 +1,5 @@
 """``stoker sample-data DIR``: the embedded real photos as an ImageFolder tree."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,12 @@ import sys
 def cmd_sample_data(a) -> int:
     """``stoker sample-data DIR``: the embedded photos as an ImageFolder tree; the summary as JSON."""
     from ..sample_data import make_sample_data
+
     print(json.dumps(make_sample_data(a.dir, images=a.images, classes=a.classes, seed=a.seed), indent=2))
-    print(f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
-          file=sys.stderr)
+    print(
+        f"ImageFolder tree: {a.dir.rstrip('/')}/train  (pack it with: stoker pack {a.dir.rstrip('/')}/train DST)",
+        file=sys.stderr,
+    )
     return 0
 
 

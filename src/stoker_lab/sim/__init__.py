@@ -11,12 +11,21 @@ decisions, calibrated and validated on measured runs (``stoker simulate``).
 
 Why SimPy and not SimGrid: see docs/simulation.md.
 """
+
 from __future__ import annotations
 
 __all__ = ["EpochResult", "FlowNetwork", "Job", "Params", "Workload", "max_min_rates", "simulate", "synthetic"]
 
-_WHERE = {"EpochResult": "model", "Job": "model", "Params": "model", "simulate": "model",
-          "FlowNetwork": "network", "max_min_rates": "network", "Workload": "workload", "synthetic": "workload"}
+_WHERE = {
+    "EpochResult": "model",
+    "Job": "model",
+    "Params": "model",
+    "simulate": "model",
+    "FlowNetwork": "network",
+    "max_min_rates": "network",
+    "Workload": "workload",
+    "synthetic": "workload",
+}
 
 
 def __getattr__(name: str):
@@ -24,5 +33,6 @@ def __getattr__(name: str):
     model itself, not by ``stoker simulate --help`` or :mod:`.tdcs_config`."""
     if name in _WHERE:
         import importlib
+
         return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ bucket of 10 ms of its rate (:func:`stoker_lab.bench.netcluster.burst_bytes`). A
 less than its rate on average thus passes a short transfer (a 65 KB sample) at once instead of at
 the rate; a plain rate limit would charge every sample ``bytes / rate``.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -47,8 +48,9 @@ class TokenBuckets:
         self.peak = np.array([float(p) for _, p in buckets.values()])
         self.rate = net.capacity[self.links].copy()
         if (self.size <= 0).any() or (self.peak < self.rate).any() or not np.isfinite(self.rate).all():
-            raise ValueError(f"token buckets {list(buckets)}: need bytes > 0, a peak >= the link's rate and "
-                             "a finite rate")
+            raise ValueError(
+                f"token buckets {list(buckets)}: need bytes > 0, a peak >= the link's rate and a finite rate"
+            )
         self.tokens = self.size.copy()  # full at the start
         self.use = np.zeros(len(self.links))
         net.capacity[self.links] = self.peak

@@ -8,6 +8,7 @@ report without one, it and the processes a late rank's start-up keeps busy are f
 *calibration run* (one ``stoker bench cluster --netns`` report; never per row). The validation
 reports which rows are in sample and which are not.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,9 @@ class Calibrated:
     source: str
 
 
-def measure_cache_read_Bps(directory: str | None = None, size_bytes: int = 64 << 20,
-                           block_bytes: int = 1 << 20) -> Calibrated:
+def measure_cache_read_Bps(
+    directory: str | None = None, size_bytes: int = 64 << 20, block_bytes: int = 1 << 20
+) -> Calibrated:
     """Read rate of a warm node cache, bytes/s: a ``size_bytes`` file written under ``directory``
     (default: the temporary directory) and read back in ``block_bytes`` reads (the page cache
     serves it, as it serves a cache that fits in memory). The file is removed."""
@@ -48,8 +50,11 @@ def measure_cache_read_Bps(directory: str | None = None, size_bytes: int = 64 <<
         secs = time.perf_counter() - t0
     finally:
         os.unlink(path)
-    return Calibrated(size_bytes / secs, f"measured now: {size_bytes >> 20} MiB read back in "
-                                         f"{block_bytes >> 20} MiB reads from {directory or tempfile.gettempdir()}")
+    return Calibrated(
+        size_bytes / secs,
+        f"measured now: {size_bytes >> 20} MiB read back in "
+        f"{block_bytes >> 20} MiB reads from {directory or tempfile.gettempdir()}",
+    )
 
 
 def netns_workload(report: dict) -> Workload:
@@ -86,13 +91,22 @@ class NetnsSetup:
         placement whose control probe recorded its ranks' hosts (``control.<placement>.rank_hosts``)
         starts with that probe as a job named ``control`` that reads nothing: it ran first, so its
         nodes settled the dataset's members (``stoker.cluster.records``) and hence the owners."""
-        jobs = [Job(j.name, j.world, j.seed, self.ranks.get((placement, j.name)),
-                    dict(self.starts.get((placement, j.name), {}))) for j in netns_jobs(report)]
+        jobs = [
+            Job(
+                j.name,
+                j.world,
+                j.seed,
+                self.ranks.get((placement, j.name)),
+                dict(self.starts.get((placement, j.name), {})),
+            )
+            for j in netns_jobs(report)
+        ]
         hosts = ((report.get("control") or {}).get(placement) or {}).get("rank_hosts")
         if placement != "direct" and hosts and self.node_keys is not None and min(hosts) >= 0:
             nodes = [self.order.index(int(h)) for h in hosts]
-            jobs.insert(0, Job("control", len(nodes), rank_nodes=nodes,
-                               plans=[np.zeros(0, dtype=np.int64) for _ in nodes]))
+            jobs.insert(
+                0, Job("control", len(nodes), rank_nodes=nodes, plans=[np.zeros(0, dtype=np.int64) for _ in nodes])
+            )
         return jobs
 
 
@@ -105,26 +119,49 @@ def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float 
     ranks drawn and started together (said in the sources). ``peak_Bps``: as in
     :class:`NetnsSetup`. Raises ValueError for inconsistent ``rank_hosts`` or ``rank_start_s``."""
     from .measured import host_order, netns_dataset, netns_node_keys, recorded_ranks, recorded_starts
+
     wl, why = netns_dataset(report, path) if measured else (None, "not asked for")
     if wl is None:
         fallback = netns_workload(report)
-        return NetnsSetup(fallback, None, {"dataset": Calibrated(fallback.num_blocks, f"synthetic: {why}"),
-                                           "host order": Calibrated(0, "made-up node names node000...")}, peak_Bps)
+        return NetnsSetup(
+            fallback,
+            None,
+            {
+                "dataset": Calibrated(fallback.num_blocks, f"synthetic: {why}"),
+                "host order": Calibrated(0, "made-up node names node000..."),
+            },
+            peak_Bps,
+        )
     keys, ranks = netns_node_keys(report), recorded_ranks(report, path)
     if ranks is not None:
-        order, src = list(range(int(report["hosts"]))), (f"{path}: rank_hosts of every row: model node i is host "
-                                                         "h<i>, each job's ranks on their recorded hosts")
+        order, src = (
+            list(range(int(report["hosts"]))),
+            (f"{path}: rank_hosts of every row: model node i is host h<i>, each job's ranks on their recorded hosts"),
+        )
     else:
         order, src = host_order(report, path, wl, netns_jobs(report))
     starts = recorded_starts(report, path)
     skew = max((max(v) for by_epoch in starts.values() for v in by_epoch.values()), default=0.0)
-    return NetnsSetup(wl, [keys[h] for h in order],
-                      {"dataset": Calibrated(wl.num_blocks, why), "host order": Calibrated(len(order), src),
-                       "rank starts": Calibrated(skew, f"{path}: rank_start_s of {sum(map(len, starts.values()))} "
-                                                       "rows (value: the largest offset, s); each rank starts "
-                                                       "at its own" if starts else
-                                                       f"{path}: not recorded; every rank starts at once")},
-                      peak_Bps, {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()}, starts, order)
+    return NetnsSetup(
+        wl,
+        [keys[h] for h in order],
+        {
+            "dataset": Calibrated(wl.num_blocks, why),
+            "host order": Calibrated(len(order), src),
+            "rank starts": Calibrated(
+                skew,
+                f"{path}: rank_start_s of {sum(map(len, starts.values()))} "
+                "rows (value: the largest offset, s); each rank starts "
+                "at its own"
+                if starts
+                else f"{path}: not recorded; every rank starts at once",
+            ),
+        },
+        peak_Bps,
+        {k: [order.index(h) for h in v] for k, v in (ranks or {}).items()},
+        starts,
+        order,
+    )
 
 
 def local_latency(report: dict, path: str) -> Calibrated:
@@ -134,8 +171,9 @@ def local_latency(report: dict, path: str) -> Calibrated:
     if not rows:
         raise ValueError(f"{path}: no warm direct epoch to calibrate the local read time from")
     vals = [r["seconds"] / (r["samples"] / r["ranks"]) for r in rows]
-    return Calibrated(sum(vals) / len(vals),
-                      f"{path}: warm direct epochs, seconds / samples per rank (mean of {len(vals)})")
+    return Calibrated(
+        sum(vals) / len(vals), f"{path}: warm direct epochs, seconds / samples per rank (mean of {len(vals)})"
+    )
 
 
 #: Cores one peer request can use at once: the rank's client code, then the owner's service code,
@@ -143,9 +181,16 @@ def local_latency(report: dict, path: str) -> Calibrated:
 REQUEST_CORES = 1.0
 
 
-def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_factor: float = 1.0,
-                 node_keys: list[str] | None = None, peak_Bps: float = 0.0, starting_processes: int = 0,
-                 local_cpu_s: float = 0.0) -> Params:
+def netns_params(
+    report: dict,
+    local_s: float,
+    peer_cpu_s: float = 0.0,
+    link_factor: float = 1.0,
+    node_keys: list[str] | None = None,
+    peak_Bps: float = 0.0,
+    starting_processes: int = 0,
+    local_cpu_s: float = 0.0,
+) -> Params:
     """:class:`Params` of a namespace-cluster report: its hosts, tbf link rates (Mbit/s per
     direction) times ``link_factor`` (the fraction of its rate a link delivers,
     :func:`fit_link_factor`), origin latency and cache bytes; one rank per host reading
@@ -160,20 +205,29 @@ def netns_params(report: dict, local_s: float, peer_cpu_s: float = 0.0, link_fac
     request uses at most :data:`REQUEST_CORES` of the shared cores at once. ``local_cpu_s``: CPU
     seconds of a cluster rank's read from its own node cache (:func:`fit_probe_cpu`, ``local``)."""
     from ..bench.netcluster import burst_bytes
+
     links, cfg = report["links"], report["config"]
     hosts = [v for k, v in links.items() if k != "origin"]
-    return Params(nodes=report["hosts"], cache_bytes=cfg["cache_bytes_per_node"],
-                  origin_Bps=links["origin"]["mbit"] * MBIT_BPS * link_factor,
-                  nic_Bps=min(h["mbit"] for h in hosts) * MBIT_BPS * link_factor,
-                  origin_latency_s=report["origin"]["latency_ms"] / 1e3, local_latency_s=local_s,
-                  machine_cores=float(report["machine"]["cores"]) if peer_cpu_s > 0 else 0.0,
-                  peer_cpu_s=peer_cpu_s, prefetch_chunks=1, fetch_inflight=1, chunk_samples=1,
-                  node_keys=node_keys, link_peak_Bps=peak_Bps,
-                  nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
-                  origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]),
-                  starting_processes=starting_processes if peer_cpu_s > 0 else 0,
-                  request_cores=REQUEST_CORES if peer_cpu_s > 0 else 0.0,
-                  local_cpu_s=local_cpu_s if peer_cpu_s > 0 else 0.0)
+    return Params(
+        nodes=report["hosts"],
+        cache_bytes=cfg["cache_bytes_per_node"],
+        origin_Bps=links["origin"]["mbit"] * MBIT_BPS * link_factor,
+        nic_Bps=min(h["mbit"] for h in hosts) * MBIT_BPS * link_factor,
+        origin_latency_s=report["origin"]["latency_ms"] / 1e3,
+        local_latency_s=local_s,
+        machine_cores=float(report["machine"]["cores"]) if peer_cpu_s > 0 else 0.0,
+        peer_cpu_s=peer_cpu_s,
+        prefetch_chunks=1,
+        fetch_inflight=1,
+        chunk_samples=1,
+        node_keys=node_keys,
+        link_peak_Bps=peak_Bps,
+        nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
+        origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]),
+        starting_processes=starting_processes if peer_cpu_s > 0 else 0,
+        request_cores=REQUEST_CORES if peer_cpu_s > 0 else 0.0,
+        local_cpu_s=local_cpu_s if peer_cpu_s > 0 else 0.0,
+    )
 
 
 def netns_jobs(report: dict) -> list[Job]:
@@ -213,8 +267,9 @@ def cold_direct_row(report: dict, path: str) -> dict:
     """The first job's cold ``direct`` epoch: every host reads the whole dataset from the origin
     through the one origin link, so its time is the origin link's delivered rate (plus the
     per-request latency the model adds). Raises ValueError without one."""
-    rows = [r for r in report["runs"] if r["placement"] == "direct" and r["epoch"] == 0
-            and r["stoker"]["origin_bytes"] > 0]
+    rows = [
+        r for r in report["runs"] if r["placement"] == "direct" and r["epoch"] == 0 and r["stoker"]["origin_bytes"] > 0
+    ]
     if not rows:
         raise ValueError(f"{path}: no cold direct epoch to measure the links' delivered rate on")
     return rows[0]
@@ -231,15 +286,23 @@ def fit_link_factor(report: dict, path: str, local_s: float, setup: NetnsSetup |
     wl, jobs = setup.workload, setup.jobs(report, "direct")
 
     def cold_s(factor: float) -> float:
-        res = simulate(netns_params(report, local_s, link_factor=factor, node_keys=setup.node_keys,
-                                    peak_Bps=setup.peak_Bps), wl, "direct", jobs[:1], 1)
+        res = simulate(
+            netns_params(report, local_s, link_factor=factor, node_keys=setup.node_keys, peak_Bps=setup.peak_Bps),
+            wl,
+            "direct",
+            jobs[:1],
+            1,
+        )
         return res[0].seconds
 
     factor = _solve(cold_s, row["seconds"], 0.2, 2.0)
     raw = row["kernel"]["origin_link_bytes"] * 8 / row["seconds"] / 1e6
-    return Calibrated(factor, f"{path}: fitted to its cold direct epoch ({row['seconds']:.2f} s; the kernel "
-                              f"counted {raw:.1f} Mbit/s on the {report['links']['origin']['mbit']:g} Mbit/s origin "
-                              "link); that row is in sample")
+    return Calibrated(
+        factor,
+        f"{path}: fitted to its cold direct epoch ({row['seconds']:.2f} s; the kernel "
+        f"counted {raw:.1f} Mbit/s on the {report['links']['origin']['mbit']:g} Mbit/s origin "
+        "link); that row is in sample",
+    )
 
 
 def _warm_random(report: dict) -> list[dict]:
@@ -247,8 +310,15 @@ def _warm_random(report: dict) -> list[dict]:
     return [r for r in report["runs"] if r["placement"] == "random" and r["epoch"] >= 1]
 
 
-def fit_peer_cpu(report: dict, path: str, local_s: float, link_factor: float = 1.0,
-                 hi_s: float = 0.05, setup: NetnsSetup | None = None, starting_processes: int = 0) -> Calibrated:
+def fit_peer_cpu(
+    report: dict,
+    path: str,
+    local_s: float,
+    link_factor: float = 1.0,
+    hi_s: float = 0.05,
+    setup: NetnsSetup | None = None,
+    starting_processes: int = 0,
+) -> Calibrated:
     """CPU seconds per peer request (the rank's Ray call and the owning node's service, on the
     machine's ``machine.cores`` cores that every emulated host shares), fitted (:func:`_solve`) so
     the model's mean warm ``random`` epoch (:func:`_warm_random`) equals the report's (the placement whose
@@ -260,19 +330,34 @@ def fit_peer_cpu(report: dict, path: str, local_s: float, link_factor: float = 1
         raise ValueError(f"{path}: no warm random epochs to fit the peer request time on")
     target = sum(meas) / len(meas)
     setup = setup or netns_setup(report, path, measured=False)
-    cpu_s = _solve(lambda x: float(np.mean(_warm_random_s(report, local_s, x, link_factor, setup,
-                                                          starting_processes))), target, 0.0, hi_s)
-    return Calibrated(cpu_s, f"{path}: fitted to its {len(meas)} warm random epochs (mean {target:.2f} s) with "
-                             f"{report['machine']['cores']} cores shared by all hosts and {starting_processes} "
-                             "starting processes per late rank; this run is the calibration run")
+    cpu_s = _solve(
+        lambda x: float(np.mean(_warm_random_s(report, local_s, x, link_factor, setup, starting_processes))),
+        target,
+        0.0,
+        hi_s,
+    )
+    return Calibrated(
+        cpu_s,
+        f"{path}: fitted to its {len(meas)} warm random epochs (mean {target:.2f} s) with "
+        f"{report['machine']['cores']} cores shared by all hosts and {starting_processes} "
+        "starting processes per late rank; this run is the calibration run",
+    )
 
 
-def _warm_random_s(report: dict, local_s: float, cpu_s: float, link_factor: float, setup: NetnsSetup,
-                   starting_processes: int) -> np.ndarray:
+def _warm_random_s(
+    report: dict, local_s: float, cpu_s: float, link_factor: float, setup: NetnsSetup, starting_processes: int
+) -> np.ndarray:
     """The model's seconds of the report's warm ``random`` epochs (in the order of :func:`_warm_random`)."""
-    res = simulate(netns_params(report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys, setup.peak_Bps,
-                                starting_processes), setup.workload, "random", setup.jobs(report, "random"),
-                   report["config"]["epochs"], together=False)
+    res = simulate(
+        netns_params(
+            report, local_s, max(cpu_s, 1e-9), link_factor, setup.node_keys, setup.peak_Bps, starting_processes
+        ),
+        setup.workload,
+        "random",
+        setup.jobs(report, "random"),
+        report["config"]["epochs"],
+        together=False,
+    )
     by = {(r.job, r.epoch): r.seconds for r in res}
     return np.array([by[(r["job"], r["epoch"])] for r in _warm_random(report)])
 
@@ -291,12 +376,25 @@ def probe_job(report: dict, path: str, order: list[int] | None = None, kind: str
         raise ValueError(f"{path}: a {kind} probe rank ran on no recorded host: {hosts}")
     if order:
         hosts = [order.index(h) for h in hosts]
-    return Job(f"{kind}-probe", len(hosts), rank_nodes=hosts, start_s={0: [float(x) for x in probe["rank_start_s"]]},
-               plans=[np.asarray(ids, dtype=np.int64) for ids in probe["ids"]])
+    return Job(
+        f"{kind}-probe",
+        len(hosts),
+        rank_nodes=hosts,
+        start_s={0: [float(x) for x in probe["rank_start_s"]]},
+        plans=[np.asarray(ids, dtype=np.int64) for ids in probe["ids"]],
+    )
 
 
-def fit_probe_cpu(report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup,
-                  hi_s: float = 0.05, kind: str = "peer", peer_cpu_s: float = 0.0) -> Calibrated:
+def fit_probe_cpu(
+    report: dict,
+    path: str,
+    local_s: float,
+    link_factor: float,
+    setup: NetnsSetup,
+    hi_s: float = 0.05,
+    kind: str = "peer",
+    peer_cpu_s: float = 0.0,
+) -> Calibrated:
     """CPU seconds per read on the machine's shared cores, fitted (:func:`_solve`) so that the
     model's probe of ``kind`` (:func:`probe_job`) takes the probe's measured seconds: ``"peer"``,
     every rank reading samples its peers hold (the peer request's CPU), or ``"local"``, samples its
@@ -316,24 +414,34 @@ def fit_probe_cpu(report: dict, path: str, local_s: float, link_factor: float, s
     def probe_s(cpu_s: float) -> float:
         cpu_s = max(cpu_s, 1e-9)
         peer, local = (cpu_s, 0.0) if kind == "peer" else (max(peer_cpu_s, 1e-9), cpu_s)
-        res = simulate(netns_params(report, local_s, peer, link_factor, setup.node_keys, setup.peak_Bps,
-                                    local_cpu_s=local), setup.workload, "random", jobs, 1, together=False)
+        res = simulate(
+            netns_params(report, local_s, peer, link_factor, setup.node_keys, setup.peak_Bps, local_cpu_s=local),
+            setup.workload,
+            "random",
+            jobs,
+            1,
+            together=False,
+        )
         return res[-1].seconds
 
     meas = float(report[f"{kind}_probe"]["seconds"])
     cpu_s = _solve(probe_s, meas, 0.0, hi_s)
     reads = sum(len(x) for x in probe.plans or [])
-    return Calibrated(cpu_s, f"{path}: fitted to its {kind} probe ({probe.world} ranks, {reads} {kind} reads, "
-                             f"{meas:.2f} s, after the epochs) with {report['machine']['cores']} cores shared by "
-                             "all hosts; no epoch of the run is in it")
+    return Calibrated(
+        cpu_s,
+        f"{path}: fitted to its {kind} probe ({probe.world} ranks, {reads} {kind} reads, "
+        f"{meas:.2f} s, after the epochs) with {report['machine']['cores']} cores shared by "
+        "all hosts; no epoch of the run is in it",
+    )
 
 
 #: The most processes a rank's start-up is taken to keep busy (:func:`fit_starting`).
 MAX_STARTING_PROCESSES = 4
 
 
-def fit_starting(report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup,
-                 most: int = MAX_STARTING_PROCESSES) -> tuple[Calibrated, Calibrated]:
+def fit_starting(
+    report: dict, path: str, local_s: float, link_factor: float, setup: NetnsSetup, most: int = MAX_STARTING_PROCESSES
+) -> tuple[Calibrated, Calibrated]:
     """``(starting processes, peer CPU s)`` fitted together on the report's warm ``random`` epochs:
     for k = 0, 1, ... ``most`` starting processes (:class:`stoker_lab.sim.model.Params`), the peer CPU
     cost that makes the mean epoch exact (:func:`fit_peer_cpu`), and of those the k whose epochs'
@@ -343,10 +451,12 @@ def fit_starting(report: dict, path: str, local_s: float, link_factor: float, se
     without warm random epochs."""
     meas = np.array([r["seconds"] for r in _warm_random(report)])
     if not setup.starts or "gate" in str(report.get("config", {}).get("rank_start", "")):
-        why = ("its ranks start their clocks together at a gate, after every rank has started"
-               if setup.starts else "no rank_start_s (every rank starts at once)")
-        return (Calibrated(0, f"{path}: {why}"),
-                fit_peer_cpu(report, path, local_s, link_factor, setup=setup))
+        why = (
+            "its ranks start their clocks together at a gate, after every rank has started"
+            if setup.starts
+            else "no rank_start_s (every rank starts at once)"
+        )
+        return (Calibrated(0, f"{path}: {why}"), fit_peer_cpu(report, path, local_s, link_factor, setup=setup))
     tried: list[tuple[float, int, Calibrated]] = []
     for k in range(most + 1):
         cpu = fit_peer_cpu(report, path, local_s, link_factor, setup=setup, starting_processes=k)
@@ -356,9 +466,15 @@ def fit_starting(report: dict, path: str, local_s: float, link_factor: float, se
             break
     score, k, cpu = min(tried, key=lambda t: t[0])
     rms = ", ".join(f"{kk}: {(sc / len(meas)) ** 0.5:.1%}" for sc, kk, _ in tried)
-    return (Calibrated(k, f"{path}: fitted with the peer CPU on its {len(meas)} warm random epochs: of "
-                          f"0..{most} processes, the one with the least squared log errors (rms by k: {rms}); "
-                          "this run is the calibration run"), cpu)
+    return (
+        Calibrated(
+            k,
+            f"{path}: fitted with the peer CPU on its {len(meas)} warm random epochs: of "
+            f"0..{most} processes, the one with the least squared log errors (rms by k: {rms}); "
+            "this run is the calibration run",
+        ),
+        cpu,
+    )
 
 
 #: The processes of a ``stoker demo`` run whose CPU time goes with the bytes fetched from the origin.
@@ -385,14 +501,17 @@ def demo_fetch_cpu(demo: dict, demo_path: str, consumer_rate: float) -> Calibrat
     if not vals:
         return Calibrated(0.0, f"{demo_path}: no cpu_s of a cold and a warm epoch (fetching costs no decode time)")
     rates = sorted({r["consumer_rate"] for r in others})
-    return Calibrated(max(0.0, sum(vals) / len(vals)),
-                      f"{demo_path}: cpu_s of {' + '.join(FETCH_PROCESSES)} in the cold epoch less the warm epochs' "
-                      f"mean, per origin byte, runs at consumer rate {', '.join(f'{x:g}' for x in rates)} "
-                      f"(on the same {demo['machine']['cores']} cores as the decode workers)")
+    return Calibrated(
+        max(0.0, sum(vals) / len(vals)),
+        f"{demo_path}: cpu_s of {' + '.join(FETCH_PROCESSES)} in the cold epoch less the warm epochs' "
+        f"mean, per origin byte, runs at consumer rate {', '.join(f'{x:g}' for x in rates)} "
+        f"(on the same {demo['machine']['cores']} cores as the decode workers)",
+    )
 
 
-def demo_params(demo: dict, decode_bench: dict | None, decode_path: str, demo_path: str,
-                consumer_rate: float) -> tuple[Params, dict[str, Calibrated]]:
+def demo_params(
+    demo: dict, decode_bench: dict | None, decode_path: str, demo_path: str, consumer_rate: float
+) -> tuple[Params, dict[str, Calibrated]]:
     """:class:`Params` of a ``stoker demo`` report: one node, one rank with ``workers`` decode
     cores at the demo's own single-process decode rate times the pipeline efficiency of
     ``stoker bench decode`` (its loader rate / (workers x its per-core rate)); the origin's
@@ -401,25 +520,38 @@ def demo_params(demo: dict, decode_bench: dict | None, decode_path: str, demo_pa
     Returns the parameters and the calibrated values they came from."""
     cfg, origin = demo["config"], demo["origin"]
     workers = int(cfg["workers"])
-    per_core = Calibrated(demo["limits"]["decode_per_core"],
-                          f"{demo_path}: limits.decode_per_core (single process, from memory, same files)")
+    per_core = Calibrated(
+        demo["limits"]["decode_per_core"],
+        f"{demo_path}: limits.decode_per_core (single process, from memory, same files)",
+    )
     eff = Calibrated(1.0, "none (no stoker bench decode report)")
     if decode_bench:
         row = min(decode_bench["loader"], key=lambda r: abs(r["workers"] - workers))
-        eff = Calibrated(row["samples_per_s"] / (row["workers"] * decode_bench["per_core"]["stoker"]),
-                         f"{decode_path}: loader samples/s with {row['workers']} workers / "
-                         f"({row['workers']} x per_core.stoker)")
+        eff = Calibrated(
+            row["samples_per_s"] / (row["workers"] * decode_bench["per_core"]["stoker"]),
+            f"{decode_path}: loader samples/s with {row['workers']} workers / ({row['workers']} x per_core.stoker)",
+        )
     mean = demo["dataset"]["bytes"] / demo["dataset"]["samples"]
     chunk = int(cfg["batch_size"])
-    p = Params(nodes=1, cache_bytes=float(1 << 40),  # the demo's cache holds the dataset
-               origin_Bps=origin["bandwidth_MBps"] * 1e6,
-               origin_latency_s=origin["latency_ms"] / 1e3, decode_cores=workers,
-               decode_rate=per_core.value * eff.value, gpu_rate=consumer_rate, origin_concurrency=8,
-               prefetch_chunks=max(1, int((512 << 20) / (chunk * mean))), chunk_samples=chunk)
+    p = Params(
+        nodes=1,
+        cache_bytes=float(1 << 40),  # the demo's cache holds the dataset
+        origin_Bps=origin["bandwidth_MBps"] * 1e6,
+        origin_latency_s=origin["latency_ms"] / 1e3,
+        decode_cores=workers,
+        decode_rate=per_core.value * eff.value,
+        gpu_rate=consumer_rate,
+        origin_concurrency=8,
+        prefetch_chunks=max(1, int((512 << 20) / (chunk * mean))),
+        chunk_samples=chunk,
+    )
     fetch = demo_fetch_cpu(demo, demo_path, consumer_rate)
     p.fetch_cpu_s_per_byte = fetch.value
-    return p, {"decode_per_core": per_core, "pipeline_efficiency": eff,
-               f"fetch CPU s per byte, consumer {consumer_rate:g}": fetch}
+    return p, {
+        "decode_per_core": per_core,
+        "pipeline_efficiency": eff,
+        f"fetch CPU s per byte, consumer {consumer_rate:g}": fetch,
+    }
 
 
 def demo_workload(demo: dict) -> Workload:

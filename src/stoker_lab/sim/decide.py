@@ -10,6 +10,7 @@ and the budget split between datasets (:func:`stoker.cache.policy.share_budget`)
 only orders the calls the way :func:`stoker.cluster.job.run` does, for node labels instead of
 Ray nodes. A change to any of them changes the model's answer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,8 +81,14 @@ def _owners(wl: Workload, members: list[str], budgets: list[float]) -> np.ndarra
     # equal budgets place alike whatever their value (the weights enter as w / -ln(h) and w / sum(w)),
     # so the points of a cache-size curve share one placement
     same = ("equal", len(budgets)) if len(set(budgets)) == 1 and budgets[0] > 0 else tuple(budgets)
-    key = (bounded_owners, wl.name, None if wl.keys is None else tuple(wl.keys), wl.block_bytes.tobytes(),
-           tuple(members), same)
+    key = (
+        bounded_owners,
+        wl.name,
+        None if wl.keys is None else tuple(wl.keys),
+        wl.block_bytes.tobytes(),
+        tuple(members),
+        same,
+    )
     if key not in _OWNERS:
         if len(_OWNERS) >= 16:
             _OWNERS.pop(next(iter(_OWNERS)))
@@ -98,8 +105,16 @@ def _random_nodes(rng: np.random.Generator, n: int, w: int, slots: int | None, a
     return [int(x) for x in rng.permutation(free)[:w]]
 
 
-def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets: np.ndarray, seed: int,
-              slots: int | None, rank_nodes: list[int] | None = None) -> Placement:
+def place_job(
+    setup: str,
+    state: ClusterState,
+    wl: Workload,
+    world: int,
+    budgets: np.ndarray,
+    seed: int,
+    slots: int | None,
+    rank_nodes: list[int] | None = None,
+) -> Placement:
     """Place one job of ``world`` ranks, as ``stoker.cluster.run`` would for ``setup``.
 
     ``direct``: rank r on node r // slots (r with no slot limit), no shared cache; ``random``:
@@ -138,8 +153,13 @@ def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets
     have = [i for i in range(n) if cached[i] > 0]
     if state.members is None:
         state.members = sorted(have or set(ranks))
-    grown = widen([names[i] for i in state.members], names,
-                  {names[i]: int(budgets[i]) for i in range(n)}, wl.total_bytes, [names[i] for i in ranks])
+    grown = widen(
+        [names[i] for i in state.members],
+        names,
+        {names[i]: int(budgets[i]) for i in range(n)},
+        wl.total_bytes,
+        [names[i] for i in ranks],
+    )
     state.members = sorted(names.index(x) for x in grown)
     members = state.members
     idx = _owners(wl, [state.keys[i] for i in members], [float(budgets[i]) for i in members])
@@ -155,8 +175,15 @@ def place_job(setup: str, state: ClusterState, wl: Workload, world: int, budgets
 _PERM: list = [None, None, None]  # the last workload, (seed, epoch, order, window) and its permutation
 
 
-def epoch_plans(setup: str, wl: Workload, placement: Placement, epoch: int, seed: int = 0,
-                order: str = "blockwise", window: int = 16) -> list[np.ndarray]:
+def epoch_plans(
+    setup: str,
+    wl: Workload,
+    placement: Placement,
+    epoch: int,
+    seed: int = 0,
+    order: str = "blockwise",
+    window: int = 16,
+) -> list[np.ndarray]:
     """Every rank's sample ids for ``epoch`` (list of W int64 arrays): the permutation of
     :mod:`stoker.order` split by :func:`stoker.order.rank_plan`, or for ``colocated`` by
     :func:`stoker.cluster.schedule.colocated_plans` (samples cached on the rank's node first).

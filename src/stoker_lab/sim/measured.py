@@ -24,6 +24,7 @@ blocks over the nodes, and so different peer bytes; with the run's own names it 
   are its ranks' peer reads): of all orders, the one whose per-host received bytes are nearest the
   kernel's.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,6 +43,7 @@ _MEMO: dict = {}
 
 def _open(path: str, block_bytes: int):
     from stoker.store.dataset import open_dataset
+
     return open_dataset(path, cache=False, check=False, block_bytes=block_bytes)
 
 
@@ -55,6 +57,7 @@ def netns_dataset(report: dict, path: str, workdir: str | None = None) -> tuple[
     from stoker.store.pack import pack
 
     from ..sample_data import make_sample_data
+
     ds_info, cfg = report["dataset"], report["config"]
     images, seed = int(ds_info["samples"]), int(cfg.get("seed", 0))
     shard, block = int(cfg["shard_bytes"]), int(cfg["block_bytes"])
@@ -78,12 +81,16 @@ def netns_dataset(report: dict, path: str, workdir: str | None = None) -> tuple[
     got = (wl.num_samples, wl.total_bytes, wl.num_blocks)
     want = (images, int(ds_info["bytes"]), int(ds_info["blocks"]))
     if got != want or ds_info.get("version", version) != version:
-        return None, (f"{path}: the dataset made again ({got[0]} samples, {got[1]} bytes, {got[2]} blocks, "
-                      f"version {version}) is not the report's ({want[0]}, {want[1]}, {want[2]}, "
-                      f"{ds_info.get('version', '?')})")
-    return wl, (f"{path}: its dataset made again ({images} images, seed {seed}, {NETNS_CLASSES} classes, "
-                f"shards of {shard} bytes; {packed}): {got[0]} samples, {got[1]} bytes, {got[2]} blocks "
-                f"as reported, version {version}")
+        return None, (
+            f"{path}: the dataset made again ({got[0]} samples, {got[1]} bytes, {got[2]} blocks, "
+            f"version {version}) is not the report's ({want[0]}, {want[1]}, {want[2]}, "
+            f"{ds_info.get('version', '?')})"
+        )
+    return wl, (
+        f"{path}: its dataset made again ({images} images, seed {seed}, {NETNS_CLASSES} classes, "
+        f"shards of {shard} bytes; {packed}): {got[0]} samples, {got[1]} bytes, {got[2]} blocks "
+        f"as reported, version {version}"
+    )
 
 
 def netns_hosts(report: dict) -> list[str]:
@@ -95,6 +102,7 @@ def netns_node_keys(report: dict) -> list[str]:
     """Each host's placement key, in host order: the key of slot 0 of a host named after its
     namespace (the bench sets ``NODE_NAME`` to it; one Ray node per host)."""
     from stoker.cluster.identity import cache_key, host_name
+
     return [cache_key(host_name(report["links"][h]["ns"]), 0) for h in netns_hosts(report)]
 
 
@@ -126,8 +134,10 @@ def recorded_ranks(report: dict, path: str) -> dict[tuple[str, str], list[int]] 
         hosts = [int(h) for h in r["rank_hosts"]]
         key = (r["placement"], r["job"])
         if out.setdefault(key, hosts) != hosts or not all(0 <= h < n for h in hosts):
-            raise ValueError(f"{path}: {r['placement']} {r['job']} epoch {r['epoch']}: rank_hosts {hosts} "
-                             f"differ from its other epochs' {out[key]} or name a host not in 0..{n - 1}")
+            raise ValueError(
+                f"{path}: {r['placement']} {r['job']} epoch {r['epoch']}: rank_hosts {hosts} "
+                f"differ from its other epochs' {out[key]} or name a host not in 0..{n - 1}"
+            )
     return out
 
 
@@ -141,8 +151,10 @@ def recorded_starts(report: dict, path: str) -> dict[tuple[str, str], dict[int, 
             continue
         starts = [float(x) for x in r["rank_start_s"]]
         if len(starts) != int(r["ranks"]) or min(starts) < 0:
-            raise ValueError(f"{path}: {r['placement']} {r['job']} epoch {r['epoch']}: rank_start_s {starts} is "
-                             f"not {r['ranks']} offsets >= 0")
+            raise ValueError(
+                f"{path}: {r['placement']} {r['job']} epoch {r['epoch']}: rank_start_s {starts} is "
+                f"not {r['ranks']} offsets >= 0"
+            )
         out.setdefault((r["placement"], r["job"]), {})[int(r["epoch"])] = starts
     return out
 
@@ -171,6 +183,8 @@ def host_order(report: dict, path: str, wl: Workload, jobs: list) -> tuple[list[
     scored.sort(key=lambda x: x[0])
     best, rms = scored[0][1], (scored[0][0] / meas.size) ** 0.5
     runner = (scored[1][0] / meas.size) ** 0.5 if len(scored) > 1 else float("nan")
-    return best, (f"{path}: read off the kernel's rx bytes per host in its {len(warm)} warm random epochs: "
-                  f"model nodes are hosts {', '.join(hosts[h] for h in best)} (rms {rms / 1e6:.2f} MB per host "
-                  f"and epoch; the next best order {runner / 1e6:.2f} MB)")
+    return best, (
+        f"{path}: read off the kernel's rx bytes per host in its {len(warm)} warm random epochs: "
+        f"model nodes are hosts {', '.join(hosts[h] for h in best)} (rms {rms / 1e6:.2f} MB per host "
+        f"and epoch; the next best order {runner / 1e6:.2f} MB)"
+    )

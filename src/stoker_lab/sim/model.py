@@ -33,6 +33,7 @@ started until then, ``starting_processes`` shares of the shared cores. Shaped li
 ``tbf``) can be token buckets (``link_peak_Bps``). Not modelled: TCP slow start and loss,
 stragglers, the per-step all-reduce.
 """
+
 from __future__ import annotations
 
 import math
@@ -143,8 +144,7 @@ class Job:
         if got is None:
             return [0.0] * self.world
         if len(got) != self.world or min(got) < 0:
-            raise ValueError(f"job {self.name!r} epoch {epoch}: start offsets {got} are not {self.world} "
-                             "values >= 0")
+            raise ValueError(f"job {self.name!r} epoch {epoch}: start offsets {got} are not {self.world} values >= 0")
         return [float(x) for x in got]
 
 
@@ -169,8 +169,12 @@ class EpochResult:
 def _links(p: Params, lanes: int = 0) -> dict[str, float]:
     caps = {"origin": p.origin_Bps}
     for v in range(p.nodes):
-        caps |= {f"tx{v}": p.nic_Bps, f"rx{v}": p.nic_Bps, f"disk{v}": p.cache_read_Bps,
-                 f"cpu{v}": max(p.decode_cores, 1) * p.decode_rate if p.decode_rate > 0 else INF}
+        caps |= {
+            f"tx{v}": p.nic_Bps,
+            f"rx{v}": p.nic_Bps,
+            f"disk{v}": p.cache_read_Bps,
+            f"cpu{v}": max(p.decode_cores, 1) * p.decode_rate if p.decode_rate > 0 else INF,
+        }
     if p.machine_cores > 0:
         caps["machine_cpu"] = p.machine_cores  # CPU seconds per second
         if p.request_cores > 0:  # each rank's requests, one at a time: at most request_cores at once
@@ -206,8 +210,9 @@ class _Run:
         self.fill_of = np.zeros((p.nodes, wl.num_blocks), dtype=np.int64)  # (home, block) -> its key there, 0: none
         self._fills = 0
         ix = self.net.index
-        self.rx, self.tx, self.disk = (np.array([ix[f"{k}{v}"] for v in range(p.nodes)], dtype=np.int64)
-                                       for k in ("rx", "tx", "disk"))
+        self.rx, self.tx, self.disk = (
+            np.array([ix[f"{k}{v}"] for v in range(p.nodes)], dtype=np.int64) for k in ("rx", "tx", "disk")
+        )
         self.cpu = np.array([ix[f"cpu{v}"] for v in range(p.nodes)], dtype=np.int64)
         # the decode cores' unit is a sample decoded: a CPU second fetching is decode_rate of them
         self.fetch_cpu = p.fetch_cpu_s_per_byte * p.decode_rate if p.decode_cores > 0 else 0.0
@@ -223,8 +228,9 @@ class _Run:
         self.state.used_bytes[node] += size
         return True
 
-    def chunk_cost(self, node: int, ids: np.ndarray, owner: np.ndarray
-                   ) -> tuple[float, np.ndarray, np.ndarray, list, list, int]:
+    def chunk_cost(
+        self, node: int, ids: np.ndarray, owner: np.ndarray
+    ) -> tuple[float, np.ndarray, np.ndarray, list, list, int]:
         """(latency seconds, bytes per link (float64 (links,), by ``self.net.index``), CPU work per
         link (the same shape: CPU seconds on the shared machine's cores, decoded-sample units on a
         node's decode cores), the events of other chunks' fills that these samples wait for, this
@@ -281,8 +287,11 @@ class _Run:
             vec[self.tx] += np.bincount(home[peer], weights=size[peer], minlength=p.nodes)
         vec[self.disk] += np.bincount(home[ok], weights=size[ok], minlength=p.nodes)
         n_origin = len(mine) + int(nofit.sum())
-        lat = (math.ceil(n_origin / p.origin_concurrency) * p.origin_latency_s
-               + math.ceil(n_peer / p.peer_concurrency) * p.peer_latency_s + n_local * p.local_latency_s)
+        lat = (
+            math.ceil(n_origin / p.origin_concurrency) * p.origin_latency_s
+            + math.ceil(n_peer / p.peer_concurrency) * p.peer_latency_s
+            + n_local * p.local_latency_s
+        )
         if p.machine_cores > 0:
             cpu[self.machine_cpu] += n_peer * p.peer_cpu_s
             if self.setup != "direct":
@@ -304,8 +313,16 @@ class _Run:
             return self.net.transfer_at(np.array([self.machine_cpu, self.lanes[lane]]), np.repeat(work, 2))
         return self.net.transfer_at(links, work)
 
-    def rank(self, node: int, plan: np.ndarray, owner: np.ndarray, seconds: list, index: int,
-             start_s: float = 0.0, lane: int = -1):
+    def rank(
+        self,
+        node: int,
+        plan: np.ndarray,
+        owner: np.ndarray,
+        seconds: list,
+        index: int,
+        start_s: float = 0.0,
+        lane: int = -1,
+    ):
         """SimPy process of one rank's epoch, begun ``start_s`` seconds from now (nothing of it
         before); sets ``seconds[index]`` to its own seconds, from its start to its end. ``lane``:
         its slot among the ranks running together (its requests' core limit; -1: none)."""
@@ -314,13 +331,14 @@ class _Run:
             starting = []  # the shared cores: never ending by itself (at most start_s x all cores)
             if p.starting_processes > 0 and self.machine_cpu >= 0:
                 size = np.array([2 * start_s * p.machine_cores])
-                starting = [self.net.transfer_at(np.array([self.machine_cpu]), size)
-                            for _ in range(p.starting_processes)]
+                starting = [
+                    self.net.transfer_at(np.array([self.machine_cpu]), size) for _ in range(p.starting_processes)
+                ]
             yield env.timeout(start_s)
             for flow in starting:
                 self.net.stop(flow)
         t0 = env.now
-        chunks = [plan[i:i + p.chunk_samples] for i in range(0, len(plan), p.chunk_samples)]
+        chunks = [plan[i : i + p.chunk_samples] for i in range(0, len(plan), p.chunk_samples)]
         ready = [env.event() for _ in chunks]
         tokens = simpy.Container(env, capacity=max(1, p.prefetch_chunks), init=max(1, p.prefetch_chunks))
         fetching = simpy.Resource(env, max(1, p.fetch_inflight))
@@ -339,18 +357,30 @@ class _Run:
                     if waits:
                         yield env.all_of(waits)
                     if len(on_cpu):
-                        yield env.all_of([self._cpu_flow(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]], lane)
-                                          for k in range(len(on_cpu))])
+                        yield env.all_of(
+                            [
+                                self._cpu_flow(on_cpu[k : k + 1], cpu[on_cpu[k : k + 1]], lane)
+                                for k in range(len(on_cpu))
+                            ]
+                        )
                     nz = np.flatnonzero(vec)
                     yield self.net.transfer_at(nz, vec[nz])
                 else:  # requests pipelined: the latency of later ones hides behind earlier bytes
                     nz = np.flatnonzero(vec)
-                    yield env.all_of([env.timeout(lat), self.net.transfer_at(nz, vec[nz]), *waits,
-                                      *(self._cpu_flow(on_cpu[k:k + 1], cpu[on_cpu[k:k + 1]], lane)
-                                        for k in range(len(on_cpu)))])
+                    yield env.all_of(
+                        [
+                            env.timeout(lat),
+                            self.net.transfer_at(nz, vec[nz]),
+                            *waits,
+                            *(
+                                self._cpu_flow(on_cpu[k : k + 1], cpu[on_cpu[k : k + 1]], lane)
+                                for k in range(len(on_cpu))
+                            ),
+                        ]
+                    )
                 self._land(mine, landed)
             if p.decode_cores > 0 and p.decode_rate > 0:  # the node's cores, shared like a link;
-                with decoding.request() as turn:           # a rank's chunks decode in order
+                with decoding.request() as turn:  # a rank's chunks decode in order
                     yield turn
                     self.decode_s += len(c) / p.decode_rate
                     yield self.net.transfer_at(np.array([self.cpu[node]]), np.array([float(len(c))]))
@@ -370,8 +400,9 @@ class _Run:
         seconds[index] = env.now - t0
 
 
-def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
-             together: bool = True) -> list[EpochResult]:
+def simulate(
+    p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int, together: bool = True
+) -> list[EpochResult]:
     """Simulate ``epochs`` epochs of ``jobs`` reading ``wl`` under ``setup`` (see
     :data:`stoker_lab.sim.decide.SETUPS`) on empty caches.
 
@@ -395,8 +426,9 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
             lane = 0  # each rank of the group its own lane
             for j in group:
                 if j.name not in placed:
-                    placed[j.name] = place_job(setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node,
-                                               j.rank_nodes)
+                    placed[j.name] = place_job(
+                        setup, run.state, wl, j.world, budgets, j.seed, p.slots_per_node, j.rank_nodes
+                    )
                 pl = placed[j.name]
                 if j.plans is None:
                     plans = epoch_plans(setup, wl, pl, e, p.seed, p.order, p.window)
@@ -414,8 +446,17 @@ def simulate(p: Params, wl: Workload, setup: str, jobs: list[Job], epochs: int,
                 c0, l0, q, d0 = marks[j.name]
                 secs = max(procs[j.name])
                 util = (q / p.gpu_rate) / secs if p.gpu_rate > 0 and secs > 0 else None
-                out.append(EpochResult(j.name, e, secs, util,
-                                       {k: run.counts[k] - c0[k] for k in LINK_KINDS}, q * j.world,
-                                       {k: run.net.bytes_on[k] - l0[k] for k in run.net.bytes_on},
-                                       run.decode_s - d0, list(procs[j.name])))
+                out.append(
+                    EpochResult(
+                        j.name,
+                        e,
+                        secs,
+                        util,
+                        {k: run.counts[k] - c0[k] for k in LINK_KINDS},
+                        q * j.world,
+                        {k: run.net.bytes_on[k] - l0[k] for k in run.net.bytes_on},
+                        run.decode_s - d0,
+                        list(procs[j.name]),
+                    )
+                )
     return out

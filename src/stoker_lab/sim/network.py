@@ -19,6 +19,7 @@ with its multiplicity (``weights``); a link that only single-link classes use is
 form (capacity / summed load). The work per recomputation is linear in the nonzero loads of the
 distinct classes times the number of distinct rate levels, not flows x links x levels.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,8 +55,14 @@ def max_min_rates(load: np.ndarray, capacity: np.ndarray, weights: np.ndarray | 
     return max_min_sparse(row, col, load[row, col], len(load), cap, weights)
 
 
-def max_min_sparse(row: np.ndarray, col: np.ndarray, val: np.ndarray, n_rows: int, capacity: np.ndarray,
-                   weights: np.ndarray | None = None) -> np.ndarray:
+def max_min_sparse(
+    row: np.ndarray,
+    col: np.ndarray,
+    val: np.ndarray,
+    n_rows: int,
+    capacity: np.ndarray,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
     """:func:`max_min_rates` on the nonzero loads only: ``val[k]`` is row ``row[k]``'s load on link
     ``col[k]`` (each (row, col) pair at most once). Returns float64 (n_rows,) bytes/s."""
     cap = np.asarray(capacity, dtype=np.float64)
@@ -155,8 +162,13 @@ class FlowNetwork:
     Raises ValueError for a capacity <= 0 (naming the link) or a bad bucket.
     """
 
-    def __init__(self, env: simpy.Environment, capacities: dict[str, float], incremental: bool = True,
-                 buckets: dict[str, tuple[float, float]] | None = None):
+    def __init__(
+        self,
+        env: simpy.Environment,
+        capacities: dict[str, float],
+        incremental: bool = True,
+        buckets: dict[str, tuple[float, float]] | None = None,
+    ):
         self.env = env
         self.names = list(capacities)
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -343,8 +355,9 @@ class FlowNetwork:
     def link_use(self, links: np.ndarray) -> np.ndarray:
         """Bytes/s each of ``links`` (indices) carries at the current rates, float64."""
         n = self._n_e
-        use = np.bincount(self._e_link[:n], weights=self._e_wval[:n] * self._crate[self._e_slot[:n]],
-                          minlength=len(self.capacity))
+        use = np.bincount(
+            self._e_link[:n], weights=self._e_wval[:n] * self._crate[self._e_slot[:n]], minlength=len(self.capacity)
+        )
         return use[links]
 
     def _compute_rates(self) -> None:
@@ -456,4 +469,3 @@ class FlowNetwork:
                 done = self._left / self._rates <= _DONE_S
             self._finish(done)
             self._defer()
-

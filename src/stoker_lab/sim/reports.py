@@ -13,6 +13,7 @@ instead of failing deep in the model. All of them raise ValueError with that lin
 - :func:`default_path`: where a default report is looked for (the source checkout, else the
   current directory).
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,15 @@ def _get(obj: dict, dotted: str, path: str, kind: str, where: str = ""):
     return cur
 
 
-def _num(value, name: str, path: str, low: float | None = None, strict: bool = False,
-         integer: bool = False, high: float | None = None) -> float:
+def _num(
+    value,
+    name: str,
+    path: str,
+    low: float | None = None,
+    strict: bool = False,
+    integer: bool = False,
+    high: float | None = None,
+) -> float:
     """``value`` checked: a finite number (an integer with ``integer``) >= ``low`` (> with
     ``strict``) and < ``high``; ValueError naming ``path`` and the field ``name`` otherwise."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -122,6 +130,7 @@ def load_netns(path: str, option: str = "--netns") -> dict:
     a missing file): "PATH: not a `stoker bench cluster --netns` report (missing 'X')" for a
     report of another kind, else what is wrong."""
     from .decide import SETUPS
+
     rep = load_json(path, option)
     n = int(_field(rep, "hosts", path, NETNS, low=1, integer=True))
     links = _get(rep, "links", path, NETNS)
@@ -172,8 +181,9 @@ def _check_run(r, where: str, path: str, hosts: int, jobs: set[str], epochs: int
     if placement not in setups:
         raise ValueError(f"{path}: {where}placement {placement!r} is none of {', '.join(setups)}")
     if job not in jobs:
-        raise ValueError(f"{path}: {where}job {job!r} is none of the config's {len(jobs)} jobs "
-                         f"({', '.join(sorted(jobs))})")
+        raise ValueError(
+            f"{path}: {where}job {job!r} is none of the config's {len(jobs)} jobs ({', '.join(sorted(jobs))})"
+        )
     _field(r, "epoch", path, NETNS, where, low=0, integer=True, high=epochs)
     ranks = int(_field(r, "ranks", path, NETNS, where, low=1, integer=True))
     _field(r, "samples", path, NETNS, where, low=1, integer=True)
@@ -199,6 +209,7 @@ def check_peer_probe(probe, path: str, hosts: int, samples: int, kind: str = "pe
     ``samples_per_rank`` long where the report gives it (the driver reads that many of the samples
     a rank's peers hold, fewer when they hold fewer), some ids read in all; ``rank_seconds`` one
     per rank where present. Raises ValueError "PATH: peer_probe: <what is wrong>"."""
+
     def bad(what: str) -> ValueError:
         return ValueError(f"{path}: {kind}_probe: {what}")
 
@@ -214,15 +225,19 @@ def check_peer_probe(probe, path: str, hosts: int, samples: int, kind: str = "pe
     if not isinstance(rank_hosts, list) or not rank_hosts:
         raise bad(f"rank_hosts must be a list of one host per rank, got {rank_hosts!r}")
     if not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < hosts for h in rank_hosts):
-        raise bad(f"rank_hosts {rank_hosts}: each must be a host in 0..{hosts - 1} (-1: a rank on no "
-                  "recorded host)")
+        raise bad(f"rank_hosts {rank_hosts}: each must be a host in 0..{hosts - 1} (-1: a rank on no recorded host)")
     ranks = len(rank_hosts)
     for key in ("rank_start_s", "rank_seconds"):
         vals = probe.get(key)
         if key not in probe and key == "rank_seconds":
             continue
-        if not isinstance(vals, list) or len(vals) != ranks or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals):
+        if (
+            not isinstance(vals, list)
+            or len(vals) != ranks
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals
+            )
+        ):
             raise bad(f"{key} must be {ranks} numbers >= 0 (one per rank of rank_hosts), got {vals!r}")
     ids = probe["ids"]
     if not isinstance(ids, list) or len(ids) != ranks or not all(isinstance(x, list) for x in ids):

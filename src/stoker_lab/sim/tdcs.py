@@ -7,6 +7,7 @@ without TDCS), ``presence`` (ranks only on nodes with a cache worker of the data
 affinity) and ``colocated`` (stoker's TDCS placement and co-located read plans). Every
 parameter and its source is in :func:`assumptions`; the paper's 2-3x is not an input.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -20,13 +21,15 @@ from .workload import Workload, synthetic
 def assumptions(cfg: TdcsConfig, sources: dict[str, str] | None = None) -> dict:
     """Every parameter with its value and source (``sources`` overrides, e.g. calibrated values)."""
     src = {
-        "nodes": "the TDCS paper's cluster: 16 nodes", "gpus_per_node": "the paper: 8 V100 per node",
+        "nodes": "the TDCS paper's cluster: 16 nodes",
+        "gpus_per_node": "the paper: 8 V100 per node",
         "gpu_rate": "samples/s per GPU: NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README, DGX-1 16GB "
-                    "(8x V100 16GB), mixed precision, 8 GPUs: 8322 img/s / 8",
+        "(8x V100 16GB), mixed precision, 8 GPUs: 8322 img/s / 8",
         "samples": "ImageNet-1k train (ILSVRC-2012; Russakovsky et al., IJCV 2015)",
         "mean_sample_bytes": "ImageNet train mean JPEG size, about 110 KB (the literature's figure)",
         "sample_sigma": "assumption: log-normal spread of sample sizes (changes no total)",
-        "shard_bytes": "assumption: stoker pack shards of 256 MiB", "block_bytes": "stoker's default cache block",
+        "shard_bytes": "assumption: stoker pack shards of 256 MiB",
+        "block_bytes": "stoker's default cache block",
         "store_gbit": "assumption (issue default): a shared 10 Gbit/s remote store",
         "store_latency_ms": "assumption (issue default): 20 ms per request",
         "store_concurrency": "stoker Loader default fetch_concurrency (requests in flight per rank)",
@@ -35,12 +38,14 @@ def assumptions(cfg: TdcsConfig, sources: dict[str, str] | None = None) -> dict:
         "cache_fraction": "cache per node as a fraction of dataset / nodes (1.0: the cluster holds it once)",
         "decode_cores": "assumption: a DGX-1's 40 CPU cores (2x Xeon E5-2698 v4)",
         "decode_rate": "per-core decode + RandomResizedCrop, samples/s: built-in default, per_core.stoker of an "
-                       "earlier stoker bench decode on stoker's development machine",
+        "earlier stoker bench decode on stoker's development machine",
         "peer_latency_ms": "assumption: one request to a peer's cache service on a data-centre network",
         "peer_concurrency": "as store_concurrency",
         "chunk_samples": "model granularity: most samples per chunk (fewer where a rank has under 8 chunks)",
-        "prefetch_bytes": "stoker Loader default prefetch_bytes", "epochs": "epochs simulated",
-        "jobs": "jobs sharing the dataset (GPUs split evenly between them)", "seed": "permutation seed",
+        "prefetch_bytes": "stoker Loader default prefetch_bytes",
+        "epochs": "epochs simulated",
+        "jobs": "jobs sharing the dataset (GPUs split evenly between them)",
+        "seed": "permutation seed",
     }
     src |= sources or {}
     return {k: {"value": v, "source": src.get(k, "")} for k, v in asdict(cfg).items()}
@@ -48,8 +53,15 @@ def assumptions(cfg: TdcsConfig, sources: dict[str, str] | None = None) -> dict:
 
 def workload(cfg: TdcsConfig) -> Workload:
     """The dataset of ``cfg`` (:func:`stoker_lab.sim.workload.synthetic`)."""
-    return synthetic(cfg.samples, int(cfg.samples * cfg.mean_sample_bytes), cfg.shard_bytes, cfg.block_bytes,
-                     cfg.sample_sigma, cfg.seed, name="imagenet")
+    return synthetic(
+        cfg.samples,
+        int(cfg.samples * cfg.mean_sample_bytes),
+        cfg.shard_bytes,
+        cfg.block_bytes,
+        cfg.sample_sigma,
+        cfg.seed,
+        name="imagenet",
+    )
 
 
 def params(cfg: TdcsConfig, setup: str, wl: Workload) -> Params:
@@ -61,27 +73,42 @@ def params(cfg: TdcsConfig, setup: str, wl: Workload) -> Params:
     chunk = min(cfg.chunk_samples, max(16, per_rank // 8))  # at least 8 chunks per rank and epoch
     chunk_bytes = chunk * cfg.mean_sample_bytes
     cache = 0.0 if setup == "direct" else cfg.cache_fraction * float(wl.block_bytes.sum()) / cfg.nodes
-    return Params(nodes=cfg.nodes, cache_bytes=cache, origin_Bps=cfg.store_gbit * 1e9 / 8,
-                  nic_Bps=cfg.nic_gbit * 1e9 / 8, cache_read_Bps=cfg.cache_read_GBps * 1e9,
-                  slots_per_node=cfg.gpus_per_node, gpu_rate=cfg.gpu_rate, decode_cores=cfg.decode_cores,
-                  decode_rate=cfg.decode_rate, origin_latency_s=cfg.store_latency_ms / 1e3,
-                  origin_concurrency=cfg.store_concurrency, peer_latency_s=cfg.peer_latency_ms / 1e3,
-                  peer_concurrency=cfg.peer_concurrency, prefetch_chunks=max(2, int(cfg.prefetch_bytes // chunk_bytes)),
-                  chunk_samples=chunk, seed=cfg.seed)
+    return Params(
+        nodes=cfg.nodes,
+        cache_bytes=cache,
+        origin_Bps=cfg.store_gbit * 1e9 / 8,
+        nic_Bps=cfg.nic_gbit * 1e9 / 8,
+        cache_read_Bps=cfg.cache_read_GBps * 1e9,
+        slots_per_node=cfg.gpus_per_node,
+        gpu_rate=cfg.gpu_rate,
+        decode_cores=cfg.decode_cores,
+        decode_rate=cfg.decode_rate,
+        origin_latency_s=cfg.store_latency_ms / 1e3,
+        origin_concurrency=cfg.store_concurrency,
+        peer_latency_s=cfg.peer_latency_ms / 1e3,
+        peer_concurrency=cfg.peer_concurrency,
+        prefetch_chunks=max(2, int(cfg.prefetch_bytes // chunk_bytes)),
+        chunk_samples=chunk,
+        seed=cfg.seed,
+    )
 
 
 def bottleneck(p: Params, link_bytes: dict, seconds: float, decode_s: float, gpu_util: float | None) -> dict:
     """The busiest resource of an epoch: utilisation (busy / available) of the origin link,
     the busiest NIC direction and cache, the decode cores and the GPUs; ``name`` the highest."""
+
     def most(prefix: str, cap: float) -> float:
         vals = [v for k, v in link_bytes.items() if k.startswith(prefix)]
         return max(vals, default=0.0) / (cap * seconds) if seconds > 0 else 0.0
 
-    util = {"origin link": link_bytes.get("origin", 0.0) / (p.origin_Bps * seconds) if seconds > 0 else 0.0,
-            "NIC receive": most("rx", p.nic_Bps), "NIC send": most("tx", p.nic_Bps),
-            "cache reads": most("disk", p.cache_read_Bps),
-            "decode cores": decode_s / (p.decode_cores * p.nodes * seconds) if p.decode_cores and seconds > 0 else 0.0,
-            "GPUs": gpu_util or 0.0}
+    util = {
+        "origin link": link_bytes.get("origin", 0.0) / (p.origin_Bps * seconds) if seconds > 0 else 0.0,
+        "NIC receive": most("rx", p.nic_Bps),
+        "NIC send": most("tx", p.nic_Bps),
+        "cache reads": most("disk", p.cache_read_Bps),
+        "decode cores": decode_s / (p.decode_cores * p.nodes * seconds) if p.decode_cores and seconds > 0 else 0.0,
+        "GPUs": gpu_util or 0.0,
+    }
     return {"name": max(util, key=lambda k: util[k]), "utilization": util}
 
 
@@ -96,10 +123,21 @@ def run_setup(cfg: TdcsConfig, setup: str, wl: Workload | None = None) -> list[d
     jobs = [Job(f"job{j + 1}", gpus // cfg.jobs, cfg.seed + 1 + j) for j in range(cfg.jobs)]
     rows = []
     for r in simulate(p, wl, setup, jobs, cfg.epochs):
-        rows.append({"setup": setup, "nodes": cfg.nodes, "gpus": gpus, "jobs": cfg.jobs, "job": r.job,
-                     "epoch": r.epoch, "epoch_s": r.seconds, "gpu_utilization": r.gpu_utilization,
-                     "bytes": r.bytes, "cache_fraction": cfg.cache_fraction,
-                     "bottleneck": bottleneck(p, r.link_bytes, r.seconds, r.decode_s, r.gpu_utilization)})
+        rows.append(
+            {
+                "setup": setup,
+                "nodes": cfg.nodes,
+                "gpus": gpus,
+                "jobs": cfg.jobs,
+                "job": r.job,
+                "epoch": r.epoch,
+                "epoch_s": r.seconds,
+                "gpu_utilization": r.gpu_utilization,
+                "bytes": r.bytes,
+                "cache_fraction": cfg.cache_fraction,
+                "bottleneck": bottleneck(p, r.link_bytes, r.seconds, r.decode_s, r.gpu_utilization),
+            }
+        )
     return rows
 
 

@@ -1,5 +1,6 @@
 """The TDCS experiment's parameters (:class:`TdcsConfig`) and their published defaults, kept apart
 from the model so that ``stoker simulate --help`` needs no SimPy (the ``sim`` extra)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

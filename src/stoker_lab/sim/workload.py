@@ -5,6 +5,7 @@ header, the payload padded to 512 bytes, shards closed at ``shard_bytes``) and c
 with :func:`stoker.store.dataset.plan_blocks`, the function the cache uses, so block counts and
 block bytes (what a cache fill fetches) are stoker's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,16 +62,24 @@ class _Index:  # the fields of stoker.store.index.DatasetIndex that plan_blocks 
         return len(self.shard)
 
 
-def synthetic(samples: int, total_bytes: int, shard_bytes: int, block_bytes: int, sigma: float = 0.5,
-              seed: int = 0, name: str = "dataset") -> Workload:
+def synthetic(
+    samples: int,
+    total_bytes: int,
+    shard_bytes: int,
+    block_bytes: int,
+    sigma: float = 0.5,
+    seed: int = 0,
+    name: str = "dataset",
+) -> Workload:
     """A workload of ``samples`` samples with ``total_bytes`` payload bytes in all (sizes
     log-normal with shape ``sigma``, scaled to the exact total; sigma 0 = all equal), packed in
     order into tar shards of about ``shard_bytes`` and cut into blocks of about ``block_bytes``
     by :func:`stoker.store.dataset.plan_blocks`. Raises ValueError for samples < 1 or sizes < 1.
     """
     if samples < 1 or total_bytes < samples or shard_bytes < 1 or block_bytes < 1:
-        raise ValueError(f"bad workload: {samples} samples, {total_bytes} bytes, shard {shard_bytes}, "
-                         f"block {block_bytes}")
+        raise ValueError(
+            f"bad workload: {samples} samples, {total_bytes} bytes, shard {shard_bytes}, block {block_bytes}"
+        )
     rng = np.random.default_rng(seed)
     raw = rng.lognormal(0.0, sigma, samples) if sigma > 0 else np.ones(samples)
     sizes = np.maximum(1, np.floor(raw / raw.sum() * total_bytes)).astype(np.int64)
@@ -83,8 +92,9 @@ def synthetic(samples: int, total_bytes: int, shard_bytes: int, block_bytes: int
     base = np.concatenate([[0], end[:-1]])[first_of_shard]
     offset = np.concatenate([[0], end[:-1]]) - base + TAR_HEADER_BYTES
     blocks = plan_blocks(_Index(shard, offset, offset + sizes), block_bytes)  # type: ignore[arg-type]
-    return Workload(sizes, blocks["sample_block"].astype(np.int64),
-                    (blocks["end"] - blocks["start"]).astype(np.int64), name)
+    return Workload(
+        sizes, blocks["sample_block"].astype(np.int64), (blocks["end"] - blocks["start"]).astype(np.int64), name
+    )
 
 
 def from_dataset(ds, name: str = "dataset") -> Workload:
@@ -93,6 +103,12 @@ def from_dataset(ds, name: str = "dataset") -> Workload:
     (:func:`stoker.cluster.placement.block_keys`), so the model places the blocks exactly as the
     cluster placed them."""
     from stoker.cluster.placement import block_keys
+
     b = np.arange(ds.num_blocks)
-    return Workload(np.asarray(ds.index.length, dtype=np.int64), np.asarray(ds.sample_block, dtype=np.int64),
-                    np.asarray(ds.block_bytes_of(b), dtype=np.int64), name, block_keys(ds))
+    return Workload(
+        np.asarray(ds.index.length, dtype=np.int64),
+        np.asarray(ds.sample_block, dtype=np.int64),
+        np.asarray(ds.block_bytes_of(b), dtype=np.int64),
+        name,
+        block_keys(ds),
+    )

@@ -1,4 +1,5 @@
 """`stoker bench decode` at a tiny size: the report has every field and a skipped peer is recorded."""
+
 from stoker_lab.bench.decode_bench import run
 
 

@@ -1,4 +1,5 @@
 """`stoker bench faults`: the fault proxy injects what it says, and a quick scenario reports honestly."""
+
 from __future__ import annotations
 
 import http.client
@@ -10,14 +11,26 @@ import pytest
 from stoker_lab.bench.faultproxy import Fault, FaultProxy, object_gets
 from stoker_lab.bench.origin import LocalS3Origin
 
-REPORT_FIELDS = {"scenario", "faults_injected", "outcome", "expected", "samples_lost", "samples_duplicated",
-                 "signal_deaths", "leftover_files", "leftover_shm", "overhead_s", "ok"}
+REPORT_FIELDS = {
+    "scenario",
+    "faults_injected",
+    "outcome",
+    "expected",
+    "samples_lost",
+    "samples_duplicated",
+    "signal_deaths",
+    "leftover_files",
+    "leftover_shm",
+    "overhead_s",
+    "ok",
+}
 BODY = bytes(range(256)) * 1200  # 307200 bytes
 
 
 @pytest.fixture(scope="module")
 def origin_proxy():
     import fsspec
+
     with LocalS3Origin(latency_ms=0, bandwidth_MBps=0) as origin:
         fs = fsspec.filesystem("s3", **origin.storage_options(throttled=False), skip_instance_cache=True)
         fs.pipe("stoker/ds/shards/a.tar", BODY)
@@ -92,9 +105,15 @@ def test_proxy_object_gets_hits_whole_object_gets_too(origin_proxy):
     import boto3
     from botocore.config import Config
     from botocore.exceptions import ClientError
-    s3 = boto3.client("s3", endpoint_url=origin_proxy.endpoint_url, aws_access_key_id="testing",
-                      aws_secret_access_key="testing", region_name="us-east-1",
-                      config=Config(retries={"total_max_attempts": 1, "mode": "standard"}))
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=origin_proxy.endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+        config=Config(retries={"total_max_attempts": 1, "mode": "standard"}),
+    )
     origin_proxy.set_fault(Fault("status", 503))
     assert s3.get_object(Bucket="stoker", Key="ds/shards/a.tar")["Body"].read() == BODY
     origin_proxy.set_fault(Fault("status", 503, match=object_gets))
@@ -125,9 +144,17 @@ def test_proxy_stall_ends_when_released(origin_proxy):
 def test_bench_faults_quick_scenario(tmp_path):
     """One loader scenario end to end: a clean run, then resets mid-body that really happen."""
     from stoker_lab.bench.faults import run, table
+
     out = tmp_path / "faults.json"
-    report = run(str(out), quick=True, only=["conn_reset_mid_body"], images=16, ray=False,
-                 workdir=str(tmp_path / "work"), log=lambda msg: None)
+    report = run(
+        str(out),
+        quick=True,
+        only=["conn_reset_mid_body"],
+        images=16,
+        ray=False,
+        workdir=str(tmp_path / "work"),
+        log=lambda msg: None,
+    )
     assert json.loads(out.read_text()) == report
     rows = {r["scenario"]: r for r in report["scenarios"]}
     assert set(rows) == {"clean", "conn_reset_mid_body"}
@@ -145,5 +172,6 @@ def test_bench_faults_quick_scenario(tmp_path):
 
 def test_unknown_scenario_is_refused():
     from stoker_lab.bench.faults import run
+
     with pytest.raises(ValueError, match="no_such_scenario"):
         run(only=["no_such_scenario"])

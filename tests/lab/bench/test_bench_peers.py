@@ -1,6 +1,7 @@
 """`stoker bench peers` at a tiny size: the report's JSON schema, every loader either measured or
 skipped with its reason. Peers that need their own virtual environment run only if it is
 already there (the test never installs one); otherwise they must show up in `skipped`."""
+
 import json
 
 from stoker_lab.bench.peers.bench import LOADERS, PeersConfig, run_peers
@@ -10,9 +11,19 @@ RUN_KEYS = {"loader", "epoch", "samples_per_s", "stall_fraction", "cpu_s_per_100
 
 def test_peers_report_schema(tmp_path):
     out = tmp_path / "peers.json"
-    cfg = PeersConfig(images=24, classes=3, epochs=2, batch_size=8, workers=1, consumer_rate=4000.0,
-                      make_venvs=False, run_timeout_s=600, workdir=str(tmp_path / "work"),
-                      json_path=str(out), plot_path=str(tmp_path / "peers.png"))
+    cfg = PeersConfig(
+        images=24,
+        classes=3,
+        epochs=2,
+        batch_size=8,
+        workers=1,
+        consumer_rate=4000.0,
+        make_venvs=False,
+        run_timeout_s=600,
+        workdir=str(tmp_path / "work"),
+        json_path=str(out),
+        plot_path=str(tmp_path / "peers.png"),
+    )
     r = run_peers(cfg)
     assert json.loads(out.read_text())["runs"] == r["runs"]
     assert (tmp_path / "peers.png").stat().st_size > 0
@@ -39,8 +50,9 @@ def test_peers_report_schema(tmp_path):
 
 def test_missing_peer_environment_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("STOKER_BENCH_VENVS", str(tmp_path / "no-venvs"))
-    r = run_peers(PeersConfig(images=4, classes=2, epochs=1, loaders=("dali",), make_venvs=False,
-                              workdir=str(tmp_path / "work")))
+    r = run_peers(
+        PeersConfig(images=4, classes=2, epochs=1, loaders=("dali",), make_venvs=False, workdir=str(tmp_path / "work"))
+    )
     assert r["runs"] == [] and r["formats"] == []
     (s,) = r["skipped"]
     assert s["loader"] == "dali" and "not present" in s["reason"] and str(tmp_path / "no-venvs") in s["reason"]

@@ -1,4 +1,5 @@
 """``stoker bench io`` at a tiny size: the report has the issue's shape, every figure finite (no speed asserted)."""
+
 import json
 import math
 import os
@@ -14,9 +15,17 @@ from stoker_lab.bench.bytes_only import table as bytes_table
 from stoker_lab.bench.io_bench import IoConfig, run, table
 from stoker_lab.bench.venvs import ready_venv
 
-STAGES = {"origin->memory (obstore)", "origin->memory (s3fs)", "fill checksum pass (in memory)",
-          "memory->cache (disk tier)", "memory->cache (memory tier)", "cache (disk tier)->worker",
-          "cache (memory tier)->worker", "peer cache service->rank", "origin->cache (prefetcher, cold epoch)"}
+STAGES = {
+    "origin->memory (obstore)",
+    "origin->memory (s3fs)",
+    "fill checksum pass (in memory)",
+    "memory->cache (disk tier)",
+    "memory->cache (memory tier)",
+    "cache (disk tier)->worker",
+    "cache (memory tier)->worker",
+    "peer cache service->rank",
+    "origin->cache (prefetcher, cold epoch)",
+}
 
 
 def _positive(x) -> bool:
@@ -24,8 +33,20 @@ def _positive(x) -> bool:
 
 
 def test_io_bench_report(tmp_path):
-    r = run(IoConfig(images=48, classes=3, reps=1, batch_size=16, shard_bytes=1 << 20, block_bytes=256 << 10,
-                     latency_ms=2, bandwidth_MBps=500, workdir=str(tmp_path / "w"), bytes_only_files=0))
+    r = run(
+        IoConfig(
+            images=48,
+            classes=3,
+            reps=1,
+            batch_size=16,
+            shard_bytes=1 << 20,
+            block_bytes=256 << 10,
+            latency_ms=2,
+            bandwidth_MBps=500,
+            workdir=str(tmp_path / "w"),
+            bytes_only_files=0,
+        )
+    )
     assert {s["stage"] for s in r["stages"]} == STAGES
     assert r["machine"]["cores"] >= 1 and r["dataset"]["samples"] == 48 and r["dataset"]["bytes"] > 0
     assert r["origin"]["cold_epoch"] == {"latency_ms": 2, "bandwidth_MBps": 500}
@@ -52,13 +73,20 @@ def test_io_bench_report(tmp_path):
 
 
 def test_io_bench_is_a_bench_subcommand():
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "bench", "io", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "bench", "io", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "--json" in out.stdout and "--reps" in out.stdout and "--dlio" in out.stdout
 
 
-BYTES_KEYS = {"sample_bytes", "stoker_samples_per_s_per_core", "dlio_samples_per_s_per_core", "stoker_cpu_s_per_GB",
-              "dlio_cpu_s_per_GB", "stoker_over_dlio"}
+BYTES_KEYS = {
+    "sample_bytes",
+    "stoker_samples_per_s_per_core",
+    "dlio_samples_per_s_per_core",
+    "stoker_cpu_s_per_GB",
+    "dlio_cpu_s_per_GB",
+    "stoker_over_dlio",
+}
 
 
 def test_bytes_only_files_are_exact_npy(tmp_path):
@@ -74,8 +102,9 @@ def test_bytes_only_files_are_exact_npy(tmp_path):
 
 def test_bytes_only_stoker_half(tmp_path, monkeypatch):
     """stoker's half at a tiny size; DLIO's half off: the report has its shape and says why DLIO is missing."""
-    r = run_bytes_only(BytesOnlyConfig(files=40, sample_bytes=4096, batch_size=16, workers=1, dlio=False,
-                                       workdir=str(tmp_path / "b")))
+    r = run_bytes_only(
+        BytesOnlyConfig(files=40, sample_bytes=4096, batch_size=16, workers=1, dlio=False, workdir=str(tmp_path / "b"))
+    )
     assert r["files"]["count"] == 32 and r["files"]["sample_bytes"] == 4096  # whole batches only
     assert "CPU-second" in r["per_core_definition"] and r["exception"] == "DLIO not run (--no-dlio)"
     assert r["dlio_version"] is None
@@ -96,18 +125,37 @@ def test_bytes_only_stoker_half(tmp_path, monkeypatch):
 
 def test_bytes_only_dlio_missing_venv_is_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("STOKER_BENCH_VENVS", str(tmp_path / "no-venvs"))
-    r = run_bytes_only(BytesOnlyConfig(files=16, sample_bytes=2048, batch_size=16, workers=1, epochs=2,
-                                       make_venv=False, workdir=str(tmp_path / "b")))
+    r = run_bytes_only(
+        BytesOnlyConfig(
+            files=16,
+            sample_bytes=2048,
+            batch_size=16,
+            workers=1,
+            epochs=2,
+            make_venv=False,
+            workdir=str(tmp_path / "b"),
+        )
+    )
     assert "not present" in r["exception"] and str(tmp_path / "no-venvs") in r["exception"]
     assert r["local"]["dlio_samples_per_s_per_core"] is None and _positive(r["local"]["stoker_samples_per_s"])
 
 
-@pytest.mark.skipif(ready_venv("dlio") is None,
-                    reason="DLIO's virtual environment is not made (stoker bench io --dlio makes it; "
-                           "tests do not install it)")
+@pytest.mark.skipif(
+    ready_venv("dlio") is None,
+    reason="DLIO's virtual environment is not made (stoker bench io --dlio makes it; tests do not install it)",
+)
 def test_bytes_only_with_dlio(tmp_path):
-    r = run_bytes_only(BytesOnlyConfig(files=64, sample_bytes=8192, batch_size=16, workers=1, epochs=2,
-                                       make_venv=False, workdir=str(tmp_path / "b")))
+    r = run_bytes_only(
+        BytesOnlyConfig(
+            files=64,
+            sample_bytes=8192,
+            batch_size=16,
+            workers=1,
+            epochs=2,
+            make_venv=False,
+            workdir=str(tmp_path / "b"),
+        )
+    )
     assert r["exception"] is None, r["exception"]
     assert r["dlio_version"] == "2.0.0" and "dlio_benchmark.main" in r["dlio"]["command"]
     assert [e["samples"] for e in r["epochs"]["dlio"]] == [64, 64]
@@ -119,6 +167,7 @@ def test_bytes_only_with_dlio(tmp_path):
 def test_venv_marker_records_the_no_deps_packages(tmp_path):
     """An environment counts as made only for the same requirements and the same --no-deps packages."""
     from stoker_lab.bench.venvs import PEER_NO_DEPS, PEER_REQUIREMENTS
+
     root = tmp_path / "dlio"
     (root / "bin").mkdir(parents=True)
     (root / "bin" / "python").write_text("")

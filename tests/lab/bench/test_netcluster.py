@@ -4,6 +4,7 @@ byte counters, tear-down (on exit, error, Ctrl-C, and of stale namespaces from a
 Tests that make namespaces need CAP_NET_ADMIN and skip without it, with the reason; under
 ``$CI`` a machine that has the capability but cannot run them fails instead of skipping.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ def _fake_status(tmp_path, monkeypatch, cap_eff: int):
 
 
 def test_refuses_at_once_without_cap_net_admin(tmp_path, monkeypatch):
-    _fake_status(tmp_path, monkeypatch, 0x1fffeffefff)  # every capability but bit 12
+    _fake_status(tmp_path, monkeypatch, 0x1FFFEFFEFFF)  # every capability but bit 12
     before = list_namespaces() if os.geteuid() == 0 else []
     with pytest.raises(NetnsUnavailable, match="CAP_NET_ADMIN") as err:
         NetCluster().start()
@@ -75,6 +76,7 @@ def test_refuses_at_once_without_cap_net_admin(tmp_path, monkeypatch):
 
 def test_cli_says_why_in_one_line(tmp_path, monkeypatch, capsys):
     from stoker.cli import main
+
     _fake_status(tmp_path, monkeypatch, 0)
     rc = main(["bench", "cluster", "--netns", "--workdir", str(tmp_path / "w")])
     err = capsys.readouterr().err.strip()
@@ -94,8 +96,11 @@ def test_sizes_are_checked():
 def test_kernel_delta_splits_origin_and_host_to_host_bytes():
     before = {n: {"rx_bytes": 100, "tx_bytes": 100} for n in ("h0", "h1", "origin")}
     # the origin sent 1000 bytes to h0; h0 sent 300 bytes to h1
-    after = {"origin": {"rx_bytes": 100, "tx_bytes": 1100}, "h0": {"rx_bytes": 1100, "tx_bytes": 400},
-             "h1": {"rx_bytes": 400, "tx_bytes": 100}}
+    after = {
+        "origin": {"rx_bytes": 100, "tx_bytes": 1100},
+        "h0": {"rx_bytes": 1100, "tx_bytes": 400},
+        "h1": {"rx_bytes": 400, "tx_bytes": 100},
+    }
     d = kernel_delta(before, after)
     assert d["origin_link_bytes"] == 1000
     assert d["host_link_bytes"] == 300
@@ -104,13 +109,26 @@ def test_kernel_delta_splits_origin_and_host_to_host_bytes():
 
 def test_summary_reports_agreement_and_placement_ratios():
     def row(p, e, korigin, khost, sorigin, speer):
-        return {"placement": p, "job": "job1", "epoch": e, "samples_per_s": 10.0, "exactly_once": True,
-                "kernel": {"origin_link_bytes": korigin, "host_link_bytes": khost},
-                "stoker": {"local_bytes": 0, "peer_bytes": speer, "origin_bytes": sorigin}}
+        return {
+            "placement": p,
+            "job": "job1",
+            "epoch": e,
+            "samples_per_s": 10.0,
+            "exactly_once": True,
+            "kernel": {"origin_link_bytes": korigin, "host_link_bytes": khost},
+            "stoker": {"local_bytes": 0, "peer_bytes": speer, "origin_bytes": sorigin},
+        }
+
     mb = 1 << 20
-    report = {"dataset": {"bytes": 100 * mb}, "runs": [
-        row("random", 0, 105 * mb, 50 * mb, 100 * mb, 48 * mb), row("random", 1, 0, 40 * mb, 0, 38 * mb),
-        row("colocated", 0, 104 * mb, 5 * mb, 100 * mb, 4 * mb), row("colocated", 1, mb // 2, 2 * mb, 0, 0)]}
+    report = {
+        "dataset": {"bytes": 100 * mb},
+        "runs": [
+            row("random", 0, 105 * mb, 50 * mb, 100 * mb, 48 * mb),
+            row("random", 1, 0, 40 * mb, 0, 38 * mb),
+            row("colocated", 0, 104 * mb, 5 * mb, 100 * mb, 4 * mb),
+            row("colocated", 1, mb // 2, 2 * mb, 0, 0),
+        ],
+    }
     s = summary(report)
     assert report["runs"][0]["agreement"]["origin_excess_pct"] == pytest.approx(5.0)
     assert report["runs"][3]["agreement"]["origin_excess_pct"] is None  # stoker counted under 1 MiB
@@ -123,18 +141,27 @@ def test_summary_allows_each_placement_its_own_measured_control_bytes():
     """A job that starts a placement's ranks and services sends Ray and index traffic that is not
     data; the allowance for it is the placement's own probe (a job of that placement that read
     nothing), measured, also when no ``direct`` rows exist to estimate it from (a faults-only run)."""
+
     def row(e, khost, speer, korigin, sorigin):
-        return {"placement": "colocated", "job": "job1", "epoch": e, "samples_per_s": 10.0, "exactly_once": True,
-                "kernel": {"origin_link_bytes": korigin, "host_link_bytes": khost},
-                "stoker": {"local_bytes": 0, "peer_bytes": speer, "origin_bytes": sorigin}}
+        return {
+            "placement": "colocated",
+            "job": "job1",
+            "epoch": e,
+            "samples_per_s": 10.0,
+            "exactly_once": True,
+            "kernel": {"origin_link_bytes": korigin, "host_link_bytes": khost},
+            "stoker": {"local_bytes": 0, "peer_bytes": speer, "origin_bytes": sorigin},
+        }
 
     def report(probe_host_bytes):
         # figures of a real 3-host run: the cold epoch's host links carry 300 kB more than its
         # peer bytes plus headers, over the 5% allowance (180 kB)
-        return {"dataset": {"bytes": 58_271_312},
-                "runs": [row(0, 4_050_891, 3_587_112, 59_337_008, 59_002_544),
-                         row(1, 3_751_082, 3_565_449, 114_650, 0)],
-                "control": {"colocated": {"host_link_bytes": probe_host_bytes, "origin_link_bytes": 120_000}}}
+        return {
+            "dataset": {"bytes": 58_271_312},
+            "runs": [row(0, 4_050_891, 3_587_112, 59_337_008, 59_002_544), row(1, 3_751_082, 3_565_449, 114_650, 0)],
+            "control": {"colocated": {"host_link_bytes": probe_host_bytes, "origin_link_bytes": 120_000}},
+        }
+
     s = summary(report(probe_host_bytes=320_000))
     assert s["all_agree"]
     assert s["control_bytes"] == {"colocated": {"host": 320_000, "origin": 120_000}}
@@ -150,20 +177,31 @@ def test_links_shaped_and_counted_by_the_kernel():
     with NetCluster(hosts=2, host_mbit=300, origin_mbit=150) as net:
         names = set(list_namespaces())
         assert {*net.host_ns, net.origin_ns} <= names
-        qd = subprocess.run(["tc", "-n", net.origin_ns, "qdisc", "show", "dev", "eth0"], capture_output=True,
-                            text=True).stdout
+        qd = subprocess.run(
+            ["tc", "-n", net.origin_ns, "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "tbf" in qd and "150Mbit" in qd
         server = subprocess.Popen(
-            [*net.exec_prefix(net.origin_ns), sys.executable, "-c",
-             f"import socket\ns = socket.create_server(({net.origin_ip!r}, 9000))\nc, _ = s.accept()\nn = 0\n"
-             "while (b := c.recv(1 << 16)):\n    n += len(b)\nprint(n)"],
-            stdout=subprocess.PIPE, text=True)
+            [
+                *net.exec_prefix(net.origin_ns),
+                sys.executable,
+                "-c",
+                f"import socket\ns = socket.create_server(({net.origin_ip!r}, 9000))\nc, _ = s.accept()\nn = 0\n"
+                "while (b := c.recv(1 << 16)):\n    n += len(b)\nprint(n)",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         before = net.counters()
         sent = 2_000_000
-        client = [*net.exec_prefix(net.host_ns[0]), sys.executable, "-c",
-                  "import socket, time\nfor _ in range(100):\n    try:\n"
-                  f"        c = socket.create_connection(({net.origin_ip!r}, 9000)); break\n"
-                  f"    except OSError: time.sleep(0.05)\nc.sendall(bytes({sent})); c.close()"]
+        client = [
+            *net.exec_prefix(net.host_ns[0]),
+            sys.executable,
+            "-c",
+            "import socket, time\nfor _ in range(100):\n    try:\n"
+            f"        c = socket.create_connection(({net.origin_ip!r}, 9000)); break\n"
+            f"    except OSError: time.sleep(0.05)\nc.sendall(bytes({sent})); c.close()",
+        ]
         subprocess.run(client, check=True, timeout=60)
         assert int(server.communicate(timeout=60)[0]) == sent
         d = kernel_delta(before, net.counters())
@@ -208,10 +246,25 @@ def test_stale_namespaces_of_a_killed_run_are_removed():
 
 def test_cluster_counts_put_each_byte_on_the_link_it_crossed():
     from stoker_lab.bench.netcluster_driver import cluster_counts
-    recs = [{"local_bytes": 10, "peer_bytes": 5, "origin_bytes": 7, "peer_origin_bytes": 3,
-             "received_origin_bytes": 4, "received_peer_bytes": 8},
-            {"local_bytes": 1, "peer_bytes": 0, "origin_bytes": 0, "peer_origin_bytes": 0,
-             "received_origin_bytes": 0, "received_peer_bytes": 0}]
+
+    recs = [
+        {
+            "local_bytes": 10,
+            "peer_bytes": 5,
+            "origin_bytes": 7,
+            "peer_origin_bytes": 3,
+            "received_origin_bytes": 4,
+            "received_peer_bytes": 8,
+        },
+        {
+            "local_bytes": 1,
+            "peer_bytes": 0,
+            "origin_bytes": 0,
+            "peer_origin_bytes": 0,
+            "received_origin_bytes": 0,
+            "received_peer_bytes": 0,
+        },
+    ]
     # rank 0 read 4 bytes from the origin itself and got 3 from a peer that fetched them; the
     # services fetched whole blocks: 100 bytes
     out = cluster_counts(recs, service_origin_bytes=100)
@@ -222,11 +275,15 @@ def test_cluster_counts_put_each_byte_on_the_link_it_crossed():
 
 def test_rows_check_exactly_once_over_the_job_ranks():
     from stoker_lab.bench.netcluster_driver import _row
+
     k = {"origin_link_bytes": 0, "host_link_bytes": 0}
 
     def recs(*plans):
-        return [{"ids": p, "samples": len(p), "seconds": 1.0, "local_bytes": 0, "peer_bytes": 0, "origin_bytes": 0}
-                for p in plans]
+        return [
+            {"ids": p, "samples": len(p), "seconds": 1.0, "local_bytes": 0, "peer_bytes": 0, "origin_bytes": 0}
+            for p in plans
+        ]
+
     assert _row("direct", "job1", 0, recs([0, 2], [1, 3]), 4, k, 0)["exactly_once"]
     assert not _row("direct", "job1", 0, recs([0, 2], [2, 3]), 4, k, 0)["exactly_once"]  # 1 missing, 2 twice
     assert not _row("direct", "job1", 0, recs([0, 2], [1]), 4, k, 0)["exactly_once"]
@@ -235,11 +292,28 @@ def test_rows_check_exactly_once_over_the_job_ranks():
 def test_rows_keep_each_ranks_host_seconds_and_start():
     # what a model needs to take the measured placement and start-up skew
     from stoker_lab.bench.netcluster_driver import _row
+
     k = {"origin_link_bytes": 0, "host_link_bytes": 0}
-    recs = [{"ids": [0], "samples": 1, "seconds": 2.0, "started_at": 100.25, "local_bytes": 0, "peer_bytes": 0,
-             "origin_bytes": 0},
-            {"ids": [1], "samples": 1, "seconds": 1.5, "started_at": 100.0, "local_bytes": 0, "peer_bytes": 0,
-             "origin_bytes": 0}]
+    recs = [
+        {
+            "ids": [0],
+            "samples": 1,
+            "seconds": 2.0,
+            "started_at": 100.25,
+            "local_bytes": 0,
+            "peer_bytes": 0,
+            "origin_bytes": 0,
+        },
+        {
+            "ids": [1],
+            "samples": 1,
+            "seconds": 1.5,
+            "started_at": 100.0,
+            "local_bytes": 0,
+            "peer_bytes": 0,
+            "origin_bytes": 0,
+        },
+    ]
     row = _row("random", "job1", 1, recs, 2, k, 0, rank_hosts=[2, 0])
     assert row["rank_hosts"] == [2, 0] and row["rank_seconds"] == [2.0, 1.5]
     assert row["rank_start_s"] == [0.25, 0.0] and row["seconds"] == 2.0
@@ -254,6 +328,7 @@ def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path)
     import threading
 
     from stoker_lab.bench.netcluster_faults import FaultHandler, request
+
     _need_netns()
     with NetCluster(hosts=2) as net:
         proc = _sleeper(net, net.host_ns[1])
@@ -264,6 +339,7 @@ def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path)
             while not stop.is_set():
                 handler.poll()
                 time.sleep(0.02)
+
         t = threading.Thread(target=serve, daemon=True)
         t.start()
         try:
@@ -274,8 +350,9 @@ def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path)
             assert net.host_ns[1] in list_namespaces()
 
             def state():
-                out = subprocess.run(["ip", "-n", net.switch_ns, "-o", "link", "show", "h1"], capture_output=True,
-                                     text=True).stdout
+                out = subprocess.run(
+                    ["ip", "-n", net.switch_ns, "-o", "link", "show", "h1"], capture_output=True, text=True
+                ).stdout
                 return "state UP" in out or ",UP" in out
 
             request(str(tmp_path / "req"), "link_down", 1, timeout_s=30, seconds=0.5)
@@ -340,6 +417,7 @@ def test_a_rank_whose_host_dies_ends_the_job_on_the_namespace_cluster(packed_loc
     cache service, its rank): ``stoker.cluster.run`` in the driver on host 0 raises promptly,
     naming that rank, and the rank on host 0 is cancelled (its steps stop). Namespaces removed."""
     from stoker_lab.bench.netcluster_ray import NetRay
+
     _need_netns()
     drv = tmp_path / "driver"
     drv.mkdir()
@@ -359,8 +437,16 @@ def test_a_rank_whose_host_dies_ends_the_job_on_the_namespace_cluster(packed_loc
             if not killed and all((out / f"steps{r}").exists() for r in (0, 1)):
                 killed["t"] = time.time()
                 killed["n"] = net.kill_host(1)
-        procs.driver("rank_host_dies", procs.address, packed_local, str(out), str(result), timeout_s=300,
-                     poll=kill_host_1_once_both_run)
+
+        procs.driver(
+            "rank_host_dies",
+            procs.address,
+            packed_local,
+            str(out),
+            str(result),
+            timeout_s=300,
+            poll=kill_host_1_once_both_run,
+        )
     assert not set(made) & set(list_namespaces())
     got = json.loads(result.read_text())
     assert killed["n"] >= 1
@@ -389,6 +475,7 @@ def test_ray_nodes_start_together_with_a_fast_health_check(tmp_path, monkeypatch
     """The worker nodes' ``ray start`` run at the same time (all launched before any is waited
     for), every one with the health-check settings that find a killed host dead in seconds."""
     from stoker_lab.bench import netcluster_ray
+
     events = []
 
     class FakeProc:
@@ -404,8 +491,14 @@ def test_ray_nodes_start_together_with_a_fast_health_check(tmp_path, monkeypatch
 
     monkeypatch.setattr(netcluster_ray.subprocess, "Popen", FakeProc)
     netcluster_ray.NetRay(_FakeNet(), str(tmp_path)).start_ray()
-    assert [(e, h) for e, h, _ in events] == [("start", "ns-h0"), ("wait", "ns-h0"), ("start", "ns-h1"),
-                                              ("start", "ns-h2"), ("wait", "ns-h1"), ("wait", "ns-h2")]
+    assert [(e, h) for e, h, _ in events] == [
+        ("start", "ns-h0"),
+        ("wait", "ns-h0"),
+        ("start", "ns-h1"),
+        ("start", "ns-h2"),
+        ("wait", "ns-h1"),
+        ("wait", "ns-h2"),
+    ]
     for _, _, env in (e for e in events if e[0] == "start"):
         assert {k: env[k] for k in netcluster_ray.HEALTH_CHECK_ENV} == netcluster_ray.HEALTH_CHECK_ENV
     period_ms = int(netcluster_ray.HEALTH_CHECK_ENV["RAY_health_check_period_ms"])
@@ -418,6 +511,7 @@ def test_ray_nodes_start_together_with_a_fast_health_check(tmp_path, monkeypatch
 def test_a_ray_node_that_fails_to_start_is_named_with_its_log(tmp_path):
     """A ``ray start`` that exits non-zero or runs past its timeout names its namespace and why."""
     from stoker_lab.bench.netcluster_ray import NetRay
+
     procs = NetRay(_FakeNet(), str(tmp_path), start_timeout_s=0.5)
     (tmp_path / "ray-h2.log").write_text("raylet: cannot bind\n")
     with pytest.raises(RuntimeError, match=r"ns-h2 exited with code 3:\nraylet: cannot bind"):
@@ -430,6 +524,7 @@ def test_machine_cpu_counts_busy_ticks_only(tmp_path):
     import os
 
     from stoker_lab.bench.netcluster import machine_cpu_s
+
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal
     stat.write_text("cpu  100 20 30 5000 700 4 6 10 0 0\ncpu0 1 1 1 1 1 1 1 1 0 0\n")

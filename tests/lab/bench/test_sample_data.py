@@ -1,4 +1,5 @@
 """The offline sample ImageNet-style tree made from bundled photographs."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The start gate of the namespace benchmark's ranks (``stoker_lab.bench.start_gate``), without Ray."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ def test_no_caller_passes_before_the_last_arrives_and_keys_are_separate():
         assert all(abs(t - last) < 1.0 for t in released)
         late = await asyncio.wait_for(gate.wait("job/0", 3), 1.0)  # an open gate stays open for its key
         return late
+
     assert asyncio.run(scenario()) > 0
 
 

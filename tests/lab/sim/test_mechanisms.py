@@ -1,6 +1,7 @@
 """The model's mechanisms for the measured runs, on tiny cases with closed-form answers: token
 buckets (the namespace links' tbf), fetching's CPU on the decode cores (the demo's one machine),
 the measured cluster's own block and node names and host order, and the repeats summary."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -62,8 +63,12 @@ def test_bad_buckets_are_refused():
 
 
 def _tiny(samples=64, per_block=8, size=1000) -> Workload:
-    return Workload(np.full(samples, size, dtype=np.int64), np.arange(samples, dtype=np.int64) // per_block,
-                    np.full(samples // per_block, size * per_block, dtype=np.int64), "tiny")
+    return Workload(
+        np.full(samples, size, dtype=np.int64),
+        np.arange(samples, dtype=np.int64) // per_block,
+        np.full(samples // per_block, size * per_block, dtype=np.int64),
+        "tiny",
+    )
 
 
 def test_fetching_takes_its_cpu_from_the_decode_cores():
@@ -71,8 +76,16 @@ def test_fetching_takes_its_cpu_from_the_decode_cores():
     # costs 1e-6 CPU seconds on the same cores: the cores are never idle, so the epoch takes
     # (decode work + fetch work) / capacity, in samples: (64 + 64,000 B x 1e-6 s x 100) / 200
     wl = _tiny()
-    base = dict(nodes=1, cache_bytes=1e9, origin_Bps=1e12, decode_cores=2, decode_rate=100.0, chunk_samples=8,
-                origin_concurrency=8, prefetch_chunks=8)
+    base = dict(
+        nodes=1,
+        cache_bytes=1e9,
+        origin_Bps=1e12,
+        decode_cores=2,
+        decode_rate=100.0,
+        chunk_samples=8,
+        origin_concurrency=8,
+        prefetch_chunks=8,
+    )
     plain = simulate(Params(**base), wl, "direct", [Job("j", 1)], 1)[0]
     costly = simulate(Params(**base, fetch_cpu_s_per_byte=1e-6), wl, "direct", [Job("j", 1)], 1)[0]
     assert plain.seconds == pytest.approx(64 / 200)
@@ -83,10 +96,23 @@ def test_demo_fetch_cpu_comes_from_the_other_consumer_rates_runs():
     from stoker_lab.sim.calibrate import demo_fetch_cpu
 
     def run(rate, epoch, origin, prefetch, emulator):
-        return {"loader": "stoker", "consumer_rate": rate, "epoch": epoch, "origin_bytes": origin,
-                "cpu_s": {"main": 0.1, "workers": 6.0, "prefetch": prefetch, "origin_emulator": emulator}}
-    demo = {"machine": {"cores": 2}, "runs": [run(0.0, 0, 1000, 2.0, 1.0), run(0.0, 1, 0, 0.1, 0.0),
-                                               run(800.0, 0, 1000, 5.0, 5.0), run(800.0, 1, 0, 0.0, 0.0)]}
+        return {
+            "loader": "stoker",
+            "consumer_rate": rate,
+            "epoch": epoch,
+            "origin_bytes": origin,
+            "cpu_s": {"main": 0.1, "workers": 6.0, "prefetch": prefetch, "origin_emulator": emulator},
+        }
+
+    demo = {
+        "machine": {"cores": 2},
+        "runs": [
+            run(0.0, 0, 1000, 2.0, 1.0),
+            run(0.0, 1, 0, 0.1, 0.0),
+            run(800.0, 0, 1000, 5.0, 5.0),
+            run(800.0, 1, 0, 0.0, 0.0),
+        ],
+    }
     assert demo_fetch_cpu(demo, "demo.json", 0.0).value == pytest.approx(10.0 / 1000)  # the 800 run's
     assert demo_fetch_cpu(demo, "demo.json", 800.0).value == pytest.approx((3.0 - 0.1) / 1000)  # the 0 run's
     assert demo_fetch_cpu({"machine": {"cores": 2}, "runs": []}, "demo.json", 0.0).value == 0.0
@@ -97,9 +123,11 @@ def test_the_model_places_blocks_by_the_keys_it_is_given():
     # those names, and renaming a node moves blocks
     from stoker.cluster.placement import bounded_owners
     from stoker_lab.sim.decide import ClusterState, place_job
+
     keys = [f"v1/000000-{b}" for b in range(40)]
-    wl = Workload(np.full(40, 1000, dtype=np.int64), np.arange(40, dtype=np.int64), np.full(40, 1000, dtype=np.int64),
-                  "d", keys)
+    wl = Workload(
+        np.full(40, 1000, dtype=np.int64), np.arange(40, dtype=np.int64), np.full(40, 1000, dtype=np.int64), "d", keys
+    )
     nodes = ["node-run1-h0-0", "node-run1-h1-0", "node-run1-h2-0"]
     budgets = np.full(3, 1e9)
 
@@ -115,15 +143,19 @@ def test_the_model_places_blocks_by_the_keys_it_is_given():
 
 
 def _report(n=3):
-    return {"hosts": n, "links": {f"h{i}": {"ns": f"stoknc1-h{i}", "mbit": 400.0} for i in range(n)}
-            | {"origin": {"ns": "stoknc1-origin", "mbit": 200.0}},
-            "config": {"jobs": 2, "ranks_per_job": n, "epochs": 3, "cache_bytes_per_node": 1 << 30},
-            "runs": []}
+    return {
+        "hosts": n,
+        "links": {f"h{i}": {"ns": f"stoknc1-h{i}", "mbit": 400.0} for i in range(n)}
+        | {"origin": {"ns": "stoknc1-origin", "mbit": 200.0}},
+        "config": {"jobs": 2, "ranks_per_job": n, "epochs": 3, "cache_bytes_per_node": 1 << 30},
+        "runs": [],
+    }
 
 
 def test_node_keys_are_the_keys_the_cache_services_claim(tmp_path):
     from stoker.cluster.identity import claim_cache_dir
     from stoker_lab.sim.measured import netns_node_keys
+
     rep = _report()
     claim = claim_cache_dir(str(tmp_path), host="stoknc1-h1")
     try:
@@ -137,12 +169,16 @@ def test_host_order_is_read_off_the_kernel_counters():
     # order (and that does not record each rank's host): the order is found again
     from stoker_lab.sim.calibrate import netns_jobs
     from stoker_lab.sim.measured import _random_received, host_order, netns_node_keys
+
     wl = _tiny(samples=96, per_block=4)
     wl.keys = [f"v/{b}" for b in range(wl.num_blocks)]
     rep = _report()
     keys, truth = netns_node_keys(rep), [2, 0, 1]  # model node i is host truth[i]
-    rows = [{"placement": "random", "job": j.name, "epoch": e, "stoker": {"origin_bytes": 0}}
-            for e in (1, 2) for j in netns_jobs(rep)]
+    rows = [
+        {"placement": "random", "job": j.name, "epoch": e, "stoker": {"origin_bytes": 0}}
+        for e in (1, 2)
+        for j in netns_jobs(rep)
+    ]
     per_node = _random_received(rep, wl, [keys[h] for h in truth], rows, netns_jobs(rep))
     for row, got in zip(rows, per_node, strict=True):
         row["kernel"] = {"links": {f"h{truth[i]}": {"rx_bytes": float(got[i]) * 1.04 + 5e3} for i in range(3)}}
@@ -155,10 +191,23 @@ def test_repeats_say_when_no_single_time_fits_every_repeat():
     from stoker_lab.sim.validate import repeats
 
     def row(job, epoch, meas, pred):
-        return {"config": "c", "placement": "random", "job": job, "epoch": epoch, "measured_s": meas,
-                "predicted_s": pred, "measured_bytes": {"origin": 0, "host_to_host": 1}}
-    rows = [row("job1", 1, 1.74, 1.95), row("job1", 2, 2.44, 1.96), row("job2", 1, 2.8, 3.0),
-            row("job2", 2, 3.0, 3.0), row("job3", 1, 3.0, 3.0)]
+        return {
+            "config": "c",
+            "placement": "random",
+            "job": job,
+            "epoch": epoch,
+            "measured_s": meas,
+            "predicted_s": pred,
+            "measured_bytes": {"origin": 0, "host_to_host": 1},
+        }
+
+    rows = [
+        row("job1", 1, 1.74, 1.95),
+        row("job1", 2, 2.44, 1.96),
+        row("job2", 1, 2.8, 3.0),
+        row("job2", 2, 3.0, 3.0),
+        row("job3", 1, 3.0, 3.0),
+    ]
     got = {g["job"]: g for g in repeats(rows)}
     assert set(got) == {"job1", "job2"}  # job3 has one warm epoch: no repeat
     assert got["job1"]["measured_spread"] == pytest.approx(2.44 / 1.74)

@@ -1,6 +1,7 @@
 """A run's own peer probe and control job in the model (``stoker_lab.sim.calibrate``): explicit plans
 read exactly their samples, the control job (the placement's first) settles the dataset's
 members, and the peer CPU a probe was made with is found again from the probe alone."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,15 +14,24 @@ BYTES = 1000
 
 
 def _samples(n=36, per_block=3) -> Workload:
-    return Workload(np.full(n, BYTES, dtype=np.int64), np.arange(n, dtype=np.int64) // per_block,
-                    np.full(n // per_block, BYTES * per_block, dtype=np.int64), "probe")
+    return Workload(
+        np.full(n, BYTES, dtype=np.int64),
+        np.arange(n, dtype=np.int64) // per_block,
+        np.full(n // per_block, BYTES * per_block, dtype=np.int64),
+        "probe",
+    )
 
 
 def _report(n=3, control_hosts=None, probe=None) -> dict:
-    rep = {"hosts": n, "machine": {"cores": 1},
-           "links": {f"h{i}": {"ns": f"stoknc1-h{i}", "mbit": 400.0} for i in range(n)}
-           | {"origin": {"ns": "stoknc1-origin", "mbit": 200.0}}, "origin": {"latency_ms": 0.0},
-           "config": {"jobs": 2, "ranks_per_job": 3, "epochs": 3, "cache_bytes_per_node": 1 << 30}, "runs": []}
+    rep = {
+        "hosts": n,
+        "machine": {"cores": 1},
+        "links": {f"h{i}": {"ns": f"stoknc1-h{i}", "mbit": 400.0} for i in range(n)}
+        | {"origin": {"ns": "stoknc1-origin", "mbit": 200.0}},
+        "origin": {"latency_ms": 0.0},
+        "config": {"jobs": 2, "ranks_per_job": 3, "epochs": 3, "cache_bytes_per_node": 1 << 30},
+        "runs": [],
+    }
     if control_hosts is not None:
         rep["control"] = {"random": {"rank_hosts": control_hosts}, "direct": {"rank_hosts": [0, 1, 2]}}
     if probe is not None:
@@ -31,6 +41,7 @@ def _report(n=3, control_hosts=None, probe=None) -> dict:
 
 def _setup(ranks):
     from stoker_lab.sim.calibrate import NetnsSetup
+
     return NetnsSetup(_samples(), ["node-h0-0", "node-h1-0", "node-h2-0"], {}, 0.0, ranks, {}, [0, 1, 2])
 
 
@@ -46,6 +57,7 @@ def test_a_job_with_explicit_plans_reads_exactly_them():
 
 def test_the_control_job_settles_the_members_as_it_did_in_the_run():
     from stoker_lab.sim.calibrate import netns_params
+
     ranks = {("random", "job1"): [2, 2, 2], ("random", "job2"): [2, 2, 2]}
     p = netns_params(_report(), 1e-5)
     wl = _samples()
@@ -65,14 +77,21 @@ def test_the_control_job_settles_the_members_as_it_did_in_the_run():
 
 def test_the_peer_cpu_a_probe_was_made_with_is_found_from_the_probe_alone():
     from stoker_lab.sim.calibrate import fit_probe_cpu, netns_params, probe_job
+
     ranks = {("random", "job1"): [0, 1, 2], ("random", "job2"): [0, 1, 2]}
     setup = _setup(ranks)
     wl = _samples()
     ids = [[3, 4, 5, 6, 7, 8], [0, 1, 2, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
     probe = {"rank_hosts": [0, 1, 2], "rank_start_s": [0.0, 0.0, 0.0], "ids": ids}
     rep = _report(probe=dict(probe, seconds=1.0))
-    made = simulate(netns_params(rep, 1e-5, 0.004, 1.0, setup.node_keys), wl, "random",
-                    setup.jobs(rep, "random") + [probe_job(rep, "r.json", setup.order)], 1, together=False)
+    made = simulate(
+        netns_params(rep, 1e-5, 0.004, 1.0, setup.node_keys),
+        wl,
+        "random",
+        setup.jobs(rep, "random") + [probe_job(rep, "r.json", setup.order)],
+        1,
+        together=False,
+    )
     rep["peer_probe"]["seconds"] = made[-1].seconds
     assert made[-1].bytes["host_to_host"] > 0
     got = fit_probe_cpu(rep, "r.json", 1e-5, 1.0, setup)
@@ -89,6 +108,7 @@ def test_epoch_cpu_splits_the_machine_seconds_among_ranks_services_and_the_rest(
 
     def mark(machine, proc, at):
         return {"machine_cpu_s": machine, "process_cpu_s": proc, "at": at}
+
     marks = [(mark(100.0, 1.0, 10.0), mark(103.0, 2.0, 12.0)), (mark(100.5, 5.0, 10.5), mark(104.0, 5.5, 11.0))]
     got = epoch_cpu(marks, services_cpu_s=1.0, cores=2)
     assert got["window_s"] == pytest.approx(2.0) and got["machine_s"] == pytest.approx(4.0)
@@ -101,6 +121,7 @@ def test_a_lone_rank_requests_on_one_core_at_a_time():
     # 36 peer requests of 10 ms CPU each by one rank, on a 2-core machine: one request at a time
     # runs on one core (0.36 s), not on both (0.18 s); two ranks together use both cores
     from stoker_lab.sim.calibrate import netns_params
+
     ranks = {("random", "job1"): [2, 2, 2], ("random", "job2"): [2, 2, 2]}
     rep = _report(control_hosts=[0, 0, 1])
     rep["machine"]["cores"] = 2
@@ -123,6 +144,7 @@ def test_the_local_read_cpu_a_local_probe_was_made_with_is_found_from_it():
     # cluster-mode local read, and the fit finds 2 ms again from the probe's seconds alone
     from stoker_lab.sim.calibrate import fit_probe_cpu, netns_params, probe_job
     from stoker_lab.sim.decide import ClusterState, place_job
+
     ranks = {("random", "job1"): [0, 1, 2], ("random", "job2"): [0, 1, 2]}
     setup = _setup(ranks)
     wl = _samples()
@@ -134,8 +156,9 @@ def test_the_local_read_cpu_a_local_probe_was_made_with_is_found_from_it():
     rep = _report(probe=probe)
     rep["local_probe"] = dict(probe)
     jobs = setup.jobs(rep, "random") + [probe_job(rep, "r.json", setup.order, kind="local")]
-    made = simulate(netns_params(rep, 1e-6, 0.004, 1.0, setup.node_keys, local_cpu_s=0.002), wl, "random", jobs, 1,
-                    together=False)
+    made = simulate(
+        netns_params(rep, 1e-6, 0.004, 1.0, setup.node_keys, local_cpu_s=0.002), wl, "random", jobs, 1, together=False
+    )
     assert made[-1].bytes["host_to_host"] == 0 and made[-1].bytes["local"] == 18 * BYTES
     rep["local_probe"]["seconds"] = made[-1].seconds
     got = fit_probe_cpu(rep, "r.json", 1e-6, 1.0, setup, kind="local", peer_cpu_s=0.004)

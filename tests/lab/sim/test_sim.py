@@ -1,5 +1,6 @@
 """The model's mechanics on tiny cases with closed-form answers, and that its decisions are
 stoker's own (a change to the product changes the model's answer)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,14 +25,18 @@ def test_two_flows_share_a_link_fairly():
     # both at 50 B/s: the 500-byte flow ends at 10 s; the other then has the link alone
     # and sends its remaining 500 bytes in 5 s
     assert _run_flows({"l": 100.0}, [(0.0, {"l": 500.0}), (0.0, {"l": 1000.0})]) == [
-        pytest.approx(10.0), pytest.approx(15.0)]
+        pytest.approx(10.0),
+        pytest.approx(15.0),
+    ]
 
 
 def test_a_late_flow_takes_its_share_from_then_on():
     # the first alone for 5 s (500 bytes), then 50/50: its last 500 bytes end at 15 s; the
     # second sent 500 by then and has the link alone for its last 500: 5 s more
     assert _run_flows({"l": 100.0}, [(0.0, {"l": 1000.0}), (5.0, {"l": 1000.0})]) == [
-        pytest.approx(15.0), pytest.approx(20.0)]
+        pytest.approx(15.0),
+        pytest.approx(20.0),
+    ]
 
 
 def test_max_min_gives_the_unbottlenecked_flow_the_rest():
@@ -53,8 +58,12 @@ def test_max_min_rejects_bad_shapes():
 
 def _tiny(samples=64, blocks_of=8) -> Workload:
     n = samples
-    return Workload(np.full(n, 1000, dtype=np.int64), np.arange(n, dtype=np.int64) // blocks_of,
-                    np.full(n // blocks_of, 1000 * blocks_of, dtype=np.int64), "tiny")
+    return Workload(
+        np.full(n, 1000, dtype=np.int64),
+        np.arange(n, dtype=np.int64) // blocks_of,
+        np.full(n // blocks_of, 1000 * blocks_of, dtype=np.int64),
+        "tiny",
+    )
 
 
 def test_one_reader_on_a_cold_origin_takes_bytes_over_bandwidth():
@@ -98,8 +107,9 @@ def test_gpu_bound_epoch_takes_samples_over_rate_and_reports_full_utilization():
 
 def test_decode_bound_epoch_takes_samples_over_cores_times_rate():
     wl = _tiny()
-    p = Params(nodes=1, cache_bytes=1e9, origin_Bps=1e12, decode_cores=2, decode_rate=4.0, chunk_samples=8,
-               prefetch_chunks=4)
+    p = Params(
+        nodes=1, cache_bytes=1e9, origin_Bps=1e12, decode_cores=2, decode_rate=4.0, chunk_samples=8, prefetch_chunks=4
+    )
     res = simulate(p, wl, "direct", [Job("j", 1)], 2)
     assert res[1].seconds == pytest.approx(wl.num_samples / 8.0)
 
@@ -116,6 +126,7 @@ def test_colocated_plans_read_locally_where_random_ones_go_to_peers():
 def test_the_model_uses_stokers_own_plans(monkeypatch):
     """A change to the product's rank split changes the model's answer."""
     import stoker_lab.sim.decide as decide
+
     wl = synthetic(120, 120 * 50_000, 4 << 20, 1 << 20)
     state = ClusterState(3, wl)
     pl = place_job("random", state, wl, 3, np.full(3, 1e9), 1, None)
@@ -141,9 +152,29 @@ def test_cli_tdcs_writes_rows_for_every_setup_with_assumptions(tmp_path):
     import json
 
     from stoker.cli import main
+
     out = tmp_path / "t.json"
-    assert main(["simulate", "tdcs", "--nodes", "2", "--gpus-per-node", "2", "--samples", "4000", "--epochs", "2",
-                 "--decode-rate", "500", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "tdcs",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--samples",
+                "4000",
+                "--epochs",
+                "2",
+                "--decode-rate",
+                "500",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rep = json.loads(out.read_text())
     assert {r["setup"] for r in rep["rows"]} == {"direct", "random", "presence", "colocated"}
     assert all(v["source"] for v in rep["assumptions"].values())
@@ -157,28 +188,55 @@ def test_validation_summary_counts_rows_within_tolerance():
     from stoker_lab.sim.validate import summary
 
     def row(meas_s, pred_s, meas_b, pred_b, in_sample=False):
-        return {"time_error": pred_s / meas_s - 1, "measured_s": meas_s, "predicted_s": pred_s,
-                "measured_bytes": {"origin": meas_b, "host_to_host": 0},
-                "predicted_bytes": {"origin": pred_b, "host_to_host": 0}, "dataset_bytes": 1_000_000,
-                "in_sample": in_sample}
+        return {
+            "time_error": pred_s / meas_s - 1,
+            "measured_s": meas_s,
+            "predicted_s": pred_s,
+            "measured_bytes": {"origin": meas_b, "host_to_host": 0},
+            "predicted_bytes": {"origin": pred_b, "host_to_host": 0},
+            "dataset_bytes": 1_000_000,
+            "in_sample": in_sample,
+        }
 
     rows = [row(10, 11, 500_000, 510_000), row(10, 13, 500_000, 600_000, True), row(10, 10, 1000, 5000)]
     s = summary(rows)
-    assert s["all"] | {"tiny": None} == {"rows": 3, "time_rows": 3, "time_within": 2, "bytes_within": 2,
-                                         "tiny": None}  # 5000 vs 1000 B: under 1% of the data
+    assert s["all"] | {"tiny": None} == {
+        "rows": 3,
+        "time_rows": 3,
+        "time_within": 2,
+        "bytes_within": 2,
+        "tiny": None,
+    }  # 5000 vs 1000 B: under 1% of the data
     assert s["out_of_sample"]["time_within"] == 2 and s["out_of_sample"]["bytes_within"] == 2
 
 
 def test_validation_judges_tiny_epochs_by_absolute_error_apart():
     from stoker_lab.sim.validate import summary
 
-    rows = [{"time_error": 0.3 / 0.1 - 1, "measured_s": 0.1, "predicted_s": 0.3, "dataset_bytes": 1_000_000,
-             "measured_bytes": {"origin": 0}, "predicted_bytes": {"origin": 0}, "in_sample": False},
-            {"time_error": 0.0, "measured_s": 2.0, "predicted_s": 2.0, "dataset_bytes": 1_000_000,
-             "measured_bytes": {"origin": 0}, "predicted_bytes": {"origin": 0}, "in_sample": False}]
+    rows = [
+        {
+            "time_error": 0.3 / 0.1 - 1,
+            "measured_s": 0.1,
+            "predicted_s": 0.3,
+            "dataset_bytes": 1_000_000,
+            "measured_bytes": {"origin": 0},
+            "predicted_bytes": {"origin": 0},
+            "in_sample": False,
+        },
+        {
+            "time_error": 0.0,
+            "measured_s": 2.0,
+            "predicted_s": 2.0,
+            "dataset_bytes": 1_000_000,
+            "measured_bytes": {"origin": 0},
+            "predicted_bytes": {"origin": 0},
+            "in_sample": False,
+        },
+    ]
     s = summary(rows)["all"]
     assert (s["time_rows"], s["time_within"]) == (1, 1)  # the 0.1 s epoch is not a +200% miss
     assert s["tiny"]["rows"] == 1 and s["tiny"]["max_abs_error_s"] == pytest.approx(0.2)
+
 
 def _per_flow_max_min(load: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """Progressive filling one flow at a time (dense, every flow its own row): the reference."""
@@ -211,7 +269,6 @@ def test_aggregated_classes_get_the_per_flow_max_min_rates(seed):
     assert got == pytest.approx(expected, rel=1e-9)
 
 
-
 def test_peer_requests_share_the_machines_cores():
     # warm epoch, links free: every peer request costs 10 ms of CPU on one core that both ranks
     # share, so the epoch takes the job's peer requests x 10 ms (work-conserving), not the share
@@ -228,6 +285,7 @@ def test_a_reader_of_a_block_being_filled_waits_for_the_fill():
     # two readers on one node want samples of the same 2000-byte block at once: the first
     # fills it over a 1000 B/s origin (2 s); the second reads it once it has landed, not at once
     from stoker_lab.sim.model import _Run
+
     wl = Workload(np.full(2, 1000, dtype=np.int64), np.zeros(2, dtype=np.int64), np.array([2000]), "one")
     run = _Run(Params(nodes=1, cache_bytes=1e9, origin_Bps=1000.0, chunk_samples=1), wl, "direct", 1)
     seconds = [0.0, 0.0]
@@ -269,6 +327,7 @@ def test_incremental_rates_equal_a_full_recomputation_every_time(seed):
 def test_equal_budgets_place_blocks_alike_whatever_their_value():
     # the model remembers one placement for every cache size with equal budgets on that ground
     from stoker.cluster.placement import bounded_owners
+
     keys = [f"d/{b}" for b in range(300)]
     nodes = [f"node{i:03d}" for i in range(5)]
     sizes = np.random.default_rng(0).integers(1, 1000, 300)
@@ -305,6 +364,7 @@ def test_scaling_points_count_the_bytes_of_jobs_run_together_once():
     # point's bytes per epoch are the group's, not the sum of its rows
     from stoker_lab.sim.scaling import _point
     from stoker_lab.sim.tdcs import TdcsConfig, run_setup, workload
+
     cfg = TdcsConfig(nodes=2, gpus_per_node=2, samples=3000, jobs=2, epochs=2, decode_rate=500.0)
     rows = run_setup(cfg, "random", workload(cfg))
     group = {r["epoch"]: r["bytes"] for r in rows}

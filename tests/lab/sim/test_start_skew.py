@@ -2,6 +2,7 @@
 each rank's seconds run from its own start, the epoch's are the largest of them, a rank that has
 not started yet neither loads a link nor, unless its start-up is modelled, the shared cores; and
 the measured rank hosts and starts are read from a report and fitted on as it recorded them."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +16,12 @@ BYTES, RATE = 1000, 1000.0  # bytes per sample, origin bytes/s
 
 
 def _samples(n=64, per_block=1) -> Workload:
-    return Workload(np.full(n, BYTES, dtype=np.int64), np.arange(n, dtype=np.int64) // per_block,
-                    np.full(n // per_block, BYTES * per_block, dtype=np.int64), "skew")
+    return Workload(
+        np.full(n, BYTES, dtype=np.int64),
+        np.arange(n, dtype=np.int64) // per_block,
+        np.full(n // per_block, BYTES * per_block, dtype=np.int64),
+        "skew",
+    )
 
 
 def _origin_epoch(starts: list[float] | None):
@@ -87,13 +92,20 @@ def _peer_epoch(starting_processes: int, peer_cpu_s=0.01, late_s=10.0):
     costing ``peer_cpu_s`` on one shared core and nothing else taking time; rank 1 starts ``late_s``
     after rank 0. Returns the result and each rank's peer samples (from stoker's own decisions)."""
     from stoker_lab.sim.decide import ClusterState, dataset_budget, epoch_plans, place_job
+
     wl = _samples(64, per_block=8)
-    p = Params(nodes=2, cache_bytes=1e9, origin_Bps=1e12, chunk_samples=1, machine_cores=1.0,
-               peer_cpu_s=peer_cpu_s, starting_processes=starting_processes)
+    p = Params(
+        nodes=2,
+        cache_bytes=1e9,
+        origin_Bps=1e12,
+        chunk_samples=1,
+        machine_cores=1.0,
+        peer_cpu_s=peer_cpu_s,
+        starting_processes=starting_processes,
+    )
     job = Job("j", 2, seed=1, rank_nodes=[0, 1], start_s={1: [0.0, late_s]})
     res = simulate(p, wl, "random", [job], 2)
-    pl = place_job("random", ClusterState(2, wl), wl, 2, np.full(2, float(dataset_budget(1e9, wl, 1))), 1, None,
-                   [0, 1])
+    pl = place_job("random", ClusterState(2, wl), wl, 2, np.full(2, float(dataset_budget(1e9, wl, 1))), 1, None, [0, 1])
     plans = epoch_plans("random", wl, pl, 1)
     peers = [int((pl.owner[wl.sample_block[plan]] != node).sum()) for node, plan in enumerate([*plans])]
     return res[1], peers
@@ -122,6 +134,7 @@ def test_a_start_up_ends_at_the_rank_start_however_much_cpu_it_had():
 
 def test_place_job_puts_ranks_on_the_recorded_nodes():
     from stoker_lab.sim.decide import ClusterState, epoch_plans, place_job
+
     wl = _samples(64, per_block=8)
     budgets = np.full(3, 1e9)
     for setup in ("direct", "random", "colocated"):
@@ -129,8 +142,7 @@ def test_place_job_puts_ranks_on_the_recorded_nodes():
         assert pl.rank_node.tolist() == [2, 2, 0]
     colo = place_job("colocated", ClusterState(3, wl), wl, 3, budgets, 0, None, [2, 2, 0])
     plans = epoch_plans("colocated", wl, colo, 0)
-    on_node = [(colo.owner[wl.sample_block[plan]] == node).mean() for node, plan in zip([2, 2, 0], plans,
-                                                                                         strict=True)]
+    on_node = [(colo.owner[wl.sample_block[plan]] == node).mean() for node, plan in zip([2, 2, 0], plans, strict=True)]
     assert min(on_node) > 0  # co-located plans follow the recorded nodes: each rank has local samples
     with pytest.raises(ValueError):
         place_job("random", ClusterState(3, wl), wl, 3, budgets, 0, None, [0, 1])
@@ -139,11 +151,15 @@ def test_place_job_puts_ranks_on_the_recorded_nodes():
 
 
 def _report(rows: list[dict], n=3) -> dict:
-    return {"hosts": n, "machine": {"cores": 1},
-            "links": {f"h{i}": {"ns": f"stoknc1-h{i}", "mbit": 400.0} for i in range(n)}
-            | {"origin": {"ns": "stoknc1-origin", "mbit": 200.0}}, "origin": {"latency_ms": 0.0},
-            "config": {"jobs": 2, "ranks_per_job": 3, "epochs": 3, "cache_bytes_per_node": 1 << 30},
-            "runs": rows}
+    return {
+        "hosts": n,
+        "machine": {"cores": 1},
+        "links": {f"h{i}": {"ns": f"stoknc1-h{i}", "mbit": 400.0} for i in range(n)}
+        | {"origin": {"ns": "stoknc1-origin", "mbit": 200.0}},
+        "origin": {"latency_ms": 0.0},
+        "config": {"jobs": 2, "ranks_per_job": 3, "epochs": 3, "cache_bytes_per_node": 1 << 30},
+        "runs": rows,
+    }
 
 
 def test_rank_hosts_and_starts_are_read_as_recorded():
@@ -151,10 +167,22 @@ def test_rank_hosts_and_starts_are_read_as_recorded():
     from stoker_lab.sim.measured import recorded_ranks, recorded_starts
 
     def row(job, epoch, hosts, starts):
-        return {"placement": "random", "job": job, "epoch": epoch, "ranks": 3, "rank_hosts": hosts,
-                "rank_start_s": starts}
-    rep = _report([row("job1", 0, [1, 1, 0], [0.0, 0.1, 0.0]), row("job1", 1, [1, 1, 0], [2.15, 0.42, 0.0]),
-                   row("job2", 0, [0, 2, 2], [0.0, 0.65, 2.31])])
+        return {
+            "placement": "random",
+            "job": job,
+            "epoch": epoch,
+            "ranks": 3,
+            "rank_hosts": hosts,
+            "rank_start_s": starts,
+        }
+
+    rep = _report(
+        [
+            row("job1", 0, [1, 1, 0], [0.0, 0.1, 0.0]),
+            row("job1", 1, [1, 1, 0], [2.15, 0.42, 0.0]),
+            row("job2", 0, [0, 2, 2], [0.0, 0.65, 2.31]),
+        ]
+    )
     ranks, starts = recorded_ranks(rep, "r.json"), recorded_starts(rep, "r.json")
     assert ranks == {("random", "job1"): [1, 1, 0], ("random", "job2"): [0, 2, 2]}
     assert starts[("random", "job1")] == {0: [0.0, 0.1, 0.0], 1: [2.15, 0.42, 0.0]}
@@ -176,14 +204,23 @@ def test_fit_starting_finds_the_start_up_cost_and_peer_cpu_a_run_was_made_with()
     # a report whose warm random epochs the model itself produced with 2 starting processes and
     # 3 ms per peer request, its ranks starting apart: both are found again
     from stoker_lab.sim.calibrate import NetnsSetup, fit_starting, netns_params
+
     wl = _samples(36, per_block=3)
-    starts = {("random", "job1"): {1: [0.3, 0.0, 0.05], 2: [0.0, 0.0, 0.0]},
-              ("random", "job2"): {1: [0.0, 0.0, 0.0], 2: [0.0, 0.25, 0.0]}}
+    starts = {
+        ("random", "job1"): {1: [0.3, 0.0, 0.05], 2: [0.0, 0.0, 0.0]},
+        ("random", "job2"): {1: [0.0, 0.0, 0.0], 2: [0.0, 0.25, 0.0]},
+    }
     ranks = {("random", "job1"): [1, 1, 0], ("random", "job2"): [0, 2, 2]}
     setup = NetnsSetup(wl, None, {}, 0.0, ranks, starts)
     rep = _report([])
-    made = simulate(netns_params(rep, 1e-5, 0.003, 1.0, starting_processes=2), wl, "random",
-                    setup.jobs(rep, "random"), 3, together=False)
+    made = simulate(
+        netns_params(rep, 1e-5, 0.003, 1.0, starting_processes=2),
+        wl,
+        "random",
+        setup.jobs(rep, "random"),
+        3,
+        together=False,
+    )
     rep["runs"] = [{"placement": "random", "job": r.job, "epoch": r.epoch, "seconds": r.seconds} for r in made]
     k, cpu = fit_starting(rep, "r.json", 1e-5, 1.0, setup)
     assert k.value == 2

@@ -15,6 +15,7 @@ the children already reaped: ``/proc/<pid>/stat`` utime+stime+cutime+cstime of e
 process in the tree; the runner makes itself a child subreaper so orphans stay in it). The
 emulated origin's CPU is measured separately from its pid, never charged to a loader.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -86,6 +87,7 @@ def subreaper() -> None:
     """Make this process a child subreaper (Linux), so orphaned descendants stay in its tree's CPU."""
     try:
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
@@ -100,8 +102,12 @@ class _Snapshot:
 
     def delta(self, before: "_Snapshot") -> dict:
         d = lambda k: int(self.stats.get(k, 0)) - int(before.stats.get(k, 0))  # noqa: E731
-        return {"cpu_s": self.cpu - before.cpu, "origin_cpu_s": self.origin_cpu - before.origin_cpu,
-                "origin_bytes": d("bytes_served"), "origin_requests": d("requests")}
+        return {
+            "cpu_s": self.cpu - before.cpu,
+            "origin_cpu_s": self.origin_cpu - before.origin_cpu,
+            "origin_bytes": d("bytes_served"),
+            "origin_requests": d("requests"),
+        }
 
 
 def emit(row: dict) -> None:
@@ -124,10 +130,19 @@ def read_epochs(cfg: dict, build, epoch) -> None:
         after = _Snapshot(cfg)
         d = after.delta(before)
         per_k = 1000.0 / m.samples if m.samples else 0.0
-        emit({"kind": "epoch", "epoch": e, "samples": m.samples, "seconds": m.seconds,
-              "samples_per_s": m.samples_per_s, "stall_fraction": m.stall_fraction,
-              "cpu_s_per_1000": d["cpu_s"] * per_k, "origin_cpu_s_per_1000": d["origin_cpu_s"] * per_k,
-              **d})
+        emit(
+            {
+                "kind": "epoch",
+                "epoch": e,
+                "samples": m.samples,
+                "seconds": m.seconds,
+                "samples_per_s": m.samples_per_s,
+                "stall_fraction": m.stall_fraction,
+                "cpu_s_per_1000": d["cpu_s"] * per_k,
+                "origin_cpu_s_per_1000": d["origin_cpu_s"] * per_k,
+                **d,
+            }
+        )
     close = getattr(obj, "close", None)
     if callable(close):
         close()

@@ -10,6 +10,7 @@ from an empty cache, with the same workers, batch size and emulated accelerator,
 one JSON line per epoch. A loader that cannot be installed, converted or run is recorded in
 ``skipped`` with the reason (the tail of its stderr), never dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,20 +74,25 @@ def _runner(loader: str) -> str:
 def _python_for(loader: str, cfg: PeersConfig) -> str:
     """The Python that runs ``loader``; raises RuntimeError (the reason) if there is none."""
     from ..venvs import VenvError, ensure_venv, ready_venv, venv_root
+
     if loader not in _VENV:
         mod = _IMPORTS.get(loader)
         if mod:
             r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True, timeout=120)
             if r.returncode:
-                raise RuntimeError(f"cannot import {mod} in stoker's Python: {_tail(r.stderr, 2)} "
-                                   "(pip install -e '.[dev]' in the stoker checkout or webdataset)")
+                raise RuntimeError(
+                    f"cannot import {mod} in stoker's Python: {_tail(r.stderr, 2)} "
+                    "(pip install -e '.[dev]' in the stoker checkout or webdataset)"
+                )
         return sys.executable
     name = _VENV[loader]
     if not cfg.make_venvs:
         py = ready_venv(name)
         if py is None:
-            raise RuntimeError(f"its virtual environment {os.path.join(venv_root(), name)} is not present "
-                               "and making environments is off")
+            raise RuntimeError(
+                f"its virtual environment {os.path.join(venv_root(), name)} is not present "
+                "and making environments is off"
+            )
         return py
     try:
         return ensure_venv(name, log=_log)
@@ -98,8 +104,15 @@ def _run_json(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> tup
     """Run a runner; returns (its JSON lines, None) or (lines so far, failure reason)."""
     rows: list[dict] = []
     with open(log_path, "w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         try:
             out, _ = proc.communicate(timeout=timeout_s)
             why = None if proc.returncode == 0 else f"exit status {proc.returncode}"
@@ -131,9 +144,15 @@ def _dir_bytes(path: str) -> tuple[int, int]:
 def _env(origin) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     so = origin.storage_options(throttled=True) if origin else {}
-    env.update(AWS_ACCESS_KEY_ID=so.get("key", "testing"), AWS_SECRET_ACCESS_KEY=so.get("secret", "testing"),
-               AWS_DEFAULT_REGION="us-east-1", AWS_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull,
-               AWS_SHARED_CREDENTIALS_FILE=os.devnull, PYTHONUNBUFFERED="1")
+    env.update(
+        AWS_ACCESS_KEY_ID=so.get("key", "testing"),
+        AWS_SECRET_ACCESS_KEY=so.get("secret", "testing"),
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_REGION="us-east-1",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -142,10 +161,13 @@ def _convert(loader: str, py: str, src: str, out: str, cfg: PeersConfig, work: s
     shutil.rmtree(out, ignore_errors=True)
     conf = os.path.join(work, f"convert-{loader}.json")
     with open(conf, "w") as f:
-        json.dump({"shard_bytes": cfg.shard_bytes, "wds_shard_bytes": cfg.wds_shard_bytes,
-                   "workers": cfg.workers}, f)
-    rows, why = _run_json([py, _runner(loader), "convert", src, out, conf], env, cfg.run_timeout_s,
-                          os.path.join(work, f"convert-{loader}.log"))
+        json.dump({"shard_bytes": cfg.shard_bytes, "wds_shard_bytes": cfg.wds_shard_bytes, "workers": cfg.workers}, f)
+    rows, why = _run_json(
+        [py, _runner(loader), "convert", src, out, conf],
+        env,
+        cfg.run_timeout_s,
+        os.path.join(work, f"convert-{loader}.log"),
+    )
     if why:
         raise RuntimeError(f"conversion failed: {why}")
     seconds = sum(r["seconds"] for r in rows if r.get("kind") == "convert")
@@ -158,19 +180,37 @@ def _convert(loader: str, py: str, src: str, out: str, cfg: PeersConfig, work: s
 
 def _presign(origin, keys: list[str], expires_s: int = 86400) -> list[str]:
     import boto3
+
     so = origin.storage_options(throttled=True)
-    client = boto3.client("s3", endpoint_url=so["endpoint_url"], aws_access_key_id=so["key"],
-                          aws_secret_access_key=so["secret"], region_name="us-east-1")
-    return [client.generate_presigned_url("get_object", Params={"Bucket": origin.bucket, "Key": k},
-                                          ExpiresIn=expires_s) for k in keys]
+    client = boto3.client(
+        "s3",
+        endpoint_url=so["endpoint_url"],
+        aws_access_key_id=so["key"],
+        aws_secret_access_key=so["secret"],
+        region_name="us-east-1",
+    )
+    return [
+        client.generate_presigned_url("get_object", Params={"Bucket": origin.bucket, "Key": k}, ExpiresIn=expires_s)
+        for k in keys
+    ]
 
 
 def _read_config(loader: str, cfg: PeersConfig, origin, fmt_dir: str, cache_dir: str) -> dict:
     names = sorted(os.listdir(fmt_dir))
-    c = {"loader": loader, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "workers": cfg.workers,
-         "seed": cfg.seed, "consumer_rate": cfg.consumer_rate, "cache_dir": cache_dir,
-         "url": origin.url(loader), "storage_options": origin.storage_options(throttled=True),
-         "control_url": origin.direct_url, "origin_pid": origin.pid, "dali_source": cfg.dali_source}
+    c = {
+        "loader": loader,
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "workers": cfg.workers,
+        "seed": cfg.seed,
+        "consumer_rate": cfg.consumer_rate,
+        "cache_dir": cache_dir,
+        "url": origin.url(loader),
+        "storage_options": origin.storage_options(throttled=True),
+        "control_url": origin.direct_url,
+        "origin_pid": origin.pid,
+        "dali_source": cfg.dali_source,
+    }
     if loader == "stoker":
         c["cache_bytes"] = 2 * _dir_bytes(fmt_dir)[1] + (64 << 20)
     if loader == "webdataset":
@@ -197,18 +237,34 @@ def run_peers(cfg: PeersConfig) -> dict:
     work = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-peers")
     os.makedirs(work, exist_ok=True)
     report: dict = {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_start": list(os.getloadavg())},
-        "origin": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps,
-                   "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy (same machine)",
-                   "server_nice": ORIGIN_NICE},
+        "machine": {
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_start": list(os.getloadavg()),
+        },
+        "origin": {
+            "latency_ms": cfg.latency_ms,
+            "bandwidth_MBps": cfg.bandwidth_MBps,
+            "server": "moto S3 on 127.0.0.1 behind a throttling TCP proxy (same machine)",
+            "server_nice": ORIGIN_NICE,
+        },
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("json_path", "plot_path", "workdir")},
-        "runs": [], "setup": [], "formats": [], "skipped": [], "load": []}
+        "runs": [],
+        "setup": [],
+        "formats": [],
+        "skipped": [],
+        "load": [],
+    }
     report["config"]["loaders"] = list(cfg.loaders)
     sd = make_sample_data(os.path.join(work, "data"), images=cfg.images, classes=cfg.classes, seed=cfg.seed)
     src = os.path.join(work, "data", "train")
-    report["dataset"] = {"images": sd["images"], "classes": sd["classes"], "bytes": sd["bytes"],
-                         "mean_sample_bytes": sd["bytes"] / max(1, sd["images"])}
+    report["dataset"] = {
+        "images": sd["images"],
+        "classes": sd["classes"],
+        "bytes": sd["bytes"],
+        "mean_sample_bytes": sd["bytes"] / max(1, sd["images"]),
+    }
     _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
 
     def skip(loader: str, reason: str) -> None:
@@ -244,13 +300,17 @@ def run_peers(cfg: PeersConfig) -> dict:
             continue
         fmt_dirs[loader] = out
         report["formats"].append({"loader": loader, **fmt})
-        _log(f"{loader}: converted in {fmt['convert_seconds']:.1f} s, {fmt['files']} files, {fmt['bytes'] / 1e6:.1f} MB")
+        _log(
+            f"{loader}: converted in {fmt['convert_seconds']:.1f} s, {fmt['files']} files, {fmt['bytes'] / 1e6:.1f} MB"
+        )
 
     with LocalS3Origin(latency_ms=cfg.latency_ms, bandwidth_MBps=cfg.bandwidth_MBps) as origin:
         env = _env(origin)
         _log(f"origin {origin.endpoint_url} (latency {cfg.latency_ms} ms, {cfg.bandwidth_MBps} MB/s)")
         for fmt in report["formats"]:
-            up = upload_tree(fmt_dirs[fmt["loader"]], origin.url(fmt["loader"]), origin.storage_options(throttled=False))
+            up = upload_tree(
+                fmt_dirs[fmt["loader"]], origin.url(fmt["loader"]), origin.storage_options(throttled=False)
+            )
             fmt["upload_seconds"] = up["seconds"]
         for loader in [lo for lo in wanted if lo in fmt_dirs]:
             cache_dir = os.path.join(work, "cache", loader)
@@ -260,8 +320,12 @@ def run_peers(cfg: PeersConfig) -> dict:
                 json.dump(_read_config(loader, cfg, origin, fmt_dirs[loader], cache_dir), f)
             load = {"loader": loader, "before": list(os.getloadavg())}
             _log(f"{loader}: {cfg.epochs} epochs")
-            rows, why = _run_json([pythons[loader], _runner(loader), "read", conf], env, cfg.run_timeout_s,
-                                  os.path.join(work, f"read-{loader}.log"))
+            rows, why = _run_json(
+                [pythons[loader], _runner(loader), "read", conf],
+                env,
+                cfg.run_timeout_s,
+                os.path.join(work, f"read-{loader}.log"),
+            )
             load["after"] = list(os.getloadavg())
             report["load"].append(load)
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -271,8 +335,10 @@ def run_peers(cfg: PeersConfig) -> dict:
                 if kind == "epoch":
                     got += 1
                     report["runs"].append({"loader": loader, **r})
-                    _log(f"  epoch {r['epoch']}: {r['samples_per_s']:.0f} samples/s, stall {r['stall_fraction']:.2f}, "
-                         f"CPU {r['cpu_s_per_1000']:.2f} s/1000, origin {r['origin_bytes'] / 1e6:.1f} MB")
+                    _log(
+                        f"  epoch {r['epoch']}: {r['samples_per_s']:.0f} samples/s, stall {r['stall_fraction']:.2f}, "
+                        f"CPU {r['cpu_s_per_1000']:.2f} s/1000, origin {r['origin_bytes'] / 1e6:.1f} MB"
+                    )
                 elif kind == "setup":
                     report["setup"].append({"loader": loader, **r})
             if why or got < cfg.epochs:

@@ -1,4 +1,5 @@
 """`stoker bench peers` report: its targets, a Markdown table, a PNG plot."""
+
 from __future__ import annotations
 
 
@@ -33,32 +34,48 @@ def check_targets(report: dict) -> dict:
         peers = {lo: r[key] for lo, r in rates.items() if lo != "stoker" and r[key]}
         best = max(peers, key=peers.get) if peers else None
         value = mine[key] / peers[best] if best and mine.get(key) else None
-        out[name] = {"value": value, "target": f">= {factor}", "best_peer": best,
-                     "ok": value is not None and value >= factor}
+        out[name] = {
+            "value": value,
+            "target": f">= {factor}",
+            "best_peer": best,
+            "ok": value is not None and value >= factor,
+        }
     return out
 
 
 def markdown(report: dict) -> str:
     """The run as Markdown tables: epochs, formats, skipped loaders, targets."""
     ds, org, cfg = report["dataset"], report["origin"], report["config"]
-    lines = [f"{report['machine']['cores']} cores; {ds['images']:,} photos, {ds['bytes'] / 1e6:.1f} MB "
-             f"(mean {ds['mean_sample_bytes'] / 1e3:.0f} KB); origin {org['latency_ms']:g} ms, "
-             f"{org['bandwidth_MBps']:g} MB/s; {cfg['workers']} workers, batch {cfg['batch_size']}, "
-             f"emulated accelerator {cfg['consumer_rate']:g} samples/s; load average at start "
-             f"{report['machine']['loadavg_start'][0]:.2f}", "",
-             "| loader | epoch | samples/s | data stall | CPU s / 1,000 samples | origin CPU s / 1,000 | origin MB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{report['machine']['cores']} cores; {ds['images']:,} photos, {ds['bytes'] / 1e6:.1f} MB "
+        f"(mean {ds['mean_sample_bytes'] / 1e3:.0f} KB); origin {org['latency_ms']:g} ms, "
+        f"{org['bandwidth_MBps']:g} MB/s; {cfg['workers']} workers, batch {cfg['batch_size']}, "
+        f"emulated accelerator {cfg['consumer_rate']:g} samples/s; load average at start "
+        f"{report['machine']['loadavg_start'][0]:.2f}",
+        "",
+        "| loader | epoch | samples/s | data stall | CPU s / 1,000 samples | origin CPU s / 1,000 | origin MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in report["runs"]:
-        lines.append(f"| {r['loader']} | {r['epoch']}{' (cold)' if r['epoch'] == 0 else ''} | "
-                     f"{r['samples_per_s']:,.0f} | {r['stall_fraction']:.2f} | {r['cpu_s_per_1000']:.2f} | "
-                     f"{r.get('origin_cpu_s_per_1000', 0.0):.2f} | {r['origin_bytes'] / 1e6:,.1f} |")
+        lines.append(
+            f"| {r['loader']} | {r['epoch']}{' (cold)' if r['epoch'] == 0 else ''} | "
+            f"{r['samples_per_s']:,.0f} | {r['stall_fraction']:.2f} | {r['cpu_s_per_1000']:.2f} | "
+            f"{r.get('origin_cpu_s_per_1000', 0.0):.2f} | {r['origin_bytes'] / 1e6:,.1f} |"
+        )
     lines += ["", "| format | tool | convert s | upload s | files | MB on origin |", "|---|---|---|---|---|---|"]
-    tools = {"stoker": "stoker pack", "torch": "(raw ImageFolder)", "webdataset": "webdataset.ShardWriter",
-             "streaming": "streaming.MDSWriter", "litdata": "litdata.optimize",
-             "dali": "ShardWriter + DALI wds2idx"}
+    tools = {
+        "stoker": "stoker pack",
+        "torch": "(raw ImageFolder)",
+        "webdataset": "webdataset.ShardWriter",
+        "streaming": "streaming.MDSWriter",
+        "litdata": "litdata.optimize",
+        "dali": "ShardWriter + DALI wds2idx",
+    }
     for f in report["formats"]:
-        lines.append(f"| {f['loader']} | {tools.get(f['loader'], '')} | {f['convert_seconds']:.1f} | "
-                     f"{f.get('upload_seconds', 0.0):.1f} | {f['files']} | {f['bytes'] / 1e6:,.1f} |")
+        lines.append(
+            f"| {f['loader']} | {tools.get(f['loader'], '')} | {f['convert_seconds']:.1f} | "
+            f"{f.get('upload_seconds', 0.0):.1f} | {f['files']} | {f['bytes'] / 1e6:,.1f} |"
+        )
     if report["skipped"]:
         lines += ["", "Skipped:"] + [f"- {s['loader']}: {s['reason']}" for s in report["skipped"]]
     checks = report.get("checks") or {}
@@ -66,8 +83,9 @@ def markdown(report: dict) -> str:
         lines.append("")
         for name, c in checks.items():
             v = f"{c['value']:.2f}x" if c["value"] is not None else "n/a"
-            lines.append(f"- {name}: {v} (best peer {c['best_peer']}; target {c['target']}): "
-                         f"{'met' if c['ok'] else 'NOT met'}")
+            lines.append(
+                f"- {name}: {v} (best peer {c['best_peer']}; target {c['target']}): {'met' if c['ok'] else 'NOT met'}"
+            )
     return "\n".join(lines)
 
 
@@ -80,14 +98,19 @@ def write_plot(report: dict, path: str) -> None:
     """Four panels per loader and epoch: samples/s, data stall, loader CPU s per 1,000 samples,
     origin MB. Needs matplotlib (the ``demo`` extra)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = _by_loader(report)
     loaders = list(rows)
     epochs = sorted({r["epoch"] for r in report["runs"]})
-    panels = [("samples_per_s", "samples/s"), ("stall_fraction", "data stall (fraction of wall time)"),
-              ("cpu_s_per_1000", "loader CPU s / 1,000 samples"), ("origin_bytes", "origin MB")]
+    panels = [
+        ("samples_per_s", "samples/s"),
+        ("stall_fraction", "data stall (fraction of wall time)"),
+        ("cpu_s_per_1000", "loader CPU s / 1,000 samples"),
+        ("origin_bytes", "origin MB"),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     width = 0.8 / max(1, len(epochs))
     for ax, (key, label) in zip(axes.flat, panels):
@@ -104,9 +127,11 @@ def write_plot(report: dict, path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend()
     ds, org = report["dataset"], report["origin"]
-    fig.suptitle(f"{ds['images']:,} photos, origin {org['latency_ms']:g} ms / {org['bandwidth_MBps']:g} MB/s, "
-                 f"{report['config']['workers']} workers, {report['machine']['cores']} cores"
-                 + (f"; skipped: {', '.join(x['loader'] for x in report['skipped'])}" if report["skipped"] else ""))
+    fig.suptitle(
+        f"{ds['images']:,} photos, origin {org['latency_ms']:g} ms / {org['bandwidth_MBps']:g} MB/s, "
+        f"{report['config']['workers']} workers, {report['machine']['cores']} cores"
+        + (f"; skipped: {', '.join(x['loader'] for x in report['skipped'])}" if report["skipped"] else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -12,6 +12,7 @@ an object store. ``source="s3"``: DALI's readers read ``s3://`` directly (AWS SD
 Runs under the Python of its own virtual environment (nvidia-dali-cuda130 2.4.0); see
 :mod:`stoker_lab.bench.peers._runner` for the protocol.
 """
+
 import os
 import subprocess
 import sys
@@ -29,8 +30,11 @@ def convert(src, out, cfg):
     tool = os.path.join(os.path.dirname(sys.executable), "wds2idx")
     for name in sorted(os.listdir(src)):
         if name.endswith(".tar"):
-            subprocess.run([tool, os.path.join(src, name), os.path.join(out, name[:-4] + ".idx")],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [tool, os.path.join(src, name), os.path.join(out, name[:-4] + ".idx")],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
 
 
 def _fetch(url, dest):
@@ -58,8 +62,9 @@ class _Dali:
             return cfg["s3_tars"], cfg["s3_indexes"]
         local = cfg["cache_dir"]
         os.makedirs(local, exist_ok=True)
-        jobs = [(u, os.path.join(local, name)) for u, name in cfg["fetch"]
-                if not os.path.exists(os.path.join(local, name))]
+        jobs = [
+            (u, os.path.join(local, name)) for u, name in cfg["fetch"] if not os.path.exists(os.path.join(local, name))
+        ]
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda j: _fetch(*j), jobs))
         names = [name for _, name in cfg["fetch"]]
@@ -69,13 +74,21 @@ class _Dali:
     def _build(self):
         from dali_cpu import train_augment
         from nvidia.dali import fn, pipeline_def, types
+
         tars, idx = self._paths()
         cfg = self.cfg
 
         @pipeline_def(batch_size=cfg["batch_size"], num_threads=cfg["workers"], device_id=None, seed=cfg["seed"])
         def pipe():
-            jpg, cls = fn.readers.webdataset(paths=tars, index_paths=idx, ext=["jpg", "cls"], random_shuffle=True,
-                                             pad_last_batch=True, name="Reader", dtypes=[types.UINT8, types.UINT8])
+            jpg, cls = fn.readers.webdataset(
+                paths=tars,
+                index_paths=idx,
+                ext=["jpg", "cls"],
+                random_shuffle=True,
+                pad_last_batch=True,
+                name="Reader",
+                dtypes=[types.UINT8, types.UINT8],
+            )
             return train_augment(jpg), cls
 
         self.pipe = pipe()

@@ -3,19 +3,26 @@ node cache (disk tier, a budget that holds the dataset) with its prefetcher and 
 
 Runs under stoker's own Python (see :mod:`stoker_lab.bench.peers._runner` for the protocol).
 """
+
 import _runner
 
 
 def convert(src, out, cfg):
     from stoker.store.pack import pack
+
     pack(src, out, shard_bytes=int(cfg.get("shard_bytes", 64 << 20)), overwrite=True, progress=False)
 
 
 def build(cfg):
     from stoker.loader import Loader
     from stoker.store.dataset import open_dataset
-    ds = open_dataset(cfg["url"], cache_dir=cfg["cache_dir"], cache_bytes=int(cfg["cache_bytes"]),
-                      storage_options=cfg["storage_options"])
+
+    ds = open_dataset(
+        cfg["url"],
+        cache_dir=cfg["cache_dir"],
+        cache_bytes=int(cfg["cache_bytes"]),
+        storage_options=cfg["storage_options"],
+    )
     return Loader(ds, cfg["batch_size"], num_workers=cfg["workers"], seed=cfg["seed"], transform="train")
 
 

@@ -8,6 +8,7 @@ RandomHorizontalFlip on the decoded PIL image, uint8 output.
 Runs under the Python of its own virtual environment (mosaicml-streaming 0.13.0, torch 2.14.1,
 torchvision 0.29.1); see :mod:`stoker_lab.bench.peers._runner` for the protocol.
 """
+
 import os
 
 import _runner
@@ -16,6 +17,7 @@ import _runner
 def convert(src, out, cfg):
     from PIL import Image
     from streaming import MDSWriter
+
     with MDSWriter(out=out, columns={"image": "jpeg", "label": "int"}) as w:
         for path, label, _ in _runner.image_folder(src):
             w.write({"image": Image.open(path), "label": label})
@@ -35,8 +37,9 @@ def build(cfg):
             s = super().__getitem__(i)
             return tf(s["image"].convert("RGB")), s["label"]
 
-    ds = Images(remote=cfg["url"], local=cfg["cache_dir"], shuffle=True, shuffle_seed=cfg["seed"],
-                batch_size=cfg["batch_size"])
+    ds = Images(
+        remote=cfg["url"], local=cfg["cache_dir"], shuffle=True, shuffle_seed=cfg["seed"], batch_size=cfg["batch_size"]
+    )
     return StreamingDataLoader(ds, batch_size=cfg["batch_size"], num_workers=cfg["workers"])
 
 

@@ -4,17 +4,20 @@ It has no cache of its own and needs no conversion (the tree is uploaded as it i
 
 Runs under stoker's own Python (see :mod:`stoker_lab.bench.peers._runner` for the protocol).
 """
+
 import _runner
 
 
 def convert(src, out, cfg):
     import shutil
+
     shutil.copytree(src, out, dirs_exist_ok=True)  # the format is the ImageFolder tree itself
 
 
 class _Baseline:
     def __init__(self, cfg):
         from stoker_lab.bench.baseline import FsspecImageFolder, make_baseline_loader
+
         self.ds = FsspecImageFolder(cfg["url"], cfg["storage_options"], seed=cfg["seed"])
         self.loader = make_baseline_loader(self.ds, cfg["batch_size"], cfg["workers"], cfg["seed"])
 

@@ -7,6 +7,7 @@ torchvision does not import beside the CPU torch stoker is pinned to.
 
 Runs under stoker's own Python (see :mod:`stoker_lab.bench.peers._runner` for the protocol).
 """
+
 import os
 
 import _runner
@@ -14,9 +15,11 @@ import _runner
 
 def convert(src, out, cfg):
     import webdataset as wds
+
     os.makedirs(out, exist_ok=True)
-    with wds.ShardWriter(os.path.join(out, "shard-%06d.tar"), maxsize=int(cfg["wds_shard_bytes"]),
-                         maxcount=10 ** 9, verbose=0) as sink:
+    with wds.ShardWriter(
+        os.path.join(out, "shard-%06d.tar"), maxsize=int(cfg["wds_shard_bytes"]), maxcount=10**9, verbose=0
+    ) as sink:
         for path, label, key in _runner.image_folder(src):
             with open(path, "rb") as f:
                 sink.write({"__key__": key.replace("/", "_"), "jpg": f.read(), "cls": label})
@@ -28,18 +31,24 @@ def _augment(sample):
     import numpy as np
     import torch
     from stoker.decode.reference import pillow_train_transform
+
     img, label = sample  # decode("pil") gives RGB
     return torch.from_numpy(pillow_train_transform(img, np.random.default_rng(), 224)), label
 
 
 def build(cfg):
     import webdataset as wds
+
     os.makedirs(cfg["cache_dir"], exist_ok=True)
     urls = cfg["urls"]
-    ds = (wds.WebDataset(urls, shardshuffle=len(urls), cache_dir=cfg["cache_dir"], seed=cfg["seed"],
-                         empty_check=False)
-          .shuffle(1000).decode("pil").to_tuple("jpg", "cls").map(_augment)
-          .batched(cfg["batch_size"], partial=True))
+    ds = (
+        wds.WebDataset(urls, shardshuffle=len(urls), cache_dir=cfg["cache_dir"], seed=cfg["seed"], empty_check=False)
+        .shuffle(1000)
+        .decode("pil")
+        .to_tuple("jpg", "cls")
+        .map(_augment)
+        .batched(cfg["batch_size"], partial=True)
+    )
     return wds.WebLoader(ds, batch_size=None, num_workers=cfg["workers"])
 
 
