@@ -43,9 +43,10 @@ _sources: list | None = None  # decoded photographs, per process
 def _package_dir(package: str, hint: str) -> str:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"make_sample_data needs the '{package}' package for its bundled "
-            f"photographs; install it with: pip install {hint}"
+        raise ModuleNotFoundError(
+            f"make_sample_data needs the '{package}' package for its bundled photographs; install "
+            f"stoker's lab extra (pip install -e '.[lab]') or: pip install {hint}",
+            name=package,
         )
     return list(spec.submodule_search_locations)[0]
 
@@ -53,7 +54,7 @@ def _package_dir(package: str, hint: str) -> str:
 def source_photo_paths() -> list[str]:
     """Paths of the bundled colour photographs used as sources.
 
-    Raises RuntimeError if scikit-image or scikit-learn is not installed, FileNotFoundError if
+    Raises ModuleNotFoundError if scikit-image or scikit-learn is not installed, FileNotFoundError if
     an expected photograph is missing from the installed package.
     """
     skimage_data = os.path.join(_package_dir("skimage", "scikit-image"), "data")

@@ -53,3 +53,25 @@ def test_a_command_that_needs_an_extra_names_it(tmp_path):
     assert res.returncode != 0
     assert "simpy" in res.stderr.lower(), res.stderr[-2000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_lab_commands_without_the_lab_extra_say_so_in_one_line(tmp_path):
+    """The lab's commands are listed by `stoker --help` whether or not its extra is installed;
+    without the extra's packages each ends in one line naming the package and the `lab` extra."""
+    blocked = "skimage,sklearn,moto,boto3,matplotlib,waitress"
+    for argv in (
+        ["sample-data", str(tmp_path / "sd")],
+        ["demo", "--quick", "--workdir", str(tmp_path / "demo")],
+        ["bench", "io", "--json", str(tmp_path / "io.json")],
+        ["origin-server"],
+    ):
+        child = CHILD.split("from stoker.cli import")[0] + textwrap.dedent(f"""
+            from stoker.cli import main
+            sys.exit(main({argv!r}))
+        """)
+        res = subprocess.run([sys.executable, "-c", child, blocked], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, (argv, res.returncode, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "'lab' extra" in lines[0], (argv, res.stderr)
+    assert not (tmp_path / "sd").exists()

@@ -104,7 +104,7 @@ def test_new_api_does_not_warn(ds):
 
 
 def test_options_validate_and_name_the_field():
-    with pytest.raises(ValueError, match="prefetch_bytes"):
+    with pytest.raises(ValueError, match="ReadOptions.prefetch_bytes"):
         ReadOptions(prefetch_bytes="lots")
     with pytest.raises(ValueError, match="ReadOptions.order"):
         ReadOptions(order="bogus")
@@ -114,9 +114,9 @@ def test_options_validate_and_name_the_field():
         ReadOptions(fetch_concurrency=2.5)
     with pytest.raises(ValueError, match="ImageOptions.image_size"):
         ImageOptions(image_size=0)
-    with pytest.raises(ValueError, match="unknown sample form"):
+    with pytest.raises(ValueError, match="ImageOptions.cache_form: unknown sample form"):
         ImageOptions(cache_form="png")
-    with pytest.raises(ValueError, match="decode_device must be"):
+    with pytest.raises(ValueError, match="ImageOptions.decode_device must be"):
         ImageOptions(decode_device="tpu")
     with pytest.raises(ValueError, match="RunOptions.on_error"):
         RunOptions(on_error="ignore")
@@ -124,6 +124,33 @@ def test_options_validate_and_name_the_field():
         RunOptions(timeout_s=0)
     with pytest.raises(TypeError, match="read must be a ReadOptions"):
         Loader(None, 8, read=RunOptions())
+    with pytest.raises(TypeError, match="image must be an ImageOptions, got RunOptions"):
+        Loader(None, 8, image=RunOptions())
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda v: ReadOptions(prefetch_next_epoch=v), "ReadOptions.prefetch_next_epoch"),
+        (lambda v: ImageOptions(exif_orientation=v), "ImageOptions.exif_orientation"),
+    ],
+)
+def test_a_flag_takes_a_bool_not_any_truthy_value(make, field):
+    """A string such as "no" is truthy: it is refused rather than read as True."""
+    for bad in ("no", "false", 0, 1, None):
+        with pytest.raises(TypeError, match=field):
+            make(bad)
+    assert make(False) != make(True)
+
+
+def test_run_options_check_the_form_and_the_loader_checks_the_machine():
+    with pytest.raises(ValueError, match="RunOptions.start_method must be one of"):
+        RunOptions(start_method="thread")
+    with pytest.raises(ValueError, match="RunOptions.device must be"):
+        RunOptions(device="gpu")
+    # a CUDA option can be built where there is no GPU (a login node); the Loader checks CUDA
+    assert RunOptions(device="cuda:1").device == "cuda:1"
+    assert RunOptions(start_method="spawn").start_method == "spawn"
 
 
 def test_options_are_frozen_and_repr_shows_what_changed():

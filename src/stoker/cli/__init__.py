@@ -6,7 +6,9 @@
 * :mod:`.top`: ``top`` (live view of a node cache)
 
 Other packages add commands through the ``stoker.commands`` entry-point group: each entry point
-names a module (or object) with ``add_parsers(sub)``. The lab beside this package
+names a module (or object) with ``add_parsers(sub)``. A command that needs packages beyond the
+product sets ``needs`` (a tuple of import names) in its parser's defaults: when one is missing,
+the command prints one line naming it and the extra that installs it, and exits 2. The lab beside this package
 (:mod:`stoker_lab.cli`) adds ``sample-data``, ``demo``, ``origin-server``, ``bench`` and
 ``simulate`` that way.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import sys
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         *_storage_errors(),
     )
     try:
+        for name in getattr(args, "needs", ()):  # packages a plugin's command declares it needs
+            if importlib.util.find_spec(name) is None:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
         print(f"\nstoker {args.cmd}: interrupted", file=sys.stderr)

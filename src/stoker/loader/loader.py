@@ -139,7 +139,8 @@ class Loader:
         read, image, run = read or ReadOptions(), image or ImageOptions(), run or RunOptions()
         for name, opt, cls in (("read", read, ReadOptions), ("image", image, ImageOptions), ("run", run, RunOptions)):
             if not isinstance(opt, cls):
-                raise TypeError(f"{name} must be a {cls.__name__}, got {type(opt).__name__} {opt!r}")
+                article = "an" if cls.__name__[0] in "AEIOU" else "a"
+                raise TypeError(f"{name} must be {article} {cls.__name__}, got {type(opt).__name__} {opt!r}")
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         _check_batch_size(batch_size)
@@ -158,9 +159,10 @@ class Loader:
         device = run.device
         if device is None and isinstance(image.decode_device, str):
             device = image.decode_device  # batches arrive on the decode device
+        if device not in (None, "cpu"):
             from .._torch import check_device
 
-            check_device(device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
+            check_device(device)  # RuntimeError (no CUDA) now, not at the first batch
         # byte sizes ("512MiB") are ints once the option groups are made (their __post_init__)
         assert isinstance(read.prefetch_bytes, int) and isinstance(read.staging_bytes, int)
         assert isinstance(image.cache_form_bytes, int)

@@ -19,12 +19,18 @@ Loader's keywords without warnings.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._units import parse_size
 from ..order import PERMUTATIONS
+
+_CUDA = re.compile(r"cuda(:\d+)?")
 
 __all__ = ["DEPRECATED", "GROUPS", "ImageOptions", "ReadOptions", "RunOptions", "loader_kwargs"]
 
@@ -46,6 +52,20 @@ def _int(owner: str, name: str, value, least: int) -> int:
     if value < least:
         raise ValueError(f"{owner}.{name} must be >= {least}, got {value}")
     return int(value)
+
+
+def _bool(owner: str, name: str, value) -> bool:
+    """``value`` if it is a bool (numpy's too); TypeError naming ``owner.name`` otherwise (a string
+    such as "no" is truthy: taking it as True would silently invert the user's intent)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{owner}.{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _size(owner: str, name: str, value) -> int:
+    """A byte size (int or a string such as "64MiB", :func:`stoker.parse_size`); the error names
+    ``owner.name``."""
+    return parse_size(value, f"{owner}.{name}")
 
 
 def _choice(owner: str, name: str, value, allowed) -> None:
@@ -106,9 +126,9 @@ class ReadOptions:
         if self.prefetch_batches is not None:
             set_(self, "prefetch_batches", _int("ReadOptions", "prefetch_batches", self.prefetch_batches, 1))
         set_(self, "fetch_concurrency", _int("ReadOptions", "fetch_concurrency", self.fetch_concurrency, 1))
-        set_(self, "prefetch_bytes", parse_size(self.prefetch_bytes, "prefetch_bytes"))
-        set_(self, "staging_bytes", parse_size(self.staging_bytes, "staging_bytes"))
-        set_(self, "prefetch_next_epoch", bool(self.prefetch_next_epoch))
+        set_(self, "prefetch_bytes", _size("ReadOptions", "prefetch_bytes", self.prefetch_bytes))
+        set_(self, "staging_bytes", _size("ReadOptions", "staging_bytes", self.staging_bytes))
+        set_(self, "prefetch_next_epoch", _bool("ReadOptions", "prefetch_next_epoch", self.prefetch_next_epoch))
 
 
 @dataclass(frozen=True, repr=False)
@@ -146,12 +166,15 @@ class ImageOptions:
     def __post_init__(self):
         set_ = object.__setattr__
         set_(self, "image_size", _int("ImageOptions", "image_size", self.image_size, 1))
-        set_(self, "exif_orientation", bool(self.exif_orientation))
-        set_(self, "cache_form_bytes", parse_size(self.cache_form_bytes, "cache_form_bytes"))
+        set_(self, "exif_orientation", _bool("ImageOptions", "exif_orientation", self.exif_orientation))
+        set_(self, "cache_form_bytes", _size("ImageOptions", "cache_form_bytes", self.cache_form_bytes))
         if self.cache_form not in (None, "auto"):
             from ..decode.forms import parse_form
 
-            parse_form(self.cache_form, self.image_size)  # ValueError now, not in a worker
+            try:
+                parse_form(self.cache_form, self.image_size)  # ValueError now, not in a worker
+            except ValueError as exc:
+                raise ValueError(f"ImageOptions.cache_form: {exc}") from None
         dd = self.decode_device
         if dd is None:
             return
@@ -160,14 +183,18 @@ class ImageOptions:
             set_(self, "decode_device", dd)
         if isinstance(dd, str):
             if not dd.startswith("cuda"):
-                raise ValueError(f"decode_device must be 'cuda' or 'cuda:N' (or a decoder object), got {dd!r}")
+                raise ValueError(
+                    f"ImageOptions.decode_device must be 'cuda' or 'cuda:N' (or a decoder object), got {dd!r}"
+                )
         elif not all(hasattr(dd, a) for a in ("decode", "transform_batch", "device")):
             raise ValueError(
-                f"decode_device must be a CUDA device name or a decoder with decode(), "
+                f"ImageOptions.decode_device must be a CUDA device name or a decoder with decode(), "
                 f"transform_batch() and device, got {type(dd).__name__}"
             )
         if self.cache_form is not None:
-            raise ValueError("cache_form (derived forms decoded on the CPU) cannot be used with decode_device")
+            raise ValueError(
+                "ImageOptions.cache_form (derived forms decoded on the CPU) cannot be used with decode_device"
+            )
 
 
 @dataclass(frozen=True, repr=False)
@@ -210,14 +237,15 @@ class RunOptions:
             raise ValueError(f"RunOptions.timeout_s must be > 0, got {self.timeout_s}")
         if self.start_method is not None and not isinstance(self.start_method, str):
             raise TypeError(f"RunOptions.start_method must be a start method name, got {self.start_method!r}")
+        _choice("RunOptions", "start_method", self.start_method, (None, *mp.get_all_start_methods()))
         if self.metrics_port is not None:
             object.__setattr__(self, "metrics_port", _int("RunOptions", "metrics_port", self.metrics_port, 0))
         if self.device is not None and not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))  # a torch.device
-        if self.device not in (None, "cpu"):
-            from .._torch import check_device
-
-            check_device(self.device)  # ValueError / RuntimeError (no CUDA) now, not at the first batch
+        if self.device not in (None, "cpu") and not (isinstance(self.device, str) and _CUDA.fullmatch(self.device)):
+            # the form only: whether CUDA is there is the Loader's check (options may be built on a
+            # CPU-only login node and used on a GPU node)
+            raise ValueError(f"RunOptions.device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 
 #: The Loader keyword each option group is passed as, and its class.
