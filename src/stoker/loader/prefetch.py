@@ -496,7 +496,11 @@ class _Loop:
                     job["retry"].remove(r)
                     self._submit((r[1],))
             if job["retry"]:
-                timeout = _sooner(timeout, max(0.0, min(r[0] for r in job["retry"]) - now))
+                # the next retry's time; one due already waits for a free slot (a fill's end wakes
+                # the loop) or for the back-off (THROTTLE_POLL_S)
+                later = [r[0] for r in job["retry"] if r[0] > now]
+                if later:
+                    timeout = _sooner(timeout, min(later) - now)
         blocks, cum = job["blocks"], job["cum"]
         j = job["next"]
         consumed = bisect_left(job["first"], pos)
