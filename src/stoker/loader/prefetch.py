@@ -180,6 +180,16 @@ class _FillThreads:
             t.start()
         self._tasks.put((token, fn, args))
 
+    @property
+    def started(self) -> int:
+        """Threads started so far."""
+        return len(self._threads)
+
+    @property
+    def alive(self) -> int:
+        """Threads still running."""
+        return sum(t.is_alive() for t in self._threads)
+
     def reported(self) -> None:
         """One fill's outcome was taken off the event queue."""
         self.busy -= 1
@@ -510,14 +520,6 @@ class _Loop:
             c[6] += max(0, cum[j] - cum[min(consumed, j)] - self.inflight_bytes)
             c[7] += 1
             job["depth_pos"] = pos
-        if j >= len(blocks):
-            if not self.inflight and not job["retry"]:
-                c[infl.PLAN_DONE] = self.plan_run  # the loader may start the next plan's batches
-                self.job = None
-                self._idle_timeout()
-                return
-            self.timeout = _sooner(timeout, STAGED_POLL_S if self.staged else None)
-            return
         staging, staged = self.staging, self.staged
         covered = job["covered"]  # blocks fetched ahead of their turn by a merged GET
         cap_bytes = None
@@ -551,12 +553,17 @@ class _Loop:
             self._submit(run)
             j += 1
         job["next"] = j
+        if j >= len(blocks) and not self.inflight and not job["retry"]:
+            c[infl.PLAN_DONE] = self.plan_run  # the loader may start the next plan's batches
+            self.job = None
+            self._idle_timeout()
+            return
         if waits_on_consumer:
             timeout = _sooner(timeout, CONSUMER_POLL_S)
         if self.staged:
             timeout = _sooner(timeout, STAGED_POLL_S)
-        if not self.inflight and job["next"] < len(blocks) and not waits_on_consumer and not job["retry"]:
-            timeout = 0.0  # cannot happen (a fill is always issued then); never sleep with nothing to wake us
+        if not self.inflight and j < len(blocks) and not waits_on_consumer and not job["retry"] and timeout is None:
+            timeout = CONSUMER_POLL_S  # not expected (a fill is issued then); never sleep with nothing to wake us
         self.timeout = timeout
 
     def _cap_bytes(self) -> int:
