@@ -361,13 +361,14 @@ class _Loop:
                 and not (self.job is not None and self.job["retry"]) and not self.ds.origin.backoff.throttled):
             return True  # a timer, and nothing it waits for has moved: keep waiting as before
         self.seen_done, self.seen_prev_done = done_v, prev_done_v
-        # staged blocks go once their last use is delivered, also after every block is fetched
+        fetched = self._outcomes(fills, done_v) if fills else []
+        # staged blocks go once their last use is delivered, also after every block is fetched (a
+        # block a fill in flight may be finding staged stays until that fill is accounted)
         if self.staged:
             _drop_staged(self.ds, self.staged, self.staged, done_v, keep=self.flying)
             if self.prev_done is not None and self.prev:
                 _drop_staged(self.ds, self.staged, self.prev, prev_done_v, keep=self.flying)
                 self.prev = {b: last for b, last in self.prev.items() if b in self.staged}
-        fetched = self._outcomes(fills, done_v) if fills else []
         c = self.counters
         c[0] = self.base_bytes + self.ds.origin.counters.bytes
         c[1] = self.base_requests + self.ds.origin.counters.requests
