@@ -205,3 +205,51 @@ def test_fill_threads_follow_the_fills_in_flight():
     assert pool.started == 3
     pool.shutdown()
     assert pool.alive == 0
+
+
+def test_a_full_staging_budget_waits_for_delivery_and_then_goes_on(packed_local, tmp_path):
+    """A cache that admits nothing and a staging budget of two of its largest blocks: the prefetcher
+    stages what fits and waits (nothing wakes it but the timer that looks at the delivered position); as the
+    consumer delivers each staged block's last use, the next ones are staged, never more than the
+    budget, until every block of the plan was staged once."""
+    from stoker.cache.staging import StagingArea
+    from stoker.store.blocks import BlockReader
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=BLOCK)
+    ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
+    plan = np.argsort(ds.sample_block, kind="stable")  # block by block: k's last use before k+1's first
+    blocks, first, last = block_schedule(ds, plan)
+    sizes = _sizes(ds)
+    budget = 2 * int(sizes.max())
+    ctx = mp.get_context("fork")
+    cmds = ctx.Queue()
+    pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
+    counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+    pos.value = len(plan)  # all dispatched: only the staging budget holds it back
+    proc = ctx.Process(target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, budget, prev_done),
+                       daemon=True)
+    proc.start()
+
+    def staged_bytes() -> int:
+        return sum(int(sizes[ds.block_of_name(n)]) for n in ds.reader.staging.names(ds.version))
+    try:
+        cmds.put((1, blocks, first, last))
+        assert _until(lambda: counters[5] >= 2)
+        time.sleep(0.2)
+        held = int(counters[5])
+        assert held < len(blocks) and staged_bytes() <= budget  # held at the budget (2 or more small blocks)
+        time.sleep(0.2)
+        assert int(counters[5]) == held
+        for k in range(len(blocks)):
+            done.value = int(last[k]) + 1  # block k's last use delivered: it goes, the next is staged
+            assert _until(lambda k=k: counters[5] >= min(len(blocks), k + 3) or int(counters[infl.PLAN_DONE]) == 1,
+                          5.0), k
+            assert staged_bytes() <= budget
+        assert _until(lambda: int(counters[infl.PLAN_DONE]) == 1)
+        row = infl.ledger_row(counters, 1)
+        assert row["prefetch_staged"] == len(blocks) and row["prefetch_fills"] == 0 and int(counters[4]) == 0
+        assert _until(lambda: ds.reader.staging.names(ds.version) == [])  # all delivered: all gone
+    finally:
+        cmds.put(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
