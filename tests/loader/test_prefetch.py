@@ -104,7 +104,7 @@ def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:
 def test_adjacent_blocks_are_fetched_with_merged_gets(packed_local, tmp_path, monkeypatch):
     """An order that wants adjacent blocks together costs fewer requests than blocks, and leaves
     every block cached and verified; with merging off (a cap of one block) one request a block."""
-    import stoker.loader.prefetch as pf
+    import stoker.loader.prefetch_loop as pf
 
     rows = {}
     for name, cap in (("merged", 4 * (64 << 10)), ("single", 64 << 10)):

@@ -22,6 +22,7 @@ boundaries charge its bytes to the wrong epoch. It keeps one ledger row per plan
 run id sent with the plan) and charges each block it fetched to the plan whose samples it serves
 first (:func:`charge`); a loader reads its epoch's row (:func:`ledger_row`).
 """
+
 from __future__ import annotations
 
 import math
@@ -230,5 +231,13 @@ def mean_or_zero(num: float, den: float) -> float:
     return float(num) / den if den else 0.0
 
 
-__all__ = ["InflightTarget", "InflightGate", "BusyClock", "open_row", "charge", "ledger_row", "serving_plan",
-           "N_SHARED"]
+__all__ = [
+    "InflightTarget",
+    "InflightGate",
+    "BusyClock",
+    "open_row",
+    "charge",
+    "ledger_row",
+    "serving_plan",
+    "N_SHARED",
+]

@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 __all__ = ["FORKSERVER_PRELOAD", "READY_TIMEOUT_S", "abandon", "died", "start_context", "wait_ready"]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
-FORKSERVER_PRELOAD = ["stoker.loader.workers", "stoker.decode", "stoker.loader.prefetch"]
+FORKSERVER_PRELOAD = [
+    "stoker.loader.workers",
+    "stoker.decode",
+    "stoker.loader.prefetch",
+    "stoker.loader.prefetch_loop",
+    "stoker.loader.fills",
+]
 #: Most seconds a start waits for the processes to finish their own start (spawn or forkserver
 #: children import stoker and torch: seconds on a loaded machine).
 READY_TIMEOUT_S = 30.0

@@ -15,6 +15,7 @@ predecessor staged (``prefetch_main(..., adopt=True)``): staged blocks are whole
 file + rename) and fetch locks are ``flock`` locks that the kernel releases when their holder
 dies, so nothing the dead one left blocks the new one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -104,16 +105,23 @@ class Prefetcher:
     def totals(self) -> dict:
         """Its clocks and origin retries (for ``Run.totals``)."""
         pc = list(self._counters)
-        return {"prefetch_depth_sum": pc[6], "prefetch_depth_n": pc[7], "origin_busy_us": pc[infl.BUSY_US],
-                "origin_request_us": pc[infl.REQUEST_US], "origin_retries": pc[infl.ORIGIN_RETRIES]}
+        return {
+            "prefetch_depth_sum": pc[6],
+            "prefetch_depth_n": pc[7],
+            "origin_busy_us": pc[infl.BUSY_US],
+            "origin_request_us": pc[infl.REQUEST_US],
+            "origin_retries": pc[infl.ORIGIN_RETRIES],
+        }
 
     def ledger(self, run: int) -> dict:
         """Its origin traffic charged to plan ``run``, with its in-flight target, latency and
         bandwidth estimates now (:func:`stoker.loader.inflight.ledger_row`)."""
         out = infl.ledger_row(self._counters, run)
-        out.update(inflight_target=int(self._counters[infl.TARGET]),
-                   origin_latency_us=int(self._counters[infl.LATENCY_US]),
-                   origin_bandwidth_Bps=int(self._counters[infl.BANDWIDTH_BPS]))
+        out.update(
+            inflight_target=int(self._counters[infl.TARGET]),
+            origin_latency_us=int(self._counters[infl.LATENCY_US]),
+            origin_bandwidth_Bps=int(self._counters[infl.BANDWIDTH_BPS]),
+        )
         return out
 
     def plan_done(self, run: int) -> bool:
@@ -147,8 +155,11 @@ class Prefetcher:
             if not self._off:
                 self._off = True
                 abandon(self._cmds)
-                log.warning("%s, %d times this epoch: going on without prefetch (the workers read "
-                            "the blocks themselves)", what, self._restarts + 1)
+                log.warning(
+                    "%s, %d times this epoch: going on without prefetch (the workers read the blocks themselves)",
+                    what,
+                    self._restarts + 1,
+                )
             return
         self._restarts += 1
         self.restarted_at = time.monotonic()
@@ -179,9 +190,22 @@ class Prefetcher:
         predecessor staged)."""
         concurrency, ahead_bytes, staging_bytes = self._args
         self._cmds = self._ctx.Queue()
-        self._proc = self._ctx.Process(target=prefetch_main, name="stoker-prefetch",
-                                       args=(self._dataset, self._cmds, self._pos, self._done, self._counters,
-                                             concurrency, ahead_bytes, staging_bytes, self._prev_done, adopt,
-                                             self._ready),
-                                       daemon=True)
+        self._proc = self._ctx.Process(
+            target=prefetch_main,
+            name="stoker-prefetch",
+            args=(
+                self._dataset,
+                self._cmds,
+                self._pos,
+                self._done,
+                self._counters,
+                concurrency,
+                ahead_bytes,
+                staging_bytes,
+                self._prev_done,
+                adopt,
+                self._ready,
+            ),
+            daemon=True,
+        )
         self._proc.start()

@@ -12,6 +12,7 @@ A run is capped at ``cap_bytes``; the prefetcher sizes the cap to the origin's m
 bandwidth-delay product (:func:`merge_cap_bytes`), past which a bigger GET no longer saves a
 round trip worth its bytes and only delays the first of its blocks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 MAX_MERGE_BYTES = 8 << 20
 
 
-def merge_cap_bytes(latency_s: float, bandwidth_Bps: float, block_bytes: int,
-                    ceiling_bytes: int = MAX_MERGE_BYTES) -> int:
+def merge_cap_bytes(
+    latency_s: float, bandwidth_Bps: float, block_bytes: int, ceiling_bytes: int = MAX_MERGE_BYTES
+) -> int:
     """Largest merged GET (bytes) for an origin of per-request ``latency_s`` (s) and
     ``bandwidth_Bps`` (bytes/s): the bandwidth-delay product ``latency_s * bandwidth_Bps``
     (the bytes the link carries in one round trip), at least ``block_bytes`` and at most
@@ -49,11 +51,19 @@ def adjacent_run(ds, b: int, wanted, cap_bytes: int) -> list[int]:
     shard = int(ds.block_shard[b])
     lo = hi = int(b)
     n = ds.num_blocks
-    while (hi + 1 < n and wanted(hi + 1) and int(ds.block_shard[hi + 1]) == shard
-           and int(ds.block_end[hi + 1]) - int(ds.block_start[lo]) <= cap_bytes):
+    while (
+        hi + 1 < n
+        and wanted(hi + 1)
+        and int(ds.block_shard[hi + 1]) == shard
+        and int(ds.block_end[hi + 1]) - int(ds.block_start[lo]) <= cap_bytes
+    ):
         hi += 1
-    while (lo - 1 >= 0 and wanted(lo - 1) and int(ds.block_shard[lo - 1]) == shard
-           and int(ds.block_end[hi]) - int(ds.block_start[lo - 1]) <= cap_bytes):
+    while (
+        lo - 1 >= 0
+        and wanted(lo - 1)
+        and int(ds.block_shard[lo - 1]) == shard
+        and int(ds.block_end[hi]) - int(ds.block_start[lo - 1]) <= cap_bytes
+    ):
         lo -= 1
     return list(range(lo, hi + 1))
 
@@ -149,11 +159,12 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
         start, end = int(ds.block_start[first]), int(ds.block_end[last])
         try:
             data = memoryview(reader.source_read(first, start, end, block=True))
-            parts = [(b, dest, ds.verify_block(b, data[int(ds.block_start[b]) - start:int(ds.block_end[b]) - start]))
-                     for b, dest in stretch]
+            parts = [
+                (b, dest, ds.verify_block(b, data[int(ds.block_start[b]) - start : int(ds.block_end[b]) - start]))
+                for b, dest in stretch
+            ]
         except (OriginError, ChecksumError, OSError) as exc:
-            log.info("merged GET of blocks %d-%d of %s failed (%s); fetching them one by one",
-                     first, last, ds.url, exc)
+            log.info("merged GET of blocks %d-%d of %s failed (%s); fetching them one by one", first, last, ds.url, exc)
         else:
             for b, dest, part in parts:
                 out[b] = _store(ds, b, part, dest)  # a view of the GET's buffer: no copy
