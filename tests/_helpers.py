@@ -17,26 +17,41 @@ def make_image_folder(root: Path, files: dict[str, bytes]) -> Path:
     return root
 
 
-def in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked child and re-raise its failure here (with its traceback).
+def in_child(fn, *args, timeout_s: float = 120.0):
+    """Run ``fn(*args)`` in a forked child and return what it returns (it must pickle), or
+    re-raise its failure here (with its traceback). A child that has not answered within
+    ``timeout_s`` is killed, so a hang fails the test and leaves no process behind.
 
     For code that uses obstore: a process that forks after a tokio runtime started can crash its
-    children, so the test process itself never starts one."""
+    children, so the test process itself never starts one (``tests/conftest.py`` checks it after
+    every module)."""
+    import queue as queue_mod
+
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
     def target():
         try:
-            fn(*args)
-            q.put(None)
+            q.put((None, fn(*args)))
         except BaseException:  # noqa: BLE001
-            q.put(traceback.format_exc())
+            q.put((traceback.format_exc(), None))
 
     p = ctx.Process(target=target)
     p.start()
-    err = q.get(timeout=120)
+    try:
+        err, result = q.get(timeout=timeout_s)
+    except queue_mod.Empty:
+        p.kill()
+        p.join(10)
+        raise AssertionError(
+            f"{getattr(fn, '__name__', fn)} did not finish within {timeout_s:g} s in a child"
+        ) from None
     p.join(30)
+    if p.is_alive():
+        p.kill()
+        p.join(10)
     assert err is None, err
+    return result
 
 
 def require(what: str, module: str | None = None, path: str | None = None):

@@ -11,6 +11,21 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_fork_hazard_left(request):
+    """After each module, the test process holds no runtime that a fork cannot survive (tokio,
+    from obstore): tests fork children (`_helpers.in_child`, loaders with ``fork``), and one module
+    that read through obstore here made every later fork hang or switch start methods. Code that
+    uses obstore runs in a child (`_helpers.in_child`) or a subprocess."""
+    from stoker._procs import fork_hazards
+
+    before = fork_hazards()
+    yield
+    after = [h for h in fork_hazards() if h not in before]
+    if after:
+        pytest.fail(f"{request.module.__name__} left this process unsafe to fork: {'; '.join(after)}")
+
+
 @pytest.fixture(scope="session")
 def s3_origin():
     """A running :class:`stoker_lab.bench.origin.LocalS3Origin` (2 ms latency, 1000 MB/s cap)."""

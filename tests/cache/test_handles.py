@@ -178,3 +178,24 @@ def test_descriptors_of_unlinked_blocks_are_swept_out(tmp_path, monkeypatch):
     for k in range(1, 8):  # the 8th open sweeps
         assert reader.read(NS, f"b{k}", 0, 8) == _block(k, 64)[:8]
     assert reader._local().open_block_fds() == 7  # b1..b7: b0's descriptor closed although the LRU had room
+
+
+def test_a_dropped_cache_gives_its_descriptors_back(tmp_path):
+    """A cache (or the Dataset holding it) that is dropped closes the lock and block files it kept
+    open: a training process that opens datasets again and again must not run out of descriptors."""
+    import gc
+
+    writer = DiskCache(str(tmp_path / "c"), 1 << 20)
+    for k in range(8):
+        assert writer.put(NS, f"b{k}", _block(k))
+    base = len(os.listdir("/proc/self/fd"))
+    for _ in range(10):
+        reader = DiskCache(str(tmp_path / "c"), 1 << 20)
+        for k in range(8):
+            assert reader.read(NS, f"b{k}", 0, 16) == _block(k)[:16]
+        with reader.fetch_lock(NS, "b0"):
+            pass
+        assert len(os.listdir("/proc/self/fd")) > base  # it does keep some open while alive
+        del reader
+        gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= base

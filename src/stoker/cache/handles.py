@@ -254,6 +254,15 @@ class Handles:
             finally:
                 self.budget_mutex.release()
 
+    def __del__(self) -> None:
+        # A dropped cache (its Dataset dropped) gives its descriptors back at once rather than at
+        # exit; a forked child's copy is left alone (the parent's descriptors; for_pid replaced it).
+        try:
+            if self.pid == os.getpid():
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: os or the locks may be gone
+            pass
+
     def open_block_fds(self) -> int:
         """How many block files this process holds open (tests)."""
         with self._mutex:

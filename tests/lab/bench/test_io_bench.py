@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from _helpers import in_child
 from stoker_lab.bench.bytes_only import BytesOnlyConfig, make_files
 from stoker_lab.bench.bytes_only import run as run_bytes_only
 from stoker_lab.bench.bytes_only import table as bytes_table
@@ -33,7 +34,9 @@ def _positive(x) -> bool:
 
 
 def test_io_bench_report(tmp_path):
-    r = run(
+    # in a child: its obstore stage starts a tokio runtime, which this process must never hold
+    r = in_child(
+        run,
         IoConfig(
             images=48,
             classes=3,
@@ -45,7 +48,7 @@ def test_io_bench_report(tmp_path):
             bandwidth_MBps=500,
             workdir=str(tmp_path / "w"),
             bytes_only_files=0,
-        )
+        ),
     )
     assert {s["stage"] for s in r["stages"]} == STAGES
     assert r["machine"]["cores"] >= 1 and r["dataset"]["samples"] == 48 and r["dataset"]["bytes"] > 0
