@@ -47,11 +47,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+from .venvs import run_json_lines
 
 GB = 1e9
 NPY_HEADER = 128  # numpy's .npy v1.0 header for a small uint8 array, padded to 64-byte alignment
@@ -244,39 +245,6 @@ def dlio_overrides(
     ]
 
 
-def _run_lines(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> tuple[list[dict], str | None]:
-    """Run ``cmd`` in a session of its own; (its JSON lines, None) or (lines so far, why it failed)."""
-    rows: list[dict] = []
-    with open(log_path, "w+") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            why = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            why = f"did not finish in {timeout_s:.0f} s"
-        for line in (out or "").splitlines():
-            if line.startswith("{"):
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    pass
-        if why:
-            err.seek(0)
-            tail = [ln for ln in err.read().strip().splitlines() if ln.strip()][-6:]
-            why += ": " + " | ".join(tail)
-    return rows, why
-
-
 # -- the report -----------------------------------------------------------------
 def index_map_note(fmt: dict | None, dlio_rows: list[dict]) -> dict | None:
     """What DLIO's per-sample debug string costs (see :func:`stoker_lab.bench.dlio_runner.index_map_format_s`)
@@ -393,7 +361,7 @@ def run(cfg: BytesOnlyConfig | None = None) -> dict:
     cfg_path = os.path.join(work, "stoker.json")
     with open(cfg_path, "w") as f:
         json.dump(scfg, f)
-    rows, why = _run_lines(
+    rows, why = run_json_lines(
         [sys.executable, "-m", "stoker_lab.bench.bytes_only", "stoker", cfg_path],
         env,
         cfg.timeout_s,
@@ -430,7 +398,7 @@ def run(cfg: BytesOnlyConfig | None = None) -> dict:
             with open(dcfg_path, "w") as f:
                 json.dump(dcfg, f)
             denv = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-            rows, why = _run_lines(
+            rows, why = run_json_lines(
                 [py, os.path.join(_HERE, "dlio_runner.py"), dcfg_path],
                 denv,
                 cfg.timeout_s,

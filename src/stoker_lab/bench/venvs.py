@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -144,3 +145,48 @@ def ensure_venv(
     with open(os.path.join(root, _MARKER), "w") as f:
         json.dump(_recorded(reqs, nd), f)
     return py
+
+
+def run_json_lines(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> tuple[list[dict], str | None]:
+    """Run ``cmd`` (a benchmark runner, often in a peer's environment) in a session of its own, its
+    stderr in ``log_path``; returns (the JSON objects it printed one per line, None), or (those so
+    far, why it failed: its exit status or the timeout, then the last lines of its stderr). A run
+    past ``timeout_s`` seconds is killed with its whole process group."""
+    rows: list[dict] = []
+    with open(log_path, "w+") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            why = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            why = f"did not finish in {timeout_s:.0f} s"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for line in (out or "").splitlines():
+            if line.startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+        if why:
+            err.seek(0)
+            why = f"{why}: {stderr_tail(err.read())}"
+    return rows, why
+
+
+def stderr_tail(text: str, lines: int = 6) -> str:
+    """The last ``lines`` lines of a runner's stderr that say something (pip's index warnings left out)."""
+    kept = [ln for ln in text.strip().splitlines() if ln.strip() and "is ignored: it is neither" not in ln]
+    return "\n".join(kept[-lines:])

@@ -17,12 +17,13 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+
+from ..venvs import run_json_lines, stderr_tail
 
 LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali")
 _VENV = {"streaming": "streaming", "litdata": "litdata", "dali": "dali"}
@@ -62,11 +63,6 @@ def _log(msg: str) -> None:
     print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _tail(text: str, lines: int = 6) -> str:
-    kept = [ln for ln in text.strip().splitlines() if ln.strip() and "is ignored: it is neither" not in ln]
-    return "\n".join(kept[-lines:])
-
-
 def _runner(loader: str) -> str:
     return os.path.join(_HERE, f"run_{loader}.py")
 
@@ -81,7 +77,7 @@ def _python_for(loader: str, cfg: PeersConfig) -> str:
             r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, text=True, timeout=120)
             if r.returncode:
                 raise RuntimeError(
-                    f"cannot import {mod} in stoker's Python: {_tail(r.stderr, 2)} "
+                    f"cannot import {mod} in stoker's Python: {stderr_tail(r.stderr, 2)} "
                     "(pip install -e '.[dev]' in the stoker checkout or webdataset)"
                 )
         return sys.executable
@@ -98,42 +94,6 @@ def _python_for(loader: str, cfg: PeersConfig) -> str:
         return ensure_venv(name, log=_log)
     except VenvError as exc:
         raise RuntimeError(f"could not install: {exc}") from None
-
-
-def _run_json(cmd: list[str], env: dict, timeout_s: float, log_path: str) -> tuple[list[dict], str | None]:
-    """Run a runner; returns (its JSON lines, None) or (lines so far, failure reason)."""
-    rows: list[dict] = []
-    with open(log_path, "w+") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            why = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            why = f"did not finish in {timeout_s:.0f} s"
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for line in (out or "").splitlines():
-            if line.startswith("{"):
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    pass
-        if why:
-            err.seek(0)
-            why = f"{why}: {_tail(err.read())}"
-    return rows, why
 
 
 def _dir_bytes(path: str) -> tuple[int, int]:
@@ -162,7 +122,7 @@ def _convert(loader: str, py: str, src: str, out: str, cfg: PeersConfig, work: s
     conf = os.path.join(work, f"convert-{loader}.json")
     with open(conf, "w") as f:
         json.dump({"shard_bytes": cfg.shard_bytes, "wds_shard_bytes": cfg.wds_shard_bytes, "workers": cfg.workers}, f)
-    rows, why = _run_json(
+    rows, why = run_json_lines(
         [py, _runner(loader), "convert", src, out, conf],
         env,
         cfg.run_timeout_s,
@@ -320,7 +280,7 @@ def run_peers(cfg: PeersConfig) -> dict:
                 json.dump(_read_config(loader, cfg, origin, fmt_dirs[loader], cache_dir), f)
             load = {"loader": loader, "before": list(os.getloadavg())}
             _log(f"{loader}: {cfg.epochs} epochs")
-            rows, why = _run_json(
+            rows, why = run_json_lines(
                 [pythons[loader], _runner(loader), "read", conf],
                 env,
                 cfg.run_timeout_s,
