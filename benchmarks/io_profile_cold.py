@@ -43,8 +43,7 @@ if __name__ == "__main__":
             with Loader(ds, 64, num_workers=2, seed=e, decode=raw_bytes, collate=keep_list) as loader:
                 it = iter(loader)
                 first = next(it)
-                run = loader._pipeline
-                pid = run._prefetcher.pid
+                pid = loader.processes.prefetcher.pid
                 print("PREFETCHER", pid, flush=True)
                 o0 = process_cpu_s(origin.pid)
                 p = (
