@@ -6,7 +6,7 @@ into ~64 MiB tar shards, random xxh3-64 checksums), writes it as the real Parque
 index (``build_table`` + ``table_to_bytes``) and, in a fresh child process so
 that the generator's memory is not counted, measures:
 
-- open: ``read_index`` + ``SampleDirectory`` construction + key-table build;
+- open: ``read_index`` + ``KeyTable`` construction + key-table build;
 - resident bytes per sample: the arrays' ``nbytes`` and the process RSS delta;
 - 1M random lookups by id (one vectorised batch) and by key (one ``ids_of`` batch);
 - per-call latency of ``sample(i)`` / ``id_of(key)``, prefix-tree operations;
@@ -112,7 +112,7 @@ def bsearch_keys(offsets: np.ndarray, data: np.ndarray, q_offsets: np.ndarray, q
 
     Returns int64 (M,) positions, -1 where absent. No memory beyond the keys.
     """
-    from stoker.store.directory import _MASKS, _gather_words
+    from stoker.store.keytable import _MASKS, _gather_words
 
     n = len(offsets) - 1
     ks, kl = offsets[:-1].astype(np.int64), np.diff(offsets).astype(np.int64)
@@ -185,7 +185,7 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     import pyarrow.compute as pc
     import xxhash
 
-    from stoker.store.directory import SampleDirectory
+    from stoker.store.keytable import KeyTable
     from stoker.store.index import read_index
 
     res: dict = {}
@@ -198,7 +198,7 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     t0 = time.perf_counter()
     idx = read_index(data, path)
     t1 = time.perf_counter()
-    d = SampleDirectory(idx)
+    d = KeyTable(idx)
     t2 = time.perf_counter()
     d.prepare()
     t3 = time.perf_counter()
@@ -218,14 +218,14 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
     reps = []
     for _ in range(2):
         ta = time.perf_counter()
-        SampleDirectory(read_index(data, path)).prepare()
+        KeyTable(read_index(data, path)).prepare()
         reps.append(time.perf_counter() - ta)
     res["open"]["repeat_total_s"] = reps
     # marginal resident cost: one more directory held, once the allocator has warmed up
     gc.collect()
     pool.release_unused()
     rss_a = rss_bytes()
-    extra = SampleDirectory(read_index(data, path)).prepare()
+    extra = KeyTable(read_index(data, path)).prepare()
     gc.collect()
     pool.release_unused()
     rss_b = rss_bytes()
@@ -336,7 +336,7 @@ def measure(path: str, lookups: int, alternatives: bool, seed: int = 1) -> dict:
             "bytes_per_sample": 0,
         }
         # (c) vectorised binary search over the sorted key bytes (nothing resident)
-        from stoker.store.directory import _string_buffers
+        from stoker.store.keytable import _string_buffers
 
         _, qo, qd = _string_buffers(kq)
         t_bs, got = timed(lambda: bsearch_keys(d._offsets, d._data, qo, qd), 1)

@@ -9,7 +9,6 @@ from stoker_lab.bench.origin import LocalS3Origin, upload_tree
 from stoker.store.pack import pack
 from stoker.store.dataset import open_dataset
 from stoker.loader import Loader
-from stoker.loader._run import Run
 from stoker.loader.epoch_stats import process_cpu_s
 
 if __name__ == "__main__":
