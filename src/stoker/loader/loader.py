@@ -10,6 +10,7 @@ order the plan will need the blocks.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing as mp
 import numbers
@@ -49,6 +50,19 @@ def _check_batch_size(batch_size: object) -> None:
         )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised in the function that calls this one, that names the
+    first caller outside stoker: a Loader made by ``ctx.loader(...)`` (stoker.cluster.job) warns at
+    the user's line, not at stoker's."""
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the function that warns
+    level = 1
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("stoker."):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class Loader:
@@ -132,8 +146,9 @@ class Loader:
         epoch = 0
         if deprecated:  # TypeError for an unknown keyword or one given twice, before any warning
             groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run})
+            level = _user_stacklevel()
             for old in deprecated:
-                warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=2)
+                warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=level)
             read, image, run = groups["read"], groups["image"], groups["run"]
             epoch = 0 if old_epoch is None else int(old_epoch)
         read, image, run = read or ReadOptions(), image or ImageOptions(), run or RunOptions()
