@@ -244,8 +244,14 @@ class GenericDecoder:
         ds, cfg = self.ds, self.cfg
         skip = cfg.on_error == "skip"
         samples, kept, skipped, skipped_keys = [], [], [], []
-        for sid in ids:
-            sid = int(sid)
+        sids = [int(sid) for sid in ids]
+        # the generators made together, not each right after a decode (see BatchDecoder.run)
+        rngs = (
+            [np.random.default_rng(sample_seed(cfg.seed, epoch, sid)) for sid in sids]
+            if self.decode is not None
+            else None
+        )
+        for k, sid in enumerate(sids):
             if current is not None:
                 current.value = sid
             fields = ds.read_fields(sid)
@@ -253,7 +259,8 @@ class GenericDecoder:
                 sample = fields
             else:
                 key = ds.key(sid)
-                rng = np.random.default_rng(sample_seed(cfg.seed, epoch, sid))
+                assert rngs is not None
+                rng = rngs[k]
                 try:
                     sample = self.decode(fields, rng)
                     if sample is None:
