@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stoker import Loader, open_dataset
+from stoker import Loader, RunOptions, open_dataset
 from stoker.store.pack import pack
 
 N = 240
@@ -52,8 +52,10 @@ def test_closing_one_of_two_loaders_over_one_dataset_leaves_the_other_whole(id_d
     ds = open_dataset(id_dataset, cache_dir=str(tmp_path / "cache"), cache_bytes=48 << 10, block_bytes=BLOCK)
     floor = _span_bytes(ds)
     assert int((ds.block_end - ds.block_start).sum()) > 4 * (48 << 10)  # most blocks go through staging
-    train = Loader(ds, 16, num_workers=2, seed=1, decode=_sid, timeout_s=60)
-    ev = Loader(ds, 16, num_workers=2, seed=9, decode=_sid, transform="eval", shuffle=False, timeout_s=60)
+    train = Loader(ds, 16, num_workers=2, seed=1, decode=_sid, run=RunOptions(timeout_s=60))
+    ev = Loader(
+        ds, 16, num_workers=2, seed=9, decode=_sid, transform="eval", shuffle=False, run=RunOptions(timeout_s=60)
+    )
     try:
         # epoch 0: both at once, batch by batch
         it_t, it_e = iter(train), iter(ev)
