@@ -281,9 +281,8 @@ class GenericDecoder:
                     )
                     if not skip:
                         raise err from exc
-                    log.warning("skipping sample (epoch %d): %s", epoch, err)
-                    skipped.append(sid)
-                    skipped_keys.append(key)
+                    skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
+                    skipped_keys.append((key, str(err)))
                     continue
             samples.append(sample)
             kept.append(sid)

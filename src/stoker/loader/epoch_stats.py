@@ -3,11 +3,14 @@ its processes (workers, prefetcher) and its own clock."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,9 +120,16 @@ class EpochStats:
 
 def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> None:
     """Count one finished batch: ``bids`` its planned sample ids, ``skipped`` the ids a
-    worker skipped (``on_error="skip"``) with their keys; the ids actually delivered are
-    appended to ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this
-    runs in ``next()`` for every batch)."""
+    worker skipped (``on_error="skip"``) with their keys, each a key or ``(key, reason)``; a
+    reason is logged here, when the batch is delivered, so a batch decoded ahead for an epoch
+    that never runs logs nothing. The ids actually delivered are appended to ``delivered`` (a
+    list of int64 arrays, counted once at the epoch's end: this runs in ``next()`` for every
+    batch)."""
+    if skipped_keys and any(isinstance(k, tuple) for k in skipped_keys):
+        for k in skipped_keys:
+            if isinstance(k, tuple):
+                log.warning("skipping sample (epoch %d): %s", stats.epoch, k[1])
+        skipped_keys = [k[0] if isinstance(k, tuple) else k for k in skipped_keys]
     if skipped:
         left, kept = list(skipped), []
         for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)

@@ -408,6 +408,7 @@ class Loader:
             start_method=self.run_options.start_method,
             device=self.device,
             prefetch_next_epoch=self.prefetch_next_epoch,
+            epochs=self.run_options.epochs,
         )
         hooks = RunHooks(
             state=self.state,
