@@ -1,7 +1,15 @@
-"""Single-process decode + transform rate (r_core of the decode bound, benchmarks/README.md)."""
+"""Single-process decode + transform rate (r_core of the decode bound, benchmarks/README.md).
+
+One timed run on a shared machine catches whatever else the cores were doing at that moment (the
+demo's per-core rate once read 788/s and 1,200/s in two runs on one machine).
+:func:`measure_decode_rounds` times several short rounds instead, the recipes taking turns, so a
+caller can spread the rounds over its run and take the median (:func:`median_rate`): one slow or
+fast moment then moves the figure by one round out of many, and each recipe sees the same moments.
+"""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -10,7 +18,7 @@ from .reference import pillow_decode_transform
 from .resample import one_intra_op_thread
 from .transforms import decode_transform
 
-__all__ = ["measure_decode_rate"]
+__all__ = ["measure_decode_rate", "measure_decode_rounds", "median_rate"]
 
 
 def measure_decode_rate(
@@ -73,3 +81,55 @@ def measure_decode_rate(
             elapsed = time.perf_counter() - start
             if n >= count and elapsed >= min_seconds:
                 return n / elapsed
+
+
+def measure_decode_rounds(
+    payloads: list[bytes],
+    rounds: int = 3,
+    recipes: tuple[str, ...] = ("stoker", "pillow"),
+    round_seconds: float = 0.5,
+    mode: str = "train",
+    *,
+    size: int = 224,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Decode + transform rates of one process in ``rounds`` interleaved rounds per recipe.
+
+    Each recipe first decodes a few payloads untimed (first-call costs: buffers, torch's kernel
+    set-up), then round by round every recipe is timed once, in turn (stoker, pillow, stoker,
+    pillow, ...), each for at least ``round_seconds`` and one pass over ``payloads``
+    (:func:`measure_decode_rate`), so the recipes share whatever the machine did meanwhile.
+
+    Args:
+        payloads, mode, size, seed: as :func:`measure_decode_rate` (each round reseeds ``seed``).
+        rounds: timed rounds per recipe (>= 1).
+        recipes: the recipes, in the order they take turns.
+        round_seconds: minimum wall seconds of one round.
+
+    Returns:
+        ``{recipe: [samples/s of each round, in order]}``; :func:`median_rate` summarises one.
+
+    Raises:
+        ValueError: ``rounds < 1``, no recipe, and what :func:`measure_decode_rate` raises.
+    """
+    if rounds < 1 or not recipes:
+        raise ValueError(f"rounds must be >= 1 and recipes non-empty, got {rounds}, {recipes!r}")
+    warm = payloads[: min(len(payloads), 8)]
+    for recipe in recipes:
+        measure_decode_rate(warm, mode, 0.0, recipe, size=size, seed=seed)
+    out: dict[str, list[float]] = {r: [] for r in recipes}
+    for _ in range(rounds):
+        for recipe in recipes:
+            out[recipe].append(measure_decode_rate(payloads, mode, round_seconds, recipe, size=size, seed=seed))
+    return out
+
+
+def median_rate(rates: list[float]) -> float:
+    """The median of measured rates (samples/s): the figure a run of timed rounds stands for.
+
+    Raises:
+        ValueError: ``rates`` is empty.
+    """
+    if not rates:
+        raise ValueError("no decode rate was measured")
+    return float(statistics.median(rates))
