@@ -157,7 +157,9 @@ def jpeg(
     # the file; else (no extension, another format, EXIF applied) on the decoded image
     region_hw = None if exif_orientation or crop is None else jpeg_region_size(data, name, max_pixels)
     if region_hw is not None:
-        top, left, h, w = _box(crop, region_hw, rng, scale, ratio) or (0, 0, *region_hw)
+        box = _box(crop, region_hw, rng, scale, ratio)
+        assert box is not None  # crop is not None on this path
+        top, left, h, w = box
         part = decode_jpeg_region(data, name, top, left, h, w)
         if part is None:  # libjpeg warned inside the box: the whole file, judged by the reference path
             img = decode_image(data, name, max_pixels=max_pixels)

@@ -11,8 +11,11 @@ The decode rate is timed in short rounds, stoker's recipe and Pillow's taking tu
 (:func:`stoker.decode.rate.measure_decode_rounds`), at three points of the run: after packing,
 right before stoker's epochs with a consumer that takes no time, and right after them (the
 loader closed, so nothing else decodes). The limits use the median of all the rounds
-(:data:`CALIBRATION_ROUNDS`), so the checks against the decode bound do not rest on one
-moment of a shared machine, and the rounds bracket the epochs they are compared with.
+(:data:`CALIBRATION_ROUNDS`) in samples per CPU-second of the decoding thread, so the checks
+against the decode bound rest neither on one moment of a shared machine nor on the share of a
+core that other processes left the calibration; the rounds bracket the epochs they are compared
+with. The report keeps each round's wall rate too, and the workers' share of the cores in each
+epoch (``workers_cpu_share``), which says when a timing miss was the machine's load.
 """
 
 from __future__ import annotations
@@ -77,20 +80,26 @@ def _log(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def decode_limits(rounds: dict[str, list[float]], workers: int, storage_bound: float) -> dict:
-    """The report's ``limits`` from the calibration rounds so far (``{"stoker": [samples/s, ...],
+def decode_limits(rounds: dict, workers: int, storage_bound: float) -> dict:
+    """The report's ``limits`` from the calibration rounds so far (``{"stoker": [DecodeRound, ...],
     "pillow": [...]}``, :func:`stoker.decode.rate.measure_decode_rounds`): the per-core rates are
-    the medians of the rounds, ``decode_bound`` = the stoker median x ``workers``; the rounds are
-    kept beside them (``*_rounds``)."""
+    the medians of the rounds' samples per CPU-second of the decoding thread (one core's rate
+    with the core to itself, which the machine's other load does not move), ``decode_bound`` =
+    the stoker median x ``workers``; every round's CPU and wall rates are kept beside them."""
     from stoker.decode.rate import median_rate
 
-    per_core = median_rate(rounds["stoker"])
+    cpu = {k: [r.cpu_rate for r in v] for k, v in rounds.items()}
+    per_core = median_rate(cpu["stoker"])
     return {
         "decode_per_core": per_core,
-        "decode_per_core_rounds": [round(r, 1) for r in rounds["stoker"]],
-        "pillow_per_core": median_rate(rounds["pillow"]),
-        "pillow_per_core_rounds": [round(r, 1) for r in rounds["pillow"]],
-        "calibration": f"median of {len(rounds['stoker'])} interleaved rounds of >= {ROUND_S} s per recipe",
+        "decode_per_core_rounds": [round(r, 1) for r in cpu["stoker"]],
+        "decode_per_core_wall_rounds": [round(r.wall_rate, 1) for r in rounds["stoker"]],
+        "pillow_per_core": median_rate(cpu["pillow"]),
+        "pillow_per_core_rounds": [round(r, 1) for r in cpu["pillow"]],
+        "calibration": (
+            f"median of {len(cpu['stoker'])} interleaved rounds of >= {ROUND_S} s per recipe, "
+            "samples per CPU-second of one process"
+        ),
         "workers": workers,
         "decode_bound": per_core * workers,
         "storage_bound": storage_bound,
@@ -165,15 +174,19 @@ def run_demo(cfg: DemoConfig) -> dict:
         mean_bytes = probe.index.total_bytes / n
         local = [os.path.join(data_dir, "train", f"{probe.key(i)}.JPEG") for i in range(0, n, max(1, n // 300))]
         payloads = [open(p, "rb").read() for p in local if os.path.exists(p)]
-        rounds: dict[str, list[float]] = {"stoker": [], "pillow": []}
+        rounds: dict[str, list] = {"stoker": [], "pillow": []}
 
         def calibrate(point: str) -> None:
             got = measure_decode_rounds(payloads, CALIBRATION_ROUNDS[point], round_seconds=ROUND_S)
-            for recipe, rates in got.items():
-                rounds[recipe] += rates
+            for recipe, timed in got.items():
+                rounds[recipe] += timed
+
+            def show(recipe: str) -> str:
+                return ", ".join(f"{r.cpu_rate:.0f} ({r.wall_rate:.0f})" for r in got[recipe])
+
             _log(
-                f"decode rounds ({point}): stoker {', '.join(f'{r:.0f}' for r in got['stoker'])}/s per core, "
-                f"Pillow {', '.join(f'{r:.0f}' for r in got['pillow'])}/s"
+                f"decode rounds ({point}), samples per CPU-second (per wall second): "
+                f"stoker {show('stoker')}; Pillow {show('pillow')}"
             )
 
         calibrate("start")
@@ -257,7 +270,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     lim = report["limits"] = decode_limits(rounds, cfg.workers, storage_bound)
     _log(
         f"limits: decode {lim['decode_per_core']:.0f}/s per core ({lim['calibration']}; "
-        f"{min(rounds['stoker']):.0f}-{max(rounds['stoker']):.0f}), Pillow {lim['pillow_per_core']:.0f}/s, "
+        f"{min(lim['decode_per_core_rounds']):.0f}-{max(lim['decode_per_core_rounds']):.0f}), "
+        f"Pillow {lim['pillow_per_core']:.0f}/s, "
         f"decode_bound {lim['decode_bound']:.0f}/s, storage_bound {storage_bound:.0f}/s"
     )
     for r in report["runs"]:
@@ -301,12 +315,18 @@ def bound_figures(run: dict, limits: dict, bandwidth_MBps: float) -> dict:
     """One measured epoch (a run of the report: ``samples``, ``seconds``, ``samples_per_s``,
     ``origin_bytes``) against the calibrated limits: ``overlap_efficiency`` (max(origin bytes /
     bandwidth, samples / decode_bound) / seconds, stoker's design notes) and ``vs_bound``
-    (samples/s / min(decode_bound, storage_bound)). Computed once every calibration round is in."""
+    (samples/s / min(decode_bound, storage_bound)), and from the workers' CPU seconds
+    (``cpu_s.workers``) ``workers_cpu_share`` (CPU seconds / (workers x seconds): the cores they
+    got) and ``samples_per_worker_cpu_s``. Computed once every calibration round is in."""
     from stoker.loader.epoch_stats import overlap_efficiency
 
     bound = min(limits["decode_bound"], limits["storage_bound"])
     decode_s = run["samples"] / limits["decode_bound"] if limits["decode_bound"] else 0.0
+    workers_cpu = run.get("cpu_s", {}).get("workers", 0.0)
     return {
         "overlap_efficiency": overlap_efficiency(run["seconds"], run["origin_bytes"], bandwidth_MBps * 1e6, decode_s),
         "vs_bound": run["samples_per_s"] / bound if bound else 0.0,
+        # the cores the workers got (1: each worker on a core all epoch) and what they did with them
+        "workers_cpu_share": workers_cpu / (limits["workers"] * run["seconds"]) if run["seconds"] else 0.0,
+        "samples_per_worker_cpu_s": run["samples"] / workers_cpu if workers_cpu else 0.0,
     }
