@@ -55,6 +55,7 @@ EXPECTED_ALL = [
     "WorkerError",
     "__version__",
     "collate",
+    "decode",
     "open_dataset",
     "pack",
     "parse_size",

@@ -39,7 +39,9 @@ class EpochStats:
     skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a batch whose
     samples were all skipped is not yielded, so not counted).
 
-    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
+    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall): the
+    share of time the training step waits for data. A loop that does nothing between batches
+    waits for every one, so its stall is near 1 whatever the loader's speed (docs/stats.md).
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
     (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
     epoch by the training process (``main``), the decode ``workers`` and the
