@@ -188,6 +188,7 @@ def _link_floor_child(url: str, storage_options: dict, ranges: list, concurrency
     with ThreadPoolExecutor(concurrency) as pool:
         cpu, wall, moved = timed(lambda: sum(pool.map(one, range(len(ranges)))))
     shutil.rmtree(root, ignore_errors=True)
+    assert isinstance(moved, int)
     return figures(moved, cpu, wall)
 
 
