@@ -47,6 +47,24 @@ def test_cache_status_names_datasets_by_url_and_shows_the_budget(packed, tmp_pat
     assert st["budget_bytes"] == 3 << 20 and st["budget_source"] == "recorded"
 
 
+def test_a_relative_url_is_recorded_absolute(packed, tmp_path, monkeypatch, capsys):
+    """The node-wide catalog is read from other directories (another job, ``stoker cache status``
+    run elsewhere): a dataset opened as a relative path is recorded and shown by its absolute path."""
+    from stoker.cache.status import status
+    from stoker.cli.top import snapshot
+
+    cache = tmp_path / "cache"
+    monkeypatch.chdir(os.path.dirname(packed))
+    ds = open_dataset(os.path.basename(packed), cache_dir=str(cache), cache_bytes="3MiB")
+    ds[0]
+    monkeypatch.chdir(tmp_path)
+    assert status(str(cache))["datasets"][ds.version]["url"] == packed
+    assert main(["cache", "status", str(cache)]) == 0
+    assert f"dataset {packed} (version {ds.version[:12]})" in capsys.readouterr().out
+    (c,) = snapshot(str(cache))["caches"]
+    assert [(d["dataset"], d["version"]) for d in c["datasets"]] == [(packed, ds.version)]
+
+
 def test_ls_full_keys_inclusive_ids_and_empty_classes(packed, capsys):
     assert main(["ls", packed]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -52,6 +52,7 @@ __all__ = [
     "OriginCounters",
     "url_to_fs",
     "join",
+    "absolute_url",
     "DEFAULT_RETRY_BUDGET_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "RETRY_BUDGET_ENV",
@@ -110,6 +111,16 @@ def url_to_fs(url: str, storage_options: dict | None = None):
         # our attempts; one retry loop, ours, keeps the total wait bounded and visible.
         fs.retries = 1
     return fs, path
+
+
+def absolute_url(url: str) -> str:
+    """The name of a dataset that means the same from every process and working directory, as
+    node-wide views show it (``stoker cache status``, ``stoker top``, the metrics): a local path
+    (no scheme) made absolute (``~`` expanded); a URL with a scheme as given; no trailing ``/``."""
+    url = str(url)
+    if "://" not in url:
+        return os.path.abspath(os.path.expanduser(url))
+    return url.rstrip("/") or url
 
 
 def join(url: str, *parts: str) -> str:
@@ -261,10 +272,11 @@ class Origin:
                 self.counters.errors += 1
                 last = (exc, failure)
                 if not failure.retry:
+                    shown: BaseException = exc
                     if failure.credentials and failure.code is None and self._is_s3():
                         # a HEAD's answer has no body: ask once for the S3 code
-                        exc, failure = self._denied_code(what, exc, failure)
-                    raise self._error(what, exc, failure, start, end, attempt, t0, "not retried") from last[0]
+                        shown, failure = self._denied_code(what, exc, failure)
+                    raise self._error(what, shown, failure, start, end, attempt, t0, "not retried") from exc
                 now = time.monotonic()
                 if failure.unreachable and not self.reached:  # never answered: probably a wrong URL
                     deadline = min(deadline, t0 + UNREACHABLE_BUDGET_S)
