@@ -111,6 +111,35 @@ def test_default_cache_dir_prefers_local_scratch(tmp_path, monkeypatch, caplog):
     assert paths.default_cache_dir(cands) == str(tmp_path / "mine")
 
 
+def test_the_default_place_and_budget_are_told_at_warning_once(packed, tmp_path, monkeypatch, caplog):
+    """A user who names no cache gets ~/.cache/stoker with 8 GiB: a WARNING says so the first time,
+    with how to choose, see and empty it; a cache given in full says nothing."""
+    monkeypatch.delenv("STOKER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(paths, "SCRATCH_CANDIDATES", ())
+    caplog.set_level(logging.WARNING, logger="stoker.cache.paths")
+    home_cache = str(tmp_path / "home" / ".cache" / "stoker")
+    open_dataset(packed)
+    open_dataset(packed)  # the second time: nothing more
+    told = [r for r in caplog.records if r.levelno == logging.WARNING and "node cache" in r.getMessage()]
+    assert len(told) == 1, caplog.text
+    assert (
+        told[0]
+        .getMessage()
+        .startswith(
+            f"node cache {home_cache}, up to 8.0 GiB: the default place and budget (choose with "
+            "open_dataset(cache_dir=, cache_bytes=) or $STOKER_CACHE_DIR; "
+            f"`stoker cache status {home_cache}` shows it"
+        )
+    ), told[0].getMessage()
+    caplog.clear()
+    open_dataset(packed, cache_dir=str(tmp_path / "mine"))
+    assert f"node cache {tmp_path / 'mine'}, up to 8.0 GiB: the default budget (" in caplog.text
+    caplog.clear()
+    open_dataset(packed, cache_dir=str(tmp_path / "chosen"), cache_bytes="1GiB")
+    assert "node cache" not in caplog.text
+
+
 def test_network_filesystems_are_not_scratch(tmp_path):
     mounts = tmp_path / "mounts"
     mounts.write_text(f"server:/export {tmp_path} nfs4 rw 0 0\n/dev/sda1 / ext4 rw 0 0\n")
