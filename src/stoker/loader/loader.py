@@ -103,9 +103,9 @@ class Loader:
             cache (``self.cache_form_report`` holds the rates of ``"auto"``), GPU decode
             (``self.device_decode_stats`` counts its samples per path).
         run: :class:`~stoker.loader.options.RunOptions`: device, errors, timeout, start method,
-            metrics port (``self.metrics_url`` is where they are served; the live figures also go,
-            every second, beside the node cache's job records, where ``stoker top`` reads them,
-            :mod:`stoker.loader.live`).
+            metrics port (``self.metrics_port`` and ``self.metrics_url`` say where they are
+            served; the live figures also go, every second, beside the node cache's job records,
+            where ``stoker top`` reads them, :mod:`stoker.loader.live`).
         **deprecated: the old flat keywords (``prefetch_bytes=...``, ``image_size=...``, ...),
             accepted for one release with a DeprecationWarning naming the new place
             (:data:`stoker.loader.options.DEPRECATED`); TypeError for an unknown keyword, and for
