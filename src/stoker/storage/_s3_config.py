@@ -14,6 +14,9 @@ reading, which differs, never decides).
 Where a setting has no obstore equivalent (FIPS, dual-stack or accelerated endpoints,
 an unknown option, no credentials at all) :func:`resolve` gives the reason instead, and the
 dataset stays on s3fs; :func:`note_fallback` logs that once per process and reason.
+
+:func:`credential_hint` asks the same chain where the credentials of a refused request came from,
+for the "check your credentials" of :class:`stoker.OriginPermissionError`.
 """
 
 from __future__ import annotations
