@@ -153,6 +153,7 @@ def test_credential_codes_are_permission_errors_with_the_hint(tmp_path, status, 
     assert (err.value.code, err.value.status) == (code, status)
     assert f"{code} (HTTP {status})" in str(err.value) and "check your credentials" in str(err.value)
     assert "'...ED42'" in str(err.value)
+    assert ("check the URL too" in str(err.value)) == (code == "AccessDenied")
 
 
 def test_a_bodyless_403_has_no_numeric_code():

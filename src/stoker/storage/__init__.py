@@ -343,6 +343,11 @@ class Origin:
         hint = ""
         if failure.credentials and not failure.retry and self._is_s3():
             hint = f"; {credential_hint(self.storage_options)}"
+            if failure.code == "AccessDenied" or (failure.status == 403 and failure.code is None):
+                hint += (
+                    "; S3 also answers so for an object that does not exist when these credentials may "
+                    "not list the bucket (s3:ListBucket): check the URL too"
+                )
         return cls(
             what,
             f"{_describe(exc, failure)} ({why}){hint}",
