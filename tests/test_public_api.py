@@ -198,10 +198,10 @@ ONE_OF_EACH = [
     stoker.DatasetExistsError("s3://b/d holds a dataset"),
     stoker.IndexFormatError("s3://b/d/index.parquet: not a stoker index"),
     stoker.PackLeaseError(
-        "s3://b/d/_stoker_pack.lease",
+        "s3://b/d",
         {"host": "n1", "pid": 7, "run": "r", "started_unix": 1.7e9, "expires_unix": 1.7e9 + 60},
     ),
-    stoker.PackLeaseLostError("s3://b/d/_stoker_pack.lease was taken over"),
+    stoker.PackLeaseLostError("s3://b/d: this pack lost its claim on the destination"),
     stoker.CacheLockTimeout("block 3 of v1"),
     stoker.NotACacheError("/tmp/x is not a stoker cache"),
     stoker.CacheInUseError("in use by pid 7"),

@@ -79,6 +79,19 @@ def test_readme_sections_in_order_and_opens_with_the_two_commands():
     assert text.index("```") < text.index("## Install")
 
 
+def test_readme_states_the_cost_of_the_first_two_commands_and_what_clean_removes():
+    """Before the first section: the time and disk of `make demo` and `make test` (a row each, in
+    minutes and bytes), that `make clean` removes them, and the default cache's place and budget."""
+    head = _text().split("## Install", 1)[0]
+    for cmd in ("make demo", "make test"):
+        row = next((line for line in head.splitlines() if line.startswith(f"| `{cmd}`")), None)
+        assert row is not None, f"no row for {cmd}"
+        assert re.search(r"\d+(\.\d+)? min", row) and re.search(r"\d+(\.\d+)? (MB|GB)", row), row
+    assert re.search(r"environment.*\| [\d.]+ min \| [\d.]+ GB", head)
+    assert "`make clean` removes" in head and "2-core" in head
+    assert "~/.cache/stoker" in head and "8 GiB" in head
+
+
 def test_readme_names_no_package_index_and_no_internal_history():
     text = _text()
     for bad in [

@@ -26,6 +26,7 @@ import time
 
 from .._atomic import PRIVATE_FILE_MODE, write_atomic
 from ..cache.perms import ensure_dir
+from ..storage import absolute_url
 from .inflight import LEDGER_FIELDS
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class LiveTotals:
         rec.update(
             pid=os.getpid(),
             dataset=ds.version,
-            url=getattr(ds, "url", None),
+            url=absolute_url(ds.url) if getattr(ds, "url", None) else None,
             time=time.time(),
             cache_capacity_bytes=getattr(getattr(cache, "disk", cache), "capacity_bytes", None),
             memory_capacity_bytes=getattr(getattr(cache, "memory", None), "capacity_bytes", None),

@@ -10,6 +10,7 @@ order the plan will need the blocks.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import multiprocessing as mp
@@ -104,9 +105,9 @@ class Loader:
             cache (``self.cache_form_report`` holds the rates of ``"auto"``), GPU decode
             (``self.device_decode_stats`` counts its samples per path).
         run: :class:`~stoker.loader.options.RunOptions`: device, errors, timeout, start method,
-            metrics port (``self.metrics_url`` is where they are served; the live figures also go,
-            every second, beside the node cache's job records, where ``stoker top`` reads them,
-            :mod:`stoker.loader.live`).
+            metrics port (``self.metrics_port`` and ``self.metrics_url`` say where they are
+            served; the live figures also go, every second, beside the node cache's job records,
+            where ``stoker top`` reads them, :mod:`stoker.loader.live`).
         **deprecated: the old flat keywords (``prefetch_bytes=...``, ``image_size=...``, ...),
             accepted for one release with a DeprecationWarning naming the new place
             (:data:`stoker.loader.options.DEPRECATED`); TypeError for an unknown keyword, and for
@@ -247,24 +248,51 @@ class Loader:
         self._export_metrics()
 
     def _export_metrics(self) -> None:
-        """Serve this loader's metrics on ``metrics_port`` (see the class doc), unless served already."""
+        """Serve this loader's metrics on ``metrics_port`` (see the class doc), unless served
+        already. A port that another program holds is logged and the next free one taken
+        (:func:`stoker.metrics.export_loader`); with every port tried taken the loader goes on
+        without metrics, logged: a busy port never stops training."""
         if self._metrics_port is None or self._metrics is not None:
             return
-        from ..metrics import export_loader
+        from ..metrics import export_loader, local_rank_from_env
 
+        source = "$STOKER_METRICS_PORT" if self._metrics_from_env else "metrics_port"
         try:
             self._metrics = export_loader(
-                self._live.snapshot, self._metrics_port, dataset=self.dataset.version, rank=self.rank
+                self._live.snapshot,
+                self._metrics_port,
+                dataset=self.dataset.url,
+                version=self.dataset.version,
+                rank=self.rank,
+                local_rank=None if self._metrics_from_env else local_rank_from_env(),
             )
         except OSError as exc:
-            if not self._metrics_from_env:
-                raise OSError(f"metrics_port={self._metrics_port}: {exc}") from exc
+            if not self._metrics_from_env and exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise OSError(exc.errno, f"metrics_port={self._metrics_port}: {exc.strerror or exc}") from exc
             log.warning(
-                "no Prometheus metrics for this loader: port %s ($STOKER_METRICS_PORT) is taken (%s)",
+                "no Prometheus metrics for this loader: %s=%s: %s",
+                source,
                 self._metrics_port,
-                exc,
+                exc.strerror or exc,
             )
             self._metrics_port = None
+            return
+        if self._metrics.taken:
+            log.warning(
+                "Prometheus metrics of this loader on port %d (loader.metrics_port), not %s=%s: %s held by "
+                "another program (%s)",
+                self._metrics.port,
+                source,
+                self._metrics_port,
+                "port " + ", ".join(str(p) for p in self._metrics.taken),
+                next(iter(self._metrics.taken.values())),
+            )
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port this loader's Prometheus metrics are served on (the one asked for, or the
+        next free one where another program held it: logged), or None."""
+        return self._metrics.port if self._metrics is not None else None
 
     @property
     def metrics_url(self) -> str | None:

@@ -217,8 +217,9 @@ class RunOptions:
             raises ForkUnsafeError). ``spawn``/``forkserver`` need the usual ``__main__`` guard.
         metrics_port: serve Prometheus metrics of the loader on that port (0: any free one;
             default None: ``$STOKER_METRICS_PORT`` plus ``$LOCAL_RANK`` when set, else none;
-            :mod:`stoker.metrics`). Needs the ``metrics`` extra (ImportError without it); OSError
-            when the port is taken.
+            :mod:`stoker.metrics`). Needs the ``metrics`` extra (ImportError without it). A port
+            another program holds is logged and the next free one taken (``Loader.metrics_port``
+            says which); with every port tried taken the loader runs without metrics, logged.
         epochs: the number of epochs the job runs, epochs ``0 .. epochs - 1`` (int >= 1). Nothing
             of a later epoch is fetched, decoded or logged: the next epoch's first batches
             (``ReadOptions.prefetch_next_epoch``) start only while an epoch before the last one

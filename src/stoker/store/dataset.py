@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+import os
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -26,6 +27,7 @@ import xxhash
 
 from .._units import parse_size
 from ..cache import DiskCache, TieredCache, default_memory_root
+from ..cache.paths import warn_defaults
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from .blocks import BlockReader, BlockSource, ReadStats
@@ -411,6 +413,7 @@ def open_dataset(
     index (e.g. an interrupted pack) and :class:`stoker.IndexFormatError` when the index is
     unreadable.
     """
+    budget_given = cache_bytes is not None
     cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else parse_size(cache_bytes, "cache_bytes")
     block_bytes = parse_size(block_bytes, "block_bytes")
     memory_bytes = parse_size(memory_bytes, "memory_bytes")
@@ -426,7 +429,10 @@ def open_dataset(
         check_shards(origin, index)
     disk: DiskCache | TieredCache | None = None
     if cache:
-        disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy, mode=cache_mode)
+        root = cache_dir or default_cache_dir()
+        disk = DiskCache(root, cache_bytes, cache_policy, mode=cache_mode)
+        dir_given = bool(cache_dir or os.environ.get("STOKER_CACHE_DIR"))
+        warn_defaults(disk.root, cache_bytes, dir_given, budget_given)
         if memory_bytes > 0:
             disk = TieredCache(
                 DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy, mode=disk.mode),
