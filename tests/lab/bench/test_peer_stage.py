@@ -27,7 +27,9 @@ def _blocks(url: str, block_bytes: int) -> tuple[int, str, int]:
     ds = open_dataset(url, cache=False, block_bytes=block_bytes)
     h, n = xxhash.xxh3_64(), 0
     for b in range(ds.num_blocks):
-        data = ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b]))
+        data = ds.origin.read_range(
+            ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b])
+        )
         h.update(data)
         n += len(data)
     return n, h.hexdigest(), ds.num_blocks
