@@ -214,12 +214,13 @@ def run(cfg: IoConfig | None = None) -> dict:
 
 def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir: str, cfg: IoConfig) -> list:
     """The peer stage's rows over each of ``links`` (:func:`peer_links`): loopback
-    (:func:`stoker_lab.bench.peer_stage.loopback`, the dataset at ``url``) and netns
+    (:func:`stoker_lab.bench.peer_stage.loopback_process`: the dataset at ``url``, in a process of
+    its own, since this one has read through obstore and Ray forks its daemons) and netns
     (:func:`stoker_lab.bench.peer_netns.run`, the sample photos under ``workdir`` packed into an
     origin inside the namespaces). A link that cannot be measured (no Ray, no network namespaces)
     or whose run fails gets one row whose ``exception`` says why; no links: one row saying the
     stage was left out."""
-    from .peer_stage import loopback, not_measured
+    from .peer_stage import loopback_process, not_measured
 
     if not links:
         return [
@@ -233,7 +234,7 @@ def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir
         _log(f"peer stage over {link}")
         try:
             if link == "loopback":
-                rows += loopback(
+                rows += loopback_process(
                     url,
                     storage_options,
                     cfg.block_bytes,
@@ -249,7 +250,6 @@ def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir
                 try:
                     rows += run_netns(
                         os.path.join(workdir, "data", "train"),
-                        workdir,
                         cfg.block_bytes,
                         cfg.shard_bytes,
                         cfg.concurrency,

@@ -47,7 +47,6 @@ def _pids_named(ns: str, comm: str) -> list[int]:
 
 def run(
     data_dir: str,
-    workdir: str,
     block_bytes: int = 1 << 20,
     shard_bytes: int = 16 << 20,
     concurrency: int = 8,
@@ -57,7 +56,8 @@ def run(
     timeout_s: float = 600.0,
 ) -> list:
     """The stage over a ``tbf`` link of ``mbit`` Mbit/s between two namespaces (module doc);
-    ``data_dir``: the sample photos' ``train`` tree. Returns the rows
+    ``data_dir``: the sample photos' ``train`` tree; the run's files (Ray's, the node caches) go in
+    a new directory under the system's temporary directory, removed at the end. Returns the rows
     (:func:`stoker_lab.bench.peer_stage.peer_rows`). Raises NetnsUnavailable (nothing made),
     RuntimeError with the driver's log when it fails, ``subprocess.TimeoutExpired`` after
     ``timeout_s`` seconds."""
@@ -65,8 +65,9 @@ def run(
     from .netcluster_ray import NetRay
 
     check_capability()
-    os.makedirs(workdir, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="stoknc-peer-", dir=workdir)
+    # under the system's temporary directory, not ``workdir``: Ray's socket paths under it
+    # (``run/r0/session_<date>_<pid>/sockets/plasma_store``) must stay under 108 bytes
+    work = tempfile.mkdtemp(prefix="stoknc-peer-")
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     try:

@@ -669,8 +669,11 @@ def loopback(
 
     from . import peer_floor
 
+    from stoker.store.dataset import open_dataset
+
     if ray.is_initialized():
         raise RuntimeError("the loopback peer stage starts its own Ray cluster; this process has joined one")
+    open_dataset(url, storage_options=storage_options, cache=False, check=False, block_bytes=block_bytes)  # fail fast
     cache_root = os.path.join(workdir, "peer-cache-loopback")
     shutil.rmtree(cache_root, ignore_errors=True)
     # Ray's session files (logs, sockets) in a directory of this run, removed with it; a short
@@ -724,6 +727,81 @@ def loopback(
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def loopback_process(
+    url: str,
+    storage_options: dict,
+    block_bytes: int,
+    workdir: str,
+    concurrency: int = 8,
+    reps: int = 3,
+    profile_s: float = PROFILE_S,
+    timeout_s: float = 600.0,
+) -> list:
+    """:func:`loopback` in a new Python process (``python -m stoker_lab.bench.peer_stage``), for a
+    caller that must not start Ray itself: one that has read through obstore (Ray forks its daemons
+    with a ``preexec_fn``, which a tokio runtime does not survive) or has joined another cluster.
+    Returns its rows; RuntimeError with the process's error output when it fails or runs past
+    ``timeout_s`` seconds (it is killed, and Ray's processes with it)."""
+    import json
+    import sys
+
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="stoker-peer-", dir=workdir) as d:
+        spec, out = os.path.join(d, "spec.json"), os.path.join(d, "rows.json")
+        with open(spec, "w") as f:
+            json.dump(
+                {
+                    "url": url,
+                    "storage_options": storage_options,
+                    "block_bytes": block_bytes,
+                    "workdir": workdir,
+                    "concurrency": concurrency,
+                    "reps": reps,
+                    "profile_s": profile_s,
+                },
+                f,
+            )
+        env = dict(os.environ)
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        with open(os.path.join(d, "log"), "wb") as log:
+            p = subprocess.Popen(
+                [sys.executable, "-m", __name__, spec, out], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
+            )
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if p.returncode != 0 or not os.path.exists(out):
+            with open(os.path.join(d, "log"), errors="replace") as f:
+                tail = f.read()[-3000:]
+            why = f"ran past {timeout_s} s" if p.returncode == -9 else f"exited with code {p.returncode}"
+            raise RuntimeError(f"the loopback peer stage {why}:\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(spec_path: str, out_path: str) -> int:
+    """:func:`loopback` with the arguments in the JSON file ``spec_path``; writes its rows to ``out_path``."""
+    import json
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rows = loopback(
+        spec["url"],
+        spec["storage_options"],
+        spec["block_bytes"],
+        spec["workdir"],
+        spec["concurrency"],
+        spec["reps"],
+        profile_s=spec["profile_s"],
+    )
+    with open(out_path, "w") as f:
+        json.dump(rows, f)
+    return 0
+
+
 def _pid(node, kind: str) -> int:
     """The pid of the ``kind`` process (``"raylet"``, ``"gcs_server"``) of a ``cluster_utils`` node."""
     return int(node.all_processes[kind][0].process.pid)
@@ -740,3 +818,12 @@ def not_measured(why: str, link: str | None = None) -> dict:
         "ratio": None,
         "exception": why,
     }
+
+
+if __name__ == "__main__":
+    import sys
+
+    # through the module's own name: Ray and multiprocessing pickle PeerRank and _relay_child by it
+    from stoker_lab.bench.peer_stage import main as _main
+
+    sys.exit(_main(*sys.argv[1:]))

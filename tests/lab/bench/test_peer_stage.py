@@ -8,10 +8,10 @@ import os
 import pytest
 import xxhash
 
-from _helpers import in_child
 from stoker_lab.bench import netcluster
 from stoker_lab.bench.io_bench import IoConfig, peer_links, peer_stages
 from stoker_lab.bench.peer_floor import transfer
+from stoker_lab.bench.peer_stage import loopback_process
 
 ROW_KEYS = {"stage", "bytes", "cpu_s_per_GB", "GBps", "floor", "ratio", "exception"}
 
@@ -35,21 +35,16 @@ def _blocks(url: str, block_bytes: int) -> tuple[int, str, int]:
     return n, h.hexdigest(), ds.num_blocks
 
 
-def _loopback(url: str, workdir: str, block_bytes: int) -> list:
-    from stoker_lab.bench.peer_stage import loopback
-
-    rows = loopback(url, {}, block_bytes, workdir, concurrency=4, reps=1, object_store_bytes=80 << 20, profile_s=1)
-    left = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []
-    return [rows, left]
-
-
 def test_loopback_peer_stage_moves_every_block_through_the_service(packed_local, tmp_path):
     pytest.importorskip("ray")
     block_bytes = 256 << 10
     nbytes, digest, blocks = _blocks(packed_local, block_bytes)
-    # in a child: it starts (and stops) its own 2-node Ray cluster and joins it
-    rows, left = in_child(_loopback, packed_local, str(tmp_path / "w"), block_bytes, timeout_s=240)
-    assert left == []  # the node cache is removed with the cluster
+    workdir = tmp_path / "w"
+    # in a process of its own (as stoker bench io runs it): it starts and stops a 2-node Ray cluster
+    rows = loopback_process(
+        packed_local, {}, block_bytes, str(workdir), concurrency=4, reps=1, profile_s=0, timeout_s=240
+    )
+    assert os.listdir(workdir) == []  # the node cache and the run's files are removed
     assert [r["stage"] for r in rows] == [
         "peer cache service->rank (loopback)",
         "peer cache service->rank (loopback, via the relay)",
@@ -72,6 +67,13 @@ def test_loopback_peer_stage_moves_every_block_through_the_service(packed_local,
             assert r["exception"] is None
     assert "relay child" in rows[1]["cpu_s_by_process"]
     assert rows[0]["calls"]["head_bytes"] == 1024 and _finite_positive(rows[0]["calls"]["cpu_s_per_call"])
+
+
+def test_loopback_peer_stage_names_a_missing_dataset(tmp_path):
+    pytest.importorskip("ray")
+    with pytest.raises(RuntimeError, match="exited with code 1") as err:
+        loopback_process(str(tmp_path / "no-such-dataset"), {}, 1 << 20, str(tmp_path / "w"), timeout_s=120)
+    assert "no-such-dataset" in str(err.value)
 
 
 def test_floor_sends_the_same_bytes(tmp_path):
@@ -112,3 +114,13 @@ def test_peer_stage_off_and_without_namespaces_say_why(tmp_path, monkeypatch):
     assert row["stage"] == "peer cache service->rank (netns)" and set(row) >= ROW_KEYS
     assert row["exception"].startswith("not measured: network namespaces") and "CAP_NET_ADMIN" in row["exception"]
     assert row["cpu_s_per_GB"] is None and row["ratio"] is None
+
+
+def test_profile_top_frames_from_py_spy_raw_output(tmp_path):
+    from stoker_lab.bench.peer_stage import _pyspy_top
+
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "main (a.py:1);get (w.py:9) 6\nmain (a.py:1);dump (c.py:3) 3\nmain (a.py:1);get (w.py:9) 1\nbad line\n"
+    )
+    assert _pyspy_top(str(raw), 2) == [[70.0, "get (w.py:9)"], [30.0, "dump (c.py:3)"]]
