@@ -73,7 +73,7 @@ class IoConfig:
     only_bytes: bool = False
     peer: str = "off"
     peer_mbit: float = 1000.0
-    peer_profile_s: float = 3.0
+    peer_profile_s: float = 2.0
 
 
 #: The links the peer stage can run over (``IoConfig.peer``).

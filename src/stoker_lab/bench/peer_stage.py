@@ -43,7 +43,7 @@ COUNTED = ("rank", "service", "raylet A", "raylet B")
 #: Seconds the counted processes are watched with no pass running (their background CPU).
 IDLE_S = 1.0
 #: Seconds of passes a profile covers.
-PROFILE_S = 3
+PROFILE_S = 2
 
 
 class PeerRank:
@@ -545,7 +545,8 @@ def peer_rows(
             if rank is None or profile_s <= 0:
                 prof = "no profile taken (profile_s=0)" if rank is not None else "no profile taken"
             else:
-                roles = counted_roles(via)
+                # the relay row: the processes it adds to the direct path (the rest is the direct row's)
+                roles = ("rank", "relay child") if via == "relay" and "direct" in m else counted_roles(via)
                 prof = profile({k: m["pids"][k] for k in roles}, profile_pass(rank, via), profile_s)
             exception = explain(via, side, ratio, prof, m.get("calls"), m["blocks"])
         rows.append(
@@ -635,7 +636,8 @@ def explain(via: str, side: dict, ratio: float, prof: dict | str | None, calls: 
                 parts.append(f"{role} {kind}: {v}")
     if not parts:
         return text + "; the profile caught no frames"
-    return text + "; top frames (own samples; " + PERF_NOTE + "): " + " | ".join(parts)
+    which = " of the processes the relay adds (the others as in the direct row)" if "raylet A" not in prof else ""
+    return text + f"; top frames{which} (own samples; " + PERF_NOTE + "): " + " | ".join(parts)
 
 
 #: How to read perf's kernel frames when it samples on the cpu-clock timer (no hardware counters).
@@ -667,9 +669,9 @@ def loopback(
     import ray
     from ray.cluster_utils import Cluster
 
-    from . import peer_floor
-
     from stoker.store.dataset import open_dataset
+
+    from . import peer_floor
 
     if ray.is_initialized():
         raise RuntimeError("the loopback peer stage starts its own Ray cluster; this process has joined one")

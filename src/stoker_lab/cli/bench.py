@@ -449,7 +449,7 @@ def _add_io(bench_sub) -> None:
     p.add_argument(
         "--peer-profile-s",
         type=float,
-        default=3.0,
+        default=2.0,
         help="seconds of py-spy + perf profile of a peer row over 2x its floor, for its exception (0: none)",
     )
     p.set_defaults(fn=_cmd_io)
