@@ -122,7 +122,8 @@ def main(spec_path: str, out_path: str) -> int:
     from stoker.store.pack import pack
 
     from . import peer_floor
-    from .peer_stage import measure, peer_rows, stop
+    from .peer_report import peer_rows
+    from .peer_stage import measure, stop
 
     with open(spec_path) as f:
         spec = json.load(f)

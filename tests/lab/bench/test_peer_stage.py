@@ -117,7 +117,7 @@ def test_peer_stage_off_and_without_namespaces_say_why(tmp_path, monkeypatch):
 
 
 def test_profile_top_frames_from_py_spy_raw_output(tmp_path):
-    from stoker_lab.bench.peer_stage import _pyspy_top
+    from stoker_lab.bench.peer_profile import _pyspy_top
 
     raw = tmp_path / "p.txt"
     raw.write_text(
