@@ -392,7 +392,7 @@ def table(report: dict) -> str:
         f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
         f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
         f"{o['bandwidth_MBps']:g} MB/s (stages: the origin's direct endpoint)",
-        f"{'stage':58} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
+        f"{'stage':62} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
     ]
 
     def num(x, fmt):
@@ -401,7 +401,7 @@ def table(report: dict) -> str:
     for r in report["stages"]:
         f = r.get("floor") or {}
         lines.append(
-            f"{r['stage']:58} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
+            f"{r['stage']:62} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
             f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
             + (f"  ({r['exception']})" if r.get("exception") else "")
         )

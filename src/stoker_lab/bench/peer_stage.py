@@ -334,8 +334,11 @@ def loopback_process(
             try:
                 p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+            finally:  # also on Ctrl-C or an error here: Ray's processes end with it
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         if p.returncode != 0 or not os.path.exists(out):
             with open(os.path.join(d, "log"), errors="replace") as f:
                 tail = f.read()[-3000:]
