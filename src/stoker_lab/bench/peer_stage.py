@@ -250,6 +250,7 @@ def loopback(
         node_b = cluster.add_node(**node_args)
         ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         cluster.wait_for_nodes()
+        node_ip = _local_address({n["NodeManagerAddress"] for n in ray.nodes()})
         head = cluster.head_node
         pids = {
             "raylet A": _pid(head, "raylet"),
@@ -278,7 +279,13 @@ def loopback(
             "buffer; the client recv_into one preallocated buffer), CPU of both ends",
             holder.get("rank"),
             profile_s,
-            network={"kind": "loopback", "host": "127.0.0.1"},
+            network={
+                "kind": "loopback",
+                "ray_node_ip": node_ip,
+                "floor_host": "127.0.0.1",
+                "note": "Ray's nodes listen on this machine's own address (ray.cluster_utils cannot put them on "
+                "127.0.0.1), which the kernel routes through the loopback device like 127.0.0.1",
+            },
         )
     finally:
         stop(holder)
@@ -366,6 +373,22 @@ def main(spec_path: str, out_path: str) -> int:
     with open(out_path, "w") as f:
         json.dump(rows, f)
     return 0
+
+
+def _local_address(ips: set) -> str:
+    """The one address of the loopback cluster's nodes, checked to be this machine's own (it can
+    be bound here), so that no byte of the stage leaves the machine. RuntimeError otherwise."""
+    import socket
+
+    if len(ips) != 1:
+        raise RuntimeError(f"the loopback cluster's nodes have several addresses: {sorted(ips)}")
+    (ip,) = ips
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((ip, 0))
+    except OSError as exc:
+        raise RuntimeError(f"the loopback cluster's address {ip} is not one of this machine's: {exc}") from exc
+    return ip
 
 
 def _pid(node, kind: str) -> int:

@@ -66,6 +66,7 @@ def test_loopback_peer_stage_moves_every_block_through_the_service(packed_local,
         else:
             assert r["exception"] is None
     assert "relay child" in rows[1]["cpu_s_by_process"]
+    assert rows[0]["network"]["kind"] == "loopback" and rows[0]["network"]["floor_host"] == "127.0.0.1"
     assert rows[0]["calls"]["head_bytes"] == 1024 and _finite_positive(rows[0]["calls"]["cpu_s_per_call"])
 
 
