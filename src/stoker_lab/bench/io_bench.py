@@ -7,7 +7,9 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
 2. the stages (:mod:`stoker_lab.bench.io_stages`), each against its floor: origin -> memory (obstore
    and s3fs; the origin's direct endpoint, no latency or bandwidth cap, so that the client's CPU is
    what is measured), the fill's checksum pass, memory -> cache tier (disk and shared memory),
-   cache tier -> worker; the peer stage is reported as not measured;
+   cache tier -> worker; with ``peer`` the peer stage (a peer's cache service to a rank on Ray,
+   over loopback and over a shaped link between network namespaces, against bare TCP:
+   :mod:`stoker_lab.bench.peer_stage`), else its row says it was left out;
 3. the whole cold epoch with decode off (a ``decode=`` that returns the raw bytes), through the
    throttled origin (``latency_ms``, ``bandwidth_MBps``), then a warm epoch: samples/s per core,
    CPU-s/GB per process kind, the prefetcher's CPU over the origin bytes
@@ -50,7 +52,10 @@ class IoConfig:
     both readers of ``bytes_only``; ``bytes_only_files``: its ~115 KB files (0: not measured);
     ``bytes_only_epochs``: its epochs (the first is ``local``, the rest ``warm_cache``); ``dlio``:
     run DLIO's half; ``make_dlio_venv``: make DLIO's environment when missing; ``only_bytes``: measure
-    ``bytes_only`` alone (no stages, no epochs)."""
+    ``bytes_only`` alone (no stages, no epochs); ``peer``: the peer stage's links, ``"off"`` or a
+    comma-separated list of ``loopback`` and ``netns`` (:data:`PEER_LINKS`); ``peer_mbit``: the
+    ``netns`` link's ``tbf`` rate, Mbit/s each way; ``peer_profile_s``: seconds of profile of a
+    peer row over 2x its floor (0: none)."""
 
     images: int = 600
     classes: int = 10
@@ -68,6 +73,25 @@ class IoConfig:
     dlio: bool = True
     make_dlio_venv: bool = True
     only_bytes: bool = False
+    peer: str = "off"
+    peer_mbit: float = 1000.0
+    peer_profile_s: float = 2.0
+
+
+#: The links the peer stage can run over (``IoConfig.peer``).
+PEER_LINKS = ("loopback", "netns")
+
+
+def peer_links(spec: str) -> tuple[str, ...]:
+    """The links of ``IoConfig.peer`` (``"off"``, ``"loopback"``, ``"netns"``, ``"loopback,netns"``);
+    ValueError naming the setting for anything else."""
+    links = tuple(x.strip() for x in spec.split(",") if x.strip())
+    if links == ("off",):
+        return ()
+    bad = [x for x in links if x not in PEER_LINKS]
+    if bad or not links:
+        raise ValueError(f"peer must be 'off' or a comma-separated list of {', '.join(PEER_LINKS)}; got {spec!r}")
+    return tuple(dict.fromkeys(links))
 
 
 def raw_bytes(fields, rng):
@@ -108,6 +132,7 @@ def run(cfg: IoConfig | None = None) -> dict:
     from .origin import LocalS3Origin, upload_tree
 
     cfg = cfg or IoConfig()
+    links = peer_links(cfg.peer)
     workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-io")
     os.makedirs(workdir, exist_ok=True)
     if cfg.only_bytes:
@@ -191,13 +216,67 @@ def run(cfg: IoConfig | None = None) -> dict:
                 st.clear_cache(ds)
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(shm + "-floor", ignore_errors=True)
-        stages.append(st.peer_stage())
+        stages += peer_stages(links, url, direct, workdir, cfg)
     report["stages"] = stages + [epochs.pop("stage")]
     report.update(epochs)
     report["bytes_only"] = measure_bytes_only(cfg, workdir)
     floor_of(report)
     report["seconds"] = time.perf_counter() - t_start
     return report
+
+
+def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir: str, cfg: IoConfig) -> list:
+    """The peer stage's rows over each of ``links`` (:func:`peer_links`): loopback
+    (:func:`stoker_lab.bench.peer_stage.loopback_process`: the dataset at ``url``, in a process of
+    its own, since this one has read through obstore and Ray forks its daemons) and netns
+    (:func:`stoker_lab.bench.peer_netns.run`, the sample photos under ``workdir`` packed into an
+    origin inside the namespaces). A link that cannot be measured (no Ray, no network namespaces)
+    or whose run fails gets one row whose ``exception`` says why; no links: one row saying the
+    stage was left out."""
+    from .peer_stage import loopback_process, not_measured
+
+    if not links:
+        return [
+            not_measured(
+                "not measured (--peer off, the default: the stage starts a 2-node Ray cluster and adds about "
+                "40 s); --peer loopback, netns or loopback,netns measures it"
+            )
+        ]
+    rows = []
+    for link in links:
+        _log(f"peer stage over {link}")
+        try:
+            if link == "loopback":
+                rows += loopback_process(
+                    url,
+                    storage_options,
+                    cfg.block_bytes,
+                    workdir,
+                    cfg.concurrency,
+                    cfg.reps,
+                    profile_s=cfg.peer_profile_s,
+                )
+            else:
+                from .netcluster import NetnsUnavailable
+                from .peer_netns import run as run_netns
+
+                try:
+                    rows += run_netns(
+                        os.path.join(workdir, "data", "train"),
+                        cfg.block_bytes,
+                        cfg.shard_bytes,
+                        cfg.concurrency,
+                        cfg.reps,
+                        cfg.peer_mbit,
+                        cfg.peer_profile_s,
+                    )
+                except NetnsUnavailable as exc:
+                    rows.append(not_measured(f"not measured: network namespaces are not available here: {exc}", link))
+        except ImportError as exc:
+            rows.append(not_measured(f"not measured: Ray is not installed (the cluster extra): {exc}", link))
+        except Exception as exc:  # noqa: BLE001 - one stage's failure is reported in its row, the run goes on
+            rows.append(not_measured(f"failed: {type(exc).__name__}: {exc}", link))
+    return rows
 
 
 def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
@@ -334,7 +413,7 @@ def table(report: dict) -> str:
         f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
         f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
         f"{o['bandwidth_MBps']:g} MB/s (stages: the origin's direct endpoint)",
-        f"{'stage':42} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
+        f"{'stage':62} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
     ]
 
     def num(x, fmt):
@@ -343,7 +422,7 @@ def table(report: dict) -> str:
     for r in report["stages"]:
         f = r.get("floor") or {}
         lines.append(
-            f"{r['stage']:42} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
+            f"{r['stage']:62} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
             f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
             + (f"  ({r['exception']})" if r.get("exception") else "")
         )

@@ -333,18 +333,3 @@ def cache_read_stage(tiers: dict, reps: int) -> list:
             )
         )
     return rows
-
-
-def peer_stage() -> dict:
-    """The cluster stage, not measured yet: its row with ``exception`` saying so."""
-    return {
-        "stage": "peer cache service->rank",
-        "bytes": 0,
-        "cpu_s_per_GB": None,
-        "GBps": None,
-        "floor": {"what": "a bare TCP transfer of the same bytes", "cpu_s_per_GB": None, "GBps": None},
-        "ratio": None,
-        "exception": "not measured: the peer stage needs a Ray cluster (and network namespaces for the "
-        "shaped link), which costs more time than this benchmark's default run; "
-        "see `stoker bench cluster` for its bytes",
-    }
