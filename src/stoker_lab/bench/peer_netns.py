@@ -19,6 +19,7 @@ Without CAP_NET_ADMIN or iproute2, :func:`run` raises
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -133,7 +134,7 @@ def main(spec_path: str, out_path: str) -> int:
         "secret": "testing",
         "client_kwargs": {"region_name": "us-east-1"},
     }
-    ray.init(address=spec["address"], logging_level="ERROR", log_to_driver=False)
+    ray.init(address=spec["address"], logging_level=logging.ERROR, log_to_driver=False)
     holder: dict = {}
     phases = {}
     t0 = time.perf_counter()

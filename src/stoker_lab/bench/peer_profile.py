@@ -20,7 +20,7 @@ def threads_cpu_ns(pid: int) -> dict[int, int]:
     """``{thread id: nanoseconds on a CPU}`` of every thread of ``pid`` now (the first field of
     ``/proc/<pid>/task/<tid>/schedstat``: user and system time, and softirq work done in the
     thread's context on a kernel without IRQ time accounting); {} for a process that is gone."""
-    out = {}
+    out: dict = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -93,7 +93,7 @@ def profile(pids: dict, one_pass, seconds: float = PROFILE_S, top: int = 6) -> d
                 out[role][kind] = f"{kind} failed (exit code {p.returncode}): {_tail(d, f'{role}-{kind}')}"
                 continue
             try:
-                out[role][kind] = _pyspy_top(f, top) if kind == "py-spy" else _perf_top(perf, f, top)
+                out[role][kind] = _pyspy_top(f, top) if kind == "py-spy" else _perf_top(str(perf), f, top)
             except Exception as exc:  # noqa: BLE001 - a profile is an explanation, not a result
                 out[role][kind] = f"{kind} output unreadable: {type(exc).__name__}: {exc}"
     return out

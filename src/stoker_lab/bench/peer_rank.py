@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 
 class PeerRank:
@@ -42,7 +43,9 @@ class PeerRank:
             raise RuntimeError(f"the cache service of node {member} does not answer")
         self.ds, self.concurrency = ds, max(1, int(concurrency))
         self.pool = _Reader(ds, self.router, self.concurrency)
-        self.relay = self.child = self.conn = None
+        self.relay: Any = None
+        self.child: Any = None
+        self.conn: Any = None
 
     def pids(self) -> dict:
         """``{"rank": this process, "relay child": the relay's reader (once started)}``."""

@@ -32,11 +32,13 @@ or why no profile could be taken.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+from typing import Any
 
 from .peer_profile import PROFILE_S, cpu_between, cpu_marks
 from .peer_rank import PeerRank
@@ -99,11 +101,10 @@ def measure(
     fill["seconds"] = time.perf_counter() - t0
     if fill["failed"] or fill["refused"] or fill["filled"] + fill["cached"] != ds.num_blocks:
         raise RuntimeError(f"the cache service of node {node_a} did not take every block: {fill}")
-    rank = holder["rank"] = (
-        ray.remote(num_cpus=0)(PeerRank)
-        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_b, soft=False), max_restarts=0)
-        .remote(url, storage_options, block_bytes, node_a, concurrency)
-    )
+    remote_rank: Any = ray.remote(num_cpus=0)(PeerRank)
+    rank = holder["rank"] = remote_rank.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_b, soft=False), max_restarts=0
+    ).remote(url, storage_options, block_bytes, node_a, concurrency)
     if "relay" in vias:
         ray.get(rank.start_relay.remote(), timeout=180)
     pids = dict(pids, service=int(info["pid"]), **ray.get(rank.pids.remote(), timeout=120))
@@ -176,6 +177,7 @@ def _calls(rank, counted: dict, reps: int, blocks: int) -> dict:
         by = cpu_between(c0, cpu_marks(counted))
         if best is None or sum(by.values()) < sum(best[0].values()):
             best = (by, r)
+    assert best is not None
     by, r = best
     return {
         "bytes": r["bytes"],
@@ -242,16 +244,17 @@ def loopback(
     # Ray's session files (logs, sockets) in a directory of this run, removed with it; a short
     # path under the system's temporary directory keeps the sockets' paths under 108 bytes
     ray_tmp = tempfile.mkdtemp(prefix="stoker-ray-")
-    node_args = {"num_cpus": 1, "object_store_memory": object_store_bytes, "temp_dir": ray_tmp}
+    node_args: dict[str, Any] = {"num_cpus": 1, "object_store_memory": object_store_bytes, "temp_dir": ray_tmp}
     holder: dict = {}
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args=dict(node_args, include_dashboard=False))
         node_b = cluster.add_node(**node_args)
-        ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=cluster.address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
         cluster.wait_for_nodes()
         node_ip = _local_address({n["NodeManagerAddress"] for n in ray.nodes()})
         head = cluster.head_node
+        assert head is not None
         pids = {
             "raylet A": _pid(head, "raylet"),
             "raylet B": _pid(node_b, "raylet"),
