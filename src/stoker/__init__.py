@@ -38,9 +38,11 @@ from .errors import (
     SourceArchiveError,
     SourceError,
     SourceNotFoundError,
+    StaleIteratorError,
     StokerError,
     UnsafePathError,
     WorkerError,
+    WorkerStartError,
 )
 from . import collate
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
@@ -83,9 +85,11 @@ __all__ = [
     "SourceArchiveError",
     "SourceError",
     "SourceNotFoundError",
+    "StaleIteratorError",
     "StokerError",
     "UnsafePathError",
     "WorkerError",
+    "WorkerStartError",
     "__version__",
     "collate",
     "open_dataset",
