@@ -336,7 +336,7 @@ class WorkerError(StokerError, RuntimeError):
 
 
 class WorkerStartError(WorkerError):
-    """A worker (or the prefetch process) died before its own start was done; it is not
+    """A worker (or the prefetch process) exited before its own start was done; it is not
     restarted. The message names the cause: the main script run again by a spawn/forkserver
     child (no ``if __name__ == "__main__":`` guard), a ``__main__`` such a child cannot import,
     or the child's own error."""

@@ -90,7 +90,7 @@ class Run:
             ForkUnsafeError: ``start_method="fork"`` where fork is unsafe.
             TypeError: the user's decode/collate do not pickle under the start method chosen.
             RuntimeError: ``device`` is a CUDA device and CUDA is not available.
-            WorkerStartError: a worker or the prefetch process died before its own start was done
+            WorkerStartError: a worker or the prefetch process exited before its own start was done
                 (names the cause; :mod:`stoker.loader.launch`).
 
         In a worker or prefetch process that runs the user's training code (the main script
@@ -101,9 +101,10 @@ class Run:
         if self.num_workers > 0 and importing_main_in_child():
             exit_quietly(EXIT_UNGUARDED_MAIN)
         from .. import _torch as _torch_adapter  # pay torch's import before the first batch
+
+        _torch_adapter.load()  # first: on a thread, so that nothing keeps this stack (see there)
         from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
 
-        _torch_adapter.load()
         config = self.config
         if config.device not in (None, "cpu"):
             from .transfer import DeviceTransfer

@@ -6,9 +6,9 @@ starts (threads may have appeared since the Loader was built); replacements use 
 A dead worker or prefetcher is named with its pid and its exit code or signal; one killed by
 SIGBUS is pointed at the shared-memory directory (a full ``/dev/shm`` is the usual cause).
 
-Every process is started with SIGINT blocked (:func:`start`, :mod:`.interrupts`). One that dies
-before its own start is done (it never counted itself ready) is not replaced: it would die the
-same way again. :func:`start_failure` names the cause: the main script imported again by a
+Every process is started with SIGINT blocked (:func:`start`, :mod:`.interrupts`). One that exits
+before its own start is done (it never counted itself ready) is not replaced: it would exit the
+same way again (one killed by a signal then is replaced as any other death). :func:`start_failure` names the cause: the main script imported again by a
 spawn/forkserver child without the ``if __name__ == "__main__":`` guard, a ``__main__`` such a
 child cannot import, or the child's own error.
 The parts that own the processes: :class:`stoker.loader.pool.WorkerPool` and
@@ -112,7 +112,7 @@ def start(proc) -> None:
 
 
 def start_failure(what: str, exitcode: int | None, method: str, detail: str | None = None) -> str:
-    """Why ``what`` (a process that died before its own start was done) could not start, in words.
+    """Why ``what`` (a process that exited before its own start was done) could not start, in words.
 
     Args:
         what: the process, e.g. ``"worker 0 (pid 123)"``.

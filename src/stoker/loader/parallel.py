@@ -49,7 +49,7 @@ class ParallelLoop:
             WorkerError: a batch failed in a worker (names the sample), a worker slot died past its
                 restarts, or no batch came for ``timeout_s`` seconds (names what each worker did;
                 the workers stuck in a sample are ended and replaced).
-            WorkerStartError: a worker died before its own start was done (names the cause).
+            WorkerStartError: a worker exited before its own start was done (names the cause).
             SharedMemoryError: the batch due has no slot and none is with the workers.
         """
         pending: dict[int, tuple] = carry["pending"] if carry else {}

@@ -19,9 +19,9 @@ tells the parts of a split batch apart, :mod:`.split`). That is what makes a dea
 
 Restarts are bounded per epoch: :data:`MAX_WORKER_RESTARTS` per worker slot, then the clean
 :class:`~stoker.errors.WorkerError` naming the worker, its exit code or signal and the sample it
-was on (``EpochStats.worker_restarts`` counts them). A worker that dies before its own start is
-done is not replaced at all (it would die the same way): :class:`~stoker.errors.WorkerStartError`
-names the cause (:func:`stoker.loader.launch.start_failure`). A worker stuck in one sample past
+was on (``EpochStats.worker_restarts`` counts them). A worker that exits before its own start is
+done is not replaced at all (it would exit the same way; one killed by a signal then is replaced
+as any other): :class:`~stoker.errors.WorkerStartError` names the cause (:func:`stoker.loader.launch.start_failure`). A worker stuck in one sample past
 ``timeout_s`` is ended and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the
 next epoch does not wait behind the same call.
 
@@ -148,7 +148,7 @@ class WorkerPool:
 
         Raises:
             WorkerError: a dead worker's slot is past :data:`MAX_WORKER_RESTARTS` this epoch.
-            WorkerStartError: a worker died before its own start was done (names the cause).
+            WorkerStartError: a worker exited before its own start was done (names the cause).
         """
         if self._replies:
             return self._replies.popleft(), False
@@ -286,11 +286,11 @@ class WorkerPool:
         Raises:
             WorkerError: the slot was replaced :data:`MAX_WORKER_RESTARTS` times this epoch
                 already; names the worker, its pid, exit code or signal and the sample it was on.
-            WorkerStartError: the worker died before its own start was done (not replaced).
+            WorkerStartError: the worker exited before its own start was done (not replaced).
         """
         p, wid = self._procs[slot], self._wids[slot]
         p.join(1)  # reaped (its sentinel is ready): exitcode is known
-        if self._current[slot] == STARTING:  # died before its own start was done: not replaced
+        if self._current[slot] == STARTING and (p.exitcode or 0) > 0:  # exited while starting: not replaced
             raise WorkerStartError(
                 launch.start_failure(f"worker {wid} (pid {p.pid})", p.exitcode, self._method, self._start_error(slot))
             )

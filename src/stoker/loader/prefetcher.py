@@ -15,8 +15,8 @@ predecessor staged (``prefetch_main(..., adopt=True)``): staged blocks are whole
 file + rename) and fetch locks are ``flock`` locks that the kernel releases when their holder
 dies, so nothing the dead one left blocks the new one.
 
-A prefetch process that dies before its own start is done is not replaced (it would die the same
-way): when it ran the user's main script again (spawn/forkserver without the
+A prefetch process that exits before its own start is done is not replaced (it would exit the
+same way; one killed by a signal then is replaced as any other): when it ran the user's main script again (spawn/forkserver without the
 ``if __name__ == "__main__":`` guard) :class:`~stoker.errors.WorkerStartError` names that, else
 the epoch goes on without read-ahead after one warning naming its exit.
 """
@@ -63,7 +63,7 @@ class Prefetcher:
         self._started = ctx.Value("b", 0, lock=False)  # 1 once the process is set up
         self._restarts = 0
         self._off = False  # died more often than allowed this epoch, or could not start
-        self._start_failed = False  # died before its own start was done: never started again
+        self._start_failed = False  # exited before its own start was done: never started again
         self._last_cmd = None  # the last plan sent, for a replacement
         self.restarted_at = 0.0  #: ``time.monotonic()`` of the last replacement (0: none)
         self._spawn(adopt=False)
@@ -156,7 +156,7 @@ class Prefetcher:
 
     def check(self) -> None:
         """Replace the process if it died (within :data:`MAX_PREFETCHER_RESTARTS` this epoch,
-        else go on without one, warned once); one that died before its own start is done is
+        else go on without one, warned once); one that exited before its own start was done is
         not replaced (module docstring).
 
         Raises:
@@ -165,7 +165,7 @@ class Prefetcher:
         p = self._proc
         if p.exitcode in (None, 0) or self._start_failed:
             return
-        if not self._started.value:
+        if not self._started.value and p.exitcode > 0:  # exited while starting (killed then: replaced)
             what = launch.start_failure(f"the prefetch process (pid {p.pid})", p.exitcode, self._ctx.get_start_method())
             if p.exitcode == EXIT_UNGUARDED_MAIN:
                 raise WorkerStartError(what)
