@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import in_child, make_image_folder
 
+from _helpers import in_child, make_image_folder
 from stoker import Loader, RunOptions, WorkerError, open_dataset
 from stoker.store.pack import pack
 

@@ -14,7 +14,6 @@ import time
 import weakref
 
 from _helpers import in_child
-
 from stoker import ImageOptions, Loader, open_dataset
 from stoker._procs import pid_alive
 from stoker.loader.shm import SlotRing, shm_base
@@ -81,10 +80,10 @@ def _drop_loaders(packed: str, cache: str) -> dict:
         ld = None
         for seed in range(4):
             ld = Loader(ds, 8, num_workers=2, seed=seed, image=ImageOptions(image_size=32))
-            for _x, y in ld:
+            for _x, _y in ld:
                 break
             ref = weakref.ref(ld)
-            del _x, y
+            del _x, _y
             ld = None  # the user's name re-bound; no close()
             alive.append(ref() is not None)
             time.sleep(0.2)

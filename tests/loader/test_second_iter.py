@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from _helpers import in_child
 
+from _helpers import in_child
 from stoker import ImageOptions, Loader, RunOptions, StokerError, open_dataset
 
 

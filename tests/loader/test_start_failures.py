@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from _helpers import in_child
 
+from _helpers import in_child
 from stoker import Loader, RunOptions, StokerError, WorkerError, open_dataset
 
 #: Training code at the top level of a script: no ``if __name__ == "__main__":`` guard.

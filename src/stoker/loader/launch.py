@@ -8,9 +8,10 @@ SIGBUS is pointed at the shared-memory directory (a full ``/dev/shm`` is the usu
 
 Every process is started with SIGINT blocked (:func:`start`, :mod:`.interrupts`). One that exits
 before its own start is done (it never counted itself ready) is not replaced: it would exit the
-same way again (one killed by a signal then is replaced as any other death). :func:`start_failure` names the cause: the main script imported again by a
-spawn/forkserver child without the ``if __name__ == "__main__":`` guard, a ``__main__`` such a
-child cannot import, or the child's own error.
+same way again (one killed by a signal then is replaced as any other death).
+:func:`start_failure` names the cause: the main script imported again by a spawn/forkserver
+child without the ``if __name__ == "__main__":`` guard, a ``__main__`` such a child cannot
+import, or the child's own error.
 The parts that own the processes: :class:`stoker.loader.pool.WorkerPool` and
 :class:`stoker.loader.prefetcher.Prefetcher`.
 """

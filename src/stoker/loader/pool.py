@@ -21,8 +21,9 @@ Restarts are bounded per epoch: :data:`MAX_WORKER_RESTARTS` per worker slot, the
 :class:`~stoker.errors.WorkerError` naming the worker, its exit code or signal and the sample it
 was on (``EpochStats.worker_restarts`` counts them). A worker that exits before its own start is
 done is not replaced at all (it would exit the same way; one killed by a signal then is replaced
-as any other): :class:`~stoker.errors.WorkerStartError` names the cause (:func:`stoker.loader.launch.start_failure`). A worker stuck in one sample past
-``timeout_s`` is ended and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the
+as any other): :class:`~stoker.errors.WorkerStartError` names the cause
+(:func:`stoker.loader.launch.start_failure`). A worker stuck in one sample past ``timeout_s`` is
+ended and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the
 next epoch does not wait behind the same call.
 
 Limit: a reply is read once its queue is readable; a reply larger than the pipe's atomic write

@@ -16,9 +16,10 @@ file + rename) and fetch locks are ``flock`` locks that the kernel releases when
 dies, so nothing the dead one left blocks the new one.
 
 A prefetch process that exits before its own start is done is not replaced (it would exit the
-same way; one killed by a signal then is replaced as any other): when it ran the user's main script again (spawn/forkserver without the
-``if __name__ == "__main__":`` guard) :class:`~stoker.errors.WorkerStartError` names that, else
-the epoch goes on without read-ahead after one warning naming its exit.
+same way; one killed by a signal then is replaced as any other): when it ran the user's main
+script again (spawn/forkserver without the ``if __name__ == "__main__":`` guard)
+:class:`~stoker.errors.WorkerStartError` names that, else the epoch goes on without read-ahead
+after one warning naming its exit.
 """
 
 from __future__ import annotations
