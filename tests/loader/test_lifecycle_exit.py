@@ -14,13 +14,13 @@ import time
 import weakref
 
 from _helpers import in_child
-from stoker import ImageOptions, Loader, open_dataset
+from stoker import ImageOptions, Loader, ReadOptions, open_dataset
 from stoker._procs import pid_alive
 from stoker.loader.shm import SlotRing, shm_base
 
 NO_CLOSE = """
 import sys
-from stoker import ImageOptions, Loader, open_dataset
+from stoker import ImageOptions, Loader, ReadOptions, open_dataset
 ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20)
 ld = Loader(ds, 8, num_workers=2, image=ImageOptions(image_size=32))
 for epoch in range(2):
@@ -152,3 +152,28 @@ def test_named_slots_are_unlinked_at_exit_without_close():
         prefix, n = p.stdout.split()
         assert int(n) == 3 and p.returncode == (0 if how == "end" else -signal.SIGINT), p.stderr
         assert glob.glob(os.path.join(shm_base(), prefix + "*")) == []
+
+
+def _fork_closes_its_copy(packed: str) -> tuple:
+    """A process forked from the training process that closes its copy of the Loader (as its
+    exit handlers would: the Loader's finalizer, its ring's) leaves the parent's pipeline alone."""
+    ds = open_dataset(packed, cache=False)
+    with Loader(ds, 8, num_workers=2, image=ImageOptions(image_size=32), read=ReadOptions(prefetch_batches=2)) as ld:
+        it = iter(ld)
+        n = len(next(it)[1])
+        ring = ld.pipeline.ring
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                ring.close()
+                ld.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        n += sum(len(y) for _, y in it)
+        return n, len(ds), ld.stats.exactly_once, ld.stats.worker_restarts
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parents_loader_alone(packed_local):
+    n, total, once, restarts = in_child(_fork_closes_its_copy, packed_local, timeout_s=120)
+    assert n == total and once and restarts == 0

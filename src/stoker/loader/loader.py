@@ -14,6 +14,7 @@ import inspect
 import logging
 import multiprocessing as mp
 import numbers
+import os
 import time
 import warnings
 import weakref
@@ -64,9 +65,14 @@ class _Started:
         self.run: Run | None = None
         self.metrics: LoaderExport | None = None
         self.live = live
+        self.pid = os.getpid()  #: the process they belong to (set again when a pipeline starts)
 
     def close(self) -> None:
-        """Stop the pipeline, unpublish the live figures, stop serving metrics. Idempotent."""
+        """Stop the pipeline, unpublish the live figures, stop serving metrics. Idempotent. In a
+        process forked from their owner (its exit runs the finalizers it inherited) nothing is
+        touched: they are the parent's."""
+        if os.getpid() != self.pid:
+            return
         run, self.run = self.run, None
         if run is not None:
             run.close()
@@ -468,7 +474,7 @@ class Loader:
             run.close()
             raise
         self.start_method = run.start_method
-        self._started.run = run
+        self._started.run, self._started.pid = run, os.getpid()
         return run
 
     def close(self) -> None:

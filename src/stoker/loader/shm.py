@@ -150,7 +150,7 @@ class SlotRing:
         self._fds: list[int] = []  # the open slot files (shared slots)
         self._names: list[str] = []  # slot files still linked in the directory
         # the files go when the ring is closed, dropped, or the interpreter exits
-        self._finalizer = weakref.finalize(self, _release, self._names, self._fds)
+        self._finalizer = weakref.finalize(self, _release, self._names, self._fds, os.getpid())
         self.free: deque[int] = deque()
         self.busy: set[int] = set()  # slots handed to worker processes, not yet answered (kept by the caller)
         #: True once the directory could not hold another slot: batches are then copied out.
@@ -300,8 +300,11 @@ def _by_descriptor(fd: int) -> bool:
     return True
 
 
-def _release(names: list[str], fds: list[int]) -> None:
-    """Unlink the slot files still linked and close the open ones (a ring's finalizer)."""
+def _release(names: list[str], fds: list[int], pid: int) -> None:
+    """Unlink the slot files still linked and close the open ones (a ring's finalizer). Nothing
+    in a process forked from the ring's (at its exit): the files are its parent's."""
+    if os.getpid() != pid:
+        return
     for name in names:
         try:
             os.unlink(name)
