@@ -57,6 +57,7 @@ EXPECTED_ALL = [
     "WorkerStartError",
     "__version__",
     "collate",
+    "decode",
     "open_dataset",
     "pack",
     "parse_size",

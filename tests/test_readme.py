@@ -109,6 +109,17 @@ def test_every_stats_field_is_documented_in_stats_page_and_epoch_stats_help():
     assert "EpochStats" in (stoker.Loader.__doc__ or "")  # the Loader's help points there
 
 
+def test_quick_start_says_what_stall_means_and_does_not_print_it_without_a_consumer():
+    """A loop that does nothing between batches waits for every one: its stall is near 1 by
+    definition, and printed bare it reads as a starved accelerator."""
+    quick = _section("## Quick start")
+    (block,) = [code for kind, _lang, code in MARKED.findall(quick) if kind == "run"]
+    assert "stall" not in block
+    assert "`stall_fraction`" in quick and "waiting in `next()`" in quick and "near 1" in quick
+    stats = STATS.read_text()
+    assert "## Data stall" in stats and "near 1 however fast the loader is" in stats
+
+
 def test_quick_start_runs(tmp_path):
     blocks = _blocks("run")
     assert blocks, "no <!-- test: run --> block in the README or docs/"

@@ -107,6 +107,8 @@ class RunConfig:
         start_method: the start method asked for (None: chosen at start).
         device: where batches are delivered (None/"cpu": shared-memory tensors; "cuda[:N]").
         prefetch_next_epoch: dispatch the next epoch's first batches while this one drains.
+        epochs: the epochs the job runs (``RunOptions.epochs``; None: no bound): no head start
+            past epoch ``epochs - 1``.
     """
 
     dataset: Any
@@ -121,6 +123,7 @@ class RunConfig:
     start_method: str | None
     device: Any
     prefetch_next_epoch: bool
+    epochs: int | None = None
 
 
 @dataclass(frozen=True)

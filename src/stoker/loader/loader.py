@@ -132,8 +132,10 @@ class Loader:
         transform: ``"train"`` (RandomResizedCrop(S) + flip, per-sample RNG) or ``"eval"``
             (resize 256 + center crop S). ValueError otherwise.
         decode: the user's ``decode(fields, rng) -> sample``, run in the workers on every sample:
-            ``fields`` is ``{field name: bytes}`` (:meth:`stoker.store.dataset.Dataset.read_fields`),
-            ``rng`` a ``numpy.random.Generator`` seeded by (seed, epoch, sample id). A decode that
+            ``fields`` is ``{field name: bytes}`` followed by ``"__key__"`` (str), ``"__id__"``
+            (int, the sample id) and, where the sample has a label, ``"__label__"`` (int)
+            (:meth:`stoker.store.dataset.Dataset.read_fields` with ``meta=True``), ``rng`` a
+            ``numpy.random.Generator`` seeded by (seed, epoch, sample id). A decode that
             raises or returns None fails the batch with a WorkerError naming the sample's key
             (``run.on_error="skip"``: skipped and counted). :mod:`stoker.loader.batches` says how
             the batches travel (shared memory for arrays, pickled otherwise).
@@ -459,6 +461,7 @@ class Loader:
             start_method=self.run_options.start_method,
             device=self.device,
             prefetch_next_epoch=self.prefetch_next_epoch,
+            epochs=self.run_options.epochs,
         )
         hooks = RunHooks(  # weak: the pipeline never keeps its loader alive (no reference cycle)
             state=self.state,

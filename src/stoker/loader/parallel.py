@@ -33,6 +33,7 @@ class ParallelLoop:
     ):
         self.batch_size, self.prefetch_batches = config.batch_size, config.prefetch_batches
         self.timeout_s, self.prefetch_next_epoch = config.timeout_s, config.prefetch_next_epoch
+        self.epochs = config.epochs  # None: no last epoch known
         self.state, self.live = state, live
         self.workers, self.prefetcher, self.dispatch, self.deliver = workers, prefetcher, dispatch, deliver
         self.ring = dispatch.ring
@@ -86,6 +87,7 @@ class ParallelLoop:
                     and self.state.resume_batch == 0
                     and self.state.epoch == epoch + 1
                     and self.prefetch_next_epoch
+                    and (self.epochs is None or epoch + 1 < self.epochs)
                     and self.dispatch.prefetch_plan_done(run)
                 ):
                     self.dispatch.predispatch(epoch + 1)

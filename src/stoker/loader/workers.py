@@ -12,7 +12,6 @@ where the batch is (in the slot, with its layout, or pickled in the reply itself
 
 from __future__ import annotations
 
-import logging
 import os
 import traceback
 from typing import TYPE_CHECKING
@@ -23,8 +22,6 @@ from .config import WorkerConfig
 
 if TYPE_CHECKING:
     from .batches import GenericDecoder, SlotWriter
-
-log = logging.getLogger(__name__)
 
 
 def counters(ds, derived=None) -> dict:
@@ -112,9 +109,8 @@ class BatchDecoder:
             except DecodeError as exc:
                 if not skip:
                     raise
-                log.warning("skipping sample (epoch %d): %s", epoch, exc)
-                skipped.append(sid)
-                skipped_keys.append(ds.key(sid))
+                skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
+                skipped_keys.append((ds.key(sid), str(exc)))
                 continue
             labels[j] = ds.index.labels[sid]
             j += 1

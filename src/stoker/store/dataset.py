@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+from typing import Any, Literal, overload
 
 import numpy as np
 import xxhash
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_CACHE_BYTES = 8 << 30
+#: The names of a sample's facts in ``read_fields(i, meta=True)``, the dict a Loader's ``decode=``
+#: gets: its key (str), its id (int) and its label (int; only where the sample has one). Dunder
+#: names, as WebDataset's ``__key__``, which tar members and file names do not take in practice.
+KEY_FIELD, ID_FIELD, LABEL_FIELD = "__key__", "__id__", "__label__"
 
 
 def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
@@ -306,8 +311,25 @@ class Dataset:
         with self.origin.shared_budget():  # waiting for another process's fill spends it too
             return bytes(reader.read_range(i, start, start + int(self.index.length[i]), lambda d: self.sample_ok(i, d)))
 
-    def read_fields(self, i: int) -> dict[str, bytes]:
-        """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
+    @overload
+    def read_fields(self, i: int, *, meta: Literal[False] = False) -> dict[str, bytes]: ...
+    @overload
+    def read_fields(self, i: int, *, meta: Literal[True]) -> dict[str, Any]: ...
+    @overload
+    def read_fields(self, i: int, *, meta: bool) -> dict[str, Any]: ...
+
+    def read_fields(self, i: int, *, meta: bool = False) -> dict[str, Any]:
+        """All members of sample ``i``: ``{field name: bytes}``, primary payload first, then its
+        other members in source order (WebDataset ``cls``, ``json``, ... byte-exact).
+
+        With ``meta=True`` (what a Loader's ``decode=`` gets), the same dict followed by the
+        sample's facts from the index, the same for every source: :data:`KEY_FIELD` (``"__key__"``,
+        str: the sample key, ``ds.key(i)``), :data:`ID_FIELD` (``"__id__"``, int: the sample id
+        ``i``) and :data:`LABEL_FIELD` (``"__label__"``, int: the class index, ``ds.labels[i]``;
+        only when the sample has a label: an ImageFolder class folder, a WebDataset or file tree
+        ``cls``/``json`` label, a file list's or Parquet table's ``label`` column). A member
+        stored under one of these names (a Parquet column ``__key__``) is replaced by the fact;
+        ``meta=False`` reads it.
 
         Each member is verified against its own checksum (:class:`ChecksumError`
         names the key and field). One ranged read of the sample's range (or one
@@ -324,7 +346,14 @@ class Dataset:
         with self.origin.shared_budget():
             data = reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
         view = memoryview(data)
-        return {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
+        out: dict[str, Any] = {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
+        if meta:
+            out[KEY_FIELD] = self.key(i)
+            out[ID_FIELD] = i
+            label = int(self.index.labels[i])
+            if label >= 0:
+                out[LABEL_FIELD] = label
+        return out
 
 
 def default_cache_dir() -> str:

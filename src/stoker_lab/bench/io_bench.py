@@ -13,7 +13,9 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
    CPU-s/GB per process kind, the prefetcher's CPU over the origin bytes
    (``origin_to_cache_cpu_s_per_GB``), the emulated origin's own CPU apart
    (``emulated_origin_cpu_s_per_GB``), and the decode workers' CPU per sample cold over warm
-   (``cold_vs_warm_worker_cpu``).
+   (``cold_vs_warm_worker_cpu``). The prefetcher's floor is ``link_floor``: a bare GET + write
+   loop of the same blocks through the same throttled endpoint, in a fresh process, before and
+   after the epochs (:func:`stoker_lab.bench.io_stages.link_floor`).
 
 4. ``bytes_only`` (:mod:`stoker_lab.bench.bytes_only`): stoker's bytes-only Loader against DLIO's
    PyTorch reader on the same ~115 KB random-byte files, the same workers and batch size, from a
@@ -149,9 +151,20 @@ def run(cfg: IoConfig | None = None) -> dict:
         # workers with forkserver instead of fork (stoker.loader.procs), unlike a training job
         _log("cold and warm epochs, decode off")
         budget = 4 * int(probe.index.total_bytes) + (64 << 20)
-        epochs = cold_epoch(url, throttled, os.path.join(workdir, "cache-epoch"), budget, origin.pid, cfg)
-        _log("stages")
         ranges = st.block_ranges(probe)
+        link_root = os.path.join(workdir, "floor-link")
+        floors = [st.link_floor(url, throttled, ranges, cfg.concurrency, link_root)]
+        epochs = cold_epoch(url, throttled, os.path.join(workdir, "cache-epoch"), budget, origin.pid, cfg)
+        floors.append(st.link_floor(url, throttled, ranges, cfg.concurrency, link_root))
+        epochs["link_floor"] = {
+            "what": f"bare obstore.get_range + os.write of the same {len(ranges)} blocks into new files, through the "
+            f"cold epoch's throttled endpoint, {cfg.concurrency} threads, in a fresh process; run before and after "
+            "the epochs",
+            "runs": floors,
+            "cpu_s_per_GB": sum(f["cpu_s_per_GB"] for f in floors) / len(floors),
+            "GBps": sum(f["GBps"] for f in floors) / len(floors),
+        }
+        _log("stages")
         stages, blocks = st.origin_stage(url, direct, ranges, cfg.concurrency, cfg.reps)
         stages.append(st.verify_stage(probe, blocks, cfg.reps))
         tiers = {
@@ -283,20 +296,28 @@ def cold_epoch(
 
 
 def floor_of(report: dict) -> None:
-    """Fill in the floor of the cold epoch's origin -> cache row: the bare obstore GET loop's CPU-s/GB
-    plus bare pwrite's into the disk tier's filesystem (both measured in this run)."""
+    """Fill in the floor of the cold epoch's origin -> cache row: the bare GET + write loop of the
+    same blocks over the same throttled link (``link_floor``), and beside it, as
+    ``floor_direct_stages``, the sum of the bare obstore GET loop on the direct endpoint and bare
+    pwrite into the disk tier's filesystem (the stages above; all measured in this run)."""
     by = {r["stage"]: r for r in report["stages"]}
     get, put = by.get("origin->memory (obstore)"), by.get("memory->cache (disk tier)")
     row = by.get("origin->cache (prefetcher, cold epoch)")
-    if not (get and put and row):
+    if row is None:
         return
-    cpu = get["floor"]["cpu_s_per_GB"] + put["floor"]["cpu_s_per_GB"]
-    row["floor"] = {
-        "what": "bare obstore.get_range loop + bare os.pwrite of the same bytes (stages above)",
-        "cpu_s_per_GB": cpu,
-        "GBps": None,
-    }
-    row["ratio"] = row["cpu_s_per_GB"] / cpu if cpu > 0 else None
+    link = report.get("link_floor")
+    if link:
+        row["floor"] = {"what": link["what"], "cpu_s_per_GB": link["cpu_s_per_GB"], "GBps": link["GBps"]}
+        row["ratio"] = row["cpu_s_per_GB"] / link["cpu_s_per_GB"] if link["cpu_s_per_GB"] > 0 else None
+    if get and put:
+        cpu = get["floor"]["cpu_s_per_GB"] + put["floor"]["cpu_s_per_GB"]
+        row["floor_direct_stages"] = {
+            "what": "bare obstore.get_range loop on the direct endpoint + bare os.pwrite of the same bytes "
+            "(stages above)",
+            "cpu_s_per_GB": cpu,
+        }
+        if not link:
+            row["floor"], row["ratio"] = dict(row["floor_direct_stages"], GBps=None), row["cpu_s_per_GB"] / cpu
 
 
 def table(report: dict) -> str:
