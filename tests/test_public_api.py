@@ -50,9 +50,11 @@ EXPECTED_ALL = [
     "SourceArchiveError",
     "SourceError",
     "SourceNotFoundError",
+    "StaleIteratorError",
     "StokerError",
     "UnsafePathError",
     "WorkerError",
+    "WorkerStartError",
     "__version__",
     "collate",
     "decode",
@@ -93,6 +95,8 @@ BUILTIN_BASE = {
     "SourceNotFoundError": FileNotFoundError,
     "UnsafePathError": PermissionError,
     "WorkerError": RuntimeError,
+    "WorkerStartError": RuntimeError,
+    "StaleIteratorError": RuntimeError,
 }
 
 # Where each error used to be defined: those names must stay importable and be the same class.
@@ -214,6 +218,8 @@ ONE_OF_EACH = [
     stoker.CollateError(2, "it is array of shape (4,)"),
     stoker.SampleFnError("k1", "decode function m.f failed on sample 'k1'"),
     stoker.WorkerError("worker 3 died on sample 'a/1'"),
+    stoker.WorkerStartError("worker 0 (pid 7) could not start: it ran the training code of the main script"),
+    stoker.StaleIteratorError("the iterator of epoch 2 was ended by a later iter() (epoch 3)"),
     stoker.ForkUnsafeError("threads: tokio-runtime-worker"),
     stoker.SharedMemoryError("/dev/shm", 1 << 20, 4096),
     stoker.PeerUnavailable("peer node-2 timed out"),

@@ -40,9 +40,11 @@ from .errors import (
     SourceArchiveError,
     SourceError,
     SourceNotFoundError,
+    StaleIteratorError,
     StokerError,
     UnsafePathError,
     WorkerError,
+    WorkerStartError,
 )
 from . import collate
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
@@ -85,9 +87,11 @@ __all__ = [
     "SourceArchiveError",
     "SourceError",
     "SourceNotFoundError",
+    "StaleIteratorError",
     "StokerError",
     "UnsafePathError",
     "WorkerError",
+    "WorkerStartError",
     "__version__",
     "collate",
     "decode",

@@ -32,6 +32,8 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── CapacityError (RuntimeError)          a cluster job's ranks do not fit the nodes' free resources
     ├── ServiceStartError (RuntimeError)      a node's cache service could not start
     ├── WorkerError (RuntimeError)            a loader worker failed or died
+    │   └── WorkerStartError                  a worker process could not start (names the cause)
+    ├── StaleIteratorError (RuntimeError)     an epoch's iterator used after a later iter() replaced it
     ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
     └── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
 
@@ -80,9 +82,11 @@ __all__ = [
     "SourceArchiveError",
     "SourceError",
     "SourceNotFoundError",
+    "StaleIteratorError",
     "StokerError",
     "UnsafePathError",
     "WorkerError",
+    "WorkerStartError",
 ]
 
 
@@ -350,6 +354,18 @@ class SampleFnError(StokerError, ValueError):
 
 class WorkerError(StokerError, RuntimeError):
     """A worker failed or died; the message names the worker and the sample key."""
+
+
+class WorkerStartError(WorkerError):
+    """A worker (or the prefetch process) exited before its own start was done; it is not
+    restarted. The message names the cause: the main script run again by a spawn/forkserver
+    child (no ``if __name__ == "__main__":`` guard), a ``__main__`` such a child cannot import,
+    or the child's own error."""
+
+
+class StaleIteratorError(StokerError, RuntimeError):
+    """An epoch's iterator was used after a later ``iter()`` on the same Loader ended its epoch
+    (a Loader serves one epoch at a time); the message names both epochs."""
 
 
 class ForkUnsafeError(StokerError, RuntimeError):

@@ -323,11 +323,13 @@ def pack_reply(writer: SlotWriter, path: str | None, batch):
             blob = pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL) if rest else None
             return ("shm", tree, wrote[0], wrote[1], blob)
         if not writer.warned:
+            from .shm import shm_base
+
             writer.warned = True
             log.warning(
                 "shared memory (%s) has no room to grow a batch slot to %d bytes: batches that do not fit "
                 "are pickled through the worker's pipe instead (slower; counted in pickled_batches)",
-                os.path.dirname(path),
+                shm_base(),
                 sum(a.nbytes for a in leaves),
             )
     return ("pickle", pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
