@@ -312,7 +312,7 @@ class Run:
                 for seq, bids in enumerate(batches):
                     last = seq == len(batches) - 1
                     if not isinstance(decoder, BatchDecoder):  # cfg.generic: the user's decode/collate, here; no slot
-                        n, sk, sk_keys, batch = decoder.run(epoch, bids)
+                        n, sk, sk_keys, batch, padded = decoder.run(epoch, bids)
                         out = deliver(
                             epoch,
                             None,
@@ -322,21 +322,28 @@ class Run:
                             sk_keys,
                             None,
                             None if batch is None else ("local", batch),
+                            padded,
                             stats=stats,
                             delivered=delivered,
                             last=last,
                         )
                     else:
                         slot = ring.acquire()
+                        n, sk, sk_keys, payloads, padded = decoder.run(epoch, bids, *ring.views(slot))
                         out = deliver(
                             epoch,
                             slot,
                             bids,
-                            *decoder.run(epoch, bids, *ring.views(slot)),
+                            n,
+                            sk,
+                            sk_keys,
+                            payloads,
+                            None,
+                            padded,
                             stats=stats,
                             delivered=delivered,
                         )
-                    if out is None:  # every sample of the batch was skipped: yield nothing for it
+                    if out is None:  # a streaming collate carried every token to the next batch: nothing to yield
                         self.state.position = (epoch, start + seq + 1)
                         continue
                     wait_box[0] += time.perf_counter() - t_resume
