@@ -208,17 +208,25 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
         if len(events) == stop:
             return events, loader.state_dict()
         epoch, first_iter, start = loader.epoch, len(loader.history), loader.state_dict()["batches_done"]
-        planned = loader.plan(epoch)[start * bs :].tolist()
+        whole = loader.plan(epoch).tolist()
+        planned = whole[start * bs :]
         events.append(("epoch", epoch))
-        delivered, yielded, done = [], 0, None
+        delivered, padded, yielded, done = [], [], 0, None
         for images, labels in loader:
             ids = [colour_to_id[int(c)] for c in images[:, 0, 0, 0].tolist()]
             assert labels.tolist() == [int(ds.labels[i]) for i in ids]
             assert 1 <= len(ids) <= bs
-            delivered.extend(ids)
-            yielded += 1
             position = loader.state_dict()
             assert position["epoch"] == epoch
+            own = whole[(position["batches_done"] - 1) * bs : position["batches_done"] * bs]
+            if all(i in bad for i in own):  # every sample skipped: yielded with substitutes (loader/padding.py)
+                good = len(ds) - len(bad)  # every other sample is tried (a dataset this small)
+                assert len(ids) == len(set(ids)) == min(len(own), good) and not set(ids) & bad
+                padded.extend(ids)
+            else:
+                assert ids == [i for i in own if i not in bad]  # the plan, in order
+                delivered.extend(ids)
+            yielded += 1
             if cap is not None and position["batches_done"] > cap:
                 done = position["batches_done"]
                 break
@@ -230,8 +238,11 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
         assert stats.epoch == epoch
         processed = planned if done is None else planned[: (done - start) * bs]
         assert delivered == [i for i in processed if i not in bad]  # the plan, in order
-        assert stats.samples == len(delivered)
+        assert stats.samples == len(delivered)  # substitutes are not delivered samples
+        assert stats.padded == len(padded) and sorted(stats.padded_keys) == sorted(ds.key(i) for i in padded)
         assert stats.batches == yielded
+        if done is None:  # every batch of the plan is yielded, skipped samples or not: the same count on every rank
+            assert yielded == -(-len(planned) // bs)
         assert stats.skipped == len(processed) - len(delivered)
         assert sorted(stats.skipped_keys) == sorted(ds.key(i) for i in processed if i in bad)
         assert stats.exactly_once == (stats.skipped == 0 and processed == planned)
@@ -270,8 +281,7 @@ def _check_loader(urls, cache_dir, cfg, workers):
         rest, _ = _run(second, cap=cfg["cap"])
     finally:
         second.close()
-    # the first iter() continues the saved epoch unless all its batches were done (the batches
-    # after the last one yielded may all have been skipped: that iter() then yields nothing)
+    # the first iter() continues the saved epoch unless all its batches were done
     e, done = state["epoch"], state["batches_done"]
     mid = 0 < done < -(-len(second.plan(e)) // bs)
     assert rest == [("epoch", e)] * mid + ref[k:]  # the same batches and epochs, empty ones too

@@ -109,3 +109,41 @@ def test_decode_device_validated_at_construction(packed_local):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             Loader(ds, 4, image=ImageOptions(decode_device=torch.device("cuda")))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranks_yield_the_same_number_of_batches_with_device_decode(tmp_path, cases_dir, workers):
+    """A rank whose batches are undecodable whole (loader/padding.py): the training process reads
+    and decodes their substitutes on the device, the same ones the CPU path picks."""
+    from test_padding import BAD, BATCH, N, make_ranked_dataset
+
+    path = make_ranked_dataset(tmp_path, cases_dir)
+    ds = open_dataset(path, cache=False)
+    out = {}
+    for rank in (0, 1):
+        for where in ("device", "cpu"):
+            image = ImageOptions(image_size=32)
+            if where == "device":
+                image = ImageOptions(
+                    image_size=32, decode_device=GpuJpegDecoder("cpu", _fake_decoder(set(), set(), []))
+                )
+            with Loader(
+                ds,
+                BATCH,
+                shuffle=False,
+                seed=5,
+                rank=rank,
+                world_size=2,
+                num_workers=workers,
+                image=image,
+                run=RunOptions(on_error="skip"),
+            ) as loader:
+                sizes = [len(y) for _, y in loader]
+                out[rank, where] = (sizes, len(loader), loader.stats)
+    (s0, n0, st0), (s1, n1, st1) = out[0, "device"], out[1, "device"]
+    assert len(s0) == len(s1) == n0 == n1 == N // 2 // BATCH and st0.batches == st1.batches == len(s0)
+    assert s0 == [4, 4, 4, 3] and s1 == [4, 4, 4, 4]
+    assert st0.skipped == len(BAD) and st0.padded == 2 * BATCH and st0.samples == N // 2 - len(BAD)
+    assert not st0.exactly_once and st1.exactly_once and st1.padded == 0
+    assert st0.padded_keys == out[0, "cpu"][2].padded_keys  # the same substitutes as the CPU path
+    assert not {int(k.split("/")[1]) for k in st0.padded_keys} & BAD

@@ -104,12 +104,13 @@ def test_cases_decode_or_fail_naming_the_key(cases_packed, tmp_path):
         assert got == len(ds) - 1
         assert loader.stats.skipped == 1 and loader.stats.skipped_keys == ["pillow/truncated_jpeg"]
         assert not loader.stats.exactly_once  # honest: one sample was not delivered
-    for workers in (0, 2):  # a batch whose only sample is skipped is not yielded as an empty batch
+    for workers in (0, 2):  # a batch whose only sample is skipped is yielded with a substitute (never empty)
         with Loader(
             ds, 1, num_workers=workers, transform="eval", shuffle=False, run=RunOptions(on_error="skip")
         ) as loader:
             sizes = [len(y) for _, y in loader]
-            assert sizes == [1] * (len(ds) - 1) and loader.stats.skipped == 1
+            assert sizes == [1] * len(ds) and loader.stats.skipped == 1 and loader.stats.padded == 1
+            assert loader.stats.samples == len(ds) - 1 and loader.stats.padded_keys != ["pillow/truncated_jpeg"]
 
 
 def test_killed_worker_or_prefetcher_is_replaced(packed_local, tmp_path):

@@ -20,7 +20,7 @@ def test_split_ids_cuts_contiguous_parts_of_at_least_the_minimum():
 
 
 def _ok(offset, n, skipped=(), wid=0):
-    return ("ok", wid, 7, 0, 3, n, list(skipped), [f"k{s}" for s in skipped], {"w": wid}, None, None, offset)
+    return ("ok", wid, 7, 0, 3, n, list(skipped), [f"k{s}" for s in skipped], {"w": wid}, None, None, [], offset)
 
 
 def test_join_closes_the_rows_that_skipped_samples_left():

@@ -1,11 +1,12 @@
 """User ``decode`` and ``collate`` in the workers, and how their batches reach the training process.
 
 With ``Loader(ds, batch_size, decode=fn, collate=fn2)`` a worker turns each sample id of a batch
-into ``fn(ds.read_fields(i, meta=True), rng)`` (every member by name, then the sample's
-``__key__``, ``__id__`` and, where it has one, ``__label__``; ``rng``: a numpy Generator seeded by
-(seed, epoch, sample id), :func:`stoker.order.sample_seed`) and the list of samples into
-``fn2(samples)`` (default :func:`stoker.collate.default`; without ``fn`` the samples are those
-dicts). The batch then travels one of two ways:
+into ``fn(ds.read_fields(i, meta=True), rng)`` (every member by name, then the sample's ``__key__``,
+``__id__`` and, where it has one, ``__label__``; a substitute decoded for a batch whose every sample
+was skipped also has ``__padding__`` set to True, :mod:`stoker.loader.padding`; ``rng``: a numpy
+Generator seeded by (seed, epoch, sample id), :func:`stoker.order.sample_seed`) and the list of
+samples into ``fn2(samples)`` (default :func:`stoker.collate.default`; without ``fn`` the samples
+are those dicts). The batch then travels one of two ways:
 
 - **shared memory**, for every numpy array and CPU torch tensor of the batch, whether it is one
   array or arrays in dicts, tuples, lists and namedtuples (nested): :func:`flatten` splits it into
@@ -231,19 +232,56 @@ class GenericDecoder:
         self.decode = cfg.decode
         self.collate = cfg.collate if cfg.collate is not None else default
 
-    def run(self, epoch: int, ids, current=None):
-        """``(n samples, skipped ids, skipped keys, batch)``; batch is None when every sample
-        was skipped (``on_error="skip"``).
+    def sample(self, sid: int, rng, pad: bool = False):
+        """Sample ``sid``: its fields (:meth:`~stoker.store.dataset.Dataset.read_fields` with
+        ``meta=True``; ``pad``: a substitute, :data:`stoker.loader.padding.PAD_FIELD` set to True),
+        through the user's ``decode`` with ``rng`` when there is one.
+
+        Raises:
+            SampleFnError: ``decode`` raised or returned None (names the sample's key; the user's
+                exception is its ``__cause__``).
+            ChecksumError, OriginError: reading the sample's bytes failed (with its key).
+        """
+        fields = self.ds.read_fields(sid, meta=True)
+        if pad:
+            from .padding import PAD_FIELD
+
+            fields[PAD_FIELD] = True
+        if self.decode is None:
+            return fields
+        key = self.ds.key(sid)
+        try:
+            sample = self.decode(fields, rng)
+        except SampleFnError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's code: any failure names the sample
+            raise SampleFnError(
+                key, f"decode function {fn_name(self.decode)} failed on sample {key!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if sample is None:
+            raise SampleFnError(
+                key,
+                f"decode function {fn_name(self.decode)} returned None for sample {key!r} "
+                f"(it must return the decoded sample)",
+            )
+        return sample
+
+    def run(self, epoch: int, ids, current=None, whole: bool = True):
+        """``(n samples, skipped ids, skipped keys, batch, padded)``. When every sample was
+        skipped (``on_error="skip"``), the batch is made of substitutes
+        (:mod:`stoker.loader.padding`), whose ``(sample id, key)`` are ``padded`` (else empty);
+        batch is None only when ``whole`` is False and every sample was skipped.
 
         Raises:
             SampleFnError: ``decode`` raised or returned None for a sample, or ``collate`` raised
                 (:class:`stoker.collate.CollateError` names the sample at fault); with its key.
             ChecksumError, OriginError: reading the sample's bytes failed (with its key).
+            WorkerError: every sample was skipped and no substitute decoded (the dataset looks
+                unreadable).
         """
-        from ..collate import CollateError
         from ..order import sample_seed
 
-        ds, cfg = self.ds, self.cfg
+        cfg = self.cfg
         skip = cfg.on_error == "skip"
         samples, kept, skipped, skipped_keys = [], [], [], []
         sids = [int(sid) for sid in ids]
@@ -251,45 +289,64 @@ class GenericDecoder:
         rngs = (
             [np.random.default_rng(sample_seed(cfg.seed, epoch, sid)) for sid in sids]
             if self.decode is not None
-            else None
+            else [None] * len(sids)
         )
-        for k, sid in enumerate(sids):
+        for sid, rng in zip(sids, rngs, strict=True):
             if current is not None:
                 current.value = sid
-            fields = ds.read_fields(sid, meta=True)
-            if self.decode is None:
-                sample = fields
-            else:
-                key = ds.key(sid)
-                assert rngs is not None
-                rng = rngs[k]
-                try:
-                    sample = self.decode(fields, rng)
-                    if sample is None:
-                        raise SampleFnError(
-                            key,
-                            f"decode function {fn_name(self.decode)} returned None for "
-                            f"sample {key!r} (it must return the decoded sample)",
-                        )
-                except Exception as exc:  # noqa: BLE001 - the user's code: any failure names the sample
-                    err = (
-                        exc
-                        if isinstance(exc, SampleFnError)
-                        else SampleFnError(
-                            key,
-                            f"decode function {fn_name(self.decode)} failed on sample {key!r}: "
-                            f"{type(exc).__name__}: {exc}",
-                        )
-                    )
-                    if not skip:
-                        raise err from exc
-                    skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
-                    skipped_keys.append((key, str(err)))
-                    continue
+            try:
+                sample = self.sample(sid, rng)
+            except SampleFnError as err:
+                if not skip:
+                    raise
+                skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
+                skipped_keys.append((self.ds.key(sid), str(err)))
+                continue
             samples.append(sample)
             kept.append(sid)
+        padded: list = []
+        if not samples and skipped and whole:  # nothing to yield: substitutes, so every rank yields this batch
+            samples, padded = self._pad(epoch, sids, current, skipped_keys)
+            kept = [sid for sid, _ in padded]
+        return self._collate(samples, kept, current, skipped, skipped_keys, padded)
+
+    def _pad(self, epoch: int, sids: list, current, skipped_keys: list) -> tuple[list, list]:
+        """Substitutes for the batch of ``sids``, every one of them skipped
+        (:mod:`stoker.loader.padding`): their samples and their ``(id, key)``.
+
+        Raises:
+            WorkerError: none of the samples tried decoded.
+        """
+        from ..order import sample_seed
+        from .padding import probe_limit, probe_order, unreadable
+
+        samples: list = []
+        padded: list[tuple[int, str]] = []
+        tried, last = 0, None
+        for sid in probe_order(self.cfg.seed, epoch, sids, len(self.ds)):
+            if len(padded) == len(sids) or tried == probe_limit(len(sids)):
+                break
+            tried += 1
+            if current is not None:
+                current.value = sid
+            rng = np.random.default_rng(sample_seed(self.cfg.seed, epoch, sid)) if self.decode is not None else None
+            try:
+                samples.append(self.sample(sid, rng, pad=True))
+            except SampleFnError as err:
+                last = str(err)
+                continue
+            padded.append((sid, self.ds.key(sid)))
+        if not padded:
+            raise unreadable(epoch, [k for k, _ in skipped_keys], tried, last)
+        return samples, padded
+
+    def _collate(self, samples: list, kept: list, current, skipped: list, skipped_keys: list, padded: list):
+        """``run``'s result: the user's collate of ``samples`` (of sample ids ``kept``)."""
+        from ..collate import CollateError
+
+        ds = self.ds
         if not samples:
-            return 0, skipped, skipped_keys, None
+            return 0, skipped, skipped_keys, None, padded
         try:
             batch = self.collate(samples)
         except CollateError as exc:
@@ -306,7 +363,7 @@ class GenericDecoder:
                 f"collate function {fn_name(self.collate)} failed on the batch of samples "
                 f"{keys}{'...' if len(kept) > 3 else ''}: {type(exc).__name__}: {exc}",
             ) from exc
-        return len(samples), skipped, skipped_keys, batch
+        return len(samples), skipped, skipped_keys, batch, padded
 
 
 def pack_reply(writer: SlotWriter, path: str | None, batch):

@@ -27,33 +27,48 @@ class Delivery:
         self.transfer, self.device_decoder = transfer, device_decoder
 
     def __call__(
-        self, epoch, slot, bids, n, skipped, skipped_keys, payloads, generic=None, *, stats, delivered, last=False
+        self,
+        epoch,
+        slot,
+        bids,
+        n,
+        skipped,
+        skipped_keys,
+        payloads,
+        generic=None,
+        padded=(),
+        *,
+        stats,
+        delivered,
+        last=False,
     ):
         """Account for one finished batch and turn slot ``slot`` into what ``next()`` yields:
         tensors over the slot (or on ``device``), or the device decode of the workers'
         ``payloads`` (the slot is then released at once), or the user's collated batch
         (``generic``, the worker's reply of :func:`stoker.loader.batches.pack_reply`; ``last``: the
-        epoch's last batch, where a streaming collate flushes its carry). None when every sample
-        was skipped (or a streaming collate carried every token to the next batch)."""
+        epoch's last batch, where a streaming collate flushes its carry). ``padded``: the
+        ``(sample id, key)`` of the substitutes decoded for a batch whose every sample was
+        skipped (:mod:`stoker.loader.padding`). None only when a streaming collate carried every
+        token to the next batch (or, for a batch of no sample, nothing was decoded)."""
         if self.cfg.generic:
-            return self._generic(slot, bids, skipped, skipped_keys, generic, stats, delivered, last)
+            return self._generic(slot, bids, skipped, skipped_keys, generic, padded, stats, delivered, last)
         if payloads is not None:
             labels = self.ring.views(slot)[1][:n].copy()
             self.ring.release(slot)
-            images, labels, more, more_keys = self.device_decoder(epoch, payloads, labels)
-            account(stats, bids, list(skipped) + more, list(skipped_keys) + more_keys, delivered)
+            images, labels, more, more_keys, padded = self.device_decoder(epoch, payloads, labels)
+            account(stats, bids, list(skipped) + more, list(skipped_keys) + more_keys, delivered, padded)
             return None if images is None else (images, labels)
-        account(stats, bids, skipped, skipped_keys, delivered)
+        account(stats, bids, skipped, skipped_keys, delivered, padded)
         if n == 0:
             self.ring.release(slot)
             return None
         imgs, labels = self.ring.batch(slot, n)
         return self._as_batch(imgs, labels)
 
-    def _generic(self, slot, bids, skipped, skipped_keys, reply, stats, delivered, last):
+    def _generic(self, slot, bids, skipped, skipped_keys, reply, padded, stats, delivered, last):
         from .batches import receive, to_device
 
-        account(stats, bids, skipped, skipped_keys, delivered)
+        account(stats, bids, skipped, skipped_keys, delivered, padded)
         batch = receive(self.ring, slot, reply, stats)
         cut = getattr(self.cfg.collate, "cut", None)  # a streaming collate (stoker.collate.PackTokens)
         if cut is not None and (batch is not None or (last and self.state.carry is not None)):

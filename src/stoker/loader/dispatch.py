@@ -69,9 +69,9 @@ class Dispatcher:
         if split and self.num_workers > 1 and not self.cfg.generic and self.cfg.decode_on == "cpu":
             parts = split_ids(bids, self.num_workers)
         if len(parts) > 1:
-            self._parts[(run, seq)] = (len(parts), [])
-        for offset, ids in parts:
-            self.workers.send((run, seq, epoch, slot, self.ring.paths[slot], ids, offset))
+            self._parts[(run, seq)] = (len(parts), [], epoch, bids)
+        for offset, ids in parts:  # (whole: a part's worker never pads it, loader/padding.py)
+            self.workers.send((run, seq, epoch, slot, self.ring.paths[slot], ids, offset, len(parts) == 1))
         inflight[seq] = (slot, bids)
         return True
 
@@ -87,17 +87,25 @@ class Dispatcher:
 
     def whole(self, msg: tuple):
         """The reply of a whole batch: ``msg`` itself, or for a part of a split batch None until
-        its last part came, then the joined reply (:func:`.split.join_replies`)."""
+        its last part came, then the joined reply (:func:`.split.join_replies`). A split batch
+        whose every sample was skipped is sent again whole to one worker, which decodes
+        substitutes in its place (:mod:`.padding`: chosen on the whole batch, never on a part):
+        None then too, and its reply comes as a whole batch's."""
         key = (msg[2], msg[3])
         if key not in self._parts:
             return msg
-        left, msgs = self._parts[key]
+        left, msgs, epoch, bids = self._parts[key]
         msgs.append(msg)
         if left > len(msgs):
             return None
         del self._parts[key]
-        images, labels = self.ring.views(msg[4])
-        return join_replies(msgs, images, labels)
+        slot = msg[4]
+        images, labels = self.ring.views(slot)
+        joined = join_replies(msgs, images, labels)
+        if joined[0] == "ok" and joined[5] == 0 and joined[6]:
+            self.workers.send((msg[2], msg[3], epoch, slot, self.ring.paths[slot], bids, 0, True))
+            return None
+        return joined
 
     def predispatch(self, epoch: int) -> None:
         """Start the first batches of the next epoch while this one drains (its plan is a pure

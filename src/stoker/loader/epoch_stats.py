@@ -29,21 +29,27 @@ class EpochStats:
     ``staged_hits`` (samples read from staged blocks), ``direct_reads`` (samples read from the
     origin one by one); ``evictions`` (blocks), ``corrupt_blocks`` (cached blocks that failed a
     checksum, dropped and fetched again); ``skipped`` (samples) and ``skipped_keys`` (their keys,
-    the first 100); ``order_displacement`` (mean move in positions of the cache-aware order,
-    ``ReadOptions.cache_aware_window``); ``derived_hits`` / ``derived_fills`` (samples decoded from
-    / written to the derived-sample cache) and ``derived_same`` (samples whose entry says "use the
-    raw sample"); ``shm_batches`` / ``pickled_batches`` (user-collated batches whose arrays moved
+    the first 100); ``padded`` (samples) and ``padded_keys`` (their keys, the first 100): the
+    substitutes decoded in place of a batch whose every sample was skipped, so that every rank
+    yields the same number of batches (:mod:`stoker.loader.padding`); ``order_displacement``
+    (mean move in positions of the cache-aware order, ``ReadOptions.cache_aware_window``);
+    ``derived_hits`` / ``derived_fills`` (samples decoded from / written to the derived-sample
+    cache) and ``derived_same`` (samples whose entry says "use the raw sample");
+    ``shm_batches`` / ``pickled_batches`` (user-collated batches whose arrays moved
     through shared memory / pickled whole, having no array) and ``pickled_bytes`` (bytes pickled).
 
-    ``samples`` / ``batches``: the samples and batches yielded to the consumer (a sample
-    skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a batch whose
-    samples were all skipped is not yielded, so not counted).
+    ``samples`` / ``batches``: the planned samples and the batches yielded to the consumer (a
+    sample skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a substitute in
+    ``padded``: ``samples + skipped`` is the rank's plan, and a batch whose samples were all
+    skipped is yielded with substitutes, so ``batches`` is the planned count under any
+    ``on_error``).
 
     ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall): the
     share of time the training step waits for data. A loop that does nothing between batches
     waits for every one, so its stall is near 1 whatever the loader's speed (docs/stats.md).
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
-    (for world_size 1: every sample exactly once). ``cpu_s``: CPU seconds used in the
+    (for world_size 1: every sample exactly once; substitutes are not delivered samples, so an
+    epoch with a skipped sample is never exactly once). ``cpu_s``: CPU seconds used in the
     epoch by the training process (``main``), the decode ``workers`` and the
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
     counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
@@ -96,6 +102,8 @@ class EpochStats:
     corrupt_blocks: int = 0
     skipped: int = 0
     skipped_keys: list = field(default_factory=list)
+    padded: int = 0  # substitutes yielded for batches whose every sample was skipped (not in samples)
+    padded_keys: list = field(default_factory=list)  # their keys, the first 100
     exactly_once: bool = False
     cpu_s: dict = field(default_factory=dict)  # CPU seconds this epoch: main, workers, prefetch
     order_displacement: float = 0.0  # mean move (positions) of the cache-aware order
@@ -120,13 +128,15 @@ class EpochStats:
         return asdict(self)
 
 
-def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> None:
+def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list, padded=()) -> None:
     """Count one finished batch: ``bids`` its planned sample ids, ``skipped`` the ids a
     worker skipped (``on_error="skip"``) with their keys, each a key or ``(key, reason)``; a
     reason is logged here, when the batch is delivered, so a batch decoded ahead for an epoch
-    that never runs logs nothing. The ids actually delivered are appended to ``delivered`` (a
-    list of int64 arrays, counted once at the epoch's end: this runs in ``next()`` for every
-    batch)."""
+    that never runs logs nothing. ``padded``: the ``(sample id, key)`` of the substitutes
+    decoded because every sample of the batch was skipped (:mod:`stoker.loader.padding`):
+    counted in ``padded`` and logged, not delivered. The ids actually delivered are appended to
+    ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this runs in
+    ``next()`` for every batch)."""
     if skipped_keys and any(isinstance(k, tuple) for k in skipped_keys):
         for k in skipped_keys:
             if isinstance(k, tuple):
@@ -144,9 +154,22 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> 
         stats.skipped_keys.extend(skipped_keys[: max(0, 100 - len(stats.skipped_keys))])
     else:
         keep = bids
+    if padded:
+        keys = [k for _, k in padded]
+        stats.padded += len(padded)
+        stats.padded_keys.extend(keys[: max(0, 100 - len(stats.padded_keys))])
+        log.warning(
+            "every sample of a batch of epoch %d was skipped (%s): %d substitutes decoded in its place, so that "
+            "every rank yields the same number of batches (%s%s)",
+            stats.epoch,
+            ", ".join(map(str, skipped_keys[:4])) + (", ..." if len(skipped_keys) > 4 else ""),
+            len(padded),
+            ", ".join(map(str, keys[:4])),
+            ", ..." if len(keys) > 4 else "",
+        )
     delivered.append(np.asarray(keep, dtype=np.int64))
     stats.samples += len(keep)
-    stats.batches += 1 if len(keep) else 0  # a batch whose samples were all skipped is not yielded
+    stats.batches += 1 if len(keep) or len(padded) else 0
 
 
 def fill_from_counters(

@@ -173,7 +173,7 @@ class InlineLoop:
         for seq, bids in enumerate(batches):
             out = self._one(epoch, start + seq, bids, seq == len(batches) - 1, stats, delivered)
             self.state.position = (epoch, start + seq + 1)
-            if out is None:  # every sample of the batch was skipped: yield nothing for it
+            if out is None:  # a streaming collate carried every token to the next batch: nothing to yield
                 continue
             wait_box[0] += time.perf_counter() - t_resume
             self.live.tick()
@@ -185,10 +185,10 @@ class InlineLoop:
     def _one(self, epoch, seq, bids, last, stats, delivered):
         """Batch ``seq`` decoded on the thread and delivered."""
         if not self.slots:
-            n, sk, sk_keys, batch = self._decode(self.decoder.run, (epoch, bids), epoch, seq)
+            n, sk, sk_keys, batch, padded = self._decode(self.decoder.run, (epoch, bids), epoch, seq)
             payload = None if batch is None else ("local", batch)
             return self.deliver(
-                epoch, None, bids, n, sk, sk_keys, None, payload, stats=stats, delivered=delivered, last=last
+                epoch, None, bids, n, sk, sk_keys, None, payload, padded, stats=stats, delivered=delivered, last=last
             )
         ring = self.ring
         slot = ring.acquire()
@@ -198,7 +198,8 @@ class InlineLoop:
             if not self.thread.dropped:  # the decode failed: its slot is free again (a dropped one frees it itself)
                 ring.release(slot)
             raise
-        return self.deliver(epoch, slot, bids, *done, stats=stats, delivered=delivered)
+        n, sk, sk_keys, payloads, padded = done
+        return self.deliver(epoch, slot, bids, n, sk, sk_keys, payloads, None, padded, stats=stats, delivered=delivered)
 
     def _decode(self, fn, args, epoch, seq, slot=None):
         """``fn(*args, cell)`` on the thread; a stuck decode becomes WorkerError."""

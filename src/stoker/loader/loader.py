@@ -138,7 +138,9 @@ class Loader:
             (:meth:`stoker.store.dataset.Dataset.read_fields` with ``meta=True``), ``rng`` a
             ``numpy.random.Generator`` seeded by (seed, epoch, sample id). A decode that
             raises or returns None fails the batch with a WorkerError naming the sample's key
-            (``run.on_error="skip"``: skipped and counted). :mod:`stoker.loader.batches` says how
+            (``run.on_error="skip"``: skipped and counted; a batch left with none gets substitutes,
+            marked ``"__padding__"``: :class:`~stoker.loader.options.RunOptions`).
+            :mod:`stoker.loader.batches` says how
             the batches travel (shared memory for arrays, pickled otherwise).
         collate: the user's ``collate(samples) -> batch``, run in the workers too (default
             :func:`stoker.collate.default`; also :func:`stoker.collate.pad`,

@@ -207,8 +207,17 @@ class RunOptions:
             :mod:`stoker.loader.transfer`). ValueError for another device; RuntimeError when CUDA
             is not available. With ``ImageOptions.decode_device`` it defaults to that device.
         on_error: ``"raise"`` (default: a sample no decoder reads raises WorkerError naming its
-            key) or ``"skip"`` (logged, counted in stats, the batch is shorter; a batch whose
-            samples were all skipped is not yielded).
+            key) or ``"skip"`` (logged, counted in ``stats.skipped``, the batch is shorter). Under
+            either, every rank yields the same number of batches per epoch, ``len(loader)``, so
+            DDP's collectives never wait for a rank that has run out: a batch whose every sample
+            was skipped is yielded with substitutes decoded in its place, other samples of the
+            dataset tried in an order fixed by (seed, epoch, the batch's sample ids), up to the
+            batch's planned size, at most ``max(64, 4 x batch size)`` tried
+            (:mod:`stoker.loader.padding`). They are counted in ``stats.padded`` /
+            ``padded_keys``, not in ``samples`` nor as delivered for ``exactly_once``; a custom
+            ``decode`` sees ``fields["__padding__"] = True`` for them (the built-in
+            ``(images, labels)`` batch does not mark them). No substitute decoding at all is a
+            WorkerError naming the batch: the dataset looks unreadable.
         timeout_s: longest wait in seconds for one batch before WorkerError (never a hang;
             > 0, default 120).
         start_method: multiprocessing start method of the workers (default None: ``fork`` where

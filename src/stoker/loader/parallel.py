@@ -137,11 +137,12 @@ class ParallelLoop:
                 skipped_keys,
                 msg[9],
                 msg[10],
+                msg[11],
                 stats=stats,
                 delivered=delivered,
                 last=seq == len(batches) - 1,
             )
-            if out is None:  # every sample of the batch was skipped: yield nothing for it
+            if out is None:  # a streaming collate carried every token to the next batch: nothing to yield
                 self.state.position = (epoch, self.state.position[1] + 1)
                 continue
             wait_box[0] += time.perf_counter() - t_resume

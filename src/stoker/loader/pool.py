@@ -132,7 +132,7 @@ class WorkerPool:
         self._restarts = [0] * len(self._restarts)
 
     def send(self, task: tuple) -> None:
-        """Hand ``task`` (run, seq, epoch, slot, slot path, ids, offset in the slot) to the worker
+        """Hand ``task`` (run, seq, epoch, slot, slot path, ids, offset in the slot, whole) to the worker
         with fewest batches."""
         slot = min(range(len(self._procs)), key=lambda s: len(self._assigned[s]))
         self._assigned[slot][(task[0], task[1], task[6])] = task

@@ -12,6 +12,10 @@ the whole batch (:func:`join_replies`): counts added, skipped samples in order, 
 skipped samples left empty closed up, so the slot holds the batch as one worker would have
 written it. Only image batches decoded by the workers are split (a user's collate sees whole
 batches; device decode sends byte payloads).
+
+Substitutes for a batch whose every sample was skipped (:mod:`stoker.loader.padding`) are chosen
+on the whole batch, never on a part: a part's worker does not pad, and a batch whose parts all
+came back empty is sent again whole to one worker, which pads it (:mod:`stoker.loader.dispatch`).
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ def split_ids(ids: np.ndarray, workers: int, min_part: int = MIN_PART) -> list[t
 def join_replies(msgs: list[tuple], images: np.ndarray | None, labels: np.ndarray | None) -> tuple:
     """One reply for a batch from the replies of its parts (each ends with its part's offset).
 
-    ``msgs``: every part's reply, ``("ok", wid, run, seq, slot, n, skipped, skipped_keys,
-    counters, payloads, generic, offset)`` or ``("error", wid, run, seq, slot, key, err, tb,
-    counters, cause, offset)``; ``images`` / ``labels``: the slot's arrays, ``(B, 3, S, S)`` uint8 and
-    ``(B,)``, where rows left by skipped samples are closed up. ``msgs`` come in the order they
-    arrived. Returns the first error by offset if a part failed, else an ``"ok"`` reply of the
-    whole batch (offset 0) that carries the worker and counters of the part that arrived last
-    (the loader records every part's counters as it comes).
+    ``msgs``: every part's reply, ``("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters,
+    payloads, generic, padded, offset)`` (a part is never padded: ``padded`` is empty) or
+    ``("error", wid, run, seq, slot, key, err, tb, counters, cause, offset)``; ``images`` /
+    ``labels``: the slot's arrays, ``(B, 3, S, S)`` uint8 and ``(B,)``, where rows left by skipped
+    samples are closed up. ``msgs`` come in the order they arrived. Returns the first error by
+    offset if a part failed, else an ``"ok"`` reply of the whole batch (offset 0) that carries the
+    worker and counters of the part that arrived last (the loader records every part's counters as
+    it comes).
     """
     last = msgs[-1]
     msgs = sorted(msgs, key=lambda m: m[-1])
@@ -55,4 +60,4 @@ def join_replies(msgs: list[tuple], images: np.ndarray | None, labels: np.ndarra
         n += got
         skipped += m[6]
         skipped_keys += m[7]
-    return ("ok", last[1], last[2], last[3], last[4], n, skipped, skipped_keys, last[8], None, None, 0)
+    return ("ok", last[1], last[2], last[3], last[4], n, skipped, skipped_keys, last[8], None, None, [], 0)

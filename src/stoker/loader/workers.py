@@ -1,9 +1,11 @@
 """Decode worker processes: read a batch's samples, decode, augment, write into a slot.
 
 Each worker owns a copy of the dataset (the in-memory index travels with it; no
-re-download) and opens the node cache by path. A task is one batch:
-``(run, seq, slot path, sample ids)``; the reply is small (no pixel data): the
-count written, ids skipped by ``on_error="skip"`` and the process's counters.
+re-download) and opens the node cache by path. A task is one batch, or one part of a
+split batch: ``(run, seq, epoch, slot, slot path, sample ids, offset, whole)``; the reply is small
+(no pixel data): the count written, ids skipped by ``on_error="skip"``, the substitutes written
+for a batch whose every sample was skipped (:mod:`stoker.loader.padding`) and the process's
+counters.
 The sample id being decoded is published in a shared array so the loader can
 name it if the worker dies. With the user's ``decode``/``collate`` (``cfg.generic``) the worker
 runs :class:`stoker.loader.batches.GenericDecoder` instead and the reply's last element says
@@ -75,11 +77,22 @@ class BatchDecoder:
         if got is None:
             der.put(sid, key, img)
 
-    def run(self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None):
+    def run(
+        self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None, whole: bool = True
+    ):
         """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys,
-        payloads). ``payloads`` is None, except when the training process decodes on the device
-        (``cfg.decode_on == "device"``): then no image is written and it is the list of
-        ``(sample id, verified bytes)`` of the batch, in the order of ``labels``."""
+        payloads, padded). ``payloads`` is None, except when the training process decodes on the
+        device (``cfg.decode_on == "device"``): then no image is written and it is the list of
+        ``(sample id, verified bytes)`` of the batch, in the order of ``labels``. ``padded``: the
+        ``(sample id, key)`` of the substitutes written when every sample of the batch was
+        skipped (:mod:`stoker.loader.padding`; only for a ``whole`` batch, not a part of a split
+        one), else empty.
+
+        Raises:
+            DecodeError: a sample no decoder reads, with ``on_error="raise"``.
+            WorkerError: every sample was skipped and no substitute decoded (the dataset looks
+                unreadable).
+        """
         from ..decode import DecodeError
         from ..order import sample_seed
 
@@ -92,7 +105,7 @@ class BatchDecoder:
                     current.value = sid
                 payloads.append((sid, ds.read(sid)))
                 labels[j] = ds.index.labels[sid]
-            return len(payloads), [], [], payloads
+            return len(payloads), [], [], payloads, []
         mode, seed, size = cfg.transform, cfg.seed, cfg.image_size
         skip = cfg.on_error == "skip"
         j, skipped, skipped_keys = 0, [], []
@@ -114,7 +127,44 @@ class BatchDecoder:
                 continue
             labels[j] = ds.index.labels[sid]
             j += 1
-        return j, skipped, skipped_keys, None
+        padded: list = []
+        if j == 0 and skipped and whole:  # nothing to yield: substitutes, so every rank yields this batch
+            padded = self._pad(epoch, sids, images, labels, current, skipped_keys)
+            j = len(padded)
+        return j, skipped, skipped_keys, None, padded
+
+    def _pad(self, epoch: int, sids: list, images, labels, current, skipped_keys: list) -> list:
+        """Decode substitutes for the batch of ``sids``, every one of them skipped, into
+        ``images``/``labels`` from row 0 (:mod:`stoker.loader.padding`); their ``(id, key)``.
+
+        Raises:
+            WorkerError: none of the samples tried decoded.
+        """
+        from ..decode import DecodeError
+        from ..order import sample_seed
+        from .padding import probe_limit, probe_order, unreadable
+
+        cfg, ds = self.cfg, self.ds
+        padded: list = []
+        tried, last = 0, None
+        for sid in probe_order(cfg.seed, epoch, sids, len(ds)):
+            if len(padded) == len(sids) or tried == probe_limit(len(sids)):
+                break
+            tried += 1
+            if current is not None:
+                current.value = sid
+            key = ds.key(sid)
+            rng = np.random.default_rng(sample_seed(cfg.seed, epoch, sid)) if cfg.transform == "train" else None
+            try:
+                self.decode_sample(sid, key, cfg.transform, rng, cfg.image_size, images[len(padded)])
+            except DecodeError as exc:
+                last = str(exc)
+                continue
+            labels[len(padded)] = ds.index.labels[sid]
+            padded.append((sid, key))
+        if not padded:
+            raise unreadable(epoch, [k[0] if isinstance(k, tuple) else k for k in skipped_keys], tried, last)
+        return padded
 
 
 def _cause(exc: BaseException):
@@ -207,11 +257,13 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
             continue
         if task is None or stop.is_set():
             break
-        run, seq, epoch, slot, path, ids, offset = task  # offset: a part of a batch (loader/split.py)
+        # offset: where a part of a split batch goes in its slot; whole: False for such a part
+        # (loader/split.py), whose worker never pads it (loader/padding.py)
+        run, seq, epoch, slot, path, ids, offset, whole = task
         try:
             if writer is not None:
                 assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
-                n, skipped, skipped_keys, batch = dec.run(epoch, ids, current)
+                n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
                 results.put(
                     (
                         "ok",
@@ -225,6 +277,7 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
                         counters(ds),
                         None,
                         pack_reply(writer, path, batch),
+                        padded,
                         offset,
                     )
                 )
@@ -233,9 +286,25 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
                 maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
             _, images, labels = maps[path]
             assert isinstance(dec, BatchDecoder)
-            n, skipped, skipped_keys, payloads = dec.run(epoch, ids, images[offset:], labels[offset:], current)
+            n, skipped, skipped_keys, payloads, padded = dec.run(
+                epoch, ids, images[offset:], labels[offset:], current, whole
+            )
             results.put(
-                ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counters(ds, derived), payloads, None, offset)
+                (
+                    "ok",
+                    wid,
+                    run,
+                    seq,
+                    slot,
+                    n,
+                    skipped,
+                    skipped_keys,
+                    counters(ds, derived),
+                    payloads,
+                    None,
+                    padded,
+                    offset,
+                )
             )
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
