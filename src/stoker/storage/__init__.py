@@ -35,7 +35,7 @@ from .retry import (
     RETRY_BUDGET_ENV,
     Failure,
     SharedBackoff,
-    WrongAnswer,
+    wrong_answer,
     classify,
     full_jitter_s,
     resolve_retry_budget_s,
@@ -362,7 +362,7 @@ class Origin:
             if len(data) != expected:
                 self.counters.bytes += len(data)  # received, then thrown away
                 size = self._size_if_short(rel, len(data), expected)
-                raise WrongAnswer(len(data), expected, start, end, object_bytes=size)
+                raise wrong_answer(len(data), expected, start, end, object_bytes=size)
             return data
 
         data = self.retry(self.full_url(rel), checked, start, end)
@@ -485,7 +485,9 @@ def _describe(exc: BaseException | None, failure: Failure) -> str:
     if exc is None:
         return failure.label() or "throttled"
     first = (str(exc).strip().splitlines() or [""])[0][:300]
-    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    text = (
+        f"{type(exc).__name__}: {first}" if first and not getattr(exc, "bare", False) else first or type(exc).__name__
+    )
     label = failure.label()
     return f"{label}: {text}" if label and label != type(exc).__name__ else text
 

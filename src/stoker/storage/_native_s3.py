@@ -34,7 +34,7 @@ import logging
 import os
 
 from ._s3_config import note_fallback, resolve
-from .retry import Failure, WrongAnswer, http_details
+from .retry import Failure, http_details, wrong_answer
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class NativeS3Reader:
         Raises:
             FileNotFoundError: the object does not exist.
             PermissionError: access denied or unauthenticated.
-            WrongAnswer: the origin (or a proxy) answered with the whole object, ignoring ``Range``
+            OSError: the origin (or a proxy) answered with the whole object, ignoring ``Range``
                 (an OSError: retried by the caller, as on the fsspec path).
             OSError: any other failure (the caller classifies it, retries what can clear, and reports it).
         """
@@ -127,7 +127,7 @@ class NativeS3Reader:
             raise PermissionError(self._message(key, exc)) from exc
         except Exception as exc:  # noqa: BLE001 - obstore's generic errors: classified by the caller
             if "non-partial response" in str(exc):  # a 200 with the whole object: Range was ignored
-                raise WrongAnswer(None, end - start, start, end, range_ignored=True) from exc
+                raise wrong_answer(None, end - start, start, end, range_ignored=True) from exc
             raise OSError(self._message(key, exc)) from exc
 
     def _message(self, key: str, exc: BaseException) -> str:

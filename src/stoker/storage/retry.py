@@ -9,7 +9,7 @@ client exposes it, replaces the drawn wait.
 
 Only failures that can clear are retried (:func:`classify`): throttling (HTTP 429, 503 and the S3
 codes ``SlowDown``, ``Throttling``, ...), other 5xx answers, ``RequestTimeout``, connection resets
-and timeouts, and answers that are wrong in transit (:class:`WrongAnswer`: a ranged GET answered
+and timeouts, and answers that are wrong in transit (:func:`wrong_answer`: a ranged GET answered
 with another length, e.g. by a proxy that dropped ``Range`` and sent the whole object; a body
 whose checksum header does not match). 400, 403, 404 and the other 4xx answers fail at once,
 keeping the S3 error code. HTTP origins (fsspec's ``http://``) report their status the same way.
@@ -113,7 +113,7 @@ _STATUS_RE = re.compile(r"status code: (\d{3})|\bstatus: (\d{3})\b")
 _CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
 
 
-class WrongAnswer(OSError):
+class _WrongAnswer(OSError):
     """The origin answered a ranged GET of ``expected`` bytes with ``got`` bytes (raised inside a
     try, so the retry loop sends the read again; its message ends up in the
     :class:`stoker.errors.OriginError` when the retry budget is spent).
@@ -124,6 +124,8 @@ class WrongAnswer(OSError):
     ``object_bytes``: the object's size, when a short answer was explained by asking for it: an
     object shorter than the range is not an answer that can clear (``retry`` False): it changed
     or was cut since the index was written."""
+
+    bare = True  # errors quote its message without its class name (it says what happened)
 
     def __init__(
         self,
@@ -156,6 +158,23 @@ class WrongAnswer(OSError):
 
     def __reduce__(self):
         return (type(self), (self.got, self.expected, self.start, self.end, self.range_ignored, self.object_bytes))
+
+
+def wrong_answer(
+    got: int | None,
+    expected: int,
+    start: int,
+    end: int,
+    range_ignored: bool | None = None,
+    object_bytes: int | None = None,
+) -> OSError:
+    """The error to raise, inside a try of :meth:`stoker.storage.Origin.retry`, for a ranged GET of
+    bytes ``[start, end)`` (``expected`` bytes) answered with ``got`` bytes (None: unknown).
+    ``range_ignored``: the origin sent the whole object (None: taken from the lengths, an answer
+    that runs past ``end``); ``object_bytes``: the object's size, when a short answer was
+    explained by asking for it. :func:`classify` retries it unless the object is shorter than
+    ``end``; its message says which of these it was (see :class:`_WrongAnswer`)."""
+    return _WrongAnswer(got, expected, start, end, range_ignored, object_bytes)
 
 
 @dataclass(frozen=True)
@@ -248,7 +267,7 @@ def classify(exc: BaseException) -> Failure:
     network failures (``OSError``, or a class name such as ``ServerDisconnectedError``,
     ``ReadTimeoutError``) are; obstore's errors without a status are network failures.
     """
-    if isinstance(exc, WrongAnswer):
+    if isinstance(exc, _WrongAnswer):
         return Failure(retry=exc.retry)
     status, code, retry_after = http_details(exc)
     if status is not None or code is not None:
