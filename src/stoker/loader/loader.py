@@ -24,7 +24,7 @@ from .._procs import pick_start_method
 from ..order import permutation, rank_plan
 from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
-from .epoch_stats import EpochStats
+from .epoch_stats import EpochStats, why_empty
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
 from .state import IDENTITY_KEYS, LoaderState
@@ -231,6 +231,7 @@ class Loader:
         self.device = device
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
+        self._warned_empty = False  # the one warning that this loader's epochs deliver nothing
         self.prefetch_next_epoch = read.prefetch_next_epoch
         self.cache_aware_window = read.cache_aware_window
         self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
@@ -355,7 +356,7 @@ class Loader:
         """
         return self.state.to_dict(self._identity())
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
         ``batches_done`` batches (or starts the next epoch if that one was finished; an epoch
         with no batches for this rank, saved before its ``iter()``, is still run, yielding
@@ -363,10 +364,16 @@ class Loader:
 
         Raises ValueError when the state belongs to another dataset version or to a
         different order, batch size, rank split or transform (the rest of the stream
-        would not be the same).
+        would not be the same), and, with ``strict`` (the default), when it lacks the keys
+        that say so (a trimmed ``{"epoch", "batches_done"}``; the message names them).
+        ``strict=False`` resumes such a state with a ``RuntimeWarning`` naming what it lacks.
         """
         self.state.load(
-            state, self._identity(), lambda e: -(-len(self.plan(e)) // self.batch_size), self.dataset.num_blocks
+            state,
+            self._identity(),
+            lambda e: -(-len(self.plan(e)) // self.batch_size),
+            self.dataset.num_blocks,
+            strict=strict,
         )
         if self._pipeline is not None:
             self._pipeline.drop_pre()
@@ -451,7 +458,20 @@ class Loader:
         except Exception:  # noqa: BLE001
             pass
 
+    def _empty_reason(self) -> str:
+        """Why this loader's epochs deliver no sample ("" when they deliver some): :func:`why_empty`."""
+        return why_empty(len(self.dataset), self.world_size, self.even, self.batch_size, self.drop_last)
+
     def __iter__(self):
+        reason = self._empty_reason()
+        if reason and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                f"epoch {self.state.epoch} of rank {self.rank} delivers no sample of {len(self.dataset)}, nor will "
+                f"the later ones: {reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         t_iter = time.perf_counter()
         started = self._pipeline is not None
         run = self._start()
@@ -486,7 +506,12 @@ class Loader:
         return self._live.snapshot()
 
     def _record(self, stats: EpochStats) -> None:
-        """An epoch ended (the pipeline's call): its stats become ``stats`` and join ``history``."""
+        """An epoch ended (the pipeline's call): its stats become ``stats`` and join ``history``.
+        An epoch that delivered nothing because of the configuration does not claim to be
+        exactly once (``stats.empty_reason`` says why)."""
+        reason = self._empty_reason()
+        if reason and stats.samples == 0:
+            stats.exactly_once, stats.empty_reason = False, reason
         self.stats = stats
         self.history.append(stats)
 
