@@ -213,7 +213,9 @@ def unpack_bitmap(text: str | None, n: int) -> np.ndarray | None:
     return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)
 
 
-def check_identity_keys(state: dict, keys, strict: bool, what: str = "loader", stacklevel: int = 3) -> None:
+def check_identity_keys(
+    state: dict[str, Any], keys: tuple[str, ...], strict: bool, what: str = "loader", stacklevel: int = 3
+) -> None:
     """Refuse (``strict``) or warn about a saved state that lacks some of ``keys``, the
     configuration that says whether it was saved by a ``what`` like the one resuming it (a
     trainer that kept only the epoch and the position). Without them a state of another seed,
