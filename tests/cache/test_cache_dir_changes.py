@@ -200,3 +200,35 @@ def test_a_staging_area_removed_in_use_is_made_again(tmp_path):
     assert st.put(NS, "b0", _block(0))
     shutil.rmtree(tmp_path / "c")
     assert st.put(NS, "b1", _block(1)) and st.read(NS, "b1", 0, 4096) == _block(1)
+
+
+def test_a_removal_in_progress_is_let_through_before_the_directory_is_made_again(tmp_path):
+    """An ``rm -rf`` that has taken the marker and the lock file but not yet the directory: a fill
+    waits for it to finish rather than make files under its feet ("Directory not empty"), then
+    makes the directory again and keeps the block."""
+    import threading
+    import time
+
+    root = tmp_path / "c"
+    c = DiskCache(str(root), 1 << 20)
+    c.register(NS, 1 << 20)
+    assert c.put(NS, "b0", _block(0))
+    os.unlink(root / layout.ROOT_MARKER)
+    os.unlink(root / ".lock")
+    failed: list = []
+
+    def rest_of_the_rm():
+        time.sleep(0.3)
+        try:
+            shutil.rmtree(root)
+        except OSError as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=rest_of_the_rm)
+    t.start()
+    try:
+        assert c.put(NS, "b1", _block(1))
+    finally:
+        t.join()
+    assert failed == []
+    assert layout.is_whole(str(root)) and c.read(NS, "b1", 0, 4096) == _block(1)

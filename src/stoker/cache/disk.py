@@ -174,7 +174,9 @@ class DiskCache(UsageCounters):
                 old.close()
             self._made = set()
             self._quota_memo = None
-            if not layout.is_cache(self.root):
+            if not layout.is_whole(self.root):
+                layout.wait_removed(self.root)  # an rm -rf still walking it: let it finish first
+            if not layout.is_whole(self.root):
                 if (self.root, os.getpid()) not in _REVIVED:
                     _REVIVED.add((self.root, os.getpid()))
                     log.warning(
@@ -192,6 +194,23 @@ class DiskCache(UsageCounters):
                         self.jobs.register(ns, nbytes, epoch_s, pid=self._owner_pid)
                     except OSError as exc:
                         log.debug("could not announce the job on %s again: %s", self.root, exc)
+
+    def _again(self, fn):
+        """``fn()``, or, when a file of the cache's own went away under it (FileNotFoundError: the
+        directory removed while it ran), ``fn()`` again once the cache is revived
+        (:meth:`_revive`); a second such failure is :meth:`_gone`."""
+        try:
+            return fn()
+        except FileNotFoundError as exc:
+            if isinstance(exc, StokerError):
+                raise
+        self._revive()
+        try:
+            return fn()
+        except FileNotFoundError as again:
+            if isinstance(again, StokerError):
+                raise
+            raise self._gone(again) from again
 
     def _gone(self, exc: BaseException) -> CacheDirError:
         """The error of a cache directory that keeps going away under this job (made again, gone
@@ -373,6 +392,9 @@ class DiskCache(UsageCounters):
 
     def used_bytes(self) -> int:
         """Bytes committed or reserved in the cache (all processes)."""
+        return self._again(self._used_bytes)
+
+    def _used_bytes(self) -> int:
         with self._budget_lock():
             return self._read_used()
 
@@ -449,8 +471,11 @@ class DiskCache(UsageCounters):
     def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None) -> None:
         """Announce this process's job on ``namespace`` (its size in bytes and, once known,
         its epoch time in seconds) to the ``future`` policy's budget split."""
-        self.jobs.register(namespace, dataset_bytes, epoch_s)
         self._registered[namespace] = (int(dataset_bytes), epoch_s)
+        try:
+            self.jobs.register(namespace, dataset_bytes, epoch_s)
+        except FileNotFoundError:  # the directory was removed: make it again (which registers the job)
+            self._revive()
         self._quota_memo = None
 
     def describe(self, namespace: str, url: str) -> None:
@@ -521,6 +546,9 @@ class DiskCache(UsageCounters):
     def would_admit(self, nbytes: int, namespace: str = "") -> bool:
         """Whether a fill of ``nbytes`` for ``namespace`` would be admitted now (a dry run:
         no reservation, nothing evicted)."""
+        return self._again(lambda: self._would_admit(nbytes, namespace))
+
+    def _would_admit(self, nbytes: int, namespace: str) -> bool:
         if nbytes > self.capacity_bytes:
             return False
         room = space.headroom_bytes(self.root, nbytes, self.keep_free_fraction)
@@ -564,16 +592,7 @@ class DiskCache(UsageCounters):
         directory and the free bytes (:mod:`.space`) and refuses the block. Other OSErrors
         release the reservation and are re-raised.
         """
-        try:
-            return self._put(namespace, name, data)
-        except FileNotFoundError as exc:  # the namespace directory went away with the cache's
-            if isinstance(exc, StokerError):
-                raise
-            self._revive()
-            try:
-                return self._put(namespace, name, data)
-            except FileNotFoundError as again:
-                raise self._gone(again) from again
+        return self._again(lambda: self._put(namespace, name, data))
 
     def _put(self, namespace: str, name: str, data: bytes) -> bool:
         n = len(data)
@@ -666,6 +685,9 @@ class DiskCache(UsageCounters):
 
     def remove(self, namespace: str, name: str) -> None:
         """Drop one block (e.g. after a checksum failure) and return its bytes to the budget."""
+        self._again(lambda: self._remove(namespace, name))
+
+    def _remove(self, namespace: str, name: str) -> None:
         path = self.path(namespace, name)
         with self._budget_lock():
             self._local().drop((namespace, name))

@@ -124,10 +124,12 @@ class Handles:
     # -- the budget lock file ------------------------------------------------
     def budget_fd(self) -> int:
         """The budget lock file ``<root>/.lock``, open for this process (caller holds
-        :attr:`budget_mutex`). Raises FileNotFoundError when the cache directory is gone
-        (the caller makes it again); the caller checks :meth:`current` once it holds the lock."""
-        if self._budget is None:
-            fd = open_file(self.budget_path(), os.O_CREAT | os.O_RDWR, self.mode)
+        :attr:`budget_mutex`). Raises FileNotFoundError when it is gone (the cache directory
+        removed: the caller makes it again, :meth:`stoker.cache.disk.DiskCache._revive`; it never
+        makes a lock file in a directory that an ``rm -rf`` is walking); the caller checks
+        :meth:`current` once it holds the lock."""
+        if self._budget is None:  # not created here: the cache makes it with its directory
+            fd = open_file(self.budget_path(), os.O_RDWR, self.mode)
             self._budget = (fd, _identity(fd))
         return self._budget[0]
 

@@ -28,7 +28,7 @@ import shutil
 import uuid
 
 from .._atomic import PRIVATE_FILE_MODE, open_file
-from . import perms, space
+from . import layout, perms, space
 from .files import TMP_MARK, is_file, read_at, write_whole
 
 
@@ -85,6 +85,7 @@ class StagingArea:
                 perms.ensure_dir(os.path.dirname(final), self.mode, parents=False)
                 write_whole(final, data, mode=self.mode)
             except FileNotFoundError:  # the cache directory was removed under the job: make ours again
+                layout.wait_removed(self.cache_root)  # once an rm -rf in progress is through
                 perms.ensure_dir(os.path.dirname(final), self.mode, parents=True)
                 write_whole(final, data, mode=self.mode)
             return True

@@ -25,6 +25,7 @@ import threading
 import time
 
 from .._atomic import PRIVATE_FILE_MODE, write_atomic
+from ..cache.layout import is_cache
 from ..cache.perms import ensure_dir
 from .inflight import LEDGER_FIELDS
 
@@ -160,6 +161,8 @@ class LiveTotals:
         cache = getattr(ds, "cache", None)
         root = getattr(cache, "root", None)
         if root is None or self._publish_failed or getattr(cache, "read_only", False):
+            return
+        if not is_cache(root):  # removed (or being removed): the cache makes it again, then we publish
             return
         path = live_path(root, ds.version, os.getpid(), self._seq)
         rec = self.snapshot()
