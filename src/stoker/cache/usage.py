@@ -81,7 +81,7 @@ class UsageCounters:
 
     def namespace_usage(self) -> dict[str, int]:
         """{namespace: bytes committed or reserved} for every namespace with a counter."""
-        out = {}
+        out: dict[str, int] = {}
         try:
             names = os.listdir(os.path.join(self.root, ".usage"))
         except FileNotFoundError:  # removed with the directory: nothing is counted there now
