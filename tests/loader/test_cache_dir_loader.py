@@ -109,3 +109,14 @@ def test_a_partly_filled_read_only_cache_reads_the_rest_from_the_origin(id_datas
     assert _tree(root) == before
     with pytest.raises(ValueError, match="memory tier"):
         open_dataset(id_dataset, cache_dir=str(root), cache_read_only=True, memory_bytes=1 << 20)
+
+
+def test_derived_forms_over_a_read_only_cache_need_a_directory_of_their_own(id_dataset, tmp_path):
+    from stoker import ImageOptions
+
+    root = tmp_path / "cache"
+    open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK)  # a cache, empty
+    ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK, cache_read_only=True)
+    with Loader(ro, 16, num_workers=0, image=ImageOptions(cache_form="jpeg")) as loader:
+        with pytest.raises(ValueError, match="is read-only: give it one"):
+            iter(loader)
