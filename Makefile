@@ -3,6 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Temporaries: the demo's data and caches go to $TMPDIR/stoker-demo (stoker demo's default
+# --workdir); the tests' to $(TEST_TMP): pytest's --basetemp (emptied when a run starts, so one
+# run's files at most) and the default node cache of the tests that name none. `make clean`
+# removes both, with the environment.
+TMP := $(or $(TMPDIR),/tmp)
+TEST_TMP ?= $(TMP)/stoker-tests-$(shell id -u)
 
 .PHONY: venv demo demo-quick test lint format bench clean
 
@@ -22,7 +28,7 @@ demo-quick: venv
 
 test: venv
 	bash scripts/system_deps.sh
-	$(BIN)/python -m pytest -q
+	STOKER_CACHE_DIR=$(TEST_TMP)/cache $(BIN)/python -m pytest -q --basetemp=$(TEST_TMP)/pytest
 
 # ruff (E, F, I, B, UP; D for src/), ruff format and mypy, configured in pyproject.toml.
 lint: venv
@@ -35,5 +41,8 @@ format: venv
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
+# the environment, the demo's output and data, the tests' temporaries; not the benchmarks'
+# environments (~/.cache/stoker-bench, made by `stoker bench peers` / `bench decode`) nor a node
+# cache of your own (`stoker cache clear DIR` empties one)
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out .pytest_cache $(TMP)/stoker-demo $(TMP)/stoker-demo-tokens $(TEST_TMP)

@@ -3,7 +3,8 @@ epoch and its split over its threads (the loop's main thread against the fill an
 /proc/<pid>/task/*/schedstat (nanoseconds on CPU; the clock-tick figures of /proc/.../stat round each
 thread to 10 ms). A fresh Loader and cache per epoch, as the cold epoch of `stoker bench io`.
 
-Usage: python io_prefetch_threads.py EPOCHS LATENCY_MS BANDWIDTH_MBPS. Data: /tmp/stoker-bench-io/data/train."""
+Usage: python io_prefetch_threads.py EPOCHS LATENCY_MS BANDWIDTH_MBPS [DATA_DIR]. Data: DATA_DIR/train
+(default /tmp/stoker-bench-io/data, the tree `stoker bench io` makes)."""
 import os
 import shutil
 import sys
@@ -29,10 +30,10 @@ def threads(pid: int) -> dict:
     return out
 
 
-def main(epochs: int, lat: float, bw: float) -> None:
+def main(epochs: int, lat: float, bw: float, data: str = "/tmp/stoker-bench-io/data") -> None:
     with LocalS3Origin(latency_ms=lat, bandwidth_MBps=bw) as origin:
         url = origin.url("packed/train")
-        upload_tree("/tmp/stoker-bench-io/data/train", origin.url("raw/train"), origin.storage_options(False))
+        upload_tree(f"{data}/train", origin.url("raw/train"), origin.storage_options(False))
         pack(origin.url("raw/train"), url, shard_bytes=16 << 20, overwrite=True,
              storage_options=origin.storage_options(False), progress=False)
         tot = {"prefetch": 0.0, "bytes": 0, "main_thr": 0.0, "other_thr": 0.0, "reqs": 0}
@@ -56,6 +57,11 @@ def main(epochs: int, lat: float, bw: float) -> None:
             tot["reqs"] += s.origin_requests
             tot["main_thr"] += main_s
             tot["other_thr"] += other_s
+            by_name: dict = {}
+            for k, (n, v) in thr.items():
+                if k != str(pid):
+                    by_name[n] = by_name.get(n, 0.0) + v
+            print("  threads by name:", {n: round(v, 3) for n, v in sorted(by_name.items())}, flush=True)
             print(f"epoch {e}: {s.seconds:.2f}s first {s.first_batch_s:.2f} origin {s.origin_bytes / 1e6:.1f}MB "
                   f"reqs {s.origin_requests} cpu {s.cpu_s} threads main {main_s:.3f} other {other_s:.3f} "
                   f"n={len(thr)}", flush=True)
@@ -66,4 +72,4 @@ def main(epochs: int, lat: float, bw: float) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]))
+    main(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5])

@@ -167,7 +167,10 @@ def test_loader_labels_and_names(dataset, monkeypatch):
     ) as ld:
         text = urllib.request.urlopen(ld.metrics_url, timeout=10).read().decode()
     line = next(x for x in text.splitlines() if x.startswith("stoker_samples_total{"))
-    assert f'dataset="{dataset.version}"' in line and 'job="resnet"' in line and 'rank="0"' in line
+    assert f'dataset="{dataset.url}"' in line and 'job="resnet"' in line and 'rank="0"' in line
+    assert "version" not in line  # one series per dataset URL: the version is on its own series
+    info = next(x for x in text.splitlines() if x.startswith("stoker_dataset_info{"))
+    assert f'dataset="{dataset.url}"' in info and f'version="{dataset.version}"' in info and info.endswith(" 1.0")
     names = {fam.name for fam in text_string_to_metric_families(text)}
     assert all(n.startswith("stoker_") for n in names)
 
@@ -181,9 +184,74 @@ def test_port_from_environment(dataset, monkeypatch):
         busy.listen()
         monkeypatch.setenv("STOKER_METRICS_PORT", str(busy.getsockname()[1]))
         ld = stoker.Loader(dataset, 8, num_workers=0, image=stoker.ImageOptions(image_size=32))
-        assert ld.metrics_url is None
-        with pytest.raises(OSError, match="metrics_port"):  # asked for in the code: an error
-            stoker.Loader(dataset, 8, num_workers=0, run=stoker.RunOptions(metrics_port=busy.getsockname()[1]))
+        assert ld.metrics_port not in (None, busy.getsockname()[1]) and ld.metrics_url is not None
+        ld.close()
+
+
+def _listening(port: int) -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def _free_run(n: int) -> int:
+    """A port p with p..p+n-1 free now (another program may take one meanwhile: rare)."""
+    for _ in range(50):
+        base = _free_port()
+        if base + n > 65535:
+            continue
+        try:
+            socks = [_listening(p) for p in range(base, base + n)]
+        except OSError:
+            continue
+        for x in socks:
+            x.close()
+        return base
+    raise AssertionError("no run of free ports")
+
+
+def test_a_busy_metrics_port_takes_the_next_free_one(dataset, monkeypatch, caplog):
+    """The second training process of a node given the same metrics_port= (held by another
+    process here) serves on the next free port, says so in a warning and in loader.metrics_port,
+    and trains: a busy port never stops a trainer."""
+    monkeypatch.delenv("STOKER_METRICS_PORT", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    base = _free_run(4)
+    with _listening(base), _listening(base + 1):
+        with stoker.Loader(
+            dataset,
+            8,
+            num_workers=0,
+            image=stoker.ImageOptions(image_size=32),
+            run=stoker.RunOptions(metrics_port=base),
+        ) as ld:
+            assert ld.metrics_port == base + 2 and ld.metrics_url.endswith(f":{base + 2}/metrics")
+            assert len(next(iter(ld))[1]) == 8
+            assert _scrape(ld.metrics_url)[("stoker_samples_total", frozenset())] == 8
+        assert f"on port {base + 2} (loader.metrics_port), not metrics_port={base}" in caplog.text
+        assert f"port {base}, {base + 1} held by another program" in caplog.text
+        # torchrun's LOCAL_RANK: a taken port is followed by this rank's own (port + LOCAL_RANK)
+        monkeypatch.setenv("LOCAL_RANK", "3")
+        with stoker.Loader(dataset, 8, num_workers=0, run=stoker.RunOptions(metrics_port=base)) as ld:
+            assert ld.metrics_port == base + 3
+
+
+def test_every_port_taken_leaves_the_loader_without_metrics(dataset, monkeypatch, caplog):
+    from stoker.metrics import loader_ports
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert loader_ports(9300, 2, tries=3) == [9300, 9302, 9301, 9303]
+    assert loader_ports(65534, None) == [65534, 65535] and loader_ports(0, 5) == [0]
+    base = _free_run(3)
+    monkeypatch.setattr("stoker.metrics.PORT_TRIES", 2)
+    with _listening(base), _listening(base + 1), _listening(base + 2):
+        with stoker.Loader(dataset, 8, num_workers=0, run=stoker.RunOptions(metrics_port=base)) as ld:
+            assert ld.metrics_port is None and ld.metrics_url is None
+            assert len(next(iter(ld))[1]) == 8
+    assert f"no Prometheus metrics for this loader: metrics_port={base}: ports {base}..{base + 2} are all taken" in (
+        caplog.text
+    )
 
 
 def test_loader_works_without_prometheus_client(packed_local, tmp_path):
@@ -265,14 +333,14 @@ def test_service_metrics_record():
     m.served_bytes(100, "cache")
     m.served_bytes(50, "origin")
     m.filled({"filled": 3, "cached": 2, "failed": 1})
-    m.held_bytes("v1", 4096)
+    m.held_bytes("s3://b/train", "v1", 4096)
     assert m.served.values == {
         (("node", "node-1"), ("source", "cache")): 100,
         (("node", "node-1"), ("source", "origin")): 50,
     }
     assert m.fills.values[(("node", "node-1"), ("outcome", "filled"))] == 3
     assert m.failures.values == {(("node", "node-1"),): 1}
-    assert m.held.values == {(("dataset", "v1"), ("node", "node-1")): 4096}
+    assert m.held.values == {(("dataset", "s3://b/train"), ("node", "node-1"), ("version", "v1")): 4096}
 
     class Broken:
         def Counter(*a, **k):  # noqa: N802, N805

@@ -79,6 +79,19 @@ def test_readme_sections_in_order_and_opens_with_the_two_commands():
     assert text.index("```") < text.index("## Install")
 
 
+def test_readme_states_the_cost_of_the_first_two_commands_and_what_clean_removes():
+    """Before the first section: the time and disk of `make demo` and `make test` (a row each, in
+    minutes and bytes), that `make clean` removes them, and the default cache's place and budget."""
+    head = _text().split("## Install", 1)[0]
+    for cmd in ("make demo", "make test"):
+        row = next((line for line in head.splitlines() if line.startswith(f"| `{cmd}`")), None)
+        assert row is not None, f"no row for {cmd}"
+        assert re.search(r"\d+(\.\d+)? min", row) and re.search(r"\d+(\.\d+)? (MB|GB)", row), row
+    assert re.search(r"environment.*\| [\d.]+ min \| [\d.]+ GB", head)
+    assert "`make clean` removes" in head and "2-core" in head
+    assert "~/.cache/stoker" in head and "8 GiB" in head
+
+
 def test_readme_names_no_package_index_and_no_internal_history():
     text = _text()
     for bad in [
@@ -107,6 +120,17 @@ def test_every_stats_field_is_documented_in_stats_page_and_epoch_stats_help():
     assert not missing_page, f"docs/stats.md lacks {missing_page}"
     assert not missing_doc, f"help(EpochStats) lacks {missing_doc}"
     assert "EpochStats" in (stoker.Loader.__doc__ or "")  # the Loader's help points there
+
+
+def test_quick_start_says_what_stall_means_and_does_not_print_it_without_a_consumer():
+    """A loop that does nothing between batches waits for every one: its stall is near 1 by
+    definition, and printed bare it reads as a starved accelerator."""
+    quick = _section("## Quick start")
+    (block,) = [code for kind, _lang, code in MARKED.findall(quick) if kind == "run"]
+    assert "stall" not in block
+    assert "`stall_fraction`" in quick and "waiting in `next()`" in quick and "near 1" in quick
+    stats = STATS.read_text()
+    assert "## Data stall" in stats and "near 1 however fast the loader is" in stats
 
 
 def test_quick_start_runs(tmp_path):

@@ -3,7 +3,9 @@
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
 :class:`Loader` (decoded, augmented batches as torch tensors; its option groups
 :class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack`,
-:mod:`collate` (built-in collates for ``Loader(collate=...)``), :func:`parse_size` (``"64MiB"`` ->
+:mod:`collate` (built-in collates for ``Loader(collate=...)``), :mod:`decode` (its :func:`decode.jpeg`:
+the built-in transforms' fast region decode and resize, for a ``Loader(decode=...)`` of your own;
+imported on first use, as it loads torch and OpenCV), :func:`parse_size` (``"64MiB"`` ->
 bytes; every byte-size argument accepts such strings), and every
 public error (:mod:`stoker.errors`, all subclasses of :class:`StokerError`).
 """
@@ -39,9 +41,11 @@ from .errors import (
     SourceArchiveError,
     SourceError,
     SourceNotFoundError,
+    StaleIteratorError,
     StokerError,
     UnsafePathError,
     WorkerError,
+    WorkerStartError,
 )
 from . import collate
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
@@ -85,13 +89,25 @@ __all__ = [
     "SourceArchiveError",
     "SourceError",
     "SourceNotFoundError",
+    "StaleIteratorError",
     "StokerError",
     "UnsafePathError",
     "WorkerError",
+    "WorkerStartError",
     "__version__",
     "collate",
+    "decode",
     "open_dataset",
     "pack",
     "parse_size",
 ]
 assert __all__ == sorted(__all__), "keep stoker.__all__ sorted"
+
+
+def __getattr__(name: str):
+    """``stoker.decode``, imported on first use (it loads torch and OpenCV; ``import stoker`` does not)."""
+    if name == "decode":
+        import importlib
+
+        return importlib.import_module(".decode", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

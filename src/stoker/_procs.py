@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from .errors import ForkUnsafeError  # noqa: F401 - re-exported
+from .errors import ForkUnsafeError, WorkerStartError  # noqa: F401 - ForkUnsafeError re-exported
 
 
 def pid_alive(pid: int) -> bool:
@@ -127,3 +127,108 @@ def describe_exit(exitcode: int | None) -> str:
     except ValueError:
         name = str(-exitcode)
     return f"exit code {exitcode} (signal {name})"
+
+
+#: Exit code of a stoker worker or prefetch process that found itself running the user's main
+#: script again while it starts (spawn and forkserver import ``__main__`` again in every child): a
+#: script without the ``if __name__ == "__main__":`` guard, whose training code would start a
+#: Loader of its own in each child. The child exits at once and quietly with this code, and the
+#: training process names the cause (:func:`stoker.loader.launch.start_failure`).
+EXIT_UNGUARDED_MAIN = 87
+#: Names of stoker's worker and prefetch processes (``multiprocessing.Process.name``): the
+#: workers' start with the first, the prefetcher's is the second.
+PROCESS_NAMES = ("stoker-worker-", "stoker-prefetch")
+
+
+def importing_main_in_child() -> bool:
+    """True in a stoker worker or prefetch process that runs the user's training code: only the
+    import of the main script that spawn/forkserver children make before their own start runs
+    it (stoker's processes never start a Loader themselves). The process name is set before
+    that import (``multiprocessing.spawn.prepare``)."""
+    import multiprocessing as mp
+
+    name = mp.current_process().name
+    return name.startswith(PROCESS_NAMES[0]) or name == PROCESS_NAMES[1]
+
+
+def exit_quietly(code: int) -> None:
+    """End this process now with ``code``, output flushed, no traceback and no clean-up of the
+    parent's objects (for a child that must not run the user's code any further)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def main_module_name() -> str:
+    """The user's main module in words: its file, its module name (``python -m``), or what it is
+    when neither exists (code fed on stdin, ``python -c``, an interactive session, a notebook)."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name:
+        return f"module {spec_name}"
+    path = getattr(main, "__file__", None)
+    if path:
+        return os.path.abspath(path)
+    return "a __main__ with no file (code fed on stdin, python -c, an interactive session or a notebook)"
+
+
+def _main_file() -> str | None:
+    """The file ``multiprocessing.spawn`` runs again as the main module in each child, or None
+    when it imports none (``python -m`` imports by name; ``python -c`` and interactive sessions
+    have no ``__file__``)."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return None
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return None
+    import multiprocessing.process
+
+    base = getattr(multiprocessing.process, "ORIGINAL_DIR", None)  # what spawn joins a relative path to
+    return os.path.normpath(path if os.path.isabs(path) or base is None else os.path.join(base, path))
+
+
+def main_importable() -> bool:
+    """Whether a child started with spawn or forkserver can import this process's ``__main__``
+    again (by its module name or its file, as ``multiprocessing.spawn`` does), so that functions
+    defined there reach it: not for code fed on stdin, ``python -c``, an interactive session or a
+    notebook."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = _main_file()
+    return path is not None and os.path.isfile(path)
+
+
+def check_main_for(method: str) -> None:
+    """Refuse a start method whose children cannot start at all from this ``__main__``: spawn and
+    forkserver children run the main module's file again, and code fed on stdin (``python -``)
+    has a ``__file__`` (``<stdin>``) that is no file, so every child would die starting.
+
+    Raises:
+        WorkerStartError: ``method`` is spawn or forkserver and ``__main__`` names a file that
+            does not exist; says what to do.
+    """
+    if method == "fork":
+        return
+    path = _main_file()
+    if path is not None and not os.path.exists(path):
+        raise WorkerStartError(
+            f"worker processes started with {method!r} cannot start here: each imports the main module "
+            f"again from its file, and this one's is {path!r}, which does not exist (code fed on stdin?). "
+            "Save the code to a file and run that, or use RunOptions(start_method='fork')"
+        )
+
+
+def dumpable() -> bool:
+    """Whether this process is dumpable (Linux ``PR_GET_DUMPABLE``): only then may other processes
+    of the same user open its descriptors through ``/proc/<pid>/fd/<n>``. False where unknown."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(3, 0, 0, 0, 0) == 1  # PR_GET_DUMPABLE = 3
+    except (OSError, AttributeError):
+        return False

@@ -6,6 +6,9 @@ function runs. :mod:`stoker.loader.transfer` and :mod:`stoker.decode.gpu` import
 
 from __future__ import annotations
 
+import importlib
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,8 +29,31 @@ def as_tensors(images: np.ndarray, labels: np.ndarray):
 
 
 def load() -> None:
-    """Import torch now (about a second, once per process), not inside the first batch."""
-    import torch  # noqa: F401
+    """Import torch now (about a second, once per process), not inside the first batch.
+
+    The first import runs on a thread of its own: torch.fx keeps the frame of each module that
+    calls ``torch.fx.wrap`` while torch imports, and Python 3.11 links a kept frame to every frame
+    that called it, so an import made under a Loader's ``iter()`` would keep that Loader (and its
+    processes) alive for ever. A thread's stack holds nothing of the caller's.
+
+    Raises:
+        ImportError: torch cannot be imported (raised here, from the thread's error).
+    """
+    if "torch" in sys.modules:
+        return
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            importlib.import_module("torch")
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="stoker-import-torch", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def check_device(device) -> torch.device:
@@ -38,6 +64,7 @@ def check_device(device) -> torch.device:
         RuntimeError: ``cuda`` asked for but ``torch.cuda.is_available()`` is False (a CPU-only
             torch build or no visible GPU), or the index is out of range.
     """
+    load()  # (on a thread: see load)
     import torch
 
     try:

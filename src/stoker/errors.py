@@ -11,8 +11,8 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── DatasetChangedError (OSError)         shards at the origin differ from the index
     ├── PeerUnavailable (OSError)             a peer's cache service did not answer
     ├── SharedMemoryError (OSError)           /dev/shm cannot hold one batch slot (ENOSPC)
-    ├── PackLeaseLostError (OSError)          this pack lost its lease while writing
-    ├── PackLeaseError (FileExistsError)      another pack holds the destination's lease
+    ├── PackLeaseLostError (OSError)          another pack took the destination over while this one wrote
+    ├── PackLeaseError (FileExistsError)      another pack is writing the destination
     ├── DatasetExistsError (FileExistsError)  the destination already holds a dataset
     ├── CacheLockTimeout (TimeoutError)       waited too long for another process's fill
     ├── IndexFormatError (ValueError)         the index is missing, unreadable or inconsistent
@@ -33,6 +33,8 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── CapacityError (RuntimeError)          a cluster job's ranks do not fit the nodes' free resources
     ├── ServiceStartError (RuntimeError)      a node's cache service could not start
     ├── WorkerError (RuntimeError)            a loader worker failed or died
+    │   └── WorkerStartError                  a worker process could not start (names the cause)
+    ├── StaleIteratorError (RuntimeError)     an epoch's iterator used after a later iter() replaced it
     ├── ForkUnsafeError (RuntimeError)        ``fork`` asked for in a process where it is unsafe
     └── ExtenderRequestError (ValueError)     the scheduler extender refuses a request (HTTP code)
 
@@ -82,9 +84,11 @@ __all__ = [
     "SourceArchiveError",
     "SourceError",
     "SourceNotFoundError",
+    "StaleIteratorError",
     "StokerError",
     "UnsafePathError",
     "WorkerError",
+    "WorkerStartError",
 ]
 
 
@@ -221,23 +225,44 @@ def _utc(t) -> str:
 
 
 class PackLeaseError(StokerError, FileExistsError):
-    """Another pack holds the destination's lease. Attributes: ``url`` (of the lease object),
-    ``owner`` (dict: host, pid, run, started_unix, expires_unix; times in Unix seconds)."""
+    """Another pack is writing the destination now. Attributes: ``url`` (the destination's URL),
+    ``owner`` (dict: host, pid, run, started_unix, expires_unix; times in Unix seconds).
+
+    The message says who packs, since when, and when a pack that died stops blocking: its claim
+    runs out by itself at ``expires_unix`` unless that pack renews it (it does every third of its
+    length while it lives), and one whose process is gone from this host is taken over at once.
+    """
 
     def __init__(self, url: str, owner: dict):
         self.url, self.owner = url, owner
+        now = time.time()
+        started = float(owner.get("started_unix") or 0)
         exp = float(owner.get("expires_unix") or 0)
+        since = f"since {_utc(started)} ({_ago(now - started)})" if started else "since an unknown time"
         super().__init__(
-            f"{url}: the destination is being packed by another run (host {owner.get('host')!r}, "
-            f"pid {owner.get('pid')}, run {owner.get('run')}, started {_utc(owner.get('started_unix'))}); "
-            f"its lease expires {_utc(exp)} (in {max(0.0, exp - time.time()):.0f} s unless renewed). "
-            "Wait for that pack to finish; if it died, run again after the expiry."
+            f"{url}: another pack is writing this destination (host {owner.get('host')!r}, "
+            f"pid {owner.get('pid')}, run {owner.get('run')}), {since}. Wait for it to finish, or pack "
+            f"somewhere else. If that pack died, it stops blocking by itself at {_utc(exp)} "
+            f"(in {max(0.0, exp - now):.0f} s, unless it is alive and renews its claim); then run again. "
+            "A pack that died on this host is taken over at once."
         )
 
 
+def _ago(seconds: float) -> str:
+    """``"42 s ago"``, ``"3 min ago"``, ``"2.5 h ago"``."""
+    s = max(0.0, seconds)
+    if s < 120:
+        return f"{s:.0f} s ago"
+    if s < 7200:
+        return f"{s / 60:.0f} min ago"
+    return f"{s / 3600:.1f} h ago"
+
+
 class PackLeaseLostError(StokerError, OSError):
-    """This pack's lease was taken over or removed while it was writing: it stops before
-    installing an index (the message names the lease object and the new owner, if any)."""
+    """This pack's claim on the destination was taken over or removed while it was writing
+    (another pack started after this one had not renewed its claim for the claim's length: the
+    process was frozen, or the store was unreachable): it stops before installing an index. The
+    message names the destination and the new owner, if any."""
 
 
 # --- cache: the node cache ----------------------------------------------------------------
@@ -347,6 +372,18 @@ class SampleFnError(StokerError, ValueError):
 
 class WorkerError(StokerError, RuntimeError):
     """A worker failed or died; the message names the worker and the sample key."""
+
+
+class WorkerStartError(WorkerError):
+    """A worker (or the prefetch process) exited before its own start was done; it is not
+    restarted. The message names the cause: the main script run again by a spawn/forkserver
+    child (no ``if __name__ == "__main__":`` guard), a ``__main__`` such a child cannot import,
+    or the child's own error."""
+
+
+class StaleIteratorError(StokerError, RuntimeError):
+    """An epoch's iterator was used after a later ``iter()`` on the same Loader ended its epoch
+    (a Loader serves one epoch at a time); the message names both epochs."""
 
 
 class ForkUnsafeError(StokerError, RuntimeError):

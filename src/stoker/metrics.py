@@ -11,8 +11,12 @@ loader's :class:`stoker.loader.live.LiveTotals`, which sums the counters the pip
 gathers from its processes (each decode worker's cumulative counters travel with its replies,
 the prefetcher's live in a shared array). prometheus-client's multiprocess mode is not used:
 the training process holds every count, and a replaced worker's counts are kept there, so the
-totals add up without a metrics directory shared by the processes. Labels: ``dataset`` (content
-version), ``job`` (``$STOKER_JOB``, default ``default``), ``node`` (host name), ``rank``.
+totals add up without a metrics directory shared by the processes. Labels: ``dataset`` (the
+dataset's URL, a local path made absolute: the name ``stoker top`` and ``stoker cache status``
+show), ``job`` (``$STOKER_JOB``, default ``default``), ``node`` (host name), ``rank``. The content
+version is on one series of its own, ``stoker_dataset_info{dataset, ..., version} 1`` (the
+Prometheus "info" idiom: join it on ``dataset`` where the version matters), so a rewritten
+dataset adds one series, not a second copy of every counter.
 
 ===========================================  =====================================================
 ``stoker_samples_total``                     samples yielded
@@ -31,11 +35,12 @@ version), ``job`` (``$STOKER_JOB``, default ``default``), ``node`` (host name), 
 ``stoker_process_restarts_total{process}``   ``worker`` / ``prefetcher`` processes replaced
 ``stoker_prefetch_depth_bytes``              gauge: mean bytes ready ahead of the consumer
 ``stoker_epochs_total``                      epochs ended
+``stoker_dataset_info{version}``             1; ``version``: the dataset's content version
 ===========================================  =====================================================
 
 **Cluster cache services** use Ray's own metrics export (``ray.util.metrics``), scraped from
 each Ray node's metrics agent (``ray start --metrics-export-port``); Ray prefixes user metrics
-with ``ray_``: ``ray_stoker_cache_held_bytes{dataset,node}``,
+with ``ray_``: ``ray_stoker_cache_held_bytes{dataset,version,node}`` (``dataset``: the URL),
 ``ray_stoker_peer_served_bytes_total{node,source}``, ``ray_stoker_cache_fills_total{node,outcome}``,
 ``ray_stoker_cache_fill_failures_total{node}`` (:class:`ServiceMetrics`).
 
@@ -46,11 +51,14 @@ with ``ray_``: ``ray_stoker_cache_held_bytes{dataset,node}``,
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from .storage import absolute_url
 
 PORT_ENV = "STOKER_METRICS_PORT"
 ADDR_ENV = "STOKER_METRICS_ADDR"
@@ -61,6 +69,8 @@ __all__ = [
     "LoaderExport",
     "ServiceMetrics",
     "export_loader",
+    "loader_ports",
+    "local_rank_from_env",
     "metrics_port_from_env",
     "observe_extender",
     "serve_extender_metrics",
@@ -104,6 +114,31 @@ def metrics_port_from_env() -> int | None:
     return port
 
 
+#: Ports a loader tries above a taken one before it goes on without metrics.
+PORT_TRIES = 32
+
+
+def loader_ports(port: int, local_rank: int | None = None, tries: int | None = None) -> list[int]:
+    """The ports a loader that asks for ``port`` tries, in order: ``port``; then, where another
+    program holds it, ``port + local_rank`` (the port of this rank of the node, when
+    ``local_rank`` is given: what ``$STOKER_METRICS_PORT`` would give it) and the next ``tries``
+    ports up (default :data:`PORT_TRIES`; none above 65535). ``[0]`` for 0 (any free port)."""
+    if not port:
+        return [0]
+    tries = PORT_TRIES if tries is None else tries
+    out = [port]
+    if local_rank:
+        out.append(port + local_rank)
+    out += range(port + 1, port + tries + 1)
+    return [p for i, p in enumerate(out) if p <= 65535 and p not in out[:i]]
+
+
+def local_rank_from_env() -> int | None:
+    """``$LOCAL_RANK`` as an int, or None when unset or not a non-negative integer."""
+    text = os.environ.get("LOCAL_RANK", "").strip()
+    return int(text) if text.isdigit() else None
+
+
 # -- one HTTP server per (address, port) in a process ----------------------------------------
 _SERVERS: dict[tuple[str, int], tuple[Any, Any, int]] = {}  # (addr, asked port) -> (registry, server, port)
 _SERVERS_LOCK = threading.Lock()
@@ -127,12 +162,14 @@ def _server(port: int, addr: str | None) -> tuple[Any, int]:
 
 class LoaderExport:
     """The metrics of one loader on a Prometheus endpoint: ``port`` (the one listened on),
-    ``url`` (``http://addr:port/metrics``); :meth:`close` stops reporting this loader (the
-    server stays for others of the process)."""
+    ``url`` (``http://addr:port/metrics``), ``taken`` (the ports tried first, which another
+    program held: ``{port: why}``); :meth:`close` stops reporting this loader (the server stays
+    for others of the process)."""
 
-    def __init__(self, registry, collector, port: int, addr: str):
+    def __init__(self, registry, collector, port: int, addr: str, taken: dict[int, str] | None = None):
         self.registry, self.collector, self.port = registry, collector, port
         self.url = f"http://{addr}:{port}/metrics"
+        self.taken = dict(taken or {})
 
     def close(self) -> None:
         """Unregister this loader's collector; idempotent."""
@@ -148,11 +185,11 @@ class _LoaderCollector:
     """A prometheus-client collector reading ``snapshot()`` (:meth:`stoker.loader.live.LiveTotals.snapshot`)
     at each scrape."""
 
-    def __init__(self, snapshot: Callable[[], dict], labels: dict[str, str]):
-        self.snapshot, self.labels = snapshot, labels
+    def __init__(self, snapshot: Callable[[], dict], labels: dict[str, str], version: str | None = None):
+        self.snapshot, self.labels, self.version = snapshot, labels, version
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
         s = self.snapshot()
         names, values = list(self.labels), list(self.labels.values())
@@ -183,6 +220,10 @@ class _LoaderCollector:
         restarts.add_metric(values + ["prefetcher"], s["prefetcher_restarts"])
         yield restarts
         yield counter("stoker_epochs", "Epochs ended.", s["epochs"])
+        if self.version is not None:
+            info = InfoMetricFamily("stoker_dataset", "The dataset's content version.", labels=names)
+            info.add_metric(values, {"version": self.version})
+            yield info
         depth = GaugeMetricFamily(
             "stoker_prefetch_depth_bytes",
             "Mean bytes fetched and ready ahead of the consumer in the current epoch.",
@@ -205,25 +246,46 @@ def export_loader(
     port: int,
     *,
     dataset: str,
+    version: str | None = None,
     rank: int = 0,
     job: str | None = None,
     addr: str | None = None,
+    local_rank: int | None = None,
 ) -> LoaderExport:
     """Serve a loader's metrics on ``addr:port`` (default ``$STOKER_METRICS_ADDR`` or
     127.0.0.1; port 0: any free port) from ``snapshot`` (see :class:`stoker.loader.live.LiveTotals`).
     Several loaders of one process may share a port (their ``dataset``/``rank`` labels tell
-    them apart). Raises ImportError without prometheus-client, OSError when the port is taken
-    by another program."""
-    reg, real = _server(int(port), addr)
+    them apart). ``dataset``: its URL (the ``dataset`` label, made absolute for a local path);
+    ``version``: its content version (``stoker_dataset_info``). Where another program holds
+    ``port`` (the second training process of a node given the same one), the next of
+    :func:`loader_ports` is taken (``local_rank``: this process's rank on the node, tried first;
+    the caller says so: :attr:`LoaderExport.taken`).
+    Raises ImportError without prometheus-client; OSError (``EADDRINUSE``) when every port
+    tried is taken, or another OSError (an address that is not this host's)."""
+    taken: dict[int, str] = {}
+    for candidate in loader_ports(int(port), local_rank):
+        try:
+            reg, real = _server(candidate, addr)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise
+            taken[candidate] = exc.strerror or str(exc)
+    else:
+        tried = list(taken)
+        raise OSError(
+            errno.EADDRINUSE,
+            f"ports {tried[0]}..{tried[-1]} are all taken" if len(tried) > 1 else f"port {tried[0]} is taken",
+        )
     labels = {
-        "dataset": str(dataset),
+        "dataset": absolute_url(str(dataset)),
         "job": job or os.environ.get(JOB_ENV) or "default",
         "node": socket.gethostname(),
         "rank": str(rank),
     }
-    coll = _LoaderCollector(snapshot, labels)
+    coll = _LoaderCollector(snapshot, labels, version)
     reg.register(coll)
-    return LoaderExport(reg, coll, real, addr or os.environ.get(ADDR_ENV) or "127.0.0.1")
+    return LoaderExport(reg, coll, real, addr or os.environ.get(ADDR_ENV) or "127.0.0.1", taken)
 
 
 # -- the extender ----------------------------------------------------------------------------
@@ -287,7 +349,9 @@ class ServiceMetrics:
                 from ray.util import metrics as backend
             tags = ("node",)
             self.held = backend.Gauge(
-                "stoker_cache_held_bytes", "Bytes of a dataset this node's cache holds.", tag_keys=("dataset", "node")
+                "stoker_cache_held_bytes",
+                "Bytes of a dataset (its URL, and its content version) this node's cache holds.",
+                tag_keys=("dataset", "version", "node"),
             )
             self.served = backend.Counter(
                 "stoker_peer_served_bytes",
@@ -319,7 +383,7 @@ class ServiceMetrics:
         if outcome.get("failed"):
             self.failures.inc(outcome["failed"], tags={"node": self.node})
 
-    def held_bytes(self, dataset: str, n: int) -> None:
-        """This node's cache holds ``n`` bytes of ``dataset`` (its content version)."""
+    def held_bytes(self, dataset: str, version: str, n: int) -> None:
+        """This node's cache holds ``n`` bytes of the dataset at URL ``dataset`` (content ``version``)."""
         if self.ok:
-            self.held.set(n, tags={"dataset": dataset, "node": self.node})
+            self.held.set(n, tags={"dataset": absolute_url(dataset), "version": version, "node": self.node})

@@ -47,6 +47,24 @@ def test_cache_status_names_datasets_by_url_and_shows_the_budget(packed, tmp_pat
     assert st["budget_bytes"] == 3 << 20 and st["budget_source"] == "recorded"
 
 
+def test_a_relative_url_is_recorded_absolute(packed, tmp_path, monkeypatch, capsys):
+    """The node-wide catalog is read from other directories (another job, ``stoker cache status``
+    run elsewhere): a dataset opened as a relative path is recorded and shown by its absolute path."""
+    from stoker.cache.status import status
+    from stoker.cli.top import snapshot
+
+    cache = tmp_path / "cache"
+    monkeypatch.chdir(os.path.dirname(packed))
+    ds = open_dataset(os.path.basename(packed), cache_dir=str(cache), cache_bytes="3MiB")
+    ds[0]
+    monkeypatch.chdir(tmp_path)
+    assert status(str(cache))["datasets"][ds.version]["url"] == packed
+    assert main(["cache", "status", str(cache)]) == 0
+    assert f"dataset {packed} (version {ds.version[:12]})" in capsys.readouterr().out
+    (c,) = snapshot(str(cache))["caches"]
+    assert [(d["dataset"], d["version"]) for d in c["datasets"]] == [(packed, ds.version)]
+
+
 def test_ls_full_keys_inclusive_ids_and_empty_classes(packed, capsys):
     assert main(["ls", packed]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -91,6 +109,35 @@ def test_default_cache_dir_prefers_local_scratch(tmp_path, monkeypatch, caplog):
     assert paths.default_cache_dir((str(tmp_path / "none"),)) == str(tmp_path / "home" / ".cache" / "stoker")
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "mine"))
     assert paths.default_cache_dir(cands) == str(tmp_path / "mine")
+
+
+def test_the_default_place_and_budget_are_told_at_warning_once(packed, tmp_path, monkeypatch, caplog):
+    """A user who names no cache gets ~/.cache/stoker with 8 GiB: a WARNING says so the first time,
+    with how to choose, see and empty it; a cache given in full says nothing."""
+    monkeypatch.delenv("STOKER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(paths, "SCRATCH_CANDIDATES", ())
+    caplog.set_level(logging.WARNING, logger="stoker.cache.paths")
+    home_cache = str(tmp_path / "home" / ".cache" / "stoker")
+    open_dataset(packed)
+    open_dataset(packed)  # the second time: nothing more
+    told = [r for r in caplog.records if r.levelno == logging.WARNING and "node cache" in r.getMessage()]
+    assert len(told) == 1, caplog.text
+    assert (
+        told[0]
+        .getMessage()
+        .startswith(
+            f"node cache {home_cache}, up to 8.0 GiB: the default place and budget (choose with "
+            "open_dataset(cache_dir=, cache_bytes=) or $STOKER_CACHE_DIR; "
+            f"`stoker cache status {home_cache}` shows it"
+        )
+    ), told[0].getMessage()
+    caplog.clear()
+    open_dataset(packed, cache_dir=str(tmp_path / "mine"))
+    assert f"node cache {tmp_path / 'mine'}, up to 8.0 GiB: the default budget (" in caplog.text
+    caplog.clear()
+    open_dataset(packed, cache_dir=str(tmp_path / "chosen"), cache_bytes="1GiB")
+    assert "node cache" not in caplog.text
 
 
 def test_network_filesystems_are_not_scratch(tmp_path):

@@ -51,6 +51,9 @@ ld.close()
 """
 
 
+_PACKED: list[str] = []  # the dataset URL the running loader opened
+
+
 def _env():
     return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -61,6 +64,7 @@ def running_loader(packed_local, tmp_path):
     a function that stops it and returns its EpochStats as dicts: epoch 0's are those of the part
     served until then, or of the whole epoch)."""
     cache, ready, stop = tmp_path / "cache", tmp_path / "ready", tmp_path / "stop"
+    _PACKED[:] = [packed_local]
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, packed_local, str(cache), str(ready), str(stop)],
         stdout=subprocess.PIPE,
@@ -111,6 +115,10 @@ def test_once_json_reports_the_running_loader(running_loader):
     assert job["cache_hit_ratio"] == pytest.approx(own["cache_hit_ratio"], rel=0.05)
     assert job["first_batch_s"] == pytest.approx(own["first_batch_s"], rel=0.05)
     assert c["datasets"][0]["dataset"] == job["dataset"] and c["datasets"][0]["used_bytes"] > 0
+    # one name for the dataset, the URL it was opened from (as the metrics and cache status name
+    # it), with the version beside it
+    assert job["dataset"] == job["url"] == _PACKED[0] and job["version"] == c["datasets"][0]["version"]
+    assert len(job["version"]) > 12 and job["version"] not in job["dataset"]
     assert c["capacity_bytes"] == 1 << 30  # the budget the loader's cache reports
 
 
@@ -128,7 +136,7 @@ def test_live_view_under_a_terminal(running_loader):
     )
     try:  # pid, rank, dataset, epoch, samples/s, stall, first batch s, origin MB/s, hit ratio
         row = re.compile(
-            rf"│\s+{pid}\s+│\s+0\s+│\s+(\w+)\s+│\s+(\d+)\s+│\s+([\d.,]+)\s+│\s+([\d.]+)%\s+│"
+            rf"│\s+{pid}\s+│\s+0\s+│\s+(\S+)\s+│\s+(\d+)\s+│\s+([\d.,]+)\s+│\s+([\d.]+)%\s+│"
             rf"\s+[\d.]+\s+│\s+[\d.,]+\s+│\s+([\d.]+)%\s+│"
         )
         child.expect(row)
@@ -144,7 +152,7 @@ def test_live_view_under_a_terminal(running_loader):
     assert rate == pytest.approx(own["samples_per_s"], rel=0.05)
     assert stall / 100 == pytest.approx(own["stall_fraction"], rel=0.05)
     assert hits / 100 == pytest.approx(own["cache_hit_ratio"], rel=0.05) and hits == 100.0
-    assert len(dataset) == 12
+    assert dataset == _PACKED[0]  # the URL, as the metrics and `stoker cache status` name it
 
 
 def test_not_a_cache(tmp_path):

@@ -36,7 +36,7 @@ def test_ranks_start_their_clocks_at_the_gate(cluster, s3_dataset, tmp_path_fact
         {"CPU": 0.5},
         storage_options=opts,
         placement="random",
-        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=64 << 10,
         job=f"gate-{gated}",
@@ -63,7 +63,7 @@ def test_peer_probe_reads_only_samples_its_peers_hold(cluster, s3_dataset, tmp_p
     common = dict(
         storage_options=opts,
         placement="random",
-        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=64 << 10,
         timeout_s=120,

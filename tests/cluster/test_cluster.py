@@ -44,7 +44,7 @@ def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(
     served0 = s3_origin.stats()["bytes_served"]
     common = dict(
         storage_options=opts,
-        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         wait=False,
@@ -102,7 +102,7 @@ def test_warm_fills_every_node_by_placement(cluster, s3_origin, s3_dataset, tmp_
     r = warm(
         url2,
         opts,
-        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         progress=False,
@@ -176,7 +176,7 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        cache_root=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         placement="random",
@@ -219,7 +219,7 @@ def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluste
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        cache_root=str(tmp_path_factory.mktemp("c")),
+        cache_dir=str(tmp_path_factory.mktemp("c")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         placement="random",
@@ -323,7 +323,7 @@ def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_m
         str(BLOCK),
         "--cache-dir",
         str(tmp_path / "cache"),
-        "--cache-size",
+        "--cache-bytes",
         str(64 << 20),
     ]
     capsys.readouterr()

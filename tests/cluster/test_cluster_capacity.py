@@ -50,7 +50,7 @@ def test_ranks_that_do_not_fit_on_the_data_node_start_together_elsewhere(cluster
     url, opts = s3_dataset
     stop_services()  # fresh services on a fresh cache root: the data goes to the first job's node only
     common = dict(
-        storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
+        storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
     )
     try:
         first = run(partial(read_epochs, epochs=1), url, 1, {"CPU": 1}, job="first", **common)

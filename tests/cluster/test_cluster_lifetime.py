@@ -64,7 +64,7 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
             3,
             {"CPU": 0.5},
             storage_options=opts,
-            cache_root=cache_root,
+            cache_dir=cache_root,
             cache_bytes=64 << 20,
             block_bytes=BLOCK,
             placement="random",
@@ -122,7 +122,7 @@ def test_a_failed_rank_cancels_the_other_ranks(cluster, s3_dataset, tmp_path):
             3,
             {"CPU": 0.5},
             storage_options=opts,
-            cache_root=str(tmp_path / "cache"),
+            cache_dir=str(tmp_path / "cache"),
             cache_bytes=64 << 20,
             block_bytes=BLOCK,
             job="fails",
@@ -147,7 +147,7 @@ def test_a_failed_rank_cancels_the_others_when_the_caller_holds_the_refs(cluster
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        cache_root=str(tmp_path / "cache"),
+        cache_dir=str(tmp_path / "cache"),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         job="fails-nowait",
@@ -214,7 +214,7 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
                 4,
                 {"CPU": 0.5},
                 slots_per_node=1,
-                cache_root=str(tmp_path / "cache"),
+                cache_dir=str(tmp_path / "cache"),
                 cache_bytes=64 << 20,
                 block_bytes=BLOCK,
                 job="node-dies",
@@ -417,7 +417,7 @@ def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_loc
 
     monkeypatch.setattr(warmup, "get_service", patched)
     r = warmup.warm(
-        packed_local, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, progress=False
+        packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, progress=False
     )
     assert box["killed"]
     assert r["failed_shards"] == {} and sum(n["failed"] for n in r["nodes"].values()) == 0
@@ -456,7 +456,7 @@ def test_warm_reports_a_node_whose_service_stays_down(cluster, packed_local, tmp
             str(BLOCK),
             "--cache-dir",
             str(tmp_path / "c"),
-            "--cache-size",
+            "--cache-bytes",
             str(64 << 20),
         ]
     )
@@ -496,7 +496,7 @@ def test_warm_goes_on_without_a_node_whose_service_cannot_start(cluster, packed_
             str(BLOCK),
             "--cache-dir",
             str(root),
-            "--cache-size",
+            "--cache-bytes",
             str(64 << 20),
         ]
     )
@@ -555,7 +555,7 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
     monkeypatch.setattr(warmup, "get_service", patched)
     t0 = time.monotonic()
     r = warmup.warm(
-        packed_local, cache_root=str(tmp_path / "c"), cache_bytes=64 << 20, block_bytes=BLOCK, fill_timeout_s=2.0
+        packed_local, cache_dir=str(tmp_path / "c"), cache_bytes=64 << 20, block_bytes=BLOCK, fill_timeout_s=2.0
     )
     assert time.monotonic() - t0 < 100  # the fills would have answered after 120 s: it did not wait for them
     victim = r["nodes"].pop(chosen["victim"])
@@ -576,14 +576,14 @@ def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path, caplog
     from stoker.cluster.warmup import warm
 
     stop_services()
-    r = warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes="64MiB", block_bytes="64KiB")
+    r = warm(packed_local, cache_dir=str(tmp_path / "c"), cache_bytes="64MiB", block_bytes="64KiB")
     assert r["complete"] and {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}
     with pytest.raises(ValueError, match="cache_bytes.*sixty"):
         run(lambda ctx: None, packed_local, 1, cache_bytes="sixty megs")
     with pytest.raises(ValueError, match="cache_bytes must give some node a budget above 0"):
         warm(packed_local, cache_bytes=0)
     with caplog.at_level(logging.WARNING, logger="stoker.cluster.service"):
-        r = warm(packed_local, cache_root=str(tmp_path / "c"), cache_bytes="32MiB", block_bytes="64KiB")
+        r = warm(packed_local, cache_dir=str(tmp_path / "c"), cache_bytes="32MiB", block_bytes="64KiB")
     assert {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}  # kept, as documented
     assert "keep their budgets" in caplog.text and f"{64 << 20:,} bytes" in caplog.text
     stop_services()

@@ -34,7 +34,7 @@ def test_a_one_rank_first_job_does_not_pin_the_dataset_to_one_node(cluster, s3_d
     budget = int(ds.index.total_bytes) * 6 // 10  # one node holds 60 %, the three of them 180 %
     stop_services()
     common = dict(
-        storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=budget, block_bytes=BLOCK, timeout_s=180
+        storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=budget, block_bytes=BLOCK, timeout_s=180
     )
     try:
         run(partial(read_epochs, epochs=1), url, 1, {"CPU": 0.5}, job="probe", **common)
@@ -73,7 +73,7 @@ def test_a_node_that_joins_after_placement_becomes_a_member(cluster, s3_dataset,
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     stop_services()
     common = dict(
-        storage_options=opts, cache_root=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
+        storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
     )
     new = None
     try:

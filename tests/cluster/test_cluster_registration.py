@@ -45,7 +45,7 @@ def test_a_finished_cluster_job_holds_no_registration(cluster, s3_dataset, tmp_p
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        cache_root=root,
+        cache_dir=root,
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         placement="random",

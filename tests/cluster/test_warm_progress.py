@@ -34,7 +34,7 @@ def test_warm_progress_on_a_terminal_only(cluster, s3_dataset, tmp_path, capsys)
         str(BLOCK),
         "--cache-dir",
         str(tmp_path / "cache"),
-        "--cache-size",
+        "--cache-bytes",
         str(64 << 20),
     ]
     capsys.readouterr()

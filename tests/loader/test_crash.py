@@ -29,8 +29,16 @@ def test_sigkilled_loader_leaves_nothing_blocking(packed_local, tmp_path):
     )
     assert proc.stdout.readline().strip() == "running"
     shm = SHM_DIR or "/tmp"
-    mine = glob.glob(os.path.join(shm, f"stoker-{proc.pid}-*"))
-    assert mine  # its batch slots exist while it runs
+    held = []  # its batch slots while it runs: open, their names already unlinked (loader/shm.py)
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(os.path.join(shm, f"stoker-{proc.pid}-")):
+            held.append(target)
+    assert held and all(t.endswith(" (deleted)") for t in held), held
+    assert glob.glob(os.path.join(shm, f"stoker-{proc.pid}-*")) == []
     os.killpg(proc.pid, signal.SIGKILL)  # the loader, its workers and its prefetcher
     proc.wait(10)
     time.sleep(0.2)

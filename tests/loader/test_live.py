@@ -26,8 +26,7 @@ class _Run:
 
 
 def test_totals_add_up_over_epochs_and_never_drop():
-    loader = SimpleNamespace(stats=None, dataset=SimpleNamespace(cache=None), rank=0, world_size=1, batch_size=4)
-    live, run = LiveTotals(loader), _Run()
+    live, run = LiveTotals(SimpleNamespace(cache=None), rank=0, world_size=1, batch_size=4), _Run()
     assert live.snapshot()["samples"] == 0 and live.snapshot()["epoch"] is None
     s0 = EpochStats(epoch=0)
     live.begin(run, s0, {"origin_bytes": 0}, [0.0], time.perf_counter())
@@ -38,7 +37,6 @@ def test_totals_add_up_over_epochs_and_never_drop():
     # the epoch ends; 20 of those bytes were the prefetcher's work for the next epoch
     s0.seconds = 1.0
     live.end(s0, {"origin_bytes": 80, "cache_hits": 6, "cache_misses": 2})
-    loader.stats = s0
     assert live.snapshot()["origin_bytes"] == 100  # not 80 for a moment: a counter never drops
     s1 = EpochStats(epoch=1)
     live.begin(run, s1, {"origin_bytes": 80, "cache_hits": 6, "cache_misses": 2}, [0.0], time.perf_counter())

@@ -40,7 +40,7 @@ def _slot_files(ring) -> list[str]:
 
 def test_ring_shrinks_to_what_fits_and_copies(monkeypatch):
     calls = _room_for(monkeypatch, 2)
-    ring = SlotRing(4, 8, 5)
+    ring = SlotRing(4, 8, 5, unlink_early=False)  # named files, to count them (test_lifecycle_exit.py: unlinked)
     try:
         total = slot_layout(4, 8)[2]
         assert calls[0] == total  # every slot reserved in full before it is mapped

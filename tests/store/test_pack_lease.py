@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -49,17 +51,28 @@ def _paused_pack(monkeypatch, src, dst, **kw):
     return t, out, go
 
 
+def _says_what_a_user_needs(text: str, dst: str) -> None:
+    """A refusal names the destination, who packs it and since when, and how a dead pack's
+    claim clears; never the lease object's internal name."""
+    assert LEASE_NAME not in text and "_stoker" not in text, text
+    assert text.startswith(f"{dst}: another pack is writing this destination (host "), text
+    assert re.search(r"pid \d+, run [0-9a-f]{32}\), since \d{4}-\d\d-\d\dT[\d:]+Z \(\d+ s ago\)", text), text
+    assert re.search(r"If that pack died, it stops blocking by itself at \S+Z \(in \d+ s", text), text
+
+
 def test_second_pack_into_a_destination_being_packed_refuses_naming_the_first(tmp_path, monkeypatch):
     a, b = _tree(tmp_path / "A", b"a"), _tree(tmp_path / "B", b"b")
     dst = tmp_path / "dst"
     t, out, go = _paused_pack(monkeypatch, a, dst)
     try:
-        with pytest.raises(FileExistsError, match=r"being packed by another run .*pid \d+.*lease expires"):
+        with pytest.raises(PackLeaseError) as err:
             pack_mod.pack(str(b), str(dst), progress=False, shard_bytes=1024)
     finally:
         go.set()
         t.join(60)
     assert "error" not in out, out
+    _says_what_a_user_needs(str(err.value), str(dst))
+    assert isinstance(err.value, FileExistsError) and err.value.url == str(dst)
     ds = open_dataset(str(dst), cache=False)
     assert all(ds[i][0].startswith(b"aaaa") for i in range(len(ds)))  # every sample is A's
     assert not (dst / LEASE_NAME).exists()  # released
@@ -78,7 +91,10 @@ def test_pack_that_lost_its_lease_installs_no_index(tmp_path, monkeypatch):
         go.set()
         t.join(60)
     assert isinstance(out.get("error"), PackLeaseLostError), out
-    assert "lost its lease" in str(out["error"])
+    text = str(out["error"])
+    assert text.startswith(f"{dst}: this pack lost its claim on the destination (taken over by the pack on host ")
+    assert f"pid {os.getpid()}, run {other.run}" in text and "without installing an index" in text
+    assert LEASE_NAME not in text, text
     assert not (dst / INDEX_NAME).exists()
     other.release()
     assert not (dst / LEASE_NAME).exists()
@@ -114,7 +130,7 @@ def test_expired_lease_is_taken_over(tmp_path, caplog):
     time.sleep(0.1)
     r = pack_mod.pack(str(src), str(dst), progress=False)
     assert r.samples == 6
-    assert "taking over the lease" in caplog.text
+    assert "taking over from a pack that died" in caplog.text
     with pytest.raises(PackLeaseLostError):
         crashed.renew()
 
@@ -137,10 +153,11 @@ def test_lease_on_s3_is_conditional(s3_origin, tmp_path, monkeypatch):
     first.acquire()
     with pytest.raises(PackLeaseError, match=first.run):
         PackLease(dest).acquire()
-    with pytest.raises(FileExistsError, match="being packed"):
+    with pytest.raises(FileExistsError) as err:
         pack_mod.pack(
             str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), dst_storage_options=opts, progress=False
         )
+    _says_what_a_user_needs(str(err.value), s3_origin.url("lease/dst"))
     first.renew()
     monkeypatch.setattr(PackLease, "_dead", lambda self, owner: True)  # as if it had expired
     second = PackLease(dest)
@@ -151,3 +168,18 @@ def test_lease_on_s3_is_conditional(s3_origin, tmp_path, monkeypatch):
     assert dest.exists(LEASE_NAME)
     second.release()
     assert not dest.exists(LEASE_NAME)
+
+
+def test_a_failed_claim_on_s3_names_the_destination(s3_origin, tmp_path):
+    """A destination the pack cannot write (here: its bucket does not exist): the error names the
+    destination, not the lease object."""
+    from stoker import OriginNotFoundError
+
+    dst = "s3://no-such-bucket/lease/dst"
+    with pytest.raises(OriginNotFoundError) as err:
+        pack_mod.pack(
+            str(_tree(tmp_path / "A", b"a")), dst, dst_storage_options=s3_origin.storage_options(), progress=False
+        )
+    text = str(err.value)
+    assert err.value.url == f"{dst} (marking it as being packed)" and "'no-such-bucket' does not exist" in text, text
+    assert LEASE_NAME not in text, text

@@ -3,7 +3,8 @@ URL each namespace (a dataset content version) was opened from, and the budget i
 
 Layout under the cache root (bookkeeping, hidden, written by the cache itself; :mod:`.layout`)::
 
-    .datasets/<namespace>.json   {"url": dataset URL, "version": namespace, "seen": unix time}
+    .datasets/<namespace>.json   {"url": dataset URL (a local path made absolute), "version":
+                                  namespace, "seen": unix time}
     .budget                      {"capacity_bytes": budget of the last job that opened the cache,
                                   "pid": that job's pid, "seen": unix time}
 
@@ -17,6 +18,7 @@ import json
 import os
 import time
 
+from ..storage import absolute_url
 from .files import write_whole
 from .perms import PRIVATE_FILE_MODE, ensure_dir
 
@@ -46,10 +48,12 @@ def _read_json(path: str) -> dict | None:
 
 def record_dataset(root: str, namespace: str, url: str, mode: int = PRIVATE_FILE_MODE) -> None:
     """Remember that namespace ``namespace`` of the cache at ``root`` holds the dataset at ``url``
-    (written with the cache's file ``mode``)."""
+    (written with the cache's file ``mode``). The cache is shared by every process of the node,
+    each with its own working directory: a relative local path is stored absolute
+    (:func:`stoker.storage.absolute_url`)."""
     _write_json(
         os.path.join(root, DATASETS_DIR, f"{namespace}.json"),
-        {"url": url, "version": namespace, "seen": time.time()},
+        {"url": absolute_url(url), "version": namespace, "seen": time.time()},
         mode,
     )
 

@@ -12,7 +12,9 @@ default is, in order:
 3. ``~/.cache/stoker``.
 
 The choice is logged once per process (INFO; a WARNING when it falls back to a home directory
-on a network filesystem).
+on a network filesystem). A dataset opened with the default place or budget says so once per
+process at WARNING (:func:`warn_defaults`): the default cache may take 8 GiB of a home
+directory, and a user should hear that without turning logging up.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "unwritable_root",
     "UNWRITABLE_ERRNOS",
     "ram_backed",
+    "warn_defaults",
 ]
 
 #: Node-local scratch locations tried, in order, for the default cache directory (globs allowed).
@@ -65,6 +68,7 @@ NETWORK_FS = frozenset(
 #: Filesystem types whose bytes are RAM (shared with every process's memory on the node).
 RAM_FS = frozenset({"tmpfs", "ramfs"})
 _LOGGED: set[str] = set()
+_WARNED: set[str] = set()  # cache directories whose defaults were told, in this process
 
 
 def _fs_type(path: str, mounts_file: str = "/proc/mounts") -> str | None:
@@ -142,6 +146,29 @@ def default_cache_dir(candidates: tuple[str, ...] | None = None) -> str:
             logging.INFO, "cache directory %s (no node-local scratch found; set STOKER_CACHE_DIR to choose)", path
         )
     return path
+
+
+def warn_defaults(root: str, budget_bytes: int, dir_given: bool, budget_given: bool) -> None:
+    """Log at WARNING, the first time in this process a cache directory is used with a default
+    place or budget, where the node cache is and how much it may take: ``root`` (the directory),
+    ``budget_bytes`` (bytes); ``dir_given``: the directory came from ``cache_dir=`` or
+    ``$STOKER_CACHE_DIR``; ``budget_given``: the budget from ``cache_bytes=``. Says nothing when
+    both were chosen."""
+    if (dir_given and budget_given) or root in _WARNED:
+        return
+    _WARNED.add(root)
+    from .._units import format_size
+
+    which = " and ".join(w for w, default in (("place", not dir_given), ("budget", not budget_given)) if default)
+    log.warning(
+        "node cache %s, up to %s: the default %s (choose with open_dataset(cache_dir=, cache_bytes=) "
+        "or $STOKER_CACHE_DIR; `stoker cache status %s` shows it, `stoker cache clear %s` empties it)",
+        root,
+        format_size(budget_bytes),
+        which,
+        root,
+        root,
+    )
 
 
 def check_root_path(root: str) -> None:

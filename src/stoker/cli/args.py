@@ -85,6 +85,16 @@ class OptionsFlag(argparse.Action):
             print(f"stoker: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
 
 
+class Renamed(argparse.Action):
+    """A flag with an old spelling after its current one (``--cache-bytes``, ``--cache-size``):
+    stores the value, and prints one deprecation line on stderr when the old spelling is used."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if option_string and option_string != self.option_strings[0]:
+            print(f"stoker: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
+
+
 def storage_errors() -> tuple[type[BaseException], ...]:
     """Exception types of the S3 client stack (credentials, endpoint, HTTP errors), if installed."""
     try:

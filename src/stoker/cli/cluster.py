@@ -19,7 +19,7 @@ from ..cluster.extender import MAX_BODY_BYTES, file_state, serve
 from ..cluster.extender_live import REFRESH_EVERY_S, REFRESH_TIMEOUT_S, live_state
 from ..cluster.freshness import MAX_AGE_S
 from ..metrics import metrics_port_from_env, serve_extender_metrics
-from .args import show_progress, size_arg
+from .args import Renamed, show_progress, size_arg
 
 
 def _ray_init(address: str | None):
@@ -50,8 +50,8 @@ def cmd_warm(a) -> int:
     r = warm(
         a.url,
         json.loads(a.storage_options) if a.storage_options else None,
-        cache_root=a.cache_dir,
-        cache_bytes=a.cache_size,
+        cache_dir=a.cache_dir,
+        cache_bytes=a.cache_bytes,
         block_bytes=a.block_size,
         progress=show_progress(a),
         detached=True,
@@ -75,7 +75,7 @@ def cmd_warm(a) -> int:
         return 0
     why = []
     if any(n["refused"] for n in r["nodes"].values()):
-        why.append("cache budget too small (--cache-size)")
+        why.append("cache budget too small (--cache-bytes)")
     if r["failed_shards"]:
         why.append(f"{len(r['failed_shards'])} shard(s) failed")
     if down:
@@ -163,10 +163,13 @@ def add_parsers(sub) -> None:
     s = sub.add_parser("warm", help="fill the cluster cache (Ray) with a dataset, every node in parallel")
     s.add_argument("url", help="the packed dataset to place in the node caches")
     s.add_argument("--ray-address", help="Ray cluster address (default: auto)")
-    s.add_argument("--cache-dir", help="node cache root, when the services are not running yet")
+    s.add_argument("--cache-dir", help="node cache directory, when the services are not running yet")
     s.add_argument(
-        "--cache-size",
+        "--cache-bytes",
+        "--cache-size",  # the old spelling: one deprecation line on stderr
+        dest="cache_bytes",
         type=size_arg,
+        action=Renamed,
         help="cache budget per node (default 8GiB), for services started now: running ones keep theirs",
     )
     s.add_argument("--block-size", type=size_arg, help="cache block (default 1MiB)")

@@ -18,6 +18,7 @@ import time
 
 from ..cache.layout import namespace_dirs
 from ..cache.status import status, tree_bytes
+from ..storage import absolute_url
 from .args import size_arg
 
 
@@ -40,13 +41,20 @@ def _memory_usage(path: str) -> dict[str, int]:
     return {ns: tree_bytes(d) for ns, d in namespace_dirs(path)}
 
 
-def _job_row(rec: dict, live: dict | None, now: float) -> dict:
+def _name(url: str | None, version: str) -> str:
+    """What the view calls a dataset: its URL (as the metrics and ``stoker cache status`` do), or
+    ``version <v>`` where no URL is known."""
+    return absolute_url(url) if url else f"version {version}"
+
+
+def _job_row(rec: dict, live: dict | None, now: float, urls: dict[str, str]) -> dict:
     """One job of the view: its record and, when a loader publishes, its live figures."""
     row = {
         "pid": rec["pid"],
-        "dataset": rec["namespace"],
+        "dataset": None,
+        "version": rec["namespace"],
         "dataset_bytes": rec.get("dataset_bytes"),
-        "url": None,
+        "url": urls.get(rec["namespace"]),
         "rank": None,
         "epoch": None,
         "samples": None,
@@ -71,8 +79,9 @@ def _job_row(rec: dict, live: dict | None, now: float) -> dict:
             "cache_hit_ratio",
             "prefetch_depth_bytes",
         ):
-            row[k] = live.get(k)
+            row[k] = live.get(k) if k != "url" else live.get(k) or row["url"]
         row["age_s"] = round(now - float(live.get("time", now)), 3)
+    row["dataset"] = _name(row["url"], rec["namespace"])
     return row
 
 
@@ -81,10 +90,11 @@ def snapshot(root: str, budget_bytes: int | None = None) -> dict:
 
     ``{"root", "time" (Unix s), "caches": [{"root", "used_bytes", "capacity_bytes" (the budget:
     ``budget_bytes`` or the one the running loaders report; None if unknown), "datasets":
-    [{"dataset", "used_bytes" (disk tier), "memory_bytes" (memory tier), "share_bytes" (the
-    future policy's split of the budget, None without one)}], "memory_tier": {"path",
-    "used_bytes", "capacity_bytes"} or None, "jobs":
-    [{"pid", "dataset", "rank", "epoch", "samples_per_s", "stall_fraction" (0..1),
+    [{"dataset" (its URL, as ``stoker cache status`` and the metrics name it; ``"version <v>"``
+    where the cache recorded none), "version" (content version), "url" (or None), "used_bytes"
+    (disk tier), "memory_bytes" (memory tier), "share_bytes" (the future policy's split of the
+    budget, None without one)}], "memory_tier": {"path", "used_bytes", "capacity_bytes"} or None,
+    "jobs": [{"pid", "dataset", "version", "url", "rank", "epoch", "samples_per_s", "stall_fraction" (0..1),
     "first_batch_s", "origin_bytes_per_s", "cache_hit_ratio" (0..1), "prefetch_depth_bytes",
     "age_s" (seconds since the figures were written), ...}]}]}``; the epoch figures are the
     current epoch's so far, with :class:`stoker.EpochStats`' definitions. One entry in
@@ -98,10 +108,11 @@ def snapshot(root: str, budget_bytes: int | None = None) -> dict:
         if not c["namespaces"] and not c["jobs"] and c is st and st["nested"]:
             continue  # a directory that only holds caches
         jobs, capacity, mem_capacity = [], budget_bytes, None
+        urls = {ns: d["url"] for ns, d in c.get("datasets", {}).items() if d.get("url")}
         for rec in sorted(c["jobs"], key=lambda r: (r["namespace"], r["pid"])):
             lives: list[dict | None] = list(_live_records(c["root"], rec["pid"], rec["namespace"]))
             for live in lives or [None]:
-                jobs.append(_job_row(rec, live, now))
+                jobs.append(_job_row(rec, live, now, urls))
                 if live is not None:
                     capacity = capacity or live.get("cache_capacity_bytes")
                     mem_capacity = mem_capacity or live.get("memory_capacity_bytes")
@@ -115,8 +126,9 @@ def snapshot(root: str, budget_bytes: int | None = None) -> dict:
                 "capacity_bytes": capacity,
                 "datasets": [
                     {
-                        "dataset": ns,
-                        "url": (c.get("datasets", {}).get(ns) or {}).get("url"),
+                        "dataset": _name(urls.get(ns), ns),
+                        "version": ns,
+                        "url": urls.get(ns),
                         "used_bytes": c["namespaces"].get(ns, 0),
                         "memory_bytes": in_mem.get(ns, 0),
                         "share_bytes": c["quotas"].get(ns),
@@ -175,7 +187,7 @@ def render(snap: dict):
             jobs.add_row(
                 str(j["pid"]),
                 _num(j["rank"], "d"),
-                j["dataset"][:12],
+                j["dataset"],
                 _num(j["epoch"], "d"),
                 _num(j["samples_per_s"], ",.1f"),
                 _pct(j["stall_fraction"]),
@@ -188,11 +200,12 @@ def render(snap: dict):
             jobs.add_row("-", "", "no live job", *[""] * 7)
         parts.append(jobs)
         ds = Table(title="cache per dataset", title_justify="left")
-        for col in ("dataset", "disk MB", "memory MB", "share MB", "disk of budget"):
-            ds.add_column(col, justify="left" if col == "dataset" else "right")
+        for col in ("dataset", "version", "disk MB", "memory MB", "share MB", "disk of budget"):
+            ds.add_column(col, justify="left" if col in ("dataset", "version") else "right")
         for d in c["datasets"]:
             ds.add_row(
-                d["dataset"][:12],
+                d["dataset"],
+                d["version"][:12],
                 _mb(d["used_bytes"]),
                 _mb(d["memory_bytes"]),
                 _mb(d["share_bytes"]),

@@ -32,7 +32,7 @@ from .reader import BlockRouter
 from .records import settle_members
 from .registration import end as end_registration
 from .schedule import choose_nodes, colocated_plans
-from .service import dataset_ref, get_service, placement_keys, prepare
+from .service import cache_dir_arg, dataset_ref, get_service, placement_keys, prepare
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def run(
     *,
     storage_options: dict | None = None,
     placement: str = "colocated",
-    cache_root: str | None = None,
+    cache_dir: str | None = None,
     cache_bytes: int | str | None = None,
     block_bytes: int | str | None = None,
     seed: int = 0,
@@ -246,15 +246,18 @@ def run(
     timeout_s: float | None = None,
     wait: bool = True,
     start_timeout_s: float = 30.0,
+    cache_root: str | None = None,
 ):
     """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
 
     ``dataset``: URL of a packed dataset; ``resources_per_worker``: Ray resources of one rank
     (``{"CPU": 1, "GPU": 1, ...}``, default one CPU); ``placement``: ``"colocated"`` (TDCS) or
-    ``"random"`` (seeded by ``seed``, for comparison); ``cache_root``/``cache_bytes``: where and
+    ``"random"`` (seeded by ``seed``, for comparison); ``cache_dir``/``cache_bytes``: where and
     how big the node caches are when this call starts the services (default
     ``<default cache dir>/cluster``, 8 GiB per node; bytes or a size string such as
-    ``"64MiB"``; services already running keep theirs); ``block_bytes``: the cache block (bytes
+    ``"64MiB"``; services already running keep theirs; the names of :func:`stoker.open_dataset`
+    and ``stoker warm --cache-dir/--cache-bytes``; ``cache_root`` is the old name of
+    ``cache_dir``, accepted with a DeprecationWarning); ``block_bytes``: the cache block (bytes
     or a size string; default 1 MiB; every job of a dataset must use the same);
     ``slots_per_node``: most ranks per node. ``ctx`` is a :class:`WorkerContext`.
 
@@ -278,7 +281,7 @@ def run(
     if num_workers < 1:
         raise ValueError("num_workers must be >= 1")
     opts = dict(storage_options or {})
-    services, ds, dref = prepare(dataset, opts, cache_root, cache_bytes, block_bytes)
+    services, ds, dref = prepare(dataset, opts, cache_dir_arg(cache_dir, cache_root), cache_bytes, block_bytes)
     nodes = list(services)
     budgets = [services[n]["cache_bytes"] for n in nodes]
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])

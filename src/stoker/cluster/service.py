@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -268,7 +269,7 @@ class CacheService:
         """Bytes of the dataset this node's cache holds now."""
         ds = self._open(dref)
         held = int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
-        self._metrics.held_bytes(ds.version, held)
+        self._metrics.held_bytes(ds.url, ds.version, held)
         return held
 
     def claim(self, version: str, members: list[str], known: list[str] | None = None) -> list[str]:
@@ -461,10 +462,24 @@ def stop_services() -> int:
     return n
 
 
+def cache_dir_arg(cache_dir: str | None, cache_root: str | None, stacklevel: int = 3) -> str | None:
+    """The node cache directory a user gave to :func:`stoker.cluster.run` or
+    :func:`stoker.cluster.warmup.warm`: ``cache_dir``, or the old name ``cache_root`` (accepted
+    for one release with a DeprecationWarning; ``cache_dir``/``cache_bytes`` are the names
+    :func:`stoker.open_dataset` and ``stoker warm --cache-dir/--cache-bytes`` use). TypeError
+    when both are given."""
+    if cache_root is None:
+        return cache_dir
+    if cache_dir is not None:
+        raise TypeError("cache_root= and cache_dir= were both given: cache_root is the old name of cache_dir")
+    warnings.warn("cache_root= is deprecated; use cache_dir=", DeprecationWarning, stacklevel=stacklevel)
+    return cache_root
+
+
 def prepare(
     url: str,
     storage_options: dict | None,
-    cache_root: str | None,
+    cache_dir: str | None,
     cache_bytes,
     block_bytes: int | str | None,
     detached: bool = True,
@@ -488,7 +503,7 @@ def prepare(
     )
     if not any(budget.values() if isinstance(budget, dict) else [budget]):
         raise ValueError(f"cache_bytes must give some node a budget above 0 bytes, got {cache_bytes!r}")
-    start_services(cache_root or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
+    start_services(cache_dir or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
     if cache_bytes is not None:  # asked for a budget: say where running services keep another one
         other = {

@@ -22,7 +22,7 @@ from .freshness import refreshing
 from .placement import bytes_per_node, place_dataset
 from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_members
 from .records import call as _call
-from .service import dataset_ref, error_line, find_services, get_service, placement_keys, prepare
+from .service import cache_dir_arg, dataset_ref, error_line, find_services, get_service, placement_keys, prepare
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def warm(
     url: str,
     storage_options: dict | None = None,
     *,
-    cache_root: str | None = None,
+    cache_dir: str | None = None,
     cache_bytes: int | str | None = None,
     block_bytes: int | str | None = None,
     chunk_blocks: int = 16,
@@ -50,11 +50,13 @@ def warm(
     progress: bool = False,
     detached: bool = True,
     fill_timeout_s: float | None = None,
+    cache_root: str | None = None,
 ) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
-    Services are started where missing (``cache_root``/``cache_bytes`` as in
-    :func:`stoker.cluster.run`). The dataset's placement members are the recorded ones (see
+    Services are started where missing (``cache_dir``/``cache_bytes`` as in
+    :func:`stoker.cluster.run`; ``cache_root`` is the old name of ``cache_dir``, accepted with a
+    DeprecationWarning). The dataset's placement members are the recorded ones (see
     ``run``), else every node with a service. ``chunk_blocks`` blocks per request,
     ``concurrency`` ranged GETs per node. Report: ``{url, version, dataset_bytes, seconds,
     origin_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
@@ -80,7 +82,8 @@ def warm(
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
     down_at_start: dict[str, str] = {}  # node id -> why its service did not start
-    services, ds, dref = prepare(url, opts, cache_root, cache_bytes, block_bytes, detached, down=down_at_start)
+    cache_dir = cache_dir_arg(cache_dir, cache_root)
+    services, ds, dref = prepare(url, opts, cache_dir, cache_bytes, block_bytes, detached, down=down_at_start)
     nodes = list(services)
     recorded = settle_members(services, ds.version, int(ds.index.total_bytes), nodes, [])
     members = [m for m in recorded if m in services] or nodes

@@ -1,5 +1,10 @@
-"""Image decode and augmentation: libjpeg-turbo fast path, Pillow fallback, torchvision semantics."""
+"""Image decode and augmentation: libjpeg-turbo fast path, Pillow fallback, torchvision semantics.
 
+For a Loader's own ``decode=``: :func:`jpeg` (``stoker.decode.jpeg``) is the built-in transforms'
+region decode and resize as one call, returning an ``(H, W, 3)`` uint8 array.
+"""
+
+from .fast import jpeg
 from .image import DEFAULT_MAX_PIXELS, DecodeError, ImageTooLarge, decode_image, decode_stats
 from .rate import measure_decode_rate
 from .reference import (
@@ -26,6 +31,7 @@ __all__ = [
     "decode_transform",
     "eval_resize_for",
     "eval_transform",
+    "jpeg",
     "measure_decode_rate",
     "pillow_decode",
     "pillow_decode_transform",

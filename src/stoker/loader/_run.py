@@ -16,11 +16,14 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from .._procs import EXIT_UNGUARDED_MAIN, exit_quietly, importing_main_in_child
 from . import inflight as infl
 from .config import Processes, RunConfig, RunHooks
 from .deliver import Delivery
 from .dispatch import Dispatcher
 from .epoch_stats import EpochStats, fill_from_counters, fill_origin_figures, process_cpu_s
+from .inline import InlineLoop
+from .iterator import EpochIterator
 from .launch import start_context, wait_ready
 from .parallel import ParallelLoop
 from .pool import WorkerPool
@@ -73,9 +76,10 @@ class Run:
         self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
         self.dispatch: Dispatcher | None = None  # sends batches to the workers (with workers)
         self.loop: ParallelLoop | None = None  # the epoch loop over the workers' replies (with workers)
+        self.inline: InlineLoop | None = None  # the epoch loop decoding here (without workers)
         self._run_id = 0  # one per epoch served without workers (with them: the dispatcher's)
         self._start_s = 0.0  # seconds the next epoch's iter() spent starting this pipeline
-        self._live_gen: weakref.ref | None = None  # the last epoch's generator, closed by close()
+        self._live_iter: weakref.ref | None = None  # the last epoch's iterator, ended by close() or the next epoch
         self.started = False
 
     def start(self) -> None:
@@ -86,11 +90,21 @@ class Run:
             ForkUnsafeError: ``start_method="fork"`` where fork is unsafe.
             TypeError: the user's decode/collate do not pickle under the start method chosen.
             RuntimeError: ``device`` is a CUDA device and CUDA is not available.
+            WorkerStartError: a worker or the prefetch process exited before its own start was done
+                (names the cause; :mod:`stoker.loader.launch`).
+
+        In a worker or prefetch process that runs the user's training code (the main script
+        imported again by spawn/forkserver, without the ``__main__`` guard), the process exits
+        here, quietly, with :data:`stoker._procs.EXIT_UNGUARDED_MAIN`: the training process names
+        the cause.
         """
+        if self.num_workers > 0 and importing_main_in_child():
+            exit_quietly(EXIT_UNGUARDED_MAIN)
         from .. import _torch as _torch_adapter  # pay torch's import before the first batch
+
+        _torch_adapter.load()  # first: on a thread, so that nothing keeps this stack (see there)
         from .. import decode  # noqa: F401 - imported once here, inherited by forked workers
 
-        _torch_adapter.load()
         config = self.config
         if config.device not in (None, "cpu"):
             from .transfer import DeviceTransfer
@@ -123,6 +137,10 @@ class Run:
         self.deliver = Delivery(
             self.ring, self.cfg, self.state, self.transfer, self.hooks.device_decoder()
         )  # after the forks (CUDA)
+        if self._decoder is not None:
+            self.inline = InlineLoop(
+                self.config, self.state, self.hooks.live, self._decoder, self.ring, self.deliver, self.dataset
+            )
         if self.dispatch is not None:
             self.loop = ParallelLoop(
                 self.config,
@@ -163,6 +181,7 @@ class Run:
             self._ready,
             list(self.processes().workers) + ([self.prefetcher.process] if self.prefetcher is not None else []),
         )
+        self.check_processes()  # one that died starting: WorkerStartError naming why, now
 
     def processes(self) -> Processes:
         """The processes now (see :class:`Processes`)."""
@@ -195,15 +214,17 @@ class Run:
         memory and the staging area this run made. Idempotent."""
         if not self.started:
             return
-        gen = self._live_gen() if self._live_gen is not None else None
-        if gen is not None and gen.gi_frame is not None and not gen.gi_running:
+        it = self._live_iter() if self._live_iter is not None else None
+        if it is not None and it.running:
             # an epoch's iterator still held by the caller: end it now, while the processes and
             # the interpreter are up (its stats are final then), not when it is collected at exit
             try:
-                gen.close()
+                it.close()
             except Exception as exc:  # noqa: BLE001 - closing must go on
                 log.warning("ending the open epoch at close: %s: %s", type(exc).__name__, exc)
         self.started = False
+        if self.inline is not None:
+            self.inline.close()
         if self.dispatch is not None:
             self.dispatch.reset()
         if self.workers is not None:
@@ -228,20 +249,25 @@ class Run:
         if self.dispatch is not None:
             self.dispatch.pre = None
 
-    def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0):
-        """A generator of the batches of ``epoch`` from batch ``start`` on (see
-        :class:`stoker.loader.Loader` for what a batch is). ``stats.first_batch_s`` counts from
+    def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0, owner=None) -> EpochIterator:
+        """The batches of ``epoch`` from batch ``start`` on (see :class:`stoker.loader.Loader` for
+        what a batch is), as an :class:`~stoker.loader.iterator.EpochIterator` that keeps
+        ``owner`` (the Loader) alive. The previous epoch's iterator, if still open, is ended now
+        and refuses its next ``next()`` (one epoch at a time). ``stats.first_batch_s`` counts from
         this call; ``start_s``: seconds the loader's ``iter()`` spent starting this pipeline
         (``stats.pipeline_start_s``)."""
+        old = self._live_iter() if self._live_iter is not None else None
+        if old is not None and old.running:
+            old.replace(epoch)
         if self.dispatch is not None:
             run = self.dispatch.new_run()
         else:
             self._run_id += 1
             run = self._run_id
-        gen = self._epoch(run, epoch, start, time.perf_counter())
+        it = EpochIterator(self._epoch(run, epoch, start, time.perf_counter()), epoch, owner)
         self._start_s = start_s
-        self._live_gen = weakref.ref(gen)
-        return gen
+        self._live_iter = weakref.ref(it)
+        return it
 
     # -- counters ---------------------------------------------------------
     def _cpu(self) -> dict:
@@ -312,46 +338,8 @@ class Run:
         t_resume = time.perf_counter()
         self.hooks.live.begin(self, stats, before, wait_box, t_start, plan=run)  # live figures (loader/live.py)
         try:
-            if self.num_workers == 0:
-                decoder, ring, deliver = self._decoder, self.ring, self.deliver
-                assert decoder is not None and ring is not None and deliver is not None  # (start() made them)
-                for seq, bids in enumerate(batches):
-                    last = seq == len(batches) - 1
-                    if not isinstance(decoder, BatchDecoder):  # cfg.generic: the user's decode/collate, here; no slot
-                        n, sk, sk_keys, batch = decoder.run(epoch, bids)
-                        out = deliver(
-                            epoch,
-                            None,
-                            bids,
-                            n,
-                            sk,
-                            sk_keys,
-                            None,
-                            None if batch is None else ("local", batch),
-                            stats=stats,
-                            delivered=delivered,
-                            last=last,
-                        )
-                    else:
-                        slot = ring.acquire()
-                        out = deliver(
-                            epoch,
-                            slot,
-                            bids,
-                            *decoder.run(epoch, bids, *ring.views(slot)),
-                            stats=stats,
-                            delivered=delivered,
-                        )
-                    if out is None:  # every sample of the batch was skipped: yield nothing for it
-                        self.state.position = (epoch, start + seq + 1)
-                        continue
-                    wait_box[0] += time.perf_counter() - t_resume
-                    self.state.position = (epoch, start + seq + 1)
-                    self.hooks.live.tick()
-                    if not stats.first_batch_s:
-                        stats.first_batch_s = time.perf_counter() - t_iter
-                    yield out
-                    t_resume = time.perf_counter()
+            if self.inline is not None:  # num_workers=0: decoded here, on a watched thread
+                yield from self.inline(epoch, start, batches, stats, delivered, t_resume, wait_box, t_iter)
             else:
                 assert self.loop is not None  # (start() made it, with the workers)
                 yield from self.loop(run, epoch, batches, stats, delivered, t_resume, wait_box, carry, t_iter)

@@ -1,9 +1,11 @@
 """User ``decode`` and ``collate`` in the workers, and how their batches reach the training process.
 
 With ``Loader(ds, batch_size, decode=fn, collate=fn2)`` a worker turns each sample id of a batch
-into ``fn(ds.read_fields(i), rng)`` (``rng``: a numpy Generator seeded by (seed, epoch, sample id),
-:func:`stoker.order.sample_seed`) and the list of samples into ``fn2(samples)``
-(default :func:`stoker.collate.default`). The batch then travels one of two ways:
+into ``fn(ds.read_fields(i, meta=True), rng)`` (every member by name, then the sample's
+``__key__``, ``__id__`` and, where it has one, ``__label__``; ``rng``: a numpy Generator seeded by
+(seed, epoch, sample id), :func:`stoker.order.sample_seed`) and the list of samples into
+``fn2(samples)`` (default :func:`stoker.collate.default`; without ``fn`` the samples are those
+dicts). The batch then travels one of two ways:
 
 - **shared memory**, for every numpy array and CPU torch tensor of the batch, whether it is one
   array or arrays in dicts, tuples, lists and namedtuples (nested): :func:`flatten` splits it into
@@ -254,7 +256,7 @@ class GenericDecoder:
         for k, sid in enumerate(sids):
             if current is not None:
                 current.value = sid
-            fields = ds.read_fields(sid)
+            fields = ds.read_fields(sid, meta=True)
             if self.decode is None:
                 sample = fields
             else:
@@ -281,9 +283,8 @@ class GenericDecoder:
                     )
                     if not skip:
                         raise err from exc
-                    log.warning("skipping sample (epoch %d): %s", epoch, err)
-                    skipped.append(sid)
-                    skipped_keys.append(key)
+                    skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
+                    skipped_keys.append((key, str(err)))
                     continue
             samples.append(sample)
             kept.append(sid)
@@ -322,11 +323,13 @@ def pack_reply(writer: SlotWriter, path: str | None, batch):
             blob = pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL) if rest else None
             return ("shm", tree, wrote[0], wrote[1], blob)
         if not writer.warned:
+            from .shm import shm_base
+
             writer.warned = True
             log.warning(
                 "shared memory (%s) has no room to grow a batch slot to %d bytes: batches that do not fit "
                 "are pickled through the worker's pipe instead (slower; counted in pickled_batches)",
-                os.path.dirname(path),
+                shm_base(),
                 sum(a.nbytes for a in leaves),
             )
     return ("pickle", pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))

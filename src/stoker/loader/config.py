@@ -60,15 +60,25 @@ class WorkerConfig:
         ``start_method`` (``fork`` sends nothing: a child inherits them).
 
         Raises:
-            TypeError: one of them cannot be pickled; names the function and says what to do.
+            TypeError: one of them cannot be pickled, or is defined in a ``__main__`` that such a
+                worker cannot import (code fed on stdin, ``python -c``, an interactive session, a
+                notebook); names the function and says what to do.
         """
         if start_method == "fork":
             return
         import pickle
 
+        from .._procs import main_importable, main_module_name
+
         for role, fn in (("decode", self.decode), ("collate", self.collate)):
             if fn is None:
                 continue
+            if getattr(fn, "__module__", None) == "__main__" and not main_importable():
+                raise TypeError(
+                    f"{role}=__main__.{getattr(fn, '__qualname__', type(fn).__qualname__)} cannot be sent to worker "
+                    f"processes started with {start_method!r}: it is defined in {main_module_name()}, which they "
+                    "cannot import. Define it in a module file the workers can import, or pass start_method='fork'"
+                )
             try:
                 pickle.dumps(fn)
             except Exception as exc:  # noqa: BLE001 - pickle raises many kinds
@@ -97,6 +107,8 @@ class RunConfig:
         start_method: the start method asked for (None: chosen at start).
         device: where batches are delivered (None/"cpu": shared-memory tensors; "cuda[:N]").
         prefetch_next_epoch: dispatch the next epoch's first batches while this one drains.
+        epochs: the epochs the job runs (``RunOptions.epochs``; None: no bound): no head start
+            past epoch ``epochs - 1``.
     """
 
     dataset: Any
@@ -111,6 +123,7 @@ class RunConfig:
     start_method: str | None
     device: Any
     prefetch_next_epoch: bool
+    epochs: int | None = None
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,14 @@ its processes (workers, prefetcher) and its own clock."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,7 +39,9 @@ class EpochStats:
     skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a batch whose
     samples were all skipped is not yielded, so not counted).
 
-    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall).
+    ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall): the
+    share of time the training step waits for data. A loop that does nothing between batches
+    waits for every one, so its stall is near 1 whatever the loader's speed (docs/stats.md).
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
     (for world_size 1: every sample exactly once); False for an epoch that delivers no sample of
     a dataset that has some, whose ``empty_reason`` says why (:func:`why_empty`: ``drop_last``
@@ -141,9 +146,16 @@ def why_empty(num_samples: int, world_size: int, even: str, batch_size: int, dro
 
 def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list) -> None:
     """Count one finished batch: ``bids`` its planned sample ids, ``skipped`` the ids a
-    worker skipped (``on_error="skip"``) with their keys; the ids actually delivered are
-    appended to ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this
-    runs in ``next()`` for every batch)."""
+    worker skipped (``on_error="skip"``) with their keys, each a key or ``(key, reason)``; a
+    reason is logged here, when the batch is delivered, so a batch decoded ahead for an epoch
+    that never runs logs nothing. The ids actually delivered are appended to ``delivered`` (a
+    list of int64 arrays, counted once at the epoch's end: this runs in ``next()`` for every
+    batch)."""
+    if skipped_keys and any(isinstance(k, tuple) for k in skipped_keys):
+        for k in skipped_keys:
+            if isinstance(k, tuple):
+                log.warning("skipping sample (epoch %d): %s", stats.epoch, k[1])
+        skipped_keys = [k[0] if isinstance(k, tuple) else k for k in skipped_keys]
     if skipped:
         left, kept = list(skipped), []
         for i in bids.tolist():  # drop one occurrence per skip (a padded plan may repeat an id)

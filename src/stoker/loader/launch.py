@@ -5,6 +5,13 @@ threads that a forked child cannot live with, then ``forkserver``), chosen again
 starts (threads may have appeared since the Loader was built); replacements use the same one.
 A dead worker or prefetcher is named with its pid and its exit code or signal; one killed by
 SIGBUS is pointed at the shared-memory directory (a full ``/dev/shm`` is the usual cause).
+
+Every process is started with SIGINT blocked (:func:`start`, :mod:`.interrupts`). One that exits
+before its own start is done (it never counted itself ready) is not replaced: it would exit the
+same way again (one killed by a signal then is replaced as any other death).
+:func:`start_failure` names the cause: the main script imported again by a spawn/forkserver
+child without the ``if __name__ == "__main__":`` guard, a ``__main__`` such a child cannot
+import, or the child's own error.
 The parts that own the processes: :class:`stoker.loader.pool.WorkerPool` and
 :class:`stoker.loader.prefetcher.Prefetcher`.
 """
@@ -16,12 +23,29 @@ import multiprocessing as mp
 import signal
 import time
 
-from .._procs import describe_exit, pick_start_method
+from .._procs import (
+    EXIT_UNGUARDED_MAIN,
+    check_main_for,
+    describe_exit,
+    main_importable,
+    main_module_name,
+    pick_start_method,
+)
+from . import interrupts
 from .shm import free_bytes, shm_base
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORKSERVER_PRELOAD", "READY_TIMEOUT_S", "abandon", "died", "start_context", "wait_ready"]
+__all__ = [
+    "FORKSERVER_PRELOAD",
+    "READY_TIMEOUT_S",
+    "abandon",
+    "died",
+    "start",
+    "start_context",
+    "start_failure",
+    "wait_ready",
+]
 
 #: Modules the forkserver imports once, so that each child it forks starts with them loaded.
 FORKSERVER_PRELOAD = [
@@ -49,6 +73,8 @@ def start_context(asked: str | None, cfg):
 
     Raises:
         ForkUnsafeError: ``asked == "fork"`` in a process where fork is unsafe.
+        WorkerStartError: spawn/forkserver children could not start from this ``__main__``
+            (code fed on stdin, :func:`stoker._procs.check_main_for`).
         TypeError: the user's decode/collate do not pickle (names the function).
     """
     method, hazards = pick_start_method(asked, mp.get_all_start_methods())
@@ -59,6 +85,7 @@ def start_context(asked: str | None, cfg):
             method,
             "; ".join(hazards),
         )
+    check_main_for(method)
     cfg.check_picklable(method)
     ctx = mp.get_context(method)
     if method == "forkserver":
@@ -77,6 +104,45 @@ def wait_ready(ready, procs: list, timeout_s: float = READY_TIMEOUT_S) -> None:
         if not all(p.is_alive() for p in procs):
             return
         time.sleep(0.002)
+
+
+def start(proc) -> None:
+    """``proc.start()`` with SIGINT blocked in this thread meanwhile (:mod:`.interrupts`)."""
+    with interrupts.blocked():
+        proc.start()
+
+
+def start_failure(what: str, exitcode: int | None, method: str, detail: str | None = None) -> str:
+    """Why ``what`` (a process that exited before its own start was done) could not start, in words.
+
+    Args:
+        what: the process, e.g. ``"worker 0 (pid 123)"``.
+        exitcode: its exit code.
+        method: the start method it was started with.
+        detail: its own error (type, message and traceback) when it could send one.
+    """
+    if exitcode == EXIT_UNGUARDED_MAIN:
+        return (
+            f"{what} could not start: it ran the training code of the main script "
+            f"({main_module_name()}) again. Processes started with {method!r} import the main script "
+            'again, and a script without the `if __name__ == "__main__":` guard starts a Loader at '
+            'import. Put the training code under `if __name__ == "__main__":`, or use '
+            "RunOptions(start_method='fork')"
+        )
+    msg = f"{what} {died('', exitcode).strip()} before it had started (not restarted: it would fail again)"
+    if detail:
+        return msg + f": {detail}"
+    if method != "fork" and not main_importable():
+        return msg + (
+            f". Processes started with {method!r} import the main module again, and {main_module_name()} "
+            "cannot be imported: run the code from a file, or use RunOptions(start_method='fork')"
+        )
+    if method != "fork":
+        return msg + (
+            f". Processes started with {method!r} import the main module ({main_module_name()}) again "
+            "first: its error, if it failed there, is above"
+        )
+    return msg + ": its error, if it wrote one, is above"
 
 
 def died(what: str, exitcode: int | None) -> str:

@@ -23,10 +23,12 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from .._atomic import PRIVATE_FILE_MODE, write_atomic
 from ..cache.layout import is_cache
 from ..cache.perms import ensure_dir
+from ..storage import absolute_url
 from .inflight import LEDGER_FIELDS
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,23 @@ class LiveTotals:
     """Counters of one loader over its life, readable from any thread.
 
     :meth:`begin` and :meth:`end` are called by the pipeline around each epoch, :meth:`tick`
-    after each delivered batch; :meth:`snapshot` gives the figures (see there).
+    after each delivered batch; :meth:`snapshot` gives the figures (see there). It holds what it
+    reports, not the loader (the metrics server's thread holds it: a loader dropped without
+    ``close()`` must still be collected).
+
+    Args:
+        dataset: the loader's dataset (its cache, version and URL).
+        rank, world_size, batch_size: the loader's, for the live-figures file.
     """
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, dataset, rank: int = 0, world_size: int = 1, batch_size: int = 0):
+        self.dataset, self.rank, self.world_size, self.batch_size = dataset, rank, world_size, batch_size
+        self._last: Any = None  # the stats of the last epoch ended
         self._lock = threading.Lock()
         self._base: dict[str, float] = dict.fromkeys(COUNTER_KEYS + STAT_KEYS, 0)
         self._high: dict[str, float] = dict.fromkeys(COUNTER_KEYS + STAT_KEYS, 0)  # totals never go down
         self._epochs = 0
-        self._cur = None  # (run, stats, before, wait_box, t_start) of the epoch in progress
+        self._cur: tuple | None = None  # (run, stats, before, wait_box, t_start, plan) of the epoch in progress
         self._seq = next(_SEQ)
         self._next_publish = 0.0
         self._published: str | None = None
@@ -93,6 +102,7 @@ class LiveTotals:
                 self._base[k] += getattr(stats, k, 0) or 0
             self._epochs += 1
             self._cur = None
+            self._last = stats
         self.publish(force=True)
 
     def tick(self) -> None:
@@ -117,7 +127,7 @@ class LiveTotals:
             out["epochs"] = self._epochs
             cur = self._cur
             if cur is None:
-                last = self.loader.stats
+                last = self._last
                 out.update(_epoch_figures(last, None) if last is not None else _epoch_figures(None, None))
                 return self._monotonic(out)
             run, stats, before, wait_box, t_start, plan = cur
@@ -157,7 +167,7 @@ class LiveTotals:
         logged once and never stops the loader (a cache directory removed under the job is
         tried again at the next publish: the cache makes it again)."""
         self._next_publish = time.monotonic() + PUBLISH_EVERY_S
-        ds = self.loader.dataset
+        ds = self.dataset
         cache = getattr(ds, "cache", None)
         root = getattr(cache, "root", None)
         if root is None or self._publish_failed or getattr(cache, "read_only", False):
@@ -169,13 +179,13 @@ class LiveTotals:
         rec.update(
             pid=os.getpid(),
             dataset=ds.version,
-            url=getattr(ds, "url", None),
+            url=absolute_url(ds.url) if getattr(ds, "url", None) else None,
             time=time.time(),
             cache_capacity_bytes=getattr(getattr(cache, "disk", cache), "capacity_bytes", None),
             memory_capacity_bytes=getattr(getattr(cache, "memory", None), "capacity_bytes", None),
-            rank=self.loader.rank,
-            world_size=self.loader.world_size,
-            batch_size=self.loader.batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
         )
         if not force and rec["samples"] == 0 and self._published is None:
             return

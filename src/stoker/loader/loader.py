@@ -10,21 +10,25 @@ order the plan will need the blocks.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import multiprocessing as mp
 import numbers
+import os
 import time
 import warnings
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._procs import pick_start_method
+from .._procs import check_main_for, pick_start_method
 from ..order import permutation, rank_plan
 from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
 from .epoch_stats import EpochStats, why_empty
+from .iterator import EpochIterator
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
 from .state import IDENTITY_KEYS, LoaderState
@@ -36,6 +40,47 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRANSFORMS = ("train", "eval")
+
+
+def _weak(method):
+    """``method`` (a bound method of a Loader) called without keeping its Loader alive: the
+    pipeline holds these, and a Loader dropped without ``close()`` must be collected, not kept
+    in a reference cycle through its pipeline. None once the Loader is gone (only its finalizer
+    runs then, and it asks nothing of the Loader)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return call
+
+
+class _Started:
+    """What a Loader started and must stop: its pipeline, its metrics server and its
+    live-figures file. Kept apart from the Loader so that the finalizer that stops them when the
+    Loader is dropped without ``close()``, or at interpreter exit, holds these and never the
+    Loader (``weakref.finalize``)."""
+
+    def __init__(self, live: LiveTotals):
+        self.run: Run | None = None
+        self.metrics: LoaderExport | None = None
+        self.live = live
+        self.pid = os.getpid()  #: the process they belong to (set again when a pipeline starts)
+
+    def close(self) -> None:
+        """Stop the pipeline, unpublish the live figures, stop serving metrics. Idempotent. In a
+        process forked from their owner (its exit runs the finalizers it inherited) nothing is
+        touched: they are the parent's."""
+        if os.getpid() != self.pid:
+            return
+        run, self.run = self.run, None
+        if run is not None:
+            run.close()
+        self.live.unpublish()
+        metrics, self.metrics = self.metrics, None
+        if metrics is not None:
+            metrics.close()
 
 
 def _check_batch_size(batch_size: object) -> None:
@@ -88,8 +133,10 @@ class Loader:
         transform: ``"train"`` (RandomResizedCrop(S) + flip, per-sample RNG) or ``"eval"``
             (resize 256 + center crop S). ValueError otherwise.
         decode: the user's ``decode(fields, rng) -> sample``, run in the workers on every sample:
-            ``fields`` is ``{field name: bytes}`` (:meth:`stoker.store.dataset.Dataset.read_fields`),
-            ``rng`` a ``numpy.random.Generator`` seeded by (seed, epoch, sample id). A decode that
+            ``fields`` is ``{field name: bytes}`` followed by ``"__key__"`` (str), ``"__id__"``
+            (int, the sample id) and, where the sample has a label, ``"__label__"`` (int)
+            (:meth:`stoker.store.dataset.Dataset.read_fields` with ``meta=True``), ``rng`` a
+            ``numpy.random.Generator`` seeded by (seed, epoch, sample id). A decode that
             raises or returns None fails the batch with a WorkerError naming the sample's key
             (``run.on_error="skip"``: skipped and counted). :mod:`stoker.loader.batches` says how
             the batches travel (shared memory for arrays, pickled otherwise).
@@ -102,9 +149,9 @@ class Loader:
             cache (``self.cache_form_report`` holds the rates of ``"auto"``), GPU decode
             (``self.device_decode_stats`` counts its samples per path).
         run: :class:`~stoker.loader.options.RunOptions`: device, errors, timeout, start method,
-            metrics port (``self.metrics_url`` is where they are served; the live figures also go,
-            every second, beside the node cache's job records, where ``stoker top`` reads them,
-            :mod:`stoker.loader.live`).
+            metrics port (``self.metrics_port`` and ``self.metrics_url`` say where they are
+            served; the live figures also go, every second, beside the node cache's job records,
+            where ``stoker top`` reads them, :mod:`stoker.loader.live`).
         **deprecated: the old flat keywords (``prefetch_bytes=...``, ``image_size=...``, ...),
             accepted for one release with a DeprecationWarning naming the new place
             (:data:`stoker.loader.options.DEPRECATED`); TypeError for an unknown keyword, and for
@@ -112,6 +159,9 @@ class Loader:
 
     Raises:
         ForkUnsafeError: ``run.start_method="fork"`` (with workers) where fork is unsafe.
+        WorkerStartError: ``run.start_method`` spawn/forkserver (with workers) from code whose
+            main module such workers cannot import again (code fed on stdin).
+        TypeError: ``decode``/``collate`` cannot reach workers started with spawn/forkserver.
         ValueError: ``rank``/``world_size`` out of range, or decode/collate with ``image``
             options that only the built-in image path uses.
 
@@ -221,6 +271,7 @@ class Loader:
             collate=collate,
         )
         if num_workers:
+            check_main_for(self.start_method)  # WorkerStartError: spawn children cannot start from here
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
         self.decode_device = image.decode_device
         self._device_decoder: DeviceBatchDecoder | None = None  # made by the first iter() with decode_device
@@ -234,10 +285,12 @@ class Loader:
         self._warned_empty = False  # the one warning that this loader's epochs deliver nothing
         self.prefetch_next_epoch = read.prefetch_next_epoch
         self.cache_aware_window = read.cache_aware_window
-        self._pipeline: Run | None = None  # the started pipeline, from the first iter() to close()
         rank_plan(np.zeros(0, np.int64), rank, world_size, read.even)  # validates rank/world/even
-        self._live = LiveTotals(self)
-        self._metrics: LoaderExport | None = None
+        self._live = LiveTotals(dataset, rank=rank, world_size=world_size, batch_size=self.batch_size)
+        # the pipeline (from the first iter() to close()), metrics, live figures: stopped by close(),
+        # or by this finalizer when the loader is dropped without close() or the interpreter exits
+        self._started = _Started(self._live)
+        self._finalizer = weakref.finalize(self, self._started.close)
         self._metrics_port, self._metrics_from_env = run.metrics_port, run.metrics_port is None
         if run.metrics_port is None:
             from ..metrics import metrics_port_from_env
@@ -246,29 +299,57 @@ class Loader:
         self._export_metrics()
 
     def _export_metrics(self) -> None:
-        """Serve this loader's metrics on ``metrics_port`` (see the class doc), unless served already."""
-        if self._metrics_port is None or self._metrics is not None:
+        """Serve this loader's metrics on ``metrics_port`` (see the class doc), unless served
+        already. A port that another program holds is logged and the next free one taken
+        (:func:`stoker.metrics.export_loader`); with every port tried taken the loader goes on
+        without metrics, logged: a busy port never stops training."""
+        if self._metrics_port is None or self._started.metrics is not None:
             return
-        from ..metrics import export_loader
+        from ..metrics import export_loader, local_rank_from_env
 
+        source = "$STOKER_METRICS_PORT" if self._metrics_from_env else "metrics_port"
         try:
-            self._metrics = export_loader(
-                self._live.snapshot, self._metrics_port, dataset=self.dataset.version, rank=self.rank
+            self._started.metrics = export_loader(
+                self._live.snapshot,
+                self._metrics_port,
+                dataset=self.dataset.url,
+                version=self.dataset.version,
+                rank=self.rank,
+                local_rank=None if self._metrics_from_env else local_rank_from_env(),
             )
         except OSError as exc:
-            if not self._metrics_from_env:
-                raise OSError(f"metrics_port={self._metrics_port}: {exc}") from exc
+            if not self._metrics_from_env and exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise OSError(exc.errno, f"metrics_port={self._metrics_port}: {exc.strerror or exc}") from exc
             log.warning(
-                "no Prometheus metrics for this loader: port %s ($STOKER_METRICS_PORT) is taken (%s)",
+                "no Prometheus metrics for this loader: %s=%s: %s",
+                source,
                 self._metrics_port,
-                exc,
+                exc.strerror or exc,
             )
             self._metrics_port = None
+            return
+        if self._started.metrics.taken:
+            log.warning(
+                "Prometheus metrics of this loader on port %d (loader.metrics_port), not %s=%s: %s held by "
+                "another program (%s)",
+                self._started.metrics.port,
+                source,
+                self._metrics_port,
+                "port " + ", ".join(str(p) for p in self._started.metrics.taken),
+                next(iter(self._started.metrics.taken.values())),
+            )
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port this loader's Prometheus metrics are served on (the one asked for, or the
+        next free one where another program held it: logged), or None."""
+        return self._started.metrics.port if self._started.metrics is not None else None
 
     @property
     def metrics_url(self) -> str | None:
         """``http://addr:port/metrics`` where this loader's metrics are served, or None."""
-        return self._metrics.url if self._metrics is not None else None
+        metrics = self._started.metrics
+        return metrics.url if metrics is not None else None
 
     # -- plan -------------------------------------------------------------
     def plan(self, epoch: int | None = None) -> np.ndarray:
@@ -309,8 +390,8 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0."""
         self.state.set_epoch(epoch)
-        if self._pipeline is not None:
-            self._pipeline.drop_pre()
+        if self._started.run is not None:
+            self._started.run.drop_pre()
 
     @property
     def epoch(self) -> int:
@@ -375,15 +456,15 @@ class Loader:
             self.dataset.num_blocks,
             strict=strict,
         )
-        if self._pipeline is not None:
-            self._pipeline.drop_pre()
+        if self._started.run is not None:
+            self._started.run.drop_pre()
 
     # -- the pipeline -----------------------------------------------------
     def _start(self) -> Run:
         """The started pipeline, started now if there is none (the derived-sample cache is set
         up first, once per loader). Raises what :meth:`stoker.loader._run.Run.start` raises."""
-        if self._pipeline is not None:
-            return self._pipeline
+        if self._started.run is not None:
+            return self._started.run
         self._export_metrics()  # again after a close()
         if self.cache_form not in (None, "raw") and not self._derived_ready:
             from dataclasses import replace
@@ -415,13 +496,14 @@ class Loader:
             start_method=self.run_options.start_method,
             device=self.device,
             prefetch_next_epoch=self.prefetch_next_epoch,
+            epochs=self.run_options.epochs,
         )
-        hooks = RunHooks(
+        hooks = RunHooks(  # weak: the pipeline never keeps its loader alive (no reference cycle)
             state=self.state,
-            plan=self.epoch_plan,
-            record=self._record,
+            plan=_weak(self.epoch_plan),
+            record=_weak(self._record),
             live=self._live,
-            device_decoder=self._make_device_decoder,
+            device_decoder=_weak(self._make_device_decoder),
         )
         run = Run(config, hooks)
         try:
@@ -430,21 +512,20 @@ class Loader:
             run.close()
             raise
         self.start_method = run.start_method
-        self._pipeline = run
+        self._started.run, self._started.pid = run, os.getpid()
         return run
 
     def close(self) -> None:
         """Stop workers and the prefetcher, unlink shared memory. Idempotent; a later
         ``iter()`` starts a new pipeline. Also stops serving its metrics and removes its live
-        figures (a later ``iter()`` serves them again)."""
-        run, self._pipeline = getattr(self, "_pipeline", None), None
-        if run is not None:
-            run.close()
-        live, metrics, self._metrics = getattr(self, "_live", None), getattr(self, "_metrics", None), None
-        if live is not None:
-            live.unpublish()
-        if metrics is not None:
-            metrics.close()
+        figures (a later ``iter()`` serves them again).
+
+        A Loader dropped without ``close()`` is closed when it is collected (it is in no
+        reference cycle, so at once in CPython once no name and no epoch's iterator holds it),
+        and every Loader still open is closed at interpreter exit (``weakref.finalize``)."""
+        started = getattr(self, "_started", None)
+        if started is not None:
+            started.close()
 
     def __enter__(self):
         return self
@@ -452,17 +533,16 @@ class Loader:
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
-
     def _empty_reason(self) -> str:
         """Why this loader's epochs deliver no sample ("" when they deliver some): :func:`why_empty`."""
         return why_empty(len(self.dataset), self.world_size, self.even, self.batch_size, self.drop_last)
 
-    def __iter__(self):
+    def __iter__(self) -> EpochIterator:
+        """The next epoch's batches (see the class doc). An earlier epoch's iterator still open
+        is ended at once, and its next ``next()`` raises
+        :class:`~stoker.errors.StaleIteratorError` (a Loader serves one epoch at a time). An
+        epoch that will deliver no sample of a dataset that has some (``drop_last``, more ranks
+        than samples with ``even="drop"``) warns once per loader, naming why."""
         reason = self._empty_reason()
         if reason and not self._warned_empty:
             self._warned_empty = True
@@ -473,13 +553,13 @@ class Loader:
                 stacklevel=2,
             )
         t_iter = time.perf_counter()
-        started = self._pipeline is not None
+        started = self._started.run is not None
         run = self._start()
         start_s = 0.0 if started else time.perf_counter() - t_iter  # stats.pipeline_start_s
         start, self.state.resume_batch = self.state.resume_batch, 0
         epoch = self.state.epoch
         self.state.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
-        return run.epoch(epoch, start, start_s=start_s)
+        return run.epoch(epoch, start, start_s=start_s, owner=self)
 
     @property
     def device_decode_stats(self):
@@ -492,13 +572,14 @@ class Loader:
         """The started pipeline (:class:`stoker.loader._run.Run`: its ``ring``, ``transfer``,
         ``start_method``, ``check_processes()``), or None before the first ``iter()`` and after
         :meth:`close`. For inspection (tests, benchmarks)."""
-        return self._pipeline
+        return self._started.run
 
     @property
     def processes(self) -> Processes:
         """The started pipeline's worker and prefetch processes, read-only
         (:class:`stoker.loader._run.Processes`; empty before the first ``iter()``)."""
-        return self._pipeline.processes() if self._pipeline is not None else Processes()
+        run = self._started.run
+        return run.processes() if run is not None else Processes()
 
     def live_figures(self) -> dict:
         """The loader's live figures now, as its metrics and ``stoker top`` see them

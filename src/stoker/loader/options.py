@@ -217,8 +217,15 @@ class RunOptions:
             raises ForkUnsafeError). ``spawn``/``forkserver`` need the usual ``__main__`` guard.
         metrics_port: serve Prometheus metrics of the loader on that port (0: any free one;
             default None: ``$STOKER_METRICS_PORT`` plus ``$LOCAL_RANK`` when set, else none;
-            :mod:`stoker.metrics`). Needs the ``metrics`` extra (ImportError without it); OSError
-            when the port is taken.
+            :mod:`stoker.metrics`). Needs the ``metrics`` extra (ImportError without it). A port
+            another program holds is logged and the next free one taken (``Loader.metrics_port``
+            says which); with every port tried taken the loader runs without metrics, logged.
+        epochs: the number of epochs the job runs, epochs ``0 .. epochs - 1`` (int >= 1). Nothing
+            of a later epoch is fetched, decoded or logged: the next epoch's first batches
+            (``ReadOptions.prefetch_next_epoch``) start only while an epoch before the last one
+            drains. Iterating past it still works, without that head start. None (default): no
+            bound; the head start of an epoch that never runs is dropped at ``close()``, and the
+            samples it skipped (``on_error="skip"``) are logged only when their batch is delivered.
     """
 
     device: str | None = None
@@ -226,6 +233,7 @@ class RunOptions:
     timeout_s: float = 120.0
     start_method: str | None = None
     metrics_port: int | None = None
+    epochs: int | None = None
 
     __repr__ = _changed_repr
 
@@ -240,6 +248,8 @@ class RunOptions:
         _choice("RunOptions", "start_method", self.start_method, (None, *mp.get_all_start_methods()))
         if self.metrics_port is not None:
             object.__setattr__(self, "metrics_port", _int("RunOptions", "metrics_port", self.metrics_port, 0))
+        if self.epochs is not None:
+            object.__setattr__(self, "epochs", _int("RunOptions", "epochs", self.epochs, 1))
         if self.device is not None and not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))  # a torch.device
         if self.device not in (None, "cpu") and not (isinstance(self.device, str) and _CUDA.fullmatch(self.device)):

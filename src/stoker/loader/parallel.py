@@ -33,6 +33,7 @@ class ParallelLoop:
     ):
         self.batch_size, self.prefetch_batches = config.batch_size, config.prefetch_batches
         self.timeout_s, self.prefetch_next_epoch = config.timeout_s, config.prefetch_next_epoch
+        self.epochs = config.epochs  # None: no last epoch known
         self.state, self.live = state, live
         self.workers, self.prefetcher, self.dispatch, self.deliver = workers, prefetcher, dispatch, deliver
         self.ring = dispatch.ring
@@ -47,7 +48,9 @@ class ParallelLoop:
 
         Raises:
             WorkerError: a batch failed in a worker (names the sample), a worker slot died past its
-                restarts, or no batch came for ``timeout_s`` seconds (names what each worker did).
+                restarts, or no batch came for ``timeout_s`` seconds (names what each worker did;
+                the workers stuck in a sample are ended and replaced).
+            WorkerStartError: a worker exited before its own start was done (names the cause).
             SharedMemoryError: the batch due has no slot and none is with the workers.
         """
         pending: dict[int, tuple] = carry["pending"] if carry else {}
@@ -84,6 +87,7 @@ class ParallelLoop:
                     and self.state.resume_batch == 0
                     and self.state.epoch == epoch + 1
                     and self.prefetch_next_epoch
+                    and (self.epochs is None or epoch + 1 < self.epochs)
                     and self.dispatch.prefetch_plan_done(run)
                 ):
                     self.dispatch.predispatch(epoch + 1)
@@ -95,7 +99,7 @@ class ParallelLoop:
                     self._check_prefetcher()
                     # a replacement decodes its batches again: the wait starts over from it
                     if time.monotonic() > max(deadline, self._restarted_at() + self.timeout_s):
-                        raise self._stall_error(seq, epoch) from None
+                        raise self._stall(seq, epoch) from None
                     continue
                 self.dispatch.keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
                 msg = self.dispatch.whole(msg)
@@ -166,9 +170,11 @@ class ParallelLoop:
         """``time.monotonic()`` of the last replacement of a worker or the prefetcher (0: none)."""
         return max(self.workers.restarted_at, self.prefetcher.restarted_at if self.prefetcher is not None else 0.0)
 
-    def _stall_error(self, seq: int, epoch: int) -> WorkerError:
+    def _stall(self, seq: int, epoch: int) -> WorkerError:
         """The error for ``timeout_s`` without the batch due: what each worker was doing, and the
-        fork hazards of the training process if the workers were forked anyway."""
+        fork hazards of the training process if the workers were forked anyway. The workers stuck
+        in a sample are ended and replaced first (their batches' slots freed, the next epoch's
+        early batches dropped), so the next epoch does not wait behind the same call."""
         msg = (
             f"no batch from the workers for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
             + self.workers.describe()
@@ -177,6 +183,13 @@ class ParallelLoop:
             msg += "; the workers were forked from a process with " + "; ".join(self.fork_hazards)
         elif self.workers.idle():
             msg += " (no worker is reading or decoding: none took the task, or their replies are lost)"
+        ended, free = self.workers.end_stuck()
+        for slot in free:
+            self.ring.busy.discard(slot)
+            self.ring.release(slot)
+        if ended:
+            self.dispatch.pre = None  # its batches may have gone to an ended worker
+            msg += f". Ended and replaced: {', '.join(ended)}"
         return WorkerError(msg)
 
     def _check_prefetcher(self) -> None:

@@ -19,7 +19,12 @@ tells the parts of a split batch apart, :mod:`.split`). That is what makes a dea
 
 Restarts are bounded per epoch: :data:`MAX_WORKER_RESTARTS` per worker slot, then the clean
 :class:`~stoker.errors.WorkerError` naming the worker, its exit code or signal and the sample it
-was on (``EpochStats.worker_restarts`` counts them).
+was on (``EpochStats.worker_restarts`` counts them). A worker that exits before its own start is
+done is not replaced at all (it would exit the same way; one killed by a signal then is replaced
+as any other): :class:`~stoker.errors.WorkerStartError` names the cause
+(:func:`stoker.loader.launch.start_failure`). A worker stuck in one sample past ``timeout_s`` is
+ended and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the
+next epoch does not wait behind the same call.
 
 Limit: a reply is read once its queue is readable; a reply larger than the pipe's atomic write
 (4 KiB; replies carry no pixels, except the sample bytes when decoding on the device, and a
@@ -30,15 +35,17 @@ a kill in the middle of writing it leaves a partial message that the reader woul
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import time
 from collections import deque
 from multiprocessing.connection import wait as mp_wait
 
-from ..errors import WorkerError
+from ..errors import WorkerError, WorkerStartError
+from . import interrupts, launch
 from .launch import abandon, died, stop_processes
 from .shm import SharedCell
-from .workers import worker_main
+from .workers import STARTING, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +77,13 @@ class WorkerPool:
 
     def __init__(self, ctx, dataset, cfg, num_workers: int, ready):
         self._ctx, self._dataset, self._cfg, self._ready = ctx, dataset, cfg, ready
-        self._current = ctx.Array("q", [-1] * num_workers, lock=False)  # sample id per slot, -1 idle
+        self._method = ctx.get_start_method()
+        # spawn/forkserver: the config goes pickled, so a user function the child cannot find fails
+        # in the worker's own start (named), not in the bootstrap before it
+        self._cfg_arg = cfg if self._method == "fork" else pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
+        # sample id per slot, -1 idle, STARTING until the worker is set up
+        self._current = ctx.Array("q", [STARTING] * num_workers, lock=False)
+        self._start_errors: dict[int, str] = {}  # slot -> the error its worker sent while starting
         self._stop = ctx.Event()  # workers drop queued tasks instead of finishing them
         self._procs: list = []
         self._task_qs: list = []
@@ -105,7 +118,8 @@ class WorkerPool:
         parts = []
         for slot, p in enumerate(self._procs):
             key = self.sample_key(slot)
-            parts.append(f"worker {self._wids[slot]} (pid {p.pid}) " + (f"on sample {key!r}" if key else "idle"))
+            state = f"on sample {key!r}" if key else ("starting" if self._current[slot] == STARTING else "idle")
+            parts.append(f"worker {self._wids[slot]} (pid {p.pid}) {state}")
         return ", ".join(parts)
 
     def idle(self) -> bool:
@@ -135,6 +149,7 @@ class WorkerPool:
 
         Raises:
             WorkerError: a dead worker's slot is past :data:`MAX_WORKER_RESTARTS` this epoch.
+            WorkerStartError: a worker exited before its own start was done (names the cause).
         """
         if self._replies:
             return self._replies.popleft(), False
@@ -150,9 +165,13 @@ class WorkerPool:
             q = self._result_qs[s]
             while True:
                 try:
-                    msg = q.get(False)
+                    with interrupts.held():  # a Ctrl-C never cuts a message in half
+                        msg = q.get(False)
                 except queue.Empty:
                     break
+                if msg[0] == "start-error":  # the worker ends now: its death says the rest
+                    self._start_errors[s] = msg[2]
+                    continue
                 self._assigned[s].pop((msg[2], msg[3], msg[-1]), None)  # (run, seq, offset)
                 self._replies.append(msg)
         for s in sorted(dead):
@@ -161,7 +180,8 @@ class WorkerPool:
         return (self._replies.popleft() if self._replies else None), woke
 
     def check(self) -> None:
-        """Replace every dead worker (WorkerError past the bound, see :meth:`reply`)."""
+        """Replace every dead worker (WorkerError past the bound, WorkerStartError for one that
+        died starting, see :meth:`reply`)."""
         for slot, p in enumerate(self._procs):
             if p.exitcode is not None:
                 self._replace(slot)
@@ -177,9 +197,41 @@ class WorkerPool:
                 pass
 
     def join(self, deadline: float) -> None:
-        """Wait for the workers until ``deadline`` (``time.monotonic()``), then kill them."""
+        """Wait for the workers until ``deadline`` (``time.monotonic()``), then kill them; one
+        still starting is killed at once (it holds nothing, and may never read the stop)."""
+        for slot, p in enumerate(self._procs):
+            if self._current[slot] == STARTING and p.is_alive():
+                p.kill()
         stop_processes(self._procs, deadline)
         self._procs = []
+
+    def end_stuck(self) -> tuple[list[str], list[int]]:
+        """End every worker in the middle of a sample (called after a stall: no batch came for
+        ``timeout_s``) and start a new one in its slot, so the next epoch does not wait behind
+        the same call; the batches it had not answered are dropped (their epoch is over).
+
+        Returns:
+            (each ended worker in words, the batch slots of its dropped batches that no other
+            worker still holds: the caller frees them).
+        """
+        ended, lost = [], []
+        for slot, p in enumerate(self._procs):
+            key = self.sample_key(slot)
+            if key is None:
+                continue
+            p.kill()
+            p.join(5)
+            ended.append(f"worker {self._wids[slot]} (pid {p.pid}) on sample {key!r}")
+            lost += list(self._assigned[slot].values())
+            abandon(self._task_qs[slot])
+            abandon(self._result_qs[slot])
+            self._assigned[slot] = {}
+            self._spawn(slot)
+        held = {t[3] for tasks in self._assigned for t in tasks.values()}
+        free = sorted({t[3] for t in lost} - held)
+        if ended:
+            log.warning("ended %s after the stall; new workers started in their place", ", ".join(ended))
+        return ended, free
 
     # -- starting and replacing ---------------------------------------------
     def _spawn(self, slot: int) -> None:
@@ -187,13 +239,15 @@ class WorkerPool:
         ctx, wid = self._ctx, self._next_wid
         self._next_wid += 1
         tasks, results = ctx.Queue(), ctx.Queue()
+        self._current[slot] = STARTING
+        self._start_errors.pop(slot, None)
         p = ctx.Process(
             target=worker_main,
             name=f"stoker-worker-{wid}",
             args=(
                 wid,
                 self._dataset,
-                self._cfg,
+                self._cfg_arg,
                 tasks,
                 results,
                 SharedCell(self._current, slot),
@@ -202,7 +256,7 @@ class WorkerPool:
             ),
             daemon=True,
         )
-        p.start()
+        launch.start(p)
         if slot < len(self._procs):
             self._procs[slot], self._task_qs[slot], self._result_qs[slot] = p, tasks, results
             self._wids[slot] = wid
@@ -213,15 +267,34 @@ class WorkerPool:
             self._wids.append(wid)
             self._assigned.append({})
 
+    def _start_error(self, slot: int) -> str | None:
+        """The error the worker of ``slot`` sent while starting, if it sent one (it is dead: its
+        queue is read only for that message, which it wrote whole before it exited)."""
+        if slot not in self._start_errors:
+            q = self._result_qs[slot]
+            try:
+                if _readable(q).poll(0.2):
+                    msg = q.get(False)
+                    if msg[0] == "start-error":
+                        self._start_errors[slot] = msg[2]
+            except (queue.Empty, EOFError, OSError, pickle.UnpicklingError):
+                pass
+        return self._start_errors.get(slot)
+
     def _replace(self, slot: int) -> None:
         """Replace the dead worker of ``slot`` and send again the batches it had not answered.
 
         Raises:
             WorkerError: the slot was replaced :data:`MAX_WORKER_RESTARTS` times this epoch
                 already; names the worker, its pid, exit code or signal and the sample it was on.
+            WorkerStartError: the worker exited before its own start was done (not replaced).
         """
         p, wid = self._procs[slot], self._wids[slot]
         p.join(1)  # reaped (its sentinel is ready): exitcode is known
+        if self._current[slot] == STARTING and (p.exitcode or 0) > 0:  # exited while starting: not replaced
+            raise WorkerStartError(
+                launch.start_failure(f"worker {wid} (pid {p.pid})", p.exitcode, self._method, self._start_error(slot))
+            )
         key = self.sample_key(slot)
         what = died(f"worker {wid} (pid {p.pid})", p.exitcode) + (
             f" while reading/decoding sample {key!r}" if key else ""

@@ -111,6 +111,7 @@ def prefetch_main(
     prev_done=None,
     adopt: bool = False,
     ready=None,
+    started=None,
 ) -> None:
     """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need[,
     draining]) or None to stop (``draining``: the previous plan is still being delivered, so the
@@ -127,15 +128,19 @@ def prefetch_main(
     origin counters continue from the values in ``counters`` (the dead one's).
     ``concurrency``: the least ranged GETs kept in flight; more while the measured
     bandwidth-delay product asks for them (:class:`stoker.loader.inflight.InflightTarget`).
-    ``ready``: a shared counter (``multiprocessing.Value``) incremented once the origin client is built.
+    ``ready``: a shared counter (``multiprocessing.Value``) incremented once the origin client is built;
+    ``started``: a shared flag set to 1 then (a process that dies before is not replaced,
+    :mod:`stoker.loader.launch`). SIGINT is ignored (:mod:`stoker.loader.interrupts`).
 
     The loop sleeps on one queue (:data:`CMD` commands from a thread that blocks on ``commands``,
     :data:`FILL` outcomes from the fill threads) and looks at the shared positions only when it
     wakes; it wakes on a timer only while something waits on the consumer (``ahead_bytes`` or
     ``staging_bytes`` reached, staged blocks waiting for their last use to be delivered), on a
     fill's retry time, or while the origin throttles."""
+    from .interrupts import ignore_in_child
     from .workers import fresh_copy
 
+    ignore_in_child()
     parent = os.getppid()
     exit_with_parent()
     ds = fresh_copy(ds)
@@ -148,6 +153,8 @@ def prefetch_main(
     threading.Thread(
         target=read_commands, args=(commands, events, parent), name="stoker-prefetch-commands", daemon=True
     ).start()
+    if started is not None:
+        started.value = 1
     if ready is not None:
         with ready.get_lock():
             ready.value += 1

@@ -14,6 +14,12 @@ counters, gets a new command queue and the current plan again, and adopts the bl
 predecessor staged (``prefetch_main(..., adopt=True)``): staged blocks are whole files (temporary
 file + rename) and fetch locks are ``flock`` locks that the kernel releases when their holder
 dies, so nothing the dead one left blocks the new one.
+
+A prefetch process that exits before its own start is done is not replaced (it would exit the
+same way; one killed by a signal then is replaced as any other): when it ran the user's main
+script again (spawn/forkserver without the ``if __name__ == "__main__":`` guard)
+:class:`~stoker.errors.WorkerStartError` names that, else the epoch goes on without read-ahead
+after one warning naming its exit.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from __future__ import annotations
 import logging
 import time
 
+from .._procs import EXIT_UNGUARDED_MAIN
+from ..errors import WorkerStartError
 from . import inflight as infl
+from . import launch
 from .launch import abandon, died, stop_processes
 from .prefetch import N_COUNTERS, prefetch_main
 
@@ -52,8 +61,10 @@ class Prefetcher:
         self._done = ctx.Value("q", 0, lock=False)
         self._prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
         self._counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+        self._started = ctx.Value("b", 0, lock=False)  # 1 once the process is set up
         self._restarts = 0
-        self._off = False  # died more often than allowed this epoch
+        self._off = False  # died more often than allowed this epoch, or could not start
+        self._start_failed = False  # exited before its own start was done: never started again
         self._last_cmd = None  # the last plan sent, for a replacement
         self.restarted_at = 0.0  #: ``time.monotonic()`` of the last replacement (0: none)
         self._spawn(adopt=False)
@@ -146,9 +157,23 @@ class Prefetcher:
 
     def check(self) -> None:
         """Replace the process if it died (within :data:`MAX_PREFETCHER_RESTARTS` this epoch,
-        else go on without one, warned once)."""
+        else go on without one, warned once); one that exited before its own start was done is
+        not replaced (module docstring).
+
+        Raises:
+            WorkerStartError: it died starting because it ran the user's main script again.
+        """
         p = self._proc
-        if p.exitcode in (None, 0):
+        if p.exitcode in (None, 0) or self._start_failed:
+            return
+        if not self._started.value and p.exitcode > 0:  # exited while starting (killed then: replaced)
+            what = launch.start_failure(f"the prefetch process (pid {p.pid})", p.exitcode, self._ctx.get_start_method())
+            if p.exitcode == EXIT_UNGUARDED_MAIN:
+                raise WorkerStartError(what)
+            if not self._off:
+                abandon(self._cmds)
+            self._off = self._start_failed = True
+            log.warning("%s; going on without prefetch (the workers read the blocks themselves)", what)
             return
         what = died(f"prefetch process (pid {p.pid})", p.exitcode)
         if self._restarts >= MAX_PREFETCHER_RESTARTS:
@@ -182,7 +207,10 @@ class Prefetcher:
             pass
 
     def join(self, deadline: float) -> None:
-        """Wait for the process until ``deadline`` (``time.monotonic()``), then kill it."""
+        """Wait for the process until ``deadline`` (``time.monotonic()``), then kill it; one
+        still starting is killed at once."""
+        if not self._started.value and self._proc.is_alive():
+            self._proc.kill()
         stop_processes([self._proc], deadline)
 
     def _spawn(self, adopt: bool) -> None:
@@ -190,6 +218,7 @@ class Prefetcher:
         predecessor staged)."""
         concurrency, ahead_bytes, staging_bytes = self._args
         self._cmds = self._ctx.Queue()
+        self._started.value = 0
         self._proc = self._ctx.Process(
             target=prefetch_main,
             name="stoker-prefetch",
@@ -205,7 +234,8 @@ class Prefetcher:
                 self._prev_done,
                 adopt,
                 self._ready,
+                self._started,
             ),
             daemon=True,
         )
-        self._proc.start()
+        launch.start(self._proc)

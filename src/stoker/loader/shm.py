@@ -16,6 +16,16 @@ the ring keeps what fits (at least one) and copies each batch out of its slot, s
 free again at once; when not even one fits, :class:`SharedMemoryError` names the directory,
 the bytes one slot needs and the bytes free. With ``shared=False`` (no worker processes) the
 slots are anonymous private memory and ``/dev/shm`` is not used at all.
+
+A slot's name is unlinked from ``/dev/shm`` the moment it is made, where the platform allows:
+the training process keeps the file open, and every worker (the ones started later too) opens
+it through that descriptor, ``/proc/<pid>/fd/<n>`` (Linux; the training process must be
+dumpable, as processes are unless they changed it). The memory stays reserved and counted in
+``/dev/shm`` while any process holds the file or a mapping of it, and is freed when the last one
+lets go, however the processes end: a Ctrl-C, a script that never calls ``close()``, even a
+SIGKILL leave no slot file behind. Where that is not possible the files keep their names and are
+unlinked by :meth:`SlotRing.close`, by the ring's finalizer when it is dropped or the interpreter
+exits, or, after a SIGKILL, by the next loader on the node (:func:`remove_orphans`).
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from collections import deque
 
 import numpy as np
 
-from .._procs import pid_alive
+from .._procs import dumpable, pid_alive
 from ..errors import SharedMemoryError  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -112,8 +122,20 @@ class SlotRing:
         SharedMemoryError: not even one slot fits in the shared-memory directory.
     """
 
-    def __init__(self, batch_size: int, size: int, initial: int, *, shared: bool = True, slot_bytes: int | None = None):
+    def __init__(
+        self,
+        batch_size: int,
+        size: int,
+        initial: int,
+        *,
+        shared: bool = True,
+        slot_bytes: int | None = None,
+        unlink_early: bool | None = None,
+    ):
         self.batch_size, self.size, self.shared = batch_size, size, shared
+        #: shared slots: their names are unlinked as soon as made (module docstring); None: where
+        #: the platform allows it (decided with the first slot)
+        self.unlinked = unlink_early
         #: generic slots (user collate, :mod:`stoker.loader.batches`): bytes each slot starts with
         #: (the workers grow a slot file when a batch needs more, and :meth:`remap` follows)
         self.slot_bytes = slot_bytes
@@ -121,8 +143,14 @@ class SlotRing:
         if shared:
             remove_orphans(self.base)
         self.prefix = f"stoker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        #: per slot, what the workers open: ``/proc/<pid>/fd/<n>`` (unlinked) or the file's name
+        #: in :attr:`base` (None: a private slot)
         self.paths: list[str | None] = []
         self._maps: list[mmap.mmap] = []
+        self._fds: list[int] = []  # the open slot files (shared slots)
+        self._names: list[str] = []  # slot files still linked in the directory
+        # the files go when the ring is closed, dropped, or the interpreter exits
+        self._finalizer = weakref.finalize(self, _release, self._names, self._fds, os.getpid())
         self.free: deque[int] = deque()
         self.busy: set[int] = set()  # slots handed to worker processes, not yet answered (kept by the caller)
         #: True once the directory could not hold another slot: batches are then copied out.
@@ -147,21 +175,25 @@ class SlotRing:
         assert self.base is not None  # shared slots live in shm_base()
         path = os.path.join(self.base, f"{self.prefix}-{i}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._names.append(path)
         try:
-            try:
-                os.posix_fallocate(fd, 0, total)  # reserve every page now: ENOSPC here, not SIGBUS later
-            except OSError as exc:
-                if exc.errno not in _NO_ROOM:
-                    raise
-                os.close(fd)
-                fd = -1
-                os.unlink(path)
+            os.posix_fallocate(fd, 0, total)  # reserve every page now: ENOSPC here, not SIGBUS later
+            mm = mmap.mmap(fd, total)
+        except BaseException as exc:
+            os.close(fd)
+            os.unlink(path)
+            self._names.remove(path)
+            if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
                 self._short(total, i)
                 return None
-            mm = mmap.mmap(fd, total)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+            raise
+        self._fds.append(fd)
+        if self.unlinked is None:
+            self.unlinked = _by_descriptor(fd)
+        if self.unlinked:
+            os.unlink(path)
+            self._names.remove(path)
+            path = f"/proc/{os.getpid()}/fd/{fd}"
         self.paths.append(path)
         self._maps.append(mm)
         return i
@@ -216,14 +248,9 @@ class SlotRing:
         again first when a worker grew its file past this process's mapping."""
         mm = self._maps[i]
         if nbytes > len(mm):
-            path = self.paths[i]
-            if path is None:  # pragma: no cover - private slots are never grown by a worker
+            if self.paths[i] is None:  # pragma: no cover - private slots are never grown by a worker
                 raise ValueError(f"slot {i} holds {len(mm)} bytes, {nbytes} asked")
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mm = self._maps[i] = mmap.mmap(fd, nbytes)  # the old mapping goes with its last view
-            finally:
-                os.close(fd)
+            mm = self._maps[i] = mmap.mmap(self._fds[i], nbytes)  # the old mapping goes with its last view
         return np.ndarray((len(mm),), dtype=np.uint8, buffer=mm)
 
     def hold(self, i: int, arr: np.ndarray) -> None:
@@ -256,14 +283,40 @@ class SlotRing:
         return full[:n], labels
 
     def close(self) -> None:
-        """Unlink every slot file (mappings the user still holds stay valid until dropped)."""
-        for p in self.paths:
-            if p is None:
-                continue
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        """Unlink every slot file still linked and close the files (mappings the user still holds
+        stay valid until dropped; the memory is freed with the last of them). Idempotent."""
+        self._finalizer()
+
+
+def _by_descriptor(fd: int) -> bool:
+    """Whether other processes of this user can open ``fd`` (a slot file of this process) as
+    ``/proc/<pid>/fd/<fd>``: procfs is there, it opens, and this process is dumpable."""
+    if not dumpable():
+        return False
+    try:
+        os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR))
+    except OSError:
+        return False
+    return True
+
+
+def _release(names: list[str], fds: list[int], pid: int) -> None:
+    """Unlink the slot files still linked and close the open ones (a ring's finalizer). Nothing
+    in a process forked from the ring's (at its exit): the files are its parent's."""
+    if os.getpid() != pid:
+        return
+    for name in names:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+    names.clear()
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 class SharedCell:

@@ -12,7 +12,6 @@ where the batch is (in the slot, with its layout, or pickled in the reply itself
 
 from __future__ import annotations
 
-import logging
 import os
 import traceback
 from typing import TYPE_CHECKING
@@ -23,8 +22,6 @@ from .config import WorkerConfig
 
 if TYPE_CHECKING:
     from .batches import GenericDecoder, SlotWriter
-
-log = logging.getLogger(__name__)
 
 
 def counters(ds, derived=None) -> dict:
@@ -112,9 +109,8 @@ class BatchDecoder:
             except DecodeError as exc:
                 if not skip:
                     raise
-                log.warning("skipping sample (epoch %d): %s", epoch, exc)
-                skipped.append(sid)
-                skipped_keys.append(ds.key(sid))
+                skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
+                skipped_keys.append((ds.key(sid), str(exc)))
                 continue
             labels[j] = ds.index.labels[sid]
             j += 1
@@ -138,16 +134,14 @@ def _cause(exc: BaseException):
     return exc
 
 
-def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, ready=None) -> None:
-    """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies.
-    ``ready``: a shared counter (``multiprocessing.Value``) incremented once the worker is set up."""
-    import queue as _queue
+#: The ``current`` cell of a worker that has not finished its own start (set by the pool before
+#: the start; the worker sets -1, idle, once it is set up).
+STARTING = -2
 
-    from .._procs import exit_with_parent, parent_gone
-    from .shm import map_slot
 
-    parent = os.getppid()
-    exit_with_parent()
+def _setup(ds, cfg: WorkerConfig):
+    """A worker's own copy of the dataset and its decoder: ``(decoder, slot writer or None,
+    derived cache or None)``."""
     ds = fresh_copy(ds)
     if not ds.origin.use_native():  # a worker never forks: obstore's runtime is safe here
         ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
@@ -163,13 +157,44 @@ def worker_main(wid: int, ds, cfg: WorkerConfig, tasks, results, current, stop, 
     dec: BatchDecoder | GenericDecoder
     writer: SlotWriter | None = None
     if cfg.generic:  # the user's decode/collate (batches.py)
-        from .batches import GenericDecoder, SlotWriter, pack_reply
+        from .batches import GenericDecoder, SlotWriter
 
         dec, writer = GenericDecoder(ds, cfg), SlotWriter()
     else:
         dec = BatchDecoder(ds, cfg)
-    derived = getattr(dec, "derived", None)
+    return dec, writer, getattr(dec, "derived", None)
+
+
+def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) -> None:
+    """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies.
+    ``cfg``: the :class:`WorkerConfig`, or it pickled (spawn/forkserver: then a user function
+    that cannot be found here fails this worker's start with its own error, not the bootstrap).
+    ``current``: the shared cell of the sample being decoded (-1 idle), :data:`STARTING` until
+    the worker is set up. ``ready``: a shared counter (``multiprocessing.Value``) incremented then.
+    A failure while setting up is posted as ``("start-error", wid, text)`` and the process exits
+    with code 1; SIGINT is ignored (:mod:`stoker.loader.interrupts`)."""
+    from .interrupts import ignore_in_child
+
+    ignore_in_child()
+    import pickle
+    import queue as _queue
+
+    from .._procs import exit_with_parent, parent_gone
+    from .batches import GenericDecoder, pack_reply
+    from .shm import map_slot
+
+    parent = os.getppid()
+    exit_with_parent()
+    try:
+        if isinstance(cfg, bytes):
+            cfg = pickle.loads(cfg)
+        dec, writer, derived = _setup(ds, cfg)
+    except BaseException as exc:  # noqa: BLE001 - the training process names it (launch.start_failure)
+        results.put(("start-error", wid, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    ds = dec.ds
     maps: dict[str, tuple] = {}
+    current.value = -1
     if ready is not None:
         with ready.get_lock():
             ready.value += 1

@@ -41,6 +41,7 @@ from .retry import (
     resolve_retry_budget_s,
 )
 from ._native_s3 import NativeS3Reader
+from ._s3_config import credential_hint
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ __all__ = [
     "OriginCounters",
     "url_to_fs",
     "join",
+    "absolute_url",
     "DEFAULT_RETRY_BUDGET_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "RETRY_BUDGET_ENV",
@@ -110,6 +112,16 @@ def url_to_fs(url: str, storage_options: dict | None = None):
         # our attempts; one retry loop, ours, keeps the total wait bounded and visible.
         fs.retries = 1
     return fs, path
+
+
+def absolute_url(url: str) -> str:
+    """The name of a dataset that means the same from every process and working directory, as
+    node-wide views show it (``stoker cache status``, ``stoker top``, the metrics): a local path
+    (no scheme) made absolute (``~`` expanded); a URL with a scheme as given; no trailing ``/``."""
+    url = str(url)
+    if "://" not in url:
+        return os.path.abspath(os.path.expanduser(url))
+    return url.rstrip("/") or url
 
 
 def join(url: str, *parts: str) -> str:
@@ -261,7 +273,11 @@ class Origin:
                 self.counters.errors += 1
                 last = (exc, failure)
                 if not failure.retry:
-                    raise self._error(what, exc, failure, start, end, attempt, t0, "not retried") from exc
+                    shown: BaseException = exc
+                    if failure.credentials and failure.code is None and self._is_s3():
+                        # a HEAD's answer has no body: ask once for the S3 code
+                        shown, failure = self._denied_code(what, exc, failure)
+                    raise self._error(what, shown, failure, start, end, attempt, t0, "not retried") from exc
                 now = time.monotonic()
                 if failure.unreachable and not self.reached:  # never answered: probably a wrong URL
                     deadline = min(deadline, t0 + UNREACHABLE_BUDGET_S)
@@ -297,18 +313,45 @@ class Origin:
             self.reached = True
             return result
 
-    @staticmethod
-    def _error(what, exc, failure: Failure, start, end, attempts: int, t0: float, why: str) -> OriginError:
+    def _is_s3(self) -> bool:
+        return self.url.split("://", 1)[0] in ("s3", "s3a")
+
+    def _denied_code(self, what: str, exc: BaseException, failure: Failure) -> tuple[BaseException, Failure]:
+        """The S3 code of a refusal that came without one (botocore's HEAD answers have no body):
+        one ranged GET of the first byte of ``what``, whose refusal carries the code
+        (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, ``ExpiredToken``, ...). Returns that
+        GET's ``(exception, failure)`` when it was refused with a code, else the ones given."""
+        try:
+            _proto, path = fsspec.core.split_protocol(what)
+            self.fs.cat_file(path, start=0, end=1)
+        except BUGS:
+            raise
+        except Exception as probe:  # noqa: BLE001 - any refusal with a code will do
+            self.counters.errors += 1
+            probed = classify(probe)
+            if probed.code is not None and probed.credentials:
+                return probe, probed
+        return exc, failure
+
+    def _error(self, what, exc, failure: Failure, start, end, attempts: int, t0: float, why: str) -> OriginError:
         cls = OriginError
         if isinstance(exc, FileNotFoundError) or failure.status == 404:
             cls = OriginNotFoundError
-        elif isinstance(exc, PermissionError) or failure.status in (401, 403):
+        elif isinstance(exc, PermissionError) or failure.credentials:
             cls = OriginPermissionError
         if failure.code in CONFIG_ERRORS:
             why = "a configuration error: not retried"
+        hint = ""
+        if failure.credentials and not failure.retry and self._is_s3():
+            hint = f"; {credential_hint(self.storage_options)}"
+            if failure.code == "AccessDenied" or (failure.status == 403 and failure.code is None):
+                hint += (
+                    "; S3 also answers so for an object that does not exist when these credentials may "
+                    "not list the bucket (s3:ListBucket): check the URL too"
+                )
         return cls(
             what,
-            f"{_describe(exc, failure)} ({why})",
+            f"{_describe(exc, failure)} ({why}){hint}",
             start,
             end,
             attempts,
@@ -489,7 +532,7 @@ def _describe(exc: BaseException | None, failure: Failure) -> str:
         f"{type(exc).__name__}: {first}" if first and not getattr(exc, "bare", False) else first or type(exc).__name__
     )
     label = failure.label()
-    return f"{label}: {text}" if label and label != type(exc).__name__ else text
+    return f"{label}: {text}" if label and label != type(exc).__name__ and label not in first else text
 
 
 def _is_local(fs) -> bool:

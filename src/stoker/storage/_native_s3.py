@@ -135,6 +135,7 @@ class NativeS3Reader:
         messages carry a multi-line debug dump, of which the first line is kept."""
         status, code, _ = http_details(exc)
         label = Failure(retry=False, status=status, code=code).label()
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = first.split(": <?xml", 1)[0][:300]  # the S3 answer's XML: its code is in the label
         head = f"{label}: " if label else ""
         return f"s3://{self.bucket}/{key}: {head}{type(exc).__name__}: {first}"

@@ -14,6 +14,9 @@ reading, which differs, never decides).
 Where a setting has no obstore equivalent (FIPS, dual-stack or accelerated endpoints,
 an unknown option, no credentials at all) :func:`resolve` gives the reason instead, and the
 dataset stays on s3fs; :func:`note_fallback` logs that once per process and reason.
+
+:func:`credential_hint` asks the same chain where the credentials of a refused request came from,
+for the "check your credentials" of :class:`stoker.OriginPermissionError`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-__all__ = ["resolve", "note_fallback"]
+__all__ = ["resolve", "note_fallback", "credential_hint"]
 
 _CLIENT_KEYS = {"endpoint_url", "region_name"}
 _CONFIG_KEYS = {"connect_timeout", "read_timeout", "retries", "s3"}
@@ -35,6 +38,12 @@ _TOP_KEYS = {"endpoint_url", "key", "secret", "token", "anon", "client_kwargs", 
 _S3_KEYS = {"addressing_style"}  # other ``s3`` settings (accelerate, dual-stack, ...) keep s3fs
 _CREDENTIAL_TTL_S = 300.0  # refreshable credentials are asked for again after at most this long
 _NOTED: set[str] = set()
+_HINTS: dict[tuple, str] = {}  # credential_hint per (options, AWS environment), in this process
+#: Where every S3 client (s3fs, botocore, obstore through botocore) looks for credentials, in order.
+_ALL_SOURCES = (
+    "storage_options key/secret/token or profile, then AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/"
+    "AWS_SESSION_TOKEN, AWS_PROFILE, ~/.aws/credentials, ~/.aws/config, an instance role"
+)
 
 
 def note_fallback(url: str, reason: str) -> None:
@@ -69,6 +78,75 @@ class _Credentials:
             "token": frozen.token,
             "expires_at": expires,
         }
+
+
+def _mask(key_id: str | None) -> str:
+    """An access key id as ``'...WXYZ'`` (its last four characters; never the secret)."""
+    return f"'...{key_id[-4:]}'" if key_id else "''"
+
+
+def _credential_source(opts: dict) -> str:
+    """Where botocore (hence s3fs and the native reader) takes this dataset's credentials from."""
+    if opts.get("anon"):
+        return "none: storage_options anon=True sends unsigned requests"
+    if opts.get("key") or opts.get("secret"):
+        token = "/token" if opts.get("token") else ""
+        return f"storage_options key/secret{token}, key id {_mask(opts.get('key'))}"
+    import botocore.exceptions
+    import botocore.session
+
+    profile = opts.get("profile")
+    try:
+        session = botocore.session.Session(profile=profile)
+        profile = profile or session.get_config_variable("profile")
+        named = (
+            f"storage_options profile={profile!r}"
+            if opts.get("profile")
+            else (f"AWS_PROFILE={profile!r}" if os.environ.get("AWS_PROFILE") else f"profile {profile or 'default'!r}")
+        )
+        creds = session.get_credentials()
+    except botocore.exceptions.BotoCoreError as exc:
+        return f"the AWS configuration cannot be read: {exc}"
+    if creds is None:
+        return "none found"
+    key = _mask(getattr(creds, "access_key", None))
+    method = getattr(creds, "method", "") or ""
+    where = {
+        "env": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        + ("/AWS_SESSION_TOKEN" if os.environ.get("AWS_SESSION_TOKEN") else "")
+        + " in the environment",
+        "shared-credentials-file": f"{named} in {session.get_config_variable('credentials_file')}",
+        "config-file": f"{named} in {session.get_config_variable('config_file')}",
+        "assume-role": f"the role that {named} assumes",
+        "assume-role-with-web-identity": "AWS_ROLE_ARN/AWS_WEB_IDENTITY_TOKEN_FILE",
+        "sso": f"the SSO login of {named}",
+        "custom-process": f"the credential_process of {named}",
+        "container-role": "the container's role (AWS_CONTAINER_CREDENTIALS_*)",
+        "iam-role": "the instance's IAM role (instance metadata)",
+    }.get(method, f"botocore's {method or 'credential chain'}")
+    return f"{where}, key id {key}"
+
+
+def credential_hint(storage_options: dict | None) -> str:
+    """The advice an S3 credentials refusal (403, ``InvalidAccessKeyId``, ``ExpiredToken``, ...)
+    gives: ``"check your credentials (used: <where>, key id '...WXYZ'; looked for in: <the
+    options and variables, in order>)"``. ``<where>`` is where botocore, hence s3fs and the native
+    reader, found them for ``storage_options`` in this environment (the options' ``key``/``secret``,
+    ``AWS_ACCESS_KEY_ID``, a profile in a named file, an instance role, ...). Only the last four
+    characters of the access key id are shown, never a secret. Remembered per options and AWS
+    environment in this process (every sample of a job with wrong keys fails the same way).
+    Raises nothing."""
+    opts = dict(storage_options or {})
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    memo = (repr(sorted(opts.items(), key=lambda kv: kv[0])), env)
+    hint = _HINTS.get(memo)
+    if hint is None:
+        try:
+            source = _credential_source(opts)
+        except Exception as exc:  # noqa: BLE001 - advice only: never hide the origin's own error
+            source = f"unknown ({type(exc).__name__}: {exc})"
+        hint = _HINTS[memo] = f"check your credentials (used: {source}; looked for in: {_ALL_SOURCES})"
+    return hint
 
 
 def _unknown_options(opts: dict, client: dict, config: dict, s3: dict) -> list[str]:

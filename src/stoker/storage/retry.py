@@ -89,6 +89,26 @@ CONFIG_ERRORS = frozenset(
         "UnknownConfigurationKeyError",
     }
 )
+#: S3 error codes that mean the request's credentials are wrong, expired or not allowed (S3 sends
+#: some with 400, not 403): never retried; the error says where the credentials were read.
+CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AuthorizationHeaderMalformed",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidClientTokenId",
+        "InvalidSecurity",
+        "InvalidToken",
+        "MissingSecurityHeader",
+        "RequestTimeTooSkewed",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+        "NoCredentialsError",
+        "PartialCredentialsError",
+    }
+)
 #: Programming errors: they propagate unchanged.
 BUGS = (TypeError, AttributeError, NameError)
 #: Exception class names (anywhere in the cause chain) of network failures that can clear:
@@ -194,6 +214,12 @@ class Failure:
     retry_after_s: float | None = None
     unreachable: bool = False  # no connection at all (refused, no such host): often a wrong URL
 
+    @property
+    def credentials(self) -> bool:
+        """Whether the origin refused the request's credentials (HTTP 401/403 or a code in
+        :data:`CREDENTIAL_CODES`, such as ``InvalidAccessKeyId`` or ``ExpiredToken``)."""
+        return self.status in (401, 403) or self.code in CREDENTIAL_CODES
+
     def label(self) -> str:
         """``"SlowDown (HTTP 503)"``, ``"HTTP 500"``, ``"NoSuchKey"`` or ``""``."""
         if self.code and self.status:
@@ -235,6 +261,8 @@ def http_details(exc: BaseException) -> tuple[int | None, str | None, float | No
             headers = {str(k).lower(): v for k, v in (meta.get("HTTPHeaders") or {}).items()}
             status = meta.get("HTTPStatusCode")
             code = (resp.get("Error") or {}).get("Code") or None
+            if code and code.isdigit():  # botocore's stand-in for an answer without a body (a HEAD)
+                code = None
             return (int(status) if status else None), code, _retry_after_s(headers.get("retry-after"))
     for e in _chain(exc):  # aiohttp's ClientResponseError (fsspec's http://): .status, .headers
         st = getattr(e, "status", None)

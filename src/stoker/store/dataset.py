@@ -20,12 +20,14 @@ import copy
 import logging
 import operator
 import os
+from typing import Any, Literal, overload
 
 import numpy as np
 import xxhash
 
 from .._units import parse_size
 from ..cache import DiskCache, ReadOnlyCache, TieredCache, default_memory_root
+from ..cache.paths import warn_defaults
 from ..cache.readonly import READ_ONLY_ENV
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
@@ -37,6 +39,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 1 << 20
 DEFAULT_CACHE_BYTES = 8 << 30
+#: The names of a sample's facts in ``read_fields(i, meta=True)``, the dict a Loader's ``decode=``
+#: gets: its key (str), its id (int) and its label (int; only where the sample has one). Dunder
+#: names, as WebDataset's ``__key__``, which tar members and file names do not take in practice.
+KEY_FIELD, ID_FIELD, LABEL_FIELD = "__key__", "__id__", "__label__"
 
 
 def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
@@ -308,8 +314,25 @@ class Dataset:
         with self.origin.shared_budget():  # waiting for another process's fill spends it too
             return bytes(reader.read_range(i, start, start + int(self.index.length[i]), lambda d: self.sample_ok(i, d)))
 
-    def read_fields(self, i: int) -> dict[str, bytes]:
-        """All members of sample ``i``: ``{field name: bytes}``, primary payload included.
+    @overload
+    def read_fields(self, i: int, *, meta: Literal[False] = False) -> dict[str, bytes]: ...
+    @overload
+    def read_fields(self, i: int, *, meta: Literal[True]) -> dict[str, Any]: ...
+    @overload
+    def read_fields(self, i: int, *, meta: bool) -> dict[str, Any]: ...
+
+    def read_fields(self, i: int, *, meta: bool = False) -> dict[str, Any]:
+        """All members of sample ``i``: ``{field name: bytes}``, primary payload first, then its
+        other members in source order (WebDataset ``cls``, ``json``, ... byte-exact).
+
+        With ``meta=True`` (what a Loader's ``decode=`` gets), the same dict followed by the
+        sample's facts from the index, the same for every source: :data:`KEY_FIELD` (``"__key__"``,
+        str: the sample key, ``ds.key(i)``), :data:`ID_FIELD` (``"__id__"``, int: the sample id
+        ``i``) and :data:`LABEL_FIELD` (``"__label__"``, int: the class index, ``ds.labels[i]``;
+        only when the sample has a label: an ImageFolder class folder, a WebDataset or file tree
+        ``cls``/``json`` label, a file list's or Parquet table's ``label`` column). A member
+        stored under one of these names (a Parquet column ``__key__``) is replaced by the fact;
+        ``meta=False`` reads it.
 
         Each member is verified against its own checksum (:class:`ChecksumError`
         names the key and field). One ranged read of the sample's range (or one
@@ -326,7 +349,14 @@ class Dataset:
         with self.origin.shared_budget():
             data = reader.read_range(i, start, stop, lambda d: self.bad_field(i, table, d, start) is None)
         view = memoryview(data)
-        return {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
+        out: dict[str, Any] = {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
+        if meta:
+            out[KEY_FIELD] = self.key(i)
+            out[ID_FIELD] = i
+            label = int(self.index.labels[i])
+            if label >= 0:
+                out[LABEL_FIELD] = label
+        return out
 
 
 def default_cache_dir() -> str:
@@ -395,6 +425,7 @@ def open_dataset(
     index (e.g. an interrupted pack) and :class:`stoker.IndexFormatError` when the index is
     unreadable.
     """
+    budget_given = cache_bytes is not None
     cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else parse_size(cache_bytes, "cache_bytes")
     block_bytes = parse_size(block_bytes, "block_bytes")
     memory_bytes = parse_size(memory_bytes, "memory_bytes")
@@ -417,7 +448,10 @@ def open_dataset(
     if cache and read_only:
         disk = ReadOnlyCache(cache_dir or default_cache_dir(), cache_policy)
     elif cache:
-        disk = DiskCache(cache_dir or default_cache_dir(), cache_bytes, cache_policy, mode=cache_mode)
+        root = cache_dir or default_cache_dir()
+        disk = DiskCache(root, cache_bytes, cache_policy, mode=cache_mode)
+        dir_given = bool(cache_dir or os.environ.get("STOKER_CACHE_DIR"))
+        warn_defaults(disk.root, cache_bytes, dir_given, budget_given)
         if memory_bytes > 0:
             disk = TieredCache(
                 DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy, mode=disk.mode),

@@ -64,6 +64,14 @@ def _when(t) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
 
 
+def _taken_by(owner: dict) -> str:
+    """``"taken over by the pack on host 'n1', pid 7, run ab12, since 2025-...Z"``."""
+    return (
+        f"taken over by the pack on host {owner.get('host')!r}, pid {owner.get('pid')}, run "
+        f"{owner.get('run')}, since {_when(owner.get('started_unix'))}"
+    )
+
+
 def _pid_namespace() -> str:
     """This process's pid namespace ("pid:[4026531836]"): containers that share a host name
     (host networking) have different ones, so their pids are not compared."""
@@ -129,17 +137,18 @@ class _Local:
 
 
 class _S3:
-    """Conditional PutObject/DeleteObject through s3fs; the token is the ETag."""
+    """Conditional PutObject/DeleteObject through s3fs; the token is the ETag. ``what``: what
+    errors name (the destination, not the lease object)."""
 
-    def __init__(self, fs, path: str):
-        self.fs = fs
+    def __init__(self, fs, path: str, what: str):
+        self.fs, self.what = fs, what
         self.bucket, self.key = path.split("/", 1)
 
     def _call(self, op: str, **kw):
         """One S3 call on the lease object. Raises _Conflict for a failed condition (412/409),
         else :class:`stoker.OriginError` (``OriginNotFoundError`` for a missing bucket or object,
-        ``OriginPermissionError`` for a denial) naming the lease object's URL."""
-        url = f"s3://{self.bucket}/{self.key}"
+        ``OriginPermissionError`` for a denial) naming the destination."""
+        url = self.what
         try:
             return self.fs.call_s3(op, Bucket=self.bucket, Key=self.key, **kw)
         except FileNotFoundError as exc:
@@ -217,7 +226,7 @@ def _backend(dest: Origin):
     if _is_local(fs):
         return _Local(path)
     if hasattr(fs, "call_s3"):
-        return _S3(fs, path)
+        return _S3(fs, path, f"{dest.url} (marking it as being packed)")
     return _BestEffort(fs, path)
 
 
@@ -234,7 +243,7 @@ class PackLease:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
         self.dest, self.ttl_s = dest, float(ttl_s)
-        self.url = dest.full_url(LEASE_NAME)
+        self.url = dest.url  # what messages name: the destination (the lease object is ours alone)
         self.run = uuid.uuid4().hex
         self.started_unix = time.time()
         self._io = _backend(dest)
@@ -300,12 +309,12 @@ class PackLease:
                 raise PackLeaseError(self.url, owner)
             expires = float(owner.get("expires_unix") or 0)
             why = (
-                f"its lease expired {_when(expires)}"
+                f"its claim ran out {_when(expires)}"
                 if expires < time.time()
-                else f"its process is gone from this host; the lease would have expired {_when(expires)}"
+                else f"its process is gone from this host (its claim would have run out {_when(expires)})"
             )
             log.warning(
-                "%s: taking over the lease of a pack that died (host %r, pid %s, run %s): %s",
+                "%s: taking over from a pack that died while writing it (host %r, pid %s, run %s): %s",
                 self.url,
                 owner.get("host"),
                 owner.get("pid"),
@@ -326,7 +335,10 @@ class PackLease:
         """Read the lease back: the owner must be this run (covers stores that ignore conditions)."""
         owner, token = self._read_owner()
         if owner is None:
-            raise PackLeaseLostError(f"{self.url}: the lease object vanished right after it was written")
+            raise PackLeaseLostError(
+                f"{self.url}: this pack's claim on the destination vanished right after it was written "
+                "(the store ignores conditional writes, or another run removed it); pack again"
+            )
         if owner.get("run") != self.run:
             raise PackLeaseError(self.url, owner)
         self._token = token
@@ -342,11 +354,9 @@ class PackLease:
                     self._renewed_mono = time.monotonic()
                 except _Conflict:
                     owner, _ = self._read_owner()
-                    self._lost = f"taken over by {owner}" if owner else "the lease object was removed"
+                    self._lost = _taken_by(owner) if owner else "its claim was removed by another run"
             if self._lost is not None:
-                raise PackLeaseLostError(
-                    f"{self.url}: this pack lost its lease ({self._lost}); it stops without installing an index"
-                )
+                raise PackLeaseLostError(self._lost_message())
 
     def check(self) -> None:
         """Raise :class:`PackLeaseLostError` if the lease is no longer this run's. Makes no request
@@ -355,9 +365,14 @@ class PackLease:
         if self._lost is None and time.monotonic() - self._renewed_mono > self.ttl_s / 2:
             self.renew()
         if self._lost is not None:
-            raise PackLeaseLostError(
-                f"{self.url}: this pack lost its lease ({self._lost}); it stops without installing an index"
-            )
+            raise PackLeaseLostError(self._lost_message())
+
+    def _lost_message(self) -> str:
+        return (
+            f"{self.url}: this pack lost its claim on the destination ({self._lost}) after it had not "
+            f"renewed it for {self.ttl_s:g} s (the process was frozen, or the store unreachable); it "
+            "stops without installing an index. Pack again once the other pack has finished"
+        )
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -366,7 +381,7 @@ class PackLease:
             except PackLeaseLostError:
                 return
             except Exception as exc:  # noqa: BLE001 - a failed renewal is retried next period
-                log.warning("%s: renewing the pack lease failed: %s", self.url, exc)
+                log.warning("%s: renewing this pack's claim on the destination failed (retried): %s", self.url, exc)
 
     def release(self) -> None:
         """Stop renewal and delete the lease if it is still this run's (no error if it is not)."""
@@ -380,7 +395,12 @@ class PackLease:
                 except _Conflict:
                     pass
                 except Exception as exc:  # noqa: BLE001 - it expires by itself
-                    log.warning("%s: could not remove the pack lease (it expires by itself): %s", self.url, exc)
+                    log.warning(
+                        "%s: could not clear this pack's claim on the destination (it runs out by itself in %g s): %s",
+                        self.url,
+                        self.ttl_s,
+                        exc,
+                    )
             self._token = None
 
     def __enter__(self) -> "PackLease":

@@ -109,7 +109,7 @@ def run(
                 stop_services()
                 common = dict(
                     storage_options=opts,
-                    cache_root=root,
+                    cache_dir=root,
                     cache_bytes=cache_bytes,
                     block_bytes=block_bytes,
                     placement=placement,

@@ -309,7 +309,7 @@ def warm_failing_shard(ctx: Context) -> dict:
         "local",
         "--cache-dir",
         cache,
-        "--cache-size",
+        "--cache-bytes",
         "256MiB",
         "--storage-options",
         json.dumps(ctx.storage_options),

@@ -7,13 +7,17 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
 2. the stages (:mod:`stoker_lab.bench.io_stages`), each against its floor: origin -> memory (obstore
    and s3fs; the origin's direct endpoint, no latency or bandwidth cap, so that the client's CPU is
    what is measured), the fill's checksum pass, memory -> cache tier (disk and shared memory),
-   cache tier -> worker; the peer stage is reported as not measured;
+   cache tier -> worker; with ``peer`` the peer stage (a peer's cache service to a rank on Ray,
+   over loopback and over a shaped link between network namespaces, against bare TCP:
+   :mod:`stoker_lab.bench.peer_stage`), else its row says it was left out;
 3. the whole cold epoch with decode off (a ``decode=`` that returns the raw bytes), through the
    throttled origin (``latency_ms``, ``bandwidth_MBps``), then a warm epoch: samples/s per core,
    CPU-s/GB per process kind, the prefetcher's CPU over the origin bytes
    (``origin_to_cache_cpu_s_per_GB``), the emulated origin's own CPU apart
    (``emulated_origin_cpu_s_per_GB``), and the decode workers' CPU per sample cold over warm
-   (``cold_vs_warm_worker_cpu``).
+   (``cold_vs_warm_worker_cpu``). The prefetcher's floor is ``link_floor``: a bare GET + write
+   loop of the same blocks through the same throttled endpoint, in a fresh process, before and
+   after the epochs (:func:`stoker_lab.bench.io_stages.link_floor`).
 
 4. ``bytes_only`` (:mod:`stoker_lab.bench.bytes_only`): stoker's bytes-only Loader against DLIO's
    PyTorch reader on the same ~115 KB random-byte files, the same workers and batch size, from a
@@ -48,7 +52,10 @@ class IoConfig:
     both readers of ``bytes_only``; ``bytes_only_files``: its ~115 KB files (0: not measured);
     ``bytes_only_epochs``: its epochs (the first is ``local``, the rest ``warm_cache``); ``dlio``:
     run DLIO's half; ``make_dlio_venv``: make DLIO's environment when missing; ``only_bytes``: measure
-    ``bytes_only`` alone (no stages, no epochs)."""
+    ``bytes_only`` alone (no stages, no epochs); ``peer``: the peer stage's links, ``"off"`` or a
+    comma-separated list of ``loopback`` and ``netns`` (:data:`PEER_LINKS`); ``peer_mbit``: the
+    ``netns`` link's ``tbf`` rate, Mbit/s each way; ``peer_profile_s``: seconds of profile of a
+    peer row over 2x its floor (0: none)."""
 
     images: int = 600
     classes: int = 10
@@ -66,6 +73,25 @@ class IoConfig:
     dlio: bool = True
     make_dlio_venv: bool = True
     only_bytes: bool = False
+    peer: str = "off"
+    peer_mbit: float = 1000.0
+    peer_profile_s: float = 2.0
+
+
+#: The links the peer stage can run over (``IoConfig.peer``).
+PEER_LINKS = ("loopback", "netns")
+
+
+def peer_links(spec: str) -> tuple[str, ...]:
+    """The links of ``IoConfig.peer`` (``"off"``, ``"loopback"``, ``"netns"``, ``"loopback,netns"``);
+    ValueError naming the setting for anything else."""
+    links = tuple(x.strip() for x in spec.split(",") if x.strip())
+    if links == ("off",):
+        return ()
+    bad = [x for x in links if x not in PEER_LINKS]
+    if bad or not links:
+        raise ValueError(f"peer must be 'off' or a comma-separated list of {', '.join(PEER_LINKS)}; got {spec!r}")
+    return tuple(dict.fromkeys(links))
 
 
 def raw_bytes(fields, rng):
@@ -106,6 +132,7 @@ def run(cfg: IoConfig | None = None) -> dict:
     from .origin import LocalS3Origin, upload_tree
 
     cfg = cfg or IoConfig()
+    links = peer_links(cfg.peer)
     workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-io")
     os.makedirs(workdir, exist_ok=True)
     if cfg.only_bytes:
@@ -149,9 +176,20 @@ def run(cfg: IoConfig | None = None) -> dict:
         # workers with forkserver instead of fork (stoker.loader.procs), unlike a training job
         _log("cold and warm epochs, decode off")
         budget = 4 * int(probe.index.total_bytes) + (64 << 20)
-        epochs = cold_epoch(url, throttled, os.path.join(workdir, "cache-epoch"), budget, origin.pid, cfg)
-        _log("stages")
         ranges = st.block_ranges(probe)
+        link_root = os.path.join(workdir, "floor-link")
+        floors = [st.link_floor(url, throttled, ranges, cfg.concurrency, link_root)]
+        epochs = cold_epoch(url, throttled, os.path.join(workdir, "cache-epoch"), budget, origin.pid, cfg)
+        floors.append(st.link_floor(url, throttled, ranges, cfg.concurrency, link_root))
+        epochs["link_floor"] = {
+            "what": f"bare obstore.get_range + os.write of the same {len(ranges)} blocks into new files, through the "
+            f"cold epoch's throttled endpoint, {cfg.concurrency} threads, in a fresh process; run before and after "
+            "the epochs",
+            "runs": floors,
+            "cpu_s_per_GB": sum(f["cpu_s_per_GB"] for f in floors) / len(floors),
+            "GBps": sum(f["GBps"] for f in floors) / len(floors),
+        }
+        _log("stages")
         stages, blocks = st.origin_stage(url, direct, ranges, cfg.concurrency, cfg.reps)
         stages.append(st.verify_stage(probe, blocks, cfg.reps))
         tiers = {
@@ -178,13 +216,67 @@ def run(cfg: IoConfig | None = None) -> dict:
                 st.clear_cache(ds)
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(shm + "-floor", ignore_errors=True)
-        stages.append(st.peer_stage())
+        stages += peer_stages(links, url, direct, workdir, cfg)
     report["stages"] = stages + [epochs.pop("stage")]
     report.update(epochs)
     report["bytes_only"] = measure_bytes_only(cfg, workdir)
     floor_of(report)
     report["seconds"] = time.perf_counter() - t_start
     return report
+
+
+def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir: str, cfg: IoConfig) -> list:
+    """The peer stage's rows over each of ``links`` (:func:`peer_links`): loopback
+    (:func:`stoker_lab.bench.peer_stage.loopback_process`: the dataset at ``url``, in a process of
+    its own, since this one has read through obstore and Ray forks its daemons) and netns
+    (:func:`stoker_lab.bench.peer_netns.run`, the sample photos under ``workdir`` packed into an
+    origin inside the namespaces). A link that cannot be measured (no Ray, no network namespaces)
+    or whose run fails gets one row whose ``exception`` says why; no links: one row saying the
+    stage was left out."""
+    from .peer_stage import loopback_process, not_measured
+
+    if not links:
+        return [
+            not_measured(
+                "not measured (--peer off, the default: the stage starts a 2-node Ray cluster and adds about "
+                "40 s); --peer loopback, netns or loopback,netns measures it"
+            )
+        ]
+    rows = []
+    for link in links:
+        _log(f"peer stage over {link}")
+        try:
+            if link == "loopback":
+                rows += loopback_process(
+                    url,
+                    storage_options,
+                    cfg.block_bytes,
+                    workdir,
+                    cfg.concurrency,
+                    cfg.reps,
+                    profile_s=cfg.peer_profile_s,
+                )
+            else:
+                from .netcluster import NetnsUnavailable
+                from .peer_netns import run as run_netns
+
+                try:
+                    rows += run_netns(
+                        os.path.join(workdir, "data", "train"),
+                        cfg.block_bytes,
+                        cfg.shard_bytes,
+                        cfg.concurrency,
+                        cfg.reps,
+                        cfg.peer_mbit,
+                        cfg.peer_profile_s,
+                    )
+                except NetnsUnavailable as exc:
+                    rows.append(not_measured(f"not measured: network namespaces are not available here: {exc}", link))
+        except ImportError as exc:
+            rows.append(not_measured(f"not measured: Ray is not installed (the cluster extra): {exc}", link))
+        except Exception as exc:  # noqa: BLE001 - one stage's failure is reported in its row, the run goes on
+            rows.append(not_measured(f"failed: {type(exc).__name__}: {exc}", link))
+    return rows
 
 
 def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
@@ -283,20 +375,28 @@ def cold_epoch(
 
 
 def floor_of(report: dict) -> None:
-    """Fill in the floor of the cold epoch's origin -> cache row: the bare obstore GET loop's CPU-s/GB
-    plus bare pwrite's into the disk tier's filesystem (both measured in this run)."""
+    """Fill in the floor of the cold epoch's origin -> cache row: the bare GET + write loop of the
+    same blocks over the same throttled link (``link_floor``), and beside it, as
+    ``floor_direct_stages``, the sum of the bare obstore GET loop on the direct endpoint and bare
+    pwrite into the disk tier's filesystem (the stages above; all measured in this run)."""
     by = {r["stage"]: r for r in report["stages"]}
     get, put = by.get("origin->memory (obstore)"), by.get("memory->cache (disk tier)")
     row = by.get("origin->cache (prefetcher, cold epoch)")
-    if not (get and put and row):
+    if row is None:
         return
-    cpu = get["floor"]["cpu_s_per_GB"] + put["floor"]["cpu_s_per_GB"]
-    row["floor"] = {
-        "what": "bare obstore.get_range loop + bare os.pwrite of the same bytes (stages above)",
-        "cpu_s_per_GB": cpu,
-        "GBps": None,
-    }
-    row["ratio"] = row["cpu_s_per_GB"] / cpu if cpu > 0 else None
+    link = report.get("link_floor")
+    if link:
+        row["floor"] = {"what": link["what"], "cpu_s_per_GB": link["cpu_s_per_GB"], "GBps": link["GBps"]}
+        row["ratio"] = row["cpu_s_per_GB"] / link["cpu_s_per_GB"] if link["cpu_s_per_GB"] > 0 else None
+    if get and put:
+        cpu = get["floor"]["cpu_s_per_GB"] + put["floor"]["cpu_s_per_GB"]
+        row["floor_direct_stages"] = {
+            "what": "bare obstore.get_range loop on the direct endpoint + bare os.pwrite of the same bytes "
+            "(stages above)",
+            "cpu_s_per_GB": cpu,
+        }
+        if not link:
+            row["floor"], row["ratio"] = dict(row["floor_direct_stages"], GBps=None), row["cpu_s_per_GB"] / cpu
 
 
 def table(report: dict) -> str:
@@ -313,7 +413,7 @@ def table(report: dict) -> str:
         f"machine: {report['machine']['cores']} cores; dataset {d['samples']} samples, {d['bytes'] / 1e6:.1f} MB "
         f"in {d['blocks']} blocks of {d['block_bytes'] >> 10} KiB; cold epoch origin {o['latency_ms']:g} ms, "
         f"{o['bandwidth_MBps']:g} MB/s (stages: the origin's direct endpoint)",
-        f"{'stage':42} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
+        f"{'stage':62} {'CPU-s/GB':>9} {'GB/s':>7} {'floor CPU-s/GB':>14} {'floor GB/s':>10} {'ratio':>6}",
     ]
 
     def num(x, fmt):
@@ -322,7 +422,7 @@ def table(report: dict) -> str:
     for r in report["stages"]:
         f = r.get("floor") or {}
         lines.append(
-            f"{r['stage']:42} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
+            f"{r['stage']:62} {num(r['cpu_s_per_GB'], '9.3f')} {num(r['GBps'], '7.3f')} "
             f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
             + (f"  ({r['exception']})" if r.get("exception") else "")
         )

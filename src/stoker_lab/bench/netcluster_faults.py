@@ -190,7 +190,7 @@ def fault_run(kind: str, spec: dict, url: str, opts: dict, n: int) -> dict:
     os.makedirs(work, exist_ok=True)
     common = dict(
         storage_options=opts,
-        cache_root=os.path.join(work, "cache"),
+        cache_dir=os.path.join(work, "cache"),
         cache_bytes=spec["cache_bytes"],
         block_bytes=spec["block_bytes"],
         timeout_s=spec["job_timeout_s"],

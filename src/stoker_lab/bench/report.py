@@ -7,8 +7,31 @@ def _runs(report, loader, rate):
     return [r for r in report["runs"] if r["loader"] == loader and r["consumer_rate"] == rate]
 
 
+def _bound_words(lim: dict) -> str:
+    """How the decode bound was measured, for a check's target: the number of calibration rounds
+    its median came from, or one timing (a report from before the rounds)."""
+    n = len(lim.get("decode_per_core_rounds", ()))
+    return f"decode bound: median of {n} rounds, per CPU-second" if n else "decode bound: one timing"
+
+
+def _busy_note(runs: list, workers: int) -> str | None:
+    """Why a timing check may have missed: the workers got under 90% of their cores (the share
+    of the least-served epoch among ``runs``), so other processes held the rest; None otherwise."""
+    shares = [r["workers_cpu_share"] for r in runs if "workers_cpu_share" in r]
+    if not shares or min(shares) >= 0.9:
+        return None
+    return f"the workers had {min(shares):.0%} of their {workers} cores: other processes held the rest"
+
+
 def check_done(report: dict) -> dict:
     """Evaluate the demo's targets (benchmarks/README.md) on a demo report (consumer that takes no time).
+
+    The decode bound is the median of the report's interleaved calibration rounds in samples per
+    CPU-second (``limits.decode_per_core_rounds``, :func:`stoker_lab.bench.demo.decode_limits`),
+    so neither one slow or fast moment of a shared machine nor the share of a core the calibration
+    got moves the checks against it. A timing check that misses while the workers got under 90%
+    of their cores says so in its ``note``; ``warm_worker_cpu_vs_decode`` (samples per worker
+    CPU-second against the bare decode's) holds whatever the machine's load.
 
     Returns {name: {"value": float|bool, "target": str, "ok": bool}}.
     """
@@ -27,8 +50,17 @@ def check_done(report: dict) -> dict:
         }
         out["warm_vs_decode_bound"] = {
             "value": w / lim["decode_bound"],
-            "target": ">= 0.8",
+            "target": f">= 0.8 ({_bound_words(lim)})",
             "ok": w >= 0.8 * lim["decode_bound"],
+        }
+        if not out["warm_vs_decode_bound"]["ok"] and (note := _busy_note(warm, lim["workers"])):
+            out["warm_vs_decode_bound"]["note"] = note
+    if warm and all("samples_per_worker_cpu_s" in r for r in warm) and lim.get("decode_per_core_rounds"):
+        per_cpu = min(r["samples_per_worker_cpu_s"] for r in warm)
+        out["warm_worker_cpu_vs_decode"] = {
+            "value": per_cpu / lim["decode_per_core"],
+            "target": ">= 0.7 (samples per worker CPU-second / the bare decode's, per CPU-second)",
+            "ok": per_cpu >= 0.7 * lim["decode_per_core"],
         }
     if warm:
         ob = max(r["origin_bytes"] for r in warm)
@@ -38,9 +70,11 @@ def check_done(report: dict) -> dict:
         c = cold[0]["samples_per_s"]
         out["cold_vs_limit"] = {
             "value": c / bound,
-            "target": ">= 0.7 x min(decode_bound, storage_bound)",
+            "target": f">= 0.7 x min(decode_bound, storage_bound) ({_bound_words(lim)})",
             "ok": c >= 0.7 * bound,
         }
+        if not out["cold_vs_limit"]["ok"] and (note := _busy_note(cold, lim["workers"])):
+            out["cold_vs_limit"]["note"] = note
         if "first_batch_s" in cold[0]:
             limit_s = 0.5 if report["origin"].get("latency_ms", 0) >= 50 else 0.25
             fb = cold[0]["first_batch_s"]
@@ -62,8 +96,10 @@ def print_table(report: dict) -> None:
         f"origin: {org['latency_ms']:.0f} ms latency, {org['bandwidth_MBps']:.0f} MB/s; "
         f"machine: {report['machine']['cores']} cores"
     )
+    rounds = lim.get("decode_per_core_rounds") or [lim["decode_per_core"]]
     print(
-        f"limits: decode {lim['decode_per_core']:.0f}/s per core x {lim['workers']} workers = "
+        f"limits: decode {lim['decode_per_core']:.0f}/s per core (median of {len(rounds)} rounds, per CPU-second, "
+        f"{min(rounds):.0f}-{max(rounds):.0f}) x {lim['workers']} workers = "
         f"{lim['decode_bound']:.0f}/s; storage {lim['storage_bound']:.0f}/s; Pillow {lim['pillow_per_core']:.0f}/s per core"
     )
     print(
@@ -81,6 +117,10 @@ def print_table(report: dict) -> None:
             f"{r['samples_per_s']:>10.0f} {stall:>6} {r['origin_bytes'] / 1e6:>10.1f} "
             f"{hr:>9} {fb:>13} {ov:>7} {eo:>12}"
         )
+    print(
+        "stall: share of the epoch the consumer waited in next(), shown for the runs with an emulated "
+        "accelerator (consumer > 0); with a consumer that takes no time it is near 1 by definition"
+    )
     print()
     print_checks(report.get("checks", {}))
     print()
@@ -92,7 +132,8 @@ def print_checks(checks: dict) -> None:
     for name, c in checks.items():
         v = c["value"]
         vs = f"{v:.2f}" if isinstance(v, float) else str(v)
-        print(f"  [{'ok' if c['ok'] else 'MISS'}] {name}: {vs} (target {c['target']})")
+        note = f"; {c['note']}" if c.get("note") else ""
+        print(f"  [{'ok' if c['ok'] else 'MISS'}] {name}: {vs} (target {c['target']}){note}")
 
 
 def write_plot(report: dict, path: str) -> None:

@@ -383,7 +383,9 @@ def _add_io(bench_sub) -> None:
         "pass, memory -> cache tier (disk, shared memory), cache tier -> worker; then a cold and a "
         "warm epoch with decode off, reporting the prefetcher's CPU per GB from the origin "
         "(origin_to_cache_cpu_s_per_GB), the emulated origin's own CPU per GB apart, and the decode "
-        "workers' CPU per sample cold over warm.",
+        "workers' CPU per sample cold over warm. With --peer, also a peer's cache service to a rank "
+        "in cluster mode (Ray), over loopback and/or a shaped link between network namespaces, "
+        "against a bare TCP transfer of the same bytes.",
     )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--images", type=int, default=600, help="sample photos (default 600, about 40 MB)")
@@ -430,7 +432,37 @@ def _add_io(bench_sub) -> None:
     p.add_argument(
         "--only-bytes", action="store_true", help="measure bytes_only alone (no stages, no cold/warm epochs)"
     )
+    p.add_argument(
+        "--peer",
+        type=_peer_arg,
+        default="off",
+        help="the peer stage (a peer's cache service to a rank on Ray, against bare TCP): off (the default; "
+        "it adds about 40 s), loopback (a 2-node local Ray cluster), netns (two network namespaces and a "
+        "tbf-shaped link; needs root) or loopback,netns",
+    )
+    p.add_argument(
+        "--peer-mbit",
+        type=float,
+        default=1000.0,
+        help="the netns peer link's rate, Mbit/s each way (default 1000: about 0.3 s per pass of 40 MB)",
+    )
+    p.add_argument(
+        "--peer-profile-s",
+        type=float,
+        default=2.0,
+        help="seconds of py-spy + perf profile of a peer row over 2x its floor, for its exception (0: none)",
+    )
     p.set_defaults(fn=_cmd_io)
+
+
+def _peer_arg(text: str) -> str:
+    from ..bench.io_bench import peer_links
+
+    try:
+        peer_links(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _cmd_io(a) -> int:
@@ -450,6 +482,9 @@ def _cmd_io(a) -> int:
             bytes_only_files=a.bytes_only_files,
             only_bytes=a.only_bytes,
             bytes_only_epochs=a.bytes_only_epochs,
+            peer=a.peer,
+            peer_mbit=a.peer_mbit,
+            peer_profile_s=a.peer_profile_s,
         )
     )
     print(table(r))

@@ -62,6 +62,10 @@ def test_io_bench_report(tmp_path):
         assert _positive(s["floor"]["cpu_s_per_GB"]) and _positive(s["ratio"]), s
         assert s["floor"]["what"]
     assert _positive(r["origin_to_cache_cpu_s_per_GB"]) and _positive(r["emulated_origin_cpu_s_per_GB"])
+    link = r["link_floor"]  # the prefetcher's floor: the same blocks over the same link, twice
+    assert len(link["runs"]) == 2 and link["runs"][0]["bytes"] == link["runs"][1]["bytes"] >= r["dataset"]["bytes"]
+    pf = next(s for s in r["stages"] if s["stage"] == "origin->cache (prefetcher, cold epoch)")
+    assert pf["floor"]["cpu_s_per_GB"] == link["cpu_s_per_GB"] and _positive(pf["floor_direct_stages"]["cpu_s_per_GB"])
     cw = r["cold_vs_warm_worker_cpu"]
     # a tiny warm epoch can take less than one clock tick (10 ms) of worker CPU: then no ratio
     assert _positive(cw["cold_cpu_s_per_sample"]) and cw["warm_cpu_s_per_sample"] >= 0

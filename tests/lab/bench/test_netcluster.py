@@ -403,7 +403,7 @@ ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 out = {"error": None}
 try:
     run(partial(steps, out_dir=out_dir), url, 2, {"CPU": 0.5}, slots_per_node=1, job="host-dies",
-        cache_root=os.path.join(out_dir, "cache"), cache_bytes=64 << 20, block_bytes=64 << 10)
+        cache_dir=os.path.join(out_dir, "cache"), cache_bytes=64 << 20, block_bytes=64 << 10)
 except Exception as exc:
     out = {"error": type(exc).__name__, "notes": list(getattr(exc, "__notes__", []))}
 out["raised_at"] = time.time()

@@ -1,0 +1,127 @@
+"""The peer stage of ``stoker bench io``: a cache service on one Ray node serving a rank on another,
+beside a bare TCP transfer of the same bytes. The report's shape and the bytes moved are checked,
+never the speed."""
+
+import math
+import os
+
+import pytest
+import xxhash
+
+from stoker_lab.bench import netcluster
+from stoker_lab.bench.io_bench import IoConfig, peer_links, peer_stages
+from stoker_lab.bench.peer_floor import transfer
+from stoker_lab.bench.peer_stage import loopback_process
+
+ROW_KEYS = {"stage", "bytes", "cpu_s_per_GB", "GBps", "floor", "ratio", "exception"}
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _blocks(url: str, block_bytes: int) -> tuple[int, str, int]:
+    """(bytes, xxh3-64 of every block in order, blocks) read straight from the packed shards."""
+    from stoker.store.dataset import open_dataset
+
+    ds = open_dataset(url, cache=False, block_bytes=block_bytes)
+    h, n = xxhash.xxh3_64(), 0
+    for b in range(ds.num_blocks):
+        data = ds.origin.read_range(
+            ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b])
+        )
+        h.update(data)
+        n += len(data)
+    return n, h.hexdigest(), ds.num_blocks
+
+
+def test_loopback_peer_stage_moves_every_block_through_the_service(packed_local, tmp_path):
+    pytest.importorskip("ray")
+    block_bytes = 256 << 10
+    nbytes, digest, blocks = _blocks(packed_local, block_bytes)
+    workdir = tmp_path / "w"
+    # in a process of its own (as stoker bench io runs it): it starts and stops a 2-node Ray cluster
+    rows = loopback_process(
+        packed_local, {}, block_bytes, str(workdir), concurrency=4, reps=1, profile_s=0, timeout_s=240
+    )
+    assert os.listdir(workdir) == []  # the node cache and the run's files are removed
+    assert [r["stage"] for r in rows] == [
+        "peer cache service->rank (loopback)",
+        "peer cache service->rank (loopback, via the relay)",
+    ]
+    for r in rows:
+        assert set(r) >= ROW_KEYS
+        # the bytes moved are the blocks' bytes, all served from the peer's cache, none from the origin
+        assert r["bytes"] == nbytes and r["peer_bytes"] == nbytes and r["fallbacks"] == 0
+        assert r["digest"] == digest and r["digest_matches_floor"]
+        assert r["fill"]["filled"] + r["fill"]["cached"] == blocks
+        assert set(r["cpu_s_by_process"]) >= {"rank", "service", "raylet A", "raylet B"}
+        assert _finite_positive(r["cpu_s_per_GB"]) and _finite_positive(r["GBps"])
+        assert _finite_positive(r["floor"]["cpu_s_per_GB"]) and _finite_positive(r["floor"]["GBps"])
+        assert math.isclose(r["ratio"], r["cpu_s_per_GB"] / r["floor"]["cpu_s_per_GB"])
+        assert "bare TCP" in r["floor"]["what"]
+        if r["ratio"] > 2:  # over 2x: the exception says why, with the profile (or why there is none)
+            assert r["exception"].startswith(f"{r['ratio']:.1f}x its floor") and "by process" in r["exception"]
+            assert r["profile"] is not None
+        else:
+            assert r["exception"] is None
+    assert "relay child" in rows[1]["cpu_s_by_process"]
+    assert rows[0]["network"]["kind"] == "loopback" and rows[0]["network"]["floor_host"] == "127.0.0.1"
+    assert rows[0]["calls"]["head_bytes"] == 1024 and _finite_positive(rows[0]["calls"]["cpu_s_per_call"])
+
+
+def test_loopback_peer_stage_names_a_missing_dataset(tmp_path):
+    pytest.importorskip("ray")
+    with pytest.raises(RuntimeError, match="exited with code 1") as err:
+        loopback_process(str(tmp_path / "no-such-dataset"), {}, 1 << 20, str(tmp_path / "w"), timeout_s=120)
+    assert "no-such-dataset" in str(err.value)
+
+
+def test_floor_sends_the_same_bytes(tmp_path):
+    files = []
+    for i, size in enumerate((1, 70_000, 1 << 20, 0, 333)):
+        p = tmp_path / f"b{i}"
+        p.write_bytes(os.urandom(size))
+        files.append(str(p))
+    r = transfer(files, "127.0.0.1", reps=2, timeout_s=60)
+    want = xxhash.xxh3_64()
+    for f in files:
+        want.update(open(f, "rb").read())
+    assert r["bytes"] == sum(os.path.getsize(f) for f in files) and r["digest"] == want.hexdigest()
+    assert len(r["rounds"]) == 2 and r["cpu_s"] == r["server_cpu_s"] + r["client_cpu_s"] > 0
+
+
+def test_floor_reports_a_missing_block_file(tmp_path):
+    with pytest.raises((RuntimeError, FileNotFoundError), match="missing"):
+        transfer([str(tmp_path / "missing")], "127.0.0.1", reps=1, timeout_s=30)
+
+
+def test_peer_links():
+    assert peer_links("off") == ()
+    assert peer_links("loopback") == ("loopback",)
+    assert peer_links("netns, loopback,netns") == ("netns", "loopback")
+    for bad in ("", "bogus", "off,loopback", "loopback,wan"):
+        with pytest.raises(ValueError, match="peer must be"):
+            peer_links(bad)
+
+
+def test_peer_stage_off_and_without_namespaces_say_why(tmp_path, monkeypatch):
+    (row,) = peer_stages((), "unused", {}, str(tmp_path), IoConfig())
+    assert row["stage"] == "peer cache service->rank" and row["exception"].startswith("not measured (--peer off")
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nCapEff:\t0000000000000000\n")
+    monkeypatch.setattr(netcluster, "_STATUS_PATH", str(status))
+    (row,) = peer_stages(("netns",), "unused", {}, str(tmp_path), IoConfig())
+    assert row["stage"] == "peer cache service->rank (netns)" and set(row) >= ROW_KEYS
+    assert row["exception"].startswith("not measured: network namespaces") and "CAP_NET_ADMIN" in row["exception"]
+    assert row["cpu_s_per_GB"] is None and row["ratio"] is None
+
+
+def test_profile_top_frames_from_py_spy_raw_output(tmp_path):
+    from stoker_lab.bench.peer_profile import _pyspy_top
+
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "main (a.py:1);get (w.py:9) 6\nmain (a.py:1);dump (c.py:3) 3\nmain (a.py:1);get (w.py:9) 1\nbad line\n"
+    )
+    assert _pyspy_top(str(raw), 2) == [[70.0, "get (w.py:9)"], [30.0, "dump (c.py:3)"]]
