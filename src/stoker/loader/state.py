@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..order import pack_bitmap, unpack_bitmap
+from ..order import check_identity_keys, pack_bitmap, unpack_bitmap
 
 __all__ = ["IDENTITY_KEYS", "LoaderState"]
 
@@ -79,7 +79,9 @@ class LoaderState:
             out["carry"] = {"dtype": self.carry.dtype.str, "tokens": self.carry.tolist()}
         return out
 
-    def load(self, state: dict, identity: dict, num_batches: Callable[[int], int], num_blocks: int) -> None:
+    def load(
+        self, state: dict, identity: dict, num_batches: Callable[[int], int], num_blocks: int, strict: bool = True
+    ) -> None:
         """Take ``state`` (from :meth:`to_dict`): the next ``iter()`` continues that epoch after its
         ``batches_done`` batches, or starts the next epoch if that one was finished (an epoch with
         no batches, saved before its ``iter()``, is still run, yielding nothing).
@@ -89,10 +91,16 @@ class LoaderState:
             identity: this loader's :data:`IDENTITY_KEYS` values.
             num_batches: batches of an epoch for this loader (a function of the epoch).
             num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
+            strict: refuse a state that lacks some of :data:`IDENTITY_KEYS` (a trainer that kept
+                only ``epoch`` and ``batches_done``): nothing would tell whether it was saved by a
+                loader with the same seed, order, rank split, batch size and dataset, and resuming
+                one that was not repeats and skips samples without a word. False: resume it
+                anyway, with a warning (``RuntimeWarning``) that names the keys it lacks.
 
         Raises:
-            ValueError: ``state`` is not a state dict, or has another value for one of :data:`IDENTITY_KEYS` (another
-                dataset version, order, batch size, rank split or transform), or its
+            ValueError: ``state`` is not a state dict, lacks some of :data:`IDENTITY_KEYS` (with
+                ``strict``; the message names them), or has another value for one of them
+                (another dataset version, order, batch size, rank split or transform), or its
                 ``batches_done`` is outside 0..batches of its epoch. Nothing is changed then.
         """
         if not isinstance(state, dict) or not {"epoch", "batches_done"} <= state.keys():
@@ -100,6 +108,7 @@ class LoaderState:
             raise ValueError(
                 f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; got {got})"
             )
+        check_identity_keys(state, IDENTITY_KEYS, strict, stacklevel=4)  # warns at the user's load_state_dict
         for k in IDENTITY_KEYS:
             if k in state and state[k] != identity[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
