@@ -232,5 +232,5 @@ def test_resume_refuses_a_different_configuration(packed_local):
     other = Loader(ds, num_workers=0, batch_size=8, seed=11)
     with pytest.raises(ValueError, match="batch_size"):
         other.load_state_dict(state)
-    with pytest.raises(ValueError, match="batches_done"):
-        Loader(ds, num_workers=0, **CFG).load_state_dict(dict(state, batches_done=99))
+    with pytest.raises(ValueError, match="samples_done"):
+        Loader(ds, num_workers=0, **CFG).load_state_dict(dict(state, samples_done=len(ds) + 1))
