@@ -263,3 +263,37 @@ def test_loader_takes_rank_and_world_size_from_an_initialised_process_group(pack
     halves = outs[0]["all"]
     assert [len(h) for h in halves] == [60, 60]
     assert sorted(halves[0] + halves[1]) == list(range(120))
+
+
+class _OwnPlan(Loader):
+    """A loader whose plan is its own (as the cluster's co-located plan is): not re-split."""
+
+    def plan(self, epoch=None):
+        return super().plan(epoch)
+
+
+def test_a_plan_of_its_own_is_not_split_again(packed_local):
+    ds = open_dataset(packed_local, cache=False)
+    _, states = _cut(ds, 2, 2, batch_size=7)  # 28 served: not a whole number of 3 ranks' batches
+    own = _OwnPlan(ds, batch_size=7, seed=SEED, rank=0, world_size=3, num_workers=0, decode=_sample_id)
+    with pytest.raises(ValueError, match="samples_done=28 .* world_size=2"):
+        own.load_state_dict(states[0])
+    assert own.state_dict()["samples_done"] == 0  # nothing changed
+    same = _OwnPlan(ds, batch_size=7, seed=SEED, rank=1, world_size=2, num_workers=0, decode=_sample_id)
+    same.load_state_dict(states[0])
+    assert same.state_dict() == states[0]
+    own.close()
+    same.close()
+
+
+def test_world_size_without_rank_in_a_job_of_another_size_is_refused(packed_local, monkeypatch):
+    ds = open_dataset(packed_local, cache=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="world_size=2 without rank= in a job of 3 ranks"):
+        Loader(ds, batch_size=8, num_workers=0, world_size=2)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    loader = Loader(ds, batch_size=8, num_workers=0, world_size=2)  # outside a job: rank 0
+    assert loader.rank == 0
+    loader.close()

@@ -169,8 +169,9 @@ class Loader:
         WorkerStartError: ``run.start_method`` spawn/forkserver (with workers) from code whose
             main module such workers cannot import again (code fed on stdin).
         TypeError: ``decode``/``collate`` cannot reach workers started with spawn/forkserver.
-        ValueError: ``rank``/``world_size`` out of range (or $RANK/$WORLD_SIZE not integers), or
-            decode/collate with ``image`` options that only the built-in image path uses.
+        ValueError: ``rank``/``world_size`` out of range ($RANK/$WORLD_SIZE not integers; a
+            ``world_size`` above 1 without ``rank`` in a job of another size), or decode/collate
+            with ``image`` options that only the built-in image path uses.
 
     Origin bytes are charged to the epoch whose samples they serve, so warm epochs show only
     their own reads. Attributes besides the arguments: ``state``
@@ -509,6 +510,7 @@ class Loader:
             num_samples=len(self.dataset),
             num_blocks=self.dataset.num_blocks,
             plan_len=lambda e, start, r, w: len(self._rank_plan(e, start, r, w)),
+            resplit=type(self).plan is Loader.plan,  # a subclass's own plan (the cluster's) is not re-split
         )
         if self._started.run is not None:
             self._started.run.drop_pre()

@@ -41,13 +41,19 @@ def resolve(rank: int | None, world_size: int | None, stacklevel: int = 2) -> tu
     """``(rank, world_size)``: each argument given wins; one left None comes from
     :func:`from_environment` (the rank only when the world size is the environment's), else 0 and
     1. Warns (UserWarning, once per process) when the result is one rank in an environment of
-    several. Raises ValueError as :func:`from_environment`."""
+    several. Raises ValueError as :func:`from_environment`, and for a world size above 1 given
+    without a rank in a job of another size (every rank would take rank 0)."""
     global _warned
     env = from_environment()
     if world_size is None:
         world_size = env[1] if env is not None else 1
     if rank is None:
-        rank = env[0] if env is not None and env[1] == world_size else 0
+        if env is not None and env[1] == world_size:
+            rank = env[0]
+        elif env is None or world_size == 1:
+            rank = 0
+        else:  # every rank of the job would take rank 0
+            raise ValueError(f"world_size={world_size} without rank= in a job of {env[1]} ranks: pass rank= too")
     if env is not None and env[1] > 1 and world_size == 1 and not _warned:
         _warned = True
         warnings.warn(

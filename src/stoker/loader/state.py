@@ -136,6 +136,7 @@ class LoaderState:
         num_samples: int,
         num_blocks: int,
         plan_len: Callable[[int, int, int, int], int],
+        resplit: bool = True,
     ) -> None:
         """Take ``state`` (from :meth:`to_dict`, saved on any rank at any world size): the next
         ``iter()`` continues that epoch with this rank's share of the ids not yet served, or
@@ -156,6 +157,9 @@ class LoaderState:
             num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
             plan_len: ``(epoch, start, rank, world_size) -> ids`` of that rank's plan of ``epoch``
                 when ``start`` ids of its permutation were served before.
+            resplit: whether the loader's plan can split the rest of an epoch again (False for a
+                plan that is not the interleaved split: a state cut between two of its steps is
+                then refused).
 
         Raises:
             ValueError: ``state`` is not a state dict, or has another value for one of
@@ -163,7 +167,8 @@ class LoaderState:
                 or transform: named), or its ``samples_done`` (``batches_done``) is out of range,
                 or it cannot be continued on this rank (a streaming collate's carry saved on
                 another rank or world size; a cache-aware order cut at another world size
-                between two of this loader's steps). Nothing is changed then.
+                between two of this loader's steps; a split again that ``resplit`` forbids).
+                Nothing is changed then.
         """
         if not isinstance(state, dict) or "epoch" not in state or not {"samples_done", "batches_done"} & state.keys():
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -211,6 +216,12 @@ class LoaderState:
                 f"cannot resume: a cache-aware order (cache_aware_window={identity['cache_aware_window']}) "
                 f"saved at world_size={saved_world} mid-epoch cannot be split again over {world_size} ranks "
                 "(each rank's order depends on its own node cache)"
+            )
+        if start and not finished and not resplit:
+            raise ValueError(
+                f"cannot resume: samples_done={served} of epoch {epoch} is not a whole number of batches of "
+                f"{world_size} ranks, and this loader's plan cannot split the rest of an epoch again "
+                f"(resume at world_size={saved_world})"
             )
         carry = state.get("carry")
         if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
