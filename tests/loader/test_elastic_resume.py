@@ -23,14 +23,14 @@ def _sample_id(fields, rng):
     return np.int64(fields["__id__"])
 
 
-def _loader(ds, rank, world_size, batch_size=8, even="pad", **kw):
+def _loader(ds, rank, world_size, batch_size=8, even="pad", num_workers=0, **kw):
     return Loader(
         ds,
         batch_size=batch_size,
         seed=SEED,
         rank=rank,
         world_size=world_size,
-        num_workers=0,
+        num_workers=num_workers,
         decode=_sample_id,
         read=ReadOptions(even=even),
         **kw,
@@ -55,12 +55,12 @@ def _cut(ds, world_size, batches, **kw):
     return served, states
 
 
-def _resume(ds, state, world_size, **kw):
+def _resume(ds, state, world_size, num_workers=0, **kw):
     """The rest of epoch 0 on ``world_size`` ranks given ``state``: the ids each rank is served,
     without the padding repeats (``padding_mask``), and the batches per rank."""
     ids, counts = [], []
     for rank in range(world_size):
-        loader = _loader(ds, rank, world_size, **kw)
+        loader = _loader(ds, rank, world_size, num_workers=num_workers, **kw)
         loader.load_state_dict(state)
         assert loader.epoch == 0
         mine = [i for b in loader for i in _ids(b)]
@@ -73,15 +73,15 @@ def _resume(ds, state, world_size, **kw):
 
 
 @pytest.mark.parametrize(
-    "batch_size, batches, new_world",
-    [(8, 3, 1), (8, 3, 3), (7, 2, 3), (7, 2, 1), (5, 5, 4)],
+    "batch_size, batches, new_world, workers",
+    [(8, 3, 1, 0), (8, 3, 3, 0), (7, 2, 3, 0), (7, 2, 1, 0), (5, 5, 4, 0), (7, 2, 3, 2)],
 )
-def test_two_rank_checkpoint_resumes_at_any_world_size(packed_local, batch_size, batches, new_world):
+def test_two_rank_checkpoint_resumes_at_any_world_size(packed_local, batch_size, batches, new_world, workers):
     ds = open_dataset(packed_local, cache=False)
     served, states = _cut(ds, 2, batches, batch_size=batch_size)
     assert states[0] == states[1]  # one state for the job
     assert len(served) == len(set(served)) == 2 * batches * batch_size
-    rest, counts = _resume(ds, states[0], new_world, batch_size=batch_size)
+    rest, counts = _resume(ds, states[0], new_world, num_workers=workers, batch_size=batch_size)
     assert len(set(counts)) == 1  # every rank the same number of samples (even="pad")
     # the epoch's every sample exactly once: what the two ranks had, plus the rest
     assert collections.Counter(served + rest) == collections.Counter(range(len(ds)))
