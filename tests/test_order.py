@@ -111,3 +111,19 @@ def test_sample_stream_covers_each_epoch_once_across_ranks_and_works_as_a_torch_
     s = SampleStream(n, seed=1)
     with pytest.raises(ValueError, match="seed"):
         s.load_state_dict({**s.state_dict(), "seed": 2})
+
+
+def test_sample_stream_refuses_a_state_without_its_configuration():
+    from stoker.order import SampleStream
+
+    s = SampleStream(100, seed=1)
+    it = iter(s)
+    for _ in range(7):
+        next(it)
+    trimmed = {"epoch": s.state_dict()["epoch"], "position": s.state_dict()["position"]}
+    other = SampleStream(100, seed=2)
+    with pytest.raises(ValueError, match="lacks seed, order, window"):
+        other.load_state_dict(trimmed)
+    with pytest.warns(RuntimeWarning, match="lacks seed"):
+        other.load_state_dict(trimmed, strict=False)
+    assert other.state_dict()["position"] == 7

@@ -23,6 +23,7 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── CacheModeError (ValueError)           a cache made under one file mode opened with another
     ├── UnsafePathError (PermissionError)     a cache path is a symlink, another user's, or writable by others
     ├── CacheDirError (NotADirectoryError)    the cache directory is a file, or lies under one
+    ├── CacheUnwritableError (PermissionError)  the cache directory cannot be written (read-only, no permission)
     ├── DecodeError (ValueError)              a sample's bytes could not be decoded
     │   └── ImageTooLarge                     the header declares more than ``max_pixels``
     ├── EntryError (ValueError)               a derived-cache entry is damaged
@@ -58,6 +59,7 @@ __all__ = [
     "CacheInUseError",
     "CacheLockTimeout",
     "CacheModeError",
+    "CacheUnwritableError",
     "CapacityError",
     "ChecksumError",
     "CollateError",
@@ -286,6 +288,22 @@ class UnsafePathError(StokerError, PermissionError):
 
 class CacheDirError(StokerError, NotADirectoryError):
     """The cache directory given (or one of its parents) is a file; the message names both."""
+
+
+class CacheUnwritableError(StokerError, PermissionError):
+    """The cache directory (or one it needs: a parent, the memory tier's) cannot be created or
+    written: a read-only filesystem (``errno`` EROFS) or no permission (EACCES, EPERM). The
+    message names the directory, the path that failed and why, and the ways out (a writable
+    ``cache_dir``, ``cache=False``, or ``cache_read_only=True`` for a cache filled earlier)."""
+
+    def __init__(self, root: str, why: str, err_no: int = errno.EACCES):
+        super().__init__(
+            err_no,
+            f"cache directory {root} cannot be written ({why}): pass a writable directory as cache_dir "
+            "(or set STOKER_CACHE_DIR), or read without a cache (cache=False); a cache filled earlier "
+            "(a pre-warmed image mounted read-only) is served as it is with cache_read_only=True",
+            root,
+        )
 
 
 class CacheInUseError(StokerError, RuntimeError):

@@ -27,6 +27,7 @@ Orders:
 from __future__ import annotations
 
 import base64
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -234,6 +235,36 @@ def unpack_bitmap(text: str | None, n: int) -> np.ndarray | None:
     return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)
 
 
+def check_identity_keys(
+    state: dict[str, Any], keys: tuple[str, ...], strict: bool, what: str = "loader", stacklevel: int = 3
+) -> None:
+    """Refuse (``strict``) or warn about a saved state that lacks some of ``keys``, the
+    configuration that says whether it was saved by a ``what`` like the one resuming it (a
+    trainer that kept only the epoch and the position). Without them a state of another seed,
+    order, rank split or batch size would be resumed silently, repeating and skipping samples.
+
+    Raises ValueError naming the missing keys with ``strict``; otherwise warns once per call
+    (``RuntimeWarning``, naming them; ``stacklevel`` as :func:`warnings.warn`'s, counted from the
+    caller of this function's caller) and returns."""
+    missing = [k for k in keys if k not in state]
+    if not missing:
+        return
+    why = (
+        f"the state lacks {', '.join(missing)}, which say whether it was saved by a {what} like this one "
+        "(the same data, seed, order and rank split)"
+    )
+    if strict:
+        raise ValueError(
+            f"cannot resume: {why}; another one would repeat and skip samples. Save the whole "
+            "state_dict(), or pass strict=False to resume anyway (with a warning)"
+        )
+    warnings.warn(
+        f"resuming a state that may not be this {what}'s: {why}; taken to be this {what}'s",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+
+
 class SampleStream:
     """This rank's sample ids, epoch after epoch: a resumable sampler.
 
@@ -300,14 +331,23 @@ class SampleStream:
             "num_samples": self.num_samples,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue from :meth:`state_dict`: the next ``iter()`` yields the rest of the saved
         epoch (the next epoch if it was finished; an epoch with no ids for this rank is still
         iterated, yielding nothing, so ``epoch`` advances exactly as in the saved run).
         ValueError if the state belongs to another configuration (the rest of the stream
-        would differ) or its position is out of range."""
+        would differ) or its position is out of range, and, with ``strict`` (the default), if it
+        lacks the configuration keys that say so (``strict=False``: resumed with a warning
+        naming them; :func:`check_identity_keys`)."""
         mine = self.state_dict()
-        for k in ("seed", "order", "window", "rank", "world_size", "even", "num_samples"):
+        keys = ("seed", "order", "window", "rank", "world_size", "even", "num_samples")
+        if not isinstance(state, dict) or not {"epoch", "position"} <= state.keys():
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"cannot resume: not a SampleStream state_dict() (it needs 'epoch' and 'position'; got {got})"
+            )
+        check_identity_keys(state, keys, strict, "sampler")
+        for k in keys:
             if k in state and state[k] != mine[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this stream has {mine[k]!r}")
         epoch, pos = int(state["epoch"]), int(state["position"])

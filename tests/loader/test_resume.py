@@ -234,3 +234,27 @@ def test_resume_refuses_a_different_configuration(packed_local):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="samples_done"):
         Loader(ds, num_workers=0, **CFG).load_state_dict(dict(state, samples_done=len(ds) + 1))
+
+
+@pytest.mark.parametrize("position", ["samples_done", "batches_done"])
+def test_resume_refuses_a_state_without_its_identity_keys(packed_local, position):
+    """A trainer that kept only {epoch, batches_done}: nothing says the state is this loader's (a
+    state of another seed resumed here repeats and skips samples), so it is refused by name, or
+    resumed with strict=False and a warning that names what it lacks."""
+    ds = open_dataset(packed_local, cache=False)
+    saved = Loader(ds, num_workers=0, **{**CFG, "seed": 5})  # another seed than the one resuming
+    it = iter(saved)
+    for _ in range(3):
+        next(it)
+    trimmed = {k: saved.state_dict()[k] for k in ("epoch", position)}
+    other = Loader(ds, num_workers=0, **CFG)
+    with pytest.raises(ValueError, match="lacks seed, order.*dataset_version") as info:
+        other.load_state_dict(trimmed)
+    assert "strict=False" in str(info.value) and other.state_dict()["batches_done"] == 0  # nothing changed
+    with pytest.warns(RuntimeWarning, match="lacks seed, order"):
+        other.load_state_dict(trimmed, strict=False)
+    assert (other.state_dict()["epoch"], other.state_dict()["batches_done"]) == (0, 3)
+    full = saved.state_dict()
+    del full["carry_from"]  # one key missing is named alone
+    with pytest.raises(ValueError, match="lacks carry_from,"):
+        Loader(ds, num_workers=0, **{**CFG, "seed": 5}).load_state_dict(full)

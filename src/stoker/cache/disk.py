@@ -48,6 +48,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ import xxhash
 
 from .._atomic import open_file
 from .._procs import pid_alive
-from ..errors import CacheLockTimeout, StokerError  # noqa: F401 - CacheLockTimeout re-exported
+from ..errors import CacheDirError, CacheLockTimeout, StokerError  # noqa: F401 - CacheLockTimeout re-exported
 from . import catalog, layout, paths, perms, space
 from .files import TMP_MARK, is_file, write_whole
 from .handles import Handles, wait_flock
@@ -71,6 +72,7 @@ POLICIES = ("future", "noevict", "lru")
 # and 256 stripes, about 3% of fills collided (bench cache, C = 0.1 D); 4096 makes that 0.2%.
 _STRIPES = 4096
 _TMP = TMP_MARK
+_REVIVED: set[tuple[str, int]] = set()  # (cache root, pid) that logged a revival
 
 
 @dataclass
@@ -102,8 +104,15 @@ class DiskCache(UsageCounters):
     ``mode``: file mode of all it creates (:mod:`.perms`: ``$STOKER_CACHE_MODE`` or 0600,
     directories 0700; ``"0640"`` shares it with the directory's group), kept in the marker.
     Raises ValueError for a bad policy, mode or budget; :class:`~stoker.errors.CacheModeError`
-    (``root`` made with another mode) and :class:`~stoker.errors.UnsafePathError` (see :mod:`.perms`).
+    (``root`` made with another mode), :class:`~stoker.errors.UnsafePathError` (see :mod:`.perms`)
+    and :class:`~stoker.errors.CacheUnwritableError` (``root`` on a read-only filesystem, or not
+    writable by this user: a cache filled earlier is read with :class:`stoker.cache.readonly.ReadOnlyCache`).
+
+    A directory removed while a job runs is made again at the next fill (its blocks are then
+    misses, read from the origin again; logged once): :meth:`_revive`.
     """
+
+    read_only = False  # (see stoker.cache.readonly.ReadOnlyCache)
 
     def __init__(
         self,
@@ -130,17 +139,89 @@ class DiskCache(UsageCounters):
         self._owner_pid = os.getpid()  # the job that opened the cache (kept by pickling)
         self.keep_free_fraction = 0.0  # of the filesystem, left free for others (the memory tier sets it)
         self.overflow = space.STAGED_INSTEAD  # where refused fills go (warnings)
+        self._registered: dict[str, tuple[int, float | None]] = {}  # jobs announced, made again on a revival
+        self._revive_mutex = threading.Lock()
         paths.check_root_path(self.root)  # a clear error naming root when a file is in the way
+        self.jobs = JobRegistry(self.root, self.mode)
+        self._make_root()
+
+    def _make_root(self) -> None:
+        """Create (or check) ``root`` and the cache's own directories, mark it, and try one write
+        (the budget lock file), so that a directory that cannot be written is reported now, once,
+        by name. Raises :class:`~stoker.errors.CacheUnwritableError` (a read-only filesystem, no
+        permission), :class:`~stoker.errors.UnsafePathError`, :class:`~stoker.errors.CacheModeError`."""
         try:
             perms.open_root(self.root, self.mode)
-            self.jobs = JobRegistry(self.root, self.mode)
             perms.ensure_dir(os.path.join(self.root, ".locks"), self.mode, parents=False)
             perms.ensure_dir(os.path.join(self.root, ".usage"), self.mode, parents=False)
-        except PermissionError as exc:
-            if isinstance(exc, StokerError):  # UnsafePathError, CacheModeError: already named
-                raise
+            layout.mark_root(self.root, self.mode)
+            os.close(open_file(os.path.join(self.root, ".lock"), os.O_CREAT | os.O_RDWR, self.mode))
+        except OSError as exc:
+            if isinstance(exc, StokerError) or exc.errno not in paths.UNWRITABLE_ERRNOS:
+                raise  # UnsafePathError, CacheModeError: already named
             raise paths.unwritable_root(self.root, exc) from exc
-        layout.mark_root(self.root, self.mode)
+
+    def _revive(self) -> None:
+        """Start again after the cache's files went away under this process (its directory removed
+        by a tmp cleaner or a colleague's ``rm -rf`` while a job runs, or only its lock files):
+        drop every descriptor this process keeps (they are of unlinked files, which no other
+        process sees), make the directory and its bookkeeping again if they are gone, and announce
+        this job again. The blocks that went with it are read from the origin again, counted as
+        misses. Logged once per process and directory. Raises what :meth:`_make_root` raises."""
+        with self._revive_mutex:
+            old, self._handles = self._handles, None
+            if old is not None and old.pid == os.getpid():
+                old.close()
+            self._made = set()
+            self._quota_memo = None
+            if not layout.is_whole(self.root):
+                layout.wait_removed(self.root)  # an rm -rf still walking it: let it finish first
+            if not layout.is_whole(self.root):
+                if (self.root, os.getpid()) not in _REVIVED:
+                    _REVIVED.add((self.root, os.getpid()))
+                    log.warning(
+                        "cache directory %s was removed while this job ran: made again (its blocks are read "
+                        "from the origin again)",
+                        self.root,
+                    )
+                self._make_root()
+            # the job's record went with the directory: without it the policy admits nothing of the
+            # job's dataset; whichever of the job's processes gets here first writes it again
+            live = {(r.get("namespace"), r.get("pid")) for r in self.jobs.records()}
+            for ns, (nbytes, epoch_s) in list(self._registered.items()):
+                if (ns, self._owner_pid) not in live:
+                    try:
+                        self.jobs.register(ns, nbytes, epoch_s, pid=self._owner_pid)
+                    except OSError as exc:
+                        log.debug("could not announce the job on %s again: %s", self.root, exc)
+
+    def _again(self, fn):
+        """``fn()``, or, when a file of the cache's own went away under it (FileNotFoundError: the
+        directory removed while it ran), ``fn()`` again once the cache is revived
+        (:meth:`_revive`); a second such failure is :meth:`_gone`."""
+        try:
+            return fn()
+        except FileNotFoundError as exc:
+            if isinstance(exc, StokerError):
+                raise
+        self._revive()
+        try:
+            return fn()
+        except FileNotFoundError as again:
+            if isinstance(again, StokerError):
+                raise
+            raise self._gone(again) from again
+
+    def _gone(self, exc: BaseException) -> CacheDirError:
+        """The error of a cache directory that keeps going away under this job (made again, gone
+        again before its next use)."""
+        return CacheDirError(
+            errno.ENOENT,
+            f"cache directory {self.root} was removed while this job ran and is gone again after it was "
+            f"made again ({exc}): give the job a directory that nothing else deletes (cache_dir, "
+            "STOKER_CACHE_DIR)",
+            self.root,
+        )
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -149,7 +230,12 @@ class DiskCache(UsageCounters):
         state["_handles"] = None  # descriptors are per process
         state["_made"] = set()
         state["_quota_memo"] = None
+        del state["_revive_mutex"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._revive_mutex = threading.Lock()
 
     # -- paths and locks -------------------------------------------------
     def path(self, namespace: str, name: str) -> str:
@@ -173,17 +259,31 @@ class DiskCache(UsageCounters):
     def _budget_lock(self):
         """The budget lock (``.lock``): a thread lock of this process, then ``flock`` on the
         process's open descriptor of the file; unlocked explicitly (a forked child's copy of
-        the descriptor must not keep it held)."""
-        h = self._local()
-        with h.budget_mutex:
-            fd = h.budget_fd()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self._lock_fd = fd
-            try:
-                yield
-            finally:
-                self._lock_fd = None
-                fcntl.flock(fd, fcntl.LOCK_UN)
+        the descriptor must not keep it held). A lock file that is no longer the one at its name
+        (the cache directory was removed or moved) or cannot be opened (it is gone) revives the cache first
+        (:meth:`_revive`): a lock only this process sees would exclude nobody."""
+        for attempt in range(3):
+            h = self._local()
+            with h.budget_mutex:
+                try:
+                    fd = h.budget_fd()
+                except FileNotFoundError as exc:
+                    if attempt == 2:
+                        raise self._gone(exc) from exc
+                    fd = None
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    if h.current(fd, h.budget_path()):
+                        self._lock_fd = fd
+                        try:
+                            yield
+                        finally:
+                            self._lock_fd = None
+                            fcntl.flock(fd, fcntl.LOCK_UN)
+                        return
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            self._revive()
+        raise self._gone(FileNotFoundError(errno.ENOENT, "the budget lock file went away again"))
 
     def _stripe(self, namespace: str, name: str) -> str:
         """The fetch-lock file of block ``name`` (one of ``_STRIPES``, shared by many blocks)."""
@@ -250,7 +350,12 @@ class DiskCache(UsageCounters):
         fd: int | None = None
         locked = False
         try:
-            fd = h.take_stripe(k, self._stripe_path(k))
+            try:
+                fd = h.take_stripe(k, self._stripe_path(k))
+            except FileNotFoundError:  # .locks/ went away with the directory: make it again
+                self._revive()
+                perms.ensure_dir(os.path.join(self.root, ".locks"), self.mode, parents=False)
+                fd = h.take_stripe(k, self._stripe_path(k))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 locked = True
@@ -287,6 +392,9 @@ class DiskCache(UsageCounters):
 
     def used_bytes(self) -> int:
         """Bytes committed or reserved in the cache (all processes)."""
+        return self._again(self._used_bytes)
+
+    def _used_bytes(self) -> int:
         with self._budget_lock():
             return self._read_used()
 
@@ -363,7 +471,11 @@ class DiskCache(UsageCounters):
     def register(self, namespace: str, dataset_bytes: int, epoch_s: float | None = None) -> None:
         """Announce this process's job on ``namespace`` (its size in bytes and, once known,
         its epoch time in seconds) to the ``future`` policy's budget split."""
-        self.jobs.register(namespace, dataset_bytes, epoch_s)
+        self._registered[namespace] = (int(dataset_bytes), epoch_s)
+        try:
+            self.jobs.register(namespace, dataset_bytes, epoch_s)
+        except FileNotFoundError:  # the directory was removed: make it again (which registers the job)
+            self._revive()
         self._quota_memo = None
 
     def describe(self, namespace: str, url: str) -> None:
@@ -434,6 +546,9 @@ class DiskCache(UsageCounters):
     def would_admit(self, nbytes: int, namespace: str = "") -> bool:
         """Whether a fill of ``nbytes`` for ``namespace`` would be admitted now (a dry run:
         no reservation, nothing evicted)."""
+        return self._again(lambda: self._would_admit(nbytes, namespace))
+
+    def _would_admit(self, nbytes: int, namespace: str) -> bool:
         if nbytes > self.capacity_bytes:
             return False
         room = space.headroom_bytes(self.root, nbytes, self.keep_free_fraction)
@@ -465,6 +580,10 @@ class DiskCache(UsageCounters):
     def put(self, namespace: str, name: str, data: bytes) -> bool:
         """Admit a block: reserve its bytes, write a temporary file, rename it into place.
 
+        A cache directory removed while the job runs is made again and the block admitted into
+        it (:meth:`_revive`); one removed again at once raises :class:`~stoker.errors.CacheDirError`
+        naming it.
+
         Returns True if the block is now cached, False if the policy refused it or it does
         not fit on the filesystem. Under ``lru`` older blocks are evicted to make room; under
         ``future`` blocks of datasets over their share. Usage never exceeds ``capacity_bytes``
@@ -473,6 +592,9 @@ class DiskCache(UsageCounters):
         directory and the free bytes (:mod:`.space`) and refuses the block. Other OSErrors
         release the reservation and are re-raised.
         """
+        return self._again(lambda: self._put(namespace, name, data))
+
+    def _put(self, namespace: str, name: str, data: bytes) -> bool:
         n = len(data)
         final = self.path(namespace, name)
         with self._budget_lock():
@@ -563,6 +685,9 @@ class DiskCache(UsageCounters):
 
     def remove(self, namespace: str, name: str) -> None:
         """Drop one block (e.g. after a checksum failure) and return its bytes to the budget."""
+        self._again(lambda: self._remove(namespace, name))
+
+    def _remove(self, namespace: str, name: str) -> None:
         path = self.path(namespace, name)
         with self._budget_lock():
             self._local().drop((namespace, name))

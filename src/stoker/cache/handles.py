@@ -16,6 +16,12 @@ descriptor is used by one thread at a time (taken out of the idle pool while hel
 blocking wait for a stripe that another process holds is one blocking ``flock`` in a helper
 thread, waited on with a timeout (:func:`wait_flock`): no polling, and the caller's timeout holds.
 
+A lock file unlinked or moved away under the process (the cache directory removed while a job
+runs) is noticed: a stripe's idle descriptor that is not the file at its name any more is closed
+and the name opened again (:meth:`Handles.take_stripe`), and the cache checks its budget lock file
+once it holds it (:meth:`Handles.current`) and starts again
+(:meth:`stoker.cache.disk.DiskCache._revive`) when it is gone.
+
 Block files are read through a bounded LRU of descriptors (:data:`BLOCK_FDS` per process). A
 cached descriptor is used only while its file is still linked (``fstat``: ``st_nlink > 0``):
 a block evicted, removed after a checksum failure, cleared or replaced has its file unlinked
@@ -99,12 +105,31 @@ class Handles:
         for fd, ident in fds:
             _close_if_same(fd, ident)
 
+    @staticmethod
+    def current(fd: int, path: str) -> bool:
+        """Whether the file open as ``fd`` is still the one at ``path`` (False once it was unlinked
+        or moved away, e.g. with the cache directory): a lock on such a file excludes no other
+        process, which opens a new file under the same name. One ``fstat`` and one ``stat``."""
+        try:
+            st = os.fstat(fd)
+            now = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        return st.st_nlink > 0 and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+    def budget_path(self) -> str:
+        """The budget lock file's path."""
+        return os.path.join(self.root, ".lock")
+
     # -- the budget lock file ------------------------------------------------
     def budget_fd(self) -> int:
         """The budget lock file ``<root>/.lock``, open for this process (caller holds
-        :attr:`budget_mutex`)."""
-        if self._budget is None:
-            fd = open_file(os.path.join(self.root, ".lock"), os.O_CREAT | os.O_RDWR, self.mode)
+        :attr:`budget_mutex`). Raises FileNotFoundError when it is gone (the cache directory
+        removed: the caller makes it again, :meth:`stoker.cache.disk.DiskCache._revive`; it never
+        makes a lock file in a directory that an ``rm -rf`` is walking); the caller checks
+        :meth:`current` once it holds the lock."""
+        if self._budget is None:  # not created here: the cache makes it with its directory
+            fd = open_file(self.budget_path(), os.O_RDWR, self.mode)
             self._budget = (fd, _identity(fd))
         return self._budget[0]
 
@@ -123,7 +148,11 @@ class Handles:
         with self._mutex:
             got = self._stripe_idle.pop(k, None)
         if got is not None:
-            return got[0]
+            if self.current(got[0], path):
+                return got[0]
+            with self._mutex:  # its file was unlinked or moved (the directory removed): open the name again
+                self._stripe_ident.pop(got[0], None)
+            os.close(got[0])
         fd = open_file(path, os.O_CREAT | os.O_RDWR, self.mode)
         with self._mutex:
             self._stripe_ident[fd] = _identity(fd)

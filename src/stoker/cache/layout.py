@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from .._atomic import open_file, write_atomic
 from .space import is_full
@@ -44,6 +45,34 @@ LAYOUT = 2
 def is_cache(root: str) -> bool:
     """Whether ``root`` is a stoker cache directory (it holds the root marker)."""
     return os.path.isfile(os.path.join(root, ROOT_MARKER))
+
+
+#: Seconds a process that found the cache's files gone waits for a removal in progress (an
+#: ``rm -rf`` still walking the directory) to finish before it makes the directory again.
+SETTLE_S = 5.0
+
+
+#: What every cache root holds from its first open on: the marker, the budget lock file, the
+#: fetch-lock and usage directories (:class:`stoker.cache.DiskCache` makes them).
+SKELETON = (ROOT_MARKER, ".lock", ".locks", USAGE_DIR)
+
+
+def is_whole(root: str) -> bool:
+    """Whether ``root`` holds the whole :data:`SKELETON` of a cache (four ``lstat``)."""
+    return all(os.path.lexists(os.path.join(root, name)) for name in SKELETON)
+
+
+def wait_removed(root: str, timeout_s: float = SETTLE_S) -> bool:
+    """Wait while ``root`` exists but lacks part of its :data:`SKELETON` (an ``rm -rf`` of it in
+    progress, which making it again under its feet would make fail with "Directory not empty"),
+    at most ``timeout_s`` seconds. Returns True when ``root`` is gone or whole again (another
+    process made it), False when it is still there, partly removed, at the end."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.lexists(root) and not is_whole(root):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def mark_root(root: str, file_mode: int) -> None:

@@ -19,12 +19,13 @@ directory, and a user should hear that without turning logging up.
 
 from __future__ import annotations
 
+import errno
 import getpass
 import glob
 import logging
 import os
 
-from ..errors import CacheDirError
+from ..errors import CacheDirError, CacheUnwritableError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ __all__ = [
     "default_cache_dir",
     "check_root_path",
     "unwritable_root",
+    "UNWRITABLE_ERRNOS",
     "ram_backed",
     "warn_defaults",
 ]
@@ -189,9 +191,15 @@ def check_root_path(root: str) -> None:
         )
 
 
-def unwritable_root(root: str, exc: PermissionError) -> PermissionError:
-    """The PermissionError to raise when the cache directory ``root`` cannot be created or written."""
-    return PermissionError(
-        f"cache directory {root} cannot be created or written ({exc.strerror}): "
-        "pass a writable directory as cache_dir (or set STOKER_CACHE_DIR)"
+#: errnos of a directory that exists (or could) but cannot be written
+UNWRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def unwritable_root(root: str, exc: OSError) -> CacheUnwritableError:
+    """The error to raise when the cache directory ``root`` cannot be created or written
+    (``exc``: the OSError of the write that failed; its path is named as what failed)."""
+    why = "a read-only filesystem" if exc.errno == errno.EROFS else (exc.strerror or "permission denied").lower()
+    where = exc.filename if isinstance(exc.filename, str) else None
+    return CacheUnwritableError(
+        root, why + (f": {where}" if where and where != root else ""), exc.errno or errno.EACCES
     )

@@ -114,8 +114,9 @@ class JobRegistry:
         long-lived process, e.g. a cluster cache service, that reads for jobs which may end
         without telling it); None: while the process lives.
         On a full disk (ENOSPC, EDQUOT) the record is left as it was (no temporary file stays):
-        the job then reads as an unannounced reader, which the cache holds nothing new for."""
-        ensure_dir(self.dir, self.mode)
+        the job then reads as an unannounced reader, which the cache holds nothing new for.
+        FileNotFoundError when the cache directory is gone."""
+        ensure_dir(self.dir, self.mode, parents=False)  # never the cache root itself: the cache makes it
         pid = os.getpid() if pid is None else pid
         rec = {
             "namespace": namespace,

@@ -28,7 +28,7 @@ import shutil
 import uuid
 
 from .._atomic import PRIVATE_FILE_MODE, open_file
-from . import perms, space
+from . import layout, perms, space
 from .files import TMP_MARK, is_file, read_at, write_whole
 
 
@@ -72,7 +72,8 @@ class StagingArea:
 
         Returns True when staged, False when the disk has no room for it (by ``statvfs``
         before writing, or ENOSPC / EDQUOT while writing: the temporary file is removed);
-        the reader then reads the block's samples from the origin. Other OSErrors are raised.
+        the reader then reads the block's samples from the origin. A staging directory removed
+        with the cache directory while the job runs is made again. Other OSErrors are raised.
         """
         final = self.path(namespace, name)
         n = memoryview(data).nbytes
@@ -80,8 +81,13 @@ class StagingArea:
         try:
             if room is not None and n > room[0]:
                 raise OSError(space.FULL_ERRNOS[0], "no room by statvfs", self.root)
-            perms.ensure_dir(os.path.dirname(final), self.mode, parents=False)
-            write_whole(final, data, mode=self.mode)
+            try:
+                perms.ensure_dir(os.path.dirname(final), self.mode, parents=False)
+                write_whole(final, data, mode=self.mode)
+            except FileNotFoundError:  # the cache directory was removed under the job: make ours again
+                layout.wait_removed(self.cache_root)  # once an rm -rf in progress is through
+                perms.ensure_dir(os.path.dirname(final), self.mode, parents=True)
+                write_whole(final, data, mode=self.mode)
             return True
         except OSError as exc:
             if not space.is_full(exc):

@@ -60,6 +60,8 @@ class TieredCache:
     the two tiers have different cache modes (:mod:`.perms`).
     """
 
+    read_only = False  # a memory tier is written; a read-only cache has none
+
     def __init__(self, memory: DiskCache, disk: DiskCache):
         if memory.mode != disk.mode:
             raise ValueError(

@@ -81,8 +81,12 @@ class UsageCounters:
 
     def namespace_usage(self) -> dict[str, int]:
         """{namespace: bytes committed or reserved} for every namespace with a counter."""
-        out = {}
-        for ns in os.listdir(os.path.join(self.root, ".usage")):
+        out: dict[str, int] = {}
+        try:
+            names = os.listdir(os.path.join(self.root, ".usage"))
+        except FileNotFoundError:  # removed with the directory: nothing is counted there now
+            return out
+        for ns in names:
             out[ns] = self._ns_read(ns)
         return out
 
@@ -92,7 +96,11 @@ class UsageCounters:
         for path, size, _, _ in self._entries():
             ns = layout.namespace_of(path)
             per[ns] = per.get(ns, 0) + size
-        for ns in set(per) | set(os.listdir(os.path.join(self.root, ".usage"))):
+        try:
+            counted = set(os.listdir(os.path.join(self.root, ".usage")))
+        except FileNotFoundError:  # removed with the directory (made again by the cache)
+            counted = set()
+        for ns in set(per) | counted:
             try:
                 self._ns_write(ns, per.get(ns, 0))
             except OSError as exc:  # a full disk: the counter is recounted on the next recover

@@ -117,7 +117,7 @@ class Run:
             shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
             slot_bytes=mmap.PAGESIZE if self.cfg.generic else None,
         )  # grown by batches.py
-        if self.dataset.cache is not None and self.num_workers > 0 and self.dataset.reader.staging is None:
+        if self._fills_cache() and self.num_workers > 0 and self.dataset.reader.staging is None:
             from ..cache import StagingArea
             from ..store.blocks import BlockReader
 
@@ -154,13 +154,19 @@ class Run:
                 fork_hazards=self._fork_hazards,
             )
 
+    def _fills_cache(self) -> bool:
+        """Whether this run fills a node cache (a prefetcher and a staging area): there is one,
+        and it is not read-only (:class:`stoker.cache.readonly.ReadOnlyCache` is served as it is)."""
+        cache = self.dataset.cache
+        return cache is not None and not getattr(cache, "read_only", False)
+
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since the Loader was built),
         start the workers and, with a node cache, the prefetcher; wait for their own start."""
         ctx, self.start_method, self._fork_hazards = start_context(self.config.start_method, self.cfg)
         self._ready = ctx.Value("q", 0)
         self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.num_workers, self._ready)
-        if self.dataset.cache is not None:
+        if self._fills_cache():
             c = self.config
             self.prefetcher = Prefetcher(
                 ctx,

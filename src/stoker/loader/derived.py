@@ -230,13 +230,27 @@ def setup(
     form). Temporary files of dead writers are removed and usage recounted (``recover``).
 
     Raises:
-        ValueError: unknown form name; see :func:`~stoker.decode.choose.choose_form`.
+        ValueError: unknown form name, or no ``root`` over a read-only node cache; see
+            :func:`~stoker.decode.choose.choose_form`.
+        stoker.CacheUnwritableError: ``root`` cannot be created or written.
     """
+    from ..cache.paths import UNWRITABLE_ERRNOS, unwritable_root
     from ..cache.perms import ensure_dir, parse_mode
+    from ..errors import StokerError
 
+    if root is None and getattr(ds.cache, "read_only", False):
+        raise ValueError(
+            f"cache_form keeps derived samples in a directory it writes, and the node cache {ds.cache.root} "
+            "is read-only: give it one (ImageOptions(cache_form_dir=...)), or leave cache_form off"
+        )
     root = root or default_root(ds)
     cache_mode = parse_mode(getattr(ds.cache, "mode", None))
-    ensure_dir(root, cache_mode)  # before the storage probe of "auto" writes there: the cache's mode
+    try:
+        ensure_dir(root, cache_mode)  # before the storage probe of "auto" writes there: the cache's mode
+    except OSError as exc:
+        if exc.errno in UNWRITABLE_ERRNOS and not isinstance(exc, StokerError):  # not UnsafePathError
+            raise unwritable_root(root, exc) from exc
+        raise
     if form == "auto":
         from ..decode.choose import choose_form
 

@@ -49,8 +49,10 @@ class EpochStats:
     waits for every one, so its stall is near 1 whatever the loader's speed (docs/stats.md).
     ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
     (for world_size 1: every sample exactly once; substitutes are not delivered samples, so an
-    epoch with a skipped sample is never exactly once). ``cpu_s``: CPU seconds used in the
-    epoch by the training process (``main``), the decode ``workers`` and the
+    epoch with a skipped sample is never exactly once); False for an epoch that delivers no sample of
+    a dataset that has some, whose ``empty_reason`` says why (:func:`why_empty`: ``drop_last``
+    with fewer samples than a batch, more ranks than samples with ``even="drop"``; "" otherwise).
+    ``cpu_s``: CPU seconds used in the epoch by the training process (``main``), the decode ``workers`` and the
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
     counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
     crash) and were replaced, within the bounds of :mod:`stoker.loader.pool` and
@@ -105,6 +107,7 @@ class EpochStats:
     padded: int = 0  # substitutes yielded for batches whose every sample was skipped (not in samples)
     padded_keys: list = field(default_factory=list)  # their keys, the first 100
     exactly_once: bool = False
+    empty_reason: str = ""  # why the epoch delivered no sample of a dataset that has some ("" otherwise)
     cpu_s: dict = field(default_factory=dict)  # CPU seconds this epoch: main, workers, prefetch
     order_displacement: float = 0.0  # mean move (positions) of the cache-aware order
     derived_hits: int = 0  # samples decoded from their derived form (cache_form)
@@ -126,6 +129,27 @@ class EpochStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def why_empty(num_samples: int, world_size: int, even: str, batch_size: int, drop_last: bool) -> str:
+    """Why every epoch of a rank delivers no sample of a dataset of ``num_samples`` samples
+    (rank split ``even`` over ``world_size`` ranks, :func:`stoker.order.rank_plan`; then
+    ``drop_last`` with ``batch_size``), or "" when it delivers some (or the dataset has none)."""
+    if num_samples <= 0:
+        return ""
+    per_rank = -(-num_samples // world_size) if even == "pad" else num_samples // world_size
+    if per_rank == 0:
+        return (
+            f'even="drop" splits {num_samples} sample(s) over {world_size} ranks: every rank gets '
+            f'{per_rank} (use even="pad", or fewer ranks)'
+        )
+    if drop_last and per_rank < batch_size:
+        where = "the dataset's" if world_size == 1 else "this rank's"
+        return (
+            f"drop_last=True drops {where} only batch: {per_rank} sample(s), fewer than batch_size "
+            f"{batch_size} (use drop_last=False, or a smaller batch_size)"
+        )
+    return ""
 
 
 def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list, padded=()) -> None:

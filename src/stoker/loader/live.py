@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from .._atomic import PRIVATE_FILE_MODE, write_atomic
+from ..cache.layout import is_cache
 from ..cache.perms import ensure_dir
 from ..storage import absolute_url
 from .inflight import LEDGER_FIELDS
@@ -162,13 +163,16 @@ class LiveTotals:
     def publish(self, force: bool = False) -> None:
         """Write :meth:`snapshot` (with ``pid``, ``dataset``, ``time``, the cache's budgets) to
         the live-figures file of this loader, at most once a second unless ``force``. A loader
-        without a node cache writes nothing; a write that fails is logged once and never stops
-        the loader."""
+        without a node cache, or with a read-only one, writes nothing; a write that fails is
+        logged once and never stops the loader (a cache directory removed under the job is
+        tried again at the next publish: the cache makes it again)."""
         self._next_publish = time.monotonic() + PUBLISH_EVERY_S
         ds = self.dataset
         cache = getattr(ds, "cache", None)
         root = getattr(cache, "root", None)
-        if root is None or self._publish_failed:
+        if root is None or self._publish_failed or getattr(cache, "read_only", False):
+            return
+        if not is_cache(root):  # removed (or being removed): the cache makes it again, then we publish
             return
         path = live_path(root, ds.version, os.getpid(), self._seq)
         rec = self.snapshot()
@@ -190,6 +194,8 @@ class LiveTotals:
             ensure_dir(os.path.dirname(path), mode, parents=False)
             write_atomic(path, json.dumps(rec).encode(), mode=mode)
             self._published = path
+        except FileNotFoundError:  # the cache directory is gone for now
+            return
         except OSError as exc:
             self._publish_failed = True
             log.warning(

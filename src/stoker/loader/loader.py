@@ -27,7 +27,7 @@ from .._procs import check_main_for, pick_start_method
 from ..order import permutation, rank_padding, rank_plan
 from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
-from .epoch_stats import EpochStats
+from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
@@ -291,6 +291,7 @@ class Loader:
         self.device = device
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
+        self._warned_empty = False  # the one warning that this loader's epochs deliver nothing
         self.prefetch_next_epoch = read.prefetch_next_epoch
         self.cache_aware_window = read.cache_aware_window
         rank_plan(np.zeros(0, np.int64), rank, world_size, read.even)  # validates rank/world/even
@@ -485,7 +486,7 @@ class Loader:
             num_batches=lambda e: -(-len(self.plan(e)) // self.batch_size),
         )
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from :meth:`state_dict`, saved on any rank at any world size: the next
         ``iter()`` continues that epoch with this rank's share of the ids not yet served, split
         again over this loader's ``world_size`` ranks, each served exactly once, the ranks even as
@@ -499,7 +500,10 @@ class Loader:
         Raises ValueError when the state belongs to another dataset version or to a
         different seed, order, batch size, split mode or transform (the rest of the stream
         would not be the same; the message names the key), or cannot continue on this rank
-        (:meth:`stoker.loader.state.LoaderState.load`). Nothing is changed then.
+        (:meth:`stoker.loader.state.LoaderState.load`), and, with ``strict`` (the default), when
+        it lacks the keys that say which loader saved it (a trimmed ``{"epoch", "samples_done"}``;
+        the message names them). ``strict=False`` resumes such a state with a ``RuntimeWarning``
+        naming what it lacks. Nothing is changed then.
         """
         self.state.load(
             state,
@@ -511,6 +515,7 @@ class Loader:
             num_blocks=self.dataset.num_blocks,
             plan_len=lambda e, start, r, w: len(self._rank_plan(e, start, r, w)),
             resplit=type(self).plan is Loader.plan,  # a subclass's own plan (the cluster's) is not re-split
+            strict=strict,
         )
         if self._started.run is not None:
             self._started.run.drop_pre()
@@ -589,10 +594,25 @@ class Loader:
     def __exit__(self, *exc):
         self.close()
 
+    def _empty_reason(self) -> str:
+        """Why this loader's epochs deliver no sample ("" when they deliver some): :func:`why_empty`."""
+        return why_empty(len(self.dataset), self.world_size, self.even, self.batch_size, self.drop_last)
+
     def __iter__(self) -> EpochIterator:
         """The next epoch's batches (see the class doc). An earlier epoch's iterator still open
         is ended at once, and its next ``next()`` raises
-        :class:`~stoker.errors.StaleIteratorError` (a Loader serves one epoch at a time)."""
+        :class:`~stoker.errors.StaleIteratorError` (a Loader serves one epoch at a time). An
+        epoch that will deliver no sample of a dataset that has some (``drop_last``, more ranks
+        than samples with ``even="drop"``) warns once per loader, naming why."""
+        reason = self._empty_reason()
+        if reason and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                f"epoch {self.state.epoch} of rank {self.rank} delivers no sample of {len(self.dataset)}, nor will "
+                f"the later ones: {reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         t_iter = time.perf_counter()
         started = self._started.run is not None
         run = self._start()
@@ -628,7 +648,12 @@ class Loader:
         return self._live.snapshot()
 
     def _record(self, stats: EpochStats) -> None:
-        """An epoch ended (the pipeline's call): its stats become ``stats`` and join ``history``."""
+        """An epoch ended (the pipeline's call): its stats become ``stats`` and join ``history``.
+        An epoch that delivered nothing because of the configuration does not claim to be
+        exactly once (``stats.empty_reason`` says why)."""
+        reason = self._empty_reason()
+        if reason and stats.samples == 0:
+            stats.exactly_once, stats.empty_reason = False, reason
         self.stats = stats
         self.history.append(stats)
 

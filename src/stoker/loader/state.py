@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..order import pack_bitmap, unpack_bitmap
+from ..order import check_identity_keys, pack_bitmap, unpack_bitmap
 
 __all__ = ["IDENTITY_KEYS", "LoaderState"]
 
@@ -137,6 +137,7 @@ class LoaderState:
         num_blocks: int,
         plan_len: Callable[[int, int, int, int], int],
         resplit: bool = True,
+        strict: bool = True,
     ) -> None:
         """Take ``state`` (from :meth:`to_dict`, saved on any rank at any world size): the next
         ``iter()`` continues that epoch with this rank's share of the ids not yet served, or
@@ -160,9 +161,16 @@ class LoaderState:
             resplit: whether the loader's plan can split the rest of an epoch again (False for a
                 plan that is not the interleaved split: a state cut between two of its steps is
                 then refused).
+            strict: refuse a state that lacks some of :data:`IDENTITY_KEYS` (a trainer that kept
+                only ``epoch`` and ``samples_done``): nothing would tell whether it was saved by a
+                loader with the same seed, order, batch size and dataset, and resuming one that
+                was not repeats and skips samples without a word. False: resume it anyway, with a
+                warning (``RuntimeWarning``) that names the keys it lacks; it is then taken to be
+                saved at this loader's world size (and rank, for the per-rank form).
 
         Raises:
-            ValueError: ``state`` is not a state dict, or has another value for one of
+            ValueError: ``state`` is not a state dict, lacks some of :data:`IDENTITY_KEYS` (with
+                ``strict``; the message names them), or has another value for one of
                 :data:`IDENTITY_KEYS` (another dataset version, seed, order, batch size, split mode
                 or transform: named), or its ``samples_done`` (``batches_done``) is out of range,
                 or it cannot be continued on this rank (a streaming collate's carry saved on
@@ -175,11 +183,12 @@ class LoaderState:
             raise ValueError(
                 f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'samples_done'; got {got})"
             )
+        check_identity_keys(state, IDENTITY_KEYS, strict, stacklevel=4)  # warns at the user's load_state_dict
         for k in IDENTITY_KEYS:
             if k in state and state[k] != identity[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
         epoch = int(state["epoch"])
-        saved_world = int(state.get("world_size", 1))
+        saved_world = int(state.get("world_size", world_size))  # (a trimmed state: taken to be this loader's)
         if saved_world < 1:
             raise ValueError(f"cannot resume: state has world_size={saved_world}")
         if "samples_done" in state:
@@ -187,19 +196,21 @@ class LoaderState:
             if not 0 <= served <= num_samples:
                 raise ValueError(f"cannot resume: samples_done={served} outside 0..{num_samples} for epoch {epoch}")
         else:  # the per-rank form of earlier releases
-            done, saved_rank = int(state["batches_done"]), int(state.get("rank", 0))
+            done = int(state["batches_done"])
+            saved_rank = int(state.get("rank", rank if saved_world == world_size else 0))
             if not 0 <= saved_rank < saved_world:
                 raise ValueError(f"cannot resume: state has rank={saved_rank} outside 0..{saved_world - 1}")
             nb = -(-plan_len(epoch, 0, saved_rank, saved_world) // batch_size)
             if not 0 <= done <= nb:
                 raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
             served = num_samples if done == nb > 0 else min(done * batch_size * saved_world, num_samples)
-            warnings.warn(
-                "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
-                f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
-                DeprecationWarning,
-                stacklevel=3,
-            )
+            if {"rank", "world_size"} & state.keys():  # (a trimmed one was warned about above)
+                warnings.warn(
+                    "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
+                    f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
         step = batch_size * world_size
         whole = served % step == 0 and served < num_samples  # a number of this loader's batches
         start = 0 if whole else served

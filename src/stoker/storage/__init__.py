@@ -35,6 +35,7 @@ from .retry import (
     RETRY_BUDGET_ENV,
     Failure,
     SharedBackoff,
+    wrong_answer,
     classify,
     full_jitter_s,
     resolve_retry_budget_s,
@@ -376,29 +377,55 @@ class Origin:
         ``memoryview`` of it, xxhash and ``os.write`` take it as it is). A caller that must hand
         out ``bytes`` copies it (``bytes(data)``).
 
-        Raises :class:`OriginError` after ``attempts`` failures, ``FileNotFoundError``
-        at once when the object does not exist, and :class:`OriginError` when the
-        store returns fewer bytes than asked (object shorter than the index says).
+        An answer of another length than asked (a proxy or server that ignored ``Range`` and
+        sent the whole object, a cut or padded body) is a failure that can clear: it is sent
+        again within the retry budget, the same on every read path (fsspec and obstore), and its
+        bytes count as received. Raises :class:`OriginError` when the budget is spent (its
+        message says when the origin ignored ``Range``: one that never honours it cannot serve
+        a dataset), ``FileNotFoundError`` (:class:`OriginNotFoundError`) at once when the object
+        does not exist.
         """
         if end <= start:
             return b""
+        expected = end - start
         native = self._native
         if native is not None:
             key = native.key(self.url, rel)  # from the URL: no s3fs filesystem in this process
-            data = self.retry(self.full_url(rel), lambda: native.read_range(key, start, end), start, end)
+
+            def get():
+                return native.read_range(key, start, end)
         else:
             path = self.path(rel)
-            data = self.retry(self.full_url(rel), lambda: self.fs.cat_file(path, start=start, end=end), start, end)
+
+            def get():
+                return self.fs.cat_file(path, start=start, end=end)
+
+        def checked():
+            data = get()
+            if len(data) != expected:
+                self.counters.bytes += len(data)  # received, then thrown away
+                size = self._size_if_short(rel, len(data), expected)
+                raise wrong_answer(len(data), expected, start, end, object_bytes=size)
+            return data
+
+        data = self.retry(self.full_url(rel), checked, start, end)
         self.counters.requests += 1
         self.counters.bytes += len(data)
-        if len(data) != end - start:
-            raise OriginError(
-                self.full_url(rel),
-                f"short read: got {len(data)} bytes, expected {end - start} (object changed or truncated?)",
-                start,
-                end,
-            )
         return data
+
+    def _size_if_short(self, rel: str, got: int, expected: int) -> int | None:
+        """After a short answer (``got`` < ``expected`` bytes): the object's size now (one HEAD), so
+        that an object shorter than the index says fails at once; None for a long answer, or
+        when the HEAD fails (the read is then retried as any wrong answer)."""
+        if got >= expected:
+            return None
+        try:
+            path = self.path(rel)
+            self._fresh(path)
+            size = self.fs.info(path).get("size")
+        except Exception:  # noqa: BLE001 - only the explanation is lost
+            return None
+        return None if size is None else int(size)
 
     def read(self, rel: str) -> bytes:
         """Read a whole object (retried). Raises :class:`OriginError` / ``FileNotFoundError``."""
@@ -408,11 +435,59 @@ class Origin:
         self.counters.bytes += len(data)
         return data
 
+    # -- metadata: never from a cached listing ---------------------------------
+    # fsspec filesystems are cached per process and keep the listings they made (s3fs's, the
+    # http filesystem's "dircache"); a long-lived process would compare a dataset re-packed by
+    # another process with what it listed hours ago. Every metadata call here forgets the
+    # cached entries of its path first, so it asks the origin (a LIST, or a HEAD).
+    def _fresh(self, path: str) -> None:
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception as exc:  # noqa: BLE001 - a backend without a cache, or a bad path: ask anyway
+            log.debug("could not drop fsspec's cached listing of %s: %s", path, exc)
+
     def exists(self, rel: str) -> bool:
-        return self.retry(self.full_url(rel), lambda: self.fs.exists(self.path(rel)))
+        """Whether object (or directory) ``rel`` exists now (asked of the origin, retried)."""
+        path = self.path(rel)
+
+        def ask() -> bool:
+            self._fresh(path)
+            return self.fs.exists(path)
+
+        return self.retry(self.full_url(rel), ask)
+
+    def info(self, rel: str) -> dict:
+        """fsspec's details of object ``rel`` (``size``; ``ETag`` or ``mtime`` where the origin gives
+        them), asked of the origin now (a HEAD or a listing; retried). Raises
+        :class:`OriginNotFoundError` when it does not exist, :class:`OriginError` when the origin fails."""
+        path = self.path(rel)
+
+        def ask() -> dict:
+            self._fresh(path)
+            return self.fs.info(path)
+
+        return self.retry(self.full_url(rel), ask)
 
     def size(self, rel: str) -> int:
-        return int(self.retry(self.full_url(rel), lambda: self.fs.size(self.path(rel))))
+        """Bytes of object ``rel`` now (see :meth:`info`). Raises :class:`OriginError` when the origin
+        gives no size (an HTTP server that sends no ``Content-Length``)."""
+        size = self.info(rel).get("size")
+        if size is None:
+            raise OriginError(self.full_url(rel), "the origin gives no size for this object (no Content-Length)")
+        return int(size)
+
+    def ls(self, rel: str) -> list[dict]:
+        """The entries of directory ``rel`` with fsspec's details (``name``, ``size`` or None,
+        ``type``, ETag or mtime where given), listed at the origin now (retried). An HTTP origin
+        lists the links of the directory's index page, without sizes. Raises
+        :class:`OriginNotFoundError` when the directory does not exist."""
+        path = self.path(rel)
+
+        def ask() -> list[dict]:
+            self._fresh(path)
+            return self.fs.ls(path, detail=True)
+
+        return self.retry(self.full_url(rel), ask)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write a whole object so that readers see either nothing or all of it.
@@ -453,7 +528,9 @@ def _describe(exc: BaseException | None, failure: Failure) -> str:
     if exc is None:
         return failure.label() or "throttled"
     first = (str(exc).strip().splitlines() or [""])[0][:300]
-    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    text = (
+        f"{type(exc).__name__}: {first}" if first and not getattr(exc, "bare", False) else first or type(exc).__name__
+    )
     label = failure.label()
     return f"{label}: {text}" if label and label != type(exc).__name__ and label not in first else text
 

@@ -34,7 +34,7 @@ import logging
 import os
 
 from ._s3_config import note_fallback, resolve
-from .retry import Failure, http_details
+from .retry import Failure, http_details, wrong_answer
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class NativeS3Reader:
         Raises:
             FileNotFoundError: the object does not exist.
             PermissionError: access denied or unauthenticated.
+            OSError: the origin (or a proxy) answered with the whole object, ignoring ``Range``
+                (an OSError: retried by the caller, as on the fsspec path).
             OSError: any other failure (the caller classifies it, retries what can clear, and reports it).
         """
         import obstore
@@ -124,6 +126,8 @@ class NativeS3Reader:
         except (PermissionDeniedError, UnauthenticatedError, PermissionError) as exc:
             raise PermissionError(self._message(key, exc)) from exc
         except Exception as exc:  # noqa: BLE001 - obstore's generic errors: classified by the caller
+            if "non-partial response" in str(exc):  # a 200 with the whole object: Range was ignored
+                raise wrong_answer(None, end - start, start, end, range_ignored=True) from exc
             raise OSError(self._message(key, exc)) from exc
 
     def _message(self, key: str, exc: BaseException) -> str:

@@ -9,7 +9,10 @@ client exposes it, replaces the drawn wait.
 
 Only failures that can clear are retried (:func:`classify`): throttling (HTTP 429, 503 and the S3
 codes ``SlowDown``, ``Throttling``, ...), other 5xx answers, ``RequestTimeout``, connection resets
-and timeouts. 400, 403, 404 and the other 4xx answers fail at once, keeping the S3 error code.
+and timeouts, and answers that are wrong in transit (:func:`wrong_answer`: a ranged GET answered
+with another length, e.g. by a proxy that dropped ``Range`` and sent the whole object; a body
+whose checksum header does not match). 400, 403, 404 and the other 4xx answers fail at once,
+keeping the S3 error code. HTTP origins (fsspec's ``http://``) report their status the same way.
 
 While the origin throttles, the threads of one process that read through one origin back off
 as a whole (:class:`SharedBackoff`): one request at a time probes whether it has recovered,
@@ -112,7 +115,7 @@ BUGS = (TypeError, AttributeError, NameError)
 #: resets, timeouts, truncated or unparsable answers (aiohttp, botocore, urllib3, http.client).
 _NETWORK_NAME = re.compile(
     r"Timeout|Connection|Disconnect|Reset|Payload|IncompleteRead|ResponseParser|"
-    r"HTTPClientError|ProtocolError|ReadError|BrokenPipe|EndpointConnection"
+    r"HTTPClientError|ProtocolError|ReadError|BrokenPipe|EndpointConnection|FlexibleChecksumError"
 )
 # No connection at all: refused, or a host name that does not resolve.
 _UNREACHABLE = re.compile(
@@ -128,6 +131,70 @@ UNREACHABLE_BUDGET_S = 3.0
 # obstore (object_store) reports HTTP answers in its message only.
 _STATUS_RE = re.compile(r"status code: (\d{3})|\bstatus: (\d{3})\b")
 _CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
+
+
+class _WrongAnswer(OSError):
+    """The origin answered a ranged GET of ``expected`` bytes with ``got`` bytes (raised inside a
+    try, so the retry loop sends the read again; its message ends up in the
+    :class:`stoker.errors.OriginError` when the retry budget is spent).
+
+    ``range_ignored``: the answer was the whole object (or at least ran from its start past the
+    range): the origin, or a proxy in front of it, does not honour ``Range``. An origin that
+    never does cannot serve stoker, which reads byte ranges; the message says so.
+    ``object_bytes``: the object's size, when a short answer was explained by asking for it: an
+    object shorter than the range is not an answer that can clear (``retry`` False): it changed
+    or was cut since the index was written."""
+
+    bare = True  # errors quote its message without its class name (it says what happened)
+
+    def __init__(
+        self,
+        got: int | None,
+        expected: int,
+        start: int,
+        end: int,
+        range_ignored: bool | None = None,
+        object_bytes: int | None = None,
+    ):
+        if range_ignored is None:
+            range_ignored = got is not None and got > expected and got >= end
+        self.got, self.expected, self.range_ignored = got, int(expected), bool(range_ignored)
+        self.start, self.end, self.object_bytes = int(start), int(end), object_bytes
+        self.retry = object_bytes is None or object_bytes >= end
+        if not self.retry:
+            what = (
+                f"short read: the object is {object_bytes} bytes, bytes up to {end} asked "
+                "(object changed or truncated since the index was written?)"
+            )
+        elif self.range_ignored:
+            whole = "the whole object" + (f" ({got} bytes)" if got is not None else "")
+            what = (
+                f"the origin ignored Range: {expected} bytes asked, {whole} sent; stoker reads byte "
+                "ranges, and an origin that never honours Range (a plain `python -m http.server`) cannot serve it"
+            )
+        else:
+            what = f"wrong length: {expected} bytes asked, {got} sent (a proxy cut or padded the answer?)"
+        super().__init__(what)
+
+    def __reduce__(self):
+        return (type(self), (self.got, self.expected, self.start, self.end, self.range_ignored, self.object_bytes))
+
+
+def wrong_answer(
+    got: int | None,
+    expected: int,
+    start: int,
+    end: int,
+    range_ignored: bool | None = None,
+    object_bytes: int | None = None,
+) -> OSError:
+    """The error to raise, inside a try of :meth:`stoker.storage.Origin.retry`, for a ranged GET of
+    bytes ``[start, end)`` (``expected`` bytes) answered with ``got`` bytes (None: unknown).
+    ``range_ignored``: the origin sent the whole object (None: taken from the lengths, an answer
+    that runs past ``end``); ``object_bytes``: the object's size, when a short answer was
+    explained by asking for it. :func:`classify` retries it unless the object is shorter than
+    ``end``; its message says which of these it was (see :class:`_WrongAnswer`)."""
+    return _WrongAnswer(got, expected, start, end, range_ignored, object_bytes)
 
 
 @dataclass(frozen=True)
@@ -184,7 +251,8 @@ def _retry_after_s(value) -> float | None:
 
 def http_details(exc: BaseException) -> tuple[int | None, str | None, float | None]:
     """(status, code, retry_after_s) from the first exception in the cause chain that has them:
-    botocore's ``ClientError.response`` (s3fs wraps it as the cause of an OSError), else
+    botocore's ``ClientError.response`` (s3fs wraps it as the cause of an OSError), else an
+    HTTP client error's ``status`` and ``headers`` (aiohttp's, under fsspec's ``http://``), else
     obstore's message ("... non-2xx status code: 503 Service Unavailable: <Error><Code>...")."""
     for e in _chain(exc):
         resp = getattr(e, "response", None)
@@ -196,6 +264,15 @@ def http_details(exc: BaseException) -> tuple[int | None, str | None, float | No
             if code and code.isdigit():  # botocore's stand-in for an answer without a body (a HEAD)
                 code = None
             return (int(status) if status else None), code, _retry_after_s(headers.get("retry-after"))
+    for e in _chain(exc):  # aiohttp's ClientResponseError (fsspec's http://): .status, .headers
+        st = getattr(e, "status", None)
+        if isinstance(st, int) and not isinstance(st, bool) and 100 <= st < 600 and type(e).__name__.endswith("Error"):
+            hdrs = getattr(e, "headers", None) or {}
+            try:
+                after = hdrs.get("Retry-After")
+            except AttributeError:
+                after = None
+            return st, None, _retry_after_s(after)
     status = code = None
     for e in _chain(exc):  # a wrapper's message may be cut short: the cause has the whole text
         text = str(e)
@@ -218,6 +295,8 @@ def classify(exc: BaseException) -> Failure:
     network failures (``OSError``, or a class name such as ``ServerDisconnectedError``,
     ``ReadTimeoutError``) are; obstore's errors without a status are network failures.
     """
+    if isinstance(exc, _WrongAnswer):
+        return Failure(retry=exc.retry)
     status, code, retry_after = http_details(exc)
     if status is not None or code is not None:
         throttled = code in THROTTLE_CODES or status in (429, 503)

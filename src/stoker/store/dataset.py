@@ -26,8 +26,9 @@ import numpy as np
 import xxhash
 
 from .._units import parse_size
-from ..cache import DiskCache, TieredCache, default_memory_root
+from ..cache import DiskCache, ReadOnlyCache, TieredCache, default_memory_root
 from ..cache.paths import warn_defaults
+from ..cache.readonly import READ_ONLY_ENV
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from .blocks import BlockReader, BlockSource, ReadStats
@@ -111,7 +112,7 @@ class Dataset:
         url: str,
         index: DatasetIndex,
         origin: Origin,
-        cache: DiskCache | TieredCache | None,
+        cache: DiskCache | TieredCache | ReadOnlyCache | None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
     ):
         self.url = url
@@ -380,6 +381,7 @@ def open_dataset(
     memory_dir: str | None = None,
     retry_budget_s: float | None = None,
     cache_mode: int | str | None = None,
+    cache_read_only: bool | None = None,
 ) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
@@ -406,9 +408,19 @@ def open_dataset(
     ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
     timeouts (full-jitter back-off) before :class:`stoker.OriginError`; None:
     ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.storage.retry`). Kept by the loader's processes.
+    ``cache_read_only``: serve the cache in ``cache_dir`` as it is, writing nothing there (a cache
+    filled earlier, e.g. baked into an image or mounted read-only into many jobs): cached blocks
+    are read, every other sample comes from the origin and is not kept
+    (:class:`stoker.cache.readonly.ReadOnlyCache`); None: ``$STOKER_CACHE_READ_ONLY`` ("1" turns
+    it on), else False. ValueError with ``memory_bytes`` (a memory tier is written);
+    :class:`stoker.NotACacheError` when ``cache_dir`` holds no stoker cache. A cache directory
+    that cannot be written, opened without it, raises :class:`stoker.CacheUnwritableError`
+    naming it and why (a read-only filesystem, no permission).
     ``check``: list the shards once and compare sizes (and ETags where recorded) with
     the index, so shards rewritten under an unchanged index are reported by name
-    (:class:`stoker.DatasetChangedError`) before any sample is served.
+    (:class:`stoker.DatasetChangedError`) before any sample is served. The listing is made
+    then (never one fsspec cached earlier in the process); an origin whose listing has no
+    sizes (``http://``) is asked with a HEAD per shard.
     Raises :class:`stoker.OriginNotFoundError` (a FileNotFoundError) when ``url`` holds no
     index (e.g. an interrupted pack) and :class:`stoker.IndexFormatError` when the index is
     unreadable.
@@ -417,6 +429,11 @@ def open_dataset(
     cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else parse_size(cache_bytes, "cache_bytes")
     block_bytes = parse_size(block_bytes, "block_bytes")
     memory_bytes = parse_size(memory_bytes, "memory_bytes")
+    read_only = _read_only(cache_read_only)
+    if read_only and cache and memory_bytes > 0:
+        raise ValueError(
+            "cache_read_only=True cannot have a memory tier (memory_bytes > 0): the memory tier is written"
+        )
     origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:
         data = origin.read(INDEX_NAME)
@@ -427,8 +444,10 @@ def open_dataset(
         from .verify import check_shards
 
         check_shards(origin, index)
-    disk: DiskCache | TieredCache | None = None
-    if cache:
+    disk: DiskCache | TieredCache | ReadOnlyCache | None = None
+    if cache and read_only:
+        disk = ReadOnlyCache(cache_dir or default_cache_dir(), cache_policy)
+    elif cache:
         root = cache_dir or default_cache_dir()
         disk = DiskCache(root, cache_bytes, cache_policy, mode=cache_mode)
         dir_given = bool(cache_dir or os.environ.get("STOKER_CACHE_DIR"))
@@ -444,3 +463,18 @@ def open_dataset(
         disk.register(ds.version, index.total_bytes)
         disk.describe(ds.version, url)
     return ds
+
+
+def _read_only(value: bool | None) -> bool:
+    """``cache_read_only``, else ``$STOKER_CACHE_READ_ONLY`` ("1", "true", "yes" on; "", "0",
+    "false", "no" off). ValueError naming the setting for anything else."""
+    if value is not None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"cache_read_only must be True or False, got {type(value).__name__} {value!r}")
+        return bool(value)
+    env = os.environ.get(READ_ONLY_ENV, "").strip().lower()
+    if env in ("", "0", "false", "no"):
+        return False
+    if env in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"${READ_ONLY_ENV} must be 1 or 0, got {env!r}")

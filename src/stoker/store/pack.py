@@ -142,7 +142,7 @@ def _etag(dest: Origin, name: str) -> str | None:
     """The object store's ETag of a shard just written (None on filesystems without one), so
     that opening the dataset can tell a same-size rewrite of the shard (verify.check_shards)."""
     try:
-        info = dest.fs.info(dest.path(name))
+        info = dest.info(name)  # asked now: never a listing cached before the write
     except (OSError, ValueError):
         return None
     tag = info.get("ETag") or info.get("etag")
@@ -381,7 +381,7 @@ def finished_shards(dst: str, storage_options: dict | None = None) -> int:
     the next pack of the same source reuses. 0 when nothing can be listed."""
     dest = Origin(dst, storage_options or {}, retry_budget_s=0)
     try:
-        names = {posixpath.basename(n.rstrip("/")) for n in dest.fs.ls(dest.path(SHARD_DIR), detail=False)}
+        names = {posixpath.basename(e["name"].rstrip("/")) for e in dest.ls(SHARD_DIR)}
     except Exception:  # noqa: BLE001 - only a count in a message is lost
         return 0
     return sum(1 for n in names if n.endswith(".tar") and f"{n}.json" in names)
@@ -409,7 +409,7 @@ def _remove_stale_shards(dest: Origin, keep: set) -> None:
     new index does not use (an --overwrite with fewer shards), and temporary files of
     writers that died (a pack killed mid-write)."""
     try:
-        names = dest.fs.ls(dest.path(SHARD_DIR), detail=False)
+        names = [e["name"] for e in dest.ls(SHARD_DIR)]  # listed now, not from a cached listing
     except FileNotFoundError:
         return
     for full in names:

@@ -2,11 +2,12 @@
 
 Two levels:
 
-- :func:`check_shards` (cheap, at every open): one listing of the shard directory;
-  every shard must exist with the size the index recorded (and the same ETag or
-  modification stamp where the index recorded one). A dataset whose shards were
-  rewritten under an unchanged index is reported by shard name before any sample
-  is served.
+- :func:`check_shards` (cheap, at every open): one listing of the shard directory, made
+  at the origin then and there (never a listing fsspec cached earlier in the process);
+  every shard must exist with the size the index recorded (and the same ETag where the
+  index recorded one). A dataset whose shards were rewritten under an unchanged index is
+  reported by shard name before any sample is served. An origin whose listing has no
+  sizes (HTTP) is asked with a HEAD per shard.
 - :func:`verify` (full): reads every shard once, sequentially, and checks every
   sample's bytes against its xxh3-64 checksum; lists each bad sample by key and
   shard.
@@ -15,6 +16,7 @@ Two levels:
 from __future__ import annotations
 
 import io
+import logging
 import posixpath
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,8 @@ from ..errors import DatasetChangedError, OriginNotFoundError  # noqa: F401 - re
 from ..storage import Origin, OriginError
 from .index import INDEX_NAME, DatasetIndex, read_index
 
+log = logging.getLogger(__name__)
+
 
 def _stamp(info: dict) -> str | None:
     for k in ("ETag", "etag"):
@@ -36,32 +40,79 @@ def _stamp(info: dict) -> str | None:
     return None
 
 
-def check_shards(origin: Origin, index: DatasetIndex) -> None:
-    """Raise :class:`DatasetChangedError` if a shard is missing, has another size, or
-    (where the index recorded one) another ETag. One listing request per shard directory."""
-    dirs = sorted({posixpath.dirname(s["name"]) or "." for s in index.shards})
-    listing = {}
+#: HEAD requests in flight at once when an origin's listing gives no sizes (HTTP).
+HEAD_CONCURRENCY = 16
+_NOTED: set[str] = set()  # origins whose shard check was skipped, noted once per process
+
+
+def _listing(origin: Origin, dirs: list[str]) -> dict[str, dict]:
+    """``{shard path relative to the root: fsspec details}`` from one fresh listing per shard
+    directory (:meth:`Origin.ls`: never a listing cached earlier in this process). A directory
+    that cannot be listed (missing, or an HTTP server without index pages) lists nothing."""
+    listing: dict[str, dict] = {}
     for d in dirs:
         rel = "" if d == "." else d
         try:
-            entries = origin.retry(origin.full_url(rel), lambda: origin.fs.ls(origin.path(rel), detail=True))
+            entries = origin.ls(rel)
         except FileNotFoundError:
             entries = []
         for e in entries:
             name = e["name"].rstrip("/")
             listing[posixpath.join(rel, posixpath.basename(name)) if rel else posixpath.basename(name)] = e
-    problems = []
+    return listing
+
+
+def _heads(origin: Origin, names: list[str]) -> dict[str, dict | None]:
+    """``{shard: fsspec details from a HEAD, or None when it does not exist}``, asked
+    :data:`HEAD_CONCURRENCY` at a time. Raises :class:`OriginError` when the origin fails."""
+
+    def one(name: str) -> dict | None:
+        try:
+            return origin.info(name)
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(max(1, min(HEAD_CONCURRENCY, len(names)))) as pool:
+        return dict(zip(names, pool.map(one, names), strict=True))
+
+
+def check_shards(origin: Origin, index: DatasetIndex) -> None:
+    """Raise :class:`DatasetChangedError` if a shard is missing, has another size, or
+    (where the index recorded one and the origin is an object store) another ETag.
+
+    One listing request per shard directory, made now (fsspec's cached listings are never
+    trusted: a long-lived process sees another process's re-pack). Shards the listing leaves
+    out or gives no size for (an HTTP origin lists links only) are asked for with a HEAD each;
+    when the origin gives no size at all (no ``Content-Length``), the check is skipped with a
+    note in the log, and the checksums still guard every sample read. ETags are compared only
+    on object stores (an HTTP server's ETags are its own, not the store's that the pack wrote).
+    """
+    dirs = sorted({posixpath.dirname(s["name"]) or "." for s in index.shards})
+    listing = _listing(origin, dirs)
+    unsized = [s["name"] for s in index.shards if (listing.get(s["name"]) or {}).get("size") is None]
+    if unsized:
+        for name, info in _heads(origin, unsized).items():
+            if info is None:
+                listing.pop(name, None)
+            else:
+                listing[name] = info
+    protocol = origin.fs.protocol if isinstance(origin.fs.protocol, str) else origin.fs.protocol[0]
+    compare_tags = protocol not in ("http", "https")
+    problems, unknown = [], 0
     for s in index.shards:
         info = listing.get(s["name"])
         if info is None:
             problems.append(f"{s['name']}: missing")
             continue
-        size = int(info.get("size") or 0)
+        if info.get("size") is None:
+            unknown += 1
+            continue
+        size = int(info["size"])
         if size != int(s["bytes"]):
             problems.append(f"{s['name']}: {size} bytes at the origin, the index says {s['bytes']}")
             continue
         want, got = s.get("etag"), _stamp(info)
-        if want and got and want != got:
+        if compare_tags and want and got and want != got:
             problems.append(f"{s['name']}: ETag {got} at the origin, the index says {want}")
     if problems:
         raise DatasetChangedError(
@@ -69,6 +120,15 @@ def check_shards(origin: Origin, index: DatasetIndex) -> None:
             f"(re-pack, or run `stoker verify`): "
             + "; ".join(problems[:20])
             + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
+    if unknown and origin.url not in _NOTED:
+        _NOTED.add(origin.url)
+        log.warning(
+            "%s: the sizes of %d of %d shard(s) were not checked at open (the origin gives no size); "
+            "every sample is still checked against its checksum when read",
+            origin.url,
+            unknown,
+            len(index.shards),
         )
 
 

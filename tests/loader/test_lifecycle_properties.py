@@ -1,0 +1,126 @@
+"""Property test (Hypothesis) over Loader lifecycles: random sequences of create, iter, next,
+drain, break, close and drop over 1-3 Loaders sharing one Dataset object and one node cache
+smaller than the dataset (so blocks go through the staging area), with 0-2 workers.
+
+Every epoch that runs to its end delivers every sample exactly once (checked from the sample ids
+the user's decode returns, not from stoker's counters), and when the sequence is over and its
+Loaders are closed or dropped, nothing is left: no process of the test's, no new file in
+/dev/shm, no staged block. ``STOKER_LIFECYCLE_EXAMPLES`` sets the number of sequences (default
+6 in ``make test``; ``stoker bench faults`` style long runs set more).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _helpers import in_child
+from stoker import Loader, open_dataset
+from stoker.store.dataset import ID_FIELD
+
+OPS = ("create", "iter", "next", "drain", "break", "close", "drop")
+EXAMPLES = int(os.environ.get("STOKER_LIFECYCLE_EXAMPLES", "6"))
+
+
+def sample_id(fields, rng):
+    """The decode: the sample's id, so every delivered batch names its samples."""
+    return np.int64(fields[ID_FIELD])
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for st_path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(st_path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(st_path.split("/")[2]))
+    return out
+
+
+def _shm() -> set:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _staged(cache_dir: str) -> list[str]:
+    return [p for p in glob.glob(os.path.join(cache_dir, ".staging", "**"), recursive=True) if os.path.isfile(p)]
+
+
+def _run_sequence(url: str, cache_dir: str, ops: list, workers: int) -> dict:
+    """Run ``ops`` in this (child) process; returns what was checked and what was left."""
+    shm_before = _shm()
+    ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=256 << 10, block_bytes=64 << 10)
+    n = len(ds)
+    loaders: list = [None, None, None]
+    iters: list = [None, None, None]
+    got: list = [[], [], []]
+    epochs_checked = 0
+
+    def finish(k):
+        nonlocal epochs_checked
+        ids = sorted(got[k])
+        assert ids == list(range(n)), f"loader {k}: an epoch delivered {len(ids)} ids for {n} samples"
+        epochs_checked += 1
+        iters[k] = None
+
+    for op, k in ops:
+        if op == "create" and loaders[k] is None:
+            loaders[k] = Loader(ds, 8, seed=k, num_workers=workers, decode=sample_id)
+        elif loaders[k] is None:
+            continue
+        elif op == "iter":
+            iters[k], got[k] = iter(loaders[k]), []
+        elif op in ("next", "drain") and iters[k] is not None:
+            for batch in iters[k]:
+                got[k].extend(int(i) for i in batch)
+                if op == "next":
+                    break
+            else:
+                finish(k)
+        elif op == "break":
+            iters[k] = None
+        elif op == "close":
+            loaders[k].close()
+            loaders[k] = iters[k] = None
+        elif op == "drop":
+            loaders[k] = iters[k] = None
+    for k in range(3):  # the end: half closed, half dropped
+        if loaders[k] is not None and k % 2 == 0:
+            loaders[k].close()
+    loaders = iters = []  # no gc.collect(): a dropped Loader must stop without a cyclic collection
+    deadline = time.monotonic() + 10
+    while _children(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {
+        "epochs": epochs_checked,
+        "children": _children(os.getpid()),
+        "shm": sorted(_shm() - shm_before),
+        "staged": _staged(cache_dir),
+    }
+
+
+@pytest.fixture(scope="module")
+def packed(packed_local):
+    return packed_local
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2)), min_size=1, max_size=14),
+    workers=st.sampled_from([0, 1, 2]),
+)
+def test_any_lifecycle_is_exactly_once_and_leaves_nothing(packed, tmp_path_factory, ops, workers):
+    cache_dir = str(tmp_path_factory.mktemp("lifecycle-cache"))
+    ops = [("create", 0), ("iter", 0)] + ops  # at least one Loader with an open epoch
+    out = in_child(_run_sequence, packed, cache_dir, ops, workers, timeout_s=240)
+    assert out["children"] == [], out
+    assert out["shm"] == [], out
+    assert out["staged"] == [], out
