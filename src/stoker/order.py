@@ -137,7 +137,7 @@ def permutation(
     return fn(num_samples, seed, epoch, groups, **options)
 
 
-def rank_plan(perm: np.ndarray, rank: int, world_size: int, even: str = "pad") -> np.ndarray:
+def rank_plan(perm: np.ndarray, rank: int, world_size: int, even: str = "pad", start: int = 0) -> np.ndarray:
     """The sample ids of ``rank`` for one epoch, int64 array.
 
     Every rank gets exactly ``ceil(N / world_size)`` samples with ``even="pad"``: the
@@ -150,20 +150,42 @@ def rank_plan(perm: np.ndarray, rank: int, world_size: int, even: str = "pad") -
     ``N mod world_size`` ids of this epoch's permutation are skipped; a different set
     each epoch; 0 for every rank when ``N < world_size``). With ``N % world_size == 0``
     both give every sample exactly once across ranks. ``N = 0`` gives every rank an
-    empty plan. Raises ValueError for a bad rank or mode.
+    empty plan.
+
+    ``start``: ids of the permutation already served (by all ranks together, an elastic resume):
+    only ``perm[start:]`` is split, N being its length, and the padding repeats ``perm`` from its
+    beginning. The rank split interleaves (rank r takes positions r, r + world_size, ...), so
+    after k samples per rank the ranks together have served exactly ``perm[:k * world_size]``,
+    and ``rank_plan(perm, r, w, even, k * w)`` is ``rank_plan(perm, r, w, even)[k:]``.
+    Raises ValueError for a bad rank, mode or start.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} not in [0, {world_size})")
-    n = len(perm)
+    if not 0 <= start <= len(perm):
+        raise ValueError(f"start {start} not in [0, {len(perm)}]")
+    rest = perm[start:]
+    n = len(rest)
     if even == "pad":
         total = -(-n // world_size) * world_size
-        if total > n:  # cyclic: ``perm[: total - n]`` alone is too short when total - n > n
-            perm = np.resize(perm, total)
+        if total > n:  # cyclic: ``perm[: total - n]`` alone is too short when total - n > len(perm)
+            rest = np.concatenate([rest, np.resize(perm, total - n)])
     elif even == "drop":
-        perm = perm[: (n // world_size) * world_size]
+        rest = rest[: (n // world_size) * world_size]
     else:
         raise ValueError(f"even must be 'pad' or 'drop', got {even!r}")
-    return perm[rank::world_size]
+    return rest[rank::world_size]
+
+
+def rank_padding(num_samples: int, rank: int, world_size: int, even: str = "pad", start: int = 0) -> np.ndarray:
+    """Which positions of :func:`rank_plan` (same arguments, ``num_samples = len(perm)``) only
+    repeat a sample to even the ranks: a bool array as long as that plan (all False with
+    ``even="drop"``, or when ``num_samples - start`` divides by ``world_size``). Across ranks fewer
+    than ``world_size`` positions are True, each the last of its rank's plan when
+    ``num_samples - start >= world_size / 2``. Raises ValueError as :func:`rank_plan`."""
+    pos = rank_plan(np.arange(num_samples, dtype=np.int64), rank, world_size, even, start)
+    n = num_samples - start
+    total = -(-n // world_size) * world_size if even == "pad" else n
+    return np.arange(total, dtype=np.int64)[rank::world_size][: len(pos)] >= n
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> np.random.SeedSequence:

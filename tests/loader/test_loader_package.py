@@ -35,18 +35,24 @@ def test_worker_config_is_frozen_and_pickles(packed_local):
 
 def test_loader_state_refuses_a_foreign_state_and_changes_nothing():
     ident = dict.fromkeys(IDENTITY_KEYS, 0)
+    # one rank, batches of 4 over 16 samples: 4 batches an epoch
+    job = dict(rank=0, world_size=1, batch_size=4, num_samples=16)
+    load = dict(job, num_blocks=10, plan_len=lambda e, start, r, w: (16 - start) // w)
     st = LoaderState(epoch=3, position=(3, 0))
-    saved = st.to_dict(ident)
-    assert (saved["epoch"], saved["batches_done"], saved["cached_blocks"]) == (3, 0, None)
+    saved = st.to_dict(ident, **job, num_batches=lambda e: 4)
+    assert (saved["epoch"], saved["samples_done"], saved["cached_blocks"]) == (3, 0, None)
     with pytest.raises(ValueError, match="batch_size=8"):
-        st.load({**saved, "epoch": 5, "batches_done": 1, "batch_size": 8}, ident, lambda e: 4, 10)
-    with pytest.raises(ValueError, match="batches_done=9 outside 0..4"):
-        st.load({**saved, "batches_done": 9}, ident, lambda e: 4, 10)
+        st.load({**saved, "epoch": 5, "samples_done": 4, "batch_size": 8}, ident, **load)
+    with pytest.raises(ValueError, match="samples_done=17 outside 0..16"):
+        st.load({**saved, "samples_done": 17}, ident, **load)
     assert (st.epoch, st.resume_batch, st.position) == (3, 0, (3, 0))
-    st.load({**saved, "epoch": 5, "batches_done": 4}, ident, lambda e: 4, 10)  # finished: the next epoch
+    st.load({**saved, "epoch": 5, "samples_done": 16}, ident, **load)  # finished: the next epoch
     assert (st.epoch, st.resume_batch, st.position) == (6, 0, (6, 0))
-    st.load({**saved, "epoch": 5, "batches_done": 2}, ident, lambda e: 4, 10)
-    assert (st.epoch, st.resume_batch, st.position) == (5, 2, (5, 2))
+    st.load({**saved, "epoch": 5, "samples_done": 8}, ident, **load)
+    assert (st.epoch, st.resume_batch, st.position, st.offset) == (5, 2, (5, 2), None)
+    st.load({**saved, "epoch": 5, "samples_done": 6}, ident, **load)  # not a whole batch: the rest split again
+    assert (st.epoch, st.resume_batch, st.position, st.offset) == (5, 0, (5, 0), (5, 6))
+    assert st.to_dict(ident, **job, num_batches=lambda e: 3)["samples_done"] == 6
 
 
 def test_an_epoch_after_close_is_served_by_a_new_pipeline(packed_local):

@@ -232,11 +232,12 @@ def test_resume_refuses_a_different_configuration(packed_local):
     other = Loader(ds, num_workers=0, batch_size=8, seed=11)
     with pytest.raises(ValueError, match="batch_size"):
         other.load_state_dict(state)
-    with pytest.raises(ValueError, match="batches_done"):
-        Loader(ds, num_workers=0, **CFG).load_state_dict(dict(state, batches_done=99))
+    with pytest.raises(ValueError, match="samples_done"):
+        Loader(ds, num_workers=0, **CFG).load_state_dict(dict(state, samples_done=len(ds) + 1))
 
 
-def test_resume_refuses_a_state_without_its_identity_keys(packed_local):
+@pytest.mark.parametrize("position", ["samples_done", "batches_done"])
+def test_resume_refuses_a_state_without_its_identity_keys(packed_local, position):
     """A trainer that kept only {epoch, batches_done}: nothing says the state is this loader's (a
     state of another seed resumed here repeats and skips samples), so it is refused by name, or
     resumed with strict=False and a warning that names what it lacks."""
@@ -245,7 +246,7 @@ def test_resume_refuses_a_state_without_its_identity_keys(packed_local):
     it = iter(saved)
     for _ in range(3):
         next(it)
-    trimmed = {k: saved.state_dict()[k] for k in ("epoch", "batches_done")}
+    trimmed = {k: saved.state_dict()[k] for k in ("epoch", position)}
     other = Loader(ds, num_workers=0, **CFG)
     with pytest.raises(ValueError, match="lacks seed, order.*dataset_version") as info:
         other.load_state_dict(trimmed)

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._procs import check_main_for, pick_start_method
-from ..order import permutation, rank_plan
+from ..order import permutation, rank_padding, rank_plan
 from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
 from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
+from .ranks import resolve
 from .state import IDENTITY_KEYS, LoaderState
 
 if TYPE_CHECKING:
@@ -126,8 +127,12 @@ class Loader:
         batch_size: samples per batch (int >= 1; TypeError / ValueError otherwise).
         shuffle: use the permutation ``read.order`` of (``seed``, epoch); False: the identity.
         seed: seeds the permutation and each sample's augmentation (from (seed, epoch, sample id)).
-        rank: this process's rank in [0, ``world_size``).
+        rank: this process's rank in [0, ``world_size``); None: from the environment
+            (:mod:`stoker.loader.ranks`: an initialised ``torch.distributed`` group, else
+            ``$RANK``), else 0.
         world_size: ranks; every rank gets the same count (``read.even``, :func:`stoker.order.rank_plan`).
+            None: from the environment (the group's size, else ``$WORLD_SIZE``), else 1. A loader of
+            one rank in a job of several warns once (every rank would read the whole dataset).
         num_workers: decode processes (0 = decode in this process; >= 0).
         drop_last: drop the last batch of an epoch when it is short.
         transform: ``"train"`` (RandomResizedCrop(S) + flip, per-sample RNG) or ``"eval"``
@@ -164,8 +169,9 @@ class Loader:
         WorkerStartError: ``run.start_method`` spawn/forkserver (with workers) from code whose
             main module such workers cannot import again (code fed on stdin).
         TypeError: ``decode``/``collate`` cannot reach workers started with spawn/forkserver.
-        ValueError: ``rank``/``world_size`` out of range, or decode/collate with ``image``
-            options that only the built-in image path uses.
+        ValueError: ``rank``/``world_size`` out of range ($RANK/$WORLD_SIZE not integers; a
+            ``world_size`` above 1 without ``rank`` in a job of another size), or decode/collate
+            with ``image`` options that only the built-in image path uses.
 
     Origin bytes are charged to the epoch whose samples they serve, so warm epochs show only
     their own reads. Attributes besides the arguments: ``state``
@@ -183,8 +189,8 @@ class Loader:
         *,
         shuffle: bool = True,
         seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         num_workers: int = 2,
         drop_last: bool = False,
         transform: str = "train",
@@ -238,6 +244,7 @@ class Loader:
         self.batch_size = int(batch_size)
         self.shuffle, self.seed = shuffle, int(seed)
         self.state = LoaderState(epoch=epoch, position=(epoch, 0))
+        rank, world_size = resolve(rank, world_size, stacklevel=_user_stacklevel() + 1)
         self.rank, self.world_size, self.even, self.drop_last = rank, world_size, read.even, drop_last
         self.num_workers = int(num_workers)
         self.prefetch_batches = read.prefetch_batches or max(2, 2 * self.num_workers)
@@ -355,15 +362,46 @@ class Loader:
 
     # -- plan -------------------------------------------------------------
     def plan(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's sample ids for ``epoch`` (default: the next epoch), in order."""
+        """This rank's sample ids for ``epoch`` (default: the next epoch), in order (after a resume
+        at another split of that epoch: this rank's share of its rest, ``state.offset``)."""
         e = self.epoch if epoch is None else epoch
+        return self._rank_plan(e, self.state.start_of(e), self.rank, self.world_size)
+
+    def _rank_plan(self, epoch: int, start: int, rank: int, world_size: int) -> np.ndarray:
+        """The ids of ``rank`` of ``world_size`` for ``epoch`` when ``start`` ids of its permutation
+        were served before (``drop_last`` applied)."""
         perm = permutation(
-            len(self.dataset), self.seed, e, self.order, groups=self.dataset.sample_block, window=self.order_window
+            len(self.dataset), self.seed, epoch, self.order, groups=self.dataset.sample_block, window=self.order_window
         )
-        ids = rank_plan(perm, self.rank, self.world_size, self.even)
+        ids = rank_plan(perm, rank, world_size, self.even, start)
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
         return ids
+
+    def padding_mask(self, epoch: int | None = None) -> np.ndarray:
+        """Which samples of this rank's ``epoch`` (default: the next epoch) only repeat another to
+        give every rank the same number (``read.even="pad"``): a bool array in the order the
+        batches deliver them, so batch ``i`` holds ``mask[i * batch_size:(i + 1) * batch_size]``
+        (:func:`stoker.order.rank_padding`); an epoch resumed at batch k of this plan delivers its
+        batches from k on, whose samples are the mask's last ones. All False with ``even="drop"`` or when the ranks'
+        shares are even. For evaluation over ranks: drop these samples before gathering metrics
+        and every sample counts exactly once. Call it after the epoch's ``iter()`` (pass
+        ``epoch=loader.epoch - 1`` then), or before it: the cache-aware order is fixed when the
+        epoch starts."""
+        e = self.epoch if epoch is None else epoch
+        start = self.state.start_of(e)
+        mask = rank_padding(len(self.dataset), self.rank, self.world_size, self.even, start)
+        if self.drop_last:
+            mask = mask[: len(mask) // self.batch_size * self.batch_size]
+        if self.cache_aware_window > 0 and self.dataset.cache is not None and e in self.state.hit_maps:
+            from ..order import cache_aware
+
+            ids = self.plan(e)
+            where = cache_aware(
+                np.arange(len(ids)), self.state.hit_maps[e][self.dataset.sample_block[ids]], self.cache_aware_window
+            )
+            mask = mask[where]
+        return mask
 
     def epoch_plan(self, epoch: int) -> tuple[np.ndarray, float]:
         """The order actually served in ``epoch``: :meth:`plan`, made cache-aware if
@@ -411,8 +449,6 @@ class Loader:
             "seed": self.seed,
             "order": self.order,
             "order_window": self.order_window,
-            "rank": self.rank,
-            "world_size": self.world_size,
             "batch_size": self.batch_size,
             "even": self.even,
             "drop_last": self.drop_last,
@@ -427,35 +463,58 @@ class Loader:
         return ident
 
     def state_dict(self) -> dict:
-        """Where the stream stands: the epoch and the batches of it already yielded (once an
-        epoch's iteration has ended early, by ``break``, ``close()`` or an error, the next
-        epoch at batch 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
+        """Where the job's stream stands: the epoch and ``samples_done``, the ids of its
+        permutation that all ranks together have been served (once an epoch's iteration has
+        ended early, by ``break``, ``close()`` or an error, the next epoch at 0: the next
+        ``iter()`` runs that one, a cut epoch is not replayed).
 
-        Everything else is a pure function of the configuration (order of (seed, epoch,
-        rank, world size); augmentation of (seed, epoch, sample id)), so a loader built
-        with the same arguments in a new process and given this state yields the rest of
-        the stream batch for batch. Plain ints and strings (JSON-serialisable); the format is
-        :meth:`stoker.loader.state.LoaderState.to_dict`.
+        The state is the job's, not the rank's: with synchronous data-parallel training (DDP),
+        where every rank has taken the same number of batches, every rank's state is the same, so
+        saving rank 0's (as Lightning and accelerate do) is enough. Everything else is a pure
+        function of the configuration (order of (seed, epoch); augmentation of (seed, epoch,
+        sample id)), so a loader built with the same arguments in a new process and given this
+        state yields the rest of the stream (batch for batch at the same world size; at another
+        world size see :meth:`load_state_dict`). Plain ints and strings (JSON-serialisable); the
+        format is :meth:`stoker.loader.state.LoaderState.to_dict`.
         """
-        return self.state.to_dict(self._identity())
+        return self.state.to_dict(
+            self._identity(),
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            num_samples=len(self.dataset),
+            num_batches=lambda e: -(-len(self.plan(e)) // self.batch_size),
+        )
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Resume from :meth:`state_dict`: the next ``iter()`` continues that epoch after its
-        ``batches_done`` batches (or starts the next epoch if that one was finished; an epoch
-        with no batches for this rank, saved before its ``iter()``, is still run, yielding
-        nothing, so ``epoch`` and ``history`` advance exactly as in the saved run).
+        """Resume from :meth:`state_dict`, saved on any rank at any world size: the next
+        ``iter()`` continues that epoch with this rank's share of the ids not yet served, split
+        again over this loader's ``world_size`` ranks, each served exactly once, the ranks even as
+        ``read.even`` says (or starts the next epoch if that one was finished; an epoch with no
+        batches, saved before its ``iter()``, is still run, yielding nothing, so ``epoch`` and
+        ``history`` advance exactly as in the saved run). At the world size that saved it the rest
+        is the saved run's, batch for batch. This is the elastic deterministic resumption Mosaic
+        Streaming documents. The per-rank state of earlier releases is still read (a
+        DeprecationWarning).
 
         Raises ValueError when the state belongs to another dataset version or to a
-        different order, batch size, rank split or transform (the rest of the stream
-        would not be the same), and, with ``strict`` (the default), when it lacks the keys
-        that say so (a trimmed ``{"epoch", "batches_done"}``; the message names them).
-        ``strict=False`` resumes such a state with a ``RuntimeWarning`` naming what it lacks.
+        different seed, order, batch size, split mode or transform (the rest of the stream
+        would not be the same; the message names the key), or cannot continue on this rank
+        (:meth:`stoker.loader.state.LoaderState.load`), and, with ``strict`` (the default), when
+        it lacks the keys that say which loader saved it (a trimmed ``{"epoch", "samples_done"}``;
+        the message names them). ``strict=False`` resumes such a state with a ``RuntimeWarning``
+        naming what it lacks. Nothing is changed then.
         """
         self.state.load(
             state,
             self._identity(),
-            lambda e: -(-len(self.plan(e)) // self.batch_size),
-            self.dataset.num_blocks,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            num_samples=len(self.dataset),
+            num_blocks=self.dataset.num_blocks,
+            plan_len=lambda e, start, r, w: len(self._rank_plan(e, start, r, w)),
+            resplit=type(self).plan is Loader.plan,  # a subclass's own plan (the cluster's) is not re-split
             strict=strict,
         )
         if self._started.run is not None:

@@ -1,13 +1,21 @@
 """Resume state of the Loader (the torchdata ``StatefulDataLoader`` convention): where the stream
-stands, and how a new loader continues it batch for batch.
+stands, and how a new loader continues it, at the same world size batch for batch.
 
+The saved state is global to the job: the epoch and how many ids of the epoch's permutation all
+ranks together have served (the rank split interleaves, :func:`stoker.order.rank_plan`, so after
+k batches per rank they have served the first ``k * batch_size * world_size``). Every rank saves
+the same state, so a framework that saves rank 0's state and loads it on every rank (Lightning,
+accelerate) resumes right, and a resume at another world size splits the rest of the epoch
+again over the ranks it has: every sample still owed exactly once, ranks even as ``even=`` says.
+This is the elastic deterministic resumption Mosaic Streaming documents for its StreamingDataset.
 Everything else about the stream is a pure function of the loader's configuration (order of
-(seed, epoch, rank, world size); augmentation of (seed, epoch, sample id)), so this small record
-plus that configuration is enough to resume.
+(seed, epoch); augmentation of (seed, epoch, sample id)), so this small record plus that
+configuration is enough to resume.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,13 +26,12 @@ from ..order import check_identity_keys, pack_bitmap, unpack_bitmap
 __all__ = ["IDENTITY_KEYS", "LoaderState"]
 
 #: Configuration keys a saved state must agree on with the loader that resumes it (the rest of
-#: the stream would not be the same otherwise).
+#: the stream would not be the same otherwise). Rank and world size are not among them: the
+#: state is the job's, and any rank of any world size continues it.
 IDENTITY_KEYS = (
     "seed",
     "order",
     "order_window",
-    "rank",
-    "world_size",
     "batch_size",
     "even",
     "drop_last",
@@ -44,9 +51,13 @@ class LoaderState:
     Attributes:
         epoch: the epoch the next ``iter()`` runs.
         resume_batch: batches of ``epoch`` the next ``iter()`` skips (set by a resume, else 0).
-        position: ``(epoch, batches done)`` of the stream: batches yielded, or skipped because
-            every sample in them was skipped; once an epoch's iteration has ended (finished or
-            cut short), ``(epoch + 1, 0)``.
+        position: ``(epoch, batches done)`` of the stream: batches of this loader's plan of that
+            epoch yielded, or skipped because every sample in them was skipped; once an epoch's
+            iteration has ended (finished or cut short), ``(epoch + 1, 0)``.
+        offset: ``(epoch, ids)`` after a resume at a split of the epoch that batches of this
+            loader cannot reach: ``ids`` of that epoch's permutation were served before, and this
+            loader's plan of it is the rest split again (:func:`stoker.order.rank_plan`'s
+            ``start``); None otherwise.
         hit_maps: epoch -> cached-block bitmap (bool array, one per block) used for that
             epoch's cache-aware order; kept so that a resume gets the same order.
         carry: tokens a streaming collate (:class:`stoker.collate.PackTokens`) carries from the
@@ -56,73 +67,191 @@ class LoaderState:
     epoch: int = 0
     resume_batch: int = 0
     position: tuple[int, int] = (0, 0)
+    offset: tuple[int, int] | None = None
     hit_maps: dict[int, np.ndarray] = field(default_factory=dict)
     carry: np.ndarray | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0."""
         self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
-        self.carry = None
+        self.offset, self.carry = None, None
 
-    def to_dict(self, identity: dict) -> dict:
-        """The saved form: ``epoch``, ``batches_done``, the loader's ``identity`` (the
-        :data:`IDENTITY_KEYS` values), ``cached_blocks`` (the packed bitmap of the current
-        epoch, or None) and, only when there is one, ``carry`` (``{"dtype": str, "tokens": [int]}``).
-        Plain ints and strings (JSON-serialisable)."""
+    def start_of(self, epoch: int) -> int:
+        """Ids of ``epoch``'s permutation served before this loader's plan of it begins (0 unless
+        a resume split the rest of that epoch again)."""
+        return self.offset[1] if self.offset is not None and self.offset[0] == epoch else 0
+
+    def to_dict(
+        self,
+        identity: dict,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        num_samples: int,
+        num_batches: Callable[[int], int],
+    ) -> dict:
+        """The saved form, the same on every rank after the same number of batches.
+
+        - ``epoch`` and ``samples_done``: ids of that epoch's permutation served by all ranks
+          together (``num_samples`` once the epoch is finished; ids of the ranks' padding are not
+          counted);
+        - ``batches_done``: batches of that epoch each rank has taken (for the user; a resume reads
+          ``samples_done``);
+        - ``world_size``: the world size that saved it (a resume at another one splits the rest
+          of the epoch again; not an identity key);
+        - the loader's ``identity`` (the :data:`IDENTITY_KEYS` values);
+        - ``cached_blocks``: the packed bitmap of the current epoch's cache-aware order, or None;
+        - only when there is one, ``carry`` (``{"dtype": str, "tokens": [int], "rank": int}``):
+          a streaming collate's tokens, which belong to the rank that saved them.
+
+        ``num_batches(epoch)``: this loader's batches of ``epoch``. Plain ints and strings
+        (JSON-serialisable)."""
+        epoch, done = self.position
+        nb = num_batches(epoch)
+        if done >= nb > 0:
+            served = num_samples
+        else:
+            served = min(self.start_of(epoch) + done * batch_size * world_size, num_samples)
         out = {
-            "epoch": self.position[0],
-            "batches_done": self.position[1],
+            "epoch": epoch,
+            "samples_done": served,
+            "batches_done": done,
+            "world_size": world_size,
             **identity,
-            "cached_blocks": pack_bitmap(self.hit_maps.get(self.position[0])),
+            "cached_blocks": pack_bitmap(self.hit_maps.get(epoch)),
         }
-        if self.carry is not None and len(self.carry) and self.position[1] > 0:
-            out["carry"] = {"dtype": self.carry.dtype.str, "tokens": self.carry.tolist()}
+        if self.carry is not None and len(self.carry) and done > 0:
+            out["carry"] = {"dtype": self.carry.dtype.str, "tokens": self.carry.tolist(), "rank": rank}
         return out
 
     def load(
-        self, state: dict, identity: dict, num_batches: Callable[[int], int], num_blocks: int, strict: bool = True
+        self,
+        state: dict,
+        identity: dict,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        num_samples: int,
+        num_blocks: int,
+        plan_len: Callable[[int, int, int, int], int],
+        resplit: bool = True,
+        strict: bool = True,
     ) -> None:
-        """Take ``state`` (from :meth:`to_dict`): the next ``iter()`` continues that epoch after its
-        ``batches_done`` batches, or starts the next epoch if that one was finished (an epoch with
-        no batches, saved before its ``iter()``, is still run, yielding nothing).
+        """Take ``state`` (from :meth:`to_dict`, saved on any rank at any world size): the next
+        ``iter()`` continues that epoch with this rank's share of the ids not yet served, or
+        starts the next epoch if none is left for any rank (an epoch with no batches, saved
+        before its ``iter()``, is still run, yielding nothing). When ``samples_done`` is a whole
+        number of this loader's steps (``batch_size * world_size``), as it always is at the world
+        size that saved it, that is the same as skipping that many batches of the epoch's plan,
+        so the rest of the stream is the saved run's, batch for batch.
+
+        The per-rank form of earlier releases (``batches_done`` with the saving ``rank`` and
+        ``world_size``) is still taken, with a DeprecationWarning: its ``batches_done`` batches of
+        each of ``world_size`` ranks are the ids served.
 
         Args:
             state: the saved dict.
             identity: this loader's :data:`IDENTITY_KEYS` values.
-            num_batches: batches of an epoch for this loader (a function of the epoch).
+            rank, world_size, batch_size, num_samples: this loader's.
             num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
+            plan_len: ``(epoch, start, rank, world_size) -> ids`` of that rank's plan of ``epoch``
+                when ``start`` ids of its permutation were served before.
+            resplit: whether the loader's plan can split the rest of an epoch again (False for a
+                plan that is not the interleaved split: a state cut between two of its steps is
+                then refused).
             strict: refuse a state that lacks some of :data:`IDENTITY_KEYS` (a trainer that kept
-                only ``epoch`` and ``batches_done``): nothing would tell whether it was saved by a
-                loader with the same seed, order, rank split, batch size and dataset, and resuming
-                one that was not repeats and skips samples without a word. False: resume it
-                anyway, with a warning (``RuntimeWarning``) that names the keys it lacks.
+                only ``epoch`` and ``samples_done``): nothing would tell whether it was saved by a
+                loader with the same seed, order, batch size and dataset, and resuming one that
+                was not repeats and skips samples without a word. False: resume it anyway, with a
+                warning (``RuntimeWarning``) that names the keys it lacks; it is then taken to be
+                saved at this loader's world size (and rank, for the per-rank form).
 
         Raises:
             ValueError: ``state`` is not a state dict, lacks some of :data:`IDENTITY_KEYS` (with
-                ``strict``; the message names them), or has another value for one of them
-                (another dataset version, order, batch size, rank split or transform), or its
-                ``batches_done`` is outside 0..batches of its epoch. Nothing is changed then.
+                ``strict``; the message names them), or has another value for one of
+                :data:`IDENTITY_KEYS` (another dataset version, seed, order, batch size, split mode
+                or transform: named), or its ``samples_done`` (``batches_done``) is out of range,
+                or it cannot be continued on this rank (a streaming collate's carry saved on
+                another rank or world size; a cache-aware order cut at another world size
+                between two of this loader's steps; a split again that ``resplit`` forbids).
+                Nothing is changed then.
         """
-        if not isinstance(state, dict) or not {"epoch", "batches_done"} <= state.keys():
+        if not isinstance(state, dict) or "epoch" not in state or not {"samples_done", "batches_done"} & state.keys():
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'batches_done'; got {got})"
+                f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'samples_done'; got {got})"
             )
         check_identity_keys(state, IDENTITY_KEYS, strict, stacklevel=4)  # warns at the user's load_state_dict
         for k in IDENTITY_KEYS:
             if k in state and state[k] != identity[k]:
                 raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
-        epoch, done = int(state["epoch"]), int(state["batches_done"])
-        nb = num_batches(epoch)
-        if not 0 <= done <= nb:
-            raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
-        bits = unpack_bitmap(state.get("cached_blocks"), num_blocks)
-        if bits is not None and done < nb:
-            self.hit_maps[epoch] = bits  # the same cache-aware order as the saved run
+        epoch = int(state["epoch"])
+        saved_world = int(state.get("world_size", world_size))  # (a trimmed state: taken to be this loader's)
+        if saved_world < 1:
+            raise ValueError(f"cannot resume: state has world_size={saved_world}")
+        if "samples_done" in state:
+            served = int(state["samples_done"])
+            if not 0 <= served <= num_samples:
+                raise ValueError(f"cannot resume: samples_done={served} outside 0..{num_samples} for epoch {epoch}")
+        else:  # the per-rank form of earlier releases
+            done = int(state["batches_done"])
+            saved_rank = int(state.get("rank", rank if saved_world == world_size else 0))
+            if not 0 <= saved_rank < saved_world:
+                raise ValueError(f"cannot resume: state has rank={saved_rank} outside 0..{saved_world - 1}")
+            nb = -(-plan_len(epoch, 0, saved_rank, saved_world) // batch_size)
+            if not 0 <= done <= nb:
+                raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
+            served = num_samples if done == nb > 0 else min(done * batch_size * saved_world, num_samples)
+            if {"rank", "world_size"} & state.keys():  # (a trimmed one was warned about above)
+                warnings.warn(
+                    "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
+                    f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
+        step = batch_size * world_size
+        whole = served % step == 0 and served < num_samples  # a number of this loader's batches
+        start = 0 if whole else served
+        left = -(-plan_len(epoch, start, rank, world_size) // batch_size)  # this loader's batches from there
+        skip = served // step if whole else 0
+        finished = served > 0 and left - skip <= 0
+        if (
+            identity.get("cache_aware_window", 0) > 0
+            and not finished
+            and 0 < served
+            and (saved_world != world_size or not whole)
+        ):
+            raise ValueError(
+                f"cannot resume: a cache-aware order (cache_aware_window={identity['cache_aware_window']}) "
+                f"saved at world_size={saved_world} mid-epoch cannot be split again over {world_size} ranks "
+                "(each rank's order depends on its own node cache)"
+            )
+        if start and not finished and not resplit:
+            raise ValueError(
+                f"cannot resume: samples_done={served} of epoch {epoch} is not a whole number of batches of "
+                f"{world_size} ranks, and this loader's plan cannot split the rest of an epoch again "
+                f"(resume at world_size={saved_world})"
+            )
         carry = state.get("carry")
         if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
             raise ValueError(f"cannot resume: 'carry' must be {{'dtype': ..., 'tokens': [...]}}, got {carry!r}")
-        if done == nb > 0:  # finished: the next epoch. An epoch of 0 batches saved at its
-            epoch, done = epoch + 1, 0  # start has not run yet: it stays (its iter() yields nothing)
-        self.epoch, self.resume_batch, self.position = epoch, done, (epoch, done)
-        self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and done else None
+        if (
+            carry is not None
+            and not finished
+            and (saved_world != world_size or carry.get("rank", state.get("rank", rank)) != rank)
+        ):
+            saver = carry.get("rank", state.get("rank"))
+            raise ValueError(
+                f"cannot resume: the streaming collate's carried tokens were saved by rank {saver} "
+                f"of {saved_world}, this loader is rank {rank} of {world_size} (load each rank's own state)"
+            )
+        bits = unpack_bitmap(state.get("cached_blocks"), num_blocks)
+        if bits is not None and not finished:
+            self.hit_maps[epoch] = bits  # the same cache-aware order as the saved run
+        if finished:  # the next epoch. An epoch saved at its start has not run yet: it stays
+            epoch, skip, start = epoch + 1, 0, 0  # (if it has no batches, its iter() yields nothing)
+        self.epoch, self.resume_batch, self.position = epoch, skip, (epoch, skip)
+        self.offset = (epoch, start) if start else None
+        self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and skip else None
