@@ -19,10 +19,12 @@ from nvidia.dali import fn, pipeline_def, types
 BATCH = 32
 
 
-def train_augment(jpegs):
-    """DALI CPU operators: decode to RGB, RandomResizedCrop(224, area 0.08-1, ratio 3/4-4/3),
-    horizontal flip with probability 0.5, HWC -> CHW. Output: uint8 (3, 224, 224) per sample."""
-    img = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+def train_augment(jpegs, device="cpu"):
+    """DALI operators: decode to RGB, RandomResizedCrop(224, area 0.08-1, ratio 3/4-4/3),
+    horizontal flip with probability 0.5, HWC -> CHW. Output: uint8 (3, 224, 224) per sample.
+    ``device="cpu"``: every operator on the CPU; ``"gpu"``: DALI's GPU recipe, the decode
+    ``device="mixed"`` (nvJPEG: Huffman on the CPU, the rest on the GPU) and the rest on the GPU."""
+    img = fn.decoders.image(jpegs, device="cpu" if device == "cpu" else "mixed", output_type=types.RGB)
     img = fn.random_resized_crop(img, size=224, random_area=[0.08, 1.0], random_aspect_ratio=[0.75, 4 / 3])
     img = fn.flip(img, horizontal=fn.random.coin_flip())
     return fn.transpose(img, perm=[2, 0, 1])

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 
 @dataclass
 class Measurement:
-    """samples delivered, wall seconds, seconds blocked in next(), derived rates."""
+    """samples delivered, wall seconds, seconds blocked in next(), seconds from the start until
+    the first batch came out of ``next()`` (``first_batch_s``; the whole run if none did), derived
+    rates."""
 
     samples: int
     seconds: float
     wait_s: float
+    first_batch_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -31,10 +34,11 @@ class Measurement:
 def measure(batches, consumer_rate: float = 0.0, max_samples: int | None = None) -> Measurement:
     """Drain ``batches`` (an iterable of (images, labels)); consume each batch at
     ``consumer_rate`` samples/s (0 = a consumer that takes no time); stop after
-    ``max_samples`` (None = until exhausted). Returns a :class:`Measurement`."""
-    it = iter(batches)
-    samples, wait_s = 0, 0.0
+    ``max_samples`` (None = until exhausted). Returns a :class:`Measurement`. The clock starts
+    before ``iter(batches)``: starting an epoch counts in its time and in its first batch's."""
+    samples, wait_s, first_s = 0, 0.0, None
     t0 = time.perf_counter()
+    it = iter(batches)
     try:
         while max_samples is None or samples < max_samples:
             t = time.perf_counter()
@@ -42,7 +46,10 @@ def measure(batches, consumer_rate: float = 0.0, max_samples: int | None = None)
                 images, _ = next(it)
             except StopIteration:
                 break
-            wait_s += time.perf_counter() - t
+            now = time.perf_counter()
+            wait_s += now - t
+            if first_s is None:
+                first_s = now - t0
             n = len(images)
             samples += n
             del images
@@ -52,4 +59,7 @@ def measure(batches, consumer_rate: float = 0.0, max_samples: int | None = None)
         close = getattr(it, "close", None)
         if close is not None and max_samples is not None:
             close()
-    return Measurement(samples=samples, seconds=time.perf_counter() - t0, wait_s=wait_s)
+    seconds = time.perf_counter() - t0
+    return Measurement(
+        samples=samples, seconds=seconds, wait_s=wait_s, first_batch_s=seconds if first_s is None else first_s
+    )

@@ -24,6 +24,9 @@ _MARKER = ".stoker-requirements.json"
 # Requirement lists per peer (pins shared with the decode benchmark).
 PEER_REQUIREMENTS: dict[str, list[str]] = {
     "dali": ["nvidia-dali-cuda130==2.4.0", "numpy"],
+    # SPDL's image decode is FFmpeg's: spdl-io links the system's libavcodec/libavfilter (FFmpeg 4-9,
+    # e.g. Debian's libavfilter8 + libavdevice59), which pip cannot install.
+    "spdl": ["spdl==0.8.0", "numpy"],
     "streaming": ["mosaicml-streaming==0.13.0", "torch==2.14.1", "torchvision==0.29.1"],
     "litdata": ["litdata==0.2.76", "torch==2.14.1", "torchvision==0.29.1", "boto3"],
     # DLIO's own pins pull in DALI for CUDA 11 and full TensorFlow; its PyTorch reader needs torch,

@@ -135,14 +135,18 @@ def _add_peers(bench_sub) -> None:
     from ..bench.peers.bench import LOADERS
 
     p = bench_sub.add_parser(
-        "peers", help="stoker vs torch DataLoader, WebDataset, Streaming, LitData, DALI on one dataset and origin"
+        "peers",
+        help="stoker vs torch DataLoader, WebDataset, Streaming, LitData, DALI, SPDL, Ray Data on one origin",
     )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--images", type=int, default=5000)
     p.add_argument("--classes", type=int, default=20)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated subset of " + ",".join(LOADERS))
+    p.add_argument(
+        "--loaders",
+        help="comma-separated subset of " + ",".join(LOADERS) + " (default: all; with --device cuda: stoker,dali)",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--consumer-rate", type=float, default=2000.0, help="emulated accelerator, samples/s")
@@ -161,6 +165,12 @@ def _add_peers(bench_sub) -> None:
         default="local",
         help="DALI reads a local copy fetched in the first epoch (default) or s3:// directly",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: stoker's decode_device='cuda' against DALI's GPU pipeline (skipped, exit 0, without a GPU)",
+    )
     p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per loader")
     p.add_argument("--workdir", help="default: $TMPDIR/stoker-bench-peers")
@@ -168,9 +178,15 @@ def _add_peers(bench_sub) -> None:
 
 
 def _cmd_peers(a) -> int:
-    from ..bench.peers.bench import PeersConfig, run_peers
+    from ..bench.peers.bench import GPU_LOADERS, LOADERS, PeersConfig, cuda_missing, run_peers
 
-    loaders = tuple(x.strip() for x in a.loaders.split(",") if x.strip())
+    if a.device == "cuda":
+        why = cuda_missing()
+        if why:
+            print(f"stoker bench peers --device cuda: skipped, {why}", flush=True)
+            return 0
+    default = GPU_LOADERS if a.device == "cuda" else LOADERS
+    loaders = tuple(x.strip() for x in a.loaders.split(",") if x.strip()) if a.loaders else default
     run_peers(
         PeersConfig(
             images=a.images,
@@ -183,6 +199,7 @@ def _cmd_peers(a) -> int:
             latency_ms=a.latency_ms,
             bandwidth_MBps=a.bandwidth_mbps,
             dali_source=a.dali_source,
+            device=a.device,
             make_venvs=not a.no_make_venvs,
             run_timeout_s=a.timeout,
             workdir=a.workdir,

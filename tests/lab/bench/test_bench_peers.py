@@ -1,12 +1,14 @@
 """`stoker bench peers` at a tiny size: the report's JSON schema, every loader either measured or
 skipped with its reason. Peers that need their own virtual environment run only if it is
-already there (the test never installs one); otherwise they must show up in `skipped`."""
+already there (the test never installs one); otherwise they must show up in `skipped`. SPDL and
+Ray Data have a test of their own (tests/lab/bench/test_bench_peers_new.py)."""
 
 import json
 
-from stoker_lab.bench.peers.bench import LOADERS, PeersConfig, run_peers
+from stoker_lab.bench.peers.bench import PeersConfig, run_peers
 
-RUN_KEYS = {"loader", "epoch", "samples_per_s", "stall_fraction", "cpu_s_per_1000", "origin_bytes"}
+LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali")
+RUN_KEYS = {"loader", "epoch", "samples_per_s", "first_batch_s", "stall_fraction", "cpu_s_per_1000", "origin_bytes"}
 
 
 def test_peers_report_schema(tmp_path):
@@ -18,6 +20,7 @@ def test_peers_report_schema(tmp_path):
         batch_size=8,
         workers=1,
         consumer_rate=4000.0,
+        loaders=LOADERS,
         make_venvs=False,
         run_timeout_s=600,
         workdir=str(tmp_path / "work"),
@@ -45,7 +48,10 @@ def test_peers_report_schema(tmp_path):
     for loader in ("stoker", "webdataset"):  # their caches: the first epoch reads the origin, the next does not
         assert by[(loader, 0)]["origin_bytes"] > 0 and by[(loader, 1)]["origin_bytes"] == 0
     assert by[("torch", 1)]["origin_bytes"] > 0  # no cache: every epoch reads every file again
-    assert set(r["checks"]) == {"warm_vs_best_peer", "cold_vs_best_peer"}
+    assert set(r["checks"]) == {"warm_vs_best_peer", "cold_vs_best_peer", "warm_cpu_lowest"}
+    for loader in ran:  # each peer that ran says what it is: versions, cache, resume
+        p = r["peers"][loader]
+        assert p["versions"] and all(p["versions"].values()) and p["cache"] and p["resume"], (loader, p)
 
 
 def test_missing_peer_environment_is_reported(tmp_path, monkeypatch):

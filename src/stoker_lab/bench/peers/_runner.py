@@ -8,7 +8,10 @@ the same code. A runner is a script ``run_<loader>.py`` that calls :func:`main` 
 * ``convert(src, out, cfg) -> None``: write the peer's format for the ImageFolder tree ``src``
   into the local folder ``out`` with the peer's own tool (``python run_<loader>.py convert SRC OUT CFG``);
 * ``build(cfg) -> obj`` and ``epoch(obj, e) -> iterable of (images, labels)``
-  (``python run_<loader>.py read CFG``): one JSON line per epoch on stdout.
+  (``python run_<loader>.py read CFG``): one JSON line per epoch on stdout;
+* ``about``: what the report says of the peer: ``packages`` (distributions whose installed
+  versions are recorded), ``recipe`` (the documented recipe followed, and where it is written),
+  ``cache`` and ``resume`` (what it has of each; "none" where it cannot).
 
 CPU is counted over the runner's whole process tree (itself, its workers, their children, and
 the children already reaped: ``/proc/<pid>/stat`` utime+stime+cutime+cstime of every live
@@ -18,9 +21,12 @@ emulated origin's CPU is measured separately from its pid, never charged to a lo
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import math
 import os
+import random
 import sys
 import time
 import urllib.request
@@ -115,15 +121,40 @@ def emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
-def read_epochs(cfg: dict, build, epoch) -> None:
+def versions(packages) -> dict:
+    """``{distribution: installed version or None}`` for each name in ``packages``."""
+    out = {}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def describe(cfg: dict, about: dict | None, obj=None) -> dict:
+    """The peer as the report records it: ``about`` without its package list, the installed
+    ``versions`` of those packages, the Python, and the loader's own ``settings()`` if it has one."""
+    about = dict(about or {})
+    out = {k: v for k, v in about.items() if k != "packages"}
+    out["versions"] = versions(about.get("packages", ()))
+    out["python"] = sys.version.split()[0]
+    settings = getattr(obj, "settings", None)
+    if callable(settings):
+        out["settings"] = settings()
+    return out
+
+
+def read_epochs(cfg: dict, build, epoch, about: dict | None = None) -> None:
     """Build the loader, then measure ``cfg['epochs']`` epochs, printing a JSON line for the
-    set-up and one per epoch (samples, seconds, samples_per_s, stall_fraction, cpu_s,
-    cpu_s_per_1000, origin_bytes, origin_requests, origin_cpu_s)."""
+    set-up (with the peer's :func:`describe`) and one per epoch (samples, seconds, samples_per_s,
+    stall_fraction, first_batch_s, cpu_s, cpu_s_per_1000, origin_bytes, origin_requests,
+    origin_cpu_s)."""
     measure = _load_measure()
     s0 = _Snapshot(cfg)
     obj = build(cfg)
     s1 = _Snapshot(cfg)
-    emit({"kind": "setup", "seconds": s1.t - s0.t, **s1.delta(s0)})
+    emit({"kind": "setup", "seconds": s1.t - s0.t, **s1.delta(s0), "peer": describe(cfg, about, obj)})
     for e in range(int(cfg["epochs"])):
         before = _Snapshot(cfg)
         m = measure(epoch(obj, e), float(cfg.get("consumer_rate", 0.0)))
@@ -138,6 +169,7 @@ def read_epochs(cfg: dict, build, epoch) -> None:
                 "seconds": m.seconds,
                 "samples_per_s": m.samples_per_s,
                 "stall_fraction": m.stall_fraction,
+                "first_batch_s": m.first_batch_s,
                 "cpu_s_per_1000": d["cpu_s"] * per_k,
                 "origin_cpu_s_per_1000": d["origin_cpu_s"] * per_k,
                 **d,
@@ -148,8 +180,9 @@ def read_epochs(cfg: dict, build, epoch) -> None:
         close()
 
 
-def main(convert, build, epoch) -> None:
-    """Command line of a runner: ``convert SRC OUT CFG_JSON`` or ``read CFG_JSON``."""
+def main(convert, build, epoch, about: dict | None = None) -> None:
+    """Command line of a runner: ``convert SRC OUT CFG_JSON`` or ``read CFG_JSON``; ``about``:
+    see the module's docstring."""
     subreaper()
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "convert" and len(sys.argv) == 5:
@@ -161,7 +194,7 @@ def main(convert, build, epoch) -> None:
     elif cmd == "read" and len(sys.argv) == 3:
         with open(sys.argv[2]) as f:
             cfg = json.load(f)
-        read_epochs(cfg, build, epoch)
+        read_epochs(cfg, build, epoch, about)
     else:
         sys.exit(f"usage: {sys.argv[0]} convert SRC OUT CFG_JSON | read CFG_JSON")
 
@@ -176,3 +209,26 @@ def image_folder(src: str) -> list[tuple[str, int, str]]:
             if name.lower().endswith((".jpeg", ".jpg", ".png")):
                 out.append((os.path.join(src, c, name), label, f"{c}/{os.path.splitext(name)[0]}"))
     return out
+
+
+def crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """A RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) box ``(left, top, w, h)`` in pixels, drawn
+    as torchvision's ``RandomResizedCrop.get_params`` draws it (10 tries, then a centre crop of
+    the whole image clamped to the ratio range), for peers whose own operators take a fixed box."""
+    area = width * height
+    lo, hi = math.log(3 / 4), math.log(4 / 3)
+    for _ in range(10):
+        target = area * rng.uniform(0.08, 1.0)
+        aspect = math.exp(rng.uniform(lo, hi))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
+    ratio = width / height
+    if ratio < 3 / 4:
+        w, h = width, int(round(width / (3 / 4)))
+    elif ratio > 4 / 3:
+        w, h = int(round(height * (4 / 3))), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h

@@ -1,14 +1,20 @@
 """`stoker bench peers`: one run, one dataset, one origin, one transform, every loader.
 
 Steps: make the demo's real-photo ImageFolder set; convert it once into each loader's own
-format with the loader's own tool (stoker pack, the raw tree for torch, WebDataset
+format with the loader's own tool (stoker pack, the raw tree for torch and Ray Data, WebDataset
 ``ShardWriter`` tars, Streaming ``MDSWriter`` shards, LitData ``optimize`` chunks, DALI
-``wds2idx`` indexes over WebDataset tars); start the emulated remote origin (moto S3 behind
+``wds2idx`` indexes over WebDataset tars, the same tars for SPDL); start the emulated remote origin (moto S3 behind
 the throttling proxy, :class:`stoker_lab.bench.origin.LocalS3Origin`) and upload every format to it
 (unthrottled); then run each loader in a subprocess of its own Python for ``epochs`` epochs
 from an empty cache, with the same workers, batch size and emulated accelerator, collecting
 one JSON line per epoch. A loader that cannot be installed, converted or run is recorded in
-``skipped`` with the reason (the tail of its stderr), never dropped.
+``skipped`` with the reason (the tail of its stderr), never dropped. Each loader's versions,
+settings, recipe and what it has of a cache and of resume are recorded under ``peers``.
+
+``device="cuda"`` runs the accelerator comparison instead: stoker with
+``ImageOptions(decode_device="cuda")`` against DALI's GPU pipeline (``decoders.image(device=
+"mixed")``) on the same files; :func:`cuda_missing` says why it cannot run on a machine without a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from dataclasses import asdict, dataclass
 
 from ..venvs import run_json_lines, stderr_tail
 
-LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali")
-_VENV = {"streaming": "streaming", "litdata": "litdata", "dali": "dali"}
-_IMPORTS = {"webdataset": "webdataset"}  # modules a main-Python loader needs beyond stoker
+LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali", "spdl", "ray_data")
+GPU_LOADERS = ("stoker", "dali")  # the loaders of device="cuda"
+_VENV = {"streaming": "streaming", "litdata": "litdata", "dali": "dali", "spdl": "spdl"}
+_ON_WDS_TARS = ("dali", "spdl")  # loaders that read the WebDataset tars (made by webdataset's conversion)
+_IMPORTS = {"webdataset": "webdataset", "ray_data": "ray.data"}  # modules a main-Python loader needs beyond stoker
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -37,7 +45,8 @@ class PeersConfig:
     MB/s (1e6 B/s), timeouts in seconds. ``consumer_rate``: the emulated accelerator (a sleep of
     batch/rate per batch; above every loader's decode bound here, so samples/s measures the
     loader and ``stall_fraction`` the accelerator time it loses). ``make_venvs``: create missing
-    peer environments (False: skip those peers, with the reason)."""
+    peer environments (False: skip those peers, with the reason). ``device``: "cpu", or "cuda"
+    for the accelerator comparison (``loaders`` then defaults to :data:`GPU_LOADERS`)."""
 
     images: int = 5000
     classes: int = 20
@@ -52,11 +61,23 @@ class PeersConfig:
     shard_bytes: int = 64 << 20
     wds_shard_bytes: int = 20_000_000
     dali_source: str = "local"
+    device: str = "cpu"
     make_venvs: bool = True
     run_timeout_s: float = 1800.0
     workdir: str | None = None
     json_path: str | None = None
     plot_path: str | None = None
+
+
+def cuda_missing() -> str | None:
+    """Why ``device="cuda"`` cannot run on this machine, in one line; None when torch sees a CUDA GPU."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable here ({exc})"
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU is visible to torch {torch.__version__} (torch.cuda.is_available() is False)"
+    return None
 
 
 def _log(msg: str) -> None:
@@ -78,7 +99,7 @@ def _python_for(loader: str, cfg: PeersConfig) -> str:
             if r.returncode:
                 raise RuntimeError(
                     f"cannot import {mod} in stoker's Python: {stderr_tail(r.stderr, 2)} "
-                    "(pip install -e '.[dev]' in the stoker checkout or webdataset)"
+                    f"(pip install -e '.[dev]' in the stoker checkout, or {mod.split('.')[0]})"
                 )
         return sys.executable
     name = _VENV[loader]
@@ -170,13 +191,15 @@ def _read_config(loader: str, cfg: PeersConfig, origin, fmt_dir: str, cache_dir:
         "control_url": origin.direct_url,
         "origin_pid": origin.pid,
         "dali_source": cfg.dali_source,
+        "device": cfg.device,
     }
     if loader == "stoker":
         c["cache_bytes"] = 2 * _dir_bytes(fmt_dir)[1] + (64 << 20)
     if loader == "webdataset":
         c["urls"] = _presign(origin, [f"{loader}/{n}" for n in names if n.endswith(".tar")])
-    if loader == "dali":
+    if loader in _ON_WDS_TARS:
         c["fetch"] = list(zip(_presign(origin, [f"{loader}/{n}" for n in names]), names))
+    if loader == "dali":
         c["s3_tars"] = [origin.url(f"{loader}/{n}") for n in names if n.endswith(".tar")]
         c["s3_indexes"] = [t[:-4] + ".idx" for t in c["s3_tars"]]
     return c
@@ -194,6 +217,10 @@ def run_peers(cfg: PeersConfig) -> dict:
     unknown = set(cfg.loaders) - set(LOADERS)
     if unknown:
         raise ValueError(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {cfg.device!r}")
+    if cfg.device == "cuda" and set(cfg.loaders) - set(GPU_LOADERS):
+        raise ValueError(f"device='cuda' compares {' and '.join(GPU_LOADERS)} only, got {', '.join(cfg.loaders)}")
     work = cfg.workdir or os.path.join(tempfile.gettempdir(), "stoker-bench-peers")
     os.makedirs(work, exist_ok=True)
     report: dict = {
@@ -215,6 +242,7 @@ def run_peers(cfg: PeersConfig) -> dict:
         "formats": [],
         "skipped": [],
         "load": [],
+        "peers": {},
     }
     report["config"]["loaders"] = list(cfg.loaders)
     sd = make_sample_data(os.path.join(work, "data"), images=cfg.images, classes=cfg.classes, seed=cfg.seed)
@@ -232,7 +260,8 @@ def run_peers(cfg: PeersConfig) -> dict:
         _log(f"skipped {loader}: {reason}")
 
     env = _env(None)
-    pythons, fmt_dirs = {}, {}
+    pythons, fmt_dirs, formats_by = {}, {}, {}
+    wds_tars = None  # (folder, seconds) of the WebDataset tars made for DALI and SPDL
     wanted = list(cfg.loaders)
     for loader in wanted:
         try:
@@ -243,22 +272,22 @@ def run_peers(cfg: PeersConfig) -> dict:
         out = os.path.join(work, "formats", loader)
         try:
             source = src
-            if loader == "dali":  # DALI indexes WebDataset tars; make them if webdataset did not run
-                wds_dir = fmt_dirs.get("webdataset")
-                if wds_dir is None:
-                    wds_dir = os.path.join(work, "formats", "dali-tars")
-                    extra = _convert("webdataset", _python_for("webdataset", cfg), src, wds_dir, cfg, work, env)
-                    wds_seconds = extra["convert_seconds"]
-                else:
-                    wds_seconds = next(f["convert_seconds"] for f in report["formats"] if f["loader"] == "webdataset")
-                source = wds_dir
+            if loader in _ON_WDS_TARS:  # DALI and SPDL read WebDataset tars; made here if webdataset did not run
+                if "webdataset" in fmt_dirs:
+                    wds_tars = (fmt_dirs["webdataset"], formats_by["webdataset"]["convert_seconds"])
+                elif wds_tars is None:
+                    wds_dir = os.path.join(work, "formats", "wds-tars")
+                    made = _convert("webdataset", _python_for("webdataset", cfg), src, wds_dir, cfg, work, env)
+                    wds_tars = (wds_dir, made["convert_seconds"])
+                source = wds_tars[0]
             fmt = _convert(loader, pythons[loader], source, out, cfg, work, env)
-            if loader == "dali":
-                fmt["convert_seconds"] += wds_seconds
-        except (RuntimeError, OSError, subprocess.TimeoutExpired, StopIteration) as exc:
+            if loader in _ON_WDS_TARS:
+                fmt["convert_seconds"] += wds_tars[1]
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             skip(loader, str(exc))
             continue
         fmt_dirs[loader] = out
+        formats_by[loader] = fmt
         report["formats"].append({"loader": loader, **fmt})
         _log(
             f"{loader}: converted in {fmt['convert_seconds']:.1f} s, {fmt['files']} files, {fmt['bytes'] / 1e6:.1f} MB"
@@ -300,6 +329,7 @@ def run_peers(cfg: PeersConfig) -> dict:
                         f"CPU {r['cpu_s_per_1000']:.2f} s/1000, origin {r['origin_bytes'] / 1e6:.1f} MB"
                     )
                 elif kind == "setup":
+                    report["peers"][loader] = r.pop("peer", {})
                     report["setup"].append({"loader": loader, **r})
             if why or got < cfg.epochs:
                 skip(loader, f"ran {got} of {cfg.epochs} epochs; " + (why or "no error reported"))

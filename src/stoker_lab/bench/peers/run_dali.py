@@ -9,6 +9,10 @@ epoch's origin bytes and time) and every epoch reads that copy, the usual way DA
 an object store. ``source="s3"``: DALI's readers read ``s3://`` directly (AWS SDK; endpoint from
 ``AWS_ENDPOINT_URL``), which re-reads the origin every epoch.
 
+With ``device="cuda"`` (the accelerator comparison) the pipeline runs on GPU 0: decode with
+``fn.decoders.image(device="mixed")`` and the crop, flip and transpose on the GPU, batches left
+on the GPU (DALI's own GPU recipe for image classification).
+
 Runs under the Python of its own virtual environment (nvidia-dali-cuda130 2.4.0); see
 :mod:`stoker_lab.bench.peers._runner` for the protocol.
 """
@@ -20,6 +24,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import _runner
+
+ABOUT = {
+    "packages": ["nvidia-dali-cuda130", "numpy"],
+    "recipe": "fn.readers.webdataset(random_shuffle) + fn.decoders.image + fn.random_resized_crop + fn.flip "
+    "(DALI docs, webdataset reader and image classification examples)",
+    "cache": "none of its own: the first epoch copies the shards to local disk (source=local)",
+    "resume": "not used here (DALI readers can checkpoint, enable_checkpointing)",
+}
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -77,8 +89,11 @@ class _Dali:
 
         tars, idx = self._paths()
         cfg = self.cfg
+        gpu = cfg.get("device", "cpu") != "cpu"
 
-        @pipeline_def(batch_size=cfg["batch_size"], num_threads=cfg["workers"], device_id=None, seed=cfg["seed"])
+        @pipeline_def(
+            batch_size=cfg["batch_size"], num_threads=cfg["workers"], device_id=0 if gpu else None, seed=cfg["seed"]
+        )
         def pipe():
             jpg, cls = fn.readers.webdataset(
                 paths=tars,
@@ -89,7 +104,7 @@ class _Dali:
                 name="Reader",
                 dtypes=[types.UINT8, types.UINT8],
             )
-            return train_augment(jpg), cls
+            return train_augment(jpg, "gpu" if gpu else "cpu"), cls
 
         self.pipe = pipe()
         self.pipe.build()
@@ -103,7 +118,20 @@ class _Dali:
         for b in range(n_batches):
             images, labels = self.pipe.run()
             keep = min(bs, self.size - b * bs)
-            yield images.as_array()[:keep], labels
+            if self.cfg.get("device", "cpu") != "cpu":  # on the GPU: one dense tensor, the padding not counted
+                yield _OnDevice(images.as_tensor(), keep), labels
+            else:
+                yield images.as_array()[:keep], labels
+
+
+class _OnDevice:
+    """A batch left on the GPU (a DALI TensorGPU) of which ``len`` samples are real (the rest pad)."""
+
+    def __init__(self, tensor, samples):
+        self.tensor, self.samples = tensor, samples
+
+    def __len__(self):
+        return self.samples
 
 
 def build(cfg):
@@ -115,4 +143,4 @@ def epoch(d, e):
 
 
 if __name__ == "__main__":
-    _runner.main(convert, build, epoch)
+    _runner.main(convert, build, epoch, ABOUT)

@@ -12,6 +12,13 @@ import os
 
 import _runner
 
+ABOUT = {
+    "packages": ["litdata", "torch", "torchvision", "boto3"],
+    "recipe": "litdata.optimize; StreamingDataset(s3 URL, cache_dir, shuffle) + StreamingDataLoader (LitData README)",
+    "cache": "cache_dir chunk cache on disk",
+    "resume": "StreamingDataLoader.state_dict() mid-epoch",
+}
+
 
 def _sample(item):
     from PIL import Image
@@ -68,4 +75,4 @@ def epoch(loader, e):
 
 
 if __name__ == "__main__":
-    _runner.main(convert, build, epoch)
+    _runner.main(convert, build, epoch, ABOUT)

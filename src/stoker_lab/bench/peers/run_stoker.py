@@ -1,10 +1,19 @@
 """stoker as a benchmark peer: ``stoker pack`` to tar shards + Parquet index; Loader over the
 node cache (disk tier, a budget that holds the dataset) with its prefetcher and decode workers.
+With ``device="cuda"`` (the accelerator comparison) the JPEGs are decoded and transformed on the
+GPU in the training process (``ImageOptions(decode_device="cuda")``), the workers only read.
 
 Runs under stoker's own Python (see :mod:`stoker_lab.bench.peers._runner` for the protocol).
 """
 
 import _runner
+
+ABOUT = {
+    "packages": ["stoker", "simplejpeg", "opencv-python-headless", "numpy", "torch"],
+    "recipe": "stoker pack; open_dataset(s3 URL, cache_dir, cache_bytes) + Loader(transform='train') (README)",
+    "cache": "node cache on disk (shared by the node's jobs, kept between jobs)",
+    "resume": "Loader.state_dict() mid-epoch",
+}
 
 
 def convert(src, out, cfg):
@@ -23,7 +32,18 @@ def build(cfg):
         cache_bytes=int(cfg["cache_bytes"]),
         storage_options=cfg["storage_options"],
     )
-    return Loader(ds, cfg["batch_size"], num_workers=cfg["workers"], seed=cfg["seed"], transform="train")
+    return Loader(
+        ds, cfg["batch_size"], num_workers=cfg["workers"], seed=cfg["seed"], transform="train", **options(cfg)
+    )
+
+
+def options(cfg):
+    """Loader keyword arguments for ``cfg['device']``: none on the CPU; on "cuda", decode on it."""
+    if cfg.get("device", "cpu") == "cpu":
+        return {}
+    from stoker.loader import ImageOptions
+
+    return {"image": ImageOptions(decode_device=cfg["device"])}
 
 
 def epoch(loader, e):
@@ -31,4 +51,4 @@ def epoch(loader, e):
 
 
 if __name__ == "__main__":
-    _runner.main(convert, build, epoch)
+    _runner.main(convert, build, epoch, ABOUT)

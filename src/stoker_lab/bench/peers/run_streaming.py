@@ -13,6 +13,13 @@ import os
 
 import _runner
 
+ABOUT = {
+    "packages": ["mosaicml-streaming", "torch", "torchvision", "pillow"],
+    "recipe": "MDSWriter; StreamingDataset(remote, local, shuffle) + StreamingDataLoader (Streaming docs)",
+    "cache": "local= shard cache on disk",
+    "resume": "StreamingDataLoader.state_dict() mid-epoch",
+}
+
 
 def convert(src, out, cfg):
     from PIL import Image
@@ -48,4 +55,4 @@ def epoch(loader, e):
 
 
 if __name__ == "__main__":
-    _runner.main(convert, build, epoch)
+    _runner.main(convert, build, epoch, ABOUT)

@@ -7,6 +7,14 @@ Runs under stoker's own Python (see :mod:`stoker_lab.bench.peers._runner` for th
 
 import _runner
 
+ABOUT = {
+    "packages": ["torch", "fsspec", "s3fs", "pillow"],
+    "recipe": "torch.utils.data.DataLoader(shuffle=True, persistent_workers) over a map-style dataset, one fsspec GET "
+    "per file, Pillow decode + RandomResizedCrop + flip (torchvision's ImageFolder recipe)",
+    "cache": "none: every epoch reads every file from the origin",
+    "resume": "none (DataLoader has no state_dict)",
+}
+
 
 def convert(src, out, cfg):
     import shutil
@@ -31,4 +39,4 @@ def epoch(b, e):
 
 
 if __name__ == "__main__":
-    _runner.main(convert, build, epoch)
+    _runner.main(convert, build, epoch, ABOUT)

@@ -12,6 +12,13 @@ import os
 
 import _runner
 
+ABOUT = {
+    "packages": ["webdataset", "torch", "pillow"],
+    "recipe": "WebDataset(urls, shardshuffle, cache_dir).shuffle(1000).decode('pil') + WebLoader (WebDataset README)",
+    "cache": "cache_dir: whole shards on local disk, per job",
+    "resume": "none mid-epoch",
+}
+
 
 def convert(src, out, cfg):
     import webdataset as wds
@@ -57,4 +64,4 @@ def epoch(loader, e):
 
 
 if __name__ == "__main__":
-    _runner.main(convert, build, epoch)
+    _runner.main(convert, build, epoch, ABOUT)
