@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Check stoker's accelerator path on a machine with a CUDA GPU; prints one JSON summary.
 
-    python scripts/gpu_check.py [--cases ../shared/cases/pillow-jpeg] [--json out.json]
+    python scripts/gpu_check.py [--cases ../shared/cases/pillow-jpeg] [--json out.json] [--peers-images N]
 
 Needs a CUDA build of torch, and torchvision (GPU decode_jpeg) or nvImageCodec for the decode
 checks (reported as skipped otherwise). Checks:
@@ -19,6 +19,13 @@ checks (reported as skipped otherwise). Checks:
 4. ``loader``: Loader(run=RunOptions(device="cuda")) on a small packed dataset: batches on the GPU, equal to
    the CPU loader's batches; and Loader(image=ImageOptions(decode_device="cuda")) (JPEG decode + transform on the
    GPU in the training process): same labels, pixels within a mean abs difference of 3.
+5. ``peers``: ``stoker bench peers --device cuda`` at a small size (``--peers-images``, default
+   1,000 photos, 2 epochs, the emulated S3 origin): stoker with ``decode_device="cuda"`` against
+   DALI's GPU pipeline (``decoders.image(device="mixed")``) on the same files; samples/s cold and
+   warm, first-batch time, CPU-s per 1,000 samples. DALI runs if its virtual environment
+   (~/.cache/stoker-bench/venvs/dali, made where there is a network) is there; otherwise it is
+   listed as skipped with the reason. Passes when stoker delivered every epoch. ``--peers-images 0``
+   leaves it out.
 Exit status 0 when every check passes, 1 otherwise.
 """
 
@@ -195,12 +202,40 @@ def check_loader(device: str, work: str) -> dict:
     return out
 
 
+def check_peers(work: str, images: int) -> dict:
+    from stoker_lab.bench.peers.bench import PeersConfig, run_peers
+    from stoker_lab.bench.peers.report import epoch_rates
+
+    r = run_peers(
+        PeersConfig(
+            images=images,
+            classes=10,
+            epochs=2,
+            device="cuda",
+            loaders=("stoker", "dali"),
+            workdir=os.path.join(work, "peers"),
+            run_timeout_s=600,
+        )
+    )
+    stoker_epochs = sorted(row["epoch"] for row in r["runs"] if row["loader"] == "stoker")
+    return {
+        "rates": epoch_rates(r),
+        "cpu_s_per_1000": epoch_rates(r, "cpu_s_per_1000"),
+        "runs": r["runs"],
+        "skipped": r["skipped"],
+        "peers": r["peers"],
+        "dataset": r["dataset"],
+        "ok": stoker_epochs == [0, 1],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--cases", default=os.path.join(HERE, "..", "..", "shared", "cases", "pillow-jpeg"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tolerance", type=int, default=2, help="max abs diff from the Pillow reference (cases README)")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--peers-images", type=int, default=1000, help="photos for the peers check (0: leave it out)")
     a = ap.parse_args()
     out = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available()}
     if not torch.cuda.is_available():
@@ -227,6 +262,8 @@ def main() -> int:
         out["skipped"] = {"decode": str(exc), "train": str(exc)}
     work = tempfile.mkdtemp(prefix="stoker-gpu-check-")
     checks["loader"] = lambda: check_loader(a.device, work)
+    if a.peers_images > 0:
+        checks["peers"] = lambda: check_peers(work, a.peers_images)
     for name, fn in checks.items():
         try:
             out[name] = fn()

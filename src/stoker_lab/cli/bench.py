@@ -173,6 +173,7 @@ def _add_peers(bench_sub) -> None:
     )
     p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per loader")
+    p.add_argument("--retries", type=int, default=1, help="runs again of a loader that failed (each failure reported)")
     p.add_argument("--workdir", help="default: $TMPDIR/stoker-bench-peers")
     p.set_defaults(fn=_cmd_peers)
 
@@ -200,6 +201,7 @@ def _cmd_peers(a) -> int:
             bandwidth_MBps=a.bandwidth_mbps,
             dali_source=a.dali_source,
             device=a.device,
+            retries=a.retries,
             make_venvs=not a.no_make_venvs,
             run_timeout_s=a.timeout,
             workdir=a.workdir,

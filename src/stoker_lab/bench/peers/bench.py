@@ -46,7 +46,9 @@ class PeersConfig:
     batch/rate per batch; above every loader's decode bound here, so samples/s measures the
     loader and ``stall_fraction`` the accelerator time it loses). ``make_venvs``: create missing
     peer environments (False: skip those peers, with the reason). ``device``: "cpu", or "cuda"
-    for the accelerator comparison (``loaders`` then defaults to :data:`GPU_LOADERS`)."""
+    for the accelerator comparison (``loaders`` then defaults to :data:`GPU_LOADERS`). ``retries``:
+    a loader whose run fails is run again from an empty cache up to this many times; each failure
+    is kept in the report's ``failures`` (and the table), only the last attempt's rows in ``runs``."""
 
     images: int = 5000
     classes: int = 20
@@ -62,6 +64,7 @@ class PeersConfig:
     wds_shard_bytes: int = 20_000_000
     dali_source: str = "local"
     device: str = "cpu"
+    retries: int = 1
     make_venvs: bool = True
     run_timeout_s: float = 1800.0
     workdir: str | None = None
@@ -205,6 +208,25 @@ def _read_config(loader: str, cfg: PeersConfig, origin, fmt_dir: str, cache_dir:
     return c
 
 
+def _read(loader: str, py: str, cfg: PeersConfig, origin, fmt_dir: str, work: str, env: dict, report: dict):
+    """One read run of ``loader`` from an empty cache; returns (its JSON rows, why it failed or None)
+    and appends the load averages around it to ``report["load"]``."""
+    cache_dir = os.path.join(work, "cache", loader)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    conf = os.path.join(work, f"read-{loader}.json")
+    with open(conf, "w") as f:
+        json.dump(_read_config(loader, cfg, origin, fmt_dir, cache_dir), f)
+    load = {"loader": loader, "before": list(os.getloadavg())}
+    _log(f"{loader}: {cfg.epochs} epochs")
+    rows, why = run_json_lines(
+        [py, _runner(loader), "read", conf], env, cfg.run_timeout_s, os.path.join(work, f"read-{loader}.log")
+    )
+    load["after"] = list(os.getloadavg())
+    report["load"].append(load)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return rows, why
+
+
 def run_peers(cfg: PeersConfig) -> dict:
     """Run the benchmark; returns the report (also written to ``cfg.json_path``):
     ``{runs: [{loader, epoch, samples_per_s, stall_fraction, cpu_s_per_1000, origin_bytes, ...}],
@@ -243,6 +265,7 @@ def run_peers(cfg: PeersConfig) -> dict:
         "skipped": [],
         "load": [],
         "peers": {},
+        "failures": [],
     }
     report["config"]["loaders"] = list(cfg.loaders)
     sd = make_sample_data(os.path.join(work, "data"), images=cfg.images, classes=cfg.classes, seed=cfg.seed)
@@ -302,27 +325,18 @@ def run_peers(cfg: PeersConfig) -> dict:
             )
             fmt["upload_seconds"] = up["seconds"]
         for loader in [lo for lo in wanted if lo in fmt_dirs]:
-            cache_dir = os.path.join(work, "cache", loader)
-            shutil.rmtree(cache_dir, ignore_errors=True)
-            conf = os.path.join(work, f"read-{loader}.json")
-            with open(conf, "w") as f:
-                json.dump(_read_config(loader, cfg, origin, fmt_dirs[loader], cache_dir), f)
-            load = {"loader": loader, "before": list(os.getloadavg())}
-            _log(f"{loader}: {cfg.epochs} epochs")
-            rows, why = run_json_lines(
-                [pythons[loader], _runner(loader), "read", conf],
-                env,
-                cfg.run_timeout_s,
-                os.path.join(work, f"read-{loader}.log"),
-            )
-            load["after"] = list(os.getloadavg())
-            report["load"].append(load)
-            shutil.rmtree(cache_dir, ignore_errors=True)
-            got = 0
+            for attempt in range(1 + max(0, cfg.retries)):
+                rows, why = _read(loader, pythons[loader], cfg, origin, fmt_dirs[loader], work, env, report)
+                epochs = [r for r in rows if r.get("kind") == "epoch"]
+                if not why and len(epochs) == cfg.epochs:
+                    break
+                why = f"ran {len(epochs)} of {cfg.epochs} epochs; " + (why or "no error reported")
+                if attempt < cfg.retries:  # recorded, then run again from an empty cache
+                    report["failures"].append({"loader": loader, "attempt": attempt, "reason": why})
+                    _log(f"{loader} failed (run again from an empty cache): {why}")
             for r in rows:
                 kind = r.pop("kind", None)
                 if kind == "epoch":
-                    got += 1
                     report["runs"].append({"loader": loader, **r})
                     _log(
                         f"  epoch {r['epoch']}: {r['samples_per_s']:.0f} samples/s, stall {r['stall_fraction']:.2f}, "
@@ -331,8 +345,8 @@ def run_peers(cfg: PeersConfig) -> dict:
                 elif kind == "setup":
                     report["peers"][loader] = r.pop("peer", {})
                     report["setup"].append({"loader": loader, **r})
-            if why or got < cfg.epochs:
-                skip(loader, f"ran {got} of {cfg.epochs} epochs; " + (why or "no error reported"))
+            if why:
+                skip(loader, why)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     report["checks"] = check_targets(report)
     print_table(report)

@@ -102,6 +102,10 @@ def markdown(report: dict) -> str:
         for lo, p in peers.items():
             vers = ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items() if v)
             lines.append(f"| {lo} | {vers} | {p.get('cache', '')} | {p.get('resume', '')} |")
+    if report.get("failures"):
+        lines += ["", "Failed, then run again from an empty cache:"] + [
+            f"- {f['loader']} (attempt {f['attempt'] + 1}): {f['reason']}" for f in report["failures"]
+        ]
     if report["skipped"]:
         lines += ["", "Skipped:"] + [f"- {s['loader']}: {s['reason']}" for s in report["skipped"]]
     checks = report.get("checks") or {}
