@@ -116,3 +116,16 @@ def test_first_batch_time_counts_from_iter():
 
     m = measure(slow_start())
     assert m.samples == 8 and 0.05 <= m.first_batch_s <= m.seconds
+
+
+def test_a_failed_run_is_run_again_and_the_failure_kept():
+    from stoker_lab.bench.peers.bench import read_with_retries
+
+    epoch = {"kind": "epoch"}
+    runs = iter([([epoch], "exit status 1: UnidentifiedImageError"), ([epoch, epoch], None)])
+    rows, why, failed = read_with_retries(lambda: next(runs), epochs=2, retries=1)
+    assert why is None and len(rows) == 2
+    assert failed == [{"attempt": 0, "reason": "ran 1 of 2 epochs; exit status 1: UnidentifiedImageError"}]
+    runs = iter([([epoch], None), ([], "timed out")])  # every try fails: the last one is reported
+    rows, why, failed = read_with_retries(lambda: next(runs), epochs=2, retries=1)
+    assert rows == [] and why == "ran 0 of 2 epochs; timed out" and len(failed) == 1

@@ -208,6 +208,22 @@ def _read_config(loader: str, cfg: PeersConfig, origin, fmt_dir: str, cache_dir:
     return c
 
 
+def read_with_retries(read_once, epochs: int, retries: int) -> tuple[list[dict], str | None, list[dict]]:
+    """Call ``read_once() -> (rows, why)`` until a run delivers ``epochs`` epoch rows without an
+    error, at most ``1 + retries`` times. Returns (the last run's rows, why it failed or None, the
+    failures before it: ``[{"attempt": n, "reason": ...}]``)."""
+    failed: list[dict] = []
+    for attempt in range(1 + max(0, retries)):
+        rows, why = read_once()
+        got = sum(1 for r in rows if r.get("kind") == "epoch")
+        if not why and got == epochs:
+            return rows, None, failed
+        why = f"ran {got} of {epochs} epochs; " + (why or "no error reported")
+        if attempt < retries:
+            failed.append({"attempt": attempt, "reason": why})
+    return rows, why, failed
+
+
 def _read(loader: str, py: str, cfg: PeersConfig, origin, fmt_dir: str, work: str, env: dict, report: dict):
     """One read run of ``loader`` from an empty cache; returns (its JSON rows, why it failed or None)
     and appends the load averages around it to ``report["load"]``."""
@@ -325,15 +341,14 @@ def run_peers(cfg: PeersConfig) -> dict:
             )
             fmt["upload_seconds"] = up["seconds"]
         for loader in [lo for lo in wanted if lo in fmt_dirs]:
-            for attempt in range(1 + max(0, cfg.retries)):
-                rows, why = _read(loader, pythons[loader], cfg, origin, fmt_dirs[loader], work, env, report)
-                epochs = [r for r in rows if r.get("kind") == "epoch"]
-                if not why and len(epochs) == cfg.epochs:
-                    break
-                why = f"ran {len(epochs)} of {cfg.epochs} epochs; " + (why or "no error reported")
-                if attempt < cfg.retries:  # recorded, then run again from an empty cache
-                    report["failures"].append({"loader": loader, "attempt": attempt, "reason": why})
-                    _log(f"{loader} failed (run again from an empty cache): {why}")
+            rows, why, failed = read_with_retries(
+                lambda lo=loader: _read(lo, pythons[lo], cfg, origin, fmt_dirs[lo], work, env, report),
+                cfg.epochs,
+                cfg.retries,
+            )
+            for f in failed:
+                report["failures"].append({"loader": loader, **f})
+                _log(f"{loader} failed (run again from an empty cache): {f['reason']}")
             for r in rows:
                 kind = r.pop("kind", None)
                 if kind == "epoch":
