@@ -416,6 +416,26 @@ class Loader:
             self._started.run.drop_pre()
 
     @property
+    def sampler(self):
+        """What a training framework takes for this Loader's sampler: a
+        :class:`~stoker.loader.adapters.LoaderSampler` (a ``DistributedSampler``) whose
+        ``set_epoch(e)`` makes ``e`` the next epoch (as Lightning's loops call it) and whose
+        iteration gives this rank's sample ids of it. Ray Train's ``prepare_data_loader`` keeps
+        a Loader with it as it is (:mod:`stoker.loader.adapters`)."""
+        from .adapters import sampler_for
+
+        return sampler_for(self)
+
+    @property
+    def batch_sampler(self):
+        """Not there: raises :class:`~stoker.errors.NotADataLoaderError` (an AttributeError), which
+        names the stoker way to skip the batches done (accelerate's ``skip_first_batches``
+        asks for it to rebuild the Loader as a DataLoader)."""
+        from .adapters import no_batch_sampler
+
+        raise no_batch_sampler()
+
+    @property
     def epoch(self) -> int:
         """The epoch the next ``iter()`` runs (``state.epoch``)."""
         return self.state.epoch
