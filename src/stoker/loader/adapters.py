@@ -12,10 +12,12 @@ Frameworks reach into ``torch.utils.data.DataLoader``'s attributes:
   ``loader.dataset`` with a batch sampler that skips the first batches
   (``loader.batch_sampler``).
 
-A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` does, so its
-``sampler`` is a :class:`LoaderSampler`: a ``DistributedSampler`` whose ``set_epoch`` chooses the
-Loader's next epoch and whose iteration gives this rank's sample ids. Ray Train then keeps the
-Loader, Lightning's epochs are the Loader's. A rebuild that would drop stoker's pipeline for a
+A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` does, and moves
+to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
+``DistributedSampler`` whose iteration gives this rank's sample ids of the next epoch and whose
+``set_epoch`` is accepted and left alone (Lightning calls it after it opened the epoch's iterator,
+and once before that for a look at the loader: following it would serve an epoch twice). Ray
+Train then keeps the Loader as it is. A rebuild that would drop stoker's pipeline for a
 DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
 Loader's own ``state_dict()``).
@@ -59,7 +61,7 @@ def _sampler_class() -> type:
 
         @epoch.setter
         def epoch(self, value: int) -> None:
-            self.set_epoch(value)
+            pass  # as set_epoch
 
         @property  # type: ignore[override]
         def num_samples(self) -> int:
@@ -72,10 +74,10 @@ def _sampler_class() -> type:
             return self.num_samples * self.num_replicas
 
         def set_epoch(self, epoch: int) -> None:
-            """Make ``epoch`` the Loader's next one (:meth:`stoker.loader.Loader.set_epoch`), unless
-            it already is: a resumed epoch (``load_state_dict``) keeps its place then."""
-            if int(epoch) != self.loader.epoch:
-                self.loader.set_epoch(int(epoch))
+            """Accepted and ignored: the Loader moves to its next epoch at every ``iter()`` by itself
+            (:meth:`stoker.loader.Loader.set_epoch` chooses one). A framework calls this after it
+            has already opened the epoch's iterator (Lightning does), so following it would serve
+            one epoch twice."""
 
         def __iter__(self):
             return iter(self.loader.plan().tolist())

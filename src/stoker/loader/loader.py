@@ -419,9 +419,10 @@ class Loader:
     def sampler(self):
         """What a training framework takes for this Loader's sampler: a
         :class:`~stoker.loader.adapters.LoaderSampler` (a ``DistributedSampler``) whose
-        ``set_epoch(e)`` makes ``e`` the next epoch (as Lightning's loops call it) and whose
-        iteration gives this rank's sample ids of it. Ray Train's ``prepare_data_loader`` keeps
-        a Loader with it as it is (:mod:`stoker.loader.adapters`)."""
+        iteration gives this rank's sample ids of the next epoch; its ``set_epoch`` (which
+        Lightning's loops call) leaves the Loader's epoch alone: it advances at every ``iter()``.
+        Ray Train's ``prepare_data_loader`` keeps a Loader with it as it is
+        (:mod:`stoker.loader.adapters`)."""
         from .adapters import sampler_for
 
         return sampler_for(self)
