@@ -37,6 +37,7 @@ EXPECTED_ALL = [
     "IndexFormatError",
     "Loader",
     "NotACacheError",
+    "NotADataLoaderError",
     "OriginError",
     "OriginNotFoundError",
     "OriginPermissionError",
@@ -99,6 +100,7 @@ BUILTIN_BASE = {
     "WorkerError": RuntimeError,
     "WorkerStartError": RuntimeError,
     "StaleIteratorError": RuntimeError,
+    "NotADataLoaderError": AttributeError,
 }
 
 # Where each error used to be defined: those names must stay importable and be the same class.
@@ -223,6 +225,7 @@ ONE_OF_EACH = [
     stoker.WorkerError("worker 3 died on sample 'a/1'"),
     stoker.WorkerStartError("worker 0 (pid 7) could not start: it ran the training code of the main script"),
     stoker.StaleIteratorError("the iterator of epoch 2 was ended by a later iter() (epoch 3)"),
+    stoker.NotADataLoaderError("a stoker Loader has no batch_sampler"),
     stoker.ForkUnsafeError("threads: tokio-runtime-worker"),
     stoker.SharedMemoryError("/dev/shm", 1 << 20, 4096),
     stoker.PeerUnavailable("peer node-2 timed out"),

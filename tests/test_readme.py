@@ -10,7 +10,10 @@ with this checkout's ``src`` on ``PYTHONPATH``:
 - ``<!-- test: run-s3 -->``: the same, against a moto S3 server started here (bucket
   ``my-bucket``), reached only through the AWS environment (``AWS_ENDPOINT_URL`` and keys);
 - ``<!-- test: torchrun -->``: the script under ``torchrun --standalone --nproc_per_node=2``, with a
-  work directory as its argument (gloo on the CPU; the recipe is in docs/guide.md).
+  work directory as its argument (gloo on the CPU; the recipes are in docs/guide.md);
+- ``<!-- test: lightning -->``: the script run by this Python with a work directory as its
+  argument; it starts its second rank itself (PyTorch Lightning's ``ddp`` on the CPU) and must exit
+  by itself.
 """
 
 from __future__ import annotations
@@ -203,3 +206,18 @@ def test_ddp_recipe_runs_under_torchrun(tmp_path):
         )
         for rank in (0, 1):
             assert f"rank {rank} epoch 1" in out, out
+
+
+def test_lightning_recipe_trains_two_epochs_on_two_ranks_and_exits(tmp_path):
+    pytest.importorskip("lightning")
+    blocks = _blocks("lightning")
+    assert blocks, "no <!-- test: lightning --> block in the README or docs/"
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"train_pl{i}.py"
+        script.write_text(code)
+        work = tmp_path / f"work{i}"
+        work.mkdir()
+        out = _run([sys.executable, str(script), str(work)], tmp_path, _env(OMP_NUM_THREADS="1"))
+        for rank in (0, 1):
+            for epoch in (0, 1):
+                assert f"rank {rank} epoch {epoch}: 16 samples" in out, out

@@ -72,6 +72,7 @@ __all__ = [
     "ImageTooLarge",
     "IndexFormatError",
     "NotACacheError",
+    "NotADataLoaderError",
     "OriginError",
     "OriginNotFoundError",
     "OriginPermissionError",
@@ -384,6 +385,13 @@ class WorkerStartError(WorkerError):
 class StaleIteratorError(StokerError, RuntimeError):
     """An epoch's iterator was used after a later ``iter()`` on the same Loader ended its epoch
     (a Loader serves one epoch at a time); the message names both epochs."""
+
+
+class NotADataLoaderError(StokerError, AttributeError):
+    """A training framework asked a Loader for a part of ``torch.utils.data.DataLoader`` that it
+    does not have (its ``batch_sampler``: stoker draws its own batches), to rebuild it as a
+    DataLoader; the message names the stoker call to use instead. An AttributeError, so code that
+    only probes for the attribute (``getattr(loader, "batch_sampler", None)``) goes on."""
 
 
 class ForkUnsafeError(StokerError, RuntimeError):

@@ -12,6 +12,13 @@ forkserver started then all keep it), ignores SIGINT and only then unblocks it
 (:func:`ignore_in_child`); a SIGINT pending meanwhile is dropped. The training process gets its
 own at once when the block ends.
 
+Signal handlers set from Python in the training process are not the children's either: a
+framework's SIGTERM handler (PyTorch Lightning installs one that joins a collective on the
+training process's process group) would run in a forked worker that is terminated at exit and
+block it there for good. :func:`ignore_in_child` sets every handler the child inherited from
+Python back to the default, SIGTERM's included, so a SIGTERM ends a worker or the prefetcher
+at once whatever framework started it.
+
 A KeyboardInterrupt in the training process can land in the middle of reading a worker's reply
 from its pipe, which would leave the rest of that message in the pipe, read later as a new one.
 The few lines that read replies run under :func:`held`: a SIGINT there is held until the block
@@ -24,16 +31,18 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["blocked", "held", "ignore_in_child"]
+__all__ = ["blocked", "held", "ignore_in_child", "reset_inherited_handlers"]
 
 _SIGINT = {signal.SIGINT}
+#: blocked around a child's start: SIGTERM too, so that an inherited handler never runs in the child
+_STARTING = {signal.SIGINT, signal.SIGTERM}
 
 
 @contextlib.contextmanager
 def blocked():
-    """Block SIGINT in the calling thread inside the block (children started there inherit the
-    blocked mask); a SIGINT that came meanwhile is delivered when it ends."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
+    """Block SIGINT and SIGTERM in the calling thread inside the block (children started there
+    inherit the blocked mask); one that came meanwhile is delivered when it ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTING)
     try:
         yield
     finally:
@@ -41,10 +50,29 @@ def blocked():
 
 
 def ignore_in_child() -> None:
-    """The first thing a worker or prefetch process does: ignore SIGINT, then unblock it (a
-    pending one is dropped), see the module docstring."""
+    """The first thing a worker or prefetch process does: ignore SIGINT, set every other handler
+    inherited from Python (SIGTERM's above all) back to the default, then unblock SIGINT (a pending
+    one is dropped) and SIGTERM (a pending one ends the process now), see the module docstring."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)
+    reset_inherited_handlers()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STARTING)
+
+
+def reset_inherited_handlers() -> None:
+    """Set SIGTERM, and every other signal whose handler is a Python function (one a framework
+    set in the process this one was forked from), except SIGINT, to the default action. Only in
+    the main thread (Python sets handlers nowhere else)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in signal.valid_signals():
+        if sig == signal.SIGINT:
+            continue
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if sig == signal.SIGTERM or callable(handler):
+            signal.signal(sig, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

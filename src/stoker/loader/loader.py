@@ -14,6 +14,7 @@ import errno
 import inspect
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import numbers
 import os
 import time
@@ -82,6 +83,25 @@ class _Started:
         metrics, self.metrics = self.metrics, None
         if metrics is not None:
             metrics.close()
+
+
+#: every Loader's :class:`_Started` while the Loader lives (its finalizer holds it until then)
+_OPEN: weakref.WeakSet[_Started] = weakref.WeakSet()
+
+
+def _close_open() -> None:
+    """Close every open Loader of this process: run by multiprocessing's own exit function before
+    it terminates and joins the children still alive (registered below), so a job that never calls
+    ``close()`` (a Lightning or accelerate script) stops its workers the ordinary way first,
+    whatever order the interpreter's other exit hooks run in."""
+    for started in list(_OPEN):
+        started.close()
+
+
+# multiprocessing's exit function (util._exit_function, an atexit hook) runs the finalizers that
+# have an exit priority before it terminates and joins the live children; the callback skips
+# processes other than the one that registered it (a forked child).
+multiprocessing.util.Finalize(None, _close_open, exitpriority=100)
 
 
 def _check_batch_size(batch_size: object) -> None:
@@ -299,6 +319,7 @@ class Loader:
         # the pipeline (from the first iter() to close()), metrics, live figures: stopped by close(),
         # or by this finalizer when the loader is dropped without close() or the interpreter exits
         self._started = _Started(self._live)
+        _OPEN.add(self._started)
         self._finalizer = weakref.finalize(self, self._started.close)
         self._metrics_port, self._metrics_from_env = run.metrics_port, run.metrics_port is None
         if run.metrics_port is None:
@@ -432,6 +453,27 @@ class Loader:
         self.state.set_epoch(epoch)
         if self._started.run is not None:
             self._started.run.drop_pre()
+
+    @property
+    def sampler(self):
+        """What a training framework takes for this Loader's sampler: a
+        :class:`~stoker.loader.adapters.LoaderSampler` (a ``DistributedSampler``) whose
+        iteration gives this rank's sample ids of the next epoch; its ``set_epoch`` (which
+        Lightning's loops call) leaves the Loader's epoch alone: it advances at every ``iter()``.
+        Ray Train's ``prepare_data_loader`` keeps a Loader with it as it is
+        (:mod:`stoker.loader.adapters`)."""
+        from .adapters import sampler_for
+
+        return sampler_for(self)
+
+    @property
+    def batch_sampler(self):
+        """Not there: raises :class:`~stoker.errors.NotADataLoaderError` (an AttributeError), which
+        names the stoker way to skip the batches done (accelerate's ``skip_first_batches``
+        asks for it to rebuild the Loader as a DataLoader)."""
+        from .adapters import no_batch_sampler
+
+        raise no_batch_sampler()
 
     @property
     def epoch(self) -> int:

@@ -1,0 +1,114 @@
+"""What training frameworks look for on a data loader, on a stoker Loader.
+
+Frameworks reach into ``torch.utils.data.DataLoader``'s attributes:
+
+- PyTorch Lightning's loops call ``loader.sampler.set_epoch(epoch)`` at the start of every
+  training epoch (``lightning.fabric.utilities.data._set_sampler_epoch``), and probe
+  ``loader.batch_sampler`` with ``getattr(..., None)``.
+- Ray Train's ``ray.train.torch.prepare_data_loader`` rebuilds the loader with a
+  ``DistributedSampler`` unless ``loader.sampler`` already is one; then it wraps it to move each
+  batch to the worker's device.
+- HF accelerate's ``skip_first_batches`` rebuilds the loader as a DataLoader over
+  ``loader.dataset`` with a batch sampler that skips the first batches
+  (``loader.batch_sampler``).
+
+A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` does, and moves
+to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
+``DistributedSampler`` whose iteration gives this rank's sample ids of the next epoch and whose
+``set_epoch`` is accepted and left alone (Lightning calls it after it opened the epoch's iterator,
+and once before that for a look at the loader: following it would serve an epoch twice). Ray
+Train then keeps the Loader as it is. A rebuild that would drop stoker's pipeline for a
+DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
+:class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
+Loader's own ``state_dict()``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..errors import NotADataLoaderError
+
+__all__ = ["LoaderSampler", "sampler_for", "no_batch_sampler"]  # noqa: F822 (LoaderSampler: module __getattr__)
+
+
+@functools.cache
+def _sampler_class() -> type:
+    """:class:`LoaderSampler`, made on first use (torch is imported then, not with stoker)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    class LoaderSampler(DistributedSampler):
+        """The sampler a framework finds on a Loader (``loader.sampler``): this rank's sample ids
+        of the Loader's next epoch. ``DistributedSampler.__init__`` is not run: it needs a
+        process group and a sized dataset, and the Loader already holds the split.
+
+        Attributes (as ``DistributedSampler``'s): ``num_replicas``, ``rank``, ``shuffle``,
+        ``seed``, ``drop_last``, ``dataset`` (the Loader's), ``epoch`` (the Loader's next one),
+        ``num_samples`` (this rank's samples of it).
+        """
+
+        def __init__(self, loader: Any):  # noqa: D107 (the class doc says it)
+            self.loader = loader
+            self.dataset = loader.dataset
+            self.num_replicas, self.rank = loader.world_size, loader.rank
+            self.shuffle, self.seed, self.drop_last = loader.shuffle, loader.seed, loader.drop_last
+
+        @property  # type: ignore[override]
+        def epoch(self) -> int:
+            """The epoch the Loader's next ``iter()`` runs."""
+            return self.loader.epoch
+
+        @epoch.setter
+        def epoch(self, value: int) -> None:
+            pass  # as set_epoch
+
+        @property  # type: ignore[override]
+        def num_samples(self) -> int:
+            """This rank's samples in the Loader's next epoch."""
+            return len(self.loader.plan())
+
+        @property  # type: ignore[override]
+        def total_size(self) -> int:
+            """Samples of the next epoch over all ranks."""
+            return self.num_samples * self.num_replicas
+
+        def set_epoch(self, epoch: int) -> None:
+            """Accepted and ignored: the Loader moves to its next epoch at every ``iter()`` by itself
+            (:meth:`stoker.loader.Loader.set_epoch` chooses one). A framework calls this after it
+            has already opened the epoch's iterator (Lightning does), so following it would serve
+            one epoch twice."""
+
+        def __iter__(self):
+            return iter(self.loader.plan().tolist())
+
+        def __len__(self) -> int:
+            return self.num_samples
+
+    LoaderSampler.__module__, LoaderSampler.__qualname__ = __name__, "LoaderSampler"
+    return LoaderSampler
+
+
+def sampler_for(loader: Any):
+    """A :class:`LoaderSampler` of ``loader`` (a :class:`stoker.loader.Loader`; the sampler is a
+    ``torch.utils.data.distributed.DistributedSampler``)."""
+    return _sampler_class()(loader)
+
+
+def no_batch_sampler() -> NotADataLoaderError:
+    """The error ``loader.batch_sampler`` raises: a framework wants to rebuild the Loader as a
+    DataLoader (accelerate's ``skip_first_batches``); it names the stoker way to skip batches."""
+    return NotADataLoaderError(
+        "a stoker Loader has no batch_sampler: it draws its own batches and cannot be rebuilt as a "
+        "torch DataLoader (accelerate's skip_first_batches, for one). To continue an epoch after the "
+        "batches already trained on, restore the Loader's own state instead: "
+        "loader.load_state_dict(saved_loader_state) (with accelerate, "
+        "accelerator.register_for_checkpointing(loader) saves and restores it in save_state/load_state)"
+    )
+
+
+def __getattr__(name: str):
+    """``LoaderSampler``: the class, made on first use."""
+    if name == "LoaderSampler":
+        return _sampler_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
