@@ -123,7 +123,7 @@ def emit(row: dict) -> None:
 
 def versions(packages) -> dict:
     """``{distribution: installed version or None}`` for each name in ``packages``."""
-    out = {}
+    out: dict[str, str | None] = {}
     for name in packages:
         try:
             out[name] = importlib.metadata.version(name)
