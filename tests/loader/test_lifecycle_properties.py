@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from _helpers import in_child
 from stoker import Loader, open_dataset
+from stoker.cache.tiered import default_memory_root
 from stoker.store.dataset import ID_FIELD
 
 OPS = ("create", "iter", "next", "drain", "break", "close", "drop")
@@ -51,9 +52,12 @@ def _shm() -> set:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _ours(name: str, pids: set) -> bool:
-    """Whether a new /dev/shm entry may be this sequence's: stoker's (``stoker-*``) and, where its
-    name carries pids, one of ours (other jobs on the machine make theirs at the same time)."""
+def _ours(name: str, pids: set, memory_root: str) -> bool:
+    """Whether a new /dev/shm entry may be this sequence's: stoker's (``stoker-*``), where its name
+    carries pids one of ours, and of the memory-tier directories (``stoker-cache-*``) only this
+    cache's (other jobs on the machine make theirs at the same time)."""
+    if name.startswith("stoker-cache-"):
+        return name == os.path.basename(memory_root)
     named = {int(t) for t in name.split("-") if t.isdigit()}
     return name.startswith("stoker-") and (not named or bool(named & pids))
 
@@ -113,7 +117,7 @@ def _run_sequence(url: str, cache_dir: str, ops: list, workers: int) -> dict:
     return {
         "epochs": epochs_checked,
         "children": _children(os.getpid()),
-        "shm": sorted(n for n in _shm() - shm_before if _ours(n, pids)),
+        "shm": sorted(n for n in _shm() - shm_before if _ours(n, pids, default_memory_root(cache_dir))),
         "staged": _staged(cache_dir),
     }
 
