@@ -4,8 +4,9 @@ smaller than the dataset (so blocks go through the staging area), with 0-2 worke
 
 Every epoch that runs to its end delivers every sample exactly once (checked from the sample ids
 the user's decode returns, not from stoker's counters), and when the sequence is over and its
-Loaders are closed or dropped, nothing is left: no process of the test's, no new file in
-/dev/shm, no staged block. ``STOKER_LIFECYCLE_EXAMPLES`` sets the number of sequences (default
+Loaders are closed or dropped, nothing is left: no process of the test's, no new stoker file in
+/dev/shm named after one of its processes (or after none: other jobs share /dev/shm), no staged
+block. ``STOKER_LIFECYCLE_EXAMPLES`` sets the number of sequences (default
 6 in ``make test``; ``stoker bench faults`` style long runs set more).
 """
 
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from _helpers import in_child
 from stoker import Loader, open_dataset
+from stoker.cache.tiered import default_memory_root
 from stoker.store.dataset import ID_FIELD
 
 OPS = ("create", "iter", "next", "drain", "break", "close", "drop")
@@ -50,6 +52,16 @@ def _shm() -> set:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _ours(name: str, pids: set, memory_root: str) -> bool:
+    """Whether a new /dev/shm entry may be this sequence's: stoker's (``stoker-*``), where its name
+    carries pids one of ours, and of the memory-tier directories (``stoker-cache-*``) only this
+    cache's (other jobs on the machine make theirs at the same time)."""
+    if name.startswith("stoker-cache-"):
+        return name == os.path.basename(memory_root)
+    named = {int(t) for t in name.split("-") if t.isdigit()}
+    return name.startswith("stoker-") and (not named or bool(named & pids))
+
+
 def _staged(cache_dir: str) -> list[str]:
     return [p for p in glob.glob(os.path.join(cache_dir, ".staging", "**"), recursive=True) if os.path.isfile(p)]
 
@@ -71,7 +83,9 @@ def _run_sequence(url: str, cache_dir: str, ops: list, workers: int) -> dict:
         epochs_checked += 1
         iters[k] = None
 
+    pids = {os.getpid()}
     for op, k in ops:
+        pids.update(p for ld in loaders if ld is not None for p in ld.processes.pids())
         if op == "create" and loaders[k] is None:
             loaders[k] = Loader(ds, 8, seed=k, num_workers=workers, decode=sample_id)
         elif loaders[k] is None:
@@ -92,6 +106,7 @@ def _run_sequence(url: str, cache_dir: str, ops: list, workers: int) -> dict:
             loaders[k] = iters[k] = None
         elif op == "drop":
             loaders[k] = iters[k] = None
+    pids.update(p for ld in loaders if ld is not None for p in ld.processes.pids())
     for k in range(3):  # the end: half closed, half dropped
         if loaders[k] is not None and k % 2 == 0:
             loaders[k].close()
@@ -102,7 +117,7 @@ def _run_sequence(url: str, cache_dir: str, ops: list, workers: int) -> dict:
     return {
         "epochs": epochs_checked,
         "children": _children(os.getpid()),
-        "shm": sorted(_shm() - shm_before),
+        "shm": sorted(n for n in _shm() - shm_before if _ours(n, pids, default_memory_root(cache_dir))),
         "staged": _staged(cache_dir),
     }
 

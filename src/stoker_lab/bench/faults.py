@@ -144,13 +144,13 @@ def run(
     written to ``json_path``. ``images``: dataset samples (default 96, 64 with ``quick``);
     ``ray``: include the warm-up scenario (starts a local Ray). Raises ValueError for an
     unknown name in ``only``."""
-    from . import fault_cases
+    from . import fault_cases, fault_lifecycle
     from .origin import LocalS3Origin, upload_tree
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_all = time.perf_counter()
     loader_sc = loader_scenarios(quick)
-    cases = fault_cases.CASES
+    cases = {**fault_cases.CASES, **fault_lifecycle.CASES}
     names = [s.name for s in loader_sc] + list(cases)
     unknown = sorted(set(only or []) - set(names))
     if unknown:

@@ -175,3 +175,84 @@ def test_unknown_scenario_is_refused():
 
     with pytest.raises(ValueError, match="no_such_scenario"):
         run(only=["no_such_scenario"])
+
+
+LIFECYCLE = {
+    "ctrl_c_mid_epoch": "clean_error",
+    "dropped_loader": "completed",
+    "cache_dir_removed_mid_epoch": "completed",
+    "cache_dir_read_only": "clean_error",
+    "http_origin": "completed",
+    "hung_decode": "clean_error",
+    "lifecycle_property_40": "completed",
+}
+
+
+def test_lifecycle_scenarios_are_known_to_the_bench():
+    """Each lifecycle scenario can be chosen with ``only`` (an unknown name lists them all)."""
+    from stoker_lab.bench.faults import run
+
+    with pytest.raises(ValueError) as err:
+        run(only=["no_such_scenario"])
+    for name in LIFECYCLE:
+        assert repr(name) in str(err.value)
+
+
+def test_range_file_server_serves_ranges_and_listings(tmp_path):
+    from stoker_lab.bench.httporigin import RangeFileServer
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.bin").write_bytes(BODY[:5000])
+    with RangeFileServer(str(tmp_path)) as srv:
+        port = int(srv.url().split(":")[2].strip("/"))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/d/a.bin", headers={"Range": "bytes=100-199"})
+        resp = conn.getresponse()
+        assert resp.status == 206 and resp.getheader("Content-Range") == "bytes 100-199/5000"
+        assert resp.read() == BODY[100:200]
+        conn.request("HEAD", "/d/a.bin")
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Length") == "5000"
+        resp.read()
+        conn.request("GET", "/d/")
+        assert 'href="a.bin"' in conn.getresponse().read().decode()
+        conn.request("GET", "/../etc/passwd")
+        assert conn.getresponse().status == 404
+        conn.close()
+
+
+def test_lifecycle_rows_report_what_went_wrong():
+    """A timed-out script is a hang, a signal death counts, a process left makes the row not ok."""
+    from stoker_lab.bench.fault_harness import finish
+    from stoker_lab.bench.fault_lifecycle import _row
+
+    ok = {"rc": 0, "stderr": "", "rounds": [{"outcome": "completed"}], "procs_left": [], "files": [], "shm": []}
+    assert finish(_row("x", "completed", [ok]), None)["ok"]
+    hung = finish(_row("x", "completed", [{**ok, "rc": None}]), None)
+    assert hung["outcome"] == "hang" and not hung["ok"]
+    killed = finish(_row("x", "completed", [{**ok, "rc": -9}]), None)
+    assert killed["outcome"] == "signal_death" and killed["signal_deaths"] == 1 and not killed["ok"]
+    left = finish(_row("x", "completed", [{**ok, "procs_left": [123], "shm": ["/dev/shm/stoker-1-x"]}]), None)
+    assert left["outcome"] == "completed" and left["leftover_shm"] == 1 and not left["ok"]
+    assert "123" in left["details"]["problems"][0]
+
+
+@pytest.fixture(scope="module")
+def lc_work(tmp_path_factory):
+    """One work directory (and so one packed dataset) for the lifecycle scenarios."""
+    return tmp_path_factory.mktemp("lc")
+
+
+@pytest.mark.parametrize("name", ["dropped_loader", "cache_dir_removed_mid_epoch", "http_origin", "hung_decode"])
+def test_lifecycle_scenario_reaches_its_outcome(lc_work, name):
+    """The quicker lifecycle scenarios end to end (one dataset for all): the expected outcome, every
+    sample once, nothing left, the fault really injected."""
+    from types import SimpleNamespace
+
+    from stoker_lab.bench.fault_harness import finish
+    from stoker_lab.bench.fault_lifecycle import CASES
+
+    row = finish(CASES[name][0](SimpleNamespace(work=str(lc_work))), None)
+    assert REPORT_FIELDS <= set(row)
+    assert row["expected"] == LIFECYCLE[name] and row["outcome"] == LIFECYCLE[name], row
+    assert row["faults_injected"] > 0 and row["ok"], row
