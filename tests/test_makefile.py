@@ -40,9 +40,13 @@ def _make(work: Path, env: dict, *args: str) -> str:
 def test_make_test_keeps_its_temporaries_in_one_directory(copy):
     work, tmp, env = copy
     test_tmp = tmp / f"stoker-tests-{os.getuid()}"
-    cmd = [line for line in _make(work, env, "-n", "-o", "venv", "test").splitlines() if "pytest" in line]
+    cmd = [line for line in _make(work, env, "-n", "-o", "venv", "test").splitlines() if "-m pytest" in line]
     assert len(cmd) == 1, cmd
     assert f"--basetemp={test_tmp}/pytest" in cmd[0] and f"STOKER_CACHE_DIR={test_tmp}/cache" in cmd[0]
+    # pytest makes --basetemp without its parents: on a fresh machine the parent must be made first
+    lines = _make(work, env, "-n", "-o", "venv", "test").splitlines()
+    made = [i for i, line in enumerate(lines) if line.strip() == f"mkdir -p {test_tmp}"]
+    assert made and made[0] < next(i for i, line in enumerate(lines) if "-m pytest" in line), lines
 
 
 def test_make_clean_removes_the_demo_data_and_the_test_temporaries(copy):

@@ -326,7 +326,7 @@ class DecodeError(StokerError, ValueError):
         self.key = key
         # Pillow names the in-memory file it was given ("<_io.BytesIO object at 0x...>"): the
         # sample key says which bytes these were
-        self.reason = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "the sample's bytes", reason)
+        self.reason = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "(the sample's bytes)", reason)
         super().__init__(f"cannot decode sample {key!r}: {self.reason}")
 
     def __reduce__(self):  # keep key/reason when pickled across worker processes

@@ -273,6 +273,8 @@ def export_loader(
             taken[candidate] = exc.strerror or str(exc)
     else:
         tried = list(taken)
+        if not tried:
+            raise ValueError(f"metrics port {port} is not a port number (0..65535)")
         raise OSError(
             errno.EADDRINUSE,
             f"ports {tried[0]}..{tried[-1]} are all taken" if len(tried) > 1 else f"port {tried[0]} is taken",

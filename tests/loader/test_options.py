@@ -181,3 +181,11 @@ def test_loader_kwargs_groups_a_flat_config():
         "image": ImageOptions(image_size=32),
         "read": ReadOptions(staging_bytes=4 << 20),
     }
+
+
+def test_metrics_port_must_be_a_port_number():
+    with pytest.raises(ValueError, match=r"RunOptions\.metrics_port must be a port number in 0\.\.65535, got 70000"):
+        RunOptions(metrics_port=70000)
+    with pytest.raises(ValueError, match=r"RunOptions\.metrics_port must be >= 0"):
+        RunOptions(metrics_port=-1)
+    assert RunOptions(metrics_port=65535).metrics_port == 65535

@@ -257,6 +257,8 @@ class RunOptions:
         _choice("RunOptions", "start_method", self.start_method, (None, *mp.get_all_start_methods()))
         if self.metrics_port is not None:
             object.__setattr__(self, "metrics_port", _int("RunOptions", "metrics_port", self.metrics_port, 0))
+            if self.metrics_port > 65535:
+                raise ValueError(f"RunOptions.metrics_port must be a port number in 0..65535, got {self.metrics_port}")
         if self.epochs is not None:
             object.__setattr__(self, "epochs", _int("RunOptions", "epochs", self.epochs, 1))
         if self.device is not None and not isinstance(self.device, str) and type(self.device).__name__ == "device":

@@ -153,7 +153,7 @@ def kind_drop(n: int) -> list[dict]:
     rec = _record()
     ld = None
     for epoch in range(3):
-        old = ld.processes.pids() if ld is not None else []
+        old: list = ld.processes.pids() if ld is not None else []
         ld = _loader(_open(_SPEC["cache_dir"]), seed=epoch)  # the old Loader is dropped here, never closed
         t0 = time.monotonic()
         while set(old) & set(children(os.getpid())) and time.monotonic() - t0 < 10:
@@ -188,7 +188,12 @@ def kind_rmcache(n: int) -> list[dict]:
             with _loader(ds, workers, prefetch_bytes=96 << 10) as ld:
                 rec["pids"] = ld.processes.pids()
                 for epoch in range(2):
-                    _epoch(ld, rec, n, (lambda k, c=cache, r=rec: k == 3 and _remove(c, r)) if epoch == 0 else None)
+                    _epoch(
+                        ld,
+                        rec,
+                        n,
+                        (lambda k, c=cache, r=rec: _remove(c, r) if k == 3 else None) if epoch == 0 else None,
+                    )
         except Exception as exc:  # noqa: BLE001 - classified by the bench
             from stoker.errors import StokerError
 
