@@ -70,7 +70,7 @@ class InflightTarget:
         self.bandwidth_Bps = 0.0
         self._mean_bytes = 0.0
         self._n = 0
-        self._window_start: float | None = None  # from the first request's completion
+        self._window_start: float | None = None  # from the start of the first request observed
         self._window_bytes = 0
         self._duration_s = 0.0  # recent request time (moving average)
         self._probing, self._best_rate, self._best_target, self._misses = True, 0.0, self.floor, 0
@@ -91,12 +91,7 @@ class InflightTarget:
                 self.latency_s = min(self.latency_s, duration_s)
                 self._duration_s += (duration_s - self._duration_s) / min(self._n, 16)
             if self._window_start is None:
-                # the first interval starts at the first completion: counted from the first request's
-                # start, it would include the empty pipe of the first round trip, read lower than
-                # the steady rate by about a round trip's share, and make start-up double the target
-                # on the next interval's "growth" alone (a near origin went 8 -> 16 -> 32 in flight)
-                self._window_start = now
-                return self.target
+                self._window_start = now - max(0.0, duration_s)
             if now <= self._window_start:  # the round after a change of target: not measured
                 return self.target
             self._window_bytes += size_bytes
