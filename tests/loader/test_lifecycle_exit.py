@@ -17,6 +17,7 @@ from _helpers import in_child
 from stoker import ImageOptions, Loader, ReadOptions, open_dataset
 from stoker._procs import pid_alive
 from stoker.loader.shm import SlotRing, shm_base
+from stoker_lab.bench.fault_lifecycle_child import children
 
 NO_CLOSE = """
 import sys
@@ -29,20 +30,6 @@ it = iter(ld)
 next(it)  # an epoch left open too
 print(" ".join(str(p) for p in ld.processes.pids()), flush=True)
 """
-
-
-def _children(pid: int) -> list[int]:
-    """Live children of ``pid``."""
-    out = []
-    for st in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(st) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            out.append(int(st.split("/")[2]))
-    return out
 
 
 def test_a_script_that_never_closes_leaves_no_slot_and_no_process(packed_local, tmp_path):
@@ -87,11 +74,11 @@ def _drop_loaders(packed: str, cache: str) -> dict:
             ld = None  # the user's name re-bound; no close()
             alive.append(ref() is not None)
             time.sleep(0.2)
-            peak = max(peak, len(_children(me)))
+            peak = max(peak, len(children(me)))
         deadline = time.monotonic() + 10
-        while _children(me) and time.monotonic() < deadline:
+        while children(me) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return dict(alive=alive, peak=peak, left=_children(me), slots=glob.glob(f"{shm_base()}/stoker-{me}-*"))
+        return dict(alive=alive, peak=peak, left=children(me), slots=glob.glob(f"{shm_base()}/stoker-{me}-*"))
     finally:
         gc.enable()
 

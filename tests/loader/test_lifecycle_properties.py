@@ -25,6 +25,7 @@ from _helpers import in_child
 from stoker import Loader, open_dataset
 from stoker.cache.tiered import default_memory_root
 from stoker.store.dataset import ID_FIELD
+from stoker_lab.bench.fault_lifecycle_child import children
 
 OPS = ("create", "iter", "next", "drain", "break", "close", "drop")
 EXAMPLES = int(os.environ.get("STOKER_LIFECYCLE_EXAMPLES", "6"))
@@ -33,19 +34,6 @@ EXAMPLES = int(os.environ.get("STOKER_LIFECYCLE_EXAMPLES", "6"))
 def sample_id(fields, rng):
     """The decode: the sample's id, so every delivered batch names its samples."""
     return np.int64(fields[ID_FIELD])
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for st_path in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(st_path) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(st_path.split("/")[2]))
-    return out
 
 
 def _shm() -> set:
@@ -112,11 +100,11 @@ def _run_sequence(url: str, cache_dir: str, ops: list, workers: int) -> dict:
             loaders[k].close()
     loaders = iters = []  # no gc.collect(): a dropped Loader must stop without a cyclic collection
     deadline = time.monotonic() + 10
-    while _children(os.getpid()) and time.monotonic() < deadline:
+    while children(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return {
         "epochs": epochs_checked,
-        "children": _children(os.getpid()),
+        "children": children(os.getpid()),
         "shm": sorted(n for n in _shm() - shm_before if _ours(n, pids, default_memory_root(cache_dir))),
         "staged": _staged(cache_dir),
     }

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from stoker.loader.shm import shm_base
+from stoker_lab.bench.fault_lifecycle_child import session_members
 
 #: A training script: 3 epochs, 2 workers and a prefetcher (node cache); "mid-epoch" once batch 1
 #: of epoch 1 is out; with CATCH, a caught Ctrl-C is followed by one more whole epoch.
@@ -42,20 +43,6 @@ except KeyboardInterrupt:
 """
 
 
-def _session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (the child and everything it started)."""
-    out = []
-    for st in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(st) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
-            out.append(int(st.split("/")[2]))
-    return out
-
-
 def _ctrl_c(packed: str, cache: str, workers: int, catch: bool):
     """Run SCRIPT, Ctrl-C its whole process group mid-epoch; (rc, stdout lines, stderr, slot
     files of its pid, processes of its session left)."""
@@ -76,7 +63,7 @@ def _ctrl_c(packed: str, cache: str, workers: int, catch: bool):
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     slots = glob.glob(os.path.join(shm_base(), f"stoker-{p.pid}-*"))
-    return p.returncode, out.splitlines(), err, slots, _session(p.pid)
+    return p.returncode, out.splitlines(), err, slots, session_members(p.pid)
 
 
 def test_ctrl_c_gives_one_traceback_and_leaves_nothing(packed_local, tmp_path):

@@ -264,48 +264,19 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
             if writer is not None:
                 assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
                 n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
-                results.put(
-                    (
-                        "ok",
-                        wid,
-                        run,
-                        seq,
-                        slot,
-                        n,
-                        skipped,
-                        skipped_keys,
-                        counters(ds),
-                        None,
-                        pack_reply(writer, path, batch),
-                        padded,
-                        offset,
-                    )
+                counts, payloads, packed = counters(ds), None, pack_reply(writer, path, batch)
+            else:
+                if path not in maps:
+                    maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
+                _, images, labels = maps[path]
+                assert isinstance(dec, BatchDecoder)
+                n, skipped, skipped_keys, payloads, padded = dec.run(
+                    epoch, ids, images[offset:], labels[offset:], current, whole
                 )
-                continue
-            if path not in maps:
-                maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
-            _, images, labels = maps[path]
-            assert isinstance(dec, BatchDecoder)
-            n, skipped, skipped_keys, payloads, padded = dec.run(
-                epoch, ids, images[offset:], labels[offset:], current, whole
-            )
-            results.put(
-                (
-                    "ok",
-                    wid,
-                    run,
-                    seq,
-                    slot,
-                    n,
-                    skipped,
-                    skipped_keys,
-                    counters(ds, derived),
-                    payloads,
-                    None,
-                    padded,
-                    offset,
-                )
-            )
+                counts, packed = counters(ds, derived), None
+            # the one reply of a done task: built-in decode sends payloads, a user decode its packed batch
+            reply = ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counts, payloads, packed, padded, offset)
+            results.put(reply)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             sid = int(current.value)
             key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)

@@ -60,18 +60,27 @@ def stuck_once(fields, rng):
     return i
 
 
-def children(pid: int) -> list[int]:
-    """Live (not zombie) children of ``pid``."""
-    out = []
+def _live_stats():
+    """(pid, fields after the command name) of every live process: zombies (Z) and dead (X)
+    left out; a process gone while read is skipped."""
     for st_path in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(st_path) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(st_path.split("/")[2]))
-    return out
+        if fields[0] not in ("Z", "X"):
+            yield int(st_path.split("/")[2]), fields
+
+
+def children(pid: int) -> list[int]:
+    """Live children of ``pid`` (from /proc: field 4 of /proc/<pid>/stat, proc(5))."""
+    return [p for p, fields in _live_stats() if int(fields[1]) == pid]
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (field 6 of /proc/<pid>/stat, proc(5))."""
+    return [p for p, fields in _live_stats() if int(fields[3]) == sid]
 
 
 def _record(outcome: str = "completed", error: str | None = None) -> dict:
