@@ -26,11 +26,13 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
 import numpy as np
 
+from .._procs import pid_alive
 from ..errors import PeerUnavailable  # noqa: F401 - re-exported
 from .counters import ByteCounters
 
@@ -303,17 +305,52 @@ class BlockRouter:
         return relay
 
 
+RELAY_PREFIX = "stoker-relay-"
+
+
+def sweep_relay_dirs(root: str | None = None) -> list[str]:
+    """Remove the relay directories (``stoker-relay-<pid>-*`` under ``root``, default the
+    temporary directory) of this user whose process is gone: a Ray worker ended with ``os._exit``
+    or a signal runs no exit hook, so the next relay of the machine removes what it left.
+    Directories of live processes, of other users, and names not of this form are kept. Returns
+    the paths removed."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name[len(RELAY_PREFIX) :].split("-", 1)
+        if not name.startswith(RELAY_PREFIX) or len(parts) != 2 or not parts[0].isdigit():
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path) or pid_alive(int(parts[0])):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class Relay:
     """A Unix-socket server in the Ray worker that performs peer reads for its child processes.
 
     One thread per connection; requests are fixed-size structs, replies a kind byte (``C``:
     from the peer's cache, ``O``: the peer fetched from the origin, ``E``: error text) and the
-    bytes. :meth:`close` stops it and removes its directory.
+    bytes. :meth:`close` stops it and removes its directory (``stoker-relay-<pid>-*``, mode
+    0700); so does the interpreter's exit without :meth:`close`, and a process that ended
+    without either leaves it to the next relay's :func:`sweep_relay_dirs`.
     """
 
     def __init__(self, router: BlockRouter):
         self._router = router
-        self._dir = tempfile.mkdtemp(prefix="stoker-relay-")  # mode 0700
+        sweep_relay_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"{RELAY_PREFIX}{os.getpid()}-")  # mode 0700
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self.address = os.path.join(self._dir, "peers.sock")
         self.authkey = os.urandom(32)
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
@@ -355,4 +392,4 @@ class Relay:
             self._listener.close()
         except OSError:
             pass
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._cleanup()
