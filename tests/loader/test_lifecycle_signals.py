@@ -97,3 +97,64 @@ def test_a_sigint_inside_held_is_raised_when_the_block_ends():
             seen.append("the block went on")
     assert seen == ["the block went on"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+#: A Ctrl-C that lands while close() runs: Run.close sends SIGINT to this process before it
+#: stops anything. HOW: "plain" (close() at the end of training), "except" (close() in the
+#: handler of an earlier KeyboardInterrupt), "with" (a with block left by one).
+SECOND = """
+import json, os, signal, sys
+from stoker import ImageOptions, Loader, open_dataset
+from stoker._procs import pid_alive
+from stoker.loader._run import Run
+
+original = Run.close
+def close_hit_by_ctrl_c(self):
+    os.kill(os.getpid(), signal.SIGINT)
+    original(self)
+Run.close = close_hit_by_ctrl_c
+
+ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20)
+ld = Loader(ds, 8, num_workers=2, image=ImageOptions(image_size=32))
+next(iter(ld))
+pids = ld.processes.pids()
+how, raised = sys.argv[3], []
+try:
+    if how == "plain":
+        ld.close()
+    elif how == "except":
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            ld.close()
+    else:
+        try:
+            with ld:
+                raise KeyboardInterrupt("first")
+        except KeyboardInterrupt as exc:
+            raised.append(str(exc))
+except KeyboardInterrupt as exc:
+    raised.append("after close: " + str(exc))
+print(json.dumps(dict(raised=raised, alive=[p for p in pids if pid_alive(p)])), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "how, raised",
+    [("plain", ["after close: "]), ("except", []), ("with", ["first"])],
+)
+def test_a_ctrl_c_during_close_waits_for_it_and_is_raised_once(packed_local, tmp_path, how, raised):
+    """A second Ctrl-C never stops close() halfway; it is raised after a plain close() and dropped
+    when the close is the work of an earlier KeyboardInterrupt (one traceback)."""
+    import json
+
+    p = subprocess.run(
+        [sys.executable, "-c", SECOND, packed_local, str(tmp_path / "cache"), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"raised": raised, "alive": []}, p.stderr
+    assert "Traceback" not in p.stderr

@@ -315,7 +315,7 @@ def sweep_relay_dirs(root: str | None = None) -> list[str]:
     Directories of live processes, of other users, and names not of this form are kept. Returns
     the paths removed."""
     root = root or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:

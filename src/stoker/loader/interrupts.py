@@ -22,7 +22,10 @@ at once whatever framework started it.
 A KeyboardInterrupt in the training process can land in the middle of reading a worker's reply
 from its pipe, which would leave the rest of that message in the pipe, read later as a new one.
 The few lines that read replies run under :func:`held`: a SIGINT there is held until the block
-ends and raised then, as it would have been.
+ends and raised then, as it would have been. ``close()`` runs under it too, so a second Ctrl-C
+never stops a close halfway (processes or shared memory left): it is raised once the close is
+done, or dropped when the close is itself the work of a KeyboardInterrupt (an ``except
+KeyboardInterrupt`` or a ``with`` block it is leaving) or of a finalizer at exit.
 """
 
 from __future__ import annotations
@@ -76,11 +79,13 @@ def reset_inherited_handlers() -> None:
 
 
 @contextlib.contextmanager
-def held():
+def held(deliver: bool = True):
     """Hold a SIGINT that arrives inside the block and hand it to the handler that was in place
-    when the block ends (a KeyboardInterrupt raised there, not halfway through the block). Only
-    in the main thread, where Python runs signal handlers, and only over a handler set from Python;
-    elsewhere the block runs as it is."""
+    when the block ends (a KeyboardInterrupt raised there, not halfway through the block), or,
+    with ``deliver=False``, drop it (a Ctrl-C during the ``close()`` that an earlier Ctrl-C's
+    KeyboardInterrupt is already running: stopping is what both asked for, and a second
+    traceback says nothing new). Only in the main thread, where Python runs signal handlers, and
+    only over a handler set from Python; elsewhere the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -94,5 +99,5 @@ def held():
         yield
     finally:
         signal.signal(signal.SIGINT, old)
-        if frames:
+        if frames and deliver:
             old(signal.SIGINT, frames[0])

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import multiprocessing.util
 import numbers
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -29,6 +30,7 @@ from ..order import permutation, rank_padding, rank_plan
 from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
 from .epoch_stats import EpochStats, why_empty
+from .interrupts import held
 from .iterator import EpochIterator
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
@@ -70,12 +72,18 @@ class _Started:
         self.live = live
         self.pid = os.getpid()  #: the process they belong to (set again when a pipeline starts)
 
-    def close(self) -> None:
+    def close(self, deliver_interrupt: bool = False) -> None:
         """Stop the pipeline, unpublish the live figures, stop serving metrics. Idempotent. In a
         process forked from their owner (its exit runs the finalizers it inherited) nothing is
-        touched: they are the parent's."""
+        touched: they are the parent's. A Ctrl-C meanwhile waits until it is done, then is raised
+        with ``deliver_interrupt`` and dropped without (:func:`.interrupts.held`; the finalizers
+        run it without)."""
         if os.getpid() != self.pid:
             return
+        with held(deliver=deliver_interrupt):
+            self._stop()
+
+    def _stop(self) -> None:
         run, self.run = self.run, None
         if run is not None:
             run.close()
@@ -628,7 +636,8 @@ class Loader:
         and every Loader still open is closed at interpreter exit (``weakref.finalize``)."""
         started = getattr(self, "_started", None)
         if started is not None:
-            started.close()
+            # a close run by a KeyboardInterrupt (except/with) drops a second Ctrl-C: one traceback
+            started.close(deliver_interrupt=not isinstance(sys.exc_info()[1], KeyboardInterrupt))
 
     def __enter__(self):
         return self
