@@ -22,6 +22,7 @@ dataset adds one series, not a second copy of every counter.
 ``stoker_samples_total``                     samples yielded
 ``stoker_batches_total``                     batches yielded
 ``stoker_skipped_samples_total``             samples skipped (``on_error="skip"``)
+``stoker_padded_samples_total``              substitutes for batches whose every sample was skipped
 ``stoker_data_stall_seconds_total``          seconds the consumer was blocked in ``next()``
 ``stoker_loader_seconds_total``              wall seconds of the epochs (stall fraction =
                                              rate(stall) / rate(loader seconds))
@@ -202,6 +203,11 @@ class _LoaderCollector:
         yield counter("stoker_samples", "Samples yielded to the consumer.", s["samples"])
         yield counter("stoker_batches", "Batches yielded to the consumer.", s["batches"])
         yield counter("stoker_skipped_samples", "Samples skipped (on_error='skip').", s["skipped"])
+        yield counter(
+            "stoker_padded_samples",
+            "Substitute samples yielded for batches whose every sample was skipped (on_error='skip').",
+            s["padded"],
+        )
         yield counter("stoker_data_stall_seconds", "Seconds the consumer was blocked in next().", s["wait_s"])
         yield counter("stoker_loader_seconds", "Wall seconds of the loader's epochs.", s["seconds"])
         yield counter("stoker_origin_bytes", "Bytes received from the origin.", s["origin_bytes"])

@@ -181,3 +181,33 @@ def test_probe_order_is_a_pure_function_of_the_batch_and_leaves_it_out():
         assert min(min(abs(x - y), 100 - abs(x - y)) for x, y in zip(b, b[1:], strict=False)) >= 20
     assert list(probe_order(0, 0, [0], 1)) == [] and list(probe_order(0, 0, [], 1)) == [0]
     assert probe_limit(4) == 64 and probe_limit(256) == 1024
+
+
+def test_substitutes_are_counted_in_the_live_figures_and_prometheus(ranked):
+    """``padded`` reaches the live figures (stoker top's file) and ``stoker_padded_samples_total``,
+    equal to the loader's stats."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ds = open_dataset(ranked, cache=False)
+    with Loader(
+        ds,
+        BATCH,
+        shuffle=False,
+        seed=5,
+        rank=0,
+        world_size=2,
+        num_workers=0,
+        image=ImageOptions(image_size=SIZE),
+        run=RunOptions(on_error="skip", timeout_s=60, metrics_port=0),
+    ) as loader:
+        for _ in loader:
+            pass
+        st = loader.stats
+        page = urllib.request.urlopen(loader.metrics_url, timeout=10).read().decode()
+    values = {s.name: s.value for fam in text_string_to_metric_families(page) for s in fam.samples}
+    assert st.padded == 2 * BATCH
+    assert values["stoker_padded_samples_total"] == st.padded
+    assert values["stoker_skipped_samples_total"] == st.skipped

@@ -47,7 +47,7 @@ COUNTER_KEYS = (
     "prefetch_fills",
 )
 #: Fields of :class:`stoker.loader.epoch_stats.EpochStats` that are summed over epochs.
-STAT_KEYS = ("samples", "batches", "skipped", "wait_s", "seconds", "worker_restarts", "prefetcher_restarts")
+STAT_KEYS = ("samples", "batches", "skipped", "padded", "wait_s", "seconds", "worker_restarts", "prefetcher_restarts")
 PUBLISH_EVERY_S = 1.0
 _SEQ = itertools.count()
 
@@ -139,7 +139,7 @@ class LiveTotals:
             seconds = time.perf_counter() - t_start
             for k in COUNTER_KEYS:
                 out[k] += delta.get(k, 0)
-            for k in ("samples", "batches", "skipped"):
+            for k in ("samples", "batches", "skipped", "padded"):
                 out[k] += getattr(stats, k, 0)
             out["wait_s"] += wait_box[0]
             out["seconds"] += seconds
