@@ -94,6 +94,12 @@ class _Head:
             if sep:
                 self.headers[name.strip().lower()] = value.strip()
 
+    def without(self, name: str) -> bytes:
+        """The raw head with every ``name`` header line (case-insensitive) left out."""
+        lines = self.raw.decode("latin-1").split("\r\n")
+        keep = [ln for ln in lines[1:] if ln.partition(":")[0].strip().lower() != name.lower()]
+        return "\r\n".join([lines[0], *keep]).encode("latin-1")
+
     def body_kind(self, no_body: bool = False) -> tuple[str, int]:
         """("none" | "length" | "chunked" | "close", bytes)."""
         if no_body:
@@ -245,14 +251,22 @@ class FaultProxy:
                     return
                 method, _, rest = head.first.partition(" ")
                 path = rest.rsplit(" ", 1)[0]
-                body = await _read_body(creader, *head.body_kind())
+                kind, size = head.body_kind()
+                raw = head.raw
+                if kind != "none" and head.headers.get("expect", "").lower() == "100-continue":
+                    # the client waits for a go-ahead before its body (botocore's PUTs): the proxy
+                    # gives it and forwards the request whole, without the Expect header
+                    cwriter.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    await cwriter.drain()
+                    raw = head.without("expect")
+                body = await _read_body(creader, kind, size)
                 fault = self._decide(method, path, head.headers)
                 if fault is not None and fault.mode == "status":
                     await self._status_reply(cwriter, fault, method, path)
                     continue
                 if up is None:
                     up = await asyncio.open_connection(*self.upstream, limit=_MAX_HEAD_BYTES)
-                up[1].write(head.raw + body)
+                up[1].write(raw + body)
                 await up[1].drain()
                 keep = await self._relay(up[0], cwriter, method, fault)
                 if not keep:

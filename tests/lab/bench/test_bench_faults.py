@@ -59,6 +59,28 @@ def test_proxy_forwards_when_no_fault(origin_proxy):
     assert status == 206 and body == BODY[:200000]
 
 
+def test_proxy_answers_expect_100_continue_and_forwards_the_put(origin_proxy):
+    """A PUT that waits for ``100 Continue`` before its body (botocore's uploads) goes through
+    instead of waiting for its timeout: the proxy says continue and forwards the request whole."""
+    import socket
+
+    origin_proxy.set_fault(None)
+    port = int(origin_proxy.endpoint_url.rsplit(":", 1)[1])
+    body = b"uploaded through the proxy"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(
+            b"PUT /stoker/put-check/put.bin HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        first = s.recv(4096)  # the go-ahead, within the socket's 10 s (no answer at all before)
+        assert first.startswith(b"HTTP/1.1 100")
+        s.sendall(body)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += s.recv(4096)
+    assert reply.split(b" ", 2)[1] == b"200", reply  # the origin took the body
+
+
 @pytest.mark.parametrize("mode", ["reset", "truncate", "stall"])
 def test_proxy_cuts_bodies(origin_proxy, mode):
     origin_proxy.set_fault(Fault(mode, count=1, stall_s=0.5))
