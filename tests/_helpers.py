@@ -17,6 +17,32 @@ def make_image_folder(root: Path, files: dict[str, bytes]) -> Path:
     return root
 
 
+def pack_id_dataset(root: Path, n: int, size: int = 3000, shard_bytes: int = 128 << 10) -> str:
+    """Pack ``n`` samples ``s0000.bin`` .. of ``size`` bytes, each starting with its own id in ASCII
+    (then dots), with ``--source files`` (field ``bin``) into ``root/packed``; returns its path.
+    :func:`sample_id` decodes them, :func:`batch_ids` reads a batch of those."""
+    from stoker.store.pack import pack
+
+    make_image_folder(root / "src", {f"s{i:04d}.bin": f"{i}".encode().ljust(size, b".") for i in range(n)})
+    pack(str(root / "src"), str(root / "packed"), source="files", shard_bytes=shard_bytes, progress=False)
+    return str(root / "packed")
+
+
+def sample_id(fields, rng):
+    """A Loader ``decode=`` for :func:`pack_id_dataset`'s samples: the id their bytes start with,
+    as a one-element int64 array."""
+    import numpy as np
+
+    return np.array([int(fields["bin"].split(b".")[0])], np.int64)
+
+
+def batch_ids(batch) -> list[int]:
+    """The sample ids of a batch of :func:`sample_id` arrays (a tensor or an array)."""
+    import numpy as np
+
+    return [int(v) for v in np.asarray(batch).reshape(-1)]
+
+
 def in_child(fn, *args, timeout_s: float = 120.0):
     """Run ``fn(*args)`` in a forked child and return what it returns (it must pickle), or
     re-raise its failure here (with its traceback). A child that has not answered within

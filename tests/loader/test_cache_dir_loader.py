@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 
-import numpy as np
 import pytest
 
+from _helpers import batch_ids, pack_id_dataset, sample_id
 from stoker import Loader, RunOptions, open_dataset
 from stoker.cache import layout
-from stoker.store.pack import pack
 
 N = 160
 BLOCK = 16 << 10
@@ -22,21 +21,7 @@ BLOCK = 16 << 10
 @pytest.fixture(scope="module")
 def id_dataset(tmp_path_factory) -> str:
     """A packed dataset of N samples of 3000 bytes, each starting with its own id in ASCII."""
-    src = tmp_path_factory.mktemp("ids-src")
-    for i in range(N):
-        (src / f"s{i:04d}.bin").write_bytes(f"{i}".encode().ljust(3000, b"."))
-    dst = tmp_path_factory.mktemp("ids") / "packed"
-    pack(str(src), str(dst), source="files", shard_bytes=128 << 10, progress=False)
-    return str(dst)
-
-
-def _sid(fields, rng):
-    """The sample's id (the number its bytes start with), as a one-element int64 array."""
-    return np.array([int(fields["bin"].split(b".")[0])], np.int64)
-
-
-def _ids(batch) -> list[int]:
-    return [int(v) for v in np.asarray(batch).reshape(-1)]
+    return pack_id_dataset(tmp_path_factory.mktemp("ids"), N)
 
 
 def _tree(root) -> dict:
@@ -61,11 +46,11 @@ def test_a_cache_directory_removed_mid_epoch_is_made_again(id_dataset, tmp_path,
         memory_dir=str(tmp_path / "mem"),
     )
     gone = tmp_path / ("mem" if tier == "memory" else "cache")
-    with Loader(ds, 16, num_workers=workers, seed=3, decode=_sid, run=RunOptions(timeout_s=30)) as loader:
+    with Loader(ds, 16, num_workers=workers, seed=3, decode=sample_id, run=RunOptions(timeout_s=30)) as loader:
         for epoch in range(3):
             plan, got = [int(i) for i in loader.plan()], []
             for k, batch in enumerate(loader):
-                got += _ids(batch)
+                got += batch_ids(batch)
                 if epoch == 0 and k == 3:  # fills in flight, blocks cached, descriptors open
                     os.rename(gone, tmp_path / "trash")  # gone at once (the workers make it again meanwhile)
                     shutil.rmtree(tmp_path / "trash")
@@ -81,14 +66,14 @@ def test_a_cache_directory_removed_mid_epoch_is_made_again(id_dataset, tmp_path,
 def test_a_prefilled_cache_is_served_read_only_without_a_write(id_dataset, tmp_path, monkeypatch):
     root = tmp_path / "cache"
     ds = open_dataset(id_dataset, cache_dir=str(root), cache_bytes=8 << 20, block_bytes=BLOCK)
-    with Loader(ds, 16, num_workers=2, seed=3, decode=_sid) as loader:
+    with Loader(ds, 16, num_workers=2, seed=3, decode=sample_id) as loader:
         assert sum(len(b) for b in loader) == N
     before = _tree(root)
     monkeypatch.setenv("STOKER_CACHE_READ_ONLY", "1")  # as a pre-warmed image would set it
     ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK)
     assert ro.cache.read_only
-    with Loader(ro, 16, num_workers=2, seed=4, decode=_sid, run=RunOptions(timeout_s=30)) as loader:
-        got = [i for b in loader for i in _ids(b)]
+    with Loader(ro, 16, num_workers=2, seed=4, decode=sample_id, run=RunOptions(timeout_s=30)) as loader:
+        got = [i for b in loader for i in batch_ids(b)]
         assert loader.processes.prefetcher is None  # nothing to fill
     assert sorted(got) == list(range(N)) and loader.stats.exactly_once
     assert loader.stats.origin_bytes == 0 and loader.stats.cache_hits == N
@@ -102,8 +87,8 @@ def test_a_partly_filled_read_only_cache_reads_the_rest_from_the_origin(id_datas
         ds[i]  # fills a few blocks
     before = _tree(root)
     ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK, cache_read_only=True)
-    with Loader(ro, 16, num_workers=0, seed=4, decode=_sid) as loader:
-        got = [i for b in loader for i in _ids(b)]
+    with Loader(ro, 16, num_workers=0, seed=4, decode=sample_id) as loader:
+        got = [i for b in loader for i in batch_ids(b)]
     assert sorted(got) == list(range(N)) and loader.stats.exactly_once
     assert 0 < loader.stats.cache_hits < N and loader.stats.origin_bytes > 0
     assert _tree(root) == before

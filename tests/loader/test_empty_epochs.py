@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import pytest
 
+from _helpers import sample_id
 from stoker import Loader, ReadOptions, open_dataset
 from stoker.loader.epoch_stats import why_empty
 from stoker.store.pack import pack
@@ -26,10 +26,6 @@ def small(tmp_path_factory) -> str:
     return str(dst)
 
 
-def _sid(fields, rng):
-    return np.array([int(fields["bin"].split(b".")[0])], np.int64)
-
-
 @pytest.mark.parametrize(
     "kw,cause",
     [
@@ -40,7 +36,7 @@ def _sid(fields, rng):
 )
 def test_an_epoch_that_delivers_nothing_says_why_and_is_not_exactly_once(small, kw, cause):
     ds = open_dataset(small, cache=False)
-    with Loader(ds, num_workers=0, decode=_sid, **kw) as loader:
+    with Loader(ds, num_workers=0, decode=sample_id, **kw) as loader:
         with pytest.warns(RuntimeWarning, match="delivers no sample of 6") as seen:
             assert list(loader) == []
         assert any(cause in str(w.message) for w in seen)
@@ -55,7 +51,7 @@ def test_an_epoch_that_delivers_its_plan_is_still_exactly_once(small):
     ds = open_dataset(small, cache=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with Loader(ds, 4, num_workers=0, decode=_sid, drop_last=True) as loader:
+        with Loader(ds, 4, num_workers=0, decode=sample_id, drop_last=True) as loader:
             assert sum(len(b) for b in loader) == 4
     assert loader.stats.exactly_once and loader.stats.empty_reason == ""
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _helpers import batch_ids, pack_id_dataset, sample_id
 from stoker import Loader, RunOptions, open_dataset
-from stoker.store.pack import pack
 
 N = 240
 BLOCK = 16 << 10
@@ -20,21 +20,7 @@ BLOCK = 16 << 10
 @pytest.fixture(scope="module")
 def id_dataset(tmp_path_factory) -> str:
     """A packed dataset of N samples of 3000 bytes, each starting with its own id in ASCII."""
-    src = tmp_path_factory.mktemp("ids-src")
-    for i in range(N):
-        (src / f"s{i:04d}.bin").write_bytes(f"{i}".encode().ljust(3000, b"."))
-    dst = tmp_path_factory.mktemp("ids") / "packed"
-    pack(str(src), str(dst), source="files", shard_bytes=128 << 10, progress=False)
-    return str(dst)
-
-
-def _sid(fields, rng):
-    """The sample's id (the number its bytes start with), as a one-element int64 array."""
-    return np.array([int(fields["bin"].split(b".")[0])], np.int64)
-
-
-def _ids(batch) -> list[int]:
-    return [int(v) for v in batch.reshape(-1)]
+    return pack_id_dataset(tmp_path_factory.mktemp("ids"), N)
 
 
 def _span_bytes(ds) -> int:
@@ -52,34 +38,34 @@ def test_closing_one_of_two_loaders_over_one_dataset_leaves_the_other_whole(id_d
     ds = open_dataset(id_dataset, cache_dir=str(tmp_path / "cache"), cache_bytes=48 << 10, block_bytes=BLOCK)
     floor = _span_bytes(ds)
     assert int((ds.block_end - ds.block_start).sum()) > 4 * (48 << 10)  # most blocks go through staging
-    train = Loader(ds, 16, num_workers=2, seed=1, decode=_sid, run=RunOptions(timeout_s=60))
+    train = Loader(ds, 16, num_workers=2, seed=1, decode=sample_id, run=RunOptions(timeout_s=60))
     ev = Loader(
-        ds, 16, num_workers=2, seed=9, decode=_sid, transform="eval", shuffle=False, run=RunOptions(timeout_s=60)
+        ds, 16, num_workers=2, seed=9, decode=sample_id, transform="eval", shuffle=False, run=RunOptions(timeout_s=60)
     )
     try:
         # epoch 0: both at once, batch by batch
         it_t, it_e = iter(train), iter(ev)
         got_t, got_e = [], []
         for bt, be in zip(it_t, it_e, strict=True):
-            got_t += _ids(bt)
-            got_e += _ids(be)
+            got_t += batch_ids(bt)
+            got_e += batch_ids(be)
         assert got_t == [int(i) for i in train.plan(0)] and got_e == [int(i) for i in ev.plan(0)]
         assert ds.reader.staging is None  # the shared Dataset is never given a loader's staging area
         # epoch 1: eval stops half-way and is closed while train is mid-epoch; train finishes it
         it_t, it_e = iter(train), iter(ev)
         got_t = []
         for k, (bt, _) in enumerate(zip(it_t, it_e, strict=False)):
-            got_t += _ids(bt)
+            got_t += batch_ids(bt)
             if k == 3:
                 break
         ev.close()
-        got_t += [v for b in it_t for v in _ids(b)]
+        got_t += [v for b in it_t for v in batch_ids(b)]
         assert got_t == [int(i) for i in train.plan(1)]
         assert train.stats.exactly_once
         assert train.stats.origin_bytes <= floor, (train.stats.origin_bytes, floor)  # no block fetched twice
         assert train.stats.direct_reads == 0  # no staged block deleted under a read that needed it
         # epoch 2, the eval loader gone: still every sample once, each block from the origin at most once
-        got_t = [v for b in train for v in _ids(b)]
+        got_t = [v for b in train for v in batch_ids(b)]
         assert got_t == [int(i) for i in train.plan(2)]
         assert train.stats.origin_bytes <= floor and train.stats.direct_reads == 0
     finally:
