@@ -2,10 +2,10 @@
 session (a Ray start costs seconds), and the sample tree packed into the emulated S3 origin.
 
 Every node of a test cluster is pinned to the loopback address (``node_ip_address``, given to
-each node as it starts: :data:`LOOPBACK`). Left to itself, Ray takes the address of the route
-out of the machine, and on a machine with a second address a test can hang on it. A driver that
-joins (``ray.init(address=...)``) takes its node's address from the node; it must not be given
-``_node_ip_address="127.0.0.1"``: ``ray.init`` turns a loopback address into that routed one."""
+each node as it starts: :data:`LOOPBACK`; and Ray's own local address is 127.0.0.1 in every
+test process: ``LOOPBACK_RAY_ENV`` in tests/conftest.py, which a driver joining
+``127.0.0.1:<port>`` needs). Left to itself, Ray takes the address of the route out of the
+machine, and on a machine with a second address a test can hang on it."""
 
 from __future__ import annotations
 

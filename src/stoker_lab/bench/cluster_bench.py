@@ -97,11 +97,9 @@ def run(
         ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=block_bytes)
         dataset_bytes = int(ds.index.length.sum())
         report["dataset"] = {"samples": len(ds), "bytes": dataset_bytes, "blocks": ds.num_blocks}
-        # every node on the loopback address (Ray would take the machine's routed one)
-        node_args = {"num_cpus": 2, "object_store_memory": 150 << 20, "node_ip_address": "127.0.0.1"}
-        cluster = Cluster(initialize_head=True, head_node_args=node_args)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 150 << 20})
         for _ in range(2):
-            cluster.add_node(**node_args)
+            cluster.add_node(num_cpus=2, object_store_memory=150 << 20)
         ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
             cluster.wait_for_nodes()

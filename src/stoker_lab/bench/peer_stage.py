@@ -244,13 +244,7 @@ def loopback(
     # Ray's session files (logs, sockets) in a directory of this run, removed with it; a short
     # path under the system's temporary directory keeps the sockets' paths under 108 bytes
     ray_tmp = tempfile.mkdtemp(prefix="stoker-ray-")
-    # both nodes on the loopback address (Ray would take the machine's routed one)
-    node_args: dict[str, Any] = {
-        "num_cpus": 1,
-        "object_store_memory": object_store_bytes,
-        "temp_dir": ray_tmp,
-        "node_ip_address": "127.0.0.1",
-    }
+    node_args: dict[str, Any] = {"num_cpus": 1, "object_store_memory": object_store_bytes, "temp_dir": ray_tmp}
     holder: dict = {}
     cluster = None
     try:
