@@ -195,3 +195,34 @@ def test_a_rank_whose_rank_0_never_publishes_gives_up_after_its_timeout(cluster)
     msg, waited, initialized, addr = ray.get(lonely.remote(), timeout=60)
     assert "rank 0 did not publish its address for the 'gloo' process group within 1.0 s" in msg
     assert 1.0 <= waited < 30 and not initialized and addr is None
+
+
+def test_gather_raises_the_failure_that_came_first_not_the_first_reported(cluster, tmp_path):
+    """Rank 0 fails first (its error stamped) but is still tearing down when rank 1, whose
+    collective failed because of it, is reported: gather gives rank 0 its time to end and raises
+    rank 0's error, naming it, not rank 1's."""
+    from stoker.cluster.ranks import gather, stamp_failure
+
+    marker = str(tmp_path / "rank0-failed")
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def first_but_slow():
+        exc = ValueError("rank 0: the real failure")
+        stamp_failure(exc)
+        open(marker, "w").close()
+        time.sleep(1.5)  # its tear-down
+        raise exc
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def caused_but_fast():
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        exc = RuntimeError("rank 1: Connection closed by peer")
+        stamp_failure(exc)
+        raise exc
+
+    refs = [first_but_slow.remote(), caused_but_fast.remote()]
+    with pytest.raises(ValueError, match="rank 0: the real failure") as info:
+        gather(refs, ["node-a", "node-b"], timeout_s=120, settle_s=30)
+    assert any("rank 0 on node node-a failed first" in n for n in info.value.__notes__)

@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 #: Attribute a rank sets on the error that ended it: when (unix seconds, :func:`stamp_failure`).
 FAILED_AT = "stoker_failed_at"
 
+#: Seconds the other ranks of a failed job get to end by themselves before they are cancelled:
+#: a rank that failed first may still be tearing down (its process group, its relay) when a peer
+#: whose collective failed because of it is reported.
+SETTLE_S = 2.0
+
 #: Ray's label that every node carries with its node id (placement-group bundles select on it).
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -176,6 +181,7 @@ class JobRefs(list):
                         ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - the job is over: cancel the rest
                         self.error = exc
+                        _, pending = _settle(pending, SETTLE_S)
                         _cancel(pending, self._grace_s)
                         first, self.error = first_failure(self, ref, exc)
                         r = self.index(first)
@@ -202,7 +208,11 @@ class JobRefs(list):
 
 
 def gather(
-    refs: list, rank_nodes: list[str] | None = None, timeout_s: float | None = None, grace_s: float = 10.0
+    refs: list,
+    rank_nodes: list[str] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 10.0,
+    settle_s: float = SETTLE_S,
 ) -> list:
     """The results of a job's ranks (``refs``: one Ray object ref per rank, as ``run(wait=False)``
     returns), in rank order; a job whose ranks are not all there is over.
@@ -212,11 +222,13 @@ def gather(
     ranks are cancelled (``ray.cancel``: a ``KeyboardInterrupt`` in ``train_fn``, so its
     ``finally`` blocks run; a rank still running ``grace_s`` seconds later is stopped with
     ``force=True``) and the error that came first is raised (:func:`first_failure`: a peer whose
-    collective failed because that rank left reports later), with a note naming the rank and its node
+    collective failed because that rank left may report before it), with a note naming the rank and its node
     (``rank_nodes``: node id per rank; taken from ``refs`` when it is a :class:`JobRefs`). After
     ``timeout_s`` seconds (None: no limit) the ranks are cancelled the same way and
     ``ray.exceptions.GetTimeoutError`` is raised. Nobody is left running with no one waiting
-    for it (a DDP job without one rank waits for it forever).
+    for it (a DDP job without one rank waits for it forever). Before the cancellation, the other
+    ranks get ``settle_s`` seconds to end by themselves, so that one that failed first but is
+    still tearing down reports its own error (a cancelled rank reports only its cancellation).
     """
     if rank_nodes is None and isinstance(refs, JobRefs):
         rank_nodes = refs.rank_nodes
@@ -234,6 +246,7 @@ def gather(
         try:
             ray.get(done[0])
         except Exception as exc:
+            _, pending = _settle(pending, settle_s)
             _cancel(pending, grace_s)
             first, err = first_failure(refs, done[0], exc)
             r = index[first]
@@ -246,6 +259,13 @@ def gather(
                 raise
             raise err from None
     return ray.get(list(refs))
+
+
+def _settle(refs: list, settle_s: float) -> tuple[list, list]:
+    """``(done, pending)`` of ``refs`` after waiting up to ``settle_s`` seconds for all of them."""
+    if not refs or settle_s <= 0:
+        return [], list(refs)
+    return ray.wait(list(refs), num_returns=len(refs), timeout=settle_s)
 
 
 def _cancel(refs: list, grace_s: float) -> None:
