@@ -10,6 +10,17 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Every Ray of the tests on the loopback address, set before anything imports Ray (it reads the
+# setting once, at import) and inherited by every process the tests start. Ray 2.60 otherwise
+# takes the address of the machine's route out, even for a node started on 127.0.0.1 or a driver
+# joining 127.0.0.1:<port> (``ray.init`` and ``ray start`` turn a loopback address into that
+# one), and on a machine with a second address a test can hang on it. Ray's name for the switch
+# is its Windows/macOS one: "0" makes its local address 127.0.0.1 on any system. The namespace
+# cluster's ``ray start`` (stoker_lab.bench.netcluster_ray) takes it out of its environment: its
+# nodes keep their namespace addresses. tests/cluster/conftest.py also names 127.0.0.1 for each node.
+LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+os.environ.update(LOOPBACK_RAY_ENV)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_fork_hazard_left(request):

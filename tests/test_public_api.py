@@ -44,6 +44,7 @@ EXPECTED_ALL = [
     "PackLeaseError",
     "PackLeaseLostError",
     "PeerUnavailable",
+    "ProcessGroupError",
     "ReadOptions",
     "RunOptions",
     "SampleFnError",
@@ -92,6 +93,7 @@ BUILTIN_BASE = {
     "PackLeaseError": FileExistsError,
     "PackLeaseLostError": OSError,
     "PeerUnavailable": OSError,
+    "ProcessGroupError": RuntimeError,
     "SharedMemoryError": OSError,
     "SourceArchiveError": tarfile.TarError,
     "SourceError": ValueError,
@@ -235,6 +237,7 @@ ONE_OF_EACH = [
     stoker.SourceArchiveError("archive /data/s-0.tar: not a readable tar archive"),
     stoker.SourceNotFoundError("source /data/train does not exist"),
     stoker.ServiceStartError("cache service of node 5f3a could not start: UnsafePathError: /c/node-h-2"),
+    stoker.ProcessGroupError("rank 1: rank 0 did not publish its address for the 'gloo' group within 60 s"),
 ]
 
 

@@ -32,6 +32,7 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── CacheInUseError (RuntimeError)        a cache is in use by a live job
     ├── CapacityError (RuntimeError)          a cluster job's ranks do not fit the nodes' free resources
     ├── ServiceStartError (RuntimeError)      a node's cache service could not start
+    ├── ProcessGroupError (RuntimeError)      a cluster job's process group cannot be set up (backend, rendezvous)
     ├── WorkerError (RuntimeError)            a loader worker failed or died
     │   └── WorkerStartError                  a worker process could not start (names the cause)
     ├── StaleIteratorError (RuntimeError)     an epoch's iterator used after a later iter() replaced it
@@ -79,6 +80,7 @@ __all__ = [
     "PackLeaseError",
     "PackLeaseLostError",
     "PeerUnavailable",
+    "ProcessGroupError",
     "SampleFnError",
     "ServiceStartError",
     "SharedMemoryError",
@@ -433,6 +435,12 @@ class CapacityError(StokerError, RuntimeError):
 class ServiceStartError(StokerError, RuntimeError):
     """A node's cache service could not start: its constructor raised (e.g. the node's cache
     directory is unusable), so Ray does not restart it; the message names the node and why."""
+
+
+class ProcessGroupError(StokerError, RuntimeError):
+    """A cluster job's ``torch.distributed`` process group cannot be set up: the backend needs
+    what the ranks lack (``nccl`` without a GPU), rank 0 did not publish its address in time,
+    or a group is already open on the rank; the message names the backend and the rank."""
 
 
 class ExtenderRequestError(StokerError, ValueError):

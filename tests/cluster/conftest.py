@@ -1,24 +1,33 @@
 """Ray fixtures of the cluster tests: one 3-node ``ray.cluster_utils.Cluster`` for the whole
-session (a Ray start costs seconds), and the sample tree packed into the emulated S3 origin."""
+session (a Ray start costs seconds), and the sample tree packed into the emulated S3 origin.
+
+Every node of a test cluster is pinned to the loopback address (``node_ip_address``, given to
+each node as it starts: :data:`LOOPBACK`; and Ray's own local address is 127.0.0.1 in every
+test process: ``LOOPBACK_RAY_ENV`` in tests/conftest.py, which a driver joining
+``127.0.0.1:<port>`` needs). Left to itself, Ray takes the address of the route out of the
+machine, and on a machine with a second address a test can hang on it."""
 
 from __future__ import annotations
 
 import pytest
 
+#: The node argument that pins a Ray node of a test cluster to the loopback address.
+LOOPBACK = {"node_ip_address": "127.0.0.1"}
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """Three simulated nodes (custom resources node0..node2, 2 CPUs, 150 MB object store each),
-    joined by this process."""
+    """Three simulated nodes (custom resources node0..node2, 2 CPUs, 150 MB object store each,
+    all on 127.0.0.1), joined by this process."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"node0": 1}, "object_store_memory": 150 << 20},
+        head_node_args={"num_cpus": 2, "resources": {"node0": 1}, "object_store_memory": 150 << 20, **LOOPBACK},
     )
     for i in (1, 2):
-        c.add_node(num_cpus=2, resources={f"node{i}": 1}, object_store_memory=150 << 20)
+        c.add_node(num_cpus=2, resources={f"node{i}": 1}, object_store_memory=150 << 20, **LOOPBACK)
     ray.init(address=c.address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     c.wait_for_nodes()
     try:

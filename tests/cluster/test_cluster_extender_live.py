@@ -183,7 +183,10 @@ _RAY_HEAD = """
 import json, sys, ray
 from ray.cluster_utils import Cluster
 from stoker.cluster.service import start_services
-c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
+c = Cluster(
+    initialize_head=True,
+    head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"},
+)
 ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
 start_services(sys.argv[1], 64 << 20)
 print(json.dumps({"address": c.address, "node": ray.get_runtime_context().get_node_id()}), flush=True)

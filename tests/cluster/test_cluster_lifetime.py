@@ -189,7 +189,9 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
 
     from stoker.cluster import run
 
-    node = cluster.add_node(num_cpus=1, resources={"node_dies_mid_job": 1}, object_store_memory=100 << 20)
+    node = cluster.add_node(
+        num_cpus=1, resources={"node_dies_mid_job": 1}, object_store_memory=100 << 20, node_ip_address="127.0.0.1"
+    )
     cluster.wait_for_nodes()
     out = tmp_path / "out"
     out.mkdir()
@@ -333,7 +335,9 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset
-    node = cluster.add_node(num_cpus=1, resources={"node_dies": 1}, object_store_memory=100 << 20)
+    node = cluster.add_node(
+        num_cpus=1, resources={"node_dies": 1}, object_store_memory=100 << 20, node_ip_address="127.0.0.1"
+    )
     cluster.wait_for_nodes()
     service.start_services(str(tmp_path / "cache"), 64 << 20)
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)

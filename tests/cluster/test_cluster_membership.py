@@ -82,7 +82,9 @@ def test_a_node_that_joins_after_placement_becomes_a_member(cluster, s3_dataset,
         old = ray.get(keeper.claim.remote(ds.version, []))
         services = find_services()
         before = place_dataset(ds, placement_keys(services, old), [services[m]["cache_bytes"] for m in old])
-        new = cluster.add_node(num_cpus=1, resources={"joined": 1}, object_store_memory=100 << 20)
+        new = cluster.add_node(
+            num_cpus=1, resources={"joined": 1}, object_store_memory=100 << 20, node_ip_address="127.0.0.1"
+        )
         cluster.wait_for_nodes()
         run(partial(read_epochs, epochs=1, first_epoch=1), url, 3, {"CPU": 0.5}, job="after", **common)
         members = ray.get(keeper.claim.remote(ds.version, []))

@@ -20,17 +20,18 @@ import uuid
 import numpy as np
 import ray
 
-from ..errors import CapacityError
+from ..errors import CapacityError, ProcessGroupError
 from ..loader import Loader
 from ..order import permutation
 from ..store.blocks import BlockReader
 from .capacity import rank_request, rank_slots, refusal
 from .counters import ByteCounters, fractions
 from .placement import bytes_per_node, place_dataset
-from .ranks import JobRefs, free_resources, gather, release, reserve, task_options, total_resources
+from .ranks import JobRefs, free_resources, gather, release, reserve, stamp_failure, task_options, total_resources
 from .reader import BlockRouter
 from .records import settle_members
 from .registration import end as end_registration
+from .rendezvous import ProcessGroup, check_backend
 from .schedule import choose_nodes, colocated_plans
 from .service import cache_dir_arg, dataset_ref, get_service, placement_keys, prepare
 
@@ -47,7 +48,8 @@ class WorkerContext:
     router is ``dataset.reader.router``, :mod:`stoker.store.blocks`); ``counters``: this rank's
     :class:`ByteCounters`; ``epochs``: per-epoch records (see :meth:`measure`), returned to the
     driver. :meth:`loader` builds a :class:`ClusterLoader`; :meth:`plan` gives this rank's
-    sample ids of an epoch.
+    sample ids of an epoch; :meth:`init_process_group` sets up ``torch.distributed`` over the
+    job's ranks (``process_group``: the one open, else None).
     """
 
     def __init__(self, spec: dict, dataset, counters: ByteCounters):
@@ -58,6 +60,36 @@ class WorkerContext:
         self._sample_node = np.asarray(spec["owner"])[dataset.sample_block] if dataset.num_blocks else None
         self._plans: dict = {}
         self.epochs: list[dict] = []
+        self._node_ids, self._token = spec["rank_node_ids"], spec["token"]
+        self.process_group: ProcessGroup | None = None
+
+    def init_process_group(self, backend: str = "gloo", timeout_s: float = 1800.0) -> ProcessGroup:
+        """Set up the default ``torch.distributed`` process group over the job's ranks: sets
+        ``MASTER_ADDR`` (rank 0's node address), ``MASTER_PORT`` (a free port rank 0 binds on its
+        node), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (this job's ranks
+        on this node) and calls ``torch.distributed.init_process_group`` (every rank must call
+        it). Returns the :class:`stoker.cluster.rendezvous.ProcessGroup`, also a context manager
+        that closes it; a group still open when ``train_fn`` returns, raises or is cancelled is
+        destroyed then. ``timeout_s``: seconds to wait for rank 0's address, and torch's limit per
+        collective. Raises ValueError for a backend other than ``"gloo"``/``"nccl"`` and
+        :class:`stoker.errors.ProcessGroupError` for ``nccl`` without a GPU, a group already
+        open on this rank, or rank 0's address not there within ``timeout_s``."""
+        if self.process_group is not None:
+            raise ProcessGroupError(
+                f"rank {self.rank}: a {self.process_group.backend!r} process group is already open for this job "
+                f"(run(process_group=...) opens one before train_fn)"
+            )
+        group = ProcessGroup(self.rank, self.world_size, self._node_ids, f"stoker-pg-{self._token}", backend, timeout_s)
+        group.open()
+        self.process_group = group
+        return group
+
+    def close_process_group(self) -> None:
+        """Destroy the process group of :meth:`init_process_group`, if one is open (the rank's
+        end does it too)."""
+        group, self.process_group = self.process_group, None
+        if group is not None:
+            group.close()
 
     def peer_samples(self) -> np.ndarray:
         """Ids (int64, ascending) of the samples whose block a peer owns, not this rank's node:
@@ -178,7 +210,7 @@ def _rank_main(train_fn, spec: dict):
     from ..store.dataset import open_dataset
 
     counters = ByteCounters()
-    relay = ds = None
+    relay = ds = ctx = None
     try:
         info = spec["service"]
         if info is not None:
@@ -218,9 +250,16 @@ def _rank_main(train_fn, spec: dict):
         router.connect()  # every peer looked up and called once, off the read path
         relay = router.start_relay()
         ctx = WorkerContext(spec, ds, counters)
+        if spec["process_group"] is not None:
+            ctx.init_process_group(spec["process_group"])
         result = train_fn(ctx)
         return {"rank": ctx.rank, "node_id": ctx.node_id, "result": result, "epochs": ctx.epochs}
+    except Exception as exc:
+        stamp_failure(exc)  # before the group goes: the peers' errors that follow come later
+        raise
     finally:
+        if ctx is not None:
+            ctx.close_process_group()
         if relay is not None:
             relay.close()
         end_registration(ds)  # this Ray worker lives on, pooled: the job's claim on the budget ends here
@@ -247,6 +286,7 @@ def run(
     wait: bool = True,
     start_timeout_s: float = 30.0,
     cache_root: str | None = None,
+    process_group: str | None = None,
 ):
     """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
 
@@ -259,7 +299,10 @@ def run(
     and ``stoker warm --cache-dir/--cache-bytes``; ``cache_root`` is the old name of
     ``cache_dir``, accepted with a DeprecationWarning); ``block_bytes``: the cache block (bytes
     or a size string; default 1 MiB; every job of a dataset must use the same);
-    ``slots_per_node``: most ranks per node. ``ctx`` is a :class:`WorkerContext`.
+    ``slots_per_node``: most ranks per node; ``process_group``: ``"gloo"`` or ``"nccl"`` to
+    open a ``torch.distributed`` process group over the ranks before ``train_fn`` and destroy it
+    after it returns, raises or is cancelled (:meth:`WorkerContext.init_process_group`; None:
+    none, or open it there). ``ctx`` is a :class:`WorkerContext`.
 
     Co-location is a preference, capacity a limit: a node gets no more ranks than its free
     resources hold (:mod:`stoker.cluster.capacity`), and the ranks' resources are reserved on
@@ -272,7 +315,8 @@ def run(
     :meth:`WorkerContext.measure`), or with ``wait=False`` a :class:`stoker.cluster.ranks.JobRefs`
     (the list of the ranks' Ray object refs, watched: the first rank that fails cancels the
     others, as in :func:`gather`). Needs ``ray.init()`` first. Raises ValueError for a bad
-    placement, the error of the first rank that fails (``ray.exceptions.RayTaskError``,
+    placement or ``process_group``, :class:`stoker.errors.ProcessGroupError` for ``"nccl"``
+    when ``resources_per_worker`` has no GPU (both before any rank starts), the error of the first rank that fails (``ray.exceptions.RayTaskError``,
     ``NodeDiedError`` ...) after cancelling the others, ``GetTimeoutError`` after ``timeout_s``
     (the ranks cancelled): see :func:`gather`.
     """
@@ -280,6 +324,8 @@ def run(
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if num_workers < 1:
         raise ValueError("num_workers must be >= 1")
+    if process_group is not None:
+        check_backend(process_group, rank_request(resources_per_worker))
     opts = dict(storage_options or {})
     services, ds, dref = prepare(dataset, opts, cache_dir_arg(cache_dir, cache_root), cache_bytes, block_bytes)
     nodes = list(services)
@@ -329,6 +375,9 @@ def run(
             "service": services.get(node),
             "peer_timeout_s": peer_timeout_s,
             "retry_s": retry_s,
+            "rank_node_ids": rank_nodes,
+            "token": token,
+            "process_group": process_group,
         }
         refs.append(ray.remote(_rank_main).options(**task_options(r, node, request, pg)).remote(train_fn, spec))
     if not wait:

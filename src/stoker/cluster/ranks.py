@@ -9,7 +9,10 @@
   and :class:`stoker.errors.CapacityError` is raised: nothing is left queued.
 - :func:`gather` and :class:`JobRefs`: the first rank that fails ends the job (the other ranks
   are cancelled), whether the caller waits in :func:`gather` or holds the refs of
-  ``run(wait=False)`` (a watcher thread in the driver does the same).
+  ``run(wait=False)`` (a watcher thread in the driver does the same). A rank stamps the error
+  that ended it with the time (:func:`stamp_failure`) before it tears its process group down,
+  so when a rank's failure makes its peers' collectives fail too, :func:`gather` raises the
+  error that came first, not the first one Ray happened to report.
 """
 
 from __future__ import annotations
@@ -26,8 +29,55 @@ from ..errors import CapacityError
 
 log = logging.getLogger(__name__)
 
+#: Attribute a rank sets on the error that ended it: when (unix seconds, :func:`stamp_failure`).
+FAILED_AT = "stoker_failed_at"
+
+#: Seconds the other ranks of a failed job get to end by themselves before they are cancelled:
+#: a rank that failed first may still be tearing down (its process group, its relay) when a peer
+#: whose collective failed because of it is reported.
+SETTLE_S = 2.0
+
 #: Ray's label that every node carries with its node id (placement-group bundles select on it).
 NODE_ID_LABEL = "ray.io/node-id"
+
+
+def stamp_failure(exc: BaseException) -> None:
+    """Mark ``exc`` (the error that ends a rank) with the time now, as :data:`FAILED_AT`; an
+    error that takes no attributes is left as it is."""
+    try:
+        setattr(exc, FAILED_AT, time.time())
+    except (AttributeError, TypeError):
+        pass
+
+
+def _failed_at(exc: BaseException) -> float | None:
+    """When a rank's error (or, for a ``RayTaskError``, its cause) was stamped; None if never."""
+    for e in (exc, getattr(exc, "cause", None)):
+        t = getattr(e, FAILED_AT, None)
+        if isinstance(t, float):
+            return t
+    return None
+
+
+def first_failure(refs: list, ref, exc: BaseException):
+    """``(ref, error)`` of the rank that failed first, once the job is over: ``ref``/``exc`` is
+    the first failure Ray reported; another rank of ``refs`` already done whose error was stamped
+    earlier (:func:`stamp_failure`) replaces it. An unstamped ``exc`` (a crash, a dead node)
+    stays: nothing says it came later."""
+    best = _failed_at(exc)
+    if best is None:
+        return ref, exc
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for other in done:
+        if other == ref:
+            continue
+        try:
+            ray.get(other, timeout=0)
+        except Exception as e:  # noqa: BLE001 - every failure is a candidate; cancelled ones carry no stamp
+            t = _failed_at(e)
+            if t is not None and t < best:
+                ref, exc, best = other, e, t
+    return ref, exc
 
 
 def free_resources(nodes: list[str]) -> dict[str, dict[str, float]]:
@@ -130,16 +180,18 @@ class JobRefs(list):
                     try:
                         ray.get(ref)
                     except Exception as exc:  # noqa: BLE001 - the job is over: cancel the rest
-                        r = self.index(ref)
                         self.error = exc
+                        _, pending = _settle(pending, SETTLE_S)
+                        _cancel(pending, self._grace_s)
+                        first, self.error = first_failure(self, ref, exc)
+                        r = self.index(first)
                         log.warning(
-                            "stoker.cluster: rank %d on node %s failed (%s); cancelling the other %d running rank(s)",
+                            "stoker.cluster: rank %d on node %s failed first (%s); cancelled the other %d rank(s)",
                             r,
                             self.rank_nodes[r],
-                            type(exc).__name__,
+                            type(self.error).__name__,
                             len(pending),
                         )
-                        _cancel(pending, self._grace_s)
                         return
         except Exception as exc:  # noqa: BLE001 - Ray shut down under the watcher
             log.debug("job watcher stopped: %s", exc)
@@ -156,7 +208,11 @@ class JobRefs(list):
 
 
 def gather(
-    refs: list, rank_nodes: list[str] | None = None, timeout_s: float | None = None, grace_s: float = 10.0
+    refs: list,
+    rank_nodes: list[str] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 10.0,
+    settle_s: float = SETTLE_S,
 ) -> list:
     """The results of a job's ranks (``refs``: one Ray object ref per rank, as ``run(wait=False)``
     returns), in rank order; a job whose ranks are not all there is over.
@@ -165,11 +221,14 @@ def gather(
     ``NodeDiedError``/``WorkerCrashedError`` when its node or process died) ends the job: the other
     ranks are cancelled (``ray.cancel``: a ``KeyboardInterrupt`` in ``train_fn``, so its
     ``finally`` blocks run; a rank still running ``grace_s`` seconds later is stopped with
-    ``force=True``) and that error is raised, with a note naming the rank and its node
+    ``force=True``) and the error that came first is raised (:func:`first_failure`: a peer whose
+    collective failed because that rank left may report before it), with a note naming the rank and its node
     (``rank_nodes``: node id per rank; taken from ``refs`` when it is a :class:`JobRefs`). After
     ``timeout_s`` seconds (None: no limit) the ranks are cancelled the same way and
     ``ray.exceptions.GetTimeoutError`` is raised. Nobody is left running with no one waiting
-    for it (a DDP job without one rank waits for it forever).
+    for it (a DDP job without one rank waits for it forever). Before the cancellation, the other
+    ranks get ``settle_s`` seconds to end by themselves, so that one that failed first but is
+    still tearing down reports its own error (a cancelled rank reports only its cancellation).
     """
     if rank_nodes is None and isinstance(refs, JobRefs):
         rank_nodes = refs.rank_nodes
@@ -187,15 +246,26 @@ def gather(
         try:
             ray.get(done[0])
         except Exception as exc:
-            r = index[done[0]]
+            _, pending = _settle(pending, settle_s)
             _cancel(pending, grace_s)
+            first, err = first_failure(refs, done[0], exc)
+            r = index[first]
             where = f" on node {rank_nodes[r]}" if rank_nodes else ""
-            exc.add_note(
-                f"stoker.cluster: rank {r}{where} failed; the other {len(pending)} running "
+            err.add_note(
+                f"stoker.cluster: rank {r}{where} failed first; the other {len(pending)} running "
                 f"rank(s) of the job were cancelled"
             )
-            raise
+            if err is exc:
+                raise
+            raise err from None
     return ray.get(list(refs))
+
+
+def _settle(refs: list, settle_s: float) -> tuple[list, list]:
+    """``(done, pending)`` of ``refs`` after waiting up to ``settle_s`` seconds for all of them."""
+    if not refs or settle_s <= 0:
+        return [], list(refs)
+    return ray.wait(list(refs), num_returns=len(refs), timeout=settle_s)
 
 
 def _cancel(refs: list, grace_s: float) -> None:

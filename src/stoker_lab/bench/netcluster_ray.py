@@ -56,7 +56,9 @@ def node_env(node_name: str | None = None, token_path: str | None = None) -> dic
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_src_dir(), env.get("PYTHONPATH")]))
     env.update(RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    for k in ("RAY_ADDRESS",):
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (the tests' loopback Ray) would stop a worker node's
+    # ``ray start`` and take 127.0.0.1 for the namespaces' own addresses
+    for k in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
         env.pop(k, None)
     if token_path:
         env["RAY_AUTH_TOKEN_PATH"] = token_path

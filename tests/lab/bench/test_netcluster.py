@@ -508,6 +508,34 @@ def test_ray_nodes_start_together_with_a_fast_health_check(tmp_path, monkeypatch
     assert (period_ms + timeout_ms) * failures > 2 * 5000  # a 5 s link-down (checks time out): alive
 
 
+def test_namespace_ray_nodes_keep_their_namespace_addresses_under_the_tests_loopback_ray(tmp_path, monkeypatch):
+    """The tests pin Ray to 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, tests/conftest.py);
+    the namespace cluster's ``ray start`` and driver run without that switch (it would stop a
+    worker node's ``ray start`` and take 127.0.0.1 for the namespace's address), each node with
+    its own namespace address."""
+    from stoker_lab.bench import netcluster_ray
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    started = []
+
+    class FakeProc:
+        def __init__(self, cmd, env, **kw):
+            started.append((cmd, env))
+            self.returncode = None
+
+        def wait(self, timeout=None):
+            self.returncode = 0
+            return 0
+
+    monkeypatch.setattr(netcluster_ray.subprocess, "Popen", FakeProc)
+    netcluster_ray.NetRay(_FakeNet(), str(tmp_path)).start_ray()
+    assert len(started) == 3
+    for i, (cmd, env) in enumerate(started):
+        assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env
+        assert cmd[cmd.index("--node-ip-address") + 1] == _FakeNet.host_ip[i]
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in netcluster_ray.node_env()
+
+
 def test_a_ray_node_that_fails_to_start_is_named_with_its_log(tmp_path):
     """A ``ray start`` that exits non-zero or runs past its timeout names its namespace and why."""
     from stoker_lab.bench.netcluster_ray import NetRay
