@@ -149,8 +149,8 @@ def plan(
     on_step: Callable[[str], None] | None = None,
 ) -> dict:
     """The plan for ``cfg`` with ``cache_bytes`` of cache per node (``cfg.cache_fraction`` is
-    ignored): ``{assumptions, setups, min_cache_per_node_bytes, colocated_changes_min_cache,
-    curves}``.
+    ignored): ``{dataset_per_node_bytes, assumptions, setups, min_cache_per_node_bytes,
+    colocated_changes_min_cache, curves}`` (``dataset_per_node_bytes``: :func:`share_bytes`).
 
     ``assumptions``: every parameter ``{name: {value, source}}`` (``sources`` override the TDCS
     defaults'). ``setups``: for each of :data:`PLAN_SETUPS`, per epoch ``epoch_s`` (seconds),
@@ -212,6 +212,7 @@ def plan(
     table = assumptions(user, src)
     table |= {k: {"value": v, "source": src[k]} for k, v in extra.items()}
     return {
+        "dataset_per_node_bytes": share,
         "assumptions": table,
         "setups": setups,
         "min_cache_per_node_bytes": best,

@@ -44,13 +44,16 @@ def text(report: dict) -> str:
 
 def plot(report: dict, path: str) -> None:
     """A PNG at ``path``: GPU utilisation after the first epoch against cache per node (GB), one
-    line per setup (``direct``, which has no cache, as a flat line), the target dashed."""
+    line per setup (``direct``, which has no cache, as a flat line), the target dotted; points over
+    twice ``dataset / nodes`` (a large cache given by the user) are left out, saying so."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = report["curves"]
+    most = 2 * report["dataset_per_node_bytes"]
+    curves = {s: [p for p in pts if p[0] <= most] for s, pts in report["curves"].items()}
+    beyond = any(p[0] > most for pts in report["curves"].values() for p in pts)
     cached = [c for s, pts in curves.items() if s != "direct" for c, _ in pts]
     right = max(cached, default=1) / 1e9
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -66,7 +69,8 @@ def plot(report: dict, path: str) -> None:
     ax.set_xlabel("cache per node, GB")
     ax.set_ylabel("GPU utilisation after the first epoch")
     ax.set_ylim(0, 1.05)
-    ax.set_title("stoker plan: model of the setups (assumptions in the JSON)", fontsize=9)
+    note = f"\npoints over {most / 1e9:.1f} GB (2 x dataset / nodes) not shown" if beyond else ""
+    ax.set_title(f"stoker plan: model of the setups (assumptions in the JSON){note}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
