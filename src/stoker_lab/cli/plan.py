@@ -188,6 +188,9 @@ def inputs(a) -> tuple:
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
     if a.measure:
+        for name in ("skimage", "sklearn"):  # the sample photos' maker needs them (the lab extra)
+            if importlib.util.find_spec(name) is None:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         cfg.decode_rate = measure_decode_rate()
         src["decode_rate"] = (
             "measured here (--measure): one core's stoker decode + RandomResizedCrop(224), median of 3 rounds "
