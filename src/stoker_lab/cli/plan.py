@@ -112,8 +112,7 @@ def measure_decode_rate() -> float:
 def inputs(a) -> tuple:
     """``(TdcsConfig, cache per node bytes, disk bytes or None, sources)`` of the options, every one
     checked (module docstring). Raises ValueError naming the option."""
-    from ..sim.plan import GPU_MODELS
-    from ..sim.tdcs_config import TdcsConfig
+    from ..sim.tdcs_config import GPU_MODELS, TdcsConfig
 
     for opt, dest in (
         ("--nodes", "nodes"),
@@ -227,8 +226,7 @@ def cmd_plan(a) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``plan`` on the top-level subparsers ``sub``."""
-    from ..sim.plan import GPU_MODELS
-    from ..sim.tdcs_config import TdcsConfig  # no SimPy: every command builds this parser
+    from ..sim.tdcs_config import GPU_MODELS, TdcsConfig  # no SimPy: every command builds this parser
 
     d = TdcsConfig()
     p = sub.add_parser(

@@ -35,32 +35,6 @@ RESOLUTION = 0.02
 #: Slack on an epoch's GPU seconds in the search's lower bound (see the module docstring).
 GPU_SLACK = 1.05
 
-#: ``--model`` names: samples/s per GPU and where the figure comes from. NVIDIA
-#: DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5 README, "Training performance
-#: results" (pytorch-21.03 container), 8-GPU throughput / 8.
-GPU_MODELS: dict[str, tuple[float, str]] = {
-    "resnet50-v100": (
-        8322 / 8,
-        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX-1 16GB (8x V100 16GB), "
-        "mixed precision, 8 GPUs: 8322 img/s / 8",
-    ),
-    "resnet50-v100-fp32": (
-        2855 / 8,
-        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX-1 16GB (8x V100 16GB), FP32, "
-        "8 GPUs: 2855 img/s / 8",
-    ),
-    "resnet50-a100": (
-        16621 / 8,
-        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX A100 (8x A100 80GB), "
-        "mixed precision, 8 GPUs: 16621 img/s / 8",
-    ),
-    "resnet50-a100-tf32": (
-        7248 / 8,
-        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX A100 (8x A100 80GB), TF32, "
-        "8 GPUs: 7248 img/s / 8",
-    ),
-}
-
 
 def share_bytes(wl: Workload, nodes: int) -> float:
     """``dataset / nodes``: the cache per node at which the cluster holds the dataset once (the

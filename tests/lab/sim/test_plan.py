@@ -238,3 +238,18 @@ def test_measure_takes_this_machines_decode_rate_and_says_so(monkeypatch):
         main([*SMALL_ARGV, "--cache-per-node", "1GB", "--measure"])
     assert seen["cfg"].decode_rate > 0 and seen["cfg"].decode_rate != TdcsConfig().decode_rate
     assert seen["sources"]["decode_rate"].startswith("measured here (--measure)")
+
+
+def test_a_model_name_gives_its_published_rate_and_source(monkeypatch):
+    seen = {}
+
+    def fake(cfg, cache, sources, disk, **_):
+        seen.update(cfg=cfg, sources=sources)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("stoker_lab.sim.plan.plan", fake)
+    argv = [x for x in SMALL_ARGV if x not in ("--gpu-rate", "100")]
+    with pytest.raises(SystemExit):
+        main([*argv, "--cache-per-node", "1GB", "--model", "resnet50-a100"])
+    assert seen["cfg"].gpu_rate == pytest.approx(16621 / 8)
+    assert "DGX A100" in seen["sources"]["gpu_rate"] and "16621 img/s" in seen["sources"]["gpu_rate"]
