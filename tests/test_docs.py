@@ -102,7 +102,7 @@ def test_every_file_named_in_prose_exists():
     assert not missing, "files named but not in the repository:\n" + "\n".join(missing)
 
 
-README_MAX_LINES = 300
+README_MAX_LINES = 315  # 300 before the `stoker plan` section and its worked example
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 
 

@@ -5,6 +5,7 @@
 * :mod:`.samples`: ``sample-data``
 * :mod:`.bench`: ``bench decode|cache|peers|cluster|...``
 * :mod:`.simulate`: ``simulate --validate``, ``simulate tdcs``
+* :mod:`.plan`: ``plan`` (the capacity planner on the model)
 
 Importing this package imports only argparse-level code; each command imports its library
 modules (and their optional dependencies) when it runs.
@@ -12,10 +13,10 @@ modules (and their optional dependencies) when it runs.
 
 from __future__ import annotations
 
-from . import bench, demo, samples, simulate
+from . import bench, demo, plan, samples, simulate
 
 #: Command groups in ``--help`` order; each has ``add_parsers(sub)``.
-GROUPS = (samples, demo, bench, simulate)
+GROUPS = (samples, demo, bench, simulate, plan)
 
 #: Packages (import names) each lab command needs beyond the product, all from the ``lab``
 #: extra: without one, ``stoker <command>`` prints one line naming it and the extra, exit 2
@@ -25,6 +26,7 @@ NEEDS = {
     "demo": ("skimage", "sklearn", "moto", "boto3", "matplotlib"),
     "origin-server": ("moto", "waitress", "boto3"),
     "bench": ("skimage", "sklearn", "moto", "boto3"),
+    "plan": ("simpy",),
 }
 
 

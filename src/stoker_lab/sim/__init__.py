@@ -8,6 +8,8 @@ decisions, calibrated and validated on measured runs (``stoker simulate``).
 - :mod:`.model`: ranks reading their plans through caches, peers and the origin;
 - :mod:`.calibrate`, :mod:`.validate`: parameters from measurements; predicted against measured;
 - :mod:`.tdcs`, :mod:`.scaling`: the TDCS paper's experiment and curves past it.
+- :mod:`.plan`, :mod:`.plan_report`: ``stoker plan``, the setups on a user's figures and the
+  smallest cache per node.
 
 Why SimPy and not SimGrid: see docs/simulation.md.
 """

@@ -172,7 +172,11 @@ def place_job(
     return Placement(np.asarray(ranks, dtype=np.int64), owner)
 
 
-_PERM: list = [None, None, None]  # the last workload, (seed, epoch, order, window) and its permutation
+#: Permutations remembered: the last :data:`_PERM_KEPT` (workload, seed, epoch, order, window).
+_PERM: dict = {}
+#: Enough for the epochs of a few runs of one workload in turn (``stoker plan``'s setups and
+#: search points each run epochs 0, 1, ...); each is 8 bytes a sample.
+_PERM_KEPT = 4
 
 
 def epoch_plans(
@@ -189,11 +193,13 @@ def epoch_plans(
     :func:`stoker.cluster.schedule.colocated_plans` (samples cached on the rank's node first).
     The permutation is padded once the way ``rank_plan`` pads it (cyclically, to a multiple of
     the world size), so that ``rank_plan`` gives the same plans without a copy per rank, and the
-    last one is remembered (jobs of one epoch share it)."""
-    key = (seed, epoch, order, window)  # the jobs of one epoch share its permutation
-    if _PERM[0] is not wl or _PERM[1] != key:
-        _PERM[:] = [wl, key, permutation(wl.num_samples, seed, epoch, order, groups=wl.sample_block, window=window)]
-    perm = _PERM[2]
+    last few are remembered (jobs of one epoch share one, runs of one workload the epochs')."""
+    key = (id(wl), seed, epoch, order, window)  # the jobs of one epoch share its permutation
+    if key not in _PERM or _PERM[key][0] is not wl:  # the workload kept with it: an id is reused
+        _PERM[key] = (wl, permutation(wl.num_samples, seed, epoch, order, groups=wl.sample_block, window=window))
+        while len(_PERM) > _PERM_KEPT:
+            del _PERM[next(iter(_PERM))]
+    perm = _PERM[key][1]
     w = len(placement.rank_node)
     total = -(-len(perm) // w) * w  # rank_plan's cyclic padding, done once for all ranks (it copies
     padded = np.resize(perm, total) if total > len(perm) else perm  # the permutation on each call)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IMAGENET_MEAN_BYTES", "IMAGENET_SAMPLES", "V100_RESNET50_RATE", "TdcsConfig"]
+__all__ = ["GPU_MODELS", "IMAGENET_MEAN_BYTES", "IMAGENET_SAMPLES", "V100_RESNET50_RATE", "TdcsConfig"]
 
 #: ImageNet-1k (ILSVRC-2012) train samples (Russakovsky et al., IJCV 2015).
 IMAGENET_SAMPLES = 1_281_167
@@ -15,6 +15,32 @@ IMAGENET_MEAN_BYTES = 110_000
 #: (NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5 README,
 #: "Training performance: NVIDIA DGX-1 16GB (8x V100 16GB)", pytorch-21.03 container) / 8.
 V100_RESNET50_RATE = 8322 / 8
+
+#: ``stoker plan --model`` names: samples/s per GPU and where the figure comes from. NVIDIA
+#: DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5 README, "Training performance
+#: results" (pytorch-21.03 container), 8-GPU throughput / 8.
+GPU_MODELS: dict[str, tuple[float, str]] = {
+    "resnet50-v100": (
+        8322 / 8,
+        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX-1 16GB (8x V100 16GB), "
+        "mixed precision, 8 GPUs: 8322 img/s / 8",
+    ),
+    "resnet50-v100-fp32": (
+        2855 / 8,
+        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX-1 16GB (8x V100 16GB), FP32, "
+        "8 GPUs: 2855 img/s / 8",
+    ),
+    "resnet50-a100": (
+        16621 / 8,
+        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX A100 (8x A100 80GB), "
+        "mixed precision, 8 GPUs: 16621 img/s / 8",
+    ),
+    "resnet50-a100-tf32": (
+        7248 / 8,
+        "NVIDIA DeepLearningExamples ResNet-50 v1.5 PyTorch README: DGX A100 (8x A100 80GB), TF32, "
+        "8 GPUs: 7248 img/s / 8",
+    ),
+}
 
 
 @dataclass

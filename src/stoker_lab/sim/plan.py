@@ -1,0 +1,216 @@
+"""``stoker plan``: a capacity planner on the TDCS model (:mod:`stoker_lab.sim.tdcs`).
+
+The user's figures (dataset, nodes, accelerators, cache, links) become a
+:class:`~stoker_lab.sim.tdcs_config.TdcsConfig`, and the three setups a user chooses between run
+on it through :func:`stoker_lab.sim.tdcs.run_setup` (no second model): ``direct`` (remote reads,
+no cache), ``presence`` (presence-only affinity) and ``colocated`` (stoker's co-located
+scheduling). Each epoch gets its time, GPU utilisation, bytes per kind of link and bottleneck
+(:func:`stoker_lab.sim.tdcs.bottleneck`).
+
+The smallest cache per node that keeps the GPUs at least :data:`TARGET_UTILIZATION` busy after the
+first epoch is found by bisection on the model (:func:`min_cache`), each point a cold epoch and one
+warm one (:data:`stoker_lab.sim.scaling.SCALING_EPOCHS`: later warm epochs repeat it). Its lower end
+needs no run: a warm epoch reads at least ``dataset - nodes x cache`` bytes from the origin (blocks
+are never evicted and hold no more payload than their bytes), so below
+``(dataset - T x origin_Bps / target) / nodes`` the origin link alone keeps the GPUs under the
+target (``T``: an epoch's GPU seconds, taken 5% long to allow for uneven plans).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from .scaling import SCALING_EPOCHS
+from .tdcs import TdcsConfig, assumptions, run_setup, workload
+from .workload import Workload
+
+#: The setups the planner compares (a subset of :data:`stoker_lab.sim.decide.SETUPS`).
+PLAN_SETUPS = ("direct", "presence", "colocated")
+#: GPU utilisation after the first epoch that the smallest cache per node must keep.
+TARGET_UTILIZATION = 0.9
+#: The bisection stops when its bracket is this fraction of ``dataset / nodes`` wide.
+RESOLUTION = 0.02
+#: Slack on an epoch's GPU seconds in the search's lower bound (see the module docstring).
+GPU_SLACK = 1.05
+
+
+def share_bytes(wl: Workload, nodes: int) -> float:
+    """``dataset / nodes``: the cache per node at which the cluster holds the dataset once (the
+    blocks' bytes, tar headers included), the unit of ``TdcsConfig.cache_fraction``."""
+    return float(wl.block_bytes.sum()) / nodes
+
+
+def warm_utilization(rows: list[dict]) -> float | None:
+    """The lowest GPU utilisation of the epochs after the first (None with one epoch)."""
+    warm = [r["gpu_utilization"] for r in rows if r["epoch"] >= 1 and r["gpu_utilization"] is not None]
+    return min(warm) if warm else None
+
+
+class _Curve:
+    """GPU utilisation after the first epoch against cache per node, one setup: each point a model
+    run of :data:`SCALING_EPOCHS` epochs, run once."""
+
+    def __init__(self, cfg: TdcsConfig, setup: str, wl: Workload):
+        self.cfg, self.setup, self.wl = cfg, setup, wl
+        self.share = share_bytes(wl, cfg.nodes)
+        self.points: dict[int, float] = {}  # cache per node, bytes -> utilisation
+
+    def add(self, cache_bytes: int, rows: list[dict]) -> None:
+        """Record a run made elsewhere (the plan's own, at the user's cache)."""
+        u = warm_utilization(rows)
+        if u is not None:
+            self.points[cache_bytes] = u
+
+    def __call__(self, cache_bytes: int) -> float:
+        if cache_bytes not in self.points:
+            c = replace(self.cfg, epochs=SCALING_EPOCHS, cache_fraction=cache_bytes / self.share)
+            self.add(cache_bytes, run_setup(c, self.setup, self.wl))
+        return self.points[cache_bytes]
+
+
+def lower_bound(cfg: TdcsConfig, wl: Workload, target: float = TARGET_UTILIZATION) -> int:
+    """Cache per node (bytes) below which no setup keeps ``target`` GPU utilisation after the first
+    epoch: the origin link alone would take longer (module docstring)."""
+    per_rank = math.ceil(wl.num_samples / (cfg.nodes * cfg.gpus_per_node))
+    gpu_s = GPU_SLACK * per_rank / cfg.gpu_rate
+    origin_Bps = cfg.store_gbit * 1e9 / 8
+    return max(0, math.floor((wl.total_bytes - gpu_s * origin_Bps / target) / cfg.nodes))
+
+
+def min_cache(
+    curve: Callable[[int], float], low: int, highs: list[int], step: int, target: float = TARGET_UTILIZATION
+) -> int | None:
+    """The smallest cache per node (bytes, to ``step``) at which ``curve`` reaches ``target``:
+    the first of ``highs`` (ascending) that reaches it is the bracket's top, ``low`` its bottom
+    (known to fall short, not run: a cache of 0 bytes is the ``direct`` setup's); bisection until
+    the bracket is ``step`` wide. None when no point of ``highs`` reaches it."""
+    hi = next((h for h in highs if h > low and curve(h) >= target), None)
+    if hi is None:
+        return None
+    lo = max(low, max((c for c, u in _points(curve) if c < hi and u < target), default=low))
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if curve(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _points(curve) -> list[tuple[int, float]]:
+    return list(getattr(curve, "points", {}).items())
+
+
+def _setup_report(rows: list[dict]) -> dict:
+    kinds = list(rows[0]["bytes"]) if rows else []
+    return {
+        "epoch_s": [r["epoch_s"] for r in rows],
+        "gpu_utilization": [r["gpu_utilization"] for r in rows],
+        "bytes": {k: [r["bytes"][k] for r in rows] for k in kinds},
+        "bottleneck": [r["bottleneck"]["name"] for r in rows],
+        "resource_utilization": [r["bottleneck"]["utilization"] for r in rows],
+    }
+
+
+def plan(
+    cfg: TdcsConfig,
+    cache_bytes: int,
+    sources: dict[str, str] | None = None,
+    disk_bytes: int | None = None,
+    curve_fractions: tuple[float, ...] = (),
+    on_step: Callable[[str], None] | None = None,
+) -> dict:
+    """The plan for ``cfg`` with ``cache_bytes`` of cache per node (``cfg.cache_fraction`` is
+    ignored): ``{dataset_per_node_bytes, assumptions, setups, min_cache_per_node_bytes,
+    colocated_changes_min_cache, curves}`` (``dataset_per_node_bytes``: :func:`share_bytes`).
+
+    ``assumptions``: every parameter ``{name: {value, source}}`` (``sources`` override the TDCS
+    defaults'). ``setups``: for each of :data:`PLAN_SETUPS`, per epoch ``epoch_s`` (seconds),
+    ``gpu_utilization``, ``bytes`` (``{origin|host_to_host|local: [bytes per epoch]}``),
+    ``bottleneck`` (the busiest resource's name) and ``resource_utilization`` (each resource's).
+    ``min_cache_per_node_bytes``: per setup the smallest cache per node for at least
+    :data:`TARGET_UTILIZATION` after the first epoch (:func:`min_cache`, searched up to the node
+    disk ``disk_bytes`` if given, else the whole dataset; ``direct`` has no cache: 0 when it
+    reaches it, else None). ``curves``: per setup ``[[cache bytes, utilisation], ...]`` of every
+    point run, and of ``curve_fractions`` (of ``dataset / nodes``) too, for the plot.
+    ``on_step`` gets a line of progress per stage. Raises ValueError for a ``cache_bytes`` over
+    ``disk_bytes``."""
+    say = on_step or (lambda _line: None)
+    if disk_bytes is not None and cache_bytes > disk_bytes:
+        raise ValueError(f"cache per node {cache_bytes} bytes is larger than the node's disk, {disk_bytes} bytes")
+    wl = workload(cfg)
+    share = share_bytes(wl, cfg.nodes)
+    user = replace(cfg, cache_fraction=cache_bytes / share)
+    top = int(disk_bytes if disk_bytes is not None else wl.block_bytes.sum())
+    highs = sorted({min(top, int(math.ceil(share * f))) for f in (1.0, 1.5)} | {top})
+    step = max(1, int(share * RESOLUTION))
+    low = lower_bound(cfg, wl)
+    setups, best, curves = {}, {}, {}
+    for s in PLAN_SETUPS:
+        rows = run_setup(user, s, wl)
+        setups[s] = _setup_report(rows)
+        say(f"{s}: {len(rows)} epochs at {cache_bytes} bytes of cache per node")
+        curve = _Curve(cfg, s, wl)
+        if cfg.epochs >= 2:
+            curve.add(cache_bytes, rows)
+        if s == "direct":  # no cache: its answer does not depend on one
+            u = warm_utilization(rows) if cfg.epochs >= 2 else curve(0)
+            best[s] = 0 if u is not None and u >= TARGET_UTILIZATION else None
+            curves[s] = [[0, u]]
+            continue
+        best[s] = min_cache(curve, low, highs, step)
+        for f in curve_fractions:
+            curve(max(1, min(top, int(share * f))))
+        curves[s] = sorted([c, u] for c, u in curve.points.items())
+        say(f"{s}: smallest cache per node for {TARGET_UTILIZATION:.0%} GPU utilisation: {best[s]}")
+    src = {
+        "cache_per_node_bytes": "given (--cache-per-node)",
+        "disk_bytes": "given (--disk)" if disk_bytes is not None else "not given: the search goes up to the dataset",
+        "target_utilization": "the planner's question: GPUs at least this busy after the first epoch",
+        "search_resolution_bytes": f"bisection stops at {RESOLUTION:.0%} of dataset / nodes",
+        "search_epochs": "each search point runs a cold epoch and one warm one (later warm epochs repeat it)",
+        "search_lower_bound_bytes": "no run: below it the origin link alone keeps the GPUs under the target "
+        f"(dataset - {GPU_SLACK:g} x GPU seconds x origin bandwidth / target) / nodes",
+        **(sources or {}),
+    }
+    extra = {
+        "cache_per_node_bytes": cache_bytes,
+        "disk_bytes": disk_bytes,
+        "target_utilization": TARGET_UTILIZATION,
+        "search_resolution_bytes": step,
+        "search_epochs": SCALING_EPOCHS,
+        "search_lower_bound_bytes": low,
+    }
+    table = assumptions(user, src)
+    table |= {k: {"value": v, "source": src[k]} for k, v in extra.items()}
+    return {
+        "dataset_per_node_bytes": share,
+        "assumptions": table,
+        "setups": setups,
+        "min_cache_per_node_bytes": best,
+        "colocated_changes_min_cache": changes(best, step),
+        "curves": curves,
+    }
+
+
+def changes(best: dict, step: int) -> dict:
+    """Whether co-located scheduling changes the smallest cache per node against presence-only
+    affinity: ``{changes: bool, presence_bytes, colocated_bytes, why}`` (a difference under one
+    search ``step`` is no change)."""
+    p, c = best.get("presence"), best.get("colocated")
+    if p is None and c is None:
+        why = "neither reaches the target at any cache size searched"
+        diff = False
+    elif p is None or c is None:
+        why = f"only {'colocated' if p is None else 'presence'} reaches the target"
+        diff = True
+    else:
+        diff = abs(p - c) > step
+        why = (
+            f"colocated needs {c / max(p, 1):.2f}x the cache of presence"
+            if diff
+            else "the same cache per node, to the search's resolution"
+        )
+    return {"changes": diff, "presence_bytes": p, "colocated_bytes": c, "why": why}

@@ -1,0 +1,77 @@
+"""The ``stoker plan`` report for people: the assumptions with their sources, a table of the setups
+per epoch, the smallest cache per node per setup (:func:`text`), and the plot of GPU utilisation
+against cache per node (:func:`plot`). The report itself is :func:`stoker_lab.sim.plan.plan`'s."""
+
+from __future__ import annotations
+
+from .plan import TARGET_UTILIZATION
+
+
+def _size(n: float | None) -> str:
+    return "none reaches it" if n is None else f"{n / 1e9:.2f} GB ({int(n)} bytes)"
+
+
+def text(report: dict) -> str:
+    """The plan as text: every assumption with its source, one table row per setup and epoch
+    (seconds, GPU utilisation, GB per kind of link, bottleneck), the smallest cache per node per
+    setup and whether co-located scheduling changes it."""
+    out = ["assumptions:"]
+    for k, v in report["assumptions"].items():
+        val = v["value"]
+        shown = f"{val:.6g}" if isinstance(val, float) else str(val)
+        out.append(f"  {k} = {shown}   ({v['source']})")
+    out += [
+        "",
+        "| setup | epoch | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB | bottleneck |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s, r in report["setups"].items():
+        b = r["bytes"]
+        for e, secs in enumerate(r["epoch_s"]):
+            u = r["gpu_utilization"][e]
+            out.append(
+                f"| {s} | {e} | {secs:.1f} | {'n/a' if u is None else f'{u:.2f}'} | {b['origin'][e] / 1e9:.1f} | "
+                f"{b['host_to_host'][e] / 1e9:.1f} | {b['local'][e] / 1e9:.1f} | {r['bottleneck'][e]} |"
+            )
+    out += ["", f"smallest cache per node for >= {TARGET_UTILIZATION:.0%} GPU utilisation after the first epoch:"]
+    for s, n in report["min_cache_per_node_bytes"].items():
+        note = " (no cache: 0 when remote reads alone keep the GPUs busy)" if s == "direct" else ""
+        out.append(f"  {s}: {_size(n)}{note}")
+    ch = report["colocated_changes_min_cache"]
+    out.append(f"co-located scheduling {'changes' if ch['changes'] else 'does not change'} it: {ch['why']}")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: str) -> None:
+    """A PNG at ``path``: GPU utilisation after the first epoch against cache per node (GB), one
+    line per setup (``direct``, which has no cache, as a flat line), the target dotted; points over
+    twice ``dataset / nodes`` (a large cache given by the user) are left out, saying so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    most = 2 * report["dataset_per_node_bytes"]
+    curves = {s: [p for p in pts if p[0] <= most] for s, pts in report["curves"].items()}
+    beyond = any(p[0] > most for pts in report["curves"].values() for p in pts)
+    cached = [c for s, pts in curves.items() if s != "direct" for c, _ in pts]
+    right = max(cached, default=1) / 1e9
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s, pts in curves.items():
+        pts = [p for p in pts if p[1] is not None]
+        if not pts:
+            continue
+        if s == "direct":
+            ax.plot([0, right], [pts[0][1]] * 2, "--", label="direct (no cache)")
+        else:
+            ax.plot([c / 1e9 for c, _ in pts], [u for _, u in pts], "o-", label=s)
+    ax.axhline(TARGET_UTILIZATION, color="grey", lw=0.8, ls=":", label=f"{TARGET_UTILIZATION:.0%}")
+    ax.set_xlabel("cache per node, GB")
+    ax.set_ylabel("GPU utilisation after the first epoch")
+    ax.set_ylim(0, 1.05)
+    note = f"\npoints over {most / 1e9:.1f} GB (2 x dataset / nodes) not shown" if beyond else ""
+    ax.set_title(f"stoker plan: model of the setups (assumptions in the JSON){note}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
