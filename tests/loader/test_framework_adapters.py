@@ -81,15 +81,15 @@ def test_lightnings_epoch_number_moves_an_iterator_not_yet_asked_for_a_batch(loa
 
     iter(loader)
     it = iter(loader)
-    _set_sampler_epoch(loader, 1)
+    _set_sampler_epoch(loader, 3)  # resumed after its epoch 2 ended
     assert _batches(it) == len(loader)
-    _set_sampler_epoch(loader, 2)
+    _set_sampler_epoch(loader, 4)
     assert _batches(iter(loader)) == len(loader)
-    assert [h.epoch for h in loader.history] == [1, 2] and all(h.exactly_once for h in loader.history)
+    assert [h.epoch for h in loader.history] == [3, 4] and all(h.exactly_once for h in loader.history)
     it = iter(loader)
     next(it)
-    _set_sampler_epoch(loader, 9)  # too late: a batch of epoch 3 was taken
-    assert _batches(it) == len(loader) - 1 and loader.history[-1].epoch == 3
+    _set_sampler_epoch(loader, 9)  # too late: a batch of epoch 5 was taken
+    assert _batches(it) == len(loader) - 1 and loader.history[-1].epoch == 5
 
 
 def test_accelerate_prepare_keeps_the_loader_and_skip_first_batches_names_the_alternative(loader):

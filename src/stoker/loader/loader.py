@@ -478,12 +478,14 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next ``iter()`` runs (``state.epoch``)."""
+        """The epoch after the last ``iter()``'s (``state.epoch``): the one the next ``iter()`` runs,
+        unless the last ``iter()`` was never asked for a batch (then it runs that one again).
+        Setting it chooses the next ``iter()``'s epoch."""
         return self.state.epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.state.epoch = int(value)
+        self.state.epoch, self.state.opened = int(value), None
 
     # -- resume -----------------------------------------------------------
     def _identity(self) -> dict:

@@ -84,12 +84,16 @@ class LoaderState:
         self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
         self.offset, self.carry, self.opened, self.loaded = None, None, None, False
 
+    def _given_back(self) -> bool:
+        """Whether the next ``iter()`` runs the opened epoch again (see :meth:`open_epoch`)."""
+        return self.opened is not None and self.epoch == self.opened[0] + 1 and self.resume_batch == 0
+
     def open_epoch(self) -> tuple[int, int]:
         """``(epoch, start batch)`` for an ``iter()``, and the stream moved past it (``epoch`` + 1,
         so an epoch cut short is not replayed). When the previous ``iter()``'s epoch never began
         and nothing moved the stream since (:meth:`set_epoch`, :meth:`load`), that epoch and
         start again: an iterator that was never asked for a batch served nothing."""
-        if self.opened is not None and self.epoch == self.opened[0] + 1 and self.resume_batch == 0:
+        if self.opened is not None and self._given_back():
             epoch, start, loaded = self.opened
         else:
             epoch, start, loaded = self.epoch, self.resume_batch, self.loaded
