@@ -25,7 +25,7 @@ def test_the_sampler_is_a_distributed_sampler_of_this_ranks_ids(loader):
     assert isinstance(s, DistributedSampler)  # what Ray Train's prepare_data_loader keeps as it is
     assert (s.num_replicas, s.rank, s.epoch) == (2, 1, 0)
     assert list(s) == loader.plan().tolist() and len(s) == len(loader.plan())
-    s.set_epoch(4)  # ignored: the Loader moves to its next epoch at every iter()
+    s.set_epoch(4)  # ignored with no iterator open: the Loader moves to its next epoch at every iter()
     assert loader.epoch == 0 and list(loader.sampler) == loader.plan(0).tolist()
 
 
@@ -38,8 +38,58 @@ def test_lightnings_set_epoch_never_serves_an_epoch_twice(loader):
     first = sum(len(y) for _, y in it)
     _set_sampler_epoch(loader, 1)
     second = sum(len(y) for _, y in loader)
-    assert [h.epoch for h in loader.history] == [1, 2]  # not epoch 1 twice
+    assert [h.epoch for h in loader.history] == [0, 1]  # the look used up nothing; not an epoch twice
     assert first == second == len(loader.plan(0)) and all(h.exactly_once for h in loader.history)
+
+
+def _batches(it) -> int:
+    return sum(1 for _ in it)
+
+
+def test_an_iter_that_never_yields_gives_its_epoch_back(loader):
+    """Lightning opens the loader once for a look and drops it; the next ``iter()`` runs the same
+    epoch, and an iterator that did take a batch still moves the stream on."""
+    nb = len(loader)
+    iter(loader)
+    iter(loader)
+    assert _batches(iter(loader)) == nb and [h.epoch for h in loader.history] == [0]
+    it = iter(loader)
+    next(it)
+    assert _batches(iter(loader)) == nb  # epoch 2: epoch 1 was cut short after one batch
+    assert [(h.epoch, h.batches) for h in loader.history] == [(0, nb), (1, 1), (2, nb)]
+
+
+def test_a_resumed_position_survives_a_look_at_the_loader(loader):
+    """The Loader's state loaded before the framework's look (``iter()`` and dropped, as
+    Lightning's ``fit`` does before it iterates): the epoch still resumes after the batches done."""
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    iter(loader)  # the look
+    it = iter(loader)
+    loader.sampler.set_epoch(7)  # a resumed position is not moved by the framework's epoch number
+    assert _batches(it) == len(loader) - 3 and loader.history[-1].epoch == 0
+
+
+def test_lightnings_epoch_number_moves_an_iterator_not_yet_asked_for_a_batch(loader):
+    """Resumed from a checkpoint taken at an epoch's end, Lightning restores no loader state: it
+    opens the loader (a look, then its iterator) and then names the epoch it trains with
+    ``sampler.set_epoch``; the iterator serves that epoch, and the next ``iter()`` the one after."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    iter(loader)
+    it = iter(loader)
+    _set_sampler_epoch(loader, 3)  # resumed after its epoch 2 ended
+    assert _batches(it) == len(loader)
+    _set_sampler_epoch(loader, 4)
+    assert _batches(iter(loader)) == len(loader)
+    assert [h.epoch for h in loader.history] == [3, 4] and all(h.exactly_once for h in loader.history)
+    it = iter(loader)
+    next(it)
+    _set_sampler_epoch(loader, 9)  # too late: a batch of epoch 5 was taken
+    assert _batches(it) == len(loader) - 1 and loader.history[-1].epoch == 5
 
 
 def test_accelerate_prepare_keeps_the_loader_and_skip_first_batches_names_the_alternative(loader):

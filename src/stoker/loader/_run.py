@@ -259,15 +259,28 @@ class Run:
         old = self._live_iter() if self._live_iter is not None else None
         if old is not None and old.running:
             old.replace(epoch)
-        if self.dispatch is not None:
-            run = self.dispatch.new_run()
-        else:
-            self._run_id += 1
-            run = self._run_id
-        it = EpochIterator(self._epoch(run, epoch, start, time.perf_counter()), epoch, owner)
+        it = EpochIterator(self._epoch(self._new_run(), epoch, start, time.perf_counter()), epoch, owner)
         self._start_s = start_s
         self._live_iter = weakref.ref(it)
         return it
+
+    def _new_run(self) -> int:
+        """A new run id (the dispatcher's with workers)."""
+        if self.dispatch is not None:
+            return self.dispatch.new_run()
+        self._run_id += 1
+        return self._run_id
+
+    def reopen(self, epoch: int) -> bool:
+        """Make the last epoch's iterator serve ``epoch`` from its first batch instead, if no batch
+        of it was asked for yet (:meth:`stoker.loader.Loader.follow_epoch`). Returns whether it did;
+        the next epoch's early batches, if any were sent, are forgotten."""
+        it = self._live_iter() if self._live_iter is not None else None
+        if it is None or not it.unstarted:
+            return False
+        self.drop_pre()
+        it.restart(self._epoch(self._new_run(), epoch, 0, time.perf_counter()), epoch)
+        return True
 
     # -- counters ---------------------------------------------------------
     def _cpu(self) -> dict:
@@ -305,6 +318,7 @@ class Run:
     def _epoch(self, run: int, epoch: int, start: int = 0, t_iter: float | None = None):
         t_start = time.perf_counter()
         t_iter = t_start if t_iter is None else t_iter
+        self.state.begin()  # its first batch is asked for: a later iter() runs the next epoch
         stats = EpochStats(epoch=epoch)
         stats.pipeline_start_s, self._start_s = self._start_s, 0.0
         if self.workers is not None:  # num_workers > 0: start() made the pool and its dispatcher

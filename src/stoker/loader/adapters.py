@@ -15,8 +15,11 @@ Frameworks reach into ``torch.utils.data.DataLoader``'s attributes:
 A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` does, and moves
 to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
 ``DistributedSampler`` whose iteration gives this rank's sample ids of the next epoch and whose
-``set_epoch`` is accepted and left alone (Lightning calls it after it opened the epoch's iterator,
-and once before that for a look at the loader: following it would serve an epoch twice). Ray
+``set_epoch`` moves an iterator already opened but not yet asked for a batch to that epoch and is
+otherwise left alone (:meth:`stoker.loader.Loader.follow_epoch`; Lightning calls it after it opened
+the epoch's iterator, so following it otherwise would serve an epoch twice). An ``iter()`` whose
+epoch never began (Lightning's look at the loader) is given back: the next ``iter()`` runs that
+epoch again. Ray
 Train then keeps the Loader as it is. A rebuild that would drop stoker's pipeline for a
 DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
@@ -74,10 +77,15 @@ def _sampler_class() -> type:
             return self.num_samples * self.num_replicas
 
         def set_epoch(self, epoch: int) -> None:
-            """Accepted and ignored: the Loader moves to its next epoch at every ``iter()`` by itself
-            (:meth:`stoker.loader.Loader.set_epoch` chooses one). A framework calls this after it
-            has already opened the epoch's iterator (Lightning does), so following it would serve
-            one epoch twice."""
+            """The framework's number of the epoch it is about to train
+            (:meth:`stoker.loader.Loader.follow_epoch`): followed only by an iterator already
+            opened whose first batch was not asked for yet and whose place no resumed state set
+            (Lightning opens its epoch's iterator before it calls this; resumed from a checkpoint
+            taken at an epoch's end, it restores no loader state and says here which epoch comes).
+            Otherwise ignored: the Loader moves to its next epoch at every ``iter()`` by itself
+            (:meth:`stoker.loader.Loader.set_epoch` chooses one), so following it would serve one
+            epoch twice."""
+            self.loader.follow_epoch(epoch)
 
         def __iter__(self):
             return iter(self.loader.plan().tolist())

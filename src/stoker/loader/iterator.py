@@ -12,6 +12,8 @@ naming both epochs, instead of waiting for batches that now go to the new epoch.
 
 from __future__ import annotations
 
+import inspect
+
 from ..errors import StaleIteratorError
 
 __all__ = ["EpochIterator"]
@@ -47,6 +49,19 @@ class EpochIterator:
         """True while the epoch has batches to give and is not being stepped right now."""
         gen = self._gen
         return gen.gi_frame is not None and not gen.gi_running
+
+    @property
+    def unstarted(self) -> bool:
+        """True until its first ``next()`` (and while no later ``iter()`` replaced it)."""
+        return self._replaced_by is None and inspect.getgeneratorstate(self._gen) == inspect.GEN_CREATED
+
+    def restart(self, gen, epoch: int) -> None:
+        """Serve ``gen`` (the pipeline's generator of ``epoch``) instead; only while
+        :attr:`unstarted` (ValueError otherwise: batches of the old epoch were asked for)."""
+        if not self.unstarted:
+            raise ValueError(f"the iterator of epoch {self.epoch} has begun; it cannot serve epoch {epoch} instead")
+        self._gen.close()
+        self._gen, self.epoch = gen, epoch
 
     def close(self) -> None:
         """End the epoch now (as ``break`` does): its stats are final and its slots free."""

@@ -147,8 +147,9 @@ class Loader:
     N = ``batch_size`` except maybe the last batch (or, with ``decode``/``collate``, the user's
     batches). Each ``iter()`` runs one epoch (``self.epoch``) and advances ``self.epoch`` by one
     when it starts, so an epoch cut short by ``break`` is not replayed (:meth:`set_epoch` chooses
-    one). The images of a batch live in shared memory; the slot is reused only after every
-    reference to the batch tensor is dropped.
+    one); an ``iter()`` never asked for a batch gives its epoch back to the next ``iter()``. The
+    images of a batch live in shared memory; the slot is reused only after every reference to the
+    batch tensor is dropped.
 
     Args:
         dataset: the :class:`~stoker.store.dataset.Dataset` to read.
@@ -485,12 +486,14 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next ``iter()`` runs (``state.epoch``)."""
+        """The epoch after the last ``iter()``'s (``state.epoch``): the one the next ``iter()`` runs,
+        unless the last ``iter()`` was never asked for a batch (then it runs that one again).
+        Setting it chooses the next ``iter()``'s epoch."""
         return self.state.epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.state.epoch = int(value)
+        self.state.epoch, self.state.opened = int(value), None
 
     # -- resume -----------------------------------------------------------
     def _identity(self) -> dict:
@@ -652,7 +655,9 @@ class Loader:
     def __iter__(self) -> EpochIterator:
         """The next epoch's batches (see the class doc). An earlier epoch's iterator still open
         is ended at once, and its next ``next()`` raises
-        :class:`~stoker.errors.StaleIteratorError` (a Loader serves one epoch at a time). An
+        :class:`~stoker.errors.StaleIteratorError` (a Loader serves one epoch at a time); if no batch
+        was asked of it, this ``iter()`` serves that epoch, from the same place (a framework's look
+        at the loader, or a resumed position, is not used up). An
         epoch that will deliver no sample of a dataset that has some (``drop_last``, more ranks
         than samples with ``even="drop"``) warns once per loader, naming why."""
         reason = self._empty_reason()
@@ -668,10 +673,30 @@ class Loader:
         started = self._started.run is not None
         run = self._start()
         start_s = 0.0 if started else time.perf_counter() - t_iter  # stats.pipeline_start_s
-        start, self.state.resume_batch = self.state.resume_batch, 0
-        epoch = self.state.epoch
-        self.state.epoch = epoch + 1  # the next iter() is the next epoch, even if this one is cut short
+        # the next iter() is the next epoch, even if this one is cut short (or this one again, if
+        # no batch of it is asked for before: LoaderState.open_epoch)
+        epoch, start = self.state.open_epoch()
         return run.epoch(epoch, start, start_s=start_s, owner=self)
+
+    def follow_epoch(self, epoch: int) -> bool:
+        """A framework numbers the epoch it is about to train ``epoch`` (Lightning's loops call
+        ``loader.sampler.set_epoch(epoch)``, :mod:`stoker.loader.adapters`). When the epoch the
+        last ``iter()`` opened has not begun (no batch asked for yet), is another one and was not
+        put there by :meth:`load_state_dict`, that iterator serves ``epoch`` instead, from its
+        first batch (a resume from a checkpoint taken at an epoch's end, for which Lightning
+        restores no loader state, continues with the right epoch). Otherwise nothing changes
+        (a Loader moves to its next epoch at every ``iter()`` by itself).
+
+        Returns:
+            True if the open iterator now serves ``epoch``.
+        """
+        opened, run = self.state.opened, self._started.run
+        if opened is None or run is None or opened[2] or opened[0] == int(epoch):
+            return False
+        if not run.reopen(int(epoch)):
+            return False
+        self.state.reopen(int(epoch))
+        return True
 
     @property
     def device_decode_stats(self):

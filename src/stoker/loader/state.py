@@ -62,6 +62,12 @@ class LoaderState:
             epoch's cache-aware order; kept so that a resume gets the same order.
         carry: tokens a streaming collate (:class:`stoker.collate.PackTokens`) carries from the
             batches done to the next one (a 1-D integer array), or None.
+        opened: ``(epoch, start batch, loaded)`` of the last ``iter()`` while that epoch has not
+            begun (no batch asked for yet), else None; ``loaded``: that position came from
+            :meth:`load`. A later ``iter()`` runs that epoch again (:meth:`open_epoch`): a
+            framework's look at the loader that never asks for a batch (Lightning's) does not
+            use up an epoch or a resumed position.
+        loaded: the position was set by :meth:`load` and no ``iter()`` has taken it yet.
     """
 
     epoch: int = 0
@@ -70,11 +76,39 @@ class LoaderState:
     offset: tuple[int, int] | None = None
     hit_maps: dict[int, np.ndarray] = field(default_factory=dict)
     carry: np.ndarray | None = None
+    opened: tuple[int, int, bool] | None = None
+    loaded: bool = False
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0."""
         self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
-        self.offset, self.carry = None, None
+        self.offset, self.carry, self.opened, self.loaded = None, None, None, False
+
+    def _given_back(self) -> bool:
+        """Whether the next ``iter()`` runs the opened epoch again (see :meth:`open_epoch`)."""
+        return self.opened is not None and self.epoch == self.opened[0] + 1 and self.resume_batch == 0
+
+    def open_epoch(self) -> tuple[int, int]:
+        """``(epoch, start batch)`` for an ``iter()``, and the stream moved past it (``epoch`` + 1,
+        so an epoch cut short is not replayed). When the previous ``iter()``'s epoch never began
+        and nothing moved the stream since (:meth:`set_epoch`, :meth:`load`), that epoch and
+        start again: an iterator that was never asked for a batch served nothing."""
+        if self.opened is not None and self._given_back():
+            epoch, start, loaded = self.opened
+        else:
+            epoch, start, loaded = self.epoch, self.resume_batch, self.loaded
+        self.epoch, self.resume_batch, self.loaded = epoch + 1, 0, False
+        self.opened = (epoch, start, loaded)
+        return epoch, start
+
+    def reopen(self, epoch: int) -> None:
+        """The opened iterator serves ``epoch`` from its first batch instead (nothing of it done yet)."""
+        self.set_epoch(epoch)
+        self.epoch, self.opened = int(epoch) + 1, (int(epoch), 0, False)
+
+    def begin(self) -> None:
+        """The opened epoch's first batch was asked for: a later ``iter()`` runs the next epoch."""
+        self.opened = None
 
     def start_of(self, epoch: int) -> int:
         """Ids of ``epoch``'s permutation served before this loader's plan of it begins (0 unless
@@ -254,4 +288,5 @@ class LoaderState:
             epoch, skip, start = epoch + 1, 0, 0  # (if it has no batches, its iter() yields nothing)
         self.epoch, self.resume_batch, self.position = epoch, skip, (epoch, skip)
         self.offset = (epoch, start) if start else None
+        self.opened, self.loaded = None, True
         self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and skip else None
