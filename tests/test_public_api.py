@@ -45,6 +45,7 @@ EXPECTED_ALL = [
     "PackLeaseLostError",
     "PeerUnavailable",
     "ProcessGroupError",
+    "RankSetupError",
     "ReadOptions",
     "RunOptions",
     "SampleFnError",
