@@ -153,11 +153,24 @@ def test_rank_context_without_a_process_group_gathers_through_a_ray_actor(
 
     @ray.remote(num_cpus=0.5)
     def rank(r, w, job, timeout_s=60.0):
-        with rank_context(url, r, w, job=job, timeout_s=timeout_s, **common) as ctx:
-            return ctx.plan(0).tolist()
+        import os
 
-    plans = ray.get([rank.remote(r, 2, "plain-tasks") for r in range(2)], timeout=120)
+        with rank_context(url, r, w, job=job, timeout_s=timeout_s, **common) as ctx:
+            plan = ctx.plan(0).tolist()
+            loader = ctx.loader(8, num_workers=0)
+            left = [ctx.dataset.reader.router.relay_address, ctx.counters.path]
+        try:  # closed with the context: no epoch, and nothing of the rank left on disk
+            iter(loader)
+        except RankSetupError as exc:
+            refused = str(exc)
+        else:
+            refused = ""
+        return plan, refused, [p for p in left if os.path.exists(p)]
+
+    out = ray.get([rank.remote(r, 2, "plain-tasks") for r in range(2)], timeout=120)
+    plans = [o[0] for o in out]
     assert np.array_equal(np.sort(np.concatenate(plans)), np.arange(n)) and len(plans[0]) == len(plans[1])
+    assert all("are closed" in o[1] and o[2] == [] for o in out), out
     with pytest.raises(ValueError):
         ray.get_actor("stoker-gather-plain-tasks", namespace="stoker")  # ended by the last reader
     with pytest.raises(RankSetupError, match=r"ranks \[1\] of 2 did not report"):

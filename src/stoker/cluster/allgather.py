@@ -20,6 +20,8 @@ from ..errors import RankSetupError
 
 #: Pause between two asks of the board while ranks are missing, seconds.
 POLL_S = 0.05
+#: Shortest wait for one answer of the board (a Ray actor that may still be starting), seconds.
+CALL_S = 30.0
 
 
 class _Board:
@@ -78,7 +80,8 @@ class Exchange:
         """Every rank's ``value``, in rank order (the same list on every rank). ``last``: no later
         round follows (the Ray actor is ended once every rank has read it). Every rank must call it
         the same number of times. Raises :class:`stoker.errors.RankSetupError` when the other ranks
-        do not all post within ``timeout_s`` (naming the job and the ranks missing)."""
+        do not all post within ``timeout_s`` after this one did (naming the job and the ranks
+        missing), or the Ray actor does not answer one call within ``max(timeout_s, CALL_S)``."""
         self._round += 1
         if self.world_size == 1:
             return [value]
@@ -100,16 +103,23 @@ class Exchange:
             self._board = board_cls.options(
                 name=f"stoker-gather-{self.job}", namespace=NAMESPACE, get_if_exists=True
             ).remote(self.world_size)
-        ray.get(self._board.post.remote(self._round, self.rank, value, self.world_size), timeout=self.timeout_s)
+        call_s = max(self.timeout_s, CALL_S)  # one call to the board (its start included)
+        try:
+            ray.get(self._board.post.remote(self._round, self.rank, value, self.world_size), timeout=call_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise RankSetupError(
+                f"job {self.job!r}: the gather actor stoker-gather-{self.job} did not answer rank {self.rank} "
+                f"within {call_s} s"
+            ) from exc
         deadline = time.monotonic() + self.timeout_s
         while True:
-            values, done = ray.get(self._board.take.remote(self._round, self.rank), timeout=self.timeout_s)
+            values, done = ray.get(self._board.take.remote(self._round, self.rank), timeout=call_s)
             if values is not None:
                 if last and done:
                     ray.kill(self._board)
                 return values
             if time.monotonic() >= deadline:
-                missing = ray.get(self._board.missing.remote(self._round), timeout=self.timeout_s)
+                missing = ray.get(self._board.missing.remote(self._round), timeout=call_s)
                 ray.kill(self._board)  # the job cannot go on without them: its exchange ends here
                 raise RankSetupError(
                     f"job {self.job!r}: ranks {missing} of {self.world_size} did not report within "
