@@ -150,9 +150,10 @@ def rank_context(
     Needs a Ray worker or ``ray.init()`` first (RuntimeError otherwise). Raises ValueError for a
     bad rank or a missing ``job``; :class:`stoker.errors.RankSetupError` when the ranks do not all
     report within ``timeout_s`` (through the Ray actor; over a process group the group's own
-    timeout applies, and Ray Train ends the other workers when one fails), when rank 0 could not place the dataset (its error quoted; rank 0
-    raises the error itself), or when the dataset at ``url`` changed between the ranks; rank 0
-    raises what :func:`stoker.cluster.service.prepare` raises.
+    timeout applies, and Ray Train ends the other workers when one fails), when rank 0 could not
+    place the dataset (its error quoted; rank 0 raises the error itself), or when the dataset at
+    ``url`` changed between the ranks; rank 0 raises what :func:`stoker.cluster.service.prepare`
+    raises.
     """
     if not ray.is_initialized():
         raise RuntimeError("stoker.cluster.rank_context runs in a Ray worker or after ray.init()")
