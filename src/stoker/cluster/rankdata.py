@@ -222,6 +222,8 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s,
             "job": job,
             "placement": "colocated",
             "rank_nodes": [index_of.get(n, -1 - k) for k, n in enumerate(rank_nodes)],
+            "rank_node_ids": list(rank_nodes),
+            "token": layout["token"],
             "owner": owner,
         }
         hold = (layout["nodes"], dataset_ref(ds, opts), layout["token"]) if rank == 0 else None
@@ -250,7 +252,9 @@ def _close_parts(relay, ds, counters, hold) -> None:
 class RankContext(WorkerContext):
     """A :class:`stoker.cluster.job.WorkerContext` made by a rank itself (:func:`rank_context`):
     ``rank``, ``world_size``, ``node_id``, ``dataset`` (read through the cluster), ``counters``,
-    :meth:`plan`, :meth:`measure`, ``epochs``, :meth:`loader` (a :class:`RankLoader`).
+    :meth:`plan`, :meth:`measure`, ``epochs``, :meth:`loader` (a :class:`RankLoader`), and
+    :meth:`init_process_group` for ranks that have no ``torch.distributed`` group yet (plain Ray
+    tasks; a Ray Train ``TorchTrainer`` worker has one).
 
     :meth:`close` (or leaving a ``with`` block, dropping the context, the end of the process) ends
     its relay, its byte counters, its registration on the node cache and, on rank 0, the job's
@@ -268,8 +272,12 @@ class RankContext(WorkerContext):
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """End the rank's cluster reads (class doc). Idempotent."""
-        self._finalizer()
+        """End the rank's cluster reads (class doc) and the process group of
+        :meth:`init_process_group` if one is open. Idempotent."""
+        try:
+            self.close_process_group()
+        finally:
+            self._finalizer()
 
     def __enter__(self) -> RankContext:
         return self
