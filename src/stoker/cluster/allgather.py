@@ -6,8 +6,9 @@ With an initialised ``torch.distributed`` process group of the job's size (a Ray
 (any Ray task, a Ray Train worker of another framework) it goes through a small named Ray actor,
 ``stoker-gather-<job>`` in the namespace ``stoker``: each rank posts its value for the round, then
 asks until every rank's is there. The actor is owned by the rank that made it (it dies with that
-process) and is killed by the rank that reads the last round last, so a finished exchange leaves
-nothing behind. Values cross as Ray or torch pickles: only plain data (node ids, lists, dicts).
+process, and when that rank drops its handle: a handle found by name does not keep it), so after
+the last round every rank waits until all have read it, then ends it; a rank that gives up
+waiting ends it too, so a finished or failed exchange leaves nothing behind. Values cross as Ray or torch pickles: only plain data (node ids, lists, dicts).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class _Board:
         readers = self.readers.setdefault(int(rnd), set())
         readers.add(int(rank))
         return [got[r] for r in range(self.world_size)], len(readers) == self.world_size
+
+    def all_read(self, rnd: int) -> bool:
+        """Whether every rank has read round ``rnd``."""
+        return len(self.readers.get(int(rnd), ())) == self.world_size
 
     def missing(self, rnd: int) -> list[int]:
         """The ranks that have not posted round ``rnd``."""
@@ -115,8 +120,8 @@ class Exchange:
         while True:
             values, done = ray.get(self._board.take.remote(self._round, self.rank), timeout=call_s)
             if values is not None:
-                if last and done:
-                    ray.kill(self._board)
+                if last:
+                    self._finish(done, call_s)
                 return values
             if time.monotonic() >= deadline:
                 missing = ray.get(self._board.missing.remote(self._round), timeout=call_s)
@@ -127,3 +132,21 @@ class Exchange:
                     "world size?"
                 )
             time.sleep(POLL_S)
+
+    def _finish(self, done: bool, call_s: float) -> None:
+        """After the last round: wait until every rank has read it, then end the board. The rank
+        that made the board owns it, and Ray ends it when that rank drops its handle (a handle
+        found by name does not keep it), so no rank may leave before every rank has read; a board
+        already gone means the others are done."""
+        import ray
+
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while not done:
+                if time.monotonic() >= deadline:
+                    return  # a rank that never reads: its owner's exit ends the board
+                time.sleep(POLL_S)
+                done = ray.get(self._board.all_read.remote(self._round), timeout=call_s)
+            ray.kill(self._board)
+        except ray.exceptions.RayActorError:
+            pass  # ended by another rank: every rank had read
