@@ -45,6 +45,7 @@ EXPECTED_ALL = [
     "PackLeaseLostError",
     "PeerUnavailable",
     "ProcessGroupError",
+    "RankSetupError",
     "ReadOptions",
     "RunOptions",
     "SampleFnError",
@@ -78,6 +79,7 @@ BUILTIN_BASE = {
     "CollateError": ValueError,
     "SampleFnError": ValueError,
     "ServiceStartError": RuntimeError,
+    "RankSetupError": RuntimeError,
     "DatasetChangedError": OSError,
     "DatasetExistsError": FileExistsError,
     "DecodeError": ValueError,
@@ -238,6 +240,7 @@ ONE_OF_EACH = [
     stoker.SourceNotFoundError("source /data/train does not exist"),
     stoker.ServiceStartError("cache service of node 5f3a could not start: UnsafePathError: /c/node-h-2"),
     stoker.ProcessGroupError("rank 1: rank 0 did not publish its address for the 'gloo' group within 60 s"),
+    stoker.RankSetupError("job 'train': ranks [1] of 2 did not report within 120.0 s (round 1)"),
 ]
 
 

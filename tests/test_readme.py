@@ -13,7 +13,9 @@ with this checkout's ``src`` on ``PYTHONPATH``:
   work directory as its argument (gloo on the CPU; the recipes are in docs/guide.md);
 - ``<!-- test: lightning -->``: the script run by this Python with a work directory as its
   argument; it starts its second rank itself (PyTorch Lightning's ``ddp`` on the CPU) and must exit
-  by itself.
+  by itself;
+- ``<!-- test: ray-train -->``: the script run by this Python with a work directory as its
+  argument; it starts a one-node Ray itself (Ray Train's ``TorchTrainer``, gloo on the CPU).
 """
 
 from __future__ import annotations
@@ -221,3 +223,19 @@ def test_lightning_recipe_trains_two_epochs_on_two_ranks_and_exits(tmp_path):
         for rank in (0, 1):
             for epoch in (0, 1):
                 assert f"rank {rank} epoch {epoch}: 16 samples" in out, out
+
+
+def test_ray_train_recipe_reads_the_cluster_cache_on_two_workers(tmp_path):
+    pytest.importorskip("ray.train")
+    blocks = _blocks("ray-train")
+    assert blocks, "no <!-- test: ray-train --> block in the README or docs/"
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"train_ray{i}.py"
+        script.write_text(code)
+        work = tmp_path / f"work{i}"
+        work.mkdir()
+        env = _env(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")  # every rank's line, not one per pattern
+        out = _run([sys.executable, str(script), str(work)], tmp_path, env, timeout_s=420)
+        for rank in (0, 1):
+            assert f"rank {rank} epoch 0: 16 samples" in out, out
+            assert f"rank {rank} epoch 1: 16 samples, local 100%" in out, out  # one node: all cached there

@@ -33,6 +33,7 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     ├── CapacityError (RuntimeError)          a cluster job's ranks do not fit the nodes' free resources
     ├── ServiceStartError (RuntimeError)      a node's cache service could not start
     ├── ProcessGroupError (RuntimeError)      a cluster job's process group cannot be set up (backend, rendezvous)
+    ├── RankSetupError (RuntimeError)         a rank's cluster reads outside run(): ranks missing, or closed
     ├── WorkerError (RuntimeError)            a loader worker failed or died
     │   └── WorkerStartError                  a worker process could not start (names the cause)
     ├── StaleIteratorError (RuntimeError)     an epoch's iterator used after a later iter() replaced it
@@ -81,6 +82,7 @@ __all__ = [
     "PackLeaseLostError",
     "PeerUnavailable",
     "ProcessGroupError",
+    "RankSetupError",
     "SampleFnError",
     "ServiceStartError",
     "SharedMemoryError",
@@ -441,6 +443,13 @@ class ProcessGroupError(StokerError, RuntimeError):
     """A cluster job's ``torch.distributed`` process group cannot be set up: the backend needs
     what the ranks lack (``nccl`` without a GPU), rank 0 did not publish its address in time,
     or a group is already open on the rank; the message names the backend and the rank."""
+
+
+class RankSetupError(StokerError, RuntimeError):
+    """A rank's cluster reads set up outside ``stoker.cluster.run``
+    (:func:`stoker.cluster.rank_context`) failed or are closed: the job's ranks did not all report
+    within the timeout, rank 0 could not place the dataset, the dataset changed between the ranks,
+    or the rank's reads were closed; the message names the job, the ranks or the URL."""
 
 
 class ExtenderRequestError(StokerError, ValueError):

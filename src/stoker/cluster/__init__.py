@@ -22,6 +22,11 @@ _LAZY = {
     "ray_state": "warmup",
     "start_services": "service",
     "find_services": "service",
+    "rank_context": "rankdata",
+    "rank_loader": "rankdata",
+    "RankContext": "rankdata",
+    "RankLoader": "rankdata",
+    "placement_hint": "hint",
 }
 
 __all__ = sorted(_LAZY)
