@@ -8,7 +8,8 @@ With an initialised ``torch.distributed`` process group of the job's size (a Ray
 asks until every rank's is there. The actor is owned by the rank that made it (it dies with that
 process, and when that rank drops its handle: a handle found by name does not keep it), so after
 the last round every rank waits until all have read it, then ends it; a rank that gives up
-waiting ends it too, so a finished or failed exchange leaves nothing behind. Values cross as Ray or torch pickles: only plain data (node ids, lists, dicts).
+waiting ends it too, so a finished or failed exchange leaves nothing behind. Values cross as
+Ray or torch pickles: only plain data (node ids, lists, dicts).
 """
 
 from __future__ import annotations

@@ -23,17 +23,16 @@ import ray
 from ..errors import CapacityError, ProcessGroupError
 from ..loader import Loader
 from ..order import permutation
-from ..store.blocks import BlockReader
 from .capacity import rank_request, rank_slots, refusal
 from .counters import ByteCounters, fractions
 from .placement import bytes_per_node, place_dataset
 from .ranks import JobRefs, free_resources, gather, release, reserve, stamp_failure, task_options, total_resources
-from .reader import BlockRouter
 from .records import settle_members
 from .registration import end as end_registration
 from .rendezvous import ProcessGroup, check_backend
+from .routed import announce, open_on_node, route
 from .schedule import choose_nodes, colocated_plans
-from .service import cache_dir_arg, dataset_ref, get_service, placement_keys, prepare
+from .service import cache_dir_arg, get_service, placement_keys, prepare
 
 log = logging.getLogger(__name__)
 
@@ -207,48 +206,18 @@ class ClusterLoader(Loader):
 
 def _rank_main(train_fn, spec: dict):
     """One rank: open the dataset through the cluster, run ``train_fn(ctx)``; returns its records."""
-    from ..store.dataset import open_dataset
-
     counters = ByteCounters()
     relay = ds = ctx = None
     try:
-        info = spec["service"]
-        if info is not None:
-            ds = open_dataset(
-                spec["url"],
-                info["cache_dir"],
-                info["cache_bytes"],
-                block_bytes=spec["block_bytes"],
-                storage_options=spec["storage_options"],
-                check=False,
-            )
-        else:
-            ds = open_dataset(
-                spec["url"],
-                storage_options=spec["storage_options"],
-                cache=False,
-                check=False,
-                block_bytes=spec["block_bytes"],
-            )
+        opts = spec["storage_options"]
+        ds = open_on_node(spec["url"], opts, spec["service"], spec["block_bytes"])
         if ds.version != spec["version"]:
             raise RuntimeError(
                 f"{spec['url']} changed during the job: version {ds.version}, the driver placed {spec['version']}"
             )
         counters.size_tags(ds.num_blocks)
-        members = spec["members"]
-        me = members.index(spec["node_id"]) if spec["node_id"] in members else -1
-        router = BlockRouter(
-            dataset_ref(ds, spec["storage_options"]),
-            members,
-            np.asarray(spec["owner"]),
-            me,
-            counters,
-            timeout_s=spec["peer_timeout_s"],
-            retry_s=spec["retry_s"],
-        )
-        ds = ds.with_reader(BlockReader(ds, router=router))  # this rank's reads go through the router
-        router.connect()  # every peer looked up and called once, off the read path
-        relay = router.start_relay()
+        args = (spec["node_id"], counters, spec["peer_timeout_s"], spec["retry_s"])
+        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args)  # this rank's reads
         ctx = WorkerContext(spec, ds, counters)
         if spec["process_group"] is not None:
             ctx.init_process_group(spec["process_group"])
@@ -356,7 +325,7 @@ def run(
     pg = reserve(rank_nodes, request, start_timeout_s, job)
     token = f"{job}-{uuid.uuid4().hex[:12]}"
     if wait:  # the services' registrations of the dataset end with this call (release below)
-        _announce(nodes, "hold", dref, token)
+        announce(nodes, "hold", dref, token)
     refs = []
     for r, node in enumerate(rank_nodes):
         spec = {
@@ -386,23 +355,7 @@ def run(
         return gather(refs, rank_nodes, timeout_s)
     finally:
         release(pg)
-        _announce(nodes, "release", dref, token)
-
-
-def _announce(nodes: list[str], method: str, dref: dict, token: str, timeout_s: float = 10.0) -> None:
-    """Call ``method(dref, token)`` (``hold`` / ``release``) on the cache service of every node,
-    all at once; a service that does not answer within ``timeout_s`` seconds is left to its
-    lease (logged, never raised: the job's own outcome matters more)."""
-    refs = []
-    for n in nodes:
-        try:
-            refs.append(getattr(get_service(n), method).remote(dref, token))
-        except ValueError:
-            continue
-    try:
-        ray.get(refs, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - a service down: its lease runs out by itself
-        log.warning("cache services: %s of %s not confirmed by every node: %s", method, dref["url"], exc)
+        announce(nodes, "release", dref, token)
 
 
 def _slots(nodes: list[str], request: dict, num_workers: int, slots_per_node: int | None, wait_s: float) -> list[int]:

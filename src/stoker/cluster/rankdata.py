@@ -32,14 +32,13 @@ import weakref
 import ray
 
 from ..errors import RankSetupError
-from ..store.blocks import BlockReader
 from .allgather import Exchange
 from .counters import ByteCounters
 from .job import ClusterLoader, WorkerContext
 from .placement import place_dataset
-from .reader import BlockRouter
 from .records import settle_members
 from .registration import end as end_registration
+from .routed import announce, open_on_node, route
 from .service import dataset_ref, get_service, placement_keys, prepare
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ def _layout(url, opts, cache_dir, cache_bytes, block_bytes, rank_nodes: list[str
     recorded = settle_members(services, ds.version, int(ds.index.total_bytes), proposal, job_nodes or nodes)
     members = [m for m in recorded if m in services] or sorted(set(job_nodes)) or nodes
     token = f"{job}-{uuid.uuid4().hex[:12]}"
-    _call_all(nodes, "hold", dref, token)
+    announce(nodes, "hold", dref, token)
     return {
         "version": ds.version,
         "block_bytes": ds.block_bytes,
@@ -109,16 +108,6 @@ def _layout(url, opts, cache_dir, cache_bytes, block_bytes, rank_nodes: list[str
         "nodes": nodes,
         "token": token,
     }
-
-
-def _call_all(nodes: list[str], method: str, dref: dict, token: str, timeout_s: float = 10.0) -> None:
-    """``method(dref, token)`` (``hold``/``release``) on the service of every node at once; one
-    that does not answer in ``timeout_s`` is left to its lease (logged, not raised)."""
-    try:
-        refs = [getattr(get_service(n), method).remote(dref, token) for n in nodes]
-        ray.get(refs, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - a service down or Ray gone: its lease runs out by itself
-        log.warning("cache services: %s of %s not confirmed by every node: %s", method, dref["url"], exc)
 
 
 def rank_context(
@@ -183,14 +172,7 @@ def rank_context(
 
 def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s, retry_s) -> RankContext:
     """Step 4 of the module doc: the rank's routed dataset and its context."""
-    from ..store.dataset import open_dataset
-
-    info = layout["services"].get(node)
-    kwargs = dict(storage_options=opts, check=False, block_bytes=layout["block_bytes"])
-    if info is not None:
-        ds = open_dataset(url, info["cache_dir"], info["cache_bytes"], **kwargs)
-    else:
-        ds = open_dataset(url, cache=False, **kwargs)
+    ds = open_on_node(url, opts, layout["services"].get(node), layout["block_bytes"])
     counters = relay = None
     try:
         if ds.version != layout["version"]:
@@ -202,18 +184,7 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s,
         counters.size_tags(ds.num_blocks)
         members = layout["members"]
         owner = place_dataset(ds, layout["keys"], layout["budgets"])
-        router = BlockRouter(
-            dataset_ref(ds, opts),
-            members,
-            owner,
-            members.index(node) if node in members else -1,
-            counters,
-            timeout_s=peer_timeout_s,
-            retry_s=retry_s,
-        )
-        routed = ds.with_reader(BlockReader(ds, router=router))
-        router.connect()
-        relay = router.start_relay()
+        routed, relay = route(ds, opts, members, owner, node, counters, peer_timeout_s, retry_s)
         index_of = {m: i for i, m in enumerate(members)}
         spec = {
             "rank": rank,
@@ -246,7 +217,7 @@ def _close_parts(relay, ds, counters, hold) -> None:
     finally:
         if hold is not None and ray.is_initialized():
             nodes, dref, token = hold
-            _call_all(nodes, "release", dref, token)
+            announce(nodes, "release", dref, token)
 
 
 class RankContext(WorkerContext):
