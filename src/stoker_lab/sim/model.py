@@ -85,6 +85,10 @@ class Params:
     lone request may take every core). ``local_cpu_s``: CPU seconds a cluster rank's read from
     its own node cache costs on the shared cores (the cluster read path: block router, byte
     counters; not in the ``direct`` setup, whose reads ``local_latency_s`` covers).
+    ``decode_cpu_s``: CPU seconds each sample's decode costs on the shared cores (needs
+    ``machine_cores``), in the rank's own process after the sample is fetched (its lane, as its
+    requests: a rank decodes on one core at a time); 0: no such decode (the per-node decode
+    cores, ``decode_cores``, are apart).
     """
 
     nodes: int
@@ -117,6 +121,7 @@ class Params:
     starting_processes: int = 0
     request_cores: float = 0.0
     local_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0
 
 
 @dataclass
@@ -379,6 +384,9 @@ class _Run:
                         ]
                     )
                 self._land(mine, landed)
+            if p.decode_cpu_s > 0 and self.machine_cpu >= 0:  # decoded in the rank's process, on the shared cores
+                self.decode_s += len(c) * p.decode_cpu_s
+                yield self._cpu_flow(np.array([self.machine_cpu]), np.array([len(c) * p.decode_cpu_s]), lane)
             if p.decode_cores > 0 and p.decode_rate > 0:  # the node's cores, shared like a link;
                 with decoding.request() as turn:  # a rank's chunks decode in order
                     yield turn
