@@ -11,10 +11,11 @@ reports which rows are in sample and which are not.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -207,6 +208,21 @@ def decode_cpu(report: dict, path: str) -> Calibrated | None:
     )
 
 
+#: The model reads a rank's plan in at most this many chunks (consecutive samples read one at a
+#: time: their latencies, CPU and bytes one after the other). The runs before the training-like
+#: ones (300 samples a rank or fewer) keep one sample a chunk; on the 3-host training run
+#: (``benchmarks/bench_cluster_netns_train_3hosts.json``, 1,100 samples a rank) chunks of 4 gave
+#: every epoch within 4% of one sample a chunk, 3x faster (its token buckets pass a lone
+#: sample at their peak rate, a chunk of several at the link's rate).
+MODEL_CHUNKS_PER_RANK = 300
+
+
+def model_chunk(report: dict) -> int:
+    """Samples per model chunk for a ``--netns`` report (:data:`MODEL_CHUNKS_PER_RANK`)."""
+    per_rank = math.ceil(int(report["dataset"]["samples"]) / int(report["config"]["ranks_per_job"]))
+    return max(1, math.ceil(per_rank / MODEL_CHUNKS_PER_RANK))
+
+
 #: Cores one peer request can use at once: the rank's client code, then the owner's service code,
 #: one after the other, each in one Python process on one core.
 REQUEST_CORES = 1.0
@@ -232,9 +248,10 @@ def netns_params(
     the emulated hosts share (:func:`fit_peer_cpu`); ``node_keys``: the nodes' placement keys
     (:class:`NetnsSetup`). With ``peak_Bps`` > 0 the links are the bench's token buckets
     (:func:`stoker_lab.bench.netcluster.burst_bytes` of their configured rate) passing ``peak_Bps``
-    while they hold tokens. One sample per request and per chunk: the driver's ``read_plan``
-    reads one sample at a time. ``starting_processes``: shares of the shared cores a rank takes
-    until its recorded start (:class:`stoker_lab.sim.model.Params`, :func:`fit_starting`). A
+    while they hold tokens. One sample per request: the driver's ``read_plan`` reads one sample
+    at a time; the epochs in chunks of :func:`model_chunk` such samples, a probe one a chunk.
+    ``starting_processes``: shares of the shared cores a rank takes until its recorded start
+    (:class:`stoker_lab.sim.model.Params`, :func:`fit_starting`). A
     request uses at most :data:`REQUEST_CORES` of the shared cores at once. ``local_cpu_s``: CPU
     seconds of a cluster rank's read from its own node cache (:func:`fit_probe_cpu`, ``local``).
     With ``training`` (the epochs; False: a probe, which only reads), each rank's accelerator takes
@@ -259,7 +276,7 @@ def netns_params(
         peer_cpu_s=peer_cpu_s,
         prefetch_chunks=1,
         fetch_inflight=1,
-        chunk_samples=1,
+        chunk_samples=model_chunk(report) if training else 1,
         node_keys=node_keys,
         link_peak_Bps=peak_Bps,
         nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
@@ -461,7 +478,9 @@ def fit_probe_cpu(
     probe = probe_job(report, path, setup.order, kind)
     if setup.node_keys is None:
         raise ValueError(f"{path}: the {kind} probe needs the run's own dataset and node keys")
-    jobs = setup.jobs(report, "random") + [probe]
+    # the random jobs only warm the caches for the probe (their time is not used): coarse chunks
+    warm = [replace(j, chunk_samples=WARMUP_CHUNK) for j in setup.jobs(report, "random")]
+    jobs = warm + [probe]
 
     def probe_s(cpu_s: float) -> float:
         cpu_s = max(cpu_s, 1e-9)
@@ -488,6 +507,9 @@ def fit_probe_cpu(
         "all hosts; no epoch of the run is in it",
     )
 
+
+#: Samples per model chunk of the jobs that only warm the caches before a probe (:func:`fit_probe_cpu`).
+WARMUP_CHUNK = 64
 
 #: The most processes a rank's start-up is taken to keep busy (:func:`fit_starting`).
 MAX_STARTING_PROCESSES = 4

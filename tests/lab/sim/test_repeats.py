@@ -267,3 +267,26 @@ def test_every_repeat_is_modelled_on_its_own_with_its_repeat_on_each_row(tmp_pat
     assert {g["epoch"] for g in out["summary"]["repeats"]} == {0, 1, 2}
     assert all(len(g["repeats"]) == 2 for g in out["summary"]["repeats"])
     assert np.isfinite([g["spread"] for g in out["summary"]["repeats"]]).all()
+
+
+def test_a_jobs_own_chunk_size_moves_the_same_bytes():
+    from stoker_lab.sim.model import Job, Params, simulate
+    from stoker_lab.sim.workload import synthetic
+
+    wl = synthetic(600, 600 * 100_000, 16 << 20, 1 << 20)
+    p = Params(nodes=3, cache_bytes=1e12, origin_Bps=1e8, nic_Bps=5e7, chunk_samples=1)
+    fine = simulate(p, wl, "random", [Job("j", 3, 1)], 2)
+    coarse = simulate(p, wl, "random", [Job("j", 3, 1, chunk_samples=64)], 2)
+    assert [r.bytes for r in fine] == [r.bytes for r in coarse]
+    assert coarse[0].seconds != fine[0].seconds  # the chunk size is used
+
+
+def test_the_model_reads_a_big_rank_plan_in_coarser_chunks_and_old_runs_one_sample_a_chunk():
+    from stoker_lab.sim.calibrate import model_chunk, netns_params
+
+    assert model_chunk(old_report()) == 1  # 300 samples a rank: one a chunk, as before
+    big = old_report()
+    big["dataset"]["samples"] = 3300
+    assert model_chunk(big) == 4
+    assert netns_params(big, 0.001, 0.002).chunk_samples == 4
+    assert netns_params(big, 0.001, 0.002, training=False).chunk_samples == 1  # a probe: one a chunk
