@@ -347,8 +347,8 @@ class _Run:
             for flow in starting:
                 self.net.stop(flow)
         t0 = env.now
-        size = max(1, chunk_samples or p.chunk_samples)
-        chunks = [plan[i : i + size] for i in range(0, len(plan), size)]
+        per_chunk = max(1, int(chunk_samples or p.chunk_samples))
+        chunks = [plan[i : i + per_chunk] for i in range(0, len(plan), per_chunk)]
         ready = [env.event() for _ in chunks]
         tokens = simpy.Container(env, capacity=max(1, p.prefetch_chunks), init=max(1, p.prefetch_chunks))
         fetching = simpy.Resource(env, max(1, p.fetch_inflight))
