@@ -194,6 +194,25 @@ def local_latency(report: dict, path: str, decode_cpu_s: float = 0.0) -> Calibra
     )
 
 
+def probe_local_latency(report: dict, path: str) -> Calibrated | None:
+    """Seconds per sample read from a warm node cache in a run that looks like training (an
+    accelerator, ``config.consumer_rate`` > 0, or ``config.decode``): its own local probe's
+    seconds over the most samples a rank read in it (every rank reading samples its own node
+    holds, all at once, apart from the epochs). Its warm epochs are mostly the accelerator's steps
+    and decoding, so what :func:`local_latency` would leave of them after subtracting those is
+    how late the accelerator's sleeps ran on the loaded machine, not a read. None for any other
+    run, or one without a local probe."""
+    cfg = report["config"]
+    probe = report.get("local_probe")
+    if not (float(cfg.get("consumer_rate", 0.0)) > 0 or cfg.get("decode")) or not probe:
+        return None
+    per_rank = max(len(ids) for ids in probe["ids"])
+    return Calibrated(
+        float(probe["seconds"]) / per_rank,
+        f"{path}: its own local probe ({per_rank} samples a rank in {probe['seconds']:.3f} s, after the epochs)",
+    )
+
+
 def decode_cpu(report: dict, path: str) -> Calibrated | None:
     """CPU seconds of decoding one sample as the ranks do, from the report's ``decode_probe``
     (``stoker_lab.bench.netcluster_driver.decode_probe``: the driver decodes 200 samples in one

@@ -34,6 +34,7 @@ from .calibrate import (
     measure_cache_read_Bps,
     netns_params,
     netns_setup,
+    probe_local_latency,
 )
 from .model import Job, simulate
 from .reports import load_decode, load_demo, load_netns, netns_repeats
@@ -161,6 +162,7 @@ def validate(
         params.update({f"{k} of {name}": v for k, v in st.sources.items()})
     factors: dict[str, Calibrated] = {}
     decode: dict[str, float] = {}
+    local_of: dict[str, float] = {}
     if cal_path is not None:
         cal_unit = next(u for u in units if u[0] == cal_path)  # the calibration run: its first repeat
         cal, cal_name = cal_unit[2], cal_unit[3]
@@ -175,26 +177,34 @@ def validate(
                         own_decode.value, own_decode.source + "; the calibration run has no decode probe"
                     )
                 decode[path] = own_decode.value if own_decode is not None else 0.0
-        params["local_latency_s"] = local_latency(cal, cal_path, decode.get(cal_path, 0.0))
-        local_s = params["local_latency_s"].value
+        # a run that looks like training reads its node cache as fast as its own local probe did
+        # (its warm epochs are mostly the accelerator's steps); the others as the calibration run's
+        # warm direct epochs did
+        own_local = {name: probe_local_latency(sub, name) for _, _, sub, name in units}
+        if any(v is None for v in own_local.values()):
+            params["local_latency_s"] = local_latency(cal, cal_path, decode.get(cal_path, 0.0))
+        for name, got in own_local.items():
+            if got is not None:
+                params[f"local_latency_s of {name}"] = got
+            local_of[name] = (got or params["local_latency_s"]).value
         for path, _, sub, name in units:
             factors[name] = params[f"link delivered fraction of {name}"] = fit_link_factor(
-                sub, name, local_s, setups[name], decode.get(path, 0.0)
+                sub, name, local_of[name], setups[name], decode.get(path, 0.0)
             )
         probed = {name for _, _, sub, name in units if sub.get("peer_probe") and setups[name].node_keys}
         if len(probed) < len(units):  # a run without its own probe takes the calibration run's fit
             params["starting_processes"], params["peer_cpu_s"] = fit_starting(
-                cal, cal_name, local_s, factors[cal_name].value, setups[cal_name]
+                cal, cal_name, local_of[cal_name], factors[cal_name].value, setups[cal_name]
             )
         for _, _, sub, name in units:
             if name not in probed:
                 continue
             peer = params[f"peer_cpu_s of {name}"] = fit_probe_cpu(
-                sub, name, local_s, factors[name].value, setups[name]
+                sub, name, local_of[name], factors[name].value, setups[name]
             )
             if sub.get("local_probe"):
                 params[f"local_cpu_s of {name}"] = fit_probe_cpu(
-                    sub, name, local_s, factors[name].value, setups[name], kind="local", peer_cpu_s=peer.value
+                    sub, name, local_of[name], factors[name].value, setups[name], kind="local", peer_cpu_s=peer.value
                 )
     for path, k, rep, name in units:
         own = params.get(f"peer_cpu_s of {name}")
@@ -204,7 +214,7 @@ def validate(
         local_cpu = params.get(f"local_cpu_s of {name}")
         p = netns_params(
             rep,
-            params["local_latency_s"].value,
+            local_of[name],
             cpu,
             factors[name].value,
             setups[name].node_keys,
@@ -253,7 +263,14 @@ def validate(
                         or (
                             path == cal_path
                             and k == 0
-                            and (own is None or (placement == "direct" and m["stoker"]["origin_bytes"] == 0))
+                            and (
+                                own is None
+                                or (
+                                    placement == "direct"
+                                    and m["stoker"]["origin_bytes"] == 0
+                                    and f"local_latency_s of {name}" not in params
+                                )
+                            )
                         ),
                     }
                 )

@@ -290,3 +290,17 @@ def test_the_model_reads_a_big_rank_plan_in_coarser_chunks_and_old_runs_one_samp
     assert model_chunk(big) == 4
     assert netns_params(big, 0.001, 0.002).chunk_samples == 4
     assert netns_params(big, 0.001, 0.002, training=False).chunk_samples == 1  # a probe: one a chunk
+
+
+def test_a_training_run_reads_its_node_cache_as_fast_as_its_own_local_probe():
+    from stoker_lab.sim.calibrate import probe_local_latency
+
+    rep = repeated(1)
+    probe = rep["repeat_probes"][0]["local_probe"]
+    rep["local_probe"] = probe
+    most = max(len(ids) for ids in probe["ids"])
+    got = probe_local_latency(rep, "r.json")
+    assert got is not None and got.value == pytest.approx(probe["seconds"] / most) and "local probe" in got.source
+    assert probe_local_latency(old_report(), "old.json") is None  # its warm epochs are the reads themselves
+    rep.pop("local_probe")
+    assert probe_local_latency(rep, "r.json") is None
