@@ -56,11 +56,19 @@ def write(tmp_path: Path, rep: dict, name: str = "r.json") -> str:
 
 
 def test_reports_made_before_repeats_load_as_one_repeat_unchanged():
-    for path in sorted((REPO / "benchmarks").glob("bench_cluster_netns*.json")):
-        rep = load_netns(str(path))
+    old = ["bench_cluster_netns.json", "bench_cluster_netns_5hosts.json", "bench_cluster_netns_slow.json"]
+    for name in old + ["bench_cluster_netns_faults.json"]:
+        rep = load_netns(str(REPO / "benchmarks" / name))
         cut = netns_repeats(rep)
         assert [k for k, _ in cut] == [0] and cut[0][1] is rep
         assert {run_repeat(r) for r in rep["runs"]} == {0}
+
+
+def test_the_training_runs_in_the_repository_hold_three_repeats_each():
+    for path in sorted((REPO / "benchmarks").glob("bench_cluster_netns_train_*.json")):
+        rep = load_netns(str(path))
+        assert [k for k, _ in netns_repeats(rep)] == [0, 1, 2]
+        assert rep["dataset"]["bytes"] >= 300e6 and min(r["seconds"] for r in rep["runs"]) >= 5.0
 
 
 def test_a_report_of_repeats_is_cut_into_one_report_per_repeat_with_its_own_probes(tmp_path):
