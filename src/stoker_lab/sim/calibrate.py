@@ -237,8 +237,12 @@ MODEL_CHUNKS_PER_RANK = 300
 
 
 def model_chunk(report: dict) -> int:
-    """Samples per model chunk for a ``--netns`` report (:data:`MODEL_CHUNKS_PER_RANK`)."""
-    per_rank = math.ceil(int(report["dataset"]["samples"]) / int(report["config"]["ranks_per_job"]))
+    """Samples per model chunk for a ``--netns`` report (:data:`MODEL_CHUNKS_PER_RANK`); 1 for a
+    report that does not say its samples and ranks per job."""
+    samples, ranks = (report.get("dataset") or {}).get("samples"), report["config"].get("ranks_per_job")
+    if not samples or not ranks:
+        return 1
+    per_rank = math.ceil(int(samples) / int(ranks))
     return max(1, math.ceil(per_rank / MODEL_CHUNKS_PER_RANK))
 
 
