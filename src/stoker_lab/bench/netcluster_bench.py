@@ -76,7 +76,7 @@ def run(
     rank's accelerator takes (``netcluster_driver.Consumer``: ``1 / rate`` s per sample, after
     the read, no read-ahead; 0: none). ``short_side``: the sample photos' shorter side in pixels
     (min, max; default :data:`stoker_lab.sample_data.SHORT_SIDE`, about 65 KB a photo; (400, 600)
-    gives about 100 KB, near ImageNet's mean). ``decode``: every rank decodes every sample it
+    gives about 90 KB, near ImageNet's mean). ``decode``: every rank decodes every sample it
     reads (:func:`stoker.decode.image.decode_image`); ``decode_probe`` in the report: the
     driver's own CPU seconds per decoded sample, apart from every epoch.
     Raises ValueError for ``repeats`` < 1, a negative ``consumer_rate`` or a bad ``short_side``

@@ -269,7 +269,7 @@ def _add_cluster(bench_sub) -> None:
     n.add_argument(
         "--image-side",
         help="the sample photos' shorter side in pixels, MIN,MAX (default 300,500: about 65 KB a photo; "
-        "400,600: about 100 KB)",
+        "400,600: about 90 KB)",
     )
     n.add_argument("--plot", help="write a PNG of the bytes per link per epoch here")
     n.add_argument(
