@@ -164,8 +164,8 @@ def make_sample_data(
 
     Returns ``{"root", "images", "classes", "bytes" (total JPEG bytes), "seconds" (wall time of
     this call), "generated" (False when the existing tree was reused)}``.
-    ``short_side`` (min, max): e.g. (400, 600) gives photos of about 90 KB, near ImageNet's mean (about 110 KB)
-    JPEG; a non-default range is part of the parameters the manifest records.
+    ``short_side`` (min, max): e.g. (400, 600) gives photos of about 90 KB, near ImageNet's mean
+    JPEG (about 110 KB); a non-default range is part of the parameters the manifest records.
     Raises ValueError for ``classes < 1``, ``images < classes`` or a ``short_side`` range that is
     not 16 <= min <= max, RuntimeError if
     scikit-image or scikit-learn is missing, OSError on write failures.
