@@ -83,15 +83,15 @@ def class_names(classes: int) -> list[str]:
     return [f"n{c:08d}" for c in range(classes)]
 
 
-def _make_image(seed: int, index: int) -> bytes:
-    """JPEG bytes of image ``index``: a function of (seed, index) only."""
+def _make_image(seed: int, index: int, short_side: tuple[int, int] = SHORT_SIDE) -> bytes:
+    """JPEG bytes of image ``index``: a function of (seed, index, short_side) only."""
     from PIL import Image, ImageFilter
 
     rng = np.random.default_rng([seed, index])
     src = _sources[int(rng.integers(len(_sources)))]
     sw, sh = src.size
     aspect = math.exp(rng.uniform(math.log(ASPECT[0]), math.log(ASPECT[1])))
-    short = int(rng.integers(SHORT_SIDE[0], SHORT_SIDE[1] + 1))
+    short = int(rng.integers(short_side[0], short_side[1] + 1))
     if aspect >= 1:
         h = short
         w = min(max(round(short * aspect), short), math.floor(short * ASPECT[1]))
@@ -118,11 +118,11 @@ def _make_image(seed: int, index: int) -> bytes:
 
 
 def _write_chunk(args: tuple) -> int:
-    train, names, seed, indices = args
+    train, names, seed, indices, short_side = args
     total = 0
     for i in indices:
         cls = names[i % len(names)]
-        data = _make_image(seed, i)
+        data = _make_image(seed, i, short_side)
         with open(os.path.join(train, cls, f"{cls}_{i:06d}.JPEG"), "wb") as f:
             f.write(data)
         total += len(data)
@@ -136,20 +136,25 @@ def _existing(root: str, params: dict) -> dict | None:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
-    if any(manifest.get(k) != v for k, v in params.items()):
-        return None
+    if any(manifest.get(k) != params.get(k) for k in {*params, "short_side"}):
+        return None  # (a tree of another short side is not one of the default's)
     train = os.path.join(root, "train")
     found = sum(len([n for n in names if n.endswith(".JPEG")]) for _, _, names in os.walk(train))
     return manifest if found == params["images"] else None
 
 
 def make_sample_data(
-    root: str, images: int = 2000, classes: int = 10, seed: int = 0, workers: int | None = None
+    root: str,
+    images: int = 2000,
+    classes: int = 10,
+    seed: int = 0,
+    workers: int | None = None,
+    short_side: tuple[int, int] = SHORT_SIDE,
 ) -> dict:
     """Write ``root/train/<class>/<class>_<index:06d>.JPEG``, an ImageNet-style tree.
 
     Each image is a random crop (random horizontal flip) of one of the bundled photographs,
-    rescaled to a shorter side of 300-500 px and an aspect ratio (width / height) in
+    rescaled to a shorter side of ``short_side`` px (default 300-500, inclusive) and an aspect ratio (width / height) in
     3:4..4:3 (sharpened if upscaled), saved as JPEG at quality 85-95 with 4:4:4 or 4:2:0
     chroma subsampling. Image ``i`` belongs to class ``i % classes``.
     Same parameters produce byte-identical files. If ``root`` already holds a complete tree
@@ -159,14 +164,22 @@ def make_sample_data(
 
     Returns ``{"root", "images", "classes", "bytes" (total JPEG bytes), "seconds" (wall time of
     this call), "generated" (False when the existing tree was reused)}``.
-    Raises ValueError for ``classes < 1`` or ``images < classes``, RuntimeError if
+    ``short_side`` (min, max): e.g. (400, 600) gives photos of about 90 KB, near ImageNet's mean
+    JPEG (about 110 KB); a non-default range is part of the parameters the manifest records.
+    Raises ValueError for ``classes < 1``, ``images < classes`` or a ``short_side`` range that is
+    not 16 <= min <= max, RuntimeError if
     scikit-image or scikit-learn is missing, OSError on write failures.
     """
     if classes < 1 or images < classes:
         raise ValueError(f"need classes >= 1 and images >= classes, got {images=} {classes=}")
+    lo, hi = (int(x) for x in short_side)
+    if not 16 <= lo <= hi:
+        raise ValueError(f"short_side must be (min, max) pixels with 16 <= min <= max, got {short_side!r}")
     t0 = time.perf_counter()
     root = os.path.abspath(root)
-    params = {"format": _FORMAT, "images": images, "classes": classes, "seed": seed}
+    params: dict = {"format": _FORMAT, "images": images, "classes": classes, "seed": seed}
+    if (lo, hi) != SHORT_SIDE:  # the default stays out, so trees made before still match
+        params["short_side"] = [lo, hi]
     summary = {"root": root, "images": images, "classes": classes}
     manifest = _existing(root, params)
     if manifest is not None:
@@ -184,7 +197,7 @@ def make_sample_data(
 
     workers = max(1, min(workers or os.cpu_count() or 1, math.ceil(images / 64)))
     step = max(16, math.ceil(images / (workers * 8)))
-    chunks = [(train, names, seed, range(s, min(s + step, images))) for s in range(0, images, step)]
+    chunks = [(train, names, seed, range(s, min(s + step, images)), (lo, hi)) for s in range(0, images, step)]
     if workers == 1:
         _load_sources(paths)
         total = sum(map(_write_chunk, chunks))

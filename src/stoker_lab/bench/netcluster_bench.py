@@ -48,6 +48,9 @@ def run(
     link_down_s: float = 5.0,
     fault_pause_s: float = 0.02,
     state_check: bool = True,
+    repeats: int = 1,
+    consumer_rate: float = 0.0,
+    short_side: tuple[int, int] | None = None,
 ) -> dict:
     """Run the benchmark; returns the report ``{machine, hosts, links, origin, config, dataset,
     runs, faults, state, control, idle_busy_cores, peer_probe, local_probe, summary, phases_s, seconds}`` (``control``:
@@ -67,11 +70,21 @@ def run(
     seconds; ``fault_pause_s``: seconds between a fault epoch's reads, so the fault lands in the
     middle); ``state_check``: ``stoker warm``, ``stoker cluster-state`` and the extender's
     prioritize on the cluster (``netcluster_driver.state_check``).
-    Raises :class:`stoker_lab.bench.netcluster.NetnsUnavailable`
+    ``repeats``: every placement run that many times over, each time on empty caches, in the same
+    cluster (each row's ``repeat``; each repeat's control and peer probes in ``repeat_probes``,
+    the first's also where a report of one repeat has them). ``consumer_rate``: samples/s each
+    rank's accelerator takes (``netcluster_driver.Consumer``: ``1 / rate`` s per sample, after
+    the read, no read-ahead; 0: none). ``short_side``: the sample photos' shorter side in pixels
+    (min, max; default :data:`stoker_lab.sample_data.SHORT_SIDE`, about 65 KB a photo; (400, 600)
+    gives about 90 KB, near ImageNet's mean). ``decode``: every rank decodes every sample it
+    reads (:func:`stoker.decode.image.decode_image`); ``decode_probe`` in the report: the
+    driver's own CPU seconds per decoded sample, apart from every epoch.
+    Raises ValueError for ``repeats`` < 1, a negative ``consumer_rate`` or a bad ``short_side``
+    (before anything is made); :class:`stoker_lab.bench.netcluster.NetnsUnavailable`
     without CAP_NET_ADMIN (before anything is made), RuntimeError when a process fails (with its
     log), ``subprocess.TimeoutExpired`` when the driver runs past its limit.
     """
-    from ..sample_data import make_sample_data
+    from ..sample_data import SHORT_SIDE, make_sample_data
     from .netcluster import NetCluster, check_capability
     from .netcluster_faults import FAULTS, FaultHandler
     from .netcluster_ray import NetRay
@@ -81,6 +94,8 @@ def run(
             raise ValueError(f"unknown fault {f!r}; choose from {FAULTS}")
     if faults and hosts < 2:
         raise ValueError("fault runs need at least 2 hosts (the Ray head is never the victim)")
+    check_options(repeats, consumer_rate, short_side)
+    side = tuple(short_side) if short_side is not None else SHORT_SIDE
     check_capability()
     t0 = time.perf_counter()
     if workdir:
@@ -97,7 +112,7 @@ def run(
         phases[name], t_phase = now - t_phase, now
 
     try:
-        make_sample_data(data, images=images, classes=10, seed=seed)
+        make_sample_data(data, images=images, classes=10, seed=seed, short_side=side)
         lap("sample_data")
         with NetCluster(hosts, host_mbit, origin_mbit) as net:
             lap("namespaces")
@@ -128,11 +143,13 @@ def run(
                 "fault_peer_timeout_s": 2.0,
                 "request_dir": os.path.join(work, "requests"),
                 "state_check": state_check,
+                "repeats": repeats,
+                "consumer_rate": consumer_rate,
             }
             spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "rows.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
-            budget_s = 120 + job_timeout_s * (len(placements) * epochs * 2 + 3 * len(faults) + 2)
+            budget_s = 120 + job_timeout_s * (repeats * len(placements) * (epochs * 2 + 1) + 3 * len(faults) + 2)
             handler = FaultHandler(net, procs, spec["request_dir"])
             try:
                 procs.driver(
@@ -162,6 +179,9 @@ def run(
             "shard_bytes": shard_bytes,
             "cache_bytes_per_node": cache_bytes,
             "decode": decode,
+            "repeats": repeats,
+            "consumer_rate": consumer_rate,
+            "image_short_side": list(side),
             "jobs_run": "one after the other, so each job's kernel counts are its own",
             "rank_start": "together: a job's ranks start their clocks at one gate (bench/start_gate.py)",
         },
@@ -174,6 +194,8 @@ def run(
         "idle_busy_cores": rows.get("idle_busy_cores"),
         "peer_probe": rows.get("peer_probe"),
         "local_probe": rows.get("local_probe"),
+        "decode_probe": rows.get("decode_probe"),
+        "repeat_probes": rows.get("repeat_probes"),
         "phases_s": phases,
     }
     report["config"].update(
@@ -182,6 +204,22 @@ def run(
     report["summary"] = summary(report)
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def check_options(repeats: int, consumer_rate: float, short_side: tuple[int, int] | None) -> None:
+    """Raises ValueError naming the option for ``repeats`` < 1 (or not an integer), a negative or
+    non-finite ``consumer_rate`` (samples/s), or a ``short_side`` that is not two pixel counts
+    16 <= min <= max."""
+    import math
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if not isinstance(consumer_rate, (int, float)) or not math.isfinite(consumer_rate) or consumer_rate < 0:
+        raise ValueError(f"consumer rate must be a number >= 0 samples/s per rank, got {consumer_rate!r}")
+    if short_side is not None:
+        ok = len(short_side) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in short_side)
+        if not ok or not 16 <= short_side[0] <= short_side[1]:
+            raise ValueError(f"image short side must be MIN,MAX pixels with 16 <= MIN <= MAX, got {short_side!r}")
 
 
 def _excess(kernel: int, stoker: int) -> float | None:

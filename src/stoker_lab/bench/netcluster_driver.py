@@ -48,28 +48,71 @@ PLACEMENTS = ("direct", "random", "colocated")
 JOBS = ("job1", "job2")
 
 
-def _decode(data: bytes, key: str) -> None:
+def _decode(data: bytes, key: str) -> float:
+    """Decode one sample as training would (:func:`stoker.decode.image.decode_image`); returns
+    the CPU seconds this thread spent on it."""
     from stoker.decode.image import decode_image
 
+    t0 = time.thread_time()
     decode_image(data, key)
+    return time.thread_time() - t0
+
+
+class Consumer:
+    """The accelerator of one rank: it takes ``1 / rate`` seconds per sample (a training step's
+    compute), one sample after the other, and the rank reads the next sample only once the step
+    is over (no read-ahead: the driver's ranks read one sample at a time). ``rate`` 0: takes no
+    time. ``seconds``: the time it actually spent (sleeps run late on a loaded machine)."""
+
+    def __init__(self, rate: float) -> None:
+        if rate < 0:
+            raise ValueError(f"consumer rate must be >= 0 samples/s, got {rate!r}")
+        self.step_s = 1.0 / rate if rate > 0 else 0.0
+        self.seconds = 0.0
+
+    def step(self) -> None:
+        """One sample's step: sleeps ``1 / rate`` seconds (the accelerator's time, no CPU)."""
+        if self.step_s:
+            t0 = time.perf_counter()
+            time.sleep(self.step_s)
+            self.seconds += time.perf_counter() - t0
+
+
+def consume(read, ids, decode: bool, consumer_rate: float, key) -> dict:
+    """Read (``read(i)`` returns the sample's bytes) each of ``ids`` one after the other; with
+    ``decode`` decode it (``key(i)``: its key), then let the rank's :class:`Consumer` take it.
+    Returns ``{decode_cpu_s, consume_s}``: CPU seconds of decoding and seconds of consuming."""
+    gpu, dec = Consumer(consumer_rate), 0.0
+    for i in ids:
+        data = read(int(i))
+        if decode:
+            dec += _decode(data, key(int(i)))
+        gpu.step()
+    return {"decode_cpu_s": dec, "consume_s": gpu.seconds}
 
 
 def read_plan(
-    ctx, epoch: int, decode: bool = False, gate=None, gate_key: str = "", gate_s: float = 600.0
+    ctx,
+    epoch: int,
+    decode: bool = False,
+    gate=None,
+    gate_key: str = "",
+    gate_s: float = 600.0,
+    consumer_rate: float = 0.0,
 ) -> list[dict]:
     """Cluster ``train_fn``: read (and verify, and with ``decode`` decode) every sample of the
-    rank's plan for ``epoch``; returns ``ctx.epochs`` with the sample ids under ``ids``. With a
+    rank's plan for ``epoch``, each then taken by the rank's accelerator at ``consumer_rate``
+    samples/s (:class:`Consumer`; 0: none); returns ``ctx.epochs`` with the sample ids under
+    ``ids`` and :func:`consume`'s seconds. With a
     ``gate`` (:mod:`stoker_lab.bench.start_gate`) the rank starts its clock once every rank of the job
     has reached it (``gate_key``; waiting at most ``gate_s`` seconds)."""
     ids = ctx.plan(epoch, 0)
     pass_gate(gate, gate_key, ctx.world_size, gate_s)
     with ctx.measure(epoch, samples=len(ids)) as rec:
         c0 = cpu_marks()
-        for i in ids:
-            data = ctx.dataset.read(int(i))
-            if decode:
-                _decode(data, ctx.dataset.key(int(i)))
+        spent = consume(ctx.dataset.read, ids, decode, consumer_rate, ctx.dataset.key)
         rec["ids"], rec["cpu"] = ids.tolist(), [c0, cpu_marks()]
+        rec.update(spent)
     return ctx.epochs
 
 
@@ -121,15 +164,18 @@ def direct_rank(spec: dict) -> dict:
         ids = ids[:0]
     pass_gate(spec.get("gate"), spec.get("gate_key", ""), spec["world_size"], spec.get("gate_s", 600.0))
     origin0, local = ds.origin.counters.bytes, 0
-    started, t0, c0 = time.time(), time.perf_counter(), cpu_marks()
-    for i in ids:
+
+    def read(i: int) -> bytes:
+        nonlocal local
         hits = ds.read_stats.cache_hits
-        data = ds.read(int(i))
+        data = ds.read(i)
         if ds.read_stats.cache_hits > hits:
             local += len(data)
-        if spec["decode"]:
-            _decode(data, ds.key(int(i)))
-    return {
+        return data
+
+    started, t0, c0 = time.time(), time.perf_counter(), cpu_marks()
+    spent = consume(read, ids, spec["decode"], spec.get("consumer_rate", 0.0), ds.key)
+    return spent | {
         "epoch": spec["epoch"],
         "samples": len(ids),
         "seconds": time.perf_counter() - t0,
@@ -253,6 +299,9 @@ def _row(placement, job, epoch, recs, n, kernel, served, rank_hosts: list[int] |
     }
     if rank_hosts is not None:
         row["rank_hosts"] = [int(h) for h in rank_hosts]
+    for key in ("consume_s", "decode_cpu_s"):  # each rank's accelerator seconds and decode CPU seconds
+        if all(key in r for r in recs):
+            row[f"rank_{key}"] = [float(r[key]) for r in recs]
     if all("started_at" in r for r in recs):
         row["rank_start_s"] = start_offsets(recs)
     return row
@@ -335,12 +384,179 @@ def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict
     }
 
 
+def run_placements(
+    spec, repeat, mine, out, phases, url, opts, n, host_nodes, host_of, gate, served, direct_refs
+) -> None:
+    """One repeat of every placement (the body of :func:`main`'s loop): each placement on empty
+    caches, its control probe and idle cores into ``mine`` (with the random placement's peer
+    and local probes), its rows (``repeat`` set) appended to ``out["runs"]``, its seconds added
+    to ``phases``."""
+    import ray
+
+    from stoker.cluster.job import run as cluster_run
+    from stoker.cluster.service import stop_services
+
+    links = spec["links"]
+    gate_s = spec["job_timeout_s"]
+    for placement in spec["placements"]:
+        t_phase = time.perf_counter()
+        root = os.path.join(spec["workdir"], f"cache-{placement}")
+        shutil.rmtree(root, ignore_errors=True)
+        stop_services()
+
+        def probe_job(placement=placement, root=root) -> list[int]:
+            served()  # as every job's window holds one stats request
+            key = f"{repeat}/{placement}/control"
+            if placement == "direct":
+                ray.get(direct_refs(root, 0, read=False, key=key), timeout=spec["job_timeout_s"])
+                return list(range(len(host_nodes)))
+            res = cluster_run(
+                partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s),
+                url,
+                len(host_nodes),
+                {"CPU": 0.5},
+                storage_options=opts,
+                placement=placement,
+                cache_dir=root,
+                cache_bytes=spec["cache_bytes"],
+                block_bytes=spec["block_bytes"],
+                seed=spec["seed"] + 1,
+                job="control",
+                timeout_s=spec["job_timeout_s"],
+            )
+            return [host_of.get(r["node_id"], -1) for r in res]
+
+        mine.setdefault("control", {})[placement] = probe_control(placement, probe_job, links)
+        mine.setdefault("idle_busy_cores", {})[placement] = busy_cores(2.0)  # the cluster at rest
+        for epoch in range(spec["epochs"]):
+            for j, job in enumerate(JOBS):
+                before, s0 = read_counters(links), served()
+                cpu0 = machine_cpu_s()
+                key = f"{repeat}/{placement}/{job}/{epoch}"
+                if placement == "direct":
+                    recs = ray.get(direct_refs(root, epoch, key=key), timeout=spec["job_timeout_s"])
+                    hosts = list(range(len(recs)))  # rank r on host r
+                    svc_cpu = 0.0  # no cache service
+                else:
+                    svc0, scpu0 = services_origin_bytes(), services_cpu_s()
+                    fn = partial(
+                        read_plan,
+                        epoch=epoch,
+                        decode=spec["decode"],
+                        gate=gate,
+                        gate_key=key,
+                        gate_s=gate_s,
+                        consumer_rate=spec.get("consumer_rate", 0.0),
+                    )
+                    res = cluster_run(
+                        fn,
+                        url,
+                        len(host_nodes),
+                        {"CPU": 0.5},
+                        storage_options=opts,
+                        placement=placement,
+                        cache_dir=root,
+                        cache_bytes=spec["cache_bytes"],
+                        block_bytes=spec["block_bytes"],
+                        seed=spec["seed"] + 1 + j,
+                        job=job,
+                        timeout_s=spec["job_timeout_s"],
+                    )
+                    recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
+                    hosts = [host_of.get(r["node_id"], -1) for r in res]
+                    svc_cpu = services_cpu_s() - scpu0
+                cpu_s = machine_cpu_s() - cpu0
+                kernel = kernel_delta(before, read_counters(links))
+                row = _row(placement, job, epoch, recs, n, kernel, served() - s0, hosts)
+                row["repeat"] = repeat
+                row["machine_cpu_s"] = cpu_s  # the whole machine's busy CPU seconds, job start to end
+                row["epoch_cpu"] = epoch_cpu([tuple(r["cpu"]) for r in recs], svc_cpu, os.cpu_count() or 1)
+                out["runs"].append(row)
+                print(
+                    json.dumps(
+                        {k: row[k] for k in ("repeat", "placement", "job", "epoch", "seconds", "exactly_once")}
+                        | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
+                        | row["stoker"]
+                    ),
+                    flush=True,
+                )
+        for kind in ("peer", "local") if placement == "random" else ():  # probes, on the warmed caches
+            scpu0 = services_cpu_s()
+            res = cluster_run(
+                partial(
+                    peer_probe,
+                    gate=gate,
+                    gate_key=f"{repeat}/{placement}/{kind}-probe",
+                    gate_s=gate_s,
+                    local=kind == "local",
+                ),
+                url,
+                len(host_nodes),
+                {"CPU": 0.5},
+                storage_options=opts,
+                placement=placement,
+                cache_dir=root,
+                cache_bytes=spec["cache_bytes"],
+                block_bytes=spec["block_bytes"],
+                seed=spec["seed"] + 1 + len(JOBS),
+                job="probe",
+                timeout_s=spec["job_timeout_s"],
+            )
+            recs = [r["epochs"][-1] for r in res]
+            mine[f"{kind}_probe"] = {
+                "placement": placement,
+                "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
+                "ids": [r["ids"] for r in recs],
+                "seconds": max(r["seconds"] for r in recs),
+                "rank_seconds": [r["seconds"] for r in recs],
+                "rank_start_s": start_offsets(recs),
+                "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
+                "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
+                "samples_per_rank": PROBE_SAMPLES,
+                "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1),
+            }
+            print(
+                json.dumps(
+                    {
+                        f"{kind}_probe_s": mine[f"{kind}_probe"]["seconds"],
+                        "peer_bytes": mine[f"{kind}_probe"]["peer_bytes"],
+                    }
+                ),
+                flush=True,
+            )
+        stop_services()
+        shutil.rmtree(root, ignore_errors=True)
+        phases[placement] = phases.get(placement, 0.0) + time.perf_counter() - t_phase
+
+
+#: Samples the driver decodes in its decode probe (:func:`decode_probe`).
+DECODE_PROBE_SAMPLES = 200
+
+
+def decode_probe(ds, samples: int = DECODE_PROBE_SAMPLES) -> dict:
+    """CPU seconds per sample of decoding the dataset's samples as the ranks do
+    (:func:`_decode`), measured once in the driver's own process, apart from every epoch: the
+    first ``samples`` samples (evenly spaced over the dataset) are read into memory first, then
+    decoded one after the other. Returns ``{samples, cpu_s, seconds, cpu_s_per_sample}``
+    (``stoker simulate --validate`` takes a decode run's decode cost from the calibration run's
+    probe)."""
+    ids = np.linspace(0, len(ds) - 1, min(samples, len(ds))).astype(np.int64)
+    data = [(ds.read(int(i)), ds.key(int(i))) for i in ids]
+    t0, cpu = time.perf_counter(), 0.0
+    for blob, key in data:
+        cpu += _decode(blob, key)
+    return {
+        "samples": len(data),
+        "cpu_s": cpu,
+        "seconds": time.perf_counter() - t0,
+        "cpu_s_per_sample": cpu / len(data),
+    }
+
+
 def main(spec_path: str, out_path: str) -> int:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from stoker.cluster.job import run as cluster_run
-    from stoker.cluster.service import stop_services
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
 
@@ -370,7 +586,6 @@ def main(spec_path: str, out_path: str) -> int:
     by_ip = {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node.get("Alive")}
     host_nodes = [by_ip[ip] for ip in spec["host_ips"]]
     host_of = {nid: i for i, nid in enumerate(host_nodes)}
-    links = spec["links"]
 
     def served() -> int:  # the origin server's own count of body bytes sent
         import urllib.request
@@ -396,6 +611,7 @@ def main(spec_path: str, out_path: str) -> int:
                     "rank": r,
                     "world_size": len(host_nodes),
                     "decode": spec["decode"],
+                    "consumer_rate": spec.get("consumer_rate", 0.0),
                     "read": read,
                     "gate": gate,
                     "gate_key": key,
@@ -405,122 +621,15 @@ def main(spec_path: str, out_path: str) -> int:
             for r, node in enumerate(host_nodes)
         ]
 
-    for placement in spec["placements"]:
-        t_phase = time.perf_counter()
-        root = os.path.join(spec["workdir"], f"cache-{placement}")
-        shutil.rmtree(root, ignore_errors=True)
-        stop_services()
-
-        def probe_job(placement=placement, root=root) -> list[int]:
-            served()  # as every job's window holds one stats request
-            key = f"{placement}/control"
-            if placement == "direct":
-                ray.get(direct_refs(root, 0, read=False, key=key), timeout=spec["job_timeout_s"])
-                return list(range(len(host_nodes)))
-            res = cluster_run(
-                partial(no_reads, gate=gate, gate_key=key, gate_s=gate_s),
-                url,
-                len(host_nodes),
-                {"CPU": 0.5},
-                storage_options=opts,
-                placement=placement,
-                cache_dir=root,
-                cache_bytes=spec["cache_bytes"],
-                block_bytes=spec["block_bytes"],
-                seed=spec["seed"] + 1,
-                job="control",
-                timeout_s=spec["job_timeout_s"],
-            )
-            return [host_of.get(r["node_id"], -1) for r in res]
-
-        out.setdefault("control", {})[placement] = probe_control(placement, probe_job, links)
-        out.setdefault("idle_busy_cores", {})[placement] = busy_cores(2.0)  # the cluster at rest
-        for epoch in range(spec["epochs"]):
-            for j, job in enumerate(JOBS):
-                before, s0 = read_counters(links), served()
-                cpu0 = machine_cpu_s()
-                key = f"{placement}/{job}/{epoch}"
-                if placement == "direct":
-                    recs = ray.get(direct_refs(root, epoch, key=key), timeout=spec["job_timeout_s"])
-                    hosts = list(range(len(recs)))  # rank r on host r
-                    svc_cpu = 0.0  # no cache service
-                else:
-                    svc0, scpu0 = services_origin_bytes(), services_cpu_s()
-                    fn = partial(read_plan, epoch=epoch, decode=spec["decode"], gate=gate, gate_key=key, gate_s=gate_s)
-                    res = cluster_run(
-                        fn,
-                        url,
-                        len(host_nodes),
-                        {"CPU": 0.5},
-                        storage_options=opts,
-                        placement=placement,
-                        cache_dir=root,
-                        cache_bytes=spec["cache_bytes"],
-                        block_bytes=spec["block_bytes"],
-                        seed=spec["seed"] + 1 + j,
-                        job=job,
-                        timeout_s=spec["job_timeout_s"],
-                    )
-                    recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
-                    hosts = [host_of.get(r["node_id"], -1) for r in res]
-                    svc_cpu = services_cpu_s() - scpu0
-                cpu_s = machine_cpu_s() - cpu0
-                kernel = kernel_delta(before, read_counters(links))
-                row = _row(placement, job, epoch, recs, n, kernel, served() - s0, hosts)
-                row["machine_cpu_s"] = cpu_s  # the whole machine's busy CPU seconds, job start to end
-                row["epoch_cpu"] = epoch_cpu([tuple(r["cpu"]) for r in recs], svc_cpu, os.cpu_count() or 1)
-                out["runs"].append(row)
-                print(
-                    json.dumps(
-                        {k: row[k] for k in ("placement", "job", "epoch", "samples_per_s", "exactly_once")}
-                        | {"origin_link": kernel["origin_link_bytes"], "host_link": kernel["host_link_bytes"]}
-                        | row["stoker"]
-                    ),
-                    flush=True,
-                )
-        for kind in ("peer", "local") if placement == "random" else ():  # probes, on the warmed caches
-            scpu0 = services_cpu_s()
-            res = cluster_run(
-                partial(
-                    peer_probe, gate=gate, gate_key=f"{placement}/{kind}-probe", gate_s=gate_s, local=kind == "local"
-                ),
-                url,
-                len(host_nodes),
-                {"CPU": 0.5},
-                storage_options=opts,
-                placement=placement,
-                cache_dir=root,
-                cache_bytes=spec["cache_bytes"],
-                block_bytes=spec["block_bytes"],
-                seed=spec["seed"] + 1 + len(JOBS),
-                job="probe",
-                timeout_s=spec["job_timeout_s"],
-            )
-            recs = [r["epochs"][-1] for r in res]
-            out[f"{kind}_probe"] = {
-                "placement": placement,
-                "rank_hosts": [host_of.get(r["node_id"], -1) for r in res],
-                "ids": [r["ids"] for r in recs],
-                "seconds": max(r["seconds"] for r in recs),
-                "rank_seconds": [r["seconds"] for r in recs],
-                "rank_start_s": start_offsets(recs),
-                "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
-                "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
-                "samples_per_rank": PROBE_SAMPLES,
-                "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1),
-            }
-            print(
-                json.dumps(
-                    {
-                        f"{kind}_probe_s": out[f"{kind}_probe"]["seconds"],
-                        "peer_bytes": out[f"{kind}_probe"]["peer_bytes"],
-                    }
-                ),
-                flush=True,
-            )
-        stop_services()
-        shutil.rmtree(root, ignore_errors=True)
-        phases[placement] = time.perf_counter() - t_phase
+    out["decode_probe"] = decode_probe(ds)
+    repeats = int(spec.get("repeats", 1))
+    out["repeat_probes"] = []
+    for repeat in range(repeats):
+        mine: dict = {"repeat": repeat}
+        out["repeat_probes"].append(mine)
+        run_placements(spec, repeat, mine, out, phases, url, opts, n, host_nodes, host_of, gate, served, direct_refs)
+        if repeat == 0:  # the first repeat's probes where reports without repeats have them
+            out.update({k: v for k, v in mine.items() if k != "repeat"})
     if spec.get("faults"):
         from .netcluster_faults import fault_run
 

@@ -241,7 +241,36 @@ def _add_cluster(bench_sub) -> None:
     n.add_argument("--hosts", type=int, default=3, help="host namespaces (1..6)")
     n.add_argument("--host-mbit", type=float, default=400.0, help="each host link, Mbit/s per direction")
     n.add_argument("--origin-mbit", type=float, default=200.0, help="the origin link, Mbit/s per direction")
-    n.add_argument("--decode", action="store_true", help="decode every sample too (default: read and verify)")
+    n.add_argument(
+        "--decode",
+        action="store_true",
+        help="every rank decodes every sample it reads, as training would (stoker.decode; default: read and verify)",
+    )
+    n.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every placement N times, each on empty caches, in one report (each row gets 'repeat'; default 1)",
+    )
+    n.add_argument(
+        "--consumer-rate",
+        type=float,
+        default=0.0,
+        help="samples/s each rank's accelerator takes after each read (1/rate s a sample, no read-ahead; "
+        "default 0: none)",
+    )
+    n.add_argument(
+        "--cache-mib",
+        type=int,
+        default=256,
+        help="each node's cache budget, MiB (default 256; give more than the dataset for warm epochs that read "
+        "nothing from the origin in the direct placement)",
+    )
+    n.add_argument(
+        "--image-side",
+        help="the sample photos' shorter side in pixels, MIN,MAX (default 300,500: about 65 KB a photo; "
+        "400,600: about 90 KB)",
+    )
     n.add_argument("--plot", help="write a PNG of the bytes per link per epoch here")
     n.add_argument(
         "--faults",
@@ -272,6 +301,19 @@ def _cmd_cluster(a) -> int:
     return 0
 
 
+def _image_side(text: str | None) -> tuple[int, int] | None:
+    """``--image-side MIN,MAX`` as two integers (None when not given). Raises ValueError naming
+    the option for anything else."""
+    if text is None:
+        return None
+    parts = text.replace("-", ",").split(",")
+    try:
+        lo, hi = (int(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"--image-side {text!r}: want MIN,MAX pixels, e.g. 400,600") from None
+    return lo, hi
+
+
 def _cmd_cluster_netns(a) -> int:
     import signal
 
@@ -281,6 +323,16 @@ def _cmd_cluster_netns(a) -> int:
     def _term(signum, frame):  # SIGTERM tears the namespaces down like Ctrl-C does
         raise KeyboardInterrupt(f"signal {signum}")
 
+    try:
+        side = _image_side(a.image_side)
+        from ..bench.netcluster_bench import check_options
+
+        check_options(a.repeats, a.consumer_rate, side)
+        if a.cache_mib < 1:
+            raise ValueError(f"--cache-mib must be >= 1, got {a.cache_mib}")
+    except ValueError as exc:
+        print(f"stoker bench cluster --netns: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _term)
     try:
         faults = () if a.faults.strip() in ("", "none") else tuple(f.strip() for f in a.faults.split(","))
@@ -295,6 +347,10 @@ def _cmd_cluster_netns(a) -> int:
             workdir=a.workdir,
             faults=faults,
             state_check=not a.no_state_check,
+            repeats=a.repeats,
+            consumer_rate=a.consumer_rate,
+            short_side=side,
+            cache_bytes=a.cache_mib << 20,
         )
     except NetnsUnavailable as exc:
         print(f"stoker bench cluster --netns: cannot make network namespaces: {exc}", file=sys.stderr)

@@ -11,10 +11,11 @@ reports which rows are in sample and which are not.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -164,16 +165,85 @@ def netns_setup(report: dict, path: str, measured: bool = True, peak_Bps: float 
     )
 
 
-def local_latency(report: dict, path: str) -> Calibrated:
+def consumer_step_s(report: dict) -> float:
+    """Seconds a rank's accelerator takes per sample in a ``--netns`` report
+    (``config.consumer_rate``, samples/s; 0 for none and for reports made before the option)."""
+    rate = float(report["config"].get("consumer_rate", 0.0))
+    return 1.0 / rate if rate > 0 else 0.0
+
+
+def local_latency(report: dict, path: str, decode_cpu_s: float = 0.0) -> Calibrated:
     """Seconds per sample read from a warm node cache: the ``direct`` rows with no origin bytes
-    (warm), seconds of the slowest rank / samples per rank, averaged."""
-    rows = [r for r in report["runs"] if r["placement"] == "direct" and r["stoker"]["origin_bytes"] == 0]
+    (warm), seconds of the slowest rank / samples per rank, averaged, less the accelerator's
+    step (:func:`consumer_step_s`) and, in a run that decodes (``config.decode``), ``decode_cpu_s``
+    (each a per-sample time the model adds apart). The report's first repeat (rows without
+    ``repeat`` are repeat 0) only: the calibration run. Raises ValueError without such rows."""
+    rows = [
+        r
+        for r in report["runs"]
+        if r["placement"] == "direct" and r["stoker"]["origin_bytes"] == 0 and int(r.get("repeat", 0)) == 0
+    ]
     if not rows:
         raise ValueError(f"{path}: no warm direct epoch to calibrate the local read time from")
-    vals = [r["seconds"] / (r["samples"] / r["ranks"]) for r in rows]
+    less = consumer_step_s(report) + (decode_cpu_s if report["config"].get("decode") else 0.0)
+    vals = [max(r["seconds"] / (r["samples"] / r["ranks"]) - less, 0.0) for r in rows]
     return Calibrated(
-        sum(vals) / len(vals), f"{path}: warm direct epochs, seconds / samples per rank (mean of {len(vals)})"
+        sum(vals) / len(vals),
+        f"{path}: warm direct epochs of its first repeat, seconds / samples per rank (mean of {len(vals)})"
+        + (f", less {less * 1e3:.2f} ms a sample of accelerator step and decode" if less else ""),
     )
+
+
+def probe_local_latency(report: dict, path: str) -> Calibrated | None:
+    """Seconds per sample read from a warm node cache in a run that looks like training (an
+    accelerator, ``config.consumer_rate`` > 0, or ``config.decode``): its own local probe's
+    seconds over the most samples a rank read in it (every rank reading samples its own node
+    holds, all at once, apart from the epochs). Its warm epochs are mostly the accelerator's steps
+    and decoding, so what :func:`local_latency` would leave of them after subtracting those is
+    how late the accelerator's sleeps ran on the loaded machine, not a read. None for any other
+    run, or one without a local probe."""
+    cfg = report["config"]
+    probe = report.get("local_probe")
+    if not (float(cfg.get("consumer_rate", 0.0)) > 0 or cfg.get("decode")) or not probe:
+        return None
+    per_rank = max(len(ids) for ids in probe["ids"])
+    return Calibrated(
+        float(probe["seconds"]) / per_rank,
+        f"{path}: its own local probe ({per_rank} samples a rank in {probe['seconds']:.3f} s, after the epochs)",
+    )
+
+
+def decode_cpu(report: dict, path: str) -> Calibrated | None:
+    """CPU seconds of decoding one sample as the ranks do, from the report's ``decode_probe``
+    (``stoker_lab.bench.netcluster_driver.decode_probe``: the driver decodes 200 samples in one
+    process, apart from every epoch); None for a report without one (made before the probe)."""
+    probe = report.get("decode_probe")
+    if not probe:
+        return None
+    return Calibrated(
+        float(probe["cpu_s_per_sample"]),
+        f"{path}: decode_probe ({probe['samples']} samples decoded in one process, "
+        f"{probe['cpu_s'] * 1e3 / probe['samples']:.2f} ms CPU each, apart from every epoch)",
+    )
+
+
+#: The model reads a rank's plan in at most this many chunks (consecutive samples read one at a
+#: time: their latencies, CPU and bytes one after the other). The runs before the training-like
+#: ones (300 samples a rank or fewer) keep one sample a chunk; on the 3-host training run
+#: (``benchmarks/bench_cluster_netns_train_3hosts.json``, 1,100 samples a rank) chunks of 4 gave
+#: every epoch within 4% of one sample a chunk, 3x faster (its token buckets pass a lone
+#: sample at their peak rate, a chunk of several at the link's rate).
+MODEL_CHUNKS_PER_RANK = 300
+
+
+def model_chunk(report: dict) -> int:
+    """Samples per model chunk for a ``--netns`` report (:data:`MODEL_CHUNKS_PER_RANK`); 1 for a
+    report that does not say its samples and ranks per job."""
+    samples, ranks = (report.get("dataset") or {}).get("samples"), report["config"].get("ranks_per_job")
+    if not samples or not ranks:
+        return 1
+    per_rank = math.ceil(int(samples) / int(ranks))
+    return max(1, math.ceil(per_rank / MODEL_CHUNKS_PER_RANK))
 
 
 #: Cores one peer request can use at once: the rank's client code, then the owner's service code,
@@ -190,6 +260,8 @@ def netns_params(
     peak_Bps: float = 0.0,
     starting_processes: int = 0,
     local_cpu_s: float = 0.0,
+    decode_cpu_s: float = 0.0,
+    training: bool = True,
 ) -> Params:
     """:class:`Params` of a namespace-cluster report: its hosts, tbf link rates (Mbit/s per
     direction) times ``link_factor`` (the fraction of its rate a link delivers,
@@ -199,15 +271,23 @@ def netns_params(
     the emulated hosts share (:func:`fit_peer_cpu`); ``node_keys``: the nodes' placement keys
     (:class:`NetnsSetup`). With ``peak_Bps`` > 0 the links are the bench's token buckets
     (:func:`stoker_lab.bench.netcluster.burst_bytes` of their configured rate) passing ``peak_Bps``
-    while they hold tokens. One sample per request and per chunk: the driver's ``read_plan``
-    reads one sample at a time. ``starting_processes``: shares of the shared cores a rank takes
-    until its recorded start (:class:`stoker_lab.sim.model.Params`, :func:`fit_starting`). A
+    while they hold tokens. One sample per request: the driver's ``read_plan`` reads one sample
+    at a time; the epochs in chunks of :func:`model_chunk` such samples, a probe one a chunk.
+    ``starting_processes``: shares of the shared cores a rank takes until its recorded start
+    (:class:`stoker_lab.sim.model.Params`, :func:`fit_starting`). A
     request uses at most :data:`REQUEST_CORES` of the shared cores at once. ``local_cpu_s``: CPU
-    seconds of a cluster rank's read from its own node cache (:func:`fit_probe_cpu`, ``local``)."""
+    seconds of a cluster rank's read from its own node cache (:func:`fit_probe_cpu`, ``local``).
+    With ``training`` (the epochs; False: a probe, which only reads), each rank's accelerator takes
+    the report's ``config.consumer_rate`` samples/s after each read (the model's ``gpu_rate``, one
+    sample in flight) and, where the run decodes (``config.decode``), each sample costs
+    ``decode_cpu_s`` CPU seconds on the shared cores in the rank's process (:func:`decode_cpu`)."""
     from ..bench.netcluster import burst_bytes
 
     links, cfg = report["links"], report["config"]
     hosts = [v for k, v in links.items() if k != "origin"]
+    step = consumer_step_s(report) if training else 0.0
+    decode = decode_cpu_s if training and cfg.get("decode") else 0.0
+    shared = peer_cpu_s > 0 or decode > 0  # the shared cores are modelled
     return Params(
         nodes=report["hosts"],
         cache_bytes=cfg["cache_bytes_per_node"],
@@ -215,18 +295,20 @@ def netns_params(
         nic_Bps=min(h["mbit"] for h in hosts) * MBIT_BPS * link_factor,
         origin_latency_s=report["origin"]["latency_ms"] / 1e3,
         local_latency_s=local_s,
-        machine_cores=float(report["machine"]["cores"]) if peer_cpu_s > 0 else 0.0,
+        machine_cores=float(report["machine"]["cores"]) if shared else 0.0,
         peer_cpu_s=peer_cpu_s,
         prefetch_chunks=1,
         fetch_inflight=1,
-        chunk_samples=1,
+        chunk_samples=model_chunk(report) if training else 1,
         node_keys=node_keys,
         link_peak_Bps=peak_Bps,
         nic_bucket_bytes=burst_bytes(min(h["mbit"] for h in hosts)),
         origin_bucket_bytes=burst_bytes(links["origin"]["mbit"]),
         starting_processes=starting_processes if peer_cpu_s > 0 else 0,
-        request_cores=REQUEST_CORES if peer_cpu_s > 0 else 0.0,
+        request_cores=REQUEST_CORES if shared else 0.0,
         local_cpu_s=local_cpu_s if peer_cpu_s > 0 else 0.0,
+        gpu_rate=1.0 / step if step > 0 else 0.0,
+        decode_cpu_s=decode,
     )
 
 
@@ -275,19 +357,29 @@ def cold_direct_row(report: dict, path: str) -> dict:
     return rows[0]
 
 
-def fit_link_factor(report: dict, path: str, local_s: float, setup: NetnsSetup | None = None) -> Calibrated:
+def fit_link_factor(
+    report: dict, path: str, local_s: float, setup: NetnsSetup | None = None, decode_cpu_s: float = 0.0
+) -> Calibrated:
     """The fraction of their configured rate the report's tbf links deliver, fitted (:func:`_solve`)
     so the model's cold ``direct`` epoch (:func:`cold_direct_row`, a bandwidth-bound epoch)
     takes its measured seconds. Applied to the host links too: they are shaped by the same
     rule (tbf with a bucket of 10 ms of the rate, ``stoker_lab.bench.netcluster``). The kernel's
-    count of the epoch's origin-link bytes over its seconds is given beside it."""
+    count of the epoch's origin-link bytes over its seconds is given beside it. ``decode_cpu_s``:
+    as in :func:`netns_params` (the epoch's ranks decode in a run that does)."""
     row = cold_direct_row(report, path)
     setup = setup or netns_setup(report, path, measured=False)
     wl, jobs = setup.workload, setup.jobs(report, "direct")
 
     def cold_s(factor: float) -> float:
         res = simulate(
-            netns_params(report, local_s, link_factor=factor, node_keys=setup.node_keys, peak_Bps=setup.peak_Bps),
+            netns_params(
+                report,
+                local_s,
+                link_factor=factor,
+                node_keys=setup.node_keys,
+                peak_Bps=setup.peak_Bps,
+                decode_cpu_s=decode_cpu_s,
+            ),
             wl,
             "direct",
             jobs[:1],
@@ -409,13 +501,17 @@ def fit_probe_cpu(
     probe = probe_job(report, path, setup.order, kind)
     if setup.node_keys is None:
         raise ValueError(f"{path}: the {kind} probe needs the run's own dataset and node keys")
-    jobs = setup.jobs(report, "random") + [probe]
+    # the random jobs only warm the caches for the probe (their time is not used): coarse chunks
+    warm = [replace(j, chunk_samples=WARMUP_CHUNK) for j in setup.jobs(report, "random")]
+    jobs = warm + [probe]
 
     def probe_s(cpu_s: float) -> float:
         cpu_s = max(cpu_s, 1e-9)
         peer, local = (cpu_s, 0.0) if kind == "peer" else (max(peer_cpu_s, 1e-9), cpu_s)
         res = simulate(
-            netns_params(report, local_s, peer, link_factor, setup.node_keys, setup.peak_Bps, local_cpu_s=local),
+            netns_params(
+                report, local_s, peer, link_factor, setup.node_keys, setup.peak_Bps, local_cpu_s=local, training=False
+            ),
             setup.workload,
             "random",
             jobs,
@@ -434,6 +530,9 @@ def fit_probe_cpu(
         "all hosts; no epoch of the run is in it",
     )
 
+
+#: Samples per model chunk of the jobs that only warm the caches before a probe (:func:`fit_probe_cpu`).
+WARMUP_CHUNK = 64
 
 #: The most processes a rank's start-up is taken to keep busy (:func:`fit_starting`).
 MAX_STARTING_PROCESSES = 4

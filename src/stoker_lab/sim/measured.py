@@ -56,20 +56,25 @@ def netns_dataset(report: dict, path: str, workdir: str | None = None) -> tuple[
     (about 10 s for 900 images); later calls open the packed copy."""
     from stoker.store.pack import pack
 
-    from ..sample_data import make_sample_data
+    from ..sample_data import SHORT_SIDE, make_sample_data
 
     ds_info, cfg = report["dataset"], report["config"]
     images, seed = int(ds_info["samples"]), int(cfg.get("seed", 0))
     shard, block = int(cfg["shard_bytes"]), int(cfg["block_bytes"])
-    key = (images, seed, shard, block, workdir)
+    lo, hi = (int(x) for x in cfg.get("image_short_side", SHORT_SIDE))  # reports before the option: the default
+    side = (lo, hi)
+    key = (images, seed, shard, block, workdir, side)
     if key not in _MEMO:
-        base = os.path.join(workdir or os.path.join(tempfile.gettempdir(), "stoker-sim"), f"netns-{images}-{seed}")
+        name = f"netns-{images}-{seed}" + ("" if side == SHORT_SIDE else f"-side{side[0]}-{side[1]}")
+        base = os.path.join(workdir or os.path.join(tempfile.gettempdir(), "stoker-sim"), name)
         packed = os.path.join(base, f"packed-{shard}")
         try:
             try:
                 ds = _open(packed, block)
             except (OSError, ValueError):
-                make_sample_data(os.path.join(base, "data"), images=images, classes=NETNS_CLASSES, seed=seed)
+                make_sample_data(
+                    os.path.join(base, "data"), images=images, classes=NETNS_CLASSES, seed=seed, short_side=side
+                )
                 pack(os.path.join(base, "data", "train"), packed, shard_bytes=shard, overwrite=True, progress=False)
                 ds = _open(packed, block)
             _MEMO[key] = (from_dataset(ds, "netns"), ds.version, packed)
@@ -88,6 +93,7 @@ def netns_dataset(report: dict, path: str, workdir: str | None = None) -> tuple[
         )
     return wl, (
         f"{path}: its dataset made again ({images} images, seed {seed}, {NETNS_CLASSES} classes, "
+        f"short side {side[0]}-{side[1]} px, "
         f"shards of {shard} bytes; {packed}): {got[0]} samples, {got[1]} bytes, {got[2]} blocks "
         f"as reported, version {version}"
     )

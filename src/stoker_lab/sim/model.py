@@ -85,6 +85,10 @@ class Params:
     lone request may take every core). ``local_cpu_s``: CPU seconds a cluster rank's read from
     its own node cache costs on the shared cores (the cluster read path: block router, byte
     counters; not in the ``direct`` setup, whose reads ``local_latency_s`` covers).
+    ``decode_cpu_s``: CPU seconds each sample's decode costs on the shared cores (needs
+    ``machine_cores``), in the rank's own process after the sample is fetched (its lane, as its
+    requests: a rank decodes on one core at a time); 0: no such decode (the per-node decode
+    cores, ``decode_cores``, are apart).
     """
 
     nodes: int
@@ -117,6 +121,7 @@ class Params:
     starting_processes: int = 0
     request_cores: float = 0.0
     local_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0
 
 
 @dataclass
@@ -128,7 +133,8 @@ class Job:
     rank's start after the epoch's first (a measured run's start-up skew, ``world`` values >= 0);
     an epoch not in it starts every rank at once. ``plans``: each rank's sample ids (``world``
     int arrays), read in every epoch instead of the setup's epoch plans (a measured probe's reads;
-    None: :func:`stoker_lab.sim.decide.epoch_plans`)."""
+    None: :func:`stoker_lab.sim.decide.epoch_plans`). ``chunk_samples``: this job's chunk size
+    (None: :class:`Params`' own; e.g. a coarse one for a job that only warms the caches)."""
 
     name: str
     world: int
@@ -136,6 +142,7 @@ class Job:
     rank_nodes: list[int] | None = None
     start_s: dict[int, list[float]] = field(default_factory=dict)
     plans: list | None = None
+    chunk_samples: int | None = None
 
     def starts(self, epoch: int) -> list[float]:
         """Each rank's start offset in ``epoch``, seconds (zeros when not given). Raises
@@ -322,10 +329,12 @@ class _Run:
         index: int,
         start_s: float = 0.0,
         lane: int = -1,
+        chunk_samples: int | None = None,
     ):
         """SimPy process of one rank's epoch, begun ``start_s`` seconds from now (nothing of it
         before); sets ``seconds[index]`` to its own seconds, from its start to its end. ``lane``:
-        its slot among the ranks running together (its requests' core limit; -1: none)."""
+        its slot among the ranks running together (its requests' core limit; -1: none);
+        ``chunk_samples``: its chunk size (None: ``Params.chunk_samples``)."""
         p, env = self.p, self.env
         if start_s > 0:  # its start-up (a process started for it, its setup) runs until then, on
             starting = []  # the shared cores: never ending by itself (at most start_s x all cores)
@@ -338,7 +347,8 @@ class _Run:
             for flow in starting:
                 self.net.stop(flow)
         t0 = env.now
-        chunks = [plan[i : i + p.chunk_samples] for i in range(0, len(plan), p.chunk_samples)]
+        per_chunk = max(1, int(chunk_samples or p.chunk_samples))
+        chunks = [plan[i : i + per_chunk] for i in range(0, len(plan), per_chunk)]
         ready = [env.event() for _ in chunks]
         tokens = simpy.Container(env, capacity=max(1, p.prefetch_chunks), init=max(1, p.prefetch_chunks))
         fetching = simpy.Resource(env, max(1, p.fetch_inflight))
@@ -379,6 +389,9 @@ class _Run:
                         ]
                     )
                 self._land(mine, landed)
+            if p.decode_cpu_s > 0 and self.machine_cpu >= 0:  # decoded in the rank's process, on the shared cores
+                self.decode_s += len(c) * p.decode_cpu_s
+                yield self._cpu_flow(np.array([self.machine_cpu]), np.array([len(c) * p.decode_cpu_s]), lane)
             if p.decode_cores > 0 and p.decode_rate > 0:  # the node's cores, shared like a link;
                 with decoding.request() as turn:  # a rank's chunks decode in order
                     yield turn
@@ -439,7 +452,9 @@ def simulate(
                 marks[j.name] = (dict(run.counts), dict(run.net.bytes_on), max(len(x) for x in plans), run.decode_s)
                 secs_of = procs[j.name] = [0.0] * len(plans)
                 for r, (plan, start) in enumerate(zip(plans, j.starts(e), strict=True)):
-                    run.env.process(run.rank(int(pl.rank_node[r]), plan, pl.owner, secs_of, r, start, lane))
+                    run.env.process(
+                        run.rank(int(pl.rank_node[r]), plan, pl.owner, secs_of, r, start, lane, j.chunk_samples)
+                    )
                     lane += 1
             run.env.run()  # until every rank of the group is done
             for j in group:

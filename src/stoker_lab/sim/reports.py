@@ -7,7 +7,8 @@ instead of failing deep in the model. All of them raise ValueError with that lin
 
 - :func:`load_json`: any report (the file exists, is JSON and holds an object);
 - :func:`load_netns`: a ``stoker bench cluster --netns`` report, its ``peer_probe`` included
-  (:func:`check_peer_probe`);
+  (:func:`check_peer_probe`); :func:`netns_repeats`: such a report cut into one report per
+  repeat (a report of ``--repeats N`` holds N; one made before repeats, one);
 - :func:`load_demo`: a ``stoker demo --json`` report; :func:`load_decode`: a ``stoker bench
   decode --json`` report;
 - :func:`default_path`: where a default report is looked for (the source checkout, else the
@@ -160,17 +161,61 @@ def load_netns(path: str, option: str = "--netns") -> dict:
     if not runs:
         raise ValueError(f"{path}: no runs (no epoch to model)")
     jobs, epochs = {f"job{j + 1}" for j in range(int(rep["config"]["jobs"]))}, int(rep["config"]["epochs"])
+    repeats = int(_field(rep, "config.repeats", path, NETNS, low=1, integer=True)) if "repeats" in rep["config"] else 1
+    for key in ("consumer_rate",):
+        if key in rep["config"]:
+            _field(rep, f"config.{key}", path, NETNS, low=0)
     for i, r in enumerate(runs):
         _check_run(r, f"runs[{i}].", path, n, jobs, epochs, SETUPS)
+        if "repeat" in r:
+            _field(r, "repeat", path, NETNS, f"runs[{i}].", low=0, integer=True, high=repeats)
+    _check_probes(rep, "", path, n, samples)
+    probes = rep.get("repeat_probes")
+    if probes is not None:
+        for k, probe in enumerate(_list(probes, "repeat_probes", path)):
+            if not isinstance(probe, dict) or probe.get("repeat") != k:
+                raise ValueError(f"{path}: repeat_probes[{k}] is not the probes of repeat {k}")
+            _check_probes(probe, f"repeat_probes[{k}].", path, n, samples)
+    if rep.get("decode_probe") is not None:
+        _field(rep, "decode_probe.cpu_s_per_sample", path, NETNS, low=0, strict=True)
+    return rep
+
+
+def _check_probes(rep: dict, where: str, path: str, hosts: int, samples: int) -> None:
+    """A report's (or one repeat's, ``where``) control rank hosts and peer and local probes."""
     for placement, ctl in (rep.get("control") or {}).items():
-        hosts = ctl.get("rank_hosts") if isinstance(ctl, dict) else None
-        if hosts is not None:
-            for h in _list(hosts, f"control.{placement}.rank_hosts", path):
-                _num(h, f"control.{placement}.rank_hosts", path, low=-1, integer=True, high=n)
+        got = ctl.get("rank_hosts") if isinstance(ctl, dict) else None
+        if got is not None:
+            for h in _list(got, f"{where}control.{placement}.rank_hosts", path):
+                _num(h, f"{where}control.{placement}.rank_hosts", path, low=-1, integer=True, high=hosts)
     for kind in ("peer", "local"):
         if rep.get(f"{kind}_probe"):
-            check_peer_probe(rep[f"{kind}_probe"], path, n, samples, kind)
-    return rep
+            check_peer_probe(rep[f"{kind}_probe"], f"{path}: {where[:-1]}" if where else path, hosts, samples, kind)
+
+
+def run_repeat(row: dict) -> int:
+    """The repeat a ``--netns`` row belongs to: its ``repeat``, 0 for a row of a report made
+    before repeats."""
+    return int(row.get("repeat", 0))
+
+
+def netns_repeats(report: dict) -> list[tuple[int, dict]]:
+    """A ``--netns`` report (:func:`load_netns`) cut by repeat: ``[(repeat, report of that repeat
+    alone)]`` in repeat order, each a shallow copy with only that repeat's ``runs`` and that
+    repeat's ``control``, ``idle_busy_cores``, ``peer_probe`` and ``local_probe`` (from
+    ``repeat_probes``; the report's own for repeat 0 when it has none). A report made before
+    repeats (rows without ``repeat``) is one repeat, 0, and comes back unchanged."""
+    found = sorted({run_repeat(r) for r in report["runs"]})
+    if found == [0] and not report.get("repeat_probes"):
+        return [(0, report)]
+    probes = {int(p["repeat"]): p for p in report.get("repeat_probes") or []}
+    out = []
+    for k in found:
+        sub = dict(report, runs=[r for r in report["runs"] if run_repeat(r) == k])
+        for key in ("control", "idle_busy_cores", "peer_probe", "local_probe"):
+            sub[key] = probes[k].get(key) if k in probes else (report.get(key) if k == 0 else None)
+        out.append((k, sub))
+    return out
 
 
 def _check_run(r, where: str, path: str, hosts: int, jobs: set[str], epochs: int, setups: tuple[str, ...]) -> None:

@@ -320,6 +320,89 @@ def test_rows_keep_each_ranks_host_seconds_and_start():
     assert "rank_hosts" not in _row("random", "job1", 1, recs, 2, k, 0)
 
 
+# -- runs that look like training -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--repeats", "0"], "repeats must be an integer >= 1, got 0"),
+        (["--consumer-rate", "-1"], "consumer rate must be a number >= 0 samples/s per rank, got -1.0"),
+        (["--consumer-rate", "nan"], "consumer rate must be a number >= 0"),
+        (["--image-side", "600,400"], "image short side must be MIN,MAX pixels with 16 <= MIN <= MAX"),
+        (["--image-side", "big"], "--image-side 'big': want MIN,MAX pixels, e.g. 400,600"),
+    ],
+)
+def test_training_options_are_refused_in_one_line_before_anything_is_made(tmp_path, capsys, argv, message):
+    from stoker.cli import main
+
+    before = list_namespaces() if os.geteuid() == 0 else []
+    rc = main(["bench", "cluster", "--netns", "--workdir", str(tmp_path / "w"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "w").exists()
+    if os.geteuid() == 0:
+        assert list_namespaces() == before
+
+
+def test_run_checks_the_training_options_first():
+    from stoker_lab.bench.netcluster_bench import check_options, run
+
+    check_options(3, 120.0, (400, 600))
+    check_options(1, 0, None)
+    with pytest.raises(ValueError, match="repeats"):
+        run(repeats=0, faults=())
+    with pytest.raises(ValueError, match="repeats"):
+        check_options(True, 0, None)
+    with pytest.raises(ValueError, match="short side"):
+        check_options(1, 0, (400,))
+
+
+def test_a_rank_reads_decodes_and_hands_each_sample_to_its_accelerator():
+    import io
+
+    from PIL import Image
+
+    from stoker_lab.bench.netcluster_driver import Consumer, consume
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, format="JPEG")
+    order = []
+
+    def read(i: int) -> bytes:
+        order.append(i)
+        return buf.getvalue()
+
+    t0 = time.perf_counter()
+    got = consume(read, [3, 1, 2], True, 50.0, lambda i: f"k{i}")
+    assert order == [3, 1, 2]
+    assert got["consume_s"] >= 3 / 50.0 and time.perf_counter() - t0 >= 3 / 50.0
+    assert got["decode_cpu_s"] > 0
+    plain = consume(read, [0], False, 0.0, str)
+    assert plain == {"decode_cpu_s": 0.0, "consume_s": 0.0}
+    with pytest.raises(ValueError, match="consumer rate"):
+        Consumer(-1.0)
+
+
+def test_rows_keep_each_ranks_accelerator_and_decode_seconds():
+    from stoker_lab.bench.netcluster_driver import _row
+
+    k = {"origin_link_bytes": 0, "host_link_bytes": 0}
+    recs = [
+        {
+            "ids": [i],
+            "samples": 1,
+            "seconds": 1.0,
+            "local_bytes": 0,
+            "peer_bytes": 0,
+            "origin_bytes": 0,
+            "consume_s": 0.5 + i,
+            "decode_cpu_s": 0.01 * i,
+        }
+        for i in range(2)
+    ]
+    row = _row("direct", "job1", 0, recs, 2, k, 0)
+    assert row["rank_consume_s"] == [0.5, 1.5] and row["rank_decode_cpu_s"] == [0.0, 0.01]
+
+
 # -- faults ------------------------------------------------------------------------------------------
 def test_fault_requests_kill_a_host_and_take_its_link_down_for_a_while(tmp_path):
     """The driver's fault requests, carried out by the process that owns the namespaces: ``kill``

@@ -74,3 +74,26 @@ def test_bad_arguments(tmp_path):
         make_sample_data(str(tmp_path), images=3, classes=4)
     with pytest.raises(ValueError):
         make_sample_data(str(tmp_path), images=3, classes=0)
+
+
+def test_a_larger_short_side_makes_bigger_photos_and_is_part_of_the_parameters(tmp_path, sample_tree):
+    small = make_sample_data(str(tmp_path / "s"), images=20, classes=4, seed=0, workers=1)
+    big = make_sample_data(str(tmp_path / "b"), images=20, classes=4, seed=0, workers=1, short_side=(400, 600))
+    assert big["bytes"] > 1.2 * small["bytes"]
+    for f in sorted((tmp_path / "b").glob("train/*/*.JPEG")):
+        with Image.open(f) as im:
+            assert im.format == "JPEG" and 400 <= min(im.size) <= 600
+    manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert manifest["short_side"] == [400, 600]
+    assert "short_side" not in json.loads((tmp_path / "s" / MANIFEST).read_text())  # old trees still match
+    again = make_sample_data(str(tmp_path / "b"), images=20, classes=4, seed=0, workers=1, short_side=(400, 600))
+    assert not again["generated"]
+    other = make_sample_data(str(tmp_path / "b"), images=20, classes=4, seed=0, workers=1)
+    assert other["generated"] and other["bytes"] == small["bytes"]  # another side: made again
+
+
+@pytest.mark.parametrize("side", [(10, 20), (500, 400), (0, 0)])
+def test_a_bad_short_side_is_refused(tmp_path, side):
+    with pytest.raises(ValueError, match="short_side"):
+        make_sample_data(str(tmp_path), images=4, classes=4, short_side=side)
+    assert not (tmp_path / "train").exists()

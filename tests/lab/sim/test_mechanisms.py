@@ -187,8 +187,8 @@ def test_host_order_is_read_off_the_kernel_counters():
     assert order == truth and "kernel" in source
 
 
-def test_repeats_say_when_no_single_time_fits_every_repeat():
-    from stoker_lab.sim.validate import repeats
+def test_warm_epochs_say_when_no_single_time_fits_every_warm_epoch():
+    from stoker_lab.sim.validate import warm_epochs
 
     def row(job, epoch, meas, pred):
         return {
@@ -208,7 +208,7 @@ def test_repeats_say_when_no_single_time_fits_every_repeat():
         row("job2", 2, 3.0, 3.0),
         row("job3", 1, 3.0, 3.0),
     ]
-    got = {g["job"]: g for g in repeats(rows)}
+    got = {g["job"]: g for g in warm_epochs(rows)}
     assert set(got) == {"job1", "job2"}  # job3 has one warm epoch: no repeat
     assert got["job1"]["measured_spread"] == pytest.approx(2.44 / 1.74)
     assert not got["job1"]["one_prediction_fits"]  # 2.44 * 0.85 > 1.74 * 1.15
