@@ -560,16 +560,11 @@ def main(spec_path: str, out_path: str) -> int:
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
 
-    from .origin import upload_tree
+    from .origin import endpoint_options, upload_tree
 
     with open(spec_path) as f:
         spec = json.load(f)
-    opts = {
-        "endpoint_url": spec["endpoint_url"],
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
+    opts = endpoint_options(spec["endpoint_url"])
     ray.init(address=spec["address"], logging_level="ERROR", log_to_driver=False)
     t0 = time.perf_counter()
     upload_tree(spec["data_dir"], "s3://stoker/raw", opts)

@@ -33,6 +33,13 @@ _REGION = "us-east-1"
 ORIGIN_NICE = 10
 
 
+def endpoint_options(endpoint_url: str) -> dict:
+    """s3fs / fsspec kwargs for the emulated origin at ``endpoint_url`` (its fixed test
+    credentials and region): what a process that did not start the origin (a namespace driver)
+    passes."""
+    return {"endpoint_url": endpoint_url, **_CREDS, "client_kwargs": {"region_name": _REGION}}
+
+
 class LocalS3Origin:
     """A local S3-compatible origin that behaves like a remote one (context manager).
 
@@ -168,11 +175,7 @@ class LocalS3Origin:
 
     def storage_options(self, throttled: bool = True) -> dict:
         """Plain, picklable kwargs for s3fs / fsspec (through the proxy if ``throttled``)."""
-        return {
-            "endpoint_url": self.endpoint_url if throttled else self.direct_url,
-            **_CREDS,
-            "client_kwargs": {"region_name": _REGION},
-        }
+        return endpoint_options(self.endpoint_url if throttled else self.direct_url)
 
     def stats(self) -> dict:
         """Server counters: requests, object_gets, ranged_gets (fast path), passthrough,

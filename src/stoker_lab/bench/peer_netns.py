@@ -123,17 +123,13 @@ def main(spec_path: str, out_path: str) -> int:
     from stoker.store.pack import pack
 
     from . import peer_floor
+    from .origin import endpoint_options
     from .peer_report import peer_rows
     from .peer_stage import measure, stop
 
     with open(spec_path) as f:
         spec = json.load(f)
-    opts = {
-        "endpoint_url": spec["endpoint_url"],
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
+    opts = endpoint_options(spec["endpoint_url"])
     ray.init(address=spec["address"], logging_level=logging.ERROR, log_to_driver=False)
     holder: dict = {}
     phases = {}
