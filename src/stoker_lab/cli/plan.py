@@ -182,6 +182,15 @@ def inputs(a) -> tuple:
     if a.decode_rate is not None:
         cfg.decode_rate = number(a.decode_rate, "--decode-rate", 0, strict=True)
         src["decode_rate"] = "given (--decode-rate)"
+    if a.peer_latency is not None:
+        cfg.peer_latency_ms = latency(a.peer_latency, "--peer-latency") * 1e3
+        src["peer_latency_ms"] = f"given (--peer-latency {a.peer_latency})"
+    if a.no_read_ahead:
+        cfg.read_ahead = False
+        src["read_ahead"] = (
+            "given (--no-read-ahead): each rank reads one sample at a time (one request in flight), decodes it "
+            "and hands it to its GPU before the next read: time per sample = read + decode + 1 / gpu_rate"
+        )
     _check_output("--json", a.json)
     _check_output("--plot", a.plot)
     if a.plot and importlib.util.find_spec("matplotlib") is None:
@@ -198,9 +207,24 @@ def inputs(a) -> tuple:
     return cfg, cache, disk, src
 
 
+def setups(text: str | None) -> tuple[str, ...]:
+    """The setups of ``--setups`` (comma-separated; None: :data:`stoker_lab.sim.plan.PLAN_SETUPS`).
+    Raises ValueError naming the option for an unknown one."""
+    from ..sim.plan import PLAN_SETUPS, SETUP_NOTES
+
+    if text is None:
+        return PLAN_SETUPS
+    got = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in got if x not in SETUP_NOTES]
+    if bad or not got:
+        raise ValueError(f"--setups {text!r}: give some of {', '.join(SETUP_NOTES)}, comma-separated")
+    return got
+
+
 def cmd_plan(a) -> int:
     """``stoker plan``: check the options (:func:`inputs`), plan (:func:`stoker_lab.sim.plan.plan`),
     print the report, write ``--json`` and ``--plot``."""
+    chosen = setups(a.setups)
     cfg, cache, disk, src = inputs(a)
     from ..sim.plan import plan
     from ..sim.plan_report import plot, text
@@ -212,6 +236,7 @@ def cmd_plan(a) -> int:
         disk,
         curve_fractions=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25) if a.plot else (),
         on_step=lambda line: print(f"stoker plan: {line}", file=sys.stderr, flush=True),
+        setups=chosen,
     )
     print(text(report))
     if a.json:
@@ -251,6 +276,18 @@ def add_parsers(sub) -> None:
     p.add_argument("--decode-cores", help=f"decode cores per node, >= 0 (default {d.decode_cores}; 0: decode is free)")
     p.add_argument("--decode-rate", help=f"samples/s per decode core, > 0 (default {d.decode_rate:g})")
     p.add_argument("--measure", action="store_true", help="measure this machine's decode rate per core (a few s)")
+    p.add_argument("--peer-latency", help=f"per request to a peer's cache (default {d.peer_latency_ms:g}ms)")
+    p.add_argument(
+        "--no-read-ahead",
+        action="store_true",
+        help="ranks read one sample at a time, decode it and hand it to the GPU before the next read "
+        "(time per sample = read + decode + 1 / GPU rate); default: stoker's Loader, which reads ahead",
+    )
+    p.add_argument(
+        "--setups",
+        help="comma-separated, of direct, direct-cached (the bench's direct: a node cache each, unshared), "
+        "random, presence, colocated (default direct,presence,colocated)",
+    )
     p.add_argument("--epochs", help=f">= 1 (default {d.epochs})")
     p.add_argument("--json", help="write the plan here")
     p.add_argument("--plot", help="write GPU utilisation against cache per node here (PNG)")

@@ -26,8 +26,39 @@ from .scaling import SCALING_EPOCHS
 from .tdcs import TdcsConfig, assumptions, run_setup, workload
 from .workload import Workload
 
-#: The setups the planner compares (a subset of :data:`stoker_lab.sim.decide.SETUPS`).
+#: The setups the planner compares by default (a subset of :data:`stoker_lab.sim.decide.SETUPS`).
 PLAN_SETUPS = ("direct", "presence", "colocated")
+#: Every setup ``stoker plan --setups`` can run: each one's model and the placement of
+#: ``stoker bench cluster --netns`` (``direct``, ``random``, ``colocated``) it stands for, if any,
+#: with where the two differ (``bench_placement`` None: no such placement in the bench).
+SETUP_NOTES: dict[str, dict] = {
+    "direct": {
+        "model": "every rank reads the remote store, no cache at all",
+        "bench_placement": None,
+        "differs": "the bench's direct placement has a node cache on each host (plan's direct-cached)",
+    },
+    "direct-cached": {
+        "model": "ranks placed as direct; each node caches the blocks its own ranks read, shares none",
+        "bench_placement": "direct",
+        "differs": "the same reads; the bench's hosts share one machine's cores, which plan does not model",
+    },
+    "random": {
+        "model": "a distributed cache, ranks on random nodes, at most gpus_per_node a node",
+        "bench_placement": "random",
+        "differs": "the bench draws each rank's host with replacement (two ranks may share a host), plan "
+        "fills at most gpus_per_node a node, so its peer reads differ",
+    },
+    "presence": {
+        "model": "like random, on nodes that already hold the dataset (presence-only affinity)",
+        "bench_placement": None,
+        "differs": "no such placement in the bench",
+    },
+    "colocated": {
+        "model": "stoker's co-located placement and read plans",
+        "bench_placement": "colocated",
+        "differs": "the same placement code; the bench's hosts share one machine's cores",
+    },
+}
 #: GPU utilisation after the first epoch that the smallest cache per node must keep.
 TARGET_UTILIZATION = 0.9
 #: The bisection stops when its bracket is this fraction of ``dataset / nodes`` wide.
@@ -121,13 +152,14 @@ def plan(
     disk_bytes: int | None = None,
     curve_fractions: tuple[float, ...] = (),
     on_step: Callable[[str], None] | None = None,
+    setups: tuple[str, ...] = PLAN_SETUPS,
 ) -> dict:
     """The plan for ``cfg`` with ``cache_bytes`` of cache per node (``cfg.cache_fraction`` is
     ignored): ``{dataset_per_node_bytes, assumptions, setups, min_cache_per_node_bytes,
     colocated_changes_min_cache, curves}`` (``dataset_per_node_bytes``: :func:`share_bytes`).
 
     ``assumptions``: every parameter ``{name: {value, source}}`` (``sources`` override the TDCS
-    defaults'). ``setups``: for each of :data:`PLAN_SETUPS`, per epoch ``epoch_s`` (seconds),
+    defaults'). ``setups``: for each setup run, per epoch ``epoch_s`` (seconds),
     ``gpu_utilization``, ``bytes`` (``{origin|host_to_host|local: [bytes per epoch]}``),
     ``bottleneck`` (the busiest resource's name) and ``resource_utilization`` (each resource's).
     ``min_cache_per_node_bytes``: per setup the smallest cache per node for at least
@@ -135,9 +167,14 @@ def plan(
     disk ``disk_bytes`` if given, else the whole dataset; ``direct`` has no cache: 0 when it
     reaches it, else None). ``curves``: per setup ``[[cache bytes, utilisation], ...]`` of every
     point run, and of ``curve_fractions`` (of ``dataset / nodes``) too, for the plot.
-    ``on_step`` gets a line of progress per stage. Raises ValueError for a ``cache_bytes`` over
-    ``disk_bytes``."""
+    ``on_step`` gets a line of progress per stage. ``setups``: which of :data:`SETUP_NOTES` to run
+    (default :data:`PLAN_SETUPS`); ``setup_notes`` in the report says of each its model and the
+    ``stoker bench cluster --netns`` placement it stands for. Raises ValueError for a
+    ``cache_bytes`` over ``disk_bytes`` or an unknown setup."""
     say = on_step or (lambda _line: None)
+    bad = [s for s in setups if s not in SETUP_NOTES]
+    if bad or not setups:
+        raise ValueError(f"setups {', '.join(bad) or '(none)'}: give some of {', '.join(SETUP_NOTES)}")
     if disk_bytes is not None and cache_bytes > disk_bytes:
         raise ValueError(f"cache per node {cache_bytes} bytes is larger than the node's disk, {disk_bytes} bytes")
     wl = workload(cfg)
@@ -147,10 +184,10 @@ def plan(
     highs = sorted({min(top, int(math.ceil(share * f))) for f in (1.0, 1.5)} | {top})
     step = max(1, int(share * RESOLUTION))
     low = lower_bound(cfg, wl)
-    setups, best, curves = {}, {}, {}
-    for s in PLAN_SETUPS:
+    out, best, curves = {}, {}, {}
+    for s in setups:
         rows = run_setup(user, s, wl)
-        setups[s] = _setup_report(rows)
+        out[s] = _setup_report(rows)
         say(f"{s}: {len(rows)} epochs at {cache_bytes} bytes of cache per node")
         curve = _Curve(cfg, s, wl)
         if cfg.epochs >= 2:
@@ -188,9 +225,12 @@ def plan(
     return {
         "dataset_per_node_bytes": share,
         "assumptions": table,
-        "setups": setups,
+        "setups": out,
+        "setup_notes": {s: SETUP_NOTES[s] for s in setups},
         "min_cache_per_node_bytes": best,
-        "colocated_changes_min_cache": changes(best, step),
+        "colocated_changes_min_cache": changes(best, step)
+        if {"presence", "colocated"} <= set(setups)
+        else {"changes": None, "why": "presence and colocated were not both planned (--setups)"},
         "curves": curves,
     }
 

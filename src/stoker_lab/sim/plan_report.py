@@ -12,7 +12,8 @@ def _size(n: float | None) -> str:
 
 
 def text(report: dict) -> str:
-    """The plan as text: every assumption with its source, one table row per setup and epoch
+    """The plan as text: every assumption with its source, what each setup models (and the bench
+    placement it stands for), one table row per setup and epoch
     (seconds, GPU utilisation, GB per kind of link, bottleneck), the smallest cache per node per
     setup and whether co-located scheduling changes it."""
     out = ["assumptions:"]
@@ -20,6 +21,12 @@ def text(report: dict) -> str:
         val = v["value"]
         shown = f"{val:.6g}" if isinstance(val, float) else str(val)
         out.append(f"  {k} = {shown}   ({v['source']})")
+    notes = report.get("setup_notes", {})
+    if notes:
+        out += ["", "setups (and the stoker bench cluster --netns placement each stands for):"]
+        for s, n in notes.items():
+            bench = f"the bench's {n['bench_placement']}" if n["bench_placement"] else "no bench placement"
+            out.append(f"  {s}: {n['model']}; {bench} ({n['differs']})")
     out += [
         "",
         "| setup | epoch | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB | bottleneck |",
@@ -38,7 +45,10 @@ def text(report: dict) -> str:
         note = " (no cache: 0 when remote reads alone keep the GPUs busy)" if s == "direct" else ""
         out.append(f"  {s}: {_size(n)}{note}")
     ch = report["colocated_changes_min_cache"]
-    out.append(f"co-located scheduling {'changes' if ch['changes'] else 'does not change'} it: {ch['why']}")
+    if ch["changes"] is None:
+        out.append(f"co-located scheduling against presence-only affinity: {ch['why']}")
+    else:
+        out.append(f"co-located scheduling {'changes' if ch['changes'] else 'does not change'} it: {ch['why']}")
     return "\n".join(out)
 
 

@@ -10,6 +10,7 @@ parameter and its source is in :func:`assumptions`; the paper's 2-3x is not an i
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
 from .decide import SETUPS
@@ -46,6 +47,9 @@ def assumptions(cfg: TdcsConfig, sources: dict[str, str] | None = None) -> dict:
         "epochs": "epochs simulated",
         "jobs": "jobs sharing the dataset (GPUs split evenly between them)",
         "seed": "permutation seed",
+        "read_ahead": "stoker's Loader reads ahead of the GPU (prefetch_bytes, store_concurrency requests in "
+        "flight); False: each rank reads one sample at a time, decodes it and waits for its GPU step before the "
+        "next read (time per sample = read + decode + 1 / gpu_rate)",
     }
     src |= sources or {}
     return {k: {"value": v, "source": src.get(k, "")} for k, v in asdict(cfg).items()}
@@ -64,13 +68,35 @@ def workload(cfg: TdcsConfig) -> Workload:
     )
 
 
+#: Without read-ahead a rank's plan is read in at most this many chunks per epoch (a chunk's
+#: samples read one request at a time, then decoded, then stepped): the same serial time as one
+#: sample a chunk, the links shared at a coarser grain (as :mod:`stoker_lab.sim.calibrate` models
+#: the namespace cluster's ranks, which read that way).
+SERIAL_CHUNKS_PER_RANK = 300
+
+#: Setups of :func:`run_setup` beyond :data:`stoker_lab.sim.decide.SETUPS`: ``direct-cached``
+#: places ranks as ``direct`` does, each node caching the blocks its own ranks read and sharing
+#: none (``stoker bench cluster``'s ``direct`` placement: a node cache per host, no cluster).
+EXTRA_SETUPS = ("direct-cached",)
+
+
+def model_setup(setup: str) -> str:
+    """The model's setup (:data:`stoker_lab.sim.decide.SETUPS`) of a :func:`run_setup` setup."""
+    return "direct" if setup == "direct-cached" else setup
+
+
 def params(cfg: TdcsConfig, setup: str, wl: Workload) -> Params:
-    """:class:`Params` of ``cfg`` for ``setup`` (``direct`` has no cache). Chunks hold at most
-    ``cfg.chunk_samples`` samples and are cut smaller so that each rank has at least 8 per epoch
-    (a rank's first chunk is a ramp the rest of the epoch hides); a rank of one of ``cfg.jobs``
-    jobs reads the dataset split over its job's ranks, not over all GPUs."""
+    """:class:`Params` of ``cfg`` for ``setup`` (``direct`` has no cache; ``direct-cached`` a node
+    cache each, shared with no other node). Chunks hold at most ``cfg.chunk_samples`` samples and
+    are cut smaller so that each rank has at least 8 per epoch (a rank's first chunk is a ramp the
+    rest of the epoch hides); a rank of one of ``cfg.jobs`` jobs reads the dataset split over its
+    job's ranks, not over all GPUs. Without ``cfg.read_ahead`` a rank has one chunk in flight, its
+    requests one at a time, in chunks of at most ``samples per rank /``
+    :data:`SERIAL_CHUNKS_PER_RANK` samples (rounded up)."""
     per_rank = cfg.samples // max(1, cfg.nodes * cfg.gpus_per_node // cfg.jobs)
     chunk = min(cfg.chunk_samples, max(16, per_rank // 8))  # at least 8 chunks per rank and epoch
+    if not cfg.read_ahead:
+        chunk = max(1, math.ceil(per_rank / SERIAL_CHUNKS_PER_RANK))
     chunk_bytes = chunk * cfg.mean_sample_bytes
     cache = 0.0 if setup == "direct" else cfg.cache_fraction * float(wl.block_bytes.sum()) / cfg.nodes
     return Params(
@@ -84,10 +110,11 @@ def params(cfg: TdcsConfig, setup: str, wl: Workload) -> Params:
         decode_cores=cfg.decode_cores,
         decode_rate=cfg.decode_rate,
         origin_latency_s=cfg.store_latency_ms / 1e3,
-        origin_concurrency=cfg.store_concurrency,
+        origin_concurrency=cfg.store_concurrency if cfg.read_ahead else 1,
         peer_latency_s=cfg.peer_latency_ms / 1e3,
-        peer_concurrency=cfg.peer_concurrency,
-        prefetch_chunks=max(2, int(cfg.prefetch_bytes // chunk_bytes)),
+        peer_concurrency=cfg.peer_concurrency if cfg.read_ahead else 1,
+        prefetch_chunks=max(2, int(cfg.prefetch_bytes // chunk_bytes)) if cfg.read_ahead else 1,
+        fetch_inflight=1,
         chunk_samples=chunk,
         seed=cfg.seed,
     )
@@ -113,8 +140,9 @@ def bottleneck(p: Params, link_bytes: dict, seconds: float, decode_s: float, gpu
 
 
 def run_setup(cfg: TdcsConfig, setup: str, wl: Workload | None = None) -> list[dict]:
-    """Rows of one setup: per job and epoch, ``setup``, ``nodes``, ``gpus``, ``jobs``, ``job``,
-    ``epoch``, ``epoch_s``, ``gpu_utilization``, ``bytes`` (per kind of link) and ``bottleneck``."""
+    """Rows of one setup (:data:`stoker_lab.sim.decide.SETUPS` or :data:`EXTRA_SETUPS`): per job
+    and epoch, ``setup``, ``nodes``, ``gpus``, ``jobs``, ``job``, ``epoch``, ``epoch_s``,
+    ``gpu_utilization``, ``bytes`` (per kind of link) and ``bottleneck``."""
     wl = wl or workload(cfg)
     p = params(cfg, setup, wl)
     gpus = cfg.nodes * cfg.gpus_per_node
@@ -122,7 +150,7 @@ def run_setup(cfg: TdcsConfig, setup: str, wl: Workload | None = None) -> list[d
         raise ValueError(f"{gpus} GPUs do not split evenly over {cfg.jobs} jobs")
     jobs = [Job(f"job{j + 1}", gpus // cfg.jobs, cfg.seed + 1 + j) for j in range(cfg.jobs)]
     rows = []
-    for r in simulate(p, wl, setup, jobs, cfg.epochs):
+    for r in simulate(p, wl, model_setup(setup), jobs, cfg.epochs):
         rows.append(
             {
                 "setup": setup,

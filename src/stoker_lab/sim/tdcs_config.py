@@ -70,3 +70,6 @@ class TdcsConfig:
     epochs: int = 3
     jobs: int = 1
     seed: int = 0
+    #: False: a rank reads (one request at a time), decodes and hands each sample to its GPU before
+    #: it reads the next (a loader with no read-ahead); True: stoker's Loader, which reads ahead.
+    read_ahead: bool = True
