@@ -32,6 +32,11 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
+def __dir__() -> list[str]:
+    """The public names (imported on first use), for ``dir()`` and tab completion."""
+    return list(__all__)
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

@@ -493,7 +493,12 @@ def prepare(
     for another). ValueError (naming ``cache_bytes``) for a size that does not parse or no
     budget above 0; RuntimeError
     when no service answers; a service that cannot start raises as in :func:`start_services`,
-    or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out."""
+    or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out; RuntimeError
+    before ``ray.init()`` (outside a Ray worker), saying so."""
+    if not ray.is_initialized():
+        raise RuntimeError(
+            f"stoker.cluster needs a running Ray for {url}: call ray.init() first (or run inside a Ray worker)"
+        )
     opts = dict(storage_options or {})
     budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
     budget = (
