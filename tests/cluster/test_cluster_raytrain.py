@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
 
 import numpy as np
@@ -89,7 +90,11 @@ def test_torch_trainer_reads_colocated_through_the_cluster(cluster, fresh_servic
         scaling_config=ScalingConfig(**hint),
         run_config=RunConfig(storage_path=str(tmp_path / "runs"), name=f"stoker-{uuid.uuid4().hex[:8]}"),
     )
-    trainer.fit()
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        trainer.fit()
+    finally:  # Ray Train's fit() leaves its own SIGINT handler (an abort, then sys.exit) behind
+        signal.signal(signal.SIGINT, sigint)
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     # the workers ran where the hint put them
     assert sorted(r["actual_node"] for r in res) == sorted(chosen)
