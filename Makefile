@@ -29,7 +29,7 @@ demo-quick: venv
 test: venv
 	bash scripts/system_deps.sh
 	mkdir -p $(TEST_TMP)
-	STOKER_CACHE_DIR=$(TEST_TMP)/cache $(BIN)/python -m pytest -q --basetemp=$(TEST_TMP)/pytest
+	STOKER_CACHE_DIR=$(TEST_TMP)/cache $(BIN)/python -m pytest -q --durations=15 --basetemp=$(TEST_TMP)/pytest
 
 # ruff (E, F, I, B, UP; D for src/), ruff format and mypy, configured in pyproject.toml.
 lint: venv
