@@ -159,6 +159,30 @@ def test_link_rates_in_bits_or_bytes(text, bps):
 def test_latencies():
     assert latency("20ms", "--origin-latency") == pytest.approx(0.02)
     assert latency("0.5s", "--origin-latency") == pytest.approx(0.5)
+    assert latency("500us", "--origin-latency") == pytest.approx(5e-4)
+    assert latency("0ms", "--peer-latency") == 0
+
+
+def test_a_missing_gpu_rate_and_model_still_asks_for_one(capsys):
+    argv = [x for x in SMALL_ARGV if x not in ("--gpu-rate", "100")]
+    assert main([*argv, "--cache-per-node", "1GB"]) == 2
+    assert "give one of --gpu-rate (images/s per GPU) and --model (" in capsys.readouterr().err
+
+
+def test_the_progress_line_says_none_reaches_the_target_not_none(capsys):
+    # GPUs 10^4x faster than a 100 Mbit/s origin: no cache size keeps them 90% busy
+    argv = [x for x in SMALL_ARGV if x not in ("--gpu-rate", "100")]
+    argv += ["--gpu-rate", "1000000", "--origin-bandwidth", "100Mbit", "--cache-per-node", "100MB", "--epochs", "2"]
+    assert main([*argv, "--setups", "colocated"]) == 0
+    err = capsys.readouterr().err
+    assert "colocated: smallest cache per node for 90% GPU utilisation: none reaches 90%" in err
+    assert "None" not in err
+
+
+def test_gpus_per_node_help_says_what_it_is(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "accelerators (GPUs) on each node" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -176,7 +200,14 @@ def test_latencies():
         (["--origin-latency", "soon"], "--origin-latency 'soon'"),
         (["--cache-per-node", "3TB", "--disk", "2TB"], "larger than the node's disk"),
         (["--gpu-rate", "0"], "--gpu-rate must be > 0"),
-        (["--model", "resnet50-v100"], "give one of --gpu-rate"),
+        (["--model", "resnet50-v100"], "give only one of --gpu-rate or --model"),
+        (["--origin-latency", "20"], "--origin-latency '20': give a latency with its unit, e.g. 20ms"),
+        (["--origin-latency=-5ms"], "--origin-latency '-5ms': a latency must be >= 0"),
+        (["--origin-latency", "-5ms"], "written --origin-latency=VALUE; it takes a latency, >= 0)"),
+        (["--peer-latency", "1"], "--peer-latency '1': give a latency with its unit"),
+        (["--nodes", "--samples", "10"], "written --nodes=VALUE; it takes a number of nodes, >= 1)"),
+        (["--cache-per-node", "5XB"], "--cache-per-node '5XB': cannot read '5XB' as a size"),
+        (["--plot", "x.txt"], "--plot x.txt: name a file ending in a format matplotlib writes ("),
         (["--samples", "4.5"], "--samples '4.5': not an integer"),
         (["--epochs", "0"], "--epochs must be >= 1"),
         (["--json", "/no/such/dir/plan.json"], "--json /no/such/dir/plan.json: no directory"),
@@ -193,6 +224,8 @@ def test_bad_input_is_refused_in_one_line_exit_2(capsys, monkeypatch, extra, nee
         if name in argv:
             del argv[argv.index(name) : argv.index(name) + 2]
     argv += extra
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
     try:
         rc = main(argv)
     except SystemExit as e:  # argparse's own errors (an option without its value)
@@ -202,6 +235,8 @@ def test_bad_input_is_refused_in_one_line_exit_2(capsys, monkeypatch, extra, nee
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stoker plan: "), err
     assert needle in lines[0]
+    assert "sizes must be" not in lines[0] or "size" in needle
+    assert lines[0].count(extra[0].split("=")[0]) <= 2  # named once (an argparse line: in its own words too)
 
 
 def test_a_missing_figure_is_named(capsys):
