@@ -48,12 +48,17 @@ def link_rate(text: str, option: str) -> float:
 
 
 def latency(text: str, option: str) -> float:
-    """A latency in seconds from ``20ms``, ``0.02s``, ``500us`` or a bare number of milliseconds.
-    Raises ValueError naming ``option`` for other text or a negative value."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ms|s|us)?\s*", text, re.I)
+    """A latency in seconds from ``20ms``, ``0.02s`` or ``500us``. A bare number is refused (as a
+    link rate's: which unit it means is a guess). Raises ValueError naming ``option`` for other
+    text or a negative value."""
+    m = re.fullmatch(r"\s*(-?)([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ms|s|us)?\s*", text, re.I)
     if not m:
         raise ValueError(f"{option} {text!r}: give a latency such as 20ms or 0.02s")
-    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "us": 1e-6, "": 1e-3}[(m.group(2) or "").lower()]
+    if m.group(1):
+        raise ValueError(f"{option} {text!r}: a latency must be >= 0")
+    if not m.group(3):
+        raise ValueError(f"{option} {text!r}: give a latency with its unit, e.g. 20ms")
+    return float(m.group(2)) * {"ms": 1e-3, "s": 1.0, "us": 1e-6}[m.group(3).lower()]
 
 
 def size(text: str, option: str) -> int:
@@ -61,7 +66,8 @@ def size(text: str, option: str) -> int:
     try:
         n = parse_size(text, option)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{option} {text!r}: {e}") from None
+        why = str(e).removeprefix(f"{option}:").strip()  # parse_size names the option too: once
+        raise ValueError(f"{option} {text!r}: {why}") from None
     if n <= 0:
         raise ValueError(f"{option} {text!r}: must be more than 0 bytes")
     return n
@@ -86,6 +92,17 @@ def _check_output(option: str, path: str | None) -> None:
             raise ValueError(f"{option} {path}: is a directory, not a file to write")
         if not os.path.isdir(where):
             raise ValueError(f"{option} {path}: no directory {where} to write it in")
+
+
+def _check_plot_format(path: str) -> None:
+    """Refuse a ``--plot`` path whose extension is not a format matplotlib writes (ValueError)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in kinds:
+        shown = ", ".join(sorted(kinds))
+        raise ValueError(f"--plot {path}: name a file ending in a format matplotlib writes ({shown})")
 
 
 def measure_decode_rate() -> float:
@@ -123,7 +140,9 @@ def inputs(a) -> tuple:
     ):
         if getattr(a, dest) is None:
             raise ValueError(f"{opt} is needed (see stoker plan --help)")
-    if (a.gpu_rate is None) == (a.model is None):
+    if a.gpu_rate is not None and a.model is not None:
+        raise ValueError("give only one of --gpu-rate or --model")
+    if a.gpu_rate is None and a.model is None:
         raise ValueError("give one of --gpu-rate (images/s per GPU) and --model (" + ", ".join(GPU_MODELS) + ")")
     if a.measure and a.decode_rate is not None:
         raise ValueError("--measure and --decode-rate both give the decode rate: give one")
@@ -195,6 +214,8 @@ def inputs(a) -> tuple:
     _check_output("--plot", a.plot)
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+    if a.plot:
+        _check_plot_format(a.plot)
     if a.measure:
         for name in ("skimage", "sklearn"):  # the sample photos' maker needs them (the lab extra)
             if importlib.util.find_spec(name) is None:
@@ -262,7 +283,9 @@ def add_parsers(sub) -> None:
         "20ms. Every assumption is printed with its source.",
     )
     p.add_argument("--nodes", help="nodes (>= 1)")
-    p.add_argument("--gpus-per-node", help=">= 1")
+    p.add_argument(
+        "--gpus-per-node", help="accelerators (GPUs) on each node, one training rank each (>= 1; ranks = nodes x this)"
+    )
     p.add_argument("--gpu-rate", help="images (samples)/s one GPU trains on, > 0 (or --model)")
     p.add_argument("--model", help=f"a published GPU rate instead of --gpu-rate: {', '.join(GPU_MODELS)}")
     p.add_argument("--samples", help="samples in the dataset (>= 1)")
@@ -290,16 +313,39 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--epochs", help=f">= 1 (default {d.epochs})")
     p.add_argument("--json", help="write the plan here")
-    p.add_argument("--plot", help="write GPU utilisation against cache per node here (PNG)")
+    p.add_argument("--plot", help="write GPU utilisation against cache per node here (.png, .pdf, .svg, ...)")
     p.set_defaults(fn=cmd_plan)
     p.error = _one_line  # type: ignore[method-assign]
+
+
+#: What each option's value is, for argparse's "expected one argument" (a value starting with '-').
+_WHAT = {
+    "--dataset-bytes": "a size, > 0",
+    "--cache-per-node": "a size, > 0",
+    "--disk": "a size, > 0",
+    "--origin-latency": "a latency, >= 0",
+    "--peer-latency": "a latency, >= 0",
+    "--origin-bandwidth": "a link rate, > 0",
+    "--nic": "a link rate, > 0",
+    "--cache-read": "a bandwidth, > 0",
+    "--nodes": "a number of nodes, >= 1",
+    "--gpus-per-node": "a number of GPUs, >= 1",
+    "--samples": "a number of samples, >= 1",
+    "--epochs": "a number of epochs, >= 1",
+    "--decode-cores": "a number of cores, >= 0",
+    "--gpu-rate": "samples/s, > 0",
+    "--decode-rate": "samples/s, > 0",
+}
 
 
 def _one_line(message: str) -> None:
     """argparse's errors of ``stoker plan``'s own options (an option without its value) in one
     line, exit 2, as the checked options' are. ``--dataset-bytes -5GB`` reads to argparse as an
-    option without a value: the line says so."""
-    if "expected one argument" in message:
-        message += " (a value starting with '-', such as a negative size, is written --option=VALUE; sizes must be > 0)"
+    option without a value: the line says so, and what the option's value must be."""
+    m = re.match(r"argument (--[a-z-]+): expected one argument", message)
+    if m:
+        opt = m.group(1)
+        what = f"; it takes {_WHAT[opt]}" if opt in _WHAT else ""
+        message += f" (a value starting with '-' is written {opt}=VALUE{what})"
     print(f"stoker plan: {message}", file=sys.stderr)
     raise SystemExit(2)

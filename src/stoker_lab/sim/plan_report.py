@@ -53,9 +53,10 @@ def text(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """A PNG at ``path``: GPU utilisation after the first epoch against cache per node (GB), one
-    line per setup (``direct``, which has no cache, as a flat line), the target dotted; points over
-    twice ``dataset / nodes`` (a large cache given by the user) are left out, saying so."""
+    """A figure at ``path``, in the format its extension names (``.png``, ``.pdf``, ``.svg``): GPU
+    utilisation after the first epoch against cache per node (GB), one line per setup (``direct``,
+    which has no cache, as a flat line), the target dotted; points over twice ``dataset / nodes``
+    (a large cache given by the user) are left out, saying so."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -159,6 +159,30 @@ def test_link_rates_in_bits_or_bytes(text, bps):
 def test_latencies():
     assert latency("20ms", "--origin-latency") == pytest.approx(0.02)
     assert latency("0.5s", "--origin-latency") == pytest.approx(0.5)
+    assert latency("500us", "--origin-latency") == pytest.approx(5e-4)
+    assert latency("0ms", "--peer-latency") == 0
+
+
+def test_a_missing_gpu_rate_and_model_still_asks_for_one(capsys):
+    argv = [x for x in SMALL_ARGV if x not in ("--gpu-rate", "100")]
+    assert main([*argv, "--cache-per-node", "1GB"]) == 2
+    assert "give one of --gpu-rate (images/s per GPU) and --model (" in capsys.readouterr().err
+
+
+def test_the_progress_line_says_none_reaches_the_target_not_none(capsys):
+    # GPUs 10^4x faster than a 100 Mbit/s origin: no cache size keeps them 90% busy
+    argv = [x for x in SMALL_ARGV if x not in ("--gpu-rate", "100")]
+    argv += ["--gpu-rate", "1000000", "--origin-bandwidth", "100Mbit", "--cache-per-node", "100MB", "--epochs", "2"]
+    assert main([*argv, "--setups", "colocated"]) == 0
+    err = capsys.readouterr().err
+    assert "colocated: smallest cache per node for 90% GPU utilisation: none reaches 90%" in err
+    assert "None" not in err
+
+
+def test_gpus_per_node_help_says_what_it_is(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "accelerators (GPUs) on each node" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -176,7 +200,14 @@ def test_latencies():
         (["--origin-latency", "soon"], "--origin-latency 'soon'"),
         (["--cache-per-node", "3TB", "--disk", "2TB"], "larger than the node's disk"),
         (["--gpu-rate", "0"], "--gpu-rate must be > 0"),
-        (["--model", "resnet50-v100"], "give one of --gpu-rate"),
+        (["--model", "resnet50-v100"], "give only one of --gpu-rate or --model"),
+        (["--origin-latency", "20"], "--origin-latency '20': give a latency with its unit, e.g. 20ms"),
+        (["--origin-latency=-5ms"], "--origin-latency '-5ms': a latency must be >= 0"),
+        (["--origin-latency", "-5ms"], "written --origin-latency=VALUE; it takes a latency, >= 0)"),
+        (["--peer-latency", "1"], "--peer-latency '1': give a latency with its unit"),
+        (["--nodes", "--samples", "10"], "written --nodes=VALUE; it takes a number of nodes, >= 1)"),
+        (["--cache-per-node", "5XB"], "--cache-per-node '5XB': cannot read '5XB' as a size"),
+        (["--plot", "x.txt"], "--plot x.txt: name a file ending in a format matplotlib writes ("),
         (["--samples", "4.5"], "--samples '4.5': not an integer"),
         (["--epochs", "0"], "--epochs must be >= 1"),
         (["--json", "/no/such/dir/plan.json"], "--json /no/such/dir/plan.json: no directory"),
@@ -193,6 +224,8 @@ def test_bad_input_is_refused_in_one_line_exit_2(capsys, monkeypatch, extra, nee
         if name in argv:
             del argv[argv.index(name) : argv.index(name) + 2]
     argv += extra
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
     try:
         rc = main(argv)
     except SystemExit as e:  # argparse's own errors (an option without its value)
@@ -202,6 +235,8 @@ def test_bad_input_is_refused_in_one_line_exit_2(capsys, monkeypatch, extra, nee
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stoker plan: "), err
     assert needle in lines[0]
+    assert "sizes must be" not in lines[0] or "size" in needle
+    assert lines[0].count(extra[0].split("=")[0]) <= 2  # named once (an argparse line: in its own words too)
 
 
 def test_a_missing_figure_is_named(capsys):
@@ -253,3 +288,82 @@ def test_a_model_name_gives_its_published_rate_and_source(monkeypatch):
         main([*argv, "--cache-per-node", "1GB", "--model", "resnet50-a100"])
     assert seen["cfg"].gpu_rate == pytest.approx(16621 / 8)
     assert "DGX A100" in seen["sources"]["gpu_rate"] and "16621 img/s" in seen["sources"]["gpu_rate"]
+
+
+#: A dataset ten times the scaling bound: 40,000 samples of 100 kB on 2 nodes x 2 GPUs at 100
+#: samples/s, origin 100 Mbit/s (the origin binds, so the cache search has an answer), one decode
+#: core each; chunks of 32 samples, so that the scaled model still has 31 chunks per rank.
+BIG = TdcsConfig(
+    nodes=2,
+    gpus_per_node=2,
+    gpu_rate=100.0,
+    samples=40_000,
+    mean_sample_bytes=100_000,
+    decode_cores=1,
+    decode_rate=300.0,
+    store_gbit=0.1,
+    chunk_samples=32,
+    epochs=2,
+)
+
+
+def test_a_dataset_over_the_bound_is_planned_scaled_down_with_the_same_answers(monkeypatch):
+    # with no bound the model walks all 40,000 samples; with a bound of 4,000 it walks 4,000 of
+    # 10x the bytes (GPU and decode rates / 10). A scaled chunk is 10 of the user's back to back,
+    # so the epoch's edges (the first chunk's wait, the last one's GPU time) are coarser: at most
+    # two scaled chunks of a rank's 1,000 samples, 2 x 32 / 1000 = 6.4% of an epoch. Origin bytes
+    # differ by the tar headers and padding (about 768 B of each 100 kB sample, ten times fewer
+    # of them scaled): within 1%. The split of the rest between a node's own cache and its peers'
+    # is drawn by block, 5,000 blocks unscaled and 500 scaled (8 MB each): within 2% of the 4 GB
+    # (10 scaled blocks). The smallest cache moves with the utilisation curve: the same
+    # 6.4% plus the search's resolution.
+    import stoker_lab.sim.plan as plan_mod
+
+    setups = ("direct", "colocated")
+    monkeypatch.setattr(plan_mod, "MAX_SAMPLES", 10**9)
+    full = plan(BIG, 10**9, setups=setups)
+    monkeypatch.setattr(plan_mod, "MAX_SAMPLES", 4_000)
+    lines: list[str] = []
+    small = plan(BIG, 10**9, setups=setups, on_step=lines.append)
+    assert full["assumptions"]["sample_scale"]["value"] == 1.0
+    assert small["assumptions"]["sample_scale"]["value"] == pytest.approx(10.0)
+    assert "4000 samples" in small["assumptions"]["sample_scale"]["source"]
+    assert small["assumptions"]["samples"]["value"] == 40_000  # the user's figures, not the model's
+    assert small["assumptions"]["gpu_rate"]["value"] == 100.0
+    assert any("40000 samples planned as 4000" in line for line in lines)
+    tol = 2 * 32 / 1000
+    for s in setups:
+        a, b = full["setups"][s], small["setups"][s]
+        assert b["epoch_s"] == pytest.approx(a["epoch_s"], rel=tol), s
+        assert b["gpu_utilization"] == pytest.approx(a["gpu_utilization"], rel=tol), s
+        assert b["bytes"]["origin"] == pytest.approx(a["bytes"]["origin"], rel=0.01), s
+        for kind in ("host_to_host", "local"):  # which node a block is read on: 500 blocks scaled
+            assert b["bytes"][kind] == pytest.approx(a["bytes"][kind], abs=0.02 * 4e9), (s, kind)
+        assert b["bottleneck"] == a["bottleneck"], s
+    got, want = small["min_cache_per_node_bytes"]["colocated"], full["min_cache_per_node_bytes"]["colocated"]
+    assert got is not None and want is not None
+    assert got == pytest.approx(want, abs=(tol + 0.02) * full["dataset_per_node_bytes"])
+
+
+def _peak_traced_bytes(samples: int) -> int:
+    import tracemalloc
+
+    import stoker_lab.sim.plan as plan_mod
+
+    plan_mod.MAX_SAMPLES = 4_000
+    tracemalloc.start()
+    plan(replace(BIG, samples=samples, mean_sample_bytes=4e9 / samples), 10**9, setups=("colocated",))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def test_planning_a_dataset_over_the_bound_takes_the_memory_of_the_bound():
+    from _helpers import in_child
+
+    # the same 4 GB in 4,000 samples and in 400,000: past the bound the model walks 4,000 either
+    # way, so the peak of traced memory does not grow with the samples (unscaled it grows 100x:
+    # per-sample arrays of 8 bytes a sample, several of them)
+    at_bound = in_child(_peak_traced_bytes, 4_000, timeout_s=300)
+    over = in_child(_peak_traced_bytes, 400_000, timeout_s=300)
+    assert over < 1.5 * at_bound + 1e6, (over, at_bound)
