@@ -184,42 +184,32 @@ def test_quick_start_on_s3_through_the_aws_environment(tmp_path, moto_s3):
         assert "epoch 1" in out, out
 
 
-def test_ddp_recipe_runs_under_torchrun(tmp_path):
-    pytest.importorskip("torch.distributed")
-    blocks = _blocks("torchrun")
-    assert blocks, "no <!-- test: torchrun --> block in the README or docs/"
+def _run_recipes(tmp_path: Path, tag: str, launch: list[str], env: dict, timeout_s: float = 240) -> list[str]:
+    """Run each ``<!-- test: tag -->`` block of the README and docs/ as a script, started by
+    ``launch + [script, workdir]``, each in a work folder of its own; their outputs."""
+    blocks = _blocks(tag)
+    assert blocks, f"no <!-- test: {tag} --> block in the README or docs/"
+    outs = []
     for i, code in enumerate(blocks):
-        script = tmp_path / f"train_ddp{i}.py"
+        script = tmp_path / f"recipe_{tag}{i}.py"
         script.write_text(code)
         work = tmp_path / f"work{i}"
         work.mkdir()
-        out = _run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                str(script),
-                str(work),
-            ],
-            tmp_path,
-            _env(OMP_NUM_THREADS="1"),
-        )
+        outs.append(_run([*launch, str(script), str(work)], tmp_path, env, timeout_s))
+    return outs
+
+
+def test_ddp_recipe_runs_under_torchrun(tmp_path):
+    pytest.importorskip("torch.distributed")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for out in _run_recipes(tmp_path, "torchrun", launch, _env(OMP_NUM_THREADS="1")):
         for rank in (0, 1):
             assert f"rank {rank} epoch 1" in out, out
 
 
 def test_lightning_recipe_trains_two_epochs_on_two_ranks_and_exits(tmp_path):
     pytest.importorskip("lightning")
-    blocks = _blocks("lightning")
-    assert blocks, "no <!-- test: lightning --> block in the README or docs/"
-    for i, code in enumerate(blocks):
-        script = tmp_path / f"train_pl{i}.py"
-        script.write_text(code)
-        work = tmp_path / f"work{i}"
-        work.mkdir()
-        out = _run([sys.executable, str(script), str(work)], tmp_path, _env(OMP_NUM_THREADS="1"))
+    for out in _run_recipes(tmp_path, "lightning", [sys.executable], _env(OMP_NUM_THREADS="1")):
         for rank in (0, 1):
             for epoch in (0, 1):
                 assert f"rank {rank} epoch {epoch}: 16 samples" in out, out
@@ -227,15 +217,8 @@ def test_lightning_recipe_trains_two_epochs_on_two_ranks_and_exits(tmp_path):
 
 def test_ray_train_recipe_reads_the_cluster_cache_on_two_workers(tmp_path):
     pytest.importorskip("ray.train")
-    blocks = _blocks("ray-train")
-    assert blocks, "no <!-- test: ray-train --> block in the README or docs/"
-    for i, code in enumerate(blocks):
-        script = tmp_path / f"train_ray{i}.py"
-        script.write_text(code)
-        work = tmp_path / f"work{i}"
-        work.mkdir()
-        env = _env(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")  # every rank's line, not one per pattern
-        out = _run([sys.executable, str(script), str(work)], tmp_path, env, timeout_s=420)
+    env = _env(OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")  # every rank's line, not one per pattern
+    for out in _run_recipes(tmp_path, "ray-train", [sys.executable], env, timeout_s=420):
         for rank in (0, 1):
             assert f"rank {rank} epoch 0: 16 samples" in out, out
             assert f"rank {rank} epoch 1: 16 samples, local 100%" in out, out  # one node: all cached there

@@ -270,7 +270,8 @@ def test_a_block_filled_while_its_reader_waited_is_no_tier_hit(tmp_path, packed_
     )
     assert ds.reader.fill_block(0, blocking=True, want_data=False) == "filled"  # another process's fill, say
     before = ds.cache.stats.memory_hits
-    assert ds.reader.fill_block(0, blocking=True, want_data=True) is not None  # the waiter reads the whole block
+    status, data = ds.reader.fill_block(0, blocking=True, want_data=True)  # the waiter reads the whole block
+    assert status == "cached" and len(data) == int(ds.block_end[0] - ds.block_start[0])  # nothing fetched
     assert ds.cache.stats.memory_hits == before  # its sample is a miss, not a memory-tier hit
     ds.read(int(np.flatnonzero(ds.sample_block == 0)[0]))
     assert ds.cache.stats.memory_hits == before + 1  # a sample read from the tier is

@@ -11,6 +11,8 @@ import uuid
 import numpy as np
 import pytest
 
+from stoker.errors import CapacityError
+
 ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 
@@ -145,6 +147,9 @@ def test_placement_hint_prefers_the_nodes_holding_the_data(cluster, fresh_servic
     assert hint == {"num_workers": 1, "label_selector": [{"ray.io/node-id": target}]}
     with pytest.raises(ValueError, match="num_workers"):
         placement_hint(url, 0, **common)
+    with pytest.raises(CapacityError, match=r"99 ranks asking for \{'CPU': 1\.0\}.*total") as ei:
+        placement_hint(url, 99, {"CPU": 1}, **common)  # the cluster's totals never hold them: no wait
+    assert "waited" not in str(ei.value)
 
 
 def test_rank_context_without_a_process_group_gathers_through_a_ray_actor(

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import ray
 
-from ..errors import CapacityError
-from .capacity import rank_request, rank_slots, refusal
-from .ranks import NODE_ID_LABEL, free_resources
+from .capacity import rank_request
+from .ranks import NODE_ID_LABEL, node_slots
 from .schedule import choose_nodes
 from .service import get_service, prepare
 
@@ -47,14 +46,8 @@ def choose_worker_nodes(
     nodes = list(services)
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
     budgets = [int(services[n]["cache_bytes"]) for n in nodes]
-    request = rank_request(resources_per_worker)
-    free = free_resources(nodes)
-    fit = {n: rank_slots(free[n], request) for n in nodes}
-    if slots_per_node is not None:
-        fit = {n: min(k, int(slots_per_node)) for n, k in fit.items()}
-    if sum(fit.values()) < num_workers:
-        raise CapacityError(refusal(num_workers, request, free, fit, slots_per_node, "free"))
-    return choose_nodes(nodes, cached, budgets, num_workers, [fit[n] for n in nodes])
+    slots = node_slots(nodes, rank_request(resources_per_worker), num_workers, slots_per_node)
+    return choose_nodes(nodes, cached, budgets, num_workers, slots)
 
 
 def placement_hint(

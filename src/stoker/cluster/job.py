@@ -20,13 +20,13 @@ import uuid
 import numpy as np
 import ray
 
-from ..errors import CapacityError, ProcessGroupError
+from ..errors import ProcessGroupError
 from ..loader import Loader
 from ..order import permutation
-from .capacity import rank_request, rank_slots, refusal
+from .capacity import rank_request
 from .counters import ByteCounters, fractions
 from .placement import bytes_per_node, place_dataset
-from .ranks import JobRefs, free_resources, gather, release, reserve, stamp_failure, task_options, total_resources
+from .ranks import JobRefs, gather, node_slots, release, reserve, stamp_failure, task_options
 from .records import settle_members
 from .registration import end as end_registration
 from .rendezvous import ProcessGroup, check_backend
@@ -301,7 +301,7 @@ def run(
     budgets = [services[n]["cache_bytes"] for n in nodes]
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
     request = rank_request(resources_per_worker)
-    slots = _slots(nodes, request, num_workers, slots_per_node, start_timeout_s)
+    slots = node_slots(nodes, request, num_workers, slots_per_node, start_timeout_s)
     if placement == "colocated":
         rank_nodes = choose_nodes(nodes, cached, budgets, num_workers, slots)
     else:
@@ -356,34 +356,6 @@ def run(
     finally:
         release(pg)
         announce(nodes, "release", dref, token)
-
-
-def _slots(nodes: list[str], request: dict, num_workers: int, slots_per_node: int | None, wait_s: float) -> list[int]:
-    """Ranks each node can take now (its free resources, at most ``slots_per_node``).
-
-    Raises :class:`stoker.errors.CapacityError` at once when the nodes' total resources cannot
-    hold ``num_workers`` ranks, and after ``wait_s`` seconds when their free resources still
-    cannot (other work, such as a job that just ended, may be giving its room back)."""
-
-    def fit(res: dict) -> dict:
-        out = {n: rank_slots(res[n], request) for n in nodes}
-        return out if slots_per_node is None else {n: min(k, int(slots_per_node)) for n, k in out.items()}
-
-    total = total_resources(nodes)
-    if sum(fit(total).values()) < num_workers:
-        raise CapacityError(refusal(num_workers, request, total, fit(total), slots_per_node, "total"))
-    deadline = time.monotonic() + wait_s
-    while True:
-        free = free_resources(nodes)
-        slots = fit(free)
-        if sum(slots.values()) >= num_workers:
-            return [slots[n] for n in nodes]
-        if time.monotonic() >= deadline:
-            raise CapacityError(
-                refusal(num_workers, request, free, slots, slots_per_node, "free")
-                + f" (waited {wait_s} s, the start timeout)"
-            )
-        time.sleep(0.2)
 
 
 def _random_nodes(nodes: list[str], slots: list[int], num_workers: int, seed: int) -> list[str]:

@@ -1,7 +1,9 @@
 """A job's ranks on Ray: reserved together on their nodes, watched, and ended together.
 
 - :func:`free_resources`: each node's free Ray resources now (for
-  :mod:`stoker.cluster.capacity`).
+  :mod:`stoker.cluster.capacity`); :func:`node_slots`: how many ranks each node takes now, or
+  the refusal of a job that does not fit (used by :func:`stoker.cluster.run` and
+  :func:`stoker.cluster.placement_hint` alike).
 - :func:`reserve`: one Ray placement group for the job, one bundle per rank, each bundle held on
   its rank's node by the node-id label (``bundle_label_selector``). A placement group is
   reserved all at once or not at all (Ray's gang scheduling), so the ranks start together;
@@ -26,6 +28,7 @@ from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ..errors import CapacityError
+from .capacity import rank_slots, refusal
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,38 @@ def total_resources(nodes: list[str]) -> dict[str, dict[str, float]]:
     has none)."""
     tot = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
     return {n: {k: float(v) for k, v in tot.get(n, {}).items()} for n in nodes}
+
+
+def node_slots(
+    nodes: list[str], request: dict[str, float], num_workers: int, slots_per_node: int | None, wait_s: float = 0.0
+) -> list[int]:
+    """Ranks asking for ``request`` each node of ``nodes`` can take now (its free resources,
+    :func:`stoker.cluster.capacity.rank_slots`, at most ``slots_per_node``), in the order of
+    ``nodes``.
+
+    Raises :class:`stoker.errors.CapacityError` at once when the nodes' total resources cannot
+    hold ``num_workers`` ranks, and when their free resources still cannot after ``wait_s``
+    seconds (other work, such as a job that just ended, may be giving its room back; polled every
+    0.2 s). The message is :func:`stoker.cluster.capacity.refusal`'s, with the wait when there
+    was one."""
+
+    def fit(res: dict) -> dict:
+        out = {n: rank_slots(res[n], request) for n in nodes}
+        return out if slots_per_node is None else {n: min(k, int(slots_per_node)) for n, k in out.items()}
+
+    total = total_resources(nodes)
+    if sum(fit(total).values()) < num_workers:
+        raise CapacityError(refusal(num_workers, request, total, fit(total), slots_per_node, "total"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = free_resources(nodes)
+        slots = fit(free)
+        if sum(slots.values()) >= num_workers:
+            return [slots[n] for n in nodes]
+        if time.monotonic() >= deadline:
+            waited = f" (waited {wait_s} s, the start timeout)" if wait_s > 0 else ""
+            raise CapacityError(refusal(num_workers, request, free, slots, slots_per_node, "free") + waited)
+        time.sleep(0.2)
 
 
 def reserve(rank_nodes: list[str], request: dict[str, float], timeout_s: float, job: str = "job"):

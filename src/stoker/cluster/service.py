@@ -159,9 +159,10 @@ class CacheService:
     def read(self, dref: dict, b: int, start: int, stop: int):
         """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
 
-        Returns ``(source, data)``: source ``"cache"`` when this node held the block, ``"origin"``
-        when it had to fetch it (the block is then admitted here if the budget allows, so the
-        next reader of any job finds it). Errors (origin, checksum) propagate to the caller.
+        Returns ``(source, data)``: source ``"cache"`` when this node held the block (also when
+        another fill brought it in while this read waited for it), ``"origin"`` when it had to
+        fetch it (the block is then admitted here if the budget allows, so the next reader of any
+        job finds it). Errors (origin, checksum) propagate to the caller.
         """
         ds = self._open(dref)
         self._renew(ds)
@@ -172,14 +173,15 @@ class CacheService:
         if data is not None:
             self._metrics.served_bytes(stop - start, "cache")
             return "cache", bytes(data)
-        block = ds.reader.fill_block(b, blocking=True)
+        status, block = ds.reader.fill_block(b, blocking=True)
         if block is None:  # this node's budget is full: pass the range through
             shard = ds.index.shard_name(ds.block_shard[b])
             out = bytes(ds.origin.read_range(shard, start, stop))
         else:
             out = bytes(memoryview(block)[rel : rel + stop - start])
-        self._metrics.served_bytes(len(out), "origin")
-        return "origin", out
+        source = "cache" if status == "cached" else "origin"
+        self._metrics.served_bytes(len(out), source)
+        return source, out
 
     def fill(self, dref: dict, blocks: list[int], concurrency: int = 8) -> dict:
         """Fill ``blocks`` (block ids) from the origin into this node's cache, at least

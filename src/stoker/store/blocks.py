@@ -285,42 +285,46 @@ class BlockReader:
     def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
         """Fetch block ``b`` from the origin into the cache (single flight across processes).
 
-        Returns the block bytes, or None when the cache would not admit it (the caller
-        then reads just the sample) or, with ``blocking=False``, when another process
-        is filling it. Every sample in the block is verified before it is admitted. A block
-        fetched here that the cache then refuses (another fill took the room between the
-        admission check and the write) goes to the staging area when there is one,
-        so that it is not fetched again.
-        With ``want_data=False`` (prefetch) returns a status instead: "filled", "cached",
-        "staged" (fetched, refused by the cache, staged), "in_staging" (staged already:
-        nothing fetched), "unstaged" (fetched, refused, the staging disk full), "refused" or
-        "busy". Raises what :meth:`fetch_block` raises.
+        Every sample in the block is verified before it is admitted. A block fetched here that
+        the cache then refuses (another fill took the room between the admission check and the
+        write) goes to the staging area when there is one, so that it is not fetched again.
+
+        With ``want_data=False`` (prefetch) returns a status: "filled", "cached" (another
+        fill had brought it: nothing fetched), "staged" (fetched, refused by the cache, staged),
+        "in_staging" (staged already: nothing fetched), "unstaged" (fetched, refused, the
+        staging disk full), "refused" (the cache would not admit it) or "busy" (with
+        ``blocking=False``, another process is filling it).
+
+        With ``want_data=True`` returns ``(status, data)``: the block's bytes with "cached" when
+        another fill brought it while this one waited for the block's lock (read from the cache,
+        nothing fetched: a caller counting origin bytes must not count these), with "filled",
+        "staged" or "unstaged" when fetched here, and ``("refused", None)`` or ``("busy", None)``
+        (the caller then reads just the sample). Raises what :meth:`fetch_block` raises.
         """
         ds, cache, staging = self._ds, self._ds.cache, self._staging
         name, version = ds.block_name(b), ds.version
         size = int(ds.block_end[b] - ds.block_start[b])
         if not self.admits(b):
-            return None if want_data else "refused"
+            return ("refused", None) if want_data else "refused"
         since = time.time()
         with cache.fetch_lock(version, name, blocking=blocking) as held:
             if not held:
-                return None if want_data else "busy"
+                return ("busy", None) if want_data else "busy"
             if not want_data:
                 if cache.contains(version, name):
                     return "cached"
             else:
                 data = cache.read(version, name, 0, size, count=False)  # the sample was a miss
                 if data is not None:
-                    return data
+                    return "cached", data
             if not want_data and staging is not None and staging.contains(version, name):
                 return "in_staging"
             data = fill_failures.fetch(self, b, name, since)
             if cache.put(version, name, data):
-                return "filled" if not want_data else data
+                return ("filled", data) if want_data else "filled"
             staged = staging is not None and (staging.contains(version, name) or staging.put(version, name, data))
-            if not want_data:
-                return "staged" if staged else ("unstaged" if staging is not None else "refused")
-            return data
+            status = "staged" if staged else ("unstaged" if staging is not None else "refused")
+            return (status, data) if want_data else status
 
 
 __all__ = ["BlockReader", "BlockSource", "ReadStats", "Router"]

@@ -1,6 +1,7 @@
 """`stoker bench peers` at a tiny size: the report's JSON schema, every loader either measured or
-skipped with its reason. Peers that need their own virtual environment run only if it is
-already there (the test never installs one); otherwise they must show up in `skipped`. SPDL and
+skipped with its reason. Peers that need their own virtual environment are pointed at an empty
+venv directory, so they must show up in `skipped` whatever this machine has cached (the test never
+installs one, and its time does not grow with the venvs a benchmark run left behind). SPDL and
 Ray Data have a test of their own (tests/lab/bench/test_bench_peers_new.py)."""
 
 import json
@@ -11,7 +12,8 @@ LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali")
 RUN_KEYS = {"loader", "epoch", "samples_per_s", "first_batch_s", "stall_fraction", "cpu_s_per_1000", "origin_bytes"}
 
 
-def test_peers_report_schema(tmp_path):
+def test_peers_report_schema(tmp_path, monkeypatch):
+    monkeypatch.setenv("STOKER_BENCH_VENVS", str(tmp_path / "no-venvs"))
     out = tmp_path / "peers.json"
     cfg = PeersConfig(
         images=24,
