@@ -121,14 +121,7 @@ PROBE_SAMPLES = 200
 
 
 def peer_probe(
-    ctx,
-    samples: int = PROBE_SAMPLES,
-    gate=None,
-    gate_key: str = "",
-    gate_s: float = 600.0,
-    local: bool = False,
-    decode: bool = False,
-    consumer_rate: float = 0.0,
+    ctx, samples: int = PROBE_SAMPLES, gate=None, gate_key: str = "", gate_s: float = 600.0, local: bool = False
 ) -> list[dict]:
     """Cluster ``train_fn`` of the peer probe, run on warm caches after a placement's epochs:
     every rank reads ``samples`` samples that a peer owns (:meth:`WorkerContext.peer_samples`,
@@ -136,19 +129,16 @@ def peer_probe(
     probe measures what a peer request costs on this machine in this run, apart from the epochs
     (``stoker simulate --validate`` calibrates its peer CPU cost on it). With ``local`` it reads
     samples its own node holds instead (:meth:`WorkerContext.local_samples`: what a cluster
-    rank's read from its node cache costs). With ``decode`` and ``consumer_rate`` each sample is
-    then decoded and taken by the rank's accelerator, as in the epochs (:func:`consume`): a peer
-    request between sleeps and decodes costs more CPU than one of a stream of back-to-back
-    requests. Returns ``ctx.epochs`` with the ids read under ``ids`` (epoch -1) and
-    :func:`consume`'s seconds."""
+    rank's read from its node cache costs). Returns ``ctx.epochs`` with the ids read under
+    ``ids`` (epoch -1)."""
     mine = ctx.local_samples() if local else ctx.peer_samples()
     ids = np.random.default_rng(1000 + ctx.rank).permutation(mine)[:samples]
     pass_gate(gate, gate_key, ctx.world_size, gate_s)
     with ctx.measure(-1, samples=len(ids)) as rec:
         c0 = cpu_marks()
-        spent = consume(ctx.dataset.read, ids, decode, consumer_rate, ctx.dataset.key)
+        for i in ids:
+            ctx.dataset.read(int(i))
         rec["ids"], rec["cpu"] = ids.tolist(), [c0, cpu_marks()]
-        rec.update(spent)
     return ctx.epochs
 
 
@@ -408,9 +398,6 @@ def run_placements(
 
     links = spec["links"]
     gate_s = spec["job_timeout_s"]
-    # a run with an accelerator probes its peers as its epochs read them: decode and step after
-    # each read (the local probe only reads: its seconds are the model's local read time)
-    training_run = float(spec.get("consumer_rate", 0.0)) > 0
     for placement in spec["placements"]:
         t_phase = time.perf_counter()
         root = os.path.join(spec["workdir"], f"cache-{placement}")
@@ -494,7 +481,6 @@ def run_placements(
                     flush=True,
                 )
         for kind in ("peer", "local") if placement == "random" else ():  # probes, on the warmed caches
-            as_epochs = training_run and kind == "peer"
             scpu0 = services_cpu_s()
             res = cluster_run(
                 partial(
@@ -503,8 +489,6 @@ def run_placements(
                     gate_key=f"{repeat}/{placement}/{kind}-probe",
                     gate_s=gate_s,
                     local=kind == "local",
-                    decode=spec["decode"] and as_epochs,
-                    consumer_rate=spec.get("consumer_rate", 0.0) if as_epochs else 0.0,
                 ),
                 url,
                 len(host_nodes),
@@ -529,11 +513,6 @@ def run_placements(
                 "peer_bytes": int(sum(r["received_peer_bytes"] for r in recs)),
                 "origin_bytes": int(sum(r["received_origin_bytes"] for r in recs)),
                 "samples_per_rank": PROBE_SAMPLES,
-                "as_epochs": as_epochs,
-                "rank_consume_s": [float(r.get("consume_s", 0.0)) for r in recs],
-                "rank_decode_cpu_s": [float(r.get("decode_cpu_s", 0.0)) for r in recs],
-                "decode": bool(spec["decode"] and as_epochs),
-                "consumer_rate": float(spec.get("consumer_rate", 0.0)) if as_epochs else 0.0,
                 "epoch_cpu": epoch_cpu([tuple(r["cpu"]) for r in recs], services_cpu_s() - scpu0, os.cpu_count() or 1),
             }
             print(

@@ -17,28 +17,13 @@ import sys
 BENCH_TO_PLAN = {"direct": "direct-cached", "random": "random", "colocated": "colocated"}
 
 
-def peer_read_s(probe: dict) -> float:
-    """Seconds a peer read took in a report's peer probe, per sample of its slowest rank. A probe
-    made as the epochs read (``as_epochs``: each read then decoded and stepped) has its rank's
-    accelerator seconds and decode CPU seconds taken out first (``rank_consume_s``,
-    ``rank_decode_cpu_s``)."""
-    n = int(probe["samples_per_rank"])
-    if not probe.get("as_epochs"):
-        return float(probe["seconds"]) / n
-    spent = [
-        s - c - d
-        for s, c, d in zip(probe["rank_seconds"], probe["rank_consume_s"], probe["rank_decode_cpu_s"], strict=True)
-    ]
-    return max(spent) / n
-
-
 def plan_argv(report: dict) -> list[str]:
     """``stoker plan``'s arguments for a ``--netns`` training report: its hosts (``--nodes``), ranks
     a job over hosts (``--gpus-per-node``), ``config.consumer_rate`` (``--gpu-rate``), the dataset's
     samples and bytes, ``config.cache_bytes_per_node``, the origin's and the hosts' tbf rates
     (``--origin-bandwidth``, ``--nic``: the slowest host's), the origin's latency, the peer probe's
-    seconds per sample a rank (``--peer-latency``, :func:`peer_read_s`: every rank reading from
-    peers at once, apart from the epochs), and, where the run decodes (``config.decode``), one decode core a node at
+    seconds per sample a rank (``--peer-latency``: every rank reading from peers at once, apart
+    from the epochs), and, where the run decodes (``config.decode``), one decode core a node at
     the decode probe's rate (1 / ``decode_probe.cpu_s_per_sample``), else none; ``--epochs`` the
     run's, ``--no-read-ahead`` (the bench's ranks read, decode, then step) and the setups of
     :data:`BENCH_TO_PLAN`. Raises KeyError for a report without these figures and ValueError for
@@ -51,7 +36,8 @@ def plan_argv(report: dict) -> list[str]:
     rate = float(cfg.get("consumer_rate", 0.0))
     if rate <= 0:
         raise ValueError("the report has no accelerator (config.consumer_rate): not a training-like run")
-    peer_ms = 1e3 * peer_read_s(report["peer_probe"])
+    probe = report["peer_probe"]
+    peer_ms = 1e3 * float(probe["seconds"]) / int(probe["samples_per_rank"])
     nic = min(v["mbit"] for k, v in links.items() if k != "origin")
     argv = [
         "plan",

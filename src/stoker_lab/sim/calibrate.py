@@ -486,7 +486,6 @@ def fit_probe_cpu(
     hi_s: float = 0.05,
     kind: str = "peer",
     peer_cpu_s: float = 0.0,
-    decode_cpu_s: float = 0.0,
 ) -> Calibrated:
     """CPU seconds per read on the machine's shared cores, fitted (:func:`_solve`) so that the
     model's probe of ``kind`` (:func:`probe_job`) takes the probe's measured seconds: ``"peer"``,
@@ -496,10 +495,7 @@ def fit_probe_cpu(
     same run but none of its epochs, so every epoch stays out of sample; they take this run's own
     speed of the shared machine (which drifts by tens of percent between runs). The model warms
     the caches as the run did: the ``random`` jobs' first epoch on their recorded hosts (their
-    placement decides the dataset's members and owners), then the probe. A probe the run made as
-    its epochs read (``as_epochs``: each sample then decoded, ``decode_cpu_s`` CPU seconds on the
-    shared cores, and stepped by the rank's accelerator) is modelled so too, one sample a chunk.
-    Raises ValueError
+    placement decides the dataset's members and owners), then the probe. Raises ValueError
     without the probe (:func:`probe_job`) or with a setup made without the run's own dataset and
     node keys (the probe's ids are the run's)."""
     probe = probe_job(report, path, setup.order, kind)
@@ -509,25 +505,13 @@ def fit_probe_cpu(
     warm = [replace(j, chunk_samples=WARMUP_CHUNK) for j in setup.jobs(report, "random")]
     jobs = warm + [probe]
 
-    as_epochs = bool(report[f"{kind}_probe"].get("as_epochs", False))
-
     def probe_s(cpu_s: float) -> float:
         cpu_s = max(cpu_s, 1e-9)
         peer, local = (cpu_s, 0.0) if kind == "peer" else (max(peer_cpu_s, 1e-9), cpu_s)
-        params = netns_params(
-            report,
-            local_s,
-            peer,
-            link_factor,
-            setup.node_keys,
-            setup.peak_Bps,
-            local_cpu_s=local,
-            decode_cpu_s=decode_cpu_s,
-            training=as_epochs,
-        )
-        params.chunk_samples = 1  # a probe's ranks: one sample a chunk, as always
         res = simulate(
-            params,
+            netns_params(
+                report, local_s, peer, link_factor, setup.node_keys, setup.peak_Bps, local_cpu_s=local, training=False
+            ),
             setup.workload,
             "random",
             jobs,
@@ -541,9 +525,8 @@ def fit_probe_cpu(
     reads = sum(len(x) for x in probe.plans or [])
     return Calibrated(
         cpu_s,
-        f"{path}: fitted to its {kind} probe ({probe.world} ranks, {reads} {kind} reads"
-        + (", each decoded and stepped as in the epochs" if as_epochs else "")
-        + f", {meas:.2f} s, after the epochs) with {report['machine']['cores']} cores shared by "
+        f"{path}: fitted to its {kind} probe ({probe.world} ranks, {reads} {kind} reads, "
+        f"{meas:.2f} s, after the epochs) with {report['machine']['cores']} cores shared by "
         "all hosts; no epoch of the run is in it",
     )
 

@@ -196,23 +196,15 @@ def validate(
             params["starting_processes"], params["peer_cpu_s"] = fit_starting(
                 cal, cal_name, local_of[cal_name], factors[cal_name].value, setups[cal_name]
             )
-        for path, _, sub, name in units:
+        for _, _, sub, name in units:
             if name not in probed:
                 continue
-            dec = decode.get(path, 0.0)
             peer = params[f"peer_cpu_s of {name}"] = fit_probe_cpu(
-                sub, name, local_of[name], factors[name].value, setups[name], decode_cpu_s=dec
+                sub, name, local_of[name], factors[name].value, setups[name]
             )
             if sub.get("local_probe"):
                 params[f"local_cpu_s of {name}"] = fit_probe_cpu(
-                    sub,
-                    name,
-                    local_of[name],
-                    factors[name].value,
-                    setups[name],
-                    kind="local",
-                    peer_cpu_s=peer.value,
-                    decode_cpu_s=dec,
+                    sub, name, local_of[name], factors[name].value, setups[name], kind="local", peer_cpu_s=peer.value
                 )
     for path, k, rep, name in units:
         own = params.get(f"peer_cpu_s of {name}")
