@@ -2,7 +2,7 @@
 epochs of ranks that read, decode and then step, and the plan of each training-like namespace
 cluster report (benchmarks/bench_cluster_netns_train_*.json) set against its measured epochs
 (stoker_lab.cli.plan_check). The errors are computed and reported (docs/simulation.md), not held
-to a tolerance: the runs were made on a shared, loaded machine."""
+to a tolerance: the runs share one 2-core machine, which plan does not model."""
 
 from __future__ import annotations
 
