@@ -30,9 +30,7 @@ def _block_range(ds, b: int) -> tuple[int, int]:
     return start, min(start + 1000, int(ds.block_end[b]))
 
 
-def test_a_block_another_fill_brought_while_the_read_waited_is_served_from_the_cache(
-    svc, packed_local, monkeypatch
-):
+def test_a_block_another_fill_brought_while_the_read_waited_is_served_from_the_cache(svc, packed_local, monkeypatch):
     """The read misses, then finds the block filled by another fill when it gets the block's lock:
     nothing was fetched for it, so it is "cache", not "origin" (which the reader would count as an
     origin read through a peer)."""
