@@ -26,30 +26,6 @@ from .schedule import choose_nodes
 from .service import get_service, prepare
 
 
-def choose_worker_nodes(
-    url: str,
-    num_workers: int,
-    resources_per_worker: dict | None = None,
-    *,
-    storage_options: dict | None = None,
-    cache_dir: str | None = None,
-    cache_bytes: int | str | None = None,
-    block_bytes: int | str | None = None,
-    slots_per_node: int | None = None,
-) -> list[str]:
-    """The node id of each of ``num_workers`` workers, by :func:`stoker.cluster.run`'s rule (module
-    doc); the cache services are started where missing (:func:`stoker.cluster.service.prepare`).
-    Arguments as :func:`placement_hint`."""
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    services, _ds, dref = prepare(url, storage_options, cache_dir, cache_bytes, block_bytes)
-    nodes = list(services)
-    cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
-    budgets = [int(services[n]["cache_bytes"]) for n in nodes]
-    slots = node_slots(nodes, rank_request(resources_per_worker), num_workers, slots_per_node)
-    return choose_nodes(nodes, cached, budgets, num_workers, slots)
-
-
 def placement_hint(
     url: str,
     num_workers: int,
@@ -70,7 +46,8 @@ def placement_hint(
     node's free resources; ``slots_per_node``: most workers per node. ``storage_options``,
     ``cache_dir``, ``cache_bytes``, ``block_bytes``: as :func:`stoker.cluster.run`. A dataset cached
     nowhere yet spreads the workers over the nodes by cache budget; its cache then goes to the
-    nodes where the workers run (:func:`stoker.cluster.rank_context`).
+    nodes where the workers run (:func:`stoker.cluster.rank_context`). The cache services are
+    started where missing (:func:`stoker.cluster.service.prepare`).
 
     The hint is taken now: resources freed or taken before the trainer starts are not in it, and a
     node that went away leaves its worker waiting (Ray Train's own start timeout applies).
@@ -78,17 +55,15 @@ def placement_hint(
     nodes' free resources do not hold ``num_workers`` workers, and what
     :func:`stoker.cluster.service.prepare` raises.
     """
-    nodes = choose_worker_nodes(
-        url,
-        num_workers,
-        resources_per_worker,
-        storage_options=storage_options,
-        cache_dir=cache_dir,
-        cache_bytes=cache_bytes,
-        block_bytes=block_bytes,
-        slots_per_node=slots_per_node,
-    )
-    hint: dict = {"num_workers": int(num_workers), "label_selector": [{NODE_ID_LABEL: n} for n in nodes]}
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    services, _ds, dref = prepare(url, storage_options, cache_dir, cache_bytes, block_bytes)
+    nodes = list(services)
+    cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
+    budgets = [int(services[n]["cache_bytes"]) for n in nodes]
+    slots = node_slots(nodes, rank_request(resources_per_worker), num_workers, slots_per_node)
+    chosen = choose_nodes(nodes, cached, budgets, num_workers, slots)
+    hint: dict = {"num_workers": int(num_workers), "label_selector": [{NODE_ID_LABEL: n} for n in chosen]}
     if resources_per_worker is not None:
         hint["resources_per_worker"] = dict(resources_per_worker)
     return hint
