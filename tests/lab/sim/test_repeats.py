@@ -168,11 +168,18 @@ def test_rows_of_two_reports_of_one_configuration_are_its_repeats():
 # 3. the model's accelerator and decode ----------------------------------------------------------
 
 
-def test_decode_on_the_shared_cores_adds_its_cpu_per_sample():
-    from stoker_lab.sim.model import Job, Params, simulate
+@pytest.fixture
+def small_workload():
+    """100 samples of 100 kB in 16 MiB shards of 1 MiB blocks (the model tests' dataset)."""
     from stoker_lab.sim.workload import synthetic
 
-    wl = synthetic(100, 100 * 100_000, 16 << 20, 1 << 20)
+    return synthetic(100, 100 * 100_000, 16 << 20, 1 << 20)
+
+
+def test_decode_on_the_shared_cores_adds_its_cpu_per_sample(small_workload):
+    from stoker_lab.sim.model import Job, Params, simulate
+
+    wl = small_workload
     base = dict(
         nodes=1,
         cache_bytes=1e12,
@@ -195,11 +202,10 @@ def test_decode_on_the_shared_cores_adds_its_cpu_per_sample():
     assert warm_s(gpu_rate=50.0) - plain == pytest.approx(100 / 50.0, rel=1e-6)
 
 
-def test_two_decoding_ranks_on_one_core_share_it():
+def test_two_decoding_ranks_on_one_core_share_it(small_workload):
     from stoker_lab.sim.model import Job, Params, simulate
-    from stoker_lab.sim.workload import synthetic
 
-    wl = synthetic(100, 100 * 100_000, 16 << 20, 1 << 20)
+    wl = small_workload
     p = Params(
         nodes=2,
         cache_bytes=1e12,
