@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .placement import place_dataset
+from .placement import place_dataset, placement_keys
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,6 @@ def previous_layout(services: dict, members: list[str], previous: list[str]) -> 
     ``cache_key`` and ``cache_bytes`` place the blocks as the earlier jobs did). A previous member
     that is gone is left out (its blocks are then looked for on a node that never held them, and
     come from the origin). Plain data, sent to the ranks with the job's layout."""
-    from .service import placement_keys
-
     prev = [m for m in previous if m in services and m in members]
     return {
         "members": prev,
@@ -76,10 +74,12 @@ class PriorReads:
     :meth:`source` gives the store's fill a first source (:data:`stoker.store.blocks.FirstSource`)
     for one block. A previous owner whose call failed (no service, dead, timed out) is not asked
     again for ``retry_s`` seconds, so a node that hangs costs one ``timeout_s`` wait, not one per
-    block. Thread-safe (a service fills blocks in many threads).
+    block. ``lookup``: node id -> the handle of its cache service (ValueError when there is none:
+    :func:`stoker.cluster.service.get_service`). Thread-safe (a service fills blocks in many threads).
     """
 
-    def __init__(self, timeout_s: float = PRIOR_TIMEOUT_S, retry_s: float = PRIOR_RETRY_S):
+    def __init__(self, lookup, timeout_s: float = PRIOR_TIMEOUT_S, retry_s: float = PRIOR_RETRY_S):
+        self.lookup = lookup
         self.timeout_s, self.retry_s = float(timeout_s), float(retry_s)
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -90,14 +90,12 @@ class PriorReads:
         :attr:`timeout_s`: logged). Never raises for the peer's faults."""
         import ray
 
-        from .service import get_service
-
         with self._lock:
             if time.monotonic() < self._down_until.get(node, 0.0):
                 return None
         try:
             data = ray.get(
-                get_service(node).read_cached.remote(dref, int(b), int(start), int(stop)),
+                self.lookup(node).read_cached.remote(dref, int(b), int(start), int(stop)),
                 timeout=self.timeout_s if timeout_s is None else float(timeout_s),
             )
         except (ValueError, ray.exceptions.RayError) as exc:

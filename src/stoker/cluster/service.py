@@ -38,6 +38,7 @@ from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_ca
 from .handoff import PriorReads
 from .identity import claim_cache_dir
 from .membership import RECORD_SETS, merge
+from .placement import placement_keys  # noqa: F401 - re-exported: its callers import it from here
 from .registration import LEASE_S, lease
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,9 @@ class CacheService:
         self._holders: dict[str, set] = {}  # dataset version -> tokens of the running jobs that announced it
         self._datasets: dict = {}
         self._claims: dict[str, dict[str, list[str]]] = {}  # version -> {"members", "known", "previous"}
-        self._prior = PriorReads()  # cache-only reads from blocks' previous owners (stoker.cluster.handoff)
+        self._prior = PriorReads(
+            lambda node: get_service(node)
+        )  # cache-only reads from blocks' previous owners (stoker.cluster.handoff)
         self._gates: dict = {}  # dataset url -> InflightGate shared by its fills
         self._lock = threading.Lock()
         self._metrics = ServiceMetrics(self.node_name)  # Ray's metrics export (stoker.metrics)
@@ -483,15 +486,6 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             log.warning("cache service on node %s did not answer: %s", nid, exc)
     return dict(sorted(found.items()))
-
-
-def placement_keys(services: dict, members: list[str]) -> list[str]:
-    """The names the blocks are placed by (:func:`stoker.cluster.placement.place_dataset`), one per
-    member node id: each service's ``cache_key`` (its host and slot, stable across Ray restarts, so
-    every block keeps its node and its cached copy), else the node id. Keys that two nodes share
-    (hosts of the same name) get the node id added. ``services``: ``{node id: info()}``."""
-    keys = [services[m].get("cache_key") or m for m in members]
-    return [k if keys.count(k) == 1 else f"{k}@{m}" for k, m in zip(keys, members)]
 
 
 def get_service(node_id: str):
