@@ -174,11 +174,15 @@ def test_the_origin_when_the_previous_owner_lacks_the_block_sends_bad_bytes_or_f
 
 
 # -- jobs on the test cluster -------------------------------------------------------------------
-def _job(url, n, nodes, budget, name, common):
+def _job(url, n, nodes, budget, name, common, train_fn=None):
+    """A job of ``n`` ranks with cache services on ``nodes`` (``budget`` bytes each): ``(sample ids
+    read, sorted; byte totals over the ranks)``. ``train_fn``: default :func:`read_epochs` (in
+    the rank's process, ids recorded); a Loader's epochs (:func:`_loader_epoch`) check their
+    plan themselves (``exactly_once``), and the ids are then ``range(samples read)``."""
     from stoker.cluster import read_epochs, run
 
     out = run(
-        partial(read_epochs, epochs=1, keep_ids=True),
+        train_fn or partial(read_epochs, epochs=1, keep_ids=True),
         url,
         n,
         {"CPU": 0.5},
@@ -186,9 +190,30 @@ def _job(url, n, nodes, budget, name, common):
         cache_bytes={m: budget for m in nodes},
         **common,
     )
-    ids = sorted(i for r in out for i in r["result"][0]["ids"])
+    recs = [r["result"][0] for r in out]
+    if all("ids" in rec for rec in recs):
+        ids = sorted(i for rec in recs for i in rec["ids"])
+    else:  # a Loader's epochs: its own exactly-once check of the rank's plan, and the plans' sizes
+        assert all(rec["exactly_once"] for rec in recs)
+        ids = list(range(sum(rec["samples"] for rec in recs)))
     total = {k: sum(r["result"][0].get(k, 0) for r in out) for k in ("origin_bytes", "handoff_bytes", "read_bytes")}
     return ids, total
+
+
+def _loader_epoch(ctx):
+    """One epoch through a Loader with a decode worker and a prefetcher (forked children: their
+    peer reads, handoffs included, go through the rank's relay); the epoch's records."""
+    from stoker import ImageOptions, ReadOptions
+
+    loader = ctx.loader(
+        8, num_workers=1, transform="eval", image=ImageOptions(image_size=32), read=ReadOptions(prefetch_bytes=1 << 20)
+    )
+    try:
+        for _ in loader:
+            pass
+    finally:
+        loader.close()
+    return ctx.epochs
 
 
 def test_a_joined_node_takes_its_blocks_from_their_previous_owners(cluster, s3_dataset, tmp_path, fresh_services):
@@ -244,7 +269,7 @@ def test_blocks_whose_previous_owner_no_longer_holds_them_come_from_the_origin(
     on = NodeAffinitySchedulingStrategy(nodes[1], soft=False)
     evict = ray.remote(num_cpus=0)(_evict_all).options(scheduling_strategy=on)
     assert ray.get(evict.remote(url, opts, find_services()[nodes[1]]), timeout=60) > 0
-    ids, after = _job(url, 3, nodes, budget, "after-evict", common)
+    ids, after = _job(url, 3, nodes, budget, "after-evict", common, _loader_epoch)
     assert ids == list(range(n))  # every sample exactly once
     assert after["handoff_bytes"] > 0  # from the node that kept its blocks
     assert after["origin_bytes"] >= 0.3 * after["read_bytes"]  # the evicted node's share, from the origin
