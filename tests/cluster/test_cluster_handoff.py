@@ -236,6 +236,28 @@ def test_a_joined_node_takes_its_blocks_from_their_previous_owners(cluster, s3_d
     assert after["origin_bytes"] <= 0.02 * after["read_bytes"]
 
 
+def test_warm_after_a_join_fills_the_new_node_from_the_previous_owners(cluster, s3_dataset, tmp_path, fresh_services):
+    """``stoker warm`` after a third node's service joins: the new node's cache service fills the
+    blocks it won from the services that held them (service to service, through Ray), none from
+    the origin, and the report says so."""
+    from stoker.cluster.service import alive_nodes
+    from stoker.cluster.warmup import warm
+
+    url, opts = s3_dataset
+    ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
+    budget = int(ds.index.total_bytes) * 3 // 4
+    nodes = [x["NodeID"] for x in alive_nodes()][:3]
+    where = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK)
+    first = warm(url, cache_bytes={m: budget for m in nodes[:2]}, **where)
+    assert first["complete"] and first["handoff_bytes"] == 0
+    again = warm(url, cache_bytes={m: budget for m in nodes}, **where)
+    assert again["complete"] and nodes[2] in again["nodes"]
+    assert again["nodes"][nodes[2]]["filled"] > 0
+    # all the new node won, handed off (and any block the bounded loads moved between the others)
+    assert again["handoff_bytes"] >= again["nodes"][nodes[2]]["owned_bytes"] > 0
+    assert again["origin_bytes"] == 0
+
+
 def _evict_all(url, opts, info):
     """Drop every block of the dataset from the node cache of ``info`` (a service's info), as
     eviction or a lost disk would; runs on that node (the cache is shared by its processes)."""
