@@ -363,7 +363,7 @@ class ServiceMetrics:
             )
             self.served = backend.Counter(
                 "stoker_peer_served_bytes",
-                "Bytes this node's service handed to readers, by source (cache, origin).",
+                "Bytes this node's service handed to readers, by source (cache, origin, handoff).",
                 tag_keys=("node", "source"),
             )
             self.fills = backend.Counter(
@@ -377,7 +377,8 @@ class ServiceMetrics:
             self.ok = False
 
     def served_bytes(self, n: int, source: str = "cache") -> None:
-        """``n`` bytes handed to a reader, read from ``source`` (``cache`` or ``origin``)."""
+        """``n`` bytes handed to a reader, read from ``source`` (``cache``, ``origin``, or ``handoff``:
+        filled from the block's previous owner, :mod:`stoker.cluster.handoff`)."""
         if self.ok and n:
             self.served.inc(n, tags={"node": self.node, "source": source})
 

@@ -129,7 +129,8 @@ def test_members_recorded_on_every_service_survive_a_new_lowest_node_and_a_resta
     monkeypatch.setattr(records.ray, "get", lambda ref, **kw: ref)
     info = {n: {"cache_bytes": 100} for n in ["b", "c", "d"]}
     assert records.settle_members(info, "v1", 150, ["b", "c"], ["b", "c"]) == ["b", "c"]
-    assert all(f.svc.record("v1") == {"members": ["b", "c"], "known": ["b", "c", "d"]} for f in fakes.values())
+    want = {"members": ["b", "c"], "known": ["b", "c", "d"], "previous": []}
+    assert all(f.svc.record("v1") == want for f in fakes.values())
     fakes["c"] = _FakeService()  # restarted: its record is gone
     fakes["a"] = _FakeService()  # joined, with the lowest node id
     info["a"] = {"cache_bytes": 100}

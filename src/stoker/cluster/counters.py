@@ -5,7 +5,8 @@ per update), so the rank reads one total for all of its processes without any ch
 loader's own statistics. Picklable: a copy reopens the file by path.
 
 Each byte a rank reads is counted once, by where it came from: ``local + peer + origin +
-peer_origin`` is the bytes of the samples the rank read. A sample read from a block that this
+peer_origin + handoff`` is the bytes of the samples the rank read (``handoff``: from the cache of
+a block's previous owner, :mod:`stoker.cluster.handoff`). A sample read from a block that this
 rank's processes fetched in the current epoch (from the origin or a peer, into the node cache or
 the staging area) counts where the block came from, not as local: the file keeps a one-byte
 source tag per block after the counters (:meth:`ByteCounters.tag`), cleared at each epoch's start
@@ -27,11 +28,22 @@ import tempfile
 from .._procs import pid_alive
 
 #: Counter names, in file order (all in bytes except ``fallbacks``, a count of reads).
-FIELDS = ("local", "peer", "origin", "peer_origin", "fallbacks", "fetch_origin", "fetch_peer", "fetch_peer_origin")
+FIELDS = (
+    "local",
+    "peer",
+    "origin",
+    "peer_origin",
+    "fallbacks",
+    "fetch_origin",
+    "fetch_peer",
+    "fetch_peer_origin",
+    "handoff",
+    "fetch_handoff",
+)
 _FMT = "<" + "q" * len(FIELDS)
 _HEADER = struct.calcsize(_FMT)
 #: Source tags of fetched blocks (index = tag byte): the field a sample read from the block counts in.
-SOURCES = ("local", "origin", "peer", "peer_origin")
+SOURCES = ("local", "origin", "peer", "peer_origin", "handoff")
 
 
 #: File name prefix of the counter files, followed by the creating process's pid and a dash.
@@ -68,8 +80,11 @@ class ByteCounters:
     """Where the bytes a rank read came from: ``local`` (its node cache), ``peer`` (another
     node's cache service, served from that cache), ``origin`` (read from the origin by the
     rank's own processes), ``peer_origin`` (read from the origin by a peer's cache service to
-    serve this rank: the peer did not have the block yet) and ``fallbacks`` (peer reads that
-    failed and went to the origin); ``fetch_origin`` / ``fetch_peer`` / ``fetch_peer_origin``: the
+    serve this rank: the peer did not have the block yet), ``handoff`` (read from the cache of
+    the block's previous owner, the node that owned it before the dataset's members last grew:
+    fetched by this rank for its own node, or by the owning peer's service to serve this rank;
+    :mod:`stoker.cluster.handoff`) and ``fallbacks`` (peer reads that failed and went to the
+    origin); ``fetch_origin`` / ``fetch_peer`` / ``fetch_peer_origin`` / ``fetch_handoff``: the
     bytes received from each source, whole blocks and single samples (module docstring). ``path``: the file
     (default: a new one in /dev/shm or the temp dir). :meth:`close` deletes it.
     """
@@ -106,7 +121,7 @@ class ByteCounters:
 
     def tag(self, b: int, source: str, nbytes: int) -> None:
         """Block ``b`` (``nbytes`` bytes) was fetched from ``source`` (``origin``, ``peer``,
-        ``peer_origin``) by one of this rank's processes: count it in ``fetch_<source>`` and tag it."""
+        ``peer_origin``, ``handoff``) by one of this rank's processes: count it in ``fetch_<source>`` and tag it."""
         fd = os.open(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -159,15 +174,18 @@ class ByteCounters:
 def fractions(delta: dict) -> dict:
     """``local_fraction``/``peer_fraction``/``origin_fraction`` of the bytes in ``delta``.
 
-    Origin bytes include ``peer_origin`` (bytes a peer fetched from the origin for us). Each byte
-    read is counted once (module docstring), so the three fractions add up to 1 (or are all 0).
+    Origin bytes include ``peer_origin`` (bytes a peer fetched from the origin for us); peer
+    bytes include ``handoff`` (bytes from the cache of a block's previous owner: another node's
+    cache too). Each byte read is counted once (module docstring), so the three fractions add up
+    to 1 (or are all 0).
     """
     origin = delta.get("origin", 0) + delta.get("peer_origin", 0)
-    total = delta.get("local", 0) + delta.get("peer", 0) + origin
+    peer = delta.get("peer", 0) + delta.get("handoff", 0)
+    total = delta.get("local", 0) + peer + origin
     if total == 0:
         return {"local_fraction": 0.0, "peer_fraction": 0.0, "origin_fraction": 0.0}
     return {
         "local_fraction": delta.get("local", 0) / total,
-        "peer_fraction": delta.get("peer", 0) / total,
+        "peer_fraction": peer / total,
         "origin_fraction": origin / total,
     }

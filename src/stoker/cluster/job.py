@@ -25,9 +25,10 @@ from ..loader import Loader
 from ..order import permutation
 from .capacity import rank_request
 from .counters import ByteCounters, fractions
+from .handoff import previous_layout, prior_owner
 from .placement import bytes_per_node, place_dataset
 from .ranks import JobRefs, gather, node_slots, release, reserve, stamp_failure, task_options
-from .records import settle_members
+from .records import settle_record
 from .registration import end as end_registration
 from .rendezvous import ProcessGroup, check_backend
 from .routed import announce, open_on_node, route
@@ -126,11 +127,15 @@ class WorkerContext:
 
     @contextlib.contextmanager
     def measure(self, epoch: int, **extra):
-        """Record one epoch: bytes read locally / from peers / from the origin by this rank (all of
-        its processes; each byte read counted once, so ``local_bytes + peer_bytes + origin_bytes ==
-        read_bytes``, :mod:`stoker.cluster.counters`), the bytes received from the origin for it
+        """Record one epoch: bytes read locally / from peers / from the origin / from blocks'
+        previous owners by this rank (all of its processes; each byte read counted once, so
+        ``local_bytes + peer_bytes + origin_bytes + handoff_bytes == read_bytes``,
+        :mod:`stoker.cluster.counters`; ``handoff_bytes``: blocks whose owner changed when the
+        dataset's members grew, read from the node that owned them before,
+        :mod:`stoker.cluster.handoff`), the bytes received from the origin for it
         (``fetched_origin_bytes``: whole blocks, headers included; ``received_origin_bytes`` /
-        ``received_peer_bytes``: what this rank's processes received over each link), seconds, and ``extra`` fields
+        ``received_peer_bytes``: what this rank's processes received over each link, the peer
+        link's including ``received_handoff_bytes``), seconds, and ``extra`` fields
         (e.g. samples), ``started_at`` (unix seconds); appended to ``epochs``."""
         self.counters.clear_tags()  # blocks fetched before this epoch are local now
         before, t0 = self.counters.read(), time.perf_counter()
@@ -153,10 +158,12 @@ class WorkerContext:
                 peer_bytes=d["peer"],
                 origin_bytes=d["origin"] + d["peer_origin"],
                 peer_origin_bytes=d["peer_origin"],
-                read_bytes=d["local"] + d["peer"] + d["origin"] + d["peer_origin"],
+                handoff_bytes=d["handoff"],
+                read_bytes=d["local"] + d["peer"] + d["origin"] + d["peer_origin"] + d["handoff"],
                 fetched_origin_bytes=d["fetch_origin"] + d["fetch_peer_origin"],
                 received_origin_bytes=d["fetch_origin"],
-                received_peer_bytes=d["fetch_peer"] + d["fetch_peer_origin"],
+                received_peer_bytes=d["fetch_peer"] + d["fetch_peer_origin"] + d["fetch_handoff"],
+                received_handoff_bytes=d["fetch_handoff"],
                 fallbacks=d["fallbacks"],
                 dataset_bytes=int(self.dataset.index.length.sum()),
                 **fractions(d),
@@ -217,7 +224,7 @@ def _rank_main(train_fn, spec: dict):
             )
         counters.size_tags(ds.num_blocks)
         args = (spec["node_id"], counters, spec["peer_timeout_s"], spec["retry_s"])
-        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args)  # this rank's reads
+        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"))  # this rank's reads
         ctx = WorkerContext(spec, ds, counters)
         if spec["process_group"] is not None:
             ctx.init_process_group(spec["process_group"])
@@ -310,11 +317,12 @@ def run(
     # the nodes holding it already, else the nodes of this job
     have = [n for n, c in zip(nodes, cached) if c > 0]
     proposal = have or sorted(set(rank_nodes))
-    recorded = settle_members(services, ds.version, int(ds.index.total_bytes), proposal, rank_nodes)
-    members = [m for m in recorded if m in services]
+    record = settle_record(services, ds.version, int(ds.index.total_bytes), proposal, rank_nodes)
+    members = [m for m in record["members"] if m in services]
     if not members:  # every recorded member is gone: place on this job's nodes
         members = sorted(set(rank_nodes))
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
+    prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
     if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
         owned = bytes_per_node(ds, owner, len(members))  # where the data will be, not only where it is
         rank_nodes = choose_nodes(
@@ -340,6 +348,7 @@ def run(
             "members": members,
             "block_bytes": ds.block_bytes,
             "owner": owner,
+            "prior": prior,
             "rank_nodes": spec_rank_nodes,
             "service": services.get(node),
             "peer_timeout_s": peer_timeout_s,

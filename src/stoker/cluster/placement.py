@@ -115,6 +115,15 @@ def place_dataset(ds, nodes: list[str], weights, balance: float | None = 1.05) -
     return bounded_owners(keys, nodes, weights, ds.block_bytes_of(np.arange(ds.num_blocks)), balance)
 
 
+def placement_keys(services: dict, members: list[str]) -> list[str]:
+    """The names the blocks are placed by (:func:`stoker.cluster.placement.place_dataset`), one per
+    member node id: each service's ``cache_key`` (its host and slot, stable across Ray restarts, so
+    every block keeps its node and its cached copy), else the node id. Keys that two nodes share
+    (hosts of the same name) get the node id added. ``services``: ``{node id: info()}``."""
+    keys = [services[m].get("cache_key") or m for m in members]
+    return [k if keys.count(k) == 1 else f"{k}@{m}" for k, m in zip(keys, members, strict=True)]
+
+
 def bytes_per_node(ds, owner: np.ndarray, num_nodes: int) -> np.ndarray:
     """Bytes of ``ds`` each node owns under ``owner`` (int64 (num_nodes,))."""
     return np.bincount(owner, weights=ds.block_bytes_of(np.arange(ds.num_blocks)), minlength=num_nodes).astype(np.int64)

@@ -15,7 +15,8 @@ context from inside a rank:
    every rank computes the same block owners and the same co-located plans
    (:func:`stoker.cluster.schedule.colocated_plans`: exactly once per epoch, equal counts);
 4. each rank opens the dataset through its node cache with a :class:`BlockRouter` (node cache
-   → owning peer → origin) and the relay for its loader's worker processes.
+   → owning peer → origin; a block whose owner changed when the members last grew from its
+   previous owner first, :mod:`stoker.cluster.handoff`) and the relay for its loader's worker processes.
 
 The context owns what step 4 made (the relay's socket directory, the byte-counter file, the
 rank's registration on the node cache, rank 0's hold on the services): :meth:`RankContext.close`
@@ -34,9 +35,10 @@ import ray
 from ..errors import RankSetupError
 from .allgather import Exchange
 from .counters import ByteCounters
+from .handoff import previous_layout, prior_owner
 from .job import ClusterLoader, WorkerContext
 from .placement import place_dataset
-from .records import settle_members
+from .records import settle_record
 from .registration import end as end_registration
 from .routed import announce, open_on_node, route
 from .service import dataset_ref, get_service, placement_keys, prepare
@@ -94,8 +96,8 @@ def _layout(url, opts, cache_dir, cache_bytes, block_bytes, rank_nodes: list[str
     job_nodes = [n for n in rank_nodes if n in services]
     have = [n for n, c in zip(nodes, cached, strict=True) if c > 0]
     proposal = have or sorted(set(job_nodes)) or nodes
-    recorded = settle_members(services, ds.version, int(ds.index.total_bytes), proposal, job_nodes or nodes)
-    members = [m for m in recorded if m in services] or sorted(set(job_nodes)) or nodes
+    record = settle_record(services, ds.version, int(ds.index.total_bytes), proposal, job_nodes or nodes)
+    members = [m for m in record["members"] if m in services] or sorted(set(job_nodes)) or nodes
     token = f"{job}-{uuid.uuid4().hex[:12]}"
     announce(nodes, "hold", dref, token)
     return {
@@ -104,6 +106,7 @@ def _layout(url, opts, cache_dir, cache_bytes, block_bytes, rank_nodes: list[str
         "members": members,
         "keys": placement_keys(services, members),
         "budgets": [int(services[m]["cache_bytes"]) for m in members],
+        "previous": previous_layout(services, members, record["previous"]),
         "services": {n: services[n] for n in set(rank_nodes) if n in services},
         "nodes": nodes,
         "token": token,
@@ -184,7 +187,8 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s,
         counters.size_tags(ds.num_blocks)
         members = layout["members"]
         owner = place_dataset(ds, layout["keys"], layout["budgets"])
-        routed, relay = route(ds, opts, members, owner, node, counters, peer_timeout_s, retry_s)
+        prior = prior_owner(ds, members, owner, layout.get("previous"))  # blocks to hand off
+        routed, relay = route(ds, opts, members, owner, node, counters, peer_timeout_s, retry_s, prior)
         index_of = {m: i for i, m in enumerate(members)}
         spec = {
             "rank": rank,

@@ -8,8 +8,11 @@ node by :mod:`stoker.cluster.placement`) and reads the others from the node that
 through that node's cache service; if the owner is down, slow or gone, it reads the origin
 (a *fallback*): the failed call is the only stall; until a background thread's ping (every
 ``retry_s`` seconds) finds the owner back, its blocks are read from the origin without calling it, so a
-restarted service rejoins by itself. Every byte is counted in the rank's :class:`ByteCounters` (local / peer /
-origin / peer_origin / fallbacks).
+restarted service rejoins by itself. A block whose owner changed when the dataset's members last
+grew (``prior``: its previous owner, :mod:`stoker.cluster.handoff`) is filled from the previous
+owner's cache first: by this rank when this node owns it now, else by the owner's service, which
+the read names the previous owner to. Every byte is counted in the rank's :class:`ByteCounters`
+(local / peer / origin / peer_origin / handoff / fallbacks).
 
 Ray calls work only in the process that joined Ray (the training worker). The loader's decode
 workers and prefetcher are forked children; they reach peers through a relay: a thread of the
@@ -33,12 +36,15 @@ from typing import Any
 import numpy as np
 
 from .._procs import pid_alive
-from ..errors import PeerUnavailable  # noqa: F401 - re-exported
+from ..errors import ChecksumError, PeerUnavailable
 from .counters import ByteCounters
 
 log = logging.getLogger(__name__)
 
-_REQ = struct.Struct("<iqqq")  # owner node index, block, start, stop
+_REQ = struct.Struct("<iqqqii")  # node index, block, start, stop, previous owner (-1: none), mode
+_READ, _CACHED = 0, 1  # modes: a read the node may fill (service read), a cache-only read (read_cached)
+#: Reply kind of a relayed read, by the source the service named.
+_KINDS = {"cache": b"C", "origin": b"O", "handoff": b"H"}
 
 
 class BlockRouter:
@@ -49,7 +55,10 @@ class BlockRouter:
     into ``nodes`` of each block's owner; ``me``: index of this node in ``nodes`` (-1: this node
     caches nothing of the dataset); ``counters``: the rank's :class:`ByteCounters`;
     ``timeout_s``: longest wait for one peer read (then the origin); ``retry_s``: how long a
-    peer that failed is skipped. Picklable (a copy in a forked child uses the relay).
+    peer that failed is skipped; ``prior``: int array (num_blocks,), index into ``nodes`` of each
+    block's previous owner, -1 where it has none to ask
+    (:func:`stoker.cluster.handoff.prior_owner`; None: no block has one). Picklable (a copy in a
+    forked child uses the relay).
     """
 
     def __init__(
@@ -61,9 +70,11 @@ class BlockRouter:
         counters: ByteCounters,
         timeout_s: float = 30.0,
         retry_s: float = 1.0,
+        prior: np.ndarray | None = None,
     ):
         self.dref, self.url = dict(dref), dref["url"]
         self.nodes, self.owner, self.me = list(nodes), np.asarray(owner, dtype=np.int64), int(me)
+        self.prior = np.full(len(self.owner), -1, dtype=np.int64) if prior is None else np.asarray(prior, np.int64)
         self.counters, self.timeout_s, self.retry_s = counters, float(timeout_s), float(retry_s)
         self.relay_address: str | None = None
         self.relay_key: bytes | None = None
@@ -108,17 +119,24 @@ class BlockRouter:
             self.counters.credit(b, nbytes)
 
     def read(self, ds, b: int, start: int, stop: int, block: bool = False) -> bytes:
-        """Shard bytes ``[start, stop)`` of block ``b``: from its owning peer, else the origin.
+        """Shard bytes ``[start, stop)`` of block ``b``: from its owning peer, else the origin; a
+        whole block of this node whose owner changed comes from its previous owner's cache first
+        (:meth:`handoff`).
 
         ``block``: the whole block is being fetched (into the cache or staging; its samples are
         counted as they are read, :meth:`local`); else a sample's bytes, counted now.
         The caller verifies the bytes against the index. Raises what the origin raises
         (:class:`stoker.storage.OriginError`) when the origin fails too.
         """
-        o = int(self.owner[b])
+        o, p = int(self.owner[b]), int(self.prior[b])
+        if block and o == self.me and p >= 0:
+            data = self.handoff(ds, b, p, start, stop)
+            if data is not None:
+                self._count(b, "handoff", len(data), block)
+                return data
         if o != self.me and time.monotonic() >= self._down_until.get(o, 0.0):
             try:
-                source, data = self._peer_read(o, b, start, stop)
+                source, data = self._peer_read(o, b, start, stop, p)
             except Exception as exc:  # noqa: BLE001 - any failure of a peer: read the origin
                 log.warning(
                     "peer %s unavailable for block %s of %s (%s); reading the origin",
@@ -131,11 +149,47 @@ class BlockRouter:
                 self._handles.pop(o, None)
                 self.counters.add(fallbacks=1)
             else:
-                self._count(b, "peer" if source == "cache" else "peer_origin", len(data), block)
+                self._count(b, {"cache": "peer", "handoff": "handoff"}.get(source, "peer_origin"), len(data), block)
                 return data
         data = ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
         self._count(b, "origin", len(data), block)
         return data
+
+    def handoff(self, ds, b: int, p: int, start: int, stop: int) -> bytes | None:
+        """Whole block ``b`` from the cache of its previous owner ``p`` (index into ``nodes``),
+        verified against the index (:meth:`stoker.store.dataset.Dataset.verify_block`); None when
+        that node does not hold it, is down or suspect, does not answer within ``timeout_s``, or
+        sends bytes that fail the check (logged; the caller then reads the origin). The previous
+        owner never goes to the origin for it (:meth:`stoker.cluster.service.CacheService.read_cached`)."""
+        if p == self.me or time.monotonic() < self._down_until.get(p, 0.0):
+            return None
+        try:
+            data = self._peer_cached(p, b, start, stop)
+        except Exception as exc:  # noqa: BLE001 - any failure of the previous owner: read the origin
+            log.warning(
+                "previous owner %s unavailable for block %s of %s (%s); reading the origin",
+                self.nodes[p],
+                ds.block_name(b),
+                self.url,
+                exc,
+            )
+            self._down_until[p] = time.monotonic() + self.retry_s
+            self._handles.pop(p, None)
+            self.counters.add(fallbacks=1)
+            return None
+        if data is None:
+            return None
+        try:
+            return ds.verify_block(b, data)
+        except ChecksumError as exc:
+            log.warning(
+                "block %s of %s from its previous owner %s failed the check (%s); reading the origin",
+                ds.block_name(b),
+                self.url,
+                self.nodes[p],
+                exc,
+            )
+            return None
 
     def _count(self, b: int, source: str, nbytes: int, block: bool) -> None:
         if block:
@@ -144,10 +198,19 @@ class BlockRouter:
             self.counters.add(**{source: nbytes, "fetch_" + source: nbytes})
 
     # -- peers ----------------------------------------------------------------------
-    def _peer_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
+    def _peer_read(self, o: int, b: int, start: int, stop: int, prior: int = -1) -> tuple[str, bytes]:
         if os.getpid() == self._ray_pid:
-            return self.ray_read(o, b, start, stop)
-        return self._relay_read(o, b, start, stop)
+            return self.ray_read(o, b, start, stop, prior)
+        reply = self._relay_call(o, b, start, stop, prior, _READ)
+        if reply is None:
+            raise PeerUnavailable(f"the relay's cache-only answer to a read of node {self.nodes[o]}")
+        return reply
+
+    def _peer_cached(self, o: int, b: int, start: int, stop: int) -> bytes | None:
+        if os.getpid() == self._ray_pid:
+            return self.ray_read_cached(o, b, start, stop)
+        reply = self._relay_call(o, b, start, stop, -1, _CACHED)
+        return None if reply is None else reply[1]
 
     def _node_alive(self, o: int) -> bool:
         """Whether Ray lists the node of peer ``o`` as alive (``ray.nodes()``, asked at most every
@@ -163,8 +226,11 @@ class BlockRouter:
             self._alive = (time.monotonic(), alive)
         return self.nodes[o] in alive
 
-    def ray_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
-        """A peer read through Ray (only in the process that joined Ray). Raises PeerUnavailable.
+    def ray_read(self, o: int, b: int, start: int, stop: int, prior: int = -1) -> tuple[str, bytes]:
+        """A peer read through Ray (only in the process that joined Ray): ``(source, bytes)``, the
+        source as the peer's service names it (:meth:`stoker.cluster.service.CacheService.read`;
+        ``prior``: index of the block's previous owner, which the peer fills it from first, -1:
+        none). Raises PeerUnavailable.
 
         A peer whose call failed (dead, restarting, timed out after ``timeout_s``) is *suspect*:
         it costs that one stall, and later reads of its blocks raise PeerUnavailable at once
@@ -174,6 +240,28 @@ class BlockRouter:
         it again. So a peer known dead, or slow to fail (a node Ray still lists alive), never
         stalls reads again until it is back.
         """
+        extra = (self.nodes[prior], self.timeout_s / 2) if 0 <= prior != o else ()
+        source, data = self._call(o, "read", self.dref, int(b), int(start), int(stop), *extra)
+        if not isinstance(data, bytes) or len(data) != stop - start:
+            raise PeerUnavailable(
+                f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {stop - start}"
+            )
+        return source, data
+
+    def ray_read_cached(self, o: int, b: int, start: int, stop: int) -> bytes | None:
+        """A cache-only read of peer ``o`` through Ray (:meth:`stoker.cluster.service.CacheService.read_cached`):
+        the bytes, or None when its cache does not hold the block. Raises PeerUnavailable as
+        :meth:`ray_read` (a suspect peer is not called)."""
+        data = self._call(o, "read_cached", self.dref, int(b), int(start), int(stop))
+        if data is not None and (not isinstance(data, bytes) or len(data) != stop - start):
+            raise PeerUnavailable(
+                f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {stop - start}"
+            )
+        return data
+
+    def _call(self, o: int, method: str, *args):
+        """``method(*args)`` of peer ``o``'s cache service, waited for at most ``timeout_s``
+        (suspect peers: :meth:`ray_read`). Raises PeerUnavailable."""
         import ray
 
         from .service import get_service
@@ -188,17 +276,12 @@ class BlockRouter:
             h = self._handles.get(o)
             if h is None:
                 h = self._handles[o] = get_service(self.nodes[o])
-            source, data = ray.get(h.read.remote(self.dref, int(b), int(start), int(stop)), timeout=self.timeout_s)
+            return ray.get(getattr(h, method).remote(*args), timeout=self.timeout_s)
         except (ValueError, ray.exceptions.RayError) as exc:
             self._suspect.add(o)
             self._handles.pop(o, None)
             self._probe(o)  # watched from now on, so it is known to be back before a read wants it
             raise PeerUnavailable(f"cache service of node {self.nodes[o]}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(data, bytes) or len(data) != stop - start:
-            raise PeerUnavailable(
-                f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {stop - start}"
-            )
-        return source, data
 
     def connect(self) -> list[str]:
         """Reach every peer that owns blocks, before the first read: look up each one's cache
@@ -210,7 +293,8 @@ class BlockRouter:
 
         from .service import get_service
 
-        peers = sorted({int(o) for o in np.unique(self.owner) if 0 <= o < len(self.nodes) and o != self.me})
+        asked = np.union1d(self.owner, self.prior)  # owners, and previous owners to hand blocks off
+        peers = sorted({int(o) for o in asked if 0 <= o < len(self.nodes) and o != self.me})
         refs, failed = {}, []
         for o in peers:
             try:
@@ -279,7 +363,9 @@ class BlockRouter:
                 return
             time.sleep(max(0.0, self.retry_s - (time.monotonic() - t0)))
 
-    def _relay_read(self, o: int, b: int, start: int, stop: int) -> tuple[str, bytes]:
+    def _relay_call(self, o: int, b: int, start: int, stop: int, prior: int, mode: int) -> tuple[str, bytes] | None:
+        """A peer read for a forked child through the relay: ``(source, bytes)``, or None when a
+        cache-only read (``mode`` ``_CACHED``) found the block not held. Raises PeerUnavailable."""
         if self.relay_address is None:
             raise PeerUnavailable("no relay to the peers in this process (not the Ray worker)")
         conn = getattr(self._tls, "conn", None)
@@ -287,7 +373,7 @@ class BlockRouter:
             conn = self._tls.conn = Client(self.relay_address, family="AF_UNIX", authkey=self.relay_key)
             self._tls.pid = os.getpid()
         try:
-            conn.send_bytes(_REQ.pack(o, b, start, stop))
+            conn.send_bytes(_REQ.pack(o, b, start, stop, prior, mode))
             reply = conn.recv_bytes()
         except (OSError, EOFError) as exc:
             self._tls.conn = None
@@ -295,7 +381,9 @@ class BlockRouter:
         kind, data = reply[:1], reply[1:]
         if kind == b"E":
             raise PeerUnavailable(data.decode(errors="replace"))
-        return ("cache" if kind == b"C" else "origin"), data
+        if kind == b"N":
+            return None
+        return {v: k for k, v in _KINDS.items()}.get(kind, "origin"), data
 
     # -- the relay, run by the Ray worker ------------------------------------------
     def start_relay(self) -> "Relay":
@@ -340,8 +428,9 @@ class Relay:
     """A Unix-socket server in the Ray worker that performs peer reads for its child processes.
 
     One thread per connection; requests are fixed-size structs, replies a kind byte (``C``:
-    from the peer's cache, ``O``: the peer fetched from the origin, ``E``: error text) and the
-    bytes. :meth:`close` stops it and removes its directory (``stoker-relay-<pid>-*``, mode
+    from the peer's cache, ``O``: the peer fetched from the origin, ``H``: the peer filled it
+    from the block's previous owner, ``N``: a cache-only read found the block not held, ``E``:
+    error text) and the bytes. :meth:`close` stops it and removes its directory (``stoker-relay-<pid>-*``, mode
     0700); so does the interpreter's exit without :meth:`close`, and a process that ended
     without either leaves it to the next relay's :func:`sweep_relay_dirs`.
     """
@@ -375,10 +464,14 @@ class Relay:
                     req = conn.recv_bytes(_REQ.size)
                 except (OSError, EOFError):
                     return
-                o, b, start, stop = _REQ.unpack(req)
+                o, b, start, stop, prior, mode = _REQ.unpack(req)
                 try:
-                    source, data = self._router.ray_read(o, b, start, stop)
-                    reply = (b"C" if source == "cache" else b"O") + data
+                    if mode == _CACHED:
+                        held = self._router.ray_read_cached(o, b, start, stop)
+                        reply = b"N" if held is None else b"C" + held
+                    else:
+                        source, data = self._router.ray_read(o, b, start, stop, prior)
+                        reply = _KINDS.get(source, b"O") + data
                 except Exception as exc:  # noqa: BLE001 - reported to the child, which reads the origin
                     reply = b"E" + str(exc).encode()
                 try:

@@ -1,6 +1,6 @@
 """A dataset's placement members, recorded on every cache service so that any one answers.
 
-The record of a dataset version (``{"members", "known"}``, see :mod:`stoker.cluster.membership`)
+The record of a dataset version (``{"members", "known", "previous"}``, see :mod:`stoker.cluster.membership`)
 used to live on one service, the one of the lowest node id. A node that joined with a lower id
 took that role with no record, and a restarted service forgot it: the next job then recorded
 the members afresh and the joined node never became one. Now :func:`settle_members` asks every
@@ -17,7 +17,7 @@ import time
 
 import ray
 
-from .membership import widen
+from .membership import after_growth, merge, widen
 from .service import get_service
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,15 @@ def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE
 def settle_members(
     services: dict, version: str, dataset_bytes: int, proposal: list[str], job_nodes: list[str]
 ) -> list[str]:
-    """The placement members of dataset ``version`` for the job at hand (node ids, sorted).
+    """The placement members of dataset ``version`` for the job at hand (node ids, sorted):
+    ``settle_record(...)["members"]`` (:func:`settle_record`)."""
+    return settle_record(services, version, dataset_bytes, proposal, job_nodes)["members"]
+
+
+def settle_record(services: dict, version: str, dataset_bytes: int, proposal: list[str], job_nodes: list[str]) -> dict:
+    """The record of dataset ``version`` for the job at hand: ``{"members", "previous"}`` (node
+    ids, sorted): the placement members, and the members before their last growth (``[]`` when
+    they never grew since the first claim: :func:`stoker.cluster.membership.after_growth`).
 
     ``services``: ``{node id: info()}`` of the services that answer now (at least one);
     ``dataset_bytes``: the dataset's size; ``proposal``: the members to record when no service
@@ -74,18 +82,20 @@ def settle_members(
                 log.warning("cache service on node %s gave no record of %s: %s", n, version, exc)
     found = [r for r in records if r]
     if found:
-        members = sorted(set().union(*(r["members"] for r in found)))
-        known = sorted(set().union(*(r["known"] for r in found)))
+        rec = merge(found)
+        members, known, previous = rec["members"], rec["known"], rec["previous"]
     else:
         keeper = get_service(nodes[0])
         members = call(keeper.claim, version, proposal, nodes)
-        known = call(keeper.known, version)
+        known, previous = call(keeper.known, version), []
     grown = widen(members, known, {n: int(services[n]["cache_bytes"]) for n in nodes}, int(dataset_bytes), job_nodes)
+    # a first claim's members placed nothing yet: a growth right after it moves no cached block
+    previous = after_growth(members, grown, previous) if found else []
     seen = sorted(set(known) | set(nodes))
-    refs = {n: get_service(n).widen.remote(version, grown, seen) for n in nodes}
+    refs = {n: get_service(n).widen.remote(version, grown, seen, previous) for n in nodes}
     for n, ref in refs.items():
         try:
             grown = sorted(set(grown) | set(ray.get(ref)))  # a job that widened at the same time
         except ray.exceptions.RayActorError as exc:
             log.warning("cache service on node %s did not record the members of %s: %s", n, version, exc)
-    return grown
+    return {"members": grown, "previous": previous}

@@ -49,10 +49,12 @@ def route(
     counters: ByteCounters,
     peer_timeout_s: float,
     retry_s: float,
+    prior: np.ndarray | None = None,
 ) -> tuple:
     """``(routed dataset, relay)``: a view of ``ds`` whose reads go node cache -> owning peer ->
     origin (``owner``: the member index owning each block; ``node``: this rank's node id, -1 as
-    member when it is none), counted in ``counters``; every peer looked up and called once, off
+    member when it is none; ``prior``: each block's previous owner, -1: none,
+    :func:`stoker.cluster.handoff.prior_owner`), counted in ``counters``; every peer looked up and called once, off
     the read path; the :class:`stoker.cluster.reader.Relay` serving the rank's worker processes
     (the caller closes it)."""
     router = BlockRouter(
@@ -63,6 +65,7 @@ def route(
         counters,
         timeout_s=peer_timeout_s,
         retry_s=retry_s,
+        prior=prior,
     )
     routed = ds.with_reader(BlockReader(ds, router=router))
     router.connect()

@@ -35,7 +35,10 @@ from ..errors import ServiceStartError
 from ..loader.inflight import InflightGate, InflightTarget
 from ..metrics import ServiceMetrics
 from ..store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
+from .handoff import PriorReads
 from .identity import claim_cache_dir
+from .membership import RECORD_SETS, merge
+from .placement import placement_keys  # noqa: F401 - re-exported: its callers import it from here
 from .registration import LEASE_S, lease
 
 log = logging.getLogger(__name__)
@@ -92,7 +95,10 @@ class CacheService:
         self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
         self._holders: dict[str, set] = {}  # dataset version -> tokens of the running jobs that announced it
         self._datasets: dict = {}
-        self._claims: dict[str, dict[str, list[str]]] = {}  # version -> {"members": [...], "known": [...]}
+        self._claims: dict[str, dict[str, list[str]]] = {}  # version -> {"members", "known", "previous"}
+        self._prior = PriorReads(
+            lambda node: get_service(node)
+        )  # cache-only reads from blocks' previous owners (stoker.cluster.handoff)
         self._gates: dict = {}  # dataset url -> InflightGate shared by its fills
         self._lock = threading.Lock()
         self._metrics = ServiceMetrics(self.node_name)  # Ray's metrics export (stoker.metrics)
@@ -156,13 +162,25 @@ class CacheService:
             "pid": os.getpid(),
         }
 
-    def read(self, dref: dict, b: int, start: int, stop: int):
+    def read(
+        self,
+        dref: dict,
+        b: int,
+        start: int,
+        stop: int,
+        prior: str | None = None,
+        prior_timeout_s: float | None = None,
+    ):
         """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
 
         Returns ``(source, data)``: source ``"cache"`` when this node held the block (also when
-        another fill brought it in while this read waited for it), ``"origin"`` when it had to
-        fetch it (the block is then admitted here if the budget allows, so the next reader of any
-        job finds it). Errors (origin, checksum) propagate to the caller.
+        another fill brought it in while this read waited for it), ``"handoff"`` when it filled
+        it from ``prior``, the node that owned the block before the dataset's members last grew
+        (a cache-only read of that node's service, waited for at most ``prior_timeout_s``,
+        default :data:`stoker.cluster.handoff.PRIOR_TIMEOUT_S`: :mod:`stoker.cluster.handoff`),
+        ``"origin"`` when it had to fetch it from the origin (the block is then admitted here if
+        the budget allows, so the next reader of any job finds it). Errors (origin, checksum)
+        propagate to the caller.
         """
         ds = self._open(dref)
         self._renew(ds)
@@ -173,26 +191,48 @@ class CacheService:
         if data is not None:
             self._metrics.served_bytes(stop - start, "cache")
             return "cache", bytes(data)
-        status, block = ds.reader.fill_block(b, blocking=True)
+        first, got = self._prior.source(ds, dref, prior if prior != self.node_id else None, prior_timeout_s)
+        status, block = ds.reader.fill_block(b, blocking=True, first_source=first)
         if block is None:  # this node's budget is full: pass the range through
             shard = ds.index.shard_name(ds.block_shard[b])
             out = bytes(ds.origin.read_range(shard, start, stop))
         else:
             out = bytes(memoryview(block)[rel : rel + stop - start])
-        source = "cache" if status == "cached" else "origin"
+        source = (
+            "cache"
+            if status == "cached"
+            else ("handoff" if block is not None and block is got.get(int(b)) else "origin")
+        )
         self._metrics.served_bytes(len(out), source)
         return source, out
 
-    def fill(self, dref: dict, blocks: list[int], concurrency: int = 8) -> dict:
+    def read_cached(self, dref: dict, b: int, start: int, stop: int) -> bytes | None:
+        """Shard bytes ``[start, stop)`` of block ``b`` when this node's cache holds the block, else
+        None: never from the origin (a handoff to the block's new owner,
+        :mod:`stoker.cluster.handoff`)."""
+        ds = self._open(dref)
+        self._renew(ds)
+        data = ds.cache.read(ds.version, ds.block_name(b), start - int(ds.block_start[b]), stop - start)
+        if data is None:
+            return None
+        self._metrics.served_bytes(stop - start, "cache")
+        return bytes(data)
+
+    def fill(self, dref: dict, blocks: list[int], concurrency: int = 8, prior: dict | None = None) -> dict:
         """Fill ``blocks`` (block ids) from the origin into this node's cache, at least
         ``concurrency`` ranged GETs at a time and more while the origin's measured
         bandwidth-delay product asks for them (one :class:`stoker.loader.inflight.InflightTarget`
         per dataset, shared by this service's concurrent fills). A block that fails (origin error after its retries, checksum
         mismatch, a cache disk error) is counted and named, and the others go on.
 
-        Returns ``{filled, cached, refused, busy, failed, origin_bytes, errors}``: block counts by
-        outcome, bytes fetched from the origin by this call, and ``errors``: ``{shard name: reason}``
-        for the shards of the failed blocks (one reason per shard, the first met).
+        ``prior``: ``{block id: node id}``, the node that owned the block before the dataset's
+        members last grew; such a block is filled from that node's cache when it holds it
+        (:meth:`read`, :mod:`stoker.cluster.handoff`), else from the origin.
+
+        Returns ``{filled, cached, refused, busy, failed, origin_bytes, handoff_bytes, errors}``:
+        block counts by outcome, bytes fetched from the origin and from previous owners by this
+        call, and ``errors``: ``{shard name: reason}`` for the shards of the failed blocks (one
+        reason per shard, the first met).
         """
         ds = self._open(dref)
         self._renew(ds)
@@ -204,8 +244,10 @@ class CacheService:
             "busy": 0,
             "failed": 0,
             "origin_bytes": 0,
+            "handoff_bytes": 0,
             "errors": {},
         }
+        prior = {int(k): v for k, v in (prior or {}).items() if v != self.node_id}
 
         with self._lock:
             gate = self._gates.get(ds.url)
@@ -215,7 +257,9 @@ class CacheService:
         def fetch(b):
             if ds.cache.contains(version, ds.block_name(b)):
                 return "cached"
-            return ds.reader.fill_block(int(b), blocking=True, want_data=False)
+            first, got = self._prior.source(ds, dref, prior.get(int(b)))
+            status, data = ds.reader.fill_block(int(b), blocking=True, first_source=first)
+            return "handed" if status == "filled" and data is not None and data is got.get(int(b)) else status
 
         def one(b):
             try:
@@ -225,6 +269,10 @@ class CacheService:
 
         with ThreadPoolExecutor(max(1, min(len(blocks), gate.target.ceiling))) as pool:
             for b, (status, reason) in zip(blocks, pool.map(one, blocks)):
+                if status == "handed":  # filled from the block's previous owner
+                    out["filled"] += 1
+                    out["handoff_bytes"] += int(ds.block_bytes_of(int(b)))
+                    continue
                 out[status] = out.get(status, 0) + 1
                 if status == "filled":  # fetched from the origin by this call
                     out["origin_bytes"] += int(ds.block_bytes_of(int(b)))
@@ -280,14 +328,17 @@ class CacheService:
         with a service at the time (default ``members``), to tell later which nodes joined. In
         memory: after a restart of this service the next job's claim records again."""
         with self._lock:
-            rec = self._claims.setdefault(version, {"members": list(members), "known": list(known or members)})
+            rec = self._claims.setdefault(
+                version, {"members": list(members), "known": list(known or members), "previous": []}
+            )
             return list(rec["members"])
 
     def record(self, version: str) -> dict | None:
-        """The record of ``version`` (``{"members": [...], "known": [...]}``), None when there is none."""
+        """The record of ``version`` (``{"members": [...], "known": [...], "previous": [...]}``:
+        :mod:`stoker.cluster.membership`), None when there is none."""
         with self._lock:
             rec = self._claims.get(version)
-            return {"members": list(rec["members"]), "known": list(rec["known"])} if rec else None
+            return {k: list(rec.get(k, [])) for k in RECORD_SETS} if rec else None
 
     def known(self, version: str) -> list[str]:
         """The nodes the record of ``version`` has seen ([] when there is none)."""
@@ -295,14 +346,14 @@ class CacheService:
             rec = self._claims.get(version)
             return list(rec["known"]) if rec else []
 
-    def widen(self, version: str, members: list[str], known: list[str]) -> list[str]:
-        """Add ``members`` and ``known`` to the record of ``version`` (sets only grow, so jobs
-        that widen at once agree); returns the recorded members."""
+    def widen(self, version: str, members: list[str], known: list[str], previous: list[str] | None = None) -> list[str]:
+        """Add ``members``, ``known`` and ``previous`` (the members before their last growth) to
+        the record of ``version`` (:func:`stoker.cluster.membership.merge`: sets only grow, so
+        jobs that widen at once agree); returns the recorded members."""
         with self._lock:
-            rec = self._claims.setdefault(version, {"members": [], "known": []})
-            rec["members"] = sorted(set(rec["members"]) | set(members))
-            rec["known"] = sorted(set(rec["known"]) | set(known))
-            return list(rec["members"])
+            rec = self._claims.get(version, {})
+            self._claims[version] = merge([rec, {"members": members, "known": known, "previous": previous or []}])
+            return list(self._claims[version]["members"])
 
     def ping(self) -> str:
         return self.node_id
@@ -435,15 +486,6 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             log.warning("cache service on node %s did not answer: %s", nid, exc)
     return dict(sorted(found.items()))
-
-
-def placement_keys(services: dict, members: list[str]) -> list[str]:
-    """The names the blocks are placed by (:func:`stoker.cluster.placement.place_dataset`), one per
-    member node id: each service's ``cache_key`` (its host and slot, stable across Ray restarts, so
-    every block keeps its node and its cached copy), else the node id. Keys that two nodes share
-    (hosts of the same name) get the node id added. ``services``: ``{node id: info()}``."""
-    keys = [services[m].get("cache_key") or m for m in members]
-    return [k if keys.count(k) == 1 else f"{k}@{m}" for k, m in zip(keys, members)]
 
 
 def get_service(node_id: str):

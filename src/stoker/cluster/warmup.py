@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from ..store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
 from .freshness import refreshing
+from .handoff import previous_layout, prior_owner
 from .placement import bytes_per_node, place_dataset
-from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_members
+from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_record
 from .records import call as _call
 from .service import cache_dir_arg, dataset_ref, error_line, find_services, get_service, placement_keys, prepare
 
@@ -58,8 +59,10 @@ def warm(
     :func:`stoker.cluster.run`; ``cache_root`` is the old name of ``cache_dir``, accepted with a
     DeprecationWarning). The dataset's placement members are the recorded ones (see
     ``run``), else every node with a service. ``chunk_blocks`` blocks per request,
-    ``concurrency`` ranged GETs per node. Report: ``{url, version, dataset_bytes, seconds,
-    origin_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
+    ``concurrency`` ranged GETs per node. A block whose owner changed when the members last grew
+    is filled from its previous owner's cache when that node holds it (:mod:`stoker.cluster.handoff`;
+    ``handoff_bytes``), else from the origin. Report: ``{url, version, dataset_bytes, seconds,
+    origin_bytes, handoff_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
     cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
     failed_shards, error}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
@@ -85,9 +88,10 @@ def warm(
     cache_dir = cache_dir_arg(cache_dir, cache_root)
     services, ds, dref = prepare(url, opts, cache_dir, cache_bytes, block_bytes, detached, down=down_at_start)
     nodes = list(services)
-    recorded = settle_members(services, ds.version, int(ds.index.total_bytes), nodes, [])
-    members = [m for m in recorded if m in services] or nodes
+    record = settle_record(services, ds.version, int(ds.index.total_bytes), nodes, [])
+    members = [m for m in record["members"] if m in services] or nodes
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
+    prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
     owned = bytes_per_node(ds, owner, len(members))
     sizes = ds.block_bytes_of(np.arange(ds.num_blocks))
     queues = {
@@ -101,7 +105,14 @@ def warm(
     if progress:
         bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
     fills = _Fills(
-        ds, dref, members, queues, concurrency, bar, FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s)
+        ds,
+        dref,
+        members,
+        queues,
+        concurrency,
+        bar,
+        FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s),
+        prior,
     )
     fills.run()
     if bar is not None:
@@ -123,6 +134,7 @@ def warm(
         "dataset_bytes": int(sizes.sum()),
         "seconds": time.perf_counter() - t0,
         "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
+        "handoff_bytes": int(sum(t["handoff_bytes"] for t in totals.values())),
         "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0,
         "complete": bool(sum(cached) >= sizes.sum()),
         "failed_shards": {sh: why for e in errors.values() for sh, why in e.items()},
@@ -182,11 +194,15 @@ class _Fills:
         concurrency: int,
         bar=None,
         timeout_s: float = FILL_TIMEOUT_S,
+        prior: np.ndarray | None = None,
     ):
         self.ds, self.dref, self.members, self.queues = ds, dref, members, queues
+        self.prior = prior  # each block's previous owner (index into members, -1: none)
         self.concurrency, self.bar, self.timeout_s = concurrency, bar, timeout_s
         self._progress: dict[int, float] = {}  # node -> when it last answered (or was first sent to)
-        self.totals = {i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0} for i in queues}
+        self.totals = {
+            i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0, "handoff_bytes": 0} for i in queues
+        }
         self.errors: dict[int, dict[str, str]] = {i: {} for i in queues}
         self.down: dict[int, str] = {}
         self._pending: dict = {}  # ref -> (node index, chunk)
@@ -246,7 +262,7 @@ class _Fills:
             self._fail(i, chunk, self.down[i])
             return
         try:
-            ref = get_service(self.members[i]).fill.remote(self.dref, chunk, self.concurrency)
+            ref = get_service(self.members[i]).fill.remote(self.dref, chunk, self.concurrency, self._prior_of(chunk))
         except ValueError as exc:  # no service by that name: killed for good, or its node is gone
             self._go_down(i, f"no cache service on node {self.members[i]} ({exc})")
             self._fail(i, chunk, self.down[i])
@@ -254,6 +270,13 @@ class _Fills:
         if not any(j == i for j, _ in self._pending.values()):
             self._progress[i] = time.monotonic()  # the clock of a node with nothing in flight starts now
         self._pending[ref] = (i, chunk)
+
+    def _prior_of(self, chunk: list[int]) -> dict[int, str] | None:
+        """``{block: node id}`` of the blocks of ``chunk`` that have a previous owner (None: none)."""
+        if self.prior is None:
+            return None
+        got = {int(b): self.members[int(self.prior[b])] for b in chunk if int(self.prior[b]) >= 0}
+        return got or None
 
     def _done(self, ref) -> None:
         i, chunk = self._pending.pop(ref)

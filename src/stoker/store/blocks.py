@@ -18,21 +18,29 @@ Reads try, in order: the node cache (a committed block), the staging area, a fet
 block (single flight across processes under the cache's fetch lock, kept in the cache when it
 admits the block, else in the staging area when that has room), and last a ranged GET of just
 the sample (:meth:`BlockReader.read_range`). Fills for the prefetcher and the cluster's services
-are :meth:`BlockReader.fill_block` and :meth:`BlockReader.stage_block`. Picklable: a worker
-process gets a copy with the same staging area and router and counters at zero.
+are :meth:`BlockReader.fill_block` and :meth:`BlockReader.stage_block`; a fill may name a
+*first source* (``first_source``: e.g. the cluster's previous owner of the block) tried before
+the origin, whose bytes are checked like the origin's. Picklable: a worker process gets a copy
+with the same staging area and router and counters at zero.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import OriginError
+from ..errors import ChecksumError, OriginError
 from . import fill_failures
 
+log = logging.getLogger(__name__)
+
 Check = Callable[[object], bool]  # valid(data) -> whether the bytes of a sample's range are right
+#: first_source(b) -> the bytes of block b (shard range [block_start, block_end)), or None when it
+#: has none; it must not raise (a source that fails answers None).
+FirstSource = Callable[[int], "bytes | memoryview | None"]
 
 
 @dataclass
@@ -141,10 +149,26 @@ class BlockReader:
             return self._router.read(ds, b, start, stop, block=block)
         return ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
 
-    def fetch_block(self, b: int):
+    def fetch_block(self, b: int, first_source: FirstSource | None = None):
         """Block ``b`` from the origin (or its owning peer) with every member of every sample
-        verified (:meth:`stoker.store.dataset.Dataset.verify_block`: :class:`ChecksumError`)."""
+        verified (:meth:`stoker.store.dataset.Dataset.verify_block`: :class:`ChecksumError`).
+
+        ``first_source``: tried first (:data:`FirstSource`); its bytes are verified the same way,
+        and when it has none, or they fail the check (logged, naming the block), the block is
+        read from the usual source."""
         ds = self._ds
+        if first_source is not None:
+            data = first_source(b)
+            if data is not None:
+                try:
+                    return ds.verify_block(b, data)
+                except ChecksumError as exc:
+                    log.warning(
+                        "block %s of %s from its first source failed the check (%s); reading it again",
+                        ds.block_name(b),
+                        ds.url,
+                        exc,
+                    )
         return ds.verify_block(b, self.source_read(b, int(ds.block_start[b]), int(ds.block_end[b]), block=True))
 
     # -- sample reads -------------------------------------------------------
@@ -282,7 +306,9 @@ class BlockReader:
                 return "unstaged"
             return "staged"
 
-    def fill_block(self, b: int, blocking: bool = True, want_data: bool = True):
+    def fill_block(
+        self, b: int, blocking: bool = True, want_data: bool = True, first_source: FirstSource | None = None
+    ):
         """Fetch block ``b`` from the origin into the cache (single flight across processes).
 
         Every sample in the block is verified before it is admitted. A block fetched here that
@@ -300,6 +326,10 @@ class BlockReader:
         nothing fetched: a caller counting origin bytes must not count these), with "filled",
         "staged" or "unstaged" when fetched here, and ``("refused", None)`` or ``("busy", None)``
         (the caller then reads just the sample). Raises what :meth:`fetch_block` raises.
+
+        ``first_source``: a source tried before the origin for a fetch here (:meth:`fetch_block`);
+        with ``want_data=True`` the data returned is the very object it gave when its bytes were
+        kept, so a caller can tell where a "filled" block came from.
         """
         ds, cache, staging = self._ds, self._ds.cache, self._staging
         name, version = ds.block_name(b), ds.version
@@ -319,7 +349,7 @@ class BlockReader:
                     return "cached", data
             if not want_data and staging is not None and staging.contains(version, name):
                 return "in_staging"
-            data = fill_failures.fetch(self, b, name, since)
+            data = fill_failures.fetch(self, b, name, since, first_source)
             if cache.put(version, name, data):
                 return ("filled", data) if want_data else "filled"
             staged = staging is not None and (staging.contains(version, name) or staging.put(version, name, data))
@@ -327,4 +357,4 @@ class BlockReader:
             return (status, data) if want_data else status
 
 
-__all__ = ["BlockReader", "BlockSource", "ReadStats", "Router"]
+__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router"]

@@ -87,14 +87,14 @@ def after_others(cache, namespace: str, name: str, err: OriginError, since: floa
     )
 
 
-def fetch(reader, b: int, name: str, since: float) -> bytes:
-    """``reader.fetch_block(b)`` (a :class:`stoker.store.blocks.BlockReader`) for a fill holding
+def fetch(reader, b: int, name: str, since: float, first_source=None) -> bytes:
+    """``reader.fetch_block(b, first_source)`` (a :class:`stoker.store.blocks.BlockReader`) for a fill holding
     block ``b``'s fetch lock (``name``: its cache name; ``since``: when this process began to wait
     for the lock). On an :class:`OriginError` the failure is noted in the lock for the processes
     waiting on it (:func:`record`), joined to the failed fetch this one waited for, if any
     (:func:`after_others`), and raised."""
     try:
-        return reader.fetch_block(b)
+        return reader.fetch_block(b, first_source)
     except OriginError as exc:
         ds = reader.dataset
         err = after_others(ds.cache, ds.version, name, exc, since)
