@@ -26,10 +26,13 @@ demo: venv
 demo-quick: venv
 	$(BIN)/stoker demo --quick --json demo-out/demo-quick.json --plot demo-out/demo-quick.png
 
+# Two pytest workers (pytest-xdist), each taking a whole test file at a time: the files' module
+# fixtures (Ray clusters, origins) stay in one process; each worker has its own node cache
+# (tests/conftest.py).
 test: venv
 	bash scripts/system_deps.sh
 	mkdir -p $(TEST_TMP)
-	STOKER_CACHE_DIR=$(TEST_TMP)/cache $(BIN)/python -m pytest -q --durations=15 --basetemp=$(TEST_TMP)/pytest
+	STOKER_CACHE_DIR=$(TEST_TMP)/cache $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 --basetemp=$(TEST_TMP)/pytest
 
 # ruff (E, F, I, B, UP; D for src/), ruff format and mypy, configured in pyproject.toml.
 lint: venv

@@ -21,6 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 os.environ.update(LOOPBACK_RAY_ENV)
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets a node cache of its own: the
+# tests that name no cache directory use $STOKER_CACHE_DIR, and two workers' tests must not see
+# or evict each other's blocks. Set before anything reads it, inherited by the tests' children.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("STOKER_CACHE_DIR"):
+    os.environ["STOKER_CACHE_DIR"] = os.path.join(os.environ["STOKER_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"])
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_fork_hazard_left(request):

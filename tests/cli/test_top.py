@@ -51,11 +51,18 @@ ld.close()
 """
 
 
+#: How far top's samples/s and stall may be from the loader's own (the epoch so far against the
+#: epoch at its stop; a wrong field or unit is off by far more).
+RATE_REL = 0.15
+
 _PACKED: list[str] = []  # the dataset URL the running loader opened
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # without COLUMNS/LINES (pytest-xdist's workers have them set): the live view sizes its table
+    # to the terminal it is given, as it does for a user
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return {**env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 @pytest.fixture
@@ -109,8 +116,10 @@ def test_once_json_reports_the_running_loader(running_loader):
     (job,) = [j for j in c["jobs"] if j["pid"] == pid]
     (own,) = [s for s in finish() if s["epoch"] == job["epoch"]]
     assert own["samples"] >= 41 and own["cache_misses"] == 0
-    assert job["samples_per_s"] == pytest.approx(own["samples_per_s"], rel=0.05)
-    assert job["stall_fraction"] == pytest.approx(own["stall_fraction"], rel=0.05)
+    # top shows the epoch so far, the loader's own figures are of the epoch at its stop a moment
+    # later: the pace between the two moves with the machine's load (the other test worker)
+    assert job["samples_per_s"] == pytest.approx(own["samples_per_s"], rel=RATE_REL)
+    assert job["stall_fraction"] == pytest.approx(own["stall_fraction"], rel=RATE_REL)
     assert own["stall_fraction"] > 0.5  # the pace the test set: a stall worth comparing
     assert job["cache_hit_ratio"] == pytest.approx(own["cache_hit_ratio"], rel=0.05)
     assert job["first_batch_s"] == pytest.approx(own["first_batch_s"], rel=0.05)
@@ -149,8 +158,8 @@ def test_live_view_under_a_terminal(running_loader):
         child.close(force=True)
     assert child.exitstatus == 0
     (own,) = [s for s in finish() if s["epoch"] == epoch]
-    assert rate == pytest.approx(own["samples_per_s"], rel=0.05)
-    assert stall / 100 == pytest.approx(own["stall_fraction"], rel=0.05)
+    assert rate == pytest.approx(own["samples_per_s"], rel=RATE_REL)
+    assert stall / 100 == pytest.approx(own["stall_fraction"], rel=RATE_REL)
     assert hits / 100 == pytest.approx(own["cache_hit_ratio"], rel=0.05) and hits == 100.0
     assert dataset == _PACKED[0]  # the URL, as the metrics and `stoker cache status` name it
 
