@@ -156,3 +156,20 @@ def flow_finish_times(caps: dict, flows: list[tuple[float, dict]], **net_options
         env.process(one(i, start, parts))
     env.run()
     return done
+
+
+def loader_epoch(ctx):
+    """A cluster rank's train function: one epoch through ``ctx.loader`` with a decode worker and a
+    prefetcher (forked children: their peer reads go through the rank's relay); returns the
+    rank's epoch records (``ctx.epochs``). Sent to the Ray workers by value (tests/cluster/conftest.py)."""
+    from stoker import ImageOptions, ReadOptions
+
+    loader = ctx.loader(
+        8, num_workers=1, transform="eval", image=ImageOptions(image_size=32), read=ReadOptions(prefetch_bytes=1 << 20)
+    )
+    try:
+        for _ in loader:
+            pass
+    finally:
+        loader.close()
+    return ctx.epochs

@@ -54,11 +54,14 @@ def _shutdown(ray, c, wait_s: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, request):
-    """The session's cluster, with the requesting test module's functions sent by value (train
-    functions defined in a test module are not importable on the workers)."""
+    """The session's cluster, with the requesting test module's functions (and tests/_helpers.py's)
+    sent by value (train functions defined in the tests are not importable on the workers)."""
     import ray.cloudpickle
 
+    import _helpers
+
     ray.cloudpickle.register_pickle_by_value(request.module)
+    ray.cloudpickle.register_pickle_by_value(_helpers)
     yield ray_cluster
 
 

@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from _helpers import loader_epoch
+
 ray = pytest.importorskip("ray")
 
 BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks to place
@@ -195,26 +197,12 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
     assert sum(r["epochs"][1]["peer_bytes"] for r in readers) > 0
 
 
-def _loader_epoch(ctx):
-    from stoker import ImageOptions, ReadOptions
-
-    loader = ctx.loader(
-        8, num_workers=1, transform="eval", image=ImageOptions(image_size=32), read=ReadOptions(prefetch_bytes=1 << 20)
-    )
-    try:
-        for _ in loader:
-            pass
-    finally:
-        loader.close()
-    return ctx.epochs
-
-
 def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluster, s3_dataset, tmp_path_factory):
     from stoker.cluster import run
 
     url, opts = s3_dataset
     res = run(
-        _loader_epoch,
+        loader_epoch,
         url,
         3,
         {"CPU": 0.5},

@@ -15,6 +15,8 @@ from functools import partial
 import numpy as np
 import pytest
 
+from _helpers import loader_epoch
+
 pytest.importorskip("ray")
 
 from stoker.cluster import service as service_mod  # noqa: E402
@@ -177,7 +179,7 @@ def test_the_origin_when_the_previous_owner_lacks_the_block_sends_bad_bytes_or_f
 def _job(url, n, nodes, budget, name, common, train_fn=None):
     """A job of ``n`` ranks with cache services on ``nodes`` (``budget`` bytes each): ``(sample ids
     read, sorted; byte totals over the ranks)``. ``train_fn``: default :func:`read_epochs` (in
-    the rank's process, ids recorded); a Loader's epochs (:func:`_loader_epoch`) check their
+    the rank's process, ids recorded); a Loader's epochs (:func:`loader_epoch`) check their
     plan themselves (``exactly_once``), and the ids are then ``range(samples read)``."""
     from stoker.cluster import read_epochs, run
 
@@ -198,22 +200,6 @@ def _job(url, n, nodes, budget, name, common, train_fn=None):
         ids = list(range(sum(rec["samples"] for rec in recs)))
     total = {k: sum(r["result"][0].get(k, 0) for r in out) for k in ("origin_bytes", "handoff_bytes", "read_bytes")}
     return ids, total
-
-
-def _loader_epoch(ctx):
-    """One epoch through a Loader with a decode worker and a prefetcher (forked children: their
-    peer reads, handoffs included, go through the rank's relay); the epoch's records."""
-    from stoker import ImageOptions, ReadOptions
-
-    loader = ctx.loader(
-        8, num_workers=1, transform="eval", image=ImageOptions(image_size=32), read=ReadOptions(prefetch_bytes=1 << 20)
-    )
-    try:
-        for _ in loader:
-            pass
-    finally:
-        loader.close()
-    return ctx.epochs
 
 
 def test_a_joined_node_takes_its_blocks_from_their_previous_owners(cluster, s3_dataset, tmp_path, fresh_services):
@@ -291,7 +277,7 @@ def test_blocks_whose_previous_owner_no_longer_holds_them_come_from_the_origin(
     on = NodeAffinitySchedulingStrategy(nodes[1], soft=False)
     evict = ray.remote(num_cpus=0)(_evict_all).options(scheduling_strategy=on)
     assert ray.get(evict.remote(url, opts, find_services()[nodes[1]]), timeout=60) > 0
-    ids, after = _job(url, 3, nodes, budget, "after-evict", common, _loader_epoch)
+    ids, after = _job(url, 3, nodes, budget, "after-evict", common, loader_epoch)
     assert ids == list(range(n))  # every sample exactly once
     assert after["handoff_bytes"] > 0  # from the node that kept its blocks
     assert after["origin_bytes"] >= 0.3 * after["read_bytes"]  # the evicted node's share, from the origin

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from .._procs import pid_alive
-from ..errors import ChecksumError, PeerUnavailable
+from ..errors import PeerUnavailable
+from ..store.blocks import checked_or_none
 from .counters import ByteCounters
 
 log = logging.getLogger(__name__)
@@ -177,19 +178,7 @@ class BlockRouter:
             self._handles.pop(p, None)
             self.counters.add(fallbacks=1)
             return None
-        if data is None:
-            return None
-        try:
-            return ds.verify_block(b, data)
-        except ChecksumError as exc:
-            log.warning(
-                "block %s of %s from its previous owner %s failed the check (%s); reading the origin",
-                ds.block_name(b),
-                self.url,
-                self.nodes[p],
-                exc,
-            )
-            return None
+        return checked_or_none(ds, b, data, f"its previous owner {self.nodes[p]}")
 
     def _count(self, b: int, source: str, nbytes: int, block: bool) -> None:
         if block:

@@ -43,6 +43,22 @@ Check = Callable[[object], bool]  # valid(data) -> whether the bytes of a sample
 FirstSource = Callable[[int], "bytes | memoryview | None"]
 
 
+def checked_or_none(ds, b: int, data, source: str):
+    """Block ``b``'s bytes ``data`` (None: the source had none) verified against ``ds``'s index
+    (:meth:`stoker.store.dataset.Dataset.verify_block`), or None when they fail the check: logged
+    as a warning naming the block, the dataset's URL and ``source`` (e.g. "its first source"), so
+    the caller reads the block from its usual source instead."""
+    if data is None:
+        return None
+    try:
+        return ds.verify_block(b, data)
+    except ChecksumError as exc:
+        log.warning(
+            "block %s of %s from %s failed the check (%s); reading it again", ds.block_name(b), ds.url, source, exc
+        )
+        return None
+
+
 @dataclass
 class ReadStats:
     """Per-process sample read counters of one reader (counts of samples)."""
@@ -158,17 +174,9 @@ class BlockReader:
         read from the usual source."""
         ds = self._ds
         if first_source is not None:
-            data = first_source(b)
+            data = checked_or_none(ds, b, first_source(b), "its first source")
             if data is not None:
-                try:
-                    return ds.verify_block(b, data)
-                except ChecksumError as exc:
-                    log.warning(
-                        "block %s of %s from its first source failed the check (%s); reading it again",
-                        ds.block_name(b),
-                        ds.url,
-                        exc,
-                    )
+                return data
         return ds.verify_block(b, self.source_read(b, int(ds.block_start[b]), int(ds.block_end[b]), block=True))
 
     # -- sample reads -------------------------------------------------------
@@ -357,4 +365,4 @@ class BlockReader:
             return (status, data) if want_data else status
 
 
-__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router"]
+__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router", "checked_or_none"]
