@@ -46,6 +46,9 @@ _REQ = struct.Struct("<iqqqii")  # node index, block, start, stop, previous owne
 _READ, _CACHED = 0, 1  # modes: a read the node may fill (service read), a cache-only read (read_cached)
 #: Reply kind of a relayed read, by the source the service named.
 _KINDS = {"cache": b"C", "origin": b"O", "handoff": b"H"}
+_SOURCES = {v: k for k, v in _KINDS.items()}  # reply kind -> source
+#: The counter a peer's answer is counted in, by the source the peer named (else peer_origin).
+_COUNTED_AS = {"cache": "peer", "handoff": "handoff"}
 
 
 class BlockRouter:
@@ -139,18 +142,9 @@ class BlockRouter:
             try:
                 source, data = self._peer_read(o, b, start, stop, p)
             except Exception as exc:  # noqa: BLE001 - any failure of a peer: read the origin
-                log.warning(
-                    "peer %s unavailable for block %s of %s (%s); reading the origin",
-                    self.nodes[o],
-                    ds.block_name(b),
-                    self.url,
-                    exc,
-                )
-                self._down_until[o] = time.monotonic() + self.retry_s
-                self._handles.pop(o, None)
-                self.counters.add(fallbacks=1)
+                self._failed("peer", o, ds, b, exc)
             else:
-                self._count(b, {"cache": "peer", "handoff": "handoff"}.get(source, "peer_origin"), len(data), block)
+                self._count(b, _COUNTED_AS.get(source, "peer_origin"), len(data), block)
                 return data
         data = ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
         self._count(b, "origin", len(data), block)
@@ -167,18 +161,24 @@ class BlockRouter:
         try:
             data = self._peer_cached(p, b, start, stop)
         except Exception as exc:  # noqa: BLE001 - any failure of the previous owner: read the origin
-            log.warning(
-                "previous owner %s unavailable for block %s of %s (%s); reading the origin",
-                self.nodes[p],
-                ds.block_name(b),
-                self.url,
-                exc,
-            )
-            self._down_until[p] = time.monotonic() + self.retry_s
-            self._handles.pop(p, None)
-            self.counters.add(fallbacks=1)
+            self._failed("previous owner", p, ds, b, exc)
             return None
         return checked_or_none(ds, b, data, f"its previous owner {self.nodes[p]}")
+
+    def _failed(self, role: str, o: int, ds, b: int, exc: Exception) -> None:
+        """A call to node ``o`` (the block's ``role``: "peer" or "previous owner") for block ``b``
+        failed: logged, the node skipped for ``retry_s`` seconds, a fallback counted."""
+        log.warning(
+            "%s %s unavailable for block %s of %s (%s); reading the origin",
+            role,
+            self.nodes[o],
+            ds.block_name(b),
+            self.url,
+            exc,
+        )
+        self._down_until[o] = time.monotonic() + self.retry_s
+        self._handles.pop(o, None)
+        self.counters.add(fallbacks=1)
 
     def _count(self, b: int, source: str, nbytes: int, block: bool) -> None:
         if block:
@@ -231,21 +231,19 @@ class BlockRouter:
         """
         extra = (self.nodes[prior], self.timeout_s / 2) if 0 <= prior != o else ()
         source, data = self._call(o, "read", self.dref, int(b), int(start), int(stop), *extra)
-        if not isinstance(data, bytes) or len(data) != stop - start:
-            raise PeerUnavailable(
-                f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {stop - start}"
-            )
-        return source, data
+        return source, self._sized(o, data, stop - start)
 
     def ray_read_cached(self, o: int, b: int, start: int, stop: int) -> bytes | None:
         """A cache-only read of peer ``o`` through Ray (:meth:`stoker.cluster.service.CacheService.read_cached`):
         the bytes, or None when its cache does not hold the block. Raises PeerUnavailable as
         :meth:`ray_read` (a suspect peer is not called)."""
         data = self._call(o, "read_cached", self.dref, int(b), int(start), int(stop))
-        if data is not None and (not isinstance(data, bytes) or len(data) != stop - start):
-            raise PeerUnavailable(
-                f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {stop - start}"
-            )
+        return None if data is None else self._sized(o, data, stop - start)
+
+    def _sized(self, o: int, data, nbytes: int) -> bytes:
+        """``data`` from peer ``o`` when it is ``nbytes`` bytes; else raises PeerUnavailable."""
+        if not isinstance(data, bytes) or len(data) != nbytes:
+            raise PeerUnavailable(f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {nbytes}")
         return data
 
     def _call(self, o: int, method: str, *args):
@@ -372,7 +370,7 @@ class BlockRouter:
             raise PeerUnavailable(data.decode(errors="replace"))
         if kind == b"N":
             return None
-        return {v: k for k, v in _KINDS.items()}.get(kind, "origin"), data
+        return _SOURCES.get(kind, "origin"), data
 
     # -- the relay, run by the Ray worker ------------------------------------------
     def start_relay(self) -> "Relay":
