@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 
 def check_transfer(device: str) -> dict:
-    from stoker.loader.transfer import DeviceTransfer
+    from stoker.loader.device.transfer import DeviceTransfer
 
     tr = DeviceTransfer(device)
     x = torch.randint(0, 256, (256, 3, 224, 224), dtype=torch.uint8)

@@ -57,8 +57,9 @@ def _exists(ref: str, near: pathlib.Path) -> bool:
     bases = [ROOT, SRC, LAB, near.parent, ROOT / "tests", ROOT / "src"]
     if any((b / ref).exists() for b in bases):
         return True
-    # a bare file name ("disk.py") may name any file of that name in the tree
-    return "/" not in ref and any(
+    # a bare file name ("disk.py") or a path's tail within a package ("prefetch/loop.py") may name
+    # any file of that name in the tree
+    return any(
         any(True for _ in (ROOT / d).glob(f"**/{ref}")) for d in ("src", "tests", "docs", "benchmarks", "scripts")
     )
 

@@ -9,6 +9,10 @@ Layers, top (imported by everything) to bottom (imports everything)::
         ->  the lab: stoker_lab (errors, sample_data)  ->  stoker_lab.sim, stoker_lab.bench
         ->  stoker_lab.cli
 
+Inside ``loader`` and ``cluster`` the subfolders keep an order of their own (``SUBLAYERS``): the
+loader's base modules -> workers/ -> prefetch/ -> device/ -> pipeline/ -> the Loader; the
+cluster's base modules -> service/ -> jobs/ -> train/ -> extender/.
+
 Imports are read with :mod:`ast`, including the ones inside functions, so a cycle that
 "works" only because both imports are deferred is still caught.
 """
@@ -36,6 +40,41 @@ LAYERS = [
     {"stoker_lab.sim", "stoker_lab.bench"},
     {"stoker_lab.cli"},
 ]
+
+
+#: The order inside a package whose modules sit in subfolders by role: each entry is a set of
+#: third parts of a module name (a subfolder, or a module at the package's own level).
+SUBLAYERS = {
+    "stoker.loader": [
+        {"options", "config", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
+        {"workers"},
+        {"prefetch"},
+        {"device"},
+        {"pipeline"},
+        {"loader", "live"},
+    ],
+    "stoker.cluster": [
+        {"placement", "membership", "identity", "capacity", "schedule", "counters", "registration"}
+        | {"freshness", "handoff"},
+        {"service"},
+        {"jobs"},
+        {"train"},
+        {"extender"},
+    ],
+}
+
+
+def _sublayer(module: str) -> int | None:
+    """Index of ``module`` in its package's ``SUBLAYERS`` ("stoker.loader.prefetch.loop" -> 2), or
+    None for a module outside those packages or the package face itself."""
+    parts = module.split(".")
+    order = SUBLAYERS.get(".".join(parts[:2]))
+    if order is None or len(parts) < 3:
+        return None
+    for i, names in enumerate(order):
+        if parts[2] in names:
+            return i
+    raise AssertionError(f"{module}: not in SUBLAYERS of tests/test_layers.py; add it there")
 
 
 def _layer(module: str) -> int:
@@ -124,6 +163,36 @@ def test_imports_run_down_the_layers():
     assert not bad, "imports against the layer order:\n" + "\n".join(sorted(bad))
 
 
+def test_imports_run_down_the_sublayers():
+    """Inside loader/ and cluster/, a module imports only from its own role folder or those above it."""
+    bad = []
+    for name, deps in _graph().items():
+        mine = _sublayer(name)
+        if mine is None:
+            continue
+        for d in deps:
+            theirs = _sublayer(d)
+            if theirs is not None and d.split(".")[:2] == name.split(".")[:2] and theirs > mine:
+                bad.append(f"{name} (sublayer {mine}) imports {d} (sublayer {theirs})")
+    assert not bad, "imports against the subfolders' order:\n" + "\n".join(sorted(bad))
+
+
+def test_no_product_module_name_repeats():
+    """Each module file name of the product is its own (one meaning to a file name)."""
+    seen: dict[str, list[str]] = {}
+    for p in SRC.rglob("*.py"):
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(str(p.relative_to(SRC)))
+    assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}
+
+
+def test_every_product_subfolder_has_a_readme():
+    """Each subpackage says what it owns and what it may import, in its own README.md."""
+    missing = [str(d.relative_to(SRC_ROOT)) for d in SRC.rglob("*") if (d / "__init__.py").exists() and d != SRC]
+    missing = [m for m in missing if not (SRC_ROOT / m / "README.md").exists()]
+    assert missing == []
+
+
 def test_no_import_cycle():
     graph = _graph()
     state: dict[str, int] = {}
@@ -187,8 +256,8 @@ def test_the_product_never_imports_the_lab():
 
 # Private names of other projects that stoker reaches on purpose: (module, expression) -> why.
 FOREIGN_PRIVATE = {
-    ("stoker/cluster/extender_server.py", "self._srv._map"): "waitress's socket map: its loop runs in our thread",
-    ("stoker/loader/pool.py", "q._reader"): "a multiprocessing.Queue has no public waitable handle",
+    ("stoker/cluster/extender/server.py", "self._srv._map"): "waitress's socket map: its loop runs in our thread",
+    ("stoker/loader/workers/pool.py", "q._reader"): "a multiprocessing.Queue has no public waitable handle",
     ("stoker/storage/__init__.py", "weakref.finalize._registry"): "s3fs sessions inherited over fork",
     ("stoker/store/lease.py", "self.fs._call_s3"): "s3fs's raw S3 call, for a conditional (If-Match) PUT",
     ("stoker/decode/resample.py", "torch._C._nn"): "the ATen resize op without F.interpolate's overhead",

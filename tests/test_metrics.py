@@ -279,7 +279,7 @@ except ImportError as exc:
 
 
 def test_extender_metrics():
-    from stoker.cluster.extender import serve
+    from stoker.cluster.extender.scoring import serve
     from stoker.metrics import serve_extender_metrics
 
     port = serve_extender_metrics(0)

@@ -219,7 +219,7 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
             position = loader.state_dict()
             assert position["epoch"] == epoch
             own = whole[(position["batches_done"] - 1) * bs : position["batches_done"] * bs]
-            if all(i in bad for i in own):  # every sample skipped: yielded with substitutes (loader/padding.py)
+            if all(i in bad for i in own):  # every sample skipped: yielded with substitutes (loader/workers/padding.py)
                 good = len(ds) - len(bad)  # every other sample is tried (a dataset this small)
                 assert len(ids) == len(set(ids)) == min(len(own), good) and not set(ids) & bad
                 padded.extend(ids)

@@ -120,7 +120,7 @@ OLD_HOMES = {
     "stoker.store.pack": ["DatasetExistsError"],
     "stoker.store.index": ["IndexFormatError"],
     "stoker.store.lease": ["PackLeaseError", "PackLeaseLostError"],
-    "stoker.cluster.reader": ["PeerUnavailable"],
+    "stoker.cluster.service.reader": ["PeerUnavailable"],
 }
 
 
@@ -158,7 +158,7 @@ def test_old_import_paths_give_the_same_classes():
         mod = importlib.import_module(module)
         for name in names:
             assert getattr(mod, name) is getattr(stoker, name), f"{module}.{name}"
-    from stoker.cluster.extender import BadRequest
+    from stoker.cluster.extender.scoring import BadRequest
     from stoker.store.index import IndexError_
 
     assert IndexError_ is stoker.IndexFormatError

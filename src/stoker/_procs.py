@@ -133,7 +133,7 @@ def describe_exit(exitcode: int | None) -> str:
 #: script again while it starts (spawn and forkserver import ``__main__`` again in every child): a
 #: script without the ``if __name__ == "__main__":`` guard, whose training code would start a
 #: Loader of its own in each child. The child exits at once and quietly with this code, and the
-#: training process names the cause (:func:`stoker.loader.launch.start_failure`).
+#: training process names the cause (:func:`stoker.loader.workers.launch.start_failure`).
 EXIT_UNGUARDED_MAIN = 87
 #: Names of stoker's worker and prefetch processes (``multiprocessing.Process.name``): the
 #: workers' start with the first, the prefetcher's is the second.

@@ -1,7 +1,7 @@
 """PyTorch adapters and torch-device helpers, imported by the loader and by decode/gpu.py.
 
 torch is imported inside each function, so importing this module costs nothing until a
-function runs. :mod:`stoker.loader.transfer` and :mod:`stoker.decode.gpu` import torch themselves.
+function runs. :mod:`stoker.loader.device.transfer` and :mod:`stoker.decode.gpu` import torch themselves.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A collate runs in the decode worker processes, after the user's ``decode``. The numpy arrays and
 torch tensors of the batch it returns (alone, or in a dict, tuple or list, nested) move through a
 shared-memory slot without pickling; its other leaves (strings, numbers) are pickled beside them
-(:mod:`stoker.loader.batches`).
+(:mod:`stoker.loader.workers.batches`).
 
 - :func:`default`: torch's ``default_collate`` semantics (arrays and numbers stacked into
   tensors, dicts and sequences collated field by field, strings and bytes kept as lists), after a

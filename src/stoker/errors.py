@@ -345,7 +345,7 @@ class EntryError(StokerError, ValueError):
     """A derived entry is damaged (short, wrong magic/kind/size, checksum mismatch)."""
 
 
-# --- the user's decode and collate (stoker.loader.batches, stoker.collate) ----------------
+# --- the user's decode and collate (stoker.loader.workers.batches, stoker.collate) ----------------
 
 
 class CollateError(StokerError, ValueError):
@@ -454,7 +454,7 @@ class RankSetupError(StokerError, RuntimeError):
 
 class ExtenderRequestError(StokerError, ValueError):
     """A scheduler-extender request the server refuses; ``code`` is the HTTP status (400, 404,
-    411, 413). Also importable as ``stoker.cluster.extender.BadRequest``."""
+    411, 413). Also importable as ``stoker.cluster.extender.scoring.BadRequest``."""
 
     def __init__(self, message: str, code: int = 400):
         super().__init__(message)

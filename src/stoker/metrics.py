@@ -383,7 +383,7 @@ class ServiceMetrics:
             self.served.inc(n, tags={"node": self.node, "source": source})
 
     def filled(self, outcome: dict) -> None:
-        """The result of one :meth:`stoker.cluster.service.CacheService.fill` call."""
+        """The result of one :meth:`stoker.cluster.service.cache_service.CacheService.fill` call."""
         if not self.ok:
             return
         for key in ("filled", "cached", "refused", "busy", "failed"):

@@ -21,7 +21,7 @@ def _env():
 
 
 def test_library_calls_print_no_bar(packed_local, sample_tree, tmp_path, capfd):
-    from stoker.cluster.warmup import warm
+    from stoker.cluster.service.warmup import warm
     from stoker.store.pack import pack
     from stoker.store.verify import verify
 

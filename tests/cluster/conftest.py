@@ -82,7 +82,7 @@ def s3_dataset(s3_origin, sample_tree):
 def fresh_services(cluster):
     """Fresh cache services for the test and none left behind (the next module's first job
     expects empty caches): every running service stopped before and after."""
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
 
     stop_services()
     yield

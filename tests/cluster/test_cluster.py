@@ -15,7 +15,7 @@ BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks
 
 
 def _node_ids():
-    from stoker.cluster.service import alive_nodes
+    from stoker.cluster.service.cache_service import alive_nodes
 
     return [n["NodeID"] for n in alive_nodes()]
 
@@ -123,7 +123,7 @@ def _read_and_kill(ctx, victim: str, pid_before: int, epochs: int = 2):
     with the old service, or the kill would fall in its epoch 1)."""
     import logging
 
-    from stoker.cluster.service import get_service
+    from stoker.cluster.service.cache_service import get_service
 
     seen: list[str] = []  # the router's fallback warnings, shown when an assertion fails
 
@@ -131,7 +131,7 @@ def _read_and_kill(ctx, victim: str, pid_before: int, epochs: int = 2):
         def emit(self, record):
             seen.append(f"{time.time():.2f} {record.getMessage()[:300]}")
 
-    logging.getLogger("stoker.cluster.reader").addHandler(Keep(logging.WARNING))
+    logging.getLogger("stoker.cluster.service.reader").addHandler(Keep(logging.WARNING))
     for e in range(epochs):
         if e == 1:  # wait for the kill and for Ray to restart the service
             deadline = time.monotonic() + 120
@@ -165,7 +165,7 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
     from functools import partial
 
     from stoker.cluster import run
-    from stoker.cluster.service import find_services
+    from stoker.cluster.service.cache_service import find_services
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset
@@ -226,7 +226,7 @@ def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):
     import urllib.request
 
     from stoker.cluster import cluster_state, ray_state
-    from stoker.cluster.extender import file_state, scores, serve
+    from stoker.cluster.extender.scoring import file_state, scores, serve
 
     url, opts = s3_dataset
     state = cluster_state([url], opts, block_bytes=BLOCK)
@@ -287,7 +287,7 @@ def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_m
     import shutil
 
     from stoker.cli import main
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
     from stoker.store.dataset import open_dataset
 
     url = str(tmp_path / "ds")

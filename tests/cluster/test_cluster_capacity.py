@@ -45,7 +45,7 @@ def test_ranks_that_do_not_fit_on_the_data_node_start_together_elsewhere(cluster
     start barrier (pinned to the data node they ran one after another and the barrier timed out);
     4 such ranks are refused at once, naming the request and every node's free CPUs."""
     from stoker.cluster import read_epochs, run
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
 
     url, opts = s3_dataset
     stop_services()  # fresh services on a fresh cache root: the data goes to the first job's node only

@@ -49,8 +49,8 @@ def test_every_owning_peer_is_reached_before_the_first_read(cluster, s3_dataset,
 
 def test_a_peer_without_a_service_is_suspect_from_the_start(cluster):
     from stoker.cluster.counters import ByteCounters
-    from stoker.cluster.reader import BlockRouter
-    from stoker.cluster.service import alive_nodes
+    from stoker.cluster.service.cache_service import alive_nodes
+    from stoker.cluster.service.reader import BlockRouter
 
     real = alive_nodes()[0]["NodeID"]
     missing = "f" * len(real)  # no such node: no service to find

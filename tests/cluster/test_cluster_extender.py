@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoker.cluster import extender
+from stoker.cluster.extender import scoring as extender
 
 DS = "s3://b/ds"
 STATE = {

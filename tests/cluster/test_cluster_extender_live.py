@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from stoker.cluster import extender
-from stoker.cluster.extender_live import cluster_state_command, live_state, run_state_command
+from stoker.cluster.extender import scoring as extender
+from stoker.cluster.extender.live_state import cluster_state_command, live_state, run_state_command
 
 DS = "s3://b/ds"
 ARGS = {
@@ -182,7 +182,7 @@ def test_stoker_extender_with_a_ray_address_that_never_existed_stays_up_and_answ
 _RAY_HEAD = """
 import json, sys, ray
 from ray.cluster_utils import Cluster
-from stoker.cluster.service import start_services
+from stoker.cluster.service.cache_service import start_services
 c = Cluster(
     initialize_head=True,
     head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"},

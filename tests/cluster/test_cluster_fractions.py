@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from stoker.cluster.counters import ByteCounters, fractions
-from stoker.cluster.reader import BlockRouter
+from stoker.cluster.service.reader import BlockRouter
 from stoker.loader import Loader, ReadOptions
 from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
@@ -29,7 +29,7 @@ def test_local_peer_origin_add_up_to_the_bytes_read(packed_local, tmp_path):
     counters.size_tags(ds.num_blocks)
     try:
         router = BlockRouter({"url": ds.url}, ["node0"], np.zeros(ds.num_blocks, np.int64), 0, counters)
-        ds = ds.with_reader(BlockReader(ds, router=router))  # as a rank reads (stoker.cluster.job)
+        ds = ds.with_reader(BlockReader(ds, router=router))  # as a rank reads (stoker.cluster.jobs.job)
         # prefetch_next_epoch=False: the next epoch's first batches would be read (and counted)
         # inside this epoch's window, and the test compares each window with its epoch's plan
         with Loader(ds, 16, num_workers=2, seed=3, read=ReadOptions(prefetch_next_epoch=False)) as loader:

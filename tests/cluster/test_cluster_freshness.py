@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.request
 
-from stoker.cluster import extender
+from stoker.cluster.extender import scoring as extender
 from stoker.cluster.freshness import refreshing
 
 DS = "s3://b/ds"

@@ -19,10 +19,10 @@ from _helpers import loader_epoch
 
 pytest.importorskip("ray")
 
-from stoker.cluster import service as service_mod  # noqa: E402
 from stoker.cluster.handoff import previous_layout, prior_owner  # noqa: E402
 from stoker.cluster.membership import after_growth, merge  # noqa: E402
 from stoker.cluster.placement import place_dataset  # noqa: E402
+from stoker.cluster.service import cache_service as service_mod
 from stoker.store.dataset import open_dataset  # noqa: E402
 
 BLOCK = 64 << 10
@@ -52,7 +52,7 @@ class _FakeService:
 
 
 def test_settling_records_the_members_before_a_join_on_every_service(monkeypatch):
-    from stoker.cluster import records
+    from stoker.cluster.service import records
 
     fakes = {n: _FakeService() for n in ["a", "b"]}
     monkeypatch.setattr(records, "get_service", lambda n: fakes[n])
@@ -206,7 +206,7 @@ def test_a_joined_node_takes_its_blocks_from_their_previous_owners(cluster, s3_d
     """The dataset is cached on 2 nodes; a third joins (its service starts); a 3-rank job reads
     every sample once and the origin serves none of it: the third of the blocks the new node now
     owns come from the caches of the nodes that held them (on main: about a third from the origin)."""
-    from stoker.cluster.service import alive_nodes
+    from stoker.cluster.service.cache_service import alive_nodes
 
     url, opts = s3_dataset
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
@@ -226,8 +226,8 @@ def test_warm_after_a_join_fills_the_new_node_from_the_previous_owners(cluster, 
     """``stoker warm`` after a third node's service joins: the new node's cache service fills the
     blocks it won from the services that held them (service to service, through Ray), none from
     the origin, and the report says so."""
-    from stoker.cluster.service import alive_nodes
-    from stoker.cluster.warmup import warm
+    from stoker.cluster.service.cache_service import alive_nodes
+    from stoker.cluster.service.warmup import warm
 
     url, opts = s3_dataset
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
@@ -264,7 +264,7 @@ def test_blocks_whose_previous_owner_no_longer_holds_them_come_from_the_origin(
     ray = pytest.importorskip("ray")
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from stoker.cluster.service import alive_nodes, find_services
+    from stoker.cluster.service.cache_service import alive_nodes, find_services
 
     url, opts = s3_dataset
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
@@ -288,7 +288,7 @@ def test_blocks_whose_previous_owner_no_longer_holds_them_come_from_the_origin(
 def router(packed_local):
     """A rank's router on node a, which owns every block now; node b owned them before."""
     from stoker.cluster.counters import ByteCounters
-    from stoker.cluster.reader import BlockRouter
+    from stoker.cluster.service.reader import BlockRouter
 
     ds = open_dataset(packed_local, cache=False, block_bytes=BLOCK)
     counters = ByteCounters()

@@ -67,7 +67,7 @@ def test_blocks_are_placed_by_the_stable_cache_keys():
     import pytest
 
     pytest.importorskip("ray")
-    from stoker.cluster.service import placement_keys
+    from stoker.cluster.service.cache_service import placement_keys
 
     services = {"ray-a": {"cache_key": "node-h1-0"}, "ray-b": {"cache_key": "node-h2-0"}, "ray-c": {}}
     assert placement_keys(services, ["ray-b", "ray-a", "ray-c"]) == ["node-h2-0", "node-h1-0", "ray-c"]

@@ -30,7 +30,7 @@ def _read_two_epochs(ctx, flag: str):
 
 _DRIVER_A = textwrap.dedent("""
     import sys, ray
-    from stoker.cluster.service import start_services
+    from stoker.cluster.service.cache_service import start_services
     ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
     start_services(sys.argv[2], 64 << 20)
     print("ready", flush=True)
@@ -42,7 +42,7 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
     """Driver A (a subprocess) starts the services and exits while driver B's job reads from
     peers: B's next epoch still reads its peers, no fallback, and every service still answers."""
     from stoker.cluster import run
-    from stoker.cluster.service import find_services, stop_services
+    from stoker.cluster.service.cache_service import find_services, stop_services
 
     url, opts = s3_dataset
     stop_services()
@@ -279,9 +279,9 @@ def test_a_peer_that_hangs_on_a_live_node_costs_one_stall(cluster, s3_dataset, m
     ping reads go to it again."""
     import numpy as np
 
-    import stoker.cluster.service as service
+    import stoker.cluster.service.cache_service as service
     from stoker.cluster.counters import ByteCounters
-    from stoker.cluster.reader import BlockRouter
+    from stoker.cluster.service.reader import BlockRouter
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset
@@ -329,9 +329,9 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
     origin (no call to its service) while Ray lists the node as dead. Every read is still right."""
     import numpy as np
 
-    import stoker.cluster.service as service
+    import stoker.cluster.service.cache_service as service
     from stoker.cluster.counters import ByteCounters
-    from stoker.cluster.reader import BlockRouter
+    from stoker.cluster.service.reader import BlockRouter
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset
@@ -406,8 +406,8 @@ class _KillOnFirstFill:
 def test_warm_retries_a_fill_that_meets_a_restarting_service(cluster, packed_local, tmp_path, monkeypatch):
     """A node's service dies under a fill of ``stoker warm``: the chunk is sent again to the
     restarted service and the warm-up completes, nothing failed."""
-    import stoker.cluster.warmup as warmup
-    from stoker.cluster.service import find_services, stop_services
+    import stoker.cluster.service.warmup as warmup
+    from stoker.cluster.service.cache_service import find_services, stop_services
 
     stop_services()  # fresh services on a fresh cache root: nothing cached yet
     box = {"killed": False}
@@ -435,9 +435,9 @@ def test_warm_reports_a_node_whose_service_stays_down(cluster, packed_local, tmp
     get and why, and the command exits 1."""
     import json
 
-    import stoker.cluster.warmup as warmup
+    import stoker.cluster.service.warmup as warmup
     from stoker.cli import main
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
 
     stop_services()  # fresh services on a fresh cache root: nothing cached yet
     box = {"killed": False}
@@ -484,7 +484,7 @@ def test_warm_goes_on_without_a_node_whose_service_cannot_start(cluster, packed_
 
     from stoker.cli import main
     from stoker.cluster.identity import host_name
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
 
     stop_services()
     root = tmp_path / "c"
@@ -544,8 +544,8 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
     """A node's service takes fills and never answers them, its node alive: the warm-up gives that
     node up once none of its fills answered within the limit, fills the others and reports the
     node with the reason, instead of waiting for ever."""
-    import stoker.cluster.warmup as warmup
-    from stoker.cluster.service import stop_services
+    import stoker.cluster.service.warmup as warmup
+    from stoker.cluster.service.cache_service import stop_services
 
     stop_services()
     real = warmup.get_service
@@ -576,8 +576,8 @@ def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path, caplog
     import logging
 
     from stoker.cluster import run
-    from stoker.cluster.service import stop_services
-    from stoker.cluster.warmup import warm
+    from stoker.cluster.service.cache_service import stop_services
+    from stoker.cluster.service.warmup import warm
 
     stop_services()
     r = warm(packed_local, cache_dir=str(tmp_path / "c"), cache_bytes="64MiB", block_bytes="64KiB")
@@ -586,7 +586,7 @@ def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path, caplog
         run(lambda ctx: None, packed_local, 1, cache_bytes="sixty megs")
     with pytest.raises(ValueError, match="cache_bytes must give some node a budget above 0"):
         warm(packed_local, cache_bytes=0)
-    with caplog.at_level(logging.WARNING, logger="stoker.cluster.service"):
+    with caplog.at_level(logging.WARNING, logger="stoker.cluster.service.cache_service"):
         r = warm(packed_local, cache_dir=str(tmp_path / "c"), cache_bytes="32MiB", block_bytes="64KiB")
     assert {n["cache_bytes"] for n in r["nodes"].values()} == {64 << 20}  # kept, as documented
     assert "keep their budgets" in caplog.text and f"{64 << 20:,} bytes" in caplog.text

@@ -26,7 +26,7 @@ def test_a_one_rank_first_job_does_not_pin_the_dataset_to_one_node(cluster, s3_d
     nothing from the origin (with the members fixed by the first job it read 40 % every epoch)."""
     ray = pytest.importorskip("ray")
     from stoker.cluster import read_epochs, run
-    from stoker.cluster.service import get_service, stop_services
+    from stoker.cluster.service.cache_service import get_service, stop_services
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset
@@ -40,7 +40,7 @@ def test_a_one_rank_first_job_does_not_pin_the_dataset_to_one_node(cluster, s3_d
         run(partial(read_epochs, epochs=1), url, 1, {"CPU": 0.5}, job="probe", **common)
         e0 = run(partial(read_epochs, epochs=1), url, 3, {"CPU": 0.5}, job="train", **common)
         e1 = run(partial(read_epochs, epochs=1, first_epoch=1), url, 3, {"CPU": 0.5}, job="train", **common)
-        from stoker.cluster.service import alive_nodes
+        from stoker.cluster.service.cache_service import alive_nodes
 
         members = ray.get(get_service(alive_nodes()[0]["NodeID"]).claim.remote(ds.version, []))
         assert len(members) >= 2 and budget * len(members) >= ds.index.total_bytes  # grown until it fits
@@ -59,7 +59,7 @@ def test_a_node_that_joins_after_placement_becomes_a_member(cluster, s3_dataset,
 
     from stoker.cluster import read_epochs, run
     from stoker.cluster.placement import place_dataset
-    from stoker.cluster.service import (
+    from stoker.cluster.service.cache_service import (
         alive_nodes,
         dataset_ref,
         find_services,
@@ -105,7 +105,7 @@ class _FakeService:
     """A cache service's record methods, called as Ray calls them (``.method.remote``)."""
 
     def __init__(self):
-        from stoker.cluster.service import CacheService
+        from stoker.cluster.service.cache_service import CacheService
 
         self.svc = CacheService.__new__(CacheService)
         import threading
@@ -122,7 +122,7 @@ def test_members_recorded_on_every_service_survive_a_new_lowest_node_and_a_resta
     service a job asks first) and a service that restarted empty both still see the members, and
     the joined node becomes one."""
     pytest.importorskip("ray")
-    from stoker.cluster import records
+    from stoker.cluster.service import records
 
     fakes = {n: _FakeService() for n in ["b", "c", "d"]}
     monkeypatch.setattr(records, "get_service", lambda n: fakes[n])
@@ -143,7 +143,7 @@ def test_settling_asks_every_service_at_once_and_again_a_restarting_one(monkeypa
     """The records are asked for all at once (every request out before any answer is awaited);
     a service that is restarting when asked is asked again and its record still counts."""
     pytest.importorskip("ray")
-    from stoker.cluster import records
+    from stoker.cluster.service import records
 
     fakes = {n: _FakeService() for n in ["a", "b", "c"]}
     for f in fakes.values():

@@ -15,7 +15,8 @@ pytest.importorskip("ray")
 
 import stoker  # noqa: E402
 from stoker.cli import build_parser  # noqa: E402
-from stoker.cluster import job, warmup  # noqa: E402
+from stoker.cluster.jobs import job
+from stoker.cluster.service import warmup
 
 
 class _Stop(Exception):

@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from stoker.cluster import extender
+from stoker.cluster.extender import scoring as extender
 from stoker.cluster.placement import owners
 from stoker.cluster.schedule import choose_nodes, colocated_plans, locality
 from stoker.order import permutation, rank_plan
@@ -190,7 +190,7 @@ def test_stoker_imports_without_ray():
 
     code = (
         "import sys; import stoker, stoker.cli; stoker.cli.build_parser(); "
-        "import stoker.cluster.extender, stoker.cluster.schedule; assert 'ray' not in sys.modules"
+        "import stoker.cluster.extender.scoring, stoker.cluster.schedule; assert 'ray' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -202,7 +202,7 @@ def test_relay_socket_is_private_and_authenticated():
     from multiprocessing.connection import Client
 
     from stoker.cluster.counters import ByteCounters
-    from stoker.cluster.reader import BlockRouter
+    from stoker.cluster.service.reader import BlockRouter
 
     counters = ByteCounters()
     router = BlockRouter(

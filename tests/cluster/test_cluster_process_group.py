@@ -181,7 +181,7 @@ def test_a_rank_whose_rank_0_never_publishes_gives_up_after_its_timeout(cluster)
     def lonely():
         import torch.distributed as dist
 
-        from stoker.cluster.rendezvous import ProcessGroup
+        from stoker.cluster.jobs.rendezvous import ProcessGroup
         from stoker.errors import ProcessGroupError
 
         group = ProcessGroup(1, 2, ["a", "b"], "stoker-pg-nobody-here", "gloo", timeout_s=1.0)
@@ -201,7 +201,7 @@ def test_gather_raises_the_failure_that_came_first_not_the_first_reported(cluste
     """Rank 0 fails first (its error stamped) but is still tearing down when rank 1, whose
     collective failed because of it, is reported: gather gives rank 0 its time to end and raises
     rank 0's error, naming it, not rank 1's."""
-    from stoker.cluster.ranks import gather, stamp_failure
+    from stoker.cluster.jobs.gang import gather, stamp_failure
 
     marker = str(tmp_path / "rank0-failed")
 

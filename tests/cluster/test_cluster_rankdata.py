@@ -8,7 +8,7 @@ pytest.importorskip("ray")
 
 
 def test_rank_and_world_arguments_win_then_the_environment_then_rank_0_of_1(monkeypatch):
-    from stoker.cluster.rankdata import rank_and_world
+    from stoker.cluster.train.rankdata import rank_and_world
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -23,7 +23,7 @@ def test_rank_and_world_arguments_win_then_the_environment_then_rank_0_of_1(monk
 
 
 def test_one_rank_gathers_its_own_value_without_any_group_or_actor():
-    from stoker.cluster.allgather import Exchange
+    from stoker.cluster.train.allgather import Exchange
 
     ex = Exchange(0, 1, "solo")
     assert ex.all_gather("node-a") == ["node-a"]
@@ -31,7 +31,7 @@ def test_one_rank_gathers_its_own_value_without_any_group_or_actor():
 
 
 def test_the_board_answers_once_every_rank_posted_and_refuses_another_world_size():
-    from stoker.cluster.allgather import _Board
+    from stoker.cluster.train.allgather import _Board
 
     board = _Board(2)
     board.post(1, 1, "b", 2)

@@ -124,7 +124,7 @@ def test_torch_trainer_reads_colocated_through_the_cluster(cluster, fresh_servic
 def test_placement_hint_prefers_the_nodes_holding_the_data(cluster, fresh_services, s3_dataset, tmp_path):
     """Warm one node's cache (a one-rank job on it), then the hint for one worker names that node."""
     from stoker.cluster import placement_hint, rank_context
-    from stoker.cluster.service import alive_nodes
+    from stoker.cluster.service.cache_service import alive_nodes
 
     url, opts = s3_dataset
     common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK)

@@ -31,7 +31,7 @@ def test_a_finished_cluster_job_holds_no_registration(cluster, s3_dataset, tmp_p
     pytest.importorskip("ray")
     from stoker.cache.policy import JobRegistry
     from stoker.cluster import read_epochs, run
-    from stoker.cluster.service import find_services, start_services, stop_services
+    from stoker.cluster.service.cache_service import find_services, start_services, stop_services
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset

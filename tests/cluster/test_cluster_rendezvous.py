@@ -1,4 +1,4 @@
-"""The pieces of :mod:`stoker.cluster.rendezvous` that need no Ray cluster: local ranks, the
+"""The pieces of :mod:`stoker.cluster.jobs.rendezvous` that need no Ray cluster: local ranks, the
 backend checks, nccl refused without CUDA (the group itself: test_cluster_process_group.py)."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ pytest.importorskip("ray")
 
 
 def test_local_ranks_count_the_jobs_ranks_on_each_node():
-    from stoker.cluster.rendezvous import local_ranks
+    from stoker.cluster.jobs.rendezvous import local_ranks
 
     nodes = ["a", "b", "a", "a", "c", "b"]
     assert [local_ranks(nodes, r) for r in range(len(nodes))] == [(0, 3), (0, 2), (1, 3), (2, 3), (0, 1), (1, 2)]
 
 
 def test_check_backend_refuses_unknown_backends_and_nccl_without_a_gpu():
-    from stoker.cluster.rendezvous import check_backend
+    from stoker.cluster.jobs.rendezvous import check_backend
     from stoker.errors import ProcessGroupError, StokerError
 
     check_backend("gloo", {"CPU": 1.0})
@@ -35,7 +35,7 @@ def test_nccl_group_without_cuda_is_refused_naming_the_backend_and_leaves_nothin
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from stoker.cluster.rendezvous import ENV_NAMES, ProcessGroup
+    from stoker.cluster.jobs.rendezvous import ENV_NAMES, ProcessGroup
     from stoker.errors import ProcessGroupError
 
     group = ProcessGroup(0, 2, ["a", "a"], "stoker-pg-test", "nccl", timeout_s=5)

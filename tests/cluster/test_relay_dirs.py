@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-from stoker.cluster.reader import RELAY_PREFIX, Relay, sweep_relay_dirs
+from stoker.cluster.service.reader import RELAY_PREFIX, Relay, sweep_relay_dirs
 
 CHILD = textwrap.dedent(
     """
     import os, sys, tempfile
     tempfile.tempdir = sys.argv[1]
-    from stoker.cluster.reader import Relay
+    from stoker.cluster.service.reader import Relay
     r = Relay(router=None)
     print(r.address, flush=True)
     if sys.argv[2] == "exit":

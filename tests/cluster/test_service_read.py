@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("ray")
 
 from stoker.cache import DiskCache  # noqa: E402
-from stoker.cluster import service as service_mod  # noqa: E402
+from stoker.cluster.service import cache_service as service_mod
 from stoker.store.dataset import open_dataset  # noqa: E402
 
 

@@ -22,7 +22,7 @@ BAR = re.compile(r"warm \S+: +\d+%.*?[\d.]+[kMG]?/[\d.]+[kMG]? \[\d+:\d+<(\d+:\d
 def test_warm_progress_on_a_terminal_only(cluster, s3_dataset, tmp_path, capsys):
     pexpect = pytest.importorskip("pexpect")
     from stoker.cli import main
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
 
     url, opts = s3_dataset
     stop_services()  # fresh services with a budget that holds the dataset, whatever ran before

@@ -13,8 +13,8 @@ import pytest
 
 from stoker import ImageOptions, Loader, ReadOptions, open_dataset
 from stoker.cache.staging import StagingArea
-from stoker.loader import inflight as infl
-from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.prefetch import inflight as infl
+from stoker.loader.prefetch.process import N_COUNTERS, block_schedule, prefetch_main
 from stoker.store.blocks import BlockReader
 
 BLOCK = 256 << 10

@@ -113,7 +113,7 @@ def test_decode_device_validated_at_construction(packed_local):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_ranks_yield_the_same_number_of_batches_with_device_decode(tmp_path, cases_dir, workers):
-    """A rank whose batches are undecodable whole (loader/padding.py): the training process reads
+    """A rank whose batches are undecodable whole (loader/workers/padding.py): the training process reads
     and decodes their substitutes on the device, the same ones the CPU path picks."""
     from test_padding import BAD, BATCH, N, make_ranked_dataset
 

@@ -181,7 +181,7 @@ def test_rank_and_world_size_from_the_environment(packed_local, monkeypatch):
 
 
 def test_world_size_one_in_a_group_warns_once(packed_local, monkeypatch):
-    from stoker.loader import ranks
+    from stoker.loader import world as ranks
 
     ds = open_dataset(packed_local, cache=False)
     monkeypatch.setenv("RANK", "1")

@@ -4,7 +4,7 @@ import heapq
 
 import numpy as np
 
-from stoker.loader import inflight as infl
+from stoker.loader.prefetch import inflight as infl
 
 
 def _drive(target, latency_s, bandwidth_Bps, size_bytes, seconds):

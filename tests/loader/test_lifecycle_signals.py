@@ -88,7 +88,7 @@ def test_a_caught_ctrl_c_leaves_the_loader_as_it_was(packed_local, tmp_path, wor
 
 
 def test_a_sigint_inside_held_is_raised_when_the_block_ends():
-    from stoker.loader import interrupts
+    from stoker.loader.workers import interrupts
 
     seen = []
     with pytest.raises(KeyboardInterrupt):
@@ -106,7 +106,7 @@ SECOND = """
 import json, os, signal, sys
 from stoker import ImageOptions, Loader, open_dataset
 from stoker._procs import pid_alive
-from stoker.loader._run import Run
+from stoker.loader.pipeline.run import Run
 
 original = Run.close
 def close_hit_by_ctrl_c(self):

@@ -10,7 +10,7 @@ from stoker.loader.live import LiveTotals
 
 
 class _Run:
-    """The part of :class:`stoker.loader._run.Run` that LiveTotals reads."""
+    """The part of :class:`stoker.loader.pipeline.run.Run` that LiveTotals reads."""
 
     def __init__(self):
         self.counters = {}

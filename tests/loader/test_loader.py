@@ -172,7 +172,7 @@ def test_origin_errors_give_a_clear_error_after_bounded_retries(
 
 def _fill_as_prefetcher(ds, b: int) -> None:
     from stoker import OriginError
-    from stoker.loader.workers import fresh_copy
+    from stoker.loader.workers.worker import fresh_copy
 
     try:
         fresh_copy(ds).reader.fill_block(b, blocking=False, want_data=False)

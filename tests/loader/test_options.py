@@ -70,7 +70,7 @@ def test_the_warning_points_at_the_callers_line(ds):
 
 
 def test_a_loader_made_by_stoker_for_the_user_warns_at_the_users_line(ds):
-    """``ctx.loader(timeout_s=5)`` makes the Loader inside stoker (stoker.cluster.job): the warning
+    """``ctx.loader(timeout_s=5)`` makes the Loader inside stoker (stoker.cluster.jobs.job): the warning
     names the user's line, not stoker's, so the default filters show it."""
     made_by_stoker = {"__name__": "stoker.cluster.fake", "Loader": Loader}
     exec("def make(ds, **kw):\n    return Loader(ds, 8, num_workers=0, **kw)\n", made_by_stoker)

@@ -1,4 +1,4 @@
-"""Every rank yields the same number of batches under on_error="skip" (loader/padding.py): a batch
+"""Every rank yields the same number of batches under on_error="skip" (loader/workers/padding.py): a batch
 whose every sample was skipped is yielded with substitutes, counted in stats.padded, never as
 delivered samples; one that gets no substitute is a WorkerError saying the dataset looks unreadable."""
 
@@ -13,7 +13,7 @@ from _helpers import make_image_folder
 from stoker import Loader, RunOptions, WorkerError, open_dataset
 from stoker.decode import decode_transform, jpeg
 from stoker.loader import ImageOptions
-from stoker.loader.padding import PAD_FIELD, probe_limit, probe_order
+from stoker.loader.workers.padding import PAD_FIELD, probe_limit, probe_order
 from stoker.order import sample_seed
 from stoker.store.pack import pack
 
@@ -64,14 +64,14 @@ def user_decode(fields, rng):
 
 
 def _small_parts(ids, n_workers):
-    from stoker.loader.split import split_ids
+    from stoker.loader.pipeline.split import split_ids
 
     return split_ids(ids, n_workers, min_part=2)  # the first batch (4 samples) in parts of 2
 
 
 def _epoch(path, rank, workers, kind, monkeypatch):
     """(the batches of epoch 0 of rank ``rank`` of 2, the loader's len, its stats)."""
-    monkeypatch.setattr("stoker.loader.dispatch.split_ids", _small_parts)
+    monkeypatch.setattr("stoker.loader.pipeline.dispatch.split_ids", _small_parts)
     ds = open_dataset(path, cache=False)
     kw = dict(decode=user_decode) if kind == "user" else dict(image=ImageOptions(image_size=SIZE))
     with Loader(

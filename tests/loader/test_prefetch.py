@@ -1,4 +1,4 @@
-"""The block prefetcher (stoker.loader.prefetch) on its own: a block whose fetch lock is held for a
+"""The block prefetcher (stoker.loader.prefetch.process) on its own: a block whose fetch lock is held for a
 while is staged once the lock is free, not given up."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from stoker.cache.staging import StagingArea
-from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.prefetch.process import N_COUNTERS, block_schedule, prefetch_main
 from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 
@@ -76,7 +76,7 @@ def test_a_block_the_full_staging_disk_refuses_is_not_reported_staged(packed_loc
 
 def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:
     """Run the prefetcher (forked) over ``plan`` until every block is filled; its ledger row."""
-    from stoker.loader import inflight as infl
+    from stoker.loader.prefetch import inflight as infl
 
     blocks, first, last = block_schedule(ds, plan)
     ctx = mp.get_context("fork")
@@ -104,7 +104,7 @@ def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:
 def test_adjacent_blocks_are_fetched_with_merged_gets(packed_local, tmp_path, monkeypatch):
     """An order that wants adjacent blocks together costs fewer requests than blocks, and leaves
     every block cached and verified; with merging off (a cap of one block) one request a block."""
-    import stoker.loader.prefetch_loop as pf
+    import stoker.loader.prefetch.loop as pf
 
     rows = {}
     for name, cap in (("merged", 4 * (64 << 10)), ("single", 64 << 10)):

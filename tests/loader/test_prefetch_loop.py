@@ -1,4 +1,4 @@
-"""The prefetcher's event-driven loop (stoker.loader.prefetch.prefetch_main): it sleeps on one queue
+"""The prefetcher's event-driven loop (stoker.loader.prefetch.process.prefetch_main): it sleeps on one queue
 (commands, fill outcomes) and looks at the consumer's position only on a timer while it waits on
 it. These check that nothing it sleeps on can keep it asleep: a stop command, a dead parent, a
 fill that ends while the consumer stalls, the consumer moving on, and that its ledger holds the
@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from stoker.loader import fills
-from stoker.loader import inflight as infl
-from stoker.loader.prefetch import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.prefetch import fills
+from stoker.loader.prefetch import inflight as infl
+from stoker.loader.prefetch.process import N_COUNTERS, block_schedule, prefetch_main
 from stoker.store.dataset import open_dataset
 
 BLOCK = 64 << 10

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from stoker import ImageOptions, Loader, RunOptions, WorkerError, open_dataset
-from stoker.loader.pool import MAX_WORKER_RESTARTS
-from stoker.loader.prefetcher import MAX_PREFETCHER_RESTARTS
+from stoker.loader.prefetch.prefetcher import MAX_PREFETCHER_RESTARTS
+from stoker.loader.workers.pool import MAX_WORKER_RESTARTS
 
 N = 48
 
@@ -91,7 +91,7 @@ def test_sigkilled_worker_is_replaced_and_its_batches_decoded_again(flat, tmp_pa
 def _die_on(sample_number: int, marker: str | None):
     """A BatchDecoder.decode_sample that writes a wrong colour into the slot and SIGKILLs its process on
     sample ``sample_number`` (once, if ``marker`` is a path: the first process to create it dies)."""
-    from stoker.loader.workers import BatchDecoder
+    from stoker.loader.workers.worker import BatchDecoder
 
     real = BatchDecoder.decode_sample
 
@@ -119,7 +119,9 @@ def test_worker_killed_mid_batch_never_delivers_the_half_written_slot(flat, tmp_
     loader = _loader(flat, str(tmp_path / "cache"))
     victim = int(loader.plan(0)[5])  # in the second batch, after one sample of it was written
     number = int(loader.dataset.key(victim).rsplit("/s", 1)[1][:3])
-    monkeypatch.setattr("stoker.loader.workers.BatchDecoder.decode_sample", _die_on(number, str(tmp_path / "died")))
+    monkeypatch.setattr(
+        "stoker.loader.workers.worker.BatchDecoder.decode_sample", _die_on(number, str(tmp_path / "died"))
+    )
     with loader:
         it = iter(loader)
         if not _forked(loader):
@@ -136,7 +138,7 @@ def test_worker_killed_past_the_bound_ends_in_a_clean_error(flat, tmp_path, monk
     victim = int(loader.plan(0)[2])
     key = loader.dataset.key(victim)
     monkeypatch.setattr(
-        "stoker.loader.workers.BatchDecoder.decode_sample", _die_on(int(key.rsplit("/s", 1)[1][:3]), None)
+        "stoker.loader.workers.worker.BatchDecoder.decode_sample", _die_on(int(key.rsplit("/s", 1)[1][:3]), None)
     )
     with loader:
         it = iter(loader)
@@ -169,7 +171,7 @@ def test_sigkilled_prefetcher_is_replaced(flat, tmp_path):
 
 def test_prefetcher_killed_past_the_bound_the_epoch_goes_on_without_it(flat, tmp_path, caplog):
     loader = _loader(flat, str(tmp_path))
-    with loader, caplog.at_level(logging.WARNING, logger="stoker.loader.prefetcher"):
+    with loader, caplog.at_level(logging.WARNING, logger="stoker.loader.prefetch.prefetcher"):
         it = iter(loader)
         got = _consume(loader, [next(it)])
         for _ in range(MAX_PREFETCHER_RESTARTS + 1):  # the last one is not replaced

@@ -1,11 +1,11 @@
-"""The first batch of an epoch split over the workers (loader/split.py): same batch, any skips."""
+"""The first batch of an epoch split over the workers (loader/pipeline/split.py): same batch, any skips."""
 
 import numpy as np
 import pytest
 
 from stoker import Loader, RunOptions, open_dataset
 from stoker.decode import DecodeError, decode_transform
-from stoker.loader.split import MIN_PART, join_replies, split_ids
+from stoker.loader.pipeline.split import MIN_PART, join_replies, split_ids
 
 
 def test_split_ids_cuts_contiguous_parts_of_at_least_the_minimum():
@@ -48,7 +48,7 @@ def test_join_reports_the_first_failed_part():
 def test_a_split_first_batch_with_a_skipped_sample_is_the_batch_one_worker_makes(
     cases_packed, tmp_path, workers, monkeypatch
 ):
-    import stoker.loader.dispatch as run_mod
+    import stoker.loader.pipeline.dispatch as run_mod
 
     calls = []
 

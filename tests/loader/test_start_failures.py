@@ -102,7 +102,7 @@ def test_a_worker_that_fails_while_starting_names_its_error_and_is_not_restarted
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_the_start_failure_words_name_the_cause(method):
     from stoker._procs import EXIT_UNGUARDED_MAIN
-    from stoker.loader.launch import start_failure
+    from stoker.loader.workers.launch import start_failure
 
     guard = start_failure("worker 0 (pid 9)", EXIT_UNGUARDED_MAIN, method)
     assert 'if __name__ == "__main__":' in guard and repr(method) in guard

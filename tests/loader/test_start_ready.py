@@ -17,7 +17,7 @@ def test_start_waits_for_the_workers_and_the_prefetcher(packed_local, tmp_path):
 
 
 def test_a_process_dead_at_start_does_not_hold_the_start(packed_local, tmp_path, monkeypatch):
-    import stoker.loader.prefetcher as prefetcher
+    import stoker.loader.prefetch.prefetcher as prefetcher
 
     def dies(*args, **kwargs):
         raise SystemExit(3)  # a prefetcher that dies before it is ready

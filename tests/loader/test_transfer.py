@@ -11,7 +11,7 @@ from stoker.decode import DecodeError, decode_image
 from stoker.decode.gpu import GpuJpegDecoder, gpu_eligible
 from stoker.decode.reference import pillow_decode, pillow_train_transform
 from stoker.loader import Loader, RunOptions
-from stoker.loader.transfer import DeviceTransfer, check_device
+from stoker.loader.device.transfer import DeviceTransfer, check_device
 from stoker.store.dataset import open_dataset
 
 

@@ -247,7 +247,7 @@ def test_a_batch_that_shared_memory_cannot_hold_is_pickled_instead(monkeypatch, 
     import errno
     import os
 
-    from stoker.loader import batches
+    from stoker.loader.workers import batches
 
     slot = tmp_path / "slot"
     slot.write_bytes(bytes(4096))

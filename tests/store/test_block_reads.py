@@ -10,7 +10,7 @@ import threading
 import numpy as np
 
 from stoker.cache.staging import StagingArea
-from stoker.loader.fills import fill_status as _fill
+from stoker.loader.prefetch.fills import fill_status as _fill
 from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 

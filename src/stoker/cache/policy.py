@@ -16,7 +16,7 @@ settles what the floor leaves open:
   part in proportion to size, so each sees the same hit ratio (and the same stall).
   A dataset with no live job has no future reads: its blocks make room for those that do.
 - **When each miss must arrive**: the prefetcher fetches blocks in order of first need
-  (:mod:`stoker.loader.prefetch`), so misses arrive just ahead of the consumer.
+  (:mod:`stoker.loader.prefetch.process`), so misses arrive just ahead of the consumer.
 
 Jobs announce themselves in ``<cache root>/.jobs/<pid>-<namespace>.json`` ({"namespace",
 "pid", "dataset_bytes", "epoch_s", and "expires" for a lease}); entries of dead processes and

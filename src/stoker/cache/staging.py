@@ -6,7 +6,7 @@ policy can read less). The prefetcher still fetches those blocks ahead of the wo
 the order the epoch needs them, into a staging directory owned by one loader; a staged
 block is deleted once the consumer is past its last use in the epoch, so nothing staged
 serves a later epoch (but the blocks the next epoch's first batches need while this one's
-last batches still hold them, :mod:`stoker.loader.prefetch`). A worker that needs a block
+last batches still hold them, :mod:`stoker.loader.prefetch.process`). A worker that needs a block
 before the prefetcher has it fetches the whole block into staging itself (when
 :meth:`StagingArea.has_room`), so the block is read from the origin once. Staging is bounded
 by the loader's ``staging_bytes``, on the cache's disk but outside the cache budget.

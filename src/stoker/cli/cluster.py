@@ -15,8 +15,8 @@ import threading
 import time
 
 from .._atomic import umask_mode, write_atomic
-from ..cluster.extender import MAX_BODY_BYTES, file_state, serve
-from ..cluster.extender_live import REFRESH_EVERY_S, REFRESH_TIMEOUT_S, live_state
+from ..cluster.extender.live_state import REFRESH_EVERY_S, REFRESH_TIMEOUT_S, live_state
+from ..cluster.extender.scoring import MAX_BODY_BYTES, file_state, serve
 from ..cluster.freshness import MAX_AGE_S
 from ..metrics import metrics_port_from_env, serve_extender_metrics
 from .args import Renamed, show_progress, size_arg
@@ -44,7 +44,7 @@ def cmd_warm(a) -> int:
     partial (budget too small, shards that failed, a node whose cache service is down: named with
     the reason; running it again fetches only what is missing).
     """
-    from ..cluster.warmup import warm  # imports ray: the cluster extra
+    from ..cluster.service.warmup import warm  # imports ray: the cluster extra
 
     _ray_init(a.ray_address)
     r = warm(
@@ -107,7 +107,7 @@ def _give_up_after(seconds: float, what: str) -> None:
 
 def cmd_state(a) -> int:
     """``stoker cluster-state``: what every node caches, as JSON (written atomically with ``--out``)."""
-    from ..cluster.warmup import cluster_state  # imports ray: the cluster extra
+    from ..cluster.service.warmup import cluster_state  # imports ray: the cluster extra
 
     if a.timeout:
         _give_up_after(a.timeout, "stoker cluster-state")

@@ -2,7 +2,7 @@
 hashing, reads local → peer → origin, co-located training workers, a Kubernetes scheduler
 extender.
 
-``placement``, ``schedule``, ``counters`` and ``extender`` need only the standard library and
+``placement``, ``schedule``, ``counters`` and ``extender/`` need only the standard library and
 numpy; everything else needs Ray (the ``cluster`` extra) and imports it on first use
 of a name below. ``import stoker`` never imports Ray.
 """
@@ -12,21 +12,21 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "run": "job",
-    "WorkerContext": "job",
-    "ClusterLoader": "job",
-    "read_epochs": "job",
-    "gather": "job",
-    "warm": "warmup",
-    "cluster_state": "warmup",
-    "ray_state": "warmup",
-    "start_services": "service",
-    "find_services": "service",
-    "rank_context": "rankdata",
-    "rank_loader": "rankdata",
-    "RankContext": "rankdata",
-    "RankLoader": "rankdata",
-    "placement_hint": "hint",
+    "run": "jobs.job",
+    "WorkerContext": "jobs.job",
+    "ClusterLoader": "jobs.job",
+    "read_epochs": "jobs.job",
+    "gather": "jobs.job",
+    "warm": "service.warmup",
+    "cluster_state": "service.warmup",
+    "ray_state": "service.warmup",
+    "start_services": "service.cache_service",
+    "find_services": "service.cache_service",
+    "rank_context": "train.rankdata",
+    "rank_loader": "train.rankdata",
+    "RankContext": "train.rankdata",
+    "RankLoader": "train.rankdata",
+    "placement_hint": "train.hint",
 }
 
 __all__ = sorted(_LAZY)

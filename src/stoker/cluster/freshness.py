@@ -1,7 +1,7 @@
 """How old the extender's cache state is, and a state source that refreshes off the request path.
 
-A cache state (the form :func:`stoker.cluster.extender.check_state` reads) says when it was
-gathered: ``"time"``, Unix seconds (:func:`stoker.cluster.warmup.cluster_state` writes it; a
+A cache state (the form :func:`stoker.cluster.extender.scoring.check_state` reads) says when it was
+gathered: ``"time"``, Unix seconds (:func:`stoker.cluster.service.warmup.cluster_state` writes it; a
 state file without it is as old as the file's modification time). Past ``max_age_s`` a state
 says nothing about the nodes any more (a node's cache may have been wiped, its service gone):
 the extender then gives no preference, and fails ``require-cache`` pods with an error, instead

@@ -5,13 +5,13 @@ blocks the new node wins under rendezvous hashing get a new owner, whose cache d
 them yet, while the node that owned them before still does. As in distributed caches such as
 Alluxio, which read from the worker that held a block before the hash ring changed, the new owner
 fills such a block from the *previous owner* (the block's owner under the members before the
-last growth, ``previous`` in the record, :mod:`stoker.cluster.records`): a cache-only read of that
-node's cache service (:meth:`stoker.cluster.service.CacheService.read_cached`: it never goes to
+last growth, ``previous`` in the record, :mod:`stoker.cluster.service.records`): a cache-only read of that
+node's cache service (:meth:`stoker.cluster.service.cache_service.CacheService.read_cached`: it never goes to
 the origin for it). Only when that node is gone, does not hold the block, fails or does not
 answer in time does the block come from the origin. The bytes are verified against the index
 like the origin's (:meth:`stoker.store.blocks.BlockReader.fetch_block`).
 
-Two places fill a block: a rank whose node owns it (its :class:`stoker.cluster.reader.BlockRouter`
+Two places fill a block: a rank whose node owns it (its :class:`stoker.cluster.service.reader.BlockRouter`
 reads the previous owner first) and the owner's cache service, for a peer's read or a warm-up
 (:class:`PriorReads`, given to the store's fill as its first source).
 """
@@ -75,7 +75,7 @@ class PriorReads:
     for one block. A previous owner whose call failed (no service, dead, timed out) is not asked
     again for ``retry_s`` seconds, so a node that hangs costs one ``timeout_s`` wait, not one per
     block. ``lookup``: node id -> the handle of its cache service (ValueError when there is none:
-    :func:`stoker.cluster.service.get_service`). Thread-safe (a service fills blocks in many threads).
+    :func:`stoker.cluster.service.cache_service.get_service`). Thread-safe (a service fills blocks in many threads).
     """
 
     def __init__(self, lookup, timeout_s: float = PRIOR_TIMEOUT_S, retry_s: float = PRIOR_RETRY_S):

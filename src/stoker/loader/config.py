@@ -4,7 +4,7 @@ need to know (:class:`WorkerConfig`), and what one started pipeline needs (:clas
 A :class:`WorkerConfig` is built once from the :class:`stoker.loader.Loader` arguments and pickled
 to every worker process with its first task queue; being frozen, no process can change it under
 another. A :class:`RunConfig` is built by the Loader each time it starts a pipeline
-(:class:`stoker.loader._run.Run`), which reads nothing else of the Loader's configuration.
+(:class:`stoker.loader.pipeline.run.Run`), which reads nothing else of the Loader's configuration.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ class WorkerConfig:
         exif_orientation: apply the EXIF orientation tag when decoding.
         batch_size: samples per batch (the slot layout, :mod:`stoker.loader.shm`).
         decode_on: ``"cpu"`` (the workers decode) or ``"device"`` (the workers only read and
-            verify bytes; the training process decodes, :mod:`stoker.loader.device_decode`).
+            verify bytes; the training process decodes, :mod:`stoker.loader.device.device_decode`).
         derived: the derived-sample cache (:class:`stoker.loader.derived.DerivedCache`) the
             workers read from and fill, or None (set when the pipeline starts, with
             :func:`dataclasses.replace`).
-        decode: the user's ``decode(fields, rng) -> sample``, or None (:mod:`stoker.loader.batches`).
+        decode: the user's ``decode(fields, rng) -> sample``, or None (:mod:`stoker.loader.workers.batches`).
         collate: the user's ``collate(samples) -> batch``, or None (:func:`stoker.collate.default`
             when ``decode`` is set).
     """
@@ -92,7 +92,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What one started pipeline (:class:`stoker.loader._run.Run`) is built from.
+    """What one started pipeline (:class:`stoker.loader.pipeline.run.Run`) is built from.
 
     Attributes:
         dataset: the :class:`~stoker.store.dataset.Dataset` read.

@@ -31,7 +31,7 @@ class EpochStats:
     checksum, dropped and fetched again); ``skipped`` (samples) and ``skipped_keys`` (their keys,
     the first 100); ``padded`` (samples) and ``padded_keys`` (their keys, the first 100): the
     substitutes decoded in place of a batch whose every sample was skipped, so that every rank
-    yields the same number of batches (:mod:`stoker.loader.padding`); ``order_displacement``
+    yields the same number of batches (:mod:`stoker.loader.workers.padding`); ``order_displacement``
     (mean move in positions of the cache-aware order, ``ReadOptions.cache_aware_window``);
     ``derived_hits`` / ``derived_fills`` (samples decoded from / written to the derived-sample
     cache) and ``derived_same`` (samples whose entry says "use the raw sample");
@@ -55,12 +55,12 @@ class EpochStats:
     ``cpu_s``: CPU seconds used in the epoch by the training process (``main``), the decode ``workers`` and the
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
     counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
-    crash) and were replaced, within the bounds of :mod:`stoker.loader.pool` and
-    :mod:`stoker.loader.prefetcher`.
+    crash) and were replaced, within the bounds of :mod:`stoker.loader.workers.pool` and
+    :mod:`stoker.loader.prefetch.prefetcher`.
 
     Origin bytes, requests, fills and staged blocks of the prefetcher are charged to the epoch
     whose samples they serve first (its work for the next epoch while this one drains counts
-    there: :mod:`stoker.loader.inflight`), so a warm epoch shows only what it read itself.
+    there: :mod:`stoker.loader.prefetch.inflight`), so a warm epoch shows only what it read itself.
 
     Cold-start and overlap figures (names kept stable for metrics exporters):
 
@@ -157,7 +157,7 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list, pad
     worker skipped (``on_error="skip"``) with their keys, each a key or ``(key, reason)``; a
     reason is logged here, when the batch is delivered, so a batch decoded ahead for an epoch
     that never runs logs nothing. ``padded``: the ``(sample id, key)`` of the substitutes
-    decoded because every sample of the batch was skipped (:mod:`stoker.loader.padding`):
+    decoded because every sample of the batch was skipped (:mod:`stoker.loader.workers.padding`):
     counted in ``padded`` and logged, not delivered. The ids actually delivered are appended to
     ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this runs in
     ``next()`` for every batch)."""

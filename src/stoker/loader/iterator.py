@@ -2,7 +2,7 @@
 at a time.
 
 :class:`EpochIterator` wraps the started pipeline's generator of an epoch
-(:meth:`stoker.loader._run.Run.epoch`) and keeps the Loader alive while it is iterated (so
+(:meth:`stoker.loader.pipeline.run.Run.epoch`) and keeps the Loader alive while it is iterated (so
 ``for batch in Loader(...)`` works with no name bound to the Loader, and a Loader dropped without
 ``close()`` is stopped by its finalizer only once no epoch of it is iterated any more). A later
 ``iter()`` on the same Loader ends this epoch at once (its stats are final, its slots free) and

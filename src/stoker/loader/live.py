@@ -29,7 +29,7 @@ from .._atomic import PRIVATE_FILE_MODE, write_atomic
 from ..cache.layout import is_cache
 from ..cache.perms import ensure_dir
 from ..storage import absolute_url
-from .inflight import LEDGER_FIELDS
+from .prefetch.inflight import LEDGER_FIELDS
 
 log = logging.getLogger(__name__)
 

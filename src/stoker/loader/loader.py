@@ -1,5 +1,5 @@
 """The Loader: configuration, epoch plans and resume state; each ``iter()`` serves one epoch
-through the started pipeline (:mod:`stoker.loader._run`).
+through the started pipeline (:mod:`stoker.loader.pipeline.run`).
 
 Data flow (one direction): the epoch's permutation -> this rank's plan -> batches
 dispatched to decode workers (each writes into a shared-memory slot) -> batches
@@ -27,19 +27,19 @@ import numpy as np
 
 from .._procs import check_main_for, pick_start_method
 from ..order import permutation, rank_padding, rank_plan
-from ._run import Processes, Run, RunHooks
 from .config import RunConfig, WorkerConfig
 from .epoch_stats import EpochStats, why_empty
-from .interrupts import held
 from .iterator import EpochIterator
 from .live import LiveTotals
 from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
-from .ranks import resolve
+from .pipeline.run import Processes, Run, RunHooks
 from .state import IDENTITY_KEYS, LoaderState
+from .workers.interrupts import held
+from .world import resolve
 
 if TYPE_CHECKING:
     from ..metrics import LoaderExport
-    from .device_decode import DeviceBatchDecoder
+    from .device.device_decode import DeviceBatchDecoder
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _check_batch_size(batch_size: object) -> None:
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of a warning raised in the function that calls this one, that names the
-    first caller outside stoker: a Loader made by ``ctx.loader(...)`` (stoker.cluster.job) warns at
+    first caller outside stoker: a Loader made by ``ctx.loader(...)`` (stoker.cluster.jobs.job) warns at
     the user's line, not at stoker's."""
     frame = inspect.currentframe()
     frame = frame.f_back if frame is not None else None  # the function that warns
@@ -157,7 +157,7 @@ class Loader:
         shuffle: use the permutation ``read.order`` of (``seed``, epoch); False: the identity.
         seed: seeds the permutation and each sample's augmentation (from (seed, epoch, sample id)).
         rank: this process's rank in [0, ``world_size``); None: from the environment
-            (:mod:`stoker.loader.ranks`: an initialised ``torch.distributed`` group, else
+            (:mod:`stoker.loader.world`: an initialised ``torch.distributed`` group, else
             ``$RANK``), else 0.
         world_size: ranks; every rank gets the same count (``read.even``, :func:`stoker.order.rank_plan`).
             None: from the environment (the group's size, else ``$WORLD_SIZE``), else 1. A loader of
@@ -174,7 +174,7 @@ class Loader:
             raises or returns None fails the batch with a WorkerError naming the sample's key
             (``run.on_error="skip"``: skipped and counted; a batch left with none gets substitutes,
             marked ``"__padding__"``: :class:`~stoker.loader.options.RunOptions`).
-            :mod:`stoker.loader.batches` says how
+            :mod:`stoker.loader.workers.batches` says how
             the batches travel (shared memory for arrays, pickled otherwise).
         collate: the user's ``collate(samples) -> batch``, run in the workers too (default
             :func:`stoker.collate.default`; also :func:`stoker.collate.pad`,
@@ -207,7 +207,7 @@ class Loader:
     (:class:`stoker.loader.state.LoaderState`, where the stream stands), ``cfg`` (the frozen
     :class:`stoker.loader.config.WorkerConfig` the workers receive), ``stats`` (the last epoch's
     :class:`~stoker.loader.epoch_stats.EpochStats`, whose docstring lists its fields) and
-    ``history`` (every epoch's). The processes live in a :class:`stoker.loader._run.Run`
+    ``history`` (every epoch's). The processes live in a :class:`stoker.loader.pipeline.run.Run`
     (:attr:`pipeline`), started by the first ``iter()`` and stopped by :meth:`close`.
     """
 
@@ -576,7 +576,7 @@ class Loader:
     # -- the pipeline -----------------------------------------------------
     def _start(self) -> Run:
         """The started pipeline, started now if there is none (the derived-sample cache is set
-        up first, once per loader). Raises what :meth:`stoker.loader._run.Run.start` raises."""
+        up first, once per loader). Raises what :meth:`stoker.loader.pipeline.run.Run.start` raises."""
         if self._started.run is not None:
             return self._started.run
         self._export_metrics()  # again after a close()
@@ -706,7 +706,7 @@ class Loader:
 
     @property
     def pipeline(self) -> Run | None:
-        """The started pipeline (:class:`stoker.loader._run.Run`: its ``ring``, ``transfer``,
+        """The started pipeline (:class:`stoker.loader.pipeline.run.Run`: its ``ring``, ``transfer``,
         ``start_method``, ``check_processes()``), or None before the first ``iter()`` and after
         :meth:`close`. For inspection (tests, benchmarks)."""
         return self._started.run
@@ -714,7 +714,7 @@ class Loader:
     @property
     def processes(self) -> Processes:
         """The started pipeline's worker and prefetch processes, read-only
-        (:class:`stoker.loader._run.Processes`; empty before the first ``iter()``)."""
+        (:class:`stoker.loader.pipeline.run.Processes`; empty before the first ``iter()``)."""
         run = self._started.run
         return run.processes() if run is not None else Processes()
 
@@ -736,7 +736,7 @@ class Loader:
     def _make_device_decoder(self) -> DeviceBatchDecoder | None:
         """The decoder of ``decode_device`` (made once per loader, on the first call), or None."""
         if self.decode_device is not None and self._device_decoder is None:
-            from .device_decode import DeviceBatchDecoder
+            from .device.device_decode import DeviceBatchDecoder
 
             self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
         return self._device_decoder

@@ -96,7 +96,7 @@ class ReadOptions:
             not admit (:mod:`stoker.cache.staging`; on the cache's disk; default 64 MiB).
         fetch_concurrency: least number of ranged GETs the prefetcher keeps in flight (int >= 1,
             default 8); it keeps more while latency x bandwidth asks for them
-            (:mod:`stoker.loader.inflight`).
+            (:mod:`stoker.loader.prefetch.inflight`).
         prefetch_next_epoch: start the first batches of the next epoch while the last ones of
             this epoch are in flight (default True), so the pipeline never drains at the boundary.
 
@@ -149,7 +149,7 @@ class ImageOptions:
         decode_device: ``"cuda"`` / ``"cuda:N"`` (or a ``torch.device``, kept as its name, or a
             decoder object with ``decode()``, ``transform_batch()`` and ``device``) to decode the
             JPEGs on the GPU in the training process (nvJPEG with a per-sample CPU fallback,
-            :mod:`stoker.loader.device_decode`); the workers only read and verify bytes, and the
+            :mod:`stoker.loader.device.device_decode`); the workers only read and verify bytes, and the
             batches arrive on that device. Default None. ValueError for another device, and
             with ``cache_form`` (derived forms are decoded on the CPU).
     """
@@ -204,7 +204,7 @@ class RunOptions:
     Attributes:
         device: None / ``"cpu"`` (default: the shared-memory tensors are yielded) or
             ``"cuda[:N]"`` (each batch copied through pinned memory on a side stream,
-            :mod:`stoker.loader.transfer`). ValueError for another device; RuntimeError when CUDA
+            :mod:`stoker.loader.device.transfer`). ValueError for another device; RuntimeError when CUDA
             is not available. With ``ImageOptions.decode_device`` it defaults to that device.
         on_error: ``"raise"`` (default: a sample no decoder reads raises WorkerError naming its
             key) or ``"skip"`` (logged, counted in ``stats.skipped``, the batch is shorter). Under
@@ -213,7 +213,7 @@ class RunOptions:
             was skipped is yielded with substitutes decoded in its place, other samples of the
             dataset tried in an order fixed by (seed, epoch, the batch's sample ids), up to the
             batch's planned size, at most ``max(64, 4 x batch size)`` tried
-            (:mod:`stoker.loader.padding`). They are counted in ``stats.padded`` /
+            (:mod:`stoker.loader.workers.padding`). They are counted in ``stats.padded`` /
             ``padded_keys``, not in ``samples`` nor as delivered for ``exactly_once``; a custom
             ``decode`` sees ``fields["__padding__"] = True`` for them (the built-in
             ``(images, labels)`` batch does not mark them). No substitute decoding at all is a

@@ -136,7 +136,7 @@ class SlotRing:
         #: shared slots: their names are unlinked as soon as made (module docstring); None: where
         #: the platform allows it (decided with the first slot)
         self.unlinked = unlink_early
-        #: generic slots (user collate, :mod:`stoker.loader.batches`): bytes each slot starts with
+        #: generic slots (user collate, :mod:`stoker.loader.workers.batches`): bytes each slot starts with
         #: (the workers grow a slot file when a batch needs more, and :meth:`remap` follows)
         self.slot_bytes = slot_bytes
         self.base = shm_base() if shared else None

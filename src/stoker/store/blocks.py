@@ -5,7 +5,7 @@ reader of the dataset has and another does not:
 
 * a *staging area* (:class:`stoker.cache.StagingArea`; a Loader's, for the blocks its prefetcher
   fetched just in time that the node cache did not admit), or none;
-* a cluster *router* (:class:`Router`, e.g. :class:`stoker.cluster.reader.BlockRouter`: which
+* a cluster *router* (:class:`Router`, e.g. :class:`stoker.cluster.service.reader.BlockRouter`: which
   blocks this node caches, and reads of the others from their owning peer), or none;
 * its :class:`ReadStats`.
 
@@ -74,7 +74,7 @@ class ReadStats:
 
 
 class Router(Protocol):
-    """What a block reader asks of a cluster router (:class:`stoker.cluster.reader.BlockRouter`)."""
+    """What a block reader asks of a cluster router (:class:`stoker.cluster.service.reader.BlockRouter`)."""
 
     def caches(self, b: int) -> bool:
         """Whether block ``b`` belongs in this node's cache."""

@@ -63,9 +63,9 @@ def run(
     import ray
     from ray.cluster_utils import Cluster
 
-    from stoker.cluster.job import read_epochs
-    from stoker.cluster.job import run as cluster_run
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.jobs.job import read_epochs
+    from stoker.cluster.jobs.job import run as cluster_run
+    from stoker.cluster.service.cache_service import stop_services
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
 

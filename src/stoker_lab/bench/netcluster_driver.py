@@ -203,7 +203,7 @@ def _services_sum(fn) -> float:
     """``fn(service)`` run in the cache service of every live node, summed (0 for a node without one)."""
     import ray
 
-    from stoker.cluster.service import alive_nodes, get_service
+    from stoker.cluster.service.cache_service import alive_nodes, get_service
 
     refs = []
     for node in alive_nodes():
@@ -321,9 +321,9 @@ def state_check(spec: dict, url: str, opts: dict, host_nodes: list[str]) -> dict
 
     import ray
 
-    from stoker.cluster.extender import DATASET_ANNOTATION, file_state, prioritize
-    from stoker.cluster.service import start_services, stop_services
-    from stoker.cluster.warmup import warm
+    from stoker.cluster.extender.scoring import DATASET_ANNOTATION, file_state, prioritize
+    from stoker.cluster.service.cache_service import start_services, stop_services
+    from stoker.cluster.service.warmup import warm
 
     by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     host_nodes = [by_ip.get(ip, nid) for ip, nid in zip(spec["host_ips"], host_nodes, strict=True)]
@@ -393,8 +393,8 @@ def run_placements(
     to ``phases``."""
     import ray
 
-    from stoker.cluster.job import run as cluster_run
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.jobs.job import run as cluster_run
+    from stoker.cluster.service.cache_service import stop_services
 
     links = spec["links"]
     gate_s = spec["job_timeout_s"]

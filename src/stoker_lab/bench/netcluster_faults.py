@@ -179,10 +179,10 @@ def fault_run(kind: str, spec: dict, url: str, opts: dict, n: int) -> dict:
     ``{fault, host, finished, exactly_once, seconds, error, dead_host_blocks: {before, after},
     rejoin: {finished, served_bytes, dead_host_blocks}}`` (bytes; ``dead_host_blocks``: where the
     victim's blocks were read from by the fault epoch's ranks, before and after the fault)."""
-    from stoker.cluster.job import read_epochs
-    from stoker.cluster.job import run as cluster_run
-    from stoker.cluster.ranks import gather
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.jobs.gang import gather
+    from stoker.cluster.jobs.job import read_epochs
+    from stoker.cluster.jobs.job import run as cluster_run
+    from stoker.cluster.service.cache_service import stop_services
 
     hosts, ips = len(spec["host_ips"]), spec["host_ips"]
     victim = hosts - 1

@@ -1,6 +1,6 @@
 """The rank of the peer stage of ``stoker bench io`` (:mod:`stoker_lab.bench.peer_stage`): a Ray actor
 on node B that reads every block of a dataset from node A's cache service through a
-:class:`stoker.cluster.reader.BlockRouter`, in its Ray worker or from a child process through the
+:class:`stoker.cluster.service.reader.BlockRouter`, in its Ray worker or from a child process through the
 router's relay (the path of a cluster-mode Loader's prefetcher)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 class PeerRank:
     """A rank on node B: the dataset opened without a cache, a :class:`BlockRouter` whose every
     block is owned by the one member node (node A's cache service), its byte counters, and on
-    first use of :meth:`read_blocks_relay` the router's :class:`stoker.cluster.reader.Relay` and
+    first use of :meth:`read_blocks_relay` the router's :class:`stoker.cluster.service.reader.Relay` and
     a child process that reads through it (as a Loader's prefetcher does).
 
     ``url`` / ``storage_options`` / ``block_bytes``: the dataset; ``member``: node A's Ray node id;
@@ -24,8 +24,8 @@ class PeerRank:
         import numpy as np
 
         from stoker.cluster.counters import ByteCounters
-        from stoker.cluster.reader import BlockRouter
-        from stoker.cluster.service import dataset_ref
+        from stoker.cluster.service.cache_service import dataset_ref
+        from stoker.cluster.service.reader import BlockRouter
         from stoker.store.dataset import open_dataset
 
         ds = open_dataset(url, storage_options=storage_options, cache=False, check=False, block_bytes=block_bytes)

@@ -1,10 +1,10 @@
 """The peer stage of ``stoker bench io``: a peer's cache service serving a rank, beside bare TCP.
 
-Two Ray nodes: node A runs the dataset's cache service (:class:`stoker.cluster.service.CacheService`),
-warmed with its own :meth:`~stoker.cluster.service.CacheService.fill` from the origin; node B
+Two Ray nodes: node A runs the dataset's cache service (:class:`stoker.cluster.service.cache_service.CacheService`),
+warmed with its own :meth:`~stoker.cluster.service.cache_service.CacheService.fill` from the origin; node B
 runs a rank (:class:`stoker_lab.bench.peer_rank.PeerRank`, a Ray actor) that owns no block
 (``me = -1``) and reads every block of the dataset, whole, through a
-:class:`stoker.cluster.reader.BlockRouter` (``router.read(..., block=True)``: the read of a
+:class:`stoker.cluster.service.reader.BlockRouter` (``router.read(..., block=True)``: the read of a
 cluster-mode Loader's block fetch, which in a Loader the prefetcher sends through the rank's relay
 to this same call), ``concurrency`` blocks at a time (a Loader's fill threads), each block one
 call of the service's ``read`` through Ray's object transfer.
@@ -86,7 +86,7 @@ def measure(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from stoker.cluster.service import dataset_ref, find_services, get_service, start_services
+    from stoker.cluster.service.cache_service import dataset_ref, find_services, get_service, start_services
     from stoker.store.dataset import open_dataset
 
     holder = {} if holder is None else holder
@@ -193,7 +193,7 @@ def stop(holder: dict | None) -> None:
     and every cache service. Never raises."""
     import ray
 
-    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.cache_service import stop_services
 
     rank = (holder or {}).get("rank")
     if rank is not None:

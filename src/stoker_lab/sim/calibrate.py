@@ -91,7 +91,7 @@ class NetnsSetup:
         nodes and with its ranks' recorded start offsets where this setup has them. A cluster
         placement whose control probe recorded its ranks' hosts (``control.<placement>.rank_hosts``)
         starts with that probe as a job named ``control`` that reads nothing: it ran first, so its
-        nodes settled the dataset's members (``stoker.cluster.records``) and hence the owners."""
+        nodes settled the dataset's members (``stoker.cluster.service.records``) and hence the owners."""
         jobs = [
             Job(
                 j.name,

@@ -4,10 +4,10 @@ Every choice the model needs comes from the product: the epoch order
 (:func:`stoker.order.permutation`, :func:`stoker.order.rank_plan`), the block owners
 (:func:`stoker.cluster.placement.bounded_owners`), the dataset's members
 (:func:`stoker.cluster.membership.widen`, with the first-claim rule of
-:func:`stoker.cluster.job.run`), rank placement and read plans
+:func:`stoker.cluster.jobs.job.run`), rank placement and read plans
 (:func:`stoker.cluster.schedule.choose_nodes`, :func:`stoker.cluster.schedule.colocated_plans`)
 and the budget split between datasets (:func:`stoker.cache.policy.share_budget`). This module
-only orders the calls the way :func:`stoker.cluster.job.run` does, for node labels instead of
+only orders the calls the way :func:`stoker.cluster.jobs.job.run` does, for node labels instead of
 Ray nodes. A change to any of them changes the model's answer.
 """
 
@@ -46,7 +46,7 @@ class Placement:
 class ClusterState:
     """What persists between jobs of one dataset: its recorded members (first claim wins) and
     the blocks each node holds. ``keys``: each node's placement key (the name its blocks are
-    placed by, :func:`stoker.cluster.service.placement_keys`; default :func:`node_names`)."""
+    placed by, :func:`stoker.cluster.service.cache_service.placement_keys`; default :func:`node_names`)."""
 
     def __init__(self, num_nodes: int, wl: Workload, keys: list[str] | None = None):
         if keys is not None and len(keys) != num_nodes:
@@ -118,7 +118,7 @@ def place_job(
     """Place one job of ``world`` ranks, as ``stoker.cluster.run`` would for ``setup``.
 
     ``direct``: rank r on node r // slots (r with no slot limit), no shared cache; ``random``:
-    ranks on random nodes (seeded, :func:`stoker.cluster.job.run`'s draw), the dataset on the
+    ranks on random nodes (seeded, :func:`stoker.cluster.jobs.job.run`'s draw), the dataset on the
     recorded members; ``presence``: like random but only on nodes that are members of the
     dataset (Fluid's affinity: any node with a cache worker for it); ``colocated``: stoker's
     TDCS placement. ``budgets``: the dataset's cache bytes per node. ``rank_nodes``: the node

@@ -1,0 +1,400 @@
+"""``stoker.cluster.run``: training workers placed next to their cached data (TDCS on Ray).
+
+The driver (1) starts or finds one cache service per node, (2) asks them how many bytes of the
+dataset each holds, (3) places the ranks on the nodes that hold the most
+(:func:`stoker.cluster.schedule.choose_nodes`), (4) settles the dataset's placement members (the
+first job's nodes, grown as nodes join or room runs short, and recorded on every service:
+:mod:`stoker.cluster.service.records`; a new dataset's cache goes to the nodes where its jobs run) and (5) runs ``train_fn(ctx)`` in one Ray task per rank, pinned to its node. Each rank
+reads through its node cache, then the owning peer, then the origin, and gets the samples cached
+on its node as far as exactly-once and equal counts allow (:func:`colocated_plans`).
+``placement="random"`` (for comparison) puts ranks on random nodes with the plain rank split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+
+import numpy as np
+import ray
+
+from ...errors import ProcessGroupError
+from ...loader import Loader
+from ...order import permutation
+from ..capacity import rank_request
+from ..counters import ByteCounters, fractions
+from ..handoff import previous_layout, prior_owner
+from ..placement import bytes_per_node, place_dataset
+from ..registration import end as end_registration
+from ..schedule import choose_nodes, colocated_plans
+from ..service.cache_service import cache_dir_arg, get_service, placement_keys, prepare
+from ..service.records import settle_record
+from ..service.routed import announce, open_on_node, route
+from .gang import JobRefs, gather, node_slots, release, reserve, stamp_failure, task_options
+from .rendezvous import ProcessGroup, check_backend
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("colocated", "random")
+
+
+class WorkerContext:
+    """What ``train_fn`` gets on its rank.
+
+    ``rank``/``world_size``; ``node_id``; ``dataset``: the :class:`stoker.store.dataset.Dataset`
+    read through the cluster (node cache → peer → origin: a view with this rank's reader, whose
+    router is ``dataset.reader.router``, :mod:`stoker.store.blocks`); ``counters``: this rank's
+    :class:`ByteCounters`; ``epochs``: per-epoch records (see :meth:`measure`), returned to the
+    driver. :meth:`loader` builds a :class:`ClusterLoader`; :meth:`plan` gives this rank's
+    sample ids of an epoch; :meth:`init_process_group` sets up ``torch.distributed`` over the
+    job's ranks (``process_group``: the one open, else None).
+    """
+
+    def __init__(self, spec: dict, dataset, counters: ByteCounters):
+        self.rank, self.world_size = spec["rank"], spec["world_size"]
+        self.node_id, self.job, self.placement = spec["node_id"], spec["job"], spec["placement"]
+        self.dataset, self.counters = dataset, counters
+        self._rank_nodes = spec["rank_nodes"]  # node index (in the members) per rank; -1 - r if none
+        self._sample_node = np.asarray(spec["owner"])[dataset.sample_block] if dataset.num_blocks else None
+        self._plans: dict = {}
+        self.epochs: list[dict] = []
+        self._node_ids, self._token = spec["rank_node_ids"], spec["token"]
+        self.process_group: ProcessGroup | None = None
+
+    def init_process_group(self, backend: str = "gloo", timeout_s: float = 1800.0) -> ProcessGroup:
+        """Set up the default ``torch.distributed`` process group over the job's ranks: sets
+        ``MASTER_ADDR`` (rank 0's node address), ``MASTER_PORT`` (a free port rank 0 binds on its
+        node), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (this job's ranks
+        on this node) and calls ``torch.distributed.init_process_group`` (every rank must call
+        it). Returns the :class:`stoker.cluster.jobs.rendezvous.ProcessGroup`, also a context manager
+        that closes it; a group still open when ``train_fn`` returns, raises or is cancelled is
+        destroyed then. ``timeout_s``: seconds to wait for rank 0's address, and torch's limit per
+        collective. Raises ValueError for a backend other than ``"gloo"``/``"nccl"`` and
+        :class:`stoker.errors.ProcessGroupError` for ``nccl`` without a GPU, a group already
+        open on this rank, or rank 0's address not there within ``timeout_s``."""
+        if self.process_group is not None:
+            raise ProcessGroupError(
+                f"rank {self.rank}: a {self.process_group.backend!r} process group is already open for this job "
+                f"(run(process_group=...) opens one before train_fn)"
+            )
+        group = ProcessGroup(self.rank, self.world_size, self._node_ids, f"stoker-pg-{self._token}", backend, timeout_s)
+        group.open()
+        self.process_group = group
+        return group
+
+    def close_process_group(self) -> None:
+        """Destroy the process group of :meth:`init_process_group`, if one is open (the rank's
+        end does it too)."""
+        group, self.process_group = self.process_group, None
+        if group is not None:
+            group.close()
+
+    def peer_samples(self) -> np.ndarray:
+        """Ids (int64, ascending) of the samples whose block a peer owns, not this rank's node:
+        each read of one goes to that peer (when this node has no copy of its own)."""
+        if self._sample_node is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self._sample_node != self._rank_nodes[self.rank]).astype(np.int64)
+
+    def local_samples(self) -> np.ndarray:
+        """Ids (int64, ascending) of the samples whose block this rank's node owns (read from its
+        own node cache once cached); empty when the node owns none."""
+        if self._sample_node is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self._sample_node == self._rank_nodes[self.rank]).astype(np.int64)
+
+    def plan(
+        self, epoch: int, seed: int = 0, order: str = "blockwise", window: int = 16, even: str = "pad"
+    ) -> np.ndarray:
+        """This rank's sample ids (int64) for ``epoch``: the permutation ``order`` of (seed, epoch)
+        split over the ranks, co-located (``placement="colocated"``) or plain (``"random"``)."""
+        key = (epoch, seed, order, window, even)
+        if key not in self._plans:
+            ds = self.dataset
+            perm = permutation(len(ds), seed, epoch, order, groups=ds.sample_block, window=window)
+            if self.placement == "colocated":
+                # no blocks (no samples): none is cached anywhere (-1)
+                sample_node = self._sample_node if self._sample_node is not None else np.full(len(perm), -1)
+                plans = colocated_plans(perm, sample_node, self._rank_nodes, even)
+                self._plans = {key: plans[self.rank]}
+            else:
+                from ...order import rank_plan
+
+                self._plans = {key: rank_plan(perm, self.rank, self.world_size, even)}
+        return self._plans[key]
+
+    @contextlib.contextmanager
+    def measure(self, epoch: int, **extra):
+        """Record one epoch: bytes read locally / from peers / from the origin / from blocks'
+        previous owners by this rank (all of its processes; each byte read counted once, so
+        ``local_bytes + peer_bytes + origin_bytes + handoff_bytes == read_bytes``,
+        :mod:`stoker.cluster.counters`; ``handoff_bytes``: blocks whose owner changed when the
+        dataset's members grew, read from the node that owned them before,
+        :mod:`stoker.cluster.handoff`), the bytes received from the origin for it
+        (``fetched_origin_bytes``: whole blocks, headers included; ``received_origin_bytes`` /
+        ``received_peer_bytes``: what this rank's processes received over each link, the peer
+        link's including ``received_handoff_bytes``), seconds, and ``extra`` fields
+        (e.g. samples), ``started_at`` (unix seconds); appended to ``epochs``."""
+        self.counters.clear_tags()  # blocks fetched before this epoch are local now
+        before, t0 = self.counters.read(), time.perf_counter()
+        rec = {
+            "job": self.job,
+            "placement": self.placement,
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "epoch": int(epoch),
+            "started_at": time.time(),
+        }
+        try:
+            yield rec
+        finally:
+            after = self.counters.read()
+            d = {k: after[k] - before[k] for k in after}
+            rec.update(
+                seconds=time.perf_counter() - t0,
+                local_bytes=d["local"],
+                peer_bytes=d["peer"],
+                origin_bytes=d["origin"] + d["peer_origin"],
+                peer_origin_bytes=d["peer_origin"],
+                handoff_bytes=d["handoff"],
+                read_bytes=d["local"] + d["peer"] + d["origin"] + d["peer_origin"] + d["handoff"],
+                fetched_origin_bytes=d["fetch_origin"] + d["fetch_peer_origin"],
+                received_origin_bytes=d["fetch_origin"],
+                received_peer_bytes=d["fetch_peer"] + d["fetch_peer_origin"] + d["fetch_handoff"],
+                received_handoff_bytes=d["fetch_handoff"],
+                fallbacks=d["fallbacks"],
+                dataset_bytes=int(self.dataset.index.length.sum()),
+                **fractions(d),
+                **extra,
+            )
+            if rec.get("samples") and rec["seconds"] > 0:
+                rec["samples_per_s"] = rec["samples"] / rec["seconds"]
+            self.epochs.append(rec)
+
+    def loader(self, batch_size: int, **kwargs) -> "ClusterLoader":
+        """A :class:`stoker.Loader` over this rank's co-located plan (keyword arguments as Loader's)."""
+        return ClusterLoader(self, batch_size, **kwargs)
+
+
+class ClusterLoader(Loader):
+    """:class:`stoker.Loader` whose epoch plan is the rank's co-located plan
+    (:meth:`WorkerContext.plan`) and whose epochs are recorded by :meth:`WorkerContext.measure`
+    (with the loader's samples, samples/s, stall and exactly-once check)."""
+
+    def __init__(self, ctx: WorkerContext, batch_size: int, **kwargs):
+        self._cluster = ctx
+        super().__init__(ctx.dataset, batch_size, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+
+    def plan(self, epoch: int | None = None) -> np.ndarray:
+        e = self.epoch if epoch is None else epoch
+        ids = self._cluster.plan(e, self.seed, self.order, self.order_window, self.even)
+        if self.drop_last:
+            ids = ids[: len(ids) // self.batch_size * self.batch_size]
+        return ids
+
+    def __iter__(self):
+        gen = super().__iter__()
+        return self._recorded(gen, self.epoch - 1)
+
+    def _recorded(self, gen, epoch):
+        with self._cluster.measure(epoch) as rec:
+            yield from gen
+            st = self.stats
+            assert st is not None  # the epoch's end recorded its stats (Loader._record)
+            rec.update(
+                samples=st.samples,
+                loader_samples_per_s=st.samples_per_s,
+                stall_fraction=st.stall_fraction,
+                exactly_once=st.exactly_once,
+            )
+
+
+def _rank_main(train_fn, spec: dict):
+    """One rank: open the dataset through the cluster, run ``train_fn(ctx)``; returns its records."""
+    counters = ByteCounters()
+    relay = ds = ctx = None
+    try:
+        opts = spec["storage_options"]
+        ds = open_on_node(spec["url"], opts, spec["service"], spec["block_bytes"])
+        if ds.version != spec["version"]:
+            raise RuntimeError(
+                f"{spec['url']} changed during the job: version {ds.version}, the driver placed {spec['version']}"
+            )
+        counters.size_tags(ds.num_blocks)
+        args = (spec["node_id"], counters, spec["peer_timeout_s"], spec["retry_s"])
+        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"))  # this rank's reads
+        ctx = WorkerContext(spec, ds, counters)
+        if spec["process_group"] is not None:
+            ctx.init_process_group(spec["process_group"])
+        result = train_fn(ctx)
+        return {"rank": ctx.rank, "node_id": ctx.node_id, "result": result, "epochs": ctx.epochs}
+    except Exception as exc:
+        stamp_failure(exc)  # before the group goes: the peers' errors that follow come later
+        raise
+    finally:
+        if ctx is not None:
+            ctx.close_process_group()
+        if relay is not None:
+            relay.close()
+        end_registration(ds)  # this Ray worker lives on, pooled: the job's claim on the budget ends here
+        counters.close()
+
+
+def run(
+    train_fn,
+    dataset: str,
+    num_workers: int,
+    resources_per_worker: dict | None = None,
+    *,
+    storage_options: dict | None = None,
+    placement: str = "colocated",
+    cache_dir: str | None = None,
+    cache_bytes: int | str | None = None,
+    block_bytes: int | str | None = None,
+    seed: int = 0,
+    job: str = "job",
+    slots_per_node: int | None = None,
+    peer_timeout_s: float = 30.0,
+    retry_s: float = 1.0,
+    timeout_s: float | None = None,
+    wait: bool = True,
+    start_timeout_s: float = 30.0,
+    cache_root: str | None = None,
+    process_group: str | None = None,
+):
+    """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
+
+    ``dataset``: URL of a packed dataset; ``resources_per_worker``: Ray resources of one rank
+    (``{"CPU": 1, "GPU": 1, ...}``, default one CPU); ``placement``: ``"colocated"`` (TDCS) or
+    ``"random"`` (seeded by ``seed``, for comparison); ``cache_dir``/``cache_bytes``: where and
+    how big the node caches are when this call starts the services (default
+    ``<default cache dir>/cluster``, 8 GiB per node; bytes or a size string such as
+    ``"64MiB"``; services already running keep theirs; the names of :func:`stoker.open_dataset`
+    and ``stoker warm --cache-dir/--cache-bytes``; ``cache_root`` is the old name of
+    ``cache_dir``, accepted with a DeprecationWarning); ``block_bytes``: the cache block (bytes
+    or a size string; default 1 MiB; every job of a dataset must use the same);
+    ``slots_per_node``: most ranks per node; ``process_group``: ``"gloo"`` or ``"nccl"`` to
+    open a ``torch.distributed`` process group over the ranks before ``train_fn`` and destroy it
+    after it returns, raises or is cancelled (:meth:`WorkerContext.init_process_group`; None:
+    none, or open it there). ``ctx`` is a :class:`WorkerContext`.
+
+    Co-location is a preference, capacity a limit: a node gets no more ranks than its free
+    resources hold (:mod:`stoker.cluster.capacity`), and the ranks' resources are reserved on
+    their nodes all at once (a Ray placement group, :func:`stoker.cluster.jobs.gang.reserve`), so
+    the ranks start together. Raises :class:`stoker.errors.CapacityError` at once when the
+    free resources cannot hold ``num_workers`` ranks, or when the reservation is not ready
+    within ``start_timeout_s`` seconds; nothing is left queued.
+
+    Returns, per rank, ``{rank, node_id, result, epochs}`` (``epochs``: the records of
+    :meth:`WorkerContext.measure`), or with ``wait=False`` a :class:`stoker.cluster.jobs.gang.JobRefs`
+    (the list of the ranks' Ray object refs, watched: the first rank that fails cancels the
+    others, as in :func:`gather`). Needs ``ray.init()`` first. Raises ValueError for a bad
+    placement or ``process_group``, :class:`stoker.errors.ProcessGroupError` for ``"nccl"``
+    when ``resources_per_worker`` has no GPU (both before any rank starts), the error of the first rank that fails (``ray.exceptions.RayTaskError``,
+    ``NodeDiedError`` ...) after cancelling the others, ``GetTimeoutError`` after ``timeout_s``
+    (the ranks cancelled): see :func:`gather`.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if num_workers < 1:
+        raise ValueError("num_workers must be >= 1")
+    if process_group is not None:
+        check_backend(process_group, rank_request(resources_per_worker))
+    opts = dict(storage_options or {})
+    services, ds, dref = prepare(dataset, opts, cache_dir_arg(cache_dir, cache_root), cache_bytes, block_bytes)
+    nodes = list(services)
+    budgets = [services[n]["cache_bytes"] for n in nodes]
+    cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
+    request = rank_request(resources_per_worker)
+    slots = node_slots(nodes, request, num_workers, slots_per_node, start_timeout_s)
+    if placement == "colocated":
+        rank_nodes = choose_nodes(nodes, cached, budgets, num_workers, slots)
+    else:
+        rank_nodes = _random_nodes(nodes, slots, num_workers, seed)
+    # the dataset's placement members: the record every service keeps, else (first claim wins)
+    # the nodes holding it already, else the nodes of this job
+    have = [n for n, c in zip(nodes, cached) if c > 0]
+    proposal = have or sorted(set(rank_nodes))
+    record = settle_record(services, ds.version, int(ds.index.total_bytes), proposal, rank_nodes)
+    members = [m for m in record["members"] if m in services]
+    if not members:  # every recorded member is gone: place on this job's nodes
+        members = sorted(set(rank_nodes))
+    owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
+    prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
+    if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
+        owned = bytes_per_node(ds, owner, len(members))  # where the data will be, not only where it is
+        rank_nodes = choose_nodes(
+            nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes], budgets, num_workers, slots
+        )
+    index_of = {m: i for i, m in enumerate(members)}
+    spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
+    pg = reserve(rank_nodes, request, start_timeout_s, job)
+    token = f"{job}-{uuid.uuid4().hex[:12]}"
+    if wait:  # the services' registrations of the dataset end with this call (release below)
+        announce(nodes, "hold", dref, token)
+    refs = []
+    for r, node in enumerate(rank_nodes):
+        spec = {
+            "rank": r,
+            "world_size": num_workers,
+            "node_id": node,
+            "job": job,
+            "placement": placement,
+            "url": dataset,
+            "storage_options": opts,
+            "version": ds.version,
+            "members": members,
+            "block_bytes": ds.block_bytes,
+            "owner": owner,
+            "prior": prior,
+            "rank_nodes": spec_rank_nodes,
+            "service": services.get(node),
+            "peer_timeout_s": peer_timeout_s,
+            "retry_s": retry_s,
+            "rank_node_ids": rank_nodes,
+            "token": token,
+            "process_group": process_group,
+        }
+        refs.append(ray.remote(_rank_main).options(**task_options(r, node, request, pg)).remote(train_fn, spec))
+    if not wait:
+        return JobRefs(refs, rank_nodes, pg)
+    try:
+        return gather(refs, rank_nodes, timeout_s)
+    finally:
+        release(pg)
+        announce(nodes, "release", dref, token)
+
+
+def _random_nodes(nodes: list[str], slots: list[int], num_workers: int, seed: int) -> list[str]:
+    """``num_workers`` nodes drawn at random (seeded by ``seed``), each at most its slots times."""
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, len(nodes), num_workers)
+    if all(np.sum(first == i) <= k for i, k in enumerate(slots)):  # fits: the draw without limits
+        return [nodes[i] for i in first]
+    rng = np.random.default_rng(seed)
+    left = np.asarray(slots, dtype=np.int64).copy()
+    out = []
+    for _ in range(num_workers):
+        i = int(rng.choice(np.flatnonzero(left > 0)))
+        left[i] -= 1
+        out.append(nodes[i])
+    return out
+
+
+def read_epochs(
+    ctx: WorkerContext, epochs: int, seed: int = 0, keep_ids: bool = False, first_epoch: int = 0
+) -> list[dict]:
+    """A ``train_fn`` body that reads (and verifies) every sample of the rank's plan for
+    epochs ``first_epoch .. first_epoch + epochs - 1`` without decoding; returns ``ctx.epochs``
+    (with each epoch's sample ids under ``ids`` if ``keep_ids``). The ranks do not wait for each
+    other between epochs (no collective, unlike a DDP job). For tests and ``stoker bench cluster``."""
+    for e in range(first_epoch, first_epoch + epochs):
+        ids = ctx.plan(e, seed)
+        with ctx.measure(e, samples=len(ids)) as rec:
+            for i in ids:
+                ctx.dataset.read(int(i))
+            if keep_ids:
+                rec["ids"] = ids.tolist()
+    return ctx.epochs

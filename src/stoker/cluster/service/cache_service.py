@@ -1,0 +1,578 @@
+"""The cache service: one Ray actor per node that owns the node's cache and serves it to peers.
+
+Loaders on a node read the node cache directly (files on local disk or in /dev/shm: the cache
+directory is shared by every process of the node); the service is how *other* nodes reach it,
+through Ray's object transfer (bytes in, bytes out: nothing here unpickles origin or peer
+data beyond Ray's own transfer of a ``bytes`` value). It also fills the blocks its node owns
+from the origin (single flight per block across the node, so a block is read from the origin
+once however many jobs want it) and answers what it holds (for placement, ``stoker warm``
+and the scheduler extender).
+
+A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
+``stoker-cache-<node id>`` in the Ray namespace ``stoker``, detached (it belongs to the cluster,
+not to the driver that started it: any driver finds it by name), restarted by Ray if it dies
+(``max_restarts=-1``); its cache is files on the node, in a directory named by the host, not by
+the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
+restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..._units import parse_size
+from ...cache import DiskCache
+from ...errors import ServiceStartError
+from ...loader.prefetch.inflight import InflightGate, InflightTarget
+from ...metrics import ServiceMetrics
+from ...store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
+from ..handoff import PriorReads
+from ..identity import claim_cache_dir
+from ..membership import RECORD_SETS, merge
+from ..placement import placement_keys  # noqa: F401 - re-exported: its callers import it from here
+from ..registration import LEASE_S, lease
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "stoker"
+#: Concurrent requests one service handles (peer reads and fills, each in its own thread).
+MAX_CONCURRENCY = 16
+
+
+def dataset_ref(ds, storage_options: dict | None = None) -> dict:
+    """How a service finds a dataset: ``{url, storage_options, version, block_bytes}`` (plain data)."""
+    return {
+        "url": ds.url,
+        "storage_options": dict(storage_options or {}),
+        "version": ds.version,
+        "block_bytes": ds.block_bytes,
+    }
+
+
+def service_name(node_id: str) -> str:
+    return f"stoker-cache-{node_id}"
+
+
+class CacheService:
+    """The node cache of one node, as a Ray actor (see the module doc).
+
+    ``node_id``: the Ray node (hex) it must run on (checked: RuntimeError otherwise);
+    ``cache_root``: the cluster cache root; the service takes its node's directory under it
+    (:func:`stoker.cluster.identity.claim_cache_dir`: ``cache_dir``, and ``cache_key``, the node's
+    placement key, both stable across Ray restarts on the same host); ``cache_bytes``: the node
+    cache budget in bytes, also the node's placement weight; ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
+    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id);
+    ``lease_s``: how long its registration of a dataset on the node cache counts after the last
+    request for it, seconds (default :data:`stoker.cluster.registration.LEASE_S`).
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        cache_root: str,
+        cache_bytes: int,
+        memory_bytes: int = 0,
+        node_name: str | None = None,
+        lease_s: float | None = None,
+    ):
+        here = ray.get_runtime_context().get_node_id()
+        if here != node_id:
+            raise RuntimeError(f"cache service for node {node_id} started on node {here}")
+        self._claim = claim_cache_dir(cache_root, owner=node_id)  # held while this process lives
+        self.node_id, self.cache_dir, self.cache_key = node_id, self._claim.path, self._claim.key
+        self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
+        self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
+        self.lease_s = LEASE_S if lease_s is None else float(lease_s)
+        self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
+        self._holders: dict[str, set] = {}  # dataset version -> tokens of the running jobs that announced it
+        self._datasets: dict = {}
+        self._claims: dict[str, dict[str, list[str]]] = {}  # version -> {"members", "known", "previous"}
+        self._prior = PriorReads(
+            lambda node: get_service(node)
+        )  # cache-only reads from blocks' previous owners (stoker.cluster.handoff)
+        self._gates: dict = {}  # dataset url -> InflightGate shared by its fills
+        self._lock = threading.Lock()
+        self._metrics = ServiceMetrics(self.node_name)  # Ray's metrics export (stoker.metrics)
+
+    # -- datasets ---------------------------------------------------------
+    def _open(self, dref: dict):
+        """The dataset of ``dref`` (``{url, storage_options, version, block_bytes}``, see
+        :func:`dataset_ref`) read through this node's cache; ValueError if its content version
+        at the origin is not ``version`` (the requester and this node would disagree on blocks)."""
+        url, storage_options, version = dref["url"], dref["storage_options"], dref["version"]
+        key = (url, version, dref["block_bytes"])
+        ds = self._datasets.get(key)
+        if ds is None:
+            with self._lock:
+                ds = self._datasets.get(key)
+                if ds is None:
+                    ds = open_dataset(
+                        url,
+                        self.cache_dir,
+                        self.cache_bytes,
+                        storage_options=storage_options,
+                        memory_bytes=self.memory_bytes,
+                        check=False,
+                        block_bytes=dref["block_bytes"],
+                    )
+                    if ds.version != version:
+                        raise ValueError(
+                            f"{url} has content version {ds.version} at the origin, the requester has {version}"
+                        )
+                    self._datasets[key] = ds
+                    lease(ds, 0.0)  # not read for a job yet (open_dataset registered it for good)
+        return ds
+
+    def opened_datasets(self) -> list:
+        """The datasets this service has opened so far (:class:`stoker.store.dataset.Dataset`, one
+        per URL, content version and block size), in the order they were opened; a new list."""
+        return list(self._datasets.values())
+
+    def _renew(self, ds) -> None:
+        """Lease this service's registration of ``ds`` for ``lease_s`` more seconds (at most
+        every quarter lease): the node cache counts the dataset as read while reads and fills
+        for jobs come (questions such as :meth:`cached_bytes` do not count)."""
+        key = ds.version
+        now = time.monotonic()
+        if now - self._renewed.get(key, -float("inf")) >= self.lease_s / 4:
+            self._renewed[key] = now
+            lease(ds, self.lease_s)
+
+    # -- requests ---------------------------------------------------------
+    def info(self) -> dict:
+        """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid}`` (bytes)."""
+        ds_cache = next(iter(self._datasets.values())).cache if self._datasets else None
+        used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache_dir, self.cache_bytes)
+        return {
+            "node_id": self.node_id,
+            "node_name": self.node_name,
+            "cache_dir": self.cache_dir,
+            "cache_key": self.cache_key,
+            "cache_bytes": self.cache_bytes,
+            "used_bytes": int(used),
+            "pid": os.getpid(),
+        }
+
+    def read(
+        self,
+        dref: dict,
+        b: int,
+        start: int,
+        stop: int,
+        prior: str | None = None,
+        prior_timeout_s: float | None = None,
+    ):
+        """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
+
+        Returns ``(source, data)``: source ``"cache"`` when this node held the block (also when
+        another fill brought it in while this read waited for it), ``"handoff"`` when it filled
+        it from ``prior``, the node that owned the block before the dataset's members last grew
+        (a cache-only read of that node's service, waited for at most ``prior_timeout_s``,
+        default :data:`stoker.cluster.handoff.PRIOR_TIMEOUT_S`: :mod:`stoker.cluster.handoff`),
+        ``"origin"`` when it had to fetch it from the origin (the block is then admitted here if
+        the budget allows, so the next reader of any job finds it). Errors (origin, checksum)
+        propagate to the caller.
+        """
+        ds = self._open(dref)
+        self._renew(ds)
+        version = ds.version
+        name = ds.block_name(b)
+        rel = start - int(ds.block_start[b])
+        data = ds.cache.read(version, name, rel, stop - start)
+        if data is not None:
+            self._metrics.served_bytes(stop - start, "cache")
+            return "cache", bytes(data)
+        first, got = self._prior.source(ds, dref, prior if prior != self.node_id else None, prior_timeout_s)
+        status, block = ds.reader.fill_block(b, blocking=True, first_source=first)
+        if block is None:  # this node's budget is full: pass the range through
+            shard = ds.index.shard_name(ds.block_shard[b])
+            out = bytes(ds.origin.read_range(shard, start, stop))
+        else:
+            out = bytes(memoryview(block)[rel : rel + stop - start])
+        source = (
+            "cache"
+            if status == "cached"
+            else ("handoff" if block is not None and block is got.get(int(b)) else "origin")
+        )
+        self._metrics.served_bytes(len(out), source)
+        return source, out
+
+    def read_cached(self, dref: dict, b: int, start: int, stop: int) -> bytes | None:
+        """Shard bytes ``[start, stop)`` of block ``b`` when this node's cache holds the block, else
+        None: never from the origin (a handoff to the block's new owner,
+        :mod:`stoker.cluster.handoff`)."""
+        ds = self._open(dref)
+        self._renew(ds)
+        data = ds.cache.read(ds.version, ds.block_name(b), start - int(ds.block_start[b]), stop - start)
+        if data is None:
+            return None
+        self._metrics.served_bytes(stop - start, "cache")
+        return bytes(data)
+
+    def fill(self, dref: dict, blocks: list[int], concurrency: int = 8, prior: dict | None = None) -> dict:
+        """Fill ``blocks`` (block ids) from the origin into this node's cache, at least
+        ``concurrency`` ranged GETs at a time and more while the origin's measured
+        bandwidth-delay product asks for them (one :class:`stoker.loader.prefetch.inflight.InflightTarget`
+        per dataset, shared by this service's concurrent fills). A block that fails (origin error after its retries, checksum
+        mismatch, a cache disk error) is counted and named, and the others go on.
+
+        ``prior``: ``{block id: node id}``, the node that owned the block before the dataset's
+        members last grew; such a block is filled from that node's cache when it holds it
+        (:meth:`read`, :mod:`stoker.cluster.handoff`), else from the origin.
+
+        Returns ``{filled, cached, refused, busy, failed, origin_bytes, handoff_bytes, errors}``:
+        block counts by outcome, bytes fetched from the origin and from previous owners by this
+        call, and ``errors``: ``{shard name: reason}`` for the shards of the failed blocks (one
+        reason per shard, the first met).
+        """
+        ds = self._open(dref)
+        self._renew(ds)
+        version = ds.version
+        out: dict[str, Any] = {
+            "filled": 0,
+            "cached": 0,
+            "refused": 0,
+            "busy": 0,
+            "failed": 0,
+            "origin_bytes": 0,
+            "handoff_bytes": 0,
+            "errors": {},
+        }
+        prior = {int(k): v for k, v in (prior or {}).items() if v != self.node_id}
+
+        with self._lock:
+            gate = self._gates.get(ds.url)
+            if gate is None or gate.target.floor != max(1, int(concurrency)):
+                gate = self._gates[ds.url] = InflightGate(InflightTarget(concurrency))
+
+        def fetch(b):
+            if ds.cache.contains(version, ds.block_name(b)):
+                return "cached"
+            first, got = self._prior.source(ds, dref, prior.get(int(b)))
+            status, data = ds.reader.fill_block(int(b), blocking=True, first_source=first)
+            return "handed" if status == "filled" and data is not None and data is got.get(int(b)) else status
+
+        def one(b):
+            try:
+                return gate.run(lambda: fetch(b), int(ds.block_bytes_of(int(b))), lambda st: st == "filled"), None
+            except Exception as exc:  # noqa: BLE001 - reported per shard; the other blocks go on
+                return "failed", f"{type(exc).__name__}: {exc}"
+
+        with ThreadPoolExecutor(max(1, min(len(blocks), gate.target.ceiling))) as pool:
+            for b, (status, reason) in zip(blocks, pool.map(one, blocks)):
+                if status == "handed":  # filled from the block's previous owner
+                    out["filled"] += 1
+                    out["handoff_bytes"] += int(ds.block_bytes_of(int(b)))
+                    continue
+                out[status] = out.get(status, 0) + 1
+                if status == "filled":  # fetched from the origin by this call
+                    out["origin_bytes"] += int(ds.block_bytes_of(int(b)))
+                elif reason is not None:
+                    shard = ds.index.shard_name(ds.block_shard[int(b)])
+                    out["errors"].setdefault(shard, reason)
+                    log.warning("warm-up of %s block %s (%s) failed: %s", ds.url, b, shard, reason)
+        self._metrics.filled(out)
+        self.cached_bytes(dref)  # sets the held-bytes gauge
+        return out
+
+    def cached_blocks(self, dref: dict) -> list[int]:
+        """Ids of the blocks of the dataset this node's cache holds now."""
+        ds = self._open(dref)
+        return [b for b in range(ds.num_blocks) if ds.cache.contains(ds.version, ds.block_name(b))]
+
+    def hold(self, dref: dict, token: str) -> None:
+        """A job (``token``, unique per job) starts reading the dataset through this node: its
+        registration here now ends when the last such job calls :meth:`release` (or at the
+        latest ``lease_s`` after the last request, for a job whose driver died)."""
+        self._open(dref)
+        with self._lock:
+            self._holders.setdefault(dref["version"], set()).add(token)
+
+    def release(self, dref: dict, token: str) -> bool:
+        """Job ``token`` is done with the dataset. When no announced job holds it any more, this
+        service's registration of it on the node cache ends now instead of ``lease_s`` later (a
+        job that follows at once gets the budget at once); a later request leases it again.
+        Returns whether the registration ended."""
+        version = dref["version"]
+        with self._lock:
+            held = self._holders.get(version, set())
+            held.discard(token)
+            if held:
+                return False
+            self._holders.pop(version, None)
+            self._renewed.pop(version, None)  # the next request leases again at once
+        ds = self._datasets.get((dref["url"], version, dref["block_bytes"]))
+        if ds is not None:
+            lease(ds, 0.0)
+        return ds is not None
+
+    def cached_bytes(self, dref: dict) -> int:
+        """Bytes of the dataset this node's cache holds now."""
+        ds = self._open(dref)
+        held = int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
+        self._metrics.held_bytes(ds.url, ds.version, held)
+        return held
+
+    def claim(self, version: str, members: list[str], known: list[str] | None = None) -> list[str]:
+        """Record the nodes a dataset version is placed on, first claim wins; returns the
+        recorded members (so every job places a dataset on the same nodes). ``known``: the nodes
+        with a service at the time (default ``members``), to tell later which nodes joined. In
+        memory: after a restart of this service the next job's claim records again."""
+        with self._lock:
+            rec = self._claims.setdefault(
+                version, {"members": list(members), "known": list(known or members), "previous": []}
+            )
+            return list(rec["members"])
+
+    def record(self, version: str) -> dict | None:
+        """The record of ``version`` (``{"members": [...], "known": [...], "previous": [...]}``:
+        :mod:`stoker.cluster.membership`), None when there is none."""
+        with self._lock:
+            rec = self._claims.get(version)
+            return {k: list(rec.get(k, [])) for k in RECORD_SETS} if rec else None
+
+    def known(self, version: str) -> list[str]:
+        """The nodes the record of ``version`` has seen ([] when there is none)."""
+        with self._lock:
+            rec = self._claims.get(version)
+            return list(rec["known"]) if rec else []
+
+    def widen(self, version: str, members: list[str], known: list[str], previous: list[str] | None = None) -> list[str]:
+        """Add ``members``, ``known`` and ``previous`` (the members before their last growth) to
+        the record of ``version`` (:func:`stoker.cluster.membership.merge`: sets only grow, so
+        jobs that widen at once agree); returns the recorded members."""
+        with self._lock:
+            rec = self._claims.get(version, {})
+            self._claims[version] = merge([rec, {"members": members, "known": known, "previous": previous or []}])
+            return list(self._claims[version]["members"])
+
+    def ping(self) -> str:
+        return self.node_id
+
+
+def _used_bytes(cache_dir: str, capacity: int) -> int:
+    return DiskCache(cache_dir, capacity).used_bytes()
+
+
+# ray's typed overloads of remote() take the task options only, not an actor's (max_concurrency, max_restarts)
+_Remote = ray.remote(
+    num_cpus=0,
+    max_concurrency=MAX_CONCURRENCY,  # type: ignore[call-overload]
+    max_restarts=-1,
+)(CacheService)
+
+
+def alive_nodes() -> list[dict]:
+    """Ray's alive nodes (``ray.nodes()`` entries), sorted by node id."""
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+
+def start_services(
+    cache_root: str,
+    cache_bytes,
+    memory_bytes: int = 0,
+    detached: bool = True,
+    timeout_s: float = 60.0,
+    lease_s: float | None = None,
+    down: dict[str, str] | None = None,
+) -> dict[str, "ray.actor.ActorHandle"]:
+    """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
+
+    ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
+    and no service). The services belong to the cluster, not to the driver that starts them:
+    they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
+    namespace ``stoker``), so any driver finds them again by name and they outlive this one;
+    Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
+    (A named actor that is not detached dies with the driver that created it, under the feet
+    of every other job reading from it.) ``detached`` is kept for older callers; services are
+    always detached. ``lease_s``: see :class:`CacheService` (for services started here).
+
+    Waits until every service answers. A service whose start fails (its constructor raised,
+    e.g. the node's cache directory is unusable: Ray does not restart it) raises
+    :class:`stoker.errors.ServiceStartError` at once; one still not answering after
+    ``timeout_s`` seconds raises ``ray.exceptions.GetTimeoutError``; both name the node. With
+    ``down`` (a dict), such a node is recorded there instead (``{node id: reason}``) and left out
+    of the result, and the other services are still waited for.
+    """
+    del detached
+    handles = {}
+    for node in alive_nodes():
+        nid = node["NodeID"]
+        budget = cache_bytes.get(nid) if isinstance(cache_bytes, dict) else cache_bytes
+        if not budget:
+            continue
+        opts = dict(
+            name=service_name(nid),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+        )
+        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes, None, lease_s)
+    _wait_answer(handles, timeout_s, down)
+    return {nid: h for nid, h in handles.items() if down is None or nid not in down}
+
+
+def _wait_answer(handles: dict, timeout_s: float, down: dict[str, str] | None = None) -> None:
+    """Wait until every service of ``handles`` (``{node id: handle}``) answers a ping; one that is
+    restarting (``RayActorError``) is asked again until ``timeout_s`` seconds have passed. A
+    service that cannot start (see :func:`start_services`) or does not answer in time raises,
+    naming its node, or with ``down`` is recorded there (``{node id: reason}``)."""
+    deadline = time.monotonic() + timeout_s
+    refs = {nid: h.ping.remote() for nid, h in handles.items()}
+    while refs:
+        nid, ref = next(iter(refs.items()))
+        error: Exception
+        try:
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            del refs[nid]
+            continue
+        except ray.exceptions.GetTimeoutError as exc:
+            why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout)"
+            error = ray.exceptions.GetTimeoutError(why)
+            cause: Exception = exc
+        except ray.exceptions.RayActorError as exc:
+            cause = exc
+            if getattr(exc, "actor_init_failed", False):  # its constructor raised: Ray will not restart it
+                why = f"cache service of node {nid} could not start: {error_line(exc)}"
+                error = ServiceStartError(why)
+            elif time.monotonic() < deadline:  # restarting: ask again
+                time.sleep(0.2)
+                refs[nid] = handles[nid].ping.remote()
+                continue
+            else:
+                why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout): {error_line(exc)}"
+                error = ray.exceptions.GetTimeoutError(why)
+        if down is None:
+            raise error from cause
+        log.warning("%s", why)
+        down[nid] = why
+        del refs[nid]
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for a failed Ray call: the innermost error's type and its last message line, not
+    Ray's traceback."""
+    inner = getattr(exc, "cause", None) or exc
+    if isinstance(inner, ray.exceptions.RayTaskError) and inner.cause is not None:
+        inner = inner.cause
+    text = [ln for ln in str(inner).strip().splitlines() if ln.strip()]
+    return f"{type(inner).__name__}: {text[-1].strip() if text else ''}"
+
+
+def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
+    """The cache services that answer now: ``{node id: info()}``, sorted by node id. A service
+    that is dead or restarting is left out (it rejoins when it answers again)."""
+    found = {}
+    refs: dict[str, ray.ObjectRef] = {}
+    for node in alive_nodes():
+        try:
+            h = ray.get_actor(service_name(node["NodeID"]), namespace=NAMESPACE)
+        except ValueError:
+            continue
+        refs[node["NodeID"]] = h.info.remote()
+    for nid, ref in refs.items():
+        try:
+            found[nid] = ray.get(ref, timeout=timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("cache service on node %s did not answer: %s", nid, exc)
+    return dict(sorted(found.items()))
+
+
+def get_service(node_id: str):
+    """The handle of the cache service of ``node_id``; ValueError if there is none."""
+    return ray.get_actor(service_name(node_id), namespace=NAMESPACE)
+
+
+def stop_services() -> int:
+    """Kill every cache service (for good: no restart); returns how many. Their cache files stay."""
+    n = 0
+    for node in alive_nodes():
+        try:
+            h = get_service(node["NodeID"])
+        except ValueError:
+            continue
+        ray.kill(h, no_restart=True)
+        n += 1
+    return n
+
+
+def cache_dir_arg(cache_dir: str | None, cache_root: str | None, stacklevel: int = 3) -> str | None:
+    """The node cache directory a user gave to :func:`stoker.cluster.run` or
+    :func:`stoker.cluster.service.warmup.warm`: ``cache_dir``, or the old name ``cache_root`` (accepted
+    for one release with a DeprecationWarning; ``cache_dir``/``cache_bytes`` are the names
+    :func:`stoker.open_dataset` and ``stoker warm --cache-dir/--cache-bytes`` use). TypeError
+    when both are given."""
+    if cache_root is None:
+        return cache_dir
+    if cache_dir is not None:
+        raise TypeError("cache_root= and cache_dir= were both given: cache_root is the old name of cache_dir")
+    warnings.warn("cache_root= is deprecated; use cache_dir=", DeprecationWarning, stacklevel=stacklevel)
+    return cache_root
+
+
+def prepare(
+    url: str,
+    storage_options: dict | None,
+    cache_dir: str | None,
+    cache_bytes,
+    block_bytes: int | str | None,
+    detached: bool = True,
+    down: dict[str, str] | None = None,
+):
+    """The common first steps of ``run`` and ``warm``: start the services where missing (default
+    root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
+    index. ``cache_bytes``: bytes per node (an int, a size string such as ``"64MiB"``, or a dict
+    of them by node id). Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``.
+    Services already running keep their budgets (a warning names them when ``cache_bytes`` asks
+    for another). ValueError (naming ``cache_bytes``) for a size that does not parse or no
+    budget above 0; RuntimeError
+    when no service answers; a service that cannot start raises as in :func:`start_services`,
+    or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out; RuntimeError
+    before ``ray.init()`` (outside a Ray worker), saying so."""
+    if not ray.is_initialized():
+        raise RuntimeError(
+            f"stoker.cluster needs a running Ray for {url}: call ray.init() first (or run inside a Ray worker)"
+        )
+    opts = dict(storage_options or {})
+    budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
+    budget = (
+        {nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()}
+        if isinstance(budget, dict)
+        else parse_size(budget, "cache_bytes")
+    )
+    if not any(budget.values() if isinstance(budget, dict) else [budget]):
+        raise ValueError(f"cache_bytes must give some node a budget above 0 bytes, got {cache_bytes!r}")
+    start_services(cache_dir or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
+    services = {k: v for k, v in find_services().items() if down is None or k not in down}
+    if cache_bytes is not None:  # asked for a budget: say where running services keep another one
+        other = {
+            info["node_name"]: info["cache_bytes"]
+            for nid, info in services.items()
+            if info["cache_bytes"] != (budget.get(nid, info["cache_bytes"]) if isinstance(budget, dict) else budget)
+        }
+        if other:
+            log.warning(
+                "cache_bytes=%r applies only to the cache services started now; %d running service(s) "
+                "keep their budgets (%s): stop them first (stoker.cluster.service.cache_service.stop_services) to "
+                "change them",
+                cache_bytes,
+                len(other),
+                ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(other.items())[:5]),
+            )
+    if not services:
+        why = "; ".join(down.values()) if down else ""
+        raise RuntimeError("no cache service answers on any node" + (f" ({why})" if why else ""))
+    ds = open_dataset(
+        url, storage_options=opts, cache=False, check=False, block_bytes=block_bytes or DEFAULT_BLOCK_BYTES
+    )
+    return services, ds, dataset_ref(ds, opts)

@@ -1,0 +1,374 @@
+"""``stoker warm URL``: fill the cluster cache with a dataset, all nodes in parallel (Fluid's DataLoad).
+
+Each node's cache service fills the blocks placed on its node, straight from the origin (a block
+is read from the origin once); the driver only sends block lists and shows progress. A fault
+(an origin error after its retries, a checksum mismatch, a service that dies) costs only the
+blocks it hits: the rest is filled, and the report says what is cached and which shards failed
+and why. A node's cache directory and placement are stable across Ray restarts on the same host
+(:mod:`stoker.cluster.identity`), so running the warm-up again fetches only what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import ray
+from tqdm import tqdm
+
+from ...store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
+from ..freshness import refreshing
+from ..handoff import previous_layout, prior_owner
+from ..placement import bytes_per_node, place_dataset
+from .cache_service import cache_dir_arg, dataset_ref, error_line, find_services, get_service, placement_keys, prepare
+from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_record
+from .records import call as _call
+
+log = logging.getLogger(__name__)
+
+#: Tries of one chunk of blocks whose fill met a dead or restarting cache service, and the pause
+#: before each retry (seconds, times the try number): the same as for any call to a service.
+FILL_TRIES = SERVICE_TRIES
+#: How long a node's fills may go without one answering before its service counts as hung (and the
+#: node as down): this many seconds plus the bytes of its requests in flight at ``FILL_MIN_BPS``.
+FILL_TIMEOUT_S = 120.0
+#: The slowest fill rate (bytes/s) that still counts as progress: 1 MiB/s per node.
+FILL_MIN_BPS = float(1 << 20)
+#: Seconds a service has to tell, at the end of a warm-up, how much of the dataset it holds.
+REPORT_TIMEOUT_S = 30.0
+
+
+def warm(
+    url: str,
+    storage_options: dict | None = None,
+    *,
+    cache_dir: str | None = None,
+    cache_bytes: int | str | None = None,
+    block_bytes: int | str | None = None,
+    chunk_blocks: int = 16,
+    concurrency: int = 8,
+    progress: bool = False,
+    detached: bool = True,
+    fill_timeout_s: float | None = None,
+    cache_root: str | None = None,
+) -> dict:
+    """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
+
+    Services are started where missing (``cache_dir``/``cache_bytes`` as in
+    :func:`stoker.cluster.run`; ``cache_root`` is the old name of ``cache_dir``, accepted with a
+    DeprecationWarning). The dataset's placement members are the recorded ones (see
+    ``run``), else every node with a service. ``chunk_blocks`` blocks per request,
+    ``concurrency`` ranged GETs per node. A block whose owner changed when the members last grew
+    is filled from its previous owner's cache when that node holds it (:mod:`stoker.cluster.handoff`;
+    ``handoff_bytes``), else from the origin. Report: ``{url, version, dataset_bytes, seconds,
+    origin_bytes, handoff_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
+    cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
+    failed_shards, error}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
+    nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
+    ``complete``: every block cached; a node's ``error``: why its service filled nothing more or
+    did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
+    that fails is reported and the others go on, so the report may be partial: nothing is raised
+    for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
+    in all, ``RETRY_PAUSE_S`` apart, growing; the other nodes go on meanwhile) before its blocks
+    count as failed; a service still not answering then, or gone for good, is *down*: the rest
+    of its node's blocks fail at once, named with the reason. So is a service that hangs (its node
+    still alive in Ray's view): when none of a node's fills has answered for ``fill_timeout_s``
+    seconds plus its requests' bytes at ``FILL_MIN_BPS`` (default ``FILL_TIMEOUT_S``), the
+    requests are given up and the node is down. A node whose service cannot start
+    (:func:`stoker.cluster.service.cache_service.start_services`) gets no blocks and is listed with its
+    ``error``, nothing cached (``cached_fraction`` 0.0). Needs ``ray.init()`` first; raises what
+    :func:`stoker.cluster.service.cache_service.prepare` raises (no service answers on any node, no index at
+    ``url``). ``progress``: a tqdm bar on stderr (bytes placed, rate,
+    ETA); off by default, so a library call prints nothing (``stoker warm`` shows it on a terminal).
+    """
+    opts = dict(storage_options or {})
+    t0 = time.perf_counter()
+    down_at_start: dict[str, str] = {}  # node id -> why its service did not start
+    cache_dir = cache_dir_arg(cache_dir, cache_root)
+    services, ds, dref = prepare(url, opts, cache_dir, cache_bytes, block_bytes, detached, down=down_at_start)
+    nodes = list(services)
+    record = settle_record(services, ds.version, int(ds.index.total_bytes), nodes, [])
+    members = [m for m in record["members"] if m in services] or nodes
+    owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
+    prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
+    owned = bytes_per_node(ds, owner, len(members))
+    sizes = ds.block_bytes_of(np.arange(ds.num_blocks))
+    queues = {
+        i: [
+            np.flatnonzero(owner == i)[k : k + chunk_blocks].tolist()
+            for k in range(0, int((owner == i).sum()), chunk_blocks)
+        ]
+        for i in range(len(members))
+    }
+    bar = None
+    if progress:
+        bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
+    fills = _Fills(
+        ds,
+        dref,
+        members,
+        queues,
+        concurrency,
+        bar,
+        FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s),
+        prior,
+    )
+    fills.run()
+    if bar is not None:
+        bar.close()
+    cached, node_errors = [], {}
+    for i, m in enumerate(members):
+        try:
+            # a hung service must not hang the report: the question is cheap, so it gets a limit
+            cached.append(int(_call(get_service(m).cached_bytes, dref, timeout_s=REPORT_TIMEOUT_S)))
+        except (ray.exceptions.RayError, ValueError) as exc:  # gone: nothing of it counts as cached
+            cached.append(0)
+            node_errors[i] = f"cache service did not answer: {error_line(exc)}"
+        if i in fills.down:  # why the node's blocks were not filled comes first
+            node_errors[i] = fills.down[i]
+    totals, errors = fills.totals, fills.errors
+    report = {
+        "url": url,
+        "version": ds.version,
+        "dataset_bytes": int(sizes.sum()),
+        "seconds": time.perf_counter() - t0,
+        "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
+        "handoff_bytes": int(sum(t["handoff_bytes"] for t in totals.values())),
+        "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0,
+        "complete": bool(sum(cached) >= sizes.sum()),
+        "failed_shards": {sh: why for e in errors.values() for sh, why in e.items()},
+        "nodes": {},
+    }
+    for i, m in enumerate(members):
+        report["nodes"][m] = {
+            "node_name": services[m]["node_name"],
+            "cache_dir": services[m].get("cache_dir"),
+            "cache_bytes": services[m]["cache_bytes"],
+            "owned_bytes": int(owned[i]),
+            "cached_bytes": int(cached[i]),
+            "cached_fraction": float(cached[i] / owned[i]) if owned[i] else 1.0,
+            "filled": totals[i]["filled"],
+            "refused": totals[i]["refused"],
+            "failed": totals[i]["failed"],
+            "failed_shards": dict(sorted(errors[i].items())),
+            "error": node_errors.get(i),
+        }
+    for m, why in down_at_start.items():  # no service: given no blocks, filled nothing
+        report["nodes"][m] = {
+            "node_name": m,
+            "cache_dir": None,
+            "cache_bytes": 0,
+            "owned_bytes": 0,
+            "cached_bytes": 0,
+            "cached_fraction": 0.0,
+            "filled": 0,
+            "refused": 0,
+            "failed": 0,
+            "failed_shards": {},
+            "error": why,
+        }
+    return report
+
+
+class _Fills:
+    """The fill requests of one warm-up: per member node (index ``i`` into ``members``) a queue of
+    block chunks, two requests in flight per node (one filling, one queued behind it).
+
+    A request that meets a dead or restarting service (``RayActorError``) is sent again after a
+    pause (``RETRY_PAUSE_S`` times the try number; the other nodes' requests go on meanwhile),
+    ``FILL_TRIES`` tries in all. A node whose service is gone for good (no service by its name,
+    or a request that failed every try) is *down*: its chunk and every chunk still queued for
+    it fail at once, named with the reason (``down``: ``{i: reason}``), so a service that stays
+    down costs one round of retries, not one per chunk. A node none of whose requests has answered
+    for ``timeout_s`` plus their bytes at ``FILL_MIN_BPS`` (since it last answered, or since the
+    first was sent) is down too: its service hangs. ``totals``: per node block counts and
+    origin bytes; ``errors``: per node ``{shard name: reason}``."""
+
+    def __init__(
+        self,
+        ds,
+        dref: dict,
+        members: list[str],
+        queues: dict[int, list[list[int]]],
+        concurrency: int,
+        bar=None,
+        timeout_s: float = FILL_TIMEOUT_S,
+        prior: np.ndarray | None = None,
+    ):
+        self.ds, self.dref, self.members, self.queues = ds, dref, members, queues
+        self.prior = prior  # each block's previous owner (index into members, -1: none)
+        self.concurrency, self.bar, self.timeout_s = concurrency, bar, timeout_s
+        self._progress: dict[int, float] = {}  # node -> when it last answered (or was first sent to)
+        self.totals = {
+            i: {"filled": 0, "refused": 0, "failed": 0, "origin_bytes": 0, "handoff_bytes": 0} for i in queues
+        }
+        self.errors: dict[int, dict[str, str]] = {i: {} for i in queues}
+        self.down: dict[int, str] = {}
+        self._pending: dict = {}  # ref -> (node index, chunk)
+        self._later: list[tuple[float, int, list[int]]] = []  # (when, node index, chunk): retries
+        self._tries: dict[tuple, int] = {}
+
+    def run(self) -> None:
+        """Send every chunk; returns when each is filled or failed."""
+        for i in self.queues:
+            self._submit(i)
+            self._submit(i)
+        while self._pending or self._later:
+            now = time.monotonic()
+            for item in [x for x in self._later if x[0] <= now]:
+                self._later.remove(item)
+                self._submit(item[1], item[2])
+            wakes = [x[0] for x in self._later] + list(self._deadlines().values())
+            wait_s = max(0.0, min(wakes) - now) if wakes else None
+            if not self._pending:
+                time.sleep(wait_s or 0.0)
+                continue
+            done, _ = ray.wait(list(self._pending), num_returns=1, timeout=wait_s)
+            if done:
+                self._done(done[0])
+            self._give_up_hung()  # also while other nodes' fills keep answering
+
+    def _deadlines(self) -> dict[int, float]:
+        """Per node with requests in flight: when it counts as hung if none of them answers."""
+        nbytes: dict[int, int] = {}
+        for i, chunk in self._pending.values():
+            nbytes[i] = nbytes.get(i, 0) + int(self.ds.block_bytes_of(np.asarray(chunk)).sum())
+        return {i: self._progress[i] + self.timeout_s + n / FILL_MIN_BPS for i, n in nbytes.items()}
+
+    def _give_up_hung(self) -> None:
+        now = time.monotonic()
+        for i, deadline in self._deadlines().items():
+            if now < deadline:
+                continue
+            refs = [ref for ref, (j, _) in self._pending.items() if j == i]
+            self._go_down(
+                i, f"cache service of node {self.members[i]} hangs: no fill answered in {now - self._progress[i]:.0f} s"
+            )
+            for ref in refs:
+                _, chunk = self._pending.pop(ref)
+                try:
+                    ray.cancel(ref)
+                except Exception as exc:  # noqa: BLE001 - the answer is ignored either way
+                    log.debug("cancelling a hung fill: %s", exc)
+                self._fail(i, chunk, self.down[i])
+
+    def _submit(self, i: int, chunk: list[int] | None = None) -> None:
+        if chunk is None:
+            if not self.queues[i]:
+                return
+            chunk = self.queues[i].pop(0)
+        if i in self.down:
+            self._fail(i, chunk, self.down[i])
+            return
+        try:
+            ref = get_service(self.members[i]).fill.remote(self.dref, chunk, self.concurrency, self._prior_of(chunk))
+        except ValueError as exc:  # no service by that name: killed for good, or its node is gone
+            self._go_down(i, f"no cache service on node {self.members[i]} ({exc})")
+            self._fail(i, chunk, self.down[i])
+            return
+        if not any(j == i for j, _ in self._pending.values()):
+            self._progress[i] = time.monotonic()  # the clock of a node with nothing in flight starts now
+        self._pending[ref] = (i, chunk)
+
+    def _prior_of(self, chunk: list[int]) -> dict[int, str] | None:
+        """``{block: node id}`` of the blocks of ``chunk`` that have a previous owner (None: none)."""
+        if self.prior is None:
+            return None
+        got = {int(b): self.members[int(self.prior[b])] for b in chunk if int(self.prior[b]) >= 0}
+        return got or None
+
+    def _done(self, ref) -> None:
+        i, chunk = self._pending.pop(ref)
+        self._progress[i] = time.monotonic()
+        try:
+            r = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # the service died or is restarting: try again
+            k = self._tries[tuple(chunk)] = self._tries.get(tuple(chunk), 1) + 1
+            if k <= FILL_TRIES and i not in self.down:
+                self._later.append((time.monotonic() + RETRY_PAUSE_S * (k - 1), i, chunk))
+                return
+            if i not in self.down:
+                self._go_down(
+                    i,
+                    f"cache service of node {self.members[i]} did not answer in {FILL_TRIES} tries: {error_line(exc)}",
+                )
+            self._fail(i, chunk, self.down[i])
+            return
+        except ray.exceptions.RayError as exc:  # the call failed: these blocks only
+            self._fail(i, chunk, error_line(exc))
+            self._submit(i)
+            return
+        self._count(i, chunk, r)
+        self._submit(i)
+
+    def _go_down(self, i: int, reason: str) -> None:
+        self.down[i] = reason
+        log.warning("stoker warm: %s; its %d queued chunk(s) are not filled", reason, len(self.queues[i]))
+        while self.queues[i]:
+            self._fail(i, self.queues[i].pop(0), reason)
+
+    def _fail(self, i: int, chunk: list[int], reason: str) -> None:
+        shard = self.ds.index.shard_name
+        self._count(i, chunk, {"failed": len(chunk), "errors": {shard(self.ds.block_shard[b]): reason for b in chunk}})
+
+    def _count(self, i: int, chunk: list[int], r: dict) -> None:
+        for k in self.totals[i]:
+            self.totals[i][k] += r.get(k, 0)
+        for shard, reason in r.get("errors", {}).items():
+            self.errors[i].setdefault(shard, reason)
+        if self.bar is not None:
+            self.bar.update(int(self.ds.block_bytes_of(np.asarray(chunk)).sum()))
+
+
+def cluster_state(
+    urls: list[str], storage_options: dict | None = None, block_bytes: int | None = None, timeout_s: float = 10.0
+) -> dict:
+    """What every node caches of each dataset in ``urls``, in the form :mod:`stoker.cluster.extender.scoring`
+    reads: ``{"time": Unix seconds, "nodes": {node name: {"cache_bytes": int, "used_bytes": int,
+    "datasets": {url: bytes}}}}`` (``time``: when it was gathered, so that a reader can tell how
+    old it is). Needs ``ray.init()``; only services that answer within ``timeout_s`` seconds are
+    listed."""
+    opts = dict(storage_options or {})
+    t = time.time()
+    services = find_services(timeout_s)
+    nodes: dict[str, dict] = {}
+    out = {"time": t, "nodes": nodes}
+    refs = {
+        u: dataset_ref(
+            open_dataset(
+                u, storage_options=opts, cache=False, check=False, block_bytes=block_bytes or DEFAULT_BLOCK_BYTES
+            ),
+            opts,
+        )
+        for u in urls
+    }
+    for nid, info in services.items():
+        h = get_service(nid)
+        try:
+            got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls], timeout=timeout_s)
+        except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
+            log.warning("cache service on node %s did not answer: %s", nid, exc)
+            continue
+        nodes[info["node_name"]] = {
+            "node_id": nid,
+            "cache_bytes": info["cache_bytes"],
+            "used_bytes": info["used_bytes"],
+            "datasets": {u: int(b) for u, b in zip(urls, got)},
+        }
+    return out
+
+
+def ray_state(
+    urls: list[str],
+    storage_options: dict | None = None,
+    block_bytes: int | None = None,
+    ttl_s: float = 10.0,
+    timeout_s: float = 10.0,
+):
+    """A state source for :func:`stoker.cluster.extender.scoring.serve` that asks the cache services
+    (:func:`cluster_state`, each call given ``timeout_s`` seconds) every ``ttl_s`` seconds in a
+    background thread (:func:`stoker.cluster.freshness.refreshing`): a request never waits for
+    Ray. When the services cannot be reached (the error is logged) it answers with the last state
+    it had, whose ``"time"`` then ages until the extender stops trusting it (``max_age_s``)."""
+    return refreshing(lambda: cluster_state(urls, storage_options, block_bytes, timeout_s=timeout_s), ttl_s)

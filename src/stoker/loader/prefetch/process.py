@@ -1,0 +1,184 @@
+"""Block prefetch that follows the epoch's order, in its own process.
+
+The order of an epoch is known in advance, so the blocks it needs are known too:
+block b is first needed at position ``first_need[b]`` of the rank's sample plan.
+The prefetcher fills blocks in first-need order (the order that makes the
+longest prefix of the epoch servable soonest), with ``concurrency`` ranged GETs
+in flight, staying at most ``ahead_bytes`` ahead of the position the loader has
+dispatched to its workers. A block whose neighbours in its shard are among the next blocks
+to fetch is fetched with them in one merged ranged GET (:mod:`stoker.store.runs`), capped at the
+measured bandwidth-delay product (until it is measured, that of an assumed 20 ms, 200 MB/s origin:
+merged GETs start with the first fills). A block the cache does not admit is fetched into the
+loader's staging area instead (bounded by ``staging_bytes``); without a staging area such a
+block ends prefetching for the epoch (under the no-eviction policy nothing later would be
+admitted either) and the workers read those samples on demand.
+
+Each block is fetched once per plan: a block found in staging already (a worker fetched it
+first, :meth:`stoker.store.blocks.BlockReader.block_for_read`) is taken over, not fetched again.
+A staged block is deleted once its last use in its plan is delivered, and when a plan arrives
+that does not drain the previous one (the previous epoch is over), every block staged for the
+previous one goes at once: staging never serves a later epoch. The one exception: when the next
+plan is sent while this one drains (``prefetch_next_epoch``), a block still staged for this
+plan's last batches that the next plan reaches is used for it too (the ledger's
+``staged_reused``), never fetched a second time while it is there.
+
+While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
+by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
+request tests the origin instead of ``concurrency`` of them, and resumes when a request succeeds.
+
+The process's main thread sleeps on one queue: commands (posted by a thread that blocks on the
+command queue, and that posts a stop when the parent is gone) and fill outcomes (posted by the fill
+threads, one thread per fill in flight at most). It does its work only when woken, keeps running
+totals of what is in flight and staged, and accounts a block found cached without waking a fill
+thread. The loader tells its progress through plain shared integers, not a message, so the loop
+looks at them on a timer only while something waits on them: ``ahead_bytes`` or the staging
+budget reached (:data:`CONSUMER_POLL_S`), staged blocks waiting for their last use to be delivered
+(:data:`STAGED_POLL_S`); besides, a busy block's retry time and the origin's back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import numpy as np
+
+from ..._procs import exit_with_parent, parent_gone
+from . import inflight as infl
+from .fills import FillThreads
+from .loop import CMD, PrefetchLoop
+
+log = logging.getLogger(__name__)
+
+# Shared counters: [origin bytes, origin requests, blocks filled, blocks already cached, errors,
+#                   blocks staged (not admitted to the cache), prefetch depth samples (bytes
+#                   completed ahead of the consumer, summed), number of depth samples], then the
+#                   requests in flight, the busy clock, the origin retries and the per-plan
+#                   ledger (:mod:`.inflight`)
+N_COUNTERS = infl.N_SHARED
+#: kills this process with its parent where it has ``PR_SET_PDEATHSIG``; this is the fallback).
+PARENT_POLL_S = 0.25
+
+
+def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks needed by ``plan`` (sample ids in consumption order) in first-need order.
+
+    Returns (blocks int64 (K,), first_need int64 (K,), last_need int64 (K,)): the distinct
+    blocks, ascending by the plan position at which each is first needed, and the
+    position of each block's last use.
+    """
+    blocks = ds.sample_block[plan]
+    uniq, first = np.unique(blocks, return_index=True)
+    _, rev = np.unique(blocks[::-1], return_index=True)
+    last = len(blocks) - 1 - rev
+    order = np.argsort(first, kind="stable")
+    return uniq[order].astype(np.int64), first[order].astype(np.int64), last[order].astype(np.int64)
+
+
+def read_commands(commands, events: queue.SimpleQueue, parent: int) -> None:
+    """Thread: blocks on the command queue and posts each command to ``events`` as ``(CMD, cmd)``.
+    Posts ``(CMD, None)`` (stop) after a stop command, when the parent process is gone (looked at
+    every :data:`PARENT_POLL_S` while no command comes; ``PR_SET_PDEATHSIG`` kills the process at
+    once where the kernel has it) or when the queue breaks."""
+    try:
+        while True:
+            try:
+                cmd = commands.get(timeout=PARENT_POLL_S)
+            except queue.Empty:
+                if parent_gone(parent):
+                    return
+                continue
+            if cmd is None:
+                return
+            events.put((CMD, cmd))
+    except (EOFError, OSError, ValueError) as exc:  # the queue is closed or broken: nothing more will come
+        log.debug("prefetch command queue: %s", exc)
+    finally:
+        events.put((CMD, None))
+
+
+def prefetch_main(
+    ds,
+    commands,
+    position,
+    done,
+    counters,
+    concurrency: int,
+    ahead_bytes: int,
+    staging_bytes: int = 64 << 20,
+    prev_done=None,
+    adopt: bool = False,
+    ready=None,
+    started=None,
+) -> None:
+    """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need[,
+    draining]) or None to stop (``draining``: the previous plan is still being delivered, so the
+    blocks it needs are charged to its ledger row, :mod:`.inflight`); ``position``: shared int64, plan
+    position dispatched to the workers;
+    ``done``: shared int64, plan position already delivered (staged blocks whose last use
+    is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS).
+    ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
+    ``prev_done``: shared int64, the previous plan's delivered position while it drains after a
+    plan change: its staged blocks go as soon as their last use in it is delivered.
+    ``adopt``: this process replaces one that died; the blocks of its first plan that are in the
+    staging area already (staged by the dead one: whole files, written by rename) are taken over
+    as staged, so they are counted in ``staging_bytes`` and deleted after their last use. Its
+    origin counters continue from the values in ``counters`` (the dead one's).
+    ``concurrency``: the least ranged GETs kept in flight; more while the measured
+    bandwidth-delay product asks for them (:class:`stoker.loader.prefetch.inflight.InflightTarget`).
+    ``ready``: a shared counter (``multiprocessing.Value``) incremented once the origin client is built;
+    ``started``: a shared flag set to 1 then (a process that dies before is not replaced,
+    :mod:`stoker.loader.workers.launch`). SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`).
+
+    The loop sleeps on one queue (:data:`CMD` commands from a thread that blocks on ``commands``,
+    :data:`FILL` outcomes from the fill threads) and looks at the shared positions only when it
+    wakes; it wakes on a timer only while something waits on the consumer (``ahead_bytes`` or
+    ``staging_bytes`` reached, staged blocks waiting for their last use to be delivered), on a
+    fill's retry time, or while the origin throttles."""
+    from ..workers.interrupts import ignore_in_child
+    from ..workers.worker import fresh_copy
+
+    ignore_in_child()
+    parent = os.getppid()
+    exit_with_parent()
+    ds = fresh_copy(ds)
+    if not ds.origin.use_native():  # this process never forks: obstore's runtime is safe here
+        ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
+    target = infl.InflightTarget(concurrency)
+    clock = infl.BusyClock(counters)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    pool = FillThreads(events)
+    threading.Thread(
+        target=read_commands, args=(commands, events, parent), name="stoker-prefetch-commands", daemon=True
+    ).start()
+    if started is not None:
+        started.value = 1
+    if ready is not None:
+        with ready.get_lock():
+            ready.value += 1
+    loop = PrefetchLoop(ds, counters, pool, clock, target, ahead_bytes, staging_bytes, position, done, prev_done, adopt)
+    try:
+        timeout = None
+        while True:
+            try:
+                batch = [events.get(timeout=timeout)]
+            except queue.Empty:
+                batch = []
+                if parent_gone(parent):
+                    break
+            while not events.empty():  # one consumer: what is there now is taken without waiting
+                batch.append(events.get())
+            if not loop.wake(batch):
+                break
+            timeout = loop.timeout
+    finally:
+        # Queued fills are dropped; fills waiting to retry give up at once (cancel); fills in flight
+        # finish (each is one ranged GET, bounded by the request timeout). The loader kills this
+        # process if that takes too long; a fill cut short leaves only a temporary file, which the
+        # next open of the cache removes (DiskCache.recover).
+        ds.origin.backoff.cancel()
+        pool.shutdown()
+        if ds.reader.staging is not None:
+            ds.reader.staging.clear()

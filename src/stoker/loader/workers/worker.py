@@ -1,0 +1,308 @@
+"""Decode worker processes: read a batch's samples, decode, augment, write into a slot.
+
+Each worker owns a copy of the dataset (the in-memory index travels with it; no
+re-download) and opens the node cache by path. A task is one batch, or one part of a
+split batch: ``(run, seq, epoch, slot, slot path, sample ids, offset, whole)``; the reply is small
+(no pixel data): the count written, ids skipped by ``on_error="skip"``, the substitutes written
+for a batch whose every sample was skipped (:mod:`stoker.loader.workers.padding`) and the process's
+counters.
+The sample id being decoded is published in a shared array so the loader can
+name it if the worker dies. With the user's ``decode``/``collate`` (``cfg.generic``) the worker
+runs :class:`stoker.loader.workers.batches.GenericDecoder` instead and the reply's last element says
+where the batch is (in the slot, with its layout, or pickled in the reply itself).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..config import WorkerConfig
+
+if TYPE_CHECKING:
+    from .batches import GenericDecoder, SlotWriter
+
+
+def counters(ds, derived=None) -> dict:
+    """The process's origin/cache/read (and derived-cache) counters as one flat dict of ints."""
+    out = {f"origin_{k}": v for k, v in ds.origin.counters.snapshot().items()}
+    if ds.cache is not None:
+        out.update({f"cache_{k}": v for k, v in ds.cache.stats.snapshot().items()})
+    out.update({f"read_{k}": v for k, v in ds.read_stats.snapshot().items()})
+    if derived is not None:
+        out.update(derived.counters())
+    return out
+
+
+def fresh_copy(obj):
+    """A copy through pickling: drops storage clients, event loops and counters that a
+    forked child inherited from its parent (each class's __getstate__ says what)."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class BatchDecoder:
+    """Decode+augment a list of sample ids into (images, labels) arrays; used by workers
+    and by the loader itself when ``num_workers == 0``."""
+
+    def __init__(self, ds, cfg: WorkerConfig):
+        from ...decode import decode_transform  # noqa: F401 - import cost paid once per worker
+
+        self.ds, self.cfg = ds, cfg
+        self._decode_transform = decode_transform
+        self.derived = cfg.derived  # a DerivedCache (see stoker.loader.derived) or None
+
+    def decode_sample(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
+        """Decode+transform sample ``sid`` into ``out``: from its derived entry when there is one,
+        else from the raw bytes (writing the derived entry as a side effect)."""
+        der = self.derived
+        if der is None:
+            self._decode_transform(
+                self.ds.read(sid), key, mode, rng, size=size, out=out, exif_orientation=self.cfg.exif_orientation
+            )
+            return
+        from ...decode import decode_image
+        from ..derived import SAME, transform_image
+
+        got = der.get(sid, key)
+        if got is not None and got[0] != SAME:
+            transform_image(got[2], got[1], mode, rng, size, out)
+            return
+        img = decode_image(self.ds.read(sid), key, exif_orientation=self.cfg.exif_orientation)
+        transform_image(img, img.shape[:2], mode, rng, size, out)
+        if got is None:
+            der.put(sid, key, img)
+
+    def run(
+        self, epoch: int, ids: np.ndarray, images: np.ndarray, labels: np.ndarray, current=None, whole: bool = True
+    ):
+        """Fill ``images[j]``/``labels[j]``; returns (n written, skipped ids, skipped keys,
+        payloads, padded). ``payloads`` is None, except when the training process decodes on the
+        device (``cfg.decode_on == "device"``): then no image is written and it is the list of
+        ``(sample id, verified bytes)`` of the batch, in the order of ``labels``. ``padded``: the
+        ``(sample id, key)`` of the substitutes written when every sample of the batch was
+        skipped (:mod:`stoker.loader.workers.padding`; only for a ``whole`` batch, not a part of a split
+        one), else empty.
+
+        Raises:
+            DecodeError: a sample no decoder reads, with ``on_error="raise"``.
+            WorkerError: every sample was skipped and no substitute decoded (the dataset looks
+                unreadable).
+        """
+        from ...decode import DecodeError
+        from ...order import sample_seed
+
+        cfg, ds = self.cfg, self.ds
+        if cfg.decode_on == "device":
+            payloads = []
+            for j, sid in enumerate(ids):
+                sid = int(sid)
+                if current is not None:
+                    current.value = sid
+                payloads.append((sid, ds.read(sid)))
+                labels[j] = ds.index.labels[sid]
+            return len(payloads), [], [], payloads, []
+        mode, seed, size = cfg.transform, cfg.seed, cfg.image_size
+        skip = cfg.on_error == "skip"
+        j, skipped, skipped_keys = 0, [], []
+        sids = [int(sid) for sid in ids]
+        # the batch's generators made together, before any decode: one made right after a decode
+        # costs ~3x as much (its code and data evicted from the CPU caches by the decode)
+        rngs = [np.random.default_rng(sample_seed(seed, epoch, sid)) for sid in sids] if mode == "train" else None
+        for k, sid in enumerate(sids):
+            if current is not None:
+                current.value = sid
+            rng = rngs[k] if rngs is not None else None
+            try:
+                self.decode_sample(sid, ds.key(sid), mode, rng, size, images[j])
+            except DecodeError as exc:
+                if not skip:
+                    raise
+                skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
+                skipped_keys.append((ds.key(sid), str(exc)))
+                continue
+            labels[j] = ds.index.labels[sid]
+            j += 1
+        padded: list = []
+        if j == 0 and skipped and whole:  # nothing to yield: substitutes, so every rank yields this batch
+            padded = self._pad(epoch, sids, images, labels, current, skipped_keys)
+            j = len(padded)
+        return j, skipped, skipped_keys, None, padded
+
+    def _pad(self, epoch: int, sids: list, images, labels, current, skipped_keys: list) -> list:
+        """Decode substitutes for the batch of ``sids``, every one of them skipped, into
+        ``images``/``labels`` from row 0 (:mod:`stoker.loader.workers.padding`); their ``(id, key)``.
+
+        Raises:
+            WorkerError: none of the samples tried decoded.
+        """
+        from ...decode import DecodeError
+        from ...order import sample_seed
+        from .padding import probe_limit, probe_order, unreadable
+
+        cfg, ds = self.cfg, self.ds
+        padded: list = []
+        tried, last = 0, None
+        for sid in probe_order(cfg.seed, epoch, sids, len(ds)):
+            if len(padded) == len(sids) or tried == probe_limit(len(sids)):
+                break
+            tried += 1
+            if current is not None:
+                current.value = sid
+            key = ds.key(sid)
+            rng = np.random.default_rng(sample_seed(cfg.seed, epoch, sid)) if cfg.transform == "train" else None
+            try:
+                self.decode_sample(sid, key, cfg.transform, rng, cfg.image_size, images[len(padded)])
+            except DecodeError as exc:
+                last = str(exc)
+                continue
+            labels[len(padded)] = ds.index.labels[sid]
+            padded.append((sid, key))
+        if not padded:
+            raise unreadable(epoch, [k[0] if isinstance(k, tuple) else k for k in skipped_keys], tried, last)
+        return padded
+
+
+def _cause(exc: BaseException):
+    """``exc`` itself when the training process can re-create it (a stoker error that pickles):
+    the :class:`stoker.WorkerError` raised there has it as ``__cause__``, so a ChecksumError or
+    an OriginError from a worker can be told apart from a decode failure; else None."""
+    import pickle
+
+    from ...errors import StokerError
+
+    if not isinstance(exc, StokerError):
+        return None
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - whatever fails to pickle: the text still goes
+        return None
+    return exc
+
+
+#: The ``current`` cell of a worker that has not finished its own start (set by the pool before
+#: the start; the worker sets -1, idle, once it is set up).
+STARTING = -2
+
+
+def _setup(ds, cfg: WorkerConfig):
+    """A worker's own copy of the dataset and its decoder: ``(decoder, slot writer or None,
+    derived cache or None)``."""
+    ds = fresh_copy(ds)
+    if not ds.origin.use_native():  # a worker never forks: obstore's runtime is safe here
+        ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
+    try:
+        import cv2
+
+        cv2.setNumThreads(1)
+    except ImportError:  # pragma: no cover
+        pass
+    import torch
+
+    torch.set_num_threads(1)  # one worker per core: the resize kernel must not spawn a pool each
+    dec: BatchDecoder | GenericDecoder
+    writer: SlotWriter | None = None
+    if cfg.generic:  # the user's decode/collate (batches.py)
+        from .batches import GenericDecoder, SlotWriter
+
+        dec, writer = GenericDecoder(ds, cfg), SlotWriter()
+    else:
+        dec = BatchDecoder(ds, cfg)
+    return dec, writer, getattr(dec, "derived", None)
+
+
+def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) -> None:
+    """Worker loop: take tasks until ``None`` or the ``stop`` event; post ('ok'|'error', ...) replies.
+    ``cfg``: the :class:`WorkerConfig`, or it pickled (spawn/forkserver: then a user function
+    that cannot be found here fails this worker's start with its own error, not the bootstrap).
+    ``current``: the shared cell of the sample being decoded (-1 idle), :data:`STARTING` until
+    the worker is set up. ``ready``: a shared counter (``multiprocessing.Value``) incremented then.
+    A failure while setting up is posted as ``("start-error", wid, text)`` and the process exits
+    with code 1; SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`)."""
+    from .interrupts import ignore_in_child
+
+    ignore_in_child()
+    import pickle
+    import queue as _queue
+
+    from ..._procs import exit_with_parent, parent_gone
+    from ..shm import map_slot
+    from .batches import GenericDecoder, pack_reply
+
+    parent = os.getppid()
+    exit_with_parent()
+    try:
+        if isinstance(cfg, bytes):
+            cfg = pickle.loads(cfg)
+        dec, writer, derived = _setup(ds, cfg)
+    except BaseException as exc:  # noqa: BLE001 - the training process names it (launch.start_failure)
+        results.put(("start-error", wid, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    ds = dec.ds
+    maps: dict[str, tuple] = {}
+    current.value = -1
+    if ready is not None:
+        with ready.get_lock():
+            ready.value += 1
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except _queue.Empty:
+            if parent_gone(parent):
+                break
+            continue
+        if task is None or stop.is_set():
+            break
+        # offset: where a part of a split batch goes in its slot; whole: False for such a part
+        # (loader/pipeline/split.py), whose worker never pads it (loader/workers/padding.py)
+        run, seq, epoch, slot, path, ids, offset, whole = task
+        try:
+            if writer is not None:
+                assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
+                n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
+                counts, payloads, packed = counters(ds), None, pack_reply(writer, path, batch)
+            else:
+                if path not in maps:
+                    maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
+                _, images, labels = maps[path]
+                assert isinstance(dec, BatchDecoder)
+                n, skipped, skipped_keys, payloads, padded = dec.run(
+                    epoch, ids, images[offset:], labels[offset:], current, whole
+                )
+                counts, packed = counters(ds, derived), None
+            # the one reply of a done task: built-in decode sends payloads, a user decode its packed batch
+            reply = ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counts, payloads, packed, padded, offset)
+            results.put(reply)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
+            sid = int(current.value)
+            key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
+            if key is None:
+                key = ds.key(sid) if 0 <= sid < len(ds) else None
+            results.put(
+                (
+                    "error",
+                    wid,
+                    run,
+                    seq,
+                    slot,
+                    key,
+                    f"{type(exc).__name__}: {exc}",
+                    traceback.format_exc(),
+                    counters(ds, derived),
+                    _cause(exc),
+                    offset,
+                )
+            )
+        finally:
+            current.value = -1
+    if writer is not None:
+        writer.close()
+    for mm, _, _ in maps.values():
+        try:
+            mm.close()
+        except BufferError:  # pragma: no cover
+            pass
