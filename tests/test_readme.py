@@ -162,7 +162,7 @@ def test_quick_start_runs(tmp_path):
 
 @pytest.fixture
 def moto_s3():
-    """A moto S3 server on 127.0.0.1 (a free port) with the bucket the README uses."""
+    """A moto S3 server on 127.0.0.1 (a free port) with the bucket the S3 example uses (docs/guide.md)."""
     boto3 = pytest.importorskip("boto3")
     server_mod = pytest.importorskip("moto.server")
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
