@@ -1,5 +1,6 @@
-"""The README is for users and stays true: its sections are the ones users look for, in order, it
-names no package index stoker is not on, every ``loader.stats`` field is documented (in
+"""The README is for users and stays true: its sections are the ones users look for, in order, its
+first example imports only stoker, it names no package index stoker is not on, it links what its
+first two commands cost (docs/guide.md), every ``loader.stats`` field is documented (in
 docs/stats.md and in ``help(stoker.Loader)``), and the runnable code blocks of the README and the
 docs pages run. Its links are checked with the docs pages' in tests/test_docs.py.
 
@@ -32,6 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 STATS = ROOT / "docs" / "stats.md"
+GUIDE = ROOT / "docs" / "guide.md"
 # the pages whose marked blocks run: the README first, then the docs pages
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SECTIONS = [
@@ -84,17 +86,27 @@ def test_readme_sections_in_order_and_opens_with_the_two_commands():
     assert text.index("```") < text.index("## Install")
 
 
-def test_readme_states_the_cost_of_the_first_two_commands_and_what_clean_removes():
-    """Before the first section: the time and disk of `make demo` and `make test` (a row each, in
-    minutes and bytes), that `make clean` removes them, and the default cache's place and budget."""
+def test_readme_links_the_cost_of_the_first_two_commands_and_states_the_default_cache():
+    """Before the first section: a link to what `make demo` and `make test` cost, and the default
+    cache's place and budget. The guide's section holds the cost: the time and disk of each (a row
+    each, in minutes and bytes) and that `make clean` removes them."""
     head = _text().split("## Install", 1)[0]
+    assert "(docs/guide.md#the-demo-and-the-tests)" in head and "`make clean`" in head
+    assert "~/.cache/stoker" in head and "8 GiB" in head
+    demo = GUIDE.read_text().split("## The demo and the tests\n", 1)[1].split("\n## ", 1)[0]
     for cmd in ("make demo", "make test"):
-        row = next((line for line in head.splitlines() if line.startswith(f"| `{cmd}`")), None)
+        row = next((line for line in demo.splitlines() if line.startswith(f"| `{cmd}`")), None)
         assert row is not None, f"no row for {cmd}"
         assert re.search(r"\d+(\.\d+)? min", row) and re.search(r"\d+(\.\d+)? (MB|GB)", row), row
-    assert re.search(r"environment.*\| [\d.]+ min \| [\d.]+ GB", head)
-    assert "`make clean` removes" in head and "2-core" in head
-    assert "~/.cache/stoker" in head and "8 GiB" in head
+    assert re.search(r"environment.*\| [\d.]+ min \| [\d.]+ GB", demo)
+    assert "`make clean` removes" in demo and "2-core" in demo
+
+
+def test_quick_start_imports_only_stoker():
+    """The first example needs nothing but stoker: it makes its own images, with no lab package."""
+    (block,) = [code for kind, _lang, code in MARKED.findall(_section("## Quick start")) if kind == "run"]
+    imports = [line.strip() for line in block.splitlines() if re.match(r"\s*(import|from)\s", line)]
+    assert imports == ["import stoker"], imports
 
 
 def test_readme_names_no_package_index_and_no_internal_history():
@@ -150,7 +162,7 @@ def test_quick_start_runs(tmp_path):
 
 @pytest.fixture
 def moto_s3():
-    """A moto S3 server on 127.0.0.1 (a free port) with the bucket the README uses."""
+    """A moto S3 server on 127.0.0.1 (a free port) with the bucket the S3 example uses (docs/guide.md)."""
     boto3 = pytest.importorskip("boto3")
     server_mod = pytest.importorskip("moto.server")
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
