@@ -74,15 +74,8 @@ class ShardWriter:
 
     def add(self, man: dict, reused: bool) -> None:
         """Record the next shard (its manifest and whether it was reused)."""
-        i = len(self.table)
-        self.table.append(
-            {
-                "name": man["name"],
-                "bytes": man["bytes"],
-                "samples": len(man["samples"]),
-                **({"etag": man["etag"]} if man.get("etag") else {}),
-            }
-        )
+        i, entry = len(self.table), {"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"])}
+        self.table.append({**entry, "etag": man["etag"]} if man.get("etag") else entry)
         self.rows += [(key, i, members) for key, members in man["samples"]]
         self.reused += reused
 

@@ -22,12 +22,13 @@ members ``<key>.<field>``; sample ids are in sorted key order for every source.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 from tqdm import tqdm
@@ -46,9 +47,8 @@ from .shards import estimate_member_bytes
 from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
 from .wds import expand_urls, iter_samples
 
-log = logging.getLogger(__name__)
-
 DEFAULT_SHARD_BYTES = 64 << 20
+T = TypeVar("T")
 
 
 @dataclass
@@ -71,21 +71,20 @@ class PackResult:
         return dict(self.__dict__)
 
 
-def plan_shards(files: list[SourceFile], shard_bytes: int) -> list[list[SourceFile]]:
-    """Greedy split of the sorted files into shards of about ``shard_bytes`` (at least one sample each)."""
-    shards: list[list[SourceFile]] = []
-    cur: list[SourceFile] = []
-    cur_bytes = 0
-    for f in files:
-        est = estimate_member_bytes(f.key, f.field, f.size)
-        if cur and cur_bytes + est > shard_bytes:
-            shards.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(f)
-        cur_bytes += est
-    if cur:
-        shards.append(cur)
-    return shards
+def cut(items: Iterable[T], size: Callable[[T], int], shard_bytes: int) -> Iterator[list[T]]:
+    """The greedy split of ``items``, in their order, into shards of about ``shard_bytes`` by
+    ``size(item)`` (at least one item each), each yielded once the next item does not fit."""
+    batch: list[T] = []
+    total = 0
+    for x in items:
+        n = size(x)
+        if batch and total + n > shard_bytes:
+            yield batch
+            batch, total = [], 0
+        batch.append(x)
+        total += n
+    if batch:
+        yield batch
 
 
 def pack(
@@ -146,8 +145,8 @@ def pack(
     shard_bytes = parse_size(shard_bytes, "shard_bytes")
     if shard_bytes < 1:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-    source_origin = Origin(src, options.src_storage_options)
-    dest = Origin(dst, options.dst_storage_options)
+    source_origin = Origin(src, options.src_storage_options or {})
+    dest = Origin(dst, options.dst_storage_options or {})
     kind = detect_source(source_origin, source)
     if (kind == "parquet") != (options.column is not None):
         raise ValueError(
@@ -263,7 +262,8 @@ def _pack_image_folder(
     """Pack an ImageFolder tree: planned up front from the listing's sizes, each shard's files read
     by ``options.read_workers`` threads, two shards in flight."""
     listing = list_image_folder(source, classes)
-    plan = plan_shards([listing.files[i] for i in _placement(len(listing.files), options.shuffle_seed)], shard_bytes)
+    placed = [listing.files[i] for i in _placement(len(listing.files), options.shuffle_seed)]
+    plan = list(cut(placed, lambda f: estimate_member_bytes(f.key, f.field, f.size), shard_bytes))
     total = sum(f.size for f in listing.files)
     bar = tqdm(
         total=total, unit="B", unit_scale=True, desc=f"pack {len(plan)} shards", disable=not progress, mininterval=0.5
@@ -301,6 +301,7 @@ def _stream_of(kind: str, src: str, source: Origin, options: PackOptions, skippe
         urls = expand_urls(src, options.src_storage_options)
         return iter_samples(urls, options.src_storage_options, skipped), None
     if kind == "parquet":
+        assert options.column is not None  # pack checked it
         return iter_parquet(source, options.column, options.key_column), None
     if kind == "files":
         listing = list_file_samples(source)
@@ -309,6 +310,10 @@ def _stream_of(kind: str, src: str, source: Origin, options: PackOptions, skippe
     fl = read_file_list(source)
     order = _placement(len(fl), options.shuffle_seed)
     return iter_file_list(fl, order, options.src_storage_options, options.read_workers), len(fl)
+
+
+def _stream_bytes(s: StreamSample) -> int:
+    return sum(estimate_member_bytes(s.key, f, len(d)) for f, d in s.members)
 
 
 def _pack_stream(
@@ -322,40 +327,35 @@ def _pack_stream(
     shards: ShardWriter,
 ) -> tuple[list, list, list, int]:
     """Pack a streamed source (WebDataset, Parquet, a file tree or list): cut into shards as
-    samples arrive, by their actual sizes; one shard uploading while the next is read."""
+    samples arrive, by their actual sizes."""
     skipped: list = []
     samples, total = _stream_of(kind, src, source, options, skipped)
     bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
-    raw_labels, raw_keys = [], []
-    seen: dict[str, str] = {}  # key -> where it came from
+    raw_labels: list = []
+    seen: dict[str, str] = {}  # key -> where it came from, in stream order
 
-    def do_shard(i: int, batch: list[StreamSample]):
-        return shards.write(i, stream_hash(batch), lambda: [(s.key, s.members) for s in batch])
-
-    with ThreadPoolExecutor(1) as writer:
-        batch: list[StreamSample] = []
-        pending, est = None, 0
+    def checked():
         for s in samples:
             if s.key in seen:
                 raise ValueError(f"source {src}: duplicate key {s.key!r} in {seen[s.key]} and {s.where}")
             seen[s.key] = s.where
             raw_labels.append(s.label)
-            raw_keys.append(s.key)
-            size = sum(estimate_member_bytes(s.key, f, len(d)) for f, d in s.members)
-            if batch and est + size > shard_bytes:
-                if pending is not None:
-                    shards.add(*pending.result())
-                pending = writer.submit(do_shard, len(shards.table), batch)
-                batch, est = [], 0
-            batch.append(s)
-            est += size
             bar.update(1)
+            yield s
+
+    def do_shard(i: int, batch: list[StreamSample]):
+        return shards.write(i, stream_hash(batch), lambda: [(s.key, s.members) for s in batch])
+
+    with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read
+        pending = None
+        for batch in cut(checked(), _stream_bytes, shard_bytes):
+            if pending is not None:
+                shards.add(*pending.result())
+            pending = writer.submit(do_shard, len(shards.table), batch)
         if pending is not None:
             shards.add(*pending.result())
-        if batch:
-            shards.add(*writer.submit(do_shard, len(shards.table), batch).result())
     bar.close()
     if not shards.rows:
         raise ValueError(f"source {src}: no samples found ({kind})")
-    labels, cnames, class_list = resolve_labels(raw_labels, classes, raw_keys)
+    labels, cnames, class_list = resolve_labels(raw_labels, classes, list(seen))
     return labels, cnames, class_list, len(skipped)

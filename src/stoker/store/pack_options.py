@@ -1,11 +1,5 @@
-"""The less common settings of :func:`stoker.pack`, in one frozen group (:class:`PackOptions`),
-and pack's old flat keywords that moved into it (:data:`DEPRECATED`, :func:`resolve`).
-
-The group checks its fields when it is built (ValueError or TypeError naming the field), so a bad
-setting fails where it is written, not in a reader thread::
-
-    stoker.pack("/data/train", "s3://b/train", options=PackOptions(dst_storage_options={"profile": "w"}))
-"""
+"""The less common settings of :func:`stoker.pack` in one frozen group, checked where it is
+written (:class:`PackOptions`), and pack's old flat keywords that moved into it (:func:`resolve`)."""
 
 from __future__ import annotations
 
@@ -55,11 +49,9 @@ class PackOptions:
 
     def __post_init__(self):
         for name in ("src_storage_options", "dst_storage_options"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, Mapping):
+            if not isinstance(value := getattr(self, name), (Mapping, type(None))):
                 raise TypeError(f"PackOptions.{name} must be a dict, got {type(value).__name__} {value!r}")
-            if value is not None:
-                object.__setattr__(self, name, dict(value))  # a copy: the caller's dict may change later
+            object.__setattr__(self, name, None if value is None else dict(value))  # the caller's may change
         if not _is_int(self.read_workers):
             raise TypeError(f"PackOptions.read_workers must be an integer, got {self.read_workers!r}")
         if self.read_workers < 1:
@@ -87,17 +79,11 @@ DEPRECATED: dict[str, str] = {
 
 
 def resolve(options: PackOptions | None, flat: dict, storage_options: dict | None) -> PackOptions:
-    """The :class:`PackOptions` of one pack call, each side's storage options set (a dict: its own,
-    else pack's ``storage_options`` for both URLs, else ``{}``), with pack's old flat keywords
-    ``flat`` (old name -> value) moved in: one DeprecationWarning each (pointing at pack's caller),
-    given after every check.
-
-    Raises:
-        TypeError: ``options`` is not a PackOptions; a keyword that pack never took (as Python says
-            for an unexpected keyword); an old keyword together with ``options`` (say which to keep).
-        ValueError: two old names of one field (``dst_options`` and ``dst_storage_options``), or a
-            value the group rejects (names the field).
-    """
+    """The :class:`PackOptions` of one pack call, each side's storage options set (its own, else
+    ``storage_options``, else ``{}``), pack's old keywords ``flat`` (old name -> value) moved in
+    with one DeprecationWarning each, given after every check. TypeError: ``options`` not a
+    PackOptions, an unknown keyword, an old one with ``options``; ValueError: two old names of one
+    field (``dst_options``, ``dst_storage_options``), a value the group rejects."""
     if not isinstance(options, (PackOptions, type(None))):
         raise TypeError(f"options must be a PackOptions, got {type(options).__name__} {options!r}")
     fields: dict[str, str] = {}  # field -> the old keyword that set it
@@ -115,12 +101,7 @@ def resolve(options: PackOptions | None, flat: dict, storage_options: dict | Non
         warnings.warn(
             f"{old}= is deprecated; use options=PackOptions({DEPRECATED[old]}=...)", DeprecationWarning, stacklevel=3
         )
-
-    def side(own: dict | None) -> dict:
-        return dict(own if own is not None else storage_options or {})
-
-    return dataclasses.replace(
-        options,
-        src_storage_options=side(options.src_storage_options),
-        dst_storage_options=side(options.dst_storage_options),
+    src, dst, both = options.src_storage_options, options.dst_storage_options, storage_options or {}
+    return dataclasses.replace(  # PackOptions copies each dict
+        options, src_storage_options=both if src is None else src, dst_storage_options=both if dst is None else dst
     )
