@@ -1,23 +1,16 @@
 """`stoker pack`: a source at any fsspec URL into tar shards plus a Parquet index.
 
-Sources (chosen by :func:`.sources.detect_source`, or ``source=``): ImageFolder
-trees, WebDataset shards (:mod:`.wds`), CSV/Parquet file lists (:mod:`.filelist`), file trees
-and Parquet tables of sample bytes (:mod:`.anysource`). The less common settings travel in one
-:class:`PackOptions` (:mod:`.pack_options`).
-
-ImageFolder packs are planned up front (sorted files, greedy shards of about
-``shard_bytes``) from the listing's file sizes. Streamed sources (WebDataset,
-file lists) are cut into shards as samples arrive, by their actual sizes. Either
-way every run over the same source makes the same shards. Each shard is written
-whole (atomically), followed by a small manifest ``shards/<name>.json`` with its
-members and the plan's hash (:mod:`.manifests`). The index is written last, atomically: a pack that
-is interrupted leaves no index, so it is never opened as a dataset, and running
-it again reuses every shard whose manifest matches (ImageFolder: without reading
-its files again; streamed sources are read again but matching shards are not
-rewritten) and finishes the job.
-
-A sample's members are written contiguously, primary payload first, as tar
-members ``<key>.<field>``; sample ids are in sorted key order for every source.
+Sources (chosen by :func:`.sources.detect_source`, or ``source=``): ImageFolder trees, WebDataset
+shards (:mod:`.wds`), CSV/Parquet file lists (:mod:`.filelist`), file trees and Parquet tables of
+sample bytes (:mod:`.anysource`); the less common settings travel in one :class:`PackOptions`
+(:mod:`.pack_options`). ImageFolder packs are planned up front from the listing's file sizes,
+streamed sources are cut into shards as samples arrive, by their actual sizes (both by
+:func:`cut`): every run over the same source makes the same shards, each written whole with its
+manifest (:mod:`.manifests`). The index is written last, atomically: an interrupted pack leaves
+no index, so it is never opened as a dataset, and running it again reuses every finished shard
+(ImageFolder: without reading its files again) and finishes the job. A sample's members are
+written contiguously, primary payload first, as tar members ``<key>.<field>``; sample ids are in
+sorted key order for every source.
 """
 
 from __future__ import annotations
