@@ -43,6 +43,7 @@ EXPECTED_ALL = [
     "OriginPermissionError",
     "PackLeaseError",
     "PackLeaseLostError",
+    "PackOptions",
     "PeerUnavailable",
     "ProcessGroupError",
     "RankSetupError",

@@ -2,7 +2,8 @@
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache),
 :class:`Loader` (decoded, augmented batches as torch tensors; its option groups
-:class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack`,
+:class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack` (its less
+common settings in :class:`PackOptions`),
 :mod:`collate` (built-in collates for ``Loader(collate=...)``), :mod:`decode` (its :func:`decode.jpeg`:
 the built-in transforms' fast region decode and resize, for a ``Loader(decode=...)`` of your own;
 imported on first use, as it loads torch and OpenCV), :func:`parse_size` (``"64MiB"`` ->
@@ -54,6 +55,7 @@ from . import collate
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
+from .store.pack_options import PackOptions
 
 __version__ = "0.1.0"
 __all__ = [
@@ -84,6 +86,7 @@ __all__ = [
     "OriginPermissionError",
     "PackLeaseError",
     "PackLeaseLostError",
+    "PackOptions",
     "PeerUnavailable",
     "ProcessGroupError",
     "RankSetupError",

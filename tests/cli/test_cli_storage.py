@@ -12,6 +12,7 @@ from _helpers import make_image_folder
 from stoker.cli import main
 from stoker.store.dataset import open_dataset
 from stoker.store.pack import pack
+from stoker.store.pack_options import PackOptions
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +26,22 @@ def test_pack_takes_storage_options_for_both_sides(s3_origin, tree):
     url = s3_origin.url("opts/both")
     r = pack(str(tree), url, storage_options=opts, progress=False, overwrite=True)
     assert r.samples == 3 and len(open_dataset(url, cache=False, storage_options=opts)) == 3
-    r = pack(str(tree), s3_origin.url("opts/dst-only"), dst_storage_options=opts, progress=False, overwrite=True)
+    dst_only = PackOptions(dst_storage_options=opts)
+    r = pack(str(tree), s3_origin.url("opts/dst-only"), options=dst_only, progress=False, overwrite=True)
     assert r.samples == 3
 
 
 def test_old_pack_option_names_warn_and_work(s3_origin, tree):
     opts = s3_origin.storage_options(throttled=False)
-    with pytest.warns(DeprecationWarning, match="dst_storage_options"):
+    with pytest.warns(
+        DeprecationWarning, match=r"^dst_options= is deprecated; use options=PackOptions\(dst_storage_opt"
+    ):
         r = pack(str(tree), s3_origin.url("opts/old"), dst_options=opts, progress=False, overwrite=True)
     assert r.samples == 3
-    with pytest.raises(ValueError, match="dst_storage_options or its old name dst_options"):
+    with pytest.warns(DeprecationWarning, match="dst_storage_options= is deprecated"):
+        r = pack(str(tree), s3_origin.url("opts/old"), dst_storage_options=opts, progress=False, overwrite=True)
+    assert r.samples == 3
+    with pytest.raises(ValueError, match="dst_options= and dst_storage_options= both set"):
         pack(str(tree), s3_origin.url("opts/old"), dst_options=opts, dst_storage_options=opts, progress=False)
 
 

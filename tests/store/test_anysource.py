@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from _helpers import require
-from stoker import open_dataset, pack
+from stoker import PackOptions, open_dataset, pack
 
 ALSA = "/usr/share/sounds/alsa"
 
@@ -74,7 +74,7 @@ def _hf_parquet(path, feature: str):
 @pytest.mark.parametrize("feature", ["audio", "binary"])
 def test_parquet_from_hugging_face_datasets_keeps_every_column(tmp_path, feature):
     names, rows = _hf_parquet(tmp_path / "train.parquet", feature)
-    pack(str(tmp_path / "train.parquet"), str(tmp_path / "out"), source="parquet", column="audio", progress=False)
+    pack(str(tmp_path / "train.parquet"), str(tmp_path / "out"), source="parquet", options=PackOptions(column="audio"))
     ds = open_dataset(str(tmp_path / "out"), cache=False)
     assert len(ds) == len(names)
     field = "wav" if feature == "audio" else "audio"  # a {bytes, path} struct: the path's extension
@@ -90,9 +90,9 @@ def test_parquet_errors_name_the_column_and_the_row(tmp_path):
     _hf_parquet(tmp_path / "t.parquet", "audio")
     cols = r"its columns are \['audio', 'text', 'label'\]"
     with pytest.raises(ValueError, match=r"no column 'wave' \(--column\); " + cols):
-        pack(str(tmp_path / "t.parquet"), str(tmp_path / "o1"), source="parquet", column="wave", progress=False)
+        pack(str(tmp_path / "t.parquet"), str(tmp_path / "o1"), source="parquet", options=PackOptions(column="wave"))
     with pytest.raises(ValueError, match="column 'text' holds str, not bytes"):
-        pack(str(tmp_path / "t.parquet"), str(tmp_path / "o2"), source="parquet", column="text", progress=False)
+        pack(str(tmp_path / "t.parquet"), str(tmp_path / "o2"), source="parquet", options=PackOptions(column="text"))
     with pytest.raises(ValueError, match="needed with source='parquet'"):
         pack(str(tmp_path / "t.parquet"), str(tmp_path / "o3"), source="parquet", progress=False)
     import pyarrow as pa
@@ -100,7 +100,7 @@ def test_parquet_errors_name_the_column_and_the_row(tmp_path):
 
     pq.write_table(pa.table({"image": [{"bytes": None, "path": "/data/x.jpg"}]}), str(tmp_path / "ext.parquet"))
     with pytest.raises(ValueError, match=r"ext/00000000.*holds no bytes, only the path '/data/x.jpg'"):
-        pack(str(tmp_path / "ext.parquet"), str(tmp_path / "o4"), source="parquet", column="image", progress=False)
+        pack(str(tmp_path / "ext.parquet"), str(tmp_path / "o4"), source="parquet", options=PackOptions(column="image"))
     assert not any((tmp_path / d / "index.parquet").exists() for d in ("o1", "o2", "o3", "o4"))
 
 

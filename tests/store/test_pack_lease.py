@@ -16,9 +16,11 @@ from _helpers import make_image_folder
 from stoker.storage import Origin
 
 pack_mod = importlib.import_module("stoker.store.pack")
+manifests = importlib.import_module("stoker.store.manifests")
 from stoker.store.dataset import open_dataset
 from stoker.store.index import INDEX_NAME
 from stoker.store.lease import LEASE_NAME, PackLease, PackLeaseError, PackLeaseLostError
+from stoker.store.pack_options import PackOptions
 
 
 def _tree(root, tag: bytes, n: int = 6):
@@ -29,14 +31,14 @@ def _paused_pack(monkeypatch, src, dst, **kw):
     """Start pack(src, dst) in a thread that stops before its first shard write; returns
     (thread, result dict, event that lets it go on)."""
     go, at_write = threading.Event(), threading.Event()
-    real = pack_mod._write_shard
+    real = manifests.write_shard
 
     def slow_write(*a, **k):
         at_write.set()
         assert go.wait(30)
         return real(*a, **k)
 
-    monkeypatch.setattr(pack_mod, "_write_shard", slow_write)
+    monkeypatch.setattr(manifests, "write_shard", slow_write)
     out: dict = {}
 
     def run():
@@ -155,7 +157,7 @@ def test_lease_on_s3_is_conditional(s3_origin, tmp_path, monkeypatch):
         PackLease(dest).acquire()
     with pytest.raises(FileExistsError) as err:
         pack_mod.pack(
-            str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), dst_storage_options=opts, progress=False
+            str(_tree(tmp_path / "A", b"a")), s3_origin.url("lease/dst"), options=PackOptions(dst_storage_options=opts)
         )
     _says_what_a_user_needs(str(err.value), s3_origin.url("lease/dst"))
     first.renew()
@@ -178,7 +180,7 @@ def test_a_failed_claim_on_s3_names_the_destination(s3_origin, tmp_path):
     dst = "s3://no-such-bucket/lease/dst"
     with pytest.raises(OriginNotFoundError) as err:
         pack_mod.pack(
-            str(_tree(tmp_path / "A", b"a")), dst, dst_storage_options=s3_origin.storage_options(), progress=False
+            str(_tree(tmp_path / "A", b"a")), dst, options=PackOptions(dst_storage_options=s3_origin.storage_options())
         )
     text = str(err.value)
     assert err.value.url == f"{dst} (marking it as being packed)" and "'no-such-bucket' does not exist" in text, text

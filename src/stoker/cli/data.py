@@ -8,7 +8,9 @@ import sys
 from ..store.dataset import open_dataset
 from ..store.keytable import KeyTable
 from ..store.listing import ls, stat
-from ..store.pack import finished_shards, pack
+from ..store.manifests import finished_shards
+from ..store.pack import pack
+from ..store.pack_options import PackOptions
 from ..store.verify import verify
 from .args import OptionsFlag, json_options, show_progress, size_arg
 
@@ -19,26 +21,28 @@ def cmd_pack(a) -> int:
     if a.shard_size < 1:
         raise ValueError(f"--shard-size must be positive, got {a.shard_size}")
     both = json_options(a.storage_options)
-    src_opts = json_options(a.src_options, a.src_flag) if a.src_options else both
-    dst_opts = json_options(a.dst_options, a.dst_flag) if a.dst_options else both
+    options = PackOptions(
+        src_storage_options=json_options(a.src_options, a.src_flag) if a.src_options else None,
+        dst_storage_options=json_options(a.dst_options, a.dst_flag) if a.dst_options else None,
+        read_workers=a.read_workers,
+        shuffle_seed=None if a.no_shuffle else a.shuffle_seed,
+        column=a.column,
+        key_column=a.key_column,
+    )
     try:
         r = pack(
             a.src,
             a.dst,
-            shard_bytes=a.shard_size,
-            overwrite=a.overwrite,
-            src_storage_options=src_opts,
-            dst_storage_options=dst_opts,
-            read_workers=a.read_workers,
-            progress=show_progress(a),
-            shuffle_seed=None if a.no_shuffle else a.shuffle_seed,
             source=a.source,
             classes=a.classes,
-            column=a.column,
-            key_column=a.key_column,
+            shard_bytes=a.shard_size,
+            overwrite=a.overwrite,
+            storage_options=both,
+            progress=show_progress(a),
+            options=options,
         )
     except KeyboardInterrupt:
-        n = finished_shards(a.dst, dst_opts)
+        n = finished_shards(a.dst, both if options.dst_storage_options is None else options.dst_storage_options)
         print(
             f"\nstoker pack: interrupted: {n} shard{'' if n == 1 else 's'} of {a.dst} finished and kept, "
             "no index written; run the same command again to resume (finished shards are reused)",
@@ -97,6 +101,36 @@ def cmd_verify(a) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``pack``, ``ls``, ``stat`` and ``verify`` on the top-level subparsers ``sub``."""
+    _add_pack(sub)
+
+    p = sub.add_parser("ls", help="list the sample directory of a packed dataset under a key prefix")
+    p.add_argument("url")
+    p.add_argument("prefix", nargs="?", default="", help="directory or key (e.g. n01440764/)")
+    p.add_argument("--limit", type=int, default=1000, help="most entries shown (0 = all; default 1000)")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.set_defaults(fn=cmd_ls)
+
+    p = sub.add_parser(
+        "stat",
+        help="summary of a packed dataset: samples, bytes, shards, classes, version, "
+        "and the class mapping (label -> class name)",
+    )
+    p.add_argument("url")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(fn=cmd_stat)
+
+    p = sub.add_parser("verify", help="check every shard and sample against the index; exit 1 if anything is wrong")
+    p.add_argument("url")
+    p.add_argument("--storage-options", help="fsspec storage options as JSON")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_verify)
+
+
+def _add_pack(sub) -> None:
+    """Register ``stoker pack``: its flags fill :func:`stoker.pack`'s keywords and a :class:`stoker.PackOptions`."""
     s = sub.add_parser(
         "pack", help="pack an ImageFolder tree, WebDataset shards or a file list into tar shards + a Parquet index"
     )
@@ -154,28 +188,3 @@ def add_parsers(sub) -> None:
     )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_pack)
-
-    p = sub.add_parser("ls", help="list the sample directory of a packed dataset under a key prefix")
-    p.add_argument("url")
-    p.add_argument("prefix", nargs="?", default="", help="directory or key (e.g. n01440764/)")
-    p.add_argument("--limit", type=int, default=1000, help="most entries shown (0 = all; default 1000)")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON")
-    p.set_defaults(fn=cmd_ls)
-
-    p = sub.add_parser(
-        "stat",
-        help="summary of a packed dataset: samples, bytes, shards, classes, version, "
-        "and the class mapping (label -> class name)",
-    )
-    p.add_argument("url")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(fn=cmd_stat)
-
-    p = sub.add_parser("verify", help="check every shard and sample against the index; exit 1 if anything is wrong")
-    p.add_argument("url")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=cmd_verify)

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from ..errors import SourceError, SourceNotFoundError
 from ..storage import Origin
 from .sources import StreamSample, check_utf8, is_ignored_name, ordered_map
-from .wds import _finish
+from .wds import finish_sample
 
 __all__ = ["list_file_samples", "iter_files", "iter_parquet"]
 
@@ -88,7 +88,7 @@ def iter_files(origin: Origin, order, listing, workers: int = 16) -> Iterator[St
                 raise SourceNotFoundError(f"source {origin.url}: {rel} (sample {key!r}) vanished") from None
         big = max(range(len(members)), key=lambda j: len(members[j][1]))  # the payload, not its .txt
         members = [members[big]] + members[:big] + members[big + 1 :]
-        return _finish(key, members, origin.full_url(files[0][1]))
+        return finish_sample(key, members, origin.full_url(files[0][1]))
 
     yield from ordered_map(read, (int(r) for r in order), workers)
 

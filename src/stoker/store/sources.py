@@ -209,6 +209,28 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
     directory with an image, when two files map to the same key (e.g. ``a.jpg`` and
     ``a.png``), or when a file's path is not valid UTF-8.
     """
+    entries, skipped, dirs, ignored = _walk_image_folder(origin)
+    classes = _class_list(origin, dirs, entries, classes)
+    label_of = {c: i for i, c in enumerate(classes)}
+    files = []
+    seen: dict[str, str] = {}  # key -> the file it came from
+    for cls, rel, stem, ext, size, stamp in entries:
+        if stem in seen:
+            raise SourceError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
+        seen[stem] = rel
+        files.append(
+            SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext, stamp=stamp)
+        )
+    if skipped:
+        log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url, len(skipped), skipped[0])
+    return Listing(files=files, classes=classes, skipped=skipped, ignored=ignored)
+
+
+def _walk_image_folder(origin) -> tuple[list[tuple], list[str], set[str], list[str]]:
+    """One listing of the tree: ``(entries, skipped, dirs, ignored)``: the images as ``(class, rel,
+    key, ext, size, stamp)`` in path order, the paths skipped, the top-level directories, the
+    top-most ignored folders (``name/``) and files (named in one warning). Raises as
+    :func:`list_image_folder` for a missing root, a broken symlink and a non-UTF-8 path."""
     fs, root = origin.fs, origin.root.rstrip("/")
     if not fs.exists(root):
         raise SourceNotFoundError(f"source {origin.url} does not exist")
@@ -259,6 +281,13 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
             ", ".join(names[:10]),
             f", and {len(names) - 10} more" if len(names) > 10 else "",
         )
+    return entries, skipped, dirs, sorted(ignored)
+
+
+def _class_list(origin, dirs: set[str], entries: list[tuple], classes: list[str] | None) -> list[str]:
+    """The class names in label order: ``classes`` when given (a class directory not in it is a
+    SourceError), else the top-level directories, sorted; classes without an image are named
+    in a log line (a warning without a class list). SourceError when no class holds an image."""
     with_images = {e[0] for e in entries}
     if not with_images:
         raise SourceError(
@@ -287,7 +316,6 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
             origin.url,
             classes[0],
         )
-    label_of = {c: i for i, c in enumerate(classes)}
     empty = [c for c in classes if c not in with_images]
     if empty:
         # with a class list, classes absent from one split are expected: no warning
@@ -298,21 +326,10 @@ def list_image_folder(origin, classes: list[str] | None = None) -> Listing:
             len(empty),
             "" if len(empty) == 1 else "es",
             "s" if len(empty) == 1 else "",
-            ", ".join(f"{c!r} (label {label_of[c]})" for c in empty[:10]),
+            ", ".join(f"{c!r} (label {classes.index(c)})" for c in empty[:10]),
             "" if given else "; pack every split with the same --classes so that labels agree",
         )
-    files = []
-    seen: dict[str, str] = {}  # key -> the file it came from
-    for cls, rel, stem, ext, size, stamp in entries:
-        if stem in seen:
-            raise SourceError(f"source {origin.url}: duplicate key {stem!r} from {seen[stem]!r} and {rel!r}")
-        seen[stem] = rel
-        files.append(
-            SourceFile(rel=rel, size=size, key=stem, label=label_of[cls], class_name=cls, ext=ext, stamp=stamp)
-        )
-    if skipped:
-        log.warning("%s: skipped %d non-image or unclassified files (e.g. %s)", origin.url, len(skipped), skipped[0])
-    return Listing(files=files, classes=classes, skipped=skipped, ignored=sorted(ignored))
+    return classes
 
 
 @dataclass
@@ -328,10 +345,6 @@ class StreamSample:
     label: object
     members: list
     where: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(d) for _, d in self.members)
 
 
 def ordered_map(fn, items, workers: int):

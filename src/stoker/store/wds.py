@@ -154,7 +154,9 @@ def sample_label(fields: dict, where: str):
     return None
 
 
-def _finish(key: str, members: list, where: str) -> StreamSample:
+def finish_sample(key: str, members: list, where: str) -> StreamSample:
+    """The sample ``key`` of ``members`` = ``[(field, bytes)]`` in source order: its primary payload
+    (the first image field, else the first member) moved first, its label from :func:`sample_label`."""
     fields = dict(members)
     primary = next((i for i, (f, _) in enumerate(members) if f.rsplit(".", 1)[-1].lower() in _IMG_FIELDS), 0)
     ordered = [members[primary]] + members[:primary] + members[primary + 1 :]
@@ -190,7 +192,7 @@ def iter_archive(url: str, storage_options: dict | None = None, skipped: list | 
                 data = f.read()
                 if kf[0] != key:
                     if members:
-                        yield _finish(key, members, url)
+                        yield finish_sample(key, members, url)
                     key, members = kf[0], []
                 elif any(f == kf[1] for f, _ in members):
                     raise SourceError(f"archive {url}: sample {key!r} has field {kf[1]!r} twice")
@@ -198,7 +200,7 @@ def iter_archive(url: str, storage_options: dict | None = None, skipped: list | 
     except tarfile.TarError as exc:
         raise SourceArchiveError(f"archive {url}: not a readable tar archive ({exc})") from exc
     if members:
-        yield _finish(key, members, url)
+        yield finish_sample(key, members, url)
 
 
 def iter_samples(

@@ -121,6 +121,7 @@ def main(spec_path: str, out_path: str) -> int:
     import ray
 
     from stoker.store.pack import pack
+    from stoker.store.pack_options import PackOptions
 
     from . import peer_floor
     from .origin import endpoint_options
@@ -136,7 +137,8 @@ def main(spec_path: str, out_path: str) -> int:
     t0 = time.perf_counter()
     try:
         url = "s3://stoker/peer"
-        pack(spec["data_dir"], url, dst_storage_options=opts, shard_bytes=spec["shard_bytes"], progress=False)
+        dst = PackOptions(dst_storage_options=opts)
+        pack(spec["data_dir"], url, options=dst, shard_bytes=spec["shard_bytes"], progress=False)
         phases["driver.pack_s"] = time.perf_counter() - t0
         by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         node_a, node_b = (by_ip[ip] for ip in spec["host_ips"])
