@@ -48,6 +48,7 @@ __all__ = [
     "DecodeError",
     "ImageTooLarge",
     "decode_image",
+    "decode_jpeg_box",
     "decode_jpeg_region",
     "decode_stats",
     "jpeg_region_size",
@@ -319,3 +320,17 @@ def decode_jpeg_region(data, key: str, top: int, left: int, height: int, width: 
     _stats["roi"] += 1
     arr = np.frombuffer(buf, np.uint8).reshape(height, out_w, 3)
     return arr[:, left - x0 : left - x0 + width]
+
+
+def decode_jpeg_box(data, key: str, hw: tuple[int, int], box: tuple[int, ...], max_pixels: int) -> np.ndarray:
+    """The ``(top, left, height, width)`` ``box`` of a JPEG of size ``hw`` that :func:`jpeg_region_size`
+    took: decoded alone, or, where libjpeg warns inside it, cut from :func:`decode_image` (which
+    judges the file). ``(height, width, 3)`` uint8; raises as :func:`decode_image` does."""
+    top, left, h, w = box
+    part = decode_jpeg_region(data, key, top, left, h, w)
+    if part is not None:
+        return part
+    img = decode_image(data, key, max_pixels=max_pixels)
+    if img.shape[:2] != hw:
+        raise DecodeError(key, f"decoded size {img.shape[:2]} differs from the JPEG header's {hw}")
+    return img[top : top + h, left : left + w]
