@@ -188,10 +188,8 @@ def measure_forms(
 
 
 def _measure_form(probe: _Probe, form: Form, reference: list[np.ndarray] | None) -> dict:
-    """:func:`measure_forms`' row of one derived ``form``: its entries made (the fill cost), their
-    stored bytes (an entry that says "same as raw" costs the raw bytes too), the rate of reading
-    them into the loader's output, and, given the raw path's outputs ``reference``, the pixel
-    difference from them."""
+    """:func:`measure_forms`' row of one derived ``form`` (``reference``: the raw path's outputs,
+    for the pixel difference; an entry that says "same as raw" costs the raw bytes too)."""
     t = time.perf_counter()
     entries = [make_entry(form, img) for _, img in probe.items]
     fill = (time.perf_counter() - t) / len(entries)
@@ -315,10 +313,8 @@ def _log_choice(best: str, forms: dict) -> None:
 
 
 def _model_rates(forms: dict, raw_bps: float, workers: int, capacity_bytes: int, n: int) -> None:
-    """Add ``storage_per_core``, ``fit`` and the modelled ``rate_per_core`` (samples/s) to each row
-    of ``forms`` (:func:`measure_forms`' measurements of a dataset of ``n`` samples; the model is the
-    module docstring's): ``raw_bps`` is the raw form's read rate (bytes/s), ``workers`` the decode
-    processes sharing the node's storage, ``capacity_bytes`` the derived store's budget."""
+    """Add ``storage_per_core``, ``fit`` and the modelled ``rate_per_core`` (samples/s; the module
+    docstring's model) to each row of ``forms``, for ``n`` samples and a raw read rate ``raw_bps``."""
     raw = forms["raw"]
     raw["storage_per_core"] = raw_bps / raw["bytes_per_sample"] / workers
     raw["fit"] = 1.0

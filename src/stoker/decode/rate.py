@@ -23,14 +23,7 @@ from .reference import pillow_decode_transform
 from .resample import one_intra_op_thread
 from .transforms import decode_transform
 
-__all__ = [
-    "DecodeRound",
-    "measure_decode_rate",
-    "measure_decode_rounds",
-    "median_rate",
-    "time_decode_round",
-    "time_loop",
-]
+__all__ = ["DecodeRound", "measure_decode_rate", "measure_decode_rounds", "median_rate", "time_decode_round"]
 
 
 class DecodeRound(NamedTuple):

@@ -210,6 +210,12 @@ class Origin:
         return self._fs
 
     @property
+    def is_local(self) -> bool:
+        """Whether the origin is this machine's filesystem (a path or ``file://``)."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return protocol in ("file", "local")
+
+    @property
     def root(self) -> str:
         self.fs  # noqa: B018 - initialises _root
         return self._root
@@ -493,7 +499,7 @@ class Origin:
         on completion.
         """
         path = self.path(rel)
-        if _is_local(self.fs):
+        if self.is_local:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             write_atomic(path, data, mode=umask_mode(), fsync=True)
         else:
@@ -542,8 +548,3 @@ def _describe(exc: BaseException | None, failure: Failure) -> str:
     )
     label = failure.label()
     return f"{label}: {text}" if label and label != type(exc).__name__ and label not in first else text
-
-
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")

@@ -177,39 +177,6 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
     unknown = _unknown_options(opts, client, config, dict(config.get("s3") or {}))
     if unknown:
         return None, f"storage option(s) {', '.join(unknown)} have no native equivalent"
-    aws, reason = _botocore_settings(opts, client, config)
-    if aws is None:
-        return None, reason
-    endpoint, region = aws["endpoint"], aws["region"]
-    client_options, reason = _client_options(config, endpoint, aws["ca_bundle"])
-    if client_options is None:
-        return None, reason
-    kw: dict = {"client_options": client_options}
-    style = aws["s3"].get("addressing_style") or "auto"
-    if endpoint:
-        # botocore: with a custom endpoint, path style unless addressing_style is "virtual"
-        virtual = style == "virtual"
-        kw["endpoint"] = _with_bucket_host(str(endpoint), bucket) if virtual else str(endpoint).rstrip("/")
-        region = region or "us-east-1"  # botocore signs for us-east-1 when no region is set
-    else:
-        virtual = style == "virtual" or (style == "auto" and _dns_compatible(bucket))
-    kw["virtual_hosted_style_request"] = virtual
-    if region:
-        kw["region"] = region
-    if opts.get("anon"):
-        kw["skip_signature"] = True
-    elif aws["credentials"] is None:
-        kw["credential_provider"] = _Credentials(key=opts["key"], secret=opts["secret"], token=opts.get("token"))
-    else:
-        kw["credential_provider"] = _Credentials(aws["credentials"])
-    return kw, None
-
-
-def _botocore_settings(opts: dict, client: dict, config: dict) -> tuple[dict | None, str | None]:
-    """``({"endpoint", "region", "credentials", "s3", "ca_bundle"}, None)``: what botocore's
-    configuration chain gives s3fs for these options (``credentials`` None where the options hold
-    keys or ask for none; ``s3``: the ``s3`` settings, the options' over the profile's), or
-    ``(None, reason)`` for a setting the native reader cannot take. Raises nothing."""
     try:
         import botocore.exceptions
         import botocore.session
@@ -242,13 +209,34 @@ def _botocore_settings(opts: dict, client: dict, config: dict) -> tuple[dict | N
                 return None, "botocore found no AWS credentials"
     except botocore.exceptions.BotoCoreError as exc:
         return None, f"botocore cannot read the AWS configuration: {exc}"
-    return {"endpoint": endpoint, "region": region, "credentials": credentials, "s3": s3, "ca_bundle": ca_bundle}, None
+    client_options, reason = _client_options(config, endpoint, ca_bundle)
+    if client_options is None:
+        return None, reason
+    kw: dict = {"client_options": client_options}
+    style = s3.get("addressing_style") or "auto"
+    if endpoint:
+        # botocore: with a custom endpoint, path style unless addressing_style is "virtual"
+        virtual = style == "virtual"
+        kw["endpoint"] = _with_bucket_host(str(endpoint), bucket) if virtual else str(endpoint).rstrip("/")
+        region = region or "us-east-1"  # botocore signs for us-east-1 when no region is set
+    else:
+        virtual = style == "virtual" or (style == "auto" and _dns_compatible(bucket))
+    kw["virtual_hosted_style_request"] = virtual
+    if region:
+        kw["region"] = region
+    if opts.get("anon"):
+        kw["skip_signature"] = True
+    elif credentials is None:
+        kw["credential_provider"] = _Credentials(key=opts["key"], secret=opts["secret"], token=opts.get("token"))
+    else:
+        kw["credential_provider"] = _Credentials(credentials)
+    return kw, None
 
 
 def _client_options(config: dict, endpoint, ca_bundle: str | None) -> tuple[dict | None, str | None]:
-    """``(obstore client options, None)``: the timeouts of ``config_kwargs`` (seconds, as
-    milliseconds), ``allow_http`` for an ``http://`` endpoint, and the CA bundle's certificates
-    (added to the system roots: reaches every store s3fs reaches); or ``(None, reason)``."""
+    """``(obstore client options, None)``: ``config_kwargs``' timeouts, ``allow_http`` for an
+    ``http://`` endpoint, the CA bundle's certificates (added to the system roots: reaches every
+    store s3fs reaches); or ``(None, reason)``."""
     try:
         read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
         connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
