@@ -26,27 +26,9 @@ __all__ = ["parse_size", "format_size"]
 #: integer holds (POSIX ``off_t``, Parquet's int64 offsets).
 MAX_BYTES = (1 << 63) - 1
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "byte": 1,
-    "bytes": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "p": 1 << 50,
-    "pib": 1 << 50,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "pb": 10**15,
-}
+_UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1}
+for _power, _prefix in enumerate("kmgtp", start=1):  # k = kib = 2**10, kb = 10**3, m = mib = 2**20, ...
+    _UNITS.update({_prefix: 1 << 10 * _power, f"{_prefix}ib": 1 << 10 * _power, f"{_prefix}b": 10 ** (3 * _power)})
 _SIZE = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
 

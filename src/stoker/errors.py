@@ -333,9 +333,6 @@ class DecodeError(StokerError, ValueError):
         self.reason = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "(the sample's bytes)", reason)
         super().__init__(f"cannot decode sample {key!r}: {self.reason}")
 
-    def __reduce__(self):  # keep key/reason when pickled across worker processes
-        return (type(self), (self.key, self.reason))
-
 
 class ImageTooLarge(DecodeError):
     """The image header declares more pixels (width * height) than ``max_pixels``."""
@@ -356,9 +353,6 @@ class CollateError(StokerError, ValueError):
         super().__init__(f"sample {index} of the batch: {what}")
         self.index, self.what = index, what
 
-    def __reduce__(self):
-        return (type(self), (self.index, self.what))
-
 
 class SampleFnError(StokerError, ValueError):
     """The user's ``decode`` or ``collate`` failed on a sample, or returned what cannot be used;
@@ -367,9 +361,6 @@ class SampleFnError(StokerError, ValueError):
     def __init__(self, key, msg: str):
         super().__init__(msg)
         self.key = key
-
-    def __reduce__(self):
-        return (type(self), (self.key, str(self)))
 
 
 # --- loader and processes -----------------------------------------------------------------

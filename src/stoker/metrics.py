@@ -64,7 +64,6 @@ from .storage import absolute_url
 PORT_ENV = "STOKER_METRICS_PORT"
 ADDR_ENV = "STOKER_METRICS_ADDR"
 JOB_ENV = "STOKER_JOB"
-LOADER_LABELS = ("dataset", "job", "node", "rank")
 
 __all__ = [
     "LoaderExport",
@@ -195,10 +194,16 @@ class _LoaderCollector:
         s = self.snapshot()
         names, values = list(self.labels), list(self.labels.values())
 
-        def counter(name, doc, value, **extra):
-            fam = CounterMetricFamily(name, doc, labels=names + list(extra))
-            fam.add_metric(values + list(extra.values()), value)
+        def family(kind, name: str, doc: str, value, label: str | None = None):
+            """One metric family of this loader: ``value``, or with ``label`` one series per
+            ``{label's value: value}``."""
+            fam = kind(name, doc, labels=names + ([label] if label else []))
+            for extra, v in value.items() if label else [(None, value)]:
+                fam.add_metric(values + ([extra] if label else []), v)
             return fam
+
+        def counter(name: str, doc: str, value, label: str | None = None):
+            return family(CounterMetricFamily, name, doc, value, label)
 
         yield counter("stoker_samples", "Samples yielded to the consumer.", s["samples"])
         yield counter("stoker_batches", "Batches yielded to the consumer.", s["batches"])
@@ -213,38 +218,25 @@ class _LoaderCollector:
         yield counter("stoker_origin_bytes", "Bytes received from the origin.", s["origin_bytes"])
         yield counter("stoker_origin_requests", "Requests to the origin.", s["origin_requests"])
         yield counter("stoker_origin_retries", "Origin requests retried.", s["origin_retries"])
-        hits = CounterMetricFamily("stoker_cache_hits", "Sample reads served by a cache tier.", labels=names + ["tier"])
-        hits.add_metric(values + ["memory"], s["cache_memory_hits"])
-        hits.add_metric(values + ["disk"], max(0, s["cache_hits"] - s["cache_memory_hits"]))
-        hits.add_metric(values + ["staged"], s["read_staged_hits"])
-        yield hits
+        hits = {
+            "memory": s["cache_memory_hits"],
+            "disk": max(0, s["cache_hits"] - s["cache_memory_hits"]),
+            "staged": s["read_staged_hits"],
+        }
+        yield counter("stoker_cache_hits", "Sample reads served by a cache tier.", hits, "tier")
         yield counter("stoker_cache_misses", "Sample reads the node cache did not hold.", s["cache_misses"])
-        restarts = CounterMetricFamily(
-            "stoker_process_restarts", "Loader processes replaced after dying.", labels=names + ["process"]
-        )
-        restarts.add_metric(values + ["worker"], s["worker_restarts"])
-        restarts.add_metric(values + ["prefetcher"], s["prefetcher_restarts"])
-        yield restarts
+        restarts = {"worker": s["worker_restarts"], "prefetcher": s["prefetcher_restarts"]}
+        yield counter("stoker_process_restarts", "Loader processes replaced after dying.", restarts, "process")
         yield counter("stoker_epochs", "Epochs ended.", s["epochs"])
         if self.version is not None:
-            info = InfoMetricFamily("stoker_dataset", "The dataset's content version.", labels=names)
-            info.add_metric(values, {"version": self.version})
-            yield info
-        depth = GaugeMetricFamily(
-            "stoker_prefetch_depth_bytes",
-            "Mean bytes fetched and ready ahead of the consumer in the current epoch.",
-            labels=names,
-        )
-        depth.add_metric(values, s["prefetch_depth_bytes"])
-        yield depth
-        if s.get("first_batch_s") is not None:
-            first = GaugeMetricFamily(
-                "stoker_first_batch_seconds",
-                "Seconds from iter() to the first batch of the current (or last) epoch.",
-                labels=names,
+            yield family(
+                InfoMetricFamily, "stoker_dataset", "The dataset's content version.", {"version": self.version}
             )
-            first.add_metric(values, s["first_batch_s"])
-            yield first
+        depth_doc = "Mean bytes fetched and ready ahead of the consumer in the current epoch."
+        yield family(GaugeMetricFamily, "stoker_prefetch_depth_bytes", depth_doc, s["prefetch_depth_bytes"])
+        if s.get("first_batch_s") is not None:
+            first_doc = "Seconds from iter() to the first batch of the current (or last) epoch."
+            yield family(GaugeMetricFamily, "stoker_first_batch_seconds", first_doc, s["first_batch_s"])
 
 
 def export_loader(

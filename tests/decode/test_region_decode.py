@@ -148,8 +148,6 @@ def test_cut_file_with_eoi_appended_is_refused_or_reference(cases_dir):
 def test_corrupt_entropy_data_inside_box_falls_back(monkeypatch):
     """libjpeg warns inside the box: the whole file goes to decode_image (spied), and the result is
     what decoding the whole file first gives; boxes clear of the damage decode as regions."""
-    import stoker.decode.transforms as tmod
-
     bad = bytearray(BIG_BASELINE)
     sos = bad.find(b"\xff\xda")
     mid = sos + (len(bad) - sos) * 9 // 10  # near the bottom: boxes above it are clean
@@ -165,7 +163,7 @@ def test_corrupt_entropy_data_inside_box_falls_back(monkeypatch):
         calls.append(key)
         return real(d, key, **kw)
 
-    monkeypatch.setattr(tmod, "decode_image", spy)
+    monkeypatch.setattr(image_mod, "decode_image", spy)
     outcomes = set()
     for seed in range(30):
         box = random_resized_crop_params(hw[0], hw[1], np.random.default_rng(seed))

@@ -31,12 +31,13 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from .forms import SAME, make_entry, parse_form, read_entry
+from .forms import SAME, Form, make_entry, parse_form, read_entry
 from .image import DecodeError, decode_image
-from .resample import one_intra_op_thread
+from .rate import time_loop
 from .transforms import decode_transform, eval_resize_for, eval_transform_reduced, train_transform_reduced
 
 log = logging.getLogger(__name__)
@@ -46,19 +47,6 @@ __all__ = ["DEFAULT_CANDIDATES", "measure_forms", "choose_form"]
 #: Forms ``auto`` compares with raw: a JPEG capped at :func:`resolution_cap` (320 px for 224),
 #: one capped at 256 px, and decoded pixels capped at 256 px.
 DEFAULT_CANDIDATES = ("jpeg", "jpeg256", "rgb256")
-
-
-def _time_loop(fn, items, min_seconds: float) -> float:
-    """Samples/s of ``fn(i, item)`` cycled over ``items`` (at least one pass, ``min_seconds``),
-    on one torch intra-op thread (a per-core rate)."""
-    with one_intra_op_thread():
-        n, start = 0, time.perf_counter()
-        while True:
-            fn(n, items[n % len(items)])
-            n += 1
-            elapsed = time.perf_counter() - start
-            if n >= len(items) and elapsed >= min_seconds:
-                return n / elapsed
 
 
 def _read_rate(paths: list[str]) -> tuple[float, bool]:
@@ -88,8 +76,11 @@ def _read_rate(paths: list[str]) -> tuple[float, bool]:
     return total / max(time.perf_counter() - start, 1e-9), direct
 
 
-def _probe_storage(root: str, blobs: list[bytes]) -> tuple[float, bool]:
-    """Read rate (bytes/s) of ``blobs`` written as one file each under ``root`` (then removed)."""
+def _probe_storage(root: str | None, blobs: list[bytes]) -> dict:
+    """``{"storage_Bps", "direct_io"}``: the read rate (bytes/s) of ``blobs`` written as one file
+    each under ``root`` (then removed); ``{}`` for no ``root``."""
+    if not root:
+        return {}
     os.makedirs(root, exist_ok=True)
     d = tempfile.mkdtemp(prefix=".probe-", dir=root)
     try:
@@ -101,15 +92,45 @@ def _probe_storage(root: str, blobs: list[bytes]) -> tuple[float, bool]:
                 f.flush()
                 os.fsync(f.fileno())
             paths.append(p)
-        return _read_rate(paths)
+        return dict(zip(("storage_Bps", "direct_io"), _read_rate(paths)))
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _output(img, hw, mode, rng, size, out):
-    if mode == "train":
-        return train_transform_reduced(img, hw, rng, size, out)
-    return eval_transform_reduced(img, hw, size, eval_resize_for(size), out)
+@dataclass(frozen=True)
+class _Probe:
+    """What every form is measured on (:func:`measure_forms`' arguments): ``items``, the decodable
+    samples as ``(raw bytes, decoded image)``, and ``resize``, the eval transform's shorter side."""
+
+    items: list
+    mode: str
+    size: int
+    resize: int
+    seed: int
+    min_seconds: float
+    probe_root: str | None
+
+    def rng(self, j: int) -> np.random.Generator | None:
+        """The crop RNG of sample ``j``, the same for every form (None in eval mode)."""
+        return np.random.default_rng((self.seed, j)) if self.mode == "train" else None
+
+    def raw(self, j: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The loader's ``(3, size, size)`` output of sample ``j`` from its raw bytes."""
+        data = self.items[j][0]
+        return decode_transform(data, "probe", self.mode, self.rng(j), size=self.size, out=out, resize=self.resize)
+
+    def derived(self, j: int, entry: tuple, out: np.ndarray | None = None) -> np.ndarray:
+        """The same output from sample ``j``'s derived entry, as :func:`read_entry` returns it."""
+        kind, hw, img = entry
+        if kind == SAME:
+            return self.raw(j, out)
+        if self.mode == "train":
+            return train_transform_reduced(img, hw, np.random.default_rng((self.seed, j)), self.size, out)
+        return eval_transform_reduced(img, hw, self.size, self.resize, out)
+
+    def rate(self, step) -> float:
+        """Samples/s of one core running ``step(j)`` over the samples (see :func:`time_loop`)."""
+        return time_loop(step, len(self.items), self.min_seconds).wall_rate
 
 
 def measure_forms(
@@ -150,70 +171,47 @@ def measure_forms(
             continue
     if not items:
         raise ValueError("none of the sampled payloads decodes")
+    probe = _Probe(items, mode, size, eval_resize_for(size), seed, min_seconds, probe_root)
     out = np.empty((3, size, size), np.uint8)
-    resize = eval_resize_for(size)
-
-    def raw_step(i, item):
-        rng = np.random.default_rng((seed, i % len(items))) if mode == "train" else None
-        decode_transform(item[0], "probe", mode, rng, size=size, out=out, resize=resize)
-
-    forms = {
-        "raw": {
-            "bytes_per_sample": float(np.mean([len(d) for d, _ in items])),
-            "decode_per_core": _time_loop(raw_step, items, min_seconds),
-        }
+    raw = {
+        "bytes_per_sample": float(np.mean([len(d) for d, _ in items])),
+        "decode_per_core": probe.rate(lambda j: probe.raw(j, out)),
+        **_probe_storage(probe_root, [d for d, _ in items]),
     }
-    if probe_root:
-        forms["raw"]["storage_Bps"], forms["raw"]["direct_io"] = _probe_storage(probe_root, [d for d, _ in items])
-    reference = None
-    if pixel_diff:
-        reference = []
-        for i, (data, _) in enumerate(items):
-            rng = np.random.default_rng((seed, i)) if mode == "train" else None
-            reference.append(decode_transform(data, "probe", mode, rng, size=size, resize=resize))
+    forms = {"raw": raw}
+    reference = [probe.raw(j) for j in range(len(items))] if pixel_diff else None
     for cand in candidates:
         form = parse_form(cand, size)
-        if form.kind == "raw":
-            continue
-        t = time.perf_counter()
-        entries = [make_entry(form, img) for _, img in items]
-        fill = (time.perf_counter() - t) / len(items)
-        decoded = [read_entry(form, e) for e in entries]
-        same = sum(k == SAME for k, _, _ in decoded)
-
-        def step(i, j_entry, form=form):
-            j = i % len(items)
-            rng = np.random.default_rng((seed, j)) if mode == "train" else None
-            kind, hw, img = read_entry(form, j_entry)
-            if kind == SAME:
-                decode_transform(items[j][0], "probe", mode, rng, size=size, out=out, resize=resize)
-            else:
-                _output(img, hw, mode, rng, size, out)
-
-        row = {
-            "bytes_per_sample": float(
-                np.mean(
-                    [len(e) + (len(d) if k == SAME else 0) for e, (d, _), (k, _, _) in zip(entries, items, decoded)]
-                )
-            ),
-            "decode_per_core": _time_loop(step, entries, min_seconds),
-            "fill_s_per_sample": fill,
-            "same_fraction": same / len(items),
-            "cap": form.side,
-        }
-        if probe_root:
-            blobs = [e + (d if k == SAME else b"") for e, (d, _), (k, _, _) in zip(entries, items, decoded)]
-            row["storage_Bps"], row["direct_io"] = _probe_storage(probe_root, blobs)
-        if reference is not None:
-            diffs = []
-            for j, (kind, hw, img) in enumerate(decoded):
-                rng = np.random.default_rng((seed, j)) if mode == "train" else None
-                got = reference[j] if kind == SAME else _output(img, hw, mode, rng, size, None)
-                diffs.append(np.abs(got.astype(np.int16) - reference[j]).ravel())
-            d = np.concatenate(diffs)
-            row.update(pixel_mad=float(d.mean()), pixel_p99=float(np.percentile(d, 99)), pixel_max=int(d.max()))
-        forms[form.name] = row
+        if form.kind != "raw":
+            forms[form.name] = _measure_form(probe, form, reference)
     return {"samples": len(items), "mode": mode, "size": size, "forms": forms}
+
+
+def _measure_form(probe: _Probe, form: Form, reference: list[np.ndarray] | None) -> dict:
+    """:func:`measure_forms`' row of one derived ``form`` (``reference``: the raw path's outputs,
+    for the pixel difference; an entry that says "same as raw" costs the raw bytes too)."""
+    t = time.perf_counter()
+    entries = [make_entry(form, img) for _, img in probe.items]
+    fill = (time.perf_counter() - t) / len(entries)
+    decoded = [read_entry(form, e) for e in entries]
+    stored = [e + (d if k == SAME else b"") for e, (d, _), (k, _, _) in zip(entries, probe.items, decoded)]
+    out = np.empty((3, probe.size, probe.size), np.uint8)
+    row = {
+        "bytes_per_sample": float(np.mean([len(b) for b in stored])),
+        "decode_per_core": probe.rate(lambda j: probe.derived(j, read_entry(form, entries[j]), out)),
+        "fill_s_per_sample": fill,
+        "same_fraction": sum(k == SAME for k, _, _ in decoded) / len(entries),
+        "cap": form.side,
+        **_probe_storage(probe.probe_root, stored),
+    }
+    if reference is not None:
+        diffs = []
+        for j, entry in enumerate(decoded):
+            got = reference[j] if entry[0] == SAME else probe.derived(j, entry)
+            diffs.append(np.abs(got.astype(np.int16) - reference[j]).ravel())
+        d = np.concatenate(diffs)
+        row.update(pixel_mad=float(d.mean()), pixel_p99=float(np.percentile(d, 99)), pixel_max=int(d.max()))
+    return row
 
 
 def _fidelity_rank(name: str) -> tuple:
@@ -275,26 +273,16 @@ def choose_form(
     cache_cap = getattr(ds.cache, "capacity_bytes", 0) if ds.cache is not None else 0
     raw_source = "cache" if cache_cap >= total_raw else "origin"
     forms = rep["forms"]
-    raw = forms["raw"]
-    raw_bps = raw["storage_Bps"] if raw_source == "cache" else raw_read_bps
-    raw["storage_per_core"] = raw_bps / raw["bytes_per_sample"] / w
-    raw["fit"] = 1.0
-    r_raw = raw["rate_per_core"] = min(raw["decode_per_core"], raw["storage_per_core"])
-    for name, row in forms.items():
-        if name == "raw":
-            continue
-        row["fit"] = min(1.0, capacity_bytes / (n * row["bytes_per_sample"])) if n else 1.0
-        row["storage_per_core"] = row["storage_Bps"] / row["bytes_per_sample"] / w
-        r_f = min(row["decode_per_core"], row["storage_per_core"])
-        row["rate_per_core"] = 1.0 / (row["fit"] / r_f + (1.0 - row["fit"]) / r_raw)
+    raw_bps = forms["raw"]["storage_Bps"] if raw_source == "cache" else raw_read_bps
+    _model_rates(forms, raw_bps, w, capacity_bytes, n)
     top = max(row["rate_per_core"] for row in forms.values())
     # The most faithful form within a factor min_gain of the fastest: raw, then uncapped pixels
     # (exact), then larger caps before smaller, decoded pixels before a re-encoded JPEG.
     best = min((k for k, v in forms.items() if v["rate_per_core"] * min_gain >= top), key=_fidelity_rank)
-    best_rate = forms[best]["rate_per_core"]
-    report = {
+    _log_choice(best, forms)
+    return {
         "choice": best,
-        "rate_per_core": best_rate,
+        "rate_per_core": forms[best]["rate_per_core"],
         "raw_source": raw_source,
         "raw_read_Bps": raw_read_bps,
         "workers": w,
@@ -302,19 +290,39 @@ def choose_form(
         "min_gain": min_gain,
         "forms": forms,
     }
+
+
+def _log_choice(best: str, forms: dict) -> None:
+    """Log the choice with each form's per-core decode and storage rates, bytes and fit."""
+    summary = {
+        k: {
+            "decode": round(v["decode_per_core"]),
+            "storage": round(v["storage_per_core"]),
+            "bytes": round(v["bytes_per_sample"]),
+            "fit": round(v["fit"], 2),
+        }
+        for k, v in forms.items()
+    }
     log.info(
         "cache_form=auto chose %s (%.0f samples/s per core modelled; raw %.0f): %s",
         best,
-        best_rate,
-        r_raw,
-        {
-            k: {
-                "decode": round(v["decode_per_core"]),
-                "storage": round(v["storage_per_core"]),
-                "bytes": round(v["bytes_per_sample"]),
-                "fit": round(v["fit"], 2),
-            }
-            for k, v in forms.items()
-        },
+        forms[best]["rate_per_core"],
+        forms["raw"]["rate_per_core"],
+        summary,
     )
-    return report
+
+
+def _model_rates(forms: dict, raw_bps: float, workers: int, capacity_bytes: int, n: int) -> None:
+    """Add ``storage_per_core``, ``fit`` and the modelled ``rate_per_core`` (samples/s; the module
+    docstring's model) to each row of ``forms``, for ``n`` samples and a raw read rate ``raw_bps``."""
+    raw = forms["raw"]
+    raw["storage_per_core"] = raw_bps / raw["bytes_per_sample"] / workers
+    raw["fit"] = 1.0
+    r_raw = raw["rate_per_core"] = min(raw["decode_per_core"], raw["storage_per_core"])
+    for name, row in forms.items():
+        if name == "raw":
+            continue
+        row["fit"] = min(1.0, capacity_bytes / (n * row["bytes_per_sample"])) if n else 1.0
+        row["storage_per_core"] = row["storage_Bps"] / row["bytes_per_sample"] / workers
+        r_f = min(row["decode_per_core"], row["storage_per_core"])
+        row["rate_per_core"] = 1.0 / (row["fit"] / r_f + (1.0 - row["fit"]) / r_raw)

@@ -24,19 +24,15 @@ import operator
 
 import numpy as np
 
-from ..errors import DecodeError
-from .image import DEFAULT_MAX_PIXELS, decode_image, decode_jpeg_region, jpeg_region_size
+from .image import DEFAULT_MAX_PIXELS, decode_image, decode_jpeg_box, jpeg_region_size
 from .resample import resize_bilinear_aa
-from .transforms import eval_resize_for, random_resized_crop_params, resized_hw
+from .transforms import eval_resize_for, random_resized_crop_params, resize_center_crop
 
 __all__ = ["jpeg"]
 
 
 def _side(value, name: str) -> int:
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be a whole number of pixels, got {value!r}") from None
+    n = _coord(value, name)
     if n < 1:
         raise ValueError(f"{name} must be at least 1 pixel, got {n}")
     return n
@@ -141,31 +137,20 @@ def jpeg(
         DecodeError: the bytes are empty, not an image, corrupt or truncated; ImageTooLarge
             (a DecodeError): more than ``max_pixels`` pixels. Both name ``key``.
     """
-    if isinstance(data, dict):
-        key = data.get("__key__") if key is None else key
-        data = _primary(data)
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"stoker.decode.jpeg takes encoded image bytes or a sample's fields, got {type(data).__name__}")
-    name = key if key is not None else f"<{len(data)} bytes>"
+    data, name = _payload(data, key)
     out_hw = _out_size(size)
     if isinstance(crop, str) and crop == "center":
         if out_hw is None or isinstance(size, (tuple, list)):
             raise ValueError(f"crop='center' needs an int size (the square side in pixels), got {size!r}")
         img = decode_image(data, name, exif_orientation=exif_orientation, max_pixels=max_pixels)
-        return _center(img, out_hw[0])
+        return np.ascontiguousarray(resize_center_crop(img, out_hw[0], eval_resize_for(out_hw[0])))
     # the box is drawn on the stored size, read from the JPEG header where the region decoder takes
     # the file; else (no extension, another format, EXIF applied) on the decoded image
     region_hw = None if exif_orientation or crop is None else jpeg_region_size(data, name, max_pixels)
     if region_hw is not None:
         box = _box(crop, region_hw, rng, scale, ratio)
         assert box is not None  # crop is not None on this path
-        top, left, h, w = box
-        part = decode_jpeg_region(data, name, top, left, h, w)
-        if part is None:  # libjpeg warned inside the box: the whole file, judged by the reference path
-            img = decode_image(data, name, max_pixels=max_pixels)
-            if img.shape[:2] != region_hw:
-                raise DecodeError(name, f"decoded size {img.shape[:2]} differs from the JPEG header's {region_hw}")
-            part = img[top : top + h, left : left + w]
+        part = decode_jpeg_box(data, name, region_hw, box, max_pixels)
     else:
         img = decode_image(data, name, exif_orientation=exif_orientation, max_pixels=max_pixels)
         box = _box(crop, (img.shape[0], img.shape[1]), rng, scale, ratio)
@@ -175,27 +160,24 @@ def jpeg(
     return resize_bilinear_aa(part, out_hw[1], out_hw[0])
 
 
-def _primary(fields: dict):
-    """The primary payload of a sample's fields: its first member (``read_fields`` puts it first)."""
-    value = next(iter(fields.values()), None)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return value
-    raise TypeError(
-        f"stoker.decode.jpeg: the first of fields {list(fields)} is not a member's bytes; "
-        "pass the image's bytes, e.g. fields['jpg']"
-    )
+def _payload(data, key: str | None) -> tuple[bytes | bytearray | memoryview, str]:
+    """``(encoded bytes, name in errors)`` of :func:`jpeg`'s ``data``: the bytes themselves, or a
+    sample's fields' primary payload, its first member (``read_fields`` puts it first), named by
+    ``key``, else the fields' ``__key__``, else the data's length. TypeError for anything else."""
+    if isinstance(data, dict):
+        fields = data
+        key = fields.get("__key__") if key is None else key
+        data = next(iter(fields.values()), None)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(
+                f"stoker.decode.jpeg: the first of fields {list(fields)} is not a member's bytes; "
+                "pass the image's bytes, e.g. fields['jpg']"
+            )
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"stoker.decode.jpeg takes encoded image bytes or a sample's fields, got {type(data).__name__}")
+    return data, key if key is not None else f"<{len(data)} bytes>"
 
 
 def _own(arr: np.ndarray) -> bool:
     """Whether ``arr`` is a whole, C-contiguous, writable array nobody else holds a view of."""
     return arr.base is None and arr.flags.c_contiguous and arr.flags.writeable
-
-
-def _center(img: np.ndarray, size: int) -> np.ndarray:
-    """The built-in eval transform in HWC: shorter side to ``round(size / 0.875)``, centre crop."""
-    resize = eval_resize_for(size)
-    new_h, new_w = resized_hw(img.shape[0], img.shape[1], resize)
-    res = resize_bilinear_aa(img, new_w, new_h)
-    top = int(round((new_h - size) / 2.0))
-    left = int(round((new_w - size) / 2.0))
-    return np.ascontiguousarray(res[top : top + size, left : left + size])

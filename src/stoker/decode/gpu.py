@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .._torch import check_device
 from .image import DEFAULT_MAX_PIXELS, DecodeError, decode_image, read_exif_orientation
-from .transforms import eval_resize_for, random_resized_crop_params, resized_hw
+from .transforms import center_offsets, eval_resize_for, random_resized_crop_params, resized_hw
 
 __all__ = ["GpuJpegDecoder", "GpuDecodeStats", "find_backend", "gpu_eligible"]
 
@@ -218,7 +218,7 @@ class GpuJpegDecoder:
             else:
                 nh, nw = resized_hw(H, W, resize)
                 res = _resample(img, nh, nw, False)
-                top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
+                top, left = center_offsets(nh, nw, size)
                 out[j] = res[:, top : top + size, left : left + size]
         return out
 

@@ -48,6 +48,7 @@ __all__ = [
     "DecodeError",
     "ImageTooLarge",
     "decode_image",
+    "decode_jpeg_box",
     "decode_jpeg_region",
     "decode_stats",
     "jpeg_region_size",
@@ -87,25 +88,23 @@ def decode_stats() -> dict[str, int]:
     return {k: _stats[k] for k in ("fast", "roi", "fallback", "pillow", "error")}
 
 
+#: EXIF orientation tag -> its transform of an (H, W, C) array, as ``ImageOps.exif_transpose``
+#: applies it (1 and unknown values: none).
+_ORIENT = {
+    2: lambda a: a[:, ::-1],  # FLIP_LEFT_RIGHT
+    3: lambda a: a[::-1, ::-1],  # ROTATE_180
+    4: lambda a: a[::-1],  # FLIP_TOP_BOTTOM
+    5: lambda a: a.transpose(1, 0, 2),  # TRANSPOSE (main diagonal)
+    6: lambda a: np.rot90(a, -1),  # ROTATE_270 (90 degrees clockwise)
+    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],  # TRANSVERSE (anti-diagonal)
+    8: lambda a: np.rot90(a, 1),  # ROTATE_90 (90 degrees counter-clockwise)
+}
+
+
 def _orient_array(arr: np.ndarray, orientation: int) -> np.ndarray:
     """Apply EXIF orientation 1..8 to an (H, W, C) array the way ``ImageOps.exif_transpose`` does."""
-    if orientation == 2:  # FLIP_LEFT_RIGHT
-        arr = arr[:, ::-1]
-    elif orientation == 3:  # ROTATE_180
-        arr = arr[::-1, ::-1]
-    elif orientation == 4:  # FLIP_TOP_BOTTOM
-        arr = arr[::-1]
-    elif orientation == 5:  # TRANSPOSE (main diagonal)
-        arr = arr.transpose(1, 0, 2)
-    elif orientation == 6:  # ROTATE_270 (90 degrees clockwise)
-        arr = np.rot90(arr, -1)
-    elif orientation == 7:  # TRANSVERSE (anti-diagonal)
-        arr = arr.transpose(1, 0, 2)[::-1, ::-1]
-    elif orientation == 8:  # ROTATE_90 (90 degrees counter-clockwise)
-        arr = np.rot90(arr, 1)
-    else:
-        return arr
-    return np.ascontiguousarray(arr)
+    op = _ORIENT.get(orientation)
+    return arr if op is None else np.ascontiguousarray(op(arr))
 
 
 def read_exif_orientation(data, key: str) -> int:
@@ -319,3 +318,17 @@ def decode_jpeg_region(data, key: str, top: int, left: int, height: int, width: 
     _stats["roi"] += 1
     arr = np.frombuffer(buf, np.uint8).reshape(height, out_w, 3)
     return arr[:, left - x0 : left - x0 + width]
+
+
+def decode_jpeg_box(data, key: str, hw: tuple[int, int], box: tuple[int, ...], max_pixels: int) -> np.ndarray:
+    """The ``(top, left, height, width)`` ``box`` of a JPEG of size ``hw`` that :func:`jpeg_region_size`
+    took: decoded alone, or, where libjpeg warns inside it, cut from :func:`decode_image` (which
+    judges the file). ``(height, width, 3)`` uint8; raises as :func:`decode_image` does."""
+    top, left, h, w = box
+    part = decode_jpeg_region(data, key, top, left, h, w)
+    if part is not None:
+        return part
+    img = decode_image(data, key, max_pixels=max_pixels)
+    if img.shape[:2] != hw:
+        raise DecodeError(key, f"decoded size {img.shape[:2]} differs from the JPEG header's {hw}")
+    return img[top : top + h, left : left + w]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -117,13 +118,18 @@ def time_decode_round(
 
     else:
         raise ValueError(f"recipe must be 'stoker' or 'pillow', got {recipe!r}")
+    return time_loop(lambda i: step(payloads[i], i), len(payloads), min_seconds)
+
+
+def time_loop(step: Callable[[int], object], count: int, min_seconds: float) -> DecodeRound:
+    """Time ``step(i)`` cycled over ``i = 0 .. count - 1`` (at least one pass and ``min_seconds``
+    of wall time) on one torch intra-op thread (one core's rate), on the wall clock and this
+    thread's CPU clock. ``count`` must be >= 1; what ``step`` raises propagates."""
     n = 0
-    count = len(payloads)
     with one_intra_op_thread():  # one core's rate: torch's resize kernel on one thread
         start, cpu_start = time.perf_counter(), time.thread_time()
         while True:
-            i = n % count
-            step(payloads[i], i)
+            step(n % count)
             n += 1
             elapsed = time.perf_counter() - start
             if n >= count and elapsed >= min_seconds:

@@ -14,7 +14,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from .transforms import eval_resize_for, random_resized_crop_params, resized_hw
+from .transforms import center_offsets, eval_resize_for, random_resized_crop_params, resized_hw
 
 __all__ = [
     "pillow_decode",
@@ -88,8 +88,7 @@ def pillow_eval_transform(img: Image.Image, size: int = 224, resize: int = 256) 
     new_h, new_w = resized_hw(height, width, resize)
     if (new_w, new_h) != (width, height):
         img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
-    top = int(round((new_h - size) / 2.0))
-    left = int(round((new_w - size) / 2.0))
+    top, left = center_offsets(new_h, new_w, size)
     return _to_chw(img.crop((left, top, left + size, top + size)))
 
 

@@ -18,7 +18,7 @@ import math
 import cv2
 import numpy as np
 
-from .image import DEFAULT_MAX_PIXELS, DecodeError, decode_image, decode_jpeg_region, jpeg_region_size
+from .image import DEFAULT_MAX_PIXELS, decode_image, decode_jpeg_box, jpeg_region_size
 from .resample import resize_bilinear_aa, resize_box_aa, resize_into_scratch
 
 __all__ = [
@@ -164,15 +164,9 @@ def _train_from_region(
     the already drawn box is cut from that.
     """
     out = _out_buffer(out, size)
-    top, left, h, w = random_resized_crop_params(hw[0], hw[1], rng)
+    box = random_resized_crop_params(hw[0], hw[1], rng)
     flip = bool(rng.random() < 0.5)
-    crop = decode_jpeg_region(data, key, top, left, h, w)
-    if crop is None:
-        img = decode_image(data, key, max_pixels=max_pixels)
-        if img.shape[:2] != hw:
-            raise DecodeError(key, f"decoded size {img.shape[:2]} differs from the JPEG header's {hw}")
-        crop = img[top : top + h, left : left + w]
-    return _resize_flip(crop, flip, size, out)
+    return _resize_flip(decode_jpeg_box(data, key, hw, box, max_pixels), flip, size, out)
 
 
 def eval_resize_for(size: int) -> int:
@@ -186,6 +180,20 @@ def resized_hw(height: int, width: int, resize: int) -> tuple[int, int]:
     if width <= height:
         return int(resize * height / width), resize
     return resize, int(resize * width / height)
+
+
+def center_offsets(height: int, width: int, size: int) -> tuple[int, int]:
+    """``(top, left)`` in pixels of torchvision's ``CenterCrop(size)`` of a ``height`` x ``width``
+    image: ``int(round((dim - size) / 2))``."""
+    return int(round((height - size) / 2.0)), int(round((width - size) / 2.0))
+
+
+def resize_center_crop(img: np.ndarray, size: int, resize: int) -> np.ndarray:
+    """``Resize(resize)`` then ``CenterCrop(size)`` of an ``(H, W, 3)`` uint8 image: an HWC view
+    ``(size, size, 3)`` of the resized image (``size <= resize``, unchecked)."""
+    new_h, new_w = resized_hw(img.shape[0], img.shape[1], resize)
+    top, left = center_offsets(new_h, new_w, size)
+    return resize_bilinear_aa(img, new_w, new_h)[top : top + size, left : left + size]
 
 
 def eval_transform(img: np.ndarray, size: int = 224, resize: int = 256, out: np.ndarray | None = None) -> np.ndarray:
@@ -210,11 +218,7 @@ def eval_transform(img: np.ndarray, size: int = 224, resize: int = 256, out: np.
     if size > resize:
         raise ValueError(f"crop size {size} larger than resize {resize} (padding is not supported)")
     out = _out_buffer(out, size)
-    new_h, new_w = resized_hw(img.shape[0], img.shape[1], resize)
-    res = resize_bilinear_aa(img, new_w, new_h)
-    top = int(round((new_h - size) / 2.0))
-    left = int(round((new_w - size) / 2.0))
-    _hwc_to_chw(res[top : top + size, left : left + size], out, False)
+    _hwc_to_chw(resize_center_crop(img, size, resize), out, False)
     return out
 
 
@@ -332,8 +336,7 @@ def eval_transform_reduced(
         raise ValueError(f"crop size {size} larger than resize {resize} (padding is not supported)")
     out = _out_buffer(out, size)
     new_h, new_w = resized_hw(H, W, resize)
-    top = int(round((new_h - size) / 2.0))
-    left = int(round((new_w - size) / 2.0))
+    top, left = center_offsets(new_h, new_w, size)
     fy, fx = img.shape[0] / new_h, img.shape[1] / new_w
     res = resize_box_aa(img, top * fy, left * fx, size * fy, size * fx, size, size)
     _hwc_to_chw(res, out, False)

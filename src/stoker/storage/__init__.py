@@ -210,6 +210,12 @@ class Origin:
         return self._fs
 
     @property
+    def is_local(self) -> bool:
+        """Whether the origin is this machine's filesystem (a path or ``file://``)."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return protocol in ("file", "local")
+
+    @property
     def root(self) -> str:
         self.fs  # noqa: B018 - initialises _root
         return self._root
@@ -243,15 +249,13 @@ class Origin:
         budget_s = self.retry_budget_s
         assert budget_s is not None  # resolved to seconds by __post_init__
         t0 = time.monotonic()
-        deadline = t0 + budget_s
         ambient = getattr(_AMBIENT, "deadline", None)
-        if ambient is not None:
-            deadline = min(deadline, ambient)
-        attempt = 0
+        deadline = t0 + budget_s if ambient is None else min(t0 + budget_s, ambient)
         cap_s = min(BACKOFF_CAP_S, max(self.backoff_s, budget_s / 4))  # several tries per budget
+        op = _Operation(what, start, end, t0, deadline, budget_s, cap_s)
         last: tuple[BaseException, Failure] | None = None
         while True:
-            go, probe = self.backoff.wait_turn(deadline, first=attempt == 0)
+            go, probe = self.backoff.wait_turn(op.deadline, first=op.tries == 0)
             if not go:  # the origin throttled all along (or the process is stopping)
                 exc, failure = last if last else (None, self.backoff.last or Failure(retry=True))
                 why = (
@@ -259,8 +263,8 @@ class Origin:
                     if self.backoff.cancelled
                     else f"the origin kept throttling; retry budget {budget_s:g} s spent"
                 )
-                raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
-            attempt += 1
+                raise self._error(op, exc, failure, why) from exc
+            op.tries += 1
             sent_at = time.monotonic()
             try:
                 result = fn()
@@ -272,46 +276,50 @@ class Origin:
                 self.backoff.done(sent_at, probe, failure, cap_s)
                 self.counters.errors += 1
                 last = (exc, failure)
-                if not failure.retry:
-                    shown: BaseException = exc
-                    if failure.credentials and failure.code is None and self._is_s3():
-                        # a HEAD's answer has no body: ask once for the S3 code
-                        shown, failure = self._denied_code(what, exc, failure)
-                    raise self._error(what, shown, failure, start, end, attempt, t0, "not retried") from exc
-                now = time.monotonic()
-                if failure.unreachable and not self.reached:  # never answered: probably a wrong URL
-                    deadline = min(deadline, t0 + UNREACHABLE_BUDGET_S)
-                if now >= deadline or (self.attempts is not None and attempt >= self.attempts):
-                    why = (
-                        f"the origin was never reached: check the URL, host and port (gave up after "
-                        f"{UNREACHABLE_BUDGET_S:g} s)"
-                        if failure.unreachable and not self.reached
-                        else f"retry budget {budget_s:g} s spent"
-                    )
-                    raise self._error(what, exc, failure, start, end, attempt, t0, why) from exc
-                self.counters.retries += 1
-                # the first retry of an operation and one every 5 s of retrying are warnings, the rest debug
-                level = (
-                    logging.WARNING if attempt == 1 or int((now - t0) / 5) > int((sent_at - t0) / 5) else logging.DEBUG
-                )
-                log.log(
-                    level,
-                    "retrying %s (attempt %d, %.1f of %g s): %s",
-                    what,
-                    attempt,
-                    now - t0,
-                    budget_s,
-                    _describe(exc, failure),
-                )
-                if not failure.throttled:  # throttling: wait_turn holds every thread back instead
-                    wait_s = failure.retry_after_s
-                    if wait_s is None:
-                        wait_s = full_jitter_s(attempt, self.backoff_s, cap_s)
-                    self.backoff.pause(max(0.0, min(wait_s, deadline - now)))
+                self._wait_or_raise(op, exc, failure, sent_at)
                 continue
             self.backoff.done(sent_at, probe, None)
             self.reached = True
             return result
+
+    def _wait_or_raise(self, op: _Operation, exc: Exception, failure: Failure, sent_at: float) -> None:
+        """After try ``op.tries``, sent at ``sent_at`` (monotonic s), failed with ``exc``: raise
+        :class:`OriginError` when ``failure`` cannot clear or the budget is spent, else log the
+        retry and wait out the back-off (while throttled, ``wait_turn`` waits instead)."""
+        if not failure.retry:
+            shown: BaseException = exc
+            if failure.credentials and failure.code is None and self._is_s3():
+                # a HEAD's answer has no body: ask once for the S3 code
+                shown, failure = self._denied_code(op.what, exc, failure)
+            raise self._error(op, shown, failure, "not retried") from exc
+        now = time.monotonic()
+        never_reached = failure.unreachable and not self.reached  # probably a wrong URL
+        if never_reached:
+            op.deadline = min(op.deadline, op.t0 + UNREACHABLE_BUDGET_S)
+        if now >= op.deadline or (self.attempts is not None and op.tries >= self.attempts):
+            why = (
+                f"the origin was never reached: check the URL, host and port (gave up after {UNREACHABLE_BUDGET_S:g} s)"
+                if never_reached
+                else f"retry budget {op.budget_s:g} s spent"
+            )
+            raise self._error(op, exc, failure, why) from exc
+        self.counters.retries += 1
+        # the first retry of an operation and one every 5 s of retrying are warnings, the rest debug
+        loud = op.tries == 1 or int((now - op.t0) / 5) > int((sent_at - op.t0) / 5)
+        log.log(
+            logging.WARNING if loud else logging.DEBUG,
+            "retrying %s (attempt %d, %.1f of %g s): %s",
+            op.what,
+            op.tries,
+            now - op.t0,
+            op.budget_s,
+            _describe(exc, failure),
+        )
+        if not failure.throttled:  # throttling: wait_turn holds every thread back instead
+            wait_s = failure.retry_after_s
+            if wait_s is None:
+                wait_s = full_jitter_s(op.tries, self.backoff_s, op.cap_s)
+            self.backoff.pause(max(0.0, min(wait_s, op.deadline - now)))
 
     def _is_s3(self) -> bool:
         return self.url.split("://", 1)[0] in ("s3", "s3a")
@@ -333,7 +341,7 @@ class Origin:
                 return probe, probed
         return exc, failure
 
-    def _error(self, what, exc, failure: Failure, start, end, attempts: int, t0: float, why: str) -> OriginError:
+    def _error(self, op: _Operation, exc, failure: Failure, why: str) -> OriginError:
         cls = OriginError
         if isinstance(exc, FileNotFoundError) or failure.status == 404:
             cls = OriginNotFoundError
@@ -350,14 +358,14 @@ class Origin:
                     "not list the bucket (s3:ListBucket): check the URL too"
                 )
         return cls(
-            what,
+            op.what,
             f"{_describe(exc, failure)} ({why}){hint}",
-            start,
-            end,
-            attempts,
+            op.start,
+            op.end,
+            op.tries,
             code=failure.code,
             status=failure.status,
-            elapsed_s=time.monotonic() - t0,
+            elapsed_s=time.monotonic() - op.t0,
         )
 
     def shared_budget(self) -> _SharedBudget:
@@ -446,27 +454,25 @@ class Origin:
         except Exception as exc:  # noqa: BLE001 - a backend without a cache, or a bad path: ask anyway
             log.debug("could not drop fsspec's cached listing of %s: %s", path, exc)
 
-    def exists(self, rel: str) -> bool:
-        """Whether object (or directory) ``rel`` exists now (asked of the origin, retried)."""
+    def _ask(self, rel: str, call):
+        """``call(path)`` of ``rel``'s path, retried, with the cached entries of the path forgotten first."""
         path = self.path(rel)
 
-        def ask() -> bool:
+        def ask():
             self._fresh(path)
-            return self.fs.exists(path)
+            return call(path)
 
         return self.retry(self.full_url(rel), ask)
+
+    def exists(self, rel: str) -> bool:
+        """Whether object (or directory) ``rel`` exists now (asked of the origin, retried)."""
+        return self._ask(rel, self.fs.exists)
 
     def info(self, rel: str) -> dict:
         """fsspec's details of object ``rel`` (``size``; ``ETag`` or ``mtime`` where the origin gives
         them), asked of the origin now (a HEAD or a listing; retried). Raises
         :class:`OriginNotFoundError` when it does not exist, :class:`OriginError` when the origin fails."""
-        path = self.path(rel)
-
-        def ask() -> dict:
-            self._fresh(path)
-            return self.fs.info(path)
-
-        return self.retry(self.full_url(rel), ask)
+        return self._ask(rel, self.fs.info)
 
     def size(self, rel: str) -> int:
         """Bytes of object ``rel`` now (see :meth:`info`). Raises :class:`OriginError` when the origin
@@ -481,13 +487,7 @@ class Origin:
         ``type``, ETag or mtime where given), listed at the origin now (retried). An HTTP origin
         lists the links of the directory's index page, without sizes. Raises
         :class:`OriginNotFoundError` when the directory does not exist."""
-        path = self.path(rel)
-
-        def ask() -> list[dict]:
-            self._fresh(path)
-            return self.fs.ls(path, detail=True)
-
-        return self.retry(self.full_url(rel), ask)
+        return self._ask(rel, lambda path: self.fs.ls(path, detail=True))
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write a whole object so that readers see either nothing or all of it.
@@ -499,11 +499,26 @@ class Origin:
         on completion.
         """
         path = self.path(rel)
-        if _is_local(self.fs):
+        if self.is_local:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             write_atomic(path, data, mode=umask_mode(), fsync=True)
         else:
             self.retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
+
+
+@dataclass
+class _Operation:
+    """One call of :meth:`Origin.retry`: what its errors name (``what``, ``start``, ``end``), its
+    clock (monotonic seconds), budget and back-off ceiling (seconds), and the tries sent so far."""
+
+    what: str
+    start: int | None
+    end: int | None
+    t0: float
+    deadline: float
+    budget_s: float
+    cap_s: float
+    tries: int = 0
 
 
 class _SharedBudget:
@@ -533,8 +548,3 @@ def _describe(exc: BaseException | None, failure: Failure) -> str:
     )
     label = failure.label()
     return f"{label}: {text}" if label and label != type(exc).__name__ and label not in first else text
-
-
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")

@@ -209,24 +209,10 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
                 return None, "botocore found no AWS credentials"
     except botocore.exceptions.BotoCoreError as exc:
         return None, f"botocore cannot read the AWS configuration: {exc}"
-    try:
-        read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
-        connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
-    except (TypeError, ValueError):
-        return None, "config_kwargs timeouts are not numbers of seconds"
-    kw: dict = {
-        "client_options": {
-            "read_timeout": f"{max(1, round(read_s * 1000))}ms",  # a stalled answer fails and is retried
-            "connect_timeout": f"{max(1, round(connect_s * 1000))}ms",
-            "allow_http": bool(endpoint) and str(endpoint).lower().startswith("http://"),
-        }
-    }
-    if ca_bundle and not kw["client_options"]["allow_http"]:
-        try:  # added to the system roots (botocore trusts only the bundle): reaches every store s3fs reaches
-            with open(ca_bundle, "rb") as f:
-                kw["client_options"]["root_certificate"] = f.read()
-        except OSError as exc:
-            return None, f"the AWS CA bundle {ca_bundle} cannot be read: {exc}"
+    client_options, reason = _client_options(config, endpoint, ca_bundle)
+    if client_options is None:
+        return None, reason
+    kw: dict = {"client_options": client_options}
     style = s3.get("addressing_style") or "auto"
     if endpoint:
         # botocore: with a custom endpoint, path style unless addressing_style is "virtual"
@@ -245,6 +231,29 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
     else:
         kw["credential_provider"] = _Credentials(credentials)
     return kw, None
+
+
+def _client_options(config: dict, endpoint, ca_bundle: str | None) -> tuple[dict | None, str | None]:
+    """``(obstore client options, None)``: ``config_kwargs``' timeouts, ``allow_http`` for an
+    ``http://`` endpoint, the CA bundle's certificates (added to the system roots: reaches every
+    store s3fs reaches); or ``(None, reason)``."""
+    try:
+        read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
+        connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
+    except (TypeError, ValueError):
+        return None, "config_kwargs timeouts are not numbers of seconds"
+    options: dict = {
+        "read_timeout": f"{max(1, round(read_s * 1000))}ms",  # a stalled answer fails and is retried
+        "connect_timeout": f"{max(1, round(connect_s * 1000))}ms",
+        "allow_http": bool(endpoint) and str(endpoint).lower().startswith("http://"),
+    }
+    if ca_bundle and not options["allow_http"]:
+        try:
+            with open(ca_bundle, "rb") as f:
+                options["root_certificate"] = f.read()
+        except OSError as exc:
+            return None, f"the AWS CA bundle {ca_bundle} cannot be read: {exc}"
+    return options, None
 
 
 def _env_endpoint() -> bool:

@@ -81,11 +81,6 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
-
-
 class _Local:
     """Conditional create/replace/delete of one local file; the token is the content."""
 
@@ -223,7 +218,7 @@ class _BestEffort:
 
 def _backend(dest: Origin):
     fs, path = dest.fs, dest.path(LEASE_NAME)
-    if _is_local(fs):
+    if dest.is_local:
         return _Local(path)
     if hasattr(fs, "call_s3"):
         return _S3(fs, path, f"{dest.url} (marking it as being packed)")
