@@ -207,7 +207,7 @@ def test_two_writers_of_one_block_count_it_once(tmp_path):
         assert [r for r, _ in results] == [True] * 4
         assert sum(f for _, f in results) == 1, f"trial {trial}: {results}"  # one writer's copy stands
         assert c.used_bytes() == 5000 == _usage_on_disk(root)
-        assert c.namespace_usage() == {"v": 5000}
+        assert c.usage.namespace_usage() == {"v": 5000}
 
 
 def test_fetch_lock_released_although_a_child_forked_while_it_was_held(tmp_path):
@@ -247,8 +247,8 @@ def test_a_failed_fill_is_noted_in_its_fetch_lock_for_that_block_only(tmp_path):
     note = {"pid": 7, "t0": 1.0, "t1": 3.0, "tried": [["the prefetcher (pid 7)", 4, 2.0]]}
     cache.note_fill_failure("ns", "blk", note)
     assert cache.fill_failure("ns", "blk") == {"block": "ns/blk", **note}
-    stripe = cache._stripe("ns", "blk")
-    same = next(n for n in (f"other-{k}" for k in range(1 << 20)) if cache._stripe("ns", n) == stripe)
+    stripe = cache.locks.stripe("ns", "blk")
+    same = next(n for n in (f"other-{k}" for k in range(1 << 20)) if cache.locks.stripe("ns", n) == stripe)
     assert cache.fill_failure("ns", same) is None  # the stripe's note is another block's
     cache.note_fill_failure("ns", same, {"pid": 9})
     assert cache.fill_failure("ns", same) == {"block": f"ns/{same}", "pid": 9}
