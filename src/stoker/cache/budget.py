@@ -1,12 +1,6 @@
-"""The byte budget of a node cache: admission, the policies, eviction and room on the filesystem.
-
-Every fill reserves its bytes under the budget lock before it writes (the budget is enforced on
-every write, never exceeded; WebDataset checks its cache limit only every 30 s), and the bytes
-of a fill that fails or loses a race go back. The budget is capped at what the filesystem can
-still take (:mod:`.space`): a fill that does not fit is refused like any other, and one warning
-per job names the directory and the free bytes. The policies (:data:`POLICIES`) are described in
-:mod:`stoker.cache.disk`; the ``future`` policy's split between datasets is
-:func:`stoker.cache.policy.share_budget`.
+"""The byte budget of a node cache: admission, the policies (:data:`POLICIES`, described in
+:mod:`stoker.cache.disk`), eviction, and room on the filesystem (:mod:`.space`). Every fill
+reserves its bytes under the budget lock before it writes, so the budget is never exceeded.
 """
 
 from __future__ import annotations
