@@ -72,7 +72,7 @@ def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tm
     loader's EpochStats, and the first-batch gauge its last epoch's. Mid-epoch (the last batch in
     hand, the prefetcher done with the plan) the origin bytes already count the prefetcher's reads."""
     probe = stoker.open_dataset(packed_local, cache=False, block_bytes=128 << 10)
-    third = int((probe.block_end - probe.block_start).sum()) // 3
+    third = int((probe.blocks.end - probe.blocks.start).sum()) // 3
     ds = stoker.open_dataset(
         packed_local,
         cache_dir=str(tmp_path / "disk"),

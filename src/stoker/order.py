@@ -275,7 +275,7 @@ class SampleStream:
     arguments and :meth:`state_dict`. Usable as a ``torch.utils.data.Sampler`` for another
     loader (``sampler=SampleStream(...)``) with stoker's order and resume.
     ``groups``: int array (num_samples,), the dataset's block of each sample (needed by
-    the ``blockwise`` order; :attr:`stoker.store.dataset.Dataset.sample_block`).
+    the ``blockwise`` order; :attr:`stoker.store.blockmap.BlockMap.sample_block`).
     """
 
     def __init__(

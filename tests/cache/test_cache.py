@@ -81,10 +81,10 @@ def test_leftover_temporary_fill_is_cleaned(tmp_path, packed_local):
 def test_corrupt_cached_block_is_detected_and_refetched(tmp_path, packed_local):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20, block_bytes=128 << 10)
     good = ds.read(5)
-    b = int(ds.sample_block[5])
-    path = ds.cache.path(ds.version, ds.block_name(b))
+    b = int(ds.blocks.sample_block[5])
+    path = ds.cache.path(ds.version, ds.blocks.name(b))
     raw = bytearray(open(path, "rb").read())
-    off = int(ds.index.offset[5] - ds.block_start[b])
+    off = int(ds.index.offset[5] - ds.blocks.start[b])
     raw[off + 100] ^= 0xFF  # flip one byte inside sample 5
     open(path, "wb").write(bytes(raw))
     before = ds.origin.counters.requests
@@ -97,7 +97,7 @@ def test_corrupt_cached_block_is_detected_and_refetched(tmp_path, packed_local):
 def test_truncated_cached_block_is_refetched(tmp_path, packed_local):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
     good = ds.read(3)
-    path = ds.cache.path(ds.version, ds.block_name(int(ds.sample_block[3])))
+    path = ds.cache.path(ds.version, ds.blocks.name(int(ds.blocks.sample_block[3])))
     with open(path, "r+b") as f:
         f.truncate(10)
     assert ds.read(3) == good
@@ -123,7 +123,7 @@ def test_single_flight_across_processes(tmp_path, packed_local):
     total = sum(q.get(timeout=5) for _ in procs)
     # Each block is fetched from the origin exactly once across the three readers.
     probe2 = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20, block_bytes=256 << 10)
-    assert total == probe2.num_blocks == probe.num_blocks
+    assert total == len(probe2.blocks) == len(probe.blocks)
 
 
 def test_stale_version_never_served(tmp_path, sample_tree):
@@ -150,7 +150,7 @@ def test_memory_tier_over_disk_tier(tmp_path, packed_local):
 
     mem_dir, disk_dir = tmp_path / "shm", tmp_path / "disk"
     probe = open_dataset(packed_local, cache=False, block_bytes=128 << 10)
-    D = int((probe.block_end - probe.block_start).sum())
+    D = int((probe.blocks.end - probe.blocks.start).sum())
     mem, disk = D // 3, D // 3
     ds = open_dataset(
         packed_local,
@@ -207,7 +207,7 @@ def test_two_writers_of_one_block_count_it_once(tmp_path):
         assert [r for r, _ in results] == [True] * 4
         assert sum(f for _, f in results) == 1, f"trial {trial}: {results}"  # one writer's copy stands
         assert c.used_bytes() == 5000 == _usage_on_disk(root)
-        assert c.namespace_usage() == {"v": 5000}
+        assert c.usage.namespace_usage() == {"v": 5000}
 
 
 def test_fetch_lock_released_although_a_child_forked_while_it_was_held(tmp_path):
@@ -247,8 +247,8 @@ def test_a_failed_fill_is_noted_in_its_fetch_lock_for_that_block_only(tmp_path):
     note = {"pid": 7, "t0": 1.0, "t1": 3.0, "tried": [["the prefetcher (pid 7)", 4, 2.0]]}
     cache.note_fill_failure("ns", "blk", note)
     assert cache.fill_failure("ns", "blk") == {"block": "ns/blk", **note}
-    stripe = cache._stripe("ns", "blk")
-    same = next(n for n in (f"other-{k}" for k in range(1 << 20)) if cache._stripe("ns", n) == stripe)
+    stripe = cache.locks.stripe("ns", "blk")
+    same = next(n for n in (f"other-{k}" for k in range(1 << 20)) if cache.locks.stripe("ns", n) == stripe)
     assert cache.fill_failure("ns", same) is None  # the stripe's note is another block's
     cache.note_fill_failure("ns", same, {"pid": 9})
     assert cache.fill_failure("ns", same) == {"block": f"ns/{same}", "pid": 9}
@@ -271,7 +271,7 @@ def test_a_block_filled_while_its_reader_waited_is_no_tier_hit(tmp_path, packed_
     assert ds.reader.fill_block(0, blocking=True, want_data=False) == "filled"  # another process's fill, say
     before = ds.cache.stats.memory_hits
     status, data = ds.reader.fill_block(0, blocking=True, want_data=True)  # the waiter reads the whole block
-    assert status == "cached" and len(data) == int(ds.block_end[0] - ds.block_start[0])  # nothing fetched
+    assert status == "cached" and len(data) == int(ds.blocks.end[0] - ds.blocks.start[0])  # nothing fetched
     assert ds.cache.stats.memory_hits == before  # its sample is a miss, not a memory-tier hit
-    ds.read(int(np.flatnonzero(ds.sample_block == 0)[0]))
+    ds.read(int(np.flatnonzero(ds.blocks.sample_block == 0)[0]))
     assert ds.cache.stats.memory_hits == before + 1  # a sample read from the tier is

@@ -165,9 +165,9 @@ def test_only_a_ram_backed_memory_tier_keeps_the_shared_memory_reserve(tmp_path,
 
     # a memory tier on a disk directory: a quarter of a large disk is not RAM to keep free
     monkeypatch.setattr("stoker.cache.tiered.ram_backed", lambda p: False)
-    assert tiers(tmp_path / "m1").memory.keep_free_fraction == 0.0
+    assert tiers(tmp_path / "m1").memory.budget.keep_free_fraction == 0.0
     monkeypatch.setattr("stoker.cache.tiered.ram_backed", lambda p: True)
-    assert tiers(tmp_path / "m2").memory.keep_free_fraction == SHM_KEEP_FREE
+    assert tiers(tmp_path / "m2").memory.budget.keep_free_fraction == SHM_KEEP_FREE
 
 
 def test_a_memory_tier_in_a_directory_of_the_users_is_shown_and_cleared(packed_local, tmp_path):

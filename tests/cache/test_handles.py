@@ -28,7 +28,7 @@ def test_a_replaced_block_is_never_read_through_a_stale_descriptor(tmp_path):
     writer = DiskCache(str(tmp_path / "c"), 1 << 20)  # another process's view: its own descriptors
     assert writer.put(NS, "b", _block(1))
     assert reader.read(NS, "b", 0, 4096) == _block(1)
-    assert reader._local().open_block_fds() == 1
+    assert reader.dir.local().open_block_fds() == 1
     writer.remove(NS, "b")  # the reader's descriptor now points at an unlinked file
     assert reader.read(NS, "b", 0, 4096) is None
     assert writer.put(NS, "b", _block(2))  # same name, other bytes
@@ -58,9 +58,9 @@ def test_open_block_descriptors_are_bounded(tmp_path, monkeypatch):
     for _ in range(2):
         for k in range(20):
             assert cache.read(NS, f"b{k}", 3, 5) == _block(k, 64)[3:8]
-    assert cache._local().open_block_fds() == 8
+    assert cache.dir.local().open_block_fds() == 8
     cache.close()
-    assert cache._local().open_block_fds() == 0
+    assert cache.dir.local().open_block_fds() == 0
     assert cache.read(NS, "b0", 0, 64) == _block(0, 64)  # still usable
 
 
@@ -71,7 +71,7 @@ def test_a_short_block_file_is_dropped_with_its_descriptor(tmp_path):
     os.truncate(cache.path(NS, "b"), 100)  # damaged in place (same inode)
     assert cache.read(NS, "b", 0, 4096) is None
     assert cache.stats.corrupt == 1 and not cache.contains(NS, "b")
-    assert cache._local().open_block_fds() == 0
+    assert cache.dir.local().open_block_fds() == 0
 
 
 def test_threads_of_one_process_exclude_each_other_on_a_stripe(tmp_path):
@@ -96,7 +96,7 @@ def _child_checks(cache, q):
     try:
         with cache.fetch_lock(NS, "b", blocking=False) as held:
             q.put(("fetch", held))
-        fd = cache._local().budget_fd()
+        fd = cache.dir.local().budget_fd()
         import fcntl
 
         try:
@@ -116,7 +116,7 @@ def test_a_forked_child_does_not_share_the_parents_locks(tmp_path):
     cache.used_bytes()  # the budget lock file is open in this process now
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    with cache.fetch_lock(NS, "b") as held, cache._budget_lock():
+    with cache.fetch_lock(NS, "b") as held, cache.usage.locked():
         assert held
         p = ctx.Process(target=_child_checks, args=(cache, q))
         p.start()
@@ -177,7 +177,7 @@ def test_descriptors_of_unlinked_blocks_are_swept_out(tmp_path, monkeypatch):
     writer.remove(NS, "b0")
     for k in range(1, 8):  # the 8th open sweeps
         assert reader.read(NS, f"b{k}", 0, 8) == _block(k, 64)[:8]
-    assert reader._local().open_block_fds() == 7  # b1..b7: b0's descriptor closed although the LRU had room
+    assert reader.dir.local().open_block_fds() == 7  # b1..b7: b0's descriptor closed although the LRU had room
 
 
 def test_a_dropped_cache_gives_its_descriptors_back(tmp_path):

@@ -55,21 +55,21 @@ def test_future_policy_moves_budget_to_the_faster_job_without_thrashing(tmp_path
     c = DiskCache(str(tmp_path), 10_000, "future")
     c.register("slow", 8_000, epoch_s=40.0)  # this process
     c.jobs.register("fast", 8_000, epoch_s=10.0, pid=other_process)  # another job, 4x the rate
-    assert c.quotas() == {"fast": 8_000, "slow": 2_000}
+    assert c.budget.quotas() == {"fast": 8_000, "slow": 2_000}
     # the slow job arrives first and takes the free space (work-conserving admission)
     assert _fill(c, "slow", 8, 1000) == 8
     assert c.stats.evictions == 0
     # the fast job's fills evict the slow job's blocks down to its share, not below
     assert _fill(c, "fast", 8, 1000) == 8
     assert c.stats.evictions == 6
-    use = c.namespace_usage()
+    use = c.usage.namespace_usage()
     assert use == {"slow": 2_000, "fast": 8_000}
     assert c.used_bytes() == 10_000
     # steady state: neither evicts the other any more (no thrash), both are refused
     ev = c.stats.evictions
     assert _fill(c, "slow", 10, 1000, prefix="x") == 0
     assert _fill(c, "fast", 10, 1000, prefix="x") == 0
-    assert c.stats.evictions == ev and c.namespace_usage() == use
+    assert c.stats.evictions == ev and c.usage.namespace_usage() == use
 
 
 def test_future_policy_reclaims_a_dead_jobs_blocks_but_not_an_unannounced_readers(tmp_path, other_process):
@@ -81,19 +81,19 @@ def test_future_policy_reclaims_a_dead_jobs_blocks_but_not_an_unannounced_reader
     assert _fill(c, "anon", 3, 1000) == 0
     c.register("new", 5_000)
     # while the old job lives the two share the budget by size
-    assert c.quotas() == {"old": 2_500, "new": 2_500}
+    assert c.budget.quotas() == {"old": 2_500, "new": 2_500}
     assert _fill(c, "new", 5, 1000) == 2
-    assert c.namespace_usage()["old"] == 3_000
+    assert c.usage.namespace_usage()["old"] == 3_000
     subprocess.run(["kill", "-9", str(other_process)], check=True)
     import os
 
     os.waitpid(other_process, 0)
     c.forget_quotas()
-    assert c.quotas() == {"new": 5_000}
+    assert c.budget.quotas() == {"new": 5_000}
     assert _fill(c, "new", 5, 1000, prefix="y") == 3
-    assert c.namespace_usage().get("old", 0) == 0
+    assert c.usage.namespace_usage().get("old", 0) == 0
     # usage counters agree with the files after a recount
-    assert c.recover()["used"] == 5_000 and c.namespace_usage()["new"] == 5_000
+    assert c.recover()["used"] == 5_000 and c.usage.namespace_usage()["new"] == 5_000
 
 
 def test_loader_reports_its_epoch_time_to_the_policy(packed_local, tmp_path):
@@ -109,7 +109,7 @@ def test_loader_reports_its_epoch_time_to_the_policy(packed_local, tmp_path):
             pass
     (rec,) = ds.cache.jobs.records()
     assert rec["epoch_s"] and rec["epoch_s"] == pytest.approx(loader.stats.seconds, rel=0.01)
-    assert ds.cache.quotas() == {ds.version: ds.index.total_bytes}
+    assert ds.cache.budget.quotas() == {ds.version: ds.index.total_bytes}
 
 
 def test_bench_cache_tiny(tmp_path):

@@ -35,7 +35,7 @@ def decode(fields, rng):  # the bottleneck: 80 ms a sample in the one worker
     return np.array([sum(len(v) for k, v in fields.items() if not k.startswith("__"))])
 
 ds = stoker.open_dataset(packed, cache_dir=cache, cache_bytes=1 << 30)
-for b in range(ds.num_blocks):  # cached before the epoch: every read of it a hit
+for b in range(len(ds.blocks)):  # cached before the epoch: every read of it a hit
     ds.reader.fill_block(b, want_data=False)
 ld = stoker.Loader(ds, 1, num_workers=1, decode=decode)
 for i, _ in enumerate(ld):

@@ -293,8 +293,8 @@ def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_m
     url = str(tmp_path / "ds")
     shutil.copytree(packed_local, url)
     ds = open_dataset(url, cache=False, check=False, block_bytes=BLOCK)
-    b = int(np.flatnonzero(ds.block_shard == 1)[0])
-    i = int(np.flatnonzero(ds.sample_block == b)[0])
+    b = int(np.flatnonzero(ds.blocks.shard == 1)[0])
+    i = int(np.flatnonzero(ds.blocks.sample_block == b)[0])
     shard = ds.index.shard_name(1)
     path, at = f"{url}/{shard}", int(ds.index.offset[i]) + int(ds.index.length[i]) // 2
     with open(path, "r+b") as f:
@@ -332,4 +332,4 @@ def test_warm_with_a_failing_shard_reports_it_and_a_rerun_fetches_only_what_is_m
     assert again["complete"] and again["failed_shards"] == {}
     assert {n["cache_dir"] for n in again["nodes"].values()} == dirs
     assert again["origin_bytes"] == first["dataset_bytes"] - sum(n["cached_bytes"] for n in first["nodes"].values())
-    assert again["origin_bytes"] == int(ds.block_bytes_of(b))
+    assert again["origin_bytes"] == int(ds.blocks.nbytes(b))

@@ -26,9 +26,9 @@ def _epoch(loader, counters):
 def test_local_peer_origin_add_up_to_the_bytes_read(packed_local, tmp_path):
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30, block_bytes=256 << 10)
     counters = ByteCounters()
-    counters.size_tags(ds.num_blocks)
+    counters.size_tags(len(ds.blocks))
     try:
-        router = BlockRouter({"url": ds.url}, ["node0"], np.zeros(ds.num_blocks, np.int64), 0, counters)
+        router = BlockRouter({"url": ds.url}, ["node0"], np.zeros(len(ds.blocks), np.int64), 0, counters)
         ds = ds.with_reader(BlockReader(ds, router=router))  # as a rank reads (stoker.cluster.jobs.job)
         # prefetch_next_epoch=False: the next epoch's first batches would be read (and counted)
         # inside this epoch's window, and the test compares each window with its epoch's plan
@@ -43,7 +43,7 @@ def test_local_peer_origin_add_up_to_the_bytes_read(packed_local, tmp_path):
         cold, warm = epochs
         assert cold["local"] == 0 and fractions(cold)["origin_fraction"] == 1.0  # an empty cache: all origin
         # the bytes received are counted apart: whole blocks, at least the samples read of them
-        assert cold["origin"] <= cold["fetch_origin"] <= int((ds.block_end - ds.block_start).sum())
+        assert cold["origin"] <= cold["fetch_origin"] <= int((ds.blocks.end - ds.blocks.start).sum())
         assert warm["origin"] == 0 and warm["fetch_origin"] == 0 and fractions(warm)["local_fraction"] == 1.0
     finally:
         counters.close()

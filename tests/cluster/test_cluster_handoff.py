@@ -141,15 +141,15 @@ def test_the_new_owner_fills_a_block_from_its_previous_owner_not_the_origin(two,
     ds = open_dataset(packed_local, cache=False, block_bytes=BLOCK)
     dref = service_mod.dataset_ref(ds)
     assert b.fill(dref, [1, 2])["origin_bytes"] > 0  # b owned blocks 1 and 2 before the join
-    start, stop = int(ds.block_start[1]), int(ds.block_start[1]) + 500
-    want = bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[1]), start, stop))
+    start, stop = int(ds.blocks.start[1]), int(ds.blocks.start[1]) + 500
+    want = bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[1]), start, stop))
     origin = _origin_reads(monkeypatch, ds)
     assert a.read(dref, 1, start, stop, prior="node-b") == ("handoff", want)
     got = a.fill(dref, [2], prior={2: "node-b"})
-    assert (got["filled"], got["origin_bytes"], got["handoff_bytes"]) == (1, 0, int(ds.block_bytes_of(2)))
+    assert (got["filled"], got["origin_bytes"], got["handoff_bytes"]) == (1, 0, int(ds.blocks.nbytes(2)))
     assert origin == []  # neither the new owner nor the previous one went to the origin
     assert a.read(dref, 1, start, stop, prior="node-b") == ("cache", want)  # kept on the new owner
-    assert b.read_cached(dref, 3, int(ds.block_start[3]), int(ds.block_start[3]) + 10) is None  # cache only
+    assert b.read_cached(dref, 3, int(ds.blocks.start[3]), int(ds.blocks.start[3]) + 10) is None  # cache only
     assert origin == []
 
 
@@ -157,20 +157,20 @@ def test_the_origin_when_the_previous_owner_lacks_the_block_sends_bad_bytes_or_f
     a, b, handles = two
     ds = open_dataset(packed_local, cache=False, block_bytes=BLOCK)
     dref = service_mod.dataset_ref(ds)
-    s = int(ds.block_start[1])
-    want = bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[1]), s, s + 500))
+    s = int(ds.blocks.start[1])
+    want = bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[1]), s, s + 500))
     assert a.read(dref, 1, s, s + 500, prior="node-b") == ("origin", want)  # b does not hold it
     b.fill(dref, [2, 3])
     real = b.read_cached
     monkeypatch.setattr(b, "read_cached", lambda *args: bytes(len(real(*args))))  # zeros: a bad copy
     got = a.fill(dref, [2], prior={2: "node-b"})
     assert (got["filled"], got["handoff_bytes"], got["failed"]) == (1, 0, 0)
-    assert got["origin_bytes"] == int(ds.block_bytes_of(2))
+    assert got["origin_bytes"] == int(ds.blocks.nbytes(2))
     handles["node-b"].fail = True  # the previous owner stops answering: asked once, then left alone
-    s3 = int(ds.block_start[3])
+    s3 = int(ds.blocks.start[3])
     assert a.read(dref, 3, s3, s3 + 100, prior="node-b")[0] == "origin"
     calls = handles["node-b"].calls
-    s4 = int(ds.block_start[4])
+    s4 = int(ds.blocks.start[4])
     assert a.read(dref, 4, s4, s4 + 100, prior="node-b")[0] == "origin"
     assert handles["node-b"].calls == calls
 
@@ -248,9 +248,9 @@ def _evict_all(url, opts, info):
     """Drop every block of the dataset from the node cache of ``info`` (a service's info), as
     eviction or a lost disk would; runs on that node (the cache is shared by its processes)."""
     ds = open_dataset(url, info["cache_dir"], info["cache_bytes"], storage_options=opts, check=False, block_bytes=BLOCK)
-    held = [b for b in range(ds.num_blocks) if ds.cache.contains(ds.version, ds.block_name(b))]
+    held = [b for b in range(len(ds.blocks)) if ds.cache.contains(ds.version, ds.blocks.name(b))]
     for b in held:
-        ds.cache.remove(ds.version, ds.block_name(b))
+        ds.cache.remove(ds.version, ds.blocks.name(b))
     return len(held)
 
 
@@ -292,8 +292,8 @@ def router(packed_local):
 
     ds = open_dataset(packed_local, cache=False, block_bytes=BLOCK)
     counters = ByteCounters()
-    counters.size_tags(ds.num_blocks)
-    owner, prior = np.zeros(ds.num_blocks, np.int64), np.ones(ds.num_blocks, np.int64)
+    counters.size_tags(len(ds.blocks))
+    owner, prior = np.zeros(len(ds.blocks), np.int64), np.ones(len(ds.blocks), np.int64)
     r = BlockRouter(
         service_mod.dataset_ref(ds), ["a", "b"], owner, 0, counters, timeout_s=2.0, retry_s=30.0, prior=prior
     )
@@ -304,8 +304,8 @@ def router(packed_local):
 
 
 def _whole(ds, b):
-    start, stop = int(ds.block_start[b]), int(ds.block_end[b])
-    return start, stop, bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop))
+    start, stop = int(ds.blocks.start[b]), int(ds.blocks.end[b])
+    return start, stop, bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop))
 
 
 def test_a_rank_fills_its_nodes_block_from_the_previous_owner_and_else_the_origin(router, monkeypatch):

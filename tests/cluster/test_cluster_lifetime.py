@@ -294,7 +294,7 @@ def test_a_peer_that_hangs_on_a_live_node_costs_one_stall(cluster, s3_dataset, m
     router = BlockRouter(
         service.dataset_ref(ds, opts),
         [node],
-        np.zeros(ds.num_blocks, np.int64),
+        np.zeros(len(ds.blocks), np.int64),
         -1,
         counters,
         timeout_s=0.5,
@@ -302,12 +302,12 @@ def test_a_peer_that_hangs_on_a_live_node_costs_one_stall(cluster, s3_dataset, m
     )
 
     def block(b):
-        start = int(ds.block_start[b])
-        return start, start + int(ds.block_bytes_of(b))
+        start = int(ds.blocks.start[b])
+        return start, start + int(ds.blocks.nbytes(b))
 
     try:
         for b in range(8):
-            truth = bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), *block(b)))
+            truth = bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), *block(b)))
             assert router.read(ds, b, *block(b)) == truth  # from the origin
             time.sleep(0.06)  # past retry_s: the peer is due again
         assert ray.get(peer.count.remote())["read"] == 1  # the one stall; the rest did not call it
@@ -345,7 +345,7 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
     router = BlockRouter(
         service.dataset_ref(ds, opts),
         [node.node_id],
-        np.zeros(ds.num_blocks, np.int64),
+        np.zeros(len(ds.blocks), np.int64),
         -1,
         counters,
         timeout_s=30,
@@ -353,11 +353,11 @@ def test_a_peer_on_a_dead_node_is_not_called_again(cluster, s3_dataset, tmp_path
     )
 
     def block(b):
-        start = int(ds.block_start[b])
-        return start, start + int(ds.block_bytes_of(b))
+        start = int(ds.blocks.start[b])
+        return start, start + int(ds.blocks.nbytes(b))
 
     def truth(b):
-        return bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), *block(b)))
+        return bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), *block(b)))
 
     try:
         assert router.read(ds, 0, *block(0)) == truth(0)

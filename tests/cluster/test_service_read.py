@@ -26,8 +26,8 @@ def svc(tmp_path, monkeypatch):
 
 
 def _block_range(ds, b: int) -> tuple[int, int]:
-    start = int(ds.block_start[b])
-    return start, min(start + 1000, int(ds.block_end[b]))
+    start = int(ds.blocks.start[b])
+    return start, min(start + 1000, int(ds.blocks.end[b]))
 
 
 def test_a_block_another_fill_brought_while_the_read_waited_is_served_from_the_cache(svc, packed_local, monkeypatch):
@@ -38,7 +38,7 @@ def test_a_block_another_fill_brought_while_the_read_waited_is_served_from_the_c
     dref = service_mod.dataset_ref(ds)
     assert svc.fill(dref, [0])["filled"] == 1  # another fill, say a warm-up's
     start, stop = _block_range(ds, 0)
-    want = bytes(ds.origin.read_range(ds.index.shard_name(ds.block_shard[0]), start, stop))
+    want = bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[0]), start, stop))
 
     real_read, misses = DiskCache.read, []
 

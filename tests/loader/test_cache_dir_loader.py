@@ -59,7 +59,7 @@ def test_a_cache_directory_removed_mid_epoch_is_made_again(id_dataset, tmp_path,
         assert layout.is_cache(str(gone))
         # what the removal took was read again (and cached again): more than the dataset's blocks
         # came from the origin in the first two epochs, nothing in the last
-        blocks = int((ds.block_end - ds.block_start).sum())
+        blocks = int((ds.blocks.end - ds.blocks.start).sum())
         assert sum(h.origin_bytes for h in loader.history[:2]) > blocks and loader.stats.origin_bytes == 0
 
 

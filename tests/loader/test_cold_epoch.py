@@ -21,16 +21,16 @@ BLOCK = 256 << 10
 
 
 def _block_bytes(ds, which=None) -> int:
-    sizes = (ds.block_end - ds.block_start).astype(np.int64)
+    sizes = (ds.blocks.end - ds.blocks.start).astype(np.int64)
     return int(sizes.sum() if which is None else sizes[which].sum())
 
 
 def _gap_bytes(ds, which=None) -> int:
     """Bytes between consecutive blocks of one shard (both in ``which``, a bool mask): what a
     merged GET of adjacent blocks (stoker.store.runs) reads beyond their own bytes (tar headers)."""
-    which = np.ones(ds.num_blocks, bool) if which is None else which
-    pair = (ds.block_shard[1:] == ds.block_shard[:-1]) & which[1:] & which[:-1]
-    return int((ds.block_start[1:] - ds.block_end[:-1])[pair].sum())
+    which = np.ones(len(ds.blocks), bool) if which is None else which
+    pair = (ds.blocks.shard[1:] == ds.blocks.shard[:-1]) & which[1:] & which[:-1]
+    return int((ds.blocks.start[1:] - ds.blocks.end[:-1])[pair].sum())
 
 
 def _once(nbytes: int, ds, which=None) -> bool:
@@ -72,19 +72,19 @@ def test_a_cold_epoch_reads_each_block_once_with_a_small_cache(where, fraction, 
         assert sum(len(y) for _, y in loader) == len(ds)
         cold = loader.stats
         assert _once(cold.origin_bytes, ds), (cold.origin_bytes, dataset_bytes)  # every block once, none twice
-        assert cold.origin_requests <= ds.num_blocks and cold.direct_reads == 0
-        assert 0 < cold.prefetch_staged and cold.prefetch_fills + cold.prefetch_staged <= ds.num_blocks
+        assert cold.origin_requests <= len(ds.blocks) and cold.direct_reads == 0
+        assert 0 < cold.prefetch_staged and cold.prefetch_fills + cold.prefetch_staged <= len(ds.blocks)
         assert cold.staged_reused == 0
         # staging is emptied once the epoch's last batch is delivered: no block serves the next epoch
         assert _until(lambda: _staged_files(tmp_path) == [])
-        cached = ds.cached_blocks()
+        cached = ds.blocks.cached(ds.cache, ds.version)
         assert 0 < _block_bytes(ds, cached) <= budget
         assert sum(len(y) for _, y in loader) == len(ds)
         warm = loader.stats
         assert _once(warm.origin_bytes, ds, ~cached), warm.origin_bytes  # what the cache does not hold, once
         assert warm.staged_reused == 0 and warm.direct_reads == 0
         assert warm.prefetch_staged <= int((~cached).sum())
-        assert warm.cache_hits == int(np.isin(ds.sample_block, np.flatnonzero(cached)).sum())
+        assert warm.cache_hits == int(np.isin(ds.blocks.sample_block, np.flatnonzero(cached)).sum())
 
 
 def _wait_plan(counters, run: int) -> None:

@@ -75,11 +75,11 @@ def test_two_concurrent_jobs_read_each_block_once(packed_local, tmp_path):
     ds = open_dataset(packed_local, cache=False, block_bytes=64 << 10)
     # every block fetched once across both jobs: its bytes once (a merged GET of adjacent blocks
     # also reads the tar headers between them), in at most one request a block
-    own = int((ds.block_end - ds.block_start).sum())
-    same_shard = ds.block_shard[1:] == ds.block_shard[:-1]
-    gaps = int((ds.block_start[1:] - ds.block_end[:-1])[same_shard].sum())
+    own = int((ds.blocks.end - ds.blocks.start).sum())
+    same_shard = ds.blocks.shard[1:] == ds.blocks.shard[:-1]
+    gaps = int((ds.blocks.start[1:] - ds.blocks.end[:-1])[same_shard].sum())
     assert own <= sum(int(o[3]) for o in outs) <= own + gaps
-    assert 0 < sum(int(o[0]) for o in outs) <= ds.num_blocks
+    assert 0 < sum(int(o[0]) for o in outs) <= len(ds.blocks)
     assert all(o[1] == str(len(ds)) and o[2] == "True" for o in outs)
 
 

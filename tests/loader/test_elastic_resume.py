@@ -95,7 +95,7 @@ def test_resume_at_another_world_size_with_even_drop(packed_local):
     owed = len(ds) - len(served)
     assert len(rest) == owed // 3 * 3  # a remainder of fewer than 3 ids is dropped, as at the start
     assert len(set(served + rest)) == len(served) + len(rest)
-    perm = permutation(len(ds), SEED, 0, "blockwise", groups=ds.sample_block, window=16)
+    perm = permutation(len(ds), SEED, 0, "blockwise", groups=ds.blocks.sample_block, window=16)
     assert set(rest) == set(perm[len(served) : len(served) + len(rest)].tolist())
 
 

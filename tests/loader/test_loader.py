@@ -204,7 +204,7 @@ def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts
     ds = open_dataset(url, cache_dir=str(tmp_path), cache_bytes=64 << 20, storage_options=opts)
     proxy.set_fault(Fault("status", 503))  # every shard GET
     pre = mp.get_context("fork").Process(
-        target=_fill_as_prefetcher, args=(ds, int(ds.sample_block[0])), name="stoker-prefetch"
+        target=_fill_as_prefetcher, args=(ds, int(ds.blocks.sample_block[0])), name="stoker-prefetch"
     )
     pre.start()
     try:
@@ -222,7 +222,7 @@ def test_a_read_that_waited_for_another_process_failed_fetch_counts_its_attempts
     assert first == f"the prefetcher (pid {pre.pid})" and then == f"the main process (pid {os.getpid()})"
     assert n0 >= 1 and n1 >= 1 and e.attempts == n0 + n1 == proxy.stats()["faults_injected"]
     assert e.elapsed_s >= max(s0, s1) and e.code == "SlowDown"
-    shard = ds.index.shard_name(ds.block_shard[ds.sample_block[0]])
+    shard = ds.index.shard_name(ds.blocks.shard[ds.blocks.sample_block[0]])
     assert str(e).startswith(f"origin error reading {url}/{shard} bytes "), str(e)
     assert (
         f"after {e.attempts} attempt(s) in {e.elapsed_s:.1f} s [the prefetcher (pid {pre.pid}): {n0} in "
@@ -279,7 +279,7 @@ def test_cache_aware_order_is_exactly_once_and_resumable(packed_local, tmp_path)
     state = first.state_dict()
     rest_ref = [y.clone() for _, y in it]
     first.close()
-    ds.cache.remove(ds.version, ds.block_name(0))  # the cache changes between save and restore
+    ds.cache.remove(ds.version, ds.blocks.name(0))  # the cache changes between save and restore
     second = Loader(ds, 8, **cfg)
     second.load_state_dict(state)
     rest = [y.clone() for _, y in second]
@@ -300,7 +300,9 @@ def test_worker_error_names_the_corrupt_sample_not_its_block_neighbour(packed_lo
     order = Loader(ds, 8, num_workers=0, seed=3).plan(0)
     # a sample in the same block as the first sample of the epoch, but not that sample itself
     first = int(order[0])
-    neighbours = [i for i in range(len(ds)) if ds.sample_block[i] == ds.sample_block[first] and i != first]
+    neighbours = [
+        i for i in range(len(ds)) if ds.blocks.sample_block[i] == ds.blocks.sample_block[first] and i != first
+    ]
     bad = neighbours[0]
     shard = dst / ds.index.shard_name(ds.index.shard[bad])
     raw = bytearray(shard.read_bytes())

@@ -30,7 +30,7 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
     held, release = threading.Event(), threading.Event()
 
     def hold():  # another process's fill of a block on b0's lock stripe, for 0.4 s
-        with ds.cache.fetch_lock(ds.version, ds.block_name(b0), blocking=True):
+        with ds.cache.fetch_lock(ds.version, ds.blocks.name(b0), blocking=True):
             held.set()
             release.wait(10)
 
@@ -47,14 +47,14 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
         while counters[5] < len(blocks) - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert counters[5] == len(blocks) - 1  # all but b0 staged while its lock is held
-        assert not ds.reader.staging.contains(ds.version, ds.block_name(b0))
+        assert not ds.reader.staging.contains(ds.version, ds.blocks.name(b0))
         time.sleep(0.4)  # the prefetcher keeps coming back to b0 meanwhile
         release.set()
         t.join()
         deadline = time.monotonic() + 10
         while counters[5] < len(blocks) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert ds.reader.staging.contains(ds.version, ds.block_name(b0))
+        assert ds.reader.staging.contains(ds.version, ds.blocks.name(b0))
         assert counters[5] == len(blocks) and counters[4] == 0
     finally:
         release.set()
@@ -71,7 +71,7 @@ def test_a_block_the_full_staging_disk_refuses_is_not_reported_staged(packed_loc
     ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     monkeypatch.setattr(StagingArea, "put", lambda self, ns, name, data: False)
     assert ds.reader.stage_block(0) == "unstaged"
-    assert not ds.reader.staging.contains(ds.version, ds.block_name(0))
+    assert not ds.reader.staging.contains(ds.version, ds.blocks.name(0))
 
 
 def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:
@@ -112,13 +112,13 @@ def test_adjacent_blocks_are_fetched_with_merged_gets(packed_local, tmp_path, mo
         ds = open_dataset(packed_local, cache_dir=str(tmp_path / name), cache_bytes=1 << 30, block_bytes=64 << 10)
         plan = np.arange(len(ds))  # sequential: neighbours in a shard are wanted one after the other
         rows[name] = _prefetch_all(ds, plan)
-        assert rows[name]["prefetch_fills"] == ds.num_blocks and rows[name]["errors"] == 0
-        assert ds.cached_blocks().all()
+        assert rows[name]["prefetch_fills"] == len(ds.blocks) and rows[name]["errors"] == 0
+        assert ds.blocks.cached(ds.cache, ds.version).all()
         requests = ds.origin.counters.requests
         for i in plan:  # every sample verified from the cache, no origin read
             ds.read(int(i))
         assert ds.origin.counters.requests == requests
-    shards = len({int(s) for s in ds.block_shard})
-    assert rows["single"]["origin_requests"] == ds.num_blocks
-    assert shards <= rows["merged"]["origin_requests"] < ds.num_blocks
-    assert rows["merged"]["origin_bytes"] >= int((ds.block_end - ds.block_start).sum())
+    shards = len({int(s) for s in ds.blocks.shard})
+    assert rows["single"]["origin_requests"] == len(ds.blocks)
+    assert shards <= rows["merged"]["origin_requests"] < len(ds.blocks)
+    assert rows["merged"]["origin_bytes"] >= int((ds.blocks.end - ds.blocks.start).sum())

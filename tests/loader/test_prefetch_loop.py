@@ -31,7 +31,7 @@ def _until(cond, timeout_s: float = 10.0) -> bool:
 
 
 def _sizes(ds) -> np.ndarray:
-    return (ds.block_end - ds.block_start).astype(np.int64)
+    return (ds.blocks.end - ds.blocks.start).astype(np.int64)
 
 
 class _Prefetch:
@@ -140,7 +140,7 @@ def test_a_fill_that_ends_while_the_consumer_stalls_is_not_lost(packed_local, tm
         row = infl.ledger_row(p.counters, 1)
         assert row["prefetch_fills"] == len(blocks) and int(p.counters[4]) == 0
         assert row["origin_requests"] == len(blocks)  # one block at a time: nothing to merge
-        assert ds.cached_blocks().all()
+        assert ds.blocks.cached(ds.cache, ds.version).all()
     finally:
         p.stop_within(5)
         p.close()
@@ -155,8 +155,8 @@ def test_the_ledger_of_a_cold_then_a_cached_plan(packed_local, tmp_path):
     blocks, first, last = block_schedule(ds, plan)
     k = len(blocks)
     own = int(_sizes(ds).sum())
-    same_shard = ds.block_shard[1:] == ds.block_shard[:-1]
-    gaps = int((ds.block_start[1:] - ds.block_end[:-1])[same_shard].sum())
+    same_shard = ds.blocks.shard[1:] == ds.blocks.shard[:-1]
+    gaps = int((ds.blocks.start[1:] - ds.blocks.end[:-1])[same_shard].sum())
     p = _Prefetch(ds, concurrency=4)
     try:
         p.pos.value = len(plan)
@@ -228,7 +228,7 @@ def test_a_full_staging_budget_waits_for_delivery_and_then_goes_on(packed_local,
 
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1, block_bytes=BLOCK)
     ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
-    plan = np.argsort(ds.sample_block, kind="stable")  # block by block: k's last use before k+1's first
+    plan = np.argsort(ds.blocks.sample_block, kind="stable")  # block by block: k's last use before k+1's first
     blocks, first, last = block_schedule(ds, plan)
     sizes = _sizes(ds)
     budget = 2 * int(sizes.max())
@@ -243,7 +243,7 @@ def test_a_full_staging_budget_waits_for_delivery_and_then_goes_on(packed_local,
     proc.start()
 
     def staged_bytes() -> int:
-        return sum(int(sizes[ds.block_of_name(n)]) for n in ds.reader.staging.names(ds.version))
+        return sum(int(sizes[ds.blocks.of_name(n)]) for n in ds.reader.staging.names(ds.version))
 
     try:
         cmds.put((1, blocks, first, last))

@@ -64,7 +64,7 @@ def _stream_stage(**kw):
         from stoker.order import SampleStream
 
         ds = open_dataset(ds_url, cache=False)
-        return SampleStream(len(ds), seed=5, groups=ds.sample_block, **kw)
+        return SampleStream(len(ds), seed=5, groups=ds.blocks.sample_block, **kw)
 
     return make
 

@@ -28,16 +28,16 @@ def _span_bytes(ds) -> int:
     fetches each block once, some with merged GETs (which also read the tar headers between
     blocks), reads at most this from the origin."""
     total = 0
-    for s in np.unique(ds.block_shard):
-        mine = ds.block_shard == s
-        total += int(ds.block_end[mine].max() - ds.block_start[mine].min())
+    for s in np.unique(ds.blocks.shard):
+        mine = ds.blocks.shard == s
+        total += int(ds.blocks.end[mine].max() - ds.blocks.start[mine].min())
     return total
 
 
 def test_closing_one_of_two_loaders_over_one_dataset_leaves_the_other_whole(id_dataset, tmp_path):
     ds = open_dataset(id_dataset, cache_dir=str(tmp_path / "cache"), cache_bytes=48 << 10, block_bytes=BLOCK)
     floor = _span_bytes(ds)
-    assert int((ds.block_end - ds.block_start).sum()) > 4 * (48 << 10)  # most blocks go through staging
+    assert int((ds.blocks.end - ds.blocks.start).sum()) > 4 * (48 << 10)  # most blocks go through staging
     train = Loader(ds, 16, num_workers=2, seed=1, decode=sample_id, run=RunOptions(timeout_s=60))
     ev = Loader(
         ds, 16, num_workers=2, seed=9, decode=sample_id, transform="eval", shuffle=False, run=RunOptions(timeout_s=60)

@@ -24,16 +24,16 @@ def _cached_equals_origin(ds, plain) -> int:
     """Every cached block's file equals the same range read from the origin through s3fs; returns
     the blocks compared."""
     n = 0
-    for b in range(ds.num_blocks):
-        path = ds.cache.path(ds.version, ds.block_name(b))
+    for b in range(len(ds.blocks)):
+        path = ds.cache.path(ds.version, ds.blocks.name(b))
         try:
             with open(path, "rb") as f:
                 got = f.read()
         except FileNotFoundError:
             continue
-        shard = ds.index.shard_name(ds.block_shard[b])
-        want = plain.read_range(shard, int(ds.block_start[b]), int(ds.block_end[b]))
-        assert xxhash.xxh3_64_intdigest(got) == xxhash.xxh3_64_intdigest(want), ds.block_name(b)
+        shard = ds.index.shard_name(ds.blocks.shard[b])
+        want = plain.read_range(shard, int(ds.blocks.start[b]), int(ds.blocks.end[b]))
+        assert xxhash.xxh3_64_intdigest(got) == xxhash.xxh3_64_intdigest(want), ds.blocks.name(b)
         n += 1
     return n
 
@@ -51,12 +51,12 @@ def _native_fills_store_the_origins_bytes(url, opts, cache_dir):
         )
         plain = open_dataset(url, cache=False, storage_options=opts).origin
         assert ds.origin.use_native()
-        shard = ds.index.shard_name(ds.block_shard[0])
+        shard = ds.index.shard_name(ds.blocks.shard[0])
         assert not isinstance(ds.origin.read_range(shard, 0, 100), bytes)  # obstore's buffer, not copied
         fresh = pickle.loads(pickle.dumps(ds.origin))  # as the prefetcher gets it
         assert fresh.use_native() and len(fresh.read_range(shard, 10, 20)) == 10
         assert fresh._fs is None  # native reads build no s3fs filesystem
-        nb = ds.num_blocks
+        nb = len(ds.blocks)
         half = nb // 2
         # resets and truncated bodies on some GETs: retried, never stored short
         proxy.set_fault(Fault("reset", match=object_gets, every=3, count=3))
@@ -72,7 +72,7 @@ def _native_fills_store_the_origins_bytes(url, opts, cache_dir):
         proxy.set_fault(None)
         assert proxy.stats()["faults_injected"] >= 4
         assert _cached_equals_origin(ds, plain) == nb
-        total = int(sum(int(ds.block_end[b] - ds.block_start[b]) for b in range(nb)))
+        total = int(sum(int(ds.blocks.end[b] - ds.blocks.start[b]) for b in range(nb)))
         assert ds.cache.used_bytes() == total and ds.cache.stats.fill_bytes == total
         assert ds.cache.stats.fills == nb and ds.cache.stats.evictions == 0
         for i in range(0, len(ds), 7):
@@ -103,9 +103,9 @@ def _a_failing_get_is_raised_and_nothing_is_stored(url, opts, cache_dir):
             status = fill_run(ds, [1, 2])
             assert all(isinstance(s, OriginError) for s in status.values()), status
             with pytest.raises(OriginError):
-                ds.origin.read_range(ds.index.shard_name(ds.block_shard[0]), 0, 1000)
+                ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[0]), 0, 1000)
         proxy.set_fault(None)
-        assert not any(ds.cache.contains(ds.version, ds.block_name(b)) for b in range(3))
+        assert not any(ds.cache.contains(ds.version, ds.blocks.name(b)) for b in range(3))
         assert ds.cache.used_bytes() == 0 and ds.cache.stats.fills == 0
         assert ds.reader.fill_block(0, blocking=True, want_data=False) == "filled"  # the origin is back
 

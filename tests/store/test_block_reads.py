@@ -26,8 +26,8 @@ def _open(url, tmp_path, name, cache_bytes):
 
 def _two_samples_of_one_block(ds) -> tuple[int, int, int]:
     """(block, sample, another sample of that block)."""
-    for b in range(ds.num_blocks):
-        ids = np.flatnonzero(ds.sample_block == b)
+    for b in range(len(ds.blocks)):
+        ids = np.flatnonzero(ds.blocks.sample_block == b)
         if len(ids) >= 2:
             return b, int(ids[0]), int(ids[1])
     raise AssertionError("no block holds two samples")
@@ -39,9 +39,9 @@ def test_a_fill_the_cache_refuses_after_fetching_stays_in_staging(packed_local, 
     ds = _open(packed_local, tmp_path, "c", 64 << 20)
     ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     monkeypatch.setattr(ds.cache, "put", lambda *a, **k: False)
-    size = int(ds.block_end[0] - ds.block_start[0])
+    size = int(ds.blocks.end[0] - ds.blocks.start[0])
     assert ds.reader.fill_block(0, blocking=False, want_data=False) == "staged"
-    assert ds.reader.staging.contains(ds.version, ds.block_name(0))
+    assert ds.reader.staging.contains(ds.version, ds.blocks.name(0))
     assert (ds.origin.counters.requests, ds.origin.counters.bytes) == (1, size)
     assert ds.reader.stage_block(0) == "in_staging"
     assert _fill(ds, 0) == "in_staging"  # the prefetcher's path: admitted, refused, staged already
@@ -54,10 +54,10 @@ def test_a_read_of_a_block_nobody_fetched_stages_the_whole_block_once(packed_loc
     ds = _open(packed_local, tmp_path, "c", 1)
     ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"), capacity_bytes=64 << 20)))
     b, i, j = _two_samples_of_one_block(ds)
-    size = int(ds.block_end[b] - ds.block_start[b])
+    size = int(ds.blocks.end[b] - ds.blocks.start[b])
     first, second = ds.read(i), ds.read(j)
     assert (ds.origin.counters.requests, ds.origin.counters.bytes) == (1, size)
-    assert ds.reader.staging.contains(ds.version, ds.block_name(b))
+    assert ds.reader.staging.contains(ds.version, ds.blocks.name(b))
     assert (ds.read_stats.staged_hits, ds.read_stats.direct_reads) == (1, 0)
     fresh = open_dataset(packed_local, cache=False)
     assert (first, second) == (fresh.read(i), fresh.read(j))
@@ -81,7 +81,7 @@ def test_a_reader_that_waited_for_another_fill_takes_its_staged_block(packed_loc
     ds = ds.with_reader(BlockReader(ds, staging=StagingArea(str(tmp_path / "staging"))))
     other = _open(packed_local, tmp_path, "c", 64 << 20)
     b, i, _ = _two_samples_of_one_block(ds)
-    name = ds.block_name(b)
+    name = ds.blocks.name(b)
     got = {}
     with ds.cache.fetch_lock(ds.version, name, blocking=True):
         reader = threading.Thread(target=lambda: got.setdefault("data", ds.read(i)))

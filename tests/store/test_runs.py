@@ -27,14 +27,14 @@ def _open(url, tmp_path, name, **kw):
 
 def _run_of(ds, n: int) -> list[int]:
     """The first ``n`` consecutive blocks of shard 0."""
-    blocks = [b for b in range(ds.num_blocks) if int(ds.block_shard[b]) == 0][:n]
+    blocks = [b for b in range(len(ds.blocks)) if int(ds.blocks.shard[b]) == 0][:n]
     assert len(blocks) == n and blocks == list(range(blocks[0], blocks[0] + n))
     return blocks
 
 
 def _cached(ds, b):
-    size = int(ds.block_end[b] - ds.block_start[b])
-    return ds.cache.read(ds.version, ds.block_name(b), 0, size)
+    size = int(ds.blocks.end[b] - ds.blocks.start[b])
+    return ds.cache.read(ds.version, ds.blocks.name(b), 0, size)
 
 
 def test_merged_run_matches_block_by_block(packed_local, tmp_path):
@@ -47,9 +47,9 @@ def test_merged_run_matches_block_by_block(packed_local, tmp_path):
         assert bytes(_cached(merged, b)) == bytes(_cached(single, b))
     assert merged.origin.counters.requests == 1
     assert single.origin.counters.requests == len(run)
-    assert merged.origin.counters.bytes == int(merged.block_end[run[-1]] - merged.block_start[run[0]])
+    assert merged.origin.counters.bytes == int(merged.blocks.end[run[-1]] - merged.blocks.start[run[0]])
     for i in range(len(merged)):  # every sample of the run reads back verified from the cache
-        if int(merged.sample_block[i]) in run:
+        if int(merged.blocks.sample_block[i]) in run:
             assert merged.read(i) == single.read(i)
     assert merged.origin.counters.requests == 1  # (all of them cache hits)
     # filled again: nothing fetched, every block reported as cached
@@ -64,13 +64,13 @@ def test_failed_merged_get_falls_back_block_by_block(packed_local, tmp_path, mon
 
     def flaky(rel, start, end):
         calls.append((start, end))
-        if end - start > int(ds.block_end[run[0]] - ds.block_start[run[0]]) and len(calls) == 1:
+        if end - start > int(ds.blocks.end[run[0]] - ds.blocks.start[run[0]]) and len(calls) == 1:
             raise OriginError(ds.origin.full_url(rel), "connection reset (injected)", start, end)
         return real(rel, start, end)
 
     monkeypatch.setattr(ds.origin, "read_range", flaky)
     assert fill_run(ds, run) == {b: "filled" for b in run}
-    per_block = [(int(ds.block_start[b]), int(ds.block_end[b])) for b in run]
+    per_block = [(int(ds.blocks.start[b]), int(ds.blocks.end[b])) for b in run]
     assert calls[1:] == per_block  # each block exactly once after the failed merged GET
     assert all(_cached(ds, b) is not None for b in run)
 
@@ -83,7 +83,7 @@ def test_corrupt_block_in_a_merged_get_fails_alone(packed_local, tmp_path, monke
 
     def corrupt(rel, start, end):  # the origin holds wrong bytes in block ``bad``
         data = bytearray(real(rel, start, end))
-        at = int(ds.block_start[bad]) + 600  # inside its first sample's payload (past the tar header)
+        at = int(ds.blocks.start[bad]) + 600  # inside its first sample's payload (past the tar header)
         if start <= at < end:
             data[at - start] ^= 0xFF
         return bytes(data)
@@ -91,7 +91,7 @@ def test_corrupt_block_in_a_merged_get_fails_alone(packed_local, tmp_path, monke
     monkeypatch.setattr(ds.origin, "read_range", corrupt)
     status = fill_run(ds, run)
     assert isinstance(status[bad], ChecksumError)
-    assert ds.key(int(ds.block_samples(bad)[0])) in str(status[bad])  # names the sample
+    assert ds.key(int(ds.blocks.samples(bad)[0])) in str(status[bad])  # names the sample
     assert {b: s for b, s in status.items() if b != bad} == {b: "filled" for b in run if b != bad}
     assert _cached(ds, bad) is None and all(_cached(ds, b) is not None for b in run if b != bad)
 
@@ -102,7 +102,7 @@ def test_block_locked_elsewhere_splits_the_run(packed_local, tmp_path):
     held, release = threading.Event(), threading.Event()
 
     def hold():  # another process is filling the middle block
-        with ds.cache.fetch_lock(ds.version, ds.block_name(run[2]), blocking=True):
+        with ds.cache.fetch_lock(ds.version, ds.blocks.name(run[2]), blocking=True):
             held.set()
             release.wait(10)
 
@@ -128,7 +128,7 @@ def test_blocks_the_cache_refuses_are_staged(packed_local, tmp_path):
     assert fill_run(ds, run) == {b: "staged" for b in run}
     assert ds.origin.counters.requests == 1
     for b in run:
-        assert ds.reader.staging.contains(ds.version, ds.block_name(b))
+        assert ds.reader.staging.contains(ds.version, ds.blocks.name(b))
     ds2 = _open(packed_local, tmp_path, "d", cache_bytes=1)  # its reader has no staging area:
     assert fill_run(ds2, run) == {b: "refused" for b in run}  # refused, and nothing is read
     assert ds2.origin.counters.requests == 0
@@ -143,15 +143,15 @@ def test_merge_cap_is_the_bandwidth_delay_product():
 
 def test_adjacent_run_stays_in_its_shard_and_cap(packed_local, tmp_path):
     ds = _open(packed_local, tmp_path, "c")
-    shard0 = [b for b in range(ds.num_blocks) if int(ds.block_shard[b]) == 0]
+    shard0 = [b for b in range(len(ds.blocks)) if int(ds.blocks.shard[b]) == 0]
     last = shard0[-1]
-    everything = set(range(ds.num_blocks))
+    everything = set(range(len(ds.blocks)))
     run = adjacent_run(ds, last, everything.__contains__, 1 << 40)
     assert run == shard0  # downward to the shard's first block, never into shard 1
     b = shard0[3]
     assert adjacent_run(ds, b, set().__contains__, 1 << 40) == [b]
     assert adjacent_run(ds, b, {b + 1, b + 3}.__contains__, 1 << 40) == [b, b + 1]  # stops at the first gap
-    two = int(ds.block_end[b + 1] - ds.block_start[b])
+    two = int(ds.blocks.end[b + 1] - ds.blocks.start[b])
     assert adjacent_run(ds, b, everything.__contains__, two) == [b, b + 1]  # the cap holds (upward first)
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from _helpers import make_image_folder
 from stoker.storage import Origin
-from stoker.store.dataset import ChecksumError, open_dataset, plan_blocks
+from stoker.store.blockmap import plan_blocks
+from stoker.store.dataset import ChecksumError, open_dataset
 from stoker.store.index import INDEX_NAME, DatasetIndex, Members, build_table, read_index, table_to_bytes
 from stoker.store.pack import pack
 from stoker.store.sources import detect_source

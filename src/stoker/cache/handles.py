@@ -1,7 +1,7 @@
 """Descriptors a cache keeps open in one process: its budget lock file, its fetch-lock stripes and
 the block files it reads, so that a block fill or a sample read does not open and close files.
 
-One :class:`Handles` per :class:`stoker.cache.disk.DiskCache` and process. It belongs to the
+One :class:`Handles` per cache directory (:class:`stoker.cache.cachedir.CacheDir`) and process. It belongs to the
 process that made it: :meth:`Handles.for_pid` gives a fresh one after a fork (or in an unpickled
 copy), and the descriptors inherited from the parent are closed, never unlocked, in the child
 (an ``flock`` belongs to the open file description that parent and child share after a fork;
@@ -20,7 +20,7 @@ A lock file unlinked or moved away under the process (the cache directory remove
 runs) is noticed: a stripe's idle descriptor that is not the file at its name any more is closed
 and the name opened again (:meth:`Handles.take_stripe`), and the cache checks its budget lock file
 once it holds it (:meth:`Handles.current`) and starts again
-(:meth:`stoker.cache.disk.DiskCache._revive`) when it is gone.
+(:meth:`stoker.cache.cachedir.CacheDir.revive`) when it is gone.
 
 Block files are read through a bounded LRU of descriptors (:data:`BLOCK_FDS` per process). A
 cached descriptor is used only while its file is still linked (``fstat``: ``st_nlink > 0``):
@@ -125,7 +125,7 @@ class Handles:
     def budget_fd(self) -> int:
         """The budget lock file ``<root>/.lock``, open for this process (caller holds
         :attr:`budget_mutex`). Raises FileNotFoundError when it is gone (the cache directory
-        removed: the caller makes it again, :meth:`stoker.cache.disk.DiskCache._revive`; it never
+        removed: the caller makes it again, :meth:`stoker.cache.cachedir.CacheDir.revive`; it never
         makes a lock file in a directory that an ``rm -rf`` is walking); the caller checks
         :meth:`current` once it holds the lock."""
         if self._budget is None:  # not created here: the cache makes it with its directory

@@ -70,10 +70,7 @@ class ReadOnlyCache:
         self._handles: Handles | None = None
 
     def __getstate__(self):
-        state = dict(self.__dict__)
-        state["stats"] = CacheStats()
-        state["_handles"] = None  # descriptors are per process
-        return state
+        return {**self.__dict__, "_handles": None}  # descriptors are per process (stats: per process too)
 
     def _local(self) -> Handles:
         h = self._handles

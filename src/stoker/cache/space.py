@@ -27,7 +27,7 @@ import struct
 log = logging.getLogger("stoker.cache")
 
 #: What happens to a block that does not fit a cache directory (the warning's end); a memory
-#: tier says its own (:attr:`stoker.cache.disk.DiskCache.overflow`).
+#: tier says its own (:attr:`stoker.cache.budget.Budget.overflow`).
 STAGED_INSTEAD = "are staged or read from the origin instead"
 #: errno values that mean "the filesystem (or the user's quota) is full".
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

@@ -116,7 +116,7 @@ def status(root: str, budget_bytes: int | None = None) -> dict:
     cache = _open(root, budget_bytes or 0)
     rec = cache.recover()
     live = cache.jobs.live()
-    namespaces = cache.namespace_usage()
+    namespaces = cache.usage.namespace_usage()
     urls = catalog.dataset_urls(cache.root)
     return {
         "root": cache.root,

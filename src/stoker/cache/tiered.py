@@ -69,9 +69,9 @@ class TieredCache:
                 f"{disk.root} (mode {disk.mode:04o}) must have one cache mode"
             )
         self.memory, self.disk = memory, disk
-        memory.overflow = "go to the disk tier instead"
+        memory.budget.overflow = "go to the disk tier instead"
         if ram_backed(memory.root):
-            memory.keep_free_fraction = max(memory.keep_free_fraction, SHM_KEEP_FREE)
+            memory.budget.keep_free_fraction = max(memory.budget.keep_free_fraction, SHM_KEEP_FREE)
         self.stats = self._new_stats()
 
     def _new_stats(self) -> TieredStats:

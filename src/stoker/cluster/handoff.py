@@ -51,14 +51,14 @@ def previous_layout(services: dict, members: list[str], previous: list[str]) -> 
 
 
 def prior_owner(ds, members: list[str], owner: np.ndarray, previous: dict | None) -> np.ndarray:
-    """Index into ``members`` of each block's previous owner, int64 (ds.num_blocks,); -1 where
+    """Index into ``members`` of each block's previous owner, int64 (len(ds.blocks),); -1 where
     there is none to ask: the block's owner did not change, or there is no previous placement.
 
     ``members``: the placement members of this job; ``owner``: each block's owner now (index into
     ``members``, :func:`stoker.cluster.placement.place_dataset`); ``previous``: the placement
     before the last growth (:func:`previous_layout`; None or no members: none).
     """
-    none = np.full(ds.num_blocks, -1, dtype=np.int64)
+    none = np.full(len(ds.blocks), -1, dtype=np.int64)
     if not previous or not previous["members"] or set(previous["members"]) == set(members):
         return none
     if not any(previous["budgets"]):
@@ -120,7 +120,7 @@ class PriorReads:
             return None, got
 
         def first(b: int):
-            data = self.read(node, dref, b, int(ds.block_start[b]), int(ds.block_end[b]), timeout_s)
+            data = self.read(node, dref, b, int(ds.blocks.start[b]), int(ds.blocks.end[b]), timeout_s)
             if data is not None:
                 got[int(b)] = data
             return data

@@ -11,7 +11,7 @@ probability ``w_i / sum(w)`` exactly. The cluster then holds the sum of the budg
 of each block (CoorDL's partitioned cache), not one copy per node.
 
 The placement unit is the cache block (about 1 MiB of whole samples of one shard, see
-:func:`stoker.store.dataset.plan_blocks`), keyed by the dataset's content version and the
+:func:`stoker.store.blockmap.plan_blocks`), keyed by the dataset's content version and the
 block name, so a re-packed dataset is placed afresh. Pure functions, no Ray.
 """
 
@@ -103,16 +103,16 @@ def bounded_owners(keys: list[str], nodes: list[str], weights, sizes, balance: f
 
 def block_keys(ds) -> list[str]:
     """Placement keys of a :class:`stoker.store.dataset.Dataset`'s blocks: ``version/block name``."""
-    return [f"{ds.version}/{ds.block_name(b)}" for b in range(ds.num_blocks)]
+    return [f"{ds.version}/{ds.blocks.name(b)}" for b in range(len(ds.blocks))]
 
 
 def place_dataset(ds, nodes: list[str], weights, balance: float | None = 1.05) -> np.ndarray:
-    """Owner node index of each block of ``ds``, int64 (ds.num_blocks,): :func:`bounded_owners`
+    """Owner node index of each block of ``ds``, int64 (len(ds.blocks),): :func:`bounded_owners`
     over the block sizes (``balance=None``: plain :func:`owners`)."""
     keys = block_keys(ds)
     if balance is None:
         return owners(keys, nodes, weights)
-    return bounded_owners(keys, nodes, weights, ds.block_bytes_of(np.arange(ds.num_blocks)), balance)
+    return bounded_owners(keys, nodes, weights, ds.blocks.nbytes(np.arange(len(ds.blocks))), balance)
 
 
 def placement_keys(services: dict, members: list[str]) -> list[str]:
@@ -126,4 +126,4 @@ def placement_keys(services: dict, members: list[str]) -> list[str]:
 
 def bytes_per_node(ds, owner: np.ndarray, num_nodes: int) -> np.ndarray:
     """Bytes of ``ds`` each node owns under ``owner`` (int64 (num_nodes,))."""
-    return np.bincount(owner, weights=ds.block_bytes_of(np.arange(ds.num_blocks)), minlength=num_nodes).astype(np.int64)
+    return np.bincount(owner, weights=ds.blocks.nbytes(np.arange(len(ds.blocks))), minlength=num_nodes).astype(np.int64)

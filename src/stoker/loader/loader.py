@@ -401,7 +401,12 @@ class Loader:
         """The ids of ``rank`` of ``world_size`` for ``epoch`` when ``start`` ids of its permutation
         were served before (``drop_last`` applied)."""
         perm = permutation(
-            len(self.dataset), self.seed, epoch, self.order, groups=self.dataset.sample_block, window=self.order_window
+            len(self.dataset),
+            self.seed,
+            epoch,
+            self.order,
+            groups=self.dataset.blocks.sample_block,
+            window=self.order_window,
         )
         ids = rank_plan(perm, rank, world_size, self.even, start)
         if self.drop_last:
@@ -428,7 +433,9 @@ class Loader:
 
             ids = self.plan(e)
             where = cache_aware(
-                np.arange(len(ids)), self.state.hit_maps[e][self.dataset.sample_block[ids]], self.cache_aware_window
+                np.arange(len(ids)),
+                self.state.hit_maps[e][self.dataset.blocks.sample_block[ids]],
+                self.cache_aware_window,
             )
             mask = mask[where]
         return mask
@@ -448,10 +455,10 @@ class Loader:
 
         cached = self.state.hit_maps.get(epoch)
         if cached is None:
-            cached = self.dataset.cached_blocks()
+            cached = self.dataset.blocks.cached(self.dataset.cache, self.dataset.version)
             self.state.hit_maps = {e: m for e, m in self.state.hit_maps.items() if e >= epoch - 1}
             self.state.hit_maps[epoch] = cached
-        out = cache_aware(ids, cached[self.dataset.sample_block[ids]], self.cache_aware_window)
+        out = cache_aware(ids, cached[self.dataset.blocks.sample_block[ids]], self.cache_aware_window)
         return out, (mean_displacement(ids, out) if self.world_size == 1 else float("nan"))
 
     def __len__(self) -> int:
@@ -565,7 +572,7 @@ class Loader:
             world_size=self.world_size,
             batch_size=self.batch_size,
             num_samples=len(self.dataset),
-            num_blocks=self.dataset.num_blocks,
+            num_blocks=len(self.dataset.blocks),
             plan_len=lambda e, start, r, w: len(self._rank_plan(e, start, r, w)),
             resplit=type(self).plan is Loader.plan,  # a subclass's own plan (the cluster's) is not re-split
             strict=strict,

@@ -32,31 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import ChecksumError, OriginError
+from ..errors import OriginError
 from . import fill_failures
+from .checks import checked_or_none, checksum_error, verify_block
 
 log = logging.getLogger(__name__)
 
 Check = Callable[[object], bool]  # valid(data) -> whether the bytes of a sample's range are right
-#: first_source(b) -> the bytes of block b (shard range [block_start, block_end)), or None when it
+#: first_source(b) -> the bytes of block b (shard range [blocks.start, blocks.end)), or None when it
 #: has none; it must not raise (a source that fails answers None).
 FirstSource = Callable[[int], "bytes | memoryview | None"]
-
-
-def checked_or_none(ds, b: int, data, source: str):
-    """Block ``b``'s bytes ``data`` (None: the source had none) verified against ``ds``'s index
-    (:meth:`stoker.store.dataset.Dataset.verify_block`), or None when they fail the check: logged
-    as a warning naming the block, the dataset's URL and ``source`` (e.g. "its first source"), so
-    the caller reads the block from its usual source instead."""
-    if data is None:
-        return None
-    try:
-        return ds.verify_block(b, data)
-    except ChecksumError as exc:
-        log.warning(
-            "block %s of %s from %s failed the check (%s); reading it again", ds.block_name(b), ds.url, source, exc
-        )
-        return None
 
 
 @dataclass
@@ -153,7 +138,7 @@ class BlockReader:
         ds = self._ds
         if ds.cache is None or (self._router is not None and not self._router.caches(b)):
             return False
-        return ds.cache.would_admit(int(ds.block_end[b] - ds.block_start[b]), ds.version)
+        return ds.cache.would_admit(int(ds.blocks.nbytes(b)), ds.version)
 
     def source_read(self, b: int, start: int, stop: int, block: bool = False):
         """Shard bytes ``[start, stop)`` of block ``b`` from outside this node's cache: the
@@ -163,11 +148,11 @@ class BlockReader:
         ds = self._ds
         if self._router is not None:
             return self._router.read(ds, b, start, stop, block=block)
-        return ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
+        return ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop)
 
     def fetch_block(self, b: int, first_source: FirstSource | None = None):
         """Block ``b`` from the origin (or its owning peer) with every member of every sample
-        verified (:meth:`stoker.store.dataset.Dataset.verify_block`: :class:`ChecksumError`).
+        verified (:func:`stoker.store.checks.verify_block`: :class:`~stoker.errors.ChecksumError`).
 
         ``first_source``: tried first (:data:`FirstSource`); its bytes are verified the same way,
         and when it has none, or they fail the check (logged, naming the block), the block is
@@ -177,7 +162,7 @@ class BlockReader:
             data = checked_or_none(ds, b, first_source(b), "its first source")
             if data is not None:
                 return data
-        return ds.verify_block(b, self.source_read(b, int(ds.block_start[b]), int(ds.block_end[b]), block=True))
+        return verify_block(ds, b, self.source_read(b, int(ds.blocks.start[b]), int(ds.blocks.end[b]), block=True))
 
     # -- sample reads -------------------------------------------------------
     def read_range(self, i: int, start: int, stop: int, valid: Check):
@@ -197,17 +182,19 @@ class BlockReader:
             ds = self._ds
             if ds.cache is None:
                 raise
-            err = fill_failures.after_others(ds.cache, ds.version, ds.block_name(int(ds.sample_block[i])), exc, since)
+            err = fill_failures.after_others(
+                ds.cache, ds.version, ds.blocks.name(int(ds.blocks.sample_block[i])), exc, since
+            )
             if err is exc:
                 raise
             raise err from exc.__cause__
 
     def _tiers(self, i: int, start: int, stop: int, valid: Check):
         ds, cache, router = self._ds, self._ds.cache, self._router
-        b = int(ds.sample_block[i])
+        b = int(ds.blocks.sample_block[i])
         if cache is not None:
-            name = ds.block_name(b)
-            rel = start - int(ds.block_start[b])
+            name = ds.blocks.name(b)
+            rel = start - int(ds.blocks.start[b])
             data = cache.read(ds.version, name, rel, stop - start)
             if data is not None:
                 if valid(data):
@@ -236,7 +223,7 @@ class BlockReader:
         self.stats.direct_reads += 1
         data = self.source_read(b, start, stop)
         if not valid(data):
-            raise ds.checksum_error(i, "checksum mismatch on read from the origin", data=data, start=start)
+            raise checksum_error(ds, i, "checksum mismatch on read from the origin", data=data, start=start)
         return data
 
     def _staged(self, name: str, rel: int, n: int, valid: Check):
@@ -268,8 +255,8 @@ class BlockReader:
         after its last use). A block that neither takes is not fetched, nor one of another node
         in cluster mode (the prefetcher stages those): ``(None, None)``."""
         ds, cache = self._ds, self._ds.cache
-        name, version = ds.block_name(b), ds.version
-        size = int(ds.block_end[b] - ds.block_start[b])
+        name, version = ds.blocks.name(b), ds.version
+        size = int(ds.blocks.nbytes(b))
         if self._staging is None and not self.admits(b):
             return None, None
         staging = self._staging if self._router is None else None
@@ -302,7 +289,7 @@ class BlockReader:
         if self._staging is None:
             raise ValueError(f"stage_block needs a staging area (this reader of {self._ds.url} has none)")
         ds = self._ds
-        name, version = ds.block_name(b), ds.version
+        name, version = ds.blocks.name(b), ds.version
         with ds.cache.fetch_lock(version, name, blocking=False) as held:
             if not held:
                 return "busy"
@@ -340,8 +327,8 @@ class BlockReader:
         kept, so a caller can tell where a "filled" block came from.
         """
         ds, cache, staging = self._ds, self._ds.cache, self._staging
-        name, version = ds.block_name(b), ds.version
-        size = int(ds.block_end[b] - ds.block_start[b])
+        name, version = ds.blocks.name(b), ds.version
+        size = int(ds.blocks.nbytes(b))
         if not self.admits(b):
             return ("refused", None) if want_data else "refused"
         since = time.time()
@@ -365,4 +352,4 @@ class BlockReader:
             return (status, data) if want_data else status
 
 
-__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router", "checked_or_none"]
+__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router"]

@@ -2,7 +2,7 @@
 
 Against a far origin every request pays the round trip, whatever its size: at 100 ms and
 1,000 MB/s a 1 MiB block spends 1 ms on the wire and 100 ms waiting. Blocks ``b, b+1, ...``
-of one shard lie next to each other in it (:func:`stoker.store.dataset.plan_blocks` numbers
+of one shard lie next to each other in it (:func:`stoker.store.blockmap.plan_blocks` numbers
 them by (shard, offset)), so when the epoch's order wants several of them soon, one GET of
 ``[start(b), end(b+k))`` brings them all for one round trip. The run is split into its
 blocks, each verified against the index's per-sample checksums and admitted to the cache (or
@@ -21,6 +21,7 @@ from contextlib import ExitStack
 
 from ..errors import ChecksumError, OriginError
 from . import fill_failures
+from .checks import verify_block
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +46,24 @@ def adjacent_run(ds, b: int, wanted, cap_bytes: int) -> list[int]:
     """Block ``b`` and the blocks next to it in its shard for which ``wanted(block id)`` is true
     (the caller would fetch them soon; asked only about the neighbours the run reaches), as an
     ascending list of consecutive block ids
-    whose byte span (``block_start`` of the first to ``block_end`` of the last) is at most
+    whose byte span (``blocks.start`` of the first to ``blocks.end`` of the last) is at most
     ``cap_bytes``. It grows upward first (the shard's read direction), then downward; ``[b]``
     when no neighbour qualifies."""
-    shard = int(ds.block_shard[b])
+    shard = int(ds.blocks.shard[b])
     lo = hi = int(b)
-    n = ds.num_blocks
+    n = len(ds.blocks)
     while (
         hi + 1 < n
         and wanted(hi + 1)
-        and int(ds.block_shard[hi + 1]) == shard
-        and int(ds.block_end[hi + 1]) - int(ds.block_start[lo]) <= cap_bytes
+        and int(ds.blocks.shard[hi + 1]) == shard
+        and int(ds.blocks.end[hi + 1]) - int(ds.blocks.start[lo]) <= cap_bytes
     ):
         hi += 1
     while (
         lo - 1 >= 0
         and wanted(lo - 1)
-        and int(ds.block_shard[lo - 1]) == shard
-        and int(ds.block_end[hi]) - int(ds.block_start[lo - 1]) <= cap_bytes
+        and int(ds.blocks.shard[lo - 1]) == shard
+        and int(ds.blocks.end[hi]) - int(ds.blocks.start[lo - 1]) <= cap_bytes
     ):
         lo -= 1
     return list(range(lo, hi + 1))
@@ -78,7 +79,7 @@ def _destination(ds, b: int) -> str | None:
 
 def _store(ds, b: int, data, dest: str) -> str:
     """Put the verified bytes of block ``b`` where ``dest`` says; returns its status."""
-    name, staging = ds.block_name(b), ds.reader.staging
+    name, staging = ds.blocks.name(b), ds.reader.staging
     if dest == "cache":
         if ds.cache.put(ds.version, name, data):
             return "filled"
@@ -115,7 +116,7 @@ def fill_run(ds, blocks: list[int]) -> dict:
     with ExitStack() as locks:
         todo: list[tuple[int, str]] = []
         for b in blocks:
-            name = ds.block_name(b)
+            name = ds.blocks.name(b)
             if ds.cache.contains(ds.version, name):
                 status[b] = "cached"
                 continue
@@ -156,11 +157,11 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
     reader = ds.reader
     out: dict = {}
     if len(stretch) > 1 and reader.router is None:
-        start, end = int(ds.block_start[first]), int(ds.block_end[last])
+        start, end = int(ds.blocks.start[first]), int(ds.blocks.end[last])
         try:
             data = memoryview(reader.source_read(first, start, end, block=True))
             parts = [
-                (b, dest, ds.verify_block(b, data[int(ds.block_start[b]) - start : int(ds.block_end[b]) - start]))
+                (b, dest, verify_block(ds, b, data[int(ds.blocks.start[b]) - start : int(ds.blocks.end[b]) - start]))
                 for b, dest in stretch
             ]
         except (OriginError, ChecksumError, OSError) as exc:
@@ -171,7 +172,7 @@ def _fetch_stretch(ds, stretch: list[tuple[int, str]]) -> dict:
             return out
     for b, dest in stretch:
         try:  # a failure is noted in the block's lock for a read waiting on it (store/fill_failures.py)
-            out[b] = _store(ds, b, fill_failures.fetch(reader, b, ds.block_name(b), time.time()), dest)
+            out[b] = _store(ds, b, fill_failures.fetch(reader, b, ds.blocks.name(b), time.time()), dest)
         except Exception as exc:  # noqa: BLE001 - reported per block; the others are kept
             out[b] = exc
     return out

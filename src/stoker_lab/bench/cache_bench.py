@@ -128,7 +128,7 @@ def run(
         probe = open_dataset(url, cache=False, storage_options=opts)
         # D: the bytes the cache must hold for the whole dataset (its blocks: payloads plus the
         # tar headers between them), the unit of the D - C floor
-        D, n = int((probe.block_end - probe.block_start).sum()), len(probe)
+        D, n = int((probe.blocks.end - probe.blocks.start).sum()), len(probe)
         miss = max(0.05, 1 - min(fractions))  # (at C >= D there are no misses: cap the rate)
         rate = consumer_rate or bandwidth_MBps * 1e6 / (2 * miss * D / n)
         report["consumer_rate"] = rate

@@ -96,7 +96,7 @@ def run(
         pack(origin.url("raw"), url, storage_options=opts, shard_bytes=shard_bytes, progress=False)
         ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=block_bytes)
         dataset_bytes = int(ds.index.length.sum())
-        report["dataset"] = {"samples": len(ds), "bytes": dataset_bytes, "blocks": ds.num_blocks}
+        report["dataset"] = {"samples": len(ds), "bytes": dataset_bytes, "blocks": len(ds.blocks)}
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 150 << 20})
         for _ in range(2):
             cluster.add_node(num_cpus=2, object_store_memory=150 << 20)

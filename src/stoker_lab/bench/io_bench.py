@@ -162,7 +162,7 @@ def run(cfg: IoConfig | None = None) -> dict:
             "samples": len(probe),
             "bytes": int(probe.index.total_bytes),
             "shards": pr.shards,
-            "blocks": probe.num_blocks,
+            "blocks": len(probe.blocks),
             "block_bytes": cfg.block_bytes,
             "mean_sample_bytes": probe.index.total_bytes / max(1, len(probe)),
         }
@@ -171,7 +171,7 @@ def run(cfg: IoConfig | None = None) -> dict:
             "stages": "direct endpoint (no latency, no bandwidth cap)",
             "cold_epoch": {"latency_ms": cfg.latency_ms, "bandwidth_MBps": cfg.bandwidth_MBps},
         }
-        _log(f"packed {len(probe)} samples into {pr.shards} shards, {probe.num_blocks} blocks")
+        _log(f"packed {len(probe)} samples into {pr.shards} shards, {len(probe.blocks)} blocks")
         # the epochs first: obstore's runtime in this process would make the Loader start its
         # workers with forkserver instead of fork (stoker.loader.procs), unlike a training job
         _log("cold and warm epochs, decode off")

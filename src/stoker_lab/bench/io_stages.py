@@ -81,8 +81,8 @@ def row(stage: str, stoker: dict, floor: dict, floor_what: str, exception: str |
 def block_ranges(ds) -> list[tuple[str, int, int]]:
     """(shard object name, start, end) of every block of ``ds``: the ranged GETs of a cold fill."""
     return [
-        (ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b]))
-        for b in range(ds.num_blocks)
+        (ds.index.shard_name(ds.blocks.shard[b]), int(ds.blocks.start[b]), int(ds.blocks.end[b]))
+        for b in range(len(ds.blocks))
     ]
 
 
@@ -225,8 +225,8 @@ def _bare_pwrite(root: str, blocks: list) -> int:
 
 def clear_cache(ds) -> None:
     """Remove every block of ``ds`` from its cache (untimed, between repetitions)."""
-    for b in range(ds.num_blocks):
-        ds.cache.remove(ds.version, ds.block_name(b))
+    for b in range(len(ds.blocks)):
+        ds.cache.remove(ds.version, ds.blocks.name(b))
 
 
 def cache_put_stage(tiers: dict, blocks: list, floor_roots: dict, reps: int) -> list:
@@ -240,7 +240,7 @@ def cache_put_stage(tiers: dict, blocks: list, floor_roots: dict, reps: int) -> 
         root = floor_roots[tier]
 
         def put(ds=ds):
-            return sum(len(d) for b, d in enumerate(blocks) if ds.cache.put(ds.version, ds.block_name(b), d))
+            return sum(len(d) for b, d in enumerate(blocks) if ds.cache.put(ds.version, ds.blocks.name(b), d))
 
         def before(ds=ds, root=root):
             shutil.rmtree(root, ignore_errors=True)
@@ -263,14 +263,16 @@ def cache_put_stage(tiers: dict, blocks: list, floor_roots: dict, reps: int) -> 
 
 
 def verify_stage(ds, blocks: list, reps: int) -> dict:
-    """The fill's checksum pass: ``ds.verify_block`` (xxh3-64 of every sample of every block,
-    as a fill does before the put) against xxh3-64 of each whole block buffer."""
+    """The fill's checksum pass: :func:`stoker.store.checks.verify_block` (xxh3-64 of every sample
+    of every block, as a fill does before the put) against xxh3-64 of each whole block buffer."""
     import xxhash
+
+    from stoker.store.checks import verify_block
 
     nbytes = sum(len(b) for b in blocks)
 
     def verify():
-        return sum(len(ds.verify_block(b, d)) for b, d in enumerate(blocks))
+        return sum(len(verify_block(ds, b, d)) for b, d in enumerate(blocks))
 
     def floor():
         for d in blocks:
@@ -304,11 +306,11 @@ def cache_read_stage(tiers: dict, reps: int) -> list:
             total = 0
             try:
                 for i in ids:
-                    b = int(ds.sample_block[i])
+                    b = int(ds.blocks.sample_block[i])
                     fd = fds.get(b)
                     if fd is None:
-                        fd = fds[b] = os.open(cache.path(ds.version, ds.block_name(b)), os.O_RDONLY)
-                    at = int(ds.index.offset[i]) - int(ds.block_start[b])
+                        fd = fds[b] = os.open(cache.path(ds.version, ds.blocks.name(b)), os.O_RDONLY)
+                    at = int(ds.index.offset[i]) - int(ds.blocks.start[b])
                     total += len(os.pread(fd, int(ds.index.length[i]), at))
             finally:
                 for fd in fds.values():
@@ -318,7 +320,7 @@ def cache_read_stage(tiers: dict, reps: int) -> list:
         def stoker(ds=ds, ids=ids):
             return sum(len(ds.read(i)) for i in ids)
 
-        if not cache.contains(ds.version, ds.block_name(0)):
+        if not cache.contains(ds.version, ds.blocks.name(0)):
             raise RuntimeError(f"the {tier} tier does not hold the blocks the read stage needs")
         got = alternate({"stoker": stoker, "floor": bare}, reps, nbytes)
         rows.append(

@@ -158,7 +158,7 @@ def direct_rank(spec: dict) -> dict:
         block_bytes=spec["block_bytes"],
         check=False,
     )
-    perm = permutation(len(ds), 0, spec["epoch"], "blockwise", groups=ds.sample_block, window=16)
+    perm = permutation(len(ds), 0, spec["epoch"], "blockwise", groups=ds.blocks.sample_block, window=16)
     ids = rank_plan(perm, spec["rank"], spec["world_size"])
     if not spec.get("read", True):
         ids = ids[:0]
@@ -573,7 +573,7 @@ def main(spec_path: str, out_path: str) -> int:
     ds = open_dataset(url, storage_options=opts, cache=False, block_bytes=spec["block_bytes"])
     n = len(ds)
     out = {
-        "dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": ds.num_blocks, "version": ds.version},
+        "dataset": {"samples": n, "bytes": int(ds.index.length.sum()), "blocks": len(ds.blocks), "version": ds.version},
         "setup_s": time.perf_counter() - t0,
         "runs": [],
     }

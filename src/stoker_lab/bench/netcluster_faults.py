@@ -130,7 +130,7 @@ def slow_reader(ctx, epoch: int, pause_s: float, flag: str, started: str) -> dic
     t0 = time.perf_counter()
     for k, i in enumerate(ids):
         when = "after" if os.path.exists(flag) else "before"
-        b = int(ctx.dataset.sample_block[int(i)])
+        b = int(ctx.dataset.blocks.sample_block[int(i)])
         node = router.nodes[int(router.owner[b])]
         c0 = ctx.counters.read()
         ctx.dataset.read(int(i))

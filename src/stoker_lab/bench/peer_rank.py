@@ -30,11 +30,11 @@ class PeerRank:
 
         ds = open_dataset(url, storage_options=storage_options, cache=False, check=False, block_bytes=block_bytes)
         self.counters = ByteCounters()
-        self.counters.size_tags(ds.num_blocks)
+        self.counters.size_tags(len(ds.blocks))
         self.router = BlockRouter(
             dataset_ref(ds, storage_options),
             [member],
-            np.zeros(ds.num_blocks, dtype=np.int64),
+            np.zeros(len(ds.blocks), dtype=np.int64),
             -1,
             self.counters,
         )
@@ -128,7 +128,7 @@ class _Reader:
 
     def __init__(self, ds, router, concurrency: int):
         self.ds, self.router = ds, router
-        self.ranges = [(b, int(ds.block_start[b]), int(ds.block_end[b])) for b in range(ds.num_blocks)]
+        self.ranges = [(b, int(ds.blocks.start[b]), int(ds.blocks.end[b])) for b in range(len(ds.blocks))]
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="peer-read")
         list(self.pool.map(lambda _: None, range(concurrency)))
 

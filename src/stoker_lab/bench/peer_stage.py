@@ -55,7 +55,7 @@ def block_files(cache_dir: str, ds) -> list[str]:
     from stoker.cache.layout import ns_dir
 
     root = ns_dir(cache_dir, ds.version)
-    return [os.path.join(root, ds.block_name(b)) for b in range(ds.num_blocks)]
+    return [os.path.join(root, ds.blocks.name(b)) for b in range(len(ds.blocks))]
 
 
 def measure(
@@ -91,15 +91,15 @@ def measure(
 
     holder = {} if holder is None else holder
     ds = open_dataset(url, storage_options=storage_options, cache=False, check=False, block_bytes=block_bytes)
-    nbytes = int(sum(int(ds.block_end[b]) - int(ds.block_start[b]) for b in range(ds.num_blocks)))
+    nbytes = int(sum(int(ds.blocks.end[b]) - int(ds.blocks.start[b]) for b in range(len(ds.blocks))))
     start_services(cache_root, {node_a: 2 * nbytes + (64 << 20)})
     service = get_service(node_a)
     info = find_services()[node_a]
     dref = dataset_ref(ds, storage_options)
     t0 = time.perf_counter()
-    fill = ray.get(service.fill.remote(dref, list(range(ds.num_blocks)), concurrency), timeout=600)
+    fill = ray.get(service.fill.remote(dref, list(range(len(ds.blocks))), concurrency), timeout=600)
     fill["seconds"] = time.perf_counter() - t0
-    if fill["failed"] or fill["refused"] or fill["filled"] + fill["cached"] != ds.num_blocks:
+    if fill["failed"] or fill["refused"] or fill["filled"] + fill["cached"] != len(ds.blocks):
         raise RuntimeError(f"the cache service of node {node_a} did not take every block: {fill}")
     remote_rank: Any = ray.remote(num_cpus=0)(PeerRank)
     rank = holder["rank"] = remote_rank.options(
@@ -111,7 +111,7 @@ def measure(
     out: dict = {
         "files": block_files(info["cache_dir"], ds),
         "fill": fill,
-        "blocks": ds.num_blocks,
+        "blocks": len(ds.blocks),
         "bytes": nbytes,
         "concurrency": concurrency,
         "pids": pids,
@@ -148,7 +148,7 @@ def measure(
             )
         best = min(passes, key=lambda p: p["cpu_s"])
         if via == "direct":
-            out["calls"] = _calls(rank, counted, reps, ds.num_blocks)
+            out["calls"] = _calls(rank, counted, reps, len(ds.blocks))
         out[via] = {
             "cpu_s": best["cpu_s"],
             "wall_s": best["wall_s"],

@@ -2,7 +2,7 @@
 
 :func:`synthetic` lays samples out the way ``stoker pack`` writes them (tar members: a 512-byte
 header, the payload padded to 512 bytes, shards closed at ``shard_bytes``) and cuts the blocks
-with :func:`stoker.store.dataset.plan_blocks`, the function the cache uses, so block counts and
+with :func:`stoker.store.blockmap.plan_blocks`, the function the cache uses, so block counts and
 block bytes (what a cache fill fetches) are stoker's.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stoker.store.dataset import plan_blocks
+from stoker.store.blockmap import plan_blocks
 
 #: tar member header (POSIX ustar), bytes.
 TAR_HEADER_BYTES = 512
@@ -74,7 +74,7 @@ def synthetic(
     """A workload of ``samples`` samples with ``total_bytes`` payload bytes in all (sizes
     log-normal with shape ``sigma``, scaled to the exact total; sigma 0 = all equal), packed in
     order into tar shards of about ``shard_bytes`` and cut into blocks of about ``block_bytes``
-    by :func:`stoker.store.dataset.plan_blocks`. Raises ValueError for samples < 1 or sizes < 1.
+    by :func:`stoker.store.blockmap.plan_blocks`. Raises ValueError for samples < 1 or sizes < 1.
     """
     if samples < 1 or total_bytes < samples or shard_bytes < 1 or block_bytes < 1:
         raise ValueError(
@@ -104,11 +104,11 @@ def from_dataset(ds, name: str = "dataset") -> Workload:
     cluster placed them."""
     from stoker.cluster.placement import block_keys
 
-    b = np.arange(ds.num_blocks)
+    b = np.arange(len(ds.blocks))
     return Workload(
         np.asarray(ds.index.length, dtype=np.int64),
-        np.asarray(ds.sample_block, dtype=np.int64),
-        np.asarray(ds.block_bytes_of(b), dtype=np.int64),
+        np.asarray(ds.blocks.sample_block, dtype=np.int64),
+        np.asarray(ds.blocks.nbytes(b), dtype=np.int64),
         name,
         block_keys(ds),
     )

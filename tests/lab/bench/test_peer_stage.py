@@ -26,13 +26,13 @@ def _blocks(url: str, block_bytes: int) -> tuple[int, str, int]:
 
     ds = open_dataset(url, cache=False, block_bytes=block_bytes)
     h, n = xxhash.xxh3_64(), 0
-    for b in range(ds.num_blocks):
+    for b in range(len(ds.blocks)):
         data = ds.origin.read_range(
-            ds.index.shard_name(ds.block_shard[b]), int(ds.block_start[b]), int(ds.block_end[b])
+            ds.index.shard_name(ds.blocks.shard[b]), int(ds.blocks.start[b]), int(ds.blocks.end[b])
         )
         h.update(data)
         n += len(data)
-    return n, h.hexdigest(), ds.num_blocks
+    return n, h.hexdigest(), len(ds.blocks)
 
 
 def test_loopback_peer_stage_moves_every_block_through_the_service(packed_local, tmp_path):

@@ -57,7 +57,7 @@ class WorkerContext:
         self.node_id, self.job, self.placement = spec["node_id"], spec["job"], spec["placement"]
         self.dataset, self.counters = dataset, counters
         self._rank_nodes = spec["rank_nodes"]  # node index (in the members) per rank; -1 - r if none
-        self._sample_node = np.asarray(spec["owner"])[dataset.sample_block] if dataset.num_blocks else None
+        self._sample_node = np.asarray(spec["owner"])[dataset.blocks.sample_block] if len(dataset.blocks) else None
         self._plans: dict = {}
         self.epochs: list[dict] = []
         self._node_ids, self._token = spec["rank_node_ids"], spec["token"]
@@ -113,7 +113,7 @@ class WorkerContext:
         key = (epoch, seed, order, window, even)
         if key not in self._plans:
             ds = self.dataset
-            perm = permutation(len(ds), seed, epoch, order, groups=ds.sample_block, window=window)
+            perm = permutation(len(ds), seed, epoch, order, groups=ds.blocks.sample_block, window=window)
             if self.placement == "colocated":
                 # no blocks (no samples): none is cached anywhere (-1)
                 sample_node = self._sample_node if self._sample_node is not None else np.full(len(perm), -1)
@@ -222,7 +222,7 @@ def _rank_main(train_fn, spec: dict):
             raise RuntimeError(
                 f"{spec['url']} changed during the job: version {ds.version}, the driver placed {spec['version']}"
             )
-        counters.size_tags(ds.num_blocks)
+        counters.size_tags(len(ds.blocks))
         args = (spec["node_id"], counters, spec["peer_timeout_s"], spec["retry_s"])
         ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"))  # this rank's reads
         ctx = WorkerContext(spec, ds, counters)

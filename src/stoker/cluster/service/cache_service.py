@@ -185,8 +185,8 @@ class CacheService:
         ds = self._open(dref)
         self._renew(ds)
         version = ds.version
-        name = ds.block_name(b)
-        rel = start - int(ds.block_start[b])
+        name = ds.blocks.name(b)
+        rel = start - int(ds.blocks.start[b])
         data = ds.cache.read(version, name, rel, stop - start)
         if data is not None:
             self._metrics.served_bytes(stop - start, "cache")
@@ -194,7 +194,7 @@ class CacheService:
         first, got = self._prior.source(ds, dref, prior if prior != self.node_id else None, prior_timeout_s)
         status, block = ds.reader.fill_block(b, blocking=True, first_source=first)
         if block is None:  # this node's budget is full: pass the range through
-            shard = ds.index.shard_name(ds.block_shard[b])
+            shard = ds.index.shard_name(ds.blocks.shard[b])
             out = bytes(ds.origin.read_range(shard, start, stop))
         else:
             out = bytes(memoryview(block)[rel : rel + stop - start])
@@ -212,7 +212,7 @@ class CacheService:
         :mod:`stoker.cluster.handoff`)."""
         ds = self._open(dref)
         self._renew(ds)
-        data = ds.cache.read(ds.version, ds.block_name(b), start - int(ds.block_start[b]), stop - start)
+        data = ds.cache.read(ds.version, ds.blocks.name(b), start - int(ds.blocks.start[b]), stop - start)
         if data is None:
             return None
         self._metrics.served_bytes(stop - start, "cache")
@@ -255,7 +255,7 @@ class CacheService:
                 gate = self._gates[ds.url] = InflightGate(InflightTarget(concurrency))
 
         def fetch(b):
-            if ds.cache.contains(version, ds.block_name(b)):
+            if ds.cache.contains(version, ds.blocks.name(b)):
                 return "cached"
             first, got = self._prior.source(ds, dref, prior.get(int(b)))
             status, data = ds.reader.fill_block(int(b), blocking=True, first_source=first)
@@ -263,7 +263,7 @@ class CacheService:
 
         def one(b):
             try:
-                return gate.run(lambda: fetch(b), int(ds.block_bytes_of(int(b))), lambda st: st == "filled"), None
+                return gate.run(lambda: fetch(b), int(ds.blocks.nbytes(int(b))), lambda st: st == "filled"), None
             except Exception as exc:  # noqa: BLE001 - reported per shard; the other blocks go on
                 return "failed", f"{type(exc).__name__}: {exc}"
 
@@ -271,13 +271,13 @@ class CacheService:
             for b, (status, reason) in zip(blocks, pool.map(one, blocks)):
                 if status == "handed":  # filled from the block's previous owner
                     out["filled"] += 1
-                    out["handoff_bytes"] += int(ds.block_bytes_of(int(b)))
+                    out["handoff_bytes"] += int(ds.blocks.nbytes(int(b)))
                     continue
                 out[status] = out.get(status, 0) + 1
                 if status == "filled":  # fetched from the origin by this call
-                    out["origin_bytes"] += int(ds.block_bytes_of(int(b)))
+                    out["origin_bytes"] += int(ds.blocks.nbytes(int(b)))
                 elif reason is not None:
-                    shard = ds.index.shard_name(ds.block_shard[int(b)])
+                    shard = ds.index.shard_name(ds.blocks.shard[int(b)])
                     out["errors"].setdefault(shard, reason)
                     log.warning("warm-up of %s block %s (%s) failed: %s", ds.url, b, shard, reason)
         self._metrics.filled(out)
@@ -287,7 +287,7 @@ class CacheService:
     def cached_blocks(self, dref: dict) -> list[int]:
         """Ids of the blocks of the dataset this node's cache holds now."""
         ds = self._open(dref)
-        return [b for b in range(ds.num_blocks) if ds.cache.contains(ds.version, ds.block_name(b))]
+        return [b for b in range(len(ds.blocks)) if ds.cache.contains(ds.version, ds.blocks.name(b))]
 
     def hold(self, dref: dict, token: str) -> None:
         """A job (``token``, unique per job) starts reading the dataset through this node: its
@@ -318,7 +318,7 @@ class CacheService:
     def cached_bytes(self, dref: dict) -> int:
         """Bytes of the dataset this node's cache holds now."""
         ds = self._open(dref)
-        held = int(sum(int(ds.block_bytes_of(b)) for b in self.cached_blocks(dref)))
+        held = int(sum(int(ds.blocks.nbytes(b)) for b in self.cached_blocks(dref)))
         self._metrics.held_bytes(ds.url, ds.version, held)
         return held
 

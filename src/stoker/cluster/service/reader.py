@@ -37,7 +37,7 @@ import numpy as np
 
 from ..._procs import pid_alive
 from ...errors import PeerUnavailable
-from ...store.blocks import checked_or_none
+from ...store.checks import checked_or_none
 from ..counters import ByteCounters
 
 log = logging.getLogger(__name__)
@@ -146,13 +146,13 @@ class BlockRouter:
             else:
                 self._count(b, _COUNTED_AS.get(source, "peer_origin"), len(data), block)
                 return data
-        data = ds.origin.read_range(ds.index.shard_name(ds.block_shard[b]), start, stop)
+        data = ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop)
         self._count(b, "origin", len(data), block)
         return data
 
     def handoff(self, ds, b: int, p: int, start: int, stop: int) -> bytes | None:
         """Whole block ``b`` from the cache of its previous owner ``p`` (index into ``nodes``),
-        verified against the index (:meth:`stoker.store.dataset.Dataset.verify_block`); None when
+        verified against the index (:func:`stoker.store.checks.verify_block`); None when
         that node does not hold it, is down or suspect, does not answer within ``timeout_s``, or
         sends bytes that fail the check (logged; the caller then reads the origin). The previous
         owner never goes to the origin for it
@@ -173,7 +173,7 @@ class BlockRouter:
             "%s %s unavailable for block %s of %s (%s); reading the origin",
             role,
             self.nodes[o],
-            ds.block_name(b),
+            ds.blocks.name(b),
             self.url,
             exc,
         )

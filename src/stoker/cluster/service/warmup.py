@@ -93,7 +93,7 @@ def warm(
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
     owned = bytes_per_node(ds, owner, len(members))
-    sizes = ds.block_bytes_of(np.arange(ds.num_blocks))
+    sizes = ds.blocks.nbytes(np.arange(len(ds.blocks)))
     queues = {
         i: [
             np.flatnonzero(owner == i)[k : k + chunk_blocks].tolist()
@@ -233,7 +233,7 @@ class _Fills:
         """Per node with requests in flight: when it counts as hung if none of them answers."""
         nbytes: dict[int, int] = {}
         for i, chunk in self._pending.values():
-            nbytes[i] = nbytes.get(i, 0) + int(self.ds.block_bytes_of(np.asarray(chunk)).sum())
+            nbytes[i] = nbytes.get(i, 0) + int(self.ds.blocks.nbytes(np.asarray(chunk)).sum())
         return {i: self._progress[i] + self.timeout_s + n / FILL_MIN_BPS for i, n in nbytes.items()}
 
     def _give_up_hung(self) -> None:
@@ -310,7 +310,7 @@ class _Fills:
 
     def _fail(self, i: int, chunk: list[int], reason: str) -> None:
         shard = self.ds.index.shard_name
-        self._count(i, chunk, {"failed": len(chunk), "errors": {shard(self.ds.block_shard[b]): reason for b in chunk}})
+        self._count(i, chunk, {"failed": len(chunk), "errors": {shard(self.ds.blocks.shard[b]): reason for b in chunk}})
 
     def _count(self, i: int, chunk: list[int], r: dict) -> None:
         for k in self.totals[i]:
@@ -318,7 +318,7 @@ class _Fills:
         for shard, reason in r.get("errors", {}).items():
             self.errors[i].setdefault(shard, reason)
         if self.bar is not None:
-            self.bar.update(int(self.ds.block_bytes_of(np.asarray(chunk)).sum()))
+            self.bar.update(int(self.ds.blocks.nbytes(np.asarray(chunk)).sum()))
 
 
 def cluster_state(

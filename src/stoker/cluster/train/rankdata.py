@@ -184,7 +184,7 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s,
                 f"rank 0 placed {layout['version']}"
             )
         counters = ByteCounters()
-        counters.size_tags(ds.num_blocks)
+        counters.size_tags(len(ds.blocks))
         members = layout["members"]
         owner = place_dataset(ds, layout["keys"], layout["budgets"])
         prior = prior_owner(ds, members, owner, layout.get("previous"))  # blocks to hand off

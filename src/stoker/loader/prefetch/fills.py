@@ -27,7 +27,7 @@ def fill_status(ds, b: int) -> str:
     waiting for another process's fill: ``"cached"`` (present already), or what
     :meth:`stoker.store.blocks.BlockReader.fill_block` returns; a block the cache refuses goes to
     the staging area when there is one (:meth:`~stoker.store.blocks.BlockReader.stage_block`)."""
-    if ds.cache.contains(ds.version, ds.block_name(b)):
+    if ds.cache.contains(ds.version, ds.blocks.name(b)):
         return "cached"
     status = ds.reader.fill_block(b, blocking=False, want_data=False)
     if status == "refused" and ds.reader.staging is not None:
@@ -47,7 +47,7 @@ def timed_fill(ds, run: tuple, clock: infl.BusyClock, target: infl.InflightTarge
         t1 = clock.stop()
     fetched = [b for b, s in status.items() if s in ("filled", "staged")]
     if fetched:
-        target.observe(int(sum(ds.block_end[b] - ds.block_start[b] for b in fetched)), t1 - t0, t1)
+        target.observe(int(sum(ds.blocks.end[b] - ds.blocks.start[b] for b in fetched)), t1 - t0, t1)
     return status
 
 
@@ -125,7 +125,7 @@ def merge_run(
         return (b,)
 
     def wanted(w: int) -> bool:  # asked only about the neighbours the run reaches: few cache looks
-        return w in window and w not in covered and not ds.cache.contains(ds.version, ds.block_name(w))
+        return w in window and w not in covered and not ds.cache.contains(ds.version, ds.blocks.name(w))
 
     return tuple(adjacent_run(ds, b, wanted, cap_bytes))
 

@@ -55,7 +55,7 @@ def end_plan(ds, staged: dict, needed: dict) -> None:
     and stays, to be taken over when the prefetcher reaches it (rarely, a worker's fetch for the
     previous plan that the prefetcher never reached, having stopped: it is kept too)."""
     for name in ds.reader.staging.names(ds.version):
-        b = ds.block_of_name(name)
+        b = ds.blocks.of_name(name)
         if b is None or b in staged or b not in needed:
             ds.reader.staging.remove(ds.version, name)
     staged.clear()
@@ -65,7 +65,7 @@ def drop_staged(ds, staged: dict, last_use: dict, done_pos: int, keep=()) -> Non
     """Delete the staged blocks whose last use (``last_use[b]``, a plan position) is before
     ``done_pos``, except those in ``keep``; they leave ``staged``."""
     for b in [b for b, last in last_use.items() if last < done_pos and b in staged and b not in keep]:
-        ds.reader.staging.remove(ds.version, ds.block_name(b))
+        ds.reader.staging.remove(ds.version, ds.blocks.name(b))
         del staged[b]
 
 
@@ -113,7 +113,7 @@ class PrefetchLoop:
         self.ds, self.counters, self.pool, self.clock, self.target = ds, counters, pool, clock, target
         self.ahead_bytes, self.staging_bytes = int(ahead_bytes), int(staging_bytes)
         self.position, self.done, self.prev_done, self.adopt = position, done, prev_done, adopt
-        self.sizes: list[int] = (ds.block_end - ds.block_start).astype(np.int64).tolist()
+        self.sizes: list[int] = (ds.blocks.end - ds.blocks.start).astype(np.int64).tolist()
         self.block_bytes = int(ds.block_bytes)
         self.staging = ds.reader.staging
         # run ids of the current and the draining plan (ledger rows)
@@ -243,7 +243,7 @@ class PrefetchLoop:
         if self.adopt and self.staging is not None:
             self.adopt = False
             for name in self.staging.names(ds.version):
-                b = ds.block_of_name(name)
+                b = ds.blocks.of_name(name)
                 if b in self.cur_last:
                     staged[b] = self.cur_last[b]
 
@@ -363,7 +363,7 @@ class PrefetchLoop:
             if b in covered:
                 j += 1
                 continue
-            if ds.cache.contains(ds.version, ds.block_name(b)):
+            if ds.cache.contains(ds.version, ds.blocks.name(b)):
                 # present already: accounted here, no fill thread woken for it
                 covered.add(b)
                 self._result(b, "cached", done_v, [])

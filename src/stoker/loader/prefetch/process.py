@@ -69,7 +69,7 @@ def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     blocks, ascending by the plan position at which each is first needed, and the
     position of each block's last use.
     """
-    blocks = ds.sample_block[plan]
+    blocks = ds.blocks.sample_block[plan]
     uniq, first = np.unique(blocks, return_index=True)
     _, rev = np.unique(blocks[::-1], return_index=True)
     last = len(blocks) - 1 - rev
