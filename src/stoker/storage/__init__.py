@@ -132,6 +132,10 @@ def join(url: str, *parts: str) -> str:
     return out
 
 
+def _is_s3(url: str) -> bool:
+    return url.split("://", 1)[0] in ("s3", "s3a")
+
+
 @dataclass
 class OriginCounters:
     """Bytes and requests actually received from the origin by one process."""
@@ -288,7 +292,7 @@ class Origin:
         retry and wait out the back-off (while throttled, ``wait_turn`` waits instead)."""
         if not failure.retry:
             shown: BaseException = exc
-            if failure.credentials and failure.code is None and self._is_s3():
+            if failure.credentials and failure.code is None and _is_s3(self.url):
                 # a HEAD's answer has no body: ask once for the S3 code
                 shown, failure = self._denied_code(op.what, exc, failure)
             raise self._error(op, shown, failure, "not retried") from exc
@@ -321,9 +325,6 @@ class Origin:
                 wait_s = full_jitter_s(op.tries, self.backoff_s, op.cap_s)
             self.backoff.pause(max(0.0, min(wait_s, op.deadline - now)))
 
-    def _is_s3(self) -> bool:
-        return self.url.split("://", 1)[0] in ("s3", "s3a")
-
     def _denied_code(self, what: str, exc: BaseException, failure: Failure) -> tuple[BaseException, Failure]:
         """The S3 code of a refusal that came without one (botocore's HEAD answers have no body):
         one ranged GET of the first byte of ``what``, whose refusal carries the code
@@ -350,7 +351,7 @@ class Origin:
         if failure.code in CONFIG_ERRORS:
             why = "a configuration error: not retried"
         hint = ""
-        if failure.credentials and not failure.retry and self._is_s3():
+        if failure.credentials and not failure.retry and _is_s3(self.url):
             hint = f"; {credential_hint(self.storage_options)}"
             if failure.code == "AccessDenied" or (failure.status == 403 and failure.code is None):
                 hint += (
