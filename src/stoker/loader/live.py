@@ -67,11 +67,12 @@ class LiveTotals:
 
     Args:
         dataset: the loader's dataset (its cache, version and URL).
-        rank, world_size, batch_size: the loader's, for the live-figures file.
+        cfg: the loader's :class:`~stoker.loader.options.WorkerConfig` (its ``batch_size``), or None.
+        rank, world_size: the loader's; with ``cfg``, for the live-figures file.
     """
 
-    def __init__(self, dataset, rank: int = 0, world_size: int = 1, batch_size: int = 0):
-        self.dataset, self.rank, self.world_size, self.batch_size = dataset, rank, world_size, batch_size
+    def __init__(self, dataset, cfg=None, rank: int = 0, world_size: int = 1):
+        self.dataset, self.cfg, self.rank, self.world_size = dataset, cfg, rank, world_size
         self._last: Any = None  # the stats of the last epoch ended
         self._lock = threading.Lock()
         self._base: dict[str, float] = dict.fromkeys(COUNTER_KEYS + STAT_KEYS, 0)
@@ -185,7 +186,7 @@ class LiveTotals:
             memory_capacity_bytes=getattr(getattr(cache, "memory", None), "capacity_bytes", None),
             rank=self.rank,
             world_size=self.world_size,
-            batch_size=self.batch_size,
+            batch_size=self.cfg.batch_size if self.cfg is not None else 0,
         )
         if not force and rec["samples"] == 0 and self._published is None:
             return

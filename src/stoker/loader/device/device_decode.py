@@ -20,9 +20,40 @@ import itertools
 
 import numpy as np
 
-from ..config import WorkerConfig
+from ..options import WorkerConfig
 
-__all__ = ["DeviceBatchDecoder"]
+__all__ = ["DeviceBatchDecoder", "LazyDeviceDecoder"]
+
+
+class LazyDeviceDecoder:
+    """A loader's decoder of ``ImageOptions.decode_device``: made on the first call, in the
+    training process after the workers are forked (the module docstring), then kept.
+
+    Args:
+        spec: the ``decode_device`` (a device name or a decoder object,
+            :meth:`DeviceBatchDecoder.create`), or None (no device decode: every call gives None).
+        dataset, cfg: as :class:`DeviceBatchDecoder`'s.
+    """
+
+    def __init__(self, spec, dataset, cfg: WorkerConfig):
+        self.spec, self.dataset, self.cfg = spec, dataset, cfg
+        self.made: DeviceBatchDecoder | None = None
+
+    def __call__(self) -> DeviceBatchDecoder | None:
+        """The decoder (made now on the first call), or None without ``spec``.
+
+        Raises:
+            RuntimeError: no CUDA or no GPU JPEG decoder (:meth:`DeviceBatchDecoder.create`).
+        """
+        if self.spec is not None and self.made is None:
+            self.made = DeviceBatchDecoder.create(self.spec, self.dataset, self.cfg)
+        return self.made
+
+    @property
+    def stats(self):
+        """Samples decoded on the device / by the CPU fallback (``GpuDecodeStats``), or None
+        before the first call or without ``spec``."""
+        return getattr(self.made.decoder, "stats", None) if self.made is not None else None
 
 
 class DeviceBatchDecoder:
@@ -33,7 +64,7 @@ class DeviceBatchDecoder:
             ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs, size)`` and
             ``device``).
         dataset: the loader's dataset (sample keys for error messages).
-        cfg: the loader's :class:`~stoker.loader.config.WorkerConfig` (``transform``, ``seed``,
+        cfg: the loader's :class:`~stoker.loader.options.WorkerConfig` (``transform``, ``seed``,
             ``image_size``, ``on_error`` are used).
     """
 
