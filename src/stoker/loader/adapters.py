@@ -86,14 +86,8 @@ def _sampler_class() -> type:
             return self.num_samples * self.num_replicas
 
         def set_epoch(self, epoch: int) -> None:
-            """The framework's number of the epoch it is about to train
-            (:func:`follow_epoch`): followed only by an iterator already
-            opened whose first batch was not asked for yet and whose place no resumed state set
-            (Lightning opens its epoch's iterator before it calls this; resumed from a checkpoint
-            taken at an epoch's end, it restores no loader state and says here which epoch comes).
-            Otherwise ignored: the Loader moves to its next epoch at every ``iter()`` by itself
-            (:meth:`stoker.loader.Loader.set_epoch` chooses one), so following it would serve one
-            epoch twice."""
+            """The framework's number of the epoch it is about to train: followed only by an
+            iterator opened but not yet asked for a batch (:func:`follow_epoch`), else ignored."""
             follow_epoch(self.loader, epoch)
 
         def __iter__(self):

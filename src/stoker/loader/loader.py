@@ -27,7 +27,7 @@ import numpy as np
 from .._procs import check_main_for, pick_start_method
 from ..order import permutation, rank_padding, rank_plan
 from .adapters import batch_sampler_of, sampler_for
-from .device.device_decode import LazyDeviceDecoder
+from .device.device_decode import DeviceBatchDecoder
 from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
 from .live import LiveTotals
@@ -175,18 +175,10 @@ multiprocessing.util.Finalize(None, _close_open, exitpriority=100)
 
 
 def _check_args(batch_size: object, num_workers: int, transform: str, decode, collate, image: ImageOptions) -> None:
-    """The Loader's common arguments, checked at its door.
-
-    ``batch_size`` is typed ``object``, not ``int``: the check is for what callers really pass;
-    typed ``int``, mypy takes ``isinstance(.., numbers.Integral)`` as always false.
-
-    Raises:
-        TypeError: ``batch_size`` not an integer (a numpy integer is one, a bool is not), or
-            ``decode``/``collate`` not callable.
-        ValueError: ``transform`` not one of :data:`TRANSFORMS`, ``batch_size`` below 1,
-            ``num_workers`` below 0, or decode/collate with ``image`` options that only the
-            built-in image path uses.
-    """
+    """Check the Loader's common arguments (``batch_size`` typed ``object``: for what callers
+    really pass). TypeError: ``batch_size`` not an integer (a numpy one is, a bool is not),
+    ``decode``/``collate`` not callable. ValueError: ``transform`` not in :data:`TRANSFORMS`,
+    ``batch_size`` < 1, ``num_workers`` < 0, decode/collate with the image path's ``image`` options."""
     if transform not in TRANSFORMS:
         raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
@@ -365,7 +357,9 @@ class Loader:
             check_main_for(self.start_method)  # WorkerStartError: spawn children cannot start from here
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
         # the decoder of decode_device, made by the first iter() (after the workers are forked)
-        self._device_decoder = LazyDeviceDecoder(image.decode_device, dataset, self.cfg)
+        self._device_decoder = (
+            DeviceBatchDecoder(image.decode_device, dataset, self.cfg) if image.decode_device is not None else None
+        )
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
         self._derived_ready = False
         self.stats: EpochStats | None = None
@@ -584,7 +578,7 @@ class Loader:
             plan=_weak(self.epoch_plan),
             record=_weak(self._record),
             live=self.live,
-            device_decoder=self._device_decoder,  # holds the dataset and cfg, not the loader
+            device_decoder=self._device_decoder,  # (holds the dataset and cfg, not the loader)
         )
         run = Run(config, hooks)
         try:
@@ -644,8 +638,8 @@ class Loader:
     @property
     def device_decode_stats(self):
         """Samples decoded on the device / by the CPU fallback (``GpuDecodeStats``), or None
-        without ``decode_device`` (:attr:`stoker.loader.device.device_decode.LazyDeviceDecoder.stats`)."""
-        return self._device_decoder.stats
+        without ``decode_device``."""
+        return getattr(self._device_decoder.decoder, "stats", None) if self._device_decoder is not None else None
 
     @property
     def pipeline(self) -> Run | None:

@@ -290,35 +290,11 @@ class RunOptions:
 #: The Loader keyword each option group is passed as, and its class.
 GROUPS: dict[str, type] = {"read": ReadOptions, "image": ImageOptions, "run": RunOptions}
 
-#: Old flat Loader keyword -> (group keyword, field) it moved to. ``epoch`` moved to no group:
+#: Old flat Loader keyword -> (group keyword, field) it moved to: every field of the groups but
+#: ``RunOptions.epochs`` (which came with the groups: no flat keyword). ``epoch`` moved to no group:
 #: ``Loader.set_epoch()`` (group None).
 DEPRECATED: dict[str, tuple[str | None, str]] = {
-    **{
-        name: ("read", name)
-        for name in (
-            "order",
-            "order_window",
-            "even",
-            "cache_aware_window",
-            "prefetch_batches",
-            "prefetch_bytes",
-            "staging_bytes",
-            "fetch_concurrency",
-            "prefetch_next_epoch",
-        )
-    },
-    **{
-        name: ("image", name)
-        for name in (
-            "image_size",
-            "exif_orientation",
-            "cache_form",
-            "cache_form_bytes",
-            "cache_form_dir",
-            "decode_device",
-        )
-    },
-    **{name: ("run", name) for name in ("device", "on_error", "timeout_s", "start_method", "metrics_port")},
+    **{f.name: (g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls) if f.name != "epochs"},
     "epoch": (None, "epoch"),
 }
 
@@ -418,13 +394,13 @@ def settle(read, image, run, deprecated: dict) -> tuple[ReadOptions, ImageOption
             warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=level)
         read, image, run = groups["read"], groups["image"], groups["run"]
         epoch = 0 if old_epoch is None else int(old_epoch)
-    read, image, run = (GROUPS[g]() if o is None else o for g, o in (("read", read), ("image", image), ("run", run)))
-    for name, opt in (("read", read), ("image", image), ("run", run)):
-        cls = GROUPS[name]
+    given = {"read": read, "image": image, "run": run}
+    for name, cls in GROUPS.items():
+        opt = given[name] = cls() if given[name] is None else given[name]
         if not isinstance(opt, cls):
             article = "an" if cls.__name__[0] in "AEIOU" else "a"
             raise TypeError(f"{name} must be {article} {cls.__name__}, got {type(opt).__name__} {opt!r}")
-    return read, image, run, epoch
+    return given["read"], given["image"], given["run"], epoch
 
 
 def order_of(read: ReadOptions, shuffle: bool) -> str:

@@ -17,69 +17,47 @@ device here): they run the same code with an injected CPU stand-in for nvJPEG.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
 from ..options import WorkerConfig
 
-__all__ = ["DeviceBatchDecoder", "LazyDeviceDecoder"]
-
-
-class LazyDeviceDecoder:
-    """A loader's decoder of ``ImageOptions.decode_device``: made on the first call, in the
-    training process after the workers are forked (the module docstring), then kept.
-
-    Args:
-        spec: the ``decode_device`` (a device name or a decoder object,
-            :meth:`DeviceBatchDecoder.create`), or None (no device decode: every call gives None).
-        dataset, cfg: as :class:`DeviceBatchDecoder`'s.
-    """
-
-    def __init__(self, spec, dataset, cfg: WorkerConfig):
-        self.spec, self.dataset, self.cfg = spec, dataset, cfg
-        self.made: DeviceBatchDecoder | None = None
-
-    def __call__(self) -> DeviceBatchDecoder | None:
-        """The decoder (made now on the first call), or None without ``spec``.
-
-        Raises:
-            RuntimeError: no CUDA or no GPU JPEG decoder (:meth:`DeviceBatchDecoder.create`).
-        """
-        if self.spec is not None and self.made is None:
-            self.made = DeviceBatchDecoder.create(self.spec, self.dataset, self.cfg)
-        return self.made
-
-    @property
-    def stats(self):
-        """Samples decoded on the device / by the CPU fallback (``GpuDecodeStats``), or None
-        before the first call or without ``spec``."""
-        return getattr(self.made.decoder, "stats", None) if self.made is not None else None
+__all__ = ["DeviceBatchDecoder"]
 
 
 class DeviceBatchDecoder:
     """Training-process side of device decode: payloads of one batch -> tensors on the device.
 
     Args:
-        decoder: a :class:`~stoker.decode.gpu.GpuJpegDecoder` (or an object with its
-            ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs, size)`` and
-            ``device``).
+        spec: ``ImageOptions.decode_device``: a device name (a
+            :class:`~stoker.decode.gpu.GpuJpegDecoder` is made for it) or a ready decoder object
+            (with its ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs,
+            size)`` and ``device``).
         dataset: the loader's dataset (sample keys for error messages).
         cfg: the loader's :class:`~stoker.loader.options.WorkerConfig` (``transform``, ``seed``,
             ``image_size``, ``on_error`` are used).
     """
 
-    def __init__(self, decoder, dataset, cfg: WorkerConfig):
-        self.decoder, self.dataset, self.cfg = decoder, dataset, cfg
+    def __init__(self, spec, dataset, cfg: WorkerConfig):
+        self.spec, self.dataset, self.cfg = spec, dataset, cfg
+        self.decoder: Any = None  #: the decoder, once :meth:`start` made it
 
-    @classmethod
-    def create(cls, spec, dataset, cfg: WorkerConfig) -> DeviceBatchDecoder:
-        """From ``ImageOptions(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
-        RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
-        if isinstance(spec, str):
-            from ...decode.gpu import GpuJpegDecoder
+    def start(self) -> DeviceBatchDecoder:
+        """Make the decoder, once (in the training process, after the workers are forked: the
+        module docstring); returns self.
 
-            spec = GpuJpegDecoder(spec, exif_orientation=cfg.exif_orientation)
-        return cls(spec, dataset, cfg)
+        Raises:
+            RuntimeError: no CUDA or no GPU JPEG decoder.
+        """
+        if self.decoder is None:
+            if isinstance(self.spec, str):
+                from ...decode.gpu import GpuJpegDecoder
+
+                self.decoder = GpuJpegDecoder(self.spec, exif_orientation=self.cfg.exif_orientation)
+            else:
+                self.decoder = self.spec
+        return self
 
     def __call__(self, epoch: int, payloads: list, labels: np.ndarray):
         """Decode and transform one batch.

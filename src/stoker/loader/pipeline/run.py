@@ -55,16 +55,15 @@ class RunHooks:
         plan: ``plan(epoch) -> (sample ids int64 (n,), mean displacement)``: the order served in ``epoch``.
         record: called with each epoch's :class:`EpochStats` when the epoch ends (finished or cut short).
         live: the Loader's :class:`~stoker.loader.live.LiveTotals` (``begin``/``tick``/``end``).
-        device_decoder: ``device_decoder() -> DeviceBatchDecoder | None``: the decoder of
-            ``decode_device`` (made on the first call, after the processes are forked), or None
-            (:class:`stoker.loader.device.device_decode.LazyDeviceDecoder`).
+        device_decoder: the :class:`~stoker.loader.device.device_decode.DeviceBatchDecoder` of
+            ``decode_device`` (started by :meth:`Run.start`, after the processes are forked), or None.
     """
 
     state: Any
     plan: Callable
     record: Callable
     live: Any
-    device_decoder: Callable
+    device_decoder: Any
 
 
 @dataclass(frozen=True)
@@ -180,9 +179,8 @@ class Run:
             self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self.deliver = Delivery(
-            self.ring, self.cfg, self.state, self.transfer, self.hooks.device_decoder()
-        )  # after the forks (CUDA)
+        dd = self.hooks.device_decoder  # started after the forks (CUDA)
+        self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer, dd.start() if dd is not None else None)
         if self._decoder is not None:
             self.inline = InlineLoop(
                 self.config, self.state, self.hooks.live, self._decoder, self.ring, self.deliver, self.dataset

@@ -94,16 +94,10 @@ class StagedBlocks(dict):
 class PrefetchLoop:
     """The state of :func:`prefetch_main` between wake-ups, with running totals (bytes and blocks
     in flight, staged bytes) kept on submit and completion instead of recomputed on every look.
-    Block ids, positions and sizes are Python ints.
-
-    Args:
-        ds: the process's own copy of the dataset (with a node cache).
-        shared: the :class:`stoker.loader.prefetch.process.PrefetchShared` values (the consumer's
-            positions, the counters).
-        pool: the :class:`~stoker.loader.prefetch.fills.FillThreads` that run the fills.
-        read: the loader's :class:`~stoker.loader.options.ReadOptions`: ``prefetch_bytes`` (how far
-            ahead of the consumer fills start), ``staging_bytes``, ``fetch_concurrency``.
-        adopt: take over the blocks of the first plan that a dead predecessor staged.
+    Block ids, positions and sizes are Python ints. Its arguments are :func:`prefetch_main`'s
+    (``pool``: the :class:`~stoker.loader.prefetch.fills.FillThreads` that run the fills); it reads
+    ``read.prefetch_bytes`` (how far ahead of the consumer fills start), ``read.staging_bytes`` and
+    ``read.fetch_concurrency`` from the :class:`~stoker.loader.options.ReadOptions` it is handed.
     """
 
     def __init__(self, ds, shared, pool: FillThreads, read, adopt: bool):

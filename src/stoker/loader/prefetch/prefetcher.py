@@ -99,11 +99,6 @@ class Prefetcher:
         return self._proc
 
     @property
-    def working(self) -> bool:
-        """False once the epoch goes on without prefetch (past the bound)."""
-        return not self._off
-
-    @property
     def restarts(self) -> int:
         """Prefetchers replaced this epoch."""
         return self._restarts

@@ -3,7 +3,7 @@
 The order of an epoch is known in advance, so the blocks it needs are known too:
 block b is first needed at position ``first_need[b]`` of the rank's sample plan.
 The prefetcher fills blocks in first-need order (the order that makes the
-longest prefix of the epoch servable soonest), with ``concurrency`` ranged GETs
+longest prefix of the epoch servable soonest), with ``read.fetch_concurrency`` ranged GETs or more
 in flight, staying at most ``read.prefetch_bytes`` ahead of the position the loader has
 dispatched to its workers. A block whose neighbours in its shard are among the next blocks
 to fetch is fetched with them in one merged ranged GET (:mod:`stoker.store.runs`), capped at the
@@ -24,7 +24,7 @@ plan's last batches that the next plan reaches is used for it too (the ledger's
 
 While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
 by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
-request tests the origin instead of ``concurrency`` of them, and resumes when a request succeeds.
+request tests the origin instead of every fill in flight, and resumes when a request succeeds.
 
 The process's main thread sleeps on one queue: commands (posted by a thread that blocks on the
 command queue, and that posts a stop when the parent is gone) and fill outcomes (posted by the fill
@@ -103,18 +103,12 @@ def read_commands(commands, events: queue.SimpleQueue, parent: int) -> None:
 
 @dataclass(frozen=True)
 class PrefetchShared:
-    """What the training process and its prefetch process share: plain shared integers (no lock
-    a dead process could hold), kept over a replacement of the process.
-
-    Attributes:
-        position: samples of the current plan dispatched to the workers (``multiprocessing.Value("q")``).
-        done: samples of the current plan delivered (staged blocks whose last use is before it go).
-        prev_done: samples of the previous plan delivered, while it drains after a plan change.
-        counters: int64 array of :data:`N_COUNTERS` (origin figures, the per-plan ledger,
-            :mod:`.inflight`); a replacement's origin counters continue from the dead one's.
-        started: 1 once the process is set up (one that dies before is not replaced,
-            :mod:`stoker.loader.workers.launch`).
-    """
+    """What the training process and its prefetch process share, kept over a replacement of the
+    process: plain shared integers (no lock a dead process could hold). ``position`` / ``done``:
+    samples of the current plan dispatched to the workers / delivered; ``prev_done``: of the
+    previous plan delivered, while it drains; ``counters``: int64 array of :data:`N_COUNTERS`
+    (:mod:`.inflight`); ``started``: 1 once the process is set up (one that dies before is not
+    replaced, :mod:`stoker.loader.workers.launch`)."""
 
     position: Any
     done: Any
@@ -130,27 +124,14 @@ class PrefetchShared:
 
 
 def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = False, ready=None) -> None:
-    """Prefetcher process loop.
-
-    Args:
-        ds: the dataset (with a node cache); the process makes its own copy.
-        commands: queue of ``(run, blocks, first_need, last_need[, draining])`` or None to stop
-            (``draining``: the previous plan is still being delivered, so the blocks it needs are
-            charged to its ledger row, :mod:`.inflight`).
-        shared: the :class:`PrefetchShared` values (positions, counters, started flag).
-        read: the loader's :class:`~stoker.loader.options.ReadOptions`: fills start within
-            ``prefetch_bytes`` of the dispatched position; staged blocks plus fills in flight that
-            may be staged stay within ``staging_bytes``; at least ``fetch_concurrency`` ranged GETs
-            in flight, more while the measured bandwidth-delay product asks for them
-            (:class:`stoker.loader.prefetch.inflight.InflightTarget`).
-        adopt: this process replaces one that died; the blocks of its first plan that are in the
-            staging area already (whole files, written by rename) are taken over as staged.
-        ready: a shared counter (``multiprocessing.Value``) incremented once the origin client is built.
-
-    SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`). The loop sleeps on one queue
-    (:data:`CMD` commands from a thread that blocks on ``commands``, fill outcomes from the fill
-    threads) and looks at the shared positions only when it wakes; it wakes on a timer only while
-    something waits on the consumer, on a fill's retry time, or while the origin throttles."""
+    """The prefetch process (the module docstring): serve the plans that come on ``commands``
+    (``(run, blocks, first_need, last_need[, draining])``, :func:`block_schedule`; ``draining``: the
+    previous plan is still being delivered, its blocks are charged to its ledger row; None: stop)
+    with the loader's :class:`~stoker.loader.options.ReadOptions` ``read``, until a stop or the
+    parent's exit. ``shared``: the :class:`PrefetchShared` values. ``adopt``: this process replaces
+    one that died; the blocks of its first plan already staged (whole files, written by rename)
+    are taken over. ``ready``: a shared counter (``multiprocessing.Value``) incremented once the
+    origin client is built. SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`)."""
     from ..workers.interrupts import ignore_in_child
     from ..workers.worker import fresh_copy
 
