@@ -31,7 +31,7 @@ class ParallelLoop:
     def __init__(
         self, config, state, live, workers, prefetcher, dispatch, deliver, *, start_method: str, fork_hazards: list
     ):
-        self.config, self.cfg, self.read, self.run = config, config.cfg, config.read, config.run
+        self.config, self.cfg = config, config.cfg
         self.state, self.live = state, live
         self.workers, self.prefetcher, self.dispatch, self.deliver = workers, prefetcher, dispatch, deliver
         self.ring = dispatch.ring
@@ -106,7 +106,7 @@ class ParallelLoop:
         Raises:
             WorkerError: no reply for ``run.timeout_s`` seconds (:meth:`_stall`).
         """
-        deadline = time.monotonic() + self.run.timeout_s
+        deadline = time.monotonic() + self.config.run.timeout_s
         while True:
             self._send(run, epoch, seq, batches, inflight, sent)
             if (
@@ -114,8 +114,8 @@ class ParallelLoop:
                 and self.dispatch.pre is None
                 and self.state.resume_batch == 0
                 and self.state.epoch == epoch + 1
-                and self.read.prefetch_next_epoch
-                and (self.run.epochs is None or epoch + 1 < self.run.epochs)
+                and self.config.read.prefetch_next_epoch
+                and (self.config.run.epochs is None or epoch + 1 < self.config.run.epochs)
                 and self.dispatch.prefetch_plan_done(run)
             ):
                 self.dispatch.predispatch(epoch + 1)
@@ -126,7 +126,7 @@ class ParallelLoop:
                 self.workers.check()
                 self._check_prefetcher()
                 # a replacement decodes its batches again: the wait starts over from it
-                if time.monotonic() > max(deadline, self._restarted_at() + self.run.timeout_s):
+                if time.monotonic() > max(deadline, self._restarted_at() + self.config.run.timeout_s):
                     raise self._stall(seq, epoch) from None
                 continue
             self.dispatch.keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
@@ -174,7 +174,7 @@ class ParallelLoop:
         in a sample are ended and replaced first (their batches' slots freed, the next epoch's
         early batches dropped), so the next epoch does not wait behind the same call."""
         msg = (
-            f"no batch from the workers for {self.run.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
+            f"no batch from the workers for {self.config.run.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
             + self.workers.describe()
         )
         if self.start_method == "fork" and self.fork_hazards:

@@ -154,7 +154,7 @@ class InlineLoop:
     """
 
     def __init__(self, config, state, live, decoder, ring, deliver, dataset):
-        self.run = config.run
+        self.config = config
         self.state, self.live, self.decoder, self.ring, self.deliver = state, live, decoder, ring, deliver
         self.dataset = dataset
         self.slots = isinstance(decoder, BatchDecoder)  # the built-in decoder writes into a slot
@@ -206,14 +206,14 @@ class InlineLoop:
         ring = self.ring
         on_drop = (lambda: ring.release(slot)) if slot is not None else None
         try:
-            return self.thread.run(fn, args, self.run.timeout_s, on_drop)
+            return self.thread.run(fn, args, self.config.run.timeout_s, on_drop)
         except TimeoutError as exc:
             if not self.thread.dropped:  # the user's decode raised TimeoutError itself
                 raise
             name, sid = exc.args
             key = self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
             raise WorkerError(
-                f"no batch decoded for {self.run.timeout_s:.0f} s (batch {seq} of epoch {epoch}, decoded in the "
+                f"no batch decoded for {self.config.run.timeout_s:.0f} s (batch {seq} of epoch {epoch}, decoded in the "
                 f"training process: num_workers=0): thread {name} is "
                 + (f"on sample {key!r}" if key else "stuck")
                 + "; a thread cannot be stopped, so it is left (it ends with the process) and the next "
