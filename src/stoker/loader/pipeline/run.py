@@ -330,7 +330,7 @@ class Run:
 
     def totals(self) -> dict:
         """Counters summed over the workers, and the prefetcher's clocks and origin retries (its
-        origin traffic is read per plan from its ledger, :meth:`prefetch_ledger`)."""
+        origin traffic is read per plan from its ledger, :meth:`since`)."""
         tot: dict[str, int] = {}
         sources = (
             list(self.dispatch.worker_counters.values())
@@ -346,10 +346,23 @@ class Run:
             tot.update(pf)
         return tot
 
-    def prefetch_ledger(self, run: int) -> dict:
-        """The prefetcher's origin traffic charged to plan ``run`` (empty without a prefetcher),
-        with its in-flight target, latency and bandwidth estimates now."""
-        return self.prefetcher.ledger(run) if self.prefetcher is not None else {}
+    def since(self, before: dict, plan: int | None) -> tuple[dict, dict]:
+        """``(change, ledger)``: the change of :meth:`totals` since ``before`` (read again when
+        another thread adds a worker's counters meanwhile; empty after three tries), with the
+        prefetcher's origin traffic charged to plan ``plan`` added; and that ledger row, with the
+        in-flight target, latency and bandwidth estimates now (empty without a prefetcher or plan)."""
+        now: dict = {}
+        for _ in range(3):
+            try:
+                now = self.totals()
+                break
+            except RuntimeError:  # (a dict changed size during iteration)
+                continue
+        change = {k: v - before.get(k, 0) for k, v in now.items()}
+        ledger = self.prefetcher.ledger(plan) if self.prefetcher is not None and plan is not None else {}
+        for k in infl.LEDGER_FIELDS[1:]:
+            change[k] = change.get(k, 0) + ledger.get(k, 0)
+        return change, ledger
 
     def _epoch(self, run: int, epoch: int, start: int = 0, t_iter: float | None = None):
         t_start = time.perf_counter()
@@ -398,11 +411,7 @@ class Run:
             stats.seconds = time.perf_counter() - t_start
             stats.worker_restarts, stats.prefetcher_restarts = self.restarts()
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
-            after = self.totals()
-            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            ledger = self.prefetch_ledger(run)
-            for k in infl.LEDGER_FIELDS[1:]:
-                d[k] = d.get(k, 0) + ledger.get(k, 0)
+            d, ledger = self.since(before, run)
             fill_from_counters(stats, d, wait_box[0], ids, delivered, len(self.dataset))
             fill_origin_figures(stats, d, ledger, self.config.num_workers)
             self.hooks.record(stats)
