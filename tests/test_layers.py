@@ -46,7 +46,7 @@ LAYERS = [
 #: third parts of a module name (a subfolder, or a module at the package's own level).
 SUBLAYERS = {
     "stoker.loader": [
-        {"options", "config", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
+        {"options", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
         {"workers"},
         {"prefetch"},
         {"device"},

@@ -410,12 +410,12 @@ def test_prometheus_rate_matches_loader_stats(dataset, tmp_path):
             assert time.monotonic() < deadline, "prometheus did not scrape the loader"
             time.sleep(0.2)  # scraped twice: the series covers what follows
         window_s = 5.0
-        marks = [(time.time(), ld.live_figures()["samples"])]  # (wall time, the loader's own count)
+        marks = [(time.time(), ld.live.snapshot()["samples"])]  # (wall time, the loader's own count)
         t_end = time.time() + window_s + 1.5
         while marks[-1][0] < t_end:
             for _ in ld:
                 time.sleep(0.05)
-                marks.append((time.time(), ld.live_figures()["samples"]))
+                marks.append((time.time(), ld.live.snapshot()["samples"]))
                 if marks[-1][0] >= t_end:
                     break
         at = marks[-1][0] - 0.5

@@ -170,7 +170,7 @@ def test_loader_takes_size_strings(tmp_path):
         read=stoker.ReadOptions(prefetch_bytes="32MiB", staging_bytes="1.5 MiB"),
         image=stoker.ImageOptions(image_size=8, cache_form_bytes="1GiB"),
     )
-    assert (ld.prefetch_bytes, ld.staging_bytes, ld.cache_form_bytes) == (32 << 20, 3 << 19, 1 << 30)
+    assert (ld.read.prefetch_bytes, ld.read.staging_bytes, ld.image.cache_form_bytes) == (32 << 20, 3 << 19, 1 << 30)
     with pytest.raises(ValueError, match="staging_bytes"):
         stoker.Loader(
             ds,

@@ -14,7 +14,7 @@ import pytest
 from stoker import ImageOptions, Loader, ReadOptions, open_dataset
 from stoker.cache.staging import StagingArea
 from stoker.loader.prefetch import inflight as infl
-from stoker.loader.prefetch.process import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.prefetch.process import PrefetchShared, block_schedule, prefetch_main
 from stoker.store.blocks import BlockReader
 
 BLOCK = 256 << 10
@@ -107,11 +107,13 @@ def test_prefetch_staged_counts_origin_fetches_and_reuse_apart(packed_local, tmp
 
     ctx = mp.get_context("fork")
     cmds = ctx.Queue()
-    pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
-    counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+    shared = PrefetchShared.create(ctx)
+    pos, done, counters = shared.position, shared.done, shared.counters
     pos.value = len(plan)  # the whole plan is dispatched: prefetch all of it
     proc = ctx.Process(
-        target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done), daemon=True
+        target=prefetch_main,
+        args=(ds, cmds, shared, ReadOptions(fetch_concurrency=4, prefetch_bytes=1 << 30, staging_bytes=1 << 30)),
+        daemon=True,
     )
     proc.start()
     try:

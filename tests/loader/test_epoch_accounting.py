@@ -39,4 +39,4 @@ def test_warm_epochs_show_no_origin_bytes_and_the_cold_epoch_shows_them_all(tiny
         assert st.first_batch_s > 0
         assert 0.0 <= st.origin_busy_fraction <= 1.0
         assert st.overlap_efficiency >= 0.0
-    assert cold.inflight_target >= loader.fetch_concurrency
+    assert cold.inflight_target >= loader.read.fetch_concurrency

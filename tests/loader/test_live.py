@@ -15,18 +15,15 @@ class _Run:
     def __init__(self):
         self.counters = {}
 
-    def totals(self):
-        return dict(self.counters)
+    def since(self, before, plan):
+        return {k: v - before.get(k, 0) for k, v in self.counters.items()}, {}
 
     def restarts(self):
         return 0, 0
 
-    def prefetch_ledger(self, plan):
-        return {}
-
 
 def test_totals_add_up_over_epochs_and_never_drop():
-    live, run = LiveTotals(SimpleNamespace(cache=None), rank=0, world_size=1, batch_size=4), _Run()
+    live, run = LiveTotals(SimpleNamespace(cache=None), SimpleNamespace(batch_size=4), rank=0, world_size=1), _Run()
     assert live.snapshot()["samples"] == 0 and live.snapshot()["epoch"] is None
     s0 = EpochStats(epoch=0)
     live.begin(run, s0, {"origin_bytes": 0}, [0.0], time.perf_counter())

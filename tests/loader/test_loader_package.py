@@ -11,7 +11,7 @@ import pytest
 
 import stoker
 from stoker.loader import EpochStats, ImageOptions, Loader, RunOptions, WorkerError
-from stoker.loader.config import WorkerConfig
+from stoker.loader.options import WorkerConfig
 from stoker.loader.state import IDENTITY_KEYS, LoaderState
 from stoker.store.dataset import open_dataset
 

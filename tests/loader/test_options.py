@@ -59,7 +59,7 @@ def test_old_keyword_warns_and_lands_in_its_option(ds, old):
         assert "set_epoch" in msg and loader.epoch == value
         return
     assert f"use {group}={GROUPS[group].__name__}({field}=...)" in msg
-    opt = {"read": loader.read_options, "image": loader.image_options, "run": loader.run_options}[group]
+    opt = {"read": loader.read, "image": loader.image, "run": loader.run}[group]
     assert getattr(opt, field) == want
 
 
@@ -109,8 +109,8 @@ def test_new_api_does_not_warn(ds):
             image=ImageOptions(image_size=32),
             run=RunOptions(timeout_s=9),
         )
-    assert lo.prefetch_bytes == 8 << 20 and lo.cfg.image_size == 32 and lo.timeout_s == 9
-    assert lo.order == "uniform"
+    assert lo.read.prefetch_bytes == 8 << 20 and lo.cfg.image_size == 32 and lo.run.timeout_s == 9
+    assert lo.read.order == "uniform"
 
 
 def test_options_validate_and_name_the_field():

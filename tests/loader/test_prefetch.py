@@ -10,7 +10,8 @@ import time
 import numpy as np
 
 from stoker.cache.staging import StagingArea
-from stoker.loader.prefetch.process import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.options import ReadOptions
+from stoker.loader.prefetch.process import PrefetchShared, block_schedule, prefetch_main
 from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
 
@@ -24,8 +25,8 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
     b0 = int(blocks[0])
     ctx = mp.get_context("fork")
     cmds = ctx.Queue()
-    pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
-    counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+    shared = PrefetchShared.create(ctx)
+    pos, counters = shared.position, shared.counters
     pos.value = len(plan)  # the whole plan is dispatched: prefetch all of it
     held, release = threading.Event(), threading.Event()
 
@@ -38,7 +39,9 @@ def test_block_with_a_held_fetch_lock_is_staged_after_release(packed_local, tmp_
     t.start()
     held.wait(5)
     proc = ctx.Process(
-        target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, 1 << 30, prev_done), daemon=True
+        target=prefetch_main,
+        args=(ds, cmds, shared, ReadOptions(fetch_concurrency=4, prefetch_bytes=1 << 30, staging_bytes=1 << 30)),
+        daemon=True,
     )
     proc.start()
     try:
@@ -81,12 +84,17 @@ def _prefetch_all(ds, plan, concurrency: int = 2) -> dict:
     blocks, first, last = block_schedule(ds, plan)
     ctx = mp.get_context("fork")
     cmds = ctx.Queue()
-    pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
-    counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+    shared = PrefetchShared.create(ctx)
+    pos, counters = shared.position, shared.counters
     pos.value = len(plan)
     proc = ctx.Process(
         target=prefetch_main,
-        args=(ds, cmds, pos, done, counters, concurrency, 1 << 30, 1 << 30, prev_done),
+        args=(
+            ds,
+            cmds,
+            shared,
+            ReadOptions(fetch_concurrency=concurrency, prefetch_bytes=1 << 30, staging_bytes=1 << 30),
+        ),
         daemon=True,
     )
     proc.start()

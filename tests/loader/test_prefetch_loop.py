@@ -15,9 +15,10 @@ import time
 import numpy as np
 import pytest
 
+from stoker.loader.options import ReadOptions
 from stoker.loader.prefetch import fills
 from stoker.loader.prefetch import inflight as infl
-from stoker.loader.prefetch.process import N_COUNTERS, block_schedule, prefetch_main
+from stoker.loader.prefetch.process import PrefetchShared, block_schedule, prefetch_main
 from stoker.store.dataset import open_dataset
 
 BLOCK = 64 << 10
@@ -37,14 +38,24 @@ def _sizes(ds) -> np.ndarray:
 class _Prefetch:
     """A forked prefetch process with its queue and shared positions."""
 
-    def __init__(self, ds, ahead_bytes: int = 1 << 30, concurrency: int = 2):
+    def __init__(self, ds, prefetch_bytes: int = 1 << 30, concurrency: int = 2):
         ctx = mp.get_context("fork")
         self.cmds = ctx.Queue()
-        self.pos, self.done, self.prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
-        self.counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+        shared = PrefetchShared.create(ctx)
+        self.pos, self.done, self.prev_done, self.counters = (
+            shared.position,
+            shared.done,
+            shared.prev_done,
+            shared.counters,
+        )
         self.proc = ctx.Process(
             target=prefetch_main,
-            args=(ds, self.cmds, self.pos, self.done, self.counters, concurrency, ahead_bytes, 1 << 30, self.prev_done),
+            args=(
+                ds,
+                self.cmds,
+                shared,
+                ReadOptions(fetch_concurrency=concurrency, prefetch_bytes=prefetch_bytes, staging_bytes=1 << 30),
+            ),
             daemon=True,
         )
         self.proc.start()
@@ -63,10 +74,10 @@ class _Prefetch:
 
 @pytest.mark.parametrize("state", ["idle", "waiting on the consumer"])
 def test_a_stop_command_wakes_the_loop_at_once(packed_local, tmp_path, state):
-    """Idle (no plan: it sleeps on the queue with no timer) or held at ``ahead_bytes`` (it sleeps
+    """Idle (no plan: it sleeps on the queue with no timer) or held at ``prefetch_bytes`` (it sleeps
     on the queue with the consumer timer): a stop ends the process within a fraction of a second."""
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30, block_bytes=BLOCK)
-    p = _Prefetch(ds, ahead_bytes=1)  # one block ahead of a consumer that never moves
+    p = _Prefetch(ds, prefetch_bytes=1)  # one block ahead of a consumer that never moves
     try:
         if state != "idle":
             blocks, first, last = block_schedule(ds, np.arange(len(ds)))
@@ -121,13 +132,13 @@ def test_the_prefetcher_ends_when_its_parent_dies_without_pdeathsig(packed_local
 
 
 def test_a_fill_that_ends_while_the_consumer_stalls_is_not_lost(packed_local, tmp_path):
-    """ahead_bytes of 1: the prefetcher fills the first block and waits on the consumer. The fill
+    """prefetch_bytes of 1: the prefetcher fills the first block and waits on the consumer. The fill
     that ends meanwhile is counted; as the consumer reaches each block's first use, that block
     follows (the timer that looks at the position), each block once."""
     ds = open_dataset(packed_local, cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30, block_bytes=BLOCK)
     plan = np.arange(len(ds))
     blocks, first, last = block_schedule(ds, plan)
-    p = _Prefetch(ds, ahead_bytes=1, concurrency=1)
+    p = _Prefetch(ds, prefetch_bytes=1, concurrency=1)
     try:
         p.cmds.put((1, blocks, first, last))
         assert _until(lambda: p.counters[2] >= 1)
@@ -234,11 +245,13 @@ def test_a_full_staging_budget_waits_for_delivery_and_then_goes_on(packed_local,
     budget = 2 * int(sizes.max())
     ctx = mp.get_context("fork")
     cmds = ctx.Queue()
-    pos, done, prev_done = (ctx.Value("q", 0, lock=False) for _ in range(3))
-    counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
+    shared = PrefetchShared.create(ctx)
+    pos, done, counters = shared.position, shared.done, shared.counters
     pos.value = len(plan)  # all dispatched: only the staging budget holds it back
     proc = ctx.Process(
-        target=prefetch_main, args=(ds, cmds, pos, done, counters, 4, 1 << 30, budget, prev_done), daemon=True
+        target=prefetch_main,
+        args=(ds, cmds, shared, ReadOptions(fetch_concurrency=4, prefetch_bytes=1 << 30, staging_bytes=budget)),
+        daemon=True,
     )
     proc.start()
 

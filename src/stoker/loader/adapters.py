@@ -16,7 +16,7 @@ A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` 
 to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
 ``DistributedSampler`` whose iteration gives this rank's sample ids of the next epoch and whose
 ``set_epoch`` moves an iterator already opened but not yet asked for a batch to that epoch and is
-otherwise left alone (:meth:`stoker.loader.Loader.follow_epoch`; Lightning calls it after it opened
+otherwise left alone (:func:`follow_epoch`; Lightning calls it after it opened
 the epoch's iterator, so following it otherwise would serve an epoch twice). An ``iter()`` whose
 epoch never began (Lightning's look at the loader) is given back: the next ``iter()`` runs that
 epoch again. Ray
@@ -24,6 +24,9 @@ Train then keeps the Loader as it is. A rebuild that would drop stoker's pipelin
 DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
 Loader's own ``state_dict()``).
+
+The Loader's ``sampler`` and ``batch_sampler`` are :func:`sampler_for` and :func:`batch_sampler_of`
+as properties: the adapters live here, the attributes frameworks read stay on the Loader.
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ from typing import Any
 
 from ..errors import NotADataLoaderError
 
-__all__ = ["LoaderSampler", "sampler_for", "no_batch_sampler"]  # noqa: F822 (LoaderSampler: module __getattr__)
+__all__ = [  # noqa: F822 (LoaderSampler: module __getattr__)
+    "LoaderSampler",
+    "batch_sampler_of",
+    "follow_epoch",
+    "no_batch_sampler",
+    "sampler_for",
+]
 
 
 @functools.cache
@@ -77,15 +86,9 @@ def _sampler_class() -> type:
             return self.num_samples * self.num_replicas
 
         def set_epoch(self, epoch: int) -> None:
-            """The framework's number of the epoch it is about to train
-            (:meth:`stoker.loader.Loader.follow_epoch`): followed only by an iterator already
-            opened whose first batch was not asked for yet and whose place no resumed state set
-            (Lightning opens its epoch's iterator before it calls this; resumed from a checkpoint
-            taken at an epoch's end, it restores no loader state and says here which epoch comes).
-            Otherwise ignored: the Loader moves to its next epoch at every ``iter()`` by itself
-            (:meth:`stoker.loader.Loader.set_epoch` chooses one), so following it would serve one
-            epoch twice."""
-            self.loader.follow_epoch(epoch)
+            """The framework's number of the epoch it is about to train: followed only by an
+            iterator opened but not yet asked for a batch (:func:`follow_epoch`), else ignored."""
+            follow_epoch(self.loader, epoch)
 
         def __iter__(self):
             return iter(self.loader.plan().tolist())
@@ -98,9 +101,41 @@ def _sampler_class() -> type:
 
 
 def sampler_for(loader: Any):
-    """A :class:`LoaderSampler` of ``loader`` (a :class:`stoker.loader.Loader`; the sampler is a
-    ``torch.utils.data.distributed.DistributedSampler``)."""
+    """``loader.sampler``: what a training framework takes for the sampler of ``loader`` (a
+    :class:`stoker.loader.Loader`): a :class:`LoaderSampler` (a
+    ``torch.utils.data.distributed.DistributedSampler``) whose iteration gives this rank's sample
+    ids of the next epoch; its ``set_epoch`` (which Lightning's loops call) leaves the Loader's
+    epoch alone: it advances at every ``iter()``. Ray Train's ``prepare_data_loader`` keeps a
+    Loader with it as it is."""
     return _sampler_class()(loader)
+
+
+def batch_sampler_of(loader: Any):
+    """``loader.batch_sampler``: not there. Raises :class:`~stoker.errors.NotADataLoaderError` (an
+    AttributeError, :func:`no_batch_sampler`), which names the stoker way to skip the batches done
+    (accelerate's ``skip_first_batches`` asks for it to rebuild the Loader as a DataLoader)."""
+    raise no_batch_sampler()
+
+
+def follow_epoch(loader: Any, epoch: int) -> bool:
+    """A framework numbers the epoch it is about to train ``epoch`` (Lightning's loops call
+    ``loader.sampler.set_epoch(epoch)``). When the epoch the last ``iter()`` of ``loader`` opened
+    has not begun (no batch asked for yet), is another one and was not put there by
+    ``load_state_dict``, that iterator serves ``epoch`` instead, from its first batch (a resume
+    from a checkpoint taken at an epoch's end, for which Lightning restores no loader state,
+    continues with the right epoch). Otherwise nothing changes (a Loader moves to its next epoch
+    at every ``iter()`` by itself).
+
+    Returns:
+        True if the open iterator now serves ``epoch``.
+    """
+    opened, run = loader.state.opened, loader.pipeline
+    if opened is None or run is None or opened[2] or opened[0] == int(epoch):
+        return False
+    if not run.reopen(int(epoch)):
+        return False
+    loader.state.reopen(int(epoch))
+    return True
 
 
 def no_batch_sampler() -> NotADataLoaderError:

@@ -213,21 +213,14 @@ class DerivedCache:
         return {f"derived_{k}": v for k, v in self.stats.snapshot().items()}
 
 
-def setup(
-    ds,
-    form,
-    *,
-    capacity_bytes: int,
-    root: str | None,
-    workers: int,
-    mode: str,
-    size: int,
-    exif_orientation: bool = False,
-):
-    """The loader's derived cache for ``form`` (a name or ``"auto"``): ``(DerivedCache or None,
-    report)``. ``auto`` measures the candidates (:func:`stoker.decode.choose.choose_form`) and
-    returns None when raw wins; the report is its measurement (``{"choice": name}`` for a fixed
-    form). Temporary files of dead writers are removed and usage recounted (``recover``).
+def setup(ds, image, *, workers: int, mode: str):
+    """The loader's derived cache for ``image.cache_form`` (a name or ``"auto"``; ``image``: the
+    loader's :class:`~stoker.loader.options.ImageOptions`, whose ``cache_form_bytes``,
+    ``cache_form_dir``, ``image_size`` and ``exif_orientation`` it reads; ``workers``: decode
+    processes; ``mode``: the transform): ``(DerivedCache or None, report)``. ``auto`` measures the
+    candidates (:func:`stoker.decode.choose.choose_form`) and returns None when raw wins; the
+    report is its measurement (``{"choice": name}`` for a fixed form). Temporary files of dead
+    writers are removed and usage recounted (``recover``).
 
     Raises:
         ValueError: unknown form name, or no ``root`` over a read-only node cache; see
@@ -238,6 +231,7 @@ def setup(
     from ..cache.perms import ensure_dir, parse_mode
     from ..errors import StokerError
 
+    form, root, size, capacity_bytes = image.cache_form, image.cache_form_dir, image.image_size, image.cache_form_bytes
     if root is None and getattr(ds.cache, "read_only", False):
         raise ValueError(
             f"cache_form keeps derived samples in a directory it writes, and the node cache {ds.cache.root} "
@@ -262,7 +256,7 @@ def setup(
     if name == "raw":
         return None, report
     cache = DerivedCache(
-        root, capacity_bytes, name, ds.version, exif_orientation=exif_orientation, size=size, mode=cache_mode
+        root, capacity_bytes, name, ds.version, exif_orientation=image.exif_orientation, size=size, mode=cache_mode
     )
     report["root"], report["recovered"] = cache.root, cache.recover()
     return cache, report

@@ -29,7 +29,6 @@ from .._atomic import PRIVATE_FILE_MODE, write_atomic
 from ..cache.layout import is_cache
 from ..cache.perms import ensure_dir
 from ..storage import absolute_url
-from .prefetch.inflight import LEDGER_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,12 @@ class LiveTotals:
 
     Args:
         dataset: the loader's dataset (its cache, version and URL).
-        rank, world_size, batch_size: the loader's, for the live-figures file.
+        cfg: the loader's :class:`~stoker.loader.options.WorkerConfig` (its ``batch_size``), or None.
+        rank, world_size: the loader's; with ``cfg``, for the live-figures file.
     """
 
-    def __init__(self, dataset, rank: int = 0, world_size: int = 1, batch_size: int = 0):
-        self.dataset, self.rank, self.world_size, self.batch_size = dataset, rank, world_size, batch_size
+    def __init__(self, dataset, cfg=None, rank: int = 0, world_size: int = 1):
+        self.dataset, self.cfg, self.rank, self.world_size = dataset, cfg, rank, world_size
         self._last: Any = None  # the stats of the last epoch ended
         self._lock = threading.Lock()
         self._base: dict[str, float] = dict.fromkeys(COUNTER_KEYS + STAT_KEYS, 0)
@@ -131,11 +131,7 @@ class LiveTotals:
                 out.update(_epoch_figures(last, None) if last is not None else _epoch_figures(None, None))
                 return self._monotonic(out)
             run, stats, before, wait_box, t_start, plan = cur
-            delta = _delta(run, before)
-            if plan is not None:  # the prefetcher's origin bytes, requests, fills of this plan so far
-                ledger = run.prefetch_ledger(plan)
-                for k in LEDGER_FIELDS[1:]:
-                    delta[k] = delta.get(k, 0) + ledger.get(k, 0)
+            delta = run.since(before, plan)[0]  # with the prefetcher's work for this plan so far
             seconds = time.perf_counter() - t_start
             for k in COUNTER_KEYS:
                 out[k] += delta.get(k, 0)
@@ -185,7 +181,7 @@ class LiveTotals:
             memory_capacity_bytes=getattr(getattr(cache, "memory", None), "capacity_bytes", None),
             rank=self.rank,
             world_size=self.world_size,
-            batch_size=self.batch_size,
+            batch_size=self.cfg.batch_size if self.cfg is not None else 0,
         )
         if not force and rec["samples"] == 0 and self._published is None:
             return
@@ -210,19 +206,6 @@ class LiveTotals:
                 os.unlink(path)
             except OSError:
                 pass
-
-
-def _delta(run, before: dict) -> dict:
-    """The change of the pipeline's summed process counters since ``before``."""
-    for _ in range(3):  # the consumer's thread may add a worker's counters meanwhile
-        try:
-            now = run.totals()
-            break
-        except RuntimeError:
-            continue
-    else:
-        return {}
-    return {k: v - before.get(k, 0) for k, v in now.items()}
 
 
 def _epoch_figures(stats, live) -> dict:

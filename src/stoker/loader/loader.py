@@ -11,7 +11,6 @@ order the plan will need the blocks.
 from __future__ import annotations
 
 import errno
-import inspect
 import logging
 import multiprocessing as mp
 import multiprocessing.util
@@ -27,11 +26,22 @@ import numpy as np
 
 from .._procs import check_main_for, pick_start_method
 from ..order import permutation, rank_padding, rank_plan
-from .config import RunConfig, WorkerConfig
+from .adapters import batch_sampler_of, sampler_for
+from .device.device_decode import DeviceBatchDecoder
 from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
 from .live import LiveTotals
-from .options import ImageOptions, ReadOptions, RunOptions, regroup, where
+from .options import (
+    ImageOptions,
+    ReadOptions,
+    RunConfig,
+    RunOptions,
+    WorkerConfig,
+    batch_device,
+    order_of,
+    settle,
+    user_stacklevel,
+)
 from .pipeline.run import Processes, Run, RunHooks
 from .state import IDENTITY_KEYS, LoaderState
 from .workers.interrupts import held
@@ -39,7 +49,6 @@ from .world import resolve
 
 if TYPE_CHECKING:
     from ..metrics import LoaderExport
-    from .device.device_decode import DeviceBatchDecoder
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +73,66 @@ class _Started:
     """What a Loader started and must stop: its pipeline, its metrics server and its
     live-figures file. Kept apart from the Loader so that the finalizer that stops them when the
     Loader is dropped without ``close()``, or at interpreter exit, holds these and never the
-    Loader (``weakref.finalize``)."""
+    Loader (``weakref.finalize``).
 
-    def __init__(self, live: LiveTotals):
+    Args:
+        live: the Loader's :class:`LiveTotals` (its dataset and rank name the metrics).
+        metrics_port: ``RunOptions.metrics_port``; None: ``$STOKER_METRICS_PORT`` (ValueError
+            naming the variable when it is not a port), else no metrics.
+    """
+
+    def __init__(self, live: LiveTotals, metrics_port: int | None):
         self.run: Run | None = None
         self.metrics: LoaderExport | None = None
         self.live = live
         self.pid = os.getpid()  #: the process they belong to (set again when a pipeline starts)
+        self.from_env = metrics_port is None
+        if metrics_port is None:
+            from ..metrics import metrics_port_from_env
+
+            metrics_port = metrics_port_from_env()  # ValueError naming the variable
+        self.port = metrics_port  #: the metrics port asked for (None: none, or every port tried was taken)
+
+    def export_metrics(self) -> None:
+        """Serve the loader's metrics on :attr:`port` (see the Loader's doc), unless served
+        already. A port that another program holds is logged and the next free one taken
+        (:func:`stoker.metrics.export_loader`); with every port tried taken the loader goes on
+        without metrics, logged: a busy port never stops training.
+
+        Raises:
+            OSError: an explicit ``metrics_port`` that cannot be served for another reason (names it).
+        """
+        if self.port is None or self.metrics is not None:
+            return
+        from ..metrics import export_loader, local_rank_from_env
+
+        source = "$STOKER_METRICS_PORT" if self.from_env else "metrics_port"
+        ds = self.live.dataset
+        try:
+            self.metrics = export_loader(
+                self.live.snapshot,
+                self.port,
+                dataset=ds.url,
+                version=ds.version,
+                rank=self.live.rank,
+                local_rank=None if self.from_env else local_rank_from_env(),
+            )
+        except OSError as exc:
+            if not self.from_env and exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise OSError(exc.errno, f"metrics_port={self.port}: {exc.strerror or exc}") from exc
+            log.warning("no Prometheus metrics for this loader: %s=%s: %s", source, self.port, exc.strerror or exc)
+            self.port = None
+            return
+        if self.metrics.taken:
+            log.warning(
+                "Prometheus metrics of this loader on port %d (loader.metrics_port), not %s=%s: %s held by "
+                "another program (%s)",
+                self.metrics.port,
+                source,
+                self.port,
+                "port " + ", ".join(str(p) for p in self.metrics.taken),
+                next(iter(self.metrics.taken.values())),
+            )
 
     def close(self, deliver_interrupt: bool = False) -> None:
         """Stop the pipeline, unpublish the live figures, stop serving metrics. Idempotent. In a
@@ -112,31 +174,49 @@ def _close_open() -> None:
 multiprocessing.util.Finalize(None, _close_open, exitpriority=100)
 
 
-def _check_batch_size(batch_size: object) -> None:
-    """TypeError unless ``batch_size`` is an integer (a numpy integer too, not a bool), ValueError below 1.
-
-    ``object``, not ``int``: the check is for what callers really pass; typed ``int``, mypy takes
-    ``isinstance(.., numbers.Integral)`` as always false and everything after it as unreachable.
-    """
+def _check_args(batch_size: object, num_workers: int, transform: str, decode, collate, image: ImageOptions) -> None:
+    """Check the Loader's common arguments (``batch_size`` typed ``object``: for what callers
+    really pass). TypeError: ``batch_size`` not an integer (a numpy one is, a bool is not),
+    ``decode``/``collate`` not callable. ValueError: ``transform`` not in :data:`TRANSFORMS`,
+    ``batch_size`` < 1, ``num_workers`` < 0, decode/collate with the image path's ``image`` options."""
+    if transform not in TRANSFORMS:
+        raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
         raise TypeError(
             f"batch_size must be an integer number of samples, got {type(batch_size).__name__} {batch_size!r}"
         )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    for role, fn in (("decode", decode), ("collate", collate)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{role} must be a function, got {type(fn).__name__} {fn!r}")
+    if (decode is not None or collate is not None) and (
+        image.cache_form is not None or image.decode_device is not None
+    ):
+        raise ValueError(
+            "decode/collate (the user's samples) cannot be used with cache_form or decode_device "
+            "(the built-in image paths)"
+        )
 
 
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of a warning raised in the function that calls this one, that names the
-    first caller outside stoker: a Loader made by ``ctx.loader(...)`` (stoker.cluster.jobs.job) warns at
-    the user's line, not at stoker's."""
-    frame = inspect.currentframe()
-    frame = frame.f_back if frame is not None else None  # the function that warns
-    level = 1
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("stoker."):
-        frame = frame.f_back
-        level += 1
-    return level
+def _warn_small_staging(dataset, shuffle: bool, read: ReadOptions) -> None:
+    """Log when ``read.staging_bytes`` is below two blockwise shuffle windows of blocks."""
+    window = 2 * read.order_window * getattr(dataset, "block_bytes", 0) if read.order == "blockwise" else 0
+    if shuffle and 0 < read.staging_bytes < window:  # type: ignore[operator]  # an int once ReadOptions is made
+        log.warning(
+            "staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
+            "blockwise order reads every block of its window, so blocks the cache does not admit "
+            "will be read sample by sample from the origin",
+            read.staging_bytes,
+            window,
+        )
+
+
+def _empty_reason(loader: Loader) -> str:
+    """Why the epochs of ``loader`` deliver no sample ("" when they deliver some): :func:`why_empty`."""
+    return why_empty(len(loader.dataset), loader.world_size, loader.read.even, loader.batch_size, loader.drop_last)
 
 
 class Loader:
@@ -184,6 +264,9 @@ class Loader:
         image: :class:`~stoker.loader.options.ImageOptions`: image size, EXIF, derived-form
             cache (``self.cache_form_report`` holds the rates of ``"auto"``), GPU decode
             (``self.device_decode_stats`` counts its samples per path).
+            ``read``, ``image`` and ``run`` are kept as given (``self.read``, ``self.image``,
+            ``self.run``; a group not given: its defaults) and handed whole to the parts that
+            read them.
         run: :class:`~stoker.loader.options.RunOptions`: device, errors, timeout, start method,
             metrics port (``self.metrics_port`` and ``self.metrics_url`` say where they are
             served; the live figures also go, every second, beside the node cache's job records,
@@ -205,11 +288,21 @@ class Loader:
     Origin bytes are charged to the epoch whose samples they serve, so warm epochs show only
     their own reads. Attributes besides the arguments: ``state``
     (:class:`stoker.loader.state.LoaderState`, where the stream stands), ``cfg`` (the frozen
-    :class:`stoker.loader.config.WorkerConfig` the workers receive), ``stats`` (the last epoch's
-    :class:`~stoker.loader.epoch_stats.EpochStats`, whose docstring lists its fields) and
-    ``history`` (every epoch's). The processes live in a :class:`stoker.loader.pipeline.run.Run`
-    (:attr:`pipeline`), started by the first ``iter()`` and stopped by :meth:`close`.
+    :class:`stoker.loader.options.WorkerConfig` the workers receive; ``batch_size`` is stored
+    there and read from it), ``stats`` (the last epoch's
+    :class:`~stoker.loader.epoch_stats.EpochStats`, whose docstring lists its fields),
+    ``history`` (every epoch's) and ``live`` (the :class:`~stoker.loader.live.LiveTotals` that
+    its metrics and ``stoker top`` read; ``live.snapshot()``: the figures now). The processes live
+    in a :class:`stoker.loader.pipeline.run.Run` (:attr:`pipeline`), started by the first
+    ``iter()`` and stopped by :meth:`close`. ``sampler`` and ``batch_sampler`` are what training
+    frameworks look for (:func:`stoker.loader.adapters.sampler_for`,
+    :func:`~stoker.loader.adapters.batch_sampler_of`).
     """
+
+    #: what a training framework takes for this Loader's sampler (:func:`stoker.loader.adapters.sampler_for`)
+    sampler = property(sampler_for, doc=sampler_for.__doc__)
+    #: not there: raises NotADataLoaderError (:func:`stoker.loader.adapters.batch_sampler_of`)
+    batch_sampler = property(batch_sampler_of, doc=batch_sampler_of.__doc__)
 
     def __init__(
         self,
@@ -230,67 +323,19 @@ class Loader:
         run: RunOptions | None = None,
         **deprecated,
     ):
-        epoch = 0
-        if deprecated:  # TypeError for an unknown keyword or one given twice, before any warning
-            groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run})
-            level = _user_stacklevel()
-            for old in deprecated:
-                warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=level)
-            read, image, run = groups["read"], groups["image"], groups["run"]
-            epoch = 0 if old_epoch is None else int(old_epoch)
-        read, image, run = read or ReadOptions(), image or ImageOptions(), run or RunOptions()
-        for name, opt, cls in (("read", read, ReadOptions), ("image", image, ImageOptions), ("run", run, RunOptions)):
-            if not isinstance(opt, cls):
-                article = "an" if cls.__name__[0] in "AEIOU" else "a"
-                raise TypeError(f"{name} must be {article} {cls.__name__}, got {type(opt).__name__} {opt!r}")
-        if transform not in TRANSFORMS:
-            raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
-        _check_batch_size(batch_size)
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        for role, fn in (("decode", decode), ("collate", collate)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{role} must be a function, got {type(fn).__name__} {fn!r}")
-        if (decode is not None or collate is not None) and (
-            image.cache_form is not None or image.decode_device is not None
-        ):
-            raise ValueError(
-                "decode/collate (the user's samples) cannot be used with cache_form or decode_device "
-                "(the built-in image paths)"
-            )
-        device = run.device
-        if device is None and isinstance(image.decode_device, str):
-            device = image.decode_device  # batches arrive on the decode device
+        read, image, run, epoch = settle(read, image, run, deprecated)  # old keywords: warned, moved into groups
+        _check_args(batch_size, num_workers, transform, decode, collate, image)
+        device = batch_device(run, image)
         if device not in (None, "cpu"):
             from .._torch import check_device
 
             check_device(device)  # RuntimeError (no CUDA) now, not at the first batch
-        # byte sizes ("512MiB") are ints once the option groups are made (their __post_init__)
-        assert isinstance(read.prefetch_bytes, int) and isinstance(read.staging_bytes, int)
-        assert isinstance(image.cache_form_bytes, int)
-        self.read_options, self.image_options, self.run_options = read, image, run
-        self.dataset = dataset
-        self.batch_size = int(batch_size)
-        self.shuffle, self.seed = shuffle, int(seed)
-        self.state = LoaderState(epoch=epoch, position=(epoch, 0))
-        rank, world_size = resolve(rank, world_size, stacklevel=_user_stacklevel() + 1)
-        self.rank, self.world_size, self.even, self.drop_last = rank, world_size, read.even, drop_last
+        self.read, self.image, self.run = read, image, run
+        self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, int(seed), drop_last
         self.num_workers = int(num_workers)
-        self.prefetch_batches = read.prefetch_batches or max(2, 2 * self.num_workers)
-        self.prefetch_bytes, self.staging_bytes = read.prefetch_bytes, read.staging_bytes
-        self.fetch_concurrency = read.fetch_concurrency
-        window = 2 * read.order_window * getattr(dataset, "block_bytes", 0) if read.order == "blockwise" else 0
-        if shuffle and 0 < self.staging_bytes < window:
-            log.warning(
-                "staging_bytes=%d is below two shuffle windows of blocks (%d bytes): every batch of the "
-                "blockwise order reads every block of its window, so blocks the cache does not admit "
-                "will be read sample by sample from the origin",
-                self.staging_bytes,
-                window,
-            )
-        self.timeout_s = run.timeout_s
-        self.order = read.order if shuffle else "sequential"
-        self.order_window = read.order_window
+        self.state = LoaderState(epoch=epoch, position=(epoch, 0))
+        self.rank, self.world_size = resolve(rank, world_size, stacklevel=user_stacklevel() + 1)
+        _warn_small_staging(dataset, shuffle, read)
         # ForkUnsafeError now for start_method="fork" in a process where fork is unsafe (chosen again at start)
         self.start_method = (
             pick_start_method(run.start_method, mp.get_all_start_methods())[0]
@@ -303,7 +348,7 @@ class Loader:
             image_size=image.image_size,
             on_error=run.on_error,
             exif_orientation=image.exif_orientation,
-            batch_size=self.batch_size,
+            batch_size=int(batch_size),
             decode_on="cpu" if image.decode_device is None else "device",
             decode=decode,
             collate=collate,
@@ -311,72 +356,29 @@ class Loader:
         if num_workers:
             check_main_for(self.start_method)  # WorkerStartError: spawn children cannot start from here
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
-        self.decode_device = image.decode_device
-        self._device_decoder: DeviceBatchDecoder | None = None  # made by the first iter() with decode_device
-        self.cache_form, self.cache_form_dir = image.cache_form, image.cache_form_dir
-        self.cache_form_bytes = image.cache_form_bytes
+        # the decoder of decode_device, made by the first iter() (after the workers are forked)
+        self._device_decoder = (
+            DeviceBatchDecoder(image.decode_device, dataset, self.cfg) if image.decode_device is not None else None
+        )
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
         self._derived_ready = False
-        self.device = device
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
         self._warned_empty = False  # the one warning that this loader's epochs deliver nothing
-        self.prefetch_next_epoch = read.prefetch_next_epoch
-        self.cache_aware_window = read.cache_aware_window
-        rank_plan(np.zeros(0, np.int64), rank, world_size, read.even)  # validates rank/world/even
-        self._live = LiveTotals(dataset, rank=rank, world_size=world_size, batch_size=self.batch_size)
+        rank_plan(np.zeros(0, np.int64), self.rank, self.world_size, read.even)  # validates rank/world/even
+        self.live = LiveTotals(dataset, self.cfg, rank=self.rank, world_size=self.world_size)
         # the pipeline (from the first iter() to close()), metrics, live figures: stopped by close(),
         # or by this finalizer when the loader is dropped without close() or the interpreter exits
-        self._started = _Started(self._live)
+        self._started = _Started(self.live, run.metrics_port)
         _OPEN.add(self._started)
         self._finalizer = weakref.finalize(self, self._started.close)
-        self._metrics_port, self._metrics_from_env = run.metrics_port, run.metrics_port is None
-        if run.metrics_port is None:
-            from ..metrics import metrics_port_from_env
+        self._started.export_metrics()
 
-            self._metrics_port = metrics_port_from_env()  # ValueError naming the variable
-        self._export_metrics()
-
-    def _export_metrics(self) -> None:
-        """Serve this loader's metrics on ``metrics_port`` (see the class doc), unless served
-        already. A port that another program holds is logged and the next free one taken
-        (:func:`stoker.metrics.export_loader`); with every port tried taken the loader goes on
-        without metrics, logged: a busy port never stops training."""
-        if self._metrics_port is None or self._started.metrics is not None:
-            return
-        from ..metrics import export_loader, local_rank_from_env
-
-        source = "$STOKER_METRICS_PORT" if self._metrics_from_env else "metrics_port"
-        try:
-            self._started.metrics = export_loader(
-                self._live.snapshot,
-                self._metrics_port,
-                dataset=self.dataset.url,
-                version=self.dataset.version,
-                rank=self.rank,
-                local_rank=None if self._metrics_from_env else local_rank_from_env(),
-            )
-        except OSError as exc:
-            if not self._metrics_from_env and exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                raise OSError(exc.errno, f"metrics_port={self._metrics_port}: {exc.strerror or exc}") from exc
-            log.warning(
-                "no Prometheus metrics for this loader: %s=%s: %s",
-                source,
-                self._metrics_port,
-                exc.strerror or exc,
-            )
-            self._metrics_port = None
-            return
-        if self._started.metrics.taken:
-            log.warning(
-                "Prometheus metrics of this loader on port %d (loader.metrics_port), not %s=%s: %s held by "
-                "another program (%s)",
-                self._started.metrics.port,
-                source,
-                self._metrics_port,
-                "port " + ", ".join(str(p) for p in self._started.metrics.taken),
-                next(iter(self._started.metrics.taken.values())),
-            )
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (int >= 1), as given: stored once, in :attr:`cfg` (the
+        :class:`~stoker.loader.options.WorkerConfig` every part of the pipeline reads it from)."""
+        return self.cfg.batch_size
 
     @property
     def metrics_port(self) -> int | None:
@@ -400,15 +402,9 @@ class Loader:
     def _rank_plan(self, epoch: int, start: int, rank: int, world_size: int) -> np.ndarray:
         """The ids of ``rank`` of ``world_size`` for ``epoch`` when ``start`` ids of its permutation
         were served before (``drop_last`` applied)."""
-        perm = permutation(
-            len(self.dataset),
-            self.seed,
-            epoch,
-            self.order,
-            groups=self.dataset.blocks.sample_block,
-            window=self.order_window,
-        )
-        ids = rank_plan(perm, rank, world_size, self.even, start)
+        order, window = order_of(self.read, self.shuffle), self.read.order_window
+        perm = permutation(len(self.dataset), self.seed, epoch, order, groups=self.dataset.blocks.sample_block, window=window)
+        ids = rank_plan(perm, rank, world_size, self.read.even, start)
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
         return ids
@@ -425,17 +421,17 @@ class Loader:
         epoch starts."""
         e = self.epoch if epoch is None else epoch
         start = self.state.start_of(e)
-        mask = rank_padding(len(self.dataset), self.rank, self.world_size, self.even, start)
+        mask = rank_padding(len(self.dataset), self.rank, self.world_size, self.read.even, start)
         if self.drop_last:
             mask = mask[: len(mask) // self.batch_size * self.batch_size]
-        if self.cache_aware_window > 0 and self.dataset.cache is not None and e in self.state.hit_maps:
+        if self.read.cache_aware_window > 0 and self.dataset.cache is not None and e in self.state.hit_maps:
             from ..order import cache_aware
 
             ids = self.plan(e)
             where = cache_aware(
                 np.arange(len(ids)),
                 self.state.hit_maps[e][self.dataset.blocks.sample_block[ids]],
-                self.cache_aware_window,
+                self.read.cache_aware_window,
             )
             mask = mask[where]
         return mask
@@ -449,7 +445,7 @@ class Loader:
             over several ranks).
         """
         ids = self.plan(epoch)
-        if self.cache_aware_window <= 0 or self.dataset.cache is None:
+        if self.read.cache_aware_window <= 0 or self.dataset.cache is None:
             return ids, 0.0
         from ..order import cache_aware, mean_displacement
 
@@ -458,7 +454,7 @@ class Loader:
             cached = self.dataset.blocks.cached(self.dataset.cache, self.dataset.version)
             self.state.hit_maps = {e: m for e, m in self.state.hit_maps.items() if e >= epoch - 1}
             self.state.hit_maps[epoch] = cached
-        out = cache_aware(ids, cached[self.dataset.blocks.sample_block[ids]], self.cache_aware_window)
+        out = cache_aware(ids, cached[self.dataset.blocks.sample_block[ids]], self.read.cache_aware_window)
         return out, (mean_displacement(ids, out) if self.world_size == 1 else float("nan"))
 
     def __len__(self) -> int:
@@ -469,27 +465,6 @@ class Loader:
         self.state.set_epoch(epoch)
         if self._started.run is not None:
             self._started.run.drop_pre()
-
-    @property
-    def sampler(self):
-        """What a training framework takes for this Loader's sampler: a
-        :class:`~stoker.loader.adapters.LoaderSampler` (a ``DistributedSampler``) whose
-        iteration gives this rank's sample ids of the next epoch; its ``set_epoch`` (which
-        Lightning's loops call) leaves the Loader's epoch alone: it advances at every ``iter()``.
-        Ray Train's ``prepare_data_loader`` keeps a Loader with it as it is
-        (:mod:`stoker.loader.adapters`)."""
-        from .adapters import sampler_for
-
-        return sampler_for(self)
-
-    @property
-    def batch_sampler(self):
-        """Not there: raises :class:`~stoker.errors.NotADataLoaderError` (an AttributeError), which
-        names the stoker way to skip the batches done (accelerate's ``skip_first_batches``
-        asks for it to rebuild the Loader as a DataLoader)."""
-        from .adapters import no_batch_sampler
-
-        raise no_batch_sampler()
 
     @property
     def epoch(self) -> int:
@@ -507,15 +482,15 @@ class Loader:
         """What a saved state must agree on (:data:`stoker.loader.state.IDENTITY_KEYS`)."""
         ident = {
             "seed": self.seed,
-            "order": self.order,
-            "order_window": self.order_window,
+            "order": order_of(self.read, self.shuffle),
+            "order_window": self.read.order_window,
             "batch_size": self.batch_size,
-            "even": self.even,
+            "even": self.read.even,
             "drop_last": self.drop_last,
             "transform": self.cfg.transform,
             "dataset_version": self.dataset.version,
             "num_samples": len(self.dataset),
-            "cache_aware_window": self.cache_aware_window,
+            "cache_aware_window": self.read.cache_aware_window,
             # a streaming collate's carry only means something to the same collate
             "carry_from": repr(self.cfg.collate) if hasattr(self.cfg.collate, "cut") else None,
         }
@@ -586,45 +561,24 @@ class Loader:
         up first, once per loader). Raises what :meth:`stoker.loader.pipeline.run.Run.start` raises."""
         if self._started.run is not None:
             return self._started.run
-        self._export_metrics()  # again after a close()
-        if self.cache_form not in (None, "raw") and not self._derived_ready:
+        self._started.export_metrics()  # again after a close()
+        if self.image.cache_form not in (None, "raw") and not self._derived_ready:
             from dataclasses import replace
 
             from .derived import setup
 
             derived, self.cache_form_report = setup(
-                self.dataset,
-                self.cache_form,
-                capacity_bytes=self.cache_form_bytes,
-                root=self.cache_form_dir,
-                workers=self.num_workers,
-                mode=self.cfg.transform,
-                size=self.cfg.image_size,
-                exif_orientation=self.cfg.exif_orientation,
+                self.dataset, self.image, workers=self.num_workers, mode=self.cfg.transform
             )
             self.cfg, self._derived_ready = replace(self.cfg, derived=derived), True
             log.info("derived-sample cache: %s", self.cache_form_report)
-        config = RunConfig(
-            dataset=self.dataset,
-            cfg=self.cfg,
-            num_workers=self.num_workers,
-            batch_size=self.batch_size,
-            prefetch_batches=self.prefetch_batches,
-            prefetch_bytes=self.prefetch_bytes,
-            staging_bytes=self.staging_bytes,
-            fetch_concurrency=self.fetch_concurrency,
-            timeout_s=self.timeout_s,
-            start_method=self.run_options.start_method,
-            device=self.device,
-            prefetch_next_epoch=self.prefetch_next_epoch,
-            epochs=self.run_options.epochs,
-        )
+        config = RunConfig(self.dataset, self.cfg, self.num_workers, self.read, self.image, self.run)
         hooks = RunHooks(  # weak: the pipeline never keeps its loader alive (no reference cycle)
             state=self.state,
             plan=_weak(self.epoch_plan),
             record=_weak(self._record),
-            live=self._live,
-            device_decoder=_weak(self._make_device_decoder),
+            live=self.live,
+            device_decoder=self._device_decoder,  # (holds the dataset and cfg, not the loader)
         )
         run = Run(config, hooks)
         try:
@@ -655,10 +609,6 @@ class Loader:
     def __exit__(self, *exc):
         self.close()
 
-    def _empty_reason(self) -> str:
-        """Why this loader's epochs deliver no sample ("" when they deliver some): :func:`why_empty`."""
-        return why_empty(len(self.dataset), self.world_size, self.even, self.batch_size, self.drop_last)
-
     def __iter__(self) -> EpochIterator:
         """The next epoch's batches (see the class doc). An earlier epoch's iterator still open
         is ended at once, and its next ``next()`` raises
@@ -667,7 +617,7 @@ class Loader:
         at the loader, or a resumed position, is not used up). An
         epoch that will deliver no sample of a dataset that has some (``drop_last``, more ranks
         than samples with ``even="drop"``) warns once per loader, naming why."""
-        reason = self._empty_reason()
+        reason = _empty_reason(self)
         if reason and not self._warned_empty:
             self._warned_empty = True
             warnings.warn(
@@ -684,26 +634,6 @@ class Loader:
         # no batch of it is asked for before: LoaderState.open_epoch)
         epoch, start = self.state.open_epoch()
         return run.epoch(epoch, start, start_s=start_s, owner=self)
-
-    def follow_epoch(self, epoch: int) -> bool:
-        """A framework numbers the epoch it is about to train ``epoch`` (Lightning's loops call
-        ``loader.sampler.set_epoch(epoch)``, :mod:`stoker.loader.adapters`). When the epoch the
-        last ``iter()`` opened has not begun (no batch asked for yet), is another one and was not
-        put there by :meth:`load_state_dict`, that iterator serves ``epoch`` instead, from its
-        first batch (a resume from a checkpoint taken at an epoch's end, for which Lightning
-        restores no loader state, continues with the right epoch). Otherwise nothing changes
-        (a Loader moves to its next epoch at every ``iter()`` by itself).
-
-        Returns:
-            True if the open iterator now serves ``epoch``.
-        """
-        opened, run = self.state.opened, self._started.run
-        if opened is None or run is None or opened[2] or opened[0] == int(epoch):
-            return False
-        if not run.reopen(int(epoch)):
-            return False
-        self.state.reopen(int(epoch))
-        return True
 
     @property
     def device_decode_stats(self):
@@ -725,25 +655,12 @@ class Loader:
         run = self._started.run
         return run.processes() if run is not None else Processes()
 
-    def live_figures(self) -> dict:
-        """The loader's live figures now, as its metrics and ``stoker top`` see them
-        (:meth:`stoker.loader.live.LiveTotals.snapshot`: totals over its life and the epoch in progress)."""
-        return self._live.snapshot()
-
     def _record(self, stats: EpochStats) -> None:
         """An epoch ended (the pipeline's call): its stats become ``stats`` and join ``history``.
         An epoch that delivered nothing because of the configuration does not claim to be
         exactly once (``stats.empty_reason`` says why)."""
-        reason = self._empty_reason()
+        reason = _empty_reason(self)
         if reason and stats.samples == 0:
             stats.exactly_once, stats.empty_reason = False, reason
         self.stats = stats
         self.history.append(stats)
-
-    def _make_device_decoder(self) -> DeviceBatchDecoder | None:
-        """The decoder of ``decode_device`` (made once per loader, on the first call), or None."""
-        if self.decode_device is not None and self._device_decoder is None:
-            from .device.device_decode import DeviceBatchDecoder
-
-            self._device_decoder = DeviceBatchDecoder.create(self.decode_device, self.dataset, self.cfg)
-        return self._device_decoder

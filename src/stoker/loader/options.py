@@ -1,6 +1,9 @@
-"""The Loader's less common settings, in three frozen groups: how samples are read
-(:class:`ReadOptions`), how images are made (:class:`ImageOptions`) and how the pipeline runs
-(:class:`RunOptions`).
+"""The loader's configuration, in one module. The Loader's less common settings come in three
+frozen groups: how samples are read (:class:`ReadOptions`), how images are made
+(:class:`ImageOptions`) and how the pipeline runs (:class:`RunOptions`). From them and its common
+arguments the Loader builds the frozen records its parts receive: :class:`WorkerConfig` (what the
+decode workers need; pickled to each) and :class:`RunConfig` (what one started pipeline is built
+from: the groups whole, each part reading the field it needs under its one name).
 
 Each group checks its fields when it is built (ValueError or TypeError naming the field), so a
 bad setting fails where it is written, not in a worker. Byte sizes take ints or strings such as
@@ -13,15 +16,17 @@ that differ from the defaults::
 The Loader's old flat keywords (``Loader(ds, 32, prefetch_bytes=...)``) still work for one
 release with a DeprecationWarning: :data:`DEPRECATED` maps each to its group and field, and
 :func:`loader_kwargs` turns a flat dict of old and new names (a configuration file) into the
-Loader's keywords without warnings.
+Loader's keywords without warnings; :func:`settle` does that at the Loader's door, once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import multiprocessing as mp
 import numbers
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +37,20 @@ from ..order import PERMUTATIONS
 
 _CUDA = re.compile(r"cuda(:\d+)?")
 
-__all__ = ["DEPRECATED", "GROUPS", "ImageOptions", "ReadOptions", "RunOptions", "loader_kwargs"]
+__all__ = [
+    "DEPRECATED",
+    "GROUPS",
+    "ImageOptions",
+    "ReadOptions",
+    "RunConfig",
+    "RunOptions",
+    "WorkerConfig",
+    "batch_device",
+    "loader_kwargs",
+    "order_of",
+    "settle",
+    "user_stacklevel",
+]
 
 
 def _changed_repr(self) -> str:
@@ -272,35 +290,11 @@ class RunOptions:
 #: The Loader keyword each option group is passed as, and its class.
 GROUPS: dict[str, type] = {"read": ReadOptions, "image": ImageOptions, "run": RunOptions}
 
-#: Old flat Loader keyword -> (group keyword, field) it moved to. ``epoch`` moved to no group:
+#: Old flat Loader keyword -> (group keyword, field) it moved to: every field of the groups but
+#: ``RunOptions.epochs`` (which came with the groups: no flat keyword). ``epoch`` moved to no group:
 #: ``Loader.set_epoch()`` (group None).
 DEPRECATED: dict[str, tuple[str | None, str]] = {
-    **{
-        name: ("read", name)
-        for name in (
-            "order",
-            "order_window",
-            "even",
-            "cache_aware_window",
-            "prefetch_batches",
-            "prefetch_bytes",
-            "staging_bytes",
-            "fetch_concurrency",
-            "prefetch_next_epoch",
-        )
-    },
-    **{
-        name: ("image", name)
-        for name in (
-            "image_size",
-            "exif_orientation",
-            "cache_form",
-            "cache_form_bytes",
-            "cache_form_dir",
-            "decode_device",
-        )
-    },
-    **{name: ("run", name) for name in ("device", "on_error", "timeout_s", "start_method", "metrics_port")},
+    **{f.name: (g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls) if f.name != "epochs"},
     "epoch": (None, "epoch"),
 }
 
@@ -364,3 +358,172 @@ def loader_kwargs(flat: dict) -> dict:
     if epoch is not None:
         raise TypeError("epoch is not a Loader argument: call loader.set_epoch(epoch)")
     return rest
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised in the function that calls this one, that names the
+    first caller outside stoker: a Loader made by ``ctx.loader(...)`` (stoker.cluster.jobs.job) warns at
+    the user's line, not at stoker's."""
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the function that warns
+    level = 1
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("stoker."):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def settle(read, image, run, deprecated: dict) -> tuple[ReadOptions, ImageOptions, RunOptions, int]:
+    """The Loader's option groups at its door, once: the old flat keywords of ``deprecated`` moved
+    into their groups (:func:`regroup`; one DeprecationWarning each, ``"<old>= is deprecated;
+    <where it went>"``, at the user's line), a group not given (None) made with its defaults.
+
+    Returns:
+        (read, image, run, epoch): the groups, and the old ``epoch=`` (0 when not given).
+
+    Raises:
+        TypeError: an unknown keyword, an old keyword together with its group, or a group that is
+            not of its class (names it).
+        ValueError: a value a group rejects (names the field).
+    """
+    epoch = 0
+    if deprecated:  # TypeError for an unknown keyword or one given twice, before any warning
+        groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run})
+        level = user_stacklevel()
+        for old in deprecated:
+            warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=level)
+        read, image, run = groups["read"], groups["image"], groups["run"]
+        epoch = 0 if old_epoch is None else int(old_epoch)
+    given = {"read": read, "image": image, "run": run}
+    for name, cls in GROUPS.items():
+        opt = given[name] = cls() if given[name] is None else given[name]
+        if not isinstance(opt, cls):
+            article = "an" if cls.__name__[0] in "AEIOU" else "a"
+            raise TypeError(f"{name} must be {article} {cls.__name__}, got {type(opt).__name__} {opt!r}")
+    return given["read"], given["image"], given["run"], epoch
+
+
+def order_of(read: ReadOptions, shuffle: bool) -> str:
+    """The permutation a loader serves: ``read.order`` when it shuffles, else ``"sequential"``."""
+    return read.order if shuffle else "sequential"
+
+
+def batch_device(run: RunOptions, image: ImageOptions) -> str | None:
+    """Where a loader delivers its batches: ``run.device``, else the device ``image.decode_device``
+    names (the batches arrive where they are decoded), else None (shared-memory tensors)."""
+    if run.device is None and isinstance(image.decode_device, str):
+        return image.decode_device
+    return run.device
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a batch's samples are decoded and augmented: built once from the
+    :class:`stoker.loader.Loader` arguments and pickled to every worker process with its first task
+    queue; being frozen, no process can change it under another.
+
+    Attributes:
+        transform: ``"train"`` (RandomResizedCrop + flip, per-sample RNG) or ``"eval"``
+            (resize 256 + center crop), see :mod:`stoker.decode.transforms`.
+        seed: the loader's seed; each sample's RNG is seeded from (seed, epoch, sample id)
+            (:func:`stoker.order.sample_seed`).
+        image_size: output side S in pixels; images are uint8 (3, S, S).
+        on_error: ``"raise"`` (a sample no decoder reads fails the batch) or ``"skip"``.
+        exif_orientation: apply the EXIF orientation tag when decoding.
+        batch_size: samples per batch (the slot layout, :mod:`stoker.loader.shm`). The one place
+            a loader stores it: ``Loader.batch_size`` reads it here, and every part of the
+            pipeline reads it from the WorkerConfig it is handed.
+        decode_on: ``"cpu"`` (the workers decode) or ``"device"`` (the workers only read and
+            verify bytes; the training process decodes, :mod:`stoker.loader.device.device_decode`).
+        derived: the derived-sample cache (:class:`stoker.loader.derived.DerivedCache`) the
+            workers read from and fill, or None (set when the pipeline starts, with
+            :func:`dataclasses.replace`).
+        decode: the user's ``decode(fields, rng) -> sample``, or None (:mod:`stoker.loader.workers.batches`).
+        collate: the user's ``collate(samples) -> batch``, or None (:func:`stoker.collate.default`
+            when ``decode`` is set).
+    """
+
+    transform: str
+    seed: int
+    image_size: int
+    on_error: str
+    exif_orientation: bool
+    batch_size: int
+    decode_on: str = "cpu"
+    derived: Any = None
+    decode: Any = None
+    collate: Any = None
+
+    @property
+    def generic(self) -> bool:
+        """True when the user's decode/collate make the batches (not the built-in image recipes)."""
+        return self.decode is not None or self.collate is not None
+
+    def check_picklable(self, start_method: str) -> None:
+        """Check that ``decode`` and ``collate`` can be sent to workers started with
+        ``start_method`` (``fork`` sends nothing: a child inherits them).
+
+        Raises:
+            TypeError: one of them cannot be pickled, or is defined in a ``__main__`` that such a
+                worker cannot import (code fed on stdin, ``python -c``, an interactive session, a
+                notebook); names the function and says what to do.
+        """
+        if start_method == "fork":
+            return
+        import pickle
+
+        from .._procs import main_importable, main_module_name
+
+        for role, fn in (("decode", self.decode), ("collate", self.collate)):
+            if fn is None:
+                continue
+            if getattr(fn, "__module__", None) == "__main__" and not main_importable():
+                raise TypeError(
+                    f"{role}=__main__.{getattr(fn, '__qualname__', type(fn).__qualname__)} cannot be sent to worker "
+                    f"processes started with {start_method!r}: it is defined in {main_module_name()}, which they "
+                    "cannot import. Define it in a module file the workers can import, or pass start_method='fork'"
+                )
+            try:
+                pickle.dumps(fn)
+            except Exception as exc:  # noqa: BLE001 - pickle raises many kinds
+                name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+                raise TypeError(
+                    f"{role}={name} cannot be sent to worker processes started with {start_method!r}: it does not "
+                    f"pickle ({type(exc).__name__}: {exc}). Define it at the top level of a module the workers can "
+                    f"import (not a lambda or a nested function), or pass start_method='fork'"
+                ) from exc
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What one started pipeline (:class:`stoker.loader.pipeline.run.Run`) is built from, made by
+    the Loader at each start; the pipeline reads nothing else of the Loader's configuration. The
+    option groups travel whole: each part reads the field it needs under the field's one name
+    (the prefetch process, ``read.prefetch_bytes``).
+
+    Attributes:
+        dataset: the :class:`~stoker.store.dataset.Dataset` read.
+        cfg: the :class:`WorkerConfig` the workers get (its ``derived`` set when the pipeline starts).
+        num_workers: decode processes (0: decode in the training process).
+        read: the Loader's :class:`ReadOptions` (read-ahead, staging, GETs in flight, next epoch's head start).
+        image: the Loader's :class:`ImageOptions` (where batches are decoded).
+        run: the Loader's :class:`RunOptions` (device, timeout, start method, epochs).
+    """
+
+    dataset: Any
+    cfg: WorkerConfig
+    num_workers: int
+    read: ReadOptions
+    image: ImageOptions
+    run: RunOptions
+
+    @property
+    def prefetch_batches(self) -> int:
+        """Batches in flight at the workers: ``read.prefetch_batches``, or ``max(2, 2 * num_workers)``
+        when that is None."""
+        return self.read.prefetch_batches or max(2, 2 * self.num_workers)
+
+    @property
+    def device(self) -> str | None:
+        """Where batches are delivered (:func:`batch_device`)."""
+        return batch_device(self.run, self.image)

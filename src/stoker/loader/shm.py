@@ -132,7 +132,8 @@ class SlotRing:
         slot_bytes: int | None = None,
         unlink_early: bool | None = None,
     ):
-        self.batch_size, self.size, self.shared = batch_size, size, shared
+        self.shared = shared
+        self.layout = slot_layout(batch_size, size)  #: (image shape, image bytes, total bytes) of a slot
         #: shared slots: their names are unlinked as soon as made (module docstring); None: where
         #: the platform allows it (decided with the first slot)
         self.unlinked = unlink_early
@@ -167,7 +168,7 @@ class SlotRing:
     def _create(self) -> int | None:
         """A new slot's index, or None (and ``limited`` set) when the directory has no room."""
         i = len(self.paths)
-        total = self.slot_bytes if self.slot_bytes is not None else slot_layout(self.batch_size, self.size)[2]
+        total = self.slot_bytes if self.slot_bytes is not None else self.layout[2]
         if not self.shared:
             self.paths.append(None)
             self._maps.append(mmap.mmap(-1, total))
@@ -259,21 +260,21 @@ class SlotRing:
 
     def views(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Whole-slot views (images (B,3,S,S) uint8, labels (B,) int64) for writing in this process."""
-        shape, img_bytes, _ = slot_layout(self.batch_size, self.size)
+        shape, img_bytes, _ = self.layout
         mm = self._maps[i]
         return (
             np.ndarray(shape, dtype=np.uint8, buffer=mm),
-            np.ndarray((self.batch_size,), dtype=np.int64, buffer=mm, offset=img_bytes),
+            np.ndarray(shape[:1], dtype=np.int64, buffer=mm, offset=img_bytes),
         )
 
     def batch(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of slot ``i``'s first ``n`` samples: images (n,3,S,S) uint8 (zero-copy; the
         slot is released when this array and every view of it are gone) and labels (n,) int64 (a copy).
         In a ``limited`` ring the images are a copy too and the slot is released at once."""
-        shape, img_bytes, _ = slot_layout(self.batch_size, self.size)
+        shape, img_bytes, _ = self.layout
         mm = self._maps[i]
         full = np.ndarray(shape, dtype=np.uint8, buffer=mm)
-        labels = np.ndarray((self.batch_size,), dtype=np.int64, buffer=mm, offset=img_bytes)[:n].copy()
+        labels = np.ndarray(shape[:1], dtype=np.int64, buffer=mm, offset=img_bytes)[:n].copy()
         if self.limited:
             images = full[:n].copy()
             del full

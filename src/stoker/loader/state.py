@@ -212,75 +212,23 @@ class LoaderState:
                 between two of this loader's steps; a split again that ``resplit`` forbids).
                 Nothing is changed then.
         """
-        if not isinstance(state, dict) or "epoch" not in state or not {"samples_done", "batches_done"} & state.keys():
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'samples_done'; got {got})"
-            )
-        check_identity_keys(state, IDENTITY_KEYS, strict, stacklevel=4)  # warns at the user's load_state_dict
-        for k in IDENTITY_KEYS:
-            if k in state and state[k] != identity[k]:
-                raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
+        _check_saved(state, identity, strict)
         epoch = int(state["epoch"])
         saved_world = int(state.get("world_size", world_size))  # (a trimmed state: taken to be this loader's)
         if saved_world < 1:
             raise ValueError(f"cannot resume: state has world_size={saved_world}")
-        if "samples_done" in state:
-            served = int(state["samples_done"])
-            if not 0 <= served <= num_samples:
-                raise ValueError(f"cannot resume: samples_done={served} outside 0..{num_samples} for epoch {epoch}")
-        else:  # the per-rank form of earlier releases
-            done = int(state["batches_done"])
-            saved_rank = int(state.get("rank", rank if saved_world == world_size else 0))
-            if not 0 <= saved_rank < saved_world:
-                raise ValueError(f"cannot resume: state has rank={saved_rank} outside 0..{saved_world - 1}")
-            nb = -(-plan_len(epoch, 0, saved_rank, saved_world) // batch_size)
-            if not 0 <= done <= nb:
-                raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
-            served = num_samples if done == nb > 0 else min(done * batch_size * saved_world, num_samples)
-            if {"rank", "world_size"} & state.keys():  # (a trimmed one was warned about above)
-                warnings.warn(
-                    "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
-                    f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
+        served = _served(state, epoch, saved_world, rank, world_size, batch_size, num_samples, plan_len)
         step = batch_size * world_size
         whole = served % step == 0 and served < num_samples  # a number of this loader's batches
         start = 0 if whole else served
         left = -(-plan_len(epoch, start, rank, world_size) // batch_size)  # this loader's batches from there
         skip = served // step if whole else 0
         finished = served > 0 and left - skip <= 0
-        if (
-            identity.get("cache_aware_window", 0) > 0
-            and not finished
-            and 0 < served
-            and (saved_world != world_size or not whole)
-        ):
-            raise ValueError(
-                f"cannot resume: a cache-aware order (cache_aware_window={identity['cache_aware_window']}) "
-                f"saved at world_size={saved_world} mid-epoch cannot be split again over {world_size} ranks "
-                "(each rank's order depends on its own node cache)"
-            )
-        if start and not finished and not resplit:
-            raise ValueError(
-                f"cannot resume: samples_done={served} of epoch {epoch} is not a whole number of batches of "
-                f"{world_size} ranks, and this loader's plan cannot split the rest of an epoch again "
-                f"(resume at world_size={saved_world})"
-            )
+        if not finished:
+            _check_continuable(state, identity, epoch, served, saved_world, start, rank, world_size, resplit)
         carry = state.get("carry")
         if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
             raise ValueError(f"cannot resume: 'carry' must be {{'dtype': ..., 'tokens': [...]}}, got {carry!r}")
-        if (
-            carry is not None
-            and not finished
-            and (saved_world != world_size or carry.get("rank", state.get("rank", rank)) != rank)
-        ):
-            saver = carry.get("rank", state.get("rank"))
-            raise ValueError(
-                f"cannot resume: the streaming collate's carried tokens were saved by rank {saver} "
-                f"of {saved_world}, this loader is rank {rank} of {world_size} (load each rank's own state)"
-            )
         bits = unpack_bitmap(state.get("cached_blocks"), num_blocks)
         if bits is not None and not finished:
             self.hit_maps[epoch] = bits  # the same cache-aware order as the saved run
@@ -290,3 +238,75 @@ class LoaderState:
         self.offset = (epoch, start) if start else None
         self.opened, self.loaded = None, True
         self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and skip else None
+
+
+def _check_saved(state: dict, identity: dict, strict: bool) -> None:
+    """ValueError unless ``state`` is a Loader state whose :data:`IDENTITY_KEYS` agree with this
+    loader's ``identity`` (with ``strict``, all of them present; without, a RuntimeWarning at the
+    user's ``load_state_dict`` naming those it lacks)."""
+    if not isinstance(state, dict) or "epoch" not in state or not {"samples_done", "batches_done"} & state.keys():
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'samples_done'; got {got})")
+    check_identity_keys(state, IDENTITY_KEYS, strict, stacklevel=5)  # warns at the user's load_state_dict
+    for k in IDENTITY_KEYS:
+        if k in state and state[k] != identity[k]:
+            raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
+
+
+def _served(state: dict, epoch: int, saved_world: int, rank, world_size, batch_size, num_samples, plan_len) -> int:
+    """Ids of ``epoch``'s permutation that ``state`` says all ranks were served: its
+    ``samples_done``, or for the per-rank form of earlier releases its ``batches_done`` batches of
+    each of ``saved_world`` ranks (a DeprecationWarning at the user's ``load_state_dict``).
+    ValueError when out of range; the other arguments as :meth:`LoaderState.load`'s."""
+    if "samples_done" in state:
+        served = int(state["samples_done"])
+        if not 0 <= served <= num_samples:
+            raise ValueError(f"cannot resume: samples_done={served} outside 0..{num_samples} for epoch {epoch}")
+        return served
+    done = int(state["batches_done"])
+    saved_rank = int(state.get("rank", rank if saved_world == world_size else 0))
+    if not 0 <= saved_rank < saved_world:
+        raise ValueError(f"cannot resume: state has rank={saved_rank} outside 0..{saved_world - 1}")
+    nb = -(-plan_len(epoch, 0, saved_rank, saved_world) // batch_size)
+    if not 0 <= done <= nb:
+        raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
+    served = num_samples if done == nb > 0 else min(done * batch_size * saved_world, num_samples)
+    if {"rank", "world_size"} & state.keys():  # (a trimmed one was warned about in check_identity_keys)
+        warnings.warn(
+            "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
+            f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+    return served
+
+
+def _check_continuable(
+    state: dict, identity: dict, epoch, served, saved_world, start, rank, world_size, resplit
+) -> None:
+    """ValueError when the rest of ``epoch`` (``served`` ids done; ``start``: the ids before a
+    split again, 0 when ``served`` is a whole number of this loader's batches) cannot be continued
+    on ``rank`` of ``world_size``: a cache-aware order cut mid-epoch at another split, a split again
+    that ``resplit`` forbids, a streaming collate's carry saved by another rank or world size."""
+    window = identity.get("cache_aware_window", 0)
+    if window > 0 and 0 < served and (saved_world != world_size or start):
+        raise ValueError(
+            f"cannot resume: a cache-aware order (cache_aware_window={window}) "
+            f"saved at world_size={saved_world} mid-epoch cannot be split again over {world_size} ranks "
+            "(each rank's order depends on its own node cache)"
+        )
+    if start and not resplit:
+        raise ValueError(
+            f"cannot resume: samples_done={served} of epoch {epoch} is not a whole number of batches of "
+            f"{world_size} ranks, and this loader's plan cannot split the rest of an epoch again "
+            f"(resume at world_size={saved_world})"
+        )
+    carry = state.get("carry")
+    if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
+        return  # load() refuses it as malformed
+    if carry is not None and (saved_world != world_size or carry.get("rank", state.get("rank", rank)) != rank):
+        saver = carry.get("rank", state.get("rank"))
+        raise ValueError(
+            f"cannot resume: the streaming collate's carried tokens were saved by rank {saver} "
+            f"of {saved_world}, this loader is rank {rank} of {world_size} (load each rank's own state)"
+        )

@@ -22,6 +22,7 @@ import ray
 
 from ...errors import ProcessGroupError
 from ...loader import Loader
+from ...loader.options import order_of
 from ...order import permutation
 from ..capacity import rank_request
 from ..counters import ByteCounters, fractions
@@ -189,7 +190,9 @@ class ClusterLoader(Loader):
 
     def plan(self, epoch: int | None = None) -> np.ndarray:
         e = self.epoch if epoch is None else epoch
-        ids = self._cluster.plan(e, self.seed, self.order, self.order_window, self.even)
+        ids = self._cluster.plan(
+            e, self.seed, order_of(self.read, self.shuffle), self.read.order_window, self.read.even
+        )
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
         return ids

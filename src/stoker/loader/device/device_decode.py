@@ -17,10 +17,11 @@ device here): they run the same code with an injected CPU stand-in for nvJPEG.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
-from ..config import WorkerConfig
+from ..options import WorkerConfig
 
 __all__ = ["DeviceBatchDecoder"]
 
@@ -29,26 +30,34 @@ class DeviceBatchDecoder:
     """Training-process side of device decode: payloads of one batch -> tensors on the device.
 
     Args:
-        decoder: a :class:`~stoker.decode.gpu.GpuJpegDecoder` (or an object with its
-            ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs, size)`` and
-            ``device``).
+        spec: ``ImageOptions.decode_device``: a device name (a
+            :class:`~stoker.decode.gpu.GpuJpegDecoder` is made for it) or a ready decoder object
+            (with its ``decode(datas, keys, skip_errors)``, ``transform_batch(imgs, mode, rngs,
+            size)`` and ``device``).
         dataset: the loader's dataset (sample keys for error messages).
-        cfg: the loader's :class:`~stoker.loader.config.WorkerConfig` (``transform``, ``seed``,
+        cfg: the loader's :class:`~stoker.loader.options.WorkerConfig` (``transform``, ``seed``,
             ``image_size``, ``on_error`` are used).
     """
 
-    def __init__(self, decoder, dataset, cfg: WorkerConfig):
-        self.decoder, self.dataset, self.cfg = decoder, dataset, cfg
+    def __init__(self, spec, dataset, cfg: WorkerConfig):
+        self.spec, self.dataset, self.cfg = spec, dataset, cfg
+        self.decoder: Any = None  #: the decoder, once :meth:`start` made it
 
-    @classmethod
-    def create(cls, spec, dataset, cfg: WorkerConfig) -> DeviceBatchDecoder:
-        """From ``ImageOptions(decode_device=spec)``: a device name (a GpuJpegDecoder is made for it;
-        RuntimeError without CUDA or a GPU JPEG decoder) or a ready decoder object."""
-        if isinstance(spec, str):
-            from ...decode.gpu import GpuJpegDecoder
+    def start(self) -> DeviceBatchDecoder:
+        """Make the decoder, once (in the training process, after the workers are forked: the
+        module docstring); returns self.
 
-            spec = GpuJpegDecoder(spec, exif_orientation=cfg.exif_orientation)
-        return cls(spec, dataset, cfg)
+        Raises:
+            RuntimeError: no CUDA or no GPU JPEG decoder.
+        """
+        if self.decoder is None:
+            if isinstance(self.spec, str):
+                from ...decode.gpu import GpuJpegDecoder
+
+                self.decoder = GpuJpegDecoder(self.spec, exif_orientation=self.cfg.exif_orientation)
+            else:
+                self.decoder = self.spec
+        return self
 
     def __call__(self, epoch: int, payloads: list, labels: np.ndarray):
         """Decode and transform one batch.

@@ -16,7 +16,7 @@ class Delivery:
 
     Args:
         ring: the :class:`~stoker.loader.shm.SlotRing` the batches are in.
-        cfg: the :class:`~stoker.loader.config.WorkerConfig` (``generic``, ``collate``).
+        cfg: the :class:`~stoker.loader.options.WorkerConfig` (``generic``, ``collate``).
         state: the Loader's :class:`~stoker.loader.state.LoaderState` (a streaming collate's carry).
         transfer: the :class:`~stoker.loader.device.transfer.DeviceTransfer`, or None (CPU tensors).
         device_decoder: the :class:`~stoker.loader.device.device_decode.DeviceBatchDecoder`, or None.

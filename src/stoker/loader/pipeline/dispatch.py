@@ -18,7 +18,8 @@ class Dispatcher:
     """Hands batches to a :class:`~stoker.loader.workers.pool.WorkerPool` (see the module docstring).
 
     Args:
-        config: the :class:`~stoker.loader.config.RunConfig`.
+        config: the :class:`~stoker.loader.options.RunConfig` (``num_workers``, ``prefetch_batches``;
+            the batch size is its ``cfg.batch_size``).
         plan: ``plan(epoch) -> (sample ids, mean displacement)`` (the Loader's order).
         ring: the :class:`~stoker.loader.shm.SlotRing` of the batches.
         workers: the :class:`~stoker.loader.workers.pool.WorkerPool`.
@@ -26,9 +27,7 @@ class Dispatcher:
     """
 
     def __init__(self, config, plan, ring, workers, prefetcher):
-        self.dataset, self.cfg, self.plan = config.dataset, config.cfg, plan
-        self.num_workers, self.batch_size = config.num_workers, config.batch_size
-        self.prefetch_batches = config.prefetch_batches
+        self.config, self.dataset, self.cfg, self.plan = config, config.dataset, config.cfg, plan
         self.ring, self.workers, self.prefetcher = ring, workers, prefetcher
         self.pre: dict | None = None  #: the next epoch's first batches, dispatched early (or None)
         self._parts: dict[tuple, tuple] = {}  # (run, seq) of a split batch -> (parts, replies so far)
@@ -66,8 +65,8 @@ class Dispatcher:
             return False
         self.ring.busy.add(slot)
         parts = [(0, bids)]
-        if split and self.num_workers > 1 and not self.cfg.generic and self.cfg.decode_on == "cpu":
-            parts = split_ids(bids, self.num_workers)
+        if split and self.config.num_workers > 1 and not self.cfg.generic and self.cfg.decode_on == "cpu":
+            parts = split_ids(bids, self.config.num_workers)
         if len(parts) > 1:
             self._parts[(run, seq)] = (len(parts), [], epoch, bids)
         for offset, ids in parts:  # (whole: a part's worker never pads it, loader/workers/padding.py)
@@ -113,7 +112,8 @@ class Dispatcher:
         in :attr:`pre` and adopted by the next ``iter()`` if it starts that epoch at batch 0;
         otherwise dropped (its replies are recognised by their run id)."""
         ids, displacement = self.plan(epoch)
-        batches = [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        bs = self.cfg.batch_size
+        batches = [ids[i : i + bs] for i in range(0, len(ids), bs)]
         pre = {
             "run": self.new_run(),
             "epoch": epoch,
@@ -125,7 +125,7 @@ class Dispatcher:
             "displacement": displacement,
             "counters": {},
         }
-        while pre["next"] < min(len(batches), self.prefetch_batches):
+        while pre["next"] < min(len(batches), self.config.prefetch_batches):
             if not self.dispatch(
                 pre["run"], epoch, pre["next"], batches[pre["next"]], pre["inflight"], split=pre["next"] == 0
             ):
@@ -135,7 +135,7 @@ class Dispatcher:
         pf = self.prefetcher
         if pf is not None:  # the prefetcher moves on to the next epoch's plan now
             pf.prev_done = pf.done
-            pf.position = pre["next"] * self.batch_size
+            pf.position = pre["next"] * bs
             pf.done = 0
             # draining: blocks this epoch still needs are charged to it, not to the next one
             pf.send((pre["run"], *block_schedule(self.dataset, ids), True))

@@ -16,8 +16,8 @@ class ParallelLoop:
     """Serves epochs from the worker processes (see the module docstring).
 
     Args:
-        config: the :class:`~stoker.loader.config.RunConfig` (batch size, ``prefetch_batches``,
-            ``timeout_s``, ``prefetch_next_epoch``).
+        config: the :class:`~stoker.loader.options.RunConfig` (``cfg.batch_size``, ``prefetch_batches``,
+            ``run.timeout_s``, ``run.epochs``, ``read.prefetch_next_epoch``).
         state: the Loader's :class:`~stoker.loader.state.LoaderState`, advanced per batch.
         live: the Loader's :class:`~stoker.loader.live.LiveTotals` (ticked per batch).
         workers: the :class:`~stoker.loader.workers.pool.WorkerPool`.
@@ -31,9 +31,7 @@ class ParallelLoop:
     def __init__(
         self, config, state, live, workers, prefetcher, dispatch, deliver, *, start_method: str, fork_hazards: list
     ):
-        self.batch_size, self.prefetch_batches = config.batch_size, config.prefetch_batches
-        self.timeout_s, self.prefetch_next_epoch = config.timeout_s, config.prefetch_next_epoch
-        self.epochs = config.epochs  # None: no last epoch known
+        self.config, self.cfg = config, config.cfg
         self.state, self.live = state, live
         self.workers, self.prefetcher, self.dispatch, self.deliver = workers, prefetcher, dispatch, deliver
         self.ring = dispatch.ring
@@ -48,7 +46,7 @@ class ParallelLoop:
 
         Raises:
             WorkerError: a batch failed in a worker (names the sample), a worker slot died past its
-                restarts, or no batch came for ``timeout_s`` seconds (names what each worker did;
+                restarts, or no batch came for ``run.timeout_s`` seconds (names what each worker did;
                 the workers stuck in a sample are ended and replaced).
             WorkerStartError: a worker exited before its own start was done (names the cause).
             SharedMemoryError: the batch due has no slot and none is with the workers.
@@ -63,58 +61,10 @@ class ParallelLoop:
 
     def _run(self, run, epoch, batches, stats, delivered, t_resume, wait_box, carry, pending, t_iter):
         inflight: dict[int, tuple] = carry["inflight"] if carry else {}
-        next_dispatch = carry["next"] if carry else 0
+        sent = [carry["next"] if carry else 0]  # batches dispatched so far
+        bs = self.cfg.batch_size
         for seq in range(len(batches)):
-            deadline = time.monotonic() + self.timeout_s
-            while True:  # dispatch what slots allow (again after each reply: it may free one), then wait
-                while next_dispatch < len(batches) and len(inflight) < self.prefetch_batches:
-                    if not self.dispatch.dispatch(
-                        run,
-                        epoch,
-                        next_dispatch,
-                        batches[next_dispatch],
-                        inflight,
-                        may_raise=next_dispatch <= seq,  # (the batch now due)
-                        split=next_dispatch == 0,
-                    ):
-                        break  # shared memory is short: more go out as slots come back
-                    next_dispatch += 1
-                    if self.prefetcher is not None and self.dispatch.pre is None:
-                        self.prefetcher.position = next_dispatch * self.batch_size
-                if (
-                    next_dispatch == len(batches)
-                    and self.dispatch.pre is None
-                    and self.state.resume_batch == 0
-                    and self.state.epoch == epoch + 1
-                    and self.prefetch_next_epoch
-                    and (self.epochs is None or epoch + 1 < self.epochs)
-                    and self.dispatch.prefetch_plan_done(run)
-                ):
-                    self.dispatch.predispatch(epoch + 1)
-                if seq in pending:
-                    break
-                msg = self._reply(0.25)  # dead workers are replaced meanwhile (workers/pool.py)
-                if msg is None:
-                    self.workers.check()
-                    self._check_prefetcher()
-                    # a replacement decodes its batches again: the wait starts over from it
-                    if time.monotonic() > max(deadline, self._restarted_at() + self.timeout_s):
-                        raise self._stall(seq, epoch) from None
-                    continue
-                self.dispatch.keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
-                msg = self.dispatch.whole(msg)
-                if msg is None:  # a part of a split batch; the others are still being decoded
-                    continue
-                mrun = msg[2]
-                self.ring.busy.discard(msg[4])
-                if mrun != run:
-                    pre = self.dispatch.pre
-                    if pre is not None and mrun == pre["run"]:
-                        pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
-                    else:  # a reply to an abandoned epoch: just free its slot
-                        self.ring.release(msg[4])
-                    continue
-                pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
+            self._await(run, epoch, seq, batches, inflight, pending, sent)
             msg = pending.pop(seq)
             if msg[0] == "error":
                 _, wid, _, _, slot, key, err, tb = msg[:8]
@@ -128,19 +78,9 @@ class ParallelLoop:
             bids = inflight.pop(seq)[1]
             if seq % 8 == 7 or seq == len(batches) - 1:  # a syscall: not on every batch
                 self._check_prefetcher()
+            last = seq == len(batches) - 1
             out = self.deliver(
-                epoch,
-                slot,
-                bids,
-                n,
-                skipped,
-                skipped_keys,
-                msg[9],
-                msg[10],
-                msg[11],
-                stats=stats,
-                delivered=delivered,
-                last=seq == len(batches) - 1,
+                epoch, slot, bids, n, skipped, skipped_keys, *msg[9:12], stats=stats, delivered=delivered, last=last
             )
             if out is None:  # a streaming collate carried every token to the next batch: nothing to yield
                 self.state.position = (epoch, self.state.position[1] + 1)
@@ -149,14 +89,71 @@ class ParallelLoop:
             self.state.position = (epoch, self.state.position[1] + 1)
             if self.prefetcher is not None:  # positions in this epoch's plan
                 if self.dispatch.pre is None:
-                    self.prefetcher.done = (seq + 1) * self.batch_size
+                    self.prefetcher.done = (seq + 1) * bs
                 else:  # the prefetcher is on the next plan already: this one's progress is "previous"
-                    self.prefetcher.prev_done = (seq + 1) * self.batch_size
+                    self.prefetcher.prev_done = (seq + 1) * bs
             self.live.tick()
             if not stats.first_batch_s:
                 stats.first_batch_s = time.perf_counter() - t_iter
             yield out
             t_resume = time.perf_counter()
+
+    def _await(self, run, epoch, seq, batches, inflight: dict, pending: dict, sent: list) -> None:
+        """Dispatch what the slots allow (again after each reply: it may free one), start the next
+        epoch's first batches once this one is all sent, and wait until batch ``seq``'s reply is in
+        ``pending``. ``sent[0]``: batches of ``batches`` dispatched so far (advanced here).
+
+        Raises:
+            WorkerError: no reply for ``run.timeout_s`` seconds (:meth:`_stall`).
+        """
+        deadline = time.monotonic() + self.config.run.timeout_s
+        while True:
+            self._send(run, epoch, seq, batches, inflight, sent)
+            if (
+                sent[0] == len(batches)
+                and self.dispatch.pre is None
+                and self.state.resume_batch == 0
+                and self.state.epoch == epoch + 1
+                and self.config.read.prefetch_next_epoch
+                and (self.config.run.epochs is None or epoch + 1 < self.config.run.epochs)
+                and self.dispatch.prefetch_plan_done(run)
+            ):
+                self.dispatch.predispatch(epoch + 1)
+            if seq in pending:
+                return
+            msg = self._reply(0.25)  # dead workers are replaced meanwhile (workers/pool.py)
+            if msg is None:
+                self.workers.check()
+                self._check_prefetcher()
+                # a replacement decodes its batches again: the wait starts over from it
+                if time.monotonic() > max(deadline, self._restarted_at() + self.config.run.timeout_s):
+                    raise self._stall(seq, epoch) from None
+                continue
+            self.dispatch.keep_counters(msg, run)  # the next epoch's early work counts in the next epoch
+            msg = self.dispatch.whole(msg)
+            if msg is None:  # a part of a split batch; the others are still being decoded
+                continue
+            self.ring.busy.discard(msg[4])
+            if msg[2] == run:
+                pending[msg[3]] = msg  # errors too: raised when their batch is due, in plan order
+                continue
+            pre = self.dispatch.pre
+            if pre is not None and msg[2] == pre["run"]:
+                pre["pending"][msg[3]] = msg  # the next epoch's, early: keep it
+            else:  # a reply to an abandoned epoch: just free its slot
+                self.ring.release(msg[4])
+
+    def _send(self, run, epoch, seq, batches, inflight: dict, sent: list) -> None:
+        """Dispatch the next batches while fewer than ``prefetch_batches`` are with the workers
+        and a slot is free (shared memory short: more go out as slots come back)."""
+        while sent[0] < len(batches) and len(inflight) < self.config.prefetch_batches:
+            k = sent[0]
+            # may_raise: batch k is the one now due
+            if not self.dispatch.dispatch(run, epoch, k, batches[k], inflight, may_raise=k <= seq, split=k == 0):
+                return
+            sent[0] = k + 1
+            if self.prefetcher is not None and self.dispatch.pre is None:
+                self.prefetcher.position = sent[0] * self.cfg.batch_size
 
     def _reply(self, timeout_s: float):
         """The next worker reply, or None after ``timeout_s`` seconds (dead workers replaced
@@ -177,7 +174,7 @@ class ParallelLoop:
         in a sample are ended and replaced first (their batches' slots freed, the next epoch's
         early batches dropped), so the next epoch does not wait behind the same call."""
         msg = (
-            f"no batch from the workers for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
+            f"no batch from the workers for {self.config.run.timeout_s:.0f} s (batch {seq} of epoch {epoch}): "
             + self.workers.describe()
         )
         if self.start_method == "fork" and self.fork_hazards:

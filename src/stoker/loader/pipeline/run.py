@@ -14,12 +14,14 @@ import logging
 import mmap
 import time
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..._procs import EXIT_UNGUARDED_MAIN, exit_quietly, importing_main_in_child
-from ..config import Processes, RunConfig, RunHooks
 from ..epoch_stats import EpochStats, fill_from_counters, fill_origin_figures, process_cpu_s
 from ..iterator import EpochIterator
+from ..options import RunConfig
 from ..prefetch import inflight as infl
 from ..prefetch.prefetcher import Prefetcher
 from ..prefetch.process import block_schedule
@@ -43,6 +45,49 @@ log = logging.getLogger(__name__)
 __all__ = ["Processes", "Run", "RunHooks"]
 
 
+@dataclass(frozen=True)
+class RunHooks:
+    """What a started pipeline gets from the Loader that owns it (explicit collaborators, so the
+    pipeline never reads the Loader's attributes).
+
+    Attributes:
+        state: the Loader's :class:`~stoker.loader.state.LoaderState`, advanced as batches are yielded.
+        plan: ``plan(epoch) -> (sample ids int64 (n,), mean displacement)``: the order served in ``epoch``.
+        record: called with each epoch's :class:`EpochStats` when the epoch ends (finished or cut short).
+        live: the Loader's :class:`~stoker.loader.live.LiveTotals` (``begin``/``tick``/``end``).
+        device_decoder: the :class:`~stoker.loader.device.device_decode.DeviceBatchDecoder` of
+            ``decode_device`` (started by :meth:`Run.start`, after the processes are forked), or None.
+    """
+
+    state: Any
+    plan: Callable
+    record: Callable
+    live: Any
+    device_decoder: Any
+
+
+@dataclass(frozen=True)
+class Processes:
+    """A started pipeline's processes, for inspection (tests, benchmarks, fault injection).
+
+    Attributes:
+        workers: the decode worker processes (``multiprocessing.Process``), one per worker slot
+            (a replaced one is not among them).
+        prefetcher: the prefetch process, or None (no node cache, no workers, or none started).
+        start_method: the start method they were started with, or None before a start.
+        ready: processes that finished their own start (object store client, decoder).
+    """
+
+    workers: tuple = ()
+    prefetcher: Any = None
+    start_method: str | None = None
+    ready: int = 0
+
+    def pids(self) -> list[int]:
+        """The workers' pids, then the prefetcher's."""
+        return [p.pid for p in self.workers] + ([self.prefetcher.pid] if self.prefetcher is not None else [])
+
+
 class Run:
     """The started pipeline of one loader (see the module docstring), built from parts that own
     their state: a :class:`~stoker.loader.shm.SlotRing` (``ring``), with workers a
@@ -54,17 +99,15 @@ class Run:
     :class:`~stoker.loader.device.transfer.DeviceTransfer` (``transfer``).
 
     Args:
-        config: the frozen :class:`~stoker.loader.config.RunConfig`.
+        config: the frozen :class:`~stoker.loader.options.RunConfig`.
         hooks: the Loader's :class:`RunHooks` (state, plan, stats, live figures, device decoder).
     """
 
     def __init__(self, config: RunConfig, hooks: RunHooks):
         self.config, self.hooks = config, hooks
         self.state = hooks.state
-        self.dataset, self.cfg = config.dataset, config.cfg
-        self.num_workers, self.batch_size = config.num_workers, config.batch_size
-        self.prefetch_batches, self.timeout_s = config.prefetch_batches, config.timeout_s
-        self.start_method = config.start_method or "fork"  #: the start method used (chosen again at start)
+        self.dataset, self.cfg = config.dataset, config.cfg  # dataset: a view with this run's staging, once started
+        self.start_method = config.run.start_method or "fork"  #: the start method used (chosen again at start)
         self.workers: WorkerPool | None = None
         self.prefetcher: Prefetcher | None = None
         self.ring: SlotRing | None = None
@@ -98,7 +141,7 @@ class Run:
         here, quietly, with :data:`stoker._procs.EXIT_UNGUARDED_MAIN`: the training process names
         the cause.
         """
-        if self.num_workers > 0 and importing_main_in_child():
+        if self.config.num_workers > 0 and importing_main_in_child():
             exit_quietly(EXIT_UNGUARDED_MAIN)
         from ... import _torch as _torch_adapter  # pay torch's import before the first batch
 
@@ -111,22 +154,24 @@ class Run:
 
             self.transfer = DeviceTransfer(config.device)
         self.ring = SlotRing(
-            self.batch_size,
+            self.cfg.batch_size,
             self.cfg.image_size,
-            self.prefetch_batches + 2,
-            shared=self.num_workers > 0,  # SharedMemoryError: not one slot fits
+            config.prefetch_batches + 2,
+            shared=config.num_workers > 0,  # SharedMemoryError: not one slot fits
             slot_bytes=mmap.PAGESIZE if self.cfg.generic else None,
         )  # grown by batches.py
-        if self._fills_cache() and self.num_workers > 0 and self.dataset.reader.staging is None:
+        if self._fills_cache() and config.num_workers > 0 and self.dataset.reader.staging is None:
             from ...cache import StagingArea
             from ...store.blocks import BlockReader
 
             ds = self.dataset  # shared (other loaders may read it): this run reads a view with its own staging
-            staging = StagingArea.create(ds.cache.root, getattr(ds.cache, "mode", 0o600), config.staging_bytes)
+            staging = StagingArea.create(
+                ds.cache.root, getattr(ds.cache, "mode", 0o600), int(config.read.staging_bytes)
+            )
             self.dataset = ds.with_reader(BlockReader(ds, staging=staging, router=ds.reader.router))
             self._own_staging = True
         self.started = True  # from here on, close() has something to stop
-        if self.num_workers > 0:
+        if config.num_workers > 0:
             self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
         elif self.cfg.generic:
             from ..workers.batches import GenericDecoder
@@ -134,9 +179,8 @@ class Run:
             self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
-        self.deliver = Delivery(
-            self.ring, self.cfg, self.state, self.transfer, self.hooks.device_decoder()
-        )  # after the forks (CUDA)
+        dd = self.hooks.device_decoder  # started after the forks (CUDA)
+        self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer, dd.start() if dd is not None else None)
         if self._decoder is not None:
             self.inline = InlineLoop(
                 self.config, self.state, self.hooks.live, self._decoder, self.ring, self.deliver, self.dataset
@@ -163,19 +207,11 @@ class Run:
     def _start_processes(self) -> None:
         """Choose the start method (again: threads may have appeared since the Loader was built),
         start the workers and, with a node cache, the prefetcher; wait for their own start."""
-        ctx, self.start_method, self._fork_hazards = start_context(self.config.start_method, self.cfg)
+        ctx, self.start_method, self._fork_hazards = start_context(self.config.run.start_method, self.cfg)
         self._ready = ctx.Value("q", 0)
-        self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.num_workers, self._ready)
+        self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.config.num_workers, self._ready)
         if self._fills_cache():
-            c = self.config
-            self.prefetcher = Prefetcher(
-                ctx,
-                self.dataset,
-                fetch_concurrency=c.fetch_concurrency,
-                prefetch_bytes=c.prefetch_bytes,
-                staging_bytes=c.staging_bytes,
-                ready=self._ready,
-            )
+            self.prefetcher = Prefetcher(ctx, self.dataset, self.config.read, ready=self._ready)
         self.dispatch = Dispatcher(self.config, self.hooks.plan, self.ring, self.workers, self.prefetcher)
         wait_ready(
             self._ready,
@@ -273,7 +309,7 @@ class Run:
 
     def reopen(self, epoch: int) -> bool:
         """Make the last epoch's iterator serve ``epoch`` from its first batch instead, if no batch
-        of it was asked for yet (:meth:`stoker.loader.Loader.follow_epoch`). Returns whether it did;
+        of it was asked for yet (:func:`stoker.loader.adapters.follow_epoch`). Returns whether it did;
         the next epoch's early batches, if any were sent, are forgotten."""
         it = self._live_iter() if self._live_iter is not None else None
         if it is None or not it.unstarted:
@@ -294,7 +330,7 @@ class Run:
 
     def totals(self) -> dict:
         """Counters summed over the workers, and the prefetcher's clocks and origin retries (its
-        origin traffic is read per plan from its ledger, :meth:`prefetch_ledger`)."""
+        origin traffic is read per plan from its ledger, :meth:`since`)."""
         tot: dict[str, int] = {}
         sources = (
             list(self.dispatch.worker_counters.values())
@@ -310,10 +346,23 @@ class Run:
             tot.update(pf)
         return tot
 
-    def prefetch_ledger(self, run: int) -> dict:
-        """The prefetcher's origin traffic charged to plan ``run`` (empty without a prefetcher),
-        with its in-flight target, latency and bandwidth estimates now."""
-        return self.prefetcher.ledger(run) if self.prefetcher is not None else {}
+    def since(self, before: dict, plan: int | None) -> tuple[dict, dict]:
+        """``(change, ledger)``: the change of :meth:`totals` since ``before`` (read again when
+        another thread adds a worker's counters meanwhile; empty after three tries), with the
+        prefetcher's origin traffic charged to plan ``plan`` added; and that ledger row, with the
+        in-flight target, latency and bandwidth estimates now (empty without a prefetcher or plan)."""
+        now: dict = {}
+        for _ in range(3):
+            try:
+                now = self.totals()
+                break
+            except RuntimeError:  # (a dict changed size during iteration)
+                continue
+        change = {k: v - before.get(k, 0) for k, v in now.items()}
+        ledger = self.prefetcher.ledger(plan) if self.prefetcher is not None and plan is not None else {}
+        for k in infl.LEDGER_FIELDS[1:]:
+            change[k] = change.get(k, 0) + ledger.get(k, 0)
+        return change, ledger
 
     def _epoch(self, run: int, epoch: int, start: int = 0, t_iter: float | None = None):
         t_start = time.perf_counter()
@@ -331,8 +380,9 @@ class Run:
             stats.order_displacement = carry["displacement"]
         else:
             ids, stats.order_displacement = self.hooks.plan(epoch)
-            ids = ids[start * self.batch_size :]
-            batches = [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+            bs = self.cfg.batch_size
+            ids = ids[start * bs :]
+            batches = [ids[i : i + bs] for i in range(0, len(ids), bs)]
         self.state.position = (epoch, start)
         if start == 0:
             self.state.carry = None  # a streaming collate's carry never crosses an epoch
@@ -361,13 +411,9 @@ class Run:
             stats.seconds = time.perf_counter() - t_start
             stats.worker_restarts, stats.prefetcher_restarts = self.restarts()
             stats.cpu_s = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in self._cpu().items()}
-            after = self.totals()
-            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            ledger = self.prefetch_ledger(run)
-            for k in infl.LEDGER_FIELDS[1:]:
-                d[k] = d.get(k, 0) + ledger.get(k, 0)
+            d, ledger = self.since(before, run)
             fill_from_counters(stats, d, wait_box[0], ids, delivered, len(self.dataset))
-            fill_origin_figures(stats, d, ledger, self.num_workers)
+            fill_origin_figures(stats, d, ledger, self.config.num_workers)
             self.hooks.record(stats)
             self.hooks.live.end(stats, d)
             if self.state.position[0] == epoch and self.state.epoch == epoch + 1:  # no later iter()/set_epoch/load

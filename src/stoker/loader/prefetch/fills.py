@@ -108,18 +108,18 @@ class FillThreads:
 
 
 def merge_run(
-    ds, job: dict, j: int, consumed: int, ahead_bytes: int, lookahead: int, cap_bytes: int, covered: set, sizes: list
+    ds, job: dict, j: int, consumed: int, prefetch_bytes: int, lookahead: int, cap_bytes: int, covered: set, sizes: list
 ) -> tuple:
     """The run of adjacent blocks to fetch with block ``job["blocks"][j]``: its neighbours in the
     shard (:func:`stoker.store.runs.adjacent_run`, at most ``cap_bytes`` together) among the next
-    ``lookahead`` blocks of the schedule that lie within ``ahead_bytes`` of the consumer and are
+    ``lookahead`` blocks of the schedule that lie within ``prefetch_bytes`` of the consumer and are
     neither issued yet nor cached. A tuple of ascending block ids. ``sizes``: block -> bytes."""
     blocks, cum = job["blocks"], job["cum"]
     b = blocks[j]
     if cap_bytes <= sizes[b]:
         return (b,)
     base = cum[min(consumed, j)]
-    stop = bisect_right(cum, base + ahead_bytes)  # positions < stop qualify
+    stop = bisect_right(cum, base + prefetch_bytes)  # positions < stop qualify
     window = set(blocks[j + 1 : max(j + 1, min(j + 1 + lookahead, stop))])
     if not window:
         return (b,)

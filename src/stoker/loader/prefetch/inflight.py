@@ -226,11 +226,6 @@ def serving_plan(b: int, cur_run: int, prev_run: int | None, prev_last: dict, pr
     return cur_run
 
 
-def mean_or_zero(num: float, den: float) -> float:
-    """``num / den``, or 0.0 when ``den`` is 0."""
-    return float(num) / den if den else 0.0
-
-
 __all__ = [
     "InflightTarget",
     "InflightGate",

@@ -1,6 +1,6 @@
 """The prefetch process's state between wake-ups (:class:`PrefetchLoop`): which plan it
 serves, what is in flight and staged, and which fills to start next, in first-need order within
-``ahead_bytes`` of the consumer. :func:`stoker.loader.prefetch.process.prefetch_main` wakes it with the
+``read.prefetch_bytes`` of the consumer. :func:`stoker.loader.prefetch.process.prefetch_main` wakes it with the
 events of one wake-up (commands and fill outcomes) and sleeps for the :attr:`PrefetchLoop.timeout`
 it sets; the fills run in :mod:`stoker.loader.prefetch.fills`.
 """
@@ -31,7 +31,7 @@ MAX_BUSY_RETRIES = 50
 #: retrying at once spent all 50 tries in 10 ms and the block was then read sample by sample.
 BUSY_BACKOFF_S = 0.005
 BUSY_BACKOFF_MAX_S = 0.1
-#: Seconds between looks at the consumer's position while the prefetcher waits on it (``ahead_bytes``
+#: Seconds between looks at the consumer's position while the prefetcher waits on it (``prefetch_bytes``
 #: reached, or the staging budget full until staged blocks are delivered). The loader sends no
 #: notification of its progress (plain shared integers), so this is the one timer of a busy loop.
 CONSUMER_POLL_S = 0.01
@@ -94,25 +94,17 @@ class StagedBlocks(dict):
 class PrefetchLoop:
     """The state of :func:`prefetch_main` between wake-ups, with running totals (bytes and blocks
     in flight, staged bytes) kept on submit and completion instead of recomputed on every look.
-    Block ids, positions and sizes are Python ints."""
+    Block ids, positions and sizes are Python ints. Its arguments are :func:`prefetch_main`'s
+    (``pool``: the :class:`~stoker.loader.prefetch.fills.FillThreads` that run the fills); it reads
+    ``read.prefetch_bytes`` (how far ahead of the consumer fills start), ``read.staging_bytes`` and
+    ``read.fetch_concurrency`` from the :class:`~stoker.loader.options.ReadOptions` it is handed.
+    """
 
-    def __init__(
-        self,
-        ds,
-        counters,
-        pool: FillThreads,
-        clock,
-        target,
-        ahead_bytes: int,
-        staging_bytes: int,
-        position,
-        done,
-        prev_done,
-        adopt: bool,
-    ):
-        self.ds, self.counters, self.pool, self.clock, self.target = ds, counters, pool, clock, target
-        self.ahead_bytes, self.staging_bytes = int(ahead_bytes), int(staging_bytes)
-        self.position, self.done, self.prev_done, self.adopt = position, done, prev_done, adopt
+    def __init__(self, ds, shared, pool: FillThreads, read, adopt: bool):
+        self.ds, self.shared, self.counters, self.pool, self.read = ds, shared, shared.counters, pool, read
+        self.clock = infl.BusyClock(shared.counters)
+        self.target = infl.InflightTarget(read.fetch_concurrency)
+        self.adopt = adopt
         self.sizes: list[int] = (ds.blocks.end - ds.blocks.start).astype(np.int64).tolist()
         self.block_bytes = int(ds.block_bytes)
         self.staging = ds.reader.staging
@@ -126,6 +118,7 @@ class PrefetchLoop:
         self.prev: dict[int, int] = {}  # staged blocks of the previous plan -> their last use in it
         self.cur_last: dict[int, int] = {}  # block -> last use in the current plan (kept after it is done)
         self.carried: set[int] = set()  # blocks still staged for the draining plan when the current one came
+        counters = shared.counters
         self.base_bytes, self.base_requests = int(counters[0]), int(counters[1])  # a dead predecessor's
         self.base_retries = int(counters[infl.ORIGIN_RETRIES])
         self.inflight: dict[int, tuple] = {}  # token -> the blocks of one fill in flight
@@ -147,8 +140,8 @@ class PrefetchLoop:
                 self._plan(ev[1])
             else:
                 fills.append(ev)
-        pos, done_v = int(self.position.value), int(self.done.value)
-        prev_done_v = int(self.prev_done.value) if self.prev_done is not None else 0
+        sh = self.shared
+        pos, done_v, prev_done_v = int(sh.position.value), int(sh.done.value), int(sh.prev_done.value)
         if (
             not batch
             and pos == self.seen_pos
@@ -164,7 +157,7 @@ class PrefetchLoop:
         # block a fill in flight may be finding staged stays until that fill is accounted)
         if self.staged:
             drop_staged(self.ds, self.staged, self.staged, done_v, keep=self.flying)
-            if self.prev_done is not None and self.prev:
+            if self.prev:
                 drop_staged(self.ds, self.staged, self.prev, prev_done_v, keep=self.flying)
                 self.prev = {b: last for b, last in self.prev.items() if b in self.staged}
         c = self.counters
@@ -182,7 +175,7 @@ class PrefetchLoop:
                 self.plan_run,
                 self.prev_run,
                 self.prev_all,
-                self.prev_done,
+                sh.prev_done,
             )
             c[infl.TARGET] = self.target.target
             if self.target.bandwidth_Bps:
@@ -322,42 +315,69 @@ class PrefetchLoop:
 
     def _issue(self, pos: int, done_v: int) -> None:
         """Start the fills that are due (retries, then the plan's next blocks) and set the timer."""
-        job, ds, c = self.job, self.ds, self.counters
+        job, c = self.job, self.counters
         assert job is not None  # wake() issues fills only while a plan is in progress
-        concurrency = self.target.target
         # the origin throttles: start nothing new while the fills in flight wait for its back-off
         # (with none in flight, the next fill is the one that probes the origin)
-        throttled = bool(self.inflight) and ds.origin.backoff.throttled
-        timeout = THROTTLE_POLL_S if throttled else None
-        if job["retry"]:
-            now = time.monotonic()
-            if len(self.inflight) < concurrency and not throttled:
-                due = [r for r in job["retry"] if r[0] <= now][: concurrency - len(self.inflight)]
-                for r in due:
-                    job["retry"].remove(r)
-                    self._submit((r[1],))
-            if job["retry"]:
-                # the next retry's time; one due already waits for a free slot (a fill's end wakes
-                # the loop) or for the back-off (THROTTLE_POLL_S)
-                later = [r[0] for r in job["retry"] if r[0] > now]
-                if later:
-                    timeout = _sooner(timeout, min(later) - now)
+        throttled = bool(self.inflight) and self.ds.origin.backoff.throttled
+        concurrency = self.target.target
+        timeout = self._retries(concurrency, throttled, THROTTLE_POLL_S if throttled else None)
         blocks, cum = job["blocks"], job["cum"]
-        j = job["next"]
         consumed = bisect_left(job["first"], pos)
         self.seen_pos = pos
         if pos != job["depth_pos"]:
             # prefetch depth: bytes of blocks issued and finished ahead of the consumer
+            j = job["next"]
             c[6] += max(0, cum[j] - cum[min(consumed, j)] - self.inflight_bytes)
             c[7] += 1
             job["depth_pos"] = pos
-        staging, staged = self.staging, self.staged
-        covered = job["covered"]  # blocks fetched ahead of their turn by a merged GET
-        cap_bytes = None
-        waits_on_consumer = False
+        waits_on_consumer = self._fills(consumed, done_v, concurrency, throttled)
+        j = job["next"]
+        if j >= len(blocks) and not self.inflight and not job["retry"]:
+            c[infl.PLAN_DONE] = self.plan_run  # the loader may start the next plan's batches
+            self.job = None
+            self._idle_timeout()
+            return
+        if waits_on_consumer:
+            timeout = _sooner(timeout, CONSUMER_POLL_S)
+        if self.staged:
+            timeout = _sooner(timeout, STAGED_POLL_S)
+        if not self.inflight and j < len(blocks) and not waits_on_consumer and not job["retry"] and timeout is None:
+            timeout = CONSUMER_POLL_S  # not expected (a fill is issued then); never sleep with nothing to wake us
+        self.timeout = timeout
+
+    def _retries(self, concurrency: int, throttled: bool, timeout: float | None) -> float | None:
+        """Submit the busy blocks whose retry time has come, while fewer than ``concurrency`` fills
+        are in flight (none while ``throttled``); returns ``timeout`` shortened to the next retry's time."""
+        job = self.job
+        assert job is not None
+        if not job["retry"]:
+            return timeout
+        now = time.monotonic()
+        if len(self.inflight) < concurrency and not throttled:
+            due = [r for r in job["retry"] if r[0] <= now][: concurrency - len(self.inflight)]
+            for r in due:
+                job["retry"].remove(r)
+                self._submit((r[1],))
+        # the next retry's time; one due already waits for a free slot (a fill's end wakes the
+        # loop) or for the back-off (THROTTLE_POLL_S)
+        later = [r[0] for r in job["retry"] if r[0] > now]
+        return _sooner(timeout, min(later) - now) if later else timeout
+
+    def _fills(self, consumed: int, done_v: int, concurrency: int, throttled: bool) -> bool:
+        """Submit the plan's next blocks in first-need order while fewer than ``concurrency`` fills
+        are in flight (none while ``throttled``), each
+        within ``read.prefetch_bytes`` of the consumer (``consumed``: blocks whose first use it has
+        reached) and, where it may end up staged, within ``read.staging_bytes``; a block present
+        already is accounted without a fill. Returns whether it stopped to wait on the consumer."""
+        job, ds, staged = self.job, self.ds, self.staged
+        assert job is not None
+        blocks, cum, covered = job["blocks"], job["cum"], job["covered"]  # covered: fetched ahead by a merged GET
+        read = self.read
+        j, cap_bytes, waits = job["next"], None, False
         while j < len(blocks) and len(self.inflight) < concurrency and not throttled:
-            if cum[j] - cum[min(consumed, j)] > self.ahead_bytes:
-                waits_on_consumer = True
+            if cum[j] - cum[min(consumed, j)] > read.prefetch_bytes:
+                waits = True
                 break
             b = blocks[j]
             if b in covered:
@@ -375,33 +395,22 @@ class PrefetchLoop:
             # first batch waits for them; then runs grow with the bytes of the plan before them
             ramp = max(self.sizes[b], cum[j] - job["first_round"])
             run = merge_run(
-                ds, job, j, consumed, self.ahead_bytes, 2 * concurrency, min(cap_bytes, ramp), covered, self.sizes
+                ds, job, j, consumed, read.prefetch_bytes, 2 * concurrency, min(cap_bytes, ramp), covered, self.sizes
             )
-            if staging is not None:
+            if self.staging is not None:
                 # may end up staged: keep staged bytes plus such fills in flight within budget
-                if staged.bytes + self.inflight_bytes + sum(self.sizes[x] for x in run) > self.staging_bytes:
+                if staged.bytes + self.inflight_bytes + sum(self.sizes[x] for x in run) > read.staging_bytes:
                     run = (b,)  # a merged run would not fit: this block alone, as before
-                    if staged.bytes + self.inflight_bytes + self.sizes[b] > self.staging_bytes and (
+                    if staged.bytes + self.inflight_bytes + self.sizes[b] > read.staging_bytes and (
                         staged or self.inflight
                     ):
-                        waits_on_consumer = True  # until staged blocks are delivered (or fills end)
+                        waits = True  # until staged blocks are delivered (or fills end)
                         break
             covered.update(run)
             self._submit(run)
             j += 1
         job["next"] = j
-        if j >= len(blocks) and not self.inflight and not job["retry"]:
-            c[infl.PLAN_DONE] = self.plan_run  # the loader may start the next plan's batches
-            self.job = None
-            self._idle_timeout()
-            return
-        if waits_on_consumer:
-            timeout = _sooner(timeout, CONSUMER_POLL_S)
-        if self.staged:
-            timeout = _sooner(timeout, STAGED_POLL_S)
-        if not self.inflight and j < len(blocks) and not waits_on_consumer and not job["retry"] and timeout is None:
-            timeout = CONSUMER_POLL_S  # not expected (a fill is issued then); never sleep with nothing to wake us
-        self.timeout = timeout
+        return waits
 
     def _cap_bytes(self) -> int:
         """Largest merged GET now: the measured bandwidth-delay product; until the origin is

@@ -32,7 +32,7 @@ from ...errors import WorkerStartError
 from ..workers import launch
 from ..workers.launch import abandon, died, stop_processes
 from . import inflight as infl
-from .process import N_COUNTERS, prefetch_main
+from .process import PrefetchShared, prefetch_main
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +48,15 @@ class Prefetcher:
     Args:
         ctx: the multiprocessing context (:func:`stoker.loader.workers.launch.start_context`).
         dataset: the :class:`~stoker.store.dataset.Dataset` (with a node cache).
-        fetch_concurrency: least ranged GETs in flight.
-        prefetch_bytes: bytes to run ahead of the consumer.
-        staging_bytes: most bytes of staged blocks.
+        read: the loader's :class:`~stoker.loader.options.ReadOptions`, handed whole to the process
+            (``prefetch_bytes``, ``staging_bytes``, ``fetch_concurrency``).
         ready: a shared int each process increments once set up.
     """
 
-    def __init__(self, ctx, dataset, *, fetch_concurrency: int, prefetch_bytes: int, staging_bytes: int, ready):
-        self._ctx, self._dataset, self._ready = ctx, dataset, ready
-        self._args = (fetch_concurrency, prefetch_bytes, staging_bytes)
-        self._pos = ctx.Value("q", 0, lock=False)
-        self._done = ctx.Value("q", 0, lock=False)
-        self._prev_done = ctx.Value("q", 0, lock=False)  # the previous plan's, while it drains
-        self._counters = ctx.Array("q", [0] * N_COUNTERS, lock=False)
-        self._started = ctx.Value("b", 0, lock=False)  # 1 once the process is set up
+    def __init__(self, ctx, dataset, read, *, ready):
+        self._ctx, self._dataset, self._read, self._ready = ctx, dataset, read, ready
+        self._shared = PrefetchShared.create(ctx)  # positions, counters, started: kept over a replacement
+        self._counters = self._shared.counters
         self._restarts = 0
         self._off = False  # died more often than allowed this epoch, or could not start
         self._start_failed = False  # exited before its own start was done: never started again
@@ -73,40 +68,35 @@ class Prefetcher:
     @property
     def position(self) -> int:
         """Samples of the current plan dispatched to the workers."""
-        return self._pos.value
+        return self._shared.position.value
 
     @position.setter
     def position(self, n: int) -> None:
-        self._pos.value = n
+        self._shared.position.value = n
 
     @property
     def done(self) -> int:
         """Samples of the current plan delivered to the consumer."""
-        return self._done.value
+        return self._shared.done.value
 
     @done.setter
     def done(self, n: int) -> None:
-        self._done.value = n
+        self._shared.done.value = n
 
     @property
     def prev_done(self) -> int:
         """Samples of the previous plan delivered, while it drains."""
-        return self._prev_done.value
+        return self._shared.prev_done.value
 
     @prev_done.setter
     def prev_done(self, n: int) -> None:
-        self._prev_done.value = n
+        self._shared.prev_done.value = n
 
     # -- inspection ---------------------------------------------------------
     @property
     def process(self):
         """The prefetch process (``multiprocessing.Process``)."""
         return self._proc
-
-    @property
-    def working(self) -> bool:
-        """False once the epoch goes on without prefetch (past the bound)."""
-        return not self._off
 
     @property
     def restarts(self) -> int:
@@ -166,7 +156,7 @@ class Prefetcher:
         p = self._proc
         if p.exitcode in (None, 0) or self._start_failed:
             return
-        if not self._started.value and p.exitcode > 0:  # exited while starting (killed then: replaced)
+        if not self._shared.started.value and p.exitcode > 0:  # exited while starting (killed then: replaced)
             what = launch.start_failure(f"the prefetch process (pid {p.pid})", p.exitcode, self._ctx.get_start_method())
             if p.exitcode == EXIT_UNGUARDED_MAIN:
                 raise WorkerStartError(what)
@@ -209,33 +199,19 @@ class Prefetcher:
     def join(self, deadline: float) -> None:
         """Wait for the process until ``deadline`` (``time.monotonic()``), then kill it; one
         still starting is killed at once."""
-        if not self._started.value and self._proc.is_alive():
+        if not self._shared.started.value and self._proc.is_alive():
             self._proc.kill()
         stop_processes([self._proc], deadline)
 
     def _spawn(self, adopt: bool) -> None:
         """Start the process with a new command queue (``adopt``: take over the blocks a dead
         predecessor staged)."""
-        concurrency, ahead_bytes, staging_bytes = self._args
         self._cmds = self._ctx.Queue()
-        self._started.value = 0
+        self._shared.started.value = 0
         self._proc = self._ctx.Process(
             target=prefetch_main,
             name="stoker-prefetch",
-            args=(
-                self._dataset,
-                self._cmds,
-                self._pos,
-                self._done,
-                self._counters,
-                concurrency,
-                ahead_bytes,
-                staging_bytes,
-                self._prev_done,
-                adopt,
-                self._ready,
-                self._started,
-            ),
+            args=(self._dataset, self._cmds, self._shared, self._read, adopt, self._ready),
             daemon=True,
         )
         launch.start(self._proc)

@@ -3,13 +3,13 @@
 The order of an epoch is known in advance, so the blocks it needs are known too:
 block b is first needed at position ``first_need[b]`` of the rank's sample plan.
 The prefetcher fills blocks in first-need order (the order that makes the
-longest prefix of the epoch servable soonest), with ``concurrency`` ranged GETs
-in flight, staying at most ``ahead_bytes`` ahead of the position the loader has
+longest prefix of the epoch servable soonest), with ``read.fetch_concurrency`` ranged GETs or more
+in flight, staying at most ``read.prefetch_bytes`` ahead of the position the loader has
 dispatched to its workers. A block whose neighbours in its shard are among the next blocks
 to fetch is fetched with them in one merged ranged GET (:mod:`stoker.store.runs`), capped at the
 measured bandwidth-delay product (until it is measured, that of an assumed 20 ms, 200 MB/s origin:
 merged GETs start with the first fills). A block the cache does not admit is fetched into the
-loader's staging area instead (bounded by ``staging_bytes``); without a staging area such a
+loader's staging area instead (bounded by ``read.staging_bytes``); without a staging area such a
 block ends prefetching for the epoch (under the no-eviction policy nothing later would be
 admitted either) and the workers read those samples on demand.
 
@@ -24,14 +24,14 @@ plan's last batches that the next plan reaches is used for it too (the ledger's
 
 While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
 by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
-request tests the origin instead of ``concurrency`` of them, and resumes when a request succeeds.
+request tests the origin instead of every fill in flight, and resumes when a request succeeds.
 
 The process's main thread sleeps on one queue: commands (posted by a thread that blocks on the
 command queue, and that posts a stop when the parent is gone) and fill outcomes (posted by the fill
 threads, one thread per fill in flight at most). It does its work only when woken, keeps running
 totals of what is in flight and staged, and accounts a block found cached without waking a fill
 thread. The loader tells its progress through plain shared integers, not a message, so the loop
-looks at them on a timer only while something waits on them: ``ahead_bytes`` or the staging
+looks at them on a timer only while something waits on them: ``prefetch_bytes`` or the staging
 budget reached (:data:`CONSUMER_POLL_S`), staged blocks waiting for their last use to be delivered
 (:data:`STAGED_POLL_S`); besides, a busy block's retry time and the origin's back-off.
 """
@@ -42,6 +42,8 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -99,44 +101,37 @@ def read_commands(commands, events: queue.SimpleQueue, parent: int) -> None:
         events.put((CMD, None))
 
 
-def prefetch_main(
-    ds,
-    commands,
-    position,
-    done,
-    counters,
-    concurrency: int,
-    ahead_bytes: int,
-    staging_bytes: int = 64 << 20,
-    prev_done=None,
-    adopt: bool = False,
-    ready=None,
-    started=None,
-) -> None:
-    """Prefetcher process loop. ``commands``: queue of (run, blocks, first_need, last_need[,
-    draining]) or None to stop (``draining``: the previous plan is still being delivered, so the
-    blocks it needs are charged to its ledger row, :mod:`.inflight`); ``position``: shared int64, plan
-    position dispatched to the workers;
-    ``done``: shared int64, plan position already delivered (staged blocks whose last use
-    is before it are deleted); ``counters``: shared int64 array (see N_COUNTERS).
-    ``staging_bytes``: most bytes held in staged blocks plus fills in flight that may be staged.
-    ``prev_done``: shared int64, the previous plan's delivered position while it drains after a
-    plan change: its staged blocks go as soon as their last use in it is delivered.
-    ``adopt``: this process replaces one that died; the blocks of its first plan that are in the
-    staging area already (staged by the dead one: whole files, written by rename) are taken over
-    as staged, so they are counted in ``staging_bytes`` and deleted after their last use. Its
-    origin counters continue from the values in ``counters`` (the dead one's).
-    ``concurrency``: the least ranged GETs kept in flight; more while the measured
-    bandwidth-delay product asks for them (:class:`stoker.loader.prefetch.inflight.InflightTarget`).
-    ``ready``: a shared counter (``multiprocessing.Value``) incremented once the origin client is built;
-    ``started``: a shared flag set to 1 then (a process that dies before is not replaced,
-    :mod:`stoker.loader.workers.launch`). SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`).
+@dataclass(frozen=True)
+class PrefetchShared:
+    """What the training process and its prefetch process share, kept over a replacement of the
+    process: plain shared integers (no lock a dead process could hold). ``position`` / ``done``:
+    samples of the current plan dispatched to the workers / delivered; ``prev_done``: of the
+    previous plan delivered, while it drains; ``counters``: int64 array of :data:`N_COUNTERS`
+    (:mod:`.inflight`); ``started``: 1 once the process is set up (one that dies before is not
+    replaced, :mod:`stoker.loader.workers.launch`)."""
 
-    The loop sleeps on one queue (:data:`CMD` commands from a thread that blocks on ``commands``,
-    :data:`FILL` outcomes from the fill threads) and looks at the shared positions only when it
-    wakes; it wakes on a timer only while something waits on the consumer (``ahead_bytes`` or
-    ``staging_bytes`` reached, staged blocks waiting for their last use to be delivered), on a
-    fill's retry time, or while the origin throttles."""
+    position: Any
+    done: Any
+    prev_done: Any
+    counters: Any
+    started: Any
+
+    @classmethod
+    def create(cls, ctx) -> PrefetchShared:
+        """New shared values, all 0, from the multiprocessing context ``ctx``."""
+        p, d, pd = (ctx.Value("q", 0, lock=False) for _ in range(3))
+        return cls(p, d, pd, ctx.Array("q", [0] * N_COUNTERS, lock=False), ctx.Value("b", 0, lock=False))
+
+
+def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = False, ready=None) -> None:
+    """The prefetch process (the module docstring): serve the plans that come on ``commands``
+    (``(run, blocks, first_need, last_need[, draining])``, :func:`block_schedule`; ``draining``: the
+    previous plan is still being delivered, its blocks are charged to its ledger row; None: stop)
+    with the loader's :class:`~stoker.loader.options.ReadOptions` ``read``, until a stop or the
+    parent's exit. ``shared``: the :class:`PrefetchShared` values. ``adopt``: this process replaces
+    one that died; the blocks of its first plan already staged (whole files, written by rename)
+    are taken over. ``ready``: a shared counter (``multiprocessing.Value``) incremented once the
+    origin client is built. SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`)."""
     from ..workers.interrupts import ignore_in_child
     from ..workers.worker import fresh_copy
 
@@ -146,33 +141,17 @@ def prefetch_main(
     ds = fresh_copy(ds)
     if not ds.origin.use_native():  # this process never forks: obstore's runtime is safe here
         ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
-    target = infl.InflightTarget(concurrency)
-    clock = infl.BusyClock(counters)
     events: queue.SimpleQueue = queue.SimpleQueue()
     pool = FillThreads(events)
     threading.Thread(
         target=read_commands, args=(commands, events, parent), name="stoker-prefetch-commands", daemon=True
     ).start()
-    if started is not None:
-        started.value = 1
+    shared.started.value = 1
     if ready is not None:
         with ready.get_lock():
             ready.value += 1
-    loop = PrefetchLoop(ds, counters, pool, clock, target, ahead_bytes, staging_bytes, position, done, prev_done, adopt)
     try:
-        timeout = None
-        while True:
-            try:
-                batch = [events.get(timeout=timeout)]
-            except queue.Empty:
-                batch = []
-                if parent_gone(parent):
-                    break
-            while not events.empty():  # one consumer: what is there now is taken without waiting
-                batch.append(events.get())
-            if not loop.wake(batch):
-                break
-            timeout = loop.timeout
+        _serve(PrefetchLoop(ds, shared, pool, read, adopt), events, parent)
     finally:
         # Queued fills are dropped; fills waiting to retry give up at once (cancel); fills in flight
         # finish (each is one ranged GET, bounded by the request timeout). The loader kills this
@@ -182,3 +161,21 @@ def prefetch_main(
         pool.shutdown()
         if ds.reader.staging is not None:
             ds.reader.staging.clear()
+
+
+def _serve(loop: PrefetchLoop, events: queue.SimpleQueue, parent: int) -> None:
+    """Wake ``loop`` with what is on ``events`` each time (waiting at most its timeout) until it
+    says stop or the parent process is gone."""
+    timeout = None
+    while True:
+        try:
+            batch = [events.get(timeout=timeout)]
+        except queue.Empty:
+            batch = []
+            if parent_gone(parent):
+                return
+        while not events.empty():  # one consumer: what is there now is taken without waiting
+            batch.append(events.get())
+        if not loop.wake(batch):
+            return
+        timeout = loop.timeout

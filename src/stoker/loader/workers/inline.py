@@ -143,7 +143,7 @@ class InlineLoop:
     """Serves epochs decoded in the training process (see the module docstring).
 
     Args:
-        config: the :class:`~stoker.loader.config.RunConfig` (``timeout_s``).
+        config: the :class:`~stoker.loader.options.RunConfig` (``run.timeout_s``).
         state: the Loader's :class:`~stoker.loader.state.LoaderState`, advanced per batch.
         live: the Loader's :class:`~stoker.loader.live.LiveTotals` (ticked per batch).
         decoder: a :class:`~stoker.loader.workers.worker.BatchDecoder` (writes into a slot) or a
@@ -154,7 +154,7 @@ class InlineLoop:
     """
 
     def __init__(self, config, state, live, decoder, ring, deliver, dataset):
-        self.timeout_s = config.timeout_s
+        self.config = config
         self.state, self.live, self.decoder, self.ring, self.deliver = state, live, decoder, ring, deliver
         self.dataset = dataset
         self.slots = isinstance(decoder, BatchDecoder)  # the built-in decoder writes into a slot
@@ -206,14 +206,14 @@ class InlineLoop:
         ring = self.ring
         on_drop = (lambda: ring.release(slot)) if slot is not None else None
         try:
-            return self.thread.run(fn, args, self.timeout_s, on_drop)
+            return self.thread.run(fn, args, self.config.run.timeout_s, on_drop)
         except TimeoutError as exc:
             if not self.thread.dropped:  # the user's decode raised TimeoutError itself
                 raise
             name, sid = exc.args
             key = self.dataset.key(sid) if 0 <= sid < len(self.dataset) else None
             raise WorkerError(
-                f"no batch decoded for {self.timeout_s:.0f} s (batch {seq} of epoch {epoch}, decoded in the "
+                f"no batch decoded for {self.config.run.timeout_s:.0f} s (batch {seq} of epoch {epoch}, decoded in the "
                 f"training process: num_workers=0): thread {name} is "
                 + (f"on sample {key!r}" if key else "stuck")
                 + "; a thread cannot be stopped, so it is left (it ends with the process) and the next "

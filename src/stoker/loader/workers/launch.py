@@ -65,7 +65,7 @@ def start_context(asked: str | None, cfg):
 
     Args:
         asked: the start method the user asked for (None: chosen here).
-        cfg: the :class:`stoker.loader.config.WorkerConfig` the workers get; its user functions
+        cfg: the :class:`stoker.loader.options.WorkerConfig` the workers get; its user functions
             must pickle under the method chosen.
 
     Returns:

@@ -70,7 +70,7 @@ class WorkerPool:
     Args:
         ctx: the multiprocessing context (:func:`stoker.loader.workers.launch.start_context`).
         dataset: the :class:`~stoker.store.dataset.Dataset` each worker gets a copy of.
-        cfg: the frozen :class:`~stoker.loader.config.WorkerConfig`.
+        cfg: the frozen :class:`~stoker.loader.options.WorkerConfig`.
         num_workers: worker slots (>= 1).
         ready: a shared int each process increments once set up (``ctx.Value("q")``).
     """

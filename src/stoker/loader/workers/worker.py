@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import WorkerConfig
+from ..options import WorkerConfig
 
 if TYPE_CHECKING:
     from .batches import GenericDecoder, SlotWriter
@@ -230,8 +230,6 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
     import queue as _queue
 
     from ..._procs import exit_with_parent, parent_gone
-    from ..shm import map_slot
-    from .batches import GenericDecoder, pack_reply
 
     parent = os.getppid()
     exit_with_parent()
@@ -257,46 +255,10 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
             continue
         if task is None or stop.is_set():
             break
-        # offset: where a part of a split batch goes in its slot; whole: False for such a part
-        # (loader/pipeline/split.py), whose worker never pads it (loader/workers/padding.py)
-        run, seq, epoch, slot, path, ids, offset, whole = task
         try:
-            if writer is not None:
-                assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
-                n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
-                counts, payloads, packed = counters(ds), None, pack_reply(writer, path, batch)
-            else:
-                if path not in maps:
-                    maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
-                _, images, labels = maps[path]
-                assert isinstance(dec, BatchDecoder)
-                n, skipped, skipped_keys, payloads, padded = dec.run(
-                    epoch, ids, images[offset:], labels[offset:], current, whole
-                )
-                counts, packed = counters(ds, derived), None
-            # the one reply of a done task: built-in decode sends payloads, a user decode its packed batch
-            reply = ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counts, payloads, packed, padded, offset)
-            results.put(reply)
+            results.put(_decode_task(wid, task, dec, writer, derived, cfg, maps, current))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
-            sid = int(current.value)
-            key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
-            if key is None:
-                key = ds.key(sid) if 0 <= sid < len(ds) else None
-            results.put(
-                (
-                    "error",
-                    wid,
-                    run,
-                    seq,
-                    slot,
-                    key,
-                    f"{type(exc).__name__}: {exc}",
-                    traceback.format_exc(),
-                    counters(ds, derived),
-                    _cause(exc),
-                    offset,
-                )
-            )
+            results.put(_error_reply(wid, task, exc, ds, derived, int(current.value)))
         finally:
             current.value = -1
     if writer is not None:
@@ -306,3 +268,40 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
             mm.close()
         except BufferError:  # pragma: no cover
             pass
+
+
+def _decode_task(wid: int, task: tuple, dec, writer, derived, cfg: WorkerConfig, maps: dict, current) -> tuple:
+    """Decode one task ``(run, seq, epoch, slot, path, ids, offset, whole)`` into its slot (the
+    built-in decode: slot files mapped once, kept in ``maps``) or into a packed batch (the user's
+    decode/collate, with ``writer``); returns the ``"ok"`` reply. ``offset``: where a part of a
+    split batch goes in its slot; ``whole``: False for such a part (loader/pipeline/split.py),
+    whose worker never pads it (loader/workers/padding.py). Raises what the decode raises."""
+    from ..shm import map_slot
+    from .batches import GenericDecoder, pack_reply
+
+    run, seq, epoch, slot, path, ids, offset, whole = task
+    if writer is not None:
+        assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
+        n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
+        counts, payloads, packed = counters(dec.ds), None, pack_reply(writer, path, batch)
+    else:
+        if path not in maps:
+            maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
+        _, images, labels = maps[path]
+        assert isinstance(dec, BatchDecoder)
+        n, skipped, skipped_keys, payloads, padded = dec.run(
+            epoch, ids, images[offset:], labels[offset:], current, whole
+        )
+        counts, packed = counters(dec.ds, derived), None
+    # the one reply of a done task: built-in decode sends payloads, a user decode its packed batch
+    return ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counts, payloads, packed, padded, offset)
+
+
+def _error_reply(wid: int, task: tuple, exc: BaseException, ds, derived, sid: int) -> tuple:
+    """The ``"error"`` reply of a task that raised ``exc`` on sample ``sid`` (the ``current`` cell)."""
+    run, seq, _, slot = task[:4]
+    key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
+    if key is None:
+        key = ds.key(sid) if 0 <= sid < len(ds) else None
+    err, tb = f"{type(exc).__name__}: {exc}", traceback.format_exc()
+    return ("error", wid, run, seq, slot, key, err, tb, counters(ds, derived), _cause(exc), task[6])
