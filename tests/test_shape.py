@@ -23,16 +23,18 @@ def _defs():
         tree = ast.parse(p.read_text())
         rel = str(p.relative_to(SRC))
 
-        def walk(node, prefix):
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    name = f"{prefix}{child.name}"
-                    yield rel, name, child
-                    yield from walk(child, name + ".")
-                else:
-                    yield from walk(child, prefix)
+        yield from ((rel, name, node) for name, node in _walk(tree, ""))
 
-        yield from walk(tree, "")
+
+def _walk(node, prefix):
+    """(qualified name, node) of every function and class below ``node``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{child.name}"
+            yield name, child
+            yield from _walk(child, name + ".")
+        else:
+            yield from _walk(child, prefix)
 
 
 def test_no_class_has_more_than_25_methods():

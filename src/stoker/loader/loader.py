@@ -403,7 +403,8 @@ class Loader:
         """The ids of ``rank`` of ``world_size`` for ``epoch`` when ``start`` ids of its permutation
         were served before (``drop_last`` applied)."""
         order, window = order_of(self.read, self.shuffle), self.read.order_window
-        perm = permutation(len(self.dataset), self.seed, epoch, order, groups=self.dataset.blocks.sample_block, window=window)
+        groups = self.dataset.blocks.sample_block
+        perm = permutation(len(self.dataset), self.seed, epoch, order, groups=groups, window=window)
         ids = rank_plan(perm, rank, world_size, self.read.even, start)
         if self.drop_last:
             ids = ids[: len(ids) // self.batch_size * self.batch_size]
