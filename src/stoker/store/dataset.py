@@ -419,11 +419,6 @@ def open_dataset(
         moved("open_dataset", deprecated, "cache", given, CacheOptions, MOVED, 3), cache_dir, cache_bytes
     )
     block_bytes = parse_size(block_bytes, "block_bytes")
-    read_only = _read_only(spec.cache_read_only)
-    if read_only and cache is not False and spec.memory_bytes > 0:
-        raise ValueError(
-            "cache_read_only=True cannot have a memory tier (memory_bytes > 0): the memory tier is written"
-        )
     origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:
         data = origin.read(INDEX_NAME)
@@ -434,7 +429,7 @@ def open_dataset(
         from .verify import check_shards
 
         check_shards(origin, index)
-    disk = None if cache is False else _node_cache(spec, read_only)
+    disk = None if cache is False else _node_cache(spec)
     ds = Dataset(url, index, origin, disk, block_bytes)
     if disk is not None:
         disk.register(ds.version, index.total_bytes)
@@ -442,15 +437,19 @@ def open_dataset(
     return ds
 
 
-def _node_cache(cache: CacheOptions, read_only: bool) -> DiskCache | TieredCache | ReadOnlyCache:
-    """The node cache that ``cache`` describes (``read_only``: its ``cache_read_only`` or the
-    environment's), recovered from a crash of an earlier job."""
+def _node_cache(cache: CacheOptions) -> DiskCache | TieredCache | ReadOnlyCache:
+    """The node cache that ``cache`` describes, recovered from a crash of an earlier job."""
+    assert isinstance(cache.memory_bytes, int) and not isinstance(cache.cache_bytes, str)  # parsed by CacheOptions
     root = cache.cache_dir or default_cache_dir()
-    if read_only:
+    if _read_only(cache.cache_read_only):
+        if cache.memory_bytes > 0:
+            raise ValueError(
+                "cache_read_only=True cannot have a memory tier (memory_bytes > 0): the memory tier is written"
+            )
         return ReadOnlyCache(root, cache.cache_policy)
     if isinstance(cache.cache_bytes, dict):
         raise TypeError("CacheOptions.cache_bytes by node id is for stoker.cluster; open_dataset takes one budget")
-    disk: DiskCache | TieredCache = DiskCache(
+    disk = DiskCache(
         root,
         DEFAULT_CACHE_BYTES if cache.cache_bytes is None else cache.cache_bytes,
         cache.cache_policy,
@@ -458,11 +457,12 @@ def _node_cache(cache: CacheOptions, read_only: bool) -> DiskCache | TieredCache
     )
     dir_given = bool(cache.cache_dir or os.environ.get("STOKER_CACHE_DIR"))
     warn_defaults(disk.root, disk.capacity_bytes, dir_given, cache.cache_bytes is not None)
+    node: DiskCache | TieredCache = disk
     if cache.memory_bytes > 0:
         memory_root = cache.memory_dir or default_memory_root(disk.root)
-        disk = TieredCache(DiskCache(memory_root, cache.memory_bytes, cache.cache_policy, mode=disk.mode), disk)
-    disk.recover()
-    return disk
+        node = TieredCache(DiskCache(memory_root, cache.memory_bytes, cache.cache_policy, mode=disk.mode), disk)
+    node.recover()
+    return node
 
 
 def _read_only(value: bool | None) -> bool:

@@ -80,6 +80,7 @@ class CacheService:
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
             raise RuntimeError(f"cache service for node {node_id} started on node {here}")
+        assert cache.cache_dir is not None  # the cluster cache root (start_services)
         self._claim = claim_cache_dir(cache.cache_dir, owner=node_id)  # held while this process lives
         self.node_id, self.cache_key = node_id, self._claim.key
         self.cache = dataclasses.replace(cache, cache_dir=self._claim.path)
@@ -355,6 +356,7 @@ class CacheService:
 
 def _used_bytes(cache: CacheOptions) -> int:
     """Bytes of blocks in the disk tier of ``cache`` (a node's, with its budget)."""
+    assert cache.cache_dir is not None and isinstance(cache.cache_bytes, int)  # a node's: CacheOptions.for_node
     return DiskCache(cache.cache_dir, cache.cache_bytes, mode=cache.cache_mode).used_bytes()
 
 
@@ -383,7 +385,7 @@ def start_services(
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
     ``cache``: the node caches (:class:`stoker.CacheOptions`, ``cache_dir`` the cluster cache
-    root; ``cache_bytes`` a budget per node, or ``{node id: size}``: nodes not named get none and
+    root, default ``<default cache dir>/cluster``; ``cache_bytes`` a budget per node, or ``{node id: size}``: nodes not named get none and
     no service; :meth:`stoker.CacheOptions.for_node`); ``cache_dir``/``cache_bytes``: the
     shortcut for those fields. The services belong to the cluster, not to the driver that starts them:
     they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
@@ -400,6 +402,8 @@ def start_services(
     of the result, and the other services are still waited for.
     """
     cache = with_shortcuts(cache, cache_dir, cache_bytes)
+    if cache.cache_dir is None:
+        cache = dataclasses.replace(cache, cache_dir=os.path.join(default_cache_dir(), "cluster"))
     handles = {}
     for node in alive_nodes():
         nid = node["NodeID"]
@@ -524,8 +528,6 @@ def prepare(
         )
     if cache.cache_bytes == 0:
         raise ValueError("cache_bytes must give some node a budget above 0 bytes, got 0")
-    if cache.cache_dir is None:
-        cache = dataclasses.replace(cache, cache_dir=os.path.join(default_cache_dir(), "cluster"))
     start_services(cache=cache, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
     if cache.cache_bytes is not None:  # asked for a budget: say where running services keep another one
