@@ -214,7 +214,7 @@ def kind_rmcache(n: int) -> list[dict]:
 
 
 def kind_readonly(n: int) -> list[dict]:
-    from stoker import CacheOptions
+    from stoker.cache.spec import CacheOptions
     from stoker.errors import CacheUnwritableError
 
     empty, filled = _SPEC["ro_empty"], _SPEC["ro_filled"]
