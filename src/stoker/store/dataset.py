@@ -27,7 +27,7 @@ import xxhash
 
 from .._units import parse_size
 from ..cache import DiskCache, ReadOnlyCache, TieredCache, default_memory_root
-from ..cache.paths import warn_defaults
+from ..cache.paths import default_cache_dir, warn_defaults
 from ..cache.readonly import READ_ONLY_ENV
 from ..cache.spec import DEFAULT_CACHE_BYTES, MOVED, CacheOptions, moved, with_shortcuts
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
@@ -359,14 +359,6 @@ class Dataset:
         return out
 
 
-def default_cache_dir() -> str:
-    """``$STOKER_CACHE_DIR``, else a node-local scratch directory, else ``~/.cache/stoker``
-    (:func:`stoker.cache.paths.default_cache_dir`, which logs the choice once)."""
-    from ..cache.paths import default_cache_dir as choose
-
-    return choose()
-
-
 def open_dataset(
     url: str,
     cache_dir: str | None = None,
@@ -381,38 +373,25 @@ def open_dataset(
 ) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
-    Args:
-        url: where the dataset was packed.
-        cache_dir: the node cache directory; ``cache_bytes``: its byte budget (an int or a size
-            string such as ``"500GiB"``): the shortcut for the same fields of ``cache``.
-        cache: the node cache (:class:`stoker.CacheOptions`: directory, budget, memory tier,
-            policy, file mode, read-only; default ``CacheOptions()``); False: none, every sample
-            comes from the origin. The process registers its job with the cache (dataset bytes;
-            the Loader adds its epoch time).
-        storage_options: fsspec options (S3: endpoint_url, key, secret, ...).
-        block_bytes: the block, the cache's unit (bytes or a size string; default 1 MiB).
-        check: list the shards once and compare sizes (and ETags where recorded) with the index,
-            so shards rewritten under an unchanged index are reported by name before any sample
-            is served (a fresh listing; an origin whose listing has no sizes, ``http://``, is
-            asked with a HEAD per shard).
-        retry_budget_s: seconds each origin read keeps retrying throttling, 5xx, resets and
-            timeouts (full-jitter back-off) before :class:`stoker.OriginError`; None:
-            ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.storage.retry`).
-        **deprecated: ``memory_bytes``, ``memory_dir``, ``cache_policy``, ``cache_mode`` and
-            ``cache_read_only``, the old names of the fields of ``cache``: still taken, with a
-            DeprecationWarning.
+    ``cache``: the node cache (:class:`stoker.CacheOptions`: directory, budget, memory tier,
+    policy, file mode, read-only; default ``CacheOptions()``), or False: none, every sample from
+    the origin; ``cache_dir``/``cache_bytes`` are the shortcut for its first two fields, and its
+    other fields' old keywords (``memory_bytes=`` ...) still work with a DeprecationWarning. The
+    process registers its job with the cache (dataset bytes; the Loader adds its epoch time).
+    ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...). ``block_bytes``: the
+    cache's unit (bytes or a size string; default 1 MiB). ``check``: list the shards once (a fresh
+    listing, or a HEAD per shard where it has no sizes) and compare sizes and recorded ETags with
+    the index, so shards rewritten under it are named before any sample is served.
+    ``retry_budget_s``: seconds each origin read retries throttling, 5xx, resets and timeouts
+    before :class:`stoker.OriginError`; None: ``$STOKER_RETRY_BUDGET_S`` or 30 s
+    (:mod:`stoker.storage.retry`).
 
-    Raises:
-        TypeError / ValueError: a bad setting, naming it (:class:`stoker.CacheOptions`), or a
-            shortcut given with the same field of ``cache``.
-        :class:`stoker.OriginNotFoundError`: ``url`` holds no index (e.g. an interrupted pack).
-        :class:`stoker.IndexFormatError`: the index is unreadable.
-        :class:`stoker.DatasetChangedError`: with ``check``, a shard differs from the index.
-        :class:`stoker.OriginError`: the origin fails after the retries.
-        :class:`stoker.CacheModeError`, :class:`stoker.UnsafePathError`,
-        :class:`stoker.CacheUnwritableError`, :class:`stoker.NotACacheError`: a cache directory
-            made with another mode, planted or writable by others, that cannot be written, or
-            (read-only) that holds no stoker cache; each names the directory.
+    Raises TypeError / ValueError for a bad setting (naming it), :class:`stoker.OriginNotFoundError`
+    (no index at ``url``, e.g. an interrupted pack), :class:`stoker.IndexFormatError`,
+    :class:`stoker.DatasetChangedError` (with ``check``), :class:`stoker.OriginError`, and for a
+    cache directory made with another mode, planted or writable by others, that cannot be written
+    or (read-only) holds no cache: :class:`stoker.CacheModeError`, :class:`stoker.UnsafePathError`,
+    :class:`stoker.CacheUnwritableError`, :class:`stoker.NotACacheError` (each naming it).
     """
     given = None if isinstance(cache, bool) else cache
     spec = with_shortcuts(

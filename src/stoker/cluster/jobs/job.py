@@ -258,51 +258,29 @@ def run(
     cluster: ClusterOptions | None = None,
     **deprecated,
 ):
-    """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
+    """Run ``train_fn(ctx)`` (``ctx``: a :class:`WorkerContext`) on ``num_workers`` ranks placed
+    next to the cached ``dataset`` (a packed dataset's URL).
 
-    Args:
-        train_fn: called once per rank with its :class:`WorkerContext`; its result is returned.
-        dataset: URL of a packed dataset.
-        num_workers: the ranks (>= 1).
-        resources_per_worker: Ray resources of one rank (``{"CPU": 1, "GPU": 1, ...}``, default
-            one CPU).
-        storage_options: fsspec options of the origin.
-        cache_dir, cache_bytes: the shortcut for the same fields of ``cache``.
-        cache: the node caches, for the services this call starts
-            (:class:`stoker.CacheOptions`; directory default ``<default cache dir>/cluster``,
-            8 GiB per node; ``cache_bytes`` may be ``{node id: size}``); running services keep
-            theirs.
-        block_bytes: the cache block (bytes or a size string; default 1 MiB; every job of a
-            dataset must use the same).
-        cluster: the job's name, placement, timeouts and process group
-            (:class:`stoker.cluster.settings.ClusterOptions`).
-        **deprecated: the old names of the fields of ``cluster`` (``job``, ``placement``, ``seed``,
-            ``slots_per_node``, ``peer_timeout_s``, ``retry_s``, ``timeout_s``, ``wait``,
-            ``start_timeout_s``, ``process_group``) and ``cache_root`` (of ``cache_dir``): still
-            taken, with a DeprecationWarning.
+    ``resources_per_worker``: Ray resources of one rank (default one CPU). ``cache``: the node
+    caches of the services this call starts (:class:`stoker.CacheOptions`: default directory
+    ``<default cache dir>/cluster``, 8 GiB per node, or ``{node id: size}``; running services keep
+    theirs); ``cache_dir``/``cache_bytes``: its shortcut. ``block_bytes``: the cache block (default
+    1 MiB; every job of a dataset must use the same). ``cluster``: the job's name, placement,
+    timeouts and process group (:class:`stoker.cluster.settings.ClusterOptions`); their old flat
+    keywords, and ``cache_root`` (of ``cache_dir``), still work with a DeprecationWarning.
 
     Co-location is a preference, capacity a limit: a node gets no more ranks than its free
     resources hold (:mod:`stoker.cluster.capacity`), and the ranks' resources are reserved on
-    their nodes all at once (a Ray placement group, :func:`stoker.cluster.jobs.gang.reserve`), so
-    the ranks start together.
+    their nodes all at once (:func:`stoker.cluster.jobs.gang.reserve`), so they start together.
 
-    Returns:
-        Per rank ``{rank, node_id, result, epochs}`` (``epochs``: the records of
-        :meth:`WorkerContext.measure`), or with ``wait=False`` a
-        :class:`stoker.cluster.jobs.gang.JobRefs` (the ranks' Ray object refs, watched: the first
-        rank that fails cancels the others, as in :func:`gather`).
-
-    Raises:
-        RuntimeError: before ``ray.init()``.
-        ValueError / TypeError: a bad setting or ``process_group`` (before any rank starts).
-        :class:`stoker.errors.ProcessGroupError`: ``"nccl"`` without a GPU in
-            ``resources_per_worker`` (before any rank starts).
-        :class:`stoker.errors.CapacityError`: the free resources cannot hold ``num_workers``
-            ranks, or the reservation is not ready within ``start_timeout_s``; nothing is left
-            queued.
-        The error of the first rank that fails (``ray.exceptions.RayTaskError``,
-        ``NodeDiedError`` ...) after cancelling the others, ``GetTimeoutError`` after
-        ``timeout_s`` (the ranks cancelled): see :func:`gather`.
+    Returns per rank ``{rank, node_id, result, epochs}`` (:meth:`WorkerContext.measure`'s
+    records), or with ``wait=False`` the ranks' watched Ray refs
+    (:class:`stoker.cluster.jobs.gang.JobRefs`). Needs ``ray.init()`` (RuntimeError). Raises,
+    before any rank starts, ValueError / TypeError for a bad setting,
+    :class:`stoker.errors.ProcessGroupError` for ``"nccl"`` without a GPU and
+    :class:`stoker.errors.CapacityError` when the free resources cannot hold the ranks within
+    ``start_timeout_s`` (nothing left queued); then the error of the first rank that fails after
+    cancelling the others, or ``GetTimeoutError`` after ``timeout_s`` (:func:`gather`).
     """
     cache, cluster = cluster_door("run", cache, cache_dir, cache_bytes, cluster, deprecated, FIELDS)
     if num_workers < 1:

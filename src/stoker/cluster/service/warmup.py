@@ -59,32 +59,26 @@ def warm(
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
     Services are started where missing (``cache_dir``, ``cache_bytes``, ``cache`` and
-    ``block_bytes`` as in :func:`stoker.cluster.run`; ``cache_root=``, the old name of
-    ``cache_dir``, and ``detached=``, which changed nothing, are still taken with a
-    DeprecationWarning). The dataset's placement members are the recorded ones (see ``run``),
-    else every node with a service. ``chunk_blocks`` blocks per request, ``concurrency`` ranged
-    GETs per node. A block whose owner changed when the members last grew is filled from its
-    previous owner's cache when that node holds it (:mod:`stoker.cluster.handoff`;
-    ``handoff_bytes``), else from the origin. Report: ``{url, version, dataset_bytes, seconds,
-    origin_bytes, handoff_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
+    ``block_bytes`` as in :func:`stoker.cluster.run`; ``cache_root=`` and ``detached=``, which
+    changed nothing, still work with a DeprecationWarning). The members are the recorded ones (see
+    ``run``), else every node with a service. ``chunk_blocks`` blocks per request, ``concurrency``
+    ranged GETs per node; a block whose owner changed when the members last grew comes from its
+    previous owner's cache when it holds it (:mod:`stoker.cluster.handoff`), else the origin.
+
+    Report: ``{url, version, dataset_bytes, seconds, origin_bytes, handoff_bytes,
+    cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
     cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
     failed_shards, error}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
     ``complete``: every block cached; a node's ``error``: why its service filled nothing more or
-    did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
-    that fails is reported and the others go on, so the report may be partial: nothing is raised
-    for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
-    in all, ``RETRY_PAUSE_S`` apart, growing; the other nodes go on meanwhile) before its blocks
-    count as failed; a service still not answering then, or gone for good, is *down*: the rest
-    of its node's blocks fail at once, named with the reason. So is a service that hangs (its node
-    still alive in Ray's view): when none of a node's fills has answered for ``fill_timeout_s``
-    seconds plus its requests' bytes at ``FILL_MIN_BPS`` (default ``FILL_TIMEOUT_S``), the
-    requests are given up and the node is down. A node whose service cannot start
-    (:func:`stoker.cluster.service.cache_service.start_services`) gets no blocks and is listed with its
-    ``error``, nothing cached (``cached_fraction`` 0.0). Needs ``ray.init()`` first; raises what
-    :func:`stoker.cluster.service.cache_service.prepare` raises (no service answers on any node, no index at
-    ``url``). ``progress``: a tqdm bar on stderr (bytes placed, rate,
-    ETA); off by default, so a library call prints nothing (``stoker warm`` shows it on a terminal).
+    did not answer at the end, else None). Nothing is raised for a block refused by a budget or
+    one that fails: the report may be partial. A dead, restarting or hung service is retried and
+    then given up as *down* (``FILL_TRIES``, ``RETRY_PAUSE_S``; hung: no fill answered in
+    ``fill_timeout_s``, default ``FILL_TIMEOUT_S``, plus its requests' bytes at ``FILL_MIN_BPS``),
+    and the rest of its blocks fail, named with the reason; a node whose service cannot start is
+    listed with its ``error``, nothing cached. Needs ``ray.init()``; raises what
+    :func:`stoker.cluster.service.cache_service.prepare` raises. ``progress``: a tqdm bar on
+    stderr (off by default: a library call prints nothing).
     """
     if deprecated.pop("detached", None) is not None:
         warnings.warn("detached= is deprecated; cache services are always detached", DeprecationWarning, stacklevel=2)
