@@ -55,7 +55,7 @@ SUBLAYERS = {
     ],
     "stoker.cluster": [
         {"placement", "membership", "identity", "capacity", "schedule", "counters", "registration"}
-        | {"freshness", "handoff"},
+        | {"freshness", "handoff", "settings"},
         {"service"},
         {"jobs"},
         {"train"},

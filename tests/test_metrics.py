@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 
 import stoker
+from stoker import CacheOptions
 
 prom = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -77,9 +78,8 @@ def test_tier_hits_first_batch_and_the_prefetchers_traffic_live(packed_local, tm
         packed_local,
         cache_dir=str(tmp_path / "disk"),
         cache_bytes=third,
-        memory_bytes=third,
-        memory_dir=str(tmp_path / "shm"),
         block_bytes=128 << 10,
+        cache=CacheOptions(memory_bytes=third, memory_dir=str(tmp_path / "shm")),
     )
     with stoker.Loader(
         ds,

@@ -20,6 +20,7 @@ EXPECTED_ALL = [
     "CacheInUseError",
     "CacheLockTimeout",
     "CacheModeError",
+    "CacheOptions",
     "CacheUnwritableError",
     "CapacityError",
     "ChecksumError",

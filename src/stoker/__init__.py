@@ -1,6 +1,7 @@
 """stoker: keeps deep-learning accelerators fed with training data.
 
-Public API: :func:`open_dataset` (a packed dataset through the node cache),
+Public API: :func:`open_dataset` (a packed dataset through the node cache, set by
+:class:`CacheOptions`),
 :class:`Loader` (decoded, augmented batches as torch tensors; its option groups
 :class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack` (its less
 common settings in :class:`PackOptions`),
@@ -52,6 +53,7 @@ from .errors import (
     WorkerStartError,
 )
 from . import collate
+from .cache.spec import CacheOptions
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
@@ -63,6 +65,7 @@ __all__ = [
     "CacheInUseError",
     "CacheLockTimeout",
     "CacheModeError",
+    "CacheOptions",
     "CacheUnwritableError",
     "CapacityError",
     "ChecksumError",

@@ -299,14 +299,14 @@ class CacheUnwritableError(StokerError, PermissionError):
     """The cache directory (or one it needs: a parent, the memory tier's) cannot be created or
     written: a read-only filesystem (``errno`` EROFS) or no permission (EACCES, EPERM). The
     message names the directory, the path that failed and why, and the ways out (a writable
-    ``cache_dir``, ``cache=False``, or ``cache_read_only=True`` for a cache filled earlier)."""
+    ``cache_dir``, ``cache=False``, or ``CacheOptions(cache_read_only=True)`` for a cache filled earlier)."""
 
     def __init__(self, root: str, why: str, err_no: int = errno.EACCES):
         super().__init__(
             err_no,
             f"cache directory {root} cannot be written ({why}): pass a writable directory as cache_dir "
             "(or set STOKER_CACHE_DIR), or read without a cache (cache=False); a cache filled earlier "
-            "(a pre-warmed image mounted read-only) is served as it is with cache_read_only=True",
+            "(a pre-warmed image mounted read-only) is served as it is with cache=CacheOptions(cache_read_only=True)",
             root,
         )
 

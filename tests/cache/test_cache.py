@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from stoker import CacheOptions
 from stoker.cache import DiskCache
 from stoker.store.dataset import open_dataset
 
@@ -156,9 +157,8 @@ def test_memory_tier_over_disk_tier(tmp_path, packed_local):
         packed_local,
         cache_dir=str(disk_dir),
         cache_bytes=disk,
-        memory_bytes=mem,
-        memory_dir=str(mem_dir),
         block_bytes=128 << 10,
+        cache=CacheOptions(memory_bytes=mem, memory_dir=str(mem_dir)),
     )
     with Loader(ds, 16, num_workers=2, transform="eval", read=ReadOptions(staging_bytes=128 << 10)) as loader:
         for _ in range(3):
@@ -175,9 +175,8 @@ def test_memory_tier_over_disk_tier(tmp_path, packed_local):
         packed_local,
         cache_dir=str(disk_dir),
         cache_bytes=disk,
-        memory_bytes=mem,
-        memory_dir=str(mem_dir),
         block_bytes=128 << 10,
+        cache=CacheOptions(memory_bytes=mem, memory_dir=str(mem_dir)),
     )
     assert again.cache.used_bytes() == _usage_on_disk(mem_dir) + _usage_on_disk(disk_dir)
 
@@ -264,9 +263,8 @@ def test_a_block_filled_while_its_reader_waited_is_no_tier_hit(tmp_path, packed_
         packed_local,
         cache_dir=str(tmp_path / "disk"),
         cache_bytes=64 << 20,
-        memory_bytes=64 << 20,
-        memory_dir=str(tmp_path / "shm"),
         block_bytes=128 << 10,
+        cache=CacheOptions(memory_bytes=64 << 20, memory_dir=str(tmp_path / "shm")),
     )
     assert ds.reader.fill_block(0, blocking=True, want_data=False) == "filled"  # another process's fill, say
     before = ds.cache.stats.memory_hits

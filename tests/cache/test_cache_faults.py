@@ -233,7 +233,8 @@ _TMPFS_CHILD = textwrap.dedent("""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import stoker
     url, cache_dir, mem = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ds = stoker.open_dataset(url, cache_dir=cache_dir, cache_bytes=1 << 30, memory_bytes=mem, block_bytes=256 << 10)
+    ds = stoker.open_dataset(url, cache_dir=cache_dir, cache_bytes=1 << 30, cache=stoker.CacheOptions(memory_bytes=mem),
+                             block_bytes=256 << 10)
     ld = stoker.Loader(ds, batch_size=16, num_workers=0, transform="eval", image=stoker.ImageOptions(image_size=32),
                        run=stoker.RunOptions(timeout_s=60, start_method="fork"))
     n = sum(len(labels) for _, labels in ld)

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from _helpers import make_image_folder
+from stoker import CacheOptions
 from stoker.cache import paths
 from stoker.cli import main
 from stoker.store.dataset import open_dataset
@@ -175,7 +176,10 @@ def test_a_memory_tier_in_a_directory_of_the_users_is_shown_and_cleared(packed_l
 
     root, mem = tmp_path / "cache", tmp_path / "mem"
     ds = open_dataset(
-        packed_local, cache_dir=str(root), cache_bytes=64 << 20, memory_bytes=64 << 20, memory_dir=str(mem)
+        packed_local,
+        cache_dir=str(root),
+        cache_bytes=64 << 20,
+        cache=CacheOptions(memory_bytes=64 << 20, memory_dir=str(mem)),
     )
     for i in range(len(ds)):
         ds.read(i)

@@ -8,6 +8,8 @@ from functools import partial
 
 import pytest
 
+from stoker.cluster import ClusterOptions
+
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.usefixtures("fresh_services")
@@ -35,12 +37,10 @@ def test_ranks_start_their_clocks_at_the_gate(cluster, s3_dataset, tmp_path_fact
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        placement="random",
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=64 << 10,
-        job=f"gate-{gated}",
-        timeout_s=120,
+        cluster=ClusterOptions(placement="random", job=f"gate-{gated}", timeout_s=120),
     )
     recs = [dict(r["epochs"][-1], origin_bytes=0, peer_bytes=0) for r in res]
     row = _row("random", "job", 0, recs, sum(r["samples"] for r in recs), {}, 0)
@@ -62,16 +62,23 @@ def test_peer_probe_reads_only_samples_its_peers_hold(cluster, s3_dataset, tmp_p
     url, opts = s3_dataset
     common = dict(
         storage_options=opts,
-        placement="random",
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=64 << 10,
-        timeout_s=120,
-        seed=3,
     )
-    run(partial(read_plan, epoch=0), url, 3, {"CPU": 0.5}, job="warm", **common)  # every block cached by its owner
+    limits = dict(placement="random", timeout_s=120, seed=3)
+    run(
+        partial(read_plan, epoch=0), url, 3, {"CPU": 0.5}, cluster=ClusterOptions(job="warm", **limits), **common
+    )  # every block cached by its owner
     gate = start_gate()
-    res = run(partial(peer_probe, samples=20, gate=gate, gate_key="probe"), url, 3, {"CPU": 0.5}, job="probe", **common)
+    res = run(
+        partial(peer_probe, samples=20, gate=gate, gate_key="probe"),
+        url,
+        3,
+        {"CPU": 0.5},
+        cluster=ClusterOptions(job="probe", **limits),
+        **common,
+    )
     for r in res:
         rec = r["epochs"][-1]
         assert rec["epoch"] == -1 and len(rec["ids"]) == len(set(rec["ids"])) > 0

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from _helpers import loader_epoch
+from stoker.cluster import ClusterOptions
 
 ray = pytest.importorskip("ray")
 
@@ -49,13 +50,19 @@ def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
-        wait=False,
     )
     # epoch 0: two jobs at once on a cold cluster cache
     ra, rb = [
         ray.get(refs, timeout=120)
         for refs in [
-            run(partial(read_epochs, epochs=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j, **common)
+            run(
+                partial(read_epochs, epochs=1, keep_ids=True),
+                url,
+                3,
+                {"CPU": 0.5},
+                cluster=ClusterOptions(job=j, wait=False),
+                **common,
+            )
             for j in ("a", "b")
         ]
     ]
@@ -66,7 +73,14 @@ def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(
     wa, wb = [
         ray.get(refs, timeout=120)
         for refs in [
-            run(partial(read_epochs, epochs=1, first_epoch=1, keep_ids=True), url, 3, {"CPU": 0.5}, job=j, **common)
+            run(
+                partial(read_epochs, epochs=1, first_epoch=1, keep_ids=True),
+                url,
+                3,
+                {"CPU": 0.5},
+                cluster=ClusterOptions(job=j, wait=False),
+                **common,
+            )
             for j in ("a", "b")
         ]
     ]
@@ -83,10 +97,8 @@ def test_two_jobs_read_the_origin_once_then_colocated_reads_stay_local(
         url,
         3,
         {"CPU": 0.5},
-        job="r",
-        placement="random",
-        seed=1,
-        **{**common, "wait": True},
+        cluster=ClusterOptions(job="r", placement="random", seed=1),
+        **common,
     )
     _job_ids_ok(rr, n)
     assert _sum(rr, 0, "origin_bytes") == 0
@@ -181,11 +193,7 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
-        placement="random",
-        seed=3,
-        job="kill",
-        retry_s=0.2,
-        timeout_s=180,
+        cluster=ClusterOptions(placement="random", seed=3, job="kill", retry_s=0.2, timeout_s=180),
     )
     _job_ids_ok(res, n)  # every sample exactly once in both epochs despite the kill
     assert _sum(res, 0, "fallbacks") >= 1 and _sum(res, 0, "origin_bytes") > 0
@@ -210,10 +218,7 @@ def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluste
         cache_dir=str(tmp_path_factory.mktemp("c")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
-        placement="random",
-        seed=1,
-        job="loader",
-        timeout_s=180,
+        cluster=ClusterOptions(placement="random", seed=1, job="loader", timeout_s=180),
     )
     recs = [r["result"][0] for r in res]
     assert all(rec["exactly_once"] and rec["samples"] == 40 for rec in recs)

@@ -9,6 +9,7 @@ from functools import partial
 
 import pytest
 
+from stoker.cluster import ClusterOptions
 from stoker.cluster.capacity import rank_request, rank_slots, refusal
 from stoker.errors import CapacityError
 
@@ -49,20 +50,39 @@ def test_ranks_that_do_not_fit_on_the_data_node_start_together_elsewhere(cluster
 
     url, opts = s3_dataset
     stop_services()  # fresh services on a fresh cache root: the data goes to the first job's node only
-    common = dict(
-        storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
-    )
+    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK)
     try:
-        first = run(partial(read_epochs, epochs=1), url, 1, {"CPU": 1}, job="first", **common)
+        first = run(
+            partial(read_epochs, epochs=1),
+            url,
+            1,
+            {"CPU": 1},
+            cluster=ClusterOptions(job="first", timeout_s=180),
+            **common,
+        )
         assert first[0]["result"][0]["origin_bytes"] > 0
         bdir = tmp_path / "barrier"
         bdir.mkdir()
-        res = run(partial(_barrier, bdir=str(bdir)), url, 3, {"CPU": 2}, job="ddp", **common)
+        res = run(
+            partial(_barrier, bdir=str(bdir)),
+            url,
+            3,
+            {"CPU": 2},
+            cluster=ClusterOptions(job="ddp", timeout_s=180),
+            **common,
+        )
         assert [r["result"] for r in res] == ["ok"] * 3
         assert len({r["node_id"] for r in res}) == 3
         (tmp_path / "none").mkdir()
         with pytest.raises(CapacityError, match=r"4 ranks asking for \{'CPU': 2\.0\}.*node .*-> 1 rank") as ei:
-            run(partial(_barrier, bdir=str(tmp_path / "none")), url, 4, {"CPU": 2}, job="big", **common)
+            run(
+                partial(_barrier, bdir=str(tmp_path / "none")),
+                url,
+                4,
+                {"CPU": 2},
+                cluster=ClusterOptions(job="big", timeout_s=180),
+                **common,
+            )
         assert "total" in str(ei.value)  # refused from the totals: no wait for room that never comes
         assert os.listdir(tmp_path / "none") == []  # nothing started
     finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stoker.cluster import ClusterOptions
+
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.usefixtures("fresh_services")
@@ -32,13 +34,10 @@ def test_every_owning_peer_is_reached_before_the_first_read(cluster, s3_dataset,
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        placement="random",
-        seed=5,
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=64 << 10,
-        job="connect",
-        timeout_s=120,
+        cluster=ClusterOptions(placement="random", seed=5, job="connect", timeout_s=120),
     )
     for r in res:
         got = r["result"]

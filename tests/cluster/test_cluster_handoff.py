@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from _helpers import loader_epoch
+from stoker import CacheOptions
+from stoker.cluster import ClusterOptions
 
 pytest.importorskip("ray")
 
@@ -114,9 +116,9 @@ def two(tmp_path, monkeypatch):
     """Two cache services (node-a, node-b) in this process, and their handles as the other sees them."""
     here = _Node()
     monkeypatch.setattr(service_mod.ray, "get_runtime_context", lambda: here)
-    a = service_mod.CacheService("node-a", str(tmp_path / "a"), 64 << 20)
+    a = service_mod.CacheService("node-a", CacheOptions(cache_dir=str(tmp_path / "a"), cache_bytes=64 << 20))
     here.id = "node-b"
-    b = service_mod.CacheService("node-b", str(tmp_path / "b"), 64 << 20)
+    b = service_mod.CacheService("node-b", CacheOptions(cache_dir=str(tmp_path / "b"), cache_bytes=64 << 20))
     handles = {"node-a": _Handle(a), "node-b": _Handle(b)}
     monkeypatch.setattr(service_mod, "get_service", lambda n: handles[n])
     monkeypatch.setattr(service_mod.ray, "get", lambda ref, **kw: ref)
@@ -188,8 +190,8 @@ def _job(url, n, nodes, budget, name, common, train_fn=None):
         url,
         n,
         {"CPU": 0.5},
-        job=name,
         cache_bytes={m: budget for m in nodes},
+        cluster=ClusterOptions(job=name, timeout_s=180),
         **common,
     )
     recs = [r["result"][0] for r in out]
@@ -213,7 +215,7 @@ def test_a_joined_node_takes_its_blocks_from_their_previous_owners(cluster, s3_d
     n = len(ds)
     budget = int(ds.index.total_bytes) * 3 // 4  # one node cannot hold it: both first nodes are members
     nodes = [x["NodeID"] for x in alive_nodes()][:3]
-    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK, timeout_s=180)
+    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK)
     ids, first = _job(url, 2, nodes[:2], budget, "before-join", common)
     assert ids == list(range(n)) and first["origin_bytes"] > 0
     ids, after = _job(url, 3, nodes, budget, "after-join", common)
@@ -271,7 +273,7 @@ def test_blocks_whose_previous_owner_no_longer_holds_them_come_from_the_origin(
     n = len(ds)
     budget = int(ds.index.total_bytes) * 3 // 4
     nodes = [x["NodeID"] for x in alive_nodes()][:3]
-    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK, timeout_s=180)
+    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), block_bytes=BLOCK)
     ids, _ = _job(url, 2, nodes[:2], budget, "before-evict", common)
     assert ids == list(range(n))
     on = NodeAffinitySchedulingStrategy(nodes[1], soft=False)

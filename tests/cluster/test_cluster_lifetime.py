@@ -12,6 +12,8 @@ from functools import partial
 
 import pytest
 
+from stoker.cluster import ClusterOptions
+
 ray = pytest.importorskip("ray")
 
 BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks to place
@@ -67,10 +69,7 @@ def test_cache_services_outlive_the_driver_that_started_them(cluster, s3_dataset
             cache_dir=cache_root,
             cache_bytes=64 << 20,
             block_bytes=BLOCK,
-            placement="random",
-            seed=5,
-            job="B",
-            wait=False,
+            cluster=ClusterOptions(placement="random", seed=5, job="B", wait=False),
         )
         a.stdin.close()
         assert a.wait(timeout=60) == 0
@@ -125,7 +124,7 @@ def test_a_failed_rank_cancels_the_other_ranks(cluster, s3_dataset, tmp_path):
             cache_dir=str(tmp_path / "cache"),
             cache_bytes=64 << 20,
             block_bytes=BLOCK,
-            job="fails",
+            cluster=ClusterOptions(job="fails"),
         )
     assert any("rank 0" in note for note in getattr(ei.value, "__notes__", []))
     deadline = time.monotonic() + 120
@@ -150,8 +149,7 @@ def test_a_failed_rank_cancels_the_others_when_the_caller_holds_the_refs(cluster
         cache_dir=str(tmp_path / "cache"),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
-        job="fails-nowait",
-        wait=False,
+        cluster=ClusterOptions(job="fails-nowait", wait=False),
     )
     with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 broke"):
         ray.get(refs[0], timeout=120)
@@ -215,11 +213,10 @@ def test_a_rank_whose_node_dies_ends_the_job_and_the_others_are_cancelled(cluste
                 packed_local,
                 4,
                 {"CPU": 0.5},
-                slots_per_node=1,
                 cache_dir=str(tmp_path / "cache"),
                 cache_bytes=64 << 20,
                 block_bytes=BLOCK,
-                job="node-dies",
+                cluster=ClusterOptions(slots_per_node=1, job="node-dies"),
             )
         raised_after_s = time.monotonic() - killed["t"]
     finally:

@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 
+from stoker.cluster import ClusterOptions
 from stoker.cluster.membership import widen
 
 BLOCK = 64 << 10
@@ -33,13 +34,32 @@ def test_a_one_rank_first_job_does_not_pin_the_dataset_to_one_node(cluster, s3_d
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     budget = int(ds.index.total_bytes) * 6 // 10  # one node holds 60 %, the three of them 180 %
     stop_services()
-    common = dict(
-        storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=budget, block_bytes=BLOCK, timeout_s=180
-    )
+    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=budget, block_bytes=BLOCK)
     try:
-        run(partial(read_epochs, epochs=1), url, 1, {"CPU": 0.5}, job="probe", **common)
-        e0 = run(partial(read_epochs, epochs=1), url, 3, {"CPU": 0.5}, job="train", **common)
-        e1 = run(partial(read_epochs, epochs=1, first_epoch=1), url, 3, {"CPU": 0.5}, job="train", **common)
+        run(
+            partial(read_epochs, epochs=1),
+            url,
+            1,
+            {"CPU": 0.5},
+            cluster=ClusterOptions(job="probe", timeout_s=180),
+            **common,
+        )
+        e0 = run(
+            partial(read_epochs, epochs=1),
+            url,
+            3,
+            {"CPU": 0.5},
+            cluster=ClusterOptions(job="train", timeout_s=180),
+            **common,
+        )
+        e1 = run(
+            partial(read_epochs, epochs=1, first_epoch=1),
+            url,
+            3,
+            {"CPU": 0.5},
+            cluster=ClusterOptions(job="train", timeout_s=180),
+            **common,
+        )
         from stoker.cluster.service.cache_service import alive_nodes
 
         members = ray.get(get_service(alive_nodes()[0]["NodeID"]).claim.remote(ds.version, []))
@@ -72,12 +92,17 @@ def test_a_node_that_joins_after_placement_becomes_a_member(cluster, s3_dataset,
     url, opts = s3_dataset
     ds = open_dataset(url, storage_options=opts, cache=False, check=False, block_bytes=BLOCK)
     stop_services()
-    common = dict(
-        storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK, timeout_s=180
-    )
+    common = dict(storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK)
     new = None
     try:
-        run(partial(read_epochs, epochs=1), url, 3, {"CPU": 0.5}, job="before", **common)
+        run(
+            partial(read_epochs, epochs=1),
+            url,
+            3,
+            {"CPU": 0.5},
+            cluster=ClusterOptions(job="before", timeout_s=180),
+            **common,
+        )
         keeper = get_service(alive_nodes()[0]["NodeID"])
         old = ray.get(keeper.claim.remote(ds.version, []))
         services = find_services()
@@ -86,7 +111,14 @@ def test_a_node_that_joins_after_placement_becomes_a_member(cluster, s3_dataset,
             num_cpus=1, resources={"joined": 1}, object_store_memory=100 << 20, node_ip_address="127.0.0.1"
         )
         cluster.wait_for_nodes()
-        run(partial(read_epochs, epochs=1, first_epoch=1), url, 3, {"CPU": 0.5}, job="after", **common)
+        run(
+            partial(read_epochs, epochs=1, first_epoch=1),
+            url,
+            3,
+            {"CPU": 0.5},
+            cluster=ClusterOptions(job="after", timeout_s=180),
+            **common,
+        )
         members = ray.get(keeper.claim.remote(ds.version, []))
         assert new.node_id in members and set(old) < set(members)
         services = find_services()

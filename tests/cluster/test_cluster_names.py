@@ -25,11 +25,12 @@ class _Stop(Exception):
 
 @pytest.fixture
 def seen(monkeypatch):
-    """What ``prepare`` was given by ``run`` / ``warm``: ``[(cache_dir, cache_bytes)]``."""
+    """What ``prepare`` was given by ``run`` / ``warm``: ``[(cache_dir, cache_bytes)]`` of its
+    :class:`stoker.CacheOptions`."""
     got: list = []
 
-    def prepare(url, opts, cache_dir, cache_bytes, *rest, **kw):
-        got.append((cache_dir, cache_bytes))
+    def prepare(url, opts, cache, *rest, **kw):
+        got.append((cache.cache_dir, cache.cache_bytes))
         raise _Stop()
 
     monkeypatch.setattr(job, "prepare", prepare)
@@ -55,7 +56,7 @@ def test_cache_dir_goes_through_and_the_old_name_warns(seen, call):
     with pytest.warns(DeprecationWarning, match=r"cache_root= is deprecated; use cache_dir="):
         with pytest.raises(_Stop):
             fn(cache_root="/c/old", cache_bytes="64MiB")
-    assert seen == [("/c/new", "64MiB"), ("/c/old", "64MiB")]
+    assert seen == [("/c/new", 64 << 20), ("/c/old", 64 << 20)]
     with pytest.raises(TypeError, match="cache_root= and cache_dir= were both given"):
         fn(cache_root="/c/old", cache_dir="/c/new")
 

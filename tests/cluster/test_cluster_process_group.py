@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from stoker.cluster import ClusterOptions
+
 ray = pytest.importorskip("ray")
 pytest.importorskip("torch.distributed")
 
@@ -23,8 +25,11 @@ def _common(s3_dataset, tmp_path_factory) -> dict:
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
-        timeout_s=120,  # the guard: a hung rank ends the job with GetTimeoutError, not the test run
     )
+
+
+#: the guard: a hung rank ends the job with GetTimeoutError, not the test run
+GUARD = dict(timeout_s=120)
 
 
 def _allreduce(ctx):
@@ -96,7 +101,14 @@ def test_gloo_group_allreduces_across_ranks_on_two_nodes(cluster, s3_dataset, tm
 
     url, _ = s3_dataset
     common = _common(s3_dataset, tmp_path_factory)
-    res = run(_allreduce, url, 2, {"CPU": 0.5}, slots_per_node=1, process_group="gloo", job="pg", **common)
+    res = run(
+        _allreduce,
+        url,
+        2,
+        {"CPU": 0.5},
+        cluster=ClusterOptions(slots_per_node=1, process_group="gloo", job="pg", **GUARD),
+        **common,
+    )
     assert [r["rank"] for r in res] == [0, 1]
     assert res[0]["node_id"] != res[1]["node_id"]  # two Ray nodes
     out = [r["result"] for r in res]
@@ -117,13 +129,22 @@ def test_gloo_group_allreduces_across_ranks_on_two_nodes(cluster, s3_dataset, tm
         }
     # the same job again, by hand this time: nothing of the first group is left in the
     # processes (no group open, no variable set before init_process_group)
-    again = run(_manual, url, 2, {"CPU": 0.5}, slots_per_node=1, job="pg-again", **common)
+    again = run(
+        _manual, url, 2, {"CPU": 0.5}, cluster=ClusterOptions(slots_per_node=1, job="pg-again", **GUARD), **common
+    )
     for r in again:
         o = r["result"]
         assert o["sum"] == 3.0
         assert o["before"] == {"initialized": False, "env": dict.fromkeys(ENV)}
         assert o["after"] == o["before"]
-    other = run(_allreduce, url, 2, {"CPU": 0.5}, slots_per_node=1, process_group="gloo", job="pg-3", **common)
+    other = run(
+        _allreduce,
+        url,
+        2,
+        {"CPU": 0.5},
+        cluster=ClusterOptions(slots_per_node=1, process_group="gloo", job="pg-3", **GUARD),
+        **common,
+    )
     assert [r["result"]["sum"] for r in other] == [3.0, 3.0]
 
 
@@ -133,7 +154,14 @@ def test_local_rank_counts_the_jobs_ranks_on_one_node(cluster, s3_dataset, tmp_p
     from stoker.cluster import run
 
     url, _ = s3_dataset
-    res = run(_manual, url, 2, {"CPU": 0.5, "node1": 0.5}, job="pg-local", **_common(s3_dataset, tmp_path_factory))
+    res = run(
+        _manual,
+        url,
+        2,
+        {"CPU": 0.5, "node1": 0.5},
+        cluster=ClusterOptions(job="pg-local", **GUARD),
+        **_common(s3_dataset, tmp_path_factory),
+    )
     assert res[0]["node_id"] == res[1]["node_id"]
     for r in res:
         o = r["result"]
@@ -154,8 +182,8 @@ def test_a_failing_rank_tears_the_group_down_and_the_job_ends_with_its_error(clu
     url, _ = s3_dataset
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="rank 1 gives up") as info:
-        run(_rank_1_fails, url, 2, {"CPU": 0.5}, slots_per_node=1, process_group="gloo", job="pg-fail",
-            **_common(s3_dataset, tmp_path_factory))  # fmt: skip
+        pg = ClusterOptions(slots_per_node=1, process_group="gloo", job="pg-fail", **GUARD)
+        run(_rank_1_fails, url, 2, {"CPU": 0.5}, cluster=pg, **_common(s3_dataset, tmp_path_factory))
     assert any("rank 1" in n and "failed first" in n for n in getattr(info.value, "__notes__", []))
     assert time.monotonic() - t0 < 120  # the guard: it did not wait for the job's timeout
 
@@ -168,9 +196,24 @@ def test_nccl_without_a_gpu_is_refused_before_any_rank_starts(cluster, s3_datase
 
     url, opts = s3_dataset
     with pytest.raises(ProcessGroupError, match="'nccl' needs a GPU"):
-        run(_allreduce, url, 2, {"CPU": 0.5}, storage_options=opts, process_group="nccl", cache_dir="/nonexistent/x")
+        run(
+            _allreduce,
+            url,
+            2,
+            {"CPU": 0.5},
+            storage_options=opts,
+            cache_dir="/nonexistent/x",
+            cluster=ClusterOptions(process_group="nccl"),
+        )
     with pytest.raises(ValueError, match="process_group must be one of"):
-        run(_allreduce, url, 2, storage_options=opts, process_group="mpi", cache_dir="/nonexistent/x")
+        run(
+            _allreduce,
+            url,
+            2,
+            storage_options=opts,
+            cache_dir="/nonexistent/x",
+            cluster=ClusterOptions(process_group="mpi"),
+        )
 
 
 def test_a_rank_whose_rank_0_never_publishes_gives_up_after_its_timeout(cluster):

@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
+from stoker.cluster import ClusterOptions
 from stoker.errors import CapacityError
 
 ray = pytest.importorskip("ray")
@@ -132,7 +133,7 @@ def test_placement_hint_prefers_the_nodes_holding_the_data(cluster, fresh_servic
 
     @ray.remote(num_cpus=0.5)
     def one_rank():
-        with rank_context(url, 0, 1, job="warm-one", **common) as ctx:
+        with rank_context(url, 0, 1, cluster=ClusterOptions(job="warm-one"), **common) as ctx:
             for i in ctx.plan(0):
                 ctx.dataset.read(int(i))
             return ctx.node_id
@@ -169,7 +170,7 @@ def test_rank_context_without_a_process_group_gathers_through_a_ray_actor(
     def rank(r, w, job, timeout_s=60.0):
         import os
 
-        with rank_context(url, r, w, job=job, timeout_s=timeout_s, **common) as ctx:
+        with rank_context(url, r, w, cluster=ClusterOptions(job=job, timeout_s=timeout_s), **common) as ctx:
             plan = ctx.plan(0).tolist()
             loader = ctx.loader(8, num_workers=0)
             left = [ctx.dataset.reader.router.relay_address, ctx.counters.path]

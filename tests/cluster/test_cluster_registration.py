@@ -8,6 +8,8 @@ from functools import partial
 
 import pytest
 
+from stoker.cluster import ClusterOptions
+
 BLOCK = 64 << 10
 
 
@@ -48,10 +50,7 @@ def test_a_finished_cluster_job_holds_no_registration(cluster, s3_dataset, tmp_p
         cache_dir=root,
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
-        placement="random",
-        seed=2,
-        job="X",
-        timeout_s=180,
+        cluster=ClusterOptions(placement="random", seed=2, job="X", timeout_s=180),
     )
     assert sum(r["result"][0]["peer_bytes"] + r["result"][0]["peer_origin_bytes"] for r in res) > 0
     lengths = open_dataset(url, storage_options=opts, cache=False, check=False).index.length

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from stoker import CacheOptions
+
 pytest.importorskip("ray")
 
 from stoker.cache import DiskCache  # noqa: E402
@@ -22,7 +24,7 @@ class _Here:
 @pytest.fixture
 def svc(tmp_path, monkeypatch):
     monkeypatch.setattr(service_mod.ray, "get_runtime_context", lambda: _Here())
-    return service_mod.CacheService("node-a", str(tmp_path / "root"), 64 << 20)
+    return service_mod.CacheService("node-a", CacheOptions(cache_dir=str(tmp_path / "root"), cache_bytes=64 << 20))
 
 
 def _block_range(ds, b: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from _helpers import batch_ids, pack_id_dataset, sample_id
-from stoker import Loader, RunOptions, open_dataset
+from stoker import CacheOptions, Loader, RunOptions, open_dataset
 from stoker.cache import layout
 
 N = 160
@@ -42,8 +42,7 @@ def test_a_cache_directory_removed_mid_epoch_is_made_again(id_dataset, tmp_path,
         cache_dir=str(tmp_path / "cache"),
         cache_bytes=8 << 20,
         block_bytes=BLOCK,
-        memory_bytes=(8 << 20) if tier == "memory" else 0,
-        memory_dir=str(tmp_path / "mem"),
+        cache=CacheOptions(memory_bytes=(8 << 20) if tier == "memory" else 0, memory_dir=str(tmp_path / "mem")),
     )
     gone = tmp_path / ("mem" if tier == "memory" else "cache")
     with Loader(ds, 16, num_workers=workers, seed=3, decode=sample_id, run=RunOptions(timeout_s=30)) as loader:
@@ -86,14 +85,14 @@ def test_a_partly_filled_read_only_cache_reads_the_rest_from_the_origin(id_datas
     for i in range(0, N, 40):
         ds[i]  # fills a few blocks
     before = _tree(root)
-    ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK, cache_read_only=True)
+    ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK, cache=CacheOptions(cache_read_only=True))
     with Loader(ro, 16, num_workers=0, seed=4, decode=sample_id) as loader:
         got = [i for b in loader for i in batch_ids(b)]
     assert sorted(got) == list(range(N)) and loader.stats.exactly_once
     assert 0 < loader.stats.cache_hits < N and loader.stats.origin_bytes > 0
     assert _tree(root) == before
     with pytest.raises(ValueError, match="memory tier"):
-        open_dataset(id_dataset, cache_dir=str(root), cache_read_only=True, memory_bytes=1 << 20)
+        open_dataset(id_dataset, cache_dir=str(root), cache=CacheOptions(cache_read_only=True, memory_bytes=1 << 20))
 
 
 def test_derived_forms_over_a_read_only_cache_need_a_directory_of_their_own(id_dataset, tmp_path):
@@ -101,7 +100,7 @@ def test_derived_forms_over_a_read_only_cache_need_a_directory_of_their_own(id_d
 
     root = tmp_path / "cache"
     open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK)  # a cache, empty
-    ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK, cache_read_only=True)
+    ro = open_dataset(id_dataset, cache_dir=str(root), block_bytes=BLOCK, cache=CacheOptions(cache_read_only=True))
     with Loader(ro, 16, num_workers=0, image=ImageOptions(cache_form="jpeg")) as loader:
         with pytest.raises(ValueError, match="is read-only: give it one"):
             iter(loader)

@@ -201,7 +201,7 @@ def open_root(root: str, file_mode: int) -> None:
         raise CacheModeError(
             f"cache directory {root} was made with cache mode {fmt(recorded)} and is opened with "
             f"{fmt(file_mode)}: refused, so that its files do not end up with mixed modes; open it with "
-            f"cache_mode={fmt(recorded)} (--cache-mode {fmt(recorded)}), or use another directory"
+            f"CacheOptions(cache_mode={fmt(recorded)}) (--cache-mode {fmt(recorded)}), or use another directory"
         )
     st = os.stat(root)
     if st.st_uid != os.geteuid():

@@ -13,7 +13,7 @@ records), so on such a mount it raises :class:`~stoker.errors.CacheUnwritableErr
   from the origin;
 * nothing is locked, counted, registered or recorded (no job record, no live figures).
 
-``open_dataset(..., cache_read_only=True)`` (or ``$STOKER_CACHE_READ_ONLY=1``) opens the cache this
+``open_dataset(..., cache=CacheOptions(cache_read_only=True))`` (or ``$STOKER_CACHE_READ_ONLY=1``) opens the cache this
 way. It has the reading side of :class:`stoker.cache.DiskCache`'s interface; the writing side
 refuses (``would_admit`` and ``put`` say no) or does nothing.
 """

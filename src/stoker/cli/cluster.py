@@ -54,7 +54,6 @@ def cmd_warm(a) -> int:
         cache_bytes=a.cache_bytes,
         block_bytes=a.block_size,
         progress=show_progress(a),
-        detached=True,
         fill_timeout_s=a.fill_timeout,
     )
     print(json.dumps(r, indent=2))

@@ -2,7 +2,7 @@
 hashing, reads local → peer → origin, co-located training workers, a Kubernetes scheduler
 extender.
 
-``placement``, ``schedule``, ``counters`` and ``extender/`` need only the standard library and
+``placement``, ``schedule``, ``counters``, ``settings`` and ``extender/`` need only the standard library and
 numpy; everything else needs Ray (the ``cluster`` extra) and imports it on first use
 of a name below. ``import stoker`` never imports Ray.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
+    "ClusterOptions": "settings",
     "run": "jobs.job",
     "WorkerContext": "jobs.job",
     "ClusterLoader": "jobs.job",

@@ -27,8 +27,9 @@ import numpy as np
 
 from .._units import parse_size
 from ..cache import DiskCache, ReadOnlyCache, TieredCache, default_memory_root
-from ..cache.paths import warn_defaults
+from ..cache.paths import default_cache_dir, warn_defaults
 from ..cache.readonly import READ_ONLY_ENV
+from ..cache.spec import DEFAULT_CACHE_BYTES, MOVED, CacheOptions, moved, with_shortcuts
 from ..errors import ChecksumError, OriginError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin
 from .blockmap import BlockMap
@@ -40,7 +41,6 @@ from .index import INDEX_NAME, DatasetIndex, read_index
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 1 << 20
-DEFAULT_CACHE_BYTES = 8 << 30
 #: The names of a sample's facts in ``read_fields(i, meta=True)``, the dict a Loader's ``decode=``
 #: gets: its key (str), its id (int) and its label (int; only where the sample has one). Dunder
 #: names, as WebDataset's ``__key__``, which tar members and file names do not take in practice.
@@ -217,81 +217,45 @@ class Dataset:
         return out
 
 
-def default_cache_dir() -> str:
-    """``$STOKER_CACHE_DIR``, else a node-local scratch directory, else ``~/.cache/stoker``
-    (:func:`stoker.cache.paths.default_cache_dir`, which logs the choice once)."""
-    from ..cache.paths import default_cache_dir as choose
-
-    return choose()
-
-
 def open_dataset(
     url: str,
     cache_dir: str | None = None,
     cache_bytes: int | str | None = None,
     *,
+    cache: CacheOptions | bool | None = None,
     storage_options: dict | None = None,
     block_bytes: int | str = DEFAULT_BLOCK_BYTES,
-    cache_policy: str = "future",
-    cache: bool = True,
     check: bool = True,
-    memory_bytes: int | str = 0,
-    memory_dir: str | None = None,
     retry_budget_s: float | None = None,
-    cache_mode: int | str | None = None,
-    cache_read_only: bool | None = None,
+    **deprecated,
 ) -> Dataset:
     """Open the packed dataset at ``url`` (any fsspec URL) as a map-style :class:`Dataset`.
 
-    ``cache_dir``: node-local cache directory (default :func:`default_cache_dir`);
-    ``cache_bytes``: its byte budget (default 8 GiB); ``cache=False`` reads every
-    sample straight from the origin. ``block_bytes``: cache unit (default 1 MiB).
-    ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...).
-    ``cache_policy``: "future" (default: no eviction within a dataset, the node's budget
-    split between the datasets of live jobs by epoch rate; :mod:`stoker.cache.policy`),
-    "noevict" or "lru". The process registers its job with the cache (dataset bytes; the
-    Loader adds its epoch time).
-    ``memory_bytes``: budget of a shared-memory tier above the disk tier (0 = none; blocks
-    go to memory first, see :mod:`stoker.cache.tiered`); ``memory_dir`` its directory
-    (default: under /dev/shm, one per cache directory).
-    ``cache_mode``: file mode of everything the cache creates (blocks, staging, derived
-    samples, the memory tier, locks, job records): default ``$STOKER_CACHE_MODE`` or 0600
-    (directories 0700), whatever the umask; e.g. ``"0640"`` for a cache that the directory's
-    group may read on purpose (:mod:`stoker.cache.perms`). A cache made with another mode
-    raises :class:`stoker.CacheModeError`; a cache or memory directory that is a symlink
-    planted by someone else, another user's, or writable by others raises
-    :class:`stoker.UnsafePathError` (both name the directory). The byte sizes (``cache_bytes``,
-    ``block_bytes``, ``memory_bytes``) take ints or strings such as ``"500GiB"``
-    (:func:`stoker.parse_size`; ValueError naming the argument for a bad one).
-    ``retry_budget_s``: seconds each origin read keeps retrying throttling, 5xx, resets and
-    timeouts (full-jitter back-off) before :class:`stoker.OriginError`; None:
-    ``$STOKER_RETRY_BUDGET_S`` or 30 s (:mod:`stoker.storage.retry`). Kept by the loader's processes.
-    ``cache_read_only``: serve the cache in ``cache_dir`` as it is, writing nothing there (a cache
-    filled earlier, e.g. baked into an image or mounted read-only into many jobs): cached blocks
-    are read, every other sample comes from the origin and is not kept
-    (:class:`stoker.cache.readonly.ReadOnlyCache`); None: ``$STOKER_CACHE_READ_ONLY`` ("1" turns
-    it on), else False. ValueError with ``memory_bytes`` (a memory tier is written);
-    :class:`stoker.NotACacheError` when ``cache_dir`` holds no stoker cache. A cache directory
-    that cannot be written, opened without it, raises :class:`stoker.CacheUnwritableError`
-    naming it and why (a read-only filesystem, no permission).
-    ``check``: list the shards once and compare sizes (and ETags where recorded) with
-    the index, so shards rewritten under an unchanged index are reported by name
-    (:class:`stoker.DatasetChangedError`) before any sample is served. The listing is made
-    then (never one fsspec cached earlier in the process); an origin whose listing has no
-    sizes (``http://``) is asked with a HEAD per shard.
-    Raises :class:`stoker.OriginNotFoundError` (a FileNotFoundError) when ``url`` holds no
-    index (e.g. an interrupted pack) and :class:`stoker.IndexFormatError` when the index is
-    unreadable.
+    ``cache``: the node cache (:class:`stoker.CacheOptions`: directory, budget, memory tier,
+    policy, file mode, read-only; default ``CacheOptions()``), or False: none, every sample from
+    the origin; ``cache_dir``/``cache_bytes`` are the shortcut for its first two fields, and its
+    other fields' old keywords (``memory_bytes=`` ...) still work with a DeprecationWarning. The
+    process registers its job with the cache (dataset bytes; the Loader adds its epoch time).
+    ``storage_options``: fsspec options (S3: endpoint_url, key, secret, ...). ``block_bytes``: the
+    cache's unit (bytes or a size string; default 1 MiB). ``check``: list the shards once (a fresh
+    listing, or a HEAD per shard where it has no sizes) and compare sizes and recorded ETags with
+    the index, so shards rewritten under it are named before any sample is served.
+    ``retry_budget_s``: seconds each origin read retries throttling, 5xx, resets and timeouts
+    before :class:`stoker.OriginError`; None: ``$STOKER_RETRY_BUDGET_S`` or 30 s
+    (:mod:`stoker.storage.retry`).
+
+    Raises TypeError / ValueError for a bad setting (naming it), :class:`stoker.OriginNotFoundError`
+    (no index at ``url``, e.g. an interrupted pack), :class:`stoker.IndexFormatError`,
+    :class:`stoker.DatasetChangedError` (with ``check``), :class:`stoker.OriginError`, and for a
+    cache directory made with another mode, planted or writable by others, that cannot be written
+    or (read-only) holds no cache: :class:`stoker.CacheModeError`, :class:`stoker.UnsafePathError`,
+    :class:`stoker.CacheUnwritableError`, :class:`stoker.NotACacheError` (each naming it).
     """
-    budget_given = cache_bytes is not None
-    cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else parse_size(cache_bytes, "cache_bytes")
+    given = None if isinstance(cache, bool) else cache
+    spec = with_shortcuts(
+        moved("open_dataset", deprecated, "cache", given, CacheOptions, MOVED, 3), cache_dir, cache_bytes
+    )
     block_bytes = parse_size(block_bytes, "block_bytes")
-    memory_bytes = parse_size(memory_bytes, "memory_bytes")
-    read_only = _read_only(cache_read_only)
-    if read_only and cache and memory_bytes > 0:
-        raise ValueError(
-            "cache_read_only=True cannot have a memory tier (memory_bytes > 0): the memory tier is written"
-        )
     origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:
         data = origin.read(INDEX_NAME)
@@ -302,20 +266,7 @@ def open_dataset(
         from .verify import check_shards
 
         check_shards(origin, index)
-    disk: DiskCache | TieredCache | ReadOnlyCache | None = None
-    if cache and read_only:
-        disk = ReadOnlyCache(cache_dir or default_cache_dir(), cache_policy)
-    elif cache:
-        root = cache_dir or default_cache_dir()
-        disk = DiskCache(root, cache_bytes, cache_policy, mode=cache_mode)
-        dir_given = bool(cache_dir or os.environ.get("STOKER_CACHE_DIR"))
-        warn_defaults(disk.root, cache_bytes, dir_given, budget_given)
-        if memory_bytes > 0:
-            disk = TieredCache(
-                DiskCache(memory_dir or default_memory_root(disk.root), memory_bytes, cache_policy, mode=disk.mode),
-                disk,
-            )
-        disk.recover()
+    disk = None if cache is False else _node_cache(spec)
     ds = Dataset(url, index, origin, disk, block_bytes)
     if disk is not None:
         disk.register(ds.version, index.total_bytes)
@@ -323,13 +274,39 @@ def open_dataset(
     return ds
 
 
+def _node_cache(cache: CacheOptions) -> DiskCache | TieredCache | ReadOnlyCache:
+    """The node cache that ``cache`` describes, recovered from a crash of an earlier job."""
+    assert isinstance(cache.memory_bytes, int) and not isinstance(cache.cache_bytes, str)  # parsed by CacheOptions
+    root = cache.cache_dir or default_cache_dir()
+    if _read_only(cache.cache_read_only):
+        if cache.memory_bytes > 0:
+            raise ValueError(
+                "cache_read_only=True cannot have a memory tier (memory_bytes > 0): the memory tier is written"
+            )
+        return ReadOnlyCache(root, cache.cache_policy)
+    if isinstance(cache.cache_bytes, dict):
+        raise TypeError("CacheOptions.cache_bytes by node id is for stoker.cluster; open_dataset takes one budget")
+    disk = DiskCache(
+        root,
+        DEFAULT_CACHE_BYTES if cache.cache_bytes is None else cache.cache_bytes,
+        cache.cache_policy,
+        mode=cache.cache_mode,
+    )
+    dir_given = bool(cache.cache_dir or os.environ.get("STOKER_CACHE_DIR"))
+    warn_defaults(disk.root, disk.capacity_bytes, dir_given, cache.cache_bytes is not None)
+    node: DiskCache | TieredCache = disk
+    if cache.memory_bytes > 0:
+        memory_root = cache.memory_dir or default_memory_root(disk.root)
+        node = TieredCache(DiskCache(memory_root, cache.memory_bytes, cache.cache_policy, mode=disk.mode), disk)
+    node.recover()
+    return node
+
+
 def _read_only(value: bool | None) -> bool:
-    """``cache_read_only``, else ``$STOKER_CACHE_READ_ONLY`` ("1", "true", "yes" on; "", "0",
-    "false", "no" off). ValueError naming the setting for anything else."""
+    """``CacheOptions.cache_read_only``, else ``$STOKER_CACHE_READ_ONLY`` ("1", "true", "yes" on;
+    "", "0", "false", "no" off). ValueError naming the variable for anything else."""
     if value is not None:
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"cache_read_only must be True or False, got {type(value).__name__} {value!r}")
-        return bool(value)
+        return value
     env = os.environ.get(READ_ONLY_ENV, "").strip().lower()
     if env in ("", "0", "false", "no"):
         return False

@@ -94,6 +94,7 @@ def run(
     every block of its window), so it is not carved out of C; a staged block still there when
     the next epoch first needs it is a hit across the boundary, which can put an epoch a little
     below D - C (reported as ``staging_bytes``)."""
+    from stoker.cache.spec import CacheOptions
     from stoker.loader import Loader, ReadOptions
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
@@ -145,7 +146,8 @@ def run(
             S = staging_bytes
             for policy in policies:
                 shutil.rmtree(cache_dir, ignore_errors=True)
-                ds = open_dataset(url, cache_dir=cache_dir, cache_bytes=C, cache_policy=policy, storage_options=opts)
+                spec = CacheOptions(cache_dir=cache_dir, cache_bytes=C, cache_policy=policy)
+                ds = open_dataset(url, cache=spec, storage_options=opts)
                 with Loader(ds, batch_size, num_workers=workers, seed=0, read=ReadOptions(staging_bytes=S)) as loader:
                     for _ in range(epochs):
                         m = measure(loader, rate)

@@ -66,6 +66,7 @@ def run(
     from stoker.cluster.jobs.job import read_epochs
     from stoker.cluster.jobs.job import run as cluster_run
     from stoker.cluster.service.cache_service import stop_services
+    from stoker.cluster.settings import ClusterOptions
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
 
@@ -112,14 +113,19 @@ def run(
                     cache_dir=root,
                     cache_bytes=cache_bytes,
                     block_bytes=block_bytes,
-                    placement=placement,
-                    wait=False,
                 )
                 for epoch in range(epochs):
                     served0 = origin.stats()["bytes_served"]
                     fn = partial(read_epochs, epochs=1, first_epoch=epoch)
                     refs = [
-                        cluster_run(fn, url, 3, {"CPU": 0.5}, job=job, seed=seed + 1 + j, **common)
+                        cluster_run(
+                            fn,
+                            url,
+                            3,
+                            {"CPU": 0.5},
+                            cluster=ClusterOptions(job=job, seed=seed + 1 + j, placement=placement, wait=False),
+                            **common,
+                        )
                         for j, job in enumerate(("job1", "job2"))
                     ]
                     for job, r in zip(("job1", "job2"), refs, strict=True):

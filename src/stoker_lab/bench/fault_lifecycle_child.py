@@ -214,6 +214,7 @@ def kind_rmcache(n: int) -> list[dict]:
 
 
 def kind_readonly(n: int) -> list[dict]:
+    from stoker.cache.spec import CacheOptions
     from stoker.errors import CacheUnwritableError
 
     empty, filled = _SPEC["ro_empty"], _SPEC["ro_filled"]
@@ -230,7 +231,7 @@ def kind_readonly(n: int) -> list[dict]:
         rec["error"] = _err(exc)
     served = _record()
     try:
-        with _loader(_open(filled, cache_read_only=True)) as ld:
+        with _loader(_open(filled, cache=CacheOptions(cache_read_only=True))) as ld:
             _epoch(ld, served, n)
             served["cache_hits"] = ld.stats.cache_hits
     except Exception as exc:  # noqa: BLE001

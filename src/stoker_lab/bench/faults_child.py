@@ -108,6 +108,7 @@ def _killer(loader, target: str, delay_s: float, killed: list) -> None:
 
 def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
     """One round: open, load ``epochs`` epochs, close. Returns the round's record."""
+    from stoker.cache.spec import MOVED, CacheOptions
     from stoker.loader import Loader
     from stoker.loader.options import loader_kwargs
     from stoker.store.dataset import open_dataset
@@ -128,8 +129,10 @@ def run_round(spec: dict, cache_dir: str, rnd: int, rng: random.Random) -> dict:
     t0 = time.perf_counter()
     loader = None
     try:
+        open_kw = dict(spec.get("open_kw", {}))  # flat, as JSON holds it: the cache fields go in their group
+        cache = CacheOptions(**{k: open_kw.pop(k) for k in MOVED if k in open_kw})
         ds = open_dataset(
-            spec["url"], cache_dir=cache_dir, storage_options=spec.get("storage_options"), **spec.get("open_kw", {})
+            spec["url"], cache_dir=cache_dir, cache=cache, storage_options=spec.get("storage_options"), **open_kw
         )
         loader = Loader(ds, **loader_kwargs(spec.get("loader_kw", {})))
         nb = max(1, -(-n // loader.batch_size))

@@ -125,6 +125,7 @@ def _log(msg: str) -> None:
 
 def run(cfg: IoConfig | None = None) -> dict:
     """Run the benchmark; returns the report (see the module docstring and :func:`table`)."""
+    from stoker.cache.spec import CacheOptions
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
 
@@ -202,8 +203,7 @@ def run(cfg: IoConfig | None = None) -> dict:
                 budget,
                 storage_options=direct,
                 block_bytes=cfg.block_bytes,
-                memory_bytes=2 * int(probe.index.total_bytes),
-                memory_dir=shm,
+                cache=CacheOptions(memory_bytes=2 * int(probe.index.total_bytes), memory_dir=shm),
             ),
         }
         try:

@@ -395,6 +395,7 @@ def run_placements(
 
     from stoker.cluster.jobs.job import run as cluster_run
     from stoker.cluster.service.cache_service import stop_services
+    from stoker.cluster.settings import ClusterOptions
 
     links = spec["links"]
     gate_s = spec["job_timeout_s"]
@@ -416,13 +417,12 @@ def run_placements(
                 len(host_nodes),
                 {"CPU": 0.5},
                 storage_options=opts,
-                placement=placement,
                 cache_dir=root,
                 cache_bytes=spec["cache_bytes"],
                 block_bytes=spec["block_bytes"],
-                seed=spec["seed"] + 1,
-                job="control",
-                timeout_s=spec["job_timeout_s"],
+                cluster=ClusterOptions(
+                    placement=placement, seed=spec["seed"] + 1, job="control", timeout_s=spec["job_timeout_s"]
+                ),
             )
             return [host_of.get(r["node_id"], -1) for r in res]
 
@@ -454,13 +454,12 @@ def run_placements(
                         len(host_nodes),
                         {"CPU": 0.5},
                         storage_options=opts,
-                        placement=placement,
                         cache_dir=root,
                         cache_bytes=spec["cache_bytes"],
                         block_bytes=spec["block_bytes"],
-                        seed=spec["seed"] + 1 + j,
-                        job=job,
-                        timeout_s=spec["job_timeout_s"],
+                        cluster=ClusterOptions(
+                            placement=placement, seed=spec["seed"] + 1 + j, job=job, timeout_s=spec["job_timeout_s"]
+                        ),
                     )
                     recs = cluster_counts([r["epochs"][-1] for r in res], services_origin_bytes() - svc0)
                     hosts = [host_of.get(r["node_id"], -1) for r in res]
@@ -494,13 +493,12 @@ def run_placements(
                 len(host_nodes),
                 {"CPU": 0.5},
                 storage_options=opts,
-                placement=placement,
                 cache_dir=root,
                 cache_bytes=spec["cache_bytes"],
                 block_bytes=spec["block_bytes"],
-                seed=spec["seed"] + 1 + len(JOBS),
-                job="probe",
-                timeout_s=spec["job_timeout_s"],
+                cluster=ClusterOptions(
+                    placement=placement, seed=spec["seed"] + 1 + len(JOBS), job="probe", timeout_s=spec["job_timeout_s"]
+                ),
             )
             recs = [r["epochs"][-1] for r in res]
             mine[f"{kind}_probe"] = {

@@ -183,6 +183,7 @@ def fault_run(kind: str, spec: dict, url: str, opts: dict, n: int) -> dict:
     from stoker.cluster.jobs.job import read_epochs
     from stoker.cluster.jobs.job import run as cluster_run
     from stoker.cluster.service.cache_service import stop_services
+    from stoker.cluster.settings import ClusterOptions
 
     hosts, ips = len(spec["host_ips"]), spec["host_ips"]
     victim = hosts - 1
@@ -193,18 +194,25 @@ def fault_run(kind: str, spec: dict, url: str, opts: dict, n: int) -> dict:
         cache_dir=os.path.join(work, "cache"),
         cache_bytes=spec["cache_bytes"],
         block_bytes=spec["block_bytes"],
-        timeout_s=spec["job_timeout_s"],
-        peer_timeout_s=spec["fault_peer_timeout_s"],
-        retry_s=0.5,
     )
+    limits = dict(timeout_s=spec["job_timeout_s"], peer_timeout_s=spec["fault_peer_timeout_s"], retry_s=0.5)
     steady = {"CPU": 0.5, STEADY: 1}
     stop_services()
-    cluster_run(partial(read_epochs, epochs=1), url, hosts, {"CPU": 0.5}, job=f"{kind}-warm", **common)
+    cluster_run(
+        partial(read_epochs, epochs=1),
+        url,
+        hosts,
+        {"CPU": 0.5},
+        cluster=ClusterOptions(job=f"{kind}-warm", **limits),
+        **common,
+    )
     flag, started = os.path.join(work, "fault-done"), os.path.join(work, "started")
     row: dict = {"fault": kind, "host": f"h{victim}", "finished": False, "exactly_once": False, "error": None}
     fn = partial(slow_reader, epoch=1, pause_s=spec["fault_pause_s"], flag=flag, started=started)
     t0 = time.monotonic()
-    refs = cluster_run(fn, url, hosts - 1, steady, job=f"{kind}-fault", wait=False, **common)
+    refs = cluster_run(
+        fn, url, hosts - 1, steady, cluster=ClusterOptions(job=f"{kind}-fault", wait=False, **limits), **common
+    )
     deadline = time.monotonic() + spec["job_timeout_s"]
     while not os.path.exists(started) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -231,7 +239,7 @@ def fault_run(kind: str, spec: dict, url: str, opts: dict, n: int) -> dict:
     rejoin: dict = {"finished": False}
     try:
         fn = partial(slow_reader, epoch=2, pause_s=0.0, flag=flag, started=os.path.join(work, "started2"))
-        res = cluster_run(fn, url, hosts - 1, steady, job=f"{kind}-rejoin", **common)
+        res = cluster_run(fn, url, hosts - 1, steady, cluster=ClusterOptions(job=f"{kind}-rejoin", **limits), **common)
         blocks = _sum([r["result"] for r in res], "before", victim, _host_of(ips))
         rejoin.update(finished=True, dead_host_blocks=blocks, served=blocks["peer_bytes"] > 0)
     except Exception as exc:  # noqa: BLE001

@@ -462,7 +462,7 @@ from functools import partial
 
 import ray
 
-from stoker.cluster import run
+from stoker.cluster import ClusterOptions, run
 
 
 def steps(ctx, out_dir):
@@ -485,7 +485,8 @@ address, url, out_dir, result = sys.argv[1:5]
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 out = {"error": None}
 try:
-    run(partial(steps, out_dir=out_dir), url, 2, {"CPU": 0.5}, slots_per_node=1, job="host-dies",
+    run(partial(steps, out_dir=out_dir), url, 2, {"CPU": 0.5},
+        cluster=ClusterOptions(slots_per_node=1, job="host-dies"),
         cache_dir=os.path.join(out_dir, "cache"), cache_bytes=64 << 20, block_bytes=64 << 10)
 except Exception as exc:
     out = {"error": type(exc).__name__, "notes": list(getattr(exc, "__notes__", []))}

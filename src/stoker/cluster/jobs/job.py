@@ -7,7 +7,8 @@ first job's nodes, grown as nodes join or room runs short, and recorded on every
 :mod:`stoker.cluster.service.records`; a new dataset's cache goes to the nodes where its jobs run) and (5) runs ``train_fn(ctx)`` in one Ray task per rank, pinned to its node. Each rank
 reads through its node cache, then the owning peer, then the origin, and gets the samples cached
 on its node as far as exactly-once and equal counts allow (:func:`colocated_plans`).
-``placement="random"`` (for comparison) puts ranks on random nodes with the plain rank split.
+``ClusterOptions(placement="random")`` (for comparison) puts ranks on random nodes with the plain
+rank split.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import uuid
 import numpy as np
 import ray
 
+from ...cache.spec import CacheOptions
 from ...errors import ProcessGroupError
 from ...loader import Loader
 from ...loader.options import order_of
@@ -30,15 +32,14 @@ from ..handoff import previous_layout, prior_owner
 from ..placement import bytes_per_node, place_dataset
 from ..registration import end as end_registration
 from ..schedule import choose_nodes, colocated_plans
-from ..service.cache_service import cache_dir_arg, get_service, placement_keys, prepare
+from ..service.cache_service import get_service, placement_keys, prepare
 from ..service.records import settle_record
 from ..service.routed import announce, open_on_node, route
+from ..settings import FIELDS, ClusterOptions, cluster_door
 from .gang import JobRefs, gather, node_slots, release, reserve, stamp_failure, task_options
 from .rendezvous import ProcessGroup, check_backend
 
 log = logging.getLogger(__name__)
-
-PLACEMENTS = ("colocated", "random")
 
 
 class WorkerContext:
@@ -78,7 +79,7 @@ class WorkerContext:
         if self.process_group is not None:
             raise ProcessGroupError(
                 f"rank {self.rank}: a {self.process_group.backend!r} process group is already open for this job "
-                f"(run(process_group=...) opens one before train_fn)"
+                f"(run(cluster=ClusterOptions(process_group=...)) opens one before train_fn)"
             )
         group = ProcessGroup(self.rank, self.world_size, self._node_ids, f"stoker-pg-{self._token}", backend, timeout_s)
         group.open()
@@ -226,11 +227,12 @@ def _rank_main(train_fn, spec: dict):
                 f"{spec['url']} changed during the job: version {ds.version}, the driver placed {spec['version']}"
             )
         counters.size_tags(len(ds.blocks))
-        args = (spec["node_id"], counters, spec["peer_timeout_s"], spec["retry_s"])
+        cluster = spec["cluster"]
+        args = (spec["node_id"], counters, cluster.peer_timeout_s, cluster.retry_s)
         ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"))  # this rank's reads
         ctx = WorkerContext(spec, ds, counters)
-        if spec["process_group"] is not None:
-            ctx.init_process_group(spec["process_group"])
+        if cluster.process_group is not None:
+            ctx.init_process_group(cluster.process_group)
         result = train_fn(ctx)
         return {"rank": ctx.rank, "node_id": ctx.node_id, "result": result, "epochs": ctx.epochs}
     except Exception as exc:
@@ -252,70 +254,92 @@ def run(
     resources_per_worker: dict | None = None,
     *,
     storage_options: dict | None = None,
-    placement: str = "colocated",
     cache_dir: str | None = None,
-    cache_bytes: int | str | None = None,
+    cache_bytes: int | str | dict | None = None,
+    cache: CacheOptions | None = None,
     block_bytes: int | str | None = None,
-    seed: int = 0,
-    job: str = "job",
-    slots_per_node: int | None = None,
-    peer_timeout_s: float = 30.0,
-    retry_s: float = 1.0,
-    timeout_s: float | None = None,
-    wait: bool = True,
-    start_timeout_s: float = 30.0,
-    cache_root: str | None = None,
-    process_group: str | None = None,
+    cluster: ClusterOptions | None = None,
+    **deprecated,
 ):
-    """Run ``train_fn(ctx)`` on ``num_workers`` ranks placed next to the cached ``dataset``.
+    """Run ``train_fn(ctx)`` (``ctx``: a :class:`WorkerContext`) on ``num_workers`` ranks placed
+    next to the cached ``dataset`` (a packed dataset's URL).
 
-    ``dataset``: URL of a packed dataset; ``resources_per_worker``: Ray resources of one rank
-    (``{"CPU": 1, "GPU": 1, ...}``, default one CPU); ``placement``: ``"colocated"`` (TDCS) or
-    ``"random"`` (seeded by ``seed``, for comparison); ``cache_dir``/``cache_bytes``: where and
-    how big the node caches are when this call starts the services (default
-    ``<default cache dir>/cluster``, 8 GiB per node; bytes or a size string such as
-    ``"64MiB"``; services already running keep theirs; the names of :func:`stoker.open_dataset`
-    and ``stoker warm --cache-dir/--cache-bytes``; ``cache_root`` is the old name of
-    ``cache_dir``, accepted with a DeprecationWarning); ``block_bytes``: the cache block (bytes
-    or a size string; default 1 MiB; every job of a dataset must use the same);
-    ``slots_per_node``: most ranks per node; ``process_group``: ``"gloo"`` or ``"nccl"`` to
-    open a ``torch.distributed`` process group over the ranks before ``train_fn`` and destroy it
-    after it returns, raises or is cancelled (:meth:`WorkerContext.init_process_group`; None:
-    none, or open it there). ``ctx`` is a :class:`WorkerContext`.
+    ``resources_per_worker``: Ray resources of one rank (default one CPU). ``cache``: the node
+    caches of the services this call starts (:class:`stoker.CacheOptions`: default directory
+    ``<default cache dir>/cluster``, 8 GiB per node, or ``{node id: size}``; running services keep
+    theirs); ``cache_dir``/``cache_bytes``: its shortcut. ``block_bytes``: the cache block (default
+    1 MiB; every job of a dataset must use the same). ``cluster``: the job's name, placement,
+    timeouts and process group (:class:`stoker.cluster.settings.ClusterOptions`); their old flat
+    keywords, and ``cache_root`` (of ``cache_dir``), still work with a DeprecationWarning.
 
     Co-location is a preference, capacity a limit: a node gets no more ranks than its free
     resources hold (:mod:`stoker.cluster.capacity`), and the ranks' resources are reserved on
-    their nodes all at once (a Ray placement group, :func:`stoker.cluster.jobs.gang.reserve`), so
-    the ranks start together. Raises :class:`stoker.errors.CapacityError` at once when the
-    free resources cannot hold ``num_workers`` ranks, or when the reservation is not ready
-    within ``start_timeout_s`` seconds; nothing is left queued.
+    their nodes all at once (:func:`stoker.cluster.jobs.gang.reserve`), so they start together.
 
-    Returns, per rank, ``{rank, node_id, result, epochs}`` (``epochs``: the records of
-    :meth:`WorkerContext.measure`), or with ``wait=False`` a :class:`stoker.cluster.jobs.gang.JobRefs`
-    (the list of the ranks' Ray object refs, watched: the first rank that fails cancels the
-    others, as in :func:`gather`). Needs ``ray.init()`` first. Raises ValueError for a bad
-    placement or ``process_group``, :class:`stoker.errors.ProcessGroupError` for ``"nccl"``
-    when ``resources_per_worker`` has no GPU (both before any rank starts), the error of the first rank that fails (``ray.exceptions.RayTaskError``,
-    ``NodeDiedError`` ...) after cancelling the others, ``GetTimeoutError`` after ``timeout_s``
-    (the ranks cancelled): see :func:`gather`.
+    Returns per rank ``{rank, node_id, result, epochs}`` (:meth:`WorkerContext.measure`'s
+    records), or with ``wait=False`` the ranks' watched Ray refs
+    (:class:`stoker.cluster.jobs.gang.JobRefs`). Needs ``ray.init()`` (RuntimeError). Raises,
+    before any rank starts, ValueError / TypeError for a bad setting,
+    :class:`stoker.errors.ProcessGroupError` for ``"nccl"`` without a GPU and
+    :class:`stoker.errors.CapacityError` when the free resources cannot hold the ranks within
+    ``start_timeout_s`` (nothing left queued); then the error of the first rank that fails after
+    cancelling the others, or ``GetTimeoutError`` after ``timeout_s`` (:func:`gather`).
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    cache, cluster = cluster_door("run", cache, cache_dir, cache_bytes, cluster, deprecated, FIELDS)
     if num_workers < 1:
         raise ValueError("num_workers must be >= 1")
-    if process_group is not None:
-        check_backend(process_group, rank_request(resources_per_worker))
+    request = rank_request(resources_per_worker)
+    if cluster.process_group is not None:
+        check_backend(cluster.process_group, request)
     opts = dict(storage_options or {})
-    services, ds, dref = prepare(dataset, opts, cache_dir_arg(cache_dir, cache_root), cache_bytes, block_bytes)
+    services, ds, dref = prepare(dataset, opts, cache, block_bytes)
+    nodes = list(services)
+    slots = node_slots(nodes, request, num_workers, cluster.slots_per_node, cluster.start_timeout_s)
+    layout = _place(services, ds, dref, num_workers, slots, cluster)
+    rank_nodes = layout["rank_node_ids"]
+    pg = reserve(rank_nodes, request, cluster.start_timeout_s, cluster.job or "job")
+    token = f"{cluster.job or 'job'}-{uuid.uuid4().hex[:12]}"
+    if cluster.wait:  # the services' registrations of the dataset end with this call (release below)
+        announce(nodes, "hold", dref, token)
+    common = {
+        **layout,
+        "world_size": num_workers,
+        "job": cluster.job or "job",
+        "placement": cluster.placement,
+        "url": dataset,
+        "storage_options": opts,
+        "version": ds.version,
+        "block_bytes": ds.block_bytes,
+        "token": token,
+        "cluster": cluster,
+    }
+    refs = [
+        ray.remote(_rank_main)
+        .options(**task_options(r, node, request, pg))
+        .remote(train_fn, {**common, "rank": r, "node_id": node, "service": services.get(node)})
+        for r, node in enumerate(rank_nodes)
+    ]
+    if not cluster.wait:
+        return JobRefs(refs, rank_nodes, pg)
+    try:
+        return gather(refs, rank_nodes, cluster.timeout_s)
+    finally:
+        release(pg)
+        announce(nodes, "release", dref, token)
+
+
+def _place(services: dict, ds, dref: dict, num_workers: int, slots: list[int], cluster: ClusterOptions) -> dict:
+    """Steps (3) and (4) of the module doc: each rank's node, and the dataset's placement members
+    and block owners. Returns the rank spec's ``members``, ``owner``, ``prior`` (each block's
+    previous owner, :func:`stoker.cluster.handoff.prior_owner`), ``rank_nodes`` (member index per
+    rank, ``-1 - r`` for none) and ``rank_node_ids`` (node id per rank)."""
     nodes = list(services)
     budgets = [services[n]["cache_bytes"] for n in nodes]
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
-    request = rank_request(resources_per_worker)
-    slots = node_slots(nodes, request, num_workers, slots_per_node, start_timeout_s)
-    if placement == "colocated":
+    if cluster.placement == "colocated":
         rank_nodes = choose_nodes(nodes, cached, budgets, num_workers, slots)
     else:
-        rank_nodes = _random_nodes(nodes, slots, num_workers, seed)
+        rank_nodes = _random_nodes(nodes, slots, num_workers, cluster.seed)
     # the dataset's placement members: the record every service keeps, else (first claim wins)
     # the nodes holding it already, else the nodes of this job
     have = [n for n, c in zip(nodes, cached) if c > 0]
@@ -326,48 +350,19 @@ def run(
         members = sorted(set(rank_nodes))
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
-    if placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
+    if cluster.placement == "colocated" and set(members) - set(have):  # members with room to fill: ranks go
         owned = bytes_per_node(ds, owner, len(members))  # where the data will be, not only where it is
         rank_nodes = choose_nodes(
             nodes, [int(owned[members.index(n)]) if n in members else 0 for n in nodes], budgets, num_workers, slots
         )
     index_of = {m: i for i, m in enumerate(members)}
-    spec_rank_nodes = [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)]
-    pg = reserve(rank_nodes, request, start_timeout_s, job)
-    token = f"{job}-{uuid.uuid4().hex[:12]}"
-    if wait:  # the services' registrations of the dataset end with this call (release below)
-        announce(nodes, "hold", dref, token)
-    refs = []
-    for r, node in enumerate(rank_nodes):
-        spec = {
-            "rank": r,
-            "world_size": num_workers,
-            "node_id": node,
-            "job": job,
-            "placement": placement,
-            "url": dataset,
-            "storage_options": opts,
-            "version": ds.version,
-            "members": members,
-            "block_bytes": ds.block_bytes,
-            "owner": owner,
-            "prior": prior,
-            "rank_nodes": spec_rank_nodes,
-            "service": services.get(node),
-            "peer_timeout_s": peer_timeout_s,
-            "retry_s": retry_s,
-            "rank_node_ids": rank_nodes,
-            "token": token,
-            "process_group": process_group,
-        }
-        refs.append(ray.remote(_rank_main).options(**task_options(r, node, request, pg)).remote(train_fn, spec))
-    if not wait:
-        return JobRefs(refs, rank_nodes, pg)
-    try:
-        return gather(refs, rank_nodes, timeout_s)
-    finally:
-        release(pg)
-        announce(nodes, "release", dref, token)
+    return {
+        "members": members,
+        "owner": owner,
+        "prior": prior,
+        "rank_nodes": [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)],
+        "rank_node_ids": rank_nodes,
+    }
 
 
 def _random_nodes(nodes: list[str], slots: list[int], num_workers: int, seed: int) -> list[str]:

@@ -18,23 +18,23 @@ restarted Ray, has the blocks the old one held. It listens on no socket of its o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..._units import parse_size
 from ...cache import DiskCache
+from ...cache.spec import CacheOptions, with_shortcuts
 from ...errors import ServiceStartError
 from ...loader.prefetch.inflight import InflightGate, InflightTarget
 from ...metrics import ServiceMetrics
-from ...store.dataset import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, default_cache_dir, open_dataset
+from ...store.dataset import DEFAULT_BLOCK_BYTES, default_cache_dir, open_dataset
 from ..handoff import PriorReads
 from ..identity import claim_cache_dir
 from ..membership import RECORD_SETS, merge
@@ -66,30 +66,24 @@ class CacheService:
     """The node cache of one node, as a Ray actor (see the module doc).
 
     ``node_id``: the Ray node (hex) it must run on (checked: RuntimeError otherwise);
-    ``cache_root``: the cluster cache root; the service takes its node's directory under it
-    (:func:`stoker.cluster.identity.claim_cache_dir`: ``cache_dir``, and ``cache_key``, the node's
-    placement key, both stable across Ray restarts on the same host); ``cache_bytes``: the node
-    cache budget in bytes, also the node's placement weight; ``memory_bytes``: a shared-memory tier above it (0 = none); ``node_name``: the
-    name schedulers know the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id);
-    ``lease_s``: how long its registration of a dataset on the node cache counts after the last
-    request for it, seconds (default :data:`stoker.cluster.registration.LEASE_S`).
+    ``cache``: the node's :class:`stoker.CacheOptions` (:meth:`stoker.CacheOptions.for_node`: its
+    budget in bytes, also the node's placement weight), whose ``cache_dir`` is the cluster cache
+    root: the service takes its node's directory under it and keeps ``cache`` with that directory
+    (:func:`stoker.cluster.identity.claim_cache_dir`: ``cache_key`` is the node's placement key,
+    both stable across Ray restarts on the same host); ``node_name``: the name schedulers know
+    the node by (Kubernetes node name; default: ``$NODE_NAME`` or the node id); ``lease_s``: how
+    long its registration of a dataset on the node cache counts after the last request for it,
+    seconds (default :data:`stoker.cluster.registration.LEASE_S`).
     """
 
-    def __init__(
-        self,
-        node_id: str,
-        cache_root: str,
-        cache_bytes: int,
-        memory_bytes: int = 0,
-        node_name: str | None = None,
-        lease_s: float | None = None,
-    ):
+    def __init__(self, node_id: str, cache: CacheOptions, node_name: str | None = None, lease_s: float | None = None):
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
             raise RuntimeError(f"cache service for node {node_id} started on node {here}")
-        self._claim = claim_cache_dir(cache_root, owner=node_id)  # held while this process lives
-        self.node_id, self.cache_dir, self.cache_key = node_id, self._claim.path, self._claim.key
-        self.cache_bytes, self.memory_bytes = int(cache_bytes), int(memory_bytes)
+        assert cache.cache_dir is not None  # the cluster cache root (start_services)
+        self._claim = claim_cache_dir(cache.cache_dir, owner=node_id)  # held while this process lives
+        self.node_id, self.cache_key = node_id, self._claim.key
+        self.cache = dataclasses.replace(cache, cache_dir=self._claim.path)
         self.node_name = node_name or os.environ.get("NODE_NAME") or node_id
         self.lease_s = LEASE_S if lease_s is None else float(lease_s)
         self._renewed: dict = {}  # dataset key -> monotonic time of its last lease
@@ -117,10 +111,8 @@ class CacheService:
                 if ds is None:
                     ds = open_dataset(
                         url,
-                        self.cache_dir,
-                        self.cache_bytes,
+                        cache=self.cache,
                         storage_options=storage_options,
-                        memory_bytes=self.memory_bytes,
                         check=False,
                         block_bytes=dref["block_bytes"],
                     )
@@ -149,17 +141,20 @@ class CacheService:
 
     # -- requests ---------------------------------------------------------
     def info(self) -> dict:
-        """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid}`` (bytes)."""
+        """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid, cache}`` (bytes;
+        ``cache``: the node's :class:`stoker.CacheOptions`, ``cache_dir`` and ``cache_bytes`` its
+        fields)."""
         ds_cache = next(iter(self._datasets.values())).cache if self._datasets else None
-        used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache_dir, self.cache_bytes)
+        used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache)
         return {
             "node_id": self.node_id,
             "node_name": self.node_name,
-            "cache_dir": self.cache_dir,
+            "cache_dir": self.cache.cache_dir,
             "cache_key": self.cache_key,
-            "cache_bytes": self.cache_bytes,
+            "cache_bytes": self.cache.cache_bytes,
             "used_bytes": int(used),
             "pid": os.getpid(),
+            "cache": self.cache,
         }
 
     def read(
@@ -359,8 +354,10 @@ class CacheService:
         return self.node_id
 
 
-def _used_bytes(cache_dir: str, capacity: int) -> int:
-    return DiskCache(cache_dir, capacity).used_bytes()
+def _used_bytes(cache: CacheOptions) -> int:
+    """Bytes of blocks in the disk tier of ``cache`` (a node's, with its budget)."""
+    assert cache.cache_dir is not None and isinstance(cache.cache_bytes, int)  # a node's: CacheOptions.for_node
+    return DiskCache(cache.cache_dir, cache.cache_bytes, mode=cache.cache_mode).used_bytes()
 
 
 # ray's typed overloads of remote() take the task options only, not an actor's (max_concurrency, max_restarts)
@@ -377,24 +374,25 @@ def alive_nodes() -> list[dict]:
 
 
 def start_services(
-    cache_root: str,
-    cache_bytes,
-    memory_bytes: int = 0,
-    detached: bool = True,
+    cache_dir: str | None = None,
+    cache_bytes=None,
+    *,
+    cache: CacheOptions | None = None,
     timeout_s: float = 60.0,
     lease_s: float | None = None,
     down: dict[str, str] | None = None,
 ) -> dict[str, "ray.actor.ActorHandle"]:
     """One cache service on every alive node (reusing those already running); ``{node id: handle}``.
 
-    ``cache_bytes``: budget per node, an int or ``{node id: int}`` (nodes not named get none
-    and no service). The services belong to the cluster, not to the driver that starts them:
+    ``cache``: the node caches (:class:`stoker.CacheOptions`, ``cache_dir`` the cluster cache
+    root, default ``<default cache dir>/cluster``; ``cache_bytes`` a budget per node, or ``{node id: size}``: nodes not named get none and
+    no service; :meth:`stoker.CacheOptions.for_node`); ``cache_dir``/``cache_bytes``: the
+    shortcut for those fields. The services belong to the cluster, not to the driver that starts them:
     they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
     namespace ``stoker``), so any driver finds them again by name and they outlive this one;
     Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
     (A named actor that is not detached dies with the driver that created it, under the feet
-    of every other job reading from it.) ``detached`` is kept for older callers; services are
-    always detached. ``lease_s``: see :class:`CacheService` (for services started here).
+    of every other job reading from it.) ``lease_s``: see :class:`CacheService` (for services started here).
 
     Waits until every service answers. A service whose start fails (its constructor raised,
     e.g. the node's cache directory is unusable: Ray does not restart it) raises
@@ -403,12 +401,14 @@ def start_services(
     ``down`` (a dict), such a node is recorded there instead (``{node id: reason}``) and left out
     of the result, and the other services are still waited for.
     """
-    del detached
+    cache = with_shortcuts(cache, cache_dir, cache_bytes)
+    if cache.cache_dir is None:
+        cache = dataclasses.replace(cache, cache_dir=os.path.join(default_cache_dir(), "cluster"))
     handles = {}
     for node in alive_nodes():
         nid = node["NodeID"]
-        budget = cache_bytes.get(nid) if isinstance(cache_bytes, dict) else cache_bytes
-        if not budget:
+        mine = cache.for_node(nid)
+        if mine is None:
             continue
         opts = dict(
             name=service_name(nid),
@@ -417,7 +417,7 @@ def start_services(
             lifetime="detached",
             scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
         )
-        handles[nid] = _Remote.options(**opts).remote(nid, cache_root, int(budget), memory_bytes, None, lease_s)
+        handles[nid] = _Remote.options(**opts).remote(nid, mine, None, lease_s)
     _wait_answer(handles, timeout_s, down)
     return {nid: h for nid, h in handles.items() if down is None or nid not in down}
 
@@ -506,72 +506,49 @@ def stop_services() -> int:
     return n
 
 
-def cache_dir_arg(cache_dir: str | None, cache_root: str | None, stacklevel: int = 3) -> str | None:
-    """The node cache directory a user gave to :func:`stoker.cluster.run` or
-    :func:`stoker.cluster.service.warmup.warm`: ``cache_dir``, or the old name ``cache_root`` (accepted
-    for one release with a DeprecationWarning; ``cache_dir``/``cache_bytes`` are the names
-    :func:`stoker.open_dataset` and ``stoker warm --cache-dir/--cache-bytes`` use). TypeError
-    when both are given."""
-    if cache_root is None:
-        return cache_dir
-    if cache_dir is not None:
-        raise TypeError("cache_root= and cache_dir= were both given: cache_root is the old name of cache_dir")
-    warnings.warn("cache_root= is deprecated; use cache_dir=", DeprecationWarning, stacklevel=stacklevel)
-    return cache_root
-
-
 def prepare(
     url: str,
     storage_options: dict | None,
-    cache_dir: str | None,
-    cache_bytes,
+    cache: CacheOptions,
     block_bytes: int | str | None,
-    detached: bool = True,
     down: dict[str, str] | None = None,
 ):
-    """The common first steps of ``run`` and ``warm``: start the services where missing (default
-    root ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
-    index. ``cache_bytes``: bytes per node (an int, a size string such as ``"64MiB"``, or a dict
-    of them by node id). Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``.
-    Services already running keep their budgets (a warning names them when ``cache_bytes`` asks
-    for another). ValueError (naming ``cache_bytes``) for a size that does not parse or no
-    budget above 0; RuntimeError
-    when no service answers; a service that cannot start raises as in :func:`start_services`,
-    or with ``down`` (a dict) is recorded there (``{node id: reason}``) and left out; RuntimeError
-    before ``ray.init()`` (outside a Ray worker), saying so."""
+    """The common first steps of ``run``, ``warm``, ``rank_context`` and ``placement_hint``: start
+    the services where missing (``cache``: :func:`start_services`; default root
+    ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
+    index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``.
+    Services already running keep their budgets (a warning names them when ``cache.cache_bytes``
+    asks for another). ValueError for a budget of 0; RuntimeError when no service answers; a
+    service that cannot start raises as in :func:`start_services`, or with ``down`` (a dict) is
+    recorded there (``{node id: reason}``) and left out; RuntimeError before ``ray.init()``
+    (outside a Ray worker), saying so."""
     if not ray.is_initialized():
         raise RuntimeError(
             f"stoker.cluster needs a running Ray for {url}: call ray.init() first (or run inside a Ray worker)"
         )
-    opts = dict(storage_options or {})
-    budget = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
-    budget = (
-        {nid: parse_size(b, f"cache_bytes[{nid!r}]") for nid, b in budget.items()}
-        if isinstance(budget, dict)
-        else parse_size(budget, "cache_bytes")
-    )
-    if not any(budget.values() if isinstance(budget, dict) else [budget]):
-        raise ValueError(f"cache_bytes must give some node a budget above 0 bytes, got {cache_bytes!r}")
-    start_services(cache_dir or os.path.join(default_cache_dir(), "cluster"), budget, detached=detached, down=down)
+    if cache.cache_bytes == 0:
+        raise ValueError("cache_bytes must give some node a budget above 0 bytes, got 0")
+    start_services(cache=cache, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
-    if cache_bytes is not None:  # asked for a budget: say where running services keep another one
+    if cache.cache_bytes is not None:  # asked for a budget: say where running services keep another one
         other = {
             info["node_name"]: info["cache_bytes"]
             for nid, info in services.items()
-            if info["cache_bytes"] != (budget.get(nid, info["cache_bytes"]) if isinstance(budget, dict) else budget)
+            if (mine := cache.for_node(nid)) is not None and info["cache_bytes"] != mine.cache_bytes
         }
         if other:
             log.warning(
                 "cache_bytes=%r applies only to the cache services started now; %d running service(s) "
                 "keep their budgets (%s): stop them first (stoker.cluster.service.cache_service.stop_services) to "
                 "change them",
-                cache_bytes,
+                cache.cache_bytes,
                 len(other),
                 ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(other.items())[:5]),
             )
     if not services:
         why = "; ".join(down.values()) if down else ""
         raise RuntimeError("no cache service answers on any node" + (f" ({why})" if why else ""))
+    opts = dict(storage_options or {})
     ds = open_dataset(
         url, storage_options=opts, cache=False, check=False, block_bytes=block_bytes or DEFAULT_BLOCK_BYTES
     )

@@ -23,21 +23,13 @@ __all__ = ["announce", "open_on_node", "route"]
 
 def open_on_node(url: str, storage_options: dict, service: dict | None, block_bytes: int):
     """The dataset at ``url`` for a rank on a node: through the node cache of ``service`` (the
-    node's service info: ``cache_dir``, ``cache_bytes``), or uncached when the node has none;
-    ``block_bytes`` as the job's. Unchecked (the driver or rank 0 checked it): the caller
-    compares its ``version`` with the one the job was placed with."""
+    node's service info, whose ``cache`` is the node's :class:`stoker.CacheOptions`), or uncached
+    when the node has none; ``block_bytes`` as the job's. Unchecked (the driver or rank 0 checked
+    it): the caller compares its ``version`` with the one the job was placed with."""
     from ...store.dataset import open_dataset
 
-    if service is not None:
-        return open_dataset(
-            url,
-            service["cache_dir"],
-            service["cache_bytes"],
-            storage_options=storage_options,
-            check=False,
-            block_bytes=block_bytes,
-        )
-    return open_dataset(url, cache=False, storage_options=storage_options, check=False, block_bytes=block_bytes)
+    cache = False if service is None else service["cache"]
+    return open_dataset(url, cache=cache, storage_options=storage_options, check=False, block_bytes=block_bytes)
 
 
 def route(

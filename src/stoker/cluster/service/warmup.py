@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import numpy as np
 import ray
 from tqdm import tqdm
 
+from ...cache.spec import CacheOptions
 from ...store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
 from ..freshness import refreshing
 from ..handoff import previous_layout, prior_owner
 from ..placement import bytes_per_node, place_dataset
-from .cache_service import cache_dir_arg, dataset_ref, error_line, find_services, get_service, placement_keys, prepare
+from ..settings import cluster_door
+from .cache_service import dataset_ref, error_line, find_services, get_service, placement_keys, prepare
 from .records import RETRY_PAUSE_S, SERVICE_TRIES, settle_record
 from .records import call as _call
 
@@ -44,55 +47,51 @@ def warm(
     storage_options: dict | None = None,
     *,
     cache_dir: str | None = None,
-    cache_bytes: int | str | None = None,
+    cache_bytes: int | str | dict | None = None,
+    cache: CacheOptions | None = None,
     block_bytes: int | str | None = None,
     chunk_blocks: int = 16,
     concurrency: int = 8,
     progress: bool = False,
-    detached: bool = True,
     fill_timeout_s: float | None = None,
-    cache_root: str | None = None,
+    **deprecated,
 ) -> dict:
     """Fill every node cache with the blocks of ``url`` placed on it; returns a report.
 
-    Services are started where missing (``cache_dir``/``cache_bytes`` as in
-    :func:`stoker.cluster.run`; ``cache_root`` is the old name of ``cache_dir``, accepted with a
-    DeprecationWarning). The dataset's placement members are the recorded ones (see
-    ``run``), else every node with a service. ``chunk_blocks`` blocks per request,
-    ``concurrency`` ranged GETs per node. A block whose owner changed when the members last grew
-    is filled from its previous owner's cache when that node holds it (:mod:`stoker.cluster.handoff`;
-    ``handoff_bytes``), else from the origin. Report: ``{url, version, dataset_bytes, seconds,
-    origin_bytes, handoff_bytes, cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
+    Services are started where missing (``cache_dir``, ``cache_bytes``, ``cache`` and
+    ``block_bytes`` as in :func:`stoker.cluster.run`; ``cache_root=`` and ``detached=``, which
+    changed nothing, still work with a DeprecationWarning). The members are the recorded ones (see
+    ``run``), else every node with a service. ``chunk_blocks`` blocks per request, ``concurrency``
+    ranged GETs per node; a block whose owner changed when the members last grew comes from its
+    previous owner's cache when it holds it (:mod:`stoker.cluster.handoff`), else the origin.
+
+    Report: ``{url, version, dataset_bytes, seconds, origin_bytes, handoff_bytes,
+    cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
     cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
     failed_shards, error}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
     ``complete``: every block cached; a node's ``error``: why its service filled nothing more or
-    did not answer at the end, else None). A block a node's budget refuses stays uncached; a block
-    that fails is reported and the others go on, so the report may be partial: nothing is raised
-    for it. A chunk whose fill meets a dead or restarting service is sent again (``FILL_TRIES``
-    in all, ``RETRY_PAUSE_S`` apart, growing; the other nodes go on meanwhile) before its blocks
-    count as failed; a service still not answering then, or gone for good, is *down*: the rest
-    of its node's blocks fail at once, named with the reason. So is a service that hangs (its node
-    still alive in Ray's view): when none of a node's fills has answered for ``fill_timeout_s``
-    seconds plus its requests' bytes at ``FILL_MIN_BPS`` (default ``FILL_TIMEOUT_S``), the
-    requests are given up and the node is down. A node whose service cannot start
-    (:func:`stoker.cluster.service.cache_service.start_services`) gets no blocks and is listed with its
-    ``error``, nothing cached (``cached_fraction`` 0.0). Needs ``ray.init()`` first; raises what
-    :func:`stoker.cluster.service.cache_service.prepare` raises (no service answers on any node, no index at
-    ``url``). ``progress``: a tqdm bar on stderr (bytes placed, rate,
-    ETA); off by default, so a library call prints nothing (``stoker warm`` shows it on a terminal).
+    did not answer at the end, else None). Nothing is raised for a block refused by a budget or
+    one that fails: the report may be partial. A dead, restarting or hung service is retried and
+    then given up as *down* (``FILL_TRIES``, ``RETRY_PAUSE_S``; hung: no fill answered in
+    ``fill_timeout_s``, default ``FILL_TIMEOUT_S``, plus its requests' bytes at ``FILL_MIN_BPS``),
+    and the rest of its blocks fail, named with the reason; a node whose service cannot start is
+    listed with its ``error``, nothing cached. Needs ``ray.init()``; raises what
+    :func:`stoker.cluster.service.cache_service.prepare` raises. ``progress``: a tqdm bar on
+    stderr (off by default: a library call prints nothing).
     """
+    if deprecated.pop("detached", None) is not None:
+        warnings.warn("detached= is deprecated; cache services are always detached", DeprecationWarning, stacklevel=2)
+    cache, _ = cluster_door("warm", cache, cache_dir, cache_bytes, None, deprecated)
     opts = dict(storage_options or {})
     t0 = time.perf_counter()
     down_at_start: dict[str, str] = {}  # node id -> why its service did not start
-    cache_dir = cache_dir_arg(cache_dir, cache_root)
-    services, ds, dref = prepare(url, opts, cache_dir, cache_bytes, block_bytes, detached, down=down_at_start)
+    services, ds, dref = prepare(url, opts, cache, block_bytes, down=down_at_start)
     nodes = list(services)
     record = settle_record(services, ds.version, int(ds.index.total_bytes), nodes, [])
     members = [m for m in record["members"] if m in services] or nodes
     owner = place_dataset(ds, placement_keys(services, members), [services[m]["cache_bytes"] for m in members])
     prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
-    owned = bytes_per_node(ds, owner, len(members))
     sizes = ds.blocks.nbytes(np.arange(len(ds.blocks)))
     queues = {
         i: [
@@ -101,22 +100,23 @@ def warm(
         ]
         for i in range(len(members))
     }
-    bar = None
-    if progress:
-        bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}")
-    fills = _Fills(
-        ds,
-        dref,
-        members,
-        queues,
-        concurrency,
-        bar,
-        FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s),
-        prior,
-    )
+    bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}") if progress else None
+    timeout_s = FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s)
+    fills = _Fills(ds, dref, members, queues, concurrency, bar, timeout_s, prior)
     fills.run()
     if bar is not None:
         bar.close()
+    report = {"url": url, "version": ds.version, "dataset_bytes": int(sizes.sum())}
+    report.update(_report(fills, services, bytes_per_node(ds, owner, len(members)), dref, down_at_start))
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _report(fills: _Fills, services: dict, owned: np.ndarray, dref: dict, down_at_start: dict[str, str]) -> dict:
+    """The report of a warm-up whose ``fills`` ran (:func:`warm`), but for its ``url``,
+    ``version``, ``dataset_bytes`` and ``seconds``: what each member holds now (asked, each
+    service given ``REPORT_TIMEOUT_S``), and the nodes whose service did not start."""
+    members, dataset_bytes = fills.members, int(owned.sum())
     cached, node_errors = [], {}
     for i, m in enumerate(members):
         try:
@@ -128,15 +128,11 @@ def warm(
         if i in fills.down:  # why the node's blocks were not filled comes first
             node_errors[i] = fills.down[i]
     totals, errors = fills.totals, fills.errors
-    report = {
-        "url": url,
-        "version": ds.version,
-        "dataset_bytes": int(sizes.sum()),
-        "seconds": time.perf_counter() - t0,
+    report: dict = {
         "origin_bytes": int(sum(t["origin_bytes"] for t in totals.values())),
         "handoff_bytes": int(sum(t["handoff_bytes"] for t in totals.values())),
-        "cached_fraction": float(sum(cached) / sizes.sum()) if sizes.sum() else 1.0,
-        "complete": bool(sum(cached) >= sizes.sum()),
+        "cached_fraction": float(sum(cached) / dataset_bytes) if dataset_bytes else 1.0,
+        "complete": bool(sum(cached) >= dataset_bytes),
         "failed_shards": {sh: why for e in errors.values() for sh, why in e.items()},
         "nodes": {},
     }
@@ -156,15 +152,10 @@ def warm(
         }
     for m, why in down_at_start.items():  # no service: given no blocks, filled nothing
         report["nodes"][m] = {
+            **dict.fromkeys(("cache_bytes", "owned_bytes", "cached_bytes", "filled", "refused", "failed"), 0),
             "node_name": m,
             "cache_dir": None,
-            "cache_bytes": 0,
-            "owned_bytes": 0,
-            "cached_bytes": 0,
             "cached_fraction": 0.0,
-            "filled": 0,
-            "refused": 0,
-            "failed": 0,
             "failed_shards": {},
             "error": why,
         }

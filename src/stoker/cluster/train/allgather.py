@@ -38,7 +38,7 @@ class _Board:
         if int(world_size) != self.world_size:
             raise ValueError(
                 f"rank {rank} gathers over {world_size} ranks, the board was made for {self.world_size}: "
-                "two jobs of one name at once? give each its own job="
+                "two jobs of one name at once? give each its own ClusterOptions(job=...)"
             )
         self.rounds.setdefault(int(rnd), {})[int(rank)] = value
 
@@ -129,8 +129,8 @@ class Exchange:
                 ray.kill(self._board)  # the job cannot go on without them: its exchange ends here
                 raise RankSetupError(
                     f"job {self.job!r}: ranks {missing} of {self.world_size} did not report within "
-                    f"{self.timeout_s} s (round {self._round}); did every rank start, with the same job= and "
-                    "world size?"
+                    f"{self.timeout_s} s (round {self._round}); did every rank start, with the same "
+                    "ClusterOptions(job=...) and world size?"
                 )
             time.sleep(POLL_S)
 

@@ -32,6 +32,7 @@ import weakref
 
 import ray
 
+from ...cache.spec import CacheOptions
 from ...errors import RankSetupError
 from ..counters import ByteCounters
 from ..handoff import previous_layout, prior_owner
@@ -41,9 +42,13 @@ from ..registration import end as end_registration
 from ..service.cache_service import dataset_ref, get_service, placement_keys, prepare
 from ..service.records import settle_record
 from ..service.routed import announce, open_on_node, route
+from ..settings import ClusterOptions, cluster_door
 from .allgather import Exchange
 
 log = logging.getLogger(__name__)
+
+#: The old keywords of :func:`rank_context` that moved into :class:`ClusterOptions`.
+MOVED = ("job", "timeout_s", "peer_timeout_s", "retry_s")
 
 
 def _ray_train_context():
@@ -86,11 +91,11 @@ def _job_name(job: str | None) -> str | None:
     return None if train is None else str(train.get_experiment_name())
 
 
-def _layout(url, opts, cache_dir, cache_bytes, block_bytes, rank_nodes: list[str], job: str) -> dict:
+def _layout(url, opts, cache: CacheOptions, block_bytes, rank_nodes: list[str], job: str) -> dict:
     """Rank 0's part: the services (started where missing), the dataset's placement members with
     the ranks' nodes as the job's nodes, and what every rank needs to place the blocks alike.
     Announces the job on every service (``hold``); the token is in the layout."""
-    services, ds, dref = prepare(url, opts, cache_dir, cache_bytes, block_bytes)
+    services, ds, dref = prepare(url, opts, cache, block_bytes)
     nodes = list(services)
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
     job_nodes = [n for n in rank_nodes if n in services]
@@ -120,24 +125,23 @@ def rank_context(
     *,
     storage_options: dict | None = None,
     cache_dir: str | None = None,
-    cache_bytes: int | str | None = None,
+    cache_bytes: int | str | dict | None = None,
+    cache: CacheOptions | None = None,
     block_bytes: int | str | None = None,
-    job: str | None = None,
-    timeout_s: float = 120.0,
-    peer_timeout_s: float = 30.0,
-    retry_s: float = 1.0,
+    cluster: ClusterOptions | None = None,
+    **deprecated,
 ) -> RankContext:
     """This rank's :class:`RankContext`: the dataset at ``url`` read through the cluster (node
     cache → owning peer → origin) and the rank's co-located plans (module doc). Every rank of the
     job must call it, with the same arguments but ``rank``.
 
     ``rank``/``world_size``: as :func:`rank_and_world`. ``storage_options``, ``cache_dir``,
-    ``cache_bytes`` (bytes or a size string, per node) and ``block_bytes``: as
-    :func:`stoker.cluster.run` (they apply to cache services started now). ``job``: the job's name,
-    the same on every rank and unique among the jobs running at once; needed only without a
-    ``torch.distributed`` group of the job's size (default: the Ray Train experiment name).
-    ``timeout_s``: the longest wait for the other ranks, seconds. ``peer_timeout_s``/``retry_s``:
-    as :func:`stoker.cluster.run`.
+    ``cache_bytes``, ``cache`` and ``block_bytes``: as :func:`stoker.cluster.run` (they apply to
+    cache services started now). ``cluster``: :class:`stoker.cluster.settings.ClusterOptions`, of
+    which ``job`` (the job's name: needed only without a ``torch.distributed`` group of the job's
+    size; default the Ray Train experiment name), ``timeout_s`` (the longest wait for the other
+    ranks, default 120 s), ``peer_timeout_s`` and ``retry_s`` apply. ``job=``, ``timeout_s=``,
+    ``peer_timeout_s=`` and ``retry_s=`` themselves are still taken, with a DeprecationWarning.
 
     Needs a Ray worker or ``ray.init()`` first (RuntimeError otherwise). Raises ValueError for a
     bad rank or a missing ``job``; :class:`stoker.errors.RankSetupError` when the ranks do not all
@@ -147,15 +151,16 @@ def rank_context(
     ``url`` changed between the ranks; rank 0 raises what :func:`stoker.cluster.service.cache_service.prepare`
     raises.
     """
+    cache, cluster = cluster_door("rank_context", cache, cache_dir, cache_bytes, cluster, deprecated, MOVED)
     if not ray.is_initialized():
         raise RuntimeError("stoker.cluster.rank_context runs in a Ray worker or after ray.init()")
     r, w = rank_and_world(rank, world_size)
-    name = _job_name(job)
-    ex = Exchange(r, w, name or "job", timeout_s)
+    name = _job_name(cluster.job)
+    ex = Exchange(r, w, name or "job", 120.0 if cluster.timeout_s is None else cluster.timeout_s)
     if ex.via == "ray" and w > 1 and name is None:
         raise ValueError(
-            "stoker.cluster.rank_context without a torch.distributed group needs job= (the same name on "
-            "every rank of the job, unique among the jobs running at once)"
+            "stoker.cluster.rank_context without a torch.distributed group needs ClusterOptions(job=...) (the "
+            "same name on every rank of the job, unique among the jobs running at once)"
         )
     opts = dict(storage_options or {})
     node = ray.get_runtime_context().get_node_id()
@@ -163,17 +168,17 @@ def rank_context(
     layout: dict | None = None
     if r == 0:
         try:
-            layout = _layout(url, opts, cache_dir, cache_bytes, block_bytes, rank_nodes, name or "job")
+            layout = _layout(url, opts, cache, block_bytes, rank_nodes, name or "job")
         except BaseException as exc:
             ex.all_gather({"error": f"{type(exc).__name__}: {exc}"}, last=True)
             raise
     layout = ex.all_gather(layout, last=True)[0]
     if "error" in layout:
         raise RankSetupError(f"rank 0 could not place {url} for job {name!r}: {layout['error']}")
-    return _open(url, opts, r, w, node, rank_nodes, layout, name or "job", peer_timeout_s, retry_s)
+    return _open(url, opts, r, w, node, rank_nodes, layout, name or "job", cluster)
 
 
-def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s, retry_s) -> RankContext:
+def _open(url, opts, rank, world, node, rank_nodes, layout, job, cluster: ClusterOptions) -> RankContext:
     """Step 4 of the module doc: the rank's routed dataset and its context."""
     ds = open_on_node(url, opts, layout["services"].get(node), layout["block_bytes"])
     counters = relay = None
@@ -188,7 +193,7 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, peer_timeout_s,
         members = layout["members"]
         owner = place_dataset(ds, layout["keys"], layout["budgets"])
         prior = prior_owner(ds, members, owner, layout.get("previous"))  # blocks to hand off
-        routed, relay = route(ds, opts, members, owner, node, counters, peer_timeout_s, retry_s, prior)
+        routed, relay = route(ds, opts, members, owner, node, counters, cluster.peer_timeout_s, cluster.retry_s, prior)
         index_of = {m: i for i, m in enumerate(members)}
         spec = {
             "rank": rank,
@@ -297,21 +302,12 @@ class RankLoader(ClusterLoader):
 def rank_loader(url: str, batch_size: int, rank: int | None = None, world_size: int | None = None, **kwargs):
     """A :class:`RankLoader` over this rank's co-located plan of the dataset at ``url``, read
     through the cluster: :func:`rank_context` (its keyword arguments: ``storage_options``,
-    ``cache_dir``, ``cache_bytes``, ``block_bytes``, ``job``, ``timeout_s``, ``peer_timeout_s``,
-    ``retry_s``) then :meth:`RankContext.loader` (every other keyword argument goes to
-    :class:`stoker.Loader`: ``num_workers``, ``seed``, ``read=`` ...). Its :meth:`RankLoader.close`
-    ends the rank's cluster reads too; ``loader.context`` holds the per-epoch byte records. Raises
-    what both raise."""
-    names = (
-        "storage_options",
-        "cache_dir",
-        "cache_bytes",
-        "block_bytes",
-        "job",
-        "timeout_s",
-        "peer_timeout_s",
-        "retry_s",
-    )
+    ``cache_dir``, ``cache_bytes``, ``cache``, ``block_bytes``, ``cluster``, and its old ones)
+    then :meth:`RankContext.loader` (every other keyword argument goes to :class:`stoker.Loader`:
+    ``num_workers``, ``seed``, ``read=`` ...). Its :meth:`RankLoader.close` ends the rank's
+    cluster reads too; ``loader.context`` holds the per-epoch byte records. Raises what both
+    raise."""
+    names = ("storage_options", "cache_dir", "cache_bytes", "cache", "block_bytes", "cluster", "cache_root", *MOVED)
     ctx = rank_context(url, rank, world_size, **{k: kwargs.pop(k) for k in names if k in kwargs})
     try:
         return RankLoader(ctx, batch_size, owns_context=True, **kwargs)
