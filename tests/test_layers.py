@@ -36,7 +36,7 @@ LAYERS = [
     {"stoker.loader"},
     {"stoker.cluster"},
     {"stoker.cli"},
-    {"stoker_lab", "stoker_lab.errors", "stoker_lab.sample_data"},
+    {"stoker_lab", "stoker_lab.errors", "stoker_lab.sample_data", "stoker_lab.reference", "stoker_lab.decode_rate"},
     {"stoker_lab.sim", "stoker_lab.bench"},
     {"stoker_lab.cli"},
 ]

@@ -17,7 +17,7 @@ import pytest
 import stoker
 from _helpers import make_image_folder
 from stoker.cli import main
-from stoker.cli.args import rate_arg
+from stoker_lab.cli.bandwidth import rate_arg
 
 SRC = os.path.dirname(os.path.dirname(stoker.__file__))  # the stoker under test, in the child too
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from stoker.decode import rate
-from stoker.decode.rate import DecodeRound
+from stoker_lab import decode_rate as rate
+from stoker_lab.decode_rate import DecodeRound
 
 
 @pytest.fixture(scope="module")

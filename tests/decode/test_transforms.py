@@ -25,15 +25,13 @@ from stoker.decode import (
     decode_image,
     decode_transform,
     eval_transform,
-    measure_decode_rate,
-    pillow_decode,
-    pillow_eval_transform,
-    pillow_train_transform,
     random_resized_crop_params,
     resize_bilinear_aa,
     train_transform,
 )
 from stoker.decode.resample import one_intra_op_thread, resize_box_aa
+from stoker_lab.decode_rate import measure_decode_rate
+from stoker_lab.reference import pillow_decode, pillow_eval_transform, pillow_train_transform
 
 PHOTOS = ["chelsea", "astronaut", "coffee", "motorcycle_left", "horse"]
 

@@ -9,10 +9,10 @@ import torch
 
 from stoker.decode import DecodeError, decode_image
 from stoker.decode.gpu import GpuJpegDecoder, gpu_eligible
-from stoker.decode.reference import pillow_decode, pillow_train_transform
 from stoker.loader import Loader, RunOptions
 from stoker.loader.device.transfer import DeviceTransfer, check_device
 from stoker.store.dataset import open_dataset
+from stoker_lab.reference import pillow_decode, pillow_train_transform
 
 
 def _batch(n, seed):

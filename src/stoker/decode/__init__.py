@@ -6,13 +6,6 @@ region decode and resize as one call, returning an ``(H, W, 3)`` uint8 array.
 
 from .fast import jpeg
 from .image import DEFAULT_MAX_PIXELS, DecodeError, ImageTooLarge, decode_image, decode_stats
-from .rate import measure_decode_rate
-from .reference import (
-    pillow_decode,
-    pillow_decode_transform,
-    pillow_eval_transform,
-    pillow_train_transform,
-)
 from .transforms import (
     decode_transform,
     eval_resize_for,
@@ -32,11 +25,6 @@ __all__ = [
     "eval_resize_for",
     "eval_transform",
     "jpeg",
-    "measure_decode_rate",
-    "pillow_decode",
-    "pillow_decode_transform",
-    "pillow_eval_transform",
-    "pillow_train_transform",
     "random_resized_crop_params",
     "resize_bilinear_aa",
     "train_transform",

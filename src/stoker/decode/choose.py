@@ -37,7 +37,7 @@ import numpy as np
 
 from .forms import SAME, Form, make_entry, parse_form, read_entry
 from .image import DecodeError, decode_image
-from .rate import time_loop
+from .resample import one_intra_op_thread
 from .transforms import decode_transform, eval_resize_for, eval_transform_reduced, train_transform_reduced
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,14 @@ class _Probe:
         return eval_transform_reduced(img, hw, self.size, self.resize, out)
 
     def rate(self, step) -> float:
-        """Samples/s of one core running ``step(j)`` over the samples (see :func:`time_loop`)."""
-        return time_loop(step, len(self.items), self.min_seconds).wall_rate
+        """Samples/s of one core running ``step(j)`` over the samples (at least one pass and ``min_seconds`` of wall time, on one torch thread)."""
+        n, count = 0, len(self.items)
+        with one_intra_op_thread():  # one core's rate: torch's resize kernel on one thread
+            start = time.perf_counter()
+            while n < count or time.perf_counter() - start < self.min_seconds:
+                step(n % count)
+                n += 1
+        return n / (time.perf_counter() - start)
 
 
 def measure_forms(

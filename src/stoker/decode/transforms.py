@@ -125,7 +125,7 @@ def train_transform(
 ) -> np.ndarray:
     """``RandomResizedCrop(size)`` then ``RandomHorizontalFlip(p=0.5)``, to CHW.
 
-    RNG draw order (shared with ``reference.pillow_train_transform``): the crop parameters
+    RNG draw order (shared with ``stoker_lab.reference.pillow_train_transform``): the crop parameters
     (:func:`random_resized_crop_params`, default scale/ratio), then one ``rng.random()``; the
     image is mirrored when it is ``< 0.5``.
 

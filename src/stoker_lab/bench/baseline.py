@@ -2,7 +2,7 @@
 ImageFolder dataset that reads each file from the origin through fsspec and decodes
 it with Pillow (what `torchvision.datasets.ImageFolder` users get, with the same
 transform semantics; torchvision itself does not import beside the CPU torch build
-here, so the Pillow transforms of :mod:`stoker.decode.reference` stand in for it).
+here, so the Pillow transforms of :mod:`stoker_lab.reference` stand in for it).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class FsspecImageFolder:
         import torch
         from PIL import Image
 
-        from stoker.decode.reference import pillow_eval_transform, pillow_train_transform
+        from stoker_lab.reference import pillow_eval_transform, pillow_train_transform
 
         path, label = self.samples[i]
         data = self._filesystem().cat_file(path)

@@ -56,10 +56,10 @@ def run(
 ) -> dict:
     """Run the benchmark; returns {per_core: {stoker, pillow, dali}, loader: [...], cache_forms: {forms, auto,
     loader}, skipped: [...], machine} (cache_forms: see :func:`_cache_forms`)."""
-    from stoker.decode.rate import measure_decode_rate
     from stoker.loader import Loader
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
+    from stoker_lab.decode_rate import measure_decode_rate
 
     from ..sample_data import make_sample_data
 

@@ -8,7 +8,7 @@ baseline (torch DataLoader + fsspec + Pillow) and stoker (3 epochs: cold, warm,
 warm), each with a consumer that takes no time and with an emulated accelerator.
 
 The decode rate is timed in short rounds, stoker's recipe and Pillow's taking turns
-(:func:`stoker.decode.rate.measure_decode_rounds`), at three points of the run: after packing,
+(:func:`stoker_lab.decode_rate.measure_decode_rounds`), at three points of the run: after packing,
 right before stoker's epochs with a consumer that takes no time, and right after them (the
 loader closed, so nothing else decodes). The limits use the median of all the rounds
 (:data:`CALIBRATION_ROUNDS`) in samples per CPU-second of the decoding thread, so the checks
@@ -82,11 +82,11 @@ def _log(msg: str) -> None:
 
 def decode_limits(rounds: dict, workers: int, storage_bound: float) -> dict:
     """The report's ``limits`` from the calibration rounds so far (``{"stoker": [DecodeRound, ...],
-    "pillow": [...]}``, :func:`stoker.decode.rate.measure_decode_rounds`): the per-core rates are
+    "pillow": [...]}``, :func:`stoker_lab.decode_rate.measure_decode_rounds`): the per-core rates are
     the medians of the rounds' samples per CPU-second of the decoding thread (one core's rate
     with the core to itself, which the machine's other load does not move), ``decode_bound`` =
     the stoker median x ``workers``; every round's CPU and wall rates are kept beside them."""
-    from stoker.decode.rate import median_rate
+    from stoker_lab.decode_rate import median_rate
 
     cpu = {k: [r.cpu_rate for r in v] for k, v in rounds.items()}
     per_core = median_rate(cpu["stoker"])
@@ -108,10 +108,10 @@ def decode_limits(rounds: dict, workers: int, storage_bound: float) -> dict:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the report dict (also written to ``cfg.json_path``)."""
-    from stoker.decode.rate import measure_decode_rounds
     from stoker.loader import Loader
     from stoker.store.dataset import open_dataset
     from stoker.store.pack import pack
+    from stoker_lab.decode_rate import measure_decode_rounds
 
     from ..sample_data import make_sample_data
     from .baseline import FsspecImageFolder, make_baseline_loader

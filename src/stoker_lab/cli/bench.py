@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from stoker.cli.args import rate_arg
+from .bandwidth import rate_arg
 
 
 def _write_json(path: str, report: dict) -> None:

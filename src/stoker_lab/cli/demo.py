@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from stoker.cli.args import rate_arg, size_arg
+from stoker.cli.args import size_arg
+
+from .bandwidth import rate_arg
 
 
 def cmd_demo(a) -> int:

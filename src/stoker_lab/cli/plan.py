@@ -107,11 +107,11 @@ def _check_plot_format(path: str) -> None:
 
 def measure_decode_rate() -> float:
     """This machine's decode + RandomResizedCrop rate of one core, samples/s: the median CPU-clock
-    rate of 3 rounds of :func:`stoker.decode.rate.measure_decode_rounds` over 64 sample photos
+    rate of 3 rounds of :func:`stoker_lab.decode_rate.measure_decode_rounds` over 64 sample photos
     (:func:`stoker_lab.sample_data.make_sample_data`, in a temporary directory removed after)."""
     import tempfile
 
-    from stoker.decode.rate import measure_decode_rounds, median_rate
+    from stoker_lab.decode_rate import measure_decode_rounds, median_rate
 
     from ..sample_data import make_sample_data
 
@@ -223,7 +223,7 @@ def inputs(a) -> tuple:
         cfg.decode_rate = measure_decode_rate()
         src["decode_rate"] = (
             "measured here (--measure): one core's stoker decode + RandomResizedCrop(224), median of 3 rounds "
-            "on the CPU clock over 64 sample photos (stoker.decode.rate.measure_decode_rounds)"
+            "on the CPU clock over 64 sample photos (stoker_lab.decode_rate.measure_decode_rounds)"
         )
     return cfg, cache, disk, src
 

@@ -3,9 +3,9 @@
 import json
 import statistics
 
-from stoker.decode.rate import DecodeRound
 from stoker_lab.bench.demo import CALIBRATION_ROUNDS, DemoConfig, bound_figures, decode_limits, run_demo
 from stoker_lab.bench.report import check_done, print_table
+from stoker_lab.decode_rate import DecodeRound
 
 
 def test_demo_report(tmp_path):

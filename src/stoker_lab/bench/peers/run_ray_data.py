@@ -15,7 +15,7 @@ per-epoch random transforms after it). The pipeline here:
 
 on a local Ray instance started by the runner (``ray.init(num_cpus=workers)``: one map task per
 core, as the other loaders have one worker per core). Decode and transform are Pillow's, the same
-reference transform as the torch and WebDataset rows (:func:`stoker.decode.reference.pillow_train_transform`;
+reference transform as the torch and WebDataset rows (:func:`stoker_lab.reference.pillow_train_transform`;
 ``read_images`` also decodes with Pillow). The materialized raw bytes are Ray's cache: they live
 in its object store (memory), are gone when the job ends, and are filled before the first
 batch (no cache fills while streaming). Ray Data has no mid-epoch resume. With one training
@@ -60,7 +60,7 @@ def augment(batch):
     import numpy as np
     from PIL import Image
 
-    from stoker.decode.reference import pillow_train_transform
+    from stoker_lab.reference import pillow_train_transform
 
     rng = np.random.default_rng()
     images = []

@@ -2,7 +2,7 @@
 HTTP with curl (WebDataset's own ``http://`` opener; presigned GET URLs for the S3 origin),
 shard shuffle + a 1,000-sample shuffle buffer, WebDataset's shard cache (``cache_dir``) turned
 on, Pillow decode, ``WebLoader`` workers. Its transform is the same Pillow RandomResizedCrop(224)
-+ flip as the torch recipe (:func:`stoker.decode.reference.pillow_train_transform`), since
++ flip as the torch recipe (:func:`stoker_lab.reference.pillow_train_transform`), since
 torchvision does not import beside the CPU torch stoker is pinned to.
 
 Runs under stoker's own Python (see :mod:`stoker_lab.bench.peers._runner` for the protocol).
@@ -37,7 +37,7 @@ def _augment(sample):
     batch travels from the worker through shared memory, as torchvision's ToTensor output does."""
     import numpy as np
     import torch
-    from stoker.decode.reference import pillow_train_transform
+    from stoker_lab.reference import pillow_train_transform
 
     img, label = sample  # decode("pil") gives RGB
     return torch.from_numpy(pillow_train_transform(img, np.random.default_rng(), 224)), label

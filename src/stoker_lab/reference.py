@@ -14,7 +14,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from .transforms import center_offsets, eval_resize_for, random_resized_crop_params, resized_hw
+from stoker.decode.transforms import center_offsets, eval_resize_for, random_resized_crop_params, resized_hw
 
 __all__ = [
     "pillow_decode",

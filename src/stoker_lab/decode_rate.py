@@ -1,4 +1,5 @@
-"""Single-process decode + transform rate (r_core of the decode bound, benchmarks/README.md).
+"""Single-process decode + transform rate (r_core of the decode bound, benchmarks/README.md), for
+the benchmarks, the demo and `stoker plan`.
 
 One timed run on a shared machine catches whatever else the cores were doing at that moment (the
 demo's per-core rate once read 788/s and 1,200/s in two runs on one machine).
@@ -19,9 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from stoker.decode.resample import one_intra_op_thread
+from stoker.decode.transforms import decode_transform
+
 from .reference import pillow_decode_transform
-from .resample import one_intra_op_thread
-from .transforms import decode_transform
 
 __all__ = ["DecodeRound", "measure_decode_rate", "measure_decode_rounds", "median_rate", "time_decode_round"]
 
