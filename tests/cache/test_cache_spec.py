@@ -42,6 +42,7 @@ def test_cache_options_parse_sizes_and_modes_once():
         ({"cache_mode": "0666"}, ValueError, r"CacheOptions\.cache_mode: .*not allowed"),
         ({"cache_read_only": "yes"}, TypeError, r"CacheOptions\.cache_read_only must be True, False or None"),
         ({"cache_dir": 3}, TypeError, r"CacheOptions\.cache_dir must be a directory path"),
+        ({"memory_bytes": "8MiB", "cache_read_only": True}, ValueError, r"CacheOptions\.cache_read_only=True cannot"),
     ],
 )
 def test_cache_options_refuse_a_bad_field_by_name(kw, err, match):
@@ -67,6 +68,7 @@ def test_for_node_gives_each_node_its_budget():
         ({"timeout_s": "1h"}, TypeError, r"ClusterOptions\.timeout_s must be a number of seconds"),
         ({"wait": 0}, TypeError, r"ClusterOptions\.wait must be True or False"),
         ({"job": 7}, TypeError, r"ClusterOptions\.job must be a name"),
+        ({"process_group": "mpi"}, ValueError, r"ClusterOptions\.process_group must be one of"),
     ],
 )
 def test_cluster_options_refuse_a_bad_field_by_name(kw, err, match):
@@ -337,3 +339,21 @@ def test_the_walk_catches_a_copy(tmp_path):
     assert "service.py:3: stored in an attribute" in found
     assert "open_dataset() reads cache_bytes 2 time(s)" in found
     assert "no DiskCache built with <CacheOptions>.cache_bytes" in found
+
+
+def test_a_cluster_option_the_entry_point_does_not_read_is_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"placement_hint reads only slots_per_node.*placement='random'"):
+        cluster_door("placement_hint", None, None, None, ClusterOptions(placement="random"), {}, ("slots_per_node",))
+    _, cluster = cluster_door(
+        "placement_hint", None, None, None, ClusterOptions(slots_per_node=2), {}, ("slots_per_node",)
+    )
+    assert cluster.slots_per_node == 2
+
+
+def test_open_dataset_refuses_what_it_would_ignore_and_takes_a_path(packed_local, tmp_path):
+    with pytest.raises(TypeError, match="pass a CacheOptions as cache="):
+        stoker.open_dataset(packed_local, CacheOptions(cache_dir=str(tmp_path / "c")))
+    with pytest.raises(TypeError, match=r"cache=False reads no node cache, but cache_dir"):
+        stoker.open_dataset(packed_local, cache=False, cache_dir=str(tmp_path / "c"))
+    ds = stoker.open_dataset(pathlib.Path(packed_local), cache=False)  # a pathlib.Path is a local path
+    assert len(ds) > 0 and ds[0]

@@ -116,3 +116,10 @@ def test_the_settings_are_read_only_from_the_group():
                 if owner not in ("options", "self") or isinstance(node.ctx, ast.Store):
                     stray.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert stray == []
+
+
+def test_a_path_object_packs_and_a_parquet_only_column_is_refused_elsewhere(tmp_path):
+    src = _tree(tmp_path / "src")
+    assert pack(pathlib.Path(src), tmp_path / "d").samples == 6  # pathlib.Path on both sides: local paths
+    with pytest.raises(ValueError, match=r"PackOptions\.key_column .*source='parquet'"):
+        pack(str(src), str(tmp_path / "d2"), options=PackOptions(key_column="k"))

@@ -84,6 +84,11 @@ class CacheOptions:
         if not isinstance(self.cache_read_only, (bool, np.bool_, type(None))):
             raise TypeError(f"CacheOptions.cache_read_only must be True, False or None, got {self.cache_read_only!r}")
         set_(self, "cache_read_only", None if self.cache_read_only is None else bool(self.cache_read_only))
+        if self.cache_read_only and self.memory_bytes > 0:
+            raise ValueError(
+                "CacheOptions.cache_read_only=True cannot have a memory tier (memory_bytes > 0): "
+                "the memory tier is written"
+            )
 
     def for_node(self, node_id: str) -> CacheOptions | None:
         """These options as the cache service of Ray node ``node_id`` keeps them: its own budget

@@ -65,6 +65,10 @@ class ClusterOptions:
             raise ValueError(f"ClusterOptions.placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if not isinstance(self.wait, bool):
             raise TypeError(f"ClusterOptions.wait must be True or False, got {self.wait!r}")
+        if self.process_group not in (None, *BACKENDS):
+            raise ValueError(
+                f"ClusterOptions.process_group must be one of {BACKENDS} or None, got {self.process_group!r}"
+            )
         for name, kind, least, strict in _NUMBERS:
             value = getattr(self, name)
             if value is None and name in ("slots_per_node", "timeout_s"):
@@ -75,6 +79,9 @@ class ClusterOptions:
             if value < least or (strict and value == least):
                 raise ValueError(f"ClusterOptions.{name} must be {'>' if strict else '>='} {least}, got {value}")
 
+
+#: The ``torch.distributed`` backends a job's process group may use.
+BACKENDS = ("gloo", "nccl")
 
 #: The numeric fields of :class:`ClusterOptions`: (name, type, least value, whether it is excluded).
 _NUMBERS = [
@@ -93,9 +100,10 @@ def cluster_door(
     """``(CacheOptions, ClusterOptions)`` of a call of ``func``: ``cache`` with the shortcuts put in
     (:func:`stoker.cache.spec.with_shortcuts`), ``cluster`` (default ``ClusterOptions()``); of the
     other keywords given (``old``), ``cache_root`` (the old name of ``cache_dir``) and ``names``
-    (old keywords of fields of ``cluster``) warn and go to their new place. TypeError for an
-    unexpected keyword, an old name given with its new home, or a group of another type;
-    ValueError for a bad value."""
+    (old keywords of fields of ``cluster``) warn and go to their new place. ``names`` are also the
+    fields of ``cluster`` that ``func`` reads: another field set to other than its default is a
+    ValueError (it would be ignored). TypeError for an unexpected keyword, an old name given with
+    its new home, or a group of another type; ValueError for a bad value."""
     cache_root = old.pop("cache_root", None)
     if cache_root is not None:
         if cache_dir is not None:
@@ -105,6 +113,15 @@ def cluster_door(
     cluster = moved(func, old, "cluster", cluster, ClusterOptions, names) or ClusterOptions()
     if not isinstance(cluster, ClusterOptions):
         raise TypeError(f"cluster must be a stoker.cluster.ClusterOptions, got {type(cluster).__name__} {cluster!r}")
+    unused = [
+        f"{f.name}={getattr(cluster, f.name)!r}"
+        for f in dataclasses.fields(ClusterOptions)
+        if f.name not in names and getattr(cluster, f.name) != f.default
+    ]
+    if unused:
+        raise ValueError(
+            f"{func} reads only {', '.join(names)} of ClusterOptions; {', '.join(unused)} would be ignored"
+        )
     return with_shortcuts(cache, cache_dir, cache_bytes), cluster
 
 

@@ -174,7 +174,7 @@ class Origin:
     retry_budget_s: float | None = None
 
     def __post_init__(self):
-        self.url = self.url.rstrip("/")
+        self.url = os.fspath(self.url).rstrip("/")  # a pathlib.Path is a local path
         self.retry_budget_s = resolve_retry_budget_s(self.retry_budget_s)
         self.reached = False  # a request of this process got an answer (see UNREACHABLE_BUDGET_S)
         self._fs = None

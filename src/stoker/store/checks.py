@@ -44,7 +44,7 @@ def checksum_error(ds, i: int, what: str, data=None, start: int = 0) -> Checksum
         what += f" in field {bad!r}" if bad else ""
     err = ChecksumError(
         f"sample {ds.key(i)!r} in shard {index.shard_name(index.shard[i])!r} of {ds.url}: {what} "
-        "(the dataset changed under its index? re-pack or run `stoker verify`)"
+        "(the dataset changed under its index? open it again if it was re-packed, else run `stoker verify`)"
     )
     err.key = ds.key(i)
     return err

@@ -18,6 +18,7 @@ bytes against the index are :mod:`.checks`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import operator
 import os
@@ -251,10 +252,15 @@ def open_dataset(
     or (read-only) holds no cache: :class:`stoker.CacheModeError`, :class:`stoker.UnsafePathError`,
     :class:`stoker.CacheUnwritableError`, :class:`stoker.NotACacheError` (each naming it).
     """
+    if isinstance(cache_dir, CacheOptions):
+        raise TypeError("open_dataset: pass a CacheOptions as cache=..., not in the place of cache_dir")
     given = None if isinstance(cache, bool) else cache
     spec = with_shortcuts(
         moved("open_dataset", deprecated, "cache", given, CacheOptions, MOVED, 3), cache_dir, cache_bytes
     )
+    if cache is False and spec != CacheOptions():
+        set_ = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != f.default]
+        raise TypeError(f"open_dataset: cache=False reads no node cache, but {', '.join(set_)} was given too")
     block_bytes = parse_size(block_bytes, "block_bytes")
     origin = Origin(url, storage_options or {}, retry_budget_s=retry_budget_s)
     try:

@@ -138,14 +138,11 @@ def pack(
     shard_bytes = parse_size(shard_bytes, "shard_bytes")
     if shard_bytes < 1:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    src, dst = os.fspath(src), os.fspath(dst)  # a pathlib.Path is a local path
     source_origin = Origin(src, options.src_storage_options or {})
     dest = Origin(dst, options.dst_storage_options or {})
     kind = detect_source(source_origin, source)
-    if (kind == "parquet") != (options.column is not None):
-        raise ValueError(
-            "PackOptions.column (--column) names the Parquet column of the sample bytes: it is needed "
-            f"with source='parquet' and only there (source is {kind!r})"
-        )
+    _check_columns(kind, options)
     if classes is not None:
         classes = load_class_list(classes, options.dst_storage_options)
     if kind == "imagefolder":
@@ -159,6 +156,20 @@ def pack(
         if made is not None:
             _remove_if_empty(dest, made)  # a failed first pack leaves no empty directories behind
         raise
+
+
+def _check_columns(kind: str, options: PackOptions) -> None:
+    """ValueError unless ``PackOptions.column`` is given with ``source="parquet"`` and only there,
+    and ``key_column`` only there."""
+    if (kind == "parquet") != (options.column is not None):
+        raise ValueError(
+            "PackOptions.column (--column) names the Parquet column of the sample bytes: it is needed "
+            f"with source='parquet' and only there (source is {kind!r})"
+        )
+    if kind != "parquet" and options.key_column is not None:
+        raise ValueError(
+            f"PackOptions.key_column names a Parquet column: it is for source='parquet' (source is {kind!r})"
+        )
 
 
 def _first_missing_dir(dest: Origin) -> str | None:

@@ -32,9 +32,9 @@ import ray
 from ray.util import get_node_ip_address
 
 from ...errors import ProcessGroupError
+from ..settings import BACKENDS
 
 #: Backends :func:`stoker.cluster.run` and :meth:`stoker.cluster.WorkerContext.init_process_group` take.
-BACKENDS = ("gloo", "nccl")
 
 #: The environment variables a rank's process group sets (the names torchrun uses).
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
