@@ -231,11 +231,15 @@ def _utc(t) -> str:
 
 class PackLeaseError(StokerError, FileExistsError):
     """Another pack is writing the destination now. Attributes: ``url`` (the destination's URL),
-    ``owner`` (dict: host, pid, run, started_unix, expires_unix; times in Unix seconds).
+    ``owner`` (dict: host, pid, run, started_unix, renewed_unix, expires_unix; times in Unix
+    seconds, read on the owner's clock).
 
     The message says who packs, since when, and when a pack that died stops blocking: its claim
     runs out by itself at ``expires_unix`` unless that pack renews it (it does every third of its
     length while it lives), and one whose process is gone from this host is taken over at once.
+    When the owner's claim had run out by this host's clock but changed while this pack watched
+    it, the two hosts' clocks disagree and the message says so (liveness is judged by the claim's
+    changes, never by comparing the clocks: :mod:`stoker.store.lease`).
     """
 
     def __init__(self, url: str, owner: dict):
@@ -244,30 +248,43 @@ class PackLeaseError(StokerError, FileExistsError):
         started = float(owner.get("started_unix") or 0)
         exp = float(owner.get("expires_unix") or 0)
         since = f"since {_utc(started)} ({_ago(now - started)})" if started else "since an unknown time"
+        if exp >= now or not exp:
+            when = (
+                f"If that pack died, it stops blocking by itself at {_utc(exp)} (in {max(0.0, exp - now):.0f} s, "
+                "unless it is alive and renews its claim); then run again."
+            )
+        else:
+            when = (
+                f"It is alive: it renewed its claim while this pack watched it, although by this host's clock "
+                f"the claim ran out at {_utc(exp)} (the two hosts' clocks disagree by {_span(now - exp)} or more)."
+            )
         super().__init__(
             f"{url}: another pack is writing this destination (host {owner.get('host')!r}, "
             f"pid {owner.get('pid')}, run {owner.get('run')}), {since}. Wait for it to finish, or pack "
-            f"somewhere else. If that pack died, it stops blocking by itself at {_utc(exp)} "
-            f"(in {max(0.0, exp - now):.0f} s, unless it is alive and renews its claim); then run again. "
-            "A pack that died on this host is taken over at once."
+            f"somewhere else. {when} A pack that died on this host is taken over at once."
         )
+
+
+def _span(seconds: float) -> str:
+    """``"42 s"``, ``"3 min"``, ``"2.5 h"``."""
+    s = max(0.0, seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
 
 
 def _ago(seconds: float) -> str:
     """``"42 s ago"``, ``"3 min ago"``, ``"2.5 h ago"``."""
-    s = max(0.0, seconds)
-    if s < 120:
-        return f"{s:.0f} s ago"
-    if s < 7200:
-        return f"{s / 60:.0f} min ago"
-    return f"{s / 3600:.1f} h ago"
+    return f"{_span(seconds)} ago"
 
 
 class PackLeaseLostError(StokerError, OSError):
     """This pack's claim on the destination was taken over or removed while it was writing
-    (another pack started after this one had not renewed its claim for the claim's length: the
-    process was frozen, or the store was unreachable): it stops before installing an index. The
-    message names the destination and the new owner, if any."""
+    (another pack saw it unchanged for the claim's length: this process was frozen, or the store
+    unreachable, that long): it stops before installing an index. The message names the
+    destination, the new owner, if any, and how long before its last renewal had been."""
 
 
 # --- cache: the node cache ----------------------------------------------------------------

@@ -44,7 +44,9 @@ def site(tmp_path_factory):
 def _epoch(url: str, cache_dir: str, workers: int, retry_budget_s: float = 30.0) -> dict:
     """One epoch over ``url``: the ids delivered, in order, and ``exactly_once``."""
     ds = stoker.open_dataset(url, cache_dir=cache_dir, retry_budget_s=retry_budget_s)
-    with stoker.Loader(ds, batch_size=8, num_workers=workers, seed=0, decode=checked_id, run=RunOptions(timeout_s=90)) as loader:
+    with stoker.Loader(
+        ds, batch_size=8, num_workers=workers, seed=0, decode=checked_id, run=RunOptions(timeout_s=90)
+    ) as loader:
         ids = [int(v) for b in loader for v in np.asarray(b).reshape(-1)]
     return {"ids": ids, "exactly_once": loader.stats.exactly_once, "retries": loader.stats.origin_retries}
 
@@ -95,12 +97,19 @@ def _read_compressed(url: str, workers: int) -> dict:
     """An epoch against a server that compresses every ranged answer: the error and its type."""
     ds = stoker.open_dataset(url, cache=False, retry_budget_s=30)
     try:
-        with stoker.Loader(ds, batch_size=8, num_workers=workers, seed=0, decode=checked_id, run=RunOptions(timeout_s=90)) as loader:
+        with stoker.Loader(
+            ds, batch_size=8, num_workers=workers, seed=0, decode=checked_id, run=RunOptions(timeout_s=90)
+        ) as loader:
             for _ in loader:
                 pass
     except Exception as exc:  # noqa: BLE001 - the test reads it
         attempts = getattr(exc, "attempts", None)
-        return {"type": type(exc).__name__, "text": str(exc), "attempts": attempts, "origin": isinstance(exc, OriginError)}
+        return {
+            "type": type(exc).__name__,
+            "text": str(exc),
+            "attempts": attempts,
+            "origin": isinstance(exc, OriginError),
+        }
     return {"type": None}
 
 

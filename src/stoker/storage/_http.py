@@ -22,6 +22,7 @@ Two guards that the S3 path has, and plain fsspec does not:
 from __future__ import annotations
 
 import fsspec.asyn
+from fsspec.exceptions import FSTimeoutError
 
 from .retry import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, protocol_fault
 
@@ -74,9 +75,21 @@ def read_range(fs, url: str, start: int, end: int) -> bytes:
     ``Range``, sends the whole object). Raises FileNotFoundError for 404, aiohttp's
     ``ClientResponseError`` for another error status (its status is classified as on S3), and
     the error of :func:`stoker.storage.retry.protocol_fault` (an OSError that is not retried) for
-    a 206 with a ``Content-Encoding`` other than identity.
+    a 206 with a ``Content-Encoding`` other than identity, TimeoutError (retried) naming the
+    timeouts for an answer that stalled or a connection that did not open in time.
     """
-    return fsspec.asyn.sync(fs.loop, _get_range, fs, url, start, end)
+    try:
+        return fsspec.asyn.sync(fs.loop, _get_range, fs, url, start, end)
+    except FSTimeoutError as exc:  # fsspec's stand-in for aiohttp's timeout, without its message
+        cause = exc.__cause__
+        what = f"{type(cause).__name__}: {cause}" if cause is not None and str(cause) else "timed out"
+        limits = getattr(fs, "client_kwargs", {}).get("timeout")
+        if limits is not None:
+            what += (
+                f" (no byte for read_timeout {limits.sock_read} s, or no connection within connect_timeout "
+                f"{limits.sock_connect} s)"
+            )
+        raise TimeoutError(what) from exc
 
 
 async def _get_range(fs, url: str, start: int, end: int) -> bytes:
