@@ -40,22 +40,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote, unquote, urlsplit
 
+from stoker_lab.bench.httporigin import accepts_gzip
+
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
-
-
-def accepts_gzip(headers) -> bool:
-    """Whether a request's ``Accept-Encoding`` lists ``gzip`` (or ``*``) with a non-zero q, as a
-    web server with gzip on decides (nginx, Apache: no header, no compression)."""
-    for item in (headers.get("Accept-Encoding") or "").split(","):
-        name, _, params = item.partition(";")
-        q = params.strip().removeprefix("q=")
-        try:
-            weight = float(q) if q else 1.0
-        except ValueError:
-            weight = 1.0
-        if name.strip().lower() in ("gzip", "*") and weight > 0:
-            return True
-    return False
 
 
 def _apply(action, whole: bytes, start: int | None, end: int | None) -> tuple[int, bytes, str | None]:
@@ -177,7 +164,7 @@ class FileServer(_Server):
                     whole = f.read()
                 start, end = _range(self.headers) if self.command == "GET" else (None, None)
                 headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
-                if action == "gzip-always" or (action == "gzip" and accepts_gzip(self.headers)):
+                if action == "gzip-always" or (action == "gzip" and accepts_gzip(self.headers.get("Accept-Encoding"))):
                     whole = gzip.compress(whole, mtime=0)  # the representation that Range now applies to
                     headers["Content-Encoding"] = "gzip"
                     with server.lock:

@@ -237,26 +237,31 @@ class PackLeaseError(StokerError, FileExistsError):
     The message says who packs, since when, and when a pack that died stops blocking: its claim
     runs out by itself at ``expires_unix`` unless that pack renews it (it does every third of its
     length while it lives), and one whose process is gone from this host is taken over at once.
-    When the owner's claim had run out by this host's clock but changed while this pack watched
-    it, the two hosts' clocks disagree and the message says so (liveness is judged by the claim's
-    changes, never by comparing the clocks: :mod:`stoker.store.lease`).
+    ``watched``: the claim's times could not be believed on this host's clock (it had run out
+    by it, or was renewed ahead of it), and it changed while this pack watched it: the message
+    then says that the owner is alive and the two clocks disagree (liveness is judged by the
+    claim's changes, never by comparing clocks: :mod:`stoker.store.lease`).
     """
 
-    def __init__(self, url: str, owner: dict):
+    def __init__(self, url: str, owner: dict, watched: bool = False):
         self.url, self.owner = url, owner
         now = time.time()
         started = float(owner.get("started_unix") or 0)
         exp = float(owner.get("expires_unix") or 0)
         since = f"since {_utc(started)} ({_ago(now - started)})" if started else "since an unknown time"
-        if exp >= now or not exp:
+        if not watched:
             when = (
                 f"If that pack died, it stops blocking by itself at {_utc(exp)} (in {max(0.0, exp - now):.0f} s, "
                 "unless it is alive and renews its claim); then run again."
             )
         else:
+            if started:
+                since = f"since {_utc(started)} by its clock"
+            renewed = float(owner.get("renewed_unix") or 0)
+            off = f" by about {_span(abs(now - renewed))}" if renewed else ""
             when = (
-                f"It is alive: it renewed its claim while this pack watched it, although by this host's clock "
-                f"the claim ran out at {_utc(exp)} (the two hosts' clocks disagree by {_span(now - exp)} or more)."
+                "It is alive: it renewed its claim while this pack watched it, although its times cannot be "
+                f"believed on this host's clock (the two hosts' clocks disagree{off}, or its claim had run out)."
             )
         super().__init__(
             f"{url}: another pack is writing this destination (host {owner.get('host')!r}, "

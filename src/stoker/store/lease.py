@@ -379,11 +379,12 @@ class PackLease:
             owner, token = self._read_owner()
             if owner is None:
                 continue  # released in between: try to create again
+            watched = not _fresh(owner)
             why, owner, token = self._judge(owner, token)
             if owner is None:
                 continue  # released while watched
             if why is None:
-                raise PackLeaseError(self.url, owner)
+                raise PackLeaseError(self.url, owner, watched=watched and not _fresh(owner))
             log.warning(
                 "%s: taking over from a pack that died while writing it (host %r, pid %s, run %s): %s",
                 self.url,
