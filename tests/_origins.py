@@ -12,7 +12,16 @@ seen; header names as sent) that decides what to do with each request:
   ``Content-Length`` matching what is sent;
 * ``("short", k)``: answer with only the first ``k`` bytes of the right answer, the
   ``Content-Length`` matching what is sent;
-* an int: answer with that HTTP status and an empty body (503: a server that is busy).
+* an int: answer with that HTTP status and an empty body (503: a server that is busy);
+* ``"gzip"`` (:class:`FileServer` only): compress as a web server with gzip on does: when the
+  request's ``Accept-Encoding`` lists ``gzip`` (with a non-zero q), the whole file is gzipped and
+  ``Range`` is applied to the gzipped bytes (RFC 9110 allows it), answered 206 with
+  ``Content-Encoding: gzip`` and a ``Content-Range`` over the gzipped length; a request that
+  asks for ``identity`` gets the plain bytes. ``compressed`` counts the gzipped answers;
+* ``"gzip-always"``: the same, whatever the request accepts (a server that refuses identity);
+* ``("stall", s)`` (:class:`FileServer` only): send the head and half the body, then nothing
+  for ``s`` seconds (or until the server stops), then close: a stalled answer;
+  ``("stall", s, "head")``: the same before the head (the request is taken, no answer begins).
 
 A wrongly answered S3 GET loses its ``x-amz-checksum-*`` headers, as a proxy that rewrites the
 body would send it (the client then sees only the wrong length).
@@ -23,12 +32,15 @@ Each runs in daemon threads of the calling process (``with`` stops it); counters
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import os
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote, unquote, urlsplit
+
+from stoker_lab.bench.httporigin import accepts_gzip
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
@@ -55,7 +67,9 @@ class _Server:
         self.lock = threading.Lock()
         self.requests = 0
         self.faults = 0
+        self.compressed = 0
         self.log: list = []
+        self.released = threading.Event()  # set by stop(): stalled answers end
         handler_cls.owner = self
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
         self.server.daemon_threads = True
@@ -74,6 +88,7 @@ class _Server:
         return action
 
     def stop(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(10)
@@ -148,11 +163,34 @@ class FileServer(_Server):
                 with open(path, "rb") as f:
                     whole = f.read()
                 start, end = _range(self.headers) if self.command == "GET" else (None, None)
-                status, body, crange = _apply(action, whole, start, end)
                 headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+                if action == "gzip-always" or (action == "gzip" and accepts_gzip(self.headers.get("Accept-Encoding"))):
+                    whole = gzip.compress(whole, mtime=0)  # the representation that Range now applies to
+                    headers["Content-Encoding"] = "gzip"
+                    with server.lock:
+                        server.compressed += 1
+                    action = None
+                stall_s = action[1] if isinstance(action, tuple) and action[0] == "stall" else None
+                status, body, crange = _apply(None if stall_s is not None else action, whole, start, end)
                 if crange:
                     headers["Content-Range"] = crange
+                if stall_s is not None and not head_only:
+                    return self._stall(status, body, headers, stall_s, before_head="head" in action)
                 self._send(status, body, headers, head_only, length=len(whole) if head_only else None)
+
+            def _stall(self, status: int, body: bytes, headers: dict, stall_s: float, before_head: bool) -> None:
+                self.close_connection = True
+                if before_head:
+                    server.released.wait(stall_s)
+                    return
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                server.released.wait(stall_s)
 
         server = self
         super().__init__(H, rule)

@@ -231,43 +231,65 @@ def _utc(t) -> str:
 
 class PackLeaseError(StokerError, FileExistsError):
     """Another pack is writing the destination now. Attributes: ``url`` (the destination's URL),
-    ``owner`` (dict: host, pid, run, started_unix, expires_unix; times in Unix seconds).
+    ``owner`` (dict: host, pid, run, started_unix, renewed_unix, expires_unix; times in Unix
+    seconds, read on the owner's clock).
 
     The message says who packs, since when, and when a pack that died stops blocking: its claim
     runs out by itself at ``expires_unix`` unless that pack renews it (it does every third of its
     length while it lives), and one whose process is gone from this host is taken over at once.
+    ``watched``: the claim's times could not be believed on this host's clock (it had run out
+    by it, or was renewed ahead of it), and it changed while this pack watched it: the message
+    then says that the owner is alive and the two clocks disagree (liveness is judged by the
+    claim's changes, never by comparing clocks: :mod:`stoker.store.lease`).
     """
 
-    def __init__(self, url: str, owner: dict):
+    def __init__(self, url: str, owner: dict, watched: bool = False):
         self.url, self.owner = url, owner
         now = time.time()
         started = float(owner.get("started_unix") or 0)
         exp = float(owner.get("expires_unix") or 0)
         since = f"since {_utc(started)} ({_ago(now - started)})" if started else "since an unknown time"
+        if not watched:
+            when = (
+                f"If that pack died, it stops blocking by itself at {_utc(exp)} (in {max(0.0, exp - now):.0f} s, "
+                "unless it is alive and renews its claim); then run again."
+            )
+        else:
+            if started:
+                since = f"since {_utc(started)} by its clock"
+            renewed = float(owner.get("renewed_unix") or 0)
+            off = f" by about {_span(abs(now - renewed))}" if renewed else ""
+            when = (
+                "It is alive: it renewed its claim while this pack watched it, although its times cannot be "
+                f"believed on this host's clock (the two hosts' clocks disagree{off}, or its claim had run out)."
+            )
         super().__init__(
             f"{url}: another pack is writing this destination (host {owner.get('host')!r}, "
             f"pid {owner.get('pid')}, run {owner.get('run')}), {since}. Wait for it to finish, or pack "
-            f"somewhere else. If that pack died, it stops blocking by itself at {_utc(exp)} "
-            f"(in {max(0.0, exp - now):.0f} s, unless it is alive and renews its claim); then run again. "
-            "A pack that died on this host is taken over at once."
+            f"somewhere else. {when} A pack that died on this host is taken over at once."
         )
+
+
+def _span(seconds: float) -> str:
+    """``"42 s"``, ``"3 min"``, ``"2.5 h"``."""
+    s = max(0.0, seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
 
 
 def _ago(seconds: float) -> str:
     """``"42 s ago"``, ``"3 min ago"``, ``"2.5 h ago"``."""
-    s = max(0.0, seconds)
-    if s < 120:
-        return f"{s:.0f} s ago"
-    if s < 7200:
-        return f"{s / 60:.0f} min ago"
-    return f"{s / 3600:.1f} h ago"
+    return f"{_span(seconds)} ago"
 
 
 class PackLeaseLostError(StokerError, OSError):
     """This pack's claim on the destination was taken over or removed while it was writing
-    (another pack started after this one had not renewed its claim for the claim's length: the
-    process was frozen, or the store was unreachable): it stops before installing an index. The
-    message names the destination and the new owner, if any."""
+    (another pack saw it unchanged for the claim's length: this process was frozen, or the store
+    unreachable, that long): it stops before installing an index. The message names the
+    destination, the new owner, if any, and how long before its last renewal had been."""
 
 
 # --- cache: the node cache ----------------------------------------------------------------

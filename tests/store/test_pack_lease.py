@@ -86,7 +86,7 @@ def test_pack_that_lost_its_lease_installs_no_index(tmp_path, monkeypatch):
     t, out, go = _paused_pack(monkeypatch, a, dst)
     try:
         # another run takes the destination over (as if the first had been frozen past its expiry)
-        monkeypatch.setattr(PackLease, "_dead", lambda self, owner: True)
+        monkeypatch.setattr(PackLease, "_judge", lambda self, owner, token: ("gone", owner, token))
         other = PackLease(Origin(str(dst)))
         other.acquire()
     finally:
@@ -161,7 +161,7 @@ def test_lease_on_s3_is_conditional(s3_origin, tmp_path, monkeypatch):
         )
     _says_what_a_user_needs(str(err.value), s3_origin.url("lease/dst"))
     first.renew()
-    monkeypatch.setattr(PackLease, "_dead", lambda self, owner: True)  # as if it had expired
+    monkeypatch.setattr(PackLease, "_judge", lambda self, owner, token: ("gone", owner, token))  # as if it had died
     second = PackLease(dest)
     second.acquire()  # took the expired lease over with If-Match on its ETag
     with pytest.raises(PackLeaseLostError):

@@ -41,6 +41,7 @@ from .retry import (
     resolve_retry_budget_s,
 )
 from ._native_s3 import NativeS3Reader
+from . import _http
 from ._s3_config import credential_hint
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,18 @@ def _s3_defaults(storage_options: dict) -> dict:
 
 
 def url_to_fs(url: str, storage_options: dict | None = None):
-    """Return ``(filesystem, path)`` for an fsspec URL (``s3://``, ``file://``, ``memory://``, a path)."""
+    """Return ``(filesystem, path)`` for an fsspec URL (``s3://``, ``file://``, ``memory://``, a path).
+
+    S3 and ``http(s)://`` get a stall timeout on every request: ``config_kwargs``'
+    ``read_timeout`` (default :data:`DEFAULT_REQUEST_TIMEOUT_S`) and ``connect_timeout``, in
+    seconds, the same names on both (:mod:`stoker.storage._http`). Raises ValueError for an
+    ``http(s)://`` timeout that is not a positive number or a ``config_kwargs`` key it does not take."""
     opts = dict(storage_options or {})
     proto = url.split("://", 1)[0] if "://" in url else "file"
     if proto in ("s3", "s3a"):
         opts = _s3_defaults(opts)
+    elif proto in _HTTP:
+        opts = _http.http_options(opts)
     fs, path = fsspec.core.url_to_fs(url, **opts)
     if proto in ("s3", "s3a"):
         # s3fs retries throttling errors itself (5 tries, growing back-off) inside each of
@@ -132,8 +140,15 @@ def join(url: str, *parts: str) -> str:
     return out
 
 
+_HTTP = ("http", "https")
+
+
 def _is_s3(url: str) -> bool:
     return url.split("://", 1)[0] in ("s3", "s3a")
+
+
+def _is_http(url: str) -> bool:
+    return url.split("://", 1)[0] in _HTTP
 
 
 @dataclass
@@ -155,8 +170,8 @@ class Origin:
 
     ``url`` is the dataset root; paths given to methods are relative to it.
     ``storage_options`` are passed to fsspec (for S3: ``endpoint_url``, ``key``, ``secret``, ...;
-    ``config_kwargs={"read_timeout": s}`` sets the per-request stall timeout, default
-    :data:`DEFAULT_REQUEST_TIMEOUT_S`).
+    for S3 and ``http(s)://``, ``config_kwargs={"read_timeout": s}`` sets the per-request stall
+    timeout, default :data:`DEFAULT_REQUEST_TIMEOUT_S`).
     ``retry_budget_s``: seconds one operation keeps retrying failures that can clear before
     :class:`OriginError` (None: ``$STOKER_RETRY_BUDGET_S``, else
     :data:`~stoker.storage.retry.DEFAULT_RETRY_BUDGET_S` = 30 s; 0: one try). An operation ends within
@@ -392,7 +407,9 @@ class Origin:
         bytes count as received. Raises :class:`OriginError` when the budget is spent (its
         message says when the origin ignored ``Range``: one that never honours it cannot serve
         a dataset), ``FileNotFoundError`` (:class:`OriginNotFoundError`) at once when the object
-        does not exist.
+        does not exist. Every path asks for the object's bytes uncompressed (``Accept-Encoding:
+        identity``); an ``http(s)://`` answer compressed anyway raises :class:`OriginError` at
+        once, saying so (:mod:`stoker.storage._http`).
         """
         if end <= start:
             return b""
@@ -403,6 +420,11 @@ class Origin:
 
             def get():
                 return native.read_range(key, start, end)
+        elif _is_http(self.url):
+            path = self.path(rel)
+
+            def get():
+                return _http.read_range(self.fs, path, start, end)
         else:
             path = self.path(rel)
 

@@ -236,7 +236,7 @@ def resolve(bucket: str, storage_options: dict | None) -> tuple[dict | None, str
 def _client_options(config: dict, endpoint, ca_bundle: str | None) -> tuple[dict | None, str | None]:
     """``(obstore client options, None)``: ``config_kwargs``' timeouts, ``allow_http`` for an
     ``http://`` endpoint, the CA bundle's certificates (added to the system roots: reaches every
-    store s3fs reaches); or ``(None, reason)``."""
+    store s3fs reaches), ``Accept-Encoding: identity`` on every request; or ``(None, reason)``."""
     try:
         read_s = float(config.get("read_timeout", DEFAULT_REQUEST_TIMEOUT_S))
         connect_s = float(config.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S))
@@ -246,6 +246,9 @@ def _client_options(config: dict, endpoint, ca_bundle: str | None) -> tuple[dict
         "read_timeout": f"{max(1, round(read_s * 1000))}ms",  # a stalled answer fails and is retried
         "connect_timeout": f"{max(1, round(connect_s * 1000))}ms",
         "allow_http": bool(endpoint) and str(endpoint).lower().startswith("http://"),
+        # object_store sends no Accept-Encoding (RFC 9110: any coding is then acceptable) and does
+        # not decode: ask for the stored bytes, as botocore does
+        "default_headers": {"Accept-Encoding": "identity"},
     }
     if ca_bundle and not options["allow_http"]:
         try:

@@ -13,6 +13,9 @@ and timeouts, and answers that are wrong in transit (:func:`wrong_answer`: a ran
 with another length, e.g. by a proxy that dropped ``Range`` and sent the whole object; a body
 whose checksum header does not match). 400, 403, 404 and the other 4xx answers fail at once,
 keeping the S3 error code. HTTP origins (fsspec's ``http://``) report their status the same way.
+Answers that break the protocol the same way on every try fail at once too
+(:func:`protocol_fault`: a ranged answer compressed although identity was asked; a body aiohttp
+cannot decode, ``ContentEncodingError``), while a body cut short can clear and is retried.
 
 While the origin throttles, the threads of one process that read through one origin back off
 as a whole (:class:`SharedBackoff`): one request at a time probes whether it has recovered,
@@ -117,6 +120,10 @@ _NETWORK_NAME = re.compile(
     r"Timeout|Connection|Disconnect|Reset|Payload|IncompleteRead|ResponseParser|"
     r"HTTPClientError|ProtocolError|ReadError|BrokenPipe|EndpointConnection|FlexibleChecksumError"
 )
+#: Exception class names (anywhere in the cause chain) of answers that the same request gets again:
+#: aiohttp's body it cannot decode (the payload error's cause; its message says "content-encoding").
+_DETERMINISTIC_NAMES = frozenset({"ContentEncodingError"})
+_DETERMINISTIC_TEXT = re.compile(r"Can not decode content-encoding", re.IGNORECASE)
 # No connection at all: refused, or a host name that does not resolve.
 _UNREACHABLE = re.compile(
     r"Connection refused|Cannot connect to host|Could not connect to the endpoint|"
@@ -195,6 +202,21 @@ def wrong_answer(
     explained by asking for it. :func:`classify` retries it unless the object is shorter than
     ``end``; its message says which of these it was (see :class:`_WrongAnswer`)."""
     return _WrongAnswer(got, expected, start, end, range_ignored, object_bytes)
+
+
+class _ProtocolFault(OSError):
+    """An answer that breaks the protocol in a way the same request meets again (a 206 whose
+    body is compressed although ``Accept-Encoding: identity`` was asked): never retried."""
+
+    bare = True  # errors quote its message without its class name (it says what happened)
+    retry = False
+
+
+def protocol_fault(message: str) -> OSError:
+    """The error to raise, inside a try of :meth:`stoker.storage.Origin.retry`, for an answer that
+    the same request would get again; :func:`classify` does not retry it, and ``message`` (what the
+    server did, and what to change) ends up in the :class:`stoker.errors.OriginError`."""
+    return _ProtocolFault(message)
 
 
 @dataclass(frozen=True)
@@ -293,9 +315,10 @@ def classify(exc: BaseException) -> Failure:
     Without an HTTP answer: ``FileNotFoundError``, ``PermissionError``, configuration errors
     (:data:`CONFIG_ERRORS`) and programming errors are not retried; timeouts, resets and other
     network failures (``OSError``, or a class name such as ``ServerDisconnectedError``,
-    ``ReadTimeoutError``) are; obstore's errors without a status are network failures.
+    ``ReadTimeoutError``) are; obstore's errors without a status are network failures. A body
+    that cannot be decoded (aiohttp's ``ContentEncodingError``) and :func:`protocol_fault` are not.
     """
-    if isinstance(exc, _WrongAnswer):
+    if isinstance(exc, (_WrongAnswer, _ProtocolFault)):
         return Failure(retry=exc.retry)
     status, code, retry_after = http_details(exc)
     if status is not None or code is not None:
@@ -313,6 +336,8 @@ def classify(exc: BaseException) -> Failure:
     names = [type(e).__name__ for e in _chain(exc)]
     if any(n in CONFIG_ERRORS for n in names):
         return Failure(retry=False, code=next(n for n in names if n in CONFIG_ERRORS))
+    if _DETERMINISTIC_NAMES.intersection(names) or any(_DETERMINISTIC_TEXT.search(str(e)) for e in _chain(exc)):
+        return Failure(retry=False)
     if (
         any(isinstance(e, (OSError, TimeoutError)) for e in _chain(exc))
         or any(_NETWORK_NAME.search(n) for n in names)

@@ -1,15 +1,32 @@
 """The pack lease: one writer per destination at a time, on local files and on S3.
 
 ``stoker pack`` holds a lease object ``<dst>/_stoker_pack.lease`` (JSON: owner host,
-pid and run id, start and expiry times in Unix seconds, the lease length) for as long
-as it writes. A second pack into the same destination finds it and refuses at once
-with :class:`PackLeaseError` naming the owner and the expiry. The holder renews the
+pid and run id, start, renewal and expiry times in Unix seconds, a renewal count, the
+lease length) for as long as it writes. A second pack into the same destination that
+finds it refuses with :class:`PackLeaseError` naming the owner. The holder renews the
 lease every ``ttl_s / 3`` seconds from a background thread; before it installs the
 index it renews once more and stops if the lease is no longer its own, so a run
 that lost its lease (it was frozen longer than ``ttl_s``, another run took over)
-never installs an index. A lease whose expiry has passed, or whose owner ran on
-this host and is no longer alive, belongs to a pack that died: the next pack takes
-it over.
+never installs an index.
+
+Whether the owner still lives is judged by change, not by comparing clocks (hosts'
+clocks may disagree by minutes or hours; a reader whose clock ran an hour ahead used to
+take over a live, renewing pack):
+
+* an owner that ran on this host (same host name and pid namespace) whose process is
+  gone is dead at once;
+* an owner whose own times say it renewed within its lease length, read on a clock
+  that agrees with this one to :data:`CLOCK_SKEW_S`, is alive: refused at once;
+* any other lease (it ran out by this host's clock, or the two clocks disagree) is
+  watched on this process's monotonic clock for the owner's lease length: a lease
+  that changes meanwhile (the owner renewed it) is alive, one that stays the same is
+  taken over. This is how Kubernetes' leader election judges a leader (client-go,
+  ``tools/leaderelection``: the candidate notes when it last saw the record change, on
+  its own clock, and takes over a lease duration later); only the clocks' rates must
+  agree, never their readings.
+
+A pack that died on another host therefore blocks for its lease length after its last
+renewal (as before), plus up to one lease length of watching by the next pack.
 
 Every change of the lease is a conditional write, so that of two racing writers
 exactly one wins:
@@ -25,9 +42,6 @@ exactly one wins:
   best effort: write, read back, and go on only if the owner read back is this run.
   Two writers that start within one round trip of each other can then both
   believe they hold it.
-
-Expiry compares Unix times taken on different hosts: their clocks must agree to
-well within ``ttl_s``.
 """
 
 from __future__ import annotations
@@ -52,6 +66,12 @@ log = logging.getLogger(__name__)
 LEASE_NAME = "_stoker_pack.lease"
 #: Lease length in seconds; renewed every third of it, so a holder survives two lost renewals.
 DEFAULT_LEASE_S = 60.0
+#: Seconds by which an owner's clock may run ahead of this host's while its times are still
+#: believed (a lease renewed "in the future" by more is watched instead). Hosts kept by NTP agree
+#: to milliseconds; a host that is minutes off is judged by the lease's changes alone.
+CLOCK_SKEW_S = 5.0
+#: Longest watch of a lease, in seconds, whatever lease length its record claims.
+MAX_WATCH_S = 3600.0
 
 
 class _Conflict(Exception):
@@ -177,7 +197,10 @@ class _S3:
         return self._call("put_object", Body=data, IfNoneMatch="*").get("ETag")
 
     def replace(self, data: bytes, token):
-        return self._call("put_object", Body=data, IfMatch=token).get("ETag")
+        try:
+            return self._call("put_object", Body=data, IfMatch=token).get("ETag")
+        except FileNotFoundError:  # the lease is gone (another run released it): not the one expected
+            raise _Conflict() from None
 
     def delete(self, token) -> None:
         try:
@@ -225,6 +248,27 @@ def _backend(dest: Origin):
     return _BestEffort(fs, path)
 
 
+def _fresh(owner: dict) -> bool:
+    """Whether ``owner``'s own times say it renewed within its lease length, read on a clock that
+    agrees with this host's: renewed at most :data:`CLOCK_SKEW_S` ahead of now, expiry not passed
+    (False for a record without those times)."""
+    try:
+        renewed, expires = float(owner["renewed_unix"]), float(owner["expires_unix"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return renewed - CLOCK_SKEW_S <= time.time() <= expires
+
+
+def _lease_s(owner: dict, default_s: float) -> float:
+    """The lease length ``owner``'s record gives (seconds; ``default_s`` when it gives none), at
+    most :data:`MAX_WATCH_S`."""
+    try:
+        ttl_s = float(owner.get("ttl_s") or default_s)
+    except (TypeError, ValueError):
+        ttl_s = default_s
+    return min(ttl_s, MAX_WATCH_S) if ttl_s > 0 else default_s
+
+
 class PackLease:
     """The lease of one pack on destination ``dest`` (a :class:`stoker.storage.Origin`).
 
@@ -245,6 +289,8 @@ class PackLease:
         self._token: object = None  # the store's version of the lease object (S3: its ETag)
         self._lost: str | None = None
         self._renewed_mono = time.monotonic()
+        self._renewals = 0  # in the record, so that every renewal changes it (its time may not)
+        self._lost_after_s = 0.0  # seconds since the last renewal when the loss was found
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -259,6 +305,7 @@ class PackLease:
                 "run": self.run,
                 "started_unix": self.started_unix,
                 "renewed_unix": now,
+                "renewals": self._renewals,
                 "expires_unix": now + self.ttl_s,
                 "ttl_s": self.ttl_s,
             }
@@ -277,20 +324,52 @@ class PackLease:
             owner = {"host": "?", "pid": 0, "run": "?", "expires_unix": 0}
         return owner, token
 
-    def _dead(self, owner: dict) -> bool:
-        """The owner cannot be packing any more: its lease expired, or it ran on this host (same
-        host name and pid namespace) and its process is gone."""
-        if float(owner.get("expires_unix") or 0) < time.time():
-            return True
+    def _judge(self, owner: dict, token) -> tuple[str | None, dict | None, object]:
+        """Whether the pack holding the lease (``owner``, read as ``token``) is gone, judged by
+        change rather than by comparing clocks (see the module docstring). Returns ``(why, owner,
+        token)``: ``why`` None while that pack may be alive, else why it is dead; ``owner`` and
+        ``token`` as last read (``owner`` None: the lease was released meanwhile). May watch the
+        lease for up to the owner's lease length (seconds, at most :data:`MAX_WATCH_S`)."""
         if owner.get("host") == socket.gethostname() and owner.get("pidns") == _pid_namespace():
             try:
-                return not pid_alive(int(owner.get("pid") or 0))
+                if not pid_alive(int(owner.get("pid") or 0)):
+                    return "its process is gone from this host", owner, token
             except (TypeError, ValueError):
-                return False
-        return False
+                pass
+        if _fresh(owner):
+            return None, owner, token
+        ttl_s = _lease_s(owner, self.ttl_s)
+        log.warning(
+            "%s: the pack on host %r, pid %s, run %s claims this destination; by this host's clock its claim "
+            "ran out %s, or the two clocks disagree: watching it for up to %g s to see whether that pack "
+            "still renews it",
+            self.url,
+            owner.get("host"),
+            owner.get("pid"),
+            owner.get("run"),
+            _when(owner.get("expires_unix")),
+            ttl_s,
+        )
+        poll_s = min(max(ttl_s / 12, 0.05), 2.0)
+        end = time.monotonic() + ttl_s
+        while True:
+            time.sleep(max(0.0, min(poll_s, end - time.monotonic())))
+            now_owner, now_token = self._read_owner()
+            if now_owner is None or now_token != token:
+                return None, now_owner, now_token  # renewed (or released, or taken) meanwhile
+            if time.monotonic() >= end:
+                renewed = owner.get("renewed_unix")
+                return (
+                    f"its claim did not change for {ttl_s:g} s, watched on this host's clock (its own clock "
+                    f"says it last renewed at {_when(renewed)})",
+                    owner,
+                    token,
+                )
 
     def acquire(self) -> None:
-        """Take the lease (creating it, or taking over a dead owner's). Raises :class:`PackLeaseError`."""
+        """Take the lease (creating it, or taking over a dead owner's). Raises :class:`PackLeaseError`.
+        Finding a lease whose owner's liveness its times cannot tell, it watches the lease for
+        up to the owner's lease length first (see the module docstring)."""
         for _ in range(3):
             try:
                 self._token = self._io.create(self._body())
@@ -300,14 +379,12 @@ class PackLease:
             owner, token = self._read_owner()
             if owner is None:
                 continue  # released in between: try to create again
-            if not self._dead(owner):
-                raise PackLeaseError(self.url, owner)
-            expires = float(owner.get("expires_unix") or 0)
-            why = (
-                f"its claim ran out {_when(expires)}"
-                if expires < time.time()
-                else f"its process is gone from this host (its claim would have run out {_when(expires)})"
-            )
+            watched = not _fresh(owner)
+            why, owner, token = self._judge(owner, token)
+            if owner is None:
+                continue  # released while watched
+            if why is None:
+                raise PackLeaseError(self.url, owner, watched=watched and not _fresh(owner))
             log.warning(
                 "%s: taking over from a pack that died while writing it (host %r, pid %s, run %s): %s",
                 self.url,
@@ -344,10 +421,12 @@ class PackLease:
         is no longer this run's."""
         with self._lock:
             if self._lost is None:
+                self._renewals += 1
                 try:
                     self._token = self._io.replace(self._body(), self._token)
                     self._renewed_mono = time.monotonic()
                 except _Conflict:
+                    self._lost_after_s = time.monotonic() - self._renewed_mono
                     owner, _ = self._read_owner()
                     self._lost = _taken_by(owner) if owner else "its claim was removed by another run"
             if self._lost is not None:
@@ -364,9 +443,10 @@ class PackLease:
 
     def _lost_message(self) -> str:
         return (
-            f"{self.url}: this pack lost its claim on the destination ({self._lost}) after it had not "
-            f"renewed it for {self.ttl_s:g} s (the process was frozen, or the store unreachable); it "
-            "stops without installing an index. Pack again once the other pack has finished"
+            f"{self.url}: this pack lost its claim on the destination ({self._lost}); its last renewal "
+            f"had been {self._lost_after_s:.0f} s before, and the claim lasts {self.ttl_s:g} s (the process "
+            "was frozen, or the store unreachable, that long?); it stops without installing an index. "
+            "Pack again once the other pack has finished"
         )
 
     def _renew_loop(self) -> None:

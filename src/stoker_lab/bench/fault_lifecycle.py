@@ -129,7 +129,7 @@ def launch(ctx, kind: str, tag: str, timeout_s: float, spec: dict | None = None,
     return out
 
 
-def _row(name: str, expected: str, runs: list[dict], want_rc=(0,), problems: list[str] | None = None) -> dict:
+def run_row(name: str, expected: str, runs: list[dict], want_rc=(0,), problems: list[str] | None = None) -> dict:
     """One report row from :func:`launch` results: a timeout is a hang, an exit code outside
     ``want_rc`` a signal death (negative) or a failure."""
     rounds, problems = [], list(problems or [])
@@ -175,14 +175,14 @@ def ctrl_c(ctx) -> dict:
     else:
         rec["error"] = f"exit {plain['rc']}, {tracebacks} tracebacks: {plain['stderr'].strip()[-300:]}"
     plain = {**plain, "rounds": [rec], "rc": 0 if plain["rc"] in (-signal.SIGINT, 1, 130) else plain["rc"]}
-    return _row("ctrl_c_mid_epoch", "clean_error", [plain, cont])
+    return run_row("ctrl_c_mid_epoch", "clean_error", [plain, cont])
 
 
 def dropped_loader(ctx) -> dict:
     """A new Loader per epoch bound to the same name, never closed, garbage collector off; the
     script ends without ``close()``. Right: each dropped Loader's processes gone within 10 s,
     every epoch exactly once, nothing left after the script."""
-    return _row("dropped_loader", "completed", [launch(ctx, "drop", "dropped_loader", 120)])
+    return run_row("dropped_loader", "completed", [launch(ctx, "drop", "dropped_loader", 120)])
 
 
 def cache_removed(ctx) -> dict:
@@ -191,7 +191,7 @@ def cache_removed(ctx) -> dict:
     run = launch(ctx, "rmcache", "cache_removed", 120)
     removed = sum(1 for r in run["rounds"] if r.get("removed"))
     problems = [] if removed == 2 else [f"the cache directory was removed in {removed} of 2 runs"]
-    row = _row("cache_dir_removed_mid_epoch", "completed", [run], problems=problems)
+    row = run_row("cache_dir_removed_mid_epoch", "completed", [run], problems=problems)
     row["faults_injected"] = removed
     return row
 
@@ -207,7 +207,7 @@ def cache_read_only(ctx) -> dict:
     os.makedirs(empty)
     fill = launch(ctx, "epoch", "cache_ro-fill", 120, spec={"cache_dir": filled})
     if fill["rc"] != 0:
-        return _row("cache_dir_read_only", "clean_error", [fill], problems=["filling the cache failed"])
+        return run_row("cache_dir_read_only", "clean_error", [fill], problems=["filling the cache failed"])
     wrap, modes = None, []
     if os.geteuid() == 0 and shutil.which("unshare"):
         q = [shlex.quote(d) for d in (empty, filled)]
@@ -228,7 +228,7 @@ def cache_read_only(ctx) -> dict:
         for m in modes:
             os.chmod(m, 0o700)
     problems = [] if set(os.listdir(empty)) == set() else [f"files were written into the read-only {empty}"]
-    return _row("cache_dir_read_only", "clean_error", [ro], problems=problems)
+    return run_row("cache_dir_read_only", "clean_error", [ro], problems=problems)
 
 
 def http_origin(ctx) -> dict:
@@ -240,13 +240,13 @@ def http_origin(ctx) -> dict:
     with RangeFileServer(os.path.dirname(packed(ctx.work))) as srv:
         run = launch(ctx, "epoch", "http_origin", 120, spec={"url": srv.url("packed"), "epochs": 2})
         problems = [] if srv.requests else ["the web server got no request"]
-    return _row("http_origin", "completed", [run], problems=problems)
+    return run_row("http_origin", "completed", [run], problems=problems)
 
 
 def hung_decode(ctx) -> dict:
     """The decode of one sample (``s0017``) blocks, ``timeout_s`` 3 (2 workers, then 0). Right: the
     epoch ends in an error naming the sample, the next epoch delivers every sample once."""
-    return _row("hung_decode", "clean_error", [launch(ctx, "hang", "hung_decode", 120)])
+    return run_row("hung_decode", "clean_error", [launch(ctx, "hang", "hung_decode", 120)])
 
 
 def lifecycle_property(ctx) -> dict:
@@ -276,7 +276,7 @@ def lifecycle_property(ctx) -> dict:
     left = session_procs(p.pid)
     # /dev/shm and staging: the test checks them itself, per sequence (other jobs share /dev/shm)
     run = {"rc": 0, "stderr": "", "rounds": [rec], "procs_left": left, "files": [], "shm": []}
-    row = _row("lifecycle_property_40", "completed", [run])
+    row = run_row("lifecycle_property_40", "completed", [run])
     row["faults_injected"] = 40
     row["details"]["pytest"] = last
     return row

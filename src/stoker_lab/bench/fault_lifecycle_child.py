@@ -14,6 +14,8 @@ The dataset holds ``n`` small samples whose bytes begin with the sample id (key 
 * ``rmcache``: the cache directory is removed after batch 3 of the first epoch (2 and 0 workers);
 * ``readonly``: ``open_dataset`` on an empty read-only ``cache_dir`` (must raise
   ``CacheUnwritableError`` naming it), then a filled read-only cache with ``cache_read_only=True``;
+* ``origin_error``: one epoch with 2 workers, then one with 0, each of which must end in an error
+  whose message holds every string of ``spec["must_name"]`` (an origin that fails at once);
 * ``hang``: the decode of sample 17 blocks (once; until the file ``release`` appears, at most
   120 s) with ``timeout_s`` 3: the first epoch must end in an error naming ``s0017``, the next
   must deliver every sample once (2 and 0 workers).
@@ -239,6 +241,26 @@ def kind_readonly(n: int) -> list[dict]:
     return [rec, served]
 
 
+def kind_origin_error(n: int) -> list[dict]:
+    recs = []
+    for workers in (2, 0):
+        rec = _record("failed")
+        try:
+            with _loader(_open(os.path.join(_SPEC["cache_dir"], f"w{workers}")), workers) as ld:
+                rec["pids"] = ld.processes.pids()
+                _epoch(ld, _record(), n)
+            rec["error"] = f"{workers} workers: the epoch completed"
+        except Exception as exc:  # noqa: BLE001 - classified here
+            rec["error"] = f"{workers} workers: {_err(exc)}"
+            missing = [s for s in _SPEC.get("must_name", []) if s not in str(exc)]
+            if missing:
+                rec["error"] += f" (does not name {missing})"
+            else:
+                rec["outcome"] = "clean_error"
+        recs.append(rec)
+    return recs
+
+
 def kind_hang(n: int) -> list[dict]:
     recs = []
     for workers in (2, 0):
@@ -283,9 +305,8 @@ def main(spec_path: str) -> None:
     if kind.startswith("sigint"):
         rounds = kind_sigint(n, kind == "sigint_continue")
     else:
-        rounds = {"epoch": kind_epoch, "drop": kind_drop, "rmcache": kind_rmcache, "readonly": kind_readonly}.get(
-            kind, kind_hang
-        )(n)
+        kinds = {"epoch": kind_epoch, "drop": kind_drop, "rmcache": kind_rmcache, "readonly": kind_readonly}
+        rounds = {**kinds, "origin_error": kind_origin_error}.get(kind, kind_hang)(n)
     _write(rounds)
 
 

@@ -210,13 +210,21 @@ LIFECYCLE = {
 }
 
 
+ORIGINS = {
+    "compressed_ranges": "completed",
+    "compressed_ranges_refused": "clean_error",
+    "stalled_http_read": "completed",
+    "skewed_clock": "clean_error",
+}
+
+
 def test_lifecycle_scenarios_are_known_to_the_bench():
-    """Each lifecycle scenario can be chosen with ``only`` (an unknown name lists them all)."""
+    """Each lifecycle and origin scenario can be chosen with ``only`` (an unknown name lists them all)."""
     from stoker_lab.bench.faults import run
 
     with pytest.raises(ValueError) as err:
         run(only=["no_such_scenario"])
-    for name in LIFECYCLE:
+    for name in {**LIFECYCLE, **ORIGINS}:
         assert repr(name) in str(err.value)
 
 
@@ -243,18 +251,60 @@ def test_range_file_server_serves_ranges_and_listings(tmp_path):
         conn.close()
 
 
+def test_range_file_server_gzips_as_a_web_server_does(tmp_path):
+    """``gzip="asked"``: a GET that accepts gzip gets the gzipped file, its Range applied to the gzipped
+    bytes; one that asks for identity gets the plain bytes. ``gzip="always"`` compresses either."""
+    import gzip
+
+    from stoker_lab.bench.httporigin import RangeFileServer, accepts_gzip
+
+    assert accepts_gzip("gzip, deflate") and accepts_gzip("*") and accepts_gzip("br;q=1, gzip;q=0.5")
+    assert not accepts_gzip("identity") and not accepts_gzip(None) and not accepts_gzip("gzip;q=0")
+    (tmp_path / "a.bin").write_bytes(BODY[:5000])
+    packed = gzip.compress(BODY[:5000], mtime=0)
+    for mode, accept, want, coding in (
+        ("asked", "gzip, deflate", packed[10:110], "gzip"),
+        ("asked", "identity", BODY[10:110], None),
+        ("always", "identity", packed[10:110], "gzip"),
+    ):
+        with RangeFileServer(str(tmp_path), gzip=mode) as srv:
+            port = int(srv.url().split(":")[2].strip("/"))
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/a.bin", headers={"Range": "bytes=10-109", "Accept-Encoding": accept})
+            resp = conn.getresponse()
+            assert resp.status == 206 and resp.getheader("Content-Encoding") == coding, (mode, accept)
+            assert resp.read() == want
+            conn.close()
+            assert (srv.compressed, srv.identity_gets) == (int(coding is not None), int(accept == "identity"))
+
+
+@pytest.mark.parametrize("name", sorted(ORIGINS))
+def test_origin_scenario_reaches_its_outcome(lc_work, name):
+    """The origin and lease scenarios end to end: the expected outcome, every sample once, nothing
+    left, the fault really injected."""
+    from types import SimpleNamespace
+
+    from stoker_lab.bench.fault_harness import finish
+    from stoker_lab.bench.fault_origins import CASES
+
+    row = finish(CASES[name][0](SimpleNamespace(work=str(lc_work))), None)
+    assert REPORT_FIELDS <= set(row)
+    assert row["expected"] == ORIGINS[name] and row["outcome"] == ORIGINS[name], row
+    assert row["faults_injected"] > 0 and row["ok"], row
+
+
 def test_lifecycle_rows_report_what_went_wrong():
     """A timed-out script is a hang, a signal death counts, a process left makes the row not ok."""
     from stoker_lab.bench.fault_harness import finish
-    from stoker_lab.bench.fault_lifecycle import _row
+    from stoker_lab.bench.fault_lifecycle import run_row
 
     ok = {"rc": 0, "stderr": "", "rounds": [{"outcome": "completed"}], "procs_left": [], "files": [], "shm": []}
-    assert finish(_row("x", "completed", [ok]), None)["ok"]
-    hung = finish(_row("x", "completed", [{**ok, "rc": None}]), None)
+    assert finish(run_row("x", "completed", [ok]), None)["ok"]
+    hung = finish(run_row("x", "completed", [{**ok, "rc": None}]), None)
     assert hung["outcome"] == "hang" and not hung["ok"]
-    killed = finish(_row("x", "completed", [{**ok, "rc": -9}]), None)
+    killed = finish(run_row("x", "completed", [{**ok, "rc": -9}]), None)
     assert killed["outcome"] == "signal_death" and killed["signal_deaths"] == 1 and not killed["ok"]
-    left = finish(_row("x", "completed", [{**ok, "procs_left": [123], "shm": ["/dev/shm/stoker-1-x"]}]), None)
+    left = finish(run_row("x", "completed", [{**ok, "procs_left": [123], "shm": ["/dev/shm/stoker-1-x"]}]), None)
     assert left["outcome"] == "completed" and left["leftover_shm"] == 1 and not left["ok"]
     assert "123" in left["details"]["problems"][0]
 
