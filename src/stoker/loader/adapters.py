@@ -32,14 +32,18 @@ as properties: the adapters live here, the attributes frameworks read stay on th
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 from ..errors import NotADataLoaderError
 
-__all__ = [  # noqa: F822 (LoaderSampler: module __getattr__)
+__all__ = [  # noqa: F822 (LoaderSampler, LoaderBatchSampler, LoaderCheckpoint: module __getattr__)
+    "LoaderBatchSampler",
+    "LoaderCheckpoint",
     "LoaderSampler",
     "batch_sampler_of",
     "follow_epoch",
+    "loader_checkpoint",
     "no_batch_sampler",
     "sampler_for",
 ]
@@ -110,11 +114,115 @@ def sampler_for(loader: Any):
     return _sampler_class()(loader)
 
 
+@functools.cache
+def _batch_sampler_class() -> type:
+    """:class:`LoaderBatchSampler`, made on first use (torch is imported then, not with stoker)."""
+    from torch.utils.data import Sampler
+
+    class LoaderBatchSampler(Sampler):
+        """What a framework finds as ``loader.batch_sampler``: a description of the batches the
+        Loader draws itself, for the frameworks that read it (Lightning's check whether an
+        evaluation loader shuffles reads ``batch_sampler.sampler``; Lightning's and the HF
+        Trainer's epoch hooks look for ``batch_sampler.sampler.set_epoch``).
+
+        Attributes: ``sampler`` (the Loader's :class:`LoaderSampler`), ``batch_size``,
+        ``drop_last``; ``len()`` is the Loader's batches of its next epoch. Iterating it raises
+        :class:`~stoker.errors.NotADataLoaderError` (:func:`no_batch_sampler`): only a rebuild of
+        the Loader as a torch DataLoader over its dataset iterates a batch sampler (accelerate's
+        ``skip_first_batches``, which the HF Trainer's mid-epoch resume calls unless
+        ``ignore_data_skip``), and that would drop stoker's pipeline, decode and augmentation.
+        """
+
+        def __init__(self, loader: Any):  # noqa: D107 (the class doc says it)
+            self.loader = loader
+            self.sampler = sampler_for(loader)
+            self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
+
+        def __iter__(self):
+            raise no_batch_sampler()
+
+        def __len__(self) -> int:
+            return len(self.loader)
+
+    LoaderBatchSampler.__module__, LoaderBatchSampler.__qualname__ = __name__, "LoaderBatchSampler"
+    return LoaderBatchSampler
+
+
 def batch_sampler_of(loader: Any):
-    """``loader.batch_sampler``: not there. Raises :class:`~stoker.errors.NotADataLoaderError` (an
-    AttributeError, :func:`no_batch_sampler`), which names the stoker way to skip the batches done
-    (accelerate's ``skip_first_batches`` asks for it to rebuild the Loader as a DataLoader)."""
-    raise no_batch_sampler()
+    """``loader.batch_sampler``: a :class:`LoaderBatchSampler` (``sampler``, ``batch_size``,
+    ``drop_last``, ``len()``), which Lightning reads directly in ``validate``, ``test``,
+    ``predict`` and a fit's validation. Iterating it raises
+    :class:`~stoker.errors.NotADataLoaderError`, which names the stoker way to skip the batches
+    done: a rebuild of the Loader as a DataLoader (accelerate's ``skip_first_batches``) cannot
+    keep stoker's pipeline."""
+    return _batch_sampler_class()(loader)
+
+
+#: the Loaders of this process's :func:`loader_checkpoint` callbacks, by name (weakly: a callback
+#: the Trainer makes again from a checkpoint, ``restore_callback_states_from_checkpoint``, finds
+#: its Loader here)
+_CHECKPOINTED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@functools.cache
+def _checkpoint_class() -> type:
+    """:class:`LoaderCheckpoint`, made on first use (transformers is imported then)."""
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+
+    class LoaderCheckpoint(TrainerCallback, ExportableState):
+        """A Hugging Face ``Trainer`` callback that keeps a Loader's ``state_dict()`` in every
+        checkpoint the Trainer saves (in its ``trainer_state.json``, as the Trainer's own
+        stateful callbacks are kept) and loads it back when ``trainer.train(resume_from_checkpoint=...)``
+        resumes one, so a resumed epoch goes on after the batches already trained on.
+
+        The Trainer's own way to skip them (accelerate's ``skip_first_batches``) would rebuild the
+        Loader as a torch DataLoader, so ``TrainingArguments(ignore_data_skip=True)`` is required:
+        ``on_train_begin`` raises ValueError without it. The Trainer's ``set_epoch(epoch)`` before
+        each ``iter()`` keeps the loaded position (``Loader.set_epoch``). Only rank 0 writes the
+        checkpoint; every rank loads the same state (the state is the job's), at any world size.
+
+        Args:
+            loader: the training :class:`stoker.loader.Loader` (the one ``get_train_dataloader``
+                returns); None: the Loader registered under ``name`` in this process.
+            name: the key it is kept under (one callback per Loader; ``"train"``).
+
+        Raises:
+            KeyError: ``loader`` is None and no Loader is registered under ``name``.
+        """
+
+        def __init__(self, loader: Any = None, name: str = "train"):  # noqa: D107 (the class doc says it)
+            if loader is not None:
+                _CHECKPOINTED[name] = loader
+            self.loader, self.name = _CHECKPOINTED[name], name
+
+        def state(self) -> dict:
+            """What the Trainer keeps in the checkpoint: the name, and the Loader's ``state_dict()``."""
+            return {"args": {"name": self.name}, "attributes": {"loader_state": self.loader.state_dict()}}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            """Check ``ignore_data_skip``; on a resume (``global_step`` > 0), load the checkpoint's
+            Loader state (``load_state_dict``: its ValueError names a state that does not fit)."""
+            if not args.ignore_data_skip:
+                raise ValueError(
+                    "LoaderCheckpoint needs TrainingArguments(ignore_data_skip=True): the Loader resumes from its "
+                    "own state, and the Trainer's skip (accelerate's skip_first_batches) would rebuild it as a "
+                    "torch DataLoader"
+                )
+            saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+            if state.global_step > 0 and isinstance(saved, dict) and saved.get("args", {}).get("name") == self.name:
+                self.loader.load_state_dict(saved["attributes"]["loader_state"])
+
+    LoaderCheckpoint.__module__, LoaderCheckpoint.__qualname__ = __name__, "LoaderCheckpoint"
+    return LoaderCheckpoint
+
+
+def loader_checkpoint(loader: Any, name: str = "train"):
+    """A :class:`LoaderCheckpoint` for ``loader``: pass it in the Hugging Face ``Trainer``'s
+    ``callbacks``, with ``TrainingArguments(ignore_data_skip=True)``, and a resumed run continues
+    the Loader's epoch where the checkpoint left it (see the class). ``name``: one per Loader
+    (``"train"``). Needs ``transformers`` (ImportError otherwise)."""
+    return _checkpoint_class()(loader, name)
 
 
 def follow_epoch(loader: Any, epoch: int) -> bool:
@@ -139,19 +247,25 @@ def follow_epoch(loader: Any, epoch: int) -> bool:
 
 
 def no_batch_sampler() -> NotADataLoaderError:
-    """The error ``loader.batch_sampler`` raises: a framework wants to rebuild the Loader as a
+    """The error iterating ``loader.batch_sampler`` raises: a framework rebuilt the Loader as a
     DataLoader (accelerate's ``skip_first_batches``); it names the stoker way to skip batches."""
     return NotADataLoaderError(
-        "a stoker Loader has no batch_sampler: it draws its own batches and cannot be rebuilt as a "
-        "torch DataLoader (accelerate's skip_first_batches, for one). To continue an epoch after the "
-        "batches already trained on, restore the Loader's own state instead: "
-        "loader.load_state_dict(saved_loader_state) (with accelerate, "
-        "accelerator.register_for_checkpointing(loader) saves and restores it in save_state/load_state)"
+        "a stoker Loader draws its own batches: its batch_sampler cannot be iterated, and the Loader cannot be "
+        "rebuilt as a torch DataLoader (accelerate's skip_first_batches, for one, which the Hugging Face "
+        "Trainer calls to resume mid-epoch). To continue an epoch after the batches already trained on, "
+        "restore the Loader's own state instead: loader.load_state_dict(saved_loader_state) (with accelerate, "
+        "accelerator.register_for_checkpointing(loader) saves and restores it in save_state/load_state; with "
+        "the Hugging Face Trainer, TrainingArguments(ignore_data_skip=True) and "
+        "callbacks=[stoker.loader.adapters.loader_checkpoint(loader)])"
     )
 
 
 def __getattr__(name: str):
-    """``LoaderSampler``: the class, made on first use."""
+    """``LoaderSampler``, ``LoaderBatchSampler``, ``LoaderCheckpoint``: the classes, made on first use."""
     if name == "LoaderSampler":
         return _sampler_class()
+    if name == "LoaderBatchSampler":
+        return _batch_sampler_class()
+    if name == "LoaderCheckpoint":
+        return _checkpoint_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
