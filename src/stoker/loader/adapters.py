@@ -2,15 +2,19 @@
 
 Frameworks reach into ``torch.utils.data.DataLoader``'s attributes:
 
-- PyTorch Lightning's loops call ``loader.sampler.set_epoch(epoch)`` at the start of every
-  training epoch (``lightning.fabric.utilities.data._set_sampler_epoch``), and probe
-  ``loader.batch_sampler`` with ``getattr(..., None)``.
+- PyTorch Lightning's loops call ``loader.sampler.set_epoch(epoch)`` and
+  ``loader.batch_sampler.sampler.set_epoch(epoch)`` at the start of every epoch
+  (``lightning.fabric.utilities.data._set_sampler_epoch``); for an evaluation loader
+  (``validate``, ``test``, ``predict``, a fit's validation and its sanity check) it reads
+  ``loader.batch_sampler`` directly to tell whether the loader shuffles
+  (``lightning.pytorch.utilities.data._is_dataloader_shuffled``).
 - Ray Train's ``ray.train.torch.prepare_data_loader`` rebuilds the loader with a
   ``DistributedSampler`` unless ``loader.sampler`` already is one; then it wraps it to move each
   batch to the worker's device.
 - HF accelerate's ``skip_first_batches`` rebuilds the loader as a DataLoader over
   ``loader.dataset`` with a batch sampler that skips the first batches
-  (``loader.batch_sampler``).
+  (``loader.batch_sampler``); the Hugging Face Trainer calls it to resume mid-epoch, and calls
+  ``loader.set_epoch(epoch)`` before every epoch's ``iter()``.
 
 A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` does, and moves
 to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
@@ -19,11 +23,13 @@ to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSam
 otherwise left alone (:func:`follow_epoch`; Lightning calls it after it opened
 the epoch's iterator, so following it otherwise would serve an epoch twice). An ``iter()`` whose
 epoch never began (Lightning's look at the loader) is given back: the next ``iter()`` runs that
-epoch again. Ray
-Train then keeps the Loader as it is. A rebuild that would drop stoker's pipeline for a
-DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
+epoch again. Ray Train then keeps the Loader as it is. Its ``batch_sampler`` is a
+:class:`LoaderBatchSampler`, which describes the Loader's batches (``sampler``, ``batch_size``,
+``drop_last``, ``len()``) for the frameworks that read it; a rebuild that would drop stoker's
+pipeline for a DataLoader over its dataset has nothing to be built from: iterating it raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
-Loader's own ``state_dict()``).
+Loader's own ``state_dict()``). For the Hugging Face Trainer, :func:`loader_checkpoint` keeps
+that state in the Trainer's checkpoints and loads it on a resume.
 
 The Loader's ``sampler`` and ``batch_sampler`` are :func:`sampler_for` and :func:`batch_sampler_of`
 as properties: the adapters live here, the attributes frameworks read stay on the Loader.
