@@ -55,9 +55,9 @@ def test_odd_files_pack_byte_exact_and_fail_by_name(odd_tree, tmp_path):
         shapes = [tuple(x.shape) for x, _ in loader]
         assert loader.stats.skipped == 2
         assert sorted(loader.stats.skipped_keys) == ["odd/empty", "odd/text"]
-        # the last batch, odd/text alone, is yielded with a substitute (loader/workers/padding.py)
-        assert loader.stats.padded == 1 and len(shapes) == len(loader)
-    assert sum(s[0] for s in shapes) == 3 + 1  # good/a, good/gray (as RGB), the PNG named .JPEG; the substitute
+        # the last batch, odd/text alone, is not yielded: one rank needs no substitute (loader/workers/padding.py)
+        assert loader.stats.padded == 0 and len(shapes) == len(loader) - 1 and loader.stats.exactly_once
+    assert sum(s[0] for s in shapes) == 3  # good/a, good/gray (as RGB), the PNG named .JPEG
     assert all(s[1:] == (3, 224, 224) for s in shapes)
     with Loader(ds, 2, num_workers=2, transform="eval", shuffle=False) as loader:
         with pytest.raises(WorkerError, match="odd/empty"):

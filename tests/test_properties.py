@@ -219,7 +219,8 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
             position = loader.state_dict()
             assert position["epoch"] == epoch
             own = whole[(position["batches_done"] - 1) * bs : position["batches_done"] * bs]
-            if all(i in bad for i in own):  # every sample skipped: yielded with substitutes (loader/workers/padding.py)
+            if all(i in bad for i in own):  # every sample skipped: with several ranks, substitutes (workers/padding.py)
+                assert loader.world_size > 1  # one rank yields no such batch
                 good = len(ds) - len(bad)  # every other sample is tried (a dataset this small)
                 assert len(ids) == len(set(ids)) == min(len(own), good) and not set(ids) & bad
                 padded.extend(ids)
@@ -241,15 +242,17 @@ def _run(loader, stop: int | None = None, cap: int | None = None):
         assert stats.samples == len(delivered)  # substitutes are not delivered samples
         assert stats.padded == len(padded) and sorted(stats.padded_keys) == sorted(ds.key(i) for i in padded)
         assert stats.batches == yielded
-        if done is None:  # every batch of the plan is yielded, skipped samples or not: the same count on every rank
-            assert yielded == -(-len(planned) // bs)
+        if done is None and loader.world_size > 1:  # every batch of the plan, skipped samples or not: the same count
+            assert yielded == -(-len(planned) // bs)  # on every rank
+        elif done is None:  # one rank: no batch whose every sample is skipped (no substitutes)
+            assert yielded == sum(any(i not in bad for i in planned[j : j + bs]) for j in range(0, len(planned), bs))
         assert stats.skipped == len(processed) - len(delivered)
         assert sorted(stats.skipped_keys) == sorted(ds.key(i) for i in processed if i in bad)
         # an epoch whose plan is empty for a dataset that has samples (drop_last, more ranks than
         # samples with even="drop") delivers nothing: it says why and is not exactly once
         empty = len(loader.plan(epoch)) == 0 and len(ds) > 0
         assert bool(stats.empty_reason) == empty
-        assert stats.exactly_once == (stats.skipped == 0 and processed == planned and not empty)
+        assert stats.exactly_once == (processed == planned and not empty)  # over the samples that decode
         assert loader.state_dict()["epoch"] == epoch + 1  # a cut epoch is not replayed: not on resume either
     return events, (loader.state_dict() if len(events) == stop else None)
 

@@ -16,7 +16,10 @@ with this checkout's ``src`` on ``PYTHONPATH``:
   argument; it starts its second rank itself (PyTorch Lightning's ``ddp`` on the CPU) and must exit
   by itself;
 - ``<!-- test: ray-train -->``: the script run by this Python with a work directory as its
-  argument; it starts a one-node Ray itself (Ray Train's ``TorchTrainer``, gloo on the CPU).
+  argument; it starts a one-node Ray itself (Ray Train's ``TorchTrainer``, gloo on the CPU);
+- ``<!-- test: accelerate -->``: the script under the guide's own launch line,
+  ``accelerate launch --multi_gpu --num_processes 2`` (two processes on the CPU, gloo), with a
+  work directory as its argument: both ranks must report.
 """
 
 from __future__ import annotations
@@ -219,12 +222,24 @@ def test_ddp_recipe_runs_under_torchrun(tmp_path):
             assert f"rank {rank} epoch 1" in out, out
 
 
+def test_accelerate_recipe_starts_two_processes_with_the_guides_launch_line(tmp_path):
+    """``accelerate launch --cpu --num_processes 2`` starts one process; the guide's line starts two."""
+    pytest.importorskip("accelerate")
+    launch = "accelerate launch --multi_gpu --num_processes 2"
+    assert f"`{launch} ./train_acc.py" in GUIDE.read_text()
+    exe = [sys.executable, "-m", "accelerate.commands.launch", *launch.split()[2:]]
+    for out in _run_recipes(tmp_path, "accelerate", exe, _env(OMP_NUM_THREADS="1")):
+        for rank in (0, 1):
+            assert f"rank {rank} epoch 1: 16 samples, exactly once: True" in out, out
+
+
 def test_lightning_recipe_trains_two_epochs_on_two_ranks_and_exits(tmp_path):
     pytest.importorskip("lightning")
     for out in _run_recipes(tmp_path, "lightning", [sys.executable], _env(OMP_NUM_THREADS="1")):
         for rank in (0, 1):
             for epoch in (0, 1):
                 assert f"rank {rank} epoch {epoch}: 16 samples" in out, out
+            assert f"rank {rank} validated 13 samples" in out, out  # the pad sample left out
 
 
 def test_ray_train_recipe_reads_the_cluster_cache_on_two_workers(tmp_path):

@@ -405,10 +405,10 @@ class StaleIteratorError(StokerError, RuntimeError):
 
 
 class NotADataLoaderError(StokerError, AttributeError):
-    """A training framework asked a Loader for a part of ``torch.utils.data.DataLoader`` that it
-    does not have (its ``batch_sampler``: stoker draws its own batches), to rebuild it as a
-    DataLoader; the message names the stoker call to use instead. An AttributeError, so code that
-    only probes for the attribute (``getattr(loader, "batch_sampler", None)``) goes on."""
+    """A training framework tried to rebuild a Loader as a ``torch.utils.data.DataLoader`` (it
+    iterated the Loader's ``batch_sampler``, which only describes the batches stoker draws
+    itself: accelerate's ``skip_first_batches``); the message names the stoker call to use
+    instead. Also an AttributeError, as frameworks expect of a part a data loader lacks."""
 
 
 class ForkUnsafeError(StokerError, RuntimeError):

@@ -144,6 +144,6 @@ def test_ranks_yield_the_same_number_of_batches_with_device_decode(tmp_path, cas
     assert len(s0) == len(s1) == n0 == n1 == N // 2 // BATCH and st0.batches == st1.batches == len(s0)
     assert s0 == [4, 4, 4, 3] and s1 == [4, 4, 4, 4]
     assert st0.skipped == len(BAD) and st0.padded == 2 * BATCH and st0.samples == N // 2 - len(BAD)
-    assert not st0.exactly_once and st1.exactly_once and st1.padded == 0
+    assert st0.exactly_once and st1.exactly_once and st1.padded == 0  # over the samples that decode
     assert st0.padded_keys == out[0, "cpu"][2].padded_keys  # the same substitutes as the CPU path
     assert not {int(k.split("/")[1]) for k in st0.padded_keys} & BAD

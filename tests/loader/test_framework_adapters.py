@@ -97,7 +97,54 @@ def test_accelerate_prepare_keeps_the_loader_and_skip_first_batches_names_the_al
 
     acc = Accelerator(cpu=True)
     assert acc.prepare(loader) is loader
-    with pytest.raises(NotADataLoaderError, match=r"load_state_dict.*register_for_checkpointing") as e:
+    # num_workers=0: torch refuses the rebuild itself (accelerate passes it a prefetch_factor)
+    with pytest.raises(ValueError, match="prefetch_factor"):
         acc.skip_first_batches(loader, 2)
+    with Loader(loader.dataset, 8, num_workers=1, rank=1, world_size=2, image=ImageOptions(image_size=32)) as ld:
+        rebuilt = acc.skip_first_batches(ld, 2)  # a torch DataLoader over the dataset: it yields nothing,
+        with pytest.raises(
+            NotADataLoaderError, match=r"load_state_dict.*register_for_checkpointing.*ignore_data_skip"
+        ) as e:
+            next(iter(rebuilt.batch_sampler))  # as its first next() finds
     assert isinstance(e.value, StokerError) and isinstance(e.value, AttributeError)
-    assert getattr(loader, "batch_sampler", None) is None  # a probe still goes on
+
+
+def test_the_batch_sampler_describes_the_batches_lightning_reads(loader):
+    """Lightning's ``validate``/``test``/``predict`` and a fit's validation read
+    ``loader.batch_sampler`` directly (``_is_dataloader_shuffled``): it is there, describes the
+    Loader's batches, and says the Loader does not shuffle the way a DataLoader does."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+    from torch.utils.data.distributed import DistributedSampler
+
+    bs = loader.batch_sampler
+    assert isinstance(bs.sampler, DistributedSampler) and list(bs.sampler) == loader.plan().tolist()
+    assert (bs.batch_size, bs.drop_last, len(bs)) == (8, False, len(loader))
+    assert _is_dataloader_shuffled(loader) is False  # no warning about a shuffled evaluation loader
+    with pytest.raises(NotADataLoaderError, match="cannot be iterated"):
+        iter(bs)  # only a rebuild as a torch DataLoader iterates it
+    it = iter(loader)
+    _set_sampler_epoch(loader, 2)  # through sampler and batch_sampler.sampler: followed once
+    assert _batches(it) == len(loader) and [h.epoch for h in loader.history] == [2]
+
+
+def test_set_epoch_after_a_resume_keeps_the_loaded_position(loader):
+    """The Hugging Face Trainer calls ``set_epoch(epoch)`` right before every ``iter()``, a resumed
+    one too: naming the loaded epoch keeps the loaded position; another epoch is refused (it
+    would serve samples twice or never), and nothing changes then."""
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    loader.set_epoch(0)
+    with pytest.raises(ValueError, match=r"set_epoch\(1\).*resumed position \(epoch 0, batch 3\)"):
+        loader.set_epoch(1)
+    with pytest.raises(ValueError, match="resumed position"):
+        loader.epoch = 5
+    iter(loader)  # a look that takes no batch: the loaded position is still pending
+    loader.set_epoch(0)
+    assert _batches(iter(loader)) == len(loader) - 3 and loader.history[-1].epoch == 0
+    loader.set_epoch(4)  # once a batch was taken, set_epoch moves the loader as before
+    assert _batches(iter(loader)) == len(loader) and loader.history[-1].epoch == 4
+    assert all(h.exactly_once for h in loader.history[-1:])

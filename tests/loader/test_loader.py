@@ -103,14 +103,32 @@ def test_cases_decode_or_fail_naming_the_key(cases_packed, tmp_path):
         got = sum(len(y) for _, y in loader)
         assert got == len(ds) - 1
         assert loader.stats.skipped == 1 and loader.stats.skipped_keys == ["pillow/truncated_jpeg"]
-        assert not loader.stats.exactly_once  # honest: one sample was not delivered
-    for workers in (0, 2):  # a batch whose only sample is skipped is yielded with a substitute (never empty)
+        assert loader.stats.exactly_once  # every sample that decodes, once; the other is in skipped
+    for workers in (0, 2):  # one rank: a batch whose only sample is skipped is not yielded (no substitute)
         with Loader(
             ds, 1, num_workers=workers, transform="eval", shuffle=False, run=RunOptions(on_error="skip")
         ) as loader:
             sizes = [len(y) for _, y in loader]
-            assert sizes == [1] * len(ds) and loader.stats.skipped == 1 and loader.stats.padded == 1
-            assert loader.stats.samples == len(ds) - 1 and loader.stats.padded_keys != ["pillow/truncated_jpeg"]
+            assert sizes == [1] * (len(ds) - 1) and loader.stats.skipped == 1 and loader.stats.padded == 0
+            assert loader.stats.samples == loader.stats.batches == len(ds) - 1 and loader.stats.exactly_once
+    for workers in (0, 2):  # two ranks: yielded with a substitute, so both ranks yield len(loader) batches
+        sizes = {}
+        for rank in (0, 1):
+            with Loader(
+                ds,
+                1,
+                num_workers=workers,
+                transform="eval",
+                shuffle=False,
+                rank=rank,
+                world_size=2,
+                run=RunOptions(on_error="skip"),
+            ) as loader:
+                sizes[rank] = [len(y) for _, y in loader]
+                assert len(sizes[rank]) == len(loader) and loader.stats.exactly_once
+                if loader.stats.skipped:
+                    assert loader.stats.padded == 1 and loader.stats.padded_keys != ["pillow/truncated_jpeg"]
+        assert sizes[0] == sizes[1] == [1] * len(sizes[0])
 
 
 def test_killed_worker_or_prefetcher_is_replaced(packed_local, tmp_path):

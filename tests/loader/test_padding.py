@@ -1,6 +1,7 @@
 """Every rank yields the same number of batches under on_error="skip" (loader/workers/padding.py): a batch
 whose every sample was skipped is yielded with substitutes, counted in stats.padded, never as
-delivered samples; one that gets no substitute is a WorkerError saying the dataset looks unreadable."""
+delivered samples; one that gets no substitute is a WorkerError saying the dataset looks unreadable.
+A loader of one rank yields no such batch instead: every sample that decodes exactly once."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_ranks_yield_the_same_number_of_batches(ranked, cases_dir, workers, kind
     assert st0.skipped == len(BAD) and sorted(st0.skipped_keys) == sorted(ds.key(i) for i in BAD)
     assert st0.samples == len(plan0) - len(BAD)  # substitutes are not delivered samples
     assert st0.padded == 2 * BATCH and len(st0.padded_keys) == 2 * BATCH
-    assert not st0.exactly_once  # 9 planned samples were not delivered, whatever was yielded
+    assert st0.exactly_once  # every planned sample that decodes once; the 9 others are in skipped
     padded_ids = [int(k.split("/")[1]) for k in st0.padded_keys]
     assert not set(padded_ids) & BAD
     for j in (0, 1):  # the substitutes of one batch are distinct and none of its planned samples
@@ -148,7 +149,9 @@ def test_a_batch_with_no_decodable_substitute_says_the_dataset_looks_unreadable(
     ds = open_dataset(path, cache=False)
     for workers in (0, 2):
         for kw in ({}, {"decode": user_decode}):
-            with Loader(ds, 2, shuffle=False, num_workers=workers, run=RunOptions(on_error="skip"), **kw) as loader:
+            with Loader(
+                ds, 2, shuffle=False, num_workers=workers, rank=0, world_size=2, run=RunOptions(on_error="skip"), **kw
+            ) as loader:
                 with pytest.raises(WorkerError, match="looks unreadable") as info:
                     list(loader)
             assert "c/000" in str(info.value) and "epoch 0" in str(info.value)
@@ -160,15 +163,41 @@ def test_substitutes_fill_the_batch_past_bad_probes(tmp_path, cases_dir):
     bad = set(range(20)) - {3, 11, 17}
     path = make_ranked_dataset(tmp_path, cases_dir, n=20, bad=bad)
     ds = open_dataset(path, cache=False)
-    with Loader(ds, 4, shuffle=False, num_workers=0, run=RunOptions(on_error="skip")) as loader:
+    # rank 0 of 2 plans the even ids: 0-6, 8-14, 16-18, every one bad
+    with Loader(ds, 4, shuffle=False, num_workers=0, rank=0, world_size=2, run=RunOptions(on_error="skip")) as loader:
         sizes = [len(y) for _, y in loader]
         st = loader.stats
-    assert len(sizes) == len(loader) == 5 and st.batches == 5
-    assert st.skipped == len(bad) and st.samples == 3
-    # batches 0 (ids 0-3: 3 good) and 2 (8-11: 11) and 4 (16-19: 17) are short; 1 and 3 are padded
-    # with every good sample of the dataset: 3 of the 4 planned
-    assert sizes == [1, 3, 1, 3, 1] and st.padded == 6
-    assert sorted(st.padded_keys) == sorted(2 * ["c/003", "c/011", "c/017"])
+    assert len(sizes) == len(loader) == 3 and st.batches == 3
+    assert st.skipped == 10 and st.samples == 0 and st.exactly_once
+    # each batch padded with every good sample of the dataset (3), the last up to its planned 2
+    assert sizes == [3, 3, 2] and st.padded == 8
+    assert set(st.padded_keys) == {"c/003", "c/011", "c/017"} and len(st.padded_keys) == 8
+
+
+@pytest.mark.parametrize("kind", ["builtin", "user"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_one_rank_drops_a_batch_whose_every_sample_is_skipped(tmp_path, cases_dir, workers, kind, monkeypatch):
+    """``world_size=1``: no rank to keep level, so no substitutes: a batch whose every sample is
+    skipped is not yielded (the first one too, decoded in parts by two workers), each sample that
+    decodes is delivered once, and ``exactly_once`` holds over them."""
+    monkeypatch.setattr("stoker.loader.pipeline.dispatch.split_ids", _small_parts)
+    bad = set(range(20)) - {5, 11, 17}  # batches 0 (0-3) and 3 (12-15) bad whole
+    path = make_ranked_dataset(tmp_path, cases_dir, n=20, bad=bad)
+    ds = open_dataset(path, cache=False)
+    kw = dict(decode=user_decode) if kind == "user" else dict(image=ImageOptions(image_size=SIZE))
+    with Loader(
+        ds, 4, shuffle=False, num_workers=workers, world_size=1, run=RunOptions(on_error="skip", timeout_s=60), **kw
+    ) as loader:
+        for epoch in range(2):
+            got = [b["id"].tolist() if kind == "user" else b[1].tolist() for b in loader]
+            st = loader.stats
+            if kind == "user":
+                assert got == [[5], [11], [17]]
+            else:
+                assert got == [[int(ds.labels[i])] for i in (5, 11, 17)]
+            assert len(loader) == 5 and st.batches == 3 and st.epoch == epoch
+            assert st.samples == 3 and st.skipped == 17 and st.padded == 0 and st.padded_keys == []
+            assert st.exactly_once
 
 
 def test_probe_order_is_a_pure_function_of_the_batch_and_leaves_it_out():

@@ -2,15 +2,19 @@
 
 Frameworks reach into ``torch.utils.data.DataLoader``'s attributes:
 
-- PyTorch Lightning's loops call ``loader.sampler.set_epoch(epoch)`` at the start of every
-  training epoch (``lightning.fabric.utilities.data._set_sampler_epoch``), and probe
-  ``loader.batch_sampler`` with ``getattr(..., None)``.
+- PyTorch Lightning's loops call ``loader.sampler.set_epoch(epoch)`` and
+  ``loader.batch_sampler.sampler.set_epoch(epoch)`` at the start of every epoch
+  (``lightning.fabric.utilities.data._set_sampler_epoch``); for an evaluation loader
+  (``validate``, ``test``, ``predict``, a fit's validation and its sanity check) it reads
+  ``loader.batch_sampler`` directly to tell whether the loader shuffles
+  (``lightning.pytorch.utilities.data._is_dataloader_shuffled``).
 - Ray Train's ``ray.train.torch.prepare_data_loader`` rebuilds the loader with a
   ``DistributedSampler`` unless ``loader.sampler`` already is one; then it wraps it to move each
   batch to the worker's device.
 - HF accelerate's ``skip_first_batches`` rebuilds the loader as a DataLoader over
   ``loader.dataset`` with a batch sampler that skips the first batches
-  (``loader.batch_sampler``).
+  (``loader.batch_sampler``); the Hugging Face Trainer calls it to resume mid-epoch, and calls
+  ``loader.set_epoch(epoch)`` before every epoch's ``iter()``.
 
 A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` does, and moves
 to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
@@ -19,11 +23,13 @@ to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSam
 otherwise left alone (:func:`follow_epoch`; Lightning calls it after it opened
 the epoch's iterator, so following it otherwise would serve an epoch twice). An ``iter()`` whose
 epoch never began (Lightning's look at the loader) is given back: the next ``iter()`` runs that
-epoch again. Ray
-Train then keeps the Loader as it is. A rebuild that would drop stoker's pipeline for a
-DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
+epoch again. Ray Train then keeps the Loader as it is. Its ``batch_sampler`` is a
+:class:`LoaderBatchSampler`, which describes the Loader's batches (``sampler``, ``batch_size``,
+``drop_last``, ``len()``) for the frameworks that read it; a rebuild that would drop stoker's
+pipeline for a DataLoader over its dataset has nothing to be built from: iterating it raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
-Loader's own ``state_dict()``).
+Loader's own ``state_dict()``). For the Hugging Face Trainer, :func:`loader_checkpoint` keeps
+that state in the Trainer's checkpoints and loads it on a resume.
 
 The Loader's ``sampler`` and ``batch_sampler`` are :func:`sampler_for` and :func:`batch_sampler_of`
 as properties: the adapters live here, the attributes frameworks read stay on the Loader.
@@ -32,14 +38,18 @@ as properties: the adapters live here, the attributes frameworks read stay on th
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 from ..errors import NotADataLoaderError
 
-__all__ = [  # noqa: F822 (LoaderSampler: module __getattr__)
+__all__ = [  # noqa: F822 (LoaderSampler, LoaderBatchSampler, LoaderCheckpoint: module __getattr__)
+    "LoaderBatchSampler",
+    "LoaderCheckpoint",
     "LoaderSampler",
     "batch_sampler_of",
     "follow_epoch",
+    "loader_checkpoint",
     "no_batch_sampler",
     "sampler_for",
 ]
@@ -110,11 +120,115 @@ def sampler_for(loader: Any):
     return _sampler_class()(loader)
 
 
+@functools.cache
+def _batch_sampler_class() -> type:
+    """:class:`LoaderBatchSampler`, made on first use (torch is imported then, not with stoker)."""
+    from torch.utils.data import Sampler
+
+    class LoaderBatchSampler(Sampler):
+        """What a framework finds as ``loader.batch_sampler``: a description of the batches the
+        Loader draws itself, for the frameworks that read it (Lightning's check whether an
+        evaluation loader shuffles reads ``batch_sampler.sampler``; Lightning's and the HF
+        Trainer's epoch hooks look for ``batch_sampler.sampler.set_epoch``).
+
+        Attributes: ``sampler`` (the Loader's :class:`LoaderSampler`), ``batch_size``,
+        ``drop_last``; ``len()`` is the Loader's batches of its next epoch. Iterating it raises
+        :class:`~stoker.errors.NotADataLoaderError` (:func:`no_batch_sampler`): only a rebuild of
+        the Loader as a torch DataLoader over its dataset iterates a batch sampler (accelerate's
+        ``skip_first_batches``, which the HF Trainer's mid-epoch resume calls unless
+        ``ignore_data_skip``), and that would drop stoker's pipeline, decode and augmentation.
+        """
+
+        def __init__(self, loader: Any):  # noqa: D107 (the class doc says it)
+            self.loader = loader
+            self.sampler = sampler_for(loader)
+            self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
+
+        def __iter__(self):
+            raise no_batch_sampler()
+
+        def __len__(self) -> int:
+            return len(self.loader)
+
+    LoaderBatchSampler.__module__, LoaderBatchSampler.__qualname__ = __name__, "LoaderBatchSampler"
+    return LoaderBatchSampler
+
+
 def batch_sampler_of(loader: Any):
-    """``loader.batch_sampler``: not there. Raises :class:`~stoker.errors.NotADataLoaderError` (an
-    AttributeError, :func:`no_batch_sampler`), which names the stoker way to skip the batches done
-    (accelerate's ``skip_first_batches`` asks for it to rebuild the Loader as a DataLoader)."""
-    raise no_batch_sampler()
+    """``loader.batch_sampler``: a :class:`LoaderBatchSampler` (``sampler``, ``batch_size``,
+    ``drop_last``, ``len()``), which Lightning reads directly in ``validate``, ``test``,
+    ``predict`` and a fit's validation. Iterating it raises
+    :class:`~stoker.errors.NotADataLoaderError`, which names the stoker way to skip the batches
+    done: a rebuild of the Loader as a DataLoader (accelerate's ``skip_first_batches``) cannot
+    keep stoker's pipeline."""
+    return _batch_sampler_class()(loader)
+
+
+#: the Loaders of this process's :func:`loader_checkpoint` callbacks, by name (weakly: a callback
+#: the Trainer makes again from a checkpoint, ``restore_callback_states_from_checkpoint``, finds
+#: its Loader here)
+_CHECKPOINTED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@functools.cache
+def _checkpoint_class() -> type:
+    """:class:`LoaderCheckpoint`, made on first use (transformers is imported then)."""
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+
+    class LoaderCheckpoint(TrainerCallback, ExportableState):
+        """A Hugging Face ``Trainer`` callback that keeps a Loader's ``state_dict()`` in every
+        checkpoint the Trainer saves (in its ``trainer_state.json``, as the Trainer's own
+        stateful callbacks are kept) and loads it back when ``trainer.train(resume_from_checkpoint=...)``
+        resumes one, so a resumed epoch goes on after the batches already trained on.
+
+        The Trainer's own way to skip them (accelerate's ``skip_first_batches``) would rebuild the
+        Loader as a torch DataLoader, so ``TrainingArguments(ignore_data_skip=True)`` is required:
+        ``on_train_begin`` raises ValueError without it. The Trainer's ``set_epoch(epoch)`` before
+        each ``iter()`` keeps the loaded position (``Loader.set_epoch``). Only rank 0 writes the
+        checkpoint; every rank loads the same state (the state is the job's), at any world size.
+
+        Args:
+            loader: the training :class:`stoker.loader.Loader` (the one ``get_train_dataloader``
+                returns); None: the Loader registered under ``name`` in this process.
+            name: the key it is kept under (one callback per Loader; ``"train"``).
+
+        Raises:
+            KeyError: ``loader`` is None and no Loader is registered under ``name``.
+        """
+
+        def __init__(self, loader: Any = None, name: str = "train"):  # noqa: D107 (the class doc says it)
+            if loader is not None:
+                _CHECKPOINTED[name] = loader
+            self.loader, self.name = _CHECKPOINTED[name], name
+
+        def state(self) -> dict:
+            """What the Trainer keeps in the checkpoint: the name, and the Loader's ``state_dict()``."""
+            return {"args": {"name": self.name}, "attributes": {"loader_state": self.loader.state_dict()}}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            """Check ``ignore_data_skip``; on a resume (``global_step`` > 0), load the checkpoint's
+            Loader state (``load_state_dict``: its ValueError names a state that does not fit)."""
+            if not args.ignore_data_skip:
+                raise ValueError(
+                    "LoaderCheckpoint needs TrainingArguments(ignore_data_skip=True): the Loader resumes from its "
+                    "own state, and the Trainer's skip (accelerate's skip_first_batches) would rebuild it as a "
+                    "torch DataLoader"
+                )
+            saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+            if state.global_step > 0 and isinstance(saved, dict) and saved.get("args", {}).get("name") == self.name:
+                self.loader.load_state_dict(saved["attributes"]["loader_state"])
+
+    LoaderCheckpoint.__module__, LoaderCheckpoint.__qualname__ = __name__, "LoaderCheckpoint"
+    return LoaderCheckpoint
+
+
+def loader_checkpoint(loader: Any, name: str = "train"):
+    """A :class:`LoaderCheckpoint` for ``loader``: pass it in the Hugging Face ``Trainer``'s
+    ``callbacks``, with ``TrainingArguments(ignore_data_skip=True)``, and a resumed run continues
+    the Loader's epoch where the checkpoint left it (see the class). ``name``: one per Loader
+    (``"train"``). Needs ``transformers`` (ImportError otherwise)."""
+    return _checkpoint_class()(loader, name)
 
 
 def follow_epoch(loader: Any, epoch: int) -> bool:
@@ -139,19 +253,25 @@ def follow_epoch(loader: Any, epoch: int) -> bool:
 
 
 def no_batch_sampler() -> NotADataLoaderError:
-    """The error ``loader.batch_sampler`` raises: a framework wants to rebuild the Loader as a
+    """The error iterating ``loader.batch_sampler`` raises: a framework rebuilt the Loader as a
     DataLoader (accelerate's ``skip_first_batches``); it names the stoker way to skip batches."""
     return NotADataLoaderError(
-        "a stoker Loader has no batch_sampler: it draws its own batches and cannot be rebuilt as a "
-        "torch DataLoader (accelerate's skip_first_batches, for one). To continue an epoch after the "
-        "batches already trained on, restore the Loader's own state instead: "
-        "loader.load_state_dict(saved_loader_state) (with accelerate, "
-        "accelerator.register_for_checkpointing(loader) saves and restores it in save_state/load_state)"
+        "a stoker Loader draws its own batches: its batch_sampler cannot be iterated, and the Loader cannot be "
+        "rebuilt as a torch DataLoader (accelerate's skip_first_batches, for one, which the Hugging Face "
+        "Trainer calls to resume mid-epoch). To continue an epoch after the batches already trained on, "
+        "restore the Loader's own state instead: loader.load_state_dict(saved_loader_state) (with accelerate, "
+        "accelerator.register_for_checkpointing(loader) saves and restores it in save_state/load_state; with "
+        "the Hugging Face Trainer, TrainingArguments(ignore_data_skip=True) and "
+        "callbacks=[stoker.loader.adapters.loader_checkpoint(loader)])"
     )
 
 
 def __getattr__(name: str):
-    """``LoaderSampler``: the class, made on first use."""
+    """``LoaderSampler``, ``LoaderBatchSampler``, ``LoaderCheckpoint``: the classes, made on first use."""
     if name == "LoaderSampler":
         return _sampler_class()
+    if name == "LoaderBatchSampler":
+        return _batch_sampler_class()
+    if name == "LoaderCheckpoint":
+        return _checkpoint_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

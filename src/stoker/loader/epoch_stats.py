@@ -40,16 +40,16 @@ class EpochStats:
 
     ``samples`` / ``batches``: the planned samples and the batches yielded to the consumer (a
     sample skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a substitute in
-    ``padded``: ``samples + skipped`` is the rank's plan, and a batch whose samples were all
-    skipped is yielded with substitutes, so ``batches`` is the planned count under any
-    ``on_error``).
+    ``padded``: ``samples + skipped`` is the rank's plan; with several ranks a batch whose samples
+    were all skipped is yielded with substitutes, so ``batches`` is the planned count under any
+    ``on_error``; a loader of one rank yields no such batch, so ``batches`` is short by them).
 
     ``stall_fraction`` = time blocked in ``next()`` / wall time of the epoch (data stall): the
     share of time the training step waits for data. A loop that does nothing between batches
     waits for every one, so its stall is near 1 whatever the loader's speed (docs/stats.md).
-    ``exactly_once``: the delivered sample ids equal the rank's plan as a multiset
-    (for world_size 1: every sample exactly once; substitutes are not delivered samples, so an
-    epoch with a skipped sample is never exactly once); False for an epoch that delivers no sample of
+    ``exactly_once``: the delivered sample ids equal the rank's plan less the samples skipped as
+    undecodable (``skipped``), as a multiset (for world_size 1: every decodable sample exactly
+    once; substitutes are not delivered samples); False for an epoch that delivers no sample of
     a dataset that has some, whose ``empty_reason`` says why (:func:`why_empty`: ``drop_last``
     with fewer samples than a batch, more ranks than samples with ``even="drop"``; "" otherwise).
     ``cpu_s``: CPU seconds used in the epoch by the training process (``main``), the decode ``workers`` and the
@@ -160,7 +160,8 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list, pad
     decoded because every sample of the batch was skipped (:mod:`stoker.loader.workers.padding`):
     counted in ``padded`` and logged, not delivered. The ids actually delivered are appended to
     ``delivered`` (a list of int64 arrays, counted once at the epoch's end: this runs in
-    ``next()`` for every batch)."""
+    ``next()`` for every batch), and the skipped ids ``i`` as ``-1 - i`` (no longer owed:
+    :func:`fill_from_counters`)."""
     if skipped_keys and any(isinstance(k, tuple) for k in skipped_keys):
         for k in skipped_keys:
             if isinstance(k, tuple):
@@ -192,6 +193,8 @@ def account(stats: EpochStats, bids, skipped, skipped_keys, delivered: list, pad
             ", ..." if len(keys) > 4 else "",
         )
     delivered.append(np.asarray(keep, dtype=np.int64))
+    if skipped:  # owed no more: exactly_once is over the samples that decode (fill_from_counters)
+        delivered.append(-1 - np.asarray(skipped, dtype=np.int64))
     stats.samples += len(keep)
     stats.batches += 1 if len(keep) or len(padded) else 0
 
@@ -201,8 +204,8 @@ def fill_from_counters(
 ) -> None:
     """Set the counter-derived fields of ``stats`` from ``d`` (the epoch's change of the
     summed process counters: origin_*, cache_*, read_*, prefetch_*, derived_*), the
-    seconds blocked in ``next()`` and the plan ``ids`` against the ``delivered`` ids (the
-    arrays :func:`account` collected).
+    seconds blocked in ``next()`` and the plan ``ids`` less the skipped ones against the
+    ``delivered`` ids (the arrays :func:`account` collected: ``exactly_once``).
     ``stats.seconds`` must be set already."""
     stats.wait_s = wait_s
     stats.origin_bytes = d.get("origin_bytes", 0)
@@ -226,10 +229,10 @@ def fill_from_counters(
     stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
     stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0
     stats.samples_per_s = stats.samples / stats.seconds if stats.seconds else 0.0
-    got = (
-        np.bincount(np.concatenate(delivered), minlength=num_samples) if delivered else np.zeros(num_samples, np.int64)
-    )
+    every = np.concatenate(delivered) if delivered else np.zeros(0, np.int64)
+    got = np.bincount(every[every >= 0], minlength=num_samples)
     expected = np.bincount(ids, minlength=num_samples) if len(ids) else np.zeros(num_samples, np.int64)
+    expected -= np.bincount(-1 - every[every < 0], minlength=num_samples)  # skipped: not decodable
     stats.exactly_once = bool(np.array_equal(got, expected))
 
 

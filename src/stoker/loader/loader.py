@@ -352,6 +352,7 @@ class Loader:
             decode_on="cpu" if image.decode_device is None else "device",
             decode=decode,
             collate=collate,
+            substitutes=self.world_size > 1,  # only DDP needs every rank's batch count equal
         )
         if num_workers:
             check_main_for(self.start_method)  # WorkerStartError: spawn children cannot start from here
@@ -462,7 +463,15 @@ class Loader:
         return -(-len(self.plan()) // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next ``iter()`` at ``epoch``, batch 0."""
+        """Start the next ``iter()`` at ``epoch``, batch 0. After :meth:`load_state_dict`, until a
+        batch is taken, naming the loaded epoch keeps the loaded position (the Hugging Face Trainer
+        calls ``set_epoch(epoch)`` before every ``iter()``, a resumed one too): the epoch continues
+        where the checkpoint left it (:meth:`stoker.loader.state.LoaderState.set_epoch`).
+
+        Raises:
+            ValueError: a loaded position is pending and ``epoch`` is not its epoch (moving would
+                serve samples twice or never); the message names both. Nothing changes then.
+        """
         self.state.set_epoch(epoch)
         if self._started.run is not None:
             self._started.run.drop_pre()
@@ -471,12 +480,12 @@ class Loader:
     def epoch(self) -> int:
         """The epoch after the last ``iter()``'s (``state.epoch``): the one the next ``iter()`` runs,
         unless the last ``iter()`` was never asked for a batch (then it runs that one again).
-        Setting it chooses the next ``iter()``'s epoch."""
+        Setting it is :meth:`set_epoch` (the same ValueError after a resume)."""
         return self.state.epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.state.epoch, self.state.opened = int(value), None
+        self.set_epoch(value)
 
     # -- resume -----------------------------------------------------------
     def _identity(self) -> dict:

@@ -225,9 +225,12 @@ class RunOptions:
             :mod:`stoker.loader.device.transfer`). ValueError for another device; RuntimeError when CUDA
             is not available. With ``ImageOptions.decode_device`` it defaults to that device.
         on_error: ``"raise"`` (default: a sample no decoder reads raises WorkerError naming its
-            key) or ``"skip"`` (logged, counted in ``stats.skipped``, the batch is shorter). Under
-            either, every rank yields the same number of batches per epoch, ``len(loader)``, so
-            DDP's collectives never wait for a rank that has run out: a batch whose every sample
+            key) or ``"skip"`` (logged, counted in ``stats.skipped``, the batch is shorter). With
+            one rank (``world_size=1``) a batch whose every sample was skipped is not yielded: each
+            decodable sample is delivered once, and the epoch has fewer batches than
+            ``len(loader)``. With several, under either, every rank yields the same number of
+            batches per epoch, ``len(loader)``, so DDP's collectives never wait for a rank that has
+            run out: a batch whose every sample
             was skipped is yielded with substitutes decoded in its place, other samples of the
             dataset tried in an order fixed by (seed, epoch, the batch's sample ids), up to the
             batch's planned size, at most ``max(64, 4 x batch size)`` tried
@@ -441,6 +444,10 @@ class WorkerConfig:
         decode: the user's ``decode(fields, rng) -> sample``, or None (:mod:`stoker.loader.workers.batches`).
         collate: the user's ``collate(samples) -> batch``, or None (:func:`stoker.collate.default`
             when ``decode`` is set).
+        substitutes: a batch whose every sample was skipped (``on_error="skip"``) is filled with
+            substitutes (:mod:`stoker.loader.workers.padding`), so that every rank yields the same
+            number of batches: True for a loader of several ranks; False for one rank, whose such
+            batch yields nothing (no sample is decoded twice).
     """
 
     transform: str
@@ -453,6 +460,7 @@ class WorkerConfig:
     derived: Any = None
     decode: Any = None
     collate: Any = None
+    substitutes: bool = True
 
     @property
     def generic(self) -> bool:

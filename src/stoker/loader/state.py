@@ -80,9 +80,37 @@ class LoaderState:
     loaded: bool = False
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next ``iter()`` at ``epoch``, batch 0."""
+        """Start the next ``iter()`` at ``epoch``, batch 0; but keep a position that :meth:`load`
+        set and no batch has been taken from yet when ``epoch`` is its epoch (a framework that
+        names the epoch before each ``iter()``, as the Hugging Face Trainer does, continues the
+        resumed epoch where it stood).
+
+        Raises:
+            ValueError: such a loaded position is pending and ``epoch`` is another epoch: moving
+                there would silently drop the resume (the samples before it trained twice, or
+                the rest never). Nothing is changed then; the message names both epochs.
+        """
+        pending = self.pending_load()
+        if pending is not None:
+            if pending[0] == int(epoch):
+                return
+            raise ValueError(
+                f"set_epoch({int(epoch)}): the loader holds a resumed position (epoch {pending[0]}, batch "
+                f"{pending[1]}) from load_state_dict() that no batch has been taken from yet; moving to epoch "
+                f"{int(epoch)} would drop it and serve samples twice or never. Name epoch {pending[0]} (the "
+                "checkpoint's), or call set_epoch() before load_state_dict()"
+            )
         self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
         self.offset, self.carry, self.opened, self.loaded = None, None, None, False
+
+    def pending_load(self) -> tuple[int, int] | None:
+        """``(epoch, batch)`` of the position :meth:`load` set, while the next ``iter()`` still
+        starts there (none taken yet, or only by an ``iter()`` never asked for a batch); else None."""
+        if self.loaded:
+            return self.epoch, self.resume_batch
+        if self.opened is not None and self.opened[2] and self._given_back():
+            return self.opened[0], self.opened[1]
+        return None
 
     def _given_back(self) -> bool:
         """Whether the next ``iter()`` runs the opened epoch again (see :meth:`open_epoch`)."""

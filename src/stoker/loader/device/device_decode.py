@@ -88,7 +88,7 @@ class DeviceBatchDecoder:
         padded: list = []
         if keep:
             ids, imgs, labels = [ids[j] for j in keep], [imgs[j] for j in keep], labels[keep]
-        elif payloads:  # every sample skipped: substitutes, so every rank yields this batch
+        elif payloads and self.cfg.substitutes:  # every sample skipped: substitutes, so every rank yields it
             padded, imgs = self._pad(epoch, ids, skipped_keys)
             ids = [sid for sid, _ in padded]
             labels = np.asarray(self.dataset.index.labels[ids])

@@ -48,8 +48,10 @@ class Delivery:
         (``generic``, the worker's reply of :func:`stoker.loader.workers.batches.pack_reply`; ``last``: the
         epoch's last batch, where a streaming collate flushes its carry). ``padded``: the
         ``(sample id, key)`` of the substitutes decoded for a batch whose every sample was
-        skipped (:mod:`stoker.loader.workers.padding`). None only when a streaming collate carried every
-        token to the next batch (or, for a batch of no sample, nothing was decoded)."""
+        skipped (:mod:`stoker.loader.workers.padding`). None (nothing to yield) when a streaming
+        collate carried every token to the next batch, or every sample of the batch was skipped on
+        a loader of one rank (no substitutes: ``WorkerConfig.substitutes``), or, for a batch of no
+        sample, nothing was decoded."""
         if self.cfg.generic:
             return self._generic(slot, bids, skipped, skipped_keys, generic, padded, stats, delivered, last)
         if payloads is not None:

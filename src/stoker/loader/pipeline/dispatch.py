@@ -101,7 +101,7 @@ class Dispatcher:
         slot = msg[4]
         images, labels = self.ring.views(slot)
         joined = join_replies(msgs, images, labels)
-        if joined[0] == "ok" and joined[5] == 0 and joined[6]:
+        if joined[0] == "ok" and joined[5] == 0 and joined[6] and self.cfg.substitutes:
             self.workers.send((msg[2], msg[3], epoch, slot, self.ring.paths[slot], bids, 0, True))
             return None
         return joined

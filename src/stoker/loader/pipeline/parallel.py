@@ -82,7 +82,7 @@ class ParallelLoop:
             out = self.deliver(
                 epoch, slot, bids, n, skipped, skipped_keys, *msg[9:12], stats=stats, delivered=delivered, last=last
             )
-            if out is None:  # a streaming collate carried every token to the next batch: nothing to yield
+            if out is None:  # every sample skipped on one rank, or a streaming collate carried every token on
                 self.state.position = (epoch, self.state.position[1] + 1)
                 continue
             wait_box[0] += time.perf_counter() - t_resume

@@ -305,7 +305,7 @@ class GenericDecoder:
             samples.append(sample)
             kept.append(sid)
         padded: list = []
-        if not samples and skipped and whole:  # nothing to yield: substitutes, so every rank yields this batch
+        if not samples and skipped and whole and cfg.substitutes:  # substitutes: every rank yields this batch
             samples, padded = self._pad(epoch, sids, current, skipped_keys)
             kept = [sid for sid, _ in padded]
         return self._collate(samples, kept, current, skipped, skipped_keys, padded)

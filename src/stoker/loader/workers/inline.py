@@ -173,7 +173,7 @@ class InlineLoop:
         for seq, bids in enumerate(batches):
             out = self._one(epoch, start + seq, bids, seq == len(batches) - 1, stats, delivered)
             self.state.position = (epoch, start + seq + 1)
-            if out is None:  # a streaming collate carried every token to the next batch: nothing to yield
+            if out is None:  # every sample skipped on one rank, or a streaming collate carried every token on
                 continue
             wait_box[0] += time.perf_counter() - t_resume
             self.live.tick()

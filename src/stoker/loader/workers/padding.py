@@ -4,7 +4,9 @@ Under DDP every rank must yield the same number of batches in an epoch: a rank w
 fewer leaves the others waiting in a collective, and the job hangs. The plan gives every rank the
 same number of batches (``ReadOptions.even``, :func:`stoker.order.rank_plan`). Skipping a bad
 sample only makes its batch shorter, which DDP accepts; but a batch whose every sample is skipped
-would leave nothing to yield. Such a batch is filled with substitutes instead:
+would leave nothing to yield. Such a batch is filled with substitutes instead (only with several
+ranks, ``WorkerConfig.substitutes``: a loader of one rank has no rank to keep level, and yields
+no batch for it rather than decode other samples a second time):
 
 - other samples of the dataset, tried in an order fixed by the loader's seed, the epoch and the
   batch's sample ids (:func:`probe_order`: a long stride through the sample ids, coprime with

@@ -128,7 +128,7 @@ class BatchDecoder:
             labels[j] = ds.index.labels[sid]
             j += 1
         padded: list = []
-        if j == 0 and skipped and whole:  # nothing to yield: substitutes, so every rank yields this batch
+        if j == 0 and skipped and whole and cfg.substitutes:  # substitutes, so every rank yields this batch
             padded = self._pad(epoch, sids, images, labels, current, skipped_keys)
             j = len(padded)
         return j, skipped, skipped_keys, None, padded
