@@ -35,10 +35,9 @@ def is_file(path: str) -> bool:
         return False
 
 
-def read_at(path: str, offset: int, length: int, touch: bool = False) -> bytes | None:
+def read_at(path: str, offset: int, length: int) -> bytes | None:
     """Bytes ``[offset, offset+length)`` of file ``path``: None if the file does not exist or
-    is a symlink (never followed), short bytes if it is shorter than that. ``touch`` updates
-    its mtime (LRU recency)."""
+    is a symlink (never followed), short bytes if it is shorter than that."""
     try:
         fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -48,9 +47,6 @@ def read_at(path: str, offset: int, length: int, touch: bool = False) -> bytes |
             return None
         raise
     try:
-        data = os.pread(fd, length, offset)
-        if touch:
-            os.utime(fd)
-        return data
+        return os.pread(fd, length, offset)
     finally:
         os.close(fd)

@@ -1,11 +1,6 @@
 """The Loader: configuration, epoch plans and resume state; each ``iter()`` serves one epoch
-through the started pipeline (:mod:`stoker.loader.pipeline.run`).
-
-Data flow (one direction): the epoch's permutation -> this rank's plan -> batches
-dispatched to decode workers (each writes into a shared-memory slot) -> batches
-yielded in plan order as ``(images uint8 [N,3,S,S], labels int64 [N])`` torch
-tensors. A prefetch process fills the node cache ahead of the workers in the
-order the plan will need the blocks.
+through the started pipeline (:mod:`stoker.loader.pipeline.run`). The data flow is drawn in
+this package's README.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Origin access through fsspec: ranged reads with retries bounded in time, whole-object writes.
 
-Every byte stoker reads from an origin goes through :class:`Origin`, which counts
-origin bytes and requests (the figures every benchmark reports) and turns storage
-failures into :class:`OriginError` naming the URL, the byte range and the S3 error code.
-Failures that can clear (throttling, 5xx, resets, timeouts) are retried with exponential
-back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.storage.retry`), so a
-short origin outage is ridden out and a failing store never hangs a job; the others
-(403, 404, 400, configuration errors) fail at once.
+:class:`Origin` and what it promises are described in this package's README.md; which failures
+are retried, and for how long: :mod:`stoker.storage.retry`.
 """
 
 from __future__ import annotations

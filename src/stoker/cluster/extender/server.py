@@ -12,10 +12,11 @@ application and JSON error answers. What waitress enforces, before the applicati
   accepted at once (the rest wait in the listen backlog).
 
 Every answer is JSON (``{"Error": message}`` for errors), waitress's own refusals included:
-400 for a request that is not JSON or not of the ExtenderArgs shape, 404 for an unknown verb,
-405 for a method other than GET/POST, 413 for a body over the limit, 500 when the cache state
-cannot be read. Each answer carries the cache state's age in seconds in the header
-``X-Stoker-State-Age`` (absent when the state has no time).
+400 for a request that is not JSON or not of the ExtenderArgs shape (the message names the field,
+e.g. ``NodeNames[2]``), 404 for an unknown verb, 405 for a method other than GET/POST, 413 for a
+body over the limit, 500 when the cache state cannot be read or has the wrong shape (naming the
+file and the entry) or on any other fault; none stops the server. Each answer carries the cache
+state's age in seconds in the header ``X-Stoker-State-Age`` (absent when the state has no time).
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ from the origin (single flight per block across the node, so a block is read fro
 once however many jobs want it) and answers what it holds (for placement, ``stoker warm``
 and the scheduler extender).
 
-A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
-``stoker-cache-<node id>`` in the Ray namespace ``stoker``, detached (it belongs to the cluster,
-not to the driver that started it: any driver finds it by name), restarted by Ray if it dies
-(``max_restarts=-1``); its cache is files on the node, in a directory named by the host, not by
-the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
-restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
+A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), detached and
+restarted by Ray (``max_restarts=-1``), as this folder's README.md says; its cache directory is
+named by the host (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
+restarted Ray, has the blocks the old one held.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ context from inside a rank:
    is up, else a named Ray actor keyed by ``job``);
 3. rank 0 starts or finds the cache services (:func:`stoker.cluster.service.cache_service.prepare`), settles
    the dataset's placement members with the ranks' nodes as the job's
-   (:func:`stoker.cluster.service.records.settle_members`) and sends every rank the same layout, so
+   (:func:`stoker.cluster.service.records.settle_record`) and sends every rank the same layout, so
    every rank computes the same block owners and the same co-located plans
    (:func:`stoker.cluster.schedule.colocated_plans`: exactly once per epoch, equal counts);
 4. each rank opens the dataset through its node cache with a :class:`BlockRouter` (node cache
