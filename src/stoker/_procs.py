@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -34,11 +35,9 @@ def exit_with_parent() -> None:
     PR_SET_PDEATHSIG). Workers call it first thing, so a training process killed with
     SIGKILL does not leave its workers running. No-op where unsupported; the workers
     also poll :func:`parent_gone`."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def parent_gone(parent_pid: int) -> bool:
@@ -155,11 +154,9 @@ def exit_quietly(code: int) -> None:
     """End this process now with ``code``, output flushed, no traceback and no clean-up of the
     parent's objects (for a child that must not run the user's code any further)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             if stream is not None:
                 stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

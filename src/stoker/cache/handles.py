@@ -36,6 +36,7 @@ lets go of all of them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -57,11 +58,9 @@ def _identity(fd: int) -> tuple[int, int]:
 
 def _close_if_same(fd: int, ident: tuple[int, int]) -> None:
     """Close inherited ``fd`` if it is still the file ``ident`` (dev, inode); never unlock it."""
-    try:
+    with contextlib.suppress(OSError):
         if _identity(fd) == ident:
             os.close(fd)
-    except OSError:
-        pass
 
 
 class _BlockFd:

@@ -10,6 +10,7 @@ frame; ``--json`` prints the snapshot (:func:`snapshot`) as JSON instead, for sc
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -261,13 +262,11 @@ def cmd_top(a) -> int:
     if a.once or not console.is_terminal:
         console.print(render(snapshot(a.dir, a.budget)))
         return 0
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         with Live(render(snapshot(a.dir, a.budget)), console=console, screen=False, auto_refresh=False) as live:
             while True:
                 time.sleep(a.interval)
                 live.update(render(snapshot(a.dir, a.budget)), refresh=True)
-    except KeyboardInterrupt:
-        pass
     sys.stdout.flush()
     return 0
 

@@ -20,6 +20,7 @@ removes the files of this user whose process is gone (:func:`sweep_stale`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
@@ -165,10 +166,8 @@ class ByteCounters:
             return dict(zip(FIELDS, struct.unpack(_FMT, f.read(_HEADER))))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def fractions(delta: dict) -> dict:

@@ -17,6 +17,7 @@ dead processes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -202,10 +203,8 @@ class LiveTotals:
         """Remove the live-figures file (the loader closes)."""
         path, self._published = self._published, None
         if path is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 def _epoch_figures(stats, live) -> dict:

@@ -30,6 +30,7 @@ exits, or, after a SIGKILL, by the next loader on the node (:func:`remove_orphan
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -102,11 +103,9 @@ def remove_orphans(base: str | None = None) -> int:
             continue
         if pid_alive(int(parts[1])):
             continue
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(base, name))
             removed += 1
-        except OSError:
-            pass
     return removed
 
 
@@ -307,16 +306,12 @@ def _release(names: list[str], fds: list[int], pid: int) -> None:
     if os.getpid() != pid:
         return
     for name in names:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
-        except FileNotFoundError:
-            pass
     names.clear()
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     fds.clear()
 
 

@@ -6,6 +6,7 @@ are retried, and for how long: :mod:`stoker.storage.retry`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -68,7 +69,7 @@ def _forget_inherited_sessions() -> None:
     "attached to a different loop" noise (or worse, touches the parent's sockets). The
     parent still owns and closes them.
     """
-    try:
+    with contextlib.suppress(Exception):  # best effort; CPython internals
         # finalize._registry is a CPython internal that typeshed leaves out
         for fin, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]  # noqa: SLF001
             if getattr(info.func, "__name__", "") == "close_session":
@@ -76,8 +77,6 @@ def _forget_inherited_sessions() -> None:
                 if owner is not None:
                     _INHERITED.append(owner)  # never collected here: no "unclosed session" noise
                 fin.detach()
-    except Exception:  # noqa: BLE001 - best effort; CPython internals
-        pass
 
 
 if hasattr(os, "register_at_fork"):

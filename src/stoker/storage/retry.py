@@ -21,6 +21,7 @@ the others wait, so N prefetch threads do not multiply the request rate the orig
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -239,10 +240,8 @@ def _retry_after_s(value) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
     if value is None:
         return None
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         return max(0.0, float(value))
-    except (TypeError, ValueError):
-        pass
     try:
         return max(0.0, parsedate_to_datetime(str(value)).timestamp() - time.time())
     except (TypeError, ValueError, IndexError, OverflowError):

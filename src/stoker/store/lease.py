@@ -32,6 +32,7 @@ well within ``ttl_s``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -112,10 +113,8 @@ class _Local:
             raise _Conflict() from None
         with open(moved, "rb") as f:
             if f.read() != token:  # not the lease we read: put it back untouched
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.link(moved, self.path)
-                except FileExistsError:
-                    pass
                 os.unlink(moved)
                 raise _Conflict()
         return moved
@@ -292,11 +291,9 @@ class PackLease:
     def acquire(self) -> None:
         """Take the lease (creating it, or taking over a dead owner's). Raises :class:`PackLeaseError`."""
         for _ in range(3):
-            try:
+            with contextlib.suppress(_Conflict):
                 self._token = self._io.create(self._body())
                 break
-            except _Conflict:
-                pass
             owner, token = self._read_owner()
             if owner is None:
                 continue  # released in between: try to create again

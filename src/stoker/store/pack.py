@@ -15,6 +15,7 @@ sorted key order for every source.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -186,11 +187,9 @@ def _first_missing_dir(dest: Origin) -> str | None:
 def _remove_if_empty(dest: Origin, top: str) -> None:
     """Remove ``top`` (the highest directory a failed pack created) if it holds no file; one with
     any file, such as a finished shard the next pack reuses, is kept."""
-    try:
+    with contextlib.suppress(Exception):  # tidying must not hide the pack's own error
         if not dest.fs.find(top):
             dest.fs.rm(top, recursive=True)
-    except Exception:  # noqa: BLE001 - tidying must not hide the pack's own error
-        pass
 
 
 def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: PackOptions, feed, t0: float) -> PackResult:

@@ -15,6 +15,7 @@ Two levels:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import posixpath
@@ -163,12 +164,10 @@ def _tar_members(data: bytes) -> dict:
     """``{payload offset: (member name, size)}`` of the members a tar reader finds in ``data``
     (it stops at the first damaged header, as readers do)."""
     out = {}
-    try:
+    with contextlib.suppress(tarfile.TarError):
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
             for m in tf:
                 out[m.offset_data] = (m.name, m.size)
-    except tarfile.TarError:
-        pass
     return out
 
 

@@ -21,6 +21,7 @@ state's age in seconds in the header ``X-Stoker-State-Age`` (absent when the sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -89,10 +90,8 @@ class _Channel(HTTPChannel):
             f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n"
         ).encode()
-        try:
+        with contextlib.suppress(OSError):
             self.socket.send(head + body)  # a few hundred bytes: fits the empty send buffer
-        except OSError:
-            pass
         log.warning("extender: %s", msg)
         self.handle_close()
         return b""

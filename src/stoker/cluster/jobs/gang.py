@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -47,10 +48,8 @@ NODE_ID_LABEL = "ray.io/node-id"
 def stamp_failure(exc: BaseException) -> None:
     """Mark ``exc`` (the error that ends a rank) with the time now, as :data:`FAILED_AT`; an
     error that takes no attributes is left as it is."""
-    try:
+    with contextlib.suppress(AttributeError, TypeError):
         setattr(exc, FAILED_AT, time.time())
-    except (AttributeError, TypeError):
-        pass
 
 
 def _failed_at(exc: BaseException) -> float | None:

@@ -22,6 +22,7 @@ random key: ``multiprocessing.connection``), raw bytes in both directions (no pi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -97,12 +98,11 @@ class BlockRouter:
         self._tls = threading.local()
 
     def __getstate__(self):
-        state = {
+        return {
             k: v
             for k, v in self.__dict__.items()
             if k not in ("_handles", "_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive", "_tls")
         }
-        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -469,8 +469,6 @@ class Relay:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._listener.close()
-        except OSError:
-            pass
         self._cleanup()

@@ -24,6 +24,7 @@ after one warning naming its exit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -191,10 +192,8 @@ class Prefetcher:
         """Tell the process to stop."""
         if self._off:
             return
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self._cmds.put(None)
-        except (OSError, ValueError):
-            pass
 
     def join(self, deadline: float) -> None:
         """Wait for the process until ``deadline`` (``time.monotonic()``), then kill it; one

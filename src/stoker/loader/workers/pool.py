@@ -34,6 +34,7 @@ a kill in the middle of writing it leaves a partial message that the reader woul
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import queue
@@ -191,10 +192,8 @@ class WorkerPool:
         """Tell every worker to stop (queued tasks are dropped)."""
         self._stop.set()
         for q in self._task_qs:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-            except (OSError, ValueError):
-                pass
 
     def join(self, deadline: float) -> None:
         """Wait for the workers until ``deadline`` (``time.monotonic()``), then kill them; one
@@ -272,13 +271,11 @@ class WorkerPool:
         queue is read only for that message, which it wrote whole before it exited)."""
         if slot not in self._start_errors:
             q = self._result_qs[slot]
-            try:
+            with contextlib.suppress(queue.Empty, EOFError, OSError, pickle.UnpicklingError):
                 if _readable(q).poll(0.2):
                     msg = q.get(False)
                     if msg[0] == "start-error":
                         self._start_errors[slot] = msg[2]
-            except (queue.Empty, EOFError, OSError, pickle.UnpicklingError):
-                pass
         return self._start_errors.get(slot)
 
     def _replace(self, slot: int) -> None:
