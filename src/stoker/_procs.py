@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 from .errors import ForkUnsafeError, WorkerStartError  # noqa: F401 - ForkUnsafeError re-exported
 
@@ -28,6 +29,28 @@ def pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def left_by_dead(directory: str, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+    """``(path, lstat result)`` of each entry of ``directory`` named ``<prefix><pid>-...`` that
+    belongs to this user and whose process ``pid`` is gone (what a process killed before its
+    clean-up left); nothing when the directory cannot be listed. Other names, other users'
+    entries and those of live processes are left out; an entry that vanishes meanwhile too."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid, dash, _ = name[len(prefix) :].partition("-")
+        if not name.startswith(prefix) or not dash or not pid.isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and not pid_alive(int(pid)):
+            yield path, st
 
 
 def exit_with_parent() -> None:

@@ -7,9 +7,8 @@ through a command queue and the consumer's progress through plain shared integer
 (:attr:`Prefetcher.position`, :attr:`~Prefetcher.done`, :attr:`~Prefetcher.prev_done`: no lock a
 dead process could hold); it reports through a shared array of counters (:mod:`stoker.loader.prefetch.inflight`).
 
-A dead prefetcher is replaced at most :data:`MAX_PREFETCHER_RESTARTS` times per epoch, then the
-epoch goes on without read-ahead (the workers read blocks themselves) after one warning
-(``EpochStats.prefetcher_restarts`` counts them). The replacement reuses the shared positions and
+A dead prefetcher is replaced at most :data:`MAX_PREFETCHER_RESTARTS` times per epoch (then the
+epoch goes on without read-ahead, after one warning). The replacement reuses the shared positions and
 counters, gets a new command queue and the current plan again, and adopts the blocks its
 predecessor staged (``prefetch_main(..., adopt=True)``): staged blocks are whole files (temporary
 file + rename) and fetch locks are ``flock`` locks that the kernel releases when their holder
