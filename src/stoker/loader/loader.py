@@ -89,10 +89,8 @@ class _Started:
         self.port = metrics_port  #: the metrics port asked for (None: none, or every port tried was taken)
 
     def export_metrics(self) -> None:
-        """Serve the loader's metrics on :attr:`port` (see the Loader's doc), unless served
-        already. A port that another program holds is logged and the next free one taken
-        (:func:`stoker.metrics.export_loader`); with every port tried taken the loader goes on
-        without metrics, logged: a busy port never stops training.
+        """Serve the loader's metrics on :attr:`port`, unless served already; a busy port is
+        handled as ``RunOptions.metrics_port`` says (:func:`stoker.metrics.export_loader`).
 
         Raises:
             OSError: an explicit ``metrics_port`` that cannot be served for another reason (names it).
