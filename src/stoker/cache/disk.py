@@ -29,6 +29,7 @@ import os
 import shutil
 
 from .._procs import pid_alive
+from ..errors import CacheLockTimeout  # noqa: F401 - re-exported
 from . import catalog, perms
 from .blockfiles import BlockFiles
 from .budget import POLICIES, Budget, CacheStats, check
@@ -45,7 +46,7 @@ class DiskCache:
     ``capacity_bytes``: the budget (bytes); usage never exceeds it, nor what the
     filesystem under ``root`` can hold. ``policy``: one of :data:`POLICIES`.
     ``lock_timeout_s``: longest wait for another process's fill before
-    :class:`~stoker.errors.CacheLockTimeout`. Picklable: each process reopens by path. Opening writes the
+    :class:`CacheLockTimeout`. Picklable: each process reopens by path. Opening writes the
     cache's marker into ``root`` (:mod:`.layout`); only the cache's own namespaces are
     counted, evicted or cleared.
     ``mode``: file mode of all it creates (:mod:`.perms`: ``$STOKER_CACHE_MODE`` or 0600,

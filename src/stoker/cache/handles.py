@@ -17,21 +17,14 @@ blocking wait for a stripe that another process holds is one blocking ``flock`` 
 thread, waited on with a timeout (:func:`wait_flock`): no polling, and the caller's timeout holds.
 
 A lock file unlinked or moved away under the process (the cache directory removed while a job
-runs) is noticed: a stripe's idle descriptor that is not the file at its name any more is closed
-and the name opened again (:meth:`Handles.take_stripe`), and the cache checks its budget lock file
-once it holds it (:meth:`Handles.current`) and starts again
-(:meth:`stoker.cache.cachedir.CacheDir.revive`) when it is gone.
+runs) is noticed (:meth:`Handles.take_stripe`, :meth:`Handles.current`; what the cache does then:
+this folder's README.md).
 
-Block files are read through a bounded LRU of descriptors (:data:`BLOCK_FDS` per process). A
-cached descriptor is used only while its file is still linked (``fstat``: ``st_nlink > 0``):
-a block evicted, removed after a checksum failure, cleared or replaced has its file unlinked
-(committed blocks are linked into place, never renamed over), so the reader opens the name
-again and never reads an old copy through a stale descriptor. Descriptors are reference-counted
-while a read uses them, so a thread's read never races another thread's close. An open
-descriptor keeps an unlinked file's bytes allocated (on /dev/shm: memory) until it is closed:
-every :data:`BLOCK_FDS`-th open sweeps out the descriptors of unlinked files, so a process holds
-at most ``BLOCK_FDS`` blocks beyond the budget, and :meth:`Handles.close` (``DiskCache.close``)
-lets go of all of them.
+Block files are read through a bounded LRU of descriptors (:data:`BLOCK_FDS` per process), each
+used only while its file is still linked (committed blocks are linked into place, never renamed
+over, so a block evicted, removed or replaced is opened again by name, never read through a stale
+descriptor; :meth:`Handles.block_ref`, :meth:`Handles.sweep`), and reference-counted while a read
+uses it, so a thread's read never races another thread's close.
 """
 
 from __future__ import annotations

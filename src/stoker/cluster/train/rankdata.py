@@ -18,9 +18,7 @@ context from inside a rank:
    → owning peer → origin; a block whose owner changed when the members last grew from its
    previous owner first, :mod:`stoker.cluster.handoff`) and the relay for its loader's worker processes.
 
-The context owns what step 4 made (the relay's socket directory, the byte-counter file, the
-rank's registration on the node cache, rank 0's hold on the services): :meth:`RankContext.close`
-ends them, and so does dropping the context or the end of the process.
+The context owns what step 4 made and ends it (:meth:`RankContext.close`; this folder's README.md).
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ predecessor staged (``prefetch_main(..., adopt=True)``): staged blocks are whole
 file + rename) and fetch locks are ``flock`` locks that the kernel releases when their holder
 dies, so nothing the dead one left blocks the new one.
 
-A prefetch process that exits before its own start is done is not replaced (it would exit the
-same way; one killed by a signal then is replaced as any other): when it ran the user's main
-script again (spawn/forkserver without the ``if __name__ == "__main__":`` guard)
+A prefetch process that exits before its own start is done is not replaced
+(:mod:`stoker.loader.workers.launch`): when it ran the user's main script again
 :class:`~stoker.errors.WorkerStartError` names that, else the epoch goes on without read-ahead
 after one warning naming its exit.
 """

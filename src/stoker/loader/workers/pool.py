@@ -7,11 +7,10 @@ handed to which worker (``(run, seq, offset) -> task`` per worker slot; the offs
 of a split batch apart, :mod:`.split`). The batches a dead worker took but did not answer are sent
 again, with the same run, sequence number and slot, to the live workers (the replacement
 included); a reply it sent that was not received yet is dropped with its queue, so each batch is
-delivered once. A worker that exits before its own start is done is not replaced (it would exit
-the same way; one killed by a signal then is replaced as any other):
-:func:`stoker.loader.workers.launch.start_failure` names the cause. A worker stuck in one sample
-past ``timeout_s`` is ended and replaced by :meth:`WorkerPool.end_stuck` after the stall error,
-so the next epoch does not wait behind the same call.
+delivered once. A worker that exits before its own start is done is not replaced
+(:mod:`stoker.loader.workers.launch`). A worker stuck in one sample past ``timeout_s`` is ended
+and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the next epoch does not
+wait behind the same call.
 
 Limit: a reply is read once its queue is readable; a reply larger than the pipe's atomic write
 (4 KiB; replies carry no pixels, except the sample bytes when decoding on the device, and a
