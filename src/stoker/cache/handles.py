@@ -49,6 +49,14 @@ def _identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _linked(fd: int) -> bool:
+    """Whether the file open as ``fd`` still has a name (not unlinked since it was opened)."""
+    try:
+        return os.fstat(fd).st_nlink > 0
+    except OSError:
+        return False
+
+
 def _close_if_same(fd: int, ident: tuple[int, int]) -> None:
     """Close inherited ``fd`` if it is still the file ``ident`` (dev, inode); never unlock it."""
     with contextlib.suppress(OSError):
@@ -176,11 +184,7 @@ class Handles:
                 ent.refs += 1
                 self._blocks.move_to_end(key)
         if ent is not None:
-            try:
-                linked = os.fstat(ent.fd).st_nlink > 0
-            except OSError:
-                linked = False
-            if linked:
+            if _linked(ent.fd):
                 return ent
             self.release(ent)
             self.drop(key, ent)
@@ -222,11 +226,7 @@ class Handles:
         with self._mutex:
             items = list(self._blocks.items())
         for key, ent in items:
-            try:
-                linked = os.fstat(ent.fd).st_nlink > 0
-            except OSError:
-                linked = False
-            if not linked:
+            if not _linked(ent.fd):
                 self.drop(key, ent)
 
     def release(self, ent: _BlockFd) -> None:

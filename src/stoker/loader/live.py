@@ -128,8 +128,7 @@ class LiveTotals:
             out["epochs"] = self._epochs
             cur = self._cur
             if cur is None:
-                last = self._last
-                out.update(_epoch_figures(last, None) if last is not None else _epoch_figures(None, None))
+                out.update(_epoch_figures(self._last, None))
                 return self._monotonic(out)
             run, stats, before, wait_box, t_start, plan = cur
             delta = run.since(before, plan)[0]  # with the prefetcher's work for this plan so far

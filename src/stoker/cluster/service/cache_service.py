@@ -385,12 +385,10 @@ def start_services(
     ``cache``: the node caches (:class:`stoker.CacheOptions`, ``cache_dir`` the cluster cache
     root, default ``<default cache dir>/cluster``; ``cache_bytes`` a budget per node, or ``{node id: size}``: nodes not named get none and
     no service; :meth:`stoker.CacheOptions.for_node`); ``cache_dir``/``cache_bytes``: the
-    shortcut for those fields. The services belong to the cluster, not to the driver that starts them:
-    they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
-    namespace ``stoker``), so any driver finds them again by name and they outlive this one;
-    Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
-    (A named actor that is not detached dies with the driver that created it, under the feet
-    of every other job reading from it.) ``lease_s``: see :class:`CacheService` (for services started here).
+    shortcut for those fields. The services are *detached* named actors (``lifetime="detached"``,
+    name :func:`service_name` in the namespace ``stoker``: a named actor that is not detached would
+    die with this driver, under every other job's feet); :func:`stop_services` ends them.
+    ``lease_s``: see :class:`CacheService` (for services started here).
 
     Waits until every service answers. A service whose start fails (its constructor raised,
     e.g. the node's cache directory is unusable: Ray does not restart it) raises
