@@ -16,9 +16,11 @@ A Loader already splits every epoch over the ranks, as a ``DistributedSampler`` 
 to the next epoch at every ``iter()``, so its ``sampler`` is a :class:`LoaderSampler`: a
 ``DistributedSampler`` whose iteration gives this rank's sample ids of the next epoch and whose
 ``set_epoch`` moves an iterator already opened but not yet asked for a batch to that epoch and is
-otherwise left alone (:func:`follow_epoch`; Lightning calls it after it opened the epoch's
-iterator, so following it otherwise would serve an epoch twice). Ray Train then keeps the Loader
-as it is. A rebuild that would drop stoker's pipeline for a
+otherwise left alone (:func:`follow_epoch`; Lightning calls it after it opened
+the epoch's iterator, so following it otherwise would serve an epoch twice). An ``iter()`` whose
+epoch never began (Lightning's look at the loader) is given back: the next ``iter()`` runs that
+epoch again. Ray
+Train then keeps the Loader as it is. A rebuild that would drop stoker's pipeline for a
 DataLoader over its dataset has nothing to be built from: ``batch_sampler`` raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
 Loader's own ``state_dict()``).

@@ -380,10 +380,13 @@ class Origin:
         ``memoryview`` of it, xxhash and ``os.write`` take it as it is). A caller that must hand
         out ``bytes`` copies it (``bytes(data)``).
 
-        An answer of another length than asked (:func:`stoker.storage.retry.wrong_answer`) is sent
+        An answer of another length than asked (a proxy or server that ignored ``Range`` and
+        sent the whole object, a cut or padded body) is a failure that can clear: it is sent
         again within the retry budget, the same on every read path (fsspec and obstore), and its
-        bytes count as received. Raises :class:`OriginError` when the budget is spent,
-        ``FileNotFoundError`` (:class:`OriginNotFoundError`) at once when the object does not exist.
+        bytes count as received. Raises :class:`OriginError` when the budget is spent (its
+        message says when the origin ignored ``Range``: one that never honours it cannot serve
+        a dataset), ``FileNotFoundError`` (:class:`OriginNotFoundError`) at once when the object
+        does not exist.
         """
         if end <= start:
             return b""
