@@ -2,12 +2,9 @@
 
 Two levels:
 
-- :func:`check_shards` (cheap, at every open): one listing of the shard directory, made
-  at the origin then and there (never a listing fsspec cached earlier in the process);
-  every shard must exist with the size the index recorded (and the same ETag where the
-  index recorded one). A dataset whose shards were rewritten under an unchanged index is
-  reported by shard name before any sample is served. An origin whose listing has no
-  sizes (HTTP) is asked with a HEAD per shard.
+- :func:`check_shards` (cheap, at every open): every shard must exist at the origin with the
+  size (and ETag) the index recorded, so shards rewritten under an unchanged index are reported
+  by name before any sample is served.
 - :func:`verify` (full): reads every shard once, sequentially, and checks every
   sample's bytes against its xxh3-64 checksum; lists each bad sample by key and
   shard.
