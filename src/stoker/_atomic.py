@@ -18,6 +18,7 @@ component (``O_NOFOLLOW``) and gives a file it created its exact mode.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -33,13 +34,11 @@ def umask_mode(base: int = 0o666) -> int:
     """``base`` less the process umask: the mode a plain ``open(path, "w")`` would give
     (for files that are meant to be as readable as the user's other files, e.g. a packed
     dataset). Reads the umask from /proc (Linux) so no other thread sees it changed."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("Umask:"):
                     return base & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return base & ~mask
@@ -114,8 +113,6 @@ def write_atomic(
         finally:
             os.unlink(tmp)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 from .errors import ForkUnsafeError, WorkerStartError  # noqa: F401 - ForkUnsafeError re-exported
 
@@ -29,16 +31,36 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def left_by_dead(directory: str, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+    """``(path, lstat result)`` of each entry of ``directory`` named ``<prefix><pid>-...`` that
+    belongs to this user and whose process ``pid`` is gone (what a process killed before its
+    clean-up left); nothing when the directory cannot be listed. Other names, other users'
+    entries and those of live processes are left out; an entry that vanishes meanwhile too."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid, dash, _ = name[len(prefix) :].partition("-")
+        if not name.startswith(prefix) or not dash or not pid.isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and not pid_alive(int(pid)):
+            yield path, st
+
+
 def exit_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux prctl
     PR_SET_PDEATHSIG). Workers call it first thing, so a training process killed with
     SIGKILL does not leave its workers running. No-op where unsupported; the workers
     also poll :func:`parent_gone`."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def parent_gone(parent_pid: int) -> bool:
@@ -155,11 +177,9 @@ def exit_quietly(code: int) -> None:
     """End this process now with ``code``, output flushed, no traceback and no clean-up of the
     parent's objects (for a child that must not run the user's code any further)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             if stream is not None:
                 stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

@@ -5,10 +5,8 @@ torch tensors of the batch it returns (alone, or in a dict, tuple or list, neste
 shared-memory slot without pickling; its other leaves (strings, numbers) are pickled beside them
 (:mod:`stoker.loader.workers.batches`).
 
-- :func:`default`: torch's ``default_collate`` semantics (arrays and numbers stacked into
-  tensors, dicts and sequences collated field by field, strings and bytes kept as lists), after a
-  check that every sample has the same structure and shapes: a mismatch raises
-  :class:`CollateError` naming the sample's position in the batch (the Loader names its key).
+- :func:`default`: torch's ``default_collate`` semantics, after a check that every sample has the
+  same structure and shapes (:class:`CollateError` names the one that differs; the Loader, its key).
 - :func:`pad`: variable-length 1-D arrays padded to the batch maximum, with their lengths.
 - :func:`pack_tokens`: token sequences joined with an EOS separator and cut into rows of exactly
   ``seq_len`` tokens, the remainder carried to the next batch: the packing of LLM pre-training

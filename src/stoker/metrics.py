@@ -52,6 +52,7 @@ with ``ray_``: ``ray_stoker_cache_held_bytes{dataset,version,node}`` (``dataset`
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -175,10 +176,8 @@ class LoaderExport:
         """Unregister this loader's collector; idempotent."""
         coll, self.collector = self.collector, None
         if coll is not None:
-            try:
+            with contextlib.suppress(KeyError):
                 self.registry.unregister(coll)
-            except KeyError:
-                pass
 
 
 class _LoaderCollector:

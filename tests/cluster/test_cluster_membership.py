@@ -160,13 +160,13 @@ def test_members_recorded_on_every_service_survive_a_new_lowest_node_and_a_resta
     monkeypatch.setattr(records, "get_service", lambda n: fakes[n])
     monkeypatch.setattr(records.ray, "get", lambda ref, **kw: ref)
     info = {n: {"cache_bytes": 100} for n in ["b", "c", "d"]}
-    assert records.settle_members(info, "v1", 150, ["b", "c"], ["b", "c"]) == ["b", "c"]
+    assert records.settle_record(info, "v1", 150, ["b", "c"], ["b", "c"])["members"] == ["b", "c"]
     want = {"members": ["b", "c"], "known": ["b", "c", "d"], "previous": []}
     assert all(f.svc.record("v1") == want for f in fakes.values())
     fakes["c"] = _FakeService()  # restarted: its record is gone
     fakes["a"] = _FakeService()  # joined, with the lowest node id
     info["a"] = {"cache_bytes": 100}
-    got = records.settle_members(dict(sorted(info.items())), "v1", 150, ["a"], ["a"])
+    got = records.settle_record(dict(sorted(info.items())), "v1", 150, ["a"], ["a"])["members"]
     assert got == ["a", "b", "c"]  # the old members kept, the joined node added; d stays out
     assert fakes["c"].svc.record("v1")["members"] == ["a", "b", "c"]
 
@@ -209,6 +209,6 @@ def test_settling_asks_every_service_at_once_and_again_a_restarting_one(monkeypa
     monkeypatch.setattr(records.ray, "get", get)
     monkeypatch.setattr(records, "RETRY_PAUSE_S", 0.0)
     info = {n: {"cache_bytes": 100} for n in ["a", "b", "c"]}
-    got = records.settle_members(info, "v1", 150, ["a"], ["a"])
+    got = records.settle_record(info, "v1", 150, ["a"], ["a"])["members"]
     assert events[:3] == [("ask", "a"), ("ask", "b"), ("ask", "c")]  # every request out first
     assert got == ["a", "b", "c"]  # b's record counted although b was restarting when first asked

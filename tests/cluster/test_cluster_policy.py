@@ -12,10 +12,19 @@ import pytest
 
 from stoker.cluster.extender import scoring as extender
 from stoker.cluster.placement import owners
-from stoker.cluster.schedule import choose_nodes, colocated_plans, locality
+from stoker.cluster.schedule import choose_nodes, colocated_plans
 from stoker.order import permutation, rank_plan
 
 KEYS = [f"v1/{i:06d}-0-{i}" for i in range(30000)]
+
+
+def locality(plans: list, sample_node: np.ndarray, rank_node: list) -> float:
+    """Fraction of all planned samples that are cached on their rank's node."""
+    total = sum(len(p) for p in plans)
+    if not total:
+        return 0.0
+    hit = sum(int(np.sum(np.asarray(sample_node)[p] == rank_node[r])) for r, p in enumerate(plans))
+    return hit / total
 
 
 def test_placement_is_deterministic_whatever_the_node_order():

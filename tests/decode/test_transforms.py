@@ -268,19 +268,17 @@ def test_scratch_resize_equals_the_fresh_one_and_reuses_its_buffer(photos):
     """The workers' resize writes into one buffer per thread and size: same pixels as
     resize_bilinear_aa, the same memory on the next call, another buffer for another size, and
     the upscale path (OpenCV) untouched."""
-    from stoker.decode.resample import resize_into_scratch
-
     img = decode_image(photos[0], "p0")
-    a = resize_into_scratch(img[10:300, 20:400], 224, 224)
+    a = resize_bilinear_aa(img[10:300, 20:400], 224, 224, scratch=True)
     assert np.array_equal(a, resize_bilinear_aa(img[10:300, 20:400], 224, 224))
     first = a.__array_interface__["data"][0]
-    b = resize_into_scratch(img[0:200, 0:250], 224, 160)
+    b = resize_bilinear_aa(img[0:200, 0:250], 224, 160, scratch=True)
     assert np.array_equal(b, resize_bilinear_aa(img[0:200, 0:250], 224, 160))
-    c = resize_into_scratch(img[50:350, 10:310], 224, 224)
+    c = resize_bilinear_aa(img[50:350, 10:310], 224, 224, scratch=True)
     assert c.__array_interface__["data"][0] == first  # reused: a caller must copy it out at once
     assert np.array_equal(c, resize_bilinear_aa(img[50:350, 10:310], 224, 224))
     small = img[:100, :120]
-    assert np.array_equal(resize_into_scratch(small, 224, 224), resize_bilinear_aa(small, 224, 224))
+    assert np.array_equal(resize_bilinear_aa(small, 224, 224, scratch=True), resize_bilinear_aa(small, 224, 224))
 
 
 def test_eval_geometry_exact():

@@ -11,6 +11,7 @@ bytes before :meth:`BlockFiles.write` and gives them back after :meth:`BlockFile
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterator
@@ -131,9 +132,7 @@ class BlockFiles:
             except ValueError:
                 pid = -1
             if not pid_alive(pid):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                     removed += 1
-                except FileNotFoundError:
-                    pass
         return removed

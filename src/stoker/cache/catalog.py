@@ -14,6 +14,7 @@ read-only cache loses only the label), and never used to decide what to cache or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -30,11 +31,9 @@ MEMORY_FILE = ".memory-tier"
 
 
 def _write_json(path: str, value: dict, mode: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # only a label is lost
         ensure_dir(os.path.dirname(path), mode, parents=False)
         write_whole(path, json.dumps(value).encode(), mode=mode)
-    except OSError:
-        pass  # only a label is lost
 
 
 def _read_json(path: str) -> dict | None:

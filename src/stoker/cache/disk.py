@@ -1,36 +1,14 @@
 """Disk tier of the node cache: shard blocks as files, one byte budget for all processes.
 
-Layout under ``root`` (what the cache owns and how it recognises it: :mod:`.layout`;
-anything else in ``root`` is never counted, evicted or deleted)::
+The files under ``root`` are drawn in this folder's README.md; what the cache owns and how it
+recognises it: :mod:`.layout` (anything else in ``root`` is never counted, evicted or deleted).
 
-    .stoker-cache    marker: this directory is a stoker cache
-    .lock            flock'd while the budget is read or changed; its first 8 bytes hold
-                     the bytes in use (committed plus reserved), little-endian int64;
-                     bytes 8-16 the pid of the last job that warned of a full disk
-    .locks/NNNN      4096 striped fetch locks (single flight: one process fetches a block);
-                     a file's bytes hold a note of the last fill under it that failed (JSON)
-    .usage/<namespace>                        its bytes (8 bytes, int64); marks it as the cache's
-    stoker-ns-<namespace>/<block name>        committed blocks (namespace = dataset content version)
-    stoker-ns-<namespace>/.tmp-<pid>-<rand>   fills in progress
-
-Every fill reserves its bytes under ``.lock`` before it writes (the budget is
-enforced on every write, never exceeded; WebDataset checks its cache limit only every
-30 s, docs/design.md "The node cache"), writes a temporary file and renames it into place,
-so a reader sees a whole block or none. A process killed mid-fill leaves a
-temporary file and a reservation; :meth:`DiskCache.recover` (run when a loader
-opens the cache) deletes temporary files of dead processes and recounts usage
-from the files on disk.
-
-A :class:`DiskCache` is composed of parts that each own their state: the directory as this
-process sees it (:mod:`.cachedir`: made, made again when removed, open descriptors, job
-records), the block files (:mod:`.blockfiles`: paths, reads, whole-or-nothing writes), the
-fetch locks (:mod:`.fetchlocks`), the usage counters and budget lock (:mod:`.usage`) and the
-budget (:mod:`.budget`: admission, policies, eviction, room on the filesystem).
-
-A disk smaller than the budget (or filled by other programs) caps the budget at what the
-filesystem can take (:mod:`.space`): a fill that does not fit is refused like any other,
-its temporary file removed, and the block is staged or read from the origin; one
-warning per job names the directory and the free bytes.
+Every fill reserves its bytes under ``.lock`` before it writes (the budget is enforced on every
+write, never exceeded; WebDataset checks its cache limit only every 30 s), writes a temporary file
+and renames it into place, so a reader sees a whole block or none. A process killed mid-fill
+leaves a temporary file and a reservation; :meth:`DiskCache.recover` (run when a loader opens the
+cache) deletes temporary files of dead processes and recounts usage from the files on disk. A
+disk smaller than the budget caps the budget at what the filesystem can take (:mod:`.space`).
 
 Policies (selectable; ``stoker bench cache`` compares them):
 

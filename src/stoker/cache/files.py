@@ -17,11 +17,8 @@ TMP_MARK = ".tmp-"
 
 
 def write_whole(final: str, data, replace: bool = True, mode: int = PRIVATE_FILE_MODE) -> bool:
-    """Write ``data`` to a temporary sibling ``<dir>/.tmp-<pid>-<rand>`` and rename it to ``final``,
-    so readers see the whole block or nothing; ``final`` gets file mode ``mode`` (exact).
-    The temporary file is removed on any error.
-    With ``replace=False`` an existing ``final`` is kept (hard link, no clobber) and False is
-    returned, so two writers of one name cannot both count it. True when ``final`` was written."""
+    """:func:`stoker._atomic.write_atomic` of ``data`` to ``final`` (same ``replace``, ``mode`` and
+    result) through a temporary sibling ``<dir>/.tmp-<pid>-<rand>``, the name cleaners look for."""
     return write_atomic(
         final, data, mode=mode, replace=replace, tmp_prefix=os.path.join(os.path.dirname(final), TMP_MARK)
     )
@@ -35,10 +32,9 @@ def is_file(path: str) -> bool:
         return False
 
 
-def read_at(path: str, offset: int, length: int, touch: bool = False) -> bytes | None:
+def read_at(path: str, offset: int, length: int) -> bytes | None:
     """Bytes ``[offset, offset+length)`` of file ``path``: None if the file does not exist or
-    is a symlink (never followed), short bytes if it is shorter than that. ``touch`` updates
-    its mtime (LRU recency)."""
+    is a symlink (never followed), short bytes if it is shorter than that."""
     try:
         fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -48,9 +44,6 @@ def read_at(path: str, offset: int, length: int, touch: bool = False) -> bytes |
             return None
         raise
     try:
-        data = os.pread(fd, length, offset)
-        if touch:
-            os.utime(fd)
-        return data
+        return os.pread(fd, length, offset)
     finally:
         os.close(fd)

@@ -17,25 +17,19 @@ blocking wait for a stripe that another process holds is one blocking ``flock`` 
 thread, waited on with a timeout (:func:`wait_flock`): no polling, and the caller's timeout holds.
 
 A lock file unlinked or moved away under the process (the cache directory removed while a job
-runs) is noticed: a stripe's idle descriptor that is not the file at its name any more is closed
-and the name opened again (:meth:`Handles.take_stripe`), and the cache checks its budget lock file
-once it holds it (:meth:`Handles.current`) and starts again
-(:meth:`stoker.cache.cachedir.CacheDir.revive`) when it is gone.
+runs) is noticed (:meth:`Handles.take_stripe`, :meth:`Handles.current`; what the cache does then:
+this folder's README.md).
 
-Block files are read through a bounded LRU of descriptors (:data:`BLOCK_FDS` per process). A
-cached descriptor is used only while its file is still linked (``fstat``: ``st_nlink > 0``):
-a block evicted, removed after a checksum failure, cleared or replaced has its file unlinked
-(committed blocks are linked into place, never renamed over), so the reader opens the name
-again and never reads an old copy through a stale descriptor. Descriptors are reference-counted
-while a read uses them, so a thread's read never races another thread's close. An open
-descriptor keeps an unlinked file's bytes allocated (on /dev/shm: memory) until it is closed:
-every :data:`BLOCK_FDS`-th open sweeps out the descriptors of unlinked files, so a process holds
-at most ``BLOCK_FDS`` blocks beyond the budget, and :meth:`Handles.close` (``DiskCache.close``)
-lets go of all of them.
+Block files are read through a bounded LRU of descriptors (:data:`BLOCK_FDS` per process), each
+used only while its file is still linked (committed blocks are linked into place, never renamed
+over, so a block evicted, removed or replaced is opened again by name, never read through a stale
+descriptor; :meth:`Handles.block_ref`, :meth:`Handles.sweep`), and reference-counted while a read
+uses it, so a thread's read never races another thread's close.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -55,13 +49,19 @@ def _identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _linked(fd: int) -> bool:
+    """Whether the file open as ``fd`` still has a name (not unlinked since it was opened)."""
+    try:
+        return os.fstat(fd).st_nlink > 0
+    except OSError:
+        return False
+
+
 def _close_if_same(fd: int, ident: tuple[int, int]) -> None:
     """Close inherited ``fd`` if it is still the file ``ident`` (dev, inode); never unlock it."""
-    try:
+    with contextlib.suppress(OSError):
         if _identity(fd) == ident:
             os.close(fd)
-    except OSError:
-        pass
 
 
 class _BlockFd:
@@ -184,11 +184,7 @@ class Handles:
                 ent.refs += 1
                 self._blocks.move_to_end(key)
         if ent is not None:
-            try:
-                linked = os.fstat(ent.fd).st_nlink > 0
-            except OSError:
-                linked = False
-            if linked:
+            if _linked(ent.fd):
                 return ent
             self.release(ent)
             self.drop(key, ent)
@@ -230,11 +226,7 @@ class Handles:
         with self._mutex:
             items = list(self._blocks.items())
         for key, ent in items:
-            try:
-                linked = os.fstat(ent.fd).st_nlink > 0
-            except OSError:
-                linked = False
-            if not linked:
+            if not _linked(ent.fd):
                 self.drop(key, ent)
 
     def release(self, ent: _BlockFd) -> None:

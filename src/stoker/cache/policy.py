@@ -26,6 +26,7 @@ expired leases are ignored and removed by :meth:`stoker.cache.DiskCache.recover`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import time
@@ -78,10 +79,8 @@ _AT_EXIT: set[tuple[str, str, int]] = set()
 
 def _unregister_at_exit(directory: str, namespace: str, pid: int) -> None:
     if os.getpid() == pid:  # not in a forked child that inherited the hook
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(directory, f"{pid}-{namespace}.json"))
-        except OSError:
-            pass
 
 
 class JobRegistry:
@@ -137,10 +136,8 @@ class JobRegistry:
             atexit.register(_unregister_at_exit, self.dir, namespace, pid)
 
     def unregister(self, namespace: str, pid: int | None = None) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(os.getpid() if pid is None else pid, namespace))
-        except FileNotFoundError:
-            pass
 
     def records(self) -> list[dict[str, Any]]:
         """Records of live processes whose lease, if any, has not expired (the others are
@@ -181,11 +178,9 @@ class JobRegistry:
         for name in names:
             pid = name.split("-", 1)[0]
             if pid.isdigit() and (not pid_alive(int(pid)) or _expired_file(os.path.join(self.dir, name))):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.dir, name))
                     removed += 1
-                except FileNotFoundError:
-                    pass
         return removed
 
 

@@ -19,6 +19,7 @@ inside the page that already holds the usage counter, so claiming never needs ne
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -64,11 +65,9 @@ def headroom_bytes(path: str, nbytes: int, keep_free_fraction: float = 0.0) -> t
     rounding = -nbytes % frsize
     keep = 0
     if keep_free_fraction > 0:
-        try:
+        with contextlib.suppress(OSError):
             st = os.statvfs(path)
             keep = int(st.f_blocks * st.f_frsize * keep_free_fraction)
-        except OSError:
-            pass
     return max(0, free - rounding - 2 * frsize - keep), free
 
 

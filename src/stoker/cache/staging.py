@@ -12,12 +12,8 @@ before the prefetcher has it fetches the whole block into staging itself (when
 by the loader's ``staging_bytes``, on the cache's disk but outside the cache budget.
 
 Layout: ``<cache root>/.staging/<pid>-<id>/<namespace>/<block>``; directories of dead
-processes are removed by :meth:`stoker.cache.DiskCache.recover`.
-
-Staging shares the cache's disk. A block that does not fit there (ENOSPC, EDQUOT, or no
-room by ``statvfs``) is not staged: :meth:`StagingArea.put` returns False, leaves no
-temporary file, and the reader fetches the block's samples from the origin; the job
-warns once, naming the directory and the free bytes (:mod:`.space`).
+processes are removed by :meth:`stoker.cache.DiskCache.recover`. Staging shares the cache's disk:
+a block that does not fit there is not staged (:meth:`StagingArea.put`, :mod:`.space`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ refused (:class:`NotACacheError`, exit 2) before anything is read or written the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -72,10 +73,8 @@ def tree_bytes(path: str) -> int:
     total = 0
     for d, _, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(d, f))
-            except OSError:
-                pass
     return total
 
 

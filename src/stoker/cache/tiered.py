@@ -16,6 +16,7 @@ Single-flight locks live in the disk tier, so there is one lock per block for bo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -153,10 +154,8 @@ class TieredCache:
         """Record the dataset's URL and the disk tier's budget (see :meth:`DiskCache.describe`),
         and where the memory tier is, so that ``stoker cache status`` and ``clear`` find it."""
         self.disk.describe(namespace, url)
-        try:
+        with contextlib.suppress(OSError):  # best effort, as the rest of the catalog
             record_memory_root(self.disk.root, self.memory.root, self.disk.mode)
-        except OSError:  # best effort, as the rest of the catalog
-            pass
 
     def put(self, namespace: str, name: str, data) -> bool:
         """Admit into the memory tier if it has room, else into the disk tier."""

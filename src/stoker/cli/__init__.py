@@ -1,19 +1,11 @@
-"""The `stoker` command: one module per command group, registered in :data:`GROUPS`.
+"""The `stoker` command: one module per command group, registered in :data:`GROUPS` (which
+module holds which command: this package's README.md).
 
-* :mod:`.data`: ``pack``, ``ls``, ``stat``, ``verify``
-* :mod:`.cluster`: ``warm``, ``cluster-state``, ``extender``
-* :mod:`.cache`: ``cache status|clear``
-* :mod:`.top`: ``top`` (live view of a node cache)
-
-Other packages add commands through the ``stoker.commands`` entry-point group: each entry point
-names a module (or object) with ``add_parsers(sub)``. A command that needs packages beyond the
-product sets ``needs`` (a tuple of import names) in its parser's defaults: when one is missing,
-the command prints one line naming it and the extra that installs it, and exits 2. The lab beside this package
-(:mod:`stoker_lab.cli`) adds ``sample-data``, ``demo``, ``origin-server``, ``bench`` and
-``simulate`` that way.
-
-The library modules never import argparse: each command module declares its arguments and calls
-plain functions with keyword arguments.
+Other packages add commands through the ``stoker.commands`` entry-point group (the lab's,
+:mod:`stoker_lab.cli`): each entry point names a module (or object) with ``add_parsers(sub)``. A
+command that needs packages beyond the product sets ``needs`` (a tuple of import names) in its
+parser's defaults: when one is missing, the command prints one line naming it and the extra that
+installs it, and exits 2.
 """
 
 from __future__ import annotations

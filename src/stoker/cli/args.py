@@ -46,18 +46,6 @@ def json_options(text: str | None, option: str = "--storage-options") -> dict:
     return value
 
 
-class OptionsFlag(argparse.Action):
-    """A storage-options flag with deprecated spellings (``--src-options`` for
-    ``--src-storage-options``): stores the value, records the spelling used in ``<dest>_flag`` (for
-    error messages), and prints one deprecation line on stderr when an old spelling is used."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        setattr(namespace, f"{self.dest.split('_')[0]}_flag", option_string or self.option_strings[0])
-        if option_string and option_string != self.option_strings[0]:
-            print(f"stoker: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
-
-
 class Renamed(argparse.Action):
     """A flag with an old spelling after its current one (``--cache-bytes``, ``--cache-size``):
     stores the value, and prints one deprecation line on stderr when the old spelling is used."""
@@ -66,6 +54,16 @@ class Renamed(argparse.Action):
         setattr(namespace, self.dest, values)
         if option_string and option_string != self.option_strings[0]:
             print(f"stoker: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
+
+
+class OptionsFlag(Renamed):
+    """A storage-options flag with deprecated spellings (``--src-options`` for
+    ``--src-storage-options``), as :class:`Renamed`, that also records the spelling used in
+    ``<dest>_flag`` (for error messages)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, f"{self.dest.split('_')[0]}_flag", option_string or self.option_strings[0])
+        super().__call__(parser, namespace, values, option_string)
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:

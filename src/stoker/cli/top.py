@@ -10,6 +10,7 @@ frame; ``--json`` prints the snapshot (:func:`snapshot`) as JSON instead, for sc
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -47,39 +48,26 @@ def _name(url: str | None, version: str) -> str:
     return absolute_url(url) if url else f"version {version}"
 
 
+#: The figures a job's row takes from its loader's live-figures file (None without one).
+_LIVE_FIELDS = (
+    "rank",
+    "epoch",
+    "samples",
+    "samples_per_s",
+    "stall_fraction",
+    "first_batch_s",
+    "origin_bytes_per_s",
+    "cache_hit_ratio",
+    "prefetch_depth_bytes",
+)
+
+
 def _job_row(rec: dict, live: dict | None, now: float, urls: dict[str, str]) -> dict:
     """One job of the view: its record and, when a loader publishes, its live figures."""
-    row = {
-        "pid": rec["pid"],
-        "dataset": None,
-        "version": rec["namespace"],
-        "dataset_bytes": rec.get("dataset_bytes"),
-        "url": urls.get(rec["namespace"]),
-        "rank": None,
-        "epoch": None,
-        "samples": None,
-        "samples_per_s": None,
-        "stall_fraction": None,
-        "first_batch_s": None,
-        "origin_bytes_per_s": None,
-        "cache_hit_ratio": None,
-        "prefetch_depth_bytes": None,
-        "age_s": None,
-    }
+    row = {"pid": rec["pid"], "dataset": None, "version": rec["namespace"], "dataset_bytes": rec.get("dataset_bytes")}
+    row.update(url=urls.get(rec["namespace"]), **dict.fromkeys(_LIVE_FIELDS), age_s=None)
     if live is not None:
-        for k in (
-            "url",
-            "rank",
-            "epoch",
-            "samples",
-            "samples_per_s",
-            "stall_fraction",
-            "first_batch_s",
-            "origin_bytes_per_s",
-            "cache_hit_ratio",
-            "prefetch_depth_bytes",
-        ):
-            row[k] = live.get(k) if k != "url" else live.get(k) or row["url"]
+        row.update({k: live.get(k) for k in _LIVE_FIELDS}, url=live.get("url") or row["url"])
         row["age_s"] = round(now - float(live.get("time", now)), 3)
     row["dataset"] = _name(row["url"], rec["namespace"])
     return row
@@ -156,6 +144,21 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+#: The jobs table of :func:`render`: (header, the cell of a job row).
+_JOB_COLUMNS = (
+    ("pid", lambda j: str(j["pid"])),
+    ("rank", lambda j: _num(j["rank"], "d")),
+    ("dataset", lambda j: j["dataset"]),
+    ("epoch", lambda j: _num(j["epoch"], "d")),
+    ("samples/s", lambda j: _num(j["samples_per_s"], ",.1f")),
+    ("stall", lambda j: _pct(j["stall_fraction"])),
+    ("first batch s", lambda j: _num(j["first_batch_s"], ".2f")),
+    ("origin MB/s", lambda j: _mb(j["origin_bytes_per_s"])),
+    ("hit ratio", lambda j: _pct(j["cache_hit_ratio"])),
+    ("prefetch MB", lambda j: _mb(j["prefetch_depth_bytes"])),
+)
+
+
 def render(snap: dict):
     """The rich renderable of a :func:`snapshot` (tables of jobs, datasets and the memory tier)."""
     from rich.console import Group
@@ -170,32 +173,10 @@ def render(snap: dict):
         head = f"cache {c['root']}: {_mb(c['used_bytes'])} MB" + (f" of {_mb(cap)} MB" if cap else "")
         parts.append(Text(head))
         jobs = Table(title="jobs", title_justify="left", expand=False)
-        for col in (
-            "pid",
-            "rank",
-            "dataset",
-            "epoch",
-            "samples/s",
-            "stall",
-            "first batch s",
-            "origin MB/s",
-            "hit ratio",
-            "prefetch MB",
-        ):
+        for col, _ in _JOB_COLUMNS:
             jobs.add_column(col, justify="left" if col == "dataset" else "right")
         for j in c["jobs"]:
-            jobs.add_row(
-                str(j["pid"]),
-                _num(j["rank"], "d"),
-                j["dataset"],
-                _num(j["epoch"], "d"),
-                _num(j["samples_per_s"], ",.1f"),
-                _pct(j["stall_fraction"]),
-                _num(j["first_batch_s"], ".2f"),
-                _mb(j["origin_bytes_per_s"]),
-                _pct(j["cache_hit_ratio"]),
-                _mb(j["prefetch_depth_bytes"]),
-            )
+            jobs.add_row(*(cell(j) for _, cell in _JOB_COLUMNS))
         if not c["jobs"]:
             jobs.add_row("-", "", "no live job", *[""] * 7)
         parts.append(jobs)
@@ -261,13 +242,11 @@ def cmd_top(a) -> int:
     if a.once or not console.is_terminal:
         console.print(render(snapshot(a.dir, a.budget)))
         return 0
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         with Live(render(snapshot(a.dir, a.budget)), console=console, screen=False, auto_refresh=False) as live:
             while True:
                 time.sleep(a.interval)
                 live.update(render(snapshot(a.dir, a.budget)), refresh=True)
-    except KeyboardInterrupt:
-        pass
     sys.stdout.flush()
     return 0
 

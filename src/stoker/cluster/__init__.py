@@ -1,10 +1,6 @@
-"""Cluster mode on Ray (TDCS): a cache service per node, blocks placed by weighted rendezvous
-hashing, reads local → peer → origin, co-located training workers, a Kubernetes scheduler
-extender.
-
-``placement``, ``schedule``, ``counters``, ``settings`` and ``extender/`` need only the standard library and
-numpy; everything else needs Ray (the ``cluster`` extra) and imports it on first use
-of a name below. ``import stoker`` never imports Ray.
+"""Cluster mode on Ray (TDCS), drawn in this package's README.md. Its base modules and
+``extender/`` need no Ray; everything else needs Ray (the ``cluster`` extra) and imports it on
+first use of a name below. ``import stoker`` never imports Ray.
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ removes the files of this user whose process is gone (:func:`sweep_stale`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
 import tempfile
 
-from .._procs import pid_alive
+from .._procs import left_by_dead
 
 #: Counter names, in file order (all in bytes except ``fallbacks``, a count of reads).
 FIELDS = (
@@ -55,24 +56,10 @@ def sweep_stale(directory: str) -> int:
     process no longer exists (a rank killed before it closed them); returns how many. Files of
     other users and of live processes are left alone; a file that cannot be removed is skipped."""
     removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        pid_text = name[len(PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue  # a file of the old name format: no pid to check
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid != os.getuid() or pid_alive(int(pid_text)):
-                continue
+    for path, _ in left_by_dead(directory, PREFIX):
+        with contextlib.suppress(OSError):
             os.unlink(path)
             removed += 1
-        except OSError:
-            continue
     return removed
 
 
@@ -165,10 +152,8 @@ class ByteCounters:
             return dict(zip(FIELDS, struct.unpack(_FMT, f.read(_HEADER))))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def fractions(delta: dict) -> dict:

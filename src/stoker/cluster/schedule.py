@@ -73,12 +73,3 @@ def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, 
     left = np.flatnonzero(owner_rank < 0)  # in permutation order
     owner_rank[left] = np.repeat(np.arange(w), q - have)  # fill the ranks with room, in rank order
     return [ids[owner_rank == r] for r in range(w)]
-
-
-def locality(plans: list, sample_node: np.ndarray, rank_node: list) -> float:
-    """Fraction of all planned samples that are cached on their rank's node."""
-    total = sum(len(p) for p in plans)
-    if not total:
-        return 0.0
-    hit = sum(int(np.sum(np.asarray(sample_node)[p] == rank_node[r])) for r, p in enumerate(plans))
-    return hit / total

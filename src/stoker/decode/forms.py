@@ -14,11 +14,8 @@ and stored sizes, payload length, xxh3-64 of the payload) then the payload.  The
 is kept so the transforms draw RandomResizedCrop boxes for the *original* image
 (:func:`~stoker.decode.transforms.train_transform_reduced`).  A ``jpeg`` entry of an image that
 is already within the cap stores no payload ("same"): re-encoding it would only lose quality at
-the same decode cost, so the reader goes to the raw sample.
-
-The default cap, :func:`resolution_cap`, is the shorter side at which half of
-RandomResizedCrop(224)'s crops of a 4:3 photo still have >= 224 source pixels along both axes
-(computed by drawing the crops; 320 px for 224).
+the same decode cost, so the reader goes to the raw sample. The default cap: :func:`resolution_cap`
+(320 px for 224).
 """
 
 from __future__ import annotations

@@ -18,10 +18,7 @@ Region decode.  When only part of an image is wanted (a RandomResizedCrop box),
 (``_jpegroi``: rows below the box are never decoded, rows above are entropy-decoded only,
 columns outside skip IDCT and colour conversion).  The pixels are exactly those of the whole
 image decode (tested); it is about 1.5x faster per sample on the demo's photos
-(``stoker bench decode``).  The binding is optional: without it (no libjpeg headers at build
-time) every path decodes whole images.
-
-Every failure becomes a :class:`DecodeError` that names the sample key and the reason.
+(``stoker bench decode``).  The binding is optional: without it every path decodes whole images.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-__all__ = ["resize_bilinear_aa", "resize_box_aa", "resize_into_scratch", "one_intra_op_thread"]
+__all__ = ["resize_bilinear_aa", "resize_box_aa", "one_intra_op_thread"]
 
 
 @contextlib.contextmanager
@@ -71,12 +71,16 @@ def _as_nchw(img: np.ndarray) -> torch.Tensor:
     return t.unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
 
 
-def resize_bilinear_aa(img: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
+def resize_bilinear_aa(img: np.ndarray, out_w: int, out_h: int, scratch: bool = False) -> np.ndarray:
     """Resize like Pillow's BILINEAR (antialiased when downscaling), to within 2 levels.
 
     Args:
         img: ``(h, w, 3)`` uint8; may be a non-contiguous crop view (rows strided).
         out_w, out_h: output size in pixels (> 0).
+        scratch: write into a buffer this thread reuses for every call of the size, for a caller
+            that copies the result out at once (a worker writing a batch slot): no allocation per
+            sample. The result is then overwritten by this thread's next such call of the same
+            size, so it must not be kept.
 
     Returns:
         ``(out_h, out_w, 3)`` uint8 C-contiguous array (a new one, or ``img`` itself when it
@@ -85,12 +89,6 @@ def resize_bilinear_aa(img: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
     Raises:
         ValueError: a non-positive output size.
     """
-    return _resize(img, out_w, out_h, scratch=False)
-
-
-def _resize(img: np.ndarray, out_w: int, out_h: int, scratch: bool) -> np.ndarray:
-    """:func:`resize_bilinear_aa`; with ``scratch`` the torch path writes into this thread's
-    buffer of the output size (:func:`resize_into_scratch`)."""
     h, w = img.shape[:2]
     if out_w < 1 or out_h < 1:
         raise ValueError(f"output size must be positive, got {out_w}x{out_h}")
@@ -131,16 +129,6 @@ def _interpolate_aa(x: torch.Tensor, out_h: int, out_w: int, out: torch.Tensor |
     if out is None:
         return op(x, (out_h, out_w), False, None, None)
     return op(x, (out_h, out_w), False, None, None, out=out)
-
-
-def resize_into_scratch(img: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
-    """:func:`resize_bilinear_aa` into a buffer this thread reuses for every call of the size.
-
-    For a caller that copies the result out at once (a worker writing a batch slot): no
-    allocation per sample.  The returned ``(out_h, out_w, 3)`` uint8 array is overwritten by
-    this thread's next call of the same size, so it must not be kept.
-    """
-    return _resize(img, out_w, out_h, scratch=True)
 
 
 def _scratch_buffer(out_h: int, out_w: int) -> torch.Tensor:

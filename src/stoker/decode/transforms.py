@@ -19,7 +19,7 @@ import cv2
 import numpy as np
 
 from .image import DEFAULT_MAX_PIXELS, decode_image, decode_jpeg_box, jpeg_region_size
-from .resample import resize_bilinear_aa, resize_box_aa, resize_into_scratch
+from .resample import resize_bilinear_aa, resize_box_aa
 
 __all__ = [
     "random_resized_crop_params",
@@ -150,7 +150,7 @@ def train_transform(
 
 def _resize_flip(crop: np.ndarray, flip: bool, size: int, out: np.ndarray) -> np.ndarray:
     """Resize an HWC crop to ``size`` x ``size``, mirror it if ``flip``, write CHW into ``out``."""
-    _hwc_to_chw(resize_into_scratch(crop, size, size), out, flip)
+    _hwc_to_chw(resize_bilinear_aa(crop, size, size, scratch=True), out, flip)
     return out
 
 

@@ -112,11 +112,7 @@ def _sampler_class() -> type:
 
 def sampler_for(loader: Any):
     """``loader.sampler``: what a training framework takes for the sampler of ``loader`` (a
-    :class:`stoker.loader.Loader`): a :class:`LoaderSampler` (a
-    ``torch.utils.data.distributed.DistributedSampler``) whose iteration gives this rank's sample
-    ids of the next epoch; its ``set_epoch`` (which Lightning's loops call) leaves the Loader's
-    epoch alone: it advances at every ``iter()``. Ray Train's ``prepare_data_loader`` keeps a
-    Loader with it as it is."""
+    :class:`stoker.loader.Loader`): a :class:`LoaderSampler` (module doc)."""
     return _sampler_class()(loader)
 
 

@@ -5,14 +5,12 @@ derived form (a reduced JPEG or decoded pixels) in the original image's coordina
 the raw sample is read, decoded and transformed as usual, and its derived entry is written as a
 side effect (filled during the first epoch, used from the second).
 
-Storage is a :class:`stoker.cache.DiskCache` of its own (own byte budget, policy ``noevict``),
-by default in ``<node cache>/.derived``:
+Storage is a :class:`stoker.cache.DiskCache` of its own (own byte budget, policy ``noevict``; its
+writes, shared by every worker process and loader, as the node cache's: cache/README.md), by
+default in ``<node cache>/.derived``:
 
 * one file per sample, ``<root>/<dataset content version>-<form>[-exif]/<sample id>``: a dataset
   re-packed under the same URL gets a new version, so it is never served stale entries;
-* the budget is reserved under a file lock before every write and never exceeded; the entry is
-  written to a temporary file and renamed into place, so a reader sees a whole entry or none,
-  and several worker processes (and loaders) share the store safely;
 * a worker SIGKILLed mid-write leaves a temporary file, removed (and the usage recounted) by
   :meth:`DerivedCache.recover`, which the loader runs when it starts;
 * every read is checked (header, length, xxh3-64 of the payload); a damaged or truncated entry is

@@ -17,6 +17,7 @@ dead processes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -127,8 +128,7 @@ class LiveTotals:
             out["epochs"] = self._epochs
             cur = self._cur
             if cur is None:
-                last = self._last
-                out.update(_epoch_figures(last, None) if last is not None else _epoch_figures(None, None))
+                out.update(_epoch_figures(self._last, None))
                 return self._monotonic(out)
             run, stats, before, wait_box, t_start, plan = cur
             delta = run.since(before, plan)[0]  # with the prefetcher's work for this plan so far
@@ -202,10 +202,8 @@ class LiveTotals:
         """Remove the live-figures file (the loader closes)."""
         path, self._published = self._published, None
         if path is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 def _epoch_figures(stats, live) -> dict:

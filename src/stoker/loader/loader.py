@@ -1,11 +1,6 @@
 """The Loader: configuration, epoch plans and resume state; each ``iter()`` serves one epoch
-through the started pipeline (:mod:`stoker.loader.pipeline.run`).
-
-Data flow (one direction): the epoch's permutation -> this rank's plan -> batches
-dispatched to decode workers (each writes into a shared-memory slot) -> batches
-yielded in plan order as ``(images uint8 [N,3,S,S], labels int64 [N])`` torch
-tensors. A prefetch process fills the node cache ahead of the workers in the
-order the plan will need the blocks.
+through the started pipeline (:mod:`stoker.loader.pipeline.run`). The data flow is drawn in
+this package's README.md.
 """
 
 from __future__ import annotations
@@ -94,10 +89,8 @@ class _Started:
         self.port = metrics_port  #: the metrics port asked for (None: none, or every port tried was taken)
 
     def export_metrics(self) -> None:
-        """Serve the loader's metrics on :attr:`port` (see the Loader's doc), unless served
-        already. A port that another program holds is logged and the next free one taken
-        (:func:`stoker.metrics.export_loader`); with every port tried taken the loader goes on
-        without metrics, logged: a busy port never stops training.
+        """Serve the loader's metrics on :attr:`port`, unless served already; a busy port is
+        handled as ``RunOptions.metrics_port`` says (:func:`stoker.metrics.export_loader`).
 
         Raises:
             OSError: an explicit ``metrics_port`` that cannot be served for another reason (names it).

@@ -30,6 +30,7 @@ exits, or, after a SIGKILL, by the next loader on the node (:func:`remove_orphan
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -40,7 +41,7 @@ from collections import deque
 
 import numpy as np
 
-from .._procs import dumpable, pid_alive
+from .._procs import dumpable, left_by_dead
 from ..errors import SharedMemoryError  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -88,25 +89,14 @@ def map_slot(path: str, batch_size: int, size: int) -> tuple[mmap.mmap, np.ndarr
 def remove_orphans(base: str | None = None) -> int:
     """Unlink slot files left by loaders that died (SIGKILL skips cleanup). Returns the count.
 
-    Slot files are named ``stoker-<pid>-<id>-<n>``; a file whose pid is not alive is an orphan.
+    Slot files are named ``stoker-<pid>-<id>-<n>``; a file of this user whose pid is not alive is
+    an orphan (:func:`stoker._procs.left_by_dead`).
     """
-    base = base or SHM_DIR or os.environ.get("TMPDIR", "/tmp")
     removed = 0
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return 0
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 4 or parts[0] != "stoker" or not parts[1].isdigit():
-            continue
-        if pid_alive(int(parts[1])):
-            continue
-        try:
-            os.unlink(os.path.join(base, name))
+    for path, _ in left_by_dead(base or shm_base(), "stoker-"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
             removed += 1
-        except OSError:
-            pass
     return removed
 
 
@@ -307,16 +297,12 @@ def _release(names: list[str], fds: list[int], pid: int) -> None:
     if os.getpid() != pid:
         return
     for name in names:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
-        except FileNotFoundError:
-            pass
     names.clear()
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     fds.clear()
 
 

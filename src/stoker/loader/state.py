@@ -1,16 +1,11 @@
 """Resume state of the Loader (the torchdata ``StatefulDataLoader`` convention): where the stream
-stands, and how a new loader continues it, at the same world size batch for batch.
+stands, and how a new loader continues it (what a user sees: :meth:`stoker.loader.Loader.state_dict`
+and :meth:`~stoker.loader.Loader.load_state_dict`).
 
 The saved state is global to the job: the epoch and how many ids of the epoch's permutation all
 ranks together have served (the rank split interleaves, :func:`stoker.order.rank_plan`, so after
-k batches per rank they have served the first ``k * batch_size * world_size``). Every rank saves
-the same state, so a framework that saves rank 0's state and loads it on every rank (Lightning,
-accelerate) resumes right, and a resume at another world size splits the rest of the epoch
-again over the ranks it has: every sample still owed exactly once, ranks even as ``even=`` says.
-This is the elastic deterministic resumption Mosaic Streaming documents for its StreamingDataset.
-Everything else about the stream is a pure function of the loader's configuration (order of
-(seed, epoch); augmentation of (seed, epoch, sample id)), so this small record plus that
-configuration is enough to resume.
+k batches per rank they have served the first ``k * batch_size * world_size``), so a resume at
+another world size splits the rest of the epoch again over the ranks it has.
 """
 
 from __future__ import annotations
@@ -201,13 +196,10 @@ class LoaderState:
         resplit: bool = True,
         strict: bool = True,
     ) -> None:
-        """Take ``state`` (from :meth:`to_dict`, saved on any rank at any world size): the next
-        ``iter()`` continues that epoch with this rank's share of the ids not yet served, or
-        starts the next epoch if none is left for any rank (an epoch with no batches, saved
-        before its ``iter()``, is still run, yielding nothing). When ``samples_done`` is a whole
-        number of this loader's steps (``batch_size * world_size``), as it always is at the world
-        size that saved it, that is the same as skipping that many batches of the epoch's plan,
-        so the rest of the stream is the saved run's, batch for batch.
+        """Take ``state`` (from :meth:`to_dict`) as :meth:`stoker.loader.Loader.load_state_dict`
+        says. When ``samples_done`` is a whole number of this loader's steps (``batch_size *
+        world_size``), as it always is at the world size that saved it, that is the same as
+        skipping that many batches of the epoch's plan.
 
         The per-rank form of earlier releases (``batches_done`` with the saving ``rank`` and
         ``world_size``) is still taken, with a DeprecationWarning: its ``batches_done`` batches of

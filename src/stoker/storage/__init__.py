@@ -1,16 +1,12 @@
 """Origin access through fsspec: ranged reads with retries bounded in time, whole-object writes.
 
-Every byte stoker reads from an origin goes through :class:`Origin`, which counts
-origin bytes and requests (the figures every benchmark reports) and turns storage
-failures into :class:`OriginError` naming the URL, the byte range and the S3 error code.
-Failures that can clear (throttling, 5xx, resets, timeouts) are retried with exponential
-back-off and full jitter for at most ``retry_budget_s`` seconds (:mod:`stoker.storage.retry`), so a
-short origin outage is ridden out and a failing store never hangs a job; the others
-(403, 404, 400, configuration errors) fail at once.
+:class:`Origin` and what it promises are described in this package's README.md; which failures
+are retried, and for how long: :mod:`stoker.storage.retry`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -74,7 +70,7 @@ def _forget_inherited_sessions() -> None:
     "attached to a different loop" noise (or worse, touches the parent's sockets). The
     parent still owns and closes them.
     """
-    try:
+    with contextlib.suppress(Exception):  # best effort; CPython internals
         # finalize._registry is a CPython internal that typeshed leaves out
         for fin, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]  # noqa: SLF001
             if getattr(info.func, "__name__", "") == "close_session":
@@ -82,8 +78,6 @@ def _forget_inherited_sessions() -> None:
                 if owner is not None:
                     _INHERITED.append(owner)  # never collected here: no "unclosed session" noise
                 fin.detach()
-    except Exception:  # noqa: BLE001 - best effort; CPython internals
-        pass
 
 
 if hasattr(os, "register_at_fork"):

@@ -24,6 +24,7 @@ the others wait, so N prefetch threads do not multiply the request rate the orig
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -141,16 +142,17 @@ _CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
 
 
 class _WrongAnswer(OSError):
-    """The origin answered a ranged GET of ``expected`` bytes with ``got`` bytes (raised inside a
-    try, so the retry loop sends the read again; its message ends up in the
-    :class:`stoker.errors.OriginError` when the retry budget is spent).
+    """The error to raise, inside a try of :meth:`stoker.storage.Origin.retry`, for a ranged GET of
+    bytes ``[start, end)`` (``expected`` bytes) answered with ``got`` bytes (None: unknown): the
+    retry loop sends the read again, and its message ends up in the
+    :class:`stoker.errors.OriginError` when the retry budget is spent.
 
-    ``range_ignored``: the answer was the whole object (or at least ran from its start past the
-    range): the origin, or a proxy in front of it, does not honour ``Range``. An origin that
-    never does cannot serve stoker, which reads byte ranges; the message says so.
+    ``range_ignored``: the answer was the whole object (None: taken from the lengths, an answer that
+    runs past ``end``): the origin, or a proxy in front of it, does not honour ``Range``. An origin
+    that never does cannot serve stoker, which reads byte ranges; the message says so.
     ``object_bytes``: the object's size, when a short answer was explained by asking for it: an
-    object shorter than the range is not an answer that can clear (``retry`` False): it changed
-    or was cut since the index was written."""
+    object shorter than ``end`` is not an answer that can clear (``retry`` False, :func:`classify`):
+    it changed or was cut since the index was written."""
 
     bare = True  # errors quote its message without its class name (it says what happened)
 
@@ -187,21 +189,9 @@ class _WrongAnswer(OSError):
         return (type(self), (self.got, self.expected, self.start, self.end, self.range_ignored, self.object_bytes))
 
 
-def wrong_answer(
-    got: int | None,
-    expected: int,
-    start: int,
-    end: int,
-    range_ignored: bool | None = None,
-    object_bytes: int | None = None,
-) -> OSError:
-    """The error to raise, inside a try of :meth:`stoker.storage.Origin.retry`, for a ranged GET of
-    bytes ``[start, end)`` (``expected`` bytes) answered with ``got`` bytes (None: unknown).
-    ``range_ignored``: the origin sent the whole object (None: taken from the lengths, an answer
-    that runs past ``end``); ``object_bytes``: the object's size, when a short answer was
-    explained by asking for it. :func:`classify` retries it unless the object is shorter than
-    ``end``; its message says which of these it was (see :class:`_WrongAnswer`)."""
-    return _WrongAnswer(got, expected, start, end, range_ignored, object_bytes)
+#: The error to raise for a wrong answer, made with :class:`_WrongAnswer`'s arguments (public: other
+#: modules raise it, the class stays private to this one).
+wrong_answer = _WrongAnswer
 
 
 class _ProtocolFault(OSError):
@@ -261,10 +251,8 @@ def _retry_after_s(value) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
     if value is None:
         return None
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         return max(0.0, float(value))
-    except (TypeError, ValueError):
-        pass
     try:
         return max(0.0, parsedate_to_datetime(str(value)).timestamp() - time.time())
     except (TypeError, ValueError, IndexError, OverflowError):

@@ -1,18 +1,9 @@
 """`open_dataset`: a map-style dataset over a packed store, read through the node cache.
 
-A sample costs one lookup in the in-memory index and one ranged read: from a
-cached block on local disk when present, else one ranged GET of its block from
-the origin (the block is verified and admitted to the cache), else, when the
-cache would not admit the block, a ranged GET of just the sample.
-
-Blocks are runs of consecutive samples of one shard, about ``block_bytes`` long
-and cut at sample boundaries (a sample's whole range, primary payload and named
-fields, lies in one block), so every block can be checked against the index's
-per-sample xxh3-64 checksums when it is filled and every sample when it is read.
-
-Fetching blocks and filling the cache is the dataset's reader's job (:mod:`.blocks`); the
-blocks themselves are ``ds.blocks`` (:class:`stoker.store.blockmap.BlockMap`), and the checks of
-bytes against the index are :mod:`.checks`.
+A sample costs one lookup in the in-memory index and one ranged read. Fetching blocks and
+filling the cache is the dataset's reader's job (:mod:`.blocks`, which says where a read looks
+first); the blocks themselves are ``ds.blocks`` (:class:`stoker.store.blockmap.BlockMap`), and the
+checks of bytes against the index are :mod:`.checks`.
 """
 
 from __future__ import annotations

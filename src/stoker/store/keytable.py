@@ -26,9 +26,6 @@ Sample ids are positions in the index. The pack writes them in sorted key order
 checked at construction. If an index is not in key order, the directory keeps
 one more array, ``order`` (int32/int64, (N,)), the ids in key order; ranges are
 then positions in key order and :meth:`KeyTable.ids` maps them to ids.
-
-Module functions :func:`ls` and :func:`stat` format the ``stoker ls`` and
-``stoker stat`` output (see :mod:`stoker.store.listing`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ exactly one wins:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -132,10 +133,8 @@ class _Local:
             raise _Conflict() from None
         with open(moved, "rb") as f:
             if f.read() != token:  # not the lease we read: put it back untouched
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.link(moved, self.path)
-                except FileExistsError:
-                    pass
                 os.unlink(moved)
                 raise _Conflict()
         return moved
@@ -371,11 +370,9 @@ class PackLease:
         Finding a lease whose owner's liveness its times cannot tell, it watches the lease for
         up to the owner's lease length first (see the module docstring)."""
         for _ in range(3):
-            try:
+            with contextlib.suppress(_Conflict):
                 self._token = self._io.create(self._body())
                 break
-            except _Conflict:
-                pass
             owner, token = self._read_owner()
             if owner is None:
                 continue  # released in between: try to create again

@@ -9,6 +9,7 @@ is written, the shards of an earlier pack that it does not use are removed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
@@ -138,10 +139,8 @@ def remove_stale_shards(dest: Origin, keep: set) -> None:
             pid = base.split(".tmp-", 1)[1].split("-")[0]
             if pid.isdigit() and pid_alive(int(pid)):
                 continue
-        try:
+        with contextlib.suppress(FileNotFoundError):
             dest.fs.rm(full)
-        except FileNotFoundError:
-            pass
 
 
 def finished_shards(dst: str, storage_options: dict | None = None) -> int:

@@ -1,20 +1,19 @@
 """`stoker pack`: a source at any fsspec URL into tar shards plus a Parquet index.
 
-Sources (chosen by :func:`.sources.detect_source`, or ``source=``): ImageFolder trees, WebDataset
-shards (:mod:`.wds`), CSV/Parquet file lists (:mod:`.filelist`), file trees and Parquet tables of
-sample bytes (:mod:`.anysource`); the less common settings travel in one :class:`PackOptions`
-(:mod:`.pack_options`). ImageFolder packs are planned up front from the listing's file sizes,
-streamed sources are cut into shards as samples arrive, by their actual sizes (both by
-:func:`cut`): every run over the same source makes the same shards, each written whole with its
-manifest (:mod:`.manifests`). The index is written last, atomically: an interrupted pack leaves
-no index, so it is never opened as a dataset, and running it again reuses every finished shard
-(ImageFolder: without reading its files again) and finishes the job. A sample's members are
-written contiguously, primary payload first, as tar members ``<key>.<field>``; sample ids are in
-sorted key order for every source.
+Sources: :mod:`.sources` (which one, :func:`.sources.detect_source`, or ``source=``); the less
+common settings travel in one :class:`PackOptions` (:mod:`.pack_options`). ImageFolder packs are
+planned up front from the listing's file sizes, streamed sources are cut into shards as samples
+arrive, by their actual sizes (both by :func:`cut`): every run over the same source makes the same
+shards, each written whole with its manifest (:mod:`.manifests`). The index is written last
+(this folder's README.md, "Invariants"): running an interrupted pack again reuses every finished
+shard (ImageFolder: without reading its files again). A sample's members are written
+contiguously, primary payload first, as tar members ``<key>.<field>``; sample ids are in sorted
+key order for every source.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -197,11 +196,9 @@ def _first_missing_dir(dest: Origin) -> str | None:
 def _remove_if_empty(dest: Origin, top: str) -> None:
     """Remove ``top`` (the highest directory a failed pack created) if it holds no file; one with
     any file, such as a finished shard the next pack reuses, is kept."""
-    try:
+    with contextlib.suppress(Exception):  # tidying must not hide the pack's own error
         if not dest.fs.find(top):
             dest.fs.rm(top, recursive=True)
-    except Exception:  # noqa: BLE001 - tidying must not hide the pack's own error
-        pass
 
 
 def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: PackOptions, feed, t0: float) -> PackResult:

@@ -2,12 +2,9 @@
 
 Two levels:
 
-- :func:`check_shards` (cheap, at every open): one listing of the shard directory, made
-  at the origin then and there (never a listing fsspec cached earlier in the process);
-  every shard must exist with the size the index recorded (and the same ETag where the
-  index recorded one). A dataset whose shards were rewritten under an unchanged index is
-  reported by shard name before any sample is served. An origin whose listing has no
-  sizes (HTTP) is asked with a HEAD per shard.
+- :func:`check_shards` (cheap, at every open): every shard must exist at the origin with the
+  size (and ETag) the index recorded, so shards rewritten under an unchanged index are reported
+  by name before any sample is served.
 - :func:`verify` (full): reads every shard once, sequentially, and checks every
   sample's bytes against its xxh3-64 checksum; lists each bad sample by key and
   shard.
@@ -15,6 +12,7 @@ Two levels:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import posixpath
@@ -163,12 +161,10 @@ def _tar_members(data: bytes) -> dict:
     """``{payload offset: (member name, size)}`` of the members a tar reader finds in ``data``
     (it stops at the first damaged header, as readers do)."""
     out = {}
-    try:
+    with contextlib.suppress(tarfile.TarError):
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
             for m in tf:
                 out[m.offset_data] = (m.name, m.size)
-    except tarfile.TarError:
-        pass
     return out
 
 

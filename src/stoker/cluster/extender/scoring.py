@@ -6,23 +6,10 @@ from ``filterVerb``, an ``ExtenderFilterResult`` (``Nodes``/``NodeNames``, ``Fai
 ``FailedAndUnresolvableNodes``, ``Error``) and, from ``prioritizeVerb``, a ``HostPriorityList``
 (``[{"Host": name, "Score": 0..10}]``, 10 = ``MaxExtenderPriority``).
 
-The rule is the one :func:`stoker.cluster.schedule.choose_nodes` uses: a pod that names a dataset
-in the annotation ``stoker.io/dataset`` scores each node by the bytes of that dataset its cache
-holds (the node holding most gets 10); a dataset cached nowhere scores nodes by cache budget (its
-cache then goes where its jobs run). Pods without the annotation score 0 everywhere (no opinion).
-``filter`` passes every node, except that a pod annotated ``stoker.io/require-cache: "true"``
-fails nodes without a cache service. Cache state comes from a JSON file (re-read when it changes;
-written by ``stoker cluster-state``, see :func:`stoker.cluster.service.warmup.cluster_state`) or any
-callable returning the same form. Served by waitress (:mod:`stoker.cluster.extender.server`: a
-body limit, an idle-connection timeout, a fixed thread pool); listens on 127.0.0.1 unless told
-otherwise. Nothing here unpickles anything: requests and state are JSON.
-
-Every answer is JSON, errors included (``{"Error": message}``): 400 for a request that is not
-JSON or not of the ExtenderArgs shape (the message names the field, e.g. ``NodeNames[2]``), or
-whose framing is broken (a negative or non-numeric ``Content-Length``), 404 for an unknown verb,
-405 for another method, 413 for a body over ``max_body_bytes``, 500 when the cache state cannot
-be read or has the wrong shape (the message names the file and the entry) or on any other
-fault. One bad request or state file never stops the server.
+The rule is the one :func:`stoker.cluster.schedule.choose_nodes` uses (drawn in this folder's
+README.md). Cache state comes from a JSON file (re-read when it changes; written by ``stoker
+cluster-state``, see :func:`stoker.cluster.service.warmup.cluster_state`) or any callable returning
+the same form. The HTTP answers, errors included, are :mod:`stoker.cluster.extender.server`'s.
 """
 
 from __future__ import annotations
@@ -45,7 +32,6 @@ MAX_PRIORITY = 10  # k8s.io/kube-scheduler/extender/v1 MaxExtenderPriority
 #: when ``nodeCacheCapable`` is false, so this holds about a thousand nodes; names only (true)
 #: are some tens of bytes a node. Raise it with ``serve(max_body_bytes=...)`` / ``--max-body-size``.
 MAX_BODY_BYTES = 8 << 20
-MAX_BODY = MAX_BODY_BYTES  # the former name
 #: A connection with no request in progress that sends nothing for this long is closed (seconds).
 REQUEST_TIMEOUT_S = 30.0
 #: How often idle connections are looked for (seconds).

@@ -12,14 +12,16 @@ application and JSON error answers. What waitress enforces, before the applicati
   accepted at once (the rest wait in the listen backlog).
 
 Every answer is JSON (``{"Error": message}`` for errors), waitress's own refusals included:
-400 for a request that is not JSON or not of the ExtenderArgs shape, 404 for an unknown verb,
-405 for a method other than GET/POST, 413 for a body over the limit, 500 when the cache state
-cannot be read. Each answer carries the cache state's age in seconds in the header
-``X-Stoker-State-Age`` (absent when the state has no time).
+400 for a request that is not JSON or not of the ExtenderArgs shape (the message names the field,
+e.g. ``NodeNames[2]``), 404 for an unknown verb, 405 for a method other than GET/POST, 413 for a
+body over the limit, 500 when the cache state cannot be read or has the wrong shape (naming the
+file and the entry) or on any other fault; none stops the server. Each answer carries the cache
+state's age in seconds in the header ``X-Stoker-State-Age`` (absent when the state has no time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -88,10 +90,8 @@ class _Channel(HTTPChannel):
             f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n"
         ).encode()
-        try:
+        with contextlib.suppress(OSError):
             self.socket.send(head + body)  # a few hundred bytes: fits the empty send buffer
-        except OSError:
-            pass
         log.warning("extender: %s", msg)
         self.handle_close()
         return b""

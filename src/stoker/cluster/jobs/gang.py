@@ -1,24 +1,16 @@
 """A job's ranks on Ray: reserved together on their nodes, watched, and ended together.
 
-- :func:`free_resources`: each node's free Ray resources now (for
-  :mod:`stoker.cluster.capacity`); :func:`node_slots`: how many ranks each node takes now, or
-  the refusal of a job that does not fit (used by :func:`stoker.cluster.run` and
-  :func:`stoker.cluster.placement_hint` alike).
-- :func:`reserve`: one Ray placement group for the job, one bundle per rank, each bundle held on
-  its rank's node by the node-id label (``bundle_label_selector``). A placement group is
-  reserved all at once or not at all (Ray's gang scheduling), so the ranks start together;
-  if it is not ready within ``timeout_s`` (other work took the room meanwhile) it is removed
-  and :class:`stoker.errors.CapacityError` is raised: nothing is left queued.
-- :func:`gather` and :class:`JobRefs`: the first rank that fails ends the job (the other ranks
-  are cancelled), whether the caller waits in :func:`gather` or holds the refs of
-  ``run(wait=False)`` (a watcher thread in the driver does the same). A rank stamps the error
-  that ended it with the time (:func:`stamp_failure`) before it tears its process group down,
-  so when a rank's failure makes its peers' collectives fail too, :func:`gather` raises the
-  error that came first, not the first one Ray happened to report.
+What each part does is in this folder's README.md and the functions' docstrings. :func:`reserve`
+holds each rank's bundle on its node by the node-id label (``bundle_label_selector``); a placement
+group is reserved all at once or not at all (Ray's gang scheduling), so the ranks start together.
+A rank stamps the error that ended it with the time (:func:`stamp_failure`) before it tears its
+process group down, so when a rank's failure makes its peers' collectives fail too,
+:func:`gather` raises the error that came first, not the first one Ray happened to report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -47,10 +39,8 @@ NODE_ID_LABEL = "ray.io/node-id"
 def stamp_failure(exc: BaseException) -> None:
     """Mark ``exc`` (the error that ends a rank) with the time now, as :data:`FAILED_AT`; an
     error that takes no attributes is left as it is."""
-    try:
+    with contextlib.suppress(AttributeError, TypeError):
         setattr(exc, FAILED_AT, time.time())
-    except (AttributeError, TypeError):
-        pass
 
 
 def _failed_at(exc: BaseException) -> float | None:

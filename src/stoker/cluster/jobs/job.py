@@ -1,14 +1,9 @@
 """``stoker.cluster.run``: training workers placed next to their cached data (TDCS on Ray).
 
-The driver (1) starts or finds one cache service per node, (2) asks them how many bytes of the
-dataset each holds, (3) places the ranks on the nodes that hold the most
-(:func:`stoker.cluster.schedule.choose_nodes`), (4) settles the dataset's placement members (the
-first job's nodes, grown as nodes join or room runs short, and recorded on every service:
-:mod:`stoker.cluster.service.records`; a new dataset's cache goes to the nodes where its jobs run) and (5) runs ``train_fn(ctx)`` in one Ray task per rank, pinned to its node. Each rank
-reads through its node cache, then the owning peer, then the origin, and gets the samples cached
-on its node as far as exactly-once and equal counts allow (:func:`colocated_plans`).
-``ClusterOptions(placement="random")`` (for comparison) puts ranks on random nodes with the plain
-rank split.
+The driver's steps are listed in this folder's README.md (the members it settles:
+:mod:`stoker.cluster.service.records`). Each rank reads through its node cache, then the owning
+peer, then the origin, and gets the samples cached on its node as far as exactly-once and equal
+counts allow (:func:`colocated_plans`; ``ClusterOptions(placement="random")``: the plain split).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ Torch is imported here on first use only.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -207,10 +208,8 @@ class ProcessGroup:
                 dist.destroy_process_group()
         finally:
             if self._mailbox is not None:
-                try:
+                with contextlib.suppress(Exception):  # Ray shut down: the actor went with it
                     ray.kill(self._mailbox)
-                except Exception:  # noqa: BLE001 - Ray shut down: the actor went with it
-                    pass
                 self._mailbox = None
             if self._sock is not None:
                 self._sock.close()

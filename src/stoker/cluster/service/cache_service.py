@@ -8,12 +8,10 @@ from the origin (single flight per block across the node, so a block is read fro
 once however many jobs want it) and answers what it holds (for placement, ``stoker warm``
 and the scheduler extender).
 
-A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), named
-``stoker-cache-<node id>`` in the Ray namespace ``stoker``, detached (it belongs to the cluster,
-not to the driver that started it: any driver finds it by name), restarted by Ray if it dies
-(``max_restarts=-1``); its cache is files on the node, in a directory named by the host, not by
-the Ray node id (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
-restarted Ray, has the blocks the old one held. It listens on no socket of its own: requests reach it through Ray.
+A service is pinned to its node (``NodeAffinitySchedulingStrategy(soft=False)``), detached and
+restarted by Ray (``max_restarts=-1``), as this folder's README.md says; its cache directory is
+named by the host (:mod:`stoker.cluster.identity`), so a restarted service, and a service of a
+restarted Ray, has the blocks the old one held.
 """
 
 from __future__ import annotations
@@ -387,12 +385,10 @@ def start_services(
     ``cache``: the node caches (:class:`stoker.CacheOptions`, ``cache_dir`` the cluster cache
     root, default ``<default cache dir>/cluster``; ``cache_bytes`` a budget per node, or ``{node id: size}``: nodes not named get none and
     no service; :meth:`stoker.CacheOptions.for_node`); ``cache_dir``/``cache_bytes``: the
-    shortcut for those fields. The services belong to the cluster, not to the driver that starts them:
-    they are *detached* named actors (``lifetime="detached"``, name :func:`service_name` in the
-    namespace ``stoker``), so any driver finds them again by name and they outlive this one;
-    Ray restarts one that dies (``max_restarts=-1``); :func:`stop_services` ends them.
-    (A named actor that is not detached dies with the driver that created it, under the feet
-    of every other job reading from it.) ``lease_s``: see :class:`CacheService` (for services started here).
+    shortcut for those fields. The services are *detached* named actors (``lifetime="detached"``,
+    name :func:`service_name` in the namespace ``stoker``: a named actor that is not detached would
+    die with this driver, under every other job's feet); :func:`stop_services` ends them.
+    ``lease_s``: see :class:`CacheService` (for services started here).
 
     Waits until every service answers. A service whose start fails (its constructor raised,
     e.g. the node's cache directory is unusable: Ray does not restart it) raises

@@ -22,9 +22,11 @@ random key: ``multiprocessing.connection``), raw bytes in both directions (no pi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._procs import pid_alive
+from ..._procs import left_by_dead
 from ...errors import PeerUnavailable
 from ...store.checks import checked_or_none
 from ..counters import ByteCounters
@@ -97,12 +99,11 @@ class BlockRouter:
         self._tls = threading.local()
 
     def __getstate__(self):
-        state = {
+        return {
             k: v
             for k, v in self.__dict__.items()
             if k not in ("_handles", "_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive", "_tls")
         }
-        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -224,11 +225,8 @@ class BlockRouter:
 
         A peer whose call failed (dead, restarting, timed out after ``timeout_s``) is *suspect*:
         it costs that one stall, and later reads of its blocks raise PeerUnavailable at once
-        (the caller reads the origin) without calling it. Whether it is back is found out off the
-        read path (:meth:`_watch`: a background thread pings it every ``retry_s`` seconds until
-        it answers, and stops when Ray lists its node as dead); once a ping answers, reads go to
-        it again. So a peer known dead, or slow to fail (a node Ray still lists alive), never
-        stalls reads again until it is back.
+        without calling it, until :meth:`_watch`'s ping (every ``retry_s`` seconds, while Ray
+        lists its node as alive) answers (module doc).
         """
         extra = (self.nodes[prior], self.timeout_s / 2) if 0 <= prior != o else ()
         source, data = self._call(o, "read", self.dref, int(b), int(start), int(stop), *extra)
@@ -390,25 +388,11 @@ def sweep_relay_dirs(root: str | None = None) -> list[str]:
     or a signal runs no exit hook, so the next relay of the machine removes what it left.
     Directories of live processes, of other users, and names not of this form are kept. Returns
     the paths removed."""
-    root = root or tempfile.gettempdir()
     removed: list[str] = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name[len(RELAY_PREFIX) :].split("-", 1)
-        if not name.startswith(RELAY_PREFIX) or len(parts) != 2 or not parts[0].isdigit():
-            continue
-        path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path) or pid_alive(int(parts[0])):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    for path, st in left_by_dead(root or tempfile.gettempdir(), RELAY_PREFIX):
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed
 
 
@@ -469,8 +453,6 @@ class Relay:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._listener.close()
-        except OSError:
-            pass
         self._cleanup()

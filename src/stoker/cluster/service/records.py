@@ -1,13 +1,11 @@
 """A dataset's placement members, recorded on every cache service so that any one answers.
 
-The record of a dataset version (``{"members", "known", "previous"}``, see :mod:`stoker.cluster.membership`)
-used to live on one service, the one of the lowest node id. A node that joined with a lower id
-took that role with no record, and a restarted service forgot it: the next job then recorded
-the members afresh and the joined node never became one. Now :func:`settle_members` asks every
-service, merges what they hold (the sets only grow, so a merge is their union), grows the result
-with :func:`stoker.cluster.membership.widen` and writes it back to every service. The first job of
-a dataset, which finds no record anywhere, claims on the service of the lowest node id (first
-claim wins), so two first jobs at once agree.
+The record of a dataset version (``{"members", "known", "previous"}``, see
+:mod:`stoker.cluster.membership`) lives on every service: :func:`settle_record` asks every service,
+merges what they hold (the sets only grow, so a merge is their union), grows the result with
+:func:`stoker.cluster.membership.widen` and writes it back to every service. The first job of a
+dataset, which finds no record anywhere, claims on the service of the lowest node id (first claim
+wins), so two first jobs at once agree.
 """
 
 from __future__ import annotations
@@ -40,14 +38,6 @@ def call(method, *args, tries: int = SERVICE_TRIES, pause_s: float = RETRY_PAUSE
             if k == tries - 1:
                 raise
             time.sleep(pause_s * (k + 1))
-
-
-def settle_members(
-    services: dict, version: str, dataset_bytes: int, proposal: list[str], job_nodes: list[str]
-) -> list[str]:
-    """The placement members of dataset ``version`` for the job at hand (node ids, sorted):
-    ``settle_record(...)["members"]`` (:func:`settle_record`)."""
-    return settle_record(services, version, dataset_bytes, proposal, job_nodes)["members"]
 
 
 def settle_record(services: dict, version: str, dataset_bytes: int, proposal: list[str], job_nodes: list[str]) -> dict:

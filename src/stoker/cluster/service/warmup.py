@@ -1,11 +1,8 @@
 """``stoker warm URL``: fill the cluster cache with a dataset, all nodes in parallel (Fluid's DataLoad).
 
-Each node's cache service fills the blocks placed on its node, straight from the origin (a block
-is read from the origin once); the driver only sends block lists and shows progress. A fault
-(an origin error after its retries, a checksum mismatch, a service that dies) costs only the
-blocks it hits: the rest is filled, and the report says what is cached and which shards failed
-and why. A node's cache directory and placement are stable across Ray restarts on the same host
-(:mod:`stoker.cluster.identity`), so running the warm-up again fetches only what is missing.
+What a fault costs and what a rerun fetches: this folder's README.md, "Invariants" (a node's
+cache directory and placement are stable across Ray restarts on the same host:
+:mod:`stoker.cluster.identity`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Ray or torch pickles: only plain data (node ids, lists, dicts).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -142,12 +143,10 @@ class Exchange:
         import ray
 
         deadline = time.monotonic() + self.timeout_s
-        try:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # ended by another rank: every rank had read
             while not done:
                 if time.monotonic() >= deadline:
                     return  # a rank that never reads: its owner's exit ends the board
                 time.sleep(POLL_S)
                 done = ray.get(self._board.all_read.remote(self._round), timeout=call_s)
             ray.kill(self._board)
-        except ray.exceptions.RayActorError:
-            pass  # ended by another rank: every rank had read

@@ -11,16 +11,14 @@ context from inside a rank:
    is up, else a named Ray actor keyed by ``job``);
 3. rank 0 starts or finds the cache services (:func:`stoker.cluster.service.cache_service.prepare`), settles
    the dataset's placement members with the ranks' nodes as the job's
-   (:func:`stoker.cluster.service.records.settle_members`) and sends every rank the same layout, so
+   (:func:`stoker.cluster.service.records.settle_record`) and sends every rank the same layout, so
    every rank computes the same block owners and the same co-located plans
    (:func:`stoker.cluster.schedule.colocated_plans`: exactly once per epoch, equal counts);
 4. each rank opens the dataset through its node cache with a :class:`BlockRouter` (node cache
    → owning peer → origin; a block whose owner changed when the members last grew from its
    previous owner first, :mod:`stoker.cluster.handoff`) and the relay for its loader's worker processes.
 
-The context owns what step 4 made (the relay's socket directory, the byte-counter file, the
-rank's registration on the node cache, rank 0's hold on the services): :meth:`RankContext.close`
-ends them, and so does dropping the context or the end of the process.
+The context owns what step 4 made and ends it (:meth:`RankContext.close`; this folder's README.md).
 """
 
 from __future__ import annotations

@@ -4,14 +4,9 @@ With ``Loader(..., image=ImageOptions(decode_device="cuda"))`` the loader's work
 sample's bytes (cache, staging or origin; checksums) and fill the labels; the training process
 hands each batch's payloads to a :class:`stoker.decode.gpu.GpuJpegDecoder`, which decodes the
 JPEGs on the GPU (nvJPEG) and falls back to the CPU path per sample, and applies the train or
-eval transform on the device. Crop boxes and flips are drawn from the same per-sample RNG as the
-CPU path (``sample_seed(seed, epoch, sample id)``), so a resumed or re-run epoch gets the same
-boxes; pixels differ slightly from the CPU path (nvJPEG's IDCT and upsampling, torch's
-antialiased bilinear resize).
-
-The decoder is made in the training process after the workers are forked (a process forked
-after CUDA is initialised cannot use it). Unverified on a GPU in this repository's tests (no
-device here): they run the same code with an injected CPU stand-in for nvJPEG.
+eval transform on the device (same crop boxes and flips as the CPU path, slightly different
+pixels, made after the workers are forked, tested only with a CPU stand-in for nvJPEG: this
+folder's README.md).
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ it: the pattern of NVIDIA's apex ``data_prefetcher`` and torch's ``pin_memory`` 
 buffers only where torch can pin, i.e. with CUDA), so the stage is testable without a GPU; the
 Loader itself keeps its zero-copy path for ``None``/``"cpu"``.
 
-This module imports torch; elsewhere only :mod:`stoker._torch` and :mod:`stoker.decode.gpu` do.
-The CUDA branch is unverified on a GPU in this repository's tests (no device here);
-``scripts/gpu_check.py`` checks it on a GPU machine.
+This module imports torch; elsewhere only :mod:`stoker._torch` and :mod:`stoker.decode.gpu` do
+(the CUDA branch is checked on a GPU machine by ``scripts/gpu_check.py``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """One started pipeline of a :class:`stoker.loader.Loader`: its processes, queues, shared-memory
-slots and prefetcher, and the epoch loop that turns them into batches.
-
-The Loader keeps the configuration and the resume state (:class:`stoker.loader.state.LoaderState`);
-its first ``iter()`` starts a :class:`Run`, which serves that epoch and every later one (workers
-stay up between epochs, and the first batches of the next epoch are dispatched while the current
-one drains) until :meth:`stoker.loader.Loader.close`, which stops it; a later ``iter()`` starts a
-new one. The data flow and the processes are drawn in this package's README.md.
+slots and prefetcher, and the epoch loop that turns them into batches (this folder's README.md
+says what starts and stops it; the data flow and the processes: loader/README.md).
 """
 
 from __future__ import annotations

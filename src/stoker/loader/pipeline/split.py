@@ -13,9 +13,8 @@ skipped samples left empty closed up, so the slot holds the batch as one worker 
 written it. Only image batches decoded by the workers are split (a user's collate sees whole
 batches; device decode sends byte payloads).
 
-Substitutes for a batch whose every sample was skipped (:mod:`stoker.loader.workers.padding`) are chosen
-on the whole batch, never on a part: a part's worker does not pad, and a batch whose parts all
-came back empty is sent again whole to one worker, which pads it (:mod:`stoker.loader.pipeline.dispatch`).
+A part's worker never decodes substitutes for skipped samples: a batch whose parts all came back
+empty is sent again whole to one worker (:mod:`stoker.loader.workers.padding`).
 """
 
 from __future__ import annotations

@@ -7,23 +7,22 @@ through a command queue and the consumer's progress through plain shared integer
 (:attr:`Prefetcher.position`, :attr:`~Prefetcher.done`, :attr:`~Prefetcher.prev_done`: no lock a
 dead process could hold); it reports through a shared array of counters (:mod:`stoker.loader.prefetch.inflight`).
 
-A dead prefetcher is replaced at most :data:`MAX_PREFETCHER_RESTARTS` times per epoch, then the
-epoch goes on without read-ahead (the workers read blocks themselves) after one warning
-(``EpochStats.prefetcher_restarts`` counts them). The replacement reuses the shared positions and
+A dead prefetcher is replaced at most :data:`MAX_PREFETCHER_RESTARTS` times per epoch (then the
+epoch goes on without read-ahead, after one warning). The replacement reuses the shared positions and
 counters, gets a new command queue and the current plan again, and adopts the blocks its
 predecessor staged (``prefetch_main(..., adopt=True)``): staged blocks are whole files (temporary
 file + rename) and fetch locks are ``flock`` locks that the kernel releases when their holder
 dies, so nothing the dead one left blocks the new one.
 
-A prefetch process that exits before its own start is done is not replaced (it would exit the
-same way; one killed by a signal then is replaced as any other): when it ran the user's main
-script again (spawn/forkserver without the ``if __name__ == "__main__":`` guard)
+A prefetch process that exits before its own start is done is not replaced
+(:mod:`stoker.loader.workers.launch`): when it ran the user's main script again
 :class:`~stoker.errors.WorkerStartError` names that, else the epoch goes on without read-ahead
 after one warning naming its exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -191,10 +190,8 @@ class Prefetcher:
         """Tell the process to stop."""
         if self._off:
             return
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self._cmds.put(None)
-        except (OSError, ValueError):
-            pass
 
     def join(self, deadline: float) -> None:
         """Wait for the process until ``deadline`` (``time.monotonic()``), then kill it; one

@@ -13,26 +13,18 @@ loader's staging area instead (bounded by ``read.staging_bytes``); without a sta
 block ends prefetching for the epoch (under the no-eviction policy nothing later would be
 admitted either) and the workers read those samples on demand.
 
-Each block is fetched once per plan: a block found in staging already (a worker fetched it
-first, :meth:`stoker.store.blocks.BlockReader.block_for_read`) is taken over, not fetched again.
-A staged block is deleted once its last use in its plan is delivered, and when a plan arrives
-that does not drain the previous one (the previous epoch is over), every block staged for the
-previous one goes at once: staging never serves a later epoch. The one exception: when the next
-plan is sent while this one drains (``prefetch_next_epoch``), a block still staged for this
-plan's last batches that the next plan reaches is used for it too (the ledger's
-``staged_reused``), never fetched a second time while it is there.
-
-While the origin throttles (:class:`stoker.storage.retry.SharedBackoff` of the dataset's origin, shared
-by the fill threads), the prefetcher backs off as a whole: it starts no new fill, so one probe
-request tests the origin instead of every fill in flight, and resumes when a request succeeds.
+Staged blocks and the rules of this process (each block once per plan, staging never serving a
+later epoch but for the next epoch's first batches, one probe while the origin throttles:
+:class:`stoker.storage.retry.SharedBackoff`) are listed in this folder's README.md; a block a
+worker staged first is taken over (:meth:`stoker.store.blocks.BlockReader.block_for_read`), and one
+still staged for this plan's last batches that the next plan reaches is used again (the
+ledger's ``staged_reused``).
 
 The process's main thread sleeps on one queue: commands (posted by a thread that blocks on the
 command queue, and that posts a stop when the parent is gone) and fill outcomes (posted by the fill
-threads, one thread per fill in flight at most). It does its work only when woken, keeps running
-totals of what is in flight and staged, and accounts a block found cached without waking a fill
-thread. The loader tells its progress through plain shared integers, not a message, so the loop
-looks at them on a timer only while something waits on them: ``prefetch_bytes`` or the staging
-budget reached (:data:`CONSUMER_POLL_S`), staged blocks waiting for their last use to be delivered
+threads, one thread per fill in flight at most). The loop looks at the consumer's progress on a
+timer only while something waits on it: ``prefetch_bytes`` or the staging budget reached
+(:data:`CONSUMER_POLL_S`), staged blocks waiting for their last use to be delivered
 (:data:`STAGED_POLL_S`); besides, a busy block's retry time and the origin's back-off.
 """
 

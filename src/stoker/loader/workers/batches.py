@@ -28,6 +28,7 @@ the bytes pickled: whole batches, plus the other leaves of the batches through s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import logging
@@ -215,10 +216,8 @@ class SlotWriter:
 
     def close(self) -> None:
         for mm in self.maps.values():
-            try:
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:  # pragma: no cover
-                pass
 
 
 class GenericDecoder:

@@ -36,7 +36,6 @@ import threading
 
 __all__ = ["blocked", "held", "ignore_in_child", "reset_inherited_handlers"]
 
-_SIGINT = {signal.SIGINT}
 #: blocked around a child's start: SIGTERM too, so that an inherited handler never runs in the child
 _STARTING = {signal.SIGINT, signal.SIGTERM}
 

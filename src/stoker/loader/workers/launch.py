@@ -18,6 +18,7 @@ The parts that own the processes: :class:`stoker.loader.workers.pool.WorkerPool`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import signal
@@ -159,11 +160,9 @@ def died(what: str, exitcode: int | None) -> str:
 
 def abandon(q) -> None:
     """Close a queue of a dead process without waiting for its feeder thread (nobody reads it)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # already closed
         q.cancel_join_thread()
         q.close()
-    except (OSError, ValueError):  # pragma: no cover - already closed
-        pass
 
 
 def stop_processes(procs: list, deadline: float) -> None:

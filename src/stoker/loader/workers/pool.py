@@ -1,30 +1,16 @@
-"""The decode workers of one started pipeline: their processes, channels, and replacement.
+"""The decode workers of one started pipeline: their processes, channels, and replacement (the
+rules it keeps: this folder's README.md, "Invariants").
 
-Each decode worker has its own task queue and its own result queue, and the pool records which
-batches it handed to which worker (``(run, seq, offset) -> task`` per worker slot; the offset
-tells the parts of a split batch apart, :mod:`.split`). That is what makes a death survivable:
-
-- A shared task queue cannot be used: a worker waiting in ``get()`` holds the queue's read lock,
-  and one killed there would block every other worker for ever. With one queue per worker, a
-  dead worker's queues are abandoned whole and its replacement gets new ones.
-- A batch is done when its reply has been *received*: a worker writes the slot first and
-  replies after, so a batch whose reply never arrived may be half-written and is never
-  delivered. The batches a dead worker took but did not answer are sent again, with the same
-  run, sequence number and slot, to the live workers (the replacement included): the new worker
-  writes the whole slot again. Decoding is a pure function of (seed, epoch, sample id)
-  (:func:`stoker.order.sample_seed`), so the batch is the one it would have been.
-- The queue of a dead worker is never read again, so a reply it sent but that was not received
-  yet is dropped with it (its batch is decoded again): each batch is delivered once, in plan order
-  (the epoch loop in ``pipeline/run.py`` reorders replies by sequence number).
-
-Restarts are bounded per epoch: :data:`MAX_WORKER_RESTARTS` per worker slot, then the clean
-:class:`~stoker.errors.WorkerError` naming the worker, its exit code or signal and the sample it
-was on (``EpochStats.worker_restarts`` counts them). A worker that exits before its own start is
-done is not replaced at all (it would exit the same way; one killed by a signal then is replaced
-as any other): :class:`~stoker.errors.WorkerStartError` names the cause
-(:func:`stoker.loader.workers.launch.start_failure`). A worker stuck in one sample past ``timeout_s`` is
-ended and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the
-next epoch does not wait behind the same call.
+Each decode worker has its own task queue and its own result queue (a worker killed in ``get()``
+on a shared queue would hold its read lock for ever), and the pool records which batches it
+handed to which worker (``(run, seq, offset) -> task`` per worker slot; the offset tells the parts
+of a split batch apart, :mod:`.split`). The batches a dead worker took but did not answer are sent
+again, with the same run, sequence number and slot, to the live workers (the replacement
+included); a reply it sent that was not received yet is dropped with its queue, so each batch is
+delivered once. A worker that exits before its own start is done is not replaced
+(:mod:`stoker.loader.workers.launch`). A worker stuck in one sample past ``timeout_s`` is ended
+and replaced by :meth:`WorkerPool.end_stuck` after the stall error, so the next epoch does not
+wait behind the same call.
 
 Limit: a reply is read once its queue is readable; a reply larger than the pipe's atomic write
 (4 KiB; replies carry no pixels, except the sample bytes when decoding on the device, and a
@@ -34,6 +20,7 @@ a kill in the middle of writing it leaves a partial message that the reader woul
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import queue
@@ -191,10 +178,8 @@ class WorkerPool:
         """Tell every worker to stop (queued tasks are dropped)."""
         self._stop.set()
         for q in self._task_qs:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-            except (OSError, ValueError):
-                pass
 
     def join(self, deadline: float) -> None:
         """Wait for the workers until ``deadline`` (``time.monotonic()``), then kill them; one
@@ -272,13 +257,11 @@ class WorkerPool:
         queue is read only for that message, which it wrote whole before it exited)."""
         if slot not in self._start_errors:
             q = self._result_qs[slot]
-            try:
+            with contextlib.suppress(queue.Empty, EOFError, OSError, pickle.UnpicklingError):
                 if _readable(q).poll(0.2):
                     msg = q.get(False)
                     if msg[0] == "start-error":
                         self._start_errors[slot] = msg[2]
-            except (queue.Empty, EOFError, OSError, pickle.UnpicklingError):
-                pass
         return self._start_errors.get(slot)
 
     def _replace(self, slot: int) -> None:

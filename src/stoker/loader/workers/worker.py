@@ -14,6 +14,7 @@ where the batch is (in the slot, with its layout, or pickled in the reply itself
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from typing import TYPE_CHECKING
@@ -195,12 +196,10 @@ def _setup(ds, cfg: WorkerConfig):
     ds = fresh_copy(ds)
     if not ds.origin.use_native():  # a worker never forks: obstore's runtime is safe here
         ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read
-    try:
+    with contextlib.suppress(ImportError):
         import cv2
 
         cv2.setNumThreads(1)
-    except ImportError:  # pragma: no cover
-        pass
     import torch
 
     torch.set_num_threads(1)  # one worker per core: the resize kernel must not spawn a pool each
@@ -264,10 +263,8 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
     if writer is not None:
         writer.close()
     for mm, _, _ in maps.values():
-        try:
+        with contextlib.suppress(BufferError):
             mm.close()
-        except BufferError:  # pragma: no cover
-            pass
 
 
 def _decode_task(wid: int, task: tuple, dec, writer, derived, cfg: WorkerConfig, maps: dict, current) -> tuple:
