@@ -6,6 +6,9 @@ can test and reproduce). ``groups`` (int array, one group id per sample) is the
 dataset's layout: the cache blocks, runs of consecutive samples in one shard.
 :func:`rank_plan` splits one permutation over ``world_size`` ranks so that every
 rank gets the same number of samples by construction (uneven counts hang DDP).
+:class:`EpochShares` holds every rank's share of an epoch at once (this split, or the cluster's
+co-located one) and says which samples the ranks together have served after k each: what a
+resume state records, so that the rest of an epoch can be split again over other ranks.
 
 Orders:
 
@@ -138,6 +141,21 @@ def permutation(
     return fn(num_samples, seed, epoch, groups, **options)
 
 
+def _even(rest: np.ndarray, fill: np.ndarray, world_size: int, even: str) -> np.ndarray:
+    """``rest`` made a multiple of ``world_size`` long: ``even="pad"`` appends ``fill`` repeated
+    cyclically (its first items first), ``"drop"`` cuts ``rest`` down. A view of ``rest`` when
+    nothing is appended. ValueError for a bad ``even``."""
+    n = len(rest)
+    if even == "pad":
+        total = -(-n // world_size) * world_size
+        if total > n:  # cyclic: ``fill[: total - n]`` alone is too short when total - n > len(fill)
+            rest = np.concatenate([rest, np.resize(fill, total - n)])
+        return rest
+    if even == "drop":
+        return rest[: (n // world_size) * world_size]
+    raise ValueError(f"even must be 'pad' or 'drop', got {even!r}")
+
+
 def _owed_positions(
     num_samples: int, world_size: int, even: str, start: int = 0, done: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
@@ -151,16 +169,7 @@ def _owed_positions(
         rest = np.arange(start, num_samples, dtype=np.int64)
     else:
         rest = np.flatnonzero(~done).astype(np.int64)
-    n = len(rest)
-    if even == "pad":
-        total = -(-n // world_size) * world_size
-        if total > n:  # cyclic: ``perm[: total - n]`` alone is too short when total - n > len(perm)
-            rest = np.concatenate([rest, np.resize(np.arange(num_samples, dtype=np.int64), total - n)])
-    elif even == "drop":
-        rest = rest[: (n // world_size) * world_size]
-    else:
-        raise ValueError(f"even must be 'pad' or 'drop', got {even!r}")
-    return rest, n
+    return _even(rest, np.arange(num_samples, dtype=np.int64), world_size, even), len(rest)
 
 
 def _check_split(perm: np.ndarray, rank: int, world_size: int, start: int, served: np.ndarray | None) -> None:
@@ -202,9 +211,12 @@ def rank_plan(
     in ``perm``'s order, are split. Raises ValueError for a bad rank, mode, start or served.
     """
     _check_split(perm, rank, world_size, start, served)
-    done = None if served is None else np.asarray(served, dtype=bool)[perm]
-    entries, _ = _owed_positions(len(perm), world_size, even, start, done)
-    ids: np.ndarray = perm[entries[rank::world_size]]
+    if served is not None:
+        entries, _ = _owed_positions(len(perm), world_size, even, 0, np.asarray(served, dtype=bool)[perm])
+        ids: np.ndarray = perm[entries[rank::world_size]]
+        return ids
+    rest = _even(perm[start:], perm, world_size, even)  # views, no copy of the permutation per rank
+    ids = rest[rank::world_size]
     return ids
 
 

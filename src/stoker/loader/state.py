@@ -189,11 +189,10 @@ class LoaderState:
         """Take ``state`` (from :meth:`to_dict`, saved on any rank at any world size and
         placement): the next ``iter()`` continues that epoch with this rank's share of the samples
         not yet served, or starts the next epoch if none is left for any rank (an epoch with no
-        batches, saved before its ``iter()``, is still run, yielding nothing). When the samples
-        served are those of this loader's own plan after ``k`` batches per rank (at the world size
-        and placement that saved it), that is the same as skipping ``k`` batches of the epoch's
-        plan, so the rest of the stream is the saved run's, batch for batch; otherwise the samples
-        not served are split again (:meth:`stoker.order.EpochShares`), every rank the same count.
+        batches, saved before its ``iter()``, is still run, yielding nothing). Where this loader's
+        own plan has served just those samples after ``k`` batches per rank (the saving world size
+        and placement), it skips ``k`` batches: the rest is the saved run's, batch for batch; else
+        the samples not served are split again (:class:`stoker.order.EpochShares`), ranks even.
 
         The per-rank form of earlier releases (``batches_done`` with the saving ``rank`` and
         ``world_size``) is still taken, with a DeprecationWarning: its ``batches_done`` batches of
@@ -202,17 +201,15 @@ class LoaderState:
         Args:
             state: the saved dict.
             identity: this loader's :data:`IDENTITY_KEYS` values.
-            rank, world_size, batch_size: this loader's.
+            rank, world_size, batch_size: this loader's; ``shares``: its split (:data:`SharesFn`).
             num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
-            shares: the loader's split (:data:`SharesFn`).
             interleaved: whether the loader's split is the interleaved one, whose first ``k``
                 batches per rank are the first ids of the permutation. A state without ``served``
                 (earlier releases, a trimmed state) says only how many samples were served: a
                 split of another kind (the cluster's) cannot tell which, and refuses one cut
                 mid-epoch.
             resplit: whether the loader's plan can split the rest of an epoch again (False for a
-                plan of its own that :func:`shares` does not describe: a state it cannot continue
-                batch for batch is then refused).
+                plan of its own that ``shares`` does not describe: refuse what it cannot skip to).
             strict: refuse a state that lacks some of :data:`IDENTITY_KEYS` (a trainer that kept
                 only ``epoch`` and ``samples_done``): nothing would tell whether it was saved by a
                 loader with the same seed, order, batch size and dataset, and resuming one that
@@ -236,26 +233,11 @@ class LoaderState:
         saved_world = int(state.get("world_size", world_size))  # (a trimmed state: taken to be this loader's)
         if saved_world < 1:
             raise ValueError(f"cannot resume: state has world_size={saved_world}")
-        fresh = shares(epoch, None, world_size)
-        count, got = _served(state, epoch, saved_world, rank, world_size, batch_size, fresh.perm, shares)
-        if got is None and not interleaved and "served" not in state and 0 < count < len(fresh.perm):
-            raise ValueError(
-                f"cannot resume: this state (samples_done={count} of epoch {epoch}, without 'served') says how "
-                "many samples were served, not which, and this loader's plan does not serve the first ids of "
-                "the permutation (a co-located cluster plan): it would repeat and skip samples. Resume a "
-                "state_dict() saved by this release, or start the epoch again (set_epoch)"
-            )
-        skip = _same_plan(fresh, count, got, state, batch_size, world_size, interleaved)
-        before = None
-        if skip is None:
-            before = got if got is not None else _first(fresh.perm, count)
-            left = shares(epoch, before, world_size).batches(batch_size) if before.any() else fresh.batches(batch_size)
-            before, skip = (before if before.any() else None), 0
-        else:
-            left = fresh.batches(batch_size)
-        finished = count > 0 and left - skip <= 0
-        if not finished:
-            again = before is not None  # the rest split again
+        count, skip, before, finished = _resume_point(
+            state, epoch, saved_world, rank, world_size, batch_size, shares, interleaved
+        )
+        if not finished:  # (``before``: the rest is split again)
+            again = before is not None
             _check_continuable(state, identity, epoch, count, saved_world, again, rank, world_size, resplit)
         carry = state.get("carry")
         if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
@@ -269,6 +251,36 @@ class LoaderState:
         self.offset = (epoch, before) if before is not None else None
         self.opened, self.loaded = None, True
         self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and skip else None
+
+
+def _resume_point(
+    state: dict, epoch: int, saved_world: int, rank, world_size, batch_size, shares: SharesFn, interleaved: bool
+) -> tuple[int, int, np.ndarray | None, bool]:
+    """Where this loader continues ``epoch`` of ``state``: ``(samples served, batches of its own
+    plan to skip, the samples served when the rest is split again instead (else None), whether
+    nothing is left of the epoch for any rank)``. ValueError as :meth:`LoaderState.load`'s for a
+    malformed state, and for one without ``served`` cut mid-epoch when the split is not
+    ``interleaved``; the other arguments as :meth:`LoaderState.load`'s."""
+    fresh = shares(epoch, None, world_size)
+    count, got = _served(state, epoch, saved_world, rank, world_size, batch_size, fresh.perm, shares)
+    if got is None and not interleaved and "served" not in state and 0 < count < len(fresh.perm):
+        raise ValueError(
+            f"cannot resume: this state (samples_done={count} of epoch {epoch}, without 'served') says how "
+            "many samples were served, not which, and this loader's plan does not serve the first ids of "
+            "the permutation (a co-located cluster plan): it would repeat and skip samples. Resume a "
+            "state_dict() saved by this release, or start the epoch again (set_epoch)"
+        )
+    skip = _same_plan(fresh, count, got, state, batch_size, world_size, interleaved)
+    before = None
+    if skip is None:
+        before = got if got is not None else _first(fresh.perm, count)
+        if not before.any():  # nothing served: the epoch from its start
+            before = None
+        left = (fresh if before is None else shares(epoch, before, world_size)).batches(batch_size)
+        skip = 0
+    else:
+        left = fresh.batches(batch_size)
+    return count, skip, before, count > 0 and left - skip <= 0
 
 
 def _pack_served(bits: np.ndarray | None) -> str | None:
