@@ -204,6 +204,17 @@ def test_a_cut_epoch_resumed_at_any_world_size_and_placement_serves_every_sample
         assert missing <= min(dropped, owed)
 
 
+def test_padding_mask_marks_the_repeats_of_the_colocated_plan(id_datasets):
+    """7 samples on 3 co-located ranks: 2 repeats even the ranks, wherever the layout deals them
+    (not where the interleaved split would put them); without them every sample once."""
+    cfg = {"batch_size": 2, "drop_last": False, "even": "pad", "order": "blockwise"}
+    ds = id_datasets[7]
+    for seed in range(10):
+        layout = _layout(3, len(ds.blocks), 3, np.random.default_rng(seed))
+        served, left, _ = _job(ds, cfg, 3, layout, None, None)
+        assert left == [3, 3, 3] and sorted(served) == list(range(7)), (seed, layout)
+
+
 # -- jobs on the 3-node test cluster ----------------------------------------------------------
 
 BLOCK = 16 << 10  # small cache blocks: the 120-photo test set gives a few hundred blocks to place
