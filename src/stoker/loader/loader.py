@@ -498,10 +498,11 @@ class Loader:
         return ident
 
     def state_dict(self) -> dict:
-        """Where the job's stream stands: the epoch and ``samples_done``, the ids of its
-        permutation that all ranks together have been served (once an epoch's iteration has
-        ended early, by ``break``, ``close()`` or an error, the next epoch at 0: the next
-        ``iter()`` runs that one, a cut epoch is not replayed).
+        """Where the job's stream stands: the epoch and ``samples_done``, how many of its samples
+        all ranks together have been served, and ``served``, which ones when they are not the
+        first ids of its permutation (a compressed bitmap; a split of its own, a resumed epoch)
+        (once an epoch's iteration has ended early, by ``break``, ``close()`` or an error, the
+        next epoch at 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
 
         The state is the job's, not the rank's: with synchronous data-parallel training (DDP),
         where every rank has taken the same number of batches, every rank's state is the same, so
@@ -516,15 +517,15 @@ class Loader:
         return self.state.to_dict(ident, rank=self.rank, world_size=self.world_size, batch_size=bs, shares=self._shares)
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Resume from :meth:`state_dict`, saved on any rank at any world size: the next
-        ``iter()`` continues that epoch with this rank's share of the ids not yet served, split
-        again over this loader's ``world_size`` ranks, each served exactly once, the ranks even as
-        ``read.even`` says (or starts the next epoch if that one was finished; an epoch with no
-        batches, saved before its ``iter()``, is still run, yielding nothing, so ``epoch`` and
-        ``history`` advance exactly as in the saved run). At the world size that saved it the rest
-        is the saved run's, batch for batch. This is the elastic deterministic resumption Mosaic
-        Streaming documents. The per-rank state of earlier releases is still read (a
-        DeprecationWarning).
+        """Resume from :meth:`state_dict`, saved on any rank at any world size (and, in cluster
+        mode, placement): the next ``iter()`` continues that epoch with this rank's share of the
+        samples not yet served, split again over this loader's ``world_size`` ranks, each served
+        exactly once, the ranks even as ``read.even`` says (or starts the next epoch if that one
+        was finished; an epoch with no batches, saved before its ``iter()``, is still run,
+        yielding nothing, so ``epoch`` and ``history`` advance exactly as in the saved run). At
+        the world size (and placement) that saved it the rest is the saved run's, batch for
+        batch. This is the elastic deterministic resumption Mosaic Streaming documents. The
+        per-rank state of earlier releases is still read (a DeprecationWarning).
 
         Raises ValueError when the state belongs to another dataset version or to a
         different seed, order, batch size, split mode or transform (the rest of the stream

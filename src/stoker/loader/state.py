@@ -383,7 +383,7 @@ def _served(
             "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
             f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=5,  # at the user's load_state_dict
         )
     return served, None
 
