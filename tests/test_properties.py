@@ -381,3 +381,54 @@ def test_empty_and_rank_starved_epochs_resume_at_the_same_epoch(tiny_datasets, t
         assert resumed.epoch == 1
         assert list(resumed) == [] and resumed.stats.epoch == 1 and resumed.epoch == 2
         resumed.close()
+
+
+# -- resume at another world size or placement (order level) ----------------------------
+
+
+@QUICK
+@given(
+    n=st.integers(0, 80),
+    world=st.integers(1, 9),
+    nodes=st.integers(1, 4),
+    even=st.sampled_from(["pad", "drop"]),
+    seed=st.integers(0, 2**32 - 1),
+    colocated=st.booleans(),
+    served_frac=st.floats(0, 1),
+)
+def test_the_rest_of_an_epoch_splits_into_equal_shares_of_the_samples_not_served(
+    n, world, nodes, even, seed, colocated, served_frac
+):
+    """Whatever was served before (any set), the shares of the rest give every rank the same
+    count, serve each sample not served once (``drop``: all but fewer than ``world``), never one
+    served before but as a marked repeat; and after k entries per rank the shares say the ranks
+    served exactly the samples of those entries. Co-located shares hold the same samples as the
+    interleaved ones."""
+    from stoker.cluster.schedule import colocated_shares
+    from stoker.order import interleaved_shares
+
+    rng = np.random.default_rng(seed)
+    perm = permutation(n, seed, 0, "uniform")
+    served = rng.random(n) < served_frac
+    sample_node = rng.integers(-1, nodes, n)
+    rank_node = rng.integers(-1, nodes, world).tolist()
+    plain = interleaved_shares(perm, world, even, served)
+    shares = colocated_shares(perm, sample_node, rank_node, even, served) if colocated else plain
+    owed = int((~served).sum())
+    want = -(-owed // world) if even == "pad" else owed // world
+    plans = [shares.plan(r) for r in range(world)]
+    pads = [shares.padding(r) for r in range(world)]
+    assert [len(p) for p in plans] == [want] * world
+    real = np.concatenate([p[~m] for p, m in zip(plans, pads, strict=True)])
+    assert len(real) == len(set(real.tolist())) and not served[real].any()
+    assert (len(real) == owed) if even == "pad" else (owed - len(real) < world)
+    assert all(not m.any() or m[m.argmax() :].all() for m in pads)  # the repeats come last
+    assert sorted(np.concatenate(plans).tolist()) == sorted(
+        np.concatenate([plain.plan(r) for r in range(world)]).tolist()
+    )
+    for k in {0, 1, want // 2, want}:
+        got = shares.served(k)
+        first = [p[:k][~m[:k]] for p, m in zip(plans, pads, strict=True)]
+        expect = served.copy()
+        expect[np.concatenate(first).astype(np.int64)] = True
+        assert np.array_equal(got, expect)

@@ -6,6 +6,9 @@ can test and reproduce). ``groups`` (int array, one group id per sample) is the
 dataset's layout: the cache blocks, runs of consecutive samples in one shard.
 :func:`rank_plan` splits one permutation over ``world_size`` ranks so that every
 rank gets the same number of samples by construction (uneven counts hang DDP).
+:class:`EpochShares` holds every rank's share of an epoch at once (this split, or the cluster's
+co-located one) and says which samples the ranks together have served after k each: what a
+resume state records, so that the rest of an epoch can be split again over other ranks.
 
 Orders:
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import base64
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -137,7 +141,51 @@ def permutation(
     return fn(num_samples, seed, epoch, groups, **options)
 
 
-def rank_plan(perm: np.ndarray, rank: int, world_size: int, even: str = "pad", start: int = 0) -> np.ndarray:
+def _even(rest: np.ndarray, fill: np.ndarray, world_size: int, even: str) -> np.ndarray:
+    """``rest`` made a multiple of ``world_size`` long: ``even="pad"`` appends ``fill`` repeated
+    cyclically (its first items first), ``"drop"`` cuts ``rest`` down. A view of ``rest`` when
+    nothing is appended. ValueError for a bad ``even``."""
+    n = len(rest)
+    if even == "pad":
+        total = -(-n // world_size) * world_size
+        if total > n:  # cyclic: ``fill[: total - n]`` alone is too short when total - n > len(fill)
+            rest = np.concatenate([rest, np.resize(fill, total - n)])
+        return rest
+    if even == "drop":
+        return rest[: (n // world_size) * world_size]
+    raise ValueError(f"even must be 'pad' or 'drop', got {even!r}")
+
+
+def _owed_positions(
+    num_samples: int, world_size: int, even: str, start: int = 0, done: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """``(entries, owed)``: the positions of an epoch's permutation its ``world_size`` ranks serve
+    together, in order, and how many of them are samples still owed. The owed ones are the
+    positions from ``start`` on, or those not ``done`` (bool per position); ``even="pad"`` then
+    repeats positions ``0, 1, 2, ...`` (cyclically) up to a multiple of ``world_size`` (entries
+    ``owed`` and later), ``"drop"`` cuts the owed ones down to one. int64 array. ValueError for a
+    bad ``even``."""
+    if done is None:
+        rest = np.arange(start, num_samples, dtype=np.int64)
+    else:
+        rest = np.flatnonzero(~done).astype(np.int64)
+    return _even(rest, np.arange(num_samples, dtype=np.int64), world_size, even), len(rest)
+
+
+def _check_split(perm: np.ndarray, rank: int, world_size: int, start: int, served: np.ndarray | None) -> None:
+    """ValueError for a rank outside ``[0, world_size)``, a ``start`` outside ``[0, len(perm)]``,
+    a ``served`` that is not one flag per sample, or both."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} not in [0, {world_size})")
+    if not 0 <= start <= len(perm):
+        raise ValueError(f"start {start} not in [0, {len(perm)}]")
+    if served is not None and (start or len(served) != len(perm)):
+        raise ValueError(f"served must be one flag per sample ({len(perm)}), without start; got {len(served)}")
+
+
+def rank_plan(
+    perm: np.ndarray, rank: int, world_size: int, even: str = "pad", start: int = 0, served: np.ndarray | None = None
+) -> np.ndarray:
     """The sample ids of ``rank`` for one epoch, int64 array.
 
     Every rank gets exactly ``ceil(N / world_size)`` samples with ``even="pad"``: the
@@ -157,35 +205,128 @@ def rank_plan(perm: np.ndarray, rank: int, world_size: int, even: str = "pad", s
     beginning. The rank split interleaves (rank r takes positions r, r + world_size, ...), so
     after k samples per rank the ranks together have served exactly ``perm[:k * world_size]``,
     and ``rank_plan(perm, r, w, even, k * w)`` is ``rank_plan(perm, r, w, even)[k:]``.
-    Raises ValueError for a bad rank, mode or start.
+    ``served``: instead of ``start``, a bool array by sample id (``perm`` holds the ids
+    ``0..N-1``): the samples served already, wherever they were in ``perm`` (a resume of a split
+    that is not this one, such as the cluster's co-located plan); the ids of ``perm`` not served,
+    in ``perm``'s order, are split. Raises ValueError for a bad rank, mode, start or served.
     """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} not in [0, {world_size})")
-    if not 0 <= start <= len(perm):
-        raise ValueError(f"start {start} not in [0, {len(perm)}]")
-    rest = perm[start:]
-    n = len(rest)
-    if even == "pad":
-        total = -(-n // world_size) * world_size
-        if total > n:  # cyclic: ``perm[: total - n]`` alone is too short when total - n > len(perm)
-            rest = np.concatenate([rest, np.resize(perm, total - n)])
-    elif even == "drop":
-        rest = rest[: (n // world_size) * world_size]
-    else:
-        raise ValueError(f"even must be 'pad' or 'drop', got {even!r}")
-    return rest[rank::world_size]
+    _check_split(perm, rank, world_size, start, served)
+    if served is not None:
+        entries, _ = _owed_positions(len(perm), world_size, even, 0, np.asarray(served, dtype=bool)[perm])
+        ids: np.ndarray = perm[entries[rank::world_size]]
+        return ids
+    rest = _even(perm[start:], perm, world_size, even)  # views, no copy of the permutation per rank
+    ids = rest[rank::world_size]
+    return ids
 
 
-def rank_padding(num_samples: int, rank: int, world_size: int, even: str = "pad", start: int = 0) -> np.ndarray:
+def rank_padding(
+    num_samples: int,
+    rank: int,
+    world_size: int,
+    even: str = "pad",
+    start: int = 0,
+    served: np.ndarray | None = None,
+) -> np.ndarray:
     """Which positions of :func:`rank_plan` (same arguments, ``num_samples = len(perm)``) only
     repeat a sample to even the ranks: a bool array as long as that plan (all False with
-    ``even="drop"``, or when ``num_samples - start`` divides by ``world_size``). Across ranks fewer
+    ``even="drop"``, or when the ``N`` samples owed divide by ``world_size``). Across ranks fewer
     than ``world_size`` positions are True, each the last of its rank's plan when
-    ``num_samples - start >= world_size / 2``. Raises ValueError as :func:`rank_plan`."""
-    pos = rank_plan(np.arange(num_samples, dtype=np.int64), rank, world_size, even, start)
-    n = num_samples - start
-    total = -(-n // world_size) * world_size if even == "pad" else n
-    return np.arange(total, dtype=np.int64)[rank::world_size][: len(pos)] >= n
+    ``N >= world_size / 2``. Raises ValueError as :func:`rank_plan`."""
+    ids = np.arange(num_samples, dtype=np.int64)
+    _check_split(ids, rank, world_size, start, served)
+    done = None if served is None else np.asarray(served, dtype=bool)
+    entries, owed = _owed_positions(num_samples, world_size, even, start, done)
+    return np.arange(len(entries), dtype=np.int64)[rank::world_size] >= owed
+
+
+@dataclass(frozen=True)
+class EpochShares:
+    """Every rank's share of one epoch, and what the ranks together have served after each took
+    a number of its samples: what a resume state records (:mod:`stoker.loader.state`).
+
+    Attributes:
+        perm: the epoch's permutation, int64 ``(N,)`` (sample ids).
+        entries: positions of ``perm`` the ranks serve, int64 ``(M,)``, ``M`` a multiple of
+            ``world_size``: entries ``[0, owed)`` are the samples owed, in ``perm``'s order; the
+            later ones repeat samples only to give every rank the same count (``even="pad"``).
+        owed: how many entries are samples owed.
+        world_size: ranks.
+        owner: the rank each entry goes to, int64 ``(M,)``, each rank ``M / world_size`` of them;
+            None: the interleaved split of :func:`rank_plan` (entry ``i`` to rank ``i % world_size``).
+        before: samples served before this split (bool by sample id), or None.
+        keep: entries each rank serves, in order (fewer than its share with ``drop_last``: whole
+            batches); None: all of them.
+
+    Each rank serves its entries in their order, so its plan keeps ``perm``'s order.
+    """
+
+    perm: np.ndarray
+    entries: np.ndarray
+    owed: int
+    world_size: int
+    owner: np.ndarray | None = None
+    before: np.ndarray | None = None
+    keep: int | None = None
+
+    @property
+    def share(self) -> int:
+        """Entries each rank serves (the same for every rank, by construction)."""
+        whole = len(self.entries) // self.world_size
+        return whole if self.keep is None else min(self.keep, whole)
+
+    def _mine(self, rank: int) -> np.ndarray:
+        """Indices into ``entries`` of ``rank``'s share, in serving order."""
+        if self.owner is None:
+            return np.arange(rank, len(self.entries), self.world_size, dtype=np.int64)[: self.share]
+        return np.flatnonzero(self.owner == rank)[: self.share]
+
+    def plan(self, rank: int) -> np.ndarray:
+        """``rank``'s sample ids, int64, in the order it serves them."""
+        ids: np.ndarray = self.perm[self.entries[self._mine(rank)]]
+        return ids
+
+    def padding(self, rank: int) -> np.ndarray:
+        """Which of :meth:`plan`'s samples (bool, aligned with it) only repeat one to even the ranks."""
+        return self._mine(rank) >= self.owed
+
+    def batches(self, batch_size: int) -> int:
+        """Batches of ``batch_size`` each rank serves (the last one may be short)."""
+        return -(-self.share // batch_size)
+
+    def whole_batches(self, batch_size: int) -> EpochShares:
+        """The same shares cut to whole batches of ``batch_size`` (``drop_last``)."""
+        return replace(self, keep=len(self.entries) // self.world_size // batch_size * batch_size)
+
+    def served(self, taken: int) -> np.ndarray:
+        """Samples served (bool by sample id, ``(N,)``) once every rank has served the first
+        ``taken`` entries of its share: :attr:`before` and the samples of those entries (their
+        repeats that only even the ranks are not counted)."""
+        out = np.zeros(len(self.perm), dtype=bool) if self.before is None else self.before.copy()
+        m = len(self.entries)
+        if self.owner is None:  # interleaved: the first ``taken`` of every rank are the first entries
+            took = np.arange(m) < min(taken * self.world_size, self.owed)
+        else:  # the entry's place in its rank's share (a stable sort by rank keeps each share's order)
+            order = np.argsort(self.owner, kind="stable")
+            counts = np.bincount(self.owner, minlength=self.world_size)
+            place = np.empty(m, dtype=np.int64)
+            place[order] = np.arange(m) - np.repeat(np.cumsum(counts) - counts, counts)
+            took = (place < taken) & (np.arange(m) < self.owed)
+        out[self.perm[self.entries[took]]] = True
+        return out
+
+
+def interleaved_shares(
+    perm: np.ndarray, world_size: int, even: str = "pad", served: np.ndarray | None = None
+) -> EpochShares:
+    """The split of :func:`rank_plan` as :class:`EpochShares`: the ids of ``perm`` not ``served``
+    (bool by sample id; None: none) made even as ``even`` says, rank r taking entries r,
+    r + world_size, ... ValueError for a bad world size, mode or ``served``."""
+    perm = np.asarray(perm, dtype=np.int64)
+    _check_split(perm, 0, world_size, 0, served)
+    before = None if served is None else np.asarray(served, dtype=bool)
+    entries, owed = _owed_positions(len(perm), world_size, even, 0, None if before is None else before[perm])
+    return EpochShares(perm, entries, owed, int(world_size), before=before)
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> np.random.SeedSequence:

@@ -6,9 +6,11 @@ Pure functions (no Ray), so every rank computes the same assignment from the sam
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from ..order import rank_plan
+from ..order import EpochShares, interleaved_shares
 
 
 def choose_nodes(nodes: list[str], cached_bytes, budgets, num_workers: int, slots=None) -> list[str]:
@@ -38,38 +40,41 @@ def choose_nodes(nodes: list[str], cached_bytes, budgets, num_workers: int, slot
     return out
 
 
-def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, even: str = "pad") -> list:
-    """Every rank's sample ids for one epoch, preferring samples cached on the rank's node.
+def colocated_shares(perm: np.ndarray, sample_node, rank_node: list, even: str = "pad", served=None) -> EpochShares:
+    """Every rank's share of one epoch, preferring samples cached on the rank's node
+    (:class:`stoker.order.EpochShares`).
 
     ``perm``: the epoch's permutation, int64 (N,); ``sample_node``: the node (any hashable
     label, e.g. a node index; -1 = nowhere) caching each sample, array (N,); ``rank_node``: the
-    node of each rank. The positions of the epoch are first made even exactly as
-    :func:`stoker.order.rank_plan` does (``pad`` repeats the first ``ceil(N/W)*W - N``
-    positions, ``drop`` leaves out the last ``N mod W``), so every rank gets the same count q
-    and every sample is served exactly once across ranks (N divisible by W) or as
-    ``rank_plan`` would. Then each node's positions are dealt round-robin to that node's ranks
-    up to q each; the positions left (nodes without ranks, overflow) fill the ranks that
-    still have room, in permutation order. Each rank's ids keep the permutation's order, so a
-    blockwise order stays blockwise per rank. Returns a list of W int64 arrays.
+    node of each rank; ``served``: samples served already (bool by sample id: a resumed epoch),
+    None for none. The entries owed (the ids of ``perm`` not served, in its order) are first made
+    even exactly as :func:`stoker.order.rank_plan` does (``pad`` repeats the first
+    ``ceil(n/W)*W - n`` positions of ``perm``, ``drop`` leaves out the last ``n mod W``), so every
+    rank gets the same count q and every sample owed is served exactly once across ranks (n
+    divisible by W) or as ``rank_plan`` would. Then each node's entries are dealt round-robin to
+    that node's ranks up to q each; the entries left (nodes without ranks, overflow) fill the
+    ranks that still have room, in permutation order. Each rank's ids keep the permutation's
+    order, so a blockwise order stays blockwise per rank, and its repeats come last.
     """
-    w = len(rank_node)
-    padded = np.concatenate([rank_plan(perm, r, w, even) for r in range(w)])  # the multiset rank_plan serves
-    # restore permutation order of the positions (rank_plan takes perm[r::w] of the padded list)
-    q = len(padded) // w if w else 0
-    pos = np.empty(len(padded), dtype=np.int64)
-    for r in range(w):
-        pos[r * q : (r + 1) * q] = np.arange(r, q * w, w)
-    ids = np.empty(len(padded), dtype=np.int64)
-    ids[pos] = padded
+    base = interleaved_shares(perm, len(rank_node), even, served)  # the entries rank_plan serves
+    w, ids = len(rank_node), base.perm[base.entries]
+    q = len(ids) // w
     where = np.asarray(sample_node)[ids] if len(ids) else np.zeros(0, dtype=np.int64)
-    owner_rank = np.full(len(ids), -1, dtype=np.int64)  # rank each position goes to
+    owner_rank = np.full(len(ids), -1, dtype=np.int64)  # rank each entry goes to
     ranks_on: dict = {}
     for r, n in enumerate(rank_node):
         ranks_on.setdefault(n, []).append(r)
-    for n, rs in ranks_on.items():  # deal the node's positions round-robin, q per rank
+    for n, rs in ranks_on.items():  # deal the node's entries round-robin, q per rank
         mine = np.flatnonzero(where == n)[: len(rs) * q]
         owner_rank[mine] = np.asarray(rs, dtype=np.int64)[np.arange(len(mine)) % len(rs)]
     have = np.bincount(owner_rank[owner_rank >= 0], minlength=w)
     left = np.flatnonzero(owner_rank < 0)  # in permutation order
     owner_rank[left] = np.repeat(np.arange(w), q - have)  # fill the ranks with room, in rank order
-    return [ids[owner_rank == r] for r in range(w)]
+    return replace(base, owner=owner_rank)
+
+
+def colocated_plans(perm: np.ndarray, sample_node: np.ndarray, rank_node: list, even: str = "pad") -> list:
+    """Every rank's sample ids for one epoch (a list of W int64 arrays), preferring samples
+    cached on the rank's node: :func:`colocated_shares`' plans."""
+    shares = colocated_shares(perm, sample_node, rank_node, even)
+    return [shares.plan(r) for r in range(len(rank_node))]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._procs import check_main_for, pick_start_method
-from ..order import permutation, rank_padding, rank_plan
+from ..order import EpochShares, interleaved_shares, permutation, rank_plan
 from .adapters import batch_sampler_of, sampler_for
 from .device.device_decode import DeviceBatchDecoder
 from .epoch_stats import EpochStats, why_empty
@@ -391,38 +391,37 @@ class Loader:
         """This rank's sample ids for ``epoch`` (default: the next epoch), in order (after a resume
         at another split of that epoch: this rank's share of its rest, ``state.offset``)."""
         e = self.epoch if epoch is None else epoch
-        return self._rank_plan(e, self.state.start_of(e), self.rank, self.world_size)
+        return self._shares(e, self.state.served_before(e)).plan(self.rank)
 
-    def _rank_plan(self, epoch: int, start: int, rank: int, world_size: int) -> np.ndarray:
-        """The ids of ``rank`` of ``world_size`` for ``epoch`` when ``start`` ids of its permutation
-        were served before (``drop_last`` applied)."""
+    def _shares(self, epoch: int, served: np.ndarray | None, world_size: int | None = None) -> EpochShares:
+        """Every rank's share of ``epoch`` over ``world_size`` ranks (default this loader's) when
+        the samples ``served`` (bool by sample id) were served before: the interleaved split of
+        :func:`stoker.order.rank_plan`, cut to whole batches with ``drop_last``. The resume state
+        asks it what the ranks have served; a loader with a split of its own (the cluster's
+        co-located one) overrides it."""
         order, window = order_of(self.read, self.shuffle), self.read.order_window
         groups = self.dataset.blocks.sample_block
         perm = permutation(len(self.dataset), self.seed, epoch, order, groups=groups, window=window)
-        ids = rank_plan(perm, rank, world_size, self.read.even, start)
-        if self.drop_last:
-            ids = ids[: len(ids) // self.batch_size * self.batch_size]
-        return ids
+        shares = interleaved_shares(perm, world_size or self.world_size, self.read.even, served)
+        return shares.whole_batches(self.batch_size) if self.drop_last else shares
 
     def padding_mask(self, epoch: int | None = None) -> np.ndarray:
         """Which samples of this rank's ``epoch`` (default: the next epoch) only repeat another to
         give every rank the same number (``read.even="pad"``): a bool array in the order the
         batches deliver them, so batch ``i`` holds ``mask[i * batch_size:(i + 1) * batch_size]``
-        (:func:`stoker.order.rank_padding`); an epoch resumed at batch k of this plan delivers its
-        batches from k on, whose samples are the mask's last ones. All False with ``even="drop"`` or when the ranks'
-        shares are even. For evaluation over ranks: drop these samples before gathering metrics
-        and every sample counts exactly once. Call it after the epoch's ``iter()`` (pass
-        ``epoch=loader.epoch - 1`` then), or before it: the cache-aware order is fixed when the
-        epoch starts."""
+        (:meth:`stoker.order.EpochShares.padding`); an epoch resumed at batch k of this plan
+        delivers its batches from k on, whose samples are the mask's last ones. All False with
+        ``even="drop"`` or when the ranks' shares are even. For evaluation over ranks: drop these
+        samples before gathering metrics and every sample counts exactly once. Call it after the
+        epoch's ``iter()`` (pass ``epoch=loader.epoch - 1`` then), or before it: the cache-aware
+        order is fixed when the epoch starts."""
         e = self.epoch if epoch is None else epoch
-        start = self.state.start_of(e)
-        mask = rank_padding(len(self.dataset), self.rank, self.world_size, self.read.even, start)
-        if self.drop_last:
-            mask = mask[: len(mask) // self.batch_size * self.batch_size]
+        shares = self._shares(e, self.state.served_before(e))
+        mask = shares.padding(self.rank)
         if self.read.cache_aware_window > 0 and self.dataset.cache is not None and e in self.state.hit_maps:
             from ..order import cache_aware
 
-            ids = self.plan(e)
+            ids = shares.plan(self.rank)
             where = cache_aware(
                 np.arange(len(ids)),
                 self.state.hit_maps[e][self.dataset.blocks.sample_block[ids]],
@@ -501,10 +500,11 @@ class Loader:
         return ident
 
     def state_dict(self) -> dict:
-        """Where the job's stream stands: the epoch and ``samples_done``, the ids of its
-        permutation that all ranks together have been served (once an epoch's iteration has
-        ended early, by ``break``, ``close()`` or an error, the next epoch at 0: the next
-        ``iter()`` runs that one, a cut epoch is not replayed).
+        """Where the job's stream stands: the epoch and ``samples_done``, how many of its samples
+        all ranks together have been served, and ``served``, which ones when they are not the
+        first ids of its permutation (a compressed bitmap; a split of its own, a resumed epoch)
+        (once an epoch's iteration has ended early, by ``break``, ``close()`` or an error, the
+        next epoch at 0: the next ``iter()`` runs that one, a cut epoch is not replayed).
 
         The state is the job's, not the rank's: with synchronous data-parallel training (DDP),
         where every rank has taken the same number of batches, every rank's state is the same, so
@@ -515,25 +515,19 @@ class Loader:
         world size see :meth:`load_state_dict`). Plain ints and strings (JSON-serialisable); the
         format is :meth:`stoker.loader.state.LoaderState.to_dict`.
         """
-        return self.state.to_dict(
-            self._identity(),
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            num_samples=len(self.dataset),
-            num_batches=lambda e: -(-len(self.plan(e)) // self.batch_size),
-        )
+        ident, bs = self._identity(), self.batch_size
+        return self.state.to_dict(ident, rank=self.rank, world_size=self.world_size, batch_size=bs, shares=self._shares)
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Resume from :meth:`state_dict`, saved on any rank at any world size: the next
-        ``iter()`` continues that epoch with this rank's share of the ids not yet served, split
-        again over this loader's ``world_size`` ranks, each served exactly once, the ranks even as
-        ``read.even`` says (or starts the next epoch if that one was finished; an epoch with no
-        batches, saved before its ``iter()``, is still run, yielding nothing, so ``epoch`` and
-        ``history`` advance exactly as in the saved run). At the world size that saved it the rest
-        is the saved run's, batch for batch. This is the elastic deterministic resumption Mosaic
-        Streaming documents. The per-rank state of earlier releases is still read (a
-        DeprecationWarning).
+        """Resume from :meth:`state_dict`, saved on any rank at any world size (and, in cluster
+        mode, placement): the next ``iter()`` continues that epoch with this rank's share of the
+        samples not yet served, split again over this loader's ``world_size`` ranks, each served
+        exactly once, the ranks even as ``read.even`` says (or starts the next epoch if that one
+        was finished; an epoch with no batches, saved before its ``iter()``, is still run,
+        yielding nothing, so ``epoch`` and ``history`` advance exactly as in the saved run). At
+        the world size (and placement) that saved it the rest is the saved run's, batch for
+        batch. This is the elastic deterministic resumption Mosaic Streaming documents. The
+        per-rank state of earlier releases is still read (a DeprecationWarning).
 
         Raises ValueError when the state belongs to another dataset version or to a
         different seed, order, batch size, split mode or transform (the rest of the stream
@@ -549,10 +543,11 @@ class Loader:
             rank=self.rank,
             world_size=self.world_size,
             batch_size=self.batch_size,
-            num_samples=len(self.dataset),
             num_blocks=len(self.dataset.blocks),
-            plan_len=lambda e, start, r, w: len(self._rank_plan(e, start, r, w)),
-            resplit=type(self).plan is Loader.plan,  # a subclass's own plan (the cluster's) is not re-split
+            shares=self._shares,
+            # a split of its own (the cluster's) cannot take a bare samples_done as the first ids
+            interleaved=type(self)._shares is Loader._shares,
+            resplit=type(self).plan is Loader.plan,  # a plan of its own (not from _shares) is not split again
             strict=strict,
         )
         if self._started.run is not None:

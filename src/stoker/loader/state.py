@@ -2,23 +2,41 @@
 stands, and how a new loader continues it (what a user sees: :meth:`stoker.loader.Loader.state_dict`
 and :meth:`~stoker.loader.Loader.load_state_dict`).
 
-The saved state is global to the job: the epoch and how many ids of the epoch's permutation all
-ranks together have served (the rank split interleaves, :func:`stoker.order.rank_plan`, so after
-k batches per rank they have served the first ``k * batch_size * world_size``), so a resume at
-another world size splits the rest of the epoch again over the ranks it has.
+The saved state is global to the job: the epoch and which samples of it all ranks together have
+served. With the interleaved rank split (:func:`stoker.order.rank_plan`) after k batches per
+rank those are the first ``k * batch_size * world_size`` ids of the epoch's permutation, and
+their number, ``samples_done``, says it all. A split that deals the samples otherwise (the
+cluster's co-located plan, where each node's samples go to that node's ranks; a resumed epoch
+split again) serves another set: the state then holds it as a bitmap of sample ids (``served``,
+one bit per sample, zlib-compressed, base64). Every rank computes the same state from the job's
+layout (:class:`stoker.order.EpochShares`), so a framework that saves rank 0's state and loads
+it on every rank (Lightning, accelerate, Ray Train) resumes right, and a resume at another world
+size or placement splits the samples not yet served over the ranks it has: every sample still
+owed exactly once, ranks even as ``even=`` says. This is the elastic deterministic resumption
+Mosaic Streaming documents for its StreamingDataset. Everything else about the stream is a pure
+function of the loader's configuration (order of (seed, epoch); augmentation of (seed, epoch,
+sample id)), so this small record plus that configuration is enough to resume.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import warnings
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..order import check_identity_keys, pack_bitmap, unpack_bitmap
+from ..order import EpochShares, check_identity_keys, pack_bitmap, unpack_bitmap
 
 __all__ = ["IDENTITY_KEYS", "LoaderState"]
+
+#: ``shares(epoch, served, world_size)``: every rank's share of ``epoch`` over ``world_size``
+#: ranks (None: the loader's) when the samples ``served`` (bool by sample id, or None) were served
+#: before (the Loader's ``_shares``).
+SharesFn = Callable[[int, "np.ndarray | None", "int | None"], EpochShares]
 
 #: Configuration keys a saved state must agree on with the loader that resumes it (the rest of
 #: the stream would not be the same otherwise). Rank and world size are not among them: the
@@ -49,10 +67,10 @@ class LoaderState:
         position: ``(epoch, batches done)`` of the stream: batches of this loader's plan of that
             epoch yielded, or skipped because every sample in them was skipped; once an epoch's
             iteration has ended (finished or cut short), ``(epoch + 1, 0)``.
-        offset: ``(epoch, ids)`` after a resume at a split of the epoch that batches of this
-            loader cannot reach: ``ids`` of that epoch's permutation were served before, and this
-            loader's plan of it is the rest split again (:func:`stoker.order.rank_plan`'s
-            ``start``); None otherwise.
+        offset: ``(epoch, served)`` after a resume at a split of the epoch that batches of this
+            loader cannot reach: the samples ``served`` (bool by sample id) were served before,
+            and this loader's plan of that epoch is the rest split again
+            (:class:`stoker.order.EpochShares`); None otherwise.
         hit_maps: epoch -> cached-block bitmap (bool array, one per block) used for that
             epoch's cache-aware order; kept so that a resume gets the same order.
         carry: tokens a streaming collate (:class:`stoker.collate.PackTokens`) carries from the
@@ -68,7 +86,7 @@ class LoaderState:
     epoch: int = 0
     resume_batch: int = 0
     position: tuple[int, int] = (0, 0)
-    offset: tuple[int, int] | None = None
+    offset: tuple[int, np.ndarray] | None = None
     hit_maps: dict[int, np.ndarray] = field(default_factory=dict)
     carry: np.ndarray | None = None
     opened: tuple[int, int, bool] | None = None
@@ -133,28 +151,24 @@ class LoaderState:
         """The opened epoch's first batch was asked for: a later ``iter()`` runs the next epoch."""
         self.opened = None
 
-    def start_of(self, epoch: int) -> int:
-        """Ids of ``epoch``'s permutation served before this loader's plan of it begins (0 unless
-        a resume split the rest of that epoch again)."""
-        return self.offset[1] if self.offset is not None and self.offset[0] == epoch else 0
+    def served_before(self, epoch: int) -> np.ndarray | None:
+        """Samples of ``epoch`` served before this loader's plan of it begins (bool by sample id),
+        or None (no resume split the rest of that epoch again)."""
+        return self.offset[1] if self.offset is not None and self.offset[0] == epoch else None
 
-    def to_dict(
-        self,
-        identity: dict,
-        *,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        num_samples: int,
-        num_batches: Callable[[int], int],
-    ) -> dict:
+    def to_dict(self, identity: dict, *, rank: int, world_size: int, batch_size: int, shares: SharesFn) -> dict:
         """The saved form, the same on every rank after the same number of batches.
 
-        - ``epoch`` and ``samples_done``: ids of that epoch's permutation served by all ranks
-          together (``num_samples`` once the epoch is finished; ids of the ranks' padding are not
-          counted);
-        - ``batches_done``: batches of that epoch each rank has taken (for the user; a resume reads
-          ``samples_done``);
+        - ``epoch`` and ``samples_done``: samples of that epoch served by all ranks together
+          (``num_samples`` once the epoch is finished; the ranks' repeats that only even their
+          counts are not counted);
+        - ``served``: None when those are the first ``samples_done`` ids of the epoch's
+          permutation (the interleaved split from the epoch's start), else which they are: one
+          bit per sample id (``numpy.packbits`` order), zlib-compressed, base64 text; at most
+          ``ceil(num_samples / 8)`` bytes before base64 (about 217 KB of text for 1.3 M samples;
+          far less where the served samples run in blocks);
+        - ``batches_done``: batches of that epoch each rank has taken (for the user, and to
+          continue the saved plan batch for batch where the resuming loader's plan is the same);
         - ``world_size``: the world size that saved it (a resume at another one splits the rest
           of the epoch again; not an identity key);
         - the loader's ``identity`` (the :data:`IDENTITY_KEYS` values);
@@ -162,17 +176,22 @@ class LoaderState:
         - only when there is one, ``carry`` (``{"dtype": str, "tokens": [int], "rank": int}``):
           a streaming collate's tokens, which belong to the rank that saved them.
 
-        ``num_batches(epoch)``: this loader's batches of ``epoch``. Plain ints and strings
-        (JSON-serialisable)."""
+        ``shares``: the loader's split (:data:`SharesFn`). Plain ints and strings (JSON-serialisable)."""
         epoch, done = self.position
-        nb = num_batches(epoch)
+        mine = shares(epoch, self.served_before(epoch), world_size)
+        nb = mine.batches(batch_size)
+        bits = None
         if done >= nb > 0:
-            served = num_samples
+            count = len(mine.perm)
         else:
-            served = min(self.start_of(epoch) + done * batch_size * world_size, num_samples)
+            got = mine.served(done * batch_size)
+            count = int(got.sum())
+            if not got[mine.perm[:count]].all():  # not the first ids of the permutation: say which
+                bits = got
         out = {
             "epoch": epoch,
-            "samples_done": served,
+            "samples_done": count,
+            "served": _pack_served(bits),
             "batches_done": done,
             "world_size": world_size,
             **identity,
@@ -190,16 +209,19 @@ class LoaderState:
         rank: int,
         world_size: int,
         batch_size: int,
-        num_samples: int,
         num_blocks: int,
-        plan_len: Callable[[int, int, int, int], int],
+        shares: SharesFn,
+        interleaved: bool = True,
         resplit: bool = True,
         strict: bool = True,
     ) -> None:
-        """Take ``state`` (from :meth:`to_dict`) as :meth:`stoker.loader.Loader.load_state_dict`
-        says. When ``samples_done`` is a whole number of this loader's steps (``batch_size *
-        world_size``), as it always is at the world size that saved it, that is the same as
-        skipping that many batches of the epoch's plan.
+        """Take ``state`` (from :meth:`to_dict`, saved on any rank at any world size and
+        placement): the next ``iter()`` continues that epoch with this rank's share of the samples
+        not yet served, or starts the next epoch if none is left for any rank (an epoch with no
+        batches, saved before its ``iter()``, is still run, yielding nothing). Where this loader's
+        own plan has served just those samples after ``k`` batches per rank (the saving world size
+        and placement), it skips ``k`` batches: the rest is the saved run's, batch for batch; else
+        the samples not served are split again (:class:`stoker.order.EpochShares`), ranks even.
 
         The per-rank form of earlier releases (``batches_done`` with the saving ``rank`` and
         ``world_size``) is still taken, with a DeprecationWarning: its ``batches_done`` batches of
@@ -208,13 +230,15 @@ class LoaderState:
         Args:
             state: the saved dict.
             identity: this loader's :data:`IDENTITY_KEYS` values.
-            rank, world_size, batch_size, num_samples: this loader's.
+            rank, world_size, batch_size: this loader's; ``shares``: its split (:data:`SharesFn`).
             num_blocks: the dataset's cache blocks (length of the cached-block bitmap).
-            plan_len: ``(epoch, start, rank, world_size) -> ids`` of that rank's plan of ``epoch``
-                when ``start`` ids of its permutation were served before.
+            interleaved: whether the loader's split is the interleaved one, whose first ``k``
+                batches per rank are the first ids of the permutation. A state without ``served``
+                (earlier releases, a trimmed state) says only how many samples were served: a
+                split of another kind (the cluster's) cannot tell which, and refuses one cut
+                mid-epoch.
             resplit: whether the loader's plan can split the rest of an epoch again (False for a
-                plan that is not the interleaved split: a state cut between two of its steps is
-                then refused).
+                plan of its own that ``shares`` does not describe: refuse what it cannot skip to).
             strict: refuse a state that lacks some of :data:`IDENTITY_KEYS` (a trainer that kept
                 only ``epoch`` and ``samples_done``): nothing would tell whether it was saved by a
                 loader with the same seed, order, batch size and dataset, and resuming one that
@@ -226,26 +250,24 @@ class LoaderState:
             ValueError: ``state`` is not a state dict, lacks some of :data:`IDENTITY_KEYS` (with
                 ``strict``; the message names them), or has another value for one of
                 :data:`IDENTITY_KEYS` (another dataset version, seed, order, batch size, split mode
-                or transform: named), or its ``samples_done`` (``batches_done``) is out of range,
-                or it cannot be continued on this rank (a streaming collate's carry saved on
-                another rank or world size; a cache-aware order cut at another world size
-                between two of this loader's steps; a split again that ``resplit`` forbids).
-                Nothing is changed then.
+                or transform: named), or its ``samples_done`` (``batches_done``, ``served``) is out
+                of range or malformed, or it cannot be continued on this rank (a streaming
+                collate's carry saved on another rank or world size, or cut from a plan this one
+                splits again; a cache-aware order cut at another world size or split; a split again
+                that ``resplit`` forbids; a state without ``served`` cut mid-epoch, for a split that
+                is not ``interleaved``). Nothing is changed then.
         """
         _check_saved(state, identity, strict)
         epoch = int(state["epoch"])
         saved_world = int(state.get("world_size", world_size))  # (a trimmed state: taken to be this loader's)
         if saved_world < 1:
             raise ValueError(f"cannot resume: state has world_size={saved_world}")
-        served = _served(state, epoch, saved_world, rank, world_size, batch_size, num_samples, plan_len)
-        step = batch_size * world_size
-        whole = served % step == 0 and served < num_samples  # a number of this loader's batches
-        start = 0 if whole else served
-        left = -(-plan_len(epoch, start, rank, world_size) // batch_size)  # this loader's batches from there
-        skip = served // step if whole else 0
-        finished = served > 0 and left - skip <= 0
-        if not finished:
-            _check_continuable(state, identity, epoch, served, saved_world, start, rank, world_size, resplit)
+        count, skip, before, finished = _resume_point(
+            state, epoch, saved_world, rank, world_size, batch_size, shares, interleaved
+        )
+        if not finished:  # (``before``: the rest is split again)
+            again = before is not None
+            _check_continuable(state, identity, epoch, count, saved_world, again, rank, world_size, resplit)
         carry = state.get("carry")
         if carry is not None and (not isinstance(carry, dict) or not {"dtype", "tokens"} <= carry.keys()):
             raise ValueError(f"cannot resume: 'carry' must be {{'dtype': ..., 'tokens': [...]}}, got {carry!r}")
@@ -253,11 +275,93 @@ class LoaderState:
         if bits is not None and not finished:
             self.hit_maps[epoch] = bits  # the same cache-aware order as the saved run
         if finished:  # the next epoch. An epoch saved at its start has not run yet: it stays
-            epoch, skip, start = epoch + 1, 0, 0  # (if it has no batches, its iter() yields nothing)
+            epoch, skip, before = epoch + 1, 0, None  # (if it has no batches, its iter() yields nothing)
         self.epoch, self.resume_batch, self.position = epoch, skip, (epoch, skip)
-        self.offset = (epoch, start) if start else None
+        self.offset = (epoch, before) if before is not None else None
         self.opened, self.loaded = None, True
         self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and skip else None
+
+
+def _resume_point(
+    state: dict, epoch: int, saved_world: int, rank, world_size, batch_size, shares: SharesFn, interleaved: bool
+) -> tuple[int, int, np.ndarray | None, bool]:
+    """Where this loader continues ``epoch`` of ``state``: ``(samples served, batches of its own
+    plan to skip, the samples served when the rest is split again instead (else None), whether
+    nothing is left of the epoch for any rank)``. ValueError as :meth:`LoaderState.load`'s for a
+    malformed state, and for one without ``served`` cut mid-epoch when the split is not
+    ``interleaved``; the other arguments as :meth:`LoaderState.load`'s."""
+    fresh = shares(epoch, None, world_size)
+    count, got = _served(state, epoch, saved_world, rank, world_size, batch_size, fresh.perm, shares)
+    if got is None and not interleaved and "served" not in state and 0 < count < len(fresh.perm):
+        raise ValueError(
+            f"cannot resume: this state (samples_done={count} of epoch {epoch}, without 'served') says how "
+            "many samples were served, not which, and this loader's plan does not serve the first ids of "
+            "the permutation (a co-located cluster plan): it would repeat and skip samples. Resume a "
+            "state_dict() saved by this release, or start the epoch again (set_epoch)"
+        )
+    skip = _same_plan(fresh, count, got, state, batch_size, world_size, interleaved)
+    before = None
+    if skip is None:
+        before = got if got is not None else _first(fresh.perm, count)
+        if not before.any():  # nothing served: the epoch from its start
+            before = None
+        left = (fresh if before is None else shares(epoch, before, world_size)).batches(batch_size)
+        skip = 0
+    else:
+        left = fresh.batches(batch_size)
+    return count, skip, before, count > 0 and left - skip <= 0
+
+
+def _pack_served(bits: np.ndarray | None) -> str | None:
+    """A bool array by sample id as the state's ``served`` text (None stays None)."""
+    if bits is None:
+        return None
+    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 9)).decode("ascii")
+
+
+def _unpack_served(text: object, num_samples: int, epoch: int) -> np.ndarray:
+    """Inverse of :func:`_pack_served`: bool ``(num_samples,)``. ValueError naming the key when
+    ``text`` is not such a bitmap of ``num_samples`` samples."""
+    try:
+        if not isinstance(text, str):
+            raise TypeError(type(text).__name__)
+        raw = zlib.decompress(base64.b64decode(text, validate=True))
+    except (TypeError, binascii.Error, zlib.error) as exc:
+        why = f"'served' of epoch {epoch} is not a bitmap of served samples ({exc})"
+        raise ValueError(f"cannot resume: {why}") from None
+    if len(raw) != -(-num_samples // 8):
+        raise ValueError(
+            f"cannot resume: 'served' of epoch {epoch} holds {len(raw) * 8} bits, not one per sample ({num_samples})"
+        )
+    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8))[:num_samples].astype(bool)
+
+
+def _first(perm: np.ndarray, count: int) -> np.ndarray:
+    """The first ``count`` ids of ``perm`` as a bool array by sample id."""
+    out = np.zeros(len(perm), dtype=bool)
+    out[perm[:count]] = True
+    return out
+
+
+def _same_plan(
+    fresh: EpochShares, count: int, got: np.ndarray | None, state: dict, batch_size: int, world_size: int, interleaved
+) -> int | None:
+    """Batches ``k`` of this loader's own plan of the epoch (``fresh``) after which its ranks have
+    served exactly the samples the state says (``count`` first ids of the permutation, or
+    ``got``), or None when there is no such ``k`` (the rest is split again)."""
+    step = batch_size * world_size
+    if got is None and interleaved:  # the first ``count`` ids: whole batches of every rank, or not
+        return count // step if count % step == 0 and count < len(fresh.perm) else None
+    want = got if got is not None else _first(fresh.perm, count)
+    nb = fresh.batches(batch_size)
+    tries = {count // step} if count % step == 0 else set()
+    done = state.get("batches_done")
+    if isinstance(done, int) and not isinstance(done, bool):
+        tries.add(done)
+    for k in sorted(t for t in tries if 0 <= t < nb or (t == 0 and nb == 0)):
+        if np.array_equal(fresh.served(k * batch_size), want):
+            return k
+    return None
 
 
 def _check_saved(state: dict, identity: dict, strict: bool) -> None:
@@ -273,21 +377,33 @@ def _check_saved(state: dict, identity: dict, strict: bool) -> None:
             raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
 
 
-def _served(state: dict, epoch: int, saved_world: int, rank, world_size, batch_size, num_samples, plan_len) -> int:
-    """Ids of ``epoch``'s permutation that ``state`` says all ranks were served: its
-    ``samples_done``, or for the per-rank form of earlier releases its ``batches_done`` batches of
-    each of ``saved_world`` ranks (a DeprecationWarning at the user's ``load_state_dict``).
-    ValueError when out of range; the other arguments as :meth:`LoaderState.load`'s."""
+def _served(
+    state: dict, epoch: int, saved_world: int, rank, world_size, batch_size, perm: np.ndarray, shares: SharesFn
+) -> tuple[int, np.ndarray | None]:
+    """``(count, served)``: how many samples of ``epoch`` the ``state`` says all ranks were served
+    and which (bool by sample id, from its ``served``), or None for the first ``count`` ids of the
+    permutation ``perm``: its ``samples_done``, or for the per-rank form of earlier releases its
+    ``batches_done`` batches of each of ``saved_world`` ranks (a DeprecationWarning at the user's
+    ``load_state_dict``). ValueError when out of range or malformed; the other arguments as
+    :meth:`LoaderState.load`'s."""
+    num_samples = len(perm)
     if "samples_done" in state:
         served = int(state["samples_done"])
         if not 0 <= served <= num_samples:
             raise ValueError(f"cannot resume: samples_done={served} outside 0..{num_samples} for epoch {epoch}")
-        return served
+        if state.get("served") is None:
+            return served, None
+        got = _unpack_served(state["served"], num_samples, epoch)
+        if int(got.sum()) != served:
+            raise ValueError(
+                f"cannot resume: 'served' of epoch {epoch} marks {int(got.sum())} samples, samples_done says {served}"
+            )
+        return served, got
     done = int(state["batches_done"])
     saved_rank = int(state.get("rank", rank if saved_world == world_size else 0))
     if not 0 <= saved_rank < saved_world:
         raise ValueError(f"cannot resume: state has rank={saved_rank} outside 0..{saved_world - 1}")
-    nb = -(-plan_len(epoch, 0, saved_rank, saved_world) // batch_size)
+    nb = shares(epoch, None, saved_world).batches(batch_size)  # (every split gives each rank the same count)
     if not 0 <= done <= nb:
         raise ValueError(f"cannot resume: batches_done={done} outside 0..{nb} for epoch {epoch}")
     served = num_samples if done == nb > 0 else min(done * batch_size * saved_world, num_samples)
@@ -296,26 +412,27 @@ def _served(state: dict, epoch: int, saved_world: int, rank, world_size, batch_s
             "a per-rank Loader state (batches_done, rank) is deprecated: it is read as "
             f"samples_done={served} of epoch {epoch}; save loader.state_dict() again",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=5,  # at the user's load_state_dict
         )
-    return served
+    return served, None
 
 
 def _check_continuable(
-    state: dict, identity: dict, epoch, served, saved_world, start, rank, world_size, resplit
+    state: dict, identity: dict, epoch, served, saved_world, split_again: bool, rank, world_size, resplit
 ) -> None:
-    """ValueError when the rest of ``epoch`` (``served`` ids done; ``start``: the ids before a
-    split again, 0 when ``served`` is a whole number of this loader's batches) cannot be continued
-    on ``rank`` of ``world_size``: a cache-aware order cut mid-epoch at another split, a split again
-    that ``resplit`` forbids, a streaming collate's carry saved by another rank or world size."""
+    """ValueError when the rest of ``epoch`` (``served`` samples done; ``split_again``: this
+    loader's plan does not reach them in whole batches, the rest is split again) cannot be
+    continued on ``rank`` of ``world_size``: a cache-aware order cut mid-epoch at another split, a
+    split again that ``resplit`` forbids, a streaming collate's carry saved by another rank or
+    world size or for a plan that is split again."""
     window = identity.get("cache_aware_window", 0)
-    if window > 0 and 0 < served and (saved_world != world_size or start):
+    if window > 0 and 0 < served and (saved_world != world_size or split_again):
         raise ValueError(
             f"cannot resume: a cache-aware order (cache_aware_window={window}) "
             f"saved at world_size={saved_world} mid-epoch cannot be split again over {world_size} ranks "
             "(each rank's order depends on its own node cache)"
         )
-    if start and not resplit:
+    if split_again and not resplit:
         raise ValueError(
             f"cannot resume: samples_done={served} of epoch {epoch} is not a whole number of batches of "
             f"{world_size} ranks, and this loader's plan cannot split the rest of an epoch again "
@@ -329,4 +446,10 @@ def _check_continuable(
         raise ValueError(
             f"cannot resume: the streaming collate's carried tokens were saved by rank {saver} "
             f"of {saved_world}, this loader is rank {rank} of {world_size} (load each rank's own state)"
+        )
+    if carry is not None and split_again:
+        raise ValueError(
+            f"cannot resume: the streaming collate's carried tokens continue the saved plan of epoch {epoch}, "
+            "and this loader's plan splits the rest of that epoch again (another placement of the ranks): "
+            "resume where the ranks ran, or at the start of an epoch"
         )

@@ -9,8 +9,9 @@ timeout, so a hang is reported as ``"hang"`` and never hangs the bench. Exhausti
 a small tmpfs in a private mount namespace (``unshare -m``; root only, otherwise
 ``"skipped"`` with the reason). The non-loader cases (cache ownership, concurrent pack, stray
 ImageFolder folders, warm-up) are in :mod:`stoker_lab.bench.fault_cases`, the lifecycle cases in
-:mod:`stoker_lab.bench.fault_lifecycle`, and an ``http://`` origin that compresses or stalls and a
-packer whose clock runs ahead in :mod:`stoker_lab.bench.fault_origins`.
+:mod:`stoker_lab.bench.fault_lifecycle`, an ``http://`` origin that compresses or stalls and a
+packer whose clock runs ahead in :mod:`stoker_lab.bench.fault_origins`, and a cluster job's
+checkpoint resumed at another world size or placement in :mod:`stoker_lab.bench.fault_resume`.
 
 Per scenario (JSON list ``scenarios``): ``scenario``, ``faults_injected`` (faults the proxy or
 the bench really injected), ``outcome`` (``completed``, ``clean_error``, ``failed``, ``hang``,
@@ -146,13 +147,13 @@ def run(
     written to ``json_path``. ``images``: dataset samples (default 96, 64 with ``quick``);
     ``ray``: include the warm-up scenario (starts a local Ray). Raises ValueError for an
     unknown name in ``only``."""
-    from . import fault_cases, fault_lifecycle, fault_origins
+    from . import fault_cases, fault_lifecycle, fault_origins, fault_resume
     from .origin import LocalS3Origin, upload_tree
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_all = time.perf_counter()
     loader_sc = loader_scenarios(quick)
-    cases = {**fault_cases.CASES, **fault_lifecycle.CASES, **fault_origins.CASES}
+    cases = {**fault_cases.CASES, **fault_lifecycle.CASES, **fault_origins.CASES, **fault_resume.CASES}
     names = [s.name for s in loader_sc] + list(cases)
     unknown = sorted(set(only or []) - set(names))
     if unknown:

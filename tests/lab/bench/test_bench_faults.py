@@ -328,3 +328,20 @@ def test_lifecycle_scenario_reaches_its_outcome(lc_work, name):
     assert REPORT_FIELDS <= set(row)
     assert row["expected"] == LIFECYCLE[name] and row["outcome"] == LIFECYCLE[name], row
     assert row["faults_injected"] > 0 and row["ok"], row
+
+
+def test_bench_faults_cluster_resume_case(tmp_path):
+    """The cluster resume case: a 4-rank co-located checkpoint resumed by 4 ranks on other nodes,
+    3 and 2 serves every sample once (on a release whose state named only how many samples were
+    served, it repeated and skipped some: ``failed``)."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from stoker_lab.bench.fault_harness import finish
+    from stoker_lab.bench.fault_resume import RESUMES, cluster_resume
+    from stoker_lab.bench.faults import make_dataset
+
+    local, _ = make_dataset(str(tmp_path), 48)
+    row = finish(cluster_resume(SimpleNamespace(work=str(tmp_path), local=local)), None)
+    assert row["details"]["rounds"] == dict.fromkeys(RESUMES, "completed"), row
+    assert row["outcome"] == "completed" and row["ok"] and row["samples_lost"] == row["samples_duplicated"] == 0

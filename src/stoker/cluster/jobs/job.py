@@ -3,12 +3,13 @@
 The driver's steps are listed in this folder's README.md (the members it settles:
 :mod:`stoker.cluster.service.records`). Each rank reads through its node cache, then the owning
 peer, then the origin, and gets the samples cached on its node as far as exactly-once and equal
-counts allow (:func:`colocated_plans`; ``ClusterOptions(placement="random")``: the plain split).
+counts allow (:func:`colocated_shares`; ``ClusterOptions(placement="random")``: the plain split).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -20,13 +21,13 @@ from ...cache.spec import CacheOptions
 from ...errors import ProcessGroupError
 from ...loader import Loader
 from ...loader.options import order_of
-from ...order import permutation
+from ...order import EpochShares, interleaved_shares, permutation
 from ..capacity import rank_request
 from ..counters import ByteCounters, fractions
 from ..handoff import previous_layout, prior_owner
 from ..placement import bytes_per_node, place_dataset
 from ..registration import end as end_registration
-from ..schedule import choose_nodes, colocated_plans
+from ..schedule import choose_nodes, colocated_shares
 from ..service.cache_service import get_service, placement_keys, prepare
 from ..service.records import settle_record
 from ..service.routed import announce, open_on_node, route
@@ -107,19 +108,35 @@ class WorkerContext:
     ) -> np.ndarray:
         """This rank's sample ids (int64) for ``epoch``: the permutation ``order`` of (seed, epoch)
         split over the ranks, co-located (``placement="colocated"``) or plain (``"random"``)."""
-        key = (epoch, seed, order, window, even)
+        return self.shares(epoch, seed, order, window, even).plan(self.rank)
+
+    def shares(
+        self,
+        epoch: int,
+        seed: int = 0,
+        order: str = "blockwise",
+        window: int = 16,
+        even: str = "pad",
+        served: np.ndarray | None = None,
+    ) -> EpochShares:
+        """Every rank's share of ``epoch`` (:class:`stoker.order.EpochShares`; :meth:`plan` is this
+        rank's): the permutation ``order`` of (seed, epoch) split over the job's ranks,
+        co-located (:func:`stoker.cluster.schedule.colocated_shares`) or plain (``"random"``:
+        :func:`stoker.order.interleaved_shares`). ``served``: samples already served (bool by
+        sample id; a resumed epoch), only the rest is split. Every rank computes the same shares
+        (from the job's layout), so any rank can say what all of them have served."""
+        digest = None if served is None else hashlib.blake2b(np.packbits(served).tobytes(), digest_size=16).digest()
+        key = (epoch, seed, order, window, even, digest)
         if key not in self._plans:
             ds = self.dataset
             perm = permutation(len(ds), seed, epoch, order, groups=ds.blocks.sample_block, window=window)
             if self.placement == "colocated":
                 # no blocks (no samples): none is cached anywhere (-1)
                 sample_node = self._sample_node if self._sample_node is not None else np.full(len(perm), -1)
-                plans = colocated_plans(perm, sample_node, self._rank_nodes, even)
-                self._plans = {key: plans[self.rank]}
+                shares = colocated_shares(perm, sample_node, self._rank_nodes, even, served)
             else:
-                from ...order import rank_plan
-
-                self._plans = {key: rank_plan(perm, self.rank, self.world_size, even)}
+                shares = interleaved_shares(perm, self.world_size, even, served)
+            self._plans = {key: shares}  # the last one only: a plan is asked for again and again
         return self._plans[key]
 
     @contextlib.contextmanager
@@ -184,14 +201,15 @@ class ClusterLoader(Loader):
         self._cluster = ctx
         super().__init__(ctx.dataset, batch_size, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
 
-    def plan(self, epoch: int | None = None) -> np.ndarray:
-        e = self.epoch if epoch is None else epoch
-        ids = self._cluster.plan(
-            e, self.seed, order_of(self.read, self.shuffle), self.read.order_window, self.read.even
-        )
-        if self.drop_last:
-            ids = ids[: len(ids) // self.batch_size * self.batch_size]
-        return ids
+    def _shares(self, epoch: int, served: np.ndarray | None, world_size: int | None = None) -> EpochShares:
+        """The job's co-located shares of ``epoch`` (:meth:`WorkerContext.shares`), whole batches
+        with ``drop_last``. For another world size (an old per-rank state's count of batches) the
+        plain split's, whose counts are the same."""
+        if world_size not in (None, self.world_size):
+            return super()._shares(epoch, served, world_size)
+        order, window, even = order_of(self.read, self.shuffle), self.read.order_window, self.read.even
+        shares = self._cluster.shares(epoch, self.seed, order, window, even, served)
+        return shares.whole_batches(self.batch_size) if self.drop_last else shares
 
     def __iter__(self):
         gen = super().__iter__()
