@@ -138,7 +138,14 @@ def _batch_sampler_class() -> type:
         def __init__(self, loader: Any):  # noqa: D107 (the class doc says it)
             self.loader = loader
             self.sampler = sampler_for(loader)
-            self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
+
+        @property
+        def batch_size(self) -> int:  # read where it is stored, never copied
+            return self.loader.batch_size
+
+        @property
+        def drop_last(self) -> bool:
+            return self.loader.drop_last
 
         def __iter__(self):
             raise no_batch_sampler()
