@@ -272,3 +272,22 @@ def test_small_tmpfs_epoch_completes_with_one_warning(tmp_path, packed_local, wh
     assert len(full) == 1 and "bytes free" in full[0], r.stderr[-2000:]
     assert (str(cache_dir) if where == "disk" else "/dev/shm/stoker-cache-") in full[0]
     assert "Error" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_staged_block_is_taken_from_another_loader_only_as_a_whole_file_of_this_user(tmp_path):
+    # StagingArea.adopt links another loader's staged block; a link planted in another staging
+    # area, a fill still in progress and a staging area outside the cache's .staging are not taken.
+    ours, theirs = StagingArea.create(str(tmp_path)), StagingArea.create(str(tmp_path))
+    assert theirs.put("v1", "b0", b"block-0")
+    assert ours.adopt("v1", "b0") and ours.read("v1", "b0", 0, 7) == b"block-0"
+    assert theirs.remove("v1", "b0") == 7 and ours.read("v1", "b0", 0, 7) == b"block-0"
+    assert not ours.adopt("v1", "b1")  # nobody staged it
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a block")
+    os.symlink(secret, os.path.join(theirs.root, "v1", "b2"))
+    with open(os.path.join(theirs.root, "v1", files.TMP_MARK + "b3"), "wb") as f:
+        f.write(b"half")
+    assert not ours.adopt("v1", "b2") and not ours.contains("v1", "b2")
+    assert not ours.adopt("v1", "b3") and ours.names("v1") == ["b0"]
+    loose = StagingArea(str(tmp_path / "elsewhere"))
+    assert not loose.adopt("v1", "b0")

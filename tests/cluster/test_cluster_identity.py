@@ -73,3 +73,13 @@ def test_blocks_are_placed_by_the_stable_cache_keys():
     assert placement_keys(services, ["ray-b", "ray-a", "ray-c"]) == ["node-h2-0", "node-h1-0", "ray-c"]
     twins = {"ray-a": {"cache_key": "node-localhost-0"}, "ray-b": {"cache_key": "node-localhost-0"}}
     assert placement_keys(twins, ["ray-a", "ray-b"]) == ["node-localhost-0@ray-a", "node-localhost-0@ray-b"]
+
+
+def test_a_node_is_named_by_its_cache_directory_and_else_by_its_ray_id():
+    from stoker.cluster.identity import node_label, node_labels
+
+    services = {"5f3a9c": {"cache_key": "node-h1-0"}, "77b0e1": {"cache_key": "node-h1-1"}}
+    assert node_label("5f3a9c", services) == "node-h1-0"  # the directory `stoker cache status` lists
+    assert node_labels(["77b0e1", "5f3a9c"], services) == ["node-h1-1", "node-h1-0"]
+    assert node_label("9d9d9d", services) == "Ray node 9d9d9d"  # its service never answered
+    assert node_label("9d9d9d", host="gpu-7") == "Ray node 9d9d9d on host gpu-7"

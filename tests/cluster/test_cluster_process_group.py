@@ -268,4 +268,4 @@ def test_gather_raises_the_failure_that_came_first_not_the_first_reported(cluste
     refs = [first_but_slow.remote(), caused_but_fast.remote()]
     with pytest.raises(ValueError, match="rank 0: the real failure") as info:
         gather(refs, ["node-a", "node-b"], timeout_s=120, settle_s=30)
-    assert any("rank 0 on node node-a failed first" in n for n in info.value.__notes__)
+    assert any("rank 0 on node-a failed first" in n for n in info.value.__notes__)

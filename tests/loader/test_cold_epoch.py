@@ -87,6 +87,53 @@ def test_a_cold_epoch_reads_each_block_once_with_a_small_cache(where, fraction, 
         assert warm.cache_hits == int(np.isin(ds.blocks.sample_block, np.flatnonzero(cached)).sum())
 
 
+def _in_step(loaders) -> int:
+    """Read one epoch of every loader, a batch of each in turn (as DDP keeps a node's ranks in
+    step); returns the samples delivered."""
+    its, n = [iter(ld) for ld in loaders], 0
+    while its:
+        for it in list(its):
+            try:
+                n += len(next(it)[1])
+            except StopIteration:
+                its.remove(it)
+    return n
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_ranks_on_one_node_read_each_block_once_with_a_small_cache(where, packed_local, s3_packed, tmp_path):
+    # Two ranks of a job on one node: two Loaders over one node cache that holds half the dataset.
+    # A block that one rank staged is linked into the other's staging area, not fetched again, so
+    # the node reads each block once. Each rank's staging area used to fetch every block the cache
+    # did not admit: 38-40% more bytes than the dataset's blocks at this budget.
+    url, opts = (packed_local, None) if where == "local" else s3_packed
+    probe = open_dataset(url, storage_options=opts, cache=False, block_bytes=BLOCK)
+    budget = int(_block_bytes(probe) * 0.5)
+    loaders = [
+        Loader(
+            open_dataset(url, storage_options=opts, cache_dir=str(tmp_path), cache_bytes=budget, block_bytes=BLOCK),
+            16,
+            rank=r,
+            world_size=2,
+            num_workers=2,
+            transform="eval",
+            read=ReadOptions(prefetch_next_epoch=False),
+            image=ImageOptions(image_size=32),
+        )
+        for r in range(2)
+    ]
+    try:
+        assert _in_step(loaders) == len(probe)
+        stats = [ld.stats for ld in loaders]
+    finally:
+        for ld in loaders:
+            ld.close()
+    node_bytes = sum(s.origin_bytes for s in stats)
+    assert _once(node_bytes, probe), (node_bytes, _block_bytes(probe), [s.origin_bytes for s in stats])
+    assert all(s.exactly_once and s.direct_reads == 0 and s.evictions == 0 for s in stats)
+    assert sum(s.prefetch_fills for s in stats) + sum(s.prefetch_staged for s in stats) <= len(probe.blocks)
+
+
 def _wait_plan(counters, run: int) -> None:
     assert _until(lambda: int(counters[infl.PLAN_DONE]) >= run), f"plan {run} not done"
 

@@ -13,6 +13,7 @@ from stoker.cache.staging import StagingArea
 from stoker.loader.prefetch.fills import fill_status as _fill
 from stoker.store.blocks import BlockReader
 from stoker.store.dataset import open_dataset
+from stoker.store.runs import fill_run
 
 BLOCK = 256 << 10
 
@@ -93,3 +94,43 @@ def test_a_reader_that_waited_for_another_fill_takes_its_staged_block(packed_loc
     assert got["data"] == open_dataset(packed_local, cache=False).read(i)
     assert ds.origin.counters.requests == 0
     assert ds.read_stats.staged_hits == 1
+
+
+def _two_loaders(url, tmp_path):
+    """Two readers of one dataset over one node cache that admits nothing, each with its own
+    staging area under the cache's ``.staging`` (two Loaders on one node: a job's two ranks)."""
+    out = []
+    for _ in range(2):
+        ds = _open(url, tmp_path, "c", 1)
+        out.append(ds.with_reader(BlockReader(ds, staging=StagingArea.create(ds.cache.root, capacity_bytes=64 << 20))))
+    return out
+
+
+def test_a_block_another_loader_staged_is_linked_not_fetched(packed_local, tmp_path):
+    # Rank 0 stages the block; rank 1's prefetcher, its merged fills and its workers' reads all
+    # take rank 0's copy by a hard link: no origin request. Each used to fetch it once more.
+    first, second = _two_loaders(packed_local, tmp_path)
+    blk, i, j = _two_samples_of_one_block(first)
+    name = first.blocks.name(blk)
+    assert first.reader.stage_block(blk) == "staged"
+    assert second.reader.stage_block(blk) == "in_staging"
+    assert second.origin.counters.requests == 0
+    second.reader.staging.remove(second.version, name)
+    assert fill_run(second, [blk]) == {blk: "in_staging"}  # the merged-GET path
+    second.reader.staging.remove(second.version, name)
+    assert second.read(i) == open_dataset(packed_local, cache=False).read(i)  # a worker's read
+    assert (second.origin.counters.requests, second.read_stats.direct_reads) == (0, 0)
+    first.reader.staging.remove(first.version, name)  # rank 0 is past its last use: rank 1's copy stays
+    assert second.reader.staging.contains(second.version, name)
+    assert second.read(j) == open_dataset(packed_local, cache=False).read(j)
+    assert second.origin.counters.requests == 0
+
+
+def test_a_block_no_other_loader_holds_is_fetched(packed_local, tmp_path):
+    first, second = _two_loaders(packed_local, tmp_path)
+    assert second.reader.stage_block(0) == "staged"  # nothing staged elsewhere
+    assert second.origin.counters.requests == 1
+    first.reader.stage_block(1)
+    first.reader.staging.remove(first.version, first.blocks.name(1))  # rank 0 deleted it before rank 1 came
+    assert second.reader.stage_block(1) == "staged"
+    assert second.origin.counters.requests == 2

@@ -9,7 +9,9 @@ serves a later epoch (but the blocks the next epoch's first batches need while t
 last batches still hold them, :mod:`stoker.loader.prefetch.process`). A worker that needs a block
 before the prefetcher has it fetches the whole block into staging itself (when
 :meth:`StagingArea.has_room`), so the block is read from the origin once. Staging is bounded
-by the loader's ``staging_bytes``, on the cache's disk but outside the cache budget.
+by the loader's ``staging_bytes``, on the cache's disk but outside the cache budget. Several
+loaders on one node (a job's ranks) each need most blocks: one that another loader has staged
+is hard-linked into this loader's area (:meth:`StagingArea.adopt`), not fetched again.
 
 Layout: ``<cache root>/.staging/<pid>-<id>/<namespace>/<block>``; directories of dead
 processes are removed by :meth:`stoker.cache.DiskCache.recover`. Staging shares the cache's disk:
@@ -21,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import uuid
 
 from .._atomic import PRIVATE_FILE_MODE, open_file
@@ -136,6 +139,42 @@ class StagingArea:
 
     def contains(self, namespace: str, name: str) -> bool:
         return is_file(self.path(namespace, name))
+
+    def adopt(self, namespace: str, name: str) -> bool:
+        """Make block ``name`` staged here by hard-linking the copy that another loader on this
+        node staged (another staging area under the same ``.staging`` directory: the ranks of a
+        job on one node, a second job on the dataset); returns whether the block is now staged
+        here. Nothing is read from the origin; the other loader deleting its copy later removes
+        only its own name, and this area deletes its own after its last use. Each rank would
+        otherwise fetch every block that the cache does not admit once more.
+
+        Only a regular file of this user, of the block's name, is taken (a block is renamed into
+        place whole: :meth:`put`); its samples are checked against the index when they are read,
+        as every staged block's. False when no other area holds it, or on any OSError (the
+        other copy deleted meanwhile, a filesystem without hard links): the caller fetches it."""
+        top = os.path.dirname(os.path.abspath(self.root))
+        if os.path.basename(top) != ".staging":
+            return False
+        mine = os.path.basename(os.path.abspath(self.root))
+        try:
+            areas = [e.path for e in os.scandir(top) if e.name != mine and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return False
+        final = self.path(namespace, name)
+        for area in areas:
+            src = os.path.join(area, namespace, name)
+            try:
+                st = os.lstat(src)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    continue
+                perms.ensure_dir(os.path.dirname(final), self.mode, parents=False)
+                os.link(src, final, follow_symlinks=False)
+                return True
+            except FileExistsError:  # staged here meanwhile (a worker's fetch)
+                return True
+            except OSError:  # (an UnsafePathError too: our namespace directory is not trusted)
+                continue
+        return False
 
     def read(self, namespace: str, name: str, offset: int, length: int) -> bytes | None:
         """Bytes ``[offset, offset+length)`` of a staged block, or None."""

@@ -59,7 +59,7 @@ def cmd_warm(a) -> int:
     print(json.dumps(r, indent=2))
     for n in r["nodes"].values():
         print(
-            f"{n['node_name'][:24]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
+            f"{(n.get('cache_key') or n['node_name'])[:40]:<24} owned {n['owned_bytes'] / 1e6:9.1f} MB  cached "
             f"{n['cached_bytes'] / 1e6:9.1f} MB  ({n['cached_fraction']:.0%})"
             + (f"  {n['refused']} block(s) over the budget" if n["refused"] else "")
             + (f"  {n['failed']} block(s) failed" if n["failed"] else ""),

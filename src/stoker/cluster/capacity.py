@@ -46,14 +46,16 @@ def refusal(
     slots: Mapping[str, int],
     per_node_limit: int | None = None,
     kind: str = "free",
+    names: Mapping[str, str] | None = None,
 ) -> str:
     """The message of a job that does not fit: what one rank asks for, and per node its ``kind``
     (``"free"`` or ``"total"``) resources (those the rank asks for) and how many ranks fit
-    there. ``free`` and ``slots`` are keyed by node id."""
+    there. ``free`` and ``slots`` are keyed by node id; ``names``: node id -> how the message
+    names the node (:func:`stoker.cluster.identity.node_label`; a node not in it: ``node <id>``)."""
     rows = []
-    for node in sorted(slots):
+    for name, node in sorted(((names or {}).get(node) or f"node {node}", node) for node in slots):
         have = {k: round(float(free.get(node, {}).get(k, 0.0)), 3) for k in request}
-        rows.append(f"node {node}: {kind} {have or '{}'} -> {slots[node]} rank(s)")
+        rows.append(f"{name}: {kind} {have or '{}'} -> {slots[node]} rank(s)")
     limit = "" if per_node_limit is None else f", at most {per_node_limit} per node (slots_per_node)"
     return (
         f"{num_workers} ranks asking for {dict(request)} each do not fit in the cluster's {kind} "

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from .identity import node_label
 from .placement import place_dataset, placement_keys
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,11 @@ class PriorReads:
             with self._lock:
                 self._down_until[node] = time.monotonic() + self.retry_s
             log.warning(
-                "previous owner %s of block %s of %s unavailable (%s); using the origin", node, b, dref["url"], exc
+                "previous owner %s of block %s of %s unavailable (%s); using the origin",
+                node_label(node),
+                b,
+                dref["url"],
+                exc,
             )
             return None
         if not isinstance(data, bytes) or len(data) != stop - start:

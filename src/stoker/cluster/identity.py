@@ -18,7 +18,8 @@ is never taken by two live services and never stays taken by a dead one. A servi
 3. else a new slot.
 
 flock works on local file systems and on NFSv4; the host name in the directory name keeps hosts
-that share one root (NFS) apart. Standard library only; no Ray.
+that share one root (NFS) apart. The directory's name is also how cluster mode's warnings and
+errors name the node (:func:`node_label`). Standard library only; no Ray.
 """
 
 from __future__ import annotations
@@ -149,3 +150,21 @@ def claim_cache_dir(cache_root: str, owner: str = "", wait_s: float = 10.0, host
         if fd is not None:
             return take(k, fd)
     raise RuntimeError(f"{root}: all {MAX_SLOTS} cache slots of host {host} are held by live services")
+
+
+def node_label(node_id: str, services: dict | None = None, host: str | None = None) -> str:
+    """How warnings and errors name the Ray node ``node_id``: the name of its cache directory,
+    ``node-<host>-<slot>`` (its cache service's ``cache_key`` in ``services``, ``{node id: info()}``),
+    which is what ``stoker cache status`` prints for that node's cache under the cluster cache
+    root; Ray's random node id means nothing there. A node whose service has not answered has no
+    known directory yet: ``Ray node <id>``, with ``on host <host>`` when the caller knows the host
+    Ray reports for it."""
+    key = ((services or {}).get(node_id) or {}).get("cache_key")
+    if key:
+        return str(key)
+    return f"Ray node {node_id}" + (f" on host {host}" if host else "")
+
+
+def node_labels(nodes: list[str], services: dict | None) -> list[str]:
+    """:func:`node_label` of each of ``nodes`` (node ids), in order."""
+    return [node_label(n, services) for n in nodes]

@@ -248,7 +248,9 @@ class BlockReader:
         cache or staging area, not the whole block.
 
         Under the block's fetch lock, so a fill of it in flight elsewhere (the prefetcher's,
-        another worker's) is waited for, not repeated: the cache, then the staging area, then
+        another worker's) is waited for, not repeated: the cache, then the staging area (a copy
+        that another loader on the node staged is linked into it first,
+        :meth:`stoker.cache.StagingArea.adopt`), then
         one GET of the whole block (verified), kept where the next reader finds it: in the cache
         when it admits the block, else in the staging area when that has room
         (:meth:`stoker.cache.StagingArea.has_room`; the prefetcher takes it over and deletes it
@@ -268,6 +270,8 @@ class BlockReader:
                 return "cache", data
             if self._staging is not None:
                 data = self._staging.read(version, name, rel, n)
+                if data is None and self._staging.adopt(version, name):  # staged by another loader here
+                    data = self._staging.read(version, name, rel, n)
                 if data is not None:
                     return "staged", data
             admitted = self.admits(b)
@@ -283,7 +287,8 @@ class BlockReader:
     def stage_block(self, b: int) -> str:
         """Fetch block ``b`` into the staging area (prefetch of a block the cache does not
         admit). Returns "staged" (fetched), "in_staging" (staged already, by a worker or for
-        an earlier plan: nothing fetched), "cached", "busy" (another process is fetching it)
+        an earlier plan, or linked from another loader's staging area on the node,
+        :meth:`stoker.cache.StagingArea.adopt`: nothing fetched), "cached", "busy" (another process is fetching it)
         or "unstaged" (the staging disk is full: the block's samples will be read from the origin).
         Raises ValueError without a staging area."""
         if self._staging is None:
@@ -295,7 +300,7 @@ class BlockReader:
                 return "busy"
             if ds.cache.contains(version, name):
                 return "cached"
-            if self._staging.contains(version, name):
+            if self._staging.contains(version, name) or self._staging.adopt(version, name):
                 return "in_staging"
             if not self._staging.put(version, name, fill_failures.fetch(self, b, name, time.time())):
                 return "unstaged"

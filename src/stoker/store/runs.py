@@ -130,8 +130,10 @@ def fill_run(ds, blocks: list[int]) -> dict:
             if ds.cache.contains(ds.version, name):  # filled while we took the lock
                 status[b] = "cached"
                 continue
-            if dest == "staging" and ds.reader.staging.contains(ds.version, name):
-                status[b] = "in_staging"  # staged already (a worker's fetch, an earlier plan's): not fetched
+            staging = ds.reader.staging
+            # staged already (a worker's fetch, an earlier plan's, another loader's on the node): not fetched
+            if dest == "staging" and (staging.contains(ds.version, name) or staging.adopt(ds.version, name)):
+                status[b] = "in_staging"
                 continue
             todo.append((b, dest))
         for stretch in _stretches(todo):

@@ -94,7 +94,12 @@ def total_resources(nodes: list[str]) -> dict[str, dict[str, float]]:
 
 
 def node_slots(
-    nodes: list[str], request: dict[str, float], num_workers: int, slots_per_node: int | None, wait_s: float = 0.0
+    nodes: list[str],
+    request: dict[str, float],
+    num_workers: int,
+    slots_per_node: int | None,
+    wait_s: float = 0.0,
+    names: dict[str, str] | None = None,
 ) -> list[int]:
     """Ranks asking for ``request`` each node of ``nodes`` can take now (its free resources,
     :func:`stoker.cluster.capacity.rank_slots`, at most ``slots_per_node``), in the order of
@@ -103,8 +108,8 @@ def node_slots(
     Raises :class:`stoker.errors.CapacityError` at once when the nodes' total resources cannot
     hold ``num_workers`` ranks, and when their free resources still cannot after ``wait_s``
     seconds (other work, such as a job that just ended, may be giving its room back; polled every
-    0.2 s). The message is :func:`stoker.cluster.capacity.refusal`'s, with the wait when there
-    was one."""
+    0.2 s). The message is :func:`stoker.cluster.capacity.refusal`'s (``names``: node id -> how it
+    names the node), with the wait when there was one."""
 
     def fit(res: dict) -> dict:
         out = {n: rank_slots(res[n], request) for n in nodes}
@@ -112,7 +117,7 @@ def node_slots(
 
     total = total_resources(nodes)
     if sum(fit(total).values()) < num_workers:
-        raise CapacityError(refusal(num_workers, request, total, fit(total), slots_per_node, "total"))
+        raise CapacityError(refusal(num_workers, request, total, fit(total), slots_per_node, "total", names))
     deadline = time.monotonic() + wait_s
     while True:
         free = free_resources(nodes)
@@ -121,16 +126,24 @@ def node_slots(
             return [slots[n] for n in nodes]
         if time.monotonic() >= deadline:
             waited = f" (waited {wait_s} s, the start timeout)" if wait_s > 0 else ""
-            raise CapacityError(refusal(num_workers, request, free, slots, slots_per_node, "free") + waited)
+            raise CapacityError(refusal(num_workers, request, free, slots, slots_per_node, "free", names) + waited)
         time.sleep(0.2)
 
 
-def reserve(rank_nodes: list[str], request: dict[str, float], timeout_s: float, job: str = "job"):
-    """Reserve ``request`` (a rank's resources, zero entries left out) on each rank's node, all at
-    once; returns the placement group (None when a rank asks for nothing: no reservation needed).
+def reserve(
+    rank_nodes: list[str],
+    request: dict[str, float],
+    timeout_s: float,
+    job: str = "job",
+    names: list[str] | None = None,
+):
+    """Reserve ``request`` (a rank's resources, zero entries left out) on each rank's node
+    (``rank_nodes``: node ids), all at once; returns the placement group (None when a rank asks
+    for nothing: no reservation needed).
 
     Raises :class:`stoker.errors.CapacityError` when the reservation is not ready within
-    ``timeout_s`` seconds (the placement group is removed first), naming the nodes.
+    ``timeout_s`` seconds (the placement group is removed first), naming the nodes as ``names``
+    does (one per rank, :func:`stoker.cluster.identity.node_label`; None: the node ids).
     """
     if not request:
         return None
@@ -144,11 +157,11 @@ def reserve(rank_nodes: list[str], request: dict[str, float], timeout_s: float, 
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
         remove_placement_group(pg)
         per_node: dict[str, int] = {}
-        for n in rank_nodes:
+        for n in rank_nodes if names is None else names:
             per_node[n] = per_node.get(n, 0) + 1
         raise CapacityError(
             f"job {job!r}: could not reserve {dict(request)} for each of {len(rank_nodes)} ranks "
-            f"({', '.join(f'{k} on node {n}' for n, k in per_node.items())}) within {timeout_s} s "
+            f"({', '.join(f'{k} on {_node_text(n)}' for n, k in per_node.items())}) within {timeout_s} s "
             f"(start timeout): other work holds the room; nothing was started ({type(exc).__name__})"
         ) from exc
     return pg
@@ -184,7 +197,8 @@ class JobRefs(list):
     """The Ray object refs of a job's ranks (a list, in rank order, as ``ray.get`` takes them),
     as ``run(wait=False)`` returns them, with a watcher: a daemon thread of the driver that
     waits on the ranks and, when one fails, cancels the others (as :func:`gather` does), then
-    releases the job's reservation. ``rank_nodes``: node id per rank; ``error``: the first
+    releases the job's reservation. ``rank_nodes``: each rank's node as messages name it
+    (:func:`stoker.cluster.identity.node_label`); ``error``: the first
     rank's failure once seen (None until then); :meth:`cancel` ends every rank now."""
 
     def __init__(self, refs: list, rank_nodes: list[str], pg=None, grace_s: float = 10.0, poll_s: float = 0.5):
@@ -211,9 +225,9 @@ class JobRefs(list):
                         first, self.error = first_failure(self, ref, exc)
                         r = self.index(first)
                         log.warning(
-                            "stoker.cluster: rank %d on node %s failed first (%s); cancelled the other %d rank(s)",
+                            "stoker.cluster: rank %d on %s failed first (%s); cancelled the other %d rank(s)",
                             r,
-                            self.rank_nodes[r],
+                            _node_text(self.rank_nodes[r]),
                             type(self.error).__name__,
                             len(pending),
                         )
@@ -248,7 +262,8 @@ def gather(
     ``finally`` blocks run; a rank still running ``grace_s`` seconds later is stopped with
     ``force=True``) and the error that came first is raised (:func:`first_failure`: a peer whose
     collective failed because that rank left may report before it), with a note naming the rank and its node
-    (``rank_nodes``: node id per rank; taken from ``refs`` when it is a :class:`JobRefs`). After
+    (``rank_nodes``: the name of each rank's node, :func:`stoker.cluster.identity.node_label`, or
+    any name the caller gives; taken from ``refs`` when it is a :class:`JobRefs`). After
     ``timeout_s`` seconds (None: no limit) the ranks are cancelled the same way and
     ``ray.exceptions.GetTimeoutError`` is raised. Nobody is left running with no one waiting
     for it (a DDP job without one rank waits for it forever). Before the cancellation, the other
@@ -275,7 +290,7 @@ def gather(
             _cancel(pending, grace_s)
             first, err = first_failure(refs, done[0], exc)
             r = index[first]
-            where = f" on node {rank_nodes[r]}" if rank_nodes else ""
+            where = f" on {_node_text(rank_nodes[r])}" if rank_nodes else ""
             err.add_note(
                 f"stoker.cluster: rank {r}{where} failed first; the other {len(pending)} running "
                 f"rank(s) of the job were cancelled"
@@ -284,6 +299,12 @@ def gather(
                 raise
             raise err from None
     return ray.get(list(refs))
+
+
+def _node_text(name: str) -> str:
+    """``name`` as a message's "on ..." says it: a :func:`stoker.cluster.identity.node_label`
+    (``node-<host>-<slot>``, ``Ray node <id>``) as it is, any other name or id as ``node <name>``."""
+    return name if name.startswith(("node-", "Ray node ")) else f"node {name}"
 
 
 def _settle(refs: list, settle_s: float) -> tuple[list, list]:

@@ -25,6 +25,7 @@ from ...order import EpochShares, interleaved_shares, permutation
 from ..capacity import rank_request
 from ..counters import ByteCounters, fractions
 from ..handoff import previous_layout, prior_owner
+from ..identity import node_labels
 from ..placement import bytes_per_node, place_dataset
 from ..registration import end as end_registration
 from ..schedule import choose_nodes, colocated_shares
@@ -242,7 +243,7 @@ def _rank_main(train_fn, spec: dict):
         counters.size_tags(len(ds.blocks))
         cluster = spec["cluster"]
         args = (spec["node_id"], counters, cluster.peer_timeout_s, cluster.retry_s)
-        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"))  # this rank's reads
+        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"), spec.get("names"))
         ctx = WorkerContext(spec, ds, counters)
         if cluster.process_group is not None:
             ctx.init_process_group(cluster.process_group)
@@ -307,10 +308,11 @@ def run(
     opts = dict(storage_options or {})
     services, ds, dref = prepare(dataset, opts, cache, block_bytes)
     nodes = list(services)
-    slots = node_slots(nodes, request, num_workers, cluster.slots_per_node, cluster.start_timeout_s)
+    names = dict(zip(nodes, node_labels(nodes, services), strict=True))  # as `stoker cache status` names them
+    slots = node_slots(nodes, request, num_workers, cluster.slots_per_node, cluster.start_timeout_s, names)
     layout = _place(services, ds, dref, num_workers, slots, cluster)
-    rank_nodes = layout["rank_node_ids"]
-    pg = reserve(rank_nodes, request, cluster.start_timeout_s, cluster.job or "job")
+    rank_nodes, rank_names = layout["rank_node_ids"], [names[n] for n in layout["rank_node_ids"]]
+    pg = reserve(rank_nodes, request, cluster.start_timeout_s, cluster.job or "job", rank_names)
     token = f"{cluster.job or 'job'}-{uuid.uuid4().hex[:12]}"
     if cluster.wait:  # the services' registrations of the dataset end with this call (release below)
         announce(nodes, "hold", dref, token)
@@ -333,9 +335,9 @@ def run(
         for r, node in enumerate(rank_nodes)
     ]
     if not cluster.wait:
-        return JobRefs(refs, rank_nodes, pg)
+        return JobRefs(refs, rank_names, pg)
     try:
-        return gather(refs, rank_nodes, cluster.timeout_s)
+        return gather(refs, rank_names, cluster.timeout_s)
     finally:
         release(pg)
         announce(nodes, "release", dref, token)
@@ -344,8 +346,9 @@ def run(
 def _place(services: dict, ds, dref: dict, num_workers: int, slots: list[int], cluster: ClusterOptions) -> dict:
     """Steps (3) and (4) of the module doc: each rank's node, and the dataset's placement members
     and block owners. Returns the rank spec's ``members``, ``owner``, ``prior`` (each block's
-    previous owner, :func:`stoker.cluster.handoff.prior_owner`), ``rank_nodes`` (member index per
-    rank, ``-1 - r`` for none) and ``rank_node_ids`` (node id per rank)."""
+    previous owner, :func:`stoker.cluster.handoff.prior_owner`), ``names`` (how messages name each
+    member: :func:`stoker.cluster.identity.node_label`), ``rank_nodes`` (member index per rank,
+    ``-1 - r`` for none) and ``rank_node_ids`` (node id per rank)."""
     nodes = list(services)
     budgets = [services[n]["cache_bytes"] for n in nodes]
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
@@ -373,6 +376,7 @@ def _place(services: dict, ds, dref: dict, num_workers: int, slots: list[int], c
         "members": members,
         "owner": owner,
         "prior": prior,
+        "names": node_labels(members, services),
         "rank_nodes": [index_of.get(n, -1 - r) for r, n in enumerate(rank_nodes)],
         "rank_node_ids": rank_nodes,
     }

@@ -34,7 +34,7 @@ from ...loader.prefetch.inflight import InflightGate, InflightTarget
 from ...metrics import ServiceMetrics
 from ...store.dataset import DEFAULT_BLOCK_BYTES, default_cache_dir, open_dataset
 from ..handoff import PriorReads
-from ..identity import claim_cache_dir
+from ..identity import claim_cache_dir, node_label
 from ..membership import RECORD_SETS, merge
 from ..placement import placement_keys  # noqa: F401 - re-exported: its callers import it from here
 from ..registration import LEASE_S, lease
@@ -77,7 +77,7 @@ class CacheService:
     def __init__(self, node_id: str, cache: CacheOptions, node_name: str | None = None, lease_s: float | None = None):
         here = ray.get_runtime_context().get_node_id()
         if here != node_id:
-            raise RuntimeError(f"cache service for node {node_id} started on node {here}")
+            raise RuntimeError(f"cache service for {node_label(node_id)} started on {node_label(here)}")
         assert cache.cache_dir is not None  # the cluster cache root (start_services)
         self._claim = claim_cache_dir(cache.cache_dir, owner=node_id)  # held while this process lives
         self.node_id, self.cache_key = node_id, self._claim.key
@@ -400,9 +400,10 @@ def start_services(
     cache = with_shortcuts(cache, cache_dir, cache_bytes)
     if cache.cache_dir is None:
         cache = dataclasses.replace(cache, cache_dir=os.path.join(default_cache_dir(), "cluster"))
-    handles = {}
+    handles, hosts = {}, {}
     for node in alive_nodes():
         nid = node["NodeID"]
+        hosts[nid] = node.get("NodeManagerHostname")
         mine = cache.for_node(nid)
         if mine is None:
             continue
@@ -414,39 +415,44 @@ def start_services(
             scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
         )
         handles[nid] = _Remote.options(**opts).remote(nid, mine, None, lease_s)
-    _wait_answer(handles, timeout_s, down)
+    _wait_answer(handles, timeout_s, down, hosts)
     return {nid: h for nid, h in handles.items() if down is None or nid not in down}
 
 
-def _wait_answer(handles: dict, timeout_s: float, down: dict[str, str] | None = None) -> None:
+def _wait_answer(
+    handles: dict, timeout_s: float, down: dict[str, str] | None = None, hosts: dict | None = None
+) -> None:
     """Wait until every service of ``handles`` (``{node id: handle}``) answers a ping; one that is
     restarting (``RayActorError``) is asked again until ``timeout_s`` seconds have passed. A
     service that cannot start (see :func:`start_services`) or does not answer in time raises,
-    naming its node, or with ``down`` is recorded there (``{node id: reason}``)."""
+    naming its node (its Ray id, and its host from ``hosts``, ``{node id: host name}``: it has no
+    cache directory to name yet, :func:`stoker.cluster.identity.node_label`), or with ``down`` is
+    recorded there (``{node id: reason}``)."""
     deadline = time.monotonic() + timeout_s
     refs = {nid: h.ping.remote() for nid, h in handles.items()}
     while refs:
         nid, ref = next(iter(refs.items()))
+        name = node_label(nid, host=(hosts or {}).get(nid))
         error: Exception
         try:
             ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             del refs[nid]
             continue
         except ray.exceptions.GetTimeoutError as exc:
-            why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout)"
+            why = f"cache service of {name} did not answer in {timeout_s} s (start timeout)"
             error = ray.exceptions.GetTimeoutError(why)
             cause: Exception = exc
         except ray.exceptions.RayActorError as exc:
             cause = exc
             if getattr(exc, "actor_init_failed", False):  # its constructor raised: Ray will not restart it
-                why = f"cache service of node {nid} could not start: {error_line(exc)}"
+                why = f"cache service of {name} could not start: {error_line(exc)}"
                 error = ServiceStartError(why)
             elif time.monotonic() < deadline:  # restarting: ask again
                 time.sleep(0.2)
                 refs[nid] = handles[nid].ping.remote()
                 continue
             else:
-                why = f"cache service of node {nid} did not answer in {timeout_s} s (start timeout): {error_line(exc)}"
+                why = f"cache service of {name} did not answer in {timeout_s} s (start timeout): {error_line(exc)}"
                 error = ray.exceptions.GetTimeoutError(why)
         if down is None:
             raise error from cause
@@ -470,17 +476,19 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
     that is dead or restarting is left out (it rejoins when it answers again)."""
     found = {}
     refs: dict[str, ray.ObjectRef] = {}
+    hosts: dict[str, str | None] = {}
     for node in alive_nodes():
         try:
             h = ray.get_actor(service_name(node["NodeID"]), namespace=NAMESPACE)
         except ValueError:
             continue
         refs[node["NodeID"]] = h.info.remote()
+        hosts[node["NodeID"]] = node.get("NodeManagerHostname")
     for nid, ref in refs.items():
         try:
             found[nid] = ray.get(ref, timeout=timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
-            log.warning("cache service on node %s did not answer: %s", nid, exc)
+            log.warning("cache service of %s did not answer: %s", node_label(nid, host=hosts[nid]), exc)
     return dict(sorted(found.items()))
 
 
@@ -528,7 +536,7 @@ def prepare(
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
     if cache.cache_bytes is not None:  # asked for a budget: say where running services keep another one
         other = {
-            info["node_name"]: info["cache_bytes"]
+            node_label(nid, services): info["cache_bytes"]
             for nid, info in services.items()
             if (mine := cache.for_node(nid)) is not None and info["cache_bytes"] != mine.cache_bytes
         }

@@ -41,6 +41,7 @@ from ..._procs import left_by_dead
 from ...errors import PeerUnavailable
 from ...store.checks import checked_or_none
 from ..counters import ByteCounters
+from ..identity import node_label
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ class BlockRouter:
     ``timeout_s``: longest wait for one peer read (then the origin); ``retry_s``: how long a
     peer that failed is skipped; ``prior``: int array (num_blocks,), index into ``nodes`` of each
     block's previous owner, -1 where it has none to ask
-    (:func:`stoker.cluster.handoff.prior_owner`; None: no block has one). Picklable (a copy in a
-    forked child uses the relay).
+    (:func:`stoker.cluster.handoff.prior_owner`; None: no block has one); ``names``: how warnings
+    and errors name each of ``nodes`` (:func:`stoker.cluster.identity.node_label`: the node's
+    cache directory, as ``stoker cache status`` prints it; None: ``Ray node <id>``). Picklable (a
+    copy in a forked child uses the relay).
     """
 
     def __init__(
@@ -77,9 +80,11 @@ class BlockRouter:
         timeout_s: float = 30.0,
         retry_s: float = 1.0,
         prior: np.ndarray | None = None,
+        names: list[str] | None = None,
     ):
         self.dref, self.url = dict(dref), dref["url"]
         self.nodes, self.owner, self.me = list(nodes), np.asarray(owner, dtype=np.int64), int(me)
+        self.names = [node_label(n) for n in self.nodes] if names is None else list(names)
         self.prior = np.full(len(self.owner), -1, dtype=np.int64) if prior is None else np.asarray(prior, np.int64)
         self.counters, self.timeout_s, self.retry_s = counters, float(timeout_s), float(retry_s)
         self.relay_address: str | None = None
@@ -165,7 +170,7 @@ class BlockRouter:
         except Exception as exc:  # noqa: BLE001 - any failure of the previous owner: read the origin
             self._failed("previous owner", p, ds, b, exc)
             return None
-        return checked_or_none(ds, b, data, f"its previous owner {self.nodes[p]}")
+        return checked_or_none(ds, b, data, f"its previous owner {self.names[p]}")
 
     def _failed(self, role: str, o: int, ds, b: int, exc: Exception) -> None:
         """A call to node ``o`` (the block's ``role``: "peer" or "previous owner") for block ``b``
@@ -173,7 +178,7 @@ class BlockRouter:
         log.warning(
             "%s %s unavailable for block %s of %s (%s); reading the origin",
             role,
-            self.nodes[o],
+            self.names[o],
             ds.blocks.name(b),
             self.url,
             exc,
@@ -194,7 +199,7 @@ class BlockRouter:
             return self.ray_read(o, b, start, stop, prior)
         reply = self._relay_call(o, b, start, stop, prior, _READ)
         if reply is None:
-            raise PeerUnavailable(f"the relay's cache-only answer to a read of node {self.nodes[o]}")
+            raise PeerUnavailable(f"the relay's cache-only answer to a read of {self.names[o]}")
         return reply
 
     def _peer_cached(self, o: int, b: int, start: int, stop: int) -> bytes | None:
@@ -242,7 +247,7 @@ class BlockRouter:
     def _sized(self, o: int, data, nbytes: int) -> bytes:
         """``data`` from peer ``o`` when it is ``nbytes`` bytes; else raises PeerUnavailable."""
         if not isinstance(data, bytes) or len(data) != nbytes:
-            raise PeerUnavailable(f"cache service of node {self.nodes[o]} sent {len(data)} bytes, expected {nbytes}")
+            raise PeerUnavailable(f"cache service of {self.names[o]} sent {len(data)} bytes, expected {nbytes}")
         return data
 
     def _call(self, o: int, method: str, *args):
@@ -255,7 +260,7 @@ class BlockRouter:
         if o in self._suspect:
             self._probe(o)
             raise PeerUnavailable(
-                f"cache service of node {self.nodes[o]}: its last call failed; "
+                f"cache service of {self.names[o]}: its last call failed; "
                 f"reading the origin until a ping (every {self.retry_s} s) answers"
             )
         try:
@@ -267,7 +272,7 @@ class BlockRouter:
             self._suspect.add(o)
             self._handles.pop(o, None)
             self._probe(o)  # watched from now on, so it is known to be back before a read wants it
-            raise PeerUnavailable(f"cache service of node {self.nodes[o]}: {type(exc).__name__}: {exc}") from exc
+            raise PeerUnavailable(f"cache service of {self.names[o]}: {type(exc).__name__}: {exc}") from exc
 
     def connect(self) -> list[str]:
         """Reach every peer that owns blocks, before the first read: look up each one's cache
@@ -287,7 +292,7 @@ class BlockRouter:
                 h = get_service(self.nodes[o])
                 refs[o] = (h, h.ping.remote())
             except (ValueError, ray.exceptions.RayError) as exc:
-                log.debug("peer %s not found: %s", self.nodes[o], exc)
+                log.debug("peer %s not found: %s", self.names[o], exc)
                 failed.append(o)
         ready, _ = (
             ray.wait([r for _, r in refs.values()], num_returns=len(refs), timeout=self.timeout_s) if refs else ([], [])
@@ -299,7 +304,7 @@ class BlockRouter:
                     raise TimeoutError(f"no answer within {self.timeout_s} s")
                 ray.get(ref)
             except (TimeoutError, ray.exceptions.RayError) as exc:
-                log.debug("peer %s did not answer: %s", self.nodes[o], exc)
+                log.debug("peer %s did not answer: %s", self.names[o], exc)
                 failed.append(o)
             else:
                 self._handles[o] = h
@@ -342,7 +347,7 @@ class BlockRouter:
                 h = get_service(self.nodes[o])
                 ray.get(h.ping.remote(), timeout=self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - still down: reads keep going to the origin
-                log.debug("peer %s still unavailable: %s", self.nodes[o], exc)
+                log.debug("peer %s still unavailable: %s", self.names[o], exc)
             else:
                 self._handles[o] = h
                 self._suspect.discard(o)

@@ -15,6 +15,7 @@ import time
 
 import ray
 
+from ..identity import node_label
 from ..membership import after_growth, merge, widen
 from .cache_service import get_service
 
@@ -61,7 +62,7 @@ def settle_record(services: dict, version: str, dataset_bytes: int, proposal: li
         try:
             asked[n] = get_service(n).record.remote(version)
         except ValueError as exc:
-            log.warning("cache service on node %s gave no record of %s: %s", n, version, exc)
+            log.warning("cache service of %s gave no record of %s: %s", node_label(n, services), version, exc)
     for n, ref in asked.items():
         try:
             records.append(ray.get(ref))
@@ -69,7 +70,7 @@ def settle_record(services: dict, version: str, dataset_bytes: int, proposal: li
             try:  # restarting: ask it again, with the retries of :func:`call`
                 records.append(call(get_service(n).record, version))
             except (ray.exceptions.RayActorError, ValueError) as exc:
-                log.warning("cache service on node %s gave no record of %s: %s", n, version, exc)
+                log.warning("cache service of %s gave no record of %s: %s", node_label(n, services), version, exc)
     found = [r for r in records if r]
     if found:
         rec = merge(found)
@@ -87,5 +88,7 @@ def settle_record(services: dict, version: str, dataset_bytes: int, proposal: li
         try:
             grown = sorted(set(grown) | set(ray.get(ref)))  # a job that widened at the same time
         except ray.exceptions.RayActorError as exc:
-            log.warning("cache service on node %s did not record the members of %s: %s", n, version, exc)
+            log.warning(
+                "cache service of %s did not record the members of %s: %s", node_label(n, services), version, exc
+            )
     return {"members": grown, "previous": previous}

@@ -42,11 +42,13 @@ def route(
     peer_timeout_s: float,
     retry_s: float,
     prior: np.ndarray | None = None,
+    names: list[str] | None = None,
 ) -> tuple:
     """``(routed dataset, relay)``: a view of ``ds`` whose reads go node cache -> owning peer ->
     origin (``owner``: the member index owning each block; ``node``: this rank's node id, -1 as
     member when it is none; ``prior``: each block's previous owner, -1: none,
-    :func:`stoker.cluster.handoff.prior_owner`), counted in ``counters``; every peer looked up and called once, off
+    :func:`stoker.cluster.handoff.prior_owner`; ``names``: how messages name each member,
+    :func:`stoker.cluster.identity.node_label`), counted in ``counters``; every peer looked up and called once, off
     the read path; the :class:`stoker.cluster.service.reader.Relay` serving the rank's worker processes
     (the caller closes it)."""
     router = BlockRouter(
@@ -58,6 +60,7 @@ def route(
         timeout_s=peer_timeout_s,
         retry_s=retry_s,
         prior=prior,
+        names=names,
     )
     routed = ds.with_reader(BlockReader(ds, router=router))
     router.connect()

@@ -19,6 +19,7 @@ from ...cache.spec import CacheOptions
 from ...store.dataset import DEFAULT_BLOCK_BYTES, open_dataset
 from ..freshness import refreshing
 from ..handoff import previous_layout, prior_owner
+from ..identity import node_label, node_labels
 from ..placement import bytes_per_node, place_dataset
 from ..settings import cluster_door
 from .cache_service import dataset_ref, error_line, find_services, get_service, placement_keys, prepare
@@ -63,11 +64,13 @@ def warm(
     previous owner's cache when it holds it (:mod:`stoker.cluster.handoff`), else the origin.
 
     Report: ``{url, version, dataset_bytes, seconds, origin_bytes, handoff_bytes,
-    cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_dir,
+    cached_fraction, complete, failed_shards, nodes: {node id: {node_name, cache_key, cache_dir,
     cache_bytes, owned_bytes, cached_bytes, cached_fraction, filled, refused, failed,
     failed_shards, error}}}`` (bytes; ``cached_fraction`` = cached / owned, 1.0 when the node owns
     nothing; ``filled``/``refused``/``failed``: blocks; ``failed_shards``: ``{shard name: reason}``;
-    ``complete``: every block cached; a node's ``error``: why its service filled nothing more or
+    ``complete``: every block cached; ``cache_key``: the name of the node's cache directory,
+    ``node-<host>-<slot>``, as ``stoker cache status`` and the warnings name the node, None for a
+    node whose service did not start; a node's ``error``: why its service filled nothing more or
     did not answer at the end, else None). Nothing is raised for a block refused by a budget or
     one that fails: the report may be partial. A dead, restarting or hung service is retried and
     then given up as *down* (``FILL_TRIES``, ``RETRY_PAUSE_S``; hung: no fill answered in
@@ -99,7 +102,7 @@ def warm(
     }
     bar = tqdm(total=int(sizes.sum()), unit="B", unit_scale=True, desc=f"warm {url}") if progress else None
     timeout_s = FILL_TIMEOUT_S if fill_timeout_s is None else float(fill_timeout_s)
-    fills = _Fills(ds, dref, members, queues, concurrency, bar, timeout_s, prior)
+    fills = _Fills(ds, dref, members, queues, concurrency, bar, timeout_s, prior, node_labels(members, services))
     fills.run()
     if bar is not None:
         bar.close()
@@ -136,6 +139,7 @@ def _report(fills: _Fills, services: dict, owned: np.ndarray, dref: dict, down_a
     for i, m in enumerate(members):
         report["nodes"][m] = {
             "node_name": services[m]["node_name"],
+            "cache_key": services[m].get("cache_key"),
             "cache_dir": services[m].get("cache_dir"),
             "cache_bytes": services[m]["cache_bytes"],
             "owned_bytes": int(owned[i]),
@@ -151,6 +155,7 @@ def _report(fills: _Fills, services: dict, owned: np.ndarray, dref: dict, down_a
         report["nodes"][m] = {
             **dict.fromkeys(("cache_bytes", "owned_bytes", "cached_bytes", "filled", "refused", "failed"), 0),
             "node_name": m,
+            "cache_key": None,
             "cache_dir": None,
             "cached_fraction": 0.0,
             "failed_shards": {},
@@ -183,8 +188,10 @@ class _Fills:
         bar=None,
         timeout_s: float = FILL_TIMEOUT_S,
         prior: np.ndarray | None = None,
+        names: list[str] | None = None,
     ):
         self.ds, self.dref, self.members, self.queues = ds, dref, members, queues
+        self.names = list(members) if names is None else names  # how messages name each member
         self.prior = prior  # each block's previous owner (index into members, -1: none)
         self.concurrency, self.bar, self.timeout_s = concurrency, bar, timeout_s
         self._progress: dict[int, float] = {}  # node -> when it last answered (or was first sent to)
@@ -231,7 +238,7 @@ class _Fills:
                 continue
             refs = [ref for ref, (j, _) in self._pending.items() if j == i]
             self._go_down(
-                i, f"cache service of node {self.members[i]} hangs: no fill answered in {now - self._progress[i]:.0f} s"
+                i, f"cache service of {self.names[i]} hangs: no fill answered in {now - self._progress[i]:.0f} s"
             )
             for ref in refs:
                 _, chunk = self._pending.pop(ref)
@@ -252,7 +259,7 @@ class _Fills:
         try:
             ref = get_service(self.members[i]).fill.remote(self.dref, chunk, self.concurrency, self._prior_of(chunk))
         except ValueError as exc:  # no service by that name: killed for good, or its node is gone
-            self._go_down(i, f"no cache service on node {self.members[i]} ({exc})")
+            self._go_down(i, f"no cache service on {self.names[i]} ({exc})")
             self._fail(i, chunk, self.down[i])
             return
         if not any(j == i for j, _ in self._pending.values()):
@@ -279,7 +286,7 @@ class _Fills:
             if i not in self.down:
                 self._go_down(
                     i,
-                    f"cache service of node {self.members[i]} did not answer in {FILL_TRIES} tries: {error_line(exc)}",
+                    f"cache service of {self.names[i]} did not answer in {FILL_TRIES} tries: {error_line(exc)}",
                 )
             self._fail(i, chunk, self.down[i])
             return
@@ -336,7 +343,7 @@ def cluster_state(
         try:
             got = ray.get([h.cached_bytes.remote(refs[u]) for u in urls], timeout=timeout_s)
         except (ray.exceptions.RayError, ValueError) as exc:  # gone since it answered: not listed
-            log.warning("cache service on node %s did not answer: %s", nid, exc)
+            log.warning("cache service of %s did not answer: %s", node_label(nid, services), exc)
             continue
         nodes[info["node_name"]] = {
             "node_id": nid,

@@ -22,6 +22,7 @@ import ray
 
 from ...cache.spec import CacheOptions
 from ..capacity import rank_request
+from ..identity import node_label
 from ..jobs.gang import NODE_ID_LABEL, node_slots
 from ..schedule import choose_nodes
 from ..service.cache_service import get_service, prepare
@@ -70,7 +71,8 @@ def placement_hint(
     nodes = list(services)
     cached = ray.get([get_service(n).cached_bytes.remote(dref) for n in nodes])
     budgets = [int(services[n]["cache_bytes"]) for n in nodes]
-    slots = node_slots(nodes, rank_request(resources_per_worker), num_workers, cluster.slots_per_node)
+    names = {n: node_label(n, services) for n in nodes}
+    slots = node_slots(nodes, rank_request(resources_per_worker), num_workers, cluster.slots_per_node, 0.0, names)
     chosen = choose_nodes(nodes, cached, budgets, num_workers, slots)
     hint: dict = {"num_workers": int(num_workers), "label_selector": [{NODE_ID_LABEL: n} for n in chosen]}
     if resources_per_worker is not None:

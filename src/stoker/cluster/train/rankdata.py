@@ -34,6 +34,7 @@ from ...cache.spec import CacheOptions
 from ...errors import RankSetupError
 from ..counters import ByteCounters
 from ..handoff import previous_layout, prior_owner
+from ..identity import node_labels
 from ..jobs.job import ClusterLoader, WorkerContext
 from ..placement import place_dataset
 from ..registration import end as end_registration
@@ -108,6 +109,7 @@ def _layout(url, opts, cache: CacheOptions, block_bytes, rank_nodes: list[str], 
         "block_bytes": ds.block_bytes,
         "members": members,
         "keys": placement_keys(services, members),
+        "names": node_labels(members, services),
         "budgets": [int(services[m]["cache_bytes"]) for m in members],
         "previous": previous_layout(services, members, record["previous"]),
         "services": {n: services[n] for n in set(rank_nodes) if n in services},
@@ -191,7 +193,8 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, cluster: Cluste
         members = layout["members"]
         owner = place_dataset(ds, layout["keys"], layout["budgets"])
         prior = prior_owner(ds, members, owner, layout.get("previous"))  # blocks to hand off
-        routed, relay = route(ds, opts, members, owner, node, counters, cluster.peer_timeout_s, cluster.retry_s, prior)
+        args = (counters, cluster.peer_timeout_s, cluster.retry_s, prior, layout.get("names"))
+        routed, relay = route(ds, opts, members, owner, node, *args)
         index_of = {m: i for i, m in enumerate(members)}
         spec = {
             "rank": rank,
