@@ -116,7 +116,7 @@ def _retried(error: str) -> bool:
     split = re.findall(r": (\d+) in \d", error)
     if split:
         return any(int(n) > 1 for n in split)
-    return bool(total) and int(total.group(1)) > 1
+    return total is not None and int(total.group(1)) > 1
 
 
 def stalled_http_read(ctx) -> dict:
