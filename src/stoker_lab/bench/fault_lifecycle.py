@@ -28,18 +28,19 @@ N_SAMPLES = 160
 _SRC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def packed(work: str) -> str:
-    """The lifecycle dataset under ``work/lc/packed`` (made once): ``N_SAMPLES`` files ``s0000.bin``
-    ... whose bytes begin with the id, 64 KiB shards."""
-    dst = os.path.join(work, "lc", "packed")
+def packed(work: str, name: str = "lc", body=None) -> str:
+    """A lifecycle dataset under ``work/<name>/packed`` (made once): ``N_SAMPLES`` files
+    ``s0000.bin`` ... whose bytes begin with the id (``body(i)``, by default the id padded with
+    dots to 800 bytes), 64 KiB shards. Returns its path."""
+    dst = os.path.join(work, name, "packed")
     if not os.path.exists(os.path.join(dst, "index.parquet")):
         from stoker.store.pack import pack
 
-        src = os.path.join(work, "lc", "src")
+        src = os.path.join(work, name, "src")
         os.makedirs(src, exist_ok=True)
         for i in range(N_SAMPLES):
             with open(os.path.join(src, f"s{i:04d}.bin"), "wb") as f:
-                f.write(f"{i}".encode().ljust(800, b"."))
+                f.write(body(i) if body else f"{i}".encode().ljust(800, b"."))
         pack(src, dst, source="files", shard_bytes=64 << 10, progress=False)
     return dst
 

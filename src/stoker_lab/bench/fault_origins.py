@@ -15,6 +15,7 @@ stoker, as a host whose clock disagrees would.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,7 +24,7 @@ import sys
 import time
 
 from .fault_harness import aggregate, child_env, run_child
-from .fault_lifecycle import N_SAMPLES, launch, packed, run_row
+from .fault_lifecycle import launch, packed, run_row
 from .faultproxy import Fault, FaultProxy
 from .httporigin import RangeFileServer
 
@@ -59,22 +60,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 def incompressible(work: str) -> str:
-    """The dataset under ``work/org/packed`` (made once): ``N_SAMPLES`` files ``s0000.bin`` ...
-    whose bytes are the id, a dot, and 1200 pseudo-random bytes (seeded by the id), 64 KiB
-    shards; the lifecycle script's decode reads the id. Returns its path."""
-    dst = os.path.join(work, "org", "packed")
-    if not os.path.exists(os.path.join(dst, "index.parquet")):
-        import random
-
-        from stoker.store.pack import pack
-
-        src = os.path.join(work, "org", "src")
-        os.makedirs(src, exist_ok=True)
-        for i in range(N_SAMPLES):
-            with open(os.path.join(src, f"s{i:04d}.bin"), "wb") as f:
-                f.write(f"{i}.".encode() + random.Random(i).randbytes(1200))
-        pack(src, dst, source="files", shard_bytes=64 << 10, progress=False)
-    return dst
+    """The dataset under ``work/org/packed`` (made once, :func:`packed`): ``N_SAMPLES`` files
+    ``s0000.bin`` ... whose bytes are the id, a dot, and 1200 pseudo-random bytes (seeded by the
+    id), 64 KiB shards; the lifecycle script's decode reads the id. Returns its path."""
+    return packed(work, "org", lambda i: f"{i}.".encode() + random.Random(i).randbytes(1200))
 
 
 def compressed_ranges(ctx) -> dict:
