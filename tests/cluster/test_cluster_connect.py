@@ -1,6 +1,7 @@
 """A rank reaches its peers before its first read (``BlockRouter.connect``): every owning peer's
-service is looked up and answered once, and a peer that cannot be reached is suspect from the
-start, so its blocks come from the origin without a stall on the read path."""
+service is asked where its data endpoint listens and the endpoint answers a ping, and a peer that
+cannot be reached is suspect from the start, so its blocks come from the origin without a stall
+on the read path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("fresh_services")
 def _handles_at_start(ctx):
     router = ctx.dataset.reader.router
     return {
-        "handles": sorted(router._handles),
+        "endpoints": sorted(router.endpoints),
         "owners": sorted({int(o) for o in np.unique(router.owner)}),
         "me": router.me,
         "suspects": router.suspects(),
@@ -42,7 +43,7 @@ def test_every_owning_peer_is_reached_before_the_first_read(cluster, s3_dataset,
     for r in res:
         got = r["result"]
         assert got["suspects"] == []
-        assert got["handles"] == [o for o in got["owners"] if o != got["me"]]
+        assert got["endpoints"] == [o for o in got["owners"] if o != got["me"]]
         assert len(got["owners"]) > 1
 
 
@@ -60,7 +61,7 @@ def test_a_peer_without_a_service_is_suspect_from_the_start(cluster):
         )
         assert router.connect() == [missing]
         assert router.suspects() == [missing]
-        with pytest.raises(Exception, match="last call failed"):
-            router.ray_read(1, 1, 0, 10)  # read path: no call, no stall
+        with pytest.raises(Exception, match="last read failed"):
+            router.peer_read(1, 1, 0, 10)  # read path: no call, no stall
     finally:
         counters.close()

@@ -2,7 +2,7 @@
 
 The record keeps the members before the last growth (``previous``); a block whose owner changed
 with that growth is filled from the node that owned it before (a cache-only read of its
-service), and from the origin only when that node is gone, does not hold it, fails or does not
+data endpoint), and from the origin only when that node is gone, does not hold it, fails or does not
 answer. The first tests run the pure parts and the cache service's class in this process (no
 Ray calls); the last two run jobs on the test cluster, one with a node that joins and one whose
 previous owner is removed."""
@@ -98,17 +98,11 @@ class _Node:
 
 
 class _Handle:
-    """A service's ``read_cached`` as Ray calls it, or a node that fails every call."""
+    """A service's handle as Ray calls it: where its data endpoint listens."""
 
-    def __init__(self, svc, fail: bool = False):
-        self.svc, self.fail, self.calls = svc, fail, 0
-        self.read_cached = type("M", (), {"remote": staticmethod(self._read_cached)})
-
-    def _read_cached(self, *args):
-        self.calls += 1
-        if self.fail:
-            raise service_mod.ray.exceptions.GetTimeoutError("no answer")
-        return self.svc.read_cached(*args)
+    def __init__(self, svc):
+        self.svc = svc
+        self.endpoint = type("M", (), {"remote": staticmethod(svc.endpoint)})
 
 
 @pytest.fixture
@@ -122,7 +116,9 @@ def two(tmp_path, monkeypatch):
     handles = {"node-a": _Handle(a), "node-b": _Handle(b)}
     monkeypatch.setattr(service_mod, "get_service", lambda n: handles[n])
     monkeypatch.setattr(service_mod.ray, "get", lambda ref, **kw: ref)
-    return a, b, handles
+    yield a, b, handles
+    a.close()
+    b.close()
 
 
 def _origin_reads(monkeypatch, ds) -> list:
@@ -163,18 +159,21 @@ def test_the_origin_when_the_previous_owner_lacks_the_block_sends_bad_bytes_or_f
     want = bytes(ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[1]), s, s + 500))
     assert a.read(dref, 1, s, s + 500, prior="node-b") == ("origin", want)  # b does not hold it
     b.fill(dref, [2, 3])
-    real = b.read_cached
-    monkeypatch.setattr(b, "read_cached", lambda *args: bytes(len(real(*args))))  # zeros: a bad copy
+    real = a._prior.fetch
+    monkeypatch.setattr(a._prior, "fetch", lambda *args: bytes(len(real(*args))))  # zeros: a bad copy
     got = a.fill(dref, [2], prior={2: "node-b"})
     assert (got["filled"], got["handoff_bytes"], got["failed"]) == (1, 0, 0)
     assert got["origin_bytes"] == int(ds.blocks.nbytes(2))
-    handles["node-b"].fail = True  # the previous owner stops answering: asked once, then left alone
+    monkeypatch.setattr(a._prior, "fetch", real)
+    b._endpoint.close()  # the previous owner stops answering: asked once, then left alone
+    calls: list = []
+    monkeypatch.setattr(a._prior, "fetch", lambda *args: calls.append(args) or real(*args))
     s3 = int(ds.blocks.start[3])
     assert a.read(dref, 3, s3, s3 + 100, prior="node-b")[0] == "origin"
-    calls = handles["node-b"].calls
+    assert len(calls) == 1
     s4 = int(ds.blocks.start[4])
     assert a.read(dref, 4, s4, s4 + 100, prior="node-b")[0] == "origin"
-    assert handles["node-b"].calls == calls
+    assert len(calls) == 1
 
 
 # -- jobs on the test cluster -------------------------------------------------------------------
@@ -324,7 +323,7 @@ def test_a_rank_fills_its_nodes_block_from_the_previous_owner_and_else_the_origi
             raise got
         return got
 
-    monkeypatch.setattr(r, "_peer_cached", cached)
+    monkeypatch.setattr(r, "peer_cached", cached)
     s1, e1, want1 = _whole(ds, 1)
     answers[1] = want1
     assert r.read(ds, 1, s1, e1, block=True) == want1 and asked == [(1, 1)]
@@ -347,18 +346,23 @@ def test_a_rank_fills_its_nodes_block_from_the_previous_owner_and_else_the_origi
 
 
 class _Hangs:
-    def read_cached(self, *args):
-        import time
+    """A service whose data endpoint accepts connections and never says a word."""
 
-        time.sleep(60)
+    def endpoint(self, dref=None):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        return self.sock.getsockname()
 
     def ping(self):
         return "hangs"
 
 
 def test_a_previous_owner_that_hangs_costs_one_peer_timeout_then_the_origin(cluster, router):
-    """A real Ray actor in the previous owner's service name that never answers a read: the
-    rank's fill waits the peer timeout (2 s here), no longer, and reads the origin."""
+    """A real Ray actor in the previous owner's service name whose data endpoint never answers:
+    the rank's fill waits the peer timeout (2 s here), no longer, and reads the origin."""
     import time
 
     ray = pytest.importorskip("ray")

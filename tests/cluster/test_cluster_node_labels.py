@@ -45,9 +45,18 @@ def test_the_budget_warning_names_the_nodes_cache_directories(packed_local, monk
     assert not any(nid in caplog.text for nid in RAY_IDS)
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_a_peer_that_fails_is_named_by_its_cache_directory(packed_local, caplog):
     ds = open_dataset(packed_local, cache=False)
     counters = ByteCounters()
+    secret = b"s" * 32
     try:
         router = BlockRouter(
             cache_service.dataset_ref(ds),
@@ -56,15 +65,20 @@ def test_a_peer_that_fails_is_named_by_its_cache_directory(packed_local, caplog)
             0,
             counters,
             names=["node-h1-0", "node-h1-1"],
+            secret=secret,
         )
-        with pytest.raises(PeerUnavailable, match="cache service of node-h1-1 sent 3 bytes, expected 4"):
-            router._sized(1, b"abc", 4)
+        router.endpoints[1] = ("127.0.0.1", _closed_port())  # nobody listens there
+        with pytest.raises(PeerUnavailable, match="data endpoint of node-h1-1 at 127.0.0.1:"):
+            router.peer_read(1, 0, 0, 4)
         with caplog.at_level(logging.WARNING):
             router._failed("peer", 1, ds, 0, PeerUnavailable("gone"))
         assert "peer node-h1-1 unavailable for block" in caplog.text and RAY_IDS[1] not in caplog.text
-        unnamed = BlockRouter(cache_service.dataset_ref(ds), RAY_IDS, np.ones(len(ds.blocks), np.int64), 0, counters)
-        with pytest.raises(PeerUnavailable, match=f"cache service of Ray node {RAY_IDS[1]} sent"):
-            unnamed._sized(1, b"abc", 4)
+        unnamed = BlockRouter(
+            cache_service.dataset_ref(ds), RAY_IDS, np.ones(len(ds.blocks), np.int64), 0, counters, secret=secret
+        )
+        unnamed.endpoints[1] = router.endpoints[1]
+        with pytest.raises(PeerUnavailable, match=f"data endpoint of Ray node {RAY_IDS[1]} at"):
+            unnamed.peer_read(1, 0, 0, 4)
     finally:
         counters.close()
 

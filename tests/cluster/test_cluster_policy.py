@@ -202,31 +202,3 @@ def test_stoker_imports_without_ray():
         "import stoker.cluster.extender.scoring, stoker.cluster.schedule; assert 'ray' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def test_relay_socket_is_private_and_authenticated():
-    import os
-    import stat
-    from multiprocessing import AuthenticationError
-    from multiprocessing.connection import Client
-
-    from stoker.cluster.counters import ByteCounters
-    from stoker.cluster.service.reader import BlockRouter
-
-    counters = ByteCounters()
-    router = BlockRouter(
-        {"url": "memory://x", "storage_options": {}, "version": "v", "block_bytes": 1},
-        ["n0", "n1"],
-        np.zeros(4, dtype=np.int64),
-        1,
-        counters,
-    )
-    relay = router.start_relay()
-    try:
-        assert stat.S_IMODE(os.stat(relay.address).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(os.path.dirname(relay.address)).st_mode) == 0o700
-        with pytest.raises(AuthenticationError):
-            Client(relay.address, family="AF_UNIX", authkey=b"wrong key")
-    finally:
-        relay.close()
-        counters.close()

@@ -41,17 +41,23 @@ class BlockFiles:
         """Bytes ``[offset, offset+length)`` of block ``name`` (fewer when the file is shorter: a
         damaged block, for the caller to drop), or None when it is not cached, or with ``open_only``
         when this process does not hold it open already. ``touch`` sets its mtime (LRU recency)."""
+        return self.with_fd(namespace, name, lambda fd: os.pread(fd, length, offset), open_only, touch)
+
+    def with_fd(self, namespace: str, name: str, use, open_only: bool = False, touch: bool = False):
+        """``use(fd)`` on an open descriptor of block ``name``'s file (held open, not closed by
+        ``use``: the block's bytes stay readable through it even if it is evicted meanwhile), and
+        its result; None when the block is not cached (``open_only``, ``touch``: as :meth:`read`)."""
         h = self.dir.local()
         ent = h.block_ref((namespace, name), lambda: self.path(namespace, name), open_only)
         if ent is None:
             return None
         try:
-            data = os.pread(ent.fd, length, offset)
+            out = use(ent.fd)
             if touch:
                 os.utime(ent.fd)
         finally:
             h.release(ent)
-        return data
+        return out
 
     def contains(self, namespace: str, name: str) -> bool:
         """Whether block ``name`` of ``namespace`` is committed (a regular file, not a link)."""

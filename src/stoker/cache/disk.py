@@ -174,6 +174,13 @@ class DiskCache:
             return None
         return data
 
+    def with_fd(self, namespace: str, name: str, use, count: bool = True):
+        """``use(fd)`` on an open descriptor of cached block ``name`` (a server sends its bytes with
+        ``os.sendfile``: :mod:`stoker.cluster.service.endpoint`) and its result, or None when the
+        block is not cached. ``use`` checks the file's size itself (a short file is a damaged
+        block: :meth:`read` drops it). ``count``: as :meth:`read`."""
+        return self.files.with_fd(namespace, name, use, touch=self.policy == "lru")
+
     def contains(self, namespace: str, name: str) -> bool:
         """Whether block ``name`` of ``namespace`` is cached."""
         return self.files.contains(namespace, name)

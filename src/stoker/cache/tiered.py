@@ -134,6 +134,16 @@ class TieredCache:
             self.stats.disk_hits += count
         return data
 
+    def with_fd(self, namespace: str, name: str, use, count: bool = True):
+        """As :meth:`stoker.cache.disk.DiskCache.with_fd`, on the tier that holds the block (the
+        memory tier's blocks are files too), counted as :meth:`read` counts a hit."""
+        for tier, hits in ((self.memory, "memory_hits"), (self.disk, "disk_hits")):
+            out = tier.with_fd(namespace, name, use)
+            if out is not None:
+                setattr(self.stats, hits, getattr(self.stats, hits) + count)
+                return out
+        return None
+
     def contains(self, namespace: str, name: str) -> bool:
         return self.memory.contains(namespace, name) or self.disk.contains(namespace, name)
 

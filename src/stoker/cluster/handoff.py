@@ -6,10 +6,10 @@ them yet, while the node that owned them before still does. As in distributed ca
 Alluxio, which read from the worker that held a block before the hash ring changed, the new owner
 fills such a block from the *previous owner* (the block's owner under the members before the
 last growth, ``previous`` in the record, :mod:`stoker.cluster.service.records`): a cache-only read of that
-node's cache service (:meth:`stoker.cluster.service.cache_service.CacheService.read_cached`: it never goes to
-the origin for it). Only when that node is gone, does not hold the block, fails or does not
-answer in time does the block come from the origin. The bytes are verified against the index
-like the origin's (:meth:`stoker.store.blocks.BlockReader.fetch_block`).
+node's data endpoint (:mod:`stoker.cluster.service.endpoint`: it never goes to the origin for
+it). Only when that node is gone, does not hold the block, fails or does not answer in time
+does the block come from the origin. The bytes are verified against the index like the
+origin's (:meth:`stoker.store.blocks.BlockReader.fetch_block`).
 
 Two places fill a block: a rank whose node owns it (its :class:`stoker.cluster.service.reader.BlockRouter`
 reads the previous owner first) and the owner's cache service, for a peer's read or a warm-up
@@ -73,33 +73,32 @@ class PriorReads:
     """A cache service's cache-only reads of blocks from their previous owners (module doc).
 
     :meth:`source` gives the store's fill a first source (:data:`stoker.store.blocks.FirstSource`)
-    for one block. A previous owner whose call failed (no service, dead, timed out) is not asked
+    for one block. A previous owner whose read failed (no service, dead, timed out) is not asked
     again for ``retry_s`` seconds, so a node that hangs costs one ``timeout_s`` wait, not one per
-    block. ``lookup``: node id -> the handle of its cache service (ValueError when there is none:
-    :func:`stoker.cluster.service.cache_service.get_service`). Thread-safe (a service fills blocks in many threads).
+    block. ``fetch(node, dref, b, start, stop, timeout_s)``: a cache-only read of that node's
+    cache (the bytes, or None when it does not hold the block; raises when it cannot be reached:
+    :meth:`stoker.cluster.service.cache_service.CacheService._read_prior` reads its data endpoint).
+    Thread-safe (a service fills blocks in many threads).
     """
 
-    def __init__(self, lookup, timeout_s: float = PRIOR_TIMEOUT_S, retry_s: float = PRIOR_RETRY_S):
-        self.lookup = lookup
+    def __init__(self, fetch, timeout_s: float = PRIOR_TIMEOUT_S, retry_s: float = PRIOR_RETRY_S):
+        self.fetch = fetch
         self.timeout_s, self.retry_s = float(timeout_s), float(retry_s)
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def read(self, node: str, dref: dict, b: int, start: int, stop: int, timeout_s: float | None = None):
-        """Shard bytes ``[start, stop)`` of block ``b`` from the cache of ``node``'s service, or None
-        (it does not hold them, or it failed, or it did not answer within ``timeout_s``, default
+        """Shard bytes ``[start, stop)`` of block ``b`` from the cache of ``node``, or None (it does
+        not hold them, or it failed, or it did not answer within ``timeout_s``, default
         :attr:`timeout_s`: logged). Never raises for the peer's faults."""
-        import ray
-
         with self._lock:
             if time.monotonic() < self._down_until.get(node, 0.0):
                 return None
         try:
-            data = ray.get(
-                self.lookup(node).read_cached.remote(dref, int(b), int(start), int(stop)),
-                timeout=self.timeout_s if timeout_s is None else float(timeout_s),
+            data = self.fetch(
+                node, dref, int(b), int(start), int(stop), self.timeout_s if timeout_s is None else float(timeout_s)
             )
-        except (ValueError, ray.exceptions.RayError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any fault of the previous owner: the origin instead
             with self._lock:
                 self._down_until[node] = time.monotonic() + self.retry_s
             log.warning(
@@ -110,7 +109,7 @@ class PriorReads:
                 exc,
             )
             return None
-        if not isinstance(data, bytes) or len(data) != stop - start:
+        if data is None or len(data) != stop - start:
             return None
         return data
 

@@ -232,7 +232,7 @@ class ClusterLoader(Loader):
 def _rank_main(train_fn, spec: dict):
     """One rank: open the dataset through the cluster, run ``train_fn(ctx)``; returns its records."""
     counters = ByteCounters()
-    relay = ds = ctx = None
+    router = ds = ctx = None
     try:
         opts = spec["storage_options"]
         ds = open_on_node(spec["url"], opts, spec["service"], spec["block_bytes"])
@@ -243,7 +243,7 @@ def _rank_main(train_fn, spec: dict):
         counters.size_tags(len(ds.blocks))
         cluster = spec["cluster"]
         args = (spec["node_id"], counters, cluster.peer_timeout_s, cluster.retry_s)
-        ds, relay = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"), spec.get("names"))
+        ds, router = route(ds, opts, spec["members"], spec["owner"], *args, spec.get("prior"), spec.get("names"))
         ctx = WorkerContext(spec, ds, counters)
         if cluster.process_group is not None:
             ctx.init_process_group(cluster.process_group)
@@ -255,8 +255,8 @@ def _rank_main(train_fn, spec: dict):
     finally:
         if ctx is not None:
             ctx.close_process_group()
-        if relay is not None:
-            relay.close()
+        if router is not None:
+            router.close()
         end_registration(ds)  # this Ray worker lives on, pooled: the job's claim on the budget ends here
         counters.close()
 

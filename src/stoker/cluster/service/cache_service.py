@@ -1,9 +1,12 @@
 """The cache service: one Ray actor per node that owns the node's cache and serves it to peers.
 
 Loaders on a node read the node cache directly (files on local disk or in /dev/shm: the cache
-directory is shared by every process of the node); the service is how *other* nodes reach it,
-through Ray's object transfer (bytes in, bytes out: nothing here unpickles origin or peer
-data beyond Ray's own transfer of a ``bytes`` value). It also fills the blocks its node owns
+directory is shared by every process of the node); the service is how *other* nodes reach it.
+Two planes: Ray carries the control plane (membership, placement, leases, fills for ``stoker
+warm``, and where the service's data endpoint listens); a block's bytes never become a Ray
+object: they go out of the service's own data endpoint (:mod:`stoker.cluster.service.endpoint`,
+a TCP listener on the node's cluster address, authenticated with the cluster's secret), with
+``sendfile`` from the cache file. It also fills the blocks its node owns
 from the origin (single flight per block across the node, so a block is read from the origin
 once however many jobs want it) and answers what it holds (for placement, ``stoker warm``
 and the scheduler extender).
@@ -38,12 +41,20 @@ from ..identity import claim_cache_dir, node_label
 from ..membership import RECORD_SETS, merge
 from ..placement import placement_keys  # noqa: F401 - re-exported: its callers import it from here
 from ..registration import LEASE_S, lease
+from . import peerwire as pw
+from .endpoint import DataEndpoint, Reply
+from .peerlinks import PeerLinks
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "stoker"
 #: Concurrent requests one service handles (peer reads and fills, each in its own thread).
 MAX_CONCURRENCY = 16
+#: Where a service's data endpoint listens: ``STOKER_DATA_HOST`` (default the node's cluster
+#: address, as Ray knows it; ``0.0.0.0`` only when set so) and ``STOKER_DATA_PORT`` (default 0:
+#: the port this node's endpoint had before, else any free one), read in the service's process
+#: (the environment of ``ray start`` on that node).
+DATA_HOST_ENV, DATA_PORT_ENV = "STOKER_DATA_HOST", "STOKER_DATA_PORT"
 
 
 def dataset_ref(ds, storage_options: dict | None = None) -> dict:
@@ -88,12 +99,17 @@ class CacheService:
         self._holders: dict[str, set] = {}  # dataset version -> tokens of the running jobs that announced it
         self._datasets: dict = {}
         self._claims: dict[str, dict[str, list[str]]] = {}  # version -> {"members", "known", "previous"}
+        self._by_key: dict[bytes, tuple] = {}  # data-plane dataset key -> (dataset, dref)
+        secret = pw.cluster_secret()
+        self._links = PeerLinks(secret, timeout_s=30.0)  # this service's reads of other services
+        self._addresses: dict[str, tuple[str, int]] = {}  # node id -> its data endpoint
         self._prior = PriorReads(
-            lambda node: get_service(node)
+            self._read_prior
         )  # cache-only reads from blocks' previous owners (stoker.cluster.handoff)
         self._gates: dict = {}  # dataset url -> InflightGate shared by its fills
         self._lock = threading.Lock()
         self._metrics = ServiceMetrics(self.node_name)  # Ray's metrics export (stoker.metrics)
+        self._endpoint = _listen(self, secret, self._claim.path)
 
     # -- datasets ---------------------------------------------------------
     def _open(self, dref: dict):
@@ -119,6 +135,7 @@ class CacheService:
                             f"{url} has content version {ds.version} at the origin, the requester has {version}"
                         )
                     self._datasets[key] = ds
+                    self._by_key[pw.dataset_key(version, dref["block_bytes"])] = (ds, dict(dref))
                     lease(ds, 0.0)  # not read for a job yet (open_dataset registered it for good)
         return ds
 
@@ -155,6 +172,79 @@ class CacheService:
             "cache": self.cache,
         }
 
+    def endpoint(self, dref: dict | None = None) -> tuple[str, int]:
+        """``(host, port)`` of this service's data endpoint, where peers read its blocks
+        (:mod:`stoker.cluster.service.endpoint`); ``dref``: a dataset to open for them first."""
+        if dref is not None:
+            self._open(dref)
+        return self._endpoint.address
+
+    # -- the data endpoint's requests (stoker.cluster.service.endpoint.Handler) -------------
+    def _dataset(self, key: bytes, b: int, start: int, stop: int):
+        """The dataset of data-plane ``key`` and the offset of ``start`` in block ``b``, or
+        ``(None, 0)`` when this service has not opened it. ValueError for a block or range
+        outside the dataset (nothing is read for such a request)."""
+        found = self._by_key.get(key)
+        if found is None:
+            return None, 0
+        ds = found[0]
+        if not 0 <= b < len(ds.blocks):
+            raise ValueError(f"{ds.url} has no block {b} ({len(ds.blocks)} blocks)")
+        lo, hi = int(ds.blocks.start[b]), int(ds.blocks.end[b])
+        if not lo <= start <= stop <= hi:
+            raise ValueError(f"bytes [{start}, {stop}) are not in block {ds.blocks.name(b)} of {ds.url} ([{lo}, {hi}))")
+        return ds, start - lo
+
+    def serve_hit(self, op: int, key: bytes, b: int, start: int, stop: int, reply: Reply) -> bool:
+        """A request answered from this node's cache with ``sendfile`` (True), or False when it
+        needs :meth:`serve` (the block is not cached and ``op`` may fill it). A cache-only read
+        of a block not held is answered ``NOT_HELD``; an unknown dataset ``UNKNOWN_DATASET``."""
+        ds, rel = self._dataset(key, b, start, stop)
+        if ds is None:
+            reply.status(pw.UNKNOWN_DATASET, "dataset not opened by this service")
+            return True
+        self._renew(ds)
+        n = stop - start
+
+        def send(fd: int) -> bool:
+            if os.fstat(fd).st_size < rel + n:  # a damaged block: serve() reads it, drops it and fills again
+                return False
+            reply.file(pw.FROM_CACHE, fd, rel, n)
+            return True
+
+        if ds.cache.with_fd(ds.version, ds.blocks.name(b), send):
+            self._metrics.served_bytes(n, "cache")
+            return True
+        if op == pw.CACHED and not ds.cache.contains(ds.version, ds.blocks.name(b)):
+            reply.status(pw.NOT_HELD)
+            return True
+        return False
+
+    def serve(
+        self, op: int, key: bytes, b: int, start: int, stop: int, prior: str | None, wait_s: float, reply: Reply
+    ) -> None:
+        """A request that :meth:`serve_hit` could not answer, in the endpoint's pool: the block is
+        filled first (:meth:`read`), or a cache-only read answers what the cache holds now."""
+        ds, _ = self._dataset(key, b, start, stop)
+        if ds is None:
+            reply.status(pw.UNKNOWN_DATASET, "dataset not opened by this service")
+            return
+        dref = self._by_key[key][1]
+        if op == pw.CACHED:
+            data = self.read_cached(dref, b, start, stop)
+            if data is None or len(data) != stop - start:
+                reply.status(pw.NOT_HELD)
+            else:
+                reply.data(pw.FROM_CACHE, data)
+            return
+        source, data = self.read(dref, b, start, stop, prior, wait_s or None)
+        reply.data(pw.STATUS_OF[source], data)
+
+    def open(self, dref: dict) -> bytes:
+        """Open the dataset of ``dref`` for the data endpoint's requests; its key."""
+        self._open(dref)
+        return pw.dataset_key(dref["version"], dref["block_bytes"])
+
     def read(
         self,
         dref: dict,
@@ -164,12 +254,13 @@ class CacheService:
         prior: str | None = None,
         prior_timeout_s: float | None = None,
     ):
-        """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block).
+        """Shard bytes ``[start, stop)`` of block ``b`` (a range inside the block), for the data
+        endpoint (not called by peers through Ray: block bytes never travel as Ray objects).
 
         Returns ``(source, data)``: source ``"cache"`` when this node held the block (also when
         another fill brought it in while this read waited for it), ``"handoff"`` when it filled
         it from ``prior``, the node that owned the block before the dataset's members last grew
-        (a cache-only read of that node's service, waited for at most ``prior_timeout_s``,
+        (a cache-only read of that node's data endpoint, waited for at most ``prior_timeout_s``,
         default :data:`stoker.cluster.handoff.PRIOR_TIMEOUT_S`: :mod:`stoker.cluster.handoff`),
         ``"origin"`` when it had to fetch it from the origin (the block is then admitted here if
         the budget allows, so the next reader of any job finds it). Errors (origin, checksum)
@@ -183,14 +274,14 @@ class CacheService:
         data = ds.cache.read(version, name, rel, stop - start)
         if data is not None:
             self._metrics.served_bytes(stop - start, "cache")
-            return "cache", bytes(data)
+            return "cache", data
         first, got = self._prior.source(ds, dref, prior if prior != self.node_id else None, prior_timeout_s)
         status, block = ds.reader.fill_block(b, blocking=True, first_source=first)
         if block is None:  # this node's budget is full: pass the range through
             shard = ds.index.shard_name(ds.blocks.shard[b])
-            out = bytes(ds.origin.read_range(shard, start, stop))
+            out = ds.origin.read_range(shard, start, stop)
         else:
-            out = bytes(memoryview(block)[rel : rel + stop - start])
+            out = memoryview(block)[rel : rel + stop - start]
         source = (
             "cache"
             if status == "cached"
@@ -199,17 +290,31 @@ class CacheService:
         self._metrics.served_bytes(len(out), source)
         return source, out
 
-    def read_cached(self, dref: dict, b: int, start: int, stop: int) -> bytes | None:
+    def read_cached(self, dref: dict, b: int, start: int, stop: int):
         """Shard bytes ``[start, stop)`` of block ``b`` when this node's cache holds the block, else
-        None: never from the origin (a handoff to the block's new owner,
-        :mod:`stoker.cluster.handoff`)."""
+        None: never from the origin (what a handoff asks of a previous owner,
+        :mod:`stoker.cluster.handoff`; peers ask it over the data endpoint)."""
         ds = self._open(dref)
         self._renew(ds)
         data = ds.cache.read(ds.version, ds.blocks.name(b), start - int(ds.blocks.start[b]), stop - start)
         if data is None:
             return None
         self._metrics.served_bytes(stop - start, "cache")
-        return bytes(data)
+        return data
+
+    def _read_prior(self, node: str, dref: dict, b: int, start: int, stop: int, timeout_s: float):
+        """A cache-only read of block ``b`` from the data endpoint of ``node`` (its address asked
+        of its service through Ray once): the bytes, or None when it does not hold the block.
+        Raises PeerUnavailable or a Ray error when it is unreachable."""
+        addr = self._addresses.get(node)
+        if addr is None:
+            addr = self._addresses[node] = tuple(ray.get(get_service(node).endpoint.remote(dref), timeout=timeout_s))
+        try:
+            source, data = self._links.read(addr, node_label(node), dref, pw.CACHED, b, start, stop)
+        except Exception:
+            self._addresses.pop(node, None)  # asked again next time: it may have restarted elsewhere
+            raise
+        return None if source is None else data
 
     def fill(self, dref: dict, blocks: list[int], concurrency: int = 8, prior: dict | None = None) -> dict:
         """Fill ``blocks`` (block ids) from the origin into this node's cache, at least
@@ -350,6 +455,43 @@ class CacheService:
 
     def ping(self) -> str:
         return self.node_id
+
+    def close(self) -> None:
+        """Stop the data endpoint and close this service's connections to others (a service in
+        a test process; a service actor ends with its process)."""
+        self._endpoint.close()
+        self._links.close()
+
+
+def _listen(handler, secret: bytes, node_dir: str) -> DataEndpoint:
+    """The data endpoint of a service (module doc; :data:`DATA_HOST_ENV`): on the port this node's
+    endpoint had before (kept in ``<node cache dir>/.data-endpoint``, so a restarted service is
+    found where its peers' links left it) when free, else any. ServiceStartError when a
+    configured address cannot be bound."""
+    host = os.environ.get(DATA_HOST_ENV) or ray.util.get_node_ip_address()
+    wanted = os.environ.get(DATA_PORT_ENV)
+    record = os.path.join(node_dir, ".data-endpoint")
+    if wanted:
+        try:
+            return DataEndpoint(handler, secret, host, int(wanted))
+        except (OSError, ValueError) as exc:
+            raise ServiceStartError(f"data endpoint cannot listen on {host}:{wanted} ({DATA_PORT_ENV}): {exc}") from exc
+    try:
+        with open(record) as f:
+            before = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        before = 0
+    try:
+        ep = DataEndpoint(handler, secret, host, before)
+    except OSError:
+        ep = DataEndpoint(handler, secret, host, 0)
+    if ep.port != before:
+        try:
+            with open(record, "w") as f:
+                f.write(str(ep.port))
+        except OSError as exc:
+            log.warning("cannot record the data endpoint's port in %s: %s", record, exc)
+    return ep
 
 
 def _used_bytes(cache: CacheOptions) -> int:

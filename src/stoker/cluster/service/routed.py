@@ -14,7 +14,7 @@ import ray
 from ...store.blocks import BlockReader
 from ..counters import ByteCounters
 from .cache_service import dataset_ref, get_service
-from .reader import BlockRouter, Relay
+from .reader import BlockRouter
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,13 @@ def route(
     prior: np.ndarray | None = None,
     names: list[str] | None = None,
 ) -> tuple:
-    """``(routed dataset, relay)``: a view of ``ds`` whose reads go node cache -> owning peer ->
+    """``(routed dataset, router)``: a view of ``ds`` whose reads go node cache -> owning peer ->
     origin (``owner``: the member index owning each block; ``node``: this rank's node id, -1 as
     member when it is none; ``prior``: each block's previous owner, -1: none,
     :func:`stoker.cluster.handoff.prior_owner`; ``names``: how messages name each member,
     :func:`stoker.cluster.identity.node_label`), counted in ``counters``; every peer looked up and called once, off
-    the read path; the :class:`stoker.cluster.service.reader.Relay` serving the rank's worker processes
-    (the caller closes it)."""
+    the read path; the :class:`stoker.cluster.service.reader.BlockRouter` (the caller closes it: its
+    connections to the peers' data endpoints)."""
     router = BlockRouter(
         dataset_ref(ds, storage_options),
         members,
@@ -64,8 +64,7 @@ def route(
     )
     routed = ds.with_reader(BlockReader(ds, router=router))
     router.connect()
-    relay: Relay = router.start_relay()
-    return routed, relay
+    return routed, router
 
 
 def announce(nodes: list[str], method: str, dref: dict, token: str, timeout_s: float = 10.0) -> None:

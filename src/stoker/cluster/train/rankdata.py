@@ -16,7 +16,7 @@ context from inside a rank:
    (:func:`stoker.cluster.schedule.colocated_plans`: exactly once per epoch, equal counts);
 4. each rank opens the dataset through its node cache with a :class:`BlockRouter` (node cache
    → owning peer → origin; a block whose owner changed when the members last grew from its
-   previous owner first, :mod:`stoker.cluster.handoff`) and the relay for its loader's worker processes.
+   previous owner first, :mod:`stoker.cluster.handoff`) with its connections to the peers' data endpoints.
 
 The context owns what step 4 made and ends it (:meth:`RankContext.close`; this folder's README.md).
 """
@@ -181,7 +181,7 @@ def rank_context(
 def _open(url, opts, rank, world, node, rank_nodes, layout, job, cluster: ClusterOptions) -> RankContext:
     """Step 4 of the module doc: the rank's routed dataset and its context."""
     ds = open_on_node(url, opts, layout["services"].get(node), layout["block_bytes"])
-    counters = relay = None
+    counters = router = None
     try:
         if ds.version != layout["version"]:
             raise RankSetupError(
@@ -194,7 +194,7 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, cluster: Cluste
         owner = place_dataset(ds, layout["keys"], layout["budgets"])
         prior = prior_owner(ds, members, owner, layout.get("previous"))  # blocks to hand off
         args = (counters, cluster.peer_timeout_s, cluster.retry_s, prior, layout.get("names"))
-        routed, relay = route(ds, opts, members, owner, node, *args)
+        routed, router = route(ds, opts, members, owner, node, *args)
         index_of = {m: i for i, m in enumerate(members)}
         spec = {
             "rank": rank,
@@ -208,20 +208,20 @@ def _open(url, opts, rank, world, node, rank_nodes, layout, job, cluster: Cluste
             "owner": owner,
         }
         hold = (layout["nodes"], dataset_ref(ds, opts), layout["token"]) if rank == 0 else None
-        return RankContext(spec, routed, counters, relay, hold)
+        return RankContext(spec, routed, counters, router, hold)
     except BaseException:
-        if relay is not None:
-            relay.close()
+        if router is not None:
+            router.close()
         if counters is not None:
             counters.close()
         end_registration(ds)
         raise
 
 
-def _close_parts(relay, ds, counters, hold) -> None:
+def _close_parts(router, ds, counters, hold) -> None:
     """End what a :class:`RankContext` owns (its finalizer: no reference to the context)."""
     try:
-        relay.close()
+        router.close()
         end_registration(ds)
         counters.close()
     finally:
@@ -238,14 +238,14 @@ class RankContext(WorkerContext):
     tasks; a Ray Train ``TorchTrainer`` worker has one).
 
     :meth:`close` (or leaving a ``with`` block, dropping the context, the end of the process) ends
-    its relay, its byte counters, its registration on the node cache and, on rank 0, the job's
+    its connections to the peers, its byte counters, its registration on the node cache and, on rank 0, the job's
     hold on the cache services. Its loaders cannot start an epoch after that
     (:class:`stoker.errors.RankSetupError`).
     """
 
-    def __init__(self, spec: dict, dataset, counters: ByteCounters, relay, hold):
+    def __init__(self, spec: dict, dataset, counters: ByteCounters, router, hold):
         super().__init__(spec, dataset, counters)
-        self._finalizer = weakref.finalize(self, _close_parts, relay, dataset, counters, hold)
+        self._finalizer = weakref.finalize(self, _close_parts, router, dataset, counters, hold)
 
     @property
     def closed(self) -> bool:
