@@ -100,7 +100,7 @@ DEFAULTS: dict[str, PathCost] = {
 }
 
 #: A node's CPU cores when neither ``--cores-per-node`` nor ``--decode-cores`` says otherwise.
-DEFAULT_NODE_CORES = (40, "assumption: a DGX-1's 40 CPU cores (2x Xeon E5-2698 v4), as decode_cores")
+DEFAULT_NODE_CORES = (40, "assumption: a DGX-1's 40 CPU cores (2x Xeon E5-2698 v4), decode_cores' default too")
 
 #: The processes of ``stoker bench io``'s peer rows (``cpu_s_by_process``) on each end.
 PEER_ROLES = {"peer_send": ("service", "raylet A"), "peer_receive": ("rank", "raylet B", "relay child")}

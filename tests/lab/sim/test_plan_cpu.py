@@ -291,3 +291,17 @@ def test_the_tdcs_setup_moves_peer_bytes_on_about_eleven_cores_a_node_under_pres
         "presence": "CPU",
         "colocated": "GPUs",
     }
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--cores-per-node", "0"], "stoker simulate: --cores-per-node must be >= 1, got 0"),
+        (["--decode-cores", "8", "--cores-per-node", "4"], "--decode-cores 8 is more than the node's cores"),
+        (["--cpu-costs", "/nonexistent/io.json"], "stoker simulate: --cpu-costs /nonexistent/io.json: no such file"),
+    ],
+)
+def test_simulate_tdcs_refuses_bad_cpu_input_in_one_line(capsys, extra, needle):
+    assert main(["simulate", "tdcs", "--samples", "100", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
