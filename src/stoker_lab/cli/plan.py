@@ -201,6 +201,7 @@ def inputs(a) -> tuple:
     if a.decode_rate is not None:
         cfg.decode_rate = number(a.decode_rate, "--decode-rate", 0, strict=True)
         src["decode_rate"] = "given (--decode-rate)"
+    cpu_inputs(a, cfg, src)
     if a.peer_latency is not None:
         cfg.peer_latency_ms = latency(a.peer_latency, "--peer-latency") * 1e3
         src["peer_latency_ms"] = f"given (--peer-latency {a.peer_latency})"
@@ -226,6 +227,23 @@ def inputs(a) -> tuple:
             "on the CPU clock over 64 sample photos (stoker_lab.decode_rate.measure_decode_rounds)"
         )
     return cfg, cache, disk, src
+
+
+def cpu_inputs(a, cfg, src: dict[str, str]) -> None:
+    """Set ``cfg``'s node cores and decode cores (``--cores-per-node`` and ``--decode-cores``, the one
+    given setting the other: :func:`stoker_lab.sim.byte_cpu.node_cores`) and, with ``--cpu-costs
+    PATH``, each byte path's CPU-s/GB from that ``stoker bench io --json`` report
+    (:func:`stoker_lab.sim.byte_cpu.from_bench_io`), their sources into ``src``. Raises ValueError
+    naming the option."""
+    from ..sim.byte_cpu import FIELDS, from_bench_io, node_cores
+
+    given = int(number(a.cores_per_node, "--cores-per-node", 1, integer=True)) if a.cores_per_node is not None else None
+    cfg.cores_per_node, cfg.decode_cores, why = node_cores(given, cfg.decode_cores, a.decode_cores is not None)
+    src |= why
+    if a.cpu_costs is not None:
+        for path, cost in from_bench_io(a.cpu_costs).items():
+            setattr(cfg, FIELDS[path], cost.cpu_s_per_GB)
+            src[FIELDS[path]] = cost.source
 
 
 def setups(text: str | None) -> tuple[str, ...]:
@@ -277,7 +295,7 @@ def add_parsers(sub) -> None:
     d = TdcsConfig()
     p = sub.add_parser(
         "plan",
-        help="capacity planner: cache per node, GPU utilisation and bottleneck for direct reads, "
+        help="capacity planner: cache per node, GPU utilisation, cores moving bytes and bottleneck for direct reads, "
         "presence-only affinity and co-located scheduling (the cluster model)",
         description="Sizes as 140GB or 2TiB, link rates as 10Gbit, 400Mbit/s or 1.25GB/s, latencies as "
         "20ms. Every assumption is printed with its source.",
@@ -296,10 +314,25 @@ def add_parsers(sub) -> None:
     p.add_argument("--origin-latency", help=f"per request to the remote store (default {d.store_latency_ms:g}ms)")
     p.add_argument("--nic", help=f"each node's NIC, per direction (default {d.nic_gbit:g}Gbit)")
     p.add_argument("--cache-read", help=f"each node's cache read bandwidth (default {d.cache_read_GBps:g}GB/s)")
-    p.add_argument("--decode-cores", help=f"decode cores per node, >= 0 (default {d.decode_cores}; 0: decode is free)")
+    p.add_argument(
+        "--decode-cores",
+        help=f"decode cores per node, >= 0 (default: --cores-per-node if given, else {d.decode_cores}; 0: decode "
+        "is free)",
+    )
     p.add_argument("--decode-rate", help=f"samples/s per decode core, > 0 (default {d.decode_rate:g})")
     p.add_argument("--measure", action="store_true", help="measure this machine's decode rate per core (a few s)")
     p.add_argument("--peer-latency", help=f"per request to a peer's cache (default {d.peer_latency_ms:g}ms)")
+    p.add_argument(
+        "--cores-per-node",
+        help=f"CPU cores of a node, which decoding and moving bytes share, >= 1 (default: --decode-cores if "
+        f"given, else {d.cores_per_node}; given alone, decoding has them all)",
+    )
+    p.add_argument(
+        "--cpu-costs",
+        metavar="PATH",
+        help="a stoker bench io --json report: the CPU-s/GB of each byte path measured there (origin to cache, "
+        "peer send, peer receive, cache to worker); a figure it lacks keeps its default",
+    )
     p.add_argument(
         "--no-read-ahead",
         action="store_true",
@@ -333,6 +366,8 @@ _WHAT = {
     "--samples": "a number of samples, >= 1",
     "--epochs": "a number of epochs, >= 1",
     "--decode-cores": "a number of cores, >= 0",
+    "--cores-per-node": "a number of cores, >= 1",
+    "--cpu-costs": "a stoker bench io --json report",
     "--gpu-rate": "samples/s, > 0",
     "--decode-rate": "samples/s, > 0",
 }

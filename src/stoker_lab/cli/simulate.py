@@ -37,7 +37,7 @@ TDCS_NUMBERS = (
     ("jobs", 1, False),
 )
 #: Options of ``tdcs`` alone and of ``--validate`` alone (dests).
-TDCS_ONLY = (*(d for d, *_ in TDCS_NUMBERS), "scaling", "quick_scaling", "plot")
+TDCS_ONLY = (*(d for d, *_ in TDCS_NUMBERS), "cores_per_node", "cpu_costs", "scaling", "quick_scaling", "plot")
 VALIDATE_ONLY = ("netns", "calibration", "made_up_layout", "demo")
 
 
@@ -203,6 +203,7 @@ def tdcs_config(a):
     sources = {k: f"given on the command line (the default, {base[k]['value']:g}: {base[k]['source']})" for k in given}
     if cfg.decode_cores == 0:
         sources["decode_cores"] = "given on the command line: 0, decoding costs nothing (the model leaves it out)"
+    sources |= cpu_config(a, cfg)
     if a.decode_rate is not None:
         sources["decode_rate"] = "--decode-rate"
         return cfg, sources
@@ -221,6 +222,23 @@ def tdcs_config(a):
     return cfg, sources
 
 
+def cpu_config(a, cfg) -> dict[str, str]:
+    """Set ``cfg``'s node cores and decode cores (``--cores-per-node`` and ``--decode-cores``, the one
+    given setting the other: :func:`stoker_lab.sim.byte_cpu.node_cores`) and, with ``--cpu-costs
+    PATH``, each byte path's CPU-s/GB from that ``stoker bench io --json`` report
+    (:func:`stoker_lab.sim.byte_cpu.from_bench_io`); return their sources. Raises ValueError naming the option."""
+    from ..sim.byte_cpu import FIELDS, from_bench_io, node_cores
+
+    cfg.cores_per_node, cfg.decode_cores, sources = node_cores(
+        a.cores_per_node, cfg.decode_cores, a.decode_cores is not None
+    )
+    if a.cpu_costs is not None:
+        for path, cost in from_bench_io(a.cpu_costs).items():
+            setattr(cfg, FIELDS[path], cost.cpu_s_per_GB)
+            sources[FIELDS[path]] = cost.source
+    return sources
+
+
 def cmd_tdcs(a) -> int:
     """``stoker simulate tdcs``: the four setups at the configured scale (and ``--scaling``)."""
     from ..sim.scaling import plot, scaling
@@ -237,14 +255,18 @@ def cmd_tdcs(a) -> int:
     print("assumptions:")
     for k, v in report["assumptions"].items():
         print(f"  {k} = {v['value']}   ({v['source']})")
-    print("| setup | epoch | GPUs | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB | busiest |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| setup | epoch | GPUs | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB "
+        "| byte-moving cores/node | decode cores/node | busiest |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         b, u = r["bytes"], r["gpu_utilization"]
         print(
             f"| {r['setup']} | {r['epoch']} | {r['gpus']} | {r['epoch_s']:.1f} | "
             f"{'n/a' if u is None else f'{u:.2f}'} | {b['origin'] / 1e9:.1f} | {b['host_to_host'] / 1e9:.1f} | "
-            f"{b['local'] / 1e9:.1f} | {r['bottleneck']['name']} |"
+            f"{b['local'] / 1e9:.1f} | {r['byte_cores_per_node']['total']:.1f} | {r['decode_cores_per_node']:.1f} | "
+            f"{r['bottleneck']['name']} |"
         )
     print(json.dumps(report["summary"]))
     if a.scaling:
@@ -339,7 +361,8 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--decode-cores",
         type=int,
-        help=f"per node, >= 0 (default {d.decode_cores}); 0: decode costs nothing (the model leaves decoding out)",
+        help=f"per node, >= 0 (default: --cores-per-node if given, else {d.decode_cores}); 0: decode costs nothing "
+        "(the model leaves decoding out)",
     )
     t.add_argument(
         "--decode-rate",
@@ -347,6 +370,18 @@ def add_parsers(sub) -> None:
         help="samples/s per core, > 0 (default: from --decode's report, else a built-in figure)",
     )
     t.add_argument("--peer-latency-ms", type=float, help=f"per peer request, >= 0 (default {d.peer_latency_ms:g})")
+    t.add_argument(
+        "--cores-per-node",
+        type=int,
+        help=f"CPU cores of a node, which decoding and moving bytes share, >= 1 (default: --decode-cores if "
+        f"given, else {d.cores_per_node}; given alone, decoding has them all)",
+    )
+    t.add_argument(
+        "--cpu-costs",
+        metavar="PATH",
+        help="a stoker bench io --json report: the CPU-s/GB of each byte path measured there (origin to cache, "
+        "peer send, peer receive, cache to worker); a figure it lacks keeps its default",
+    )
     t.add_argument("--epochs", type=int, help=f">= 1 (default {d.epochs})")
     t.add_argument(
         "--jobs",

@@ -7,7 +7,8 @@ decisions, calibrated and validated on measured runs (``stoker simulate``).
 - :mod:`.decide`: placement, owners, read plans, order and budget from stoker's own functions;
 - :mod:`.model`: ranks reading their plans through caches, peers and the origin;
 - :mod:`.calibrate`, :mod:`.validate`: parameters from measurements; predicted against measured;
-- :mod:`.tdcs`, :mod:`.scaling`: the TDCS paper's experiment and curves past it.
+- :mod:`.tdcs`, :mod:`.scaling`: the TDCS paper's experiment and curves past it;
+- :mod:`.byte_cpu`: the CPU-s/GB of each byte path and the cores per node moving bytes;
 - :mod:`.plan`, :mod:`.plan_report`: ``stoker plan``, the setups on a user's figures and the
   smallest cache per node.
 

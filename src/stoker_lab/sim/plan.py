@@ -4,8 +4,10 @@ The user's figures (dataset, nodes, accelerators, cache, links) become a
 :class:`~stoker_lab.sim.tdcs_config.TdcsConfig`, and the three setups a user chooses between run
 on it through :func:`stoker_lab.sim.tdcs.run_setup` (no second model): ``direct`` (remote reads,
 no cache), ``presence`` (presence-only affinity) and ``colocated`` (stoker's co-located
-scheduling). Each epoch gets its time, GPU utilisation, bytes per kind of link and bottleneck
-(:func:`stoker_lab.sim.tdcs.bottleneck`).
+scheduling). Each epoch gets its time, GPU utilisation, bytes per kind of link, the cores per node
+that moving those bytes takes (:mod:`stoker_lab.sim.byte_cpu`) and bottleneck
+(:func:`stoker_lab.sim.tdcs.bottleneck`: ``CPU`` where moving bytes and decoding need more cores
+than a node has).
 
 The smallest cache per node that keeps the GPUs at least :data:`TARGET_UTILIZATION` busy after the
 first epoch is found by bisection on the model (:func:`min_cache`), each point a cold epoch and one
@@ -30,6 +32,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+from .byte_cpu import PATHS
 from .scaling import SCALING_EPOCHS
 from .tdcs import TdcsConfig, assumptions, run_setup, workload
 from .workload import Workload
@@ -184,6 +187,9 @@ def _setup_report(rows: list[dict]) -> dict:
         "epoch_s": [r["epoch_s"] for r in rows],
         "gpu_utilization": [r["gpu_utilization"] for r in rows],
         "bytes": {k: [r["bytes"][k] for r in rows] for k in kinds},
+        "byte_cores_per_node": [r["byte_cores_per_node"]["total"] for r in rows],
+        "byte_cores_by_path": {k: [r["byte_cores_per_node"][k] for r in rows] for k in PATHS},
+        "decode_cores_per_node": [r["decode_cores_per_node"] for r in rows],
         "bottleneck": [r["bottleneck"]["name"] for r in rows],
         "resource_utilization": [r["bottleneck"]["utilization"] for r in rows],
     }
@@ -205,7 +211,11 @@ def plan(
     ``assumptions``: every parameter ``{name: {value, source}}`` (``sources`` override the TDCS
     defaults'). ``setups``: for each setup run, per epoch ``epoch_s`` (seconds),
     ``gpu_utilization``, ``bytes`` (``{origin|host_to_host|local: [bytes per epoch]}``),
-    ``bottleneck`` (the busiest resource's name) and ``resource_utilization`` (each resource's).
+    ``byte_cores_per_node`` (cores per node moving bytes at the epoch's pace, from the assumptions'
+    ``*_cpu_s_per_GB``: :func:`stoker_lab.sim.byte_cpu.byte_cores`), ``byte_cores_by_path``
+    (``{fill|peer_send|peer_receive|warm_read: [cores]}``), ``decode_cores_per_node`` (decode cores
+    busy), ``bottleneck`` (the busiest resource's name; ``CPU`` where byte-moving and decode cores
+    need more than ``cores_per_node``) and ``resource_utilization`` (each resource's).
     ``min_cache_per_node_bytes``: per setup the smallest cache per node for at least
     :data:`TARGET_UTILIZATION` after the first epoch (:func:`min_cache`, searched up to the node
     disk ``disk_bytes`` if given, else the whole dataset; ``direct`` has no cache: 0 when it

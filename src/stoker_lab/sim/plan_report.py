@@ -4,7 +4,11 @@ against cache per node (:func:`plot`). The report itself is :func:`stoker_lab.si
 
 from __future__ import annotations
 
+from .byte_cpu import FIELDS, PATHS
 from .plan import TARGET_UTILIZATION
+
+#: The byte paths as the report's lines name them.
+_PATH_NAMES = {"fill": "fill", "peer_send": "peer send", "peer_receive": "peer receive", "warm_read": "warm read"}
 
 
 def _size(n: float | None) -> str:
@@ -14,8 +18,9 @@ def _size(n: float | None) -> str:
 def text(report: dict) -> str:
     """The plan as text: every assumption with its source, what each setup models (and the bench
     placement it stands for), one table row per setup and epoch
-    (seconds, GPU utilisation, GB per kind of link, bottleneck), the smallest cache per node per
-    setup and whether co-located scheduling changes it."""
+    (seconds, GPU utilisation, GB per kind of link, byte-moving and decode cores per node,
+    bottleneck), what the byte-moving cores are made of (:func:`cpu_lines`), the smallest cache
+    per node per setup and whether co-located scheduling changes it."""
     out = ["assumptions:"]
     for k, v in report["assumptions"].items():
         val = v["value"]
@@ -29,8 +34,9 @@ def text(report: dict) -> str:
             out.append(f"  {s}: {n['model']}; {bench} ({n['differs']})")
     out += [
         "",
-        "| setup | epoch | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB | bottleneck |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setup | epoch | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB "
+        "| byte-moving cores/node | decode cores/node | bottleneck |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s, r in report["setups"].items():
         b = r["bytes"]
@@ -38,8 +44,10 @@ def text(report: dict) -> str:
             u = r["gpu_utilization"][e]
             out.append(
                 f"| {s} | {e} | {secs:.1f} | {'n/a' if u is None else f'{u:.2f}'} | {b['origin'][e] / 1e9:.1f} | "
-                f"{b['host_to_host'][e] / 1e9:.1f} | {b['local'][e] / 1e9:.1f} | {r['bottleneck'][e]} |"
+                f"{b['host_to_host'][e] / 1e9:.1f} | {b['local'][e] / 1e9:.1f} | {r['byte_cores_per_node'][e]:.1f} | "
+                f"{r['decode_cores_per_node'][e]:.1f} | {r['bottleneck'][e]} |"
             )
+    out += ["", *cpu_lines(report)]
     out += ["", f"smallest cache per node for >= {TARGET_UTILIZATION:.0%} GPU utilisation after the first epoch:"]
     for s, n in report["min_cache_per_node_bytes"].items():
         note = " (no cache: 0 when remote reads alone keep the GPUs busy)" if s == "direct" else ""
@@ -50,6 +58,33 @@ def text(report: dict) -> str:
     else:
         out.append(f"co-located scheduling {'changes' if ch['changes'] else 'does not change'} it: {ch['why']}")
     return "\n".join(out)
+
+
+def cpu_lines(report: dict) -> list[str]:
+    """What the byte-moving cores are made of: the cost of each byte path (the assumptions'), the
+    formula, and per setup the cores by path of its epoch that moves bytes on the most cores,
+    against the node's cores."""
+    a = report["assumptions"]
+    costs = {p: a[FIELDS[p]]["value"] for p in PATHS}
+    cores = a["cores_per_node"]["value"]
+    out = [
+        "byte-moving cores per node = bytes per node and second on each path x its CPU-s/GB "
+        f"(fill {costs['fill']:g}, peer send {costs['peer_send']:g}, peer receive {costs['peer_receive']:g}, "
+        f"warm read {costs['warm_read']:g}; sources above); CPU is the bottleneck where they and the decode "
+        f"cores need more than the node's {cores} cores. Per setup, its epoch with the most:"
+    ]
+    for s, r in report["setups"].items():
+        if not r["epoch_s"]:
+            continue
+        e = max(range(len(r["epoch_s"])), key=lambda i: r["byte_cores_per_node"][i])
+        parts = ", ".join(f"{_PATH_NAMES[p]} {r['byte_cores_by_path'][p][e]:.2f}" for p in PATHS)
+        used = r["byte_cores_per_node"][e] + r["decode_cores_per_node"][e]
+        out.append(
+            f"  {s}, epoch {e}: {r['byte_cores_per_node'][e]:.2f} cores moving bytes ({parts}) + "
+            f"{r['decode_cores_per_node'][e]:.2f} decoding = {used:.2f} of {cores}"
+            + (" (CPU short)" if r["bottleneck"][e] == "CPU" else "")
+        )
+    return out
 
 
 def plot(report: dict, path: str) -> None:

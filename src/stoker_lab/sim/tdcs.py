@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
+from .byte_cpu import DEFAULT_NODE_CORES, DEFAULTS, FIELDS, PATHS, byte_cores, cpu_utilization
 from .decide import SETUPS
 from .model import Job, Params, simulate
 from .tdcs_config import IMAGENET_MEAN_BYTES, IMAGENET_SAMPLES, V100_RESNET50_RATE, TdcsConfig  # noqa: F401
@@ -50,6 +51,8 @@ def assumptions(cfg: TdcsConfig, sources: dict[str, str] | None = None) -> dict:
         "read_ahead": "stoker's Loader reads ahead of the GPU (prefetch_bytes, store_concurrency requests in "
         "flight); False: each rank reads one sample at a time, decodes it and waits for its GPU step before the "
         "next read (time per sample = read + decode + 1 / gpu_rate)",
+        "cores_per_node": DEFAULT_NODE_CORES[1],
+        **{FIELDS[p]: DEFAULTS[p].source for p in PATHS},
     }
     src |= sources or {}
     return {k: {"value": v, "source": src.get(k, "")} for k, v in asdict(cfg).items()}
@@ -120,9 +123,14 @@ def params(cfg: TdcsConfig, setup: str, wl: Workload) -> Params:
     )
 
 
-def bottleneck(p: Params, link_bytes: dict, seconds: float, decode_s: float, gpu_util: float | None) -> dict:
+def bottleneck(
+    p: Params, link_bytes: dict, seconds: float, decode_s: float, gpu_util: float | None, cpu: float = 0.0
+) -> dict:
     """The busiest resource of an epoch: utilisation (busy / available) of the origin link,
-    the busiest NIC direction and cache, the decode cores and the GPUs; ``name`` the highest."""
+    the busiest NIC direction and cache, the decode cores, the GPUs and the node's ``CPU`` (``cpu``:
+    byte-moving and decode cores over the node's, :func:`stoker_lab.sim.byte_cpu.cpu_utilization`).
+    ``name``: ``CPU`` when it is over 1 (the model gives moving bytes no CPU, so only there does it
+    say the node's cores cannot keep the epoch's pace), else the highest of the others."""
 
     def most(prefix: str, cap: float) -> float:
         vals = [v for k, v in link_bytes.items() if k.startswith(prefix)]
@@ -136,13 +144,18 @@ def bottleneck(p: Params, link_bytes: dict, seconds: float, decode_s: float, gpu
         "decode cores": decode_s / (p.decode_cores * p.nodes * seconds) if p.decode_cores and seconds > 0 else 0.0,
         "GPUs": gpu_util or 0.0,
     }
-    return {"name": max(util, key=lambda k: util[k]), "utilization": util}
+    name = "CPU" if cpu > 1 else max(util, key=lambda k: util[k])
+    return {"name": name, "utilization": util | {"CPU": cpu}}
 
 
 def run_setup(cfg: TdcsConfig, setup: str, wl: Workload | None = None) -> list[dict]:
     """Rows of one setup (:data:`stoker_lab.sim.decide.SETUPS` or :data:`EXTRA_SETUPS`): per job
     and epoch, ``setup``, ``nodes``, ``gpus``, ``jobs``, ``job``, ``epoch``, ``epoch_s``,
-    ``gpu_utilization``, ``bytes`` (per kind of link) and ``bottleneck``."""
+    ``gpu_utilization``, ``bytes`` (per kind of link), ``byte_cores_per_node`` (cores per node
+    moving bytes, per path and ``total``: :func:`stoker_lab.sim.byte_cpu.byte_cores` at
+    ``cfg``'s costs; jobs run together: the group's bytes over this job's seconds),
+    ``decode_cores_per_node`` (decode core-seconds per node and second) and ``bottleneck``
+    (:func:`bottleneck`, the node's CPU against ``cfg.cores_per_node``)."""
     wl = wl or workload(cfg)
     p = params(cfg, setup, wl)
     gpus = cfg.nodes * cfg.gpus_per_node
@@ -151,6 +164,9 @@ def run_setup(cfg: TdcsConfig, setup: str, wl: Workload | None = None) -> list[d
     jobs = [Job(f"job{j + 1}", gpus // cfg.jobs, cfg.seed + 1 + j) for j in range(cfg.jobs)]
     rows = []
     for r in simulate(p, wl, model_setup(setup), jobs, cfg.epochs):
+        moving = byte_cores(cfg.cpu_costs(), r.bytes, cfg.nodes, r.seconds)
+        decoding = r.decode_s / cfg.nodes / r.seconds if r.seconds > 0 else 0.0
+        cpu = cpu_utilization(moving["total"], decoding, cfg.cores_per_node)
         rows.append(
             {
                 "setup": setup,
@@ -163,7 +179,9 @@ def run_setup(cfg: TdcsConfig, setup: str, wl: Workload | None = None) -> list[d
                 "gpu_utilization": r.gpu_utilization,
                 "bytes": r.bytes,
                 "cache_fraction": cfg.cache_fraction,
-                "bottleneck": bottleneck(p, r.link_bytes, r.seconds, r.decode_s, r.gpu_utilization),
+                "byte_cores_per_node": moving,
+                "decode_cores_per_node": decoding,
+                "bottleneck": bottleneck(p, r.link_bytes, r.seconds, r.decode_s, r.gpu_utilization, cpu),
             }
         )
     return rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .byte_cpu import DEFAULT_NODE_CORES, DEFAULTS, FIELDS
+
 __all__ = ["GPU_MODELS", "IMAGENET_MEAN_BYTES", "IMAGENET_SAMPLES", "V100_RESNET50_RATE", "TdcsConfig"]
 
 #: ImageNet-1k (ILSVRC-2012) train samples (Russakovsky et al., IJCV 2015).
@@ -73,3 +75,14 @@ class TdcsConfig:
     #: False: a rank reads (one request at a time), decodes and hands each sample to its GPU before
     #: it reads the next (a loader with no read-ahead); True: stoker's Loader, which reads ahead.
     read_ahead: bool = True
+    #: The node's CPU cores, which decoding and moving bytes share (:mod:`stoker_lab.sim.byte_cpu`).
+    cores_per_node: int = DEFAULT_NODE_CORES[0]
+    #: CPU-seconds per GB on each byte path (:data:`stoker_lab.sim.byte_cpu.PATHS`).
+    fill_cpu_s_per_GB: float = DEFAULTS["fill"].cpu_s_per_GB
+    peer_send_cpu_s_per_GB: float = DEFAULTS["peer_send"].cpu_s_per_GB
+    peer_receive_cpu_s_per_GB: float = DEFAULTS["peer_receive"].cpu_s_per_GB
+    warm_read_cpu_s_per_GB: float = DEFAULTS["warm_read"].cpu_s_per_GB
+
+    def cpu_costs(self) -> dict[str, float]:
+        """CPU-s/GB per byte path (:data:`stoker_lab.sim.byte_cpu.PATHS`), from the fields above."""
+        return {p: getattr(self, f) for p, f in FIELDS.items()}
