@@ -4,8 +4,9 @@ One persistent, authenticated TCP connection per peer endpoint per process (:cla
 shared by every thread of the process: requests are sent under a lock, each with its own id,
 and one receiver thread reads the replies as they come (in any order) straight into the buffer
 of the request they answer (``recv_into``). Several requests are in flight on a connection at
-once, up to ``max_inflight_bytes`` of asked-for bytes per process and peer (the receiver's bound:
-a node that many read from, or that reads from many, is not flooded).
+once, up to ``max_inflight_bytes`` of asked-for bytes per process over all its links
+(:class:`InflightBytes`, the receiver's bound: a process that reads from many peers at once is
+not flooded by them).
 
 A connection that breaks (reset, cut mid-body, a short body, no reply within ``timeout_s``) fails
 every request in flight on it with :class:`stoker.errors.PeerUnavailable`, and the next request
@@ -25,8 +26,31 @@ import threading
 from ...errors import PeerUnavailable
 from . import peerwire as pw
 
-#: Bytes of requests in flight per process and peer (the receiver's bound).
+#: Bytes of requests in flight per process, over all its links (the receiver's bound).
 MAX_INFLIGHT_BYTES = 64 << 20
+
+
+class InflightBytes:
+    """The bytes a process has asked its peers for and not yet received, bounded by ``limit``
+    (a request larger than the bound goes alone). Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = int(limit), 0
+        self._cv = threading.Condition()
+
+    def take(self, n: int, timeout_s: float, what: str) -> None:
+        """Count ``n`` bytes in flight, first waiting up to ``timeout_s`` for room; PeerUnavailable
+        (naming ``what``) when none comes."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self.used or self.used + n <= self.limit, timeout_s):
+                raise PeerUnavailable(f"{what}: no room for {n} more bytes in flight in {timeout_s} s")
+            self.used += n
+
+    def give(self, n: int) -> None:
+        """``n`` bytes of a request are no longer in flight (received, failed or timed out)."""
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
 
 
 class _Waiting:
@@ -51,10 +75,10 @@ class PeerLink:
         secret: bytes,
         name: str,
         timeout_s: float,
-        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+        budget: InflightBytes | None = None,
     ):
         self.address, self.name, self.timeout_s = (str(address[0]), int(address[1])), name, float(timeout_s)
-        self._max_inflight = int(max_inflight_bytes)
+        self._budget = budget or InflightBytes(MAX_INFLIGHT_BYTES)
         try:
             sock = socket.create_connection(self.address, timeout=min(self.timeout_s, 10.0))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -69,7 +93,6 @@ class PeerLink:
         self._send_lock = threading.Lock()
         self._state = threading.Condition()
         self._waiting: dict[int, _Waiting] = {}
-        self._inflight = 0
         self._next = 0
         self._broken: str | None = None
         threading.Thread(target=self._receive, name=f"stoker-peer-{name}", daemon=True).start()
@@ -97,14 +120,13 @@ class PeerLink:
         exactly ``stop - start`` bytes (anything else fails the link). Raises PeerUnavailable."""
         n = max(0, stop - start) if op in (pw.READ, pw.CACHED) else 0
         w = _Waiting(n)
+        self._budget.take(n, self.timeout_s, f"data endpoint of {self.name}")
         with self._state:
-            while self._inflight and self._inflight + n > self._max_inflight and self._broken is None:
-                if not self._state.wait(self.timeout_s):
-                    raise PeerUnavailable(f"data endpoint of {self.name}: no room in flight for {self.timeout_s} s")
-            self._check()
+            if self._broken is not None:
+                self._budget.give(n)
+                self._check()
             rid = self._next = (self._next + 1) & 0xFFFFFFFF
             self._waiting[rid] = w
-            self._inflight += n
         try:
             head = pw.REQUEST.pack(op, rid, key, b, start, stop, pw.node_bytes(prior), wait_s)
             with self._send_lock:
@@ -114,14 +136,15 @@ class PeerLink:
                 raise PeerUnavailable(
                     f"data endpoint of {self.name} at {self._where()}: no reply within {self.timeout_s} s"
                 )
+        except PeerUnavailable:
+            raise
         except OSError as exc:
             self._fail(str(exc))
             raise PeerUnavailable(f"data endpoint of {self.name} at {self._where()}: {exc}") from exc
         finally:
             with self._state:
                 self._waiting.pop(rid, None)
-                self._inflight -= n
-                self._state.notify_all()
+            self._budget.give(n)
         if w.error is not None:
             raise PeerUnavailable(f"data endpoint of {self.name} at {self._where()}: {w.error}")
         assert w.buf is not None
@@ -186,6 +209,7 @@ class PeerLinks:
 
     def _init_local(self) -> None:
         self._pid = os.getpid()
+        self._budget = InflightBytes(self.max_inflight_bytes)
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._lock = threading.Lock()
 
@@ -207,7 +231,7 @@ class PeerLinks:
         with self._lock:
             link = self._links.get(key)
             if link is None or link.broken:
-                link = self._links[key] = PeerLink(key, self.secret, name, self.timeout_s, self.max_inflight_bytes)
+                link = self._links[key] = PeerLink(key, self.secret, name, self.timeout_s, self._budget)
         return link
 
     def read(
