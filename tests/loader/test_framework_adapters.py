@@ -249,9 +249,11 @@ def test_a_ray_train_wrapper_of_unknown_shape_gets_no_state(packed_local):
     """A Ray Train wrapper without the ``next_batch`` stoker reads (another Ray than the one
     pyproject.toml names) may hold a batch it took and has not handed on: ``state_dict()`` refuses,
     naming ``move_to_device=False``, rather than give a state that could skip it."""
+    from torch.utils.data import DataLoader
+
     ds = open_dataset(packed_local, cache=False)
 
-    class Wrapper:
+    class Wrapper(DataLoader):
         def __init__(self, loader):
             self.loader = loader
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from types import FrameType
 from typing import Any
 
 from ..errors import NotADataLoaderError
@@ -266,8 +267,8 @@ class ReadAhead:
     """A consumer that takes a batch from the Loader before it hands the one before on: Ray
     Train's ``prepare_data_loader`` wrapper (``move_to_device=True``, its default). Its
     ``__iter__`` calls ``iter(loader)`` and takes the first batch at once; each ``__next__`` returns
-    the batch it holds (kept in its ``next_batch``) and takes the next (Ray 2.60,
-    ``ray/train/torch/train_loop_utils.py``, ``_WrappedDataLoader``). While the training loop
+    the batch it holds (kept in its ``next_batch``) and takes the next (Ray 2.60's
+    ``ray.train.torch.train_loop_utils._WrappedDataLoader``). While the training loop
     works on batch ``k``, the Loader has given batch ``k + 1`` away; a state counting it would make
     a resume skip a batch never trained on.
 
@@ -311,19 +312,25 @@ def read_ahead(loader: Any, iterator: Any) -> ReadAhead | None:
     """The consumer whose ``iter(loader)`` is running, when it is Ray Train's wrapper that reads one
     batch ahead (:class:`ReadAhead`), else None. Called from the Loader's ``__iter__``; found on the
     call stack: the first caller that is neither in stoker's modules nor a method of ``loader`` (a
-    Loader subclass's ``__iter__``), when its ``self`` is an object of a ``ray.train`` class.
+    Loader subclass's ``__iter__``), when its ``self`` is a torch ``DataLoader`` of a ``ray.train``
+    class. Held weakly: a wrapper dropped (after a ``break``) drops the epoch's iterator with it,
+    which ends the epoch as a ``break`` does.
 
     Args:
         loader: the Loader whose ``__iter__`` runs.
         iterator: the epoch's :class:`~stoker.loader.iterator.EpochIterator` it returns.
     """
-    frame, owner = sys._getframe(1), None
+    frame: FrameType | None = sys._getframe(1)
+    owner = None
     while frame is not None:
         owner = frame.f_locals.get("self")
         if owner is not loader and not str(frame.f_globals.get("__name__", "")).startswith("stoker."):
             break
         frame, owner = frame.f_back, None
-    if owner is None or not type(owner).__module__.startswith("ray.train."):
+    data = sys.modules.get("torch.utils.data")  # (imported wherever Ray Train's torch wrapper is)
+    if owner is None or data is None or not isinstance(owner, data.DataLoader):
+        return None
+    if not type(owner).__module__.startswith("ray.train."):
         return None
     return ReadAhead(owner, iterator, known=hasattr(owner, "next_batch") and hasattr(owner, "dataloader_iter"))
 
