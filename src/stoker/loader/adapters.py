@@ -42,6 +42,7 @@ as properties: the adapters live here, the attributes frameworks read stay on th
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import weakref
 from types import FrameType
@@ -320,7 +321,8 @@ def read_ahead(loader: Any, iterator: Any) -> ReadAhead | None:
         loader: the Loader whose ``__iter__`` runs.
         iterator: the epoch's :class:`~stoker.loader.iterator.EpochIterator` it returns.
     """
-    frame: FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None  # the Loader's __iter__, then outward
     owner = None
     while frame is not None:
         owner = frame.f_locals.get("self")
