@@ -76,7 +76,7 @@ while loader.epoch < 2:
         loss.backward()
         opt.step()
         step += 1
-        out.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+        out.write(json.dumps({"step": step, "epoch": loader.epoch - 1, "ids": ids.tolist()}) + "\n")
         out.flush()
         if step in save_at:
             where = f"{work}/ckpt-{step}"
@@ -293,15 +293,31 @@ def _check_resumed(work: Path, tag: str, at: int) -> None:
         assert resumed, (rank, at, "the resumed run trained on nothing")
 
 
-def _torchrun(script: Path, work: Path, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+def _torchrun(script: Path, work: Path, *args: str, ranks: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script)]
     return _launch([*cmd, *args], work)
+
+
+def _check_once_across(work: Path, at: int, tag: str, n: int) -> None:
+    """The batches of the whole run's two ranks up to step ``at`` and every batch of run ``tag``
+    (resumed from step ``at`` on one rank) hold each of the ``n`` samples once per epoch."""
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    lines = [ln for r in (0, 1) for ln in (work / f"ids-whole-rank{r}.jsonl").read_text().splitlines()]
+    for rec in map(json.loads, lines):
+        if rec["step"] <= at:
+            seen[rec["epoch"]].extend(rec["ids"])
+    for rec in map(json.loads, (work / f"ids-{tag}-rank0.jsonl").read_text().splitlines()):
+        seen[rec["epoch"]].extend(rec["ids"])
+    for epoch, ids in seen.items():
+        assert sorted(ids) == list(range(n)), f"epoch {epoch}: not every sample once ({len(ids)} of {n})"
 
 
 @pytest.mark.parametrize("mode", ["plain", "accelerate"])
 def test_torchrun_checkpoint_resumes_the_same_stream_on_two_ranks(packed_local, tmp_path, mode):
     """120 samples, 8 per batch on 2 ranks: 8 batches per rank per epoch. Saved after step 3
-    (mid-epoch 0) and 11 (mid-epoch 1); each resumed in a new torchrun."""
+    (mid-epoch 0) and 11 (mid-epoch 1); each resumed in a new torchrun. With accelerate, the
+    checkpoint of step 3 (``save_state``: rank 0's Loader state) also resumes on one process, which
+    trains the rest of epoch 0 and all of epoch 1: every sample once per epoch across both runs."""
     if mode == "accelerate":
         pytest.importorskip("accelerate")
     script = tmp_path / "train.py"
@@ -312,6 +328,10 @@ def test_torchrun_checkpoint_resumes_the_same_stream_on_two_ranks(packed_local, 
     for at in (3, 11):
         _torchrun(script, tmp_path, packed_local, str(tmp_path), mode, f"from{at}", "-", str(tmp_path / f"ckpt-{at}"))
         _check_resumed(tmp_path, f"from{at}", at)
+    if mode == "accelerate":
+        args = (packed_local, str(tmp_path), mode, "one3", "-", str(tmp_path / "ckpt-3"))
+        assert "rank 0 done" in _torchrun(script, tmp_path, *args, ranks=1)
+        _check_once_across(tmp_path, 3, "one3", 120)
 
 
 def _lightning(script: Path, work: Path, *args: str) -> str:
