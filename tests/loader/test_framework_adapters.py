@@ -274,3 +274,24 @@ def test_a_ray_train_wrapper_of_unknown_shape_gets_no_state(packed_local):
         it = iter(loader)  # iterated by the user itself again: the state counts what it took
         next(it)
         assert loader.state_dict()["batches_done"] == 1 and wrapper.held is not None
+
+
+def test_looking_for_ray_trains_wrapper_keeps_no_batch_of_the_caller_alive(packed_local):
+    """``iter(loader)`` looks up the call stack for Ray Train's wrapper; it must not leave a
+    snapshot of the caller's locals behind (one would keep the caller's batch, and its shared-memory
+    slot, alive after the caller dropped it) nor a frame (which would keep the epoch's iterator)."""
+    import gc
+    import weakref
+
+    ds = open_dataset(packed_local, cache=False)
+    with Loader(ds, 8, num_workers=0, decode=_sample_id) as loader:
+        batch = next(iter(loader))
+        kept = weakref.ref(batch)
+        it = iter(loader)  # the look happens here, with ``batch`` among this frame's locals
+        del batch
+        assert kept() is None
+        next(it)
+        gone = weakref.ref(it)
+        del it
+        assert gone() is None and loader.history[-1].epoch == 1  # the dropped epoch ended at once
+    gc.collect()

@@ -312,10 +312,12 @@ class ReadAhead:
 def read_ahead(loader: Any, iterator: Any) -> ReadAhead | None:
     """The consumer whose ``iter(loader)`` is running, when it is Ray Train's wrapper that reads one
     batch ahead (:class:`ReadAhead`), else None. Called from the Loader's ``__iter__``; found on the
-    call stack: the first caller that is neither in stoker's modules nor a method of ``loader`` (a
-    Loader subclass's ``__iter__``), when its ``self`` is a torch ``DataLoader`` of a ``ray.train``
-    class. Held weakly: a wrapper dropped (after a ``break``) drops the epoch's iterator with it,
-    which ends the epoch as a ``break`` does.
+    call stack: past stoker's own frames and a Loader subclass's ``__iter__``, the ``__iter__`` of a
+    torch ``DataLoader`` of a ``ray.train`` class. Only an ``__iter__`` frame's locals are read (a
+    snapshot of a frame's locals stays on that frame, and a long-lived frame, the training loop's,
+    must not keep a batch alive), and no frame is kept. The consumer is held weakly: a wrapper
+    dropped (after a ``break``) drops the epoch's iterator with it, which ends the epoch as a
+    ``break`` does.
 
     Args:
         loader: the Loader whose ``__iter__`` runs.
@@ -324,11 +326,20 @@ def read_ahead(loader: Any, iterator: Any) -> ReadAhead | None:
     here = inspect.currentframe()
     frame: FrameType | None = here.f_back if here is not None else None  # the Loader's __iter__, then outward
     owner = None
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not loader and not str(frame.f_globals.get("__name__", "")).startswith("stoker."):
-            break
-        frame, owner = frame.f_back, None
+    try:
+        while frame is not None:
+            code = frame.f_code
+            if str(frame.f_globals.get("__name__", "")).startswith("stoker."):
+                frame = frame.f_back
+                continue
+            if code.co_name != "__iter__" or code.co_argcount < 1:
+                return None
+            owner = frame.f_locals.get(code.co_varnames[0])
+            if owner is not loader:  # (else a Loader subclass's own __iter__: look past it)
+                break
+            frame = frame.f_back
+    finally:
+        del here, frame  # (a frame kept here would keep the Loader and its epoch's iterator alive)
     data = sys.modules.get("torch.utils.data")  # (imported wherever Ray Train's torch wrapper is)
     if owner is None or data is None or not isinstance(owner, data.DataLoader):
         return None
