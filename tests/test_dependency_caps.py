@@ -1,7 +1,8 @@
 """Dependencies whose private internals stoker reads (moto's S3 backend, waitress's channel and
-task classes) are capped in pyproject.toml; the installed versions must be inside the caps, so
-that the tests that exercise those internals (tests/storage/test_origin.py, the extender tests)
-run against a version the caps allow."""
+task classes, the shape of the wrapper Ray Train's ``prepare_data_loader`` returns) are capped in
+pyproject.toml; the installed versions must be inside the caps, so that the tests that exercise
+those internals (tests/storage/test_origin.py, the extender tests,
+tests/loader/test_framework_adapters.py) run against a version the caps allow."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _requirements() -> dict[str, list[Requirement]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["moto", "waitress"])
+@pytest.mark.parametrize("name", ["moto", "waitress", "ray"])
 def test_internals_read_by_stoker_are_capped_and_the_installed_version_fits(name):
     reqs = _requirements()[name]
     for req in reqs:

@@ -51,8 +51,10 @@ def _train(config):
         # kept, not rebuilt as a DataLoader: the Loader's sampler is a DistributedSampler
         assert isinstance(loader.sampler, LoaderSampler)
         wrapped = ray.train.torch.prepare_data_loader(loader)
-        for _images, _labels in wrapped:  # epoch 1 (warm), through the wrapper that moves batches to the device
-            pass
+        saved_at_2 = None
+        for step, _batch in enumerate(wrapped, 1):  # epoch 1 (warm), through the wrapper that moves batches
+            if step == 2:  # to the device, one batch ahead of the loop: the state counts the 2 handed on
+                saved_at_2 = loader.state_dict()["batches_done"]
         kept = loader.epoch == 2  # the wrapper iterated the Loader itself
         stats.append({"samples": loader.stats.samples, "exactly_once": loader.stats.exactly_once})
         ctx = loader.context
@@ -65,6 +67,7 @@ def _train(config):
             "stats": stats,
             "epochs": [{k: v for k, v in rec.items() if isinstance(v, (int, float, str, bool))} for rec in ctx.epochs],
             "prepared_keeps_loader": kept,
+            "saved_at_2": saved_at_2,
         }
     with open(os.path.join(config["out"], f"rank{ctx.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -120,6 +123,7 @@ def test_torch_trainer_reads_colocated_through_the_cluster(cluster, fresh_servic
     print(f"ray train: cold origin {cold} B; warm {warm}")  # shown with -s
     assert warm_local >= 0.9 * warm_read, warm
     assert all(r["prepared_keeps_loader"] for r in res)
+    assert [r["saved_at_2"] for r in res] == [2, 2]  # not the batch the wrapper holds
 
 
 def test_placement_hint_prefers_the_nodes_holding_the_data(cluster, fresh_services, s3_dataset, tmp_path):

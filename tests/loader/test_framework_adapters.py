@@ -1,13 +1,15 @@
 """What training frameworks look for on a data loader works on a stoker Loader, or is refused with
 a stoker error naming what to do: Lightning's ``sampler.set_epoch``, Ray Train's
-``prepare_data_loader`` check for a ``DistributedSampler``, accelerate's ``prepare`` and
-``skip_first_batches``."""
+``prepare_data_loader`` check for a ``DistributedSampler`` and its wrapper that reads one batch
+ahead, accelerate's ``prepare`` and ``skip_first_batches``."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from stoker import ImageOptions, Loader, NotADataLoaderError, StokerError, open_dataset
+from stoker import collate as C
 
 
 @pytest.fixture
@@ -148,3 +150,148 @@ def test_set_epoch_after_a_resume_keeps_the_loaded_position(loader):
     loader.set_epoch(4)  # once a batch was taken, set_epoch moves the loader as before
     assert _batches(iter(loader)) == len(loader) and loader.history[-1].epoch == 4
     assert all(h.exactly_once for h in loader.history[-1:])
+
+
+def _sample_id(fields, rng):
+    return np.int64(fields["__id__"])
+
+
+def _tokens(fields, rng):
+    """A document of 1-40 tokens, from the sample's bytes (as tests/loader/test_user_decode.py's)."""
+    raw = np.frombuffer(fields[next(iter(fields))], np.uint8)
+    return raw[: 1 + int(fields["__id__"]) % 40].astype(np.int64)
+
+
+class _Recorded(Loader):
+    """A Loader subclass whose ``__iter__`` wraps the epoch in a generator of its own, as the
+    cluster's ``ClusterLoader`` does."""
+
+    def __iter__(self):
+        return self._recorded(super().__iter__())
+
+    def _recorded(self, it):
+        yield from it
+
+
+def _ray_wrapped(loader):
+    """What ``ray.train.torch.prepare_data_loader(loader)`` returns on a CPU worker (its defaults,
+    ``move_to_device=True``), made here without a Ray Train session: Ray's own wrapper class."""
+    import torch
+    from ray.train.torch.train_loop_utils import _WrappedDataLoader
+
+    return _WrappedDataLoader(loader, torch.device("cpu"), False)
+
+
+def _as_lists(batch):
+    return {k: v.tolist() for k, v in batch.items()} if isinstance(batch, dict) else batch.tolist()
+
+
+@pytest.mark.parametrize("kind", ["images", "subclass", "pack_tokens"])
+def test_under_ray_trains_wrapper_the_state_counts_the_batches_handed_to_the_loop(packed_local, kind):
+    """Ray Train's ``prepare_data_loader`` wrapper takes each batch one ahead of the training loop;
+    a ``loader.state_dict()`` saved in the loop's body after ``k`` batches says ``k`` batches (before:
+    ``k + 1``, and a resume skipped a batch never trained on), and a Loader resumed from it yields
+    exactly the rest of the uninterrupted stream: ids (plain, and a Loader subclass whose
+    ``__iter__`` is a generator of its own) and a streaming collate's carried tokens. At an epoch's
+    last batch the wrapper has found the end: the state is the next epoch's start."""
+    pytest.importorskip("ray.train.torch")
+    ds = open_dataset(packed_local, cache=False)
+    cls = _Recorded if kind == "subclass" else Loader
+    decode, collate = (_tokens, C.pack_tokens(48, eos_id=999)) if kind == "pack_tokens" else (_sample_id, None)
+
+    def make():
+        workers = 1 if kind == "subclass" else 0  # (both delivery paths: decode workers, and in this process)
+        return cls(ds, 8, num_workers=workers, seed=3, rank=0, world_size=2, decode=decode, collate=collate)
+
+    with make() as whole:
+        ref = [_as_lists(b) for b in whole]
+    nb = len(ref)
+    for k in sorted({1, 2, nb // 2, nb - 1, nb}):
+        with make() as loader:
+            wrapped = _ray_wrapped(loader)
+            for i, batch in enumerate(wrapped):
+                assert _as_lists(batch) == ref[i]
+                if i + 1 == k:
+                    state = loader.state_dict()  # in the loop's body: batch k is being trained on
+                    break
+        if k == nb:
+            assert (state["epoch"], state["samples_done"]) == (1, 0)
+            continue
+        assert state["epoch"] == 0
+        if kind != "pack_tokens":  # (a streaming collate yields no batch for a plan batch carried on whole)
+            assert state["batches_done"] == k
+        with make() as again:
+            again.load_state_dict(state)
+            assert [_as_lists(b) for b in again] == ref[k:], f"resumed after {k} of {nb} batches"
+            assert again.stats.exactly_once
+
+
+def test_under_ray_trains_wrapper_each_epoch_starts_at_its_first_batch(packed_local):
+    """Through the wrapper epoch after epoch: its ``iter()`` takes the epoch's first batch at once;
+    a state saved then (before the loop's first step) is that epoch at batch 0, and one saved after
+    the loop is the next epoch's start."""
+    pytest.importorskip("ray.train.torch")
+    ds = open_dataset(packed_local, cache=False)
+    with Loader(ds, 8, num_workers=0, seed=3, rank=1, world_size=2, decode=_sample_id) as loader:
+        wrapped = _ray_wrapped(loader)
+        for epoch in range(2):
+            nb = len(loader)
+            it = iter(wrapped)  # (the wrapper itself: a second iter() would start another epoch)
+            state = loader.state_dict()
+            assert (state["epoch"], state["batches_done"], state["samples_done"]) == (epoch, 0, 0)
+            assert sum(1 for _ in range(nb + 1) if next(it, None) is not None) == nb
+            state = loader.state_dict()
+            assert (state["epoch"], state["samples_done"]) == (epoch + 1, 0)
+        assert [h.epoch for h in loader.history] == [0, 1] and all(h.exactly_once for h in loader.history)
+
+
+def test_a_ray_train_wrapper_of_unknown_shape_gets_no_state(packed_local):
+    """A Ray Train wrapper without the ``next_batch`` stoker reads (another Ray than the one
+    pyproject.toml names) may hold a batch it took and has not handed on: ``state_dict()`` refuses,
+    naming ``move_to_device=False``, rather than give a state that could skip it."""
+    from torch.utils.data import DataLoader
+
+    ds = open_dataset(packed_local, cache=False)
+
+    class Wrapper(DataLoader):
+        def __init__(self, loader):
+            self.loader = loader
+
+        def __iter__(self):
+            self.it = iter(self.loader)
+            self.held = next(self.it)
+            return self
+
+        def __next__(self):
+            batch, self.held = self.held, next(self.it)
+            return batch
+
+    Wrapper.__module__ = "ray.train.torch.elsewhere"
+    with Loader(ds, 8, num_workers=0, decode=_sample_id) as loader:
+        wrapper = iter(Wrapper(loader))
+        with pytest.raises(RuntimeError, match=r"ray\.train\.torch\.elsewhere.*move_to_device=False"):
+            loader.state_dict()
+        it = iter(loader)  # iterated by the user itself again: the state counts what it took
+        next(it)
+        assert loader.state_dict()["batches_done"] == 1 and wrapper.held is not None
+
+
+def test_looking_for_ray_trains_wrapper_keeps_no_batch_of_the_caller_alive(packed_local):
+    """``iter(loader)`` looks up the call stack for Ray Train's wrapper; it must not leave a
+    snapshot of the caller's locals behind (one would keep the caller's batch, and its shared-memory
+    slot, alive after the caller dropped it) nor a frame (which would keep the epoch's iterator)."""
+    import gc
+    import weakref
+
+    ds = open_dataset(packed_local, cache=False)
+    with Loader(ds, 8, num_workers=0, decode=_sample_id) as loader:
+        batch = next(iter(loader))
+        kept = weakref.ref(batch)
+        it = iter(loader)  # the look happens here, with ``batch`` among this frame's locals
+        del batch
+        assert kept() is None
+        next(it)
+        gone = weakref.ref(it)
+        del it
+        assert gone() is None and loader.history[-1].epoch == 1  # the dropped epoch ended at once
+    gc.collect()

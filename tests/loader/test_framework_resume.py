@@ -3,11 +3,14 @@ CPU ranks (gloo), a run is checkpointed mid-epoch (and at an epoch's end) and go
 a new run started from that checkpoint must deliver, on every rank, exactly the batches of sample
 ids the uninterrupted run delivered after it. Checked for torchrun (``loader.state_dict()`` in the
 user's checkpoint), HF accelerate (``register_for_checkpointing(loader)`` with ``save_state`` /
-``load_state``: rank 0's state loaded on both ranks) and PyTorch Lightning (``ddp``;
+``load_state``: rank 0's state loaded on both ranks, also on one rank) and PyTorch Lightning (``ddp``;
 ``ModelCheckpoint`` and ``trainer.fit(ckpt_path=...)``: Lightning keeps the Loader's state in its
-checkpoint because the Loader has ``state_dict``/``load_state_dict``). The batches are the ids
-the workers decoded (a user ``decode`` that returns ``fields["__id__"]``), written by each rank to
-its own file."""
+checkpoint because the Loader has ``state_dict``/``load_state_dict``). Ray Train's
+``TorchTrainer``, as its documentation recipe goes (``prepare_data_loader`` with its defaults,
+``ray.train.report(checkpoint=...)``, ``ray.train.get_checkpoint()``), resumed after a worker
+failure and in a new ``fit()`` on one worker: every sample of each epoch trained once. The batches
+are the ids the workers decoded (a user ``decode`` that returns ``fields["__id__"]``), written by
+each rank to its own file."""
 
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ while loader.epoch < 2:
         loss.backward()
         opt.step()
         step += 1
-        out.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+        out.write(json.dumps({"step": step, "epoch": loader.epoch - 1, "ids": ids.tolist()}) + "\n")
         out.flush()
         if step in save_at:
             where = f"{work}/ckpt-{step}"
@@ -133,6 +136,81 @@ loader = stoker.Loader(ds, batch_size=8, num_workers=1, seed=5, rank=trainer.glo
                        world_size=trainer.world_size, decode=sample_id)
 trainer.fit(Model(), train_dataloaders=loader, ckpt_path=None if resume == "-" else resume)
 print(f"rank {trainer.global_rank} done", flush=True)
+"""
+
+
+#: a Ray Train driver: a one-node Ray on 127.0.0.1, then two ``TorchTrainer.fit()`` of the same run
+#: (``RunConfig`` name and storage path: the second resumes the first's last checkpoint). Each
+#: worker runs Ray Train's recipe: ``prepare_data_loader`` with its defaults (the wrapper that moves
+#: batches to the device, one batch ahead of the loop), rank 0's ``loader.state_dict()`` reported as a
+#: checkpoint mid-epoch, ``ray.train.get_checkpoint()`` loaded first. ``PLAN[attempt]`` =
+#: (global step of its checkpoint, step at which it fails, or -1) for each start of the training
+#: function: 0 (2 workers) checkpoints at step 3 of 8 in epoch 0 and fails at 5; Ray Train restarts
+#: it (1, ``FailureConfig(max_failures=1)``), which checkpoints in epoch 1 and stops there (the job
+#: ends, as a preempted one does); a new ``fit()`` on 1 worker (2) trains to the end of epoch 1.
+#: Every batch's ids go to ``ids-<attempt>-rank<r>.jsonl`` with its step and epoch. argv: packed, work.
+RAYTRAIN = r"""
+import json, os, sys, tempfile
+import numpy as np
+import ray
+import ray.train
+import ray.train.torch
+import torch
+from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+packed, work = sys.argv[1:3]
+PLAN = {0: (3, 5), 1: (8, -1), 2: (-1, -1)}
+
+def sample_id(fields, rng):
+    return np.int64(fields["__id__"])
+
+def train(config):
+    import stoker
+    rank = ray.train.get_context().get_world_rank()
+    ds = stoker.open_dataset(packed, cache=False)
+    loader = stoker.Loader(ds, batch_size=8, num_workers=1, seed=5, decode=sample_id)  # rank, world: Ray's group
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    attempt = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            saved = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        loader.load_state_dict(saved["loader"])
+        attempt = saved["attempt"] + 1
+    save_at, fail_at = PLAN[attempt]
+    batches = ray.train.torch.prepare_data_loader(loader)
+    step = 0
+    with open(f"{work}/ids-{attempt}-rank{rank}.jsonl", "a") as out:
+        while loader.epoch < 2:
+            for ids in batches:
+                loss = model(ids.float()[:, None]).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                out.write(json.dumps({"step": step, "epoch": loader.epoch - 1, "ids": ids.tolist()}) + "\n")
+                out.flush()
+                if step == save_at:
+                    with tempfile.TemporaryDirectory() as d:
+                        if rank == 0:
+                            state = {"loader": loader.state_dict(), "attempt": attempt}
+                            torch.save(state, os.path.join(d, "state.pt"))
+                        ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+                    if fail_at == -1:
+                        return
+                if step == fail_at:
+                    raise RuntimeError(f"injected failure at step {step}")
+
+ray.init(address="local", num_cpus=3, object_store_memory=100 << 20, include_dashboard=False,
+         _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+run = RunConfig(storage_path=f"{work}/runs", name="resume", failure_config=FailureConfig(max_failures=1))
+for workers in (2, 1):
+    TorchTrainer(train, torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=workers),
+                 run_config=run).fit()
+    print(f"fit on {workers} workers done", flush=True)
+ray.shutdown()
 """
 
 
@@ -215,15 +293,31 @@ def _check_resumed(work: Path, tag: str, at: int) -> None:
         assert resumed, (rank, at, "the resumed run trained on nothing")
 
 
-def _torchrun(script: Path, work: Path, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+def _torchrun(script: Path, work: Path, *args: str, ranks: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script)]
     return _launch([*cmd, *args], work)
+
+
+def _check_once_across(work: Path, at: int, tag: str, n: int) -> None:
+    """The batches of the whole run's two ranks up to step ``at`` and every batch of run ``tag``
+    (resumed from step ``at`` on one rank) hold each of the ``n`` samples once per epoch."""
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    lines = [ln for r in (0, 1) for ln in (work / f"ids-whole-rank{r}.jsonl").read_text().splitlines()]
+    for rec in map(json.loads, lines):
+        if rec["step"] <= at:
+            seen[rec["epoch"]].extend(rec["ids"])
+    for rec in map(json.loads, (work / f"ids-{tag}-rank0.jsonl").read_text().splitlines()):
+        seen[rec["epoch"]].extend(rec["ids"])
+    for epoch, ids in seen.items():
+        assert sorted(ids) == list(range(n)), f"epoch {epoch}: not every sample once ({len(ids)} of {n})"
 
 
 @pytest.mark.parametrize("mode", ["plain", "accelerate"])
 def test_torchrun_checkpoint_resumes_the_same_stream_on_two_ranks(packed_local, tmp_path, mode):
     """120 samples, 8 per batch on 2 ranks: 8 batches per rank per epoch. Saved after step 3
-    (mid-epoch 0) and 11 (mid-epoch 1); each resumed in a new torchrun."""
+    (mid-epoch 0) and 11 (mid-epoch 1); each resumed in a new torchrun. With accelerate, the
+    checkpoint of step 3 (``save_state``: rank 0's Loader state) also resumes on one process, which
+    trains the rest of epoch 0 and all of epoch 1: every sample once per epoch across both runs."""
     if mode == "accelerate":
         pytest.importorskip("accelerate")
     script = tmp_path / "train.py"
@@ -234,6 +328,10 @@ def test_torchrun_checkpoint_resumes_the_same_stream_on_two_ranks(packed_local, 
     for at in (3, 11):
         _torchrun(script, tmp_path, packed_local, str(tmp_path), mode, f"from{at}", "-", str(tmp_path / f"ckpt-{at}"))
         _check_resumed(tmp_path, f"from{at}", at)
+    if mode == "accelerate":
+        args = (packed_local, str(tmp_path), mode, "one3", "-", str(tmp_path / "ckpt-3"))
+        assert "rank 0 done" in _torchrun(script, tmp_path, *args, ranks=1)
+        _check_once_across(tmp_path, 3, "one3", 120)
 
 
 def _lightning(script: Path, work: Path, *args: str) -> str:
@@ -267,3 +365,33 @@ def test_lightning_end_of_epoch_checkpoint_resumes_the_next_epoch(packed_local, 
     assert len(_stream(tmp_path, "whole", 0)) == 24
     _lightning(script, tmp_path, packed_local, str(tmp_path), "from8", "3", "-", str(tmp_path / "ckpt/step=8.ckpt"))
     _check_resumed(tmp_path, "from8", 8)
+
+
+def test_ray_train_resumes_after_a_failure_and_in_a_new_fit_on_one_worker_every_sample_once(packed_local, tmp_path):
+    """Ray Train's recipe with ``prepare_data_loader``'s defaults (its wrapper takes each batch one
+    ahead of the training loop): 120 samples, 8 per batch, 2 workers (8 batches each per epoch).
+    Checkpoint at step 3 of epoch 0, a worker failure at step 5 (Ray Train restarts the group from
+    the checkpoint; steps 4-5 are lost work), a checkpoint in epoch 1, and a new ``fit()`` of the same
+    run on 1 worker to the end. The batches trained up to each checkpoint, and the last run's, hold
+    every sample of each epoch exactly once (before: the batch each worker's wrapper held at each
+    checkpoint, 16 samples an epoch, was never trained)."""
+    pytest.importorskip("ray.train.torch")
+    from stoker import open_dataset
+
+    script = tmp_path / "train_ray.py"
+    script.write_text(RAYTRAIN)
+    out = _launch([sys.executable, str(script), packed_local, str(tmp_path)], tmp_path, timeout_s=480)
+    assert "fit on 2 workers done" in out and "fit on 1 workers done" in out, out
+    kept = {0: 3, 1: 8, 2: None}  # each start of the training function: the steps up to its checkpoint
+    files = sorted(p.name for p in tmp_path.glob("ids-*.jsonl"))
+    assert files == [f"ids-{a}-rank{r}.jsonl" for a in (0, 1) for r in (0, 1)] + ["ids-2-rank0.jsonl"]
+    trained: dict[int, list[int]] = {0: [], 1: []}
+    for name in files:
+        attempt = int(name.split("-")[1])
+        for rec in map(json.loads, (tmp_path / name).read_text().splitlines()):
+            if kept[attempt] is None or rec["step"] <= kept[attempt]:
+                trained[rec["epoch"]].extend(rec["ids"])
+    n = len(open_dataset(packed_local, cache=False))
+    for epoch, ids in trained.items():
+        missing, twice = sorted(set(range(n)) - set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+        assert (missing, twice, len(ids)) == ([], [], n), f"epoch {epoch}: missing {missing}, twice {twice}"

@@ -9,8 +9,9 @@ Frameworks reach into ``torch.utils.data.DataLoader``'s attributes:
   ``loader.batch_sampler`` directly to tell whether the loader shuffles
   (``lightning.pytorch.utilities.data._is_dataloader_shuffled``).
 - Ray Train's ``ray.train.torch.prepare_data_loader`` rebuilds the loader with a
-  ``DistributedSampler`` unless ``loader.sampler`` already is one; then it wraps it to move each
-  batch to the worker's device.
+  ``DistributedSampler`` unless ``loader.sampler`` already is one; then (``move_to_device=True``,
+  its default) it wraps it to move each batch to the worker's device, and that wrapper takes each
+  batch one ahead of the training loop (:class:`ReadAhead`).
 - HF accelerate's ``skip_first_batches`` rebuilds the loader as a DataLoader over
   ``loader.dataset`` with a batch sampler that skips the first batches
   (``loader.batch_sampler``); the Hugging Face Trainer calls it to resume mid-epoch, and calls
@@ -29,7 +30,10 @@ epoch again. Ray Train then keeps the Loader as it is. Its ``batch_sampler`` is 
 pipeline for a DataLoader over its dataset has nothing to be built from: iterating it raises
 :class:`~stoker.errors.NotADataLoaderError`, which names what to do instead (a resume from the
 Loader's own ``state_dict()``). For the Hugging Face Trainer, :func:`loader_checkpoint` keeps
-that state in the Trainer's checkpoints and loads it on a resume.
+that state in the Trainer's checkpoints and loads it on a resume. Under Ray Train's wrapper the
+state counts the batches the wrapper has handed to the training loop, not the one it holds
+(:func:`read_ahead`), so a ``loader.state_dict()`` saved in the loop resumes after the batches
+trained on.
 
 The Loader's ``sampler`` and ``batch_sampler`` are :func:`sampler_for` and :func:`batch_sampler_of`
 as properties: the adapters live here, the attributes frameworks read stay on the Loader.
@@ -38,7 +42,10 @@ as properties: the adapters live here, the attributes frameworks read stay on th
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import weakref
+from types import FrameType
 from typing import Any
 
 from ..errors import NotADataLoaderError
@@ -47,10 +54,12 @@ __all__ = [  # noqa: F822 (LoaderSampler, LoaderBatchSampler, LoaderCheckpoint: 
     "LoaderBatchSampler",
     "LoaderCheckpoint",
     "LoaderSampler",
+    "ReadAhead",
     "batch_sampler_of",
     "follow_epoch",
     "loader_checkpoint",
     "no_batch_sampler",
+    "read_ahead",
     "sampler_for",
 ]
 
@@ -253,6 +262,90 @@ def follow_epoch(loader: Any, epoch: int) -> bool:
         return False
     loader.state.reopen(int(epoch))
     return True
+
+
+class ReadAhead:
+    """A consumer that takes a batch from the Loader before it hands the one before on: Ray
+    Train's ``prepare_data_loader`` wrapper (``move_to_device=True``, its default). Its
+    ``__iter__`` calls ``iter(loader)`` and takes the first batch at once; each ``__next__`` returns
+    the batch it holds (kept in its ``next_batch``) and takes the next (Ray 2.60's
+    ``ray.train.torch.train_loop_utils._WrappedDataLoader``). While the training loop
+    works on batch ``k``, the Loader has given batch ``k + 1`` away; a state counting it would make
+    a resume skip a batch never trained on.
+
+    Args:
+        consumer: the wrapper (held weakly).
+        iterator: the :class:`~stoker.loader.iterator.EpochIterator` it iterates (held weakly).
+        known: whether ``consumer`` has the shape described above (False: a Ray Train wrapper of
+            another shape, which :meth:`held` refuses to guess about).
+    """
+
+    def __init__(self, consumer: Any, iterator: Any, known: bool = True):  # noqa: D107 (the class doc says it)
+        self._consumer, self._iterator = weakref.ref(consumer), weakref.ref(iterator)
+        self.known, self.kind = known, f"{type(consumer).__module__}.{type(consumer).__qualname__}"
+
+    def held(self, position: tuple[int, int]) -> bool:
+        """Whether the consumer holds the last batch the Loader yielded, not yet handed on: the
+        consumer is alive and holds a batch, its epoch's iterator is still between batches, and the
+        Loader's ``position`` (``(epoch, batches done)``) is in that epoch.
+
+        Raises:
+            RuntimeError: a Ray Train wrapper of a shape not known here holds the epoch (its
+                ``next_batch`` is gone): whether it took a batch it has not handed on cannot be
+                told, so no state is given (it could skip a batch on resume). Names the wrapper
+                and the way out (``move_to_device=False``).
+        """
+        consumer, it = self._consumer(), self._iterator()
+        if consumer is None or it is None or not it.running or it.epoch != position[0] or position[1] < 1:
+            return False
+        if not self.known:
+            raise RuntimeError(
+                f"loader.state_dict(): the Loader is iterated by {self.kind}, a Ray Train wrapper this stoker "
+                "does not know (its next_batch attribute is gone): it may hold a batch it took from the "
+                "Loader and has not handed to the training loop, and a state counting that batch would skip "
+                "it on resume. Use ray.train.torch.prepare_data_loader(loader, move_to_device=False), or "
+                "the Ray version stoker's dependencies name"
+            )
+        return getattr(consumer, "next_batch", None) is not None
+
+
+def read_ahead(loader: Any, iterator: Any) -> ReadAhead | None:
+    """The consumer whose ``iter(loader)`` is running, when it is Ray Train's wrapper that reads one
+    batch ahead (:class:`ReadAhead`), else None. Called from the Loader's ``__iter__``; found on the
+    call stack: past stoker's own frames and a Loader subclass's ``__iter__``, the ``__iter__`` of a
+    torch ``DataLoader`` of a ``ray.train`` class. Only an ``__iter__`` frame's locals are read (a
+    snapshot of a frame's locals stays on that frame, and a long-lived frame, the training loop's,
+    must not keep a batch alive), and no frame is kept. The consumer is held weakly: a wrapper
+    dropped (after a ``break``) drops the epoch's iterator with it, which ends the epoch as a
+    ``break`` does.
+
+    Args:
+        loader: the Loader whose ``__iter__`` runs.
+        iterator: the epoch's :class:`~stoker.loader.iterator.EpochIterator` it returns.
+    """
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None  # the Loader's __iter__, then outward
+    owner = None
+    try:
+        while frame is not None:
+            code = frame.f_code
+            if str(frame.f_globals.get("__name__", "")).startswith("stoker."):
+                frame = frame.f_back
+                continue
+            if code.co_name != "__iter__" or code.co_argcount < 1:
+                return None
+            owner = frame.f_locals.get(code.co_varnames[0])
+            if owner is not loader:  # (else a Loader subclass's own __iter__: look past it)
+                break
+            frame = frame.f_back
+    finally:
+        del here, frame  # (a frame kept here would keep the Loader and its epoch's iterator alive)
+    data = sys.modules.get("torch.utils.data")  # (imported wherever Ray Train's torch wrapper is)
+    if owner is None or data is None or not isinstance(owner, data.DataLoader):
+        return None
+    if not type(owner).__module__.startswith("ray.train."):
+        return None
+    return ReadAhead(owner, iterator, known=hasattr(owner, "next_batch") and hasattr(owner, "dataloader_iter"))
 
 
 def no_batch_sampler() -> NotADataLoaderError:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .._procs import check_main_for, pick_start_method
 from ..order import EpochShares, interleaved_shares, permutation, rank_plan
-from .adapters import batch_sampler_of, sampler_for
+from .adapters import ReadAhead, batch_sampler_of, read_ahead, sampler_for
 from .device.device_decode import DeviceBatchDecoder
 from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
@@ -359,6 +359,7 @@ class Loader:
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
         self._warned_empty = False  # the one warning that this loader's epochs deliver nothing
+        self._ahead: ReadAhead | None = None  # the last iter()'s consumer, when it reads a batch ahead (Ray Train's)
         rank_plan(np.zeros(0, np.int64), self.rank, self.world_size, read.even)  # validates rank/world/even
         self.live = LiveTotals(dataset, self.cfg, rank=self.rank, world_size=self.world_size)
         # the pipeline (from the first iter() to close()), metrics, live figures: stopped by close(),
@@ -465,6 +466,7 @@ class Loader:
                 serve samples twice or never); the message names both. Nothing changes then.
         """
         self.state.set_epoch(epoch)
+        self._ahead = None  # a batch a consumer holds belongs to the position left
         if self._started.run is not None:
             self._started.run.drop_pre()
 
@@ -514,9 +516,20 @@ class Loader:
         state yields the rest of the stream (batch for batch at the same world size; at another
         world size see :meth:`load_state_dict`). Plain ints and strings (JSON-serialisable); the
         format is :meth:`stoker.loader.state.LoaderState.to_dict`.
+
+        Under Ray Train's ``prepare_data_loader`` wrapper (``move_to_device=True``), which takes
+        each batch one ahead of the training loop, the batch it holds is not counted: the state
+        says what the wrapper has handed to the loop (:class:`stoker.loader.adapters.ReadAhead`).
+
+        Raises:
+            RuntimeError: the Loader is iterated by a Ray Train wrapper of a shape stoker does not
+                know (:meth:`stoker.loader.adapters.ReadAhead.held`).
         """
         ident, bs = self._identity(), self.batch_size
-        return self.state.to_dict(ident, rank=self.rank, world_size=self.world_size, batch_size=bs, shares=self._shares)
+        held = self._ahead is not None and self._ahead.held(self.state.position)
+        return self.state.to_dict(
+            ident, rank=self.rank, world_size=self.world_size, batch_size=bs, shares=self._shares, held=held
+        )
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from :meth:`state_dict`, saved on any rank at any world size (and, in cluster
@@ -550,6 +563,7 @@ class Loader:
             resplit=type(self).plan is Loader.plan,  # a plan of its own (not from _shares) is not split again
             strict=strict,
         )
+        self._ahead = None  # a batch a consumer holds belongs to the position left
         if self._started.run is not None:
             self._started.run.drop_pre()
 
@@ -631,7 +645,9 @@ class Loader:
         # the next iter() is the next epoch, even if this one is cut short (or this one again, if
         # no batch of it is asked for before: LoaderState.open_epoch)
         epoch, start = self.state.open_epoch()
-        return run.epoch(epoch, start, start_s=start_s, owner=self)
+        it = run.epoch(epoch, start, start_s=start_s, owner=self)
+        self._ahead = read_ahead(self, it)  # Ray Train's wrapper: the state leaves out the batch it holds
+        return it
 
     @property
     def device_decode_stats(self):

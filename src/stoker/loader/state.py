@@ -81,6 +81,8 @@ class LoaderState:
             framework's look at the loader that never asks for a batch (Lightning's) does not
             use up an epoch or a resumed position.
         loaded: the position was set by :meth:`load` and no ``iter()`` has taken it yet.
+        carry_before: :attr:`carry` as it was before the last batch delivered (a consumer that
+            holds that batch has not handed it on: :meth:`to_dict` with ``held``).
     """
 
     epoch: int = 0
@@ -91,6 +93,7 @@ class LoaderState:
     carry: np.ndarray | None = None
     opened: tuple[int, int, bool] | None = None
     loaded: bool = False
+    carry_before: np.ndarray | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0; but keep a position that :meth:`load`
@@ -156,7 +159,9 @@ class LoaderState:
         or None (no resume split the rest of that epoch again)."""
         return self.offset[1] if self.offset is not None and self.offset[0] == epoch else None
 
-    def to_dict(self, identity: dict, *, rank: int, world_size: int, batch_size: int, shares: SharesFn) -> dict:
+    def to_dict(
+        self, identity: dict, *, rank: int, world_size: int, batch_size: int, shares: SharesFn, held: bool = False
+    ) -> dict:
         """The saved form, the same on every rank after the same number of batches.
 
         - ``epoch`` and ``samples_done``: samples of that epoch served by all ranks together
@@ -176,8 +181,14 @@ class LoaderState:
         - only when there is one, ``carry`` (``{"dtype": str, "tokens": [int], "rank": int}``):
           a streaming collate's tokens, which belong to the rank that saved them.
 
-        ``shares``: the loader's split (:data:`SharesFn`). Plain ints and strings (JSON-serialisable)."""
+        ``shares``: the loader's split (:data:`SharesFn`). ``held``: the consumer holds the last
+        batch yielded and has not handed it on (Ray Train's wrapper:
+        :class:`stoker.loader.adapters.ReadAhead`): the state is the one before that batch (its
+        position one batch back, the carry before it). Plain ints and strings (JSON-serialisable)."""
         epoch, done = self.position
+        carry = self.carry
+        if held and done > 0:
+            done, carry = done - 1, self.carry_before
         mine = shares(epoch, self.served_before(epoch), world_size)
         nb = mine.batches(batch_size)
         bits = None
@@ -197,8 +208,8 @@ class LoaderState:
             **identity,
             "cached_blocks": pack_bitmap(self.hit_maps.get(epoch)),
         }
-        if self.carry is not None and len(self.carry) and done > 0:
-            out["carry"] = {"dtype": self.carry.dtype.str, "tokens": self.carry.tolist(), "rank": rank}
+        if carry is not None and len(carry) and done > 0:
+            out["carry"] = {"dtype": carry.dtype.str, "tokens": carry.tolist(), "rank": rank}
         return out
 
     def load(

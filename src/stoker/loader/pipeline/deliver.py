@@ -76,6 +76,7 @@ class Delivery:
         if cut is not None and (batch is not None or (last and self.state.carry is not None)):
             if batch is None:
                 batch = {"tokens": self.state.carry[:0]}
+            self.state.carry_before = self.state.carry  # (a consumer holding this batch has not handed it on)
             batch, self.state.carry = cut(self.state.carry, batch, last)
         if batch is None:
             return None
