@@ -16,7 +16,7 @@ the connection's thread stops reading it (TCP's window then holds the client bac
 Requests are served by a *handler* (the cache service, :class:`Handler`): it alone knows the
 datasets, and refuses blocks and ranges outside the dataset it names. A handler's error (a
 refused request, the origin failing a fill) is answered ``ERROR`` with its message on a
-connection that goes on; only a reply that breaks off mid-way (:class:`ReplyFailed`) closes it.
+connection that goes on; only a reply that breaks off mid-way (:class:`_ReplyFailed`) closes it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ HANDSHAKE_S = 5.0
 MAX_CONNECTIONS = 256
 
 
-class ReplyFailed(OSError):
+class _ReplyFailed(OSError):
     """A reply broke off mid-way (the connection failed, or the cache file ended short after its
     header went out): the connection is closed, and its client sees a short or missing reply
     (it reads the origin or retries). Any other error of a handler is answered ``ERROR``."""
@@ -49,7 +49,7 @@ class ReplyFailed(OSError):
 class Reply:
     """How a handler answers one request on its connection (thread-safe: replies of one
     connection never interleave). Exactly one of its methods is called per request; each raises
-    :class:`ReplyFailed` when the reply cannot be sent whole."""
+    :class:`_ReplyFailed` when the reply cannot be sent whole."""
 
     def __init__(self, conn: _Connection, rid: int):
         self._conn, self._rid = conn, rid
@@ -62,12 +62,12 @@ class Reply:
                 if len(body):
                     self._conn.sock.sendall(body)
             except OSError as exc:
-                raise ReplyFailed(f"reply to request {self._rid} broke off: {exc}") from exc
+                raise _ReplyFailed(f"reply to request {self._rid} broke off: {exc}") from exc
 
     def file(self, status: int, fd: int, offset: int, length: int) -> None:
         """Answer ``status`` with ``length`` bytes of open file ``fd`` from ``offset``
         (``os.sendfile``: the kernel copies them from the page cache to the socket).
-        :class:`ReplyFailed` also when the file is shorter (its client sees a short body)."""
+        :class:`_ReplyFailed` also when the file is shorter (its client sees a short body)."""
         with self._conn.send_lock:
             sock = self._conn.sock
             try:
@@ -79,7 +79,7 @@ class Reply:
                         raise OSError(f"cache file ended {length - sent} bytes short of the range")
                     sent += k
             except OSError as exc:
-                raise ReplyFailed(f"reply to request {self._rid} broke off: {exc}") from exc
+                raise _ReplyFailed(f"reply to request {self._rid} broke off: {exc}") from exc
 
     def status(self, status: int, message: str = "") -> None:
         """Answer ``status`` with a short UTF-8 message (``ERROR``, ``NOT_HELD``, ``UNKNOWN_DATASET``, ``OK``)."""
@@ -237,7 +237,7 @@ class DataEndpoint:
             try:
                 if self._handler.serve_hit(op, key, b, start, stop, reply):
                     continue
-            except ReplyFailed:
+            except _ReplyFailed:
                 raise  # the reply broke off: the connection is done
             except Exception as exc:  # noqa: BLE001 - refused or failed (a cache error too): told to the client
                 reply.status(pw.ERROR, f"{type(exc).__name__}: {exc}")
@@ -260,7 +260,7 @@ class DataEndpoint:
     def _slow(self, conn: _Connection, reply: Reply, op, key, b, start, stop, prior, wait_s) -> None:
         try:
             self._handler.serve(op, key, b, start, stop, prior, wait_s, reply)
-        except ReplyFailed as exc:  # the reply broke off: close the connection, its client retries
+        except _ReplyFailed as exc:  # the reply broke off: close the connection, its client retries
             log.debug("data endpoint: reply failed: %s", exc)
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
