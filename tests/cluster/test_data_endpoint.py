@@ -13,7 +13,8 @@ Also where the endpoint listens: the node's address from Ray, not every address,
 start with an error naming it; the port kept for a restarted service.
 
 The services run in this process without Ray (their node id, the cluster secret and Ray's node
-address stood in), over the local packed dataset."""
+address stood in), over the local packed dataset; the last test starts services on nodes of the
+test cluster with the variables in their environment."""
 
 from __future__ import annotations
 
@@ -375,3 +376,35 @@ def test_a_restarted_service_listens_on_the_port_its_node_had(tmp_path, monkeypa
         moved = service_mod._listen(None, SECRET, str(node_dir))
     assert moved.port != port and (node_dir / ".data-endpoint").read_text() == str(moved.port)
     moved.close()
+
+
+# -- on the test cluster: the variables in the environment of a node's `ray start` --------------
+def test_the_variables_are_read_from_the_nodes_environment(cluster, tmp_path, fresh_services):
+    """Two nodes join with the variables in their raylet's environment (what ``ray start`` on a
+    node passes on to its actors): one listens on every address on a fixed port and tells its
+    peers the node's address; the other's port is no port, so its service cannot start, and the
+    error names the node and the variable."""
+    from stoker.cluster.service.cache_service import find_services, start_services
+
+    port = _free_port()
+    loopback = {"num_cpus": 0, "object_store_memory": 100 << 20, "node_ip_address": "127.0.0.1"}
+    good = cluster.add_node(
+        resources={"data_env_good": 1},
+        env_vars={service_mod.DATA_HOST_ENV: "0.0.0.0", service_mod.DATA_PORT_ENV: str(port)},
+        **loopback,
+    )
+    bad = cluster.add_node(resources={"data_env_bad": 1}, env_vars={service_mod.DATA_PORT_ENV: "70000"}, **loopback)
+    try:
+        cluster.wait_for_nodes()
+        down: dict = {}
+        start_services(str(tmp_path / "cache"), 64 << 20, down=down)
+        assert list(down) == [bad.node_id]
+        assert "could not start" in down[bad.node_id] and f"{service_mod.DATA_PORT_ENV} must be" in down[bad.node_id]
+        info = find_services()[good.node_id]["data_endpoint"]
+        assert (info["host"], info["port"], info["public_host"]) == ("0.0.0.0", port, "127.0.0.1")
+        others = [i["data_endpoint"] for n, i in find_services().items() if n != good.node_id]
+        assert others and all(e["host"] == "127.0.0.1" for e in others)  # the node's address from Ray
+    finally:
+        service_mod.stop_services()
+        for node in (good, bad):
+            cluster.remove_node(node)
