@@ -160,8 +160,9 @@ def flow_finish_times(caps: dict, flows: list[tuple[float, dict]], **net_options
 
 def loader_epoch(ctx):
     """A cluster rank's train function: one epoch through ``ctx.loader`` with a decode worker and a
-    prefetcher (forked children: their peer reads go through the rank's relay); returns the
-    rank's epoch records (``ctx.epochs``). Sent to the Ray workers by value (tests/cluster/conftest.py)."""
+    prefetcher (forked children: each opens its own connections to the peers' data endpoints);
+    returns the rank's epoch records (``ctx.epochs``). Sent to the Ray workers by value
+    (tests/cluster/conftest.py)."""
     from stoker import ImageOptions, ReadOptions
 
     loader = ctx.loader(

@@ -205,12 +205,30 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
     assert sum(r["epochs"][1]["peer_bytes"] for r in readers) > 0
 
 
-def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluster, s3_dataset, tmp_path_factory):
+def _loader_epoch_and_own_links(ctx):
+    """:func:`loader_epoch`, and how many connections to peers' data endpoints the rank's own
+    process holds at its end."""
+    return {"epochs": loader_epoch(ctx), "rank_links": len(ctx.dataset.reader.router.links)}
+
+
+def _accepted() -> int:
+    """Connections that passed the challenge at every service's data endpoint so far."""
+    from stoker.cluster.service.cache_service import find_services
+
+    return sum(info["data_endpoint"]["accepted"] for info in find_services().values())
+
+
+def test_cluster_loader_decode_workers_read_peers_over_their_own_connections(cluster, s3_dataset, tmp_path_factory):
+    """A Loader with a decode worker and a prefetcher (forked from the rank) in cluster mode: every
+    sample once, bytes from peers and no fallback; the services' endpoints took more connections
+    than the ranks' own processes hold, one per peer: the worker processes connected themselves
+    (no hop through the rank)."""
     from stoker.cluster import run
 
     url, opts = s3_dataset
+    before = _accepted()
     res = run(
-        loader_epoch,
+        _loader_epoch_and_own_links,
         url,
         3,
         {"CPU": 0.5},
@@ -220,10 +238,14 @@ def test_cluster_loader_with_decode_workers_reads_peers_through_the_relay(cluste
         block_bytes=BLOCK,
         cluster=ClusterOptions(placement="random", seed=1, job="loader", timeout_s=180),
     )
-    recs = [r["result"][0] for r in res]
+    accepted = _accepted() - before
+    recs = [r["result"]["epochs"][0] for r in res]
     assert all(rec["exactly_once"] and rec["samples"] == 40 for rec in recs)
-    assert sum(rec["peer_bytes"] for rec in recs) > 0  # forked children reached peers (via the relay)
+    assert sum(rec["peer_bytes"] for rec in recs) > 0
     assert sum(rec["fallbacks"] for rec in recs) == 0
+    rank_links = sum(r["result"]["rank_links"] for r in res)
+    assert 0 < rank_links <= 3 * 2  # each rank's own process: one connection per peer it reads
+    assert accepted >= rank_links + len(res), (accepted, rank_links)  # and each rank's workers theirs
 
 
 def test_cluster_state_feeds_the_extender(cluster, s3_dataset, tmp_path):

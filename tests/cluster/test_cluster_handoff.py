@@ -341,7 +341,7 @@ def test_a_rank_fills_its_nodes_block_from_the_previous_owner_and_else_the_origi
     s5, e5, want5 = _whole(ds, 5)
     assert r.read(ds, 5, s5, e5, block=True) == want5 and asked == []  # failed once: left alone for retry_s
     got = counters.read()
-    assert got["fetch_handoff"] == len(want1) and got["fallbacks"] == 1
+    assert got["fetch_handoff"] == len(want1) and got["fallbacks"] == 2  # the bad copy and the failed call
     assert got["fetch_origin"] == sum(len(w) for w in (want2, want3, want4, want5))
 
 

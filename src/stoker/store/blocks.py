@@ -20,7 +20,10 @@ admits the block, else in the staging area when that has room), and last a range
 the sample (:meth:`BlockReader.read_range`). Fills for the prefetcher and the cluster's services
 are :meth:`BlockReader.fill_block` and :meth:`BlockReader.stage_block`; a fill may name a
 *first source* (``first_source``: e.g. the cluster's previous owner of the block) tried before
-the origin, whose bytes are checked like the origin's. Picklable: a worker process gets a copy
+the origin, whose bytes are checked like the origin's. Every byte read from outside the node
+cache (the origin, or a peer through the router) is checked against the index once, before it
+is kept or delivered; in cluster mode a peer's bytes that fail are refused and the origin read
+instead (:meth:`Router.read`). Picklable: a worker process gets a copy
 with the same staging area and router and counters at zero.
 """
 
@@ -39,6 +42,9 @@ from .checks import checked_or_none, checksum_error, verify_block
 log = logging.getLogger(__name__)
 
 Check = Callable[[object], bool]  # valid(data) -> whether the bytes of a sample's range are right
+#: verify(data) -> None; raises ChecksumError (naming the sample) when bytes read from outside the
+#: node cache are wrong (:meth:`BlockReader.source_read`).
+Verify = Callable[[object], object]
 #: first_source(b) -> the bytes of block b (shard range [blocks.start, blocks.end)), or None when it
 #: has none; it must not raise (a source that fails answers None).
 FirstSource = Callable[[int], "bytes | memoryview | None"]
@@ -67,9 +73,12 @@ class Router(Protocol):
     def local(self, nbytes: int, b: int | None = None) -> None:
         """Count ``nbytes`` of block ``b`` served by this node's cache or staging area."""
 
-    def read(self, ds, b: int, start: int, stop: int, block: bool = False) -> bytes:
+    def read(self, ds, b: int, start: int, stop: int, block: bool = False, verify: Verify | None = None) -> bytes:
         """Shard bytes ``[start, stop)`` of block ``b`` of dataset ``ds``: from its owning peer,
-        else the origin (``block``: the whole block, for the cache or staging). Unverified."""
+        else the origin (``block``: the whole block, for the cache or staging). ``verify``
+        (:data:`Verify`): every byte returned has passed it; a peer's bytes that fail it are
+        refused and the origin read instead, the origin's that fail it raise its ChecksumError.
+        None: unverified."""
 
 
 class BlockSource(Protocol):
@@ -140,15 +149,22 @@ class BlockReader:
             return False
         return ds.cache.would_admit(int(ds.blocks.nbytes(b)), ds.version)
 
-    def source_read(self, b: int, start: int, stop: int, block: bool = False):
+    def source_read(self, b: int, start: int, stop: int, block: bool = False, verify: Verify | None = None):
         """Shard bytes ``[start, stop)`` of block ``b`` from outside this node's cache: the
         origin, or in cluster mode whatever the router chooses (the owning peer, else the
-        origin; ``block``: the whole block, for the cache or staging). Unverified. Raises
-        :class:`stoker.errors.OriginError` when the origin fails after its retries."""
+        origin; ``block``: the whole block, for the cache or staging). Raises
+        :class:`stoker.errors.OriginError` when the origin fails after its retries.
+
+        ``verify`` (:data:`Verify`; None: unverified): the bytes are checked with it once, and
+        its ChecksumError raised when the origin's are wrong; a peer's that fail it are refused
+        by the router, which reads the origin instead (:meth:`Router.read`)."""
         ds = self._ds
         if self._router is not None:
-            return self._router.read(ds, b, start, stop, block=block)
-        return ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop)
+            return self._router.read(ds, b, start, stop, block=block, verify=verify)
+        data = ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop)
+        if verify is not None:
+            verify(data)
+        return data
 
     def fetch_block(self, b: int, first_source: FirstSource | None = None):
         """Block ``b`` from the origin (or its owning peer) with every member of every sample
@@ -162,7 +178,8 @@ class BlockReader:
             data = checked_or_none(ds, b, first_source(b), "its first source")
             if data is not None:
                 return data
-        return verify_block(ds, b, self.source_read(b, int(ds.blocks.start[b]), int(ds.blocks.end[b]), block=True))
+        start, end = int(ds.blocks.start[b]), int(ds.blocks.end[b])
+        return self.source_read(b, start, end, block=True, verify=lambda data: verify_block(ds, b, data))
 
     # -- sample reads -------------------------------------------------------
     def read_range(self, i: int, start: int, stop: int, valid: Check):
@@ -221,10 +238,12 @@ class BlockReader:
                         router.local(stop - start, b)
                     return view
         self.stats.direct_reads += 1
-        data = self.source_read(b, start, stop)
-        if not valid(data):
-            raise checksum_error(ds, i, "checksum mismatch on read from the origin", data=data, start=start)
-        return data
+
+        def verify(data) -> None:
+            if not valid(data):
+                raise checksum_error(ds, i, "checksum mismatch on read from the origin", data=data, start=start)
+
+        return self.source_read(b, start, stop, verify=verify)
 
     def _staged(self, name: str, rel: int, n: int, valid: Check):
         """``n`` bytes at ``rel`` of staged block ``name`` if staged and valid (an invalid one is removed)."""
@@ -357,4 +376,4 @@ class BlockReader:
             return (status, data) if want_data else status
 
 
-__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router"]
+__all__ = ["BlockReader", "BlockSource", "FirstSource", "ReadStats", "Router", "Verify"]

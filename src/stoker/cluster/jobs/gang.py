@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 FAILED_AT = "stoker_failed_at"
 
 #: Seconds the other ranks of a failed job get to end by themselves before they are cancelled:
-#: a rank that failed first may still be tearing down (its process group, its relay) when a peer
+#: a rank that failed first may still be tearing down (its process group, its peer connections) when a peer
 #: whose collective failed because of it is reported.
 SETTLE_S = 2.0
 

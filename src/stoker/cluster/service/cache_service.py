@@ -51,10 +51,13 @@ NAMESPACE = "stoker"
 #: Concurrent requests one service handles (peer reads and fills, each in its own thread).
 MAX_CONCURRENCY = 16
 #: Where a service's data endpoint listens: ``STOKER_DATA_HOST`` (default the node's cluster
-#: address, as Ray knows it; ``0.0.0.0`` only when set so) and ``STOKER_DATA_PORT`` (default 0:
-#: the port this node's endpoint had before, else any free one), read in the service's process
-#: (the environment of ``ray start`` on that node).
+#: address, as Ray knows it; ``0.0.0.0`` only when set so, and peers are then told the node's
+#: cluster address) and ``STOKER_DATA_PORT`` (1-65535; default, or 0: the port this node's
+#: endpoint had before, else any free one), read in the service's process (the environment of
+#: ``ray start`` on that node).
 DATA_HOST_ENV, DATA_PORT_ENV = "STOKER_DATA_HOST", "STOKER_DATA_PORT"
+#: Listening hosts that are no address a peer can connect to (every address of the node).
+WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
 def dataset_ref(ds, storage_options: dict | None = None) -> dict:
@@ -156,9 +159,11 @@ class CacheService:
 
     # -- requests ---------------------------------------------------------
     def info(self) -> dict:
-        """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid, cache}`` (bytes;
-        ``cache``: the node's :class:`stoker.CacheOptions`, ``cache_dir`` and ``cache_bytes`` its
-        fields)."""
+        """``{node_id, node_name, cache_dir, cache_key, cache_bytes, used_bytes, pid, cache,
+        data_endpoint}`` (bytes; ``cache``: the node's :class:`stoker.CacheOptions`,
+        ``cache_dir`` and ``cache_bytes`` its fields; ``data_endpoint``: where the data endpoint
+        listens and its connections so far,
+        :meth:`stoker.cluster.service.endpoint.DataEndpoint.stats`)."""
         ds_cache = next(iter(self._datasets.values())).cache if self._datasets else None
         used = ds_cache.used_bytes() if ds_cache is not None else _used_bytes(self.cache)
         return {
@@ -170,6 +175,7 @@ class CacheService:
             "used_bytes": int(used),
             "pid": os.getpid(),
             "cache": self.cache,
+            "data_endpoint": self._endpoint.stats(),
         }
 
     def endpoint(self, dref: dict | None = None) -> tuple[str, int]:
@@ -464,34 +470,55 @@ class CacheService:
 
 
 def _listen(handler, secret: bytes, node_dir: str) -> DataEndpoint:
-    """The data endpoint of a service (module doc; :data:`DATA_HOST_ENV`): on the port this node's
-    endpoint had before (kept in ``<node cache dir>/.data-endpoint``, so a restarted service is
-    found where its peers' links left it) when free, else any. ServiceStartError when a
-    configured address cannot be bound."""
-    host = os.environ.get(DATA_HOST_ENV) or ray.util.get_node_ip_address()
-    wanted = os.environ.get(DATA_PORT_ENV)
+    """The data endpoint of a service (module doc; :data:`DATA_HOST_ENV`): on ``STOKER_DATA_PORT``
+    when set, else on the port this node's endpoint had before (kept in ``<node cache
+    dir>/.data-endpoint``, so a restarted service is found where its peers' links left it) when
+    free, else any. Peers are told the node's cluster address when it listens on a wildcard.
+    ServiceStartError naming the setting when the address cannot be bound or the port is not one."""
+    node_ip = ray.util.get_node_ip_address()
+    host = os.environ.get(DATA_HOST_ENV) or node_ip
+    public = node_ip if host in WILDCARD_HOSTS else host
+    wanted = _port_setting()
     record = os.path.join(node_dir, ".data-endpoint")
-    if wanted:
+    before = 0
+    if not wanted:
         try:
-            return DataEndpoint(handler, secret, host, int(wanted))
-        except (OSError, ValueError) as exc:
-            raise ServiceStartError(f"data endpoint cannot listen on {host}:{wanted} ({DATA_PORT_ENV}): {exc}") from exc
+            with open(record) as f:
+                before = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            before = 0
     try:
-        with open(record) as f:
-            before = int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        before = 0
-    try:
-        ep = DataEndpoint(handler, secret, host, before)
-    except OSError:
-        ep = DataEndpoint(handler, secret, host, 0)
-    if ep.port != before:
+        try:
+            ep = DataEndpoint(handler, secret, host, wanted or before, public_host=public)
+        except (OSError, OverflowError):
+            if wanted or not before:
+                raise
+            ep = DataEndpoint(handler, secret, host, 0, public_host=public)  # the old port is taken
+    except (OSError, OverflowError) as exc:
+        how = [f"{DATA_HOST_ENV}={host}" if os.environ.get(DATA_HOST_ENV) else "the node's address from Ray"]
+        how += [f"{DATA_PORT_ENV}={wanted}"] if wanted else []
+        raise ServiceStartError(
+            f"data endpoint cannot listen on {host}:{wanted or 'any port'} ({', '.join(how)}): {exc}"
+        ) from exc
+    if not wanted and ep.port != before:
         try:
             with open(record, "w") as f:
                 f.write(str(ep.port))
         except OSError as exc:
             log.warning("cannot record the data endpoint's port in %s: %s", record, exc)
     return ep
+
+
+def _port_setting() -> int:
+    """``STOKER_DATA_PORT`` as a port number (0: not set); ServiceStartError when it is not one."""
+    text = os.environ.get(DATA_PORT_ENV, "").strip()
+    try:
+        port = int(text or 0)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ServiceStartError(f"{DATA_PORT_ENV} must be a TCP port number (1-65535), got {text!r}")
+    return port
 
 
 def _used_bytes(cache: CacheOptions) -> int:

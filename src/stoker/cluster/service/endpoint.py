@@ -14,7 +14,9 @@ connection. At most ``max_pending`` requests per connection are being served at 
 the connection's thread stops reading it (TCP's window then holds the client back).
 
 Requests are served by a *handler* (the cache service, :class:`Handler`): it alone knows the
-datasets, and refuses blocks and ranges outside the dataset it names.
+datasets, and refuses blocks and ranges outside the dataset it names. A handler's error (a
+refused request, the origin failing a fill) is answered ``ERROR`` with its message on a
+connection that goes on; only a reply that breaks off mid-way (:class:`_ReplyFailed`) closes it.
 """
 
 from __future__ import annotations
@@ -38,9 +40,16 @@ HANDSHAKE_S = 5.0
 MAX_CONNECTIONS = 256
 
 
+class _ReplyFailed(OSError):
+    """A reply broke off mid-way (the connection failed, or the cache file ended short after its
+    header went out): the connection is closed, and its client sees a short or missing reply
+    (it reads the origin or retries). Any other error of a handler is answered ``ERROR``."""
+
+
 class Reply:
     """How a handler answers one request on its connection (thread-safe: replies of one
-    connection never interleave). Exactly one of its methods is called per request."""
+    connection never interleave). Exactly one of its methods is called per request; each raises
+    :class:`_ReplyFailed` when the reply cannot be sent whole."""
 
     def __init__(self, conn: _Connection, rid: int):
         self._conn, self._rid = conn, rid
@@ -48,23 +57,29 @@ class Reply:
     def data(self, status: int, body) -> None:
         """Answer ``status`` with ``body`` (a bytes-like object, sent as it is)."""
         with self._conn.send_lock:
-            self._conn.sock.sendall(pw.REPLY.pack(self._rid, status, len(body)))
-            if len(body):
-                self._conn.sock.sendall(body)
+            try:
+                self._conn.sock.sendall(pw.REPLY.pack(self._rid, status, len(body)))
+                if len(body):
+                    self._conn.sock.sendall(body)
+            except OSError as exc:
+                raise _ReplyFailed(f"reply to request {self._rid} broke off: {exc}") from exc
 
     def file(self, status: int, fd: int, offset: int, length: int) -> None:
         """Answer ``status`` with ``length`` bytes of open file ``fd`` from ``offset``
-        (``os.sendfile``: the kernel copies them from the page cache to the socket). OSError when
-        the file is shorter (the connection is then closed: its client sees a short body)."""
+        (``os.sendfile``: the kernel copies them from the page cache to the socket).
+        :class:`_ReplyFailed` also when the file is shorter (its client sees a short body)."""
         with self._conn.send_lock:
             sock = self._conn.sock
-            sock.sendall(pw.REPLY.pack(self._rid, status, length))
-            sent = 0
-            while sent < length:
-                k = os.sendfile(sock.fileno(), fd, offset + sent, length - sent)
-                if k == 0:
-                    raise OSError(f"cache file ended {length - sent} bytes short of the range")
-                sent += k
+            try:
+                sock.sendall(pw.REPLY.pack(self._rid, status, length))
+                sent = 0
+                while sent < length:
+                    k = os.sendfile(sock.fileno(), fd, offset + sent, length - sent)
+                    if k == 0:
+                        raise OSError(f"cache file ended {length - sent} bytes short of the range")
+                    sent += k
+            except OSError as exc:
+                raise _ReplyFailed(f"reply to request {self._rid} broke off: {exc}") from exc
 
     def status(self, status: int, message: str = "") -> None:
         """Answer ``status`` with a short UTF-8 message (``ERROR``, ``NOT_HELD``, ``UNKNOWN_DATASET``, ``OK``)."""
@@ -99,9 +114,13 @@ class DataEndpoint:
     """The listener (module doc). ``handler``: the cache service (:class:`Handler`); ``secret``:
     the cluster's data-plane secret (:func:`stoker.cluster.service.peerwire.cluster_secret`);
     ``host``/``port``: where to listen (the node's cluster address; port 0: any free one);
-    ``fill_threads``: the pool for requests that need a fill; ``max_pending``: requests of one
-    connection served at once. OSError when the address cannot be bound. :meth:`close` stops
-    it and closes every connection."""
+    ``public_host``: the address peers connect to, when ``host`` is not one (a wildcard such as
+    ``0.0.0.0``; default ``host``); ``fill_threads``: the pool for requests that need a fill;
+    ``max_pending``: requests of one connection served at once. OSError when the address cannot
+    be bound. :meth:`close` stops it and closes every connection.
+
+    Counters (connections since it started): ``accepted`` passed the challenge, ``refused``
+    failed it; :meth:`stats`."""
 
     def __init__(
         self,
@@ -112,6 +131,7 @@ class DataEndpoint:
         fill_threads: int = 16,
         max_pending: int = 64,
         handshake_s: float = HANDSHAKE_S,
+        public_host: str | None = None,
     ):
         self._handler, self._secret = handler, bytes(secret)
         self._max_pending, self._handshake_s = int(max_pending), float(handshake_s)
@@ -125,18 +145,34 @@ class DataEndpoint:
             raise
         self._listener.listen(128)
         self.host, self.port = host, self._listener.getsockname()[1]
+        self.public_host = public_host or host
         self._pool = ThreadPoolExecutor(max(1, int(fill_threads)), thread_name_prefix="stoker-data-fill")
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.accepted = 0  # connections that passed the challenge
         self.refused = 0  # connections that failed the challenge
         threading.Thread(target=self._accept, name="stoker-data-accept", daemon=True).start()
 
     @property
     def address(self) -> tuple[str, int]:
-        """``(host, port)`` the endpoint listens on."""
-        return self.host, self.port
+        """``(host, port)`` peers reach the endpoint at (``public_host``, the port it listens on)."""
+        return self.public_host, self.port
+
+    def stats(self) -> dict:
+        """``{host, port, public_host, accepted, refused, open}``: where it listens, and its
+        connections (counts: passed the challenge, failed it, open now)."""
+        with self._lock:
+            now = len(self._conns)
+        return {
+            "host": self.host,
+            "port": self.port,
+            "public_host": self.public_host,
+            "accepted": self.accepted,
+            "refused": self.refused,
+            "open": now,
+        }
 
     def _accept(self) -> None:
         while not self._closed:
@@ -146,6 +182,9 @@ class DataEndpoint:
                 if self._closed:
                     return
                 continue
+            if self._closed:  # accepted as it closed: not served
+                sock.close()
+                return
             if not self._slots.acquire(timeout=self._handshake_s):
                 sock.close()
                 continue
@@ -158,9 +197,12 @@ class DataEndpoint:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._handshake_s)
             if not pw.server_handshake(sock, self._secret):
-                self.refused += 1
+                with self._lock:
+                    self.refused += 1
                 log.warning("data endpoint %s:%s: a client failed the challenge; closed", self.host, self.port)
                 return
+            with self._lock:
+                self.accepted += 1
             sock.settimeout(None)
             self._requests(_Connection(sock))
         except OSError as exc:
@@ -195,9 +237,9 @@ class DataEndpoint:
             try:
                 if self._handler.serve_hit(op, key, b, start, stop, reply):
                     continue
-            except OSError:
-                raise  # the socket failed mid-reply: the connection is done
-            except Exception as exc:  # noqa: BLE001 - refused or failed: told to the client
+            except _ReplyFailed:
+                raise  # the reply broke off: the connection is done
+            except Exception as exc:  # noqa: BLE001 - refused or failed (a cache error too): told to the client
                 reply.status(pw.ERROR, f"{type(exc).__name__}: {exc}")
                 continue
             conn.pending.acquire()
@@ -218,19 +260,24 @@ class DataEndpoint:
     def _slow(self, conn: _Connection, reply: Reply, op, key, b, start, stop, prior, wait_s) -> None:
         try:
             self._handler.serve(op, key, b, start, stop, prior, wait_s, reply)
-        except OSError as exc:  # the connection broke mid-reply: close it, its client retries
+        except _ReplyFailed as exc:  # the reply broke off: close the connection, its client retries
             log.debug("data endpoint: reply failed: %s", exc)
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
-        except Exception as exc:  # noqa: BLE001 - told to the client, which reads the origin
+        except Exception as exc:  # noqa: BLE001 - the origin's errors too: told to the client, which reads the origin
             with contextlib.suppress(OSError):
                 reply.status(pw.ERROR, f"{type(exc).__name__}: {exc}")
         finally:
             conn.pending.release()
 
     def close(self) -> None:
-        """Stop listening and close every connection (their clients read the origin or retry)."""
+        """Stop listening and close every connection (their clients read the origin or retry).
+        The listening socket is shut down before it is closed: a thread blocked in ``accept``
+        keeps a closed socket listening on Linux, which would still take connections (and keep
+        the port from the next endpoint)."""
         self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:

@@ -12,7 +12,9 @@ restarted service rejoins by itself. A block whose owner changed when the datase
 grew (``prior``: its previous owner, :mod:`stoker.cluster.handoff`) is filled from the previous
 owner's cache first: by this rank when this node owns it now, else by the owner's service, which
 the read names the previous owner to. Every byte is counted in the rank's :class:`ByteCounters`
-(local / peer / origin / peer_origin / handoff / fallbacks).
+(local / peer / origin / peer_origin / handoff / fallbacks). What a peer sends is checked against
+the index checksums (the block reader's ``verify``) before it is kept or delivered: bytes that
+fail are refused and the origin read instead, a fallback counted.
 
 Ray carries only the control plane here: the peers' data endpoints are looked up through their
 services (:meth:`connect`), and Ray's node table says which nodes are gone. A block's bytes come
@@ -32,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import PeerUnavailable
-from ...store.checks import checked_or_none
+from ...errors import ChecksumError, PeerUnavailable
+from ...store.blocks import Verify
+from ...store.checks import verify_block
 from ..counters import ByteCounters
 from ..identity import node_label
 from . import peerwire as pw
@@ -93,12 +96,13 @@ class BlockRouter:
         self._probe_lock = threading.Lock()
         self._gone: set[int] = set()  # peers whose node Ray lists as dead (a node id never comes back)
         self._alive: tuple[float, frozenset] = (-float("inf"), frozenset())  # (when, alive node ids)
+        self._stop = threading.Event()  # set by close(): the probes end
 
     def __getstate__(self):
         return {
             k: v
             for k, v in self.__dict__.items()
-            if k not in ("_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive")
+            if k not in ("_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive", "_stop")
         }
 
     def __setstate__(self, state):
@@ -119,19 +123,23 @@ class BlockRouter:
         else:
             self.counters.credit(b, nbytes)
 
-    def read(self, ds, b: int, start: int, stop: int, block: bool = False):
+    def read(self, ds, b: int, start: int, stop: int, block: bool = False, verify: Verify | None = None):
         """Shard bytes ``[start, stop)`` of block ``b`` (a bytes-like object): from its owning peer,
         else the origin; a whole block of this node whose owner changed comes from its previous
         owner's cache first (:meth:`handoff`).
 
         ``block``: the whole block is being fetched (into the cache or staging; its samples are
         counted as they are read, :meth:`local`); else a sample's bytes, counted now.
-        The caller verifies the bytes against the index. Raises what the origin raises
-        (:class:`stoker.storage.OriginError`) when the origin fails too.
+        ``verify`` (:data:`stoker.store.blocks.Verify`, what the block reader checks bytes with):
+        a peer's bytes that fail it are refused (logged naming the peer and the block, a
+        fallback counted, not counted as peer bytes) and the origin read instead; the origin's
+        are checked with it too, and its ChecksumError raised. Every byte returned has passed it
+        (None: unverified, except a previous owner's, always checked). Raises what the origin
+        raises (:class:`stoker.storage.OriginError`) when the origin fails too.
         """
         o, p = int(self.owner[b]), int(self.prior[b])
         if block and o == self.me and p >= 0:
-            data = self.handoff(ds, b, p, start, stop)
+            data = self.handoff(ds, b, p, start, stop, verify)
             if data is not None:
                 self._count(b, "handoff", len(data), block)
                 return data
@@ -141,18 +149,22 @@ class BlockRouter:
             except PeerUnavailable as exc:
                 self._failed("peer", o, ds, b, exc)
             else:
-                self._count(b, _COUNTED_AS.get(source, "peer_origin"), len(data), block)
-                return data
+                if verify is None or self._passes(verify, data, "peer", o, ds, b):
+                    self._count(b, _COUNTED_AS.get(source, "peer_origin"), len(data), block)
+                    return data
         data = ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop)
+        if verify is not None:
+            verify(data)
         self._count(b, "origin", len(data), block)
         return data
 
-    def handoff(self, ds, b: int, p: int, start: int, stop: int):
+    def handoff(self, ds, b: int, p: int, start: int, stop: int, verify: Verify | None = None):
         """Whole block ``b`` from the cache of its previous owner ``p`` (index into ``nodes``),
-        verified against the index (:func:`stoker.store.checks.verify_block`); None when
+        checked with ``verify`` (default :func:`stoker.store.checks.verify_block`); None when
         that node does not hold it, is down or suspect, does not answer within ``timeout_s``, or
-        sends bytes that fail the check (logged; the caller then reads the origin). The previous
-        owner never goes to the origin for it (a cache-only read of its data endpoint)."""
+        sends bytes that fail the check (logged, a fallback counted; the caller then reads the
+        origin). The previous owner never goes to the origin for it (a cache-only read of its
+        data endpoint)."""
         if p == self.me or time.monotonic() < self._down_until.get(p, 0.0):
             return None
         try:
@@ -160,7 +172,31 @@ class BlockRouter:
         except PeerUnavailable as exc:
             self._failed("previous owner", p, ds, b, exc)
             return None
-        return checked_or_none(ds, b, data, f"its previous owner {self.names[p]}")
+        if data is None:
+            return None
+        check = verify if verify is not None else (lambda d: verify_block(ds, b, d))
+        return data if self._passes(check, data, "previous owner", p, ds, b) else None
+
+    def _passes(self, verify: Verify, data, role: str, o: int, ds, b: int) -> bool:
+        """Whether ``data``, read from node ``o`` (the block's ``role``), passes ``verify``; when
+        it does not (a damaged cache file there, a wrong answer), the bytes are refused: logged
+        naming the node and block, a fallback counted. The node is not skipped: its other blocks
+        may be right."""
+        try:
+            verify(data)
+        except ChecksumError as exc:
+            log.warning(
+                "%s %s sent bytes of block %s of %s that fail the index checksums (sample %r); refused, "
+                "reading the origin",
+                role,
+                self.names[o],
+                ds.blocks.name(b),
+                self.url,
+                exc.key,
+            )
+            self.counters.add(fallbacks=1)
+            return False
+        return True
 
     def _failed(self, role: str, o: int, ds, b: int, exc: Exception) -> None:
         """A read of node ``o`` (the block's ``role``: "peer" or "previous owner") for block ``b``
@@ -307,7 +343,7 @@ class BlockRouter:
         """Make sure a background thread watches suspect peer ``o`` (:meth:`_watch`)."""
         with self._probe_lock:
             t = self._probing.get(o)
-            if o in self._gone or (t is not None and t.is_alive()):
+            if o in self._gone or self._stop.is_set() or (t is not None and t.is_alive()):
                 return
             t = self._probing[o] = threading.Thread(
                 target=self._watch, args=(o,), name=f"stoker-probe-{o}", daemon=True
@@ -320,8 +356,9 @@ class BlockRouter:
         as dead (a dead node id never comes back: it stays suspect, its blocks come from the
         origin). In the rank the ping asks the service through Ray where its endpoint is now (a
         restarted service may listen elsewhere) and then pings the endpoint; a worker process
-        pings the endpoint it knows (a restarted service takes its old port when it is free)."""
-        while o in self._suspect:
+        pings the endpoint it knows (a restarted service takes its old port when it is free).
+        Ends when the router is closed."""
+        while o in self._suspect and not self._stop.is_set():
             t0 = time.monotonic()
             if not self._node_alive(o):
                 self._gone.add(o)
@@ -335,10 +372,14 @@ class BlockRouter:
                 log.debug("peer %s still unavailable: %s", self.names[o], exc)
             else:
                 self._suspect.discard(o)
-                return
-            time.sleep(max(0.0, self.retry_s - (time.monotonic() - t0)))
+                break
+            self._stop.wait(max(0.0, self.retry_s - (time.monotonic() - t0)))
+        if self._stop.is_set():
+            self.links.close()  # closed during a ping: the connection it opened goes too
 
     def close(self) -> None:
-        """Close this process's connections to the peers (each worker process closes its own as
-        it exits)."""
+        """Close this process's connections to the peers and end its background pings (each
+        worker process closes its own as it exits). A ping left running would open connections
+        again, for as long as the process lives (a pooled Ray worker outlives its job)."""
+        self._stop.set()
         self.links.close()
