@@ -86,9 +86,23 @@ def profile(loader, seconds: float) -> None:
     stop = threading.Event()
     procs = [
         subprocess.Popen(
-            [spy, "record", "--native", "-r", "500", "-d", str(int(seconds)), "-f", "raw", "-o",
-             f"{out}/{name}.txt", "-p", str(pid)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                spy,
+                "record",
+                "--native",
+                "-r",
+                "500",
+                "-d",
+                str(int(seconds)),
+                "-f",
+                "raw",
+                "-o",
+                f"{out}/{name}.txt",
+                "-p",
+                str(pid),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for name, pid in pids.items()
     ]
@@ -130,8 +144,14 @@ def main() -> None:
     from stoker.collate import raw_bytes
 
     kw = {"decode": raw_array, "collate": stack} if mode == "generic" else {"collate": raw_bytes}
-    report: dict = {"mode": mode, "files": FILES, "sample_bytes": SAMPLE_BYTES, "workers": WORKERS,
-                    "batch_size": BATCH, "cores": os.cpu_count()}
+    report: dict = {
+        "mode": mode,
+        "files": FILES,
+        "sample_bytes": SAMPLE_BYTES,
+        "workers": WORKERS,
+        "batch_size": BATCH,
+        "cores": os.cpu_count(),
+    }
     try:
         with Loader(ds, BATCH, num_workers=WORKERS, seed=0, drop_last=True, **kw) as loader:
             epochs(loader, 2, mode)  # the cold fill and the first warm epoch

@@ -282,8 +282,8 @@ def _decode_task(wid: int, task: tuple, dec, writer, derived, cfg: WorkerConfig,
     run, seq, epoch, slot, path, ids, offset, whole = task
     if isinstance(dec, RawBatchReader):  # raw bytes read straight into the slot: nothing skipped, no substitutes
         assert writer is not None
-        n, packed = dec.run(ids, path, writer, current)
-        return ("ok", wid, run, seq, slot, n, [], [], counters(dec.ds), None, packed, [], offset)
+        n, raw = dec.run(ids, path, writer, current)
+        return ("ok", wid, run, seq, slot, n, [], [], counters(dec.ds), None, raw, [], offset)
     if writer is not None:
         assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
         n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
