@@ -81,10 +81,11 @@ def test_every_byte_of_every_sample_of_a_ragged_batch_is_the_origins(jpegs, tmp_
         assert loader.stats.cache_hit_ratio == 1.0
 
 
-def test_samples_of_one_size_come_as_n_by_sample_bytes(tendata, tmp_path):
+@pytest.mark.parametrize("shuffle", [True, False])  # in order: runs of adjacent samples, one preadv each
+def test_samples_of_one_size_come_as_n_by_sample_bytes(tendata, tmp_path, shuffle):
     url, origin = tendata
     ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
-    with Loader(ds, 16, num_workers=2, collate=raw_bytes, drop_last=True) as loader:
+    with Loader(ds, 16, num_workers=2, shuffle=shuffle, collate=raw_bytes, drop_last=True) as loader:
         for _ in range(2):
             for b in loader:
                 assert tuple(b.data.shape) == (16, 12_736)
@@ -163,16 +164,17 @@ def test_a_damaged_cached_block_is_read_again_from_the_origin(tendata, tmp_path)
     cache = tmp_path / "cache"
     ds = open_dataset(url, str(cache), 1 << 30)
     with Loader(ds, 10, num_workers=2, collate=raw_bytes) as loader:
-        for _ in loader:  # the cold fill
+        for _ in loader:  # the cold fill (closed after: no batch of the next epoch read ahead of the damage)
             pass
-        files = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
-        assert files
-        for p in files:
-            with open(p, "r+b") as f:
-                f.seek(100)
-                byte = f.read(1)
-                f.seek(100)
-                f.write(bytes([byte[0] ^ 0xFF]))
+    files = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
+    assert files
+    for p in files:
+        with open(p, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with Loader(ds, 10, num_workers=2, collate=raw_bytes) as loader:
         assert sum(_check(ds, origin, b) for b in loader) == len(ds)
         assert loader.stats.origin_bytes > 0  # the damaged blocks came again
 

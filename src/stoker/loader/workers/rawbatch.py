@@ -53,11 +53,17 @@ def _align(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _runs(rel: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
-    """``[(first, stop)]``: positions in ``rel`` (block offsets, sorted) of runs of adjacent ranges."""
-    cut = np.flatnonzero(rel[1:] != rel[:-1] + lengths[:-1]) + 1
-    bounds = [0, *cut.tolist(), len(rel)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+def _runs(group: list[int], rel: list[int], lengths: list[int]) -> list[list[int]]:
+    """``group`` (positions in the batch, sorted by their block offsets ``rel``) cut into runs of
+    samples that lie end to end in the block (one ``preadv`` each)."""
+    runs = [[group[0]]]
+    for k in group[1:]:
+        last = runs[-1][-1]
+        if rel[k] == rel[last] + lengths[last]:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
 
 
 class RawBatchReader:
@@ -123,13 +129,12 @@ class RawBatchReader:
         ds = self.ds
         reader = ds.reader
         from_cache = self._cached(sids, lengths, offsets, view, reader)
-        checksum = ds.index.checksum
+        ids, at, want = sids.tolist(), offsets.tolist(), ds.index.checksum[sids].tolist()
         again = []
         for k in np.flatnonzero(from_cache).tolist():
-            sid = int(sids[k])
             if current is not None:
-                current.value = sid
-            if xxhash.xxh3_64_intdigest(view[offsets[k] : offsets[k + 1]]) != int(checksum[sid]):
+                current.value = ids[k]
+            if xxhash.xxh3_64_intdigest(view[at[k] : at[k + 1]]) != want[k]:
                 again.append(k)  # its read below drops the damaged block (BlockReader.read_range)
         hits = int(from_cache.sum()) - len(again)
         reader.stats.samples += hits
@@ -138,10 +143,9 @@ class RawBatchReader:
             ds.cache.stats.hits += hits
         again.extend(np.flatnonzero(~from_cache).tolist())
         for k in again:
-            sid = int(sids[k])
             if current is not None:
-                current.value = sid
-            view[offsets[k] : offsets[k + 1]] = ds.read(sid)
+                current.value = ids[k]
+            view[at[k] : at[k + 1]] = ds.read(ids[k])
 
     def _cached(
         self, sids: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, view: memoryview, reader
@@ -155,23 +159,28 @@ class RawBatchReader:
             return got
         blocks = ds.blocks
         bids = blocks.sample_block[sids].astype(np.int64)
-        rel = ds.index.offset[sids].astype(np.int64) - blocks.start[bids]
-        order = np.lexsort((rel, bids))
-        bounds = [0, *(np.flatnonzero(np.diff(bids[order])) + 1).tolist(), len(order)]
+        rel_a = ds.index.offset[sids].astype(np.int64) - blocks.start[bids]
+        order = np.lexsort((rel_a, bids)).tolist()
+        # plain ints from here: a group is one or a few samples, where numpy's per-call cost dominates
+        rel, size, at, block = rel_a.tolist(), lengths.tolist(), offsets.tolist(), bids.tolist()
+        groups: list[list[int]] = []
+        for k in order:
+            if groups and block[groups[-1][0]] == block[k]:
+                groups[-1].append(k)
+            else:
+                groups.append([k])
         router = reader.router
-        for a, z in zip(bounds[:-1], bounds[1:], strict=True):
-            group = order[a:z]
-            b = int(bids[group[0]])
+        for group in groups:
 
             def use(fd, group=group):
-                for first, stop in _runs(rel[group], lengths[group]):
-                    ks = group[first:stop]
-                    bufs = [view[offsets[k] : offsets[k + 1]] for k in ks.tolist()]
-                    if os.preadv(fd, bufs, int(rel[ks[0]])) == int(lengths[ks].sum()):
-                        got[ks] = True
+                for run in _runs(group, rel, size):
+                    bufs = [view[at[k] : at[k] + size[k]] for k in run]
+                    if os.preadv(fd, bufs, rel[run[0]]) == sum(size[k] for k in run):
+                        got[run] = True
                 return True
 
             # count: the samples a tiered cache adds to the hits of the tier that served them
+            b = block[group[0]]
             if with_fd(ds.version, blocks.name(b), use, count=len(group)) and router is not None:
-                router.local(int(lengths[group][got[group]].sum()), b)
+                router.local(sum(size[k] for k in group if got[k]), b)
         return got
