@@ -8,6 +8,9 @@ shared-memory slot without pickling; its other leaves (strings, numbers) are pic
 - :func:`default`: torch's ``default_collate`` semantics, after a check that every sample has the
   same structure and shapes (:class:`CollateError` names the one that differs; the Loader, its key).
 - :func:`pad`: variable-length 1-D arrays padded to the batch maximum, with their lengths.
+- :func:`raw_bytes`: no decode: each sample's payload bytes, as they are stored, in one flat
+  ``uint8`` tensor with the offsets of the samples (:class:`RawBatch`); a Loader's workers read
+  such a batch straight into its shared-memory slot (:mod:`stoker.loader.workers.rawbatch`).
 - :func:`pack_tokens`: token sequences joined with an EOS separator and cut into rows of exactly
   ``seq_len`` tokens, the remainder carried to the next batch: the packing of LLM pre-training
   (e.g. GPT-2/3's training recipe, "Language Models are Few-Shot Learners", 2020, section 2.3:
@@ -20,12 +23,13 @@ every multiprocessing start method.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import CollateError
 
-__all__ = ["CollateError", "PackTokens", "Pad", "default", "pack_tokens", "pad"]
+__all__ = ["CollateError", "PackTokens", "Pad", "RawBatch", "default", "pack_tokens", "pad", "raw_bytes"]
 
 
 def _shape(x):
@@ -225,3 +229,73 @@ def pack_tokens(seq_len: int, eos_id: int, pad_id: int | None = None, key=None) 
     go to the carry is not yielded). Raises ValueError for ``seq_len < 1``.
     """
     return PackTokens(seq_len, eos_id, pad_id, key)
+
+
+class RawBatch(NamedTuple):
+    """A batch of raw samples (:func:`raw_bytes`): every sample's payload bytes as stored.
+
+    Attributes:
+        data: torch ``uint8`` tensor: the payloads one after another, shape ``(total_bytes,)``;
+            shape ``(N, sample_bytes)`` when every sample of the batch has ``sample_bytes`` bytes
+            (a dataset of fixed-size records always gives that).
+        offsets: torch ``int64`` tensor ``(N + 1,)``: sample ``j`` is bytes
+            ``[offsets[j], offsets[j + 1])`` of ``data`` flattened (:meth:`sample`).
+        ids: torch ``int64`` tensor ``(N,)``: the sample ids, in batch order.
+        labels: torch ``int64`` tensor ``(N,)``: the samples' labels (-1 for a sample without one).
+    """
+
+    data: Any
+    offsets: Any
+    ids: Any
+    labels: Any
+
+    def sample(self, j: int):
+        """The payload of the batch's sample ``j``: a 1-D ``uint8`` view of :attr:`data` (no copy)."""
+        return self.data.reshape(-1)[int(self.offsets[j]) : int(self.offsets[j + 1])]
+
+
+def raw_layout(lengths: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    """``(offsets, data shape)`` of a :class:`RawBatch` of samples of ``lengths`` bytes (int64 (N,)):
+    offsets (N + 1,) int64 from 0; shape ``(N, L)`` when every length is one ``L > 0``, else
+    ``(total,)``."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    n = len(lengths)
+    if n and lengths[0] > 0 and (lengths == lengths[0]).all():
+        return offsets, (n, int(lengths[0]))
+    return offsets, (int(offsets[-1]),)
+
+
+def raw_bytes(samples: list) -> RawBatch:
+    """Collate samples that no ``decode`` touched (a Loader with ``decode=None``: each sample is
+    the dict of :meth:`stoker.store.dataset.Dataset.read_fields` with ``meta=True``) into a
+    :class:`RawBatch` of their primary payloads: one flat ``uint8`` tensor and the offsets, or
+    ``(N, sample_bytes)`` when every sample has one size.
+
+    Given as ``Loader(ds, batch_size, collate=stoker.collate.raw_bytes)`` without ``decode``, the
+    workers do not run it: they read the batch's byte ranges from the node cache straight into the
+    batch's shared-memory slot, each sample checked against its checksum there, and the result is
+    this same batch (:mod:`stoker.loader.workers.rawbatch`). Elsewhere (``num_workers=0``, or with a
+    ``decode``) it runs as written here.
+
+    Raises:
+        CollateError: a sample is not such a dict (a ``decode`` returned something else), or the
+            batch is empty.
+    """
+    import torch
+
+    if not samples:
+        raise CollateError(0, "empty batch")
+    payloads = []
+    for j, s in enumerate(samples):
+        if not isinstance(s, Mapping) or "__id__" not in s or not s or not isinstance(next(iter(s.values())), bytes):
+            raise CollateError(
+                j, f"raw_bytes takes the samples of a Loader without decode (dicts of fields), got {type(s).__name__}"
+            )
+        payloads.append(next(iter(s.values())))
+    lengths = np.fromiter((len(p) for p in payloads), np.int64, len(payloads))
+    offsets, shape = raw_layout(lengths)
+    data = np.frombuffer(b"".join(payloads), np.uint8).copy().reshape(shape)
+    ids = np.fromiter((s["__id__"] for s in samples), np.int64, len(samples))
+    labels = np.fromiter((s.get("__label__", -1) for s in samples), np.int64, len(samples))
+    return RawBatch(*(torch.from_numpy(a) for a in (data, offsets, ids, labels)))

@@ -185,6 +185,18 @@ class SlotWriter:
         """Write ``leaves`` into the slot at ``path``: ``(specs, slot bytes now)``, or None when
         the slot would have to grow and the shared-memory directory has no room."""
         specs, need = _layout(leaves)
+        mm = self.reserve(path, need)
+        if mm is None:
+            return None
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        for a, (_, _, off) in zip(leaves, specs, strict=True):
+            buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        del buf
+        return specs, len(mm)
+
+    def reserve(self, path: str, need: int) -> mmap.mmap | None:
+        """This worker's mapping of the slot at ``path``, grown to at least ``need`` bytes (with 25 %
+        headroom); None when it would have to grow and the shared-memory directory has no room."""
         mm = self.maps.get(path)
         size = os.path.getsize(path) if mm is None else len(mm)
         if need > size:
@@ -208,11 +220,7 @@ class SlotWriter:
                 mm = self.maps[path] = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-        buf = np.frombuffer(mm, dtype=np.uint8)
-        for a, (_, _, off) in zip(leaves, specs, strict=True):
-            buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
-        del buf
-        return specs, len(mm)
+        return mm
 
     def close(self) -> None:
         for mm in self.maps.values():

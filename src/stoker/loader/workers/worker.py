@@ -25,6 +25,7 @@ from ..options import WorkerConfig
 
 if TYPE_CHECKING:
     from .batches import GenericDecoder, SlotWriter
+    from .rawbatch import RawBatchReader
 
 
 def counters(ds, derived=None) -> dict:
@@ -203,12 +204,13 @@ def _setup(ds, cfg: WorkerConfig):
     import torch
 
     torch.set_num_threads(1)  # one worker per core: the resize kernel must not spawn a pool each
-    dec: BatchDecoder | GenericDecoder
+    dec: BatchDecoder | GenericDecoder | RawBatchReader
     writer: SlotWriter | None = None
-    if cfg.generic:  # the user's decode/collate (batches.py)
+    if cfg.generic:  # the user's decode/collate (batches.py), or raw batches read as batches (rawbatch.py)
         from .batches import GenericDecoder, SlotWriter
+        from .rawbatch import RawBatchReader, reads_raw
 
-        dec, writer = GenericDecoder(ds, cfg), SlotWriter()
+        dec, writer = (RawBatchReader(ds, cfg) if reads_raw(cfg) else GenericDecoder(ds, cfg)), SlotWriter()
     else:
         dec = BatchDecoder(ds, cfg)
     return dec, writer, getattr(dec, "derived", None)
@@ -275,8 +277,13 @@ def _decode_task(wid: int, task: tuple, dec, writer, derived, cfg: WorkerConfig,
     whose worker never pads it (loader/workers/padding.py). Raises what the decode raises."""
     from ..shm import map_slot
     from .batches import GenericDecoder, pack_reply
+    from .rawbatch import RawBatchReader
 
     run, seq, epoch, slot, path, ids, offset, whole = task
+    if isinstance(dec, RawBatchReader):  # raw bytes read straight into the slot: nothing skipped, no substitutes
+        assert writer is not None
+        n, raw = dec.run(ids, path, writer, current)
+        return ("ok", wid, run, seq, slot, n, [], [], counters(dec.ds), None, raw, [], offset)
     if writer is not None:
         assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
         n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)

@@ -1,0 +1,221 @@
+"""Raw batches (``collate=stoker.collate.raw_bytes`` without decode): read by the workers straight
+into their slot, every byte the origin's, the slot held while a batch is kept, resume unchanged."""
+
+import gc
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from stoker import Loader, RunOptions, WorkerError, open_dataset
+from stoker.collate import RawBatch, raw_bytes
+from stoker.store.pack import pack
+
+
+def _tar_members(path) -> dict:
+    with tarfile.open(path) as tf:
+        return {m.name: tf.extractfile(m).read() for m in tf if m.isfile()}
+
+
+@pytest.fixture(scope="module")
+def jpegs(cases_dir, tmp_path_factory):
+    """The shared Pillow JPEG cases (sizes from 1 KB to 500 KB: ragged), packed in small shards, with
+    ``{key: file bytes}``."""
+    src = tmp_path_factory.mktemp("jpegs")
+    files = sorted((cases_dir / "pillow-jpeg").iterdir())
+    origin = {}
+    for f in files:
+        (src / f.name).write_bytes(f.read_bytes())
+        origin[f.stem] = f.read_bytes()
+    dst = str(tmp_path_factory.mktemp("jpegs-packed") / "d")
+    pack(str(src), dst, source="files", shard_bytes=256 << 10, progress=False)
+    return dst, origin
+
+
+@pytest.fixture(scope="module")
+def tendata(cases_dir, tmp_path_factory):
+    """WebDataset's ``tendata.tar`` (100 opaque members of 12,736 B each) packed, with ``{key: bytes}``."""
+    src = cases_dir / "webdataset" / "tendata.tar"
+    dst = str(tmp_path_factory.mktemp("tendata") / "d")
+    pack(str(src), dst, progress=False)
+    return dst, {name.rsplit(".", 1)[0]: data for name, data in _tar_members(src).items()}
+
+
+def _origin_bytes(origin: dict, key: str) -> bytes:
+    return origin[key.rsplit("/", 1)[-1].rsplit(".", 1)[0]]
+
+
+def _check(ds, origin: dict, batch: RawBatch) -> int:
+    """Every sample of ``batch`` equals its origin bytes; its offsets, ids and labels are the index's."""
+    assert isinstance(batch, RawBatch)
+    assert batch.data.dtype == torch.uint8 and batch.offsets.dtype == torch.int64
+    n = len(batch.ids)
+    assert batch.offsets.shape == (n + 1,) and int(batch.offsets[0]) == 0
+    assert int(batch.offsets[-1]) == batch.data.numel()
+    for j in range(n):
+        sid = int(batch.ids[j])
+        assert batch.sample(j).numpy().tobytes() == _origin_bytes(origin, ds.key(sid)), ds.key(sid)
+        assert int(batch.labels[j]) == max(-1, int(ds.labels[sid]))
+    return n
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_every_byte_of_every_sample_of_a_ragged_batch_is_the_origins(jpegs, tmp_path, workers, monkeypatch):
+    url, origin = jpegs
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    assert len(set(ds.index.length.tolist())) > 1  # ragged
+    if workers:  # forked workers inherit this: they must read the batch as a batch, never sample by sample
+        from stoker.loader.workers import batches
+
+        def per_sample(*args, **kwargs):
+            raise AssertionError("a raw batch went through the per-sample path")
+
+        monkeypatch.setattr(batches.GenericDecoder, "run", per_sample)
+    run = RunOptions(start_method="fork") if workers else None
+    with Loader(ds, 5, num_workers=workers, seed=3, collate=raw_bytes, run=run) as loader:
+        for _ in range(3):  # the cold fill, then warm epochs from the node cache's block files
+            seen = [sid for b in loader for sid in b.ids.tolist() if _check(ds, origin, b)]
+            assert sorted(seen) == list(range(len(ds)))
+            assert all(b.data.dim() == 1 for b in [next(iter(loader))])
+        assert loader.stats.cache_hit_ratio == 1.0
+
+
+@pytest.mark.parametrize("shuffle", [True, False])  # in order: runs of adjacent samples, one preadv each
+def test_samples_of_one_size_come_as_n_by_sample_bytes(tendata, tmp_path, shuffle):
+    url, origin = tendata
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    with Loader(ds, 16, num_workers=2, shuffle=shuffle, collate=raw_bytes, drop_last=True) as loader:
+        for _ in range(2):
+            for b in loader:
+                assert tuple(b.data.shape) == (16, 12_736)
+                _check(ds, origin, b)
+                assert b.data[3].numpy().tobytes() == b.sample(3).numpy().tobytes()
+
+
+def test_the_workers_batch_equals_the_collate_run_as_written(jpegs, tmp_path):
+    """The same batches, in the same order, from the workers' batch read and from raw_bytes itself."""
+    url, _ = jpegs
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    got = []
+    for workers in (2, 0):
+        with Loader(ds, 4, num_workers=workers, seed=9, collate=raw_bytes) as loader:
+            got.append([tuple(t.clone() for t in b) for b in loader])
+    assert len(got[0]) == len(got[1])
+    for a, b in zip(*got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _slot_of(ring, tensor) -> int:
+    """The index of the ring's slot that ``tensor``'s bytes live in."""
+    ptr = tensor.data_ptr()
+    for i in range(len(ring.paths)):
+        buf = ring.buffer(i, 0)
+        if buf.ctypes.data <= ptr < buf.ctypes.data + len(buf):
+            return i
+    raise AssertionError("the batch is not a view of any slot")
+
+
+def test_a_kept_batch_holds_its_slot_and_is_never_overwritten(tendata, tmp_path):
+    """Slot-held (not copy-on-keep): a kept batch is a view of its slot, which no worker gets again
+    until every view of the batch is dropped."""
+    url, origin = tendata
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    with Loader(ds, 8, num_workers=2, collate=raw_bytes) as loader:
+        kept = next(iter(loader))
+        ring = loader.pipeline.ring
+        slot = _slot_of(ring, kept.data)
+        first = kept.data.clone()
+        for _ in range(4):  # every other batch comes and goes while the first is kept
+            for b in loader:
+                assert _slot_of(ring, b.data) != slot
+                del b
+            assert slot not in ring.free
+        assert torch.equal(kept.data, first)
+        _check(ds, origin, kept)
+        one = kept.sample(0)  # a view of a view holds the slot too
+        del kept
+        gc.collect()
+        assert slot not in ring.free
+        del one
+        gc.collect()
+        assert slot in ring.free
+
+
+def test_resume_mid_epoch_gives_the_rest_of_the_epoch(jpegs, tmp_path):
+    url, _ = jpegs
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    with Loader(ds, 3, num_workers=2, seed=4, collate=raw_bytes) as whole:
+        ref = [b.ids.tolist() for b in whole]
+    with Loader(ds, 3, num_workers=2, seed=4, collate=raw_bytes) as first:
+        it = iter(first)
+        head = [next(it).ids.tolist() for _ in range(2)]
+        state = first.state_dict()
+    with Loader(ds, 3, num_workers=2, seed=4, collate=raw_bytes) as second:
+        second.load_state_dict(state)
+        rest = [b.ids.tolist() for b in second]
+    assert head + rest == ref
+
+
+def test_a_damaged_cached_block_is_read_again_from_the_origin(tendata, tmp_path):
+    """A cached block whose bytes changed on disk fails the in-place check: the sample is read again
+    the ordinary way (the damaged block dropped, fetched again), and the batch is still right."""
+    url, origin = tendata
+    cache = tmp_path / "cache"
+    ds = open_dataset(url, str(cache), 1 << 30)
+    with Loader(ds, 10, num_workers=2, collate=raw_bytes) as loader:
+        for _ in loader:  # the cold fill (closed after: no batch of the next epoch read ahead of the damage)
+            pass
+    files = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
+    assert files
+    for p in files:
+        with open(p, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with Loader(ds, 10, num_workers=2, collate=raw_bytes) as loader:
+        assert sum(_check(ds, origin, b) for b in loader) == len(ds)
+        assert loader.stats.origin_bytes > 0  # the damaged blocks came again
+
+
+def test_wrong_bytes_at_the_origin_name_the_sample(tendata, tmp_path):
+    url, _ = tendata
+    import shutil
+
+    copy = tmp_path / "d"
+    shutil.copytree(url, copy)
+    shard = sorted(p for p in copy.rglob("*.tar"))[0]
+    ds = open_dataset(str(copy), str(tmp_path / "cache"), 1 << 30)
+    sid = 7
+    start = int(ds.index.offset[sid])
+    with open(shard, "r+b") as f:
+        f.seek(start + 10)
+        f.write(b"\x00\x01\x02\x03")
+    with Loader(ds, 100, num_workers=1, shuffle=False, collate=raw_bytes) as loader:
+        with pytest.raises(WorkerError, match=ds.key(sid)):
+            next(iter(loader))
+
+
+def test_a_slot_that_cannot_grow_sends_the_batch_pickled(tendata, tmp_path, monkeypatch):
+    from stoker.loader.workers import batches
+    from stoker.loader.workers.rawbatch import RawBatchReader
+
+    url, origin = tendata
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    slot = tmp_path / "slot"
+    slot.write_bytes(bytes(4096))
+    writer = batches.SlotWriter()
+    monkeypatch.setattr(writer, "reserve", lambda path, need: None)
+    n, reply = RawBatchReader(ds, None).run(np.array([5, 1, 9]), str(slot), writer)
+    assert n == 3 and reply[0] == "pickle"
+    import pickle
+
+    _check(ds, origin, pickle.loads(reply[1]))
+
+
+def test_raw_bytes_refuses_decoded_samples():
+    from stoker.collate import CollateError
+
+    with pytest.raises(CollateError, match="without decode"):
+        raw_bytes([np.zeros(3, np.uint8)])
