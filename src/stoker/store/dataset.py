@@ -77,6 +77,12 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def num_blocks(self) -> int:
+        """How many cache blocks the dataset is cut into (``len(ds.blocks)``; the block plan is
+        :attr:`blocks`, :class:`stoker.store.blockmap.BlockMap`)."""
+        return len(self.blocks)
+
     def __getitem__(self, i: int) -> tuple[bytes, int]:
         """(payload bytes, label) of sample ``i`` (negative ids count from the end).
 
