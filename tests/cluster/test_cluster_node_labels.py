@@ -117,3 +117,19 @@ def test_a_cache_dir_the_running_services_do_not_use_is_named_with_theirs(packed
     assert "stoker.cluster.service.stop_services()" in caplog.text
     assert "keep their budgets" not in caplog.text  # no budget asked
     assert not any(nid in caplog.text for nid in RAY_IDS)
+
+
+def test_a_memory_tier_the_running_services_do_not_have_is_named(packed_local, monkeypatch, caplog):
+    # A job asking for a memory tier the running services do not keep reads through theirs: the
+    # warning names each node and the tier it keeps. It was silent.
+    kept = cache_service.CacheOptions(cache_dir="/c/node-h1-0", cache_bytes=64 << 20)
+    services = {RAY_IDS[0]: {**_info("node-h1-0", 64 << 20), "cache_dir": "/c/node-h1-0", "cache": kept}}
+    monkeypatch.setattr(cache_service.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cache_service, "start_services", lambda **kw: None)
+    monkeypatch.setattr(cache_service, "find_services", lambda: services)
+    monkeypatch.setattr(cache_service, "open_dataset", lambda *a, **kw: open_dataset(packed_local, cache=False))
+    with caplog.at_level(logging.WARNING, logger=cache_service.__name__):
+        cache_service.prepare(packed_local, None, cache_service.CacheOptions(cache_dir="/c", memory_bytes="1MiB"), None)
+    assert f"memory_bytes={1 << 20!r} applies only to the cache services started now" in caplog.text
+    assert "keep their memory tiers (node-h1-0: 0 bytes)" in caplog.text
+    assert "is not used" not in caplog.text and "keep their budgets" not in caplog.text

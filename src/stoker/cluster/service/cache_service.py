@@ -720,7 +720,8 @@ def warn_kept_settings(cache: CacheOptions, services: dict) -> None:
     :func:`stoker.cluster.identity.node_label` and what it keeps: ``cache_dir`` (the cluster cache
     root asked for, compared with the parent of each service's node directory, both as absolute
     paths; None asks nothing) and ``cache_bytes`` (bytes per node, :meth:`stoker.CacheOptions.for_node`;
-    None asks nothing). Services are detached and shared by every job of the cluster, so a job
+    None asks nothing) and ``memory_bytes`` (the memory tier, bytes per node; 0 asks nothing).
+    Services are detached and shared by every job of the cluster, so a job
     never restarts them: it reads and fills the caches they keep, and the warning says how to move
     them (:func:`stop_services`, then the next job starts services with its own settings). Nodes
     that ``cache`` gives no budget are not compared. Raises nothing."""
@@ -758,4 +759,19 @@ def warn_kept_settings(cache: CacheOptions, services: dict) -> None:
                 cache.cache_bytes,
                 len(budgets),
                 ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(budgets.items())[:5]),
+            )
+    if cache.memory_bytes:  # asked for a memory tier: say where running services keep another one
+        tiers = {
+            node_label(nid, services): kept.memory_bytes
+            for nid in mine
+            if (kept := services[nid].get("cache")) is not None and kept.memory_bytes != cache.memory_bytes
+        }
+        if tiers:
+            log.warning(
+                "memory_bytes=%r applies only to the cache services started now; %d running service(s) "
+                "keep their memory tiers (%s): stop them first (stoker.cluster.service.stop_services()) to "
+                "change them",
+                cache.memory_bytes,
+                len(tiers),
+                ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(tiers.items())[:5]),
             )
