@@ -28,7 +28,7 @@ LAB = SRC_ROOT / "stoker_lab"
 PACKAGES = ("stoker", "stoker_lab")
 
 LAYERS = [
-    {"stoker.errors", "stoker._units", "stoker._procs", "stoker._torch", "stoker._atomic", "stoker"},
+    {"stoker.errors", "stoker._units", "stoker._names", "stoker._procs", "stoker._torch", "stoker._atomic", "stoker"},
     {"stoker.storage", "stoker._native_s3"},
     {"stoker.cache"},
     {"stoker.store"},
@@ -46,7 +46,7 @@ LAYERS = [
 #: third parts of a module name (a subfolder, or a module at the package's own level).
 SUBLAYERS = {
     "stoker.loader": [
-        {"options", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
+        {"options", "dataloader_args", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
         {"workers"},
         {"prefetch"},
         {"device"},

@@ -39,6 +39,7 @@ EXPECTED_ALL = [
     "Loader",
     "NotACacheError",
     "NotADataLoaderError",
+    "NotADatasetError",
     "OriginError",
     "OriginNotFoundError",
     "OriginPermissionError",
@@ -107,6 +108,7 @@ BUILTIN_BASE = {
     "WorkerStartError": RuntimeError,
     "StaleIteratorError": RuntimeError,
     "NotADataLoaderError": AttributeError,
+    "NotADatasetError": TypeError,
 }
 
 # Where each error used to be defined: those names must stay importable and be the same class.
@@ -232,6 +234,7 @@ ONE_OF_EACH = [
     stoker.WorkerStartError("worker 0 (pid 7) could not start: it ran the training code of the main script"),
     stoker.StaleIteratorError("the iterator of epoch 2 was ended by a later iter() (epoch 3)"),
     stoker.NotADataLoaderError("a stoker Loader has no batch_sampler"),
+    stoker.NotADatasetError("Loader() takes a stoker Dataset, not a torch.utils.data.Subset over one"),
     stoker.ForkUnsafeError("threads: tokio-runtime-worker"),
     stoker.SharedMemoryError("/dev/shm", 1 << 20, 4096),
     stoker.PeerUnavailable("peer node-2 timed out"),

@@ -20,6 +20,7 @@ Each error derives from :class:`StokerError` and also keeps the builtin base it 
     │   └── SourceArchiveError (TarError)      a source archive is not a readable tar file
     ├── SourceNotFoundError (FileNotFoundError)  a pack source, or a file it names, does not exist
     ├── NotACacheError (ValueError)           a directory is not a stoker cache
+    ├── NotADatasetError (TypeError)          a Loader was given a torch dataset, not a stoker Dataset
     ├── CacheModeError (ValueError)           a cache made under one file mode opened with another
     ├── UnsafePathError (PermissionError)     a cache path is a symlink, another user's, or writable by others
     ├── CacheDirError (NotADirectoryError)    the cache directory is a file, or lies under one
@@ -75,6 +76,7 @@ __all__ = [
     "IndexFormatError",
     "NotACacheError",
     "NotADataLoaderError",
+    "NotADatasetError",
     "OriginError",
     "OriginNotFoundError",
     "OriginPermissionError",
@@ -409,6 +411,12 @@ class NotADataLoaderError(StokerError, AttributeError):
     iterated the Loader's ``batch_sampler``, which only describes the batches stoker draws
     itself: accelerate's ``skip_first_batches``); the message names the stoker call to use
     instead. Also an AttributeError, as frameworks expect of a part a data loader lacks."""
+
+
+class NotADatasetError(StokerError, TypeError):
+    """A Loader was given a torch dataset (a ``torch.utils.data.Subset`` over a stoker Dataset, or
+    any other ``torch.utils.data.Dataset``) instead of a packed stoker Dataset; the message says
+    what to pass instead. Also a TypeError: the argument is of the wrong kind."""
 
 
 class ForkUnsafeError(StokerError, RuntimeError):

@@ -176,6 +176,29 @@ def test_cache_command_shows_usage_jobs_and_split_and_clear_refuses_while_in_use
     assert status(str(tmp_path))["namespaces"] == {"aa": 3000, "bb": 0}
 
 
+def test_cache_clear_takes_the_version_prefix_that_status_prints(tmp_path, capsys):
+    # `stoker cache status` prints a dataset's version as 12 characters; `cache clear` wanted the
+    # whole hash and refused those. A unique prefix now names the version, an ambiguous one is
+    # refused with the matches listed, and the option is `--version` (`--namespace` still works).
+    from stoker.cache.status import clear, status
+    from stoker.cli import main
+
+    a, b, c = "3f2a9c0d11aa" + "0" * 52, "3f2a9c0d11bb" + "1" * 52, "77b0e1aa" + "2" * 56
+    cache = DiskCache(str(tmp_path), 100_000, "noevict")
+    for ns in (a, b, c):
+        _fill(cache, ns, 2, 1000)
+    with pytest.raises(ValueError, match=f"prefix '3f2a9c0d11' names 2 versions.*{a}, {b}"):
+        clear(str(tmp_path), "3f2a9c0d11")
+    assert main(["cache", "clear", str(tmp_path), "--version", "3f2a9c0d11"]) == 2
+    assert "names 2 versions" in capsys.readouterr().err
+    assert status(str(tmp_path))["namespaces"] == {a: 2000, b: 2000, c: 2000}  # nothing deleted
+    assert main(["cache", "clear", str(tmp_path), "--version", a[:12]]) == 0
+    assert "freed 2,000 bytes" in capsys.readouterr().out
+    assert main(["cache", "clear", str(tmp_path), "--namespace", c[:12]]) == 0  # the old name
+    assert status(str(tmp_path))["namespaces"] == {a: 0, b: 2000, c: 0}
+    assert clear(str(tmp_path), b) == 2000  # the full version, as before
+
+
 def test_cache_command_handles_nested_node_caches_and_side_stores(tmp_path):
     """`stoker warm --cache-dir D` keeps one cache per node under D: status and clear see them."""
     from stoker.cache.status import clear, status

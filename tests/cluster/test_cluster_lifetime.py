@@ -574,6 +574,36 @@ def test_warm_gives_up_on_a_service_that_hangs(cluster, packed_local, tmp_path, 
     assert [n["cached_fraction"] for n in r["nodes"].values()] == [1.0, 1.0]  # the others: filled
 
 
+def test_a_second_cache_dir_is_named_beside_the_running_services_one(cluster, packed_local, tmp_path, caplog):
+    """Running services keep their cache directory: a job asking for another one reads and fills
+    the old one, and a warning names both directories, every node, and ``stop_services``; after
+    ``stop_services`` the next job's services take the new directory. The second job was silent."""
+    import logging
+
+    from stoker.cluster.service import stop_services
+    from stoker.cluster.service.warmup import warm
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    stop_services()
+    first = warm(packed_local, cache_dir=str(a), cache_bytes="64MiB", block_bytes="64KiB")
+    assert first["complete"] and len(first["nodes"]) == 3
+    with caplog.at_level(logging.WARNING, logger="stoker.cluster.service.cache_service"):
+        again = warm(packed_local, cache_dir=str(b), cache_bytes="64MiB", block_bytes="64KiB")
+    assert {os.path.dirname(n["cache_dir"]) for n in again["nodes"].values()} == {str(a)}  # kept
+    assert not b.exists()
+    assert f"cache_dir='{b}' is not used" in caplog.text and f"under {a} (" in caplog.text
+    for key in (n["cache_key"] for n in first["nodes"].values()):
+        assert f"{key}: {a}" in caplog.text
+    assert "stoker.cluster.service.stop_services()" in caplog.text
+    stop_services()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stoker.cluster.service.cache_service"):
+        moved = warm(packed_local, cache_dir=str(b), cache_bytes="64MiB", block_bytes="64KiB")
+    assert {os.path.dirname(n["cache_dir"]) for n in moved["nodes"].values()} == {str(b)}
+    assert "is not used" not in caplog.text
+    stop_services()
+
+
 def test_cluster_sizes_take_size_strings(cluster, packed_local, tmp_path, caplog):
     """``cache_bytes`` and ``block_bytes`` of ``run``/``warm`` take size strings, as ``open_dataset``
     does; one that does not parse, or no budget at all, is a ValueError naming the argument before

@@ -92,3 +92,44 @@ def test_capacity_refusals_and_failed_ranks_name_nodes_alike():
     assert _node_text("node-h1-0") == "node-h1-0"  # "rank 0 on node-h1-0 failed first"
     assert _node_text("Ray node 5f3a") == "Ray node 5f3a"
     assert _node_text("5f3a") == "node 5f3a"  # an id or name a caller of gather() gives
+
+
+def test_a_cache_dir_the_running_services_do_not_use_is_named_with_theirs(packed_local, monkeypatch, caplog):
+    # Running services keep their cluster cache root: a job that asks for another one gets a
+    # warning naming both roots, each node by its cache directory, and the way to move them.
+    # It was silent: the job read and filled the old root.
+    services = {
+        RAY_IDS[0]: {**_info("node-h1-0", 64 << 20), "cache_dir": "/disk-a/cluster/node-h1-0"},
+        RAY_IDS[1]: {**_info("node-h1-1", 64 << 20), "cache_dir": "/disk-a/cluster/node-h1-1"},
+    }
+    monkeypatch.setattr(cache_service.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cache_service, "start_services", lambda **kw: None)
+    monkeypatch.setattr(cache_service, "find_services", lambda: services)
+    monkeypatch.setattr(cache_service, "open_dataset", lambda *a, **kw: open_dataset(packed_local, cache=False))
+    with caplog.at_level(logging.WARNING, logger=cache_service.__name__):
+        cache_service.prepare(packed_local, None, cache_service.CacheOptions(cache_dir="/disk-a/cluster/"), None)
+    mine = [r for r in caplog.records if r.name == cache_service.__name__]
+    assert mine == []  # the same root, spelled with a trailing slash: nothing to say
+    with caplog.at_level(logging.WARNING, logger=cache_service.__name__):
+        cache_service.prepare(packed_local, None, cache_service.CacheOptions(cache_dir="/disk-b/cluster"), None)
+    assert "cache_dir='/disk-b/cluster' is not used" in caplog.text
+    assert "node-h1-0: /disk-a/cluster" in caplog.text and "node-h1-1: /disk-a/cluster" in caplog.text
+    assert "stoker.cluster.service.stop_services()" in caplog.text
+    assert "keep their budgets" not in caplog.text  # no budget asked
+    assert not any(nid in caplog.text for nid in RAY_IDS)
+
+
+def test_a_memory_tier_the_running_services_do_not_have_is_named(packed_local, monkeypatch, caplog):
+    # A job asking for a memory tier the running services do not keep reads through theirs: the
+    # warning names each node and the tier it keeps. It was silent.
+    kept = cache_service.CacheOptions(cache_dir="/c/node-h1-0", cache_bytes=64 << 20)
+    services = {RAY_IDS[0]: {**_info("node-h1-0", 64 << 20), "cache_dir": "/c/node-h1-0", "cache": kept}}
+    monkeypatch.setattr(cache_service.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cache_service, "start_services", lambda **kw: None)
+    monkeypatch.setattr(cache_service, "find_services", lambda: services)
+    monkeypatch.setattr(cache_service, "open_dataset", lambda *a, **kw: open_dataset(packed_local, cache=False))
+    with caplog.at_level(logging.WARNING, logger=cache_service.__name__):
+        cache_service.prepare(packed_local, None, cache_service.CacheOptions(cache_dir="/c", memory_bytes="1MiB"), None)
+    assert f"memory_bytes={1 << 20!r} applies only to the cache services started now" in caplog.text
+    assert "keep their memory tiers (node-h1-0: 0 bytes)" in caplog.text
+    assert "is not used" not in caplog.text and "keep their budgets" not in caplog.text

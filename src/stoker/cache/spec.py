@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._names import suggest_fields
 from .._units import parse_size
 from . import perms
 from .disk import POLICIES
@@ -27,6 +28,7 @@ DEFAULT_CACHE_BYTES = 8 << 30
 MOVED = ("memory_bytes", "memory_dir", "cache_policy", "cache_mode", "cache_read_only")
 
 
+@suggest_fields
 @dataclass(frozen=True)
 class CacheOptions:
     """Where the node cache is, how big, and how it keeps its blocks.

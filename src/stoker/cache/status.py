@@ -140,22 +140,20 @@ def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> 
     directly below ``root``); every other file stays. Refuses (:class:`CacheInUseError`) while
     a live job is registered on what it would delete, naming the job's pid: clear a cache
     only when no job uses it. FileNotFoundError if ``root`` is not a directory,
-    :class:`NotACacheError` (nothing deleted) if it neither is nor holds a cache; ValueError
-    (nothing deleted) if ``namespace`` is given and no cache there holds it."""
+    :class:`NotACacheError` (nothing deleted) if it neither is nor holds a cache. ``namespace``:
+    a dataset's content version as ``stoker cache status`` prints it, in full or a prefix of it
+    (status prints 12 characters) that names one version the cache holds; ValueError (nothing
+    deleted) if no cache there holds it, or if the prefix names several (they are listed)."""
     own, nested = _check_cache(root)
+    if namespace is not None and not _nested:  # a namespace that is nowhere is a typo: say so
+        held = {ns for path in ([root, *nested] if own else nested) for ns, _ in namespace_dirs(path)}
+        namespace = _resolve_version(namespace, held, root)
     for path in [root, *nested] if own else nested:  # refuse before deleting anything
         busy = [r for r in _open(path).jobs.records() if namespace in (None, r["namespace"])]
         if busy:
             raise CacheInUseError(
                 f"cache {os.path.abspath(path)} is in use by live job(s) "
                 + ", ".join(f"pid {r['pid']} (dataset {r['namespace']})" for r in busy)
-            )
-    if namespace is not None and not _nested:  # a namespace that is nowhere is a typo: say so
-        held = {ns for path in ([root, *nested] if own else nested) for ns, _ in namespace_dirs(path)}
-        if namespace not in held:
-            raise ValueError(
-                f"no dataset version {namespace!r} in the cache {os.path.abspath(root)} "
-                f"(it holds: {', '.join(sorted(held)) or 'none'}); nothing deleted"
             )
     freed = sum(clear(n, namespace, _nested=True) for n in nested)
     if not own:
@@ -172,3 +170,23 @@ def clear(root: str, namespace: str | None = None, *, _nested: bool = False) -> 
             shutil.rmtree(path, ignore_errors=True)
     cache.recover()
     return freed
+
+
+def _resolve_version(version: str, held: set[str], root: str) -> str:
+    """The one version of ``held`` (the cache's namespaces) that ``version`` names: itself, or the
+    only one it is a prefix of. ValueError naming the cache ``root`` and listing the versions when
+    it names none or several (nothing is deleted then)."""
+    if version in held:
+        return version
+    matches = sorted(ns for ns in held if version and ns.startswith(version))
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(
+            f"dataset version prefix {version!r} names {len(matches)} versions in the cache "
+            f"{os.path.abspath(root)} ({', '.join(matches)}); give more characters; nothing deleted"
+        )
+    raise ValueError(
+        f"no dataset version {version!r} in the cache {os.path.abspath(root)} "
+        f"(it holds: {', '.join(sorted(held)) or 'none'}); nothing deleted"
+    )

@@ -69,7 +69,7 @@ def cmd_status(a) -> int:
 
 def cmd_clear(a) -> int:
     """``stoker cache clear DIR``: prints the bytes freed."""
-    freed = clear(a.dir, a.namespace)
+    freed = clear(a.dir, a.version)
     print(f"freed {freed:,} bytes")
     return 0
 
@@ -90,5 +90,11 @@ def add_parsers(sub) -> None:
     s.set_defaults(fn=cmd_status)
     c = csub.add_parser("clear", help="delete cached blocks (refused while a job uses them)")
     c.add_argument("dir")
-    c.add_argument("--namespace", help="only this dataset version")
+    c.add_argument(
+        "--version",
+        "--namespace",
+        dest="version",
+        help="only this dataset version: in full, or the 12 characters `stoker cache status` prints "
+        "(any prefix that names one version)",
+    )
     c.set_defaults(fn=cmd_clear)

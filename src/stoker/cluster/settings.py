@@ -12,6 +12,7 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
+from .._names import suggest_fields
 from ..cache.spec import CacheOptions, moved, with_shortcuts
 
 __all__ = ["PLACEMENTS", "ClusterOptions", "cluster_door"]
@@ -20,6 +21,7 @@ __all__ = ["PLACEMENTS", "ClusterOptions", "cluster_door"]
 PLACEMENTS = ("colocated", "random")
 
 
+@suggest_fields
 @dataclass(frozen=True)
 class ClusterOptions:
     """How a job runs on the Ray cluster.

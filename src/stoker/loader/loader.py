@@ -6,6 +6,8 @@ this package's README.md.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import logging
 import multiprocessing as mp
 import multiprocessing.util
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._procs import check_main_for, pick_start_method
+from ..errors import NotADatasetError
 from ..order import EpochShares, interleaved_shares, permutation, rank_plan
 from .adapters import ReadAhead, batch_sampler_of, read_ahead, sampler_for
 from .device.device_decode import DeviceBatchDecoder
@@ -171,7 +174,14 @@ def _check_args(batch_size: object, num_workers: int, transform: str, decode, co
     """Check the Loader's common arguments (``batch_size`` typed ``object``: for what callers
     really pass). TypeError: ``batch_size`` not an integer (a numpy one is, a bool is not),
     ``decode``/``collate`` not callable. ValueError: ``transform`` not in :data:`TRANSFORMS`,
-    ``batch_size`` < 1, ``num_workers`` < 0, decode/collate with the image path's ``image`` options."""
+    ``batch_size`` < 1, ``num_workers`` < 0, decode/collate with the image path's ``image`` options.
+    TypeError: ``transform`` a function (saying to pass it as ``decode=``)."""
+    if callable(transform):
+        raise TypeError(
+            f"transform= names a built-in image recipe, one of {TRANSFORMS}; a function of your own "
+            f"({getattr(transform, '__name__', type(transform).__name__)}) goes in decode=: decode(fields, rng) "
+            "runs in the workers on each sample (docs/guide.md, 'Any kind of sample')"
+        )
     if transform not in TRANSFORMS:
         raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
@@ -192,6 +202,33 @@ def _check_args(batch_size: object, num_workers: int, transform: str, decode, co
             "decode/collate (the user's samples) cannot be used with cache_form or decode_device "
             "(the built-in image paths)"
         )
+
+
+def _check_dataset(dataset) -> None:
+    """Refuse a torch dataset (:class:`stoker.errors.NotADatasetError`, naming what to pass): a
+    ``torch.utils.data.Subset`` over a stoker Dataset, or any other ``torch.utils.data.Dataset``.
+    The Loader reads a packed dataset block by block in its own order, so it cannot take a
+    torch dataset's ``__getitem__``. Anything else passes here (checked where it is used)."""
+    tud = sys.modules.get("torch.utils.data")  # no torch imported: no torch dataset to refuse
+    if tud is None or not isinstance(dataset, tud.Dataset) or hasattr(dataset, "blocks"):
+        return
+    name = type(dataset).__name__
+    if isinstance(dataset, tud.Subset) and hasattr(dataset.dataset, "blocks"):
+        raise NotADatasetError(
+            f"Loader() takes a stoker Dataset, not a torch.utils.data.Subset over one ({len(dataset)} of "
+            f"{len(dataset.dataset)} samples of {dataset.dataset.url}): the Loader reads the packed dataset "
+            "itself, in its own order; to train on part of it, pack that part as a dataset of its own (stoker.pack)"
+        )
+    raise NotADatasetError(
+        f"Loader() takes a packed stoker Dataset (stoker.open_dataset(url)), not a torch {name}: "
+        "pack the data once with stoker.pack (or `stoker pack SRC DST`), then open it"
+    )
+
+
+@functools.cache
+def _own_keywords() -> tuple[str, ...]:
+    """The Loader's keyword names, suggested for a misspelled one."""
+    return tuple(p for p in inspect.signature(Loader.__init__).parameters if p not in ("self", "deprecated"))
 
 
 def _warn_small_staging(dataset, shuffle: bool, read: ReadOptions) -> None:
@@ -318,8 +355,10 @@ class Loader:
         run: RunOptions | None = None,
         **deprecated,
     ):
-        read, image, run, epoch = settle(read, image, run, deprecated)  # old keywords: warned, moved into groups
+        # old keywords: warned, moved into groups; a torch DataLoader keyword: what to use instead
+        read, image, run, epoch = settle(read, image, run, deprecated, _own_keywords() if deprecated else ())
         _check_args(batch_size, num_workers, transform, decode, collate, image)
+        _check_dataset(dataset)
         device = batch_device(run, image)
         if device not in (None, "cpu"):
             from .._torch import check_device
@@ -456,6 +495,21 @@ class Loader:
 
     def __len__(self) -> int:
         return -(-len(self.plan()) // self.batch_size)
+
+    def __repr__(self) -> str:
+        """``Loader('s3://b/train', batch_size=256, num_workers=8, epoch=0, rank=0, world_size=1)``
+        and the option groups that differ from their defaults (their own reprs); nothing is
+        started or planned for it."""
+        groups = "".join(
+            f", {name}={opt!r}"
+            for name, opt in (("read", self.read), ("image", self.image), ("run", self.run))
+            if opt != type(opt)()
+        )
+        url = getattr(self.dataset, "url", type(self.dataset).__name__)
+        return (
+            f"Loader({url!r}, batch_size={self.batch_size}, num_workers={self.num_workers}, epoch={self.epoch}, "
+            f"rank={self.rank}, world_size={self.world_size}{groups})"
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0. After :meth:`load_state_dict`, until a

@@ -32,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from .._names import did_you_mean, suggest_fields
 from .._units import parse_size
 from ..order import PERMUTATIONS
+from .dataloader_args import dataloader_keyword
 
 _CUDA = re.compile(r"cuda(:\d+)?")
 
@@ -91,6 +93,24 @@ def _choice(owner: str, name: str, value, allowed) -> None:
         raise ValueError(f"{owner}.{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
+def _image_side(value) -> int:
+    """``ImageOptions.image_size`` as the side S of a square image: an int >= 1, or ``(S, S)``
+    (``(height, width)``, as :func:`stoker.decode.jpeg` takes a size). TypeError / ValueError
+    naming the field, and for a non-square ``(h, w)`` why and what to use instead."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        h, w = (_int("ImageOptions", "image_size", v, 1) for v in value)
+        if h != w:
+            raise ValueError(
+                f"ImageOptions.image_size=({h}, {w}): the built-in image recipes (transform='train'/'eval', "
+                "their batch slots, decode_device and cache_form) make square images (3, S, S), so image_size "
+                "is one side S; for (height, width) images pass decode= with stoker.decode.jpeg(fields, "
+                f"({h}, {w}), 'random', rng=rng) (docs/guide.md, 'Any kind of sample')"
+            )
+        return h
+    return _int("ImageOptions", "image_size", value, 1)
+
+
+@suggest_fields
 @dataclass(frozen=True, repr=False)
 class ReadOptions:
     """In what order samples are read, and how far ahead of the consumer.
@@ -149,6 +169,7 @@ class ReadOptions:
         set_(self, "prefetch_next_epoch", _bool("ReadOptions", "prefetch_next_epoch", self.prefetch_next_epoch))
 
 
+@suggest_fields
 @dataclass(frozen=True, repr=False)
 class ImageOptions:
     """How the built-in image path makes its images (none of these apply with the user's
@@ -156,6 +177,9 @@ class ImageOptions:
 
     Attributes:
         image_size: output side S in pixels (int >= 1, default 224); images are uint8 (3, S, S).
+            ``(h, w)`` as ``stoker.decode.jpeg`` takes it is accepted when square (kept as S);
+            another is a ValueError saying why (the built-in recipes, their batch slots, the GPU
+            decoder and the derived forms make square images) and what to do instead.
         exif_orientation: apply the EXIF orientation tag when decoding (default False).
         cache_form: keep each sample's cheaper derived form in a node-local store and decode
             from it from the second epoch (:mod:`stoker.loader.derived`): ``"jpeg"`` (re-encoded,
@@ -183,7 +207,7 @@ class ImageOptions:
 
     def __post_init__(self):
         set_ = object.__setattr__
-        set_(self, "image_size", _int("ImageOptions", "image_size", self.image_size, 1))
+        set_(self, "image_size", _image_side(self.image_size))
         set_(self, "exif_orientation", _bool("ImageOptions", "exif_orientation", self.exif_orientation))
         set_(self, "cache_form_bytes", _size("ImageOptions", "cache_form_bytes", self.cache_form_bytes))
         if self.cache_form not in (None, "auto"):
@@ -215,6 +239,7 @@ class ImageOptions:
             )
 
 
+@suggest_fields
 @dataclass(frozen=True, repr=False)
 class RunOptions:
     """Where batches go, what a failure does, how the processes start, where metrics are served.
@@ -310,20 +335,23 @@ def where(old: str) -> str:
     return f"use {group}={GROUPS[group].__name__}({field}=...)"
 
 
-def regroup(flat: dict, groups: dict) -> tuple[dict, int | None]:
+def regroup(flat: dict, groups: dict, keywords: tuple[str, ...] = ()) -> tuple[dict, int | None]:
     """Move the old flat keywords of ``flat`` into the option groups.
 
     Args:
         flat: old keyword -> value (every key must be in :data:`DEPRECATED`).
         groups: group keyword -> the option object passed (or None).
+        keywords: the Loader's own keywords, suggested for a misspelled one.
 
     Returns:
         (group keyword -> option object, with the old values set in it; the ``epoch`` given,
         or None).
 
     Raises:
-        TypeError: an old keyword together with its group (say which to keep), or a key that
-            is not an old keyword (as Python says for an unexpected keyword argument).
+        TypeError: an old keyword together with its group (say which to keep), a torch
+            DataLoader keyword (naming the Loader's equivalent,
+            :mod:`stoker.loader.dataloader_args`), or another key that is not an old keyword (as
+            Python says for an unexpected keyword argument, with the nearest name: did you mean).
         ValueError: a value the group rejects (names the field).
     """
     out = dict(groups)
@@ -331,7 +359,7 @@ def regroup(flat: dict, groups: dict) -> tuple[dict, int | None]:
     epoch = None
     for old, value in flat.items():
         if old not in DEPRECATED:
-            raise TypeError(f"Loader.__init__() got an unexpected keyword argument {old!r}")
+            raise TypeError(dataloader_keyword(old) or unexpected(old, keywords))
         group, field = DEPRECATED[old]
         if group is None:
             epoch = value
@@ -344,6 +372,18 @@ def regroup(flat: dict, groups: dict) -> tuple[dict, int | None]:
     for group, fields in moved.items():
         out[group] = GROUPS[group](**fields)
     return out, epoch
+
+
+def unexpected(name: str, keywords: tuple[str, ...] = ()) -> str:
+    """Python's message for a keyword ``name`` the Loader does not take, with the nearest of
+    ``keywords`` (the Loader's own) and the option fields, a field named where it lives
+    (``read=ReadOptions(prefetch_bytes=...)``)."""
+    hint = did_you_mean(name, [*keywords, *(n for n in DEPRECATED if n != "epoch")])
+    near = hint[len(" (did you mean '") : -len("'?)")]
+    group, field = DEPRECATED.get(near, (None, ""))
+    if group is not None and near not in keywords:
+        hint = f" (did you mean {group}={GROUPS[group].__name__}({field}=...)?)"
+    return f"Loader.__init__() got an unexpected keyword argument {name!r}{hint}"
 
 
 def loader_kwargs(flat: dict) -> dict:
@@ -376,22 +416,26 @@ def user_stacklevel() -> int:
     return level
 
 
-def settle(read, image, run, deprecated: dict) -> tuple[ReadOptions, ImageOptions, RunOptions, int]:
+def settle(
+    read, image, run, deprecated: dict, keywords: tuple[str, ...] = ()
+) -> tuple[ReadOptions, ImageOptions, RunOptions, int]:
     """The Loader's option groups at its door, once: the old flat keywords of ``deprecated`` moved
     into their groups (:func:`regroup`; one DeprecationWarning each, ``"<old>= is deprecated;
     <where it went>"``, at the user's line), a group not given (None) made with its defaults.
+    ``keywords``: the Loader's own keywords, suggested for a misspelled one.
 
     Returns:
         (read, image, run, epoch): the groups, and the old ``epoch=`` (0 when not given).
 
     Raises:
-        TypeError: an unknown keyword, an old keyword together with its group, or a group that is
-            not of its class (names it).
+        TypeError: an unknown keyword (a torch DataLoader one names the Loader's equivalent; another
+            the nearest name), an old keyword together with its group, or a group that is not of
+            its class (names it).
         ValueError: a value a group rejects (names the field).
     """
     epoch = 0
     if deprecated:  # TypeError for an unknown keyword or one given twice, before any warning
-        groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run})
+        groups, old_epoch = regroup(deprecated, {"read": read, "image": image, "run": run}, keywords)
         level = user_stacklevel()
         for old in deprecated:
             warnings.warn(f"{old}= is deprecated; {where(old)}", DeprecationWarning, stacklevel=level)

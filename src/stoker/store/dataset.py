@@ -17,7 +17,7 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from .._units import parse_size
+from .._units import format_size, parse_size
 from ..cache import DiskCache, ReadOnlyCache, TieredCache, default_memory_root
 from ..cache.paths import default_cache_dir, warn_defaults
 from ..cache.readonly import READ_ONLY_ENV
@@ -82,6 +82,17 @@ class Dataset:
         """How many cache blocks the dataset is cut into (``len(ds.blocks)``; the block plan is
         :attr:`blocks`, :class:`stoker.store.blockmap.BlockMap`)."""
         return len(self.blocks)
+
+    def __repr__(self) -> str:
+        """``Dataset('s3://b/train', version='3f2a9c0d11aa', samples=120, block_bytes='4MiB')``:
+        the URL, the content version's first 12 characters (as ``stoker cache status`` prints
+        it), the samples, the block size (the cache's unit) and ``cache=None`` when it reads
+        without a cache."""
+        nocache = ", cache=None" if self.cache is None else ""
+        return (
+            f"Dataset({self.url!r}, version={self.version[:12]!r}, samples={len(self)}, "
+            f"block_bytes={format_size(self.block_bytes)!r}{nocache})"
+        )
 
     def __getitem__(self, i: int) -> tuple[bytes, int]:
         """(payload bytes, label) of sample ``i`` (negative ids count from the end).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 def _runs(report, loader, rate):
     return [r for r in report["runs"] if r["loader"] == loader and r["consumer_rate"] == rate]
@@ -128,12 +130,27 @@ def print_table(report: dict) -> None:
 
 def print_checks(checks: dict) -> None:
     """One line per check of a demo report: ``[ok] name: value (target ...)`` or ``[MISS] ...``
-    (each check a dict with ``ok``, ``value`` and ``target``)."""
+    (each check a dict with ``ok``, ``value`` and ``target``; the value as
+    :func:`check_value_text` prints it)."""
     for name, c in checks.items():
-        v = c["value"]
-        vs = f"{v:.2f}" if isinstance(v, float) else str(v)
+        vs = check_value_text(c["value"], str(c["target"]))
         note = f"; {c['note']}" if c.get("note") else ""
         print(f"  [{'ok' if c['ok'] else 'MISS'}] {name}: {vs} (target {c['target']}){note}")
+
+
+def check_value_text(value, target: str) -> str:
+    """``value`` as a check line prints it: a float with 2 decimals, or as many more (up to 9) as
+    it takes for it not to read as the threshold (the first number in ``target``, e.g. ``0.25`` of
+    ``"<= 0.25"``) when it is not equal to it, so that a miss never reads as the target (0.2516 was
+    printed 0.25 beside ``<= 0.25``); anything else as ``str``."""
+    if not isinstance(value, float):
+        return str(value)
+    m = re.search(r"[-+]?\d+(?:\.(\d+))?", target)
+    digits = max(2, len(m.group(1) or "")) if m else 2
+    threshold = float(m.group(0)) if m else None
+    while threshold is not None and value != threshold and digits < 9 and float(f"{value:.{digits}f}") == threshold:
+        digits += 1
+    return f"{value:.{digits}f}"
 
 
 def write_plot(report: dict, path: str) -> None:

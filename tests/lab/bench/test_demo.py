@@ -175,3 +175,17 @@ def test_table_says_what_stall_means(capsys):
     assert "0.98" not in out  # no consumer: its stall is not shown
     assert "stall: share of the epoch the consumer waited in next()" in out and "near 1 by definition" in out
     assert "median of 3 rounds" in out and "per CPU-second" in out
+
+
+def test_a_missed_target_never_prints_as_the_target(capsys):
+    # 0.2516 s against "<= 0.25" printed "[MISS] cold_first_batch_s: 0.25 (target <= 0.25)": a
+    # miss that reads as equal. The value gets the digits it takes to differ from the threshold.
+    from stoker_lab.bench.report import check_value_text, print_checks
+
+    print_checks({"cold_first_batch_s": {"value": 0.2516, "target": "<= 0.25", "ok": False}})
+    assert "[MISS] cold_first_batch_s: 0.252 (target <= 0.25)" in capsys.readouterr().out
+    assert check_value_text(0.25001, "<= 0.25") == "0.25001"
+    assert check_value_text(0.25, "<= 0.25") == "0.25"  # equal: as it is
+    assert check_value_text(0.6996, ">= 0.7 x min(decode_bound, storage_bound)") == "0.6996"
+    assert check_value_text(0.5, ">= 0.7") == "0.50" and check_value_text(3, ">= 3") == "3"
+    assert check_value_text(True, "True") == "True" and check_value_text(1.234, "true for all") == "1.23"

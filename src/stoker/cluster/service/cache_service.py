@@ -690,8 +690,8 @@ def prepare(
     the services where missing (``cache``: :func:`start_services`; default root
     ``$STOKER_CACHE_DIR/cluster``, 8 GiB per node), list those that answer, open the dataset's
     index. Returns ``(services {node id: info}, dataset (no cache), dataset_ref)``.
-    Services already running keep their budgets (a warning names them when ``cache.cache_bytes``
-    asks for another). ValueError for a budget of 0; RuntimeError when no service answers; a
+    Services already running keep their cache directories and budgets (a warning names them when
+    ``cache`` asks for others: :func:`warn_kept_settings`). ValueError for a budget of 0; RuntimeError when no service answers; a
     service that cannot start raises as in :func:`start_services`, or with ``down`` (a dict) is
     recorded there (``{node id: reason}``) and left out; RuntimeError before ``ray.init()``
     (outside a Ray worker), saying so."""
@@ -703,21 +703,7 @@ def prepare(
         raise ValueError("cache_bytes must give some node a budget above 0 bytes, got 0")
     start_services(cache=cache, down=down)
     services = {k: v for k, v in find_services().items() if down is None or k not in down}
-    if cache.cache_bytes is not None:  # asked for a budget: say where running services keep another one
-        other = {
-            node_label(nid, services): info["cache_bytes"]
-            for nid, info in services.items()
-            if (mine := cache.for_node(nid)) is not None and info["cache_bytes"] != mine.cache_bytes
-        }
-        if other:
-            log.warning(
-                "cache_bytes=%r applies only to the cache services started now; %d running service(s) "
-                "keep their budgets (%s): stop them first (stoker.cluster.service.cache_service.stop_services) to "
-                "change them",
-                cache.cache_bytes,
-                len(other),
-                ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(other.items())[:5]),
-            )
+    warn_kept_settings(cache, services)
     if not services:
         why = "; ".join(down.values()) if down else ""
         raise RuntimeError("no cache service answers on any node" + (f" ({why})" if why else ""))
@@ -726,3 +712,66 @@ def prepare(
         url, storage_options=opts, cache=False, check=False, block_bytes=block_bytes or DEFAULT_BLOCK_BYTES
     )
     return services, ds, dataset_ref(ds, opts)
+
+
+def warn_kept_settings(cache: CacheOptions, services: dict) -> None:
+    """Log one warning per setting of ``cache`` (:class:`stoker.CacheOptions`) that the running
+    ``services`` (``{node id: info()}``) do not have, naming each such node by
+    :func:`stoker.cluster.identity.node_label` and what it keeps: ``cache_dir`` (the cluster cache
+    root asked for, compared with the parent of each service's node directory, both as absolute
+    paths; None asks nothing) and ``cache_bytes`` (bytes per node, :meth:`stoker.CacheOptions.for_node`;
+    None asks nothing) and ``memory_bytes`` (the memory tier, bytes per node; 0 asks nothing).
+    Services are detached and shared by every job of the cluster, so a job
+    never restarts them: it reads and fills the caches they keep, and the warning says how to move
+    them (:func:`stop_services`, then the next job starts services with its own settings). Nodes
+    that ``cache`` gives no budget are not compared. Raises nothing."""
+    mine = {nid: m for nid in services if (m := cache.for_node(nid)) is not None}
+    if cache.cache_dir is not None:
+        want = os.path.abspath(os.path.expanduser(os.fspath(cache.cache_dir)))
+        roots = {
+            node_label(nid, services): os.path.dirname(os.path.normpath(services[nid]["cache_dir"]))
+            for nid in mine
+            if services[nid].get("cache_dir")
+        }
+        other = {n: r for n, r in roots.items() if r != want}
+        if other:
+            log.warning(
+                "cache_dir=%r is not used: %d running cache service(s) keep their caches under %s (%s), "
+                "and this job reads and fills those. Running services keep their directories (they are "
+                "detached and shared by every job); to move the cache, stop them when no job is running "
+                "(stoker.cluster.service.stop_services()): the next job starts them under its cache_dir",
+                want,
+                len(other),
+                " and ".join(sorted(set(other.values()))),
+                ", ".join(f"{n}: {r}" for n, r in sorted(other.items())[:5]) + (", ..." if len(other) > 5 else ""),
+            )
+    if cache.cache_bytes is not None:  # asked for a budget: say where running services keep another one
+        budgets = {
+            node_label(nid, services): services[nid]["cache_bytes"]
+            for nid, m in mine.items()
+            if services[nid]["cache_bytes"] != m.cache_bytes
+        }
+        if budgets:
+            log.warning(
+                "cache_bytes=%r applies only to the cache services started now; %d running service(s) "
+                "keep their budgets (%s): stop them first (stoker.cluster.service.stop_services()) to "
+                "change them",
+                cache.cache_bytes,
+                len(budgets),
+                ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(budgets.items())[:5]),
+            )
+    if cache.memory_bytes:  # asked for a memory tier: say where running services keep another one
+        tiers = {
+            node_label(nid, services): kept.memory_bytes
+            for nid in mine
+            if (kept := services[nid].get("cache")) is not None and kept.memory_bytes != cache.memory_bytes
+        }
+        if tiers:
+            log.warning(
+                "memory_bytes=%r applies only to the cache services started now; %d running service(s) "
+                "keep their memory tiers (%s): stop them first (stoker.cluster.service.stop_services()) to "
+                "change them",
+                cache.memory_bytes,
+                len(tiers),
+                ", ".join(f"{n}: {b:,} bytes" for n, b in sorted(tiers.items())[:5]),
+            )
