@@ -225,7 +225,8 @@ def _gather(x: Any, host: list) -> Any:
     if isinstance(x, dict):
         return {k: _gather(v, host) for k, v in x.items()}
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):  # a namedtuple
-        return type(x)._make(_gather(v, host) for v in x)
+        named: Any = type(x)
+        return named._make(_gather(v, host) for v in x)
     if type(x) in (tuple, list):
         return type(x)(_gather(v, host) for v in x)
     return x
@@ -238,7 +239,8 @@ def _fill(tree: Any, dev: list) -> Any:
     if isinstance(tree, dict):
         return {k: _fill(v, dev) for k, v in tree.items()}
     if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
-        return type(tree)._make(_fill(v, dev) for v in tree)
+        named: Any = type(tree)
+        return named._make(_fill(v, dev) for v in tree)
     if type(tree) in (tuple, list):
         return type(tree)(_fill(v, dev) for v in tree)
     return tree
