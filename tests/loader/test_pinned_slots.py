@@ -221,3 +221,25 @@ def test_raw_batches_on_the_device_equal_the_host_ones(packed_local, tmp_path, w
     if workers:
         assert fake.unpinned_copies == 0
     assert fake.live == {}
+
+
+def _tokens(fields, rng):
+    """A document of 5-90 random tokens (the sample's bytes are not used)."""
+    return rng.integers(0, 1000, int(rng.integers(5, 90))).astype(np.int64)
+
+
+def test_a_streaming_collates_rows_on_the_device_equal_the_host_ones(packed_local):
+    """pack_tokens keeps views of a slot in its carry: that slot is held until the carry moves on."""
+    from stoker.collate import pack_tokens
+
+    ds = open_dataset(packed_local, cache_dir=None)
+    kw = dict(decode=_tokens, collate=pack_tokens(64, eos_id=999), num_workers=2, seed=2)
+    with Loader(ds, 7, **kw) as lo:
+        host = [{k: v.clone() for k, v in r.items()} for r in lo]
+    fake = FakeCuda(lag=1)
+    with Loader(ds, 7, run=RunOptions(device=fake), **kw) as lo:
+        dev = list(lo)
+    assert len(dev) == len(host) > 1
+    for h, d in zip(host, dev, strict=True):
+        assert h.keys() == d.keys() and all(torch.equal(h[k], d[k]) for k in h)
+    assert fake.live == {}

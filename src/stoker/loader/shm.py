@@ -26,6 +26,11 @@ lets go, however the processes end: a Ctrl-C, a script that never calls ``close(
 SIGKILL leave no slot file behind. Where that is not possible the files keep their names and are
 unlinked by :meth:`SlotRing.close`, by the ring's finalizer when it is dropped or the interpreter
 exits, or, after a SIGKILL, by the next loader on the node (:func:`remove_orphans`).
+
+A slot a device copy reads (``device="cuda"``, :mod:`stoker.loader.device.transfer`) is given
+back with :meth:`SlotRing.release_after` and is free again only once the copy's event has
+completed; a ring that needs a slot polls those events first and, with none free, waits for the
+oldest copy rather than make another slot.
 """
 
 from __future__ import annotations
