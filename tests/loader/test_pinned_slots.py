@@ -243,3 +243,58 @@ def test_a_streaming_collates_rows_on_the_device_equal_the_host_ones(packed_loca
     for h, d in zip(host, dev, strict=True):
         assert h.keys() == d.keys() and all(torch.equal(h[k], d[k]) for k in h)
     assert fake.live == {}
+
+
+def test_the_cuda_runtime_calls_and_their_errors(monkeypatch):
+    """CudaRuntime's calls into torch's CUDA runtime bindings, with those bindings faked."""
+    import contextlib
+
+    from stoker.loader.device import cuda_host
+
+    calls: list = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 2 if size > 1 << 20 else 0  # cudaErrorMemoryAllocation
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+        def cudaError(self, rc):
+            return rc
+
+        def cudaGetErrorString(self, err):
+            return "out of memory"
+
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    rt = object.__new__(cuda_host.CudaRuntime)  # (its __init__ needs a GPU: its stream)
+    rt.device = torch.device("cuda:0")
+    rt.register(4096, 8192)
+    rt.unregister(4096)
+    assert calls == [("register", 4096, 8192, cuda_host.REGISTER_PORTABLE), ("unregister", 4096)]
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 2097152 bytes failed with cudaError 2 \(out of"):
+        rt.register(4096, 2 << 20)
+
+
+class RefusingCuda(FakeCuda):
+    def register(self, ptr: int, nbytes: int) -> None:
+        raise RuntimeError("cudaHostRegister of 1 bytes failed with cudaError 2 (out of memory)")
+
+
+def test_a_refused_registration_is_logged_and_copied_unpinned(packed_local, caplog):
+    ds = open_dataset(packed_local, cache_dir=None)
+    with Loader(ds, 8, num_workers=0, shuffle=False) as lo:
+        host = [(x.clone(), y.clone()) for x, y in lo]
+    fake = RefusingCuda(lag=1)
+    with caplog.at_level("WARNING", logger="stoker.loader.device.transfer"):
+        with Loader(ds, 8, num_workers=0, shuffle=False, run=RunOptions(device=fake)) as lo:
+            dev = list(lo)
+            stats = lo.pipeline.transfer.stats
+    assert stats.register_failures > 0 and stats.registered == stats.unregistered == 0
+    assert fake.unpinned_copies == 2 * len(host) and "without pinning" in caplog.text
+    assert caplog.text.count("could not register") == 1  # logged once
+    for (x, y), (gx, gy) in zip(host, dev, strict=True):
+        assert torch.equal(gx, x) and torch.equal(gy, y)

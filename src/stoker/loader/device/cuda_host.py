@@ -48,20 +48,22 @@ class CudaRuntime:
         copies from it run as DMA without a staging copy (``cudaHostRegister``, portable).
 
         Raises:
-            torch.cuda.CudaError: the runtime refused (names the CUDA error).
+            RuntimeError: the runtime refused (names the CUDA error code and its text).
         """
         with torch.cuda.device(self.device):
-            torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, REGISTER_PORTABLE)))
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, REGISTER_PORTABLE)
+        _check(int(rc), "cudaHostRegister", nbytes)
 
     def unregister(self, ptr: int) -> None:
         """Undo :meth:`register` for the range at ``ptr`` (``cudaHostUnregister``); before the
         mapping is unmapped.
 
         Raises:
-            torch.cuda.CudaError: the runtime refused.
+            RuntimeError: the runtime refused.
         """
         with torch.cuda.device(self.device):
-            torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(ptr)))
+            rc = torch.cuda.cudart().cudaHostUnregister(ptr)
+        _check(int(rc), "cudaHostUnregister", None)
 
     def copy(self, host: torch.Tensor) -> torch.Tensor:
         """A new tensor on the device with ``host``'s contents, copied with ``non_blocking=True``
@@ -89,3 +91,25 @@ class CudaRuntime:
     def synchronize(self) -> None:
         """Wait until every copy issued on the side stream has completed."""
         self.stream.synchronize()
+
+
+def _check(rc: int, call: str, nbytes: int | None) -> None:
+    """Raise RuntimeError for a CUDA runtime return code ``rc`` other than 0 (``cudaSuccess``),
+    naming ``call``, the bytes concerned and the runtime's text for the code (the codes are
+    compared as ints, as torch's own ``torch.cuda._pin_memory_utils`` does).
+
+    Raises:
+        RuntimeError: ``rc`` is not 0.
+    """
+    if rc == 0:
+        return
+    try:
+        cudart = torch.cuda.cudart()
+        text = cudart.cudaGetErrorString(cudart.cudaError(rc))
+    except Exception:  # noqa: BLE001 - the code alone still says what failed
+        text = "unknown error"
+    size = f" of {nbytes} bytes" if nbytes is not None else ""
+    raise RuntimeError(
+        f"{call}{size} failed with cudaError {rc} ({text}); it may be an asynchronous error of an "
+        "earlier CUDA call (CUDA_LAUNCH_BLOCKING=1 shows where)"
+    )
