@@ -167,6 +167,7 @@ class DeviceTransfer:
         """Copy ``host`` tensors on the side stream, hand them to the consumer on one event, and
         give ``slot`` back to the ring once that event has completed."""
         rt = self.runtime
+        self.ring.reap()  # the slots of copies completed since the last batch go back now
         dev = [rt.copy(t) for t in host]
         event = rt.event()
         rt.handoff(event, dev)
