@@ -6,10 +6,11 @@
 Needs a CUDA build of torch, and torchvision (GPU decode_jpeg) or nvImageCodec for the decode
 checks (reported as skipped otherwise). Checks:
 
-1. ``transfer``: DeviceTransfer moves batches exactly (bytes equal after the copy), and the copy
-   overlaps compute: CUDA-event times of a matmul loop alone, of the copies alone, and of both
-   issued together (copies on the side stream); ``overlap`` = (compute + copy - together) /
-   min(compute, copy), 1.0 = fully hidden, 0 = serialised.
+1. ``transfer``: batches copied from a pinned slot (:mod:`stoker.loader.device.transfer`: the slot
+   registered once with ``cudaHostRegister``, copied on the side stream) arrive exactly (bytes equal
+   after the copy), and the copy overlaps compute: CUDA-event times of a matmul loop alone, of the
+   copies alone, and of both issued together (copies on the side stream); ``overlap`` = (compute +
+   copy - together) / min(compute, copy), 1.0 = fully hidden, 0 = serialised.
 2. ``decode``: every file of the shared pillow-jpeg cases through GpuJpegDecoder and through the
    CPU path (``decode_image``); per file: which path decoded it (gpu / cpu after screening / cpu
    after a GPU failure), the max abs difference from the CPU path and from the Pillow reference,
@@ -26,7 +27,19 @@ checks (reported as skipped otherwise). Checks:
    (~/.cache/stoker-bench/venvs/dali, made where there is a network) is there; otherwise it is
    listed as skipped with the reason. Passes when stoker delivered every epoch. ``--peers-images 0``
    leaves it out.
-Exit status 0 when every check passes, 1 otherwise.
+6. ``bytes_only``: ``collate=stoker.collate.raw_bytes`` batches (no decode) of ``--bytes-files``
+   random 114,660 B samples (MLPerf Storage's ResNet-50 record), 2 workers, batch 64, warm node
+   cache, to the GPU with ``device="cuda"`` (pinned slots): samples/s and host CPU cores per GPU
+   over ``--steady-epochs`` warm epochs after 2 not counted (the cold fill, the first warm one).
+   Cores per GPU = the CPU seconds of every process of the loader (the training process, the
+   workers, the prefetcher: ``/proc`` utime + stime, ``EpochStats.cpu_s``) over the wall seconds,
+   with one GPU; DLBooster's figure to compare with is "< 1 core". Passes when every byte of the
+   last batch equals the dataset's and every slot was registered.
+7. ``decode_device``: the same figures for ``ImageOptions(decode_device="cuda")`` (the workers only
+   read bytes; nvJPEG + the train transform on the GPU) over ``--decode-images`` sample JPEGs.
+Checks that need what is not there (CUDA; a GPU JPEG decoder for ``decode``, ``train`` and
+``decode_device``) are listed under ``skipped`` with the reason. Exit status 0 when every check
+that ran passed (also when none could run: no CUDA, ``"ok": null``), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -48,11 +61,24 @@ import torch  # noqa: E402
 
 def check_transfer(device: str) -> dict:
     from stoker.loader.device.transfer import DeviceTransfer
+    from stoker.loader.shm import SlotRing
 
-    tr = DeviceTransfer(device)
-    x = torch.randint(0, 256, (256, 3, 224, 224), dtype=torch.uint8)
-    y = torch.arange(256)
-    gx, gy = tr(x, y)
+    n, size = 256, 224
+    ring = SlotRing(n, size, 2, shared=True)
+    tr = DeviceTransfer(ring, device)
+    x = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8)
+    y = torch.arange(n)
+
+    for i in range(2):  # the batch in both slots (written once: the copies are what is timed)
+        images, labels = ring.views(i)
+        images[:] = x.numpy()
+        labels[:] = y.numpy()
+    del images, labels
+
+    def send():
+        return tr.images(ring.acquire(), n)  # a free slot: its last copy has completed (or is waited for)
+
+    gx, gy = send()
     torch.cuda.synchronize()
     exact = bool(torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y))
     a = torch.randn(4096, 4096, device=device)
@@ -74,19 +100,23 @@ def check_transfer(device: str) -> dict:
     compute(3)
     copies = 8
     t_compute, _ = timed(compute)
-    t_copy_wall = timed(lambda: [tr(x, y) for _ in range(copies)])[1]  # side stream: wall time
-    t_both = timed(lambda: (compute(), [tr(x, y) for _ in range(copies)]))[1]
+    t_copy_wall = timed(lambda: [send() for _ in range(copies)])[1]  # side stream: wall time
+    t_both = timed(lambda: (compute(), [send() for _ in range(copies)]))[1]
     overlap = (t_compute + t_copy_wall - t_both) / max(1e-9, min(t_compute, t_copy_wall))
+    tr.close()
+    ring.close()
+    pinned = tr.stats.registered > 0 and tr.stats.register_failures == 0
     return {
         "exact": exact,
-        "pinned": tr.pin,
+        "pinned": pinned,
+        "transfer": tr.stats.__dict__,
         "batch_bytes": x.nbytes,
         "compute_s": t_compute,
         "copy_s": t_copy_wall,
         "together_s": t_both,
         "overlap": overlap,
         "copy_GBps": copies * x.nbytes / t_copy_wall / 1e9,
-        "ok": exact and overlap > 0.5,
+        "ok": exact and pinned and overlap > 0.5 and tr.stats.unregistered == tr.stats.registered,
     }
 
 
@@ -169,12 +199,13 @@ def check_loader(device: str, work: str) -> dict:
     equal = len(cpu) == len(gpu) and all(
         torch.equal(a.cpu(), c) and torch.equal(b.cpu(), d) for (c, d), (a, b) in zip(cpu, gpu)
     )
+    unpinned = stats["unregistered"] == stats["registered"] > 0  # every slot registered, all undone at close
     out = {
         "batches": len(gpu),
         "on_device": on_device,
         "equal_to_cpu_loader": equal,
         "transfer": stats,
-        "ok": on_device and equal,
+        "ok": on_device and equal and unpinned,
     }
     try:  # decode on the GPU in the training process: same crops, pixels within a small mean difference
         with Loader(ds, image=ImageOptions(decode_device=device), **kw) as lo:
@@ -200,6 +231,101 @@ def check_loader(device: str, work: str) -> dict:
         out["decode_device"] = {"skipped": str(exc), "ok": True}
     out["ok"] = out["ok"] and out["decode_device"]["ok"]
     return out
+
+
+def steady(loader, epochs: int, warm: int = 2) -> dict:
+    """Samples/s and host CPU cores per GPU of ``loader`` over ``epochs`` epochs after ``warm`` not
+    counted. Each batch's tensors are touched on the GPU (a sum on the consumer's stream), and the
+    device is synchronised at each epoch's end. Cores = the CPU seconds of every process of the
+    loader (``EpochStats.cpu_s``: training process, workers, prefetcher) over the wall seconds."""
+
+    def run() -> int:
+        n = 0
+        for batch in loader:
+            first = batch[0] if isinstance(batch, tuple) else batch
+            first.sum()  # queued behind the copy's event, on the consumer's stream
+            n += int(first.shape[0]) if first.dim() > 1 else len(batch[2])  # (RawBatch: its ids)
+        torch.cuda.synchronize()
+        return n
+
+    for _ in range(warm):  # the cold fill and the first warm epoch
+        run()
+    t = time.perf_counter()
+    samples = sum(run() for _ in range(epochs))
+    wall_s = time.perf_counter() - t
+    cpu = {}
+    for st in loader.history[-epochs:]:
+        for k, v in st.cpu_s.items():
+            cpu[k] = cpu.get(k, 0.0) + v
+    total = sum(cpu.values())
+    return {
+        "epochs": epochs,
+        "samples": samples,
+        "seconds": wall_s,
+        "samples_per_s": samples / wall_s,
+        "cpu_s": cpu,
+        "host_cores_per_gpu": total / wall_s,
+        "samples_per_cpu_s": samples / total if total > 0 else None,
+    }
+
+
+def check_bytes_only(device: str, work: str, files: int, epochs: int) -> dict:
+    from stoker.collate import raw_bytes
+    from stoker.loader import Loader, RunOptions
+    from stoker.store.dataset import open_dataset
+    from stoker.store.pack import pack
+    from stoker_lab.bench.bytes_only import make_files
+
+    sample_bytes = 114_660
+    root = make_files(os.path.join(work, "bytes", "files"), files, sample_bytes)
+    packed = os.path.join(work, "bytes", "packed")
+    pack(os.path.join(root, "train"), packed, source="files", overwrite=True, progress=False)
+    ds = open_dataset(packed, cache_dir=os.path.join(work, "bytes", "cache"), cache_bytes=1 << 30)
+    kw = dict(batch_size=64, num_workers=2, drop_last=True, collate=raw_bytes)
+    with Loader(ds, run=RunOptions(device=device), **kw) as lo:
+        figures = steady(lo, epochs)
+        last = next(iter(lo))
+        torch.cuda.synchronize()
+        exact = last.data.is_cuda and all(
+            last.sample(j).cpu().numpy().tobytes() == ds.read(int(last.ids[j])) for j in range(len(last.ids))
+        )
+        stats = lo.pipeline.transfer.stats.__dict__
+    pinned = stats["registered"] > 0 and stats["register_failures"] == 0
+    return {
+        "samples_in_dataset": files,
+        "sample_bytes": sample_bytes,
+        "workers": 2,
+        "batch_size": 64,
+        **figures,
+        "GBps": figures["samples_per_s"] * sample_bytes / 1e9,
+        "exact": exact,
+        "transfer": stats,
+        "ok": bool(exact and pinned and stats["unregistered"] == stats["registered"]),
+    }
+
+
+def check_decode_device(device: str, work: str, images: int, epochs: int) -> dict:
+    from stoker.loader import ImageOptions, Loader
+    from stoker.store.dataset import open_dataset
+    from stoker.store.pack import pack
+    from stoker_lab.sample_data import make_sample_data
+
+    root = os.path.join(work, "jpegs")
+    make_sample_data(os.path.join(root, "data"), images=images, classes=10, seed=2)
+    pack(os.path.join(root, "data", "train"), os.path.join(root, "packed"), progress=False)
+    ds = open_dataset(os.path.join(root, "packed"), cache_dir=os.path.join(root, "cache"), cache_bytes=1 << 30)
+    kw = dict(batch_size=64, num_workers=2, drop_last=True)
+    with Loader(ds, image=ImageOptions(decode_device=device), **kw) as lo:
+        figures = steady(lo, epochs)
+        dstats = lo.device_decode_stats.__dict__
+    return {
+        "images": images,
+        "workers": 2,
+        "batch_size": 64,
+        **figures,
+        "decode": dstats,
+        "ok": figures["samples"] == epochs * (len(ds) // 64) * 64 and dstats["gpu"] > 0,
+    }
 
 
 def check_peers(work: str, images: int) -> dict:
@@ -229,6 +355,9 @@ def check_peers(work: str, images: int) -> dict:
     }
 
 
+ALL_CHECKS = ("transfer", "decode", "train", "loader", "peers", "bytes_only", "decode_device")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--cases", default=os.path.join(HERE, "..", "..", "shared", "cases", "pillow-jpeg"))
@@ -236,19 +365,28 @@ def main() -> int:
     ap.add_argument("--tolerance", type=int, default=2, help="max abs diff from the Pillow reference (cases README)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--peers-images", type=int, default=1000, help="photos for the peers check (0: leave it out)")
+    ap.add_argument("--bytes-files", type=int, default=1024, help="114,660 B samples of the bytes-only check")
+    ap.add_argument("--decode-images", type=int, default=1024, help="JPEGs of the decode_device check")
+    ap.add_argument("--steady-epochs", type=int, default=10, help="warm epochs counted per throughput figure")
     a = ap.parse_args()
     out = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available()}
     if not torch.cuda.is_available():
-        out["ok"] = False
-        out["error"] = "CUDA is not available to torch"
+        reason = f"CUDA is not available to torch {torch.__version__} (CUDA build: {torch.version.cuda})"
+        out["skipped"] = {name: reason for name in ALL_CHECKS}
+        out["ok"] = None
         print(json.dumps(out, indent=2))
-        return 1
+        return 0
     out["gpu"] = torch.cuda.get_device_name()
-    checks = {"transfer": lambda: check_transfer(a.device)}
+    work = tempfile.mkdtemp(prefix="stoker-gpu-check-")
+    checks = {
+        "transfer": lambda: check_transfer(a.device),
+        "bytes_only": lambda: check_bytes_only(a.device, work, a.bytes_files, a.steady_epochs),
+    }
     from stoker.decode.gpu import find_backend
 
     try:
         find_backend(a.device)
+        checks["decode_device"] = lambda: check_decode_device(a.device, work, a.decode_images, a.steady_epochs)
         checks["decode"] = lambda: check_decode(a.device, a.cases, a.tolerance)
         photos = []
         with tempfile.TemporaryDirectory() as d:
@@ -259,8 +397,7 @@ def main() -> int:
                 photos += [open(os.path.join(root, f), "rb").read() for f in sorted(files) if f.endswith(".JPEG")]
         checks["train"] = lambda: check_train(a.device, photos)
     except RuntimeError as exc:
-        out["skipped"] = {"decode": str(exc), "train": str(exc)}
-    work = tempfile.mkdtemp(prefix="stoker-gpu-check-")
+        out["skipped"] = {"decode": str(exc), "train": str(exc), "decode_device": str(exc)}
     checks["loader"] = lambda: check_loader(a.device, work)
     if a.peers_images > 0:
         checks["peers"] = lambda: check_peers(work, a.peers_images)

@@ -83,10 +83,3 @@ def check_device(device) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise RuntimeError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
-
-
-def pinning_available() -> bool:
-    """Whether torch can allocate pinned host memory here (needs a CUDA driver)."""
-    import torch
-
-    return torch.cuda.is_available()

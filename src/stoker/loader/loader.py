@@ -360,7 +360,7 @@ class Loader:
         _check_args(batch_size, num_workers, transform, decode, collate, image)
         _check_dataset(dataset)
         device = batch_device(run, image)
-        if device not in (None, "cpu"):
+        if isinstance(device, str) and device != "cpu":  # (not a stand-in runtime object)
             from .._torch import check_device
 
             check_device(device)  # RuntimeError (no CUDA) now, not at the first batch

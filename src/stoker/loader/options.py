@@ -38,6 +38,9 @@ from ..order import PERMUTATIONS
 from .dataloader_args import dataloader_keyword
 
 _CUDA = re.compile(r"cuda(:\d+)?")
+#: what a stand-in for the CUDA runtime given as ``RunOptions(device=...)`` must have
+#: (:data:`stoker.loader.device.cuda_host.SURFACE`, kept equal by a test)
+_RUNTIME_SURFACE = ("device", "register", "unregister", "copy", "event", "handoff", "synchronize")
 
 __all__ = [
     "DEPRECATED",
@@ -246,9 +249,12 @@ class RunOptions:
 
     Attributes:
         device: None / ``"cpu"`` (default: the shared-memory tensors are yielded) or
-            ``"cuda[:N]"`` (each batch copied through pinned memory on a side stream,
-            :mod:`stoker.loader.device.transfer`). ValueError for another device; RuntimeError when CUDA
-            is not available. With ``ImageOptions.decode_device`` it defaults to that device.
+            ``"cuda[:N]"`` (each batch copied straight from its shared-memory slot, pinned once,
+            on a side stream; the slot goes back to the workers when the copy has completed:
+            :mod:`stoker.loader.device.transfer`), or an object standing in for the CUDA runtime
+            (:class:`stoker.loader.device.cuda_host.CudaRuntime`'s surface: tests without a GPU).
+            ValueError for another device; RuntimeError when CUDA is not available. With
+            ``ImageOptions.decode_device`` it defaults to that device.
         on_error: ``"raise"`` (default: a sample no decoder reads raises WorkerError naming its
             key) or ``"skip"`` (logged, counted in ``stats.skipped``, the batch is shorter). With
             one rank (``world_size=1``) a batch whose every sample was skipped is not yielded: each
@@ -283,7 +289,7 @@ class RunOptions:
             samples it skipped (``on_error="skip"``) are logged only when their batch is delivered.
     """
 
-    device: str | None = None
+    device: Any = None
     on_error: str = "raise"
     timeout_s: float = 120.0
     start_method: str | None = None
@@ -309,10 +315,16 @@ class RunOptions:
             object.__setattr__(self, "epochs", _int("RunOptions", "epochs", self.epochs, 1))
         if self.device is not None and not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))  # a torch.device
-        if self.device not in (None, "cpu") and not (isinstance(self.device, str) and _CUDA.fullmatch(self.device)):
-            # the form only: whether CUDA is there is the Loader's check (options may be built on a
-            # CPU-only login node and used on a GPU node)
-            raise ValueError(f"RunOptions.device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if isinstance(self.device, str) or self.device is None:
+            if self.device not in (None, "cpu") and not _CUDA.fullmatch(self.device):
+                # the form only: whether CUDA is there is the Loader's check (options may be built on a
+                # CPU-only login node and used on a GPU node)
+                raise ValueError(f"RunOptions.device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        elif not all(hasattr(self.device, a) for a in _RUNTIME_SURFACE):
+            raise ValueError(
+                f"RunOptions.device must be None, 'cpu', 'cuda' or 'cuda:N' (or a device runtime with "
+                f"{', '.join(_RUNTIME_SURFACE)}), got {self.device!r}"
+            )
 
 
 #: The Loader keyword each option group is passed as, and its class.

@@ -26,6 +26,11 @@ lets go, however the processes end: a Ctrl-C, a script that never calls ``close(
 SIGKILL leave no slot file behind. Where that is not possible the files keep their names and are
 unlinked by :meth:`SlotRing.close`, by the ring's finalizer when it is dropped or the interpreter
 exits, or, after a SIGKILL, by the next loader on the node (:func:`remove_orphans`).
+
+A slot a device copy reads (``device="cuda"``, :mod:`stoker.loader.device.transfer`) is given
+back with :meth:`SlotRing.release_after` and is free again only once the copy's event has
+completed; a ring that needs a slot polls those events first and, with none free, waits for the
+oldest copy rather than make another slot.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import os
 import uuid
 import weakref
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -143,6 +149,8 @@ class SlotRing:
         # the files go when the ring is closed, dropped, or the interpreter exits
         self._finalizer = weakref.finalize(self, _release, self._names, self._fds, os.getpid())
         self.free: deque[int] = deque()
+        #: slots waiting on an event before they are free again, oldest first: (slot or None, event, kept)
+        self._after: deque[tuple[int | None, Any, Any]] = deque()
         self.busy: set[int] = set()  # slots handed to worker processes, not yet answered (kept by the caller)
         #: True once the directory could not hold another slot: batches are then copied out.
         self.limited = False
@@ -210,6 +218,8 @@ class SlotRing:
     def try_acquire(self) -> int | None:
         """A free slot index (a new slot if all are held), or None when no slot is free and the
         shared-memory directory has no room for another (then :meth:`shortage` says why)."""
+        if not self.free and self._after:
+            self._reclaim()
         if self.free:
             return self.free.popleft()
         return self._create()
@@ -233,6 +243,46 @@ class SlotRing:
 
     def release(self, i: int) -> None:
         self.free.append(i)
+
+    def release_after(self, i: int | None, event: Any, keep: Any = None) -> None:
+        """Release slot ``i`` only once ``event`` says the work that reads it has completed (a
+        device copy from the slot: ``event.query()`` True, or ``event.synchronize()`` returned).
+        ``keep`` (the host tensors the copy reads) is held until then; ``i`` None: only ``keep``.
+        Events are expected to complete in the order given (one stream)."""
+        self._after.append((i, event, keep))
+
+    def reap(self, wait: bool = False) -> int:
+        """Release the slots whose events have completed, oldest first; ``wait``: wait for the
+        oldest event first (``synchronize()``). Returns the number of entries released."""
+        n = 0
+        while self._after:
+            i, event, _ = self._after[0]
+            if wait and n == 0:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._after.popleft()
+            if i is not None:
+                self.free.append(i)
+            n += 1
+        return n
+
+    def _reclaim(self) -> None:
+        """Free a slot waiting on an event, when none is free: the completed ones, else wait for
+        the oldest (a copy takes far less than a batch) rather than make another slot."""
+        self.reap()
+        while not self.free and any(i is not None for i, _, _ in self._after):
+            self.reap(wait=True)
+
+    def drain(self) -> None:
+        """Wait for every event :meth:`release_after` was given and release their slots."""
+        while self._after:
+            self.reap(wait=True)
+
+    def mapping(self, i: int) -> mmap.mmap:
+        """This process's current mapping of slot ``i`` (a new object after :meth:`buffer` mapped
+        a grown slot again)."""
+        return self._maps[i]
 
     def buffer(self, i: int, nbytes: int) -> np.ndarray:
         """Slot ``i`` as a uint8 array of at least ``nbytes`` (generic slots): the slot is mapped

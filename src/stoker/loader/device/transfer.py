@@ -1,117 +1,256 @@
-"""Moving batches to the accelerator: pinned staging, non-blocking copies on a side stream.
+"""Moving batches to the accelerator straight from pinned shared-memory slots.
 
-``Loader(..., run=RunOptions(device="cuda"))`` passes each batch (tensors over a shared-memory slot) through
-:class:`DeviceTransfer`:
+``Loader(..., run=RunOptions(device="cuda"))`` passes each finished batch through
+:class:`DeviceTransfer`, which copies it from its shared-memory slot (:mod:`stoker.loader.shm`)
+with no host copy at all:
 
-1. the batch is copied (one CPU memcpy) into the next of ``depth`` *pinned* (page-locked)
-   staging buffers; the shared-memory slot is free again as soon as the caller drops the CPU
-   tensor, and a staging buffer is reused only after the copy that last read it has finished
-   (its CUDA event);
-2. a host-to-device copy with ``non_blocking=True`` is issued on a side CUDA stream, and an
-   event is recorded after it;
-3. the consumer's current stream waits on that event (``wait_event``: a GPU-side wait, the
-   CPU does not block), and the device tensors are marked as used by the consumer's stream
-   (``record_stream``) so the caching allocator does not hand their memory out early.
+1. **pinned once**: the first time a slot is copied from, this process's mapping of it is
+   page-locked (``cudaHostRegister`` through torch's CUDA runtime bindings,
+   :class:`~stoker.loader.device.cuda_host.CudaRuntime`); it stays registered for the life of
+   the mapping. A slot a worker grew (a user collate's or a raw batch's slot, mapped again by
+   :meth:`~stoker.loader.shm.SlotRing.buffer`) is unregistered and its new mapping registered.
+   No ``pin_memory()`` copy per batch;
+2. **copied asynchronously**: each tensor of the batch is copied to the device with
+   ``non_blocking=True`` on a side CUDA stream (DMA straight out of the slot), and a CUDA event
+   is recorded after the copies;
+3. **handed over on the event**: the consumer's current stream waits on that event (on the GPU:
+   the CPU does not block) and the device tensors are marked as used by it (``record_stream``).
+   The slot goes back to the workers only once the event says the copy has completed
+   (:meth:`~stoker.loader.shm.SlotRing.release_after`): the ring polls it when it needs a slot,
+   and waits for the oldest copy rather than make another slot when none is free.
 
-The copy therefore runs while the GPU is still executing the work the training loop queued for
-the previous batch (CUDA calls are asynchronous), and only the consumer's later kernels wait for
-it: the pattern of NVIDIA's apex ``data_prefetcher`` and torch's ``pin_memory`` +
-``non_blocking``. ``device="cpu"`` runs the same staging logic with a CPU target (pinned
-buffers only where torch can pin, i.e. with CUDA), so the stage is testable without a GPU; the
-Loader itself keeps its zero-copy path for ``None``/``"cpu"``.
+The copy runs while the GPU still executes the work the training loop queued for the previous
+batch (SPDL's pinned shared-memory pool; NVIDIA apex's ``data_prefetcher``). Every registration
+is undone before its mapping can go: this object holds each registered mapping, and
+:meth:`DeviceTransfer.close` (the Loader's ``close()``, the end of a ``with`` block, a Ctrl-C
+that leaves it), or its finalizer (a dropped Loader, the interpreter's exit), waits for the side
+stream and unregisters every slot before letting go of the mappings.
 
-This module imports torch; elsewhere only :mod:`stoker._torch` and :mod:`stoker.decode.gpu` do
-(the CUDA branch is checked on a GPU machine by ``scripts/gpu_check.py``).
+Without a GPU the same code runs with a stand-in for :class:`CudaRuntime` (an object with
+:data:`~stoker.loader.device.cuda_host.SURFACE`, given as ``RunOptions(device=...)``): the tests
+run it that way; ``scripts/gpu_check.py`` is the check on a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import mmap
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+import numpy as np
 
-from ..._torch import check_device, pinning_available  # noqa: F401 - re-exported
+from ..._torch import check_device  # noqa: F401 - re-exported
 
-__all__ = ["DeviceTransfer", "check_device", "TransferStats"]
+log = logging.getLogger(__name__)
+
+__all__ = ["DeviceTransfer", "TransferStats", "check_device"]
 
 
 @dataclass
 class TransferStats:
-    """Counters: ``batches`` moved, ``bytes`` copied host-to-device, ``staging_waits``: times a
-    staging buffer was still being read by an earlier copy when it was needed."""
+    """Counters of a :class:`DeviceTransfer`.
+
+    Attributes:
+        batches: batches copied to the device.
+        bytes: bytes copied host-to-device.
+        registered: slot mappings registered as pinned memory (a grown slot counts again).
+        unregistered: registrations undone.
+        register_failures: mappings the CUDA runtime refused to register (copied unpinned: a
+            synchronous copy, logged once).
+    """
 
     batches: int = 0
     bytes: int = 0
-    staging_waits: int = 0
+    registered: int = 0
+    unregistered: int = 0
+    register_failures: int = 0
 
 
-class _Staging:
-    """One pinned (where possible) host buffer pair and the event of the copy that last read it."""
+def _address(mm: mmap.mmap) -> int:
+    """The address of the first byte of ``mm`` (the buffer export is dropped at once)."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, pin: bool):
-        self.images = torch.empty(images.shape, dtype=images.dtype, pin_memory=pin)
-        self.labels = torch.empty(labels.shape, dtype=labels.dtype, pin_memory=pin)
-        self.event: torch.cuda.Event | None = None  # None until the first copy from this buffer
+
+def _runtime(device: Any):
+    """The runtime of ``device``: a :class:`~stoker.loader.device.cuda_host.CudaRuntime` for a
+    CUDA device name, else ``device`` itself (a stand-in with the same surface)."""
+    if isinstance(device, str) or type(device).__name__ == "device":
+        from .cuda_host import CudaRuntime
+
+        return CudaRuntime(str(device))
+    return device
 
 
 class DeviceTransfer:
-    """Copy ``(images, labels)`` batches to ``device`` through pinned staging buffers.
+    """Copy batches from the slots of ``ring`` to the device (see the module docstring).
 
     Args:
-        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (see :func:`check_device`).
-        depth: number of staging buffers (copies that may be in flight at once; >= 1).
-
-    Calling the object with ``images`` uint8 ``(N, 3, S, S)`` and ``labels`` int64 ``(N,)`` CPU
-    tensors returns new tensors on ``device`` with equal contents; N may change between calls
-    (the buffers grow to the largest batch). The returned tensors are never overwritten later.
+        ring: the run's :class:`~stoker.loader.shm.SlotRing`.
+        device: ``"cuda"`` / ``"cuda:N"``, or a stand-in runtime with
+            :data:`~stoker.loader.device.cuda_host.SURFACE`.
 
     Raises:
         ValueError / RuntimeError: see :func:`check_device`.
     """
 
-    def __init__(self, device="cuda", depth: int = 2):
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self.device = check_device(device)
-        self.cuda = self.device.type == "cuda"
-        self.pin = pinning_available()
-        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.depth = int(depth)
-        self._ring: list[_Staging | None] = [None] * self.depth
-        self._next = 0
+    def __init__(self, ring, device: Any = "cuda"):
+        self.ring = ring
+        self.runtime = _runtime(device)
+        self.device = self.runtime.device
         self.stats = TransferStats()
+        #: slot -> (mapping, address, bytes registered); address None: registration refused
+        self._pins: dict[int, tuple[mmap.mmap, int | None, int]] = {}
+        self._finalizer = weakref.finalize(self, _unpin_all, self._pins, self.runtime, self.stats)
 
-    def _staging_for(self, images: torch.Tensor, labels: torch.Tensor) -> _Staging:
-        i = self._next
-        self._next = (i + 1) % self.depth
-        st = self._ring[i]
-        if st is not None and st.event is not None:
-            if not st.event.query():
-                self.stats.staging_waits += 1
-            st.event.synchronize()  # the copy that last read this buffer is done
-        if st is None or st.images.shape[0] < images.shape[0] or st.images.shape[1:] != images.shape[1:]:
-            st = self._ring[i] = _Staging(images, labels, self.pin)
-        return st
+    def pin(self, slot: int) -> None:
+        """Register slot ``slot``'s current mapping, once; a slot mapped again (grown) has its old
+        registration undone first (no copy reads the old mapping: the slot was with a worker)."""
+        mm = self.ring.mapping(slot)
+        old = self._pins.get(slot)
+        if old is not None and old[0] is mm:
+            return
+        if old is not None:
+            del self._pins[slot]
+            _unpin(old, self.runtime, self.stats)
+        nbytes = -(-len(mm) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: a mapping is made of them
+        ptr: int | None = _address(mm)
+        try:
+            self.runtime.register(ptr, nbytes)
+            self.stats.registered += 1
+        except RuntimeError as exc:  # (torch.cuda.CudaError is one)
+            if not self.stats.register_failures:
+                log.warning(
+                    "could not register batch slot %d (%d bytes) as pinned memory: %s; its batches are "
+                    "copied to %s without pinning (slower)",
+                    slot,
+                    nbytes,
+                    exc,
+                    self.device,
+                )
+            self.stats.register_failures += 1
+            ptr = None
+        self._pins[slot] = (mm, ptr, nbytes)
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = images.shape[0]
-        st = self._staging_for(images, labels)
-        host_i, host_l = st.images[:n], st.labels[:n]
-        host_i.copy_(images)  # shared-memory slot -> pinned buffer (the slot may be reused after this)
-        host_l.copy_(labels)
+    def images(self, slot: int, n: int) -> tuple[Any, Any]:
+        """The first ``n`` images (uint8 ``(n, 3, S, S)``) and labels (int64 ``(n,)``) of slot
+        ``slot`` as tensors on the device; the slot goes back to the workers once their copy
+        has completed."""
+        import torch
+
+        self.pin(slot)
+        images, labels = self.ring.views(slot)
+        host = [torch.from_numpy(images[:n]), torch.from_numpy(labels[:n])]
+        dev = self._send(host, slot)
+        return dev[0], dev[1]
+
+    def batch(self, batch: Any, slot: int | None) -> Any:
+        """``batch`` (a user collate's or a raw batch, its arrays views over slot ``slot``, or
+        ``slot`` None: host memory of this process) with every numpy array and CPU tensor copied
+        to the device, same structure (dicts, lists, tuples, namedtuples such as
+        :class:`stoker.collate.RawBatch`); other leaves as they are. The slot goes back to the
+        workers once the copies have completed."""
+        if slot is not None:
+            self.pin(slot)
+        host: list = []
+        tree = _gather(batch, host)
+        dev = self._send(host, slot)
+        return _fill(tree, dev)
+
+    def _send(self, host: list, slot: int | None) -> list:
+        """Copy ``host`` tensors on the side stream, hand them to the consumer on one event, and
+        give ``slot`` back to the ring once that event has completed."""
+        rt = self.runtime
+        self.ring.reap()  # the slots of copies completed since the last batch go back now
+        dev = [rt.copy(t) for t in host]
+        event = rt.event()
+        rt.handoff(event, dev)
+        self.ring.release_after(slot, event, host)
         self.stats.batches += 1
-        self.stats.bytes += host_i.nbytes + host_l.nbytes
-        if not self.cuda:
-            return host_i.clone(), host_l.clone()
-        consumer = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            dev_i = torch.empty(host_i.shape, dtype=host_i.dtype, device=self.device)
-            dev_l = torch.empty(host_l.shape, dtype=host_l.dtype, device=self.device)
-            dev_i.copy_(host_i, non_blocking=True)
-            dev_l.copy_(host_l, non_blocking=True)
-            st.event = torch.cuda.Event()
-            st.event.record(self.stream)
-        consumer.wait_event(st.event)
-        dev_i.record_stream(consumer)
-        dev_l.record_stream(consumer)
-        return dev_i, dev_l
+        self.stats.bytes += sum(t.nbytes for t in host)
+        return dev
+
+    def close(self) -> None:
+        """Wait for every copy in flight, give their slots back, and unregister every slot
+        (before any mapping can be unmapped). Idempotent."""
+        try:
+            self.ring.drain()
+        except RuntimeError as exc:  # a CUDA error: the slots are unregistered all the same
+            log.warning("waiting for the copies to %s at close: %s", self.device, exc)
+        finally:
+            self._finalizer()
+
+
+def _unpin(pin: tuple, runtime, stats: TransferStats) -> None:
+    """Undo one registration (nothing for a refused one); an error is logged, not raised (the
+    process is letting go of the memory either way)."""
+    _, ptr, nbytes = pin
+    if ptr is None:
+        return
+    try:
+        runtime.unregister(ptr)
+        stats.unregistered += 1
+    except RuntimeError as exc:
+        log.warning("could not unregister a pinned batch slot (%d bytes): %s", nbytes, exc)
+
+
+def _unpin_all(pins: dict, runtime, stats: TransferStats) -> None:
+    """Wait for the side stream, then undo every registration (a transfer's close or finalizer)."""
+    if not pins:
+        return
+    try:
+        runtime.synchronize()
+    except RuntimeError as exc:
+        log.warning("waiting for the copies to the device at close: %s", exc)
+    while pins:
+        _unpin(pins.popitem()[1], runtime, stats)
+
+
+def _gather(x: Any, host: list) -> Any:
+    """The tree of ``x`` with each array/CPU tensor replaced by its index in ``host`` (appended
+    there as a CPU tensor)."""
+    import torch
+
+    if isinstance(x, np.ndarray) and not x.dtype.hasobject:
+        host.append(torch.from_numpy(x))
+        return _Leaf(len(host) - 1)
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        host.append(x)
+        return _Leaf(len(host) - 1)
+    if isinstance(x, dict):
+        return {k: _gather(v, host) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):  # a namedtuple
+        named: Any = type(x)
+        return named._make(_gather(v, host) for v in x)
+    if type(x) in (tuple, list):
+        return type(x)(_gather(v, host) for v in x)
+    return x
+
+
+def _fill(tree: Any, dev: list) -> Any:
+    """:func:`_gather`'s tree with each index replaced by its device tensor."""
+    if isinstance(tree, _Leaf):
+        return dev[tree.i]
+    if isinstance(tree, dict):
+        return {k: _fill(v, dev) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        named: Any = type(tree)
+        return named._make(_fill(v, dev) for v in tree)
+    if type(tree) in (tuple, list):
+        return type(tree)(_fill(v, dev) for v in tree)
+    return tree
+
+
+class _Leaf:
+    """A placeholder for the ``i``-th host tensor in a gathered tree."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i

@@ -1,5 +1,5 @@
 """Turning a finished batch into what ``next()`` yields: tensors over its shared-memory slot (no
-copy), or copied to the device (:mod:`stoker.loader.device.transfer`), or decoded there
+copy), or copied to the device straight from the pinned slot (:mod:`stoker.loader.device.transfer`), or decoded there
 (:mod:`stoker.loader.device.device_decode`), or the user's collated batch (:mod:`stoker.loader.workers.batches`),
 with the epoch's accounting of its samples (:func:`stoker.loader.epoch_stats.account`).
 """
@@ -64,15 +64,22 @@ class Delivery:
         if n == 0:
             self.ring.release(slot)
             return None
+        if self.transfer is not None:
+            return self.transfer.images(slot, n)  # straight from the pinned slot, released on the copy's event
         imgs, labels = self.ring.batch(slot, n)
-        return self._as_batch(imgs, labels)
+        from ..._torch import as_tensors
+
+        return as_tensors(imgs, labels)  # over the slot (no copy)
 
     def _generic(self, slot, bids, skipped, skipped_keys, reply, padded, stats, delivered, last):
-        from ..workers.batches import receive, to_device
+        from ..workers.batches import receive
 
         account(stats, bids, skipped, skipped_keys, delivered, padded)
-        batch = receive(self.ring, slot, reply, stats)
         cut = getattr(self.cfg.collate, "cut", None)  # a streaming collate (stoker.collate.PackTokens)
+        # to the device straight from the slot, which the transfer gives back on the copy's event; a
+        # streaming collate's carry may keep views of it: then it is held until they are dropped
+        held = self.transfer is not None and cut is None and reply is not None and reply[0] == "shm"
+        batch = receive(self.ring, slot, reply, stats, hold=not held)
         if cut is not None and (batch is not None or (last and self.state.carry is not None)):
             if batch is None:
                 batch = {"tokens": self.state.carry[:0]}
@@ -80,11 +87,4 @@ class Delivery:
             batch, self.state.carry = cut(self.state.carry, batch, last)
         if batch is None:
             return None
-        return batch if self.transfer is None else to_device(batch, self.transfer.device)
-
-    def _as_batch(self, imgs, labels):
-        """Tensors over the slot (no copy), or on ``device`` through :mod:`stoker.loader.device.transfer`."""
-        from ..._torch import as_tensors
-
-        out = as_tensors(imgs, labels)
-        return out if self.transfer is None else self.transfer(*out)
+        return batch if self.transfer is None else self.transfer.batch(batch, slot if held else None)

@@ -91,7 +91,8 @@ class Run:
     :class:`~stoker.loader.pipeline.parallel.ParallelLoop` (``loop``), with a node cache too a
     :class:`~stoker.loader.prefetch.prefetcher.Prefetcher` (``prefetcher``), a
     :class:`~stoker.loader.pipeline.deliver.Delivery` (``deliver``) and, for ``device="cuda"``, a
-    :class:`~stoker.loader.device.transfer.DeviceTransfer` (``transfer``).
+    :class:`~stoker.loader.device.transfer.DeviceTransfer` (``transfer``: batches copied from the
+    pinned slots).
 
     Args:
         config: the frozen :class:`~stoker.loader.options.RunConfig`.
@@ -144,10 +145,6 @@ class Run:
         from ... import decode  # noqa: F401 - imported once here, inherited by forked workers
 
         config = self.config
-        if config.device not in (None, "cpu"):
-            from ..device.transfer import DeviceTransfer
-
-            self.transfer = DeviceTransfer(config.device)
         self.ring = SlotRing(
             self.cfg.batch_size,
             self.cfg.image_size,
@@ -174,6 +171,10 @@ class Run:
             self._decoder = GenericDecoder(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
+        if config.device not in (None, "cpu"):  # after the forks (CUDA)
+            from ..device.transfer import DeviceTransfer
+
+            self.transfer = DeviceTransfer(self.ring, config.device)
         dd = self.hooks.device_decoder  # started after the forks (CUDA)
         self.deliver = Delivery(self.ring, self.cfg, self.state, self.transfer, dd.start() if dd is not None else None)
         if self._decoder is not None:
@@ -267,6 +268,8 @@ class Run:
             self.workers.join(deadline)
         if self.prefetcher is not None:
             self.prefetcher.join(deadline)
+        if self.transfer is not None:  # copies in flight done, every slot unregistered: then unmapped
+            self.transfer.close()
         if self.ring is not None:
             self.ring.close()
         if self._own_staging:

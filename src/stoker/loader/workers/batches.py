@@ -399,9 +399,10 @@ def pack_reply(writer: SlotWriter, path: str | None, batch):
     return ("pickle", pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def receive(ring, slot: int | None, reply, stats):
+def receive(ring, slot: int | None, reply, stats, hold: bool = True):
     """The training process's side of :func:`pack_reply`: the batch, its arrays as views over slot
-    ``slot`` (released once they are all dropped; at once, after a copy, in a ``limited`` ring) and
+    ``slot`` (released once they are all dropped; at once, after a copy, in a ``limited`` ring;
+    ``hold`` False: not released here, the caller releases the slot of an ``"shm"`` reply) and
     its other leaves unpickled, or the whole batch unpickled (the slot released at once). Counts
     the way it came in ``stats`` (``shm_batches`` or ``pickled_batches``; every pickled byte in
     ``pickled_bytes``). ``reply`` may also be ``("local", batch)`` (decoded in this process,
@@ -426,6 +427,8 @@ def receive(ring, slot: int | None, reply, stats):
             ring.release(slot)
             raise
     buf = ring.buffer(slot, nbytes)
+    if not hold:
+        return rebuild(tree, specs, buf, rest)
     if ring.limited:  # too few slots: copy out, the slot is free again at once
         used = max(
             (off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for dt, shape, off in specs), default=0
@@ -435,18 +438,3 @@ def receive(ring, slot: int | None, reply, stats):
         return rebuild(tree, specs, buf, rest)
     ring.hold(slot, buf)
     return rebuild(tree, specs, buf, rest)
-
-
-def to_device(batch, device):
-    """``batch`` with every tensor/array moved to the torch ``device`` (same structure)."""
-    import torch
-
-    if isinstance(batch, np.ndarray) and not batch.dtype.hasobject:
-        return torch.from_numpy(batch).to(device, non_blocking=True)
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if type(batch) in (tuple, list):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
