@@ -13,7 +13,7 @@ import time
 #: Seconds of passes a profile covers.
 PROFILE_S = 2
 #: The roles that run Python (profiled with py-spy as well as perf).
-PYTHON_ROLES = ("rank", "service", "relay child")
+PYTHON_ROLES = ("rank", "service", "worker")
 
 
 def threads_cpu_ns(pid: int) -> dict[int, int]:
