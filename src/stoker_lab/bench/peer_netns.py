@@ -32,8 +32,8 @@ import time
 #: Default link rate of the two host links, Mbit/s per direction.
 DEFAULT_MBIT = 1000.0
 #: Seconds of the link a pass fills (the dataset read as many times as it takes): at 1 Gbit/s about
-#: 375 MB a pass, seconds of CPU behind each figure, and the stage still about a minute.
-PASS_LINK_S = 3.0
+#: 750 MB a pass, about half a CPU-second behind each pass's figures; the stage takes about 2 minutes.
+PASS_LINK_S = 6.0
 
 
 def _pids_named(ns: str, comm: str) -> list[int]:

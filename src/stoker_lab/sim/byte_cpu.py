@@ -102,8 +102,9 @@ DEFAULTS: dict[str, PathCost] = {
 #: A node's CPU cores when neither ``--cores-per-node`` nor ``--decode-cores`` says otherwise.
 DEFAULT_NODE_CORES = (40, "assumption: a DGX-1's 40 CPU cores (2x Xeon E5-2698 v4), decode_cores' default too")
 
-#: The processes of ``stoker bench io``'s peer rows (``cpu_s_by_process``) on each end.
-PEER_ROLES = {"peer_send": ("service", "raylet A"), "peer_receive": ("rank", "raylet B", "relay child")}
+#: The processes of ``stoker bench io``'s peer rows (``cpu_s_by_process``) on each end (``relay
+#: child``: the reports of the Ray peer path, before the data endpoint).
+PEER_ROLES = {"peer_send": ("service", "raylet A"), "peer_receive": ("rank", "raylet B", "worker", "relay child")}
 #: Stage names in a ``stoker bench io --json`` report: the fill (its prefix) and the warm read.
 FILL_STAGE = "origin->cache"
 WARM_STAGE = "cache (disk tier)->worker"

@@ -155,3 +155,19 @@ def test_profile_top_frames_from_py_spy_raw_output(tmp_path):
         "main (a.py:1);get (w.py:9) 6\nmain (a.py:1);dump (c.py:3) 3\nmain (a.py:1);get (w.py:9) 1\nbad line\n"
     )
     assert _pyspy_top(str(raw), 2) == [[70.0, "get (w.py:9)"], [30.0, "dump (c.py:3)"]]
+
+
+def test_a_peer_row_prints_each_end_beside_the_floor():
+    from stoker_lab.bench.io_bench import _ends_line
+
+    row = {
+        "sender": {"cpu_s_per_GB": 0.1},
+        "receiver": {"cpu_s_per_GB": 0.45},
+        "floor": {"sender": {"cpu_s_per_GB": 0.05}, "receiver": {"cpu_s_per_GB": 0.3}, "link_fraction": 0.96},
+        "link_fraction": 0.955,
+    }
+    (line,) = _ends_line(row)
+    assert "sender 0.100 (floor 0.050), receiver 0.450 (floor 0.300) CPU-s/GB" in line
+    assert "95.5% of the link (floor 96.0%)" in line
+    assert _ends_line({"sender": {"cpu_s_per_GB": None}, "receiver": {"cpu_s_per_GB": None}}) == []
+    assert _ends_line({"stage": "cache (disk tier)->worker"}) == []
