@@ -164,7 +164,7 @@ class PeerLink:
                 w.status, w.buf = status, buf
                 w.ready.release()
                 w = None
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - a fault of the link (OSError), or no memory for a body
             why = str(exc) or type(exc).__name__
             if w is not None:
                 w.fail(why)
@@ -239,9 +239,10 @@ class PeerLinks:
     ) -> tuple[str | None, memoryview]:
         """Shard bytes ``[start, stop)`` of block ``b`` of the dataset ``dref`` from the endpoint
         at ``address`` (``op``: :data:`~stoker.cluster.service.peerwire.READ` or
-        :data:`~stoker.cluster.service.peerwire.CACHED`): ``(source, bytes)``, source
-        ``"cache"``, ``"origin"`` or ``"handoff"`` as the peer names it, or ``(None, b"")`` when a
-        cache-only read found the block not held. The dataset is opened on the peer first if it
+        :data:`~stoker.cluster.service.peerwire.CACHED`): ``(source, bytes)``, the bytes a
+        ``memoryview`` (:func:`~stoker.cluster.service.peerwire.body_buffer`), source ``"cache"``,
+        ``"origin"`` or ``"handoff"`` as the peer names it, or ``(None, <empty memoryview>)`` when
+        a cache-only read found the block not held. The dataset is opened on the peer first if it
         does not know it (a restarted service). Raises PeerUnavailable (the peer's error
         message included when it answered one)."""
         key = pw.dataset_key(dref["version"], dref["block_bytes"])
