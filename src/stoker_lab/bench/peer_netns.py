@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,20 +33,6 @@ DEFAULT_MBIT = 1000.0
 #: Seconds of the link a pass fills (the dataset read as many times as it takes): at 1 Gbit/s about
 #: 750 MB a pass, about half a CPU-second behind each pass's figures; the stage takes about 2 minutes.
 PASS_LINK_S = 6.0
-
-
-def _pids_named(ns: str, comm: str) -> list[int]:
-    """Ids of the processes in namespace ``ns`` whose command name is ``comm``."""
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
-    found = []
-    for p in out.split():
-        try:
-            with open(f"/proc/{p}/comm") as f:
-                if f.read().strip() == comm:
-                    found.append(int(p))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def run(
@@ -67,6 +52,7 @@ def run(
     RuntimeError with the driver's log when it fails, ``subprocess.TimeoutExpired`` after
     ``timeout_s`` seconds."""
     from .netcluster import NetCluster, check_capability
+    from .netcluster_hostcpu import pids_named
     from .netcluster_ray import NetRay
 
     check_capability()
@@ -83,9 +69,9 @@ def run(
             procs.start_ray()
             phases["ray_start_s"] = time.perf_counter() - t0 - sum(phases.values())
             pids = {
-                "raylet A": _pids_named(net.host_ns[0], "raylet"),
-                "raylet B": _pids_named(net.host_ns[1], "raylet"),
-                "gcs": _pids_named(net.host_ns[0], "gcs_server"),
+                "raylet A": pids_named(net.host_ns[0], "raylet"),
+                "raylet B": pids_named(net.host_ns[1], "raylet"),
+                "gcs": pids_named(net.host_ns[0], "gcs_server"),
             }
             for role, found in pids.items():
                 if len(found) != 1:

@@ -318,7 +318,7 @@ def _cmd_cluster_netns(a) -> int:
     import signal
 
     from ..bench.netcluster import NetnsUnavailable
-    from ..bench.netcluster_bench import fault_table, plot, run, table
+    from ..bench.netcluster_bench import fault_table, host_cpu_table, plot, run, table
 
     def _term(signum, frame):  # SIGTERM tears the namespaces down like Ctrl-C does
         raise KeyboardInterrupt(f"signal {signum}")
@@ -362,6 +362,8 @@ def _cmd_cluster_netns(a) -> int:
         f"{report['dataset']['bytes'] / 1e6:.1f} MB"
     )
     print(table(report))
+    if host_cpu_table(report):
+        print(host_cpu_table(report))
     if report.get("faults"):
         print(fault_table(report))
     if report.get("state"):
