@@ -332,6 +332,8 @@ def test_service_metrics_record():
     m = ServiceMetrics("node-1", backend=_FakeRay)
     m.served_bytes(100, "cache")
     m.served_bytes(50, "origin")
+    m.served_bytes(0, "cache")
+    m.flush()
     m.filled({"filled": 3, "cached": 2, "failed": 1})
     m.held_bytes("s3://b/train", "v1", 4096)
     assert m.served.values == {
@@ -349,6 +351,41 @@ def test_service_metrics_record():
     dead = ServiceMetrics("n", backend=Broken)
     dead.served_bytes(1)  # no metrics, no error
     dead.filled({"failed": 1})
+
+
+def test_service_metrics_add_up_served_bytes_and_hand_them_on_by_themselves():
+    """Served bytes reach the backend in one ``inc`` per source, within ``flush_s`` of the first
+    request, with no later request or flush() needed (a burst then silence is counted whole)."""
+    import time
+
+    from stoker.metrics import ServiceMetrics
+
+    calls = []
+
+    class Counting(_FakeRayMetric):
+        def inc(self, value=1.0, tags=None):
+            calls.append((self.name, value))
+            super().inc(value, tags)
+
+    class Backend:
+        Counter = Gauge = Counting
+
+    m = ServiceMetrics("node-1", backend=Backend, flush_s=0.05)
+    for _ in range(1000):
+        m.served_bytes(1 << 20, "cache")
+    m.served_bytes(7, "handoff")
+    deadline = time.monotonic() + 30
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(calls) == [("stoker_peer_served_bytes", 7), ("stoker_peer_served_bytes", 1000 << 20)]
+    assert m.served.values[(("node", "node-1"), ("source", "cache"))] == 1000 << 20
+    m.served_bytes(5, "cache")
+    m.flush()  # at once, and its timer cancelled
+    assert m.served.values[(("node", "node-1"), ("source", "cache"))] == (1000 << 20) + 5
+    assert len(calls) == 3
+    now = ServiceMetrics("node-1", backend=Backend, flush_s=0)  # flush_s=0: each request at once
+    now.served_bytes(3, "origin")
+    assert now.served.values == {(("node", "node-1"), ("source", "origin")): 3} and len(calls) == 4
 
 
 # -- a real Prometheus server ----------------------------------------------------------------

@@ -7,8 +7,9 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
 2. the stages (:mod:`stoker_lab.bench.io_stages`), each against its floor: origin -> memory (obstore
    and s3fs; the origin's direct endpoint, no latency or bandwidth cap, so that the client's CPU is
    what is measured), the fill's checksum pass, memory -> cache tier (disk and shared memory),
-   cache tier -> worker; with ``peer`` the peer stage (a peer's cache service to a rank on Ray,
-   over loopback and over a shaped link between network namespaces, against bare TCP:
+   cache tier -> worker; with ``peer`` the peer stage (a peer's cache service's data endpoint to a
+   rank on Ray and to a worker process of it, over loopback and over a shaped link between network
+   namespaces, each end's CPU beside a bare TCP ``sendfile``/``recv_into`` of the same blocks:
    :mod:`stoker_lab.bench.peer_stage`), else its row says it was left out;
 3. the whole cold epoch with decode off (a ``decode=`` that returns the raw bytes), through the
    throttled origin (``latency_ms``, ``bandwidth_MBps``), then a warm epoch: samples/s per core,
@@ -239,7 +240,7 @@ def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir
         return [
             not_measured(
                 "not measured (--peer off, the default: the stage starts a 2-node Ray cluster and adds about "
-                "40 s); --peer loopback, netns or loopback,netns measures it"
+                "a minute or two a link); --peer loopback, netns or loopback,netns measures it"
             )
         ]
     rows = []
@@ -399,6 +400,22 @@ def floor_of(report: dict) -> None:
             row["floor"], row["ratio"] = dict(row["floor_direct_stages"], GBps=None), row["cpu_s_per_GB"] / cpu
 
 
+def _ends_line(r: dict) -> list[str]:
+    """A peer row's ends under it: sender and receiver CPU-s/GB beside the floor's, and the share of
+    a shaped link's rate (none for a row without them)."""
+    snd, rcv, f = r.get("sender") or {}, r.get("receiver") or {}, r.get("floor") or {}
+    if not isinstance(snd.get("cpu_s_per_GB"), (int, float)) or not isinstance(rcv.get("cpu_s_per_GB"), (int, float)):
+        return []
+    fs, fr = (f.get(k) or {} for k in ("sender", "receiver"))
+    line = (
+        f"    sender {snd['cpu_s_per_GB']:.3f} (floor {fs.get('cpu_s_per_GB', float('nan')):.3f}), receiver "
+        f"{rcv['cpu_s_per_GB']:.3f} (floor {fr.get('cpu_s_per_GB', float('nan')):.3f}) CPU-s/GB"
+    )
+    if isinstance(r.get("link_fraction"), (int, float)):
+        line += f"; {100 * r['link_fraction']:.1f}% of the link (floor {100 * f.get('link_fraction', 0.0):.1f}%)"
+    return [line]
+
+
 def table(report: dict) -> str:
     """The report as text: one line per stage (stoker, floor, ratio), then the cold epoch's figures,
     then ``bytes_only``."""
@@ -426,6 +443,7 @@ def table(report: dict) -> str:
             f"{num(f.get('cpu_s_per_GB'), '14.3f')} {num(f.get('GBps'), '10.3f')} {num(r['ratio'], '6.2f')}"
             + (f"  ({r['exception']})" if r.get("exception") else "")
         )
+        lines += _ends_line(r)
     for e in report["epochs"]:
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["cpu_s"].items()))
         kind = "cold" if e["epoch"] == 0 else "warm"

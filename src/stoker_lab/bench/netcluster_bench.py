@@ -23,6 +23,8 @@ import shutil
 import tempfile
 import time
 
+from .netcluster_hostcpu import placement_summary
+
 #: Ethernet + IPv4 + TCP (with timestamps) headers per full 1448-byte segment: 66 / 1448.
 TCP_OVERHEAD = 66 / 1448
 #: Below this many stoker bytes an agreement ratio means nothing (the Ray control traffic dominates).
@@ -297,7 +299,31 @@ def summary(report: dict) -> dict:
     if report.get("state"):
         out["state_holder_first"] = report["state"]["holder_first"]
     out["tcp_overhead_pct"] = TCP_OVERHEAD * 100
+    out["warm_host_cpu"] = placement_summary(runs)
     return out
+
+
+def host_cpu_table(report: dict) -> str:
+    """Each host's CPU per GB its link carried in the warm epochs, per placement (the summary's
+    ``warm_host_cpu``, :func:`stoker_lab.bench.netcluster_hostcpu.placement_summary`), as Markdown."""
+    per = (report.get("summary") or {}).get("warm_host_cpu") or placement_summary(report.get("runs", []))
+    if not per:
+        return ""
+    hosts = sorted({h for p in per.values() for h in p}, key=lambda n: int(n[1:]))
+    lines = [
+        "CPU-s per GB on each host's link, warm epochs (the host's ranks, cache service and raylet; link: both ways):",
+        "| placement | " + " | ".join(hosts) + " |",
+        "|---" * (len(hosts) + 1) + "|",
+    ]
+    for p, by in per.items():
+        cells = []
+        for h in hosts:
+            v = by.get(h) or {}
+            n = v.get("link_bytes", 0) / 1e6
+            x = v.get("cpu_s_per_GB")
+            cells.append(f"{x:.2f} ({v.get('cpu_s', 0.0):.2f} s / {n:.0f} MB)" if x is not None else f"- ({n:.1f} MB)")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(report: dict) -> str:

@@ -23,7 +23,9 @@ whose kernel bytes are the non-data traffic the byte check allows that placement
 machine's busy cores at rest for 2 s (``idle_busy_cores``: the emulated cluster's own daemons and
 services). Each row has ``machine_cpu_s``: the machine's busy CPU seconds over the job, and
 ``epoch_cpu`` (:func:`stoker_lab.bench.netcluster.epoch_cpu`): over the ranks' clocks, the machine's
-CPU seconds split into the ranks', the cache services' and the rest. After the
+CPU seconds split into the ranks', the cache services' and the rest, and ``host_cpu``
+(:mod:`stoker_lab.bench.netcluster_hostcpu`): each host's ranks, cache service and raylet, their CPU
+seconds over the bytes its link carried. After the
 ``random`` epochs, ``peer_probe`` (:func:`peer_probe`): every rank reads samples its peers hold,
 all at once, on the warm caches (ranks' hosts, ids, seconds, bytes), and ``local_probe``: the
 same with samples each rank's own node holds. The output also has
@@ -41,6 +43,7 @@ from functools import partial
 
 import numpy as np
 
+from . import netcluster_hostcpu as hostcpu
 from .netcluster import busy_cores, cpu_marks, epoch_cpu, kernel_delta, machine_cpu_s, read_counters
 from .start_gate import pass_gate, start_gate
 
@@ -223,6 +226,26 @@ def services_origin_bytes() -> int:
 def services_cpu_s() -> float:
     """CPU seconds the cache services of all live nodes have used so far (their processes)."""
     return _services_sum(_service_cpu)
+
+
+def _service_node_cpu(service) -> tuple[str, float]:
+    """Run inside a cache service actor (``__ray_call__``): its node and its process's CPU seconds so far."""
+    return service.node_id, time.process_time()
+
+
+def services_cpu_by_node() -> dict[str, float]:
+    """``{node id: CPU seconds its cache service has used so far}`` of every live node with one."""
+    import ray
+
+    from stoker.cluster.service.cache_service import alive_nodes, get_service
+
+    refs = []
+    for node in alive_nodes():
+        try:
+            refs.append(get_service(node["NodeID"]).__ray_call__.remote(_service_node_cpu))
+        except ValueError:
+            continue
+    return dict(ray.get(refs, timeout=60))
 
 
 def cluster_counts(recs: list[dict], service_origin_bytes: int) -> list[dict]:
@@ -432,6 +455,7 @@ def run_placements(
             for j, job in enumerate(JOBS):
                 before, s0 = read_counters(links), served()
                 cpu0 = machine_cpu_s()
+                hc0 = hostcpu.marks(links, services_cpu_by_node(), host_of)
                 key = f"{repeat}/{placement}/{job}/{epoch}"
                 if placement == "direct":
                     recs = ray.get(direct_refs(root, epoch, key=key), timeout=spec["job_timeout_s"])
@@ -465,8 +489,10 @@ def run_placements(
                     hosts = [host_of.get(r["node_id"], -1) for r in res]
                     svc_cpu = services_cpu_s() - scpu0
                 cpu_s = machine_cpu_s() - cpu0
+                hc1 = hostcpu.marks(links, services_cpu_by_node(), host_of)
                 kernel = kernel_delta(before, read_counters(links))
                 row = _row(placement, job, epoch, recs, n, kernel, served() - s0, hosts)
+                row["host_cpu"] = hostcpu.host_rows(hc0, hc1, recs, hosts, kernel["links"])
                 row["repeat"] = repeat
                 row["machine_cpu_s"] = cpu_s  # the whole machine's busy CPU seconds, job start to end
                 row["epoch_cpu"] = epoch_cpu([tuple(r["cpu"]) for r in recs], svc_cpu, os.cpu_count() or 1)

@@ -1,21 +1,28 @@
-"""The floor of the peer stage of ``stoker bench io``: a bare TCP transfer of the same block bytes.
+"""The floor of the peer stage of ``stoker bench io``: a bare TCP transfer of the same blocks.
 
 Two processes, each started with an optional argv prefix (``ip netns exec <ns>`` for the shaped
-link between namespaces, nothing for loopback): a *server* that reads the block files the cache
-service holds into memory (before any clock starts), listens on ``host`` and, for each of
-``reps`` rounds, sends every block buffer in order with ``socket.sendall``; a *client* that
-connects and receives each round into one preallocated buffer with ``socket.recv_into``.
-A round starts when the client sends one byte and ends when the client has every byte and the
-server has read the client's one-byte reply, so each end's CPU (``time.process_time`` around the
-round, its kernel time included) covers the whole transfer and not the interpreter's start-up.
-The round with the least CPU of both ends together is kept, as in the other stages.
+link between namespaces, nothing for loopback), doing the least a peer read can do in Python:
 
-The bytes are checked after the clocks stop: both ends report the xxh3-64 digest of what they
-sent or received (the blocks in order), and :func:`transfer` raises when they differ.
+- a *server* that opens the block files the cache service holds and listens on ``host``; for each
+  request (a 4-byte block number) it sends that block with ``os.sendfile`` from its file (the
+  kernel copies it from the page cache to the socket);
+- a *client* that connects and, each round, asks for every block in order with ``inflight``
+  requests outstanding (the stage's fetches in flight), receiving each block with
+  ``socket.recv_into`` into its place in one buffer allocated (and touched) before the first round.
+
+A round repeats the dataset ``rounds`` times (so that it has seconds of CPU behind it). It starts
+when the server reads the client's start mark and ends when it reads the client's end mark (sent
+once the client has every byte), so each end's CPU (``time.process_time`` around the round, its
+kernel time included) covers the whole transfer and not the interpreter's start-up. ``reps``
+rounds are run; the one with the least CPU of both ends together is kept, as in the other stages.
+
+The bytes are checked after the clocks stop: both ends report the xxh3-64 digest of the blocks in
+order (the server of its files, the client of its buffer after the last round), and
+:func:`transfer` raises when they differ.
 
 ``python -m stoker_lab.bench.peer_floor serve SPEC`` / ``fetch SPEC``: SPEC is a JSON file
-(``serve``: ``{files, host, ready, reps}``; ``fetch``: ``{host, port, bytes, reps}``); each prints
-one JSON line: ``{"cpu_s": [per round], "wall_s": [per round], "bytes", "digest"}``.
+(``serve``: ``{files, host, ready}``; ``fetch``: ``{host, port, sizes, reps, rounds, inflight}``);
+each prints one JSON line: ``{"cpu_s": [per round], "wall_s": [per round], "bytes", "digest"}``.
 """
 
 from __future__ import annotations
@@ -23,100 +30,160 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 
-#: Receive calls ask for at most this much at a time (the kernel hands over what it has).
-_CHUNK = 4 << 20
+#: A request: the number of a block, or one of the marks below.
+_REQ = struct.Struct("<I")
+#: The client's marks: a round starts, a round ends (every block received), no more rounds.
+START, END, BYE = 0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD
 
 
-def serve(files: list[str], host: str, ready: str, reps: int, timeout_s: float = 120.0) -> dict:
-    """Send the contents of ``files`` (in order) ``reps`` times to the one client that connects to
-    ``host`` (a free port, written to the JSON file ``ready`` as ``{"port"}``). Returns
-    ``{cpu_s, wall_s, bytes, digest}`` (lists per round). OSError when the client goes away,
-    TimeoutError after ``timeout_s`` seconds without it."""
+def _recv_into_exactly(conn: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if k == 0:
+            raise OSError(f"the floor's peer closed after {got} of {n} bytes")
+        got += k
+
+
+def serve(files: list[str], host: str, ready: str, timeout_s: float = 120.0) -> dict:
+    """Serve the blocks ``files`` (in order) to the one client that connects to ``host`` (a free
+    port, written to the JSON file ``ready`` as ``{"port"}``), one ``os.sendfile`` per request,
+    until the client says bye. Returns ``{cpu_s, wall_s, bytes, digest}`` (lists per round, from
+    each start mark to its end mark). OSError when the client goes away, TimeoutError after
+    ``timeout_s`` seconds without it; ValueError for a request of a block it does not have."""
     import xxhash
 
-    blocks = []
-    for path in files:
-        with open(path, "rb") as f:
-            blocks.append(f.read())
-    nbytes = sum(len(b) for b in blocks)
-    h = xxhash.xxh3_64()
-    for b in blocks:
-        h.update(b)
-    with socket.create_server((host, 0)) as srv:
-        srv.settimeout(timeout_s)
-        tmp = f"{ready}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"port": srv.getsockname()[1]}, f)
-        os.replace(tmp, ready)
-        conn, _ = srv.accept()
-    cpu, wall = [], []
-    with conn:
-        conn.settimeout(timeout_s)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(reps):
-            if conn.recv(1) != b"g":
-                raise OSError("the floor's client went away before a round")
+    fds = [os.open(path, os.O_RDONLY) for path in files]
+    try:
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        h = xxhash.xxh3_64()
+        for fd, size in zip(fds, sizes, strict=True):
+            h.update(os.pread(fd, size, 0))  # also brings every block into the page cache
+        with socket.create_server((host, 0)) as srv:
+            srv.settimeout(timeout_s)
+            tmp = f"{ready}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"port": srv.getsockname()[1]}, f)
+            os.replace(tmp, ready)
+            conn, _ = srv.accept()
+        cpu: list[float] = []
+        wall: list[float] = []
+        with conn:
+            # blocking (os.sendfile on a socket with a timeout, which Python makes non-blocking,
+            # fails with EAGAIN); transfer() ends a server that waits too long
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _serve_requests(conn, fds, sizes, cpu, wall)
+        return {"cpu_s": cpu, "wall_s": wall, "bytes": sum(sizes), "digest": h.hexdigest()}
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _serve_requests(conn: socket.socket, fds: list[int], sizes: list[int], cpu: list, wall: list) -> None:
+    head = memoryview(bytearray(_REQ.size))
+    out = conn.fileno()
+    c0 = t0 = 0.0
+    while True:
+        _recv_into_exactly(conn, head)
+        (b,) = _REQ.unpack(head)
+        if b == START:
             c0, t0 = time.process_time(), time.perf_counter()
-            for b in blocks:
-                conn.sendall(b)
-            if conn.recv(1) != b"d":
-                raise OSError("the floor's client went away during a round")
+        elif b == END:
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - t0)
-    return {"cpu_s": cpu, "wall_s": wall, "bytes": nbytes, "digest": h.hexdigest()}
+        elif b == BYE:
+            return
+        elif b >= len(fds):
+            raise ValueError(f"the floor's client asked for block {b} of {len(fds)}")
+        else:
+            sent, n = 0, sizes[b]
+            while sent < n:
+                k = os.sendfile(out, fds[b], sent, n - sent)
+                if k == 0:
+                    raise OSError(f"block file {b} ended {n - sent} bytes short")
+                sent += k
 
 
-def fetch(host: str, port: int, nbytes: int, reps: int, timeout_s: float = 120.0) -> dict:
-    """Receive ``nbytes`` bytes ``reps`` times from the server at ``host:port`` into one buffer
-    allocated (and touched) before the first round. Returns ``{cpu_s, wall_s, bytes, digest}``
-    (digest of the last round). OSError when the server closes early."""
+def fetch(
+    host: str, port: int, sizes: list[int], reps: int, rounds: int, inflight: int, timeout_s: float = 120.0
+) -> dict:
+    """``reps`` rounds of ``rounds`` times every block (of ``sizes`` bytes each), ``inflight``
+    requests outstanding, from the server at ``host:port``, each block received into its place in
+    one buffer allocated (and touched) before the first round. Returns ``{cpu_s, wall_s, bytes,
+    digest}`` (bytes of one round; digest of the buffer after the last). OSError when the server
+    closes early."""
     import xxhash
 
-    buf = bytearray(nbytes)  # zero-filled: its pages exist before the clock starts
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    buf = bytearray(offsets[-1])  # zero-filled: its pages exist before the clock starts
     view = memoryview(buf)
+    order = list(range(len(sizes))) * max(1, rounds)
     cpu, wall = [], []
     with socket.create_connection((host, port), timeout=timeout_s) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(reps):
             c0, t0 = time.process_time(), time.perf_counter()
-            conn.sendall(b"g")
-            got = 0
-            while got < nbytes:
-                n = conn.recv_into(view[got : got + _CHUNK])
-                if n == 0:
-                    raise OSError(f"the floor's server closed after {got} of {nbytes} bytes")
-                got += n
-            conn.sendall(b"d")
+            conn.sendall(_REQ.pack(START))
+            waiting: deque[int] = deque()
+            todo = iter(order)
+            for b in todo:
+                conn.sendall(_REQ.pack(b))
+                waiting.append(b)
+                if len(waiting) >= inflight:
+                    break
+            while waiting:
+                b = waiting.popleft()
+                _recv_into_exactly(conn, view[offsets[b] : offsets[b + 1]])
+                nxt = next(todo, None)
+                if nxt is not None:
+                    conn.sendall(_REQ.pack(nxt))
+                    waiting.append(nxt)
+            conn.sendall(_REQ.pack(END))
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - t0)
-    return {"cpu_s": cpu, "wall_s": wall, "bytes": nbytes, "digest": xxhash.xxh3_64_hexdigest(view)}
+        conn.sendall(_REQ.pack(BYE))
+    return {
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "bytes": offsets[-1] * max(1, rounds),
+        "digest": xxhash.xxh3_64_hexdigest(view),
+    }
 
 
 def transfer(
     files: list[str],
     host: str,
     reps: int,
+    rounds: int = 1,
+    inflight: int = 8,
     server_prefix: tuple[str, ...] = (),
     client_prefix: tuple[str, ...] = (),
     timeout_s: float = 300.0,
 ) -> dict:
-    """Run the floor: the server (argv prefix ``server_prefix``) on ``host``, the client
-    (``client_prefix``) fetching from it, ``reps`` rounds. Returns ``{bytes, cpu_s, wall_s,
-    server_cpu_s, client_cpu_s, digest, rounds}`` for the round with the least CPU of both ends
-    (``rounds``: every round's ``[server_cpu_s, client_cpu_s, wall_s]``). Raises RuntimeError
-    (with the process's error output) when an end fails or the two digests differ; both
-    processes are ended on every exit path."""
-    nbytes = sum(os.path.getsize(p) for p in files)
+    """Run the floor (module doc): the server (argv prefix ``server_prefix``) on ``host``, the
+    client (``client_prefix``) fetching every block of ``files`` ``rounds`` times per round with
+    ``inflight`` requests outstanding, ``reps`` rounds. Returns ``{bytes (moved per round),
+    cpu_s, wall_s, server_cpu_s, client_cpu_s, digest, rounds}`` for the round with the least CPU
+    of both ends (``rounds``: every round's ``[server_cpu_s, client_cpu_s, wall_s]``). Raises
+    RuntimeError (with the process's error output) when an end fails or the two digests differ;
+    both processes are ended on every exit path."""
+    sizes = [os.path.getsize(p) for p in files]
+    nbytes = sum(sizes) * max(1, rounds)
     with tempfile.TemporaryDirectory(prefix="stoker-floor-") as d:
         ready = os.path.join(d, "ready.json")
         sspec, cspec = os.path.join(d, "serve.json"), os.path.join(d, "fetch.json")
         with open(sspec, "w") as f:
-            json.dump({"files": list(files), "host": host, "ready": ready, "reps": reps}, f)
+            json.dump({"files": list(files), "host": host, "ready": ready}, f)
         procs: list[subprocess.Popen] = []
         try:
             server = _start([*server_prefix, sys.executable, "-m", __name__, "serve", sspec], d, "server")
@@ -128,8 +195,9 @@ def transfer(
                 time.sleep(0.02)
             with open(ready) as f:
                 port = json.load(f)["port"]
+            spec = {"host": host, "port": port, "sizes": sizes, "reps": reps, "rounds": rounds, "inflight": inflight}
             with open(cspec, "w") as f:
-                json.dump({"host": host, "port": port, "bytes": nbytes, "reps": reps}, f)
+                json.dump(spec, f)
             client = _start([*client_prefix, sys.executable, "-m", __name__, "fetch", cspec], d, "client")
             procs.append(client)
             outs = {}
@@ -150,10 +218,11 @@ def transfer(
     s, c = outs["server"], outs["client"]
     if s["digest"] != c["digest"] or c["bytes"] != nbytes:
         raise RuntimeError(
-            f"the floor's client received other bytes than the server sent ({c['digest']} != {s['digest']})"
+            f"the floor's client received other bytes than the server sent ({c['digest']} != {s['digest']}, "
+            f"{c['bytes']} bytes of {nbytes})"
         )
-    rounds = [[sc, cc, w] for sc, cc, w in zip(s["cpu_s"], c["cpu_s"], c["wall_s"], strict=True)]
-    best = min(rounds, key=lambda r: r[0] + r[1])
+    per_round = [[sc, cc, w] for sc, cc, w in zip(s["cpu_s"], c["cpu_s"], c["wall_s"], strict=True)]
+    best = min(per_round, key=lambda r: r[0] + r[1])
     return {
         "bytes": nbytes,
         "cpu_s": best[0] + best[1],
@@ -161,7 +230,7 @@ def transfer(
         "server_cpu_s": best[0],
         "client_cpu_s": best[1],
         "digest": s["digest"],
-        "rounds": rounds,
+        "rounds": per_round,
     }
 
 
@@ -188,9 +257,12 @@ def main(argv: list[str]) -> int:
     with open(path) as f:
         spec = json.load(f)
     if kind == "serve":
-        out = serve(spec["files"], spec["host"], spec["ready"], int(spec["reps"]))
+        out = serve(spec["files"], spec["host"], spec["ready"])
     elif kind == "fetch":
-        out = fetch(spec["host"], int(spec["port"]), int(spec["bytes"]), int(spec["reps"]))
+        sizes = [int(n) for n in spec["sizes"]]
+        out = fetch(
+            spec["host"], int(spec["port"]), sizes, int(spec["reps"]), int(spec["rounds"]), int(spec["inflight"])
+        )
     else:
         raise SystemExit(f"unknown command {kind!r}: serve or fetch")
     print(json.dumps(out), flush=True)

@@ -8,7 +8,9 @@ then runs :func:`main` as the Ray driver inside host 0. The driver packs the sam
 that origin, measures the stage (:func:`stoker_lab.bench.peer_stage.measure`: node A's cache
 service, filled from the origin, serving a rank on node B), runs the floor between the two
 hosts (:func:`stoker_lab.bench.peer_floor.transfer`: the server in host 0, the client in host 1,
-over the same shaped link), profiles a pass when over 2x, and writes the rows as JSON.
+over the same shaped link, as many times over with as many requests in flight), profiles a pass
+when over 2x, and writes the rows as JSON. A pass moves about :data:`PASS_LINK_S` seconds of the
+link's bytes.
 Every namespace made and every process in it is removed on the way out, on every exit path
 (:meth:`stoker_lab.bench.netcluster.NetCluster.close`), with the run's files.
 
@@ -22,28 +24,15 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-#: Default link rate of the two host links, Mbit/s per direction: a pass of the default dataset
-#: (about 39 MB) takes about 0.3 s at this rate, so the stage stays well under a minute.
+#: Default link rate of the two host links, Mbit/s per direction.
 DEFAULT_MBIT = 1000.0
-
-
-def _pids_named(ns: str, comm: str) -> list[int]:
-    """Ids of the processes in namespace ``ns`` whose command name is ``comm``."""
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
-    found = []
-    for p in out.split():
-        try:
-            with open(f"/proc/{p}/comm") as f:
-                if f.read().strip() == comm:
-                    found.append(int(p))
-        except (OSError, ValueError):
-            continue
-    return found
+#: Seconds of the link a pass fills (the dataset read as many times as it takes): at 1 Gbit/s about
+#: 750 MB a pass, about half a CPU-second behind each pass's figures; the stage takes about 2 minutes.
+PASS_LINK_S = 6.0
 
 
 def run(
@@ -63,6 +52,7 @@ def run(
     RuntimeError with the driver's log when it fails, ``subprocess.TimeoutExpired`` after
     ``timeout_s`` seconds."""
     from .netcluster import NetCluster, check_capability
+    from .netcluster_hostcpu import pids_named
     from .netcluster_ray import NetRay
 
     check_capability()
@@ -79,9 +69,9 @@ def run(
             procs.start_ray()
             phases["ray_start_s"] = time.perf_counter() - t0 - sum(phases.values())
             pids = {
-                "raylet A": _pids_named(net.host_ns[0], "raylet"),
-                "raylet B": _pids_named(net.host_ns[1], "raylet"),
-                "gcs": _pids_named(net.host_ns[0], "gcs_server"),
+                "raylet A": pids_named(net.host_ns[0], "raylet"),
+                "raylet B": pids_named(net.host_ns[1], "raylet"),
+                "gcs": pids_named(net.host_ns[0], "gcs_server"),
             }
             for role, found in pids.items():
                 if len(found) != 1:
@@ -126,7 +116,7 @@ def main(spec_path: str, out_path: str) -> int:
     from . import peer_floor
     from .origin import endpoint_options
     from .peer_report import peer_rows
-    from .peer_stage import measure, stop
+    from .peer_stage import FLOOR_WHAT, measure, stop
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -153,6 +143,7 @@ def main(spec_path: str, out_path: str) -> int:
             pids,
             spec["concurrency"],
             spec["reps"],
+            int(PASS_LINK_S * spec["mbit"] * 1e6 / 8),
             holder=holder,
         )
         phases["driver.measure_s"] = time.perf_counter() - t0 - sum(phases.values())
@@ -161,6 +152,8 @@ def main(spec_path: str, out_path: str) -> int:
             m["files"],
             spec["host_ips"][0],
             spec["reps"],
+            m["rounds"],
+            spec["concurrency"],
             server_prefix=("ip", "netns", "exec", ns_a),
             client_prefix=("ip", "netns", "exec", ns_b),
         )
@@ -171,11 +164,11 @@ def main(spec_path: str, out_path: str) -> int:
             m,
             floor,
             f"a bare TCP transfer of the same block files from host A's namespace to host B's over the same "
-            f"shaped link (tbf {mbit:g} Mbit/s each way; Python socket sendall of each block buffer, the client "
-            f"recv_into one preallocated buffer), CPU of both ends",
+            f"shaped link (tbf {mbit:g} Mbit/s each way), "
+            + FLOOR_WHAT.format(rounds=m["rounds"], concurrency=spec["concurrency"]),
             holder.get("rank"),
             spec["profile_s"],
-            network={"kind": "netns", "tbf_mbit": mbit, "hosts": spec["host_ips"]},
+            network={"kind": "netns", "tbf_mbit": mbit, "hosts": spec["host_ips"], "link_GBps": mbit * 1e6 / 8 / 1e9},
         )
         phases["driver.rows_and_profile_s"] = time.perf_counter() - t0 - sum(phases.values())
         with open(out_path, "w") as f:

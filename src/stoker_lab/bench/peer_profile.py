@@ -13,7 +13,7 @@ import time
 #: Seconds of passes a profile covers.
 PROFILE_S = 2
 #: The roles that run Python (profiled with py-spy as well as perf).
-PYTHON_ROLES = ("rank", "service", "relay child")
+PYTHON_ROLES = ("rank", "service", "worker")
 
 
 def threads_cpu_ns(pid: int) -> dict[int, int]:
@@ -147,6 +147,6 @@ def _perf_top(perf: str, path: str, top: int) -> list:
             rows.append([share, " ".join(parts[1].split())])
         if len(rows) >= top:
             break
-    if not rows:
+    if not rows and "no samples" not in proc.stderr:
         raise RuntimeError(proc.stderr.strip()[-300:] or "no samples")
-    return rows
+    return rows  # [] when the process never ran while it was sampled (an idle raylet)

@@ -318,7 +318,7 @@ def _cmd_cluster_netns(a) -> int:
     import signal
 
     from ..bench.netcluster import NetnsUnavailable
-    from ..bench.netcluster_bench import fault_table, plot, run, table
+    from ..bench.netcluster_bench import fault_table, host_cpu_table, plot, run, table
 
     def _term(signum, frame):  # SIGTERM tears the namespaces down like Ctrl-C does
         raise KeyboardInterrupt(f"signal {signum}")
@@ -362,6 +362,8 @@ def _cmd_cluster_netns(a) -> int:
         f"{report['dataset']['bytes'] / 1e6:.1f} MB"
     )
     print(table(report))
+    if host_cpu_table(report):
+        print(host_cpu_table(report))
     if report.get("faults"):
         print(fault_table(report))
     if report.get("state"):
@@ -459,8 +461,9 @@ def _add_io(bench_sub) -> None:
         "warm epoch with decode off, reporting the prefetcher's CPU per GB from the origin "
         "(origin_to_cache_cpu_s_per_GB), the emulated origin's own CPU per GB apart, and the decode "
         "workers' CPU per sample cold over warm. With --peer, also a peer's cache service to a rank "
-        "in cluster mode (Ray), over loopback and/or a shaped link between network namespaces, "
-        "against a bare TCP transfer of the same bytes.",
+        "and a worker process of it in cluster mode (over the service's data endpoint), over loopback "
+        "and/or a shaped link between network namespaces, each end's CPU-s/GB against a bare TCP "
+        "transfer of the same blocks.",
     )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--images", type=int, default=600, help="sample photos (default 600, about 40 MB)")
@@ -511,15 +514,16 @@ def _add_io(bench_sub) -> None:
         "--peer",
         type=_peer_arg,
         default="off",
-        help="the peer stage (a peer's cache service to a rank on Ray, against bare TCP): off (the default; "
-        "it adds about 40 s), loopback (a 2-node local Ray cluster), netns (two network namespaces and a "
+        help="the peer stage (a peer's cache service's data endpoint to a rank and to a worker process of "
+        "it, against bare TCP sendfile/recv_into of the same blocks): off (the default; it adds about a "
+        "minute or two a link), loopback (a 2-node local Ray cluster), netns (two network namespaces and a "
         "tbf-shaped link; needs root) or loopback,netns",
     )
     p.add_argument(
         "--peer-mbit",
         type=float,
         default=1000.0,
-        help="the netns peer link's rate, Mbit/s each way (default 1000: about 0.3 s per pass of 40 MB)",
+        help="the netns peer link's rate, Mbit/s each way (default 1000; a pass moves about 6 s of it)",
     )
     p.add_argument(
         "--peer-profile-s",

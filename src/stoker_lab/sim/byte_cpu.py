@@ -62,14 +62,22 @@ PATHS = ("fill", "peer_send", "peer_receive", "warm_read")
 #: Each path's field of :class:`stoker_lab.sim.tdcs_config.TdcsConfig` (and of the plan's assumptions).
 FIELDS = {p: f"{p}_cpu_s_per_GB" for p in PATHS}
 
-#: The Ray peer path through the relay (a cluster-mode Loader's prefetcher and decode workers read
-#: that way), ``stoker bench io --peer loopback`` on a 2-core machine at a load of about 4, before
-#: the cache service's own data endpoint: 11.5 CPU-s/GB over every process of both ends (9.1 for
-#: the rank's own Ray worker). Split between the ends by the CPU of each process in
-#: benchmarks/bench_io_peer.json's relay row over loopback (``cpu_s_by_process``): the cache
-#: service and its raylet 32.9%, the rank, its raylet and the relay's child 67.1%.
-PEER_SUM_CPU_S_PER_GB = 11.5
-PEER_SEND_SHARE = 0.329
+#: The peer path over the cache service's data endpoint (``sendfile`` out of the cache file, one
+#: connection per process, ``recv_into``; the reader checks each block against the index), ``stoker
+#: bench io --peer loopback,netns`` on a 2-core machine at a load of 3-5: each end of
+#: benchmarks/bench_io_peer.json's costliest row (the planner's own rule for a report,
+#: :func:`from_bench_io`: the rank reading over a namespace link shaped to 1 Gbit/s; over loopback
+#: 0.36-0.43 CPU-s/GB both ends). The Ray path it replaced cost 11.5 (3.78 sending, 7.72 receiving).
+PEER_SEND_CPU_S_PER_GB = 0.17
+PEER_RECEIVE_CPU_S_PER_GB = 0.67
+PEER_SUM_CPU_S_PER_GB = PEER_SEND_CPU_S_PER_GB + PEER_RECEIVE_CPU_S_PER_GB
+#: The sender's share of the sum: how a report's peer row with only the sum is split.
+PEER_SEND_SHARE = PEER_SEND_CPU_S_PER_GB / PEER_SUM_CPU_S_PER_GB
+_PEER_SOURCE = (
+    "stoker bench io --peer loopback,netns on a 2-core machine: a block from a peer's cache service over its "
+    "data endpoint to a rank, over a network-namespace link shaped to 1 Gbit/s, {both:.2f} CPU-s/GB both ends; "
+    "{end} (benchmarks/bench_io_peer.json, stage 'peer cache service->rank (netns, 1000 Mbit/s)' {key}.cpu_s_per_GB)"
+)
 
 #: The default cost of each byte path. Each figure is one measured run's; hand in a newer one with
 #: ``--cpu-costs`` (:func:`from_bench_io`), or edit the entry.
@@ -81,16 +89,16 @@ DEFAULTS: dict[str, PathCost] = {
         "beside its floors)",
     ),
     "peer_send": PathCost(
-        round(PEER_SUM_CPU_S_PER_GB * PEER_SEND_SHARE, 2),
-        f"stoker bench io --peer loopback on a 2-core machine: a block over Ray through the relay, "
-        f"{PEER_SUM_CPU_S_PER_GB:g} CPU-s/GB both ends; the sender's {PEER_SEND_SHARE:.1%} (cache service "
-        "+ its raylet, benchmarks/bench_io_peer.json cpu_s_by_process)",
+        PEER_SEND_CPU_S_PER_GB,
+        _PEER_SOURCE.format(
+            both=PEER_SUM_CPU_S_PER_GB, end="the sender's: the cache service + its raylet's increment", key="sender"
+        ),
     ),
     "peer_receive": PathCost(
-        round(PEER_SUM_CPU_S_PER_GB * (1 - PEER_SEND_SHARE), 2),
-        f"stoker bench io --peer loopback on a 2-core machine: a block over Ray through the relay, "
-        f"{PEER_SUM_CPU_S_PER_GB:g} CPU-s/GB both ends; the receiver's {1 - PEER_SEND_SHARE:.1%} (rank + "
-        "its raylet + the relay's child, benchmarks/bench_io_peer.json cpu_s_by_process)",
+        PEER_RECEIVE_CPU_S_PER_GB,
+        _PEER_SOURCE.format(
+            both=PEER_SUM_CPU_S_PER_GB, end="the receiver's: the rank + its raylet's increment", key="receiver"
+        ),
     ),
     "warm_read": PathCost(
         0.20,
@@ -102,8 +110,9 @@ DEFAULTS: dict[str, PathCost] = {
 #: A node's CPU cores when neither ``--cores-per-node`` nor ``--decode-cores`` says otherwise.
 DEFAULT_NODE_CORES = (40, "assumption: a DGX-1's 40 CPU cores (2x Xeon E5-2698 v4), decode_cores' default too")
 
-#: The processes of ``stoker bench io``'s peer rows (``cpu_s_by_process``) on each end.
-PEER_ROLES = {"peer_send": ("service", "raylet A"), "peer_receive": ("rank", "raylet B", "relay child")}
+#: The processes of ``stoker bench io``'s peer rows (``cpu_s_by_process``) on each end (``relay
+#: child``: the reports of the Ray peer path, before the data endpoint).
+PEER_ROLES = {"peer_send": ("service", "raylet A"), "peer_receive": ("rank", "raylet B", "worker", "relay child")}
 #: Stage names in a ``stoker bench io --json`` report: the fill (its prefix) and the warm read.
 FILL_STAGE = "origin->cache"
 WARM_STAGE = "cache (disk tier)->worker"

@@ -645,3 +645,52 @@ def test_machine_cpu_counts_busy_ticks_only(tmp_path):
     with pytest.raises(RuntimeError, match="no cpu line"):
         machine_cpu_s(str(stat))
     assert machine_cpu_s() > 0  # the real file
+
+
+def test_each_hosts_cpu_is_its_ranks_service_and_raylet_over_its_link_bytes():
+    from stoker_lab.bench.netcluster_bench import host_cpu_table
+    from stoker_lab.bench.netcluster_hostcpu import MIN_LINK_BYTES, host_rows, marks, placement_summary
+
+    def rec(c0, c1):
+        return {"cpu": [{"process_cpu_s": c0}, {"process_cpu_s": c1}]}
+
+    links = {"h0": {"ns": "a"}, "h1": {"ns": "b"}, "origin": {"ns": "o"}}
+    kernel = {
+        "h0": {"rx_bytes": 1_500_000_000, "tx_bytes": 500_000_000},
+        "h1": {"rx_bytes": 1000, "tx_bytes": 2000},  # control bytes only
+        "origin": {"rx_bytes": 0, "tx_bytes": 0},
+    }
+    before = {"h0": {"raylet_s": 1.0, "service_s": 2.0}, "h1": {"raylet_s": 5.0, "service_s": 0.0}}
+    after = {"h0": {"raylet_s": 1.1, "service_s": 2.3}, "h1": {"raylet_s": 5.2, "service_s": 0.0}}
+    rows = host_rows(before, after, [rec(0.0, 0.4), rec(1.0, 1.2), rec(3.0, 3.5)], [0, 0, 1], kernel)
+    h0, h1 = rows
+    assert (h0["host"], h0["ranks"], h1["ranks"]) == ("h0", 2, 1)
+    assert h0["ranks_s"] == pytest.approx(0.6) and h0["service_s"] == pytest.approx(0.3)
+    assert h0["cpu_s"] == pytest.approx(0.6 + 0.3 + 0.1) and h0["link_bytes"] == 2_000_000_000
+    assert h0["cpu_s_per_GB"] == pytest.approx(1.0 / 2.0)
+    assert h1["link_bytes"] < MIN_LINK_BYTES and h1["cpu_s_per_GB"] is None  # CPU on no link bytes: no figure
+    runs = [
+        {"placement": "random", "epoch": 0, "host_cpu": rows},  # the cold epoch: left out
+        {"placement": "random", "epoch": 1, "host_cpu": rows},
+        {"placement": "random", "epoch": 2, "host_cpu": rows},
+        {"placement": "direct", "epoch": 1},  # a report without host_cpu rows
+    ]
+    per = placement_summary(runs)
+    assert set(per) == {"random"}
+    assert per["random"]["h0"]["cpu_s"] == pytest.approx(2.0) and per["random"]["h0"]["link_bytes"] == 4_000_000_000
+    assert per["random"]["h0"]["cpu_s_per_GB"] == pytest.approx(0.5) and per["random"]["h1"]["cpu_s_per_GB"] is None
+    text = host_cpu_table({"runs": runs})
+    assert "| random | 0.50 (2.00 s / 4000 MB) | - (0.0 MB) |" in text
+    assert host_cpu_table({"runs": []}) == ""
+    # the marks: each service by its node's host, raylets by name in each host's namespace (none here)
+    import stoker_lab.bench.netcluster_hostcpu as hostcpu
+
+    got = {}
+    real = hostcpu.pids_named
+    hostcpu.pids_named = lambda ns, comm: got.setdefault(ns, comm) and []
+    try:
+        m = marks(links, {"n1": 7.5, "n9": 1.0}, {"n0": 0, "n1": 1})
+    finally:
+        hostcpu.pids_named = real
+    assert m == {"h0": {"raylet_s": 0.0, "service_s": 0.0}, "h1": {"raylet_s": 0.0, "service_s": 7.5}}
+    assert got == {"a": "raylet", "b": "raylet"}

@@ -467,6 +467,7 @@ class CacheService:
         a test process; a service actor ends with its process)."""
         self._endpoint.close()
         self._links.close()
+        self._metrics.flush()
 
 
 def _listen(handler, secret: bytes, node_dir: str) -> DataEndpoint:

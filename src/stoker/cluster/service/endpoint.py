@@ -71,7 +71,9 @@ class Reply:
         with self._conn.send_lock:
             sock = self._conn.sock
             try:
-                sock.sendall(pw.REPLY.pack(self._rid, status, length))
+                # MSG_MORE: the header waits for the body's first segment (TCP_NODELAY would send it
+                # alone: one more packet, and one more wake-up of the receiver, per block)
+                sock.sendall(pw.REPLY.pack(self._rid, status, length), socket.MSG_MORE if length else 0)
                 sent = 0
                 while sent < length:
                     k = os.sendfile(sock.fileno(), fd, offset + sent, length - sent)

@@ -54,14 +54,24 @@ class InflightBytes:
 
 
 class _Waiting:
-    __slots__ = ("buf", "done", "status", "error", "n")
+    """One request in flight: its reply's status and body, or the error that ended it. The
+    requester waits on ``ready`` (a lock taken at creation), released exactly once by whoever
+    took the request out of the link's table (the receiver thread, or :meth:`PeerLink._fail`): one
+    futex wake per reply, where an Event costs a condition, its lock and a waiter lock."""
+
+    __slots__ = ("buf", "ready", "status", "error", "n")
 
     def __init__(self, n: int):
         self.n = n
-        self.buf: bytearray | None = None
-        self.done = threading.Event()
+        self.buf: memoryview | None = None
+        self.ready = threading.Lock()
+        self.ready.acquire()
         self.status = -1
         self.error: BaseException | None = None
+
+    def fail(self, why: str) -> None:
+        self.error = PeerUnavailable(why)
+        self.ready.release()
 
 
 class PeerLink:
@@ -115,7 +125,7 @@ class PeerLink:
         prior: str | None = None,
         wait_s: float = 0.0,
         body: bytes = b"",
-    ) -> tuple[int, bytearray]:
+    ) -> tuple[int, memoryview]:
         """Send one request and wait for its reply: ``(status, body)``. The body of a read is
         exactly ``stop - start`` bytes (anything else fails the link). Raises PeerUnavailable."""
         n = max(0, stop - start) if op in (pw.READ, pw.CACHED) else 0
@@ -131,7 +141,7 @@ class PeerLink:
             head = pw.REQUEST.pack(op, rid, key, b, start, stop, pw.node_bytes(prior), wait_s)
             with self._send_lock:
                 self._sock.sendall(head + body if body else head)
-            if not w.done.wait(self.timeout_s):
+            if not w.ready.acquire(timeout=self.timeout_s):
                 self._fail(f"no reply within {self.timeout_s} s")
                 raise PeerUnavailable(
                     f"data endpoint of {self.name} at {self._where()}: no reply within {self.timeout_s} s"
@@ -155,27 +165,33 @@ class PeerLink:
             raise PeerUnavailable(f"data endpoint of {self.name} at {self._where()}: {self._broken}")
 
     def _receive(self) -> None:
-        """The receiver thread: each reply's body straight into its request's buffer."""
+        """The receiver thread: each reply's body straight into its request's buffer (one
+        ``recv_into`` with ``MSG_WAITALL`` per body: :func:`stoker.cluster.service.peerwire.recv_into_exactly`)."""
         head = memoryview(bytearray(pw.REPLY.size))
+        w = None
         try:
             while True:
                 pw.recv_into_exactly(self._sock, head)
                 rid, status, n = pw.REPLY.unpack(head)
                 with self._state:
-                    w = self._waiting.get(rid)
+                    w = self._waiting.pop(rid, None)  # ours now: _fail no longer sees it
                 if w is None:
                     raise PeerUnavailable(f"a reply to request {rid}, which is not in flight")
                 if status in pw.SOURCES and n != w.n:
                     raise PeerUnavailable(f"a body of {n} bytes for a range of {w.n}")
                 if n > pw.MAX_BODY:
                     raise PeerUnavailable(f"a body of {n} bytes")
-                buf = bytearray(n)
+                buf = pw.body_buffer(n)
                 if n:
-                    pw.recv_into_exactly(self._sock, memoryview(buf))
+                    pw.recv_into_exactly(self._sock, buf)
                 w.status, w.buf = status, buf
-                w.done.set()
-        except OSError as exc:
-            self._fail(str(exc) or type(exc).__name__)
+                w.ready.release()
+                w = None
+        except Exception as exc:  # noqa: BLE001 - a fault of the link (OSError), or no memory for a body
+            why = str(exc) or type(exc).__name__
+            if w is not None:
+                w.fail(why)
+            self._fail(why)
 
     def _fail(self, why: str) -> None:
         """Mark the link broken, fail everything in flight, close the socket."""
@@ -183,11 +199,10 @@ class PeerLink:
             if self._broken is None:
                 self._broken = why
             waiting = list(self._waiting.values())
+            self._waiting.clear()
             self._state.notify_all()
         for w in waiting:
-            if not w.done.is_set():
-                w.error = PeerUnavailable(why)
-                w.done.set()
+            w.fail(why)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
@@ -245,12 +260,13 @@ class PeerLinks:
         stop: int,
         prior: str | None = None,
         wait_s: float = 0.0,
-    ) -> tuple[str | None, bytearray]:
+    ) -> tuple[str | None, memoryview]:
         """Shard bytes ``[start, stop)`` of block ``b`` of the dataset ``dref`` from the endpoint
         at ``address`` (``op``: :data:`~stoker.cluster.service.peerwire.READ` or
-        :data:`~stoker.cluster.service.peerwire.CACHED`): ``(source, bytes)``, source
-        ``"cache"``, ``"origin"`` or ``"handoff"`` as the peer names it, or ``(None, b"")`` when a
-        cache-only read found the block not held. The dataset is opened on the peer first if it
+        :data:`~stoker.cluster.service.peerwire.CACHED`): ``(source, bytes)``, the bytes a
+        ``memoryview`` (:func:`~stoker.cluster.service.peerwire.body_buffer`), source ``"cache"``,
+        ``"origin"`` or ``"handoff"`` as the peer names it, or ``(None, <empty memoryview>)`` when
+        a cache-only read found the block not held. The dataset is opened on the peer first if it
         does not know it (a restarted service). Raises PeerUnavailable (the peer's error
         message included when it answered one)."""
         key = pw.dataset_key(dref["version"], dref["block_bytes"])
@@ -260,7 +276,7 @@ class PeerLinks:
             if status in pw.SOURCES:
                 return pw.SOURCES[status], body
             if status == pw.NOT_HELD:
-                return None, bytearray()
+                return None, memoryview(b"")
             if status == pw.UNKNOWN_DATASET and attempt == 0:
                 self.open(link, dref)
                 continue

@@ -37,6 +37,8 @@ import socket
 import struct
 from typing import Any
 
+import numpy as np
+
 from ...errors import PeerUnavailable
 
 MAGIC = b"STK1"
@@ -93,12 +95,22 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def body_buffer(n: int) -> memoryview:
+    """A writable buffer of ``n`` bytes for a reply's body, *not* zeroed first (``numpy.empty``:
+    ``bytearray(n)`` would write 1 MiB of zeros under the GIL before the kernel writes the body
+    over them, the receiver's largest cost after the copy itself): a flat ``memoryview`` of format
+    ``B``, which compares, slices and converts (``bytes(view)``) as bytes do."""
+    return np.empty(n, dtype=np.uint8).data
+
+
 def recv_into_exactly(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock`` (``recv_into``: no copy, the GIL released while it waits);
-    PeerUnavailable when the connection closes first."""
+    PeerUnavailable when the connection closes first. On a blocking socket each call asks for
+    the rest with ``MSG_WAITALL``, so a body usually takes one system call and one GIL hand-back
+    however many segments it came in (a socket with a timeout returns what it has, as before)."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise PeerUnavailable(f"connection closed after {got} of {n} bytes")
         got += k

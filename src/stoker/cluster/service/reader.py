@@ -151,7 +151,9 @@ class BlockRouter:
             else:
                 if verify is None or self._passes(verify, data, "peer", o, ds, b):
                     self._count(b, _COUNTED_AS.get(source, "peer_origin"), len(data), block)
-                    return data
+                    # a whole block goes to the cache or staging as it came; a sample's bytes are
+                    # handed on, as ``bytes`` like the origin's (a view of the receive buffer is not picklable)
+                    return data if block else bytes(data)
         data = ds.origin.read_range(ds.index.shard_name(ds.blocks.shard[b]), start, stop)
         if verify is not None:
             verify(data)
