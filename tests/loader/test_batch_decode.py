@@ -9,7 +9,9 @@ import pytest
 from stoker import Loader, WorkerError, open_dataset
 from stoker.decode import decode_image
 from stoker.decode.transforms import decode_transform, eval_transform
+from stoker.loader.workers import worker
 from stoker.loader.workers.samplerng import BatchRngs
+from stoker.loader.workers.worker import scratch_parts
 from stoker.order import sample_seed
 
 
@@ -114,3 +116,29 @@ def test_wrong_bytes_at_the_origin_name_the_sample(packed_local, tmp_path):
         with pytest.raises(WorkerError, match=ds.key(sid)):
             for _ in loader:
                 pass
+
+
+def test_scratch_parts_hold_at_most_the_limit_and_every_sample_once():
+    assert scratch_parts(np.array([10, 10, 10, 10, 10]), 25) == [(0, 2), (2, 4), (4, 5)]
+    assert scratch_parts(np.array([30, 5, 5, 40, 1]), 25) == [(0, 1), (1, 3), (3, 4), (4, 5)]  # a large one alone
+    assert scratch_parts(np.array([], dtype=np.int64), 25) == []
+
+
+def test_a_batch_read_in_several_parts_gives_the_same_pixels(packed_local, tmp_path, monkeypatch):
+    """Samples larger together than the scratch buffer's limit are read in parts (inline, where the
+    limit can be lowered): the pixels are those of one sample at a time."""
+    monkeypatch.setattr(worker, "SCRATCH_BYTES", 150_000)
+    ds = open_dataset(packed_local, cache_dir=str(tmp_path), cache_bytes=64 << 20)
+    assert int(ds.index.length[:16].sum()) > 3 * 150_000
+    with Loader(ds, 16, num_workers=0, seed=3) as loader:
+        plan = loader.plan(0)
+        n = 0
+        for images, _ in loader:
+            for j in range(len(images)):
+                sid = int(plan[n])
+                want = decode_transform(
+                    ds.read(sid), ds.key(sid), "train", np.random.default_rng(sample_seed(3, 0, sid))
+                )
+                assert np.array_equal(images[j].numpy(), want), ds.key(sid)
+                n += 1
+        assert n == len(ds)

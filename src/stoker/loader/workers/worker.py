@@ -47,6 +47,24 @@ def fresh_copy(obj):
     return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+#: The most payload bytes a built-in decoder reads ahead in one part of a batch (its scratch
+#: buffer, :meth:`BatchDecoder.payloads`): a batch of larger samples is read in several parts.
+SCRATCH_BYTES = 32 << 20
+
+
+def scratch_parts(lengths: np.ndarray, limit: int = SCRATCH_BYTES) -> list[tuple[int, int]]:
+    """A batch's positions cut into parts ``[(start, end), ...]`` of at most ``limit`` payload bytes
+    each (``lengths``: the samples' payload lengths in bytes, in batch order), a sample larger than
+    ``limit`` alone in its part; ``[]`` for an empty batch."""
+    cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    parts, start, n = [], 0, len(lengths)
+    while start < n:
+        end = max(start + 1, int(np.searchsorted(cum, cum[start] + limit, side="right")) - 1)
+        parts.append((start, end))
+        start = end
+    return parts
+
+
 class BatchDecoder:
     """Decode+augment a list of sample ids into (images, labels) arrays; used by workers
     and by the loader itself when ``num_workers == 0``."""
@@ -132,17 +150,30 @@ class BatchDecoder:
         skip = cfg.on_error == "skip"
         j, skipped, skipped_keys = 0, [], []
         sids = [int(sid) for sid in ids]
-        # the batch read as a batch (no derived cache: each sample's raw bytes are wanted), and its
-        # generators made together, before any decode: the same draws as default_rng(sample_seed(...))
-        datas = self.payloads(ids, current) if self.derived is None else None
+        # the batch read as a batch, in parts of up to SCRATCH_BYTES (no derived cache: each sample's
+        # raw bytes are wanted), and its generators made together, before any decode (the same
+        # draws as default_rng(sample_seed(...)))
+        lengths = ds.index.length[np.asarray(ids, dtype=np.int64)]
+        parts = scratch_parts(lengths, SCRATCH_BYTES) if self.derived is None else []
+        datas: list = []
+        base = 0  # the batch position of datas[0]
         rngs = BatchRngs(seed, epoch, sids) if mode == "train" else None
         for k, sid in enumerate(sids):
+            if parts and k == parts[0][0]:
+                base, end = parts.pop(0)
+                datas = self.payloads(ids[base:end], current)
             if current is not None:
                 current.value = sid
             key = ds.key(sid)
             try:
                 self.decode_sample(
-                    sid, key, mode, rngs[k] if rngs is not None else None, size, images[j], datas[k] if datas else None
+                    sid,
+                    key,
+                    mode,
+                    rngs[k] if rngs is not None else None,
+                    size,
+                    images[j],
+                    datas[k - base] if datas else None,
                 )
             except DecodeError as exc:
                 if not skip:
