@@ -6,7 +6,7 @@ A sample's crop and flip are drawn from ``numpy.random.default_rng(sample_seed(s
 as much as reading the sample from the node cache. :class:`BatchRngs` makes the same generators
 for a whole batch: the ``SeedSequence`` hash of every sample computed together on numpy arrays,
 then one ``PCG64`` reset to each sample's state in turn, so a sample gets the very random
-numbers it got before (bit for bit: tests/loader/test_samplerng.py compares every word).
+numbers it got before (bit for bit: tests/loader/test_batch_decode.py compares the states and draws).
 
 The algorithms, as numpy 1.17+ implements them (``numpy/random/bit_generator.pyx``,
 ``numpy/random/src/pcg64/pcg64.h``):
