@@ -142,3 +142,24 @@ def test_a_batch_read_in_several_parts_gives_the_same_pixels(packed_local, tmp_p
                 assert np.array_equal(images[j].numpy(), want), ds.key(sid)
                 n += 1
         assert n == len(ds)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_payload_in_a_shared_buffer_decodes_as_its_bytes(cases_dir, mode):
+    """The batch read hands each sample to the decoder as a view of its scratch buffer: every shared
+    JPEG case (CMYK, grey, bad EXIF, truncated, ...) gives the same pixels or the same error as bytes."""
+    from stoker.decode import DecodeError
+
+    for f in sorted((cases_dir / "pillow-jpeg").iterdir()):
+        data = f.read_bytes()
+        buf = np.frombuffer(bytearray(b"\xff\xd8" + data + b"\xff\xd9"), np.uint8)
+        outs = []
+        for given in (data, buf.data[2 : 2 + len(data)]):
+            try:
+                outs.append(decode_transform(given, f.stem, mode, np.random.default_rng(1)))
+            except DecodeError as exc:
+                outs.append(str(exc))
+        if isinstance(outs[0], str):
+            assert outs[1] == outs[0], f.name
+        else:
+            assert np.array_equal(outs[0], outs[1]), f.name
