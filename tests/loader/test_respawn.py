@@ -95,7 +95,7 @@ def _die_on(sample_number: int, marker: str | None):
 
     real = BatchDecoder.decode_sample
 
-    def decode_sample(self, sid, key, mode, rng, size, out):
+    def decode_sample(self, sid, key, mode, rng, size, out, data=None):
         if key.endswith(f"s{sample_number:03d}.png") or key.endswith(f"s{sample_number:03d}"):
             die = True
             if marker is not None:
@@ -106,7 +106,7 @@ def _die_on(sample_number: int, marker: str | None):
             if die:
                 out[...] = 255  # a half-written slot: never delivered
                 os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, sid, key, mode, rng, size, out)
+        return real(self, sid, key, mode, rng, size, out, data)
 
     return decode_sample
 

@@ -47,6 +47,24 @@ def fresh_copy(obj):
     return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+#: The most payload bytes a built-in decoder reads ahead in one part of a batch (its scratch
+#: buffer, :meth:`BatchDecoder.payloads`): a batch of larger samples is read in several parts.
+SCRATCH_BYTES = 32 << 20
+
+
+def scratch_parts(lengths: np.ndarray, limit: int = SCRATCH_BYTES) -> list[tuple[int, int]]:
+    """A batch's positions cut into parts ``[(start, end), ...]`` of at most ``limit`` payload bytes
+    each (``lengths``: the samples' payload lengths in bytes, in batch order), a sample larger than
+    ``limit`` alone in its part; ``[]`` for an empty batch."""
+    cum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    parts, start, n = [], 0, len(lengths)
+    while start < n:
+        end = max(start + 1, int(np.searchsorted(cum, cum[start] + limit, side="right")) - 1)
+        parts.append((start, end))
+        start = end
+    return parts
+
+
 class BatchDecoder:
     """Decode+augment a list of sample ids into (images, labels) arrays; used by workers
     and by the loader itself when ``num_workers == 0``."""
@@ -57,15 +75,35 @@ class BatchDecoder:
         self.ds, self.cfg = ds, cfg
         self._decode_transform = decode_transform
         self.derived = cfg.derived  # a DerivedCache (see stoker.loader.derived) or None
+        self._scratch = np.empty(0, np.uint8)  # a batch's payloads (payloads()), reused batch to batch
 
-    def decode_sample(self, sid: int, key: str, mode: str, rng, size: int, out) -> None:
+    def payloads(self, ids: np.ndarray, current=None) -> list[memoryview]:
+        """The verified payloads of the samples ``ids`` (int (N,)), in order, as views of this
+        decoder's scratch buffer, read as a batch (:func:`stoker.loader.workers.batchread.read_batch`:
+        one ``os.preadv`` per run of a cached block's samples, each checked in place). Valid until
+        the next call. Raises ChecksumError / OriginError naming the sample, as :meth:`Dataset.read`."""
+        from .batchread import read_batch
+
+        sids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        lengths = self.ds.index.length[sids].astype(np.int64)
+        offsets = np.zeros(len(sids), np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        total = int(lengths.sum())
+        if len(self._scratch) < total:  # a new buffer: views of the old one stay valid
+            self._scratch = np.empty(total + total // 4, np.uint8)
+        view = self._scratch.data
+        read_batch(self.ds, sids, lengths, offsets, view, current)
+        return [view[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
+
+    def decode_sample(self, sid: int, key: str, mode: str, rng, size: int, out, data=None) -> None:
         """Decode+transform sample ``sid`` into ``out``: from its derived entry when there is one,
-        else from the raw bytes (writing the derived entry as a side effect)."""
+        else from the raw bytes (writing the derived entry as a side effect). ``data``: the
+        sample's verified payload when the caller read it already (:meth:`payloads`)."""
         der = self.derived
         if der is None:
-            self._decode_transform(
-                self.ds.read(sid), key, mode, rng, size=size, out=out, exif_orientation=self.cfg.exif_orientation
-            )
+            if data is None:
+                data = self.ds.read(sid)
+            self._decode_transform(data, key, mode, rng, size=size, out=out, exif_orientation=self.cfg.exif_orientation)
             return
         from ...decode import decode_image
         from ..derived import SAME, transform_image
@@ -96,7 +134,7 @@ class BatchDecoder:
                 unreadable).
         """
         from ...decode import DecodeError
-        from ...order import sample_seed
+        from .samplerng import BatchRngs
 
         cfg, ds = self.cfg, self.ds
         if cfg.decode_on == "device":
@@ -112,20 +150,36 @@ class BatchDecoder:
         skip = cfg.on_error == "skip"
         j, skipped, skipped_keys = 0, [], []
         sids = [int(sid) for sid in ids]
-        # the batch's generators made together, before any decode: one made right after a decode
-        # costs ~3x as much (its code and data evicted from the CPU caches by the decode)
-        rngs = [np.random.default_rng(sample_seed(seed, epoch, sid)) for sid in sids] if mode == "train" else None
+        # the batch read as a batch, in parts of up to SCRATCH_BYTES (no derived cache: each sample's
+        # raw bytes are wanted), and its generators made together, before any decode (the same
+        # draws as default_rng(sample_seed(...)))
+        lengths = ds.index.length[np.asarray(ids, dtype=np.int64)]
+        parts = scratch_parts(lengths, SCRATCH_BYTES) if self.derived is None else []
+        datas: list = []
+        base = 0  # the batch position of datas[0]
+        rngs = BatchRngs(seed, epoch, sids) if mode == "train" else None
         for k, sid in enumerate(sids):
+            if parts and k == parts[0][0]:
+                base, end = parts.pop(0)
+                datas = self.payloads(ids[base:end], current)
             if current is not None:
                 current.value = sid
-            rng = rngs[k] if rngs is not None else None
+            key = ds.key(sid)
             try:
-                self.decode_sample(sid, ds.key(sid), mode, rng, size, images[j])
+                self.decode_sample(
+                    sid,
+                    key,
+                    mode,
+                    rngs[k] if rngs is not None else None,
+                    size,
+                    images[j],
+                    datas[k - base] if datas else None,
+                )
             except DecodeError as exc:
                 if not skip:
                     raise
                 skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
-                skipped_keys.append((ds.key(sid), str(exc)))
+                skipped_keys.append((key, str(exc)))
                 continue
             labels[j] = ds.index.labels[sid]
             j += 1
