@@ -334,7 +334,7 @@ def test_an_origin_error_behind_a_read_is_answered_and_the_connection_goes_on(ds
     key = pw.dataset_key(ds.version, BLOCK)
     try:
         status, body = link.request(pw.READ, key, 0, *whole(ds, 0))
-        assert status == pw.ERROR and b"OriginError" in body and b"SlowDown" in body
+        assert status == pw.ERROR and b"OriginError" in bytes(body) and b"SlowDown" in bytes(body)
         assert not link.broken
         assert link.request(pw.READ, key, 1, *whole(ds, 1)) == (pw.FROM_ORIGIN, bytearray(truth(ds, 1, *whole(ds, 1))))
     finally:
