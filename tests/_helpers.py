@@ -174,3 +174,18 @@ def loader_epoch(ctx):
     finally:
         loader.close()
     return ctx.epochs
+
+
+def damage_cached_blocks(cache_dir: Path, offset: int, larger_than: int = 100_000) -> list[Path]:
+    """Flip one byte at ``offset`` of every block file under ``cache_dir`` larger than
+    ``larger_than`` bytes (a cache whose bytes changed on disk); returns the files (at least one:
+    asserted)."""
+    files = [p for p in Path(cache_dir).rglob("*") if p.is_file() and p.stat().st_size > larger_than]
+    assert files, f"no cached block over {larger_than} bytes under {cache_dir}"
+    for p in files:
+        with open(p, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return files

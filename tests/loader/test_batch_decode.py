@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
+from _helpers import damage_cached_blocks
 from stoker import Loader, WorkerError, open_dataset
 from stoker.decode import decode_image
 from stoker.decode.transforms import decode_transform, eval_transform
@@ -85,14 +86,7 @@ def test_a_damaged_cached_block_is_read_again_and_the_pixels_are_right(packed_lo
     with Loader(ds, 16, num_workers=2, transform="eval", shuffle=False) as loader:
         for _ in loader:  # the cold fill
             pass
-    files = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
-    assert files
-    for p in files:
-        with open(p, "r+b") as f:
-            f.seek(5000)
-            byte = f.read(1)
-            f.seek(5000)
-            f.write(bytes([byte[0] ^ 0xFF]))
+    damage_cached_blocks(cache, 5000)
     with Loader(ds, 16, num_workers=2, transform="eval", shuffle=False) as loader:
         n = 0
         for images, _ in loader:

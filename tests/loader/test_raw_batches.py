@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from _helpers import damage_cached_blocks
 from stoker import Loader, RunOptions, WorkerError, open_dataset
 from stoker.collate import RawBatch, raw_bytes
 from stoker.store.pack import pack
@@ -166,14 +167,7 @@ def test_a_damaged_cached_block_is_read_again_from_the_origin(tendata, tmp_path)
     with Loader(ds, 10, num_workers=2, collate=raw_bytes) as loader:
         for _ in loader:  # the cold fill (closed after: no batch of the next epoch read ahead of the damage)
             pass
-    files = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
-    assert files
-    for p in files:
-        with open(p, "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+    damage_cached_blocks(cache, 100)
     with Loader(ds, 10, num_workers=2, collate=raw_bytes) as loader:
         assert sum(_check(ds, origin, b) for b in loader) == len(ds)
         assert loader.stats.origin_bytes > 0  # the damaged blocks came again

@@ -314,7 +314,7 @@ class CacheService:
         Raises PeerUnavailable or a Ray error when it is unreachable."""
         addr = self._addresses.get(node)
         if addr is None:
-            addr = self._addresses[node] = tuple(ray.get(get_service(node).endpoint.remote(dref), timeout=timeout_s))
+            addr = self._addresses[node] = endpoint_of(node, dref, timeout_s)
         try:
             source, data = self._links.read(addr, node_label(node), dref, pw.CACHED, b, start, stop)
         except Exception:
@@ -665,6 +665,15 @@ def find_services(timeout_s: float = 10.0) -> dict[str, dict]:
 def get_service(node_id: str):
     """The handle of the cache service of ``node_id``; ValueError if there is none."""
     return ray.get_actor(service_name(node_id), namespace=NAMESPACE)
+
+
+def endpoint_of(node_id: str, dref: dict, timeout_s: float) -> tuple[str, int]:
+    """``(host, port)`` of the data endpoint of ``node_id``'s cache service, asked through Ray
+    (:meth:`CacheService.endpoint`, which opens the dataset of ``dref`` for its peers first),
+    waited for at most ``timeout_s``. ValueError when the node has no service; Ray's errors
+    (``GetTimeoutError``, ``RayActorError``) when it does not answer."""
+    host, port = ray.get(get_service(node_id).endpoint.remote(dref), timeout=timeout_s)
+    return str(host), int(port)
 
 
 def stop_services() -> int:

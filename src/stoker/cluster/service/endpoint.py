@@ -106,10 +106,10 @@ class Handler(Protocol):
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, max_pending: int):
         self.sock = sock
         self.send_lock = threading.Lock()
-        self.pending = threading.BoundedSemaphore(1)  # replaced by the endpoint's bound
+        self.pending = threading.BoundedSemaphore(max_pending)  # requests being served at once
 
 
 class DataEndpoint:
@@ -206,7 +206,7 @@ class DataEndpoint:
             with self._lock:
                 self.accepted += 1
             sock.settimeout(None)
-            self._requests(_Connection(sock))
+            self._requests(_Connection(sock, self._max_pending))
         except OSError as exc:
             log.debug("data endpoint connection ended: %s", exc)
         finally:
@@ -218,7 +218,6 @@ class DataEndpoint:
 
     def _requests(self, conn: _Connection) -> None:
         """Read and answer ``conn``'s requests until it closes."""
-        conn.pending = threading.BoundedSemaphore(self._max_pending)
         head = memoryview(bytearray(pw.REQUEST.size))
         while not self._closed:
             try:

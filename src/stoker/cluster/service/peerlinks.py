@@ -101,7 +101,7 @@ class PeerLink:
             raise PeerUnavailable(f"data endpoint of {name} at {self._where()}: {exc}") from exc
         self._sock = sock
         self._send_lock = threading.Lock()
-        self._state = threading.Condition()
+        self._state = threading.Lock()  # guards _waiting, _next, _broken
         self._waiting: dict[int, _Waiting] = {}
         self._next = 0
         self._broken: str | None = None
@@ -200,7 +200,6 @@ class PeerLink:
                 self._broken = why
             waiting = list(self._waiting.values())
             self._waiting.clear()
-            self._state.notify_all()
         for w in waiting:
             w.fail(why)
         with contextlib.suppress(OSError):

@@ -273,13 +273,12 @@ class BlockRouter:
             raise PeerUnavailable(f"the data endpoint of {self.names[o]} is not known in this worker process")
         import ray
 
-        from .cache_service import get_service
+        from .cache_service import endpoint_of
 
         try:
-            addr = ray.get(get_service(self.nodes[o]).endpoint.remote(self.dref), timeout=self.timeout_s)
+            self.endpoints[o] = endpoint_of(self.nodes[o], self.dref, self.timeout_s)
         except (ValueError, ray.exceptions.RayError) as exc:
             raise PeerUnavailable(f"cache service of {self.names[o]}: {type(exc).__name__}: {exc}") from exc
-        self.endpoints[o] = (str(addr[0]), int(addr[1]))
         return self.endpoints[o]
 
     def _node_alive(self, o: int) -> bool:
