@@ -21,6 +21,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 os.environ.update(LOOPBACK_RAY_ENV)
 
+# No Ray starts by itself in a test process: Ray 2.60 calls ``ray.init()`` from ``ray.get``,
+# ``ray.get_actor``, an actor's ``.remote()`` and others when no Ray is connected, and a test that
+# reaches one of them by mistake (a cache service made in-process without its Ray calls stood in)
+# would leave a local Ray behind, so the next module's ``ray.init(address=...)`` of the session's
+# test cluster fails with "called ray.init twice". With auto-connect off the mistake fails in the
+# test that made it. Every test and script that wants Ray calls ``ray.init`` itself.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+
 # Under pytest-xdist (`make test` runs two workers) each worker gets a node cache of its own: the
 # tests that name no cache directory use $STOKER_CACHE_DIR, and two workers' tests must not see
 # or evict each other's blocks. Set before anything reads it, inherited by the tests' children.

@@ -21,6 +21,8 @@ from stoker.cluster import ClusterOptions
 
 pytest.importorskip("ray")
 
+from _dataplane import no_ray  # noqa: E402
+
 from stoker.cluster.handoff import previous_layout, prior_owner  # noqa: E402
 from stoker.cluster.membership import after_growth, merge  # noqa: E402
 from stoker.cluster.placement import place_dataset  # noqa: E402
@@ -109,6 +111,7 @@ class _Handle:
 def two(tmp_path, monkeypatch):
     """Two cache services (node-a, node-b) in this process, and their handles as the other sees them."""
     here = _Node()
+    no_ray(monkeypatch)  # the cluster secret and the node's address, without Ray
     monkeypatch.setattr(service_mod.ray, "get_runtime_context", lambda: here)
     a = service_mod.CacheService("node-a", CacheOptions(cache_dir=str(tmp_path / "a"), cache_bytes=64 << 20))
     here.id = "node-b"

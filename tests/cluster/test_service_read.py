@@ -1,30 +1,27 @@
 """A peer read the cache service answers: its source says where the bytes came from.
 
-The service's class runs here in the test process, without Ray (its one Ray call, the node id it
-runs on, is stood in for), over the local packed dataset."""
+The service's class runs here in the test process, without Ray (what it asks of Ray, its node, the
+cluster secret and the node's address, is stood in for: tests/cluster/_dataplane.py), over the
+local packed dataset."""
 
 from __future__ import annotations
 
 import pytest
 
-from stoker import CacheOptions
-
 pytest.importorskip("ray")
 
+from _dataplane import in_process_service  # noqa: E402
+
 from stoker.cache import DiskCache  # noqa: E402
-from stoker.cluster.service import cache_service as service_mod
+from stoker.cluster.service import cache_service as service_mod  # noqa: E402
 from stoker.store.dataset import open_dataset  # noqa: E402
-
-
-class _Here:
-    def get_node_id(self) -> str:
-        return "node-a"
 
 
 @pytest.fixture
 def svc(tmp_path, monkeypatch):
-    monkeypatch.setattr(service_mod.ray, "get_runtime_context", lambda: _Here())
-    return service_mod.CacheService("node-a", CacheOptions(cache_dir=str(tmp_path / "root"), cache_bytes=64 << 20))
+    s = in_process_service(tmp_path / "root", monkeypatch)
+    yield s
+    s.close()
 
 
 def _block_range(ds, b: int) -> tuple[int, int]:
