@@ -295,3 +295,36 @@ def test_looking_for_ray_trains_wrapper_keeps_no_batch_of_the_caller_alive(packe
         del it
         assert gone() is None and loader.history[-1].epoch == 1  # the dropped epoch ended at once
     gc.collect()
+
+
+def test_rays_documented_loop_sets_the_epoch_through_the_wrapper(packed_local):
+    """Ray Train's documented loop with more than one worker calls
+    ``train_dataloader.sampler.set_epoch(epoch)`` on what ``prepare_data_loader`` returned: Ray's
+    wrapper copies the Loader's instance attributes only, and before the Loader kept a sampler
+    there this raised ``AttributeError``. Now each epoch's batches are the Loader's plan of that
+    epoch, the wrapper's sampler is the Loader's, and it does not keep a dropped Loader alive."""
+    pytest.importorskip("ray.train.torch")
+    import gc
+    import weakref
+
+    ds = open_dataset(packed_local, cache=False)
+    with Loader(ds, 8, num_workers=0, seed=3, rank=1, world_size=2, decode=_sample_id) as loader:
+        wrapped = _ray_wrapped(loader)
+        for epoch in range(2):
+            wrapped.sampler.set_epoch(epoch)  # Ray's loop, before each epoch
+            assert wrapped.sampler.epoch == loader.sampler.epoch == epoch
+            assert len(wrapped.sampler) == len(loader.sampler)
+            plan = list(wrapped.sampler)
+            got = [i for b in wrapped for i in _as_lists(b)]
+            assert sorted(got) == sorted(plan), f"epoch {epoch}"
+    gone = Loader(ds, 8, num_workers=0, seed=3, decode=_sample_id)
+    ref = weakref.ref(gone)
+    copied = _ray_wrapped(gone).sampler
+    gc.disable()
+    try:
+        del gone
+        assert ref() is None, "the copied sampler kept the Loader alive"
+    finally:
+        gc.enable()
+    with pytest.raises(ReferenceError):
+        copied.set_epoch(0)

@@ -54,6 +54,7 @@ __all__ = [  # noqa: F822 (LoaderSampler, LoaderBatchSampler, LoaderCheckpoint: 
     "LoaderBatchSampler",
     "LoaderCheckpoint",
     "LoaderSampler",
+    "CopiedSampler",
     "ReadAhead",
     "batch_sampler_of",
     "follow_epoch",
@@ -123,6 +124,41 @@ def sampler_for(loader: Any):
     """``loader.sampler``: what a training framework takes for the sampler of ``loader`` (a
     :class:`stoker.loader.Loader`): a :class:`LoaderSampler` (module doc)."""
     return _sampler_class()(loader)
+
+
+class CopiedSampler:
+    """The ``sampler`` a wrapper that copies a Loader's instance attributes finds: Ray Train's
+    ``prepare_data_loader`` wrapper (``self.__dict__.update(loader.__dict__)``, Ray 2.60's
+    ``ray.train.torch.train_loop_utils._WrappedDataLoader``) does, and Ray's documented loop then
+    calls ``train_dataloader.sampler.set_epoch(epoch)``. The Loader's own ``sampler`` is a class
+    property, which a copy of ``__dict__`` does not carry; the Loader also keeps one of these in
+    its ``__dict__`` (shadowed there by the property) for such copies.
+
+    Every attribute (``set_epoch``, ``epoch``, ``num_samples``, ``iter()``, ``len()``...) is the
+    Loader's :class:`LoaderSampler`'s, made on use (torch is imported then). It holds the Loader
+    weakly, so a Loader dropped without ``close()`` is not kept alive by a cycle; used after the
+    Loader is gone it raises ``ReferenceError``.
+    """
+
+    __slots__ = ("_loader",)
+
+    def __init__(self, loader: Any):  # noqa: D107 (the class doc says it)
+        self._loader = weakref.ref(loader)
+
+    def _sampler(self) -> Any:
+        loader = self._loader()
+        if loader is None:
+            raise ReferenceError("the Loader of this sampler is gone")
+        return sampler_for(loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler(), name)
+
+    def __iter__(self):
+        return iter(self._sampler())
+
+    def __len__(self) -> int:
+        return len(self._sampler())
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import numpy as np
 from .._procs import check_main_for, pick_start_method
 from ..errors import NotADatasetError
 from ..order import EpochShares, interleaved_shares, permutation, rank_plan
-from .adapters import ReadAhead, batch_sampler_of, read_ahead, sampler_for
+from .adapters import CopiedSampler, ReadAhead, batch_sampler_of, read_ahead, sampler_for
 from .device.device_decode import DeviceBatchDecoder
 from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
@@ -409,6 +409,8 @@ class Loader:
         _OPEN.add(self._started)
         self._finalizer = weakref.finalize(self, self._started.close)
         self._started.export_metrics()
+        # shadowed here by the class property; what a wrapper that copies __dict__ finds (Ray Train's)
+        self.__dict__["sampler"] = CopiedSampler(self)
 
     @property
     def batch_size(self) -> int:
