@@ -11,6 +11,8 @@ shared-memory slot without pickling; its other leaves (strings, numbers) are pic
 - :func:`raw_bytes`: no decode: each sample's payload bytes, as they are stored, in one flat
   ``uint8`` tensor with the offsets of the samples (:class:`RawBatch`); a Loader's workers read
   such a batch straight into its shared-memory slot (:mod:`stoker.loader.workers.rawbatch`).
+- :func:`on_raw`: the user's batch-level code over a :class:`RawBatch`: one call per batch in the
+  workers, over the raw batch read as a batch (a batch decode, beside the per-sample ``decode=``).
 - :func:`pack_tokens`: token sequences joined with an EOS separator and cut into rows of exactly
   ``seq_len`` tokens, the remainder carried to the next batch: the packing of LLM pre-training
   (e.g. GPT-2/3's training recipe, "Language Models are Few-Shot Learners", 2020, section 2.3:
@@ -29,7 +31,18 @@ import numpy as np
 
 from .errors import CollateError
 
-__all__ = ["CollateError", "PackTokens", "Pad", "RawBatch", "default", "pack_tokens", "pad", "raw_bytes"]
+__all__ = [
+    "CollateError",
+    "OnRaw",
+    "PackTokens",
+    "Pad",
+    "RawBatch",
+    "default",
+    "on_raw",
+    "pack_tokens",
+    "pad",
+    "raw_bytes",
+]
 
 
 def _shape(x):
@@ -299,3 +312,46 @@ def raw_bytes(samples: list) -> RawBatch:
     ids = np.fromiter((s["__id__"] for s in samples), np.int64, len(samples))
     labels = np.fromiter((s.get("__label__", -1) for s in samples), np.int64, len(samples))
     return RawBatch(*(torch.from_numpy(a) for a in (data, offsets, ids, labels)))
+
+
+class OnRaw:
+    """The collate :func:`on_raw` returns (picklable when ``fn`` is): ``fn`` over the
+    :class:`RawBatch` of the samples."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        if not callable(fn):
+            raise TypeError(f"on_raw takes a function of a RawBatch, got {type(fn).__name__}")
+        self.fn = fn
+
+    def __call__(self, samples: list):
+        """``fn(raw_bytes(samples))``: the path of a Loader with ``num_workers=0`` or with a
+        ``decode`` (whose samples must then still be dicts of raw fields). Raises what
+        :func:`raw_bytes` and ``fn`` raise."""
+        return self.fn(raw_bytes(samples))
+
+    def __repr__(self) -> str:
+        return f"stoker.collate.on_raw({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def on_raw(fn) -> OnRaw:
+    """A batch-level collate: ``fn`` receives a whole batch's raw samples at once, as one
+    :class:`RawBatch` (``data`` uint8, ``offsets`` int64 ``(N + 1,)``, ``ids`` and ``labels``
+    int64 ``(N,)``: torch tensors), and returns the batch (tensors, arrays, or a dict, tuple or
+    list of them, moved through a shared-memory slot as any collate's). The batch counterpart of
+    a per-sample ``decode=``: e.g. ``raw.data.view(torch.float16).reshape(n, -1)`` for fixed-size
+    records, or one call of a batch decoder over every payload.
+
+    Given as ``Loader(ds, batch_size, collate=stoker.collate.on_raw(fn))`` without ``decode``, each
+    worker reads the batch's byte ranges from the node cache straight into a buffer of its own
+    (one ``os.preadv`` per run of adjacent samples, each sample checked against its checksum, as
+    for :func:`raw_bytes`) and calls ``fn`` once per batch (:mod:`stoker.loader.workers.rawbatch`).
+    The :class:`RawBatch` is valid only during the call: the worker reuses its buffer for the next
+    batch, so ``fn`` must not keep it or views of it (what it returns is copied into the slot).
+    Elsewhere (``num_workers=0``, or with a ``decode``) it runs as ``fn(raw_bytes(samples))``.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+    return OnRaw(fn)

@@ -213,3 +213,63 @@ def test_raw_bytes_refuses_decoded_samples():
 
     with pytest.raises(CollateError, match="without decode"):
         raw_bytes([np.zeros(3, np.uint8)])
+
+
+# -- a batch-level user function over the raw batch (collate=stoker.collate.on_raw) ---------------
+def _sums(raw: RawBatch) -> dict:
+    """Per-sample byte sums and lengths of a raw batch, computed over the whole batch at once."""
+    flat = raw.data.reshape(-1).to(torch.int64)
+    cums = torch.cat([torch.zeros(1, dtype=torch.int64), flat.cumsum(0)])
+    return {"sum": cums[raw.offsets[1:]] - cums[raw.offsets[:-1]], "len": raw.offsets.diff(), "ids": raw.ids.clone()}
+
+
+def _fails_on_batch(raw: RawBatch):
+    raise ValueError("no good")
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_on_raw_calls_the_users_function_once_per_batch_over_the_origins_bytes(jpegs, tmp_path, workers, monkeypatch):
+    """``on_raw(fn)``: the workers read the batch as a batch (the per-sample path never runs) and
+    call ``fn`` once over it; its result per sample is the origin's bytes' and every sample comes
+    once per epoch, in the same batches as ``raw_bytes``; ``num_workers=0`` runs it as written."""
+    from stoker.collate import on_raw
+
+    url, origin = jpegs
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    if workers:
+        from stoker.loader.workers import batches
+
+        def per_sample(*args, **kwargs):
+            raise AssertionError("an on_raw batch went through the per-sample path")
+
+        monkeypatch.setattr(batches.GenericDecoder, "run", per_sample)
+    run = RunOptions(start_method="fork") if workers else None
+    with Loader(ds, 5, num_workers=workers, seed=3, collate=on_raw(_sums), run=run) as loader:
+        for _ in range(2):
+            seen = []
+            for b in loader:
+                assert set(b) == {"sum", "len", "ids"}
+                for j, sid in enumerate(b["ids"].tolist()):
+                    want = _origin_bytes(origin, ds.key(sid))
+                    assert int(b["len"][j]) == len(want), ds.key(sid)
+                    assert int(b["sum"][j]) == sum(want), ds.key(sid)
+                    seen.append(sid)
+            assert sorted(seen) == list(range(len(ds)))
+    with Loader(ds, 5, num_workers=workers, seed=3, collate=raw_bytes, run=run) as same:
+        want_ids = [b.ids.tolist() for b in same]
+    with Loader(ds, 5, num_workers=workers, seed=3, collate=on_raw(_sums), run=run) as loader:
+        assert [b["ids"].tolist() for b in loader] == want_ids
+
+
+def test_on_raw_failures_name_the_batchs_samples_and_the_function(tendata, tmp_path):
+    from stoker.collate import on_raw
+
+    url, _ = tendata
+    ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
+    with Loader(ds, 4, num_workers=1, shuffle=False, collate=on_raw(_fails_on_batch)) as loader:
+        with pytest.raises(
+            WorkerError, match=r"_fails_on_batch failed on the batch of samples \[.*ValueError: no good"
+        ):
+            next(iter(loader))
+    with pytest.raises(TypeError, match="function of a RawBatch"):
+        on_raw(3)

@@ -288,8 +288,9 @@ class Loader:
             the batches travel (shared memory for arrays, pickled otherwise).
         collate: the user's ``collate(samples) -> batch``, run in the workers too (default
             :func:`stoker.collate.default`; also :func:`stoker.collate.pad`,
-            :func:`stoker.collate.pack_tokens`, and :func:`stoker.collate.raw_bytes`, which without
-            ``decode`` the workers read as a batch, straight into its slot). Under
+            :func:`stoker.collate.pack_tokens`, :func:`stoker.collate.raw_bytes`, which without
+            ``decode`` the workers read as a batch, straight into its slot, and
+            :func:`stoker.collate.on_raw`, a user function of that raw batch, once per batch). Under
             ``spawn``/``forkserver`` both must pickle: TypeError naming the function otherwise.
             ``image`` options do not apply then.
         read: :class:`~stoker.loader.options.ReadOptions`: order, rank split, read-ahead.

@@ -19,6 +19,11 @@ The reply is the one :func:`stoker.loader.workers.batches.pack_reply` makes for 
 slot (``("shm", tree, specs, slot bytes, rest)``), so the training process receives it unchanged
 (:func:`stoker.loader.workers.batches.receive`): tensors over the slot, the slot held until every
 view of the batch is dropped.
+
+With ``collate=stoker.collate.on_raw(fn)`` (a batch-level user function) the same layout is read
+into a buffer the worker keeps instead of the slot, ``fn`` is called once with the
+:class:`stoker.collate.RawBatch` over it, and what ``fn`` returns goes through the slot as any
+collate's batch (:func:`stoker.loader.workers.batches.pack_reply`).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import pickle
 
 import numpy as np
 
-from ...collate import RawBatch, raw_bytes, raw_layout
-from .batches import ALIGN_BYTES, SlotWriter
+from ...collate import OnRaw, RawBatch, raw_bytes, raw_layout
+from ...errors import SampleFnError
+from .batches import ALIGN_BYTES, SlotWriter, fn_name
 from .batchread import read_batch
 
 __all__ = ["RawBatchReader", "reads_raw"]
@@ -38,8 +44,15 @@ _I8 = np.dtype(np.int64)
 
 def reads_raw(cfg) -> bool:
     """Whether a worker of ``cfg`` (a :class:`stoker.loader.options.WorkerConfig`) reads raw batches
-    itself: no ``decode`` and ``collate`` is :func:`stoker.collate.raw_bytes`."""
-    return cfg.decode is None and cfg.collate is raw_bytes
+    itself: no ``decode`` and ``collate`` is :func:`stoker.collate.raw_bytes` or a
+    :func:`stoker.collate.on_raw`."""
+    return cfg.decode is None and (cfg.collate is raw_bytes or isinstance(cfg.collate, OnRaw))
+
+
+def _view(buf: np.ndarray, dtype: str, shape: tuple, at: int) -> np.ndarray:
+    """The array of ``dtype`` and ``shape`` at byte ``at`` of ``buf`` (uint8): a view, no copy."""
+    dt = np.dtype(dtype)
+    return buf[at : at + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
 
 
 def _align(n: int) -> int:
@@ -58,31 +71,74 @@ class RawBatchReader:
         self.ds, self.cfg = ds, cfg
         self._tree = ("named", 0, [("pt", k) for k in range(4)])
         self._rest = pickle.dumps([RawBatch], protocol=pickle.HIGHEST_PROTOCOL)
+        collate = getattr(cfg, "collate", None)
+        self._on_raw = collate if isinstance(collate, OnRaw) else None
+        self._buf: bytearray | None = None
 
     def run(self, ids, path: str, writer: SlotWriter, current=None) -> tuple[int, tuple]:
         """Read the samples ``ids`` (int64 (N,)) into the slot at ``path``: ``(N, reply)`` with the
         reply of :func:`stoker.loader.workers.batches.pack_reply`; a batch the slot cannot grow to
         hold (``/dev/shm`` full) is built by :func:`stoker.collate.raw_bytes` and pickled instead.
+        With a :func:`stoker.collate.on_raw` collate the batch is read into this worker's own
+        buffer, given to its function once, and what that returns goes into the slot.
 
         Raises:
             ChecksumError: a sample's bytes are wrong at their source too (names its key).
             OriginError: the origin failed for a sample that had to be read there (names it).
+            Whatever an ``on_raw`` function raises.
         """
         from .batches import pack_reply
 
-        ds = self.ds
-        index = ds.index
         sids = np.asarray(ids, dtype=np.int64)
         n = len(sids)
-        lengths = index.length[sids].astype(np.int64)
+        lengths = self.ds.index.length[sids].astype(np.int64)
         offsets, shape = raw_layout(lengths)
         at = [0, _align(int(offsets[-1]))]
         at += [_align(at[1] + (n + 1) * 8), 0]
         at[3] = _align(at[2] + n * 8)
-        mm = writer.reserve(path, at[3] + n * 8)
+        on_raw = self._on_raw
+        mm = self._scratch(at[3] + n * 8) if on_raw is not None else writer.reserve(path, at[3] + n * 8)
         if mm is None:
-            samples = [ds.read_fields(int(s), meta=True) for s in sids]
+            samples = [self.ds.read_fields(int(s), meta=True) for s in sids]
             return n, pack_reply(writer, None, raw_bytes(samples))
+        self._fill(mm, at, sids, lengths, offsets, current)
+        specs = [
+            (np.dtype(np.uint8).str, shape, 0),
+            (_I8.str, (n + 1,), at[1]),
+            (_I8.str, (n,), at[2]),
+            (_I8.str, (n,), at[3]),
+        ]
+        if on_raw is None:
+            return n, ("shm", self._tree, specs, len(mm), self._rest)
+        import torch
+
+        buf = np.frombuffer(mm, np.uint8)
+        raw = RawBatch(*(torch.from_numpy(_view(buf, dt, sh, o)) for dt, sh, o in specs))
+        if current is not None:
+            current.value = -1  # a failure of fn is the batch's, not the last sample read's
+        try:
+            batch = on_raw.fn(raw)
+        except Exception as exc:  # noqa: BLE001 - named with the batch's samples, as a collate's
+            keys = [self.ds.key(int(s)) for s in sids[:3]]
+            raise SampleFnError(
+                None,
+                f"on_raw function {fn_name(on_raw.fn)} failed on the batch of samples "
+                f"{keys}{'...' if n > 3 else ''}: {type(exc).__name__}: {exc}",
+            ) from exc
+        return n, pack_reply(writer, path, batch)
+
+    def _scratch(self, nbytes: int) -> bytearray:
+        """This worker's buffer for :func:`stoker.collate.on_raw` batches, at least ``nbytes`` long
+        (grown by doubling, kept for the next batch)."""
+        buf = self._buf
+        if buf is None or len(buf) < nbytes:
+            buf = self._buf = bytearray(max(nbytes, 2 * len(buf) if buf is not None else 0))
+        return buf
+
+    def _fill(self, mm, at: list[int], sids, lengths, offsets, current) -> None:
+        """Write the batch's offsets, ids and labels at ``at[1:]`` of ``mm`` and read its samples'
+        payloads into ``mm[0:]`` (:func:`stoker.loader.workers.batchread.read_batch`)."""
+        index, n = self.ds.index, len(sids)
         slot = np.frombuffer(mm, dtype=np.uint8)
         slot[at[1] : at[1] + (n + 1) * 8].view(_I8)[:] = offsets
         slot[at[2] : at[2] + n * 8].view(_I8)[:] = sids
@@ -95,10 +151,3 @@ class RawBatchReader:
         finally:
             view.release()
             del slot, labels
-        specs = [
-            (np.dtype(np.uint8).str, shape, 0),
-            (_I8.str, (n + 1,), at[1]),
-            (_I8.str, (n,), at[2]),
-            (_I8.str, (n,), at[3]),
-        ]
-        return n, ("shm", self._tree, specs, len(mm), self._rest)
