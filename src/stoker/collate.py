@@ -288,8 +288,8 @@ def raw_bytes(samples: list) -> RawBatch:
     Given as ``Loader(ds, batch_size, collate=stoker.collate.raw_bytes)`` without ``decode``, the
     workers do not run it: they read the batch's byte ranges from the node cache straight into the
     batch's shared-memory slot, each sample checked against its checksum there, and the result is
-    this same batch (:mod:`stoker.loader.workers.rawbatch`). Elsewhere (``num_workers=0``, or with a
-    ``decode``) it runs as written here.
+    this same batch (:mod:`stoker.loader.workers.rawbatch`); with ``num_workers=0`` the training
+    process reads it the same way. With a ``decode`` it runs as written here.
 
     Raises:
         CollateError: a sample is not such a dict (a ``decode`` returned something else), or the
@@ -326,8 +326,8 @@ class OnRaw:
         self.fn = fn
 
     def __call__(self, samples: list):
-        """``fn(raw_bytes(samples))``: the path of a Loader with ``num_workers=0`` or with a
-        ``decode`` (whose samples must then still be dicts of raw fields). Raises what
+        """``fn(raw_bytes(samples))``: the path of a Loader with a ``decode`` (whose samples must
+        then still be dicts of raw fields). Raises what
         :func:`raw_bytes` and ``fn`` raise."""
         return self.fn(raw_bytes(samples))
 
@@ -349,7 +349,8 @@ def on_raw(fn) -> OnRaw:
     for :func:`raw_bytes`) and calls ``fn`` once per batch (:mod:`stoker.loader.workers.rawbatch`).
     The :class:`RawBatch` is valid only during the call: the worker reuses its buffer for the next
     batch, so ``fn`` must not keep it or views of it (what it returns is copied into the slot).
-    Elsewhere (``num_workers=0``, or with a ``decode``) it runs as ``fn(raw_bytes(samples))``.
+    With ``num_workers=0`` the training process reads the batch the same way, into a buffer of the
+    batch's own; with a ``decode`` it runs as ``fn(raw_bytes(samples))``.
 
     Raises:
         TypeError: ``fn`` is not callable.

@@ -66,13 +66,13 @@ def test_every_byte_of_every_sample_of_a_ragged_batch_is_the_origins(jpegs, tmp_
     url, origin = jpegs
     ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
     assert len(set(ds.index.length.tolist())) > 1  # ragged
-    if workers:  # forked workers inherit this: they must read the batch as a batch, never sample by sample
-        from stoker.loader.workers import batches
+    from stoker.loader.workers import batches
 
-        def per_sample(*args, **kwargs):
-            raise AssertionError("a raw batch went through the per-sample path")
+    def per_sample(*args, **kwargs):
+        raise AssertionError("a raw batch went through the per-sample path")
 
-        monkeypatch.setattr(batches.GenericDecoder, "run", per_sample)
+    # forked workers inherit this, and num_workers=0 runs here: a batch is read as a batch, never sample by sample
+    monkeypatch.setattr(batches.GenericDecoder, "run", per_sample)
     run = RunOptions(start_method="fork") if workers else None
     with Loader(ds, 5, num_workers=workers, seed=3, collate=raw_bytes, run=run) as loader:
         for _ in range(3):  # the cold fill, then warm epochs from the node cache's block files
@@ -94,16 +94,29 @@ def test_samples_of_one_size_come_as_n_by_sample_bytes(tendata, tmp_path, shuffl
                 assert b.data[3].numpy().tobytes() == b.sample(3).numpy().tobytes()
 
 
-def test_the_workers_batch_equals_the_collate_run_as_written(jpegs, tmp_path):
-    """The same batches, in the same order, from the workers' batch read and from raw_bytes itself."""
+def _as_written(samples):
+    """raw_bytes run as written, sample by sample (a collate that is not raw_bytes itself)."""
+    return raw_bytes(samples)
+
+
+def test_the_batch_read_equals_the_collate_run_as_written(jpegs, tmp_path):
+    """The same batches, in the same order, from the workers' batch read, the training process's
+    (``num_workers=0``) and raw_bytes run sample by sample; batches kept without a copy at
+    ``num_workers=0`` are never overwritten (each has a buffer of its own)."""
     url, _ = jpegs
     ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
     got = []
-    for workers in (2, 0):
-        with Loader(ds, 4, num_workers=workers, seed=9, collate=raw_bytes) as loader:
+    for workers, collate in ((2, raw_bytes), (0, raw_bytes), (0, _as_written)):
+        with Loader(ds, 4, num_workers=workers, seed=9, collate=collate) as loader:
             got.append([tuple(t.clone() for t in b) for b in loader])
-    assert len(got[0]) == len(got[1])
-    for a, b in zip(*got, strict=True):
+    for other in got[1:]:
+        assert len(other) == len(got[0])
+        for a, b in zip(got[0], other, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with Loader(ds, 4, num_workers=0, seed=9, collate=raw_bytes) as loader:
+        kept = list(loader)  # no clone
+        list(loader)  # another epoch read meanwhile
+    for a, b in zip(got[0], kept, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
@@ -236,13 +249,12 @@ def test_on_raw_calls_the_users_function_once_per_batch_over_the_origins_bytes(j
 
     url, origin = jpegs
     ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
-    if workers:
-        from stoker.loader.workers import batches
+    from stoker.loader.workers import batches
 
-        def per_sample(*args, **kwargs):
-            raise AssertionError("an on_raw batch went through the per-sample path")
+    def per_sample(*args, **kwargs):
+        raise AssertionError("an on_raw batch went through the per-sample path")
 
-        monkeypatch.setattr(batches.GenericDecoder, "run", per_sample)
+    monkeypatch.setattr(batches.GenericDecoder, "run", per_sample)  # workers and num_workers=0 alike
     run = RunOptions(start_method="fork") if workers else None
     with Loader(ds, 5, num_workers=workers, seed=3, collate=on_raw(_sums), run=run) as loader:
         for _ in range(2):

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from ..device.transfer import DeviceTransfer
     from ..workers.batches import GenericDecoder
+    from ..workers.rawbatch import RawBatchesHere
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Run:
         self.transfer: DeviceTransfer | None = None  #: for ``device="cuda"``
         self._ready: Synchronized[int] | None = None  # shared count of processes set up
         self._fork_hazards: list[str] = []
-        self._decoder: BatchDecoder | GenericDecoder | None = None  # without workers: decodes here
+        self._decoder: BatchDecoder | GenericDecoder | RawBatchesHere | None = None  # without workers: decodes here
         self._own_staging = False
         self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
         self.dispatch: Dispatcher | None = None  # sends batches to the workers (with workers)
@@ -167,8 +168,9 @@ class Run:
             self._start_processes()  # ForkUnsafeError: start_method="fork" where fork is unsafe
         elif self.cfg.generic:
             from ..workers.batches import GenericDecoder
+            from ..workers.rawbatch import RawBatchesHere, reads_raw
 
-            self._decoder = GenericDecoder(self.dataset, self.cfg)
+            self._decoder = (RawBatchesHere if reads_raw(self.cfg) else GenericDecoder)(self.dataset, self.cfg)
         else:
             self._decoder = BatchDecoder(self.dataset, self.cfg)
         if config.device not in (None, "cpu"):  # after the forks (CUDA)

@@ -20,6 +20,9 @@ slot (``("shm", tree, specs, slot bytes, rest)``), so the training process recei
 (:func:`stoker.loader.workers.batches.receive`): tensors over the slot, the slot held until every
 view of the batch is dropped.
 
+Without workers (``num_workers=0``) the training process reads each batch the same way into a
+buffer of the batch's own (:class:`RawBatchesHere`).
+
 With ``collate=stoker.collate.on_raw(fn)`` (a batch-level user function) the same layout is read
 into a buffer the worker keeps instead of the slot, ``fn`` is called once with the
 :class:`stoker.collate.RawBatch` over it, and what ``fn`` returns goes through the slot as any
@@ -37,7 +40,7 @@ from ...errors import SampleFnError
 from .batches import ALIGN_BYTES, SlotWriter, fn_name
 from .batchread import read_batch
 
-__all__ = ["RawBatchReader", "reads_raw"]
+__all__ = ["RawBatchReader", "RawBatchesHere", "reads_raw"]
 
 _I8 = np.dtype(np.int64)
 
@@ -85,47 +88,85 @@ class RawBatchReader:
         Raises:
             ChecksumError: a sample's bytes are wrong at their source too (names its key).
             OriginError: the origin failed for a sample that had to be read there (names it).
-            Whatever an ``on_raw`` function raises.
+            SampleFnError: an ``on_raw`` function raised (names it and the batch's first keys).
         """
         from .batches import pack_reply
 
         sids = np.asarray(ids, dtype=np.int64)
+        specs, nbytes = self._layout(sids)
+        if self._on_raw is not None:
+            raw = self._read(sids, specs, self._scratch(nbytes), current)
+            return len(sids), pack_reply(writer, path, self._call(raw, sids, current))
+        mm = writer.reserve(path, nbytes)
+        if mm is None:
+            samples = [self.ds.read_fields(int(s), meta=True) for s in sids]
+            return len(sids), pack_reply(writer, None, raw_bytes(samples))
+        self._read(sids, specs, mm, current, tensors=False)
+        return len(sids), ("shm", self._tree, specs, len(mm), self._rest)
+
+    def run_here(self, epoch: int, ids, current=None) -> tuple:
+        """The batch of ``ids`` read in the training process (``num_workers=0``), as
+        :meth:`stoker.loader.workers.batches.GenericDecoder.run` returns it: ``(N, [], [], batch,
+        [])``. Each batch gets a buffer of its own (a kept batch is never overwritten); ``epoch``
+        is not used (raw reads draw nothing). Raises as :meth:`run`."""
+        sids = np.asarray(ids, dtype=np.int64)
+        specs, nbytes = self._layout(sids)
+        raw = self._read(sids, specs, bytearray(nbytes), current)
+        return len(sids), [], [], raw if self._on_raw is None else self._call(raw, sids, current), []
+
+    def _layout(self, sids: np.ndarray) -> tuple[list[tuple], int]:
+        """The batch's arrays (dtype, shape, byte offset) in its buffer, data first, then offsets,
+        ids and labels at aligned offsets; and the buffer's size in bytes."""
         n = len(sids)
         lengths = self.ds.index.length[sids].astype(np.int64)
         offsets, shape = raw_layout(lengths)
-        at = [0, _align(int(offsets[-1]))]
-        at += [_align(at[1] + (n + 1) * 8), 0]
-        at[3] = _align(at[2] + n * 8)
-        on_raw = self._on_raw
-        mm = self._scratch(at[3] + n * 8) if on_raw is not None else writer.reserve(path, at[3] + n * 8)
-        if mm is None:
-            samples = [self.ds.read_fields(int(s), meta=True) for s in sids]
-            return n, pack_reply(writer, None, raw_bytes(samples))
-        self._fill(mm, at, sids, lengths, offsets, current)
+        at1 = _align(int(offsets[-1]))
+        at2 = _align(at1 + (n + 1) * 8)
+        at3 = _align(at2 + n * 8)
         specs = [
             (np.dtype(np.uint8).str, shape, 0),
-            (_I8.str, (n + 1,), at[1]),
-            (_I8.str, (n,), at[2]),
-            (_I8.str, (n,), at[3]),
+            (_I8.str, (n + 1,), at1),
+            (_I8.str, (n,), at2),
+            (_I8.str, (n,), at3),
         ]
-        if on_raw is None:
-            return n, ("shm", self._tree, specs, len(mm), self._rest)
+        return specs, at3 + n * 8
+
+    def _read(self, sids: np.ndarray, specs: list[tuple], mm, current, tensors: bool = True):
+        """Write the batch's offsets, ids and labels into ``mm`` where ``specs`` put them and read
+        its samples' payloads into ``mm[0:]`` (:func:`stoker.loader.workers.batchread.read_batch`);
+        the :class:`~stoker.collate.RawBatch` of torch tensors over ``mm`` when ``tensors``."""
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        data, offsets, ids, labels = (_view(buf, dt, sh, o) for dt, sh, o in specs)
+        offsets[0] = 0
+        np.cumsum(self.ds.index.length[sids], out=offsets[1:])
+        ids[:] = sids
+        labels[:] = self.ds.index.labels[sids]
+        labels[labels < 0] = -1
+        view = memoryview(mm)
+        try:
+            read_batch(self.ds, sids, np.diff(offsets), offsets, view, current)
+        finally:
+            view.release()
+        if not tensors:
+            return None
         import torch
 
-        buf = np.frombuffer(mm, np.uint8)
-        raw = RawBatch(*(torch.from_numpy(_view(buf, dt, sh, o)) for dt, sh, o in specs))
+        return RawBatch(*(torch.from_numpy(a) for a in (data, offsets, ids, labels)))
+
+    def _call(self, raw: RawBatch, sids: np.ndarray, current):
+        """The ``on_raw`` function's batch of ``raw``; its failure names it and the batch."""
+        assert self._on_raw is not None
         if current is not None:
             current.value = -1  # a failure of fn is the batch's, not the last sample read's
         try:
-            batch = on_raw.fn(raw)
+            return self._on_raw.fn(raw)
         except Exception as exc:  # noqa: BLE001 - named with the batch's samples, as a collate's
             keys = [self.ds.key(int(s)) for s in sids[:3]]
             raise SampleFnError(
                 None,
-                f"on_raw function {fn_name(on_raw.fn)} failed on the batch of samples "
-                f"{keys}{'...' if n > 3 else ''}: {type(exc).__name__}: {exc}",
+                f"on_raw function {fn_name(self._on_raw.fn)} failed on the batch of samples "
+                f"{keys}{'...' if len(sids) > 3 else ''}: {type(exc).__name__}: {exc}",
             ) from exc
-        return n, pack_reply(writer, path, batch)
 
     def _scratch(self, nbytes: int) -> bytearray:
         """This worker's buffer for :func:`stoker.collate.on_raw` batches, at least ``nbytes`` long
@@ -135,19 +176,20 @@ class RawBatchReader:
             buf = self._buf = bytearray(max(nbytes, 2 * len(buf) if buf is not None else 0))
         return buf
 
-    def _fill(self, mm, at: list[int], sids, lengths, offsets, current) -> None:
-        """Write the batch's offsets, ids and labels at ``at[1:]`` of ``mm`` and read its samples'
-        payloads into ``mm[0:]`` (:func:`stoker.loader.workers.batchread.read_batch`)."""
-        index, n = self.ds.index, len(sids)
-        slot = np.frombuffer(mm, dtype=np.uint8)
-        slot[at[1] : at[1] + (n + 1) * 8].view(_I8)[:] = offsets
-        slot[at[2] : at[2] + n * 8].view(_I8)[:] = sids
-        labels = slot[at[3] : at[3] + n * 8].view(_I8)
-        labels[:] = index.labels[sids]
-        labels[labels < 0] = -1
-        view = memoryview(mm)
-        try:
-            read_batch(self.ds, sids, lengths, offsets, view, current)
-        finally:
-            view.release()
-            del slot, labels
+
+class RawBatchesHere:
+    """The decoder of ``num_workers=0`` (:class:`stoker.loader.workers.inline.InlineLoop`) for raw
+    batches: :meth:`RawBatchReader.run_here` as its ``run(epoch, ids, current)``, so a Loader
+    without workers reads a batch as a batch too (one ``os.preadv`` per run of cached samples)
+    rather than through :func:`stoker.collate.raw_bytes` sample by sample.
+
+    Args: as :class:`RawBatchReader`.
+    """
+
+    def __init__(self, ds, cfg):
+        self.reader = RawBatchReader(ds, cfg)
+        self.ds = ds
+
+    def run(self, epoch: int, ids, current=None) -> tuple:
+        """:meth:`RawBatchReader.run_here`."""
+        return self.reader.run_here(epoch, ids, current)
