@@ -190,6 +190,11 @@ def test_what_the_deployment_holds():
     vols = {v["name"]: v for v in ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]}
     assert any("hostPath" in v for v in vols.values()), "the node cache on a hostPath"
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in vols.values()), "the memory tier in RAM"
+    # the cache workers' data endpoint on one fixed port that the container declares (docs/cluster.md)
+    worker = ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert 0 < int(env["STOKER_DATA_PORT"]) < 65536 and ports["stoker-data"] == int(env["STOKER_DATA_PORT"])
     # the cluster's Ray is the one the ``cluster`` extra pins (Ray's client and nodes must agree)
     import re
     import tomllib
