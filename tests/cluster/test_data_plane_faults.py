@@ -283,6 +283,60 @@ def test_a_peer_that_sends_wrong_bytes_is_refused_and_the_origin_read(ds, counte
         ep.close()
 
 
+def test_a_peer_that_sends_every_block_wrong_is_skipped_after_a_few(ds, counters, monkeypatch):
+    """A node whose every answer fails the checksums (a broken disk, a bad build) is asked for
+    WRONG_IN_A_ROW blocks, then skipped for ``retry_s``: the rest of the reads go straight to the
+    origin, every byte delivered is right, and a node with one bad block in between right ones
+    is never skipped (the count is of blocks in a row)."""
+    from stoker.cluster.service.reader import WRONG_IN_A_ROW
+
+    liar = _Liar(ds)
+    ep = DataEndpoint(liar, SECRET, "127.0.0.1", 0)
+    r = _router(ds, counters, ep.address, monkeypatch, retry_s=600.0)
+    routed = ds.with_reader(BlockReader(ds, router=r))
+    try:
+        ids = range(0, len(ds), 5)
+        assert len(ids) > WRONG_IN_A_ROW + 2
+        for i in ids:
+            assert routed.read(i) == ds.read(i)
+        assert liar.answered == WRONG_IN_A_ROW
+        c = counters.read()
+        assert c["fallbacks"] == WRONG_IN_A_ROW and c["peer"] == 0
+        assert c["origin"] == sum(int(ds.index.length[i]) for i in ids)
+    finally:
+        r.close()
+        ep.close()
+
+
+class _OneBadBlock(_Liar):
+    """Right bytes, except for block ``bad``."""
+
+    bad = 2
+
+    def serve_hit(self, op, key, b, start, stop, reply):
+        if b == self.bad:
+            return super().serve_hit(op, key, b, start, stop, reply)
+        self.answered += 1
+        reply.data(pw.FROM_CACHE, bytearray(truth(self.ds, b, start, stop)))
+        return True
+
+
+def test_one_damaged_block_never_makes_its_node_skipped(ds, counters, monkeypatch):
+    peer = _OneBadBlock(ds)
+    ep = DataEndpoint(peer, SECRET, "127.0.0.1", 0)
+    r = _router(ds, counters, ep.address, monkeypatch, retry_s=600.0)
+    routed = ds.with_reader(BlockReader(ds, router=r))
+    try:
+        for _ in range(3):
+            for b in (peer.bad, 0, 1, peer.bad):
+                assert bytes(routed.reader.fetch_block(b)) == truth(ds, b, *whole(ds, b))
+        assert peer.answered == 12  # every read asked it
+        assert counters.read()["fallbacks"] == 6
+    finally:
+        r.close()
+        ep.close()
+
+
 def test_a_previous_owner_that_sends_wrong_bytes_is_never_cached(tmp_path, packed_local, ds, counters, monkeypatch):
     """The rank's node owns the blocks now; their previous owner hands them off with wrong bytes:
     the node cache keeps only the origin's, right, bytes."""
@@ -290,7 +344,8 @@ def test_a_previous_owner_that_sends_wrong_bytes_is_never_cached(tmp_path, packe
     liar = _Liar(cached)
     ep = DataEndpoint(liar, SECRET, "127.0.0.1", 0)
     prior = np.ones(len(cached.blocks), np.int64)
-    r = _router(cached, counters, ep.address, monkeypatch, nodes=("me", "before"), me=0, prior=prior)
+    # (retry_s=0: never skipped after wrong blocks in a row, so every handoff asks it)
+    r = _router(cached, counters, ep.address, monkeypatch, nodes=("me", "before"), me=0, prior=prior, retry_s=0.0)
     routed = cached.with_reader(BlockReader(cached, router=r))
     try:
         for i in range(0, len(cached), 11):

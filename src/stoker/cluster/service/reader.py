@@ -14,7 +14,8 @@ owner's cache first: by this rank when this node owns it now, else by the owner'
 the read names the previous owner to. Every byte is counted in the rank's :class:`ByteCounters`
 (local / peer / origin / peer_origin / handoff / fallbacks). What a peer sends is checked against
 the index checksums (the block reader's ``verify``) before it is kept or delivered: bytes that
-fail are refused and the origin read instead, a fallback counted.
+fail are refused and the origin read instead, a fallback counted; a node that sends
+:data:`WRONG_IN_A_ROW` wrong blocks in a row is skipped for ``retry_s`` seconds.
 
 Ray carries only the control plane here: the peers' data endpoints are looked up through their
 services (:meth:`connect`), and Ray's node table says which nodes are gone. A block's bytes come
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 
 #: The counter a peer's answer is counted in, by the source the peer named (else peer_origin).
 _COUNTED_AS = {"cache": "peer", "handoff": "handoff"}
+#: Blocks in a row whose bytes a node sent wrong before its reads are skipped for ``retry_s``
+#: seconds: one damaged cache file costs a fallback per read of it, a node that answers every
+#: block wrong (a broken disk, a bad build) costs this many, then one per ``retry_s``.
+WRONG_IN_A_ROW = 3
 
 
 class BlockRouter:
@@ -91,6 +96,7 @@ class BlockRouter:
 
     def _init_local(self):
         self._down_until: dict[int, float] = {}
+        self._wrong: dict[int, int] = {}  # node -> blocks in a row whose bytes it sent failed the check
         self._suspect: set[int] = set()  # peers whose last read failed: not asked on the read path
         self._probing: dict[int, threading.Thread] = {}  # peer -> the thread that pings it while suspect
         self._probe_lock = threading.Lock()
@@ -102,7 +108,7 @@ class BlockRouter:
         return {
             k: v
             for k, v in self.__dict__.items()
-            if k not in ("_down_until", "_suspect", "_probing", "_probe_lock", "_gone", "_alive", "_stop")
+            if k not in ("_down_until", "_wrong", "_suspect", "_probing", "_probe_lock", "_gone", "_alive", "_stop")
         }
 
     def __setstate__(self, state):
@@ -182,22 +188,32 @@ class BlockRouter:
     def _passes(self, verify: Verify, data, role: str, o: int, ds, b: int) -> bool:
         """Whether ``data``, read from node ``o`` (the block's ``role``), passes ``verify``; when
         it does not (a damaged cache file there, a wrong answer), the bytes are refused: logged
-        naming the node and block, a fallback counted. The node is not skipped: its other blocks
-        may be right."""
+        naming the node and block, a fallback counted. One wrong block does not make the node
+        skipped (its other blocks may be right); :data:`WRONG_IN_A_ROW` wrong blocks in a row do,
+        for ``retry_s`` seconds."""
         try:
             verify(data)
         except ChecksumError as exc:
+            wrong = self._wrong[o] = self._wrong.get(o, 0) + 1
+            skip = wrong >= WRONG_IN_A_ROW
             log.warning(
                 "%s %s sent bytes of block %s of %s that fail the index checksums (sample %r); refused, "
-                "reading the origin",
+                "reading the origin%s",
                 role,
                 self.names[o],
                 ds.blocks.name(b),
                 self.url,
                 exc.key,
+                f"; {wrong} wrong blocks in a row from it: its reads are skipped for {self.retry_s:g} s"
+                if skip
+                else "",
             )
+            if skip:
+                self._wrong[o] = 0
+                self._down_until[o] = time.monotonic() + self.retry_s
             self.counters.add(fallbacks=1)
             return False
+        self._wrong.pop(o, None)
         return True
 
     def _failed(self, role: str, o: int, ds, b: int, exc: Exception) -> None:
