@@ -267,8 +267,9 @@ class RankContext(WorkerContext):
         self.close()
 
     def loader(self, batch_size: int, **kwargs) -> RankLoader:
-        """A :class:`RankLoader` over this rank's co-located plan (keyword arguments as Loader's);
-        closing it leaves this context open."""
+        """A :class:`RankLoader` over this rank's co-located plan (keyword arguments as Loader's,
+        and ``dataset=``: a subset of :attr:`dataset`, as :meth:`WorkerContext.loader`); closing
+        it leaves this context open."""
         return RankLoader(self, batch_size, **kwargs)
 
 
