@@ -41,7 +41,7 @@ def test_an_epoch_over_a_subset_yields_each_selected_sample_once_with_the_origin
         with Loader(part, batch_size=4, num_workers=num_workers, decode=payload, seed=1) as loader:
             got = []
             for batch in loader:
-                for sid, data in zip(batch["id"].reshape(-1).tolist(), batch["bytes"].numpy()):
+                for sid, data in zip(batch["id"].reshape(-1).tolist(), batch["bytes"].numpy(), strict=True):
                     assert data.tobytes() == origin.read(sid), sid
                     got.append(sid)
             assert sorted(got) == part.selection.tolist() and len(got) == len(part)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
@@ -42,7 +43,7 @@ def test_every_form_of_selection_gives_the_named_samples_in_the_original_order(d
         "keys": ["s0021", "s0003", "s0030", "s0007"],
         "numpy keys": np.array(["s0007", "s0030", "s0021", "s0003"]),
         "mask": np.isin(np.arange(N), want),
-        "pyarrow predicate": lambda t: pc.is_in(t["key"], value_set=__import__("pyarrow").array(["s0003", "s0007", "s0021", "s0030"])),
+        "pyarrow predicate": lambda t: pc.is_in(t["key"], value_set=pa.array(["s0003", "s0007", "s0021", "s0030"])),
         "numpy predicate": lambda t: np.isin(t["sample_id"].to_numpy(), want),
     }
     for name, sel in forms.items():

@@ -513,7 +513,8 @@ class Loader:
 
     def __repr__(self) -> str:
         """``Loader('s3://b/train', batch_size=256, num_workers=8, epoch=0, rank=0, world_size=1)``
-        (over a subset, ``samples=30, subset_of=120`` after the URL) and the option groups that differ from their defaults (their own reprs); nothing is
+        (over a subset, ``samples=30, subset_of=120`` after the URL) and the option groups that
+        differ from their defaults (their own reprs); nothing is
         started or planned for it."""
         groups = "".join(
             f", {name}={opt!r}"

@@ -134,8 +134,10 @@ class Dataset:
 
     # -- subsets ----------------------------------------------------------
     def subset(self, selection) -> Dataset:
-        """A Dataset over the samples ``selection`` names, in this dataset's order, sharing its
-        index, blocks, cache, version and reader (no re-pack, no copy of any block):
+        """A Dataset over the samples ``selection`` names, in this dataset's order.
+
+        It shares this dataset's index, blocks, cache, version and reader (no re-pack, no copy
+        of any block). ``selection`` is one of:
 
         - sample ids: ints (a list, a range, an integer numpy array), this dataset's own
           (``0..len-1``: the packed ids for a whole dataset, positions for a subset);

@@ -34,8 +34,8 @@ def columns(ds) -> pa.Table:
     """The index columns a subset predicate gets: one row per sample of ``ds`` (a subset: its
     samples only), in order. ``sample_id`` int64 (the packed dataset's id), ``key`` string,
     ``label`` int64 (-1: none), ``class_name`` string (null without a label; dictionary-encoded),
-    ``shard`` string (the shard as the index names it, ``shards/shard-000000.tar``; dictionary-encoded), ``length`` int64 (primary
-    payload bytes)."""
+    ``shard`` string (the shard as the index names it, ``shards/shard-000000.tar``;
+    dictionary-encoded), ``length`` int64 (primary payload bytes)."""
     index = ds.index
     ids = np.arange(len(index), dtype=np.int64) if ds.selection is None else ds.selection
     labels = np.asarray(index.labels[ids], dtype=np.int64)
@@ -60,8 +60,9 @@ def columns(ds) -> pa.Table:
 
 
 def select(ds, selection: Any) -> np.ndarray:
-    """The packed dataset's sample ids (int64, ascending) of the samples of ``ds`` that
-    ``selection`` names:
+    """The packed dataset's sample ids (int64, ascending) of the samples of ``ds`` that ``selection`` names.
+
+    ``selection`` is one of:
 
     - sample ids (ints: a list, a range, an integer numpy array): positions in ``ds``, ``0..len(ds)-1``
       (the packed dataset's ids for a whole dataset; ``ds.read(i)``'s ``i`` for a subset);
@@ -183,9 +184,7 @@ def _from_keys(ds, keys) -> np.ndarray:
     if base is not None:
         outside = np.flatnonzero(~np.isin(ids, base))
         if outside.size:
-            raise KeyError(
-                f"subset: key {listed[int(outside[0])]!r} is a sample of {ds.url} but not of {_what(ds)}"
-            )
+            raise KeyError(f"subset: key {listed[int(outside[0])]!r} is a sample of {ds.url} but not of {_what(ds)}")
     order = np.argsort(ids, kind="stable")
     ordered = ids[order]
     dup = np.flatnonzero(ordered[1:] == ordered[:-1])
