@@ -245,6 +245,18 @@ def _warn_small_staging(dataset, shuffle: bool, read: ReadOptions) -> None:
         )
 
 
+def _whole(dataset):
+    """The dataset a loader's pipeline reads: the whole packed dataset of a subset
+    (``Dataset.subset``; read by the packed sample ids of ``Loader.plan``), else ``dataset``."""
+    return getattr(dataset, "whole", dataset)
+
+
+def _packed(selection: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    """The packed dataset's sample ids of ``ids``, positions in a loader's dataset: the same ids
+    unless it is a subset (``selection``: its ``Dataset.selection``)."""
+    return ids if selection is None else selection[ids]
+
+
 def _empty_reason(loader: Loader) -> str:
     """Why the epochs of ``loader`` deliver no sample ("" when they deliver some): :func:`why_empty`."""
     return why_empty(len(loader.dataset), loader.world_size, loader.read.even, loader.batch_size, loader.drop_last)
@@ -440,13 +452,7 @@ class Loader:
         at another split of that epoch: this rank's share of its rest, ``state.offset``). Over a
         subset, the packed dataset's ids of its samples (``dataset.selection``)."""
         e = self.epoch if epoch is None else epoch
-        return self._packed(self._shares(e, self.state.served_before(e)).plan(self.rank))
-
-    def _packed(self, ids: np.ndarray) -> np.ndarray:
-        """The packed dataset's sample ids of ``ids``, positions in the loader's dataset (the
-        same ids unless it is a subset: ``dataset.selection``)."""
-        selection = self.cfg.sample_ids
-        return ids if selection is None else selection[ids]
+        return _packed(self.cfg.sample_ids, self._shares(e, self.state.served_before(e)).plan(self.rank))
 
     def _shares(self, epoch: int, served: np.ndarray | None, world_size: int | None = None) -> EpochShares:
         """Every rank's share of ``epoch`` over ``world_size`` ranks (default this loader's) when
@@ -478,7 +484,7 @@ class Loader:
         if self.read.cache_aware_window > 0 and self.dataset.cache is not None and e in self.state.hit_maps:
             from ..order import cache_aware
 
-            ids = self._packed(shares.plan(self.rank))
+            ids = _packed(self.cfg.sample_ids, shares.plan(self.rank))
             where = cache_aware(
                 np.arange(len(ids)),
                 self.state.hit_maps[e][self.dataset.blocks.sample_block[ids]],
@@ -523,7 +529,7 @@ class Loader:
         )
         url = getattr(self.dataset, "url", type(self.dataset).__name__)
         if self.cfg.sample_ids is not None:  # a subset: of how many
-            url = f"{url!r}, samples={len(self.dataset)}, subset_of={len(self._whole())}"
+            url = f"{url!r}, samples={len(self.dataset)}, subset_of={len(_whole(self.dataset))}"
         else:
             url = repr(url)
         return (
@@ -657,11 +663,11 @@ class Loader:
             from .derived import setup
 
             derived, self.cache_form_report = setup(
-                self._whole(), self.image, workers=self.num_workers, mode=self.cfg.transform
+                _whole(self.dataset), self.image, workers=self.num_workers, mode=self.cfg.transform
             )
             self.cfg, self._derived_ready = replace(self.cfg, derived=derived), True
             log.info("derived-sample cache: %s", self.cache_form_report)
-        config = RunConfig(self._whole(), self.cfg, self.num_workers, self.read, self.image, self.run)
+        config = RunConfig(_whole(self.dataset), self.cfg, self.num_workers, self.read, self.image, self.run)
         hooks = RunHooks(  # weak: the pipeline never keeps its loader alive (no reference cycle)
             state=self.state,
             plan=_weak(self.epoch_plan),
@@ -678,11 +684,6 @@ class Loader:
         self.start_method = run.start_method
         self._started.run, self._started.pid = run, os.getpid()
         return run
-
-    def _whole(self):
-        """The dataset the pipeline reads: the whole packed dataset of a subset (read by the
-        packed sample ids of :meth:`plan`), else the loader's."""
-        return getattr(self.dataset, "whole", self.dataset)
 
     def close(self) -> None:
         """Stop workers and the prefetcher, unlink shared memory. Idempotent; a later
