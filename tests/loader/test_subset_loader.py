@@ -70,6 +70,13 @@ def test_a_mid_epoch_resume_over_a_subset_is_exact_and_another_subsets_state_is_
             wrong.load_state_dict(state)
     with Loader(train, **kw) as whole_state, pytest.raises(ValueError, match="over the whole dataset"):
         whole_state.load_state_dict(Loader(ds, **kw).state_dict())
+    # a state of an earlier release has no "subset": it was a whole dataset's, and still resumes one
+    with Loader(ds, **kw) as before:
+        old = {k: v for k, v in before.state_dict().items() if k != "subset"}
+    with Loader(ds, **kw) as now:
+        now.load_state_dict(old)
+    with Loader(train, **kw) as sub, pytest.raises(ValueError, match="over the whole dataset"):
+        sub.load_state_dict(old)
 
 
 def test_two_ranks_split_a_subset(url, tmp_path):
