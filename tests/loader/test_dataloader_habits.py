@@ -73,7 +73,7 @@ def test_a_torch_subset_or_dataset_is_refused_with_what_to_do(ds):
     sub = torch.utils.data.Subset(ds, range(10))
     with pytest.raises(stoker.NotADatasetError, match=r"not a torch.utils.data.Subset over one \(10 of 120 "):
         Loader(sub, 8, num_workers=0)
-    with pytest.raises(TypeError, match="pack that part as a dataset of its own"):
+    with pytest.raises(TypeError, match=r"pass ds\.subset\(ids, keys or a predicate\) or one of ds\.split"):
         Loader(sub, 8, num_workers=0)
 
     class Photos(torch.utils.data.Dataset):

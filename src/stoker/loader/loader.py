@@ -217,7 +217,8 @@ def _check_dataset(dataset) -> None:
         raise NotADatasetError(
             f"Loader() takes a stoker Dataset, not a torch.utils.data.Subset over one ({len(dataset)} of "
             f"{len(dataset.dataset)} samples of {dataset.dataset.url}): the Loader reads the packed dataset "
-            "itself, in its own order; to train on part of it, pack that part as a dataset of its own (stoker.pack)"
+            "itself, in its own order; for part of it pass ds.subset(ids, keys or a predicate) or one of "
+            "ds.split([0.9, 0.1], seed=...), which share its cache and index"
         )
     raise NotADatasetError(
         f"Loader() takes a packed stoker Dataset (stoker.open_dataset(url)), not a torch {name}: "
@@ -242,6 +243,18 @@ def _warn_small_staging(dataset, shuffle: bool, read: ReadOptions) -> None:
             read.staging_bytes,
             window,
         )
+
+
+def _whole(dataset):
+    """The dataset a loader's pipeline reads: the whole packed dataset of a subset
+    (``Dataset.subset``; read by the packed sample ids of ``Loader.plan``), else ``dataset``."""
+    return getattr(dataset, "whole", dataset)
+
+
+def _packed(selection: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    """The packed dataset's sample ids of ``ids``, positions in a loader's dataset: the same ids
+    unless it is a subset (``selection``: its ``Dataset.selection``)."""
+    return ids if selection is None else selection[ids]
 
 
 def _empty_reason(loader: Loader) -> str:
@@ -367,6 +380,10 @@ class Loader:
             check_device(device)  # RuntimeError (no CUDA) now, not at the first batch
         self.read, self.image, self.run = read, image, run
         self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, int(seed), drop_last
+        # a subset (Dataset.subset): the pipeline reads the whole packed dataset by its sample ids,
+        # and the order, rank split and resume state count the subset's own samples
+        whole = getattr(dataset, "whole", dataset)
+        selection = getattr(dataset, "selection", None)
         self.num_workers = int(num_workers)
         self.state = LoaderState(epoch=epoch, position=(epoch, 0))
         self.rank, self.world_size = resolve(rank, world_size, stacklevel=user_stacklevel() + 1)
@@ -388,13 +405,14 @@ class Loader:
             decode=decode,
             collate=collate,
             substitutes=self.world_size > 1,  # only DDP needs every rank's batch count equal
+            sample_ids=selection,
         )
         if num_workers:
             check_main_for(self.start_method)  # WorkerStartError: spawn children cannot start from here
             self.cfg.check_picklable(self.start_method)  # TypeError naming the function, now
         # the decoder of decode_device, made by the first iter() (after the workers are forked)
         self._device_decoder = (
-            DeviceBatchDecoder(image.decode_device, dataset, self.cfg) if image.decode_device is not None else None
+            DeviceBatchDecoder(image.decode_device, whole, self.cfg) if image.decode_device is not None else None
         )
         self.cache_form_report: dict | None = None  # the derived form used and, for "auto", its measured rates
         self._derived_ready = False
@@ -434,9 +452,10 @@ class Loader:
     # -- plan -------------------------------------------------------------
     def plan(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample ids for ``epoch`` (default: the next epoch), in order (after a resume
-        at another split of that epoch: this rank's share of its rest, ``state.offset``)."""
+        at another split of that epoch: this rank's share of its rest, ``state.offset``). Over a
+        subset, the packed dataset's ids of its samples (``dataset.selection``)."""
         e = self.epoch if epoch is None else epoch
-        return self._shares(e, self.state.served_before(e)).plan(self.rank)
+        return _packed(self.cfg.sample_ids, self._shares(e, self.state.served_before(e)).plan(self.rank))
 
     def _shares(self, epoch: int, served: np.ndarray | None, world_size: int | None = None) -> EpochShares:
         """Every rank's share of ``epoch`` over ``world_size`` ranks (default this loader's) when
@@ -446,6 +465,8 @@ class Loader:
         co-located one) overrides it."""
         order, window = order_of(self.read, self.shuffle), self.read.order_window
         groups = self.dataset.blocks.sample_block
+        if self.cfg.sample_ids is not None:  # a subset: its samples' blocks (its order counts its own samples)
+            groups = groups[self.cfg.sample_ids]
         perm = permutation(len(self.dataset), self.seed, epoch, order, groups=groups, window=window)
         shares = interleaved_shares(perm, world_size or self.world_size, self.read.even, served)
         return shares.whole_batches(self.batch_size) if self.drop_last else shares
@@ -466,7 +487,7 @@ class Loader:
         if self.read.cache_aware_window > 0 and self.dataset.cache is not None and e in self.state.hit_maps:
             from ..order import cache_aware
 
-            ids = shares.plan(self.rank)
+            ids = _packed(self.cfg.sample_ids, shares.plan(self.rank))
             where = cache_aware(
                 np.arange(len(ids)),
                 self.state.hit_maps[e][self.dataset.blocks.sample_block[ids]],
@@ -501,7 +522,8 @@ class Loader:
 
     def __repr__(self) -> str:
         """``Loader('s3://b/train', batch_size=256, num_workers=8, epoch=0, rank=0, world_size=1)``
-        and the option groups that differ from their defaults (their own reprs); nothing is
+        (over a subset, ``samples=30, subset_of=120`` after the URL) and the option groups that
+        differ from their defaults (their own reprs); nothing is
         started or planned for it."""
         groups = "".join(
             f", {name}={opt!r}"
@@ -509,8 +531,12 @@ class Loader:
             if opt != type(opt)()
         )
         url = getattr(self.dataset, "url", type(self.dataset).__name__)
+        if self.cfg.sample_ids is not None:  # a subset: of how many
+            url = f"{url!r}, samples={len(self.dataset)}, subset_of={len(_whole(self.dataset))}"
+        else:
+            url = repr(url)
         return (
-            f"Loader({url!r}, batch_size={self.batch_size}, num_workers={self.num_workers}, epoch={self.epoch}, "
+            f"Loader({url}, batch_size={self.batch_size}, num_workers={self.num_workers}, epoch={self.epoch}, "
             f"rank={self.rank}, world_size={self.world_size}{groups})"
         )
 
@@ -553,6 +579,7 @@ class Loader:
             "transform": self.cfg.transform,
             "dataset_version": self.dataset.version,
             "num_samples": len(self.dataset),
+            "subset": getattr(self.dataset, "selection_digest", None),
             "cache_aware_window": self.read.cache_aware_window,
             # a streaming collate's carry only means something to the same collate
             "carry_from": repr(self.cfg.collate) if hasattr(self.cfg.collate, "cut") else None,
@@ -639,11 +666,11 @@ class Loader:
             from .derived import setup
 
             derived, self.cache_form_report = setup(
-                self.dataset, self.image, workers=self.num_workers, mode=self.cfg.transform
+                _whole(self.dataset), self.image, workers=self.num_workers, mode=self.cfg.transform
             )
             self.cfg, self._derived_ready = replace(self.cfg, derived=derived), True
             log.info("derived-sample cache: %s", self.cache_form_report)
-        config = RunConfig(self.dataset, self.cfg, self.num_workers, self.read, self.image, self.run)
+        config = RunConfig(_whole(self.dataset), self.cfg, self.num_workers, self.read, self.image, self.run)
         hooks = RunHooks(  # weak: the pipeline never keeps its loader alive (no reference cycle)
             state=self.state,
             plan=_weak(self.epoch_plan),

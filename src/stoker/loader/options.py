@@ -27,7 +27,7 @@ import multiprocessing as mp
 import numbers
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -504,6 +504,9 @@ class WorkerConfig:
             substitutes (:mod:`stoker.loader.workers.padding`), so that every rank yields the same
             number of batches: True for a loader of several ranks; False for one rank, whose such
             batch yields nothing (no sample is decoded twice).
+        sample_ids: the packed dataset's sample ids a loader over a subset reads
+            (``Dataset.selection``, int64 ascending; substitutes are drawn from them only), or
+            None: every sample.
     """
 
     transform: str
@@ -517,6 +520,7 @@ class WorkerConfig:
     decode: Any = None
     collate: Any = None
     substitutes: bool = True
+    sample_ids: Any = field(default=None, compare=False)
 
     @property
     def generic(self) -> bool:

@@ -51,9 +51,14 @@ IDENTITY_KEYS = (
     "transform",
     "dataset_version",
     "num_samples",
+    "subset",
     "cache_aware_window",
     "carry_from",
 )
+
+#: Identity keys a state saved by an earlier release may lack, with the value they had then
+#: (every loader read a whole dataset before subsets).
+_ADDED_KEYS = {"subset": None}
 
 
 @dataclass
@@ -382,10 +387,27 @@ def _check_saved(state: dict, identity: dict, strict: bool) -> None:
     if not isinstance(state, dict) or "epoch" not in state or not {"samples_done", "batches_done"} & state.keys():
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"cannot resume: not a Loader state_dict() (it needs 'epoch' and 'samples_done'; got {got})")
+    if all(k in state for k in IDENTITY_KEYS if k not in _ADDED_KEYS):  # a whole state, maybe of an earlier release
+        state = {**_ADDED_KEYS, **state}
     check_identity_keys(state, IDENTITY_KEYS, strict, stacklevel=5)  # warns at the user's load_state_dict
-    for k in IDENTITY_KEYS:
+    for k in sorted(IDENTITY_KEYS, key=lambda k: k != "subset"):  # another subset first: the clearest reason
         if k in state and state[k] != identity[k]:
+            if k == "subset":
+                raise ValueError(f"cannot resume: {_subset_mismatch(state[k], identity[k])}")
             raise ValueError(f"cannot resume: state has {k}={state[k]!r}, this loader has {identity[k]!r}")
+
+
+def _subset_mismatch(saved: object, mine: object) -> str:
+    """Why a state of one subset (``Dataset.subset``/``split``; a ``"<count>:<digest>"`` or None
+    for the whole dataset) does not resume a loader over another, in words."""
+
+    def what(x: object) -> str:
+        return "the whole dataset" if x is None else f"a subset of {str(x).split(':')[0]} samples ({x})"
+
+    return (
+        f"the state was saved by a loader over {what(saved)}, this loader reads {what(mine)}: "
+        "resume each subset (a split's train and validation parts) with its own state_dict()"
+    )
 
 
 def _served(

@@ -29,6 +29,7 @@ from .blocks import BlockReader, BlockSource, ReadStats
 from .checks import bad_field, sample_ok
 from .diagnose import why_no_index
 from .index import INDEX_NAME, DatasetIndex, read_index
+from .subset import select, selection_digest, split_positions
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,14 @@ class Dataset:
     another one. Nothing else about a Dataset changes after it is made, so one Dataset may be
     shared by several Loaders, each with its own staging area. Its blocks (the cache's unit) are
     :attr:`blocks`, a :class:`stoker.store.blockmap.BlockMap`.
+
+    A subset (:meth:`subset`, :meth:`split`) is a Dataset over some of the samples of the same
+    packed dataset: the same index, blocks, cache and version (nothing re-packed, no block cached
+    twice). Its ``len()``, ``ds[i]``, :meth:`read`, :meth:`read_fields`, :meth:`key` and
+    :attr:`labels` count its own samples, ``0..len(ds)-1`` in the packed order;
+    :attr:`selection` maps them to the packed dataset's sample ids (the ids the index, a
+    Loader's plan and ``decode=``'s ``"__id__"`` use), and :attr:`whole` is the dataset of every
+    sample.
     """
 
     def __init__(
@@ -70,12 +79,14 @@ class Dataset:
         self.blocks = BlockMap(index, self.block_bytes)
         self._reader: BlockSource | None = None  # None: a plain reader, made per use (no reference cycle)
         self._stats = ReadStats()  # the plain reader's counters
+        #: the packed dataset's sample ids this dataset holds, int64 ascending, or None: all of them
+        self.selection: np.ndarray | None = None
 
     def __getstate__(self):
         return {**self.__dict__, "_stats": ReadStats()}  # a copy in a worker process counts its own reads
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.index) if self.selection is None else len(self.selection)
 
     @property
     def num_blocks(self) -> int:
@@ -87,10 +98,11 @@ class Dataset:
         """``Dataset('s3://b/train', version='3f2a9c0d11aa', samples=120, block_bytes='4MiB')``:
         the URL, the content version's first 12 characters (as ``stoker cache status`` prints
         it), the samples, the block size (the cache's unit) and ``cache=None`` when it reads
-        without a cache."""
+        without a cache; a subset says of how many: ``samples=30, subset_of=120``."""
         nocache = ", cache=None" if self.cache is None else ""
+        part = "" if self.selection is None else f", subset_of={len(self.index)}"
         return (
-            f"Dataset({self.url!r}, version={self.version[:12]!r}, samples={len(self)}, "
+            f"Dataset({self.url!r}, version={self.version[:12]!r}, samples={len(self)}{part}, "
             f"block_bytes={format_size(self.block_bytes)!r}{nocache})"
         )
 
@@ -98,12 +110,13 @@ class Dataset:
         """(payload bytes, label) of sample ``i`` (negative ids count from the end).
 
         Raises TypeError for an id that is not an integer, IndexError (naming the dataset) for
-        one out of range, and what :meth:`read` raises."""
+        one out of range, and what :meth:`read` raises. A subset's ``i`` counts its own samples."""
         i = self._sample_id(i)
-        return self.read(i), int(self.index.labels[i])
+        return self._read_id(i), int(self.index.labels[i])
 
     def _sample_id(self, i) -> int:
-        """``i`` as a sample id in ``0..len-1`` (negative counts from the end), or a clear error."""
+        """The packed dataset's sample id of this dataset's sample ``i`` (in ``0..len-1``;
+        negative counts from the end), or a clear error."""
         if isinstance(i, (str, bytes)):
             raise TypeError(
                 f"samples of {self.url} are indexed by id (an int), not by key {i!r}; "
@@ -114,8 +127,58 @@ class Dataset:
         except TypeError:
             raise TypeError(f"a sample id must be an integer, got {type(i).__name__} {i!r}") from None
         if not -len(self) <= n < len(self):
-            raise IndexError(f"sample {n} out of range for {len(self)} samples in {self.url}")
-        return n % len(self)
+            of = "" if self.selection is None else f" of a subset of {len(self.index)}"
+            raise IndexError(f"sample {n} out of range for {len(self)} samples{of} in {self.url}")
+        n %= len(self)
+        return n if self.selection is None else int(self.selection[n])
+
+    # -- subsets ----------------------------------------------------------
+    def subset(self, selection) -> Dataset:
+        """A Dataset over the samples ``selection`` names, in this dataset's order.
+
+        It shares this dataset's index, blocks, cache, version and reader (no re-pack, no copy
+        of any block). ``selection`` is one of:
+
+        - sample ids: ints (a list, a range, an integer numpy array), this dataset's own
+          (``0..len-1``: the packed ids for a whole dataset, positions for a subset);
+        - sample keys: strs (a list, a numpy or pyarrow string array);
+        - a numpy bool mask of ``len(self)``;
+        - a predicate ``fn(table) -> mask`` over the index columns, ``table`` a
+          ``pyarrow.Table`` of one row per sample (``sample_id``, ``key``, ``label``,
+          ``class_name``, ``shard``, ``length``: :func:`stoker.store.subset.columns`), ``mask``
+          one bool per row (``lambda t: pyarrow.compute.equal(t["class_name"], "cat")``,
+          ``lambda t: t["label"].to_numpy() < 2``).
+
+        A Loader over the subset serves exactly its samples (each once per epoch), its resume
+        state belongs to it (another subset's is refused), its ranks split it, and it reads
+        only the blocks that hold its samples. Raises what :func:`stoker.store.subset.select`
+        raises (TypeError, IndexError, KeyError naming an unknown key, ValueError)."""
+        return self._with_selection(select(self, selection))
+
+    def split(self, fractions, seed: int = 0) -> list[Dataset]:
+        """Disjoint subsets that cover this dataset, one per fraction (``[0.9, 0.1]``: train and
+        validation), in the order given: a random deal of its samples by ``seed``, each part
+        within one sample of its fraction and in the dataset's order
+        (:func:`stoker.store.subset.split_positions`). The same ``seed`` gives the same parts in
+        every process and on every rank. Raises TypeError / ValueError for fractions that are
+        not numbers in (0, 1] summing to 1, naming them."""
+        return [self._with_selection(select(self, part)) for part in split_positions(len(self), fractions, seed)]
+
+    @property
+    def whole(self) -> Dataset:
+        """The dataset of every sample of the packed dataset (this one, unless it is a subset)."""
+        return self if self.selection is None else self._with_selection(None)
+
+    @property
+    def selection_digest(self) -> str | None:
+        """What names this subset in a Loader's resume state (``"<count>:<xxh3-64 hex>"`` of
+        :attr:`selection`), or None for the whole dataset."""
+        return selection_digest(self.selection)
+
+    def _with_selection(self, ids: np.ndarray | None) -> Dataset:
+        view = copy.copy(self)
+        view.selection = ids
+        return view
 
     # -- the reader -------------------------------------------------------
     @property
@@ -151,7 +214,8 @@ class Dataset:
     # -- metadata ---------------------------------------------------------
     @property
     def labels(self) -> np.ndarray:
-        return self.index.labels
+        """int64 (len,): each sample's label (-1: none); a subset's are its own samples'."""
+        return self.index.labels if self.selection is None else self.index.labels[self.selection]
 
     @property
     def version(self) -> str:
@@ -165,14 +229,19 @@ class Dataset:
         return list(self.index.classes)
 
     def key(self, i: int) -> str:
-        return self.index.key(i)
+        """The key of sample ``i`` (a subset's ``i`` counts its own samples)."""
+        return self.index.key(i if self.selection is None else self._sample_id(i))
 
     # -- reads ------------------------------------------------------------
     def read(self, i: int) -> bytes:
         """Payload bytes of sample ``i``, verified against its checksum (through :attr:`reader`:
         the node cache, the staging area, else the origin). Raises :class:`ChecksumError` and
-        :class:`stoker.storage.OriginError` (see the class)."""
-        i = int(i)
+        :class:`stoker.storage.OriginError` (see the class). A subset's ``i`` counts its own
+        samples (IndexError out of range)."""
+        return self._read_id(int(i) if self.selection is None else self._sample_id(i))
+
+    def _read_id(self, i: int) -> bytes:
+        """Payload bytes of the packed dataset's sample ``i`` (see :meth:`read`)."""
         reader = self.reader
         reader.stats.samples += 1
         start = int(self.index.offset[i])
@@ -195,7 +264,8 @@ class Dataset:
         With ``meta=True`` (what a Loader's ``decode=`` gets), the same dict followed by the
         sample's facts from the index, the same for every source: :data:`KEY_FIELD` (``"__key__"``,
         str: the sample key, ``ds.key(i)``), :data:`ID_FIELD` (``"__id__"``, int: the sample id
-        ``i``) and :data:`LABEL_FIELD` (``"__label__"``, int: the class index, ``ds.labels[i]``;
+        ``i``; a subset's: the packed dataset's id, ``ds.selection[i]``) and :data:`LABEL_FIELD`
+        (``"__label__"``, int: the class index, ``ds.labels[i]``;
         only when the sample has a label: an ImageFolder class folder, a WebDataset or file tree
         ``cls``/``json`` label, a file list's or Parquet table's ``label`` column). A member
         stored under one of these names (a Parquet column ``__key__``) is replaced by the fact;
@@ -218,7 +288,7 @@ class Dataset:
         view = memoryview(data)
         out: dict[str, Any] = {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
         if meta:
-            out[KEY_FIELD] = self.key(i)
+            out[KEY_FIELD] = self.index.key(i)
             out[ID_FIELD] = i
             label = int(self.index.labels[i])
             if label >= 0:

@@ -119,21 +119,29 @@ class WorkerContext:
         window: int = 16,
         even: str = "pad",
         served: np.ndarray | None = None,
+        selection: np.ndarray | None = None,
     ) -> EpochShares:
         """Every rank's share of ``epoch`` (:class:`stoker.order.EpochShares`; :meth:`plan` is this
         rank's): the permutation ``order`` of (seed, epoch) split over the job's ranks,
         co-located (:func:`stoker.cluster.schedule.colocated_shares`) or plain (``"random"``:
         :func:`stoker.order.interleaved_shares`). ``served``: samples already served (bool by
         sample id; a resumed epoch), only the rest is split. Every rank computes the same shares
-        (from the job's layout), so any rank can say what all of them have served."""
+        (from the job's layout), so any rank can say what all of them have served.
+        ``selection``: the samples of a subset (``Dataset.selection``, the packed ids): the
+        shares are then of its own samples, ``0..len(selection)-1`` (``selection[i]`` the packed
+        id), each placed by its block's owner as in the whole dataset."""
         digest = None if served is None else hashlib.blake2b(np.packbits(served).tobytes(), digest_size=16).digest()
-        key = (epoch, seed, order, window, even, digest)
+        which = None if selection is None else hashlib.blake2b(np.asarray(selection).tobytes(), digest_size=16).digest()
+        key = (epoch, seed, order, window, even, digest, which)
         if key not in self._plans:
             ds = self.dataset
-            perm = permutation(len(ds), seed, epoch, order, groups=ds.blocks.sample_block, window=window)
+            groups = ds.blocks.sample_block if selection is None else ds.blocks.sample_block[selection]
+            perm = permutation(len(groups), seed, epoch, order, groups=groups, window=window)
             if self.placement == "colocated":
                 # no blocks (no samples): none is cached anywhere (-1)
-                sample_node = self._sample_node if self._sample_node is not None else np.full(len(perm), -1)
+                sample_node = self._sample_node if self._sample_node is not None else np.full(len(ds.index), -1)
+                if selection is not None:
+                    sample_node = sample_node[selection]
                 shares = colocated_shares(perm, sample_node, self._rank_nodes, even, served)
             else:
                 shares = interleaved_shares(perm, self.world_size, even, served)
@@ -188,9 +196,11 @@ class WorkerContext:
                 rec["samples_per_s"] = rec["samples"] / rec["seconds"]
             self.epochs.append(rec)
 
-    def loader(self, batch_size: int, **kwargs) -> "ClusterLoader":
-        """A :class:`stoker.Loader` over this rank's co-located plan (keyword arguments as Loader's)."""
-        return ClusterLoader(self, batch_size, **kwargs)
+    def loader(self, batch_size: int, dataset=None, **kwargs) -> "ClusterLoader":
+        """A :class:`stoker.Loader` over this rank's co-located plan (keyword arguments as
+        Loader's); ``dataset``: a subset of :attr:`dataset` (``ctx.dataset.subset(...)`` or a
+        part of ``ctx.dataset.split(...)``) to read instead of all of it."""
+        return ClusterLoader(self, batch_size, dataset=dataset, **kwargs)
 
 
 class ClusterLoader(Loader):
@@ -198,9 +208,18 @@ class ClusterLoader(Loader):
     (:meth:`WorkerContext.plan`) and whose epochs are recorded by :meth:`WorkerContext.measure`
     (with the loader's samples, samples/s, stall and exactly-once check)."""
 
-    def __init__(self, ctx: WorkerContext, batch_size: int, **kwargs):
+    def __init__(self, ctx: WorkerContext, batch_size: int, dataset=None, **kwargs):
+        """``dataset``: ``ctx.dataset`` (None) or a subset of it (ValueError for another dataset:
+        its blocks are not the ones this job placed)."""
         self._cluster = ctx
-        super().__init__(ctx.dataset, batch_size, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+        if dataset is None:
+            dataset = ctx.dataset
+        elif getattr(dataset, "index", None) is not ctx.dataset.index:
+            raise ValueError(
+                f"ctx.loader(dataset=...) takes ctx.dataset or a subset of it (ctx.dataset.subset / split), "
+                f"not {dataset!r}: this job placed the blocks of {ctx.dataset.url} only"
+            )
+        super().__init__(dataset, batch_size, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
 
     def _shares(self, epoch: int, served: np.ndarray | None, world_size: int | None = None) -> EpochShares:
         """The job's co-located shares of ``epoch`` (:meth:`WorkerContext.shares`), whole batches
@@ -209,7 +228,7 @@ class ClusterLoader(Loader):
         if world_size not in (None, self.world_size):
             return super()._shares(epoch, served, world_size)
         order, window, even = order_of(self.read, self.shuffle), self.read.order_window, self.read.even
-        shares = self._cluster.shares(epoch, self.seed, order, window, even, served)
+        shares = self._cluster.shares(epoch, self.seed, order, window, even, served, self.cfg.sample_ids)
         return shares.whole_batches(self.batch_size) if self.drop_last else shares
 
     def __iter__(self):

@@ -266,10 +266,11 @@ class RankContext(WorkerContext):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def loader(self, batch_size: int, **kwargs) -> RankLoader:
-        """A :class:`RankLoader` over this rank's co-located plan (keyword arguments as Loader's);
-        closing it leaves this context open."""
-        return RankLoader(self, batch_size, **kwargs)
+    def loader(self, batch_size: int, dataset=None, **kwargs) -> RankLoader:
+        """A :class:`RankLoader` over this rank's co-located plan (keyword arguments as Loader's,
+        and ``dataset=``: a subset of :attr:`dataset`, as :meth:`WorkerContext.loader`); closing
+        it leaves this context open."""
+        return RankLoader(self, batch_size, dataset=dataset, **kwargs)
 
 
 class RankLoader(ClusterLoader):

@@ -115,7 +115,7 @@ class DeviceBatchDecoder:
         from ..workers.padding import probe_limit, probe_order, unreadable
 
         ds, limit = self.dataset, probe_limit(len(ids))
-        order = probe_order(self.cfg.seed, epoch, ids, len(ds))
+        order = probe_order(self.cfg.seed, epoch, ids, len(ds), self.cfg.sample_ids)
         padded: list[tuple[int, str]] = []
         imgs: list = []
         tried = 0

@@ -330,7 +330,7 @@ class GenericDecoder:
         samples: list = []
         padded: list[tuple[int, str]] = []
         tried, last = 0, None
-        for sid in probe_order(self.cfg.seed, epoch, sids, len(self.ds)):
+        for sid in probe_order(self.cfg.seed, epoch, sids, len(self.ds), self.cfg.sample_ids):
             if len(padded) == len(sids) or tried == probe_limit(len(sids)):
                 break
             tried += 1

@@ -51,14 +51,16 @@ def probe_limit(planned: int) -> int:
     return max(64, 4 * int(planned))
 
 
-def probe_order(seed: int, epoch: int, ids, num_samples: int) -> Iterator[int]:
+def probe_order(seed: int, epoch: int, ids, num_samples: int, pool=None) -> Iterator[int]:
     """The sample ids tried as substitutes for the batch of sample ids ``ids`` (ints), in order:
     every id of ``[0, num_samples)`` at most once, none of ``ids``. A pure function of ``seed``
     (the loader's), ``epoch`` and ``ids`` (in plan order): a pseudo-random stride between about a
     quarter and three quarters of ``num_samples``, coprime with it, from a pseudo-random start, so
     consecutive tries land far apart (a run of bad samples, such as a damaged shard, is not walked
-    through one by one)."""
-    n = int(num_samples)
+    through one by one). ``pool``: the ids a loader over a subset reads (an int array,
+    ``WorkerConfig.sample_ids``): its entries are tried instead, in the same way, and
+    ``num_samples`` is not used; None: every id."""
+    n = int(num_samples) if pool is None else len(pool)
     own = {int(i) for i in ids}
     if n <= 0:
         return
@@ -70,6 +72,8 @@ def probe_order(seed: int, epoch: int, ids, num_samples: int) -> Iterator[int]:
         stride += 1
     for k in range(n):
         sid = (start + k * stride) % n
+        if pool is not None:
+            sid = int(pool[sid])
         if sid not in own:
             yield sid
 

@@ -203,7 +203,7 @@ class BatchDecoder:
         cfg, ds = self.cfg, self.ds
         padded: list = []
         tried, last = 0, None
-        for sid in probe_order(cfg.seed, epoch, sids, len(ds)):
+        for sid in probe_order(cfg.seed, epoch, sids, len(ds), cfg.sample_ids):
             if len(padded) == len(sids) or tried == probe_limit(len(sids)):
                 break
             tried += 1
