@@ -132,3 +132,24 @@ def test_a_refused_promotion_is_not_tried_on_every_read(tmp_path, monkeypatch):
     assert asked == [800, 800] and cache.stats.promotions == 1 and mem.used_bytes() == 800
     assert cache.stats.disk_hits == 11 and cache.stats.memory_hits == 0
     assert cache.with_fd("v", "b0", lambda fd: os.pread(fd, 10, 0)) == bytes(10) and cache.stats.memory_hits == 1
+
+
+def test_a_server_sending_a_disk_block_sends_the_promoted_copy_once(tmp_path):
+    """The cluster cache service sends a hit with one ``sendfile`` from the descriptor that
+    ``with_fd`` gives (stoker.cluster.service.cache_service): a block found only on disk is promoted
+    and ``use`` called once, on the memory tier's file, whole."""
+    mem, disk = DiskCache(str(tmp_path / "m"), 1 << 20), DiskCache(str(tmp_path / "d"), 1 << 20)
+    mem.register("v", 1 << 20)
+    disk.register("v", 1 << 20)
+    cache = TieredCache(mem, disk)
+    block = os.urandom(5000)
+    disk.put("v", "blk", block)
+    calls = []
+
+    def send(fd):
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return os.pread(fd, len(block), 0)
+
+    assert cache.with_fd("v", "blk", send) == block
+    assert calls == [mem.path("v", "blk")] and cache.stats.promotions == 1 and cache.stats.disk_hits == 1
+    assert cache.with_fd("v", "blk", send) == block and cache.stats.memory_hits == 1
