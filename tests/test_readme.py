@@ -8,8 +8,9 @@ A fenced block preceded by a marker comment is run in a subprocess, in a tempora
 with this checkout's ``src`` on ``PYTHONPATH``:
 
 - ``<!-- test: run -->``: the block saved as a script and run by this Python;
-- ``<!-- test: run-s3 -->``: the same, against a moto S3 server started here (bucket
-  ``my-bucket``), reached only through the AWS environment (``AWS_ENDPOINT_URL`` and keys);
+- ``<!-- test: run-s3 -->``: the same, against ``stoker origin-server`` started here as the guide
+  says (its default bucket ``my-bucket``), reached only through the AWS environment it prints
+  (``AWS_ENDPOINT_URL`` and keys);
 - ``<!-- test: torchrun -->``: the script under ``torchrun --standalone --nproc_per_node=2``, with a
   work directory as its argument (gloo on the CPU; the recipes are in docs/guide.md);
 - ``<!-- test: lightning -->``: the script run by this Python with a work directory as its
@@ -24,11 +25,17 @@ with this checkout's ``src`` on ``PYTHONPATH``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import queue
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -163,31 +170,54 @@ def test_quick_start_runs(tmp_path):
         assert "epoch 1" in out, out
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
-def moto_s3():
-    """A moto S3 server on 127.0.0.1 (a free port) with the bucket the S3 example uses (docs/guide.md)."""
-    boto3 = pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+def origin_server(tmp_path):
+    """``stoker origin-server --port <free port>`` in a subprocess, as the guide tells a user to start
+    it (the default bucket, ``my-bucket``): ``{"env": its printed ``export`` line as a dict,
+    "storage_options": its printed options}``. Stopped with SIGINT (Ctrl-C) after the test, which
+    checks that it exits 0, saying so."""
+    pytest.importorskip("moto.server")
+    cmd = [sys.executable, "-m", "stoker.cli", "origin-server", "--port", str(_free_port()), "--latency-ms", "0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
+    reader.start()
     try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds).create_bucket(Bucket=BUCKET)
-        yield endpoint
+        printed = []
+        with contextlib.suppress(queue.Empty):
+            while len(printed) < 6:  # the lines it prints once it listens; a server that hangs fails here
+                printed.append(lines.get(timeout=60))
+        export = [line for line in printed if line.strip().startswith("export ")]
+        assert export and proc.poll() is None, printed
+        env = dict(kv.split("=", 1) for kv in export[0].split()[1:])
+        options = json.loads(printed[-2])
+        assert BUCKET in printed[0] and env["AWS_ENDPOINT_URL"] == options["endpoint_url"], printed
+        yield {"env": env, "storage_options": options}
     finally:
-        server.stop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        err = proc.stderr.read()
+        reader.join(10)  # the rest of its output, to the end
+    out = "".join(lines.get() for _ in range(lines.qsize()))
+    assert proc.returncode == 0 and "stopped" in out and not err.strip(), (proc.returncode, out, err)
 
 
-def test_quick_start_on_s3_through_the_aws_environment(tmp_path, moto_s3):
+def test_quick_start_on_s3_through_the_aws_environment(tmp_path, origin_server):
     blocks = _blocks("run-s3")
     assert blocks, "no <!-- test: run-s3 --> block in the README or docs/"
     env = _env(
-        AWS_ENDPOINT_URL=moto_s3,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
+        **origin_server["env"],  # what `stoker origin-server` printed, pasted
         AWS_CONFIG_FILE=str(tmp_path / "no-config"),
         AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"),
     )
@@ -197,6 +227,41 @@ def test_quick_start_on_s3_through_the_aws_environment(tmp_path, moto_s3):
         script.write_text(code)
         out = _run([sys.executable, str(script)], tmp_path, env)
         assert "epoch 1" in out, out
+
+
+def test_the_origin_servers_storage_options_pack_and_read_back(tmp_path, origin_server):
+    """The ``storage_options=`` line ``stoker origin-server`` prints reaches its bucket: a dataset
+    packed there reads back sample for sample (in a child: obstore's runtime stays out of this one)."""
+    code = f"""
+import json, sys
+import stoker
+from stoker_lab.sample_data import make_sample_data
+opts = json.loads(sys.argv[1])
+make_sample_data("raw", images=12, classes=2)
+stoker.pack("raw/train", "s3://{BUCKET}/tried/train", storage_options=opts, progress=False)
+ds = stoker.open_dataset("s3://{BUCKET}/tried/train", storage_options=opts, cache=False)
+stoker.pack("raw/train", "packed", progress=False)
+local = stoker.open_dataset("packed", cache=False)
+assert len(ds) == len(local) == 12 and all(ds[i] == local[i] for i in range(len(ds)))
+print("read back", len(ds))
+"""
+    script = tmp_path / "tried.py"
+    script.write_text(code)
+    env = _env(AWS_CONFIG_FILE=str(tmp_path / "no-config"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-creds"))
+    out = _run([sys.executable, str(script), json.dumps(origin_server["storage_options"])], tmp_path, env)
+    assert "read back 12" in out
+
+
+def test_origin_server_on_a_taken_port_says_which(tmp_path):
+    pytest.importorskip("moto.server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "stoker.cli", "origin-server", "--port", str(port)]
+        res = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and f"port {port} on 127.0.0.1 is taken" in res.stderr, res.stderr
+    assert "--port" in res.stderr and "Traceback" not in res.stderr
 
 
 def _run_recipes(tmp_path: Path, tag: str, launch: list[str], env: dict, timeout_s: float = 240) -> list[str]:

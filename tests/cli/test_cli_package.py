@@ -79,6 +79,8 @@ def test_origin_server_arguments_reach_the_library(monkeypatch):
                 "7",
                 "--host",
                 "10.231.0.254",
+                "--port",
+                "9123",
             ]
         )
         == 0
@@ -91,4 +93,9 @@ def test_origin_server_arguments_reach_the_library(monkeypatch):
         "fast_range": False,
         "parent_pid": 7,
         "host": "10.231.0.254",
+        "port": 9123,
+        "announce": True,
     }
+    seen.clear()
+    assert main(["origin-server"]) == 0  # the guide's S3 example's endpoint port and bucket
+    assert seen["port"] == 9000 and seen["buckets"] == ("my-bucket",)

@@ -59,6 +59,12 @@ class BlockFiles:
             h.release(ent)
         return out
 
+    def forget(self, namespace: str, name: str) -> None:
+        """Close this process's descriptor of block ``name`` (now, or when the reads using it end);
+        the file stays. A copy of the block in another tier is then what the next read finds
+        (:mod:`.promote`)."""
+        self.dir.local().drop((namespace, name))
+
     def contains(self, namespace: str, name: str) -> bool:
         """Whether block ``name`` of ``namespace`` is committed (a regular file, not a link)."""
         return is_file(self.path(namespace, name))

@@ -1,10 +1,12 @@
 """Two cache tiers on one node: shared memory over local disk, each with its own byte budget.
 
 The memory tier is a :class:`DiskCache` rooted in ``/dev/shm`` (RAM, shared by every process
-of the node, gone at reboot); the disk tier is a :class:`DiskCache` on local disk. A block lives
-in one tier: fills go to the memory tier while it admits them, then to the disk tier (Alluxio's
-MEM over SSD; with the no-eviction policy the first blocks of the first epoch take the memory).
-Reads look in memory, then on disk; hits are counted per tier. Both budgets are enforced on
+of the node, gone at reboot); the disk tier is a :class:`DiskCache` on local disk. Fills from the
+origin go to the memory tier while it admits them, then to the disk tier (Alluxio's MEM over SSD;
+with the no-eviction policy the first blocks of the first epoch take the memory). Reads look in
+memory, then on disk; hits are counted per tier. A block read from the disk tier is copied into
+the memory tier when its budget admits it (:mod:`.promote`: a disk tier warm from earlier jobs
+fills the memory tier as it is read), and then lives in both. Both budgets are enforced on
 every write by the tiers themselves, and neither tier writes past what its filesystem holds
 (:mod:`.space`): a memory budget above the size of /dev/shm fills what fits and the rest goes
 to the disk tier. A memory tier on a RAM-backed filesystem (tmpfs, as /dev/shm is) leaves
@@ -25,6 +27,7 @@ import xxhash
 from .catalog import record_memory_root
 from .disk import CacheStats, DiskCache
 from .paths import ram_backed
+from .promote import Promoter
 
 #: Fraction of the memory tier's filesystem (/dev/shm) that it leaves free for others.
 SHM_KEEP_FREE = 0.25
@@ -38,10 +41,13 @@ def default_memory_root(disk_root: str) -> str:
 
 @dataclass
 class TieredStats(CacheStats):
-    """Cache counters plus hits per tier (samples)."""
+    """Cache counters plus hits per tier (samples) and promotions (blocks copied from the disk
+    tier into the memory tier, and their bytes: :mod:`.promote`)."""
 
     memory_hits: int = 0
     disk_hits: int = 0
+    promotions: int = 0
+    promoted_bytes: int = 0
     tiers: tuple[DiskCache, ...] = field(default=(), repr=False, compare=False)  # not a counter
 
     def snapshot(self) -> dict:
@@ -70,6 +76,7 @@ class TieredCache:
                 f"{disk.root} (mode {disk.mode:04o}) must have one cache mode"
             )
         self.memory, self.disk = memory, disk
+        self.promoter = Promoter(memory, disk)
         memory.budget.overflow = "go to the disk tier instead"
         if ram_backed(memory.root):
             memory.budget.keep_free_fraction = max(memory.budget.keep_free_fraction, SHM_KEEP_FREE)
@@ -119,30 +126,50 @@ class TieredCache:
         it waited, whose sample is counted as a miss.
 
         A block this process holds open in the disk tier is read there first (no ``open`` tried
-        in the memory tier for every sample of a disk-tier block; a block lives in one tier,
-        and one unlinked since is not read, :mod:`.handles`)."""
+        in the memory tier for every sample of a disk-tier block, :mod:`.handles`). A sample read
+        of a block found only on disk promotes it (:meth:`promote`): the range comes out of the
+        block's bytes read for that, and is a disk hit."""
         data = self.disk.read_if_open(namespace, name, offset, length)
-        if data is not None:
-            self.stats.disk_hits += count
-            return data
-        data = self.memory.read(namespace, name, offset, length)
-        if data is not None:
-            self.stats.memory_hits += count
-            return data
-        data = self.disk.read(namespace, name, offset, length)
+        if data is None:
+            data = self.memory.read(namespace, name, offset, length)
+            if data is not None:
+                self.stats.memory_hits += count
+                return data
+            block = self.promote(namespace, name) if count else None
+            if block is not None and offset + length <= len(block):
+                self.stats.disk_hits += count
+                return block[offset : offset + length]
+            data = self.disk.read(namespace, name, offset, length)
         if data is not None:
             self.stats.disk_hits += count
         return data
 
     def with_fd(self, namespace: str, name: str, use, count: bool = True):
         """As :meth:`stoker.cache.disk.DiskCache.with_fd`, on the tier that holds the block (the
-        memory tier's blocks are files too), counted as :meth:`read` counts a hit."""
-        for tier, hits in ((self.memory, "memory_hits"), (self.disk, "disk_hits")):
-            out = tier.with_fd(namespace, name, use)
-            if out is not None:
-                setattr(self.stats, hits, getattr(self.stats, hits) + count)
-                return out
-        return None
+        memory tier's blocks are files too), counted as :meth:`read` counts a hit. A block found
+        only on disk is promoted first (:meth:`promote`) and ``use`` given the memory tier's
+        copy (a disk hit: its bytes were read from the disk tier, once, whole)."""
+        out = self.memory.with_fd(namespace, name, use)
+        if out is not None:
+            self.stats.memory_hits += count
+            return out
+        if count and self.promote(namespace, name) is not None:
+            out = self.memory.with_fd(namespace, name, use)
+        if out is None:
+            out = self.disk.with_fd(namespace, name, use)
+        if out is not None:
+            self.stats.disk_hits += count
+        return out
+
+    def promote(self, namespace: str, name: str) -> bytes | None:
+        """Copy block ``name`` from the disk tier into the memory tier if the memory tier's
+        policy admits it (:meth:`stoker.cache.promote.Promoter.promote`); the block's bytes, or
+        None when it was not promoted. Counted in ``stats.promotions`` and ``promoted_bytes``."""
+        data = self.promoter.promote(namespace, name)
+        if data is not None:
+            self.stats.promotions += 1
+            self.stats.promoted_bytes += len(data)
+        return data
 
     def contains(self, namespace: str, name: str) -> bool:
         return self.memory.contains(namespace, name) or self.disk.contains(namespace, name)

@@ -22,7 +22,8 @@ class EpochStats:
     received from the origin by every process of the loader), ``origin_requests`` (ranged GETs)
     and ``origin_retries`` (requests that failed and were sent again); ``cache_hits`` /
     ``cache_misses`` (sample reads served by the node cache / not), ``cache_hit_ratio`` (0-1),
-    ``memory_hits`` (hits served by the shared-memory tier); ``prefetch_fills`` (blocks the
+    ``memory_hits`` (hits served by the shared-memory tier), ``memory_promotions`` (blocks read
+    from the disk tier and copied into the memory tier, :mod:`stoker.cache.promote`); ``prefetch_fills`` (blocks the
     prefetcher admitted to the cache), ``prefetch_staged`` (blocks it fetched just in time into
     staging), ``staged_reused`` (blocks still staged for the previous epoch's last batches, used
     instead of fetched again), ``prefetch_depth_bytes`` (mean bytes ready ahead of the consumer),
@@ -99,6 +100,7 @@ class EpochStats:
     prefetch_depth_bytes: float = 0.0  # mean bytes fetched and ready ahead of the consumer
     staged_hits: int = 0  # samples read from staged blocks
     memory_hits: int = 0  # cache hits served by the shared-memory tier (when there is one)
+    memory_promotions: int = 0  # blocks read from the disk tier and copied into the memory tier
     direct_reads: int = 0  # samples read from the origin one by one (nothing ahead of them)
     evictions: int = 0
     corrupt_blocks: int = 0
@@ -213,6 +215,7 @@ def fill_from_counters(
     stats.origin_retries = d.get("origin_retries", 0)
     stats.cache_hits = d.get("cache_hits", 0)
     stats.memory_hits = d.get("cache_memory_hits", 0)
+    stats.memory_promotions = d.get("cache_promotions", 0)
     stats.cache_misses = d.get("cache_misses", 0)
     stats.prefetch_fills = d.get("prefetch_fills", 0)
     stats.prefetch_staged = d.get("prefetch_staged", 0)

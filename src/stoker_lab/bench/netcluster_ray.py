@@ -138,6 +138,8 @@ class NetRay:
             bucket,
             "--ready-file",
             ready,
+            "--port",
+            "0",
         ]
         env = node_env()
         env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")

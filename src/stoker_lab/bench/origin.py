@@ -111,6 +111,8 @@ class LocalS3Origin:
             self.bucket,
             "--parent-pid",
             str(os.getpid()),
+            "--port",
+            "0",
         ]
         if not self.fast_range:
             cmd.append("--no-fast-range")
@@ -221,17 +223,55 @@ def serve_origin(
     fast_range: bool = True,
     parent_pid: int | None = None,
     host: str = "127.0.0.1",
+    port: int = 0,
+    announce: bool = False,
 ) -> None:
-    """Run the emulated origin in this process until killed (or until ``parent_pid`` exits).
+    """Run the emulated origin in this process until Ctrl-C (SIGINT; or until ``parent_pid`` exits).
 
     ``latency_ms``: milliseconds added to every request; ``bandwidth_MBps``: megabytes (1e6 bytes)
     per second, 0 = unlimited; ``ready_file``: where ``{endpoint_url, direct_url, pid}`` is written
-    as JSON once the server listens; ``buckets``: created on start; ``fast_range``: see
-    :class:`LocalS3Origin`; ``host``: the address to listen on (default loopback). Sets the test credentials unless AWS ones are set already. Raises
-    whatever moto or waitress raise on start-up. This is what ``stoker origin-server`` runs.
+    as JSON once the server listens (removed when it stops); ``buckets``: created on start;
+    ``fast_range``: see :class:`LocalS3Origin`; ``host``: the address to listen on (default
+    loopback); ``port``: the endpoint's port (0: a free one); ``announce``: print the endpoint,
+    the buckets and what a user pastes to reach them (:func:`usage_lines`) once it listens, and a
+    line when it stops. Sets the test credentials unless AWS ones are set already. Raises
+    OSError naming the port when it is taken, and whatever moto or waitress raise on start-up.
+    This is what ``stoker origin-server`` runs.
     """
     from .origin_server import serve
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", _CREDS["key"])
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", _CREDS["secret"])
-    serve(latency_ms, bandwidth_MBps, ready_file, buckets, fast_range, parent_pid, host)
+
+    def ready(info: dict) -> None:
+        if announce:
+            lines = usage_lines(info["endpoint_url"], buckets, latency_ms, bandwidth_MBps)
+            print("\n".join(lines), flush=True)
+
+    serve(latency_ms, bandwidth_MBps, ready_file, buckets, fast_range, parent_pid, host, port, ready)
+    if announce:
+        print("stoker origin-server: stopped (its objects were in memory and are gone)", flush=True)
+
+
+def usage_lines(endpoint_url: str, buckets: tuple[str, ...], latency_ms: float, bandwidth_MBps: float) -> list[str]:
+    """What ``stoker origin-server`` prints once it listens: the endpoint and buckets, the
+    ``export`` line for the AWS environment and the same as ``storage_options=`` (JSON), with
+    the credentials the server takes (any; these are the ones it documents)."""
+    opts = endpoint_options(endpoint_url)
+    env = {
+        "AWS_ENDPOINT_URL": endpoint_url,
+        "AWS_ACCESS_KEY_ID": _CREDS["key"],
+        "AWS_SECRET_ACCESS_KEY": _CREDS["secret"],
+        "AWS_DEFAULT_REGION": _REGION,
+    }
+    speed = f"{bandwidth_MBps:g} MB/s" if bandwidth_MBps else "no bandwidth cap"
+    return [
+        f"stoker origin-server: a local S3 (moto) at {endpoint_url}, "
+        f"bucket{'s' if len(buckets) != 1 else ''} {', '.join(buckets) or '(none)'}; "
+        f"{latency_ms:g} ms per request, {speed}",
+        "the AWS environment (paste into a shell):",
+        "  export " + " ".join(f"{k}={v}" for k, v in env.items()),
+        "or storage_options= of stoker.pack / stoker.open_dataset:",
+        "  " + json.dumps(opts),
+        f"e.g. stoker.pack('raw/train', 's3://{buckets[0] if buckets else 'BUCKET'}/train'); serving until Ctrl-C",
+    ]

@@ -20,6 +20,8 @@ headers whose names contain ``_`` (e.g. ``x-amz-meta-my_key``), unlike moto's ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import re
@@ -28,6 +30,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Callable
 from http import HTTPStatus
 
 from .throttle import _BUF, _Proxy
@@ -288,14 +291,19 @@ def serve(
     fast_range: bool = True,
     parent_pid: int | None = None,
     host: str = "127.0.0.1",
+    port: int = 0,
+    on_ready: Callable[[dict], None] | None = None,
 ) -> None:
-    """Run moto plus the throttling proxy until killed (or until ``parent_pid`` exits).
+    """Run moto plus the throttling proxy until SIGINT (Ctrl-C), or until ``parent_pid`` exits.
 
     ``host``: the address both listen on (default loopback; a namespace cluster gives the
-    origin namespace's own address so that its hosts reach it over their links).
-    ``bandwidth_MBps`` is in megabytes per second (1e6 bytes/s; 0 = unlimited), latency in
-    milliseconds. Writes ``{endpoint_url, direct_url, pid}`` as JSON to ``ready_file``
-    (atomically) once both listen. Raises whatever moto or waitress raise on start-up.
+    origin namespace's own address so that its hosts reach it over their links). ``port``: the
+    endpoint's (the proxy's) port; 0 picks a free one. ``bandwidth_MBps`` is in megabytes per
+    second (1e6 bytes/s; 0 = unlimited), latency in milliseconds. Once both listen, writes
+    ``{endpoint_url, direct_url, pid}`` as JSON to ``ready_file`` (atomically) and calls
+    ``on_ready`` with it. On SIGINT both stop, ``ready_file`` is removed and it returns (the
+    objects were in memory: nothing is left behind). Raises OSError (EADDRINUSE) naming ``host``
+    and ``port`` when the port is taken, and whatever moto or waitress raise on start-up.
     """
     from moto.server import DomainDispatcherApplication, create_backend_app
 
@@ -311,7 +319,15 @@ def serve(
 
     proxy = _Proxy(server.effective_port, latency_ms / 1e3, bandwidth_MBps * 1e6, host)
     loop = asyncio.new_event_loop()
-    listener = loop.run_until_complete(asyncio.start_server(proxy.handle, host, 0, limit=_BUF))
+    try:
+        listener = loop.run_until_complete(asyncio.start_server(proxy.handle, host, port, limit=_BUF))
+    except OSError as exc:
+        server.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        taken = OSError(f"port {port} on {host} is taken (another server listens there): choose a free one with --port")
+        taken.errno = errno.EADDRINUSE
+        raise taken from None
     threading.Thread(target=loop.run_forever, daemon=True, name="proxy").start()
     mw.proxy = proxy
     info = {
@@ -323,7 +339,16 @@ def serve(
         from stoker._atomic import umask_mode, write_atomic
 
         write_atomic(ready_file, json.dumps(info).encode(), mode=umask_mode())
-    else:
-        print(json.dumps(info), flush=True)
-    while parent_pid is None or os.getppid() == parent_pid:
-        time.sleep(0.5)
+    if on_ready is not None:
+        on_ready(info)
+    try:
+        while parent_pid is None or os.getppid() == parent_pid:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        loop.call_soon_threadsafe(listener.close)
+        server.close()
+        if ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ready_file)

@@ -6,6 +6,11 @@ from stoker.cli.args import size_arg
 
 from .bandwidth import rate_arg
 
+#: ``stoker origin-server``'s port and bucket unless told: the endpoint and bucket of the guide's
+#: S3 example (docs/guide.md, "S3, MinIO and other object stores"); MinIO's port too.
+DEFAULT_PORT = 9000
+DEFAULT_BUCKET = "my-bucket"
+
 
 def cmd_demo(a) -> int:
     """``stoker demo``: exit 1 with ``--strict`` when a done-criterion is missed, else 0."""
@@ -61,10 +66,12 @@ def cmd_origin_server(a) -> int:
         latency_ms=a.latency_ms,
         bandwidth_MBps=a.bandwidth,
         ready_file=a.ready_file,
-        buckets=tuple(a.bucket),
+        buckets=tuple(a.bucket or [DEFAULT_BUCKET]),
         fast_range=not a.no_fast_range,
         parent_pid=a.parent_pid,
         host=a.host,
+        port=a.port,
+        announce=True,
     )
     return 0
 
@@ -113,7 +120,11 @@ def add_parsers(sub) -> None:
 
     s = sub.add_parser(
         "origin-server",
-        help="run the emulated S3 origin (moto behind a throttling proxy; started by the demo and the benchmarks)",
+        help="run a local S3 (moto behind a throttling proxy) until Ctrl-C: to try stoker on S3, "
+        "and the origin of the demo and the benchmarks; prints the endpoint and the AWS settings to use",
+    )
+    s.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"the endpoint's port (default {DEFAULT_PORT}; 0: a free one)"
     )
     s.add_argument("--latency-ms", type=float, default=20.0, help="added to every request (ms)")
     s.add_argument(
@@ -125,7 +136,9 @@ def add_parsers(sub) -> None:
         help="megabytes (1e6 bytes) per second, or e.g. 100MB/s; 0 = unlimited",
     )
     s.add_argument("--ready-file", help="write {endpoint_url, direct_url, pid} as JSON here once listening")
-    s.add_argument("--bucket", action="append", default=[], help="create this bucket (repeatable)")
+    s.add_argument(
+        "--bucket", action="append", default=[], help=f"create this bucket (repeatable; default {DEFAULT_BUCKET})"
+    )
     s.add_argument("--no-fast-range", action="store_true", help="serve ranged GETs by moto's own path")
     s.add_argument("--parent-pid", type=int, help="exit when this process exits")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
