@@ -224,7 +224,7 @@ def test_two_parallel_writers_merge_into_one_dataset_with_every_sample_once(tmp_
     finally:
         for p in procs:
             p.kill()
-    with pytest.raises(FileNotFoundError, match="not a packed stoker dataset"):
+    with pytest.raises(FileNotFoundError, match="parts of parallel stoker.Writers that were not merged"):
         open_dataset(str(dst), cache=False)  # nothing to open before the merge
     with pytest.raises(SourceNotFoundError, match="part 2 is missing"):
         Writer.merge(str(dst), 3)

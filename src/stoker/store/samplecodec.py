@@ -29,6 +29,7 @@ import io
 import json
 import numbers
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -67,17 +68,17 @@ def _npy(value: np.ndarray, where: str) -> bytes:
     return buf.getvalue()
 
 
-def _encode(value: object, kind: str, where: str) -> bytes:
+def _encode(value: Any, kind: str, where: str) -> bytes:
     if kind == "bytes":
-        return bytes(value)  # type: ignore[arg-type]
+        return bytes(value)
     if kind == "str":
         return check_utf8(str(value), where).encode("utf-8")
     if kind == "int":
-        return str(int(value)).encode()  # type: ignore[call-overload]
+        return str(int(value)).encode()
     if kind == "float":
-        return repr(float(value)).encode()  # type: ignore[arg-type]
+        return repr(float(value)).encode()
     if kind == "npy":
-        return _npy(value, where)  # type: ignore[arg-type]
+        return _npy(value, where)
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
@@ -129,7 +130,7 @@ def encode_sample(sample: Mapping) -> tuple[str, list[tuple[str, bytes]], dict[s
                 "numpy array, dict or list; a flag as int, a tuple as list)"
             )
         if kind == "npy":
-            kinds[name] = f"npy:{value.dtype.str}:{value.ndim}"  # type: ignore[union-attr]
+            kinds[name] = f"npy:{value.dtype.str}:{value.ndim}"
         else:
             kinds[name] = kind
         members.append((name, _encode(value, kind, where)))
