@@ -14,6 +14,7 @@ import tarfile
 import textwrap
 import time
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -281,6 +282,9 @@ def test_writer_on_s3(s3_origin, tmp_path):
             raise RuntimeError("boom")
     with pytest.raises(FileNotFoundError):
         open_dataset(dst, storage_options=opts, cache=False)
+    fs, root = fsspec.core.url_to_fs(dst, **opts)
+    fs.invalidate_cache()
+    assert fs.find(root) == []  # no shard, manifest or lease left behind
     with Writer(dst, shard_bytes="8KiB", storage_options=opts) as w:
         for i in range(20):
             w.write(make_sample(i))
