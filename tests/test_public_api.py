@@ -62,6 +62,7 @@ EXPECTED_ALL = [
     "UnsafePathError",
     "WorkerError",
     "WorkerStartError",
+    "Writer",
     "__version__",
     "collate",
     "decode",

@@ -4,7 +4,8 @@ Public API: :func:`open_dataset` (a packed dataset through the node cache, set b
 :class:`CacheOptions`),
 :class:`Loader` (decoded, augmented batches as torch tensors; its option groups
 :class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack` (its less
-common settings in :class:`PackOptions`),
+common settings in :class:`PackOptions`), :class:`Writer` (samples made in Python, written as a
+packed dataset),
 :mod:`collate` (built-in collates for ``Loader(collate=...)``), :mod:`decode` (its :func:`decode.jpeg`:
 the built-in transforms' fast region decode and resize, for a ``Loader(decode=...)`` of your own;
 imported on first use, as it loads torch and OpenCV), :func:`parse_size` (``"64MiB"`` ->
@@ -59,6 +60,7 @@ from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
 from .store.pack_options import PackOptions
+from .store.writer import Writer
 
 __version__ = "0.1.0"
 __all__ = [
@@ -108,6 +110,7 @@ __all__ = [
     "UnsafePathError",
     "WorkerError",
     "WorkerStartError",
+    "Writer",
     "__version__",
     "collate",
     "decode",

@@ -34,10 +34,16 @@ def why_no_index(origin: Origin) -> str:
                 )
         if not fs.exists(root):
             return f"{url} is not a packed stoker dataset: nothing is stored there (check the URL)"
+        if fs.exists(origin.path("_parts")):
+            return (
+                f"{url} is not a packed stoker dataset yet: it holds the parts of parallel stoker.Writers "
+                "that were not merged (call stoker.Writer.merge(url, parts) once every part has closed)"
+            )
         if fs.exists(origin.path(SHARD_DIR)):
             return (
                 f"{url} is not a packed stoker dataset yet: it has shards but no {INDEX_NAME}, so the "
-                "pack that wrote it did not finish (run the same `stoker pack` again: it resumes)"
+                "pack (or stoker.Writer) that wrote it did not finish (run the same `stoker pack` again: it "
+                "resumes; a Writer writes it again)"
             )
     except Exception as exc:  # noqa: BLE001 - only a better message is lost
         log.debug("probing %s failed: %s", url, exc)

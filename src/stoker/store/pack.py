@@ -13,7 +13,6 @@ key order for every source.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +30,10 @@ from ..storage import Origin
 from .anysource import iter_files, iter_parquet, list_file_samples
 from .classlist import load_class_list
 from .filelist import iter_file_list, read_file_list
-from .index import INDEX_NAME, build_table, table_to_bytes
 from .lease import PackLease
-from .manifests import ShardWriter, plan_hash, remove_stale_shards, stream_hash
+from .manifests import ShardWriter, plan_hash, stream_hash
 from .pack_options import PackOptions, resolve
+from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .shards import estimate_member_bytes
 from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
 from .wds import expand_urls, iter_samples
@@ -148,12 +147,12 @@ def pack(
         feed = partial(_pack_image_folder, source_origin, shard_bytes, progress, options, classes)
     else:
         feed = partial(_pack_stream, kind, src, source_origin, shard_bytes, progress, options, classes)
-    made = _first_missing_dir(dest)
+    made = first_missing_dir(dest)
     try:
         return _pack_into(dest, dst, kind, overwrite, options, feed, t0)
     except BaseException:
         if made is not None:
-            _remove_if_empty(dest, made)  # a failed first pack leaves no empty directories behind
+            remove_if_empty(dest, made)  # a failed first pack leaves no empty directories behind
         raise
 
 
@@ -171,69 +170,16 @@ def _check_columns(kind: str, options: PackOptions) -> None:
         )
 
 
-def _first_missing_dir(dest: Origin) -> str | None:
-    """The highest directory of the destination's path that does not exist yet (the root itself
-    or one of its parents), which a pack would create; None when the root exists, and where the
-    filesystem is not a local one (object stores have no directories to leave behind, and a
-    listing there would fill fsspec's listing cache)."""
-    protocol = dest.fs.protocol
-    if "file" not in (protocol if isinstance(protocol, (tuple, list)) else (protocol,)):
-        return None
-    try:
-        path, missing = os.path.abspath(dest.root), None
-        while not os.path.isdir(path):
-            if os.path.lexists(path):  # a file in the way: the pack fails, nothing of ours to remove
-                return None
-            missing, parent = path, os.path.dirname(path)
-            if parent == path:
-                return None
-            path = parent
-        return missing
-    except OSError:  # unknown: treated as existing, so nothing is removed
-        return None
-
-
-def _remove_if_empty(dest: Origin, top: str) -> None:
-    """Remove ``top`` (the highest directory a failed pack created) if it holds no file; one with
-    any file, such as a finished shard the next pack reuses, is kept."""
-    with contextlib.suppress(Exception):  # tidying must not hide the pack's own error
-        if not dest.fs.find(top):
-            dest.fs.rm(top, recursive=True)
-
-
 def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: PackOptions, feed, t0: float) -> PackResult:
     """The body of :func:`pack` from the lease on: ``feed(shards)`` writes the shards through a
     :class:`ShardWriter` and returns ``(labels, class names, class list, skipped files)``, one
     label and class name per row of ``shards.rows``; then the index is written."""
     with PackLease(dest, options.lease_s) as lease:
-        if dest.exists(INDEX_NAME):
-            if not overwrite:
-                raise DatasetExistsError(
-                    f"the destination {dst} already holds a dataset "
-                    f"({dest.full_url(INDEX_NAME)} exists; pass --overwrite to replace it)"
-                )
-            dest.retry(dest.full_url(INDEX_NAME), lambda: dest.fs.rm(dest.path(INDEX_NAME)))
+        clear_destination(dest, overwrite)
         shards = ShardWriter(dest, overwrite, lease.check)
         labels, class_names, class_list, skipped = feed(shards)
         rows = shards.rows
-        order = sorted(range(len(rows)), key=lambda j: rows[j][0])
-        prim = [rows[j][2][0] for j in order]
-        table, version = build_table(
-            [rows[j][0] for j in order],
-            [labels[j] for j in order],
-            [class_names[j] for j in order],
-            [rows[j][1] for j in order],
-            [p[1] for p in prim],
-            [p[2] for p in prim],
-            [p[3] for p in prim],
-            shards.table,
-            class_list,
-            field=[p[0] for p in prim],
-            fields=[[tuple(m) for m in rows[j][2][1:]] or None for j in order],
-        )
-        lease.renew()  # still ours, with a full lease_s ahead for the index write
-        dest.write_atomic(INDEX_NAME, table_to_bytes(table))
-        remove_stale_shards(dest, {s["name"] for s in shards.table})
+        version = install_index(dest, lease, rows, labels, class_names, class_list, shards.table)
     return PackResult(
         url=dst,
         samples=len(rows),
