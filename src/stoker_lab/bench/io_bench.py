@@ -166,7 +166,7 @@ def run(cfg: IoConfig | None = None) -> dict:
     if cfg.only_bytes:
         t_start = time.perf_counter()
         report: dict = {
-            "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "machine": machine(),
             "config": asdict(cfg),
             "bytes_only": measure_bytes_only(cfg, workdir),
         }
@@ -176,7 +176,7 @@ def run(cfg: IoConfig | None = None) -> dict:
     sd = make_sample_data(os.path.join(workdir, "data"), images=cfg.images, classes=cfg.classes)
     _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
     report = {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine(),
         "config": asdict(cfg),
     }
     t_start = time.perf_counter()
@@ -250,6 +250,17 @@ def run(cfg: IoConfig | None = None) -> dict:
     floor_of(report)
     report["seconds"] = time.perf_counter() - t_start
     return report
+
+
+def machine() -> dict:
+    """Cores, Python, platform and the load average at the start (1, 5, 15 min; a shared machine's
+    figures are read beside it)."""
+    return {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average": list(os.getloadavg()),
+    }
 
 
 def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir: str, cfg: IoConfig) -> list:
