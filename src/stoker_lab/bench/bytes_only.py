@@ -340,7 +340,7 @@ def run(cfg: BytesOnlyConfig | None = None) -> dict:
     paths = [os.path.join(data, "train", f"img_{i:05d}.npy") for i in range(files)]
     common = {k: getattr(cfg, k) for k in ("workers", "batch_size", "seed", "first_warm", "min_epochs")}
     common |= {"min_cpu_s": cfg.min_cpu_s, "max_epochs": cfg.max_epochs, "cache_bytes": 4 * total + (64 << 20)}
-    readers = {
+    readers: dict[str, dict] = {
         "stoker_per_sample": {"reader": "stoker_per_sample", "packed": packed["fixed"]},
         "stoker_ragged": {"reader": "stoker_raw", "packed": packed["ragged"]},
         "stoker_fixed": {"reader": "stoker_raw", "packed": packed["fixed"]},

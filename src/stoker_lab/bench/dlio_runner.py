@@ -30,6 +30,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _load(name: str, path: str):
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -74,6 +76,8 @@ def debug_line() -> None:
         from dlio_benchmark.reader import reader_handler
 
         path = inspect.getsourcefile(reader_handler)
+        if path is None:
+            raise OSError("no source file for dlio_benchmark.reader.reader_handler")
         with open(path) as f:
             hits = [(k + 1, t.strip()) for k, t in enumerate(f) if "global_index_map}" in t]
         emit(
