@@ -20,12 +20,16 @@ One run, one machine, the same bytes for every stage (stoker's design notes, "Me
    loop of the same blocks through the same throttled endpoint, in a fresh process, before and
    after the epochs (:func:`stoker_lab.bench.io_stages.link_floor`).
 
-4. ``bytes_only`` (:mod:`stoker_lab.bench.bytes_only`): stoker's bytes-only Loader against DLIO's
-   PyTorch reader on the same ~115 KB random-byte files, the same workers and batch size, from a
-   local directory (``local``: the first epoch) and from a warm node cache (``warm_cache``: epochs
-   2+), in samples per CPU-second and CPU-s/GB; DLIO runs in its own virtual environment (made on
-   first use; ``dlio=False`` or a failed install skips its half, with the reason in ``exception``).
-   ``bytes_only_files=0`` leaves it out; ``only_bytes`` measures it alone.
+4. ``bytes_only`` (:mod:`stoker_lab.bench.bytes_only`): what a bytes-only training job gets, in the
+   steady state (:mod:`stoker_lab.bench.steady_state`: the CPU of every process as the difference of
+   a short and a long run of warm epochs, at least ``bytes_only_min_epochs`` warm epochs and, where
+   it can, ``bytes_only_min_cpu_s`` CPU-seconds behind each figure; the first epochs reported
+   apart), on 114,660 B samples: stoker with a per-sample decode, stoker's ragged and fixed-shape
+   raw batches, a plain torch DataLoader over the same bytes as ``.npy`` files, DLIO's PyTorch
+   reader as released and without its per-sample debug string, and the floor (bare ``os.preadv``
+   into a reused buffer). ``bytes_only_files=0`` leaves it out; ``only_bytes`` measures it alone.
+
+``quick`` (:func:`quick`): every part at a size a test runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -46,19 +50,20 @@ GB = 1e9
 
 @dataclass
 class IoConfig:
-    """``images``: sample photos (about 33 kB each on average); ``latency_ms`` / ``bandwidth_MBps``:
-    the throttled origin of the cold epoch; ``block_bytes``: the cache unit; ``concurrency``: ranged
-    GETs in flight in the origin stage (the loader's default ``fetch_concurrency``); ``reps``: runs of
-    each loop (alternating, the least CPU kept); ``workers`` / ``batch_size``: the cold epoch's Loader and
-    both readers of ``bytes_only``; ``bytes_only_files``: its ~115 KB files (0: not measured);
-    ``bytes_only_epochs``: its epochs (the first is ``local``, the rest ``warm_cache``); ``dlio``:
-    run DLIO's half; ``make_dlio_venv``: make DLIO's environment when missing; ``only_bytes``: measure
-    ``bytes_only`` alone (no stages, no epochs); ``peer``: the peer stage's links, ``"off"`` or a
-    comma-separated list of ``loopback`` and ``netns`` (:data:`PEER_LINKS`); ``peer_mbit``: the
-    ``netns`` link's ``tbf`` rate, Mbit/s each way; ``peer_profile_s``: seconds of profile of a
-    peer row over 2x its floor (0: none)."""
+    """``images``: sample photos (about 65 kB each on average: 4,600 are about 300 MB);
+    ``latency_ms`` / ``bandwidth_MBps``: the throttled origin of the cold epoch; ``block_bytes``: the
+    cache unit; ``concurrency``: ranged GETs in flight in the origin stage (the loader's default
+    ``fetch_concurrency``); ``reps``: runs of each loop (alternating, the least CPU kept);
+    ``workers`` / ``batch_size``: the cold epoch's Loader and every reader of ``bytes_only``;
+    ``bytes_only_files``: its 114,660 B samples (0: not measured); ``bytes_only_min_epochs`` /
+    ``bytes_only_min_cpu_s``: the warm epochs and CPU-seconds behind each of its steady figures;
+    ``dlio``: run DLIO's rows; ``make_dlio_venv``: make DLIO's environment when missing (off: its
+    rows say how to install it); ``only_bytes``: measure ``bytes_only`` alone (no stages, no
+    epochs); ``peer``: the peer stage's links, ``"off"`` or a comma-separated list of ``loopback``
+    and ``netns`` (:data:`PEER_LINKS`); ``peer_mbit``: the ``netns`` link's ``tbf`` rate, Mbit/s
+    each way; ``peer_profile_s``: seconds of profile of a peer row over 2x its floor (0: none)."""
 
-    images: int = 600
+    images: int = 4600
     classes: int = 10
     latency_ms: float = 20.0
     bandwidth_MBps: float = 100.0
@@ -70,13 +75,34 @@ class IoConfig:
     batch_size: int = 64
     workdir: str | None = None
     bytes_only_files: int = 1024
-    bytes_only_epochs: int = 3
+    bytes_only_min_epochs: int = 10
+    bytes_only_min_cpu_s: float = 3.0
     dlio: bool = True
-    make_dlio_venv: bool = True
+    make_dlio_venv: bool = False
     only_bytes: bool = False
     peer: str = "off"
     peer_mbit: float = 1000.0
     peer_profile_s: float = 2.0
+
+
+def quick(cfg: IoConfig) -> IoConfig:
+    """``cfg`` at a test's size (``stoker bench io --quick``): 48 photos in 256 KiB blocks, one
+    repetition, an origin of 2 ms and 500 MB/s, 128 bytes-only samples over 2 warm epochs."""
+    from dataclasses import replace
+
+    return replace(
+        cfg,
+        images=48,
+        classes=3,
+        reps=1,
+        shard_bytes=1 << 20,
+        block_bytes=256 << 10,
+        latency_ms=2.0,
+        bandwidth_MBps=500.0,
+        bytes_only_files=min(cfg.bytes_only_files, 128),
+        bytes_only_min_epochs=2,
+        bytes_only_min_cpu_s=0.0,
+    )
 
 
 #: The links the peer stage can run over (``IoConfig.peer``).
@@ -140,7 +166,7 @@ def run(cfg: IoConfig | None = None) -> dict:
     if cfg.only_bytes:
         t_start = time.perf_counter()
         report: dict = {
-            "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "machine": machine(),
             "config": asdict(cfg),
             "bytes_only": measure_bytes_only(cfg, workdir),
         }
@@ -150,7 +176,7 @@ def run(cfg: IoConfig | None = None) -> dict:
     sd = make_sample_data(os.path.join(workdir, "data"), images=cfg.images, classes=cfg.classes)
     _log(f"sample data: {sd['images']} images, {sd['bytes'] / 1e6:.1f} MB")
     report = {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine(),
         "config": asdict(cfg),
     }
     t_start = time.perf_counter()
@@ -226,6 +252,17 @@ def run(cfg: IoConfig | None = None) -> dict:
     return report
 
 
+def machine() -> dict:
+    """Cores, Python, platform and the load average at the start (1, 5, 15 min; a shared machine's
+    figures are read beside it)."""
+    return {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
 def peer_stages(links: tuple[str, ...], url: str, storage_options: dict, workdir: str, cfg: IoConfig) -> list:
     """The peer stage's rows over each of ``links`` (:func:`peer_links`): loopback
     (:func:`stoker_lab.bench.peer_stage.loopback_process`: the dataset at ``url``, in a process of
@@ -287,11 +324,12 @@ def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
 
     if cfg.bytes_only_files <= 0:
         return {"exception": "not measured (bytes_only_files=0)"}
-    _log("bytes only: stoker's Loader against DLIO's PyTorch reader")
+    _log("bytes only: steady state of stoker, a torch DataLoader, DLIO and the floor")
     return run_bytes_only(
         BytesOnlyConfig(
             files=cfg.bytes_only_files,
-            epochs=cfg.bytes_only_epochs,
+            min_epochs=cfg.bytes_only_min_epochs,
+            min_cpu_s=cfg.bytes_only_min_cpu_s,
             workers=cfg.workers,
             batch_size=cfg.batch_size,
             dlio=cfg.dlio,
@@ -422,7 +460,7 @@ def table(report: dict) -> str:
     from .bytes_only import table as bytes_table
 
     bo = report.get("bytes_only") or {}
-    bo_text = bytes_table(bo) if "local" in bo else f"bytes only: {bo.get('exception')}"
+    bo_text = bytes_table(bo) if "rows" in bo else f"bytes only: {bo.get('exception')}"
     if "stages" not in report:
         return bo_text
     d, o = report["dataset"], report["origin"]["cold_epoch"]
@@ -446,7 +484,7 @@ def table(report: dict) -> str:
         lines += _ends_line(r)
     for e in report["epochs"]:
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["cpu_s"].items()))
-        kind = "cold" if e["epoch"] == 0 else "warm"
+        kind = "cold" if e["epoch"] == 0 else "first warm; the steady state is in bytes only"
         lines.append(
             f"epoch {e['epoch']} ({kind}): {e['samples_per_s']:.0f} samples/s "
             f"(first batch {e['first_batch_s']:.2f} s), "

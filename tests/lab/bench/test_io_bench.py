@@ -1,4 +1,5 @@
-"""``stoker bench io`` at a tiny size: the report has the issue's shape, every figure finite (no speed asserted)."""
+"""``stoker bench io`` at a tiny size: the report has its shape, every figure finite (no speed asserted);
+the steady-state arithmetic of its bytes-only rows on made-up marks."""
 
 import json
 import math
@@ -10,10 +11,11 @@ import numpy as np
 import pytest
 
 from _helpers import in_child
-from stoker_lab.bench.bytes_only import BytesOnlyConfig, make_files
+from stoker_lab.bench.bytes_only import ROWS, BytesOnlyConfig, make_files, ragged_lengths
 from stoker_lab.bench.bytes_only import run as run_bytes_only
-from stoker_lab.bench.bytes_only import table as bytes_table
 from stoker_lab.bench.io_bench import IoConfig, run, table
+from stoker_lab.bench.steady_state import boundaries, window
+from stoker_lab.bench.steady_state import figures as steady_figures
 from stoker_lab.bench.venvs import ready_venv
 
 STAGES = {
@@ -86,14 +88,39 @@ def test_io_bench_is_a_bench_subcommand():
     assert out.returncode == 0 and "--json" in out.stdout and "--reps" in out.stdout and "--dlio" in out.stdout
 
 
-BYTES_KEYS = {
-    "sample_bytes",
-    "stoker_samples_per_s_per_core",
-    "dlio_samples_per_s_per_core",
-    "stoker_cpu_s_per_GB",
-    "dlio_cpu_s_per_GB",
-    "stoker_over_dlio",
-}
+STEADY_KEYS = {"samples", "bytes", "seconds", "cpu_s", "samples_per_s", "samples_per_cpu_s", "cpu_s_per_GB"}
+
+
+def test_bench_io_quick_reports_every_bytes_only_row(tmp_path):
+    """``stoker bench io --quick --only-bytes``: every row, in order, with its steady-state figures,
+    the first epochs apart; DLIO's rows (no environment here) skipped with how to install it."""
+    out = tmp_path / "io.json"
+    env = dict(os.environ, STOKER_BENCH_VENVS=str(tmp_path / "no-venvs"))
+    cmd = [sys.executable, "-m", "stoker.cli", "bench", "io", "--quick", "--only-bytes"]
+    cmd += ["--workdir", str(tmp_path / "w"), "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bo = json.loads(out.read_text())["bytes_only"]
+    rows = bo["rows"]
+    assert [r["name"] for r in rows] == list(ROWS)
+    files, sb = bo["files"]["count"], bo["files"]["sample_bytes"]
+    assert sb == 114_660 and files == 128 and bo["config"]["workers"] == 2 and bo["config"]["batch_size"] == 64
+    for r in rows:
+        assert r["what"] == ROWS[r["name"]]
+        if r["name"].startswith("dlio"):
+            assert r["steady"] is None and "not installed" in r["skipped"] and "--make-dlio-venv" in r["skipped"]
+            continue
+        assert r["skipped"] is None, r
+        s = r["steady"]
+        assert set(s) >= STEADY_KEYS and set(s["us_per_sample"]) == {"training", "workers", "all"}
+        assert s["warm_epochs"] >= 2 and s["samples"] == s["warm_epochs"] * files
+        assert r["runs"]["long"]["epochs"] - r["runs"]["short"]["epochs"] == s["warm_epochs"]
+        assert len(r["first_warm"]) == bo["config"]["first_warm"]
+        assert r["first"]["samples"] == files and "per_cpu_s_vs_torch" in r and "per_cpu_s_vs_floor" in r
+        # every sample once an epoch: the ragged set's bytes are its own lengths, the others' files * sample_bytes
+        want = sum(ragged_lengths(files, sb)) if r["name"] == "stoker_ragged" else files * sb
+        assert r["first"]["bytes"] == want and s["bytes"] == s["warm_epochs"] * want
+    assert "stoker_fixed" in done.stdout and "dlio: skipped" in done.stdout
 
 
 def test_bytes_only_files_are_exact_npy(tmp_path):
@@ -107,49 +134,56 @@ def test_bytes_only_files_are_exact_npy(tmp_path):
         assert a.dtype == np.uint8 and a.shape == (1000 - 128, 1)
 
 
-def test_bytes_only_stoker_half(tmp_path, monkeypatch):
-    """stoker's half at a tiny size; DLIO's half off: the report has its shape and says why DLIO is missing."""
-    r = run_bytes_only(
-        BytesOnlyConfig(files=40, sample_bytes=4096, batch_size=16, workers=1, dlio=False, workdir=str(tmp_path / "b"))
-    )
-    assert r["files"]["count"] == 32 and r["files"]["sample_bytes"] == 4096  # whole batches only
-    assert "CPU-second" in r["per_core_definition"] and r["exception"] == "DLIO not run (--no-dlio)"
-    assert r["dlio_version"] is None
-    for src in ("local", "warm_cache"):
-        row = r[src]
-        assert set(row) >= BYTES_KEYS and row["sample_bytes"] == 4096 and row["what"]
-        assert _positive(row["stoker_samples_per_s"])
-        # a tiny warm epoch can take less than a clock tick of CPU: then no per-core figure
-        assert row["stoker_samples_per_s_per_core"] is None or _positive(row["stoker_samples_per_s_per_core"])
-        assert row["dlio_samples_per_s_per_core"] is None and row["stoker_over_dlio"] is None
-    st = r["epochs"]["stoker"]
-    assert [e["samples"] for e in st] == [32, 32, 32] and all(e["bytes"] == 32 * 4096 for e in st)
-    assert st[0]["origin_bytes"] > 0 and st[1]["origin_bytes"] == st[2]["origin_bytes"] == 0
-    assert r["local"]["stoker"]["epochs"] == 1 and r["warm_cache"]["stoker"]["epochs"] == 2
-    json.dumps(r)
-    assert "warm_cache" in bytes_table(r) and "--no-dlio" in bytes_table(r)
+def test_ragged_lengths_keep_the_mean_and_vary():
+    ls = ragged_lengths(128, 114_660)
+    assert len(ls) == 128 and abs(sum(ls) / 128 - 114_660) <= 1
+    assert min(ls) == 114_660 - 57_330 and max(ls) == 114_660 + 57_330 and ls != sorted(ls)
 
 
-def test_bytes_only_dlio_missing_venv_is_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setenv("STOKER_BENCH_VENVS", str(tmp_path / "no-venvs"))
-    r = run_bytes_only(
-        BytesOnlyConfig(
-            files=16,
-            sample_bytes=2048,
-            batch_size=16,
-            workers=1,
-            epochs=2,
-            make_venv=False,
-            workdir=str(tmp_path / "b"),
+def _marks(epochs_cpu: list[float], per_epoch: int) -> list[dict]:
+    out, cpu = [], 0.0
+    for k, c in enumerate([0.0, *epochs_cpu]):
+        cpu += c
+        out.append(
+            {
+                "at": k,
+                "samples": k * per_epoch,
+                "bytes": k * per_epoch * 10,
+                "t": float(k),
+                "cpu_s": cpu,
+                "training_cpu_s": cpu / 4,
+            }
         )
-    )
-    assert "not present" in r["exception"] and str(tmp_path / "no-venvs") in r["exception"]
-    assert r["local"]["dlio_samples_per_s_per_core"] is None and _positive(r["local"]["stoker_samples_per_s"])
+    return out
+
+
+def test_steady_state_is_the_difference_of_the_runs():
+    # first epoch 5 CPU-s, 2 first warm epochs of 2, then a short run (S=2) and a long one (S + W = 5)
+    # whose own fixed cost (1 CPU-s each) cancels: 1 CPU-s per warm epoch remains
+    per = 100
+    m = _marks([5, 2, 2], per)
+    m.append(dict(m[-1], at=5, samples=5 * per, bytes=5 * per * 10, t=5.0, cpu_s=m[-1]["cpu_s"] + 2 + 1))
+    m.append(dict(m[-1], at=10, samples=10 * per, bytes=10 * per * 10, t=10.0, cpu_s=m[-1]["cpu_s"] + 5 + 1))
+    f = steady_figures([dict(x, kind="mark") for x in m], first_warm=2)
+    assert f["first"]["cpu_s"] == 5 and [w["cpu_s"] for w in f["first_warm"]] == [2, 2]
+    s = f["steady"]
+    assert s["warm_epochs"] == 3 and s["samples"] == 300 and s["cpu_s"] == 3
+    assert s["samples_per_cpu_s"] == 100 and s["us_per_sample"]["all"] == 1e4
+    with pytest.raises(ValueError):
+        steady_figures(m[:-1], first_warm=2)
+
+
+def test_steady_window_covers_epochs_and_cpu():
+    assert window(0.1, 10, 3.0, 400) == (8, 30)  # 3 CPU-s at 0.1 a epoch: 30 epochs, short run 30 / 4
+    assert window(1.0, 10, 3.0, 400) == (3, 10)  # 10 epochs already hold 3 CPU-s
+    assert window(0.0, 10, 3.0, 400) == (100, 400)  # under a clock tick an epoch: as many as allowed
+    assert window(0.0, 2, 0.0, 400) == (2, 2)
+    assert boundaries(2, 3, 10) == [0, 1, 2, 3, 6, 19]
 
 
 @pytest.mark.skipif(
     ready_venv("dlio") is None,
-    reason="DLIO's virtual environment is not made (stoker bench io --dlio makes it; tests do not install it)",
+    reason="DLIO's environment is not made (stoker bench io --make-dlio-venv makes it; tests do not install it)",
 )
 def test_bytes_only_with_dlio(tmp_path):
     r = run_bytes_only(
@@ -158,17 +192,20 @@ def test_bytes_only_with_dlio(tmp_path):
             sample_bytes=8192,
             batch_size=16,
             workers=1,
-            epochs=2,
-            make_venv=False,
+            min_epochs=2,
+            min_cpu_s=0,
             workdir=str(tmp_path / "b"),
         )
     )
-    assert r["exception"] is None, r["exception"]
-    assert r["dlio_version"] == "2.0.0" and "dlio_benchmark.main" in r["dlio"]["command"]
-    assert [e["samples"] for e in r["epochs"]["dlio"]] == [64, 64]
-    assert _positive(r["local"]["dlio_samples_per_s_per_core"]) and _positive(r["local"]["dlio_cpu_s_per_GB"])
-    assert r["dlio"]["index_map_format"]["entries"] == 64 and r["dlio"]["own_summary"]
-    assert "DLIO's per-sample debug string" in bytes_table(r)
+    rows = {x["name"]: x for x in r["rows"]}
+    for name in ("dlio", "dlio_without_debug"):
+        x = rows[name]
+        assert x["skipped"] is None, x["skipped"]
+        assert x["dlio"]["version"] == "2.0.0" and "dlio_benchmark.main" in x["dlio"]["command"]
+        assert x["first"]["samples"] == 64 and x["steady"]["samples"] == 64 * x["steady"]["warm_epochs"]
+        assert x["dlio"]["debug_line"]["line"] and "global_index_map}" in x["dlio"]["debug_line"]["text"]
+    assert rows["dlio_without_debug"]["dlio"]["index_map_format"]["entries"] == 64
+    assert "reader_handler.py" in rows["dlio_without_debug"]["debug_cost_taken_out"]["line"]
 
 
 def test_venv_marker_records_the_no_deps_packages(tmp_path):
