@@ -285,8 +285,11 @@ class Dataset:
         start, stop = int(self.index.offset[i]), int(span_end[i])
         with self.origin.shared_budget():
             data = reader.read_range(i, start, stop, lambda d: bad_field(table, d, start) is None)
-        view = memoryview(data)
-        out: dict[str, Any] = {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
+        if len(table) == 1 and type(data) is bytes and table[0][1] == start and table[0][2] == len(data):
+            out: dict[str, Any] = {table[0][0]: data}  # one member, read alone: its bytes as they came, no copy
+        else:
+            view = memoryview(data)
+            out = {name: bytes(view[off - start : off - start + n]) for name, off, n, _ in table}
         if meta:
             out[KEY_FIELD] = self.index.key(i)
             out[ID_FIELD] = i
