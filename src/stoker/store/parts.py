@@ -24,11 +24,29 @@ from .publish import clear_destination, install_index
 from .samplecodec import schema_mismatch
 from .sources import resolve_labels
 
-__all__ = ["PARTS_DIR", "PartRecord", "merge_parts", "part_origin", "part_shard_name", "write_record"]
+__all__ = ["PARTS_DIR", "PartRecord", "merge_parts", "part_origin", "part_shard_name", "write_record", "writer_result"]
 
 PARTS_DIR = "_parts"
 RECORD_NAME = "part.json"
 RECORD_FORMAT = 1
+
+
+def writer_result(url: str, rows: list, table: list[dict], classes: int, version: str, t0: float) -> PackResult:
+    """The :class:`~stoker.store.pack.PackResult` of a Writer or a merge of its parts: ``rows`` the
+    index rows written, ``table`` the shard table, ``t0`` the ``time.perf_counter()`` of its start."""
+    return PackResult(
+        url=url,
+        samples=len(rows),
+        classes=classes,
+        shards=len(table),
+        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
+        shard_bytes=sum(int(s["bytes"]) for s in table),
+        reused_shards=0,
+        skipped_files=0,
+        seconds=time.perf_counter() - t0,
+        version=version,
+        source="writer",
+    )
 
 
 def part_origin(dest: Origin, part: int) -> Origin:
@@ -145,16 +163,4 @@ def merge_parts(dst: str, parts: int, *, overwrite: bool = False, storage_option
         version = install_index(dest, lease, rows, labels, class_names, class_list, table)
     with contextlib.suppress(Exception):  # leftovers of finished parts do no harm; the index is in
         dest.fs.rm(dest.path(PARTS_DIR), recursive=True)
-    return PackResult(
-        url=dest.url,
-        samples=len(rows),
-        classes=len(class_list),
-        shards=len(table),
-        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
-        shard_bytes=sum(int(s["bytes"]) for s in table),
-        reused_shards=0,
-        skipped_files=0,
-        seconds=time.perf_counter() - t0,
-        version=version,
-        source="writer",
-    )
+    return writer_result(dest.url, rows, table, len(class_list), version, t0)

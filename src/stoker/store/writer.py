@@ -25,7 +25,7 @@ from ..storage import Origin
 from .lease import DEFAULT_LEASE_S, PackLease
 from .manifests import ShardWriter, stream_hash, write_shard
 from .pack import DEFAULT_SHARD_BYTES, PackResult
-from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record
+from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record, writer_result
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .samplecodec import encode_sample, schema_mismatch
 from .shards import estimate_member_bytes
@@ -214,7 +214,7 @@ class Writer:
             self.abort()
             raise
         self._finish("closed")
-        self.result = _result(self.url, rows, self._shards.table, len(classes), version, self._t0)
+        self.result = writer_result(self.url, rows, self._shards.table, len(classes), version, self._t0)
         return self.result
 
     def abort(self) -> None:
@@ -268,19 +268,3 @@ class Writer:
             stoker.PackLeaseError: another pack or merge is writing ``dst``.
         """
         return merge_parts(dst, parts, overwrite=overwrite, storage_options=storage_options)
-
-
-def _result(url: str, rows: list, table: list[dict], classes: int, version: str, t0: float) -> PackResult:
-    return PackResult(
-        url=url,
-        samples=len(rows),
-        classes=classes,
-        shards=len(table),
-        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
-        shard_bytes=sum(int(s["bytes"]) for s in table),
-        reused_shards=0,
-        skipped_files=0,
-        seconds=time.perf_counter() - t0,
-        version=version,
-        source="writer",
-    )
