@@ -32,7 +32,7 @@ LAYERS = [
     {"stoker.storage", "stoker._native_s3"},
     {"stoker.cache"},
     {"stoker.store"},
-    {"stoker.order", "stoker.decode", "stoker.metrics", "stoker.collate"},
+    {"stoker.order", "stoker.mixture", "stoker.decode", "stoker.metrics", "stoker.collate"},
     {"stoker.loader"},
     {"stoker.cluster"},
     {"stoker.cli"},
@@ -51,6 +51,7 @@ SUBLAYERS = {
         {"prefetch"},
         {"device"},
         {"pipeline"},
+        {"mixed"},
         {"loader", "live"},
     ],
     "stoker.cluster": [
