@@ -56,8 +56,8 @@ def _weights(weights: Sequence[float], n: int) -> np.ndarray:
             raise TypeError(f"mix: weight {i} must be a number, got {type(w).__name__} {w!r}")
         if not (math.isfinite(float(w)) and float(w) > 0):
             raise ValueError(f"mix: weight {i} must be a positive finite number, got {w!r}")
-    w = np.asarray([float(x) for x in weights], dtype=np.float64)
-    return w / w.sum()
+    arr = np.asarray([float(x) for x in weights], dtype=np.float64)
+    return arr / arr.sum()
 
 
 def _hamilton(w: np.ndarray, total: int) -> np.ndarray:
@@ -128,7 +128,7 @@ def epoch_chunks(
     return chunks, short
 
 
-def interleave(chunks: Sequence[int], seed: int, epoch: int) -> np.ndarray:
+def interleave(chunks: Sequence[int] | np.ndarray, seed: int, epoch: int) -> np.ndarray:
     """The source of each chunk of the epoch, int64 ``(sum(chunks),)``: source ``s`` exactly
     ``chunks[s]`` times, its k-th chunk at ``(k + u_s) / chunks[s]`` of the epoch (stride
     scheduling with a phase ``u_s`` uniform in [0, 1) from (seed, epoch); ties in random order).
@@ -264,7 +264,9 @@ class Mixture:
             raise ValueError("mix: a mixture needs at least one source")
         for i, ds in enumerate(sources):
             if not hasattr(ds, "blocks") or not hasattr(ds, "version"):
-                raise TypeError(f"mix: source {i} must be a stoker Dataset (stoker.open_dataset), got {type(ds).__name__}")
+                raise TypeError(
+                    f"mix: source {i} must be a stoker Dataset (stoker.open_dataset), got {type(ds).__name__}"
+                )
         self.sources = sources
         self.weights = tuple(float(x) for x in _weights(weights, len(sources)))
         if small not in SMALL_RULES:
@@ -295,7 +297,7 @@ class Mixture:
                     "subset": getattr(ds, "selection_digest", None),
                     "samples": len(ds),
                 }
-                for name, ds in zip(self.names, self.sources)
+                for name, ds in zip(self.names, self.sources, strict=True)
             ],
             "weights": [round(w, 12) for w in self.weights],
             "small": self.small,
@@ -307,7 +309,8 @@ class Mixture:
 
     def __repr__(self) -> str:
         parts = ", ".join(
-            f"{name}={getattr(ds, 'url', '?')!r}:{w:.3g}" for name, ds, w in zip(self.names, self.sources, self.weights)
+            f"{name}={getattr(ds, 'url', '?')!r}:{w:.3g}"
+            for name, ds, w in zip(self.names, self.sources, self.weights, strict=True)
         )
         return f"Mixture({parts}, small={self.small!r}, samples_per_epoch={self.samples_per_epoch})"
 

@@ -19,6 +19,7 @@ weights, rule, epoch size) is part of the state's identity.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import json
 import time
 import warnings
@@ -54,7 +55,7 @@ def _source_loader(base: type) -> type:
     class SourceLoader(base):  # type: ignore[valid-type,misc]
         """The Loader of one source of a mixture: its plan is ``feed(epoch)`` (packed sample ids)."""
 
-        feed = None
+        feed: Callable[[int], np.ndarray] = staticmethod(lambda epoch: np.zeros(0, np.int64))
 
         def plan(self, epoch: int | None = None) -> np.ndarray:
             return self.feed(self.epoch if epoch is None else epoch)
@@ -108,7 +109,9 @@ class MixLoader:
         workers = _workers(int(kwargs.pop("num_workers", 2)), mixture.weights)
         cls = _source_loader(base)
         kw = {**kwargs, "rank": self.rank, "world_size": self.world_size, "drop_last": False, "run": run}
-        self.loaders = [cls(ds, batch_size, num_workers=n, **kw) for ds, n in zip(mixture.sources, workers)]
+        self.loaders = [
+            cls(ds, batch_size, num_workers=n, **kw) for ds, n in zip(mixture.sources, workers, strict=True)
+        ]
         ref = weakref.ref(self)
         for s, child in enumerate(self.loaders):
             child.feed = functools.partial(_feed, ref, s)
@@ -244,7 +247,7 @@ class MixLoader:
     def _record(self, epoch: int, seconds: float, wait_s: float) -> None:
         """The epoch's stats: the sources' own, summed, and per source in ``sources``."""
         st = EpochStats(epoch=epoch, seconds=seconds, wait_s=wait_s, exactly_once=True)
-        for name, child in zip(self.mixture.names, self.loaders):
+        for name, child in zip(self.mixture.names, self.loaders, strict=True):
             cs = child.stats if child.stats is not None and child.stats.epoch == epoch else EpochStats(epoch=epoch)
             st.sources[name] = {f: getattr(cs, f) for f in SOURCE_FIELDS}
             for f in ("samples", "batches", "origin_bytes", "origin_requests", "cache_hits", "cache_misses", "skipped"):
@@ -342,7 +345,7 @@ def _mixture_mismatch(saved: Any, mine: dict) -> str:
     a, b = saved.get("sources") or [], mine["sources"]
     if len(a) != len(b):
         return f"it has {len(a)} sources, this loader {len(b)}"
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         for key in ("url", "version", "subset", "samples", "name"):
             if x.get(key) != y.get(key):
                 return f"source {i} has {key}={x.get(key)!r} in the state, {y.get(key)!r} here"
@@ -350,4 +353,3 @@ def _mixture_mismatch(saved: Any, mine: dict) -> str:
         if saved.get(key) != mine[key]:
             return f"{key}={saved.get(key)!r} in the state, {mine[key]!r} here"
     return ""
-
