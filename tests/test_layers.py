@@ -32,7 +32,7 @@ LAYERS = [
     {"stoker.storage", "stoker._native_s3"},
     {"stoker.cache"},
     {"stoker.store"},
-    {"stoker.order", "stoker.mixture", "stoker.decode", "stoker.metrics", "stoker.collate"},
+    {"stoker.order", "stoker.decode", "stoker.metrics", "stoker.collate"},
     {"stoker.loader"},
     {"stoker.cluster"},
     {"stoker.cli"},
@@ -46,7 +46,18 @@ LAYERS = [
 #: third parts of a module name (a subfolder, or a module at the package's own level).
 SUBLAYERS = {
     "stoker.loader": [
-        {"options", "dataloader_args", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
+        {
+            "options",
+            "dataloader_args",
+            "state",
+            "epoch_stats",
+            "iterator",
+            "world",
+            "derived",
+            "shm",
+            "adapters",
+            "mixture",
+        },
         {"workers"},
         {"prefetch"},
         {"device"},

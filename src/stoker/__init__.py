@@ -57,7 +57,7 @@ from .errors import (
 from . import collate
 from .cache.spec import CacheOptions
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
-from .mixture import Mixture, mix
+from .loader.mixture import Mixture, mix
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
 from .store.pack_options import PackOptions

@@ -23,7 +23,6 @@ import numpy as np
 
 from .._procs import check_main_for, pick_start_method
 from ..errors import NotADatasetError
-from ..mixture import Mixture
 from ..order import EpochShares, interleaved_shares, permutation, rank_plan
 from .adapters import CopiedSampler, ReadAhead, batch_sampler_of, read_ahead, sampler_for
 from .device.device_decode import DeviceBatchDecoder
@@ -31,6 +30,7 @@ from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
 from .live import LiveTotals
 from .mixed import MixLoader
+from .mixture import Mixture
 from .options import (
     ImageOptions,
     ReadOptions,
@@ -374,7 +374,7 @@ class Loader:
     batch_sampler = property(batch_sampler_of, doc=batch_sampler_of.__doc__)
 
     def __new__(cls, dataset=None, *args, **kwargs):
-        """A Loader; over a :class:`stoker.mixture.Mixture` (:func:`stoker.mix`), a
+        """A Loader; over a :class:`stoker.loader.mixture.Mixture` (:func:`stoker.mix`), a
         :class:`stoker.loader.mixed.MixLoader` with the same arguments, one Loader of ``cls`` per source."""
         if isinstance(dataset, Mixture):
             return MixLoader(cls, dataset, *args, **kwargs)

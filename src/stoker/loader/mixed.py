@@ -1,7 +1,7 @@
 """A Loader over a weighted mixture of datasets (:func:`stoker.mix`): what ``stoker.Loader(mixture,
 ...)`` returns.
 
-The epoch is the mixture's plan (:func:`stoker.mixture.mix_epoch`): a sequence of chunks, each one
+The epoch is the mixture's plan (:func:`stoker.loader.mixture.mix_epoch`): a sequence of chunks, each one
 batch of one source, the same on every rank. The ranks split the chunks as a Loader splits
 samples (:func:`stoker.order.interleaved_shares`: rank r takes chunks r, r + world_size, ...;
 ``read.even`` pads with early chunks or drops the last few), so every rank yields the same number
@@ -19,19 +19,19 @@ weights, rule, epoch size) is part of the state's identity.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import json
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from ..mixture import MixEpoch, Mixture, epoch_chunks, mix_epoch
 from ..order import EpochShares, interleaved_shares
 from .epoch_stats import EpochStats
+from .mixture import MixEpoch, Mixture, epoch_chunks, mix_epoch
 from .options import ReadOptions, RunOptions, order_of
 from .state import IDENTITY_KEYS, LoaderState
 from .world import resolve
@@ -75,10 +75,10 @@ def _workers(num_workers: int, weights: tuple[float, ...]) -> list[int]:
 
 
 class MixLoader:
-    """Batches of a :class:`stoker.mixture.Mixture`; made by ``stoker.Loader(mixture, ...)`` with
+    """Batches of a :class:`stoker.loader.mixture.Mixture`; made by ``stoker.Loader(mixture, ...)`` with
     the Loader's arguments (the same meaning; ``num_workers`` is dealt to the sources by weight,
     at least one each). Each batch holds ``batch_size`` samples of one source; the sources'
-    batches interleave by weight (:mod:`stoker.mixture`). ``drop_last`` changes nothing (every
+    batches interleave by weight (:mod:`stoker.loader.mixture`). ``drop_last`` changes nothing (every
     batch is whole).
 
     Attributes: ``mixture``, ``loaders`` (one :class:`stoker.Loader` per source, in the mixture's
@@ -137,7 +137,7 @@ class MixLoader:
 
     # -- the plan ---------------------------------------------------------
     def epoch_mix(self, epoch: int) -> MixEpoch:
-        """The mixture's plan of ``epoch`` (every rank's; :func:`stoker.mixture.mix_epoch`)."""
+        """The mixture's plan of ``epoch`` (every rank's; :func:`stoker.loader.mixture.mix_epoch`)."""
         plan = self._plans.get(epoch)
         if plan is None:
             m = self.mixture
@@ -284,7 +284,7 @@ class MixLoader:
     def state_dict(self) -> dict:
         """Where the job's stream stands, as :meth:`stoker.Loader.state_dict` counted in chunks
         (``samples_done``: chunks all ranks have served; ``batches_done``: per rank), with
-        ``mixture``: the mixture it belongs to (:meth:`stoker.mixture.Mixture.identity`)."""
+        ``mixture``: the mixture it belongs to (:meth:`stoker.loader.mixture.Mixture.identity`)."""
         out = self.state.to_dict(
             self._identity(), rank=self.rank, world_size=self.world_size, batch_size=1, shares=self._shares
         )

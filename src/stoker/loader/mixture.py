@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .order import DEFAULT_WINDOW_BLOCKS, permutation
+from ..order import DEFAULT_WINDOW_BLOCKS, permutation
 
 __all__ = ["SMALL_RULES", "MixEpoch", "Mixture", "epoch_chunks", "interleave", "mix", "mix_epoch", "source_ids"]
 

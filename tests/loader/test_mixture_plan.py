@@ -1,4 +1,4 @@
-"""The mixture's epoch plan alone (stoker.mixture, no I/O): counts within one batch of the
+"""The mixture's epoch plan alone (stoker.loader.mixture, no I/O): counts within one batch of the
 weights, exactly once within each share, even repeats of a source smaller than its share, the
 same plan for the same (seed, epoch), and an interleaving whose every prefix keeps the weights."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stoker.mixture import epoch_chunks, interleave, mix_epoch, source_ids
+from stoker.loader.mixture import epoch_chunks, interleave, mix_epoch, source_ids
 from stoker.order import interleaved_shares
 
 plans = st.tuples(
