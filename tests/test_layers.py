@@ -46,11 +46,23 @@ LAYERS = [
 #: third parts of a module name (a subfolder, or a module at the package's own level).
 SUBLAYERS = {
     "stoker.loader": [
-        {"options", "dataloader_args", "state", "epoch_stats", "iterator", "world", "derived", "shm", "adapters"},
+        {
+            "options",
+            "dataloader_args",
+            "state",
+            "epoch_stats",
+            "iterator",
+            "world",
+            "derived",
+            "shm",
+            "adapters",
+            "mixture",
+        },
         {"workers"},
         {"prefetch"},
         {"device"},
         {"pipeline"},
+        {"mixed"},
         {"loader", "live"},
     ],
     "stoker.cluster": [

@@ -2,6 +2,7 @@
 
 Public API: :func:`open_dataset` (a packed dataset through the node cache, set by
 :class:`CacheOptions`),
+:func:`mix` (datasets mixed by weight, a :class:`Mixture` a Loader reads like a dataset),
 :class:`Loader` (decoded, augmented batches as torch tensors; its option groups
 :class:`ReadOptions`, :class:`ImageOptions`, :class:`RunOptions`), :func:`pack` (its less
 common settings in :class:`PackOptions`), :class:`Writer` (samples made in Python, written as a
@@ -57,6 +58,7 @@ from .errors import (
 from . import collate
 from .cache.spec import CacheOptions
 from .loader import EpochStats, ImageOptions, Loader, ReadOptions, RunOptions
+from .loader.mixture import Mixture, mix
 from .store.dataset import Dataset, open_dataset
 from .store.pack import pack
 from .store.pack_options import PackOptions
@@ -85,6 +87,7 @@ __all__ = [
     "ImageTooLarge",
     "IndexFormatError",
     "Loader",
+    "Mixture",
     "NotACacheError",
     "NotADataLoaderError",
     "NotADatasetError",
@@ -114,6 +117,7 @@ __all__ = [
     "__version__",
     "collate",
     "decode",
+    "mix",
     "open_dataset",
     "pack",
     "parse_size",

@@ -38,6 +38,9 @@ class EpochStats:
     cache) and ``derived_same`` (samples whose entry says "use the raw sample");
     ``shm_batches`` / ``pickled_batches`` (user-collated batches whose arrays moved
     through shared memory / pickled whole, having no array) and ``pickled_bytes`` (bytes pickled).
+    ``sources``: for a loader over a mixture (:func:`stoker.mix`), per source name a dict of that
+    source's ``samples``, ``batches``, ``origin_bytes``, ``cache_hits``, ``cache_misses``,
+    ``cache_hit_ratio`` and ``skipped`` this epoch (the fields above are their sums); empty otherwise.
 
     ``samples`` / ``batches``: the planned samples and the batches yielded to the consumer (a
     sample skipped with ``on_error="skip"`` is counted in ``skipped`` instead, and a substitute in
@@ -120,6 +123,7 @@ class EpochStats:
     shm_batches: int = 0  # user-collated batches whose arrays/tensors moved through shared memory
     pickled_batches: int = 0  # user-collated batches pickled whole through a pipe (no array in them)
     pickled_bytes: int = 0  # bytes pickled: those batches + the non-array leaves of shm_batches
+    sources: dict = field(default_factory=dict)  # a mixture's loader: per source name, its own figures
     first_batch_s: float = 0.0  # iter() to the first batch delivered (pipeline start excluded)
     pipeline_start_s: float = 0.0  # seconds iter() spent starting the pipeline (its first epoch only)
     overlap_efficiency: float = 0.0

@@ -29,6 +29,8 @@ from .device.device_decode import DeviceBatchDecoder
 from .epoch_stats import EpochStats, why_empty
 from .iterator import EpochIterator
 from .live import LiveTotals
+from .mixed import MixLoader
+from .mixture import Mixture
 from .options import (
     ImageOptions,
     ReadOptions,
@@ -262,6 +264,27 @@ def _empty_reason(loader: Loader) -> str:
     return why_empty(len(loader.dataset), loader.world_size, loader.read.even, loader.batch_size, loader.drop_last)
 
 
+def _identity(loader: Loader) -> dict:
+    """What a saved state of ``loader`` must agree on (:data:`stoker.loader.state.IDENTITY_KEYS`)."""
+    ident = {
+        "seed": loader.seed,
+        "order": order_of(loader.read, loader.shuffle),
+        "order_window": loader.read.order_window,
+        "batch_size": loader.batch_size,
+        "even": loader.read.even,
+        "drop_last": loader.drop_last,
+        "transform": loader.cfg.transform,
+        "dataset_version": loader.dataset.version,
+        "num_samples": len(loader.dataset),
+        "subset": getattr(loader.dataset, "selection_digest", None),
+        "cache_aware_window": loader.read.cache_aware_window,
+        # a streaming collate's carry only means something to the same collate
+        "carry_from": repr(loader.cfg.collate) if hasattr(loader.cfg.collate, "cut") else None,
+    }
+    assert tuple(ident) == IDENTITY_KEYS
+    return ident
+
+
 class Loader:
     """Batches of decoded, augmented images (or of the user's samples) from a
     :class:`stoker.store.dataset.Dataset`.
@@ -349,6 +372,13 @@ class Loader:
     sampler = property(sampler_for, doc=sampler_for.__doc__)
     #: not there: raises NotADataLoaderError (:func:`stoker.loader.adapters.batch_sampler_of`)
     batch_sampler = property(batch_sampler_of, doc=batch_sampler_of.__doc__)
+
+    def __new__(cls, dataset=None, *args, **kwargs):
+        """A Loader; over a :class:`stoker.loader.mixture.Mixture` (:func:`stoker.mix`), a
+        :class:`stoker.loader.mixed.MixLoader` with the same arguments, one Loader of ``cls`` per source."""
+        if isinstance(dataset, Mixture):
+            return MixLoader(cls, dataset, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -567,26 +597,6 @@ class Loader:
         self.set_epoch(value)
 
     # -- resume -----------------------------------------------------------
-    def _identity(self) -> dict:
-        """What a saved state must agree on (:data:`stoker.loader.state.IDENTITY_KEYS`)."""
-        ident = {
-            "seed": self.seed,
-            "order": order_of(self.read, self.shuffle),
-            "order_window": self.read.order_window,
-            "batch_size": self.batch_size,
-            "even": self.read.even,
-            "drop_last": self.drop_last,
-            "transform": self.cfg.transform,
-            "dataset_version": self.dataset.version,
-            "num_samples": len(self.dataset),
-            "subset": getattr(self.dataset, "selection_digest", None),
-            "cache_aware_window": self.read.cache_aware_window,
-            # a streaming collate's carry only means something to the same collate
-            "carry_from": repr(self.cfg.collate) if hasattr(self.cfg.collate, "cut") else None,
-        }
-        assert tuple(ident) == IDENTITY_KEYS
-        return ident
-
     def state_dict(self) -> dict:
         """Where the job's stream stands: the epoch and ``samples_done``, how many of its samples
         all ranks together have been served, and ``served``, which ones when they are not the
@@ -611,7 +621,7 @@ class Loader:
             RuntimeError: the Loader is iterated by a Ray Train wrapper of a shape stoker does not
                 know (:meth:`stoker.loader.adapters.ReadAhead.held`).
         """
-        ident, bs = self._identity(), self.batch_size
+        ident, bs = _identity(self), self.batch_size
         held = self._ahead is not None and self._ahead.held(self.state.position)
         return self.state.to_dict(
             ident, rank=self.rank, world_size=self.world_size, batch_size=bs, shares=self._shares, held=held
@@ -638,7 +648,7 @@ class Loader:
         """
         self.state.load(
             state,
-            self._identity(),
+            _identity(self),
             rank=self.rank,
             world_size=self.world_size,
             batch_size=self.batch_size,
