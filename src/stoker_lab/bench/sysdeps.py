@@ -15,7 +15,8 @@ import subprocess
 from collections.abc import Callable
 
 #: The stoker checkout's script (absent in an installed wheel: then nothing is checked here).
-SCRIPT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 3, "scripts", "system_deps.sh"))
+_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 3))
+SCRIPT = os.path.join(_ROOT, "scripts", "system_deps.sh")
 #: Peers that need system packages, and the ``scripts/system_deps.sh`` group that has them.
 PEER_GROUPS = {"spdl": "spdl"}
 #: Exit status of the script for "missing, not installed".
@@ -48,7 +49,9 @@ def ensure_system_packages(
     if r.returncode != MISSING:
         tail = "\n".join(r.stderr.strip().splitlines()[-3:])
         command = command or _run(script, group, False, timeout_s).stdout.strip()
-        raise RuntimeError(f"installing its system packages failed (exit {r.returncode}): {tail}; as root run: {command}")
+        raise RuntimeError(
+            f"installing its system packages failed (exit {r.returncode}): {tail}; as root run: {command}"
+        )
     how = "not root, or no apt-get here" if install else "making environments is off: nothing is installed"
     raise RuntimeError(
         f"needs system packages that are not installed ({group}: {command.split('--no-install-recommends ')[-1]}); "

@@ -24,6 +24,12 @@ and every other per-sample or per-request figure follows (GPU and decode rates /
 shard and prefetch bytes and request latencies x ``r``), so a modelled chunk is ``r`` of the
 user's chunks back to back: the same bytes, rates and bounds, coarser in time (fewer, longer chunks
 per rank: the first chunk's wait and the last one's GPU time weigh ``r`` times more).
+
+Where no cache size searched reaches the target, :func:`levels_off` says how close a setup gets:
+its best utilisation, the smallest cache per node within
+:data:`stoker_lab.sim.plateau.PLATEAU_TOLERANCE` of it (the same bisection, that level as its
+target), and the assumption that bounds it there, found by what-if runs
+(:func:`stoker_lab.sim.plateau.bound`).
 """
 
 from __future__ import annotations
@@ -259,8 +265,9 @@ def plan(
     :data:`TARGET_UTILIZATION` after the first epoch (:func:`min_cache`, searched up to the node
     disk ``disk_bytes`` if given, else the whole dataset; ``direct`` has no cache: 0 when it
     reaches it, else None). ``levels_off``: for each setup where that is None, the best
-    utilisation, where it levels off and what bounds it there (:func:`levels_off`). ``curves``: per setup ``[[cache bytes, utilisation], ...]`` of every
-    point run, and of ``curve_fractions`` (of ``dataset / nodes``) too, for the plot.
+    utilisation, where it levels off and what bounds it there (:func:`levels_off`).
+    ``curves``: per setup ``[[cache bytes, utilisation], ...]`` of every point run, and of
+    ``curve_fractions`` (of ``dataset / nodes``) too, for the plot.
     ``on_step`` gets a line of progress per stage. ``setups``: which of :data:`SETUP_NOTES` to run
     (default :data:`PLAN_SETUPS`); ``setup_notes`` in the report says of each its model and the
     ``stoker bench cluster --netns`` placement it stands for. A dataset of over

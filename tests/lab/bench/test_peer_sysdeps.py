@@ -18,8 +18,9 @@ from stoker_lab.bench.peers.bench import PeersConfig, run_peers
 from stoker_lab.bench.peers.report import markdown
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "system_deps.sh"
-DEBIAN_12 = "apt-get install -y -q --no-install-recommends libavutil57 libavcodec59 libavformat59 libavdevice59 libavfilter8"
-DEBIAN_13 = "apt-get install -y -q --no-install-recommends libavutil59 libavcodec61 libavformat61 libavdevice61 libavfilter10"
+APT = "apt-get install -y -q --no-install-recommends "
+DEBIAN_12 = APT + "libavutil57 libavcodec59 libavformat59 libavdevice59 libavfilter8"
+DEBIAN_13 = APT + "libavutil59 libavcodec61 libavformat61 libavdevice61 libavfilter10"
 
 
 def _fake_bin(tmp_path: Path, known: str, present: tuple[str, ...] = (), uid: int | None = None) -> dict:

@@ -22,6 +22,7 @@ SMALL = TdcsConfig(
 #: A node's cache reads 17 MB/s, under the 20 MB/s its GPUs take, and the origin is slower still
 #: (20 Mbit/s): more cache helps until the cache reads bind, short of the target.
 CACHE_BOUND = replace(SMALL, cache_read_GBps=0.017, store_gbit=0.02)
+DECODE_FLAG = "--decode-rate (or --decode-cores)"
 ARGV = "plan --nodes 2 --gpus-per-node 2 --gpu-rate 100 --samples 4000 --dataset-bytes 400MB --decode-cores 0 "
 ARGV += "--cache-per-node 100MB --epochs 2 --cache-read 17MB/s --origin-bandwidth 20Mbit"
 
@@ -46,14 +47,15 @@ def test_a_setup_bound_by_its_cache_reads_gets_the_best_the_plateau_and_the_cach
     assert b["relaxed_utilization"] > lv["plateau_utilization"] * (1 + MIN_GAIN)
     assert b["relaxed_utilization"] == max(b["what_if"].values())
     # the what-if holds: with twice the cache read bandwidth the same setup does better at that cache
-    faster = plan(replace(CACHE_BOUND, cache_read_GBps=0.034), lv["plateau_cache_per_node_bytes"], setups=("colocated",))
+    at = lv["plateau_cache_per_node_bytes"]
+    faster = plan(replace(CACHE_BOUND, cache_read_GBps=0.034), at, setups=("colocated",))
     assert faster["setups"]["colocated"]["gpu_utilization"][1] > lv["plateau_utilization"]
 
 
 @pytest.mark.parametrize(
     "cfg,setup,resource,flag",
     [
-        (replace(SMALL, decode_cores=1, decode_rate=150), "presence", "decode cores", "--decode-rate (or --decode-cores)"),
+        (replace(SMALL, decode_cores=1, decode_rate=150), "presence", "decode cores", DECODE_FLAG),
         (replace(SMALL, nic_gbit=0.1), "presence", "NICs", "--nic"),
         (replace(SMALL, store_gbit=0.02), "direct", "origin link", "--origin-bandwidth"),
     ],
@@ -105,7 +107,8 @@ def test_a_setup_that_reaches_the_target_is_reported_as_before(capsys):
     argv.remove("--cache-per-node")
     assert main([*argv, "--setups", "colocated"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    head = lines.index(f"smallest cache per node for >= {TARGET_UTILIZATION:.0%} GPU utilisation after the first epoch:")
+    answer = f"smallest cache per node for >= {TARGET_UTILIZATION:.0%} GPU utilisation after the first epoch:"
+    head = lines.index(answer)
     assert lines[head + 1].startswith("  colocated: ") and lines[head + 1].endswith(" bytes)")
     assert lines[head + 2].startswith("co-located scheduling against presence-only affinity: ")
     assert "levels off" not in "\n".join(lines)
