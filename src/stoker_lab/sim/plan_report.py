@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .byte_cpu import FIELDS, PATHS
 from .plan import TARGET_UTILIZATION
+from .plateau import shown_utilization as _u
 
 #: The byte paths as the report's lines name them.
 _PATH_NAMES = {"fill": "fill", "peer_send": "peer send", "peer_receive": "peer receive", "warm_read": "warm read"}
@@ -82,11 +83,6 @@ def short_lines(setup: str, lv: dict) -> list[str]:
     if b["resource"] is None:
         return [where, f"    bound by none of the assumptions tried: {b['why']}"]
     return [where, f"    bound by {b['why']}; change it with {b['flag']}"]
-
-
-def _u(x: float) -> str:
-    """A utilisation for people: 2 decimals, or 2 significant digits under 0.01."""
-    return f"{x:.2f}" if x >= 0.01 else f"{x:.2g}"
 
 
 def cpu_lines(report: dict) -> list[str]:

@@ -85,7 +85,8 @@ def bound(row: dict, at: float, what_if: dict[str, float], given) -> dict:
     busy = max((util.get(r, 0.0) for r in _BUSY_AS.get(name, ())), default=None)
     value = getattr(given, field)
     why = f"the {name}" + (f", busy {busy:.0%} of the warm epoch there" if busy is not None else "")
-    why += f": at {value * factor:.6g} instead of {value:.6g} ({field}) the model gives {_u(what_if[name])}"
+    gives = shown_utilization(what_if[name])
+    why += f": at {value * factor:.6g} instead of {value:.6g} ({field}) the model gives {gives}"
     return {
         "resource": name,
         "assumption": field,
@@ -99,6 +100,6 @@ def bound(row: dict, at: float, what_if: dict[str, float], given) -> dict:
     }
 
 
-def _u(x: float) -> str:
+def shown_utilization(x: float) -> str:
     """A utilisation for people: 2 decimals, or 2 significant digits under 0.01."""
     return f"{x:.2f}" if x >= 0.01 else f"{x:.2g}"
