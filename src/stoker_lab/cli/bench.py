@@ -171,7 +171,12 @@ def _add_peers(bench_sub) -> None:
         default="cpu",
         help="cuda: stoker's decode_device='cuda' against DALI's GPU pipeline (skipped, exit 0, without a GPU)",
     )
-    p.add_argument("--no-make-venvs", action="store_true", help="skip peers whose environment is missing")
+    p.add_argument(
+        "--no-make-venvs",
+        action="store_true",
+        help="install nothing: skip peers whose environment or system packages (SPDL's FFmpeg) are missing, "
+        "with the command that installs them",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per loader")
     p.add_argument("--retries", type=int, default=1, help="runs again of a loader that failed (each failure reported)")
     p.add_argument("--workdir", help="default: $TMPDIR/stoker-bench-peers")

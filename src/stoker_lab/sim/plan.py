@@ -24,6 +24,12 @@ and every other per-sample or per-request figure follows (GPU and decode rates /
 shard and prefetch bytes and request latencies x ``r``), so a modelled chunk is ``r`` of the
 user's chunks back to back: the same bytes, rates and bounds, coarser in time (fewer, longer chunks
 per rank: the first chunk's wait and the last one's GPU time weigh ``r`` times more).
+
+Where no cache size searched reaches the target, :func:`levels_off` says how close a setup gets:
+its best utilisation, the smallest cache per node within
+:data:`stoker_lab.sim.plateau.PLATEAU_TOLERANCE` of it (the same bisection, that level as its
+target), and the assumption that bounds it there, found by what-if runs
+(:func:`stoker_lab.sim.plateau.bound`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .byte_cpu import PATHS
+from .plateau import PLATEAU_TOLERANCE, bound, knobs, relaxed
 from .scaling import SCALING_EPOCHS
 from .tdcs import TdcsConfig, assumptions, run_setup, workload
 from .workload import Workload
@@ -120,12 +127,6 @@ def scaled(cfg: TdcsConfig, most: int | None = None) -> tuple[TdcsConfig, float]
     )
 
 
-def warm_utilization(rows: list[dict]) -> float | None:
-    """The lowest GPU utilisation of the epochs after the first (None with one epoch)."""
-    warm = [r["gpu_utilization"] for r in rows if r["epoch"] >= 1 and r["gpu_utilization"] is not None]
-    return min(warm) if warm else None
-
-
 class _Curve:
     """GPU utilisation after the first epoch against cache per node, one setup: each point a model
     run of :data:`SCALING_EPOCHS` epochs, run once."""
@@ -134,12 +135,16 @@ class _Curve:
         self.cfg, self.setup, self.wl = cfg, setup, wl
         self.share = share_bytes(wl, cfg.nodes)
         self.points: dict[int, float] = {}  # cache per node, bytes -> utilisation
+        self.warm: dict[int, dict] = {}  # cache per node, bytes -> the row of its least busy warm epoch
 
     def add(self, cache_bytes: int, rows: list[dict]) -> None:
-        """Record a run made elsewhere (the plan's own, at the user's cache)."""
-        u = warm_utilization(rows)
-        if u is not None:
-            self.points[cache_bytes] = u
+        """Record a run made elsewhere (the plan's own, at the user's cache): the lowest GPU
+        utilisation of the epochs after the first, and that epoch's row (nothing with one epoch)."""
+        warm = [r for r in rows if r["epoch"] >= 1 and r["gpu_utilization"] is not None]
+        if warm:
+            row = min(warm, key=lambda r: r["gpu_utilization"])
+            self.points[cache_bytes] = row["gpu_utilization"]
+            self.warm[cache_bytes] = row
 
     def __call__(self, cache_bytes: int) -> float:
         if cache_bytes not in self.points:
@@ -175,6 +180,46 @@ def min_cache(
         else:
             lo = mid
     return hi
+
+
+def levels_off(curve: _Curve, given: TdcsConfig, step: int) -> dict:
+    """Where ``curve`` (a setup that reaches the target at no cache size searched) levels off:
+    ``{best_utilization, best_cache_per_node_bytes, plateau_cache_per_node_bytes,
+    plateau_utilization, tolerance, bound}``. ``best_*``: the highest utilisation of every point
+    run (the smallest cache at it); ``plateau_*``: the smallest cache per node within
+    :data:`stoker_lab.sim.plateau.PLATEAU_TOLERANCE` of it, by :func:`min_cache` with that level as
+    its target (to ``step`` bytes; below the best's cache the curve is taken to rise with the
+    cache, as a bisection must); ``bound``: :func:`stoker_lab.sim.plateau.bound` of the plateau's
+    warm epoch on the user's figures ``given``, from one what-if run per knob that applies
+    (:func:`stoker_lab.sim.plateau.knobs`) at the plateau's cache. A point the bisection finds above the best
+    becomes the best and the search runs again (at most 3 times). ``direct`` has no cache: its
+    best and plateau are at 0."""
+    for _ in range(3):
+        best_c, best_u = max(curve.points.items(), key=lambda p: (p[1], -p[0]))
+        level = best_u * (1 - PLATEAU_TOLERANCE)
+        if curve.setup == "direct" or level <= 0:
+            plateau = min(c for c, u in curve.points.items() if u >= level)
+            break
+        low = lower_bound(curve.cfg, curve.wl, level)
+        plateau = best_c if best_c <= low else min_cache(curve, low, [best_c], step, level) or best_c
+        if max(curve.points.values()) <= best_u:
+            break
+    row, at = curve.warm[plateau], curve.points[plateau]
+    what_if = {k: _warm_at(relaxed(curve.cfg, k), curve, plateau) for k in knobs(row, curve.cfg)}
+    return {
+        "best_utilization": best_u,
+        "best_cache_per_node_bytes": best_c,
+        "plateau_cache_per_node_bytes": plateau,
+        "plateau_utilization": at,
+        "tolerance": PLATEAU_TOLERANCE,
+        "bound": bound(row, at, what_if, given),
+    }
+
+
+def _warm_at(cfg: TdcsConfig, curve: _Curve, cache_bytes: int) -> float:
+    """The warm utilisation of ``curve``'s setup on ``cfg`` at ``cache_bytes`` per node (a what-if run)."""
+    what_if = _Curve(cfg, curve.setup, curve.wl)
+    return what_if(cache_bytes)
 
 
 def _points(curve) -> list[tuple[int, float]]:
@@ -219,8 +264,10 @@ def plan(
     ``min_cache_per_node_bytes``: per setup the smallest cache per node for at least
     :data:`TARGET_UTILIZATION` after the first epoch (:func:`min_cache`, searched up to the node
     disk ``disk_bytes`` if given, else the whole dataset; ``direct`` has no cache: 0 when it
-    reaches it, else None). ``curves``: per setup ``[[cache bytes, utilisation], ...]`` of every
-    point run, and of ``curve_fractions`` (of ``dataset / nodes``) too, for the plot.
+    reaches it, else None). ``levels_off``: for each setup where that is None, the best
+    utilisation, where it levels off and what bounds it there (:func:`levels_off`).
+    ``curves``: per setup ``[[cache bytes, utilisation], ...]`` of every point run, and of
+    ``curve_fractions`` (of ``dataset / nodes``) too, for the plot.
     ``on_step`` gets a line of progress per stage. ``setups``: which of :data:`SETUP_NOTES` to run
     (default :data:`PLAN_SETUPS`); ``setup_notes`` in the report says of each its model and the
     ``stoker bench cluster --netns`` placement it stands for. A dataset of over
@@ -244,24 +291,38 @@ def plan(
     highs = sorted({min(top, int(math.ceil(share * f))) for f in (1.0, 1.5)} | {top})
     step = max(1, int(share * RESOLUTION))
     low = lower_bound(cfg, wl)
-    out, best, curves = {}, {}, {}
+    out, best, curves, short = {}, {}, {}, {}
     for s in setups:
         rows = run_setup(user, s, wl)
         out[s] = _setup_report(rows)
         say(f"{s}: {len(rows)} epochs at {cache_bytes} bytes of cache per node")
         curve = _Curve(cfg, s, wl)
         if cfg.epochs >= 2:
-            curve.add(cache_bytes, rows)
+            curve.add(0 if s == "direct" else cache_bytes, rows)
         if s == "direct":  # no cache: its answer does not depend on one
-            u = warm_utilization(rows) if cfg.epochs >= 2 else curve(0)
-            best[s] = 0 if u is not None and u >= TARGET_UTILIZATION else None
+            u = curve(0)
+            best[s] = 0 if u >= TARGET_UTILIZATION else None
             curves[s] = [[0, u]]
+            if best[s] is None:
+                short[s] = levels_off(curve, given, step)
             continue
         best[s] = min_cache(curve, low, highs, step)
+        if best[s] is None:
+            lv = levels_off(curve, given, step)
+            if lv["best_utilization"] >= TARGET_UTILIZATION:  # below the searched sizes: the curve falls
+                best[s] = min(c for c, u in curve.points.items() if u >= TARGET_UTILIZATION)
+            else:
+                short[s] = lv
         for f in curve_fractions:
             curve(max(1, min(top, int(share * f))))
         curves[s] = sorted([c, u] for c, u in curve.points.items())
         found = f"{best[s]} bytes" if best[s] is not None else f"none reaches {TARGET_UTILIZATION:.0%}"
+        if s in short:
+            lv = short[s]
+            found += (
+                f"; best {lv['best_utilization']:.2f}, levelling off from {lv['plateau_cache_per_node_bytes']} bytes "
+                f"(bound: {lv['bound']['resource']})"
+            )
         say(f"{s}: smallest cache per node for {TARGET_UTILIZATION:.0%} GPU utilisation: {found}")
     src = {
         "cache_per_node_bytes": "given (--cache-per-node)",
@@ -296,6 +357,7 @@ def plan(
         "setups": out,
         "setup_notes": {s: SETUP_NOTES[s] for s in setups},
         "min_cache_per_node_bytes": best,
+        "levels_off": short,
         "colocated_changes_min_cache": changes(best, step)
         if {"presence", "colocated"} <= set(setups)
         else {"changes": None, "why": "presence and colocated were not both planned (--setups)"},

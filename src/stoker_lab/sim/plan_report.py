@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .byte_cpu import FIELDS, PATHS
 from .plan import TARGET_UTILIZATION
+from .plateau import shown_utilization as _u
 
 #: The byte paths as the report's lines name them.
 _PATH_NAMES = {"fill": "fill", "peer_send": "peer send", "peer_receive": "peer receive", "warm_read": "warm read"}
@@ -16,22 +17,25 @@ def _size(n: float | None) -> str:
 
 
 def text(report: dict) -> str:
-    """The plan as text: every assumption with its source, what each setup models (and the bench
-    placement it stands for), one table row per setup and epoch
-    (seconds, GPU utilisation, GB per kind of link, byte-moving and decode cores per node,
-    bottleneck), what the byte-moving cores are made of (:func:`cpu_lines`), the smallest cache
-    per node per setup and whether co-located scheduling changes it."""
-    out = ["assumptions:"]
-    for k, v in report["assumptions"].items():
-        val = v["value"]
-        shown = f"{val:.6g}" if isinstance(val, float) else str(val)
-        out.append(f"  {k} = {shown}   ({v['source']})")
-    notes = report.get("setup_notes", {})
-    if notes:
-        out += ["", "setups (and the stoker bench cluster --netns placement each stands for):"]
-        for s, n in notes.items():
-            bench = f"the bench's {n['bench_placement']}" if n["bench_placement"] else "no bench placement"
-            out.append(f"  {s}: {n['model']}; {bench} ({n['differs']})")
+    """The plan as text, the answer first: the smallest cache per node per setup (where none
+    reaches the target, the best utilisation, where it levels off and the assumption that bounds
+    it, with its flag: :func:`short_lines`) and whether co-located scheduling changes it; then one
+    table row per setup and epoch (seconds, GPU utilisation, GB per kind of link, byte-moving and
+    decode cores per node, bottleneck), what the byte-moving cores are made of
+    (:func:`cpu_lines`), what each setup models (and the bench placement it stands for), and last
+    every assumption with its source."""
+    out = [f"smallest cache per node for >= {TARGET_UTILIZATION:.0%} GPU utilisation after the first epoch:"]
+    short = report.get("levels_off", {})
+    for s, n in report["min_cache_per_node_bytes"].items():
+        note = " (no cache: 0 when remote reads alone keep the GPUs busy)" if s == "direct" else ""
+        out.append(f"  {s}: {_size(n)}{note}")
+        if s in short:
+            out += short_lines(s, short[s])
+    ch = report["colocated_changes_min_cache"]
+    if ch["changes"] is None:
+        out.append(f"co-located scheduling against presence-only affinity: {ch['why']}")
+    else:
+        out.append(f"co-located scheduling {'changes' if ch['changes'] else 'does not change'} it: {ch['why']}")
     out += [
         "",
         "| setup | epoch | epoch s | GPU utilisation | origin GB | host-to-host GB | local GB "
@@ -48,16 +52,37 @@ def text(report: dict) -> str:
                 f"{r['decode_cores_per_node'][e]:.1f} | {r['bottleneck'][e]} |"
             )
     out += ["", *cpu_lines(report)]
-    out += ["", f"smallest cache per node for >= {TARGET_UTILIZATION:.0%} GPU utilisation after the first epoch:"]
-    for s, n in report["min_cache_per_node_bytes"].items():
-        note = " (no cache: 0 when remote reads alone keep the GPUs busy)" if s == "direct" else ""
-        out.append(f"  {s}: {_size(n)}{note}")
-    ch = report["colocated_changes_min_cache"]
-    if ch["changes"] is None:
-        out.append(f"co-located scheduling against presence-only affinity: {ch['why']}")
-    else:
-        out.append(f"co-located scheduling {'changes' if ch['changes'] else 'does not change'} it: {ch['why']}")
+    notes = report.get("setup_notes", {})
+    if notes:
+        out += ["", "setups (and the stoker bench cluster --netns placement each stands for):"]
+        for s, n in notes.items():
+            bench = f"the bench's {n['bench_placement']}" if n["bench_placement"] else "no bench placement"
+            out.append(f"  {s}: {n['model']}; {bench} ({n['differs']})")
+    out += ["", "assumptions:"]
+    for k, v in report["assumptions"].items():
+        val = v["value"]
+        shown = f"{val:.6g}" if isinstance(val, float) else str(val)
+        out.append(f"  {k} = {shown}   ({v['source']})")
     return "\n".join(out)
+
+
+def short_lines(setup: str, lv: dict) -> list[str]:
+    """The lines under a setup that reaches the target at no cache size (``lv``: its
+    ``levels_off`` entry of the report): the best GPU utilisation and at which cache per node, the
+    smallest cache per node within the tolerance of it, and the assumption that bounds it there
+    with the flag that changes it (what the model gives with it relaxed)."""
+    b = lv["bound"]
+    if setup == "direct":
+        where = f"    best {_u(lv['best_utilization'])} GPU utilisation, with no cache"
+    else:
+        where = (
+            f"    best {_u(lv['best_utilization'])} GPU utilisation, at {lv['best_cache_per_node_bytes'] / 1e9:.2f} GB "
+            f"per node; it levels off from {lv['plateau_cache_per_node_bytes'] / 1e9:.2f} GB per node "
+            f"({_u(lv['plateau_utilization'])}, within {lv['tolerance']:.0%} of the best): more cache does not help"
+        )
+    if b["resource"] is None:
+        return [where, f"    bound by none of the assumptions tried: {b['why']}"]
+    return [where, f"    bound by {b['why']}; change it with {b['flag']}"]
 
 
 def cpu_lines(report: dict) -> list[str]:

@@ -3,7 +3,9 @@
 Steps: make the demo's real-photo ImageFolder set; convert it once into each loader's own
 format with the loader's own tool (stoker pack, the raw tree for torch and Ray Data, WebDataset
 ``ShardWriter`` tars, Streaming ``MDSWriter`` shards, LitData ``optimize`` chunks, DALI
-``wds2idx`` indexes over WebDataset tars, the same tars for SPDL); start the emulated remote origin (moto S3 behind
+``wds2idx`` indexes over WebDataset tars, the same tars for SPDL), after installing the system
+packages a peer needs that pip cannot (SPDL's FFmpeg libraries: :mod:`stoker_lab.bench.sysdeps`,
+``scripts/system_deps.sh spdl``); start the emulated remote origin (moto S3 behind
 the throttling proxy, :class:`stoker_lab.bench.origin.LocalS3Origin`) and upload every format to it
 (unthrottled); then run each loader in a subprocess of its own Python for ``epochs`` epochs
 from an empty cache, with the same workers, batch size and emulated accelerator, collecting
@@ -29,6 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from ..sysdeps import ensure_system_packages
 from ..venvs import run_json_lines, stderr_tail
 
 LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali", "spdl", "ray_data")
@@ -45,7 +48,9 @@ class PeersConfig:
     MB/s (1e6 B/s), timeouts in seconds. ``consumer_rate``: the emulated accelerator (a sleep of
     batch/rate per batch; above every loader's decode bound here, so samples/s measures the
     loader and ``stall_fraction`` the accelerator time it loses). ``make_venvs``: create missing
-    peer environments (False: skip those peers, with the reason). ``device``: "cpu", or "cuda"
+    peer environments and, as root with apt-get, install the system packages a peer needs
+    (:func:`stoker_lab.bench.sysdeps.ensure_system_packages`; False: skip those peers, with the
+    reason and the command that would install them). ``device``: "cpu", or "cuda"
     for the accelerator comparison (``loaders`` then defaults to :data:`GPU_LOADERS`). ``retries``:
     a loader whose run fails is run again from an empty cache up to this many times; each failure
     is kept in the report's ``failures`` (and the table), only the last attempt's rows in ``runs``."""
@@ -304,6 +309,7 @@ def run_peers(cfg: PeersConfig) -> dict:
     wanted = list(cfg.loaders)
     for loader in wanted:
         try:
+            ensure_system_packages(loader, cfg.make_venvs, log=_log)
             pythons[loader] = _python_for(loader, cfg)
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             skip(loader, str(exc))

@@ -60,7 +60,8 @@ def check_targets(report: dict) -> dict:
 
 
 def markdown(report: dict) -> str:
-    """The run as Markdown tables: epochs, formats, skipped loaders, targets."""
+    """The run as Markdown tables: which loaders ran (:func:`ran_line`), epochs, formats, skipped
+    loaders with their reasons, targets."""
     ds, org, cfg = report["dataset"], report["origin"], report["config"]
     lines = [
         f"{report['machine']['cores']} cores; {ds['images']:,} photos, {ds['bytes'] / 1e6:.1f} MB "
@@ -68,6 +69,8 @@ def markdown(report: dict) -> str:
         f"{org['bandwidth_MBps']:g} MB/s; {cfg['workers']} workers, batch {cfg['batch_size']}, "
         f"emulated accelerator {cfg['consumer_rate']:g} samples/s; load average at start "
         f"{report['machine']['loadavg_start'][0]:.2f}",
+        "",
+        ran_line(report),
         "",
         "| loader | epoch | samples/s | first batch s | data stall | CPU s / 1,000 samples | origin CPU s / 1,000 "
         "| origin MB |",
@@ -117,6 +120,16 @@ def markdown(report: dict) -> str:
                 f"- {name}: {v} (best peer {c['best_peer']}; target {c['target']}): {'met' if c['ok'] else 'NOT met'}"
             )
     return "\n".join(lines)
+
+
+def ran_line(report: dict) -> str:
+    """Which loaders ran (every epoch measured) of those asked for, and which did not (their reasons
+    under "Skipped")."""
+    asked = list(report["config"].get("loaders") or [])
+    ran = [lo for lo in asked if any(r["loader"] == lo for r in report["runs"])]
+    missed = [s["loader"] for s in report["skipped"]]
+    line = f"Ran {len(ran)} of {len(asked)} loaders: {', '.join(ran) or 'none'}"
+    return line + (f"; skipped: {', '.join(missed)} (reasons below)" if missed else "")
 
 
 def print_table(report: dict) -> None:

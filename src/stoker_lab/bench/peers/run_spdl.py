@@ -20,9 +20,11 @@ presigned GETs. SPDL has no cache and no resume: the runner keeps each downloade
 local disk (``cache_dir``) as it passes, and later epochs read that copy, which is what a user
 of SPDL would add. The first epoch's download is part of the pipeline, so it overlaps decoding.
 
-SPDL decodes with FFmpeg: spdl-io loads the system's FFmpeg libraries (4 to 9; on Debian 12
-``libavfilter8`` and ``libavdevice59``), which pip cannot install. Runs under the Python of its
-own virtual environment (spdl 0.8.0 and numpy); see :mod:`stoker_lab.bench.peers._runner`.
+SPDL decodes with FFmpeg: spdl-io loads the system's FFmpeg libraries (4 to 9: libavutil,
+libavcodec, libavformat, libavdevice and libavfilter of one major; on Debian 12 ``libavutil57``,
+``libavcodec59``, ``libavformat59``, ``libavdevice59``, ``libavfilter8``), which pip cannot
+install: ``scripts/system_deps.sh spdl`` does, as root (:mod:`stoker_lab.bench.sysdeps`). Runs
+under the Python of its own virtual environment (spdl 0.8.0 and numpy); see :mod:`stoker_lab.bench.peers._runner`.
 """
 
 import os
@@ -64,8 +66,10 @@ class _Spdl:
             self.ffmpeg = {k: ".".join(map(str, v)) for k, v in spdl.io.utils.get_ffmpeg_versions().items()}
         except RuntimeError as exc:
             raise SystemExit(
-                f"SPDL cannot load the FFmpeg libraries it decodes with (install FFmpeg 4-9 shared libraries, "
-                f"e.g. Debian's libavfilter8 libavdevice59): {exc}"
+                "SPDL cannot load the FFmpeg libraries it decodes with (FFmpeg 4-9's libavutil, libavcodec, "
+                "libavformat, libavdevice, libavfilter; as root, bash scripts/system_deps.sh spdl installs them, "
+                "on Debian 12: apt-get install -y --no-install-recommends libavutil57 libavcodec59 libavformat59 "
+                f"libavdevice59 libavfilter8): {exc}"
             ) from None
         self.cfg = cfg
         self.local = cfg["cache_dir"]
