@@ -31,17 +31,14 @@ class EpochIterator:
     def __init__(self, gen, epoch: int, owner=None):
         self._gen, self.epoch, self._owner = gen, epoch, owner
         self._replaced_by: int | None = None
+        self._ended_by = ""  # what ended it, for the StaleIteratorError
 
     def __iter__(self):
         return self
 
     def __next__(self):
         if self._replaced_by is not None:
-            raise StaleIteratorError(
-                f"the iterator of epoch {self.epoch} was ended by a later iter() on the same Loader, which "
-                f"started epoch {self._replaced_by}: a Loader serves one epoch at a time. Finish (or break "
-                "out of) one epoch before the next iter(), or use one Loader per stream"
-            )
+            raise StaleIteratorError(f"the iterator of epoch {self.epoch} was ended by {self._ended_by}")
         return next(self._gen)
 
     @property
@@ -67,8 +64,13 @@ class EpochIterator:
         """End the epoch now (as ``break`` does): its stats are final and its slots free."""
         self._gen.close()
 
-    def replace(self, epoch: int) -> None:
-        """A later ``iter()`` starts ``epoch``: end this one now; its next ``next()`` raises
-        :class:`~stoker.errors.StaleIteratorError`."""
+    def replace(self, epoch: int, by: str | None = None) -> None:
+        """A later ``iter()`` starts ``epoch`` (or ``by`` says what else takes this epoch's place,
+        with what to do): end this one now; its next ``next()`` raises
+        :class:`~stoker.errors.StaleIteratorError` saying so."""
         self._replaced_by = epoch
+        self._ended_by = by or (
+            f"a later iter() on the same Loader, which started epoch {epoch}: a Loader serves one epoch at a "
+            "time. Finish (or break out of) one epoch before the next iter(), or use one Loader per stream"
+        )
         self._gen.close()

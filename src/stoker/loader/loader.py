@@ -285,6 +285,26 @@ def _identity(loader: Loader) -> dict:
     return ident
 
 
+def _warn_cut_epoch(loader) -> None:
+    """One RuntimeWarning per Loader when its state is taken right after an epoch whose iteration
+    ended early (:attr:`stoker.loader.state.LoaderState.cut`): that state starts the next epoch,
+    so a resume from it never trains the rest of the cut one (a checkpoint saved after a caught
+    Ctrl-C). Intended by a loop that breaks on purpose (fewer batches per epoch); a checkpoint
+    meant to resume where training stopped is saved inside the loop."""
+    cut, st = loader.state.cut, loader.state
+    if cut is None or st.position != (cut[0] + 1, 0) or getattr(loader, "_warned_cut", False):
+        return
+    loader._warned_cut = True
+    warnings.warn(
+        f"epoch {cut[0]} ended early, after {cut[1]} of its {cut[2]} batches (a break, a caught Ctrl-C or an "
+        f"error ended its iteration): this state starts epoch {cut[0] + 1} at batch 0, and a resume from it "
+        f"does not train the rest of epoch {cut[0]}. To resume where training stopped, take state_dict() "
+        "inside the loop, before leaving it (docs/guide.md, Resume). Said once per Loader.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class Loader:
     """Batches of decoded, augmented images (or of the user's samples) from a
     :class:`stoker.store.dataset.Dataset`.
@@ -622,6 +642,7 @@ class Loader:
                 know (:meth:`stoker.loader.adapters.ReadAhead.held`).
         """
         ident, bs = _identity(self), self.batch_size
+        _warn_cut_epoch(self)
         held = self._ahead is not None and self._ahead.held(self.state.position)
         return self.state.to_dict(
             ident, rank=self.rank, world_size=self.world_size, batch_size=bs, shares=self._shares, held=held
@@ -636,7 +657,11 @@ class Loader:
         yielding nothing, so ``epoch`` and ``history`` advance exactly as in the saved run). At
         the world size (and placement) that saved it the rest is the saved run's, batch for
         batch. This is the elastic deterministic resumption Mosaic Streaming documents. The
-        per-rank state of earlier releases is still read (a DeprecationWarning).
+        per-rank state of earlier releases is still read (a DeprecationWarning). Loaded while an
+        epoch is being iterated (a loop left by an exception, restored in the same process), that
+        epoch's iterator is ended first: its next ``next()`` raises
+        :class:`~stoker.errors.StaleIteratorError`, so it cannot serve its epoch beside the
+        resumed stream.
 
         Raises ValueError when the state belongs to another dataset version or to a
         different seed, order, batch size, split mode or transform (the rest of the stream
@@ -646,6 +671,13 @@ class Loader:
         the message names them). ``strict=False`` resumes such a state with a ``RuntimeWarning``
         naming what it lacks. Nothing is changed then.
         """
+        if self.state.iterating() and self._started.run is not None:
+            # the resume takes that epoch's place: its iterator would otherwise go on serving its own
+            # epoch, and the loaded position after it (samples twice)
+            self._started.run.end_live(
+                "load_state_dict(): the loaded position takes the place of the epoch being iterated; "
+                "iterate the Loader again (a new iter()) for the resumed stream"
+            )
         self.state.load(
             state,
             _identity(self),

@@ -88,6 +88,9 @@ class LoaderState:
         loaded: the position was set by :meth:`load` and no ``iter()`` has taken it yet.
         carry_before: :attr:`carry` as it was before the last batch delivered (a consumer that
             holds that batch has not handed it on: :meth:`to_dict` with ``held``).
+        cut: ``(epoch, batches done, batches of the plan)`` of the last epoch whose iteration
+            ended before its last batch (a ``break``, a caught Ctrl-C, an error), while the
+            stream stands at the start of the next epoch; None otherwise.
     """
 
     epoch: int = 0
@@ -99,6 +102,12 @@ class LoaderState:
     opened: tuple[int, int, bool] | None = None
     loaded: bool = False
     carry_before: np.ndarray | None = None
+    cut: tuple[int, int, int] | None = None
+
+    def iterating(self) -> bool:
+        """Whether an ``iter()``'s epoch has begun (a batch asked for) and its iteration has not
+        ended: the stream stands inside that epoch, moved on by its iterator."""
+        return self.opened is None and self.position[0] == self.epoch - 1
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch``, batch 0; but keep a position that :meth:`load`
@@ -122,7 +131,7 @@ class LoaderState:
                 "checkpoint's), or call set_epoch() before load_state_dict()"
             )
         self.epoch, self.resume_batch, self.position = int(epoch), 0, (int(epoch), 0)
-        self.offset, self.carry, self.opened, self.loaded = None, None, None, False
+        self.offset, self.carry, self.opened, self.loaded, self.cut = None, None, None, False, None
 
     def pending_load(self) -> tuple[int, int] | None:
         """``(epoch, batch)`` of the position :meth:`load` set, while the next ``iter()`` still
@@ -293,6 +302,7 @@ class LoaderState:
         if finished:  # the next epoch. An epoch saved at its start has not run yet: it stays
             epoch, skip, before = epoch + 1, 0, None  # (if it has no batches, its iter() yields nothing)
         self.epoch, self.resume_batch, self.position = epoch, skip, (epoch, skip)
+        self.cut = None
         self.offset = (epoch, before) if before is not None else None
         self.opened, self.loaded = None, True
         self.carry = np.asarray(carry["tokens"], dtype=np.dtype(carry["dtype"])) if carry and skip else None

@@ -285,6 +285,13 @@ class Run:
         if self.dispatch is not None:
             self.dispatch.pre = None
 
+    def end_live(self, by: str) -> None:
+        """End the epoch being iterated, if one is (its stats final, its slots free): its next
+        ``next()`` raises :class:`~stoker.errors.StaleIteratorError` naming ``by``, what ended it."""
+        old = self._live_iter() if self._live_iter is not None else None
+        if old is not None and old.running:
+            old.replace(old.epoch, by)
+
     def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0, owner=None) -> EpochIterator:
         """The batches of ``epoch`` from batch ``start`` on (see :class:`stoker.loader.Loader` for
         what a batch is), as an :class:`~stoker.loader.iterator.EpochIterator` that keeps
@@ -417,8 +424,10 @@ class Run:
             self.hooks.record(stats)
             self.hooks.live.end(stats, d)
             if self.state.position[0] == epoch and self.state.epoch == epoch + 1:  # no later iter()/set_epoch/load
-                if self.state.position[1] == start + len(batches):  # every batch done (yielded or all skipped)
+                done = self.state.position[1]
+                if done == start + len(batches):  # every batch done (yielded or all skipped)
                     self._report_epoch(stats)
+                self.state.cut = (epoch, done, start + len(batches)) if done < start + len(batches) else None
                 self.state.position = (epoch + 1, 0)  # done or cut short: the next iter() (and a resume) runs epoch + 1
                 self.state.carry = None
 
