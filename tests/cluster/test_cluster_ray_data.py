@@ -1,0 +1,74 @@
+"""stoker.ray_data.read on the 3-node test cluster: a ray.data.Dataset whose read tasks read the
+packed dataset through the node caches. Two passes over the S3 test dataset: every sample once
+per pass with the origin's bytes, and the second pass reads 0 bytes from the origin, with no
+materialize()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+BLOCK = 64 << 10  # small cache blocks: the 120-photo test set gives ~100 blocks over the 3 nodes
+
+
+def _quiet():
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+def _pass(ds) -> list[dict]:
+    """Every row of one pass over ``ds`` (streamed, nothing kept in the object store)."""
+    return [row for batch in ds.iter_batches(batch_size=16, batch_format="pyarrow") for row in batch.to_pylist()]
+
+
+def test_two_passes_read_every_sample_once_and_the_second_reads_nothing_from_the_origin(
+    cluster, fresh_services, s3_dataset, s3_origin, tmp_path
+):
+    import stoker.ray_data
+    from stoker.store.dataset import open_dataset
+
+    url, opts = s3_dataset
+    _quiet()
+    truth = open_dataset(url, storage_options=opts, cache=False)
+    want = {truth.key(i): (i, truth.read(i), int(truth.labels[i])) for i in range(len(truth))}
+    shard_bytes = int(truth.index.total_bytes)
+
+    before = s3_origin.stats()["bytes_served"]
+    ds = stoker.ray_data.read(
+        url, storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20, block_bytes=BLOCK
+    )
+    assert ds.schema().names == ["key", "id", "label", "bytes"]
+    setup = s3_origin.stats()["bytes_served"] - before
+    assert setup < shard_bytes / 4  # the index (read once, here), no shard yet
+
+    served = []
+    for _ in range(2):
+        at = s3_origin.stats()["bytes_served"]
+        rows = _pass(ds)
+        served.append(s3_origin.stats()["bytes_served"] - at)
+        assert sorted(r["id"] for r in rows) == list(range(len(truth)))  # every sample exactly once
+        for r in rows:
+            assert want[r["key"]] == (r["id"], r["bytes"], r["label"]), r["key"]
+    assert served[0] > 0  # the first pass filled the node caches from the origin ...
+    assert served[0] <= 1.1 * shard_bytes  # ... each block once
+    assert served[1] == 0  # the second read nothing from it
+
+
+def test_read_tasks_group_blocks_and_a_missing_dataset_is_named(cluster, fresh_services, s3_origin, tmp_path):
+    import stoker.ray_data
+    from stoker.cluster.train.datasource import task_groups
+    from stoker.errors import OriginNotFoundError
+
+    groups = task_groups(np.arange(10), 3)
+    assert [g.tolist() for g in groups] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert [g.tolist() for g in task_groups(np.arange(2), 5)] == [[0], [1]]
+    assert task_groups(np.arange(0), 4) == []
+    with pytest.raises(ValueError, match="blocks_per_task must be at least 1"):
+        stoker.ray_data.read("s3://nowhere/x", blocks_per_task=0)
+    url = s3_origin.url("no-such-dataset")
+    with pytest.raises(OriginNotFoundError, match="no-such-dataset"):
+        stoker.ray_data.read(url, storage_options=s3_origin.storage_options(), cache_dir=str(tmp_path / "c"))
