@@ -72,3 +72,45 @@ def test_read_tasks_group_blocks_and_a_missing_dataset_is_named(cluster, fresh_s
     url = s3_origin.url("no-such-dataset")
     with pytest.raises(OriginNotFoundError, match="no-such-dataset"):
         stoker.ray_data.read(url, storage_options=s3_origin.storage_options(), cache_dir=str(tmp_path / "c"))
+
+
+def test_a_dataset_larger_than_the_object_store_reads_nothing_from_the_origin_the_second_time(
+    cluster, fresh_services, s3_origin, tmp_path
+):
+    """480 MiB of incompressible samples, more than the test cluster's object stores hold together
+    (3 x 150 MB): the first pass fills the node caches, the second reads 0 origin bytes; neither
+    keeps the dataset in the object store (a materialize() would spill it to disk)."""
+    import os
+
+    import xxhash
+
+    import stoker.ray_data
+    from stoker.store.writer import Writer
+
+    _quiet()
+    opts = s3_origin.storage_options()
+    url = s3_origin.url("ray-data/large")
+    want = {}
+    with Writer(url, shard_bytes="64MiB", storage_options=opts) as w:
+        for i in range(120):
+            data = os.urandom(4 << 20)
+            want[f"{i:05d}"] = xxhash.xxh3_64_intdigest(data)
+            w.write({"__key__": f"{i:05d}", "bin": data, "cls": i % 3})
+    total = sum(4 << 20 for _ in want)
+    assert total > 3 * (150 << 20)
+    ds = stoker.ray_data.read(url, storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=320 << 20)
+    served = []
+    for _ in range(2):
+        at = s3_origin.stats()["bytes_served"]
+        seen = {}
+        for batch in ds.iter_batches(batch_size=4, batch_format="pyarrow"):
+            for key, data, label in zip(
+                batch["key"].to_pylist(), batch["bytes"].to_pylist(), batch["label"].to_pylist()
+            ):
+                assert key not in seen, f"{key} twice in one pass"
+                seen[key] = xxhash.xxh3_64_intdigest(data)
+                assert label == int(key) % 3
+        served.append(s3_origin.stats()["bytes_served"] - at)
+        assert seen == want  # every sample once, with the bytes written
+    assert total <= served[0] <= 1.1 * total
+    assert served[1] == 0
