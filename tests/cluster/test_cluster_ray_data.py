@@ -105,7 +105,7 @@ def test_a_dataset_larger_than_the_object_store_reads_nothing_from_the_origin_th
         seen = {}
         for batch in ds.iter_batches(batch_size=4, batch_format="pyarrow"):
             for key, data, label in zip(
-                batch["key"].to_pylist(), batch["bytes"].to_pylist(), batch["label"].to_pylist()
+                batch["key"].to_pylist(), batch["bytes"].to_pylist(), batch["label"].to_pylist(), strict=True
             ):
                 assert key not in seen, f"{key} twice in one pass"
                 seen[key] = xxhash.xxh3_64_intdigest(data)
