@@ -40,6 +40,7 @@ its rows are made. An owner that is down costs an origin read of its blocks, as 
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Iterator
@@ -114,7 +115,7 @@ def read_blocks(ds, layout: dict, blocks: np.ndarray, cluster: ClusterOptions) -
     try:
         for b in (int(x) for x in blocks):
             start, end = int(ds.blocks.start[b]), int(ds.blocks.end[b])
-            data = router.read(ds, b, start, end, block=True, verify=lambda d, b=b: verify_block(ds, b, d))
+            data = router.read(ds, b, start, end, block=True, verify=functools.partial(verify_block, ds, b))
             view = memoryview(data)
             ids = ds.blocks.samples(b)
             offsets = index.offset[ids] - start
