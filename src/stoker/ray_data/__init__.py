@@ -12,6 +12,6 @@ __all__ = ["read"]
 def read(url: str, **kwargs):
     """The packed dataset at ``url`` as a ``ray.data.Dataset`` read through the cluster's node
     caches: :func:`stoker.cluster.train.datasource.read` (its keyword arguments, rows, errors)."""
-    from .cluster.train.datasource import read as read_cluster
+    from ..cluster.train.datasource import read as read_cluster
 
     return read_cluster(url, **kwargs)
