@@ -114,3 +114,33 @@ def test_a_dataset_larger_than_the_object_store_reads_nothing_from_the_origin_th
         assert seen == want  # every sample once, with the bytes written
     assert total <= served[0] <= 1.1 * total
     assert served[1] == 0
+
+
+def test_a_sample_damaged_at_the_origin_fails_the_pass_naming_its_key_and_shard(
+    cluster, fresh_services, s3_dataset, s3_origin, tmp_path
+):
+    """A shard rewritten under its index (one byte of one sample changed, same size): the pass
+    raises the ChecksumError of that sample, with its key, shard and the dataset's URL, instead of
+    handing on wrong bytes."""
+    import fsspec
+
+    import stoker.ray_data
+    from stoker.store.dataset import open_dataset
+    from stoker.store.pack import pack
+
+    _quiet()
+    opts = s3_origin.storage_options()
+    url = s3_origin.url("ray-data/damaged")
+    pack(s3_origin.url("cluster/raw"), url, storage_options=opts, shard_bytes=1 << 20, progress=False)
+    truth = open_dataset(url, storage_options=opts, cache=False)
+    i = len(truth) // 2
+    shard = truth.index.shard_name(truth.index.shard[i])
+    fs, path = fsspec.core.url_to_fs(f"{url}/{shard}", **opts)
+    data = bytearray(fs.cat_file(path))
+    data[int(truth.index.offset[i]) + int(truth.index.length[i]) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    ds = stoker.ray_data.read(url, storage_options=opts, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20)
+    with pytest.raises(Exception) as err:
+        _pass(ds)
+    text = str(err.value)
+    assert "ChecksumError" in text and repr(truth.key(i)) in text and shard in text and url in text, text

@@ -36,12 +36,16 @@ block's owner (:class:`stoker.cluster.service.reader.BlockRouter` with no node c
 the owner's node the endpoint sends the cache file with ``sendfile`` over the loopback), which
 fills it from the origin the first time; a block is checked against the index checksums before
 its rows are made. An owner that is down costs an origin read of its blocks, as for a rank.
+The first read task of a worker process takes the index out of the object store and makes the
+router (the cluster's secret, the owners' endpoints, a connection to each); the next tasks of
+that process reuse them (:func:`_opened`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import uuid
 import warnings
 from collections.abc import Iterator
 
@@ -64,6 +68,9 @@ log = logging.getLogger(__name__)
 #: The columns of a row, in order: the sample's key (str), its id in the packed dataset (int64),
 #: its label (int64, -1: none) and its primary payload (binary: the bytes ``Dataset.read`` gives).
 COLUMNS = ("key", "id", "label", "bytes")
+#: The least bytes of blocks a read task reads by default (fewer, larger tasks: each costs Ray
+#: Data a task's scheduling, however few rows it has).
+TASK_BYTES = 16 << 20
 
 
 def _layout(url: str, opts: dict, cache: CacheOptions, block_bytes) -> tuple:
@@ -78,6 +85,7 @@ def _layout(url: str, opts: dict, cache: CacheOptions, block_bytes) -> tuple:
     owner = place_dataset(ds, placement_keys(services, members), [int(services[m]["cache_bytes"]) for m in members])
     prior = prior_owner(ds, members, owner, previous_layout(services, members, record["previous"]))
     layout = {
+        "token": uuid.uuid4().hex,  # names this read's dataset and router in its worker processes
         "dref": dref,
         "members": members,
         "names": node_labels(members, services),
@@ -87,53 +95,73 @@ def _layout(url: str, opts: dict, cache: CacheOptions, block_bytes) -> tuple:
     return ds, layout
 
 
-def read_blocks(ds, layout: dict, blocks: np.ndarray, cluster: ClusterOptions) -> Iterator:
+#: Per worker process: the dataset and router of the reads it ran last (Ray reuses its worker
+#: processes from task to task): ``{key: (dataset, router, counters)}``, at most :data:`KEPT`.
+_OPEN: dict = {}
+KEPT = 4
+
+
+def _opened(ds_ref, layout: dict, cluster: ClusterOptions) -> tuple:
+    """``(dataset, router)`` for a read task of ``layout`` in this process: made by its first read
+    task (the dataset from the object store, a :class:`BlockRouter` with the cluster's secret and
+    its connections to the owners' data endpoints), reused by the next ones, so a task costs no
+    Ray call and no handshake once its process has read the dataset. The oldest of more than
+    :data:`KEPT` is closed."""
+    key = (layout["token"], cluster.peer_timeout_s, cluster.retry_s)
+    got = _OPEN.get(key)
+    if got is None:
+        ds = ray.get(ds_ref)
+        counters = ByteCounters()
+        counters.size_tags(len(ds.blocks))
+        router = BlockRouter(
+            layout["dref"],
+            layout["members"],
+            layout["owner"],
+            -1,  # this process keeps no cache: every block comes from its owner's service
+            counters,
+            timeout_s=cluster.peer_timeout_s,
+            retry_s=cluster.retry_s,
+            prior=layout["prior"],
+            names=layout["names"],
+        )
+        got = _OPEN[key] = (ds, router, counters)
+        while len(_OPEN) > KEPT:
+            _, old_router, old_counters = _OPEN.pop(next(iter(_OPEN)))
+            old_router.close()
+            old_counters.close()
+    return got[0], got[1]
+
+
+def read_blocks(ds, router: BlockRouter, blocks: np.ndarray) -> Iterator:
     """The rows of ``blocks`` (block ids of ``ds``), one ``pyarrow.Table`` (:data:`COLUMNS`) per
-    block, each block read whole from its owner's data endpoint (module doc) and checked against
-    the index checksums. ``ds``: the dataset, no cache (its index and origin); ``layout``: what
-    :func:`_layout` made; ``cluster``: ``peer_timeout_s`` and ``retry_s`` apply.
+    block, each block read whole through ``router`` (from its owner's data endpoint, module doc)
+    and checked against the index checksums. ``ds``: the dataset, no cache (its index and
+    origin).
 
     Raises :class:`stoker.ChecksumError` naming the sample's key, shard and the dataset's URL
     when the origin's bytes are wrong (a peer's wrong bytes are refused and the origin read),
     and :class:`stoker.OriginError` naming the shard's URL when the origin fails."""
     import pyarrow as pa
 
-    counters = ByteCounters()
-    counters.size_tags(len(ds.blocks))
-    router = BlockRouter(
-        layout["dref"],
-        layout["members"],
-        layout["owner"],
-        -1,  # this process keeps no cache: every block comes from its owner's service
-        counters,
-        timeout_s=cluster.peer_timeout_s,
-        retry_s=cluster.retry_s,
-        prior=layout["prior"],
-        names=layout["names"],
-    )
     index = ds.index
-    try:
-        for b in (int(x) for x in blocks):
-            start, end = int(ds.blocks.start[b]), int(ds.blocks.end[b])
-            data = router.read(ds, b, start, end, block=True, verify=functools.partial(verify_block, ds, b))
-            view = memoryview(data)
-            ids = ds.blocks.samples(b)
-            offsets = index.offset[ids] - start
-            lengths = index.length[ids]
-            yield pa.table(
-                {
-                    "key": pa.array([index.key(int(i)) for i in ids], pa.string()),
-                    "id": pa.array(ids, pa.int64()),
-                    "label": pa.array(index.labels[ids], pa.int64()),
-                    "bytes": pa.array(
-                        [bytes(view[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)],
-                        pa.binary(),
-                    ),
-                }
-            )
-    finally:
-        router.close()
-        counters.close()
+    for b in (int(x) for x in blocks):
+        start, end = int(ds.blocks.start[b]), int(ds.blocks.end[b])
+        data = router.read(ds, b, start, end, block=True, verify=functools.partial(verify_block, ds, b))
+        view = memoryview(data)
+        ids = ds.blocks.samples(b)
+        offsets = index.offset[ids] - start
+        lengths = index.length[ids]
+        yield pa.table(
+            {
+                "key": pa.array([index.key(int(i)) for i in ids], pa.string()),
+                "id": pa.array(ids, pa.int64()),
+                "label": pa.array(index.labels[ids], pa.int64()),
+                "bytes": pa.array(
+                    [bytes(view[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)],
+                    pa.binary(),
+                ),
+            }
+        )
 
 
 def task_groups(blocks: np.ndarray, tasks: int) -> list[np.ndarray]:
@@ -174,7 +202,10 @@ class BlockSource:
         from ray.data.block import BlockMetadata
         from ray.data.datasource import ReadTask
 
-        tasks = int(parallelism) if self._per_task is None else -(-len(self._blocks) // int(self._per_task))
+        if self._per_task is None:  # Ray Data's parallelism, in tasks of at least TASK_BYTES
+            tasks = min(int(parallelism), max(1, int(self._bytes.sum()) // TASK_BYTES))
+        else:
+            tasks = -(-len(self._blocks) // int(self._per_task))
         pos = {int(b): k for k, b in enumerate(self._blocks)}
         out = []
         for group in task_groups(self._blocks, tasks):
@@ -194,8 +225,8 @@ def _task(ds_ref, layout: dict, group: np.ndarray, cluster: ClusterOptions):
     """The body of one read task: the dataset from the object store, then :func:`read_blocks`."""
 
     def run():
-        ds = ray.get(ds_ref)
-        yield from read_blocks(ds, layout, group, cluster)
+        ds, router = _opened(ds_ref, layout, cluster)
+        yield from read_blocks(ds, router, group)
 
     return run
 
@@ -243,7 +274,8 @@ def read(
     theirs, with a warning); for 0 origin bytes from the second pass on, the services' budgets
     must hold the dataset. ``cluster``: :class:`ClusterOptions`, of which ``peer_timeout_s`` and
     ``retry_s`` apply. ``blocks_per_task``: the most cache blocks one read task reads (default:
-    as many read tasks as Ray Data's parallelism asks for, in each node's read). ``num_cpus``:
+    as many read tasks as Ray Data's parallelism asks for in each node's read, each of at least
+    :data:`TASK_BYTES` of blocks where the node has that many). ``num_cpus``:
     CPUs each read task reserves (its work is I/O and a copy).
 
     Needs ``ray.init()`` first (RuntimeError otherwise). Raises what
