@@ -58,6 +58,15 @@ def test_two_passes_read_every_sample_once_and_the_second_reads_nothing_from_the
     assert served[1] == 0  # the second read nothing from it
 
 
+def test_payloads_gathers_the_ranges_of_a_block_into_one_binary_column():
+    from stoker.cluster.train.datasource import payloads
+
+    block = b"hdr1ABChdr2DEhdr3F"
+    got = payloads(block, np.array([4, 11, 17]), np.array([3, 2, 1]))
+    assert got.to_pylist() == [b"ABC", b"DE", b"F"] and str(got.type) == "binary"
+    assert payloads(b"", np.array([], np.int64), np.array([], np.int64)).to_pylist() == []
+
+
 def test_read_tasks_group_blocks_and_a_missing_dataset_is_named(cluster, fresh_services, s3_origin, tmp_path):
     import stoker.ray_data
     from stoker.cluster.train.datasource import task_groups

@@ -136,7 +136,8 @@ def read_blocks(ds, router: BlockRouter, blocks: np.ndarray) -> Iterator:
     """The rows of ``blocks`` (block ids of ``ds``), one ``pyarrow.Table`` (:data:`COLUMNS`) per
     block, each block read whole through ``router`` (from its owner's data endpoint, module doc)
     and checked against the index checksums. ``ds``: the dataset, no cache (its index and
-    origin).
+    origin). A block's payloads are gathered into the table's one value buffer (one copy, no
+    Python object per sample).
 
     Raises :class:`stoker.ChecksumError` naming the sample's key, shard and the dataset's URL
     when the origin's bytes are wrong (a peer's wrong bytes are refused and the origin read),
@@ -147,21 +148,36 @@ def read_blocks(ds, router: BlockRouter, blocks: np.ndarray) -> Iterator:
     for b in (int(x) for x in blocks):
         start, end = int(ds.blocks.start[b]), int(ds.blocks.end[b])
         data = router.read(ds, b, start, end, block=True, verify=functools.partial(verify_block, ds, b))
-        view = memoryview(data)
         ids = ds.blocks.samples(b)
-        offsets = index.offset[ids] - start
-        lengths = index.length[ids]
         yield pa.table(
             {
-                "key": pa.array([index.key(int(i)) for i in ids], pa.string()),
+                "key": index.keys.take(pa.array(ids)).cast(pa.string()),
                 "id": pa.array(ids, pa.int64()),
                 "label": pa.array(index.labels[ids], pa.int64()),
-                "bytes": pa.array(
-                    [bytes(view[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)],
-                    pa.binary(),
-                ),
+                "bytes": payloads(data, index.offset[ids] - start, index.length[ids]),
             }
         )
+
+
+def payloads(data, offsets: np.ndarray, lengths: np.ndarray):
+    """A ``pyarrow`` binary array of the ranges ``[offsets[k], offsets[k] + lengths[k])`` of
+    ``data`` (bytes-like; int64 offsets and lengths in bytes), its values gathered into one
+    buffer. ValueError when they add up to 2 GiB or more (a binary array's int32 offsets)."""
+    import pyarrow as pa
+
+    buf = np.frombuffer(data, dtype=np.uint8)
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    total = int(ends[-1]) if len(ends) else 0
+    if total >= 1 << 31:
+        raise ValueError(f"{total} bytes of samples in one block: a binary column holds less than 2 GiB")
+    values = np.empty(total, dtype=np.uint8)
+    at = 0
+    for o, n in zip(np.asarray(offsets).tolist(), np.asarray(lengths).tolist(), strict=True):
+        values[at : at + n] = buf[o : o + n]
+        at += n
+    starts = np.zeros(len(ends) + 1, dtype=np.int32)
+    starts[1:] = ends
+    return pa.Array.from_buffers(pa.binary(), len(ends), [None, pa.py_buffer(starts), pa.py_buffer(values)])
 
 
 def task_groups(blocks: np.ndarray, tasks: int) -> list[np.ndarray]:
