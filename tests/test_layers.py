@@ -5,7 +5,7 @@ product (``stoker``) never imports the lab (``stoker_lab``).
 Layers, top (imported by everything) to bottom (imports everything)::
 
     errors, _units, _procs, _torch, _atomic  ->  storage (+ _native_s3)  ->  cache  ->  store
-        ->  order, decode, metrics, collate  ->  loader  ->  cluster  ->  cli
+        ->  order, decode, metrics, collate  ->  loader  ->  cluster, ray_data  ->  cli
         ->  the lab: stoker_lab (errors, sample_data)  ->  stoker_lab.sim, stoker_lab.bench
         ->  stoker_lab.cli
 
@@ -34,7 +34,7 @@ LAYERS = [
     {"stoker.store"},
     {"stoker.order", "stoker.decode", "stoker.metrics", "stoker.collate"},
     {"stoker.loader"},
-    {"stoker.cluster"},
+    {"stoker.cluster", "stoker.ray_data"},
     {"stoker.cli"},
     {"stoker_lab", "stoker_lab.errors", "stoker_lab.sample_data", "stoker_lab.reference", "stoker_lab.decode_rate"},
     {"stoker_lab.sim", "stoker_lab.bench"},

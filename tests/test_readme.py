@@ -18,6 +18,8 @@ with this checkout's ``src`` on ``PYTHONPATH``:
   by itself;
 - ``<!-- test: ray-train -->``: the script run by this Python with a work directory as its
   argument; it starts a one-node Ray itself (Ray Train's ``TorchTrainer``, gloo on the CPU);
+- ``<!-- test: ray-data -->``: the script run by this Python with a work directory as its
+  argument; it starts a one-node Ray itself (``stoker.ray_data.read``, two passes);
 - ``<!-- test: accelerate -->``: the script under the guide's own launch line,
   ``accelerate launch --multi_gpu --num_processes 2`` (two processes on the CPU, gloo), with a
   work directory as its argument: both ranks must report.
@@ -314,3 +316,10 @@ def test_ray_train_recipe_reads_the_cluster_cache_on_two_workers(tmp_path):
         for rank in (0, 1):
             assert f"rank {rank} epoch 0: 16 samples" in out, out
             assert f"rank {rank} epoch 1: 16 samples, local 100%" in out, out  # one node: all cached there
+
+
+def test_ray_data_recipe_reads_every_sample_once_each_pass(tmp_path):
+    pytest.importorskip("ray.data")
+    for out in _run_recipes(tmp_path, "ray-data", [sys.executable], _env(OMP_NUM_THREADS="1"), timeout_s=300):
+        for epoch in (0, 1):
+            assert f"epoch {epoch}: 32 rows, every sample once: True, 32 decoded" in out, out

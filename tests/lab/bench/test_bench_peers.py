@@ -50,7 +50,12 @@ def test_peers_report_schema(tmp_path, monkeypatch):
     for loader in ("stoker", "webdataset"):  # their caches: the first epoch reads the origin, the next does not
         assert by[(loader, 0)]["origin_bytes"] > 0 and by[(loader, 1)]["origin_bytes"] == 0
     assert by[("torch", 1)]["origin_bytes"] > 0  # no cache: every epoch reads every file again
-    assert set(r["checks"]) == {"warm_vs_best_peer", "cold_vs_best_peer", "warm_cpu_lowest"}
+    assert set(r["checks"]) == {
+        "warm_vs_best_peer",
+        "cold_vs_best_peer",
+        "warm_cpu_lowest",
+        "ray_data_stoker_vs_ray_data",
+    }
     for loader in ran:  # each peer that ran says what it is: versions, cache, resume
         p = r["peers"][loader]
         assert p["versions"] and all(p["versions"].values()) and p["cache"] and p["resume"], (loader, p)

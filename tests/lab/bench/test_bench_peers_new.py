@@ -68,6 +68,33 @@ def test_spdl_and_ray_data_read_every_sample_each_epoch(tmp_path):
     assert not any(n.startswith("ray-") for n in os.listdir(tmp_path / "work")), "Ray's session files left behind"
 
 
+def test_ray_data_over_stoker_reads_nothing_from_the_origin_after_its_first_epoch(tmp_path):
+    """The ray_data+stoker row: plain Ray Data's recipe with stoker.ray_data.read as its source; no
+    materialize(), and still 0 origin bytes from the second epoch on (the node cache's service)."""
+    r = run_peers(
+        PeersConfig(
+            images=16,
+            classes=2,
+            epochs=2,
+            batch_size=8,
+            workers=1,
+            consumer_rate=4000.0,
+            loaders=("ray_data+stoker",),
+            make_venvs=False,
+            run_timeout_s=300,
+            workdir=str(tmp_path / "work"),
+        )
+    )
+    assert r["skipped"] == [], r["skipped"]
+    by = {row["epoch"]: row for row in r["runs"] if row["loader"] == "ray_data+stoker"}
+    assert [by[e]["samples"] for e in (0, 1)] == [16, 16]  # the whole set, every epoch
+    assert by[0]["origin_bytes"] > 0 and by[1]["origin_bytes"] == 0
+    check = r["checks"]["ray_data_stoker_vs_ray_data"]
+    assert check["origin_bytes_warm"] == 0 and check["value"] is None  # plain Ray Data did not run here
+    assert r["peers"]["ray_data+stoker"]["recipe"].startswith("stoker pack; stoker.ray_data.read")
+    assert not any(n.startswith("ray-") for n in os.listdir(tmp_path / "work")), "Ray's session files left behind"
+
+
 def test_device_cuda_without_a_gpu_says_so_in_one_line_and_exits_0():
     if cuda_missing() is None:
         pytest.skip("this machine has a CUDA GPU: the comparison would run")

@@ -34,11 +34,15 @@ from dataclasses import asdict, dataclass
 from ..sysdeps import ensure_system_packages
 from ..venvs import run_json_lines, stderr_tail
 
-LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali", "spdl", "ray_data")
+LOADERS = ("stoker", "torch", "webdataset", "streaming", "litdata", "dali", "spdl", "ray_data", "ray_data+stoker")
 GPU_LOADERS = ("stoker", "dali")  # the loaders of device="cuda"
 _VENV = {"streaming": "streaming", "litdata": "litdata", "dali": "dali", "spdl": "spdl"}
 _ON_WDS_TARS = ("dali", "spdl")  # loaders that read the WebDataset tars (made by webdataset's conversion)
-_IMPORTS = {"webdataset": "webdataset", "ray_data": "ray.data"}  # modules a main-Python loader needs beyond stoker
+_IMPORTS = {
+    "webdataset": "webdataset",
+    "ray_data": "ray.data",
+    "ray_data+stoker": "ray.data",
+}  # modules a main-Python loader needs beyond stoker
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -92,8 +96,13 @@ def _log(msg: str) -> None:
     print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def slug(loader: str) -> str:
+    """``loader`` as a file name and an origin prefix: ``ray_data+stoker`` -> ``ray_data_stoker``."""
+    return loader.replace("+", "_")
+
+
 def _runner(loader: str) -> str:
-    return os.path.join(_HERE, f"run_{loader}.py")
+    return os.path.join(_HERE, f"run_{slug(loader)}.py")
 
 
 def _python_for(loader: str, cfg: PeersConfig) -> str:
@@ -194,14 +203,14 @@ def _read_config(loader: str, cfg: PeersConfig, origin, fmt_dir: str, cache_dir:
         "seed": cfg.seed,
         "consumer_rate": cfg.consumer_rate,
         "cache_dir": cache_dir,
-        "url": origin.url(loader),
+        "url": origin.url(slug(loader)),
         "storage_options": origin.storage_options(throttled=True),
         "control_url": origin.direct_url,
         "origin_pid": origin.pid,
         "dali_source": cfg.dali_source,
         "device": cfg.device,
     }
-    if loader == "stoker":
+    if loader in ("stoker", "ray_data+stoker"):  # a node cache that holds the dataset
         c["cache_bytes"] = 2 * _dir_bytes(fmt_dir)[1] + (64 << 20)
     if loader == "webdataset":
         c["urls"] = _presign(origin, [f"{loader}/{n}" for n in names if n.endswith(".tar")])
@@ -343,7 +352,7 @@ def run_peers(cfg: PeersConfig) -> dict:
         _log(f"origin {origin.endpoint_url} (latency {cfg.latency_ms} ms, {cfg.bandwidth_MBps} MB/s)")
         for fmt in report["formats"]:
             up = upload_tree(
-                fmt_dirs[fmt["loader"]], origin.url(fmt["loader"]), origin.storage_options(throttled=False)
+                fmt_dirs[fmt["loader"]], origin.url(slug(fmt["loader"])), origin.storage_options(throttled=False)
             )
             fmt["upload_seconds"] = up["seconds"]
         for loader in [lo for lo in wanted if lo in fmt_dirs]:
