@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .byte_cpu import PATHS
-from .plateau import PLATEAU_TOLERANCE, bound, knobs, relaxed
+from .plateau import AT_GIVEN_GAP, PLATEAU_TOLERANCE, bound, knobs, relaxed
 from .scaling import SCALING_EPOCHS
 from .tdcs import TdcsConfig, assumptions, run_setup, workload
 from .workload import Workload
@@ -182,7 +182,7 @@ def min_cache(
     return hi
 
 
-def levels_off(curve: _Curve, given: TdcsConfig, step: int) -> dict:
+def levels_off(curve: _Curve, given: TdcsConfig, step: int, at_cache: int | None = None) -> dict:
     """Where ``curve`` (a setup that reaches the target at no cache size searched) levels off:
     ``{best_utilization, best_cache_per_node_bytes, plateau_cache_per_node_bytes,
     plateau_utilization, tolerance, bound}``. ``best_*``: the highest utilisation of every point
@@ -193,7 +193,11 @@ def levels_off(curve: _Curve, given: TdcsConfig, step: int) -> dict:
     warm epoch on the user's figures ``given``, from one what-if run per knob that applies
     (:func:`stoker_lab.sim.plateau.knobs`) at the plateau's cache. A point the bisection finds above the best
     becomes the best and the search runs again (at most 3 times). ``direct`` has no cache: its
-    best and plateau are at 0."""
+    best and plateau are at 0. ``at_given``: where the user's own cache per node ``at_cache``
+    gives :data:`stoker_lab.sim.plateau.AT_GIVEN_GAP` less than the best or worse (the curve falls
+    with more cache when the cache reads or peers are slower than the origin),
+    ``{cache_per_node_bytes, utilization, bound}`` there, the bound by what-if runs at that
+    cache; else None."""
     for _ in range(3):
         best_c, best_u = max(curve.points.items(), key=lambda p: (p[1], -p[0]))
         level = best_u * (1 - PLATEAU_TOLERANCE)
@@ -204,16 +208,30 @@ def levels_off(curve: _Curve, given: TdcsConfig, step: int) -> dict:
         plateau = best_c if best_c <= low else min_cache(curve, low, [best_c], step, level) or best_c
         if max(curve.points.values()) <= best_u:
             break
-    row, at = curve.warm[plateau], curve.points[plateau]
-    what_if = {k: _warm_at(relaxed(curve.cfg, k), curve, plateau) for k in knobs(row, curve.cfg)}
+    at_given = None
+    if at_cache is not None and at_cache in curve.warm and curve.points[at_cache] < best_u * (1 - AT_GIVEN_GAP):
+        at_given = {
+            "cache_per_node_bytes": at_cache,
+            "utilization": curve.points[at_cache],
+            "bound": _bound_at(curve, given, at_cache),
+        }
     return {
         "best_utilization": best_u,
         "best_cache_per_node_bytes": best_c,
         "plateau_cache_per_node_bytes": plateau,
-        "plateau_utilization": at,
+        "plateau_utilization": curve.points[plateau],
         "tolerance": PLATEAU_TOLERANCE,
-        "bound": bound(row, at, what_if, given),
+        "bound": _bound_at(curve, given, plateau),
+        "at_given": at_given,
     }
+
+
+def _bound_at(curve: _Curve, given: TdcsConfig, cache_bytes: int) -> dict:
+    """:func:`stoker_lab.sim.plateau.bound` of ``curve``'s warm epoch at ``cache_bytes`` per node,
+    from one what-if run per knob that applies there."""
+    row, at = curve.warm[cache_bytes], curve.points[cache_bytes]
+    what_if = {k: _warm_at(relaxed(curve.cfg, k), curve, cache_bytes) for k in knobs(row, curve.cfg)}
+    return bound(row, at, what_if, given)
 
 
 def _warm_at(cfg: TdcsConfig, curve: _Curve, cache_bytes: int) -> float:
@@ -308,7 +326,7 @@ def plan(
             continue
         best[s] = min_cache(curve, low, highs, step)
         if best[s] is None:
-            lv = levels_off(curve, given, step)
+            lv = levels_off(curve, given, step, at_cache=cache_bytes)
             if lv["best_utilization"] >= TARGET_UTILIZATION:  # below the searched sizes: the curve falls
                 best[s] = min(c for c, u in curve.points.items() if u >= TARGET_UTILIZATION)
             else:

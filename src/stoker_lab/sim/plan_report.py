@@ -80,9 +80,22 @@ def short_lines(setup: str, lv: dict) -> list[str]:
             f"per node; it levels off from {lv['plateau_cache_per_node_bytes'] / 1e9:.2f} GB per node "
             f"({_u(lv['plateau_utilization'])}, within {lv['tolerance']:.0%} of the best): more cache does not help"
         )
+    lines = [where, _bound_line("    bound by", b)]
+    g = lv.get("at_given")
+    if g is not None:
+        lower = g["cache_per_node_bytes"] > lv["best_cache_per_node_bytes"]
+        lines.append(
+            f"    at your {g['cache_per_node_bytes'] / 1e9:.2f} GB per node: {_u(g['utilization'])}"
+            + (" (more cache lowers it here: its reads are slower than what they replace)" if lower else "")
+        )
+        lines.append(_bound_line("      bound by", g["bound"]))
+    return lines
+
+
+def _bound_line(head: str, b: dict) -> str:
     if b["resource"] is None:
-        return [where, f"    bound by none of the assumptions tried: {b['why']}"]
-    return [where, f"    bound by {b['why']}; change it with {b['flag']}"]
+        return f"{head} none of the assumptions tried: {b['why']}"
+    return f"{head} {b['why']}; change it with {b['flag']}"
 
 
 def cpu_lines(report: dict) -> list[str]:

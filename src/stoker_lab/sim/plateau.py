@@ -21,6 +21,10 @@ from dataclasses import replace
 #: a best of 0.86). 1% is about the step between neighbouring points of the model's curve (its
 #: chunks start and end epochs in steps).
 PLATEAU_TOLERANCE = 0.01
+#: The user's own cache per node gets a bound of its own where its utilisation is under the best
+#: by at least this fraction of the best (0.1: 10%; the model's curve wobbles by a few percent
+#: between neighbouring sizes).
+AT_GIVEN_GAP = 0.1
 #: A what-if that raises the utilisation by less than this fraction of itself binds nothing.
 MIN_GAIN = 0.01
 #: The assumptions the what-if runs change: ``{name: (TdcsConfig field, flag, factor, needs)}``, a

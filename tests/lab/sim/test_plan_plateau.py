@@ -11,7 +11,7 @@ import pytest
 
 from stoker.cli import main
 from stoker_lab.sim.plan import TARGET_UTILIZATION, plan
-from stoker_lab.sim.plateau import MIN_GAIN, PLATEAU_TOLERANCE, bound
+from stoker_lab.sim.plateau import AT_GIVEN_GAP, MIN_GAIN, PLATEAU_TOLERANCE, bound
 from stoker_lab.sim.tdcs import TdcsConfig
 
 MB = 10**6
@@ -96,6 +96,7 @@ def test_the_command_prints_the_answer_first_and_writes_the_same_fields(tmp_path
         "plateau_cache_per_node_bytes",
         "plateau_utilization",
         "tolerance",
+        "at_given",
         "bound",
     }
     assert lv["bound"]["flag"] == "--cache-read" and lv["bound"]["assumption"] == "cache_read_GBps"
@@ -127,3 +128,28 @@ def test_no_what_if_that_moves_it_names_no_flag():
     assert "--origin-bandwidth, --origin-latency" in b["why"]
     b = bound(row, 0.5, {"origin link": 0.6, "origin latency": 0.55}, SMALL)
     assert (b["resource"], b["flag"], b["busy"]) == ("origin link", "--origin-bandwidth", 0.5)
+
+
+def test_where_more_cache_lowers_it_the_users_own_cache_gets_its_bound():
+    """The cache reads (5 MB/s) are slower than the origin (120 Mbit/s): utilisation is best with
+    almost no cache and falls as the cache grows. The plateau is then at a tiny cache, bound by
+    something else; the user's own cache per node gets a line of its own that names the cache
+    reads and ``--cache-read`` (before: never named, a new user's plan said "more cache does
+    not help" and pointed elsewhere)."""
+    cfg = replace(SMALL, cache_read_GBps=0.005, store_gbit=0.12)
+    rep = plan(cfg, 200 * MB, setups=("colocated",))
+    lv = rep["levels_off"]["colocated"]
+    g = lv["at_given"]
+    assert g is not None and g["cache_per_node_bytes"] == 200 * MB
+    assert g["utilization"] < lv["best_utilization"] * (1 - AT_GIVEN_GAP)
+    assert g["cache_per_node_bytes"] > lv["best_cache_per_node_bytes"]
+    assert (g["bound"]["resource"], g["bound"]["flag"]) == ("cache reads", "--cache-read")
+    from stoker_lab.sim.plan_report import short_lines
+
+    text = "\n".join(short_lines("colocated", lv))
+    assert "at your 0.20 GB per node" in text and "more cache lowers it here" in text and "--cache-read" in text
+
+
+def test_a_users_cache_on_the_plateau_gets_no_line_of_its_own():
+    rep = plan(CACHE_BOUND, 400 * MB, setups=("colocated",))
+    assert rep["levels_off"]["colocated"]["at_given"] is None
