@@ -280,7 +280,9 @@ def test_on_raw_failures_name_the_batchs_samples_and_the_function(tendata, tmp_p
     ds = open_dataset(url, str(tmp_path / "cache"), 1 << 30)
     with Loader(ds, 4, num_workers=1, shuffle=False, collate=on_raw(_fails_on_batch)) as loader:
         with pytest.raises(
-            WorkerError, match=r"_fails_on_batch failed on the batch of samples \[.*ValueError: no good"
+            WorkerError,
+            match=r"worker \d+ failed on a batch .*_fails_on_batch failed on the batch of samples \[.*"
+            r"ValueError: no good",
         ):
             next(iter(loader))
     with pytest.raises(TypeError, match="function of a RawBatch"):

@@ -70,9 +70,9 @@ class ParallelLoop:
                 _, wid, _, _, slot, key, err, tb = msg[:8]
                 self.ring.release(slot)
                 # from: the worker's own stoker error, or None (workers/worker.py)
+                what = f"sample {key!r}" if key is not None else "a batch"  # None: a whole batch's function
                 raise WorkerError(
-                    f"worker {wid} failed on sample {key!r} (epoch {epoch}, "
-                    f"batch {self.state.position[1]}): {err}\n{tb}"
+                    f"worker {wid} failed on {what} (epoch {epoch}, batch {self.state.position[1]}): {err}\n{tb}"
                 ) from msg[9]
             slot, n, skipped, skipped_keys = msg[4:8]
             bids = inflight.pop(seq)[1]
