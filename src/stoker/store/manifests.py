@@ -20,7 +20,7 @@ import xxhash
 from .._procs import pid_alive
 from ..storage import Origin
 from .index import SHARD_DIR
-from .shards import build_shard, member_name
+from .shards import DEFAULT_SMALL_SAMPLE_BYTES, build_shard
 from .sources import SourceFile, StreamSample
 
 log = logging.getLogger(__name__)
@@ -29,17 +29,23 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = 2
 
 
-def plan_hash(members: list[SourceFile]) -> str:
-    """The hash of a planned ImageFolder shard: its files' paths, sizes, stamps, keys, labels, fields."""
-    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}\n".encode())
+def plan_hash(members: list[SourceFile], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
+    """The hash of a planned ImageFolder shard: its files' paths, sizes, stamps, keys, labels, fields,
+    and the small-sample threshold (which sets the layout, :mod:`.shards`)."""
+    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}{_layout(small_sample_bytes)}\n".encode())
     for f in members:
         h.update(f"{f.rel}\0{f.size}\0{f.stamp}\0{f.key}\0{f.label}\0{f.field}\n".encode())
     return h.hexdigest()
 
 
-def stream_hash(samples: list[StreamSample]) -> str:
-    """The hash of a streamed shard: its samples' keys, fields and bytes."""
-    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}-stream\n".encode())
+def _layout(small_sample_bytes: int) -> str:
+    """The threshold's part of a plan hash ("" for the default, so default plans hash as before)."""
+    return "" if small_sample_bytes == DEFAULT_SMALL_SAMPLE_BYTES else f"-small{int(small_sample_bytes)}"
+
+
+def stream_hash(samples: list[StreamSample], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
+    """The hash of a streamed shard: its samples' keys, fields and bytes, and the small-sample threshold."""
+    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}-stream{_layout(small_sample_bytes)}\n".encode())
     for s in samples:
         for field, data in s.members:
             h.update(f"{s.key}\0{field}\0{len(data)}\n".encode())
@@ -50,15 +56,23 @@ def stream_hash(samples: list[StreamSample]) -> str:
 class ShardWriter:
     """The shards of one pack at ``dest``, in shard order: each written whole with its manifest,
     or reused from an earlier run of the same plan (unless ``overwrite``). ``guard()`` is called
-    before each write (the lease check: it raises when the lease was lost).
+    before each write (the lease check: it raises when the lease was lost); samples under
+    ``small_sample_bytes`` are grouped (:mod:`.shards`).
 
     :meth:`write` may run in several threads; :meth:`add` records the shards in order, into
     ``table`` (the index's shard table), ``rows`` (``(key, shard, members)`` per sample) and
     ``reused`` (a count).
     """
 
-    def __init__(self, dest: Origin, overwrite: bool, guard: Callable[[], None]):
+    def __init__(
+        self,
+        dest: Origin,
+        overwrite: bool,
+        guard: Callable[[], None],
+        small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES,
+    ):
         self.dest, self.overwrite, self.guard = dest, overwrite, guard
+        self.small_sample_bytes = small_sample_bytes
         self.table: list[dict] = []
         self.rows: list[tuple] = []
         self.reused = 0
@@ -71,7 +85,7 @@ class ShardWriter:
         if man is not None:
             return man, True
         self.guard()
-        return write_shard(self.dest, name, phash, read()), False
+        return write_shard(self.dest, name, phash, read(), self.small_sample_bytes), False
 
     def add(self, man: dict, reused: bool) -> None:
         """Record the next shard (its manifest and whether it was reused)."""
@@ -94,11 +108,17 @@ def _reusable(dest: Origin, name: str, phash: str, overwrite: bool) -> dict | No
     return None
 
 
-def write_shard(dest: Origin, name: str, phash: str, samples: list[tuple[str, list]]) -> dict:
-    """Build and write one shard of ``samples`` = ``[(key, [(field, bytes), ...])]`` and its
-    manifest (returned); :class:`stoker.storage.OriginError` on storage failures."""
-    flat = [(member_name(key, field), data) for key, members in samples for field, data in members]
-    data, entries = build_shard(flat)
+def write_shard(
+    dest: Origin,
+    name: str,
+    phash: str,
+    samples: list[tuple[str, list]],
+    small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES,
+) -> dict:
+    """Build and write one shard of ``samples`` = ``[(key, [(field, bytes), ...])]``, samples under
+    ``small_sample_bytes`` grouped (:func:`.shards.build_shard`), and its manifest (returned);
+    :class:`stoker.storage.OriginError` on storage failures."""
+    data, entries = build_shard(samples, small_sample_bytes)
     dest.write_atomic(name, data)
     it = iter(entries)
     rows = [[key, [[field, *next(it)] for field, _ in members]] for key, members in samples]

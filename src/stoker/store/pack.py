@@ -34,7 +34,7 @@ from .lease import PackLease
 from .manifests import ShardWriter, plan_hash, stream_hash
 from .pack_options import PackOptions, resolve
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
-from .shards import estimate_member_bytes
+from .shards import estimate_sample_bytes
 from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
 from .wds import expand_urls, iter_samples
 
@@ -176,7 +176,7 @@ def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: Pack
     label and class name per row of ``shards.rows``; then the index is written."""
     with PackLease(dest, options.lease_s) as lease:
         clear_destination(dest, overwrite)
-        shards = ShardWriter(dest, overwrite, lease.check)
+        shards = ShardWriter(dest, overwrite, lease.check, int(options.small_sample_bytes))
         labels, class_names, class_list, skipped = feed(shards)
         rows = shards.rows
         version = install_index(dest, lease, rows, labels, class_names, class_list, shards.table)
@@ -210,7 +210,8 @@ def _pack_image_folder(
     by ``options.read_workers`` threads, two shards in flight."""
     listing = list_image_folder(source, classes)
     placed = [listing.files[i] for i in _placement(len(listing.files), options.shuffle_seed)]
-    plan = list(cut(placed, lambda f: estimate_member_bytes(f.key, f.field, f.size), shard_bytes))
+    small = int(options.small_sample_bytes)
+    plan = list(cut(placed, lambda f: estimate_sample_bytes(f.key, [(f.field, f.size)], small), shard_bytes))
     total = sum(f.size for f in listing.files)
     bar = tqdm(
         total=total, unit="B", unit_scale=True, desc=f"pack {len(plan)} shards", disable=not progress, mininterval=0.5
@@ -223,7 +224,7 @@ def _pack_image_folder(
         return f.key, [(f.field, data)]
 
     def do_shard(i: int, members: list[SourceFile]):
-        man, reused = shards.write(i, plan_hash(members), lambda: list(pool.map(read_member, members)))
+        man, reused = shards.write(i, plan_hash(members, small), lambda: list(pool.map(read_member, members)))
         if reused:
             bar.update(sum(f.size for f in members))
         return man, reused
@@ -259,8 +260,8 @@ def _stream_of(kind: str, src: str, source: Origin, options: PackOptions, skippe
     return iter_file_list(fl, order, options.src_storage_options, options.read_workers), len(fl)
 
 
-def _stream_bytes(s: StreamSample) -> int:
-    return sum(estimate_member_bytes(s.key, f, len(d)) for f, d in s.members)
+def _stream_bytes(s: StreamSample, small_sample_bytes: int) -> int:
+    return estimate_sample_bytes(s.key, [(f, len(d)) for f, d in s.members], small_sample_bytes)
 
 
 def _pack_stream(
@@ -276,6 +277,7 @@ def _pack_stream(
     """Pack a streamed source (WebDataset, Parquet, a file tree or list): cut into shards as
     samples arrive, by their actual sizes."""
     skipped: list = []
+    small = int(options.small_sample_bytes)
     samples, total = _stream_of(kind, src, source, options, skipped)
     bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
     raw_labels: list = []
@@ -291,11 +293,11 @@ def _pack_stream(
             yield s
 
     def do_shard(i: int, batch: list[StreamSample]):
-        return shards.write(i, stream_hash(batch), lambda: [(s.key, s.members) for s in batch])
+        return shards.write(i, stream_hash(batch, small), lambda: [(s.key, s.members) for s in batch])
 
     with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read
         pending = None
-        for batch in cut(checked(), _stream_bytes, shard_bytes):
+        for batch in cut(checked(), partial(_stream_bytes, small_sample_bytes=small), shard_bytes):
             if pending is not None:
                 shards.add(*pending.result())
             pending = writer.submit(do_shard, len(shards.table), batch)

@@ -28,7 +28,7 @@ from .pack import DEFAULT_SHARD_BYTES, PackResult
 from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .samplecodec import encode_sample, schema_mismatch
-from .shards import estimate_member_bytes
+from .shards import DEFAULT_SMALL_SAMPLE_BYTES, estimate_sample_bytes
 from .sources import StreamSample, resolve_labels
 from .wds import finish_sample
 
@@ -63,6 +63,10 @@ class Writer:
         storage_options: fsspec storage options (S3: ``endpoint_url``, ``key``, ``secret``, ...).
         lease_s: length in seconds of the writer's lease on ``dst`` (or on its part), renewed while
             it writes (:mod:`stoker.store.lease`; > 0).
+        small_sample_bytes: samples whose fields total fewer bytes than this (int or size string,
+            default 4096) are grouped, many to one tar member, at a few bytes each
+            (:mod:`stoker.store.shards`); 0 writes every sample as its own members (WebDataset's
+            layout), a size above every sample's groups them all. Readers read both alike.
 
     Atomic: until :meth:`close` (the end of the ``with`` without an exception) returns, ``dst``
     holds no index, so :func:`stoker.open_dataset` opens nothing there. An exception inside the
@@ -85,10 +89,12 @@ class Writer:
         overwrite: bool = False,
         storage_options: dict | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        small_sample_bytes: int | str = DEFAULT_SMALL_SAMPLE_BYTES,
     ):
         self.shard_bytes = parse_size(shard_bytes, "shard_bytes")
         if self.shard_bytes < 1:
             raise ValueError(f"shard_bytes must be positive, got {self.shard_bytes}")
+        self.small_sample_bytes = parse_size(small_sample_bytes, "small_sample_bytes")
         if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
             raise ValueError(f"part must be None or an int >= 0, got {part!r}")
         self.part = part
@@ -107,7 +113,7 @@ class Writer:
         except BaseException:
             self._lease.release()
             raise
-        self._shards = ShardWriter(self.dest, True, self._lease.check)
+        self._shards = ShardWriter(self.dest, True, self._lease.check, self.small_sample_bytes)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stoker-writer")
         self._pending: Future | None = None
         self._written: list[str] = []  # shard names, for abort
@@ -154,7 +160,7 @@ class Writer:
         elif why := schema_mismatch(kinds, self._kinds):
             raise SourceError(f"{self.url}: sample {key!r} {why}")
         s = finish_sample(key, members, self.url)
-        size = sum(estimate_member_bytes(key, f, len(d)) for f, d in s.members)
+        size = estimate_sample_bytes(key, [(f, len(d)) for f, d in s.members], self.small_sample_bytes)
         if self._batch and self._batch_bytes + size > self.shard_bytes:
             self._flush()
         self._keys.add(key)
@@ -173,7 +179,8 @@ class Writer:
 
     def _write_shard(self, name: str, batch: list[StreamSample]) -> dict:
         self._lease.check()
-        return write_shard(self.dest, name, stream_hash(batch), [(s.key, s.members) for s in batch])
+        small = self.small_sample_bytes
+        return write_shard(self.dest, name, stream_hash(batch, small), [(s.key, s.members) for s in batch], small)
 
     def _collect(self) -> None:
         """Wait for the shard being written and record it (its error, if any, is raised here)."""
