@@ -85,7 +85,7 @@ def test_every_field_type_round_trips_through_read_fields_and_a_loader(tmp_path)
 
 def test_shards_are_tar_files_as_pack_writes_them(tmp_path):
     dst = tmp_path / "ds"
-    with Writer(str(dst)) as w:
+    with Writer(str(dst), small_sample_bytes=0) as w:  # WebDataset's layout even for a tiny sample
         w.write({"__key__": "a", "png": b"P" * 10, "txt": "x"})
     shards = sorted(p for p in os.listdir(dst / "shards") if p.endswith(".tar"))
     assert shards == ["shard-000000.tar"]

@@ -20,6 +20,7 @@ import xxhash
 from .._procs import pid_alive
 from ..storage import Origin
 from .index import SHARD_DIR
+from .pack_options import PackOptions
 from .shards import DEFAULT_SMALL_SAMPLE_BYTES, build_shard
 from .sources import SourceFile, StreamSample
 
@@ -56,23 +57,18 @@ def stream_hash(samples: list[StreamSample], small_sample_bytes: int = DEFAULT_S
 class ShardWriter:
     """The shards of one pack at ``dest``, in shard order: each written whole with its manifest,
     or reused from an earlier run of the same plan (unless ``overwrite``). ``guard()`` is called
-    before each write (the lease check: it raises when the lease was lost); samples under
-    ``small_sample_bytes`` are grouped (:mod:`.shards`).
+    before each write (the lease check: it raises when the lease was lost); ``options`` (a
+    :class:`.pack_options.PackOptions`): samples under its ``small_sample_bytes`` are grouped
+    (:mod:`.shards`).
 
     :meth:`write` may run in several threads; :meth:`add` records the shards in order, into
     ``table`` (the index's shard table), ``rows`` (``(key, shard, members)`` per sample) and
     ``reused`` (a count).
     """
 
-    def __init__(
-        self,
-        dest: Origin,
-        overwrite: bool,
-        guard: Callable[[], None],
-        small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES,
-    ):
+    def __init__(self, dest: Origin, overwrite: bool, guard: Callable[[], None], options: PackOptions | None = None):
         self.dest, self.overwrite, self.guard = dest, overwrite, guard
-        self.small_sample_bytes = small_sample_bytes
+        self.options = options or PackOptions()
         self.table: list[dict] = []
         self.rows: list[tuple] = []
         self.reused = 0
@@ -85,7 +81,8 @@ class ShardWriter:
         if man is not None:
             return man, True
         self.guard()
-        return write_shard(self.dest, name, phash, read(), self.small_sample_bytes), False
+        options = self.options
+        return write_shard(self.dest, name, phash, read(), int(options.small_sample_bytes)), False
 
     def add(self, man: dict, reused: bool) -> None:
         """Record the next shard (its manifest and whether it was reused)."""

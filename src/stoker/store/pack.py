@@ -176,7 +176,7 @@ def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: Pack
     label and class name per row of ``shards.rows``; then the index is written."""
     with PackLease(dest, options.lease_s) as lease:
         clear_destination(dest, overwrite)
-        shards = ShardWriter(dest, overwrite, lease.check, int(options.small_sample_bytes))
+        shards = ShardWriter(dest, overwrite, lease.check, options)
         labels, class_names, class_list, skipped = feed(shards)
         rows = shards.rows
         version = install_index(dest, lease, rows, labels, class_names, class_list, shards.table)

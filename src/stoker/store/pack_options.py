@@ -80,9 +80,10 @@ def _is_int(value) -> bool:
 
 
 #: pack's old flat keyword -> the :class:`PackOptions` field it moved to (``src_options`` and
-#: ``dst_options`` are the older names of the per-side storage options).
+#: ``dst_options`` are the older names of the per-side storage options); fields added since the
+#: group was made (``small_sample_bytes``) were never flat keywords.
 DEPRECATED: dict[str, str] = {
-    **{f.name: f.name for f in dataclasses.fields(PackOptions)},
+    **{f.name: f.name for f in dataclasses.fields(PackOptions) if f.name not in ("small_sample_bytes",)},
     "src_options": "src_storage_options",
     "dst_options": "dst_storage_options",
 }

@@ -216,9 +216,8 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
         for field_name, off, n, ck in table:
             what = f" field {field_name!r}" if field_name and len(table) > 1 else ""
             expect = f"{index.key(i)}.{field_name}" if field_name else None
-            seen = headers.get(off)
-            if seen is None and _in_group(groups, off, n):  # a small sample inside its group member
-                seen = (expect, n)
+            # a small sample lies inside its group member, else its own member starts at ``off``
+            seen = (expect, n) if _in_group(groups, off, n) else headers.get(off)
             if seen is None:  # the sequential scan stopped at an earlier damaged header: look here
                 seen = _header_before(view, off)
                 if seen is not None and expect is not None and len(expect.encode()) > 100:

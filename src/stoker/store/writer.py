@@ -25,6 +25,7 @@ from ..storage import Origin
 from .lease import DEFAULT_LEASE_S, PackLease
 from .manifests import ShardWriter, stream_hash, write_shard
 from .pack import DEFAULT_SHARD_BYTES, PackResult
+from .pack_options import PackOptions
 from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .samplecodec import encode_sample, schema_mismatch
@@ -94,7 +95,7 @@ class Writer:
         self.shard_bytes = parse_size(shard_bytes, "shard_bytes")
         if self.shard_bytes < 1:
             raise ValueError(f"shard_bytes must be positive, got {self.shard_bytes}")
-        self.small_sample_bytes = parse_size(small_sample_bytes, "small_sample_bytes")
+        self._options = PackOptions(small_sample_bytes=parse_size(small_sample_bytes, "small_sample_bytes"))
         if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
             raise ValueError(f"part must be None or an int >= 0, got {part!r}")
         self.part = part
@@ -113,7 +114,7 @@ class Writer:
         except BaseException:
             self._lease.release()
             raise
-        self._shards = ShardWriter(self.dest, True, self._lease.check, self.small_sample_bytes)
+        self._shards = ShardWriter(self.dest, True, self._lease.check, self._options)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stoker-writer")
         self._pending: Future | None = None
         self._written: list[str] = []  # shard names, for abort
@@ -160,7 +161,8 @@ class Writer:
         elif why := schema_mismatch(kinds, self._kinds):
             raise SourceError(f"{self.url}: sample {key!r} {why}")
         s = finish_sample(key, members, self.url)
-        size = estimate_sample_bytes(key, [(f, len(d)) for f, d in s.members], self.small_sample_bytes)
+        options = self._options
+        size = estimate_sample_bytes(key, [(f, len(d)) for f, d in s.members], int(options.small_sample_bytes))
         if self._batch and self._batch_bytes + size > self.shard_bytes:
             self._flush()
         self._keys.add(key)
@@ -179,7 +181,8 @@ class Writer:
 
     def _write_shard(self, name: str, batch: list[StreamSample]) -> dict:
         self._lease.check()
-        small = self.small_sample_bytes
+        options = self._options
+        small = int(options.small_sample_bytes)
         return write_shard(self.dest, name, stream_hash(batch, small), [(s.key, s.members) for s in batch], small)
 
     def _collect(self) -> None:
