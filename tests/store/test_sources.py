@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from _helpers import make_image_folder
+from _helpers import make_image_folder, pack_killed_before_index
 from stoker.storage import Origin
 from stoker.store.blockmap import plan_blocks
 from stoker.store.dataset import ChecksumError, open_dataset
@@ -424,10 +424,10 @@ def test_corrupt_field_is_named(tmp_path):
         cached[0]
 
 
-def test_streamed_pack_resumes(cases_dir, tmp_path):
+def test_streamed_pack_resumes(cases_dir, tmp_path, monkeypatch):
     src = str(cases_dir / "webdataset" / "sample.tgz")
-    r1 = pack(src, str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
-    os.unlink(tmp_path / "d" / INDEX_NAME)
+    r1 = pack(src, str(tmp_path / "whole"), progress=False, shard_bytes=8 << 10)
+    pack_killed_before_index(monkeypatch, src, str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
     os.unlink(tmp_path / "d" / "shards" / "shard-000001.tar")
     r2 = pack(src, str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
     assert (r2.reused_shards, r2.version) == (r1.shards - 1, r1.version)

@@ -4,7 +4,8 @@ Each shard is written whole (atomically), followed by a small manifest ``shards/
 with its members and the hash of the plan that made it. A run of the same plan reuses every
 shard whose manifest matches and whose size agrees (:meth:`ShardWriter.write`); once the index
 is written, the shards of an earlier pack that it does not use are removed
-(:func:`remove_stale_shards`).
+(:func:`remove_stale_shards`), and so are the manifests (:func:`remove_manifests`): a finished
+dataset is its index and its shards.
 """
 
 from __future__ import annotations
@@ -158,6 +159,16 @@ def remove_stale_shards(dest: Origin, keep: set) -> None:
                 continue
         with contextlib.suppress(FileNotFoundError):
             dest.fs.rm(full)
+
+
+def remove_manifests(dest: Origin, shards: set) -> None:
+    """After the index is written: delete the manifests of ``shards`` (names). They serve only a
+    rerun of an interrupted pack (:meth:`ShardWriter.write`), and with a grouped layout they hold
+    more bytes per sample than the shards (a key and a checksum per field as JSON); a dataset
+    that has its index is replaced only with ``overwrite``, which reuses nothing."""
+    for name in shards:
+        with contextlib.suppress(FileNotFoundError):
+            dest.fs.rm(dest.path(f"{name}.json"))
 
 
 def finished_shards(dst: str, storage_options: dict | None = None) -> int:

@@ -15,7 +15,7 @@ from ..errors import DatasetExistsError
 from ..storage import Origin
 from .index import INDEX_NAME, build_table, table_to_bytes
 from .lease import PackLease
-from .manifests import remove_stale_shards
+from .manifests import remove_manifests, remove_stale_shards
 
 __all__ = ["clear_destination", "first_missing_dir", "install_index", "remove_if_empty"]
 
@@ -50,7 +50,8 @@ def install_index(
     shards' entries (name, bytes, samples, optional etag) in shard-number order. Samples get ids
     in sorted key order. The lease is renewed first (:class:`stoker.PackLeaseLostError` if it was
     lost: then no index is written); after the index, shards at ``dest`` that it does not use are
-    removed (:func:`.manifests.remove_stale_shards`).
+    removed (:func:`.manifests.remove_stale_shards`), and the manifests of those it uses
+    (:func:`.manifests.remove_manifests`: only an interrupted pack's rerun needs them).
     """
     order = sorted(range(len(rows)), key=lambda j: rows[j][0])
     prim = [rows[j][2][0] for j in order]
@@ -69,7 +70,9 @@ def install_index(
     )
     lease.renew()  # still ours, with a full lease length ahead for the index write
     dest.write_atomic(INDEX_NAME, table_to_bytes(table))
-    remove_stale_shards(dest, {s["name"] for s in shard_table})
+    keep = {s["name"] for s in shard_table}
+    remove_stale_shards(dest, keep)
+    remove_manifests(dest, keep)
     return version
 
 
