@@ -386,7 +386,7 @@ def release_memory() -> None:
 _trim: Any = None  # libc's malloc_trim once looked up; False where there is none
 
 
-def _decode(pf: pq.ParquetFile, meta: dict, url: str) -> DatasetIndex:
+def _decode(pf: pq.ParquetFile, meta: dict[str, Any], url: str) -> DatasetIndex:
     """The body of :func:`read_index` once the metadata is checked: columns in, validated, compacted."""
     try:
         cols = _read_columns(pf, meta["format"] >= 2)
@@ -445,7 +445,7 @@ def _read_columns(pf: pq.ParquetFile, named: bool) -> dict[str, Any]:
     table (``"named"``) for :func:`_read_fields`."""
     ints = ("sample_id", "label", "shard", "offset", "length", "checksum")
     wanted = ["key", *ints] + (["field", "fields"] if named else [])
-    parts: dict[str, list] = {c: [] for c in wanted}
+    parts: dict[str, list[Any]] = {c: [] for c in wanted}
     for batch in pf.iter_batches(batch_size=INDEX_ROWS_PER_GROUP, columns=wanted, use_threads=False):
         for c in wanted:
             col = batch.column(c)
