@@ -255,18 +255,49 @@ def build_table(
     each at a shard offset after the primary payload.
     """
     n = len(keys)
-    key_arr = pa.array(keys, type=pa.string())
-    labels = np.asarray(labels, dtype=np.int64)
-    shard = np.asarray(shard, dtype=np.int32)
-    offset = np.asarray(offset, dtype=np.int64)
-    length = np.asarray(length, dtype=np.int64)
-    checksum = np.asarray(checksum, dtype=np.uint64)
     field_arr = pa.array(list(field) if field is not None else [""] * n, type=pa.string())
     rows = list(fields) if fields is not None else [None] * n
     fields_arr = pa.array(
         [None if not r else [{"name": a, "offset": b, "length": c, "checksum": d} for a, b, c, d in r] for r in rows],
         type=pa.list_(MEMBER_TYPE),
     )
+    return assemble_table(
+        pa.array(keys, type=pa.string()),
+        labels,
+        pa.array(class_names, type=pa.string()),
+        shard,
+        offset,
+        length,
+        checksum,
+        shards,
+        classes,
+        field_arr,
+        fields_arr,
+    )
+
+
+def assemble_table(
+    key_arr: pa.Array,
+    labels: Any,
+    class_names: pa.Array,
+    shard: Any,
+    offset: Any,
+    length: Any,
+    checksum: Any,
+    shards: list[dict[str, Any]],
+    classes: list[str],
+    field_arr: pa.Array,
+    fields_arr: pa.Array,
+) -> tuple[pa.Table, str]:
+    """:func:`build_table` from columns: Arrow arrays of keys, class names (str), primary field
+    names (str) and other members (``list<MEMBER_TYPE>``, null where none), array-likes of the
+    rest. Returns (table, version)."""
+    n = len(key_arr)
+    labels = np.asarray(labels, dtype=np.int64)
+    shard = np.asarray(shard, dtype=np.int32)
+    offset = np.asarray(offset, dtype=np.int64)
+    length = np.asarray(length, dtype=np.int64)
+    checksum = np.asarray(checksum, dtype=np.uint64)
     version = content_version(
         key_arr, labels, shard, offset, length, checksum, shards, tuple(_fields_digest_chunks(field_arr, fields_arr))
     )
@@ -276,7 +307,7 @@ def build_table(
             "sample_id": pa.array(np.arange(n, dtype=np.int64)),
             "key": key_arr,
             "label": pa.array(labels),
-            "class_name": pa.array(class_names, type=pa.string()).dictionary_encode(),
+            "class_name": class_names.dictionary_encode(),
             "shard": pa.array(shard),
             "offset": pa.array(offset),
             "length": pa.array(length),
@@ -311,9 +342,17 @@ def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array) -> Iterator
 
 
 def table_to_bytes(table: pa.Table) -> bytes:
-    """The index file's bytes: zstd-compressed Parquet, row groups of :data:`INDEX_ROWS_PER_GROUP`."""
+    """The index file's bytes: zstd-compressed Parquet, row groups of :data:`INDEX_ROWS_PER_GROUP`,
+    dictionary pages only for the dictionary columns (a dictionary of unique keys and checksums
+    costs the writer memory and the file nothing)."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", row_group_size=INDEX_ROWS_PER_GROUP)
+    pq.write_table(
+        table,
+        sink,
+        compression="zstd",
+        row_group_size=INDEX_ROWS_PER_GROUP,
+        use_dictionary=[c for c in ("class_name", "field") if c in table.column_names],
+    )
     return sink.getvalue()
 
 

@@ -22,13 +22,14 @@ from .._procs import pid_alive
 from ..storage import Origin
 from .index import SHARD_DIR
 from .pack_options import PackOptions
+from .rows import Rows, decode, encode
 from .shards import DEFAULT_SMALL_SAMPLE_BYTES, build_shard
-from .sources import SourceFile, StreamSample
+from .sources import SourceFile
 
 log = logging.getLogger(__name__)
 
-#: Version of the shard manifest layout, part of every plan hash.
-MANIFEST_FORMAT = 2
+#: Version of the shard manifest layout, part of every plan hash (3: columnar rows, :mod:`.rows`).
+MANIFEST_FORMAT = 3
 
 
 def plan_hash(members: list[SourceFile], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
@@ -45,12 +46,13 @@ def _layout(small_sample_bytes: int) -> str:
     return "" if small_sample_bytes == DEFAULT_SMALL_SAMPLE_BYTES else f"-small{int(small_sample_bytes)}"
 
 
-def stream_hash(samples: list[StreamSample], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
-    """The hash of a streamed shard: its samples' keys, fields and bytes, and the small-sample threshold."""
+def stream_hash(samples: list[tuple[str, list]], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
+    """The hash of a streamed shard of ``samples`` = ``[(key, [(field, bytes), ...])]``: their
+    keys, fields and bytes, and the small-sample threshold."""
     h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}-stream{_layout(small_sample_bytes)}\n".encode())
-    for s in samples:
-        for field, data in s.members:
-            h.update(f"{s.key}\0{field}\0{len(data)}\n".encode())
+    for key, members in samples:
+        for field, data in members:
+            h.update(f"{key}\0{field}\0{len(data)}\n".encode())
             h.update(data)
     return h.hexdigest()
 
@@ -63,15 +65,15 @@ class ShardWriter:
     (:mod:`.shards`).
 
     :meth:`write` may run in several threads; :meth:`add` records the shards in order, into
-    ``table`` (the index's shard table), ``rows`` (``(key, shard, members)`` per sample) and
-    ``reused`` (a count).
+    ``table`` (the index's shard table), ``rows`` (:class:`.rows.Rows`: key, shard, members per
+    sample, columnar) and ``reused`` (a count).
     """
 
     def __init__(self, dest: Origin, overwrite: bool, guard: Callable[[], None], options: PackOptions | None = None):
         self.dest, self.overwrite, self.guard = dest, overwrite, guard
         self.options = options or PackOptions()
         self.table: list[dict] = []
-        self.rows: list[tuple] = []
+        self.rows = Rows()
         self.reused = 0
 
     def write(self, i: int, phash: str, read: Callable[[], list[tuple[str, list]]]) -> tuple[dict, bool]:
@@ -87,9 +89,10 @@ class ShardWriter:
 
     def add(self, man: dict, reused: bool) -> None:
         """Record the next shard (its manifest and whether it was reused)."""
-        i, entry = len(self.table), {"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"])}
+        shard_rows = decode(man["rows"])
+        i, entry = len(self.table), {"name": man["name"], "bytes": man["bytes"], "samples": len(shard_rows)}
         self.table.append({**entry, "etag": man["etag"]} if man.get("etag") else entry)
-        self.rows += [(key, i, members) for key, members in man["samples"]]
+        self.rows.extend(shard_rows, i)
         self.reused += reused
 
 
@@ -100,6 +103,7 @@ def _reusable(dest: Origin, name: str, phash: str, overwrite: bool) -> dict | No
         if not overwrite and dest.exists(manifest_rel):
             man = json.loads(dest.read(manifest_rel))
             if man.get("plan") == phash and dest.exists(name) and dest.size(name) == man["bytes"]:
+                decode(man["rows"])  # readable, or the shard is written again
                 return man
     except (ValueError, KeyError, OSError) as exc:
         log.warning("ignoring unreadable manifest %s: %s", dest.full_url(manifest_rel), exc)
@@ -118,9 +122,14 @@ def write_shard(
     :class:`stoker.storage.OriginError` on storage failures."""
     data, entries = build_shard(samples, small_sample_bytes)
     dest.write_atomic(name, data)
+    size = len(data)
+    del data
     it = iter(entries)
-    rows = [[key, [[field, *next(it)] for field, _ in members]] for key, members in samples]
-    man = {"name": name, "bytes": len(data), "plan": phash, "format": MANIFEST_FORMAT, "samples": rows}
+    rows = Rows()
+    for key, members in samples:
+        rows.append(key, 0, [(field, *next(it)) for field, _ in members])
+    del entries
+    man = {"name": name, "bytes": size, "plan": phash, "format": MANIFEST_FORMAT, "rows": encode(rows)}
     etag = _etag(dest, name)
     if etag:
         man["etag"] = etag

@@ -35,7 +35,7 @@ from .manifests import ShardWriter, plan_hash, stream_hash
 from .pack_options import PackOptions, resolve
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .shards import estimate_sample_bytes
-from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
+from .sources import SourceFile, detect_source, list_image_folder, resolve_labels
 from .wds import expand_urls, iter_samples
 
 DEFAULT_SHARD_BYTES = 64 << 20
@@ -185,7 +185,7 @@ def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: Pack
         samples=len(rows),
         classes=len(class_list),
         shards=len(shards.table),
-        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
+        payload_bytes=rows.payload_bytes,
         shard_bytes=sum(s["bytes"] for s in shards.table),
         reused_shards=shards.reused,
         skipped_files=skipped,
@@ -239,7 +239,7 @@ def _pack_image_folder(
         pool.shutdown(cancel_futures=True)
         bar.close()
     info = {f.key: f for f in listing.files}
-    files = [info[r[0]] for r in shards.rows]
+    files = [info[key] for key in shards.rows]
     return [f.label for f in files], [f.class_name for f in files], listing.classes, len(listing.skipped)
 
 
@@ -260,8 +260,9 @@ def _stream_of(kind: str, src: str, source: Origin, options: PackOptions, skippe
     return iter_file_list(fl, order, options.src_storage_options, options.read_workers), len(fl)
 
 
-def _stream_bytes(s: StreamSample, small_sample_bytes: int) -> int:
-    return estimate_sample_bytes(s.key, [(f, len(d)) for f, d in s.members], small_sample_bytes)
+def _stream_bytes(sample: tuple[str, list], small_sample_bytes: int) -> int:
+    key, members = sample
+    return estimate_sample_bytes(key, [(f, len(d)) for f, d in members], small_sample_bytes)
 
 
 def _pack_stream(
@@ -280,20 +281,16 @@ def _pack_stream(
     small = int(options.small_sample_bytes)
     samples, total = _stream_of(kind, src, source, options, skipped)
     bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
-    raw_labels: list = []
-    seen: dict[str, str] = {}  # key -> where it came from, in stream order
+    raw_labels: list = []  # a duplicate key is found when the index is built (install_index)
 
-    def checked():
+    def checked():  # (key, members): a shard's samples held without their labels and origins
         for s in samples:
-            if s.key in seen:
-                raise ValueError(f"source {src}: duplicate key {s.key!r} in {seen[s.key]} and {s.where}")
-            seen[s.key] = s.where
             raw_labels.append(s.label)
             bar.update(1)
-            yield s
+            yield s.key, s.members
 
-    def do_shard(i: int, batch: list[StreamSample]):
-        return shards.write(i, stream_hash(batch, small), lambda: [(s.key, s.members) for s in batch])
+    def do_shard(i: int, batch: list[tuple[str, list]]):
+        return shards.write(i, stream_hash(batch, small), lambda: batch)
 
     with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read
         pending = None
@@ -304,7 +301,7 @@ def _pack_stream(
         if pending is not None:
             shards.add(*pending.result())
     bar.close()
-    if not shards.rows:
+    if not len(shards.rows):
         raise ValueError(f"source {src}: no samples found ({kind})")
-    labels, cnames, class_list = resolve_labels(raw_labels, classes, list(seen))
+    labels, cnames, class_list = resolve_labels(raw_labels, classes, shards.rows)
     return labels, cnames, class_list, len(skipped)

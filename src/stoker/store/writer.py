@@ -28,9 +28,10 @@ from .pack import DEFAULT_SHARD_BYTES, PackResult
 from .pack_options import PackOptions
 from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
+from .rows import Rows
 from .samplecodec import encode_sample, schema_mismatch
 from .shards import DEFAULT_SMALL_SAMPLE_BYTES, estimate_sample_bytes
-from .sources import StreamSample, resolve_labels
+from .sources import resolve_labels
 from .wds import finish_sample
 
 __all__ = ["Writer"]
@@ -118,7 +119,7 @@ class Writer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stoker-writer")
         self._pending: Future | None = None
         self._written: list[str] = []  # shard names, for abort
-        self._batch: list[StreamSample] = []
+        self._batch: list[tuple[str, list]] = []  # (key, [(field, bytes), ...])
         self._batch_bytes = 0
         self._keys: set[str] = set()
         self._labels: list = []
@@ -167,7 +168,7 @@ class Writer:
             self._flush()
         self._keys.add(key)
         self._labels.append(s.label)
-        self._batch.append(s)
+        self._batch.append((key, s.members))
         self._batch_bytes += size
 
     def _flush(self) -> None:
@@ -179,11 +180,11 @@ class Writer:
         self._written.append(name)
         self._pending = self._pool.submit(self._write_shard, name, batch)
 
-    def _write_shard(self, name: str, batch: list[StreamSample]) -> dict:
+    def _write_shard(self, name: str, batch: list[tuple[str, list]]) -> dict:
         self._lease.check()
         options = self._options
         small = int(options.small_sample_bytes)
-        return write_shard(self.dest, name, stream_hash(batch, small), [(s.key, s.members) for s in batch], small)
+        return write_shard(self.dest, name, stream_hash(batch, small), batch, small)
 
     def _collect(self) -> None:
         """Wait for the shard being written and record it (its error, if any, is raised here)."""
@@ -210,12 +211,12 @@ class Writer:
             self._collect()
             rows = self._shards.rows
             if self.part is None:
-                if not rows:
+                if not len(rows):
                     raise SourceError(f"{self.url}: no sample was written; a dataset needs at least one")
-                labels, names, classes = resolve_labels(self._labels, None, [r[0] for r in rows])
+                labels, names, classes = resolve_labels(self._labels, None, rows)
                 version = install_index(self.dest, self._lease, rows, labels, names, classes, self._shards.table)
             else:
-                record = PartRecord(self.part, self._shards.table, [list(r) for r in rows], self._labels)
+                record = PartRecord(self.part, self._shards.table, list(rows.as_lists()), self._labels)
                 record.kinds = self._kinds or {}
                 self._lease.check()
                 write_record(part_origin(self.dest, self.part), record)
@@ -280,13 +281,13 @@ class Writer:
         return merge_parts(dst, parts, overwrite=overwrite, storage_options=storage_options)
 
 
-def _result(url: str, rows: list, table: list[dict], classes: int, version: str, t0: float) -> PackResult:
+def _result(url: str, rows: Rows, table: list[dict], classes: int, version: str, t0: float) -> PackResult:
     return PackResult(
         url=url,
         samples=len(rows),
         classes=classes,
         shards=len(table),
-        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
+        payload_bytes=rows.payload_bytes,
         shard_bytes=sum(int(s["bytes"]) for s in table),
         reused_shards=0,
         skipped_files=0,
