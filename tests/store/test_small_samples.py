@@ -205,3 +205,23 @@ def test_a_bad_threshold_is_refused(tmp_path, bad):
         Writer(str(tmp_path / "w"), small_sample_bytes=bad)
     with pytest.raises((ValueError, TypeError), match="small_sample_bytes"):
         PackOptions(small_sample_bytes=bad)
+
+
+def test_a_forked_workers_copy_of_the_dataset_shares_the_index_arrays(tmp_path):
+    """A worker's fresh copy (what a forked worker or prefetch process reads through) refers to
+    the parent's index arrays instead of copying them: their pages are never written, so every
+    forked worker shares one index."""
+    from stoker.loader.workers.worker import fresh_copy
+
+    dst = tmp_path / "d"
+    with Writer(str(dst)) as w:
+        for i in range(1000):
+            w.write({"__key__": _imagenet_key(i), "bin": _payload(i), "cls": i % 3})
+    ds = open_dataset(str(dst), cache=False)
+    copy = fresh_copy(ds)
+    assert copy is not ds and copy.index is not ds.index
+    for name in ("labels", "shard", "offset", "length", "checksum", "span_end", "field"):
+        assert getattr(copy.index, name) is getattr(ds.index, name), name
+    assert copy.index.members.checksum is ds.index.members.checksum and copy.index.keys is ds.index.keys
+    assert copy.blocks.sample_block is ds.blocks.sample_block
+    assert [copy.read_fields(i) for i in range(3)] == [ds.read_fields(i) for i in range(3)]
