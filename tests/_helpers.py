@@ -189,3 +189,21 @@ def damage_cached_blocks(cache_dir: Path, offset: int, larger_than: int = 100_00
             f.seek(offset)
             f.write(bytes([byte[0] ^ 0xFF]))
     return files
+
+
+def pack_killed_before_index(monkeypatch, src: str, dst: str, **kwargs) -> None:
+    """Run ``stoker.pack(src, dst, **kwargs)`` as if it were killed just before its index: every
+    shard and manifest written, no index (a finished pack removes its manifests)."""
+    import importlib
+
+    import pytest
+
+    pack_module = importlib.import_module("stoker.store.pack")
+
+    def killed(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(pack_module, "install_index", killed)
+        with pytest.raises(KeyboardInterrupt):
+            pack_module.pack(src, dst, **kwargs)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from _helpers import require
+from _helpers import pack_killed_before_index, require
 from stoker import PackOptions, open_dataset, pack
 
 ALSA = "/usr/share/sounds/alsa"
@@ -33,7 +33,7 @@ def wav_tree(tmp_path_factory):
     return root, names
 
 
-def test_files_source_groups_members_by_basename_byte_exact(wav_tree, tmp_path):
+def test_files_source_groups_members_by_basename_byte_exact(wav_tree, tmp_path, monkeypatch):
     root, names = wav_tree
     r = pack(str(root), str(tmp_path / "out"), source="files", progress=False, shard_bytes=300_000)
     assert r.samples == len(names) and r.shards > 1 and r.source == "files"
@@ -47,8 +47,9 @@ def test_files_source_groups_members_by_basename_byte_exact(wav_tree, tmp_path):
         assert ds.read(i) == fields["wav"]  # the largest member is the primary payload
         assert fields["txt"] == stem.replace("_", " ").encode()
         assert int(ds.labels[i]) == int(fields["cls"])
-    (tmp_path / "out" / "index.parquet").unlink()  # as a pack cut short before its index leaves it
-    again = pack(str(root), str(tmp_path / "out"), source="files", progress=False, shard_bytes=300_000)
+    cut_short = str(tmp_path / "cut")  # as a pack cut short before its index leaves it
+    pack_killed_before_index(monkeypatch, str(root), cut_short, source="files", progress=False, shard_bytes=300_000)
+    again = pack(str(root), cut_short, source="files", progress=False, shard_bytes=300_000)
     assert again.reused_shards == again.shards and again.version == r.version  # resumed: nothing rewritten
 
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from stoker.store import keytable as dirmod
-from stoker.store.index import IndexFormatError, build_table, read_index, table_to_bytes
+from stoker.store.index import IndexFormatError, build_table, index_array_bytes, read_index, table_to_bytes
 from stoker.store.keytable import KeyTable, hash_keys
 from stoker.store.listing import ls, stat
 
@@ -315,7 +315,7 @@ def test_summary_and_stat(tricky):
     assert s["shards"] == 3 and s["shard_bytes"] == sum(sh["bytes"] for sh in idx.shards)
     assert s["classes"] == len(idx.classes) and s["version"] == idx.version
     assert s["keys_sorted"] is True
-    assert s["directory_bytes"] >= idx.keys.nbytes + 36 * len(keys)
+    assert s["directory_bytes"] >= idx.keys.nbytes + index_array_bytes(idx) >= idx.keys.nbytes + 13 * len(keys)
     lines = stat(d, "mem://x")
     assert lines[0] == "url: mem://x"
     assert f"samples: {len(keys)}" in lines and f"version: {idx.version}" in lines
@@ -325,9 +325,7 @@ def test_nbytes_counts_the_key_table_once_built():
     idx, keys = make_index([f"k/{i:05d}" for i in range(1000)])
     d = KeyTable(idx)
     base = d.nbytes
-    assert base == idx.keys.nbytes + sum(
-        a.nbytes for a in (idx.labels, idx.shard, idx.offset, idx.length, idx.checksum)
-    )
+    assert base == idx.keys.nbytes + index_array_bytes(idx)
     d.prepare()
     assert d.nbytes == base + 12 * len(keys)  # uint64 hash + int32 id per sample
 

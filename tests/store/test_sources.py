@@ -11,12 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from _helpers import make_image_folder
+from _helpers import make_image_folder, pack_killed_before_index
 from stoker.storage import Origin
 from stoker.store.blockmap import plan_blocks
 from stoker.store.dataset import ChecksumError, open_dataset
 from stoker.store.index import INDEX_NAME, DatasetIndex, Members, build_table, read_index, table_to_bytes
 from stoker.store.pack import pack
+from stoker.store.pack_options import PackOptions
 from stoker.store.sources import detect_source
 from stoker.store.wds import brace_expand, expand_urls
 
@@ -273,9 +274,13 @@ def _odd_tar(tmp_path):
     )
 
 
+#: One tar member per field whatever the sample's size (tiny samples are grouped by default).
+WDS_LAYOUT = PackOptions(small_sample_bytes=0)
+
+
 def test_long_unicode_and_empty_members_gnu_tar(tmp_path):
     src = _odd_tar(tmp_path)
-    pack(str(src), str(tmp_path / "d"), progress=False)
+    pack(str(src), str(tmp_path / "d"), progress=False, options=WDS_LAYOUT)
     ds = open_dataset(str(tmp_path / "d"), cache_dir=str(tmp_path / "c"), cache_bytes=1 << 20)
     expected = _tar_members(src)
     _check_all(ds, expected)
@@ -293,7 +298,7 @@ def test_long_unicode_and_empty_members_gnu_tar(tmp_path):
 def test_stoker_shards_read_by_webdataset(tmp_path, sample_tree):
     wds = pytest.importorskip("webdataset")
     src = _odd_tar(tmp_path)
-    pack(str(src), str(tmp_path / "d"), progress=False)
+    pack(str(src), str(tmp_path / "d"), progress=False, options=WDS_LAYOUT)
     ds = open_dataset(str(tmp_path / "d"), cache=False)
     shard = os.path.join(str(tmp_path / "d"), ds.index.shards[0]["name"])
     got = {}
@@ -419,10 +424,10 @@ def test_corrupt_field_is_named(tmp_path):
         cached[0]
 
 
-def test_streamed_pack_resumes(cases_dir, tmp_path):
+def test_streamed_pack_resumes(cases_dir, tmp_path, monkeypatch):
     src = str(cases_dir / "webdataset" / "sample.tgz")
-    r1 = pack(src, str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
-    os.unlink(tmp_path / "d" / INDEX_NAME)
+    r1 = pack(src, str(tmp_path / "whole"), progress=False, shard_bytes=8 << 10)
+    pack_killed_before_index(monkeypatch, src, str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
     os.unlink(tmp_path / "d" / "shards" / "shard-000001.tar")
     r2 = pack(src, str(tmp_path / "d"), progress=False, shard_bytes=8 << 10)
     assert (r2.reused_shards, r2.version) == (r1.shards - 1, r1.version)

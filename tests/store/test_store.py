@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from _helpers import make_image_folder
+from _helpers import make_image_folder, pack_killed_before_index
 from stoker.store.dataset import open_dataset
 from stoker.store.index import INDEX_NAME
 from stoker.store.pack import DatasetExistsError, pack
@@ -85,11 +85,12 @@ def test_pack_refuses_existing_dataset(sample_tree, packed_local):
         pack(str(sample_tree / "train"), packed_local, progress=False)
 
 
-def test_interrupted_pack_is_never_a_dataset_and_rerun_finishes(sample_tree, tmp_path):
+def test_interrupted_pack_is_never_a_dataset_and_rerun_finishes(sample_tree, tmp_path, monkeypatch):
     dst = tmp_path / "p"
-    r1 = pack(str(sample_tree / "train"), str(dst), shard_bytes=1 << 20, progress=False)
-    # Simulate a pack killed before the end: no index, one shard missing, one torn (no manifest).
-    os.unlink(dst / INDEX_NAME)
+    r1 = pack(str(sample_tree / "train"), str(tmp_path / "whole"), shard_bytes=1 << 20, progress=False)
+    assert not list((tmp_path / "whole" / "shards").glob("*.json"))  # a finished pack keeps no manifest
+    # A pack killed before the end: no index, one shard missing, one torn (no manifest).
+    pack_killed_before_index(monkeypatch, str(sample_tree / "train"), str(dst), shard_bytes=1 << 20, progress=False)
     os.unlink(dst / "shards" / "shard-000001.tar")
     os.unlink(dst / "shards" / "shard-000002.tar.json")
     with pytest.raises(FileNotFoundError, match="not a packed stoker dataset"):

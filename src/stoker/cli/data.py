@@ -11,6 +11,7 @@ from ..store.listing import ls, stat
 from ..store.manifests import finished_shards
 from ..store.pack import pack
 from ..store.pack_options import PackOptions
+from ..store.shards import DEFAULT_SMALL_SAMPLE_BYTES
 from ..store.verify import verify
 from .args import OptionsFlag, json_options, show_progress, size_arg
 
@@ -28,6 +29,7 @@ def cmd_pack(a) -> int:
         shuffle_seed=None if a.no_shuffle else a.shuffle_seed,
         column=a.column,
         key_column=a.key_column,
+        small_sample_bytes=a.small_sample_bytes,
     )
     try:
         r = pack(
@@ -175,6 +177,13 @@ def _add_pack(sub) -> None:
         "--column", help="--source parquet: the column of the sample bytes (other columns are kept as fields)"
     )
     s.add_argument("--key-column", help="--source parquet: the column of the sample keys (default <file stem>/<row>)")
+    s.add_argument(
+        "--small-sample-bytes",
+        type=size_arg,
+        default=DEFAULT_SMALL_SAMPLE_BYTES,
+        help="samples whose fields total fewer bytes are grouped, many to one tar member, at a few bytes "
+        "each (default 4096; 0: one tar member per field, WebDataset's layout, for every sample)",
+    )
     s.add_argument(
         "--shuffle-seed", type=int, default=0, help="seed of the random placement of samples in shards (default 0)"
     )

@@ -44,7 +44,7 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
     span_end = index.span_end
     assert span_end is not None  # set by DatasetIndex.__post_init__
     sh = index.shard[order].astype(np.int64)
-    off = index.offset[order]
+    off = index.offset[order].astype(np.int64)
     cell = off // int(block_bytes)
     new = np.ones(n, dtype=bool)
     new[1:] = (sh[1:] != sh[:-1]) | (cell[1:] != cell[:-1])
@@ -54,7 +54,7 @@ def plan_blocks(index: DatasetIndex, block_bytes: int) -> dict:
         "sample_block": sample_block,
         "shard": sh[first].astype(np.int32),
         "start": off[first],
-        "end": np.maximum.reduceat(span_end[order], first).astype(np.int64),
+        "end": np.maximum.reduceat(span_end[order].astype(np.int64), first),
         "order": order,
         "first": first,
         "count": np.diff(np.append(first, n)),

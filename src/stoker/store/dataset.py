@@ -28,7 +28,7 @@ from .blockmap import BlockMap
 from .blocks import BlockReader, BlockSource, ReadStats
 from .checks import bad_field, sample_ok
 from .diagnose import why_no_index
-from .index import INDEX_NAME, DatasetIndex, read_index
+from .index import INDEX_NAME, DatasetIndex, read_index, release_memory
 from .subset import select, selection_digest, split_positions
 
 log = logging.getLogger(__name__)
@@ -349,12 +349,14 @@ def open_dataset(
     except FileNotFoundError:
         raise OriginNotFoundError(origin.full_url(INDEX_NAME), f"not found: {why_no_index(origin)}") from None
     index = read_index(data, origin.full_url(INDEX_NAME))
+    del data
     if check:
         from .verify import check_shards
 
         check_shards(origin, index)
     disk = None if cache is False else _node_cache(spec)
     ds = Dataset(url, index, origin, disk, block_bytes)
+    release_memory()  # the index file's bytes and the block plan's temporaries
     if disk is not None:
         disk.register(ds.version, index.total_bytes)
         disk.describe(ds.version, url)

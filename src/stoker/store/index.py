@@ -32,6 +32,8 @@ the shard table (name, bytes, samples), the class names and the content
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import json
 from collections.abc import Iterator
@@ -95,7 +97,10 @@ class DatasetIndex:
     """In-memory sample directory of one packed dataset.
 
     Arrays have shape (N,): ``labels`` int64, ``shard`` int32, ``offset`` int64 (bytes),
-    ``length`` int64 (bytes), ``checksum`` uint64 (xxh3-64). ``keys`` is a pyarrow
+    ``length`` int64 (bytes), ``checksum`` uint64 (xxh3-64); an index read from a dataset
+    (:func:`read_index`) holds ``shard``, ``offset``, ``length``, ``span_end``, ``field`` and
+    ``members`` at their smallest signed dtypes (:func:`compact`): cast before arithmetic that
+    may pass the dataset's largest shard offset. ``keys`` is a pyarrow
     string array (compact: one buffer of UTF-8 bytes plus int32 offsets).
     ``shards`` is a list of dicts {name, bytes, samples}; ``classes`` the class names
     in label order; ``version`` the content version (hex str).
@@ -127,8 +132,8 @@ class DatasetIndex:
         return len(self.labels)
 
     def key(self, i: int) -> str:
-        """Sample key ``i`` (str), sliced from the string array's buffers (about 1 us; a
-        pyarrow scalar costs about 10x that on the decode hot path)."""
+        """Sample key ``i`` (str), decoded from a view of the string array's buffers (about 1 us;
+        a pyarrow scalar costs about 10x that on the decode hot path)."""
         kb = self.__dict__.get("_key_buffers")
         if kb is None:
             kb = self.__dict__["_key_buffers"] = _string_buffers(self.keys)
@@ -136,7 +141,7 @@ class DatasetIndex:
             return str(self.keys[int(i)].as_py())
         offsets, data = kb
         i = int(i)
-        return str(data[offsets[i] : offsets[i + 1]], "utf-8")
+        return str(data[int(offsets[i]) : int(offsets[i + 1])], "utf-8")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -167,16 +172,27 @@ class DatasetIndex:
         return out
 
 
+def index_array_bytes(idx: DatasetIndex) -> int:
+    """Bytes of ``idx``'s numpy columns (keys not counted): ``labels``, ``shard``, ``offset``,
+    ``length``, ``checksum``, ``span_end``, ``field`` and the named fields' arrays."""
+    arrays = [idx.labels, idx.shard, idx.offset, idx.length, idx.checksum, idx.span_end, idx.field]
+    if idx.members is not None:
+        m = idx.members
+        arrays += [m.start, m.name, m.offset, m.length, m.checksum]
+    return int(sum(a.nbytes for a in arrays if a is not None))
+
+
 def _span_end(offset: np.ndarray, length: np.ndarray, members: Members | None) -> np.ndarray:
-    end: np.ndarray = offset + length
+    end: np.ndarray = offset.astype(np.int64) + length
     if members is not None and len(members.offset):
         owner = np.repeat(np.arange(len(offset)), np.diff(members.start))
         np.maximum.at(end, owner, members.offset + members.length)
     return end
 
 
-def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, bytes] | Literal[False]:
-    """``(offsets int64 (N+1,), data bytes)`` of a string array, or False for other layouts."""
+def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, memoryview] | Literal[False]:
+    """``(offsets int32 or int64 (N+1,), data)`` of a string array, views of its own buffers (no
+    copy: a forked worker shares their pages), or False for other layouts."""
     otype: type[np.signedinteger[Any]]
     if arr.type == pa.string():
         otype = np.int32
@@ -185,8 +201,8 @@ def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, bytes] | Literal[False]:
     else:
         return False
     _validity, obuf, dbuf = arr.buffers()
-    offsets = np.frombuffer(obuf, otype)[arr.offset : arr.offset + len(arr) + 1].astype(np.int64)
-    return offsets, (dbuf.to_pybytes() if dbuf is not None else b"")
+    offsets = np.frombuffer(obuf, otype)[arr.offset : arr.offset + len(arr) + 1]
+    return offsets, (memoryview(dbuf) if dbuf is not None else memoryview(b""))
 
 
 def content_version(
@@ -239,18 +255,49 @@ def build_table(
     each at a shard offset after the primary payload.
     """
     n = len(keys)
-    key_arr = pa.array(keys, type=pa.string())
-    labels = np.asarray(labels, dtype=np.int64)
-    shard = np.asarray(shard, dtype=np.int32)
-    offset = np.asarray(offset, dtype=np.int64)
-    length = np.asarray(length, dtype=np.int64)
-    checksum = np.asarray(checksum, dtype=np.uint64)
     field_arr = pa.array(list(field) if field is not None else [""] * n, type=pa.string())
     rows = list(fields) if fields is not None else [None] * n
     fields_arr = pa.array(
         [None if not r else [{"name": a, "offset": b, "length": c, "checksum": d} for a, b, c, d in r] for r in rows],
         type=pa.list_(MEMBER_TYPE),
     )
+    return assemble_table(
+        pa.array(keys, type=pa.string()),
+        labels,
+        pa.array(class_names, type=pa.string()),
+        shard,
+        offset,
+        length,
+        checksum,
+        shards,
+        classes,
+        field_arr,
+        fields_arr,
+    )
+
+
+def assemble_table(
+    key_arr: pa.Array,
+    labels: Any,
+    class_names: pa.Array,
+    shard: Any,
+    offset: Any,
+    length: Any,
+    checksum: Any,
+    shards: list[dict[str, Any]],
+    classes: list[str],
+    field_arr: pa.Array,
+    fields_arr: pa.Array,
+) -> tuple[pa.Table, str]:
+    """:func:`build_table` from columns: Arrow arrays of keys, class names (str), primary field
+    names (str) and other members (``list<MEMBER_TYPE>``, null where none), array-likes of the
+    rest. Returns (table, version)."""
+    n = len(key_arr)
+    labels = np.asarray(labels, dtype=np.int64)
+    shard = np.asarray(shard, dtype=np.int32)
+    offset = np.asarray(offset, dtype=np.int64)
+    length = np.asarray(length, dtype=np.int64)
+    checksum = np.asarray(checksum, dtype=np.uint64)
     version = content_version(
         key_arr, labels, shard, offset, length, checksum, shards, tuple(_fields_digest_chunks(field_arr, fields_arr))
     )
@@ -260,7 +307,7 @@ def build_table(
             "sample_id": pa.array(np.arange(n, dtype=np.int64)),
             "key": key_arr,
             "label": pa.array(labels),
-            "class_name": pa.array(class_names, type=pa.string()).dictionary_encode(),
+            "class_name": class_names.dictionary_encode(),
             "shard": pa.array(shard),
             "offset": pa.array(offset),
             "length": pa.array(length),
@@ -295,8 +342,17 @@ def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array) -> Iterator
 
 
 def table_to_bytes(table: pa.Table) -> bytes:
+    """The index file's bytes: zstd-compressed Parquet, row groups of :data:`INDEX_ROWS_PER_GROUP`,
+    dictionary pages only for the dictionary columns (a dictionary of unique keys and checksums
+    costs the writer memory and the file nothing)."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(
+        table,
+        sink,
+        compression="zstd",
+        row_group_size=INDEX_ROWS_PER_GROUP,
+        use_dictionary=[c for c in ("class_name", "field") if c in table.column_names],
+    )
     return sink.getvalue()
 
 
@@ -330,14 +386,12 @@ def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list[str], Member
 def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
     """Parse index bytes into a :class:`DatasetIndex`. Raises :class:`IndexFormatError` naming ``url``.
 
-    Reads format 2 (named fields) and format 1 (primary payload only) indexes.
+    Reads format 2 (named fields) and format 1 (primary payload only) indexes. The integer columns
+    are held at their smallest signed dtype (:func:`narrow`), keys as one string array (a buffer
+    of UTF-8 bytes plus int32 offsets): with ImageNet-length keys about 60 B per sample.
     """
     try:
         pf = pq.ParquetFile(io.BytesIO(data))
-        # Only the columns kept in memory (class_name is in the metadata as the class list),
-        # decoded one column at a time: the allocator then keeps far less decode scratch.
-        wanted = [c for c in pf.schema_arrow.names if c != "class_name"]
-        table = pf.read(columns=wanted, use_threads=False)
         meta = json.loads(pf.schema_arrow.metadata[b"stoker"])
     except Exception as exc:  # noqa: BLE001
         raise IndexFormatError(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
@@ -345,24 +399,54 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
         raise IndexFormatError(
             f"{url}: unsupported index format {meta.get('format')!r} (this stoker reads formats {READABLE_FORMATS})"
         )
-    ids = table.column("sample_id").to_numpy()
-    if not np.array_equal(ids, np.arange(len(ids))):
+    with _system_pool():
+        idx = _decode(pf, meta, url)
+    release_memory()
+    return idx
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the system (Arrow's pools; glibc: ``malloc_trim(0)``), so
+    that the decode scratch of an index does not stay resident beside it: glibc raises its mmap
+    threshold after a large free, and later large temporaries then stay on the heap (the same
+    call as Dask's "trim memory" recipe, https://distributed.dask.org/en/stable/worker-memory.html).
+    Nothing happens where the C library has no ``malloc_trim``."""
+    pa.default_memory_pool().release_unused()
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None  # libc's malloc_trim once looked up; False where there is none
+
+
+def _decode(pf: pq.ParquetFile, meta: dict[str, Any], url: str) -> DatasetIndex:
+    """The body of :func:`read_index` once the metadata is checked: columns in, validated, compacted."""
+    try:
+        cols = _read_columns(pf, meta["format"] >= 2)
+    except Exception as exc:  # noqa: BLE001
+        raise IndexFormatError(f"{url}: not a stoker index ({type(exc).__name__}: {exc})") from exc
+    if not np.array_equal(cols["sample_id"], np.arange(len(cols["sample_id"]))):
         raise IndexFormatError(f"{url}: sample_id column is not 0..N-1")
-    keys = table.column("key").combine_chunks()
     names: list[str] = []
     field, members = None, None
     if meta["format"] >= 2:
         try:
-            field, names, members = _read_fields(table, len(ids))
+            field, names, members = _read_fields(cols["named"], len(cols["sample_id"]))
         except (KeyError, pa.ArrowException) as exc:
             raise IndexFormatError(f"{url}: bad field/fields columns ({exc})") from exc
     idx = DatasetIndex(
-        keys=keys,
-        labels=table.column("label").to_numpy().astype(np.int64, copy=False),
-        shard=table.column("shard").to_numpy().astype(np.int32, copy=False),
-        offset=table.column("offset").to_numpy().astype(np.int64, copy=False),
-        length=table.column("length").to_numpy().astype(np.int64, copy=False),
-        checksum=table.column("checksum").to_numpy().astype(np.uint64, copy=False),
+        keys=cols["key"],
+        labels=cols["label"],
+        shard=cols["shard"],
+        offset=cols["offset"],
+        length=cols["length"],
+        checksum=cols["checksum"].astype(np.uint64, copy=False),
         shards=meta["shards"],
         classes=meta["classes"],
         version=meta["version"],
@@ -371,7 +455,83 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
         members=members,
     )
     validate(idx, url)
+    del cols
+    compact(idx)
     return idx
+
+
+#: Rows per row group of a written index, and per batch of a read one: reading one row group at a
+#: time keeps the decode scratch (which the allocator keeps after) to a few MB at any size.
+INDEX_ROWS_PER_GROUP = 1 << 16
+
+
+@contextlib.contextmanager
+def _system_pool() -> Iterator[None]:
+    """Arrow allocates from the C allocator inside the block: its large blocks go back to the
+    system when freed, where mimalloc, Arrow's default, keeps the decode scratch of an index
+    resident (about 50 B per sample measured)."""
+    before = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(before)
+
+
+def _read_columns(pf: pq.ParquetFile, named: bool) -> dict[str, Any]:
+    """The index's columns, read a batch of rows at a time: numpy arrays (int64; ``checksum``
+    uint64) and ``key`` one string array; ``named``: also the ``field``/``fields`` columns as a
+    table (``"named"``) for :func:`_read_fields`."""
+    ints = ("sample_id", "label", "shard", "offset", "length", "checksum")
+    wanted = ["key", *ints] + (["field", "fields"] if named else [])
+    parts: dict[str, list[Any]] = {c: [] for c in wanted}
+    for batch in pf.iter_batches(batch_size=INDEX_ROWS_PER_GROUP, columns=wanted, use_threads=False):
+        for c in wanted:
+            col = batch.column(c)
+            parts[c].append(col.to_numpy().astype(np.int64, copy=False) if c in ints and c != "checksum" else col)
+        del batch
+    out: dict[str, Any] = {
+        c: np.concatenate(parts.pop(c)) if parts[c] else np.zeros(0, np.int64) for c in ints if c != "checksum"
+    }
+    ck = parts.pop("checksum")
+    out["checksum"] = np.concatenate([c.to_numpy() for c in ck]) if ck else np.zeros(0, np.uint64)
+    keys = parts.pop("key")
+    out["key"] = pa.chunked_array(keys, type=pf.schema_arrow.field("key").type).combine_chunks()
+    if named:
+        out["named"] = pa.table(
+            {c: pa.chunked_array(parts.pop(c), type=pf.schema_arrow.field(c).type) for c in ("field", "fields")}
+        )
+    return out
+
+
+def narrow(arr: np.ndarray, top: int | None = None) -> np.ndarray:
+    """``arr`` (integers) as the smallest signed dtype that holds its values and ``top`` (the
+    largest value arithmetic on it may reach; default its maximum): int8, int16, int32 or int64.
+    Signed only, so that arithmetic with int64 never turns into float64."""
+    if not len(arr):
+        return arr
+    lo, hi = int(arr.min()), int(arr.max() if top is None else max(int(arr.max()), top))
+    for dt in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dt)
+        if info.min <= lo and hi <= info.max:
+            return arr.astype(dt, copy=False)
+    return arr.astype(np.int64, copy=False)
+
+
+def compact(idx: DatasetIndex) -> None:
+    """Hold ``idx``'s integer columns at their smallest dtypes, in place (:func:`narrow`): the
+    offsets by the end of the furthest sample, so ``offset + length`` never overflows; shard and
+    field codes by the table sizes; ``labels`` stay int64 (``Dataset.labels`` is int64)."""
+    assert idx.span_end is not None  # set by __post_init__
+    top = int(idx.span_end.max()) if len(idx) else 0
+    idx.offset, idx.span_end = narrow(idx.offset, top), narrow(idx.span_end, top)
+    idx.length, idx.shard = narrow(idx.length, top), narrow(idx.shard, len(idx.shards))
+    if idx.field is not None:
+        idx.field = narrow(idx.field, len(idx.names))
+    m = idx.members
+    if m is not None:
+        m.start, m.name = narrow(m.start), narrow(m.name, len(idx.names))
+        m.offset, m.length = narrow(m.offset, top), narrow(m.length, top)
 
 
 def validate(idx: DatasetIndex, url: str = "<index>") -> None:

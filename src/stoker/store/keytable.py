@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import IndexFormatError
-from .index import DatasetIndex
+from .index import DatasetIndex, index_array_bytes
 
 __all__ = ["KeyTable", "SampleRecord", "hash_keys"]
 
@@ -134,10 +134,10 @@ class KeyTable:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes of the directory's arrays: the index's columns and keys, plus
-        ``order`` and the key table when present (Python object overhead not counted)."""
-        idx = self.index
-        total = self.keys.nbytes + sum(a.nbytes for a in (idx.labels, idx.shard, idx.offset, idx.length, idx.checksum))
+        """Resident bytes of the directory's arrays: the index's keys and columns (named fields
+        included, :func:`.index.index_array_bytes`), plus ``order`` and the key table when present
+        (Python object overhead not counted)."""
+        total = self.keys.nbytes + index_array_bytes(self.index)
         if self.order is not None:
             total += self.order.nbytes
         t = self._table
@@ -194,9 +194,9 @@ class KeyTable:
         idx = self.index
         return {
             "label": idx.labels[ids],
-            "shard": idx.shard[ids],
-            "offset": idx.offset[ids],
-            "length": idx.length[ids],
+            "shard": idx.shard[ids].astype(np.int32),
+            "offset": idx.offset[ids].astype(np.int64),
+            "length": idx.length[ids].astype(np.int64),
             "checksum": idx.checksum[ids],
         }
 

@@ -4,7 +4,8 @@ Each shard is written whole (atomically), followed by a small manifest ``shards/
 with its members and the hash of the plan that made it. A run of the same plan reuses every
 shard whose manifest matches and whose size agrees (:meth:`ShardWriter.write`); once the index
 is written, the shards of an earlier pack that it does not use are removed
-(:func:`remove_stale_shards`).
+(:func:`remove_stale_shards`), and so are the manifests (:func:`remove_manifests`): a finished
+dataset is its index and its shards.
 """
 
 from __future__ import annotations
@@ -20,29 +21,38 @@ import xxhash
 from .._procs import pid_alive
 from ..storage import Origin
 from .index import SHARD_DIR
-from .shards import build_shard, member_name
-from .sources import SourceFile, StreamSample
+from .pack_options import PackOptions
+from .rows import Rows, decode, encode
+from .shards import DEFAULT_SMALL_SAMPLE_BYTES, build_shard
+from .sources import SourceFile
 
 log = logging.getLogger(__name__)
 
-#: Version of the shard manifest layout, part of every plan hash.
-MANIFEST_FORMAT = 2
+#: Version of the shard manifest layout, part of every plan hash (3: columnar rows, :mod:`.rows`).
+MANIFEST_FORMAT = 3
 
 
-def plan_hash(members: list[SourceFile]) -> str:
-    """The hash of a planned ImageFolder shard: its files' paths, sizes, stamps, keys, labels, fields."""
-    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}\n".encode())
+def plan_hash(members: list[SourceFile], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
+    """The hash of a planned ImageFolder shard: its files' paths, sizes, stamps, keys, labels, fields,
+    and the small-sample threshold (which sets the layout, :mod:`.shards`)."""
+    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}{_layout(small_sample_bytes)}\n".encode())
     for f in members:
         h.update(f"{f.rel}\0{f.size}\0{f.stamp}\0{f.key}\0{f.label}\0{f.field}\n".encode())
     return h.hexdigest()
 
 
-def stream_hash(samples: list[StreamSample]) -> str:
-    """The hash of a streamed shard: its samples' keys, fields and bytes."""
-    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}-stream\n".encode())
-    for s in samples:
-        for field, data in s.members:
-            h.update(f"{s.key}\0{field}\0{len(data)}\n".encode())
+def _layout(small_sample_bytes: int) -> str:
+    """The threshold's part of a plan hash ("" for the default, so default plans hash as before)."""
+    return "" if small_sample_bytes == DEFAULT_SMALL_SAMPLE_BYTES else f"-small{int(small_sample_bytes)}"
+
+
+def stream_hash(samples: list[tuple[str, list]], small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES) -> str:
+    """The hash of a streamed shard of ``samples`` = ``[(key, [(field, bytes), ...])]``: their
+    keys, fields and bytes, and the small-sample threshold."""
+    h = xxhash.xxh3_64(f"v{MANIFEST_FORMAT}-stream{_layout(small_sample_bytes)}\n".encode())
+    for key, members in samples:
+        for field, data in members:
+            h.update(f"{key}\0{field}\0{len(data)}\n".encode())
             h.update(data)
     return h.hexdigest()
 
@@ -50,17 +60,20 @@ def stream_hash(samples: list[StreamSample]) -> str:
 class ShardWriter:
     """The shards of one pack at ``dest``, in shard order: each written whole with its manifest,
     or reused from an earlier run of the same plan (unless ``overwrite``). ``guard()`` is called
-    before each write (the lease check: it raises when the lease was lost).
+    before each write (the lease check: it raises when the lease was lost); ``options`` (a
+    :class:`.pack_options.PackOptions`): samples under its ``small_sample_bytes`` are grouped
+    (:mod:`.shards`).
 
     :meth:`write` may run in several threads; :meth:`add` records the shards in order, into
-    ``table`` (the index's shard table), ``rows`` (``(key, shard, members)`` per sample) and
-    ``reused`` (a count).
+    ``table`` (the index's shard table), ``rows`` (:class:`.rows.Rows`: key, shard, members per
+    sample, columnar) and ``reused`` (a count).
     """
 
-    def __init__(self, dest: Origin, overwrite: bool, guard: Callable[[], None]):
+    def __init__(self, dest: Origin, overwrite: bool, guard: Callable[[], None], options: PackOptions | None = None):
         self.dest, self.overwrite, self.guard = dest, overwrite, guard
+        self.options = options or PackOptions()
         self.table: list[dict] = []
-        self.rows: list[tuple] = []
+        self.rows = Rows()
         self.reused = 0
 
     def write(self, i: int, phash: str, read: Callable[[], list[tuple[str, list]]]) -> tuple[dict, bool]:
@@ -71,13 +84,15 @@ class ShardWriter:
         if man is not None:
             return man, True
         self.guard()
-        return write_shard(self.dest, name, phash, read()), False
+        options = self.options
+        return write_shard(self.dest, name, phash, read(), int(options.small_sample_bytes)), False
 
     def add(self, man: dict, reused: bool) -> None:
         """Record the next shard (its manifest and whether it was reused)."""
-        i, entry = len(self.table), {"name": man["name"], "bytes": man["bytes"], "samples": len(man["samples"])}
+        shard_rows = decode(man["rows"])
+        i, entry = len(self.table), {"name": man["name"], "bytes": man["bytes"], "samples": len(shard_rows)}
         self.table.append({**entry, "etag": man["etag"]} if man.get("etag") else entry)
-        self.rows += [(key, i, members) for key, members in man["samples"]]
+        self.rows.extend(shard_rows, i)
         self.reused += reused
 
 
@@ -88,21 +103,33 @@ def _reusable(dest: Origin, name: str, phash: str, overwrite: bool) -> dict | No
         if not overwrite and dest.exists(manifest_rel):
             man = json.loads(dest.read(manifest_rel))
             if man.get("plan") == phash and dest.exists(name) and dest.size(name) == man["bytes"]:
+                decode(man["rows"])  # readable, or the shard is written again
                 return man
     except (ValueError, KeyError, OSError) as exc:
         log.warning("ignoring unreadable manifest %s: %s", dest.full_url(manifest_rel), exc)
     return None
 
 
-def write_shard(dest: Origin, name: str, phash: str, samples: list[tuple[str, list]]) -> dict:
-    """Build and write one shard of ``samples`` = ``[(key, [(field, bytes), ...])]`` and its
-    manifest (returned); :class:`stoker.storage.OriginError` on storage failures."""
-    flat = [(member_name(key, field), data) for key, members in samples for field, data in members]
-    data, entries = build_shard(flat)
+def write_shard(
+    dest: Origin,
+    name: str,
+    phash: str,
+    samples: list[tuple[str, list]],
+    small_sample_bytes: int = DEFAULT_SMALL_SAMPLE_BYTES,
+) -> dict:
+    """Build and write one shard of ``samples`` = ``[(key, [(field, bytes), ...])]``, samples under
+    ``small_sample_bytes`` grouped (:func:`.shards.build_shard`), and its manifest (returned);
+    :class:`stoker.storage.OriginError` on storage failures."""
+    data, entries = build_shard(samples, small_sample_bytes)
     dest.write_atomic(name, data)
+    size = len(data)
+    del data
     it = iter(entries)
-    rows = [[key, [[field, *next(it)] for field, _ in members]] for key, members in samples]
-    man = {"name": name, "bytes": len(data), "plan": phash, "format": MANIFEST_FORMAT, "samples": rows}
+    rows = Rows()
+    for key, members in samples:
+        rows.append(key, 0, [(field, *next(it)) for field, _ in members])
+    del entries
+    man = {"name": name, "bytes": size, "plan": phash, "format": MANIFEST_FORMAT, "rows": encode(rows)}
     etag = _etag(dest, name)
     if etag:
         man["etag"] = etag
@@ -141,6 +168,16 @@ def remove_stale_shards(dest: Origin, keep: set) -> None:
                 continue
         with contextlib.suppress(FileNotFoundError):
             dest.fs.rm(full)
+
+
+def remove_manifests(dest: Origin, shards: set) -> None:
+    """After the index is written: delete the manifests of ``shards`` (names). They serve only a
+    rerun of an interrupted pack (:meth:`ShardWriter.write`), and with a grouped layout they hold
+    more bytes per sample than the shards (a key and a checksum per field as JSON); a dataset
+    that has its index is replaced only with ``overwrite``, which reuses nothing."""
+    for name in shards:
+        with contextlib.suppress(FileNotFoundError):
+            dest.fs.rm(dest.path(f"{name}.json"))
 
 
 def finished_shards(dst: str, storage_options: dict | None = None) -> int:

@@ -34,8 +34,8 @@ from .lease import PackLease
 from .manifests import ShardWriter, plan_hash, stream_hash
 from .pack_options import PackOptions, resolve
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
-from .shards import estimate_member_bytes
-from .sources import SourceFile, StreamSample, detect_source, list_image_folder, resolve_labels
+from .shards import estimate_sample_bytes
+from .sources import SourceFile, detect_source, list_image_folder, resolve_labels
 from .wds import expand_urls, iter_samples
 
 DEFAULT_SHARD_BYTES = 64 << 20
@@ -176,7 +176,7 @@ def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: Pack
     label and class name per row of ``shards.rows``; then the index is written."""
     with PackLease(dest, options.lease_s) as lease:
         clear_destination(dest, overwrite)
-        shards = ShardWriter(dest, overwrite, lease.check)
+        shards = ShardWriter(dest, overwrite, lease.check, options)
         labels, class_names, class_list, skipped = feed(shards)
         rows = shards.rows
         version = install_index(dest, lease, rows, labels, class_names, class_list, shards.table)
@@ -185,7 +185,7 @@ def _pack_into(dest: Origin, dst: str, kind: str, overwrite: bool, options: Pack
         samples=len(rows),
         classes=len(class_list),
         shards=len(shards.table),
-        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
+        payload_bytes=rows.payload_bytes,
         shard_bytes=sum(s["bytes"] for s in shards.table),
         reused_shards=shards.reused,
         skipped_files=skipped,
@@ -210,7 +210,8 @@ def _pack_image_folder(
     by ``options.read_workers`` threads, two shards in flight."""
     listing = list_image_folder(source, classes)
     placed = [listing.files[i] for i in _placement(len(listing.files), options.shuffle_seed)]
-    plan = list(cut(placed, lambda f: estimate_member_bytes(f.key, f.field, f.size), shard_bytes))
+    small = int(options.small_sample_bytes)
+    plan = list(cut(placed, lambda f: estimate_sample_bytes(f.key, [(f.field, f.size)], small), shard_bytes))
     total = sum(f.size for f in listing.files)
     bar = tqdm(
         total=total, unit="B", unit_scale=True, desc=f"pack {len(plan)} shards", disable=not progress, mininterval=0.5
@@ -223,7 +224,7 @@ def _pack_image_folder(
         return f.key, [(f.field, data)]
 
     def do_shard(i: int, members: list[SourceFile]):
-        man, reused = shards.write(i, plan_hash(members), lambda: list(pool.map(read_member, members)))
+        man, reused = shards.write(i, plan_hash(members, small), lambda: list(pool.map(read_member, members)))
         if reused:
             bar.update(sum(f.size for f in members))
         return man, reused
@@ -238,7 +239,7 @@ def _pack_image_folder(
         pool.shutdown(cancel_futures=True)
         bar.close()
     info = {f.key: f for f in listing.files}
-    files = [info[r[0]] for r in shards.rows]
+    files = [info[key] for key in shards.rows]
     return [f.label for f in files], [f.class_name for f in files], listing.classes, len(listing.skipped)
 
 
@@ -259,8 +260,9 @@ def _stream_of(kind: str, src: str, source: Origin, options: PackOptions, skippe
     return iter_file_list(fl, order, options.src_storage_options, options.read_workers), len(fl)
 
 
-def _stream_bytes(s: StreamSample) -> int:
-    return sum(estimate_member_bytes(s.key, f, len(d)) for f, d in s.members)
+def _stream_bytes(sample: tuple[str, list], small_sample_bytes: int) -> int:
+    key, members = sample
+    return estimate_sample_bytes(key, [(f, len(d)) for f, d in members], small_sample_bytes)
 
 
 def _pack_stream(
@@ -276,33 +278,30 @@ def _pack_stream(
     """Pack a streamed source (WebDataset, Parquet, a file tree or list): cut into shards as
     samples arrive, by their actual sizes."""
     skipped: list = []
+    small = int(options.small_sample_bytes)
     samples, total = _stream_of(kind, src, source, options, skipped)
     bar = tqdm(total=total, unit=" samples", desc=f"pack {kind}", disable=not progress, mininterval=0.5)
-    raw_labels: list = []
-    seen: dict[str, str] = {}  # key -> where it came from, in stream order
+    raw_labels: list = []  # a duplicate key is found when the index is built (install_index)
 
-    def checked():
+    def checked():  # (key, members): a shard's samples held without their labels and origins
         for s in samples:
-            if s.key in seen:
-                raise ValueError(f"source {src}: duplicate key {s.key!r} in {seen[s.key]} and {s.where}")
-            seen[s.key] = s.where
             raw_labels.append(s.label)
             bar.update(1)
-            yield s
+            yield s.key, s.members
 
-    def do_shard(i: int, batch: list[StreamSample]):
-        return shards.write(i, stream_hash(batch), lambda: [(s.key, s.members) for s in batch])
+    def do_shard(i: int, batch: list[tuple[str, list]]):
+        return shards.write(i, stream_hash(batch, small), lambda: batch)
 
     with ThreadPoolExecutor(1) as writer:  # one shard uploading while the next is read
         pending = None
-        for batch in cut(checked(), _stream_bytes, shard_bytes):
+        for batch in cut(checked(), partial(_stream_bytes, small_sample_bytes=small), shard_bytes):
             if pending is not None:
                 shards.add(*pending.result())
             pending = writer.submit(do_shard, len(shards.table), batch)
         if pending is not None:
             shards.add(*pending.result())
     bar.close()
-    if not shards.rows:
+    if not len(shards.rows):
         raise ValueError(f"source {src}: no samples found ({kind})")
-    labels, cnames, class_list = resolve_labels(raw_labels, classes, list(seen))
+    labels, cnames, class_list = resolve_labels(raw_labels, classes, shards.rows)
     return labels, cnames, class_list, len(skipped)

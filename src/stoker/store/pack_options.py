@@ -9,7 +9,9 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .._units import parse_size
 from .lease import DEFAULT_LEASE_S
+from .shards import DEFAULT_SMALL_SAMPLE_BYTES
 
 __all__ = ["DEPRECATED", "PackOptions", "resolve"]
 
@@ -35,6 +37,10 @@ class PackOptions:
             ``<file stem>/<row>``).
         lease_s: length in seconds of the lease pack holds on ``dst`` while it writes
             (:mod:`stoker.store.lease`; > 0, default 60), renewed every third of it.
+        small_sample_bytes: samples whose fields total fewer bytes than this are grouped, many
+            to one tar member, at a few bytes of overhead each instead of about 1 KiB
+            (:mod:`stoker.store.shards`); an int or a size string (default 4096). 0: every sample
+            is its own tar members (the WebDataset layout); a size above every sample's groups all.
 
     Raises TypeError or ValueError naming the field for a value of the wrong type or range.
     """
@@ -46,6 +52,7 @@ class PackOptions:
     column: str | None = None
     key_column: str | None = None
     lease_s: float = DEFAULT_LEASE_S
+    small_sample_bytes: int | str = DEFAULT_SMALL_SAMPLE_BYTES
 
     def __post_init__(self):
         for name in ("src_storage_options", "dst_storage_options"):
@@ -63,6 +70,9 @@ class PackOptions:
                 raise TypeError(f"PackOptions.{name} must be a column name, got {getattr(self, name)!r}")
         if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, numbers.Real) or not self.lease_s > 0:
             raise ValueError(f"PackOptions.lease_s must be a number of seconds > 0, got {self.lease_s!r}")
+        object.__setattr__(
+            self, "small_sample_bytes", parse_size(self.small_sample_bytes, "PackOptions.small_sample_bytes")
+        )
 
 
 def _is_int(value) -> bool:
@@ -70,9 +80,10 @@ def _is_int(value) -> bool:
 
 
 #: pack's old flat keyword -> the :class:`PackOptions` field it moved to (``src_options`` and
-#: ``dst_options`` are the older names of the per-side storage options).
+#: ``dst_options`` are the older names of the per-side storage options); fields added since the
+#: group was made (``small_sample_bytes``) were never flat keywords.
 DEPRECATED: dict[str, str] = {
-    **{f.name: f.name for f in dataclasses.fields(PackOptions)},
+    **{f.name: f.name for f in dataclasses.fields(PackOptions) if f.name not in ("small_sample_bytes",)},
     "src_options": "src_storage_options",
     "dst_options": "dst_storage_options",
 }

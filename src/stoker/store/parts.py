@@ -21,6 +21,7 @@ from ..storage import Origin
 from .lease import PackLease
 from .pack import PackResult
 from .publish import clear_destination, install_index
+from .rows import Rows
 from .samplecodec import schema_mismatch
 from .sources import resolve_labels
 
@@ -31,7 +32,7 @@ RECORD_NAME = "part.json"
 RECORD_FORMAT = 1
 
 
-def writer_result(url: str, rows: list, table: list[dict], classes: int, version: str, t0: float) -> PackResult:
+def writer_result(url: str, rows: Rows, table: list[dict], classes: int, version: str, t0: float) -> PackResult:
     """The :class:`~stoker.store.pack.PackResult` of a Writer or a merge of its parts: ``rows`` the
     index rows written, ``table`` the shard table, ``t0`` the ``time.perf_counter()`` of its start."""
     return PackResult(
@@ -39,7 +40,7 @@ def writer_result(url: str, rows: list, table: list[dict], classes: int, version
         samples=len(rows),
         classes=classes,
         shards=len(table),
-        payload_bytes=int(sum(m[2] for r in rows for m in r[2])),
+        payload_bytes=rows.payload_bytes,
         shard_bytes=sum(int(s["bytes"]) for s in table),
         reused_shards=0,
         skipped_files=0,
@@ -105,10 +106,10 @@ def _extra_parts(dest: Origin, parts: int) -> list[str]:
     return sorted(n for n in names if n.startswith("part-") and n not in want)
 
 
-def _combine(dest: Origin, records: list[PartRecord]) -> tuple[list, list, list, dict]:
+def _combine(dest: Origin, records: list[PartRecord]) -> tuple[Rows, list, list, dict]:
     """(rows with dataset-wide shard numbers, raw labels, shard table, kinds) of all parts.
     :class:`stoker.SourceError` for a key in two parts or parts with different fields."""
-    rows: list = []
+    rows = Rows()
     labels: list = []
     table: list = []
     kinds: dict[str, str] | None = None
@@ -123,7 +124,7 @@ def _combine(dest: Origin, records: list[PartRecord]) -> tuple[list, list, list,
             if key in seen:
                 raise SourceError(f"{dest.url}: duplicate key {key!r} in parts {seen[key]} and {rec.part}")
             seen[key] = rec.part
-            rows.append((key, len(table) + n, members))
+            rows.append(key, len(table) + n, members)
         labels += rec.labels
         table += rec.shards
     return rows, labels, table, kinds or {}
@@ -156,10 +157,10 @@ def merge_parts(dst: str, parts: int, *, overwrite: bool = False, storage_option
             )
         records = [_read_record(dest, i) for i in range(parts)]
         rows, raw, table, _ = _combine(dest, records)
-        if not rows:
+        if not len(rows):
             raise SourceError(f"{dest.url}: the {parts} parts hold no sample")
         clear_destination(dest, overwrite)
-        labels, class_names, class_list = resolve_labels(raw, None, [r[0] for r in rows])
+        labels, class_names, class_list = resolve_labels(raw, None, rows)
         version = install_index(dest, lease, rows, labels, class_names, class_list, table)
     with contextlib.suppress(Exception):  # leftovers of finished parts do no harm; the index is in
         dest.fs.rm(dest.path(PARTS_DIR), recursive=True)

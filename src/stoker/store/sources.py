@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import posixpath
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -138,7 +139,7 @@ def detect_source(origin, source: str | None = None) -> str:
 
 
 def resolve_labels(
-    raw: list, classes: list[str] | None = None, keys: list[str] | None = None
+    raw: list, classes: list[str] | None = None, keys: Sequence[str] | None = None
 ) -> tuple[list[int], list[str], list[str]]:
     """Turn raw labels (int, str or None per sample) into ``(labels, class_names, classes)``.
 

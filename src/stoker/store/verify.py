@@ -6,12 +6,14 @@ Two levels:
   size (and ETag) the index recorded, so shards rewritten under an unchanged index are reported
   by name before any sample is served.
 - :func:`verify` (full): reads every shard once, sequentially, and checks every
-  sample's bytes against its xxh3-64 checksum; lists each bad sample by key and
-  shard.
+  sample's bytes against its xxh3-64 checksum, and its tar framing: a tar reader finds the
+  sample's member at its offset, or (a small sample, :mod:`.shards`) the group member that holds
+  it; lists each bad sample by key and shard.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import logging
@@ -27,6 +29,7 @@ from tqdm import tqdm
 from ..errors import DatasetChangedError, OriginNotFoundError  # noqa: F401 - re-exported
 from ..storage import Origin, OriginError
 from .index import INDEX_NAME, DatasetIndex, read_index
+from .shards import is_group
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,13 @@ def _tar_members(data: bytes) -> dict:
     return out
 
 
+def _in_group(groups: list[tuple[int, int]], off: int, n: int) -> bool:
+    """Whether bytes ``[off, off + n)`` lie inside one group member of small samples; ``groups``:
+    sorted ``(payload offset, size)`` of the shard's group members (:func:`.shards.is_group`)."""
+    j = bisect.bisect_right(groups, (off, float("inf"))) - 1
+    return j >= 0 and off + n <= groups[j][0] + groups[j][1]
+
+
 def _header_before(data, off: int) -> tuple[str, int] | None:
     """(member name, size) from the 512-byte tar header just before payload offset ``off``, read
     on its own (a reader that resyncs after a damaged header, as GNU tar does, finds it there);
@@ -192,6 +202,7 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
         return [], [{"shard": name, "reason": str(exc)}], 0
     view = memoryview(data)
     headers = _tar_members(data)  # payload offset -> (member name, size), as a tar reader sees it
+    groups = sorted((off, size) for off, (member, size) in headers.items() if is_group(member))
     want = int(index.shards[s]["bytes"])
     if len(data) != want:
         bad_shards.append({"shard": name, "reason": f"{len(data)} bytes, the index says {want}"})
@@ -205,7 +216,8 @@ def _verify_shard(origin: Origin, index: DatasetIndex, s: int, members: np.ndarr
         for field_name, off, n, ck in table:
             what = f" field {field_name!r}" if field_name and len(table) > 1 else ""
             expect = f"{index.key(i)}.{field_name}" if field_name else None
-            seen = headers.get(off)
+            # a small sample lies inside its group member, else its own member starts at ``off``
+            seen = (expect, n) if _in_group(groups, off, n) else headers.get(off)
             if seen is None:  # the sequential scan stopped at an earlier damaged header: look here
                 seen = _header_before(view, off)
                 if seen is not None and expect is not None and len(expect.encode()) > 100:

@@ -25,11 +25,12 @@ from ..storage import Origin
 from .lease import DEFAULT_LEASE_S, PackLease
 from .manifests import ShardWriter, stream_hash, write_shard
 from .pack import DEFAULT_SHARD_BYTES, PackResult
+from .pack_options import PackOptions
 from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record, writer_result
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .samplecodec import encode_sample, schema_mismatch
-from .shards import estimate_member_bytes
-from .sources import StreamSample, resolve_labels
+from .shards import DEFAULT_SMALL_SAMPLE_BYTES, estimate_sample_bytes
+from .sources import resolve_labels
 from .wds import finish_sample
 
 __all__ = ["Writer"]
@@ -63,6 +64,10 @@ class Writer:
         storage_options: fsspec storage options (S3: ``endpoint_url``, ``key``, ``secret``, ...).
         lease_s: length in seconds of the writer's lease on ``dst`` (or on its part), renewed while
             it writes (:mod:`stoker.store.lease`; > 0).
+        small_sample_bytes: samples whose fields total fewer bytes than this (int or size string,
+            default 4096) are grouped, many to one tar member, at a few bytes each
+            (:mod:`stoker.store.shards`); 0 writes every sample as its own members (WebDataset's
+            layout), a size above every sample's groups them all. Readers read both alike.
 
     Atomic: until :meth:`close` (the end of the ``with`` without an exception) returns, ``dst``
     holds no index, so :func:`stoker.open_dataset` opens nothing there. An exception inside the
@@ -85,10 +90,12 @@ class Writer:
         overwrite: bool = False,
         storage_options: dict | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        small_sample_bytes: int | str = DEFAULT_SMALL_SAMPLE_BYTES,
     ):
         self.shard_bytes = parse_size(shard_bytes, "shard_bytes")
         if self.shard_bytes < 1:
             raise ValueError(f"shard_bytes must be positive, got {self.shard_bytes}")
+        self._options = PackOptions(small_sample_bytes=parse_size(small_sample_bytes, "small_sample_bytes"))
         if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
             raise ValueError(f"part must be None or an int >= 0, got {part!r}")
         self.part = part
@@ -107,11 +114,11 @@ class Writer:
         except BaseException:
             self._lease.release()
             raise
-        self._shards = ShardWriter(self.dest, True, self._lease.check)
+        self._shards = ShardWriter(self.dest, True, self._lease.check, self._options)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stoker-writer")
         self._pending: Future | None = None
         self._written: list[str] = []  # shard names, for abort
-        self._batch: list[StreamSample] = []
+        self._batch: list[tuple[str, list]] = []  # (key, [(field, bytes), ...])
         self._batch_bytes = 0
         self._keys: set[str] = set()
         self._labels: list = []
@@ -154,12 +161,13 @@ class Writer:
         elif why := schema_mismatch(kinds, self._kinds):
             raise SourceError(f"{self.url}: sample {key!r} {why}")
         s = finish_sample(key, members, self.url)
-        size = sum(estimate_member_bytes(key, f, len(d)) for f, d in s.members)
+        options = self._options
+        size = estimate_sample_bytes(key, [(f, len(d)) for f, d in s.members], int(options.small_sample_bytes))
         if self._batch and self._batch_bytes + size > self.shard_bytes:
             self._flush()
         self._keys.add(key)
         self._labels.append(s.label)
-        self._batch.append(s)
+        self._batch.append((key, s.members))
         self._batch_bytes += size
 
     def _flush(self) -> None:
@@ -171,9 +179,11 @@ class Writer:
         self._written.append(name)
         self._pending = self._pool.submit(self._write_shard, name, batch)
 
-    def _write_shard(self, name: str, batch: list[StreamSample]) -> dict:
+    def _write_shard(self, name: str, batch: list[tuple[str, list]]) -> dict:
         self._lease.check()
-        return write_shard(self.dest, name, stream_hash(batch), [(s.key, s.members) for s in batch])
+        options = self._options
+        small = int(options.small_sample_bytes)
+        return write_shard(self.dest, name, stream_hash(batch, small), batch, small)
 
     def _collect(self) -> None:
         """Wait for the shard being written and record it (its error, if any, is raised here)."""
@@ -200,12 +210,12 @@ class Writer:
             self._collect()
             rows = self._shards.rows
             if self.part is None:
-                if not rows:
+                if not len(rows):
                     raise SourceError(f"{self.url}: no sample was written; a dataset needs at least one")
-                labels, names, classes = resolve_labels(self._labels, None, [r[0] for r in rows])
+                labels, names, classes = resolve_labels(self._labels, None, rows)
                 version = install_index(self.dest, self._lease, rows, labels, names, classes, self._shards.table)
             else:
-                record = PartRecord(self.part, self._shards.table, [list(r) for r in rows], self._labels)
+                record = PartRecord(self.part, self._shards.table, list(rows.as_lists()), self._labels)
                 record.kinds = self._kinds or {}
                 self._lease.check()
                 write_record(part_origin(self.dest, self.part), record)

@@ -41,10 +41,32 @@ def counters(ds, derived=None) -> dict:
 
 def fresh_copy(obj):
     """A copy through pickling: drops storage clients, event loops and counters that a
-    forked child inherited from its parent (each class's __getstate__ says what)."""
+    forked child inherited from its parent (each class's __getstate__ says what). numpy and
+    Arrow arrays are kept, not copied (pickle's persistent ids): a forked worker reads the
+    index's arrays in the parent's pages, which nothing writes, so they stay shared
+    (copy-on-write) instead of a private copy of the index in every worker."""
+    import io
     import pickle
 
-    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    import pyarrow as pa
+
+    kept: list = []
+
+    class _Keeper(pickle.Pickler):
+        def persistent_id(self, o):  # noqa: ANN001 - pickle's hook
+            if isinstance(o, (np.ndarray, pa.Array, pa.ChunkedArray)):
+                kept.append(o)
+                return len(kept) - 1
+            return None
+
+    class _Loader(pickle.Unpickler):
+        def persistent_load(self, pid):  # noqa: ANN001 - pickle's hook
+            return kept[pid]
+
+    buf = io.BytesIO()
+    _Keeper(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    buf.seek(0)
+    return _Loader(buf).load()
 
 
 #: The most payload bytes a built-in decoder reads ahead in one part of a batch (its scratch
