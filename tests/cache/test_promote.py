@@ -14,13 +14,18 @@ BLOCK = 128 << 10
 
 
 def _block_files(root):
-    """{block name: bytes} of every committed block under a cache tier's root."""
+    """{block name: bytes} of every committed block under a cache tier's root (a block evicted
+    while it is listed, by a worker reading ahead under ``lru``, is left out)."""
     out = {}
     for entry in os.scandir(root):
         if entry.is_dir() and entry.name.startswith("stoker-ns-"):
             for f in os.scandir(entry.path):
                 if not f.name.startswith("."):
-                    out[f.name] = open(f.path, "rb").read()
+                    try:
+                        with open(f.path, "rb") as fh:
+                            out[f.name] = fh.read()
+                    except FileNotFoundError:
+                        continue
     return out
 
 

@@ -136,6 +136,9 @@ loader = stoker.Loader(ds, batch_size=8, num_workers=1, seed=5, rank=trainer.glo
                        world_size=trainer.world_size, decode=sample_id)
 trainer.fit(Model(), train_dataloaders=loader, ckpt_path=None if resume == "-" else resume)
 print(f"rank {trainer.global_rank} done", flush=True)
+loader.close()
+if torch.distributed.is_initialized():  # Lightning leaves its gloo group up; its threads at exit can abort
+    torch.distributed.destroy_process_group()
 """
 
 

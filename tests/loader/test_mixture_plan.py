@@ -70,16 +70,20 @@ def test_the_plan_is_a_pure_function_of_seed_and_epoch_and_chunks_cover_each_sou
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 60), min_size=1, max_size=6), st.integers(0, 1000), st.integers(0, 20))
-def test_every_prefix_of_the_interleaving_keeps_each_sources_weight_within_two_chunks(chunks, seed, epoch):
+def test_every_prefix_of_the_interleaving_keeps_each_sources_weight_within_its_bound(chunks, seed, epoch):
+    """Within ``1 + S * w`` chunks (mixture.py's docstring; ``S`` sources with chunks, ``w`` the
+    source's weight). Hypothesis found ``[1, 0, 1, 1, 13]`` 2.06 chunks off: three small sources
+    whose phases all fall early delay the large one by up to one chunk each."""
     src = interleave(chunks, seed, epoch)
     assert np.array_equal(np.bincount(src, minlength=len(chunks)), chunks)
     total = sum(chunks)
     if not total:
         return
+    sources = sum(1 for c in chunks if c)
     for s, c in enumerate(chunks):
         seen = np.cumsum(src == s)
         ideal = np.arange(1, total + 1) * c / total
-        assert np.abs(seen - ideal).max() <= 2.0
+        assert np.abs(seen - ideal).max() <= 1 + sources * c / total + 1e-9
 
 
 @settings(max_examples=60, deadline=None)

@@ -292,9 +292,9 @@ def _warn_cut_epoch(loader) -> None:
     Ctrl-C). Intended by a loop that breaks on purpose (fewer batches per epoch); a checkpoint
     meant to resume where training stopped is saved inside the loop."""
     cut, st = loader.state.cut, loader.state
-    if cut is None or st.position != (cut[0] + 1, 0) or getattr(loader, "_warned_cut", False):
+    if cut is None or st.position != (cut[0] + 1, 0) or st.cut_said:
         return
-    loader._warned_cut = True
+    st.cut_said = True
     warnings.warn(
         f"epoch {cut[0]} ended early, after {cut[1]} of its {cut[2]} batches (a break, a caught Ctrl-C or an "
         f"error ended its iteration): this state starts epoch {cut[0] + 1} at batch 0, and a resume from it "
@@ -393,11 +393,17 @@ class Loader:
     #: not there: raises NotADataLoaderError (:func:`stoker.loader.adapters.batch_sampler_of`)
     batch_sampler = property(batch_sampler_of, doc=batch_sampler_of.__doc__)
 
-    def __new__(cls, dataset=None, *args, **kwargs):
-        """A Loader; over a :class:`stoker.loader.mixture.Mixture` (:func:`stoker.mix`), a
-        :class:`stoker.loader.mixed.MixLoader` with the same arguments, one Loader of ``cls`` per source."""
+    def __new__(cls, *args, **kwargs):
+        """A Loader, or a :class:`stoker.loader.mixed.MixLoader` over a mixture.
+
+        Over a :class:`stoker.loader.mixture.Mixture` (:func:`stoker.mix`), a MixLoader with the
+        same arguments, one Loader of ``cls`` per source. The dataset is the first argument or
+        ``dataset=``; a subclass whose first argument is something else (the context of
+        :class:`stoker.cluster.jobs.job.ClusterLoader`) makes a Loader."""
+        dataset = args[0] if args else kwargs.get("dataset")
         if isinstance(dataset, Mixture):
-            return MixLoader(cls, dataset, *args, **kwargs)
+            rest = {k: v for k, v in kwargs.items() if k != "dataset"}
+            return MixLoader(cls, dataset, *args[1:], **rest)
         return super().__new__(cls)
 
     def __init__(

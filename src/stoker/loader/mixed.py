@@ -115,13 +115,17 @@ class MixLoader:
         ref = weakref.ref(self)
         for s, child in enumerate(self.loaders):
             child.feed = functools.partial(_feed, ref, s)
-        self.batch_size = int(batch_size)
         self.state = LoaderState(epoch=self.loaders[0].epoch, position=(self.loaders[0].epoch, 0))
         self.stats: EpochStats | None = None
         self.history: list[EpochStats] = []
         self._plans: dict[int, MixEpoch] = {}
         self._from = (-1, 0)  # (epoch, chunk) the rank's current epoch started at
         self._warn_short(batch_size)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch: the source Loaders' (stored once, in their ``cfg``)."""
+        return self.loaders[0].batch_size
 
     def _warn_short(self, batch_size: int) -> None:
         m = self.mixture

@@ -19,9 +19,11 @@ one source; a :class:`stoker.Loader` over a mixture serves the chunks as its bat
   scheduling (the k-th chunk of a source with c chunks sits at ``(k + u) / c`` of the epoch,
   ``u`` uniform in [0, 1) seeded by (seed, epoch, source): Waldspurger and Weihl's stride
   scheduling, 1995, with a random phase), so every prefix of the epoch holds each source's
-  weight within about one chunk. Each source's samples come from that source's own permutation
-  (:func:`stoker.order.permutation` of its size, the loader's order, a seed of its own from
-  (seed, source, pass)): within its share each sample exactly once.
+  weight within ``1 + S * w`` chunks (``S`` sources, ``w`` its weight: each source is within one
+  chunk of its own schedule, and the prefix's length within ``S`` of the schedule's time). Each
+  source's samples come from that source's own permutation (:func:`stoker.order.permutation` of
+  its size, the loader's order, a seed of its own from (seed, source, pass)): within its share
+  each sample exactly once.
 - The plan is the same on every rank: ranks split the chunks (:mod:`stoker.loader.mixed`).
 """
 
@@ -174,14 +176,14 @@ class MixEpoch:
     """The plan of one mixture epoch (:func:`mix_epoch`).
 
     Attributes:
-        batch_size: samples per chunk.
+        chunk_size: samples per chunk (the Loader's batch size).
         source: the source of each chunk, int64 ``(M,)``.
         start: each chunk's first position in its source's ``ids``, int64 ``(M,)``.
         ids: per source, its sample positions in serving order (int64, ``chunks[s] * batch_size``).
         short: ``(source, samples wanted, samples it has)`` of the sources cut short (``"take"``).
     """
 
-    batch_size: int
+    chunk_size: int
     source: np.ndarray
     start: np.ndarray
     ids: tuple[np.ndarray, ...]
@@ -190,7 +192,7 @@ class MixEpoch:
     def chunk(self, j: int) -> tuple[int, np.ndarray]:
         """``(source, sample positions)`` of chunk ``j``."""
         s, a = int(self.source[j]), int(self.start[j])
-        return s, self.ids[s][a : a + self.batch_size]
+        return s, self.ids[s][a : a + self.chunk_size]
 
     def counts(self) -> np.ndarray:
         """Samples of each source in the epoch, int64 ``(S,)``."""

@@ -103,6 +103,7 @@ class LoaderState:
     loaded: bool = False
     carry_before: np.ndarray | None = None
     cut: tuple[int, int, int] | None = None
+    cut_said: bool = False  # the Loader has warned of a state taken after a cut epoch (once)
 
     def iterating(self) -> bool:
         """Whether an ``iter()``'s epoch has begun (a batch asked for) and its iteration has not
