@@ -131,8 +131,9 @@ def test_bad_keys_values_and_duplicates_are_refused_naming_the_key(tmp_path):
         with pytest.raises(SourceError, match="'x.y'"):
             w.write({"__key__": "x.y", "bin": b"2"})
         for bad in (None, True, (1, 2), np.array([object()], dtype=object)):
-            with pytest.raises(TypeError, match="sample 'b' field 'bin'"):
+            with pytest.raises(TypeError, match="sample 'b' field 'bin'") as e:
                 w.write({"__key__": "b", "bin": bad})
+            assert str(e.value).startswith(w.url), e.value  # names the dataset too
         with pytest.raises(TypeError, match="not JSON"):
             w.write({"__key__": "b", "bin": {"x": object()}})
     assert len(open_dataset(str(tmp_path / "ds"), cache=False)) == 1

@@ -677,6 +677,12 @@ class Loader:
         the message names them). ``strict=False`` resumes such a state with a ``RuntimeWarning``
         naming what it lacks. Nothing is changed then.
         """
+        if isinstance(state, dict) and isinstance(state.get("mixture"), dict):  # a MixLoader's (loader/mixed.py)
+            names = [src.get("name") for src in state["mixture"].get("sources", [])]
+            raise ValueError(
+                f"cannot resume: this state was saved by a loader over a mixture of {names} (it has 'mixture'); "
+                "this Loader reads one dataset. Resume it with a Loader over the same stoker.mix(...)"
+            )
         if self.state.iterating() and self._started.run is not None:
             # the resume takes that epoch's place: its iterator would otherwise go on serving its own
             # epoch, and the loaded position after it (samples twice)

@@ -153,7 +153,10 @@ class Writer:
         """
         if self._state != "open":
             raise ValueError(f"Writer({self.url!r}) is {self._state}: it takes no more samples")
-        key, members, kinds = encode_sample(sample)
+        try:
+            key, members, kinds = encode_sample(sample)
+        except TypeError as exc:
+            raise TypeError(f"{self.url}: {exc}") from None
         if key in self._keys:
             raise SourceError(f"{self.url}: duplicate key {key!r}: every sample needs its own key")
         if self._kinds is None:
