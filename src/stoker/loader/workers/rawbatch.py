@@ -93,15 +93,16 @@ class RawBatchReader:
         from .batches import pack_reply
 
         sids = np.asarray(ids, dtype=np.int64)
-        specs, nbytes = self._layout(sids)
+        layout = self._layout(sids)
+        specs, nbytes = layout[0], layout[1]
         if self._on_raw is not None:
-            raw = self._read(sids, specs, self._scratch(nbytes), current)
+            raw = self._read(sids, layout, self._scratch(nbytes), current)
             return len(sids), pack_reply(writer, path, self._call(raw, sids, current))
         mm = writer.reserve(path, nbytes)
         if mm is None:
             samples = [self.ds.read_fields(int(s), meta=True) for s in sids]
             return len(sids), pack_reply(writer, None, raw_bytes(samples))
-        self._read(sids, specs, mm, current, tensors=False)
+        self._read(sids, layout, mm, current, tensors=False)
         return len(sids), ("shm", self._tree, specs, len(mm), self._rest)
 
     def run_here(self, epoch: int, ids, current=None) -> tuple:
@@ -110,13 +111,14 @@ class RawBatchReader:
         [])``. Each batch gets a buffer of its own (a kept batch is never overwritten); ``epoch``
         is not used (raw reads draw nothing). Raises as :meth:`run`."""
         sids = np.asarray(ids, dtype=np.int64)
-        specs, nbytes = self._layout(sids)
-        raw = self._read(sids, specs, bytearray(nbytes), current)
+        layout = self._layout(sids)
+        raw = self._read(sids, layout, bytearray(layout[1]), current)
         return len(sids), [], [], raw if self._on_raw is None else self._call(raw, sids, current), []
 
-    def _layout(self, sids: np.ndarray) -> tuple[list[tuple], int]:
-        """The batch's arrays (dtype, shape, byte offset) in its buffer, data first, then offsets,
-        ids and labels at aligned offsets; and the buffer's size in bytes."""
+    def _layout(self, sids: np.ndarray) -> tuple[list[tuple], int, np.ndarray, np.ndarray]:
+        """``(specs, size, lengths, offsets)``: the batch's arrays (dtype, shape, byte offset) in
+        its buffer, data first, then offsets, ids and labels at aligned offsets; the buffer's size
+        in bytes; the samples' payload lengths (int64 (N,)) and offsets (int64 (N + 1,))."""
         n = len(sids)
         lengths = self.ds.index.length[sids].astype(np.int64)
         offsets, shape = raw_layout(lengths)
@@ -129,22 +131,23 @@ class RawBatchReader:
             (_I8.str, (n,), at2),
             (_I8.str, (n,), at3),
         ]
-        return specs, at3 + n * 8
+        return specs, at3 + n * 8, lengths, offsets
 
-    def _read(self, sids: np.ndarray, specs: list[tuple], mm, current, tensors: bool = True):
-        """Write the batch's offsets, ids and labels into ``mm`` where ``specs`` put them and read
-        its samples' payloads into ``mm[0:]`` (:func:`stoker.loader.workers.batchread.read_batch`);
-        the :class:`~stoker.collate.RawBatch` of torch tensors over ``mm`` when ``tensors``."""
+    def _read(self, sids: np.ndarray, layout: tuple, mm, current, tensors: bool = True):
+        """Write the batch's offsets, ids and labels into ``mm`` where ``layout`` (:meth:`_layout`)
+        puts them and read its samples' payloads into ``mm[0:]``
+        (:func:`stoker.loader.workers.batchread.read_batch`); the :class:`~stoker.collate.RawBatch`
+        of torch tensors over ``mm`` when ``tensors``."""
         buf = np.frombuffer(mm, dtype=np.uint8)
+        specs, _, lengths, at = layout
         data, offsets, ids, labels = (_view(buf, dt, sh, o) for dt, sh, o in specs)
-        offsets[0] = 0
-        np.cumsum(self.ds.index.length[sids], out=offsets[1:])
+        offsets[:] = at
         ids[:] = sids
         labels[:] = self.ds.index.labels[sids]
         labels[labels < 0] = -1
         view = memoryview(mm)
         try:
-            read_batch(self.ds, sids, np.diff(offsets), offsets, view, current)
+            read_batch(self.ds, sids, lengths, at, view, current)
         finally:
             view.release()
         if not tensors:
