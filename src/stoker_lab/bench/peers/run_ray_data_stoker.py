@@ -46,18 +46,12 @@ def convert(src, out, cfg):
 def augment(batch):
     """Ray map_batches UDF: ``{"bytes", "label", ...}`` numpy columns -> ``{"image": uint8 (N, 3,
     224, 224), "label": int64 (N,)}`` (Pillow decode, RandomResizedCrop(224) + flip)."""
-    import io
-
     import numpy as np
-    from PIL import Image
 
-    from stoker_lab.reference import pillow_train_transform
+    from stoker_lab.reference import pillow_decode_transform
 
     rng = np.random.default_rng()
-    images = []
-    for data in batch["bytes"]:
-        with Image.open(io.BytesIO(data)) as im:
-            images.append(pillow_train_transform(im.convert("RGB"), rng, 224))
+    images = [pillow_decode_transform(data, "train", rng, 224) for data in batch["bytes"]]
     return {"image": np.stack(images), "label": np.asarray(batch["label"], dtype=np.int64)}
 
 
