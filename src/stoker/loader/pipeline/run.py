@@ -285,12 +285,14 @@ class Run:
         if self.dispatch is not None:
             self.dispatch.pre = None
 
-    def end_live(self, by: str) -> None:
+    def end_live(self, by: str | None = None, epoch: int | None = None) -> None:
         """End the epoch being iterated, if one is (its stats final, its slots free): its next
-        ``next()`` raises :class:`~stoker.errors.StaleIteratorError` naming ``by``, what ended it."""
+        ``next()`` raises :class:`~stoker.errors.StaleIteratorError` naming ``by``, what ended it
+        (None: a later ``iter()``, which starts ``epoch``;
+        :meth:`stoker.loader.iterator.EpochIterator.replace`)."""
         old = self._live_iter() if self._live_iter is not None else None
         if old is not None and old.running:
-            old.replace(old.epoch, by)
+            old.replace(old.epoch if epoch is None else epoch, by)
 
     def epoch(self, epoch: int, start: int = 0, start_s: float = 0.0, owner=None) -> EpochIterator:
         """The batches of ``epoch`` from batch ``start`` on (see :class:`stoker.loader.Loader` for
@@ -299,9 +301,7 @@ class Run:
         and refuses its next ``next()`` (one epoch at a time). ``stats.first_batch_s`` counts from
         this call; ``start_s``: seconds the loader's ``iter()`` spent starting this pipeline
         (``stats.pipeline_start_s``)."""
-        old = self._live_iter() if self._live_iter is not None else None
-        if old is not None and old.running:
-            old.replace(epoch)
+        self.end_live(epoch=epoch)
         it = EpochIterator(self._epoch(self._new_run(), epoch, start, time.perf_counter()), epoch, owner)
         self._start_s = start_s
         self._live_iter = weakref.ref(it)
