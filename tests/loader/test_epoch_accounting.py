@@ -40,3 +40,41 @@ def test_warm_epochs_show_no_origin_bytes_and_the_cold_epoch_shows_them_all(tiny
         assert 0.0 <= st.origin_busy_fraction <= 1.0
         assert st.overlap_efficiency >= 0.0
     assert cold.inflight_target >= loader.read.fetch_concurrency
+
+
+def _slow_decode(fields, rng):
+    """A user decode that burns CPU (a few ms per sample), so its share of the workers' CPU shows."""
+    import numpy as np
+
+    x = np.frombuffer(fields["jpg"] if "jpg" in fields else next(iter(fields.values())), np.uint8)
+    acc = 0
+    for _ in range(20):
+        acc += int(np.sort(np.concatenate([x] * 4)).sum())
+    return np.array([acc])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("user", [False, True], ids=["built-in", "user-decode"])
+def test_decode_cpu_is_the_cpu_inside_the_decode(tiny_packed, tmp_path, workers, user):
+    """``decode_cpu_s``: CPU inside the decode, counted in the processes that decode, never more than
+    they used; a decode that costs milliseconds is most of the workers' CPU; a loader without
+    decode counts none."""
+    ds = open_dataset(tiny_packed, cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30)
+    kw = {"decode": _slow_decode} if user else {}
+    with Loader(ds, 8, num_workers=workers, seed=1, **kw) as loader:
+        for _ in range(2):
+            for _ in loader:
+                pass
+    for st in loader.history:
+        assert st.decode_cpu_s > 0, st
+        spent = st.cpu_s.get("workers" if workers else "main")
+        if spent is not None:  # Linux: the decode's CPU is part of what its processes used
+            assert st.decode_cpu_s <= spent + 0.05, (st.decode_cpu_s, st.cpu_s)
+            if user:  # milliseconds per sample of decode: most of the workers' CPU
+                assert st.decode_cpu_s >= 0.5 * spent, (st.decode_cpu_s, st.cpu_s)
+    from stoker.collate import raw_bytes
+
+    with Loader(ds, 8, num_workers=workers, seed=1, collate=raw_bytes) as raw:
+        for _ in raw:
+            pass
+    assert raw.history[0].decode_cpu_s == 0

@@ -58,7 +58,9 @@ class EpochStats:
     with fewer samples than a batch, more ranks than samples with ``even="drop"``; "" otherwise).
     ``cpu_s``: CPU seconds used in the epoch by the training process (``main``), the decode ``workers`` and the
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
-    counted). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
+    counted). ``decode_cpu_s``: CPU seconds inside the decode (the built-in decode + transform, or the
+    user's per-sample ``decode=``), summed over the processes that decode (``time.thread_time``
+    around each sample's decode). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
     crash) and were replaced, within the bounds of :mod:`stoker.loader.workers.pool` and
     :mod:`stoker.loader.prefetch.prefetcher`.
 
@@ -114,6 +116,7 @@ class EpochStats:
     exactly_once: bool = False
     empty_reason: str = ""  # why the epoch delivered no sample of a dataset that has some ("" otherwise)
     cpu_s: dict = field(default_factory=dict)  # CPU seconds this epoch: main, workers, prefetch
+    decode_cpu_s: float = 0.0  # CPU seconds inside the decode (built-in or the user's per-sample decode=)
     order_displacement: float = 0.0  # mean move (positions) of the cache-aware order
     derived_hits: int = 0  # samples decoded from their derived form (cache_form)
     derived_fills: int = 0  # derived entries written this epoch
@@ -232,6 +235,7 @@ def fill_from_counters(
     stats.corrupt_blocks = d.get("cache_corrupt", 0)
     stats.derived_hits, stats.derived_fills = d.get("derived_hits", 0), d.get("derived_fills", 0)
     stats.derived_same = d.get("derived_same", 0)
+    stats.decode_cpu_s = d.get("decode_cpu_us", 0) / 1e6
     reads = stats.cache_hits + stats.cache_misses
     stats.cache_hit_ratio = stats.cache_hits / reads if reads else 0.0
     stats.stall_fraction = wait_s / stats.seconds if stats.seconds else 0.0

@@ -253,6 +253,7 @@ def run_demo(cfg: DemoConfig) -> dict:
                             st.exactly_once,
                             origin_requests=st.origin_requests,
                             cpu_s=cpu,
+                            decode_cpu_s=st.decode_cpu_s,
                             **loader_figures(st),
                         )
                     )

@@ -33,7 +33,11 @@ def check_done(report: dict) -> dict:
     so neither one slow or fast moment of a shared machine nor the share of a core the calibration
     got moves the checks against it. A timing check that misses while the workers got under 90%
     of their cores says so in its ``note``; ``warm_worker_cpu_vs_decode`` (samples per worker
-    CPU-second against the bare decode's) holds whatever the machine's load.
+    CPU-second against the bare decode's, timed apart in one process) holds whatever the machine's
+    load, but not what two busy cores cost each CPU-second; ``warm_worker_cpu_in_decode`` (the
+    workers' CPU inside the decode, ``EpochStats.decode_cpu_s``, over their whole CPU, summed over
+    the warm epochs) compares the workers with their own decode, in the same processes at
+    the same moment: what stoker adds around the decode, whatever the cores cost.
 
     Returns {name: {"value": float|bool, "target": str, "ok": bool}}.
     """
@@ -63,6 +67,16 @@ def check_done(report: dict) -> dict:
             "value": per_cpu / lim["decode_per_core"],
             "target": ">= 0.7 (samples per worker CPU-second / the bare decode's, per CPU-second)",
             "ok": per_cpu >= 0.7 * lim["decode_per_core"],
+        }
+    spent = sum(r.get("cpu_s", {}).get("workers", 0.0) for r in warm)
+    if warm and spent > 0 and all("decode_cpu_s" in r for r in warm):
+        # summed over the warm epochs: work done ahead for the next epoch moves between neighbours
+        share = sum(r["decode_cpu_s"] for r in warm) / spent
+        out["warm_worker_cpu_in_decode"] = {
+            "value": share,
+            "target": ">= 0.95 (the workers' CPU inside decode + transform over their whole CPU, "
+            "same processes, warm epochs together)",
+            "ok": share >= 0.95,
         }
     if warm:
         ob = max(r["origin_bytes"] for r in warm)

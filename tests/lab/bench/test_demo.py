@@ -189,3 +189,19 @@ def test_a_missed_target_never_prints_as_the_target(capsys):
     assert check_value_text(0.6996, ">= 0.7 x min(decode_bound, storage_bound)") == "0.6996"
     assert check_value_text(0.5, ">= 0.7") == "0.50" and check_value_text(3, ">= 3") == "3"
     assert check_value_text(True, "True") == "True" and check_value_text(1.234, "true for all") == "1.23"
+
+
+def test_the_in_decode_check_compares_the_workers_with_their_own_decode():
+    """``warm_worker_cpu_in_decode``: the warm epochs' decode CPU over the workers' CPU, summed, against
+    0.95; absent when the runs carry no decode CPU."""
+    report = _report([1000.0] * 3, warm=1700.0)
+    assert "warm_worker_cpu_in_decode" not in check_done(report)
+    stoker_runs = [r for r in report["runs"] if r["loader"] == "stoker"]
+    for r, spent in zip(stoker_runs, (0.5, 3.8, 3.9), strict=True):
+        r["decode_cpu_s"] = spent
+    c = check_done(report)["warm_worker_cpu_in_decode"]
+    workers = stoker_runs[1]["cpu_s"]["workers"]
+    assert c["ok"] and abs(c["value"] - 7.7 / (2 * workers)) < 1e-9, (c, workers)
+    stoker_runs[2]["decode_cpu_s"] = 0.8 * workers
+    c = check_done(report)["warm_worker_cpu_in_decode"]
+    assert not c["ok"] and abs(c["value"] - (3.8 + 0.8 * workers) / (2 * workers)) < 1e-9

@@ -342,7 +342,7 @@ class Run:
         sources = (
             list(self.dispatch.worker_counters.values())
             if self.dispatch is not None
-            else [counters(self.dataset, self.cfg.derived)]
+            else [counters(self.dataset, self.cfg.derived, self._decoder)]
         )
         for c in sources:
             for k, v in c.items():

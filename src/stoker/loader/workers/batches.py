@@ -35,6 +35,7 @@ import logging
 import mmap
 import os
 import pickle
+from time import thread_time_ns
 
 import numpy as np
 
@@ -238,6 +239,8 @@ class GenericDecoder:
         self.ds, self.cfg = ds, cfg
         self.decode = cfg.decode
         self.collate = cfg.collate if cfg.collate is not None else default
+        #: CPU nanoseconds of this thread inside the user's ``decode``, so far
+        self.decode_cpu_ns = 0
 
     def sample(self, sid: int, rng, pad: bool = False):
         """Sample ``sid``: its fields (:meth:`~stoker.store.dataset.Dataset.read_fields` with
@@ -257,6 +260,7 @@ class GenericDecoder:
         if self.decode is None:
             return fields
         key = self.ds.key(sid)
+        t0 = thread_time_ns()
         try:
             sample = self.decode(fields, rng)
         except SampleFnError:
@@ -265,6 +269,8 @@ class GenericDecoder:
             raise SampleFnError(
                 key, f"decode function {fn_name(self.decode)} failed on sample {key!r}: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            self.decode_cpu_ns += thread_time_ns() - t0
         if sample is None:
             raise SampleFnError(
                 key,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from time import thread_time_ns
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,14 +29,18 @@ if TYPE_CHECKING:
     from .rawbatch import RawBatchReader
 
 
-def counters(ds, derived=None) -> dict:
-    """The process's origin/cache/read (and derived-cache) counters as one flat dict of ints."""
+def counters(ds, derived=None, decoder=None) -> dict:
+    """The process's origin/cache/read (and derived-cache) counters as one flat dict of ints, with
+    ``decode_cpu_us`` (the CPU microseconds inside the decode so far) of ``decoder`` where it keeps
+    one (:class:`BatchDecoder`, :class:`stoker.loader.workers.batches.GenericDecoder`)."""
     out = {f"origin_{k}": v for k, v in ds.origin.counters.snapshot().items()}
     if ds.cache is not None:
         out.update({f"cache_{k}": v for k, v in ds.cache.stats.snapshot().items()})
     out.update({f"read_{k}": v for k, v in ds.read_stats.snapshot().items()})
     if derived is not None:
         out.update(derived.counters())
+    if (ns := getattr(decoder, "decode_cpu_ns", None)) is not None:
+        out["decode_cpu_us"] = ns // 1000
     return out
 
 
@@ -98,6 +103,8 @@ class BatchDecoder:
         self._decode_transform = decode_transform
         self.derived = cfg.derived  # a DerivedCache (see stoker.loader.derived) or None
         self._scratch = np.empty(0, np.uint8)  # a batch's payloads (payloads()), reused batch to batch
+        #: CPU nanoseconds of this thread inside decode+transform (``decode_sample``), so far
+        self.decode_cpu_ns = 0
 
     def payloads(self, ids: np.ndarray, current=None) -> list[memoryview]:
         """The verified payloads of the samples ``ids`` (int (N,)), in order, as views of this
@@ -187,6 +194,7 @@ class BatchDecoder:
             if current is not None:
                 current.value = sid
             key = ds.key(sid)
+            t0 = thread_time_ns()
             try:
                 self.decode_sample(
                     sid,
@@ -203,6 +211,8 @@ class BatchDecoder:
                 skipped.append(sid)  # logged when (if) its batch is delivered (epoch_stats.account)
                 skipped_keys.append((key, str(exc)))
                 continue
+            finally:
+                self.decode_cpu_ns += thread_time_ns() - t0
             labels[j] = ds.index.labels[sid]
             j += 1
         padded: list = []
@@ -335,7 +345,7 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
         try:
             results.put(_decode_task(wid, task, dec, writer, derived, cfg, maps, current))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
-            results.put(_error_reply(wid, task, exc, ds, derived, int(current.value)))
+            results.put(_error_reply(wid, task, exc, dec, derived, int(current.value)))
         finally:
             current.value = -1
     if writer is not None:
@@ -363,7 +373,7 @@ def _decode_task(wid: int, task: tuple, dec, writer, derived, cfg: WorkerConfig,
     if writer is not None:
         assert isinstance(dec, GenericDecoder)  # the writer comes with it (cfg.generic)
         n, skipped, skipped_keys, batch, padded = dec.run(epoch, ids, current, whole)
-        counts, payloads, packed = counters(dec.ds), None, pack_reply(writer, path, batch)
+        counts, payloads, packed = counters(dec.ds, None, dec), None, pack_reply(writer, path, batch)
     else:
         if path not in maps:
             maps[path] = map_slot(path, cfg.batch_size, cfg.image_size)
@@ -372,16 +382,18 @@ def _decode_task(wid: int, task: tuple, dec, writer, derived, cfg: WorkerConfig,
         n, skipped, skipped_keys, payloads, padded = dec.run(
             epoch, ids, images[offset:], labels[offset:], current, whole
         )
-        counts, packed = counters(dec.ds, derived), None
+        counts, packed = counters(dec.ds, derived, dec), None
     # the one reply of a done task: built-in decode sends payloads, a user decode its packed batch
     return ("ok", wid, run, seq, slot, n, skipped, skipped_keys, counts, payloads, packed, padded, offset)
 
 
-def _error_reply(wid: int, task: tuple, exc: BaseException, ds, derived, sid: int) -> tuple:
-    """The ``"error"`` reply of a task that raised ``exc`` on sample ``sid`` (the ``current`` cell)."""
+def _error_reply(wid: int, task: tuple, exc: BaseException, dec, derived, sid: int) -> tuple:
+    """The ``"error"`` reply of a task that raised ``exc`` on sample ``sid`` (the ``current`` cell)
+    in the worker's decoder ``dec``."""
+    ds = dec.ds
     run, seq, _, slot = task[:4]
     key = getattr(exc, "key", None)  # the sample at fault (a corrupt one sharing the block)
     if key is None:
         key = ds.key(sid) if 0 <= sid < len(ds) else None
     err, tb = f"{type(exc).__name__}: {exc}", traceback.format_exc()
-    return ("error", wid, run, seq, slot, key, err, tb, counters(ds, derived), _cause(exc), task[6])
+    return ("error", wid, run, seq, slot, key, err, tb, counters(ds, derived, dec), _cause(exc), task[6])
