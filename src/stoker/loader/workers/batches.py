@@ -32,6 +32,7 @@ import contextlib
 import copy
 import errno
 import logging
+import math
 import mmap
 import os
 import pickle
@@ -148,7 +149,7 @@ def rebuild(tree, specs, buf: np.ndarray, rest=()):
         if kind in ("np", "pt"):
             dt, shape, off = specs[node[1]]
             dt = np.dtype(dt)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            n = math.prod(shape) * dt.itemsize  # Python ints: numpy's prod costs ~5 us a call
             arr = buf[off : off + n].view(dt).reshape(shape) if n else np.empty(shape, dt)
             if kind == "pt":
                 import torch
@@ -436,9 +437,7 @@ def receive(ring, slot: int | None, reply, stats, hold: bool = True):
     if not hold:
         return rebuild(tree, specs, buf, rest)
     if ring.limited:  # too few slots: copy out, the slot is free again at once
-        used = max(
-            (off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for dt, shape, off in specs), default=0
-        )
+        used = max((off + math.prod(shape) * np.dtype(dt).itemsize for dt, shape, off in specs), default=0)
         buf = buf[:used].copy()
         ring.release(slot)
         return rebuild(tree, specs, buf, rest)

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import pickle
 import queue
+import select
 import time
 from collections import deque
-from multiprocessing.connection import wait as mp_wait
 
 from ...errors import WorkerError, WorkerStartError
 from ..shm import SharedCell
@@ -41,6 +42,33 @@ __all__ = ["MAX_WORKER_RESTARTS", "WorkerPool"]
 #: Replacements of one worker slot per epoch before its death ends the epoch in WorkerError
 #: (a sample that crashes the decoder every time would otherwise be retried for ever).
 MAX_WORKER_RESTARTS = 3
+
+
+class _Watch:
+    """:func:`multiprocessing.connection.wait` over the same handles call after call, with one
+    ``select.poll`` registered once per set of handles (``wait`` makes and fills a selector per
+    call: about 30 us, per batch). Handles: ints (descriptors, process sentinels) or objects
+    with ``fileno()`` (a Connection); any event (data, hang-up, error) makes a handle ready, as
+    for ``wait``."""
+
+    def __init__(self):
+        self._key: tuple = ()
+        self._poll = select.poll()
+        self._by_fd: dict[int, object] = {}
+
+    def wait(self, handles: list, timeout_s: float) -> list:
+        """The handles of ``handles`` that are ready within ``timeout_s`` seconds, in their order."""
+        key = tuple(handles)
+        if key != self._key:
+            self._poll = select.poll()
+            self._by_fd = {}
+            for h in handles:
+                fd = h if isinstance(h, int) else h.fileno()
+                self._poll.register(fd, select.POLLIN)
+                self._by_fd[fd] = h
+            self._key = key
+        got = {fd for fd, _ in self._poll.poll(math.ceil(timeout_s * 1000) if timeout_s > 0 else 0)}
+        return [h for fd, h in self._by_fd.items() if fd in got]
 
 
 def _readable(q):
@@ -78,6 +106,7 @@ class WorkerPool:
         self._wids: list[int] = []
         self._assigned: list[dict] = []
         self._replies: deque = deque()  # replies received, not yet taken
+        self._watch = _Watch()
         self._next_wid = 0  # worker ids: 0..num_workers-1, then one new id per replacement
         self._restarts = [0] * num_workers  # replacements per slot, this epoch
         self.restarted_at = 0.0  #: ``time.monotonic()`` of the last replacement (0: none)
@@ -143,24 +172,24 @@ class WorkerPool:
         sentinels = {p.sentinel: s for s, p in enumerate(self._procs)}
         readers = {_readable(q): s for s, q in enumerate(self._result_qs)}
         watch = list(sentinels) + list(readers) + ([also] if also is not None else [])
-        ready = mp_wait(watch, timeout_s)
+        ready = self._watch.wait(watch, timeout_s)
         dead = {sentinels[r] for r in ready if r in sentinels}
         for r in ready:
             s = readers.get(r)
             if s is None or s in dead:  # a dead worker's queue is never read (module docstring)
                 continue
             q = self._result_qs[s]
-            while True:
-                try:
-                    with interrupts.held():  # a Ctrl-C never cuts a message in half
+            with interrupts.held():  # a Ctrl-C never cuts a message in half
+                while True:
+                    try:
                         msg = q.get(False)
-                except queue.Empty:
-                    break
-                if msg[0] == "start-error":  # the worker ends now: its death says the rest
-                    self._start_errors[s] = msg[2]
-                    continue
-                self._assigned[s].pop((msg[2], msg[3], msg[-1]), None)  # (run, seq, offset)
-                self._replies.append(msg)
+                    except queue.Empty:
+                        break
+                    if msg[0] == "start-error":  # the worker ends now: its death says the rest
+                        self._start_errors[s] = msg[2]
+                        continue
+                    self._assigned[s].pop((msg[2], msg[3], msg[-1]), None)  # (run, seq, offset)
+                    self._replies.append(msg)
         for s in sorted(dead):
             self._replace(s)
         woke = also is not None and also in ready
