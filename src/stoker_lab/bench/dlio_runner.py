@@ -99,8 +99,10 @@ def quiet_index_map() -> None:
     build = ConfigArguments.get_global_map_index
 
     def quiet(self, *args, **kwargs):
-        m, n = build(self, *args, **kwargs)
-        return QuietMap(m), n
+        got = build(self, *args, **kwargs)
+        if isinstance(got, tuple):  # (map, count) in some releases; the map alone in 2.0.0 as installed
+            return (QuietMap(got[0]), *got[1:])
+        return QuietMap(got)
 
     ConfigArguments.get_global_map_index = quiet
 
