@@ -17,7 +17,6 @@ byte for byte the one :func:`.index.build_table` and :func:`.index.table_to_byte
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable, Iterator
 
@@ -48,7 +47,7 @@ _DICTIONARY_COLUMNS = ["class_name", "field"]
 
 def index_bytes(
     url: str, rows: Rows, labels, class_names, class_list: list[str], shard_table: list[dict]
-) -> tuple[bytes, str]:
+) -> tuple[memoryview, str]:
     """(the index file's bytes, its content version) for ``rows``.
 
     ``labels`` (ints) and ``class_names`` (str) are parallel to ``rows`` (sequences or arrays);
@@ -60,7 +59,7 @@ def index_bytes(
     """
     if not len(rows):  # nothing to stream: the whole-table path, trivially small
         table, version = _empty_table(shard_table, class_list)
-        return table_to_bytes(table), version
+        return memoryview(table_to_bytes(table)), version
     release_memory()  # what the shards' writing left in the allocators goes back first
     with system_pool():  # the sort's and each row group's scratch go back to the system when freed
         return _write(url, rows, labels, class_names, class_list, shard_table)
@@ -71,12 +70,13 @@ def _write(url: str, rows: Rows, labels, class_names, class_list: list[str], sha
     s.check_unique(url, shard_table)
     version = _version(s, shard_table)
     meta = {"format": FORMAT_VERSION, "version": version, "shards": shard_table, "classes": class_list}
-    sink = io.BytesIO()
+    sink = pa.BufferOutputStream()  # its buffer is the result, not copied (BytesIO.getvalue copies)
     schema = SCHEMA.with_metadata({"stoker": json.dumps(meta)})
     with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS) as writer:
         for a, b in s.groups():
             writer.write_table(s.table(a, b), row_group_size=INDEX_ROWS_PER_GROUP)
-    return sink.getvalue(), version
+            release_memory()  # the row group's scratch, freed, goes back (glibc kept it: +20 MB per million)
+    return memoryview(sink.getvalue()), version
 
 
 def _empty_table(shard_table: list[dict], class_list: list[str]) -> tuple[pa.Table, str]:
@@ -102,7 +102,41 @@ def _first_seen(groups: Iterator[tuple[int, int]], codes: Callable, values: pa.A
             break
     remap = np.zeros(max(len(values), 1), np.int32)
     remap[first] = np.arange(len(first), dtype=np.int32)
-    return remap, values.take(pa.array(first, type=pa.int64()))
+    return remap, values.take(_arrow(np.array(first, np.int64)))
+
+
+#: Arrow's types of the numpy dtypes the index's columns are gathered in.
+_ARROW_TYPES = {
+    np.dtype(np.int32): pa.int32(),
+    np.dtype(np.int64): pa.int64(),
+    np.dtype(np.uint64): pa.uint64(),
+}
+
+
+def _arrow(arr: np.ndarray) -> pa.Array:
+    """A numpy array of int32, int64 or uint64 as an Arrow array over the same bytes. Built from
+    its buffer: ``pa.array`` and ``Array.to_numpy`` import pandas where it is installed (+30 MB of
+    RSS in a process that never needed it)."""
+    arr = np.ascontiguousarray(arr)
+    return pa.Array.from_buffers(_ARROW_TYPES[arr.dtype], len(arr), [None, pa.py_buffer(arr)])
+
+
+def _bools(mask: np.ndarray) -> pa.Array:
+    """A numpy bool array as an Arrow boolean array (bits, least significant first)."""
+    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])
+
+
+def _numpy(arr: pa.Array, dtype) -> np.ndarray:
+    """The values of a primitive Arrow array without nulls as a numpy view (see :func:`_arrow`)."""
+    return np.frombuffer(arr.buffers()[1], dtype)[arr.offset : arr.offset + len(arr)]
+
+
+def _string_array(values: list[str]) -> pa.Array:
+    """A few strings (field or class names) as an Arrow string array (see :func:`_arrow`)."""
+    data = [v.encode("utf-8") for v in values]
+    offsets = np.zeros(len(data) + 1, np.int32)
+    np.cumsum([len(d) for d in data], out=offsets[1:])
+    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
 
 
 def _view(arr, dtype) -> np.ndarray:
@@ -119,19 +153,23 @@ class _Sorted:
         self.rows = rows
         self.keys = rows.keys_array()
         self.key_offsets = np.frombuffer(self.keys.buffers()[1], np.int32)
-        self.order = pc.sort_indices(self.keys).to_numpy()
+        # the pool named: the sort's scratch (3-4x the order's size) is then freed to the system
+        # (mimalloc, Arrow's default, kept it: +33 MB at a million samples)
+        order = pc.sort_indices(self.keys, memory_pool=pa.system_memory_pool())
+        # int32 where it fits: 4 bytes per sample held through every pass, not 8
+        self.order = _numpy(order, np.uint64).astype(np.int32 if len(rows) < 2**31 else np.int64)
+        del order
         self.member_end = _view(rows.member_end, np.int64)
         self.cols = {"shard": _view(rows.shard, np.int32), "name": _view(rows.name, np.int32)}
         for name, dt in (("offset", np.int64), ("length", np.int64), ("checksum", np.uint64)):
             self.cols[name] = _view(getattr(rows, name), dt)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        encoded = pa.array(class_names, type=pa.string()).dictionary_encode()
-        self.class_rows = encoded.indices.to_numpy(zero_copy_only=False)  # rows order
+        self.labels = labels  # a list is read a row group at a time (an int64 copy of N: +8 MB per million)
+        lookup: dict[str, int] = {}  # class name -> code, rows order (no string of N built)
+        self.class_rows = np.fromiter((lookup.setdefault(c, len(lookup)) for c in class_names), np.int32, len(rows))
         self.class_remap, self.class_dict = _first_seen(
-            self.groups(), lambda a, b: self.class_rows[self.order[a:b]], encoded.dictionary
+            self.groups(), lambda a, b: self.class_rows[self.order[a:b]], _string_array(list(lookup))
         )
-        del encoded
-        self.names = pa.array(rows.names, type=pa.string())
+        self.names = _string_array(rows.names)
         self.name_len = np.array([len(n.encode("utf-8")) for n in rows.names] or [0], np.int64)
         self.field_remap, self.field_dict = _first_seen(self.groups(), self.primary_names, self.names)
 
@@ -158,7 +196,7 @@ class _Sorted:
                 self._duplicate(url, shard_table, a - 1)
             if len(keys) > 1:
                 same = pc.equal(keys.slice(0, len(keys) - 1), keys.slice(1))
-                if pc.any(same).as_py():
+                if same.true_count:
                     self._duplicate(url, shard_table, a + int(pc.index(same, True).as_py()))
             last = keys[len(keys) - 1].as_py()
 
@@ -168,7 +206,7 @@ class _Sorted:
         raise SourceError(f"{url}: duplicate key {key!r} (in {a} and {b}): every sample needs its own key")
 
     def key_chunk(self, a: int, b: int) -> pa.Array:
-        return self.keys.take(pa.array(self.order[a:b]))
+        return self.keys.take(_arrow(self.order[a:b]))
 
     def first(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(each sample's first member row, its count of other members) for sorted rows a..b."""
@@ -180,14 +218,16 @@ class _Sorted:
     def column(self, name: str, a: int, b: int) -> np.ndarray:
         """Sorted rows a..b of ``label``, ``shard``, or the primary's ``offset``/``length``/``checksum``."""
         if name == "label":
-            return self.labels[self.order[a:b]]
+            if isinstance(self.labels, np.ndarray):
+                return self.labels[self.order[a:b]].astype(np.int64, copy=False)
+            return np.fromiter(map(self.labels.__getitem__, self.order[a:b].tolist()), np.int64, b - a)
         if name == "shard":
             return self.cols["shard"][self.order[a:b]]
         return self.cols[name][self.first(a, b)[0]]
 
     def name_bytes(self, codes: np.ndarray) -> bytes:
         """The UTF-8 bytes of the field names of ``codes`` (codes into ``rows.names``), back to back."""
-        return _string_bytes(self.names.take(pa.array(codes)))
+        return _string_bytes(self.names.take(_arrow(codes)))
 
     def picks(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(list offsets (rows + 1,), member rows) of the other members of sorted rows a..b."""
@@ -204,25 +244,28 @@ class _Sorted:
             offsets, pick = self.picks(a, b)
             c = self.cols
             members = pa.StructArray.from_arrays(
-                [self.names.take(pa.array(c["name"][pick])), c["offset"][pick], c["length"][pick], c["checksum"][pick]],
+                [
+                    self.names.take(_arrow(c["name"][pick])),
+                    *(_arrow(c[name][pick]) for name in ("offset", "length", "checksum")),
+                ],
                 fields=list(MEMBER_TYPE),
             )
-            fields = pa.ListArray.from_arrays(pa.array(offsets), members, mask=pa.array(extra == 0))
+            fields = pa.ListArray.from_arrays(_arrow(offsets), members, mask=_bools(extra == 0))
         else:
             fields = pa.nulls(b - a, pa.list_(MEMBER_TYPE))
         columns = {
-            "sample_id": pa.array(np.arange(a, b, dtype=np.int64)),
+            "sample_id": _arrow(np.arange(a, b, dtype=np.int64)),
             "key": self.key_chunk(a, b),
-            "label": pa.array(self.column("label", a, b)),
+            "label": _arrow(self.column("label", a, b)),
             "class_name": pa.DictionaryArray.from_arrays(
-                pa.array(self.class_remap[self.class_rows[self.order[a:b]]]), self.class_dict
+                _arrow(self.class_remap[self.class_rows[self.order[a:b]]]), self.class_dict
             ),
-            "shard": pa.array(self.column("shard", a, b).astype(np.int32)),
+            "shard": _arrow(self.column("shard", a, b).astype(np.int32)),
         }
         for name, dt in (("offset", np.int64), ("length", np.int64), ("checksum", np.uint64)):
-            columns[name] = pa.array(self.column(name, a, b).astype(dt, copy=False))
+            columns[name] = _arrow(self.column(name, a, b).astype(dt, copy=False))
         columns["field"] = pa.DictionaryArray.from_arrays(
-            pa.array(self.field_remap[self.primary_names(a, b)]), self.field_dict
+            _arrow(self.field_remap[self.primary_names(a, b)]), self.field_dict
         )
         columns["fields"] = fields
         return pa.table(columns, schema=SCHEMA)
