@@ -32,6 +32,7 @@ from ...errors import WorkerError, WorkerStartError
 from ..shm import SharedCell
 from . import interrupts, launch
 from .launch import abandon, died, stop_processes
+from .sharedpickle import SharedPickle
 from .worker import STARTING, worker_main
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class WorkerPool:
         # spawn/forkserver: the config goes pickled, so a user function the child cannot find fails
         # in the worker's own start (named), not in the bootstrap before it
         self._cfg_arg = cfg if self._method == "fork" else pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
+        # and the dataset pickled once, its arrays in one shared file every worker maps (fork shares them anyway)
+        self._dataset_arg = dataset if self._method == "fork" else SharedPickle(dataset)
         # sample id per slot, -1 idle, STARTING until the worker is set up
         self._current = ctx.Array("q", [STARTING] * num_workers, lock=False)
         self._start_errors: dict[int, str] = {}  # slot -> the error its worker sent while starting
@@ -189,6 +192,8 @@ class WorkerPool:
                 p.kill()
         stop_processes(self._procs, deadline)
         self._procs = []
+        if isinstance(self._dataset_arg, SharedPickle):
+            self._dataset_arg.close()  # the workers' mappings keep it until they are gone
 
     def end_stuck(self) -> tuple[list[str], list[int]]:
         """End every worker in the middle of a sample (called after a stall: no batch came for
@@ -231,7 +236,7 @@ class WorkerPool:
             name=f"stoker-worker-{wid}",
             args=(
                 wid,
-                self._dataset,
+                self._dataset_arg,
                 self._cfg_arg,
                 tasks,
                 results,
