@@ -74,8 +74,10 @@ def test_nothing_large_gives_the_plain_pickle():
     assert np.array_equal(shared.load()["small"], np.arange(10))
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_spawned_workers_map_the_dataset_and_read_every_sample_once(tmp_path, method):
+@pytest.mark.parametrize(("method", "cached"), [("spawn", False), ("forkserver", True)])
+def test_spawned_workers_map_the_dataset_and_read_every_sample_once(tmp_path, method, cached):
+    """With a node cache the prefetch process maps the same file."""
+    cache = f"cache_dir={str(tmp_path / 'cache')!r}" if cached else "cache=False"
     script = textwrap.dedent(
         f"""
         import os
@@ -87,19 +89,20 @@ def test_spawned_workers_map_the_dataset_and_read_every_sample_once(tmp_path, me
                 for i in range(20_000):
                     key = f"n{{i % 1000:08d}}/n{{i % 1000:08d}}_{{i:08d}}"
                     w.write({{"__key__": key, "bin": i.to_bytes(8, "little")}})
-            ds = stoker.open_dataset({str(tmp_path / "ds")!r}, cache=False)
+            ds = stoker.open_dataset({str(tmp_path / "ds")!r}, {cache})
             run = stoker.RunOptions(start_method={method!r})
             with stoker.Loader(ds, batch_size=500, collate=raw_bytes, num_workers=2, run=run) as loader:
                 ids, mapped = [], []
                 for batch in loader:
                     ids.extend(batch.ids.tolist())
                     if not mapped:
-                        for p in loader.processes.workers:
+                        procs = loader.processes
+                        for p in procs.workers + ((procs.prefetcher,) if procs.prefetcher is not None else ()):
                             with open(f"/proc/{{p.pid}}/maps") as f:
                                 lines = [line.rstrip() for line in f]
                             mapped.append(any(x.endswith(("-dataset", "-dataset (deleted)")) for x in lines))
             assert sorted(ids) == list(range(20_000)), "not every sample once"
-            assert mapped == [True, True], mapped
+            assert mapped == [True] * (3 if {cached} else 2), mapped
             left = [n for n in os.listdir("/dev/shm") if n.startswith(f"stoker-{{os.getpid()}}-")]
             assert left == [], left
             print("ok")

@@ -61,16 +61,18 @@ class WorkerPool:
         cfg: the frozen :class:`~stoker.loader.options.WorkerConfig`.
         num_workers: worker slots (>= 1).
         ready: a shared int each process increments once set up (``ctx.Value("q")``).
+        shipped: what the workers receive instead of ``dataset`` (spawn/forkserver): the dataset
+            pickled once, its arrays in a shared file (:class:`.sharedpickle.SharedPickle`).
     """
 
-    def __init__(self, ctx, dataset, cfg, num_workers: int, ready):
+    def __init__(self, ctx, dataset, cfg, num_workers: int, ready, shipped: SharedPickle | None = None):
         self._ctx, self._dataset, self._cfg, self._ready = ctx, dataset, cfg, ready
         self._method = ctx.get_start_method()
         # spawn/forkserver: the config goes pickled, so a user function the child cannot find fails
         # in the worker's own start (named), not in the bootstrap before it
         self._cfg_arg = cfg if self._method == "fork" else pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
-        # and the dataset pickled once, its arrays in one shared file every worker maps (fork shares them anyway)
-        self._dataset_arg = dataset if self._method == "fork" else SharedPickle(dataset)
+        # spawn/forkserver: the dataset as pickled once for every process, its arrays in a shared file
+        self._dataset_arg = dataset if shipped is None else shipped
         # sample id per slot, -1 idle, STARTING until the worker is set up
         self._current = ctx.Array("q", [STARTING] * num_workers, lock=False)
         self._start_errors: dict[int, str] = {}  # slot -> the error its worker sent while starting
@@ -192,8 +194,6 @@ class WorkerPool:
                 p.kill()
         stop_processes(self._procs, deadline)
         self._procs = []
-        if isinstance(self._dataset_arg, SharedPickle):
-            self._dataset_arg.close()  # the workers' mappings keep it until they are gone
 
     def end_stuck(self) -> tuple[list[str], list[int]]:
         """End every worker in the middle of a sample (called after a stall: no batch came for
