@@ -153,6 +153,19 @@ def test_writer_refuses_an_equal_key_among_colliding_ones_naming_it(tmp_path, co
     assert len(open_dataset(str(tmp_path / "ds"), cache=False)) == 5
 
 
+def test_seen_keys_find_every_key_after_the_bitmap_grew_and_the_set_merged(monkeypatch):
+    monkeypatch.setattr(seenkeys, "FIRST_BITMAP_BITS", 64)  # grows 7 times over 500 keys
+    monkeypatch.setattr(seenkeys, "MERGE_EVERY", 7)
+    seen = seenkeys.SeenKeys()
+    keys = [f"key{i}" for i in range(500)]
+    for k in keys:
+        d = seen.digest(k)
+        assert seen.earlier(d) == []
+        seen.add(d)
+    assert all(seen.earlier(seen.digest(k)) == [i] for i, k in enumerate(keys))
+    assert all(seen.earlier(seen.digest(f"other{i}")) == [] for i in range(500))
+
+
 def test_seen_keys_positions_of_a_digest():
     seen = seenkeys.SeenKeys()
     for k in ("x", "y", "x2"):
