@@ -1,13 +1,14 @@
-"""The keys a writer has taken so far, as 64-bit digests: an exact duplicate check at 16 bytes
-per key.
+"""The keys a writer has taken so far, as 64-bit digests: an exact duplicate check at about 20
+bytes per key.
 
 A Python set of the keys themselves costs about 100 bytes per ImageNet-length key (the str
 object and its slot), which at a million samples was most of :class:`stoker.Writer`'s memory.
 :class:`SeenKeys` keeps each key's xxh3-64 digest twice: in the order taken (so that a digest
 match leads back to the earlier samples to compare) and in a sorted array searched by bisection,
 with the newest digests in a small set until they are merged in, and a bitmap of the digests'
-low bits (2 bits per key, at most 1 in 16 set) in front, which answers most new keys with one
-byte read of Python (the numpy search alone cost about 6 us a key). A digest match is only a
+low bits in front (16 to 32 bits per key, so at most 1 bit in 16 is set), which answers most new
+keys with one byte read in Python (the numpy search alone cost about 6 us a key). About 18-20
+bytes per key in all. A digest match is only a
 candidate: the caller compares the keys themselves (:meth:`SeenKeys.earlier` gives the
 positions), so two different keys whose digests collide are both accepted.
 """

@@ -122,7 +122,7 @@ class Writer:
         self._batch: list[tuple[str, list]] = []  # (key, [(field, bytes), ...])
         self._batch_bytes = 0
         self._count = 0
-        self._seen = SeenKeys()  # the keys taken, as digests (16 B per key), for the duplicate check
+        self._seen = SeenKeys()  # the keys taken, as digests (about 20 B per key), for the duplicate check
         self._labels: list = []
         self._kinds: dict[str, str] | None = None
         self._state = "open"
