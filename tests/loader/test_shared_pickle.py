@@ -1,8 +1,9 @@
 """Workers started by spawn or forkserver map the dataset's arrays from one shared file
 (loader/workers/sharedpickle.py) instead of each unpickling its own copy: the object comes back
 equal with its large arrays read-only views of the file, small ones inline; the file goes when the
-training process closes it (and the workers' mappings); a full /dev/shm falls back to the plain
-pickle; a spawn Loader's workers map the file and read every sample once."""
+training process closes it (and the workers' mappings); a full /dev/shm, or an object that
+pickles only while a process starts, shares nothing (the dataset goes as before); a spawn Loader's
+workers map the file and read every sample once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from stoker.loader.shm import shm_base
 from stoker.loader.workers import sharedpickle
-from stoker.loader.workers.sharedpickle import MIN_SHARED_BYTES, SharedPickle
+from stoker.loader.workers.sharedpickle import MIN_SHARED_BYTES, share
 
 
 def our_files() -> list[str]:
@@ -39,7 +40,8 @@ def sample_object() -> dict:
 
 def test_large_arrays_come_back_as_read_only_views_of_the_shared_file():
     obj = sample_object()
-    shared = SharedPickle(obj)
+    shared = share(obj)
+    assert shared is not None
     try:
         assert shared.shared_bytes >= obj["big"].nbytes + obj["keys"].buffers()[2].size
         assert len(shared.data) < MIN_SHARED_BYTES  # the arrays are in the file, not the pickle
@@ -55,23 +57,23 @@ def test_large_arrays_come_back_as_read_only_views_of_the_shared_file():
     shared.close()  # idempotent
 
 
-def test_a_full_shared_memory_directory_gives_the_plain_pickle(monkeypatch):
+def test_a_full_shared_memory_directory_shares_nothing(monkeypatch):
+    """None: the caller sends the object itself, a copy per process, as before."""
+
     def no_room(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(sharedpickle.os, "posix_fallocate", no_room)
-    obj = sample_object()
-    shared = SharedPickle(obj)
-    assert shared.shared_bytes == 0 and our_files() == []
-    back = pickle.loads(pickle.dumps(shared)).load()
-    assert np.array_equal(back["big"], obj["big"]) and back["big"].flags.writeable
-    shared.close()
+    assert share(sample_object()) is None and our_files() == []
 
 
-def test_nothing_large_gives_the_plain_pickle():
-    shared = SharedPickle({"small": np.arange(10)})
-    assert shared.shared_bytes == 0 and our_files() == []
-    assert np.array_equal(shared.load()["small"], np.arange(10))
+def test_nothing_large_or_an_object_that_pickles_only_while_spawning_shares_nothing():
+    import multiprocessing
+
+    assert share({"small": np.arange(10)}) is None
+    lock = multiprocessing.get_context("spawn").Lock()  # pickles only while a process is started
+    assert share({"big": np.arange(50_000), "lock": lock}) is None
+    assert our_files() == []
 
 
 @pytest.mark.parametrize(("method", "cached"), [("spawn", False), ("forkserver", True)])

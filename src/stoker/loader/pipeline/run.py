@@ -24,7 +24,7 @@ from ..shm import SlotRing
 from ..workers.inline import InlineLoop
 from ..workers.launch import start_context, wait_ready
 from ..workers.pool import WorkerPool
-from ..workers.sharedpickle import SharedPickle
+from ..workers.sharedpickle import SharedPickle, share
 from ..workers.worker import BatchDecoder, counters
 from .deliver import Delivery
 from .dispatch import Dispatcher
@@ -210,7 +210,7 @@ class Run:
         ctx, self.start_method, self._fork_hazards = start_context(self.config.run.start_method, self.cfg)
         self._ready = ctx.Value("q", 0)
         # spawn/forkserver: pickled once, its arrays in one shared file that every process maps
-        self._shipped = SharedPickle(self.dataset) if self.start_method != "fork" else None
+        self._shipped = share(self.dataset) if self.start_method != "fork" else None
         self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.config.num_workers, self._ready, self._shipped)
         if self._fills_cache():
             self.prefetcher = Prefetcher(ctx, self.dataset, self.config.read, ready=self._ready, shipped=self._shipped)

@@ -3,15 +3,15 @@
 A worker started by fork shares the training process's pages of the dataset: the index's
 arrays, its keys, the block map. One started by spawn or forkserver receives the dataset
 pickled, a private copy of every array in each worker (58 MB per million small samples).
-:class:`SharedPickle` pickles the dataset once for all of them: each numpy array and Arrow buffer
+:func:`share` pickles the dataset once for all of them: each numpy array and Arrow buffer
 of at least :data:`MIN_SHARED_BYTES` is written into one file in shared memory
 (:func:`stoker.loader.shm.shm_base`) and only its place goes into the pickle
 (``pickle.Pickler.reducer_override``); each worker maps the file read-only when it unpickles
 (:meth:`SharedPickle.load`), so every worker reads the same pages.
 
 The file follows the batch slots' rules (:mod:`stoker.loader.shm`): its pages are reserved
-first (``posix_fallocate``: a full ``/dev/shm`` gives the plain pickle instead, the sharing
-lost, nothing else); it is unlinked at once where workers can open it through the training
+first (``posix_fallocate``: on a full ``/dev/shm`` the dataset goes to each process as its own
+copy, as before); it is unlinked at once where workers can open it through the training
 process's descriptor (``/proc/<pid>/fd/<n>``), else named ``stoker-<pid>-...``, removed by
 :meth:`SharedPickle.close` or the object's finalizer, or after a SIGKILL by the next loader
 (:func:`stoker.loader.shm.remove_orphans`). The memory is freed when the training process has
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import logging
 import mmap
 import os
 import pickle
@@ -35,47 +36,47 @@ import pyarrow as pa
 
 from ..shm import by_descriptor, shm_base
 
-__all__ = ["MIN_SHARED_BYTES", "SharedPickle"]
+__all__ = ["MIN_SHARED_BYTES", "SharedPickle", "share"]
 
 #: Arrays and buffers smaller than this (bytes) stay in the pickle.
 MIN_SHARED_BYTES = 1 << 16
 _ALIGN = 64
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
+log = logging.getLogger(__name__)
+
+
+def share(obj: Any) -> SharedPickle | None:
+    """``obj`` pickled for processes started by spawn or forkserver with its large arrays in one
+    shared file (the module docstring), or None where nothing would be shared: no array large
+    enough, no file or no room for it in the shared-memory directory, or an object that pickles
+    only while a process is being started (``multiprocessing``'s locks and values). Given None,
+    the caller sends ``obj`` itself, pickled by ``multiprocessing`` as before: a copy per process."""
+    fd, path, name = _create()
+    if fd is None:
+        return None
+    pieces: list[tuple[int, memoryview]] = []
+    try:
+        data = _dumps(obj, path, pieces)
+        total = _fill(fd, pieces) if pieces else 0
+    except Exception as exc:  # noqa: BLE001 - the plain way still works (or fails with its own error)
+        log.debug("the dataset goes to each process as its own copy: %s: %s", type(exc).__name__, exc)
+        total = 0
+    if not total:
+        _release(fd, name, os.getpid())
+        return None
+    return SharedPickle(data, total, fd, name)
 
 
 class SharedPickle:
-    """``obj`` pickled for processes started by spawn or forkserver, its large arrays in one
-    shared file (see the module docstring). Picklable itself (the pickle's bytes and the file's
-    path); :meth:`load` in the worker gives the object back, :meth:`close` in the training process
-    lets the file go. ``shared_bytes``: bytes in the file (0: the plain pickle, nothing shared)."""
+    """An object pickled by :func:`share`: the pickle's bytes (``data``), the bytes of its arrays
+    in the shared file (``shared_bytes``). Picklable itself (the bytes name the file's path);
+    :meth:`load` in a worker gives the object back, :meth:`close` in the training process lets the
+    file go (``fd``: its descriptor; ``name``: its name while it has one)."""
 
-    def __init__(self, obj: Any) -> None:
-        self.shared_bytes = 0
-        fd, path, name = _create()
+    def __init__(self, data: bytes, shared_bytes: int, fd: int, name: str | None) -> None:
+        self.data, self.shared_bytes = data, shared_bytes
+        # the file goes at close, when this object is dropped, or at the interpreter's exit
         self._finalizer: weakref.finalize | None = weakref.finalize(self, _release, fd, name, os.getpid())
-        if fd is not None:
-            pieces: list[tuple[int, memoryview]] = []
-            self.data = _dumps(obj, path, pieces)
-            if pieces and self._fill(fd, pieces):
-                return
-        self._finalizer()  # nothing shared: no file
-        self.data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-
-    def _fill(self, fd: int, pieces: list[tuple[int, memoryview]]) -> bool:
-        """Write ``pieces`` into the file; False when its filesystem has no room for them."""
-        total = pieces[-1][0] + len(pieces[-1][1])
-        try:
-            os.posix_fallocate(fd, 0, total)  # every page reserved now: ENOSPC here, not SIGBUS in a worker
-            for offset, view in pieces:
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], offset + done)
-        except OSError as exc:
-            if exc.errno in _NO_ROOM:
-                return False
-            raise
-        self.shared_bytes = total
-        return True
 
     def __getstate__(self) -> dict[str, Any]:
         return {"data": self.data, "shared_bytes": self.shared_bytes}
@@ -92,6 +93,22 @@ class SharedPickle:
         """Let the file go (the training process, once its workers have ended). Idempotent."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+def _fill(fd: int, pieces: list[tuple[int, memoryview]]) -> int:
+    """Write ``pieces`` into the file; the bytes written, or 0 when its filesystem has no room."""
+    total = pieces[-1][0] + len(pieces[-1][1])
+    try:
+        os.posix_fallocate(fd, 0, total)  # every page reserved now: ENOSPC here, not SIGBUS in a worker
+    except OSError as exc:
+        if exc.errno in _NO_ROOM:
+            return 0
+        raise
+    for offset, view in pieces:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    return total
 
 
 def _create() -> tuple[int | None, str, str | None]:
