@@ -188,7 +188,7 @@ class SlotRing:
             raise
         self._fds.append(fd)
         if self.unlinked is None:
-            self.unlinked = _by_descriptor(fd)
+            self.unlinked = by_descriptor(fd)
         if self.unlinked:
             os.unlink(path)
             self._names.remove(path)
@@ -329,7 +329,7 @@ class SlotRing:
         self._finalizer()
 
 
-def _by_descriptor(fd: int) -> bool:
+def by_descriptor(fd: int) -> bool:
     """Whether other processes of this user can open ``fd`` (a slot file of this process) as
     ``/proc/<pid>/fd/<fd>``: procfs is there, it opens, and this process is dumpable."""
     if not dumpable():

@@ -506,8 +506,8 @@ class Origin:
         :class:`OriginNotFoundError` when the directory does not exist."""
         return self._ask(rel, lambda path: self.fs.ls(path, detail=True))
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write a whole object so that readers see either nothing or all of it.
+    def write_atomic(self, rel: str, data) -> None:
+        """Write a whole object (``data``: bytes-like) so that readers see either nothing or all of it.
 
         Local paths: write a temporary sibling (``<name>.tmp-<pid>-<rand>``, created 0600 with
         ``O_EXCL | O_NOFOLLOW``: nobody reads it half-written), fsync, give it the mode a plain
@@ -520,7 +520,8 @@ class Origin:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             write_atomic(path, data, mode=umask_mode(), fsync=True)
         else:
-            self.retry(self.full_url(rel), lambda: self.fs.pipe_file(path, data))
+            body = data if isinstance(data, bytes) else bytes(data)  # fsspec backends take bytes
+            self.retry(self.full_url(rel), lambda: self.fs.pipe_file(path, body))
 
 
 @dataclass

@@ -399,7 +399,7 @@ def read_index(data: bytes, url: str = "<index>") -> DatasetIndex:
         raise IndexFormatError(
             f"{url}: unsupported index format {meta.get('format')!r} (this stoker reads formats {READABLE_FORMATS})"
         )
-    with _system_pool():
+    with system_pool():
         idx = _decode(pf, meta, url)
     release_memory()
     return idx
@@ -466,7 +466,7 @@ INDEX_ROWS_PER_GROUP = 1 << 16
 
 
 @contextlib.contextmanager
-def _system_pool() -> Iterator[None]:
+def system_pool() -> Iterator[None]:
     """Arrow allocates from the C allocator inside the block: its large blocks go back to the
     system when freed, where mimalloc, Arrow's default, keeps the decode scratch of an index
     resident (about 50 B per sample measured)."""

@@ -11,13 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from ..errors import DatasetExistsError, SourceError
+from ..errors import DatasetExistsError
 from ..storage import Origin
-from .index import INDEX_NAME, MEMBER_TYPE, assemble_table, table_to_bytes
+from .index import INDEX_NAME
+from .indexwrite import index_bytes
 from .lease import PackLease
 from .manifests import remove_manifests, remove_stale_shards
 from .rows import Rows
@@ -52,7 +49,8 @@ def install_index(
 
     ``rows``: the samples written (:class:`.rows.Rows`: key, shard number, members, primary first);
     ``labels`` and ``class_names`` parallel to ``rows``; ``shard_table`` the shards' entries (name,
-    bytes, samples, optional etag) in shard-number order. Samples get ids in sorted key order. The
+    bytes, samples, optional etag) in shard-number order. Samples get ids in sorted key order; the
+    index is built a row group at a time (:func:`.indexwrite.index_bytes`). The
     lease is renewed first (:class:`stoker.PackLeaseLostError` if it was lost: then no index is
     written); after the index, shards at ``dest`` that it does not use are removed
     (:func:`.manifests.remove_stale_shards`), and the manifests of those it uses
@@ -61,70 +59,14 @@ def install_index(
     Raises :class:`stoker.SourceError` (a ValueError) for a key written twice, naming it and its
     two shards (nothing is installed).
     """
-    table, version = _table(dest, rows, labels, class_names, class_list, shard_table)
+    data, version = index_bytes(dest.url, rows, labels, class_names, class_list, shard_table)
     lease.renew()  # still ours, with a full lease length ahead for the index write
-    dest.write_atomic(INDEX_NAME, table_to_bytes(table))
-    del table
+    dest.write_atomic(INDEX_NAME, data)
+    del data
     keep = {s["name"] for s in shard_table}
     remove_stale_shards(dest, keep)
     remove_manifests(dest, keep)
     return version
-
-
-def _table(dest: Origin, rows: Rows, labels, class_names, class_list, shard_table) -> tuple:
-    """(index table, version) of ``rows`` in sorted key order, built column by column (a few
-    arrays of N at a time: a pack's memory at this step is its largest)."""
-    keys = rows.keys_array()
-    order_arr = pc.sort_indices(keys)
-    keys = keys.take(order_arr)
-    order = order_arr.to_numpy()
-    if len(keys) > 1:
-        same = pc.equal(keys.slice(0, len(keys) - 1), keys.slice(1))
-        if pc.any(same).as_py():
-            j = int(pc.index(same, True).as_py())
-            a, b = (shard_table[rows.shard[int(order[x])]]["name"] for x in (j, j + 1))
-            raise SourceError(
-                f"{dest.url}: duplicate key {keys[j].as_py()!r} (in {a} and {b}): every sample needs its own key"
-            )
-        del same
-    cols = rows.columns()
-    ends = cols["member_start"][1:]
-    count = np.diff(cols["member_start"])
-    first = (ends - count)[order]
-    extra = count[order] - 1
-    del count, ends
-    names = pa.array(rows.names, type=pa.string())
-    if extra.any():
-        list_offsets = np.zeros(len(extra) + 1, dtype=np.int32)
-        np.cumsum(extra, out=list_offsets[1:])
-        pick = np.repeat(first + 1 - list_offsets[:-1], extra) + np.arange(int(list_offsets[-1]))
-        members = pa.StructArray.from_arrays(
-            [
-                names.take(pa.array(cols["name"][pick])),
-                cols["offset"][pick],
-                cols["length"][pick],
-                cols["checksum"][pick],
-            ],
-            fields=list(MEMBER_TYPE),
-        )
-        fields = pa.ListArray.from_arrays(pa.array(list_offsets), members, mask=pa.array(extra == 0))
-    else:  # no sample has more than its primary: all null, nothing gathered
-        fields = pa.nulls(len(extra), pa.list_(MEMBER_TYPE))
-    del extra
-    label_arr = np.fromiter(labels, dtype=np.int64, count=len(labels))[order]
-    return assemble_table(
-        keys,
-        label_arr,
-        pa.array(class_names, type=pa.string()).take(order_arr),
-        cols["shard"][order],
-        cols["offset"][first],
-        cols["length"][first],
-        cols["checksum"][first],
-        shard_table,
-        class_list,
-        names.take(pa.array(cols["name"][first])),
-        fields,
-    )
 
 
 def first_missing_dir(dest: Origin) -> str | None:

@@ -29,6 +29,7 @@ from .pack_options import PackOptions
 from .parts import PartRecord, merge_parts, part_origin, part_shard_name, write_record, writer_result
 from .publish import clear_destination, first_missing_dir, install_index, remove_if_empty
 from .samplecodec import encode_sample, schema_mismatch
+from .seenkeys import SeenKeys
 from .shards import DEFAULT_SMALL_SAMPLE_BYTES, estimate_sample_bytes
 from .sources import resolve_labels
 from .wds import finish_sample
@@ -120,7 +121,8 @@ class Writer:
         self._written: list[str] = []  # shard names, for abort
         self._batch: list[tuple[str, list]] = []  # (key, [(field, bytes), ...])
         self._batch_bytes = 0
-        self._keys: set[str] = set()
+        self._count = 0
+        self._seen = SeenKeys()  # the keys taken, as digests (about 20 B per key), for the duplicate check
         self._labels: list = []
         self._kinds: dict[str, str] | None = None
         self._state = "open"
@@ -137,7 +139,7 @@ class Writer:
 
     def __len__(self) -> int:
         """Samples written so far."""
-        return len(self._keys)
+        return self._count
 
     def write(self, sample: dict[str, Any]) -> None:
         """Add one sample (see the class docstring). It is checked and encoded now; its shard is
@@ -157,7 +159,8 @@ class Writer:
             key, members, kinds = encode_sample(sample)
         except TypeError as exc:
             raise TypeError(f"{self.url}: {exc}") from None
-        if key in self._keys:
+        digest = self._seen.digest(key)
+        if any(self._key_at(j) == key for j in self._seen.earlier(digest)):  # usually no candidate
             raise SourceError(f"{self.url}: duplicate key {key!r}: every sample needs its own key")
         if self._kinds is None:
             self._kinds = kinds
@@ -168,10 +171,17 @@ class Writer:
         size = estimate_sample_bytes(key, [(f, len(d)) for f, d in s.members], int(options.small_sample_bytes))
         if self._batch and self._batch_bytes + size > self.shard_bytes:
             self._flush()
-        self._keys.add(key)
+        self._seen.add(digest)
+        self._count += 1
         self._labels.append(s.label)
         self._batch.append((key, s.members))
         self._batch_bytes += size
+
+    def _key_at(self, j: int) -> str:
+        """The key of the ``j``-th sample written (after the shard being written is recorded)."""
+        self._collect()
+        rows = self._shards.rows
+        return rows[j] if j < len(rows) else self._batch[j - len(rows)][0]
 
     def _flush(self) -> None:
         """Hand the filled shard to the writing thread, after the previous one is written."""
@@ -215,7 +225,10 @@ class Writer:
             if self.part is None:
                 if not len(rows):
                     raise SourceError(f"{self.url}: no sample was written; a dataset needs at least one")
-                labels, names, classes = resolve_labels(self._labels, None, rows)
+                self._seen = SeenKeys()  # no more writes: the digests' memory goes before the index's
+                raw, self._labels = self._labels, []
+                labels, names, classes = resolve_labels(raw, None, rows)
+                del raw
                 version = install_index(self.dest, self._lease, rows, labels, names, classes, self._shards.table)
             else:
                 record = PartRecord(self.part, self._shards.table, list(rows.as_lists()), self._labels)

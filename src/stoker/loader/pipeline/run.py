@@ -24,6 +24,7 @@ from ..shm import SlotRing
 from ..workers.inline import InlineLoop
 from ..workers.launch import start_context, wait_ready
 from ..workers.pool import WorkerPool
+from ..workers.sharedpickle import SharedPickle, share
 from ..workers.worker import BatchDecoder, counters
 from .deliver import Delivery
 from .dispatch import Dispatcher
@@ -111,6 +112,7 @@ class Run:
         self.transfer: DeviceTransfer | None = None  #: for ``device="cuda"``
         self._ready: Synchronized[int] | None = None  # shared count of processes set up
         self._fork_hazards: list[str] = []
+        self._shipped: SharedPickle | None = None  # the dataset as spawned processes receive it
         self._decoder: BatchDecoder | GenericDecoder | RawBatchesHere | None = None  # without workers: decodes here
         self._own_staging = False
         self.deliver: Delivery | None = None  # turns a finished batch into what next() yields
@@ -207,9 +209,11 @@ class Run:
         start the workers and, with a node cache, the prefetcher; wait for their own start."""
         ctx, self.start_method, self._fork_hazards = start_context(self.config.run.start_method, self.cfg)
         self._ready = ctx.Value("q", 0)
-        self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.config.num_workers, self._ready)
+        # spawn/forkserver: pickled once, its arrays in one shared file that every process maps
+        self._shipped = share(self.dataset) if self.start_method != "fork" else None
+        self.workers = WorkerPool(ctx, self.dataset, self.cfg, self.config.num_workers, self._ready, self._shipped)
         if self._fills_cache():
-            self.prefetcher = Prefetcher(ctx, self.dataset, self.config.read, ready=self._ready)
+            self.prefetcher = Prefetcher(ctx, self.dataset, self.config.read, ready=self._ready, shipped=self._shipped)
         self.dispatch = Dispatcher(self.config, self.hooks.plan, self.ring, self.workers, self.prefetcher)
         wait_ready(
             self._ready,
@@ -270,6 +274,9 @@ class Run:
             self.workers.join(deadline)
         if self.prefetcher is not None:
             self.prefetcher.join(deadline)
+        if self._shipped is not None:  # the processes' mappings, if any is left, keep its memory
+            self._shipped.close()
+            self._shipped = None
         if self.transfer is not None:  # copies in flight done, every slot unregistered: then unmapped
             self.transfer.close()
         if self.ring is not None:

@@ -52,8 +52,10 @@ class Prefetcher:
         ready: a shared int each process increments once set up.
     """
 
-    def __init__(self, ctx, dataset, read, *, ready):
+    def __init__(self, ctx, dataset, read, *, ready, shipped=None):
         self._ctx, self._dataset, self._read, self._ready = ctx, dataset, read, ready
+        # spawn/forkserver: the dataset as pickled once, its arrays in a shared file (the workers' too)
+        self._dataset_arg = dataset if shipped is None else shipped
         self._shared = PrefetchShared.create(ctx)  # positions, counters, started: kept over a replacement
         self._counters = self._shared.counters
         self._restarts = 0
@@ -208,7 +210,7 @@ class Prefetcher:
         self._proc = self._ctx.Process(
             target=prefetch_main,
             name="stoker-prefetch",
-            args=(self._dataset, self._cmds, self._shared, self._read, adopt, self._ready),
+            args=(self._dataset_arg, self._cmds, self._shared, self._read, adopt, self._ready),
             daemon=True,
         )
         launch.start(self._proc)

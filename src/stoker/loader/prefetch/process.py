@@ -125,11 +125,14 @@ def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = Fals
     are taken over. ``ready``: a shared counter (``multiprocessing.Value``) incremented once the
     origin client is built. SIGINT is ignored (:mod:`stoker.loader.workers.interrupts`)."""
     from ..workers.interrupts import ignore_in_child
+    from ..workers.sharedpickle import SharedPickle
     from ..workers.worker import fresh_copy
 
     ignore_in_child()
     parent = os.getppid()
     exit_with_parent()
+    if isinstance(ds, SharedPickle):
+        ds = ds.load()
     ds = fresh_copy(ds)
     if not ds.origin.use_native():  # this process never forks: obstore's runtime is safe here
         ds.origin.warm()  # s3fs: build the client now (~0.25 s), not at the first read

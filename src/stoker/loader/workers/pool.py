@@ -33,6 +33,7 @@ from ...errors import WorkerError, WorkerStartError
 from ..shm import SharedCell
 from . import interrupts, launch
 from .launch import abandon, died, stop_processes
+from .sharedpickle import SharedPickle
 from .worker import STARTING, worker_main
 
 log = logging.getLogger(__name__)
@@ -88,14 +89,18 @@ class WorkerPool:
         cfg: the frozen :class:`~stoker.loader.options.WorkerConfig`.
         num_workers: worker slots (>= 1).
         ready: a shared int each process increments once set up (``ctx.Value("q")``).
+        shipped: what the workers receive instead of ``dataset`` (spawn/forkserver): the dataset
+            pickled once, its arrays in a shared file (:class:`.sharedpickle.SharedPickle`).
     """
 
-    def __init__(self, ctx, dataset, cfg, num_workers: int, ready):
+    def __init__(self, ctx, dataset, cfg, num_workers: int, ready, shipped: SharedPickle | None = None):
         self._ctx, self._dataset, self._cfg, self._ready = ctx, dataset, cfg, ready
         self._method = ctx.get_start_method()
         # spawn/forkserver: the config goes pickled, so a user function the child cannot find fails
         # in the worker's own start (named), not in the bootstrap before it
         self._cfg_arg = cfg if self._method == "fork" else pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
+        # spawn/forkserver: the dataset as pickled once for every process, its arrays in a shared file
+        self._dataset_arg = dataset if shipped is None else shipped
         # sample id per slot, -1 idle, STARTING until the worker is set up
         self._current = ctx.Array("q", [STARTING] * num_workers, lock=False)
         self._start_errors: dict[int, str] = {}  # slot -> the error its worker sent while starting
@@ -260,7 +265,7 @@ class WorkerPool:
             name=f"stoker-worker-{wid}",
             args=(
                 wid,
-                self._dataset,
+                self._dataset_arg,
                 self._cfg_arg,
                 tasks,
                 results,

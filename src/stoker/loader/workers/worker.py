@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..options import WorkerConfig
+from .sharedpickle import SharedPickle
 
 if TYPE_CHECKING:
     from .batches import GenericDecoder, SlotWriter
@@ -323,6 +324,8 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
     try:
         if isinstance(cfg, bytes):
             cfg = pickle.loads(cfg)
+        if isinstance(ds, SharedPickle):
+            ds = ds.load()
         dec, writer, derived = _setup(ds, cfg)
     except BaseException as exc:  # noqa: BLE001 - the training process names it (launch.start_failure)
         results.put(("start-error", wid, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
