@@ -267,15 +267,23 @@ class RawBatch(NamedTuple):
         return self.data.reshape(-1)[int(self.offsets[j]) : int(self.offsets[j + 1])]
 
 
-def raw_layout(lengths: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+def one_size(lengths: np.ndarray) -> bool:
+    """Whether samples of ``lengths`` bytes (int (N,)) all have one size ``L > 0`` (the
+    :class:`RawBatch` of such samples is ``(N, L)``)."""
+    return bool(len(lengths) and lengths[0] > 0 and (lengths == lengths[0]).all())
+
+
+def raw_layout(lengths: np.ndarray, fixed: bool | None = None) -> tuple[np.ndarray, tuple[int, ...]]:
     """``(offsets, data shape)`` of a :class:`RawBatch` of samples of ``lengths`` bytes (int64 (N,)):
-    offsets (N + 1,) int64 from 0; shape ``(N, L)`` when every length is one ``L > 0``, else
-    ``(total,)``."""
+    offsets (N + 1,) int64 from 0; shape ``(N, L)`` or ``(total,)``. ``fixed``: the form, decided
+    once for the samples a loader reads (:func:`one_size` of them all: a ragged dataset's batch
+    whose samples happen to share a size stays flat); None: ``(N, L)`` when this batch's lengths
+    are one ``L > 0``."""
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     n = len(lengths)
-    if n and lengths[0] > 0 and (lengths == lengths[0]).all():
-        return offsets, (n, int(lengths[0]))
+    if fixed if fixed is not None else one_size(lengths):
+        return offsets, (n, int(lengths[0]) if n else 0)
     return offsets, (int(offsets[-1]),)
 
 

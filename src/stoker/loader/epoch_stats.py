@@ -60,7 +60,8 @@ class EpochStats:
     ``prefetch`` process (Linux /proc; empty elsewhere; a replaced process's CPU time is not
     counted). ``decode_cpu_s``: CPU seconds inside the decode (the built-in decode + transform, or the
     user's per-sample ``decode=``), summed over the processes that decode (``time.thread_time``
-    around each sample's decode). ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
+    around each sample's decode: threads the decode hands work to are not counted).
+    ``worker_restarts`` / ``prefetcher_restarts``: processes that died (a signal, a
     crash) and were replaced, within the bounds of :mod:`stoker.loader.workers.pool` and
     :mod:`stoker.loader.prefetch.prefetcher`.
 

@@ -56,6 +56,8 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 #: errno values of a reservation that failed for lack of room (tmpfs answers ENOSPC; ENOMEM
 #: when the kernel cannot back the pages; EDQUOT under a quota).
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
+#: errnos of a process (or system) out of file descriptors
+_NO_FDS = (errno.EMFILE, errno.ENFILE)
 
 
 def shm_base() -> str:
@@ -154,7 +156,7 @@ class SlotRing:
         self.busy: set[int] = set()  # slots handed to worker processes, not yet answered (kept by the caller)
         #: True once the directory could not hold another slot: batches are then copied out.
         self.limited = False
-        self._shortage: SharedMemoryError | None = None
+        self._shortage: OSError | None = None  # SharedMemoryError, or EMFILE (_no_fds)
         for _ in range(max(1, initial)):
             i = self._create()
             if i is None:
@@ -173,7 +175,13 @@ class SlotRing:
             return i
         assert self.base is not None  # shared slots live in shm_base()
         path = os.path.join(self.base, f"{self.prefix}-{i}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            if exc.errno in _NO_FDS and i > 0:
+                self._no_fds(i)
+                return None
+            raise
         self._names.append(path)
         try:
             os.posix_fallocate(fd, 0, total)  # reserve every page now: ENOSPC here, not SIGBUS later
@@ -184,6 +192,9 @@ class SlotRing:
             self._names.remove(path)
             if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
                 self._short(total, i)
+                return None
+            if isinstance(exc, OSError) and exc.errno in _NO_FDS and i > 0:
+                self._no_fds(i)
                 return None
             raise
         self._fds.append(fd)
@@ -215,6 +226,25 @@ class SlotRing:
             )
         self.limited = True
 
+    def _no_fds(self, have: int) -> None:
+        """Record that the process is out of file descriptors for another slot (each holds two: its
+        file and its mapping), with ``have`` slots already; warn once. Batches are then copied out
+        of the slots that exist, as in a directory with no room."""
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._shortage = OSError(
+            errno.EMFILE,
+            f"no file descriptor left for another batch slot ({have} slots held, open-file limit "
+            f"{limit}): batches kept by the training loop hold their slots (two descriptors each); "
+            "keep fewer, or keep copies (tensor.clone(), array.copy()), or raise the limit (ulimit -n)",
+        )
+        if not self.limited:
+            log.warning(
+                "%s; continuing with %d slot(s), and batches are copied out of shared memory", self._shortage, have
+            )
+        self.limited = True
+
     def try_acquire(self) -> int | None:
         """A free slot index (a new slot if all are held), or None when no slot is free and the
         shared-memory directory has no room for another (then :meth:`shortage` says why)."""
@@ -235,9 +265,11 @@ class SlotRing:
             raise self.shortage()
         return i
 
-    def shortage(self) -> SharedMemoryError:
+    def shortage(self) -> OSError:
         """The error of the last failed reservation (for a caller that cannot wait for a slot;
-        called after :meth:`try_acquire` gave None, which only a failed reservation does)."""
+        called after :meth:`try_acquire` gave None, which only a failed reservation does): a
+        :class:`~stoker.errors.SharedMemoryError`, or an ``OSError`` (EMFILE) when the process ran
+        out of file descriptors."""
         assert self._shortage is not None, "no slot reservation has failed"
         return self._shortage
 

@@ -324,7 +324,8 @@ def measure_bytes_only(cfg: IoConfig, workdir: str) -> dict:
 
     if cfg.bytes_only_files <= 0:
         return {"exception": "not measured (bytes_only_files=0)"}
-    _log("bytes only: steady state of stoker, a torch DataLoader, DLIO and the floor")
+    peers = "a torch DataLoader, DLIO" if cfg.dlio else "a torch DataLoader (DLIO off)"
+    _log(f"bytes only: steady state of stoker, {peers} and the floor; samples and caches in {workdir}")
     return run_bytes_only(
         BytesOnlyConfig(
             files=cfg.bytes_only_files,

@@ -142,35 +142,39 @@ def _layout(leaves: list) -> tuple[list, int]:
 def rebuild(tree, specs, buf: np.ndarray, rest=()):
     """The batch described by ``tree``/``specs``/``rest`` (:func:`flatten`) with its arrays as
     views over ``buf`` (uint8, the slot): numpy arrays, and torch tensors where the worker's were
-    tensors; ``rest``: the batch's other leaves, unpickled (filled into, not copied)."""
+    tensors; ``rest``: the batch's other leaves, unpickled (filled into, not copied).
 
-    def build(node):
-        kind = node[0]
-        if kind in ("np", "pt"):
-            dt, shape, off = specs[node[1]]
-            dt = np.dtype(dt)
-            n = math.prod(shape) * dt.itemsize  # Python ints: numpy's prod costs ~5 us a call
-            arr = buf[off : off + n].view(dt).reshape(shape) if n else np.empty(shape, dt)
-            if kind == "pt":
-                import torch
+    Plain recursion, no closure: a nested function that calls itself is a reference cycle, and
+    one holding ``buf`` kept the slot from its release (:meth:`stoker.loader.shm.SlotRing.hold`)
+    until Python's cycle collector ran, never with ``gc.disable()``."""
+    return _build(tree, specs, buf, rest)
 
-                return torch.from_numpy(arr)
-            return arr
-        if kind == "obj":
-            return rest[node[1]]
-        if kind == "dict":
-            return {k: build(v) for k, v in node[1]}
-        if kind == "dictof":  # a dict subclass: its empty copy, filled
-            d = rest[node[1]]
-            for k, v in node[2]:
-                d[k] = build(v)
-            return d
-        if kind == "named":
-            return rest[node[1]]._make(build(v) for v in node[2])
-        items = [build(v) for v in node[1]]
-        return tuple(items) if kind == "tuple" else items
 
-    return build(tree)
+def _build(node, specs, buf: np.ndarray, rest):
+    kind = node[0]
+    if kind in ("np", "pt"):
+        dt, shape, off = specs[node[1]]
+        dt = np.dtype(dt)
+        n = math.prod(shape) * dt.itemsize  # Python ints: numpy's prod costs ~5 us a call
+        arr = buf[off : off + n].view(dt).reshape(shape) if n else np.empty(shape, dt)
+        if kind == "pt":
+            import torch
+
+            return torch.from_numpy(arr)
+        return arr
+    if kind == "obj":
+        return rest[node[1]]
+    if kind == "dict":
+        return {k: _build(v, specs, buf, rest) for k, v in node[1]}
+    if kind == "dictof":  # a dict subclass: its empty copy, filled
+        d = rest[node[1]]
+        for k, v in node[2]:
+            d[k] = _build(v, specs, buf, rest)
+        return d
+    if kind == "named":
+        return rest[node[1]]._make([_build(v, specs, buf, rest) for v in node[2]])
+    items = [_build(v, specs, buf, rest) for v in node[1]]
+    return tuple(items) if kind == "tuple" else items
 
 
 class SlotWriter:

@@ -52,7 +52,7 @@ class _Watch:
     with ``fileno()`` (a Connection); any event (data, hang-up, error) makes a handle ready, as
     for ``wait``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._key: tuple = ()
         self._poll = select.poll()
         self._by_fd: dict[int, object] = {}

@@ -35,7 +35,7 @@ import pickle
 
 import numpy as np
 
-from ...collate import OnRaw, RawBatch, raw_bytes, raw_layout
+from ...collate import OnRaw, RawBatch, one_size, raw_bytes, raw_layout
 from ...errors import SampleFnError
 from .batches import ALIGN_BYTES, SlotWriter, fn_name
 from .batchread import read_batch
@@ -77,6 +77,10 @@ class RawBatchReader:
         collate = getattr(cfg, "collate", None)
         self._on_raw = collate if isinstance(collate, OnRaw) else None
         self._buf: bytearray | None = None
+        # the batches' form, decided once for every sample this loader reads (a subset's own):
+        # (N, L) when they all have one size, else flat, whatever sizes one batch happens to hold
+        ids = getattr(cfg, "sample_ids", None)
+        self._fixed = one_size(ds.index.length if ids is None else ds.index.length[ids])
 
     def run(self, ids, path: str, writer: SlotWriter, current=None) -> tuple[int, tuple]:
         """Read the samples ``ids`` (int64 (N,)) into the slot at ``path``: ``(N, reply)`` with the
@@ -121,7 +125,7 @@ class RawBatchReader:
         in bytes; the samples' payload lengths (int64 (N,)) and offsets (int64 (N + 1,))."""
         n = len(sids)
         lengths = self.ds.index.length[sids].astype(np.int64)
-        offsets, shape = raw_layout(lengths)
+        offsets, shape = raw_layout(lengths, self._fixed)
         at1 = _align(int(offsets[-1]))
         at2 = _align(at1 + (n + 1) * 8)
         at3 = _align(at2 + n * 8)
