@@ -43,12 +43,12 @@ def test_warm_epochs_show_no_origin_bytes_and_the_cold_epoch_shows_them_all(tiny
 
 
 def _slow_decode(fields, rng):
-    """A user decode that burns CPU (a few ms per sample), so its share of the workers' CPU shows."""
+    """A user decode that burns CPU (a few milliseconds per sample), so its share of the workers' CPU shows."""
     import numpy as np
 
     x = np.frombuffer(fields["jpg"] if "jpg" in fields else next(iter(fields.values())), np.uint8)
     acc = 0
-    for _ in range(20):
+    for _ in range(5):
         acc += int(np.sort(np.concatenate([x] * 4)).sum())
     return np.array([acc])
 
@@ -70,7 +70,7 @@ def test_decode_cpu_is_the_cpu_inside_the_decode(tiny_packed, tmp_path, workers,
         spent = st.cpu_s.get("workers" if workers else "main")
         if spent is not None:  # Linux: the decode's CPU is part of what its processes used
             assert st.decode_cpu_s <= spent + 0.05, (st.decode_cpu_s, st.cpu_s)
-            if user:  # milliseconds per sample of decode: most of the workers' CPU
+            if user and spent >= 0.1:  # ms per sample of decode, enough 10 ms clock ticks: most of the CPU
                 assert st.decode_cpu_s >= 0.5 * spent, (st.decode_cpu_s, st.cpu_s)
     from stoker.collate import raw_bytes
 
