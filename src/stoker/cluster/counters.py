@@ -13,9 +13,13 @@ source tag per block after the counters (:meth:`ByteCounters.tag`), cleared at e
 (:meth:`ByteCounters.clear_tags`). The bytes received are counted apart, in the ``fetch_*``
 fields: whole blocks (headers included) and single samples read from a source directly.
 
-The file's name carries the pid of the process that made it (``stoker-bytes-<pid>-*``). A rank
-killed before :meth:`ByteCounters.close` leaves its file behind; the next one made on the node
-removes the files of this user whose process is gone (:func:`sweep_stale`).
+The file is unlinked as soon as it is made, where this process's descriptors can be opened as
+``/proc/<pid>/fd/<fd>`` (as the batch slots, :mod:`stoker.loader.shm`): the processes of the rank
+reopen it by that path, and it goes with the process that made it, also one killed (a Ray worker
+ends by SIGKILL). Elsewhere it keeps its name, which carries the pid of the process that made it
+(``stoker-bytes-<pid>-*``): a rank killed before :meth:`ByteCounters.close` then leaves it behind,
+and the next one made on the node removes the files of this user whose process is gone
+(:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -77,12 +81,20 @@ class ByteCounters:
     """
 
     def __init__(self, path: str | None = None):
+        self._fd: int | None = None  # the maker's descriptor of an unlinked file (module docstring)
+        self._owner = os.getpid()
         if path is None:
+            from ..loader.shm import by_descriptor
+
             d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             sweep_stale(d)
             fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=d)
             os.write(fd, struct.pack(_FMT, *([0] * len(FIELDS))))
-            os.close(fd)
+            if by_descriptor(fd):
+                os.unlink(path)
+                self._fd, path = fd, f"/proc/{os.getpid()}/fd/{fd}"
+            else:
+                os.close(fd)
         self.path = path
 
     def add(self, **counts: int) -> None:
@@ -152,6 +164,16 @@ class ByteCounters:
             return dict(zip(FIELDS, struct.unpack(_FMT, f.read(_HEADER))))
 
     def close(self) -> None:
+        """Remove the file: close the maker's descriptor of an unlinked one (in the process that
+        made it; a copy elsewhere does nothing), or unlink a named one. Idempotent."""
+        if self._fd is not None:
+            if os.getpid() == self._owner:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None
+            return
+        if self.path.startswith("/proc/"):  # another process's unlinked file: its maker's to close
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
