@@ -24,15 +24,9 @@ import subprocess
 import sys
 import tempfile
 
+from index_bench import rss_bytes  # this folder is on sys.path: the script's own (benchmarks/)
+
 STEPS = ("pack", "writer", "open", "fork", "spawn")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _pss_bytes(pid: int) -> int:
@@ -58,7 +52,7 @@ def make_parquet(path: str, n: int) -> None:
 def step_pack(work: str, n: int) -> dict:
     import stoker
 
-    base = _rss_bytes()
+    base = rss_bytes()
     dst = f"{work}/packed"
     shutil.rmtree(dst, ignore_errors=True)
     res = stoker.pack(f"{work}/src.parquet", dst, source="parquet", options=stoker.PackOptions(column="data"))
@@ -69,7 +63,7 @@ def step_pack(work: str, n: int) -> dict:
 def step_writer(work: str, n: int) -> dict:
     import stoker
 
-    base = _rss_bytes()
+    base = rss_bytes()
     dst = f"{work}/written"
     shutil.rmtree(dst, ignore_errors=True)
     with stoker.Writer(dst) as w:
@@ -90,9 +84,9 @@ def step_open(work: str, n: int) -> dict:
     for name in ("packed", "written"):
         if not os.path.exists(f"{work}/{name}/index.parquet"):
             continue
-        before = _rss_bytes()
+        before = rss_bytes()
         ds = stoker.open_dataset(f"{work}/{name}", cache=False)
-        out[f"{name}_index_rss_per_sample"] = (_rss_bytes() - before) / len(ds)
+        out[f"{name}_index_rss_per_sample"] = (rss_bytes() - before) / len(ds)
         del ds
     return out
 
