@@ -196,7 +196,12 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
         cluster=ClusterOptions(placement="random", seed=3, job="kill", retry_s=0.2, timeout_s=180),
     )
     _job_ids_ok(res, n)  # every sample exactly once in both epochs despite the kill
-    assert _sum(res, 0, "fallbacks") >= 1 and _sum(res, 0, "origin_bytes") > 0
+    killer = next(r for r in res if r["rank"] == 0)
+    if killer["node_id"] != victim:  # rank 0 reads the victim's blocks from it after the kill: some fall back
+        # (Ray may place rank 0 on the victim's node, whose blocks it reads from its own node cache, and the
+        # other ranks, unsynchronised, may be past their reads of the victim's blocks when it dies)
+        assert _sum(res, 0, "fallbacks") >= 1, [(r["rank"], r["node_id"], r["epochs"][0]["warnings"]) for r in res]
+    assert _sum(res, 0, "origin_bytes") > 0
     assert find_services()[victim]["pid"] != pid_before  # restarted
     # epoch 1: the restarted service serves its blocks again (from its cache files), no fallbacks
     why = [(r["rank"], r["epochs"][1]["warnings"], r["epochs"][0]["end"]) for r in res]
