@@ -63,7 +63,9 @@ def test_io_bench_report(tmp_path):
         assert s["bytes"] > 0 and _positive(s["cpu_s_per_GB"]) and _positive(s["GBps"]), s
         assert _positive(s["floor"]["cpu_s_per_GB"]) and _positive(s["ratio"]), s
         assert s["floor"]["what"]
-    assert _positive(r["origin_to_cache_cpu_s_per_GB"]) and _positive(r["emulated_origin_cpu_s_per_GB"])
+    assert _positive(r["origin_to_cache_cpu_s_per_GB"])
+    # the emulated origin's CPU is read in 10 ms clock ticks: 48 small images can cost it less than one
+    assert r["emulated_origin_cpu_s_per_GB"] >= 0.0
     link = r["link_floor"]  # the prefetcher's floor: the same blocks over the same link, twice
     assert len(link["runs"]) == 2 and link["runs"][0]["bytes"] == link["runs"][1]["bytes"] >= r["dataset"]["bytes"]
     pf = next(s for s in r["stages"] if s["stage"] == "origin->cache (prefetcher, cold epoch)")
