@@ -5,7 +5,6 @@ thread to 10 ms). A fresh Loader and cache per epoch, as the cold epoch of `stok
 
 Usage: python io_prefetch_threads.py EPOCHS LATENCY_MS BANDWIDTH_MBPS [DATA_DIR]. Data: DATA_DIR/train
 (default /tmp/stoker-bench-io/data, the tree `stoker bench io` makes)."""
-
 import os
 import shutil
 import sys
@@ -35,14 +34,8 @@ def main(epochs: int, lat: float, bw: float, data: str = "/tmp/stoker-bench-io/d
     with LocalS3Origin(latency_ms=lat, bandwidth_MBps=bw) as origin:
         url = origin.url("packed/train")
         upload_tree(f"{data}/train", origin.url("raw/train"), origin.storage_options(False))
-        pack(
-            origin.url("raw/train"),
-            url,
-            shard_bytes=16 << 20,
-            overwrite=True,
-            storage_options=origin.storage_options(False),
-            progress=False,
-        )
+        pack(origin.url("raw/train"), url, shard_bytes=16 << 20, overwrite=True,
+             storage_options=origin.storage_options(False), progress=False)
         tot = {"prefetch": 0.0, "bytes": 0, "main_thr": 0.0, "other_thr": 0.0, "reqs": 0}
         for e in range(epochs):
             cdir = f"/tmp/stoker-prefetch-threads/cache{os.getpid()}_{e}"
@@ -69,18 +62,13 @@ def main(epochs: int, lat: float, bw: float, data: str = "/tmp/stoker-bench-io/d
                 if k != str(pid):
                     by_name[n] = by_name.get(n, 0.0) + v
             print("  threads by name:", {n: round(v, 3) for n, v in sorted(by_name.items())}, flush=True)
-            print(
-                f"epoch {e}: {s.seconds:.2f}s first {s.first_batch_s:.2f} origin {s.origin_bytes / 1e6:.1f}MB "
-                f"reqs {s.origin_requests} cpu {s.cpu_s} threads main {main_s:.3f} other {other_s:.3f} "
-                f"n={len(thr)}",
-                flush=True,
-            )
+            print(f"epoch {e}: {s.seconds:.2f}s first {s.first_batch_s:.2f} origin {s.origin_bytes / 1e6:.1f}MB "
+                  f"reqs {s.origin_requests} cpu {s.cpu_s} threads main {main_s:.3f} other {other_s:.3f} "
+                  f"n={len(thr)}", flush=True)
             shutil.rmtree(cdir, ignore_errors=True)
         gb = tot["bytes"] / 1e9
-        print(
-            f"RESULT prefetch_cpu_s_per_GB {tot['prefetch'] / gb:.2f} (threads over the epochs: main "
-            f"{tot['main_thr'] / gb:.2f} other {tot['other_thr'] / gb:.2f} CPU-s/GB) reqs {tot['reqs']}"
-        )
+        print(f"RESULT prefetch_cpu_s_per_GB {tot['prefetch'] / gb:.2f} (threads over the epochs: main "
+              f"{tot['main_thr'] / gb:.2f} other {tot['other_thr'] / gb:.2f} CPU-s/GB) reqs {tot['reqs']}")
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ if __name__ == "__main__":
                 o0 = process_cpu_s(origin.pid)
                 p = (
                     subprocess.Popen(
-                        [spy, "record", "-r", "200", "-f", "raw", "-o", f"{out}.{e}.txt", "--pid", str(pid)]
-                        + os.environ.get("SPY_ARGS", "").split(),
+                        [spy, "record", "-r", "200", "-f", "raw", "-o", f"{out}.{e}.txt", "--pid", str(pid)] + os.environ.get("SPY_ARGS", "").split(),
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                     )
