@@ -84,15 +84,14 @@ class ByteCounters:
         self._fd: int | None = None  # the maker's descriptor of an unlinked file (module docstring)
         self._owner = os.getpid()
         if path is None:
-            from ..loader.shm import by_descriptor
+            from ..loader.shm import unlink_to_descriptor
 
             d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             sweep_stale(d)
             fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=d)
             os.write(fd, struct.pack(_FMT, *([0] * len(FIELDS))))
-            if by_descriptor(fd):
-                os.unlink(path)
-                self._fd, path = fd, f"/proc/{os.getpid()}/fd/{fd}"
+            if (unlinked := unlink_to_descriptor(fd, path)) is not None:
+                self._fd, path = fd, unlinked
             else:
                 os.close(fd)
         self.path = path

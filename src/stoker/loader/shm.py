@@ -373,6 +373,16 @@ def by_descriptor(fd: int) -> bool:
     return True
 
 
+def unlink_to_descriptor(fd: int, name: str) -> str | None:
+    """Where other processes of this user can open ``fd`` as ``/proc/<pid>/fd/<fd>``
+    (:func:`by_descriptor`): unlink the file's ``name`` and return that path, so the file goes with
+    this process's descriptor (also when the process is killed); else None, the name kept."""
+    if not by_descriptor(fd):
+        return None
+    os.unlink(name)
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
 def _release(names: list[str], fds: list[int], pid: int) -> None:
     """Unlink the slot files still linked and close the open ones (a ring's finalizer). Nothing
     in a process forked from the ring's (at its exit): the files are its parent's."""

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..shm import by_descriptor, shm_base
+from ..shm import shm_base, unlink_to_descriptor
 
 __all__ = ["MIN_SHARED_BYTES", "SharedPickle", "share"]
 
@@ -119,10 +119,8 @@ def _create() -> tuple[int | None, str, str | None]:
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError:
         return None, "", None
-    if by_descriptor(fd):
-        os.unlink(name)
-        return fd, f"/proc/{os.getpid()}/fd/{fd}", None
-    return fd, name, name
+    path = unlink_to_descriptor(fd, name)
+    return (fd, path, None) if path is not None else (fd, name, name)
 
 
 def _release(fd: int | None, name: str | None, pid: int) -> None:
