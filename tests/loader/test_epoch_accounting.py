@@ -65,13 +65,16 @@ def test_decode_cpu_is_the_cpu_inside_the_decode(tiny_packed, tmp_path, workers,
         for _ in range(2):
             for _ in loader:
                 pass
-    for st in loader.history:
-        assert st.decode_cpu_s > 0, st
-        spent = st.cpu_s.get("workers" if workers else "main")
-        if spent is not None:  # Linux: the decode's CPU is part of what its processes used
-            assert st.decode_cpu_s <= spent + 0.05, (st.decode_cpu_s, st.cpu_s)
-            if user and spent >= 0.1:  # ms per sample of decode, enough 10 ms clock ticks: most of the CPU
-                assert st.decode_cpu_s >= 0.5 * spent, (st.decode_cpu_s, st.cpu_s)
+    assert all(st.decode_cpu_s > 0 for st in loader.history), loader.history
+    # summed over the epochs: a decode done early for the next epoch counts in the next epoch's
+    # counters but in this epoch's process CPU, so one epoch's two figures may differ either way
+    decoded = sum(st.decode_cpu_s for st in loader.history)
+    spents = [st.cpu_s.get("workers" if workers else "main") for st in loader.history]
+    if None not in spents:  # Linux: the decode's CPU is part of what its processes used
+        spent = sum(spents)
+        assert decoded <= spent + 0.05, (decoded, spents)
+        if user and spent >= 0.1:  # ms per sample of decode, enough 10 ms clock ticks: most of the CPU
+            assert decoded >= 0.5 * spent, (decoded, spents)
     from stoker.collate import raw_bytes
 
     with Loader(ds, 8, num_workers=workers, seed=1, collate=raw_bytes) as raw:
