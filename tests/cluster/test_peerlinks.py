@@ -40,12 +40,12 @@ class _Blocks:
             return True
         if b % 2:
             return False
+        self._note(b)  # before the reply, as in serve
         fd = os.open(self.path, os.O_RDONLY)
         try:
             reply.file(pw.FROM_CACHE, fd, b * (1 << 16) + start, stop - start)
         finally:
             os.close(fd)
-        self._note(b)
         return True
 
     def serve(self, op, key, b, start, stop, prior, wait_s, reply):
@@ -55,8 +55,8 @@ class _Blocks:
         time.sleep(self.fill_s)
         with self.lock:
             self.filling -= 1
+        self._note(b)  # before the reply: the client may look at ``order`` as soon as it has its bytes
         reply.data(pw.FROM_ORIGIN, BLOCKS[b][start:stop])
-        self._note(b)
 
     def open(self, dref):
         return KEY

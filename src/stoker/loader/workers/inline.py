@@ -26,6 +26,10 @@ __all__ = ["DecodeThread", "InlineLoop"]
 
 _THREAD_IDS = itertools.count()
 
+#: how long :meth:`DecodeThread.close` waits for the thread to end its batch, in seconds (a
+#: batch's decode takes well under a second; a thread still busy after this is left)
+CLOSE_WAIT_S = 10.0
+
 
 class _Cell:
     """The sample id a decode thread is on (-1: none), as the decoders publish it (``.value``)."""
@@ -132,11 +136,22 @@ class DecodeThread:
             raise job.error
         return job.result
 
-    def close(self) -> None:
-        """Stop the thread when it has ended its batch (a stuck one is left: a daemon)."""
-        if self._jobs is not None:
-            self._jobs.put(None)
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop the thread when it has ended its batch, and wait at most ``wait_s`` seconds for it
+        to end (a stuck one is left: a daemon).
+
+        The wait matters at exit. A job that never calls ``close()`` is closed by the exit hook
+        (loader/loader.py), just before the interpreter finalizes. A thread that ended after that
+        would free its thread-local torch tensors (decode/resample.py's scratch buffers) when
+        Python no longer lets a thread take the GIL: glibc then unwinds it through torch's C++
+        and the process aborts ("terminate called without an active exception").
+        """
+        thread, jobs = self._thread, self._jobs
         self._thread = self._jobs = None
+        if jobs is not None:
+            jobs.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
 
 class InlineLoop:
