@@ -103,7 +103,6 @@ def test_a_half_iterated_epoch_at_exit_prints_nothing(packed_local, tmp_path):
         assert done.stderr.strip() == "", (workers, done.stderr)
 
 
-
 def _close_after_an_interrupted_wait() -> dict:
     """A decode thread whose wait a Ctrl-C interrupted (its batch goes on for 1 s), then closed."""
     import threading
