@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import IndexFormatError  # noqa: F401 - re-exported
+from .arrownp import to_numpy
 
 IndexError_ = IndexFormatError  # the old name, kept importable
 
@@ -332,13 +333,13 @@ def _fields_digest_chunks(field_arr: pa.Array, fields_arr: pa.Array) -> Iterator
         yield bytes(memoryview(arr.buffers()[2] or b"")[offs[0] : offs[-1]])
 
     yield from strings(field_arr)
-    counts = pc.fill_null(pc.list_value_length(fields_arr), 0).to_numpy(zero_copy_only=False)
+    counts = to_numpy(pc.list_value_length(fields_arr), null=0)
     yield np.asarray(counts, dtype=np.int64).tobytes()
     flat = fields_arr.flatten()
     if len(flat):
         yield from strings(flat.field("name"))
         for name, dt in (("offset", np.int64), ("length", np.int64), ("checksum", np.uint64)):
-            yield np.asarray(flat.field(name).to_numpy(zero_copy_only=False), dtype=dt).tobytes()
+            yield np.asarray(to_numpy(flat.field(name)), dtype=dt).tobytes()
 
 
 def table_to_bytes(table: pa.Table) -> bytes:
@@ -360,9 +361,9 @@ def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list[str], Member
     """Decode the ``field``/``fields`` columns into codes, a name table and flat :class:`Members`."""
     prim = pc.cast(table.column("field"), pa.string()).combine_chunks().dictionary_encode()
     names = [str(s) for s in prim.dictionary.to_pylist()]
-    codes = prim.indices.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    codes = to_numpy(prim.indices).astype(np.int32, copy=False)
     col = table.column("fields").combine_chunks()
-    counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    counts = to_numpy(pc.list_value_length(col), null=0).astype(np.int64)
     if not counts.sum():
         return codes, names, None
     flat = col.flatten()
@@ -375,10 +376,10 @@ def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list[str], Member
     name_codes = pc.index_in(fnames, value_set=pa.array(names, type=pa.string()))
     members = Members(
         start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        name=name_codes.to_numpy(zero_copy_only=False).astype(np.int32),
-        offset=flat.field("offset").to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        length=flat.field("length").to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        checksum=flat.field("checksum").to_numpy(zero_copy_only=False).astype(np.uint64, copy=False),
+        name=to_numpy(name_codes).astype(np.int32),
+        offset=to_numpy(flat.field("offset")).astype(np.int64, copy=False),
+        length=to_numpy(flat.field("length")).astype(np.int64, copy=False),
+        checksum=to_numpy(flat.field("checksum")).astype(np.uint64, copy=False),
     )
     return codes, names, members
 
@@ -488,13 +489,13 @@ def _read_columns(pf: pq.ParquetFile, named: bool) -> dict[str, Any]:
     for batch in pf.iter_batches(batch_size=INDEX_ROWS_PER_GROUP, columns=wanted, use_threads=False):
         for c in wanted:
             col = batch.column(c)
-            parts[c].append(col.to_numpy().astype(np.int64, copy=False) if c in ints and c != "checksum" else col)
+            parts[c].append(to_numpy(col).astype(np.int64, copy=False) if c in ints and c != "checksum" else col)
         del batch
     out: dict[str, Any] = {
         c: np.concatenate(parts.pop(c)) if parts[c] else np.zeros(0, np.int64) for c in ints if c != "checksum"
     }
     ck = parts.pop("checksum")
-    out["checksum"] = np.concatenate([c.to_numpy() for c in ck]) if ck else np.zeros(0, np.uint64)
+    out["checksum"] = np.concatenate([to_numpy(c) for c in ck]) if ck else np.zeros(0, np.uint64)
     keys = parts.pop("key")
     out["key"] = pa.chunked_array(keys, type=pf.schema_arrow.field("key").type).combine_chunks()
     if named:

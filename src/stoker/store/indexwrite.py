@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import SourceError
+from .arrownp import from_bools, from_numpy, from_strings, to_numpy
 from .index import (
     FORMAT_VERSION,
     INDEX_ROWS_PER_GROUP,
@@ -102,41 +103,7 @@ def _first_seen(groups: Iterator[tuple[int, int]], codes: Callable, values: pa.A
             break
     remap = np.zeros(max(len(values), 1), np.int32)
     remap[first] = np.arange(len(first), dtype=np.int32)
-    return remap, values.take(_arrow(np.array(first, np.int64)))
-
-
-#: Arrow's types of the numpy dtypes the index's columns are gathered in.
-_ARROW_TYPES = {
-    np.dtype(np.int32): pa.int32(),
-    np.dtype(np.int64): pa.int64(),
-    np.dtype(np.uint64): pa.uint64(),
-}
-
-
-def _arrow(arr: np.ndarray) -> pa.Array:
-    """A numpy array of int32, int64 or uint64 as an Arrow array over the same bytes. Built from
-    its buffer: ``pa.array`` and ``Array.to_numpy`` import pandas where it is installed (+30 MB of
-    RSS in a process that never needed it)."""
-    arr = np.ascontiguousarray(arr)
-    return pa.Array.from_buffers(_ARROW_TYPES[arr.dtype], len(arr), [None, pa.py_buffer(arr)])
-
-
-def _bools(mask: np.ndarray) -> pa.Array:
-    """A numpy bool array as an Arrow boolean array (bits, least significant first)."""
-    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])
-
-
-def _numpy(arr: pa.Array, dtype) -> np.ndarray:
-    """The values of a primitive Arrow array without nulls as a numpy view (see :func:`_arrow`)."""
-    return np.frombuffer(arr.buffers()[1], dtype)[arr.offset : arr.offset + len(arr)]
-
-
-def _string_array(values: list[str]) -> pa.Array:
-    """A few strings (field or class names) as an Arrow string array (see :func:`_arrow`)."""
-    data = [v.encode("utf-8") for v in values]
-    offsets = np.zeros(len(data) + 1, np.int32)
-    np.cumsum([len(d) for d in data], out=offsets[1:])
-    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
+    return remap, values.take(from_numpy(np.array(first, np.int64)))
 
 
 def _view(arr, dtype) -> np.ndarray:
@@ -156,7 +123,7 @@ class _Sorted:
         # from the C allocator, so that the sort's scratch goes back to the system once freed
         order = pc.sort_indices(self.keys, memory_pool=pa.system_memory_pool())
         # int32 where it fits: 4 bytes per sample held through every pass, not 8
-        self.order: np.ndarray = _numpy(order, np.uint64).astype(np.int32 if len(rows) < 2**31 else np.int64)
+        self.order: np.ndarray = to_numpy(order).astype(np.int32 if len(rows) < 2**31 else np.int64)
         del order
         self.member_end = _view(rows.member_end, np.int64)
         self.cols = {"shard": _view(rows.shard, np.int32), "name": _view(rows.name, np.int32)}
@@ -166,9 +133,9 @@ class _Sorted:
         lookup: dict[str, int] = {}  # class name -> code, rows order (no string of N built)
         self.class_rows = np.fromiter((lookup.setdefault(c, len(lookup)) for c in class_names), np.int32, len(rows))
         self.class_remap, self.class_dict = _first_seen(
-            self.groups(), lambda a, b: self.class_rows[self.order[a:b]], _string_array(list(lookup))
+            self.groups(), lambda a, b: self.class_rows[self.order[a:b]], from_strings(list(lookup))
         )
-        self.names = _string_array(rows.names)
+        self.names = from_strings(rows.names)
         self.name_len = np.array([len(n.encode("utf-8")) for n in rows.names] or [0], np.int64)
         self.field_remap, self.field_dict = _first_seen(self.groups(), self.primary_names, self.names)
 
@@ -205,7 +172,7 @@ class _Sorted:
         raise SourceError(f"{url}: duplicate key {key!r} (in {a} and {b}): every sample needs its own key")
 
     def key_chunk(self, a: int, b: int) -> pa.Array:
-        return self.keys.take(_arrow(self.order[a:b]))
+        return self.keys.take(from_numpy(self.order[a:b]))
 
     def first(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(each sample's first member row, its count of other members) for sorted rows a..b."""
@@ -226,7 +193,7 @@ class _Sorted:
 
     def name_bytes(self, codes: np.ndarray) -> bytes:
         """The UTF-8 bytes of the field names of ``codes`` (codes into ``rows.names``), back to back."""
-        return _string_bytes(self.names.take(_arrow(codes)))
+        return _string_bytes(self.names.take(from_numpy(codes)))
 
     def picks(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(list offsets (rows + 1,), member rows) of the other members of sorted rows a..b."""
@@ -244,27 +211,27 @@ class _Sorted:
             c = self.cols
             members = pa.StructArray.from_arrays(
                 [
-                    self.names.take(_arrow(c["name"][pick])),
-                    *(_arrow(c[name][pick]) for name in ("offset", "length", "checksum")),
+                    self.names.take(from_numpy(c["name"][pick])),
+                    *(from_numpy(c[name][pick]) for name in ("offset", "length", "checksum")),
                 ],
                 fields=list(MEMBER_TYPE),
             )
-            fields = pa.ListArray.from_arrays(_arrow(offsets), members, mask=_bools(extra == 0))
+            fields = pa.ListArray.from_arrays(from_numpy(offsets), members, mask=from_bools(extra == 0))
         else:
             fields = pa.nulls(b - a, pa.list_(MEMBER_TYPE))
         columns = {
-            "sample_id": _arrow(np.arange(a, b, dtype=np.int64)),
+            "sample_id": from_numpy(np.arange(a, b, dtype=np.int64)),
             "key": self.key_chunk(a, b),
-            "label": _arrow(self.column("label", a, b)),
+            "label": from_numpy(self.column("label", a, b)),
             "class_name": pa.DictionaryArray.from_arrays(
-                _arrow(self.class_remap[self.class_rows[self.order[a:b]]]), self.class_dict
+                from_numpy(self.class_remap[self.class_rows[self.order[a:b]]]), self.class_dict
             ),
-            "shard": _arrow(self.column("shard", a, b).astype(np.int32)),
+            "shard": from_numpy(self.column("shard", a, b).astype(np.int32)),
         }
         for name, dt in (("offset", np.int64), ("length", np.int64), ("checksum", np.uint64)):
-            columns[name] = _arrow(self.column(name, a, b).astype(dt, copy=False))
+            columns[name] = from_numpy(self.column(name, a, b).astype(dt, copy=False))
         columns["field"] = pa.DictionaryArray.from_arrays(
-            _arrow(self.field_remap[self.primary_names(a, b)]), self.field_dict
+            from_numpy(self.field_remap[self.primary_names(a, b)]), self.field_dict
         )
         columns["fields"] = fields
         return pa.table(columns, schema=SCHEMA)

@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import IndexFormatError
+from .arrownp import from_numpy, from_strings, to_numpy
 from .index import DatasetIndex, index_array_bytes
 
 __all__ = ["KeyTable", "SampleRecord", "hash_keys"]
@@ -102,9 +103,9 @@ class KeyTable:
 
     def _check_unique_and_order(self) -> None:
         n = len(self.keys)
-        order = pc.sort_indices(self.keys).to_numpy().astype(np.int64)
-        sk = self.keys.take(pa.array(order))
-        same = pc.equal(sk.slice(0, n - 1), sk.slice(1)).to_numpy(zero_copy_only=False)
+        order = to_numpy(pc.sort_indices(self.keys)).astype(np.int64)
+        sk = self.keys.take(from_numpy(order))
+        same = to_numpy(pc.equal(sk.slice(0, n - 1), sk.slice(1)), null=False)
         if same.any():
             j = int(np.argmax(same))
             a, b = sorted((int(order[j]), int(order[j + 1])))
@@ -206,7 +207,7 @@ class KeyTable:
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             bad = ids[(ids < 0) | (ids >= len(self))][0]
             raise IndexError(f"sample id {int(bad)} out of range for {len(self)} samples")
-        return self.keys.take(pa.array(ids))
+        return self.keys.take(from_numpy(ids))
 
     # -- lookups by key -----------------------------------------------------
     def prepare(self) -> KeyTable:
@@ -247,7 +248,7 @@ class KeyTable:
         if isinstance(keys, pa.ChunkedArray):
             keys = keys.combine_chunks()
         if not isinstance(keys, pa.Array):
-            keys = pa.array(keys, type=pa.string())
+            keys = from_strings(keys)
         keys, offsets, data = _string_buffers(keys)
         t = self._key_table()
         m = len(keys)
@@ -279,8 +280,8 @@ class KeyTable:
                 if not rows.size:
                     break
                 cand = t.ids[pos].astype(np.int64)
-                same = pc.equal(self.keys.take(pa.array(cand)), keys.take(pa.array(rows)))
-                same = same.to_numpy(zero_copy_only=False)
+                same = pc.equal(self.keys.take(from_numpy(cand)), keys.take(from_numpy(rows)))
+                same = to_numpy(same, null=False)
                 out[rows[same]] = cand[same]
                 found[rows[same]] = True
                 rows, pos = rows[~same], pos[~same] + 1
