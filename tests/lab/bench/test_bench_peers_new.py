@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -156,3 +157,50 @@ def test_a_failed_run_is_run_again_and_the_failure_kept():
     runs = iter([([epoch], None), ([], "timed out")])  # every try fails: the last one is reported
     rows, why, failed = read_with_retries(lambda: next(runs), epochs=2, retries=1)
     assert rows == [] and why == "ran 0 of 2 epochs; timed out" and len(failed) == 1
+
+
+#: A parent that lets the kernel reap its children (SIGCHLD ignored, as Ray's raylet does), with
+#: a child that burns 0.5 s of CPU and then waits to be killed.
+_UNREAPED = """
+import os, signal, sys, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    t = time.process_time()
+    while time.process_time() - t < 0.5:
+        pass
+    print("burnt", flush=True)
+    while True:
+        signal.pause()
+sys.stdin.readline()
+"""
+
+
+def test_tree_cpu_does_not_go_negative_when_a_child_ends_unreaped():
+    """The tree's CPU between two snapshots, across a child that ended without a reap inside
+    the tree: the plain difference of the sums lost the child's whole past (negative); the
+    delta counts it as 0 and flags the epoch's figure as a lower bound."""
+    runner = _runner_module("stoker")._runner
+    tick = os.sysconf("SC_CLK_TCK")
+    p = subprocess.Popen([sys.executable, "-c", _UNREAPED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "burnt"
+        before = runner.tree_ticks(p.pid)
+        (child,) = [k for k in before if k[0] != p.pid]
+        (parent,) = [k for k in before if k[0] == p.pid]
+        os.kill(child[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while child in runner.tree_ticks(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        after = runner.tree_ticks(p.pid)
+        assert parent in after and child not in after
+        plain = (sum(map(sum, after.values())) - sum(map(sum, before.values()))) / tick
+        seconds, unaccounted = runner.tree_cpu_delta_s(before, after)
+        assert plain <= -0.4  # what the bench used to report
+        assert 0 <= seconds < 0.3 and unaccounted >= 0.4
+        # had the parent reaped it, its ticks would have moved into the parent's: exact, nothing flagged
+        reaped = {parent: (before[parent][0], before[parent][1] + sum(before[child]))}
+        assert runner.tree_cpu_delta_s(before, reaped) == (0.0, 0.0)
+    finally:
+        p.stdin.close()
+        p.wait(30)

@@ -15,8 +15,11 @@ the same code. A runner is a script ``run_<loader>.py`` that calls :func:`main` 
 
 CPU is counted over the runner's whole process tree (itself, its workers, their children, and
 the children already reaped: ``/proc/<pid>/stat`` utime+stime+cutime+cstime of every live
-process in the tree; the runner makes itself a child subreaper so orphans stay in it). The
-emulated origin's CPU is measured separately from its pid, never charged to a loader.
+process in the tree; the runner makes itself a child subreaper so orphans stay in it). A process
+that ended without being reaped inside the tree takes its CPU out of the count: an epoch's
+``cpu_s`` is then a lower bound, flagged by a positive ``cpu_unaccounted_s``
+(:func:`tree_cpu_delta_s`). The emulated origin's CPU is measured separately from its pid,
+never charged to a loader.
 """
 
 from __future__ import annotations
@@ -51,12 +54,14 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def tree_cpu_s(root: int | None = None) -> float:
-    """CPU seconds (user+system) of process ``root`` (default: this one) and all its descendants,
-    including children they have reaped. 0.0 where /proc is missing."""
+def tree_ticks(root: int | None = None) -> dict[tuple[int, int], tuple[int, int]]:
+    """Process ``root`` (default: this one) and all its descendants, live now:
+    ``{(pid, start time): (own ticks, reaped children's ticks)}`` (``/proc/<pid>/stat``
+    utime+stime and cutime+cstime, in clock ticks; the start time tells a reused pid apart).
+    Empty where /proc is missing."""
     root = os.getpid() if root is None else root
     children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
+    rows: dict[int, tuple[int, int, int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -65,13 +70,42 @@ def tree_cpu_s(root: int | None = None) -> float:
             continue
         pid, ppid = int(name), int(f[1])
         children.setdefault(ppid, []).append(pid)
-        ticks[pid] = int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
-    total, todo = 0, [root]
+        rows[pid] = (int(f[19]), int(f[11]) + int(f[12]), int(f[13]) + int(f[14]))
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    todo = [root]
     while todo:
         pid = todo.pop()
-        total += ticks.get(pid, 0)
+        if pid in rows:
+            start, own, reaped = rows[pid]
+            out[(pid, start)] = (own, reaped)
         todo.extend(children.get(pid, ()))
-    return total / _TICK
+    return out
+
+
+def tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds (user+system) of process ``root`` (default: this one) and all its descendants,
+    including children they have reaped. 0.0 where /proc is missing."""
+    return sum(own + reaped for own, reaped in tree_ticks(root).values()) / _TICK
+
+
+def tree_cpu_delta_s(before: dict, after: dict) -> tuple[float, float]:
+    """The tree's CPU seconds between two :func:`tree_ticks`, and how much of it is a lower bound.
+
+    A process of ``before`` gone by ``after`` took its ticks out of the tree's sum; its parent
+    put them back, and those it used since, when it reaped it (cutime). A parent that lets the
+    kernel reap its children (SIGCHLD ignored: Ray's raylet does so with its workers) puts
+    nothing back, and the plain difference of the sums lost them, down to a negative figure.
+    Returns ``(seconds, unaccounted_s)``: the difference with the ticks such processes had in
+    ``before`` added back, so that they count as 0 rather than minus their past, and those
+    added ticks in seconds. With ``unaccounted_s`` 0.0 (every process that ended was reaped
+    inside the tree) ``seconds`` is exact; otherwise it is a lower bound (what those processes
+    used after ``before`` is not known).
+    """
+    total = lambda ticks: sum(own + reaped for own, reaped in ticks.values())  # noqa: E731
+    gone = sum(own + reaped for k, (own, reaped) in before.items() if k not in after)
+    reaped_since = sum(after[k][1] - before[k][1] for k in before.keys() & after.keys())
+    lost = max(0, gone - reaped_since)  # ticks of ended processes nobody in the tree reaped
+    return (total(after) - total(before) + lost) / _TICK, lost / _TICK
 
 
 def process_cpu_s(pid: int | None) -> float:
@@ -102,14 +136,16 @@ def subreaper() -> None:
 class _Snapshot:
     def __init__(self, cfg: dict):
         self.t = time.perf_counter()
-        self.cpu = tree_cpu_s()
+        self.ticks = tree_ticks()
         self.origin_cpu = process_cpu_s(cfg.get("origin_pid"))
         self.stats = origin_stats(cfg.get("control_url"))
 
     def delta(self, before: "_Snapshot") -> dict:
         d = lambda k: int(self.stats.get(k, 0)) - int(before.stats.get(k, 0))  # noqa: E731
+        cpu_s, unaccounted_s = tree_cpu_delta_s(before.ticks, self.ticks)
         return {
-            "cpu_s": self.cpu - before.cpu,
+            "cpu_s": cpu_s,
+            "cpu_unaccounted_s": unaccounted_s,
             "origin_cpu_s": self.origin_cpu - before.origin_cpu,
             "origin_bytes": d("bytes_served"),
             "origin_requests": d("requests"),
@@ -148,8 +184,8 @@ def describe(cfg: dict, about: dict | None, obj=None) -> dict:
 def read_epochs(cfg: dict, build, epoch, about: dict | None = None) -> None:
     """Build the loader, then measure ``cfg['epochs']`` epochs, printing a JSON line for the
     set-up (with the peer's :func:`describe`) and one per epoch (samples, seconds, samples_per_s,
-    stall_fraction, first_batch_s, cpu_s, cpu_s_per_1000, origin_bytes, origin_requests,
-    origin_cpu_s)."""
+    stall_fraction, first_batch_s, cpu_s, cpu_unaccounted_s, cpu_s_per_1000, origin_bytes,
+    origin_requests, origin_cpu_s)."""
     measure = _load_measure()
     s0 = _Snapshot(cfg)
     obj = build(cfg)
