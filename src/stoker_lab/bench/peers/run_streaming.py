@@ -33,6 +33,7 @@ def convert(src, out, cfg):
 def build(cfg):
     os.environ["S3_ENDPOINT_URL"] = cfg["storage_options"]["endpoint_url"]
     from streaming import StreamingDataLoader, StreamingDataset
+    from streaming.base.storage import CloudDownloader
     from streaming.base.util import clean_stale_shared_memory
     from torchvision.transforms import v2
 
@@ -47,6 +48,15 @@ def build(cfg):
     ds = Images(
         remote=cfg["url"], local=cfg["cache_dir"], shuffle=True, shuffle_seed=cfg["seed"], batch_size=cfg["batch_size"]
     )
+    # A known bug taken out. The dataset downloaded its index.json here, with the S3 client each
+    # Stream keeps, and the DataLoader then forks its workers: they share that client's pooled
+    # keep-alive connection, so two workers' ranged GETs interleave on one socket. One worker
+    # waits out botocore's 60 s read timeout for a reply the other took (cold epochs of 68-85 s
+    # instead of 14 s, a first batch at 61 s, 8 MiB fetched twice), or takes bytes of another
+    # shard's part as its own (PIL.UnidentifiedImageError). The same failure as any boto3 client
+    # used across fork. Each stream gets a downloader with no client yet: each worker makes its own.
+    for stream in ds.streams:
+        stream._downloader = CloudDownloader.get(stream.remote)
     return StreamingDataLoader(ds, batch_size=cfg["batch_size"], num_workers=cfg["workers"])
 
 
