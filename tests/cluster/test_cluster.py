@@ -176,13 +176,17 @@ def _read_and_kill(ctx, victim: str, pid_before: int, epochs: int = 2):
 def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_dataset, tmp_path_factory):
     from functools import partial
 
-    from stoker.cluster import run
+    from stoker.cluster import run, warm
     from stoker.cluster.service.cache_service import find_services
     from stoker.store.dataset import open_dataset
 
     url, opts = s3_dataset
     n = len(open_dataset(url, storage_options=opts, cache=False))
     victim = _node_ids()[1]
+    cache_dir = str(tmp_path_factory.mktemp("cache"))
+    # every node's blocks cached first (run after the other tests, they are already): a read of the
+    # victim's blocks after the kill then falls back, where a cold one reads the origin anyway
+    warm(url, opts, cache_dir=cache_dir, cache_bytes=64 << 20, block_bytes=BLOCK, progress=False)
     pid_before = find_services()[victim]["pid"]
     res = run(
         partial(_read_and_kill, victim=victim, pid_before=pid_before),
@@ -190,7 +194,7 @@ def test_cache_service_killed_mid_epoch_falls_back_and_rejoins(cluster, s3_datas
         3,
         {"CPU": 0.5},
         storage_options=opts,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=cache_dir,
         cache_bytes=64 << 20,
         block_bytes=BLOCK,
         cluster=ClusterOptions(placement="random", seed=3, job="kill", retry_s=0.2, timeout_s=180),
