@@ -63,9 +63,42 @@ def exit_with_parent() -> None:
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
 
 
-def parent_gone(parent_pid: int) -> bool:
-    """True once the process that started us has exited (we were re-parented)."""
-    return os.getppid() != parent_pid
+def _start_ticks(pid: int) -> int | None:
+    """When live process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat`` field
+    22), or None: no such process, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def parent_identity() -> tuple[int, int | None]:
+    """The process this multiprocessing child serves, as :func:`parent_gone` watches it:
+    ``(pid, start time)`` of the process that started it (``multiprocessing.parent_process()``:
+    the training process under every start method), the start time telling a reused pid apart.
+
+    Not the OS parent: under ``forkserver`` that is the fork server, which lives on while any of
+    its children does (each keeps a copy of the server's "alive" pipe, as CPython's
+    multiprocessing/forkserver.py hands it), so a worker that watched it outlived a training
+    process ended by SIGTERM or SIGKILL, and kept the fork server alive in turn.
+    """
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    pid = parent.pid if parent is not None and parent.pid else os.getppid()
+    return pid, _start_ticks(pid)
+
+
+def parent_gone(parent: tuple[int, int | None]) -> bool:
+    """True once the process of :func:`parent_identity` has exited (a zombie counts as exited;
+    a new process under its pid is not it). Without /proc: whether the pid is gone."""
+    pid, start = parent
+    if not os.path.isdir("/proc"):
+        return not pid_alive(pid)
+    now = _start_ticks(pid)
+    return now is None or now != start
 
 
 #: Name prefixes of threads (Linux ``/proc/self/task/*/comm``, at most 15 characters) that belong to

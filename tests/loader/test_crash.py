@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from stoker import Loader, RunOptions, open_dataset
 from stoker.loader.shm import SHM_DIR
 
@@ -85,9 +87,9 @@ def test_two_concurrent_jobs_read_each_block_once(packed_local, tmp_path):
 
 ORPHAN = """
 import sys, time
-from stoker import Loader, open_dataset
+from stoker import Loader, RunOptions, open_dataset
 ds = open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_bytes=64 << 20)
-loader = Loader(ds, 8, num_workers=2, transform="eval")
+loader = Loader(ds, 8, num_workers=2, transform="eval", run=RunOptions(start_method=sys.argv[3]))
 it = iter(loader)
 next(it)
 print(" ".join(str(pid) for pid in loader.processes.pids()), flush=True)
@@ -101,15 +103,34 @@ def _alive(pid):
     return pid_alive(pid)
 
 
-def test_workers_exit_when_the_training_process_is_killed(packed_local, tmp_path):
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize(
+    "method, sig", [("fork", signal.SIGKILL), ("forkserver", signal.SIGKILL), ("forkserver", signal.SIGTERM)]
+)
+def test_workers_exit_when_the_training_process_is_killed(packed_local, tmp_path, method, sig):
+    """Only the training process is killed. Under forkserver the workers' OS parent is the fork
+    server, which lives while they do: they watched it, and all of them (and the fork server)
+    were left running, idle, holding their memory and cache files."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", ORPHAN, packed_local, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", ORPHAN, packed_local, str(tmp_path), method], stdout=subprocess.PIPE, text=True
     )
-    children = [int(p) for p in proc.stdout.readline().split()]
-    assert len(children) == 3 and all(_alive(p) for p in children)
-    proc.send_signal(signal.SIGKILL)  # only the training process
-    proc.wait(10)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in children):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in children)
+    try:
+        children = [int(p) for p in proc.stdout.readline().split()]
+        assert len(children) == 3 and all(_alive(p) for p in children)
+        parents = {_ppid(p) for p in children} - {proc.pid}  # the fork server, under forkserver
+        assert len(parents) == (1 if method == "forkserver" else 0)
+        proc.send_signal(sig)  # only the training process
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in children + list(parents)):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in children), [p for p in children if _alive(p)]
+        assert not any(_alive(p) for p in parents)  # the fork server ends with its last child
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -31,7 +31,6 @@ timer only while something waits on it: ``prefetch_bytes`` or the staging budget
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._procs import exit_with_parent, parent_gone
+from ..._procs import exit_with_parent, parent_gone, parent_identity
 from . import inflight as infl
 from .fills import FillThreads
 from .loop import CMD, PrefetchLoop
@@ -52,7 +51,9 @@ log = logging.getLogger(__name__)
 #                   requests in flight, the busy clock, the origin retries and the per-plan
 #                   ledger (:mod:`.inflight`)
 N_COUNTERS = infl.N_SHARED
-#: kills this process with its parent where it has ``PR_SET_PDEATHSIG``; this is the fallback).
+#: seconds between looks at whether the training process is gone (the kernel kills this process
+#: with its OS parent where it has ``PR_SET_PDEATHSIG``; under forkserver that parent is the fork
+#: server, and these looks are what end it)
 PARENT_POLL_S = 0.25
 
 
@@ -71,11 +72,12 @@ def block_schedule(ds, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     return uniq[order].astype(np.int64), first[order].astype(np.int64), last[order].astype(np.int64)
 
 
-def read_commands(commands, events: queue.SimpleQueue, parent: int) -> None:
+def read_commands(commands, events: queue.SimpleQueue, parent: tuple[int, int | None]) -> None:
     """Thread: blocks on the command queue and posts each command to ``events`` as ``(CMD, cmd)``.
-    Posts ``(CMD, None)`` (stop) after a stop command, when the parent process is gone (looked at
-    every :data:`PARENT_POLL_S` while no command comes; ``PR_SET_PDEATHSIG`` kills the process at
-    once where the kernel has it) or when the queue breaks."""
+    Posts ``(CMD, None)`` (stop) after a stop command, when the training process is gone
+    (``parent``: :func:`stoker._procs.parent_identity`, looked at every :data:`PARENT_POLL_S`
+    while no command comes; ``PR_SET_PDEATHSIG`` kills the process at once where the kernel has
+    it and the training process is its OS parent, as with fork and spawn) or when the queue breaks."""
     try:
         while True:
             try:
@@ -129,7 +131,7 @@ def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = Fals
     from ..workers.worker import fresh_copy
 
     ignore_in_child()
-    parent = os.getppid()
+    parent = parent_identity()  # the training process (under forkserver not the OS parent)
     exit_with_parent()
     if isinstance(ds, SharedPickle):
         ds = ds.load()
@@ -158,7 +160,7 @@ def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = Fals
             ds.reader.staging.clear()
 
 
-def _serve(loop: PrefetchLoop, events: queue.SimpleQueue, parent: int) -> None:
+def _serve(loop: PrefetchLoop, events: queue.SimpleQueue, parent: tuple[int, int | None]) -> None:
     """Wake ``loop`` with what is on ``events`` each time (waiting at most its timeout) until it
     says stop or the parent process is gone."""
     timeout = None

@@ -15,7 +15,6 @@ where the batch is (in the slot, with its layout, or pickled in the reply itself
 from __future__ import annotations
 
 import contextlib
-import os
 import traceback
 from time import thread_time_ns
 from typing import TYPE_CHECKING
@@ -317,9 +316,9 @@ def worker_main(wid: int, ds, cfg, tasks, results, current, stop, ready=None) ->
     import pickle
     import queue as _queue
 
-    from ..._procs import exit_with_parent, parent_gone
+    from ..._procs import exit_with_parent, parent_gone, parent_identity
 
-    parent = os.getppid()
+    parent = parent_identity()  # the training process (under forkserver not the OS parent)
     exit_with_parent()
     try:
         if isinstance(cfg, bytes):
