@@ -128,8 +128,9 @@ def test_bad_keys_values_and_duplicates_are_refused_naming_the_key(tmp_path):
             w.write({"__key__": 7, "bin": b"2"})
         with pytest.raises(SourceError, match="no '__key__'"):
             w.write({"bin": b"2"})
-        with pytest.raises(SourceError, match="'x.y'"):
+        with pytest.raises(SourceError, match="'x.y'") as e:
             w.write({"__key__": "x.y", "bin": b"2"})
+        assert str(e.value).startswith(w.url), e.value  # names the dataset too
         for bad in (None, True, (1, 2), np.array([object()], dtype=object)):
             with pytest.raises(TypeError, match="sample 'b' field 'bin'") as e:
                 w.write({"__key__": "b", "bin": bad})

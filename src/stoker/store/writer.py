@@ -159,6 +159,8 @@ class Writer:
             key, members, kinds = encode_sample(sample)
         except TypeError as exc:
             raise TypeError(f"{self.url}: {exc}") from None
+        except SourceError as exc:  # a malformed key or field name
+            raise SourceError(f"{self.url}: {exc}") from None
         digest = self._seen.digest(key)
         if any(self._key_at(j) == key for j in self._seen.earlier(digest)):  # usually no candidate
             raise SourceError(f"{self.url}: duplicate key {key!r}: every sample needs its own key")
