@@ -1,5 +1,6 @@
 """A loader killed with SIGKILL leaves nothing that blocks (or leaks into) the next run; jobs share one cache."""
 
+import contextlib
 import glob
 import os
 import signal
@@ -118,6 +119,8 @@ def test_workers_exit_when_the_training_process_is_killed(packed_local, tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-c", ORPHAN, packed_local, str(tmp_path), method], stdout=subprocess.PIPE, text=True
     )
+    children: list[int] = []
+    parents: set[int] = set()
     try:
         children = [int(p) for p in proc.stdout.readline().split()]
         assert len(children) == 3 and all(_alive(p) for p in children)
@@ -130,7 +133,10 @@ def test_workers_exit_when_the_training_process_is_killed(packed_local, tmp_path
             time.sleep(0.1)
         assert not any(_alive(p) for p in children), [p for p in children if _alive(p)]
         assert not any(_alive(p) for p in parents)  # the fork server ends with its last child
-    finally:
+    finally:  # nothing of a failed run left running (what the bug left: the workers and the fork server)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in [*children, *parents]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
