@@ -277,8 +277,9 @@ FOREIGN_PRIVATE = {
 }
 #: Objects of other projects whose privates the lab reaches (moto's key buffer, LitData's
 #: obstore options, a tokenizers wrapper, DLIO's per-epoch method that bytes_only wraps to time
-#: DLIO's epochs from outside), never stoker's own.
-_LAB_FOREIGN_OBJECTS = {"key", "downloader", "tok", "dlio"}
+#: DLIO's epochs from outside, Mosaic Streaming's per-stream downloader made again before its
+#: workers fork), never stoker's own.
+_LAB_FOREIGN_OBJECTS = {"key", "downloader", "tok", "dlio", "mosaic_stream"}
 #: Documented names that merely start with an underscore.
 PUBLIC_UNDERSCORE = {"_exit", "_make", "_asdict", "_replace", "_fields"}
 

@@ -80,8 +80,8 @@ def parent_identity() -> tuple[int, int | None]:
     the training process under every start method), the start time telling a reused pid apart.
 
     Not the OS parent: under ``forkserver`` that is the fork server, which lives on while any of
-    its children does (each keeps a copy of the server's "alive" pipe, as CPython's
-    multiprocessing/forkserver.py hands it), so a worker that watched it outlived a training
+    its children does (each keeps a copy of the server's "alive" pipe, as CPython's forkserver
+    module hands it to them), so a worker that watched it outlived a training
     process ended by SIGTERM or SIGKILL, and kept the fork server alive in turn.
     """
     import multiprocessing

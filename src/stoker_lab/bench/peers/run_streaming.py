@@ -55,8 +55,8 @@ def build(cfg):
     # instead of 14 s, a first batch at 61 s, 8 MiB fetched twice), or takes bytes of another
     # shard's part as its own (PIL.UnidentifiedImageError). The same failure as any boto3 client
     # used across fork. Each stream gets a downloader with no client yet: each worker makes its own.
-    for stream in ds.streams:
-        stream._downloader = CloudDownloader.get(stream.remote)
+    for mosaic_stream in ds.streams:
+        mosaic_stream._downloader = CloudDownloader.get(mosaic_stream.remote)
     return StreamingDataLoader(ds, batch_size=cfg["batch_size"], num_workers=cfg["workers"])
 
 
