@@ -59,7 +59,8 @@ def test_integer_nulls_take_the_given_value_and_other_types_are_refused():
 
 
 def test_opening_and_reading_a_dataset_imports_no_pandas(packed_local, tmp_path):
-    """In the training process and in spawned workers (each would carry about 30 MB more)."""
+    """In the training process and in spawned workers (each would carry about 30 MB more), also
+    for a dataset whose samples have several fields."""
     pytest.importorskip("pandas")  # nothing to show where it is not installed
     script = textwrap.dedent(
         """
@@ -77,13 +78,20 @@ def test_opening_and_reading_a_dataset_imports_no_pandas(packed_local, tmp_path)
                 with Loader(ds, 8, num_workers=workers, decode=probe, run=RunOptions(start_method="spawn")) as ld:
                     seen += [int(np.asarray(b).sum()) for b in ld]
             assert len(ds.subset([ds.key(3), ds.key(5)])) == 2  # lookups by key
+            several = open_dataset(sys.argv[3], cache=False)  # samples of several fields (members)
+            assert several.read_fields(3) == {"bin": b"xxx", "json": b'{"a": 3}', "cls": b"1"}
             print(int("pandas" in sys.modules), sum(seen), len(seen))
         """
     )
+    from stoker import Writer
+
+    with Writer(str(tmp_path / "several")) as w:
+        for i in range(10):
+            w.write({"__key__": f"k{i}", "bin": b"x" * i, "json": {"a": i}, "cls": i % 2})
     path = tmp_path / "probe.py"
     path.write_text(script)
     done = subprocess.run(
-        [sys.executable, str(path), packed_local, str(tmp_path / "cache")],
+        [sys.executable, str(path), packed_local, str(tmp_path / "cache"), str(tmp_path / "several")],
         capture_output=True,
         text=True,
         timeout=180,

@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import IndexFormatError  # noqa: F401 - re-exported
-from .arrownp import to_numpy
+from .arrownp import from_strings, to_numpy
 
 IndexError_ = IndexFormatError  # the old name, kept importable
 
@@ -373,7 +373,7 @@ def _read_fields(table: pa.Table, n: int) -> tuple[np.ndarray, list[str], Member
         if s not in lookup:
             lookup[s] = len(names)
             names.append(s)
-    name_codes = pc.index_in(fnames, value_set=pa.array(names, type=pa.string()))
+    name_codes = pc.index_in(fnames, value_set=from_strings(names))
     members = Members(
         start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         name=to_numpy(name_codes).astype(np.int32),
