@@ -12,6 +12,16 @@ from collections.abc import Iterator
 from .errors import ForkUnsafeError, WorkerStartError  # noqa: F401 - ForkUnsafeError re-exported
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (index 0: the state, field 3 of
+    proc(5); so field ``k`` is at ``k - 3``), or None: no such process, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """True if process ``pid`` exists and is not a zombie (a killed process whose parent has not
     reaped it yet still answers ``kill(pid, 0)``). A pid we may not signal counts as alive."""
@@ -23,12 +33,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    fields = stat_fields(pid)
+    return fields is None or fields[0] not in ("Z", "X")
 
 
 def left_by_dead(directory: str, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
@@ -66,12 +72,8 @@ def exit_with_parent() -> None:
 def _start_ticks(pid: int) -> int | None:
     """When live process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat`` field
     22), or None: no such process, or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def parent_identity() -> tuple[int, int | None]:

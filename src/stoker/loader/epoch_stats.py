@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .._procs import stat_fields
+
 log = logging.getLogger(__name__)
 
 
@@ -283,9 +285,8 @@ def process_cpu_s(pid: int | None) -> float:
     """User+system CPU seconds of a process (None = this one); 0.0 where /proc is missing."""
     if pid is None:
         return time.process_time()
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+    except (IndexError, ValueError):
         return 0.0

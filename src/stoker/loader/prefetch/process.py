@@ -148,7 +148,7 @@ def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = Fals
         with ready.get_lock():
             ready.value += 1
     try:
-        _serve(PrefetchLoop(ds, shared, pool, read, adopt), events, parent)
+        _serve(PrefetchLoop(ds, shared, pool, read, adopt), events)
     finally:
         # Queued fills are dropped; fills waiting to retry give up at once (cancel); fills in flight
         # finish (each is one ranged GET, bounded by the request timeout). The loader kills this
@@ -160,17 +160,17 @@ def prefetch_main(ds, commands, shared: PrefetchShared, read, adopt: bool = Fals
             ds.reader.staging.clear()
 
 
-def _serve(loop: PrefetchLoop, events: queue.SimpleQueue, parent: tuple[int, int | None]) -> None:
+def _serve(loop: PrefetchLoop, events: queue.SimpleQueue) -> None:
     """Wake ``loop`` with what is on ``events`` each time (waiting at most its timeout) until it
-    says stop or the parent process is gone."""
+    says stop: after a stop command, or the stop :func:`read_commands` posts once the training
+    process is gone (that thread alone watches it, every :data:`PARENT_POLL_S`; the loop's own
+    timers, down to 10 ms while it waits on the consumer, do not look again)."""
     timeout = None
     while True:
         try:
             batch = [events.get(timeout=timeout)]
         except queue.Empty:
             batch = []
-            if parent_gone(parent):
-                return
         while not events.empty():  # one consumer: what is there now is taken without waiting
             batch.append(events.get())
         if not loop.wake(batch):

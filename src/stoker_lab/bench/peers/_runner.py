@@ -102,7 +102,7 @@ def tree_cpu_delta_s(before: dict, after: dict) -> tuple[float, float]:
     used after ``before`` is not known).
     """
     total = lambda ticks: sum(own + reaped for own, reaped in ticks.values())  # noqa: E731
-    gone = sum(own + reaped for k, (own, reaped) in before.items() if k not in after)
+    gone = total({k: v for k, v in before.items() if k not in after})
     reaped_since = sum(after[k][1] - before[k][1] for k in before.keys() & after.keys())
     lost = max(0, gone - reaped_since)  # ticks of ended processes nobody in the tree reaped
     return (total(after) - total(before) + lost) / _TICK, lost / _TICK
